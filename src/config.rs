@@ -1,0 +1,708 @@
+//! The plugin configuration: parsed once in `on_configure`, validated into an immutable form.
+//!
+//! Every error names the field (as a path such as `routes[1].scope.headers`) and the reason;
+//! the filter refuses the configuration with that sentence, so Envoy refuses to start (or NACKs
+//! the update) with it in its log. Unknown fields are errors, never ignored.
+
+use std::fmt;
+
+use serde_json::{Map, Value};
+
+/// The whole plugin configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// The policy used when `routes` is absent.
+    pub default_policy: Policy,
+    /// When not empty, only paths matching one of these prefixes are protected (first match wins).
+    pub routes: Vec<Route>,
+    /// The external store (`None`: local tier only).
+    pub store: Option<StoreConfig>,
+    pub local: LocalConfig,
+}
+
+/// A route: a path prefix and its effective policy (the top-level fields with its overrides).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Route {
+    pub prefix: String,
+    pub policy: Policy,
+}
+
+/// Everything that decides how one protected request is handled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    /// Lowercase header name carrying the key.
+    pub header: String,
+    /// Uppercase methods that are protected.
+    pub methods: Vec<String>,
+    pub require_key: bool,
+    pub namespace: String,
+    pub key_max_length: usize,
+    pub ttl_seconds: u64,
+    pub lock_ttl_seconds: u64,
+    pub unknown_outcome_seconds: u64,
+    pub max_request_body_bytes: u64,
+    pub max_response_body_bytes: u64,
+    pub fingerprint: FingerprintConfig,
+    pub scope: ScopeConfig,
+    pub release_on_status: Vec<u16>,
+    pub log_headers: Vec<String>,
+    /// Response headers never stored nor replayed (lowercase); `set-cookie` by default.
+    pub replay_exclude_headers: Vec<String>,
+    pub stale_lock: StaleLock,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FingerprintConfig {
+    pub headers: Vec<String>,
+    pub include_query: bool,
+    pub json: JsonMode,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JsonMode {
+    Raw,
+    Canonical,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScopeConfig {
+    pub headers: Vec<String>,
+    pub global: bool,
+    pub include_authority: bool,
+}
+
+/// What happens to a lock older than `lock_ttl_seconds` whose request was forwarded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StaleLock {
+    /// Default: its outcome is unknown; retries get a 409 outcome-unknown. At most once.
+    Reject,
+    /// Opt-in: a retry may execute again. At least once: only for upstreams that deduplicate on
+    /// the forwarded key themselves.
+    Takeover,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreConfig {
+    pub cluster: String,
+    pub authority: String,
+    pub timeout_ms: u64,
+    pub on_unavailable: OnUnavailable,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnUnavailable {
+    /// Default: 503 with `retry-after`, nothing forwarded.
+    Reject,
+    /// Forward unprotected, counted and logged.
+    Pass,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalConfig {
+    pub max_entries: u64,
+    pub max_bytes: u64,
+    pub when_full: WhenFull,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WhenFull {
+    /// Default: answer 503 rather than forget an unexpired record (which could let a retry
+    /// execute a second time).
+    Reject,
+    /// Evict the oldest record; protection for it ends early.
+    EvictOldest,
+}
+
+/// A configuration error: the field's path and why it was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "idemgate configuration refused: {}", self.reason)
+        } else {
+            write!(f, "idemgate configuration refused: field `{}`: {}", self.field, self.reason)
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Default for Policy {
+    fn default() -> Policy {
+        Policy {
+            header: "idempotency-key".into(),
+            methods: vec!["POST".into(), "PATCH".into()],
+            require_key: false,
+            namespace: "idemgate".into(),
+            key_max_length: 255,
+            ttl_seconds: 86_400,
+            lock_ttl_seconds: 60,
+            unknown_outcome_seconds: 86_400,
+            max_request_body_bytes: 1_048_576,
+            max_response_body_bytes: 1_048_576,
+            fingerprint: FingerprintConfig { headers: vec![], include_query: true, json: JsonMode::Raw },
+            scope: ScopeConfig { headers: vec![], global: false, include_authority: true },
+            release_on_status: vec![429],
+            log_headers: vec![],
+            replay_exclude_headers: vec!["set-cookie".into()],
+            stale_lock: StaleLock::Reject,
+        }
+    }
+}
+
+impl Default for LocalConfig {
+    fn default() -> LocalConfig {
+        LocalConfig { max_entries: 10_000, max_bytes: 64 * 1024 * 1024, when_full: WhenFull::Reject }
+    }
+}
+
+/// Limits that keep a configuration sane (documented in README).
+pub const MAX_KEY_LENGTH: u64 = 4096;
+pub const MAX_TTL_SECONDS: u64 = 366 * 86_400;
+pub const MAX_BODY_BYTES: u64 = 64 * 1024 * 1024;
+pub const MAX_STORE_TIMEOUT_MS: u64 = 60_000;
+
+const POLICY_FIELDS: &[&str] = &[
+    "header",
+    "methods",
+    "require_key",
+    "namespace",
+    "key_max_length",
+    "ttl_seconds",
+    "lock_ttl_seconds",
+    "unknown_outcome_seconds",
+    "max_request_body_bytes",
+    "max_response_body_bytes",
+    "fingerprint",
+    "scope",
+    "release_on_status",
+    "log_headers",
+    "replay_exclude_headers",
+    "stale_lock",
+];
+const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local"];
+
+impl Config {
+    /// Parses and validates the plugin configuration (a JSON object; empty means `{}`).
+    pub fn parse(text: &[u8]) -> Result<Config, ConfigError> {
+        let trimmed = text.trim_ascii();
+        let value: Value = if trimmed.is_empty() {
+            Value::Object(Map::new())
+        } else {
+            serde_json::from_slice(trimmed).map_err(|e| err("", format!("not valid JSON: {e}")))?
+        };
+        let top = as_object(&value, "")?;
+
+        let mut default_policy = Policy::default();
+        apply_policy_fields(top, "", &mut default_policy, TOP_ONLY_FIELDS)?;
+
+        let store = match top.get("store") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(parse_store(v)?),
+        };
+        let local = match top.get("local") {
+            None | Some(Value::Null) => LocalConfig::default(),
+            Some(v) => parse_local(v)?,
+        };
+        let routes = match top.get("routes") {
+            None | Some(Value::Null) => vec![],
+            Some(v) => parse_routes(v, &default_policy)?,
+        };
+        if routes.is_empty() {
+            if let Some(Value::Array(_)) = top.get("routes") {
+                return Err(err("routes", "an empty list would protect nothing; remove the field to protect every path"));
+            }
+            validate_policy(&default_policy, "")?;
+        }
+        Ok(Config { default_policy, routes, store, local })
+    }
+
+    /// The policy protecting a request, if any: the first route whose prefix matches the path
+    /// (query excluded) when routes are configured, and only for the policy's methods.
+    pub fn policy_for(&self, method: &str, path: &str) -> Option<&Policy> {
+        let path = path.split_once('?').map_or(path, |(p, _)| p);
+        let policy = if self.routes.is_empty() {
+            &self.default_policy
+        } else {
+            &self.routes.iter().find(|r| path.starts_with(&r.prefix))?.policy
+        };
+        policy.methods.iter().any(|m| m == method).then_some(policy)
+    }
+
+    /// Every policy in force (for defining per-policy resources once at configure time).
+    pub fn policies(&self) -> Vec<&Policy> {
+        if self.routes.is_empty() {
+            vec![&self.default_policy]
+        } else {
+            self.routes.iter().map(|r| &r.policy).collect()
+        }
+    }
+}
+
+fn err(field: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError { field: field.to_string(), reason: reason.into() }
+}
+
+fn join(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+fn describe(v: &Value) -> String {
+    let text = v.to_string();
+    if text.len() > 40 {
+        format!("{}...", text.chars().take(40).collect::<String>())
+    } else {
+        text
+    }
+}
+
+fn as_object<'a>(v: &'a Value, field: &str) -> Result<&'a Map<String, Value>, ConfigError> {
+    v.as_object().ok_or_else(|| err(field, format!("expected an object, got {}", describe(v))))
+}
+
+fn as_bool(v: &Value, field: &str) -> Result<bool, ConfigError> {
+    v.as_bool().ok_or_else(|| err(field, format!("expected true or false, got {}", describe(v))))
+}
+
+fn as_str<'a>(v: &'a Value, field: &str) -> Result<&'a str, ConfigError> {
+    v.as_str().ok_or_else(|| err(field, format!("expected a string, got {}", describe(v))))
+}
+
+fn as_uint(v: &Value, field: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
+    match v.as_u64() {
+        Some(n) if (min..=max).contains(&n) => Ok(n),
+        _ => Err(err(field, format!("expected a whole number from {min} to {max}, got {}", describe(v)))),
+    }
+}
+
+fn as_list<'a>(v: &'a Value, field: &str) -> Result<&'a Vec<Value>, ConfigError> {
+    v.as_array().ok_or_else(|| err(field, format!("expected a list, got {}", describe(v))))
+}
+
+fn as_choice<T: Copy>(v: &Value, field: &str, choices: &[(&str, T)]) -> Result<T, ConfigError> {
+    let s = as_str(v, field)?;
+    choices.iter().find(|(name, _)| *name == s).map(|(_, t)| *t).ok_or_else(|| {
+        let names: Vec<String> = choices.iter().map(|(n, _)| format!("\"{n}\"")).collect();
+        err(field, format!("expected one of {}, got \"{s}\"", names.join(", ")))
+    })
+}
+
+fn is_token(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(crate::key::is_tchar)
+}
+
+/// A header name: an RFC 9110 token, stored lowercase. Pseudo headers are refused.
+fn header_name(v: &Value, field: &str) -> Result<String, ConfigError> {
+    let s = as_str(v, field)?;
+    if !is_token(s) {
+        return Err(err(field, format!("\"{s}\" is not a valid header name")));
+    }
+    Ok(s.to_ascii_lowercase())
+}
+
+fn header_list(v: &Value, field: &str) -> Result<Vec<String>, ConfigError> {
+    let mut out: Vec<String> = vec![];
+    for (i, item) in as_list(v, field)?.iter().enumerate() {
+        let name = header_name(item, &format!("{field}[{i}]"))?;
+        if out.contains(&name) {
+            return Err(err(&format!("{field}[{i}]"), format!("\"{name}\" is listed twice")));
+        }
+        out.push(name);
+    }
+    Ok(out)
+}
+
+fn check_unknown(map: &Map<String, Value>, prefix: &str, known: &[&[&str]]) -> Result<(), ConfigError> {
+    for name in map.keys() {
+        if !known.iter().any(|set| set.contains(&name.as_str())) {
+            let all: Vec<&str> = known.iter().flat_map(|s| s.iter().copied()).collect();
+            return Err(err(&join(prefix, name), format!("unknown field; expected one of: {}", all.join(", "))));
+        }
+    }
+    Ok(())
+}
+
+/// Applies the policy fields present in `map` onto `p` (so a route inherits what it leaves out).
+fn apply_policy_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy, also: &[&str]) -> Result<(), ConfigError> {
+    check_unknown(map, prefix, &[POLICY_FIELDS, also])?;
+    for (name, v) in map {
+        let f = join(prefix, name);
+        match name.as_str() {
+            "header" => p.header = header_name(v, &f)?,
+            "methods" => {
+                let mut methods = vec![];
+                for (i, m) in as_list(v, &f)?.iter().enumerate() {
+                    let fi = format!("{f}[{i}]");
+                    let s = as_str(m, &fi)?;
+                    if !is_token(s) {
+                        return Err(err(&fi, format!("\"{s}\" is not a valid HTTP method")));
+                    }
+                    methods.push(s.to_ascii_uppercase());
+                }
+                if methods.is_empty() {
+                    return Err(err(&f, "an empty list would protect nothing"));
+                }
+                p.methods = methods;
+            }
+            "require_key" => p.require_key = as_bool(v, &f)?,
+            "namespace" => {
+                let s = as_str(v, &f)?;
+                if s.is_empty() || s.len() > 128 || !s.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+                    return Err(err(&f, "expected 1 to 128 visible ASCII characters"));
+                }
+                p.namespace = s.to_string();
+            }
+            "key_max_length" => p.key_max_length = usize::try_from(as_uint(v, &f, 1, MAX_KEY_LENGTH)?).unwrap_or(255),
+            "ttl_seconds" => p.ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
+            "lock_ttl_seconds" => p.lock_ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
+            "unknown_outcome_seconds" => p.unknown_outcome_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
+            "max_request_body_bytes" => p.max_request_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
+            "max_response_body_bytes" => p.max_response_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
+            "fingerprint" => {
+                let m = as_object(v, &f)?;
+                check_unknown(m, &f, &[&["headers", "include_query", "json"]])?;
+                for (n, v) in m {
+                    let fi = join(&f, n);
+                    match n.as_str() {
+                        "headers" => p.fingerprint.headers = header_list(v, &fi)?,
+                        "include_query" => p.fingerprint.include_query = as_bool(v, &fi)?,
+                        _ => {
+                            p.fingerprint.json = as_choice(v, &fi, &[("raw", JsonMode::Raw), ("canonical", JsonMode::Canonical)])?
+                        }
+                    }
+                }
+            }
+            "scope" => {
+                let m = as_object(v, &f)?;
+                check_unknown(m, &f, &[&["headers", "global", "include_authority"]])?;
+                for (n, v) in m {
+                    let fi = join(&f, n);
+                    match n.as_str() {
+                        "headers" => p.scope.headers = header_list(v, &fi)?,
+                        "global" => p.scope.global = as_bool(v, &fi)?,
+                        _ => p.scope.include_authority = as_bool(v, &fi)?,
+                    }
+                }
+            }
+            "release_on_status" => {
+                let mut codes = vec![];
+                for (i, c) in as_list(v, &f)?.iter().enumerate() {
+                    let fi = format!("{f}[{i}]");
+                    let code = as_uint(c, &fi, 400, 599).map_err(|_| {
+                        err(&fi, format!("expected an error status from 400 to 599 (releasing a success would allow a second execution), got {}", describe(c)))
+                    })?;
+                    codes.push(u16::try_from(code).unwrap_or(0));
+                }
+                p.release_on_status = codes;
+            }
+            "log_headers" => p.log_headers = header_list(v, &f)?,
+            "replay_exclude_headers" => p.replay_exclude_headers = header_list(v, &f)?,
+            "stale_lock" => p.stale_lock = as_choice(v, &f, &[("reject", StaleLock::Reject), ("takeover", StaleLock::Takeover)])?,
+            _ => {} // top-only fields, handled by the caller
+        }
+    }
+    Ok(())
+}
+
+fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
+    if p.scope.headers.is_empty() && !p.scope.global {
+        return Err(err(
+            &join(prefix, "scope.headers"),
+            "empty: name the headers that identify the caller (for example [\"authorization\"], or a header your auth filter sets), \
+             or set scope.global: true if keys are deliberately shared by all callers (a guessed key would then replay another caller's response)",
+        ));
+    }
+    if !p.scope.headers.is_empty() && p.scope.global {
+        return Err(err(&join(prefix, "scope.global"), "true cannot be combined with scope.headers; choose one"));
+    }
+    if p.lock_ttl_seconds > p.ttl_seconds {
+        return Err(err(
+            &join(prefix, "lock_ttl_seconds"),
+            format!("{} exceeds ttl_seconds ({}): a record must outlive its lock", p.lock_ttl_seconds, p.ttl_seconds),
+        ));
+    }
+    if p.scope.headers.contains(&p.header) {
+        return Err(err(&join(prefix, "scope.headers"), format!("\"{}\" is the key header itself", p.header)));
+    }
+    Ok(())
+}
+
+fn parse_routes(v: &Value, base: &Policy) -> Result<Vec<Route>, ConfigError> {
+    let mut routes = vec![];
+    for (i, item) in as_list(v, "routes")?.iter().enumerate() {
+        let f = format!("routes[{i}]");
+        let m = as_object(item, &f)?;
+        for top in TOP_ONLY_FIELDS {
+            if m.contains_key(*top) {
+                return Err(err(&join(&f, top), "can only be set at the top level, not in a route"));
+            }
+        }
+        let prefix = match m.get("prefix") {
+            Some(p) => as_str(p, &join(&f, "prefix"))?,
+            None => return Err(err(&join(&f, "prefix"), "missing: every route needs a path prefix such as \"/payments\"")),
+        };
+        if !prefix.starts_with('/') {
+            return Err(err(&join(&f, "prefix"), format!("\"{prefix}\" must start with \"/\"")));
+        }
+        let mut policy = base.clone();
+        apply_policy_fields(m, &f, &mut policy, &["prefix"])?;
+        validate_policy(&policy, &f)?;
+        routes.push(Route { prefix: prefix.to_string(), policy });
+    }
+    Ok(routes)
+}
+
+fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
+    let m = as_object(v, "store")?;
+    check_unknown(m, "store", &[&["cluster", "authority", "timeout_ms", "on_unavailable"]])?;
+    let cluster = match m.get("cluster") {
+        Some(c) => as_str(c, "store.cluster")?.to_string(),
+        None => return Err(err("store.cluster", "missing: name the Envoy cluster that reaches the store")),
+    };
+    if cluster.is_empty() {
+        return Err(err("store.cluster", "must not be empty"));
+    }
+    let authority = match m.get("authority") {
+        Some(a) => as_str(a, "store.authority")?.to_string(),
+        None => cluster.clone(),
+    };
+    let timeout_ms = match m.get("timeout_ms") {
+        Some(t) => as_uint(t, "store.timeout_ms", 1, MAX_STORE_TIMEOUT_MS)?,
+        None => 250,
+    };
+    let on_unavailable = match m.get("on_unavailable") {
+        Some(o) => as_choice(o, "store.on_unavailable", &[("reject", OnUnavailable::Reject), ("pass", OnUnavailable::Pass)])?,
+        None => OnUnavailable::Reject,
+    };
+    Ok(StoreConfig { cluster, authority, timeout_ms, on_unavailable })
+}
+
+fn parse_local(v: &Value) -> Result<LocalConfig, ConfigError> {
+    let m = as_object(v, "local")?;
+    check_unknown(m, "local", &[&["max_entries", "max_bytes", "when_full"]])?;
+    let mut l = LocalConfig::default();
+    for (n, v) in m {
+        let f = join("local", n);
+        match n.as_str() {
+            "max_entries" => l.max_entries = as_uint(v, &f, 1, 10_000_000)?,
+            "max_bytes" => l.max_bytes = as_uint(v, &f, 4096, 16 * 1024 * 1024 * 1024)?,
+            _ => l.when_full = as_choice(v, &f, &[("reject", WhenFull::Reject), ("evict_oldest", WhenFull::EvictOldest)])?,
+        }
+    }
+    Ok(l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn parse(s: &str) -> Result<Config, ConfigError> {
+        Config::parse(s.as_bytes())
+    }
+
+    fn refused(s: &str) -> ConfigError {
+        match parse(s) {
+            Ok(c) => panic!("accepted {s}: {c:?}"),
+            Err(e) => e,
+        }
+    }
+
+    const MINIMAL: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
+
+    #[test]
+    fn minimal_config_takes_every_documented_default() {
+        let c = parse(MINIMAL).unwrap();
+        let p = &c.default_policy;
+        assert_eq!(p.header, "idempotency-key");
+        assert_eq!(p.methods, vec!["POST", "PATCH"]);
+        assert!(!p.require_key);
+        assert_eq!(p.namespace, "idemgate");
+        assert_eq!(p.key_max_length, 255);
+        assert_eq!((p.ttl_seconds, p.lock_ttl_seconds, p.unknown_outcome_seconds), (86_400, 60, 86_400));
+        assert_eq!((p.max_request_body_bytes, p.max_response_body_bytes), (1_048_576, 1_048_576));
+        assert_eq!(p.fingerprint, FingerprintConfig { headers: vec![], include_query: true, json: JsonMode::Raw });
+        assert_eq!(p.scope, ScopeConfig { headers: vec!["authorization".into()], global: false, include_authority: true });
+        assert_eq!(p.release_on_status, vec![429]);
+        assert_eq!(p.replay_exclude_headers, vec!["set-cookie"]);
+        assert_eq!(p.stale_lock, StaleLock::Reject);
+        assert_eq!(c.store, None);
+        assert_eq!(c.local, LocalConfig::default());
+        assert!(c.routes.is_empty());
+    }
+
+    #[test]
+    fn full_config_is_read_field_by_field() {
+        let c = parse(
+            r#"{
+              "header": "X-Idempotency-Key", "methods": ["post", "PUT"], "require_key": true,
+              "namespace": "payments", "key_max_length": 64, "ttl_seconds": 3600, "lock_ttl_seconds": 30,
+              "unknown_outcome_seconds": 600, "max_request_body_bytes": 1000, "max_response_body_bytes": 2000,
+              "fingerprint": {"headers": ["X-Tenant"], "include_query": false, "json": "canonical"},
+              "scope": {"headers": ["authorization", "x-user"], "include_authority": false},
+              "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 50, "on_unavailable": "pass"},
+              "release_on_status": [429, 503], "log_headers": ["x-agent-run-id"],
+              "replay_exclude_headers": ["set-cookie", "x-trace"], "stale_lock": "takeover",
+              "local": {"max_entries": 100, "max_bytes": 1048576, "when_full": "evict_oldest"}
+            }"#,
+        )
+        .unwrap();
+        let p = &c.default_policy;
+        assert_eq!(p.header, "x-idempotency-key");
+        assert_eq!(p.methods, vec!["POST", "PUT"]);
+        assert!(p.require_key);
+        assert_eq!(p.namespace, "payments");
+        assert_eq!(p.key_max_length, 64);
+        assert_eq!((p.ttl_seconds, p.lock_ttl_seconds, p.unknown_outcome_seconds), (3600, 30, 600));
+        assert_eq!((p.max_request_body_bytes, p.max_response_body_bytes), (1000, 2000));
+        assert_eq!(p.fingerprint, FingerprintConfig { headers: vec!["x-tenant".into()], include_query: false, json: JsonMode::Canonical });
+        assert_eq!(p.scope.headers, vec!["authorization", "x-user"]);
+        assert!(!p.scope.include_authority);
+        assert_eq!(p.release_on_status, vec![429, 503]);
+        assert_eq!(p.log_headers, vec!["x-agent-run-id"]);
+        assert_eq!(p.replay_exclude_headers, vec!["set-cookie", "x-trace"]);
+        assert_eq!(p.stale_lock, StaleLock::Takeover);
+        assert_eq!(
+            c.store,
+            Some(StoreConfig { cluster: "idemgate_store".into(), authority: "webdis".into(), timeout_ms: 50, on_unavailable: OnUnavailable::Pass })
+        );
+        assert_eq!(c.local, LocalConfig { max_entries: 100, max_bytes: 1_048_576, when_full: WhenFull::EvictOldest });
+    }
+
+    #[test]
+    fn store_defaults_authority_to_cluster_and_rejects_when_unavailable() {
+        let c = parse(r#"{"scope": {"global": true}, "store": {"cluster": "redis"}}"#).unwrap();
+        assert_eq!(
+            c.store,
+            Some(StoreConfig { cluster: "redis".into(), authority: "redis".into(), timeout_ms: 250, on_unavailable: OnUnavailable::Reject })
+        );
+    }
+
+    #[test]
+    fn every_refusal_names_its_field() {
+        let table: &[(&str, &str)] = &[
+            (r#"{}"#, "scope.headers"),
+            (r#"{"scope": {"headers": []}}"#, "scope.headers"),
+            (r#"{"scope": {"headers": ["a"], "global": true}}"#, "scope.global"),
+            (r#"{"scope": {"headers": ["a"]}, "ttl": 5}"#, "ttl"),
+            (r#"{"scope": {"headers": ["a"], "bogus": 1}}"#, "scope.bogus"),
+            (r#"{"scope": {"headers": ["a b"]}}"#, "scope.headers[0]"),
+            (r#"{"scope": {"headers": ["a", "A"]}}"#, "scope.headers[1]"),
+            (r#"{"scope": {"headers": ["idempotency-key"]}}"#, "scope.headers"),
+            (r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 0}"#, "ttl_seconds"),
+            (r#"{"scope": {"headers": ["a"]}, "ttl_seconds": "60"}"#, "ttl_seconds"),
+            (r#"{"scope": {"headers": ["a"]}, "ttl_seconds": -5}"#, "ttl_seconds"),
+            (r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 1.5}"#, "ttl_seconds"),
+            (r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 30, "lock_ttl_seconds": 60}"#, "lock_ttl_seconds"),
+            (r#"{"scope": {"headers": ["a"]}, "methods": []}"#, "methods"),
+            (r#"{"scope": {"headers": ["a"]}, "methods": ["PO ST"]}"#, "methods[0]"),
+            (r#"{"scope": {"headers": ["a"]}, "header": ""}"#, "header"),
+            (r#"{"scope": {"headers": ["a"]}, "require_key": "yes"}"#, "require_key"),
+            (r#"{"scope": {"headers": ["a"]}, "namespace": ""}"#, "namespace"),
+            (r#"{"scope": {"headers": ["a"]}, "key_max_length": 0}"#, "key_max_length"),
+            (r#"{"scope": {"headers": ["a"]}, "max_request_body_bytes": 1e12}"#, "max_request_body_bytes"),
+            (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"json": "sorted"}}"#, "fingerprint.json"),
+            (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"body": true}}"#, "fingerprint.body"),
+            (r#"{"scope": {"headers": ["a"]}, "release_on_status": [200]}"#, "release_on_status[0]"),
+            (r#"{"scope": {"headers": ["a"]}, "stale_lock": "steal"}"#, "stale_lock"),
+            (r#"{"scope": {"headers": ["a"]}, "store": {}}"#, "store.cluster"),
+            (r#"{"scope": {"headers": ["a"]}, "store": {"cluster": "c", "password": "x"}}"#, "store.password"),
+            (r#"{"scope": {"headers": ["a"]}, "store": {"cluster": "c", "timeout_ms": 0}}"#, "store.timeout_ms"),
+            (r#"{"scope": {"headers": ["a"]}, "store": {"cluster": "c", "on_unavailable": "open"}}"#, "store.on_unavailable"),
+            (r#"{"scope": {"headers": ["a"]}, "local": {"when_full": "drop"}}"#, "local.when_full"),
+            (r#"{"scope": {"headers": ["a"]}, "routes": []}"#, "routes"),
+            (r#"{"scope": {"headers": ["a"]}, "routes": [{}]}"#, "routes[0].prefix"),
+            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "pay"}]}"#, "routes[0].prefix"),
+            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "store": null}]}"#, "routes[0].store"),
+            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "ttl_seconds": 0}]}"#, "routes[0].ttl_seconds"),
+            (r#"{"routes": [{"prefix": "/p"}]}"#, "routes[0].scope.headers"),
+            (r#"[1, 2]"#, ""),
+            (r#"{"scope": "#, ""),
+        ];
+        for (text, field) in table {
+            let e = refused(text);
+            assert_eq!(e.field, *field, "config {text} gave {e}");
+            assert!(!e.reason.is_empty());
+            if !field.is_empty() {
+                assert!(e.to_string().contains(&format!("`{field}`")), "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn empty_configuration_is_refused_for_missing_scope_not_for_syntax() {
+        assert_eq!(refused("").field, "scope.headers");
+        assert_eq!(refused("  \n").field, "scope.headers");
+    }
+
+    #[test]
+    fn routes_inherit_top_level_fields_and_override_nested_ones_partially() {
+        let c = parse(
+            r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 600,
+                "fingerprint": {"headers": ["x-tenant"]},
+                "routes": [{"prefix": "/payments", "require_key": true, "fingerprint": {"json": "canonical"}},
+                           {"prefix": "/", "methods": ["PUT"]}]}"#,
+        )
+        .unwrap();
+        let pay = c.policy_for("POST", "/payments/charge?x=1").unwrap();
+        assert!(pay.require_key);
+        assert_eq!(pay.ttl_seconds, 600);
+        assert_eq!(pay.fingerprint.headers, vec!["x-tenant"]);
+        assert_eq!(pay.fingerprint.json, JsonMode::Canonical);
+        assert!(c.policy_for("GET", "/payments").is_none());
+        assert!(c.policy_for("POST", "/orders").is_none(), "second route only protects PUT");
+        assert!(c.policy_for("PUT", "/orders").is_some());
+        assert_eq!(c.policies().len(), 2);
+    }
+
+    #[test]
+    fn without_routes_every_path_is_protected_for_configured_methods() {
+        let c = parse(MINIMAL).unwrap();
+        assert!(c.policy_for("POST", "/anything").is_some());
+        assert!(c.policy_for("PATCH", "/").is_some());
+        assert!(c.policy_for("GET", "/anything").is_none());
+        assert!(c.policy_for("post", "/anything").is_none(), "methods are case-sensitive on the wire");
+    }
+
+    #[test]
+    fn routes_match_on_path_without_query_first_match_wins() {
+        let c = parse(
+            r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/a", "namespace": "first"}, {"prefix": "/a/b", "namespace": "second"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.policy_for("POST", "/a/b").unwrap().namespace, "first");
+        assert!(c.policy_for("POST", "/x?/a").is_none());
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn parse_never_panics_on_any_bytes(raw in proptest::collection::vec(any::<u8>(), 0..200)) {
+                let _ = Config::parse(&raw);
+            }
+
+            #[test]
+            fn parse_never_panics_on_json_with_known_names(
+                fields in proptest::collection::vec((proptest::sample::select(POLICY_FIELDS.iter().chain(TOP_ONLY_FIELDS).copied().collect::<Vec<_>>()),
+                                                      prop_oneof![Just("1".to_string()), Just("\"x\"".to_string()), Just("[]".to_string()), Just("{}".to_string()), Just("null".to_string()), Just("true".to_string()), Just("[429]".to_string())]), 0..6)
+            ) {
+                let body: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect();
+                let _ = Config::parse(format!("{{{}}}", body.join(",")).as_bytes());
+            }
+        }
+    }
+}

@@ -1,0 +1,420 @@
+//! Decisions: what to do with a request, and what a finished exchange means.
+//!
+//! Three pure functions, each a table (see ARCHITECTURE.md):
+//! - `admit`: from the policy in force and the key header, whether a request passes untouched, is
+//!   refused at once (400), or is protected;
+//! - `decide`: from what the store holds for the key, the action (claim, take over, replay, 409,
+//!   422, 503, or pass unprotected when the store is down and `on_unavailable` is `pass`);
+//! - `classify`: from how Envoy finished the exchange, whether the response is stored, the key
+//!   released, or the outcome unknown.
+
+use crate::config::{OnUnavailable, Policy, StaleLock};
+use crate::fingerprint::Fingerprint;
+use crate::key::{parse_key_header, IdempotencyKey};
+use crate::problem::ProblemKind;
+use crate::record::{Record, State, UnknownReason};
+
+/// The answer to "is this request protected?".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Not protected (method or path not configured, or no key and `require_key` is off).
+    Pass,
+    /// Refused before anything else (400).
+    Reject(ProblemKind),
+    /// Protected with this key.
+    Protect(IdempotencyKey),
+}
+
+/// Admission of a request under `policy` (None: no policy covers its method and path), with every
+/// value of the key header.
+pub fn admit(policy: Option<&Policy>, key_values: &[&[u8]]) -> Admission {
+    let Some(p) = policy else {
+        return Admission::Pass;
+    };
+    match parse_key_header(key_values, p.key_max_length) {
+        Ok(Some(key)) => Admission::Protect(key),
+        Ok(None) if p.require_key => Admission::Reject(ProblemKind::KeyMissing { header: p.header.clone() }),
+        Ok(None) => Admission::Pass,
+        Err(error) => Admission::Reject(ProblemKind::KeyInvalid { header: p.header.clone(), error }),
+    }
+}
+
+/// A body over the limit is refused with 413 before it is forwarded.
+pub fn check_body_size(size: u64, policy: &Policy) -> Result<(), ProblemKind> {
+    if size > policy.max_request_body_bytes {
+        Err(ProblemKind::BodyTooLarge { limit: policy.max_request_body_bytes })
+    } else {
+        Ok(())
+    }
+}
+
+/// What the store said about a key.
+#[derive(Clone, Copy, Debug)]
+pub enum Lookup<'a> {
+    Absent,
+    Found(&'a Record),
+    /// Unreachable, too slow, or an answer that could not be understood.
+    StoreError,
+}
+
+/// What to do with a protected request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// The key is free (absent or expired): claim it, then forward.
+    Claim,
+    /// A stale claim that provably was never forwarded (or, with `stale_lock: "takeover"`, any
+    /// stale lock): replace it atomically with a claim of our own, then forward.
+    TakeOver,
+    /// Same key, same request, completed: replay the stored response (or, when it was too large,
+    /// a problem carrying its status and `location`).
+    Replay,
+    /// A forwarded request whose lock expired without a completion: mark the record
+    /// outcome-unknown, then answer `OutcomeUnknown`.
+    MarkUnknown,
+    /// Answer with this problem, naming the record's creator where there is a record.
+    Reject(ProblemKind),
+    /// The store is unavailable and `on_unavailable` is `pass`: forward unprotected.
+    PassUnprotected,
+}
+
+/// Seconds a client is asked to wait before retrying a request that is still in flight.
+pub const IN_FLIGHT_RETRY_AFTER_SECONDS: u64 = 1;
+/// Seconds a client is asked to wait after a store outage or capacity refusal.
+pub const UNAVAILABLE_RETRY_AFTER_SECONDS: u64 = 1;
+
+/// The decision table for a protected request with fingerprint `fp` at time `now_ms`.
+pub fn decide(lookup: Lookup<'_>, fp: &Fingerprint, now_ms: u64, policy: &Policy, on_unavailable: OnUnavailable) -> Decision {
+    let record = match lookup {
+        Lookup::StoreError => {
+            return match on_unavailable {
+                OnUnavailable::Reject => {
+                    Decision::Reject(ProblemKind::StoreUnavailable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS })
+                }
+                OnUnavailable::Pass => Decision::PassUnprotected,
+            }
+        }
+        Lookup::Absent => return Decision::Claim,
+        Lookup::Found(r) if r.is_expired(now_ms) => return Decision::Claim,
+        Lookup::Found(r) => r,
+    };
+    if record.fingerprint != *fp {
+        return Decision::Reject(ProblemKind::KeyReused);
+    }
+    match &record.state {
+        State::Completed(_) | State::CompletedTooLarge { .. } => Decision::Replay,
+        State::OutcomeUnknown { .. } => Decision::Reject(ProblemKind::OutcomeUnknown),
+        State::Claimed { lock_expires_at_ms, .. } | State::InProgress { lock_expires_at_ms, .. } if now_ms < *lock_expires_at_ms => {
+            Decision::Reject(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS })
+        }
+        State::Claimed { .. } => Decision::TakeOver,
+        State::InProgress { .. } => match policy.stale_lock {
+            StaleLock::Reject => Decision::MarkUnknown,
+            StaleLock::Takeover => Decision::TakeOver,
+        },
+    }
+}
+
+/// How Envoy finished a forwarded exchange, as read in the response and log callbacks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExchangeFacts {
+    /// Whether the filter let the request go on to the upstream (false: it never left the filter).
+    pub forwarded: bool,
+    /// `:status` of the response, if one was started.
+    pub status: Option<u16>,
+    /// `response.code_details`, e.g. `via_upstream`.
+    pub code_details: String,
+    /// `response.flags`, Envoy's response flag bit set.
+    pub flags: u64,
+}
+
+/// Envoy response flag bits (envoy/stream_info/stream_info.h), as `response.flags` reports them.
+pub mod flags {
+    pub const FAILED_LOCAL_HEALTH_CHECK: u64 = 0x1;
+    pub const NO_HEALTHY_UPSTREAM: u64 = 0x2;
+    pub const UPSTREAM_REQUEST_TIMEOUT: u64 = 0x4;
+    pub const LOCAL_RESET: u64 = 0x8;
+    pub const UPSTREAM_REMOTE_RESET: u64 = 0x10;
+    pub const UPSTREAM_CONNECTION_FAILURE: u64 = 0x20;
+    pub const UPSTREAM_CONNECTION_TERMINATION: u64 = 0x40;
+    pub const UPSTREAM_OVERFLOW: u64 = 0x80;
+    pub const NO_ROUTE_FOUND: u64 = 0x100;
+    pub const DELAY_INJECTED: u64 = 0x200;
+    pub const FAULT_INJECTED: u64 = 0x400;
+    pub const RATE_LIMITED: u64 = 0x800;
+    pub const UNAUTHORIZED_EXTERNAL_SERVICE: u64 = 0x1000;
+    pub const RATE_LIMIT_SERVICE_ERROR: u64 = 0x2000;
+    pub const DOWNSTREAM_CONNECTION_TERMINATION: u64 = 0x4000;
+    pub const UPSTREAM_RETRY_LIMIT_EXCEEDED: u64 = 0x8000;
+    pub const STREAM_IDLE_TIMEOUT: u64 = 0x10000;
+    pub const INVALID_ENVOY_REQUEST_HEADERS: u64 = 0x20000;
+    pub const DOWNSTREAM_PROTOCOL_ERROR: u64 = 0x40000;
+    pub const UPSTREAM_MAX_STREAM_DURATION_REACHED: u64 = 0x80000;
+    pub const RESPONSE_FROM_CACHE_FILTER: u64 = 0x100000;
+    pub const NO_FILTER_CONFIG_FOUND: u64 = 0x200000;
+    pub const DURATION_TIMEOUT: u64 = 0x400000;
+    pub const UPSTREAM_PROTOCOL_ERROR: u64 = 0x800000;
+    pub const NO_CLUSTER_FOUND: u64 = 0x1000000;
+    pub const OVERLOAD_MANAGER: u64 = 0x2000000;
+    pub const DNS_RESOLUTION_FAILURE: u64 = 0x4000000;
+    pub const DOWNSTREAM_REMOTE_RESET: u64 = 0x8000000;
+
+    /// The request may have reached the upstream and executed, with no response to keep.
+    pub const MAYBE_EXECUTED: u64 = UPSTREAM_REQUEST_TIMEOUT
+        | LOCAL_RESET
+        | UPSTREAM_REMOTE_RESET
+        | UPSTREAM_CONNECTION_TERMINATION
+        | DOWNSTREAM_CONNECTION_TERMINATION
+        | STREAM_IDLE_TIMEOUT
+        | UPSTREAM_MAX_STREAM_DURATION_REACHED
+        | DURATION_TIMEOUT
+        | UPSTREAM_PROTOCOL_ERROR
+        | DOWNSTREAM_REMOTE_RESET
+        | DOWNSTREAM_PROTOCOL_ERROR;
+
+    /// Envoy answered without sending the request upstream.
+    pub const NEVER_SENT: u64 = FAILED_LOCAL_HEALTH_CHECK
+        | NO_HEALTHY_UPSTREAM
+        | UPSTREAM_CONNECTION_FAILURE
+        | UPSTREAM_OVERFLOW
+        | NO_ROUTE_FOUND
+        | FAULT_INJECTED
+        | RATE_LIMITED
+        | UNAUTHORIZED_EXTERNAL_SERVICE
+        | RATE_LIMIT_SERVICE_ERROR
+        | INVALID_ENVOY_REQUEST_HEADERS
+        | NO_FILTER_CONFIG_FOUND
+        | NO_CLUSTER_FOUND
+        | OVERLOAD_MANAGER
+        | DNS_RESOLUTION_FAILURE;
+}
+
+/// What a finished exchange means for the record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The upstream answered: store the response (5xx included) for replay.
+    Store,
+    /// The request never executed: free the key so a retry may execute.
+    Release,
+    /// It may have executed without a response: keep an outcome-unknown record.
+    Unknown(UnknownReason),
+}
+
+/// Classifies a finished exchange. When in doubt it says `Unknown`: at most once beats twice.
+pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
+    if !facts.forwarded {
+        return Outcome::Release;
+    }
+    let f = facts.flags;
+    if f & flags::MAYBE_EXECUTED != 0 {
+        let reason = if f & (flags::UPSTREAM_REQUEST_TIMEOUT | flags::DURATION_TIMEOUT | flags::STREAM_IDLE_TIMEOUT | flags::UPSTREAM_MAX_STREAM_DURATION_REACHED) != 0 {
+            UnknownReason::UpstreamTimeout
+        } else if f & (flags::DOWNSTREAM_CONNECTION_TERMINATION | flags::DOWNSTREAM_REMOTE_RESET | flags::DOWNSTREAM_PROTOCOL_ERROR) != 0 {
+            UnknownReason::DownstreamGone
+        } else {
+            UnknownReason::UpstreamReset
+        };
+        return Outcome::Unknown(reason);
+    }
+    if f & flags::NEVER_SENT != 0 {
+        return Outcome::Release;
+    }
+    match facts.status {
+        Some(status) if facts.code_details == "via_upstream" => {
+            if policy.release_on_status.contains(&status) {
+                Outcome::Release
+            } else {
+                Outcome::Store
+            }
+        }
+        // A local reply with no failure flag: a later filter (ext_authz, rate limit, a direct
+        // response...) answered before the router sent anything.
+        Some(_) if !facts.code_details.is_empty() && !facts.code_details.starts_with("upstream_") => Outcome::Release,
+        // No status, or an upstream failure Envoy did not flag: assume it may have run.
+        _ => Outcome::Unknown(UnknownReason::Other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::owner::OwnerToken;
+    use crate::record::{Creator, StoredResponse};
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    const NOW: u64 = 1_000_000;
+
+    fn policy() -> Policy {
+        Policy { require_key: false, ..Policy::default() }
+    }
+
+    fn rec(fp: u8, state: State, expires_at_ms: u64) -> Record {
+        Record { fingerprint: Fingerprint([fp; 32]), created_at_ms: 0, expires_at_ms, creator: Creator::default(), state }
+    }
+
+    fn owner() -> OwnerToken {
+        OwnerToken([1; 16])
+    }
+
+    #[test]
+    fn admission_table() {
+        let mut required = policy();
+        required.require_key = true;
+        let p = policy();
+        let table: Vec<(Option<&Policy>, Vec<&[u8]>, Admission)> = vec![
+            (None, vec![b"k"], Admission::Pass),
+            (Some(&p), vec![], Admission::Pass),
+            (Some(&required), vec![], Admission::Reject(ProblemKind::KeyMissing { header: "idempotency-key".into() })),
+            (
+                Some(&p),
+                vec![b"a,b"],
+                Admission::Reject(ProblemKind::KeyInvalid { header: "idempotency-key".into(), error: crate::key::KeyError::List }),
+            ),
+            (
+                Some(&p),
+                vec![b"k", b"k"],
+                Admission::Reject(ProblemKind::KeyInvalid { header: "idempotency-key".into(), error: crate::key::KeyError::Repeated }),
+            ),
+        ];
+        for (pol, values, want) in table {
+            assert_eq!(admit(pol, &values), want, "{values:?}");
+        }
+        assert!(matches!(admit(Some(&p), &[b"\"k1\""]), Admission::Protect(k) if k.as_str() == "k1"));
+    }
+
+    #[test]
+    fn body_limit_is_inclusive() {
+        let mut p = policy();
+        p.max_request_body_bytes = 10;
+        assert_eq!(check_body_size(10, &p), Ok(()));
+        assert_eq!(check_body_size(11, &p), Err(ProblemKind::BodyTooLarge { limit: 10 }));
+    }
+
+    #[test]
+    fn decision_table_covers_every_store_state() {
+        let fp = Fingerprint([9; 32]);
+        let later = NOW + 5_000;
+        let earlier = NOW - 1;
+        let completed = State::Completed(StoredResponse { status: 201, headers: vec![], body: b"x".to_vec() });
+        let in_flight = Decision::Reject(ProblemKind::InFlight { retry_after_seconds: 1 });
+        let mut takeover = policy();
+        takeover.stale_lock = StaleLock::Takeover;
+        let claimed_live = State::Claimed { owner: owner(), lock_expires_at_ms: later };
+        let claimed_stale = State::Claimed { owner: owner(), lock_expires_at_ms: earlier };
+        let forwarded_live = State::InProgress { owner: owner(), lock_expires_at_ms: later };
+        let forwarded_stale = State::InProgress { owner: owner(), lock_expires_at_ms: earlier };
+        let unknown = State::OutcomeUnknown { reason: UnknownReason::UpstreamTimeout };
+        let def = policy();
+        let too_large = State::CompletedTooLarge { status: 201, location: None };
+        #[rustfmt::skip]
+        let table: Vec<(&str, Option<Record>, &Policy, Decision)> = vec![
+            ("absent", None, &def, Decision::Claim),
+            ("expired completed", Some(rec(9, completed.clone(), NOW)), &def, Decision::Claim),
+            ("expired outcome unknown", Some(rec(9, unknown.clone(), NOW - 10)), &def, Decision::Claim),
+            ("completed, same request", Some(rec(9, completed.clone(), later)), &def, Decision::Replay),
+            ("completed too large", Some(rec(9, too_large, later)), &def, Decision::Replay),
+            ("completed, other request", Some(rec(8, completed, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
+            ("claimed, lock live", Some(rec(9, claimed_live.clone(), later)), &def, in_flight.clone()),
+            ("claimed, other request", Some(rec(8, claimed_live, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
+            ("forwarded, lock live", Some(rec(9, forwarded_live, later)), &def, in_flight),
+            ("claimed never forwarded, stale", Some(rec(9, claimed_stale.clone(), later)), &def, Decision::TakeOver),
+            ("claimed stale, takeover mode", Some(rec(9, claimed_stale, later)), &takeover, Decision::TakeOver),
+            ("forwarded, stale", Some(rec(9, forwarded_stale.clone(), later)), &def, Decision::MarkUnknown),
+            ("forwarded, stale, takeover mode", Some(rec(9, forwarded_stale.clone(), later)), &takeover, Decision::TakeOver),
+            ("forwarded stale, other request", Some(rec(8, forwarded_stale, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
+            ("outcome unknown", Some(rec(9, unknown.clone(), later)), &def, Decision::Reject(ProblemKind::OutcomeUnknown)),
+            ("outcome unknown, other request", Some(rec(8, unknown, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
+        ];
+        for (name, record, pol, want) in table {
+            let lookup = match &record {
+                None => Lookup::Absent,
+                Some(r) => Lookup::Found(r),
+            };
+            assert_eq!(decide(lookup, &fp, NOW, pol, OnUnavailable::Reject), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn store_error_rejects_or_passes_as_configured() {
+        let fp = Fingerprint([0; 32]);
+        assert_eq!(
+            decide(Lookup::StoreError, &fp, NOW, &policy(), OnUnavailable::Reject),
+            Decision::Reject(ProblemKind::StoreUnavailable { retry_after_seconds: 1 })
+        );
+        assert_eq!(decide(Lookup::StoreError, &fp, NOW, &policy(), OnUnavailable::Pass), Decision::PassUnprotected);
+    }
+
+    fn facts(forwarded: bool, status: Option<u16>, details: &str, flags: u64) -> ExchangeFacts {
+        ExchangeFacts { forwarded, status, code_details: details.into(), flags }
+    }
+
+    #[test]
+    fn exchange_classification_table() {
+        use flags::*;
+        let refused = "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}";
+        #[rustfmt::skip]
+        let table: Vec<(&str, ExchangeFacts, Outcome)> = vec![
+            ("upstream 201", facts(true, Some(201), "via_upstream", 0), Outcome::Store),
+            ("upstream 500 is stored", facts(true, Some(500), "via_upstream", 0), Outcome::Store),
+            ("upstream 503 is stored", facts(true, Some(503), "via_upstream", 0), Outcome::Store),
+            ("upstream 429 released", facts(true, Some(429), "via_upstream", 0), Outcome::Release),
+            ("never forwarded", facts(false, None, "", 0), Outcome::Release),
+            ("never forwarded, client gone", facts(false, None, "downstream_remote_disconnect", DOWNSTREAM_CONNECTION_TERMINATION), Outcome::Release),
+            ("connection refused", facts(true, Some(503), refused, UPSTREAM_CONNECTION_FAILURE), Outcome::Release),
+            ("refused after retries", facts(true, Some(503), refused, UPSTREAM_CONNECTION_FAILURE | UPSTREAM_RETRY_LIMIT_EXCEEDED), Outcome::Release),
+            ("no healthy upstream", facts(true, Some(503), "no_healthy_upstream", NO_HEALTHY_UPSTREAM), Outcome::Release),
+            ("overflow", facts(true, Some(503), "upstream_reset_before_response_started{overflow}", UPSTREAM_OVERFLOW), Outcome::Release),
+            ("no route", facts(true, Some(404), "route_not_found", NO_ROUTE_FOUND), Outcome::Release),
+            ("no cluster", facts(true, Some(503), "cluster_not_found", NO_CLUSTER_FOUND), Outcome::Release),
+            ("later filter local reply", facts(true, Some(403), "ext_authz_denied", 0), Outcome::Release),
+            ("direct response", facts(true, Some(200), "direct_response", 0), Outcome::Release),
+            ("route timeout", facts(true, Some(504), "response_timeout", UPSTREAM_REQUEST_TIMEOUT), Outcome::Unknown(UnknownReason::UpstreamTimeout)),
+            ("reset after send", facts(true, Some(503), "upstream_reset_before_response_started{connection_termination}", UPSTREAM_CONNECTION_TERMINATION), Outcome::Unknown(UnknownReason::UpstreamReset)),
+            ("remote reset", facts(true, Some(503), "upstream_reset_before_response_started{remote_reset}", UPSTREAM_REMOTE_RESET), Outcome::Unknown(UnknownReason::UpstreamReset)),
+            ("reset after headers", facts(true, Some(200), "upstream_reset_after_response_started{remote_reset}", UPSTREAM_REMOTE_RESET), Outcome::Unknown(UnknownReason::UpstreamReset)),
+            ("client gone after forward", facts(true, None, "downstream_remote_disconnect", DOWNSTREAM_CONNECTION_TERMINATION), Outcome::Unknown(UnknownReason::DownstreamGone)),
+            ("client reset after forward", facts(true, None, "", DOWNSTREAM_REMOTE_RESET), Outcome::Unknown(UnknownReason::DownstreamGone)),
+            ("idle timeout", facts(true, Some(504), "stream_idle_timeout", STREAM_IDLE_TIMEOUT), Outcome::Unknown(UnknownReason::UpstreamTimeout)),
+            ("timeout wins over connection failure", facts(true, Some(504), "response_timeout", UPSTREAM_REQUEST_TIMEOUT | UPSTREAM_CONNECTION_FAILURE), Outcome::Unknown(UnknownReason::UpstreamTimeout)),
+            ("no status, no flags", facts(true, None, "", 0), Outcome::Unknown(UnknownReason::Other)),
+            ("unflagged upstream failure", facts(true, Some(503), "upstream_reset_before_response_started{other}", 0), Outcome::Unknown(UnknownReason::Other)),
+        ];
+        for (name, f, want) in table {
+            assert_eq!(classify(&f, &policy()), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn release_on_status_is_configurable() {
+        let mut p = policy();
+        p.release_on_status = vec![503];
+        assert_eq!(classify(&facts(true, Some(429), "via_upstream", 0), &p), Outcome::Store);
+        assert_eq!(classify(&facts(true, Some(503), "via_upstream", 0), &p), Outcome::Release);
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    mod props {
+        use super::super::*;
+        use crate::owner::OwnerToken;
+        use crate::record::Creator;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Whatever the flags say, a request that was forwarded and may have run is never released
+            /// unless Envoy says it never sent it or the upstream itself answered.
+            #[test]
+            fn maybe_executed_flags_are_never_released(flags_bits in any::<u64>(), status in proptest::option::of(100u16..600), details in "[a-z_]{0,20}") {
+                let f = ExchangeFacts { forwarded: true, status, code_details: details, flags: flags_bits | super::super::flags::UPSTREAM_REQUEST_TIMEOUT };
+                prop_assert!(matches!(classify(&f, &Policy::default()), Outcome::Unknown(_)));
+            }
+
+            #[test]
+            fn a_fingerprint_mismatch_on_an_unexpired_record_is_always_422(fp in any::<[u8; 32]>(), other in any::<[u8; 32]>(), lock in any::<u64>(), now in 0u64..u64::MAX - 1) {
+                prop_assume!(fp != other);
+                let r = Record { fingerprint: Fingerprint(fp), created_at_ms: 0, expires_at_ms: now + 1, creator: Creator::default(),
+                                 state: State::InProgress { owner: OwnerToken([0; 16]), lock_expires_at_ms: lock } };
+                prop_assert_eq!(decide(Lookup::Found(&r), &Fingerprint(other), now, &Policy::default(), OnUnavailable::Reject), Decision::Reject(ProblemKind::KeyReused));
+            }
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! The proxy-wasm glue (placeholder until the filter lands).

@@ -1,0 +1,26 @@
+//! idemgate: `Idempotency-Key` enforcement at the edge, as a proxy-wasm filter for Envoy.
+//!
+//! The crate is split in two (see ARCHITECTURE.md):
+//! - the **core** (every module here but `filter`): plain Rust with no host calls. It holds the
+//!   rules (key syntax, caller scope, fingerprint, record format, decisions, problem documents,
+//!   configuration) and is tested natively and on wasm32 under Node.js;
+//! - the **filter** (`src/filter`, behind the default `proxy-wasm` feature): the thin glue that
+//!   turns Envoy's callbacks into core inputs and core decisions into host calls.
+//!
+//! The core never imports `proxy_wasm`.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+
+pub mod canonical_json;
+pub mod config;
+pub mod decision;
+pub mod fingerprint;
+pub mod hex;
+pub mod key;
+pub mod owner;
+pub mod problem;
+pub mod record;
+pub mod request;
+pub mod scope;
+
+#[cfg(feature = "proxy-wasm")]
+mod filter;

@@ -1,0 +1,281 @@
+//! RFC 9457 problem documents: one stable `type` per error, listed in README with what the
+//! client should do.
+
+use serde_json::{json, Map, Value};
+
+use crate::key::KeyError;
+use crate::record::Creator;
+
+/// Prefix of every problem type URI.
+pub const TYPE_PREFIX: &str = "urn:idemgate:problem:";
+
+/// An error answered by the filter itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProblemKind {
+    /// `require_key` is set and the request has no key.
+    KeyMissing { header: String },
+    /// The key header is malformed.
+    KeyInvalid { header: String, error: KeyError },
+    /// The body exceeds `max_request_body_bytes`; nothing was forwarded.
+    BodyTooLarge { limit: u64 },
+    /// The first request with this key is still being processed.
+    InFlight { retry_after_seconds: u64 },
+    /// The first request may have executed but its outcome is not known.
+    OutcomeUnknown,
+    /// The key was used before with a different request.
+    KeyReused,
+    /// The store cannot be reached; nothing was forwarded.
+    StoreUnavailable { retry_after_seconds: u64 },
+    /// The local tier is full of unexpired records; nothing was forwarded.
+    CapacityExhausted { retry_after_seconds: u64 },
+    /// Too many request bodies are being buffered at once; nothing was forwarded.
+    BufferBudgetExceeded { retry_after_seconds: u64 },
+    /// The original response was too large to keep: its status and `location` are replayed.
+    ResponseNotStored { status: u16, location: Option<String> },
+}
+
+/// A ready-to-send problem response.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Problem {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl ProblemKind {
+    /// The stable slug of the problem type.
+    pub fn slug(&self) -> &'static str {
+        match self {
+            ProblemKind::KeyMissing { .. } => "key-missing",
+            ProblemKind::KeyInvalid { error, .. } => match error {
+                KeyError::Repeated => "key-repeated",
+                KeyError::Empty => "key-empty",
+                KeyError::TooLong { .. } => "key-too-long",
+                KeyError::NotVisibleAscii => "key-not-visible-ascii",
+                KeyError::List => "key-is-a-list",
+                KeyError::NotAToken => "key-not-a-token",
+                KeyError::MalformedString => "key-malformed-string",
+            },
+            ProblemKind::BodyTooLarge { .. } => "body-too-large",
+            ProblemKind::InFlight { .. } => "request-in-flight",
+            ProblemKind::OutcomeUnknown => "outcome-unknown",
+            ProblemKind::KeyReused => "key-reused",
+            ProblemKind::StoreUnavailable { .. } => "store-unavailable",
+            ProblemKind::CapacityExhausted { .. } => "capacity-exhausted",
+            ProblemKind::BufferBudgetExceeded { .. } => "buffer-budget-exceeded",
+            ProblemKind::ResponseNotStored { .. } => "response-not-stored",
+        }
+    }
+
+    pub fn status(&self) -> u16 {
+        match self {
+            ProblemKind::KeyMissing { .. } | ProblemKind::KeyInvalid { .. } => 400,
+            ProblemKind::BodyTooLarge { .. } => 413,
+            ProblemKind::InFlight { .. } | ProblemKind::OutcomeUnknown => 409,
+            ProblemKind::KeyReused => 422,
+            ProblemKind::StoreUnavailable { .. }
+            | ProblemKind::CapacityExhausted { .. }
+            | ProblemKind::BufferBudgetExceeded { .. } => 503,
+            ProblemKind::ResponseNotStored { status, .. } => *status,
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            ProblemKind::KeyMissing { .. } => "Idempotency key required",
+            ProblemKind::KeyInvalid { .. } => "Malformed idempotency key",
+            ProblemKind::BodyTooLarge { .. } => "Request body too large for idempotency protection",
+            ProblemKind::InFlight { .. } => "A request with this idempotency key is in progress",
+            ProblemKind::OutcomeUnknown => "Outcome of the original request is unknown",
+            ProblemKind::KeyReused => "Idempotency key reused with a different request",
+            ProblemKind::StoreUnavailable { .. } => "Idempotency store unavailable",
+            ProblemKind::CapacityExhausted { .. } => "Idempotency capacity exhausted",
+            ProblemKind::BufferBudgetExceeded { .. } => "Too many requests being buffered",
+            ProblemKind::ResponseNotStored { .. } => "Original response was too large to replay",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            ProblemKind::KeyMissing { header } => {
+                format!("This endpoint requires an `{header}` header: send a unique key per operation and reuse it on every retry.")
+            }
+            ProblemKind::KeyInvalid { header, error } => {
+                format!("The `{header}` header is invalid: {error}. Fix the key; this request was not executed.")
+            }
+            ProblemKind::BodyTooLarge { limit } => format!(
+                "The body exceeds the {limit}-byte limit for idempotent requests. It was not forwarded; send a smaller body."
+            ),
+            ProblemKind::InFlight { retry_after_seconds } => format!(
+                "The first request with this key has not finished. Retry after {retry_after_seconds} s with the same key to get its result."
+            ),
+            ProblemKind::OutcomeUnknown => "The first request with this key was forwarded, but its result was lost (timeout, reset or disconnect), so it may or may not have taken effect. Do not retry with this key: check the resource, then use a new key if the operation must be done.".into(),
+            ProblemKind::KeyReused => "This key was already used with a different request (method, path, selected headers or body). Use a new key for a new operation.".into(),
+            ProblemKind::StoreUnavailable { retry_after_seconds } => format!(
+                "The idempotency store cannot be reached, so the request was not forwarded. Retry after {retry_after_seconds} s with the same key."
+            ),
+            ProblemKind::CapacityExhausted { retry_after_seconds } => format!(
+                "The gateway holds as many unexpired idempotency records as it may; the request was not forwarded. Retry after {retry_after_seconds} s with the same key."
+            ),
+            ProblemKind::BufferBudgetExceeded { retry_after_seconds } => format!(
+                "Too many request bodies are being buffered at once; the request was not forwarded. Retry after {retry_after_seconds} s with the same key."
+            ),
+            ProblemKind::ResponseNotStored { status, .. } => format!(
+                "The original request completed with status {status}, but its response body was too large to keep. The operation is done: do not repeat it; fetch the resource instead."
+            ),
+        }
+    }
+
+    fn retry_after(&self) -> Option<u64> {
+        match self {
+            ProblemKind::InFlight { retry_after_seconds }
+            | ProblemKind::StoreUnavailable { retry_after_seconds }
+            | ProblemKind::CapacityExhausted { retry_after_seconds }
+            | ProblemKind::BufferBudgetExceeded { retry_after_seconds } => Some(*retry_after_seconds),
+            _ => None,
+        }
+    }
+
+    /// Whether retrying the same request can help (sent as `x-should-retry`, which the OpenAI and
+    /// Anthropic SDKs honour; Stripe's SDKs would otherwise retry every 409).
+    pub fn should_retry(&self) -> bool {
+        self.retry_after().is_some()
+    }
+
+    /// Builds the response: status, headers and the `application/problem+json` body.
+    /// `request_id` is this request's id; `creator` names the run that made an existing record.
+    pub fn to_problem(&self, request_id: &str, creator: Option<&Creator>) -> Problem {
+        let mut body = Map::new();
+        body.insert("type".into(), Value::String(format!("{TYPE_PREFIX}{}", self.slug())));
+        body.insert("title".into(), Value::String(self.title().into()));
+        body.insert("status".into(), json!(self.status()));
+        body.insert("detail".into(), Value::String(self.detail()));
+        if !request_id.is_empty() {
+            body.insert("request_id".into(), Value::String(request_id.into()));
+        }
+        if let Some(s) = self.retry_after() {
+            body.insert("retry_after_seconds".into(), json!(s));
+        }
+        if let ProblemKind::ResponseNotStored { status, location } = self {
+            body.insert("original_status".into(), json!(status));
+            if let Some(l) = location {
+                body.insert("location".into(), Value::String(l.clone()));
+            }
+        }
+        if let Some(c) = creator {
+            let mut by = Map::new();
+            by.insert("request_id".into(), Value::String(c.request_id.clone()));
+            for (n, v) in &c.log_values {
+                by.insert(n.clone(), Value::String(v.clone()));
+            }
+            body.insert("original_request".into(), Value::Object(by));
+        }
+        let mut headers = vec![("content-type".to_string(), "application/problem+json".to_string())];
+        if let Some(s) = self.retry_after() {
+            headers.push(("retry-after".into(), s.to_string()));
+        }
+        headers.push(("x-should-retry".into(), self.should_retry().to_string()));
+        if let ProblemKind::ResponseNotStored { location: Some(l), .. } = self {
+            headers.push(("location".into(), l.clone()));
+            headers.push(("idempotent-replayed".into(), "true".into()));
+        }
+        let body = serde_json::to_vec(&Value::Object(body)).unwrap_or_default();
+        Problem { status: self.status(), headers, body }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn all() -> Vec<ProblemKind> {
+        let h = "idempotency-key".to_string();
+        let mut v = vec![
+            ProblemKind::KeyMissing { header: h.clone() },
+            ProblemKind::BodyTooLarge { limit: 10 },
+            ProblemKind::InFlight { retry_after_seconds: 2 },
+            ProblemKind::OutcomeUnknown,
+            ProblemKind::KeyReused,
+            ProblemKind::StoreUnavailable { retry_after_seconds: 1 },
+            ProblemKind::CapacityExhausted { retry_after_seconds: 1 },
+            ProblemKind::BufferBudgetExceeded { retry_after_seconds: 1 },
+            ProblemKind::ResponseNotStored { status: 201, location: Some("/c/1".into()) },
+        ];
+        for error in [
+            KeyError::Repeated,
+            KeyError::Empty,
+            KeyError::TooLong { len: 300, max: 255 },
+            KeyError::NotVisibleAscii,
+            KeyError::List,
+            KeyError::NotAToken,
+            KeyError::MalformedString,
+        ] {
+            v.push(ProblemKind::KeyInvalid { header: h.clone(), error });
+        }
+        v
+    }
+
+    fn body(p: &Problem) -> Value {
+        serde_json::from_slice(&p.body).unwrap()
+    }
+
+    #[test]
+    fn every_problem_has_its_own_stable_type() {
+        let kinds = all();
+        let slugs: std::collections::HashSet<&str> = kinds.iter().map(|k| k.slug()).collect();
+        assert_eq!(slugs.len(), kinds.len());
+        for k in &kinds {
+            let p = k.to_problem("r1", None);
+            let b = body(&p);
+            assert_eq!(b["type"], format!("urn:idemgate:problem:{}", k.slug()));
+            assert_eq!(b["status"], p.status);
+            assert!(b["title"].as_str().is_some_and(|t| !t.is_empty()));
+            assert!(b["detail"].as_str().is_some_and(|t| t.len() > 20));
+            assert_eq!(b["request_id"], "r1");
+            assert_eq!(p.headers[0], ("content-type".into(), "application/problem+json".into()));
+        }
+    }
+
+    #[test]
+    fn statuses_follow_the_ietf_draft() {
+        assert_eq!(ProblemKind::KeyMissing { header: "k".into() }.status(), 400);
+        assert_eq!(ProblemKind::KeyInvalid { header: "k".into(), error: KeyError::Empty }.status(), 400);
+        assert_eq!(ProblemKind::BodyTooLarge { limit: 1 }.status(), 413);
+        assert_eq!(ProblemKind::InFlight { retry_after_seconds: 1 }.status(), 409);
+        assert_eq!(ProblemKind::OutcomeUnknown.status(), 409);
+        assert_eq!(ProblemKind::KeyReused.status(), 422);
+        assert_eq!(ProblemKind::StoreUnavailable { retry_after_seconds: 1 }.status(), 503);
+    }
+
+    #[test]
+    fn in_flight_has_retry_after_but_outcome_unknown_tells_not_to_retry() {
+        let p = ProblemKind::InFlight { retry_after_seconds: 3 }.to_problem("", None);
+        assert!(p.headers.contains(&("retry-after".into(), "3".into())));
+        assert!(p.headers.contains(&("x-should-retry".into(), "true".into())));
+        let p = ProblemKind::OutcomeUnknown.to_problem("", None);
+        assert!(!p.headers.iter().any(|(n, _)| n == "retry-after"));
+        assert!(p.headers.contains(&("x-should-retry".into(), "false".into())));
+        assert!(body(&p).get("request_id").is_none());
+    }
+
+    #[test]
+    fn conflict_names_the_run_that_created_the_record() {
+        let creator = Creator { request_id: "first".into(), log_values: vec![("x-agent-run-id".into(), "run-7".into())] };
+        let b = body(&ProblemKind::KeyReused.to_problem("second", Some(&creator)));
+        assert_eq!(b["original_request"]["request_id"], "first");
+        assert_eq!(b["original_request"]["x-agent-run-id"], "run-7");
+    }
+
+    #[test]
+    fn response_not_stored_carries_original_status_and_location_never_an_empty_success() {
+        let p = ProblemKind::ResponseNotStored { status: 201, location: Some("/charges/9".into()) }.to_problem("", None);
+        assert_eq!(p.status, 201);
+        assert!(!p.body.is_empty());
+        assert!(p.headers.contains(&("location".into(), "/charges/9".into())));
+        let b = body(&p);
+        assert_eq!(b["original_status"], 201);
+        assert_eq!(b["location"], "/charges/9");
+    }
+}

@@ -1,0 +1,499 @@
+//! The record kept for each (scope, key): its state and a versioned, compact binary encoding.
+//!
+//! Records hold no raw key and no credential: they are addressed by a hashed storage key (see
+//! `scope`). Decoding is total: any byte string gives a record or a `DecodeError`, never a panic.
+//! The layout is documented in ARCHITECTURE.md.
+
+use std::fmt;
+
+use crate::fingerprint::Fingerprint;
+use crate::owner::OwnerToken;
+
+const MAGIC: &[u8; 3] = b"IGR";
+/// The current encoding version. A decoder refuses versions it does not know.
+pub const VERSION: u8 = 1;
+
+/// Who created a record, so a later 409/422/replay can name the run that made it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Creator {
+    /// The `x-request-id` of the request that created the record.
+    pub request_id: String,
+    /// The configured `log_headers` values of that request, (name, value).
+    pub log_values: Vec<(String, String)>,
+}
+
+/// A response as stored for replay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: u16,
+    /// Kept headers, lowercase names, hop-by-hop and excluded headers already removed.
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub body: Vec<u8>,
+}
+
+/// Why a record's outcome is unknown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnknownReason {
+    /// The upstream did not answer within the route's timeout.
+    UpstreamTimeout,
+    /// The upstream stream was reset after the request was sent.
+    UpstreamReset,
+    /// The client went away after the request was forwarded, before the response was stored.
+    DownstreamGone,
+    /// A forwarded request's lock expired without a completion.
+    StaleLock,
+    /// The response could not be written to the store.
+    StoreWriteFailed,
+    /// Any other way the request may have executed without a response.
+    Other,
+}
+
+impl UnknownReason {
+    fn code(self) -> u8 {
+        match self {
+            UnknownReason::UpstreamTimeout => 1,
+            UnknownReason::UpstreamReset => 2,
+            UnknownReason::DownstreamGone => 3,
+            UnknownReason::StaleLock => 4,
+            UnknownReason::StoreWriteFailed => 5,
+            UnknownReason::Other => 6,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<UnknownReason> {
+        Some(match c {
+            1 => UnknownReason::UpstreamTimeout,
+            2 => UnknownReason::UpstreamReset,
+            3 => UnknownReason::DownstreamGone,
+            4 => UnknownReason::StaleLock,
+            5 => UnknownReason::StoreWriteFailed,
+            6 => UnknownReason::Other,
+            _ => return None,
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UnknownReason::UpstreamTimeout => "upstream_timeout",
+            UnknownReason::UpstreamReset => "upstream_reset",
+            UnknownReason::DownstreamGone => "downstream_gone",
+            UnknownReason::StaleLock => "stale_lock",
+            UnknownReason::StoreWriteFailed => "store_write_failed",
+            UnknownReason::Other => "other",
+        }
+    }
+}
+
+/// Where a key stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    /// Claimed, not yet forwarded (the request body may still be arriving, or the store is being
+    /// asked). If its lock expires it provably never executed and may be taken over.
+    Claimed { owner: OwnerToken, lock_expires_at_ms: u64 },
+    /// Forwarded to the upstream; the response has not been stored yet.
+    InProgress { owner: OwnerToken, lock_expires_at_ms: u64 },
+    /// The upstream's response, kept for replay.
+    Completed(StoredResponse),
+    /// The upstream answered with a body larger than `max_response_body_bytes`: only the status and
+    /// `location` are kept; retries get a problem document carrying them, never an empty 2xx.
+    CompletedTooLarge { status: u16, location: Option<Vec<u8>> },
+    /// It may have executed, but no response was kept.
+    OutcomeUnknown { reason: UnknownReason },
+}
+
+impl State {
+    fn tag(&self) -> u8 {
+        match self {
+            State::Claimed { .. } => 1,
+            State::InProgress { .. } => 2,
+            State::Completed(_) => 3,
+            State::CompletedTooLarge { .. } => 4,
+            State::OutcomeUnknown { .. } => 5,
+        }
+    }
+
+    /// The owner of a live claim, if any.
+    pub fn owner(&self) -> Option<OwnerToken> {
+        match self {
+            State::Claimed { owner, .. } | State::InProgress { owner, .. } => Some(*owner),
+            _ => None,
+        }
+    }
+}
+
+/// One record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub fingerprint: Fingerprint,
+    pub created_at_ms: u64,
+    /// After this instant the record counts as absent (checked on read, whatever the store's TTL).
+    pub expires_at_ms: u64,
+    pub creator: Creator,
+    pub state: State,
+}
+
+impl Record {
+    pub fn is_expired(&self, now_ms: u64) -> bool {
+        now_ms >= self.expires_at_ms
+    }
+
+    /// Encodes the record (see ARCHITECTURE.md for the layout).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + self.body_len());
+        out.extend_from_slice(MAGIC);
+        out.push(VERSION);
+        out.push(self.state.tag());
+        out.extend_from_slice(&self.fingerprint.0);
+        put_varint(&mut out, self.created_at_ms);
+        put_varint(&mut out, self.expires_at_ms);
+        put_bytes(&mut out, self.creator.request_id.as_bytes());
+        put_varint(&mut out, self.creator.log_values.len() as u64);
+        for (n, v) in &self.creator.log_values {
+            put_bytes(&mut out, n.as_bytes());
+            put_bytes(&mut out, v.as_bytes());
+        }
+        match &self.state {
+            State::Claimed { owner, lock_expires_at_ms } | State::InProgress { owner, lock_expires_at_ms } => {
+                out.extend_from_slice(&owner.0);
+                put_varint(&mut out, *lock_expires_at_ms);
+            }
+            State::Completed(r) => {
+                put_varint(&mut out, u64::from(r.status));
+                put_varint(&mut out, r.headers.len() as u64);
+                for (n, v) in &r.headers {
+                    put_bytes(&mut out, n.as_bytes());
+                    put_bytes(&mut out, v);
+                }
+                put_bytes(&mut out, &r.body);
+            }
+            State::CompletedTooLarge { status, location } => {
+                put_varint(&mut out, u64::from(*status));
+                match location {
+                    None => out.push(0),
+                    Some(l) => {
+                        out.push(1);
+                        put_bytes(&mut out, l);
+                    }
+                }
+            }
+            State::OutcomeUnknown { reason } => out.push(reason.code()),
+        }
+        out
+    }
+
+    fn body_len(&self) -> usize {
+        match &self.state {
+            State::Completed(r) => r.body.len() + r.headers.iter().map(|(n, v)| n.len() + v.len() + 4).sum::<usize>(),
+            _ => 0,
+        }
+    }
+
+    /// Decodes a record; any malformed input is an error.
+    pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
+        let mut r = Reader { buf: bytes, pos: 0 };
+        if r.take(3)? != MAGIC {
+            return Err(DecodeError::BadMagic);
+        }
+        let version = r.byte()?;
+        if version != VERSION {
+            return Err(DecodeError::UnsupportedVersion(version));
+        }
+        let tag = r.byte()?;
+        let mut fp = [0u8; 32];
+        fp.copy_from_slice(r.take(32)?);
+        let created_at_ms = r.varint()?;
+        let expires_at_ms = r.varint()?;
+        let request_id = r.string()?;
+        let n = r.count()?;
+        let mut log_values = Vec::with_capacity(n);
+        for _ in 0..n {
+            log_values.push((r.string()?, r.string()?));
+        }
+        let state = match tag {
+            1 | 2 => {
+                let mut owner = [0u8; 16];
+                owner.copy_from_slice(r.take(16)?);
+                let owner = OwnerToken(owner);
+                let lock_expires_at_ms = r.varint()?;
+                if tag == 1 {
+                    State::Claimed { owner, lock_expires_at_ms }
+                } else {
+                    State::InProgress { owner, lock_expires_at_ms }
+                }
+            }
+            3 => {
+                let status = r.status()?;
+                let n = r.count()?;
+                let mut headers = Vec::with_capacity(n);
+                for _ in 0..n {
+                    headers.push((r.string()?, r.bytes()?.to_vec()));
+                }
+                let body = r.bytes()?.to_vec();
+                State::Completed(StoredResponse { status, headers, body })
+            }
+            4 => {
+                let status = r.status()?;
+                let location = match r.byte()? {
+                    0 => None,
+                    1 => Some(r.bytes()?.to_vec()),
+                    other => return Err(DecodeError::BadValue(other)),
+                };
+                State::CompletedTooLarge { status, location }
+            }
+            5 => {
+                let code = r.byte()?;
+                State::OutcomeUnknown { reason: UnknownReason::from_code(code).ok_or(DecodeError::BadValue(code))? }
+            }
+            other => return Err(DecodeError::BadTag(other)),
+        };
+        if r.pos != bytes.len() {
+            return Err(DecodeError::TrailingBytes);
+        }
+        Ok(Record {
+            fingerprint: Fingerprint(fp),
+            created_at_ms,
+            expires_at_ms,
+            creator: Creator { request_id, log_values },
+            state,
+        })
+    }
+}
+
+/// Why bytes are not a record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    Truncated,
+    BadMagic,
+    UnsupportedVersion(u8),
+    BadTag(u8),
+    BadValue(u8),
+    VarintOverflow,
+    BadStatus,
+    BadUtf8,
+    TrailingBytes,
+}
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "not an idemgate record: {self:?}")
+    }
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8 & 0x7f) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    put_varint(out, b.len() as u64);
+    out.extend_from_slice(b);
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let end = self.pos.checked_add(n).ok_or(DecodeError::Truncated)?;
+        let s = self.buf.get(self.pos..end).ok_or(DecodeError::Truncated)?;
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn byte(&mut self) -> Result<u8, DecodeError> {
+        self.take(1)?.first().copied().ok_or(DecodeError::Truncated)
+    }
+
+    fn varint(&mut self) -> Result<u64, DecodeError> {
+        let mut v: u64 = 0;
+        for shift in (0..64).step_by(7) {
+            let b = self.byte()?;
+            let part = u64::from(b & 0x7f);
+            if shift == 63 && part > 1 {
+                return Err(DecodeError::VarintOverflow);
+            }
+            v |= part << shift;
+            if b & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err(DecodeError::VarintOverflow)
+    }
+
+    /// A count of items that follow: each takes at least one byte, so a count larger than what
+    /// remains is garbage (and must not drive a huge allocation).
+    fn count(&mut self) -> Result<usize, DecodeError> {
+        let n = self.varint()?;
+        let remaining = (self.buf.len() - self.pos.min(self.buf.len())) as u64;
+        if n > remaining {
+            return Err(DecodeError::Truncated);
+        }
+        usize::try_from(n).map_err(|_| DecodeError::Truncated)
+    }
+
+    fn bytes(&mut self) -> Result<&'a [u8], DecodeError> {
+        let n = self.count()?;
+        self.take(n)
+    }
+
+    fn string(&mut self) -> Result<String, DecodeError> {
+        std::str::from_utf8(self.bytes()?).map(str::to_owned).map_err(|_| DecodeError::BadUtf8)
+    }
+
+    fn status(&mut self) -> Result<u16, DecodeError> {
+        match self.varint()? {
+            s @ 100..=999 => u16::try_from(s).map_err(|_| DecodeError::BadStatus),
+            _ => Err(DecodeError::BadStatus),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn record(state: State) -> Record {
+        Record {
+            fingerprint: Fingerprint([7; 32]),
+            created_at_ms: 1_764_000_000_000,
+            expires_at_ms: 1_764_086_400_000,
+            creator: Creator { request_id: "req-1".into(), log_values: vec![("x-agent-run-id".into(), "run-9".into())] },
+            state,
+        }
+    }
+
+    fn all_states() -> Vec<State> {
+        let owner = OwnerToken([3; 16]);
+        vec![
+            State::Claimed { owner, lock_expires_at_ms: 60_000 },
+            State::InProgress { owner, lock_expires_at_ms: u64::MAX },
+            State::Completed(StoredResponse {
+                status: 201,
+                headers: vec![("location".into(), b"/charges/1".to_vec()), ("x-bin".into(), vec![0, 255, 10])],
+                body: b"{\"id\":1}\x00\xff".to_vec(),
+            }),
+            State::Completed(StoredResponse { status: 500, headers: vec![], body: vec![] }),
+            State::CompletedTooLarge { status: 200, location: Some(b"/x".to_vec()) },
+            State::CompletedTooLarge { status: 204, location: None },
+            State::OutcomeUnknown { reason: UnknownReason::UpstreamTimeout },
+            State::OutcomeUnknown { reason: UnknownReason::DownstreamGone },
+        ]
+    }
+
+    #[test]
+    fn every_state_round_trips_through_the_encoding() {
+        for s in all_states() {
+            let r = record(s);
+            assert_eq!(Record::decode(&r.encode()), Ok(r.clone()));
+        }
+    }
+
+    #[test]
+    fn encoding_is_versioned_and_tagged() {
+        let bytes = record(State::OutcomeUnknown { reason: UnknownReason::Other }).encode();
+        assert_eq!(&bytes[..5], b"IGR\x01\x05");
+    }
+
+    #[test]
+    fn unknown_version_tag_and_values_are_errors() {
+        let mut bytes = record(State::OutcomeUnknown { reason: UnknownReason::Other }).encode();
+        bytes[3] = 2;
+        assert_eq!(Record::decode(&bytes), Err(DecodeError::UnsupportedVersion(2)));
+        bytes[3] = 1;
+        bytes[4] = 9;
+        assert_eq!(Record::decode(&bytes), Err(DecodeError::BadTag(9)));
+        bytes[4] = 5;
+        *bytes.last_mut().unwrap() = 77;
+        assert_eq!(Record::decode(&bytes), Err(DecodeError::BadValue(77)));
+        assert_eq!(Record::decode(b"XYZ\x01"), Err(DecodeError::BadMagic));
+        assert_eq!(Record::decode(b""), Err(DecodeError::Truncated));
+    }
+
+    #[test]
+    fn every_truncation_and_any_trailing_byte_is_an_error() {
+        for s in all_states() {
+            let bytes = record(s).encode();
+            for cut in 0..bytes.len() {
+                assert!(Record::decode(&bytes[..cut]).is_err(), "prefix of {cut} bytes decoded");
+            }
+            let mut longer = bytes.clone();
+            longer.push(0);
+            assert_eq!(Record::decode(&longer), Err(DecodeError::TrailingBytes));
+        }
+    }
+
+    #[test]
+    fn huge_declared_length_is_refused_without_allocating_it() {
+        let mut bytes = b"IGR\x01\x03".to_vec();
+        bytes.extend_from_slice(&[0; 32]);
+        bytes.extend_from_slice(&[0, 0]); // times
+        bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]); // request id length
+        assert_eq!(Record::decode(&bytes), Err(DecodeError::Truncated));
+    }
+
+    #[test]
+    fn encoded_record_holds_no_raw_key_or_credential() {
+        // The record never receives the key or the scope's header values: only hashes.
+        let bytes = record(all_states().remove(2)).encode();
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(!text.contains("Bearer"));
+        assert!(!text.contains("idempotency"));
+    }
+
+    #[test]
+    fn expiry_is_checked_against_the_given_clock() {
+        let r = record(State::OutcomeUnknown { reason: UnknownReason::Other });
+        assert!(!r.is_expired(r.expires_at_ms - 1));
+        assert!(r.is_expired(r.expires_at_ms));
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        fn arb_state() -> impl Strategy<Value = State> {
+            let owner = any::<[u8; 16]>().prop_map(OwnerToken);
+            prop_oneof![
+                (owner.clone(), any::<u64>()).prop_map(|(owner, l)| State::Claimed { owner, lock_expires_at_ms: l }),
+                (owner, any::<u64>()).prop_map(|(owner, l)| State::InProgress { owner, lock_expires_at_ms: l }),
+                (100u16..1000, proptest::collection::vec(("[a-z-]{1,20}", proptest::collection::vec(any::<u8>(), 0..40)), 0..5), proptest::collection::vec(any::<u8>(), 0..300))
+                    .prop_map(|(status, headers, body)| State::Completed(StoredResponse { status, headers, body })),
+                (100u16..1000, proptest::option::of(proptest::collection::vec(any::<u8>(), 0..40)))
+                    .prop_map(|(status, location)| State::CompletedTooLarge { status, location }),
+                (1u8..7).prop_map(|c| State::OutcomeUnknown { reason: UnknownReason::from_code(c).unwrap() }),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn any_record_round_trips(state in arb_state(), fp in any::<[u8; 32]>(), c in any::<u64>(), e in any::<u64>(),
+                                      rid in ".{0,30}", logs in proptest::collection::vec((".{0,10}", ".{0,10}"), 0..4)) {
+                let r = Record { fingerprint: Fingerprint(fp), created_at_ms: c, expires_at_ms: e,
+                                 creator: Creator { request_id: rid, log_values: logs }, state };
+                prop_assert_eq!(Record::decode(&r.encode()), Ok(r));
+            }
+
+            #[test]
+            fn decoding_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+                let _ = Record::decode(&bytes);
+            }
+
+            #[test]
+            fn decoding_mutated_records_never_panics(state in arb_state(), pos in any::<prop::sample::Index>(), byte in any::<u8>()) {
+                let r = Record { fingerprint: Fingerprint([1; 32]), created_at_ms: 1, expires_at_ms: 2, creator: Creator::default(), state };
+                let mut bytes = r.encode();
+                let i = pos.index(bytes.len());
+                bytes[i] = byte;
+                let _ = Record::decode(&bytes);
+            }
+        }
+    }
+}

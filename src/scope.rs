@@ -1,0 +1,169 @@
+//! The caller scope and the storage key.
+//!
+//! A record is addressed by `SHA-256(namespace, scope hash, key)`: never by the raw key or a raw
+//! credential. Two callers that send the same key get different records, so a guessed key cannot
+//! replay (or block) another caller's response. Layouts are pinned in ARCHITECTURE.md.
+
+use crate::config::ScopeConfig;
+use crate::fingerprint::Framer;
+use crate::hex;
+use crate::key::IdempotencyKey;
+use crate::request::RequestHead;
+
+/// Domain-separation prefixes: a scope hash can never equal a storage key or a fingerprint.
+const SCOPE_TAG: &[u8] = b"idemgate-scope-v1\0";
+const KEY_TAG: &[u8] = b"idemgate-key-v1\0";
+
+/// The hashed identity of a caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallerScope {
+    pub hash: [u8; 32],
+    /// True when at least one configured scope header was present. Without one, all such callers
+    /// share the anonymous scope of their authority.
+    pub identified: bool,
+}
+
+impl CallerScope {
+    /// Hashes the configured scope headers (every value, in configured order) and, unless turned
+    /// off, the `:authority`.
+    pub fn of(head: &RequestHead, cfg: &ScopeConfig) -> CallerScope {
+        let mut f = Framer::new(SCOPE_TAG);
+        let mut identified = false;
+        f.field(&cfg.headers.len().to_string().into_bytes());
+        for name in &cfg.headers {
+            let values = head.values(name);
+            identified |= !values.is_empty();
+            f.field(name.as_bytes());
+            f.field(values.len().to_string().as_bytes());
+            for v in values {
+                f.field(v);
+            }
+        }
+        if cfg.include_authority {
+            f.field(b":authority");
+            f.field(head.authority.to_ascii_lowercase().as_bytes());
+        }
+        CallerScope { hash: f.finish(), identified }
+    }
+
+    /// First 12 hex digits, for log lines.
+    pub fn short(&self) -> String {
+        hex::encode(self.hash.get(..6).unwrap_or_default())
+    }
+}
+
+/// Where a record lives: `SHA-256(tag, namespace, scope hash, key)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StorageKey(pub [u8; 32]);
+
+impl StorageKey {
+    pub fn derive(namespace: &str, scope: &CallerScope, key: &IdempotencyKey) -> StorageKey {
+        let mut f = Framer::new(KEY_TAG);
+        f.field(namespace.as_bytes());
+        f.field(&scope.hash);
+        f.field(key.as_str().as_bytes());
+        StorageKey(f.finish())
+    }
+
+    /// Full lowercase hex (64 characters).
+    pub fn hex(&self) -> String {
+        hex::encode(&self.0)
+    }
+
+    /// First 12 hex digits: the key's hash as it appears in log lines.
+    pub fn short(&self) -> String {
+        hex::encode(self.0.get(..6).unwrap_or_default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::parse_key;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn head(auth: Option<&str>, authority: &str) -> RequestHead {
+        let mut pairs = vec![(":authority".to_string(), authority.as_bytes().to_vec())];
+        if let Some(a) = auth {
+            pairs.push(("authorization".to_string(), a.as_bytes().to_vec()));
+        }
+        RequestHead::from_pairs(pairs)
+    }
+
+    fn cfg(headers: &[&str], include_authority: bool) -> ScopeConfig {
+        ScopeConfig {
+            headers: headers.iter().map(|h| h.to_string()).collect(),
+            global: headers.is_empty(),
+            include_authority,
+        }
+    }
+
+    fn key(k: &str) -> IdempotencyKey {
+        parse_key(k.as_bytes(), 255).unwrap()
+    }
+
+    #[test]
+    fn two_callers_with_the_same_key_get_different_storage_keys() {
+        let c = cfg(&["authorization"], true);
+        let a = CallerScope::of(&head(Some("Bearer alice"), "api"), &c);
+        let b = CallerScope::of(&head(Some("Bearer bob"), "api"), &c);
+        assert_ne!(a, b);
+        assert_ne!(StorageKey::derive("ns", &a, &key("k1")), StorageKey::derive("ns", &b, &key("k1")));
+        assert!(a.identified && b.identified);
+    }
+
+    #[test]
+    fn authority_is_part_of_the_scope_unless_turned_off() {
+        let on = cfg(&["authorization"], true);
+        let off = cfg(&["authorization"], false);
+        let x = head(Some("t"), "a.example");
+        let y = head(Some("t"), "b.example");
+        assert_ne!(CallerScope::of(&x, &on), CallerScope::of(&y, &on));
+        assert_eq!(CallerScope::of(&x, &off), CallerScope::of(&y, &off));
+        assert_eq!(CallerScope::of(&head(Some("t"), "A.example"), &on), CallerScope::of(&x, &on));
+    }
+
+    #[test]
+    fn namespace_separates_storage_keys() {
+        let s = CallerScope::of(&head(Some("t"), "api"), &cfg(&["authorization"], true));
+        assert_ne!(StorageKey::derive("a", &s, &key("k")), StorageKey::derive("b", &s, &key("k")));
+    }
+
+    #[test]
+    fn caller_without_any_scope_header_is_not_identified() {
+        let s = CallerScope::of(&head(None, "api"), &cfg(&["authorization"], true));
+        assert!(!s.identified);
+    }
+
+    #[test]
+    fn header_boundaries_cannot_be_shifted_to_collide() {
+        let c = cfg(&["x-a", "x-b"], false);
+        let h1 = RequestHead::from_pairs(vec![("x-a".into(), b"ab".to_vec()), ("x-b".into(), b"c".to_vec())]);
+        let h2 = RequestHead::from_pairs(vec![("x-a".into(), b"a".to_vec()), ("x-b".into(), b"bc".to_vec())]);
+        assert_ne!(CallerScope::of(&h1, &c), CallerScope::of(&h2, &c));
+    }
+
+    #[test]
+    fn short_forms_are_prefixes_of_the_full_hash() {
+        let s = CallerScope::of(&head(Some("Bearer secret-token"), "api"), &cfg(&["authorization"], true));
+        let k = StorageKey::derive("idemgate", &s, &key("order-12345"));
+        assert_eq!(k.hex().len(), 64);
+        assert_eq!(k.short(), k.hex()[..12]);
+        assert_eq!(s.short(), hex::encode(&s.hash)[..12]);
+    }
+
+    /// Pinned vector, computed independently of this code with:
+    /// `printf 'idemgate-scope-v1\0001:1,13:authorization,1:1,12:Bearer alice,10::authority,3:api,' | sha256sum`
+    /// and then
+    /// `(printf 'idemgate-key-v1\0008:idemgate,32:'; printf '<scope hash>' | xxd -r -p; printf ',2:k1,') | sha256sum`.
+    #[test]
+    fn scope_and_storage_key_layouts_are_pinned() {
+        let s = CallerScope::of(&head(Some("Bearer alice"), "api"), &cfg(&["authorization"], true));
+        assert_eq!(hex::encode(&s.hash), SCOPE_VECTOR);
+        assert_eq!(StorageKey::derive("idemgate", &s, &key("k1")).hex(), KEY_VECTOR);
+    }
+
+    const SCOPE_VECTOR: &str = "206e3bfe09a939a9ec8d124ddc11747076e91bc1538bbd31c47195f8f3283263";
+    const KEY_VECTOR: &str = "25ac414820301995f186e203d357b20a9fd56c30da2524881ff24a53d1733af1";
+}
