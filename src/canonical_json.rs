@@ -189,11 +189,7 @@ impl<'a> Parser<'a> {
                     return None;
                 }
                 let value = self.value(depth)?;
-                members.push(Member {
-                    name,
-                    raw_name,
-                    value,
-                });
+                members.push(Member { name, raw_name, value });
                 self.skip_whitespace();
                 match self.next()? {
                     b',' => {}
@@ -203,10 +199,7 @@ impl<'a> Parser<'a> {
             }
         }
         members.sort_by(|a, b| a.name.cmp(&b.name));
-        if members
-            .windows(2)
-            .any(|w| matches!(w, [a, b] if a.name == b.name))
-        {
+        if members.windows(2).any(|w| matches!(w, [a, b] if a.name == b.name)) {
             return None;
         }
         Some(Value::Object(members))
@@ -322,10 +315,7 @@ mod tests {
     fn member_order_and_whitespace_do_not_change_canonical_form() {
         let expected = Some(r#"{"a":[1,{"x":null,"y":true}],"b":"s"}"#.to_owned());
         assert_eq!(canon(r#"{"a":[1,{"x":null,"y":true}],"b":"s"}"#), expected);
-        assert_eq!(
-            canon(" {\"b\" :\"s\",\r\n\t\"a\": [ 1 , {\"y\":true ,\"x\" : null} ] }\n"),
-            expected
-        );
+        assert_eq!(canon(" {\"b\" :\"s\",\r\n\t\"a\": [ 1 , {\"y\":true ,\"x\" : null} ] }\n"), expected);
     }
 
     #[test]
@@ -352,18 +342,7 @@ mod tests {
 
     #[test]
     fn numbers_are_kept_exactly_as_written() {
-        for n in [
-            "0",
-            "-0",
-            "1.0",
-            "1",
-            "0.1",
-            "0.10000000000000001",
-            "9007199254740993",
-            "1e2",
-            "1E+02",
-            "-1.5e-7",
-        ] {
+        for n in ["0", "-0", "1.0", "1", "0.1", "0.10000000000000001", "9007199254740993", "1e2", "1E+02", "-1.5e-7"] {
             assert_eq!(canon(&format!("[ {n} ]")), Some(format!("[{n}]")), "{n}");
         }
         assert_ne!(canon("1.0"), canon("1"));
@@ -389,10 +368,7 @@ mod tests {
     #[test]
     fn member_names_are_sorted_by_decoded_code_points_and_emitted_as_written() {
         // Decoded: "b" > "a"; U+FFFF < U+10000 in code point order (UTF-16 order would differ).
-        assert_eq!(
-            canon(r#"{"\u0062":1,"a":2}"#),
-            Some(r#"{"a":2,"\u0062":1}"#.to_owned())
-        );
+        assert_eq!(canon(r#"{"\u0062":1,"a":2}"#), Some(r#"{"a":2,"\u0062":1}"#.to_owned()));
         assert_eq!(
             canon("{\"\\ud800\\udc00\":1,\"\u{ffff}\":2,\"\":3,\"a\\u0000\":4,\"a\":5}"),
             Some("{\"\":3,\"a\":5,\"a\\u0000\":4,\"\u{ffff}\":2,\"\\ud800\\udc00\":1}".to_owned())
@@ -411,10 +387,7 @@ mod tests {
         ] {
             assert_eq!(canon(input), None, "{input}");
         }
-        assert!(
-            canon(r#"[{"a":1},{"a":2}]"#).is_some(),
-            "same name in different objects is fine"
-        );
+        assert!(canon(r#"[{"a":1},{"a":2}]"#).is_some(), "same name in different objects is fine");
     }
 
     #[test]
@@ -482,19 +455,13 @@ mod tests {
             b"/* c */ 1",
         ];
         for input in cases {
-            assert_eq!(
-                canonicalize(input),
-                None,
-                "{:?}",
-                String::from_utf8_lossy(input)
-            );
+            assert_eq!(canonicalize(input), None, "{:?}", String::from_utf8_lossy(input));
         }
     }
 
     #[test]
     fn nesting_deeper_than_max_depth_is_rejected() {
-        let nest =
-            |open: &str, close: &str, depth: usize| open.repeat(depth) + "0" + &close.repeat(depth);
+        let nest = |open: &str, close: &str, depth: usize| open.repeat(depth) + "0" + &close.repeat(depth);
         for (open, close) in [("[", "]"), ("{\"a\":", "}"), ("[{\"a\":", "}]")] {
             let max = MAX_DEPTH / close.len(); // `close` has one byte per container
             let ok = nest(open, close, max);
@@ -543,33 +510,21 @@ mod tests {
         }
 
         fn text() -> impl Strategy<Value = String> {
-            prop_oneof![
-                "[ab\"\\\\/\\x00\\x1f\u{7f}é\u{e000}\u{ffff}\u{10000}😀]{0,4}",
-                "\\PC{0,8}"
-            ]
+            prop_oneof!["[ab\"\\\\/\\x00\\x1f\u{7f}é\u{e000}\u{ffff}\u{10000}😀]{0,4}", "\\PC{0,8}"]
         }
 
         fn json() -> impl Strategy<Value = Json> {
             let leaf = prop_oneof![
-                "-?(0|[1-9][0-9]{0,20})(\\.[0-9]{1,5})?([eE][+-]?[0-9]{1,3})?"
-                    .prop_map(Json::Scalar),
+                "-?(0|[1-9][0-9]{0,20})(\\.[0-9]{1,5})?([eE][+-]?[0-9]{1,3})?".prop_map(Json::Scalar),
                 (text(), any::<bool>()).prop_map(|(s, esc)| Json::Scalar(spell(&s, esc))),
-                prop_oneof![Just("true"), Just("false"), Just("null")]
-                    .prop_map(|s| Json::Scalar(s.into())),
+                prop_oneof![Just("true"), Just("false"), Just("null")].prop_map(|s| Json::Scalar(s.into())),
             ];
             leaf.prop_recursive(5, 64, 6, |inner| {
                 prop_oneof![
                     prop::collection::vec(inner.clone(), 0..6).prop_map(Json::Array),
-                    prop::collection::btree_map(text(), (any::<bool>(), inner), 0..6).prop_map(
-                        |members| {
-                            Json::Object(
-                                members
-                                    .into_iter()
-                                    .map(|(name, (esc, v))| (spell(&name, esc), name, v))
-                                    .collect(),
-                            )
-                        }
-                    ),
+                    prop::collection::btree_map(text(), (any::<bool>(), inner), 0..6).prop_map(|members| {
+                        Json::Object(members.into_iter().map(|(name, (esc, v))| (spell(&name, esc), name, v)).collect())
+                    }),
                 ]
             })
         }
@@ -615,9 +570,7 @@ mod tests {
                 Json::Object(members) => {
                     let mut order: Vec<_> = members.iter().collect();
                     match rng {
-                        Some(r) => (1..order.len())
-                            .rev()
-                            .for_each(|i| order.swap(i, r.below(i + 1))),
+                        Some(r) => (1..order.len()).rev().for_each(|i| order.swap(i, r.below(i + 1))),
                         None => order.sort_by(|a, b| a.1.cmp(&b.1)),
                     }
                     out.push('{');

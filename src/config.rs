@@ -215,7 +215,10 @@ impl Config {
         };
         if routes.is_empty() {
             if let Some(Value::Array(_)) = top.get("routes") {
-                return Err(err("routes", "an empty list would protect nothing; remove the field to protect every path"));
+                return Err(err(
+                    "routes",
+                    "an empty list would protect nothing; remove the field to protect every path",
+                ));
             }
             validate_policy(&default_policy, "")?;
         }
@@ -332,7 +335,12 @@ fn check_unknown(map: &Map<String, Value>, prefix: &str, known: &[&[&str]]) -> R
 }
 
 /// Applies the policy fields present in `map` onto `p` (so a route inherits what it leaves out).
-fn apply_policy_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy, also: &[&str]) -> Result<(), ConfigError> {
+fn apply_policy_fields(
+    map: &Map<String, Value>,
+    prefix: &str,
+    p: &mut Policy,
+    also: &[&str],
+) -> Result<(), ConfigError> {
     check_unknown(map, prefix, &[POLICY_FIELDS, also])?;
     for (name, v) in map {
         let f = join(prefix, name);
@@ -376,7 +384,8 @@ fn apply_policy_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy, a
                         "headers" => p.fingerprint.headers = header_list(v, &fi)?,
                         "include_query" => p.fingerprint.include_query = as_bool(v, &fi)?,
                         _ => {
-                            p.fingerprint.json = as_choice(v, &fi, &[("raw", JsonMode::Raw), ("canonical", JsonMode::Canonical)])?
+                            p.fingerprint.json =
+                                as_choice(v, &fi, &[("raw", JsonMode::Raw), ("canonical", JsonMode::Canonical)])?
                         }
                     }
                 }
@@ -406,7 +415,9 @@ fn apply_policy_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy, a
             }
             "log_headers" => p.log_headers = header_list(v, &f)?,
             "replay_exclude_headers" => p.replay_exclude_headers = header_list(v, &f)?,
-            "stale_lock" => p.stale_lock = as_choice(v, &f, &[("reject", StaleLock::Reject), ("takeover", StaleLock::Takeover)])?,
+            "stale_lock" => {
+                p.stale_lock = as_choice(v, &f, &[("reject", StaleLock::Reject), ("takeover", StaleLock::Takeover)])?
+            }
             _ => {} // top-only fields, handled by the caller
         }
     }
@@ -448,7 +459,9 @@ fn parse_routes(v: &Value, base: &Policy) -> Result<Vec<Route>, ConfigError> {
         }
         let prefix = match m.get("prefix") {
             Some(p) => as_str(p, &join(&f, "prefix"))?,
-            None => return Err(err(&join(&f, "prefix"), "missing: every route needs a path prefix such as \"/payments\"")),
+            None => {
+                return Err(err(&join(&f, "prefix"), "missing: every route needs a path prefix such as \"/payments\""))
+            }
         };
         if !prefix.starts_with('/') {
             return Err(err(&join(&f, "prefix"), format!("\"{prefix}\" must start with \"/\"")));
@@ -480,7 +493,9 @@ fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
         None => 250,
     };
     let on_unavailable = match m.get("on_unavailable") {
-        Some(o) => as_choice(o, "store.on_unavailable", &[("reject", OnUnavailable::Reject), ("pass", OnUnavailable::Pass)])?,
+        Some(o) => {
+            as_choice(o, "store.on_unavailable", &[("reject", OnUnavailable::Reject), ("pass", OnUnavailable::Pass)])?
+        }
         None => OnUnavailable::Reject,
     };
     Ok(StoreConfig { cluster, authority, timeout_ms, on_unavailable })
@@ -495,7 +510,10 @@ fn parse_local(v: &Value) -> Result<LocalConfig, ConfigError> {
         match n.as_str() {
             "max_entries" => l.max_entries = as_uint(v, &f, 1, 10_000_000)?,
             "max_bytes" => l.max_bytes = as_uint(v, &f, 4096, 16 * 1024 * 1024 * 1024)?,
-            _ => l.when_full = as_choice(v, &f, &[("reject", WhenFull::Reject), ("evict_oldest", WhenFull::EvictOldest)])?,
+            _ => {
+                l.when_full =
+                    as_choice(v, &f, &[("reject", WhenFull::Reject), ("evict_oldest", WhenFull::EvictOldest)])?
+            }
         }
     }
     Ok(l)
@@ -532,7 +550,10 @@ mod tests {
         assert_eq!((p.ttl_seconds, p.lock_ttl_seconds, p.unknown_outcome_seconds), (86_400, 60, 86_400));
         assert_eq!((p.max_request_body_bytes, p.max_response_body_bytes), (1_048_576, 1_048_576));
         assert_eq!(p.fingerprint, FingerprintConfig { headers: vec![], include_query: true, json: JsonMode::Raw });
-        assert_eq!(p.scope, ScopeConfig { headers: vec!["authorization".into()], global: false, include_authority: true });
+        assert_eq!(
+            p.scope,
+            ScopeConfig { headers: vec!["authorization".into()], global: false, include_authority: true }
+        );
         assert_eq!(p.release_on_status, vec![429]);
         assert_eq!(p.replay_exclude_headers, vec!["set-cookie"]);
         assert_eq!(p.stale_lock, StaleLock::Reject);
@@ -565,7 +586,10 @@ mod tests {
         assert_eq!(p.key_max_length, 64);
         assert_eq!((p.ttl_seconds, p.lock_ttl_seconds, p.unknown_outcome_seconds), (3600, 30, 600));
         assert_eq!((p.max_request_body_bytes, p.max_response_body_bytes), (1000, 2000));
-        assert_eq!(p.fingerprint, FingerprintConfig { headers: vec!["x-tenant".into()], include_query: false, json: JsonMode::Canonical });
+        assert_eq!(
+            p.fingerprint,
+            FingerprintConfig { headers: vec!["x-tenant".into()], include_query: false, json: JsonMode::Canonical }
+        );
         assert_eq!(p.scope.headers, vec!["authorization", "x-user"]);
         assert!(!p.scope.include_authority);
         assert_eq!(p.release_on_status, vec![429, 503]);
@@ -574,7 +598,12 @@ mod tests {
         assert_eq!(p.stale_lock, StaleLock::Takeover);
         assert_eq!(
             c.store,
-            Some(StoreConfig { cluster: "idemgate_store".into(), authority: "webdis".into(), timeout_ms: 50, on_unavailable: OnUnavailable::Pass })
+            Some(StoreConfig {
+                cluster: "idemgate_store".into(),
+                authority: "webdis".into(),
+                timeout_ms: 50,
+                on_unavailable: OnUnavailable::Pass
+            })
         );
         assert_eq!(c.local, LocalConfig { max_entries: 100, max_bytes: 1_048_576, when_full: WhenFull::EvictOldest });
     }
@@ -584,7 +613,12 @@ mod tests {
         let c = parse(r#"{"scope": {"global": true}, "store": {"cluster": "redis"}}"#).unwrap();
         assert_eq!(
             c.store,
-            Some(StoreConfig { cluster: "redis".into(), authority: "redis".into(), timeout_ms: 250, on_unavailable: OnUnavailable::Reject })
+            Some(StoreConfig {
+                cluster: "redis".into(),
+                authority: "redis".into(),
+                timeout_ms: 250,
+                on_unavailable: OnUnavailable::Reject
+            })
         );
     }
 
@@ -618,13 +652,19 @@ mod tests {
             (r#"{"scope": {"headers": ["a"]}, "store": {}}"#, "store.cluster"),
             (r#"{"scope": {"headers": ["a"]}, "store": {"cluster": "c", "password": "x"}}"#, "store.password"),
             (r#"{"scope": {"headers": ["a"]}, "store": {"cluster": "c", "timeout_ms": 0}}"#, "store.timeout_ms"),
-            (r#"{"scope": {"headers": ["a"]}, "store": {"cluster": "c", "on_unavailable": "open"}}"#, "store.on_unavailable"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "store": {"cluster": "c", "on_unavailable": "open"}}"#,
+                "store.on_unavailable",
+            ),
             (r#"{"scope": {"headers": ["a"]}, "local": {"when_full": "drop"}}"#, "local.when_full"),
             (r#"{"scope": {"headers": ["a"]}, "routes": []}"#, "routes"),
             (r#"{"scope": {"headers": ["a"]}, "routes": [{}]}"#, "routes[0].prefix"),
             (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "pay"}]}"#, "routes[0].prefix"),
             (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "store": null}]}"#, "routes[0].store"),
-            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "ttl_seconds": 0}]}"#, "routes[0].ttl_seconds"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "ttl_seconds": 0}]}"#,
+                "routes[0].ttl_seconds",
+            ),
             (r#"{"routes": [{"prefix": "/p"}]}"#, "routes[0].scope.headers"),
             (r#"[1, 2]"#, ""),
             (r#"{"scope": "#, ""),

@@ -83,13 +83,19 @@ pub const IN_FLIGHT_RETRY_AFTER_SECONDS: u64 = 1;
 pub const UNAVAILABLE_RETRY_AFTER_SECONDS: u64 = 1;
 
 /// The decision table for a protected request with fingerprint `fp` at time `now_ms`.
-pub fn decide(lookup: Lookup<'_>, fp: &Fingerprint, now_ms: u64, policy: &Policy, on_unavailable: OnUnavailable) -> Decision {
+pub fn decide(
+    lookup: Lookup<'_>,
+    fp: &Fingerprint,
+    now_ms: u64,
+    policy: &Policy,
+    on_unavailable: OnUnavailable,
+) -> Decision {
     let record = match lookup {
         Lookup::StoreError => {
             return match on_unavailable {
-                OnUnavailable::Reject => {
-                    Decision::Reject(ProblemKind::StoreUnavailable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS })
-                }
+                OnUnavailable::Reject => Decision::Reject(ProblemKind::StoreUnavailable {
+                    retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS,
+                }),
                 OnUnavailable::Pass => Decision::PassUnprotected,
             }
         }
@@ -103,7 +109,9 @@ pub fn decide(lookup: Lookup<'_>, fp: &Fingerprint, now_ms: u64, policy: &Policy
     match &record.state {
         State::Completed(_) | State::CompletedTooLarge { .. } => Decision::Replay,
         State::OutcomeUnknown { .. } => Decision::Reject(ProblemKind::OutcomeUnknown),
-        State::Claimed { lock_expires_at_ms, .. } | State::InProgress { lock_expires_at_ms, .. } if now_ms < *lock_expires_at_ms => {
+        State::Claimed { lock_expires_at_ms, .. } | State::InProgress { lock_expires_at_ms, .. }
+            if now_ms < *lock_expires_at_ms =>
+        {
             Decision::Reject(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS })
         }
         State::Claimed { .. } => Decision::TakeOver,
@@ -206,9 +214,20 @@ pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
     }
     let f = facts.flags;
     if f & flags::MAYBE_EXECUTED != 0 {
-        let reason = if f & (flags::UPSTREAM_REQUEST_TIMEOUT | flags::DURATION_TIMEOUT | flags::STREAM_IDLE_TIMEOUT | flags::UPSTREAM_MAX_STREAM_DURATION_REACHED) != 0 {
+        let reason = if f
+            & (flags::UPSTREAM_REQUEST_TIMEOUT
+                | flags::DURATION_TIMEOUT
+                | flags::STREAM_IDLE_TIMEOUT
+                | flags::UPSTREAM_MAX_STREAM_DURATION_REACHED)
+            != 0
+        {
             UnknownReason::UpstreamTimeout
-        } else if f & (flags::DOWNSTREAM_CONNECTION_TERMINATION | flags::DOWNSTREAM_REMOTE_RESET | flags::DOWNSTREAM_PROTOCOL_ERROR) != 0 {
+        } else if f
+            & (flags::DOWNSTREAM_CONNECTION_TERMINATION
+                | flags::DOWNSTREAM_REMOTE_RESET
+                | flags::DOWNSTREAM_PROTOCOL_ERROR)
+            != 0
+        {
             UnknownReason::DownstreamGone
         } else {
             UnknownReason::UpstreamReset
@@ -249,7 +268,13 @@ mod tests {
     }
 
     fn rec(fp: u8, state: State, expires_at_ms: u64) -> Record {
-        Record { fingerprint: Fingerprint([fp; 32]), created_at_ms: 0, expires_at_ms, creator: Creator::default(), state }
+        Record {
+            fingerprint: Fingerprint([fp; 32]),
+            created_at_ms: 0,
+            expires_at_ms,
+            creator: Creator::default(),
+            state,
+        }
     }
 
     fn owner() -> OwnerToken {
@@ -261,19 +286,26 @@ mod tests {
         let mut required = policy();
         required.require_key = true;
         let p = policy();
-        let table: Vec<(Option<&Policy>, Vec<&[u8]>, Admission)> = vec![
+        type Row<'a> = (Option<&'a Policy>, Vec<&'a [u8]>, Admission);
+        let table: Vec<Row> = vec![
             (None, vec![b"k"], Admission::Pass),
             (Some(&p), vec![], Admission::Pass),
             (Some(&required), vec![], Admission::Reject(ProblemKind::KeyMissing { header: "idempotency-key".into() })),
             (
                 Some(&p),
                 vec![b"a,b"],
-                Admission::Reject(ProblemKind::KeyInvalid { header: "idempotency-key".into(), error: crate::key::KeyError::List }),
+                Admission::Reject(ProblemKind::KeyInvalid {
+                    header: "idempotency-key".into(),
+                    error: crate::key::KeyError::List,
+                }),
             ),
             (
                 Some(&p),
                 vec![b"k", b"k"],
-                Admission::Reject(ProblemKind::KeyInvalid { header: "idempotency-key".into(), error: crate::key::KeyError::Repeated }),
+                Admission::Reject(ProblemKind::KeyInvalid {
+                    header: "idempotency-key".into(),
+                    error: crate::key::KeyError::Repeated,
+                }),
             ),
         ];
         for (pol, values, want) in table {

@@ -95,10 +95,8 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn head(method: &str, path: &str, extra: &[(&str, &str)]) -> RequestHead {
-        let mut pairs = vec![
-            (":method".to_string(), method.as_bytes().to_vec()),
-            (":path".to_string(), path.as_bytes().to_vec()),
-        ];
+        let mut pairs =
+            vec![(":method".to_string(), method.as_bytes().to_vec()), (":path".to_string(), path.as_bytes().to_vec())];
         for (n, v) in extra {
             pairs.push((n.to_string(), v.as_bytes().to_vec()));
         }

@@ -262,7 +262,8 @@ mod tests {
 
     #[test]
     fn conflict_names_the_run_that_created_the_record() {
-        let creator = Creator { request_id: "first".into(), log_values: vec![("x-agent-run-id".into(), "run-7".into())] };
+        let creator =
+            Creator { request_id: "first".into(), log_values: vec![("x-agent-run-id".into(), "run-7".into())] };
         let b = body(&ProblemKind::KeyReused.to_problem("second", Some(&creator)));
         assert_eq!(b["original_request"]["request_id"], "first");
         assert_eq!(b["original_request"]["x-agent-run-id"], "run-7");
@@ -270,7 +271,8 @@ mod tests {
 
     #[test]
     fn response_not_stored_carries_original_status_and_location_never_an_empty_success() {
-        let p = ProblemKind::ResponseNotStored { status: 201, location: Some("/charges/9".into()) }.to_problem("", None);
+        let p =
+            ProblemKind::ResponseNotStored { status: 201, location: Some("/charges/9".into()) }.to_problem("", None);
         assert_eq!(p.status, 201);
         assert!(!p.body.is_empty());
         assert!(p.headers.contains(&("location".into(), "/charges/9".into())));

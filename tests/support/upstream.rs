@@ -1,0 +1,165 @@
+//! A small counting upstream: it commits each execution as soon as the whole request has
+//! arrived (whether or not its client is still connected, as a real charge does), then answers.
+//!
+//! Per-request behaviour comes from request headers (not part of any fingerprint in the tests):
+//! `x-up-status` (default 201), `x-up-delay-ms`, `x-up-body-bytes` (a large body),
+//! `x-up-set-cookie` (adds a set-cookie header).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct Execution {
+    pub n: u64,
+    pub method: String,
+    pub path: String,
+    pub key: Option<String>,
+    pub body: Vec<u8>,
+}
+
+#[derive(Default)]
+struct State {
+    executions: Vec<Execution>,
+}
+
+pub struct Upstream {
+    pub port: u16,
+    state: Arc<Mutex<State>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Upstream {
+    pub fn start() -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
+        let port = listener.local_addr().expect("addr").port();
+        let state = Arc::new(Mutex::new(State::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (st, sp) = (state.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if sp.load(Ordering::SeqCst) {
+                    break;
+                }
+                if let Ok(conn) = conn {
+                    let st = st.clone();
+                    std::thread::spawn(move || serve(conn, st));
+                }
+            }
+        });
+        Upstream { port, state, stop }
+    }
+
+    /// How many requests executed.
+    pub fn executions(&self) -> u64 {
+        self.state.lock().expect("lock").executions.len() as u64
+    }
+
+    /// Executions whose forwarded idempotency key is `key`.
+    pub fn executions_with_key(&self, key: &str) -> u64 {
+        self.state.lock().expect("lock").executions.iter().filter(|e| e.key.as_deref() == Some(key)).count() as u64
+    }
+
+    pub fn log(&self) -> Vec<Execution> {
+        self.state.lock().expect("lock").executions.clone()
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(60)));
+    let mut writer = match conn.try_clone() {
+        Ok(w) => w,
+        Err(_) => return,
+    };
+    let mut reader = BufReader::new(conn);
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut parts = line.split_whitespace();
+        let method = parts.next().unwrap_or("").to_string();
+        let path = parts.next().unwrap_or("").to_string();
+        let mut headers: Vec<(String, String)> = vec![];
+        loop {
+            let mut h = String::new();
+            if reader.read_line(&mut h).unwrap_or(0) == 0 {
+                return;
+            }
+            let h = h.trim_end();
+            if h.is_empty() {
+                break;
+            }
+            if let Some((n, v)) = h.split_once(':') {
+                headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
+            }
+        }
+        let get = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        let mut body = vec![];
+        if let Some(len) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {
+            body.resize(len, 0);
+            if reader.read_exact(&mut body).is_err() {
+                return;
+            }
+        } else if get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+            loop {
+                let mut size_line = String::new();
+                if reader.read_line(&mut size_line).unwrap_or(0) == 0 {
+                    return;
+                }
+                let size = usize::from_str_radix(size_line.trim().split(';').next().unwrap_or("0"), 16).unwrap_or(0);
+                let mut chunk = vec![0; size + 2];
+                if reader.read_exact(&mut chunk).is_err() {
+                    return;
+                }
+                if size == 0 {
+                    break;
+                }
+                body.extend_from_slice(&chunk[..size]);
+            }
+        }
+        // Commit the execution now, before answering: a lost response does not undo it.
+        let n = {
+            let mut s = state.lock().expect("lock");
+            let n = s.executions.len() as u64 + 1;
+            s.executions.push(Execution {
+                n,
+                method: method.clone(),
+                path: path.clone(),
+                key: get("idempotency-key"),
+                body: body.clone(),
+            });
+            n
+        };
+        if let Some(ms) = get("x-up-delay-ms").and_then(|v| v.parse::<u64>().ok()) {
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+        let status: u16 = get("x-up-status").and_then(|v| v.parse().ok()).unwrap_or(201);
+        let resp_body = match get("x-up-body-bytes").and_then(|v| v.parse::<usize>().ok()) {
+            Some(size) => vec![b'x'; size],
+            None => format!("{{\"id\":\"res-{n}\",\"execution\":{n},\"path\":{path:?}}}").into_bytes(),
+        };
+        let mut head = format!(
+            "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nlocation: /resources/res-{n}\r\nx-execution: {n}\r\n",
+            resp_body.len()
+        );
+        if get("x-up-set-cookie").is_some() {
+            head.push_str("set-cookie: session=secret-of-first-caller; HttpOnly\r\n");
+        }
+        head.push_str("\r\n");
+        let mut out = head.into_bytes();
+        out.extend_from_slice(&resp_body);
+        if writer.write_all(&out).is_err() {
+            return;
+        }
+    }
+}
