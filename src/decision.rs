@@ -48,11 +48,41 @@ pub fn check_body_size(size: u64, policy: &Policy) -> Result<(), ProblemKind> {
     }
 }
 
+/// The part of a record a decision needs (the local tier keeps exactly this in its index).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Summary {
+    /// `None` while a claim made at request headers waits for the body.
+    pub fingerprint: Option<Fingerprint>,
+    pub expires_at_ms: u64,
+    pub phase: Phase,
+}
+
+/// Where a key stands, without the stored response.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Claimed { lock_expires_at_ms: u64 },
+    InProgress { lock_expires_at_ms: u64 },
+    Completed,
+    Unknown,
+}
+
+impl Record {
+    pub fn summary(&self) -> Summary {
+        let phase = match &self.state {
+            State::Claimed { lock_expires_at_ms, .. } => Phase::Claimed { lock_expires_at_ms: *lock_expires_at_ms },
+            State::InProgress { lock_expires_at_ms, .. } => Phase::InProgress { lock_expires_at_ms: *lock_expires_at_ms },
+            State::Completed(_) | State::CompletedTooLarge { .. } => Phase::Completed,
+            State::OutcomeUnknown { .. } => Phase::Unknown,
+        };
+        Summary { fingerprint: Some(self.fingerprint), expires_at_ms: self.expires_at_ms, phase }
+    }
+}
+
 /// What the store said about a key.
 #[derive(Clone, Copy, Debug)]
-pub enum Lookup<'a> {
+pub enum Lookup {
     Absent,
-    Found(&'a Record),
+    Found(Summary),
     /// Unreachable, too slow, or an answer that could not be understood.
     StoreError,
 }
@@ -75,6 +105,9 @@ pub enum Decision {
     Reject(ProblemKind),
     /// The store is unavailable and `on_unavailable` is `pass`: forward unprotected.
     PassUnprotected,
+    /// Replay, 422 and outcome-unknown depend on the fingerprint, which needs the whole body:
+    /// buffer it, then decide again.
+    NeedFingerprint,
 }
 
 /// Seconds a client is asked to wait before retrying a request that is still in flight.
@@ -82,43 +115,56 @@ pub const IN_FLIGHT_RETRY_AFTER_SECONDS: u64 = 1;
 /// Seconds a client is asked to wait after a store outage or capacity refusal.
 pub const UNAVAILABLE_RETRY_AFTER_SECONDS: u64 = 1;
 
-/// The decision table for a protected request with fingerprint `fp` at time `now_ms`.
-pub fn decide(
-    lookup: Lookup<'_>,
-    fp: &Fingerprint,
-    now_ms: u64,
-    policy: &Policy,
-    on_unavailable: OnUnavailable,
-) -> Decision {
+/// The decision table for a protected request at time `now_ms`. `fp` is `None` when the decision
+/// is taken at request headers, before the body (and so the fingerprint) is known.
+pub fn decide(lookup: Lookup, fp: Option<&Fingerprint>, now_ms: u64, policy: &Policy, on_unavailable: OnUnavailable) -> Decision {
     let record = match lookup {
         Lookup::StoreError => {
             return match on_unavailable {
-                OnUnavailable::Reject => Decision::Reject(ProblemKind::StoreUnavailable {
-                    retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS,
-                }),
+                OnUnavailable::Reject => {
+                    Decision::Reject(ProblemKind::StoreUnavailable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS })
+                }
                 OnUnavailable::Pass => Decision::PassUnprotected,
             }
         }
         Lookup::Absent => return Decision::Claim,
-        Lookup::Found(r) if r.is_expired(now_ms) => return Decision::Claim,
+        Lookup::Found(r) if now_ms >= r.expires_at_ms => return Decision::Claim,
         Lookup::Found(r) => r,
     };
-    if record.fingerprint != *fp {
+    let in_flight = Decision::Reject(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS });
+    // A live lock is answered at once (409), whatever the body: a concurrent duplicate need not
+    // be buffered. Everything else needs the fingerprint.
+    match record.phase {
+        Phase::Claimed { lock_expires_at_ms } | Phase::InProgress { lock_expires_at_ms } if now_ms < lock_expires_at_ms => {
+            return match (fp, record.fingerprint) {
+                (Some(a), Some(b)) if *a != b => Decision::Reject(ProblemKind::KeyReused),
+                _ => in_flight,
+            };
+        }
+        // A stale claim that never forwarded anything: its request provably did not execute, so
+        // exactly one retry (the CAS decides which) may take it over.
+        Phase::Claimed { .. } => {
+            return match (fp, record.fingerprint) {
+                (Some(a), Some(b)) if *a != b => Decision::Reject(ProblemKind::KeyReused),
+                _ => Decision::TakeOver,
+            };
+        }
+        _ => {}
+    }
+    let Some(fp) = fp else {
+        return Decision::NeedFingerprint;
+    };
+    if record.fingerprint.is_some_and(|r| r != *fp) {
         return Decision::Reject(ProblemKind::KeyReused);
     }
-    match &record.state {
-        State::Completed(_) | State::CompletedTooLarge { .. } => Decision::Replay,
-        State::OutcomeUnknown { .. } => Decision::Reject(ProblemKind::OutcomeUnknown),
-        State::Claimed { lock_expires_at_ms, .. } | State::InProgress { lock_expires_at_ms, .. }
-            if now_ms < *lock_expires_at_ms =>
-        {
-            Decision::Reject(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS })
-        }
-        State::Claimed { .. } => Decision::TakeOver,
-        State::InProgress { .. } => match policy.stale_lock {
+    match record.phase {
+        Phase::Completed => Decision::Replay,
+        Phase::Unknown => Decision::Reject(ProblemKind::OutcomeUnknown),
+        Phase::InProgress { .. } => match policy.stale_lock {
             StaleLock::Reject => Decision::MarkUnknown,
             StaleLock::Takeover => Decision::TakeOver,
         },
+        Phase::Claimed { .. } => Decision::TakeOver,
     }
 }
 
@@ -133,6 +179,8 @@ pub struct ExchangeFacts {
     pub code_details: String,
     /// `response.flags`, Envoy's response flag bit set.
     pub flags: u64,
+    /// Whether the filter saw the whole upstream response (its end of stream).
+    pub response_complete: bool,
 }
 
 /// Envoy response flag bits (envoy/stream_info/stream_info.h), as `response.flags` reports them.
@@ -212,6 +260,12 @@ pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
     if !facts.forwarded {
         return Outcome::Release;
     }
+    let by_status = |status: u16| if policy.release_on_status.contains(&status) { Outcome::Release } else { Outcome::Store };
+    // The whole upstream response was captured: the client leaving while it was being written
+    // changes nothing, the retry gets the replay.
+    if let (true, Some(status), "via_upstream") = (facts.response_complete, facts.status, facts.code_details.as_str()) {
+        return by_status(status);
+    }
     let f = facts.flags;
     if f & flags::MAYBE_EXECUTED != 0 {
         let reason = if f
@@ -238,13 +292,7 @@ pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
         return Outcome::Release;
     }
     match facts.status {
-        Some(status) if facts.code_details == "via_upstream" => {
-            if policy.release_on_status.contains(&status) {
-                Outcome::Release
-            } else {
-                Outcome::Store
-            }
-        }
+        Some(status) if facts.code_details == "via_upstream" => by_status(status),
         // A local reply with no failure flag: a later filter (ext_authz, rate limit, a direct
         // response...) answered before the router sent anything.
         Some(_) if !facts.code_details.is_empty() && !facts.code_details.starts_with("upstream_") => Outcome::Release,
@@ -350,7 +398,8 @@ mod tests {
             ("claimed, other request", Some(rec(8, claimed_live, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
             ("forwarded, lock live", Some(rec(9, forwarded_live, later)), &def, in_flight),
             ("claimed never forwarded, stale", Some(rec(9, claimed_stale.clone(), later)), &def, Decision::TakeOver),
-            ("claimed stale, takeover mode", Some(rec(9, claimed_stale, later)), &takeover, Decision::TakeOver),
+            ("claimed stale, takeover mode", Some(rec(9, claimed_stale.clone(), later)), &takeover, Decision::TakeOver),
+            ("claimed stale, other request", Some(rec(8, claimed_stale, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
             ("forwarded, stale", Some(rec(9, forwarded_stale.clone(), later)), &def, Decision::MarkUnknown),
             ("forwarded, stale, takeover mode", Some(rec(9, forwarded_stale.clone(), later)), &takeover, Decision::TakeOver),
             ("forwarded stale, other request", Some(rec(8, forwarded_stale, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
@@ -360,24 +409,60 @@ mod tests {
         for (name, record, pol, want) in table {
             let lookup = match &record {
                 None => Lookup::Absent,
-                Some(r) => Lookup::Found(r),
+                Some(r) => Lookup::Found(r.summary()),
             };
-            assert_eq!(decide(lookup, &fp, NOW, pol, OnUnavailable::Reject), want, "{name}");
+            assert_eq!(decide(lookup, Some(&fp), NOW, pol, OnUnavailable::Reject), want, "{name}");
         }
+    }
+
+    #[test]
+    fn at_request_headers_only_live_locks_and_free_keys_are_decided() {
+        let later = NOW + 5_000;
+        let summary = |phase, fp: Option<u8>| Summary { fingerprint: fp.map(|b| Fingerprint([b; 32])), expires_at_ms: later, phase };
+        let d = |s: Summary| decide(Lookup::Found(s), None, NOW, &policy(), OnUnavailable::Reject);
+        assert_eq!(decide(Lookup::Absent, None, NOW, &policy(), OnUnavailable::Reject), Decision::Claim);
+        assert_eq!(
+            d(summary(Phase::Claimed { lock_expires_at_ms: later }, None)),
+            Decision::Reject(ProblemKind::InFlight { retry_after_seconds: 1 })
+        );
+        assert_eq!(
+            d(summary(Phase::InProgress { lock_expires_at_ms: later }, Some(1))),
+            Decision::Reject(ProblemKind::InFlight { retry_after_seconds: 1 })
+        );
+        assert_eq!(d(summary(Phase::Claimed { lock_expires_at_ms: NOW }, None)), Decision::TakeOver);
+        assert_eq!(d(summary(Phase::InProgress { lock_expires_at_ms: NOW }, Some(1))), Decision::NeedFingerprint);
+        assert_eq!(d(summary(Phase::Completed, Some(1))), Decision::NeedFingerprint);
+        assert_eq!(d(summary(Phase::Unknown, Some(1))), Decision::NeedFingerprint);
+        // A claim made at headers has no fingerprint yet: a full request meeting it live is in flight.
+        let fp = Fingerprint([1; 32]);
+        assert_eq!(
+            decide(Lookup::Found(summary(Phase::Claimed { lock_expires_at_ms: later }, None)), Some(&fp), NOW, &policy(), OnUnavailable::Reject),
+            Decision::Reject(ProblemKind::InFlight { retry_after_seconds: 1 })
+        );
     }
 
     #[test]
     fn store_error_rejects_or_passes_as_configured() {
         let fp = Fingerprint([0; 32]);
         assert_eq!(
-            decide(Lookup::StoreError, &fp, NOW, &policy(), OnUnavailable::Reject),
+            decide(Lookup::StoreError, Some(&fp), NOW, &policy(), OnUnavailable::Reject),
             Decision::Reject(ProblemKind::StoreUnavailable { retry_after_seconds: 1 })
         );
-        assert_eq!(decide(Lookup::StoreError, &fp, NOW, &policy(), OnUnavailable::Pass), Decision::PassUnprotected);
+        assert_eq!(decide(Lookup::StoreError, Some(&fp), NOW, &policy(), OnUnavailable::Pass), Decision::PassUnprotected);
     }
 
     fn facts(forwarded: bool, status: Option<u16>, details: &str, flags: u64) -> ExchangeFacts {
-        ExchangeFacts { forwarded, status, code_details: details.into(), flags }
+        ExchangeFacts { forwarded, status, code_details: details.into(), flags, response_complete: false }
+    }
+
+    #[test]
+    fn a_fully_captured_response_is_stored_even_if_the_client_left_while_it_was_written() {
+        let mut f = facts(true, Some(201), "via_upstream", flags::DOWNSTREAM_CONNECTION_TERMINATION);
+        assert_eq!(classify(&f, &policy()), Outcome::Unknown(UnknownReason::DownstreamGone));
+        f.response_complete = true;
+        assert_eq!(classify(&f, &policy()), Outcome::Store);
+        f.status = Some(429);
+        assert_eq!(classify(&f, &policy()), Outcome::Release);
     }
 
     #[test]
@@ -436,7 +521,7 @@ mod tests {
             /// unless Envoy says it never sent it or the upstream itself answered.
             #[test]
             fn maybe_executed_flags_are_never_released(flags_bits in any::<u64>(), status in proptest::option::of(100u16..600), details in "[a-z_]{0,20}") {
-                let f = ExchangeFacts { forwarded: true, status, code_details: details, flags: flags_bits | super::super::flags::UPSTREAM_REQUEST_TIMEOUT };
+                let f = ExchangeFacts { forwarded: true, status, code_details: details, flags: flags_bits | super::super::flags::UPSTREAM_REQUEST_TIMEOUT, response_complete: false };
                 prop_assert!(matches!(classify(&f, &Policy::default()), Outcome::Unknown(_)));
             }
 
@@ -445,7 +530,7 @@ mod tests {
                 prop_assume!(fp != other);
                 let r = Record { fingerprint: Fingerprint(fp), created_at_ms: 0, expires_at_ms: now + 1, creator: Creator::default(),
                                  state: State::InProgress { owner: OwnerToken([0; 16]), lock_expires_at_ms: lock } };
-                prop_assert_eq!(decide(Lookup::Found(&r), &Fingerprint(other), now, &Policy::default(), OnUnavailable::Reject), Decision::Reject(ProblemKind::KeyReused));
+                prop_assert_eq!(decide(Lookup::Found(r.summary()), Some(&Fingerprint(other)), now, &Policy::default(), OnUnavailable::Reject), Decision::Reject(ProblemKind::KeyReused));
             }
         }
     }

@@ -16,6 +16,7 @@ pub mod decision;
 pub mod fingerprint;
 pub mod hex;
 pub mod key;
+pub mod local;
 pub mod owner;
 pub mod problem;
 pub mod record;

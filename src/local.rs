@@ -1,0 +1,739 @@
+//! The local tier: records shared by all worker threads of one Envoy, in proxy-wasm shared data.
+//!
+//! Two host facts decide the design (../shared/PROXY_WASM_NOTES.md):
+//! - a CAS write to an **absent** key simply inserts it, so "insert if absent" is not atomic;
+//! - a key name, once written, is never freed.
+//!
+//! So the table is a **fixed** set of key names, created once (only where truly absent) when the
+//! plugin is configured, before its VM serves traffic, and every state change afterwards is a
+//! compare-and-swap on a key that exists:
+//!
+//! - `B = ceil(max_entries / 16)` **buckets** `<prefix>.b.<i>`, each with 16 fixed positions. A
+//!   position holds one entry: the storage key, fingerprint, phase, owner, lock expiry, expiry. A
+//!   key lives in bucket `skey mod B`. Claims, take-overs, completions and releases are CAS
+//!   writes of the whole bucket (about 1.8 KB), so exactly one of two racing workers wins.
+//! - **record slots** `<prefix>.s.<i>.<j>`, one per position: the full record (creator, and the
+//!   stored response once completed). A slot is written only by the owner of its position and
+//!   prefixed with that owner's token, so a reader can tell a stale slot from a current one.
+//! - `<prefix>.usage`: bytes held by completed records, against `local.max_bytes` (CAS counter).
+//! - `<prefix>.ready`: set once every bucket exists.
+//!
+//! `<prefix>` is `idemgate.v1.local.n<max_entries>`: the layout version and the capacity are in
+//! the names, so a module with another layout, or a changed `local.max_entries`, starts a fresh
+//! table instead of misreading this one. Memory is bounded by `max_entries` names plus
+//! `max_bytes` of responses, whatever the number of distinct keys.
+//!
+//! Everything here is plain Rust over the `SharedData` trait, tested against a model with the
+//! host's exact semantics under many interleavings of several workers.
+
+use crate::config::{LocalConfig, Policy, WhenFull};
+use crate::decision::{decide, Decision, Lookup, Phase, Summary};
+use crate::fingerprint::Fingerprint;
+use crate::owner::OwnerToken;
+use crate::problem::ProblemKind;
+use crate::record::{Creator, Record, State, StoredResponse, UnknownReason};
+use crate::scope::StorageKey;
+
+/// Positions per bucket.
+pub const BUCKET_WIDTH: usize = 16;
+/// How many times an operation retries after losing a CAS race before giving up.
+const MAX_CAS_RETRIES: usize = 64;
+const BUCKET_MAGIC: &[u8; 4] = b"IGB\x01";
+const ENTRY_BYTES: usize = 1 + 32 + 1 + 32 + 16 + 8 + 8 + 8 + 2 + 4;
+
+/// The host's shared data, exactly as proxy-wasm exposes it.
+pub trait SharedData {
+    /// The value and its CAS; `(None, None)` for a key never written; `(None, Some(cas))` after
+    /// a removal (an empty value).
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError>;
+    /// With `cas: None` always succeeds. With `Some(c)`: fails with `CasMismatch` when the key
+    /// exists with another CAS, and **inserts** when the key is absent.
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError>;
+}
+
+/// The host refused a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostError;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SetError {
+    CasMismatch,
+    Host,
+}
+
+/// Why the local tier could not answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LocalError {
+    /// A host call failed.
+    Host,
+    /// A bucket is missing: the table was not created (the plugin was not configured).
+    Missing,
+    /// A bucket could not be decoded.
+    Corrupt,
+    /// Too many lost CAS races in a row.
+    Contended,
+}
+
+impl From<HostError> for LocalError {
+    fn from(_: HostError) -> LocalError {
+        LocalError::Host
+    }
+}
+
+/// One occupied position of a bucket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub skey: StorageKey,
+    pub fingerprint: Option<Fingerprint>,
+    pub phase: EntryPhase,
+    pub owner: OwnerToken,
+    pub created_at_ms: u64,
+    pub expires_at_ms: u64,
+    pub lock_expires_at_ms: u64,
+    /// The status of a completed record (0 otherwise).
+    pub status: u16,
+    /// Bytes of the completed record in its slot, counted in `usage`.
+    pub slot_bytes: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EntryPhase {
+    Claimed,
+    InProgress,
+    Completed,
+    Unknown,
+}
+
+impl Entry {
+    fn summary(&self) -> Summary {
+        let lock_expires_at_ms = self.lock_expires_at_ms;
+        let phase = match self.phase {
+            EntryPhase::Claimed => Phase::Claimed { lock_expires_at_ms },
+            EntryPhase::InProgress => Phase::InProgress { lock_expires_at_ms },
+            EntryPhase::Completed => Phase::Completed,
+            EntryPhase::Unknown => Phase::Unknown,
+        };
+        Summary { fingerprint: self.fingerprint, expires_at_ms: self.expires_at_ms, phase }
+    }
+
+    fn is_expired(&self, now_ms: u64) -> bool {
+        now_ms >= self.expires_at_ms
+    }
+
+    /// Whether eviction may drop it: never a live claim (that would allow a second execution of a
+    /// request still running).
+    fn evictable(&self) -> bool {
+        matches!(self.phase, EntryPhase::Completed | EntryPhase::Unknown)
+    }
+}
+
+/// A bucket: `BUCKET_WIDTH` positions.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Bucket {
+    pub positions: Vec<Option<Entry>>,
+}
+
+impl Bucket {
+    pub fn empty() -> Bucket {
+        Bucket { positions: vec![None; BUCKET_WIDTH] }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(4 + BUCKET_WIDTH * ENTRY_BYTES);
+        out.extend_from_slice(BUCKET_MAGIC);
+        for p in &self.positions {
+            match p {
+                None => out.push(0),
+                Some(e) => {
+                    out.push(match e.phase {
+                        EntryPhase::Claimed => 1,
+                        EntryPhase::InProgress => 2,
+                        EntryPhase::Completed => 3,
+                        EntryPhase::Unknown => 4,
+                    });
+                    out.extend_from_slice(&e.skey.0);
+                    match &e.fingerprint {
+                        None => out.extend_from_slice(&[0u8; 33]),
+                        Some(fp) => {
+                            out.push(1);
+                            out.extend_from_slice(&fp.0);
+                        }
+                    }
+                    out.extend_from_slice(&e.owner.0);
+                    out.extend_from_slice(&e.created_at_ms.to_le_bytes());
+                    out.extend_from_slice(&e.expires_at_ms.to_le_bytes());
+                    out.extend_from_slice(&e.lock_expires_at_ms.to_le_bytes());
+                    out.extend_from_slice(&e.status.to_le_bytes());
+                    out.extend_from_slice(&e.slot_bytes.to_le_bytes());
+                }
+            }
+        }
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Bucket> {
+        let rest = bytes.strip_prefix(BUCKET_MAGIC.as_slice())?;
+        let mut r = rest;
+        let mut positions = Vec::with_capacity(BUCKET_WIDTH);
+        for _ in 0..BUCKET_WIDTH {
+            let (&tag, tail) = r.split_first()?;
+            r = tail;
+            let phase = match tag {
+                0 => {
+                    positions.push(None);
+                    continue;
+                }
+                1 => EntryPhase::Claimed,
+                2 => EntryPhase::InProgress,
+                3 => EntryPhase::Completed,
+                4 => EntryPhase::Unknown,
+                _ => return None,
+            };
+            let body = r.get(..ENTRY_BYTES - 1)?;
+            r = r.get(ENTRY_BYTES - 1..)?;
+            let arr = |from: usize, to: usize| body.get(from..to);
+            let u64_at = |at: usize| arr(at, at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
+            let skey: [u8; 32] = arr(0, 32)?.try_into().ok()?;
+            let fingerprint = match body.get(32)? {
+                0 => None,
+                1 => Some(Fingerprint(arr(33, 65)?.try_into().ok()?)),
+                _ => return None,
+            };
+            let owner: [u8; 16] = arr(65, 81)?.try_into().ok()?;
+            positions.push(Some(Entry {
+                skey: StorageKey(skey),
+                fingerprint,
+                phase,
+                owner: OwnerToken(owner),
+                created_at_ms: u64_at(81)?,
+                expires_at_ms: u64_at(89)?,
+                lock_expires_at_ms: u64_at(97)?,
+                status: u16::from_le_bytes(arr(105, 107)?.try_into().ok()?),
+                slot_bytes: u32::from_le_bytes(arr(107, 111)?.try_into().ok()?),
+            }));
+        }
+        r.is_empty().then_some(Bucket { positions })
+    }
+}
+
+/// A claim held by this request: where it lives and who holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Handle {
+    pub bucket: u32,
+    pub position: usize,
+    pub owner: OwnerToken,
+    pub skey: StorageKey,
+}
+
+/// The result of `Table::begin`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Begin {
+    /// This request now holds the key: forward it (after `mark_forwarded` when the claim was made
+    /// before the fingerprint was known).
+    Claimed { handle: Handle, took_over: bool, evicted: bool },
+    /// Completed before: replay this record.
+    Replay(Record),
+    /// Answer with this problem; `creator` names the run that made the record, when known.
+    Reject { problem: ProblemKind, creator: Option<Creator>, marked_unknown: bool },
+    /// The decision needs the fingerprint: buffer the body, then call `begin` again with it.
+    NeedFingerprint,
+    /// The key's bucket holds only unexpired records that may not be evicted.
+    Full,
+}
+
+/// What a completion did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completed {
+    /// The record was stored with its response.
+    Stored,
+    /// Stored without its body (over `max_response_body_bytes` or `local.max_bytes`).
+    StoredWithoutBody,
+    /// The claim was no longer ours (taken over): nothing written.
+    LostClaim,
+}
+
+/// The local table's geometry and names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table {
+    prefix: String,
+    buckets: u32,
+    max_bytes: u64,
+    when_full: WhenFull,
+}
+
+impl Table {
+    pub fn new(cfg: &LocalConfig) -> Table {
+        let buckets = cfg.max_entries.div_ceil(BUCKET_WIDTH as u64).clamp(1, u64::from(u32::MAX));
+        Table {
+            prefix: format!("idemgate.v1.local.n{}", cfg.max_entries),
+            buckets: u32::try_from(buckets).unwrap_or(u32::MAX),
+            max_bytes: cfg.max_bytes,
+            when_full: cfg.when_full,
+        }
+    }
+
+    pub fn buckets(&self) -> u32 {
+        self.buckets
+    }
+
+    pub fn bucket_name(&self, i: u32) -> String {
+        format!("{}.b.{i}", self.prefix)
+    }
+
+    pub fn slot_name(&self, i: u32, j: usize) -> String {
+        format!("{}.s.{i}.{j}", self.prefix)
+    }
+
+    fn usage_name(&self) -> String {
+        format!("{}.usage", self.prefix)
+    }
+
+    fn ready_name(&self) -> String {
+        format!("{}.ready", self.prefix)
+    }
+
+    pub fn bucket_of(&self, skey: &StorageKey) -> u32 {
+        let mut first = [0u8; 8];
+        first.copy_from_slice(skey.0.get(24..32).unwrap_or(&[0u8; 8]));
+        u32::try_from(u64::from_le_bytes(first) % u64::from(self.buckets)).unwrap_or(0)
+    }
+
+    /// Creates the buckets and the usage counter where they are truly absent; never touches one
+    /// that exists (a worker starting or a configuration reload keeps live records). Returns how
+    /// many keys it created. Call it when the plugin is configured, before traffic: Envoy
+    /// configures the main-thread VM before any worker serves a request.
+    pub fn ensure_created(&self, sd: &mut dyn SharedData) -> Result<u32, LocalError> {
+        if let (Some(v), _) = sd.get(&self.ready_name())? {
+            if v == b"1" {
+                return Ok(0);
+            }
+        }
+        let mut created = 0;
+        let empty = Bucket::empty().encode();
+        for i in 0..self.buckets {
+            let name = self.bucket_name(i);
+            if let (None, None) = sd.get(&name)? {
+                sd.set(&name, &empty, None).map_err(|_| LocalError::Host)?;
+                created += 1;
+            }
+        }
+        if let (None, None) = sd.get(&self.usage_name())? {
+            sd.set(&self.usage_name(), &0u64.to_le_bytes(), None).map_err(|_| LocalError::Host)?;
+            created += 1;
+        }
+        sd.set(&self.ready_name(), b"1", None).map_err(|_| LocalError::Host)?;
+        Ok(created)
+    }
+
+    fn read_bucket(&self, sd: &mut dyn SharedData, i: u32) -> Result<(Bucket, u32), LocalError> {
+        match sd.get(&self.bucket_name(i))? {
+            (Some(v), Some(cas)) => Bucket::decode(&v).map(|b| (b, cas)).ok_or(LocalError::Corrupt),
+            // Never created, or emptied by something else: creating it here would not be atomic.
+            _ => Err(LocalError::Missing),
+        }
+    }
+
+    /// Writes a bucket with CAS; `Ok(false)` when another worker changed it first.
+    fn write_bucket(&self, sd: &mut dyn SharedData, i: u32, b: &Bucket, cas: u32) -> Result<bool, LocalError> {
+        match sd.set(&self.bucket_name(i), &b.encode(), Some(cas)) {
+            Ok(()) => Ok(true),
+            Err(SetError::CasMismatch) => Ok(false),
+            Err(SetError::Host) => Err(LocalError::Host),
+        }
+    }
+
+    /// Reads a record slot if it belongs to `owner` and `skey`.
+    fn read_slot(&self, sd: &mut dyn SharedData, h: &Handle) -> Result<Option<(Record, u32)>, LocalError> {
+        let (v, cas) = sd.get(&self.slot_name(h.bucket, h.position))?;
+        let (Some(v), Some(cas)) = (v, cas) else { return Ok(None) };
+        Ok(decode_slot(&v, h).map(|r| (r, cas)))
+    }
+
+    /// Looks the key up and, when it is free (or a stale claim that never forwarded), claims it
+    /// atomically. `fp` is `None` at request headers. On a claim, `creator` and the owner are
+    /// written to the record slot.
+    #[allow(clippy::too_many_arguments)]
+    pub fn begin(
+        &self,
+        sd: &mut dyn SharedData,
+        skey: StorageKey,
+        fp: Option<Fingerprint>,
+        now_ms: u64,
+        policy: &Policy,
+        owner: OwnerToken,
+        creator: &Creator,
+    ) -> Result<Begin, LocalError> {
+        let i = self.bucket_of(&skey);
+        for _ in 0..MAX_CAS_RETRIES {
+            let (mut bucket, cas) = self.read_bucket(sd, i)?;
+            let live = bucket
+                .positions
+                .iter()
+                .position(|p| p.as_ref().is_some_and(|e| e.skey == skey && !e.is_expired(now_ms)));
+            let lookup = match live.and_then(|j| bucket.positions.get(j)).and_then(|p| p.as_ref()) {
+                Some(e) => Lookup::Found(e.summary()),
+                None => Lookup::Absent,
+            };
+            let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
+            let new_entry = |old: Option<&Entry>| Entry {
+                skey,
+                fingerprint: fp,
+                phase: if fp.is_some() { EntryPhase::InProgress } else { EntryPhase::Claimed },
+                owner,
+                created_at_ms: now_ms,
+                expires_at_ms: now_ms.saturating_add(policy.ttl_seconds.saturating_mul(1000)),
+                lock_expires_at_ms: now_ms.saturating_add(policy.lock_ttl_seconds.saturating_mul(1000)),
+                status: 0,
+                slot_bytes: old.map_or(0, |_| 0),
+            };
+            match (decision, live) {
+                (Decision::Claim, _) => {
+                    let Some((j, evicted)) = self.free_position(&bucket, &skey, now_ms) else {
+                        return Ok(Begin::Full);
+                    };
+                    let freed = bucket.positions.get(j).and_then(|p| p.as_ref()).map_or(0, |e| e.slot_bytes);
+                    if let Some(p) = bucket.positions.get_mut(j) {
+                        *p = Some(new_entry(None));
+                    }
+                    if !self.write_bucket(sd, i, &bucket, cas)? {
+                        continue;
+                    }
+                    self.add_usage(sd, -i64::from(freed));
+                    let handle = Handle { bucket: i, position: j, owner, skey };
+                    self.write_claim_slot(sd, &handle, &bucket, creator);
+                    return Ok(Begin::Claimed { handle, took_over: false, evicted });
+                }
+                (Decision::TakeOver, Some(j)) => {
+                    let freed = bucket.positions.get(j).and_then(|p| p.as_ref()).map_or(0, |e| e.slot_bytes);
+                    if let Some(p) = bucket.positions.get_mut(j) {
+                        *p = Some(new_entry(None));
+                    }
+                    if !self.write_bucket(sd, i, &bucket, cas)? {
+                        continue;
+                    }
+                    self.add_usage(sd, -i64::from(freed));
+                    let handle = Handle { bucket: i, position: j, owner, skey };
+                    self.write_claim_slot(sd, &handle, &bucket, creator);
+                    return Ok(Begin::Claimed { handle, took_over: true, evicted: false });
+                }
+                (Decision::MarkUnknown, Some(j)) => {
+                    let Some(Some(e)) = bucket.positions.get_mut(j) else { return Err(LocalError::Corrupt) };
+                    e.phase = EntryPhase::Unknown;
+                    e.expires_at_ms = now_ms.saturating_add(policy.unknown_outcome_seconds.saturating_mul(1000));
+                    let e = e.clone();
+                    if !self.write_bucket(sd, i, &bucket, cas)? {
+                        continue;
+                    }
+                    let creator = self.creator_of(sd, i, j, &e);
+                    return Ok(Begin::Reject { problem: ProblemKind::OutcomeUnknown, creator, marked_unknown: true });
+                }
+                (Decision::Replay, Some(j)) => {
+                    let Some(Some(e)) = bucket.positions.get(j) else { return Err(LocalError::Corrupt) };
+                    let h = Handle { bucket: i, position: j, owner: e.owner, skey };
+                    return Ok(match self.read_slot(sd, &h)? {
+                        Some((r, _)) if matches!(r.state, State::Completed(_) | State::CompletedTooLarge { .. }) => {
+                            Begin::Replay(r)
+                        }
+                        // The slot no longer matches (should not happen): never execute again;
+                        // answer with what the index knows.
+                        _ => Begin::Reject {
+                            problem: ProblemKind::ResponseNotStored { status: e.status, location: None },
+                            creator: None,
+                            marked_unknown: false,
+                        },
+                    });
+                }
+                (Decision::Reject(problem), j) => {
+                    let creator = j.and_then(|j| {
+                        let e = bucket.positions.get(j)?.as_ref()?.clone();
+                        self.creator_of(sd, i, j, &e)
+                    });
+                    return Ok(Begin::Reject { problem, creator, marked_unknown: false });
+                }
+                (Decision::NeedFingerprint, _) => return Ok(Begin::NeedFingerprint),
+                // PassUnprotected cannot come from the local tier; TakeOver/MarkUnknown/Replay
+                // always have a live position.
+                _ => return Err(LocalError::Corrupt),
+            }
+        }
+        Err(LocalError::Contended)
+    }
+
+    /// A position for a new key: an empty one, an expired one, or (with `evict_oldest`) the oldest
+    /// completed or outcome-unknown record. Returns the position and whether it evicted.
+    fn free_position(&self, b: &Bucket, _skey: &StorageKey, now_ms: u64) -> Option<(usize, bool)> {
+        if let Some(j) = b.positions.iter().position(|p| p.as_ref().is_none_or(|e| e.is_expired(now_ms))) {
+            return Some((j, false));
+        }
+        if self.when_full == WhenFull::EvictOldest {
+            return b
+                .positions
+                .iter()
+                .enumerate()
+                .filter_map(|(j, p)| p.as_ref().filter(|e| e.evictable()).map(|e| (j, e.created_at_ms)))
+                .min_by_key(|(_, created)| *created)
+                .map(|(j, _)| (j, true));
+        }
+        None
+    }
+
+    fn write_claim_slot(&self, sd: &mut dyn SharedData, h: &Handle, b: &Bucket, creator: &Creator) {
+        let Some(Some(e)) = b.positions.get(h.position) else { return };
+        let state = match e.phase {
+            EntryPhase::Claimed => State::Claimed { owner: h.owner, lock_expires_at_ms: e.lock_expires_at_ms },
+            _ => State::InProgress { owner: h.owner, lock_expires_at_ms: e.lock_expires_at_ms },
+        };
+        let record = Record {
+            fingerprint: e.fingerprint.unwrap_or(Fingerprint([0; 32])),
+            created_at_ms: e.created_at_ms,
+            expires_at_ms: e.expires_at_ms,
+            creator: creator.clone(),
+            state,
+        };
+        // Best effort: the slot only serves to name the creator until completion.
+        let _ = sd.set(&self.slot_name(h.bucket, h.position), &encode_slot(h, &record), None);
+    }
+
+    fn creator_of(&self, sd: &mut dyn SharedData, i: u32, j: usize, e: &Entry) -> Option<Creator> {
+        let h = Handle { bucket: i, position: j, owner: e.owner, skey: e.skey };
+        self.read_slot(sd, &h).ok().flatten().map(|(r, _)| r.creator)
+    }
+
+    /// Applies `f` to our entry with CAS, retrying lost races. `Ok(None)` when the entry is no
+    /// longer ours.
+    fn update_entry<T>(
+        &self,
+        sd: &mut dyn SharedData,
+        h: &Handle,
+        mut f: impl FnMut(&mut Option<Entry>) -> T,
+    ) -> Result<Option<T>, LocalError> {
+        for _ in 0..MAX_CAS_RETRIES {
+            let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
+            let Some(slot) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
+            if !slot.as_ref().is_some_and(|e| e.owner == h.owner && e.skey == h.skey) {
+                return Ok(None);
+            }
+            let out = f(slot);
+            if self.write_bucket(sd, h.bucket, &bucket, cas)? {
+                return Ok(Some(out));
+            }
+        }
+        Err(LocalError::Contended)
+    }
+
+    /// A claim made at headers becomes in progress with its fingerprint, just before forwarding.
+    /// `Ok(false)`: the claim was taken over meanwhile (do not forward).
+    pub fn mark_forwarded(
+        &self,
+        sd: &mut dyn SharedData,
+        h: &Handle,
+        fp: Fingerprint,
+        now_ms: u64,
+        policy: &Policy,
+    ) -> Result<bool, LocalError> {
+        let done = self.update_entry(sd, h, |slot| {
+            if let Some(e) = slot {
+                e.phase = EntryPhase::InProgress;
+                e.fingerprint = Some(fp);
+                e.lock_expires_at_ms = now_ms.saturating_add(policy.lock_ttl_seconds.saturating_mul(1000));
+            }
+        })?;
+        Ok(done.is_some())
+    }
+
+    /// Stores the upstream's response as the completed record. Over `max_response_body_bytes`
+    /// (`too_large`) or when `local.max_bytes` has no room, only the status and `location` are
+    /// kept: retries then get a problem carrying them, never a second execution.
+    #[allow(clippy::too_many_arguments)]
+    pub fn complete(
+        &self,
+        sd: &mut dyn SharedData,
+        h: &Handle,
+        fp: Fingerprint,
+        response: StoredResponse,
+        too_large: bool,
+        creator: &Creator,
+        now_ms: u64,
+        policy: &Policy,
+    ) -> Result<Completed, LocalError> {
+        let expires_at_ms = now_ms.saturating_add(policy.ttl_seconds.saturating_mul(1000));
+        let status = response.status;
+        let location = response
+            .headers
+            .iter()
+            .find(|(n, _)| n == "location")
+            .map(|(_, v)| v.clone());
+        let mut record = Record { fingerprint: fp, created_at_ms: now_ms, expires_at_ms, creator: creator.clone(), state: State::Completed(response) };
+        let mut bytes = encode_slot(h, &record);
+        let mut without_body = too_large;
+        if !too_large && !self.reserve(sd, bytes.len() as u64)? {
+            without_body = true;
+        }
+        if without_body {
+            record.state = State::CompletedTooLarge { status, location };
+            bytes = encode_slot(h, &record);
+        }
+        let counted = if without_body { 0 } else { u32::try_from(bytes.len()).unwrap_or(u32::MAX) };
+        // The slot first (owner-checked with CAS), then the index: a reader that sees the entry
+        // completed always finds its record.
+        let wrote = match self.read_slot(sd, h)? {
+            Some((_, cas)) => matches!(sd.set(&self.slot_name(h.bucket, h.position), &bytes, Some(cas)), Ok(())),
+            None => false,
+        };
+        if !wrote {
+            self.add_usage(sd, -i64::from(counted));
+            return Ok(Completed::LostClaim);
+        }
+        let updated = self.update_entry(sd, h, |slot| {
+            if let Some(e) = slot {
+                e.phase = EntryPhase::Completed;
+                e.fingerprint = Some(fp);
+                e.expires_at_ms = expires_at_ms;
+                e.status = status;
+                e.slot_bytes = counted;
+            }
+        })?;
+        if updated.is_none() {
+            self.add_usage(sd, -i64::from(counted));
+            return Ok(Completed::LostClaim);
+        }
+        Ok(if without_body { Completed::StoredWithoutBody } else { Completed::Stored })
+    }
+
+    /// Frees our claim: the request never executed, a retry may. `Ok(false)` if it was not ours.
+    pub fn release(&self, sd: &mut dyn SharedData, h: &Handle) -> Result<bool, LocalError> {
+        let freed = self.update_entry(sd, h, |slot| {
+            let bytes = slot.as_ref().map_or(0, |e| e.slot_bytes);
+            *slot = None;
+            bytes
+        })?;
+        match freed {
+            Some(bytes) => {
+                self.add_usage(sd, -i64::from(bytes));
+                let _ = sd.set(&self.slot_name(h.bucket, h.position), b"", None);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The request may have executed without a response: keep an outcome-unknown record for
+    /// `unknown_outcome_seconds`.
+    pub fn mark_unknown(
+        &self,
+        sd: &mut dyn SharedData,
+        h: &Handle,
+        reason: UnknownReason,
+        now_ms: u64,
+        policy: &Policy,
+    ) -> Result<bool, LocalError> {
+        let _ = reason; // kept in logs and counters by the caller
+        let done = self.update_entry(sd, h, |slot| {
+            if let Some(e) = slot {
+                e.phase = EntryPhase::Unknown;
+                e.expires_at_ms = now_ms.saturating_add(policy.unknown_outcome_seconds.saturating_mul(1000));
+            }
+        })?;
+        Ok(done.is_some())
+    }
+
+    /// Frees expired entries of `count` buckets from `start` (wrapping), so their response bytes
+    /// are released even if their keys never come back. Returns how many entries it freed.
+    pub fn sweep(&self, sd: &mut dyn SharedData, start: u32, count: u32, now_ms: u64) -> Result<u32, LocalError> {
+        let mut freed_total = 0;
+        for k in 0..count.min(self.buckets) {
+            let i = (start.wrapping_add(k)) % self.buckets;
+            for _ in 0..MAX_CAS_RETRIES {
+                let (mut bucket, cas) = self.read_bucket(sd, i)?;
+                let mut freed = vec![];
+                for (j, p) in bucket.positions.iter_mut().enumerate() {
+                    if p.as_ref().is_some_and(|e| e.is_expired(now_ms)) {
+                        freed.push((j, p.as_ref().map_or(0, |e| e.slot_bytes)));
+                        *p = None;
+                    }
+                }
+                if freed.is_empty() {
+                    break;
+                }
+                if self.write_bucket(sd, i, &bucket, cas)? {
+                    for (j, bytes) in &freed {
+                        self.add_usage(sd, -i64::from(*bytes));
+                        let _ = sd.set(&self.slot_name(i, *j), b"", None);
+                    }
+                    freed_total += freed.len() as u32;
+                    break;
+                }
+            }
+        }
+        Ok(freed_total)
+    }
+
+    /// Bytes of completed records held now.
+    pub fn usage(&self, sd: &mut dyn SharedData) -> u64 {
+        match sd.get(&self.usage_name()) {
+            Ok((Some(v), _)) => v.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// Number of occupied positions (scans every bucket: for tests and diagnostics).
+    pub fn occupied(&self, sd: &mut dyn SharedData) -> u64 {
+        (0..self.buckets)
+            .filter_map(|i| self.read_bucket(sd, i).ok())
+            .map(|(b, _)| b.positions.iter().filter(|p| p.is_some()).count() as u64)
+            .sum()
+    }
+
+    /// Adds `bytes` to usage if it stays within `max_bytes`.
+    fn reserve(&self, sd: &mut dyn SharedData, bytes: u64) -> Result<bool, LocalError> {
+        for _ in 0..MAX_CAS_RETRIES {
+            let (v, cas) = sd.get(&self.usage_name())?;
+            let (Some(v), Some(cas)) = (v, cas) else { return Err(LocalError::Missing) };
+            let used = v.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0);
+            if used.saturating_add(bytes) > self.max_bytes {
+                return Ok(false);
+            }
+            match sd.set(&self.usage_name(), &(used + bytes).to_le_bytes(), Some(cas)) {
+                Ok(()) => return Ok(true),
+                Err(SetError::CasMismatch) => continue,
+                Err(SetError::Host) => return Err(LocalError::Host),
+            }
+        }
+        Err(LocalError::Contended)
+    }
+
+    fn add_usage(&self, sd: &mut dyn SharedData, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        for _ in 0..MAX_CAS_RETRIES {
+            let Ok((Some(v), Some(cas))) = sd.get(&self.usage_name()) else { return };
+            let used = v.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0);
+            let next = used.saturating_add_signed(delta);
+            if sd.set(&self.usage_name(), &next.to_le_bytes(), Some(cas)) != Err(SetError::CasMismatch) {
+                return;
+            }
+        }
+    }
+}
+
+/// A slot: the owner's token and the storage key, then the encoded record.
+fn encode_slot(h: &Handle, r: &Record) -> Vec<u8> {
+    let mut out = Vec::with_capacity(48);
+    out.extend_from_slice(&h.owner.0);
+    out.extend_from_slice(&h.skey.0);
+    out.extend_from_slice(&r.encode());
+    out
+}
+
+fn decode_slot(v: &[u8], h: &Handle) -> Option<Record> {
+    let owner = v.get(..16)?;
+    let skey = v.get(16..48)?;
+    if owner != h.owner.0 || skey != h.skey.0 {
+        return None;
+    }
+    Record::decode(v.get(48..)?).ok()
+}
+
+#[cfg(test)]
+mod tests;

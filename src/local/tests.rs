@@ -1,0 +1,358 @@
+//! The local tier against a deterministic model of proxy-wasm shared data, with the host's exact
+//! semantics (CAS on an absent key inserts; removal leaves an empty value), including runs of
+//! several workers under chosen interleavings of their host calls.
+
+use super::*;
+use crate::config::LocalConfig;
+use std::collections::HashMap;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+/// Shared data as Envoy implements it.
+#[derive(Default, Clone)]
+pub struct Model {
+    map: HashMap<String, (Vec<u8>, u32)>,
+    next_cas: u32,
+}
+
+impl Model {
+    pub fn names(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.map.iter().map(|(k, (v, _))| k.len() + v.len()).sum()
+    }
+}
+
+impl SharedData for Model {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        Ok(match self.map.get(key) {
+            None => (None, None),
+            Some((v, cas)) if v.is_empty() => (None, Some(*cas)),
+            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+        })
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        if let (Some(want), Some((_, have))) = (cas.filter(|c| *c != 0), self.map.get(key)) {
+            if want != *have {
+                return Err(SetError::CasMismatch);
+            }
+        }
+        self.next_cas += 1;
+        self.map.insert(key.to_string(), (value.to_vec(), self.next_cas));
+        Ok(())
+    }
+}
+
+const NOW: u64 = 1_000_000_000;
+
+fn policy() -> Policy {
+    Policy { lock_ttl_seconds: 10, ttl_seconds: 100, unknown_outcome_seconds: 50, ..Policy::default() }
+}
+
+fn table(max_entries: u64, when_full: WhenFull) -> Table {
+    Table::new(&LocalConfig { max_entries, max_bytes: 1 << 20, when_full })
+}
+
+fn skey(n: u64) -> StorageKey {
+    let mut k = [0u8; 32];
+    k[..8].copy_from_slice(&n.to_le_bytes());
+    k[24..].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+    StorageKey(k)
+}
+
+fn fp(n: u8) -> Fingerprint {
+    Fingerprint([n; 32])
+}
+
+fn owner(n: u8) -> OwnerToken {
+    OwnerToken([n; 16])
+}
+
+fn creator(id: &str) -> Creator {
+    Creator { request_id: id.into(), log_values: vec![] }
+}
+
+fn response(body: &str) -> StoredResponse {
+    StoredResponse { status: 201, headers: vec![("location".into(), b"/r/1".to_vec())], body: body.as_bytes().to_vec() }
+}
+
+fn fresh(t: &Table) -> Model {
+    let mut m = Model::default();
+    t.ensure_created(&mut m).unwrap();
+    m
+}
+
+fn claim(t: &Table, m: &mut Model, k: StorageKey, f: Option<Fingerprint>, o: u8, now: u64) -> Begin {
+    t.begin(m, k, f, now, &policy(), owner(o), &creator(&format!("req-{o}"))).unwrap()
+}
+
+fn handle(b: &Begin) -> Handle {
+    match b {
+        Begin::Claimed { handle, .. } => *handle,
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
+fn in_flight() -> ProblemKind {
+    ProblemKind::InFlight { retry_after_seconds: 1 }
+}
+
+fn is_reject(b: &Begin, p: &ProblemKind) -> bool {
+    matches!(b, Begin::Reject { problem, .. } if problem == p)
+}
+
+#[test]
+fn bucket_round_trips_and_refuses_garbage() {
+    let mut b = Bucket::empty();
+    b.positions[3] = Some(Entry {
+        skey: skey(7),
+        fingerprint: Some(fp(2)),
+        phase: EntryPhase::Completed,
+        owner: owner(9),
+        created_at_ms: 1,
+        expires_at_ms: 2,
+        lock_expires_at_ms: 3,
+        status: 201,
+        slot_bytes: 99,
+    });
+    b.positions[5] = Some(Entry { fingerprint: None, phase: EntryPhase::Claimed, ..b.positions[3].clone().unwrap() });
+    let bytes = b.encode();
+    assert_eq!(Bucket::decode(&bytes), Some(b));
+    for cut in 0..bytes.len() {
+        assert_eq!(Bucket::decode(&bytes[..cut]), None);
+    }
+    assert_eq!(Bucket::decode(b"nonsense"), None);
+}
+
+#[test]
+fn first_request_claims_then_completes_and_a_retry_replays() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let k = skey(1);
+    let b = claim(&t, &mut m, k, Some(fp(1)), 1, NOW);
+    let h = handle(&b);
+    assert!(is_reject(&claim(&t, &mut m, k, Some(fp(1)), 2, NOW + 1), &in_flight()));
+    let done = t.complete(&mut m, &h, fp(1), response("first"), false, &creator("req-1"), NOW + 2, &policy()).unwrap();
+    assert_eq!(done, Completed::Stored);
+    match claim(&t, &mut m, k, Some(fp(1)), 3, NOW + 3) {
+        Begin::Replay(r) => {
+            assert_eq!(r.state, State::Completed(response("first")));
+            assert_eq!(r.creator.request_id, "req-1");
+        }
+        other => panic!("{other:?}"),
+    }
+    match claim(&t, &mut m, k, Some(fp(9)), 4, NOW + 4) {
+        Begin::Reject { problem: ProblemKind::KeyReused, creator: Some(c), .. } => assert_eq!(c.request_id, "req-1"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_claim_at_headers_answers_duplicates_409_and_needs_the_body_for_completed_keys() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let k = skey(2);
+    let h = handle(&claim(&t, &mut m, k, None, 1, NOW));
+    match claim(&t, &mut m, k, None, 2, NOW) {
+        Begin::Reject { problem, creator: Some(c), .. } => {
+            assert_eq!(problem, in_flight());
+            assert_eq!(c.request_id, "req-1", "a 409 names the run holding the key");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW + 1, &policy()).unwrap());
+    t.complete(&mut m, &h, fp(1), response("x"), false, &creator("req-1"), NOW + 2, &policy()).unwrap();
+    assert_eq!(claim(&t, &mut m, k, None, 3, NOW + 3), Begin::NeedFingerprint);
+}
+
+#[test]
+fn expired_records_count_as_absent_on_read() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let k = skey(3);
+    let h = handle(&claim(&t, &mut m, k, Some(fp(1)), 1, NOW));
+    t.complete(&mut m, &h, fp(1), response("x"), false, &creator("a"), NOW, &policy()).unwrap();
+    let ttl_ms = policy().ttl_seconds * 1000;
+    assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 2, NOW + ttl_ms - 1), Begin::Replay(_)));
+    assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 3, NOW + ttl_ms), Begin::Claimed { took_over: false, .. }));
+}
+
+#[test]
+fn release_lets_a_retry_execute() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let k = skey(4);
+    let h = handle(&claim(&t, &mut m, k, Some(fp(1)), 1, NOW));
+    assert!(t.release(&mut m, &h).unwrap());
+    assert!(!t.release(&mut m, &h).unwrap(), "a second release finds nothing of ours");
+    assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 2, NOW), Begin::Claimed { .. }));
+}
+
+#[test]
+fn stale_forwarded_lock_becomes_outcome_unknown_never_a_second_execution() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let k = skey(5);
+    claim(&t, &mut m, k, Some(fp(1)), 1, NOW);
+    let later = NOW + policy().lock_ttl_seconds * 1000;
+    match claim(&t, &mut m, k, Some(fp(1)), 2, later) {
+        Begin::Reject { problem: ProblemKind::OutcomeUnknown, marked_unknown: true, .. } => {}
+        other => panic!("{other:?}"),
+    }
+    // And it stays unknown for unknown_outcome_seconds, then the key is free.
+    assert!(is_reject(&claim(&t, &mut m, k, Some(fp(1)), 3, later + 1), &ProblemKind::OutcomeUnknown));
+    let free_at = later + policy().unknown_outcome_seconds * 1000;
+    assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 4, free_at), Begin::Claimed { .. }));
+}
+
+#[test]
+fn stale_lock_takeover_mode_lets_one_retry_execute_again() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let k = skey(6);
+    let mut p = policy();
+    p.stale_lock = crate::config::StaleLock::Takeover;
+    t.begin(&mut m, k, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap();
+    let later = NOW + p.lock_ttl_seconds * 1000;
+    let b = t.begin(&mut m, k, Some(fp(1)), later, &p, owner(2), &creator("b")).unwrap();
+    assert!(matches!(b, Begin::Claimed { took_over: true, .. }));
+}
+
+#[test]
+fn a_taken_over_owner_can_neither_forward_nor_complete_nor_release() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let k = skey(7);
+    let a = handle(&claim(&t, &mut m, k, None, 1, NOW));
+    let later = NOW + policy().lock_ttl_seconds * 1000;
+    let b = claim(&t, &mut m, k, Some(fp(1)), 2, later);
+    assert!(matches!(b, Begin::Claimed { took_over: true, .. }), "{b:?}");
+    let b = handle(&b);
+    assert!(!t.mark_forwarded(&mut m, &a, fp(1), later, &policy()).unwrap());
+    assert_eq!(
+        t.complete(&mut m, &a, fp(1), response("a"), false, &creator("a"), later, &policy()).unwrap(),
+        Completed::LostClaim
+    );
+    assert!(!t.release(&mut m, &a).unwrap());
+    assert!(!t.mark_unknown(&mut m, &a, UnknownReason::Other, later, &policy()).unwrap());
+    assert_eq!(
+        t.complete(&mut m, &b, fp(1), response("b"), false, &creator("b"), later, &policy()).unwrap(),
+        Completed::Stored
+    );
+    match claim(&t, &mut m, k, Some(fp(1)), 3, later + 1) {
+        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("b"))),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn full_bucket_answers_full_by_default_and_evicts_only_finished_records_when_asked() {
+    for mode in [WhenFull::Reject, WhenFull::EvictOldest] {
+        let t = table(16, mode); // one bucket of 16
+        assert_eq!(t.buckets(), 1);
+        let mut m = fresh(&t);
+        for n in 0..16u64 {
+            let h = handle(&claim(&t, &mut m, skey(n), Some(fp(1)), 1, NOW + n));
+            t.complete(&mut m, &h, fp(1), response("r"), false, &creator("c"), NOW + n, &policy()).unwrap();
+        }
+        let b = claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 20);
+        match mode {
+            WhenFull::Reject => assert_eq!(b, Begin::Full),
+            WhenFull::EvictOldest => {
+                assert!(matches!(b, Begin::Claimed { evicted: true, .. }));
+                // The oldest (key 0) is gone; key 1 is still replayed.
+                assert!(matches!(claim(&t, &mut m, skey(0), Some(fp(1)), 3, NOW + 21), Begin::Claimed { .. } | Begin::Full));
+                assert!(matches!(claim(&t, &mut m, skey(2), Some(fp(1)), 3, NOW + 21), Begin::Replay(_)));
+            }
+        }
+    }
+    // Live claims are never evicted.
+    let t = table(16, WhenFull::EvictOldest);
+    let mut m = fresh(&t);
+    for n in 0..16u64 {
+        claim(&t, &mut m, skey(n), Some(fp(1)), 1, NOW);
+    }
+    assert_eq!(claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 1), Begin::Full);
+}
+
+#[test]
+fn creating_the_table_again_never_overwrites_live_records() {
+    let t = table(100, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let k = skey(8);
+    handle(&claim(&t, &mut m, k, Some(fp(1)), 1, NOW));
+    assert_eq!(t.ensure_created(&mut m).unwrap(), 0, "ready marker: nothing to do");
+    m.map.remove(&t.ready_name()); // as if the marker had never been written
+    assert_eq!(t.ensure_created(&mut m).unwrap(), 0, "every bucket exists: none rewritten");
+    assert!(is_reject(&claim(&t, &mut m, k, Some(fp(1)), 2, NOW), &in_flight()));
+}
+
+#[test]
+fn a_missing_bucket_is_an_error_not_a_racy_insert() {
+    let t = table(100, WhenFull::Reject);
+    let mut m = Model::default();
+    assert_eq!(t.begin(&mut m, skey(1), None, NOW, &policy(), owner(1), &creator("a")), Err(LocalError::Missing));
+    assert_eq!(m.names(), 0);
+}
+
+#[test]
+fn a_flood_of_unique_keys_keeps_names_and_bytes_bounded() {
+    let t = Table::new(&LocalConfig { max_entries: 64, max_bytes: 16 * 1024, when_full: WhenFull::EvictOldest });
+    let mut m = fresh(&t);
+    let mut stored_without_body = 0;
+    for n in 0..5_000u64 {
+        let now = NOW + n;
+        if let Begin::Claimed { handle, .. } = claim(&t, &mut m, skey(n), Some(fp(1)), 1, now) {
+            let body = "y".repeat(500);
+            if t.complete(&mut m, &handle, fp(1), response(&body), false, &creator("c"), now, &policy()).unwrap()
+                == Completed::StoredWithoutBody
+            {
+                stored_without_body += 1;
+            }
+        }
+    }
+    let max_names = t.buckets() as usize * (1 + BUCKET_WIDTH) + 2;
+    assert!(m.names() <= max_names, "{} names > {max_names}", m.names());
+    assert!(t.usage(&mut m) <= 16 * 1024);
+    assert!(m.bytes() < 16 * 1024 + max_names * 2_000, "{} bytes", m.bytes());
+    assert!(stored_without_body > 0, "the byte budget was reached and degraded to status-only records");
+}
+
+#[test]
+fn usage_follows_completions_releases_and_sweeps() {
+    let t = table(100, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let h = handle(&claim(&t, &mut m, skey(1), Some(fp(1)), 1, NOW));
+    t.complete(&mut m, &h, fp(1), response("abc"), false, &creator("c"), NOW, &policy()).unwrap();
+    let used = t.usage(&mut m);
+    assert!(used > 0);
+    let h2 = handle(&claim(&t, &mut m, skey(2), Some(fp(1)), 1, NOW));
+    t.complete(&mut m, &h2, fp(1), response("x".repeat(10_000).as_str()), true, &creator("c"), NOW, &policy()).unwrap();
+    assert_eq!(t.usage(&mut m), used, "a too-large response is kept without its body and not counted");
+    assert_eq!(t.occupied(&mut m), 2);
+    let after_expiry = NOW + policy().ttl_seconds * 1000;
+    assert_eq!(t.sweep(&mut m, 0, t.buckets(), after_expiry).unwrap(), 2);
+    assert_eq!(t.usage(&mut m), 0);
+    assert_eq!(t.occupied(&mut m), 0);
+}
+
+#[test]
+fn too_large_response_replays_status_and_location_only() {
+    let t = table(100, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let h = handle(&claim(&t, &mut m, skey(1), Some(fp(1)), 1, NOW));
+    assert_eq!(
+        t.complete(&mut m, &h, fp(1), response("big"), true, &creator("c"), NOW, &policy()).unwrap(),
+        Completed::StoredWithoutBody
+    );
+    match claim(&t, &mut m, skey(1), Some(fp(1)), 2, NOW) {
+        Begin::Replay(r) => assert_eq!(r.state, State::CompletedTooLarge { status: 201, location: Some(b"/r/1".to_vec()) }),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+mod interleavings;

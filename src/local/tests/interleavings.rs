@@ -1,0 +1,248 @@
+//! Several workers run the real local-tier code on threads; every shared-data call waits for the
+//! scheduler, which grants one call at a time in the order a schedule dictates. Exhaustive for two
+//! workers up to a schedule depth, random for three or more.
+
+use super::*;
+use std::sync::{Arc, Condvar, Mutex};
+
+struct State {
+    model: Model,
+    /// The worker allowed to make its next call.
+    turn: Option<usize>,
+    /// Workers blocked at a call.
+    waiting: Vec<bool>,
+    done: Vec<bool>,
+}
+
+struct Sched {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+struct WorkerData {
+    id: usize,
+    sched: Arc<Sched>,
+}
+
+impl WorkerData {
+    fn call<T>(&mut self, f: impl FnOnce(&mut Model) -> T) -> T {
+        let mut st = self.sched.state.lock().unwrap();
+        st.waiting[self.id] = true;
+        self.sched.cv.notify_all();
+        while st.turn != Some(self.id) {
+            st = self.sched.cv.wait(st).unwrap();
+        }
+        st.turn = None;
+        st.waiting[self.id] = false;
+        let out = f(&mut st.model);
+        self.sched.cv.notify_all();
+        out
+    }
+}
+
+impl SharedData for WorkerData {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        self.call(|m| m.get(key))
+    }
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        self.call(|m| m.set(key, value, cas))
+    }
+}
+
+type Work<T> = Box<dyn FnOnce(&mut dyn SharedData) -> T + Send>;
+
+/// Runs `workers` from `model`; at each step the next worker is `schedule[step]` (or, past its
+/// end or when that worker is done, the lowest-numbered worker still running).
+fn run<T: Send + 'static>(model: Model, schedule: &[usize], workers: Vec<Work<T>>) -> (Vec<T>, Model) {
+    let n = workers.len();
+    let sched = Arc::new(Sched {
+        state: Mutex::new(State { model, turn: None, waiting: vec![false; n], done: vec![false; n] }),
+        cv: Condvar::new(),
+    });
+    let handles: Vec<_> = workers
+        .into_iter()
+        .enumerate()
+        .map(|(id, w)| {
+            let s = sched.clone();
+            std::thread::spawn(move || {
+                let mut sd = WorkerData { id, sched: s.clone() };
+                let out = w(&mut sd);
+                let mut st = s.state.lock().unwrap();
+                st.done[id] = true;
+                s.cv.notify_all();
+                out
+            })
+        })
+        .collect();
+    let mut step = 0;
+    loop {
+        let mut st = sched.state.lock().unwrap();
+        // Wait until every running worker is blocked at a call, and the last grant was consumed.
+        while st.turn.is_some() || (0..n).any(|i| !st.done[i] && !st.waiting[i]) {
+            st = sched.cv.wait(st).unwrap();
+        }
+        if st.done.iter().all(|d| *d) {
+            break;
+        }
+        let preferred = schedule.get(step).copied().unwrap_or(0) % n;
+        let next = (0..n).map(|k| (preferred + k) % n).find(|i| !st.done[*i]).unwrap();
+        st.turn = Some(next);
+        sched.cv.notify_all();
+        step += 1;
+    }
+    let results = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let model = Arc::try_unwrap(sched).ok().unwrap().state.into_inner().unwrap().model;
+    (results, model)
+}
+
+/// Every schedule of `depth` binary choices.
+fn all_binary_schedules(depth: u32) -> impl Iterator<Item = Vec<usize>> {
+    (0..(1u32 << depth)).map(move |bits| (0..depth).map(|i| ((bits >> i) & 1) as usize).collect())
+}
+
+/// A small deterministic PRNG for random schedules.
+fn schedules(workers: usize, count: usize, len: usize, seed: u64) -> Vec<Vec<usize>> {
+    let mut x = seed | 1;
+    (0..count)
+        .map(|_| {
+            (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x % workers as u64) as usize
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn claimers(t: &Table, n: usize, k: StorageKey, f: Option<Fingerprint>, now: u64) -> Vec<Work<Begin>> {
+    (0..n)
+        .map(|i| {
+            let t = t.clone();
+            Box::new(move |sd: &mut dyn SharedData| {
+                t.begin(sd, k, f, now, &policy(), owner(i as u8 + 1), &creator(&format!("w{i}"))).unwrap()
+            }) as Work<Begin>
+        })
+        .collect()
+}
+
+fn claimed(results: &[Begin]) -> usize {
+    results.iter().filter(|b| matches!(b, Begin::Claimed { .. })).count()
+}
+
+#[test]
+fn exactly_one_of_two_workers_claims_a_free_key_under_every_interleaving() {
+    let t = table(64, WhenFull::Reject);
+    let base = fresh(&t);
+    let mut runs = 0;
+    for s in all_binary_schedules(10) {
+        for f in [None, Some(fp(1))] {
+            let (results, _) = run(base.clone(), &s, claimers(&t, 2, skey(1), f, NOW));
+            assert_eq!(claimed(&results), 1, "schedule {s:?}: {results:?}");
+            assert!(results.iter().any(|b| is_reject(b, &in_flight())), "{results:?}");
+            runs += 1;
+        }
+    }
+    assert_eq!(runs, 2048);
+}
+
+#[test]
+fn exactly_one_of_four_workers_claims_under_random_interleavings() {
+    let t = table(64, WhenFull::Reject);
+    let base = fresh(&t);
+    for s in schedules(4, 300, 40, 0x5eed) {
+        let (results, _) = run(base.clone(), &s, claimers(&t, 4, skey(2), Some(fp(1)), NOW));
+        assert_eq!(claimed(&results), 1, "schedule {s:?}: {results:?}");
+    }
+}
+
+#[test]
+fn exactly_one_retry_takes_over_a_stale_never_forwarded_claim_under_every_interleaving() {
+    let t = table(64, WhenFull::Reject);
+    let mut base = fresh(&t);
+    // A claim made at headers by a request whose VM died before forwarding.
+    handle(&claim(&t, &mut base, skey(3), None, 99, NOW));
+    let later = NOW + policy().lock_ttl_seconds * 1000;
+    for s in all_binary_schedules(10) {
+        let (results, model) = run(base.clone(), &s, claimers(&t, 2, skey(3), Some(fp(1)), later));
+        assert_eq!(claimed(&results), 1, "schedule {s:?}: {results:?}");
+        assert!(results.iter().any(|b| matches!(b, Begin::Claimed { took_over: true, .. })));
+        // The loser sees the winner's live claim.
+        assert!(results.iter().any(|b| is_reject(b, &in_flight())), "{results:?}");
+        let mut m = model;
+        assert_eq!(t.occupied(&mut m), 1);
+    }
+    for s in schedules(3, 200, 40, 7) {
+        let (results, _) = run(base.clone(), &s, claimers(&t, 3, skey(3), Some(fp(1)), later));
+        assert_eq!(claimed(&results), 1, "schedule {s:?}: {results:?}");
+    }
+}
+
+#[test]
+fn racing_retries_on_a_stale_forwarded_lock_never_execute() {
+    let t = table(64, WhenFull::Reject);
+    let mut base = fresh(&t);
+    claim(&t, &mut base, skey(4), Some(fp(1)), 99, NOW);
+    let later = NOW + policy().lock_ttl_seconds * 1000;
+    for s in all_binary_schedules(10) {
+        let (results, _) = run(base.clone(), &s, claimers(&t, 2, skey(4), Some(fp(1)), later));
+        assert_eq!(claimed(&results), 0, "schedule {s:?}: {results:?}");
+        assert!(results.iter().all(|b| is_reject(b, &ProblemKind::OutcomeUnknown)), "{results:?}");
+    }
+}
+
+#[test]
+fn a_completion_racing_a_takeover_never_lets_both_succeed() {
+    // stale_lock "takeover": the original owner completes late while a retry takes over.
+    let t = table(64, WhenFull::Reject);
+    let mut p = policy();
+    p.stale_lock = crate::config::StaleLock::Takeover;
+    let mut base = fresh(&t);
+    let a = handle(&t.begin(&mut base, skey(5), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    let later = NOW + p.lock_ttl_seconds * 1000;
+    for s in all_binary_schedules(12) {
+        let (t1, t2, p1, p2) = (t.clone(), t.clone(), p.clone(), p.clone());
+        let work: Vec<Work<String>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| {
+                format!("{:?}", t1.complete(sd, &a, fp(1), response("a"), false, &creator("a"), later, &p1).unwrap())
+            }),
+            Box::new(move |sd: &mut dyn SharedData| match t2.begin(sd, skey(5), Some(fp(1)), later, &p2, owner(2), &creator("b")).unwrap() {
+                Begin::Claimed { .. } => "Claimed".to_string(),
+                Begin::Replay(_) => "Replay".to_string(),
+                other => format!("{other:?}"),
+            }),
+        ];
+        let (r, model) = run(base.clone(), &s, work);
+        let ok = matches!((r[0].as_str(), r[1].as_str()), ("Stored", "Replay") | ("LostClaim", "Claimed"));
+        assert!(ok, "schedule {s:?}: {r:?}");
+        // Whatever happened, the table holds exactly one record for the key, owned by the winner.
+        let mut m = model;
+        assert_eq!(t.occupied(&mut m), 1);
+    }
+}
+
+/// The model is faithful enough to catch the classic mistake: a claim made by writing a per-key
+/// name "if absent" (CAS on an absent key inserts) lets two workers win.
+#[test]
+fn the_model_catches_a_naive_insert_if_absent_claim() {
+    let naive = |id: u8| -> Work<bool> {
+        Box::new(move |sd: &mut dyn SharedData| {
+            let (v, cas) = sd.get("naive.key").unwrap();
+            if v.is_some() {
+                return false;
+            }
+            // The CAS read from an absent key is none: the write cannot be conditional.
+            sd.set("naive.key", &[id], cas).is_ok()
+        })
+    };
+    let mut double_wins = 0;
+    for s in all_binary_schedules(4) {
+        let (r, _) = run(Model::default(), &s, vec![naive(1), naive(2)]);
+        if r.iter().all(|w| *w) {
+            double_wins += 1;
+        }
+    }
+    assert!(double_wins > 0, "the naive claim must fail under some interleaving");
+}
