@@ -18,6 +18,9 @@ pub struct Config {
     /// The external store (`None`: local tier only).
     pub store: Option<StoreConfig>,
     pub local: LocalConfig,
+    /// Bytes of request bodies one worker VM may hold buffered at once; beyond it protected
+    /// requests get a 503 `buffer-budget-exceeded` rather than exhausting the VM.
+    pub max_buffered_bytes: u64,
 }
 
 /// A route: a path prefix and its effective policy (the top-level fields with its overrides).
@@ -185,7 +188,7 @@ const POLICY_FIELDS: &[&str] = &[
     "replay_exclude_headers",
     "stale_lock",
 ];
-const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local"];
+const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes"];
 
 impl Config {
     /// Parses and validates the plugin configuration (a JSON object; empty means `{}`).
@@ -209,6 +212,10 @@ impl Config {
             None | Some(Value::Null) => LocalConfig::default(),
             Some(v) => parse_local(v)?,
         };
+        let max_buffered_bytes = match top.get("max_buffered_bytes") {
+            None => 64 * 1024 * 1024,
+            Some(v) => as_uint(v, "max_buffered_bytes", 1024, 16 * 1024 * 1024 * 1024)?,
+        };
         let routes = match top.get("routes") {
             None | Some(Value::Null) => vec![],
             Some(v) => parse_routes(v, &default_policy)?,
@@ -222,7 +229,7 @@ impl Config {
             }
             validate_policy(&default_policy, "")?;
         }
-        Ok(Config { default_policy, routes, store, local })
+        Ok(Config { default_policy, routes, store, local, max_buffered_bytes })
     }
 
     /// The policy protecting a request, if any: the first route whose prefix matches the path
@@ -508,7 +515,7 @@ fn parse_local(v: &Value) -> Result<LocalConfig, ConfigError> {
     for (n, v) in m {
         let f = join("local", n);
         match n.as_str() {
-            "max_entries" => l.max_entries = as_uint(v, &f, 1, 10_000_000)?,
+            "max_entries" => l.max_entries = as_uint(v, &f, 16, 1_000_000)?,
             "max_bytes" => l.max_bytes = as_uint(v, &f, 4096, 16 * 1024 * 1024 * 1024)?,
             _ => {
                 l.when_full =
@@ -559,6 +566,7 @@ mod tests {
         assert_eq!(p.stale_lock, StaleLock::Reject);
         assert_eq!(c.store, None);
         assert_eq!(c.local, LocalConfig::default());
+        assert_eq!(c.max_buffered_bytes, 64 * 1024 * 1024);
         assert!(c.routes.is_empty());
     }
 
@@ -574,7 +582,8 @@ mod tests {
               "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 50, "on_unavailable": "pass"},
               "release_on_status": [429, 503], "log_headers": ["x-agent-run-id"],
               "replay_exclude_headers": ["set-cookie", "x-trace"], "stale_lock": "takeover",
-              "local": {"max_entries": 100, "max_bytes": 1048576, "when_full": "evict_oldest"}
+              "local": {"max_entries": 100, "max_bytes": 1048576, "when_full": "evict_oldest"},
+              "max_buffered_bytes": 2097152
             }"#,
         )
         .unwrap();
@@ -606,6 +615,7 @@ mod tests {
             })
         );
         assert_eq!(c.local, LocalConfig { max_entries: 100, max_bytes: 1_048_576, when_full: WhenFull::EvictOldest });
+        assert_eq!(c.max_buffered_bytes, 2_097_152);
     }
 
     #[test]
@@ -657,6 +667,12 @@ mod tests {
                 "store.on_unavailable",
             ),
             (r#"{"scope": {"headers": ["a"]}, "local": {"when_full": "drop"}}"#, "local.when_full"),
+            (r#"{"scope": {"headers": ["a"]}, "local": {"max_entries": 5000000}}"#, "local.max_entries"),
+            (r#"{"scope": {"headers": ["a"]}, "max_buffered_bytes": 10}"#, "max_buffered_bytes"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "max_buffered_bytes": 5000}]}"#,
+                "routes[0].max_buffered_bytes",
+            ),
             (r#"{"scope": {"headers": ["a"]}, "routes": []}"#, "routes"),
             (r#"{"scope": {"headers": ["a"]}, "routes": [{}]}"#, "routes[0].prefix"),
             (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "pay"}]}"#, "routes[0].prefix"),

@@ -70,7 +70,9 @@ impl Record {
     pub fn summary(&self) -> Summary {
         let phase = match &self.state {
             State::Claimed { lock_expires_at_ms, .. } => Phase::Claimed { lock_expires_at_ms: *lock_expires_at_ms },
-            State::InProgress { lock_expires_at_ms, .. } => Phase::InProgress { lock_expires_at_ms: *lock_expires_at_ms },
+            State::InProgress { lock_expires_at_ms, .. } => {
+                Phase::InProgress { lock_expires_at_ms: *lock_expires_at_ms }
+            }
             State::Completed(_) | State::CompletedTooLarge { .. } => Phase::Completed,
             State::OutcomeUnknown { .. } => Phase::Unknown,
         };
@@ -117,13 +119,19 @@ pub const UNAVAILABLE_RETRY_AFTER_SECONDS: u64 = 1;
 
 /// The decision table for a protected request at time `now_ms`. `fp` is `None` when the decision
 /// is taken at request headers, before the body (and so the fingerprint) is known.
-pub fn decide(lookup: Lookup, fp: Option<&Fingerprint>, now_ms: u64, policy: &Policy, on_unavailable: OnUnavailable) -> Decision {
+pub fn decide(
+    lookup: Lookup,
+    fp: Option<&Fingerprint>,
+    now_ms: u64,
+    policy: &Policy,
+    on_unavailable: OnUnavailable,
+) -> Decision {
     let record = match lookup {
         Lookup::StoreError => {
             return match on_unavailable {
-                OnUnavailable::Reject => {
-                    Decision::Reject(ProblemKind::StoreUnavailable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS })
-                }
+                OnUnavailable::Reject => Decision::Reject(ProblemKind::StoreUnavailable {
+                    retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS,
+                }),
                 OnUnavailable::Pass => Decision::PassUnprotected,
             }
         }
@@ -135,7 +143,9 @@ pub fn decide(lookup: Lookup, fp: Option<&Fingerprint>, now_ms: u64, policy: &Po
     // A live lock is answered at once (409), whatever the body: a concurrent duplicate need not
     // be buffered. Everything else needs the fingerprint.
     match record.phase {
-        Phase::Claimed { lock_expires_at_ms } | Phase::InProgress { lock_expires_at_ms } if now_ms < lock_expires_at_ms => {
+        Phase::Claimed { lock_expires_at_ms } | Phase::InProgress { lock_expires_at_ms }
+            if now_ms < lock_expires_at_ms =>
+        {
             return match (fp, record.fingerprint) {
                 (Some(a), Some(b)) if *a != b => Decision::Reject(ProblemKind::KeyReused),
                 _ => in_flight,
@@ -260,7 +270,8 @@ pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
     if !facts.forwarded {
         return Outcome::Release;
     }
-    let by_status = |status: u16| if policy.release_on_status.contains(&status) { Outcome::Release } else { Outcome::Store };
+    let by_status =
+        |status: u16| if policy.release_on_status.contains(&status) { Outcome::Release } else { Outcome::Store };
     // The whole upstream response was captured: the client leaving while it was being written
     // changes nothing, the retry gets the replay.
     if let (true, Some(status), "via_upstream") = (facts.response_complete, facts.status, facts.code_details.as_str()) {
@@ -418,7 +429,11 @@ mod tests {
     #[test]
     fn at_request_headers_only_live_locks_and_free_keys_are_decided() {
         let later = NOW + 5_000;
-        let summary = |phase, fp: Option<u8>| Summary { fingerprint: fp.map(|b| Fingerprint([b; 32])), expires_at_ms: later, phase };
+        let summary = |phase, fp: Option<u8>| Summary {
+            fingerprint: fp.map(|b| Fingerprint([b; 32])),
+            expires_at_ms: later,
+            phase,
+        };
         let d = |s: Summary| decide(Lookup::Found(s), None, NOW, &policy(), OnUnavailable::Reject);
         assert_eq!(decide(Lookup::Absent, None, NOW, &policy(), OnUnavailable::Reject), Decision::Claim);
         assert_eq!(
@@ -436,7 +451,13 @@ mod tests {
         // A claim made at headers has no fingerprint yet: a full request meeting it live is in flight.
         let fp = Fingerprint([1; 32]);
         assert_eq!(
-            decide(Lookup::Found(summary(Phase::Claimed { lock_expires_at_ms: later }, None)), Some(&fp), NOW, &policy(), OnUnavailable::Reject),
+            decide(
+                Lookup::Found(summary(Phase::Claimed { lock_expires_at_ms: later }, None)),
+                Some(&fp),
+                NOW,
+                &policy(),
+                OnUnavailable::Reject
+            ),
             Decision::Reject(ProblemKind::InFlight { retry_after_seconds: 1 })
         );
     }
@@ -448,7 +469,10 @@ mod tests {
             decide(Lookup::StoreError, Some(&fp), NOW, &policy(), OnUnavailable::Reject),
             Decision::Reject(ProblemKind::StoreUnavailable { retry_after_seconds: 1 })
         );
-        assert_eq!(decide(Lookup::StoreError, Some(&fp), NOW, &policy(), OnUnavailable::Pass), Decision::PassUnprotected);
+        assert_eq!(
+            decide(Lookup::StoreError, Some(&fp), NOW, &policy(), OnUnavailable::Pass),
+            Decision::PassUnprotected
+        );
     }
 
     fn facts(forwarded: bool, status: Option<u16>, details: &str, flags: u64) -> ExchangeFacts {

@@ -558,12 +558,14 @@ impl Table {
     ) -> Result<Completed, LocalError> {
         let expires_at_ms = now_ms.saturating_add(policy.ttl_seconds.saturating_mul(1000));
         let status = response.status;
-        let location = response
-            .headers
-            .iter()
-            .find(|(n, _)| n == "location")
-            .map(|(_, v)| v.clone());
-        let mut record = Record { fingerprint: fp, created_at_ms: now_ms, expires_at_ms, creator: creator.clone(), state: State::Completed(response) };
+        let location = response.headers.iter().find(|(n, _)| n == "location").map(|(_, v)| v.clone());
+        let mut record = Record {
+            fingerprint: fp,
+            created_at_ms: now_ms,
+            expires_at_ms,
+            creator: creator.clone(),
+            state: State::Completed(response),
+        };
         let mut bytes = encode_slot(h, &record);
         let mut without_body = too_large;
         if !too_large && !self.reserve(sd, bytes.len() as u64)? {

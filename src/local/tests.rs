@@ -264,7 +264,10 @@ fn full_bucket_answers_full_by_default_and_evicts_only_finished_records_when_ask
             WhenFull::EvictOldest => {
                 assert!(matches!(b, Begin::Claimed { evicted: true, .. }));
                 // The oldest (key 0) is gone; key 1 is still replayed.
-                assert!(matches!(claim(&t, &mut m, skey(0), Some(fp(1)), 3, NOW + 21), Begin::Claimed { .. } | Begin::Full));
+                assert!(matches!(
+                    claim(&t, &mut m, skey(0), Some(fp(1)), 3, NOW + 21),
+                    Begin::Claimed { .. } | Begin::Full
+                ));
                 assert!(matches!(claim(&t, &mut m, skey(2), Some(fp(1)), 3, NOW + 21), Begin::Replay(_)));
             }
         }
@@ -349,7 +352,9 @@ fn too_large_response_replays_status_and_location_only() {
         Completed::StoredWithoutBody
     );
     match claim(&t, &mut m, skey(1), Some(fp(1)), 2, NOW) {
-        Begin::Replay(r) => assert_eq!(r.state, State::CompletedTooLarge { status: 201, location: Some(b"/r/1".to_vec()) }),
+        Begin::Replay(r) => {
+            assert_eq!(r.state, State::CompletedTooLarge { status: 201, location: Some(b"/r/1".to_vec()) })
+        }
         other => panic!("{other:?}"),
     }
 }

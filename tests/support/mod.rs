@@ -218,14 +218,19 @@ impl Envoy {
 
     /// A counter or gauge from the admin `/stats` endpoint (0 when absent).
     pub fn stat(&self, name: &str) -> u64 {
-        let r =
-            http::get(self.admin_port, &format!("/stats?filter=^{}$", name.replace('.', "\\."))).expect("admin stats");
-        let text = String::from_utf8_lossy(&r.body).into_owned();
-        text.lines()
+        // Envoy's /stats shows Wasm metrics as `wasmcustom.<name>` (Prometheus strips the prefix).
+        let custom = format!("wasmcustom.{name}");
+        self.stats("idemgate").into_iter().find(|(n, _)| *n == custom || n == name).map_or(0, |(_, v)| v)
+    }
+
+    /// Every counter and gauge whose name contains `filter`, from the admin `/stats` endpoint.
+    pub fn stats(&self, filter: &str) -> Vec<(String, u64)> {
+        let r = http::get(self.admin_port, &format!("/stats?filter={filter}")).expect("admin stats");
+        String::from_utf8_lossy(&r.body)
+            .lines()
             .filter_map(|l| l.split_once(": "))
-            .find(|(n, _)| *n == name)
-            .and_then(|(_, v)| v.trim().parse().ok())
-            .unwrap_or(0)
+            .filter_map(|(n, v)| v.trim().parse().ok().map(|v| (n.to_string(), v)))
+            .collect()
     }
 
     /// Envoy's resident memory in bytes, read from /proc.

@@ -208,10 +208,12 @@ fn a_completion_racing_a_takeover_never_lets_both_succeed() {
             Box::new(move |sd: &mut dyn SharedData| {
                 format!("{:?}", t1.complete(sd, &a, fp(1), response("a"), false, &creator("a"), later, &p1).unwrap())
             }),
-            Box::new(move |sd: &mut dyn SharedData| match t2.begin(sd, skey(5), Some(fp(1)), later, &p2, owner(2), &creator("b")).unwrap() {
-                Begin::Claimed { .. } => "Claimed".to_string(),
-                Begin::Replay(_) => "Replay".to_string(),
-                other => format!("{other:?}"),
+            Box::new(move |sd: &mut dyn SharedData| {
+                match t2.begin(sd, skey(5), Some(fp(1)), later, &p2, owner(2), &creator("b")).unwrap() {
+                    Begin::Claimed { .. } => "Claimed".to_string(),
+                    Begin::Replay(_) => "Replay".to_string(),
+                    other => format!("{other:?}"),
+                }
             }),
         ];
         let (r, model) = run(base.clone(), &s, work);

@@ -1,0 +1,170 @@
+//! Host access: thin wrappers over proxy-wasm host calls that never panic on our side and turn
+//! host failures into values.
+
+use std::time::UNIX_EPOCH;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+
+use crate::local::{HostError, SetError, SharedData};
+
+/// Envoy's shared data for this VM id.
+pub struct HostShared;
+
+impl SharedData for HostShared {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        hostcalls::get_shared_data(key).map_err(|_| HostError)
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(Status::CasMismatch) => Err(SetError::CasMismatch),
+            Err(_) => Err(SetError::Host),
+        }
+    }
+}
+
+pub fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+pub fn now_nanos() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+pub fn header(map: MapType, name: &str) -> Option<String> {
+    hostcalls::get_map_value(map, name).ok().flatten()
+}
+
+pub fn all_headers(map: MapType) -> Vec<(String, Vec<u8>)> {
+    hostcalls::get_map_bytes(map).unwrap_or_default()
+}
+
+pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
+    if size == 0 {
+        return vec![];
+    }
+    hostcalls::get_buffer(kind, 0, size).ok().flatten().unwrap_or_default()
+}
+
+pub fn property(path: &[&str]) -> Option<Vec<u8>> {
+    hostcalls::get_property(path.to_vec()).ok().flatten()
+}
+
+/// Random bytes from WASI `random_get` where the host offers it (wasm32-wasip1).
+pub fn entropy() -> Vec<u8> {
+    #[cfg(target_os = "wasi")]
+    {
+        #[link(wasm_import_module = "wasi_snapshot_preview1")]
+        extern "C" {
+            fn random_get(buf: *mut u8, len: usize) -> u16;
+        }
+        let mut buf = [0u8; 16];
+        // SAFETY: the host writes at most `len` bytes into the buffer we own.
+        let errno = unsafe { random_get(buf.as_mut_ptr(), buf.len()) };
+        if errno == 0 {
+            return buf.to_vec();
+        }
+    }
+    vec![]
+}
+
+/// The counters idemgate exports, `idemgate.<name>` in Envoy's /stats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    Protected,
+    Claimed,
+    TakenOver,
+    Replayed,
+    InFlightConflict,
+    Mismatch,
+    MissingKey,
+    InvalidKey,
+    BodyTooLarge,
+    Stored,
+    StoredWithoutBody,
+    Released,
+    UnknownOutcome,
+    LostClaim,
+    LocalFull,
+    LocalEvictions,
+    LocalErrors,
+    BufferBudgetExceeded,
+    LocalSwept,
+}
+
+impl Counter {
+    pub const ALL: [Counter; 19] = [
+        Counter::Protected,
+        Counter::Claimed,
+        Counter::TakenOver,
+        Counter::Replayed,
+        Counter::InFlightConflict,
+        Counter::Mismatch,
+        Counter::MissingKey,
+        Counter::InvalidKey,
+        Counter::BodyTooLarge,
+        Counter::Stored,
+        Counter::StoredWithoutBody,
+        Counter::Released,
+        Counter::UnknownOutcome,
+        Counter::LostClaim,
+        Counter::LocalFull,
+        Counter::LocalEvictions,
+        Counter::LocalErrors,
+        Counter::BufferBudgetExceeded,
+        Counter::LocalSwept,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::Protected => "idemgate.protected",
+            Counter::Claimed => "idemgate.claimed",
+            Counter::TakenOver => "idemgate.taken_over",
+            Counter::Replayed => "idemgate.replayed",
+            Counter::InFlightConflict => "idemgate.in_flight_conflict",
+            Counter::Mismatch => "idemgate.mismatch",
+            Counter::MissingKey => "idemgate.missing_key",
+            Counter::InvalidKey => "idemgate.invalid_key",
+            Counter::BodyTooLarge => "idemgate.body_too_large",
+            Counter::Stored => "idemgate.stored",
+            Counter::StoredWithoutBody => "idemgate.stored_without_body",
+            Counter::Released => "idemgate.released",
+            Counter::UnknownOutcome => "idemgate.unknown_outcome",
+            Counter::LostClaim => "idemgate.lost_claim",
+            Counter::LocalFull => "idemgate.local_full",
+            Counter::LocalEvictions => "idemgate.local_evictions",
+            Counter::LocalErrors => "idemgate.local_errors",
+            Counter::BufferBudgetExceeded => "idemgate.buffer_budget_exceeded",
+            Counter::LocalSwept => "idemgate.local_swept",
+        }
+    }
+}
+
+/// Metric ids, defined once per VM.
+#[derive(Clone, Debug, Default)]
+pub struct Metrics {
+    ids: Vec<Option<u32>>,
+}
+
+impl Metrics {
+    pub fn define() -> Metrics {
+        Metrics {
+            ids: Counter::ALL.iter().map(|c| hostcalls::define_metric(MetricType::Counter, c.name()).ok()).collect(),
+        }
+    }
+
+    pub fn inc(&self, c: Counter) {
+        let idx = Counter::ALL.iter().position(|x| *x == c);
+        if let Some(Some(id)) = idx.and_then(|i| self.ids.get(i)) {
+            let _ = hostcalls::increment_metric(*id, 1);
+        }
+    }
+}

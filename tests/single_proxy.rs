@@ -1,0 +1,270 @@
+//! One Envoy 1.40 (two workers, exact_balance) with idemgate and no external store, in front of
+//! a counting upstream. Every test asserts how many times the upstream executed.
+
+mod support;
+
+use std::time::Duration;
+
+use support::http::{self, Response};
+use support::upstream::Upstream;
+use support::{Envoy, EnvoyOptions};
+
+const CFG: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
+
+struct Stack {
+    up: Upstream,
+    envoy: Envoy,
+}
+
+impl Stack {
+    fn new(plugin: &str) -> Stack {
+        Stack::with(plugin, |_| {})
+    }
+
+    fn with(plugin: &str, f: impl FnOnce(&mut EnvoyOptions)) -> Stack {
+        let up = Upstream::start();
+        let mut o = EnvoyOptions::new(plugin, up.port);
+        f(&mut o);
+        let envoy = Envoy::start(&o);
+        Stack { up, envoy }
+    }
+
+    fn post(&self, path: &str, key: Option<&str>, body: &str, extra: &[(&str, &str)]) -> Response {
+        let mut h: Vec<(&str, &str)> = vec![("authorization", "Bearer alice"), ("content-type", "application/json")];
+        if let Some(k) = key {
+            h.push(("idempotency-key", k));
+        }
+        h.extend_from_slice(extra);
+        http::request(self.envoy.port, "POST", path, &h, body.as_bytes()).expect("request")
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.envoy.assert_no_wasm_panic();
+        }
+    }
+}
+
+fn problem_type(r: &Response) -> String {
+    r.json()["type"].as_str().unwrap_or("").to_string()
+}
+
+#[test]
+fn same_key_twice_executes_once_and_replays_byte_identical_with_the_header() {
+    let s = Stack::new(CFG);
+    let a = s.post("/charges", Some("k-1"), r#"{"amount":100}"#, &[]);
+    let b = s.post("/charges", Some("k-1"), r#"{"amount":100}"#, &[]);
+    assert_eq!(a.status, 201, "{}", a.body_text());
+    assert_eq!(s.up.executions(), 1);
+    assert_eq!(b.status, 201);
+    assert_eq!(b.body, a.body);
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    assert_eq!(a.header("idempotent-replayed"), None);
+    assert_eq!(b.header("location"), a.header("location"));
+    assert_eq!(b.header("x-execution"), Some("1"));
+    assert_eq!(s.envoy.stat("idemgate.replayed"), 1);
+    assert_eq!(s.envoy.stat("idemgate.claimed"), 1);
+    assert_eq!(s.envoy.stat("idemgate.stored"), 1);
+}
+
+#[test]
+fn same_key_with_another_body_or_path_or_method_is_422_without_executing() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "methods": ["POST", "PUT"]}"#);
+    assert_eq!(s.post("/charges", Some("k-2"), r#"{"amount":100}"#, &[]).status, 201);
+    let other_body = s.post("/charges", Some("k-2"), r#"{"amount":999}"#, &[]);
+    assert_eq!(other_body.status, 422, "{}", other_body.body_text());
+    assert_eq!(problem_type(&other_body), "urn:idemgate:problem:key-reused");
+    assert_eq!(other_body.header("content-type"), Some("application/problem+json"));
+    let other_path = s.post("/refunds", Some("k-2"), r#"{"amount":100}"#, &[]);
+    assert_eq!(other_path.status, 422);
+    let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-2")];
+    let other_method = http::request(s.envoy.port, "PUT", "/charges", &h, br#"{"amount":100}"#).unwrap();
+    assert_eq!(other_method.status, 422);
+    assert_eq!(s.up.executions(), 1);
+    assert_eq!(s.envoy.stat("idemgate.mismatch"), 3);
+    // The 422 names the request that created the record.
+    assert!(other_body.json()["original_request"]["request_id"].as_str().is_some_and(|id| !id.is_empty()));
+}
+
+#[test]
+fn fifty_concurrent_identical_requests_execute_exactly_once() {
+    let s = Stack::new(CFG);
+    let port = s.envoy.port;
+    let threads: Vec<_> = (0..50)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-burst"), ("x-up-delay-ms", "300")];
+                http::request(port, "POST", "/charges", &h, br#"{"amount":1}"#).expect("request")
+            })
+        })
+        .collect();
+    let answers: Vec<Response> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(s.up.executions(), 1);
+    let first: Vec<&Response> =
+        answers.iter().filter(|r| r.status == 201 && r.header("idempotent-replayed").is_none()).collect();
+    assert_eq!(first.len(), 1);
+    for r in &answers {
+        match r.status {
+            201 => assert_eq!(r.body, first[0].body),
+            409 => {
+                assert_eq!(problem_type(r), "urn:idemgate:problem:request-in-flight");
+                assert!(r.header("retry-after").is_some());
+            }
+            other => panic!("unexpected {other}: {}", r.body_text()),
+        }
+    }
+}
+
+#[test]
+fn two_callers_with_the_same_key_are_kept_apart() {
+    let s = Stack::new(CFG);
+    let a = http::request(
+        s.envoy.port,
+        "POST",
+        "/charges",
+        &[("authorization", "Bearer alice"), ("idempotency-key", "shared")],
+        b"{}",
+    )
+    .unwrap();
+    let b = http::request(
+        s.envoy.port,
+        "POST",
+        "/charges",
+        &[("authorization", "Bearer bob"), ("idempotency-key", "shared")],
+        b"{}",
+    )
+    .unwrap();
+    assert_eq!((a.status, b.status), (201, 201));
+    assert_eq!(s.up.executions(), 2);
+    assert_ne!(a.body, b.body);
+    assert!(b.header("idempotent-replayed").is_none());
+    let a2 = http::request(
+        s.envoy.port,
+        "POST",
+        "/charges",
+        &[("authorization", "Bearer alice"), ("idempotency-key", "shared")],
+        b"{}",
+    )
+    .unwrap();
+    assert_eq!(a2.body, a.body);
+    assert_eq!(s.up.executions(), 2);
+}
+
+#[test]
+fn missing_key_with_require_key_is_400_and_without_it_passes_unprotected() {
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/strict", "require_key": true}, {"prefix": "/"}]}"#,
+    );
+    let r = s.post("/strict/charges", None, "{}", &[]);
+    assert_eq!(r.status, 400);
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:key-missing");
+    assert_eq!(s.up.executions(), 0);
+    assert_eq!(s.post("/loose", None, "{}", &[]).status, 201);
+    assert_eq!(s.post("/loose", None, "{}", &[]).status, 201);
+    assert_eq!(s.up.executions(), 2, "without a key and without require_key, requests pass unprotected");
+    assert_eq!(s.envoy.stat("idemgate.missing_key"), 1);
+}
+
+#[test]
+fn malformed_keys_are_400_with_their_own_problem_types() {
+    let s = Stack::new(CFG);
+    let cases: &[(&[u8], &str)] = &[
+        (b"idempotency-key: a,b\r\n", "key-is-a-list"),
+        (b"idempotency-key: \"unterminated\r\n", "key-malformed-string"),
+        (b"idempotency-key: a/b\r\n", "key-not-a-token"),
+        (b"idempotency-key: k1\r\nidempotency-key: k1\r\n", "key-repeated"),
+        (b"idempotency-key: \"\"\r\n", "key-empty"),
+        (b"idempotency-key: caf\xc3\xa9\r\n", "key-not-visible-ascii"),
+    ];
+    for (header, slug) in cases {
+        let mut req =
+            b"POST /charges HTTP/1.1\r\nhost: t\r\nconnection: close\r\nauthorization: a\r\ncontent-length: 2\r\n"
+                .to_vec();
+        req.extend_from_slice(header);
+        req.extend_from_slice(b"\r\n{}");
+        let r = http::raw(s.envoy.port, &req, Duration::from_secs(10)).unwrap();
+        assert_eq!(r.status, 400, "{slug}: {}", r.body_text());
+        assert_eq!(problem_type(&r), format!("urn:idemgate:problem:{slug}"));
+        assert_eq!(r.header("x-should-retry"), Some("false"));
+    }
+    let long = "k".repeat(256);
+    let r = s.post("/charges", Some(&long), "{}", &[]);
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:key-too-long");
+    assert_eq!(s.up.executions(), 0);
+    assert_eq!(s.envoy.stat("idemgate.invalid_key"), 7);
+}
+
+#[test]
+fn body_over_the_limit_is_413_and_never_forwarded() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "max_request_body_bytes": 1000}"#);
+    let r = s.post("/charges", Some("k-big"), &"x".repeat(1001), &[]);
+    assert_eq!(r.status, 413, "{}", r.body_text());
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:body-too-large");
+    assert_eq!(s.up.executions(), 0);
+    // The key was released: the same key with a body within the limit executes.
+    assert_eq!(s.post("/charges", Some("k-big"), &"x".repeat(1000), &[]).status, 201);
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn get_with_a_key_is_untouched() {
+    let s = Stack::new(CFG);
+    for _ in 0..2 {
+        let r = http::request(
+            s.envoy.port,
+            "GET",
+            "/charges",
+            &[("idempotency-key", "k-get"), ("authorization", "a")],
+            b"",
+        )
+        .unwrap();
+        assert_eq!(r.status, 201);
+        assert!(r.header("idempotent-replayed").is_none());
+    }
+    assert_eq!(s.up.executions(), 2);
+    assert_eq!(s.envoy.stat("idemgate.protected"), 0);
+}
+
+#[test]
+fn upstream_500_is_stored_and_replayed() {
+    let s = Stack::new(CFG);
+    let a = s.post("/charges", Some("k-500"), "{}", &[("x-up-status", "500")]);
+    let b = s.post("/charges", Some("k-500"), "{}", &[("x-up-status", "500")]);
+    assert_eq!((a.status, b.status), (500, 500));
+    assert_eq!(b.body, a.body);
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn replays_carry_no_set_cookie() {
+    let s = Stack::new(CFG);
+    let a = s.post("/charges", Some("k-cookie"), "{}", &[("x-up-set-cookie", "1")]);
+    assert!(a.header("set-cookie").is_some(), "the first response keeps its cookie");
+    let b = s.post("/charges", Some("k-cookie"), "{}", &[("x-up-set-cookie", "1")]);
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    assert!(b.header("set-cookie").is_none());
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn upstream_429_releases_the_key() {
+    let s = Stack::new(CFG);
+    assert_eq!(s.post("/charges", Some("k-429"), "{}", &[("x-up-status", "429")]).status, 429);
+    assert_eq!(s.post("/charges", Some("k-429"), "{}", &[]).status, 201);
+    assert_eq!(s.up.executions(), 2);
+    assert_eq!(s.envoy.stat("idemgate.released"), 1);
+}
+
+#[test]
+fn short_ttl_executes_again_after_expiry() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 2, "lock_ttl_seconds": 1}"#);
+    s.post("/charges", Some("k-ttl"), "{}", &[]);
+    assert_eq!(s.post("/charges", Some("k-ttl"), "{}", &[]).header("idempotent-replayed"), Some("true"));
+    std::thread::sleep(Duration::from_millis(2100));
+    let r = s.post("/charges", Some("k-ttl"), "{}", &[]);
+    assert!(r.header("idempotent-replayed").is_none());
+    assert_eq!(s.up.executions(), 2);
+}
