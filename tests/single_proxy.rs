@@ -268,3 +268,122 @@ fn short_ttl_executes_again_after_expiry() {
     assert!(r.header("idempotent-replayed").is_none());
     assert_eq!(s.up.executions(), 2);
 }
+
+#[test]
+fn client_that_disconnects_after_forwarding_never_causes_a_second_execution() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 1}"#);
+    let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-gone"), ("x-up-delay-ms", "1500")];
+    // The client gives up after 300 ms, while the upstream is executing.
+    let gone = http::request_timeout(s.envoy.port, "POST", "/charges", &h, b"{}", Duration::from_millis(300));
+    assert!(gone.is_err(), "the client must time out");
+    std::thread::sleep(Duration::from_millis(1700)); // past lock_ttl_seconds and the upstream's delay
+    for _ in 0..3 {
+        let r = s.post("/charges", Some("k-gone"), "{}", &[]);
+        assert_eq!(r.status, 409, "{}", r.body_text());
+        assert_eq!(problem_type(&r), "urn:idemgate:problem:outcome-unknown");
+        assert!(r.header("retry-after").is_none());
+        assert_eq!(r.header("x-should-retry"), Some("false"));
+    }
+    assert_eq!(s.up.executions(), 1);
+    assert!(s.envoy.stat("idemgate.unknown_outcome") >= 1);
+}
+
+#[test]
+fn upstream_timeout_is_outcome_unknown_with_no_second_execution() {
+    let s = Stack::with(r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 5}"#, |o| {
+        o.route_timeout_ms = 500
+    });
+    let a = s.post("/charges", Some("k-slow"), "{}", &[("x-up-delay-ms", "1500")]);
+    assert_eq!(a.status, 504);
+    let b = s.post("/charges", Some("k-slow"), "{}", &[]);
+    assert_eq!(b.status, 409);
+    assert_eq!(problem_type(&b), "urn:idemgate:problem:outcome-unknown");
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn a_never_forwarded_stale_claim_is_taken_over_by_exactly_one_retry() {
+    use std::io::Write;
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 1}"#);
+    // The first request claims at headers, then its body stalls: it is never forwarded.
+    let mut stalled = std::net::TcpStream::connect(("127.0.0.1", s.envoy.port)).unwrap();
+    stalled
+        .write_all(b"POST /charges HTTP/1.1\r\nhost: idemgate.test\r\nconnection: close\r\nauthorization: Bearer alice\r\nidempotency-key: k-stall\r\ncontent-length: 4\r\n\r\n{}")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let early = s.post("/charges", Some("k-stall"), "{}  ", &[]);
+    assert_eq!(early.status, 409, "while the claim is live: {}", early.body_text());
+    std::thread::sleep(Duration::from_millis(1000)); // the claim's lock expires
+    let port = s.envoy.port;
+    let retries: Vec<_> = (0..6)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-stall"), ("x-up-delay-ms", "200")];
+                http::request(port, "POST", "/charges", &h, b"{}  ").unwrap()
+            })
+        })
+        .collect();
+    let answers: Vec<Response> = retries.into_iter().map(|t| t.join().unwrap()).collect();
+    let fresh = answers.iter().filter(|r| r.status == 201 && r.header("idempotent-replayed").is_none()).count();
+    assert_eq!(fresh, 1, "{:?}", answers.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert!(answers.iter().all(|r| r.status == 201 || r.status == 409));
+    assert_eq!(s.envoy.stat("idemgate.taken_over"), 1);
+    // The stalled request finally completes its body: its claim is gone, it is not forwarded.
+    stalled.write_all(b"  ").unwrap();
+    let mut buf = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut stalled, &mut buf);
+    let late = http::parse(&buf).unwrap();
+    assert_eq!(late.status, 409, "{}", late.body_text());
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn a_response_too_large_to_keep_is_completed_and_retries_get_its_status_and_location() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "max_response_body_bytes": 100}"#);
+    let a = s.post("/charges", Some("k-huge"), "{}", &[("x-up-body-bytes", "5000")]);
+    assert_eq!(a.status, 201);
+    assert_eq!(a.body.len(), 5000, "the first response is streamed whole");
+    let b = s.post("/charges", Some("k-huge"), "{}", &[("x-up-body-bytes", "5000")]);
+    assert_eq!(b.status, 201);
+    assert_eq!(problem_type(&b), "urn:idemgate:problem:response-not-stored");
+    assert_eq!(b.json()["original_status"], 201);
+    assert_eq!(b.header("location"), a.header("location"));
+    assert_eq!(s.up.executions(), 1);
+    assert_eq!(s.envoy.stat("idemgate.stored_without_body"), 1);
+}
+
+#[test]
+fn a_full_local_tier_answers_503_rather_than_forget_a_record() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "local": {"max_entries": 16}}"#);
+    for n in 0..16 {
+        assert_eq!(s.post("/charges", Some(&format!("k-{n}")), "{}", &[]).status, 201);
+    }
+    let r = s.post("/charges", Some("k-16"), "{}", &[]);
+    assert_eq!(r.status, 503, "{}", r.body_text());
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:capacity-exhausted");
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(s.up.executions(), 16);
+    // Every record is still there.
+    assert_eq!(s.post("/charges", Some("k-3"), "{}", &[]).header("idempotent-replayed"), Some("true"));
+}
+
+#[test]
+fn counters_are_exported_to_prometheus_without_the_envoy_prefix() {
+    let s = Stack::new(CFG);
+    s.post("/charges", Some("k-prom"), "{}", &[]);
+    let r = http::get(s.envoy.admin_port, "/stats/prometheus").unwrap();
+    let text = r.body_text();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("idemgate_claimed"))
+        .unwrap_or_else(|| panic!("no idemgate_claimed in:\n{text}"));
+    assert!(line.ends_with(" 1"), "{line}");
+}
+
+#[test]
+fn the_shipped_envoy_config_is_valid() {
+    let (ok, out) = support::envoy_validate(&support::repo_root().join("envoy/envoy.yaml"));
+    assert!(ok, "{out}");
+    assert!(out.contains("configuration accepted"), "idemgate checked its plugin configuration:\n{out}");
+}

@@ -269,6 +269,7 @@ pub fn envoy_validate(config_path: &Path) -> (bool, String) {
     let out = Command::new(envoy_bin())
         .args(["--mode", "validate", "--disable-hot-restart", "-c"])
         .arg(config_path)
+        .current_dir(repo_root())
         .output()
         .expect("run envoy --mode validate");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
