@@ -387,3 +387,58 @@ fn the_shipped_envoy_config_is_valid() {
     assert!(ok, "{out}");
     assert!(out.contains("configuration accepted"), "idemgate checked its plugin configuration:\n{out}");
 }
+
+#[test]
+fn a_request_envoy_never_sent_releases_its_key() {
+    // Nothing listens on the upstream port: connection refused, the request never left Envoy.
+    let s = Stack::with(CFG, |o| o.upstream_port = support::free_port());
+    for _ in 0..2 {
+        let r = s.post("/charges", Some("k-refused"), "{}", &[]);
+        assert_eq!(r.status, 503, "Envoy's own answer, not a 409: {}", r.body_text());
+        assert_ne!(problem_type(&r), "urn:idemgate:problem:request-in-flight");
+    }
+    assert_eq!(s.envoy.stat("idemgate.released"), 2);
+    assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 0);
+}
+
+#[test]
+fn the_per_worker_buffer_budget_answers_503_instead_of_buffering_without_bound() {
+    use std::io::{Read, Write};
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]}, "max_buffered_bytes": 4096, "max_request_body_bytes": 3000}"#,
+    );
+    // Four uploads stall with 2,500 bytes each: two per worker exceed a worker's 4,096 bytes.
+    let mut conns: Vec<std::net::TcpStream> = (0..4)
+        .map(|n| {
+            let mut c = std::net::TcpStream::connect(("127.0.0.1", s.envoy.port)).unwrap();
+            let head = format!(
+                "POST /charges HTTP/1.1\r\nhost: idemgate.test\r\nconnection: close\r\nauthorization: a\r\nidempotency-key: k-budget-{n}\r\ncontent-length: 3000\r\n\r\n"
+            );
+            c.write_all(head.as_bytes()).unwrap();
+            c.write_all(&[b'x'; 2500]).unwrap();
+            std::thread::sleep(Duration::from_millis(150));
+            c
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut refused = 0;
+    let mut executed = 0;
+    for c in conns.iter_mut() {
+        let _ = c.write_all(&[b'x'; 500]);
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = Vec::new();
+        let _ = c.read_to_end(&mut buf);
+        let r = http::parse(&buf).unwrap();
+        match r.status {
+            503 => {
+                assert_eq!(problem_type(&r), "urn:idemgate:problem:buffer-budget-exceeded");
+                refused += 1;
+            }
+            201 => executed += 1,
+            other => panic!("unexpected {other}: {}", r.body_text()),
+        }
+    }
+    assert!(refused >= 1, "at least one worker went over its budget");
+    assert_eq!(s.up.executions(), executed);
+    assert_eq!(s.envoy.stat("idemgate.buffer_budget_exceeded"), refused);
+}
