@@ -375,7 +375,7 @@ impl Table {
                 None => Lookup::Absent,
             };
             let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
-            let new_entry = |old: Option<&Entry>| Entry {
+            let new_entry = Entry {
                 skey,
                 fingerprint: fp,
                 phase: if fp.is_some() { EntryPhase::InProgress } else { EntryPhase::Claimed },
@@ -384,38 +384,32 @@ impl Table {
                 expires_at_ms: now_ms.saturating_add(policy.ttl_seconds.saturating_mul(1000)),
                 lock_expires_at_ms: now_ms.saturating_add(policy.lock_ttl_seconds.saturating_mul(1000)),
                 status: 0,
-                slot_bytes: old.map_or(0, |_| 0),
+                slot_bytes: 0,
             };
+            let target = match (&decision, live) {
+                (Decision::Claim, _) => match self.free_position(&bucket, now_ms) {
+                    Some((j, evicted)) => Some((j, false, evicted)),
+                    None => return Ok(Begin::Full),
+                },
+                (Decision::TakeOver, Some(j)) => Some((j, true, false)),
+                _ => None,
+            };
+            if let Some((j, took_over, evicted)) = target {
+                // Claim position j (free, expired, evicted, or a stale claim taken over) with one
+                // CAS of the whole bucket; a lost race starts over with a fresh read.
+                let freed = bucket.positions.get(j).and_then(|p| p.as_ref()).map_or(0, |e| e.slot_bytes);
+                if let Some(p) = bucket.positions.get_mut(j) {
+                    *p = Some(new_entry);
+                }
+                if !self.write_bucket(sd, i, &bucket, cas)? {
+                    continue;
+                }
+                self.add_usage(sd, -i64::from(freed));
+                let handle = Handle { bucket: i, position: j, owner, skey };
+                self.write_claim_slot(sd, &handle, &bucket, creator);
+                return Ok(Begin::Claimed { handle, took_over, evicted });
+            }
             match (decision, live) {
-                (Decision::Claim, _) => {
-                    let Some((j, evicted)) = self.free_position(&bucket, &skey, now_ms) else {
-                        return Ok(Begin::Full);
-                    };
-                    let freed = bucket.positions.get(j).and_then(|p| p.as_ref()).map_or(0, |e| e.slot_bytes);
-                    if let Some(p) = bucket.positions.get_mut(j) {
-                        *p = Some(new_entry(None));
-                    }
-                    if !self.write_bucket(sd, i, &bucket, cas)? {
-                        continue;
-                    }
-                    self.add_usage(sd, -i64::from(freed));
-                    let handle = Handle { bucket: i, position: j, owner, skey };
-                    self.write_claim_slot(sd, &handle, &bucket, creator);
-                    return Ok(Begin::Claimed { handle, took_over: false, evicted });
-                }
-                (Decision::TakeOver, Some(j)) => {
-                    let freed = bucket.positions.get(j).and_then(|p| p.as_ref()).map_or(0, |e| e.slot_bytes);
-                    if let Some(p) = bucket.positions.get_mut(j) {
-                        *p = Some(new_entry(None));
-                    }
-                    if !self.write_bucket(sd, i, &bucket, cas)? {
-                        continue;
-                    }
-                    self.add_usage(sd, -i64::from(freed));
-                    let handle = Handle { bucket: i, position: j, owner, skey };
-                    self.write_claim_slot(sd, &handle, &bucket, creator);
-                    return Ok(Begin::Claimed { handle, took_over: true, evicted: false });
-                }
                 (Decision::MarkUnknown, Some(j)) => {
                     let Some(Some(e)) = bucket.positions.get_mut(j) else { return Err(LocalError::Corrupt) };
                     e.phase = EntryPhase::Unknown;
@@ -451,8 +445,8 @@ impl Table {
                     return Ok(Begin::Reject { problem, creator, marked_unknown: false });
                 }
                 (Decision::NeedFingerprint, _) => return Ok(Begin::NeedFingerprint),
-                // PassUnprotected cannot come from the local tier; TakeOver/MarkUnknown/Replay
-                // always have a live position.
+                // Claim and TakeOver were handled above; PassUnprotected cannot come from the
+                // local tier; MarkUnknown and Replay always have a live position.
                 _ => return Err(LocalError::Corrupt),
             }
         }
@@ -461,7 +455,7 @@ impl Table {
 
     /// A position for a new key: an empty one, an expired one, or (with `evict_oldest`) the oldest
     /// completed or outcome-unknown record. Returns the position and whether it evicted.
-    fn free_position(&self, b: &Bucket, _skey: &StorageKey, now_ms: u64) -> Option<(usize, bool)> {
+    fn free_position(&self, b: &Bucket, now_ms: u64) -> Option<(usize, bool)> {
         if let Some(j) = b.positions.iter().position(|p| p.as_ref().is_none_or(|e| e.is_expired(now_ms))) {
             return Some((j, false));
         }

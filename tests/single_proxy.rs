@@ -120,35 +120,20 @@ fn fifty_concurrent_identical_requests_execute_exactly_once() {
 #[test]
 fn two_callers_with_the_same_key_are_kept_apart() {
     let s = Stack::new(CFG);
-    let a = http::request(
-        s.envoy.port,
-        "POST",
-        "/charges",
-        &[("authorization", "Bearer alice"), ("idempotency-key", "shared")],
-        b"{}",
-    )
-    .unwrap();
-    let b = http::request(
-        s.envoy.port,
-        "POST",
-        "/charges",
-        &[("authorization", "Bearer bob"), ("idempotency-key", "shared")],
-        b"{}",
-    )
-    .unwrap();
+    let as_caller = |who: &str| {
+        let auth = format!("Bearer {who}");
+        let h = [("authorization", auth.as_str()), ("idempotency-key", "shared")];
+        http::request(s.envoy.port, "POST", "/charges", &h, b"{}").unwrap()
+    };
+    let a = as_caller("alice");
+    let b = as_caller("bob");
     assert_eq!((a.status, b.status), (201, 201));
     assert_eq!(s.up.executions(), 2);
     assert_ne!(a.body, b.body);
     assert!(b.header("idempotent-replayed").is_none());
-    let a2 = http::request(
-        s.envoy.port,
-        "POST",
-        "/charges",
-        &[("authorization", "Bearer alice"), ("idempotency-key", "shared")],
-        b"{}",
-    )
-    .unwrap();
+    let a2 = as_caller("alice");
     assert_eq!(a2.body, a.body);
+    assert_eq!(a2.header("idempotent-replayed"), Some("true"));
     assert_eq!(s.up.executions(), 2);
 }
 
