@@ -22,6 +22,7 @@ pub mod problem;
 pub mod record;
 pub mod request;
 pub mod scope;
+pub mod store;
 
 #[cfg(feature = "proxy-wasm")]
 mod filter;

@@ -31,7 +31,7 @@ use crate::decision::{decide, Decision, Lookup, Phase, Summary};
 use crate::fingerprint::Fingerprint;
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
-use crate::record::{Creator, Record, State, StoredResponse, UnknownReason};
+use crate::record::{Creator, Record, State, UnknownReason};
 use crate::scope::StorageKey;
 
 /// Positions per bucket.
@@ -535,40 +535,24 @@ impl Table {
         Ok(done.is_some())
     }
 
-    /// Stores the upstream's response as the completed record. Over `max_response_body_bytes`
-    /// (`too_large`) or when `local.max_bytes` has no room, only the status and `location` are
-    /// kept: retries then get a problem carrying them, never a second execution.
-    #[allow(clippy::too_many_arguments)]
-    pub fn complete(
-        &self,
-        sd: &mut dyn SharedData,
-        h: &Handle,
-        fp: Fingerprint,
-        response: StoredResponse,
-        too_large: bool,
-        creator: &Creator,
-        now_ms: u64,
-        policy: &Policy,
-    ) -> Result<Completed, LocalError> {
-        let expires_at_ms = now_ms.saturating_add(policy.ttl_seconds.saturating_mul(1000));
-        let status = response.status;
-        let location = response.headers.iter().find(|(n, _)| n == "location").map(|(_, v)| v.clone());
-        let mut record = Record {
-            fingerprint: fp,
-            created_at_ms: now_ms,
-            expires_at_ms,
-            creator: creator.clone(),
-            state: State::Completed(response),
-        };
+    /// Stores a completed record (see `Record::completed`). When `local.max_bytes` has no room
+    /// for it, only the status and `location` are kept: retries then get a problem carrying them,
+    /// never a second execution.
+    pub fn complete(&self, sd: &mut dyn SharedData, h: &Handle, mut record: Record) -> Result<Completed, LocalError> {
+        let fp = record.fingerprint;
+        let expires_at_ms = record.expires_at_ms;
         let mut bytes = encode_slot(h, &record);
-        let mut without_body = too_large;
-        if !too_large && !self.reserve(sd, bytes.len() as u64)? {
+        let mut without_body = !matches!(record.state, State::Completed(_));
+        if !without_body && !self.reserve(sd, bytes.len() as u64)? {
             without_body = true;
-        }
-        if without_body {
-            record.state = State::CompletedTooLarge { status, location };
+            record.state = record.state.without_body();
             bytes = encode_slot(h, &record);
         }
+        let status = match &record.state {
+            State::Completed(r) => r.status,
+            State::CompletedTooLarge { status, .. } => *status,
+            _ => 0,
+        };
         let counted = if without_body { 0 } else { u32::try_from(bytes.len()).unwrap_or(u32::MAX) };
         // The slot first (owner-checked with CAS), then the index: a reader that sees the entry
         // completed always finds its record.

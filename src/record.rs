@@ -102,6 +102,17 @@ pub enum State {
 }
 
 impl State {
+    /// A completed state without its body: the status and `location` only.
+    pub fn without_body(self) -> State {
+        match self {
+            State::Completed(r) => State::CompletedTooLarge {
+                status: r.status,
+                location: r.headers.into_iter().find(|(n, _)| n == "location").map(|(_, v)| v),
+            },
+            other => other,
+        }
+    }
+
     fn tag(&self) -> u8 {
         match self {
             State::Claimed { .. } => 1,
@@ -133,6 +144,26 @@ pub struct Record {
 }
 
 impl Record {
+    /// The completed record of an upstream response: kept whole, or (`too_large`: over
+    /// `max_response_body_bytes`) with only its status and `location`.
+    pub fn completed(
+        fingerprint: Fingerprint,
+        response: StoredResponse,
+        too_large: bool,
+        creator: Creator,
+        now_ms: u64,
+        ttl_seconds: u64,
+    ) -> Record {
+        let state = State::Completed(response);
+        Record {
+            fingerprint,
+            created_at_ms: now_ms,
+            expires_at_ms: now_ms.saturating_add(ttl_seconds.saturating_mul(1000)),
+            creator,
+            state: if too_large { state.without_body() } else { state },
+        }
+    }
+
     pub fn is_expired(&self, now_ms: u64) -> bool {
         now_ms >= self.expires_at_ms
     }

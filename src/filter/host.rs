@@ -98,10 +98,18 @@ pub enum Counter {
     LocalErrors,
     BufferBudgetExceeded,
     LocalSwept,
+    StoreCalls,
+    StoreErrors,
+    StoreUnavailable,
+    StorePassed,
+    StoreReplays,
+    StoreWrites,
+    StoreWriteRetries,
+    StoreWriteFailures,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 19] = [
+    pub const ALL: [Counter; 27] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -121,6 +129,14 @@ impl Counter {
         Counter::LocalErrors,
         Counter::BufferBudgetExceeded,
         Counter::LocalSwept,
+        Counter::StoreCalls,
+        Counter::StoreErrors,
+        Counter::StoreUnavailable,
+        Counter::StorePassed,
+        Counter::StoreReplays,
+        Counter::StoreWrites,
+        Counter::StoreWriteRetries,
+        Counter::StoreWriteFailures,
     ];
 
     pub fn name(self) -> &'static str {
@@ -144,6 +160,14 @@ impl Counter {
             Counter::LocalErrors => "idemgate.local_errors",
             Counter::BufferBudgetExceeded => "idemgate.buffer_budget_exceeded",
             Counter::LocalSwept => "idemgate.local_swept",
+            Counter::StoreCalls => "idemgate.store_calls",
+            Counter::StoreErrors => "idemgate.store_errors",
+            Counter::StoreUnavailable => "idemgate.store_unavailable",
+            Counter::StorePassed => "idemgate.store_passed_unprotected",
+            Counter::StoreReplays => "idemgate.store_replays",
+            Counter::StoreWrites => "idemgate.store_writes",
+            Counter::StoreWriteRetries => "idemgate.store_write_retries",
+            Counter::StoreWriteFailures => "idemgate.store_write_failures",
         }
     }
 }

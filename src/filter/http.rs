@@ -1,12 +1,14 @@
 //! The HTTP context: one per request. A small state machine over the core:
 //!
 //! ```text
-//! headers ──(unprotected)──────────────────────────────────────────────▶ pass
-//!    │ admit: 400 ─▶ answered
-//!    │ begin(no fingerprint): claim ─▶ Holding ──body end: mark_forwarded─▶ Forwarded
-//!    │                        409 ─▶ answered
-//!    │                        need fingerprint ─▶ Buffering ──body end: begin(fp)─▶ Forwarded | replay | 409/422
-//! Forwarded: capture the response while it flows; on_log: classify ─▶ complete | release | unknown
+//! headers ─(unprotected)─▶ pass          admit: 400 ─▶ answered
+//!    │ local begin (no fingerprint yet): claim ─▶ Waiting{claim} | 409 | Waiting{no claim}
+//! body end: fingerprint
+//!    │ Waiting{claim}: mark forwarded locally     Waiting{no claim}: local begin(fp): replay | 409 | 422 | claim
+//!    │ no store: ─▶ Forwarded
+//!    │ store: claim-or-read (one round trip) ─▶ Claiming ─▶ Forwarded | replay | 409 | 422 | 503 | pass
+//! response: copied while it flows
+//! on_log: Forwarded ─▶ classify ─▶ complete | release | unknown (local now; store writes via the root)
 //! ```
 
 use std::rc::Rc;
@@ -17,9 +19,11 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use super::host::{self, Counter, HostShared};
+use super::writes::{self, Job};
 use super::Shared;
-use crate::config::Policy;
-use crate::decision::{admit, check_body_size, classify, Admission, ExchangeFacts, Outcome};
+use crate::config::{OnUnavailable, Policy};
+use crate::decision::{admit, check_body_size, classify, decide, Admission, Decision, ExchangeFacts, Lookup, Outcome};
+use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::fingerprint::Fingerprint;
 use crate::local::{Begin, Completed, Handle, LocalError};
 use crate::owner::{OwnerToken, TokenSources};
@@ -27,6 +31,7 @@ use crate::problem::ProblemKind;
 use crate::record::{Creator, Record, State, StoredResponse};
 use crate::request::RequestHead;
 use crate::scope::{CallerScope, StorageKey};
+use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition};
 
 /// Response headers never stored: hop-by-hop (RFC 9110 section 7.6.1) and those Envoy recomputes.
 const NOT_REPLAYED: &[&str] = &[
@@ -41,12 +46,14 @@ const NOT_REPLAYED: &[&str] = &[
 ];
 
 enum Phase {
-    /// Not protected, or already answered: every callback continues.
+    /// Not protected, or forwarded unprotected: every callback continues.
     Pass,
-    /// Protected; the decision waits for the whole body (a claim is held if `handle` is set).
+    /// Protected; waiting for the whole body (a local claim is held if `handle` is set).
     Waiting { handle: Option<Handle> },
-    /// Forwarded upstream under our claim.
-    Forwarded { handle: Handle, fp: Fingerprint },
+    /// A store call is in flight (claim-or-read, or a take-over); the request is paused.
+    Calling { handle: Option<Handle>, fp: Fingerprint, token: u32, takeover: bool },
+    /// Forwarded upstream under our claim(s).
+    Forwarded { handle: Option<Handle>, fp: Fingerprint, in_store: bool },
     /// We answered locally (problem or replay): never store our own reply.
     Answered,
 }
@@ -91,6 +98,10 @@ impl Http {
         self.shared.config.policies().get(i).copied()
     }
 
+    fn count(&self, c: Counter) {
+        self.shared.metrics.inc(c);
+    }
+
     fn log_line(&self, outcome: &str, extra: &str) -> String {
         let Some(r) = self.req.as_ref() else { return format!("idemgate: outcome={outcome} {extra}") };
         let mut line = format!(
@@ -114,20 +125,18 @@ impl Http {
     /// Sends a problem (and never stores it).
     fn answer(&mut self, problem: ProblemKind, creator: Option<&Creator>) -> Action {
         let counter = match &problem {
-            ProblemKind::KeyMissing { .. } => Some(Counter::MissingKey),
-            ProblemKind::KeyInvalid { .. } => Some(Counter::InvalidKey),
-            ProblemKind::BodyTooLarge { .. } => Some(Counter::BodyTooLarge),
-            ProblemKind::InFlight { .. } => Some(Counter::InFlightConflict),
-            ProblemKind::OutcomeUnknown => Some(Counter::UnknownOutcome),
-            ProblemKind::KeyReused => Some(Counter::Mismatch),
-            ProblemKind::CapacityExhausted { .. } => Some(Counter::LocalFull),
-            ProblemKind::BufferBudgetExceeded { .. } => Some(Counter::BufferBudgetExceeded),
-            ProblemKind::StoreUnavailable { .. } => Some(Counter::LocalErrors),
-            ProblemKind::ResponseNotStored { .. } => Some(Counter::Replayed),
+            ProblemKind::KeyMissing { .. } => Counter::MissingKey,
+            ProblemKind::KeyInvalid { .. } => Counter::InvalidKey,
+            ProblemKind::BodyTooLarge { .. } => Counter::BodyTooLarge,
+            ProblemKind::InFlight { .. } => Counter::InFlightConflict,
+            ProblemKind::OutcomeUnknown => Counter::UnknownOutcome,
+            ProblemKind::KeyReused => Counter::Mismatch,
+            ProblemKind::CapacityExhausted { .. } => Counter::LocalFull,
+            ProblemKind::BufferBudgetExceeded { .. } => Counter::BufferBudgetExceeded,
+            ProblemKind::StoreUnavailable { .. } => Counter::StoreUnavailable,
+            ProblemKind::ResponseNotStored { .. } => Counter::Replayed,
         };
-        if let Some(c) = counter {
-            self.shared.metrics.inc(c);
-        }
+        self.count(counter);
         let by = creator.map_or(String::new(), |c| {
             let mut s = format!("created_by_request_id={}", c.request_id);
             for (n, v) in &c.log_values {
@@ -147,18 +156,17 @@ impl Http {
         Action::Pause
     }
 
+    fn in_flight(&mut self) -> Action {
+        self.answer(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS }, None)
+    }
+
     fn replay(&mut self, record: Record) -> Action {
         let creator = record.creator.clone();
         match record.state {
             State::Completed(r) => {
-                self.shared.metrics.inc(Counter::Replayed);
-                debug!(
-                    "{}",
-                    self.log_line(
-                        "replayed",
-                        &format!("status={} created_by_request_id={}", r.status, creator.request_id)
-                    )
-                );
+                self.count(Counter::Replayed);
+                let by = format!("status={} created_by_request_id={}", r.status, creator.request_id);
+                debug!("{}", self.log_line("replayed", &by));
                 let mut headers: Vec<(&str, &str)> = r
                     .headers
                     .iter()
@@ -173,29 +181,32 @@ impl Http {
                 let location = location.map(|l| String::from_utf8_lossy(&l).into_owned());
                 self.answer(ProblemKind::ResponseNotStored { status, location }, Some(&creator))
             }
-            // begin() only returns completed records for replay.
+            // Only completed records are replayed.
             _ => self.answer(ProblemKind::OutcomeUnknown, Some(&creator)),
         }
     }
 
     fn local_error(&mut self, e: LocalError) -> Action {
+        self.count(Counter::LocalErrors);
         warn!("{}", self.log_line("local_error", &format!("error={e:?}")));
-        self.answer(
-            ProblemKind::StoreUnavailable { retry_after_seconds: crate::decision::UNAVAILABLE_RETRY_AFTER_SECONDS },
-            None,
-        )
+        self.answer(ProblemKind::StoreUnavailable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS }, None)
+    }
+
+    fn begin(&self, fp: Option<Fingerprint>) -> Result<Begin, LocalError> {
+        let (Some(r), Some(policy)) = (self.req.as_ref(), self.policy()) else { return Err(LocalError::Corrupt) };
+        self.shared.table.begin(&mut HostShared, r.skey, fp, host::now_ms(), policy, r.owner, &r.creator)
     }
 
     /// Acts on the local tier's answer. `fp` is set once the body is complete.
     fn act(&mut self, begun: Result<Begin, LocalError>, fp: Option<Fingerprint>) -> Action {
         match begun {
             Ok(Begin::Claimed { handle, took_over, evicted }) => {
-                self.shared.metrics.inc(if took_over { Counter::TakenOver } else { Counter::Claimed });
+                self.count(if took_over { Counter::TakenOver } else { Counter::Claimed });
                 if evicted {
-                    self.shared.metrics.inc(Counter::LocalEvictions);
+                    self.count(Counter::LocalEvictions);
                 }
                 match fp {
-                    Some(fp) => self.forward(handle, fp),
+                    Some(fp) => self.proceed(Some(handle), fp),
                     None => {
                         debug!("{}", self.log_line("claimed", "waiting_for_body=true"));
                         self.phase = Phase::Waiting { handle: Some(handle) };
@@ -209,28 +220,179 @@ impl Http {
                 self.phase = Phase::Waiting { handle: None };
                 Action::Pause
             }
-            Ok(Begin::Full) => self.answer(
-                ProblemKind::CapacityExhausted {
-                    retry_after_seconds: crate::decision::UNAVAILABLE_RETRY_AFTER_SECONDS,
-                },
-                None,
-            ),
-            Err(e) => {
-                self.shared.metrics.inc(Counter::LocalErrors);
-                self.local_error(e)
+            // With a store, the local tier is a cache: a full bucket only means no local copy.
+            Ok(Begin::Full) if self.shared.config.store.is_some() => match fp {
+                Some(fp) => self.proceed(None, fp),
+                None => {
+                    self.phase = Phase::Waiting { handle: None };
+                    Action::Pause
+                }
+            },
+            Ok(Begin::Full) => self
+                .answer(ProblemKind::CapacityExhausted { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS }, None),
+            Err(e) => self.local_error(e),
+        }
+    }
+
+    /// The fingerprint is known and the local tier holds our claim (or has no room): claim in the
+    /// store if there is one, then forward.
+    fn proceed(&mut self, handle: Option<Handle>, fp: Fingerprint) -> Action {
+        let (Some(_), Some(r), Some(policy)) = (self.shared.config.store.as_ref(), self.req.as_ref(), self.policy())
+        else {
+            return match handle {
+                Some(h) => self.forward(Some(h), fp, false),
+                None => self.local_error(LocalError::Missing),
+            };
+        };
+        let now = host::now_ms();
+        let lock_ms = policy.lock_ttl_seconds.saturating_mul(1000);
+        let record = Record {
+            fingerprint: fp,
+            created_at_ms: now,
+            expires_at_ms: now.saturating_add(policy.ttl_seconds.saturating_mul(1000)),
+            creator: r.creator.clone(),
+            state: State::InProgress { owner: r.owner, lock_expires_at_ms: now.saturating_add(lock_ms) },
+        };
+        let req = store::claim_request(&r.skey, &r.owner, &record, policy.ttl_seconds.saturating_mul(1000), lock_ms);
+        self.call(req, handle, fp, false)
+    }
+
+    fn call(&mut self, req: store::StoreRequest, handle: Option<Handle>, fp: Fingerprint, takeover: bool) -> Action {
+        let Some(cfg) = self.shared.config.store.as_ref() else { return self.local_error(LocalError::Missing) };
+        self.count(Counter::StoreCalls);
+        match writes::dispatch(cfg, &req, self.shared.credentials.as_deref()) {
+            Ok(token) => {
+                self.phase = Phase::Calling { handle, fp, token, takeover };
+                Action::Pause
+            }
+            Err(e) => self.store_failed(handle, &StoreError::Garbled(e)),
+        }
+    }
+
+    /// The store could not answer: 503 (reject) or forward unprotected (pass).
+    fn store_failed(&mut self, handle: Option<Handle>, e: &StoreError) -> Action {
+        self.count(Counter::StoreErrors);
+        self.release_local(handle);
+        let (Some(policy), Some(cfg)) = (self.policy(), self.shared.config.store.as_ref()) else {
+            return Action::Continue;
+        };
+        match decide(Lookup::StoreError, None, 0, policy, cfg.on_unavailable) {
+            Decision::PassUnprotected => {
+                self.count(Counter::StorePassed);
+                warn!("{}", self.log_line("store_unavailable_passed", &format!("error={e}")));
+                self.phase = Phase::Pass;
+                Action::Continue
+            }
+            Decision::Reject(p) => {
+                warn!("{}", self.log_line("store_unavailable", &format!("error={e}")));
+                self.answer(p, None)
+            }
+            _ => self
+                .answer(ProblemKind::StoreUnavailable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS }, None),
+        }
+    }
+
+    fn forward(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) -> Action {
+        debug!("{}", self.log_line("forwarded", ""));
+        self.phase = Phase::Forwarded { handle, fp, in_store };
+        Action::Continue
+    }
+
+    /// The store's answer to our claim-or-read or take-over.
+    fn on_store_answer(
+        &mut self,
+        handle: Option<Handle>,
+        fp: Fingerprint,
+        takeover: bool,
+        status: Option<u16>,
+        body: &[u8],
+    ) -> Action {
+        if takeover {
+            return match store::parse_transition_reply(status, body) {
+                Ok(true) => {
+                    self.count(Counter::TakenOver);
+                    self.forward(handle, fp, true)
+                }
+                Ok(false) => {
+                    self.release_local(handle);
+                    self.in_flight()
+                }
+                Err(e) => self.store_failed(handle, &e),
+            };
+        }
+        let (now, value) = match store::parse_claim_reply(status, body) {
+            Ok(ClaimReply::Claimed { .. }) => return self.forward(handle, fp, true),
+            Ok(ClaimReply::Exists { now_ms, value }) => (now_ms, value),
+            Err(e) => return self.store_failed(handle, &e),
+        };
+        let Some(policy) = self.policy().cloned() else { return Action::Continue };
+        let on_unavailable = self.shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
+        match decide(Lookup::Found(value.summary()), Some(&fp), now, &policy, on_unavailable) {
+            Decision::Replay => {
+                self.count(Counter::StoreReplays);
+                // A completed record never changes: keep a copy so the next replay needs no store call.
+                if let Some(h) = handle {
+                    let _ = self.shared.table.complete(&mut HostShared, &h, value.record.clone());
+                }
+                self.replay(value.record)
+            }
+            Decision::Reject(p) => {
+                self.release_local(handle);
+                self.answer(p, Some(&value.record.creator))
+            }
+            Decision::MarkUnknown => {
+                self.release_local(handle);
+                let ttl = policy.unknown_outcome_seconds.saturating_mul(1000);
+                self.enqueue("stale_to_unknown", Transition::stale_to_unknown(value.owner, ttl), None);
+                self.answer(ProblemKind::OutcomeUnknown, Some(&value.record.creator))
+            }
+            // A stale lock with `stale_lock: "takeover"`, or a record past its own expiry that the
+            // store still holds: replace it, owner-checked, in one more round trip.
+            Decision::TakeOver | Decision::Claim => self.take_over(handle, fp, &value, &policy),
+            Decision::PassUnprotected | Decision::NeedFingerprint => {
+                self.store_failed(handle, &StoreError::Garbled("no decision".into()))
             }
         }
     }
 
-    fn forward(&mut self, handle: Handle, fp: Fingerprint) -> Action {
-        debug!("{}", self.log_line("forwarded", ""));
-        self.phase = Phase::Forwarded { handle, fp };
-        Action::Continue
+    fn take_over(&mut self, handle: Option<Handle>, fp: Fingerprint, old: &StoredValue, policy: &Policy) -> Action {
+        let Some(r) = self.req.as_ref() else { return Action::Continue };
+        let now = host::now_ms();
+        let lock_ms = policy.lock_ttl_seconds.saturating_mul(1000);
+        let ttl_ms = policy.ttl_seconds.saturating_mul(1000);
+        let record = Record {
+            fingerprint: fp,
+            created_at_ms: now,
+            expires_at_ms: now.saturating_add(ttl_ms),
+            creator: r.creator.clone(),
+            state: State::InProgress { owner: r.owner, lock_expires_at_ms: now.saturating_add(lock_ms) },
+        };
+        let mut t = Transition::take_over(old.owner, r.owner, record, ttl_ms, lock_ms);
+        if old.record.is_expired(now) {
+            t.expected_phases = "PDU";
+            t.require_stale = false;
+        }
+        let req = t.request(&r.skey);
+        self.call(req, handle, fp, true)
     }
 
-    fn begin(&self, fp: Option<Fingerprint>) -> Result<Begin, LocalError> {
-        let (Some(r), Some(policy)) = (self.req.as_ref(), self.policy()) else { return Err(LocalError::Corrupt) };
-        self.shared.table.begin(&mut HostShared, r.skey, fp, host::now_ms(), policy, r.owner, &r.creator)
+    /// Hands a write to the root context, which outlives this request.
+    fn enqueue(&self, what: &'static str, t: Transition, fallback: Option<Transition>) {
+        let Some(r) = self.req.as_ref() else { return };
+        if self.shared.config.store.is_none() {
+            return;
+        }
+        let job = Job {
+            what,
+            key_hash: r.skey.short(),
+            request: t.request(&r.skey),
+            fallback: fallback.map(|f| f.request(&r.skey)),
+            attempts: 0,
+        };
+        self.shared.jobs.borrow_mut().push_back(job);
+        if let Some(q) = self.shared.queue_id {
+            let _ = hostcalls::enqueue_shared_queue(q, Some(b"w"));
+        }
     }
 
     /// The whole body is here: fingerprint it and go on.
@@ -243,15 +405,10 @@ impl Http {
         match std::mem::replace(&mut self.phase, Phase::Pass) {
             Phase::Waiting { handle: Some(handle) } => {
                 match self.shared.table.mark_forwarded(&mut HostShared, &handle, fp, host::now_ms(), &policy) {
-                    Ok(true) => self.forward(handle, fp),
+                    Ok(true) => self.proceed(Some(handle), fp),
                     Ok(false) => {
-                        self.shared.metrics.inc(Counter::LostClaim);
-                        self.answer(
-                            ProblemKind::InFlight {
-                                retry_after_seconds: crate::decision::IN_FLIGHT_RETRY_AFTER_SECONDS,
-                            },
-                            None,
-                        )
+                        self.count(Counter::LostClaim);
+                        self.in_flight()
                     }
                     Err(e) => self.local_error(e),
                 }
@@ -275,32 +432,39 @@ impl Http {
         }
     }
 
-    /// Frees a claim that was never forwarded (the request was refused or abandoned).
+    fn release_local(&self, handle: Option<Handle>) {
+        if let Some(h) = handle {
+            if let Ok(true) = self.shared.table.release(&mut HostShared, &h) {
+                self.count(Counter::Released);
+            }
+        }
+    }
+
+    /// Frees a local claim whose request was never forwarded (refused or abandoned).
     fn release_unforwarded(&mut self) {
         if let Phase::Waiting { handle: Some(h) } = &self.phase {
             let h = *h;
-            if let Ok(true) = self.shared.table.release(&mut HostShared, &h) {
-                self.shared.metrics.inc(Counter::Released);
-                debug!("{}", self.log_line("released", "reason=never_forwarded"));
-            }
+            self.release_local(Some(h));
+            debug!("{}", self.log_line("released", "reason=never_forwarded"));
             self.phase = Phase::Waiting { handle: None };
         }
     }
 
-    fn finish(&mut self, handle: Handle, fp: Fingerprint) {
+    fn finish(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) {
         let Some(policy) = self.policy().cloned() else { return };
-        let flags = host::property(&["response", "flags"])
-            .and_then(|b| b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
-            .unwrap_or(0);
+        let u64_property = |path: &[&str]| {
+            host::property(path).and_then(|b| b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
+        };
+        let flags = u64_property(&["response", "flags"]).unwrap_or(0);
         let code_details = host::property(&["response", "code_details"])
             .map(|b| String::from_utf8_lossy(&b).into_owned())
             .unwrap_or_default();
-        let status = self.response.as_ref().map(|r| r.status).or_else(|| {
-            host::property(&["response", "code"])
-                .and_then(|b| b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
-                .and_then(|c| u16::try_from(c).ok())
-                .filter(|c| *c > 0)
-        });
+        let status = self
+            .response
+            .as_ref()
+            .map(|r| r.status)
+            .filter(|s| *s > 0)
+            .or_else(|| u64_property(&["response", "code"]).and_then(|c| u16::try_from(c).ok()).filter(|c| *c > 0));
         let facts = ExchangeFacts {
             forwarded: true,
             status,
@@ -308,62 +472,81 @@ impl Http {
             flags,
             response_complete: self.response_complete,
         };
-        let outcome = classify(&facts, &policy);
         let now = host::now_ms();
         let t = &self.shared.table;
+        let Some(owner) = self.req.as_ref().map(|r| r.owner) else { return };
         let creator = self.req.as_ref().map(|r| r.creator.clone()).unwrap_or_default();
         let detail = format!("status={} code_details={code_details} flags={flags}", status.unwrap_or(0));
-        match outcome {
+        match classify(&facts, &policy) {
             Outcome::Store => {
                 let response = self.response.take().unwrap_or(StoredResponse {
                     status: status.unwrap_or(0),
                     headers: vec![],
                     body: vec![],
                 });
-                match t.complete(
-                    &mut HostShared,
-                    &handle,
-                    fp,
-                    response,
-                    self.response_too_large,
-                    &creator,
-                    now,
-                    &policy,
-                ) {
-                    Ok(Completed::Stored) => {
-                        self.shared.metrics.inc(Counter::Stored);
+                let record = Record::completed(fp, response, self.response_too_large, creator, now, policy.ttl_seconds);
+                if in_store {
+                    let unknown = Transition::unknown(owner, policy.unknown_outcome_seconds.saturating_mul(1000));
+                    let ttl_ms = policy.ttl_seconds.saturating_mul(1000);
+                    self.enqueue("complete", Transition::complete(owner, record.clone(), ttl_ms), Some(unknown));
+                }
+                let stored = handle.map(|h| t.complete(&mut HostShared, &h, record));
+                match stored {
+                    Some(Ok(Completed::Stored)) | None => {
+                        self.count(Counter::Stored);
                         debug!("{}", self.log_line("stored", &detail));
                     }
-                    Ok(Completed::StoredWithoutBody) => {
-                        self.shared.metrics.inc(Counter::StoredWithoutBody);
+                    Some(Ok(Completed::StoredWithoutBody)) => {
+                        self.count(Counter::StoredWithoutBody);
                         info!("{}", self.log_line("stored_without_body", &detail));
                     }
-                    Ok(Completed::LostClaim) => {
-                        self.shared.metrics.inc(Counter::LostClaim);
+                    Some(Ok(Completed::LostClaim)) => {
+                        self.count(Counter::LostClaim);
                         info!("{}", self.log_line("lost_claim", &detail));
                     }
-                    Err(e) => {
-                        self.shared.metrics.inc(Counter::LocalErrors);
+                    Some(Err(e)) => {
+                        self.count(Counter::LocalErrors);
                         warn!("{}", self.log_line("store_failed", &format!("{detail} error={e:?}")));
                     }
                 }
             }
             Outcome::Release => {
-                if let Ok(true) = t.release(&mut HostShared, &handle) {
-                    self.shared.metrics.inc(Counter::Released);
+                self.release_local(handle);
+                if in_store {
+                    self.enqueue("release", Transition::release(owner), None);
                 }
                 info!("{}", self.log_line("released", &detail));
             }
             Outcome::Unknown(reason) => {
-                let _ = t.mark_unknown(&mut HostShared, &handle, reason, now, &policy);
-                self.shared.metrics.inc(Counter::UnknownOutcome);
+                if let Some(h) = handle {
+                    let _ = t.mark_unknown(&mut HostShared, &h, reason, now, &policy);
+                }
+                if in_store {
+                    self.enqueue(
+                        "unknown",
+                        Transition::unknown(owner, policy.unknown_outcome_seconds.saturating_mul(1000)),
+                        None,
+                    );
+                }
+                self.count(Counter::UnknownOutcome);
                 info!("{}", self.log_line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())));
             }
         }
     }
 }
 
-impl Context for Http {}
+impl Context for Http {
+    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        let Phase::Calling { handle, fp, token: expected, takeover } = self.phase else { return };
+        if token != expected {
+            return;
+        }
+        let (status, body) = writes::answer(body_size, num_headers);
+        if self.on_store_answer(handle, fp, takeover, status, &body) == Action::Continue {
+            let _ = hostcalls::resume_http_request();
+        }
+    }
+}
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
@@ -377,29 +560,21 @@ impl HttpContext for Http {
         let head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
         let key = match admit(Some(policy), &head.values(&policy.header)) {
             Admission::Pass => return Action::Continue,
-            Admission::Reject(p) => {
-                self.req = None;
-                return self.answer(p, None);
-            }
+            Admission::Reject(p) => return self.answer(p, None),
             Admission::Protect(k) => k,
         };
-        self.shared.metrics.inc(Counter::Protected);
+        self.count(Counter::Protected);
         let scope = CallerScope::of(&head, &policy.scope);
         let skey = StorageKey::derive(&policy.namespace, &scope, &key);
-        let request_id =
-            head.values("x-request-id").first().map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
-        let log_values = policy
-            .log_headers
-            .iter()
-            .filter_map(|h| head.values(h).first().map(|v| (h.clone(), String::from_utf8_lossy(v).into_owned())))
-            .collect();
-        let counter = self.shared.next_token();
+        let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
+        let request_id = first("x-request-id").unwrap_or_default();
+        let log_values = policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect();
         let owner = OwnerToken::derive(&TokenSources {
             entropy: &host::entropy(),
             node: &self.shared.node,
             vm: self.shared.vm,
             now_nanos: host::now_nanos(),
-            counter,
+            counter: self.shared.next_token(),
         });
         self.req =
             Some(Protected { policy_index, head, skey, scope, creator: Creator { request_id, log_values }, owner });
@@ -418,8 +593,11 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if !matches!(self.phase, Phase::Waiting { .. }) {
-            return Action::Continue;
+        match self.phase {
+            Phase::Waiting { .. } => {}
+            // Paused on a store call: keep buffering.
+            Phase::Calling { .. } => return Action::Pause,
+            _ => return Action::Continue,
         }
         self.body_size = body_size;
         let Some(policy) = self.policy() else { return Action::Continue };
@@ -436,9 +614,7 @@ impl HttpContext for Http {
             self.release_budget();
             self.release_unforwarded();
             return self.answer(
-                ProblemKind::BufferBudgetExceeded {
-                    retry_after_seconds: crate::decision::UNAVAILABLE_RETRY_AFTER_SECONDS,
-                },
+                ProblemKind::BufferBudgetExceeded { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS },
                 None,
             );
         }
@@ -452,10 +628,11 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_trailers(&mut self, _n: usize) -> Action {
-        if matches!(self.phase, Phase::Waiting { .. }) {
-            return self.body_complete();
+        match self.phase {
+            Phase::Waiting { .. } => self.body_complete(),
+            Phase::Calling { .. } => Action::Pause,
+            _ => Action::Continue,
         }
-        Action::Continue
     }
 
     fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
@@ -510,12 +687,20 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         self.release_budget();
         match std::mem::replace(&mut self.phase, Phase::Pass) {
-            Phase::Forwarded { handle, fp } => self.finish(handle, fp),
+            Phase::Forwarded { handle, fp, in_store } => self.finish(handle, fp, in_store),
             p @ Phase::Waiting { handle: Some(_) } => {
                 // The client left (or the stream was reset) before the body was complete: the
                 // request was never forwarded, so a retry may execute it.
                 self.phase = p;
                 self.release_unforwarded();
+            }
+            Phase::Calling { handle, .. } => {
+                // The client left while the store answered: our claim may have landed. Free it,
+                // owner-checked, through the root (this context's callout dies with it).
+                self.release_local(handle);
+                if let Some(owner) = self.req.as_ref().map(|r| r.owner) {
+                    self.enqueue("release", Transition::release(owner), None);
+                }
             }
             _ => {}
         }

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::config::LocalConfig;
+use crate::record::StoredResponse;
 use std::collections::HashMap;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -79,6 +80,22 @@ fn response(body: &str) -> StoredResponse {
     StoredResponse { status: 201, headers: vec![("location".into(), b"/r/1".to_vec())], body: body.as_bytes().to_vec() }
 }
 
+/// Completes a claim with an upstream response, as the filter does.
+#[allow(clippy::too_many_arguments)]
+pub fn complete(
+    t: &Table,
+    sd: &mut dyn SharedData,
+    h: &Handle,
+    fp: Fingerprint,
+    response: StoredResponse,
+    too_large: bool,
+    creator: &Creator,
+    now: u64,
+    policy: &Policy,
+) -> Result<Completed, LocalError> {
+    t.complete(sd, h, Record::completed(fp, response, too_large, creator.clone(), now, policy.ttl_seconds))
+}
+
 fn fresh(t: &Table) -> Model {
     let mut m = Model::default();
     t.ensure_created(&mut m).unwrap();
@@ -135,7 +152,8 @@ fn first_request_claims_then_completes_and_a_retry_replays() {
     let b = claim(&t, &mut m, k, Some(fp(1)), 1, NOW);
     let h = handle(&b);
     assert!(is_reject(&claim(&t, &mut m, k, Some(fp(1)), 2, NOW + 1), &in_flight()));
-    let done = t.complete(&mut m, &h, fp(1), response("first"), false, &creator("req-1"), NOW + 2, &policy()).unwrap();
+    let done =
+        complete(&t, &mut m, &h, fp(1), response("first"), false, &creator("req-1"), NOW + 2, &policy()).unwrap();
     assert_eq!(done, Completed::Stored);
     match claim(&t, &mut m, k, Some(fp(1)), 3, NOW + 3) {
         Begin::Replay(r) => {
@@ -164,7 +182,7 @@ fn a_claim_at_headers_answers_duplicates_409_and_needs_the_body_for_completed_ke
         other => panic!("{other:?}"),
     }
     assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW + 1, &policy()).unwrap());
-    t.complete(&mut m, &h, fp(1), response("x"), false, &creator("req-1"), NOW + 2, &policy()).unwrap();
+    complete(&t, &mut m, &h, fp(1), response("x"), false, &creator("req-1"), NOW + 2, &policy()).unwrap();
     assert_eq!(claim(&t, &mut m, k, None, 3, NOW + 3), Begin::NeedFingerprint);
 }
 
@@ -174,7 +192,7 @@ fn expired_records_count_as_absent_on_read() {
     let mut m = fresh(&t);
     let k = skey(3);
     let h = handle(&claim(&t, &mut m, k, Some(fp(1)), 1, NOW));
-    t.complete(&mut m, &h, fp(1), response("x"), false, &creator("a"), NOW, &policy()).unwrap();
+    complete(&t, &mut m, &h, fp(1), response("x"), false, &creator("a"), NOW, &policy()).unwrap();
     let ttl_ms = policy().ttl_seconds * 1000;
     assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 2, NOW + ttl_ms - 1), Begin::Replay(_)));
     assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 3, NOW + ttl_ms), Begin::Claimed { took_over: false, .. }));
@@ -233,13 +251,13 @@ fn a_taken_over_owner_can_neither_forward_nor_complete_nor_release() {
     let b = handle(&b);
     assert!(!t.mark_forwarded(&mut m, &a, fp(1), later, &policy()).unwrap());
     assert_eq!(
-        t.complete(&mut m, &a, fp(1), response("a"), false, &creator("a"), later, &policy()).unwrap(),
+        complete(&t, &mut m, &a, fp(1), response("a"), false, &creator("a"), later, &policy()).unwrap(),
         Completed::LostClaim
     );
     assert!(!t.release(&mut m, &a).unwrap());
     assert!(!t.mark_unknown(&mut m, &a, UnknownReason::Other, later, &policy()).unwrap());
     assert_eq!(
-        t.complete(&mut m, &b, fp(1), response("b"), false, &creator("b"), later, &policy()).unwrap(),
+        complete(&t, &mut m, &b, fp(1), response("b"), false, &creator("b"), later, &policy()).unwrap(),
         Completed::Stored
     );
     match claim(&t, &mut m, k, Some(fp(1)), 3, later + 1) {
@@ -256,7 +274,7 @@ fn full_bucket_answers_full_by_default_and_evicts_only_finished_records_when_ask
         let mut m = fresh(&t);
         for n in 0..16u64 {
             let h = handle(&claim(&t, &mut m, skey(n), Some(fp(1)), 1, NOW + n));
-            t.complete(&mut m, &h, fp(1), response("r"), false, &creator("c"), NOW + n, &policy()).unwrap();
+            complete(&t, &mut m, &h, fp(1), response("r"), false, &creator("c"), NOW + n, &policy()).unwrap();
         }
         let b = claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 20);
         match mode {
@@ -310,7 +328,7 @@ fn a_flood_of_unique_keys_keeps_names_and_bytes_bounded() {
         let now = NOW + n;
         if let Begin::Claimed { handle, .. } = claim(&t, &mut m, skey(n), Some(fp(1)), 1, now) {
             let body = "y".repeat(500);
-            if t.complete(&mut m, &handle, fp(1), response(&body), false, &creator("c"), now, &policy()).unwrap()
+            if complete(&t, &mut m, &handle, fp(1), response(&body), false, &creator("c"), now, &policy()).unwrap()
                 == Completed::StoredWithoutBody
             {
                 stored_without_body += 1;
@@ -329,11 +347,12 @@ fn usage_follows_completions_releases_and_sweeps() {
     let t = table(100, WhenFull::Reject);
     let mut m = fresh(&t);
     let h = handle(&claim(&t, &mut m, skey(1), Some(fp(1)), 1, NOW));
-    t.complete(&mut m, &h, fp(1), response("abc"), false, &creator("c"), NOW, &policy()).unwrap();
+    complete(&t, &mut m, &h, fp(1), response("abc"), false, &creator("c"), NOW, &policy()).unwrap();
     let used = t.usage(&mut m);
     assert!(used > 0);
     let h2 = handle(&claim(&t, &mut m, skey(2), Some(fp(1)), 1, NOW));
-    t.complete(&mut m, &h2, fp(1), response("x".repeat(10_000).as_str()), true, &creator("c"), NOW, &policy()).unwrap();
+    complete(&t, &mut m, &h2, fp(1), response("x".repeat(10_000).as_str()), true, &creator("c"), NOW, &policy())
+        .unwrap();
     assert_eq!(t.usage(&mut m), used, "a too-large response is kept without its body and not counted");
     assert_eq!(t.occupied(&mut m), 2);
     let after_expiry = NOW + policy().ttl_seconds * 1000;
@@ -348,7 +367,7 @@ fn too_large_response_replays_status_and_location_only() {
     let mut m = fresh(&t);
     let h = handle(&claim(&t, &mut m, skey(1), Some(fp(1)), 1, NOW));
     assert_eq!(
-        t.complete(&mut m, &h, fp(1), response("big"), true, &creator("c"), NOW, &policy()).unwrap(),
+        complete(&t, &mut m, &h, fp(1), response("big"), true, &creator("c"), NOW, &policy()).unwrap(),
         Completed::StoredWithoutBody
     );
     match claim(&t, &mut m, skey(1), Some(fp(1)), 2, NOW) {

@@ -206,7 +206,7 @@ fn a_completion_racing_a_takeover_never_lets_both_succeed() {
         let (t1, t2, p1, p2) = (t.clone(), t.clone(), p.clone(), p.clone());
         let work: Vec<Work<String>> = vec![
             Box::new(move |sd: &mut dyn SharedData| {
-                format!("{:?}", t1.complete(sd, &a, fp(1), response("a"), false, &creator("a"), later, &p1).unwrap())
+                format!("{:?}", complete(&t1, sd, &a, fp(1), response("a"), false, &creator("a"), later, &p1).unwrap())
             }),
             Box::new(move |sd: &mut dyn SharedData| {
                 match t2.begin(sd, skey(5), Some(fp(1)), later, &p2, owner(2), &creator("b")).unwrap() {

@@ -1,0 +1,60 @@
+//! Store callouts: dispatching a webdis request through the store cluster, reading its answer,
+//! and the queue of writes made after forwarding.
+//!
+//! A callout made from an HTTP context dies with it when the client leaves, so every write that
+//! must survive (completion, release, outcome-unknown) is handed to the root context: the HTTP
+//! context pushes a `Job` and wakes the root through its shared queue; the root dispatches it
+//! from `on_queue_ready`, owns the callout, retries a failed write a bounded number of times, and
+//! falls back to marking the outcome unknown (never to absent).
+
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType};
+
+use crate::config::StoreConfig;
+use crate::store::StoreRequest;
+
+/// Attempts of one write before its fallback.
+pub const MAX_WRITE_ATTEMPTS: u8 = 3;
+
+/// A write to the store, made by the root context.
+#[derive(Clone, Debug)]
+pub struct Job {
+    pub what: &'static str,
+    pub key_hash: String,
+    pub request: StoreRequest,
+    /// Sent once if `request` keeps failing (for a completion: mark the outcome unknown).
+    pub fallback: Option<StoreRequest>,
+    pub attempts: u8,
+}
+
+/// Sends `req` to the store cluster. Errors (unknown cluster, host refusal) are returned, never
+/// panicked on.
+pub fn dispatch(cfg: &StoreConfig, req: &StoreRequest, credentials: Option<&str>) -> Result<u32, String> {
+    let mut headers: Vec<(&str, &str)> =
+        vec![(":method", req.method), (":path", req.path.as_str()), (":authority", cfg.authority.as_str())];
+    if let Some(c) = credentials {
+        headers.push(("authorization", c));
+    }
+    let timeout = Duration::from_millis(cfg.timeout_ms.max(1));
+    hostcalls::dispatch_http_call(&cfg.cluster, headers, Some(&req.body), vec![], timeout)
+        .map_err(|s| format!("dispatch to cluster {:?} failed: {s:?}", cfg.cluster))
+}
+
+/// The answer of the callout being delivered: HTTP status (None: no answer) and body.
+pub fn answer(body_size: usize, num_headers: usize) -> (Option<u16>, Vec<u8>) {
+    if num_headers == 0 {
+        return (None, vec![]);
+    }
+    let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+        .ok()
+        .flatten()
+        .and_then(|s| s.parse::<u16>().ok());
+    let body = if body_size == 0 {
+        vec![]
+    } else {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten().unwrap_or_default()
+    };
+    (status, body)
+}

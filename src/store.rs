@@ -1,0 +1,507 @@
+//! The external store protocol: Redis behind webdis, reached with HTTP callouts through an Envoy
+//! cluster. Requests are built and answers parsed here, without host calls, so every byte sent
+//! and every answer understood is unit-tested and fuzzable.
+//!
+//! - **Claim-or-read in one round trip**: a Lua script reads the key and, when absent, writes a
+//!   forwarded-in-progress claim that lives `ttl_seconds`, with the lock expiry (Redis's clock,
+//!   `TIME`) inside the value. It answers `{1, now}` (claimed) or `{0, now, value}`.
+//! - **Owner-checked transitions**: one script, parameterised, does completion, release,
+//!   outcome-unknown marking and stale-lock take-over: it changes the value only if it still
+//!   carries the expected owner token and phase (and, for stale locks, only if the lock expired
+//!   by Redis's clock). Of racing callers exactly one wins.
+//!
+//! A claim is written as *forwarded* because forwarding follows it at once: a proxy that dies in
+//! between leaves a claim that is judged outcome-unknown after `lock_ttl_seconds`, never executed
+//! again. (The never-forwarded claims of the local tier are the ones that may be taken over.)
+//!
+//! Values are binary-safe: arguments are percent-encoded in the webdis command path, the large
+//! completed record travels as a PUT body (webdis makes it the last argument), and answers are
+//! read as raw RESP (`.raw`).
+
+use std::fmt;
+
+use crate::decision::{Phase, Summary};
+use crate::owner::OwnerToken;
+use crate::record::Record;
+use crate::scope::StorageKey;
+
+/// Prefix of every Redis key idemgate writes (the namespace is inside the hashed storage key).
+pub const KEY_PREFIX: &str = "idemgate:v1:";
+const VALUE_MAGIC: &[u8; 4] = b"IGS1";
+/// `IGS1` + phase (1) + owner hex (32) + lock expiry in ms, 15 decimal digits.
+const HEADER_LEN: usize = 4 + 1 + 32 + 15;
+
+/// Claim-or-read. KEYS[1]; ARGV: owner hex, ttl ms, lock ms, record (last).
+const CLAIM_SCRIPT: &str = "local t=redis.call('TIME') \
+local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
+local v=redis.call('GET',KEYS[1]) \
+if v then return {0,now,v} end \
+redis.call('SET',KEYS[1],'IGS1P'..ARGV[1]..string.format('%015d',now+tonumber(ARGV[3]))..ARGV[4],'PX',ARGV[2]) \
+return {1,now}";
+
+/// Owner-checked transition. KEYS[1]; ARGV: expected owner hex, expected phases, require stale
+/// lock ('1'/'0'), new phase ('X' deletes), new owner hex, ttl ms, lock ms ('-': none),
+/// record ('-': keep the stored one) last. Answers 1 when it changed the value, 0 otherwise.
+const TRANSITION_SCRIPT: &str = "local v=redis.call('GET',KEYS[1]) \
+if not v or string.sub(v,1,4)~='IGS1' or string.sub(v,6,37)~=ARGV[1] then return 0 end \
+if not string.find(ARGV[2],string.sub(v,5,5),1,true) then return 0 end \
+local t=redis.call('TIME') \
+local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
+if ARGV[3]=='1' and tonumber(string.sub(v,38,52))>now then return 0 end \
+if ARGV[4]=='X' then redis.call('DEL',KEYS[1]) return 1 end \
+local lock=0 \
+if ARGV[7]~='-' then lock=now+tonumber(ARGV[7]) end \
+local rec=ARGV[8] \
+if rec=='-' then rec=string.sub(v,53) end \
+redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..rec,'PX',ARGV[6]) \
+return 1";
+
+/// A record's phase in the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StorePhase {
+    /// Forwarded (or about to be): the request may execute.
+    InProgress,
+    /// Completed: the record holds the response (or its status and location).
+    Done,
+    /// May have executed; no response.
+    Unknown,
+}
+
+impl StorePhase {
+    fn letter(self) -> u8 {
+        match self {
+            StorePhase::InProgress => b'P',
+            StorePhase::Done => b'D',
+            StorePhase::Unknown => b'U',
+        }
+    }
+}
+
+/// A value read from the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredValue {
+    pub phase: StorePhase,
+    pub owner: OwnerToken,
+    /// By Redis's clock.
+    pub lock_expires_at_ms: u64,
+    pub record: Record,
+}
+
+impl StoredValue {
+    /// What the decision table needs.
+    pub fn summary(&self) -> Summary {
+        let phase = match self.phase {
+            StorePhase::InProgress => Phase::InProgress { lock_expires_at_ms: self.lock_expires_at_ms },
+            StorePhase::Done => Phase::Completed,
+            StorePhase::Unknown => Phase::Unknown,
+        };
+        Summary { fingerprint: Some(self.record.fingerprint), expires_at_ms: self.record.expires_at_ms, phase }
+    }
+
+    /// Encodes a value as the scripts write it (used by tests and by nothing on the wire).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_LEN + 64);
+        out.extend_from_slice(VALUE_MAGIC);
+        out.push(self.phase.letter());
+        out.extend_from_slice(self.owner.hex().as_bytes());
+        out.extend_from_slice(format!("{:015}", self.lock_expires_at_ms % 1_000_000_000_000_000).as_bytes());
+        out.extend_from_slice(&self.record.encode());
+        out
+    }
+
+    pub fn decode(v: &[u8]) -> Result<StoredValue, StoreError> {
+        let bad = |why: &str| StoreError::Garbled(format!("stored value: {why}"));
+        if v.len() < HEADER_LEN || !v.starts_with(VALUE_MAGIC) {
+            return Err(bad("no idemgate header"));
+        }
+        let phase = match v.get(4) {
+            Some(b'P') => StorePhase::InProgress,
+            Some(b'D') => StorePhase::Done,
+            Some(b'U') => StorePhase::Unknown,
+            _ => return Err(bad("unknown phase")),
+        };
+        let owner = decode_hex16(v.get(5..37).unwrap_or_default()).ok_or_else(|| bad("owner"))?;
+        let lock = std::str::from_utf8(v.get(37..52).unwrap_or_default())
+            .ok()
+            .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|s| s.parse::<u64>().ok())
+            .ok_or_else(|| bad("lock expiry"))?;
+        let record = Record::decode(v.get(HEADER_LEN..).unwrap_or_default()).map_err(|e| bad(&e.to_string()))?;
+        Ok(StoredValue { phase, owner: OwnerToken(owner), lock_expires_at_ms: lock, record })
+    }
+}
+
+fn decode_hex16(s: &[u8]) -> Option<[u8; 16]> {
+    if s.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, pair) in s.chunks(2).enumerate() {
+        let text = std::str::from_utf8(pair).ok()?;
+        *out.get_mut(i)? = u8::from_str_radix(text, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Why the store could not answer. Any of these is "store unavailable" to the decision table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// No answer: reset, refused, or `store.timeout_ms` elapsed.
+    NoAnswer,
+    /// webdis answered with an HTTP error (503 when Redis is down, 403 when not allowed).
+    Http(u16),
+    /// Redis answered an error (`-ERR ...`).
+    Redis(String),
+    /// An answer that is not what the script returns.
+    Garbled(String),
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::NoAnswer => write!(f, "no answer from the store"),
+            StoreError::Http(s) => write!(f, "store answered HTTP {s}"),
+            StoreError::Redis(e) => write!(f, "redis error: {e}"),
+            StoreError::Garbled(e) => write!(f, "unexpected store answer: {e}"),
+        }
+    }
+}
+
+/// An HTTP request to webdis.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreRequest {
+    pub method: &'static str,
+    pub path: String,
+    pub body: Vec<u8>,
+}
+
+/// Percent-encodes every byte but RFC 3986 unreserved characters other than `.` (webdis reads
+/// a dot in the last argument as the output format).
+pub fn encode_arg(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 3);
+    for &b in bytes {
+        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'~' {
+            out.push(char::from(b));
+        } else {
+            out.push('%');
+            out.push_str(&crate::hex::encode(&[b]).to_ascii_uppercase());
+        }
+    }
+    out
+}
+
+/// The `authorization` header value for webdis HTTP basic auth from `user:password` (taken from
+/// the VM's environment, never from the plugin configuration).
+pub fn basic_auth(user_password: &str) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes = user_password.as_bytes();
+    let mut out = String::from("Basic ");
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk.first().copied().unwrap_or(0),
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for (i, shift) in [18u32, 12, 6, 0].iter().enumerate() {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[((n >> shift) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// The Redis key of a storage key.
+pub fn redis_key(skey: &StorageKey) -> String {
+    format!("{KEY_PREFIX}{}", skey.hex())
+}
+
+fn eval_path(script: &str, key: &str, args: &[&[u8]]) -> String {
+    let mut p = format!("EVAL/{}/1/{}", encode_arg(script.as_bytes()), encode_arg(key.as_bytes()));
+    for a in args {
+        p.push('/');
+        p.push_str(&encode_arg(a));
+    }
+    p
+}
+
+/// Claim-or-read: one POST whose body is the webdis command path.
+pub fn claim_request(
+    skey: &StorageKey,
+    owner: &OwnerToken,
+    record: &Record,
+    ttl_ms: u64,
+    lock_ms: u64,
+) -> StoreRequest {
+    let path = eval_path(
+        CLAIM_SCRIPT,
+        &redis_key(skey),
+        &[owner.hex().as_bytes(), ttl_ms.to_string().as_bytes(), lock_ms.to_string().as_bytes(), &record.encode()],
+    );
+    StoreRequest { method: "POST", path: "/".into(), body: format!("{path}.raw").into_bytes() }
+}
+
+/// An owner-checked change of a stored value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    pub expected_owner: OwnerToken,
+    /// Phase letters accepted, e.g. "P" or "PU".
+    pub expected_phases: &'static str,
+    /// Only if the stored lock has expired by Redis's clock.
+    pub require_stale: bool,
+    /// `None` deletes the key.
+    pub new_phase: Option<StorePhase>,
+    pub new_owner: OwnerToken,
+    pub ttl_ms: u64,
+    /// A new lock of this many ms from Redis's now, or none.
+    pub lock_ms: Option<u64>,
+    /// A new record, or keep the stored one.
+    pub record: Option<Record>,
+}
+
+impl Transition {
+    /// Completion by the owner: store the completed record (sent as the PUT body).
+    pub fn complete(owner: OwnerToken, record: Record, ttl_ms: u64) -> Transition {
+        Transition {
+            expected_owner: owner,
+            expected_phases: "P",
+            require_stale: false,
+            new_phase: Some(StorePhase::Done),
+            new_owner: owner,
+            ttl_ms,
+            lock_ms: None,
+            record: Some(record),
+        }
+    }
+
+    /// Release by the owner: the request never executed.
+    pub fn release(owner: OwnerToken) -> Transition {
+        Transition {
+            expected_owner: owner,
+            expected_phases: "P",
+            require_stale: false,
+            new_phase: None,
+            new_owner: owner,
+            ttl_ms: 1,
+            lock_ms: None,
+            record: None,
+        }
+    }
+
+    /// The owner's request may have executed without a response.
+    pub fn unknown(owner: OwnerToken, ttl_ms: u64) -> Transition {
+        Transition {
+            expected_owner: owner,
+            expected_phases: "P",
+            require_stale: false,
+            new_phase: Some(StorePhase::Unknown),
+            new_owner: owner,
+            ttl_ms,
+            lock_ms: None,
+            record: None,
+        }
+    }
+
+    /// Another request's forwarded lock expired (by Redis's clock) without a completion.
+    pub fn stale_to_unknown(stale_owner: OwnerToken, ttl_ms: u64) -> Transition {
+        Transition { require_stale: true, ..Transition::unknown(stale_owner, ttl_ms) }
+    }
+
+    /// `stale_lock: "takeover"`: take over an expired lock with a claim of our own.
+    pub fn take_over(
+        stale_owner: OwnerToken,
+        owner: OwnerToken,
+        record: Record,
+        ttl_ms: u64,
+        lock_ms: u64,
+    ) -> Transition {
+        Transition {
+            expected_owner: stale_owner,
+            expected_phases: "P",
+            require_stale: true,
+            new_phase: Some(StorePhase::InProgress),
+            new_owner: owner,
+            ttl_ms,
+            lock_ms: Some(lock_ms),
+            record: Some(record),
+        }
+    }
+
+    /// The webdis request: a POST of the command, or a PUT with the record as body when there is
+    /// a record (it can be large and binary).
+    pub fn request(&self, skey: &StorageKey) -> StoreRequest {
+        let phase = [self.new_phase.map_or(b'X', StorePhase::letter)];
+        let ttl = self.ttl_ms.max(1).to_string();
+        let lock = self.lock_ms.map_or("-".to_string(), |l| l.to_string());
+        let (expected, new_owner) = (self.expected_owner.hex(), self.new_owner.hex());
+        let stale: &[u8] = if self.require_stale { b"1" } else { b"0" };
+        let mut args: Vec<&[u8]> = vec![
+            expected.as_bytes(),
+            self.expected_phases.as_bytes(),
+            stale,
+            &phase,
+            new_owner.as_bytes(),
+            ttl.as_bytes(),
+            lock.as_bytes(),
+        ];
+        let key = redis_key(skey);
+        match &self.record {
+            // webdis takes a PUT body as the last argument: binary-safe and not inflated.
+            Some(r) => StoreRequest {
+                method: "PUT",
+                path: format!("/{}.raw", eval_path(TRANSITION_SCRIPT, &key, &args)),
+                body: r.encode(),
+            },
+            None => {
+                args.push(b"-");
+                StoreRequest {
+                    method: "POST",
+                    path: "/".into(),
+                    body: format!("{}.raw", eval_path(TRANSITION_SCRIPT, &key, &args)).into_bytes(),
+                }
+            }
+        }
+    }
+}
+
+/// A RESP value (RESP2, as webdis's `.raw` output gives).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resp {
+    Simple(String),
+    Error(String),
+    Integer(i64),
+    Bulk(Option<Vec<u8>>),
+    Array(Option<Vec<Resp>>),
+}
+
+const MAX_RESP_DEPTH: usize = 8;
+
+/// Parses exactly one RESP value; anything else (trailing bytes, truncation, bad lengths) is an
+/// error, never a panic.
+pub fn parse_resp(bytes: &[u8]) -> Result<Resp, StoreError> {
+    let (v, rest) = parse_one(bytes, 0)?;
+    if !rest.is_empty() {
+        return Err(StoreError::Garbled("trailing bytes after the RESP value".into()));
+    }
+    Ok(v)
+}
+
+fn garbled(why: &str) -> StoreError {
+    StoreError::Garbled(why.to_string())
+}
+
+fn line(b: &[u8]) -> Result<(&[u8], &[u8]), StoreError> {
+    let end = b.windows(2).position(|w| w == b"\r\n").ok_or_else(|| garbled("RESP line without CRLF"))?;
+    Ok((b.get(..end).unwrap_or_default(), b.get(end + 2..).unwrap_or_default()))
+}
+
+fn number(b: &[u8]) -> Result<i64, StoreError> {
+    std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()).ok_or_else(|| garbled("RESP number"))
+}
+
+fn parse_one(b: &[u8], depth: usize) -> Result<(Resp, &[u8]), StoreError> {
+    if depth > MAX_RESP_DEPTH {
+        return Err(garbled("RESP nesting too deep"));
+    }
+    let (&kind, rest) = b.split_first().ok_or_else(|| garbled("empty RESP"))?;
+    let (head, rest) = line(rest)?;
+    match kind {
+        b'+' => Ok((Resp::Simple(String::from_utf8_lossy(head).into_owned()), rest)),
+        b'-' => Ok((Resp::Error(String::from_utf8_lossy(head).into_owned()), rest)),
+        b':' => Ok((Resp::Integer(number(head)?), rest)),
+        b'$' => {
+            let n = number(head)?;
+            if n < 0 {
+                return Ok((Resp::Bulk(None), rest));
+            }
+            let n = usize::try_from(n).map_err(|_| garbled("RESP length"))?;
+            let data = rest.get(..n).ok_or_else(|| garbled("RESP bulk truncated"))?;
+            let after = rest.get(n..).ok_or_else(|| garbled("RESP bulk truncated"))?;
+            let after = after.strip_prefix(b"\r\n").ok_or_else(|| garbled("RESP bulk without CRLF"))?;
+            Ok((Resp::Bulk(Some(data.to_vec())), after))
+        }
+        b'*' => {
+            let n = number(head)?;
+            if n < 0 {
+                return Ok((Resp::Array(None), rest));
+            }
+            // Each element takes at least 3 bytes: a count beyond that is garbage.
+            let n = usize::try_from(n).map_err(|_| garbled("RESP length"))?;
+            if n > rest.len() / 3 {
+                return Err(garbled("RESP array longer than its bytes"));
+            }
+            let mut items = Vec::with_capacity(n);
+            let mut rest = rest;
+            for _ in 0..n {
+                let (v, r) = parse_one(rest, depth + 1)?;
+                items.push(v);
+                rest = r;
+            }
+            Ok((Resp::Array(Some(items)), rest))
+        }
+        _ => Err(garbled("unknown RESP type")),
+    }
+}
+
+/// An integer, whether Redis sent it as an integer or webdis re-encoded it as a bulk string.
+fn as_int(v: &Resp) -> Option<i64> {
+    match v {
+        Resp::Integer(i) => Some(*i),
+        Resp::Bulk(Some(b)) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+fn check_http(status: Option<u16>) -> Result<(), StoreError> {
+    match status {
+        Some(200) => Ok(()),
+        Some(s) => Err(StoreError::Http(s)),
+        None => Err(StoreError::NoAnswer),
+    }
+}
+
+fn parse_reply(status: Option<u16>, body: &[u8]) -> Result<Resp, StoreError> {
+    check_http(status)?;
+    match parse_resp(body)? {
+        Resp::Error(e) => Err(StoreError::Redis(e)),
+        v => Ok(v),
+    }
+}
+
+/// The answer to a claim-or-read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClaimReply {
+    /// This request now holds the key (forwarded-in-progress).
+    Claimed { now_ms: u64 },
+    /// The key exists: decide on it with Redis's clock.
+    Exists { now_ms: u64, value: StoredValue },
+}
+
+/// Parses webdis's answer to `claim_request` (`status` is the HTTP status, `None` if no answer).
+pub fn parse_claim_reply(status: Option<u16>, body: &[u8]) -> Result<ClaimReply, StoreError> {
+    let Resp::Array(Some(items)) = parse_reply(status, body)? else {
+        return Err(garbled("claim reply is not an array"));
+    };
+    let now_ms =
+        items.get(1).and_then(as_int).and_then(|n| u64::try_from(n).ok()).ok_or_else(|| garbled("claim reply time"))?;
+    match (items.first().and_then(as_int), items.get(2), items.len()) {
+        (Some(1), None, 2) => Ok(ClaimReply::Claimed { now_ms }),
+        (Some(0), Some(Resp::Bulk(Some(v))), 3) => Ok(ClaimReply::Exists { now_ms, value: StoredValue::decode(v)? }),
+        _ => Err(garbled("claim reply shape")),
+    }
+}
+
+/// Parses the answer to a transition: `true` if it changed the value.
+pub fn parse_transition_reply(status: Option<u16>, body: &[u8]) -> Result<bool, StoreError> {
+    match as_int(&parse_reply(status, body)?) {
+        Some(1) => Ok(true),
+        Some(0) => Ok(false),
+        _ => Err(garbled("transition reply")),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,191 @@
+use super::*;
+use crate::fingerprint::Fingerprint;
+use crate::record::{Creator, State, StoredResponse};
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+fn record() -> Record {
+    Record {
+        fingerprint: Fingerprint([5; 32]),
+        created_at_ms: 1,
+        expires_at_ms: 2_000_000_000_000,
+        creator: Creator { request_id: "r1".into(), log_values: vec![] },
+        state: State::InProgress { owner: OwnerToken([1; 16]), lock_expires_at_ms: 0 },
+    }
+}
+
+fn value(phase: StorePhase) -> StoredValue {
+    StoredValue { phase, owner: OwnerToken([0xab; 16]), lock_expires_at_ms: 1_764_000_060_000, record: record() }
+}
+
+fn skey() -> StorageKey {
+    StorageKey([7; 32])
+}
+
+#[test]
+fn stored_values_round_trip_and_hold_the_lock_in_fixed_width_ascii() {
+    for p in [StorePhase::InProgress, StorePhase::Done, StorePhase::Unknown] {
+        let v = value(p);
+        let bytes = v.encode();
+        assert_eq!(&bytes[..4], b"IGS1");
+        assert_eq!(&bytes[37..52], b"001764000060000");
+        assert_eq!(StoredValue::decode(&bytes), Ok(v));
+    }
+}
+
+#[test]
+fn garbled_stored_values_are_errors() {
+    let good = value(StorePhase::Done).encode();
+    for bad in [&b""[..], b"IGS1", b"XXXXPabababababababababababababababab001764000060000", &good[..60]] {
+        assert!(matches!(StoredValue::decode(bad), Err(StoreError::Garbled(_))), "{bad:?}");
+    }
+    let mut wrong_phase = good.clone();
+    wrong_phase[4] = b'Z';
+    assert!(StoredValue::decode(&wrong_phase).is_err());
+    let mut bad_lock = good;
+    bad_lock[40] = b'x';
+    assert!(StoredValue::decode(&bad_lock).is_err());
+}
+
+#[test]
+fn arguments_are_percent_encoded_so_dots_slashes_and_binary_survive_webdis() {
+    assert_eq!(encode_arg(b"a.b/c d"), "a%2Eb%2Fc%20d");
+    assert_eq!(encode_arg(&[0, 255, b'Z', b'-', b'_', b'~']), "%00%FFZ-_~");
+}
+
+#[test]
+fn claim_request_is_one_post_of_an_eval_with_raw_output() {
+    let r = claim_request(&skey(), &OwnerToken([1; 16]), &record(), 86_400_000, 60_000);
+    assert_eq!((r.method, r.path.as_str()), ("POST", "/"));
+    let body = String::from_utf8(r.body).unwrap();
+    assert!(body.starts_with("EVAL/"));
+    assert!(body.ends_with(".raw"));
+    let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
+    assert_eq!(parts.len(), 8, "EVAL script numkeys key owner ttl lock record");
+    assert_eq!(parts[2], "1");
+    assert_eq!(parts[3], format!("idemgate%3Av1%3A{}", "07".repeat(32)));
+    assert_eq!(parts[4], "01".repeat(16));
+    assert_eq!((parts[5], parts[6]), ("86400000", "60000"));
+    assert!(!body[..body.len() - 4].contains('.'), "no unencoded dot before the format suffix");
+}
+
+#[test]
+fn a_completion_travels_as_a_put_body_and_other_transitions_as_posts() {
+    let owner = OwnerToken([2; 16]);
+    let mut done = record();
+    done.state = State::Completed(StoredResponse { status: 201, headers: vec![], body: vec![0, 1, 2, 255] });
+    let put = Transition::complete(owner, done.clone(), 1000).request(&skey());
+    assert_eq!(put.method, "PUT");
+    assert!(put.path.starts_with("/EVAL/") && put.path.ends_with(".raw"));
+    assert_eq!(put.body, done.encode());
+    let post = Transition::release(owner).request(&skey());
+    assert_eq!((post.method, post.path.as_str()), ("POST", "/"));
+    let body = String::from_utf8(post.body).unwrap();
+    let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
+    // EVAL script 1 key | owner phases stale new-phase new-owner ttl lock record
+    assert_eq!(&parts[4..], &["02".repeat(16).as_str(), "P", "0", "X", "02".repeat(16).as_str(), "1", "-", "-"]);
+    let stale = Transition::stale_to_unknown(owner, 5000).request(&skey());
+    let body = String::from_utf8(stale.body).unwrap();
+    let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
+    assert_eq!((parts[6], parts[7], parts[9]), ("1", "U", "5000"));
+}
+
+#[test]
+fn basic_auth_is_rfc_4648_base64() {
+    // Vectors from RFC 4648 section 10 and RFC 7617's example.
+    assert_eq!(basic_auth("Aladdin:open sesame"), "Basic QWxhZGRpbjpvcGVuIHNlc2FtZQ==");
+    assert_eq!(basic_auth("f"), "Basic Zg==");
+    assert_eq!(basic_auth("fo"), "Basic Zm8=");
+    assert_eq!(basic_auth("foo"), "Basic Zm9v");
+    assert_eq!(basic_auth("foobar"), "Basic Zm9vYmFy");
+}
+
+#[test]
+fn resp_values_parse_strictly() {
+    assert_eq!(parse_resp(b"+OK\r\n"), Ok(Resp::Simple("OK".into())));
+    assert_eq!(parse_resp(b":42\r\n"), Ok(Resp::Integer(42)));
+    assert_eq!(parse_resp(b"$-1\r\n"), Ok(Resp::Bulk(None)));
+    assert_eq!(parse_resp(b"$3\r\na\r\n\r\n"), Ok(Resp::Bulk(Some(b"a\r\n".to_vec()))));
+    assert_eq!(parse_resp(b"*-1\r\n"), Ok(Resp::Array(None)));
+    assert_eq!(
+        parse_resp(b"*2\r\n:1\r\n$1\r\nx\r\n"),
+        Ok(Resp::Array(Some(vec![Resp::Integer(1), Resp::Bulk(Some(b"x".to_vec()))])))
+    );
+    for bad in
+        [&b""[..], b"+OK", b"$5\r\nabc\r\n", b":x\r\n", b"*3\r\n:1\r\n", b"?\r\n", b"+OK\r\nextra", b"*99999999\r\n"]
+    {
+        assert!(matches!(parse_resp(bad), Err(StoreError::Garbled(_))), "{bad:?}");
+    }
+}
+
+#[test]
+fn claim_replies_are_understood_whether_integers_come_as_integers_or_bulk_strings() {
+    assert_eq!(parse_claim_reply(Some(200), b"*2\r\n:1\r\n:1764\r\n"), Ok(ClaimReply::Claimed { now_ms: 1764 }));
+    assert_eq!(
+        parse_claim_reply(Some(200), b"*2\r\n$1\r\n1\r\n$4\r\n1764\r\n"),
+        Ok(ClaimReply::Claimed { now_ms: 1764 })
+    );
+    let v = value(StorePhase::Done);
+    let enc = v.encode();
+    let mut reply = format!("*3\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", enc.len()).into_bytes();
+    reply.extend_from_slice(&enc);
+    reply.extend_from_slice(b"\r\n");
+    assert_eq!(parse_claim_reply(Some(200), &reply), Ok(ClaimReply::Exists { now_ms: 1765, value: v }));
+}
+
+#[test]
+fn store_failures_of_every_kind_are_errors_never_panics() {
+    assert_eq!(parse_claim_reply(None, b""), Err(StoreError::NoAnswer));
+    assert_eq!(parse_claim_reply(Some(503), b"Service Unavailable"), Err(StoreError::Http(503)));
+    assert_eq!(parse_claim_reply(Some(403), b""), Err(StoreError::Http(403)));
+    assert_eq!(parse_claim_reply(Some(200), b"-ERR boom\r\n"), Err(StoreError::Redis("ERR boom".into())));
+    assert!(matches!(parse_claim_reply(Some(200), b"{\"EVAL\":[1,2]}"), Err(StoreError::Garbled(_))));
+    assert!(matches!(parse_claim_reply(Some(200), b"*2\r\n:7\r\n:1\r\n"), Err(StoreError::Garbled(_))));
+    assert!(matches!(parse_claim_reply(Some(200), b"*3\r\n:0\r\n:1\r\n$3\r\nabc\r\n"), Err(StoreError::Garbled(_))));
+    assert_eq!(parse_transition_reply(Some(200), b":1\r\n"), Ok(true));
+    assert_eq!(parse_transition_reply(Some(200), b"$1\r\n0\r\n"), Ok(false));
+    assert!(parse_transition_reply(Some(200), b":2\r\n").is_err());
+    assert!(parse_transition_reply(Some(502), b":1\r\n").is_err());
+}
+
+#[test]
+fn summary_uses_the_stores_phase_and_lock() {
+    let s = value(StorePhase::InProgress).summary();
+    assert_eq!(s.phase, Phase::InProgress { lock_expires_at_ms: 1_764_000_060_000 });
+    assert_eq!(s.fingerprint, Some(Fingerprint([5; 32])));
+    assert_eq!(value(StorePhase::Unknown).summary().phase, Phase::Unknown);
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn answers_of_any_bytes_never_panic(status in proptest::option::of(100u16..600), body in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = parse_resp(&body);
+            let _ = parse_claim_reply(status, &body);
+            let _ = parse_transition_reply(status, &body);
+            let _ = StoredValue::decode(&body);
+        }
+
+        #[test]
+        fn mutated_claim_replies_never_panic(pos in any::<prop::sample::Index>(), byte in any::<u8>(), cut in any::<prop::sample::Index>()) {
+            let enc = value(StorePhase::Done).encode();
+            let mut reply = format!("*3\r\n:0\r\n:1765\r\n${}\r\n", enc.len()).into_bytes();
+            reply.extend_from_slice(&enc);
+            reply.extend_from_slice(b"\r\n");
+            let i = pos.index(reply.len());
+            reply[i] = byte;
+            let _ = parse_claim_reply(Some(200), &reply);
+            let _ = parse_claim_reply(Some(200), &reply[..cut.index(reply.len())]);
+        }
+
+        #[test]
+        fn encoded_arguments_use_only_unreserved_characters_and_percent(bytes in proptest::collection::vec(any::<u8>(), 0..100)) {
+            let e = encode_arg(&bytes);
+            prop_assert!(e.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_~%".contains(&b)));
+        }
+    }
+}
