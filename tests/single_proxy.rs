@@ -367,10 +367,12 @@ fn counters_are_exported_to_prometheus_without_the_envoy_prefix() {
 }
 
 #[test]
-fn the_shipped_envoy_config_is_valid() {
-    let (ok, out) = support::envoy_validate(&support::repo_root().join("envoy/envoy.yaml"));
-    assert!(ok, "{out}");
-    assert!(out.contains("configuration accepted"), "idemgate checked its plugin configuration:\n{out}");
+fn the_shipped_envoy_configs_are_valid() {
+    for file in ["envoy/envoy.yaml", "envoy/two-proxies/envoy-a.yaml", "envoy/two-proxies/envoy-b.yaml"] {
+        let (ok, out) = support::envoy_validate(&support::repo_root().join(file));
+        assert!(ok, "{file}: {out}");
+        assert!(out.contains("configuration accepted"), "{file}: idemgate checked its plugin configuration:\n{out}");
+    }
 }
 
 #[test]

@@ -13,6 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod store;
 pub mod upstream;
 
 /// A port that was free a moment ago on 127.0.0.1.
@@ -69,6 +70,10 @@ pub struct EnvoyOptions {
     pub route_timeout_ms: u64,
     pub concurrency: u32,
     pub buffer_limit_bytes: u64,
+    /// webdis port for the `idemgate_store` cluster, if any.
+    pub store_port: Option<u16>,
+    /// Environment variables of the Wasm VM (`vm_config.environment_variables`).
+    pub vm_env: Vec<(String, String)>,
 }
 
 impl EnvoyOptions {
@@ -79,6 +84,8 @@ impl EnvoyOptions {
             route_timeout_ms: 5_000,
             concurrency: 2,
             buffer_limit_bytes: 4 * 1024 * 1024,
+            store_port: None,
+            vm_env: vec![],
         }
     }
 }
@@ -87,7 +94,28 @@ impl EnvoyOptions {
 /// the router, one upstream cluster.
 pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: &Path) -> String {
     let plugin_json = serde_json::to_string(&o.plugin_config).expect("json string");
-    format!(
+    let store_cluster = match o.store_port {
+        None => String::new(),
+        Some(port) => format!(
+            r#"  - name: idemgate_store
+    connect_timeout: 0.25s
+    type: STATIC
+    load_assignment:
+      cluster_name: idemgate_store
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}
+"#
+        ),
+    };
+    let env = if o.vm_env.is_empty() {
+        String::new()
+    } else {
+        let pairs: Vec<String> =
+            o.vm_env.iter().map(|(k, v)| format!("{k}: {}", serde_json::to_string(v).expect("json"))).collect();
+        format!("\n                  environment_variables: {{key_values: {{{}}}}}", pairs.join(", "))
+    };
+    let cfg = format!(
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
 static_resources:
@@ -124,7 +152,7 @@ static_resources:
                 vm_config:
                   vm_id: idemgate
                   runtime: envoy.wasm.runtime.v8
-                  code: {{local: {{filename: "{wasm}"}}}}
+                  code: {{local: {{filename: "{wasm}"}}}}{env}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -143,7 +171,8 @@ static_resources:
         timeout = o.route_timeout_ms as f64 / 1000.0,
         upstream = o.upstream_port,
         wasm = wasm.display(),
-    )
+    );
+    cfg + &store_cluster
 }
 
 /// A running Envoy, killed when dropped.
@@ -214,6 +243,14 @@ impl Envoy {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// SIGKILL: the process dies mid-request, as a crashed proxy would.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 
     /// A counter or gauge from the admin `/stats` endpoint (0 when absent).

@@ -1,0 +1,295 @@
+//! Two Envoy 1.40 instances sharing one external store (Redis behind webdis), in front of one
+//! counting upstream. Every test asserts how many times the upstream executed.
+
+mod support;
+
+use std::time::Duration;
+
+use support::http::{self, Response};
+use support::store::{Redis, RedisCluster, Webdis};
+use support::upstream::Upstream;
+use support::{Envoy, EnvoyOptions};
+
+fn cfg(extra: &str) -> String {
+    format!(
+        r#"{{"scope": {{"headers": ["authorization"]}}, "store": {{"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500{extra}}}}}"#
+    )
+}
+
+struct Pair {
+    up: Upstream,
+    a: Envoy,
+    b: Envoy,
+}
+
+impl Pair {
+    fn new(webdis_port: u16, plugin: &str) -> Pair {
+        Pair::with(webdis_port, plugin, |_| {})
+    }
+
+    fn with(webdis_port: u16, plugin: &str, f: impl Fn(&mut EnvoyOptions)) -> Pair {
+        let up = Upstream::start();
+        let mut o = EnvoyOptions::new(plugin, up.port);
+        o.store_port = Some(webdis_port);
+        f(&mut o);
+        let a = Envoy::start(&o);
+        let b = Envoy::start(&o);
+        Pair { up, a, b }
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.a.assert_no_wasm_panic();
+            self.b.assert_no_wasm_panic();
+        }
+    }
+}
+
+fn post(envoy: &Envoy, key: &str, body: &str, extra: &[(&str, &str)]) -> Response {
+    let mut h: Vec<(&str, &str)> = vec![("authorization", "Bearer alice-secret-token"), ("idempotency-key", key)];
+    h.extend_from_slice(extra);
+    http::request(envoy.port, "POST", "/charges", &h, body.as_bytes()).expect("request")
+}
+
+fn problem_type(r: &Response) -> String {
+    r.json()["type"].as_str().unwrap_or("").to_string()
+}
+
+/// Waits until the root contexts' store writes have landed.
+fn settle() {
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+#[test]
+fn the_other_proxy_replays_without_executing_and_then_serves_replays_from_memory() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, &cfg(""));
+    let first = post(&p.a, "k-x", r#"{"amount":5}"#, &[]);
+    assert_eq!(first.status, 201);
+    settle();
+    let again = post(&p.b, "k-x", r#"{"amount":5}"#, &[]);
+    assert_eq!(again.status, 201);
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(p.up.executions(), 1);
+    // One store round trip for the first request on each proxy; a replay served from b's memory
+    // afterwards makes none.
+    assert_eq!(p.a.stat("idemgate.store_calls"), 2, "claim + completion write");
+    let calls_b = p.b.stat("idemgate.store_calls");
+    assert_eq!(calls_b, 1, "b: one claim-or-read that found the record");
+    let third = post(&p.b, "k-x", r#"{"amount":5}"#, &[]);
+    assert_eq!(third.body, first.body);
+    assert_eq!(p.b.stat("idemgate.store_calls"), calls_b, "a local replay makes zero store round trips");
+    assert_eq!(p.up.executions(), 1);
+}
+
+#[test]
+fn forty_concurrent_duplicates_across_both_proxies_execute_exactly_once() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, &cfg(""));
+    let ports = [p.a.port, p.b.port];
+    let threads: Vec<_> = (0..40)
+        .map(|i| {
+            let port = ports[i % 2];
+            std::thread::spawn(move || {
+                let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-40"), ("x-up-delay-ms", "300")];
+                http::request(port, "POST", "/charges", &h, b"{}").expect("request")
+            })
+        })
+        .collect();
+    let answers: Vec<Response> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(p.up.executions(), 1);
+    for r in &answers {
+        assert!(r.status == 201 || r.status == 409, "{}: {}", r.status, r.body_text());
+    }
+    assert_eq!(answers.iter().filter(|r| r.status == 201 && r.header("idempotent-replayed").is_none()).count(), 1);
+}
+
+#[test]
+fn a_mismatch_across_proxies_is_422() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, &cfg(""));
+    assert_eq!(post(&p.a, "k-m", r#"{"amount":5}"#, &[]).status, 201);
+    settle();
+    let r = post(&p.b, "k-m", r#"{"amount":6}"#, &[]);
+    assert_eq!(r.status, 422);
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:key-reused");
+    assert_eq!(p.up.executions(), 1);
+}
+
+#[test]
+fn the_store_holds_no_raw_key_and_no_raw_credential() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, &cfg(""));
+    post(&p.a, "raw-key-7f3a9c", "{}", &[]);
+    settle();
+    let all = redis.dump_all_values();
+    assert_eq!(all.len(), 1, "{:?}", all.iter().map(|(k, _)| k).collect::<Vec<_>>());
+    for (k, v) in &all {
+        assert!(k.starts_with("idemgate:v1:") && k.len() == "idemgate:v1:".len() + 64, "{k}");
+        for secret in ["raw-key-7f3a9c", "alice-secret-token", "Bearer"] {
+            assert!(!k.contains(secret));
+            assert!(!v.windows(secret.len()).any(|w| w == secret.as_bytes()), "{secret} found in the stored value");
+        }
+    }
+}
+
+#[test]
+fn redis_down_gives_503_and_no_execution_then_protection_resumes() {
+    let mut redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, &cfg(""));
+    redis.kill9();
+    let r = post(&p.a, "k-down", "{}", &[]);
+    assert_eq!(r.status, 503, "{}", r.body_text());
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:store-unavailable");
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(p.up.executions(), 0);
+    redis.restart();
+    let mut ok = None;
+    for _ in 0..50 {
+        let r = post(&p.a, "k-down", "{}", &[]);
+        if r.status == 201 {
+            ok = Some(r);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(ok.is_some(), "protection resumes without restarting Envoy");
+    settle();
+    assert_eq!(post(&p.b, "k-down", "{}", &[]).header("idempotent-replayed"), Some("true"));
+    assert_eq!(p.up.executions(), 1);
+}
+
+#[test]
+fn pass_mode_forwards_unprotected_when_the_store_is_down() {
+    let mut redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, &cfg(r#", "on_unavailable": "pass""#));
+    redis.kill9();
+    assert_eq!(post(&p.a, "k-pass", "{}", &[]).status, 201);
+    assert_eq!(post(&p.a, "k-pass", "{}", &[]).status, 201);
+    assert_eq!(p.up.executions(), 2, "unprotected while the store is down, as configured");
+    assert_eq!(p.a.stat("idemgate.store_passed_unprotected"), 2);
+}
+
+#[test]
+fn a_completed_key_survives_a_redis_kill_and_restart_with_aof() {
+    let mut redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, &cfg(""));
+    let first = post(&p.a, "k-aof", "{}", &[]);
+    std::thread::sleep(Duration::from_millis(1500)); // appendfsync everysec
+    redis.kill9();
+    redis.restart();
+    // b's local tier never saw the key: the replay comes from Redis's AOF.
+    let mut again = None;
+    for _ in 0..50 {
+        let r = post(&p.b, "k-aof", "{}", &[]);
+        if r.status != 503 {
+            again = Some(r);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let again = again.expect("store back");
+    assert_eq!(again.header("idempotent-replayed"), Some("true"), "{}", again.body_text());
+    assert_eq!(again.body, first.body);
+    assert_eq!(p.up.executions(), 1);
+}
+
+#[test]
+fn a_proxy_killed_mid_request_leaves_a_claim_no_retry_executes_again() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let mut p = Pair::new(
+        webdis.port,
+        &r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 1, "store": {"cluster": "idemgate_store", "timeout_ms": 500}}"#,
+    );
+    let port = p.a.port;
+    let t = std::thread::spawn(move || {
+        let h =
+            [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "k-crash"), ("x-up-delay-ms", "1000")];
+        http::request_timeout(port, "POST", "/charges", &h, b"{}", Duration::from_secs(5))
+    });
+    std::thread::sleep(Duration::from_millis(400)); // a forwarded the request; the upstream runs
+    p.a.kill();
+    let _ = t.join();
+    std::thread::sleep(Duration::from_millis(1200)); // past lock_ttl_seconds
+    for _ in 0..3 {
+        let r = post(&p.b, "k-crash", "{}", &[]);
+        assert_eq!(r.status, 409, "{}", r.body_text());
+        assert_eq!(problem_type(&r), "urn:idemgate:problem:outcome-unknown");
+    }
+    assert_eq!(p.up.executions(), 1);
+}
+
+#[test]
+fn a_store_write_failing_after_forwarding_ends_in_outcome_unknown() {
+    let mut redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(
+        webdis.port,
+        &r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 2, "store": {"cluster": "idemgate_store", "timeout_ms": 300}}"#,
+    );
+    let port = p.a.port;
+    let t = std::thread::spawn(move || {
+        let h =
+            [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "k-wfail"), ("x-up-delay-ms", "2500")];
+        http::request(port, "POST", "/charges", &h, b"{}")
+    });
+    // Claimed and forwarded; wait past appendfsync everysec so the claim itself is durable.
+    std::thread::sleep(Duration::from_millis(1500));
+    redis.kill9(); // the completion write will fail
+    let first = t.join().unwrap().unwrap();
+    assert_eq!(first.status, 201, "the client still gets its response");
+    std::thread::sleep(Duration::from_millis(1500)); // retries exhausted
+    assert!(p.a.stat("idemgate.store_write_failures") >= 1);
+    redis.restart();
+    std::thread::sleep(Duration::from_millis(1000)); // the claim's lock has expired
+    let r = post(&p.b, "k-wfail", "{}", &[]);
+    assert_eq!(r.status, 409, "{}", r.body_text());
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:outcome-unknown");
+    // The proxy that saw the response still replays it from memory.
+    assert_eq!(post(&p.a, "k-wfail", "{}", &[]).header("idempotent-replayed"), Some("true"));
+    assert_eq!(p.up.executions(), 1);
+}
+
+#[test]
+fn through_a_redis_cluster_duplicates_execute_exactly_once() {
+    let cluster = RedisCluster::start();
+    let p = Pair::new(cluster.webdis.port, &cfg(""));
+    for n in 0..20 {
+        let key = format!("k-cluster-{n}");
+        let first = post(&p.a, &key, "{}", &[]);
+        assert_eq!(first.status, 201, "{}", first.body_text());
+        settle();
+        let again = post(&p.b, &key, "{}", &[]);
+        assert_eq!(again.header("idempotent-replayed"), Some("true"), "{key}: {}", again.body_text());
+    }
+    assert_eq!(p.up.executions(), 20);
+    let ports = [p.a.port, p.b.port];
+    let threads: Vec<_> = (0..20)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let h = [
+                    ("authorization", "Bearer alice"),
+                    ("idempotency-key", "k-cluster-burst"),
+                    ("x-up-delay-ms", "200"),
+                ];
+                http::request(ports[i % 2], "POST", "/charges", &h, b"{}").unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        let r = t.join().unwrap();
+        assert!(r.status == 201 || r.status == 409, "{}", r.body_text());
+    }
+    assert_eq!(p.up.executions(), 21);
+}
