@@ -210,7 +210,7 @@ fn a_proxy_killed_mid_request_leaves_a_claim_no_retry_executes_again() {
     let webdis = Webdis::start(redis.port);
     let mut p = Pair::new(
         webdis.port,
-        &r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 1, "store": {"cluster": "idemgate_store", "timeout_ms": 500}}"#,
+        r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 1, "store": {"cluster": "idemgate_store", "timeout_ms": 500}}"#,
     );
     let port = p.a.port;
     let t = std::thread::spawn(move || {
@@ -236,7 +236,7 @@ fn a_store_write_failing_after_forwarding_ends_in_outcome_unknown() {
     let webdis = Webdis::start(redis.port);
     let p = Pair::new(
         webdis.port,
-        &r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 2, "store": {"cluster": "idemgate_store", "timeout_ms": 300}}"#,
+        r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 2, "store": {"cluster": "idemgate_store", "timeout_ms": 300}}"#,
     );
     let port = p.a.port;
     let t = std::thread::spawn(move || {
