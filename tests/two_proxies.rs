@@ -293,3 +293,38 @@ fn through_a_redis_cluster_duplicates_execute_exactly_once() {
     }
     assert_eq!(p.up.executions(), 21);
 }
+
+#[test]
+fn the_write_after_forwarding_lands_even_when_the_client_has_left() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    // A long lock: only the outcome-unknown write, made by the root context after the client
+    // left, can turn b's answer from "in flight" into "outcome unknown".
+    let p = Pair::new(
+        webdis.port,
+        r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 60, "store": {"cluster": "idemgate_store", "timeout_ms": 500}}"#,
+    );
+    let h = [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "k-left"), ("x-up-delay-ms", "1500")];
+    let gone = http::request_timeout(p.a.port, "POST", "/charges", &h, b"{}", Duration::from_millis(300));
+    assert!(gone.is_err());
+    std::thread::sleep(Duration::from_millis(500));
+    let r = post(&p.b, "k-left", "{}", &[]);
+    assert_eq!(r.status, 409, "{}", r.body_text());
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:outcome-unknown");
+    assert_eq!(p.up.executions(), 1);
+}
+
+#[test]
+fn a_store_slower_than_its_timeout_is_unavailable() {
+    // A listener that accepts connections and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let p = Pair::new(port, &cfg(""));
+    let started = std::time::Instant::now();
+    let r = post(&p.a, "k-slow-store", "{}", &[]);
+    assert_eq!(r.status, 503, "{}", r.body_text());
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:store-unavailable");
+    assert!(started.elapsed() < Duration::from_secs(3), "answered after the 500 ms store timeout, not hung");
+    assert_eq!(p.up.executions(), 0);
+    drop(silent);
+}
