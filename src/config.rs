@@ -52,6 +52,40 @@ pub struct Policy {
     /// Response headers never stored nor replayed (lowercase); `set-cookie` by default.
     pub replay_exclude_headers: Vec<String>,
     pub stale_lock: StaleLock,
+    /// How a protected request reaches the upstream.
+    pub forwarding: Forwarding,
+    /// What a request meeting its key in flight gets.
+    pub in_flight: InFlight,
+    /// Keys derived at the edge for requests that carry none (opt-in).
+    pub derive_key: Option<DeriveKey>,
+}
+
+/// How a protected request reaches the upstream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Forwarding {
+    /// Default: Envoy's router forwards it (streaming, router retries, per-route timeouts). If the
+    /// client leaves, Envoy cancels the upstream call and the outcome is unknown.
+    Router,
+    /// The filter sends it itself from the root context, through a callout that outlives the
+    /// client: the response is stored even if the client left, and a retry gets it.
+    Detached { cluster: String, timeout_ms: u64 },
+}
+
+/// What a request that finds its key in flight gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InFlight {
+    /// Default: 409 `request-in-flight` with `retry-after`.
+    Conflict,
+    /// Held up to `wait_ms` for the first attempt's result, then the replay (or the 409).
+    Wait { wait_ms: u64 },
+}
+
+/// Derive a key from headers the agent framework already sends (e.g. task and step ids).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeriveKey {
+    pub headers: Vec<String>,
+    /// Also hash the body into the key (two different bodies in one step are then two operations).
+    pub include_body: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -154,6 +188,9 @@ impl Default for Policy {
             log_headers: vec![],
             replay_exclude_headers: vec!["set-cookie".into()],
             stale_lock: StaleLock::Reject,
+            forwarding: Forwarding::Router,
+            in_flight: InFlight::Conflict,
+            derive_key: None,
         }
     }
 }
@@ -187,6 +224,11 @@ const POLICY_FIELDS: &[&str] = &[
     "log_headers",
     "replay_exclude_headers",
     "stale_lock",
+    "forwarding",
+    "upstream",
+    "in_flight",
+    "wait_ms",
+    "derive_key",
 ];
 const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes"];
 
@@ -349,6 +391,7 @@ fn apply_policy_fields(
     also: &[&str],
 ) -> Result<(), ConfigError> {
     check_unknown(map, prefix, &[POLICY_FIELDS, also])?;
+    apply_agent_fields(map, prefix, p)?;
     for (name, v) in map {
         let f = join(prefix, name);
         match name.as_str() {
@@ -431,7 +474,89 @@ fn apply_policy_fields(
     Ok(())
 }
 
+/// `forwarding` + `upstream`, `in_flight` + `wait_ms`, `derive_key`.
+fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) -> Result<(), ConfigError> {
+    let f = |n: &str| join(prefix, n);
+    let detached = match map.get("forwarding") {
+        None => matches!(p.forwarding, Forwarding::Detached { .. }),
+        Some(v) => as_choice(v, &f("forwarding"), &[("router", false), ("detached", true)])?,
+    };
+    match (detached, map.get("upstream")) {
+        (true, Some(u)) => {
+            let m = as_object(u, &f("upstream"))?;
+            check_unknown(m, &f("upstream"), &[&["cluster", "timeout_ms"]])?;
+            let cluster = match m.get("cluster") {
+                Some(c) => as_str(c, &f("upstream.cluster"))?.to_string(),
+                None => return Err(err(&f("upstream.cluster"), "missing: name the Envoy cluster of the upstream")),
+            };
+            if cluster.is_empty() {
+                return Err(err(&f("upstream.cluster"), "must not be empty"));
+            }
+            let timeout_ms = match m.get("timeout_ms") {
+                Some(t) => as_uint(t, &f("upstream.timeout_ms"), 1, 600_000)?,
+                None => 30_000,
+            };
+            p.forwarding = Forwarding::Detached { cluster, timeout_ms };
+        }
+        (true, None) if !matches!(p.forwarding, Forwarding::Detached { .. }) => {
+            return Err(err(
+                &f("upstream"),
+                "missing: forwarding \"detached\" needs {\"cluster\": ..., \"timeout_ms\": ...}",
+            ));
+        }
+        (true, None) => {}
+        (false, Some(_)) => return Err(err(&f("upstream"), "only used with forwarding: \"detached\"")),
+        (false, None) => p.forwarding = Forwarding::Router,
+    }
+    let wait = match map.get("in_flight") {
+        None => matches!(p.in_flight, InFlight::Wait { .. }),
+        Some(v) => as_choice(v, &f("in_flight"), &[("conflict", false), ("wait", true)])?,
+    };
+    let current_wait = match p.in_flight {
+        InFlight::Wait { wait_ms } => wait_ms,
+        InFlight::Conflict => 5_000,
+    };
+    let wait_ms = match map.get("wait_ms") {
+        Some(v) => as_uint(v, &f("wait_ms"), 1, 60_000)?,
+        None => current_wait,
+    };
+    if !wait && map.contains_key("wait_ms") {
+        return Err(err(&f("wait_ms"), "only used with in_flight: \"wait\""));
+    }
+    p.in_flight = if wait { InFlight::Wait { wait_ms } } else { InFlight::Conflict };
+    if let Some(v) = map.get("derive_key") {
+        if v.is_null() {
+            p.derive_key = None;
+        } else {
+            let m = as_object(v, &f("derive_key"))?;
+            check_unknown(m, &f("derive_key"), &[&["headers", "include_body"]])?;
+            let headers = match m.get("headers") {
+                Some(h) => header_list(h, &f("derive_key.headers"))?,
+                None => vec![],
+            };
+            if headers.is_empty() {
+                return Err(err(
+                    &f("derive_key.headers"),
+                    "name the headers that identify one operation, e.g. [\"x-agent-task-id\", \"x-agent-step-id\"]",
+                ));
+            }
+            let include_body = match m.get("include_body") {
+                Some(b) => as_bool(b, &f("derive_key.include_body"))?,
+                None => false,
+            };
+            p.derive_key = Some(DeriveKey { headers, include_body });
+        }
+    }
+    Ok(())
+}
+
 fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
+    if p.derive_key.is_some() && p.scope.headers.is_empty() {
+        return Err(err(
+            &join(prefix, "derive_key"),
+            "needs a caller scope (scope.headers): a derived key from task and step ids alone could collide across callers",
+        ));
+    }
     if p.scope.headers.is_empty() && !p.scope.global {
         return Err(err(
             &join(prefix, "scope.headers"),
@@ -693,6 +818,49 @@ mod tests {
                 assert!(e.to_string().contains(&format!("`{field}`")), "{e}");
             }
         }
+    }
+
+    #[test]
+    fn agent_fields_are_read_and_checked() {
+        let c = parse(
+            r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "api", "timeout_ms": 2000},
+                "in_flight": "wait", "wait_ms": 3000, "derive_key": {"headers": ["X-Agent-Task-Id", "x-agent-step-id"], "include_body": true}}"#,
+        )
+        .unwrap();
+        let p = &c.default_policy;
+        assert_eq!(p.forwarding, Forwarding::Detached { cluster: "api".into(), timeout_ms: 2000 });
+        assert_eq!(p.in_flight, InFlight::Wait { wait_ms: 3000 });
+        assert_eq!(
+            p.derive_key,
+            Some(DeriveKey { headers: vec!["x-agent-task-id".into(), "x-agent-step-id".into()], include_body: true })
+        );
+        let d = parse(MINIMAL).unwrap().default_policy;
+        assert_eq!((d.forwarding, d.in_flight, d.derive_key), (Forwarding::Router, InFlight::Conflict, None));
+        let table: &[(&str, &str)] = &[
+            (r#"{"scope": {"headers": ["a"]}, "forwarding": "detached"}"#, "upstream"),
+            (r#"{"scope": {"headers": ["a"]}, "forwarding": "teleport"}"#, "forwarding"),
+            (r#"{"scope": {"headers": ["a"]}, "upstream": {"cluster": "x"}}"#, "upstream"),
+            (r#"{"scope": {"headers": ["a"]}, "forwarding": "detached", "upstream": {}}"#, "upstream.cluster"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "forwarding": "detached", "upstream": {"cluster": "x", "retries": 3}}"#,
+                "upstream.retries",
+            ),
+            (r#"{"scope": {"headers": ["a"]}, "wait_ms": 100}"#, "wait_ms"),
+            (r#"{"scope": {"headers": ["a"]}, "in_flight": "wait", "wait_ms": 0}"#, "wait_ms"),
+            (r#"{"scope": {"headers": ["a"]}, "derive_key": {"headers": []}}"#, "derive_key.headers"),
+            (r#"{"scope": {"global": true}, "derive_key": {"headers": ["x-agent-task-id"]}}"#, "derive_key"),
+        ];
+        for (text, field) in table {
+            assert_eq!(refused(text).field, *field, "{text}");
+        }
+        // A route inherits detached forwarding and may turn it off.
+        let c = parse(
+            r#"{"scope": {"headers": ["a"]}, "forwarding": "detached", "upstream": {"cluster": "api"},
+                "routes": [{"prefix": "/slow"}, {"prefix": "/", "forwarding": "router"}]}"#,
+        )
+        .unwrap();
+        assert!(matches!(c.routes[0].policy.forwarding, Forwarding::Detached { .. }));
+        assert_eq!(c.routes[1].policy.forwarding, Forwarding::Router);
     }
 
     #[test]

@@ -16,6 +16,11 @@ use std::fmt;
 pub struct IdempotencyKey(String);
 
 impl IdempotencyKey {
+    /// A key derived at the edge (see `derive`): `derived-` and 32 hex digits.
+    pub(crate) fn derived(hex: String) -> IdempotencyKey {
+        IdempotencyKey(format!("derived-{hex}"))
+    }
+
     /// The key's characters (never logged raw: log the storage key's hash instead).
     pub fn as_str(&self) -> &str {
         &self.0

@@ -13,6 +13,7 @@
 pub mod canonical_json;
 pub mod config;
 pub mod decision;
+pub mod derive;
 pub mod fingerprint;
 pub mod hex;
 pub mod key;

@@ -453,6 +453,34 @@ impl Table {
         Err(LocalError::Contended)
     }
 
+    /// Reads the live record of `skey` without claiming anything: its summary and, when it is
+    /// completed, the record itself (for requests waiting on another attempt).
+    pub fn peek(
+        &self,
+        sd: &mut dyn SharedData,
+        skey: &StorageKey,
+        now_ms: u64,
+    ) -> Result<Option<(Summary, Option<Record>)>, LocalError> {
+        let i = self.bucket_of(skey);
+        let (bucket, _) = self.read_bucket(sd, i)?;
+        let Some((j, e)) = bucket
+            .positions
+            .iter()
+            .enumerate()
+            .find_map(|(j, p)| p.as_ref().filter(|e| e.skey == *skey && !e.is_expired(now_ms)).map(|e| (j, e)))
+        else {
+            return Ok(None);
+        };
+        let record = match e.phase {
+            EntryPhase::Completed => {
+                let h = Handle { bucket: i, position: j, owner: e.owner, skey: *skey };
+                self.read_slot(sd, &h)?.map(|(r, _)| r)
+            }
+            _ => None,
+        };
+        Ok(Some((e.summary(), record)))
+    }
+
     /// A position for a new key: an empty one, an expired one, or (with `evict_oldest`) the oldest
     /// completed or outcome-unknown record. Returns the position and whether it evicted.
     fn free_position(&self, b: &Bucket, now_ms: u64) -> Option<(usize, bool)> {

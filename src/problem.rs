@@ -32,6 +32,9 @@ pub enum ProblemKind {
     BufferBudgetExceeded { retry_after_seconds: u64 },
     /// The original response was too large to keep: its status and `location` are replayed.
     ResponseNotStored { status: u16, location: Option<String> },
+    /// Detached forwarding: the upstream gave no answer within `upstream.timeout_ms` (or the
+    /// connection failed); the request may have executed.
+    UpstreamNoAnswer,
 }
 
 /// A ready-to-send problem response.
@@ -64,6 +67,7 @@ impl ProblemKind {
             ProblemKind::CapacityExhausted { .. } => "capacity-exhausted",
             ProblemKind::BufferBudgetExceeded { .. } => "buffer-budget-exceeded",
             ProblemKind::ResponseNotStored { .. } => "response-not-stored",
+            ProblemKind::UpstreamNoAnswer => "upstream-no-answer",
         }
     }
 
@@ -77,6 +81,7 @@ impl ProblemKind {
             | ProblemKind::CapacityExhausted { .. }
             | ProblemKind::BufferBudgetExceeded { .. } => 503,
             ProblemKind::ResponseNotStored { status, .. } => *status,
+            ProblemKind::UpstreamNoAnswer => 504,
         }
     }
 
@@ -92,6 +97,7 @@ impl ProblemKind {
             ProblemKind::CapacityExhausted { .. } => "Idempotency capacity exhausted",
             ProblemKind::BufferBudgetExceeded { .. } => "Too many requests being buffered",
             ProblemKind::ResponseNotStored { .. } => "Original response was too large to replay",
+            ProblemKind::UpstreamNoAnswer => "The upstream did not answer",
         }
     }
 
@@ -120,6 +126,7 @@ impl ProblemKind {
             ProblemKind::BufferBudgetExceeded { retry_after_seconds } => format!(
                 "Too many request bodies are being buffered at once; the request was not forwarded. Retry after {retry_after_seconds} s with the same key."
             ),
+            ProblemKind::UpstreamNoAnswer => "The upstream did not answer in time (or could not be reached), so the request may or may not have taken effect. Do not retry with this key: check the resource, then use a new key if the operation must be done.".into(),
             ProblemKind::ResponseNotStored { status, .. } => format!(
                 "The original request completed with status {status}, but its response body was too large to keep. The operation is done: do not repeat it; fetch the resource instead."
             ),
@@ -202,6 +209,7 @@ mod tests {
             ProblemKind::CapacityExhausted { retry_after_seconds: 1 },
             ProblemKind::BufferBudgetExceeded { retry_after_seconds: 1 },
             ProblemKind::ResponseNotStored { status: 201, location: Some("/c/1".into()) },
+            ProblemKind::UpstreamNoAnswer,
         ];
         for error in [
             KeyError::Repeated,

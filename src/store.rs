@@ -245,6 +245,24 @@ pub fn claim_request(
     StoreRequest { method: "POST", path: "/".into(), body: format!("{path}.raw").into_bytes() }
 }
 
+/// A read (no claim): used by requests waiting for another attempt's result. `GET key`.
+pub fn read_request(skey: &StorageKey) -> StoreRequest {
+    StoreRequest {
+        method: "POST",
+        path: "/".into(),
+        body: format!("GET/{}.raw", encode_arg(redis_key(skey).as_bytes())).into_bytes(),
+    }
+}
+
+/// Parses the answer to `read_request`: the value, or `None` when the key is absent.
+pub fn parse_read_reply(status: Option<u16>, body: &[u8]) -> Result<Option<StoredValue>, StoreError> {
+    match parse_reply(status, body)? {
+        Resp::Bulk(None) => Ok(None),
+        Resp::Bulk(Some(v)) => StoredValue::decode(&v).map(Some),
+        _ => Err(garbled("read reply")),
+    }
+}
+
 /// An owner-checked change of a stored value.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Transition {

@@ -106,10 +106,14 @@ pub enum Counter {
     StoreWrites,
     StoreWriteRetries,
     StoreWriteFailures,
+    DetachedForwards,
+    Waited,
+    WaitAnswered,
+    DerivedKeys,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 27] = [
+    pub const ALL: [Counter; 31] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -137,6 +141,10 @@ impl Counter {
         Counter::StoreWrites,
         Counter::StoreWriteRetries,
         Counter::StoreWriteFailures,
+        Counter::DetachedForwards,
+        Counter::Waited,
+        Counter::WaitAnswered,
+        Counter::DerivedKeys,
     ];
 
     pub fn name(self) -> &'static str {
@@ -168,6 +176,10 @@ impl Counter {
             Counter::StoreWrites => "idemgate.store_writes",
             Counter::StoreWriteRetries => "idemgate.store_write_retries",
             Counter::StoreWriteFailures => "idemgate.store_write_failures",
+            Counter::DetachedForwards => "idemgate.detached_forwards",
+            Counter::Waited => "idemgate.waited",
+            Counter::WaitAnswered => "idemgate.wait_answered",
+            Counter::DerivedKeys => "idemgate.derived_keys",
         }
     }
 }

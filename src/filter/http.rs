@@ -19,13 +19,15 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use super::host::{self, Counter, HostShared};
-use super::writes::{self, Job};
-use super::Shared;
-use crate::config::{OnUnavailable, Policy};
-use crate::decision::{admit, check_body_size, classify, decide, Admission, Decision, ExchangeFacts, Lookup, Outcome};
+use super::settle::{self, Claim};
+use super::writes;
+use super::{reply, Forward, Shared, Waiter};
+use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
+use crate::decision::{admit, check_body_size, classify, decide, Admission, Decision, ExchangeFacts, Lookup};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
+use crate::derive;
 use crate::fingerprint::Fingerprint;
-use crate::local::{Begin, Completed, Handle, LocalError};
+use crate::local::{Begin, Handle, LocalError};
 use crate::owner::{OwnerToken, TokenSources};
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Record, State, StoredResponse};
@@ -34,7 +36,7 @@ use crate::scope::{CallerScope, StorageKey};
 use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition};
 
 /// Response headers never stored: hop-by-hop (RFC 9110 section 7.6.1) and those Envoy recomputes.
-const NOT_REPLAYED: &[&str] = &[
+pub(super) const NOT_REPLAYED: &[&str] = &[
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -54,6 +56,10 @@ enum Phase {
     Calling { handle: Option<Handle>, fp: Fingerprint, token: u32, takeover: bool },
     /// Forwarded upstream under our claim(s).
     Forwarded { handle: Option<Handle>, fp: Fingerprint, in_store: bool },
+    /// Sent upstream by the root context (`forwarding: "detached"`); the root answers.
+    Detached,
+    /// Held until the first attempt with this key finishes (`in_flight: "wait"`); the root answers.
+    Held,
     /// We answered locally (problem or replay): never store our own reply.
     Answered,
 }
@@ -65,11 +71,16 @@ struct Protected {
     scope: CallerScope,
     creator: Creator,
     owner: OwnerToken,
+    /// The key is derived at the end of the body (`derive_key.include_body`).
+    derive_at_body: bool,
 }
 
 pub struct Http {
     shared: Rc<Shared>,
+    context_id: u32,
     phase: Phase,
+    /// The request body, kept for detached forwarding.
+    body: Vec<u8>,
     req: Option<Protected>,
     /// Bytes of request body this context has counted against the VM's budget.
     budgeted: u64,
@@ -80,10 +91,12 @@ pub struct Http {
 }
 
 impl Http {
-    pub fn new(shared: Rc<Shared>) -> Http {
+    pub fn new(shared: Rc<Shared>, context_id: u32) -> Http {
         Http {
             shared,
+            context_id,
             phase: Phase::Pass,
+            body: vec![],
             req: None,
             budgeted: 0,
             body_size: 0,
@@ -135,6 +148,7 @@ impl Http {
             ProblemKind::BufferBudgetExceeded { .. } => Counter::BufferBudgetExceeded,
             ProblemKind::StoreUnavailable { .. } => Counter::StoreUnavailable,
             ProblemKind::ResponseNotStored { .. } => Counter::Replayed,
+            ProblemKind::UpstreamNoAnswer => Counter::UnknownOutcome,
         };
         self.count(counter);
         let by = creator.map_or(String::new(), |c| {
@@ -149,10 +163,8 @@ impl Http {
             || host::header(MapType::HttpRequestHeaders, "x-request-id").unwrap_or_default(),
             |r| r.creator.request_id.clone(),
         );
-        let p = problem.to_problem(&request_id, creator);
-        let headers: Vec<(&str, &str)> = p.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         self.phase = Phase::Answered;
-        let _ = hostcalls::send_http_response(u32::from(p.status), headers, Some(&p.body));
+        reply::problem(&problem, &request_id, creator);
         Action::Pause
     }
 
@@ -161,28 +173,57 @@ impl Http {
     }
 
     fn replay(&mut self, record: Record) -> Action {
+        if let State::Completed(r) = &record.state {
+            self.count(Counter::Replayed);
+            let by = format!("status={} created_by_request_id={}", r.status, record.creator.request_id);
+            debug!("{}", self.log_line("replayed", &by));
+            self.phase = Phase::Answered;
+            let _ = reply::replay(&record, &self.request_id());
+            return Action::Pause;
+        }
         let creator = record.creator.clone();
         match record.state {
-            State::Completed(r) => {
-                self.count(Counter::Replayed);
-                let by = format!("status={} created_by_request_id={}", r.status, creator.request_id);
-                debug!("{}", self.log_line("replayed", &by));
-                let mut headers: Vec<(&str, &str)> = r
-                    .headers
-                    .iter()
-                    .filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.as_str(), v)))
-                    .collect();
-                headers.push(("idempotent-replayed", "true"));
-                self.phase = Phase::Answered;
-                let _ = hostcalls::send_http_response(u32::from(r.status), headers, Some(&r.body));
-                Action::Pause
-            }
             State::CompletedTooLarge { status, location } => {
                 let location = location.map(|l| String::from_utf8_lossy(&l).into_owned());
                 self.answer(ProblemKind::ResponseNotStored { status, location }, Some(&creator))
             }
             // Only completed records are replayed.
             _ => self.answer(ProblemKind::OutcomeUnknown, Some(&creator)),
+        }
+    }
+
+    fn request_id(&self) -> String {
+        self.req.as_ref().map(|r| r.creator.request_id.clone()).unwrap_or_default()
+    }
+
+    /// A request meeting its key in flight: 409 now, or (wait mode) held until the first attempt
+    /// finishes. The fingerprint is needed to tell a replay from a 422, so a wait starts once the
+    /// body is complete.
+    fn in_flight_or_wait(&mut self, fp: Option<Fingerprint>, creator: Option<&Creator>) -> Action {
+        let wait = self.policy().map(|p| p.in_flight);
+        match (wait, fp) {
+            (Some(InFlight::Wait { .. }), None) => {
+                self.phase = Phase::Waiting { handle: None };
+                Action::Pause
+            }
+            (Some(InFlight::Wait { wait_ms }), Some(fp)) => {
+                let Some(r) = self.req.as_ref() else { return Action::Continue };
+                let now = host::now_ms();
+                self.shared.push_waiter(Waiter {
+                    context_id: self.context_id,
+                    skey: r.skey,
+                    fp,
+                    request_id: r.creator.request_id.clone(),
+                    deadline_ms: now.saturating_add(wait_ms),
+                    next_store_poll_ms: now,
+                    polling: false,
+                });
+                self.count(Counter::Waited);
+                debug!("{}", self.log_line("waiting", &format!("wait_ms={wait_ms}")));
+                self.phase = Phase::Held;
+                Action::Pause
+            }
+            _ => self.answer(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS }, creator),
         }
     }
 
@@ -215,6 +256,9 @@ impl Http {
                 }
             }
             Ok(Begin::Replay(r)) => self.replay(r),
+            Ok(Begin::Reject { problem: ProblemKind::InFlight { .. }, creator, .. }) => {
+                self.in_flight_or_wait(fp, creator.as_ref())
+            }
             Ok(Begin::Reject { problem, creator, .. }) => self.answer(problem, creator.as_ref()),
             Ok(Begin::NeedFingerprint) => {
                 self.phase = Phase::Waiting { handle: None };
@@ -293,9 +337,51 @@ impl Http {
     }
 
     fn forward(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) -> Action {
-        debug!("{}", self.log_line("forwarded", ""));
-        self.phase = Phase::Forwarded { handle, fp, in_store };
-        Action::Continue
+        let detached = match self.policy().map(|p| &p.forwarding) {
+            Some(Forwarding::Detached { cluster, timeout_ms }) => Some((cluster.clone(), *timeout_ms)),
+            _ => None,
+        };
+        let (Some((cluster, timeout_ms)), Some(claim), Some(r)) =
+            (detached, self.claim(handle, fp, in_store), self.req.as_ref())
+        else {
+            debug!("{}", self.log_line("forwarded", ""));
+            self.phase = Phase::Forwarded { handle, fp, in_store };
+            return Action::Continue;
+        };
+        // The root sends it: its callout outlives this request if the client leaves.
+        let headers = r
+            .head
+            .headers
+            .iter()
+            .filter(|(n, _)| !NOT_REPLAYED.contains(&n.as_str()) && n != "expect")
+            .filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.clone(), v.to_string())))
+            .collect();
+        debug!("{}", self.log_line("forwarded", &format!("detached=true cluster={cluster}")));
+        self.shared.push_forward(Forward {
+            context_id: self.context_id,
+            cluster,
+            timeout_ms,
+            headers,
+            body: std::mem::take(&mut self.body),
+            claim,
+            request_id: r.creator.request_id.clone(),
+        });
+        self.phase = Phase::Detached;
+        Action::Pause
+    }
+
+    fn claim(&self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) -> Option<Claim> {
+        let r = self.req.as_ref()?;
+        Some(Claim {
+            handle,
+            fp,
+            in_store,
+            owner: r.owner,
+            skey: r.skey,
+            policy_index: r.policy_index,
+            creator: r.creator.clone(),
+            log: self.log_line("", "").trim_start_matches("idemgate: outcome= ").to_string(),
+        })
     }
 
     /// The store's answer to our claim-or-read or take-over.
@@ -335,6 +421,10 @@ impl Http {
                     let _ = self.shared.table.complete(&mut HostShared, &h, value.record.clone());
                 }
                 self.replay(value.record)
+            }
+            Decision::Reject(ProblemKind::InFlight { .. }) => {
+                self.release_local(handle);
+                self.in_flight_or_wait(Some(fp), Some(&value.record.creator))
             }
             Decision::Reject(p) => {
                 self.release_local(handle);
@@ -378,30 +468,33 @@ impl Http {
 
     /// Hands a write to the root context, which outlives this request.
     fn enqueue(&self, what: &'static str, t: Transition, fallback: Option<Transition>) {
-        let Some(r) = self.req.as_ref() else { return };
         if self.shared.config.store.is_none() {
             return;
         }
-        let job = Job {
+        let Some(r) = self.req.as_ref() else { return };
+        let job = writes::Job {
             what,
             key_hash: r.skey.short(),
             request: t.request(&r.skey),
             fallback: fallback.map(|f| f.request(&r.skey)),
             attempts: 0,
         };
-        self.shared.jobs.borrow_mut().push_back(job);
-        if let Some(q) = self.shared.queue_id {
-            let _ = hostcalls::enqueue_shared_queue(q, Some(b"w"));
-        }
+        self.shared.push_job(job);
     }
 
     /// The whole body is here: fingerprint it and go on.
     fn body_complete(&mut self) -> Action {
         let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
         self.release_budget();
+        if self.req.as_ref().is_some_and(|r| r.derive_at_body) && !self.derive_key_with_body(&body) {
+            return Action::Continue;
+        }
         let (Some(r), Some(policy)) = (self.req.as_ref(), self.policy()) else { return Action::Continue };
         let (fp, _) = Fingerprint::compute(&r.head, &body, &policy.fingerprint);
         let policy = policy.clone();
+        if matches!(policy.forwarding, Forwarding::Detached { .. }) {
+            self.body = body;
+        }
         match std::mem::replace(&mut self.phase, Phase::Pass) {
             Phase::Waiting { handle: Some(handle) } => {
                 match self.shared.table.mark_forwarded(&mut HostShared, &handle, fp, host::now_ms(), &policy) {
@@ -424,6 +517,25 @@ impl Http {
         }
     }
 
+    /// `derive_key.include_body`: the key (and so the storage key) is known only now. Returns
+    /// false when no key can be derived (the request then passes unprotected).
+    fn derive_key_with_body(&mut self, body: &[u8]) -> bool {
+        let Some(policy) = self.policy().cloned() else { return false };
+        let Some(r) = self.req.as_mut() else { return false };
+        let Some(key) = policy.derive_key.as_ref().and_then(|d| derive::derive(&r.head, d, &r.scope, Some(body)))
+        else {
+            self.phase = Phase::Pass;
+            return false;
+        };
+        r.skey = StorageKey::derive(&policy.namespace, &r.scope, &key);
+        r.derive_at_body = false;
+        r.head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
+        self.count(Counter::DerivedKeys);
+        debug!("{}", self.log_line("derived_key", "key_source=derived"));
+        true
+    }
+
     fn release_budget(&mut self) {
         if self.budgeted > 0 {
             let b = &self.shared.buffered;
@@ -433,11 +545,7 @@ impl Http {
     }
 
     fn release_local(&self, handle: Option<Handle>) {
-        if let Some(h) = handle {
-            if let Ok(true) = self.shared.table.release(&mut HostShared, &h) {
-                self.count(Counter::Released);
-            }
-        }
+        settle::release_local(&self.shared, handle);
     }
 
     /// Frees a local claim whose request was never forwarded (refused or abandoned).
@@ -472,66 +580,10 @@ impl Http {
             flags,
             response_complete: self.response_complete,
         };
-        let now = host::now_ms();
-        let t = &self.shared.table;
-        let Some(owner) = self.req.as_ref().map(|r| r.owner) else { return };
-        let creator = self.req.as_ref().map(|r| r.creator.clone()).unwrap_or_default();
         let detail = format!("status={} code_details={code_details} flags={flags}", status.unwrap_or(0));
-        match classify(&facts, &policy) {
-            Outcome::Store => {
-                let response = self.response.take().unwrap_or(StoredResponse {
-                    status: status.unwrap_or(0),
-                    headers: vec![],
-                    body: vec![],
-                });
-                let record = Record::completed(fp, response, self.response_too_large, creator, now, policy.ttl_seconds);
-                if in_store {
-                    let unknown = Transition::unknown(owner, policy.unknown_outcome_seconds.saturating_mul(1000));
-                    let ttl_ms = policy.ttl_seconds.saturating_mul(1000);
-                    self.enqueue("complete", Transition::complete(owner, record.clone(), ttl_ms), Some(unknown));
-                }
-                let stored = handle.map(|h| t.complete(&mut HostShared, &h, record));
-                match stored {
-                    Some(Ok(Completed::Stored)) | None => {
-                        self.count(Counter::Stored);
-                        debug!("{}", self.log_line("stored", &detail));
-                    }
-                    Some(Ok(Completed::StoredWithoutBody)) => {
-                        self.count(Counter::StoredWithoutBody);
-                        info!("{}", self.log_line("stored_without_body", &detail));
-                    }
-                    Some(Ok(Completed::LostClaim)) => {
-                        self.count(Counter::LostClaim);
-                        info!("{}", self.log_line("lost_claim", &detail));
-                    }
-                    Some(Err(e)) => {
-                        self.count(Counter::LocalErrors);
-                        warn!("{}", self.log_line("store_failed", &format!("{detail} error={e:?}")));
-                    }
-                }
-            }
-            Outcome::Release => {
-                self.release_local(handle);
-                if in_store {
-                    self.enqueue("release", Transition::release(owner), None);
-                }
-                info!("{}", self.log_line("released", &detail));
-            }
-            Outcome::Unknown(reason) => {
-                if let Some(h) = handle {
-                    let _ = t.mark_unknown(&mut HostShared, &h, reason, now, &policy);
-                }
-                if in_store {
-                    self.enqueue(
-                        "unknown",
-                        Transition::unknown(owner, policy.unknown_outcome_seconds.saturating_mul(1000)),
-                        None,
-                    );
-                }
-                self.count(Counter::UnknownOutcome);
-                info!("{}", self.log_line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())));
-            }
-        }
+        let Some(claim) = self.claim(handle, fp, in_store) else { return };
+        let response = self.response.take();
+        settle::settle(&self.shared, &claim, classify(&facts, &policy), response, self.response_too_large, &detail);
     }
 }
 
@@ -557,14 +609,38 @@ impl HttpContext for Http {
         let Some(policy) = self.shared.config.policy_for(&method, &path) else { return Action::Continue };
         let policy_index = policies.iter().position(|p| std::ptr::eq(*p, policy)).unwrap_or(0);
         // The whole header map: a repeated key header must be seen, not just its first line.
-        let head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
-        let key = match admit(Some(policy), &head.values(&policy.header)) {
-            Admission::Pass => return Action::Continue,
-            Admission::Reject(p) => return self.answer(p, None),
-            Admission::Protect(k) => k,
+        let mut head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
+        let scope = CallerScope::of(&head, &policy.scope);
+        let key_values = head.values(&policy.header);
+        // A request without a key but with the operation's identifiers gets a key derived at
+        // the edge (opt-in); with include_body, once the body is here.
+        let derive = if key_values.is_empty() { policy.derive_key.as_ref() } else { None };
+        let derive_at_body = derive.is_some_and(|d| d.include_body) && !end_of_stream;
+        let derived = match derive {
+            // Whether it can be derived is known now (headers, scope); the key itself later.
+            Some(d) if derive_at_body => {
+                derive::derive(&head, &crate::config::DeriveKey { include_body: false, ..d.clone() }, &scope, None)
+            }
+            Some(d) => derive::derive(&head, d, &scope, Some(b"")),
+            None => None,
+        };
+        let was_derived = derived.is_some();
+        let key = match derived {
+            Some(k) => {
+                if !derive_at_body {
+                    head.headers.push((policy.header.clone(), k.as_str().as_bytes().to_vec()));
+                    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &policy.header, Some(k.as_str()));
+                    self.count(Counter::DerivedKeys);
+                }
+                k
+            }
+            None => match admit(Some(policy), &key_values) {
+                Admission::Pass => return Action::Continue,
+                Admission::Reject(p) => return self.answer(p, None),
+                Admission::Protect(k) => k,
+            },
         };
         self.count(Counter::Protected);
-        let scope = CallerScope::of(&head, &policy.scope);
         let skey = StorageKey::derive(&policy.namespace, &scope, &key);
         let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
         let request_id = first("x-request-id").unwrap_or_default();
@@ -576,8 +652,16 @@ impl HttpContext for Http {
             now_nanos: host::now_nanos(),
             counter: self.shared.next_token(),
         });
-        self.req =
-            Some(Protected { policy_index, head, skey, scope, creator: Creator { request_id, log_values }, owner });
+        let creator = Creator { request_id, log_values };
+        self.req = Some(Protected { policy_index, head, skey, scope, creator, owner, derive_at_body });
+        if was_derived && !derive_at_body {
+            debug!("{}", self.log_line("derived_key", "key_source=derived"));
+        }
+        if derive_at_body {
+            // The key depends on the body: decide once it is here.
+            self.phase = Phase::Waiting { handle: None };
+            return Action::Pause;
+        }
         if end_of_stream {
             // No body: the fingerprint is known now.
             let fp = {
@@ -686,6 +770,9 @@ impl HttpContext for Http {
 
     fn on_log(&mut self) {
         self.release_budget();
+        // A detached or held request whose client is gone can no longer be answered; the root
+        // still settles a detached request's claim when the upstream answers.
+        self.shared.queues.live.borrow_mut().remove(&self.context_id);
         match std::mem::replace(&mut self.phase, Phase::Pass) {
             Phase::Forwarded { handle, fp, in_store } => self.finish(handle, fp, in_store),
             p @ Phase::Waiting { handle: Some(_) } => {

@@ -1,36 +1,89 @@
 //! The proxy-wasm glue: turns Envoy's callbacks into core inputs and core decisions into host
 //! calls. No rule lives here; see ARCHITECTURE.md.
+//!
+//! The root context (one per worker VM) owns everything that must outlive a request: store writes
+//! after forwarding, detached upstream calls, and requests held waiting for another attempt's
+//! result. HTTP contexts hand it work through `Queues` (same VM, same thread) and wake it through
+//! a shared queue registered by that root.
 
 mod host;
 mod http;
+mod reply;
+mod settle;
 mod writes;
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::time::Duration;
 
-use log::{error, info, warn};
+use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{BufferType, ContextType, LogLevel};
+use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
 
-use crate::config::Config;
+use crate::config::{Config, Forwarding};
+use crate::decision::{Outcome, Phase};
+use crate::fingerprint::Fingerprint;
 use crate::local::Table;
-use crate::store;
+use crate::problem::ProblemKind;
+use crate::record::{Record, State, StoredResponse, UnknownReason};
+use crate::scope::StorageKey;
+use crate::store::{self, StorePhase};
 use host::{Counter, HostShared, Metrics};
+use settle::Claim;
 use writes::{Job, MAX_WRITE_ATTEMPTS};
 
 /// The VM environment variable holding webdis credentials as `user:password` (set it in the Wasm
 /// `vm_config.environment_variables`; it never appears in the plugin configuration).
 pub const STORE_AUTH_ENV: &str = "IDEMGATE_STORE_AUTH";
 
+/// The root's tick: waiters are checked at this pace, sweeps run once a second.
+const TICK: Duration = Duration::from_millis(100);
+/// A waiting request asks the store at most this often.
+const WAIT_STORE_POLL_MS: u64 = 300;
+/// Buckets each worker sweeps per second, freeing expired records and their bytes.
+const SWEEP_BUCKETS_PER_SECOND: u32 = 64;
+
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Trace);
-    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> {
-        Box::new(Root { id, shared: None, sweep_at: 0, jobs: Rc::new(RefCell::new(VecDeque::new())), calls: HashMap::new(), queue_id: None })
-    });
+    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root::new(id)) });
 }}
+
+/// A protected request sent upstream by the root (`forwarding: "detached"`).
+#[derive(Debug)]
+pub struct Forward {
+    pub context_id: u32,
+    pub cluster: String,
+    pub timeout_ms: u64,
+    /// Request headers, pseudo headers included.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    pub claim: Claim,
+    pub request_id: String,
+}
+
+/// A request held until another attempt with its key finishes (`in_flight: "wait"`).
+#[derive(Debug)]
+pub struct Waiter {
+    pub context_id: u32,
+    pub skey: StorageKey,
+    pub fp: Fingerprint,
+    pub request_id: String,
+    pub deadline_ms: u64,
+    pub next_store_poll_ms: u64,
+    pub polling: bool,
+}
+
+/// Work handed from HTTP contexts to their root context.
+#[derive(Default)]
+pub struct Queues {
+    pub jobs: RefCell<VecDeque<Job>>,
+    pub forwards: RefCell<VecDeque<Forward>>,
+    pub waiters: RefCell<Vec<Waiter>>,
+    /// HTTP contexts that can still be answered (detached or waiting).
+    pub live: RefCell<HashSet<u32>>,
+}
 
 /// What a root context shares with the HTTP contexts it creates (same VM, same thread).
 pub struct Shared {
@@ -42,8 +95,7 @@ pub struct Shared {
     tokens: Cell<u64>,
     pub node: String,
     pub vm: u64,
-    /// Writes handed to the root context, and the queue that wakes it.
-    pub jobs: Rc<RefCell<VecDeque<Job>>>,
+    pub queues: Rc<Queues>,
     pub queue_id: Option<u32>,
     /// `authorization` for the store, from the VM's environment.
     pub credentials: Option<String>,
@@ -55,50 +107,90 @@ impl Shared {
         self.tokens.set(n);
         n
     }
+
+    fn wake(&self) {
+        if let Some(q) = self.queue_id {
+            let _ = hostcalls::enqueue_shared_queue(q, Some(b"w"));
+        }
+    }
+
+    /// Hands a store write to the root context.
+    pub fn push_job(&self, job: Job) {
+        self.queues.jobs.borrow_mut().push_back(job);
+        self.wake();
+    }
+
+    /// Hands a detached upstream call to the root context.
+    pub fn push_forward(&self, f: Forward) {
+        self.queues.live.borrow_mut().insert(f.context_id);
+        self.queues.forwards.borrow_mut().push_back(f);
+        self.wake();
+    }
+
+    /// Holds a request until its key's first attempt finishes.
+    pub fn push_waiter(&self, w: Waiter) {
+        self.queues.live.borrow_mut().insert(w.context_id);
+        self.queues.waiters.borrow_mut().push(w);
+    }
 }
 
-/// Buckets each worker sweeps per tick, freeing expired records and their bytes.
-const SWEEP_BUCKETS_PER_TICK: u32 = 64;
+enum Call {
+    Write(Job),
+    Forward(Box<Forward>),
+    Poll(u32),
+}
 
 struct Root {
     id: u32,
     shared: Option<Rc<Shared>>,
     sweep_at: u32,
-    jobs: Rc<RefCell<VecDeque<Job>>>,
-    /// Store writes in flight, by callout token.
-    calls: HashMap<u32, Job>,
+    last_sweep_ms: u64,
+    queues: Rc<Queues>,
+    calls: HashMap<u32, Call>,
     queue_id: Option<u32>,
 }
 
 impl Root {
-    fn dispatch(&mut self, job: Job) {
+    fn new(id: u32) -> Root {
+        Root {
+            id,
+            shared: None,
+            sweep_at: 0,
+            last_sweep_ms: 0,
+            queues: Rc::new(Queues::default()),
+            calls: HashMap::new(),
+            queue_id: None,
+        }
+    }
+
+    fn dispatch_job(&mut self, job: Job) {
         let Some(s) = self.shared.clone() else { return };
         let Some(cfg) = s.config.store.as_ref() else { return };
         s.metrics.inc(Counter::StoreCalls);
         match writes::dispatch(cfg, &job.request, s.credentials.as_deref()) {
             Ok(token) => {
-                self.calls.insert(token, job);
+                self.calls.insert(token, Call::Write(job));
             }
-            Err(e) => self.failed(job, &e),
+            Err(e) => self.write_failed(job, &e),
         }
     }
 
     /// A write failed: retry it, then its fallback, then give up (counted and logged).
-    fn failed(&mut self, mut job: Job, why: &str) {
+    fn write_failed(&mut self, mut job: Job, why: &str) {
         let Some(s) = self.shared.clone() else { return };
         s.metrics.inc(Counter::StoreErrors);
         job.attempts = job.attempts.saturating_add(1);
         if job.attempts < MAX_WRITE_ATTEMPTS {
             s.metrics.inc(Counter::StoreWriteRetries);
             warn!("idemgate: store write {} for key={} failed ({why}); retrying", job.what, job.key_hash);
-            self.dispatch(job);
+            self.dispatch_job(job);
         } else if let Some(fallback) = job.fallback.take() {
             s.metrics.inc(Counter::StoreWriteFailures);
             warn!(
                 "idemgate: store write {} for key={} failed {} times ({why}); marking the outcome unknown",
                 job.what, job.key_hash, job.attempts
             );
-            self.dispatch(Job {
+            self.dispatch_job(Job {
                 what: "unknown_fallback",
                 request: fallback,
                 fallback: None,
@@ -108,37 +200,216 @@ impl Root {
         } else {
             s.metrics.inc(Counter::StoreWriteFailures);
             warn!(
-                "idemgate: store write {} for key={} failed {} times ({why}); the claim stays in the store and will be judged outcome-unknown once its lock expires",
+                "idemgate: store write {} for key={} failed {} times ({why}); a claim left in the store is judged outcome-unknown once its lock expires",
                 job.what, job.key_hash, job.attempts
             );
+        }
+    }
+
+    fn dispatch_forward(&mut self, f: Forward) {
+        let Some(s) = self.shared.clone() else { return };
+        let headers: Vec<(&str, &str)> = f.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        let timeout = Duration::from_millis(f.timeout_ms.max(1));
+        match hostcalls::dispatch_http_call(&f.cluster, headers, Some(&f.body), vec![], timeout) {
+            Ok(token) => {
+                s.metrics.inc(Counter::DetachedForwards);
+                self.calls.insert(token, Call::Forward(Box::new(f)));
+            }
+            Err(e) => {
+                // Nothing was sent: free the key and tell the client.
+                warn!("idemgate: outcome=detached_dispatch_failed {} cluster={} error={e:?}", f.claim.log, f.cluster);
+                settle::settle(&s, &f.claim, Outcome::Release, None, false, "reason=dispatch_failed");
+                self.answer(
+                    f.context_id,
+                    |rid| reply::problem(&ProblemKind::UpstreamNoAnswer, rid, None),
+                    &f.request_id,
+                );
+            }
+        }
+    }
+
+    /// Answers a live HTTP context from the root.
+    fn answer(&self, context_id: u32, send: impl FnOnce(&str), request_id: &str) {
+        if !self.queues.live.borrow().contains(&context_id) {
+            return;
+        }
+        if hostcalls::set_effective_context(context_id).is_ok() {
+            send(request_id);
+        }
+        self.queues.live.borrow_mut().remove(&context_id);
+    }
+
+    /// The upstream's answer to a detached call: settle the claim, then answer the client if it
+    /// is still there.
+    fn forward_answered(&mut self, f: Forward, num_headers: usize, body_size: usize) {
+        let Some(s) = self.shared.clone() else { return };
+        let Some(policy) = s.config.policies().get(f.claim.policy_index).copied() else { return };
+        let (status, body) = writes::answer(body_size, num_headers);
+        let headers = if num_headers == 0 {
+            vec![]
+        } else {
+            hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default()
+        };
+        let Some(status) = status else {
+            // No answer within upstream.timeout_ms, a reset, or a connection failure: it may have run.
+            settle::settle(
+                &s,
+                &f.claim,
+                Outcome::Unknown(UnknownReason::UpstreamTimeout),
+                None,
+                false,
+                "detached=true status=none",
+            );
+            self.answer(f.context_id, |rid| reply::problem(&ProblemKind::UpstreamNoAnswer, rid, None), &f.request_id);
+            return;
+        };
+        let client_headers: Vec<(String, Vec<u8>)> = headers
+            .into_iter()
+            .filter(|(n, _)| !n.starts_with(':') && !http::NOT_REPLAYED.contains(&n.as_str()))
+            .collect();
+        let kept = client_headers.iter().filter(|(n, _)| !policy.replay_exclude_headers.contains(n)).cloned().collect();
+        let too_large = body.len() as u64 > policy.max_response_body_bytes;
+        let stored = StoredResponse { status, headers: kept, body: if too_large { vec![] } else { body.clone() } };
+        let outcome = if policy.release_on_status.contains(&status) { Outcome::Release } else { Outcome::Store };
+        settle::settle(&s, &f.claim, outcome, Some(stored), too_large, &format!("detached=true status={status}"));
+        let live = self.queues.live.borrow().contains(&f.context_id);
+        if !live {
+            info!("idemgate: outcome=detached_response_kept {} status={status} client=gone", f.claim.log);
+        }
+        self.answer(f.context_id, |_| reply::response(status, &client_headers, &body, false), &f.request_id);
+    }
+
+    /// Checks every waiting request: answered from the local tier when its key completed, from
+    /// the store at most every `WAIT_STORE_POLL_MS`, or with a 409 at its deadline.
+    fn check_waiters(&mut self) {
+        let Some(s) = self.shared.clone() else { return };
+        let now = host::now_ms();
+        let waiters: Vec<Waiter> = self.queues.waiters.borrow_mut().drain(..).collect();
+        let mut keep = vec![];
+        for mut w in waiters {
+            if !self.queues.live.borrow().contains(&w.context_id) {
+                continue;
+            }
+            let local = s.table.peek(&mut HostShared, &w.skey, now).ok().flatten();
+            match local {
+                Some((summary, record)) if summary.phase == Phase::Completed || summary.phase == Phase::Unknown => {
+                    self.finish_wait(&w, summary.fingerprint, summary.phase == Phase::Completed, record);
+                    continue;
+                }
+                None if s.config.store.is_none() => {
+                    // Released (the first attempt never executed): the client may retry now.
+                    self.wait_over(&w, 0);
+                    continue;
+                }
+                _ => {}
+            }
+            if now >= w.deadline_ms {
+                self.wait_over(&w, crate::decision::IN_FLIGHT_RETRY_AFTER_SECONDS);
+                continue;
+            }
+            if let Some(cfg) = s.config.store.as_ref() {
+                if !w.polling && now >= w.next_store_poll_ms {
+                    s.metrics.inc(Counter::StoreCalls);
+                    if let Ok(token) = writes::dispatch(cfg, &store::read_request(&w.skey), s.credentials.as_deref()) {
+                        self.calls.insert(token, Call::Poll(w.context_id));
+                        w.polling = true;
+                    }
+                    w.next_store_poll_ms = now + WAIT_STORE_POLL_MS;
+                }
+            }
+            keep.push(w);
+        }
+        self.queues.waiters.borrow_mut().extend(keep);
+    }
+
+    fn finish_wait(&self, w: &Waiter, fp: Option<Fingerprint>, completed: bool, record: Option<Record>) {
+        let Some(s) = self.shared.clone() else { return };
+        s.metrics.inc(Counter::WaitAnswered);
+        let rid = w.request_id.clone();
+        if fp.is_some_and(|f| f != w.fp) {
+            s.metrics.inc(Counter::Mismatch);
+            return self.answer(w.context_id, |r| reply::problem(&ProblemKind::KeyReused, r, None), &rid);
+        }
+        match (completed, record) {
+            (true, Some(r)) => {
+                s.metrics.inc(Counter::Replayed);
+                self.answer(
+                    w.context_id,
+                    |rid| {
+                        let _ = reply::replay(&r, rid);
+                    },
+                    &rid,
+                );
+            }
+            _ => {
+                s.metrics.inc(Counter::UnknownOutcome);
+                self.answer(w.context_id, |r| reply::problem(&ProblemKind::OutcomeUnknown, r, None), &rid);
+            }
+        }
+    }
+
+    fn wait_over(&self, w: &Waiter, retry_after_seconds: u64) {
+        if let Some(s) = self.shared.as_ref() {
+            s.metrics.inc(Counter::InFlightConflict);
+        }
+        let kind = ProblemKind::InFlight { retry_after_seconds };
+        self.answer(w.context_id, |r| reply::problem(&kind, r, None), &w.request_id);
+    }
+
+    fn poll_answered(&mut self, context_id: u32, num_headers: usize, body_size: usize) {
+        let (status, body) = writes::answer(body_size, num_headers);
+        let found = {
+            let mut ws = self.queues.waiters.borrow_mut();
+            let Some(pos) = ws.iter().position(|w| w.context_id == context_id) else { return };
+            let w = ws.get_mut(pos);
+            if let Some(w) = w {
+                w.polling = false;
+            }
+            match store::parse_read_reply(status, &body) {
+                Ok(Some(v)) if v.phase != StorePhase::InProgress => Some((ws.remove(pos), v)),
+                _ => None,
+            }
+        };
+        if let Some((w, v)) = found {
+            let completed = v.phase == StorePhase::Done;
+            let record = matches!(v.record.state, State::Completed(_) | State::CompletedTooLarge { .. })
+                .then_some(v.record.clone());
+            self.finish_wait(&w, Some(v.record.fingerprint), completed, record);
         }
     }
 }
 
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
-        let Some(job) = self.calls.remove(&token) else { return };
-        let (status, body) = writes::answer(body_size, num_headers);
-        match store::parse_transition_reply(status, &body) {
-            Ok(changed) => {
-                if let Some(s) = self.shared.as_ref() {
-                    s.metrics.inc(Counter::StoreWrites);
-                }
-                if !changed {
-                    info!("idemgate: store write {} for key={} found the claim no longer ours", job.what, job.key_hash);
+        match self.calls.remove(&token) {
+            Some(Call::Write(job)) => {
+                let (status, body) = writes::answer(body_size, num_headers);
+                match store::parse_transition_reply(status, &body) {
+                    Ok(changed) => {
+                        if let Some(s) = self.shared.as_ref() {
+                            s.metrics.inc(Counter::StoreWrites);
+                        }
+                        if !changed {
+                            info!(
+                                "idemgate: store write {} for key={} found the claim no longer ours",
+                                job.what, job.key_hash
+                            );
+                        }
+                    }
+                    Err(e) => self.write_failed(job, &e.to_string()),
                 }
             }
-            Err(e) => self.failed(job, &e.to_string()),
+            Some(Call::Forward(f)) => self.forward_answered(*f, num_headers, body_size),
+            Some(Call::Poll(context_id)) => self.poll_answered(context_id, num_headers, body_size),
+            None => {}
         }
     }
 }
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let raw = proxy_wasm::hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let raw =
+            hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default();
         let config = match Config::parse(&raw) {
             Ok(c) => c,
             Err(e) => {
@@ -158,8 +429,9 @@ impl RootContext for Root {
                 return false;
             }
         }
+        let detached = config.policies().iter().any(|p| matches!(p.forwarding, Forwarding::Detached { .. }));
         info!(
-            "idemgate: configuration accepted ({} route(s), store: {}, local.max_entries: {})",
+            "idemgate: configuration accepted ({} route(s), store: {}, local.max_entries: {}, detached: {detached})",
             config.routes.len(),
             config.store.as_ref().map_or("none", |s| s.cluster.as_str()),
             config.local.max_entries
@@ -167,12 +439,12 @@ impl RootContext for Root {
         let node =
             host::property(&["node", "id"]).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
         let vm = (u64::from(self.id) << 48) ^ host::now_nanos();
-        if config.store.is_some() && self.queue_id.is_none() {
-            // A queue of this root's own (same thread): HTTP contexts wake it to make writes.
-            let name = format!("idemgate.writes.{}.{vm:x}", self.id);
+        if self.queue_id.is_none() {
+            // A queue of this root's own (same thread): HTTP contexts wake it to hand it work.
+            let name = format!("idemgate.root.{}.{vm:x}", self.id);
             self.queue_id = hostcalls::register_shared_queue(&name).ok();
             if self.queue_id.is_none() {
-                error!("idemgate: cannot register the store write queue");
+                error!("idemgate: cannot register the root's work queue");
                 return false;
             }
         }
@@ -185,11 +457,11 @@ impl RootContext for Root {
             tokens: Cell::new(0),
             node,
             vm,
-            jobs: self.jobs.clone(),
+            queues: self.queues.clone(),
             queue_id: self.queue_id,
             credentials,
         }));
-        if proxy_wasm::hostcalls::set_tick_period(Duration::from_secs(1)).is_err() {
+        if hostcalls::set_tick_period(TICK).is_err() {
             warn!("idemgate: no timer: expired records are freed only when their bucket is reused");
         }
         true
@@ -197,29 +469,39 @@ impl RootContext for Root {
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
-        let pending: Vec<Job> = self.jobs.borrow_mut().drain(..).collect();
-        for job in pending {
-            self.dispatch(job);
+        let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
+        for job in jobs {
+            self.dispatch_job(job);
+        }
+        let forwards: Vec<Forward> = self.queues.forwards.borrow_mut().drain(..).collect();
+        for f in forwards {
+            self.dispatch_forward(f);
         }
     }
 
     fn on_tick(&mut self) {
-        let Some(s) = self.shared.as_ref() else { return };
+        self.check_waiters();
+        let Some(s) = self.shared.clone() else { return };
+        let now = host::now_ms();
+        if now.saturating_sub(self.last_sweep_ms) < 1000 {
+            return;
+        }
+        self.last_sweep_ms = now;
         let buckets = s.table.buckets();
-        match s.table.sweep(&mut HostShared, self.sweep_at, SWEEP_BUCKETS_PER_TICK, host::now_ms()) {
+        match s.table.sweep(&mut HostShared, self.sweep_at, SWEEP_BUCKETS_PER_SECOND, now) {
             Ok(n) => {
                 for _ in 0..n {
                     s.metrics.inc(Counter::LocalSwept);
                 }
             }
-            Err(e) => warn!("idemgate: sweep failed: {e:?}"),
+            Err(e) => debug!("idemgate: sweep failed: {e:?}"),
         }
-        self.sweep_at = (self.sweep_at + SWEEP_BUCKETS_PER_TICK) % buckets.max(1);
+        self.sweep_at = (self.sweep_at + SWEEP_BUCKETS_PER_SECOND) % buckets.max(1);
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         match &self.shared {
-            Some(s) => Some(Box::new(http::Http::new(s.clone()))),
+            Some(s) => Some(Box::new(http::Http::new(s.clone(), context_id))),
             // Not configured (cannot happen once Envoy accepted the config): pass everything.
             None => Some(Box::new(Passthrough)),
         }

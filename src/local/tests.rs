@@ -187,6 +187,23 @@ fn a_claim_at_headers_answers_duplicates_409_and_needs_the_body_for_completed_ke
 }
 
 #[test]
+fn peek_reads_without_claiming() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let k = skey(30);
+    assert_eq!(t.peek(&mut m, &k, NOW).unwrap(), None);
+    let h = handle(&claim(&t, &mut m, k, Some(fp(1)), 1, NOW));
+    let (s, r) = t.peek(&mut m, &k, NOW).unwrap().unwrap();
+    assert!(matches!(s.phase, crate::decision::Phase::InProgress { .. }));
+    assert_eq!(r, None);
+    complete(&t, &mut m, &h, fp(1), response("ok"), false, &creator("c"), NOW, &policy()).unwrap();
+    let (s, r) = t.peek(&mut m, &k, NOW).unwrap().unwrap();
+    assert_eq!(s.phase, crate::decision::Phase::Completed);
+    assert_eq!(r.unwrap().state, State::Completed(response("ok")));
+    assert_eq!(t.occupied(&mut m), 1, "peeking claimed nothing");
+}
+
+#[test]
 fn expired_records_count_as_absent_on_read() {
     let t = table(1000, WhenFull::Reject);
     let mut m = fresh(&t);

@@ -149,6 +149,21 @@ fn store_failures_of_every_kind_are_errors_never_panics() {
 }
 
 #[test]
+fn reads_are_plain_gets_and_their_answers_are_checked() {
+    let r = read_request(&skey());
+    assert_eq!(String::from_utf8(r.body).unwrap(), format!("GET/idemgate%3Av1%3A{}.raw", "07".repeat(32)));
+    assert_eq!(parse_read_reply(Some(200), b"$-1\r\n"), Ok(None));
+    let v = value(StorePhase::Done);
+    let enc = v.encode();
+    let mut reply = format!("${}\r\n", enc.len()).into_bytes();
+    reply.extend_from_slice(&enc);
+    reply.extend_from_slice(b"\r\n");
+    assert_eq!(parse_read_reply(Some(200), &reply), Ok(Some(v)));
+    assert!(parse_read_reply(Some(200), b":1\r\n").is_err());
+    assert!(parse_read_reply(Some(200), b"$3\r\nabc\r\n").is_err());
+}
+
+#[test]
 fn summary_uses_the_stores_phase_and_lock() {
     let s = value(StorePhase::InProgress).summary();
     assert_eq!(s.phase, Phase::InProgress { lock_expires_at_ms: 1_764_000_060_000 });

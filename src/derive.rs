@@ -1,0 +1,115 @@
+//! Edge-derived keys: for agents that send no `Idempotency-Key` but do send stable identifiers
+//! of the operation (for example `x-agent-task-id` and `x-agent-step-id`).
+//!
+//! The key is `derived-` + 32 hex digits of `SHA-256(tag, method, path, each named header and its
+//! values, the body digest or "-", the caller scope)`. Method and path are in it so that two
+//! different operations in one step never collapse into one; the caller scope so that two callers'
+//! task ids never meet. A request lacking any named header, or any scope header, gets no key.
+
+use sha2::{Digest, Sha256};
+
+use crate::config::DeriveKey;
+use crate::fingerprint::Framer;
+use crate::key::IdempotencyKey;
+use crate::request::RequestHead;
+use crate::scope::CallerScope;
+
+const DERIVE_TAG: &[u8] = b"idemgate-derive-v1\0";
+
+/// The derived key, or `None` when a named header or the caller's identity is missing.
+/// `body` is consulted only when `cfg.include_body` is set.
+pub fn derive(head: &RequestHead, cfg: &DeriveKey, scope: &CallerScope, body: Option<&[u8]>) -> Option<IdempotencyKey> {
+    if !scope.identified {
+        return None;
+    }
+    let mut f = Framer::new(DERIVE_TAG);
+    f.field(head.method.as_bytes());
+    f.field(head.path.as_bytes());
+    for name in &cfg.headers {
+        let values = head.values(name);
+        if values.iter().all(|v| v.is_empty()) {
+            return None;
+        }
+        f.field(name.as_bytes());
+        f.field(values.len().to_string().as_bytes());
+        for v in values {
+            f.field(v);
+        }
+    }
+    match (cfg.include_body, body) {
+        (true, Some(b)) => f.field(crate::hex::encode(&Sha256::digest(b)).as_bytes()),
+        (true, None) => return None,
+        (false, _) => f.field(b"-"),
+    }
+    f.field(&scope.hash);
+    let digest = f.finish();
+    Some(IdempotencyKey::derived(crate::hex::encode(digest.get(..16).unwrap_or_default())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ScopeConfig;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn head(method: &str, path: &str, hs: &[(&str, &str)]) -> RequestHead {
+        let mut pairs =
+            vec![(":method".to_string(), method.as_bytes().to_vec()), (":path".to_string(), path.as_bytes().to_vec())];
+        pairs.extend(hs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())));
+        RequestHead::from_pairs(pairs)
+    }
+
+    fn cfg(include_body: bool) -> DeriveKey {
+        DeriveKey { headers: vec!["x-agent-task-id".into(), "x-agent-step-id".into()], include_body }
+    }
+
+    fn scope(h: &RequestHead) -> CallerScope {
+        CallerScope::of(
+            h,
+            &ScopeConfig { headers: vec!["authorization".into()], global: false, include_authority: false },
+        )
+    }
+
+    fn key(h: &RequestHead, c: &DeriveKey, body: Option<&[u8]>) -> Option<String> {
+        derive(h, c, &scope(h), body).map(|k| k.as_str().to_string())
+    }
+
+    const STEP: &[(&str, &str)] = &[("authorization", "a"), ("x-agent-task-id", "t1"), ("x-agent-step-id", "s1")];
+
+    #[test]
+    fn same_task_and_step_give_the_same_key_and_a_new_step_another() {
+        let a = key(&head("POST", "/charges", STEP), &cfg(false), None).unwrap();
+        assert!(a.starts_with("derived-") && a.len() == 40);
+        assert_eq!(Some(a.clone()), key(&head("POST", "/charges", STEP), &cfg(false), None));
+        let next =
+            head("POST", "/charges", &[("authorization", "a"), ("x-agent-task-id", "t1"), ("x-agent-step-id", "s2")]);
+        assert_ne!(Some(a), key(&next, &cfg(false), None));
+    }
+
+    #[test]
+    fn method_path_caller_and_optionally_body_separate_operations() {
+        let base = key(&head("POST", "/charges", STEP), &cfg(false), None);
+        assert_ne!(base, key(&head("POST", "/refunds", STEP), &cfg(false), None));
+        assert_ne!(base, key(&head("PATCH", "/charges", STEP), &cfg(false), None));
+        let other_caller =
+            head("POST", "/charges", &[("authorization", "b"), ("x-agent-task-id", "t1"), ("x-agent-step-id", "s1")]);
+        assert_ne!(base, key(&other_caller, &cfg(false), None));
+        let h = head("POST", "/charges", STEP);
+        assert_eq!(key(&h, &cfg(false), Some(b"x")), key(&h, &cfg(false), Some(b"y")), "body ignored unless asked");
+        assert_ne!(key(&h, &cfg(true), Some(b"x")), key(&h, &cfg(true), Some(b"y")));
+    }
+
+    #[test]
+    fn missing_step_header_or_anonymous_caller_derives_nothing() {
+        assert_eq!(
+            key(&head("POST", "/c", &[("authorization", "a"), ("x-agent-task-id", "t1")]), &cfg(false), None),
+            None
+        );
+        assert_eq!(
+            key(&head("POST", "/c", &[("x-agent-task-id", "t1"), ("x-agent-step-id", "s1")]), &cfg(false), None),
+            None
+        );
+        assert_eq!(key(&head("POST", "/c", STEP), &cfg(true), None), None, "include_body needs the body");
+    }
+}

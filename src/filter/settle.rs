@@ -1,0 +1,123 @@
+//! What happens to a forwarded request's claim once its exchange is over: store the response,
+//! release the key, or mark the outcome unknown, in the local tier now and in the store through
+//! the root context. Shared by the router path (`on_log`) and detached forwarding (the root's
+//! callout answer).
+
+use log::{debug, info, warn};
+
+use super::host::{self, Counter, HostShared};
+use super::writes::Job;
+use super::Shared;
+use crate::decision::Outcome;
+use crate::fingerprint::Fingerprint;
+use crate::local::{Completed, Handle};
+use crate::owner::OwnerToken;
+use crate::record::{Creator, Record, StoredResponse};
+use crate::scope::StorageKey;
+use crate::store::Transition;
+
+/// What a forwarded request holds.
+#[derive(Clone, Debug)]
+pub struct Claim {
+    pub handle: Option<Handle>,
+    pub fp: Fingerprint,
+    pub in_store: bool,
+    pub owner: OwnerToken,
+    pub skey: StorageKey,
+    pub policy_index: usize,
+    pub creator: Creator,
+    /// The request's part of every log line (hashes, method, path, ids).
+    pub log: String,
+}
+
+impl Claim {
+    pub fn job(&self, what: &'static str, t: Transition, fallback: Option<Transition>) -> Job {
+        Job {
+            what,
+            key_hash: self.skey.short(),
+            request: t.request(&self.skey),
+            fallback: fallback.map(|f| f.request(&self.skey)),
+            attempts: 0,
+        }
+    }
+}
+
+/// Applies `outcome` to the claim. `detail` is appended to the log line.
+pub fn settle(
+    shared: &Shared,
+    claim: &Claim,
+    outcome: Outcome,
+    response: Option<StoredResponse>,
+    too_large: bool,
+    detail: &str,
+) {
+    let Some(policy) = shared.config.policies().get(claim.policy_index).copied() else { return };
+    let now = host::now_ms();
+    let t = &shared.table;
+    let line = |outcome: &str, extra: &str| format!("idemgate: outcome={outcome} {} {extra}", claim.log);
+    let ttl_ms = policy.ttl_seconds.saturating_mul(1000);
+    let unknown_ms = policy.unknown_outcome_seconds.saturating_mul(1000);
+    match outcome {
+        Outcome::Store => {
+            let response = response.unwrap_or(StoredResponse { status: 0, headers: vec![], body: vec![] });
+            let record =
+                Record::completed(claim.fp, response, too_large, claim.creator.clone(), now, policy.ttl_seconds);
+            if claim.in_store && shared.config.store.is_some() {
+                let unknown = Transition::unknown(claim.owner, unknown_ms);
+                shared.push_job(claim.job(
+                    "complete",
+                    Transition::complete(claim.owner, record.clone(), ttl_ms),
+                    Some(unknown),
+                ));
+            }
+            match claim.handle.map(|h| t.complete(&mut HostShared, &h, record)) {
+                Some(Ok(Completed::Stored)) | None => {
+                    shared.metrics.inc(Counter::Stored);
+                    debug!("{}", line("stored", detail));
+                }
+                Some(Ok(Completed::StoredWithoutBody)) => {
+                    shared.metrics.inc(Counter::StoredWithoutBody);
+                    info!("{}", line("stored_without_body", detail));
+                }
+                Some(Ok(Completed::LostClaim)) => {
+                    shared.metrics.inc(Counter::LostClaim);
+                    info!("{}", line("lost_claim", detail));
+                }
+                Some(Err(e)) => {
+                    shared.metrics.inc(Counter::LocalErrors);
+                    warn!("{}", line("store_failed", &format!("{detail} error={e:?}")));
+                }
+            }
+        }
+        Outcome::Release => {
+            if let Some(h) = claim.handle {
+                if let Ok(true) = t.release(&mut HostShared, &h) {
+                    shared.metrics.inc(Counter::Released);
+                }
+            }
+            if claim.in_store && shared.config.store.is_some() {
+                shared.push_job(claim.job("release", Transition::release(claim.owner), None));
+            }
+            info!("{}", line("released", detail));
+        }
+        Outcome::Unknown(reason) => {
+            if let Some(h) = claim.handle {
+                let _ = t.mark_unknown(&mut HostShared, &h, reason, now, policy);
+            }
+            if claim.in_store && shared.config.store.is_some() {
+                shared.push_job(claim.job("unknown", Transition::unknown(claim.owner, unknown_ms), None));
+            }
+            shared.metrics.inc(Counter::UnknownOutcome);
+            info!("{}", line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())));
+        }
+    }
+}
+
+/// Releases a local claim (owner-checked), counting it.
+pub fn release_local(shared: &Shared, handle: Option<Handle>) {
+    if let Some(h) = handle {
+        if let Ok(true) = shared.table.release(&mut HostShared, &h) {
+            shared.metrics.inc(Counter::Released);
+        }
+    }
+}
