@@ -12,6 +12,7 @@ build:
 deps:
 	scripts/install-deps.sh envoy
 	scripts/install-deps.sh store
+	scripts/install-deps.sh agent-client
 
 ## test: lint, native unit + property tests, Envoy integration tests, core tests on wasm32 under Node.js
 test: lint build deps test-native test-wasm

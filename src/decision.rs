@@ -312,6 +312,40 @@ pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
     }
 }
 
+/// How a detached callout ended. Callouts carry no response flags: Envoy's async client answers
+/// its own failures with a local reply (`upstream request timeout`, `upstream connect error or
+/// disconnect/reset before headers. reset reason: ...`, `no healthy upstream`), told apart from
+/// the upstream's answers by those texts and by the time it took.
+pub fn classify_callout(
+    status: Option<u16>,
+    body: &[u8],
+    elapsed_ms: u64,
+    timeout_ms: u64,
+    policy: &Policy,
+) -> Outcome {
+    let Some(status) = status else {
+        return Outcome::Unknown(UnknownReason::UpstreamReset);
+    };
+    let text = |prefix: &[u8]| body.starts_with(prefix);
+    if text(b"upstream request timeout") || (status == 504 && elapsed_ms >= timeout_ms) {
+        return Outcome::Unknown(UnknownReason::UpstreamTimeout);
+    }
+    if text(b"no healthy upstream") {
+        return Outcome::Release;
+    }
+    if text(b"upstream connect error or disconnect/reset before headers") {
+        let never_sent = [&b"connection failure"[..], b"overflow", b"Connection refused"]
+            .iter()
+            .any(|m| body.windows(m.len()).any(|w| w == *m));
+        return if never_sent { Outcome::Release } else { Outcome::Unknown(UnknownReason::UpstreamReset) };
+    }
+    if policy.release_on_status.contains(&status) {
+        Outcome::Release
+    } else {
+        Outcome::Store
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -523,6 +557,24 @@ mod tests {
         for (name, f, want) in table {
             assert_eq!(classify(&f, &policy()), want, "{name}");
         }
+    }
+
+    #[test]
+    fn callout_classification_table() {
+        let p = policy();
+        let c = |status, body: &[u8], elapsed| classify_callout(status, body, elapsed, 1000, &p);
+        assert_eq!(c(Some(201), b"{}", 10), Outcome::Store);
+        assert_eq!(c(Some(500), b"boom", 10), Outcome::Store);
+        assert_eq!(c(Some(504), b"gateway says no", 10), Outcome::Store, "an upstream's own 504, answered fast");
+        assert_eq!(c(Some(429), b"", 10), Outcome::Release);
+        assert_eq!(c(Some(504), b"upstream request timeout", 1000), Outcome::Unknown(UnknownReason::UpstreamTimeout));
+        assert_eq!(c(Some(504), b"", 1001), Outcome::Unknown(UnknownReason::UpstreamTimeout));
+        assert_eq!(c(None, b"", 5), Outcome::Unknown(UnknownReason::UpstreamReset));
+        assert_eq!(c(Some(503), b"no healthy upstream", 1), Outcome::Release);
+        let refused = b"upstream connect error or disconnect/reset before headers. reset reason: connection failure, transport failure reason: delayed connect error: Connection refused";
+        assert_eq!(c(Some(503), refused, 1), Outcome::Release);
+        let reset = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+        assert_eq!(c(Some(503), reset, 1), Outcome::Unknown(UnknownReason::UpstreamReset));
     }
 
     #[test]

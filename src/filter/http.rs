@@ -365,6 +365,7 @@ impl Http {
             body: std::mem::take(&mut self.body),
             claim,
             request_id: r.creator.request_id.clone(),
+            sent_at_ms: 0,
         });
         self.phase = Phase::Detached;
         Action::Pause

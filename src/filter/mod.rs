@@ -23,11 +23,11 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
 
 use crate::config::{Config, Forwarding};
-use crate::decision::{Outcome, Phase};
+use crate::decision::{classify_callout, Outcome, Phase};
 use crate::fingerprint::Fingerprint;
 use crate::local::Table;
 use crate::problem::ProblemKind;
-use crate::record::{Record, State, StoredResponse, UnknownReason};
+use crate::record::{Record, State, StoredResponse};
 use crate::scope::StorageKey;
 use crate::store::{self, StorePhase};
 use host::{Counter, HostShared, Metrics};
@@ -61,6 +61,7 @@ pub struct Forward {
     pub body: Vec<u8>,
     pub claim: Claim,
     pub request_id: String,
+    pub sent_at_ms: u64,
 }
 
 /// A request held until another attempt with its key finishes (`in_flight: "wait"`).
@@ -206,11 +207,15 @@ impl Root {
         }
     }
 
-    fn dispatch_forward(&mut self, f: Forward) {
+    fn dispatch_forward(&mut self, mut f: Forward) {
         let Some(s) = self.shared.clone() else { return };
-        let headers: Vec<(&str, &str)> = f.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        f.sent_at_ms = host::now_ms();
         let timeout = Duration::from_millis(f.timeout_ms.max(1));
-        match hostcalls::dispatch_http_call(&f.cluster, headers, Some(&f.body), vec![], timeout) {
+        let sent = {
+            let headers: Vec<(&str, &str)> = f.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+            hostcalls::dispatch_http_call(&f.cluster, headers, Some(&f.body), vec![], timeout)
+        };
+        match sent {
             Ok(token) => {
                 s.metrics.inc(Counter::DetachedForwards);
                 self.calls.insert(token, Call::Forward(Box::new(f)));
@@ -250,33 +255,47 @@ impl Root {
         } else {
             hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default()
         };
-        let Some(status) = status else {
-            // No answer within upstream.timeout_ms, a reset, or a connection failure: it may have run.
-            settle::settle(
-                &s,
-                &f.claim,
-                Outcome::Unknown(UnknownReason::UpstreamTimeout),
-                None,
-                false,
-                "detached=true status=none",
-            );
-            self.answer(f.context_id, |rid| reply::problem(&ProblemKind::UpstreamNoAnswer, rid, None), &f.request_id);
-            return;
-        };
         let client_headers: Vec<(String, Vec<u8>)> = headers
             .into_iter()
             .filter(|(n, _)| !n.starts_with(':') && !http::NOT_REPLAYED.contains(&n.as_str()))
             .collect();
-        let kept = client_headers.iter().filter(|(n, _)| !policy.replay_exclude_headers.contains(n)).cloned().collect();
-        let too_large = body.len() as u64 > policy.max_response_body_bytes;
-        let stored = StoredResponse { status, headers: kept, body: if too_large { vec![] } else { body.clone() } };
-        let outcome = if policy.release_on_status.contains(&status) { Outcome::Release } else { Outcome::Store };
-        settle::settle(&s, &f.claim, outcome, Some(stored), too_large, &format!("detached=true status={status}"));
+        let elapsed = host::now_ms().saturating_sub(f.sent_at_ms);
+        let outcome = classify_callout(status, &body, elapsed, f.timeout_ms, policy);
+        let upstream_answered = outcome == Outcome::Store
+            || (outcome == Outcome::Release && status.is_some_and(|c| policy.release_on_status.contains(&c)));
+        let detail = format!("detached=true status={} elapsed_ms={elapsed}", status.unwrap_or(0));
         let live = self.queues.live.borrow().contains(&f.context_id);
-        if !live {
-            info!("idemgate: outcome=detached_response_kept {} status={status} client=gone", f.claim.log);
+        match status {
+            Some(status) if upstream_answered => {
+                let kept = client_headers
+                    .iter()
+                    .filter(|(n, _)| !policy.replay_exclude_headers.contains(n))
+                    .cloned()
+                    .collect();
+                let too_large = body.len() as u64 > policy.max_response_body_bytes;
+                let stored =
+                    StoredResponse { status, headers: kept, body: if too_large { vec![] } else { body.clone() } };
+                settle::settle(&s, &f.claim, outcome, Some(stored), too_large, &detail);
+                if !live {
+                    info!("idemgate: outcome=detached_response_kept {} status={status} client=gone", f.claim.log);
+                }
+                self.answer(f.context_id, |_| reply::response(status, &client_headers, &body, false), &f.request_id);
+            }
+            // Envoy answered for an unreachable upstream: nothing was sent; pass its answer on.
+            Some(status) if outcome == Outcome::Release => {
+                settle::settle(&s, &f.claim, outcome, None, false, &detail);
+                self.answer(f.context_id, |_| reply::response(status, &client_headers, &body, false), &f.request_id);
+            }
+            // Silent or reset upstream: it may have run; nothing to replay.
+            _ => {
+                settle::settle(&s, &f.claim, outcome, None, false, &detail);
+                self.answer(
+                    f.context_id,
+                    |rid| reply::problem(&ProblemKind::UpstreamNoAnswer, rid, None),
+                    &f.request_id,
+                );
+            }
         }
-        self.answer(f.context_id, |_| reply::response(status, &client_headers, &body, false), &f.request_id);
     }
 
     /// Checks every waiting request: answered from the local tier when its key completed, from

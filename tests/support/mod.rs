@@ -245,6 +245,11 @@ impl Envoy {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
 
+    /// The Envoy process id (0 once stopped).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, |c| c.id())
+    }
+
     /// SIGKILL: the process dies mid-request, as a crashed proxy would.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

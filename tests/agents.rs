@@ -1,0 +1,254 @@
+//! The agent's story: the response is lost on the way back, the agent retries. Driven by a real
+//! retrying HTTP client (Python `requests` with urllib3's Retry: retries on timeouts, 409 and 5xx,
+//! reusing its key), against Envoy 1.40 with idemgate and a counting upstream that commits each
+//! execution whether or not its client is still connected.
+
+mod support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+use support::http::{self, Response};
+use support::upstream::Upstream;
+use support::{Envoy, EnvoyOptions};
+
+/// Runs the retrying agent client once; returns its JSON report.
+fn agent(port: u16, key: Option<&str>, headers: &[&str], timeout_s: f64, upstream_delay_ms: u64) -> Value {
+    let mut cmd = Command::new("python3");
+    cmd.arg(support::repo_root().join("tests/agent_client.py"))
+        .args(["--url", &format!("http://127.0.0.1:{port}/charges")])
+        .args(["--timeout", &timeout_s.to_string()])
+        .args(["--header", "authorization: Bearer agent-7"])
+        .args(["--header", &format!("x-up-delay-ms: {upstream_delay_ms}")])
+        .args(["--body", r#"{"amount":4200,"currency":"eur"}"#]);
+    if let Some(k) = key {
+        cmd.args(["--key", k]);
+    }
+    for h in headers {
+        cmd.args(["--header", h]);
+    }
+    let out = cmd.output().expect("python3 tests/agent_client.py (make test installs requests)");
+    assert!(out.status.success(), "agent client failed: {}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).expect("agent report");
+    eprintln!("agent report: {report}");
+    report
+}
+
+fn resource_id(body: &str) -> String {
+    serde_json::from_str::<Value>(body).ok().and_then(|v| v["id"].as_str().map(str::to_string)).unwrap_or_default()
+}
+
+const SCOPE: &str = r#""scope": {"headers": ["authorization"]}"#;
+
+fn stack(extra: &str) -> (Upstream, Envoy) {
+    let up = Upstream::start();
+    let plugin = format!("{{{SCOPE}, \"lock_ttl_seconds\": 30{extra}}}");
+    let envoy = Envoy::start(&EnvoyOptions::new(&plugin, up.port));
+    (up, envoy)
+}
+
+#[test]
+fn detached_mode_gives_the_retrying_agent_the_one_executions_response() {
+    let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 10000}"#);
+    // Client timeout 1 s; the upstream needs 2 s.
+    let report = agent(envoy.port, Some("agent-charge-1"), &[], 1.0, 2000);
+    assert_eq!(report["status"], 201, "{report}");
+    assert_eq!(report["replayed"], "true");
+    let first_attempt = &report["attempts"][0];
+    assert_eq!(first_attempt["error"], "ReadTimeoutError", "the first response was lost: {report}");
+    assert_eq!(resource_id(report["body"].as_str().unwrap_or("")), "res-1", "the one execution's resource");
+    assert_eq!(up.executions(), 1);
+    assert_eq!(up.executions_with_key("agent-charge-1"), 1, "forwarded with its key unchanged");
+    assert_eq!(envoy.stat("idemgate.detached_forwards"), 1);
+    envoy.assert_no_wasm_panic();
+}
+
+#[test]
+fn router_mode_executes_once_and_retries_get_outcome_unknown() {
+    let (up, envoy) = stack("");
+    let report = agent(envoy.port, Some("agent-charge-2"), &[], 1.0, 2000);
+    assert_eq!(report["status"], 409, "{report}");
+    let attempts = report["attempts"].as_array().unwrap();
+    assert_eq!(attempts[0]["error"], "ReadTimeoutError");
+    for a in &attempts[1..] {
+        assert_eq!(a["status"], 409, "{report}");
+        if a.get("final").is_none() {
+            assert_eq!(a["problem"], "urn:idemgate:problem:outcome-unknown", "{report}");
+        }
+    }
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(up.executions(), 1);
+    envoy.assert_no_wasm_panic();
+}
+
+#[test]
+fn detached_mode_answers_a_client_that_stays_and_keeps_set_cookie_for_it_only() {
+    let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 5000}"#);
+    let h = [("authorization", "Bearer a"), ("idempotency-key", "k-stay"), ("x-up-set-cookie", "1")];
+    let first = http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap();
+    assert_eq!(first.status, 201);
+    assert!(first.header("set-cookie").is_some());
+    assert_eq!(first.header("location"), Some("/resources/res-1"));
+    let again = http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap();
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert!(again.header("set-cookie").is_none());
+    assert_eq!(up.executions(), 1);
+}
+
+#[test]
+fn detached_mode_upstream_silence_is_outcome_unknown() {
+    let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 500}"#);
+    let h = [("authorization", "Bearer a"), ("idempotency-key", "k-silent"), ("x-up-delay-ms", "1500")];
+    let first = http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap();
+    assert_eq!(first.status, 504, "{}", first.body_text());
+    let again = http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap();
+    assert_eq!(again.status, 409);
+    assert_eq!(again.json()["type"], "urn:idemgate:problem:outcome-unknown");
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(up.executions(), 1);
+}
+
+#[test]
+fn wait_mode_gives_a_concurrent_retry_the_replay_instead_of_a_409() {
+    let (up, envoy) = stack(r#", "in_flight": "wait", "wait_ms": 5000"#);
+    let port = envoy.port;
+    let first = std::thread::spawn(move || {
+        let h = [("authorization", "Bearer a"), ("idempotency-key", "k-wait"), ("x-up-delay-ms", "1000")];
+        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    let h = [("authorization", "Bearer a"), ("idempotency-key", "k-wait")];
+    let retry = http::request(port, "POST", "/charges", &h, b"{}").unwrap();
+    let waited = started.elapsed();
+    let first = first.join().unwrap();
+    assert_eq!(retry.status, 201, "{}", retry.body_text());
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert!(waited >= Duration::from_millis(600), "it was held until the first attempt finished ({waited:?})");
+    assert_eq!(up.executions(), 1);
+    assert_eq!(envoy.stat("idemgate.in_flight_conflict"), 0, "no 409 at all");
+    assert_eq!(envoy.stat("idemgate.waited"), 1);
+}
+
+#[test]
+fn wait_mode_answers_409_when_the_first_attempt_outlasts_wait_ms() {
+    let (up, envoy) = stack(r#", "in_flight": "wait", "wait_ms": 300"#);
+    let port = envoy.port;
+    let first = std::thread::spawn(move || {
+        let h = [("authorization", "Bearer a"), ("idempotency-key", "k-wait2"), ("x-up-delay-ms", "1500")];
+        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    let retry = http::request(
+        port,
+        "POST",
+        "/charges",
+        &[("authorization", "Bearer a"), ("idempotency-key", "k-wait2")],
+        b"{}",
+    )
+    .unwrap();
+    assert_eq!(retry.status, 409, "{}", retry.body_text());
+    assert!(retry.header("retry-after").is_some());
+    assert!(started.elapsed() < Duration::from_millis(1200), "answered at wait_ms, not at the end");
+    // A waiting retry with another body is told so once the first completes.
+    assert_eq!(first.join().unwrap().status, 201);
+    assert_eq!(up.executions(), 1);
+}
+
+#[test]
+fn many_waiting_retries_neither_spin_nor_execute() {
+    let (up, envoy) = stack(r#", "in_flight": "wait", "wait_ms": 5000"#);
+    let port = envoy.port;
+    let first = std::thread::spawn(move || {
+        let h = [("authorization", "Bearer a"), ("idempotency-key", "k-many"), ("x-up-delay-ms", "1500")];
+        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let cpu_before = process_cpu_ticks(&envoy);
+    let waiters: Vec<_> = (0..30)
+        .map(|_| {
+            std::thread::spawn(move || {
+                http::request(
+                    port,
+                    "POST",
+                    "/charges",
+                    &[("authorization", "Bearer a"), ("idempotency-key", "k-many")],
+                    b"{}",
+                )
+                .unwrap()
+            })
+        })
+        .collect();
+    let answers: Vec<Response> = waiters.into_iter().map(|t| t.join().unwrap()).collect();
+    let cpu_used = process_cpu_ticks(&envoy) - cpu_before;
+    first.join().unwrap();
+    assert!(answers.iter().all(|r| r.status == 201 && r.header("idempotent-replayed") == Some("true")));
+    assert_eq!(up.executions(), 1);
+    // 30 requests held ~1.3 s: a tight loop would burn over a second of CPU; polling every 100 ms
+    // costs a few hundredths.
+    assert!(cpu_used < 50, "Envoy used {cpu_used} CPU ticks (1/100 s) while 30 requests waited");
+}
+
+/// utime + stime of the Envoy process, in clock ticks (1/100 s).
+fn process_cpu_ticks(envoy: &Envoy) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", envoy.pid())).unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    fields.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0)
+        + fields.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0)
+}
+
+#[test]
+fn derived_keys_execute_an_agent_step_once_and_a_new_step_again() {
+    let (up, envoy) = stack(r#", "derive_key": {"headers": ["x-agent-task-id", "x-agent-step-id"]}"#);
+    let step = |s: &str| {
+        let h = [("authorization", "Bearer a"), ("x-agent-task-id", "task-9"), ("x-agent-step-id", s)];
+        http::request(envoy.port, "POST", "/charges", &h, b"{\"amount\":1}").unwrap()
+    };
+    let a = step("step-1");
+    let b = step("step-1");
+    assert_eq!(a.status, 201);
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    assert_eq!(b.body, a.body);
+    assert_eq!(up.executions(), 1);
+    let forwarded_key = up.log()[0].key.clone().expect("the derived key is forwarded upstream");
+    assert!(forwarded_key.starts_with("derived-"), "{forwarded_key}");
+    let c = step("step-2");
+    assert!(c.header("idempotent-replayed").is_none());
+    assert_eq!(up.executions(), 2);
+    // Without the step header nothing is derived: the request passes unprotected.
+    http::request(
+        envoy.port,
+        "POST",
+        "/charges",
+        &[("authorization", "Bearer a"), ("x-agent-task-id", "task-9")],
+        b"{}",
+    )
+    .unwrap();
+    http::request(
+        envoy.port,
+        "POST",
+        "/charges",
+        &[("authorization", "Bearer a"), ("x-agent-task-id", "task-9")],
+        b"{}",
+    )
+    .unwrap();
+    assert_eq!(up.executions(), 4);
+    assert!(envoy.log().contains("key_source=derived") || envoy.stat("idemgate.derived_keys") >= 2);
+}
+
+#[test]
+fn the_retrying_agent_with_derived_keys_recovers_its_lost_response_in_detached_mode() {
+    let (up, envoy) = stack(
+        r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 10000},
+           "derive_key": {"headers": ["x-agent-task-id", "x-agent-step-id"], "include_body": true}"#,
+    );
+    let report = agent(envoy.port, None, &["x-agent-task-id: t-1", "x-agent-step-id: s-1"], 1.0, 2000);
+    assert_eq!(report["status"], 201, "{report}");
+    assert_eq!(resource_id(report["body"].as_str().unwrap_or("")), "res-1");
+    assert_eq!(up.executions(), 1);
+}
