@@ -328,3 +328,27 @@ fn a_store_slower_than_its_timeout_is_unavailable() {
     assert_eq!(p.up.executions(), 0);
     drop(silent);
 }
+
+#[test]
+fn wait_mode_across_proxies_gives_the_retry_the_replay() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(
+        webdis.port,
+        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 5000, "store": {"cluster": "idemgate_store", "timeout_ms": 500}}"#,
+    );
+    let port = p.a.port;
+    let first = std::thread::spawn(move || {
+        let h = [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "k-xwait"), ("x-up-delay-ms", "1000")];
+        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let retry = post(&p.b, "k-xwait", "{}", &[]);
+    let first = first.join().unwrap();
+    assert_eq!(retry.status, 201, "{}", retry.body_text());
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(p.up.executions(), 1);
+    // b asked the store a bounded number of times while it waited (at most every 300 ms).
+    assert!(p.b.stat("idemgate.store_calls") <= 6, "{} store calls", p.b.stat("idemgate.store_calls"));
+}
