@@ -339,7 +339,8 @@ fn wait_mode_across_proxies_gives_the_retry_the_replay() {
     );
     let port = p.a.port;
     let first = std::thread::spawn(move || {
-        let h = [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "k-xwait"), ("x-up-delay-ms", "1000")];
+        let h =
+            [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "k-xwait"), ("x-up-delay-ms", "1000")];
         http::request(port, "POST", "/charges", &h, b"{}").unwrap()
     });
     std::thread::sleep(Duration::from_millis(200));
