@@ -1,7 +1,7 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build test test-native test-wasm lint demo deps clean
+.PHONY: all build test test-native test-wasm lint demo up down deps clean
 
 all: build
 
@@ -28,10 +28,17 @@ lint:
 	cargo fmt --check
 	cargo clippy --locked --all-targets -- -D warnings
 
-## demo: not ready yet (arrives with the "Demo" issue)
+## demo: the whole stack on 127.0.0.1 (Redis, webdis, the demo payments API, Envoy with idemgate),
+## an agent simulator under injected faults, with and without idemgate; stops everything it started
 demo:
-	@echo "make demo: not ready yet; the demo stack arrives with the Demo issue. Try 'make test'." >&2
-	@exit 1
+	scripts/demo.sh run
+
+## up / down: the same stack left running for curl
+up:
+	scripts/demo.sh up
+
+down:
+	scripts/demo.sh down
 
 clean:
 	cargo clean

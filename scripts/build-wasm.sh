@@ -8,7 +8,7 @@ scripts/install-deps.sh wasm-toolchain "$TARGET"
 wasm_env "$TARGET"
 start=$(date +%s)
 # shellcheck disable=SC2086
-cargo build --locked --release --target "$TARGET" --target-dir "$WASM_TARGET_DIR" $WASM_CARGO_FLAGS
+cargo build --locked --release --lib --target "$TARGET" --target-dir "$WASM_TARGET_DIR" $WASM_CARGO_FLAGS
 mkdir -p dist
 cp "$WASM_TARGET_DIR/$TARGET/release/idemgate.wasm" dist/idemgate.wasm
 echo "build: dist/idemgate.wasm $(stat -c %s dist/idemgate.wasm) bytes ($TARGET, $WASM_TOOLCHAIN toolchain, $(( $(date +%s) - start )) s)"

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The demo stack without Docker: Redis + webdis (the store), the demo payments API, Envoy with
+# idemgate, all on 127.0.0.1 with ports chosen at run time.
+#
+#   scripts/demo.sh run    # start, run the agent simulator (with and without idemgate), stop
+#   scripts/demo.sh up     # start and leave running; prints commands to try
+#   scripts/demo.sh down   # stop what `up` started
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+STATE=target/demo
+mkdir -p "$STATE"
+
+log() { echo "demo: $*" >&2; }
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+
+wait_http() { # url, seconds
+  local deadline=$((SECONDS + $2))
+  until python3 -c "import urllib.request,sys; urllib.request.urlopen('$1', timeout=1)" 2>/dev/null; do
+    [ $SECONDS -lt $deadline ] || { log "$1 did not answer in $2 s"; return 1; }
+    sleep 0.2
+  done
+}
+
+# Renders envoy/demo/envoy.yaml.tmpl: every ${NAME} from the environment.
+render() {
+  python3 - "$1" <<'PY'
+import os, re, sys
+text = open(sys.argv[1]).read()
+print(re.sub(r"\$\{([A-Z_]+)\}", lambda m: os.environ[m.group(1)], text), end="")
+PY
+}
+
+install() {
+  scripts/install-deps.sh envoy
+  scripts/install-deps.sh store
+  scripts/install-deps.sh agent-client
+  scripts/build-wasm.sh >&2
+  cargo build --locked --release --quiet --bin demo-payments
+}
+
+stop() {
+  [ -f "$STATE/pids" ] || return 0
+  while read -r pid; do kill "$pid" 2>/dev/null || true; done < "$STATE/pids"
+  sleep 0.3
+  while read -r pid; do kill -9 "$pid" 2>/dev/null || true; done < "$STATE/pids"
+  rm -f "$STATE/pids" "$STATE/env"
+}
+
+start() {
+  stop
+  rm -rf "$STATE/redis" && mkdir -p "$STATE/redis"
+  export BIND=127.0.0.1 API_HOST=127.0.0.1 WEBDIS_HOST=127.0.0.1
+  export LISTEN_PORT=$(free_port) ADMIN_PORT=$(free_port) API_PORT=$(free_port) WEBDIS_PORT=$(free_port)
+  REDIS_PORT=$(free_port)
+  export WASM_PATH="$ROOT/dist/idemgate.wasm"
+  : > "$STATE/pids"
+  redis-server envoy/redis.conf --port "$REDIS_PORT" --dir "$ROOT/$STATE/redis" --daemonize no \
+    --logfile "$ROOT/$STATE/redis.log" & echo $! >> "$STATE/pids"
+  cat > "$STATE/webdis.json" <<JSON
+{"redis_host": "127.0.0.1", "redis_port": $REDIS_PORT, "http_host": "127.0.0.1", "http_port": $WEBDIS_PORT,
+ "threads": 2, "pool_size": 8, "daemonize": false, "database": 0, "verbosity": 1,
+ "logfile": "$ROOT/$STATE/webdis.log", "acl": [{"disabled": ["DEBUG"]}]}
+JSON
+  (cd "$STATE" && exec webdis webdis.json) & echo $! >> "$STATE/pids"
+  target/release/demo-payments --port "$API_PORT" 2> "$STATE/api.log" & echo $! >> "$STATE/pids"
+  render envoy/demo/envoy.yaml.tmpl > "$STATE/envoy.yaml"
+  envoy -c "$STATE/envoy.yaml" --concurrency 2 --disable-hot-restart --log-level warn \
+    --component-log-level wasm:info 2> "$STATE/envoy.log" & echo $! >> "$STATE/pids"
+  wait_http "http://127.0.0.1:$API_PORT/stats" 20
+  wait_http "http://127.0.0.1:$WEBDIS_PORT/PING" 20
+  wait_http "http://127.0.0.1:$ADMIN_PORT/ready" 60
+  cat > "$STATE/env" <<ENV
+GATEWAY=http://127.0.0.1:$LISTEN_PORT
+API=http://127.0.0.1:$API_PORT
+ADMIN=http://127.0.0.1:$ADMIN_PORT
+ENV
+}
+
+case "${1:-run}" in
+  run)
+    install
+    trap stop EXIT
+    start
+    . "$STATE/env"
+    python3 scripts/agent_sim.py --gateway "$GATEWAY" --api "$API" --admin "$ADMIN"
+    ;;
+  up)
+    install
+    start
+    . "$STATE/env"
+    cat <<TRY
+The demo stack is up (logs in $STATE/). Try:
+
+  # a charge through idemgate, then the same again: one execution, the second is a replay
+  curl -si $GATEWAY/charges -H 'authorization: Bearer demo' -H 'idempotency-key: try-1' -d '{"amount":100,"currency":"eur"}'
+  curl -si $GATEWAY/charges -H 'authorization: Bearer demo' -H 'idempotency-key: try-1' -d '{"amount":100,"currency":"eur"}'
+  # same key, other body: 422
+  curl -si $GATEWAY/charges -H 'authorization: Bearer demo' -H 'idempotency-key: try-1' -d '{"amount":999,"currency":"eur"}'
+  # no key: 400 (the demo requires one)
+  curl -si $GATEWAY/charges -H 'authorization: Bearer demo' -d '{"amount":1}'
+  # what the API executed, and idemgate's counters
+  curl -s $API/charges; curl -s $ADMIN/stats/prometheus | grep ^idemgate_
+
+Stop it with: make down
+TRY
+    ;;
+  down)
+    stop
+    log "stopped"
+    ;;
+  *)
+    echo "usage: $0 run|up|down" >&2; exit 2 ;;
+esac

@@ -1,0 +1,142 @@
+//! The demo's payments API: it executes charges, counts them and lists them. It commits a
+//! charge as soon as the request has arrived, before answering, whether or not its client is
+//! still there: exactly what makes a lost response dangerous.
+//!
+//!     demo-payments --port 8080
+//!
+//! - `POST /charges` with `{"amount": 4200, "currency": "eur"}`: executes, answers 201 with the
+//!   charge; `x-demo-delay-ms` delays the answer (not the execution).
+//! - `GET /charges`: every charge, in order. `GET /stats`: `{"executions": N}`.
+//! - `POST /reset`: forgets every charge (between the demo's two runs).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+#[derive(Default)]
+struct Ledger {
+    charges: Vec<Value>,
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let port = args.iter().position(|a| a == "--port").and_then(|i| args.get(i + 1)).and_then(|p| p.parse::<u16>().ok());
+    let Some(port) = port else {
+        eprintln!("usage: demo-payments --port PORT");
+        std::process::exit(2);
+    };
+    let listener = match TcpListener::bind(("127.0.0.1", port)) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("demo-payments: cannot listen on 127.0.0.1:{port}: {e}");
+            std::process::exit(1);
+        }
+    };
+    eprintln!("demo-payments: listening on 127.0.0.1:{port}");
+    let ledger = Arc::new(Mutex::new(Ledger::default()));
+    for conn in listener.incoming().flatten() {
+        let ledger = ledger.clone();
+        std::thread::spawn(move || serve(conn, &ledger));
+    }
+}
+
+struct Request {
+    method: String,
+    path: String,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Request {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+}
+
+fn read_request(r: &mut BufReader<TcpStream>) -> Option<Request> {
+    let mut line = String::new();
+    if r.read_line(&mut line).ok()? == 0 {
+        return None;
+    }
+    let mut parts = line.split_whitespace();
+    let (method, path) = (parts.next()?.to_string(), parts.next()?.to_string());
+    let mut headers = vec![];
+    loop {
+        let mut h = String::new();
+        if r.read_line(&mut h).ok()? == 0 {
+            return None;
+        }
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        if let Some((n, v)) = h.split_once(':') {
+            headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
+        }
+    }
+    let len = headers.iter().find(|(n, _)| n == "content-length").and_then(|(_, v)| v.parse::<usize>().ok()).unwrap_or(0);
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).ok()?;
+    Some(Request { method, path, headers, body })
+}
+
+fn serve(conn: TcpStream, ledger: &Mutex<Ledger>) {
+    let Ok(mut out) = conn.try_clone() else { return };
+    let mut reader = BufReader::new(conn);
+    while let Some(req) = read_request(&mut reader) {
+        let (status, body) = handle(&req, ledger);
+        let text = body.to_string();
+        let head = format!(
+            "HTTP/1.1 {status} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}\r\n",
+            if status < 300 { "OK" } else { "Error" },
+            text.len(),
+            body.get("id").and_then(Value::as_str).map_or(String::new(), |id| format!("location: /charges/{id}\r\n"))
+        );
+        if out.write_all(head.as_bytes()).and_then(|_| out.write_all(text.as_bytes())).is_err() {
+            return;
+        }
+    }
+}
+
+fn handle(req: &Request, ledger: &Mutex<Ledger>) -> (u16, Value) {
+    let path = req.path.split('?').next().unwrap_or("");
+    match (req.method.as_str(), path) {
+        ("POST", "/charges") => {
+            let Ok(input) = serde_json::from_slice::<Value>(&req.body) else {
+                return (400, json!({"error": "body must be JSON"}));
+            };
+            // Commit first: a charge that executed stays executed, whatever happens to the answer.
+            let charge = {
+                let mut l = ledger.lock().unwrap_or_else(|e| e.into_inner());
+                let charge = json!({
+                    "id": format!("ch_{}", l.charges.len() + 1),
+                    "amount": input.get("amount").cloned().unwrap_or(Value::Null),
+                    "currency": input.get("currency").cloned().unwrap_or(Value::Null),
+                    "idempotency_key": req.header("idempotency-key"),
+                });
+                l.charges.push(charge.clone());
+                charge
+            };
+            if let Some(ms) = req.header("x-demo-delay-ms").and_then(|v| v.parse::<u64>().ok()) {
+                std::thread::sleep(Duration::from_millis(ms.min(30_000)));
+            }
+            (201, charge)
+        }
+        ("GET", "/charges") => {
+            let l = ledger.lock().unwrap_or_else(|e| e.into_inner());
+            (200, json!({"charges": l.charges}))
+        }
+        ("GET", "/stats") => {
+            let l = ledger.lock().unwrap_or_else(|e| e.into_inner());
+            (200, json!({"executions": l.charges.len()}))
+        }
+        ("POST", "/reset") => {
+            ledger.lock().unwrap_or_else(|e| e.into_inner()).charges.clear();
+            (200, json!({"executions": 0}))
+        }
+        _ => (404, json!({"error": "not found"})),
+    }
+}
