@@ -1,7 +1,7 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build test test-native test-wasm lint demo up down deps clean
+.PHONY: all build test test-native test-wasm test-demo lint demo up down deps clean
 
 all: build
 
@@ -14,9 +14,14 @@ deps:
 	scripts/install-deps.sh store
 	scripts/install-deps.sh agent-client
 
-## test: lint, native unit + property tests, Envoy integration tests, core tests on wasm32 under Node.js
-test: lint build deps test-native test-wasm
+## test: lint, native unit + property tests, Envoy integration tests, core tests on wasm32 under Node.js,
+## and the demo
+test: lint build deps test-native test-wasm test-demo
 	@echo "make test: all suites passed"
+
+## test-demo: the demo must pass too (every operation executed exactly once)
+test-demo:
+	scripts/demo.sh run
 
 test-native:
 	cargo test --locked --all-targets

@@ -56,18 +56,19 @@ start() {
   REDIS_PORT=$(free_port)
   export WASM_PATH="$ROOT/dist/idemgate.wasm"
   : > "$STATE/pids"
+  # Every process writes to its own log: none keeps the caller's terminal or pipe open.
   redis-server envoy/redis.conf --port "$REDIS_PORT" --dir "$ROOT/$STATE/redis" --daemonize no \
-    --logfile "$ROOT/$STATE/redis.log" & echo $! >> "$STATE/pids"
+    --logfile "$ROOT/$STATE/redis.log" < /dev/null > /dev/null 2>&1 & echo $! >> "$STATE/pids"
   cat > "$STATE/webdis.json" <<JSON
 {"redis_host": "127.0.0.1", "redis_port": $REDIS_PORT, "http_host": "127.0.0.1", "http_port": $WEBDIS_PORT,
  "threads": 2, "pool_size": 8, "daemonize": false, "database": 0, "verbosity": 1,
  "logfile": "$ROOT/$STATE/webdis.log", "acl": [{"disabled": ["DEBUG"]}]}
 JSON
-  (cd "$STATE" && exec webdis webdis.json) & echo $! >> "$STATE/pids"
-  target/release/demo-payments --port "$API_PORT" 2> "$STATE/api.log" & echo $! >> "$STATE/pids"
+  (cd "$STATE" && exec webdis webdis.json < /dev/null > /dev/null 2>&1) & echo $! >> "$STATE/pids"
+  target/release/demo-payments --port "$API_PORT" < /dev/null > "$STATE/api.log" 2>&1 & echo $! >> "$STATE/pids"
   render envoy/demo/envoy.yaml.tmpl > "$STATE/envoy.yaml"
   envoy -c "$STATE/envoy.yaml" --concurrency 2 --disable-hot-restart --log-level warn \
-    --component-log-level wasm:info 2> "$STATE/envoy.log" & echo $! >> "$STATE/pids"
+    --component-log-level wasm:info < /dev/null > "$STATE/envoy.log" 2>&1 & echo $! >> "$STATE/pids"
   wait_http "http://127.0.0.1:$API_PORT/stats" 20
   wait_http "http://127.0.0.1:$WEBDIS_PORT/PING" 20
   wait_http "http://127.0.0.1:$ADMIN_PORT/ready" 60
