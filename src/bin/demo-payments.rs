@@ -2,7 +2,7 @@
 //! charge as soon as the request has arrived, before answering, whether or not its client is
 //! still there: exactly what makes a lost response dangerous.
 //!
-//!     demo-payments --port 8080
+//!     demo-payments --port 8080 [--bind 0.0.0.0]
 //!
 //! - `POST /charges` with `{"amount": 4200, "currency": "eur"}`: executes, answers 201 with the
 //!   charge; `x-demo-delay-ms` delays the answer (not the execution).
@@ -23,19 +23,23 @@ struct Ledger {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let port = args.iter().position(|a| a == "--port").and_then(|i| args.get(i + 1)).and_then(|p| p.parse::<u16>().ok());
+    let port =
+        args.iter().position(|a| a == "--port").and_then(|i| args.get(i + 1)).and_then(|p| p.parse::<u16>().ok());
     let Some(port) = port else {
-        eprintln!("usage: demo-payments --port PORT");
+        eprintln!("usage: demo-payments --port PORT [--bind ADDRESS]");
         std::process::exit(2);
     };
-    let listener = match TcpListener::bind(("127.0.0.1", port)) {
+    // Loopback unless told otherwise (the Docker compose flavour binds 0.0.0.0 in its container).
+    let bind =
+        args.iter().position(|a| a == "--bind").and_then(|i| args.get(i + 1)).map_or("127.0.0.1", |s| s.as_str());
+    let listener = match TcpListener::bind((bind, port)) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("demo-payments: cannot listen on 127.0.0.1:{port}: {e}");
+            eprintln!("demo-payments: cannot listen on {bind}:{port}: {e}");
             std::process::exit(1);
         }
     };
-    eprintln!("demo-payments: listening on 127.0.0.1:{port}");
+    eprintln!("demo-payments: listening on {bind}:{port}");
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     for conn in listener.incoming().flatten() {
         let ledger = ledger.clone();
@@ -77,7 +81,8 @@ fn read_request(r: &mut BufReader<TcpStream>) -> Option<Request> {
             headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
         }
     }
-    let len = headers.iter().find(|(n, _)| n == "content-length").and_then(|(_, v)| v.parse::<usize>().ok()).unwrap_or(0);
+    let len =
+        headers.iter().find(|(n, _)| n == "content-length").and_then(|(_, v)| v.parse::<usize>().ok()).unwrap_or(0);
     let mut body = vec![0; len];
     r.read_exact(&mut body).ok()?;
     Some(Request { method, path, headers, body })
