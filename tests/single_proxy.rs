@@ -64,6 +64,10 @@ fn same_key_twice_executes_once_and_replays_byte_identical_with_the_header() {
     assert_eq!(a.header("idempotent-replayed"), None);
     assert_eq!(b.header("location"), a.header("location"));
     assert_eq!(b.header("x-execution"), Some("1"));
+    // The expiry policy is published: the full ttl on the first answer, what is left on a replay.
+    assert_eq!(a.header("idempotency-key-expires-in"), Some("86400"));
+    let left: u64 = b.header("idempotency-key-expires-in").and_then(|v| v.parse().ok()).unwrap();
+    assert!((86_390..=86_400).contains(&left), "{left}");
     assert_eq!(s.envoy.stat("idemgate.replayed"), 1);
     assert_eq!(s.envoy.stat("idemgate.claimed"), 1);
     assert_eq!(s.envoy.stat("idemgate.stored"), 1);

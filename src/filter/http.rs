@@ -178,7 +178,7 @@ impl Http {
             let by = format!("status={} created_by_request_id={}", r.status, record.creator.request_id);
             debug!("{}", self.log_line("replayed", &by));
             self.phase = Phase::Answered;
-            let _ = reply::replay(&record, &self.request_id());
+            let _ = reply::replay(&record, &self.request_id(), host::now_ms());
             return Action::Pause;
         }
         let creator = record.creator.clone();
@@ -737,6 +737,11 @@ impl HttpContext for Http {
         }
         self.response = Some(StoredResponse { status, headers, body: vec![] });
         self.response_complete = end_of_stream;
+        // Publish the expiry policy to the client that created the record.
+        if !self.policy().is_some_and(|p| p.release_on_status.contains(&status)) {
+            let ttl = self.policy().map_or(0, |p| p.ttl_seconds).to_string();
+            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, reply::EXPIRES_HEADER, &ttl);
+        }
         Action::Continue
     }
 

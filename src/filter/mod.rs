@@ -279,12 +279,22 @@ impl Root {
                 if !live {
                     info!("idemgate: outcome=detached_response_kept {} status={status} client=gone", f.claim.log);
                 }
-                self.answer(f.context_id, |_| reply::response(status, &client_headers, &body, false), &f.request_id);
+                let ttl = policy.ttl_seconds.to_string();
+                let expires = (outcome == Outcome::Store).then_some(ttl.as_str());
+                self.answer(
+                    f.context_id,
+                    |_| reply::response(status, &client_headers, &body, false, expires),
+                    &f.request_id,
+                );
             }
             // Envoy answered for an unreachable upstream: nothing was sent; pass its answer on.
             Some(status) if outcome == Outcome::Release => {
                 settle::settle(&s, &f.claim, outcome, None, false, &detail);
-                self.answer(f.context_id, |_| reply::response(status, &client_headers, &body, false), &f.request_id);
+                self.answer(
+                    f.context_id,
+                    |_| reply::response(status, &client_headers, &body, false, None),
+                    &f.request_id,
+                );
             }
             // Silent or reset upstream: it may have run; nothing to replay.
             _ => {
@@ -355,7 +365,7 @@ impl Root {
                 self.answer(
                     w.context_id,
                     |rid| {
-                        let _ = reply::replay(&r, rid);
+                        let _ = reply::replay(&r, rid, host::now_ms());
                     },
                     &rid,
                 );

@@ -13,22 +13,35 @@ pub fn problem(kind: &ProblemKind, request_id: &str, creator: Option<&Creator>) 
     let _ = hostcalls::send_http_response(u32::from(p.status), headers, Some(&p.body));
 }
 
-/// Sends a response as the upstream gave it (`replayed` adds `idempotent-replayed: true`).
-/// Header values that are not valid UTF-8 are left out (the host call takes text).
-pub fn response(status: u16, headers: &[(String, Vec<u8>)], body: &[u8], replayed: bool) {
+/// The header advertising how long the key's record lasts (the IETF draft asks resources to
+/// publish their expiry policy): seconds from now.
+pub const EXPIRES_HEADER: &str = "idempotency-key-expires-in";
+
+/// Seconds until `expires_at_ms`, rounded up.
+pub fn expires_in(expires_at_ms: u64, now_ms: u64) -> String {
+    expires_at_ms.saturating_sub(now_ms).div_ceil(1000).to_string()
+}
+
+/// Sends a response as the upstream gave it. `replayed` adds `idempotent-replayed: true`;
+/// `expires_in` the expiry header. Header values that are not valid UTF-8 are left out (the host
+/// call takes text).
+pub fn response(status: u16, headers: &[(String, Vec<u8>)], body: &[u8], replayed: bool, expires_in: Option<&str>) {
     let mut h: Vec<(&str, &str)> =
         headers.iter().filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.as_str(), v))).collect();
     if replayed {
         h.push(("idempotent-replayed", "true"));
     }
+    if let Some(e) = expires_in {
+        h.push((EXPIRES_HEADER, e));
+    }
     let _ = hostcalls::send_http_response(u32::from(status), h, Some(body));
 }
 
 /// Replays a completed record; returns the problem sent instead when there is no body to replay.
-pub fn replay(record: &Record, request_id: &str) -> Option<ProblemKind> {
+pub fn replay(record: &Record, request_id: &str, now_ms: u64) -> Option<ProblemKind> {
     match &record.state {
         State::Completed(r) => {
-            response(r.status, &r.headers, &r.body, true);
+            response(r.status, &r.headers, &r.body, true, Some(&expires_in(record.expires_at_ms, now_ms)));
             None
         }
         State::CompletedTooLarge { status, location } => {
