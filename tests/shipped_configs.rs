@@ -49,3 +49,51 @@ fn the_compose_file_refers_only_to_files_that_exist() {
     assert_eq!(webdis["redis_host"], "redis");
     assert!(std::fs::read_to_string(root.join("envoy/oci/Dockerfile")).unwrap().contains("FROM scratch"));
 }
+
+/// The plugin configuration between the `BEGIN idemgate-config` and `END idemgate-config` marker
+/// comments of a shipped file, as JSON.
+fn plugin_config(rel: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(support::repo_root().join(rel)).unwrap();
+    let body: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.contains("# BEGIN idemgate-config"))
+        .skip(1)
+        .take_while(|l| !l.contains("# END idemgate-config"))
+        .filter(|l| l.trim() != "value: |")
+        .collect();
+    serde_json::from_str(&body.join("\n"))
+        .unwrap_or_else(|e| panic!("{rel}: the plugin configuration is not JSON: {e}"))
+}
+
+#[test]
+fn host_examples_carry_the_plugin_configuration_envoy_loads_in_the_tests() {
+    // envoy/two-proxies/envoy-a.yaml is loaded by Envoy in the_shipped_envoy_configs_are_valid.
+    let reference = plugin_config("envoy/two-proxies/envoy-a.yaml");
+    assert!(idemgate::config::Config::parse(reference.to_string().as_bytes()).is_ok());
+    for rel in
+        ["envoy/istio/envoyfilter.yaml", "envoy/istio/wasmplugin.yaml", "envoy/envoy-gateway/envoyextensionpolicy.yaml"]
+    {
+        let mut cfg = plugin_config(rel);
+        // Cluster names differ per host (Istio: outbound|port||fqdn); everything else is the same.
+        let cluster = cfg["store"]["cluster"].as_str().unwrap_or("").to_string();
+        assert!(!cluster.is_empty(), "{rel}: no store cluster");
+        cfg["store"]["cluster"] = reference["store"]["cluster"].clone();
+        assert_eq!(cfg, reference, "{rel} differs from the tested configuration");
+        assert!(idemgate::config::Config::parse(cfg.to_string().as_bytes()).is_ok(), "{rel}");
+    }
+    // Istio's clusters are named outbound|<port>||<fqdn>.
+    assert!(plugin_config("envoy/istio/envoyfilter.yaml")["store"]["cluster"]
+        .as_str()
+        .unwrap()
+        .starts_with("outbound|7379||"));
+}
+
+#[test]
+fn the_istio_envoyfilter_sets_the_stop_iteration_flag_and_a_fail_closed_policy() {
+    let text = std::fs::read_to_string(support::repo_root().join("envoy/istio/envoyfilter.yaml")).unwrap();
+    assert!(text.contains("allow_on_headers_stop_iteration: true"));
+    assert!(text.contains("failure_policy: FAIL_CLOSED"));
+    let patch =
+        std::fs::read_to_string(support::repo_root().join("envoy/envoy-gateway/envoypatchpolicy.yaml")).unwrap();
+    assert!(patch.contains("allow_on_headers_stop_iteration"));
+}

@@ -459,6 +459,13 @@ impl RootContext for Root {
             }
         }
         let detached = config.policies().iter().any(|p| matches!(p.forwarding, Forwarding::Detached { .. }));
+        let waits = config.policies().iter().any(|p| matches!(p.in_flight, crate::config::InFlight::Wait { .. }));
+        // Detached forwarding and waiting answer clients from the root context: the host must let
+        // it switch the effective context. Probe it now, rather than hang requests later.
+        if (detached || waits) && hostcalls::set_effective_context(self.id).is_err() {
+            error!("idemgate configuration refused: this host cannot switch the effective context, which forwarding \"detached\" and in_flight \"wait\" need");
+            return false;
+        }
         info!(
             "idemgate: configuration accepted ({} route(s), store: {}, local.max_entries: {}, detached: {detached})",
             config.routes.len(),
