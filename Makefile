@@ -1,7 +1,7 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build test test-native test-wasm test-demo lint demo up down deps clean
+.PHONY: all build test test-native test-wasm test-demo lint demo up down bench deps clean
 
 all: build
 
@@ -44,6 +44,14 @@ up:
 
 down:
 	scripts/demo.sh down
+
+## bench: what idemgate costs, side by side, on 127.0.0.1 (BENCH_QUICK=1 for under 3 minutes);
+## writes target/bench/results.json, docs/BENCHMARKS.md and docs/bench.svg
+bench: build deps
+	scripts/install-deps.sh bench
+	scripts/build-wasm.sh --empty
+	cargo build --locked --release --quiet --bin demo-payments
+	python3 scripts/bench.py
 
 clean:
 	cargo clean

@@ -3,12 +3,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=wasm32-wasip1
+# --empty: the benchmarks' empty pass-through filter, written to dist/empty.wasm.
+FEATURES="" OUT=dist/idemgate.wasm SUBDIR=""
+if [ "${1:-}" = "--empty" ]; then FEATURES="--features empty-filter" OUT=dist/empty.wasm SUBDIR=/empty; fi
 scripts/install-deps.sh wasm-toolchain "$TARGET"
 . scripts/wasm-env.sh
 wasm_env "$TARGET"
 start=$(date +%s)
 # shellcheck disable=SC2086
-cargo build --locked --release --lib --target "$TARGET" --target-dir "$WASM_TARGET_DIR" $WASM_CARGO_FLAGS
+cargo build --locked --release --lib --target "$TARGET" --target-dir "$WASM_TARGET_DIR$SUBDIR" $WASM_CARGO_FLAGS $FEATURES
 mkdir -p dist
-cp "$WASM_TARGET_DIR/$TARGET/release/idemgate.wasm" dist/idemgate.wasm
-echo "build: dist/idemgate.wasm $(stat -c %s dist/idemgate.wasm) bytes ($TARGET, $WASM_TOOLCHAIN toolchain, $(( $(date +%s) - start )) s)"
+cp "$WASM_TARGET_DIR$SUBDIR/$TARGET/release/idemgate.wasm" "$OUT"
+echo "build: $OUT $(stat -c %s "$OUT") bytes ($TARGET, $WASM_TOOLCHAIN toolchain, $(( $(date +%s) - start )) s)"

@@ -60,6 +60,10 @@ case "${1:-}" in
     command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v webdis >/dev/null && exit 0
     apt_ensure redis-server redis-tools webdis
     ;;
+  bench)
+    command -v wrk >/dev/null && exit 0
+    apt_ensure wrk
+    ;;
   agent-client)
     # The retrying HTTP client the agent tests drive (requests + urllib3's Retry).
     python3 -c "import requests, urllib3" 2>/dev/null && exit 0
@@ -74,5 +78,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | store | agent-client | wasm-bindgen" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | store | agent-client | bench | wasm-bindgen" >&2; exit 2 ;;
 esac

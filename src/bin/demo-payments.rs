@@ -8,6 +8,7 @@
 //!   charge; `x-demo-delay-ms` delays the answer (not the execution).
 //! - `GET /charges`: every charge, in order. `GET /stats`: `{"executions": N}`.
 //! - `POST /reset`: forgets every charge (between the demo's two runs).
+//! - `GET|POST /bench`: a fast, stateless `200 {"ok":true}` for the benchmarks.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -89,6 +90,7 @@ fn read_request(r: &mut BufReader<TcpStream>) -> Option<Request> {
 }
 
 fn serve(conn: TcpStream, ledger: &Mutex<Ledger>) {
+    let _ = conn.set_nodelay(true);
     let Ok(mut out) = conn.try_clone() else { return };
     let mut reader = BufReader::new(conn);
     while let Some(req) = read_request(&mut reader) {
@@ -100,7 +102,10 @@ fn serve(conn: TcpStream, ledger: &Mutex<Ledger>) {
             text.len(),
             body.get("id").and_then(Value::as_str).map_or(String::new(), |id| format!("location: /charges/{id}\r\n"))
         );
-        if out.write_all(head.as_bytes()).and_then(|_| out.write_all(text.as_bytes())).is_err() {
+        // One write per response: head and body in two writes would meet Nagle and delayed ACKs.
+        let mut bytes = head.into_bytes();
+        bytes.extend_from_slice(text.as_bytes());
+        if out.write_all(&bytes).is_err() {
             return;
         }
     }
@@ -138,6 +143,7 @@ fn handle(req: &Request, ledger: &Mutex<Ledger>) -> (u16, Value) {
             let l = ledger.lock().unwrap_or_else(|e| e.into_inner());
             (200, json!({"executions": l.charges.len()}))
         }
+        ("GET" | "POST", "/bench") => (200, json!({"ok": true})),
         ("POST", "/reset") => {
             ledger.lock().unwrap_or_else(|e| e.into_inner()).charges.clear();
             (200, json!({"executions": 0}))

@@ -45,10 +45,42 @@ const WAIT_STORE_POLL_MS: u64 = 300;
 /// Buckets each worker sweeps per second, freeing expired records and their bytes.
 const SWEEP_BUCKETS_PER_SECOND: u32 = 64;
 
+#[cfg(not(feature = "empty-filter"))]
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Trace);
     proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root::new(id)) });
 }}
+
+/// Benchmarks only (`--features empty-filter`): the floor of any Wasm filter, reading one header.
+#[cfg(feature = "empty-filter")]
+proxy_wasm::main! {{
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(EmptyRoot) });
+}}
+
+#[cfg(feature = "empty-filter")]
+struct EmptyRoot;
+#[cfg(feature = "empty-filter")]
+impl Context for EmptyRoot {}
+#[cfg(feature = "empty-filter")]
+impl RootContext for EmptyRoot {
+    fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(EmptyHttp))
+    }
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+#[cfg(feature = "empty-filter")]
+struct EmptyHttp;
+#[cfg(feature = "empty-filter")]
+impl Context for EmptyHttp {}
+#[cfg(feature = "empty-filter")]
+impl HttpContext for EmptyHttp {
+    fn on_http_request_headers(&mut self, _n: usize, _eos: bool) -> proxy_wasm::types::Action {
+        let _ = host::header(MapType::HttpRequestHeaders, "idempotency-key");
+        proxy_wasm::types::Action::Continue
+    }
+}
 
 /// A protected request sent upstream by the root (`forwarding: "detached"`).
 #[derive(Debug)]

@@ -1,0 +1,386 @@
+#!/usr/bin/env python3
+"""make bench: what idemgate costs, side by side, in one run, on 127.0.0.1 only.
+
+Every scenario runs Envoy 1.40 with one worker (--concurrency 1) and the same load generator (wrk,
+one thread, fixed connections, fixed body and headers), repeated; the figures are medians with
+their spread (min-max). Results: target/bench/results.json, docs/BENCHMARKS.md, docs/bench.svg.
+BENCH_QUICK=1 shortens every run (under three minutes in all).
+"""
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = os.environ.get("BENCH_QUICK") == "1"
+RUNS = 3 if QUICK else 5
+DURATION = 2 if QUICK else 8
+CONNECTIONS = 16
+BODY = '{"amount":4200,"currency":"eur","note":"benchmark body of fixed size"}'
+OUT = os.path.join(ROOT, "target", "bench")
+PROCS = []
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def wait_http(url, seconds=30):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except Exception:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer")
+
+
+def start(cmd, log, cwd=None):
+    p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+    PROCS.append(p)
+    return p
+
+
+def stop(p):
+    p.kill()
+    p.wait()
+    if p in PROCS:
+        PROCS.remove(p)
+
+
+PLUGIN_LOCAL = {"scope": {"headers": ["authorization"]}, "local": {"max_entries": 200000, "max_bytes": 268435456, "when_full": "evict_oldest"}}
+
+
+def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port):
+    filters = []
+    if wasm:
+        filters.append({
+            "name": "envoy.filters.http.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": "idemgate", "root_id": "idemgate", "allow_on_headers_stop_iteration": True,
+                    "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": json.dumps(plugin or {})},
+                    "vm_config": {"vm_id": "idemgate", "runtime": "envoy.wasm.runtime.v8", "code": {"local": {"filename": wasm}}},
+                },
+            },
+        })
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+    route = {"match": {"prefix": "/"}}
+    if direct:
+        route["direct_response"] = {"status": 200, "body": {"inline_string": '{"ok":true}'}}
+    else:
+        route["route"] = {"cluster": "api", "timeout": "10s"}
+    clusters = [{"name": "api", "connect_timeout": "1s", "type": "STATIC", "load_assignment": {"cluster_name": "api", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": api_port}}}}]}]}}]
+    if store_port:
+        clusters.append({"name": "idemgate_store", "connect_timeout": "0.25s", "type": "STATIC", "load_assignment": {"cluster_name": "idemgate_store", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": store_port}}}}]}]}})
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "in", "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": "in", "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
+                    "http_filters": filters}}]}],
+            }],
+            "clusters": clusters,
+        },
+    }
+
+
+class Envoy:
+    def __init__(self, tag, **kw):
+        self.port, self.admin = free_port(), free_port()
+        path = os.path.join(OUT, f"envoy-{tag}.json")
+        json.dump(envoy_config(self.port, self.admin, **kw), open(path, "w"))
+        self.proc = start(["envoy", "-c", path, "--concurrency", "1", "--disable-hot-restart", "--log-level", "error"], os.path.join(OUT, f"envoy-{tag}.log"))
+        wait_http(f"http://127.0.0.1:{self.admin}/ready", 60)
+
+    def stat(self, name):
+        """idemgate's own counter (`idemgate.x`), or any Envoy counter by its full name."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats", timeout=5).read().decode()
+        for line in text.splitlines():
+            n, _, v = line.partition(": ")
+            if n in (name, "wasmcustom." + name):
+                try:
+                    return int(v)
+                except ValueError:
+                    return 0
+        return 0
+
+    def store_requests(self):
+        """Requests Envoy sent to the store cluster: an independent count of round trips."""
+        return self.stat("cluster.idemgate_store.upstream_rq_total")
+
+    def rss(self):
+        for line in open(f"/proc/{self.proc.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def close(self):
+        stop(self.proc)
+
+
+LUA = """
+-- Requests are built once in init(), so the per-request cost of the load generator is the same
+-- small table lookup in every scenario (building them per request halved wrk's rate here).
+local reqs = {}
+local i = 0
+local n = 1
+setup = function(thread) thread:set("tid", tostring(math.random(1, 1000000000))) end
+init = function(args)
+  local mode = "%(mode)s"
+  if mode == "unique" then n = %(unique)d end
+  if mode == "pool" then n = %(pool)d end
+  for k = 1, n do
+    local h = {["content-type"] = "application/json", ["authorization"] = "Bearer bench", ["host"] = "bench"}
+    if mode == "unique" then h["idempotency-key"] = "k-" .. tid .. "-" .. k end
+    if mode == "fixed" then h["idempotency-key"] = "replay-key" end
+    if mode == "pool" then h["idempotency-key"] = "pool-" .. (k - 1) end
+    reqs[k] = wrk.format("%(method)s", "/bench", h, %(body)s)
+  end
+end
+request = function()
+  i = i + 1
+  if i > n then i = 1 end
+  return reqs[i]
+end
+"""
+
+
+def wrk(port, method="POST", mode="none", pool=1, duration=DURATION):
+    body = "nil" if method == "GET" else json.dumps(BODY)
+    script = LUA % {"mode": mode, "pool": pool, "method": method, "body": body, "unique": 40_000 * duration}
+    f = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False, dir=OUT)
+    f.write(script)
+    f.close()
+    out = subprocess.run(["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{duration}s", "--latency", "-s", f.name, f"http://127.0.0.1:{port}"],
+                         capture_output=True, text=True, timeout=duration + 60).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    non2xx = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", out)) else 0
+
+    def pct(p):
+        m = re.search(rf"\s{p}%\s+([\d.]+)(us|ms|s)", out)
+        v, unit = float(m.group(1)), m.group(2)
+        return v / 1000 if unit == "us" else v if unit == "ms" else v * 1000
+
+    return {"rps": rps, "p50_ms": pct(50), "p99_ms": pct(99), "requests": total, "non_2xx": non2xx}
+
+
+def repeated(port, **kw):
+    runs = [wrk(port, **kw) for _ in range(RUNS)]
+    med = lambda k: statistics.median(r[k] for r in runs)
+    return {
+        "rps": med("rps"), "rps_min": min(r["rps"] for r in runs), "rps_max": max(r["rps"] for r in runs),
+        "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"), "p99_ms_max": max(r["p99_ms"] for r in runs),
+        "requests": sum(r["requests"] for r in runs), "non_2xx": sum(r["non_2xx"] for r in runs), "runs": runs,
+    }
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    wasm = os.path.join(ROOT, "dist", "idemgate.wasm")
+    empty = os.path.join(ROOT, "dist", "empty.wasm")
+    api_port = free_port()
+    start([os.path.join(ROOT, "target", "release", "demo-payments"), "--port", str(api_port)], os.path.join(OUT, "api.log"))
+    wait_http(f"http://127.0.0.1:{api_port}/stats")
+    redis_port, webdis_port = free_port(), free_port()
+    rdir = tempfile.mkdtemp(dir=OUT)
+    start(["redis-server", os.path.join(ROOT, "envoy", "redis.conf"), "--port", str(redis_port), "--dir", rdir, "--daemonize", "no", "--appendonly", "no"], os.path.join(OUT, "redis.log"))
+    json.dump({"redis_host": "127.0.0.1", "redis_port": redis_port, "http_host": "127.0.0.1", "http_port": webdis_port, "threads": 1, "pool_size": 8,
+               "daemonize": False, "database": 0, "verbosity": 1, "logfile": os.path.join(OUT, "webdis.log"), "acl": [{"disabled": ["DEBUG"]}]},
+              open(os.path.join(OUT, "webdis.json"), "w"))
+    start(["webdis", os.path.join(OUT, "webdis.json")], os.path.join(OUT, "webdis.out"), cwd=OUT)
+    wait_http(f"http://127.0.0.1:{webdis_port}/PING")
+    plugin_store = dict(PLUGIN_LOCAL, store={"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 1000})
+    R = {}
+
+    def scenario(name, envoy_kw, calls=None, **wrk_kw):
+        e = Envoy(name, **envoy_kw)
+        try:
+            if "warm" in wrk_kw:
+                wrk(e.port, duration=1, **wrk_kw.pop("warm"))
+            before, before_cluster = e.stat("idemgate.store_calls"), e.store_requests()
+            R[name] = repeated(e.port, **wrk_kw)
+            time.sleep(0.5)  # writes made after the last responses
+            if envoy_kw.get("plugin"):
+                n = max(R[name]["requests"], 1)
+                R[name]["store_calls_per_request"] = (e.stat("idemgate.store_calls") - before) / n
+                R[name]["store_cluster_requests_per_request"] = (e.store_requests() - before_cluster) / n
+        finally:
+            e.close()
+        print(f"bench: {name}: {R[name]['rps']:.0f} req/s (min {R[name]['rps_min']:.0f}, max {R[name]['rps_max']:.0f}), p50 {R[name]['p50_ms']:.3f} ms, p99 {R[name]['p99_ms']:.3f} ms", flush=True)
+
+    base = dict(api_port=api_port, store_port=None, plugin=None)
+    scenario("a_direct", dict(base, wasm=None, direct=True), mode="none")
+    scenario("a_proxied", dict(base, wasm=None, direct=False), mode="none")
+    scenario("b_empty_wasm_direct", dict(base, wasm=empty, direct=True), mode="fixed")
+    scenario("b_empty_wasm_proxied", dict(base, wasm=empty, direct=False), method="GET", mode="none")
+    scenario("c_unprotected_get", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), method="GET", mode="none")
+    scenario("d_first_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), mode="unique")
+    scenario("e_first_store", dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port), mode="unique")
+    scenario("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), mode="fixed", warm={"mode": "fixed"})
+    # (g): records made by another proxy: a pool of keys completed through proxy A, replayed by
+    # proxy B whose local tier has never seen them (each key once per run, so every replay misses
+    # locally and reads the store).
+    pool = 4000 if QUICK else 20000
+    a = Envoy("g_writer", **dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port))
+    written = 0
+    while written < 2 * pool:  # every pool key completed through A (each at least once)
+        written += wrk(a.port, mode="pool", pool=pool, duration=2)["requests"]
+    a.close()
+    g_runs = []
+    for _ in range(RUNS):
+        b = Envoy("g_reader", **dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port))
+        before = b.stat("idemgate.store_calls")
+        r = wrk(b.port, mode="pool", pool=pool, duration=1)
+        time.sleep(0.3)
+        r["store_calls_per_request"] = (b.stat("idemgate.store_calls") - before) / max(r["requests"], 1)
+        r["store_calls_per_local_miss"] = (b.stat("idemgate.store_calls") - before) / max(min(r["requests"], pool), 1)
+        b.close()
+        g_runs.append(r)
+    med = lambda k: statistics.median(x[k] for x in g_runs)
+    R["g_replay_after_local_miss"] = {"rps": med("rps"), "rps_min": min(x["rps"] for x in g_runs), "rps_max": max(x["rps"] for x in g_runs),
+                                      "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"), "p99_ms_max": max(x["p99_ms"] for x in g_runs),
+                                      "requests": sum(x["requests"] for x in g_runs), "non_2xx": sum(x["non_2xx"] for x in g_runs),
+                                      "store_calls_per_request": med("store_calls_per_request"),
+                                      "store_calls_per_local_miss": med("store_calls_per_local_miss"), "runs": g_runs,
+                                      "note": f"first {pool} requests of each run miss locally; later ones replay from memory"}
+    print(f"bench: g_replay_after_local_miss: {R['g_replay_after_local_miss']['rps']:.0f} req/s", flush=True)
+
+    # Memory under a flood of unique keys, with the configured cap.
+    capped = dict(PLUGIN_LOCAL, local={"max_entries": 10000, "max_bytes": 67108864, "when_full": "evict_oldest"})
+    e = Envoy("memory", **dict(base, wasm=wasm, direct=False, plugin=capped))
+    mem = {"cap_max_entries": 10000}
+    sent = 0
+    targets = [100_000] if QUICK else [100_000, 1_000_000]
+    for target in targets:
+        while sent < target:
+            r = wrk(e.port, mode="unique", duration=5)
+            sent += r["requests"]
+        mem[f"rss_bytes_after_{target}"] = e.rss()
+        mem[f"keys_sent_for_{target}"] = sent
+    e.close()
+    R["memory"] = mem
+
+    ratio = lambda x, y: R[x]["rps"] / R[y]["rps"]
+    results = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip()},
+        "settings": {"envoy_workers": 1, "wrk_threads": 1, "connections": CONNECTIONS, "duration_s": DURATION, "runs": RUNS, "body_bytes": len(BODY), "log_level": "error", "quick": QUICK},
+        "passthrough_ratio": ratio("c_unprotected_get", "b_empty_wasm_proxied"),
+        "passthrough_ratio_divides_by": "b_empty_wasm_proxied (same GET requests)",
+        "protected_first_ratio": ratio("e_first_store", "a_proxied"),
+        "protected_first_ratio_divides_by": "a_proxied (Envoy without Wasm, proxying the same POSTs)",
+        "protected_first_local_ratio": ratio("d_first_local", "a_proxied"),
+        "replay_local_ratio": ratio("f_replay_local", "b_empty_wasm_direct"),
+        "replay_local_ratio_divides_by": "b_empty_wasm_direct (empty Wasm filter in front of Envoy's direct_response, same POSTs)",
+        "first_request_store_round_trips": R["e_first_store"]["store_calls_per_request"],
+        "first_request_store_round_trips_note": "claim-or-read on the critical path plus the completion write made after the response",
+        "replay_local_store_round_trips": R["f_replay_local"]["store_calls_per_request"],
+        "replay_after_local_miss_store_round_trips": R["g_replay_after_local_miss"]["store_calls_per_local_miss"],
+        "wasm_bytes": os.path.getsize(wasm),
+        "empty_wasm_bytes": os.path.getsize(empty),
+        "scenarios": R,
+    }
+    json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=2)
+    write_docs(results)
+    print(json.dumps({k: v for k, v in results.items() if k != "scenarios"}, indent=2))
+
+
+LABELS = [
+    ("a_direct", "(a) Envoy, direct_response"),
+    ("a_proxied", "(a) Envoy, proxied"),
+    ("b_empty_wasm_direct", "(b) empty Wasm, direct_response"),
+    ("b_empty_wasm_proxied", "(b) empty Wasm, proxied (GET)"),
+    ("c_unprotected_get", "(c) idemgate, unprotected GET"),
+    ("d_first_local", "(d) idemgate, first POST, local tier"),
+    ("e_first_store", "(e) idemgate, first POST, Redis store"),
+    ("f_replay_local", "(f) idemgate, replay from memory"),
+    ("g_replay_after_local_miss", "(g) idemgate, replay after local miss"),
+]
+
+
+def svg(results):
+    S = results["scenarios"]
+    w, row, left = 760, 26, 300
+    h = 60 + row * len(LABELS) * 2
+    top_rps = max(S[k]["rps"] for k, _ in LABELS)
+    top_p99 = max(S[k]["p99_ms"] for k, _ in LABELS)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+           '<text x="10" y="20" font-size="14">idemgate: throughput (blue, req/s) and p99 latency (orange, ms) by scenario</text>']
+    for i, (k, label) in enumerate(LABELS):
+        y = 40 + i * row * 2
+        rps, p99 = S[k]["rps"], S[k]["p99_ms"]
+        out.append(f'<text x="10" y="{y + 12}">{label}</text>')
+        out.append(f'<rect x="{left}" y="{y}" width="{(w - left - 90) * rps / top_rps:.1f}" height="12" fill="#3b6fb6"/>')
+        out.append(f'<text x="{left + (w - left - 90) * rps / top_rps + 4:.1f}" y="{y + 11}">{rps:.0f}</text>')
+        out.append(f'<rect x="{left}" y="{y + 15}" width="{(w - left - 90) * p99 / top_p99:.1f}" height="10" fill="#e08a2c"/>')
+        out.append(f'<text x="{left + (w - left - 90) * p99 / top_p99 + 4:.1f}" y="{y + 24}">{p99:.2f} ms</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def write_docs(results):
+    os.makedirs(os.path.join(ROOT, "docs"), exist_ok=True)
+    open(os.path.join(ROOT, "docs", "bench.svg"), "w").write(svg(results))
+    S = results["scenarios"]
+    rows = "\n".join(
+        f"| {label} | {S[k]['rps']:.0f} ({S[k]['rps_min']:.0f}-{S[k]['rps_max']:.0f}) | {S[k]['p50_ms']:.3f} | {S[k]['p99_ms']:.3f} | "
+        f"{S[k].get('store_calls_per_request', 0):.3f} |" for k, label in LABELS)
+    m = S["memory"]
+    mem = ", ".join(f"{k.replace('rss_bytes_after_', 'after ')} keys: {v / 1048576:.1f} MiB" for k, v in m.items() if k.startswith("rss_"))
+    st = results["settings"]
+    doc = f"""# Benchmarks
+
+Generated by `make bench` (`scripts/bench.py`); do not edit by hand. Machine: {results['machine']['cpus']} cores,
+{results['machine']['platform']}, {results['machine']['envoy']}.
+
+Settings: Envoy with {st['envoy_workers']} worker, log level {st['log_level']}; wrk with {st['wrk_threads']} thread and
+{st['connections']} connections for {st['duration_s']} s, {st['runs']} runs per scenario (median, and min-max of
+throughput); POST bodies of {st['body_bytes']} bytes with the same headers in every scenario; the upstream is the demo
+API's stateless `/bench` route on 127.0.0.1. Quick run: {st['quick']}.
+
+| scenario | req/s median (min-max) | p50 ms | p99 ms | store round trips / request |
+|---|---|---|---|---|
+{rows}
+
+Ratios (each names its baseline):
+
+- `passthrough_ratio` = (c) / (b proxied, same GETs) = **{results['passthrough_ratio']:.3f}**
+- `protected_first_ratio` = (e) / (a proxied) = **{results['protected_first_ratio']:.3f}** (local tier only, (d) / (a proxied): {results['protected_first_local_ratio']:.3f})
+- `replay_local_ratio` = (f) / (b, empty Wasm in front of `direct_response`) = **{results['replay_local_ratio']:.3f}**
+- store round trips: first request {results['first_request_store_round_trips']:.3f} (one claim-or-read on the critical path
+  plus the completion write after the response), replay from memory {results['replay_local_store_round_trips']:.3f},
+  replay after a local miss {results['replay_after_local_miss_store_round_trips']:.3f} ({S['g_replay_after_local_miss']['note']})
+- module: {results['wasm_bytes']} bytes (the empty filter: {results['empty_wasm_bytes']} bytes)
+- memory (Envoy resident set) under a flood of unique keys with `local.max_entries` {m['cap_max_entries']}: {mem}
+
+![throughput and p99 by scenario](bench.svg)
+
+Rerun: `make bench` (about {'3' if st['quick'] else '15'} minutes; `BENCH_QUICK=1 make bench` for the short version).
+Raw figures: `target/bench/results.json`.
+"""
+    open(os.path.join(ROOT, "docs", "BENCHMARKS.md"), "w").write(doc)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        for p in list(PROCS):
+            stop(p)
