@@ -54,10 +54,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn head(method: &str, path: &str, hs: &[(&str, &str)]) -> RequestHead {
-        let mut pairs =
-            vec![(":method".to_string(), method.as_bytes().to_vec()), (":path".to_string(), path.as_bytes().to_vec())];
-        pairs.extend(hs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())));
-        RequestHead::from_pairs(pairs)
+        RequestHead::for_test(method, path, hs)
     }
 
     fn cfg(include_body: bool) -> DeriveKey {

@@ -95,12 +95,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn head(method: &str, path: &str, extra: &[(&str, &str)]) -> RequestHead {
-        let mut pairs =
-            vec![(":method".to_string(), method.as_bytes().to_vec()), (":path".to_string(), path.as_bytes().to_vec())];
-        for (n, v) in extra {
-            pairs.push((n.to_string(), v.as_bytes().to_vec()));
-        }
-        RequestHead::from_pairs(pairs)
+        RequestHead::for_test(method, path, extra)
     }
 
     fn cfg(headers: &[&str], include_query: bool, json: JsonMode) -> FingerprintConfig {

@@ -34,6 +34,15 @@ impl RequestHead {
         self.headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice()).collect()
     }
 
+    /// A head for tests: method, path and header lines.
+    #[cfg(test)]
+    pub(crate) fn for_test(method: &str, path: &str, headers: &[(&str, &str)]) -> RequestHead {
+        let mut pairs =
+            vec![(":method".to_string(), method.as_bytes().to_vec()), (":path".to_string(), path.as_bytes().to_vec())];
+        pairs.extend(headers.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())));
+        RequestHead::from_pairs(pairs)
+    }
+
     /// The path without its query string.
     pub fn path_without_query(&self) -> &str {
         self.path.split_once('?').map_or(self.path.as_str(), |(p, _)| p)

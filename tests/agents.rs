@@ -35,6 +35,14 @@ fn agent(port: u16, key: Option<&str>, headers: &[&str], timeout_s: f64, upstrea
     report
 }
 
+/// The first attempt, in the background: a slow request with `key`.
+fn first_attempt(port: u16, key: &'static str, delay_ms: &'static str) -> std::thread::JoinHandle<Response> {
+    std::thread::spawn(move || {
+        let h = [("authorization", "Bearer a"), ("idempotency-key", key), ("x-up-delay-ms", delay_ms)];
+        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
+    })
+}
+
 fn resource_id(body: &str) -> String {
     serde_json::from_str::<Value>(body).ok().and_then(|v| v["id"].as_str().map(str::to_string)).unwrap_or_default()
 }
@@ -114,10 +122,7 @@ fn detached_mode_upstream_silence_is_outcome_unknown() {
 fn wait_mode_gives_a_concurrent_retry_the_replay_instead_of_a_409() {
     let (up, envoy) = stack(r#", "in_flight": "wait", "wait_ms": 5000"#);
     let port = envoy.port;
-    let first = std::thread::spawn(move || {
-        let h = [("authorization", "Bearer a"), ("idempotency-key", "k-wait"), ("x-up-delay-ms", "1000")];
-        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
-    });
+    let first = first_attempt(port, "k-wait", "1000");
     std::thread::sleep(Duration::from_millis(200));
     let started = std::time::Instant::now();
     let h = [("authorization", "Bearer a"), ("idempotency-key", "k-wait")];
@@ -137,10 +142,7 @@ fn wait_mode_gives_a_concurrent_retry_the_replay_instead_of_a_409() {
 fn wait_mode_answers_409_when_the_first_attempt_outlasts_wait_ms() {
     let (up, envoy) = stack(r#", "in_flight": "wait", "wait_ms": 300"#);
     let port = envoy.port;
-    let first = std::thread::spawn(move || {
-        let h = [("authorization", "Bearer a"), ("idempotency-key", "k-wait2"), ("x-up-delay-ms", "1500")];
-        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
-    });
+    let first = first_attempt(port, "k-wait2", "1500");
     std::thread::sleep(Duration::from_millis(200));
     let started = std::time::Instant::now();
     let retry = http::request(
@@ -163,10 +165,7 @@ fn wait_mode_answers_409_when_the_first_attempt_outlasts_wait_ms() {
 fn many_waiting_retries_neither_spin_nor_execute() {
     let (up, envoy) = stack(r#", "in_flight": "wait", "wait_ms": 5000"#);
     let port = envoy.port;
-    let first = std::thread::spawn(move || {
-        let h = [("authorization", "Bearer a"), ("idempotency-key", "k-many"), ("x-up-delay-ms", "1500")];
-        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
-    });
+    let first = first_attempt(port, "k-many", "1500");
     std::thread::sleep(Duration::from_millis(200));
     let cpu_before = process_cpu_ticks(&envoy);
     let waiters: Vec<_> = (0..30)
