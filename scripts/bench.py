@@ -141,13 +141,15 @@ LUA = """
 local reqs = {}
 local i = 0
 local n = 1
-setup = function(thread) thread:set("tid", tostring(math.random(1, 1000000000))) end
+-- A fresh prefix per wrk run (substituted by bench.py): wrk's Lua random generator is not
+-- seeded, so math.random alone would repeat the same "unique" keys in every run.
+setup = function(thread) thread:set("tid", "%(run)s-" .. tostring(math.random(1, 1000000000))) end
 init = function(args)
   local mode = "%(mode)s"
   if mode == "unique" then n = %(unique)d end
   if mode == "pool" then n = %(pool)d end
   for k = 1, n do
-    local h = {["content-type"] = "application/json", ["authorization"] = "Bearer bench", ["host"] = "bench"}
+    local h = {["content-type"] = "application/json", ["authorization"] = "Bearer bench", ["Host"] = "bench"}
     if mode == "unique" then h["idempotency-key"] = "k-" .. tid .. "-" .. k end
     if mode == "fixed" then h["idempotency-key"] = "replay-key" end
     if mode == "pool" then h["idempotency-key"] = "pool-" .. (k - 1) end
@@ -164,7 +166,8 @@ end
 
 def wrk(port, method="POST", mode="none", pool=1, duration=DURATION):
     body = "nil" if method == "GET" else json.dumps(BODY)
-    script = LUA % {"mode": mode, "pool": pool, "method": method, "body": body, "unique": 40_000 * duration}
+    script = LUA % {"mode": mode, "pool": pool, "method": method, "body": body, "unique": 40_000 * duration,
+                    "run": f"{time.time_ns():x}"}
     f = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False, dir=OUT)
     f.write(script)
     f.close()
