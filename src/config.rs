@@ -286,6 +286,12 @@ impl Config {
         policy.methods.iter().any(|m| m == method).then_some(policy)
     }
 
+    /// Whether any policy protects `method`: unprotected methods are let through after reading
+    /// one header.
+    pub fn protects_method(&self, method: &str) -> bool {
+        self.policies().iter().any(|p| p.methods.iter().any(|m| m == method))
+    }
+
     /// Every policy in force (for defining per-policy resources once at configure time).
     pub fn policies(&self) -> Vec<&Policy> {
         if self.routes.is_empty() {
@@ -896,6 +902,7 @@ mod tests {
         assert!(c.policy_for("PATCH", "/").is_some());
         assert!(c.policy_for("GET", "/anything").is_none());
         assert!(c.policy_for("post", "/anything").is_none(), "methods are case-sensitive on the wire");
+        assert!(c.protects_method("POST") && !c.protects_method("GET"));
     }
 
     #[test]

@@ -603,8 +603,12 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
-        // Cheap path first: two single-header reads decide whether the request is protected.
+        // Cheap path first: one header read lets unprotected methods through, a second (the path)
+        // decides the route.
         let method = host::header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
+        if !self.shared.config.protects_method(&method) {
+            return Action::Continue;
+        }
         let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
         let policies = self.shared.config.policies();
         let Some(policy) = self.shared.config.policy_for(&method, &path) else { return Action::Continue };
@@ -775,6 +779,9 @@ impl HttpContext for Http {
     }
 
     fn on_log(&mut self) {
+        if self.req.is_none() && matches!(self.phase, Phase::Pass) {
+            return; // unprotected: nothing to settle
+        }
         self.release_budget();
         // A detached or held request whose client is gone can no longer be answered; the root
         // still settles a detached request's claim when the upstream answers.
