@@ -13,7 +13,23 @@ mkdir -p "$STATE"
 
 log() { echo "demo: $*" >&2; }
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+# A free port below Linux's ephemeral range (so no outgoing connection can take it meanwhile).
+free_port() {
+  python3 - <<'PY'
+import random, socket
+for _ in range(1000):
+    p = random.randint(20000, 32767)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+        print(p)
+        break
+    except OSError:
+        pass
+    finally:
+        s.close()
+PY
+}
 
 wait_http() { # url, seconds
   local deadline=$((SECONDS + $2))

@@ -16,8 +16,21 @@ use std::time::{Duration, Instant};
 pub mod store;
 pub mod upstream;
 
-/// A port that was free a moment ago on 127.0.0.1.
+static PORT_SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A port that was free a moment ago on 127.0.0.1, chosen in 20000-32767: below Linux's
+/// ephemeral range, so it cannot be taken meanwhile as the source port of an outgoing connection.
 pub fn free_port() -> u16 {
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    for _ in 0..1000 {
+        let n = PORT_SEQ.fetch_add(1, Ordering::SeqCst);
+        let mix = (seed ^ std::process::id().wrapping_mul(2_654_435_761) ^ n.wrapping_mul(40_503))
+            .wrapping_mul(2_246_822_519);
+        let port = 20_000 + (mix % 12_768) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     l.local_addr().expect("local addr").port()
 }
@@ -195,8 +208,20 @@ pub enum Started {
 }
 
 impl Envoy {
-    /// Starts Envoy with `o` and waits until it is ready (or has exited).
+    /// Starts Envoy with `o` and waits until it is ready (or has exited). A port picked at run
+    /// time can be taken before Envoy binds it (by another test's process, or as the source port
+    /// of an outgoing connection): then it starts again on fresh ports, a few times at most.
     pub fn try_start(o: &EnvoyOptions) -> Started {
+        let mut attempt = 0;
+        loop {
+            match Envoy::try_start_once(o) {
+                Started::Exited { log, .. } if log.contains("Address already in use") && attempt < 4 => attempt += 1,
+                other => return other,
+            }
+        }
+    }
+
+    fn try_start_once(o: &EnvoyOptions) -> Started {
         let scratch = Scratch::new("envoy");
         let port = free_port();
         let admin_port = free_port();
