@@ -1,7 +1,7 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build test test-native test-wasm test-demo lint demo up down bench deps clean
+.PHONY: all build test test-native test-wasm test-demo lint demo up down bench fuzz deps clean
 
 all: build
 
@@ -52,6 +52,10 @@ bench: build deps
 	scripts/build-wasm.sh --empty
 	cargo build --locked --release --quiet --bin demo-payments
 	python3 scripts/bench.py
+
+## fuzz: bounded cargo-fuzz runs of every parser of outside input (FUZZ_SECONDS per target, default 60)
+fuzz:
+	scripts/fuzz.sh $${FUZZ_SECONDS:-60}
 
 clean:
 	cargo clean

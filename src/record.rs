@@ -344,6 +344,10 @@ impl<'a> Reader<'a> {
         let mut v: u64 = 0;
         for shift in (0..64).step_by(7) {
             let b = self.byte()?;
+            // One encoding per value: a trailing zero byte would be a second spelling of it.
+            if b == 0 && shift > 0 {
+                return Err(DecodeError::VarintOverflow);
+            }
             let part = u64::from(b & 0x7f);
             if shift == 63 && part > 1 {
                 return Err(DecodeError::VarintOverflow);
@@ -464,6 +468,23 @@ mod tests {
     }
 
     #[test]
+    fn a_record_has_one_encoding_only() {
+        let bytes = record(State::OutcomeUnknown { reason: UnknownReason::Other }).encode();
+        // created_at_ms spelled with a redundant continuation byte.
+        let mut padded = bytes[..37].to_vec();
+        let rest = &bytes[37..];
+        let mut i = 0;
+        while rest[i] & 0x80 != 0 {
+            i += 1;
+        }
+        padded.extend_from_slice(&rest[..i]);
+        padded.push(rest[i] | 0x80);
+        padded.push(0);
+        padded.extend_from_slice(&rest[i + 1..]);
+        assert!(Record::decode(&padded).is_err());
+    }
+
+    #[test]
     fn huge_declared_length_is_refused_without_allocating_it() {
         let mut bytes = b"IGR\x01\x03".to_vec();
         bytes.extend_from_slice(&[0; 32]);
@@ -524,8 +545,10 @@ mod tests {
             }
 
             #[test]
-            fn decoding_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
-                let _ = Record::decode(&bytes);
+            fn decoding_arbitrary_bytes_never_panics_and_round_trips_when_it_succeeds(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+                if let Ok(r) = Record::decode(&bytes) {
+                    prop_assert_eq!(r.encode(), bytes);
+                }
             }
 
             #[test]

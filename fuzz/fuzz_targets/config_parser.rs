@@ -1,0 +1,13 @@
+#![no_main]
+//! Any bytes as the plugin configuration: refused with a reason, or accepted and usable.
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    match idemgate::config::Config::parse(data) {
+        Ok(c) => {
+            let _ = c.policy_for("POST", "/");
+            assert!(!c.policies().is_empty());
+        }
+        Err(e) => assert!(!e.reason.is_empty()),
+    }
+});

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Bounded fuzzing of the parsers that take outside input: key header, stored records and
+# buckets, store answers, plugin configuration, JSON canonicaliser (fuzz/fuzz_targets/).
+#   scripts/fuzz.sh [seconds per target, default 60]
+# Seed corpora live in fuzz/corpus/<target>; findings are written to fuzz/artifacts/ and fail
+# the run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECONDS_PER_TARGET=${1:-60}
+command -v cargo-fuzz >/dev/null || timeout 600 cargo install --quiet cargo-fuzz
+rustup toolchain list | grep -q nightly || { echo "fuzz: needs the nightly toolchain (rustup toolchain install nightly)" >&2; exit 1; }
+cd fuzz
+for t in key_parser record_decoder store_answers config_parser canonical_json; do
+  echo "fuzz: $t for ${SECONDS_PER_TARGET}s"
+  # A private copy of the seeds: the committed corpus stays small and reviewed.
+  work=$(mktemp -d)
+  cp -r "corpus/$t/." "$work/"
+  cargo +nightly fuzz run "$t" "$work" -- -max_total_time="$SECONDS_PER_TARGET" -max_len=4096 2>&1 | grep -E "^#[0-9]+ *DONE|Done|ERROR|panicked|SUMMARY" || true
+  rm -rf "$work"
+  if ls "artifacts/$t"/crash-* "artifacts/$t"/oom-* "artifacts/$t"/timeout-* >/dev/null 2>&1; then
+    echo "fuzz: $t found a failing input in fuzz/artifacts/$t" >&2
+    exit 1
+  fi
+done
+echo "fuzz: no failure found"
