@@ -39,8 +39,10 @@ pub fn now_nanos() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
+/// One header's first value. Read as bytes: the SDK's text variant panics on a value that is
+/// not UTF-8 (a client may send any byte >= 0x80), and a panic is a VM crash.
 pub fn header(map: MapType, name: &str) -> Option<String> {
-    hostcalls::get_map_value(map, name).ok().flatten()
+    hostcalls::get_map_value_bytes(map, name).ok().flatten().map(|v| String::from_utf8_lossy(&v).into_owned())
 }
 
 pub fn all_headers(map: MapType) -> Vec<(String, Vec<u8>)> {

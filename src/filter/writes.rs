@@ -47,10 +47,7 @@ pub fn answer(body_size: usize, num_headers: usize) -> (Option<u16>, Vec<u8>) {
     if num_headers == 0 {
         return (None, vec![]);
     }
-    let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-        .ok()
-        .flatten()
-        .and_then(|s| s.parse::<u16>().ok());
+    let status = super::host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());
     let body = if body_size == 0 {
         vec![]
     } else {
