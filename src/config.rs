@@ -277,28 +277,36 @@ impl Config {
     /// The policy protecting a request, if any: the first route whose prefix matches the path
     /// (query excluded) when routes are configured, and only for the policy's methods.
     pub fn policy_for(&self, method: &str, path: &str) -> Option<&Policy> {
+        self.policy_index_for(method, path).and_then(|i| self.policy_at(i))
+    }
+
+    /// `policy_for` as an index for `policy_at`, so a request can keep which policy is its own.
+    pub fn policy_index_for(&self, method: &str, path: &str) -> Option<usize> {
         let path = path.split_once('?').map_or(path, |(p, _)| p);
-        let policy = if self.routes.is_empty() {
-            &self.default_policy
+        let i =
+            if self.routes.is_empty() { 0 } else { self.routes.iter().position(|r| path.starts_with(&r.prefix))? };
+        self.policy_at(i)?.methods.iter().any(|m| m == method).then_some(i)
+    }
+
+    /// The policy at an index of `policies()`.
+    pub fn policy_at(&self, i: usize) -> Option<&Policy> {
+        if self.routes.is_empty() {
+            (i == 0).then_some(&self.default_policy)
         } else {
-            &self.routes.iter().find(|r| path.starts_with(&r.prefix))?.policy
-        };
-        policy.methods.iter().any(|m| m == method).then_some(policy)
+            self.routes.get(i).map(|r| &r.policy)
+        }
     }
 
     /// Whether any policy protects `method`: unprotected methods are let through after reading
     /// one header.
     pub fn protects_method(&self, method: &str) -> bool {
-        self.policies().iter().any(|p| p.methods.iter().any(|m| m == method))
+        self.policies().any(|p| p.methods.iter().any(|m| m == method))
     }
 
-    /// Every policy in force (for defining per-policy resources once at configure time).
-    pub fn policies(&self) -> Vec<&Policy> {
-        if self.routes.is_empty() {
-            vec![&self.default_policy]
-        } else {
-            self.routes.iter().map(|r| &r.policy).collect()
-        }
+    /// Every policy in force: the default one, or one per route.
+    pub fn policies(&self) -> impl Iterator<Item = &Policy> {
+        let default = self.routes.is_empty().then_some(&self.default_policy);
+        default.into_iter().chain(self.routes.iter().map(|r| &r.policy))
     }
 }
 
@@ -892,7 +900,9 @@ mod tests {
         assert!(c.policy_for("GET", "/payments").is_none());
         assert!(c.policy_for("POST", "/orders").is_none(), "second route only protects PUT");
         assert!(c.policy_for("PUT", "/orders").is_some());
-        assert_eq!(c.policies().len(), 2);
+        assert_eq!(c.policies().count(), 2);
+        assert_eq!(c.policy_index_for("PUT", "/orders"), Some(1));
+        assert_eq!(c.policy_at(1).map(|p| &p.methods), Some(&vec!["PUT".to_string()]));
     }
 
     #[test]

@@ -164,6 +164,28 @@ impl Record {
         }
     }
 
+    /// The record of a claim made just before forwarding: in progress, owned by `owner`, its lock
+    /// held `lock_ttl_seconds` and the record kept `ttl_seconds`.
+    pub fn in_progress(
+        fingerprint: Fingerprint,
+        creator: Creator,
+        owner: OwnerToken,
+        now_ms: u64,
+        ttl_seconds: u64,
+        lock_ttl_seconds: u64,
+    ) -> Record {
+        Record {
+            fingerprint,
+            created_at_ms: now_ms,
+            expires_at_ms: now_ms.saturating_add(ttl_seconds.saturating_mul(1000)),
+            creator,
+            state: State::InProgress {
+                owner,
+                lock_expires_at_ms: now_ms.saturating_add(lock_ttl_seconds.saturating_mul(1000)),
+            },
+        }
+    }
+
     pub fn is_expired(&self, now_ms: u64) -> bool {
         now_ms >= self.expires_at_ms
     }

@@ -200,9 +200,23 @@ impl Metrics {
     }
 
     pub fn inc(&self, c: Counter) {
-        let idx = Counter::ALL.iter().position(|x| *x == c);
-        if let Some(Some(id)) = idx.and_then(|i| self.ids.get(i)) {
+        // `ALL` lists the counters in declaration order, so a counter's discriminant is its index.
+        if let Some(Some(id)) = self.ids.get(c as usize) {
             let _ = hostcalls::increment_metric(*id, 1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Counter;
+
+    #[test]
+    fn every_counter_sits_at_its_own_index_with_a_distinct_name() {
+        for (i, c) in Counter::ALL.iter().enumerate() {
+            assert_eq!(*c as usize, i, "{c:?}");
+        }
+        let names: std::collections::HashSet<&str> = Counter::ALL.iter().map(|c| c.name()).collect();
+        assert_eq!(names.len(), Counter::ALL.len());
     }
 }

@@ -108,7 +108,7 @@ impl Http {
 
     fn policy(&self) -> Option<&Policy> {
         let i = self.req.as_ref()?.policy_index;
-        self.shared.config.policies().get(i).copied()
+        self.shared.config.policy_at(i)
     }
 
     fn count(&self, c: Counter) {
@@ -288,16 +288,9 @@ impl Http {
                 None => self.local_error(LocalError::Missing),
             };
         };
-        let now = host::now_ms();
-        let lock_ms = policy.lock_ttl_seconds.saturating_mul(1000);
-        let record = Record {
-            fingerprint: fp,
-            created_at_ms: now,
-            expires_at_ms: now.saturating_add(policy.ttl_seconds.saturating_mul(1000)),
-            creator: r.creator.clone(),
-            state: State::InProgress { owner: r.owner, lock_expires_at_ms: now.saturating_add(lock_ms) },
-        };
-        let req = store::claim_request(&r.skey, &r.owner, &record, policy.ttl_seconds.saturating_mul(1000), lock_ms);
+        let (ttl, lock) = (policy.ttl_seconds, policy.lock_ttl_seconds);
+        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), ttl, lock);
+        let req = store::claim_request(&r.skey, &r.owner, &record, ttl.saturating_mul(1000), lock.saturating_mul(1000));
         self.call(req, handle, fp, false)
     }
 
@@ -449,16 +442,10 @@ impl Http {
     fn take_over(&mut self, handle: Option<Handle>, fp: Fingerprint, old: &StoredValue, policy: &Policy) -> Action {
         let Some(r) = self.req.as_ref() else { return Action::Continue };
         let now = host::now_ms();
-        let lock_ms = policy.lock_ttl_seconds.saturating_mul(1000);
-        let ttl_ms = policy.ttl_seconds.saturating_mul(1000);
-        let record = Record {
-            fingerprint: fp,
-            created_at_ms: now,
-            expires_at_ms: now.saturating_add(ttl_ms),
-            creator: r.creator.clone(),
-            state: State::InProgress { owner: r.owner, lock_expires_at_ms: now.saturating_add(lock_ms) },
-        };
-        let mut t = Transition::take_over(old.owner, r.owner, record, ttl_ms, lock_ms);
+        let (ttl, lock) = (policy.ttl_seconds, policy.lock_ttl_seconds);
+        let record = Record::in_progress(fp, r.creator.clone(), r.owner, now, ttl, lock);
+        let mut t =
+            Transition::take_over(old.owner, r.owner, record, ttl.saturating_mul(1000), lock.saturating_mul(1000));
         if old.record.is_expired(now) {
             t.expected_phases = "PDU";
             t.require_stale = false;
@@ -473,13 +460,7 @@ impl Http {
             return;
         }
         let Some(r) = self.req.as_ref() else { return };
-        let job = writes::Job {
-            what,
-            key_hash: r.skey.short(),
-            request: t.request(&r.skey),
-            fallback: fallback.map(|f| f.request(&r.skey)),
-            attempts: 0,
-        };
+        let job = writes::Job::new(what, &r.skey, &t, fallback.as_ref());
         self.shared.push_job(job);
     }
 
@@ -610,9 +591,8 @@ impl HttpContext for Http {
             return Action::Continue;
         }
         let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
-        let policies = self.shared.config.policies();
-        let Some(policy) = self.shared.config.policy_for(&method, &path) else { return Action::Continue };
-        let policy_index = policies.iter().position(|p| std::ptr::eq(*p, policy)).unwrap_or(0);
+        let Some(policy_index) = self.shared.config.policy_index_for(&method, &path) else { return Action::Continue };
+        let Some(policy) = self.shared.config.policy_at(policy_index) else { return Action::Continue };
         // The whole header map: a repeated key header must be seen, not just its first line.
         let mut head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
         let scope = CallerScope::of(&head, &policy.scope);

@@ -280,7 +280,7 @@ impl Root {
     /// is still there.
     fn forward_answered(&mut self, f: Forward, num_headers: usize, body_size: usize) {
         let Some(s) = self.shared.clone() else { return };
-        let Some(policy) = s.config.policies().get(f.claim.policy_index).copied() else { return };
+        let Some(policy) = s.config.policy_at(f.claim.policy_index) else { return };
         let (status, body) = writes::answer(body_size, num_headers);
         let headers = if num_headers == 0 {
             vec![]
@@ -490,8 +490,8 @@ impl RootContext for Root {
                 return false;
             }
         }
-        let detached = config.policies().iter().any(|p| matches!(p.forwarding, Forwarding::Detached { .. }));
-        let waits = config.policies().iter().any(|p| matches!(p.in_flight, crate::config::InFlight::Wait { .. }));
+        let detached = config.policies().any(|p| matches!(p.forwarding, Forwarding::Detached { .. }));
+        let waits = config.policies().any(|p| matches!(p.in_flight, crate::config::InFlight::Wait { .. }));
         // Detached forwarding and waiting answer clients from the root context: the host must let
         // it switch the effective context. Probe it now, rather than hang requests later.
         if (detached || waits) && hostcalls::set_effective_context(self.id).is_err() {

@@ -30,18 +30,6 @@ pub struct Claim {
     pub log: String,
 }
 
-impl Claim {
-    pub fn job(&self, what: &'static str, t: Transition, fallback: Option<Transition>) -> Job {
-        Job {
-            what,
-            key_hash: self.skey.short(),
-            request: t.request(&self.skey),
-            fallback: fallback.map(|f| f.request(&self.skey)),
-            attempts: 0,
-        }
-    }
-}
-
 /// Applies `outcome` to the claim. `detail` is appended to the log line.
 pub fn settle(
     shared: &Shared,
@@ -51,7 +39,7 @@ pub fn settle(
     too_large: bool,
     detail: &str,
 ) {
-    let Some(policy) = shared.config.policies().get(claim.policy_index).copied() else { return };
+    let Some(policy) = shared.config.policy_at(claim.policy_index) else { return };
     let now = host::now_ms();
     let t = &shared.table;
     let line = |outcome: &str, extra: &str| format!("idemgate: outcome={outcome} {} {extra}", claim.log);
@@ -64,11 +52,8 @@ pub fn settle(
                 Record::completed(claim.fp, response, too_large, claim.creator.clone(), now, policy.ttl_seconds);
             if claim.in_store && shared.config.store.is_some() {
                 let unknown = Transition::unknown(claim.owner, unknown_ms);
-                shared.push_job(claim.job(
-                    "complete",
-                    Transition::complete(claim.owner, record.clone(), ttl_ms),
-                    Some(unknown),
-                ));
+                let complete = Transition::complete(claim.owner, record.clone(), ttl_ms);
+                shared.push_job(Job::new("complete", &claim.skey, &complete, Some(&unknown)));
             }
             match claim.handle.map(|h| t.complete(&mut HostShared, &h, record)) {
                 Some(Ok(Completed::Stored)) | None => {
@@ -90,13 +75,9 @@ pub fn settle(
             }
         }
         Outcome::Release => {
-            if let Some(h) = claim.handle {
-                if let Ok(true) = t.release(&mut HostShared, &h) {
-                    shared.metrics.inc(Counter::Released);
-                }
-            }
+            release_local(shared, claim.handle);
             if claim.in_store && shared.config.store.is_some() {
-                shared.push_job(claim.job("release", Transition::release(claim.owner), None));
+                shared.push_job(Job::new("release", &claim.skey, &Transition::release(claim.owner), None));
             }
             info!("{}", line("released", detail));
         }
@@ -105,7 +86,7 @@ pub fn settle(
                 let _ = t.mark_unknown(&mut HostShared, &h, reason, now, policy);
             }
             if claim.in_store && shared.config.store.is_some() {
-                shared.push_job(claim.job("unknown", Transition::unknown(claim.owner, unknown_ms), None));
+                shared.push_job(Job::new("unknown", &claim.skey, &Transition::unknown(claim.owner, unknown_ms), None));
             }
             shared.metrics.inc(Counter::UnknownOutcome);
             info!("{}", line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())));

@@ -13,7 +13,8 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
 
 use crate::config::StoreConfig;
-use crate::store::StoreRequest;
+use crate::scope::StorageKey;
+use crate::store::{StoreRequest, Transition};
 
 /// Attempts of one write before its fallback.
 pub const MAX_WRITE_ATTEMPTS: u8 = 3;
@@ -27,6 +28,19 @@ pub struct Job {
     /// Sent once if `request` keeps failing (for a completion: mark the outcome unknown).
     pub fallback: Option<StoreRequest>,
     pub attempts: u8,
+}
+
+impl Job {
+    /// The write `t` of the record at `skey`, with an optional fallback.
+    pub fn new(what: &'static str, skey: &StorageKey, t: &Transition, fallback: Option<&Transition>) -> Job {
+        Job {
+            what,
+            key_hash: skey.short(),
+            request: t.request(skey),
+            fallback: fallback.map(|f| f.request(skey)),
+            attempts: 0,
+        }
+    }
 }
 
 /// Sends `req` to the store cluster. Errors (unknown cluster, host refusal) are returned, never
