@@ -593,6 +593,14 @@ impl HttpContext for Http {
         let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
         let Some(policy_index) = self.shared.config.policy_index_for(&method, &path) else { return Action::Continue };
         let Some(policy) = self.shared.config.policy_at(policy_index) else { return Action::Continue };
+        // No key and nothing to derive one from: decided on a single header read, without copying
+        // the header map or hashing the caller.
+        if policy.derive_key.is_none() && host::header(MapType::HttpRequestHeaders, &policy.header).is_none() {
+            return match admit(Some(policy), &[]) {
+                Admission::Reject(p) => self.answer(p, None),
+                _ => Action::Continue,
+            };
+        }
         // The whole header map: a repeated key header must be seen, not just its first line.
         let mut head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
         let scope = CallerScope::of(&head, &policy.scope);
