@@ -5,6 +5,7 @@ Every scenario runs Envoy 1.40 with one worker (--concurrency 1) and the same lo
 one thread, fixed connections, fixed body and headers), repeated; the figures are medians with
 their spread (min-max). Results: target/bench/results.json, docs/BENCHMARKS.md, docs/bench.svg.
 BENCH_QUICK=1 shortens every run (under three minutes in all).
+
 """
 import json
 import os
@@ -131,6 +132,11 @@ class Envoy:
                 return int(line.split()[1]) * 1024
         return 0
 
+    def cpu_seconds(self):
+        """User + system CPU time Envoy has used so far (all its threads)."""
+        fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def close(self):
         stop(self.proc)
 
@@ -185,12 +191,12 @@ def wrk(port, method="POST", mode="none", pool=1, duration=DURATION):
     return {"rps": rps, "p50_ms": pct(50), "p99_ms": pct(99), "requests": total, "non_2xx": non2xx}
 
 
-def repeated(port, **kw):
-    runs = [wrk(port, **kw) for _ in range(RUNS)]
+def summarise(runs):
     med = lambda k: statistics.median(r[k] for r in runs)
     return {
         "rps": med("rps"), "rps_min": min(r["rps"] for r in runs), "rps_max": max(r["rps"] for r in runs),
         "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"), "p99_ms_max": max(r["p99_ms"] for r in runs),
+        "envoy_cpu_us_per_request": statistics.median(r.get("envoy_cpu_us_per_request", 0) for r in runs),
         "requests": sum(r["requests"] for r in runs), "non_2xx": sum(r["non_2xx"] for r in runs), "runs": runs,
     }
 
@@ -212,32 +218,53 @@ def main():
     wait_http(f"http://127.0.0.1:{webdis_port}/PING")
     plugin_store = dict(PLUGIN_LOCAL, store={"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 1000})
     R = {}
-
-    def scenario(name, envoy_kw, calls=None, **wrk_kw):
-        e = Envoy(name, **envoy_kw)
-        try:
-            if "warm" in wrk_kw:
-                wrk(e.port, duration=1, **wrk_kw.pop("warm"))
-            before, before_cluster = e.stat("idemgate.store_calls"), e.store_requests()
-            R[name] = repeated(e.port, **wrk_kw)
-            time.sleep(0.5)  # writes made after the last responses
-            if envoy_kw.get("plugin"):
-                n = max(R[name]["requests"], 1)
-                R[name]["store_calls_per_request"] = (e.stat("idemgate.store_calls") - before) / n
-                R[name]["store_cluster_requests_per_request"] = (e.store_requests() - before_cluster) / n
-        finally:
-            e.close()
+    base = dict(api_port=api_port, store_port=None, plugin=None)
+    # Scenarios (a)-(f) run interleaved: every Envoy is started first, then each round runs every
+    # scenario once in turn, so a slow spell of this shared VM hits all of them alike; a ratio is
+    # the median of its per-round ratios (same round, same conditions), with their spread.
+    group = [
+        ("a_direct", dict(base, wasm=None, direct=True), dict(mode="none")),
+        ("a_proxied", dict(base, wasm=None, direct=False), dict(mode="none")),
+        ("b_empty_wasm_direct", dict(base, wasm=empty, direct=True), dict(mode="fixed")),
+        ("b_empty_wasm_proxied", dict(base, wasm=empty, direct=False), dict(method="GET", mode="none")),
+        ("c_unprotected_get", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(method="GET", mode="none")),
+        ("d_first_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="unique")),
+        ("e_first_store", dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port), dict(mode="unique")),
+        ("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed")),
+    ]
+    envoys = {name: Envoy(name, **kw) for name, kw, _ in group}
+    wrk(envoys["f_replay_local"].port, duration=1, mode="fixed")  # the record every run replays
+    runs = {name: [] for name, _, _ in group}
+    counters = {name: (envoys[name].stat("idemgate.store_calls"), envoys[name].stat("idemgate.store_calls_waited"), envoys[name].store_requests()) for name in envoys}
+    for rnd in range(RUNS):
+        for name, _, wkw in group:
+            cpu0 = envoys[name].cpu_seconds()
+            r = wrk(envoys[name].port, **wkw)
+            r["envoy_cpu_us_per_request"] = (envoys[name].cpu_seconds() - cpu0) * 1e6 / max(r["requests"], 1)
+            runs[name].append(r)
+        print(f"bench: round {rnd + 1}/{RUNS} done", flush=True)
+    time.sleep(0.5)  # writes made after the last responses
+    for name, kw, _ in group:
+        R[name] = summarise(runs[name])
+        if kw.get("plugin"):
+            n = max(R[name]["requests"], 1)
+            c0, w0, s0 = counters[name]
+            R[name]["store_calls_per_request"] = (envoys[name].stat("idemgate.store_calls") - c0) / n
+            R[name]["store_calls_waited_per_request"] = (envoys[name].stat("idemgate.store_calls_waited") - w0) / n
+            R[name]["store_cluster_requests_per_request"] = (envoys[name].store_requests() - s0) / n
+        envoys[name].close()
         print(f"bench: {name}: {R[name]['rps']:.0f} req/s (min {R[name]['rps_min']:.0f}, max {R[name]['rps_max']:.0f}), p50 {R[name]['p50_ms']:.3f} ms, p99 {R[name]['p99_ms']:.3f} ms", flush=True)
 
-    base = dict(api_port=api_port, store_port=None, plugin=None)
-    scenario("a_direct", dict(base, wasm=None, direct=True), mode="none")
-    scenario("a_proxied", dict(base, wasm=None, direct=False), mode="none")
-    scenario("b_empty_wasm_direct", dict(base, wasm=empty, direct=True), mode="fixed")
-    scenario("b_empty_wasm_proxied", dict(base, wasm=empty, direct=False), method="GET", mode="none")
-    scenario("c_unprotected_get", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), method="GET", mode="none")
-    scenario("d_first_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), mode="unique")
-    scenario("e_first_store", dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port), mode="unique")
-    scenario("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), mode="fixed", warm={"mode": "fixed"})
+    def cpu_paired(x, y):
+        """Median of the per-round ratios of Envoy CPU per request, y/x (a throughput-like ratio:
+        1.0 means x costs Envoy no more CPU per request than y)."""
+        return statistics.median(b["envoy_cpu_us_per_request"] / a["envoy_cpu_us_per_request"] for a, b in zip(runs[x], runs[y]))
+
+    def paired(x, y):
+        """Median and spread of the per-round throughput ratios x/y."""
+        rs = [a["rps"] / b["rps"] for a, b in zip(runs[x], runs[y])]
+        return {"median": statistics.median(rs), "min": min(rs), "max": max(rs), "per_round": rs}
+
     # (g): records made by another proxy: a pool of keys completed through proxy A, replayed by
     # proxy B whose local tier has never seen them (each key once per run, so every replay misses
     # locally and reads the store).
@@ -266,43 +293,114 @@ def main():
                                       "note": f"first {pool} requests of each run miss locally; later ones replay from memory"}
     print(f"bench: g_replay_after_local_miss: {R['g_replay_after_local_miss']['rps']:.0f} req/s", flush=True)
 
-    # Memory under a flood of unique keys, with the configured cap.
-    capped = dict(PLUGIN_LOCAL, local={"max_entries": 10000, "max_bytes": 67108864, "when_full": "evict_oldest"})
+    # Memory under a flood of unique keys, with the configured cap: Envoy's resident set and the
+    # local tier's shared data (idemgate's gauges), idle, once the cap is first filled, then after
+    # 100k (and 1M in the full run) unique keys.
+    cap = 10000
+    capped = dict(PLUGIN_LOCAL, local={"max_entries": cap, "max_bytes": 67108864, "when_full": "evict_oldest"})
     e = Envoy("memory", **dict(base, wasm=wasm, direct=False, plugin=capped))
-    mem = {"cap_max_entries": 10000}
+    time.sleep(1.2)  # the gauges are set once a second
+
+    def mem_point(sent):
+        time.sleep(1.2)
+        return {"keys_sent": sent, "rss_bytes": e.rss(), "local_record_bytes": e.stat("idemgate.local_record_bytes"),
+                "local_index_bytes": e.stat("idemgate.local_index_bytes"), "evictions": e.stat("idemgate.local_evictions")}
+
+    mem = {"cap_max_entries": cap, "points": [mem_point(0)]}
     sent = 0
-    targets = [100_000] if QUICK else [100_000, 1_000_000]
+    targets = [2 * cap, 100_000] if QUICK else [2 * cap, 100_000, 1_000_000]
     for target in targets:
         while sent < target:
-            r = wrk(e.port, mode="unique", duration=5)
-            sent += r["requests"]
-        mem[f"rss_bytes_after_{target}"] = e.rss()
-        mem[f"keys_sent_for_{target}"] = sent
+            sent += wrk(e.port, mode="unique", duration=min(5, max(1, (target - sent) // 2000)))["requests"]
+        mem["points"].append(mem_point(sent))
+        print(f"bench: memory after {sent} keys: RSS {mem['points'][-1]['rss_bytes'] / 1048576:.1f} MiB", flush=True)
     e.close()
+    filled = mem["points"][1]["rss_bytes"]
+    mem["rss_growth_after_cap_filled_bytes"] = mem["points"][-1]["rss_bytes"] - filled
     R["memory"] = mem
 
-    ratio = lambda x, y: R[x]["rps"] / R[y]["rps"]
+    profile = hot_path_profile()
+    cpu_split = perf_split(base, wasm, empty) if not QUICK else {"skipped": "quick run"}
+
     results = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip()},
-        "settings": {"envoy_workers": 1, "wrk_threads": 1, "connections": CONNECTIONS, "duration_s": DURATION, "runs": RUNS, "body_bytes": len(BODY), "log_level": "error", "quick": QUICK},
-        "passthrough_ratio": ratio("c_unprotected_get", "b_empty_wasm_proxied"),
+        "settings": {"envoy_workers": 1, "wrk_threads": 1, "connections": CONNECTIONS, "duration_s": DURATION, "runs": RUNS, "interleaved": True, "body_bytes": len(BODY), "log_level": "error", "quick": QUICK},
+        "passthrough_ratio": paired("c_unprotected_get", "b_empty_wasm_proxied")["median"],
+        "passthrough_ratio_spread": paired("c_unprotected_get", "b_empty_wasm_proxied"),
         "passthrough_ratio_divides_by": "b_empty_wasm_proxied (same GET requests)",
-        "protected_first_ratio": ratio("e_first_store", "a_proxied"),
+        "passthrough_cpu_ratio": cpu_paired("c_unprotected_get", "b_empty_wasm_proxied"),
+        "passthrough_cpu_ratio_note": "Envoy CPU per request of (b) divided by that of (c): the same comparison, insensitive to how the VM schedules wrk and the upstream",
+        "replay_local_cpu_ratio": cpu_paired("f_replay_local", "b_empty_wasm_direct"),
+        "protected_first_ratio": paired("e_first_store", "a_proxied")["median"],
+        "protected_first_ratio_spread": paired("e_first_store", "a_proxied"),
         "protected_first_ratio_divides_by": "a_proxied (Envoy without Wasm, proxying the same POSTs)",
-        "protected_first_local_ratio": ratio("d_first_local", "a_proxied"),
-        "replay_local_ratio": ratio("f_replay_local", "b_empty_wasm_direct"),
+        "protected_first_local_ratio": paired("d_first_local", "a_proxied")["median"],
+        "replay_local_ratio": paired("f_replay_local", "b_empty_wasm_direct")["median"],
+        "replay_local_ratio_spread": paired("f_replay_local", "b_empty_wasm_direct"),
         "replay_local_ratio_divides_by": "b_empty_wasm_direct (empty Wasm filter in front of Envoy's direct_response, same POSTs)",
-        "first_request_store_round_trips": R["e_first_store"]["store_calls_per_request"],
-        "first_request_store_round_trips_note": "claim-or-read on the critical path plus the completion write made after the response",
+        "empty_wasm_ratio_direct": paired("b_empty_wasm_direct", "a_direct")["median"],
+        "first_request_store_round_trips": R["e_first_store"]["store_calls_waited_per_request"],
+        "first_request_store_round_trips_note": "store calls the client waits for (the claim-or-read); the completion write is made after the response",
+        "first_request_store_calls_total": R["e_first_store"]["store_calls_per_request"],
         "replay_local_store_round_trips": R["f_replay_local"]["store_calls_per_request"],
         "replay_after_local_miss_store_round_trips": R["g_replay_after_local_miss"]["store_calls_per_local_miss"],
         "wasm_bytes": os.path.getsize(wasm),
         "empty_wasm_bytes": os.path.getsize(empty),
+        "hot_path_ns": profile,
+        "envoy_cpu_split": cpu_split,
         "scenarios": R,
     }
     json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=2)
     write_docs(results)
     print(json.dumps({k: v for k, v in results.items() if k != "scenarios"}, indent=2))
+
+
+def hot_path_profile():
+    """The core's per-request steps, timed natively and in V8 (benches/hot_path.rs)."""
+    env = dict(os.environ, IDEMGATE_HOT_PATH_MS="30" if QUICK else "300")
+    out = {}
+    for where, cmd in (("native", ["cargo", "bench", "--locked", "--bench", "hot_path", "--", "--bench"]),
+                       ("wasm32_v8", [os.path.join(ROOT, "scripts", "hot-path-wasm.sh")])):
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        steps = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+        out[where] = {s["step"]: s["ns_per_op"] for s in steps} if p.returncode == 0 else {"error": p.stderr[-400:]}
+    return out
+
+
+def perf_split(base, wasm, empty):
+    """Where Envoy's CPU goes (Linux perf, when it works here): the kernel, Envoy's own code
+    (stripped: no symbols), and the Wasm code V8 compiled ([JIT]), for the GET pass-through of the
+    empty filter and of idemgate, a first POST and a local replay."""
+    if subprocess.run(["perf", "stat", "-e", "task-clock", "true"], capture_output=True).returncode != 0:
+        return {"skipped": "perf is not usable here"}
+    cases = [("b_empty_wasm_proxied", dict(base, wasm=empty, direct=False), dict(method="GET", mode="none")),
+             ("c_unprotected_get", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(method="GET", mode="none")),
+             ("d_first_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="unique")),
+             ("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed"))]
+    out = {}
+    for name, ekw, wkw in cases:
+        e = Envoy("perf-" + name, **ekw)
+        try:
+            wrk(e.port, duration=1, **wkw)
+            data = os.path.join(OUT, f"perf-{name}.data")
+            rec = subprocess.Popen(["perf", "record", "-F", "999", "-p", str(e.proc.pid), "-o", data, "--", "sleep", "5"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.3)
+            r = wrk(e.port, duration=4, **wkw)
+            rec.wait(timeout=60)
+            rep = subprocess.run(["perf", "report", "-i", data, "--sort", "dso", "--stdio"], capture_output=True, text=True).stdout
+            shares = {"kernel": 0.0, "envoy": 0.0, "wasm_jit": 0.0, "other": 0.0}
+            for line in rep.splitlines():
+                m = re.match(r"\s*([\d.]+)%\s+(.+?)\s*$", line)
+                if not m:
+                    continue
+                pct, dso = float(m.group(1)), m.group(2)
+                key = "kernel" if "kernel" in dso else "wasm_jit" if dso.startswith("[JIT]") else "envoy" if dso == "envoy" else "other"
+                shares[key] += pct
+            out[name] = {"percent": shares, "rps_under_perf": r["rps"]}
+        finally:
+            e.close()
+    return out
 
 
 LABELS = [
@@ -344,42 +442,84 @@ def write_docs(results):
     S = results["scenarios"]
     rows = "\n".join(
         f"| {label} | {S[k]['rps']:.0f} ({S[k]['rps_min']:.0f}-{S[k]['rps_max']:.0f}) | {S[k]['p50_ms']:.3f} | {S[k]['p99_ms']:.3f} | "
-        f"{S[k].get('store_calls_per_request', 0):.3f} |" for k, label in LABELS)
+        f"{S[k].get('envoy_cpu_us_per_request', 0):.0f} | "
+        f"{S[k].get('store_calls_waited_per_request', 0):.3f} | {S[k].get('store_calls_per_request', 0):.3f} |" for k, label in LABELS)
     m = S["memory"]
-    mem = ", ".join(f"{k.replace('rss_bytes_after_', 'after ')} keys: {v / 1048576:.1f} MiB" for k, v in m.items() if k.startswith("rss_"))
+    mem_rows = "\n".join(f"| {p['keys_sent']} | {p['rss_bytes'] / 1048576:.1f} | {p['local_record_bytes'] / 1048576:.2f} | "
+                          f"{p['local_index_bytes'] / 1048576:.2f} | {p['evictions']} |" for p in m["points"])
+    hp = results["hot_path_ns"]
+    steps = [k for k in hp.get("wasm32_v8", {}) if k != "error"] or [k for k in hp.get("native", {}) if k != "error"]
+    hp_rows = "\n".join(f"| {k} | {hp.get('native', {}).get(k, float('nan')):.0f} | {hp.get('wasm32_v8', {}).get(k, float('nan')):.0f} |" for k in steps)
+    cs = results["envoy_cpu_split"]
+    if "skipped" in cs:
+        cpu = f"Not measured in this run ({cs['skipped']}); the full `make bench` measures it with Linux perf."
+    else:
+        cpu = "| scenario | kernel % | Envoy code % | Wasm code (V8 JIT) % | req/s under perf |\n|---|---|---|---|---|\n" + "\n".join(
+            f"| {k} | {v['percent']['kernel']:.1f} | {v['percent']['envoy']:.1f} | {v['percent']['wasm_jit']:.1f} | {v['rps_under_perf']:.0f} |" for k, v in cs.items())
     st = results["settings"]
+    sp = lambda k: f"{results[k + '_spread']['min']:.3f}-{results[k + '_spread']['max']:.3f}"
     doc = f"""# Benchmarks
 
 Generated by `make bench` (`scripts/bench.py`); do not edit by hand. Machine: {results['machine']['cpus']} cores,
 {results['machine']['platform']}, {results['machine']['envoy']}.
 
 Settings: Envoy with {st['envoy_workers']} worker, log level {st['log_level']}; wrk with {st['wrk_threads']} thread and
-{st['connections']} connections for {st['duration_s']} s, {st['runs']} runs per scenario (median, and min-max of
+{st['connections']} connections for {st['duration_s']} s, {st['runs']} rounds (median, and min-max of
 throughput); POST bodies of {st['body_bytes']} bytes with the same headers in every scenario; the upstream is the demo
-API's stateless `/bench` route on 127.0.0.1. Quick run: {st['quick']}.
+API's stateless `/bench` route on 127.0.0.1. Scenarios (a)-(f) run interleaved: all their Envoys are up
+at once and each round runs every scenario in turn, so a ratio compares runs made under the same
+conditions (its figure is the median of the per-round ratios, with their min-max). Quick run: {st['quick']}.
 
-| scenario | req/s median (min-max) | p50 ms | p99 ms | store round trips / request |
-|---|---|---|---|---|
+| scenario | req/s median (min-max) | p50 ms | p99 ms | Envoy CPU µs / request | store calls waited for / request | store calls in all / request |
+|---|---|---|---|---|---|---|
 {rows}
 
 Ratios (each names its baseline):
 
-- `passthrough_ratio` = (c) / (b proxied, same GETs) = **{results['passthrough_ratio']:.3f}**
-- `protected_first_ratio` = (e) / (a proxied) = **{results['protected_first_ratio']:.3f}** (local tier only, (d) / (a proxied): {results['protected_first_local_ratio']:.3f})
-- `replay_local_ratio` = (f) / (b, empty Wasm in front of `direct_response`) = **{results['replay_local_ratio']:.3f}**
-- store round trips: first request {results['first_request_store_round_trips']:.3f} (one claim-or-read on the critical path
-  plus the completion write after the response), replay from memory {results['replay_local_store_round_trips']:.3f},
-  replay after a local miss {results['replay_after_local_miss_store_round_trips']:.3f} ({S['g_replay_after_local_miss']['note']})
+- `passthrough_ratio` = (c) / (b proxied, same GETs) = **{results['passthrough_ratio']:.3f}** (rounds: {sp('passthrough_ratio')});
+  by Envoy CPU per request instead of throughput (b) / (c): {results['passthrough_cpu_ratio']:.3f}
+- `protected_first_ratio` = (e) / (a proxied) = **{results['protected_first_ratio']:.3f}** (rounds: {sp('protected_first_ratio')};
+  local tier only, (d) / (a proxied): {results['protected_first_local_ratio']:.3f})
+- `replay_local_ratio` = (f) / (b, empty Wasm in front of `direct_response`) = **{results['replay_local_ratio']:.3f}** (rounds: {sp('replay_local_ratio')});
+  by Envoy CPU per request: {results['replay_local_cpu_ratio']:.3f}
+- the empty Wasm filter itself, (b) / (a) with `direct_response`: {results['empty_wasm_ratio_direct']:.3f}
+- store round trips: a first request waits for {results['first_request_store_round_trips']:.3f} (the claim-or-read); the
+  completion write follows the response ({results['first_request_store_calls_total']:.3f} calls in all per first request);
+  replay from memory {results['replay_local_store_round_trips']:.3f}; replay after a local miss
+  {results['replay_after_local_miss_store_round_trips']:.3f} ({S['g_replay_after_local_miss']['note']})
 - module: {results['wasm_bytes']} bytes (the empty filter: {results['empty_wasm_bytes']} bytes)
-- memory (Envoy resident set) under a flood of unique keys with `local.max_entries` {m['cap_max_entries']}: {mem}
 
 ![throughput and p99 by scenario](bench.svg)
 
-Rerun: `make bench` (about {'3' if st['quick'] else '15'} minutes; `BENCH_QUICK=1 make bench` for the short version).
+## Memory under a flood of unique keys
+
+`local.max_entries` {m['cap_max_entries']}, `when_full: evict_oldest`; Envoy's resident set and the local tier's
+shared data (gauges `idemgate.local_record_bytes`, `idemgate.local_index_bytes`). Growth of the
+resident set from the cap first filled to the last point: {m['rss_growth_after_cap_filled_bytes'] / 1048576:.1f} MiB.
+
+| unique keys sent | Envoy RSS MiB | records in shared data MiB | index (fixed) MiB | evictions |
+|---|---|---|---|---|
+{mem_rows}
+
+## Where the time goes
+
+The core's per-request steps (`benches/hot_path.rs`), natively and compiled to wasm32 and run by
+V8 under Node.js (the engine Envoy runs the filter in); host calls excluded, shared data an
+in-memory map. ns per call:
+
+| step | native | wasm32 (V8) |
+|---|---|---|
+{hp_rows}
+
+Envoy's CPU by code region (Linux perf on the Envoy process during a run; Envoy's binary is
+stripped, so its own code is one region):
+
+{cpu}
+
+Rerun: `make bench` (about {'3' if st['quick'] else '25'} minutes; `BENCH_QUICK=1 make bench` for the short version).
 Raw figures: `target/bench/results.json`.
 """
     open(os.path.join(ROOT, "docs", "BENCHMARKS.md"), "w").write(doc)
-
 
 if __name__ == "__main__":
     try:

@@ -61,8 +61,9 @@ case "${1:-}" in
     apt_ensure redis-server redis-tools webdis
     ;;
   bench)
-    command -v wrk >/dev/null && exit 0
-    apt_ensure wrk
+    command -v wrk >/dev/null || apt_ensure wrk
+    # Linux perf for the CPU split of the full run (optional: the benchmark says when it is absent).
+    command -v perf >/dev/null || apt_ensure linux-perf || log "linux-perf not installed: the CPU split is skipped"
     ;;
   agent-client)
     # The retrying HTTP client the agent tests drive (requests + urllib3's Retry).

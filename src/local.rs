@@ -276,6 +276,11 @@ impl Table {
         self.buckets
     }
 
+    /// Bytes of the bucket index with every position occupied: fixed by `max_entries`.
+    pub fn max_index_bytes(&self) -> u64 {
+        u64::from(self.buckets) * (BUCKET_MAGIC.len() + BUCKET_WIDTH * ENTRY_BYTES) as u64
+    }
+
     pub fn bucket_name(&self, i: u32) -> String {
         format!("{}.b.{i}", self.prefix)
     }

@@ -78,6 +78,7 @@ fn the_other_proxy_replays_without_executing_and_then_serves_replays_from_memory
     // One store round trip for the first request on each proxy; a replay served from b's memory
     // afterwards makes none.
     assert_eq!(p.a.stat("idemgate.store_calls"), 2, "claim + completion write");
+    assert_eq!(p.a.stat("idemgate.store_calls_waited"), 1, "only the claim-or-read is on the critical path");
     let calls_b = p.b.stat("idemgate.store_calls");
     assert_eq!(calls_b, 1, "b: one claim-or-read that found the record");
     let third = post(&p.b, "k-x", r#"{"amount":5}"#, &[]);

@@ -101,6 +101,7 @@ pub enum Counter {
     BufferBudgetExceeded,
     LocalSwept,
     StoreCalls,
+    StoreCallsWaited,
     StoreErrors,
     StoreUnavailable,
     StorePassed,
@@ -115,7 +116,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 31] = [
+    pub const ALL: [Counter; 32] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -136,6 +137,7 @@ impl Counter {
         Counter::BufferBudgetExceeded,
         Counter::LocalSwept,
         Counter::StoreCalls,
+        Counter::StoreCallsWaited,
         Counter::StoreErrors,
         Counter::StoreUnavailable,
         Counter::StorePassed,
@@ -171,6 +173,7 @@ impl Counter {
             Counter::BufferBudgetExceeded => "idemgate.buffer_budget_exceeded",
             Counter::LocalSwept => "idemgate.local_swept",
             Counter::StoreCalls => "idemgate.store_calls",
+            Counter::StoreCallsWaited => "idemgate.store_calls_waited",
             Counter::StoreErrors => "idemgate.store_errors",
             Counter::StoreUnavailable => "idemgate.store_unavailable",
             Counter::StorePassed => "idemgate.store_passed_unprotected",
@@ -186,16 +189,44 @@ impl Counter {
     }
 }
 
+/// Gauges of the local tier's shared data, set by the root context once a second.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gauge {
+    /// Bytes of completed records held (what `local.max_bytes` bounds).
+    LocalRecordBytes,
+    /// Bytes of the bucket index when every position is occupied (fixed by `local.max_entries`).
+    LocalIndexBytes,
+}
+
+impl Gauge {
+    pub const ALL: [Gauge; 2] = [Gauge::LocalRecordBytes, Gauge::LocalIndexBytes];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Gauge::LocalRecordBytes => "idemgate.local_record_bytes",
+            Gauge::LocalIndexBytes => "idemgate.local_index_bytes",
+        }
+    }
+}
+
 /// Metric ids, defined once per VM.
 #[derive(Clone, Debug, Default)]
 pub struct Metrics {
     ids: Vec<Option<u32>>,
+    gauges: Vec<Option<u32>>,
 }
 
 impl Metrics {
     pub fn define() -> Metrics {
         Metrics {
             ids: Counter::ALL.iter().map(|c| hostcalls::define_metric(MetricType::Counter, c.name()).ok()).collect(),
+            gauges: Gauge::ALL.iter().map(|g| hostcalls::define_metric(MetricType::Gauge, g.name()).ok()).collect(),
+        }
+    }
+
+    pub fn set(&self, g: Gauge, value: u64) {
+        if let Some(Some(id)) = self.gauges.get(g as usize) {
+            let _ = hostcalls::record_metric(*id, value);
         }
     }
 
@@ -216,7 +247,11 @@ mod tests {
         for (i, c) in Counter::ALL.iter().enumerate() {
             assert_eq!(*c as usize, i, "{c:?}");
         }
-        let names: std::collections::HashSet<&str> = Counter::ALL.iter().map(|c| c.name()).collect();
-        assert_eq!(names.len(), Counter::ALL.len());
+        for (i, g) in super::Gauge::ALL.iter().enumerate() {
+            assert_eq!(*g as usize, i, "{g:?}");
+        }
+        let names: std::collections::HashSet<&str> =
+            Counter::ALL.iter().map(|c| c.name()).chain(super::Gauge::ALL.iter().map(|g| g.name())).collect();
+        assert_eq!(names.len(), Counter::ALL.len() + super::Gauge::ALL.len());
     }
 }

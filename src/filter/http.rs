@@ -297,6 +297,8 @@ impl Http {
     fn call(&mut self, req: store::StoreRequest, handle: Option<Handle>, fp: Fingerprint, takeover: bool) -> Action {
         let Some(cfg) = self.shared.config.store.as_ref() else { return self.local_error(LocalError::Missing) };
         self.count(Counter::StoreCalls);
+        // The only store calls a client waits for (the rest are made by the root context).
+        self.count(Counter::StoreCallsWaited);
         match writes::dispatch(cfg, &req, self.shared.credentials.as_deref()) {
             Ok(token) => {
                 self.phase = Phase::Calling { handle, fp, token, takeover };

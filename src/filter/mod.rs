@@ -30,7 +30,7 @@ use crate::problem::ProblemKind;
 use crate::record::{Record, State, StoredResponse};
 use crate::scope::StorageKey;
 use crate::store::{self, StorePhase};
-use host::{Counter, HostShared, Metrics};
+use host::{Counter, Gauge, HostShared, Metrics};
 use settle::Claim;
 use writes::{Job, MAX_WRITE_ATTEMPTS};
 
@@ -555,6 +555,8 @@ impl RootContext for Root {
             return;
         }
         self.last_sweep_ms = now;
+        s.metrics.set(Gauge::LocalRecordBytes, s.table.usage(&mut HostShared));
+        s.metrics.set(Gauge::LocalIndexBytes, s.table.max_index_bytes());
         let buckets = s.table.buckets();
         match s.table.sweep(&mut HostShared, self.sweep_at, SWEEP_BUCKETS_PER_SECOND, now) {
             Ok(n) => {

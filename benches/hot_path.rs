@@ -1,0 +1,256 @@
+//! Profile of idemgate's per-request work in the core, step by step (`make bench` runs it natively
+//! and compiled to wasm32-wasip1 under Node.js, whose V8 is the engine Envoy runs the filter in).
+//!
+//! Each step is what the filter does for one protected request, on the same inputs as the Envoy
+//! benchmark (70-byte JSON body, its headers, a 16-entry bucket, a 200-byte response). Host calls
+//! are not here: shared data is an in-memory map with the host's CAS rules, so the figures are
+//! the Wasm-side cost only. Output: one JSON object per line, `{"step", "ns_per_op", "iters"}`.
+//!
+//! Under `cargo test --all-targets` (no `--bench` argument) every step runs a few times only, as
+//! a smoke test that the profile still runs.
+
+use idemgate::config::Config;
+use idemgate::fingerprint::Fingerprint;
+use idemgate::key::parse_key_header;
+use idemgate::local::{Begin, Bucket, Completed, HostError, SetError, SharedData, Table};
+use idemgate::owner::{OwnerToken, TokenSources};
+use idemgate::record::{Creator, Record, StoredResponse};
+use idemgate::request::RequestHead;
+use idemgate::scope::{CallerScope, StorageKey};
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::time::Instant;
+
+/// The benchmark's plugin configuration: a table of 4096 entries (256 buckets of 16), evicting
+/// the oldest when full, as under a flood of unique keys.
+const CONFIG: &[u8] =
+    br#"{"scope": {"headers": ["authorization"]}, "local": {"max_entries": 4096, "when_full": "evict_oldest"}}"#;
+const BODY: &[u8] = br#"{"amount":4200,"currency":"eur","note":"benchmark body of fixed size"}"#;
+
+/// Shared data with the host's rules: CAS on an absent key inserts.
+#[derive(Default)]
+struct Map {
+    map: HashMap<String, (Vec<u8>, u32)>,
+    next: u32,
+}
+
+impl SharedData for Map {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        Ok(match self.map.get(key) {
+            None => (None, None),
+            Some((v, c)) => (Some(v.clone()), Some(*c)),
+        })
+    }
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        if let (Some(want), Some((_, have))) = (cas.filter(|c| *c != 0), self.map.get(key)) {
+            if want != *have {
+                return Err(SetError::CasMismatch);
+            }
+        }
+        self.next = self.next.wrapping_add(1).max(1);
+        self.map.insert(key.to_string(), (value.to_vec(), self.next));
+        Ok(())
+    }
+}
+
+fn head(key: &str) -> RequestHead {
+    let pairs: Vec<(String, Vec<u8>)> = [
+        (":method", "POST"),
+        (":path", "/bench"),
+        (":authority", "bench"),
+        (":scheme", "http"),
+        ("content-type", "application/json"),
+        ("authorization", "Bearer bench"),
+        ("idempotency-key", key),
+        ("content-length", "70"),
+        ("x-request-id", "7f3c2a9e-5b1d-4e8f-9a6c-2d4b8e1f0a3c"),
+    ]
+    .iter()
+    .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+    .collect();
+    RequestHead::from_pairs(pairs)
+}
+
+struct Bench {
+    full: bool,
+    lines: Vec<String>,
+}
+
+impl Bench {
+    /// Runs `f` repeatedly for about 300 ms (`IDEMGATE_HOT_PATH_MS`) (a few times when not benchmarking) and records the
+    /// mean time per call.
+    fn step(&mut self, name: &str, mut f: impl FnMut(u64)) {
+        // IDEMGATE_HOT_PATH_MS: time per step (300 ms unless set; `BENCH_QUICK=1 make bench` sets 30).
+        let ms = std::env::var("IDEMGATE_HOT_PATH_MS").ok().and_then(|v| v.parse::<u128>().ok()).unwrap_or(300);
+        let (budget_ns, mut batch) = if self.full { (ms * 1_000_000, 64u64) } else { (0, 2) };
+        let mut iters = 0u64;
+        let start = Instant::now();
+        loop {
+            for i in 0..batch {
+                f(iters + i);
+            }
+            iters += batch;
+            if start.elapsed().as_nanos() >= budget_ns {
+                break;
+            }
+            batch = batch.saturating_mul(2).min(1 << 16);
+        }
+        let ns = start.elapsed().as_nanos() as f64 / iters as f64;
+        let line = format!("{{\"step\": \"{name}\", \"ns_per_op\": {ns:.1}, \"iters\": {iters}}}");
+        println!("{line}");
+        self.lines.push(line);
+    }
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    let mut b = Bench { full, lines: Vec::new() };
+    let Ok(cfg) = Config::parse(CONFIG) else {
+        eprintln!("hot_path: the benchmark configuration was refused");
+        std::process::exit(2);
+    };
+    let canonical_cfg =
+        Config::parse(br#"{"scope": {"headers": ["authorization"]}, "fingerprint": {"json": "canonical"}}"#);
+    let Some(policy) = cfg.policy_at(0) else { std::process::exit(2) };
+    let fixed = head("replay-key");
+    let pairs = fixed.headers.clone();
+
+    // Steps at request headers.
+    b.step("request_head_from_headers", |_| {
+        black_box(RequestHead::from_pairs(black_box(pairs.clone())));
+    });
+    b.step("parse_key", |_| {
+        black_box(parse_key_header(&fixed.values("idempotency-key"), 255).ok());
+    });
+    let scope = CallerScope::of(&fixed, &policy.scope);
+    b.step("caller_scope_sha256", |_| {
+        black_box(CallerScope::of(black_box(&fixed), &policy.scope));
+    });
+    let Ok(Some(key)) = parse_key_header(&fixed.values("idempotency-key"), 255) else { std::process::exit(2) };
+    b.step("storage_key_sha256", |_| {
+        black_box(StorageKey::derive(&policy.namespace, &scope, black_box(&key)));
+    });
+    let entropy = [7u8; 16];
+    b.step("owner_token_sha256", |i| {
+        black_box(OwnerToken::derive(&TokenSources {
+            entropy: &entropy,
+            node: "bench",
+            vm: 1,
+            now_nanos: i,
+            counter: i,
+        }));
+    });
+    // At end of body.
+    b.step("fingerprint_raw_body", |_| {
+        black_box(Fingerprint::compute(black_box(&fixed), BODY, &policy.fingerprint));
+    });
+    if let Some(p) = canonical_cfg.as_ref().ok().and_then(|c| c.policy_at(0)) {
+        b.step("fingerprint_canonical_json", |_| {
+            black_box(Fingerprint::compute(black_box(&fixed), BODY, &p.fingerprint));
+        });
+    }
+    // Local tier encodings.
+    let table = Table::new(&cfg.local);
+    let mut sd = Map::default();
+    if table.ensure_created(&mut sd).is_err() {
+        std::process::exit(2);
+    }
+    let creator = Creator { request_id: "7f3c2a9e-5b1d-4e8f-9a6c-2d4b8e1f0a3c".into(), log_values: vec![] };
+    let (fp, _) = Fingerprint::compute(&fixed, BODY, &policy.fingerprint);
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![
+            ("content-type".into(), b"application/json".to_vec()),
+            ("location".into(), b"/charges/ch_1".to_vec()),
+        ],
+        body: br#"{"id":"ch_1","amount":4200,"currency":"eur","status":"succeeded","note":"benchmark body of fixed size","created":1700000000}"#.to_vec(),
+    };
+    let record = Record::completed(fp, response.clone(), false, creator.clone(), 1_000, 86_400);
+    let encoded = record.encode();
+    b.step("record_encode_200b_response", |_| {
+        black_box(black_box(&record).encode());
+    });
+    b.step("record_decode_200b_response", |_| {
+        black_box(Record::decode(black_box(&encoded)).ok());
+    });
+    // A full bucket: 16 claims with distinct keys landing anywhere, then the bucket bytes of the
+    // fullest one.
+    for n in 0..(16 * table.buckets() as u64) {
+        let k = head(&format!("fill-{n}"));
+        let Ok(Some(kk)) = parse_key_header(&k.values("idempotency-key"), 255) else { continue };
+        let sk = StorageKey::derive(&policy.namespace, &scope, &kk);
+        let _ = table.begin(&mut sd, sk, None, 1_000, policy, OwnerToken([1; 16]), &creator);
+    }
+    let bucket_bytes = sd
+        .map
+        .iter()
+        .filter(|(k, _)| k.contains(".b."))
+        .map(|(_, (v, _))| v.clone())
+        .max_by_key(|v| v.len())
+        .unwrap_or_default();
+    b.step("bucket_decode", |_| {
+        black_box(Bucket::decode(black_box(&bucket_bytes)));
+    });
+    if let Some(bucket) = Bucket::decode(&bucket_bytes) {
+        b.step("bucket_encode", |_| {
+            black_box(black_box(&bucket).encode());
+        });
+    }
+    // Whole local-tier operations (shared-data copies in the map included).
+    let skey = StorageKey::derive(&policy.namespace, &scope, &key);
+    let mut sd = Map::default();
+    let _ = table.ensure_created(&mut sd);
+    if let Ok(Begin::Claimed { handle, .. }) =
+        table.begin(&mut sd, skey, Some(fp), 1_000, policy, OwnerToken([2; 16]), &creator)
+    {
+        let _ = table.complete(&mut sd, &handle, record.clone());
+    }
+    // The step below must measure a replay, not a refusal.
+    if !matches!(
+        table.begin(&mut sd, skey, Some(fp), 2_000, policy, OwnerToken([3; 16]), &creator),
+        Ok(Begin::Replay(_))
+    ) {
+        eprintln!("hot_path: the stored record is not replayed");
+        std::process::exit(2);
+    }
+    b.step("local_begin_replay_hit", |_| {
+        black_box(table.begin(&mut sd, skey, Some(fp), 2_000, policy, OwnerToken([3; 16]), &creator).ok());
+    });
+    let mut sd2 = Map::default();
+    let _ = table.ensure_created(&mut sd2);
+    let mut claimed = 0u64;
+    b.step("local_claim_forward_complete", |i| {
+        let k = IdemKey::new(i);
+        let sk = StorageKey::derive(&policy.namespace, &scope, &k.0);
+        if let Ok(Begin::Claimed { handle, .. }) =
+            table.begin(&mut sd2, sk, None, 1_000 + i, policy, OwnerToken([4; 16]), &creator)
+        {
+            let _ = table.mark_forwarded(&mut sd2, &handle, fp, 1_000 + i, policy);
+            let r = Record::completed(fp, response.clone(), false, creator.clone(), 1_000 + i, 86_400);
+            if matches!(table.complete(&mut sd2, &handle, r), Ok(Completed::Stored)) {
+                claimed += 1;
+            }
+        }
+    });
+    if claimed == 0 {
+        eprintln!("hot_path: no claim was completed");
+        std::process::exit(2);
+    }
+    if !full {
+        // Smoke run: every step ran and printed a figure.
+        assert_eq!(b.lines.len(), 13, "{:?}", b.lines);
+    }
+}
+
+/// A distinct valid key per iteration.
+struct IdemKey(idemgate::key::IdempotencyKey);
+
+impl IdemKey {
+    fn new(i: u64) -> IdemKey {
+        let text = format!("k-{i}");
+        match parse_key_header(&[text.as_bytes()], 255) {
+            Ok(Some(k)) => IdemKey(k),
+            _ => std::process::exit(2),
+        }
+    }
+}
