@@ -522,6 +522,9 @@ Raw figures: `target/bench/results.json`.
     open(os.path.join(ROOT, "docs", "BENCHMARKS.md"), "w").write(doc)
 
 if __name__ == "__main__":
+    import signal
+    # Stopped from outside (Ctrl-C, kill): still stop every process it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         main()
     finally:

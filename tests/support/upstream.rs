@@ -3,7 +3,8 @@
 //!
 //! Per-request behaviour comes from request headers (not part of any fingerprint in the tests):
 //! `x-up-status` (default 201), `x-up-delay-ms`, `x-up-body-bytes` (a large body),
-//! `x-up-set-cookie` (adds a set-cookie header).
+//! `x-up-set-cookie` (adds a set-cookie header), `x-up-reset: before-headers | mid-body` (executes,
+//! then closes the connection without an answer or halfway through the body).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -158,6 +159,17 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
         head.push_str("\r\n");
         let mut out = head.into_bytes();
         out.extend_from_slice(&resp_body);
+        match get("x-up-reset").as_deref() {
+            // Executed, then the connection is cut: no response at all, or half of it.
+            Some("before-headers") => return,
+            Some("mid-body") => {
+                let cut = out.len() - resp_body.len() / 2 - 1;
+                let _ = writer.write_all(&out[..cut]);
+                let _ = writer.flush();
+                return;
+            }
+            _ => {}
+        }
         if writer.write_all(&out).is_err() {
             return;
         }
