@@ -1,7 +1,7 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build test test-native test-wasm test-demo lint demo up down bench fuzz deps clean
+.PHONY: all build test test-native test-wasm test-demo test-faults lint demo up down bench fuzz deps clean
 
 all: build
 
@@ -15,16 +15,36 @@ deps:
 	scripts/install-deps.sh agent-client
 
 ## test: lint, native unit + property tests, Envoy integration tests, core tests on wasm32 under Node.js,
-## and the demo
-test: lint build deps test-native test-wasm test-demo
+## the demo, and the fault matrix (test-faults)
+test: lint build deps test-native test-wasm test-demo test-faults
 	@echo "make test: all suites passed"
+
+## test-faults: the fault matrix, hostile input, security cases, a bounded soak (IDEMGATE_SOAK_SECONDS,
+## default 120) and bounded fuzzing (FUZZ_SECONDS per target, default 60); tables in target/faults/
+FAULT_CASES_ELSEWHERE = malformed_keys body_over_the_limit client_that_disconnects upstream_timeout \
+  never_forwarded_stale_claim response_too_large full_local_tier two_callers replays_carry_no_set_cookie \
+  request_envoy_never_sent buffer_budget redis_down store_slower proxy_killed_mid_request \
+  survives_a_redis_kill store_write_failing no_raw_key lands_even_when_the_client_has_left \
+  flood_of_unique_keys_keeps_envoy_memory_flat
+test-faults: build deps
+	scripts/install-deps.sh bench
+	scripts/install-deps.sh curl
+	scripts/build-wasm.sh --crash-injection
+	rm -rf target/faults
+	cargo test --locked --test faults --test hostile --test soak
+	cargo test --locked --test single_proxy --test two_proxies --test memory_flood -- $(FAULT_CASES_ELSEWHERE)
+	scripts/fuzz.sh $${FUZZ_SECONDS:-60}
+	@printf '\nFault table (case | upstream executions | what the clients saw):\n'; cat target/faults/table.md
+	@printf '\nHostile input (case | answer | executions):\n'; cat target/faults/hostile.md
+	@printf '\nFuzzing (target | executions | time | result):\n'; cat target/faults/fuzz.md
 
 ## test-demo: the demo must pass too (every operation executed exactly once)
 test-demo:
 	scripts/demo.sh run
 
+## test-native: everything but the fault matrix, which test-faults runs
 test-native:
-	cargo test --locked --all-targets
+	cargo test --locked --all-targets -- --skip fault_ --skip hostile_ --skip soak_
 
 test-wasm:
 	scripts/test-wasm.sh

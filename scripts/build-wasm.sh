@@ -5,7 +5,11 @@ cd "$(dirname "$0")/.."
 TARGET=wasm32-wasip1
 # --empty: the benchmarks' empty pass-through filter, written to dist/empty.wasm.
 FEATURES="" OUT=dist/idemgate.wasm SUBDIR=""
-if [ "${1:-}" = "--empty" ]; then FEATURES="--features empty-filter" OUT=dist/empty.wasm SUBDIR=/empty; fi
+# --crash-injection: a test-only module that traps on demand, written to dist/idemgate-crash.wasm.
+case "${1:-}" in
+  --empty) FEATURES="--features empty-filter" OUT=dist/empty.wasm SUBDIR=/empty ;;
+  --crash-injection) FEATURES="--features crash-injection" OUT=dist/idemgate-crash.wasm SUBDIR=/crash ;;
+esac
 scripts/install-deps.sh wasm-toolchain "$TARGET"
 . scripts/wasm-env.sh
 wasm_env "$TARGET"

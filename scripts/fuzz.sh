@@ -9,14 +9,28 @@ cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${1:-60}
 command -v cargo-fuzz >/dev/null || timeout 600 cargo install --quiet cargo-fuzz
 rustup toolchain list | grep -q nightly || { echo "fuzz: needs the nightly toolchain (rustup toolchain install nightly)" >&2; exit 1; }
+mkdir -p target/faults
+report=$(pwd)/target/faults/fuzz.md
+: > "$report"
 cd fuzz
 for t in key_parser record_decoder store_answers config_parser canonical_json; do
   echo "fuzz: $t for ${SECONDS_PER_TARGET}s"
   # A private copy of the seeds: the committed corpus stays small and reviewed.
   work=$(mktemp -d)
   cp -r "corpus/$t/." "$work/"
-  cargo +nightly fuzz run "$t" "$work" -- -max_total_time="$SECONDS_PER_TARGET" -max_len=4096 2>&1 | grep -E "^#[0-9]+ *DONE|Done|ERROR|panicked|SUMMARY" || true
+  log="$work.log"
+  status=0
+  cargo +nightly fuzz run "$t" "$work" -- -max_total_time="$SECONDS_PER_TARGET" -max_len=4096 >"$log" 2>&1 || status=$?
+  grep -E "^#[0-9]+ *DONE|ERROR|panicked|SUMMARY" "$log" || true
   rm -rf "$work"
+  if [ "$status" -ne 0 ]; then
+    tail -30 "$log" >&2
+    echo "fuzz: $t failed (exit $status)" >&2
+    exit 1
+  fi
+  runs=$(grep -oE "^#[0-9]+ *DONE" "$log" | grep -oE "[0-9]+" | tail -1)
+  echo "| $t | ${runs:-?} | ${SECONDS_PER_TARGET} s | no failure |" >> "$report"
+  rm -f "$log"
   if ls "artifacts/$t"/crash-* "artifacts/$t"/oom-* "artifacts/$t"/timeout-* >/dev/null 2>&1; then
     echo "fuzz: $t found a failing input in fuzz/artifacts/$t" >&2
     exit 1

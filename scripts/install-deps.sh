@@ -60,6 +60,10 @@ case "${1:-}" in
     command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v webdis >/dev/null && exit 0
     apt_ensure redis-server redis-tools webdis
     ;;
+  curl)
+    # HTTP/2 requests in the hostile-input tests (Debian's curl is built with nghttp2).
+    command -v curl >/dev/null || apt_ensure curl
+    ;;
   bench)
     command -v wrk >/dev/null || apt_ensure wrk
     # Linux perf for the CPU split of the full run (optional: the benchmark says when it is absent).

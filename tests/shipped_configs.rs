@@ -89,10 +89,10 @@ fn host_examples_carry_the_plugin_configuration_envoy_loads_in_the_tests() {
 }
 
 #[test]
-fn the_istio_envoyfilter_sets_the_stop_iteration_flag_and_a_fail_closed_policy() {
+fn the_istio_envoyfilter_sets_the_stop_iteration_flag_and_the_reload_failure_policy() {
     let text = std::fs::read_to_string(support::repo_root().join("envoy/istio/envoyfilter.yaml")).unwrap();
     assert!(text.contains("allow_on_headers_stop_iteration: true"));
-    assert!(text.contains("failure_policy: FAIL_CLOSED"));
+    assert!(text.contains("failure_policy: FAIL_RELOAD"));
     let patch =
         std::fs::read_to_string(support::repo_root().join("envoy/envoy-gateway/envoypatchpolicy.yaml")).unwrap();
     assert!(patch.contains("allow_on_headers_stop_iteration"));

@@ -90,6 +90,18 @@ pub struct Http {
     response_complete: bool,
 }
 
+/// Fault tests only (feature `crash-injection`, never in the shipped module): traps the VM at
+/// `point` when the protected request carries `x-idemgate-test-crash: <point>`.
+#[cfg(feature = "crash-injection")]
+fn crash_point(req: Option<&Protected>, point: &str) {
+    if req.is_some_and(|r| r.head.values("x-idemgate-test-crash").first().is_some_and(|v| *v == point.as_bytes())) {
+        std::process::abort();
+    }
+}
+
+#[cfg(not(feature = "crash-injection"))]
+fn crash_point(_req: Option<&Protected>, _point: &str) {}
+
 impl Http {
     pub fn new(shared: Rc<Shared>, context_id: u32) -> Http {
         Http {
@@ -468,6 +480,7 @@ impl Http {
 
     /// The whole body is here: fingerprint it and go on.
     fn body_complete(&mut self) -> Action {
+        crash_point(self.req.as_ref(), "body");
         let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
         self.release_budget();
         if self.req.as_ref().is_some_and(|r| r.derive_at_body) && !self.derive_key_with_body(&body) {
@@ -718,6 +731,7 @@ impl HttpContext for Http {
         if !matches!(self.phase, Phase::Forwarded { .. }) {
             return Action::Continue;
         }
+        crash_point(self.req.as_ref(), "response");
         let Some(policy) = self.policy() else { return Action::Continue };
         let exclude = &policy.replay_exclude_headers;
         let mut status = 0;

@@ -397,3 +397,44 @@ fn too_large_response_replays_status_and_location_only() {
 
 #[cfg(not(target_arch = "wasm32"))]
 mod interleavings;
+
+#[test]
+fn shared_data_holds_no_raw_key_and_no_raw_credential() {
+    use crate::key::parse_key_header;
+    use crate::request::RequestHead;
+    use crate::scope::CallerScope;
+    let head = RequestHead::from_pairs(vec![
+        (":method".into(), b"POST".to_vec()),
+        (":path".into(), b"/charges".to_vec()),
+        ("authorization".into(), b"Bearer alice-secret-token".to_vec()),
+        ("idempotency-key".into(), b"order-7f3c-raw-key".to_vec()),
+    ]);
+    let p = policy();
+    let cfg =
+        crate::config::ScopeConfig { headers: vec!["authorization".into()], global: false, include_authority: false };
+    let scope = CallerScope::of(&head, &cfg);
+    let key = parse_key_header(&head.values("idempotency-key"), 255).unwrap().unwrap();
+    let k = StorageKey::derive(&p.namespace, &scope, &key);
+    let t = table(64, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let b = claim(&t, &mut m, k, None, 1, NOW);
+    let h = handle(&b);
+    assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW, &p).unwrap());
+    complete(&t, &mut m, &h, fp(1), response("{}"), false, &creator("req-1"), NOW, &p).unwrap();
+    // The record is there (a replay finds it) ...
+    assert!(matches!(
+        t.begin(&mut m, k, Some(fp(1)), NOW + 1, &p, owner(2), &creator("req-2")).unwrap(),
+        Begin::Replay(_)
+    ));
+    // ... and no stored byte string contains the key or the credential, raw or as hex of itself.
+    for needle in [&b"order-7f3c-raw-key"[..], b"alice-secret-token", b"Bearer"] {
+        for (name, (value, _)) in &m.map {
+            assert!(
+                !value.windows(needle.len()).any(|w| w == needle),
+                "{name} holds {:?}",
+                String::from_utf8_lossy(needle)
+            );
+            assert!(!name.as_bytes().windows(needle.len()).any(|w| w == needle), "a name holds it: {name}");
+        }
+    }
+}

@@ -87,6 +87,16 @@ pub struct EnvoyOptions {
     pub store_port: Option<u16>,
     /// Environment variables of the Wasm VM (`vm_config.environment_variables`).
     pub vm_env: Vec<(String, String)>,
+    /// Variables set in Envoy's own environment and handed to the VM by name
+    /// (`environment_variables.host_env_keys`): their values never appear in the configuration.
+    pub vm_host_env: Vec<(String, String)>,
+    /// The plugin's `failure_policy` (FAIL_RELOAD, as in the shipped configs).
+    pub failure_policy: String,
+    /// Another module than dist/idemgate.wasm (the fault tests' crash-injection build).
+    pub wasm: Option<PathBuf>,
+    /// The listener comes from a watched LDS file (`Envoy::reload_plugin` rewrites it) instead of
+    /// the static configuration.
+    pub lds: bool,
 }
 
 impl EnvoyOptions {
@@ -99,6 +109,10 @@ impl EnvoyOptions {
             buffer_limit_bytes: 4 * 1024 * 1024,
             store_port: None,
             vm_env: vec![],
+            vm_host_env: vec![],
+            failure_policy: "FAIL_RELOAD".into(),
+            wasm: None,
+            lds: false,
         }
     }
 }
@@ -106,7 +120,6 @@ impl EnvoyOptions {
 /// Renders a single-proxy Envoy config: one listener (exact_balance across workers), idemgate,
 /// the router, one upstream cluster.
 pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: &Path) -> String {
-    let plugin_json = serde_json::to_string(&o.plugin_config).expect("json string");
     let store_cluster = match o.store_port {
         None => String::new(),
         Some(port) => format!(
@@ -121,19 +134,51 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
 "#
         ),
     };
-    let env = if o.vm_env.is_empty() {
-        String::new()
+    let listener = render_listener(o, &o.plugin_config, listen_port, wasm);
+    let (listeners, dynamic) = if o.lds {
+        (String::new(), "node: {id: idemgate-test, cluster: idemgate-test}\ndynamic_resources:\n  lds_config:\n    resource_api_version: V3\n    path_config_source:\n      path: lds.yaml\n      watched_directory: {path: .}\n".to_string())
     } else {
-        let pairs: Vec<String> =
-            o.vm_env.iter().map(|(k, v)| format!("{k}: {}", serde_json::to_string(v).expect("json"))).collect();
-        format!("\n                  environment_variables: {{key_values: {{{}}}}}", pairs.join(", "))
+        (format!("  listeners:\n{listener}"), String::new())
     };
     let cfg = format!(
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
-static_resources:
-  listeners:
-  - name: main
+{dynamic}static_resources:
+{listeners}  clusters:
+  - name: upstream
+    connect_timeout: 1s
+    type: STATIC
+    per_connection_buffer_limit_bytes: {buffer}
+    load_assignment:
+      cluster_name: upstream
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
+"#,
+        buffer = o.buffer_limit_bytes,
+        upstream = o.upstream_port,
+    );
+    cfg + &store_cluster
+}
+
+/// The listener (one route to the upstream, idemgate then the router), as an item of a YAML list
+/// indented by two spaces.
+pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, wasm: &Path) -> String {
+    let plugin_json = serde_json::to_string(plugin_config).expect("json string");
+    let env = if o.vm_env.is_empty() && o.vm_host_env.is_empty() {
+        String::new()
+    } else {
+        let pairs: Vec<String> =
+            o.vm_env.iter().map(|(k, v)| format!("{k}: {}", serde_json::to_string(v).expect("json"))).collect();
+        let keys: Vec<&str> = o.vm_host_env.iter().map(|(k, _)| k.as_str()).collect();
+        format!(
+            "\n                  environment_variables: {{key_values: {{{}}}, host_env_keys: [{}]}}",
+            pairs.join(", "),
+            keys.join(", ")
+        )
+    };
+    format!(
+        r#"  - name: main
     address: {{socket_address: {{address: 127.0.0.1, port_value: {listen_port}}}}}
     per_connection_buffer_limit_bytes: {buffer}
     connection_balance_config: {{exact_balance: {{}}}}
@@ -158,7 +203,7 @@ static_resources:
                 name: idemgate
                 root_id: idemgate
                 allow_on_headers_stop_iteration: true
-                failure_policy: FAIL_CLOSED
+                failure_policy: {failure_policy}
                 configuration:
                   "@type": type.googleapis.com/google.protobuf.StringValue
                   value: {plugin_json}
@@ -169,23 +214,22 @@ static_resources:
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: upstream
-    connect_timeout: 1s
-    type: STATIC
-    per_connection_buffer_limit_bytes: {buffer}
-    load_assignment:
-      cluster_name: upstream
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
 "#,
         buffer = o.buffer_limit_bytes,
         timeout = o.route_timeout_ms as f64 / 1000.0,
-        upstream = o.upstream_port,
+        failure_policy = o.failure_policy,
         wasm = wasm.display(),
+    )
+}
+
+/// The LDS file of a listener: a discovery response with one resource.
+fn render_lds(listener: &str) -> String {
+    let item = listener.replacen(
+        "  - name: main",
+        "  - \"@type\": type.googleapis.com/envoy.config.listener.v3.Listener\n    name: main",
+        1,
     );
-    cfg + &store_cluster
+    format!("version_info: \"{}\"\nresources:\n{item}", SCRATCH_SEQ.fetch_add(1, Ordering::SeqCst))
 }
 
 /// A running Envoy, killed when dropped.
@@ -194,12 +238,14 @@ pub struct Envoy {
     pub port: u16,
     pub admin_port: u16,
     pub log_path: PathBuf,
+    options: EnvoyOptions,
+    wasm: PathBuf,
     _scratch: Scratch,
 }
 
 /// How an Envoy start ended.
 pub enum Started {
-    Ready(Envoy),
+    Ready(Box<Envoy>),
     /// Envoy exited (for example because a configuration was refused), with its log.
     Exited {
         code: Option<i32>,
@@ -226,11 +272,21 @@ impl Envoy {
         let port = free_port();
         let admin_port = free_port();
         let cfg_path = scratch.0.join("envoy.yaml");
-        std::fs::write(&cfg_path, render_config(o, port, admin_port, &wasm_path())).expect("write config");
+        let wasm = o.wasm.clone().unwrap_or_else(wasm_path);
+        let rendered = render_config(o, port, admin_port, &wasm)
+            .replace("path: lds.yaml", &format!("path: {}", scratch.0.join("lds.yaml").display()))
+            .replace("watched_directory: {path: .}", &format!("watched_directory: {{path: {}}}", scratch.0.display()));
+        std::fs::write(&cfg_path, rendered).expect("write config");
+        if o.lds {
+            let listener = render_listener(o, &o.plugin_config, port, &wasm);
+            std::fs::write(scratch.0.join("lds.yaml"), render_lds(&listener)).expect("write lds");
+        }
         let log_path = scratch.0.join("envoy.log");
         // stderr (flushed per line) rather than --log-path (flushed every few seconds).
         let log_file = std::fs::File::create(&log_path).expect("create envoy log");
         let child = Command::new(envoy_bin())
+            .current_dir(&scratch.0)
+            .envs(o.vm_host_env.iter().map(|(k, v)| (k, v)))
             .arg("-c")
             .arg(&cfg_path)
             .args(["--concurrency", &o.concurrency.to_string()])
@@ -240,7 +296,8 @@ impl Envoy {
             .stderr(Stdio::from(log_file))
             .spawn()
             .expect("start envoy (installed by `make test`)");
-        let mut envoy = Envoy { child: Some(child), port, admin_port, log_path, _scratch: scratch };
+        let mut envoy =
+            Envoy { child: Some(child), port, admin_port, log_path, options: o.clone(), wasm, _scratch: scratch };
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             if let Some(child) = envoy.child.as_mut() {
@@ -251,7 +308,7 @@ impl Envoy {
             }
             if let Ok(r) = http::get(admin_port, "/ready") {
                 if r.status == 200 {
-                    return Started::Ready(envoy);
+                    return Started::Ready(Box::new(envoy));
                 }
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -261,13 +318,28 @@ impl Envoy {
 
     pub fn start(o: &EnvoyOptions) -> Envoy {
         match Envoy::try_start(o) {
-            Started::Ready(e) => e,
+            Started::Ready(e) => *e,
             Started::Exited { code, log } => panic!("envoy exited ({code:?}); log:\n{log}"),
         }
     }
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Replaces the listener (started with `lds: true`) by one with another plugin configuration,
+    /// as a control plane would: the LDS file is swapped atomically and Envoy picks it up.
+    pub fn reload_plugin(&self, plugin_config: &str) {
+        assert!(self.options.lds, "reload_plugin needs EnvoyOptions::lds");
+        let listener = render_listener(&self.options, plugin_config, self.port, &self.wasm);
+        let tmp = self._scratch.0.join("lds.yaml.tmp");
+        std::fs::write(&tmp, render_lds(&listener)).expect("write lds");
+        std::fs::rename(&tmp, self._scratch.0.join("lds.yaml")).expect("swap lds");
+    }
+
+    /// The scratch folder of this Envoy.
+    pub fn dir(&self) -> &Path {
+        &self._scratch.0
     }
 
     /// The Envoy process id (0 once stopped).
