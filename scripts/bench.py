@@ -442,7 +442,7 @@ def write_docs(results):
     S = results["scenarios"]
     rows = "\n".join(
         f"| {label} | {S[k]['rps']:.0f} ({S[k]['rps_min']:.0f}-{S[k]['rps_max']:.0f}) | {S[k]['p50_ms']:.3f} | {S[k]['p99_ms']:.3f} | "
-        f"{S[k].get('envoy_cpu_us_per_request', 0):.0f} | "
+        f"{(format(S[k]['envoy_cpu_us_per_request'], '.0f') if S[k].get('envoy_cpu_us_per_request') else '-')} | "
         f"{S[k].get('store_calls_waited_per_request', 0):.3f} | {S[k].get('store_calls_per_request', 0):.3f} |" for k, label in LABELS)
     m = S["memory"]
     mem_rows = "\n".join(f"| {p['keys_sent']} | {p['rss_bytes'] / 1048576:.1f} | {p['local_record_bytes'] / 1048576:.2f} | "
@@ -516,7 +516,7 @@ stripped, so its own code is one region):
 
 {cpu}
 
-Rerun: `make bench` (about {'3' if st['quick'] else '25'} minutes; `BENCH_QUICK=1 make bench` for the short version).
+Rerun: `make bench` (about {'3' if st['quick'] else '17'} minutes here; `BENCH_QUICK=1 make bench` for the short version).
 Raw figures: `target/bench/results.json`.
 """
     open(os.path.join(ROOT, "docs", "BENCHMARKS.md"), "w").write(doc)
