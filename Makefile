@@ -28,7 +28,7 @@ FAULT_CASES_ELSEWHERE = malformed_keys body_over_the_limit client_that_disconnec
   flood_of_unique_keys_keeps_envoy_memory_flat
 test-faults: build deps
 	scripts/install-deps.sh bench
-	scripts/install-deps.sh curl
+	scripts/install-deps.sh h2-client
 	scripts/build-wasm.sh --crash-injection
 	rm -rf target/faults
 	cargo test --locked --test faults --test hostile --test soak

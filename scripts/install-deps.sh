@@ -60,9 +60,12 @@ case "${1:-}" in
     command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v webdis >/dev/null && exit 0
     apt_ensure redis-server redis-tools webdis
     ;;
-  curl)
-    # HTTP/2 requests in the hostile-input tests (Debian's curl is built with nghttp2).
-    command -v curl >/dev/null || apt_ensure curl
+  h2-client)
+    # The HTTP/2 client of the hostile-input tests (tests/h2_client.py: many streams on one
+    # connection; curl 7.88 fails multiplexed streams with prior knowledge).
+    python3 -c "import h2" 2>/dev/null && exit 0
+    log "pip install h2"
+    timeout 300 python3 -m pip install -q --disable-pip-version-check "h2>=4,<5"
     ;;
   bench)
     command -v wrk >/dev/null || apt_ensure wrk

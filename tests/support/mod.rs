@@ -445,10 +445,45 @@ pub mod http {
         s.set_read_timeout(Some(timeout))?;
         s.set_write_timeout(Some(timeout))?;
         s.write_all(request)?;
+        let head_only = request.starts_with(b"HEAD ");
         let mut buf = Vec::new();
-        s.read_to_end(&mut buf)?;
+        let mut chunk = [0u8; 65536];
+        // Read until the response is complete (by its length or its last chunk), as a real client
+        // does, rather than until the server closes: Envoy delays closing after a local reply
+        // (delayed_close_timeout, 1 s) and a test would wait for that.
+        loop {
+            if complete(&buf, head_only) {
+                break;
+            }
+            let n = s.read(&mut chunk)?;
+            if n == 0 {
+                break;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
         let _ = s.shutdown(Shutdown::Both);
         parse(&buf)
+    }
+
+    /// Whether `buf` holds a whole response.
+    fn complete(buf: &[u8], head_only: bool) -> bool {
+        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else { return false };
+        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+        let status: u16 = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+        if head_only || status == 204 || status == 304 || (100..200).contains(&status) {
+            return status >= 200;
+        }
+        let body = &buf[end + 4..];
+        for line in head.split("\r\n") {
+            if let Some((n, v)) = line.split_once(':') {
+                match n.trim() {
+                    "content-length" => return v.trim().parse::<usize>().is_ok_and(|len| body.len() >= len),
+                    "transfer-encoding" if v.contains("chunked") => return body.ends_with(b"0\r\n\r\n"),
+                    _ => {}
+                }
+            }
+        }
+        false // no length: until the server closes
     }
 
     /// A request with the given method, path, headers and body, over a new connection.
