@@ -21,14 +21,14 @@ for t in key_parser record_decoder store_answers config_parser canonical_json; d
   log="$work.log"
   status=0
   cargo +nightly fuzz run "$t" "$work" -- -max_total_time="$SECONDS_PER_TARGET" -max_len=4096 >"$log" 2>&1 || status=$?
-  grep -E "^#[0-9]+ *DONE|ERROR|panicked|SUMMARY" "$log" || true
+  grep -E "^#[0-9]+[[:space:]]+DONE|ERROR|panicked|SUMMARY" "$log" || true
   rm -rf "$work"
   if [ "$status" -ne 0 ]; then
     tail -30 "$log" >&2
     echo "fuzz: $t failed (exit $status)" >&2
     exit 1
   fi
-  runs=$(grep -oE "^#[0-9]+ *DONE" "$log" | grep -oE "[0-9]+" | tail -1)
+  runs=$(grep -oE "^Done [0-9]+ runs" "$log" | grep -oE "[0-9]+" | tail -1 || true)
   echo "| $t | ${runs:-?} | ${SECONDS_PER_TARGET} s | no failure |" >> "$report"
   rm -f "$log"
   if ls "artifacts/$t"/crash-* "artifacts/$t"/oom-* "artifacts/$t"/timeout-* >/dev/null 2>&1; then
