@@ -17,7 +17,7 @@ for t in key_parser record_decoder store_answers config_parser canonical_json; d
   echo "fuzz: $t for ${SECONDS_PER_TARGET}s"
   # A private copy of the seeds: the committed corpus stays small and reviewed.
   work=$(mktemp -d)
-  cp -r "corpus/$t/." "$work/"
+  [ -d "corpus/$t" ] && cp -r "corpus/$t/." "$work/"
   log="$work.log"
   status=0
   cargo +nightly fuzz run "$t" "$work" -- -max_total_time="$SECONDS_PER_TARGET" -max_len=4096 >"$log" 2>&1 || status=$?

@@ -55,7 +55,7 @@ fn settle() {
 }
 
 #[test]
-fn fault_upstream_reset_before_answering_is_outcome_unknown_never_a_second_execution() {
+fn fault_matrix_upstream_reset_before_answering_is_outcome_unknown_never_a_second_execution() {
     let up = Upstream::start();
     let e = Envoy::start(&EnvoyOptions::new(LOCAL, up.port));
     let first = post(e.port, "k-reset", "{}", &[("x-up-reset", "before-headers")]);
@@ -69,7 +69,7 @@ fn fault_upstream_reset_before_answering_is_outcome_unknown_never_a_second_execu
 }
 
 #[test]
-fn fault_upstream_reset_halfway_through_the_body_is_outcome_unknown() {
+fn fault_matrix_upstream_reset_halfway_through_the_body_is_outcome_unknown() {
     let up = Upstream::start();
     let e = Envoy::start(&EnvoyOptions::new(LOCAL, up.port));
     let first = post_timeout(
@@ -91,7 +91,7 @@ fn fault_upstream_reset_halfway_through_the_body_is_outcome_unknown() {
 }
 
 #[test]
-fn fault_upstream_5xx_answers_are_results_stored_and_replayed() {
+fn fault_matrix_upstream_5xx_answers_are_results_stored_and_replayed() {
     let up = Upstream::start();
     let e = Envoy::start(&EnvoyOptions::new(LOCAL, up.port));
     for (key, status) in [("k-502", "502"), ("k-503", "503")] {
@@ -106,7 +106,7 @@ fn fault_upstream_5xx_answers_are_results_stored_and_replayed() {
 }
 
 #[test]
-fn fault_upstream_slower_than_the_route_timeout_is_outcome_unknown() {
+fn fault_matrix_upstream_slower_than_the_route_timeout_is_outcome_unknown() {
     let up = Upstream::start();
     let mut o = EnvoyOptions::new(LOCAL, up.port);
     o.route_timeout_ms = 300;
@@ -131,7 +131,7 @@ fn leave_before_the_body_ends(port: u16, key: &str) {
 }
 
 #[test]
-fn fault_a_client_leaving_before_its_body_ends_executes_nothing_and_its_retry_executes_once() {
+fn fault_matrix_a_client_leaving_before_its_body_ends_executes_nothing_and_its_retry_executes_once() {
     let up = Upstream::start();
     let e = Envoy::start(&EnvoyOptions::new(LOCAL, up.port));
     leave_before_the_body_ends(e.port, "k-leave");
@@ -144,7 +144,7 @@ fn fault_a_client_leaving_before_its_body_ends_executes_nothing_and_its_retry_ex
 }
 
 #[test]
-fn fault_a_client_leaving_during_the_response_never_causes_a_second_execution() {
+fn fault_matrix_a_client_leaving_during_the_response_never_causes_a_second_execution() {
     let up = Upstream::start();
     let e = Envoy::start(&EnvoyOptions::new(LOCAL, up.port));
     // A 4 MB answer; the client reads the first bytes and leaves.
@@ -168,7 +168,7 @@ fn fault_a_client_leaving_during_the_response_never_causes_a_second_execution() 
 }
 
 #[test]
-fn fault_webdis_down_is_503_with_no_execution_then_protection_resumes() {
+fn fault_matrix_webdis_down_is_503_with_no_execution_then_protection_resumes() {
     let redis = Redis::start();
     let mut webdis = Webdis::start(redis.port);
     let up = Upstream::start();
@@ -189,7 +189,7 @@ fn fault_webdis_down_is_503_with_no_execution_then_protection_resumes() {
 }
 
 #[test]
-fn fault_an_envoy_restart_loses_the_local_tier_but_the_store_still_protects() {
+fn fault_matrix_an_envoy_restart_loses_the_local_tier_but_the_store_still_protects() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     let up = Upstream::start();
@@ -210,7 +210,7 @@ fn fault_an_envoy_restart_loses_the_local_tier_but_the_store_still_protects() {
 }
 
 #[test]
-fn fault_the_configuration_reloaded_while_traffic_flows_executes_each_operation_once() {
+fn fault_matrix_the_configuration_reloaded_while_traffic_flows_executes_each_operation_once() {
     let up = Upstream::start();
     let mut o = EnvoyOptions::new(LOCAL, up.port);
     o.lds = true;
@@ -295,7 +295,7 @@ fn crash_module() -> PathBuf {
 }
 
 #[test]
-fn fault_the_shipped_module_has_no_crash_trigger() {
+fn fault_matrix_the_shipped_module_has_no_crash_trigger() {
     let shipped = std::fs::read(support::wasm_path()).expect("dist/idemgate.wasm");
     let crash = std::fs::read(crash_module()).expect("crash module");
     let needle = b"x-idemgate-test-crash";
@@ -328,7 +328,7 @@ fn until_served(e: &Envoy, limit: Duration) -> Option<Duration> {
 }
 
 #[test]
-fn fault_a_vm_crash_after_forwarding_with_fail_reload_never_executes_the_key_twice() {
+fn fault_matrix_a_vm_crash_after_forwarding_with_fail_reload_never_executes_the_key_twice() {
     let up = Upstream::start();
     let e = crash_envoy(&up, "FAIL_RELOAD");
     let r = post(e.port, "k-crash", "{}", &[("x-idemgate-test-crash", "response")]);
@@ -355,7 +355,7 @@ fn fault_a_vm_crash_after_forwarding_with_fail_reload_never_executes_the_key_twi
 }
 
 #[test]
-fn fault_a_vm_crash_before_forwarding_with_fail_reload_lets_one_retry_execute() {
+fn fault_matrix_a_vm_crash_before_forwarding_with_fail_reload_lets_one_retry_execute() {
     let up = Upstream::start();
     let e = crash_envoy(&up, "FAIL_RELOAD");
     let r = post(e.port, "k-crash-body", "{}", &[("x-idemgate-test-crash", "body")]);
@@ -373,7 +373,7 @@ fn fault_a_vm_crash_before_forwarding_with_fail_reload_lets_one_retry_execute() 
 }
 
 #[test]
-fn fault_a_vm_crash_with_fail_closed_refuses_everything_afterwards() {
+fn fault_matrix_a_vm_crash_with_fail_closed_refuses_everything_afterwards() {
     let up = Upstream::start();
     let e = crash_envoy(&up, "FAIL_CLOSED");
     let r = post(e.port, "k-closed", "{}", &[("x-idemgate-test-crash", "response")]);
@@ -391,7 +391,7 @@ fn fault_a_vm_crash_with_fail_closed_refuses_everything_afterwards() {
 }
 
 #[test]
-fn fault_store_credentials_come_from_envoys_environment_and_never_show_in_the_config_dump() {
+fn fault_matrix_store_credentials_come_from_envoys_environment_and_never_show_in_the_config_dump() {
     let redis = Redis::start();
     let webdis = Webdis::start_with_auth(redis.port, "idem:s3cret-pass");
     let up = Upstream::start();

@@ -66,7 +66,7 @@ fn post_head(key: &[u8], extra: &str) -> Vec<u8> {
 }
 
 #[test]
-fn hostile_nul_and_control_bytes_in_the_key_are_refused_without_a_crash() {
+fn hostile_input_nul_and_control_bytes_in_the_key_are_refused_without_a_crash() {
     let s = Stack::new(CFG);
     // NUL: Envoy's HTTP/1 codec refuses the request itself.
     let mut req = post_head(b"k\0x", "content-length: 2\r\n\r\n{}");
@@ -84,7 +84,7 @@ fn hostile_nul_and_control_bytes_in_the_key_are_refused_without_a_crash() {
 }
 
 #[test]
-fn hostile_huge_headers_are_refused_before_anything_executes() {
+fn hostile_input_huge_headers_are_refused_before_anything_executes() {
     let s = Stack::new(CFG);
     // A key of 10 KB: ours (key-too-long).
     let big_key = "k".repeat(10_000);
@@ -107,7 +107,7 @@ fn hostile_huge_headers_are_refused_before_anything_executes() {
 }
 
 #[test]
-fn hostile_bodies_at_and_over_the_limit_plain_and_chunked() {
+fn hostile_input_bodies_at_and_over_the_limit_plain_and_chunked() {
     let s = Stack::new(CFG);
     let at = "a".repeat(1000);
     let over = "a".repeat(1001);
@@ -148,7 +148,7 @@ fn hostile_bodies_at_and_over_the_limit_plain_and_chunked() {
 }
 
 #[test]
-fn hostile_invalid_json_with_canonical_fingerprints_falls_back_to_the_raw_bytes() {
+fn hostile_input_invalid_json_with_canonical_fingerprints_falls_back_to_the_raw_bytes() {
     let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "fingerprint": {"json": "canonical"}}"#);
     let send = |key: &str, body: &str| {
         s.raw(&post_head(
@@ -177,7 +177,7 @@ fn hostile_invalid_json_with_canonical_fingerprints_falls_back_to_the_raw_bytes(
 }
 
 #[test]
-fn hostile_http2_streams_on_one_connection_with_one_key_execute_once() {
+fn hostile_input_http2_streams_on_one_connection_with_one_key_execute_once() {
     let s = Stack::new(CFG);
     let script = support::repo_root().join("tests/h2_client.py");
     let out = Command::new("python3")
@@ -213,7 +213,7 @@ fn hostile_http2_streams_on_one_connection_with_one_key_execute_once() {
 }
 
 #[test]
-fn hostile_a_flood_of_distinct_keys_is_protected_and_answered_without_errors() {
+fn hostile_input_a_flood_of_distinct_keys_is_protected_and_answered_without_errors() {
     let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "local": {"max_entries": 200000}}"#);
     let dir = support::Scratch::new("flood");
     let lua = dir.0.join("flood.lua");

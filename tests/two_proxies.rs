@@ -231,29 +231,63 @@ fn a_proxy_killed_mid_request_leaves_a_claim_no_retry_executes_again() {
     assert_eq!(p.up.executions(), 1);
 }
 
-#[test]
-fn a_store_write_failing_after_forwarding_ends_in_outcome_unknown() {
-    let mut redis = Redis::start();
-    let webdis = Webdis::start(redis.port);
-    let p = Pair::new(
-        webdis.port,
-        r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 2, "store": {"cluster": "idemgate_store", "timeout_ms": 300}}"#,
-    );
-    let port = p.a.port;
+/// Polls `cond` every 100 ms for at most `limit`.
+fn eventually(limit: Duration, cond: impl Fn() -> bool) -> bool {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < limit {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    cond()
+}
+
+/// Sends a slow protected request through `port` and kills Redis while the upstream works, so
+/// the completion write after the response finds the store down.
+fn first_attempt_outliving_redis(port: u16, redis: &mut Redis, key: &'static str) -> Response {
     let t = std::thread::spawn(move || {
-        let h =
-            [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "k-wfail"), ("x-up-delay-ms", "2500")];
+        let h = [("authorization", "Bearer alice-secret-token"), ("idempotency-key", key), ("x-up-delay-ms", "2500")];
         http::request(port, "POST", "/charges", &h, b"{}")
     });
     // Claimed and forwarded; wait past appendfsync everysec so the claim itself is durable.
     std::thread::sleep(Duration::from_millis(1500));
-    redis.kill9(); // the completion write will fail
-    let first = t.join().unwrap().unwrap();
+    redis.kill9();
+    t.join().unwrap().unwrap()
+}
+
+const WRITE_FAIL_CFG: &str = r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 2, "store": {"cluster": "idemgate_store", "timeout_ms": 300}}"#;
+
+#[test]
+fn a_completion_write_during_a_short_store_outage_lands_when_the_store_returns() {
+    let mut redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, WRITE_FAIL_CFG);
+    let first = first_attempt_outliving_redis(p.a.port, &mut redis, "k-wshort");
     assert_eq!(first.status, 201, "the client still gets its response");
-    std::thread::sleep(Duration::from_millis(1500)); // retries exhausted
-    assert!(p.a.stat("idemgate.store_write_failures") >= 1);
+    assert!(eventually(Duration::from_secs(3), || p.a.stat("idemgate.store_write_retries") >= 1));
     redis.restart();
-    std::thread::sleep(Duration::from_millis(1000)); // the claim's lock has expired
+    // The write is retried with backoff (0.2 .. 3.2 s) and lands once the store is back.
+    assert!(eventually(Duration::from_secs(8), || p.a.stat("idemgate.store_writes") >= 1), "the write never landed");
+    assert_eq!(p.a.stat("idemgate.store_write_failures"), 0);
+    let r = post(&p.b, "k-wshort", "{}", &[]);
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")), "{}", r.body_text());
+    assert_eq!(r.body, first.body);
+    assert_eq!(p.up.executions(), 1);
+}
+
+#[test]
+fn a_store_write_failing_after_forwarding_ends_in_outcome_unknown() {
+    let mut redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, WRITE_FAIL_CFG);
+    let first = first_attempt_outliving_redis(p.a.port, &mut redis, "k-wfail");
+    assert_eq!(first.status, 201, "the client still gets its response");
+    // Every retry of the completion fails (about 6 s), then the outcome-unknown fallback is tried.
+    assert!(eventually(Duration::from_secs(10), || p.a.stat("idemgate.store_write_failures") >= 1));
+    redis.restart();
+    std::thread::sleep(Duration::from_millis(500));
+    // Whether the fallback landed (unknown) or not (a claim whose lock expired): outcome unknown.
     let r = post(&p.b, "k-wfail", "{}", &[]);
     assert_eq!(r.status, 409, "{}", r.body_text());
     assert_eq!(problem_type(&r), "urn:idemgate:problem:outcome-unknown");

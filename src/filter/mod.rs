@@ -181,6 +181,8 @@ struct Root {
     queues: Rc<Queues>,
     calls: HashMap<u32, Call>,
     queue_id: Option<u32>,
+    /// Failed writes waiting for their retry: (due time in ms, job), dispatched by the tick.
+    retries: Vec<(u64, Job)>,
 }
 
 impl Root {
@@ -193,6 +195,7 @@ impl Root {
             queues: Rc::new(Queues::default()),
             calls: HashMap::new(),
             queue_id: None,
+            retries: Vec::new(),
         }
     }
 
@@ -208,15 +211,31 @@ impl Root {
         }
     }
 
-    /// A write failed: retry it, then its fallback, then give up (counted and logged).
+    /// Dispatches the failed writes whose retry time has come.
+    fn dispatch_due_retries(&mut self) {
+        if self.retries.is_empty() {
+            return;
+        }
+        let now = host::now_ms();
+        let (due, later): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.retries).into_iter().partition(|(at, _)| *at <= now);
+        self.retries = later;
+        for (_, job) in due {
+            self.dispatch_job(job);
+        }
+    }
+
+    /// A write failed: retry it (with backoff), then its fallback, then give up (counted and logged).
     fn write_failed(&mut self, mut job: Job, why: &str) {
         let Some(s) = self.shared.clone() else { return };
         s.metrics.inc(Counter::StoreErrors);
         job.attempts = job.attempts.saturating_add(1);
         if job.attempts < MAX_WRITE_ATTEMPTS {
             s.metrics.inc(Counter::StoreWriteRetries);
-            warn!("idemgate: store write {} for key={} failed ({why}); retrying", job.what, job.key_hash);
-            self.dispatch_job(job);
+            let delay = writes::retry_delay_ms(job.attempts);
+            warn!("idemgate: store write {} for key={} failed ({why}); retrying in {delay} ms", job.what, job.key_hash);
+            // Later, not now: a store that is restarting refuses an immediate retry just the same.
+            self.retries.push((host::now_ms().saturating_add(delay), job));
         } else if let Some(fallback) = job.fallback.take() {
             s.metrics.inc(Counter::StoreWriteFailures);
             warn!(
@@ -549,6 +568,7 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         self.check_waiters();
+        self.dispatch_due_retries();
         let Some(s) = self.shared.clone() else { return };
         let now = host::now_ms();
         if now.saturating_sub(self.last_sweep_ms) < 1000 {

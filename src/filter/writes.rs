@@ -16,8 +16,14 @@ use crate::config::StoreConfig;
 use crate::scope::StorageKey;
 use crate::store::{StoreRequest, Transition};
 
-/// Attempts of one write before its fallback.
-pub const MAX_WRITE_ATTEMPTS: u8 = 3;
+/// Attempts of one write before its fallback: the first, then retries after 0.2, 0.4, 0.8, 1.6
+/// and 3.2 s, so a store that is back within about 6 s still gets the write.
+pub const MAX_WRITE_ATTEMPTS: u8 = 6;
+
+/// How long to wait before retrying a write that has failed `attempts` times (1-based).
+pub fn retry_delay_ms(attempts: u8) -> u64 {
+    200u64 << u32::from(attempts.saturating_sub(1).min(10))
+}
 
 /// A write to the store, made by the root context.
 #[derive(Clone, Debug)]
