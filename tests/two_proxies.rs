@@ -304,7 +304,11 @@ fn through_a_redis_cluster_duplicates_execute_exactly_once() {
         let key = format!("k-cluster-{n}");
         let first = post(&p.a, &key, "{}", &[]);
         assert_eq!(first.status, 201, "{}", first.body_text());
-        settle();
+        // The completion write has landed (under load it may take a retry).
+        assert!(
+            eventually(Duration::from_secs(8), || p.a.stat("idemgate.store_writes") > n),
+            "{key}: write never landed"
+        );
         let again = post(&p.b, &key, "{}", &[]);
         assert_eq!(again.header("idempotent-replayed"), Some("true"), "{key}: {}", again.body_text());
     }

@@ -234,8 +234,12 @@ impl Root {
             s.metrics.inc(Counter::StoreWriteRetries);
             let delay = writes::retry_delay_ms(job.attempts);
             warn!("idemgate: store write {} for key={} failed ({why}); retrying in {delay} ms", job.what, job.key_hash);
-            // Later, not now: a store that is restarting refuses an immediate retry just the same.
-            self.retries.push((host::now_ms().saturating_add(delay), job));
+            if delay == 0 {
+                self.dispatch_job(job);
+            } else {
+                // Later, not now: a store that is restarting refuses an immediate retry just the same.
+                self.retries.push((host::now_ms().saturating_add(delay), job));
+            }
         } else if let Some(fallback) = job.fallback.take() {
             s.metrics.inc(Counter::StoreWriteFailures);
             warn!(
