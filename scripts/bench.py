@@ -319,7 +319,8 @@ def main():
     mem["rss_growth_after_cap_filled_bytes"] = mem["points"][-1]["rss_bytes"] - filled
     R["memory"] = mem
 
-    profile = hot_path_profile()
+    # The per-step profile compiles the core twice (native and wasm32): full runs only.
+    profile = hot_path_profile() if not QUICK else {"skipped": "quick run"}
     cpu_split = perf_split(base, wasm, empty) if not QUICK else {"skipped": "quick run"}
 
     results = {
@@ -450,6 +451,8 @@ def write_docs(results):
     hp = results["hot_path_ns"]
     steps = [k for k in hp.get("wasm32_v8", {}) if k != "error"] or [k for k in hp.get("native", {}) if k != "error"]
     hp_rows = "\n".join(f"| {k} | {hp.get('native', {}).get(k, float('nan')):.0f} | {hp.get('wasm32_v8', {}).get(k, float('nan')):.0f} |" for k in steps)
+    if "skipped" in hp:
+        hp_rows = f"| not measured in this run ({hp['skipped']}) | | |"
     cs = results["envoy_cpu_split"]
     if "skipped" in cs:
         cpu = f"Not measured in this run ({cs['skipped']}); the full `make bench` measures it with Linux perf."
