@@ -24,7 +24,7 @@ test: lint build deps test-native test-wasm test-demo test-faults
 FAULT_CASES_ELSEWHERE = malformed_keys body_over_the_limit client_that_disconnects upstream_timeout \
   never_forwarded_stale_claim response_too_large full_local_tier two_callers replays_carry_no_set_cookie \
   request_envoy_never_sent buffer_budget redis_down store_slower proxy_killed_mid_request \
-  survives_a_redis_kill store_write_failing short_store_outage no_raw_key lands_even_when_the_client_has_left \
+  survives_a_redis_kill store_write_failing short_store_outage answer_was_lost no_raw_key lands_even_when_the_client_has_left \
   flood_of_unique_keys_keeps_envoy_memory_flat
 test-faults: build deps
 	scripts/install-deps.sh bench

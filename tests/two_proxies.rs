@@ -277,6 +277,30 @@ fn a_completion_write_during_a_short_store_outage_lands_when_the_store_returns()
 }
 
 #[test]
+fn a_claim_whose_answer_was_lost_is_released_so_a_retry_executes() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, WRITE_FAIL_CFG);
+    // Redis holds write commands for 1.2 s: the claim is answered after idemgate's 300 ms store
+    // timeout, but it does land.
+    redis.cli(&["CLIENT", "PAUSE", "1200", "WRITE"]);
+    let r = post(&p.a, "k-lost", "{}", &[]);
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (503, "urn:idemgate:problem:store-unavailable"),
+        "{}",
+        r.body_text()
+    );
+    assert_eq!(p.up.executions(), 0);
+    std::thread::sleep(Duration::from_millis(1300)); // Redis runs again: the claim has landed
+                                                     // The owner-checked release, sent after it and retried by the root, removes it.
+    assert!(eventually(Duration::from_secs(8), || redis.keys("*").is_empty()), "the lost claim is still in the store");
+    let retry = post(&p.b, "k-lost", "{}", &[]);
+    assert_eq!(retry.status, 201, "{}", retry.body_text());
+    assert_eq!(p.up.executions(), 1);
+}
+
+#[test]
 fn a_store_write_failing_after_forwarding_ends_in_outcome_unknown() {
     let mut redis = Redis::start();
     let webdis = Webdis::start(redis.port);

@@ -320,6 +320,17 @@ impl Http {
         }
     }
 
+    /// The claim (or take-over) was sent but its answer is lost or garbled: it may have landed
+    /// (a store that timed out can still run it). Release it, owner-checked, through the root,
+    /// which retries with backoff: otherwise a claim nothing executed under would answer retries
+    /// with in-flight, then outcome-unknown. Then answer as for any store failure.
+    fn store_answer_lost(&mut self, handle: Option<Handle>, e: &StoreError) -> Action {
+        if let Some(owner) = self.req.as_ref().map(|r| r.owner) {
+            self.enqueue("release", Transition::release(owner), None);
+        }
+        self.store_failed(handle, e)
+    }
+
     /// The store could not answer: 503 (reject) or forward unprotected (pass).
     fn store_failed(&mut self, handle: Option<Handle>, e: &StoreError) -> Action {
         self.count(Counter::StoreErrors);
@@ -411,13 +422,13 @@ impl Http {
                     self.release_local(handle);
                     self.in_flight()
                 }
-                Err(e) => self.store_failed(handle, &e),
+                Err(e) => self.store_answer_lost(handle, &e),
             };
         }
         let (now, value) = match store::parse_claim_reply(status, body) {
             Ok(ClaimReply::Claimed { .. }) => return self.forward(handle, fp, true),
             Ok(ClaimReply::Exists { now_ms, value }) => (now_ms, value),
-            Err(e) => return self.store_failed(handle, &e),
+            Err(e) => return self.store_answer_lost(handle, &e),
         };
         let Some(policy) = self.policy().cloned() else { return Action::Continue };
         let on_unavailable = self.shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
