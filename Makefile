@@ -27,7 +27,7 @@ FAULT_CASES_ELSEWHERE = malformed_keys body_over_the_limit client_that_disconnec
   survives_a_redis_kill store_write_failing short_store_outage answer_was_lost no_raw_key lands_even_when_the_client_has_left \
   flood_of_unique_keys_keeps_envoy_memory_flat
 test-faults: build deps
-	scripts/install-deps.sh bench
+	scripts/install-deps.sh wrk
 	scripts/install-deps.sh h2-client
 	scripts/build-wasm.sh --crash-injection
 	rm -rf target/faults

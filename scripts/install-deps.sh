@@ -7,6 +7,9 @@
 #   scripts/install-deps.sh store            # redis-server + webdis from Debian
 #   scripts/install-deps.sh agent-client     # python requests/urllib3 for the retrying-agent tests
 #   scripts/install-deps.sh wasm-bindgen     # wasm-bindgen-cli matching Cargo.lock
+#   scripts/install-deps.sh wrk              # wrk (the hostile-input flood)
+#   scripts/install-deps.sh bench            # wrk, and Linux perf when it can be installed (make bench)
+#   scripts/install-deps.sh h2-client        # python h2 for the HTTP/2 hostile-input case
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,6 +70,10 @@ case "${1:-}" in
     log "pip install h2"
     timeout 300 python3 -m pip install -q --disable-pip-version-check "h2>=4,<5"
     ;;
+  wrk)
+    # The load generator of the benchmarks and of the flood in the hostile-input tests.
+    command -v wrk >/dev/null || apt_ensure wrk
+    ;;
   bench)
     command -v wrk >/dev/null || apt_ensure wrk
     # Linux perf for the CPU split of the full run (optional: the benchmark says when it is absent).
@@ -86,5 +93,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | store | agent-client | bench | wasm-bindgen" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | store | agent-client | wasm-bindgen | wrk | bench | h2-client" >&2; exit 2 ;;
 esac
