@@ -176,9 +176,7 @@ fn main() {
     // A full bucket: 16 claims with distinct keys landing anywhere, then the bucket bytes of the
     // fullest one.
     for n in 0..(16 * table.buckets() as u64) {
-        let k = head(&format!("fill-{n}"));
-        let Ok(Some(kk)) = parse_key_header(&k.values("idempotency-key"), 255) else { continue };
-        let sk = StorageKey::derive(&policy.namespace, &scope, &kk);
+        let sk = StorageKey::derive(&policy.namespace, &scope, &numbered_key("fill", n));
         let _ = table.begin(&mut sd, sk, None, 1_000, policy, OwnerToken([1; 16]), &creator);
     }
     let bucket_bytes = sd
@@ -220,8 +218,7 @@ fn main() {
     let _ = table.ensure_created(&mut sd2);
     let mut claimed = 0u64;
     b.step("local_claim_forward_complete", |i| {
-        let k = IdemKey::new(i);
-        let sk = StorageKey::derive(&policy.namespace, &scope, &k.0);
+        let sk = StorageKey::derive(&policy.namespace, &scope, &numbered_key("k", i));
         if let Ok(Begin::Claimed { handle, .. }) =
             table.begin(&mut sd2, sk, None, 1_000 + i, policy, OwnerToken([4; 16]), &creator)
         {
@@ -242,15 +239,11 @@ fn main() {
     }
 }
 
-/// A distinct valid key per iteration.
-struct IdemKey(idemgate::key::IdempotencyKey);
-
-impl IdemKey {
-    fn new(i: u64) -> IdemKey {
-        let text = format!("k-{i}");
-        match parse_key_header(&[text.as_bytes()], 255) {
-            Ok(Some(k)) => IdemKey(k),
-            _ => std::process::exit(2),
-        }
+/// A distinct valid key for each `i`.
+fn numbered_key(prefix: &str, i: u64) -> idemgate::key::IdempotencyKey {
+    let text = format!("{prefix}-{i}");
+    match parse_key_header(&[text.as_bytes()], 255) {
+        Ok(Some(k)) => k,
+        _ => std::process::exit(2),
     }
 }

@@ -323,21 +323,24 @@ def main():
     profile = hot_path_profile() if not QUICK else {"skipped": "quick run"}
     cpu_split = perf_split(base, wasm, empty) if not QUICK else {"skipped": "quick run"}
 
+    passthrough = paired("c_unprotected_get", "b_empty_wasm_proxied")
+    protected_first = paired("e_first_store", "a_proxied")
+    replay_local = paired("f_replay_local", "b_empty_wasm_direct")
     results = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip()},
         "settings": {"envoy_workers": 1, "wrk_threads": 1, "connections": CONNECTIONS, "duration_s": DURATION, "runs": RUNS, "interleaved": True, "body_bytes": len(BODY), "log_level": "error", "quick": QUICK},
-        "passthrough_ratio": paired("c_unprotected_get", "b_empty_wasm_proxied")["median"],
-        "passthrough_ratio_spread": paired("c_unprotected_get", "b_empty_wasm_proxied"),
+        "passthrough_ratio": passthrough["median"],
+        "passthrough_ratio_spread": passthrough,
         "passthrough_ratio_divides_by": "b_empty_wasm_proxied (same GET requests)",
         "passthrough_cpu_ratio": cpu_paired("c_unprotected_get", "b_empty_wasm_proxied"),
         "passthrough_cpu_ratio_note": "Envoy CPU per request of (b) divided by that of (c): the same comparison, insensitive to how the VM schedules wrk and the upstream",
         "replay_local_cpu_ratio": cpu_paired("f_replay_local", "b_empty_wasm_direct"),
-        "protected_first_ratio": paired("e_first_store", "a_proxied")["median"],
-        "protected_first_ratio_spread": paired("e_first_store", "a_proxied"),
+        "protected_first_ratio": protected_first["median"],
+        "protected_first_ratio_spread": protected_first,
         "protected_first_ratio_divides_by": "a_proxied (Envoy without Wasm, proxying the same POSTs)",
         "protected_first_local_ratio": paired("d_first_local", "a_proxied")["median"],
-        "replay_local_ratio": paired("f_replay_local", "b_empty_wasm_direct")["median"],
-        "replay_local_ratio_spread": paired("f_replay_local", "b_empty_wasm_direct"),
+        "replay_local_ratio": replay_local["median"],
+        "replay_local_ratio_spread": replay_local,
         "replay_local_ratio_divides_by": "b_empty_wasm_direct (empty Wasm filter in front of Envoy's direct_response, same POSTs)",
         "empty_wasm_ratio_direct": paired("b_empty_wasm_direct", "a_direct")["median"],
         "first_request_store_round_trips": R["e_first_store"]["store_calls_waited_per_request"],

@@ -35,19 +35,9 @@ fn post_timeout(port: u16, key: &str, body: &str, extra: &[(&str, &str)], t: Dur
     http::request_timeout(port, "POST", "/charges", &h, body.as_bytes(), t)
 }
 
-fn problem(r: &Response) -> String {
-    r.json()["type"].as_str().unwrap_or("").trim_start_matches("urn:idemgate:problem:").to_string()
-}
-
 /// One line of the fault table: the case, the upstream executions, what the clients saw.
 fn record(case: &str, executions: u64, seen: &str) {
-    static LOCK: Mutex<()> = Mutex::new(());
-    let _g = LOCK.lock();
-    let dir = support::repo_root().join("target/faults");
-    let _ = std::fs::create_dir_all(&dir);
-    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("table.md")) {
-        let _ = writeln!(f, "| {case} | {executions} | {seen} |");
-    }
+    support::fault_report("table.md", &[case, &executions.to_string(), seen]);
 }
 
 fn settle() {
@@ -61,7 +51,7 @@ fn fault_matrix_upstream_reset_before_answering_is_outcome_unknown_never_a_secon
     let first = post(e.port, "k-reset", "{}", &[("x-up-reset", "before-headers")]);
     assert_eq!(first.status, 503, "{}", first.body_text());
     let retry = post(e.port, "k-reset", "{}", &[]);
-    assert_eq!((retry.status, problem(&retry).as_str()), (409, "outcome-unknown"), "{}", retry.body_text());
+    assert_eq!((retry.status, retry.problem().as_str()), (409, "outcome-unknown"), "{}", retry.body_text());
     assert_eq!(retry.header("x-should-retry"), Some("false"));
     assert_eq!(up.executions(), 1);
     e.assert_no_wasm_panic();
@@ -84,7 +74,7 @@ fn fault_matrix_upstream_reset_halfway_through_the_body_is_outcome_unknown() {
         assert!(r.body.len() < 20000, "a cut response must not look complete");
     }
     let retry = post(e.port, "k-half", "{}", &[]);
-    assert_eq!((retry.status, problem(&retry).as_str()), (409, "outcome-unknown"), "{}", retry.body_text());
+    assert_eq!((retry.status, retry.problem().as_str()), (409, "outcome-unknown"), "{}", retry.body_text());
     assert_eq!(up.executions(), 1);
     e.assert_no_wasm_panic();
     record("upstream resets halfway through the body", up.executions(), "truncated answer; retry 409 outcome-unknown");
@@ -115,7 +105,7 @@ fn fault_matrix_upstream_slower_than_the_route_timeout_is_outcome_unknown() {
     assert_eq!(first.status, 504);
     std::thread::sleep(Duration::from_millis(900)); // the upstream finishes meanwhile
     let retry = post(e.port, "k-slow", "{}", &[]);
-    assert_eq!((retry.status, problem(&retry).as_str()), (409, "outcome-unknown"), "{}", retry.body_text());
+    assert_eq!((retry.status, retry.problem().as_str()), (409, "outcome-unknown"), "{}", retry.body_text());
     assert_eq!(up.executions(), 1);
     record("upstream slower than the route timeout", up.executions(), "504 from Envoy; retry 409 outcome-unknown");
 }
@@ -159,7 +149,7 @@ fn fault_matrix_a_client_leaving_during_the_response_never_causes_a_second_execu
     let retry = post(e.port, "k-resp", "{}", &[]);
     let seen = match (retry.status, retry.header("idempotent-replayed")) {
         (201, Some("true")) => "replayed".to_string(),
-        (409, _) => problem(&retry),
+        (409, _) => retry.problem(),
         other => panic!("unexpected {other:?}: {}", retry.body_text()),
     };
     assert!(seen == "replayed" || seen == "outcome-unknown" || seen == "response-not-stored", "{seen}");
@@ -177,7 +167,7 @@ fn fault_matrix_webdis_down_is_503_with_no_execution_then_protection_resumes() {
     let e = Envoy::start(&o);
     webdis.kill9();
     let r = post(e.port, "k-wd", "{}", &[]);
-    assert_eq!((r.status, problem(&r).as_str()), (503, "store-unavailable"), "{}", r.body_text());
+    assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"), "{}", r.body_text());
     assert_eq!(up.executions(), 0);
     webdis.restart();
     let first = post(e.port, "k-wd", "{}", &[]);
@@ -231,7 +221,7 @@ fn fault_matrix_the_configuration_reloaded_while_traffic_flows_executes_each_ope
                     for attempt in 0..3 {
                         match post_timeout(port, &key, "{}", &[], Duration::from_secs(10)) {
                             Ok(r) if r.status == 201 => {}
-                            Ok(r) if r.status == 409 && problem(&r) == "request-in-flight" => {}
+                            Ok(r) if r.status == 409 && r.problem() == "request-in-flight" => {}
                             Ok(r) => {
                                 bad.lock().unwrap().push(format!("{key}#{attempt}: {} {}", r.status, r.body_text()))
                             }
@@ -259,11 +249,7 @@ fn fault_matrix_the_configuration_reloaded_while_traffic_flows_executes_each_ope
     }
     let updates = e.stats("listener_manager.lds.update_success").first().map_or(0, |(_, v)| *v);
     assert!(updates > reloads as u64, "the listener was not reloaded ({updates} LDS updates)");
-    let log = up.log();
-    let mut per_key = std::collections::HashMap::new();
-    for x in &log {
-        *per_key.entry(x.key.clone().unwrap_or_default()).or_insert(0u64) += 1;
-    }
+    let per_key = up.executions_by_key();
     let twice: Vec<_> = per_key.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "executed more than once: {twice:?}");
     assert!(bad.lock().unwrap().is_empty(), "{:?}", bad.lock().unwrap());
@@ -341,7 +327,7 @@ fn fault_matrix_a_vm_crash_after_forwarding_with_fail_reload_never_executes_the_
     // the outcome is unknown (after lock_ttl), never executed again.
     std::thread::sleep(Duration::from_millis(2100));
     let retry = post(e.port, "k-crash", "{}", &[]);
-    assert_eq!((retry.status, problem(&retry).as_str()), (409, "outcome-unknown"), "{}", retry.body_text());
+    assert_eq!((retry.status, retry.problem().as_str()), (409, "outcome-unknown"), "{}", retry.body_text());
     assert_eq!(up.executions_with_key("k-crash"), 1);
     record(
         "Wasm VM traps after forwarding (FAIL_RELOAD)",
@@ -412,7 +398,7 @@ fn fault_matrix_store_credentials_come_from_envoys_environment_and_never_show_in
     anon.store_port = Some(webdis.port);
     let e2 = Envoy::start(&anon);
     let r = post(e2.port, "k-anon", "{}", &[]);
-    assert_eq!((r.status, problem(&r).as_str()), (503, "store-unavailable"), "{}", r.body_text());
+    assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"), "{}", r.body_text());
     assert_eq!(up.executions(), 1);
     record(
         "store needs credentials (webdis basic auth)",

@@ -5,54 +5,15 @@
 
 mod support;
 
-use std::io::Write;
 use std::process::Command;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use support::http::{self, Response};
-use support::upstream::Upstream;
-use support::{Envoy, EnvoyOptions};
+use support::Stack;
 
 const CFG: &str = r#"{"scope": {"headers": ["authorization"]}, "max_request_body_bytes": 1000}"#;
 
-struct Stack {
-    up: Upstream,
-    envoy: Envoy,
-}
-
-impl Stack {
-    fn new(plugin: &str) -> Stack {
-        let up = Upstream::start();
-        let envoy = Envoy::start(&EnvoyOptions::new(plugin, up.port));
-        Stack { up, envoy }
-    }
-
-    fn raw(&self, req: &[u8]) -> Response {
-        http::raw(self.envoy.port, req, Duration::from_secs(10)).expect("answer")
-    }
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            self.envoy.assert_no_wasm_panic();
-        }
-    }
-}
-
-fn problem(r: &Response) -> String {
-    r.json()["type"].as_str().unwrap_or("").trim_start_matches("urn:idemgate:problem:").to_string()
-}
-
 fn record(case: &str, answer: &str, executions: u64) {
-    static LOCK: Mutex<()> = Mutex::new(());
-    let _g = LOCK.lock();
-    let dir = support::repo_root().join("target/faults");
-    let _ = std::fs::create_dir_all(&dir);
-    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("hostile.md")) {
-        let _ = writeln!(f, "| {case} | {answer} | {executions} |");
-    }
+    support::fault_report("hostile.md", &[case, answer, &executions.to_string()]);
 }
 
 fn post_head(key: &[u8], extra: &str) -> Vec<u8> {
@@ -78,7 +39,7 @@ fn hostile_input_nul_and_control_bytes_in_the_key_are_refused_without_a_crash() 
         req = post_head(&[b'k', byte, b'x'], "content-length: 2\r\n\r\n{}");
         let r = s.raw(&req);
         assert_eq!(r.status, 400, "{name}: {}", r.body_text());
-        let seen = match problem(&r) {
+        let seen = match r.problem() {
             p if p.is_empty() => "400 (Envoy's codec)".to_string(),
             p => {
                 assert_eq!(p, "key-not-visible-ascii");
@@ -96,7 +57,7 @@ fn hostile_input_huge_headers_are_refused_before_anything_executes() {
     // A key of 10 KB: ours (key-too-long).
     let big_key = "k".repeat(10_000);
     let r = s.raw(&post_head(big_key.as_bytes(), "content-length: 2\r\n\r\n{}"));
-    assert_eq!((r.status, problem(&r).as_str()), (400, "key-too-long"));
+    assert_eq!((r.status, r.problem().as_str()), (400, "key-too-long"));
     // 100 KB of headers: over Envoy's 60 KiB default, refused by Envoy (431).
     let filler = format!("x-filler: {}\r\n", "f".repeat(100_000));
     let r = s.raw(&post_head(b"k-huge", &format!("{filler}content-length: 2\r\n\r\n{{}}")));
@@ -134,9 +95,9 @@ fn hostile_input_bodies_at_and_over_the_limit_plain_and_chunked() {
     };
     assert_eq!(plain("k-at", &at).status, 201);
     let r = plain("k-over", &over);
-    assert_eq!((r.status, problem(&r).as_str()), (413, "body-too-large"));
+    assert_eq!((r.status, r.problem().as_str()), (413, "body-too-large"));
     let r = chunked("k-over-c", &over, "");
-    assert_eq!((r.status, problem(&r).as_str()), (413, "body-too-large"));
+    assert_eq!((r.status, r.problem().as_str()), (413, "body-too-large"));
     // A chunked body is the same request as the same bytes sent with a content-length.
     assert_eq!(chunked("k-at-c", &at, "").status, 201);
     let r = plain("k-at-c", &at);
@@ -146,7 +107,7 @@ fn hostile_input_bodies_at_and_over_the_limit_plain_and_chunked() {
     let r = chunked("k-trailer", r#"{"amount":7}"#, "x-checksum: other\r\n");
     assert_eq!(r.header("idempotent-replayed"), Some("true"));
     let r = chunked("k-trailer", r#"{"amount":8}"#, "x-checksum: abc\r\n");
-    assert_eq!((r.status, problem(&r).as_str()), (422, "key-reused"));
+    assert_eq!((r.status, r.problem().as_str()), (422, "key-reused"));
     assert_eq!(s.up.executions(), 3);
     record("body of exactly max_request_body_bytes", "201", 1);
     record("body one byte over (content-length, and chunked)", "413 body-too-large", 0);
@@ -169,10 +130,10 @@ fn hostile_input_invalid_json_with_canonical_fingerprints_falls_back_to_the_raw_
     // Not JSON: fingerprinted by its bytes.
     assert_eq!(send("k-bad", r#"{"a":1,"#).status, 201);
     assert_eq!(send("k-bad", r#"{"a":1,"#).header("idempotent-replayed"), Some("true"));
-    assert_eq!(problem(&send("k-bad", r#"{"a":1, "#)), "key-reused");
+    assert_eq!(send("k-bad", r#"{"a":1, "#).problem(), "key-reused");
     // Duplicate member names are ambiguous: raw bytes too.
     assert_eq!(send("k-dup", r#"{"a":1,"a":2}"#).status, 201);
-    assert_eq!(problem(&send("k-dup", r#"{"a":2,"a":1}"#)), "key-reused");
+    assert_eq!(send("k-dup", r#"{"a":2,"a":1}"#).problem(), "key-reused");
     // Deep nesting does not crash the canonicaliser.
     let deep = format!("{}1{}", "[".repeat(5000), "]".repeat(5000));
     assert_eq!(send("k-deep", &deep).status, 201);

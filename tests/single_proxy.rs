@@ -6,29 +6,12 @@ mod support;
 use std::time::Duration;
 
 use support::http::{self, Response};
-use support::upstream::Upstream;
-use support::{Envoy, EnvoyOptions};
+use support::Stack;
 
 const CFG: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
 
-struct Stack {
-    up: Upstream,
-    envoy: Envoy,
-}
-
+/// `post` is this suite's own request shape (JSON content type, optional key).
 impl Stack {
-    fn new(plugin: &str) -> Stack {
-        Stack::with(plugin, |_| {})
-    }
-
-    fn with(plugin: &str, f: impl FnOnce(&mut EnvoyOptions)) -> Stack {
-        let up = Upstream::start();
-        let mut o = EnvoyOptions::new(plugin, up.port);
-        f(&mut o);
-        let envoy = Envoy::start(&o);
-        Stack { up, envoy }
-    }
-
     fn post(&self, path: &str, key: Option<&str>, body: &str, extra: &[(&str, &str)]) -> Response {
         let mut h: Vec<(&str, &str)> = vec![("authorization", "Bearer alice"), ("content-type", "application/json")];
         if let Some(k) = key {
@@ -36,14 +19,6 @@ impl Stack {
         }
         h.extend_from_slice(extra);
         http::request(self.envoy.port, "POST", path, &h, body.as_bytes()).expect("request")
-    }
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            self.envoy.assert_no_wasm_panic();
-        }
     }
 }
 

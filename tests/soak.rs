@@ -8,7 +8,6 @@
 mod support;
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -54,10 +53,6 @@ fn send(port: u16, key: &str, agent: usize, extra: &[(&str, &str)]) -> Option<Re
         Duration::from_secs(5),
     )
     .ok()
-}
-
-fn problem(r: &Response) -> String {
-    r.json()["type"].as_str().unwrap_or("").trim_start_matches("urn:idemgate:problem:").to_string()
 }
 
 #[test]
@@ -125,7 +120,7 @@ fn soak_mixed_retries_duplicates_and_faults_executes_every_operation_exactly_onc
                                 end = End::Executed;
                                 break;
                             }
-                            Some(r) if r.status == 409 && problem(&r) == "outcome-unknown" => {
+                            Some(r) if r.status == 409 && r.problem() == "outcome-unknown" => {
                                 end = End::OutcomeUnknown;
                                 break;
                             }
@@ -180,10 +175,7 @@ fn soak_mixed_retries_duplicates_and_faults_executes_every_operation_exactly_onc
     std::thread::sleep(Duration::from_millis(500));
 
     let ends = ends.lock().unwrap();
-    let mut per_key: HashMap<String, u64> = HashMap::new();
-    for x in up.log() {
-        *per_key.entry(x.key.unwrap_or_default()).or_insert(0) += 1;
-    }
+    let per_key = up.executions_by_key();
     let twice: Vec<_> = per_key.iter().filter(|(_, n)| **n > 1).collect();
     let gave_up: Vec<_> = ends.iter().filter(|(_, e)| **e == End::GaveUp).collect();
     let mut by_end: HashMap<End, u64> = HashMap::new();
@@ -202,11 +194,10 @@ fn soak_mixed_retries_duplicates_and_faults_executes_every_operation_exactly_onc
         faults.join(", ")
     );
     println!("soak: {summary}");
-    let dir = support::repo_root().join("target/faults");
-    let _ = std::fs::create_dir_all(&dir);
-    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("table.md")) {
-        let _ = writeln!(f, "| soak: {seconds} s of mixed retries, duplicates and faults | {executions} | {summary} |");
-    }
+    support::fault_report(
+        "table.md",
+        &[&format!("soak: {seconds} s of mixed retries, duplicates and faults"), &executions.to_string(), &summary],
+    );
     assert!(twice.is_empty(), "executed twice: {twice:?}");
     assert!(gave_up.is_empty(), "operations without a final answer after 60 attempts: {gave_up:?}");
     // Every operation reached a final answer. A result (first or replayed) means exactly one

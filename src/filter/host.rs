@@ -189,7 +189,7 @@ impl Counter {
     }
 }
 
-/// Gauges of the local tier's shared data, set by the root context once a second.
+/// Gauges of the local tier's shared data, set by the root context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Gauge {
     /// Bytes of completed records held (what `local.max_bytes` bounds).

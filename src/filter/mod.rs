@@ -540,10 +540,13 @@ impl RootContext for Root {
             }
         }
         let credentials = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty()).map(|v| store::basic_auth(&v));
+        let metrics = Metrics::define();
+        // Fixed by `max_entries`: set once here (the record bytes are set by the tick).
+        metrics.set(Gauge::LocalIndexBytes, table.max_index_bytes());
         self.shared = Some(Rc::new(Shared {
             config,
             table,
-            metrics: Metrics::define(),
+            metrics,
             buffered: Cell::new(0),
             tokens: Cell::new(0),
             node,
@@ -580,7 +583,6 @@ impl RootContext for Root {
         }
         self.last_sweep_ms = now;
         s.metrics.set(Gauge::LocalRecordBytes, s.table.usage(&mut HostShared));
-        s.metrics.set(Gauge::LocalIndexBytes, s.table.max_index_bytes());
         let buckets = s.table.buckets();
         match s.table.sweep(&mut HostShared, self.sweep_at, SWEEP_BUCKETS_PER_SECOND, now) {
             Ok(n) => {

@@ -273,10 +273,8 @@ impl Envoy {
         let admin_port = free_port();
         let cfg_path = scratch.0.join("envoy.yaml");
         let wasm = o.wasm.clone().unwrap_or_else(wasm_path);
-        let rendered = render_config(o, port, admin_port, &wasm)
-            .replace("path: lds.yaml", &format!("path: {}", scratch.0.join("lds.yaml").display()))
-            .replace("watched_directory: {path: .}", &format!("watched_directory: {{path: {}}}", scratch.0.display()));
-        std::fs::write(&cfg_path, rendered).expect("write config");
+        // Envoy runs in the scratch folder: the LDS file's relative path names the one written here.
+        std::fs::write(&cfg_path, render_config(o, port, admin_port, &wasm)).expect("write config");
         if o.lds {
             let listener = render_listener(o, &o.plugin_config, port, &wasm);
             std::fs::write(scratch.0.join("lds.yaml"), render_lds(&listener)).expect("write lds");
@@ -335,11 +333,6 @@ impl Envoy {
         let tmp = self._scratch.0.join("lds.yaml.tmp");
         std::fs::write(&tmp, render_lds(&listener)).expect("write lds");
         std::fs::rename(&tmp, self._scratch.0.join("lds.yaml")).expect("swap lds");
-    }
-
-    /// The scratch folder of this Envoy.
-    pub fn dir(&self) -> &Path {
-        &self._scratch.0
     }
 
     /// The Envoy process id (0 once stopped).
@@ -403,6 +396,52 @@ impl Drop for Envoy {
     }
 }
 
+/// Appends one row (`| a | b | c |`) to target/faults/<file>, the tables `make test-faults`
+/// prints. Rows from tests running in parallel threads never interleave.
+pub fn fault_report(file: &str, cells: &[&str]) {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = LOCK.lock();
+    let dir = repo_root().join("target/faults");
+    let _ = std::fs::create_dir_all(&dir);
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(file)) {
+        let _ = writeln!(f, "| {} |", cells.join(" | "));
+    }
+}
+
+/// One Envoy with idemgate in front of one counting upstream; on drop (unless the test already
+/// failed) asserts the Wasm VM never panicked.
+pub struct Stack {
+    pub up: upstream::Upstream,
+    pub envoy: Envoy,
+}
+
+impl Stack {
+    pub fn new(plugin: &str) -> Stack {
+        Stack::with(plugin, |_| {})
+    }
+
+    pub fn with(plugin: &str, f: impl FnOnce(&mut EnvoyOptions)) -> Stack {
+        let up = upstream::Upstream::start();
+        let mut o = EnvoyOptions::new(plugin, up.port);
+        f(&mut o);
+        let envoy = Envoy::start(&o);
+        Stack { up, envoy }
+    }
+
+    /// Sends raw request bytes (they must ask for `connection: close`).
+    pub fn raw(&self, req: &[u8]) -> http::Response {
+        http::raw(self.envoy.port, req, Duration::from_secs(10)).expect("answer")
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.envoy.assert_no_wasm_panic();
+        }
+    }
+}
+
 /// `envoy --mode validate` on a config file; returns (success, output).
 pub fn envoy_validate(config_path: &Path) -> (bool, String) {
     let out = Command::new(envoy_bin())
@@ -436,6 +475,13 @@ pub mod http {
 
         pub fn json(&self) -> serde_json::Value {
             serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+        }
+
+        /// The problem type's slug (`key-reused` for `urn:idemgate:problem:key-reused`); empty
+        /// when the body is not one of idemgate's problem documents.
+        pub fn problem(&self) -> String {
+            let t = self.json()["type"].as_str().unwrap_or("").to_string();
+            t.strip_prefix("urn:idemgate:problem:").map(str::to_string).unwrap_or_default()
         }
     }
 

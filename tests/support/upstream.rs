@@ -63,6 +63,15 @@ impl Upstream {
         self.state.lock().expect("lock").executions.iter().filter(|e| e.key.as_deref() == Some(key)).count() as u64
     }
 
+    /// Executions per `idempotency-key` value ("" for none).
+    pub fn executions_by_key(&self) -> std::collections::HashMap<String, u64> {
+        let mut per_key = std::collections::HashMap::new();
+        for x in self.state.lock().expect("lock").executions.iter() {
+            *per_key.entry(x.key.clone().unwrap_or_default()).or_insert(0) += 1;
+        }
+        per_key
+    }
+
     pub fn log(&self) -> Vec<Execution> {
         self.state.lock().expect("lock").executions.clone()
     }
