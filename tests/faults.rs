@@ -201,21 +201,33 @@ fn fault_matrix_an_envoy_restart_loses_the_local_tier_but_the_store_still_protec
 
 #[test]
 fn fault_matrix_the_configuration_reloaded_while_traffic_flows_executes_each_operation_once() {
+    // Bounded by count, not by time: each worker sends at most OPS_PER_WORKER operations, and the
+    // table is sized from that count, so a faster or slower machine changes how long the test
+    // takes, never whether the table can fill (it could with the defaults: issue 14).
+    const WORKERS: u64 = 6;
+    const OPS_PER_WORKER: u64 = 3_000;
+    let max_entries = 2 * WORKERS * OPS_PER_WORKER;
+    let plugin = |ttl: u64| {
+        format!(
+            r#"{{"scope": {{"headers": ["authorization"]}}, "lock_ttl_seconds": 2, "ttl_seconds": {ttl}, "local": {{"max_entries": {max_entries}}}}}"#
+        )
+    };
     let up = Upstream::start();
-    let mut o = EnvoyOptions::new(LOCAL, up.port);
+    let mut o = EnvoyOptions::new(&plugin(86_400), up.port);
     o.lds = true;
     let e = Envoy::start(&o);
     let port = e.port;
     let stop = Arc::new(AtomicBool::new(false));
     let ops = Arc::new(AtomicU64::new(0));
     let bad = Arc::new(Mutex::new(Vec::<String>::new()));
-    let workers: Vec<_> = (0..6)
+    let workers: Vec<_> = (0..WORKERS)
         .map(|w| {
             let (stop, ops, bad) = (stop.clone(), ops.clone(), bad.clone());
             std::thread::spawn(move || {
-                let mut n = 0;
-                while !stop.load(Ordering::SeqCst) {
-                    n += 1;
+                for n in 1..=OPS_PER_WORKER {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
                     let key = format!("reload-{w}-{n}");
                     // Each operation sent three times; every answer must be the result or a replay.
                     for attempt in 0..3 {
@@ -237,10 +249,7 @@ fn fault_matrix_the_configuration_reloaded_while_traffic_flows_executes_each_ope
     let reloads = 4;
     for i in 0..reloads {
         std::thread::sleep(Duration::from_millis(700));
-        let ttl = 86_400 + i;
-        e.reload_plugin(&format!(
-            r#"{{"scope": {{"headers": ["authorization"]}}, "lock_ttl_seconds": 2, "ttl_seconds": {ttl}}}"#
-        ));
+        e.reload_plugin(&plugin(86_401 + i));
     }
     std::thread::sleep(Duration::from_millis(1500));
     stop.store(true, Ordering::SeqCst);
@@ -248,13 +257,14 @@ fn fault_matrix_the_configuration_reloaded_while_traffic_flows_executes_each_ope
         w.join().unwrap();
     }
     let updates = e.stats("listener_manager.lds.update_success").first().map_or(0, |(_, v)| *v);
-    assert!(updates > reloads as u64, "the listener was not reloaded ({updates} LDS updates)");
+    assert!(updates > reloads, "the listener was not reloaded ({updates} LDS updates)");
     let per_key = up.executions_by_key();
     let twice: Vec<_> = per_key.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "executed more than once: {twice:?}");
     assert!(bad.lock().unwrap().is_empty(), "{:?}", bad.lock().unwrap());
     let n_ops = ops.load(Ordering::SeqCst);
     assert!(n_ops > 20, "too little traffic: {n_ops}");
+    assert!(n_ops <= WORKERS * OPS_PER_WORKER);
     e.assert_no_wasm_panic();
     record(
         &format!("plugin configuration reloaded {reloads} times under traffic"),

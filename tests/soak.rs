@@ -17,7 +17,11 @@ use support::store::{Redis, Webdis};
 use support::upstream::Upstream;
 use support::{Envoy, EnvoyOptions};
 
-const PLUGIN: &str = r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 2, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+/// Agents, and the most operations each sends: the soak is bounded by count as well as by time,
+/// and the local table is sized from that count, so a faster machine cannot fill it.
+const AGENTS: usize = 8;
+const OPS_PER_AGENT: u64 = 4_000;
+const PLUGIN: &str = r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 2, "local": {"max_entries": 80000}, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
 
 /// How one operation ended.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -72,13 +76,14 @@ fn soak_mixed_retries_duplicates_and_faults_executes_every_operation_exactly_onc
     let stop = Arc::new(AtomicBool::new(false));
     let ends = Arc::new(Mutex::new(HashMap::<String, End>::new()));
     let sends = Arc::new(AtomicU64::new(0));
-    let agents: Vec<_> = (0..8)
+    const { assert!(AGENTS as u64 * OPS_PER_AGENT * 2 <= 80_000) };
+    let agents: Vec<_> = (0..AGENTS)
         .map(|agent| {
             let (stop, ends, sends, ports) = (stop.clone(), ends.clone(), sends.clone(), ports.clone());
             std::thread::spawn(move || {
                 let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((agent as u64 + 1) * 0x1000_0001));
                 let mut n = 0;
-                while !stop.load(Ordering::SeqCst) {
+                while !stop.load(Ordering::SeqCst) && n < OPS_PER_AGENT {
                     n += 1;
                     let key = format!("soak-{agent}-{n}");
                     let kind = rng.next() % 10;
