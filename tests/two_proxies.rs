@@ -416,3 +416,52 @@ fn wait_mode_across_proxies_gives_the_retry_the_replay() {
     // b asked the store a bounded number of times while it waited (at most every 300 ms).
     assert!(p.b.stat("idemgate.store_calls") <= 6, "{} store calls", p.b.stat("idemgate.store_calls"));
 }
+
+/// Issue 13, 3: a write queued in a root context (here a completion write retried while Redis is
+/// down) must survive the plugin being reloaded: the old root context holds its VM until the
+/// write lands (or a bound passes), so the other proxy replays instead of answering
+/// outcome-unknown for an operation that succeeded.
+#[test]
+fn a_completion_write_queued_when_the_plugin_is_reloaded_still_lands() {
+    let mut redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(WRITE_FAIL_CFG, up.port);
+    o.store_port = Some(webdis.port);
+    o.lds = true;
+    // A replaced listener lives for the drain time (600 s by default): 1 s here, so the old
+    // root contexts are stopped while their write still waits for the store.
+    o.drain_time_s = Some(1);
+    let a = Envoy::start(&o);
+    o.lds = false;
+    let b = Envoy::start(&o);
+    let first = first_attempt_outliving_redis(a.port, &mut redis, "k-reload");
+    assert_eq!(first.status, 201, "the client still gets its response");
+    assert!(eventually(Duration::from_secs(3), || a.stat("idemgate.store_write_retries") >= 1));
+    assert_eq!(a.stat("idemgate.store_writes_pending"), 1, "the gauge shows the write waiting");
+    // The plugin configuration changes while the write waits for its retry: Envoy replaces the
+    // listener and stops the old plugin's root contexts.
+    let updates = |e: &Envoy| e.stats("listener_manager.lds.update_success").first().map_or(0, |(_, v)| *v);
+    let before = updates(&a);
+    // Only the plugin configuration changes (the same VM serves the new root contexts). A new
+    // module or VM configuration starts a new VM and Envoy destroys the old one with its
+    // listener: README says to keep the drain time above the write retry window for that.
+    o.lds = true;
+    o.plugin_config =
+        WRITE_FAIL_CFG.replace("\"lock_ttl_seconds\": 2", "\"lock_ttl_seconds\": 2, \"ttl_seconds\": 86401");
+    a.reload_listener(&o);
+    assert!(eventually(Duration::from_secs(5), || updates(&a) > before), "the listener was not reloaded");
+    // The old listener is dropped after the 1 s drain time; the store stays down a while longer,
+    // so the write can land only if the old root context is still there to retry it (next
+    // retries: 1.4 s and 3.0 s after the first failure).
+    std::thread::sleep(Duration::from_millis(1300));
+    redis.restart();
+    assert!(eventually(Duration::from_secs(10), || a.stat("idemgate.store_writes") >= 1), "the write never landed");
+    assert_eq!(a.stat("idemgate.store_writes_pending"), 0);
+    let r = post(&b, "k-reload", "{}", &[]);
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")), "{}", r.body_text());
+    assert_eq!(r.body, first.body);
+    assert_eq!(up.executions(), 1);
+    a.assert_no_wasm_panic();
+    b.assert_no_wasm_panic();
+}

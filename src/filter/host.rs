@@ -196,15 +196,19 @@ pub enum Gauge {
     LocalRecordBytes,
     /// Bytes of the bucket index when every position is occupied (fixed by `local.max_entries`).
     LocalIndexBytes,
+    /// Store writes queued or in flight in root contexts (every worker's, summed: each adds and
+    /// subtracts its own).
+    StoreWritesPending,
 }
 
 impl Gauge {
-    pub const ALL: [Gauge; 2] = [Gauge::LocalRecordBytes, Gauge::LocalIndexBytes];
+    pub const ALL: [Gauge; 3] = [Gauge::LocalRecordBytes, Gauge::LocalIndexBytes, Gauge::StoreWritesPending];
 
     pub fn name(self) -> &'static str {
         match self {
             Gauge::LocalRecordBytes => "idemgate.local_record_bytes",
             Gauge::LocalIndexBytes => "idemgate.local_index_bytes",
+            Gauge::StoreWritesPending => "idemgate.store_writes_pending",
         }
     }
 }
@@ -227,6 +231,13 @@ impl Metrics {
     pub fn set(&self, g: Gauge, value: u64) {
         if let Some(Some(id)) = self.gauges.get(g as usize) {
             let _ = hostcalls::record_metric(*id, value);
+        }
+    }
+
+    /// Adds `delta` (negative to subtract) to a gauge that every worker moves by its own share.
+    pub fn add(&self, g: Gauge, delta: i64) {
+        if let Some(Some(id)) = self.gauges.get(g as usize) {
+            let _ = hostcalls::increment_metric(*id, delta);
         }
     }
 

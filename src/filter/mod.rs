@@ -44,6 +44,10 @@ const TICK: Duration = Duration::from_millis(100);
 const WAIT_STORE_POLL_MS: u64 = 300;
 /// Buckets each worker sweeps per second, freeing expired records and their bytes.
 const SWEEP_BUCKETS_PER_SECOND: u32 = 64;
+/// How long a stopping root context (plugin reload, listener drain, shutdown) holds its VM for
+/// store writes still queued or in flight: the whole retry schedule of a write and of its
+/// outcome-unknown fallback (2 x 6.2 s of backoff plus their timeouts).
+const STOP_HOLD_MS: u64 = 20_000;
 
 #[cfg(not(feature = "empty-filter"))]
 proxy_wasm::main! {{
@@ -149,6 +153,7 @@ impl Shared {
 
     /// Hands a store write to the root context.
     pub fn push_job(&self, job: Job) {
+        self.metrics.add(Gauge::StoreWritesPending, 1);
         self.queues.jobs.borrow_mut().push_back(job);
         self.wake();
     }
@@ -183,6 +188,9 @@ struct Root {
     queue_id: Option<u32>,
     /// Failed writes waiting for their retry: (due time in ms, job), dispatched by the tick.
     retries: Vec<(u64, Job)>,
+    /// Set when the host asked this root to stop while writes were pending: the time after
+    /// which it stops anyway.
+    stopping_until_ms: Option<u64>,
 }
 
 impl Root {
@@ -196,12 +204,52 @@ impl Root {
             calls: HashMap::new(),
             queue_id: None,
             retries: Vec::new(),
+            stopping_until_ms: None,
+        }
+    }
+
+    /// Store writes this root still owns: queued by HTTP contexts, in flight, or waiting to retry.
+    fn pending_writes(&self) -> usize {
+        self.queues.jobs.borrow().len()
+            + self.retries.len()
+            + self.calls.values().filter(|c| matches!(c, Call::Write(_))).count()
+    }
+
+    /// A write is over (landed, or given up after its fallback).
+    fn write_ended(&mut self) {
+        if let Some(s) = self.shared.as_ref() {
+            s.metrics.add(Gauge::StoreWritesPending, -1);
+        }
+        self.finish_stopping_if_drained();
+    }
+
+    /// A stopping root tells the host it is done once its writes are over or its bound passed.
+    fn finish_stopping_if_drained(&mut self) {
+        let Some(until) = self.stopping_until_ms else { return };
+        let pending = self.pending_writes();
+        if pending == 0 || host::now_ms() >= until {
+            if pending > 0 {
+                warn!("idemgate: root context stopping with {pending} store write(s) still pending after {STOP_HOLD_MS} ms: other proxies judge those keys outcome-unknown");
+            } else {
+                info!("idemgate: root context stopping: every queued store write has landed");
+            }
+            self.stopping_until_ms = None;
+            if pending > 0 {
+                if let Some(s) = self.shared.as_ref() {
+                    s.metrics.add(Gauge::StoreWritesPending, -(pending as i64));
+                }
+            }
+            self.done();
         }
     }
 
     fn dispatch_job(&mut self, job: Job) {
         let Some(s) = self.shared.clone() else { return };
-        let Some(cfg) = s.config.store.as_ref() else { return };
+        let Some(cfg) = s.config.store.as_ref() else {
+            // Cannot happen (jobs exist only with a store): count it over rather than hold the VM.
+            error!("idemgate: store write {} for key={} with no store configured", job.what, job.key_hash);
+            return self.write_ended();
+        };
         s.metrics.inc(Counter::StoreCalls);
         match writes::dispatch(cfg, &job.request, s.credentials.as_deref()) {
             Ok(token) => {
@@ -259,6 +307,7 @@ impl Root {
                 "idemgate: store write {} for key={} failed {} times ({why}); a claim left in the store is judged outcome-unknown once its lock expires",
                 job.what, job.key_hash, job.attempts
             );
+            self.write_ended();
         }
     }
 
@@ -464,6 +513,23 @@ impl Root {
 }
 
 impl Context for Root {
+    fn on_done(&mut self) -> bool {
+        // Writes handed over by HTTP contexts but not yet dispatched go out now.
+        let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
+        for job in jobs {
+            self.dispatch_job(job);
+        }
+        let pending = self.pending_writes();
+        if pending == 0 {
+            return true;
+        }
+        // Hold the VM until they land (or the bound passes): a write lost here is a key other
+        // proxies answer outcome-unknown although it succeeded.
+        info!("idemgate: root context asked to stop with {pending} store write(s) pending; holding it for at most {STOP_HOLD_MS} ms");
+        self.stopping_until_ms = Some(host::now_ms().saturating_add(STOP_HOLD_MS));
+        false
+    }
+
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         match self.calls.remove(&token) {
             Some(Call::Write(job)) => {
@@ -479,6 +545,7 @@ impl Context for Root {
                                 job.what, job.key_hash
                             );
                         }
+                        self.write_ended();
                     }
                     Err(e) => self.write_failed(job, &e.to_string()),
                 }
@@ -576,6 +643,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         self.check_waiters();
         self.dispatch_due_retries();
+        self.finish_stopping_if_drained();
         let Some(s) = self.shared.clone() else { return };
         let now = host::now_ms();
         if now.saturating_sub(self.last_sweep_ms) < 1000 {

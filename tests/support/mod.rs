@@ -97,6 +97,8 @@ pub struct EnvoyOptions {
     /// The listener comes from a watched LDS file (`Envoy::reload_plugin` rewrites it) instead of
     /// the static configuration.
     pub lds: bool,
+    /// Envoy's `--drain-time-s` (how long a replaced listener, and its Wasm root contexts, stay).
+    pub drain_time_s: Option<u32>,
 }
 
 impl EnvoyOptions {
@@ -113,6 +115,7 @@ impl EnvoyOptions {
             failure_policy: "FAIL_RELOAD".into(),
             wasm: None,
             lds: false,
+            drain_time_s: None,
         }
     }
 }
@@ -289,6 +292,7 @@ impl Envoy {
             .arg(&cfg_path)
             .args(["--concurrency", &o.concurrency.to_string()])
             .args(["--disable-hot-restart", "--log-level", "info", "--component-log-level", "wasm:debug"])
+            .args(o.drain_time_s.map(|s| ["--drain-time-s".to_string(), s.to_string()]).into_iter().flatten())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log_file))
@@ -328,8 +332,16 @@ impl Envoy {
     /// Replaces the listener (started with `lds: true`) by one with another plugin configuration,
     /// as a control plane would: the LDS file is swapped atomically and Envoy picks it up.
     pub fn reload_plugin(&self, plugin_config: &str) {
-        assert!(self.options.lds, "reload_plugin needs EnvoyOptions::lds");
-        let listener = render_listener(&self.options, plugin_config, self.port, &self.wasm);
+        let mut o = self.options.clone();
+        o.plugin_config = plugin_config.to_string();
+        self.reload_listener(&o);
+    }
+
+    /// Replaces the listener (started with `lds: true`) by one rendered from `o` (its plugin
+    /// configuration and VM settings; a changed `vm_env` makes Envoy start a new Wasm VM).
+    pub fn reload_listener(&self, o: &EnvoyOptions) {
+        assert!(self.options.lds, "reload_listener needs EnvoyOptions::lds");
+        let listener = render_listener(o, &o.plugin_config, self.port, &self.wasm);
         let tmp = self._scratch.0.join("lds.yaml.tmp");
         std::fs::write(&tmp, render_lds(&listener)).expect("write lds");
         std::fs::rename(&tmp, self._scratch.0.join("lds.yaml")).expect("swap lds");
