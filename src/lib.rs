@@ -24,6 +24,7 @@ pub mod record;
 pub mod request;
 pub mod scope;
 pub mod store;
+pub mod wait;
 
 #[cfg(feature = "proxy-wasm")]
 mod filter;

@@ -241,6 +241,16 @@ pub enum Begin {
     Full,
 }
 
+/// A live record read without claiming anything (`Table::peek`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peeked {
+    pub summary: Summary,
+    /// The record, when it is completed and its slot could be read.
+    pub record: Option<Record>,
+    /// The response status the index keeps (0 before completion).
+    pub status: u16,
+}
+
 /// What a completion did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Completed {
@@ -460,12 +470,7 @@ impl Table {
 
     /// Reads the live record of `skey` without claiming anything: its summary and, when it is
     /// completed, the record itself (for requests waiting on another attempt).
-    pub fn peek(
-        &self,
-        sd: &mut dyn SharedData,
-        skey: &StorageKey,
-        now_ms: u64,
-    ) -> Result<Option<(Summary, Option<Record>)>, LocalError> {
+    pub fn peek(&self, sd: &mut dyn SharedData, skey: &StorageKey, now_ms: u64) -> Result<Option<Peeked>, LocalError> {
         let i = self.bucket_of(skey);
         let (bucket, _) = self.read_bucket(sd, i)?;
         let Some((j, e)) = bucket
@@ -483,7 +488,7 @@ impl Table {
             }
             _ => None,
         };
-        Ok(Some((e.summary(), record)))
+        Ok(Some(Peeked { summary: e.summary(), record, status: e.status }))
     }
 
     /// A position for a new key: an empty one, an expired one, or (with `evict_oldest`) the oldest

@@ -465,3 +465,38 @@ fn a_completion_write_queued_when_the_plugin_is_reloaded_still_lands() {
     a.assert_no_wasm_panic();
     b.assert_no_wasm_panic();
 }
+
+/// Issue 13, 6: a request waiting on another proxy's attempt that is then released (the upstream
+/// answered 429, in `release_on_status`: it did not execute) is told so at once: 409 with
+/// `retry-after: 0`, not held until `wait_ms` and then told to wait 1 s more.
+#[test]
+fn wait_mode_answers_a_waiter_as_soon_as_the_first_attempt_is_released() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(
+        webdis.port,
+        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 8000, "store": {"cluster": "idemgate_store", "timeout_ms": 500}}"#,
+    );
+    let port = p.a.port;
+    let first = std::thread::spawn(move || {
+        let h = [
+            ("authorization", "Bearer alice-secret-token"),
+            ("idempotency-key", "k-xrel"),
+            ("x-up-delay-ms", "800"),
+            ("x-up-status", "429"),
+        ];
+        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    let retry = post(&p.b, "k-xrel", "{}", &[]);
+    let waited = started.elapsed();
+    assert_eq!(first.join().unwrap().status, 429);
+    assert_eq!((retry.status, problem_type(&retry).as_str()), (409, "urn:idemgate:problem:request-in-flight"));
+    assert_eq!(retry.header("retry-after"), Some("0"), "released: retry now ({waited:?})");
+    assert!(waited < Duration::from_millis(6000), "answered when released, not at wait_ms ({waited:?})");
+    // The released key executes for the next attempt.
+    let again = post(&p.b, "k-xrel", "{}", &[]);
+    assert_eq!(again.status, 201, "{}", again.body_text());
+    assert_eq!(p.up.executions(), 2, "the 429 attempt and the retry");
+}

@@ -23,13 +23,14 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
 
 use crate::config::{Config, Forwarding};
-use crate::decision::{classify_callout, Outcome, Phase};
+use crate::decision::{classify_callout, Outcome};
 use crate::fingerprint::Fingerprint;
 use crate::local::Table;
 use crate::problem::ProblemKind;
-use crate::record::{Record, State, StoredResponse};
+use crate::record::StoredResponse;
 use crate::scope::StorageKey;
-use crate::store::{self, StorePhase};
+use crate::store;
+use crate::wait::{self, Seen, Tier, WaitAnswer};
 use host::{Counter, Gauge, HostShared, Metrics};
 use settle::Claim;
 use writes::{Job, MAX_WRITE_ATTEMPTS};
@@ -412,29 +413,26 @@ impl Root {
         }
     }
 
-    /// Checks every waiting request: answered from the local tier when its key completed, from
-    /// the store at most every `WAIT_STORE_POLL_MS`, or with a 409 at its deadline.
+    /// Checks every waiting request: answered from the local tier as soon as it shows the
+    /// outcome, from the store (polled at most every `WAIT_STORE_POLL_MS`), or with a 409 at its
+    /// deadline. What to answer is `wait::answer`'s rule, the same for both tiers.
     fn check_waiters(&mut self) {
         let Some(s) = self.shared.clone() else { return };
         let now = host::now_ms();
+        let has_store = s.config.store.is_some();
         let waiters: Vec<Waiter> = self.queues.waiters.borrow_mut().drain(..).collect();
         let mut keep = vec![];
         for mut w in waiters {
             if !self.queues.live.borrow().contains(&w.context_id) {
                 continue;
             }
-            let local = s.table.peek(&mut HostShared, &w.skey, now).ok().flatten();
-            match local {
-                Some((summary, record)) if summary.phase == Phase::Completed || summary.phase == Phase::Unknown => {
-                    self.finish_wait(&w, summary.fingerprint, summary.phase == Phase::Completed, record);
-                    continue;
-                }
-                None if s.config.store.is_none() => {
-                    // Released (the first attempt never executed): the client may retry now.
-                    self.wait_over(&w, 0);
-                    continue;
-                }
-                _ => {}
+            let seen = match s.table.peek(&mut HostShared, &w.skey, now) {
+                Ok(p) => Seen::from_local(p),
+                // Unreadable now: the store (or the next tick) decides.
+                Err(_) => Seen::InFlight,
+            };
+            if self.wait_answered(&w, wait::answer(seen, Tier::Local, &w.fp, has_store)) {
+                continue;
             }
             if now >= w.deadline_ms {
                 self.wait_over(&w, crate::decision::IN_FLIGHT_RETRY_AFTER_SECONDS);
@@ -455,16 +453,16 @@ impl Root {
         self.queues.waiters.borrow_mut().extend(keep);
     }
 
-    fn finish_wait(&self, w: &Waiter, fp: Option<Fingerprint>, completed: bool, record: Option<Record>) {
-        let Some(s) = self.shared.clone() else { return };
-        s.metrics.inc(Counter::WaitAnswered);
+    /// Answers a waiting request as `answer` says; false when it must keep waiting.
+    fn wait_answered(&self, w: &Waiter, answer: WaitAnswer) -> bool {
+        let Some(s) = self.shared.clone() else { return false };
         let rid = w.request_id.clone();
-        if fp.is_some_and(|f| f != w.fp) {
-            s.metrics.inc(Counter::Mismatch);
-            return self.answer(w.context_id, |r| reply::problem(&ProblemKind::KeyReused, r, None), &rid);
-        }
-        match (completed, record) {
-            (true, Some(r)) => {
+        match answer {
+            WaitAnswer::KeepWaiting => return false,
+            // Released: the first attempt never executed; the client may retry at once.
+            WaitAnswer::RetryNow => self.wait_over(w, 0),
+            WaitAnswer::Replay(r) => {
+                s.metrics.inc(Counter::WaitAnswered);
                 s.metrics.inc(Counter::Replayed);
                 self.answer(
                     w.context_id,
@@ -474,11 +472,17 @@ impl Root {
                     &rid,
                 );
             }
-            _ => {
-                s.metrics.inc(Counter::UnknownOutcome);
-                self.answer(w.context_id, |r| reply::problem(&ProblemKind::OutcomeUnknown, r, None), &rid);
+            WaitAnswer::Problem(kind) => {
+                s.metrics.inc(Counter::WaitAnswered);
+                match kind {
+                    ProblemKind::KeyReused => s.metrics.inc(Counter::Mismatch),
+                    ProblemKind::OutcomeUnknown => s.metrics.inc(Counter::UnknownOutcome),
+                    _ => {}
+                }
+                self.answer(w.context_id, |r| reply::problem(&kind, r, None), &rid);
             }
         }
+        true
     }
 
     fn wait_over(&self, w: &Waiter, retry_after_seconds: u64) {
@@ -491,24 +495,23 @@ impl Root {
 
     fn poll_answered(&mut self, context_id: u32, num_headers: usize, body_size: usize) {
         let (status, body) = writes::answer(body_size, num_headers);
-        let found = {
+        let Some(has_store) = self.shared.as_ref().map(|s| s.config.store.is_some()) else { return };
+        let (w, answer) = {
             let mut ws = self.queues.waiters.borrow_mut();
             let Some(pos) = ws.iter().position(|w| w.context_id == context_id) else { return };
-            let w = ws.get_mut(pos);
-            if let Some(w) = w {
-                w.polling = false;
-            }
-            match store::parse_read_reply(status, &body) {
-                Ok(Some(v)) if v.phase != StorePhase::InProgress => Some((ws.remove(pos), v)),
-                _ => None,
+            let Some(w) = ws.get_mut(pos) else { return };
+            w.polling = false;
+            let seen = match store::parse_read_reply(status, &body) {
+                Ok(v) => Seen::from_store(v),
+                // An unreadable answer: ask again at the next poll.
+                Err(_) => return,
+            };
+            match wait::answer(seen, Tier::Store, &w.fp, has_store) {
+                WaitAnswer::KeepWaiting => return,
+                answer => (ws.remove(pos), answer),
             }
         };
-        if let Some((w, v)) = found {
-            let completed = v.phase == StorePhase::Done;
-            let record = matches!(v.record.state, State::Completed(_) | State::CompletedTooLarge { .. })
-                .then_some(v.record.clone());
-            self.finish_wait(&w, Some(v.record.fingerprint), completed, record);
-        }
+        self.wait_answered(&w, answer);
     }
 }
 

@@ -193,13 +193,14 @@ fn peek_reads_without_claiming() {
     let k = skey(30);
     assert_eq!(t.peek(&mut m, &k, NOW).unwrap(), None);
     let h = handle(&claim(&t, &mut m, k, Some(fp(1)), 1, NOW));
-    let (s, r) = t.peek(&mut m, &k, NOW).unwrap().unwrap();
-    assert!(matches!(s.phase, crate::decision::Phase::InProgress { .. }));
-    assert_eq!(r, None);
+    let p = t.peek(&mut m, &k, NOW).unwrap().unwrap();
+    assert!(matches!(p.summary.phase, crate::decision::Phase::InProgress { .. }));
+    assert_eq!(p.record, None);
     complete(&t, &mut m, &h, fp(1), response("ok"), false, &creator("c"), NOW, &policy()).unwrap();
-    let (s, r) = t.peek(&mut m, &k, NOW).unwrap().unwrap();
-    assert_eq!(s.phase, crate::decision::Phase::Completed);
-    assert_eq!(r.unwrap().state, State::Completed(response("ok")));
+    let p = t.peek(&mut m, &k, NOW).unwrap().unwrap();
+    assert_eq!(p.summary.phase, crate::decision::Phase::Completed);
+    assert_eq!(p.status, response("ok").status);
+    assert_eq!(p.record.unwrap().state, State::Completed(response("ok")));
     assert_eq!(t.occupied(&mut m), 1, "peeking claimed nothing");
 }
 

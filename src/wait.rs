@@ -1,0 +1,161 @@
+//! Requests held while another attempt with their key runs (`in_flight: "wait"`): what to answer
+//! from what a tier shows of that key, as soon as it is known.
+//!
+//! One rule for both tiers: the local tier is looked at on every tick, the store (when there is
+//! one) polled at a bounded pace; each look is turned into a `Seen` and answered here.
+
+use crate::decision::Phase;
+use crate::fingerprint::Fingerprint;
+use crate::local::Peeked;
+use crate::problem::ProblemKind;
+use crate::record::{Record, State};
+use crate::store::{StorePhase, StoredValue};
+
+/// What one tier shows of the key a request waits on.
+#[derive(Clone, Debug)]
+pub enum Seen {
+    /// No live record: the first attempt was released (it never executed), or its record expired.
+    Absent,
+    /// Claimed or forwarded, not finished.
+    InFlight,
+    /// Finished with a response; `record` is the stored record when this tier could read it,
+    /// `status` the response status its index keeps.
+    Completed { fingerprint: Option<Fingerprint>, record: Option<Record>, status: u16 },
+    /// Finished without a known outcome.
+    Unknown { fingerprint: Option<Fingerprint> },
+}
+
+impl Seen {
+    /// What the local tier's index and slot show.
+    pub fn from_local(p: Option<Peeked>) -> Seen {
+        let Some(p) = p else { return Seen::Absent };
+        match p.summary.phase {
+            Phase::Claimed { .. } | Phase::InProgress { .. } => Seen::InFlight,
+            Phase::Completed => {
+                Seen::Completed { fingerprint: p.summary.fingerprint, record: p.record, status: p.status }
+            }
+            Phase::Unknown => Seen::Unknown { fingerprint: p.summary.fingerprint },
+        }
+    }
+
+    /// What the store's value shows (`None`: no value under the key).
+    pub fn from_store(v: Option<StoredValue>) -> Seen {
+        let Some(v) = v else { return Seen::Absent };
+        let fingerprint = Some(v.record.fingerprint);
+        match v.phase {
+            StorePhase::InProgress => Seen::InFlight,
+            StorePhase::Unknown => Seen::Unknown { fingerprint },
+            StorePhase::Done => {
+                let status = match &v.record.state {
+                    State::Completed(r) => r.status,
+                    State::CompletedTooLarge { status, .. } => *status,
+                    _ => 0,
+                };
+                Seen::Completed { fingerprint, record: Some(v.record), status }
+            }
+        }
+    }
+}
+
+/// Which tier the look came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    Local,
+    Store,
+}
+
+/// The answer to a waiting request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WaitAnswer {
+    /// Not known yet: keep waiting (until `wait_ms`, then 409 `request-in-flight`).
+    KeepWaiting,
+    /// Replay this completed record.
+    Replay(Record),
+    /// Answer with this problem.
+    Problem(ProblemKind),
+    /// The first attempt was released without executing: the client may retry at once
+    /// (409 `request-in-flight` with `retry-after: 0`).
+    RetryNow,
+}
+
+/// What to answer a request waiting with fingerprint `fp`, from what `tier` shows. With a store,
+/// the store is the authority: a local tier that shows nothing, or a completion whose response it
+/// does not hold, leaves the answer to the store's poll.
+pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool) -> WaitAnswer {
+    let other_request = |f: Option<Fingerprint>| f.is_some_and(|f| f != *fp);
+    match seen {
+        Seen::InFlight => WaitAnswer::KeepWaiting,
+        Seen::Absent if tier == Tier::Local && has_store => WaitAnswer::KeepWaiting,
+        Seen::Absent => WaitAnswer::RetryNow,
+        Seen::Completed { fingerprint, .. } | Seen::Unknown { fingerprint } if other_request(fingerprint) => {
+            WaitAnswer::Problem(ProblemKind::KeyReused)
+        }
+        Seen::Unknown { .. } => WaitAnswer::Problem(ProblemKind::OutcomeUnknown),
+        Seen::Completed { record: Some(r), .. }
+            if matches!(r.state, State::Completed(_) | State::CompletedTooLarge { .. }) =>
+        {
+            WaitAnswer::Replay(r)
+        }
+        // It completed (it executed once) but this tier cannot give the response: the store may;
+        // without one, say exactly that, never "outcome unknown".
+        Seen::Completed { .. } if tier == Tier::Local && has_store => WaitAnswer::KeepWaiting,
+        Seen::Completed { status, .. } => {
+            WaitAnswer::Problem(ProblemKind::ResponseNotStored { status, location: None })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{Creator, StoredResponse};
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    const FP: Fingerprint = Fingerprint([7; 32]);
+    const OTHER: Fingerprint = Fingerprint([8; 32]);
+
+    fn completed() -> Record {
+        Record {
+            fingerprint: FP,
+            created_at_ms: 0,
+            expires_at_ms: 10,
+            creator: Creator::default(),
+            state: State::Completed(StoredResponse { status: 201, headers: vec![], body: b"ok".to_vec() }),
+        }
+    }
+
+    #[test]
+    fn a_released_key_is_answered_at_once_by_the_authoritative_tier() {
+        assert_eq!(answer(Seen::Absent, Tier::Store, &FP, true), WaitAnswer::RetryNow);
+        assert_eq!(answer(Seen::Absent, Tier::Local, &FP, false), WaitAnswer::RetryNow);
+        // With a store, a local miss says nothing: another proxy may hold the claim.
+        assert_eq!(answer(Seen::Absent, Tier::Local, &FP, true), WaitAnswer::KeepWaiting);
+    }
+
+    #[test]
+    fn a_completion_whose_response_this_tier_lacks_is_never_called_outcome_unknown() {
+        let seen = || Seen::Completed { fingerprint: Some(FP), record: None, status: 201 };
+        assert_eq!(
+            answer(seen(), Tier::Local, &FP, false),
+            WaitAnswer::Problem(ProblemKind::ResponseNotStored { status: 201, location: None })
+        );
+        assert_eq!(answer(seen(), Tier::Local, &FP, true), WaitAnswer::KeepWaiting, "the store may have it");
+    }
+
+    #[test]
+    fn completed_unknown_in_flight_and_other_requests() {
+        let r = completed();
+        let seen = Seen::Completed { fingerprint: Some(FP), record: Some(r.clone()), status: 201 };
+        assert_eq!(answer(seen, Tier::Local, &FP, false), WaitAnswer::Replay(r.clone()));
+        let seen = Seen::Completed { fingerprint: Some(FP), record: Some(r), status: 201 };
+        assert_eq!(answer(seen, Tier::Store, &OTHER, true), WaitAnswer::Problem(ProblemKind::KeyReused));
+        for tier in [Tier::Local, Tier::Store] {
+            let unknown = Seen::Unknown { fingerprint: Some(FP) };
+            assert_eq!(answer(unknown, tier, &FP, true), WaitAnswer::Problem(ProblemKind::OutcomeUnknown));
+            let unknown = Seen::Unknown { fingerprint: Some(FP) };
+            assert_eq!(answer(unknown, tier, &OTHER, true), WaitAnswer::Problem(ProblemKind::KeyReused));
+            assert_eq!(answer(Seen::InFlight, tier, &FP, true), WaitAnswer::KeepWaiting);
+        }
+    }
+}
