@@ -29,7 +29,7 @@ use crate::local::Table;
 use crate::problem::ProblemKind;
 use crate::record::{Record, State, StoredResponse};
 use crate::scope::StorageKey;
-use crate::store::{self, StorePhase};
+use crate::store::{self, ReadReply, StorePhase};
 use host::{Counter, Gauge, HostShared, Metrics};
 use settle::Claim;
 use writes::{Job, MAX_WRITE_ATTEMPTS};
@@ -450,16 +450,30 @@ impl Root {
                 w.polling = false;
             }
             match store::parse_read_reply(status, &body) {
-                Ok(Some(v)) if v.phase != StorePhase::InProgress => Some((ws.remove(pos), v)),
+                Ok(ReadReply::Found(v)) if v.phase != StorePhase::InProgress => Some((ws.remove(pos), Ok(v))),
+                Ok(ReadReply::Unreadable(why)) => Some((ws.remove(pos), Err(why))),
                 _ => None,
             }
         };
-        if let Some((w, v)) = found {
-            let completed = v.phase == StorePhase::Done;
-            let record = matches!(v.record.state, State::Completed(_) | State::CompletedTooLarge { .. })
-                .then_some(v.record.clone());
-            self.finish_wait(&w, Some(v.record.fingerprint), completed, record);
-        }
+        let Some((w, v)) = found else { return };
+        let v = match v {
+            Ok(v) => v,
+            // A record we cannot read: answered as the request path answers it, never forwarded.
+            Err(why) => {
+                warn!("idemgate: outcome=record_unreadable request_id={} error={why}", w.request_id);
+                if let Some(s) = self.shared.as_ref() {
+                    s.metrics.inc(Counter::RecordUnreadable);
+                }
+                let kind = ProblemKind::RecordUnreadable {
+                    retry_after_seconds: crate::decision::UNAVAILABLE_RETRY_AFTER_SECONDS,
+                };
+                return self.answer(w.context_id, |r| reply::problem(&kind, r, None), &w.request_id);
+            }
+        };
+        let completed = v.phase == StorePhase::Done;
+        let record =
+            matches!(v.record.state, State::Completed(_) | State::CompletedTooLarge { .. }).then_some(v.record.clone());
+        self.finish_wait(&w, Some(v.record.fingerprint), completed, record);
     }
 }
 
