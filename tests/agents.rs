@@ -106,6 +106,32 @@ fn detached_mode_answers_a_client_that_stays_and_keeps_set_cookie_for_it_only() 
 }
 
 #[test]
+fn detached_mode_never_lets_a_clients_retry_headers_re_send_the_request() {
+    // Internal clients keep their x-envoy-* headers; the callout idemgate makes would honour them.
+    let up = Upstream::start();
+    let plugin = format!(
+        r#"{{{SCOPE}, "lock_ttl_seconds": 30, "forwarding": "detached", "upstream": {{"cluster": "upstream", "timeout_ms": 5000}}}}"#
+    );
+    let mut o = EnvoyOptions::new(&plugin, up.port);
+    o.internal_clients = true;
+    let envoy = Envoy::start(&o);
+    let h = [
+        ("authorization", "Bearer a"),
+        ("idempotency-key", "k-detached-retry"),
+        ("x-up-status", "503"),
+        ("x-envoy-retry-on", "5xx"),
+        ("x-envoy-max-retries", "3"),
+    ];
+    let first = http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap();
+    assert_eq!(first.status, 503, "{}", first.body_text());
+    assert_eq!(up.executions(), 1, "the detached callout was re-sent");
+    let again = http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap();
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(up.executions(), 1);
+    envoy.assert_no_wasm_panic();
+}
+
+#[test]
 fn detached_mode_upstream_silence_is_outcome_unknown() {
     let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 500}"#);
     let h = [("authorization", "Bearer a"), ("idempotency-key", "k-silent"), ("x-up-delay-ms", "1500")];
