@@ -277,3 +277,27 @@ fn the_retrying_agent_with_derived_keys_recovers_its_lost_response_in_detached_m
     assert_eq!(resource_id(report["body"].as_str().unwrap_or("")), "res-1");
     assert_eq!(up.executions(), 1);
 }
+
+#[test]
+fn detached_mode_a_response_beyond_envoys_async_client_limit_is_outcome_unknown() {
+    // Envoy 1.40's async client keeps at most 32 MiB of a callout's response body; beyond that it
+    // drains the rest and hands the filter no response at all. The upstream did execute.
+    let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 20000}"#);
+    let limit = (32 * 1024 * 1024).to_string();
+    let over = (33 * 1024 * 1024).to_string();
+    let send = |key: &str, size: &str| {
+        let h = [("authorization", "Bearer a"), ("idempotency-key", key), ("x-up-body-bytes", size)];
+        http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap()
+    };
+    let at = send("k-32mib", &limit);
+    assert_eq!((at.status, at.body.len()), (201, 32 * 1024 * 1024), "32 MiB still comes through");
+    let first = send("k-33mib", &over);
+    assert_eq!(first.status, 504, "{}", first.body_text());
+    assert_eq!(first.json()["type"], "urn:idemgate:problem:upstream-no-answer");
+    let again = send("k-33mib", &over);
+    assert_eq!(again.status, 409);
+    assert_eq!(again.json()["type"], "urn:idemgate:problem:outcome-unknown");
+    assert_eq!(up.executions(), 2, "each executed once, the retry never");
+    assert!(envoy.log().contains("buffer size limit for async client response body"), "{}", envoy.log());
+    envoy.assert_no_wasm_panic();
+}
