@@ -433,6 +433,29 @@ fn a_route_retry_policy_never_re_sends_a_protected_request() {
 }
 
 #[test]
+fn hedging_on_per_try_timeout_never_sends_a_protected_request_twice() {
+    // Hedging: at each 300 ms per-try timeout Envoy sends another attempt while the first runs
+    // (2 s), so all three have arrived long before the first answers.
+    let s = Stack::with(CFG, |o| {
+        o.retry_policy = Some("{retry_on: 5xx, num_retries: 2, per_try_timeout: 0.3s}".into());
+        o.hedge_policy = Some("{hedge_on_per_try_timeout: true}".into());
+    });
+    let slow = [("x-up-delay-ms", "2000")];
+    assert_eq!(s.post("/charges", None, "{}", &slow).status, 201);
+    assert_eq!(s.up.executions(), 3, "the hedge policy sends unprotected requests three times");
+    let a = s.post("/charges", Some("k-hedged"), "{}", &slow);
+    assert_eq!(s.up.executions_with_key("k-hedged"), 1, "a protected request executed more than once");
+    // With hedging a per-try timeout does not cancel the attempt: with no retry left, Envoy
+    // waits for it, and its answer is the one kept.
+    assert_eq!(a.status, 201, "{}", a.body_text());
+    let b = s.post("/charges", Some("k-hedged"), "{}", &slow);
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    assert_eq!(b.body, a.body);
+    assert_eq!(s.up.executions_with_key("k-hedged"), 1);
+    assert_eq!(s.envoy.stat("idemgate.upstream_attempts_repeated"), 0);
+}
+
+#[test]
 fn a_client_asking_envoy_for_retries_cannot_make_it_re_send_a_protected_request() {
     // Envoy honours these headers from internal clients (loopback here, as a mesh's sidecars).
     let s = Stack::with(CFG, |o| o.internal_clients = true);

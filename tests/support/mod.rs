@@ -99,6 +99,8 @@ pub struct EnvoyOptions {
     pub lds: bool,
     /// The route's `retry_policy` (inline YAML, e.g. `{retry_on: 5xx, num_retries: 2}`), if any.
     pub retry_policy: Option<String>,
+    /// The route's `hedge_policy` (inline YAML), if any.
+    pub hedge_policy: Option<String>,
     /// HTTP filters placed between idemgate and the router (YAML list items, indented by 10 spaces).
     pub filters_after_idemgate: String,
     /// Clients on loopback are internal (`use_remote_address` with an `internal_address_config`),
@@ -121,6 +123,7 @@ impl EnvoyOptions {
             wasm: None,
             lds: false,
             retry_policy: None,
+            hedge_policy: None,
             filters_after_idemgate: String::new(),
             internal_clients: false,
         }
@@ -227,7 +230,8 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
 "#,
         buffer = o.buffer_limit_bytes,
         timeout = o.route_timeout_ms as f64 / 1000.0,
-        retry = o.retry_policy.as_ref().map_or(String::new(), |r| format!(", retry_policy: {r}")),
+        retry = o.retry_policy.as_ref().map_or(String::new(), |r| format!(", retry_policy: {r}"))
+            + &o.hedge_policy.as_ref().map_or(String::new(), |h| format!(", hedge_policy: {h}")),
         after = o.filters_after_idemgate,
         internal = if o.internal_clients {
             "\n          use_remote_address: true\n          internal_address_config: {cidr_ranges: [{address_prefix: 127.0.0.0, prefix_len: 8}]}"
