@@ -590,6 +590,21 @@ fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
     if p.scope.headers.contains(&p.header) {
         return Err(err(&join(prefix, "scope.headers"), format!("\"{}\" is the key header itself", p.header)));
     }
+    // Detached forwarding knows its upstream's timeout: the lock (and so the record, which
+    // outlives it) must outlast it, or a retry while the upstream still works would find the key
+    // stale or expired and execute it again.
+    if let Forwarding::Detached { timeout_ms, .. } = p.forwarding {
+        let lock_ms = p.lock_ttl_seconds.saturating_mul(1000);
+        if timeout_ms >= lock_ms {
+            return Err(err(
+                &join(prefix, "upstream.timeout_ms"),
+                format!(
+                    "{timeout_ms} ms is not below lock_ttl_seconds ({} s, ttl_seconds {} s): a retry while the upstream still works could execute again; lower it or raise lock_ttl_seconds",
+                    p.lock_ttl_seconds, p.ttl_seconds
+                ),
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -875,6 +890,31 @@ mod tests {
         .unwrap();
         assert!(matches!(c.routes[0].policy.forwarding, Forwarding::Detached { .. }));
         assert_eq!(c.routes[1].policy.forwarding, Forwarding::Router);
+    }
+
+    #[test]
+    fn a_detached_upstream_timeout_must_stay_below_the_lock_and_so_the_record() {
+        let detached = |fields: &str| {
+            format!(
+                r#"{{"scope": {{"headers": ["a"]}}, "forwarding": "detached", "upstream": {{"cluster": "api"{fields}}}"#
+            )
+        };
+        // The issue's case: the default timeout (30 s) with a 2 s record and lock.
+        let e = refused(&(detached("") + r#", "ttl_seconds": 2, "lock_ttl_seconds": 2}"#));
+        assert_eq!(e.field, "upstream.timeout_ms");
+        assert!(e.reason.contains("30000 ms") && e.reason.contains("lock_ttl_seconds (2 s"), "{e}");
+        assert_eq!(
+            refused(&(detached(r#", "timeout_ms": 5000"#) + r#", "lock_ttl_seconds": 5}"#)).field,
+            "upstream.timeout_ms"
+        );
+        assert!(parse(&(detached(r#", "timeout_ms": 4999"#) + r#", "lock_ttl_seconds": 5}"#)).is_ok());
+        assert!(parse(&(detached("") + "}")).is_ok(), "the defaults: 30 s below a 60 s lock");
+        // Checked per route, on what the route inherits as well as what it sets.
+        let route = r#"{"scope": {"headers": ["a"]}, "forwarding": "detached", "upstream": {"cluster": "api", "timeout_ms": 3000},
+                        "routes": [{"prefix": "/fast"}, {"prefix": "/", "lock_ttl_seconds": 3}]}"#;
+        assert_eq!(refused(route).field, "routes[1].upstream.timeout_ms");
+        // Router forwarding: the route's timeout is Envoy's, documented for the operator to keep below the lock.
+        assert!(parse(r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 2, "lock_ttl_seconds": 2}"#).is_ok());
     }
 
     #[test]

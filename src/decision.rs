@@ -85,6 +85,9 @@ impl Record {
 pub enum Lookup {
     Absent,
     Found(Summary),
+    /// A record exists but cannot be decoded (damaged, or written by a later release): it is
+    /// there, so the store is not "unavailable" and the request is never forwarded.
+    Unreadable,
     /// Unreachable, too slow, or an answer that could not be understood.
     StoreError,
 }
@@ -134,6 +137,11 @@ pub fn decide(
                 }),
                 OnUnavailable::Pass => Decision::PassUnprotected,
             }
+        }
+        Lookup::Unreadable => {
+            return Decision::Reject(ProblemKind::RecordUnreadable {
+                retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS,
+            })
         }
         Lookup::Absent => return Decision::Claim,
         Lookup::Found(r) if now_ms >= r.expires_at_ms => return Decision::Claim,
@@ -507,6 +515,20 @@ mod tests {
             decide(Lookup::StoreError, Some(&fp), NOW, &policy(), OnUnavailable::Pass),
             Decision::PassUnprotected
         );
+    }
+
+    #[test]
+    fn a_record_that_exists_but_cannot_be_read_is_refused_in_every_mode() {
+        let fp = Fingerprint([0; 32]);
+        for mode in [OnUnavailable::Reject, OnUnavailable::Pass] {
+            for fp in [None, Some(&fp)] {
+                assert_eq!(
+                    decide(Lookup::Unreadable, fp, NOW, &policy(), mode),
+                    Decision::Reject(ProblemKind::RecordUnreadable { retry_after_seconds: 1 }),
+                    "{mode:?}"
+                );
+            }
+        }
     }
 
     fn facts(forwarded: bool, status: Option<u16>, details: &str, flags: u64) -> ExchangeFacts {

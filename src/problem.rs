@@ -26,6 +26,9 @@ pub enum ProblemKind {
     KeyReused,
     /// The store cannot be reached; nothing was forwarded.
     StoreUnavailable { retry_after_seconds: u64 },
+    /// A record exists for the key but this build cannot read it (damaged, or written by a later
+    /// release during a rolling upgrade); nothing was forwarded.
+    RecordUnreadable { retry_after_seconds: u64 },
     /// The local tier is full of unexpired records; nothing was forwarded.
     CapacityExhausted { retry_after_seconds: u64 },
     /// Too many request bodies are being buffered at once; nothing was forwarded.
@@ -64,6 +67,7 @@ impl ProblemKind {
             ProblemKind::OutcomeUnknown => "outcome-unknown",
             ProblemKind::KeyReused => "key-reused",
             ProblemKind::StoreUnavailable { .. } => "store-unavailable",
+            ProblemKind::RecordUnreadable { .. } => "record-unreadable",
             ProblemKind::CapacityExhausted { .. } => "capacity-exhausted",
             ProblemKind::BufferBudgetExceeded { .. } => "buffer-budget-exceeded",
             ProblemKind::ResponseNotStored { .. } => "response-not-stored",
@@ -78,6 +82,7 @@ impl ProblemKind {
             ProblemKind::InFlight { .. } | ProblemKind::OutcomeUnknown => 409,
             ProblemKind::KeyReused => 422,
             ProblemKind::StoreUnavailable { .. }
+            | ProblemKind::RecordUnreadable { .. }
             | ProblemKind::CapacityExhausted { .. }
             | ProblemKind::BufferBudgetExceeded { .. } => 503,
             ProblemKind::ResponseNotStored { status, .. } => *status,
@@ -94,6 +99,7 @@ impl ProblemKind {
             ProblemKind::OutcomeUnknown => "Outcome of the original request is unknown",
             ProblemKind::KeyReused => "Idempotency key reused with a different request",
             ProblemKind::StoreUnavailable { .. } => "Idempotency store unavailable",
+            ProblemKind::RecordUnreadable { .. } => "Idempotency record unreadable",
             ProblemKind::CapacityExhausted { .. } => "Idempotency capacity exhausted",
             ProblemKind::BufferBudgetExceeded { .. } => "Too many requests being buffered",
             ProblemKind::ResponseNotStored { .. } => "Original response was too large to replay",
@@ -120,6 +126,9 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable { retry_after_seconds } => format!(
                 "The idempotency store cannot be reached, so the request was not forwarded. Retry after {retry_after_seconds} s with the same key."
             ),
+            ProblemKind::RecordUnreadable { retry_after_seconds } => format!(
+                "A record exists for this key, but this gateway cannot read it (written by a newer release during an upgrade, or damaged), so the request was not forwarded. Retry after {retry_after_seconds} s with the same key; do not use a new key for the same operation."
+            ),
             ProblemKind::CapacityExhausted { retry_after_seconds } => format!(
                 "The gateway holds as many unexpired idempotency records as it may; the request was not forwarded. Retry after {retry_after_seconds} s with the same key."
             ),
@@ -137,6 +146,7 @@ impl ProblemKind {
         match self {
             ProblemKind::InFlight { retry_after_seconds }
             | ProblemKind::StoreUnavailable { retry_after_seconds }
+            | ProblemKind::RecordUnreadable { retry_after_seconds }
             | ProblemKind::CapacityExhausted { retry_after_seconds }
             | ProblemKind::BufferBudgetExceeded { retry_after_seconds } => Some(*retry_after_seconds),
             _ => None,
@@ -206,6 +216,7 @@ mod tests {
             ProblemKind::OutcomeUnknown,
             ProblemKind::KeyReused,
             ProblemKind::StoreUnavailable { retry_after_seconds: 1 },
+            ProblemKind::RecordUnreadable { retry_after_seconds: 1 },
             ProblemKind::CapacityExhausted { retry_after_seconds: 1 },
             ProblemKind::BufferBudgetExceeded { retry_after_seconds: 1 },
             ProblemKind::ResponseNotStored { status: 201, location: Some("/c/1".into()) },

@@ -47,7 +47,40 @@ impl RequestHead {
     pub fn path_without_query(&self) -> &str {
         self.path.split_once('?').map_or(self.path.as_str(), |(p, _)| p)
     }
+
+    /// A protected request reaches the upstream at most once, so Envoy must never re-send it:
+    /// removes every header with which a client asks the router for retries (Envoy honours them
+    /// from internal clients) and caps the router's retries at zero, which also stops a route's
+    /// `retry_policy` and the hedging that rides on it. Returns the headers to remove from the
+    /// host's map, then to set there (`ROUTER_RETRY_CAP`).
+    pub fn forbid_router_retries(&mut self) -> Vec<String> {
+        let mut removed: Vec<String> = vec![];
+        self.headers.retain(|(n, _)| {
+            let drop = ROUTER_RETRY_HEADERS.iter().any(|h| n.eq_ignore_ascii_case(h))
+                || n.eq_ignore_ascii_case(ROUTER_RETRY_CAP.0);
+            if drop && !removed.iter().any(|r| r.eq_ignore_ascii_case(n)) {
+                removed.push(n.to_ascii_lowercase());
+            }
+            !drop
+        });
+        self.headers.push((ROUTER_RETRY_CAP.0.to_string(), ROUTER_RETRY_CAP.1.as_bytes().to_vec()));
+        removed
+    }
 }
+
+/// Request headers that make Envoy's router re-send a request (or widen when it does): removed
+/// from protected requests.
+pub const ROUTER_RETRY_HEADERS: &[&str] = &[
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-hedge-on-per-try-timeout",
+];
+
+/// Set on every protected request: the router reads it after the filters and then sends the
+/// request once, whatever the route's `retry_policy` says (verified on Envoy 1.40).
+pub const ROUTER_RETRY_CAP: (&str, &str) = ("x-envoy-max-retries", "0");
 
 #[cfg(test)]
 mod tests {
@@ -68,5 +101,40 @@ mod tests {
         assert_eq!(head.values("x-a"), vec![b"1".as_slice(), b"3".as_slice()]);
         assert!(head.values("x-c").is_empty());
         assert_eq!(head.path_without_query(), "/pay");
+    }
+
+    #[test]
+    fn a_protected_request_carries_no_retry_request_and_caps_the_routers_retries_at_zero() {
+        let mut head = RequestHead::for_test(
+            "POST",
+            "/pay",
+            &[
+                ("X-Envoy-Retry-On", "5xx"),
+                ("x-envoy-retry-grpc-on", "unavailable"),
+                ("x-envoy-max-retries", "5"),
+                ("x-envoy-retriable-status-codes", "503"),
+                ("x-envoy-hedge-on-per-try-timeout", "true"),
+                ("x-envoy-retry-on", "reset"),
+                ("x-tenant", "acme"),
+            ],
+        );
+        let removed = head.forbid_router_retries();
+        assert_eq!(
+            removed,
+            [
+                "x-envoy-retry-on",
+                "x-envoy-retry-grpc-on",
+                "x-envoy-max-retries",
+                "x-envoy-retriable-status-codes",
+                "x-envoy-hedge-on-per-try-timeout"
+            ]
+        );
+        let names: Vec<&str> = head.headers.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, [":method", ":path", "x-tenant", "x-envoy-max-retries"]);
+        assert_eq!(head.values("x-envoy-max-retries"), vec![b"0".as_slice()]);
+        // Nothing to remove: the cap is still set.
+        let mut plain = RequestHead::for_test("POST", "/pay", &[]);
+        assert!(plain.forbid_router_retries().is_empty());
+        assert_eq!(plain.values("x-envoy-max-retries"), vec![b"0".as_slice()]);
     }
 }

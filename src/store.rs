@@ -254,11 +254,23 @@ pub fn read_request(skey: &StorageKey) -> StoreRequest {
     }
 }
 
-/// Parses the answer to `read_request`: the value, or `None` when the key is absent.
-pub fn parse_read_reply(status: Option<u16>, body: &[u8]) -> Result<Option<StoredValue>, StoreError> {
+/// The answer to `read_request`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReadReply {
+    Absent,
+    Found(StoredValue),
+    /// The key holds a value this build cannot decode (see `ClaimReply::Unreadable`).
+    Unreadable(String),
+}
+
+/// Parses the answer to `read_request`.
+pub fn parse_read_reply(status: Option<u16>, body: &[u8]) -> Result<ReadReply, StoreError> {
     match parse_reply(status, body)? {
-        Resp::Bulk(None) => Ok(None),
-        Resp::Bulk(Some(v)) => StoredValue::decode(&v).map(Some),
+        Resp::Bulk(None) => Ok(ReadReply::Absent),
+        Resp::Bulk(Some(v)) => Ok(match StoredValue::decode(&v) {
+            Ok(value) => ReadReply::Found(value),
+            Err(e) => ReadReply::Unreadable(e.to_string()),
+        }),
         _ => Err(garbled("read reply")),
     }
 }
@@ -497,6 +509,10 @@ pub enum ClaimReply {
     Claimed { now_ms: u64 },
     /// The key exists: decide on it with Redis's clock.
     Exists { now_ms: u64, value: StoredValue },
+    /// The key exists (so nothing was claimed) but its value cannot be decoded: damaged, or
+    /// written by a later release (another value format or record version) during a rolling
+    /// upgrade. The store answered; it is not "unavailable" (`decision::Lookup::Unreadable`).
+    Unreadable { now_ms: u64, why: String },
 }
 
 /// Parses webdis's answer to `claim_request` (`status` is the HTTP status, `None` if no answer).
@@ -508,7 +524,10 @@ pub fn parse_claim_reply(status: Option<u16>, body: &[u8]) -> Result<ClaimReply,
         items.get(1).and_then(as_int).and_then(|n| u64::try_from(n).ok()).ok_or_else(|| garbled("claim reply time"))?;
     match (items.first().and_then(as_int), items.get(2), items.len()) {
         (Some(1), None, 2) => Ok(ClaimReply::Claimed { now_ms }),
-        (Some(0), Some(Resp::Bulk(Some(v))), 3) => Ok(ClaimReply::Exists { now_ms, value: StoredValue::decode(v)? }),
+        (Some(0), Some(Resp::Bulk(Some(v))), 3) => Ok(match StoredValue::decode(v) {
+            Ok(value) => ClaimReply::Exists { now_ms, value },
+            Err(e) => ClaimReply::Unreadable { now_ms, why: e.to_string() },
+        }),
         _ => Err(garbled("claim reply shape")),
     }
 }

@@ -5,11 +5,12 @@
 //! one) polled at a bounded pace; each look is turned into a `Seen` and answered here.
 
 use crate::decision::Phase;
+use crate::decision::UNAVAILABLE_RETRY_AFTER_SECONDS;
 use crate::fingerprint::Fingerprint;
 use crate::local::Peeked;
 use crate::problem::ProblemKind;
 use crate::record::{Record, State};
-use crate::store::{StorePhase, StoredValue};
+use crate::store::{ReadReply, StorePhase};
 
 /// What one tier shows of the key a request waits on.
 #[derive(Clone, Debug)]
@@ -23,6 +24,8 @@ pub enum Seen {
     Completed { fingerprint: Option<Fingerprint>, record: Option<Record>, status: u16 },
     /// Finished without a known outcome.
     Unknown { fingerprint: Option<Fingerprint> },
+    /// A value exists that this build cannot decode: never forwarded, never called absent.
+    Unreadable,
 }
 
 impl Seen {
@@ -38,9 +41,13 @@ impl Seen {
         }
     }
 
-    /// What the store's value shows (`None`: no value under the key).
-    pub fn from_store(v: Option<StoredValue>) -> Seen {
-        let Some(v) = v else { return Seen::Absent };
+    /// What the store's answer to a read shows.
+    pub fn from_store(reply: ReadReply) -> Seen {
+        let v = match reply {
+            ReadReply::Absent => return Seen::Absent,
+            ReadReply::Unreadable(_) => return Seen::Unreadable,
+            ReadReply::Found(v) => v,
+        };
         let fingerprint = Some(v.record.fingerprint);
         match v.phase {
             StorePhase::InProgress => Seen::InFlight,
@@ -85,6 +92,9 @@ pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool) -> Wait
     let other_request = |f: Option<Fingerprint>| f.is_some_and(|f| f != *fp);
     match seen {
         Seen::InFlight => WaitAnswer::KeepWaiting,
+        Seen::Unreadable => {
+            WaitAnswer::Problem(ProblemKind::RecordUnreadable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS })
+        }
         Seen::Absent if tier == Tier::Local && has_store => WaitAnswer::KeepWaiting,
         Seen::Absent => WaitAnswer::RetryNow,
         Seen::Completed { fingerprint, .. } | Seen::Unknown { fingerprint } if other_request(fingerprint) => {
@@ -157,5 +167,9 @@ mod tests {
             assert_eq!(answer(unknown, tier, &OTHER, true), WaitAnswer::Problem(ProblemKind::KeyReused));
             assert_eq!(answer(Seen::InFlight, tier, &FP, true), WaitAnswer::KeepWaiting);
         }
+        assert!(matches!(
+            answer(Seen::from_store(ReadReply::Unreadable("garbled".into())), Tier::Store, &FP, true),
+            WaitAnswer::Problem(ProblemKind::RecordUnreadable { .. })
+        ));
     }
 }

@@ -106,6 +106,32 @@ fn detached_mode_answers_a_client_that_stays_and_keeps_set_cookie_for_it_only() 
 }
 
 #[test]
+fn detached_mode_never_lets_a_clients_retry_headers_re_send_the_request() {
+    // Internal clients keep their x-envoy-* headers; the callout idemgate makes would honour them.
+    let up = Upstream::start();
+    let plugin = format!(
+        r#"{{{SCOPE}, "lock_ttl_seconds": 30, "forwarding": "detached", "upstream": {{"cluster": "upstream", "timeout_ms": 5000}}}}"#
+    );
+    let mut o = EnvoyOptions::new(&plugin, up.port);
+    o.internal_clients = true;
+    let envoy = Envoy::start(&o);
+    let h = [
+        ("authorization", "Bearer a"),
+        ("idempotency-key", "k-detached-retry"),
+        ("x-up-status", "503"),
+        ("x-envoy-retry-on", "5xx"),
+        ("x-envoy-max-retries", "3"),
+    ];
+    let first = http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap();
+    assert_eq!(first.status, 503, "{}", first.body_text());
+    assert_eq!(up.executions(), 1, "the detached callout was re-sent");
+    let again = http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap();
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(up.executions(), 1);
+    envoy.assert_no_wasm_panic();
+}
+
+#[test]
 fn detached_mode_upstream_silence_is_outcome_unknown() {
     let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 500}"#);
     let h = [("authorization", "Bearer a"), ("idempotency-key", "k-silent"), ("x-up-delay-ms", "1500")];
@@ -250,4 +276,28 @@ fn the_retrying_agent_with_derived_keys_recovers_its_lost_response_in_detached_m
     assert_eq!(report["status"], 201, "{report}");
     assert_eq!(resource_id(report["body"].as_str().unwrap_or("")), "res-1");
     assert_eq!(up.executions(), 1);
+}
+
+#[test]
+fn detached_mode_a_response_beyond_envoys_async_client_limit_is_outcome_unknown() {
+    // Envoy 1.40's async client keeps at most 32 MiB of a callout's response body; beyond that it
+    // drains the rest and hands the filter no response at all. The upstream did execute.
+    let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 20000}"#);
+    let limit = (32 * 1024 * 1024).to_string();
+    let over = (33 * 1024 * 1024).to_string();
+    let send = |key: &str, size: &str| {
+        let h = [("authorization", "Bearer a"), ("idempotency-key", key), ("x-up-body-bytes", size)];
+        http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap()
+    };
+    let at = send("k-32mib", &limit);
+    assert_eq!((at.status, at.body.len()), (201, 32 * 1024 * 1024), "32 MiB still comes through");
+    let first = send("k-33mib", &over);
+    assert_eq!(first.status, 504, "{}", first.body_text());
+    assert_eq!(first.json()["type"], "urn:idemgate:problem:upstream-no-answer");
+    let again = send("k-33mib", &over);
+    assert_eq!(again.status, 409);
+    assert_eq!(again.json()["type"], "urn:idemgate:problem:outcome-unknown");
+    assert_eq!(up.executions(), 2, "each executed once, the retry never");
+    assert!(envoy.log().contains("buffer size limit for async client response body"), "{}", envoy.log());
+    envoy.assert_no_wasm_panic();
 }

@@ -410,3 +410,91 @@ fn the_per_worker_buffer_budget_answers_503_instead_of_buffering_without_bound()
     assert_eq!(s.up.executions(), executed);
     assert_eq!(s.envoy.stat("idemgate.buffer_budget_exceeded"), refused);
 }
+
+/// A route retry policy that would re-send a 5xx up to twice.
+const RETRY_5XX: &str = "{retry_on: 5xx, num_retries: 2}";
+
+#[test]
+fn a_route_retry_policy_never_re_sends_a_protected_request() {
+    let s = Stack::with(CFG, |o| o.retry_policy = Some(RETRY_5XX.into()));
+    // The policy is live: an unprotected request answered 503 is sent three times.
+    let r = s.post("/charges", None, "{}", &[("x-up-status", "503")]);
+    assert_eq!(r.status, 503);
+    assert_eq!(s.up.executions(), 3, "the route's retry policy re-sends unprotected requests");
+    // A protected one is sent once; its 503 is the result, kept for the retry.
+    let a = s.post("/charges", Some("k-route-retry"), "{}", &[("x-up-status", "503")]);
+    assert_eq!(a.status, 503, "{}", a.body_text());
+    assert_eq!(s.up.executions_with_key("k-route-retry"), 1, "a protected request executed more than once");
+    let b = s.post("/charges", Some("k-route-retry"), "{}", &[("x-up-status", "503")]);
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    assert_eq!(s.up.executions_with_key("k-route-retry"), 1);
+    assert_eq!(s.envoy.stat("idemgate.stored"), 1);
+    assert_eq!(s.envoy.stat("idemgate.upstream_attempts_repeated"), 0);
+}
+
+#[test]
+fn hedging_on_per_try_timeout_never_sends_a_protected_request_twice() {
+    // Hedging: at each 300 ms per-try timeout Envoy sends another attempt while the first runs
+    // (2 s), so all three have arrived long before the first answers.
+    let s = Stack::with(CFG, |o| {
+        o.retry_policy = Some("{retry_on: 5xx, num_retries: 2, per_try_timeout: 0.3s}".into());
+        o.hedge_policy = Some("{hedge_on_per_try_timeout: true}".into());
+    });
+    let slow = [("x-up-delay-ms", "2000")];
+    assert_eq!(s.post("/charges", None, "{}", &slow).status, 201);
+    assert_eq!(s.up.executions(), 3, "the hedge policy sends unprotected requests three times");
+    let a = s.post("/charges", Some("k-hedged"), "{}", &slow);
+    assert_eq!(s.up.executions_with_key("k-hedged"), 1, "a protected request executed more than once");
+    // With hedging a per-try timeout does not cancel the attempt: with no retry left, Envoy
+    // waits for it, and its answer is the one kept.
+    assert_eq!(a.status, 201, "{}", a.body_text());
+    let b = s.post("/charges", Some("k-hedged"), "{}", &slow);
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    assert_eq!(b.body, a.body);
+    assert_eq!(s.up.executions_with_key("k-hedged"), 1);
+    assert_eq!(s.envoy.stat("idemgate.upstream_attempts_repeated"), 0);
+}
+
+#[test]
+fn a_client_asking_envoy_for_retries_cannot_make_it_re_send_a_protected_request() {
+    // Envoy honours these headers from internal clients (loopback here, as a mesh's sidecars).
+    let s = Stack::with(CFG, |o| o.internal_clients = true);
+    let ask = [
+        ("x-up-status", "503"),
+        ("x-envoy-retry-on", "5xx,reset,retriable-status-codes"),
+        ("x-envoy-retriable-status-codes", "503"),
+        ("x-envoy-retry-grpc-on", "unavailable"),
+        ("x-envoy-max-retries", "3"),
+    ];
+    let r = s.post("/charges", None, "{}", &ask);
+    assert_eq!(r.status, 503);
+    assert_eq!(s.up.executions(), 4, "Envoy honours a client's retry headers on unprotected requests");
+    let a = s.post("/charges", Some("k-client-retry"), "{}", &ask);
+    assert_eq!(a.status, 503, "{}", a.body_text());
+    assert_eq!(s.up.executions_with_key("k-client-retry"), 1, "a protected request executed more than once");
+    // The upstream never sees the retry headers of a protected request.
+    let seen = s.up.log().into_iter().rfind(|e| e.key.as_deref() == Some("k-client-retry")).unwrap();
+    assert!(!seen.headers.iter().any(|(n, _)| n.starts_with("x-envoy-retr")), "{:?}", seen.headers);
+}
+
+#[test]
+fn an_exchange_re_sent_behind_idemgates_back_is_counted_and_logged() {
+    // A later filter that undoes idemgate's protection: nothing idemgate can stop, so it reports it.
+    let lua = r#"          - name: envoy.filters.http.lua
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
+              default_source_code:
+                inline_string: |
+                  function envoy_on_request(h) h:headers():remove("x-envoy-max-retries") end
+"#;
+    let s = Stack::with(CFG, |o| {
+        o.retry_policy = Some(RETRY_5XX.into());
+        o.filters_after_idemgate = lua.into();
+    });
+    let a = s.post("/charges", Some("k-behind"), "{}", &[("x-up-status", "503")]);
+    assert_eq!(a.status, 503, "{}", a.body_text());
+    assert_eq!(s.up.executions_with_key("k-behind"), 3, "the later filter re-enabled the route's retries");
+    assert_eq!(s.envoy.stat("idemgate.upstream_attempts_repeated"), 1);
+    let log = s.envoy.log();
+    assert!(log.contains("outcome=upstream_attempts_repeated") && log.contains("attempts=3"), "{log}");
+}

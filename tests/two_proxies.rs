@@ -500,3 +500,59 @@ fn wait_mode_answers_a_waiter_as_soon_as_the_first_attempt_is_released() {
     assert_eq!(again.status, 201, "{}", again.body_text());
     assert_eq!(p.up.executions(), 2, "the 429 attempt and the retry");
 }
+
+/// The Redis key idemgate uses for `key` sent by this suite's caller (`post`).
+fn redis_key_of(plugin: &str, key: &str) -> String {
+    use idemgate::request::RequestHead;
+    use idemgate::scope::{CallerScope, StorageKey};
+    let config = idemgate::config::Config::parse(plugin.as_bytes()).expect("config");
+    let policy = config.policy_for("POST", "/charges").expect("policy");
+    let head = RequestHead::from_pairs(vec![
+        (":method".into(), b"POST".to_vec()),
+        (":path".into(), b"/charges".to_vec()),
+        (":authority".into(), b"idemgate.test".to_vec()),
+        ("authorization".into(), b"Bearer alice-secret-token".to_vec()),
+    ]);
+    let scope = CallerScope::of(&head, &policy.scope);
+    let k = idemgate::key::parse_key_header(&[key.as_bytes()], 255).expect("key").expect("a key");
+    idemgate::store::redis_key(&StorageKey::derive(&policy.namespace, &scope, &k))
+}
+
+#[test]
+fn a_record_this_build_cannot_read_is_never_forwarded_even_in_pass_mode() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let plugin = cfg(r#", "on_unavailable": "pass""#);
+    let p = Pair::new(webdis.port, &plugin);
+    // A completed record as this build writes it, to turn into ones it cannot read.
+    post(&p.a, "k-readable", "{}", &[]);
+    settle();
+    let good = redis.get_raw(redis_key_of(&plugin, "k-readable")).expect("the record idemgate wrote");
+    assert_eq!(p.up.executions(), 1);
+    let mut future_record = good.clone();
+    future_record[52 + 3] = 2; // "IGS1" header (52 bytes), then "IGR" and the record version
+    let mut future_value = good.clone();
+    future_value[3] = b'2'; // "IGS2": a value format of a later release
+    let cases: [(&str, Vec<u8>); 4] = [
+        ("garbled", b"\x00\xffnot an idemgate value".to_vec()),
+        ("truncated", good[..good.len() - 3].to_vec()),
+        ("future record version", future_record),
+        ("future value format", future_value),
+    ];
+    for (i, (what, value)) in cases.iter().enumerate() {
+        let key = format!("k-unreadable-{i}");
+        redis.command(&[b"SET", redis_key_of(&plugin, &key).as_bytes(), value, b"PX", b"60000"]);
+        let r = post(&p.a, &key, "{}", &[]);
+        assert_eq!(p.up.executions(), 1, "{what}: a retry whose record exists was executed");
+        assert_eq!(r.status, 503, "{what}: {}", r.body_text());
+        assert_eq!(problem_type(&r), "urn:idemgate:problem:record-unreadable", "{what}");
+        assert_eq!(r.header("x-should-retry"), Some("true"), "{what}");
+        // The record is left as it is (another proxy may read it), and stays refused.
+        assert_eq!(redis.get_raw(redis_key_of(&plugin, &key)).as_deref(), Some(value.as_slice()), "{what}");
+        assert_eq!(post(&p.b, &key, "{}", &[]).status, 503, "{what}");
+    }
+    assert_eq!(p.up.executions(), 1);
+    assert_eq!(p.a.stat("idemgate.record_unreadable"), cases.len() as u64);
+    assert_eq!(p.a.stat("idemgate.store_passed_unprotected"), 0);
+    assert!(p.a.log().contains("outcome=record_unreadable"), "{}", p.a.log());
+}

@@ -105,6 +105,7 @@ pub enum Counter {
     StoreErrors,
     StoreUnavailable,
     StorePassed,
+    RecordUnreadable,
     StoreReplays,
     StoreWrites,
     StoreWriteRetries,
@@ -113,10 +114,11 @@ pub enum Counter {
     Waited,
     WaitAnswered,
     DerivedKeys,
+    UpstreamAttemptsRepeated,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 32] = [
+    pub const ALL: [Counter; 34] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -141,6 +143,7 @@ impl Counter {
         Counter::StoreErrors,
         Counter::StoreUnavailable,
         Counter::StorePassed,
+        Counter::RecordUnreadable,
         Counter::StoreReplays,
         Counter::StoreWrites,
         Counter::StoreWriteRetries,
@@ -149,6 +152,7 @@ impl Counter {
         Counter::Waited,
         Counter::WaitAnswered,
         Counter::DerivedKeys,
+        Counter::UpstreamAttemptsRepeated,
     ];
 
     pub fn name(self) -> &'static str {
@@ -177,6 +181,7 @@ impl Counter {
             Counter::StoreErrors => "idemgate.store_errors",
             Counter::StoreUnavailable => "idemgate.store_unavailable",
             Counter::StorePassed => "idemgate.store_passed_unprotected",
+            Counter::RecordUnreadable => "idemgate.record_unreadable",
             Counter::StoreReplays => "idemgate.store_replays",
             Counter::StoreWrites => "idemgate.store_writes",
             Counter::StoreWriteRetries => "idemgate.store_write_retries",
@@ -185,6 +190,7 @@ impl Counter {
             Counter::Waited => "idemgate.waited",
             Counter::WaitAnswered => "idemgate.wait_answered",
             Counter::DerivedKeys => "idemgate.derived_keys",
+            Counter::UpstreamAttemptsRepeated => "idemgate.upstream_attempts_repeated",
         }
     }
 }

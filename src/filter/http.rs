@@ -31,7 +31,7 @@ use crate::local::{Begin, Handle, LocalError};
 use crate::owner::{OwnerToken, TokenSources};
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Record, State, StoredResponse};
-use crate::request::RequestHead;
+use crate::request::{RequestHead, ROUTER_RETRY_CAP};
 use crate::scope::{CallerScope, StorageKey};
 use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition};
 
@@ -102,6 +102,18 @@ fn crash_point(req: Option<&Protected>, point: &str) {
 #[cfg(not(feature = "crash-injection"))]
 fn crash_point(_req: Option<&Protected>, _point: &str) {}
 
+/// Applies `RequestHead::forbid_router_retries` to the request Envoy forwards: false if the host
+/// refused a change (the request must then not be forwarded).
+fn forbid_router_retries(head: &mut RequestHead) -> bool {
+    let removed = head.forbid_router_retries();
+    let mut ok = true;
+    for name in removed {
+        ok &= hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None).is_ok();
+    }
+    let (cap, zero) = ROUTER_RETRY_CAP;
+    ok && hostcalls::set_map_value(MapType::HttpRequestHeaders, cap, Some(zero)).is_ok()
+}
+
 impl Http {
     pub fn new(shared: Rc<Shared>, context_id: u32) -> Http {
         Http {
@@ -159,6 +171,7 @@ impl Http {
             ProblemKind::CapacityExhausted { .. } => Counter::LocalFull,
             ProblemKind::BufferBudgetExceeded { .. } => Counter::BufferBudgetExceeded,
             ProblemKind::StoreUnavailable { .. } => Counter::StoreUnavailable,
+            ProblemKind::RecordUnreadable { .. } => Counter::RecordUnreadable,
             ProblemKind::ResponseNotStored { .. } => Counter::Replayed,
             ProblemKind::UpstreamNoAnswer => Counter::UnknownOutcome,
         };
@@ -425,13 +438,26 @@ impl Http {
                 Err(e) => self.store_answer_lost(handle, &e),
             };
         }
+        let on_unavailable = self.shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
         let (now, value) = match store::parse_claim_reply(status, body) {
             Ok(ClaimReply::Claimed { .. }) => return self.forward(handle, fp, true),
             Ok(ClaimReply::Exists { now_ms, value }) => (now_ms, value),
+            // The key holds a record we cannot read: nothing was claimed, and it is no outage.
+            Ok(ClaimReply::Unreadable { now_ms, why }) => {
+                self.release_local(handle);
+                warn!("{}", self.log_line("record_unreadable", &format!("error={why}")));
+                let Some(policy) = self.policy() else { return Action::Continue };
+                return match decide(Lookup::Unreadable, Some(&fp), now_ms, policy, on_unavailable) {
+                    Decision::Reject(p) => self.answer(p, None),
+                    _ => self.answer(
+                        ProblemKind::RecordUnreadable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS },
+                        None,
+                    ),
+                };
+            }
             Err(e) => return self.store_answer_lost(handle, &e),
         };
         let Some(policy) = self.policy().cloned() else { return Action::Continue };
-        let on_unavailable = self.shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
         match decide(Lookup::Found(value.summary()), Some(&fp), now, &policy, on_unavailable) {
             Decision::Replay => {
                 self.count(Counter::StoreReplays);
@@ -589,6 +615,13 @@ impl Http {
             response_complete: self.response_complete,
         };
         let detail = format!("status={} code_details={code_details} flags={flags}", status.unwrap_or(0));
+        // The router was told to send it once; a later filter (or a host that ignores the cap)
+        // may still have re-sent it. Nothing can undo that now: count it and say so.
+        let attempts = u64_property(&["upstream", "request_attempt_count"]).unwrap_or(0);
+        if attempts > 1 {
+            self.count(Counter::UpstreamAttemptsRepeated);
+            warn!("{}", self.log_line("upstream_attempts_repeated", &format!("attempts={attempts} {detail}")));
+        }
         let Some(claim) = self.claim(handle, fp, in_store) else { return };
         let response = self.response.take();
         settle::settle(&self.shared, &claim, classify(&facts, &policy), response, self.response_too_large, &detail);
@@ -660,6 +693,14 @@ impl HttpContext for Http {
             },
         };
         self.count(Counter::Protected);
+        // At most once: Envoy's router must never re-send it (a route's retry_policy, hedging, or
+        // retries a client asks for with x-envoy-* headers).
+        if !forbid_router_retries(&mut head) {
+            self.count(Counter::LocalErrors);
+            warn!("idemgate: outcome=retry_guard_failed: cannot set the router's retry cap; not forwarded");
+            return self
+                .answer(ProblemKind::StoreUnavailable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS }, None);
+        }
         let skey = StorageKey::derive(&policy.namespace, &scope, &key);
         let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
         let request_id = first("x-request-id").unwrap_or_default();

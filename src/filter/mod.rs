@@ -477,6 +477,10 @@ impl Root {
                 match kind {
                     ProblemKind::KeyReused => s.metrics.inc(Counter::Mismatch),
                     ProblemKind::OutcomeUnknown => s.metrics.inc(Counter::UnknownOutcome),
+                    ProblemKind::RecordUnreadable { .. } => {
+                        warn!("idemgate: outcome=record_unreadable request_id={rid} waiting=true");
+                        s.metrics.inc(Counter::RecordUnreadable);
+                    }
                     _ => {}
                 }
                 self.answer(w.context_id, |r| reply::problem(&kind, r, None), &rid);

@@ -141,7 +141,6 @@ fn store_failures_of_every_kind_are_errors_never_panics() {
     assert_eq!(parse_claim_reply(Some(200), b"-ERR boom\r\n"), Err(StoreError::Redis("ERR boom".into())));
     assert!(matches!(parse_claim_reply(Some(200), b"{\"EVAL\":[1,2]}"), Err(StoreError::Garbled(_))));
     assert!(matches!(parse_claim_reply(Some(200), b"*2\r\n:7\r\n:1\r\n"), Err(StoreError::Garbled(_))));
-    assert!(matches!(parse_claim_reply(Some(200), b"*3\r\n:0\r\n:1\r\n$3\r\nabc\r\n"), Err(StoreError::Garbled(_))));
     assert_eq!(parse_transition_reply(Some(200), b":1\r\n"), Ok(true));
     assert_eq!(parse_transition_reply(Some(200), b"$1\r\n0\r\n"), Ok(false));
     assert!(parse_transition_reply(Some(200), b":2\r\n").is_err());
@@ -152,15 +151,55 @@ fn store_failures_of_every_kind_are_errors_never_panics() {
 fn reads_are_plain_gets_and_their_answers_are_checked() {
     let r = read_request(&skey());
     assert_eq!(String::from_utf8(r.body).unwrap(), format!("GET/idemgate%3Av1%3A{}.raw", "07".repeat(32)));
-    assert_eq!(parse_read_reply(Some(200), b"$-1\r\n"), Ok(None));
+    assert_eq!(parse_read_reply(Some(200), b"$-1\r\n"), Ok(ReadReply::Absent));
     let v = value(StorePhase::Done);
     let enc = v.encode();
     let mut reply = format!("${}\r\n", enc.len()).into_bytes();
     reply.extend_from_slice(&enc);
     reply.extend_from_slice(b"\r\n");
-    assert_eq!(parse_read_reply(Some(200), &reply), Ok(Some(v)));
+    assert_eq!(parse_read_reply(Some(200), &reply), Ok(ReadReply::Found(v)));
     assert!(parse_read_reply(Some(200), b":1\r\n").is_err());
-    assert!(parse_read_reply(Some(200), b"$3\r\nabc\r\n").is_err());
+    assert!(matches!(parse_read_reply(Some(200), b"$3\r\nabc\r\n"), Ok(ReadReply::Unreadable(_))));
+}
+
+/// Bytes of a value as a stored-value bulk string in a claim-or-read answer ("exists").
+fn exists_reply(value: &[u8]) -> Vec<u8> {
+    let mut reply = format!("*3\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", value.len()).into_bytes();
+    reply.extend_from_slice(value);
+    reply.extend_from_slice(b"\r\n");
+    reply
+}
+
+#[test]
+fn a_value_that_exists_but_cannot_be_decoded_is_unreadable_not_a_store_failure() {
+    let good = value(StorePhase::Done).encode();
+    let mut future_record = good.clone();
+    future_record[HEADER_LEN + 3] = 2; // the record's version byte, after "IGR"
+    let mut future_value = good.clone();
+    future_value[3] = b'2'; // "IGS2"
+    let mut unknown_phase = good.clone();
+    unknown_phase[4] = b'Z';
+    let cases: [(&str, Vec<u8>); 6] = [
+        ("garbled", b"abc".to_vec()),
+        ("empty", vec![]),
+        ("truncated", good[..good.len() - 1].to_vec()),
+        ("future record version", future_record),
+        ("future value format", future_value),
+        ("unknown phase", unknown_phase),
+    ];
+    for (what, v) in cases {
+        assert!(
+            matches!(parse_claim_reply(Some(200), &exists_reply(&v)), Ok(ClaimReply::Unreadable { now_ms: 1765, .. })),
+            "{what}"
+        );
+        let mut read = format!("${}\r\n", v.len()).into_bytes();
+        read.extend_from_slice(&v);
+        read.extend_from_slice(b"\r\n");
+        assert!(matches!(parse_read_reply(Some(200), &read), Ok(ReadReply::Unreadable(_))), "{what}");
+    }
+    // The shape of the answer itself still decides "garbled": no value, or not a string.
+    assert!(matches!(parse_claim_reply(Some(200), b"*3\r\n:0\r\n:1\r\n:5\r\n"), Err(StoreError::Garbled(_))));
+    assert!(matches!(parse_claim_reply(Some(200), b"*3\r\n:0\r\n:1\r\n$-1\r\n"), Err(StoreError::Garbled(_))));
 }
 
 #[test]

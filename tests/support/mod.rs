@@ -99,6 +99,15 @@ pub struct EnvoyOptions {
     pub lds: bool,
     /// Envoy's `--drain-time-s` (how long a replaced listener, and its Wasm root contexts, stay).
     pub drain_time_s: Option<u32>,
+    /// The route's `retry_policy` (inline YAML, e.g. `{retry_on: 5xx, num_retries: 2}`), if any.
+    pub retry_policy: Option<String>,
+    /// The route's `hedge_policy` (inline YAML), if any.
+    pub hedge_policy: Option<String>,
+    /// HTTP filters placed between idemgate and the router (YAML list items, indented by 10 spaces).
+    pub filters_after_idemgate: String,
+    /// Clients on loopback are internal (`use_remote_address` with an `internal_address_config`),
+    /// as a mesh's sidecars are: Envoy then honours their `x-envoy-*` request headers.
+    pub internal_clients: bool,
 }
 
 impl EnvoyOptions {
@@ -116,6 +125,10 @@ impl EnvoyOptions {
             wasm: None,
             lds: false,
             drain_time_s: None,
+            retry_policy: None,
+            hedge_policy: None,
+            filters_after_idemgate: String::new(),
+            internal_clients: false,
         }
     }
 }
@@ -190,14 +203,14 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
       - name: envoy.filters.network.http_connection_manager
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ingress
+          stat_prefix: ingress{internal}
           route_config:
             virtual_hosts:
             - name: all
               domains: ["*"]
               routes:
               - match: {{prefix: "/"}}
-                route: {{cluster: upstream, timeout: {timeout}s}}
+                route: {{cluster: upstream, timeout: {timeout}s{retry}}}
           http_filters:
           - name: envoy.filters.http.wasm
             typed_config:
@@ -214,12 +227,20 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
                   vm_id: idemgate
                   runtime: envoy.wasm.runtime.v8
                   code: {{local: {{filename: "{wasm}"}}}}{env}
-          - name: envoy.filters.http.router
+{after}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 "#,
         buffer = o.buffer_limit_bytes,
         timeout = o.route_timeout_ms as f64 / 1000.0,
+        retry = o.retry_policy.as_ref().map_or(String::new(), |r| format!(", retry_policy: {r}"))
+            + &o.hedge_policy.as_ref().map_or(String::new(), |h| format!(", hedge_policy: {h}")),
+        after = o.filters_after_idemgate,
+        internal = if o.internal_clients {
+            "\n          use_remote_address: true\n          internal_address_config: {cidr_ranges: [{address_prefix: 127.0.0.0, prefix_len: 8}]}"
+        } else {
+            ""
+        },
         failure_policy = o.failure_policy,
         wasm = wasm.display(),
     )

@@ -19,6 +19,8 @@ pub struct Execution {
     pub path: String,
     pub key: Option<String>,
     pub body: Vec<u8>,
+    /// Every request header line, names lowercase.
+    pub headers: Vec<(String, String)>,
 }
 
 #[derive(Default)]
@@ -147,6 +149,7 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
                 path: path.clone(),
                 key: get("idempotency-key"),
                 body: body.clone(),
+                headers: headers.clone(),
             });
             n
         };
