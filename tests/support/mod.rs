@@ -97,6 +97,11 @@ pub struct EnvoyOptions {
     /// The listener comes from a watched LDS file (`Envoy::reload_plugin` rewrites it) instead of
     /// the static configuration.
     pub lds: bool,
+    /// More HTTP filters between idemgate and the router (each a YAML list item starting with
+    /// `- name:`, written from column 0), e.g. a Lua filter that answers or rewrites responses.
+    pub extra_http_filters: Vec<String>,
+    /// More clusters (each a YAML list item starting with `- name:`, written from column 0).
+    pub extra_clusters: Vec<String>,
 }
 
 impl EnvoyOptions {
@@ -113,6 +118,8 @@ impl EnvoyOptions {
             failure_policy: "FAIL_RELOAD".into(),
             wasm: None,
             lds: false,
+            extra_http_filters: vec![],
+            extra_clusters: vec![],
         }
     }
 }
@@ -158,7 +165,13 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
     );
-    cfg + &store_cluster
+    cfg + &store_cluster + &indent(&o.extra_clusters, 2)
+}
+
+/// YAML list items written from column 0, indented by `n` spaces.
+fn indent(items: &[String], n: usize) -> String {
+    let pad = " ".repeat(n);
+    items.iter().flat_map(|item| item.lines()).map(|l| format!("{pad}{l}\n")).collect()
 }
 
 /// The listener (one route to the upstream, idemgate then the router), as an item of a YAML list
@@ -211,7 +224,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
                   vm_id: idemgate
                   runtime: envoy.wasm.runtime.v8
                   code: {{local: {{filename: "{wasm}"}}}}{env}
-          - name: envoy.filters.http.router
+{extra}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 "#,
@@ -219,6 +232,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
         timeout = o.route_timeout_ms as f64 / 1000.0,
         failure_policy = o.failure_policy,
         wasm = wasm.display(),
+        extra = indent(&o.extra_http_filters, 10),
     )
 }
 
