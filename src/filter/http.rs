@@ -581,14 +581,25 @@ impl Http {
             .map(|r| r.status)
             .filter(|s| *s > 0)
             .or_else(|| u64_property(&["response", "code"]).and_then(|c| u16::try_from(c).ok()).filter(|c| *c > 0));
+        // Whether the router ever started an upstream request, picked a host, connected to it.
+        let attempts = u64_property(&["upstream", "request_attempt_count"]);
+        let upstream_host = host::property(&["upstream", "address"]).is_some();
+        let upstream_connected = host::property(&["upstream", "local_address"]).is_some();
         let facts = ExchangeFacts {
             forwarded: true,
             status,
             code_details: code_details.clone(),
             flags,
             response_complete: self.response_complete,
+            upstream_host,
+            upstream_connected,
+            attempts,
         };
-        let detail = format!("status={} code_details={code_details} flags={flags}", status.unwrap_or(0));
+        let detail = format!(
+            "status={} code_details={code_details} flags={flags} attempts={} upstream_host={upstream_host} upstream_connected={upstream_connected}",
+            status.unwrap_or(0),
+            attempts.map_or_else(|| "unknown".to_string(), |n| n.to_string())
+        );
         let Some(claim) = self.claim(handle, fp, in_store) else { return };
         let response = self.response.take();
         settle::settle(&self.shared, &claim, classify(&facts, &policy), response, self.response_too_large, &detail);
