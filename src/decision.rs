@@ -326,7 +326,7 @@ fn never_started(facts: &ExchangeFacts) -> bool {
 /// flag and the code details must agree (a flag alone may be left over from another attempt, and
 /// the details name whoever answered last).
 fn envoy_never_sent(facts: &ExchangeFacts) -> bool {
-    if !facts.attempts.is_some_and(|n| n <= 1) {
+    if !matches!(facts.attempts, Some(0 | 1)) {
         return false;
     }
     let f = facts.flags;
@@ -361,8 +361,13 @@ const CONNECT_ERROR_PREFIX: &[u8] = b"upstream connect error or disconnect/reset
 const FIRST_ATTEMPT_REASON: &[u8] = b"reset reason: ";
 
 /// Reset reasons in Envoy's reply text that mean nothing was sent.
-const CONNECT_FAILURE_TEXTS: [&[u8]; 5] =
-    [b"remote connection failure", b"local connection failure", b"connection failure", b"connection timeout", b"overflow"];
+const CONNECT_FAILURE_TEXTS: [&[u8]; 5] = [
+    b"remote connection failure",
+    b"local connection failure",
+    b"connection failure",
+    b"connection timeout",
+    b"overflow",
+];
 
 /// How a detached callout ended. Callouts carry no response flags, so the answer itself decides:
 /// an answer the router relayed from the upstream carries `x-envoy-upstream-service-time` and is
@@ -382,7 +387,9 @@ pub fn classify_callout(status: Option<u16>, headers: &[(String, Vec<u8>)], body
     let connect_error = body.strip_prefix(CONNECT_ERROR_PREFIX);
     let never_sent = body == b"no healthy upstream"
         || connect_error.and_then(|r| r.strip_prefix(FIRST_ATTEMPT_REASON)).is_some_and(|r| {
-            CONNECT_FAILURE_TEXTS.iter().any(|t| r == *t || r.strip_prefix(*t).is_some_and(|rest| rest.starts_with(b",")))
+            CONNECT_FAILURE_TEXTS
+                .iter()
+                .any(|t| r == *t || r.strip_prefix(*t).is_some_and(|rest| rest.starts_with(b",")))
         });
     match status {
         503 if plain_text && never_sent => Outcome::Release,
@@ -668,16 +675,15 @@ mod tests {
         // Envoy's own local reply: content-length and content-type only.
         let envoy = hdrs(&[("content-length", "19"), ("content-type", "text/plain")]);
         // The same headers from the upstream, relayed by the router (which stamps its header).
-        let relayed = hdrs(&[
-            ("content-length", "19"),
-            ("content-type", "text/plain"),
-            ("x-envoy-upstream-service-time", "0"),
-        ]);
+        let relayed =
+            hdrs(&[("content-length", "19"), ("content-type", "text/plain"), ("x-envoy-upstream-service-time", "0")]);
         let no_healthy = &b"no healthy upstream"[..];
-        let refused = &b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure"[..];
+        let refused =
+            &b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure"[..];
         let refused_old = &b"upstream connect error or disconnect/reset before headers. reset reason: connection failure, transport failure reason: delayed connect error: Connection refused"[..];
         let overflow = &b"upstream connect error or disconnect/reset before headers. reset reason: overflow"[..];
-        let reset = &b"upstream connect error or disconnect/reset before headers. reset reason: connection termination"[..];
+        let reset =
+            &b"upstream connect error or disconnect/reset before headers. reset reason: connection termination"[..];
         let retried = &b"upstream connect error or disconnect/reset before headers. retried and the latest reset reason: remote connection failure"[..];
         let timeout = &b"upstream request timeout"[..];
         let json = hdrs(&[("content-type", "application/json")]);
@@ -685,7 +691,8 @@ mod tests {
         use Outcome::*;
         use UnknownReason::*;
         #[rustfmt::skip]
-        let table: Vec<(&str, Option<u16>, &[(String, Vec<u8>)], &[u8], Outcome)> = vec![
+        type Row<'a> = (&'a str, Option<u16>, &'a [(String, Vec<u8>)], &'a [u8], Outcome);
+        let table: Vec<Row> = vec![
             ("upstream 201", Some(201), &relayed, b"{}", Store),
             ("upstream 500", Some(500), &relayed, b"boom", Store),
             ("upstream 504, fast", Some(504), &relayed, b"gateway says no", Store),
@@ -704,7 +711,13 @@ mod tests {
             // Envoy's texts with another status than Envoy uses, or another content type: not Envoy's.
             ("no healthy upstream with 200, no router header", Some(200), &envoy, no_healthy, Unknown(Other)),
             ("no healthy upstream as JSON", Some(503), &json, no_healthy, Unknown(Other)),
-            ("a longer reason than Envoy's", Some(503), &envoy, b"upstream connect error or disconnect/reset before headers. reset reason: overflowing", Unknown(UpstreamReset)),
+            (
+                "a longer reason than Envoy's",
+                Some(503),
+                &envoy,
+                b"upstream connect error or disconnect/reset before headers. reset reason: overflowing",
+                Unknown(UpstreamReset),
+            ),
         ];
         for (name, status, headers, body, want) in table {
             assert_eq!(c(status, headers, body), want, "{name}");

@@ -96,7 +96,12 @@ fn a_failure_of_ext_proc_on_the_response_path_is_never_released() {
         )];
     });
     let first = post(&s, "k-ext-proc", &[]);
-    assert!(first.status >= 500, "Envoy's own reply replaced the upstream's 201: {} {}", first.status, first.body_text());
+    assert!(
+        first.status >= 500,
+        "Envoy's own reply replaced the upstream's 201: {} {}",
+        first.status,
+        first.body_text()
+    );
     let retry = post(&s, "k-ext-proc", &[]);
     assert_eq!(s.up.executions(), 1, "the retry must not execute again");
     // ext_proc also fails on idemgate's own 409 and turns it into a 500: the counters show what
