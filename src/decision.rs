@@ -199,6 +199,14 @@ pub struct ExchangeFacts {
     pub flags: u64,
     /// Whether the filter saw the whole upstream response (its end of stream).
     pub response_complete: bool,
+    /// `upstream.address` is set: the router picked an upstream host for some attempt. Envoy
+    /// records the host before it sends a byte to it.
+    pub upstream_host: bool,
+    /// `upstream.local_address` is set: a connection to the upstream was established.
+    pub upstream_connected: bool,
+    /// `upstream.request_attempt_count` (0: the router never started an upstream request; None:
+    /// unreadable, which is no evidence of anything).
+    pub attempts: Option<u64>,
 }
 
 /// Envoy response flag bits (envoy/stream_info/stream_info.h), as `response.flags` reports them.
@@ -244,22 +252,6 @@ pub mod flags {
         | UPSTREAM_PROTOCOL_ERROR
         | DOWNSTREAM_REMOTE_RESET
         | DOWNSTREAM_PROTOCOL_ERROR;
-
-    /// Envoy answered without sending the request upstream.
-    pub const NEVER_SENT: u64 = FAILED_LOCAL_HEALTH_CHECK
-        | NO_HEALTHY_UPSTREAM
-        | UPSTREAM_CONNECTION_FAILURE
-        | UPSTREAM_OVERFLOW
-        | NO_ROUTE_FOUND
-        | FAULT_INJECTED
-        | RATE_LIMITED
-        | UNAUTHORIZED_EXTERNAL_SERVICE
-        | RATE_LIMIT_SERVICE_ERROR
-        | INVALID_ENVOY_REQUEST_HEADERS
-        | NO_FILTER_CONFIG_FOUND
-        | NO_CLUSTER_FOUND
-        | OVERLOAD_MANAGER
-        | DNS_RESOLUTION_FAILURE;
 }
 
 /// What a finished exchange means for the record.
@@ -273,9 +265,23 @@ pub enum Outcome {
     Unknown(UnknownReason),
 }
 
-/// Classifies a finished exchange. When in doubt it says `Unknown`: at most once beats twice.
+/// The reset reasons (inside `upstream_reset_before_response_started{...}`) that mean the
+/// connection to the upstream was never made, so nothing was sent on it.
+const CONNECT_FAILURES: [&str; 4] =
+    ["remote_connection_failure", "local_connection_failure", "connection_failure", "connection_timeout"];
+
+/// Classifies a finished exchange. The key is released only on positive evidence that the
+/// request never left Envoy (the allow-list below); the upstream's own answer is stored; anything
+/// else is outcome-unknown: at most once beats twice.
+///
+/// Evidence that it never left: idemgate did not forward it; or no upstream request was ever
+/// started (no attempt, no upstream host: a later filter answered before the router); or, for at
+/// most one attempt, Envoy's response flag and its code details both name a failure that happens
+/// before sending (no healthy upstream, a connection never established, overflow, no route, no
+/// cluster). A local reply by a later filter after the upstream answered (a Lua or ext_proc
+/// failure on the response path) carries no flag and is not evidence: outcome unknown.
 pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
-    if !facts.forwarded {
+    if !facts.forwarded || never_started(facts) {
         return Outcome::Release;
     }
     let by_status =
@@ -307,50 +313,98 @@ pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
         };
         return Outcome::Unknown(reason);
     }
-    if f & flags::NEVER_SENT != 0 {
+    if envoy_never_sent(facts) {
         return Outcome::Release;
     }
     match facts.status {
         Some(status) if facts.code_details == "via_upstream" => by_status(status),
-        // A local reply with no failure flag: a later filter (ext_authz, rate limit, a direct
-        // response...) answered before the router sent anything.
-        Some(_) if !facts.code_details.is_empty() && !facts.code_details.starts_with("upstream_") => Outcome::Release,
-        // No status, or an upstream failure Envoy did not flag: assume it may have run.
+        // No status, a local reply that is not on the allow-list (a later filter failing on the
+        // response path, an unflagged upstream failure): it may have run.
         _ => Outcome::Unknown(UnknownReason::Other),
     }
 }
 
-/// How a detached callout ended. Callouts carry no response flags: Envoy's async client answers
-/// its own failures with a local reply (`upstream request timeout`, `upstream connect error or
-/// disconnect/reset before headers. reset reason: ...`, `no healthy upstream`), told apart from
-/// the upstream's answers by those texts and by the time it took.
-pub fn classify_callout(
-    status: Option<u16>,
-    body: &[u8],
-    elapsed_ms: u64,
-    timeout_ms: u64,
-    policy: &Policy,
-) -> Outcome {
+/// No upstream request was ever started: Envoy says there was no attempt and no upstream host.
+/// Both must be read: an unreadable attempt count is no evidence.
+fn never_started(facts: &ExchangeFacts) -> bool {
+    facts.attempts == Some(0) && !facts.upstream_host
+}
+
+/// Envoy answered for a failure that happens before anything is sent, on the only attempt: the
+/// flag and the code details must agree (a flag alone may be left over from another attempt, and
+/// the details name whoever answered last).
+fn envoy_never_sent(facts: &ExchangeFacts) -> bool {
+    if !matches!(facts.attempts, Some(0 | 1)) {
+        return false;
+    }
+    let f = facts.flags;
+    let d = facts.code_details.as_str();
+    let reset_reason = d
+        .strip_prefix("upstream_reset_before_response_started{")
+        .and_then(|r| r.strip_suffix('}'))
+        .and_then(|r| r.split('|').next());
+    (f & flags::NO_HEALTHY_UPSTREAM != 0 && d == "no_healthy_upstream")
+        || (f & flags::NO_ROUTE_FOUND != 0 && d == "route_not_found")
+        || (f & flags::NO_CLUSTER_FOUND != 0 && d == "cluster_not_found")
+        || (f & flags::UPSTREAM_OVERFLOW != 0 && (d == "maintenance_mode" || reset_reason == Some("overflow")))
+        || (f & flags::UPSTREAM_CONNECTION_FAILURE != 0
+            && !facts.upstream_connected
+            && reset_reason.is_some_and(|r| CONNECT_FAILURES.contains(&r)))
+}
+
+/// The header Envoy's router adds to every upstream response it relays, callouts included
+/// (Envoy's own local replies never carry it).
+const UPSTREAM_SERVICE_TIME_HEADER: &str = "x-envoy-upstream-service-time";
+
+/// Whether a callout's answer was relayed from the upstream (rather than Envoy's own reply).
+/// `headers` are the answer's headers (names lowercase).
+pub fn callout_from_upstream(headers: &[(String, Vec<u8>)]) -> bool {
+    headers.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME_HEADER)
+}
+
+/// The start of Envoy's reply when the upstream connection failed or was reset before headers,
+/// then what follows it on the first attempt (after retries: `retried and the latest reset
+/// reason: `, and an earlier attempt may have run).
+const CONNECT_ERROR_PREFIX: &[u8] = b"upstream connect error or disconnect/reset before headers. ";
+const FIRST_ATTEMPT_REASON: &[u8] = b"reset reason: ";
+
+/// Reset reasons in Envoy's reply text that mean nothing was sent.
+const CONNECT_FAILURE_TEXTS: [&[u8]; 5] = [
+    b"remote connection failure",
+    b"local connection failure",
+    b"connection failure",
+    b"connection timeout",
+    b"overflow",
+];
+
+/// How a detached callout ended. Callouts carry no response flags, so the answer itself decides:
+/// an answer the router relayed from the upstream carries `x-envoy-upstream-service-time` and is
+/// the upstream's (stored, or released by `release_on_status`), whatever its text. Only an answer
+/// without it, typed `text/plain`, with the status Envoy uses and one of its failure texts is
+/// Envoy's own: released when that failure happens before sending (503 `no healthy upstream`,
+/// 503 connection failure or overflow), outcome-unknown otherwise. `headers` are the answer's
+/// headers (names lowercase).
+pub fn classify_callout(status: Option<u16>, headers: &[(String, Vec<u8>)], body: &[u8], policy: &Policy) -> Outcome {
     let Some(status) = status else {
         return Outcome::Unknown(UnknownReason::UpstreamReset);
     };
-    let text = |prefix: &[u8]| body.starts_with(prefix);
-    if text(b"upstream request timeout") || (status == 504 && elapsed_ms >= timeout_ms) {
-        return Outcome::Unknown(UnknownReason::UpstreamTimeout);
+    if callout_from_upstream(headers) {
+        return if policy.release_on_status.contains(&status) { Outcome::Release } else { Outcome::Store };
     }
-    if text(b"no healthy upstream") {
-        return Outcome::Release;
-    }
-    if text(b"upstream connect error or disconnect/reset before headers") {
-        let never_sent = [&b"connection failure"[..], b"overflow", b"Connection refused"]
-            .iter()
-            .any(|m| body.windows(m.len()).any(|w| w == *m));
-        return if never_sent { Outcome::Release } else { Outcome::Unknown(UnknownReason::UpstreamReset) };
-    }
-    if policy.release_on_status.contains(&status) {
-        Outcome::Release
-    } else {
-        Outcome::Store
+    let plain_text = headers.iter().any(|(n, v)| n == "content-type" && v == b"text/plain");
+    let connect_error = body.strip_prefix(CONNECT_ERROR_PREFIX);
+    let never_sent = body == b"no healthy upstream"
+        || connect_error.and_then(|r| r.strip_prefix(FIRST_ATTEMPT_REASON)).is_some_and(|r| {
+            CONNECT_FAILURE_TEXTS
+                .iter()
+                .any(|t| r == *t || r.strip_prefix(*t).is_some_and(|rest| rest.starts_with(b",")))
+        });
+    match status {
+        503 if plain_text && never_sent => Outcome::Release,
+        504 => Outcome::Unknown(UnknownReason::UpstreamTimeout),
+        _ if connect_error.is_some() => Outcome::Unknown(UnknownReason::UpstreamReset),
+        // No upstream answer and nothing that proves the request never left.
+        _ => Outcome::Unknown(UnknownReason::Other),
     }
 }
 
@@ -531,8 +585,33 @@ mod tests {
         }
     }
 
+    /// A forwarded exchange where the router made one attempt on a host it connected to.
     fn facts(forwarded: bool, status: Option<u16>, details: &str, flags: u64) -> ExchangeFacts {
-        ExchangeFacts { forwarded, status, code_details: details.into(), flags, response_complete: false }
+        ExchangeFacts {
+            forwarded,
+            status,
+            code_details: details.into(),
+            flags,
+            response_complete: false,
+            upstream_host: true,
+            upstream_connected: true,
+            attempts: Some(1),
+        }
+    }
+
+    /// The same, where the connection to the upstream was never established.
+    fn unconnected(status: Option<u16>, details: &str, flags: u64) -> ExchangeFacts {
+        ExchangeFacts { upstream_connected: false, ..facts(true, status, details, flags) }
+    }
+
+    /// The same, where the router never started an upstream request (no attempt, no host).
+    fn not_started(status: Option<u16>, details: &str, flags: u64) -> ExchangeFacts {
+        ExchangeFacts {
+            upstream_host: false,
+            upstream_connected: false,
+            attempts: Some(0),
+            ..facts(true, status, details, flags)
+        }
     }
 
     #[test]
@@ -549,22 +628,49 @@ mod tests {
     fn exchange_classification_table() {
         use flags::*;
         let refused = "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}";
+        let connect_timeout = "upstream_reset_before_response_started{connection_timeout}";
+        let overflow = "upstream_reset_before_response_started{overflow}";
+        let retried = |mut f: ExchangeFacts| {
+            f.attempts = Some(3);
+            f
+        };
+        let unreadable_attempts = |mut f: ExchangeFacts| {
+            f.attempts = None;
+            f
+        };
         #[rustfmt::skip]
         let table: Vec<(&str, ExchangeFacts, Outcome)> = vec![
             ("upstream 201", facts(true, Some(201), "via_upstream", 0), Outcome::Store),
             ("upstream 500 is stored", facts(true, Some(500), "via_upstream", 0), Outcome::Store),
             ("upstream 503 is stored", facts(true, Some(503), "via_upstream", 0), Outcome::Store),
             ("upstream 429 released", facts(true, Some(429), "via_upstream", 0), Outcome::Release),
+            // Released: positive evidence that nothing left Envoy.
             ("never forwarded", facts(false, None, "", 0), Outcome::Release),
             ("never forwarded, client gone", facts(false, None, "downstream_remote_disconnect", DOWNSTREAM_CONNECTION_TERMINATION), Outcome::Release),
-            ("connection refused", facts(true, Some(503), refused, UPSTREAM_CONNECTION_FAILURE), Outcome::Release),
-            ("refused after retries", facts(true, Some(503), refused, UPSTREAM_CONNECTION_FAILURE | UPSTREAM_RETRY_LIMIT_EXCEEDED), Outcome::Release),
-            ("no healthy upstream", facts(true, Some(503), "no_healthy_upstream", NO_HEALTHY_UPSTREAM), Outcome::Release),
-            ("overflow", facts(true, Some(503), "upstream_reset_before_response_started{overflow}", UPSTREAM_OVERFLOW), Outcome::Release),
-            ("no route", facts(true, Some(404), "route_not_found", NO_ROUTE_FOUND), Outcome::Release),
-            ("no cluster", facts(true, Some(503), "cluster_not_found", NO_CLUSTER_FOUND), Outcome::Release),
-            ("later filter local reply", facts(true, Some(403), "ext_authz_denied", 0), Outcome::Release),
-            ("direct response", facts(true, Some(200), "direct_response", 0), Outcome::Release),
+            ("connection refused", unconnected(Some(503), refused, UPSTREAM_CONNECTION_FAILURE), Outcome::Release),
+            ("connect timeout", unconnected(Some(503), connect_timeout, UPSTREAM_CONNECTION_FAILURE), Outcome::Release),
+            ("no healthy upstream", unconnected(Some(503), "no_healthy_upstream", NO_HEALTHY_UPSTREAM), Outcome::Release),
+            ("overflow", unconnected(Some(503), overflow, UPSTREAM_OVERFLOW), Outcome::Release),
+            ("maintenance mode", unconnected(Some(503), "maintenance_mode", UPSTREAM_OVERFLOW), Outcome::Release),
+            ("no route", not_started(Some(404), "route_not_found", NO_ROUTE_FOUND), Outcome::Release),
+            ("no cluster", not_started(Some(503), "cluster_not_found", NO_CLUSTER_FOUND), Outcome::Release),
+            ("no route, attempt counted", unconnected(Some(404), "route_not_found", NO_ROUTE_FOUND), Outcome::Release),
+            ("later filter local reply before the router", not_started(Some(403), "ext_authz_denied", 0), Outcome::Release),
+            ("later filter's SDK reply (empty details) before the router", not_started(Some(403), "", 0), Outcome::Release),
+            ("direct response", not_started(Some(200), "direct_response", 0), Outcome::Release),
+            ("client gone while a later filter held the request", not_started(None, "downstream_remote_disconnect", DOWNSTREAM_CONNECTION_TERMINATION), Outcome::Release),
+            // Not released: a local reply after an upstream request started is no evidence.
+            ("a later filter replaced the upstream's answer", facts(true, Some(500), "response_payload_too_large", 0), Outcome::Unknown(UnknownReason::Other)),
+            ("ext_proc failed on the response", facts(true, Some(500), "ext_proc_error_gRPC_error_14{upstream_reset_before_response_started{remote_connection_failure}}", 0), Outcome::Unknown(UnknownReason::Other)),
+            ("a local reply with a host but no attempt count", unreadable_attempts(facts(true, Some(403), "ext_authz_denied", 0)), Outcome::Unknown(UnknownReason::Other)),
+            ("no host but an unreadable attempt count", unreadable_attempts(not_started(Some(403), "lua_response", 0)), Outcome::Unknown(UnknownReason::Other)),
+            ("a connect-failure flag left over, the answer a later filter's", unconnected(Some(500), "response_payload_too_large", UPSTREAM_CONNECTION_FAILURE), Outcome::Unknown(UnknownReason::Other)),
+            ("connection failure details without the flag", unconnected(Some(503), refused, 0), Outcome::Unknown(UnknownReason::Other)),
+            ("connection failure, but a connection was made", facts(true, Some(503), refused, UPSTREAM_CONNECTION_FAILURE), Outcome::Unknown(UnknownReason::Other)),
+            ("refused after retries (an earlier attempt may have run)", retried(unconnected(Some(503), refused, UPSTREAM_CONNECTION_FAILURE | UPSTREAM_RETRY_LIMIT_EXCEEDED)), Outcome::Unknown(UnknownReason::Other)),
+            ("refused, attempts unreadable", unreadable_attempts(unconnected(Some(503), refused, UPSTREAM_CONNECTION_FAILURE)), Outcome::Unknown(UnknownReason::Other)),
+            ("no healthy upstream after retries", retried(unconnected(Some(503), "no_healthy_upstream", NO_HEALTHY_UPSTREAM)), Outcome::Unknown(UnknownReason::Other)),
+            ("a flag outside the allow-list (fault injected) after an attempt", facts(true, Some(503), "fault_filter_abort", FAULT_INJECTED), Outcome::Unknown(UnknownReason::Other)),
             ("route timeout", facts(true, Some(504), "response_timeout", UPSTREAM_REQUEST_TIMEOUT), Outcome::Unknown(UnknownReason::UpstreamTimeout)),
             ("reset after send", facts(true, Some(503), "upstream_reset_before_response_started{connection_termination}", UPSTREAM_CONNECTION_TERMINATION), Outcome::Unknown(UnknownReason::UpstreamReset)),
             ("remote reset", facts(true, Some(503), "upstream_reset_before_response_started{remote_reset}", UPSTREAM_REMOTE_RESET), Outcome::Unknown(UnknownReason::UpstreamReset)),
@@ -572,7 +678,7 @@ mod tests {
             ("client gone after forward", facts(true, None, "downstream_remote_disconnect", DOWNSTREAM_CONNECTION_TERMINATION), Outcome::Unknown(UnknownReason::DownstreamGone)),
             ("client reset after forward", facts(true, None, "", DOWNSTREAM_REMOTE_RESET), Outcome::Unknown(UnknownReason::DownstreamGone)),
             ("idle timeout", facts(true, Some(504), "stream_idle_timeout", STREAM_IDLE_TIMEOUT), Outcome::Unknown(UnknownReason::UpstreamTimeout)),
-            ("timeout wins over connection failure", facts(true, Some(504), "response_timeout", UPSTREAM_REQUEST_TIMEOUT | UPSTREAM_CONNECTION_FAILURE), Outcome::Unknown(UnknownReason::UpstreamTimeout)),
+            ("timeout wins over connection failure", unconnected(Some(504), "response_timeout", UPSTREAM_REQUEST_TIMEOUT | UPSTREAM_CONNECTION_FAILURE), Outcome::Unknown(UnknownReason::UpstreamTimeout)),
             ("no status, no flags", facts(true, None, "", 0), Outcome::Unknown(UnknownReason::Other)),
             ("unflagged upstream failure", facts(true, Some(503), "upstream_reset_before_response_started{other}", 0), Outcome::Unknown(UnknownReason::Other)),
         ];
@@ -581,22 +687,69 @@ mod tests {
         }
     }
 
+    fn hdrs(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        pairs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+    }
+
     #[test]
     fn callout_classification_table() {
         let p = policy();
-        let c = |status, body: &[u8], elapsed| classify_callout(status, body, elapsed, 1000, &p);
-        assert_eq!(c(Some(201), b"{}", 10), Outcome::Store);
-        assert_eq!(c(Some(500), b"boom", 10), Outcome::Store);
-        assert_eq!(c(Some(504), b"gateway says no", 10), Outcome::Store, "an upstream's own 504, answered fast");
-        assert_eq!(c(Some(429), b"", 10), Outcome::Release);
-        assert_eq!(c(Some(504), b"upstream request timeout", 1000), Outcome::Unknown(UnknownReason::UpstreamTimeout));
-        assert_eq!(c(Some(504), b"", 1001), Outcome::Unknown(UnknownReason::UpstreamTimeout));
-        assert_eq!(c(None, b"", 5), Outcome::Unknown(UnknownReason::UpstreamReset));
-        assert_eq!(c(Some(503), b"no healthy upstream", 1), Outcome::Release);
-        let refused = b"upstream connect error or disconnect/reset before headers. reset reason: connection failure, transport failure reason: delayed connect error: Connection refused";
-        assert_eq!(c(Some(503), refused, 1), Outcome::Release);
-        let reset = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
-        assert_eq!(c(Some(503), reset, 1), Outcome::Unknown(UnknownReason::UpstreamReset));
+        // Envoy's own local reply: content-length and content-type only.
+        let envoy = hdrs(&[("content-length", "19"), ("content-type", "text/plain")]);
+        // The same headers from the upstream, relayed by the router (which stamps its header).
+        let relayed =
+            hdrs(&[("content-length", "19"), ("content-type", "text/plain"), ("x-envoy-upstream-service-time", "0")]);
+        let no_healthy = &b"no healthy upstream"[..];
+        let refused =
+            &b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure"[..];
+        let refused_old = &b"upstream connect error or disconnect/reset before headers. reset reason: connection failure, transport failure reason: delayed connect error: Connection refused"[..];
+        let overflow = &b"upstream connect error or disconnect/reset before headers. reset reason: overflow"[..];
+        let reset =
+            &b"upstream connect error or disconnect/reset before headers. reset reason: connection termination"[..];
+        let retried = &b"upstream connect error or disconnect/reset before headers. retried and the latest reset reason: remote connection failure"[..];
+        let timeout = &b"upstream request timeout"[..];
+        let json = hdrs(&[("content-type", "application/json")]);
+        let c = |status, headers: &[(String, Vec<u8>)], body: &[u8]| classify_callout(status, headers, body, &p);
+        use Outcome::*;
+        use UnknownReason::*;
+        #[rustfmt::skip]
+        type Row<'a> = (&'a str, Option<u16>, &'a [(String, Vec<u8>)], &'a [u8], Outcome);
+        let table: Vec<Row> = vec![
+            ("upstream 201", Some(201), &relayed, b"{}", Store),
+            ("upstream 500", Some(500), &relayed, b"boom", Store),
+            ("upstream 504, fast", Some(504), &relayed, b"gateway says no", Store),
+            ("upstream 429", Some(429), &relayed, b"", Release),
+            ("no answer at all", None, &[], b"", Unknown(UpstreamReset)),
+            // Envoy's own failures.
+            ("Envoy: no healthy upstream", Some(503), &envoy, no_healthy, Release),
+            ("Envoy: connection refused", Some(503), &envoy, refused, Release),
+            ("Envoy: connection refused (older text)", Some(503), &envoy, refused_old, Release),
+            ("Envoy: overflow", Some(503), &envoy, overflow, Release),
+            ("Envoy: reset after connecting", Some(503), &envoy, reset, Unknown(UpstreamReset)),
+            ("Envoy: refused after retries", Some(503), &envoy, retried, Unknown(UpstreamReset)),
+            ("Envoy: timeout", Some(504), &envoy, timeout, Unknown(UpstreamTimeout)),
+            ("Envoy: another 504", Some(504), &envoy, b"", Unknown(UpstreamTimeout)),
+            ("an unknown reply without the router's header", Some(502), &envoy, b"bad gateway", Unknown(Other)),
+            // Envoy's texts with another status than Envoy uses, or another content type: not Envoy's.
+            ("no healthy upstream with 200, no router header", Some(200), &envoy, no_healthy, Unknown(Other)),
+            ("no healthy upstream as JSON", Some(503), &json, no_healthy, Unknown(Other)),
+            (
+                "a longer reason than Envoy's",
+                Some(503),
+                &envoy,
+                b"upstream connect error or disconnect/reset before headers. reset reason: overflowing",
+                Unknown(UpstreamReset),
+            ),
+        ];
+        for (name, status, headers, body, want) in table {
+            assert_eq!(c(status, headers, body), want, "{name}");
+        }
+        // The upstream sending each of Envoy's failure texts, with any status: its answer.
+        for body in [no_healthy, refused, refused_old, overflow, reset, retried, timeout] {
+            for status in [200, 503, 504] {
+                assert_eq!(c(Some(status), &relayed, body), Store, "{status} {}", String::from_utf8_lossy(body));
+            }
+        }
     }
 
     #[test]
@@ -618,9 +771,35 @@ mod tests {
             /// Whatever the flags say, a request that was forwarded and may have run is never released
             /// unless Envoy says it never sent it or the upstream itself answered.
             #[test]
-            fn maybe_executed_flags_are_never_released(flags_bits in any::<u64>(), status in proptest::option::of(100u16..600), details in "[a-z_]{0,20}") {
-                let f = ExchangeFacts { forwarded: true, status, code_details: details, flags: flags_bits | super::super::flags::UPSTREAM_REQUEST_TIMEOUT, response_complete: false };
+            fn maybe_executed_flags_are_never_released(flags_bits in any::<u64>(), status in proptest::option::of(100u16..600), details in "[a-z_]{0,20}", connected in any::<bool>(), attempts in proptest::option::of(0u64..4)) {
+                let f = ExchangeFacts { forwarded: true, status, code_details: details, flags: flags_bits | super::super::flags::UPSTREAM_REQUEST_TIMEOUT, response_complete: false,
+                                        upstream_host: true, upstream_connected: connected, attempts };
                 prop_assert!(matches!(classify(&f, &Policy::default()), Outcome::Unknown(_)));
+            }
+
+            /// Once an upstream request was started, any answer that is not the upstream's own and
+            /// not on the allow-list of Envoy's failures before sending is never released, whatever
+            /// the flags: a later filter's local reply, after the upstream ran, is no evidence.
+            #[test]
+            fn a_started_exchange_is_released_only_on_the_allow_list(flags_bits in any::<u64>(), status in proptest::option::of(100u16..600), details in "[a-z_{}|]{0,40}", connected in any::<bool>(), attempts in proptest::option::of(1u64..4)) {
+                let f = ExchangeFacts { forwarded: true, status, code_details: details.clone(), flags: flags_bits, response_complete: false,
+                                        upstream_host: true, upstream_connected: connected, attempts };
+                let allowed = ["no_healthy_upstream", "route_not_found", "cluster_not_found", "maintenance_mode"].contains(&details.as_str())
+                    || details.starts_with("upstream_reset_before_response_started{");
+                if classify(&f, &Policy::default()) == Outcome::Release {
+                    prop_assert!(allowed || (details == "via_upstream" && status == Some(429)), "{f:?}");
+                    prop_assert!(attempts == Some(1) || details == "via_upstream", "{f:?}");
+                }
+            }
+
+            /// Whatever its status, headers and text, a callout answer the router relayed from the
+            /// upstream is never taken for Envoy's own failure.
+            #[test]
+            fn a_relayed_callout_answer_is_the_upstreams(status in 100u16..600, body in proptest::collection::vec(any::<u8>(), 0..120), extra in proptest::collection::vec(("[a-z-]{1,12}", "[ -~]{0,20}"), 0..4)) {
+                let mut headers: Vec<(String, Vec<u8>)> = extra.into_iter().map(|(n, v)| (n, v.into_bytes())).collect();
+                headers.push(("x-envoy-upstream-service-time".into(), b"3".to_vec()));
+                let want = if status == 429 { Outcome::Release } else { Outcome::Store };
+                prop_assert_eq!(classify_callout(Some(status), &headers, &body, &Policy::default()), want);
             }
 
             #[test]

@@ -607,20 +607,30 @@ impl Http {
             .map(|r| r.status)
             .filter(|s| *s > 0)
             .or_else(|| u64_property(&["response", "code"]).and_then(|c| u16::try_from(c).ok()).filter(|c| *c > 0));
+        // Whether the router ever started an upstream request, picked a host, connected to it.
+        let attempts = u64_property(&["upstream", "request_attempt_count"]);
+        let upstream_host = host::property(&["upstream", "address"]).is_some();
+        let upstream_connected = host::property(&["upstream", "local_address"]).is_some();
         let facts = ExchangeFacts {
             forwarded: true,
             status,
             code_details: code_details.clone(),
             flags,
             response_complete: self.response_complete,
+            upstream_host,
+            upstream_connected,
+            attempts,
         };
-        let detail = format!("status={} code_details={code_details} flags={flags}", status.unwrap_or(0));
+        let detail = format!(
+            "status={} code_details={code_details} flags={flags} attempts={} upstream_host={upstream_host} upstream_connected={upstream_connected}",
+            status.unwrap_or(0),
+            attempts.map_or_else(|| "unknown".to_string(), |n| n.to_string())
+        );
         // The router was told to send it once; a later filter (or a host that ignores the cap)
         // may still have re-sent it. Nothing can undo that now: count it and say so.
-        let attempts = u64_property(&["upstream", "request_attempt_count"]).unwrap_or(0);
-        if attempts > 1 {
+        if attempts.is_some_and(|n| n > 1) {
             self.count(Counter::UpstreamAttemptsRepeated);
-            warn!("{}", self.log_line("upstream_attempts_repeated", &format!("attempts={attempts} {detail}")));
+            warn!("{}", self.log_line("upstream_attempts_repeated", &detail));
         }
         let Some(claim) = self.claim(handle, fp, in_store) else { return };
         let response = self.response.take();

@@ -23,7 +23,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
 
 use crate::config::{Config, Forwarding};
-use crate::decision::{classify_callout, Outcome};
+use crate::decision::{callout_from_upstream, classify_callout, Outcome};
 use crate::fingerprint::Fingerprint;
 use crate::local::Table;
 use crate::problem::ProblemKind;
@@ -360,14 +360,13 @@ impl Root {
         } else {
             hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default()
         };
+        let elapsed = host::now_ms().saturating_sub(f.sent_at_ms);
+        let outcome = classify_callout(status, &headers, &body, policy);
+        let upstream_answered = callout_from_upstream(&headers);
         let client_headers: Vec<(String, Vec<u8>)> = headers
             .into_iter()
             .filter(|(n, _)| !n.starts_with(':') && !http::NOT_REPLAYED.contains(&n.as_str()))
             .collect();
-        let elapsed = host::now_ms().saturating_sub(f.sent_at_ms);
-        let outcome = classify_callout(status, &body, elapsed, f.timeout_ms, policy);
-        let upstream_answered = outcome == Outcome::Store
-            || (outcome == Outcome::Release && status.is_some_and(|c| policy.release_on_status.contains(&c)));
         let detail = format!("detached=true status={} elapsed_ms={elapsed}", status.unwrap_or(0));
         let live = self.queues.live.borrow().contains(&f.context_id);
         match status {

@@ -108,6 +108,11 @@ pub struct EnvoyOptions {
     /// Clients on loopback are internal (`use_remote_address` with an `internal_address_config`),
     /// as a mesh's sidecars are: Envoy then honours their `x-envoy-*` request headers.
     pub internal_clients: bool,
+    /// More HTTP filters between idemgate and the router (each a YAML list item starting with
+    /// `- name:`, written from column 0), e.g. a Lua filter that answers or rewrites responses.
+    pub extra_http_filters: Vec<String>,
+    /// More clusters (each a YAML list item starting with `- name:`, written from column 0).
+    pub extra_clusters: Vec<String>,
 }
 
 impl EnvoyOptions {
@@ -129,6 +134,8 @@ impl EnvoyOptions {
             hedge_policy: None,
             filters_after_idemgate: String::new(),
             internal_clients: false,
+            extra_http_filters: vec![],
+            extra_clusters: vec![],
         }
     }
 }
@@ -174,7 +181,13 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
     );
-    cfg + &store_cluster
+    cfg + &store_cluster + &indent(&o.extra_clusters, 2)
+}
+
+/// YAML list items written from column 0, indented by `n` spaces.
+fn indent(items: &[String], n: usize) -> String {
+    let pad = " ".repeat(n);
+    items.iter().flat_map(|item| item.lines()).map(|l| format!("{pad}{l}\n")).collect()
 }
 
 /// The listener (one route to the upstream, idemgate then the router), as an item of a YAML list
@@ -227,7 +240,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
                   vm_id: idemgate
                   runtime: envoy.wasm.runtime.v8
                   code: {{local: {{filename: "{wasm}"}}}}{env}
-{after}          - name: envoy.filters.http.router
+{after}{extra}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 "#,
@@ -243,6 +256,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
         },
         failure_policy = o.failure_policy,
         wasm = wasm.display(),
+        extra = indent(&o.extra_http_filters, 10),
     )
 }
 

@@ -4,7 +4,9 @@
 //! Per-request behaviour comes from request headers (not part of any fingerprint in the tests):
 //! `x-up-status` (default 201), `x-up-delay-ms`, `x-up-body-bytes` (a large body),
 //! `x-up-set-cookie` (adds a set-cookie header), `x-up-reset: before-headers | mid-body` (executes,
-//! then closes the connection without an answer or halfway through the body).
+//! then closes the connection without an answer or halfway through the body), `x-up-body` (this
+//! text as the body), `x-up-plain` (only `content-length` and `content-type: text/plain`, the
+//! headers Envoy's own local replies carry).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -157,14 +159,19 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
             std::thread::sleep(Duration::from_millis(ms));
         }
         let status: u16 = get("x-up-status").and_then(|v| v.parse().ok()).unwrap_or(201);
-        let resp_body = match get("x-up-body-bytes").and_then(|v| v.parse::<usize>().ok()) {
-            Some(size) => vec![b'x'; size],
-            None => format!("{{\"id\":\"res-{n}\",\"execution\":{n},\"path\":{path:?}}}").into_bytes(),
+        let resp_body = match (get("x-up-body"), get("x-up-body-bytes").and_then(|v| v.parse::<usize>().ok())) {
+            (Some(text), _) => text.into_bytes(),
+            (None, Some(size)) => vec![b'x'; size],
+            (None, None) => format!("{{\"id\":\"res-{n}\",\"execution\":{n},\"path\":{path:?}}}").into_bytes(),
         };
-        let mut head = format!(
-            "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nlocation: /resources/res-{n}\r\nx-execution: {n}\r\n",
-            resp_body.len()
-        );
+        let mut head = if get("x-up-plain").is_some() {
+            format!("HTTP/1.1 {status} X\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n", resp_body.len())
+        } else {
+            format!(
+                "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nlocation: /resources/res-{n}\r\nx-execution: {n}\r\n",
+                resp_body.len()
+            )
+        };
         if get("x-up-set-cookie").is_some() {
             head.push_str("set-cookie: session=secret-of-first-caller; HttpOnly\r\n");
         }
