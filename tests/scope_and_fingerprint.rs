@@ -144,3 +144,28 @@ fn request_trailers_can_be_left_out_of_the_fingerprint() {
     assert_eq!(h2(&s, 1, &[base[0], base[1], "@x-checksum: def"]), vec![("201".into(), "true".into())]);
     assert_eq!(s.up.executions(), 1);
 }
+
+/// A chunked HTTP/1.1 POST with `trailers` (lines ending in CRLF) after its last chunk.
+fn chunked_with_trailers(s: &Stack, key: &str, trailers: &str) -> Response {
+    let body = r#"{"amount":5}"#;
+    let req = format!(
+        "POST /charges HTTP/1.1\r\nhost: t\r\nconnection: close\r\nauthorization: Bearer a\r\nidempotency-key: {key}\r\n\
+         transfer-encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n{trailers}\r\n",
+        body.len()
+    );
+    s.raw(req.as_bytes())
+}
+
+#[test]
+fn http1_request_trailers_count_once_envoy_lets_them_through() {
+    // By default Envoy's HTTP/1 codec drops request trailers: neither idemgate nor the upstream
+    // sees them, so other trailers are the same request (tests/hostile.rs shows it). With
+    // `enable_trailers` they reach the filter (and may reach the upstream): they count.
+    let s = Stack::with(CFG, |o| o.http1_trailers = true);
+    assert_eq!(chunked_with_trailers(&s, "k-h1", "x-checksum: abc\r\n").status, 201);
+    let same = chunked_with_trailers(&s, "k-h1", "x-checksum: abc\r\n");
+    assert_eq!(same.header("idempotent-replayed"), Some("true"), "{}", same.body_text());
+    let other = chunked_with_trailers(&s, "k-h1", "x-checksum: def\r\n");
+    assert_eq!((other.status, other.problem().as_str()), (422, "key-reused"), "{}", other.body_text());
+    assert_eq!(s.up.executions(), 1);
+}

@@ -89,6 +89,7 @@ pub enum Counter {
     Mismatch,
     MissingKey,
     InvalidKey,
+    ScopeMissing,
     BodyTooLarge,
     Stored,
     StoredWithoutBody,
@@ -116,7 +117,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 32] = [
+    pub const ALL: [Counter; 33] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -125,6 +126,7 @@ impl Counter {
         Counter::Mismatch,
         Counter::MissingKey,
         Counter::InvalidKey,
+        Counter::ScopeMissing,
         Counter::BodyTooLarge,
         Counter::Stored,
         Counter::StoredWithoutBody,
@@ -161,6 +163,7 @@ impl Counter {
             Counter::Mismatch => "idemgate.mismatch",
             Counter::MissingKey => "idemgate.missing_key",
             Counter::InvalidKey => "idemgate.invalid_key",
+            Counter::ScopeMissing => "idemgate.scope_missing",
             Counter::BodyTooLarge => "idemgate.body_too_large",
             Counter::Stored => "idemgate.stored",
             Counter::StoredWithoutBody => "idemgate.stored_without_body",

@@ -97,6 +97,9 @@ pub struct EnvoyOptions {
     /// The listener comes from a watched LDS file (`Envoy::reload_plugin` rewrites it) instead of
     /// the static configuration.
     pub lds: bool,
+    /// HTTP/1.1 request trailers reach the filters (`http_protocol_options.enable_trailers`);
+    /// Envoy drops them by default.
+    pub http1_trailers: bool,
 }
 
 impl EnvoyOptions {
@@ -113,6 +116,7 @@ impl EnvoyOptions {
             failure_policy: "FAIL_RELOAD".into(),
             wasm: None,
             lds: false,
+            http1_trailers: false,
         }
     }
 }
@@ -177,6 +181,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
             keys.join(", ")
         )
     };
+    let trailers = if o.http1_trailers { "\n          http_protocol_options: {enable_trailers: true}" } else { "" };
     format!(
         r#"  - name: main
     address: {{socket_address: {{address: 127.0.0.1, port_value: {listen_port}}}}}
@@ -187,7 +192,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
       - name: envoy.filters.network.http_connection_manager
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ingress
+          stat_prefix: ingress{trailers}
           route_config:
             virtual_hosts:
             - name: all
