@@ -981,6 +981,25 @@ mod tests {
     }
 
     #[test]
+    fn routes_inherit_and_override_the_anonymous_scope_and_fingerprint_switches() {
+        let c = parse(
+            r#"{"scope": {"headers": ["authorization"], "anonymous": "shared"}, "fingerprint": {"trailers": false},
+                "routes": [{"prefix": "/pay", "scope": {"anonymous": "reject"}, "fingerprint": {"operation_headers": false}},
+                           {"prefix": "/"}]}"#,
+        )
+        .unwrap();
+        let pay = &c.routes[0].policy;
+        assert_eq!(pay.scope.anonymous, Anonymous::Reject);
+        assert_eq!(pay.scope.headers, vec!["authorization"]);
+        assert!(!pay.fingerprint.operation_headers && !pay.fingerprint.trailers);
+        let rest = &c.routes[1].policy;
+        assert_eq!(rest.scope.anonymous, Anonymous::Shared);
+        assert!(rest.fingerprint.operation_headers && !rest.fingerprint.trailers);
+        let e = refused(r#"{"scope": {"headers": ["a"], "anonymous": "pool"}}"#);
+        assert!(e.to_string().contains(r#"expected one of "reject", "shared", got "pool""#), "{e}");
+    }
+
+    #[test]
     fn without_routes_every_path_is_protected_for_configured_methods() {
         let c = parse(MINIMAL).unwrap();
         assert!(c.policy_for("POST", "/anything").is_some());
