@@ -169,3 +169,23 @@ fn http1_request_trailers_count_once_envoy_lets_them_through() {
     assert_eq!((other.status, other.problem().as_str()), (422, "key-reused"), "{}", other.body_text());
     assert_eq!(s.up.executions(), 1);
 }
+
+#[test]
+fn derived_keys_are_never_derived_for_anonymous_callers_shared_scope_or_not() {
+    for anonymous in ["reject", "shared"] {
+        let s = Stack::new(&format!(
+            r#"{{"scope": {{"headers": ["authorization"], "anonymous": "{anonymous}"}},
+                "derive_key": {{"headers": ["x-agent-task-id", "x-agent-step-id"]}}}}"#
+        ));
+        let step = [("cookie", "session=alice"), ("x-agent-task-id", "t1"), ("x-agent-step-id", "s1")];
+        // No key is derived: each passes unprotected, as any keyless request does.
+        assert_eq!(post(&s, &step, b"{}").status, 201, "{anonymous}");
+        assert_eq!(post(&s, &step, b"{}").header("idempotent-replayed"), None, "{anonymous}");
+        assert_eq!(s.up.executions_by_key().get(""), Some(&2), "{anonymous}: nothing derived");
+        // An identified caller's step gets its derived key as usual.
+        let auth = [("authorization", "Bearer a"), ("x-agent-task-id", "t1"), ("x-agent-step-id", "s1")];
+        assert_eq!(post(&s, &auth, b"{}").status, 201);
+        assert_eq!(post(&s, &auth, b"{}").header("idempotent-replayed"), Some("true"));
+        assert_eq!(s.up.executions(), 3, "{anonymous}");
+    }
+}
