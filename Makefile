@@ -13,6 +13,7 @@ deps:
 	scripts/install-deps.sh envoy
 	scripts/install-deps.sh store
 	scripts/install-deps.sh agent-client
+	scripts/install-deps.sh h2-client
 
 ## test: lint, native unit + property tests, Envoy integration tests, core tests on wasm32 under Node.js,
 ## the demo, and the fault matrix (test-faults)
@@ -31,7 +32,7 @@ test-faults: build deps
 	scripts/install-deps.sh h2-client
 	scripts/build-wasm.sh --crash-injection
 	rm -rf target/faults
-	cargo test --locked --test faults --test hostile --test soak
+	cargo test --locked --test faults --test hostile --test soak --test scope_and_fingerprint
 	cargo test --locked --test single_proxy --test two_proxies --test memory_flood -- $(FAULT_CASES_ELSEWHERE)
 	scripts/fuzz.sh $${FUZZ_SECONDS:-60}
 	@printf '\nFault table (case | upstream executions | what the clients saw):\n'; cat target/faults/table.md

@@ -9,7 +9,7 @@
 #   scripts/install-deps.sh wasm-bindgen     # wasm-bindgen-cli matching Cargo.lock
 #   scripts/install-deps.sh wrk              # wrk (the hostile-input flood)
 #   scripts/install-deps.sh bench            # wrk, and Linux perf when it can be installed (make bench)
-#   scripts/install-deps.sh h2-client        # python h2 for the HTTP/2 hostile-input case
+#   scripts/install-deps.sh h2-client        # python h2 for the HTTP/2 tests (hostile input, request trailers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -90,9 +90,15 @@ pub struct DeriveKey {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FingerprintConfig {
+    /// Headers hashed in addition to the operation headers.
     pub headers: Vec<String>,
     pub include_query: bool,
     pub json: JsonMode,
+    /// Hash the headers that change what the same bytes mean (`content-type` and the common
+    /// method-override headers, `fingerprint::OPERATION_HEADERS`). Default true.
+    pub operation_headers: bool,
+    /// Hash every request trailer. Default true.
+    pub trailers: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +112,18 @@ pub struct ScopeConfig {
     pub headers: Vec<String>,
     pub global: bool,
     pub include_authority: bool,
+    /// What a request with a key but none of the scope headers gets.
+    pub anonymous: Anonymous,
+}
+
+/// A protected request that carries none of the configured scope headers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Anonymous {
+    /// Default: 400 `scope-missing`, nothing forwarded (it would share records with every other
+    /// such caller).
+    Reject,
+    /// Opt-in: every such caller shares one scope (per authority, unless turned off).
+    Shared,
 }
 
 /// What happens to a lock older than `lock_ttl_seconds` whose request was forwarded.
@@ -182,8 +200,19 @@ impl Default for Policy {
             unknown_outcome_seconds: 86_400,
             max_request_body_bytes: 1_048_576,
             max_response_body_bytes: 1_048_576,
-            fingerprint: FingerprintConfig { headers: vec![], include_query: true, json: JsonMode::Raw },
-            scope: ScopeConfig { headers: vec![], global: false, include_authority: true },
+            fingerprint: FingerprintConfig {
+                headers: vec![],
+                include_query: true,
+                json: JsonMode::Raw,
+                operation_headers: true,
+                trailers: true,
+            },
+            scope: ScopeConfig {
+                headers: vec![],
+                global: false,
+                include_authority: true,
+                anonymous: Anonymous::Reject,
+            },
             release_on_status: vec![429],
             log_headers: vec![],
             replay_exclude_headers: vec!["set-cookie".into()],
@@ -441,12 +470,14 @@ fn apply_policy_fields(
             "max_response_body_bytes" => p.max_response_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
             "fingerprint" => {
                 let m = as_object(v, &f)?;
-                check_unknown(m, &f, &[&["headers", "include_query", "json"]])?;
+                check_unknown(m, &f, &[&["headers", "include_query", "json", "operation_headers", "trailers"]])?;
                 for (n, v) in m {
                     let fi = join(&f, n);
                     match n.as_str() {
                         "headers" => p.fingerprint.headers = header_list(v, &fi)?,
                         "include_query" => p.fingerprint.include_query = as_bool(v, &fi)?,
+                        "operation_headers" => p.fingerprint.operation_headers = as_bool(v, &fi)?,
+                        "trailers" => p.fingerprint.trailers = as_bool(v, &fi)?,
                         _ => {
                             p.fingerprint.json =
                                 as_choice(v, &fi, &[("raw", JsonMode::Raw), ("canonical", JsonMode::Canonical)])?
@@ -456,14 +487,24 @@ fn apply_policy_fields(
             }
             "scope" => {
                 let m = as_object(v, &f)?;
-                check_unknown(m, &f, &[&["headers", "global", "include_authority"]])?;
+                check_unknown(m, &f, &[&["headers", "global", "include_authority", "anonymous"]])?;
                 for (n, v) in m {
                     let fi = join(&f, n);
                     match n.as_str() {
                         "headers" => p.scope.headers = header_list(v, &fi)?,
                         "global" => p.scope.global = as_bool(v, &fi)?,
+                        "anonymous" => {
+                            p.scope.anonymous =
+                                as_choice(v, &fi, &[("reject", Anonymous::Reject), ("shared", Anonymous::Shared)])?
+                        }
                         _ => p.scope.include_authority = as_bool(v, &fi)?,
                     }
+                }
+                if m.contains_key("anonymous") && p.scope.global {
+                    return Err(err(
+                        &join(&f, "anonymous"),
+                        "only used with scope.headers: with scope.global every caller already shares one scope",
+                    ));
                 }
             }
             "release_on_status" => {
@@ -710,10 +751,24 @@ mod tests {
         assert_eq!(p.key_max_length, 255);
         assert_eq!((p.ttl_seconds, p.lock_ttl_seconds, p.unknown_outcome_seconds), (86_400, 60, 86_400));
         assert_eq!((p.max_request_body_bytes, p.max_response_body_bytes), (1_048_576, 1_048_576));
-        assert_eq!(p.fingerprint, FingerprintConfig { headers: vec![], include_query: true, json: JsonMode::Raw });
+        assert_eq!(
+            p.fingerprint,
+            FingerprintConfig {
+                headers: vec![],
+                include_query: true,
+                json: JsonMode::Raw,
+                operation_headers: true,
+                trailers: true
+            }
+        );
         assert_eq!(
             p.scope,
-            ScopeConfig { headers: vec!["authorization".into()], global: false, include_authority: true }
+            ScopeConfig {
+                headers: vec!["authorization".into()],
+                global: false,
+                include_authority: true,
+                anonymous: Anonymous::Reject
+            }
         );
         assert_eq!(p.release_on_status, vec![429]);
         assert_eq!(p.replay_exclude_headers, vec!["set-cookie"]);
@@ -731,8 +786,9 @@ mod tests {
               "header": "X-Idempotency-Key", "methods": ["post", "PUT"], "require_key": true,
               "namespace": "payments", "key_max_length": 64, "ttl_seconds": 3600, "lock_ttl_seconds": 30,
               "unknown_outcome_seconds": 600, "max_request_body_bytes": 1000, "max_response_body_bytes": 2000,
-              "fingerprint": {"headers": ["X-Tenant"], "include_query": false, "json": "canonical"},
-              "scope": {"headers": ["authorization", "x-user"], "include_authority": false},
+              "fingerprint": {"headers": ["X-Tenant"], "include_query": false, "json": "canonical",
+                              "operation_headers": false, "trailers": false},
+              "scope": {"headers": ["authorization", "x-user"], "include_authority": false, "anonymous": "shared"},
               "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 50, "on_unavailable": "pass"},
               "release_on_status": [429, 503], "log_headers": ["x-agent-run-id"],
               "replay_exclude_headers": ["set-cookie", "x-trace"], "stale_lock": "takeover",
@@ -751,10 +807,17 @@ mod tests {
         assert_eq!((p.max_request_body_bytes, p.max_response_body_bytes), (1000, 2000));
         assert_eq!(
             p.fingerprint,
-            FingerprintConfig { headers: vec!["x-tenant".into()], include_query: false, json: JsonMode::Canonical }
+            FingerprintConfig {
+                headers: vec!["x-tenant".into()],
+                include_query: false,
+                json: JsonMode::Canonical,
+                operation_headers: false,
+                trailers: false
+            }
         );
         assert_eq!(p.scope.headers, vec!["authorization", "x-user"]);
         assert!(!p.scope.include_authority);
+        assert_eq!(p.scope.anonymous, Anonymous::Shared);
         assert_eq!(p.release_on_status, vec![429, 503]);
         assert_eq!(p.log_headers, vec!["x-agent-run-id"]);
         assert_eq!(p.replay_exclude_headers, vec!["set-cookie", "x-trace"]);
@@ -811,6 +874,18 @@ mod tests {
             (r#"{"scope": {"headers": ["a"]}, "max_request_body_bytes": 1e12}"#, "max_request_body_bytes"),
             (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"json": "sorted"}}"#, "fingerprint.json"),
             (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"body": true}}"#, "fingerprint.body"),
+            (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"trailers": "yes"}}"#, "fingerprint.trailers"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "fingerprint": {"operation_headers": 1}}"#,
+                "fingerprint.operation_headers",
+            ),
+            (r#"{"scope": {"headers": ["a"], "anonymous": "pool"}}"#, "scope.anonymous"),
+            (r#"{"scope": {"headers": ["a"], "anonymous": true}}"#, "scope.anonymous"),
+            (r#"{"scope": {"global": true, "anonymous": "shared"}}"#, "scope.anonymous"),
+            (
+                r#"{"scope": {"global": true}, "routes": [{"prefix": "/p", "scope": {"anonymous": "reject"}}]}"#,
+                "routes[0].scope.anonymous",
+            ),
             (r#"{"scope": {"headers": ["a"]}, "release_on_status": [200]}"#, "release_on_status[0]"),
             (r#"{"scope": {"headers": ["a"]}, "stale_lock": "steal"}"#, "stale_lock"),
             (r#"{"scope": {"headers": ["a"]}, "store": {}}"#, "store.cluster"),
@@ -943,6 +1018,25 @@ mod tests {
         assert_eq!(c.policies().count(), 2);
         assert_eq!(c.policy_index_for("PUT", "/orders"), Some(1));
         assert_eq!(c.policy_at(1).map(|p| &p.methods), Some(&vec!["PUT".to_string()]));
+    }
+
+    #[test]
+    fn routes_inherit_and_override_the_anonymous_scope_and_fingerprint_switches() {
+        let c = parse(
+            r#"{"scope": {"headers": ["authorization"], "anonymous": "shared"}, "fingerprint": {"trailers": false},
+                "routes": [{"prefix": "/pay", "scope": {"anonymous": "reject"}, "fingerprint": {"operation_headers": false}},
+                           {"prefix": "/"}]}"#,
+        )
+        .unwrap();
+        let pay = &c.routes[0].policy;
+        assert_eq!(pay.scope.anonymous, Anonymous::Reject);
+        assert_eq!(pay.scope.headers, vec!["authorization"]);
+        assert!(!pay.fingerprint.operation_headers && !pay.fingerprint.trailers);
+        let rest = &c.routes[1].policy;
+        assert_eq!(rest.scope.anonymous, Anonymous::Shared);
+        assert!(rest.fingerprint.operation_headers && !rest.fingerprint.trailers);
+        let e = refused(r#"{"scope": {"headers": ["a"], "anonymous": "pool"}}"#);
+        assert!(e.to_string().contains(r#"expected one of "reject", "shared", got "pool""#), "{e}");
     }
 
     #[test]

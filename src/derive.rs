@@ -4,7 +4,11 @@
 //! The key is `derived-` + 32 hex digits of `SHA-256(tag, method, path, each named header and its
 //! values, the body digest or "-", the caller scope)`. Method and path are in it so that two
 //! different operations in one step never collapse into one; the caller scope so that two callers'
-//! task ids never meet. A request lacking any named header, or any scope header, gets no key.
+//! task ids never meet. A request lacking any named header, or any scope header (an anonymous
+//! caller, `CallerScope::identified`), gets no key and passes unprotected like any request without
+//! a key, whatever `scope.anonymous` says: task and step ids are far too easily shared to pool
+//! anonymous callers on them. (An anonymous request that sends its own key is what
+//! `scope.anonymous` decides: refused by default.)
 
 use sha2::{Digest, Sha256};
 
@@ -16,7 +20,8 @@ use crate::scope::CallerScope;
 
 const DERIVE_TAG: &[u8] = b"idemgate-derive-v1\0";
 
-/// The derived key, or `None` when a named header or the caller's identity is missing.
+/// The derived key, or `None` when a named header or the caller's identity is missing (even with
+/// `scope.anonymous: "shared"`).
 /// `body` is consulted only when `cfg.include_body` is set.
 pub fn derive(head: &RequestHead, cfg: &DeriveKey, scope: &CallerScope, body: Option<&[u8]>) -> Option<IdempotencyKey> {
     if !scope.identified {
@@ -49,7 +54,7 @@ pub fn derive(head: &RequestHead, cfg: &DeriveKey, scope: &CallerScope, body: Op
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ScopeConfig;
+    use crate::config::{Anonymous, ScopeConfig};
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -64,7 +69,12 @@ mod tests {
     fn scope(h: &RequestHead) -> CallerScope {
         CallerScope::of(
             h,
-            &ScopeConfig { headers: vec!["authorization".into()], global: false, include_authority: false },
+            &ScopeConfig {
+                headers: vec!["authorization".into()],
+                global: false,
+                include_authority: false,
+                anonymous: Anonymous::Shared,
+            },
         )
     }
 
@@ -107,6 +117,9 @@ mod tests {
             key(&head("POST", "/c", &[("x-agent-task-id", "t1"), ("x-agent-step-id", "s1")]), &cfg(false), None),
             None
         );
+        // An empty scope header identifies nobody (the scope module's rule), shared scope or not.
+        let empty = head("POST", "/c", &[("authorization", ""), ("x-agent-task-id", "t1"), ("x-agent-step-id", "s1")]);
+        assert_eq!(key(&empty, &cfg(false), None), None);
         assert_eq!(key(&head("POST", "/c", STEP), &cfg(true), None), None, "include_body needs the body");
     }
 }

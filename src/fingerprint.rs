@@ -1,9 +1,10 @@
 //! The request fingerprint: what makes two requests with one key "the same request".
 //!
-//! `SHA-256` over a framed layout of the method, the path (query optional), the configured header
-//! values and a digest of the body (raw bytes, or canonical JSON when configured and the body is
-//! valid JSON). The layout is pinned in ARCHITECTURE.md and by test vectors: a silent change would
-//! turn every retry in flight during an upgrade into a 422.
+//! `SHA-256` over a framed layout of the method, the path (query optional), the values of the
+//! operation headers (`content-type` and the method-override headers, unless turned off) and of
+//! the configured headers, the request trailers (unless turned off) and a digest of the body (raw
+//! bytes, or canonical JSON when configured and the body is valid JSON). The layout is pinned in
+//! ARCHITECTURE.md and by test vectors: a change of layout bumps the tag's version.
 
 use sha2::{Digest, Sha256};
 
@@ -11,7 +12,22 @@ use crate::canonical_json;
 use crate::config::{FingerprintConfig, JsonMode};
 use crate::request::RequestHead;
 
-const FP_TAG: &[u8] = b"idemgate-fp-v1\0";
+const FP_TAG: &[u8] = b"idemgate-fp-v2\0";
+
+/// Headers that change what the same method, path and bytes mean, hashed by default
+/// (`fingerprint.operation_headers`): the body's media type, and the method overrides that
+/// frameworks honour (a POST with `x-http-method-override: DELETE` is a delete).
+pub const OPERATION_HEADERS: &[&str] =
+    &["content-type", "x-http-method-override", "x-http-method", "x-method-override"];
+
+/// The header names a fingerprint hashes, in order: the operation headers (when on), then the
+/// configured ones not already listed.
+pub fn header_names(cfg: &FingerprintConfig) -> Vec<&str> {
+    let builtin: &[&str] = if cfg.operation_headers { OPERATION_HEADERS } else { &[] };
+    let mut names = builtin.to_vec();
+    names.extend(cfg.headers.iter().map(String::as_str).filter(|h| !builtin.contains(h)));
+    names
+}
 
 /// Hashes a tag followed by fields framed as `<decimal length>:<bytes>,` (netstring style), so
 /// no field boundary can be shifted to make two different inputs collide.
@@ -73,14 +89,28 @@ impl Fingerprint {
         f.field(head.method.as_bytes());
         let target = if cfg.include_query { head.path.as_str() } else { head.path_without_query() };
         f.field(target.as_bytes());
-        f.field(cfg.headers.len().to_string().as_bytes());
-        for name in &cfg.headers {
+        let names = header_names(cfg);
+        f.field(names.len().to_string().as_bytes());
+        for name in names {
             let values = head.values(name);
             f.field(name.as_bytes());
             f.field(values.len().to_string().as_bytes());
             for v in values {
                 f.field(v);
             }
+        }
+        // Trailers sorted by name (stable: repeated names keep their order), so only what they
+        // say counts, not how a client library orders them.
+        let mut trailers: Vec<(String, &[u8])> = if cfg.trailers {
+            head.trailers.iter().map(|(n, v)| (n.to_ascii_lowercase(), v.as_slice())).collect()
+        } else {
+            vec![]
+        };
+        trailers.sort_by(|a, b| a.0.cmp(&b.0));
+        f.field(trailers.len().to_string().as_bytes());
+        for (name, value) in &trailers {
+            f.field(name.as_bytes());
+            f.field(value);
         }
         f.field(form.tag());
         f.field(crate::hex::encode(&body_digest).as_bytes());
@@ -98,8 +128,20 @@ mod tests {
         RequestHead::for_test(method, path, extra)
     }
 
+    /// The defaults (operation headers and trailers on) with these fields.
     fn cfg(headers: &[&str], include_query: bool, json: JsonMode) -> FingerprintConfig {
-        FingerprintConfig { headers: headers.iter().map(|s| s.to_string()).collect(), include_query, json }
+        FingerprintConfig {
+            headers: headers.iter().map(|s| s.to_string()).collect(),
+            include_query,
+            json,
+            operation_headers: true,
+            trailers: true,
+        }
+    }
+
+    fn with_trailers(mut h: RequestHead, trailers: &[(&str, &str)]) -> RequestHead {
+        h.trailers = trailers.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect();
+        h
     }
 
     fn fp(h: &RequestHead, body: &[u8], c: &FingerprintConfig) -> Fingerprint {
@@ -116,6 +158,64 @@ mod tests {
         assert_ne!(base, fp(&head("POST", "/pay", &[]), b"{}", &c));
         assert_ne!(base, fp(&head("POST", "/pay", &[("x-tenant", "a")]), b"{ }", &c));
         assert_eq!(base, fp(&head("POST", "/pay", &[("x-tenant", "a"), ("x-other", "z")]), b"{}", &c));
+    }
+
+    #[test]
+    fn content_type_and_method_overrides_change_the_fingerprint_by_default() {
+        let c = cfg(&[], true, JsonMode::Raw);
+        let body = b"amount=100";
+        let form = fp(&head("POST", "/pay", &[("content-type", "application/x-www-form-urlencoded")]), body, &c);
+        assert_ne!(form, fp(&head("POST", "/pay", &[("content-type", "text/plain")]), body, &c));
+        assert_ne!(form, fp(&head("POST", "/pay", &[]), body, &c));
+        let plain = fp(&head("POST", "/pay", &[]), body, &c);
+        for name in OPERATION_HEADERS.iter().skip(1) {
+            assert_ne!(plain, fp(&head("POST", "/pay", &[(name, "DELETE")]), body, &c), "{name}");
+        }
+        // Turned off, they are ignored like any other header.
+        let off = FingerprintConfig { operation_headers: false, ..c };
+        assert_eq!(
+            fp(
+                &head("POST", "/pay", &[("content-type", "text/plain"), ("x-http-method-override", "DELETE")]),
+                body,
+                &off
+            ),
+            fp(&head("POST", "/pay", &[]), body, &off)
+        );
+    }
+
+    #[test]
+    fn configured_headers_follow_the_operation_headers_once_each() {
+        let c = cfg(&["x-tenant", "content-type"], true, JsonMode::Raw);
+        let names = header_names(&c);
+        assert_eq!(
+            names,
+            vec!["content-type", "x-http-method-override", "x-http-method", "x-method-override", "x-tenant"]
+        );
+        let off = FingerprintConfig { operation_headers: false, ..c };
+        assert_eq!(header_names(&off), vec!["x-tenant", "content-type"]);
+    }
+
+    #[test]
+    fn request_trailers_count_by_default_in_any_order() {
+        let c = cfg(&[], true, JsonMode::Raw);
+        let h = || head("POST", "/pay", &[]);
+        let none = fp(&h(), b"{}", &c);
+        let abc = fp(&with_trailers(h(), &[("x-checksum", "abc"), ("x-sig", "1")]), b"{}", &c);
+        assert_ne!(none, abc);
+        assert_ne!(abc, fp(&with_trailers(h(), &[("x-checksum", "def"), ("x-sig", "1")]), b"{}", &c));
+        assert_eq!(abc, fp(&with_trailers(h(), &[("x-sig", "1"), ("x-checksum", "abc")]), b"{}", &c));
+        // Repeated trailer names keep their order.
+        assert_ne!(
+            fp(&with_trailers(h(), &[("x-a", "1"), ("x-a", "2")]), b"{}", &c),
+            fp(&with_trailers(h(), &[("x-a", "2"), ("x-a", "1")]), b"{}", &c)
+        );
+        // A trailer is not a header of the same name.
+        assert_ne!(
+            fp(&with_trailers(h(), &[("content-type", "text/plain")]), b"{}", &c),
+            fp(&head("POST", "/pay", &[("content-type", "text/plain")]), b"{}", &c)
+        );
+        let off = FingerprintConfig { trailers: false, ..c };
+        assert_eq!(fp(&h(), b"{}", &off), fp(&with_trailers(h(), &[("x-checksum", "abc")]), b"{}", &off));
     }
 
     #[test]
@@ -177,20 +277,25 @@ mod tests {
     /// Pinned vectors, computed independently of this code from the layout in ARCHITECTURE.md:
     /// `printf '{"b": 1, "a": [1,2]}' | sha256sum` gives the raw body digest, `printf '{"a":[1,2],"b":1}' | sha256sum`
     /// the canonical one, then for example
-    /// `printf 'idemgate-fp-v1\0004:POST,11:/pay?cur=eu,1:1,8:x-tenant,1:1,4:acme,3:raw,64:<raw digest>,' | sha256sum`.
+    /// `printf 'idemgate-fp-v2\0004:POST,11:/pay?cur=eu,1:5,12:content-type,1:1,16:application/json,22:x-http-method-override,1:0,13:x-http-method,1:0,17:x-method-override,1:0,8:x-tenant,1:1,4:acme,1:2,3:x-a,1:1,10:x-checksum,3:abc,3:raw,64:<raw digest>,' | sha256sum`
+    /// and, with operation headers, trailers and the query off,
+    /// `printf 'idemgate-fp-v2\0004:POST,4:/pay,1:0,1:0,3:raw,64:<raw digest>,' | sha256sum`.
     #[test]
     fn fingerprint_layout_is_pinned_by_independent_vectors() {
-        let h = head("POST", "/pay?cur=eu", &[("x-tenant", "acme")]);
+        let h = with_trailers(
+            head("POST", "/pay?cur=eu", &[("x-tenant", "acme"), ("content-type", "application/json")]),
+            &[("x-checksum", "abc"), ("x-a", "1")],
+        );
         let body = br#"{"b": 1, "a": [1,2]}"#;
         let raw = fp(&h, body, &cfg(&["x-tenant"], true, JsonMode::Raw));
         assert_eq!(crate::hex::encode(&raw.0), VECTOR_RAW);
         let canon = fp(&h, body, &cfg(&["x-tenant"], true, JsonMode::Canonical));
         assert_eq!(crate::hex::encode(&canon.0), VECTOR_CANONICAL);
-        let noquery = fp(&h, body, &cfg(&[], false, JsonMode::Raw));
-        assert_eq!(crate::hex::encode(&noquery.0), VECTOR_NO_QUERY);
+        let bare = FingerprintConfig { operation_headers: false, trailers: false, ..cfg(&[], false, JsonMode::Raw) };
+        assert_eq!(crate::hex::encode(&fp(&h, body, &bare).0), VECTOR_BARE);
     }
 
-    const VECTOR_RAW: &str = "25d47513f9eb2936455144a471286d29297677199adfe471e0b6d78eafbff311";
-    const VECTOR_CANONICAL: &str = "b66c49dc191fc3e9202c2ca64be0d4926210329f915b7fbcc1f8f517462ab040";
-    const VECTOR_NO_QUERY: &str = "9e596cc17d0752f1fe4ac75c0ac90ac408fce794f6b303f62929eb8e4deb1d56";
+    const VECTOR_RAW: &str = "61228b373243814f6dc5cfa5bd127f5e9df80c641951986574f8a3fb21819220";
+    const VECTOR_CANONICAL: &str = "f99da24fac0102e128891b210f93b20df0f4b6623e25b48e1148ce095ccbe7f4";
+    const VECTOR_BARE: &str = "503d38093f032fa6f44953ef3f29a8fee176821772f0867ec35ae1886c80b5c7";
 }

@@ -16,6 +16,9 @@ pub enum ProblemKind {
     KeyMissing { header: String },
     /// The key header is malformed.
     KeyInvalid { header: String, error: KeyError },
+    /// The request has a key but none of the headers that identify its caller
+    /// (`scope.anonymous: "reject"`); nothing was forwarded.
+    ScopeMissing { headers: Vec<String> },
     /// The body exceeds `max_request_body_bytes`; nothing was forwarded.
     BodyTooLarge { limit: u64 },
     /// The first request with this key is still being processed.
@@ -62,6 +65,7 @@ impl ProblemKind {
                 KeyError::NotAToken => "key-not-a-token",
                 KeyError::MalformedString => "key-malformed-string",
             },
+            ProblemKind::ScopeMissing { .. } => "scope-missing",
             ProblemKind::BodyTooLarge { .. } => "body-too-large",
             ProblemKind::InFlight { .. } => "request-in-flight",
             ProblemKind::OutcomeUnknown => "outcome-unknown",
@@ -77,7 +81,7 @@ impl ProblemKind {
 
     pub fn status(&self) -> u16 {
         match self {
-            ProblemKind::KeyMissing { .. } | ProblemKind::KeyInvalid { .. } => 400,
+            ProblemKind::KeyMissing { .. } | ProblemKind::KeyInvalid { .. } | ProblemKind::ScopeMissing { .. } => 400,
             ProblemKind::BodyTooLarge { .. } => 413,
             ProblemKind::InFlight { .. } | ProblemKind::OutcomeUnknown => 409,
             ProblemKind::KeyReused => 422,
@@ -94,6 +98,7 @@ impl ProblemKind {
         match self {
             ProblemKind::KeyMissing { .. } => "Idempotency key required",
             ProblemKind::KeyInvalid { .. } => "Malformed idempotency key",
+            ProblemKind::ScopeMissing { .. } => "Caller not identified for an idempotency key",
             ProblemKind::BodyTooLarge { .. } => "Request body too large for idempotency protection",
             ProblemKind::InFlight { .. } => "A request with this idempotency key is in progress",
             ProblemKind::OutcomeUnknown => "Outcome of the original request is unknown",
@@ -114,6 +119,13 @@ impl ProblemKind {
             }
             ProblemKind::KeyInvalid { header, error } => {
                 format!("The `{header}` header is invalid: {error}. Fix the key; this request was not executed.")
+            }
+            ProblemKind::ScopeMissing { headers } => {
+                let names: Vec<String> = headers.iter().map(|h| format!("`{h}`")).collect();
+                format!(
+                    "This request carries an idempotency key but none of the headers that identify its caller ({}), so its result could be shared with other callers. It was not forwarded: send it with one of those headers.",
+                    names.join(", ")
+                )
             }
             ProblemKind::BodyTooLarge { limit } => format!(
                 "The body exceeds the {limit}-byte limit for idempotent requests. It was not forwarded; send a smaller body."
@@ -211,6 +223,7 @@ mod tests {
         let h = "idempotency-key".to_string();
         let mut v = vec![
             ProblemKind::KeyMissing { header: h.clone() },
+            ProblemKind::ScopeMissing { headers: vec!["authorization".into()] },
             ProblemKind::BodyTooLarge { limit: 10 },
             ProblemKind::InFlight { retry_after_seconds: 2 },
             ProblemKind::OutcomeUnknown,
@@ -266,6 +279,19 @@ mod tests {
         assert_eq!(ProblemKind::OutcomeUnknown.status(), 409);
         assert_eq!(ProblemKind::KeyReused.status(), 422);
         assert_eq!(ProblemKind::StoreUnavailable { retry_after_seconds: 1 }.status(), 503);
+    }
+
+    #[test]
+    fn scope_missing_names_the_headers_to_send_and_says_not_to_retry_as_is() {
+        let p =
+            ProblemKind::ScopeMissing { headers: vec!["authorization".into(), "x-user".into()] }.to_problem("", None);
+        assert_eq!(p.status, 400);
+        assert!(p.headers.contains(&("x-should-retry".into(), "false".into())));
+        assert!(!p.headers.iter().any(|(n, _)| n == "retry-after"));
+        let b = body(&p);
+        assert_eq!(b["type"], "urn:idemgate:problem:scope-missing");
+        let detail = b["detail"].as_str().unwrap();
+        assert!(detail.contains("`authorization`, `x-user`") && detail.contains("not forwarded"), "{detail}");
     }
 
     #[test]

@@ -9,6 +9,8 @@ pub struct RequestHead {
     pub authority: String,
     /// All header lines in order (pseudo headers may be included; they are ignored by `values`).
     pub headers: Vec<(String, Vec<u8>)>,
+    /// The request trailers, in order (empty until they arrive, and for requests without any).
+    pub trailers: Vec<(String, Vec<u8>)>,
 }
 
 impl RequestHead {

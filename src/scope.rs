@@ -3,11 +3,16 @@
 //! A record is addressed by `SHA-256(namespace, scope hash, key)`: never by the raw key or a raw
 //! credential. Two callers that send the same key get different records, so a guessed key cannot
 //! replay (or block) another caller's response. Layouts are pinned in ARCHITECTURE.md.
+//!
+//! A caller that sends none of the configured scope headers (or only empty ones) is anonymous: all
+//! such callers would hash to one scope, so a request of theirs that uses a key is refused
+//! (`scope-missing`) unless the operator opts into that shared scope (`scope.anonymous: "shared"`).
 
-use crate::config::ScopeConfig;
+use crate::config::{Anonymous, ScopeConfig};
 use crate::fingerprint::Framer;
 use crate::hex;
 use crate::key::IdempotencyKey;
+use crate::problem::ProblemKind;
 use crate::request::RequestHead;
 
 /// Domain-separation prefixes: a scope hash can never equal a storage key or a fingerprint.
@@ -18,8 +23,8 @@ const KEY_TAG: &[u8] = b"idemgate-key-v1\0";
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CallerScope {
     pub hash: [u8; 32],
-    /// True when at least one configured scope header was present. Without one, all such callers
-    /// share the anonymous scope of their authority.
+    /// True when at least one configured scope header was present with a non-empty value. Without
+    /// one, all such callers hash to the anonymous scope of their authority.
     pub identified: bool,
 }
 
@@ -32,7 +37,7 @@ impl CallerScope {
         f.field(&cfg.headers.len().to_string().into_bytes());
         for name in &cfg.headers {
             let values = head.values(name);
-            identified |= !values.is_empty();
+            identified |= values.iter().any(|v| !v.trim_ascii().is_empty());
             f.field(name.as_bytes());
             f.field(values.len().to_string().as_bytes());
             for v in values {
@@ -44,6 +49,19 @@ impl CallerScope {
             f.field(head.authority.to_ascii_lowercase().as_bytes());
         }
         CallerScope { hash: f.finish(), identified }
+    }
+
+    /// Whether this caller may use a key: an identified caller always; an anonymous one only
+    /// when every caller deliberately shares one scope (`scope.global`) or the operator opted
+    /// into a shared anonymous scope. Anything else (a policy with no scope headers that is not
+    /// global, refused at configure time) fails closed.
+    pub fn admits(&self, cfg: &ScopeConfig) -> Result<(), ProblemKind> {
+        let shared = cfg.global || (!cfg.headers.is_empty() && cfg.anonymous == Anonymous::Shared);
+        if self.identified || shared {
+            Ok(())
+        } else {
+            Err(ProblemKind::ScopeMissing { headers: cfg.headers.clone() })
+        }
     }
 
     /// First 12 hex digits, for log lines.
@@ -96,6 +114,7 @@ mod tests {
             headers: headers.iter().map(|h| h.to_string()).collect(),
             global: headers.is_empty(),
             include_authority,
+            anonymous: Anonymous::Reject,
         }
     }
 
@@ -134,6 +153,39 @@ mod tests {
     fn caller_without_any_scope_header_is_not_identified() {
         let s = CallerScope::of(&head(None, "api"), &cfg(&["authorization"], true));
         assert!(!s.identified);
+    }
+
+    #[test]
+    fn an_empty_scope_header_identifies_nobody() {
+        let c = cfg(&["authorization"], true);
+        for empty in ["", " ", "\t"] {
+            assert!(!CallerScope::of(&head(Some(empty), "api"), &c).identified, "{empty:?}");
+        }
+        // One non-empty value among several configured headers is enough.
+        let two = cfg(&["authorization", "x-user"], true);
+        let h = RequestHead::from_pairs(vec![("authorization".into(), vec![]), ("x-user".into(), b"u1".to_vec())]);
+        assert!(CallerScope::of(&h, &two).identified);
+    }
+
+    #[test]
+    fn anonymous_callers_are_refused_unless_a_shared_scope_is_chosen() {
+        let reject = cfg(&["authorization"], true);
+        let anonymous = CallerScope::of(&head(None, "api"), &reject);
+        assert_eq!(anonymous.admits(&reject), Err(ProblemKind::ScopeMissing { headers: vec!["authorization".into()] }));
+        let empty = CallerScope::of(&head(Some(""), "api"), &reject);
+        assert!(empty.admits(&reject).is_err());
+        assert_eq!(CallerScope::of(&head(Some("Bearer a"), "api"), &reject).admits(&reject), Ok(()));
+        let shared = ScopeConfig { anonymous: Anonymous::Shared, ..reject.clone() };
+        assert_eq!(CallerScope::of(&head(None, "api"), &shared).admits(&shared), Ok(()));
+        // Anonymous callers of one authority then share one scope; identified ones keep their own.
+        assert_eq!(CallerScope::of(&head(None, "api"), &shared), CallerScope::of(&head(None, "api"), &shared));
+        assert_ne!(CallerScope::of(&head(None, "api"), &shared), CallerScope::of(&head(Some("t"), "api"), &shared));
+        // scope.global: every caller deliberately shares one scope.
+        let global = cfg(&[], true);
+        assert_eq!(CallerScope::of(&head(None, "api"), &global).admits(&global), Ok(()));
+        // No scope headers and not global (refused at configure time): fails closed.
+        let broken = ScopeConfig { global: false, anonymous: Anonymous::Shared, ..global };
+        assert!(CallerScope::of(&head(Some("t"), "api"), &broken).admits(&broken).is_err());
     }
 
     #[test]

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """HTTP/2 (prior knowledge, h2c) client for tests/hostile.rs: opens ONE connection to
 127.0.0.1:PORT and sends N concurrent POST streams with the given headers and body, then prints
-one line per stream: "<stream id> <status> <idempotent-replayed or ->".
+one line per stream: "<stream id> <status> <idempotent-replayed or ->". An argument written
+`@name:value` is sent as a request trailer (a HEADERS frame after the body that ends the stream).
 
-usage: h2_client.py PORT N PATH BODY [name:value ...]
+usage: h2_client.py PORT N PATH BODY [name:value | @name:value ...]
 """
 import socket
 import sys
@@ -13,7 +14,8 @@ import h2.connection
 import h2.events
 
 port, n, path, body = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].encode()
-extra = [tuple(h.split(":", 1)) for h in sys.argv[5:]]
+extra = [tuple(h.split(":", 1)) for h in sys.argv[5:] if not h.startswith("@")]
+trailers = [tuple(h[1:].split(":", 1)) for h in sys.argv[5:] if h.startswith("@")]
 sock = socket.create_connection(("127.0.0.1", port), timeout=10)
 conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
 conn.initiate_connection()
@@ -23,7 +25,9 @@ for _ in range(n):
     headers = [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", "idemgate.test"),
                ("content-length", str(len(body)))] + [(k.strip().lower(), v.strip()) for k, v in extra]
     conn.send_headers(sid, headers)
-    conn.send_data(sid, body, end_stream=True)
+    conn.send_data(sid, body, end_stream=not trailers)
+    if trailers:
+        conn.send_headers(sid, [(k.strip().lower(), v.strip()) for k, v in trailers], end_stream=True)
     streams.append(sid)
 sock.sendall(conn.data_to_send())
 status, replayed, done = {}, {}, set()

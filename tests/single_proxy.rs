@@ -238,7 +238,12 @@ fn short_ttl_executes_again_after_expiry() {
 #[test]
 fn client_that_disconnects_after_forwarding_never_causes_a_second_execution() {
     let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 1}"#);
-    let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-gone"), ("x-up-delay-ms", "1500")];
+    let h = [
+        ("authorization", "Bearer alice"),
+        ("content-type", "application/json"),
+        ("idempotency-key", "k-gone"),
+        ("x-up-delay-ms", "1500"),
+    ];
     // The client gives up after 300 ms, while the upstream is executing.
     let gone = http::request_timeout(s.envoy.port, "POST", "/charges", &h, b"{}", Duration::from_millis(300));
     assert!(gone.is_err(), "the client must time out");

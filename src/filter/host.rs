@@ -89,6 +89,7 @@ pub enum Counter {
     Mismatch,
     MissingKey,
     InvalidKey,
+    ScopeMissing,
     BodyTooLarge,
     Stored,
     StoredWithoutBody,
@@ -118,7 +119,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 34] = [
+    pub const ALL: [Counter; 35] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -127,6 +128,7 @@ impl Counter {
         Counter::Mismatch,
         Counter::MissingKey,
         Counter::InvalidKey,
+        Counter::ScopeMissing,
         Counter::BodyTooLarge,
         Counter::Stored,
         Counter::StoredWithoutBody,
@@ -165,6 +167,7 @@ impl Counter {
             Counter::Mismatch => "idemgate.mismatch",
             Counter::MissingKey => "idemgate.missing_key",
             Counter::InvalidKey => "idemgate.invalid_key",
+            Counter::ScopeMissing => "idemgate.scope_missing",
             Counter::BodyTooLarge => "idemgate.body_too_large",
             Counter::Stored => "idemgate.stored",
             Counter::StoredWithoutBody => "idemgate.stored_without_body",

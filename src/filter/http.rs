@@ -164,6 +164,7 @@ impl Http {
         let counter = match &problem {
             ProblemKind::KeyMissing { .. } => Counter::MissingKey,
             ProblemKind::KeyInvalid { .. } => Counter::InvalidKey,
+            ProblemKind::ScopeMissing { .. } => Counter::ScopeMissing,
             ProblemKind::BodyTooLarge { .. } => Counter::BodyTooLarge,
             ProblemKind::InFlight { .. } => Counter::InFlightConflict,
             ProblemKind::OutcomeUnknown => Counter::UnknownOutcome,
@@ -702,6 +703,11 @@ impl HttpContext for Http {
                 Admission::Protect(k) => k,
             },
         };
+        // A key from a caller none of the scope headers identify: refused unless the operator
+        // chose a shared anonymous scope (derived keys are only ever derived for identified ones).
+        if let Err(p) = scope.admits(&policy.scope) {
+            return self.answer(p, None);
+        }
         self.count(Counter::Protected);
         // At most once: Envoy's router must never re-send it (a route's retry_policy, hedging, or
         // retries a client asks for with x-envoy-* headers).
@@ -783,7 +789,13 @@ impl HttpContext for Http {
 
     fn on_http_request_trailers(&mut self, _n: usize) -> Action {
         match self.phase {
-            Phase::Waiting { .. } => self.body_complete(),
+            Phase::Waiting { .. } => {
+                // Trailers reach the upstream with the request: part of its fingerprint.
+                if let Some(r) = self.req.as_mut() {
+                    r.head.trailers = host::all_headers(MapType::HttpRequestTrailers);
+                }
+                self.body_complete()
+            }
             Phase::Calling { .. } => Action::Pause,
             _ => Action::Continue,
         }

@@ -411,8 +411,12 @@ fn shared_data_holds_no_raw_key_and_no_raw_credential() {
         ("idempotency-key".into(), b"order-7f3c-raw-key".to_vec()),
     ]);
     let p = policy();
-    let cfg =
-        crate::config::ScopeConfig { headers: vec!["authorization".into()], global: false, include_authority: false };
+    let cfg = crate::config::ScopeConfig {
+        headers: vec!["authorization".into()],
+        global: false,
+        include_authority: false,
+        anonymous: crate::config::Anonymous::Reject,
+    };
     let scope = CallerScope::of(&head, &cfg);
     let key = parse_key_header(&head.values("idempotency-key"), 255).unwrap().unwrap();
     let k = StorageKey::derive(&p.namespace, &scope, &key);

@@ -113,6 +113,9 @@ pub struct EnvoyOptions {
     pub extra_http_filters: Vec<String>,
     /// More clusters (each a YAML list item starting with `- name:`, written from column 0).
     pub extra_clusters: Vec<String>,
+    /// HTTP/1.1 request trailers reach the filters (`http_protocol_options.enable_trailers`);
+    /// Envoy drops them by default.
+    pub http1_trailers: bool,
 }
 
 impl EnvoyOptions {
@@ -136,6 +139,7 @@ impl EnvoyOptions {
             internal_clients: false,
             extra_http_filters: vec![],
             extra_clusters: vec![],
+            http1_trailers: false,
         }
     }
 }
@@ -206,6 +210,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
             keys.join(", ")
         )
     };
+    let trailers = if o.http1_trailers { "\n          http_protocol_options: {enable_trailers: true}" } else { "" };
     format!(
         r#"  - name: main
     address: {{socket_address: {{address: 127.0.0.1, port_value: {listen_port}}}}}
@@ -216,7 +221,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
       - name: envoy.filters.network.http_connection_manager
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ingress{internal}
+          stat_prefix: ingress{internal}{trailers}
           route_config:
             virtual_hosts:
             - name: all
