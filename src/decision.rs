@@ -496,6 +496,32 @@ mod tests {
         );
     }
 
+    /// Issue 12, item 5: a claim whose lock is live is never free, whatever its record's expiry;
+    /// past its expiry, a record with no live lock is free.
+    #[test]
+    fn a_live_lock_is_never_free_whatever_the_records_expiry() {
+        let fp = Fingerprint([9; 32]);
+        let (live, stale, expired) = (NOW + 1, NOW, NOW);
+        let in_flight = Decision::Reject(ProblemKind::InFlight { retry_after_seconds: 1 });
+        let summary = |phase| Summary { fingerprint: Some(fp), expires_at_ms: expired, phase };
+        let headers_claim = |phase| Summary { fingerprint: None, expires_at_ms: expired, phase };
+        #[rustfmt::skip]
+        let table: Vec<(&str, Summary, Option<&Fingerprint>, Decision)> = vec![
+            ("forwarded, lock live, expired", summary(Phase::InProgress { lock_expires_at_ms: live }), Some(&fp), in_flight.clone()),
+            ("forwarded, lock live, expired, at headers", summary(Phase::InProgress { lock_expires_at_ms: live }), None, in_flight.clone()),
+            ("claimed at headers, lock live, expired", headers_claim(Phase::Claimed { lock_expires_at_ms: live }), Some(&fp), in_flight.clone()),
+            ("claimed at headers, lock live, expired, at headers", headers_claim(Phase::Claimed { lock_expires_at_ms: live }), None, in_flight),
+            ("forwarded, lock live, expired, other request", summary(Phase::InProgress { lock_expires_at_ms: live }), Some(&Fingerprint([8; 32])), Decision::Reject(ProblemKind::KeyReused)),
+            ("forwarded, lock stale, expired", summary(Phase::InProgress { lock_expires_at_ms: stale }), Some(&fp), Decision::Claim),
+            ("claimed, lock stale, expired", headers_claim(Phase::Claimed { lock_expires_at_ms: stale }), None, Decision::Claim),
+            ("completed, expired", summary(Phase::Completed), Some(&fp), Decision::Claim),
+            ("unknown, expired", summary(Phase::Unknown), None, Decision::Claim),
+        ];
+        for (name, s, f, want) in table {
+            assert_eq!(decide(Lookup::Found(s), f, NOW, &policy(), OnUnavailable::Reject), want, "{name}");
+        }
+    }
+
     #[test]
     fn store_error_rejects_or_passes_as_configured() {
         let fp = Fingerprint([0; 32]);
