@@ -66,6 +66,25 @@ pub enum Phase {
     Unknown,
 }
 
+impl Summary {
+    /// Whether this is a claim (made at headers or forwarded) whose lock has not expired at `now_ms`.
+    pub fn lock_is_live(&self, now_ms: u64) -> bool {
+        match self.phase {
+            Phase::Claimed { lock_expires_at_ms } | Phase::InProgress { lock_expires_at_ms } => now_ms < lock_expires_at_ms,
+            Phase::Completed | Phase::Unknown => false,
+        }
+    }
+
+    /// The one rule for "does this record still hold its key": a record is free (the key may be
+    /// claimed again) once it is past its expiry **and** holds no live lock. A claim whose lock is
+    /// live is never free, whatever its expiry. `decide`, the local tier (lookups, free positions,
+    /// sweeps, `mark_forwarded`) and the store tier (the decision on a store answer, and the
+    /// take-over it sends, whose script re-checks the lock by Redis's clock) all use it.
+    pub fn is_free(&self, now_ms: u64) -> bool {
+        now_ms >= self.expires_at_ms && !self.lock_is_live(now_ms)
+    }
+}
+
 impl Record {
     pub fn summary(&self) -> Summary {
         let phase = match &self.state {
@@ -92,7 +111,7 @@ pub enum Lookup {
 /// What to do with a protected request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decision {
-    /// The key is free (absent or expired): claim it, then forward.
+    /// The key is free (absent, or expired with no live lock): claim it, then forward.
     Claim,
     /// A stale claim that provably was never forwarded (or, with `stale_lock: "takeover"`, any
     /// stale lock): replace it atomically with a claim of our own, then forward.
@@ -136,7 +155,7 @@ pub fn decide(
             }
         }
         Lookup::Absent => return Decision::Claim,
-        Lookup::Found(r) if now_ms >= r.expires_at_ms => return Decision::Claim,
+        Lookup::Found(r) if r.is_free(now_ms) => return Decision::Claim,
         Lookup::Found(r) => r,
     };
     let in_flight = Decision::Reject(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS });
