@@ -70,7 +70,9 @@ impl Summary {
     /// Whether this is a claim (made at headers or forwarded) whose lock has not expired at `now_ms`.
     pub fn lock_is_live(&self, now_ms: u64) -> bool {
         match self.phase {
-            Phase::Claimed { lock_expires_at_ms } | Phase::InProgress { lock_expires_at_ms } => now_ms < lock_expires_at_ms,
+            Phase::Claimed { lock_expires_at_ms } | Phase::InProgress { lock_expires_at_ms } => {
+                now_ms < lock_expires_at_ms
+            }
             Phase::Completed | Phase::Unknown => false,
         }
     }

@@ -377,10 +377,7 @@ impl Table {
         let i = self.bucket_of(&skey);
         for _ in 0..MAX_CAS_RETRIES {
             let (mut bucket, cas) = self.read_bucket(sd, i)?;
-            let live = bucket
-                .positions
-                .iter()
-                .position(|p| p.as_ref().is_some_and(|e| e.holds(&skey, now_ms)));
+            let live = bucket.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.holds(&skey, now_ms)));
             let lookup = match live.and_then(|j| bucket.positions.get(j)).and_then(|p| p.as_ref()) {
                 Some(e) => Lookup::Found(e.summary()),
                 None => Lookup::Absent,

@@ -168,7 +168,8 @@ fn a_claim_superseded_while_its_body_was_uploading_is_never_forwarded() {
     let bucket_of = buckets(cfg);
     let a_key = (0..64).map(|i| format!("k-a-{i}")).find(|k| bucket_of(k) >= 31_250).expect("a key past the sweeps");
     let bucket = bucket_of(&a_key);
-    let y_key = (0..2_000_000).map(|i| format!("k-y-{i}")).find(|k| bucket_of(k) == bucket).expect("a key in A's bucket");
+    let y_key =
+        (0..2_000_000).map(|i| format!("k-y-{i}")).find(|k| bucket_of(k) == bucket).expect("a key in A's bucket");
     let s = Stack::new(cfg);
     let port = s.envoy.port;
     assert_eq!(post(port, &y_key, &[]).status, 201);

@@ -236,7 +236,10 @@ fn a_forwarded_claim_whose_lock_is_live_keeps_its_key_past_the_expiry_set_at_hea
     let done_at = NOW + 4_000;
     let r = Record::completed(fp(1), response("a"), false, creator("a"), done_at, p.ttl_seconds);
     assert_eq!(t.complete(&mut m, &a, r).unwrap(), Completed::Stored);
-    assert!(matches!(t.begin(&mut m, k, Some(fp(1)), done_at + 2_999, &p, owner(3), &creator("c")).unwrap(), Begin::Replay(_)));
+    assert!(matches!(
+        t.begin(&mut m, k, Some(fp(1)), done_at + 2_999, &p, owner(3), &creator("c")).unwrap(),
+        Begin::Replay(_)
+    ));
 }
 
 /// Issue 12, item 6: a claim made at headers whose key was claimed again at another position

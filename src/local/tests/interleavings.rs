@@ -247,7 +247,9 @@ fn a_release_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhi
         assert_eq!(r, ["true", "Stored"], "schedule {s:?}");
         let mut m = model;
         match claim(&t, &mut m, skey(21), Some(fp(2)), 3, NOW + 1) {
-            Begin::Replay(rec) => assert_eq!(rec.state, crate::record::State::Completed(response("b")), "schedule {s:?}"),
+            Begin::Replay(rec) => {
+                assert_eq!(rec.state, crate::record::State::Completed(response("b")), "schedule {s:?}")
+            }
             other => panic!("schedule {s:?}: the completed record was lost: {other:?}"),
         }
     }
@@ -269,8 +271,7 @@ fn a_sweep_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhile
             Box::new(move |sd: &mut dyn SharedData| {
                 let b =
                     handle(&t2.begin(sd, skey(23), Some(fp(2)), later, &policy(), owner(2), &creator("b")).unwrap());
-                let done =
-                    complete(&t2, sd, &b, fp(2), response("b"), false, &creator("b"), later, &policy()).unwrap();
+                let done = complete(&t2, sd, &b, fp(2), response("b"), false, &creator("b"), later, &policy()).unwrap();
                 format!("{done:?}")
             }),
         ];
@@ -278,7 +279,9 @@ fn a_sweep_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhile
         assert_eq!(r[1], "Stored", "schedule {s:?}: {r:?}");
         let mut m = model;
         match claim(&t, &mut m, skey(23), Some(fp(2)), 3, later + 1) {
-            Begin::Replay(rec) => assert_eq!(rec.state, crate::record::State::Completed(response("b")), "schedule {s:?}"),
+            Begin::Replay(rec) => {
+                assert_eq!(rec.state, crate::record::State::Completed(response("b")), "schedule {s:?}")
+            }
             other => panic!("schedule {s:?}: the completed record was lost: {other:?}"),
         }
     }
