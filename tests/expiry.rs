@@ -247,3 +247,32 @@ fn store_a_claim_whose_lock_is_live_is_not_taken_over_past_its_records_expiry() 
     a.assert_no_wasm_panic();
     b.assert_no_wasm_panic();
 }
+
+/// Item 5 across two proxies sharing a store: A claims on proxy a at headers, uploads its body in
+/// 2 s and is forwarded (the store claim is made then); a retry on proxy b 3.4 s after A's claim
+/// finds the store's claim in flight. (The store claim is made at the end of the body and lives
+/// at least as long as its lock, so this held before the fix too: it guards the store tier.)
+#[test]
+fn store_a_slow_upload_forwarded_late_keeps_its_key_on_every_proxy() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let cfg = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 3, "lock_ttl_seconds": 3, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+    let mut o = EnvoyOptions::new(cfg, up.port);
+    o.store_port = Some(webdis.port);
+    o.route_timeout_ms = 2500;
+    let a = Envoy::start(&o);
+    let b = Envoy::start(&o);
+    let mut first = SlowUpload::headers(a.port, "k-store-slow", &[("x-up-delay-ms", "2000")]);
+    let claimed = seen(&a, "idemgate.claimed", 1);
+    sleep_until(claimed + Duration::from_millis(2000));
+    first.body();
+    sleep_until(claimed + Duration::from_millis(3400));
+    let retry = post(b.port, "k-store-slow", &[]);
+    let first = first.answer();
+    assert_eq!(up.executions(), 1, "executions: the retry on b ({} {}) ran too", retry.status, retry.problem());
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    assert_eq!((retry.status, retry.problem().as_str()), (409, "request-in-flight"), "{}", retry.body_text());
+    a.assert_no_wasm_panic();
+    b.assert_no_wasm_panic();
+}
