@@ -66,6 +66,27 @@ pub enum Phase {
     Unknown,
 }
 
+impl Summary {
+    /// Whether this is a claim (made at headers or forwarded) whose lock has not expired at `now_ms`.
+    pub fn lock_is_live(&self, now_ms: u64) -> bool {
+        match self.phase {
+            Phase::Claimed { lock_expires_at_ms } | Phase::InProgress { lock_expires_at_ms } => {
+                now_ms < lock_expires_at_ms
+            }
+            Phase::Completed | Phase::Unknown => false,
+        }
+    }
+
+    /// The one rule for "does this record still hold its key": a record is free (the key may be
+    /// claimed again) once it is past its expiry **and** holds no live lock. A claim whose lock is
+    /// live is never free, whatever its expiry. `decide`, the local tier (lookups, free positions,
+    /// sweeps, `mark_forwarded`) and the store tier (the decision on a store answer, and the
+    /// take-over it sends, whose script re-checks the lock by Redis's clock) all use it.
+    pub fn is_free(&self, now_ms: u64) -> bool {
+        now_ms >= self.expires_at_ms && !self.lock_is_live(now_ms)
+    }
+}
+
 impl Record {
     pub fn summary(&self) -> Summary {
         let phase = match &self.state {
@@ -95,7 +116,7 @@ pub enum Lookup {
 /// What to do with a protected request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decision {
-    /// The key is free (absent or expired): claim it, then forward.
+    /// The key is free (absent, or expired with no live lock): claim it, then forward.
     Claim,
     /// A stale claim that provably was never forwarded (or, with `stale_lock: "takeover"`, any
     /// stale lock): replace it atomically with a claim of our own, then forward.
@@ -144,7 +165,7 @@ pub fn decide(
             })
         }
         Lookup::Absent => return Decision::Claim,
-        Lookup::Found(r) if now_ms >= r.expires_at_ms => return Decision::Claim,
+        Lookup::Found(r) if r.is_free(now_ms) => return Decision::Claim,
         Lookup::Found(r) => r,
     };
     let in_flight = Decision::Reject(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS });
@@ -556,6 +577,32 @@ mod tests {
             ),
             Decision::Reject(ProblemKind::InFlight { retry_after_seconds: 1 })
         );
+    }
+
+    /// Issue 12, item 5: a claim whose lock is live is never free, whatever its record's expiry;
+    /// past its expiry, a record with no live lock is free.
+    #[test]
+    fn a_live_lock_is_never_free_whatever_the_records_expiry() {
+        let fp = Fingerprint([9; 32]);
+        let (live, stale, expired) = (NOW + 1, NOW, NOW);
+        let in_flight = Decision::Reject(ProblemKind::InFlight { retry_after_seconds: 1 });
+        let summary = |phase| Summary { fingerprint: Some(fp), expires_at_ms: expired, phase };
+        let headers_claim = |phase| Summary { fingerprint: None, expires_at_ms: expired, phase };
+        #[rustfmt::skip]
+        let table: Vec<(&str, Summary, Option<&Fingerprint>, Decision)> = vec![
+            ("forwarded, lock live, expired", summary(Phase::InProgress { lock_expires_at_ms: live }), Some(&fp), in_flight.clone()),
+            ("forwarded, lock live, expired, at headers", summary(Phase::InProgress { lock_expires_at_ms: live }), None, in_flight.clone()),
+            ("claimed at headers, lock live, expired", headers_claim(Phase::Claimed { lock_expires_at_ms: live }), Some(&fp), in_flight.clone()),
+            ("claimed at headers, lock live, expired, at headers", headers_claim(Phase::Claimed { lock_expires_at_ms: live }), None, in_flight),
+            ("forwarded, lock live, expired, other request", summary(Phase::InProgress { lock_expires_at_ms: live }), Some(&Fingerprint([8; 32])), Decision::Reject(ProblemKind::KeyReused)),
+            ("forwarded, lock stale, expired", summary(Phase::InProgress { lock_expires_at_ms: stale }), Some(&fp), Decision::Claim),
+            ("claimed, lock stale, expired", headers_claim(Phase::Claimed { lock_expires_at_ms: stale }), None, Decision::Claim),
+            ("completed, expired", summary(Phase::Completed), Some(&fp), Decision::Claim),
+            ("unknown, expired", summary(Phase::Unknown), None, Decision::Claim),
+        ];
+        for (name, s, f, want) in table {
+            assert_eq!(decide(Lookup::Found(s), f, NOW, &policy(), OnUnavailable::Reject), want, "{name}");
+        }
     }
 
     #[test]

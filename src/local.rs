@@ -31,7 +31,7 @@ use crate::decision::{decide, Decision, Lookup, Phase, Summary};
 use crate::fingerprint::Fingerprint;
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
-use crate::record::{Creator, Record, State, UnknownReason};
+use crate::record::{claim_life_ms, Creator, Record, State, UnknownReason};
 use crate::scope::StorageKey;
 
 /// Positions per bucket.
@@ -116,8 +116,14 @@ impl Entry {
         Summary { fingerprint: self.fingerprint, expires_at_ms: self.expires_at_ms, phase }
     }
 
-    fn is_expired(&self, now_ms: u64) -> bool {
-        now_ms >= self.expires_at_ms
+    /// The core's rule (`Summary::is_free`): past its expiry and holding no live lock.
+    fn is_free(&self, now_ms: u64) -> bool {
+        self.summary().is_free(now_ms)
+    }
+
+    /// Whether this entry holds `skey` at `now_ms` (a position holds a key until it is free).
+    fn holds(&self, skey: &StorageKey, now_ms: u64) -> bool {
+        self.skey == *skey && !self.is_free(now_ms)
     }
 
     /// Whether eviction may drop it: never a live claim (that would allow a second execution of a
@@ -381,23 +387,22 @@ impl Table {
         let i = self.bucket_of(&skey);
         for _ in 0..MAX_CAS_RETRIES {
             let (mut bucket, cas) = self.read_bucket(sd, i)?;
-            let live = bucket
-                .positions
-                .iter()
-                .position(|p| p.as_ref().is_some_and(|e| e.skey == skey && !e.is_expired(now_ms)));
+            let live = bucket.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.holds(&skey, now_ms)));
             let lookup = match live.and_then(|j| bucket.positions.get(j)).and_then(|p| p.as_ref()) {
                 Some(e) => Lookup::Found(e.summary()),
                 None => Lookup::Absent,
             };
             let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
+            let (ttl_ms, lock_ms) =
+                (policy.ttl_seconds.saturating_mul(1000), policy.lock_ttl_seconds.saturating_mul(1000));
             let new_entry = Entry {
                 skey,
                 fingerprint: fp,
                 phase: if fp.is_some() { EntryPhase::InProgress } else { EntryPhase::Claimed },
                 owner,
                 created_at_ms: now_ms,
-                expires_at_ms: now_ms.saturating_add(policy.ttl_seconds.saturating_mul(1000)),
-                lock_expires_at_ms: now_ms.saturating_add(policy.lock_ttl_seconds.saturating_mul(1000)),
+                expires_at_ms: now_ms.saturating_add(claim_life_ms(ttl_ms, lock_ms)),
+                lock_expires_at_ms: now_ms.saturating_add(lock_ms),
                 status: 0,
                 slot_bytes: 0,
             };
@@ -477,7 +482,7 @@ impl Table {
             .positions
             .iter()
             .enumerate()
-            .find_map(|(j, p)| p.as_ref().filter(|e| e.skey == *skey && !e.is_expired(now_ms)).map(|e| (j, e)))
+            .find_map(|(j, p)| p.as_ref().filter(|e| e.holds(skey, now_ms)).map(|e| (j, e)))
         else {
             return Ok(None);
         };
@@ -491,10 +496,10 @@ impl Table {
         Ok(Some(Peeked { summary: e.summary(), record, status: e.status }))
     }
 
-    /// A position for a new key: an empty one, an expired one, or (with `evict_oldest`) the oldest
+    /// A position for a new key: an empty one, a free one (expired, no live lock), or (with `evict_oldest`) the oldest
     /// completed or outcome-unknown record. Returns the position and whether it evicted.
     fn free_position(&self, b: &Bucket, now_ms: u64) -> Option<(usize, bool)> {
-        if let Some(j) = b.positions.iter().position(|p| p.as_ref().is_none_or(|e| e.is_expired(now_ms))) {
+        if let Some(j) = b.positions.iter().position(|p| p.as_ref().is_none_or(|e| e.is_free(now_ms))) {
             return Some((j, false));
         }
         if self.when_full == WhenFull::EvictOldest {
@@ -554,7 +559,11 @@ impl Table {
     }
 
     /// A claim made at headers becomes in progress with its fingerprint, just before forwarding.
-    /// `Ok(false)`: the claim was taken over meanwhile (do not forward).
+    /// Forwarding requires a claim that is still the key's only live claim: the position is still
+    /// ours, and no other position holds the key (a retry may have claimed it elsewhere while our
+    /// claim, made before a slow upload, had expired). Both are checked in the same CAS of the
+    /// bucket that marks us forwarded. The lock restarts now and the expiry is moved to cover it.
+    /// `Ok(false)`: do not forward.
     pub fn mark_forwarded(
         &self,
         sd: &mut dyn SharedData,
@@ -563,14 +572,29 @@ impl Table {
         now_ms: u64,
         policy: &Policy,
     ) -> Result<bool, LocalError> {
-        let done = self.update_entry(sd, h, |slot| {
-            if let Some(e) = slot {
-                e.phase = EntryPhase::InProgress;
-                e.fingerprint = Some(fp);
-                e.lock_expires_at_ms = now_ms.saturating_add(policy.lock_ttl_seconds.saturating_mul(1000));
+        let lock_ms = policy.lock_ttl_seconds.saturating_mul(1000);
+        let life_ms = claim_life_ms(policy.ttl_seconds.saturating_mul(1000), lock_ms);
+        for _ in 0..MAX_CAS_RETRIES {
+            let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
+            let superseded = bucket
+                .positions
+                .iter()
+                .enumerate()
+                .any(|(j, p)| j != h.position && p.as_ref().is_some_and(|e| e.holds(&h.skey, now_ms)));
+            let Some(slot) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
+            let Some(e) = slot.as_mut().filter(|e| e.owner == h.owner && e.skey == h.skey) else { return Ok(false) };
+            if superseded {
+                return Ok(false);
             }
-        })?;
-        Ok(done.is_some())
+            e.phase = EntryPhase::InProgress;
+            e.fingerprint = Some(fp);
+            e.lock_expires_at_ms = now_ms.saturating_add(lock_ms);
+            e.expires_at_ms = e.expires_at_ms.max(now_ms.saturating_add(life_ms));
+            if self.write_bucket(sd, h.bucket, &bucket, cas)? {
+                return Ok(true);
+            }
+        }
+        Err(LocalError::Contended)
     }
 
     /// Stores a completed record (see `Record::completed`). When `local.max_bytes` has no room
@@ -628,7 +652,7 @@ impl Table {
         match freed {
             Some(bytes) => {
                 self.add_usage(sd, -i64::from(bytes));
-                let _ = sd.set(&self.slot_name(h.bucket, h.position), b"", None);
+                self.clear_slot(sd, h);
                 Ok(true)
             }
             None => Ok(false),
@@ -665,18 +689,17 @@ impl Table {
                 let (mut bucket, cas) = self.read_bucket(sd, i)?;
                 let mut freed = vec![];
                 for (j, p) in bucket.positions.iter_mut().enumerate() {
-                    if p.as_ref().is_some_and(|e| e.is_expired(now_ms)) {
-                        freed.push((j, p.as_ref().map_or(0, |e| e.slot_bytes)));
-                        *p = None;
+                    if let Some(e) = p.take_if(|e| e.is_free(now_ms)) {
+                        freed.push((Handle { bucket: i, position: j, owner: e.owner, skey: e.skey }, e.slot_bytes));
                     }
                 }
                 if freed.is_empty() {
                     break;
                 }
                 if self.write_bucket(sd, i, &bucket, cas)? {
-                    for (j, bytes) in &freed {
+                    for (h, bytes) in &freed {
                         self.add_usage(sd, -i64::from(*bytes));
-                        let _ = sd.set(&self.slot_name(i, *j), b"", None);
+                        self.clear_slot(sd, h);
                     }
                     freed_total += freed.len() as u32;
                     break;
@@ -684,6 +707,20 @@ impl Table {
             }
         }
         Ok(freed_total)
+    }
+
+    /// Empties the record slot of a position just freed, only if it still holds `h`'s record
+    /// (CAS on the slot): a worker that claimed the position after the bucket was written may
+    /// already have written its own record there, and keeps it. A slot left behind by a lost race
+    /// is ignored by readers (its owner differs from the position's) and overwritten by the next
+    /// owner of the position.
+    fn clear_slot(&self, sd: &mut dyn SharedData, h: &Handle) {
+        let name = self.slot_name(h.bucket, h.position);
+        if let Ok((Some(v), Some(cas))) = sd.get(&name) {
+            if slot_belongs_to(&v, h) {
+                let _ = sd.set(&name, b"", Some(cas));
+            }
+        }
     }
 
     /// Bytes of completed records held now.
@@ -744,10 +781,13 @@ fn encode_slot(h: &Handle, r: &Record) -> Vec<u8> {
     out
 }
 
+/// Whether a slot's value was written by `h`'s owner for `h`'s key.
+fn slot_belongs_to(v: &[u8], h: &Handle) -> bool {
+    v.get(..16) == Some(h.owner.0.as_slice()) && v.get(16..48) == Some(h.skey.0.as_slice())
+}
+
 fn decode_slot(v: &[u8], h: &Handle) -> Option<Record> {
-    let owner = v.get(..16)?;
-    let skey = v.get(16..48)?;
-    if owner != h.owner.0 || skey != h.skey.0 {
+    if !slot_belongs_to(v, h) {
         return None;
     }
     Record::decode(v.get(48..)?).ok()

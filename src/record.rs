@@ -143,6 +143,13 @@ pub struct Record {
     pub state: State,
 }
 
+/// How long a claim made now must be kept: its record's life, and never less than its lock, so
+/// a record cannot expire while its request may still run (the expiry of a local claim, of a
+/// store claim's record and its `PX`). A completed record lives `ttl` from its completion.
+pub fn claim_life_ms(ttl_ms: u64, lock_ms: u64) -> u64 {
+    ttl_ms.max(lock_ms)
+}
+
 impl Record {
     /// The completed record of an upstream response: kept whole, or (`too_large`: over
     /// `max_response_body_bytes`) with only its status and `location`.
@@ -165,7 +172,7 @@ impl Record {
     }
 
     /// The record of a claim made just before forwarding: in progress, owned by `owner`, its lock
-    /// held `lock_ttl_seconds` and the record kept `ttl_seconds`.
+    /// held `lock_ttl_seconds` and the record kept `ttl_seconds` (never less than its lock).
     pub fn in_progress(
         fingerprint: Fingerprint,
         creator: Creator,
@@ -174,15 +181,13 @@ impl Record {
         ttl_seconds: u64,
         lock_ttl_seconds: u64,
     ) -> Record {
+        let lock_ms = lock_ttl_seconds.saturating_mul(1000);
         Record {
             fingerprint,
             created_at_ms: now_ms,
-            expires_at_ms: now_ms.saturating_add(ttl_seconds.saturating_mul(1000)),
+            expires_at_ms: now_ms.saturating_add(claim_life_ms(ttl_seconds.saturating_mul(1000), lock_ms)),
             creator,
-            state: State::InProgress {
-                owner,
-                lock_expires_at_ms: now_ms.saturating_add(lock_ttl_seconds.saturating_mul(1000)),
-            },
+            state: State::InProgress { owner, lock_expires_at_ms: now_ms.saturating_add(lock_ms) },
         }
     }
 

@@ -23,7 +23,7 @@ use std::fmt;
 
 use crate::decision::{Phase, Summary};
 use crate::owner::OwnerToken;
-use crate::record::Record;
+use crate::record::{claim_life_ms, Record};
 use crate::scope::StorageKey;
 
 /// Prefix of every Redis key idemgate writes (the namespace is inside the hashed storage key).
@@ -32,7 +32,7 @@ const VALUE_MAGIC: &[u8; 4] = b"IGS1";
 /// `IGS1` + phase (1) + owner hex (32) + lock expiry in ms, 15 decimal digits.
 const HEADER_LEN: usize = 4 + 1 + 32 + 15;
 
-/// Claim-or-read. KEYS[1]; ARGV: owner hex, ttl ms, lock ms, record (last).
+/// Claim-or-read. KEYS[1]; ARGV: owner hex, PX ms (never less than the lock), lock ms, record (last).
 const CLAIM_SCRIPT: &str = "local t=redis.call('TIME') \
 local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
 local v=redis.call('GET',KEYS[1]) \
@@ -240,7 +240,12 @@ pub fn claim_request(
     let path = eval_path(
         CLAIM_SCRIPT,
         &redis_key(skey),
-        &[owner.hex().as_bytes(), ttl_ms.to_string().as_bytes(), lock_ms.to_string().as_bytes(), &record.encode()],
+        &[
+            owner.hex().as_bytes(),
+            claim_life_ms(ttl_ms, lock_ms).to_string().as_bytes(),
+            lock_ms.to_string().as_bytes(),
+            &record.encode(),
+        ],
     );
     StoreRequest { method: "POST", path: "/".into(), body: format!("{path}.raw").into_bytes() }
 }
@@ -341,21 +346,27 @@ impl Transition {
         Transition { require_stale: true, ..Transition::unknown(stale_owner, ttl_ms) }
     }
 
-    /// `stale_lock: "takeover"`: take over an expired lock with a claim of our own.
+    /// Replaces another request's value with a claim of our own: a forwarded claim whose lock
+    /// expired (`stale_lock: "takeover"`), or, when `free`, any value the decision table judged
+    /// free (past its record's expiry; `Summary::is_free`). Either way the script changes the
+    /// value only if its lock is not live by Redis's clock (a completed or unknown value holds
+    /// none): a claim whose lock is live is never replaced, whatever its record's expiry. The
+    /// new value lives at least as long as its lock.
     pub fn take_over(
         stale_owner: OwnerToken,
         owner: OwnerToken,
         record: Record,
+        free: bool,
         ttl_ms: u64,
         lock_ms: u64,
     ) -> Transition {
         Transition {
             expected_owner: stale_owner,
-            expected_phases: "P",
+            expected_phases: if free { "PDU" } else { "P" },
             require_stale: true,
             new_phase: Some(StorePhase::InProgress),
             new_owner: owner,
-            ttl_ms,
+            ttl_ms: claim_life_ms(ttl_ms, lock_ms),
             lock_ms: Some(lock_ms),
             record: Some(record),
         }

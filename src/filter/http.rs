@@ -482,27 +482,31 @@ impl Http {
                 self.enqueue("stale_to_unknown", Transition::stale_to_unknown(value.owner, ttl), None);
                 self.answer(ProblemKind::OutcomeUnknown, Some(&value.record.creator))
             }
-            // A stale lock with `stale_lock: "takeover"`, or a record past its own expiry that the
-            // store still holds: replace it, owner-checked, in one more round trip.
-            Decision::TakeOver | Decision::Claim => self.take_over(handle, fp, &value, &policy),
+            // A stale lock with `stale_lock: "takeover"`, or a record the store still holds that
+            // is free (past its expiry, no live lock, judged by Redis's clock): replace it,
+            // owner-checked, in one more round trip; the script re-checks the lock.
+            Decision::TakeOver => self.take_over(handle, fp, &value, &policy, false),
+            Decision::Claim => self.take_over(handle, fp, &value, &policy, true),
             Decision::PassUnprotected | Decision::NeedFingerprint => {
                 self.store_failed(handle, &StoreError::Garbled("no decision".into()))
             }
         }
     }
 
-    fn take_over(&mut self, handle: Option<Handle>, fp: Fingerprint, old: &StoredValue, policy: &Policy) -> Action {
+    fn take_over(
+        &mut self,
+        handle: Option<Handle>,
+        fp: Fingerprint,
+        old: &StoredValue,
+        policy: &Policy,
+        free: bool,
+    ) -> Action {
         let Some(r) = self.req.as_ref() else { return Action::Continue };
         let now = host::now_ms();
         let (ttl, lock) = (policy.ttl_seconds, policy.lock_ttl_seconds);
         let record = Record::in_progress(fp, r.creator.clone(), r.owner, now, ttl, lock);
-        let mut t =
-            Transition::take_over(old.owner, r.owner, record, ttl.saturating_mul(1000), lock.saturating_mul(1000));
-        if old.record.is_expired(now) {
-            t.expected_phases = "PDU";
-            t.require_stale = false;
-        }
-        let req = t.request(&r.skey);
+        let (ttl_ms, lock_ms) = (ttl.saturating_mul(1000), lock.saturating_mul(1000));
+        let req = Transition::take_over(old.owner, r.owner, record, free, ttl_ms, lock_ms).request(&r.skey);
         self.call(req, handle, fp, true)
     }
 

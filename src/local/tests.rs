@@ -216,6 +216,71 @@ fn expired_records_count_as_absent_on_read() {
     assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 3, NOW + ttl_ms), Begin::Claimed { took_over: false, .. }));
 }
 
+/// Issue 12, item 5: a claim made at headers, forwarded after a slow upload, keeps its key past
+/// the expiry set at headers while its lock (moved at forwarding) is live; its record then lives
+/// from completion.
+#[test]
+fn a_forwarded_claim_whose_lock_is_live_keeps_its_key_past_the_expiry_set_at_headers() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let p = Policy { ttl_seconds: 3, lock_ttl_seconds: 3, ..policy() };
+    let k = skey(30);
+    let a = handle(&t.begin(&mut m, k, None, NOW, &p, owner(1), &creator("a")).unwrap());
+    assert!(t.mark_forwarded(&mut m, &a, fp(1), NOW + 2_000, &p).unwrap());
+    let retry_at = NOW + 3_400;
+    for f in [None, Some(fp(1))] {
+        let b = t.begin(&mut m, k, f, retry_at, &p, owner(2), &creator("b")).unwrap();
+        assert!(is_reject(&b, &in_flight()), "{b:?}");
+    }
+    assert_eq!(t.sweep(&mut m, 0, t.buckets(), retry_at).unwrap(), 0, "a sweep frees no live claim");
+    assert!(t.peek(&mut m, &k, retry_at).unwrap().is_some());
+    let done_at = NOW + 4_000;
+    let r = Record::completed(fp(1), response("a"), false, creator("a"), done_at, p.ttl_seconds);
+    assert_eq!(t.complete(&mut m, &a, r).unwrap(), Completed::Stored);
+    assert!(matches!(
+        t.begin(&mut m, k, Some(fp(1)), done_at + 2_999, &p, owner(3), &creator("c")).unwrap(),
+        Begin::Replay(_)
+    ));
+}
+
+/// Issue 12, item 6: a claim made at headers whose key was claimed again at another position
+/// (its own claim expired during a slow upload) is not forwarded.
+#[test]
+fn a_claim_superseded_at_another_position_is_not_forwarded() {
+    let t = table(16, WhenFull::Reject); // one bucket
+    let mut m = fresh(&t);
+    let p = Policy { ttl_seconds: 2, lock_ttl_seconds: 1, ..policy() };
+    let (y, k) = (skey(40), skey(41));
+    let hy = handle(&t.begin(&mut m, y, Some(fp(9)), NOW, &p, owner(9), &creator("y")).unwrap());
+    let ry = Record::completed(fp(9), response("y"), false, creator("y"), NOW, p.ttl_seconds);
+    assert_eq!(t.complete(&mut m, &hy, ry).unwrap(), Completed::Stored);
+    let a = handle(&t.begin(&mut m, k, None, NOW + 10, &p, owner(1), &creator("a")).unwrap());
+    assert_eq!((hy.position, a.position), (0, 1));
+    let later = NOW + 2_300;
+    let retry = handle(&t.begin(&mut m, k, Some(fp(1)), later, &p, owner(2), &creator("retry")).unwrap());
+    assert_eq!(retry.position, 0, "the retry claims Y's expired position");
+    assert!(!t.mark_forwarded(&mut m, &a, fp(1), later + 100, &p).unwrap(), "A must not be forwarded");
+    // Nor once the retry has completed: its record is the key's live one.
+    let rr = Record::completed(fp(1), response("retry"), false, creator("retry"), later, p.ttl_seconds);
+    assert_eq!(t.complete(&mut m, &retry, rr).unwrap(), Completed::Stored);
+    assert!(!t.mark_forwarded(&mut m, &a, fp(1), later + 200, &p).unwrap());
+}
+
+/// A stale claim at headers whose key nobody claimed since may still be forwarded: the bucket's
+/// CAS makes it the key's only live claim again.
+#[test]
+fn a_stale_claim_nobody_superseded_is_forwarded_and_its_lock_covered() {
+    let t = table(16, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let p = Policy { ttl_seconds: 2, lock_ttl_seconds: 1, ..policy() };
+    let k = skey(42);
+    let a = handle(&t.begin(&mut m, k, None, NOW, &p, owner(1), &creator("a")).unwrap());
+    let late = NOW + 2_500;
+    assert!(t.mark_forwarded(&mut m, &a, fp(1), late, &p).unwrap());
+    let b = t.begin(&mut m, k, Some(fp(1)), late + 999, &p, owner(2), &creator("b")).unwrap();
+    assert!(is_reject(&b, &in_flight()), "{b:?}");
+}
+
 #[test]
 fn release_lets_a_retry_execute() {
     let t = table(1000, WhenFull::Reject);

@@ -69,6 +69,35 @@ fn claim_request_is_one_post_of_an_eval_with_raw_output() {
     assert!(!body[..body.len() - 4].contains('.'), "no unencoded dot before the format suffix");
 }
 
+/// The claim's `PX` covers its lock: the key cannot vanish from Redis while the lock is live.
+#[test]
+fn a_claims_px_covers_its_lock() {
+    let px = |ttl, lock| {
+        let body = String::from_utf8(claim_request(&skey(), &OwnerToken([1; 16]), &record(), ttl, lock).body).unwrap();
+        body.trim_end_matches(".raw").split('/').nth(5).unwrap().to_string()
+    };
+    assert_eq!(px(2_000, 1_000), "2000");
+    assert_eq!(px(1_000, 5_000), "5000");
+    let t = Transition::take_over(OwnerToken([1; 16]), OwnerToken([2; 16]), record(), false, 1_000, 5_000);
+    assert_eq!((t.ttl_ms, t.lock_ms), (5_000, Some(5_000)));
+}
+
+/// Replacing a stored value is always conditional on its lock not being live by Redis's clock:
+/// for a stale lock (take-over) and for a record past its expiry (free) alike; only the phases
+/// accepted differ.
+#[test]
+fn replacing_a_stored_value_always_requires_its_lock_not_live() {
+    let (old, new) = (OwnerToken([1; 16]), OwnerToken([2; 16]));
+    let stale = Transition::take_over(old, new, record(), false, 9_000, 1_000);
+    assert_eq!((stale.expected_phases, stale.require_stale), ("P", true));
+    let free = Transition::take_over(old, new, record(), true, 9_000, 1_000);
+    assert_eq!((free.expected_phases, free.require_stale), ("PDU", true));
+    let path = free.request(&skey()).path;
+    let parts: Vec<&str> = path.trim_end_matches(".raw").split('/').collect();
+    // "" EVAL script 1 key | owner phases stale ...
+    assert_eq!((parts[6], parts[7]), ("PDU", "1"));
+}
+
 #[test]
 fn a_completion_travels_as_a_put_body_and_other_transitions_as_posts() {
     let owner = OwnerToken([2; 16]);

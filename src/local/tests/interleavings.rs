@@ -225,6 +225,68 @@ fn a_completion_racing_a_takeover_never_lets_both_succeed() {
     }
 }
 
+/// Issue 13, item 1: a release frees the position with a CAS of the bucket, then clears the
+/// record slot. A worker that claims the freed position in between (and completes) must keep its
+/// record: the clearing checks the slot's owner.
+#[test]
+fn a_release_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhile() {
+    let t = table(16, WhenFull::Reject); // one bucket: both keys share it
+    let mut base = fresh(&t);
+    let a = handle(&claim(&t, &mut base, skey(20), Some(fp(1)), 1, NOW));
+    for s in all_binary_schedules(12) {
+        let (t1, t2) = (t.clone(), t.clone());
+        let work: Vec<Work<String>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| format!("{:?}", t1.release(sd, &a).unwrap())),
+            Box::new(move |sd: &mut dyn SharedData| {
+                let b = handle(&t2.begin(sd, skey(21), Some(fp(2)), NOW, &policy(), owner(2), &creator("b")).unwrap());
+                let done = complete(&t2, sd, &b, fp(2), response("b"), false, &creator("b"), NOW, &policy()).unwrap();
+                format!("{done:?}")
+            }),
+        ];
+        let (r, model) = run(base.clone(), &s, work);
+        assert_eq!(r, ["true", "Stored"], "schedule {s:?}");
+        let mut m = model;
+        match claim(&t, &mut m, skey(21), Some(fp(2)), 3, NOW + 1) {
+            Begin::Replay(rec) => {
+                assert_eq!(rec.state, crate::record::State::Completed(response("b")), "schedule {s:?}")
+            }
+            other => panic!("schedule {s:?}: the completed record was lost: {other:?}"),
+        }
+    }
+}
+
+/// Issue 13, item 1, the sweep: it frees an expired position with a CAS of the bucket, then clears
+/// the slot; a worker that claimed that position in between keeps its completed record.
+#[test]
+fn a_sweep_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhile() {
+    let t = table(16, WhenFull::Reject);
+    let mut base = fresh(&t);
+    let a = handle(&claim(&t, &mut base, skey(22), Some(fp(1)), 1, NOW));
+    complete(&t, &mut base, &a, fp(1), response("a"), false, &creator("a"), NOW, &policy()).unwrap();
+    let later = NOW + policy().ttl_seconds * 1000;
+    for s in all_binary_schedules(12) {
+        let (t1, t2) = (t.clone(), t.clone());
+        let work: Vec<Work<String>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| format!("{:?}", t1.sweep(sd, 0, 1, later).unwrap())),
+            Box::new(move |sd: &mut dyn SharedData| {
+                let b =
+                    handle(&t2.begin(sd, skey(23), Some(fp(2)), later, &policy(), owner(2), &creator("b")).unwrap());
+                let done = complete(&t2, sd, &b, fp(2), response("b"), false, &creator("b"), later, &policy()).unwrap();
+                format!("{done:?}")
+            }),
+        ];
+        let (r, model) = run(base.clone(), &s, work);
+        assert_eq!(r[1], "Stored", "schedule {s:?}: {r:?}");
+        let mut m = model;
+        match claim(&t, &mut m, skey(23), Some(fp(2)), 3, later + 1) {
+            Begin::Replay(rec) => {
+                assert_eq!(rec.state, crate::record::State::Completed(response("b")), "schedule {s:?}")
+            }
+            other => panic!("schedule {s:?}: the completed record was lost: {other:?}"),
+        }
+    }
+}
+
 /// The model is faithful enough to catch the classic mistake: a claim made by writing a per-key
 /// name "if absent" (CAS on an absent key inserts) lets two workers win.
 #[test]
