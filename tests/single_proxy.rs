@@ -503,3 +503,59 @@ fn an_exchange_re_sent_behind_idemgates_back_is_counted_and_logged() {
     let log = s.envoy.log();
     assert!(log.contains("outcome=upstream_attempts_repeated") && log.contains("attempts=3"), "{log}");
 }
+
+/// Spellings of `/v1/payments` that an upstream (or a framework's router) may serve as the same
+/// resource: a key is protected on every one of them.
+const PAYMENT_SPELLINGS: &[&str] = &[
+    "/v1//payments",
+    "//v1/payments",
+    "/v1/./payments",
+    "/v1/%70ayments",
+    "/v1/payments/../payments",
+    "/v1/%2E/payments",
+    "/x/../v1/payments?cur=eu",
+];
+
+#[test]
+fn a_route_prefix_protects_every_spelling_of_its_path() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/v1/payments"}]}"#);
+    assert_eq!(s.post("/v1/payments", Some("k-path"), "{}", &[]).status, 201);
+    let mut executed_again = vec![];
+    for path in PAYMENT_SPELLINGS {
+        let before = s.up.executions();
+        let r = s.post(path, Some("k-path"), "{}", &[]);
+        if s.up.executions() != before {
+            executed_again.push(format!("{path} (answered {})", r.status));
+        }
+    }
+    assert!(executed_again.is_empty(), "one key executed again through: {executed_again:?}");
+    // Each spelling is protected on its own too: its own key twice executes once.
+    for (n, path) in PAYMENT_SPELLINGS.iter().enumerate() {
+        let key = format!("k-spelling-{n}");
+        let a = s.post(path, Some(&key), "{}", &[]);
+        let b = s.post(path, Some(&key), "{}", &[]);
+        assert_eq!(s.up.executions_with_key(&key), 1, "{path}: {} then {}", a.status, b.status);
+        assert_eq!(b.header("idempotent-replayed"), Some("true"), "{path}");
+    }
+    // Another path stays unprotected: the normal form is used to select, not to protect everything.
+    s.post("/v1/refunds", Some("k-refund"), "{}", &[]);
+    s.post("/v1/refunds", Some("k-refund"), "{}", &[]);
+    assert_eq!(s.up.executions_with_key("k-refund"), 2);
+}
+
+#[test]
+fn a_case_insensitive_route_protects_every_case_of_its_path() {
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]},
+            "routes": [{"prefix": "/v1/payments", "case_insensitive": true}, {"prefix": "/v2/payments"}]}"#,
+    );
+    assert_eq!(s.post("/v1/payments", Some("k-case"), "{}", &[]).status, 201);
+    for path in ["/V1/payments", "/v1/PAYMENTS", "//V1/%50ayments"] {
+        let r = s.post(path, Some("k-case"), "{}", &[]);
+        assert_eq!(s.up.executions_with_key("k-case"), 1, "{path} executed again (answered {})", r.status);
+    }
+    // Case-sensitive by default: `/V2/payments` is another path.
+    s.post("/v2/payments", Some("k-case-2"), "{}", &[]);
+    s.post("/V2/payments", Some("k-case-2"), "{}", &[]);
+    assert_eq!(s.up.executions_with_key("k-case-2"), 2);
+}
