@@ -26,7 +26,10 @@ pub struct Config {
 /// A route: a path prefix and its effective policy (the top-level fields with its overrides).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Route {
+    /// In normal form (`path::normalize`), compared with the request path's normal form.
     pub prefix: String,
+    /// Compare ASCII letters without regard to case (for origins that ignore it).
+    pub case_insensitive: bool,
     pub policy: Policy,
 }
 
@@ -303,18 +306,24 @@ impl Config {
         Ok(Config { default_policy, routes, store, local, max_buffered_bytes })
     }
 
-    /// The policy protecting a request, if any: the first route whose prefix matches the path
-    /// (query excluded) when routes are configured, and only for the policy's methods.
+    /// The policy protecting a request, if any: when routes are configured, the first route whose
+    /// prefix matches the path's normal form (`path::normalize`: no query, merged slashes, no dot
+    /// segments, unreserved characters decoded), or else the path as sent (query excluded), so a
+    /// path that could be read either way is protected; and only for the policy's methods.
     pub fn policy_for(&self, method: &str, path: &str) -> Option<&Policy> {
         self.policy_index_for(method, path).and_then(|i| self.policy_at(i))
     }
 
     /// `policy_for` as an index for `policy_at`, so a request can keep which policy is its own.
     pub fn policy_index_for(&self, method: &str, path: &str) -> Option<usize> {
-        let path = path.split_once('?').map_or(path, |(p, _)| p);
-        let i =
-            if self.routes.is_empty() { 0 } else { self.routes.iter().position(|r| path.starts_with(&r.prefix))? };
+        let i = if self.routes.is_empty() { 0 } else { self.route_index_for(path)? };
         self.policy_at(i)?.methods.iter().any(|m| m == method).then_some(i)
+    }
+
+    fn route_index_for(&self, path: &str) -> Option<usize> {
+        let first =
+            |p: &str| self.routes.iter().position(|r| crate::path::has_prefix(p, &r.prefix, r.case_insensitive));
+        first(&crate::path::normalize(path)).or_else(|| first(path.split(['?', '#']).next().unwrap_or(path)))
     }
 
     /// The policy at an index of `policies()`.
@@ -668,10 +677,25 @@ fn parse_routes(v: &Value, base: &Policy) -> Result<Vec<Route>, ConfigError> {
         if !prefix.starts_with('/') {
             return Err(err(&join(&f, "prefix"), format!("\"{prefix}\" must start with \"/\"")));
         }
+        // Requests are matched on their normal form: a prefix in any other form would never match.
+        let normal = crate::path::normalize(prefix);
+        if normal != prefix {
+            return Err(err(
+                &join(&f, "prefix"),
+                format!(
+                    "\"{prefix}\" is not in normal form (one slash between segments, no . or .. segments, \
+                     no escaped letters, digits or -._~, uppercase escapes, no query); write \"{normal}\""
+                ),
+            ));
+        }
+        let case_insensitive = match m.get("case_insensitive") {
+            None => false,
+            Some(v) => as_bool(v, &join(&f, "case_insensitive"))?,
+        };
         let mut policy = base.clone();
-        apply_policy_fields(m, &f, &mut policy, &["prefix"])?;
+        apply_policy_fields(m, &f, &mut policy, &["prefix", "case_insensitive"])?;
         validate_policy(&policy, &f)?;
-        routes.push(Route { prefix: prefix.to_string(), policy });
+        routes.push(Route { prefix: prefix.to_string(), case_insensitive, policy });
     }
     Ok(routes)
 }
@@ -1057,6 +1081,74 @@ mod tests {
         .unwrap();
         assert_eq!(c.policy_for("POST", "/a/b").unwrap().namespace, "first");
         assert!(c.policy_for("POST", "/x?/a").is_none());
+    }
+
+    #[test]
+    fn routes_match_every_spelling_of_a_path_by_its_normal_form() {
+        let c = parse(
+            r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/v1/payments", "namespace": "pay"},
+                {"prefix": "/v1/Refunds", "case_insensitive": true, "namespace": "refund"}]}"#,
+        )
+        .unwrap();
+        let ns = |path: &str| c.policy_for("POST", path).map(|p| p.namespace.as_str());
+        for path in [
+            "/v1/payments",
+            "/v1//payments",
+            "//v1/payments",
+            "/v1/./payments",
+            "/v1/%70ayments",
+            "/v1/payments/../payments",
+            "/v1/%2e/payments/x?y=1",
+            "/v1/payments#x",
+            "/x/../v1/payments",
+        ] {
+            assert_eq!(ns(path), Some("pay"), "{path}");
+        }
+        // Case-sensitive by default.
+        assert_eq!(ns("/V1/payments"), None);
+        assert_eq!(ns("/v1/%50ayments"), None, "%50 is P");
+        // Case-insensitive on request.
+        for path in ["/v1/refunds", "/V1/REFUNDS/9", "//v1/%72efunds", "/v1/%52efunds"] {
+            assert_eq!(ns(path), Some("refund"), "{path}");
+        }
+        // An encoded slash is not a separator.
+        assert_eq!(ns("/v1%2Fpayments"), None);
+        // A path whose normal form matches nothing is still matched as sent (query cut off): an
+        // upstream that does not resolve `%2e%2e` reads it under /v1/payments.
+        assert_eq!(ns("/v1/payments/%2e%2e/orders"), Some("pay"));
+        assert_eq!(ns("/v1/orders"), None);
+        assert_eq!(ns("*"), None);
+        assert_eq!(ns(""), None);
+        // Without routes, every path is protected, even an odd one.
+        let every = parse(MINIMAL).unwrap();
+        assert!(every.policy_for("POST", "*").is_some() && every.policy_for("POST", "").is_some());
+    }
+
+    #[test]
+    fn route_prefixes_must_be_in_normal_form_and_the_case_option_a_boolean() {
+        for (prefix, write) in [
+            ("/v1//payments", "/v1/payments"),
+            ("/v1/./payments", "/v1/payments"),
+            ("/v1/x/../payments", "/v1/payments"),
+            ("/v1/%70ayments", "/v1/payments"),
+            ("/v1/payments%2f", "/v1/payments%2F"),
+            ("/v1/payments?x=1", "/v1/payments"),
+            ("/v1/payments/.", "/v1/payments/"),
+        ] {
+            let text = format!(
+                r#"{{"scope": {{"headers": ["a"]}}, "routes": [{{"prefix": "/ok"}}, {{"prefix": "{prefix}"}}]}}"#
+            );
+            let e = refused(&text);
+            assert_eq!(e.field, "routes[1].prefix", "{prefix}: {e}");
+            assert!(e.reason.contains(&format!("write \"{write}\"")), "{prefix}: {e}");
+        }
+        let e = refused(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "case_insensitive": "yes"}]}"#);
+        assert_eq!(e.field, "routes[0].case_insensitive", "{e}");
+        let c = parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p"}, {"prefix": "/q", "case_insensitive": true}]}"#)
+            .unwrap();
+        assert!(!c.routes[0].case_insensitive && c.routes[1].case_insensitive);
+        // The top level has no such field: it selects nothing there.
+        assert_eq!(refused(r#"{"scope": {"headers": ["a"]}, "case_insensitive": true}"#).field, "case_insensitive");
     }
 
     #[cfg(not(target_arch = "wasm32"))]

@@ -19,6 +19,7 @@ pub mod hex;
 pub mod key;
 pub mod local;
 pub mod owner;
+pub mod path;
 pub mod problem;
 pub mod record;
 pub mod request;

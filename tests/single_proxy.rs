@@ -526,6 +526,9 @@ fn a_route_prefix_protects_every_spelling_of_its_path() {
         let r = s.post(path, Some("k-path"), "{}", &[]);
         if s.up.executions() != before {
             executed_again.push(format!("{path} (answered {})", r.status));
+        } else {
+            // The fingerprint keeps the path as sent: another spelling is another request.
+            assert_eq!(problem_type(&r), "urn:idemgate:problem:key-reused", "{path}: {}", r.status);
         }
     }
     assert!(executed_again.is_empty(), "one key executed again through: {executed_again:?}");
