@@ -562,3 +562,21 @@ fn a_case_insensitive_route_protects_every_case_of_its_path() {
     s.post("/V2/payments", Some("k-case-2"), "{}", &[]);
     assert_eq!(s.up.executions_with_key("k-case-2"), 2);
 }
+
+#[test]
+fn a_route_name_selects_the_policy_of_the_envoy_route_that_matched() {
+    // Envoy's route `pay` matches /v1/payments in any case; the catch-all has no name.
+    let s = Stack::with(r#"{"scope": {"headers": ["authorization"]}, "routes": [{"route_name": "pay"}]}"#, |o| {
+        o.named_routes = vec![("pay".into(), r#"{prefix: "/v1/payments", case_sensitive: false}"#.into())];
+    });
+    for (key, path) in [("k-name-1", "/v1/payments"), ("k-name-2", "/V1/PAYMENTS/9")] {
+        let a = s.post(path, Some(key), "{}", &[]);
+        let b = s.post(path, Some(key), "{}", &[]);
+        assert_eq!(s.up.executions_with_key(key), 1, "{path}: {} then {}", a.status, b.status);
+        assert_eq!(b.header("idempotent-replayed"), Some("true"), "{path}");
+    }
+    // A request on another Envoy route is not protected by it.
+    s.post("/v1/orders", Some("k-name-3"), "{}", &[]);
+    s.post("/v1/orders", Some("k-name-3"), "{}", &[]);
+    assert_eq!(s.up.executions_with_key("k-name-3"), 2);
+}

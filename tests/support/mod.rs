@@ -116,6 +116,9 @@ pub struct EnvoyOptions {
     /// HTTP/1.1 request trailers reach the filters (`http_protocol_options.enable_trailers`);
     /// Envoy drops them by default.
     pub http1_trailers: bool,
+    /// Named Envoy routes to the upstream, tried before the unnamed catch-all: (name, the YAML
+    /// of its `match`, e.g. `{prefix: "/pay", case_sensitive: false}`).
+    pub named_routes: Vec<(String, String)>,
 }
 
 impl EnvoyOptions {
@@ -140,6 +143,7 @@ impl EnvoyOptions {
             extra_http_filters: vec![],
             extra_clusters: vec![],
             http1_trailers: false,
+            named_routes: vec![],
         }
     }
 }
@@ -227,7 +231,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
             - name: all
               domains: ["*"]
               routes:
-              - match: {{prefix: "/"}}
+{named}              - match: {{prefix: "/"}}
                 route: {{cluster: upstream, timeout: {timeout}s{retry}}}
           http_filters:
           - name: envoy.filters.http.wasm
@@ -259,6 +263,16 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
         } else {
             ""
         },
+        named = o
+            .named_routes
+            .iter()
+            .map(|(name, m)| {
+                format!(
+                    "              - name: {name}\n                match: {m}\n                route: {{cluster: upstream, timeout: {}s}}\n",
+                    o.route_timeout_ms as f64 / 1000.0
+                )
+            })
+            .collect::<String>(),
         failure_policy = o.failure_policy,
         wasm = wasm.display(),
         extra = indent(&o.extra_http_filters, 10),
