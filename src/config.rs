@@ -23,14 +23,30 @@ pub struct Config {
     pub max_buffered_bytes: u64,
 }
 
-/// A route: a path prefix and its effective policy (the top-level fields with its overrides).
+/// A route: what selects it and its effective policy (the top-level fields with its overrides).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Route {
-    /// In normal form (`path::normalize`), compared with the request path's normal form.
-    pub prefix: String,
-    /// Compare ASCII letters without regard to case (for origins that ignore it).
-    pub case_insensitive: bool,
+    pub select: RouteMatch,
     pub policy: Policy,
+}
+
+/// What selects a route.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RouteMatch {
+    /// A path prefix in normal form (`path::normalize`), compared with the request path's normal
+    /// form; ASCII letters without regard to case when `case_insensitive`.
+    Prefix { prefix: String, case_insensitive: bool },
+    /// The `name` of the Envoy route that matched the request (exact).
+    RouteName(String),
+}
+
+impl RouteMatch {
+    fn matches(&self, path: &str, route_name: Option<&str>) -> bool {
+        match self {
+            RouteMatch::Prefix { prefix, case_insensitive } => crate::path::has_prefix(path, prefix, *case_insensitive),
+            RouteMatch::RouteName(name) => route_name == Some(name.as_str()),
+        }
+    }
 }
 
 /// Everything that decides how one protected request is handled.
@@ -310,19 +326,30 @@ impl Config {
     /// prefix matches the path's normal form (`path::normalize`: no query, merged slashes, no dot
     /// segments, unreserved characters decoded), or else the path as sent (query excluded), so a
     /// path that could be read either way is protected; and only for the policy's methods.
+    /// Routes selected by an Envoy route name need `policy_index_for_route`.
     pub fn policy_for(&self, method: &str, path: &str) -> Option<&Policy> {
         self.policy_index_for(method, path).and_then(|i| self.policy_at(i))
     }
 
     /// `policy_for` as an index for `policy_at`, so a request can keep which policy is its own.
     pub fn policy_index_for(&self, method: &str, path: &str) -> Option<usize> {
-        let i = if self.routes.is_empty() { 0 } else { self.route_index_for(path)? };
+        self.policy_index_for_route(method, path, None)
+    }
+
+    /// `policy_index_for` knowing the name of the Envoy route that matched the request (if it
+    /// has one): the first route, in order, whose prefix or route name matches.
+    pub fn policy_index_for_route(&self, method: &str, path: &str, route_name: Option<&str>) -> Option<usize> {
+        let i = if self.routes.is_empty() { 0 } else { self.route_index_for(path, route_name)? };
         self.policy_at(i)?.methods.iter().any(|m| m == method).then_some(i)
     }
 
-    fn route_index_for(&self, path: &str) -> Option<usize> {
-        let first =
-            |p: &str| self.routes.iter().position(|r| crate::path::has_prefix(p, &r.prefix, r.case_insensitive));
+    /// Whether a route is selected by an Envoy route name (so the filter reads it).
+    pub fn uses_route_names(&self) -> bool {
+        self.routes.iter().any(|r| matches!(r.select, RouteMatch::RouteName(_)))
+    }
+
+    fn route_index_for(&self, path: &str, route_name: Option<&str>) -> Option<usize> {
+        let first = |p: &str| self.routes.iter().position(|r| r.select.matches(p, route_name));
         first(&crate::path::normalize(path)).or_else(|| first(path.split(['?', '#']).next().unwrap_or(path)))
     }
 
@@ -668,36 +695,58 @@ fn parse_routes(v: &Value, base: &Policy) -> Result<Vec<Route>, ConfigError> {
                 return Err(err(&join(&f, top), "can only be set at the top level, not in a route"));
             }
         }
-        let prefix = match m.get("prefix") {
-            Some(p) => as_str(p, &join(&f, "prefix"))?,
-            None => {
-                return Err(err(&join(&f, "prefix"), "missing: every route needs a path prefix such as \"/payments\""))
-            }
-        };
-        if !prefix.starts_with('/') {
-            return Err(err(&join(&f, "prefix"), format!("\"{prefix}\" must start with \"/\"")));
-        }
-        // Requests are matched on their normal form: a prefix in any other form would never match.
-        let normal = crate::path::normalize(prefix);
-        if normal != prefix {
-            return Err(err(
-                &join(&f, "prefix"),
-                format!(
-                    "\"{prefix}\" is not in normal form (one slash between segments, no . or .. segments, \
-                     no escaped letters, digits or -._~, uppercase escapes, no query); write \"{normal}\""
-                ),
-            ));
-        }
-        let case_insensitive = match m.get("case_insensitive") {
-            None => false,
-            Some(v) => as_bool(v, &join(&f, "case_insensitive"))?,
-        };
+        let select = parse_route_match(m, &f)?;
         let mut policy = base.clone();
-        apply_policy_fields(m, &f, &mut policy, &["prefix", "case_insensitive"])?;
+        apply_policy_fields(m, &f, &mut policy, ROUTE_MATCH_FIELDS)?;
         validate_policy(&policy, &f)?;
-        routes.push(Route { prefix: prefix.to_string(), case_insensitive, policy });
+        routes.push(Route { select, policy });
     }
     Ok(routes)
+}
+
+const ROUTE_MATCH_FIELDS: &[&str] = &["prefix", "case_insensitive", "route_name"];
+
+/// A route's selector: `prefix` (with `case_insensitive`) or `route_name`, exactly one.
+fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, ConfigError> {
+    let prefix = m.get("prefix").map(|p| as_str(p, &join(f, "prefix"))).transpose()?;
+    let route_name = m.get("route_name").map(|n| as_str(n, &join(f, "route_name"))).transpose()?;
+    let case_insensitive = m.get("case_insensitive").map(|v| as_bool(v, &join(f, "case_insensitive"))).transpose()?;
+    let prefix = match (prefix, route_name) {
+        (Some(_), Some(_)) => {
+            return Err(err(&join(f, "route_name"), "cannot be combined with prefix; a route has one or the other"))
+        }
+        (None, Some(name)) => {
+            if name.is_empty() {
+                return Err(err(&join(f, "route_name"), "must not be empty: name the Envoy route (its `name`)"));
+            }
+            if case_insensitive.is_some() {
+                return Err(err(&join(f, "case_insensitive"), "applies to prefix only; a route name matches exactly"));
+            }
+            return Ok(RouteMatch::RouteName(name.to_string()));
+        }
+        (Some(prefix), None) => prefix,
+        (None, None) => {
+            return Err(err(
+                &join(f, "prefix"),
+                "missing: every route needs a path prefix such as \"/payments\" or a route_name",
+            ))
+        }
+    };
+    if !prefix.starts_with('/') {
+        return Err(err(&join(f, "prefix"), format!("\"{prefix}\" must start with \"/\"")));
+    }
+    // Requests are matched on their normal form: a prefix in any other form would never match.
+    let normal = crate::path::normalize(prefix);
+    if normal != prefix {
+        return Err(err(
+            &join(f, "prefix"),
+            format!(
+                "\"{prefix}\" is not in normal form (one slash between segments, no . or .. segments, \
+                 no escaped letters, digits or -._~, uppercase escapes, no query); write \"{normal}\""
+            ),
+        ));
+    }
+    Ok(RouteMatch::Prefix { prefix: prefix.to_string(), case_insensitive: case_insensitive.unwrap_or(false) })
 }
 
 fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
@@ -1146,9 +1195,57 @@ mod tests {
         assert_eq!(e.field, "routes[0].case_insensitive", "{e}");
         let c = parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p"}, {"prefix": "/q", "case_insensitive": true}]}"#)
             .unwrap();
-        assert!(!c.routes[0].case_insensitive && c.routes[1].case_insensitive);
+        let ci = |r: &Route| matches!(r.select, RouteMatch::Prefix { case_insensitive: true, .. });
+        assert!(!ci(&c.routes[0]) && ci(&c.routes[1]));
         // The top level has no such field: it selects nothing there.
         assert_eq!(refused(r#"{"scope": {"headers": ["a"]}, "case_insensitive": true}"#).field, "case_insensitive");
+    }
+
+    #[test]
+    fn a_route_name_selects_by_the_envoy_route_that_matched_in_order_with_prefixes() {
+        let c = parse(
+            r#"{"scope": {"headers": ["a"]}, "routes": [{"route_name": "pay", "namespace": "by-name"},
+                {"prefix": "/v1/payments", "namespace": "by-prefix"}, {"route_name": "orders", "methods": ["PUT"]}]}"#,
+        )
+        .unwrap();
+        assert!(c.uses_route_names());
+        let ns = |path: &str, name: Option<&str>| {
+            c.policy_index_for_route("POST", path, name).and_then(|i| c.policy_at(i)).map(|p| p.namespace.as_str())
+        };
+        // Whatever the path, the Envoy route decides.
+        assert_eq!(ns("/anything", Some("pay")), Some("by-name"));
+        assert_eq!(ns("/v1/payments", Some("pay")), Some("by-name"), "first match wins");
+        assert_eq!(ns("/v1/payments", Some("other")), Some("by-prefix"));
+        assert_eq!(ns("/v1//payments", None), Some("by-prefix"));
+        assert_eq!(ns("/anything", Some("Pay")), None, "exact, case included");
+        assert_eq!(ns("/anything", Some("")), None);
+        assert_eq!(ns("/anything", None), None);
+        // The route's own methods still apply.
+        assert_eq!(c.policy_index_for_route("POST", "/x", Some("orders")), None);
+        assert_eq!(c.policy_index_for_route("PUT", "/x", Some("orders")), Some(2));
+        // Without a route name, policy_for sees only prefixes.
+        assert_eq!(c.policy_for("POST", "/anything").map(|p| p.namespace.as_str()), None);
+        assert!(!parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p"}]}"#).unwrap().uses_route_names());
+        assert!(!parse(MINIMAL).unwrap().uses_route_names());
+    }
+
+    #[test]
+    fn a_route_has_a_prefix_or_a_route_name_and_errors_name_the_field() {
+        let table: &[(&str, &str)] = &[
+            (r#"{"prefix": "/p", "route_name": "pay"}"#, "routes[0].route_name"),
+            (r#"{"route_name": ""}"#, "routes[0].route_name"),
+            (r#"{"route_name": 7}"#, "routes[0].route_name"),
+            (r#"{"route_name": "pay", "case_insensitive": true}"#, "routes[0].case_insensitive"),
+            (r#"{"namespace": "x"}"#, "routes[0].prefix"),
+        ];
+        for (route, field) in table {
+            let e = refused(&format!(r#"{{"scope": {{"headers": ["a"]}}, "routes": [{route}]}}"#));
+            assert_eq!(e.field, *field, "{route}: {e}");
+        }
+        assert!(refused(r#"{"scope": {"headers": ["a"]}, "routes": [{}]}"#).reason.contains("route_name"));
+        assert_eq!(refused(r#"{"scope": {"headers": ["a"]}, "route_name": "pay"}"#).field, "route_name");
+        let c = parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"route_name": "pay"}]}"#).unwrap();
+        assert_eq!(c.routes[0].select, RouteMatch::RouteName("pay".into()));
     }
 
     #[cfg(not(target_arch = "wasm32"))]

@@ -665,7 +665,16 @@ impl HttpContext for Http {
             return Action::Continue;
         }
         let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
-        let Some(policy_index) = self.shared.config.policy_index_for(&method, &path) else { return Action::Continue };
+        // The name of the Envoy route that matched, read only when a route is selected by it.
+        let route_name = if self.shared.config.uses_route_names() {
+            host::property(&["xds", "route_name"]).map(|n| String::from_utf8_lossy(&n).into_owned())
+        } else {
+            None
+        };
+        let Some(policy_index) = self.shared.config.policy_index_for_route(&method, &path, route_name.as_deref())
+        else {
+            return Action::Continue;
+        };
         let Some(policy) = self.shared.config.policy_at(policy_index) else { return Action::Continue };
         // No key and nothing to derive one from: decided on a single header read, without copying
         // the header map or hashing the caller.
