@@ -741,7 +741,7 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
         return Err(err(
             &join(f, "prefix"),
             format!(
-                "\"{prefix}\" is not in normal form (one slash between segments, no . or .. segments, \
+                "\"{prefix}\" is not in normal form (one slash between segments, no backslash, no . or .. segments, \
                  no escaped letters, digits or -._~, uppercase escapes, no query); write \"{normal}\""
             ),
         ));
@@ -1150,6 +1150,7 @@ mod tests {
             "/v1/%2e/payments/x?y=1",
             "/v1/payments#x",
             "/x/../v1/payments",
+            "/v1\\payments",
         ] {
             assert_eq!(ns(path), Some("pay"), "{path}");
         }

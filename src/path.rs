@@ -11,7 +11,8 @@
 //!    every other escape stays encoded, its hex digits uppercased (`%2f` -> `%2F`, never `/`:
 //!    `/a%2Fb` is one segment to most servers);
 //! 3. an empty path is `/`, a path not starting with `/` is read as if it did (except `*`);
-//! 4. runs of `/` are merged into one;
+//! 4. a backslash is a slash, as WHATWG URL parsers (browsers, Node's `URL`) read it; runs of
+//!    `/` are merged into one;
 //! 5. dot segments are removed as RFC 3986 5.2.4 does (`/a/./b` -> `/a/b`, `/a/b/../c` ->
 //!    `/a/c`, `..` above the root stays at the root).
 //!
@@ -30,7 +31,7 @@ pub fn normalize(path: &str) -> Cow<'_, str> {
     if is_normal(path) {
         return Cow::Borrowed(path);
     }
-    let decoded = decode_unreserved(path);
+    let decoded = decode_unreserved(path).replace('\\', "/");
     Cow::Owned(remove_dot_segments(&decoded))
 }
 
@@ -47,7 +48,7 @@ pub fn has_prefix(path: &str, prefix: &str, case_insensitive: bool) -> bool {
 /// A cheap check that covers every path a well-behaved client sends: rooted, no escapes, no
 /// empty segment, no segment starting with a dot (a superset of the dot segments).
 fn is_normal(path: &str) -> bool {
-    path.starts_with('/') && !path.contains('%') && !path.contains("//") && !path.contains("/.")
+    path.starts_with('/') && !path.contains(['%', '\\']) && !path.contains("//") && !path.contains("/.")
 }
 
 fn hex_value(b: u8) -> Option<u8> {
@@ -208,6 +209,14 @@ mod tests {
     }
 
     #[test]
+    fn a_backslash_is_a_slash_but_not_when_encoded() {
+        assert_eq!(n("/v1\\payments"), "/v1/payments");
+        assert_eq!(n("\\v1\\\\payments\\..\\refunds"), "/v1/refunds");
+        assert_eq!(n("/v1%5Cpayments"), "/v1%5Cpayments");
+        assert_eq!(n("/v1%5cpayments"), "/v1%5Cpayments");
+    }
+
+    #[test]
     fn the_query_and_the_fragment_are_cut_off() {
         assert_eq!(n("/v1/payments?x=1"), "/v1/payments");
         assert_eq!(n("/v1//payments?/../x"), "/v1/payments");
@@ -267,7 +276,7 @@ mod tests {
         fn path_piece() -> impl Strategy<Value = String> {
             proptest::sample::select(vec![
                 "/", "//", ".", "..", "/./", "/../", "a", "B", "%2E", "%2e", "%2F", "%70", "%", "%4", "%zz", "?", "#",
-                "*", "\u{e9}", "~",
+                "*", "\u{e9}", "~", "\\", "%5C",
             ])
             .prop_map(str::to_string)
         }

@@ -514,6 +514,8 @@ const PAYMENT_SPELLINGS: &[&str] = &[
     "/v1/payments/../payments",
     "/v1/%2E/payments",
     "/x/../v1/payments?cur=eu",
+    // A WHATWG URL parser (browsers, Node's URL) reads a backslash as a slash.
+    "/v1\\payments",
 ];
 
 #[test]
