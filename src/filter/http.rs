@@ -102,6 +102,22 @@ fn crash_point(req: Option<&Protected>, point: &str) {
 #[cfg(not(feature = "crash-injection"))]
 fn crash_point(_req: Option<&Protected>, _point: &str) {}
 
+/// Fault tests only (feature `crash-injection`, never in the shipped module): breaks one of the
+/// filter's own invariants at `point` when the protected request carries
+/// `x-idemgate-test-fault: <point>`, so a test can show the branch that meets it fails closed.
+#[cfg(feature = "crash-injection")]
+fn fault_point(req: Option<&Protected>, point: &str) -> bool {
+    req.is_some_and(|r| r.head.values("x-idemgate-test-fault").first().is_some_and(|v| *v == point.as_bytes()))
+}
+
+#[cfg(not(feature = "crash-injection"))]
+fn fault_point(_req: Option<&Protected>, _point: &str) -> bool {
+    false
+}
+
+/// A policy index that selects no policy (what `fault_point` breaks).
+const NO_POLICY: usize = usize::MAX;
+
 /// Applies `RequestHead::forbid_router_retries` to the request Envoy forwards: false if the host
 /// refused a change (the request must then not be forwarded).
 fn forbid_router_retries(head: &mut RequestHead) -> bool {
@@ -752,6 +768,11 @@ impl HttpContext for Http {
             return Action::Pause;
         }
         if end_of_stream {
+            if fault_point(self.req.as_ref(), "policy-lost-at-headers") {
+                if let Some(r) = self.req.as_mut() {
+                    r.policy_index = NO_POLICY;
+                }
+            }
             // No body: the fingerprint is known now.
             let fp = {
                 let (Some(r), Some(p)) = (self.req.as_ref(), self.policy()) else { return Action::Continue };
@@ -773,6 +794,11 @@ impl HttpContext for Http {
             _ => return Action::Continue,
         }
         self.body_size = body_size;
+        if fault_point(self.req.as_ref(), "policy-lost-at-body") {
+            if let Some(r) = self.req.as_mut() {
+                r.policy_index = NO_POLICY;
+            }
+        }
         let Some(policy) = self.policy() else { return Action::Continue };
         if let Err(p) = check_body_size(body_size as u64, policy) {
             self.release_budget();
