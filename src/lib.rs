@@ -14,6 +14,7 @@ pub mod canonical_json;
 pub mod config;
 pub mod decision;
 pub mod derive;
+pub mod failsafe;
 pub mod fingerprint;
 pub mod hex;
 pub mod key;

@@ -41,6 +41,9 @@ pub enum ProblemKind {
     /// Detached forwarding: the upstream gave no answer within `upstream.timeout_ms` (or the
     /// connection failed); the request may have executed.
     UpstreamNoAnswer,
+    /// The gateway met one of its own invariants broken (`failsafe`): the request was refused,
+    /// not forwarded.
+    InternalState { retry_after_seconds: u64 },
 }
 
 /// A ready-to-send problem response.
@@ -76,6 +79,7 @@ impl ProblemKind {
             ProblemKind::BufferBudgetExceeded { .. } => "buffer-budget-exceeded",
             ProblemKind::ResponseNotStored { .. } => "response-not-stored",
             ProblemKind::UpstreamNoAnswer => "upstream-no-answer",
+            ProblemKind::InternalState { .. } => "internal-state",
         }
     }
 
@@ -88,7 +92,8 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable { .. }
             | ProblemKind::RecordUnreadable { .. }
             | ProblemKind::CapacityExhausted { .. }
-            | ProblemKind::BufferBudgetExceeded { .. } => 503,
+            | ProblemKind::BufferBudgetExceeded { .. }
+            | ProblemKind::InternalState { .. } => 503,
             ProblemKind::ResponseNotStored { status, .. } => *status,
             ProblemKind::UpstreamNoAnswer => 504,
         }
@@ -109,6 +114,7 @@ impl ProblemKind {
             ProblemKind::BufferBudgetExceeded { .. } => "Too many requests being buffered",
             ProblemKind::ResponseNotStored { .. } => "Original response was too large to replay",
             ProblemKind::UpstreamNoAnswer => "The upstream did not answer",
+            ProblemKind::InternalState { .. } => "Request not protected",
         }
     }
 
@@ -148,6 +154,9 @@ impl ProblemKind {
                 "Too many request bodies are being buffered at once; the request was not forwarded. Retry after {retry_after_seconds} s with the same key."
             ),
             ProblemKind::UpstreamNoAnswer => "The upstream did not answer in time (or could not be reached), so the request may or may not have taken effect. Do not retry with this key: check the resource, then use a new key if the operation must be done.".into(),
+            ProblemKind::InternalState { retry_after_seconds } => format!(
+                "The gateway could not protect this request and did not forward it. Retry after {retry_after_seconds} s with the same key."
+            ),
             ProblemKind::ResponseNotStored { status, .. } => format!(
                 "The original request completed with status {status}, but its response body was too large to keep. The operation is done: do not repeat it; fetch the resource instead."
             ),
@@ -160,7 +169,8 @@ impl ProblemKind {
             | ProblemKind::StoreUnavailable { retry_after_seconds }
             | ProblemKind::RecordUnreadable { retry_after_seconds }
             | ProblemKind::CapacityExhausted { retry_after_seconds }
-            | ProblemKind::BufferBudgetExceeded { retry_after_seconds } => Some(*retry_after_seconds),
+            | ProblemKind::BufferBudgetExceeded { retry_after_seconds }
+            | ProblemKind::InternalState { retry_after_seconds } => Some(*retry_after_seconds),
             _ => None,
         }
     }
@@ -234,6 +244,7 @@ mod tests {
             ProblemKind::BufferBudgetExceeded { retry_after_seconds: 1 },
             ProblemKind::ResponseNotStored { status: 201, location: Some("/c/1".into()) },
             ProblemKind::UpstreamNoAnswer,
+            ProblemKind::InternalState { retry_after_seconds: 1 },
         ];
         for error in [
             KeyError::Repeated,

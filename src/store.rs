@@ -327,6 +327,11 @@ impl Transition {
         }
     }
 
+    /// Release by the owner of a claim whose answer was lost (it may still land later).
+    pub fn release_lost(owner: OwnerToken, _claim_life_ms: u64) -> Transition {
+        Transition::release(owner)
+    }
+
     /// The owner's request may have executed without a response.
     pub fn unknown(owner: OwnerToken, ttl_ms: u64) -> Transition {
         Transition {

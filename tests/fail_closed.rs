@@ -65,12 +65,7 @@ fn fail_closed_the_shipped_module_has_no_fault_trigger() {
 /// Asserts the refusal: 503 `internal-state` with `retry-after`, nothing executed, counted and logged.
 fn assert_refused(e: &Envoy, up: &Upstream, r: &Response, branch: &str) {
     assert_eq!(up.executions(), 0, "executions {} != 0: a broken invariant forwarded the request", up.executions());
-    assert_eq!(
-        (r.status, problem_type(r).as_str()),
-        (503, "urn:idemgate:problem:internal-state"),
-        "{}",
-        r.body_text()
-    );
+    assert_eq!((r.status, problem_type(r).as_str()), (503, "urn:idemgate:problem:internal-state"), "{}", r.body_text());
     assert_eq!(r.header("retry-after"), Some("1"));
     assert_eq!(e.stat("idemgate.internal_errors"), 1);
     assert!(e.log().contains(&format!("branch={branch}")), "no log line names the branch {branch}");

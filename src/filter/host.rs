@@ -116,10 +116,11 @@ pub enum Counter {
     WaitAnswered,
     DerivedKeys,
     UpstreamAttemptsRepeated,
+    InternalErrors,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 35] = [
+    pub const ALL: [Counter; 36] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -155,6 +156,7 @@ impl Counter {
         Counter::WaitAnswered,
         Counter::DerivedKeys,
         Counter::UpstreamAttemptsRepeated,
+        Counter::InternalErrors,
     ];
 
     pub fn name(self) -> &'static str {
@@ -194,6 +196,7 @@ impl Counter {
             Counter::WaitAnswered => "idemgate.wait_answered",
             Counter::DerivedKeys => "idemgate.derived_keys",
             Counter::UpstreamAttemptsRepeated => "idemgate.upstream_attempts_repeated",
+            Counter::InternalErrors => "idemgate.internal_errors",
         }
     }
 }

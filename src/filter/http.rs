@@ -13,7 +13,7 @@
 
 use std::rc::Rc;
 
-use log::{debug, info, warn};
+use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -26,6 +26,7 @@ use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
 use crate::decision::{admit, check_body_size, classify, decide, Admission, Decision, ExchangeFacts, Lookup};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::derive;
+use crate::failsafe::{self, Broken, Holding};
 use crate::fingerprint::Fingerprint;
 use crate::local::{Begin, Handle, LocalError};
 use crate::owner::{OwnerToken, TokenSources};
@@ -191,6 +192,7 @@ impl Http {
             ProblemKind::RecordUnreadable { .. } => Counter::RecordUnreadable,
             ProblemKind::ResponseNotStored { .. } => Counter::Replayed,
             ProblemKind::UpstreamNoAnswer => Counter::UnknownOutcome,
+            ProblemKind::InternalState { .. } => Counter::InternalErrors,
         };
         self.count(counter);
         let by = creator.map_or(String::new(), |c| {
@@ -212,6 +214,36 @@ impl Http {
 
     fn in_flight(&mut self) -> Action {
         self.answer(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS }, None)
+    }
+
+    /// A "cannot happen" branch: refuse by the one rule (`failsafe::refuse`), never forward.
+    /// `branch` names the branch in the log line; `handle` is the local claim held, if any.
+    fn fail_closed(&mut self, broken: Broken, branch: &str, handle: Option<Handle>, holding: Holding) -> Action {
+        let refusal = failsafe::refuse(broken, holding);
+        if refusal.release_local {
+            self.release_local(handle);
+        }
+        if refusal.release_store {
+            self.release_lost_claim();
+        }
+        error!("{}", self.log_line("internal_state", &format!("branch={branch} broken={}", broken.as_str())));
+        self.answer(refusal.problem, None)
+    }
+
+    /// What the current phase holds, for `fail_closed`.
+    fn holding(&self) -> (Option<Handle>, Holding) {
+        match &self.phase {
+            Phase::Waiting { handle: Some(h) } => (Some(*h), Holding::LocalClaim),
+            Phase::Calling { handle, .. } => (*handle, Holding::StoreClaimSent),
+            Phase::Forwarded { .. } | Phase::Detached | Phase::Held => (None, Holding::Forwarded),
+            _ => (None, Holding::Nothing),
+        }
+    }
+
+    /// `fail_closed` with what the current phase holds.
+    fn fail_closed_here(&mut self, broken: Broken, branch: &str) -> Action {
+        let (handle, holding) = self.holding();
+        self.fail_closed(broken, branch, handle, holding)
     }
 
     fn replay(&mut self, record: Record) -> Action {
@@ -249,7 +281,9 @@ impl Http {
                 Action::Pause
             }
             (Some(InFlight::Wait { wait_ms }), Some(fp)) => {
-                let Some(r) = self.req.as_ref() else { return Action::Continue };
+                let Some(r) = self.req.as_ref() else {
+                    return self.fail_closed(Broken::RequestMissing, "wait", None, Holding::Nothing);
+                };
                 let now = host::now_ms();
                 self.shared.push_waiter(Waiter {
                     context_id: self.context_id,
@@ -323,13 +357,17 @@ impl Http {
     /// The fingerprint is known and the local tier holds our claim (or has no room): claim in the
     /// store if there is one, then forward.
     fn proceed(&mut self, handle: Option<Handle>, fp: Fingerprint) -> Action {
-        let (Some(_), Some(r), Some(policy)) = (self.shared.config.store.as_ref(), self.req.as_ref(), self.policy())
-        else {
+        let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
+        let (Some(r), Some(policy)) = (self.req.as_ref(), self.policy()) else {
+            return self.fail_closed(Broken::PolicyMissing, "proceed", handle, holding);
+        };
+        if self.shared.config.store.is_none() {
             return match handle {
                 Some(h) => self.forward(Some(h), fp, false),
-                None => self.local_error(LocalError::Missing),
+                // Without a store, the local tier always holds the claim it forwards under.
+                None => self.fail_closed(Broken::ImpossibleDecision, "proceed_without_claim", None, Holding::Nothing),
             };
-        };
+        }
         let (ttl, lock) = (policy.ttl_seconds, policy.lock_ttl_seconds);
         let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), ttl, lock);
         let req = store::claim_request(&r.skey, &r.owner, &record, ttl.saturating_mul(1000), lock.saturating_mul(1000));
@@ -337,7 +375,10 @@ impl Http {
     }
 
     fn call(&mut self, req: store::StoreRequest, handle: Option<Handle>, fp: Fingerprint, takeover: bool) -> Action {
-        let Some(cfg) = self.shared.config.store.as_ref() else { return self.local_error(LocalError::Missing) };
+        let Some(cfg) = self.shared.config.store.as_ref() else {
+            let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
+            return self.fail_closed(Broken::StoreMissing, "store_call", handle, holding);
+        };
         self.count(Counter::StoreCalls);
         // The only store calls a client waits for (the rest are made by the root context).
         self.count(Counter::StoreCallsWaited);
@@ -355,9 +396,7 @@ impl Http {
     /// which retries with backoff: otherwise a claim nothing executed under would answer retries
     /// with in-flight, then outcome-unknown. Then answer as for any store failure.
     fn store_answer_lost(&mut self, handle: Option<Handle>, e: &StoreError) -> Action {
-        if let Some(owner) = self.req.as_ref().map(|r| r.owner) {
-            self.enqueue("release", Transition::release(owner), None);
-        }
+        self.release_lost_claim();
         self.store_failed(handle, e)
     }
 
@@ -366,7 +405,7 @@ impl Http {
         self.count(Counter::StoreErrors);
         self.release_local(handle);
         let (Some(policy), Some(cfg)) = (self.policy(), self.shared.config.store.as_ref()) else {
-            return Action::Continue;
+            return self.fail_closed(Broken::PolicyMissing, "store_failed", None, Holding::Nothing);
         };
         match decide(Lookup::StoreError, None, 0, policy, cfg.on_unavailable) {
             Decision::PassUnprotected => {
@@ -379,23 +418,26 @@ impl Http {
                 warn!("{}", self.log_line("store_unavailable", &format!("error={e}")));
                 self.answer(p, None)
             }
-            _ => self
-                .answer(ProblemKind::StoreUnavailable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS }, None),
+            _ => self.fail_closed(Broken::ImpossibleDecision, "store_failed_decision", None, Holding::Nothing),
         }
     }
 
     fn forward(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) -> Action {
-        let detached = match self.policy().map(|p| &p.forwarding) {
-            Some(Forwarding::Detached { cluster, timeout_ms }) => Some((cluster.clone(), *timeout_ms)),
-            _ => None,
+        let holding = match (in_store, handle.is_some()) {
+            (true, _) => Holding::StoreClaimSent,
+            (false, true) => Holding::LocalClaim,
+            (false, false) => Holding::Nothing,
         };
-        let (Some((cluster, timeout_ms)), Some(claim), Some(r)) =
-            (detached, self.claim(handle, fp, in_store), self.req.as_ref())
+        let (Some(policy), Some(claim), Some(r)) = (self.policy(), self.claim(handle, fp, in_store), self.req.as_ref())
         else {
+            return self.fail_closed(Broken::PolicyMissing, "forward", handle, holding);
+        };
+        let Forwarding::Detached { cluster, timeout_ms } = &policy.forwarding else {
             debug!("{}", self.log_line("forwarded", ""));
             self.phase = Phase::Forwarded { handle, fp, in_store };
             return Action::Continue;
         };
+        let (cluster, timeout_ms) = (cluster.clone(), *timeout_ms);
         // The root sends it: its callout outlives this request if the client leaves.
         let headers = r
             .head
@@ -463,7 +505,9 @@ impl Http {
             Ok(ClaimReply::Unreadable { now_ms, why }) => {
                 self.release_local(handle);
                 warn!("{}", self.log_line("record_unreadable", &format!("error={why}")));
-                let Some(policy) = self.policy() else { return Action::Continue };
+                let Some(policy) = self.policy() else {
+                    return self.fail_closed(Broken::PolicyMissing, "store_answer_unreadable", None, Holding::Nothing);
+                };
                 return match decide(Lookup::Unreadable, Some(&fp), now_ms, policy, on_unavailable) {
                     Decision::Reject(p) => self.answer(p, None),
                     _ => self.answer(
@@ -474,7 +518,10 @@ impl Http {
             }
             Err(e) => return self.store_answer_lost(handle, &e),
         };
-        let Some(policy) = self.policy().cloned() else { return Action::Continue };
+        let Some(policy) = self.policy().cloned() else {
+            let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
+            return self.fail_closed(Broken::PolicyMissing, "store_answer", handle, holding);
+        };
         match decide(Lookup::Found(value.summary()), Some(&fp), now, &policy, on_unavailable) {
             Decision::Replay => {
                 self.count(Counter::StoreReplays);
@@ -503,8 +550,10 @@ impl Http {
             // owner-checked, in one more round trip; the script re-checks the lock.
             Decision::TakeOver => self.take_over(handle, fp, &value, &policy, false),
             Decision::Claim => self.take_over(handle, fp, &value, &policy, true),
+            // Neither can follow from a value read with a fingerprint: never forward on it.
             Decision::PassUnprotected | Decision::NeedFingerprint => {
-                self.store_failed(handle, &StoreError::Garbled("no decision".into()))
+                let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
+                self.fail_closed(Broken::ImpossibleDecision, "store_answer_decision", handle, holding)
             }
         }
     }
@@ -517,7 +566,10 @@ impl Http {
         policy: &Policy,
         free: bool,
     ) -> Action {
-        let Some(r) = self.req.as_ref() else { return Action::Continue };
+        let Some(r) = self.req.as_ref() else {
+            let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
+            return self.fail_closed(Broken::RequestMissing, "take_over", handle, holding);
+        };
         let now = host::now_ms();
         let (ttl, lock) = (policy.ttl_seconds, policy.lock_ttl_seconds);
         let record = Record::in_progress(fp, r.creator.clone(), r.owner, now, ttl, lock);
@@ -536,15 +588,36 @@ impl Http {
         self.shared.push_job(job);
     }
 
+    /// A claim-or-read or take-over was sent and its answer is lost (or the client left while it
+    /// ran): it may land in the store later, even after this release (Envoy's host answers every
+    /// callout on the root, so the request may still be in flight). The release is owner-checked
+    /// and leaves a tombstone if the claim has not landed yet, which the claim script honours.
+    fn release_lost_claim(&self) {
+        if let (Some(owner), Some(policy)) = (self.req.as_ref().map(|r| r.owner), self.policy()) {
+            let life = crate::record::claim_life_ms(
+                policy.ttl_seconds.saturating_mul(1000),
+                policy.lock_ttl_seconds.saturating_mul(1000),
+            );
+            self.enqueue("release", Transition::release_lost(owner, life), None);
+        }
+    }
+
     /// The whole body is here: fingerprint it and go on.
     fn body_complete(&mut self) -> Action {
         crash_point(self.req.as_ref(), "body");
         let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
         self.release_budget();
-        if self.req.as_ref().is_some_and(|r| r.derive_at_body) && !self.derive_key_with_body(&body) {
-            return Action::Continue;
+        if self.req.as_ref().is_some_and(|r| r.derive_at_body) {
+            match self.derive_key_with_body(&body) {
+                Ok(true) => {}
+                // No key can be derived: the request is not protected.
+                Ok(false) => return Action::Continue,
+                Err(broken) => return self.fail_closed_here(broken, "derive_key_with_body"),
+            }
         }
-        let (Some(r), Some(policy)) = (self.req.as_ref(), self.policy()) else { return Action::Continue };
+        let (Some(r), Some(policy)) = (self.req.as_ref(), self.policy()) else {
+            return self.fail_closed_here(Broken::PolicyMissing, "body_complete");
+        };
         let (fp, _) = Fingerprint::compute(&r.head, &body, &policy.fingerprint);
         let policy = policy.clone();
         if matches!(policy.forwarding, Forwarding::Detached { .. }) {
@@ -565,22 +638,24 @@ impl Http {
                 let begun = self.begin(Some(fp));
                 self.act(begun, Some(fp))
             }
+            // Called only while waiting for the body.
             other => {
                 self.phase = other;
-                Action::Continue
+                self.fail_closed_here(Broken::PhaseMismatch, "body_complete_phase")
             }
         }
     }
 
     /// `derive_key.include_body`: the key (and so the storage key) is known only now. Returns
-    /// false when no key can be derived (the request then passes unprotected).
-    fn derive_key_with_body(&mut self, body: &[u8]) -> bool {
-        let Some(policy) = self.policy().cloned() else { return false };
-        let Some(r) = self.req.as_mut() else { return false };
+    /// false when no key can be derived (the request then passes unprotected), an error when an
+    /// invariant is broken.
+    fn derive_key_with_body(&mut self, body: &[u8]) -> Result<bool, Broken> {
+        let Some(policy) = self.policy().cloned() else { return Err(Broken::PolicyMissing) };
+        let Some(r) = self.req.as_mut() else { return Err(Broken::RequestMissing) };
         let Some(key) = policy.derive_key.as_ref().and_then(|d| derive::derive(&r.head, d, &r.scope, Some(body)))
         else {
             self.phase = Phase::Pass;
-            return false;
+            return Ok(false);
         };
         r.skey = StorageKey::derive(&policy.namespace, &r.scope, &key);
         r.derive_at_body = false;
@@ -588,7 +663,7 @@ impl Http {
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
         self.count(Counter::DerivedKeys);
         debug!("{}", self.log_line("derived_key", "key_source=derived"));
-        true
+        Ok(true)
     }
 
     fn release_budget(&mut self) {
@@ -614,7 +689,12 @@ impl Http {
     }
 
     fn finish(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) {
-        let Some(policy) = self.policy().cloned() else { return };
+        let Some(policy) = self.policy().cloned() else {
+            // Forwarded, so its claim stays (outcome unknown once its lock expires): say so.
+            self.count(Counter::InternalErrors);
+            error!("{}", self.log_line("internal_state", "branch=finish broken=policy_missing claim=kept"));
+            return;
+        };
         let u64_property = |path: &[&str]| {
             host::property(path).and_then(|b| b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
         };
@@ -653,7 +733,11 @@ impl Http {
             self.count(Counter::UpstreamAttemptsRepeated);
             warn!("{}", self.log_line("upstream_attempts_repeated", &detail));
         }
-        let Some(claim) = self.claim(handle, fp, in_store) else { return };
+        let Some(claim) = self.claim(handle, fp, in_store) else {
+            self.count(Counter::InternalErrors);
+            error!("{}", self.log_line("internal_state", "branch=finish broken=request_missing claim=kept"));
+            return;
+        };
         let response = self.response.take();
         settle::settle(&self.shared, &claim, classify(&facts, &policy), response, self.response_too_large, &detail);
     }
@@ -691,7 +775,9 @@ impl HttpContext for Http {
         else {
             return Action::Continue;
         };
-        let Some(policy) = self.shared.config.policy_at(policy_index) else { return Action::Continue };
+        let Some(policy) = self.shared.config.policy_at(policy_index) else {
+            return self.fail_closed(Broken::PolicyMissing, "request_headers_policy", None, Holding::Nothing);
+        };
         // No key and nothing to derive one from: decided on a single header read, without copying
         // the header map or hashing the caller.
         if policy.derive_key.is_none() && host::header(MapType::HttpRequestHeaders, &policy.header).is_none() {
@@ -741,10 +827,7 @@ impl HttpContext for Http {
         // At most once: Envoy's router must never re-send it (a route's retry_policy, hedging, or
         // retries a client asks for with x-envoy-* headers).
         if !forbid_router_retries(&mut head) {
-            self.count(Counter::LocalErrors);
-            warn!("idemgate: outcome=retry_guard_failed: cannot set the router's retry cap; not forwarded");
-            return self
-                .answer(ProblemKind::StoreUnavailable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS }, None);
+            return self.fail_closed(Broken::HostCallFailed, "retry_guard", None, Holding::Nothing);
         }
         let skey = StorageKey::derive(&policy.namespace, &scope, &key);
         let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
@@ -775,7 +858,14 @@ impl HttpContext for Http {
             }
             // No body: the fingerprint is known now.
             let fp = {
-                let (Some(r), Some(p)) = (self.req.as_ref(), self.policy()) else { return Action::Continue };
+                let (Some(r), Some(p)) = (self.req.as_ref(), self.policy()) else {
+                    return self.fail_closed(
+                        Broken::PolicyMissing,
+                        "request_headers_fingerprint",
+                        None,
+                        Holding::Nothing,
+                    );
+                };
                 Fingerprint::compute(&r.head, b"", &p.fingerprint).0
             };
             let begun = self.begin(Some(fp));
@@ -799,7 +889,10 @@ impl HttpContext for Http {
                 r.policy_index = NO_POLICY;
             }
         }
-        let Some(policy) = self.policy() else { return Action::Continue };
+        let Some(policy) = self.policy() else {
+            self.release_budget();
+            return self.fail_closed_here(Broken::PolicyMissing, "request_body");
+        };
         if let Err(p) = check_body_size(body_size as u64, policy) {
             self.release_budget();
             self.release_unforwarded();
@@ -915,9 +1008,7 @@ impl HttpContext for Http {
                 // The client left while the store answered: our claim may have landed. Free it,
                 // owner-checked, through the root (this context's callout dies with it).
                 self.release_local(handle);
-                if let Some(owner) = self.req.as_ref().map(|r| r.owner) {
-                    self.enqueue("release", Transition::release(owner), None);
-                }
+                self.release_lost_claim();
             }
             _ => {}
         }

@@ -353,7 +353,17 @@ impl Root {
     /// is still there.
     fn forward_answered(&mut self, f: Forward, num_headers: usize, body_size: usize) {
         let Some(s) = self.shared.clone() else { return };
-        let Some(policy) = s.config.policy_at(f.claim.policy_index) else { return };
+        let Some(policy) = s.config.policy_at(f.claim.policy_index) else {
+            // Sent, so the claim stays (outcome unknown once its lock expires); the client is told.
+            s.metrics.inc(Counter::InternalErrors);
+            error!(
+                "idemgate: outcome=internal_state branch=detached_answer broken=policy_missing claim=kept {}",
+                f.claim.log
+            );
+            let kind = ProblemKind::UpstreamNoAnswer;
+            self.answer(f.context_id, |rid| reply::problem(&kind, rid, None), &f.request_id);
+            return;
+        };
         let (status, body) = writes::answer(body_size, num_headers);
         let headers = if num_headers == 0 {
             vec![]
@@ -672,8 +682,9 @@ impl RootContext for Root {
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         match &self.shared {
             Some(s) => Some(Box::new(http::Http::new(s.clone(), context_id))),
-            // Not configured (cannot happen once Envoy accepted the config): pass everything.
-            None => Some(Box::new(Passthrough)),
+            // Not configured (cannot happen once Envoy accepted the config): it cannot tell a
+            // protected request from another, so it refuses every request rather than pass one.
+            None => Some(Box::new(Unconfigured)),
         }
     }
 
@@ -682,6 +693,17 @@ impl RootContext for Root {
     }
 }
 
-struct Passthrough;
-impl Context for Passthrough {}
-impl HttpContext for Passthrough {}
+struct Unconfigured;
+impl Context for Unconfigured {}
+impl HttpContext for Unconfigured {
+    fn on_http_request_headers(&mut self, _n: usize, _eos: bool) -> proxy_wasm::types::Action {
+        let request_id = host::header(MapType::HttpRequestHeaders, "x-request-id").unwrap_or_default();
+        error!(
+            "idemgate: outcome=internal_state branch=unconfigured_root broken=policy_missing request_id={request_id}"
+        );
+        let refusal =
+            crate::failsafe::refuse(crate::failsafe::Broken::PolicyMissing, crate::failsafe::Holding::Nothing);
+        reply::problem(&refusal.problem, &request_id, None);
+        proxy_wasm::types::Action::Pause
+    }
+}

@@ -39,7 +39,12 @@ pub fn settle(
     too_large: bool,
     detail: &str,
 ) {
-    let Some(policy) = shared.config.policy_at(claim.policy_index) else { return };
+    let Some(policy) = shared.config.policy_at(claim.policy_index) else {
+        // The claim stays as it is (a forwarded claim is judged outcome-unknown once its lock expires).
+        shared.metrics.inc(Counter::InternalErrors);
+        log::error!("idemgate: outcome=internal_state branch=settle broken=policy_missing claim=kept {}", claim.log);
+        return;
+    };
     let now = host::now_ms();
     let t = &shared.table;
     let line = |outcome: &str, extra: &str| format!("idemgate: outcome={outcome} {} {extra}", claim.log);
