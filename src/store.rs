@@ -33,9 +33,15 @@ const VALUE_MAGIC: &[u8; 4] = b"IGS1";
 const HEADER_LEN: usize = 4 + 1 + 32 + 15;
 
 /// Claim-or-read. KEYS[1]; ARGV: owner hex, PX ms (never less than the lock), lock ms, record (last).
+/// A release tombstone (`IGS1R<owner>`) is no record: the claim of the owner it names is refused
+/// (`{"2", now}`: that owner's release has run, so this claim arrived late), any other claim
+/// replaces it.
 const CLAIM_SCRIPT: &str = "local t=redis.call('TIME') \
 local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
 local v=redis.call('GET',KEYS[1]) \
+if v and string.sub(v,1,5)=='IGS1R' then \
+if string.sub(v,6,37)==ARGV[1] then return {'2',string.format('%d',now)} end \
+v=false end \
 if v then return {'0',string.format('%d',now),v} end \
 redis.call('SET',KEYS[1],'IGS1P'..ARGV[1]..string.format('%015d',now+tonumber(ARGV[3]))..ARGV[4],'PX',ARGV[2]) \
 return {'1',string.format('%d',now)}";
@@ -43,13 +49,16 @@ return {'1',string.format('%d',now)}";
 /// Owner-checked transition. KEYS[1]; ARGV: expected owner hex, expected phases, require stale
 /// lock ('1'/'0'), new phase ('X' deletes), new owner hex, ttl ms, lock ms ('-': none),
 /// record ('-': keep the stored one) last. Answers 1 when it changed the value, 0 otherwise.
+/// New phase 'R' is a release of a claim whose answer was lost: as 'X', but when the key is
+/// absent it writes a tombstone naming the owner for ttl ms, so the claim landing late is refused.
 const TRANSITION_SCRIPT: &str = "local v=redis.call('GET',KEYS[1]) \
+if not v and ARGV[4]=='R' then redis.call('SET',KEYS[1],'IGS1R'..ARGV[1],'PX',ARGV[6]) return 1 end \
 if not v or string.sub(v,1,4)~='IGS1' or string.sub(v,6,37)~=ARGV[1] then return 0 end \
 if not string.find(ARGV[2],string.sub(v,5,5),1,true) then return 0 end \
 local t=redis.call('TIME') \
 local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
 if ARGV[3]=='1' and tonumber(string.sub(v,38,52))>now then return 0 end \
-if ARGV[4]=='X' then redis.call('DEL',KEYS[1]) return 1 end \
+if ARGV[4]=='X' or ARGV[4]=='R' then redis.call('DEL',KEYS[1]) return 1 end \
 local lock=0 \
 if ARGV[7]~='-' then lock=now+tonumber(ARGV[7]) end \
 local rec=ARGV[8] \
@@ -272,6 +281,8 @@ pub enum ReadReply {
 pub fn parse_read_reply(status: Option<u16>, body: &[u8]) -> Result<ReadReply, StoreError> {
     match parse_reply(status, body)? {
         Resp::Bulk(None) => Ok(ReadReply::Absent),
+        // A release tombstone holds no record: the key is free.
+        Resp::Bulk(Some(v)) if v.starts_with(b"IGS1R") => Ok(ReadReply::Absent),
         Resp::Bulk(Some(v)) => Ok(match StoredValue::decode(&v) {
             Ok(value) => ReadReply::Found(value),
             Err(e) => ReadReply::Unreadable(e.to_string()),
@@ -296,6 +307,8 @@ pub struct Transition {
     pub lock_ms: Option<u64>,
     /// A new record, or keep the stored one.
     pub record: Option<Record>,
+    /// With `new_phase: None`: when the key is absent, leave a release tombstone for `ttl_ms`.
+    pub tombstone: bool,
 }
 
 impl Transition {
@@ -310,6 +323,7 @@ impl Transition {
             ttl_ms,
             lock_ms: None,
             record: Some(record),
+            tombstone: false,
         }
     }
 
@@ -324,12 +338,16 @@ impl Transition {
             ttl_ms: 1,
             lock_ms: None,
             record: None,
+            tombstone: false,
         }
     }
 
-    /// Release by the owner of a claim whose answer was lost (it may still land later).
-    pub fn release_lost(owner: OwnerToken, _claim_life_ms: u64) -> Transition {
-        Transition::release(owner)
+    /// Release by the owner of a claim (or take-over) whose answer was lost: it may land later
+    /// (a slow link or store). Deletes the claim if it landed; if the key is absent, leaves a
+    /// tombstone naming the owner for `claim_life_ms` (as long as the claim itself would live),
+    /// which the claim script honours: the late claim is refused, any other claim replaces it.
+    pub fn release_lost(owner: OwnerToken, claim_life_ms: u64) -> Transition {
+        Transition { tombstone: true, ttl_ms: claim_life_ms, ..Transition::release(owner) }
     }
 
     /// The owner's request may have executed without a response.
@@ -343,6 +361,7 @@ impl Transition {
             ttl_ms,
             lock_ms: None,
             record: None,
+            tombstone: false,
         }
     }
 
@@ -374,13 +393,14 @@ impl Transition {
             ttl_ms: claim_life_ms(ttl_ms, lock_ms),
             lock_ms: Some(lock_ms),
             record: Some(record),
+            tombstone: false,
         }
     }
 
     /// The webdis request: a POST of the command, or a PUT with the record as body when there is
     /// a record (it can be large and binary).
     pub fn request(&self, skey: &StorageKey) -> StoreRequest {
-        let phase = [self.new_phase.map_or(b'X', StorePhase::letter)];
+        let phase = [self.new_phase.map_or(if self.tombstone { b'R' } else { b'X' }, StorePhase::letter)];
         let ttl = self.ttl_ms.max(1).to_string();
         let lock = self.lock_ms.map_or("-".to_string(), |l| l.to_string());
         let (expected, new_owner) = (self.expected_owner.hex(), self.new_owner.hex());

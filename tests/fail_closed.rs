@@ -128,7 +128,13 @@ impl SlowClaims {
     }
 }
 
-fn relay(mut client: TcpStream, mut upstream: TcpStream, delay: Duration, armed: &AtomicU32, answered: &Arc<AtomicU32>) {
+fn relay(
+    mut client: TcpStream,
+    mut upstream: TcpStream,
+    delay: Duration,
+    armed: &AtomicU32,
+    answered: &Arc<AtomicU32>,
+) {
     let held = Arc::new(AtomicBool::new(false));
     let (Ok(mut from_up), Ok(mut to_client)) = (upstream.try_clone(), client.try_clone()) else { return };
     let (h, n) = (held.clone(), answered.clone());

@@ -272,3 +272,27 @@ mod props {
         }
     }
 }
+
+#[test]
+fn a_lost_claim_release_leaves_a_tombstone_naming_its_owner_that_reads_as_absent() {
+    let owner = OwnerToken([0xcd; 16]);
+    let t = Transition::release_lost(owner, 90_000);
+    assert!(t.tombstone && t.new_phase.is_none());
+    let req = String::from_utf8(t.request(&skey()).body).unwrap();
+    // ARGV: owner, phases, stale, new phase 'R', new owner, ttl (the claim's own life), lock, record.
+    let tail = format!("/{}/P/0/R/{}/90000/-/-.raw", owner.hex(), owner.hex());
+    assert!(req.ends_with(&tail), "{req}");
+    // A plain release deletes and never writes a tombstone.
+    let plain = String::from_utf8(Transition::release(owner).request(&skey()).body).unwrap();
+    assert!(plain.contains("/P/0/X/"), "{plain}");
+    // A waiter reading the tombstone sees a free key.
+    let tomb = format!("IGS1R{}", owner.hex());
+    let resp = format!("${}\r\n{tomb}\r\n", tomb.len());
+    assert_eq!(parse_read_reply(Some(200), resp.as_bytes()), Ok(ReadReply::Absent));
+}
+
+#[test]
+fn a_claim_refused_by_its_owners_tombstone_is_never_taken_for_a_claim() {
+    let refused = b"*2\r\n$1\r\n2\r\n$13\r\n1764000000000\r\n";
+    assert!(parse_claim_reply(Some(200), refused).is_err());
+}
