@@ -311,11 +311,18 @@ fn a_store_write_failing_after_forwarding_ends_in_outcome_unknown() {
     let first = first_attempt_outliving_redis(p.a.port, &mut redis, "k-wfail");
     assert_eq!(first.status, 201, "the client still gets its response");
     // Every retry of the completion fails (about 6 s), then the outcome-unknown fallback is tried.
-    assert!(eventually(Duration::from_secs(10), || p.a.stat("idemgate.store_write_failures") >= 1));
+    assert!(eventually(Duration::from_secs(20), || p.a.stat("idemgate.store_write_failures") >= 1));
     redis.restart();
-    std::thread::sleep(Duration::from_millis(500));
+    // Until webdis has reconnected, b answers 503 store-unavailable (and forwards nothing).
+    let mut r = post(&p.b, "k-wfail", "{}", &[]);
+    for _ in 0..50 {
+        if r.status != 503 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        r = post(&p.b, "k-wfail", "{}", &[]);
+    }
     // Whether the fallback landed (unknown) or not (a claim whose lock expired): outcome unknown.
-    let r = post(&p.b, "k-wfail", "{}", &[]);
     assert_eq!(r.status, 409, "{}", r.body_text());
     assert_eq!(problem_type(&r), "urn:idemgate:problem:outcome-unknown");
     // The proxy that saw the response still replays it from memory.
