@@ -402,20 +402,33 @@ fn a_store_slower_than_its_timeout_is_unavailable() {
     drop(silent);
 }
 
+/// Two proxies with `in_flight: "wait"` and this `wait_ms`.
+fn wait_pair(webdis_port: u16, wait_ms: u64) -> Pair {
+    Pair::new(
+        webdis_port,
+        &format!(
+            r#"{{"scope": {{"headers": ["authorization"]}}, "in_flight": "wait", "wait_ms": {wait_ms}, "store": {{"cluster": "idemgate_store", "timeout_ms": 500}}}}"#
+        ),
+    )
+}
+
+/// A first attempt sent through `port` in the background, with `extra` headers for the upstream.
+fn in_background(
+    port: u16,
+    key: &'static str,
+    extra: &[(&'static str, &'static str)],
+) -> std::thread::JoinHandle<Response> {
+    let mut h = vec![("authorization", "Bearer alice-secret-token"), ("idempotency-key", key)];
+    h.extend_from_slice(extra);
+    std::thread::spawn(move || http::request(port, "POST", "/charges", &h, b"{}").unwrap())
+}
+
 #[test]
 fn wait_mode_across_proxies_gives_the_retry_the_replay() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
-    let p = Pair::new(
-        webdis.port,
-        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 5000, "store": {"cluster": "idemgate_store", "timeout_ms": 500}}"#,
-    );
-    let port = p.a.port;
-    let first = std::thread::spawn(move || {
-        let h =
-            [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "k-xwait"), ("x-up-delay-ms", "1000")];
-        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
-    });
+    let p = wait_pair(webdis.port, 5000);
+    let first = in_background(p.a.port, "k-xwait", &[("x-up-delay-ms", "1000")]);
     std::thread::sleep(Duration::from_millis(200));
     let retry = post(&p.b, "k-xwait", "{}", &[]);
     let first = first.join().unwrap();
@@ -483,20 +496,8 @@ fn a_completion_write_queued_when_the_plugin_is_reloaded_still_lands() {
 fn wait_mode_answers_a_waiter_as_soon_as_the_first_attempt_is_released() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
-    let p = Pair::new(
-        webdis.port,
-        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 8000, "store": {"cluster": "idemgate_store", "timeout_ms": 500}}"#,
-    );
-    let port = p.a.port;
-    let first = std::thread::spawn(move || {
-        let h = [
-            ("authorization", "Bearer alice-secret-token"),
-            ("idempotency-key", "k-xrel"),
-            ("x-up-delay-ms", "800"),
-            ("x-up-status", "429"),
-        ];
-        http::request(port, "POST", "/charges", &h, b"{}").unwrap()
-    });
+    let p = wait_pair(webdis.port, 8000);
+    let first = in_background(p.a.port, "k-xrel", &[("x-up-delay-ms", "800"), ("x-up-status", "429")]);
     std::thread::sleep(Duration::from_millis(200));
     let started = std::time::Instant::now();
     let retry = post(&p.b, "k-xrel", "{}", &[]);
