@@ -1065,6 +1065,27 @@ mod tests {
         assert!(parse(r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 2, "lock_ttl_seconds": 2}"#).is_ok());
     }
 
+    /// Issue 13, item 2: a record must outlive its lock by a stated margin (1 s), so that no
+    /// claim's record can end the instant its lock goes stale; the error names `ttl_seconds`.
+    #[test]
+    fn ttl_seconds_must_exceed_lock_ttl_seconds_by_the_margin() {
+        for (fields, field) in [
+            (r#""ttl_seconds": 3, "lock_ttl_seconds": 3"#, "ttl_seconds"),
+            (r#""ttl_seconds": 60"#, "ttl_seconds"),
+            (r#""ttl_seconds": 30, "lock_ttl_seconds": 60"#, "ttl_seconds"),
+            (r#""routes": [{"prefix": "/p", "lock_ttl_seconds": 86400}]"#, "routes[0].ttl_seconds"),
+        ] {
+            let e = refused(&format!(r#"{{"scope": {{"headers": ["a"]}}, {fields}}}"#));
+            assert_eq!(e.field, field, "{fields}: {e}");
+            assert!(e.reason.contains("lock_ttl_seconds") && e.reason.contains("1 s"), "{fields}: {e}");
+        }
+        assert!(parse(r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 4, "lock_ttl_seconds": 3}"#).is_ok());
+        assert!(
+            parse(r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 61}"#).is_ok(),
+            "61 s over the default 60 s lock"
+        );
+    }
+
     #[test]
     fn empty_configuration_is_refused_for_missing_scope_not_for_syntax() {
         assert_eq!(refused("").field, "scope.headers");
