@@ -30,7 +30,7 @@ use crate::fingerprint::Fingerprint;
 use crate::local::{Begin, Handle, LocalError};
 use crate::owner::{OwnerToken, TokenSources};
 use crate::problem::ProblemKind;
-use crate::record::{Creator, Record, State, StoredResponse};
+use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
 use crate::request::{RequestHead, ROUTER_RETRY_CAP};
 use crate::scope::{CallerScope, StorageKey};
 use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition};
@@ -314,9 +314,9 @@ impl Http {
                 None => self.local_error(LocalError::Missing),
             };
         };
-        let (ttl, lock) = (policy.ttl_seconds, policy.lock_ttl_seconds);
-        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), ttl, lock);
-        let req = store::claim_request(&r.skey, &r.owner, &record, ttl.saturating_mul(1000), lock.saturating_mul(1000));
+        let lifetimes = Lifetimes::of(policy);
+        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), &lifetimes);
+        let req = store::claim_request(&r.skey, &r.owner, &record, &lifetimes);
         self.call(req, handle, fp, false)
     }
 
@@ -440,9 +440,9 @@ impl Http {
             };
         }
         let on_unavailable = self.shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
-        let (now, value) = match store::parse_claim_reply(status, body) {
+        let (now, expires_at, value) = match store::parse_claim_reply(status, body) {
             Ok(ClaimReply::Claimed { .. }) => return self.forward(handle, fp, true),
-            Ok(ClaimReply::Exists { now_ms, value }) => (now_ms, value),
+            Ok(ClaimReply::Exists { now_ms, expires_at_ms, value }) => (now_ms, expires_at_ms, value),
             // The key holds a record we cannot read: nothing was claimed, and it is no outage.
             Ok(ClaimReply::Unreadable { now_ms, why }) => {
                 self.release_local(handle);
@@ -459,14 +459,17 @@ impl Http {
             Err(e) => return self.store_answer_lost(handle, &e),
         };
         let Some(policy) = self.policy().cloned() else { return Action::Continue };
-        match decide(Lookup::Found(value.summary()), Some(&fp), now, &policy, on_unavailable) {
+        // Judged by Redis's clock only: its now, the key's expiry (TIME + PTTL), the lock's.
+        match decide(Lookup::Found(value.summary(expires_at)), Some(&fp), now, &policy, on_unavailable) {
             Decision::Replay => {
                 self.count(Counter::StoreReplays);
-                // A completed record never changes: keep a copy so the next replay needs no store call.
+                // A completed record never changes: keep a copy so the next replay needs no store
+                // call, ending with the store's key by this proxy's clock.
+                let record = value.record_on_clock(now, expires_at, host::now_ms());
                 if let Some(h) = handle {
-                    let _ = self.shared.table.complete(&mut HostShared, &h, value.record.clone());
+                    let _ = self.shared.table.complete(&mut HostShared, &h, record.clone());
                 }
-                self.replay(value.record)
+                self.replay(record)
             }
             Decision::Reject(ProblemKind::InFlight { .. }) => {
                 self.release_local(handle);
@@ -478,8 +481,8 @@ impl Http {
             }
             Decision::MarkUnknown => {
                 self.release_local(handle);
-                let ttl = policy.unknown_outcome_seconds.saturating_mul(1000);
-                self.enqueue("stale_to_unknown", Transition::stale_to_unknown(value.owner, ttl), None);
+                let unknown = Transition::stale_to_unknown(value.owner, &Lifetimes::of(&policy));
+                self.enqueue("stale_to_unknown", unknown, None);
                 self.answer(ProblemKind::OutcomeUnknown, Some(&value.record.creator))
             }
             // A stale lock with `stale_lock: "takeover"`, or a record the store still holds that
@@ -502,11 +505,9 @@ impl Http {
         free: bool,
     ) -> Action {
         let Some(r) = self.req.as_ref() else { return Action::Continue };
-        let now = host::now_ms();
-        let (ttl, lock) = (policy.ttl_seconds, policy.lock_ttl_seconds);
-        let record = Record::in_progress(fp, r.creator.clone(), r.owner, now, ttl, lock);
-        let (ttl_ms, lock_ms) = (ttl.saturating_mul(1000), lock.saturating_mul(1000));
-        let req = Transition::take_over(old.owner, r.owner, record, free, ttl_ms, lock_ms).request(&r.skey);
+        let lifetimes = Lifetimes::of(policy);
+        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), &lifetimes);
+        let req = Transition::take_over(old.owner, r.owner, record, free, &lifetimes).request(&r.skey);
         self.call(req, handle, fp, true)
     }
 
