@@ -641,6 +641,9 @@ fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) ->
     Ok(())
 }
 
+/// `ttl_seconds` must exceed `lock_ttl_seconds` by at least this much (issue 13, item 2).
+pub const TTL_OVER_LOCK_MARGIN_SECONDS: u64 = 1;
+
 fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
     if p.derive_key.is_some() && p.scope.headers.is_empty() {
         return Err(err(
@@ -658,10 +661,13 @@ fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
     if !p.scope.headers.is_empty() && p.scope.global {
         return Err(err(&join(prefix, "scope.global"), "true cannot be combined with scope.headers; choose one"));
     }
-    if p.lock_ttl_seconds > p.ttl_seconds {
+    if p.ttl_seconds < p.lock_ttl_seconds.saturating_add(TTL_OVER_LOCK_MARGIN_SECONDS) {
         return Err(err(
-            &join(prefix, "lock_ttl_seconds"),
-            format!("{} exceeds ttl_seconds ({}): a record must outlive its lock", p.lock_ttl_seconds, p.ttl_seconds),
+            &join(prefix, "ttl_seconds"),
+            format!(
+                "{} does not exceed lock_ttl_seconds ({}) by at least {TTL_OVER_LOCK_MARGIN_SECONDS} s: a record must outlive its lock, so no claim's record ends the instant its lock goes stale; raise ttl_seconds or lower lock_ttl_seconds",
+                p.ttl_seconds, p.lock_ttl_seconds
+            ),
         ));
     }
     if p.scope.headers.contains(&p.header) {
@@ -937,7 +943,7 @@ mod tests {
             (r#"{"scope": {"headers": ["a"]}, "ttl_seconds": "60"}"#, "ttl_seconds"),
             (r#"{"scope": {"headers": ["a"]}, "ttl_seconds": -5}"#, "ttl_seconds"),
             (r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 1.5}"#, "ttl_seconds"),
-            (r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 30, "lock_ttl_seconds": 60}"#, "lock_ttl_seconds"),
+            (r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 30, "lock_ttl_seconds": 60}"#, "ttl_seconds"),
             (r#"{"scope": {"headers": ["a"]}, "methods": []}"#, "methods"),
             (r#"{"scope": {"headers": ["a"]}, "methods": ["PO ST"]}"#, "methods[0]"),
             (r#"{"scope": {"headers": ["a"]}, "header": ""}"#, "header"),
@@ -1047,8 +1053,8 @@ mod tests {
                 r#"{{"scope": {{"headers": ["a"]}}, "forwarding": "detached", "upstream": {{"cluster": "api"{fields}}}"#
             )
         };
-        // The issue's case: the default timeout (30 s) with a 2 s record and lock.
-        let e = refused(&(detached("") + r#", "ttl_seconds": 2, "lock_ttl_seconds": 2}"#));
+        // The issue's case: the default timeout (30 s) with a 3 s record and a 2 s lock.
+        let e = refused(&(detached("") + r#", "ttl_seconds": 3, "lock_ttl_seconds": 2}"#));
         assert_eq!(e.field, "upstream.timeout_ms");
         assert!(e.reason.contains("30000 ms") && e.reason.contains("lock_ttl_seconds (2 s"), "{e}");
         assert_eq!(
@@ -1062,7 +1068,28 @@ mod tests {
                         "routes": [{"prefix": "/fast"}, {"prefix": "/", "lock_ttl_seconds": 3}]}"#;
         assert_eq!(refused(route).field, "routes[1].upstream.timeout_ms");
         // Router forwarding: the route's timeout is Envoy's, documented for the operator to keep below the lock.
-        assert!(parse(r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 2, "lock_ttl_seconds": 2}"#).is_ok());
+        assert!(parse(r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 3, "lock_ttl_seconds": 2}"#).is_ok());
+    }
+
+    /// Issue 13, item 2: a record must outlive its lock by a stated margin (1 s), so that no
+    /// claim's record can end the instant its lock goes stale; the error names `ttl_seconds`.
+    #[test]
+    fn ttl_seconds_must_exceed_lock_ttl_seconds_by_the_margin() {
+        for (fields, field) in [
+            (r#""ttl_seconds": 3, "lock_ttl_seconds": 3"#, "ttl_seconds"),
+            (r#""ttl_seconds": 60"#, "ttl_seconds"),
+            (r#""ttl_seconds": 30, "lock_ttl_seconds": 60"#, "ttl_seconds"),
+            (r#""routes": [{"prefix": "/p", "lock_ttl_seconds": 86400}]"#, "routes[0].ttl_seconds"),
+        ] {
+            let e = refused(&format!(r#"{{"scope": {{"headers": ["a"]}}, {fields}}}"#));
+            assert_eq!(e.field, field, "{fields}: {e}");
+            assert!(e.reason.contains("lock_ttl_seconds") && e.reason.contains("1 s"), "{fields}: {e}");
+        }
+        assert!(parse(r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 4, "lock_ttl_seconds": 3}"#).is_ok());
+        assert!(
+            parse(r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 61}"#).is_ok(),
+            "61 s over the default 60 s lock"
+        );
     }
 
     #[test]

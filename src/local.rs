@@ -31,7 +31,7 @@ use crate::decision::{decide, Decision, Lookup, Phase, Summary};
 use crate::fingerprint::Fingerprint;
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
-use crate::record::{claim_life_ms, Creator, Record, State, UnknownReason};
+use crate::record::{Creator, Lifetimes, Record, Stage, State, UnknownReason};
 use crate::scope::StorageKey;
 
 /// Positions per bucket.
@@ -393,16 +393,19 @@ impl Table {
                 None => Lookup::Absent,
             };
             let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
-            let (ttl_ms, lock_ms) =
-                (policy.ttl_seconds.saturating_mul(1000), policy.lock_ttl_seconds.saturating_mul(1000));
+            let lifetimes = Lifetimes::of(policy);
+            let (phase, stage) = match fp {
+                Some(_) => (EntryPhase::InProgress, Stage::Forwarded),
+                None => (EntryPhase::Claimed, Stage::Claimed),
+            };
             let new_entry = Entry {
                 skey,
                 fingerprint: fp,
-                phase: if fp.is_some() { EntryPhase::InProgress } else { EntryPhase::Claimed },
+                phase,
                 owner,
                 created_at_ms: now_ms,
-                expires_at_ms: now_ms.saturating_add(claim_life_ms(ttl_ms, lock_ms)),
-                lock_expires_at_ms: now_ms.saturating_add(lock_ms),
+                expires_at_ms: lifetimes.expires_at(stage, now_ms),
+                lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
                 status: 0,
                 slot_bytes: 0,
             };
@@ -433,7 +436,7 @@ impl Table {
                 (Decision::MarkUnknown, Some(j)) => {
                     let Some(Some(e)) = bucket.positions.get_mut(j) else { return Err(LocalError::Corrupt) };
                     e.phase = EntryPhase::Unknown;
-                    e.expires_at_ms = now_ms.saturating_add(policy.unknown_outcome_seconds.saturating_mul(1000));
+                    e.expires_at_ms = lifetimes.expires_at(Stage::Unknown, now_ms);
                     let e = e.clone();
                     if !self.write_bucket(sd, i, &bucket, cas)? {
                         continue;
@@ -562,7 +565,7 @@ impl Table {
     /// Forwarding requires a claim that is still the key's only live claim: the position is still
     /// ours, and no other position holds the key (a retry may have claimed it elsewhere while our
     /// claim, made before a slow upload, had expired). Both are checked in the same CAS of the
-    /// bucket that marks us forwarded. The lock restarts now and the expiry is moved to cover it.
+    /// bucket that marks us forwarded. The lock restarts now and the expiry becomes a forwarded claim's (`Stage::Forwarded`: the lock, then `unknown_outcome_seconds`).
     /// `Ok(false)`: do not forward.
     pub fn mark_forwarded(
         &self,
@@ -572,8 +575,7 @@ impl Table {
         now_ms: u64,
         policy: &Policy,
     ) -> Result<bool, LocalError> {
-        let lock_ms = policy.lock_ttl_seconds.saturating_mul(1000);
-        let life_ms = claim_life_ms(policy.ttl_seconds.saturating_mul(1000), lock_ms);
+        let lifetimes = Lifetimes::of(policy);
         for _ in 0..MAX_CAS_RETRIES {
             let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
             let superseded = bucket
@@ -588,8 +590,8 @@ impl Table {
             }
             e.phase = EntryPhase::InProgress;
             e.fingerprint = Some(fp);
-            e.lock_expires_at_ms = now_ms.saturating_add(lock_ms);
-            e.expires_at_ms = e.expires_at_ms.max(now_ms.saturating_add(life_ms));
+            e.lock_expires_at_ms = lifetimes.lock_expires_at(now_ms);
+            e.expires_at_ms = lifetimes.expires_at(Stage::Forwarded, now_ms);
             if self.write_bucket(sd, h.bucket, &bucket, cas)? {
                 return Ok(true);
             }
@@ -673,7 +675,7 @@ impl Table {
         let done = self.update_entry(sd, h, |slot| {
             if let Some(e) = slot {
                 e.phase = EntryPhase::Unknown;
-                e.expires_at_ms = now_ms.saturating_add(policy.unknown_outcome_seconds.saturating_mul(1000));
+                e.expires_at_ms = Lifetimes::of(policy).expires_at(Stage::Unknown, now_ms);
             }
         })?;
         Ok(done.is_some())

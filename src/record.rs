@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+use crate::config::Policy;
 use crate::fingerprint::Fingerprint;
 use crate::owner::OwnerToken;
 
@@ -143,11 +144,68 @@ pub struct Record {
     pub state: State,
 }
 
-/// How long a claim made now must be kept: its record's life, and never less than its lock, so
-/// a record cannot expire while its request may still run (the expiry of a local claim, of a
-/// store claim's record and its `PX`). A completed record lives `ttl` from its completion.
-pub fn claim_life_ms(ttl_ms: u64, lock_ms: u64) -> u64 {
-    ttl_ms.max(lock_ms)
+/// The transitions of the lifecycle that give a record a new expiry. Every tier (the local
+/// tier's bucket entries and slots, the store's `PX`) takes it from `Lifetimes::life_ms`, so the
+/// tiers cannot disagree on how long a state lasts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Claimed at request headers, not forwarded yet (the body may still be arriving).
+    Claimed,
+    /// Forwarded (or about to be): in flight while its lock lives, outcome-unknown afterwards.
+    Forwarded,
+    /// Completed: the response (or its status and `location`) is kept.
+    Completed,
+    /// Marked outcome-unknown: it may have executed, no response is kept.
+    Unknown,
+}
+
+/// How long each stage of a record lasts, from the transition that enters it: one table for
+/// every tier. Durations only: each tier adds them to its own clock (a proxy's for the local
+/// tier; Redis's for the store, where they are the key's `PX`), so no time written by one clock
+/// is ever compared with another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lifetimes {
+    pub ttl_ms: u64,
+    pub lock_ms: u64,
+    pub unknown_ms: u64,
+}
+
+impl Lifetimes {
+    /// The lifetimes a route's policy sets.
+    pub fn of(policy: &Policy) -> Lifetimes {
+        Lifetimes {
+            ttl_ms: policy.ttl_seconds.saturating_mul(1000),
+            lock_ms: policy.lock_ttl_seconds.saturating_mul(1000),
+            unknown_ms: policy.unknown_outcome_seconds.saturating_mul(1000),
+        }
+    }
+
+    /// How long a record lives from entering `stage`:
+    ///
+    /// | stage | life |
+    /// |---|---|
+    /// | claimed | `ttl`, never less than its lock |
+    /// | forwarded | its lock, then `unknown_outcome` (a forwarded claim whose lock expired without a completion *is* outcome-unknown, from that moment) |
+    /// | completed | `ttl`, from the completion |
+    /// | unknown | `unknown_outcome`, from the moment it became unknown |
+    pub fn life_ms(&self, stage: Stage) -> u64 {
+        match stage {
+            Stage::Claimed => self.ttl_ms.max(self.lock_ms),
+            Stage::Forwarded => self.lock_ms.saturating_add(self.unknown_ms),
+            Stage::Completed => self.ttl_ms,
+            Stage::Unknown => self.unknown_ms,
+        }
+    }
+
+    /// The expiry of a record entering `stage` at `now_ms` (by the clock `now_ms` was read from).
+    pub fn expires_at(&self, stage: Stage, now_ms: u64) -> u64 {
+        now_ms.saturating_add(self.life_ms(stage))
+    }
+
+    /// The expiry of a lock taken at `now_ms`.
+    pub fn lock_expires_at(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_add(self.lock_ms)
+    }
 }
 
 impl Record {
@@ -165,29 +223,28 @@ impl Record {
         Record {
             fingerprint,
             created_at_ms: now_ms,
-            expires_at_ms: now_ms.saturating_add(ttl_seconds.saturating_mul(1000)),
+            expires_at_ms: now_ms.saturating_add(ttl_seconds.saturating_mul(1000)), // Stage::Completed
             creator,
             state: if too_large { state.without_body() } else { state },
         }
     }
 
     /// The record of a claim made just before forwarding: in progress, owned by `owner`, its lock
-    /// held `lock_ttl_seconds` and the record kept `ttl_seconds` (never less than its lock).
+    /// and its expiry those of a forwarded claim (`Lifetimes`), by the clock `now_ms` was read
+    /// from. (In the store these times are informational: Redis's clock and `PX` decide.)
     pub fn in_progress(
         fingerprint: Fingerprint,
         creator: Creator,
         owner: OwnerToken,
         now_ms: u64,
-        ttl_seconds: u64,
-        lock_ttl_seconds: u64,
+        lifetimes: &Lifetimes,
     ) -> Record {
-        let lock_ms = lock_ttl_seconds.saturating_mul(1000);
         Record {
             fingerprint,
             created_at_ms: now_ms,
-            expires_at_ms: now_ms.saturating_add(claim_life_ms(ttl_seconds.saturating_mul(1000), lock_ms)),
+            expires_at_ms: lifetimes.expires_at(Stage::Forwarded, now_ms),
             creator,
-            state: State::InProgress { owner, lock_expires_at_ms: now_ms.saturating_add(lock_ms) },
+            state: State::InProgress { owner, lock_expires_at_ms: lifetimes.lock_expires_at(now_ms) },
         }
     }
 

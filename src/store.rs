@@ -3,9 +3,14 @@
 //! and every answer understood is unit-tested and fuzzable.
 //!
 //! - **Claim-or-read in one round trip**: a Lua script reads the key and, when absent, writes a
-//!   forwarded-in-progress claim that lives `ttl_seconds`, with the lock expiry (Redis's clock,
-//!   `TIME`) inside the value. It answers `{"1", now}` (claimed) or `{"0", now, value}`, all as
-//!   strings: webdis 0.1.9's raw output garbles integers inside arrays.
+//!   forwarded-in-progress claim whose `PX` is a forwarded claim's life (`record::Lifetimes`),
+//!   with the lock expiry (Redis's clock, `TIME`) inside the value. It answers `{"1", now}`
+//!   (claimed) or `{"0", now, value, pttl}`, all as strings: webdis 0.1.9's raw output garbles
+//!   integers inside arrays.
+//! - **One clock**: every store comparison is made with Redis's clock. A value's life is its key's
+//!   `PX` (durations from `record::Lifetimes`, counted by Redis) and its expiry is read back as
+//!   `TIME + PTTL`; its lock expiry is written by the scripts from `TIME`. The times inside the
+//!   encoded record come from the writing proxy's clock and are never compared with Redis's.
 //! - **Owner-checked transitions**: one script, parameterised, does completion, release,
 //!   outcome-unknown marking and stale-lock take-over: it changes the value only if it still
 //!   carries the expected owner token and phase (and, for stale locks, only if the lock expired
@@ -23,7 +28,7 @@ use std::fmt;
 
 use crate::decision::{Phase, Summary};
 use crate::owner::OwnerToken;
-use crate::record::{claim_life_ms, Record};
+use crate::record::{Lifetimes, Record, Stage};
 use crate::scope::StorageKey;
 
 /// Prefix of every Redis key idemgate writes (the namespace is inside the hashed storage key).
@@ -32,7 +37,8 @@ const VALUE_MAGIC: &[u8; 4] = b"IGS1";
 /// `IGS1` + phase (1) + owner hex (32) + lock expiry in ms, 15 decimal digits.
 const HEADER_LEN: usize = 4 + 1 + 32 + 15;
 
-/// Claim-or-read. KEYS[1]; ARGV: owner hex, PX ms (never less than the lock), lock ms, record (last).
+/// Claim-or-read. KEYS[1]; ARGV: owner hex, PX ms (a forwarded claim's life), lock ms, record
+/// (last). An existing value comes back with its remaining life by Redis's clock (`PTTL`).
 /// A release tombstone (`IGS1R<owner>`) is no record: the claim of the owner it names is refused
 /// (`{"2", now}`: that owner's release has run, so this claim arrived late), any other claim
 /// replaces it.
@@ -42,7 +48,7 @@ local v=redis.call('GET',KEYS[1]) \
 if v and string.sub(v,1,5)=='IGS1R' then \
 if string.sub(v,6,37)==ARGV[1] then return {'2',string.format('%d',now)} end \
 v=false end \
-if v then return {'0',string.format('%d',now),v} end \
+if v then return {'0',string.format('%d',now),v,string.format('%d',redis.call('PTTL',KEYS[1]))} end \
 redis.call('SET',KEYS[1],'IGS1P'..ARGV[1]..string.format('%015d',now+tonumber(ARGV[3]))..ARGV[4],'PX',ARGV[2]) \
 return {'1',string.format('%d',now)}";
 
@@ -98,14 +104,30 @@ pub struct StoredValue {
 }
 
 impl StoredValue {
-    /// What the decision table needs.
-    pub fn summary(&self) -> Summary {
+    /// What the decision table needs, with the value's expiry by Redis's clock (`expires_at_ms`,
+    /// from `ClaimReply::Exists`: Redis's `TIME` plus the key's `PTTL`). The record's own
+    /// `expires_at_ms` was computed by the clock of whichever proxy wrote it: never used here.
+    pub fn summary(&self, expires_at_ms: u64) -> Summary {
         let phase = match self.phase {
             StorePhase::InProgress => Phase::InProgress { lock_expires_at_ms: self.lock_expires_at_ms },
             StorePhase::Done => Phase::Completed,
             StorePhase::Unknown => Phase::Unknown,
         };
-        Summary { fingerprint: Some(self.record.fingerprint), expires_at_ms: self.record.expires_at_ms, phase }
+        Summary { fingerprint: Some(self.record.fingerprint), expires_at_ms, phase }
+    }
+
+    /// The stored record, its expiry moved onto another clock: `local_now_ms` plus what is left of
+    /// its life by Redis's clock (`expires_at_ms - store_now_ms`). A proxy keeps its copy of a
+    /// completed record with this expiry, so the copy ends with the store's key, judged by the
+    /// proxy's own clock, whatever the skew between the clocks.
+    pub fn record_on_clock(&self, store_now_ms: u64, expires_at_ms: u64, local_now_ms: u64) -> Record {
+        let mut r = self.record.clone();
+        r.expires_at_ms = match expires_at_ms {
+            // A key without expiry never ends, on any clock.
+            u64::MAX => u64::MAX,
+            at => local_now_ms.saturating_add(at.saturating_sub(store_now_ms)),
+        };
+        r
     }
 
     /// Encodes a value as the scripts write it (used by tests and by nothing on the wire).
@@ -239,20 +261,14 @@ fn eval_path(script: &str, key: &str, args: &[&[u8]]) -> String {
 }
 
 /// Claim-or-read: one POST whose body is the webdis command path.
-pub fn claim_request(
-    skey: &StorageKey,
-    owner: &OwnerToken,
-    record: &Record,
-    ttl_ms: u64,
-    lock_ms: u64,
-) -> StoreRequest {
+pub fn claim_request(skey: &StorageKey, owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> StoreRequest {
     let path = eval_path(
         CLAIM_SCRIPT,
         &redis_key(skey),
         &[
             owner.hex().as_bytes(),
-            claim_life_ms(ttl_ms, lock_ms).to_string().as_bytes(),
-            lock_ms.to_string().as_bytes(),
+            lifetimes.life_ms(Stage::Forwarded).to_string().as_bytes(),
+            lifetimes.lock_ms.to_string().as_bytes(),
             &record.encode(),
         ],
     );
@@ -313,14 +329,14 @@ pub struct Transition {
 
 impl Transition {
     /// Completion by the owner: store the completed record (sent as the PUT body).
-    pub fn complete(owner: OwnerToken, record: Record, ttl_ms: u64) -> Transition {
+    pub fn complete(owner: OwnerToken, record: Record, lifetimes: &Lifetimes) -> Transition {
         Transition {
             expected_owner: owner,
             expected_phases: "P",
             require_stale: false,
             new_phase: Some(StorePhase::Done),
             new_owner: owner,
-            ttl_ms,
+            ttl_ms: lifetimes.life_ms(Stage::Completed),
             lock_ms: None,
             record: Some(record),
             tombstone: false,
@@ -344,21 +360,22 @@ impl Transition {
 
     /// Release by the owner of a claim (or take-over) whose answer was lost: it may land later
     /// (a slow link or store). Deletes the claim if it landed; if the key is absent, leaves a
-    /// tombstone naming the owner for `claim_life_ms` (as long as the claim itself would live),
-    /// which the claim script honours: the late claim is refused, any other claim replaces it.
-    pub fn release_lost(owner: OwnerToken, claim_life_ms: u64) -> Transition {
-        Transition { tombstone: true, ttl_ms: claim_life_ms, ..Transition::release(owner) }
+    /// tombstone naming the owner for as long as the claim itself would live, which the claim
+    /// script honours: the late claim is refused, any other claim replaces it.
+    pub fn release_lost(owner: OwnerToken, lifetimes: &Lifetimes) -> Transition {
+        Transition { tombstone: true, ttl_ms: lifetimes.life_ms(Stage::Forwarded), ..Transition::release(owner) }
     }
 
-    /// The owner's request may have executed without a response.
-    pub fn unknown(owner: OwnerToken, ttl_ms: u64) -> Transition {
+    /// The owner's request may have executed without a response: outcome-unknown for
+    /// `unknown_outcome_seconds` from now (Redis's now: the `PX`).
+    pub fn unknown(owner: OwnerToken, lifetimes: &Lifetimes) -> Transition {
         Transition {
             expected_owner: owner,
             expected_phases: "P",
             require_stale: false,
             new_phase: Some(StorePhase::Unknown),
             new_owner: owner,
-            ttl_ms,
+            ttl_ms: lifetimes.life_ms(Stage::Unknown),
             lock_ms: None,
             record: None,
             tombstone: false,
@@ -366,8 +383,8 @@ impl Transition {
     }
 
     /// Another request's forwarded lock expired (by Redis's clock) without a completion.
-    pub fn stale_to_unknown(stale_owner: OwnerToken, ttl_ms: u64) -> Transition {
-        Transition { require_stale: true, ..Transition::unknown(stale_owner, ttl_ms) }
+    pub fn stale_to_unknown(stale_owner: OwnerToken, lifetimes: &Lifetimes) -> Transition {
+        Transition { require_stale: true, ..Transition::unknown(stale_owner, lifetimes) }
     }
 
     /// Replaces another request's value with a claim of our own: a forwarded claim whose lock
@@ -375,14 +392,13 @@ impl Transition {
     /// free (past its record's expiry; `Summary::is_free`). Either way the script changes the
     /// value only if its lock is not live by Redis's clock (a completed or unknown value holds
     /// none): a claim whose lock is live is never replaced, whatever its record's expiry. The
-    /// new value lives at least as long as its lock.
+    /// new value lives as a forwarded claim (`Stage::Forwarded`).
     pub fn take_over(
         stale_owner: OwnerToken,
         owner: OwnerToken,
         record: Record,
         free: bool,
-        ttl_ms: u64,
-        lock_ms: u64,
+        lifetimes: &Lifetimes,
     ) -> Transition {
         Transition {
             expected_owner: stale_owner,
@@ -390,8 +406,8 @@ impl Transition {
             require_stale: true,
             new_phase: Some(StorePhase::InProgress),
             new_owner: owner,
-            ttl_ms: claim_life_ms(ttl_ms, lock_ms),
-            lock_ms: Some(lock_ms),
+            ttl_ms: lifetimes.life_ms(Stage::Forwarded),
+            lock_ms: Some(lifetimes.lock_ms),
             record: Some(record),
             tombstone: false,
         }
@@ -543,8 +559,9 @@ fn parse_reply(status: Option<u16>, body: &[u8]) -> Result<Resp, StoreError> {
 pub enum ClaimReply {
     /// This request now holds the key (forwarded-in-progress).
     Claimed { now_ms: u64 },
-    /// The key exists: decide on it with Redis's clock.
-    Exists { now_ms: u64, value: StoredValue },
+    /// The key exists: decide on it with Redis's clock. `expires_at_ms` is when Redis drops it
+    /// (`now_ms` + its `PTTL`; `u64::MAX` for a key without one).
+    Exists { now_ms: u64, expires_at_ms: u64, value: StoredValue },
     /// The key exists (so nothing was claimed) but its value cannot be decoded: damaged, or
     /// written by a later release (another value format or record version) during a rolling
     /// upgrade. The store answered; it is not "unavailable" (`decision::Lookup::Unreadable`).
@@ -560,10 +577,19 @@ pub fn parse_claim_reply(status: Option<u16>, body: &[u8]) -> Result<ClaimReply,
         items.get(1).and_then(as_int).and_then(|n| u64::try_from(n).ok()).ok_or_else(|| garbled("claim reply time"))?;
     match (items.first().and_then(as_int), items.get(2), items.len()) {
         (Some(1), None, 2) => Ok(ClaimReply::Claimed { now_ms }),
-        (Some(0), Some(Resp::Bulk(Some(v))), 3) => Ok(match StoredValue::decode(v) {
-            Ok(value) => ClaimReply::Exists { now_ms, value },
-            Err(e) => ClaimReply::Unreadable { now_ms, why: e.to_string() },
-        }),
+        (Some(0), Some(Resp::Bulk(Some(v))), 4) => {
+            // PTTL: the remaining ms, or -1 for a key without expiry (never written so: it
+            // never expires, which holds the key rather than freeing it). Nothing else is valid.
+            let expires_at_ms = match items.get(3).and_then(as_int) {
+                Some(-1) => u64::MAX,
+                Some(left) => now_ms.saturating_add(u64::try_from(left).map_err(|_| garbled("claim reply pttl"))?),
+                None => return Err(garbled("claim reply pttl")),
+            };
+            Ok(match StoredValue::decode(v) {
+                Ok(value) => ClaimReply::Exists { now_ms, expires_at_ms, value },
+                Err(e) => ClaimReply::Unreadable { now_ms, why: e.to_string() },
+            })
+        }
         _ => Err(garbled("claim reply shape")),
     }
 }

@@ -38,8 +38,8 @@ fn envoy_refuses_to_start_with_a_bad_configuration_and_names_the_field() {
 #[test]
 fn envoy_refuses_a_detached_upstream_timeout_that_outlives_the_lock_or_the_record() {
     let cases = [
-        // The default timeout (30 s) with a 2 s record: a retry at 2.4 s would execute again.
-        r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 2, "lock_ttl_seconds": 2, "forwarding": "detached", "upstream": {"cluster": "upstream"}}"#,
+        // The default timeout (30 s) with a 3 s record and a 2 s lock.
+        r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 3, "lock_ttl_seconds": 2, "forwarding": "detached", "upstream": {"cluster": "upstream"}}"#,
         r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 5, "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 5000}}"#,
         r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/", "lock_ttl_seconds": 1, "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 1500}}]}"#,
     ];

@@ -104,21 +104,22 @@ fn sleep_until(t: Instant) {
     }
 }
 
-/// Issue 12, item 5. ttl 3 s, lock 3 s, route timeout 2.5 s (every documented rule kept): A
-/// claims at headers, uploads its body in 2 s and is forwarded to an upstream needing 2 s; a
-/// retry 3.4 s after A's claim finds A's record past the expiry set at headers while A's lock
-/// (moved at forwarding) is live. It must get 409, not execute a second time.
+/// Issue 12, item 5. ttl 7 s, lock 6 s, route timeout 5.9 s (every documented rule kept, and
+/// `ttl_seconds` above `lock_ttl_seconds` by the margin): A claims at headers, uploads its body in
+/// 4.5 s and is forwarded to an upstream needing 4.3 s; a retry 7.4 s after A's claim finds A's
+/// record past the expiry set at headers while A's lock (moved at forwarding) is live. It must get
+/// 409, not execute a second time.
 #[test]
 fn a_claim_whose_lock_is_live_is_never_free_even_past_its_records_expiry() {
-    let cfg = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 3, "lock_ttl_seconds": 3}"#;
-    let s = Stack::with(cfg, |o| o.route_timeout_ms = 2500);
+    let cfg = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 7, "lock_ttl_seconds": 6}"#;
+    let s = Stack::with(cfg, |o| o.route_timeout_ms = 5900);
     let port = s.envoy.port;
-    let mut a = SlowUpload::headers(port, "k-slow-upload", &[("x-up-delay-ms", "2000")]);
+    let mut a = SlowUpload::headers(port, "k-slow-upload", &[("x-up-delay-ms", "4300")]);
     let claimed = seen(&s.envoy, "idemgate.claimed", 1);
-    sleep_until(claimed + Duration::from_millis(2000));
+    sleep_until(claimed + Duration::from_millis(4500));
     a.body();
-    sleep_until(claimed + Duration::from_millis(3400));
-    let retry = post(port, "k-slow-upload", &[("x-up-delay-ms", "2000")]);
+    sleep_until(claimed + Duration::from_millis(7400));
+    let retry = post(port, "k-slow-upload", &[("x-up-delay-ms", "4300")]);
     let first = a.answer();
     assert_eq!(
         s.up.executions(),
@@ -257,7 +258,7 @@ fn store_a_slow_upload_forwarded_late_keeps_its_key_on_every_proxy() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     let up = Upstream::start();
-    let cfg = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 3, "lock_ttl_seconds": 3, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+    let cfg = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 4, "lock_ttl_seconds": 3, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
     let mut o = EnvoyOptions::new(cfg, up.port);
     o.store_port = Some(webdis.port);
     o.route_timeout_ms = 2500;

@@ -567,3 +567,139 @@ fn a_record_this_build_cannot_read_is_never_forwarded_even_in_pass_mode() {
     assert_eq!(p.a.stat("idemgate.store_passed_unprotected"), 0);
     assert!(p.a.log().contains("outcome=record_unreadable"), "{}", p.a.log());
 }
+
+/// Redis's own clock (`TIME`), in ms.
+fn redis_now_ms(redis: &Redis) -> u64 {
+    let t = redis.command(&[b"TIME"]).into_array();
+    let part = |i: usize| -> u64 {
+        let b = t.get(i).cloned().and_then(|v| v.into_bulk()).expect("TIME part");
+        String::from_utf8_lossy(&b).parse().expect("TIME number")
+    };
+    part(0) * 1000 + part(1) / 1000
+}
+
+/// Sleeps until `t` (no-op if it has passed).
+fn sleep_until(t: std::time::Instant) {
+    if let Some(d) = t.checked_duration_since(std::time::Instant::now()) {
+        std::thread::sleep(d);
+    }
+}
+
+/// Issue 13, item 7, through Envoy with two proxies: `ttl_seconds` 4, `unknown_outcome_seconds`
+/// 600. A request times out at the route (outcome unknown, one execution). 5.3 s later (past the
+/// claim's `ttl_seconds`, far inside `unknown_outcome_seconds`) both proxies must answer 409
+/// `outcome-unknown`: the store's record lives `unknown_outcome_seconds` from the moment it became
+/// unknown, as the local tier's does. (The sleep is the subject: the TTL.)
+#[test]
+fn an_outcome_unknown_record_lives_unknown_outcome_seconds_on_every_proxy() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 4, "lock_ttl_seconds": 2, "unknown_outcome_seconds": 600, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+    let p = Pair::with(webdis.port, plugin, |o| o.route_timeout_ms = 1000);
+    let started = std::time::Instant::now();
+    let first = post(&p.a, "k-unknown-life", "{}", &[("x-up-delay-ms", "1500")]);
+    assert_eq!(first.status, 504, "{}", first.body_text());
+    assert_eq!(p.up.executions(), 1);
+    assert!(
+        eventually(Duration::from_secs(5), || redis
+            .get_raw(redis_key_of(plugin, "k-unknown-life"))
+            .is_some_and(|v| v.get(4) == Some(&b'U'))),
+        "the store never learned the outcome is unknown"
+    );
+    sleep_until(started + Duration::from_millis(5300));
+    for (name, proxy) in [("a (saw it)", &p.a), ("b", &p.b)] {
+        let r = post(proxy, "k-unknown-life", "{}", &[]);
+        assert_eq!(
+            p.up.executions(),
+            1,
+            "executions: proxy {name} executed an outcome-unknown key again ({} {})",
+            r.status,
+            problem_type(&r)
+        );
+        assert_eq!((r.status, problem_type(&r).as_str()), (409, "urn:idemgate:problem:outcome-unknown"), "{name}");
+    }
+}
+
+/// Issue 13, item 2: store values are judged by Redis's clock only. Values are written straight
+/// into Redis as a proxy whose clock is off would have written them (the record's own expiry
+/// shifted; the lock and `PX` as the scripts set them, by Redis's clock). `ttl_seconds` 4,
+/// `lock_ttl_seconds` 2:
+/// - a forwarded claim written by a proxy 3 s behind Redis: in flight while its lock is live, then
+///   outcome-unknown once it is stale, never taken over and executed;
+/// - a completed record written by a proxy 3 s behind: replayed for its whole `PX`, never
+///   executed again early;
+/// - a completed record written by a proxy 30 s ahead: executed again once its `PX` (its life by
+///   Redis's clock) is over, not 30 s later.
+#[test]
+fn store_values_are_judged_by_redis_clock_whatever_the_writers_clock() {
+    use idemgate::owner::OwnerToken;
+    use idemgate::record::State;
+    use idemgate::store::{StorePhase, StoredValue};
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 4, "lock_ttl_seconds": 2, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+    let p = Pair::new(webdis.port, plugin);
+    let keys = ["k-skew-claim", "k-skew-behind", "k-skew-ahead"];
+    let mut values = vec![];
+    for k in keys {
+        assert_eq!(post(&p.a, k, "{}", &[]).status, 201);
+        let name = redis_key_of(plugin, k);
+        assert!(
+            eventually(Duration::from_secs(5), || redis.get_raw(&name).is_some_and(|v| v.get(4) == Some(&b'D'))),
+            "{k}: no completed record in the store"
+        );
+        let v = StoredValue::decode(&redis.get_raw(&name).expect("value")).expect("a value this build reads");
+        values.push((name, v));
+    }
+    assert_eq!(p.up.executions(), 3);
+    let t0 = std::time::Instant::now();
+    let (behind, ahead) = (3_000, 30_000);
+    // Another proxy's forwarded claim, clock 3 s behind: lock (by Redis) live for 2 s, its
+    // record's expiry as that proxy computed it (claim time + ttl, by its clock), PX 4 s.
+    let (name, mut v) = values[0].clone();
+    let now = redis_now_ms(&redis);
+    let other = OwnerToken([7; 16]);
+    v.phase = StorePhase::InProgress;
+    v.owner = other;
+    v.lock_expires_at_ms = now + 2_000;
+    v.record.created_at_ms = now - behind;
+    v.record.expires_at_ms = now - behind + 4_000;
+    v.record.state = State::InProgress { owner: other, lock_expires_at_ms: now - behind + 2_000 };
+    redis.command(&[b"SET", name.as_bytes(), &v.encode(), b"PX", b"4000"]);
+    // Completed records, PX 4 s (ttl from completion), written by clocks 3 s behind and 30 s ahead.
+    for ((name, v), shift) in values[1..].iter().zip([-(behind as i64), ahead as i64]) {
+        let mut v = v.clone();
+        let now = redis_now_ms(&redis);
+        v.record.created_at_ms = now.saturating_add_signed(shift);
+        v.record.expires_at_ms = v.record.created_at_ms + 4_000;
+        redis.command(&[b"SET", name.as_bytes(), &v.encode(), b"PX", b"4000"]);
+    }
+    let live = post(&p.b, keys[0], "{}", &[]);
+    assert_eq!((live.status, problem_type(&live).as_str()), (409, "urn:idemgate:problem:request-in-flight"));
+    // 2.5 s: the claim's lock is stale but its record is not over by Redis's clock; the completed
+    // record written 3 s behind is 1.5 s past its own expiry field, 1.5 s short of its PX.
+    sleep_until(t0 + Duration::from_millis(2500));
+    let stale = post(&p.b, keys[0], "{}", &[]);
+    assert_eq!(
+        p.up.executions(),
+        3,
+        "executions: a claim within its life was taken over ({} {})",
+        stale.status,
+        problem_type(&stale)
+    );
+    assert_eq!((stale.status, problem_type(&stale).as_str()), (409, "urn:idemgate:problem:outcome-unknown"));
+    let replay = post(&p.b, keys[1], "{}", &[]);
+    assert_eq!(
+        p.up.executions(),
+        3,
+        "executions: a completed record was executed again before its ttl ({} {})",
+        replay.status,
+        problem_type(&replay)
+    );
+    assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")));
+    // 4.5 s: the record written 30 s ahead is over by Redis's clock: a retry executes.
+    sleep_until(t0 + Duration::from_millis(4500));
+    let fresh = post(&p.b, keys[2], "{}", &[]);
+    assert_eq!((fresh.status, fresh.header("idempotent-replayed")), (201, None), "{}", fresh.body_text());
+    assert_eq!(p.up.executions(), 4);
+}

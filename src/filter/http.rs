@@ -31,7 +31,7 @@ use crate::fingerprint::Fingerprint;
 use crate::local::{Begin, Handle, LocalError};
 use crate::owner::{OwnerToken, TokenSources};
 use crate::problem::ProblemKind;
-use crate::record::{Creator, Record, State, StoredResponse};
+use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
 use crate::request::{RequestHead, ROUTER_RETRY_CAP};
 use crate::scope::{CallerScope, StorageKey};
 use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition};
@@ -367,10 +367,10 @@ impl Http {
                 // Without a store, the local tier always holds the claim it forwards under.
                 None => self.fail_closed(Broken::ImpossibleDecision, "proceed_without_claim", None, Holding::Nothing),
             };
-        }
-        let (ttl, lock) = (policy.ttl_seconds, policy.lock_ttl_seconds);
-        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), ttl, lock);
-        let req = store::claim_request(&r.skey, &r.owner, &record, ttl.saturating_mul(1000), lock.saturating_mul(1000));
+        };
+        let lifetimes = Lifetimes::of(policy);
+        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), &lifetimes);
+        let req = store::claim_request(&r.skey, &r.owner, &record, &lifetimes);
         self.call(req, handle, fp, false)
     }
 
@@ -498,9 +498,9 @@ impl Http {
             };
         }
         let on_unavailable = self.shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
-        let (now, value) = match store::parse_claim_reply(status, body) {
+        let (now, expires_at, value) = match store::parse_claim_reply(status, body) {
             Ok(ClaimReply::Claimed { .. }) => return self.forward(handle, fp, true),
-            Ok(ClaimReply::Exists { now_ms, value }) => (now_ms, value),
+            Ok(ClaimReply::Exists { now_ms, expires_at_ms, value }) => (now_ms, expires_at_ms, value),
             // The key holds a record we cannot read: nothing was claimed, and it is no outage.
             Ok(ClaimReply::Unreadable { now_ms, why }) => {
                 self.release_local(handle);
@@ -522,14 +522,17 @@ impl Http {
             let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
             return self.fail_closed(Broken::PolicyMissing, "store_answer", handle, holding);
         };
-        match decide(Lookup::Found(value.summary()), Some(&fp), now, &policy, on_unavailable) {
+        // Judged by Redis's clock only: its now, the key's expiry (TIME + PTTL), the lock's.
+        match decide(Lookup::Found(value.summary(expires_at)), Some(&fp), now, &policy, on_unavailable) {
             Decision::Replay => {
                 self.count(Counter::StoreReplays);
-                // A completed record never changes: keep a copy so the next replay needs no store call.
+                // A completed record never changes: keep a copy so the next replay needs no store
+                // call, ending with the store's key by this proxy's clock.
+                let record = value.record_on_clock(now, expires_at, host::now_ms());
                 if let Some(h) = handle {
-                    let _ = self.shared.table.complete(&mut HostShared, &h, value.record.clone());
+                    let _ = self.shared.table.complete(&mut HostShared, &h, record.clone());
                 }
-                self.replay(value.record)
+                self.replay(record)
             }
             Decision::Reject(ProblemKind::InFlight { .. }) => {
                 self.release_local(handle);
@@ -541,8 +544,8 @@ impl Http {
             }
             Decision::MarkUnknown => {
                 self.release_local(handle);
-                let ttl = policy.unknown_outcome_seconds.saturating_mul(1000);
-                self.enqueue("stale_to_unknown", Transition::stale_to_unknown(value.owner, ttl), None);
+                let unknown = Transition::stale_to_unknown(value.owner, &Lifetimes::of(&policy));
+                self.enqueue("stale_to_unknown", unknown, None);
                 self.answer(ProblemKind::OutcomeUnknown, Some(&value.record.creator))
             }
             // A stale lock with `stale_lock: "takeover"`, or a record the store still holds that
@@ -570,11 +573,9 @@ impl Http {
             let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
             return self.fail_closed(Broken::RequestMissing, "take_over", handle, holding);
         };
-        let now = host::now_ms();
-        let (ttl, lock) = (policy.ttl_seconds, policy.lock_ttl_seconds);
-        let record = Record::in_progress(fp, r.creator.clone(), r.owner, now, ttl, lock);
-        let (ttl_ms, lock_ms) = (ttl.saturating_mul(1000), lock.saturating_mul(1000));
-        let req = Transition::take_over(old.owner, r.owner, record, free, ttl_ms, lock_ms).request(&r.skey);
+        let lifetimes = Lifetimes::of(policy);
+        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), &lifetimes);
+        let req = Transition::take_over(old.owner, r.owner, record, free, &lifetimes).request(&r.skey);
         self.call(req, handle, fp, true)
     }
 
@@ -594,11 +595,7 @@ impl Http {
     /// and leaves a tombstone if the claim has not landed yet, which the claim script honours.
     fn release_lost_claim(&self) {
         if let (Some(owner), Some(policy)) = (self.req.as_ref().map(|r| r.owner), self.policy()) {
-            let life = crate::record::claim_life_ms(
-                policy.ttl_seconds.saturating_mul(1000),
-                policy.lock_ttl_seconds.saturating_mul(1000),
-            );
-            self.enqueue("release", Transition::release_lost(owner, life), None);
+            self.enqueue("release", Transition::release_lost(owner, &Lifetimes::of(policy)), None);
         }
     }
 

@@ -12,7 +12,7 @@ use crate::decision::Outcome;
 use crate::fingerprint::Fingerprint;
 use crate::local::{Completed, Handle};
 use crate::owner::OwnerToken;
-use crate::record::{Creator, Record, StoredResponse};
+use crate::record::{Creator, Lifetimes, Record, StoredResponse};
 use crate::scope::StorageKey;
 use crate::store::Transition;
 
@@ -48,16 +48,15 @@ pub fn settle(
     let now = host::now_ms();
     let t = &shared.table;
     let line = |outcome: &str, extra: &str| format!("idemgate: outcome={outcome} {} {extra}", claim.log);
-    let ttl_ms = policy.ttl_seconds.saturating_mul(1000);
-    let unknown_ms = policy.unknown_outcome_seconds.saturating_mul(1000);
+    let lifetimes = Lifetimes::of(policy);
     match outcome {
         Outcome::Store => {
             let response = response.unwrap_or(StoredResponse { status: 0, headers: vec![], body: vec![] });
             let record =
                 Record::completed(claim.fp, response, too_large, claim.creator.clone(), now, policy.ttl_seconds);
             if claim.in_store && shared.config.store.is_some() {
-                let unknown = Transition::unknown(claim.owner, unknown_ms);
-                let complete = Transition::complete(claim.owner, record.clone(), ttl_ms);
+                let unknown = Transition::unknown(claim.owner, &lifetimes);
+                let complete = Transition::complete(claim.owner, record.clone(), &lifetimes);
                 shared.push_job(Job::new("complete", &claim.skey, &complete, Some(&unknown)));
             }
             match claim.handle.map(|h| t.complete(&mut HostShared, &h, record)) {
@@ -91,7 +90,7 @@ pub fn settle(
                 let _ = t.mark_unknown(&mut HostShared, &h, reason, now, policy);
             }
             if claim.in_store && shared.config.store.is_some() {
-                shared.push_job(Job::new("unknown", &claim.skey, &Transition::unknown(claim.owner, unknown_ms), None));
+                shared.push_job(Job::new("unknown", &claim.skey, &Transition::unknown(claim.owner, &lifetimes), None));
             }
             shared.metrics.inc(Counter::UnknownOutcome);
             info!("{}", line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())));

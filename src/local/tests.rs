@@ -508,3 +508,31 @@ fn shared_data_holds_no_raw_key_and_no_raw_credential() {
         }
     }
 }
+
+/// Issue 13, item 7, in the local tier: with `ttl_seconds` 4 and `unknown_outcome_seconds` 600, a
+/// forwarded claim that never finished (its VM failed) is outcome-unknown from its lock's expiry
+/// for `unknown_outcome_seconds`, never free at `ttl_seconds`; a claim marked unknown lives
+/// `unknown_outcome_seconds` from then. The same lives as the store's `PX` (`Lifetimes`).
+#[test]
+fn a_forwarded_claim_that_never_finished_is_outcome_unknown_for_unknown_outcome_seconds_whatever_the_ttl() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let p = Policy { ttl_seconds: 4, lock_ttl_seconds: 2, unknown_outcome_seconds: 600, ..policy() };
+    let (k, j) = (skey(60), skey(61));
+    t.begin(&mut m, k, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap();
+    let past_ttl = NOW + 5_300;
+    assert_eq!(t.sweep(&mut m, 0, t.buckets(), past_ttl).unwrap(), 0, "no sweep frees it at its ttl");
+    let b = t.begin(&mut m, k, Some(fp(1)), past_ttl, &p, owner(2), &creator("b")).unwrap();
+    assert!(matches!(b, Begin::Reject { problem: ProblemKind::OutcomeUnknown, .. }), "{b:?}");
+    // Marked unknown by the settle after a route timeout: 600 s from then.
+    let h = handle(&t.begin(&mut m, j, Some(fp(1)), NOW, &p, owner(3), &creator("c")).unwrap());
+    assert!(t.mark_unknown(&mut m, &h, UnknownReason::UpstreamTimeout, NOW + 1_000, &p).unwrap());
+    for at in [past_ttl, NOW + 1_000 + 599_999] {
+        let b = t.begin(&mut m, j, Some(fp(1)), at, &p, owner(4), &creator("d")).unwrap();
+        assert!(is_reject(&b, &ProblemKind::OutcomeUnknown), "{at}: {b:?}");
+    }
+    assert!(matches!(
+        t.begin(&mut m, j, Some(fp(1)), NOW + 1_000 + 600_000, &p, owner(5), &creator("e")).unwrap(),
+        Begin::Claimed { .. }
+    ));
+}

@@ -1,6 +1,6 @@
 use super::*;
 use crate::fingerprint::Fingerprint;
-use crate::record::{Creator, State, StoredResponse};
+use crate::record::{Creator, Lifetimes, Stage, State, StoredResponse};
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -16,6 +16,11 @@ fn record() -> Record {
 
 fn value(phase: StorePhase) -> StoredValue {
     StoredValue { phase, owner: OwnerToken([0xab; 16]), lock_expires_at_ms: 1_764_000_060_000, record: record() }
+}
+
+/// ttl, lock and outcome-unknown lives, in ms.
+fn lives(ttl_ms: u64, lock_ms: u64, unknown_ms: u64) -> Lifetimes {
+    Lifetimes { ttl_ms, lock_ms, unknown_ms }
 }
 
 fn skey() -> StorageKey {
@@ -55,7 +60,7 @@ fn arguments_are_percent_encoded_so_dots_slashes_and_binary_survive_webdis() {
 
 #[test]
 fn claim_request_is_one_post_of_an_eval_with_raw_output() {
-    let r = claim_request(&skey(), &OwnerToken([1; 16]), &record(), 86_400_000, 60_000);
+    let r = claim_request(&skey(), &OwnerToken([1; 16]), &record(), &lives(86_400_000, 60_000, 600_000));
     assert_eq!((r.method, r.path.as_str()), ("POST", "/"));
     let body = String::from_utf8(r.body).unwrap();
     assert!(body.starts_with("EVAL/"));
@@ -65,21 +70,29 @@ fn claim_request_is_one_post_of_an_eval_with_raw_output() {
     assert_eq!(parts[2], "1");
     assert_eq!(parts[3], format!("idemgate%3Av1%3A{}", "07".repeat(32)));
     assert_eq!(parts[4], "01".repeat(16));
-    assert_eq!((parts[5], parts[6]), ("86400000", "60000"));
+    assert_eq!((parts[5], parts[6]), ("660000", "60000"), "PX: a forwarded claim's life (lock, then outcome unknown)");
     assert!(!body[..body.len() - 4].contains('.'), "no unencoded dot before the format suffix");
 }
 
-/// The claim's `PX` covers its lock: the key cannot vanish from Redis while the lock is live.
+/// A forwarded claim's `PX` is its lock, then `unknown_outcome_seconds` (issue 13, item 7): the
+/// key cannot vanish from Redis while the lock is live, nor once the claim is outcome-unknown
+/// before that state's life is over, whatever `ttl_seconds` says. Every transition's `PX` comes
+/// from the one table (`Lifetimes::life_ms`), as the local tier's expiries do.
 #[test]
-fn a_claims_px_covers_its_lock() {
-    let px = |ttl, lock| {
-        let body = String::from_utf8(claim_request(&skey(), &OwnerToken([1; 16]), &record(), ttl, lock).body).unwrap();
-        body.trim_end_matches(".raw").split('/').nth(5).unwrap().to_string()
-    };
-    assert_eq!(px(2_000, 1_000), "2000");
-    assert_eq!(px(1_000, 5_000), "5000");
-    let t = Transition::take_over(OwnerToken([1; 16]), OwnerToken([2; 16]), record(), false, 1_000, 5_000);
-    assert_eq!((t.ttl_ms, t.lock_ms), (5_000, Some(5_000)));
+fn every_transitions_px_comes_from_the_one_lifetime_table() {
+    let l = lives(4_000, 2_000, 600_000);
+    let body = String::from_utf8(claim_request(&skey(), &OwnerToken([1; 16]), &record(), &l).body).unwrap();
+    let px = body.trim_end_matches(".raw").split('/').nth(5).unwrap().to_string();
+    assert_eq!(px, "602000");
+    let (a, b) = (OwnerToken([1; 16]), OwnerToken([2; 16]));
+    let t = Transition::take_over(a, b, record(), false, &l);
+    assert_eq!((t.ttl_ms, t.lock_ms), (602_000, Some(2_000)));
+    assert_eq!(Transition::complete(a, record(), &l).ttl_ms, 4_000, "completed: ttl from completion");
+    assert_eq!(Transition::unknown(a, &l).ttl_ms, 600_000, "unknown: unknown_outcome from now");
+    assert_eq!(Transition::stale_to_unknown(a, &l).ttl_ms, 600_000);
+    for (stage, px) in [(Stage::Forwarded, 602_000), (Stage::Completed, 4_000), (Stage::Unknown, 600_000)] {
+        assert_eq!(l.life_ms(stage), px, "{stage:?}");
+    }
 }
 
 /// Replacing a stored value is always conditional on its lock not being live by Redis's clock:
@@ -88,9 +101,9 @@ fn a_claims_px_covers_its_lock() {
 #[test]
 fn replacing_a_stored_value_always_requires_its_lock_not_live() {
     let (old, new) = (OwnerToken([1; 16]), OwnerToken([2; 16]));
-    let stale = Transition::take_over(old, new, record(), false, 9_000, 1_000);
+    let stale = Transition::take_over(old, new, record(), false, &lives(9_000, 1_000, 9_000));
     assert_eq!((stale.expected_phases, stale.require_stale), ("P", true));
-    let free = Transition::take_over(old, new, record(), true, 9_000, 1_000);
+    let free = Transition::take_over(old, new, record(), true, &lives(9_000, 1_000, 9_000));
     assert_eq!((free.expected_phases, free.require_stale), ("PDU", true));
     let path = free.request(&skey()).path;
     let parts: Vec<&str> = path.trim_end_matches(".raw").split('/').collect();
@@ -103,7 +116,7 @@ fn a_completion_travels_as_a_put_body_and_other_transitions_as_posts() {
     let owner = OwnerToken([2; 16]);
     let mut done = record();
     done.state = State::Completed(StoredResponse { status: 201, headers: vec![], body: vec![0, 1, 2, 255] });
-    let put = Transition::complete(owner, done.clone(), 1000).request(&skey());
+    let put = Transition::complete(owner, done.clone(), &lives(1000, 500, 5000)).request(&skey());
     assert_eq!(put.method, "PUT");
     assert!(put.path.starts_with("/EVAL/") && put.path.ends_with(".raw"));
     assert_eq!(put.body, done.encode());
@@ -113,7 +126,7 @@ fn a_completion_travels_as_a_put_body_and_other_transitions_as_posts() {
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
     // EVAL script 1 key | owner phases stale new-phase new-owner ttl lock record
     assert_eq!(&parts[4..], &["02".repeat(16).as_str(), "P", "0", "X", "02".repeat(16).as_str(), "1", "-", "-"]);
-    let stale = Transition::stale_to_unknown(owner, 5000).request(&skey());
+    let stale = Transition::stale_to_unknown(owner, &lives(1000, 500, 5000)).request(&skey());
     let body = String::from_utf8(stale.body).unwrap();
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
     assert_eq!((parts[6], parts[7], parts[9]), ("1", "U", "5000"));
@@ -156,10 +169,29 @@ fn claim_replies_are_understood_whether_integers_come_as_integers_or_bulk_string
     );
     let v = value(StorePhase::Done);
     let enc = v.encode();
-    let mut reply = format!("*3\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", enc.len()).into_bytes();
+    let mut reply = format!("*4\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", enc.len()).into_bytes();
     reply.extend_from_slice(&enc);
-    reply.extend_from_slice(b"\r\n");
-    assert_eq!(parse_claim_reply(Some(200), &reply), Ok(ClaimReply::Exists { now_ms: 1765, value: v }));
+    reply.extend_from_slice(b"\r\n$4\r\n4000\r\n");
+    assert_eq!(
+        parse_claim_reply(Some(200), &reply),
+        Ok(ClaimReply::Exists { now_ms: 1765, expires_at_ms: 5765, value: v.clone() })
+    );
+    // A key without expiry holds; a three-item answer (no PTTL) or a PTTL that is no time is garbled.
+    let no_px = reply_with_pttl(&enc, "-1");
+    assert_eq!(
+        parse_claim_reply(Some(200), &no_px),
+        Ok(ClaimReply::Exists { now_ms: 1765, expires_at_ms: u64::MAX, value: v })
+    );
+    for bad in ["-2", "x"] {
+        assert!(
+            matches!(parse_claim_reply(Some(200), &reply_with_pttl(&enc, bad)), Err(StoreError::Garbled(_))),
+            "{bad}"
+        );
+    }
+    let mut three = format!("*3\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", enc.len()).into_bytes();
+    three.extend_from_slice(&enc);
+    three.extend_from_slice(b"\r\n");
+    assert!(matches!(parse_claim_reply(Some(200), &three), Err(StoreError::Garbled(_))));
 }
 
 #[test]
@@ -193,9 +225,14 @@ fn reads_are_plain_gets_and_their_answers_are_checked() {
 
 /// Bytes of a value as a stored-value bulk string in a claim-or-read answer ("exists").
 fn exists_reply(value: &[u8]) -> Vec<u8> {
-    let mut reply = format!("*3\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", value.len()).into_bytes();
+    reply_with_pttl(value, "4000")
+}
+
+/// A claim-or-read answer "exists" at Redis time 1765 with this value and `PTTL` text.
+fn reply_with_pttl(value: &[u8], pttl: &str) -> Vec<u8> {
+    let mut reply = format!("*4\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", value.len()).into_bytes();
     reply.extend_from_slice(value);
-    reply.extend_from_slice(b"\r\n");
+    reply.extend_from_slice(format!("\r\n${}\r\n{pttl}\r\n", pttl.len()).as_bytes());
     reply
 }
 
@@ -227,16 +264,30 @@ fn a_value_that_exists_but_cannot_be_decoded_is_unreadable_not_a_store_failure()
         assert!(matches!(parse_read_reply(Some(200), &read), Ok(ReadReply::Unreadable(_))), "{what}");
     }
     // The shape of the answer itself still decides "garbled": no value, or not a string.
-    assert!(matches!(parse_claim_reply(Some(200), b"*3\r\n:0\r\n:1\r\n:5\r\n"), Err(StoreError::Garbled(_))));
-    assert!(matches!(parse_claim_reply(Some(200), b"*3\r\n:0\r\n:1\r\n$-1\r\n"), Err(StoreError::Garbled(_))));
+    assert!(matches!(parse_claim_reply(Some(200), b"*4\r\n:0\r\n:1\r\n:5\r\n:1\r\n"), Err(StoreError::Garbled(_))));
+    assert!(matches!(parse_claim_reply(Some(200), b"*4\r\n:0\r\n:1\r\n$-1\r\n:1\r\n"), Err(StoreError::Garbled(_))));
 }
 
 #[test]
-fn summary_uses_the_stores_phase_and_lock() {
-    let s = value(StorePhase::InProgress).summary();
+fn summary_uses_the_stores_phase_lock_and_expiry_never_the_writers_clock() {
+    let s = value(StorePhase::InProgress).summary(7_000);
     assert_eq!(s.phase, Phase::InProgress { lock_expires_at_ms: 1_764_000_060_000 });
     assert_eq!(s.fingerprint, Some(Fingerprint([5; 32])));
-    assert_eq!(value(StorePhase::Unknown).summary().phase, Phase::Unknown);
+    assert_eq!(s.expires_at_ms, 7_000, "Redis's expiry, not the record's ({})", record().expires_at_ms);
+    assert_eq!(value(StorePhase::Unknown).summary(7_000).phase, Phase::Unknown);
+}
+
+/// Issue 13, item 2: a proxy keeps its copy of a store record for what is left of the key's life
+/// by Redis's clock, counted on its own clock, whatever the proxies' and Redis's clocks say.
+#[test]
+fn a_store_record_moves_onto_the_proxys_clock_with_what_is_left_of_its_life() {
+    let v = value(StorePhase::Done);
+    // Redis at 1_000_000, the key expires at 1_004_000; the proxy's clock reads 30 s behind.
+    let r = v.record_on_clock(1_000_000, 1_004_000, 970_000);
+    assert_eq!(r.expires_at_ms, 974_000);
+    assert_eq!(v.record_on_clock(1_000_000, 999_000, 970_000).expires_at_ms, 970_000, "already over");
+    assert_eq!(v.record_on_clock(1_000_000, u64::MAX, 970_000).expires_at_ms, u64::MAX, "no PX: never");
+    assert_eq!(r.state, v.record.state);
 }
 
 #[cfg(not(target_arch = "wasm32"))]
@@ -256,9 +307,7 @@ mod props {
         #[test]
         fn mutated_claim_replies_never_panic(pos in any::<prop::sample::Index>(), byte in any::<u8>(), cut in any::<prop::sample::Index>()) {
             let enc = value(StorePhase::Done).encode();
-            let mut reply = format!("*3\r\n:0\r\n:1765\r\n${}\r\n", enc.len()).into_bytes();
-            reply.extend_from_slice(&enc);
-            reply.extend_from_slice(b"\r\n");
+            let mut reply = reply_with_pttl(&enc, "4000");
             let i = pos.index(reply.len());
             reply[i] = byte;
             let _ = parse_claim_reply(Some(200), &reply);
@@ -276,7 +325,7 @@ mod props {
 #[test]
 fn a_lost_claim_release_leaves_a_tombstone_naming_its_owner_that_reads_as_absent() {
     let owner = OwnerToken([0xcd; 16]);
-    let t = Transition::release_lost(owner, 90_000);
+    let t = Transition::release_lost(owner, &lives(86_400_000, 30_000, 60_000));
     assert!(t.tombstone && t.new_phase.is_none());
     let req = String::from_utf8(t.request(&skey()).body).unwrap();
     // ARGV: owner, phases, stale, new phase 'R', new owner, ttl (the claim's own life), lock, record.
