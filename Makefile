@@ -20,7 +20,7 @@ deps:
 test: lint build deps test-native test-wasm test-demo test-faults
 	@echo "make test: all suites passed"
 
-## test-faults: the fault matrix, hostile input, security cases, a bounded soak (IDEMGATE_SOAK_SECONDS,
+## test-faults: the fault matrix, hostile input, security cases, capacity (200,000 keys on defaults), a bounded soak (IDEMGATE_SOAK_SECONDS,
 ## default 120) and bounded fuzzing (FUZZ_SECONDS per target, default 60); tables in target/faults/
 FAULT_CASES_ELSEWHERE = malformed_keys body_over_the_limit client_that_disconnects upstream_timeout \
   never_forwarded_stale_claim response_too_large full_local_tier two_callers replays_carry_no_set_cookie \
@@ -32,7 +32,7 @@ test-faults: build deps
 	scripts/install-deps.sh h2-client
 	scripts/build-wasm.sh --crash-injection
 	rm -rf target/faults
-	cargo test --locked --test faults --test hostile --test soak --test scope_and_fingerprint
+	cargo test --locked --test faults --test hostile --test soak --test scope_and_fingerprint --test capacity
 	cargo test --locked --test single_proxy --test two_proxies --test memory_flood -- $(FAULT_CASES_ELSEWHERE)
 	scripts/fuzz.sh $${FUZZ_SECONDS:-60}
 	@printf '\nFault table (case | upstream executions | what the clients saw):\n'; cat target/faults/table.md

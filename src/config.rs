@@ -176,14 +176,17 @@ pub struct LocalConfig {
     pub max_entries: u64,
     pub max_bytes: u64,
     pub when_full: WhenFull,
+    /// A full table evicts only finished records at least this old (`evict_oldest`).
+    pub min_protection_seconds: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WhenFull {
-    /// Default: answer 503 rather than forget an unexpired record (which could let a retry
-    /// execute a second time).
+    /// Never forget an unexpired record: answer 503 instead (which a retry meets too).
     Reject,
-    /// Evict the oldest record; protection for it ends early.
+    /// Default: evict the oldest completed or outcome-unknown record older than
+    /// `min_protection_seconds` (its protection ends early); 503 only when every record is younger
+    /// than that or in flight.
     EvictOldest,
 }
 
@@ -245,7 +248,12 @@ impl Default for Policy {
 
 impl Default for LocalConfig {
     fn default() -> LocalConfig {
-        LocalConfig { max_entries: 10_000, max_bytes: 64 * 1024 * 1024, when_full: WhenFull::Reject }
+        LocalConfig {
+            max_entries: 262_144,
+            max_bytes: 256 * 1024 * 1024,
+            when_full: WhenFull::EvictOldest,
+            min_protection_seconds: 3_600,
+        }
     }
 }
 
@@ -784,13 +792,14 @@ fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
 
 fn parse_local(v: &Value) -> Result<LocalConfig, ConfigError> {
     let m = as_object(v, "local")?;
-    check_unknown(m, "local", &[&["max_entries", "max_bytes", "when_full"]])?;
+    check_unknown(m, "local", &[&["max_entries", "max_bytes", "when_full", "min_protection_seconds"]])?;
     let mut l = LocalConfig::default();
     for (n, v) in m {
         let f = join("local", n);
         match n.as_str() {
             "max_entries" => l.max_entries = as_uint(v, &f, 16, 1_000_000)?,
             "max_bytes" => l.max_bytes = as_uint(v, &f, 4096, 16 * 1024 * 1024 * 1024)?,
+            "min_protection_seconds" => l.min_protection_seconds = as_uint(v, &f, 0, MAX_TTL_SECONDS)?,
             _ => {
                 l.when_full =
                     as_choice(v, &f, &[("reject", WhenFull::Reject), ("evict_oldest", WhenFull::EvictOldest)])?
@@ -910,7 +919,15 @@ mod tests {
                 on_unavailable: OnUnavailable::Pass
             })
         );
-        assert_eq!(c.local, LocalConfig { max_entries: 100, max_bytes: 1_048_576, when_full: WhenFull::EvictOldest });
+        assert_eq!(
+            c.local,
+            LocalConfig {
+                max_entries: 100,
+                max_bytes: 1_048_576,
+                when_full: WhenFull::EvictOldest,
+                min_protection_seconds: 3_600
+            }
+        );
         assert_eq!(c.max_buffered_bytes, 2_097_152);
     }
 
@@ -976,6 +993,10 @@ mod tests {
             ),
             (r#"{"scope": {"headers": ["a"]}, "local": {"when_full": "drop"}}"#, "local.when_full"),
             (r#"{"scope": {"headers": ["a"]}, "local": {"max_entries": 5000000}}"#, "local.max_entries"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "local": {"min_protection_seconds": -1}}"#,
+                "local.min_protection_seconds",
+            ),
             (r#"{"scope": {"headers": ["a"]}, "max_buffered_bytes": 10}"#, "max_buffered_bytes"),
             (
                 r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "max_buffered_bytes": 5000}]}"#,

@@ -4,24 +4,35 @@
 //! - a CAS write to an **absent** key simply inserts it, so "insert if absent" is not atomic;
 //! - a key name, once written, is never freed.
 //!
-//! So the table is a **fixed** set of key names, created once (only where truly absent) when the
-//! plugin is configured, before its VM serves traffic, and every state change afterwards is a
-//! compare-and-swap on a key that exists:
+//! So the table is a set of key names whose number is bounded, the buckets created once (only
+//! where truly absent) when the plugin is configured, before its VM serves traffic, and every
+//! state change afterwards is a compare-and-swap on a key that exists:
 //!
-//! - `B = ceil(max_entries / 16)` **buckets** `<prefix>.b.<i>`, each with 16 fixed positions. A
-//!   position holds one entry: the storage key, fingerprint, phase, owner, lock expiry, expiry. A
-//!   key lives in bucket `skey mod B`. Claims, take-overs, completions and releases are CAS
-//!   writes of the whole bucket (about 1.8 KB), so exactly one of two racing workers wins.
-//! - **record slots** `<prefix>.s.<i>.<j>`, one per position: the full record (creator, and the
-//!   stored response once completed). A slot is written only by the owner of its position and
-//!   prefixed with that owner's token, so a reader can tell a stale slot from a current one.
+//! - `B = ceil(max_entries / 8)` **buckets** `<prefix>.b.<i>`, each with up to 64 positions, of
+//!   which the value holds only the occupied ones (memory follows use: about 8 entries a bucket
+//!   when the table is full, so a bucket overflows only far past its average). A key lives in
+//!   bucket `skey mod B`. Claims, take-overs, completions and releases are CAS writes of the whole
+//!   bucket, so exactly one of two racing workers wins.
+//! - `<prefix>.count`: the occupied positions of all buckets, against `local.max_entries` (CAS
+//!   counter). A claim that needs a new position reserves one unit first and only then makes its
+//!   single bucket CAS, so the bound holds under any interleaving; a replaced free or evicted
+//!   entry hands its unit over.
+//! - **record slots** `<prefix>.s.<i>.<j>`, one per position ever used: the full record (creator,
+//!   and the stored response once completed). A slot is written only by the owner of its position
+//!   and prefixed with that owner's token, so a reader can tell a stale slot from a current one.
 //! - `<prefix>.usage`: bytes held by completed records, against `local.max_bytes` (CAS counter).
+//! - `<prefix>.evicted_age`: the age (ms) of the last record evicted (the protection actually given).
 //! - `<prefix>.ready`: set once every bucket exists.
 //!
-//! `<prefix>` is `idemgate.v1.local.n<max_entries>`: the layout version and the capacity are in
+//! When `max_entries` is reached, a new key takes the place of the oldest completed or
+//! outcome-unknown record older than `min_protection_seconds`, in its bucket or a few next ones
+//! (`when_full: "evict_oldest"`, the default); never a claim in flight. With none, the answer is
+//! `Begin::Full` (503 `capacity-exhausted`, or, with a store, no local copy).
+//!
+//! `<prefix>` is `idemgate.v2.local.n<max_entries>`: the layout version and the capacity are in
 //! the names, so a module with another layout, or a changed `local.max_entries`, starts a fresh
-//! table instead of misreading this one. Memory is bounded by `max_entries` names plus
-//! `max_bytes` of responses, whatever the number of distinct keys.
+//! table instead of misreading this one. Memory is bounded by `max_entries` entries (and at most
+//! `64 B` slot names) plus `max_bytes` of responses, whatever the number of distinct keys.
 //!
 //! Everything here is plain Rust over the `SharedData` trait, tested against a model with the
 //! host's exact semantics under many interleavings of several workers.
@@ -34,11 +45,15 @@ use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, Stage, State, UnknownReason};
 use crate::scope::StorageKey;
 
-/// Positions per bucket.
-pub const BUCKET_WIDTH: usize = 16;
+/// Positions a bucket may hold (its value holds only the occupied ones).
+pub const BUCKET_WIDTH: usize = 64;
+/// Average entries per bucket when the table is full: `buckets = ceil(max_entries / DENSITY)`.
+pub const DENSITY: u64 = 8;
+/// How many buckets after its own a claim looks at for a record to evict when the table is full.
+const EVICT_SCAN_BUCKETS: u32 = 8;
 /// How many times an operation retries after losing a CAS race before giving up.
 const MAX_CAS_RETRIES: usize = 64;
-const BUCKET_MAGIC: &[u8; 4] = b"IGB\x01";
+const BUCKET_MAGIC: &[u8; 4] = b"IGB\x02";
 const ENTRY_BYTES: usize = 1 + 32 + 1 + 32 + 16 + 8 + 8 + 8 + 2 + 4;
 
 /// The host's shared data, exactly as proxy-wasm exposes it.
@@ -144,59 +159,62 @@ impl Bucket {
         Bucket { positions: vec![None; BUCKET_WIDTH] }
     }
 
+    /// Magic, the number of occupied positions, then each: its index, its phase tag, the entry.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(4 + BUCKET_WIDTH * ENTRY_BYTES);
+        let used = self.positions.iter().filter(|p| p.is_some()).count();
+        let mut out = Vec::with_capacity(5 + used * (1 + ENTRY_BYTES));
         out.extend_from_slice(BUCKET_MAGIC);
-        for p in &self.positions {
-            match p {
-                None => out.push(0),
-                Some(e) => {
-                    out.push(match e.phase {
-                        EntryPhase::Claimed => 1,
-                        EntryPhase::InProgress => 2,
-                        EntryPhase::Completed => 3,
-                        EntryPhase::Unknown => 4,
-                    });
-                    out.extend_from_slice(&e.skey.0);
-                    match &e.fingerprint {
-                        None => out.extend_from_slice(&[0u8; 33]),
-                        Some(fp) => {
-                            out.push(1);
-                            out.extend_from_slice(&fp.0);
-                        }
-                    }
-                    out.extend_from_slice(&e.owner.0);
-                    out.extend_from_slice(&e.created_at_ms.to_le_bytes());
-                    out.extend_from_slice(&e.expires_at_ms.to_le_bytes());
-                    out.extend_from_slice(&e.lock_expires_at_ms.to_le_bytes());
-                    out.extend_from_slice(&e.status.to_le_bytes());
-                    out.extend_from_slice(&e.slot_bytes.to_le_bytes());
+        out.push(u8::try_from(used).unwrap_or(u8::MAX));
+        for (j, p) in self.positions.iter().enumerate() {
+            let Some(e) = p else { continue };
+            out.push(u8::try_from(j).unwrap_or(u8::MAX));
+            out.push(match e.phase {
+                EntryPhase::Claimed => 1,
+                EntryPhase::InProgress => 2,
+                EntryPhase::Completed => 3,
+                EntryPhase::Unknown => 4,
+            });
+            out.extend_from_slice(&e.skey.0);
+            match &e.fingerprint {
+                None => out.extend_from_slice(&[0u8; 33]),
+                Some(fp) => {
+                    out.push(1);
+                    out.extend_from_slice(&fp.0);
                 }
             }
+            out.extend_from_slice(&e.owner.0);
+            out.extend_from_slice(&e.created_at_ms.to_le_bytes());
+            out.extend_from_slice(&e.expires_at_ms.to_le_bytes());
+            out.extend_from_slice(&e.lock_expires_at_ms.to_le_bytes());
+            out.extend_from_slice(&e.status.to_le_bytes());
+            out.extend_from_slice(&e.slot_bytes.to_le_bytes());
         }
         out
     }
 
+    /// Refuses an unknown magic or tag, a position out of range or not in increasing order,
+    /// truncation and trailing bytes.
     pub fn decode(bytes: &[u8]) -> Option<Bucket> {
-        let rest = bytes.strip_prefix(BUCKET_MAGIC.as_slice())?;
-        let mut r = rest;
-        let mut positions = Vec::with_capacity(BUCKET_WIDTH);
-        for _ in 0..BUCKET_WIDTH {
-            let (&tag, tail) = r.split_first()?;
-            r = tail;
+        let (&used, mut r) = bytes.strip_prefix(BUCKET_MAGIC.as_slice())?.split_first()?;
+        let mut b = Bucket::empty();
+        let mut next = 0usize;
+        for _ in 0..used {
+            let (&j, tail) = r.split_first()?;
+            let j = usize::from(j);
+            if j < next || j >= BUCKET_WIDTH {
+                return None;
+            }
+            next = j + 1;
+            let (&tag, tail) = tail.split_first()?;
             let phase = match tag {
-                0 => {
-                    positions.push(None);
-                    continue;
-                }
                 1 => EntryPhase::Claimed,
                 2 => EntryPhase::InProgress,
                 3 => EntryPhase::Completed,
                 4 => EntryPhase::Unknown,
                 _ => return None,
             };
-            let body = r.get(..ENTRY_BYTES - 1)?;
-            r = r.get(ENTRY_BYTES - 1..)?;
+            let body = tail.get(..ENTRY_BYTES - 1)?;
+            r = tail.get(ENTRY_BYTES - 1..)?;
             let arr = |from: usize, to: usize| body.get(from..to);
             let u64_at = |at: usize| arr(at, at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
             let skey: [u8; 32] = arr(0, 32)?.try_into().ok()?;
@@ -206,7 +224,7 @@ impl Bucket {
                 _ => return None,
             };
             let owner: [u8; 16] = arr(65, 81)?.try_into().ok()?;
-            positions.push(Some(Entry {
+            *b.positions.get_mut(j)? = Some(Entry {
                 skey: StorageKey(skey),
                 fingerprint,
                 phase,
@@ -216,9 +234,13 @@ impl Bucket {
                 lock_expires_at_ms: u64_at(97)?,
                 status: u16::from_le_bytes(arr(105, 107)?.try_into().ok()?),
                 slot_bytes: u32::from_le_bytes(arr(107, 111)?.try_into().ok()?),
-            }));
+            });
         }
-        r.is_empty().then_some(Bucket { positions })
+        r.is_empty().then_some(b)
+    }
+
+    fn occupied(&self) -> u64 {
+        self.positions.iter().filter(|p| p.is_some()).count() as u64
     }
 }
 
@@ -273,28 +295,66 @@ pub enum Completed {
 pub struct Table {
     prefix: String,
     buckets: u32,
+    max_entries: u64,
     max_bytes: u64,
     when_full: WhenFull,
+    /// Only finished records at least this old are evicted.
+    floor_ms: u64,
 }
 
 impl Table {
     pub fn new(cfg: &LocalConfig) -> Table {
-        let buckets = cfg.max_entries.div_ceil(BUCKET_WIDTH as u64).clamp(1, u64::from(u32::MAX));
+        let buckets = cfg.max_entries.div_ceil(DENSITY).clamp(1, u64::from(u32::MAX));
         Table {
-            prefix: format!("idemgate.v1.local.n{}", cfg.max_entries),
+            prefix: format!("idemgate.v2.local.n{}", cfg.max_entries),
             buckets: u32::try_from(buckets).unwrap_or(u32::MAX),
+            max_entries: cfg.max_entries,
             max_bytes: cfg.max_bytes,
             when_full: cfg.when_full,
+            floor_ms: cfg.min_protection_seconds.saturating_mul(1000),
         }
+    }
+
+    /// With an external store the local tier is a cache: the store keeps every record, so a full
+    /// table evicts the oldest finished record whatever its age (a claim in flight still never).
+    pub fn as_cache(mut self) -> Table {
+        self.when_full = WhenFull::EvictOldest;
+        self.floor_ms = 0;
+        self
     }
 
     pub fn buckets(&self) -> u32 {
         self.buckets
     }
 
-    /// Bytes of the bucket index with every position occupied: fixed by `max_entries`.
+    /// Records the table holds at most (`local.max_entries`).
+    pub fn capacity(&self) -> u64 {
+        self.max_entries
+    }
+
+    /// Bytes of the bucket index with every record held: bounded by `max_entries` (an empty
+    /// table holds only the bucket names and their 4-byte headers).
     pub fn max_index_bytes(&self) -> u64 {
-        u64::from(self.buckets) * (BUCKET_MAGIC.len() + BUCKET_WIDTH * ENTRY_BYTES) as u64
+        u64::from(self.buckets) * (BUCKET_MAGIC.len() + 1) as u64 + self.max_entries * (1 + ENTRY_BYTES) as u64
+    }
+
+    /// What the table holds and supports, for the configure-time log line: a record lives
+    /// `ttl_seconds`, so `capacity / ttl_seconds` protected requests a second fit without
+    /// evicting. "Reserved" is the most it may take: the index at capacity plus `max_bytes` of
+    /// responses (memory follows use up to that).
+    pub fn describe(&self, ttl_seconds: u64) -> String {
+        let mib = (self.max_index_bytes() + self.max_bytes) as f64 / (1024.0 * 1024.0);
+        let rate = self.max_entries as f64 / ttl_seconds.max(1) as f64;
+        format!(
+            "idemgate: local table: capacity {} records, {mib:.0} MiB reserved, supports {rate:.1} protected requests/s sustained at ttl_seconds {ttl_seconds}",
+            self.max_entries
+        )
+    }
+
+    /// Whether occupancy went from under 80 % of capacity to at least that (a warning is due).
+    pub fn crossed_high_water(&self, before: u64, now: u64) -> bool {
+        let mark = self.max_entries.saturating_mul(8).div_ceil(10);
+        before < mark && now >= mark
     }
 
     pub fn bucket_name(&self, i: u32) -> String {
@@ -309,6 +369,14 @@ impl Table {
         format!("{}.usage", self.prefix)
     }
 
+    fn count_name(&self) -> String {
+        format!("{}.count", self.prefix)
+    }
+
+    fn evicted_age_name(&self) -> String {
+        format!("{}.evicted_age", self.prefix)
+    }
+
     fn ready_name(&self) -> String {
         format!("{}.ready", self.prefix)
     }
@@ -319,10 +387,10 @@ impl Table {
         u32::try_from(u64::from_le_bytes(first) % u64::from(self.buckets)).unwrap_or(0)
     }
 
-    /// Creates the buckets and the usage counter where they are truly absent; never touches one
-    /// that exists (a worker starting or a configuration reload keeps live records). Returns how
-    /// many keys it created. Call it when the plugin is configured, before traffic: Envoy
-    /// configures the main-thread VM before any worker serves a request.
+    /// Creates the buckets and the counters where they are truly absent; never touches one that
+    /// exists (a worker starting or a configuration reload keeps live records). Returns how many
+    /// keys it created. Call it when the plugin is configured, before traffic: Envoy configures
+    /// the main-thread VM before any worker serves a request.
     pub fn ensure_created(&self, sd: &mut dyn SharedData) -> Result<u32, LocalError> {
         if let (Some(v), _) = sd.get(&self.ready_name())? {
             if v == b"1" {
@@ -338,9 +406,11 @@ impl Table {
                 created += 1;
             }
         }
-        if let (None, None) = sd.get(&self.usage_name())? {
-            sd.set(&self.usage_name(), &0u64.to_le_bytes(), None).map_err(|_| LocalError::Host)?;
-            created += 1;
+        for name in [self.usage_name(), self.count_name()] {
+            if let (None, None) = sd.get(&name)? {
+                sd.set(&name, &0u64.to_le_bytes(), None).map_err(|_| LocalError::Host)?;
+                created += 1;
+            }
         }
         sd.set(&self.ready_name(), b"1", None).map_err(|_| LocalError::Host)?;
         Ok(created)
@@ -384,6 +454,28 @@ impl Table {
         owner: OwnerToken,
         creator: &Creator,
     ) -> Result<Begin, LocalError> {
+        let mut unit = Unit::None;
+        let out = self.begin_holding(sd, skey, fp, now_ms, policy, owner, creator, &mut unit);
+        if unit != Unit::None {
+            // A unit of the count this call reserved (or took from an evicted record) but did
+            // not use: the position it stands for is free.
+            self.add_to(sd, &self.count_name(), -1);
+        }
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn begin_holding(
+        &self,
+        sd: &mut dyn SharedData,
+        skey: StorageKey,
+        fp: Option<Fingerprint>,
+        now_ms: u64,
+        policy: &Policy,
+        owner: OwnerToken,
+        creator: &Creator,
+        unit: &mut Unit,
+    ) -> Result<Begin, LocalError> {
         let i = self.bucket_of(&skey);
         for _ in 0..MAX_CAS_RETRIES {
             let (mut bucket, cas) = self.read_bucket(sd, i)?;
@@ -410,22 +502,30 @@ impl Table {
                 slot_bytes: 0,
             };
             let target = match (&decision, live) {
-                (Decision::Claim, _) => match self.free_position(&bucket, now_ms) {
-                    Some((j, evicted)) => Some((j, false, evicted)),
+                (Decision::Claim, _) => match self.place(sd, i, &bucket, now_ms, unit)? {
+                    Some(place) => Some((place, false)),
                     None => return Ok(Begin::Full),
                 },
-                (Decision::TakeOver, Some(j)) => Some((j, true, false)),
+                (Decision::TakeOver, Some(j)) => Some((Place { position: j, evicted_age_ms: None, new: false }, true)),
                 _ => None,
             };
-            if let Some((j, took_over, evicted)) = target {
-                // Claim position j (free, expired, evicted, or a stale claim taken over) with one
-                // CAS of the whole bucket; a lost race starts over with a fresh read.
+            if let Some((place, took_over)) = target {
+                // Claim the position (new, free, expired, evicted, or a stale claim taken over)
+                // with one CAS of the whole bucket; a lost race starts over with a fresh read.
+                let j = place.position;
                 let freed = bucket.positions.get(j).and_then(|p| p.as_ref()).map_or(0, |e| e.slot_bytes);
                 if let Some(p) = bucket.positions.get_mut(j) {
                     *p = Some(new_entry);
                 }
                 if !self.write_bucket(sd, i, &bucket, cas)? {
                     continue;
+                }
+                let evicted = place.evicted_age_ms.is_some() || (place.new && *unit == Unit::Evicted);
+                if place.new {
+                    *unit = Unit::None; // the new position holds it now
+                }
+                if let Some(age) = place.evicted_age_ms {
+                    self.note_eviction(sd, age);
                 }
                 self.add_usage(sd, -i64::from(freed));
                 let handle = Handle { bucket: i, position: j, owner, skey };
@@ -499,22 +599,94 @@ impl Table {
         Ok(Some(Peeked { summary: e.summary(), record, status: e.status }))
     }
 
-    /// A position for a new key: an empty one, a free one (expired, no live lock), or (with `evict_oldest`) the oldest
-    /// completed or outcome-unknown record. Returns the position and whether it evicted.
-    fn free_position(&self, b: &Bucket, now_ms: u64) -> Option<(usize, bool)> {
-        if let Some(j) = b.positions.iter().position(|p| p.as_ref().is_none_or(|e| e.is_free(now_ms))) {
-            return Some((j, false));
+    /// A position for a new key, in this order: a free one (expired, no live lock: it hands its
+    /// unit of the count over); an empty one, with a unit of the count (reserved now, or taken
+    /// from a free or evicted record of one of the next buckets when the table is full); or, at
+    /// capacity with `evict_oldest`, the oldest finished record of this bucket older than the
+    /// floor. `None`: full.
+    fn place(
+        &self,
+        sd: &mut dyn SharedData,
+        i: u32,
+        b: &Bucket,
+        now_ms: u64,
+        unit: &mut Unit,
+    ) -> Result<Option<Place>, LocalError> {
+        if let Some(j) = b.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.is_free(now_ms))) {
+            return Ok(Some(Place { position: j, evicted_age_ms: None, new: false }));
         }
-        if self.when_full == WhenFull::EvictOldest {
-            return b
-                .positions
-                .iter()
-                .enumerate()
-                .filter_map(|(j, p)| p.as_ref().filter(|e| e.evictable()).map(|e| (j, e.created_at_ms)))
-                .min_by_key(|(_, created)| *created)
-                .map(|(j, _)| (j, true));
+        let empty = b.positions.iter().position(Option::is_none);
+        if let Some(j) = empty {
+            if *unit == Unit::None && self.reserve_on(sd, &self.count_name(), 1, self.max_entries)? {
+                *unit = Unit::Reserved;
+            }
+            if *unit != Unit::None {
+                return Ok(Some(Place { position: j, evicted_age_ms: None, new: true }));
+            }
         }
-        None
+        if let Some((j, age)) = self.eviction_candidate(b, now_ms) {
+            return Ok(Some(Place { position: j, evicted_age_ms: Some(age), new: false }));
+        }
+        if let Some(j) = empty {
+            if let Some(evicted) = self.take_from_next_buckets(sd, i, now_ms)? {
+                *unit = if evicted { Unit::Evicted } else { Unit::Reserved };
+                return Ok(Some(Place { position: j, evicted_age_ms: None, new: true }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The oldest completed or outcome-unknown record of `b` at least `floor_ms` old, and its
+    /// age, when the table evicts at all. Never a claim in flight.
+    fn eviction_candidate(&self, b: &Bucket, now_ms: u64) -> Option<(usize, u64)> {
+        if self.when_full != WhenFull::EvictOldest {
+            return None;
+        }
+        b.positions
+            .iter()
+            .enumerate()
+            .filter_map(|(j, p)| {
+                p.as_ref().filter(|e| e.evictable()).map(|e| (j, now_ms.saturating_sub(e.created_at_ms)))
+            })
+            .filter(|(_, age)| *age >= self.floor_ms)
+            .max_by_key(|(_, age)| *age)
+    }
+
+    /// At capacity, with no room in the key's own bucket: frees one position in one of the next
+    /// `EVICT_SCAN_BUCKETS` buckets (a free record, else an evictable one) with a CAS of that
+    /// bucket, and keeps its unit of the count for the caller's claim (so no other claim can take
+    /// it in between). `Some(true)` when it evicted a live record.
+    fn take_from_next_buckets(&self, sd: &mut dyn SharedData, i: u32, now_ms: u64) -> Result<Option<bool>, LocalError> {
+        for k in 1..=EVICT_SCAN_BUCKETS.min(self.buckets.saturating_sub(1)) {
+            let n = i.wrapping_add(k) % self.buckets;
+            for _ in 0..MAX_CAS_RETRIES {
+                let (mut bucket, cas) = self.read_bucket(sd, n)?;
+                let free = bucket.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.is_free(now_ms)));
+                let (j, age) = match free {
+                    Some(j) => (j, None),
+                    None => match self.eviction_candidate(&bucket, now_ms) {
+                        Some((j, age)) => (j, Some(age)),
+                        None => break,
+                    },
+                };
+                let Some(e) = bucket.positions.get_mut(j).and_then(Option::take) else { break };
+                if !self.write_bucket(sd, n, &bucket, cas)? {
+                    continue;
+                }
+                self.add_usage(sd, -i64::from(e.slot_bytes));
+                self.clear_slot(sd, &Handle { bucket: n, position: j, owner: e.owner, skey: e.skey });
+                if let Some(age) = age {
+                    self.note_eviction(sd, age);
+                }
+                return Ok(Some(age.is_some()));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Keeps the age of the record just evicted, for the gauge (the protection actually given).
+    fn note_eviction(&self, sd: &mut dyn SharedData, age_ms: u64) {
+        let _ = sd.set(&self.evicted_age_name(), &age_ms.to_le_bytes(), None);
     }
 
     fn write_claim_slot(&self, sd: &mut dyn SharedData, h: &Handle, b: &Bucket, creator: &Creator) {
@@ -654,6 +826,7 @@ impl Table {
         match freed {
             Some(bytes) => {
                 self.add_usage(sd, -i64::from(bytes));
+                self.add_to(sd, &self.count_name(), -1);
                 self.clear_slot(sd, h);
                 Ok(true)
             }
@@ -699,6 +872,7 @@ impl Table {
                     break;
                 }
                 if self.write_bucket(sd, i, &bucket, cas)? {
+                    self.add_to(sd, &self.count_name(), -(freed.len() as i64));
                     for (h, bytes) in &freed {
                         self.add_usage(sd, -i64::from(*bytes));
                         self.clear_slot(sd, h);
@@ -727,7 +901,21 @@ impl Table {
 
     /// Bytes of completed records held now.
     pub fn usage(&self, sd: &mut dyn SharedData) -> u64 {
-        match sd.get(&self.usage_name()) {
+        self.read_u64(sd, &self.usage_name())
+    }
+
+    /// Records held now (the count every claim, release, eviction and sweep keeps).
+    pub fn count(&self, sd: &mut dyn SharedData) -> u64 {
+        self.read_u64(sd, &self.count_name())
+    }
+
+    /// The age in ms of the last record evicted to make room (0 before any eviction).
+    pub fn last_evicted_age_ms(&self, sd: &mut dyn SharedData) -> u64 {
+        self.read_u64(sd, &self.evicted_age_name())
+    }
+
+    fn read_u64(&self, sd: &mut dyn SharedData, name: &str) -> u64 {
+        match sd.get(name) {
             Ok((Some(v), _)) => v.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0),
             _ => 0,
         }
@@ -735,22 +923,24 @@ impl Table {
 
     /// Number of occupied positions (scans every bucket: for tests and diagnostics).
     pub fn occupied(&self, sd: &mut dyn SharedData) -> u64 {
-        (0..self.buckets)
-            .filter_map(|i| self.read_bucket(sd, i).ok())
-            .map(|(b, _)| b.positions.iter().filter(|p| p.is_some()).count() as u64)
-            .sum()
+        (0..self.buckets).filter_map(|i| self.read_bucket(sd, i).ok()).map(|(b, _)| b.occupied()).sum()
     }
 
     /// Adds `bytes` to usage if it stays within `max_bytes`.
     fn reserve(&self, sd: &mut dyn SharedData, bytes: u64) -> Result<bool, LocalError> {
+        self.reserve_on(sd, &self.usage_name(), bytes, self.max_bytes)
+    }
+
+    /// Adds `amount` to the counter `name` (CAS) if it stays within `limit`.
+    fn reserve_on(&self, sd: &mut dyn SharedData, name: &str, amount: u64, limit: u64) -> Result<bool, LocalError> {
         for _ in 0..MAX_CAS_RETRIES {
-            let (v, cas) = sd.get(&self.usage_name())?;
+            let (v, cas) = sd.get(name)?;
             let (Some(v), Some(cas)) = (v, cas) else { return Err(LocalError::Missing) };
             let used = v.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0);
-            if used.saturating_add(bytes) > self.max_bytes {
+            if used.saturating_add(amount) > limit {
                 return Ok(false);
             }
-            match sd.set(&self.usage_name(), &(used + bytes).to_le_bytes(), Some(cas)) {
+            match sd.set(name, &(used + amount).to_le_bytes(), Some(cas)) {
                 Ok(()) => return Ok(true),
                 Err(SetError::CasMismatch) => continue,
                 Err(SetError::Host) => return Err(LocalError::Host),
@@ -760,18 +950,42 @@ impl Table {
     }
 
     fn add_usage(&self, sd: &mut dyn SharedData, delta: i64) {
+        self.add_to(sd, &self.usage_name(), delta);
+    }
+
+    fn add_to(&self, sd: &mut dyn SharedData, name: &str, delta: i64) {
         if delta == 0 {
             return;
         }
         for _ in 0..MAX_CAS_RETRIES {
-            let Ok((Some(v), Some(cas))) = sd.get(&self.usage_name()) else { return };
+            let Ok((Some(v), Some(cas))) = sd.get(name) else { return };
             let used = v.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0);
             let next = used.saturating_add_signed(delta);
-            if sd.set(&self.usage_name(), &next.to_le_bytes(), Some(cas)) != Err(SetError::CasMismatch) {
+            if sd.set(name, &next.to_le_bytes(), Some(cas)) != Err(SetError::CasMismatch) {
                 return;
             }
         }
     }
+}
+
+/// A unit of the record count a claim holds for a new position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Unit {
+    None,
+    /// Reserved under `max_entries`, or taken from a free record of another bucket.
+    Reserved,
+    /// Taken from a record evicted from another bucket.
+    Evicted,
+}
+
+/// Where a claim goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Place {
+    position: usize,
+    /// The age of the record this claim replaces by eviction.
+    evicted_age_ms: Option<u64>,
+    /// An empty position: the claim uses the unit of the count it holds.
+    new: bool,
 }
 
 /// A slot: the owner's token and the storage key, then the encoded record.

@@ -50,7 +50,8 @@ fn allocated(envoy: &Envoy) -> u64 {
 fn a_flood_of_unique_keys_keeps_envoy_memory_flat_under_the_cap() {
     let up = Upstream::start();
     let cfg = r#"{"scope": {"headers": ["authorization"]},
-                  "local": {"max_entries": 2000, "max_bytes": 16777216, "when_full": "evict_oldest"}}"#;
+                  "local": {"max_entries": 2000, "max_bytes": 16777216, "when_full": "evict_oldest",
+                            "min_protection_seconds": 0}}"#;
     let envoy = Envoy::start(&EnvoyOptions::new(cfg, up.port));
     // Warm up: fill the table well past its capacity, so every later key evicts an old one.
     let warm = flood(envoy.port, 0, 6_000, 4);

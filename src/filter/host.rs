@@ -206,21 +206,37 @@ impl Counter {
 pub enum Gauge {
     /// Bytes of completed records held (what `local.max_bytes` bounds).
     LocalRecordBytes,
-    /// Bytes of the bucket index when every position is occupied (fixed by `local.max_entries`).
+    /// Bytes of the bucket index with `local.max_entries` records (its bound).
     LocalIndexBytes,
     /// Store writes queued or in flight in root contexts (every worker's, summed: each adds and
     /// subtracts its own).
     StoreWritesPending,
+    /// Records the local table holds now.
+    LocalOccupancy,
+    /// Records it may hold (`local.max_entries`).
+    LocalCapacity,
+    /// Age in seconds of the last record evicted to make room: the protection actually given.
+    LocalEvictedAgeSeconds,
 }
 
 impl Gauge {
-    pub const ALL: [Gauge; 3] = [Gauge::LocalRecordBytes, Gauge::LocalIndexBytes, Gauge::StoreWritesPending];
+    pub const ALL: [Gauge; 6] = [
+        Gauge::LocalRecordBytes,
+        Gauge::LocalIndexBytes,
+        Gauge::StoreWritesPending,
+        Gauge::LocalOccupancy,
+        Gauge::LocalCapacity,
+        Gauge::LocalEvictedAgeSeconds,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Gauge::LocalRecordBytes => "idemgate.local_record_bytes",
             Gauge::LocalIndexBytes => "idemgate.local_index_bytes",
             Gauge::StoreWritesPending => "idemgate.store_writes_pending",
+            Gauge::LocalOccupancy => "idemgate.local_occupancy",
+            Gauge::LocalCapacity => "idemgate.local_capacity",
+            Gauge::LocalEvictedAgeSeconds => "idemgate.local_evicted_age_seconds",
         }
     }
 }

@@ -44,7 +44,7 @@ const TICK: Duration = Duration::from_millis(100);
 /// A waiting request asks the store at most this often.
 const WAIT_STORE_POLL_MS: u64 = 300;
 /// Buckets each worker sweeps per second, freeing expired records and their bytes.
-const SWEEP_BUCKETS_PER_SECOND: u32 = 64;
+const SWEEP_BUCKETS_PER_SECOND: u32 = 512;
 /// How long a stopping root context (plugin reload, listener drain, shutdown) holds its VM for
 /// store writes still queued or in flight: the whole retry schedule of a write and of its
 /// outcome-unknown fallback (2 x 6.2 s of backoff plus their timeouts).
@@ -184,6 +184,8 @@ struct Root {
     shared: Option<Rc<Shared>>,
     sweep_at: u32,
     last_sweep_ms: u64,
+    /// The local table's occupancy at the last tick (for the 80 % warning).
+    last_occupancy: u64,
     queues: Rc<Queues>,
     calls: HashMap<u32, Call>,
     queue_id: Option<u32>,
@@ -201,6 +203,7 @@ impl Root {
             shared: None,
             sweep_at: 0,
             last_sweep_ms: 0,
+            last_occupancy: 0,
             queues: Rc::new(Queues::default()),
             calls: HashMap::new(),
             queue_id: None,
@@ -584,7 +587,11 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let table = Table::new(&config.local);
+        let table = match config.store {
+            // The store keeps every record: the local tier is a cache that evicts freely.
+            Some(_) => Table::new(&config.local).as_cache(),
+            None => Table::new(&config.local),
+        };
         // Buckets are created where truly absent, never over a live one (see src/local.rs).
         match table.ensure_created(&mut HostShared) {
             Ok(created) if created > 0 => {
@@ -610,6 +617,8 @@ impl RootContext for Root {
             config.store.as_ref().map_or("none", |s| s.cluster.as_str()),
             config.local.max_entries
         );
+        let ttl = config.policies().map(|p| p.ttl_seconds).max().unwrap_or(config.default_policy.ttl_seconds);
+        info!("{}", table.describe(ttl));
         let node =
             host::property(&["node", "id"]).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
         let vm = (u64::from(self.id) << 48) ^ host::now_nanos();
@@ -624,8 +633,9 @@ impl RootContext for Root {
         }
         let credentials = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty()).map(|v| store::basic_auth(&v));
         let metrics = Metrics::define();
-        // Fixed by `max_entries`: set once here (the record bytes are set by the tick).
+        // Fixed by `max_entries`: set once here (the record bytes and occupancy are set by the tick).
         metrics.set(Gauge::LocalIndexBytes, table.max_index_bytes());
+        metrics.set(Gauge::LocalCapacity, table.capacity());
         self.shared = Some(Rc::new(Shared {
             config,
             table,
@@ -667,6 +677,16 @@ impl RootContext for Root {
         }
         self.last_sweep_ms = now;
         s.metrics.set(Gauge::LocalRecordBytes, s.table.usage(&mut HostShared));
+        let occupancy = s.table.count(&mut HostShared);
+        s.metrics.set(Gauge::LocalOccupancy, occupancy);
+        s.metrics.set(Gauge::LocalEvictedAgeSeconds, s.table.last_evicted_age_ms(&mut HostShared) / 1000);
+        if s.table.crossed_high_water(self.last_occupancy, occupancy) {
+            warn!(
+                "idemgate: local table {occupancy} of {} records (80 % or more): when full, records older than local.min_protection_seconds are evicted, then requests get 503 capacity-exhausted",
+                s.table.capacity()
+            );
+        }
+        self.last_occupancy = occupancy;
         let buckets = s.table.buckets();
         match s.table.sweep(&mut HostShared, self.sweep_at, SWEEP_BUCKETS_PER_SECOND, now) {
             Ok(n) => {

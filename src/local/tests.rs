@@ -53,8 +53,9 @@ fn policy() -> Policy {
     Policy { lock_ttl_seconds: 10, ttl_seconds: 100, unknown_outcome_seconds: 50, ..Policy::default() }
 }
 
+/// A table with no protection floor (every test that evicts sets its own).
 fn table(max_entries: u64, when_full: WhenFull) -> Table {
-    Table::new(&LocalConfig { max_entries, max_bytes: 1 << 20, when_full })
+    Table::new(&LocalConfig { max_entries, max_bytes: 1 << 20, when_full, min_protection_seconds: 0 })
 }
 
 fn skey(n: u64) -> StorageKey {
@@ -142,6 +143,14 @@ fn bucket_round_trips_and_refuses_garbage() {
         assert_eq!(Bucket::decode(&bytes[..cut]), None);
     }
     assert_eq!(Bucket::decode(b"nonsense"), None);
+    assert_eq!(Bucket::decode(&[bytes.as_slice(), b"x"].concat()), None, "trailing bytes");
+    let mut swapped = bytes.clone();
+    swapped[5] = 5; // the first entry now claims position 5, the second too
+    assert_eq!(Bucket::decode(&swapped), None, "positions must increase");
+    let mut out_of_range = bytes.clone();
+    out_of_range[5] = BUCKET_WIDTH as u8;
+    assert_eq!(Bucket::decode(&out_of_range), None);
+    assert_eq!(Bucket::decode(&Bucket::empty().encode()), Some(Bucket::empty()));
 }
 
 #[test]
@@ -247,7 +256,7 @@ fn a_forwarded_claim_whose_lock_is_live_keeps_its_key_past_the_expiry_set_at_hea
 /// (its own claim expired during a slow upload) is not forwarded.
 #[test]
 fn a_claim_superseded_at_another_position_is_not_forwarded() {
-    let t = table(16, WhenFull::Reject); // one bucket
+    let t = table(8, WhenFull::Reject); // one bucket
     let mut m = fresh(&t);
     let p = Policy { ttl_seconds: 2, lock_ttl_seconds: 1, ..policy() };
     let (y, k) = (skey(40), skey(41));
@@ -270,7 +279,7 @@ fn a_claim_superseded_at_another_position_is_not_forwarded() {
 /// CAS makes it the key's only live claim again.
 #[test]
 fn a_stale_claim_nobody_superseded_is_forwarded_and_its_lock_covered() {
-    let t = table(16, WhenFull::Reject);
+    let t = table(8, WhenFull::Reject);
     let mut m = fresh(&t);
     let p = Policy { ttl_seconds: 2, lock_ttl_seconds: 1, ..policy() };
     let k = skey(42);
@@ -349,37 +358,121 @@ fn a_taken_over_owner_can_neither_forward_nor_complete_nor_release() {
     }
 }
 
-#[test]
-fn full_bucket_answers_full_by_default_and_evicts_only_finished_records_when_asked() {
-    for mode in [WhenFull::Reject, WhenFull::EvictOldest] {
-        let t = table(16, mode); // one bucket of 16
-        assert_eq!(t.buckets(), 1);
-        let mut m = fresh(&t);
-        for n in 0..16u64 {
-            let h = handle(&claim(&t, &mut m, skey(n), Some(fp(1)), 1, NOW + n));
-            complete(&t, &mut m, &h, fp(1), response("r"), false, &creator("c"), NOW + n, &policy()).unwrap();
-        }
-        let b = claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 20);
-        match mode {
-            WhenFull::Reject => assert_eq!(b, Begin::Full),
-            WhenFull::EvictOldest => {
-                assert!(matches!(b, Begin::Claimed { evicted: true, .. }));
-                // The oldest (key 0) is gone; key 1 is still replayed.
-                assert!(matches!(
-                    claim(&t, &mut m, skey(0), Some(fp(1)), 3, NOW + 21),
-                    Begin::Claimed { .. } | Begin::Full
-                ));
-                assert!(matches!(claim(&t, &mut m, skey(2), Some(fp(1)), 3, NOW + 21), Begin::Replay(_)));
-            }
-        }
+pub(super) fn floor_table(max_entries: u64, when_full: WhenFull, floor_s: u64) -> Table {
+    Table::new(&LocalConfig { max_entries, max_bytes: 1 << 20, when_full, min_protection_seconds: floor_s })
+}
+
+/// Storage keys that all land in bucket `b` of `t`.
+pub(super) fn keys_in_bucket(t: &Table, b: u32, n: usize) -> Vec<StorageKey> {
+    (0u64..).map(skey).filter(|k| t.bucket_of(k) == b).take(n).collect()
+}
+
+fn fill_completed(t: &Table, m: &mut Model, keys: &[StorageKey], now: u64) {
+    for (n, k) in keys.iter().enumerate() {
+        let h = handle(&claim(t, m, *k, Some(fp(1)), 1, now + n as u64));
+        complete(t, m, &h, fp(1), response("r"), false, &creator("c"), now + n as u64, &policy()).unwrap();
     }
-    // Live claims are never evicted.
-    let t = table(16, WhenFull::EvictOldest);
+}
+
+#[test]
+fn a_full_table_evicts_the_oldest_finished_record_only_past_the_floor() {
+    let t = floor_table(16, WhenFull::EvictOldest, 10);
+    let mut m = fresh(&t);
+    let keys: Vec<_> = (0..16).map(skey).collect();
+    fill_completed(&t, &mut m, &keys, NOW);
+    assert_eq!((t.count(&mut m), t.occupied(&mut m)), (16, 16));
+    // Every record younger than the 10 s floor: full, nothing forgotten.
+    assert_eq!(claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 9_000), Begin::Full);
+    for k in &keys {
+        assert!(matches!(claim(&t, &mut m, *k, Some(fp(1)), 3, NOW + 9_000), Begin::Replay(_)));
+    }
+    // Past the floor: the claim takes an old record's place; the count stays at capacity.
+    let b = claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 10_100);
+    assert!(matches!(b, Begin::Claimed { evicted: true, .. }), "{b:?}");
+    assert_eq!((t.count(&mut m), t.occupied(&mut m)), (16, 16));
+    let age = t.last_evicted_age_ms(&mut m);
+    assert!((10_000..=10_100).contains(&age), "evicted age {age}");
+    let held = keys.iter().filter(|k| t.peek(&mut m, k, NOW + 10_100).unwrap().is_some()).count();
+    assert_eq!(held, 15, "exactly one record was evicted");
+    assert!(t.peek(&mut m, &skey(0), NOW + 10_100).unwrap().is_none(), "the oldest one");
+}
+
+#[test]
+fn when_full_reject_never_evicts_and_a_live_claim_is_never_evicted() {
+    let t = floor_table(16, WhenFull::Reject, 0);
+    let mut m = fresh(&t);
+    fill_completed(&t, &mut m, &(0..16).map(skey).collect::<Vec<_>>(), NOW);
+    assert_eq!(claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 50_000), Begin::Full);
+    // Claims in flight, far past the floor (their locks live): never evicted, in any mode.
+    let t = floor_table(16, WhenFull::EvictOldest, 0);
     let mut m = fresh(&t);
     for n in 0..16u64 {
         claim(&t, &mut m, skey(n), Some(fp(1)), 1, NOW);
     }
-    assert_eq!(claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 1), Begin::Full);
+    assert_eq!(claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 9_000), Begin::Full);
+    assert_eq!(
+        t.as_cache().begin(&mut m, skey(100), Some(fp(1)), NOW + 9_000, &policy(), owner(2), &creator("x")).unwrap(),
+        Begin::Full
+    );
+}
+
+#[test]
+fn with_a_store_the_local_tier_evicts_finished_records_whatever_their_age() {
+    let t = floor_table(16, WhenFull::Reject, 3_600).as_cache();
+    let mut m = fresh(&t);
+    fill_completed(&t, &mut m, &(0..16).map(skey).collect::<Vec<_>>(), NOW);
+    assert!(matches!(claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 20), Begin::Claimed { evicted: true, .. }));
+    assert_eq!(t.count(&mut m), 16);
+}
+
+#[test]
+fn a_full_table_evicts_from_the_next_buckets_when_the_keys_own_bucket_has_nothing_to_give() {
+    let t = floor_table(16, WhenFull::EvictOldest, 1);
+    assert_eq!(t.buckets(), 2);
+    let mut m = fresh(&t);
+    fill_completed(&t, &mut m, &keys_in_bucket(&t, 0, 16), NOW);
+    let k = keys_in_bucket(&t, 1, 1)[0];
+    assert_eq!(claim(&t, &mut m, k, Some(fp(1)), 2, NOW + 500), Begin::Full, "under the floor");
+    assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 2, NOW + 2_000), Begin::Claimed { evicted: true, .. }));
+    assert_eq!((t.count(&mut m), t.occupied(&mut m)), (16, 16));
+    // An expired record in another bucket gives its place without an eviction.
+    let t = floor_table(16, WhenFull::Reject, 0);
+    let mut m = fresh(&t);
+    fill_completed(&t, &mut m, &keys_in_bucket(&t, 0, 16), NOW);
+    let later = NOW + policy().ttl_seconds * 1000 + 100;
+    assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 2, later), Begin::Claimed { evicted: false, .. }));
+    assert_eq!((t.count(&mut m), t.occupied(&mut m)), (16, 16));
+}
+
+#[test]
+fn the_count_follows_claims_releases_and_sweeps() {
+    let t = table(64, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let hs: Vec<_> = (0..10).map(|n| handle(&claim(&t, &mut m, skey(n), Some(fp(1)), 1, NOW))).collect();
+    assert_eq!(t.count(&mut m), 10);
+    // A duplicate (409) or a replay takes no unit.
+    assert!(is_reject(&claim(&t, &mut m, skey(0), Some(fp(1)), 2, NOW), &in_flight()));
+    assert_eq!(t.count(&mut m), 10);
+    assert!(t.release(&mut m, &hs[0]).unwrap());
+    assert_eq!(t.count(&mut m), 9);
+    for h in &hs[1..] {
+        complete(&t, &mut m, h, fp(1), response("r"), false, &creator("c"), NOW, &policy()).unwrap();
+    }
+    let later = NOW + policy().ttl_seconds * 1000 + 1;
+    assert_eq!(t.sweep(&mut m, 0, t.buckets(), later).unwrap(), 9);
+    assert_eq!((t.count(&mut m), t.occupied(&mut m)), (0, 0));
+}
+
+#[test]
+fn an_empty_bucket_costs_a_few_bytes_and_a_bucket_grows_with_use() {
+    let t = Table::new(&LocalConfig::default());
+    assert_eq!(t.buckets(), 262_144 / 8);
+    assert_eq!(Bucket::empty().encode().len(), 5);
+    let mut m = fresh(&t);
+    let k = skey(1);
+    claim(&t, &mut m, k, Some(fp(1)), 1, NOW);
+    let (v, _) = m.get(&t.bucket_name(t.bucket_of(&k))).unwrap();
+    assert_eq!(v.unwrap().len(), 5 + 1 + ENTRY_BYTES);
 }
 
 #[test]
@@ -404,7 +497,12 @@ fn a_missing_bucket_is_an_error_not_a_racy_insert() {
 
 #[test]
 fn a_flood_of_unique_keys_keeps_names_and_bytes_bounded() {
-    let t = Table::new(&LocalConfig { max_entries: 64, max_bytes: 16 * 1024, when_full: WhenFull::EvictOldest });
+    let t = Table::new(&LocalConfig {
+        max_entries: 64,
+        max_bytes: 16 * 1024,
+        when_full: WhenFull::EvictOldest,
+        min_protection_seconds: 0,
+    });
     let mut m = fresh(&t);
     let mut stored_without_body = 0;
     for n in 0..5_000u64 {
@@ -418,9 +516,10 @@ fn a_flood_of_unique_keys_keeps_names_and_bytes_bounded() {
             }
         }
     }
-    let max_names = t.buckets() as usize * (1 + BUCKET_WIDTH) + 2;
+    let max_names = t.buckets() as usize * (1 + BUCKET_WIDTH) + 4;
     assert!(m.names() <= max_names, "{} names > {max_names}", m.names());
     assert!(t.usage(&mut m) <= 16 * 1024);
+    assert_eq!((t.count(&mut m), t.occupied(&mut m)), (64, 64), "at capacity, never past it");
     assert!(m.bytes() < 16 * 1024 + max_names * 2_000, "{} bytes", m.bytes());
     assert!(stored_without_body > 0, "the byte budget was reached and degraded to status-only records");
 }
@@ -535,4 +634,60 @@ fn a_forwarded_claim_that_never_finished_is_outcome_unknown_for_unknown_outcome_
         t.begin(&mut m, j, Some(fp(1)), NOW + 1_000 + 600_000, &p, owner(5), &creator("e")).unwrap(),
         Begin::Claimed { .. }
     ));
+}
+
+/// A storage key as the filter makes them: SHA-256 output (the sequential `skey` spreads keys far
+/// more evenly over buckets than real hashes do).
+fn hashed_skey(n: u64) -> StorageKey {
+    use sha2::{Digest, Sha256};
+    StorageKey(Sha256::digest(n.to_le_bytes()).into())
+}
+
+/// Claims and completes `keys` unique keys, one every `step_ms`, with the default policy; returns
+/// how many were refused for capacity.
+fn drive_unique_keys(t: &Table, m: &mut Model, keys: u64, step_ms: u64) -> u64 {
+    let policy = Policy::default();
+    let mut full = 0;
+    for n in 0..keys {
+        let now = NOW + n * step_ms;
+        match t.begin(m, hashed_skey(n), Some(fp(1)), now, &policy, owner(1), &creator("c")).unwrap() {
+            Begin::Claimed { handle, .. } => {
+                complete(t, m, &handle, fp(1), response("{\"id\":1}"), false, &creator("c"), now, &policy).unwrap();
+            }
+            Begin::Full => full += 1,
+            other => panic!("key {n}: {other:?}"),
+        }
+    }
+    full
+}
+
+#[test]
+fn the_default_table_holds_two_protected_requests_a_second_for_a_whole_ttl() {
+    // Issue 14: at 2 requests/s for the default 24 h ttl (172,800 live records), no refusal.
+    let t = Table::new(&LocalConfig::default());
+    let mut m = fresh(&t);
+    let keys = 2 * Policy::default().ttl_seconds;
+    let full = drive_unique_keys(&t, &mut m, keys, 500);
+    assert_eq!(full, 0, "{full} of {keys} keys refused for capacity");
+}
+
+#[test]
+fn a_half_full_table_refuses_no_key() {
+    // Issue 14: with buckets of 16, 50,000 keys in a table of 100,000 got 41 refusals.
+    let t = Table::new(&LocalConfig { max_entries: 100_000, ..LocalConfig::default() });
+    let mut m = fresh(&t);
+    let full = drive_unique_keys(&t, &mut m, 50_000, 1);
+    assert_eq!(full, 0, "{full} of 50000 keys refused in a half-full table");
+}
+
+#[test]
+fn the_configure_line_states_capacity_memory_and_sustained_rate() {
+    let t = Table::new(&LocalConfig::default());
+    assert_eq!(
+        t.describe(86_400),
+        "idemgate: local table: capacity 262144 records, 284 MiB reserved, supports 3.0 protected requests/s sustained at ttl_seconds 86400"
+    );
+    assert!(t.crossed_high_water(209_714, 209_716));
+    assert!(!t.crossed_high_water(209_716, 209_800), "once per crossing");
+    assert!(!t.crossed_high_water(0, 100));
 }

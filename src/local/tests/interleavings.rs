@@ -230,7 +230,7 @@ fn a_completion_racing_a_takeover_never_lets_both_succeed() {
 /// record: the clearing checks the slot's owner.
 #[test]
 fn a_release_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhile() {
-    let t = table(16, WhenFull::Reject); // one bucket: both keys share it
+    let t = table(8, WhenFull::Reject); // one bucket: both keys share it
     let mut base = fresh(&t);
     let a = handle(&claim(&t, &mut base, skey(20), Some(fp(1)), 1, NOW));
     for s in all_binary_schedules(12) {
@@ -259,7 +259,7 @@ fn a_release_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhi
 /// the slot; a worker that claimed that position in between keeps its completed record.
 #[test]
 fn a_sweep_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhile() {
-    let t = table(16, WhenFull::Reject);
+    let t = table(8, WhenFull::Reject);
     let mut base = fresh(&t);
     let a = handle(&claim(&t, &mut base, skey(22), Some(fp(1)), 1, NOW));
     complete(&t, &mut base, &a, fp(1), response("a"), false, &creator("a"), NOW, &policy()).unwrap();
@@ -284,6 +284,63 @@ fn a_sweep_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhile
             }
             other => panic!("schedule {s:?}: the completed record was lost: {other:?}"),
         }
+    }
+}
+
+/// Issue 14: the capacity bound is a count reserved before the claim's single bucket CAS. Two
+/// workers claiming different keys (in different buckets) for the last free unit: exactly one
+/// claims, under every interleaving, and the count always equals the entries held.
+#[test]
+fn two_claims_for_the_last_free_record_never_exceed_max_entries_under_every_interleaving() {
+    let t = floor_table(16, WhenFull::EvictOldest, 0);
+    let mut base = fresh(&t);
+    for n in 0..15u64 {
+        claim(&t, &mut base, skey(n), Some(fp(1)), 1, NOW); // in flight: never evicted
+    }
+    let (a, b) = (keys_in_bucket(&t, 0, 20)[19], keys_in_bucket(&t, 1, 20)[19]);
+    for s in all_binary_schedules(12) {
+        let (t1, t2) = (t.clone(), t.clone());
+        let work: Vec<Work<Begin>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| {
+                t1.begin(sd, a, Some(fp(2)), NOW, &policy(), owner(2), &creator("a")).unwrap()
+            }),
+            Box::new(move |sd: &mut dyn SharedData| {
+                t2.begin(sd, b, Some(fp(3)), NOW, &policy(), owner(3), &creator("b")).unwrap()
+            }),
+        ];
+        let (r, mut m) = run(base.clone(), &s, work);
+        assert_eq!(claimed(&r), 1, "schedule {s:?}: {r:?}");
+        assert!(r.contains(&Begin::Full), "schedule {s:?}: {r:?}");
+        assert_eq!((t.count(&mut m), t.occupied(&mut m)), (16, 16), "schedule {s:?}");
+    }
+}
+
+/// At capacity, two claims evict at once (from their own bucket or the next): both claim, each
+/// in place of one finished record, and the table stays at capacity, with no unit lost or added.
+#[test]
+fn racing_evictions_keep_the_table_at_capacity_under_random_interleavings() {
+    let t = floor_table(16, WhenFull::EvictOldest, 0);
+    let mut base = fresh(&t);
+    // All 16 finished records in bucket 0: a key of bucket 1 must take one from its neighbour.
+    for (n, k) in keys_in_bucket(&t, 0, 16).into_iter().enumerate() {
+        let h = handle(&claim(&t, &mut base, k, Some(fp(1)), 1, NOW + n as u64));
+        complete(&t, &mut base, &h, fp(1), response("r"), false, &creator("c"), NOW, &policy()).unwrap();
+    }
+    let (a, b) = (keys_in_bucket(&t, 0, 20)[19], keys_in_bucket(&t, 1, 1)[0]);
+    for s in schedules(2, 400, 40, 14).into_iter().chain(all_binary_schedules(10)) {
+        let (t1, t2) = (t.clone(), t.clone());
+        let later = NOW + 1_000;
+        let work: Vec<Work<Begin>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| {
+                t1.begin(sd, a, Some(fp(2)), later, &policy(), owner(2), &creator("a")).unwrap()
+            }),
+            Box::new(move |sd: &mut dyn SharedData| {
+                t2.begin(sd, b, Some(fp(3)), later, &policy(), owner(3), &creator("b")).unwrap()
+            }),
+        ];
+        let (r, mut m) = run(base.clone(), &s, work);
+        assert_eq!(claimed(&r), 2, "schedule {s:?}: {r:?}");
+        assert_eq!((t.count(&mut m), t.occupied(&mut m)), (16, 16), "schedule {s:?}");
     }
 }
 
