@@ -800,3 +800,87 @@ impl Drop for RedisCluster {
         self.envoy.kill9();
     }
 }
+
+/// A fake store on 127.0.0.1 that answers every HTTP request (any method, path and body) with
+/// the same 200 and the same body, as webdis's `.raw` output would carry it: a hostile or broken
+/// store for tests of what idemgate refuses to believe. Counts the requests it answered.
+pub struct FakeStore {
+    pub port: u16,
+    requests: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FakeStore {
+    pub fn start(answer: Vec<u8>) -> FakeStore {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind fake store");
+        let port = listener.local_addr().expect("addr").port();
+        let requests = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let answer = Arc::new(answer);
+        let (n, sp) = (requests.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if sp.load(Ordering::SeqCst) {
+                    break;
+                }
+                if let Ok(conn) = conn {
+                    let (n, answer) = (n.clone(), answer.clone());
+                    std::thread::spawn(move || fake_store_serve(conn, &answer, &n));
+                }
+            }
+        });
+        FakeStore { port, requests, stop }
+    }
+
+    /// How many requests it answered.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for FakeStore {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = std::net::TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+/// Reads requests on one keep-alive connection (head, then `content-length` bytes) and answers
+/// each with `answer`.
+fn fake_store_serve(conn: std::net::TcpStream, answer: &[u8], n: &std::sync::atomic::AtomicU64) {
+    use std::io::{BufRead, BufReader, Write};
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+    let Ok(mut writer) = conn.try_clone() else { return };
+    let mut reader = BufReader::new(conn);
+    loop {
+        let mut length = 0usize;
+        let mut first = true;
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            let line = line.trim_end();
+            if line.is_empty() && !first {
+                break;
+            }
+            first = false;
+            if let Some((name, value)) = line.split_once(':') {
+                if name.trim().eq_ignore_ascii_case("content-length") {
+                    length = value.trim().parse().unwrap_or(0);
+                }
+            }
+        }
+        let mut body = vec![0; length];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let head = format!("HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n", answer.len());
+        if writer.write_all(head.as_bytes()).and_then(|_| writer.write_all(answer)).is_err() {
+            return;
+        }
+    }
+}
