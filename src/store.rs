@@ -4,8 +4,9 @@
 //!
 //! - **Claim-or-read in one round trip**: a Lua script reads the key and, when absent, writes a
 //!   forwarded-in-progress claim that lives `ttl_seconds`, with the lock expiry (Redis's clock,
-//!   `TIME`) inside the value. It answers `{"1", now}` (claimed) or `{"0", now, value}`, all as
-//!   strings: webdis 0.1.9's raw output garbles integers inside arrays.
+//!   `TIME`) inside the value. It answers `{"1", now, owner}` (claimed, echoing the claim's owner
+//!   token: a "claimed" that does not is refused) or `{"0", now, value}`, all as strings: webdis
+//!   0.1.9's raw output garbles integers inside arrays.
 //! - **Owner-checked transitions**: one script, parameterised, does completion, release,
 //!   outcome-unknown marking and stale-lock take-over: it changes the value only if it still
 //!   carries the expected owner token and phase (and, for stale locks, only if the lock expired
@@ -33,12 +34,14 @@ const VALUE_MAGIC: &[u8; 4] = b"IGS1";
 const HEADER_LEN: usize = 4 + 1 + 32 + 15;
 
 /// Claim-or-read. KEYS[1]; ARGV: owner hex, PX ms (never less than the lock), lock ms, record (last).
+/// Answers `{'1', now, owner hex}` (claimed: the owner echoed, so an answer made without reading
+/// the request is refused) or `{'0', now, value}`.
 const CLAIM_SCRIPT: &str = "local t=redis.call('TIME') \
 local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
 local v=redis.call('GET',KEYS[1]) \
 if v then return {'0',string.format('%d',now),v} end \
 redis.call('SET',KEYS[1],'IGS1P'..ARGV[1]..string.format('%015d',now+tonumber(ARGV[3]))..ARGV[4],'PX',ARGV[2]) \
-return {'1',string.format('%d',now)}";
+return {'1',string.format('%d',now),ARGV[1]}";
 
 /// Owner-checked transition. KEYS[1]; ARGV: expected owner hex, expected phases, require stale
 /// lock ('1'/'0'), new phase ('X' deletes), new owner hex, ttl ms, lock ms ('-': none),
@@ -420,11 +423,17 @@ pub enum Resp {
 }
 
 const MAX_RESP_DEPTH: usize = 8;
+/// Elements of every array in one answer, all levels together: idemgate's scripts answer at most
+/// three. An answer claiming more is garbage, refused before it costs memory.
+const MAX_RESP_ELEMENTS: usize = 16;
 
 /// Parses exactly one RESP value; anything else (trailing bytes, truncation, bad lengths) is an
-/// error, never a panic.
+/// error, never a panic. No allocation is sized from a count read in the answer: arrays grow as
+/// their elements arrive, and at most `MAX_RESP_ELEMENTS` arrive, so memory stays within a few
+/// bytes per answer byte whatever the answer claims.
 pub fn parse_resp(bytes: &[u8]) -> Result<Resp, StoreError> {
-    let (v, rest) = parse_one(bytes, 0)?;
+    let mut budget = MAX_RESP_ELEMENTS;
+    let (v, rest) = parse_one(bytes, 0, &mut budget)?;
     if !rest.is_empty() {
         return Err(StoreError::Garbled("trailing bytes after the RESP value".into()));
     }
@@ -444,7 +453,7 @@ fn number(b: &[u8]) -> Result<i64, StoreError> {
     std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()).ok_or_else(|| garbled("RESP number"))
 }
 
-fn parse_one(b: &[u8], depth: usize) -> Result<(Resp, &[u8]), StoreError> {
+fn parse_one<'a>(b: &'a [u8], depth: usize, budget: &mut usize) -> Result<(Resp, &'a [u8]), StoreError> {
     if depth > MAX_RESP_DEPTH {
         return Err(garbled("RESP nesting too deep"));
     }
@@ -463,6 +472,7 @@ fn parse_one(b: &[u8], depth: usize) -> Result<(Resp, &[u8]), StoreError> {
             let data = rest.get(..n).ok_or_else(|| garbled("RESP bulk truncated"))?;
             let after = rest.get(n..).ok_or_else(|| garbled("RESP bulk truncated"))?;
             let after = after.strip_prefix(b"\r\n").ok_or_else(|| garbled("RESP bulk without CRLF"))?;
+            // The bytes are there: copying them costs one byte per answer byte.
             Ok((Resp::Bulk(Some(data.to_vec())), after))
         }
         b'*' => {
@@ -470,15 +480,16 @@ fn parse_one(b: &[u8], depth: usize) -> Result<(Resp, &[u8]), StoreError> {
             if n < 0 {
                 return Ok((Resp::Array(None), rest));
             }
-            // Each element takes at least 3 bytes: a count beyond that is garbage.
             let n = usize::try_from(n).map_err(|_| garbled("RESP length"))?;
-            if n > rest.len() / 3 {
-                return Err(garbled("RESP array longer than its bytes"));
+            if n > *budget {
+                return Err(garbled("RESP arrays longer than any idemgate answer"));
             }
-            let mut items = Vec::with_capacity(n);
+            *budget -= n;
+            // Grown as elements arrive, never sized from the count.
+            let mut items = Vec::new();
             let mut rest = rest;
             for _ in 0..n {
-                let (v, r) = parse_one(rest, depth + 1)?;
+                let (v, r) = parse_one(rest, depth + 1, budget)?;
                 items.push(v);
                 rest = r;
             }
@@ -526,15 +537,20 @@ pub enum ClaimReply {
     Unreadable { now_ms: u64, why: String },
 }
 
-/// Parses webdis's answer to `claim_request` (`status` is the HTTP status, `None` if no answer).
-pub fn parse_claim_reply(status: Option<u16>, body: &[u8]) -> Result<ClaimReply, StoreError> {
+/// Parses webdis's answer to `claim_request` made with `owner` (`status` is the HTTP status,
+/// `None` if no answer). A "claimed" answer must echo `owner`: one that does not (a store, proxy
+/// or mock answering without reading the request) is garbled, so nothing is forwarded on it.
+pub fn parse_claim_reply(status: Option<u16>, body: &[u8], owner: &OwnerToken) -> Result<ClaimReply, StoreError> {
     let Resp::Array(Some(items)) = parse_reply(status, body)? else {
         return Err(garbled("claim reply is not an array"));
     };
     let now_ms =
         items.get(1).and_then(as_int).and_then(|n| u64::try_from(n).ok()).ok_or_else(|| garbled("claim reply time"))?;
     match (items.first().and_then(as_int), items.get(2), items.len()) {
-        (Some(1), None, 2) => Ok(ClaimReply::Claimed { now_ms }),
+        (Some(1), Some(Resp::Bulk(Some(echo))), 3) if echo.as_slice() == owner.hex().as_bytes() => {
+            Ok(ClaimReply::Claimed { now_ms })
+        }
+        (Some(1), _, _) => Err(garbled("claim reply does not echo the claim's owner")),
         (Some(0), Some(Resp::Bulk(Some(v))), 3) => Ok(match StoredValue::decode(v) {
             Ok(value) => ClaimReply::Exists { now_ms, value },
             Err(e) => ClaimReply::Unreadable { now_ms, why: e.to_string() },
