@@ -363,6 +363,8 @@ pub struct Redis {
     dir: PathBuf,
     /// Extra command-line options (cluster mode).
     extra_args: Vec<String>,
+    /// The default user opened to every command and key after each start (`start_open`).
+    open: bool,
     proc: Proc,
     _scratch: Option<Scratch>,
 }
@@ -372,6 +374,23 @@ impl Redis {
     pub fn start() -> Redis {
         let scratch = Scratch::new("redis");
         Redis::launch_new(scratch.0.clone(), free_port(), Vec::new(), Some(scratch))
+    }
+
+    /// Like `start`, but with Redis's default user open to every command and key (set after
+    /// each start with `ACL SETUSER`): for tests of the test support itself, which write keys
+    /// outside idemgate's prefix through webdis.
+    pub fn start_open() -> Redis {
+        let scratch = Scratch::new("redis");
+        let mut r = Redis {
+            port: free_port(),
+            dir: scratch.0.clone(),
+            extra_args: Vec::new(),
+            open: true,
+            proc: Proc(None),
+            _scratch: Some(scratch),
+        };
+        r.launch();
+        r
     }
 
     /// A Redis using `dir` (created if missing, kept when dropped) and `port`: start it again
@@ -389,15 +408,17 @@ impl Redis {
             .map(String::from)
             .chain(["--cluster-port".to_string(), bus_port.to_string()])
             .chain(["--cluster-node-timeout", "5000"].map(String::from))
-            // Envoy's redis_proxy in front of the cluster connects without credentials: the
-            // cluster example keeps Redis's open default user (not hardened; see README).
-            .chain(["--user", "default", "on", "nopass", "~*", "&*", "+@all"].map(String::from))
             .collect();
-        Redis::launch_new(dir.to_path_buf(), port, args, None)
+        // Envoy's redis_proxy in front of the cluster connects without credentials: the cluster
+        // example opens Redis's default user (not hardened; see README).
+        let mut r =
+            Redis { port, dir: dir.to_path_buf(), extra_args: args, open: true, proc: Proc(None), _scratch: None };
+        r.launch();
+        r
     }
 
     fn launch_new(dir: PathBuf, port: u16, extra_args: Vec<String>, scratch: Option<Scratch>) -> Redis {
-        let mut r = Redis { port, dir, extra_args, proc: Proc(None), _scratch: scratch };
+        let mut r = Redis { port, dir, extra_args, open: false, proc: Proc(None), _scratch: scratch };
         r.launch();
         r
     }
@@ -417,6 +438,10 @@ impl Redis {
             .expect("start redis-server (installed by scripts/install-deps.sh store)");
         self.proc = Proc(Some(child));
         self.wait_ready();
+        if self.open {
+            let open: [&[u8]; 8] = [b"ACL", b"SETUSER", b"default", b"on", b"nopass", b"~*", b"&*", b"+@all"];
+            assert_eq!(must(self.port, &open), Value::Status("OK".into()), "open the default user");
+        }
     }
 
     /// Waits until this process (not another one on the same port) answers PING; AOF loading
