@@ -393,6 +393,13 @@ impl Redis {
         r
     }
 
+    /// A fresh Redis like `start`, with more command-line options (e.g. `--appendfsync always`).
+    pub fn start_with_args(args: &[&str]) -> Redis {
+        let scratch = Scratch::new("redis");
+        let args = args.iter().map(|a| a.to_string()).collect();
+        Redis::launch_new(scratch.0.clone(), free_port(), args, Some(scratch))
+    }
+
     /// A Redis using `dir` (created if missing, kept when dropped) and `port`: start it again
     /// on the same folder to test what survives in the AOF.
     pub fn start_in(dir: &Path, port: u16) -> Redis {
