@@ -32,12 +32,13 @@ test-faults: build deps
 	scripts/install-deps.sh h2-client
 	scripts/build-wasm.sh --crash-injection
 	rm -rf target/faults
-	cargo test --locked --test faults --test hostile --test soak --test capacity
+	cargo test --locked --test faults --test hostile --test soak --test capacity --test durability --test hostile_store
 	cargo test --locked --test single_proxy --test two_proxies --test memory_flood -- $(FAULT_CASES_ELSEWHERE)
 	scripts/fuzz.sh $${FUZZ_SECONDS:-60}
 	@printf '\nFault table (case | upstream executions | what the clients saw):\n'; cat target/faults/table.md
 	@printf '\nHostile input (case | answer | executions):\n'; cat target/faults/hostile.md
 	@printf '\nFuzzing (target | executions | time | result):\n'; cat target/faults/fuzz.md
+	@printf '\nDurability (appendfsync | cost | lost | executed again):\n'; cat target/faults/durability.md
 
 ## test-demo: the demo must pass too (every operation executed exactly once)
 test-demo:
@@ -45,7 +46,7 @@ test-demo:
 
 ## test-native: everything but the fault matrix, which test-faults runs
 test-native:
-	cargo test --locked --all-targets -- --skip fault_matrix_ --skip hostile_input_ --skip soak_mixed_ --skip carries_200000_unique_keys
+	cargo test --locked --all-targets -- --skip fault_matrix_ --skip hostile_input_ --skip soak_mixed_ --skip carries_200000_unique_keys --skip durability_
 
 test-wasm:
 	scripts/test-wasm.sh

@@ -211,7 +211,9 @@ def main():
     redis_port, webdis_port = free_port(), free_port()
     rdir = tempfile.mkdtemp(dir=OUT)
     start(["redis-server", os.path.join(ROOT, "envoy", "redis.conf"), "--port", str(redis_port), "--dir", rdir, "--daemonize", "no", "--appendonly", "no"], os.path.join(OUT, "redis.log"))
-    json.dump({"redis_host": "127.0.0.1", "redis_port": redis_port, "http_host": "127.0.0.1", "http_port": webdis_port, "threads": 1, "pool_size": 8,
+    # envoy/redis.conf requires idemgate's Redis password (its ACL user); webdis sends it.
+    redis_auth = json.load(open(os.path.join(ROOT, "envoy", "docker-compose", "webdis.json")))["redis_auth"]
+    json.dump({"redis_host": "127.0.0.1", "redis_port": redis_port, "redis_auth": redis_auth, "http_host": "127.0.0.1", "http_port": webdis_port, "threads": 1, "pool_size": 8,
                "daemonize": False, "database": 0, "verbosity": 1, "logfile": os.path.join(OUT, "webdis.log"), "acl": [{"disabled": ["DEBUG"]}]},
               open(os.path.join(OUT, "webdis.json"), "w"))
     start(["webdis", os.path.join(OUT, "webdis.json")], os.path.join(OUT, "webdis.out"), cwd=OUT)

@@ -31,9 +31,11 @@ for _ in range(1000):
 PY
 }
 
-wait_http() { # url, seconds
+wait_http() { # url, seconds[, basic-auth "user:password"]
   local deadline=$((SECONDS + $2))
-  until python3 -c "import urllib.request,sys; urllib.request.urlopen('$1', timeout=1)" 2>/dev/null; do
+  until python3 -c "import base64,urllib.request,sys; r=urllib.request.Request(sys.argv[1]); a=sys.argv[2]
+if a: r.add_header('authorization', 'Basic ' + base64.b64encode(a.encode()).decode())
+urllib.request.urlopen(r, timeout=1)" "$1" "${3:-}" 2>/dev/null; do
     [ $SECONDS -lt $deadline ] || { log "$1 did not answer in $2 s"; return 1; }
     sleep 0.2
   done
@@ -75,18 +77,25 @@ start() {
   # Every process writes to its own log: none keeps the caller's terminal or pipe open.
   redis-server envoy/redis.conf --port "$REDIS_PORT" --dir "$ROOT/$STATE/redis" --daemonize no \
     --logfile "$ROOT/$STATE/redis.log" < /dev/null > /dev/null 2>&1 & echo $! >> "$STATE/pids"
-  cat > "$STATE/webdis.json" <<JSON
-{"redis_host": "127.0.0.1", "redis_port": $REDIS_PORT, "http_host": "127.0.0.1", "http_port": $WEBDIS_PORT,
- "threads": 2, "pool_size": 8, "daemonize": false, "database": 0, "verbosity": 1,
- "logfile": "$ROOT/$STATE/webdis.log", "acl": [{"disabled": ["DEBUG"]}]}
-JSON
+  # The store as shipped: Redis's ACL users (envoy/redis.conf), webdis's Redis password and its
+  # ACL (envoy/docker-compose/webdis.json: every command refused without the credential, only
+  # EVAL, GET and PING with it); Envoy hands the credential to the VM (IDEMGATE_STORE_AUTH).
+  python3 - "$REDIS_PORT" "$WEBDIS_PORT" "$ROOT/$STATE/webdis.log" > "$STATE/webdis.json" <<'PY'
+import json, sys
+c = json.load(open("envoy/docker-compose/webdis.json"))
+c.update(redis_host="127.0.0.1", redis_port=int(sys.argv[1]), http_host="127.0.0.1",
+         http_port=int(sys.argv[2]), verbosity=1, logfile=sys.argv[3])
+print(json.dumps(c))
+PY
+  IDEMGATE_STORE_AUTH=$(python3 -c 'import json; print(next(a["http_basic_auth"] for a in json.load(open("envoy/docker-compose/webdis.json"))["acl"] if "http_basic_auth" in a))')
+  export IDEMGATE_STORE_AUTH
   (cd "$STATE" && exec webdis webdis.json < /dev/null > /dev/null 2>&1) & echo $! >> "$STATE/pids"
   target/release/demo-payments --port "$API_PORT" < /dev/null > "$STATE/api.log" 2>&1 & echo $! >> "$STATE/pids"
   render envoy/demo/envoy.yaml.tmpl > "$STATE/envoy.yaml"
   envoy -c "$STATE/envoy.yaml" --concurrency 2 --disable-hot-restart --log-level warn \
     --component-log-level wasm:info < /dev/null > "$STATE/envoy.log" 2>&1 & echo $! >> "$STATE/pids"
   wait_http "http://127.0.0.1:$API_PORT/stats" 20
-  wait_http "http://127.0.0.1:$WEBDIS_PORT/PING" 20
+  wait_http "http://127.0.0.1:$WEBDIS_PORT/PING" 20 "$IDEMGATE_STORE_AUTH"
   wait_http "http://127.0.0.1:$ADMIN_PORT/ready" 60
   cat > "$STATE/env" <<ENV
 GATEWAY=http://127.0.0.1:$LISTEN_PORT

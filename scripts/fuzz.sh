@@ -3,7 +3,9 @@
 # buckets, store answers, plugin configuration, JSON canonicaliser (fuzz/fuzz_targets/).
 #   scripts/fuzz.sh [seconds per target, default 60]
 # Seed corpora live in fuzz/corpus/<target>; findings are written to fuzz/artifacts/ and fail
-# the run.
+# the run. Every target runs with a small allocation limit (one allocation of 64 MB or more, or
+# 1 GB resident, fails), and store_answers and record_decoder also count the bytes they hold
+# (fuzz/fuzz_targets/alloc_meter.rs): more than a few bytes per input byte fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${1:-60}
@@ -20,7 +22,8 @@ for t in key_parser record_decoder store_answers config_parser canonical_json; d
   [ -d "corpus/$t" ] && cp -r "corpus/$t/." "$work/"
   log="$work.log"
   status=0
-  cargo +nightly fuzz run "$t" "$work" -- -max_total_time="$SECONDS_PER_TARGET" -max_len=4096 >"$log" 2>&1 || status=$?
+  cargo +nightly fuzz run "$t" "$work" -- -max_total_time="$SECONDS_PER_TARGET" -max_len=4096 \
+    -malloc_limit_mb=64 -rss_limit_mb=1024 >"$log" 2>&1 || status=$?
   grep -E "^#[0-9]+[[:space:]]+DONE|ERROR|panicked|SUMMARY" "$log" || true
   rm -rf "$work"
   if [ "$status" -ne 0 ]; then

@@ -13,6 +13,8 @@ use crate::owner::OwnerToken;
 const MAGIC: &[u8; 3] = b"IGR";
 /// The current encoding version. A decoder refuses versions it does not know.
 pub const VERSION: u8 = 1;
+/// Most header lines (and most log values) a record holds: a decoder never builds more.
+pub const MAX_LIST_ITEMS: usize = 1024;
 
 /// Who created a record, so a later 409/422/replay can name the run that made it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -319,8 +321,9 @@ impl Record {
         let created_at_ms = r.varint()?;
         let expires_at_ms = r.varint()?;
         let request_id = r.string()?;
-        let n = r.count()?;
-        let mut log_values = Vec::with_capacity(n);
+        let n = r.items()?;
+        // Grown as items arrive: a count read from the input never sizes an allocation.
+        let mut log_values = Vec::new();
         for _ in 0..n {
             log_values.push((r.string()?, r.string()?));
         }
@@ -338,8 +341,8 @@ impl Record {
             }
             3 => {
                 let status = r.status()?;
-                let n = r.count()?;
-                let mut headers = Vec::with_capacity(n);
+                let n = r.items()?;
+                let mut headers = Vec::new();
                 for _ in 0..n {
                     headers.push((r.string()?, r.bytes()?.to_vec()));
                 }
@@ -386,6 +389,8 @@ pub enum DecodeError {
     BadStatus,
     BadUtf8,
     TrailingBytes,
+    /// More header lines or log values than `MAX_LIST_ITEMS`.
+    TooManyItems,
 }
 
 impl fmt::Display for DecodeError {
@@ -444,8 +449,20 @@ impl<'a> Reader<'a> {
         Err(DecodeError::VarintOverflow)
     }
 
-    /// A count of items that follow: each takes at least one byte, so a count larger than what
-    /// remains is garbage (and must not drive a huge allocation).
+    /// A count of items (header lines, log values) that follow, at most `MAX_LIST_ITEMS`: each
+    /// item is a few bytes in the input but about 50 in memory, so a record of millions of empty
+    /// items would amplify memory; none idemgate writes has that many (Envoy allows 100 headers
+    /// by default).
+    fn items(&mut self) -> Result<usize, DecodeError> {
+        let n = self.count()?;
+        if n > MAX_LIST_ITEMS {
+            return Err(DecodeError::TooManyItems);
+        }
+        Ok(n)
+    }
+
+    /// A count of bytes or items that follow: each takes at least one byte, so a count larger
+    /// than what remains is garbage (and must not drive a huge allocation).
     fn count(&mut self) -> Result<usize, DecodeError> {
         let n = self.varint()?;
         let remaining = (self.buf.len() - self.pos.min(self.buf.len())) as u64;
@@ -575,6 +592,25 @@ mod tests {
         bytes.extend_from_slice(&[0, 0]); // times
         bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]); // request id length
         assert_eq!(Record::decode(&bytes), Err(DecodeError::Truncated));
+    }
+
+    /// A header list of empty names and values costs two bytes each in the input and about 50
+    /// in memory: more than `MAX_LIST_ITEMS` are refused, so a hostile store's record cannot
+    /// amplify memory; up to it they decode.
+    #[test]
+    fn more_header_lines_than_any_record_holds_are_refused() {
+        let mut r = record(State::Completed(StoredResponse { status: 200, headers: vec![], body: vec![] }));
+        r.creator.log_values.clear();
+        for n in [MAX_LIST_ITEMS, MAX_LIST_ITEMS + 1] {
+            let State::Completed(ref mut resp) = r.state else { unreachable!() };
+            resp.headers = vec![(String::new(), vec![]); n];
+            let decoded = Record::decode(&r.encode());
+            if n > MAX_LIST_ITEMS {
+                assert_eq!(decoded, Err(DecodeError::TooManyItems));
+            } else {
+                assert_eq!(decoded, Ok(r.clone()));
+            }
+        }
     }
 
     #[test]

@@ -4,9 +4,10 @@
 //!
 //! - **Claim-or-read in one round trip**: a Lua script reads the key and, when absent, writes a
 //!   forwarded-in-progress claim whose `PX` is a forwarded claim's life (`record::Lifetimes`),
-//!   with the lock expiry (Redis's clock, `TIME`) inside the value. It answers `{"1", now}`
-//!   (claimed) or `{"0", now, value, pttl}`, all as strings: webdis 0.1.9's raw output garbles
-//!   integers inside arrays.
+//!   with the lock expiry (Redis's clock, `TIME`) inside the value. It answers `{"1", now, owner}`
+//!   (claimed, echoing the claim's owner token: a "claimed" that does not is refused) or
+//!   `{"0", now, value, pttl}`, all as strings: webdis 0.1.9's raw output garbles integers inside
+//!   arrays.
 //! - **One clock**: every store comparison is made with Redis's clock. A value's life is its key's
 //!   `PX` (durations from `record::Lifetimes`, counted by Redis) and its expiry is read back as
 //!   `TIME + PTTL`; its lock expiry is written by the scripts from `TIME`. The times inside the
@@ -38,10 +39,11 @@ const VALUE_MAGIC: &[u8; 4] = b"IGS1";
 const HEADER_LEN: usize = 4 + 1 + 32 + 15;
 
 /// Claim-or-read. KEYS[1]; ARGV: owner hex, PX ms (a forwarded claim's life), lock ms, record
-/// (last). An existing value comes back with its remaining life by Redis's clock (`PTTL`).
-/// A release tombstone (`IGS1R<owner>`) is no record: the claim of the owner it names is refused
-/// (`{"2", now}`: that owner's release has run, so this claim arrived late), any other claim
-/// replaces it.
+/// (last). Answers `{'1', now, owner hex}` (claimed: the owner echoed, so an answer made without
+/// reading the request is refused) or `{'0', now, value, pttl}` (an existing value with its
+/// remaining life by Redis's clock). A release tombstone (`IGS1R<owner>`) is no record: the claim
+/// of the owner it names is refused (`{"2", now}`: that owner's release has run, so this claim
+/// arrived late), any other claim replaces it.
 const CLAIM_SCRIPT: &str = "local t=redis.call('TIME') \
 local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
 local v=redis.call('GET',KEYS[1]) \
@@ -50,7 +52,7 @@ if string.sub(v,6,37)==ARGV[1] then return {'2',string.format('%d',now)} end \
 v=false end \
 if v then return {'0',string.format('%d',now),v,string.format('%d',redis.call('PTTL',KEYS[1]))} end \
 redis.call('SET',KEYS[1],'IGS1P'..ARGV[1]..string.format('%015d',now+tonumber(ARGV[3]))..ARGV[4],'PX',ARGV[2]) \
-return {'1',string.format('%d',now)}";
+return {'1',string.format('%d',now),ARGV[1]}";
 
 /// Owner-checked transition. KEYS[1]; ARGV: expected owner hex, expected phases, require stale
 /// lock ('1'/'0'), new phase ('X' deletes), new owner hex, ttl ms, lock ms ('-': none),
@@ -461,11 +463,17 @@ pub enum Resp {
 }
 
 const MAX_RESP_DEPTH: usize = 8;
+/// Elements of every array in one answer, all levels together: idemgate's scripts answer at most
+/// three. An answer claiming more is garbage, refused before it costs memory.
+const MAX_RESP_ELEMENTS: usize = 16;
 
 /// Parses exactly one RESP value; anything else (trailing bytes, truncation, bad lengths) is an
-/// error, never a panic.
+/// error, never a panic. No allocation is sized from a count read in the answer: arrays grow as
+/// their elements arrive, and at most `MAX_RESP_ELEMENTS` arrive, so memory stays within a few
+/// bytes per answer byte whatever the answer claims.
 pub fn parse_resp(bytes: &[u8]) -> Result<Resp, StoreError> {
-    let (v, rest) = parse_one(bytes, 0)?;
+    let mut budget = MAX_RESP_ELEMENTS;
+    let (v, rest) = parse_one(bytes, 0, &mut budget)?;
     if !rest.is_empty() {
         return Err(StoreError::Garbled("trailing bytes after the RESP value".into()));
     }
@@ -485,7 +493,7 @@ fn number(b: &[u8]) -> Result<i64, StoreError> {
     std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()).ok_or_else(|| garbled("RESP number"))
 }
 
-fn parse_one(b: &[u8], depth: usize) -> Result<(Resp, &[u8]), StoreError> {
+fn parse_one<'a>(b: &'a [u8], depth: usize, budget: &mut usize) -> Result<(Resp, &'a [u8]), StoreError> {
     if depth > MAX_RESP_DEPTH {
         return Err(garbled("RESP nesting too deep"));
     }
@@ -504,6 +512,7 @@ fn parse_one(b: &[u8], depth: usize) -> Result<(Resp, &[u8]), StoreError> {
             let data = rest.get(..n).ok_or_else(|| garbled("RESP bulk truncated"))?;
             let after = rest.get(n..).ok_or_else(|| garbled("RESP bulk truncated"))?;
             let after = after.strip_prefix(b"\r\n").ok_or_else(|| garbled("RESP bulk without CRLF"))?;
+            // The bytes are there: copying them costs one byte per answer byte.
             Ok((Resp::Bulk(Some(data.to_vec())), after))
         }
         b'*' => {
@@ -511,15 +520,16 @@ fn parse_one(b: &[u8], depth: usize) -> Result<(Resp, &[u8]), StoreError> {
             if n < 0 {
                 return Ok((Resp::Array(None), rest));
             }
-            // Each element takes at least 3 bytes: a count beyond that is garbage.
             let n = usize::try_from(n).map_err(|_| garbled("RESP length"))?;
-            if n > rest.len() / 3 {
-                return Err(garbled("RESP array longer than its bytes"));
+            if n > *budget {
+                return Err(garbled("RESP arrays longer than any idemgate answer"));
             }
-            let mut items = Vec::with_capacity(n);
+            *budget -= n;
+            // Grown as elements arrive, never sized from the count.
+            let mut items = Vec::new();
             let mut rest = rest;
             for _ in 0..n {
-                let (v, r) = parse_one(rest, depth + 1)?;
+                let (v, r) = parse_one(rest, depth + 1, budget)?;
                 items.push(v);
                 rest = r;
             }
@@ -568,15 +578,20 @@ pub enum ClaimReply {
     Unreadable { now_ms: u64, why: String },
 }
 
-/// Parses webdis's answer to `claim_request` (`status` is the HTTP status, `None` if no answer).
-pub fn parse_claim_reply(status: Option<u16>, body: &[u8]) -> Result<ClaimReply, StoreError> {
+/// Parses webdis's answer to `claim_request` made with `owner` (`status` is the HTTP status,
+/// `None` if no answer). A "claimed" answer must echo `owner`: one that does not (a store, proxy
+/// or mock answering without reading the request) is garbled, so nothing is forwarded on it.
+pub fn parse_claim_reply(status: Option<u16>, body: &[u8], owner: &OwnerToken) -> Result<ClaimReply, StoreError> {
     let Resp::Array(Some(items)) = parse_reply(status, body)? else {
         return Err(garbled("claim reply is not an array"));
     };
     let now_ms =
         items.get(1).and_then(as_int).and_then(|n| u64::try_from(n).ok()).ok_or_else(|| garbled("claim reply time"))?;
     match (items.first().and_then(as_int), items.get(2), items.len()) {
-        (Some(1), None, 2) => Ok(ClaimReply::Claimed { now_ms }),
+        (Some(1), Some(Resp::Bulk(Some(echo))), 3) if echo.as_slice() == owner.hex().as_bytes() => {
+            Ok(ClaimReply::Claimed { now_ms })
+        }
+        (Some(1), _, _) => Err(garbled("claim reply does not echo the claim's owner")),
         (Some(0), Some(Resp::Bulk(Some(v))), 4) => {
             // PTTL: the remaining ms, or -1 for a key without expiry (never written so: it
             // never expires, which holds the key rather than freeing it). Nothing else is valid.

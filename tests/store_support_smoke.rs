@@ -1,4 +1,5 @@
-//! The store test support works: Redis 7.0 with envoy/redis.conf (AOF), webdis (with and without
+//! The store test support works: Redis 7.0 with envoy/redis.conf (AOF; its default user opened,
+//! since these tests write keys outside idemgate's prefix), webdis (with and without
 //! basic auth), and a Redis Cluster behind Envoy's redis_proxy behind webdis.
 
 mod support;
@@ -21,7 +22,7 @@ fn base64_and_percent_encoding_helpers() {
 
 #[test]
 fn webdis_in_front_of_redis_round_trips_text_and_binary_values() {
-    let redis = Redis::start();
+    let redis = Redis::start_open();
     let webdis = Webdis::start(redis.port);
 
     let r = webdis.post("SET/k1/v1");
@@ -59,7 +60,7 @@ fn webdis_in_front_of_redis_round_trips_text_and_binary_values() {
 
 #[test]
 fn aof_keeps_a_write_across_kill9_and_restart() {
-    let mut redis = Redis::start();
+    let mut redis = Redis::start_open();
     let webdis = Webdis::start(redis.port);
     assert_eq!(webdis.post("SET/durable/yes").status, 200);
     std::thread::sleep(Duration::from_millis(1500));
@@ -90,7 +91,7 @@ fn aof_keeps_a_write_across_kill9_and_restart() {
 
 #[test]
 fn webdis_with_basic_auth_refuses_anonymous_clients() {
-    let redis = Redis::start();
+    let redis = Redis::start_open();
     let mut webdis = Webdis::start_with_auth(redis.port, "idem:s3cret");
     for (path, body) in [("/PING", &b""[..]), ("/GET/k", b"")] {
         let r = support::http::request(webdis.port, "GET", path, &[], body).unwrap();

@@ -498,7 +498,11 @@ impl Http {
             };
         }
         let on_unavailable = self.shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
-        let (now, expires_at, value) = match store::parse_claim_reply(status, body) {
+        // Cannot happen (a claim is made for a request): fail closed.
+        let Some(owner) = self.req.as_ref().map(|r| r.owner) else {
+            return self.store_failed(handle, &StoreError::Garbled("a claim answer without its request".into()));
+        };
+        let (now, expires_at, value) = match store::parse_claim_reply(status, body, &owner) {
             Ok(ClaimReply::Claimed { .. }) => return self.forward(handle, fp, true),
             Ok(ClaimReply::Exists { now_ms, expires_at_ms, value }) => (now_ms, expires_at_ms, value),
             // The key holds a record we cannot read: nothing was claimed, and it is no outage.

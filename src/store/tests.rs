@@ -23,6 +23,9 @@ fn lives(ttl_ms: u64, lock_ms: u64, unknown_ms: u64) -> Lifetimes {
     Lifetimes { ttl_ms, lock_ms, unknown_ms }
 }
 
+/// The owner token of the claims these tests parse answers to.
+const OWNER: OwnerToken = OwnerToken([1; 16]);
+
 fn skey() -> StorageKey {
     StorageKey([7; 32])
 }
@@ -162,50 +165,90 @@ fn resp_values_parse_strictly() {
 
 #[test]
 fn claim_replies_are_understood_whether_integers_come_as_integers_or_bulk_strings() {
-    assert_eq!(parse_claim_reply(Some(200), b"*2\r\n:1\r\n:1764\r\n"), Ok(ClaimReply::Claimed { now_ms: 1764 }));
-    assert_eq!(
-        parse_claim_reply(Some(200), b"*2\r\n$1\r\n1\r\n$4\r\n1764\r\n"),
-        Ok(ClaimReply::Claimed { now_ms: 1764 })
-    );
+    let echo = "01".repeat(16);
+    let claimed = format!("*3\r\n:1\r\n:1764\r\n$32\r\n{echo}\r\n");
+    assert_eq!(parse_claim_reply(Some(200), claimed.as_bytes(), &OWNER), Ok(ClaimReply::Claimed { now_ms: 1764 }));
+    let claimed = format!("*3\r\n$1\r\n1\r\n$4\r\n1764\r\n$32\r\n{echo}\r\n");
+    assert_eq!(parse_claim_reply(Some(200), claimed.as_bytes(), &OWNER), Ok(ClaimReply::Claimed { now_ms: 1764 }));
     let v = value(StorePhase::Done);
     let enc = v.encode();
     let mut reply = format!("*4\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", enc.len()).into_bytes();
     reply.extend_from_slice(&enc);
     reply.extend_from_slice(b"\r\n$4\r\n4000\r\n");
     assert_eq!(
-        parse_claim_reply(Some(200), &reply),
+        parse_claim_reply(Some(200), &reply, &OWNER),
         Ok(ClaimReply::Exists { now_ms: 1765, expires_at_ms: 5765, value: v.clone() })
     );
     // A key without expiry holds; a three-item answer (no PTTL) or a PTTL that is no time is garbled.
     let no_px = reply_with_pttl(&enc, "-1");
     assert_eq!(
-        parse_claim_reply(Some(200), &no_px),
+        parse_claim_reply(Some(200), &no_px, &OWNER),
         Ok(ClaimReply::Exists { now_ms: 1765, expires_at_ms: u64::MAX, value: v })
     );
     for bad in ["-2", "x"] {
         assert!(
-            matches!(parse_claim_reply(Some(200), &reply_with_pttl(&enc, bad)), Err(StoreError::Garbled(_))),
+            matches!(parse_claim_reply(Some(200), &reply_with_pttl(&enc, bad), &OWNER), Err(StoreError::Garbled(_))),
             "{bad}"
         );
     }
     let mut three = format!("*3\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", enc.len()).into_bytes();
     three.extend_from_slice(&enc);
     three.extend_from_slice(b"\r\n");
-    assert!(matches!(parse_claim_reply(Some(200), &three), Err(StoreError::Garbled(_))));
+    assert!(matches!(parse_claim_reply(Some(200), &three, &OWNER), Err(StoreError::Garbled(_))));
 }
 
 #[test]
 fn store_failures_of_every_kind_are_errors_never_panics() {
-    assert_eq!(parse_claim_reply(None, b""), Err(StoreError::NoAnswer));
-    assert_eq!(parse_claim_reply(Some(503), b"Service Unavailable"), Err(StoreError::Http(503)));
-    assert_eq!(parse_claim_reply(Some(403), b""), Err(StoreError::Http(403)));
-    assert_eq!(parse_claim_reply(Some(200), b"-ERR boom\r\n"), Err(StoreError::Redis("ERR boom".into())));
-    assert!(matches!(parse_claim_reply(Some(200), b"{\"EVAL\":[1,2]}"), Err(StoreError::Garbled(_))));
-    assert!(matches!(parse_claim_reply(Some(200), b"*2\r\n:7\r\n:1\r\n"), Err(StoreError::Garbled(_))));
+    assert_eq!(parse_claim_reply(None, b"", &OWNER), Err(StoreError::NoAnswer));
+    assert_eq!(parse_claim_reply(Some(503), b"Service Unavailable", &OWNER), Err(StoreError::Http(503)));
+    assert_eq!(parse_claim_reply(Some(403), b"", &OWNER), Err(StoreError::Http(403)));
+    assert_eq!(parse_claim_reply(Some(200), b"-ERR boom\r\n", &OWNER), Err(StoreError::Redis("ERR boom".into())));
+    assert!(matches!(parse_claim_reply(Some(200), b"{\"EVAL\":[1,2]}", &OWNER), Err(StoreError::Garbled(_))));
+    assert!(matches!(parse_claim_reply(Some(200), b"*2\r\n:7\r\n:1\r\n", &OWNER), Err(StoreError::Garbled(_))));
     assert_eq!(parse_transition_reply(Some(200), b":1\r\n"), Ok(true));
     assert_eq!(parse_transition_reply(Some(200), b"$1\r\n0\r\n"), Ok(false));
     assert!(parse_transition_reply(Some(200), b":2\r\n").is_err());
     assert!(parse_transition_reply(Some(502), b":1\r\n").is_err());
+}
+
+/// A "claimed" answer must echo the claim's owner: an answer made without reading the request
+/// (a store answering "claimed" to everything) would let two proxies both forward one key.
+#[test]
+fn a_claimed_answer_that_does_not_echo_the_claims_owner_is_refused() {
+    let other = "02".repeat(16);
+    for bad in [
+        "*2\r\n$1\r\n1\r\n$4\r\n1764\r\n".to_string(),
+        format!("*3\r\n$1\r\n1\r\n$4\r\n1764\r\n$32\r\n{other}\r\n"),
+        format!("*3\r\n$1\r\n1\r\n$4\r\n1764\r\n$31\r\n{}\r\n", &"01".repeat(16)[..31]),
+        "*3\r\n$1\r\n1\r\n$4\r\n1764\r\n$-1\r\n".to_string(),
+        format!("*4\r\n$1\r\n1\r\n$4\r\n1764\r\n$32\r\n{}\r\n:1\r\n", "01".repeat(16)),
+    ] {
+        assert!(matches!(parse_claim_reply(Some(200), bad.as_bytes(), &OWNER), Err(StoreError::Garbled(_))), "{bad:?}");
+    }
+}
+
+/// The claim script echoes its owner argument (ARGV[1], the owner hex the request sends).
+#[test]
+fn the_claim_script_answers_claimed_with_the_owner_it_was_given() {
+    assert!(CLAIM_SCRIPT.contains("return {'1',string.format('%d',now),ARGV[1]}"));
+    let body = String::from_utf8(claim_request(&skey(), &OWNER, &record(), &lives(1_000, 1_000, 1_000)).body).unwrap();
+    assert_eq!(body.split('/').nth(4), Some("01".repeat(16).as_str()));
+}
+
+/// No allocation is sized from a count in the answer: arrays claiming more elements than any
+/// idemgate answer has are refused before any element is read, at any nesting, and a claimed
+/// count the bytes could hold is still refused past the element budget.
+#[test]
+fn arrays_claiming_more_elements_than_any_answer_are_refused_before_allocating() {
+    let mut bomb = b"*8000000\r\n".repeat(9);
+    bomb.extend_from_slice(&b":1\r\n".repeat(1000));
+    assert!(matches!(parse_resp(&bomb), Err(StoreError::Garbled(_))));
+    let wide = [b"*17\r\n".as_slice(), &b":1\r\n".repeat(17)].concat();
+    assert!(matches!(parse_resp(&wide), Err(StoreError::Garbled(_))));
+    let nested = [b"*2\r\n*8\r\n".as_slice(), &b":1\r\n".repeat(8), b"*8\r\n", &b":1\r\n".repeat(8)].concat();
+    assert!(matches!(parse_resp(&nested), Err(StoreError::Garbled(_))), "18 elements in all");
+    let fits = [b"*2\r\n*7\r\n".as_slice(), &b":1\r\n".repeat(7), b"*7\r\n", &b":1\r\n".repeat(7)].concat();
+    assert!(parse_resp(&fits).is_ok(), "16 elements in all");
 }
 
 #[test]
@@ -255,7 +298,10 @@ fn a_value_that_exists_but_cannot_be_decoded_is_unreadable_not_a_store_failure()
     ];
     for (what, v) in cases {
         assert!(
-            matches!(parse_claim_reply(Some(200), &exists_reply(&v)), Ok(ClaimReply::Unreadable { now_ms: 1765, .. })),
+            matches!(
+                parse_claim_reply(Some(200), &exists_reply(&v), &OWNER),
+                Ok(ClaimReply::Unreadable { now_ms: 1765, .. })
+            ),
             "{what}"
         );
         let mut read = format!("${}\r\n", v.len()).into_bytes();
@@ -264,8 +310,14 @@ fn a_value_that_exists_but_cannot_be_decoded_is_unreadable_not_a_store_failure()
         assert!(matches!(parse_read_reply(Some(200), &read), Ok(ReadReply::Unreadable(_))), "{what}");
     }
     // The shape of the answer itself still decides "garbled": no value, or not a string.
-    assert!(matches!(parse_claim_reply(Some(200), b"*4\r\n:0\r\n:1\r\n:5\r\n:1\r\n"), Err(StoreError::Garbled(_))));
-    assert!(matches!(parse_claim_reply(Some(200), b"*4\r\n:0\r\n:1\r\n$-1\r\n:1\r\n"), Err(StoreError::Garbled(_))));
+    assert!(matches!(
+        parse_claim_reply(Some(200), b"*4\r\n:0\r\n:1\r\n:5\r\n:1\r\n", &OWNER),
+        Err(StoreError::Garbled(_))
+    ));
+    assert!(matches!(
+        parse_claim_reply(Some(200), b"*4\r\n:0\r\n:1\r\n$-1\r\n:1\r\n", &OWNER),
+        Err(StoreError::Garbled(_))
+    ));
 }
 
 #[test]
@@ -299,7 +351,7 @@ mod props {
         #[test]
         fn answers_of_any_bytes_never_panic(status in proptest::option::of(100u16..600), body in proptest::collection::vec(any::<u8>(), 0..300)) {
             let _ = parse_resp(&body);
-            let _ = parse_claim_reply(status, &body);
+            let _ = parse_claim_reply(status, &body, &OWNER);
             let _ = parse_transition_reply(status, &body);
             let _ = StoredValue::decode(&body);
         }
@@ -310,8 +362,8 @@ mod props {
             let mut reply = reply_with_pttl(&enc, "4000");
             let i = pos.index(reply.len());
             reply[i] = byte;
-            let _ = parse_claim_reply(Some(200), &reply);
-            let _ = parse_claim_reply(Some(200), &reply[..cut.index(reply.len())]);
+            let _ = parse_claim_reply(Some(200), &reply, &OWNER);
+            let _ = parse_claim_reply(Some(200), &reply[..cut.index(reply.len())], &OWNER);
         }
 
         #[test]
@@ -343,5 +395,5 @@ fn a_lost_claim_release_leaves_a_tombstone_naming_its_owner_that_reads_as_absent
 #[test]
 fn a_claim_refused_by_its_owners_tombstone_is_never_taken_for_a_claim() {
     let refused = b"*2\r\n$1\r\n2\r\n$13\r\n1764000000000\r\n";
-    assert!(parse_claim_reply(Some(200), refused).is_err());
+    assert!(parse_claim_reply(Some(200), refused, &OWNER).is_err());
 }

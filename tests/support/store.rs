@@ -23,6 +23,12 @@ const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a helper command (redis-cli) may run.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The ACL users of `envoy/redis.conf` (its demo passwords): idemgate's (`default`, the user
+/// webdis 0.1.9 authenticates as with `redis_auth`) and the operators' (`admin`), which the
+/// tests use to look at what Redis holds.
+pub const REDIS_IDEMGATE_PASSWORD: &str = "idemgate-demo-redis-password";
+pub const REDIS_ADMIN: (&str, &str) = ("admin", "idemgate-demo-admin-password");
+
 /// The Redis configuration shipped to users, loaded by every test Redis.
 pub fn redis_conf() -> PathBuf {
     repo_root().join("envoy/redis.conf")
@@ -273,11 +279,26 @@ pub mod resp {
         Ok(v)
     }
 
-    /// Sends one command to 127.0.0.1:`port` over a new connection and reads its reply.
+    /// Sends one command to 127.0.0.1:`port` over a new connection, as the operators' ACL user
+    /// of `envoy/redis.conf` (`super::REDIS_ADMIN`; a Redis without that user answers the AUTH
+    /// with an error, which is ignored), and reads its reply.
     pub fn command(port: u16, args: &[&[u8]]) -> std::io::Result<Value> {
+        let (user, password) = super::REDIS_ADMIN;
         let s = TcpStream::connect(("127.0.0.1", port))?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
         s.set_write_timeout(Some(Duration::from_secs(10)))?;
+        let mut bytes = encode(&[b"AUTH", user.as_bytes(), password.as_bytes()]);
+        bytes.extend_from_slice(&encode(args));
+        (&s).write_all(&bytes)?;
+        let mut r = BufReader::new(&s);
+        let _auth = read(&mut r)?;
+        read(&mut r)
+    }
+
+    /// One command from a client that never authenticated.
+    pub fn command_anonymous(port: u16, args: &[&[u8]]) -> std::io::Result<Value> {
+        let s = TcpStream::connect(("127.0.0.1", port))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
         (&s).write_all(&encode(args))?;
         read(&mut BufReader::new(&s))
     }
@@ -342,6 +363,8 @@ pub struct Redis {
     dir: PathBuf,
     /// Extra command-line options (cluster mode).
     extra_args: Vec<String>,
+    /// The default user opened to every command and key after each start (`start_open`).
+    open: bool,
     proc: Proc,
     _scratch: Option<Scratch>,
 }
@@ -351,6 +374,30 @@ impl Redis {
     pub fn start() -> Redis {
         let scratch = Scratch::new("redis");
         Redis::launch_new(scratch.0.clone(), free_port(), Vec::new(), Some(scratch))
+    }
+
+    /// Like `start`, but with Redis's default user open to every command and key (set after
+    /// each start with `ACL SETUSER`): for tests of the test support itself, which write keys
+    /// outside idemgate's prefix through webdis.
+    pub fn start_open() -> Redis {
+        let scratch = Scratch::new("redis");
+        let mut r = Redis {
+            port: free_port(),
+            dir: scratch.0.clone(),
+            extra_args: Vec::new(),
+            open: true,
+            proc: Proc(None),
+            _scratch: Some(scratch),
+        };
+        r.launch();
+        r
+    }
+
+    /// A fresh Redis like `start`, with more command-line options (e.g. `--appendfsync always`).
+    pub fn start_with_args(args: &[&str]) -> Redis {
+        let scratch = Scratch::new("redis");
+        let args = args.iter().map(|a| a.to_string()).collect();
+        Redis::launch_new(scratch.0.clone(), free_port(), args, Some(scratch))
     }
 
     /// A Redis using `dir` (created if missing, kept when dropped) and `port`: start it again
@@ -369,11 +416,16 @@ impl Redis {
             .chain(["--cluster-port".to_string(), bus_port.to_string()])
             .chain(["--cluster-node-timeout", "5000"].map(String::from))
             .collect();
-        Redis::launch_new(dir.to_path_buf(), port, args, None)
+        // Envoy's redis_proxy in front of the cluster connects without credentials: the cluster
+        // example opens Redis's default user (not hardened; see README).
+        let mut r =
+            Redis { port, dir: dir.to_path_buf(), extra_args: args, open: true, proc: Proc(None), _scratch: None };
+        r.launch();
+        r
     }
 
     fn launch_new(dir: PathBuf, port: u16, extra_args: Vec<String>, scratch: Option<Scratch>) -> Redis {
-        let mut r = Redis { port, dir, extra_args, proc: Proc(None), _scratch: scratch };
+        let mut r = Redis { port, dir, extra_args, open: false, proc: Proc(None), _scratch: scratch };
         r.launch();
         r
     }
@@ -393,6 +445,10 @@ impl Redis {
             .expect("start redis-server (installed by scripts/install-deps.sh store)");
         self.proc = Proc(Some(child));
         self.wait_ready();
+        if self.open {
+            let open: [&[u8]; 8] = [b"ACL", b"SETUSER", b"default", b"on", b"nopass", b"~*", b"&*", b"+@all"];
+            assert_eq!(must(self.port, &open), Value::Status("OK".into()), "open the default user");
+        }
     }
 
     /// Waits until this process (not another one on the same port) answers PING; AOF loading
@@ -458,8 +514,13 @@ impl Redis {
 
     /// `redis-cli -p PORT args...`, returning its stdout (text; use `get_raw` for exact bytes).
     pub fn cli(&self, args: &[&str]) -> String {
-        let out =
-            run_bounded(Command::new("redis-cli").args(["-p", &self.port.to_string()]).args(args), COMMAND_TIMEOUT);
+        let (user, password) = REDIS_ADMIN;
+        let out = run_bounded(
+            Command::new("redis-cli")
+                .args(["-p", &self.port.to_string(), "--user", user, "--pass", password, "--no-auth-warning"])
+                .args(args),
+            COMMAND_TIMEOUT,
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
@@ -496,19 +557,36 @@ pub struct Webdis {
 impl Webdis {
     /// webdis in front of 127.0.0.1:`redis_port`, every command allowed except DEBUG.
     pub fn start(redis_port: u16) -> Webdis {
-        Webdis::start_inner(redis_port, None)
+        Webdis::start_inner(redis_port, None, Some(REDIS_IDEMGATE_PASSWORD))
+    }
+
+    /// webdis with a shipped configuration (`envoy/docker-compose/webdis.json`): its ACL and its
+    /// Redis credential, in front of 127.0.0.1:`redis_port`; requests carry the ACL's basic-auth
+    /// credential, if it has one.
+    pub fn start_shipped(redis_port: u16, shipped: &serde_json::Value) -> Webdis {
+        let auth = shipped["acl"]
+            .as_array()
+            .and_then(|acl| acl.iter().find_map(|a| a["http_basic_auth"].as_str().map(str::to_string)));
+        let mut config = shipped.clone();
+        Webdis::launch_new(redis_port, auth, |port, log_path| {
+            config["redis_host"] = "127.0.0.1".into();
+            config["redis_port"] = redis_port.into();
+            config["http_host"] = "127.0.0.1".into();
+            config["http_port"] = port.into();
+            config["daemonize"] = false.into();
+            config["logfile"] = serde_json::json!(log_path);
+            config
+        })
     }
 
     /// Like `start`, but only clients sending HTTP basic auth `user_password` ("user:password")
     /// may run commands (all but DEBUG); everyone else gets 403.
     pub fn start_with_auth(redis_port: u16, user_password: &str) -> Webdis {
-        Webdis::start_inner(redis_port, Some(user_password.to_string()))
+        Webdis::start_inner(redis_port, Some(user_password.to_string()), Some(REDIS_IDEMGATE_PASSWORD))
     }
 
-    fn start_inner(redis_port: u16, auth: Option<String>) -> Webdis {
-        let scratch = Scratch::new("webdis");
-        let port = free_port();
-        let log_path = scratch.0.join("webdis.log");
+    /// `redis_auth`: the password webdis sends Redis (`AUTH`), None for a Redis without one.
+    fn start_inner(redis_port: u16, auth: Option<String>, redis_auth: Option<&str>) -> Webdis {
         // ACLs apply in order, later matches overriding earlier ones; "*" matches every command.
         let acl = match &auth {
             None => serde_json::json!([{"disabled": ["DEBUG"]}]),
@@ -517,20 +595,35 @@ impl Webdis {
                 {"http_basic_auth": user_password, "enabled": ["*"], "disabled": ["DEBUG"]},
             ]),
         };
-        let config = serde_json::json!({
-            "redis_host": "127.0.0.1",
-            "redis_port": redis_port,
-            "http_host": "127.0.0.1",
-            "http_port": port,
-            "threads": 2,
-            "pool_size": 8,
-            "daemonize": false,
-            "database": 0,
-            "verbosity": 3,
-            "logfile": log_path,
-            "http_max_request_size": 134_217_728,
-            "acl": acl,
-        });
+        Webdis::launch_new(redis_port, auth, move |port, log_path| {
+            serde_json::json!({
+                "redis_host": "127.0.0.1",
+                "redis_port": redis_port,
+                "redis_auth": redis_auth,
+                "http_host": "127.0.0.1",
+                "http_port": port,
+                "threads": 2,
+                "pool_size": 8,
+                "daemonize": false,
+                "database": 0,
+                "verbosity": 3,
+                "logfile": log_path,
+                "http_max_request_size": 134_217_728,
+                "acl": acl,
+            })
+        })
+    }
+
+    /// Writes the configuration `config(port, log path)` and starts webdis with it.
+    fn launch_new(
+        redis_port: u16,
+        auth: Option<String>,
+        config: impl FnOnce(u16, &Path) -> serde_json::Value,
+    ) -> Webdis {
+        let scratch = Scratch::new("webdis");
+        let port = free_port();
+        let log_path = scratch.0.join("webdis.log");
+        let config = config(port, &log_path);
         let config_path = scratch.0.join("webdis.json");
         std::fs::write(&config_path, serde_json::to_string_pretty(&config).expect("json")).expect("write webdis.json");
         let out_path = scratch.0.join("webdis.out");
@@ -697,7 +790,7 @@ impl RedisCluster {
             std::thread::sleep(Duration::from_millis(50));
         }
 
-        let webdis = Webdis::start(envoy_port);
+        let webdis = Webdis::start_inner(envoy_port, None, None);
         let cluster = RedisCluster {
             webdis,
             envoy_port,
@@ -798,5 +891,89 @@ impl Drop for RedisCluster {
         // Front to back: webdis, Envoy, then the nodes (fields dropped after this).
         self.webdis.kill9();
         self.envoy.kill9();
+    }
+}
+
+/// A fake store on 127.0.0.1 that answers every HTTP request (any method, path and body) with
+/// the same 200 and the same body, as webdis's `.raw` output would carry it: a hostile or broken
+/// store for tests of what idemgate refuses to believe. Counts the requests it answered.
+pub struct FakeStore {
+    pub port: u16,
+    requests: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FakeStore {
+    pub fn start(answer: Vec<u8>) -> FakeStore {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind fake store");
+        let port = listener.local_addr().expect("addr").port();
+        let requests = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let answer = Arc::new(answer);
+        let (n, sp) = (requests.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if sp.load(Ordering::SeqCst) {
+                    break;
+                }
+                if let Ok(conn) = conn {
+                    let (n, answer) = (n.clone(), answer.clone());
+                    std::thread::spawn(move || fake_store_serve(conn, &answer, &n));
+                }
+            }
+        });
+        FakeStore { port, requests, stop }
+    }
+
+    /// How many requests it answered.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for FakeStore {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = std::net::TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+/// Reads requests on one keep-alive connection (head, then `content-length` bytes) and answers
+/// each with `answer`.
+fn fake_store_serve(conn: std::net::TcpStream, answer: &[u8], n: &std::sync::atomic::AtomicU64) {
+    use std::io::{BufRead, BufReader, Write};
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+    let Ok(mut writer) = conn.try_clone() else { return };
+    let mut reader = BufReader::new(conn);
+    loop {
+        let mut length = 0usize;
+        let mut first = true;
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            let line = line.trim_end();
+            if line.is_empty() && !first {
+                break;
+            }
+            first = false;
+            if let Some((name, value)) = line.split_once(':') {
+                if name.trim().eq_ignore_ascii_case("content-length") {
+                    length = value.trim().parse().unwrap_or(0);
+                }
+            }
+        }
+        let mut body = vec![0; length];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let head = format!("HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n", answer.len());
+        if writer.write_all(head.as_bytes()).and_then(|_| writer.write_all(answer)).is_err() {
+            return;
+        }
     }
 }
