@@ -10,6 +10,7 @@
 //! The core never imports `proxy_wasm`.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod admin;
 pub mod canonical_json;
 pub mod config;
 pub mod decision;

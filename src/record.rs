@@ -13,6 +13,18 @@ const MAGIC: &[u8; 3] = b"IGR";
 /// The current encoding version. A decoder refuses versions it does not know.
 pub const VERSION: u8 = 1;
 
+/// Response headers never stored: hop-by-hop (RFC 9110 section 7.6.1) and those Envoy recomputes.
+pub const NOT_REPLAYED: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+];
+
 /// Who created a record, so a later 409/422/replay can name the run that made it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Creator {

@@ -36,17 +36,7 @@ use crate::request::{RequestHead, ROUTER_RETRY_CAP};
 use crate::scope::{CallerScope, StorageKey};
 use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition};
 
-/// Response headers never stored: hop-by-hop (RFC 9110 section 7.6.1) and those Envoy recomputes.
-pub(super) const NOT_REPLAYED: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "te",
-    "trailer",
-    "upgrade",
-    "content-length",
-];
+pub(super) use crate::record::NOT_REPLAYED;
 
 enum Phase {
     /// Not protected, or forwarded unprotected: every callback continues.
