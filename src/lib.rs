@@ -22,6 +22,7 @@ pub mod key;
 pub mod local;
 pub mod owner;
 pub mod path;
+pub mod probe;
 pub mod problem;
 pub mod record;
 pub mod request;
