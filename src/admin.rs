@@ -183,14 +183,21 @@ pub mod command {
         "TIME.raw".into()
     }
 
-    /// `SCAN cursor MATCH idemgate:v1:* COUNT count`: never blocks Redis.
+    /// One step of a scan: `SCAN cursor MATCH idemgate:v1:* COUNT count` (never blocks Redis),
+    /// then `GETRANGE key 0 51` of each key found (a value's header, never its possibly large
+    /// record), in one script whose answer is flat (`{cursor, key, header, key, header, ...}`):
+    /// webdis 0.1.9's raw output garbles nested arrays.
     pub fn scan(cursor: &str, count: u32) -> String {
-        format!("SCAN/{}/MATCH/{}/COUNT/{count}.raw", encode_arg(cursor.as_bytes()), encode_arg(b"idemgate:v1:*"))
-    }
-
-    /// `GETRANGE key 0 51`: a value's header, never its (possibly large) record.
-    pub fn header(redis_key: &str) -> String {
-        format!("GETRANGE/{}/0/{}.raw", encode_arg(redis_key.as_bytes()), VALUE_HEADER_LEN - 1)
+        const SCRIPT: &str = "local r=redis.call('SCAN',ARGV[1],'MATCH',ARGV[2],'COUNT',ARGV[3]) \
+local out={r[1]} \
+for _,k in ipairs(r[2]) do out[#out+1]=k out[#out+1]=redis.call('GETRANGE',k,0,51) end \
+return out";
+        format!(
+            "EVAL/{}/0/{}/{}/{count}.raw",
+            encode_arg(SCRIPT.as_bytes()),
+            encode_arg(cursor.as_bytes()),
+            encode_arg(format!("{KEY_PREFIX}*").as_bytes())
+        )
     }
 
     /// `PTTL key`.

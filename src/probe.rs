@@ -27,7 +27,8 @@ impl Answer {
     }
 
     fn problem(&self) -> bool {
-        self.header("content-type").is_some_and(|v| v.trim().to_ascii_lowercase().starts_with("application/problem+json"))
+        self.header("content-type")
+            .is_some_and(|v| v.trim().to_ascii_lowercase().starts_with("application/problem+json"))
     }
 
     fn same_result(&self, other: &Answer) -> bool {
@@ -83,12 +84,19 @@ fn rule(name: &'static str, verdict: Verdict, detail: String) -> Rule {
 pub fn judge(s: &Seen) -> Vec<Rule> {
     let (first, second) = (&s.first, &s.second);
     let identical = if second.same_result(first) {
-        rule("replay-identical", Verdict::Kept, format!("the second call answered {} with the same body", second.status))
+        rule(
+            "replay-identical",
+            Verdict::Kept,
+            format!("the second call answered {} with the same body", second.status),
+        )
     } else {
         rule(
             "replay-identical",
             Verdict::Violated,
-            format!("first answered {}, the second {} with another body: the call ran twice or was not replayed", first.status, second.status),
+            format!(
+                "first answered {}, the second {} with another body: the call ran twice or was not replayed",
+                first.status, second.status
+            ),
         )
     };
     let marked = if second.replayed() {
@@ -124,11 +132,16 @@ fn rules_rest(s: &Seen, mut out: Vec<Rule>) -> Vec<Rule> {
         rule("in-flight-409", Verdict::NotObserved, "the concurrent calls never overlapped (all replays)".into())
     });
     out.push(match (s.mismatch.status, s.mismatch.problem()) {
-        (422, true) => rule("mismatch-422", Verdict::Kept, "a changed body with the same key answered 422 (problem+json)".into()),
+        (422, true) => {
+            rule("mismatch-422", Verdict::Kept, "a changed body with the same key answered 422 (problem+json)".into())
+        }
         (st, p) => rule(
             "mismatch-422",
             Verdict::Violated,
-            format!("a changed body with the same key answered {st}{}", if p { "" } else { " without a problem document" }),
+            format!(
+                "a changed body with the same key answered {st}{}",
+                if p { "" } else { " without a problem document" }
+            ),
         ),
     });
     out.push(match (s.malformed.status, s.malformed.problem()) {
@@ -242,7 +255,9 @@ mod tests {
         s.mismatch = a(422, "{}", &[]);
         s.malformed = a(409, "{}", &[PROBLEM]);
         let v = verdicts(&s);
-        assert!(v.contains(&("mismatch-422", Verdict::Violated)) && v.contains(&("malformed-key-400", Verdict::Violated)));
+        assert!(
+            v.contains(&("mismatch-422", Verdict::Violated)) && v.contains(&("malformed-key-400", Verdict::Violated))
+        );
     }
 
     #[test]

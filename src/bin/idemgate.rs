@@ -49,12 +49,9 @@ fn cli() -> Command {
         .about("See and settle idempotency keys in idemgate's store; prove an API idempotent")
         .subcommand_required(true)
         .arg_required_else_help(true)
-        .arg(
-            Arg::new("webdis")
-                .long("webdis")
-                .global(true)
-                .help("webdis URL (default: $IDEMGATE_WEBDIS or http://127.0.0.1:7379); credential from $IDEMGATE_STORE_AUTH"),
-        )
+        .arg(Arg::new("webdis").long("webdis").global(true).help(
+            "webdis URL (default: $IDEMGATE_WEBDIS or http://127.0.0.1:7379); credential from $IDEMGATE_STORE_AUTH",
+        ))
         .subcommand(
             Command::new("key")
                 .about("The storage key of a request, computed exactly as the filter does")
@@ -260,14 +257,13 @@ fn list(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
         let Resp::Array(Some(items)) = w.command(&admin::command::scan(&cursor, 200))? else {
             return fail("unexpected SCAN answer");
         };
-        let (Some(Resp::Bulk(Some(next))), Some(Resp::Array(Some(keys)))) = (items.first(), items.get(1)) else {
+        let Some((Resp::Bulk(Some(next)), found)) = items.split_first() else {
             return fail("unexpected SCAN answer");
         };
-        for k in keys {
-            let Resp::Bulk(Some(k)) = k else { continue };
+        for pair in found.chunks(2) {
+            let [Resp::Bulk(Some(k)), Resp::Bulk(Some(head))] = pair else { continue };
             let k = String::from_utf8_lossy(k).into_owned();
-            let Resp::Bulk(Some(head)) = w.command(&admin::command::header(&k))? else { continue };
-            if let Header::Value { state, lock_expires_at_ms, .. } = admin::parse_header(&head) {
+            if let Header::Value { state, lock_expires_at_ms, .. } = admin::parse_header(head) {
                 if state != want || shown >= limit {
                     continue;
                 }
@@ -312,7 +308,9 @@ fn settle(w: &Webdis, skey: &idemgate::scope::StorageKey, action: &Settle, done:
     let value = match w.read(skey)? {
         ReadReply::Found(v) => v,
         ReadReply::Absent => return fail("refused: the key is absent (nothing to settle)"),
-        ReadReply::Unreadable(why) => return fail(format!("refused: the key holds a value this build cannot read: {why}")),
+        ReadReply::Unreadable(why) => {
+            return fail(format!("refused: the key holds a value this build cannot read: {why}"))
+        }
     };
     let now = w.now_ms()?;
     let t = admin::plan(action, &value, now).or_else(|r| fail(r.to_string()))?;
@@ -322,7 +320,9 @@ fn settle(w: &Webdis, skey: &idemgate::scope::StorageKey, action: &Settle, done:
             println!("{done}");
             Ok(())
         }
-        Ok(false) => fail("refused: the record changed since it was read (its request or another operator acted); inspect it again"),
+        Ok(false) => fail(
+            "refused: the record changed since it was read (its request or another operator acted); inspect it again",
+        ),
         Err(e) => fail(format!("store: {e}")),
     }
 }
@@ -342,7 +342,8 @@ impl Webdis {
     }
 
     fn send(&self, r: &StoreRequest) -> Result<(Option<u16>, Vec<u8>), Fail> {
-        let headers: Vec<(String, String)> = self.auth.iter().map(|a| ("authorization".to_string(), a.clone())).collect();
+        let headers: Vec<(String, String)> =
+            self.auth.iter().map(|a| ("authorization".to_string(), a.clone())).collect();
         match http(&self.host, self.port, r.method, &r.path, &headers, &r.body) {
             Ok(a) => Ok((Some(a.status), a.body)),
             Err(e) => fail(format!("webdis at {}:{}: {e}", self.host, self.port)),
@@ -350,7 +351,8 @@ impl Webdis {
     }
 
     fn command(&self, body: &str) -> Result<Resp, Fail> {
-        let (status, bytes) = self.send(&StoreRequest { method: "POST", path: "/".into(), body: body.as_bytes().to_vec() })?;
+        let (status, bytes) =
+            self.send(&StoreRequest { method: "POST", path: "/".into(), body: body.as_bytes().to_vec() })?;
         match status {
             Some(200) => store::parse_resp(&bytes).or_else(|e| fail(format!("store: {e}"))),
             Some(403) => fail("webdis answered 403: set IDEMGATE_STORE_AUTH to its user:password"),
@@ -365,7 +367,9 @@ impl Webdis {
 
     /// Redis's clock: locks are judged by it, as the filter's scripts do.
     fn now_ms(&self) -> Result<u64, Fail> {
-        let Resp::Array(Some(items)) = self.command(&admin::command::time())? else { return fail("unexpected TIME answer") };
+        let Resp::Array(Some(items)) = self.command(&admin::command::time())? else {
+            return fail("unexpected TIME answer");
+        };
         let parts: Vec<Vec<u8>> =
             items.into_iter().filter_map(|i| if let Resp::Bulk(Some(b)) = i { Some(b) } else { None }).collect();
         admin::time_ms(&parts).map_or_else(|| fail("unexpected TIME answer"), Ok)
@@ -375,9 +379,12 @@ impl Webdis {
 /// `http://host[:port][/path]` -> (host, port, path and query).
 fn parse_url(url: &str) -> Result<(String, u16, String), String> {
     let Some(rest) = url.strip_prefix("http://") else {
-        return Err(format!("{url}: only http:// URLs are supported (probe an https API through a local TLS-terminating proxy)"));
+        return Err(format!(
+            "{url}: only http:// URLs are supported (probe an https API through a local TLS-terminating proxy)"
+        ));
     };
-    let (authority, path) = rest.find('/').map_or((rest, "/"), |i| (rest.get(..i).unwrap_or(rest), rest.get(i..).unwrap_or("/")));
+    let (authority, path) =
+        rest.find('/').map_or((rest, "/"), |i| (rest.get(..i).unwrap_or(rest), rest.get(i..).unwrap_or("/")));
     let (host, port) = match authority.rsplit_once(':') {
         Some((h, p)) => (h, p.parse::<u16>().map_err(|_| format!("{url}: bad port"))?),
         None => (authority, 80),
@@ -389,11 +396,21 @@ fn parse_url(url: &str) -> Result<(String, u16, String), String> {
 }
 
 /// One HTTP/1.1 exchange on its own connection (`connection: close`).
-fn http(host: &str, port: u16, method: &str, path: &str, headers: &[(String, String)], body: &[u8]) -> std::io::Result<Answer> {
+fn http(
+    host: &str,
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> std::io::Result<Answer> {
     let mut c = TcpStream::connect((host, port))?;
     c.set_read_timeout(Some(TIMEOUT))?;
     c.set_write_timeout(Some(TIMEOUT))?;
-    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: {host}:{port}\r\nconnection: close\r\ncontent-length: {}\r\n", body.len());
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {host}:{port}\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
     for (n, v) in headers {
         req.push_str(&format!("{n}: {v}\r\n"));
     }
@@ -401,12 +418,24 @@ fn http(host: &str, port: u16, method: &str, path: &str, headers: &[(String, Str
     let mut bytes = req.into_bytes();
     bytes.extend_from_slice(body);
     c.write_all(&bytes)?;
+    // Read until the answer is whole (its length or last chunk), not until the server closes:
+    // some servers keep the connection open whatever `connection: close` asked.
     let mut buf = vec![];
-    c.read_to_end(&mut buf)?;
-    parse_response(&buf).ok_or_else(|| std::io::Error::other("malformed HTTP response"))
+    let mut chunk = [0u8; 16384];
+    loop {
+        let n = c.read(&mut chunk)?;
+        buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
+        if n == 0 {
+            return parse_response(&buf, true).ok_or_else(|| std::io::Error::other("malformed HTTP response"));
+        }
+        if let Some(a) = parse_response(&buf, false) {
+            return Ok(a);
+        }
+    }
 }
 
-fn parse_response(buf: &[u8]) -> Option<Answer> {
+/// The answer in `buf` if it is whole (`eof`: the server closed, the body ends here).
+fn parse_response(buf: &[u8], eof: bool) -> Option<Answer> {
     let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
     let head = std::str::from_utf8(buf.get(..end)?).ok()?;
     let mut lines = head.split("\r\n");
@@ -420,8 +449,10 @@ fn parse_response(buf: &[u8]) -> Option<Answer> {
         dechunk(rest)?
     } else if let Some(len) = find("content-length").and_then(|v| v.parse::<usize>().ok()) {
         rest.get(..len)?.to_vec()
-    } else {
+    } else if eof {
         rest.to_vec()
+    } else {
+        return None;
     };
     Some(Answer { status, headers, body })
 }
@@ -484,7 +515,10 @@ fn probe_cmd(a: &ArgMatches) -> Result<(), Fail> {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| fail("a probe thread failed"))).collect::<Result<Vec<_>, Fail>>()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| fail("a probe thread failed")))
+            .collect::<Result<Vec<_>, Fail>>()
     })?;
     let mismatch = call(&key_a, &probe::changed_body(&body))?;
     let malformed = call("\"unterminated", &body)?;
@@ -499,6 +533,9 @@ fn probe_cmd(a: &ArgMatches) -> Result<(), Fail> {
     if probe::passes(&rules) {
         Ok(())
     } else {
-        fail(format!("{url} violates {} rule(s) of the idempotency-key draft", rules.iter().filter(|r| r.verdict == probe::Verdict::Violated).count()))
+        fail(format!(
+            "{url} violates {} rule(s) of the idempotency-key draft",
+            rules.iter().filter(|r| r.verdict == probe::Verdict::Violated).count()
+        ))
     }
 }
