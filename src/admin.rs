@@ -26,6 +26,13 @@ use crate::request::RequestHead;
 use crate::scope::{CallerScope, StorageKey};
 use crate::store::{encode_arg, StorePhase, StoredValue, Transition, KEY_PREFIX};
 
+/// Whether the store, not a proxy's local tier, settles a key the local tier refuses with
+/// `problem`: an outcome-unknown key is settled by an operator in the store (`resolve`), so
+/// with a store the filter asks the store again instead of answering from its local copy.
+pub fn store_settles(problem: &ProblemKind) -> bool {
+    matches!(problem, ProblemKind::OutcomeUnknown)
+}
+
 /// Length of a stored value's header (`IGS1`, phase, owner hex, lock expiry): what `list` reads.
 pub const VALUE_HEADER_LEN: usize = 52;
 
