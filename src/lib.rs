@@ -10,6 +10,7 @@
 //! The core never imports `proxy_wasm`.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod admin;
 pub mod canonical_json;
 pub mod config;
 pub mod decision;
@@ -21,6 +22,7 @@ pub mod key;
 pub mod local;
 pub mod owner;
 pub mod path;
+pub mod probe;
 pub mod problem;
 pub mod record;
 pub mod request;

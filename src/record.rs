@@ -16,6 +16,18 @@ pub const VERSION: u8 = 1;
 /// Most header lines (and most log values) a record holds: a decoder never builds more.
 pub const MAX_LIST_ITEMS: usize = 1024;
 
+/// Response headers never stored: hop-by-hop (RFC 9110 section 7.6.1) and those Envoy recomputes.
+pub const NOT_REPLAYED: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+];
+
 /// Who created a record, so a later 409/422/replay can name the run that made it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Creator {

@@ -22,6 +22,7 @@ use super::host::{self, Counter, HostShared};
 use super::settle::{self, Claim};
 use super::writes;
 use super::{reply, Forward, Shared, Waiter};
+use crate::admin;
 use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
 use crate::decision::{admit, check_body_size, classify, decide, Admission, Decision, ExchangeFacts, Lookup};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
@@ -36,17 +37,7 @@ use crate::request::{RequestHead, ROUTER_RETRY_CAP};
 use crate::scope::{CallerScope, StorageKey};
 use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition};
 
-/// Response headers never stored: hop-by-hop (RFC 9110 section 7.6.1) and those Envoy recomputes.
-pub(super) const NOT_REPLAYED: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "te",
-    "trailer",
-    "upgrade",
-    "content-length",
-];
+pub(super) use crate::record::NOT_REPLAYED;
 
 enum Phase {
     /// Not protected, or forwarded unprotected: every callback continues.
@@ -332,6 +323,22 @@ impl Http {
                 }
             }
             Ok(Begin::Replay(r)) => self.replay(r),
+            // With a store, the store settles a key whose outcome is unknown (an operator may have
+            // released or completed it there): the local copy is asked again of the store. Only
+            // when a store failure is answered 503 (`on_unavailable: "reject"`): under "pass" a
+            // failure would forward the key unprotected, so the local 409 stands.
+            Ok(Begin::Reject { problem, .. })
+                if self.shared.config.store.as_ref().is_some_and(|c| c.on_unavailable == OnUnavailable::Reject)
+                    && admin::store_settles(&problem) =>
+            {
+                match fp {
+                    Some(fp) => self.proceed(None, fp),
+                    None => {
+                        self.phase = Phase::Waiting { handle: None };
+                        Action::Pause
+                    }
+                }
+            }
             Ok(Begin::Reject { problem: ProblemKind::InFlight { .. }, creator, .. }) => {
                 self.in_flight_or_wait(fp, creator.as_ref())
             }

@@ -1,0 +1,374 @@
+//! What an operator does to a key, as plain rules (the `idemgate` command line is the driver):
+//! compute a request's storage key, read a stored value as a report, read the short header of a
+//! value while listing, and settle a key (release, complete, forget) as an owner- and
+//! phase-checked `store::Transition` planned from the value just read.
+//!
+//! Settling follows the filter's own lifecycle, so it never makes a key execute twice by itself:
+//! - **release** (the next retry executes) only from outcome-unknown (the operator checked
+//!   upstream that it did not run) or from a claim whose lock has expired;
+//! - **complete** (retries replay what the operator found upstream) from the same states;
+//! - **forget** (delete) from anything but a claim whose lock is live.
+//!
+//! A claim whose lock is live belongs to a request that may still be running: every action on
+//! it is refused with the reason. The transition names the owner and phase read, and the store's
+//! script re-checks both (and, for a claim, that its lock expired by Redis's clock), so a value
+//! that changed between the read and the write is left alone.
+
+use std::fmt;
+
+use serde_json::{json, Map, Value};
+
+use crate::config::{Anonymous, ScopeConfig};
+use crate::key::parse_key;
+use crate::problem::ProblemKind;
+use crate::record::{Record, State, StoredResponse, NOT_REPLAYED};
+use crate::request::RequestHead;
+use crate::scope::{CallerScope, StorageKey};
+use crate::store::{encode_arg, StorePhase, StoredValue, Transition, KEY_PREFIX};
+
+/// Whether the store, not a proxy's local tier, settles a key the local tier refuses with
+/// `problem`: an outcome-unknown key is settled by an operator in the store (`resolve`), so
+/// with a store the filter asks the store again instead of answering from its local copy.
+pub fn store_settles(problem: &ProblemKind) -> bool {
+    matches!(problem, ProblemKind::OutcomeUnknown)
+}
+
+/// Length of a stored value's header (`IGS1`, phase, owner hex, lock expiry): what `list` reads.
+pub const VALUE_HEADER_LEN: usize = 52;
+
+/// Reads a storage key as an operator has it: 64 hex digits (any case), or the Redis key
+/// (`idemgate:v1:<hex>`) as `list` prints it or a log line shows it.
+pub fn parse_storage_key(text: &str) -> Result<StorageKey, String> {
+    let t = text.trim();
+    let hex = t.strip_prefix(KEY_PREFIX).unwrap_or(t);
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!(
+            "{t:?} is not a storage key: expected 64 hex digits (the full key a log line or `idemgate key` prints)"
+        ));
+    }
+    let mut out = [0u8; 32];
+    for (i, slot) in out.iter_mut().enumerate() {
+        let pair = hex.get(2 * i..2 * i + 2).unwrap_or_default();
+        *slot = u8::from_str_radix(pair, 16).map_err(|_| format!("{t:?}: bad hex"))?;
+    }
+    Ok(StorageKey(out))
+}
+
+/// What a request carried that decides its storage key.
+#[derive(Clone, Debug, Default)]
+pub struct KeyRequest {
+    pub namespace: String,
+    /// The configured scope headers, in configured order (lowercase).
+    pub scope_names: Vec<String>,
+    /// Header lines the request carried, `(name, value)`, in order (several lines of one name
+    /// are several values, as the filter reads them).
+    pub lines: Vec<(String, String)>,
+    /// The request's `:authority`; `None` when the policy has `include_authority: false`.
+    pub authority: Option<String>,
+    /// `scope.global`: every caller shares one scope.
+    pub global: bool,
+    /// `scope.anonymous: "shared"`.
+    pub anonymous_shared: bool,
+    /// The key header's value as sent (bare or quoted).
+    pub key: String,
+    pub key_max_length: usize,
+}
+
+/// A computed storage key and whether the filter would accept the request's caller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ComputedKey {
+    pub storage_key: StorageKey,
+    pub scope: CallerScope,
+    /// `None` when the caller may use a key; otherwise why the filter refuses it (no record).
+    pub refused: Option<String>,
+}
+
+/// The storage key of a request, computed exactly as the filter does (`CallerScope::of`,
+/// `StorageKey::derive`, the key parsed as the header is).
+pub fn storage_key_for(req: &KeyRequest) -> Result<ComputedKey, String> {
+    let key = parse_key(req.key.as_bytes(), req.key_max_length).map_err(|e| format!("key: {e}"))?;
+    let mut pairs: Vec<(String, Vec<u8>)> = vec![];
+    if let Some(a) = &req.authority {
+        pairs.push((":authority".into(), a.as_bytes().to_vec()));
+    }
+    for (n, v) in &req.lines {
+        pairs.push((n.trim().to_ascii_lowercase(), v.trim_matches([' ', '\t']).as_bytes().to_vec()));
+    }
+    let cfg = ScopeConfig {
+        headers: req.scope_names.iter().map(|n| n.to_ascii_lowercase()).collect(),
+        global: req.global,
+        include_authority: req.authority.is_some(),
+        anonymous: if req.anonymous_shared { Anonymous::Shared } else { Anonymous::Reject },
+    };
+    let scope = CallerScope::of(&RequestHead::from_pairs(pairs), &cfg);
+    let refused = scope.admits(&cfg).err().map(|p| match p {
+        ProblemKind::ScopeMissing { headers } => {
+            format!("the filter refuses this caller (scope-missing: none of {headers:?} carried a value)")
+        }
+        other => format!("the filter refuses this caller ({})", other.slug()),
+    });
+    Ok(ComputedKey { storage_key: StorageKey::derive(&req.namespace, &scope, &key), scope, refused })
+}
+
+/// A stored value's state as operators name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyState {
+    InFlight,
+    Completed,
+    OutcomeUnknown,
+}
+
+impl KeyState {
+    pub fn parse(s: &str) -> Result<KeyState, String> {
+        match s {
+            "in-flight" => Ok(KeyState::InFlight),
+            "completed" => Ok(KeyState::Completed),
+            "outcome-unknown" => Ok(KeyState::OutcomeUnknown),
+            _ => Err(format!("{s:?}: expected in-flight, completed or outcome-unknown")),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyState::InFlight => "in-flight",
+            KeyState::Completed => "completed",
+            KeyState::OutcomeUnknown => "outcome-unknown",
+        }
+    }
+
+    fn of(phase: StorePhase) -> KeyState {
+        match phase {
+            StorePhase::InProgress => KeyState::InFlight,
+            StorePhase::Done => KeyState::Completed,
+            StorePhase::Unknown => KeyState::OutcomeUnknown,
+        }
+    }
+}
+
+/// The header of a stored value, read without its record (`GETRANGE key 0 51`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Header {
+    Value {
+        state: KeyState,
+        owner: String,
+        lock_expires_at_ms: u64,
+    },
+    /// A release tombstone: the key is free.
+    Tombstone,
+    /// Not a header this build knows.
+    Unreadable,
+}
+
+/// Parses the first `VALUE_HEADER_LEN` bytes of a stored value.
+pub fn parse_header(bytes: &[u8]) -> Header {
+    if bytes.starts_with(b"IGS1R") {
+        return Header::Tombstone;
+    }
+    if bytes.len() < VALUE_HEADER_LEN || !bytes.starts_with(b"IGS1") {
+        return Header::Unreadable;
+    }
+    let state = match bytes.get(4) {
+        Some(b'P') => KeyState::InFlight,
+        Some(b'D') => KeyState::Completed,
+        Some(b'U') => KeyState::OutcomeUnknown,
+        _ => return Header::Unreadable,
+    };
+    let owner = String::from_utf8_lossy(bytes.get(5..37).unwrap_or_default()).into_owned();
+    let lock = std::str::from_utf8(bytes.get(37..52).unwrap_or_default()).ok().and_then(|s| s.parse::<u64>().ok());
+    match lock {
+        Some(lock_expires_at_ms) => Header::Value { state, owner, lock_expires_at_ms },
+        None => Header::Unreadable,
+    }
+}
+
+/// webdis command bodies (`POST /`) the operator tool sends besides the filter's own.
+pub mod command {
+    use super::*;
+
+    /// `TIME`: Redis's clock, which every lock is judged by.
+    pub fn time() -> String {
+        "TIME.raw".into()
+    }
+
+    /// One step of a scan: `SCAN cursor MATCH idemgate:v1:* COUNT count` (never blocks Redis),
+    /// then `GETRANGE key 0 51` of each key found (a value's header, never its possibly large
+    /// record), in one script whose answer is flat (`{cursor, key, header, key, header, ...}`):
+    /// webdis 0.1.9's raw output garbles nested arrays.
+    pub fn scan(cursor: &str, count: u32) -> String {
+        const SCRIPT: &str = "local r=redis.call('SCAN',ARGV[1],'MATCH',ARGV[2],'COUNT',ARGV[3]) \
+local out={r[1]} \
+for _,k in ipairs(r[2]) do out[#out+1]=k out[#out+1]=redis.call('GETRANGE',k,0,51) end \
+return out";
+        format!(
+            "EVAL/{}/0/{}/{}/{count}.raw",
+            encode_arg(SCRIPT.as_bytes()),
+            encode_arg(cursor.as_bytes()),
+            encode_arg(format!("{KEY_PREFIX}*").as_bytes())
+        )
+    }
+
+    /// `PTTL key`.
+    pub fn pttl(redis_key: &str) -> String {
+        format!("PTTL/{}.raw", encode_arg(redis_key.as_bytes()))
+    }
+}
+
+/// Redis's `TIME` answer (`[seconds, microseconds]`) in ms.
+pub fn time_ms(items: &[Vec<u8>]) -> Option<u64> {
+    let n = |i: usize| items.get(i).and_then(|b| std::str::from_utf8(b).ok()).and_then(|s| s.parse::<u64>().ok());
+    Some(n(0)?.saturating_mul(1000).saturating_add(n(1)? / 1000))
+}
+
+/// Header values as text (bytes that are not UTF-8 are replaced).
+fn text(v: &[u8]) -> String {
+    String::from_utf8_lossy(v).into_owned()
+}
+
+/// The report `inspect` prints: every field an operator needs to act, nothing secret (a record
+/// holds no raw key and no credential).
+pub fn report(skey: &StorageKey, value: &StoredValue, now_ms: u64) -> Value {
+    let r = &value.record;
+    let state = KeyState::of(value.phase);
+    let mut m = Map::new();
+    m.insert("storage_key".into(), json!(skey.hex()));
+    m.insert("state".into(), json!(state.as_str()));
+    m.insert("now_ms".into(), json!(now_ms));
+    m.insert("created_at_ms".into(), json!(r.created_at_ms));
+    m.insert("expires_at_ms".into(), json!(r.expires_at_ms));
+    m.insert("owner".into(), json!(value.owner.hex()));
+    m.insert("fingerprint".into(), json!(crate::hex::encode(&r.fingerprint.0)));
+    let mut creator = Map::new();
+    creator.insert("request_id".into(), json!(r.creator.request_id));
+    let logged: Map<String, Value> = r.creator.log_values.iter().map(|(n, v)| (n.clone(), json!(v))).collect();
+    creator.insert("logged_headers".into(), Value::Object(logged));
+    m.insert("creator".into(), Value::Object(creator));
+    if state == KeyState::InFlight {
+        let live = value.lock_expires_at_ms > now_ms;
+        m.insert("lock_expires_at_ms".into(), json!(value.lock_expires_at_ms));
+        m.insert("lock".into(), json!(if live { "live" } else { "expired" }));
+    }
+    match &r.state {
+        State::Completed(resp) => {
+            m.insert("status".into(), json!(resp.status));
+            let h: Vec<Value> = resp.headers.iter().map(|(n, v)| json!([n, text(v)])).collect();
+            m.insert("response_headers".into(), Value::Array(h));
+            m.insert("body_bytes".into(), json!(resp.body.len()));
+        }
+        State::CompletedTooLarge { status, location } => {
+            m.insert("status".into(), json!(status));
+            m.insert("body_kept".into(), json!(false));
+            if let Some(l) = location {
+                m.insert("location".into(), json!(text(l)));
+            }
+        }
+        State::OutcomeUnknown { reason } => {
+            m.insert("reason".into(), json!(reason.as_str()));
+        }
+        State::Claimed { .. } | State::InProgress { .. } => {}
+    }
+    Value::Object(m)
+}
+
+/// What an operator asks of a key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settle {
+    /// Free the key: the next retry executes.
+    Release,
+    /// Store this response: retries replay it. Kept `ttl_ms` from now.
+    Complete { response: StoredResponse, ttl_ms: u64 },
+    /// Delete the record.
+    Forget,
+}
+
+/// Why an action is refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// A claim whose lock is live: its request may still be running.
+    InFlight { lock_expires_in_ms: u64 },
+    /// Release or complete asked of a completed record.
+    Completed,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::InFlight { lock_expires_in_ms } => write!(
+                f,
+                "refused: the key is in flight and its lock is live for {lock_expires_in_ms} ms more: its request may \
+                 still be running. Wait for it to finish (or for its lock to expire, which makes it outcome-unknown), \
+                 then inspect it again"
+            ),
+            Refusal::Completed => write!(
+                f,
+                "refused: the key is completed and retries already replay its response; `idemgate forget` deletes it \
+                 if it must go (its next retry then executes again)"
+            ),
+        }
+    }
+}
+
+/// Plans an operator's action on the value just read (`now_ms` by Redis's clock) as one
+/// owner- and phase-checked transition, or refuses it.
+pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64) -> Result<Transition, Refusal> {
+    let owner = value.owner;
+    let stale = match value.phase {
+        StorePhase::InProgress if value.lock_expires_at_ms > now_ms => {
+            return Err(Refusal::InFlight { lock_expires_in_ms: value.lock_expires_at_ms - now_ms });
+        }
+        StorePhase::InProgress => true,
+        StorePhase::Done | StorePhase::Unknown => false,
+    };
+    let phases = phase_letters(value.phase);
+    // The script re-checks a claim's lock by Redis's clock, so one that was renewed meanwhile stays.
+    let checked = |t: Transition| Transition { expected_phases: phases, require_stale: stale, ..t };
+    match action {
+        Settle::Forget => Ok(checked(Transition::release(owner))),
+        Settle::Release | Settle::Complete { .. } if value.phase == StorePhase::Done => Err(Refusal::Completed),
+        Settle::Release => Ok(checked(Transition::release(owner))),
+        Settle::Complete { response, ttl_ms } => {
+            let record = Record {
+                fingerprint: value.record.fingerprint,
+                created_at_ms: value.record.created_at_ms,
+                expires_at_ms: now_ms.saturating_add(*ttl_ms),
+                creator: value.record.creator.clone(),
+                state: State::Completed(response.clone()),
+            };
+            Ok(checked(Transition::complete(owner, record, *ttl_ms)))
+        }
+    }
+}
+
+fn phase_letters(p: StorePhase) -> &'static str {
+    match p {
+        StorePhase::InProgress => "P",
+        StorePhase::Done => "D",
+        StorePhase::Unknown => "U",
+    }
+}
+
+/// A response an operator found upstream, from `--status`, `--header 'name: value'` lines and a
+/// body. Header names are lowercased; hop-by-hop headers and `content-length` (which the filter
+/// never stores) are refused.
+pub fn operator_response(status: u16, header_lines: &[String], body: Vec<u8>) -> Result<StoredResponse, String> {
+    if !(200..=599).contains(&status) {
+        return Err(format!("status {status}: expected 200 to 599"));
+    }
+    let mut headers = vec![];
+    for line in header_lines {
+        let Some((n, v)) = line.split_once(':') else {
+            return Err(format!("header {line:?}: expected 'name: value'"));
+        };
+        let name = n.trim().to_ascii_lowercase();
+        if name.is_empty() || !name.bytes().all(crate::key::is_tchar) {
+            return Err(format!("header {line:?}: the name is not a token"));
+        }
+        if NOT_REPLAYED.contains(&name.as_str()) {
+            return Err(format!("header {name}: never stored (hop-by-hop or recomputed)"));
+        }
+        headers.push((name, v.trim().as_bytes().to_vec()));
+    }
+    Ok(StoredResponse { status, headers, body })
+}
+
+#[cfg(test)]
+mod tests;

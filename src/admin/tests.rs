@@ -1,0 +1,163 @@
+use super::*;
+use crate::fingerprint::Fingerprint;
+use crate::owner::OwnerToken;
+use crate::record::{Creator, UnknownReason};
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+const NOW: u64 = 1_764_000_000_000;
+
+fn value(phase: StorePhase, lock_expires_at_ms: u64) -> StoredValue {
+    StoredValue {
+        phase,
+        owner: OwnerToken([0xab; 16]),
+        lock_expires_at_ms,
+        record: Record {
+            fingerprint: Fingerprint([5; 32]),
+            created_at_ms: NOW - 5_000,
+            expires_at_ms: NOW + 86_400_000,
+            creator: Creator { request_id: "req-1".into(), log_values: vec![("x-agent".into(), "a1".into())] },
+            state: State::InProgress { owner: OwnerToken([0xab; 16]), lock_expires_at_ms },
+        },
+    }
+}
+
+fn alice(key: &str) -> KeyRequest {
+    KeyRequest {
+        namespace: "idemgate".into(),
+        scope_names: vec!["authorization".into()],
+        lines: vec![("Authorization".into(), " Bearer alice".into())],
+        authority: Some("api".into()),
+        key: key.into(),
+        key_max_length: 255,
+        ..KeyRequest::default()
+    }
+}
+
+#[test]
+fn the_storage_key_of_a_request_is_the_filters_pinned_vector() {
+    // scope::tests::scope_and_storage_key_layouts_are_pinned, computed with printf | sha256sum.
+    let k = storage_key_for(&alice("k1")).unwrap();
+    assert_eq!(k.storage_key.hex(), "25ac414820301995f186e203d357b20a9fd56c30da2524881ff24a53d1733af1");
+    assert_eq!(k.refused, None);
+    // The quoted form of a key is the same key, as for the filter.
+    assert_eq!(storage_key_for(&alice("\"k1\"")).unwrap().storage_key, k.storage_key);
+    assert!(storage_key_for(&alice("\"k1")).unwrap_err().starts_with("key:"));
+}
+
+#[test]
+fn a_caller_the_filter_refuses_is_said_so() {
+    let anonymous = KeyRequest { lines: vec![], ..alice("k1") };
+    assert!(storage_key_for(&anonymous).unwrap().refused.unwrap().contains("scope-missing"));
+    let shared = KeyRequest { anonymous_shared: true, ..anonymous };
+    assert_eq!(storage_key_for(&shared).unwrap().refused, None);
+}
+
+#[test]
+fn storage_keys_are_read_as_hex_or_as_the_redis_key() {
+    let hex = "25ac414820301995f186e203d357b20a9fd56c30da2524881ff24a53d1733af1";
+    let k = parse_storage_key(hex).unwrap();
+    assert_eq!(k.hex(), hex);
+    assert_eq!(parse_storage_key(&hex.to_ascii_uppercase()).unwrap(), k);
+    assert_eq!(parse_storage_key(&format!("idemgate:v1:{hex}")).unwrap(), k);
+    for bad in ["", "25ac41482030", &hex[1..], &format!("{hex}0"), &hex.replace('a', "g")] {
+        assert!(parse_storage_key(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn value_headers_are_read_without_the_record() {
+    for (phase, state) in [
+        (StorePhase::InProgress, KeyState::InFlight),
+        (StorePhase::Done, KeyState::Completed),
+        (StorePhase::Unknown, KeyState::OutcomeUnknown),
+    ] {
+        let bytes = value(phase, NOW + 1).encode();
+        assert_eq!(
+            parse_header(&bytes[..VALUE_HEADER_LEN]),
+            Header::Value { state, owner: "ab".repeat(16), lock_expires_at_ms: NOW + 1 }
+        );
+    }
+    assert_eq!(parse_header(format!("IGS1R{}", "ab".repeat(16)).as_bytes()), Header::Tombstone);
+    assert_eq!(parse_header(b"IGS1X"), Header::Unreadable);
+    assert_eq!(parse_header(&[b'x'; 52]), Header::Unreadable);
+}
+
+#[test]
+fn a_live_claim_is_never_settled() {
+    let v = value(StorePhase::InProgress, NOW + 30_000);
+    let complete = Settle::Complete { response: operator_response(201, &[], vec![]).unwrap(), ttl_ms: 1 };
+    for action in [Settle::Release, Settle::Forget, complete] {
+        assert_eq!(plan(&action, &v, NOW), Err(Refusal::InFlight { lock_expires_in_ms: 30_000 }));
+    }
+}
+
+#[test]
+fn release_is_owner_and_phase_checked_and_a_stale_claim_is_rechecked_by_the_store() {
+    let unknown = plan(&Settle::Release, &value(StorePhase::Unknown, 0), NOW).unwrap();
+    assert_eq!(
+        (unknown.expected_owner, unknown.expected_phases, unknown.require_stale),
+        (OwnerToken([0xab; 16]), "U", false)
+    );
+    assert_eq!((unknown.new_phase, unknown.tombstone), (None, false));
+    let stale = plan(&Settle::Release, &value(StorePhase::InProgress, NOW), NOW).unwrap();
+    assert_eq!((stale.expected_phases, stale.require_stale, stale.new_phase), ("P", true, None));
+}
+
+#[test]
+fn a_completed_key_is_only_forgotten() {
+    let done = value(StorePhase::Done, 0);
+    assert_eq!(plan(&Settle::Release, &done, NOW), Err(Refusal::Completed));
+    let r = operator_response(201, &[], b"x".to_vec()).unwrap();
+    assert_eq!(plan(&Settle::Complete { response: r, ttl_ms: 1 }, &done, NOW), Err(Refusal::Completed));
+    let forget = plan(&Settle::Forget, &done, NOW).unwrap();
+    assert_eq!((forget.expected_phases, forget.require_stale, forget.new_phase), ("D", false, None));
+}
+
+#[test]
+fn completion_keeps_the_fingerprint_and_creator_and_stores_the_operators_response() {
+    let v = value(StorePhase::Unknown, 0);
+    let headers = vec!["Content-Type: application/json".to_string()];
+    let response = operator_response(201, &headers, b"{\"id\":\"ch_1\"}".to_vec()).unwrap();
+    let t = plan(&Settle::Complete { response: response.clone(), ttl_ms: 60_000 }, &v, NOW).unwrap();
+    assert_eq!((t.expected_phases, t.new_phase), ("U", Some(StorePhase::Done)));
+    let rec = t.record.unwrap();
+    assert_eq!(rec.fingerprint, v.record.fingerprint);
+    assert_eq!(rec.creator, v.record.creator);
+    assert_eq!(rec.expires_at_ms, NOW + 60_000);
+    assert_eq!(rec.state, State::Completed(response.clone()));
+    assert_eq!(response.headers, vec![("content-type".to_string(), b"application/json".to_vec())]);
+}
+
+#[test]
+fn operator_responses_refuse_what_the_filter_never_stores() {
+    assert!(operator_response(99, &[], vec![]).is_err());
+    assert!(operator_response(201, &["transfer-encoding: chunked".into()], vec![]).is_err());
+    assert!(operator_response(201, &["no colon".into()], vec![]).is_err());
+    assert!(operator_response(201, &["bad name: v".into()], vec![]).is_err());
+}
+
+#[test]
+fn the_report_names_state_times_creator_and_response_size() {
+    let mut v = value(StorePhase::Done, 0);
+    v.record.state = State::Completed(operator_response(201, &["location: /c/1".into()], vec![0; 17]).unwrap());
+    let r = report(&StorageKey([7; 32]), &v, NOW);
+    assert_eq!(r["state"], "completed");
+    assert_eq!(r["status"], 201);
+    assert_eq!(r["body_bytes"], 17);
+    assert_eq!(r["creator"]["request_id"], "req-1");
+    assert_eq!(r["creator"]["logged_headers"]["x-agent"], "a1");
+    assert_eq!(r["fingerprint"], "05".repeat(32));
+    assert_eq!(r["response_headers"][0][1], "/c/1");
+    let live = report(&StorageKey([7; 32]), &value(StorePhase::InProgress, NOW + 1), NOW);
+    assert_eq!((live["state"].as_str(), live["lock"].as_str()), (Some("in-flight"), Some("live")));
+    let mut u = value(StorePhase::Unknown, 0);
+    u.record.state = State::OutcomeUnknown { reason: UnknownReason::UpstreamTimeout };
+    assert_eq!(report(&StorageKey([7; 32]), &u, NOW)["reason"], "upstream_timeout");
+}
+
+#[test]
+fn redis_time_is_read_in_ms() {
+    assert_eq!(time_ms(&[b"1764000000".to_vec(), b"123456".to_vec()]), Some(1_764_000_000_123));
+    assert_eq!(time_ms(&[b"x".to_vec()]), None);
+}

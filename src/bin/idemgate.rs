@@ -1,0 +1,541 @@
+//! `idemgate`: the operator's command line (native only: the wasm build uses `--lib`, and clap
+//! is a dependency for non-wasm targets only). It talks to the store the filter uses (Redis
+//! behind webdis, `--webdis` or `IDEMGATE_WEBDIS`, with the credential in `IDEMGATE_STORE_AUTH`
+//! as `user:password`, the variable the filter reads) and leaves every rule to the core
+//! (`idemgate::admin`, `idemgate::probe`, `idemgate::store`).
+//!
+//!     idemgate key [--config plugin.json] [--namespace N] --scope-header 'authorization: Bearer ...' --authority api.example KEY
+//!     idemgate inspect STORAGE_KEY
+//!     idemgate list --state outcome-unknown|in-flight|completed [--limit N]
+//!     idemgate resolve STORAGE_KEY --release
+//!     idemgate resolve STORAGE_KEY --complete --status 201 [--body-file F] [--header 'name: value' ...]
+//!     idemgate forget STORAGE_KEY
+//!     idemgate probe URL [--method POST] [--header 'name: value' ...] [--body-file F] [--json]
+//!
+//! Exit status: 0 done, 1 refused / absent where an action needed a record / a probe violation /
+//! a store error, 2 a usage error.
+
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Arg, ArgAction, ArgMatches, Command};
+use idemgate::admin::{self, Header, KeyRequest, KeyState, Settle};
+use idemgate::config::{Anonymous, Config};
+use idemgate::probe::{self, Answer, Seen};
+use idemgate::store::{self, ReadReply, Resp, StoreRequest};
+
+const DEFAULT_WEBDIS: &str = "http://127.0.0.1:7379";
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A failure: its message and exit status.
+struct Fail(String, u8);
+
+fn fail<T>(msg: impl Into<String>) -> Result<T, Fail> {
+    Err(Fail(msg.into(), 1))
+}
+
+fn usage<T>(msg: impl Into<String>) -> Result<T, Fail> {
+    Err(Fail(msg.into(), 2))
+}
+
+fn cli() -> Command {
+    let key = || Arg::new("storage_key").required(true).help("the storage key: 64 hex digits (or idemgate:v1:<hex>)");
+    let headers = |help: &'static str| Arg::new("header").long("header").action(ArgAction::Append).help(help);
+    Command::new("idemgate")
+        .about("See and settle idempotency keys in idemgate's store; prove an API idempotent")
+        .subcommand_required(true)
+        .arg_required_else_help(true)
+        .arg(Arg::new("webdis").long("webdis").global(true).help(
+            "webdis URL (default: $IDEMGATE_WEBDIS or http://127.0.0.1:7379); credential from $IDEMGATE_STORE_AUTH",
+        ))
+        .subcommand(
+            Command::new("key")
+                .about("The storage key of a request, computed exactly as the filter does")
+                .arg(Arg::new("key").required(true).help("the Idempotency-Key header's value as sent"))
+                .arg(Arg::new("config").long("config").help("the plugin configuration (JSON) to take the policy from"))
+                .arg(Arg::new("method").long("method").default_value("POST").help("with --config: selects the route"))
+                .arg(Arg::new("path").long("path").default_value("/").help("with --config: selects the route"))
+                .arg(Arg::new("route_name").long("route-name").help("with --config: the Envoy route that matched"))
+                .arg(Arg::new("namespace").long("namespace").help("default: idemgate (or the policy's)"))
+                .arg(
+                    Arg::new("scope_header")
+                        .long("scope-header")
+                        .action(ArgAction::Append)
+                        .help("'name: value' of a scope header the request carried (repeat for each line)"),
+                )
+                .arg(Arg::new("scope_names").long("scope-names").help(
+                    "the configured scope headers, comma-separated, in order (default: the policy's, or the \
+                     names given with --scope-header)",
+                ))
+                .arg(Arg::new("authority").long("authority").help("the request's :authority"))
+                .arg(
+                    Arg::new("no_authority")
+                        .long("no-authority")
+                        .action(ArgAction::SetTrue)
+                        .help("the policy has scope.include_authority: false"),
+                )
+                .arg(Arg::new("anonymous_shared").long("anonymous-shared").action(ArgAction::SetTrue))
+                .arg(Arg::new("key_max_length").long("key-max-length").value_parser(clap::value_parser!(usize))),
+        )
+        .subcommand(Command::new("inspect").about("A key's record as JSON, or 'absent'").arg(key()))
+        .subcommand(
+            Command::new("list")
+                .about("Storage keys in a state (SCAN and ranged reads: never blocks Redis)")
+                .arg(Arg::new("state").long("state").required(true).help("outcome-unknown, in-flight or completed"))
+                .arg(Arg::new("limit").long("limit").default_value("100").value_parser(clap::value_parser!(usize))),
+        )
+        .subcommand(
+            Command::new("resolve")
+                .about("Settle an outcome-unknown key or a stale claim (owner- and phase-checked)")
+                .arg(key())
+                .arg(Arg::new("release").long("release").action(ArgAction::SetTrue).help("the next retry executes"))
+                .arg(
+                    Arg::new("complete")
+                        .long("complete")
+                        .action(ArgAction::SetTrue)
+                        .conflicts_with("release")
+                        .help("retries replay this response"),
+                )
+                .arg(Arg::new("status").long("status").value_parser(clap::value_parser!(u16)))
+                .arg(Arg::new("body_file").long("body-file"))
+                .arg(headers("'name: value' of the stored response (repeat)"))
+                .arg(
+                    Arg::new("ttl_seconds")
+                        .long("ttl-seconds")
+                        .default_value("86400")
+                        .value_parser(clap::value_parser!(u64))
+                        .help("how long the completed record is kept"),
+                ),
+        )
+        .subcommand(Command::new("forget").about("Delete a key's record (refused while it is in flight)").arg(key()))
+        .subcommand(
+            Command::new("probe")
+                .about("Prove an API idempotent: the same call twice, concurrently, changed, with a malformed key")
+                .arg(Arg::new("url").required(true).help("http:// URL of the operation"))
+                .arg(Arg::new("method").long("method").default_value("POST"))
+                .arg(headers("'name: value' sent on every request (repeat)"))
+                .arg(Arg::new("body_file").long("body-file"))
+                .arg(Arg::new("key_header").long("key-header").default_value("idempotency-key"))
+                .arg(
+                    Arg::new("concurrency")
+                        .long("concurrency")
+                        .default_value("4")
+                        .value_parser(clap::value_parser!(usize)),
+                )
+                .arg(Arg::new("json").long("json").action(ArgAction::SetTrue)),
+        )
+}
+
+fn main() -> ExitCode {
+    let m = cli().get_matches();
+    match run(&m) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Fail(msg, code)) => {
+            eprintln!("idemgate: {msg}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+fn run(m: &ArgMatches) -> Result<(), Fail> {
+    let webdis = || {
+        let url = m
+            .get_one::<String>("webdis")
+            .cloned()
+            .or_else(|| std::env::var("IDEMGATE_WEBDIS").ok())
+            .unwrap_or_else(|| DEFAULT_WEBDIS.to_string());
+        Webdis::new(&url)
+    };
+    match m.subcommand() {
+        Some(("key", a)) => key(a),
+        Some(("inspect", a)) => inspect(&webdis()?, a),
+        Some(("list", a)) => list(&webdis()?, a),
+        Some(("resolve", a)) => resolve(&webdis()?, a),
+        Some(("forget", a)) => settle(&webdis()?, &storage_key(a)?, &Settle::Forget, "forgotten"),
+        Some(("probe", a)) => probe_cmd(a),
+        _ => usage("a subcommand is needed (see --help)"),
+    }
+}
+
+fn s<'a>(a: &'a ArgMatches, name: &str) -> Option<&'a String> {
+    a.get_one::<String>(name)
+}
+
+fn many(a: &ArgMatches, name: &str) -> Vec<String> {
+    a.get_many::<String>(name).map(|v| v.cloned().collect()).unwrap_or_default()
+}
+
+fn storage_key(a: &ArgMatches) -> Result<idemgate::scope::StorageKey, Fail> {
+    admin::parse_storage_key(s(a, "storage_key").map_or("", |v| v.as_str())).or_else(usage)
+}
+
+fn key(a: &ArgMatches) -> Result<(), Fail> {
+    let lines: Vec<(String, String)> = many(a, "scope_header")
+        .iter()
+        .map(|l| l.split_once(':').map(|(n, v)| (n.trim().to_ascii_lowercase(), v.to_string())))
+        .collect::<Option<_>>()
+        .map_or_else(|| usage("--scope-header: expected 'name: value'"), Ok)?;
+    let mut req = KeyRequest { lines, key: s(a, "key").cloned().unwrap_or_default(), ..KeyRequest::default() };
+    let mut include_authority = !a.get_flag("no_authority");
+    req.namespace = "idemgate".into();
+    req.key_max_length = 255;
+    if let Some(path) = s(a, "config") {
+        let text = std::fs::read(path).or_else(|e| usage(format!("{path}: {e}")))?;
+        let cfg = Config::parse(&text).or_else(|e| usage(format!("{path}: {e}")))?;
+        let (method, p) = (s(a, "method").map_or("POST", |v| v.as_str()), s(a, "path").map_or("/", |v| v.as_str()));
+        let route = s(a, "route_name").map(|r| r.as_str());
+        let Some(policy) = cfg.policy_index_for_route(method, p, route).and_then(|i| cfg.policy_at(i)) else {
+            return usage(format!("{path}: no policy protects {method} {p}"));
+        };
+        req.namespace = policy.namespace.clone();
+        req.scope_names = policy.scope.headers.clone();
+        req.global = policy.scope.global;
+        req.anonymous_shared = policy.scope.anonymous == Anonymous::Shared;
+        req.key_max_length = policy.key_max_length;
+        include_authority &= policy.scope.include_authority;
+    }
+    if let Some(n) = s(a, "namespace") {
+        req.namespace = n.clone();
+    }
+    if let Some(names) = s(a, "scope_names") {
+        req.scope_names = names.split(',').map(|n| n.trim().to_ascii_lowercase()).filter(|n| !n.is_empty()).collect();
+    } else if req.scope_names.is_empty() && !req.global {
+        for (n, _) in &req.lines {
+            if !req.scope_names.contains(n) {
+                req.scope_names.push(n.clone());
+            }
+        }
+    }
+    req.anonymous_shared |= a.get_flag("anonymous_shared");
+    if let Some(n) = a.get_one::<usize>("key_max_length") {
+        req.key_max_length = *n;
+    }
+    req.authority = match (include_authority, s(a, "authority")) {
+        (true, Some(auth)) => Some(auth.clone()),
+        (true, None) => {
+            return usage("--authority is needed (the scope includes it unless the policy says include_authority: false; then pass --no-authority)")
+        }
+        (false, _) => None,
+    };
+    let k = admin::storage_key_for(&req).or_else(usage)?;
+    if let Some(why) = &k.refused {
+        eprintln!("idemgate: note: {why}");
+    }
+    println!("{}", k.storage_key.hex());
+    Ok(())
+}
+
+fn inspect(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
+    let skey = storage_key(a)?;
+    let now = w.now_ms()?;
+    match w.read(&skey)? {
+        ReadReply::Absent => println!("absent"),
+        ReadReply::Unreadable(why) => return fail(format!("the key holds a value this build cannot read: {why}")),
+        ReadReply::Found(v) => {
+            let mut report = admin::report(&skey, &v, now);
+            let pttl = w.command(&admin::command::pttl(&store::redis_key(&skey)))?;
+            if let (Resp::Integer(ms), Some(o)) = (pttl, report.as_object_mut()) {
+                o.insert("store_ttl_ms".into(), ms.into());
+            }
+            println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+        }
+    }
+    Ok(())
+}
+
+fn list(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
+    let want = KeyState::parse(s(a, "state").map_or("", |v| v.as_str())).or_else(usage)?;
+    let limit = a.get_one::<usize>("limit").copied().unwrap_or(100);
+    let now = w.now_ms()?;
+    let mut cursor = "0".to_string();
+    let mut shown = 0;
+    loop {
+        let Resp::Array(Some(items)) = w.command(&admin::command::scan(&cursor, 200))? else {
+            return fail("unexpected SCAN answer");
+        };
+        let Some((Resp::Bulk(Some(next)), found)) = items.split_first() else {
+            return fail("unexpected SCAN answer");
+        };
+        for pair in found.chunks(2) {
+            let [Resp::Bulk(Some(k)), Resp::Bulk(Some(head))] = pair else { continue };
+            let k = String::from_utf8_lossy(k).into_owned();
+            if let Header::Value { state, lock_expires_at_ms, .. } = admin::parse_header(head) {
+                if state != want || shown >= limit {
+                    continue;
+                }
+                let hex = k.strip_prefix(store::KEY_PREFIX).unwrap_or(&k);
+                match state {
+                    KeyState::InFlight if lock_expires_at_ms > now => {
+                        println!("{hex}\t{}\tlock live {} ms", state.as_str(), lock_expires_at_ms - now)
+                    }
+                    KeyState::InFlight => println!("{hex}\t{}\tlock expired", state.as_str()),
+                    _ => println!("{hex}\t{}", state.as_str()),
+                }
+                shown += 1;
+            }
+        }
+        cursor = String::from_utf8_lossy(next).into_owned();
+        if cursor == "0" || shown >= limit {
+            return Ok(());
+        }
+    }
+}
+
+fn resolve(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
+    let skey = storage_key(a)?;
+    if a.get_flag("release") {
+        return settle(w, &skey, &Settle::Release, "released: the next retry executes");
+    }
+    if !a.get_flag("complete") {
+        return usage("resolve needs --release or --complete");
+    }
+    let Some(status) = a.get_one::<u16>("status") else { return usage("--complete needs --status") };
+    let body = match s(a, "body_file") {
+        Some(f) => std::fs::read(f).or_else(|e| usage(format!("{f}: {e}")))?,
+        None => vec![],
+    };
+    let response = admin::operator_response(*status, &many(a, "header"), body).or_else(usage)?;
+    let ttl_ms = a.get_one::<u64>("ttl_seconds").copied().unwrap_or(86_400).saturating_mul(1000);
+    settle(w, &skey, &Settle::Complete { response, ttl_ms }, "completed: retries replay this response")
+}
+
+/// Reads the value, plans the action (core), sends the owner- and phase-checked transition.
+fn settle(w: &Webdis, skey: &idemgate::scope::StorageKey, action: &Settle, done: &str) -> Result<(), Fail> {
+    let value = match w.read(skey)? {
+        ReadReply::Found(v) => v,
+        ReadReply::Absent => return fail("refused: the key is absent (nothing to settle)"),
+        ReadReply::Unreadable(why) => {
+            return fail(format!("refused: the key holds a value this build cannot read: {why}"))
+        }
+    };
+    let now = w.now_ms()?;
+    let t = admin::plan(action, &value, now).or_else(|r| fail(r.to_string()))?;
+    let (status, body) = w.send(&t.request(skey))?;
+    match store::parse_transition_reply(status, &body) {
+        Ok(true) => {
+            println!("{done}");
+            Ok(())
+        }
+        Ok(false) => fail(
+            "refused: the record changed since it was read (its request or another operator acted); inspect it again",
+        ),
+        Err(e) => fail(format!("store: {e}")),
+    }
+}
+
+/// webdis over plain HTTP/1.1.
+struct Webdis {
+    host: String,
+    port: u16,
+    auth: Option<String>,
+}
+
+impl Webdis {
+    fn new(url: &str) -> Result<Webdis, Fail> {
+        let (host, port, _) = parse_url(url).or_else(usage)?;
+        let auth = std::env::var("IDEMGATE_STORE_AUTH").ok().filter(|v| !v.is_empty()).map(|v| store::basic_auth(&v));
+        Ok(Webdis { host, port, auth })
+    }
+
+    fn send(&self, r: &StoreRequest) -> Result<(Option<u16>, Vec<u8>), Fail> {
+        let headers: Vec<(String, String)> =
+            self.auth.iter().map(|a| ("authorization".to_string(), a.clone())).collect();
+        match http(&self.host, self.port, r.method, &r.path, &headers, &r.body) {
+            Ok(a) => Ok((Some(a.status), a.body)),
+            Err(e) => fail(format!("webdis at {}:{}: {e}", self.host, self.port)),
+        }
+    }
+
+    fn command(&self, body: &str) -> Result<Resp, Fail> {
+        let (status, bytes) =
+            self.send(&StoreRequest { method: "POST", path: "/".into(), body: body.as_bytes().to_vec() })?;
+        match status {
+            Some(200) => store::parse_resp(&bytes).or_else(|e| fail(format!("store: {e}"))),
+            Some(403) => fail("webdis answered 403: set IDEMGATE_STORE_AUTH to its user:password"),
+            s => fail(format!("webdis answered {s:?}")),
+        }
+    }
+
+    fn read(&self, skey: &idemgate::scope::StorageKey) -> Result<ReadReply, Fail> {
+        let (status, body) = self.send(&store::read_request(skey))?;
+        store::parse_read_reply(status, &body).or_else(|e| fail(format!("store: {e}")))
+    }
+
+    /// Redis's clock: locks are judged by it, as the filter's scripts do.
+    fn now_ms(&self) -> Result<u64, Fail> {
+        let Resp::Array(Some(items)) = self.command(&admin::command::time())? else {
+            return fail("unexpected TIME answer");
+        };
+        let parts: Vec<Vec<u8>> =
+            items.into_iter().filter_map(|i| if let Resp::Bulk(Some(b)) = i { Some(b) } else { None }).collect();
+        admin::time_ms(&parts).map_or_else(|| fail("unexpected TIME answer"), Ok)
+    }
+}
+
+/// `http://host[:port][/path]` -> (host, port, path and query).
+fn parse_url(url: &str) -> Result<(String, u16, String), String> {
+    let Some(rest) = url.strip_prefix("http://") else {
+        return Err(format!(
+            "{url}: only http:// URLs are supported (probe an https API through a local TLS-terminating proxy)"
+        ));
+    };
+    let (authority, path) =
+        rest.find('/').map_or((rest, "/"), |i| (rest.get(..i).unwrap_or(rest), rest.get(i..).unwrap_or("/")));
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) => (h, p.parse::<u16>().map_err(|_| format!("{url}: bad port"))?),
+        None => (authority, 80),
+    };
+    if host.is_empty() {
+        return Err(format!("{url}: no host"));
+    }
+    Ok((host.to_string(), port, path.to_string()))
+}
+
+/// One HTTP/1.1 exchange on its own connection (`connection: close`).
+fn http(
+    host: &str,
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> std::io::Result<Answer> {
+    let mut c = TcpStream::connect((host, port))?;
+    c.set_read_timeout(Some(TIMEOUT))?;
+    c.set_write_timeout(Some(TIMEOUT))?;
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {host}:{port}\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (n, v) in headers {
+        req.push_str(&format!("{n}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    let mut bytes = req.into_bytes();
+    bytes.extend_from_slice(body);
+    c.write_all(&bytes)?;
+    // Read until the answer is whole (its length or last chunk), not until the server closes:
+    // some servers keep the connection open whatever `connection: close` asked.
+    let mut buf = vec![];
+    let mut chunk = [0u8; 16384];
+    loop {
+        let n = c.read(&mut chunk)?;
+        buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
+        if n == 0 {
+            return parse_response(&buf, true).ok_or_else(|| std::io::Error::other("malformed HTTP response"));
+        }
+        if let Some(a) = parse_response(&buf, false) {
+            return Ok(a);
+        }
+    }
+}
+
+/// The answer in `buf` if it is whole (`eof`: the server closed, the body ends here).
+fn parse_response(buf: &[u8], eof: bool) -> Option<Answer> {
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(buf.get(..end)?).ok()?;
+    let mut lines = head.split("\r\n");
+    let status = lines.next()?.split(' ').nth(1)?.parse().ok()?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':').map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string())))
+        .collect();
+    let rest = buf.get(end + 4..)?;
+    let find = |n: &str| headers.iter().find(|(h, _)| h == n).map(|(_, v)| v.clone());
+    let body = if find("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+        dechunk(rest)?
+    } else if let Some(len) = find("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        rest.get(..len)?.to_vec()
+    } else if eof {
+        rest.to_vec()
+    } else {
+        return None;
+    };
+    Some(Answer { status, headers, body })
+}
+
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut out = vec![];
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n")?;
+        let size_text = std::str::from_utf8(b.get(..eol)?).ok()?;
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        b = b.get(eol + 2..)?;
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(b.get(..size)?);
+        b = b.get(size + 2..)?;
+    }
+}
+
+fn probe_cmd(a: &ArgMatches) -> Result<(), Fail> {
+    let url = s(a, "url").cloned().unwrap_or_default();
+    let (host, port, path) = parse_url(&url).or_else(usage)?;
+    let method = s(a, "method").cloned().unwrap_or_else(|| "POST".into());
+    let key_header = s(a, "key_header").cloned().unwrap_or_else(|| "idempotency-key".into()).to_ascii_lowercase();
+    let mut headers = vec![];
+    for l in many(a, "header") {
+        let Some((n, v)) = l.split_once(':') else { return usage(format!("--header {l:?}: expected 'name: value'")) };
+        headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
+    }
+    let body = match s(a, "body_file") {
+        Some(f) => std::fs::read(f).or_else(|e| usage(format!("{f}: {e}")))?,
+        None => vec![],
+    };
+    let concurrency = a.get_one::<usize>("concurrency").copied().unwrap_or(4).max(2);
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let key_a = format!("idemgate-probe-{}-{stamp}-a", std::process::id());
+    let key_b = format!("idemgate-probe-{}-{stamp}-b", std::process::id());
+    let call = |key: &str, body: &[u8]| -> Result<Answer, Fail> {
+        let mut h = headers.clone();
+        h.push((key_header.clone(), key.to_string()));
+        http(&host, port, &method, &path, &h, body).or_else(|e| fail(format!("{url}: {e}")))
+    };
+    let first = call(&key_a, &body)?;
+    // A client retries a 409 that says when: the first call's record may be a moment from landing.
+    let mut second = call(&key_a, &body)?;
+    for _ in 0..5 {
+        if second.status != 409 || second.header("retry-after").is_none() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        second = call(&key_a, &body)?;
+    }
+    let barrier = std::sync::Barrier::new(concurrency);
+    let concurrent: Vec<Answer> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..concurrency)
+            .map(|_| {
+                sc.spawn(|| {
+                    barrier.wait();
+                    call(&key_b, &body)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| fail("a probe thread failed")))
+            .collect::<Result<Vec<_>, Fail>>()
+    })?;
+    let mismatch = call(&key_a, &probe::changed_body(&body))?;
+    let malformed = call("\"unterminated", &body)?;
+    let rules = probe::judge(&Seen { first, second, concurrent, mismatch, malformed });
+    if a.get_flag("json") {
+        println!("{}", serde_json::to_string_pretty(&probe::report(&url, &rules)).unwrap_or_default());
+    } else {
+        for r in &rules {
+            println!("{:<18} {:<13} {}", r.name, r.verdict.as_str(), r.detail);
+        }
+    }
+    if probe::passes(&rules) {
+        Ok(())
+    } else {
+        fail(format!(
+            "{url} violates {} rule(s) of the idempotency-key draft",
+            rules.iter().filter(|r| r.verdict == probe::Verdict::Violated).count()
+        ))
+    }
+}

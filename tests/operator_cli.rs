@@ -1,0 +1,298 @@
+//! The operator's command line (`idemgate`, src/bin/idemgate.rs) against records the filter wrote
+//! through a real Envoy into real Redis behind webdis (with basic auth, the credential in
+//! `IDEMGATE_STORE_AUTH` as for the filter), and `idemgate probe` against idemgate in Envoy and
+//! against the demo API without it. Every settlement test asserts how many times the upstream
+//! executed.
+
+mod support;
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use support::http::{self, Response};
+use support::store::{Redis, Webdis};
+use support::upstream::Upstream;
+use support::{free_port, Envoy, EnvoyOptions, Scratch};
+
+const AUTH: &str = "idemgate:s3cret";
+const CALLER: &str = "Bearer alice-secret-token";
+
+fn plugin() -> String {
+    r#"{"scope": {"headers": ["authorization"]}, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#
+        .to_string()
+}
+
+struct Stack {
+    up: Upstream,
+    envoy: Envoy,
+    webdis: Webdis,
+    _redis: Redis,
+}
+
+impl Stack {
+    fn start() -> Stack {
+        let redis = Redis::start();
+        let webdis = Webdis::start_with_auth(redis.port, AUTH);
+        let up = Upstream::start();
+        let mut o = EnvoyOptions::new(&plugin(), up.port);
+        o.store_port = Some(webdis.port);
+        o.vm_env = vec![("IDEMGATE_STORE_AUTH".to_string(), AUTH.to_string())];
+        let envoy = Envoy::start(&o);
+        Stack { up, envoy, webdis, _redis: redis }
+    }
+
+    fn post(&self, key: &str, extra: &[(&str, &str)]) -> Response {
+        let mut h: Vec<(&str, &str)> = vec![("authorization", CALLER), ("idempotency-key", key)];
+        h.extend_from_slice(extra);
+        http::request(self.envoy.port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("request")
+    }
+
+    /// Runs `idemgate ARGS` against this stack's webdis.
+    fn cli(&self, args: &[&str]) -> Output {
+        cli_with(&format!("http://127.0.0.1:{}", self.webdis.port), args)
+    }
+
+    /// The storage key of `key` for the caller, by `idemgate key`.
+    fn storage_key(&self, key: &str) -> String {
+        let auth = format!("authorization: {CALLER}");
+        let out = self.cli(&["key", "--scope-header", &auth, "--authority", "idemgate.test", key]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout).trim().to_string()
+    }
+
+    fn listed(&self, state: &str) -> Vec<String> {
+        let out = self.cli(&["list", "--state", state]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect()
+    }
+
+    /// Polls `list` (at most 50 times, 100 ms apart) until `skey` is in `state`: the filter's
+    /// root context writes outcomes after the answer.
+    fn wait_listed(&self, state: &str, skey: &str) {
+        for _ in 0..50 {
+            if self.listed(state).iter().any(|k| k == skey) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("{skey} never listed as {state}; inspect: {}", text(&self.cli(&["inspect", skey]).stdout));
+    }
+
+    fn inspect(&self, skey: &str) -> serde_json::Value {
+        let out = self.cli(&["inspect", skey]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out.stdout)))
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.envoy.assert_no_wasm_panic();
+        }
+    }
+}
+
+fn cli_with(webdis: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .arg("--webdis")
+        .arg(webdis)
+        .args(args)
+        .env("IDEMGATE_STORE_AUTH", AUTH)
+        .output()
+        .expect("run idemgate")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A key whose request executed but whose answer was lost (the upstream reset after running it).
+fn outcome_unknown(s: &Stack, key: &str) -> String {
+    let r = s.post(key, &[("x-up-reset", "before-headers")]);
+    assert!(r.status >= 500, "{}: {}", r.status, r.body_text());
+    let skey = s.storage_key(key);
+    s.wait_listed("outcome-unknown", &skey);
+    let again = s.post(key, &[]);
+    assert_eq!(again.status, 409, "{}", again.body_text());
+    assert_eq!(s.up.executions(), 1);
+    skey
+}
+
+#[test]
+fn operator_releases_an_outcome_unknown_key_and_the_retry_executes() {
+    let s = Stack::start();
+    let skey = outcome_unknown(&s, "k-release");
+    let rec = s.inspect(&skey);
+    assert_eq!(rec["state"], "outcome-unknown");
+    assert_eq!(rec["storage_key"], skey.as_str());
+    assert!(rec["creator"]["request_id"].as_str().is_some_and(|r| !r.is_empty()), "{rec}");
+    let out = s.cli(&["resolve", &skey, "--release"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&s.cli(&["inspect", &skey]).stdout).trim(), "absent");
+    let retry = s.post("k-release", &[]);
+    assert_eq!(retry.status, 201, "{}", retry.body_text());
+    assert_eq!(s.up.executions(), 2, "the released key executes once more, on the retry");
+    std::thread::sleep(Duration::from_millis(300)); // the completion write
+    let replay = s.post("k-release", &[]);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(s.up.executions(), 2);
+}
+
+#[test]
+fn operator_completes_an_outcome_unknown_key_and_retries_replay_it() {
+    let s = Stack::start();
+    let skey = outcome_unknown(&s, "k-complete");
+    let scratch = Scratch::new("operator-cli");
+    let body = scratch.0.join("found.json");
+    std::fs::write(&body, br#"{"id":"ch_found_upstream"}"#).unwrap();
+    let out = s.cli(&[
+        "resolve",
+        &skey,
+        "--complete",
+        "--status",
+        "201",
+        "--body-file",
+        body.to_str().unwrap(),
+        "--header",
+        "content-type: application/json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rec = s.inspect(&skey);
+    assert_eq!(
+        (rec["state"].as_str(), rec["status"].as_u64(), rec["body_bytes"].as_u64()),
+        (Some("completed"), Some(201), Some(26))
+    );
+    for _ in 0..2 {
+        let r = s.post("k-complete", &[]);
+        assert_eq!(r.status, 201, "{}", r.body_text());
+        assert_eq!(r.body_text(), r#"{"id":"ch_found_upstream"}"#);
+        assert_eq!(r.header("idempotent-replayed"), Some("true"));
+        assert_eq!(r.header("content-type"), Some("application/json"));
+    }
+    assert_eq!(s.up.executions(), 1, "the operator's completion is replayed, never executed again");
+    // A completed key is not released; only forgotten on purpose.
+    let again = s.cli(&["resolve", &skey, "--release"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(text(&again.stderr).contains("completed"), "{}", text(&again.stderr));
+    assert!(s.listed("completed").contains(&skey));
+    let forget = s.cli(&["forget", &skey]);
+    assert!(forget.status.success(), "{}", text(&forget.stderr));
+    assert_eq!(text(&s.cli(&["inspect", &skey]).stdout).trim(), "absent");
+}
+
+#[test]
+fn an_in_flight_key_is_never_settled_by_the_operator() {
+    let s = Stack::start();
+    let port = s.envoy.port;
+    let t = std::thread::spawn(move || {
+        let h = [("authorization", CALLER), ("idempotency-key", "k-busy"), ("x-up-delay-ms", "3000")];
+        http::request(port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("request")
+    });
+    let skey = s.storage_key("k-busy");
+    s.wait_listed("in-flight", &skey);
+    let rec = s.inspect(&skey);
+    assert_eq!((rec["state"].as_str(), rec["lock"].as_str()), (Some("in-flight"), Some("live")), "{rec}");
+    for args in
+        [&["resolve", &skey, "--release"][..], &["resolve", &skey, "--complete", "--status", "200"], &["forget", &skey]]
+    {
+        let out = s.cli(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out.stdout));
+        assert!(text(&out.stderr).contains("in flight"), "{args:?}: {}", text(&out.stderr));
+    }
+    assert_eq!(t.join().unwrap().status, 201);
+    assert_eq!(s.up.executions(), 1);
+    s.wait_listed("completed", &skey);
+    assert_eq!(s.post("k-busy", &[]).header("idempotent-replayed"), Some("true"));
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn the_cli_computes_the_filters_storage_key_and_refuses_bad_input() {
+    let s = Stack::start();
+    let r = s.post("k-key", &[]);
+    assert_eq!(r.status, 201);
+    let skey = s.storage_key("k-key");
+    s.wait_listed("completed", &skey);
+    // The quoted form of a key is the same key; another caller's is another record.
+    assert_eq!(s.storage_key("\"k-key\""), skey);
+    let other = s.cli(&["key", "--scope-header", "authorization: Bearer bob", "--authority", "x", "k-key"]);
+    assert_ne!(text(&other.stdout).trim(), skey);
+    assert_eq!(s.cli(&["inspect", "abc"]).status.code(), Some(2));
+    let no_auth = cli_with(&format!("http://127.0.0.1:{}", s.webdis.port), &["inspect", &skey]);
+    assert!(no_auth.status.success());
+    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["--webdis", &format!("http://127.0.0.1:{}", s.webdis.port), "inspect", &skey])
+        .env_remove("IDEMGATE_STORE_AUTH")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("IDEMGATE_STORE_AUTH"), "{}", text(&out.stderr));
+}
+
+fn probe(url: &str, extra: &[&str]) -> (Output, serde_json::Value) {
+    let mut args = vec!["probe", url, "--json", "--header", "authorization: Bearer probe-ci"];
+    args.extend_from_slice(extra);
+    let out = Command::new(env!("CARGO_BIN_EXE_idemgate")).args(&args).output().expect("run idemgate probe");
+    let report = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out.stdout)));
+    (out, report)
+}
+
+fn verdicts(report: &serde_json::Value) -> Vec<(String, String)> {
+    report["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["rule"].as_str().unwrap().to_string(), r["verdict"].as_str().unwrap().to_string()))
+        .collect()
+}
+
+#[test]
+fn probe_finds_every_rule_kept_by_idemgate_in_envoy() {
+    let s = Stack::start();
+    let url = format!("http://127.0.0.1:{}/charges", s.envoy.port);
+    let (out, report) = probe(&url, &["--header", "x-up-delay-ms: 300"]);
+    assert!(out.status.success(), "{report}\n{}", text(&out.stderr));
+    assert!(verdicts(&report).iter().all(|(_, v)| v == "kept"), "{report}");
+    assert_eq!(s.up.executions(), 2, "one execution per fresh key (the probe's replay and concurrent keys)");
+}
+
+struct Demo(Child);
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn probe_reports_the_violations_of_the_demo_api_without_idemgate() {
+    let port = free_port();
+    let demo = Demo(
+        Command::new(env!("CARGO_BIN_EXE_demo-payments"))
+            .args(["--port", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start demo-payments"),
+    );
+    for _ in 0..100 {
+        if http::get(port, "/stats").is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let scratch = Scratch::new("probe-demo");
+    let body = scratch.0.join("charge.json");
+    std::fs::write(&body, br#"{"amount": 4200, "currency": "eur"}"#).unwrap();
+    let url = format!("http://127.0.0.1:{port}/charges");
+    let (out, report) = probe(&url, &["--body-file", body.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    let v = verdicts(&report);
+    for rule in ["replay-identical", "replay-marked", "mismatch-422", "malformed-key-400", "expiry-published"] {
+        assert!(v.contains(&(rule.to_string(), "violated".to_string())), "{rule}: {report}");
+    }
+    assert_eq!(report["passed"], false);
+    drop(demo);
+}
