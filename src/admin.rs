@@ -21,7 +21,7 @@ use serde_json::{json, Map, Value};
 use crate::config::{Anonymous, ScopeConfig};
 use crate::key::parse_key;
 use crate::problem::ProblemKind;
-use crate::record::{Record, State, StoredResponse, NOT_REPLAYED};
+use crate::record::{Lifetimes, Record, State, StoredResponse, NOT_REPLAYED};
 use crate::request::RequestHead;
 use crate::scope::{CallerScope, StorageKey};
 use crate::store::{encode_arg, StorePhase, StoredValue, Transition, KEY_PREFIX};
@@ -185,9 +185,10 @@ pub fn parse_header(bytes: &[u8]) -> Header {
 pub mod command {
     use super::*;
 
-    /// `TIME`: Redis's clock, which every lock is judged by.
+    /// `TIME`: Redis's clock, which every lock is judged by (in a script: the shipped webdis ACL
+    /// lets only EVAL, GET and PING through).
     pub fn time() -> String {
-        "TIME.raw".into()
+        format!("EVAL/{}/0.raw", encode_arg(b"return redis.call('TIME')"))
     }
 
     /// One step of a scan: `SCAN cursor MATCH idemgate:v1:* COUNT count` (never blocks Redis),
@@ -207,9 +208,9 @@ return out";
         )
     }
 
-    /// `PTTL key`.
+    /// `PTTL key` (in a script, as `time`).
     pub fn pttl(redis_key: &str) -> String {
-        format!("PTTL/{}.raw", encode_arg(redis_key.as_bytes()))
+        format!("EVAL/{}/1/{}.raw", encode_arg(b"return redis.call('PTTL',KEYS[1])"), encode_arg(redis_key.as_bytes()))
     }
 }
 
@@ -333,7 +334,9 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64) -> Result<Transit
                 creator: value.record.creator.clone(),
                 state: State::Completed(response.clone()),
             };
-            Ok(checked(Transition::complete(owner, record, *ttl_ms)))
+            // A completion lives `ttl_ms` from now (by Redis's clock: the `PX`).
+            let lives = Lifetimes { ttl_ms: *ttl_ms, lock_ms: 0, unknown_ms: 0 };
+            Ok(checked(Transition::complete(owner, record, &lives)))
         }
     }
 }

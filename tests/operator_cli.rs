@@ -25,8 +25,10 @@ fn plugin() -> String {
 struct Stack {
     up: Upstream,
     envoy: Envoy,
+    /// A second proxy on the same store, whose local tier never saw the stack's keys.
+    other: Envoy,
     webdis: Webdis,
-    _redis: Redis,
+    redis: Redis,
 }
 
 impl Stack {
@@ -38,13 +40,18 @@ impl Stack {
         o.store_port = Some(webdis.port);
         o.vm_env = vec![("IDEMGATE_STORE_AUTH".to_string(), AUTH.to_string())];
         let envoy = Envoy::start(&o);
-        Stack { up, envoy, webdis, _redis: redis }
+        let other = Envoy::start(&o);
+        Stack { up, envoy, other, webdis, redis }
     }
 
     fn post(&self, key: &str, extra: &[(&str, &str)]) -> Response {
+        self.post_to(&self.envoy, key, extra)
+    }
+
+    fn post_to(&self, envoy: &Envoy, key: &str, extra: &[(&str, &str)]) -> Response {
         let mut h: Vec<(&str, &str)> = vec![("authorization", CALLER), ("idempotency-key", key)];
         h.extend_from_slice(extra);
-        http::request(self.envoy.port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("request")
+        http::request(envoy.port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("request")
     }
 
     /// Runs `idemgate ARGS` against this stack's webdis.
@@ -130,13 +137,34 @@ fn operator_releases_an_outcome_unknown_key_and_the_retry_executes() {
     let out = s.cli(&["resolve", &skey, "--release"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&s.cli(&["inspect", &skey]).stdout).trim(), "absent");
-    let retry = s.post("k-release", &[]);
+    // The proxy that saw the outcome go unknown keeps its own record: an absent store key is no
+    // proof the key never ran (the store may have lost it), so it still answers 409 there.
+    let origin = s.post("k-release", &[]);
+    assert_eq!((origin.status, origin.json()["type"].as_str()), (409, Some("urn:idemgate:problem:outcome-unknown")));
+    assert_eq!(s.up.executions(), 1);
+    // Every other proxy executes the released key once more, on the retry.
+    let retry = s.post_to(&s.other, "k-release", &[]);
     assert_eq!(retry.status, 201, "{}", retry.body_text());
     assert_eq!(s.up.executions(), 2, "the released key executes once more, on the retry");
     std::thread::sleep(Duration::from_millis(300)); // the completion write
     let replay = s.post("k-release", &[]);
-    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"), "the origin replays the new result");
     assert_eq!(s.up.executions(), 2);
+}
+
+/// The promise over convenience: a key this proxy holds as outcome-unknown is never executed
+/// again because the store no longer has it (lost in a flush, an eviction or a failover).
+#[test]
+fn a_key_outcome_unknown_here_is_not_executed_again_when_the_store_loses_it() {
+    let s = Stack::start();
+    let skey = outcome_unknown(&s, "k-lost-store");
+    s.redis.command(&[b"FLUSHALL"]);
+    assert_eq!(text(&s.cli(&["inspect", &skey]).stdout).trim(), "absent");
+    for _ in 0..3 {
+        let r = s.post("k-lost-store", &[]);
+        assert_eq!((r.status, r.json()["type"].as_str()), (409, Some("urn:idemgate:problem:outcome-unknown")));
+    }
+    assert_eq!(s.up.executions(), 1, "executed again after the store lost its record");
 }
 
 #[test]

@@ -78,6 +78,9 @@ pub struct Http {
     budgeted: u64,
     body_size: usize,
     response: Option<StoredResponse>,
+    /// The local tier holds this key as outcome-unknown and the store is being asked whether an
+    /// operator settled it: only a record found there may change the answer.
+    local_unknown: bool,
     response_too_large: bool,
     response_complete: bool,
 }
@@ -133,6 +136,7 @@ impl Http {
             budgeted: 0,
             body_size: 0,
             response: None,
+            local_unknown: false,
             response_too_large: false,
             response_complete: false,
         }
@@ -331,6 +335,7 @@ impl Http {
                 if self.shared.config.store.as_ref().is_some_and(|c| c.on_unavailable == OnUnavailable::Reject)
                     && admin::store_settles(&problem) =>
             {
+                self.local_unknown = true;
                 match fp {
                     Some(fp) => self.proceed(None, fp),
                     None => {
@@ -510,6 +515,16 @@ impl Http {
             return self.store_failed(handle, &StoreError::Garbled("a claim answer without its request".into()));
         };
         let (now, expires_at, value) = match store::parse_claim_reply(status, body, &owner) {
+            // The store had no record of a key this proxy holds as outcome-unknown: absence is no
+            // proof it never ran (the store may have lost or expired it), so the local answer
+            // stands and the claim just made is withdrawn. Only a record in the store (an
+            // operator's completion) settles it.
+            Ok(ClaimReply::Claimed { .. }) if self.local_unknown => {
+                self.release_local(handle);
+                self.enqueue("release", Transition::release(owner), None);
+                self.count(Counter::UnknownOutcome);
+                return self.answer(ProblemKind::OutcomeUnknown, None);
+            }
             Ok(ClaimReply::Claimed { .. }) => return self.forward(handle, fp, true),
             Ok(ClaimReply::Exists { now_ms, expires_at_ms, value }) => (now_ms, expires_at_ms, value),
             // The key holds a record we cannot read: nothing was claimed, and it is no outage.
