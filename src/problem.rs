@@ -9,6 +9,15 @@ use crate::record::Creator;
 /// Prefix of every problem type URI.
 pub const TYPE_PREFIX: &str = "urn:idemgate:problem:";
 
+/// Envoy's response code details for a reply idemgate sends itself (`%RESPONSE_CODE_DETAILS%` in
+/// an access log): `idemgate_` then the outcome slug, lowercase, every other character than a
+/// letter or digit as `_` (Envoy refuses details with spaces).
+pub fn code_details(slug: &str) -> String {
+    let mut d = String::from("idemgate_");
+    d.extend(slug.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }));
+    d
+}
+
 /// An error answered by the filter itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ProblemKind {
@@ -228,6 +237,17 @@ mod tests {
     use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn response_code_details_are_the_slug_in_lowercase_with_underscores() {
+        assert_eq!(code_details("key-reused"), "idemgate_key_reused");
+        assert_eq!(code_details("replayed"), "idemgate_replayed");
+        for p in all() {
+            let d = code_details(p.slug());
+            assert!(d.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'), "{d}");
+        }
+        assert_eq!(code_details("A b/c"), "idemgate_a_b_c");
+    }
 
     fn all() -> Vec<ProblemKind> {
         let h = "idempotency-key".to_string();

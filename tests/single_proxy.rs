@@ -582,3 +582,63 @@ fn a_route_name_selects_the_policy_of_the_envoy_route_that_matched() {
     s.post("/v1/orders", Some("k-name-3"), "{}", &[]);
     assert_eq!(s.up.executions_with_key("k-name-3"), 2);
 }
+
+/// The access log line of the request sent with `x-test-id: id`, split at `|` (id, status, code
+/// details, outcome, key).
+fn access_line(lines: &[String], id: &str) -> Vec<String> {
+    let found: Vec<&String> = lines.iter().filter(|l| l.split('|').next() == Some(id)).collect();
+    assert_eq!(found.len(), 1, "one access log line for {id} in:\n{}", lines.join("\n"));
+    found[0].split('|').map(str::to_string).collect()
+}
+
+#[test]
+fn every_protected_request_leaves_its_outcome_and_full_key_in_envoys_access_log() {
+    let mut s = Stack::with(CFG, |o| o.access_log = true);
+    let body = r#"{"amount":7}"#;
+    let first = s.post("/charges", Some("k-log"), body, &[("x-test-id", "first")]);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    assert_eq!(s.post("/charges", Some("k-log"), body, &[("x-test-id", "replay")]).status, 201);
+    assert_eq!(s.post("/charges", Some("k-log"), r#"{"amount":8}"#, &[("x-test-id", "reused")]).status, 422);
+    // A slow first attempt with another key, and its retry while it runs.
+    let port = s.envoy.port;
+    let slow = std::thread::spawn(move || {
+        let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-slow"), ("x-up-delay-ms", "1500")];
+        http::request(port, "POST", "/charges", &[&h[..], &[("x-test-id", "slow")]].concat(), b"{}").expect("slow")
+    });
+    for _ in 0..200 {
+        if s.up.executions() == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.up.executions(), 2, "the slow request reached the upstream");
+    let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-slow"), ("x-test-id", "in-flight")];
+    assert_eq!(http::request(port, "POST", "/charges", &h, b"{}").expect("retry").status, 409);
+    assert_eq!(slow.join().expect("slow thread").status, 201);
+    let long_key = "k".repeat(300);
+    assert_eq!(s.post("/charges", Some(&long_key), body, &[("x-test-id", "bad-key")]).status, 400);
+    let get = http::request(port, "GET", "/charges", &[("x-test-id", "unprotected")], b"").expect("get");
+    assert_eq!(get.status, 201);
+    assert_eq!(s.up.executions(), 3, "k-log once, k-slow once, the GET");
+
+    s.envoy.stop();
+    let lines = s.envoy.access_log();
+    let line = |id: &str| access_line(&lines, id);
+    let (first, replay) = (line("first"), line("replay"));
+    assert_eq!(first[1..4], ["201", "via_upstream", "stored"], "{first:?}");
+    assert_eq!(replay[1..4], ["201", "idemgate_replayed", "replayed"], "{replay:?}");
+    assert_eq!(line("reused")[1..4], ["422", "idemgate_key_reused", "key-reused"]);
+    assert_eq!(line("slow")[1..4], ["201", "via_upstream", "stored"]);
+    assert_eq!(line("in-flight")[1..4], ["409", "idemgate_request_in_flight", "request-in-flight"]);
+    assert_eq!(line("bad-key")[1..5], ["400", "idemgate_key_too_long", "key-too-long", "-"]);
+    assert_eq!(line("unprotected")[1..5], ["201", "via_upstream", "-", "-"]);
+    // The full storage key (64 hex digits): the same for every request with that key, another for
+    // another key, and the one the filter's log lines name.
+    let key = &first[4];
+    assert!(key.len() == 64 && key.bytes().all(|b| b.is_ascii_hexdigit()), "{key}");
+    assert_eq!(&replay[4], key);
+    assert_eq!(&line("reused")[4], key);
+    assert_eq!(line("in-flight")[4], line("slow")[4]);
+    assert_ne!(&line("slow")[4], key);
+    assert!(s.envoy.log().contains(&format!("key={key}")), "the filter's log lines name the full key");
+}

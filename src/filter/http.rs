@@ -89,6 +89,8 @@ pub struct Http {
     response: Option<StoredResponse>,
     response_too_large: bool,
     response_complete: bool,
+    /// The outcome was left in Envoy's filter state (`publish`): once per request.
+    published: bool,
 }
 
 /// Fault tests only (feature `crash-injection`, never in the shipped module): traps the VM at
@@ -115,6 +117,9 @@ fn fault_point(req: Option<&Protected>, point: &str) -> bool {
 fn fault_point(_req: Option<&Protected>, _point: &str) -> bool {
     false
 }
+
+/// The outcome of a protected request whose client left before it was forwarded or answered.
+const ABANDONED: &str = "abandoned";
 
 /// A policy index that selects no policy (what `fault_point` breaks).
 const NO_POLICY: usize = usize::MAX;
@@ -144,12 +149,24 @@ impl Http {
             response: None,
             response_too_large: false,
             response_complete: false,
+            published: false,
         }
     }
 
     fn policy(&self) -> Option<&Policy> {
         let i = self.req.as_ref()?.policy_index;
         self.shared.config.policy_at(i)
+    }
+
+    /// The one place a protected request's end is told to Envoy: its outcome slug and storage key
+    /// go to the filter state an access log prints (`host::publish`). The first call wins.
+    fn publish(&mut self, outcome: &str) {
+        if self.published {
+            return;
+        }
+        self.published = true;
+        let key = self.req.as_ref().filter(|r| !r.derive_at_body).map(|r| &r.skey);
+        host::publish(outcome, key);
     }
 
     fn count(&self, c: Counter) {
@@ -160,7 +177,7 @@ impl Http {
         let Some(r) = self.req.as_ref() else { return format!("idemgate: outcome={outcome} {extra}") };
         let mut line = format!(
             "idemgate: outcome={outcome} key={} scope={} method={} path={} request_id={}",
-            r.skey.short(),
+            r.skey.hex(),
             r.scope.short(),
             r.head.method,
             r.head.path_without_query(),
@@ -208,6 +225,7 @@ impl Http {
             |r| r.creator.request_id.clone(),
         );
         self.phase = Phase::Answered;
+        self.publish(problem.slug());
         reply::problem(&problem, &request_id, creator);
         Action::Pause
     }
@@ -252,6 +270,7 @@ impl Http {
             let by = format!("status={} created_by_request_id={}", r.status, record.creator.request_id);
             debug!("{}", self.log_line("replayed", &by));
             self.phase = Phase::Answered;
+            self.publish(reply::REPLAYED);
             let _ = reply::replay(&record, &self.request_id(), host::now_ms());
             return Action::Pause;
         }
@@ -411,6 +430,7 @@ impl Http {
             Decision::PassUnprotected => {
                 self.count(Counter::StorePassed);
                 warn!("{}", self.log_line("store_unavailable_passed", &format!("error={e}")));
+                self.publish("passed-unprotected");
                 self.phase = Phase::Pass;
                 Action::Continue
             }
@@ -688,12 +708,13 @@ impl Http {
         }
     }
 
-    fn finish(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) {
+    /// Settles a forwarded exchange; returns its outcome slug.
+    fn finish(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) -> &'static str {
         let Some(policy) = self.policy().cloned() else {
             // Forwarded, so its claim stays (outcome unknown once its lock expires): say so.
             self.count(Counter::InternalErrors);
             error!("{}", self.log_line("internal_state", "branch=finish broken=policy_missing claim=kept"));
-            return;
+            return settle::INTERNAL_STATE;
         };
         let u64_property = |path: &[&str]| {
             host::property(path).and_then(|b| b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
@@ -736,10 +757,10 @@ impl Http {
         let Some(claim) = self.claim(handle, fp, in_store) else {
             self.count(Counter::InternalErrors);
             error!("{}", self.log_line("internal_state", "branch=finish broken=request_missing claim=kept"));
-            return;
+            return settle::INTERNAL_STATE;
         };
         let response = self.response.take();
-        settle::settle(&self.shared, &claim, classify(&facts, &policy), response, self.response_too_large, &detail);
+        settle::settle(&self.shared, &claim, classify(&facts, &policy), response, self.response_too_large, &detail)
     }
 }
 
@@ -994,22 +1015,31 @@ impl HttpContext for Http {
         }
         self.release_budget();
         // A detached or held request whose client is gone can no longer be answered; the root
-        // still settles a detached request's claim when the upstream answers.
-        self.shared.queues.live.borrow_mut().remove(&self.context_id);
+        // still settles a detached request's claim when the upstream answers. (The root takes a
+        // context out of `live` when it answers it, and tells Envoy the outcome then.)
+        let unanswered = self.shared.queues.live.borrow_mut().remove(&self.context_id);
         match std::mem::replace(&mut self.phase, Phase::Pass) {
-            Phase::Forwarded { handle, fp, in_store } => self.finish(handle, fp, in_store),
-            p @ Phase::Waiting { handle: Some(_) } => {
+            Phase::Forwarded { handle, fp, in_store } => {
+                let outcome = self.finish(handle, fp, in_store);
+                self.publish(outcome);
+            }
+            p @ Phase::Waiting { .. } => {
                 // The client left (or the stream was reset) before the body was complete: the
                 // request was never forwarded, so a retry may execute it.
                 self.phase = p;
                 self.release_unforwarded();
+                self.publish(ABANDONED);
             }
             Phase::Calling { handle, .. } => {
                 // The client left while the store answered: our claim may have landed. Free it,
                 // owner-checked, through the root (this context's callout dies with it).
                 self.release_local(handle);
                 self.release_lost_claim();
+                self.publish(ABANDONED);
             }
+            // Sent by the root, which still settles its claim: only the client is gone.
+            Phase::Detached if unanswered => self.publish("detached-client-left"),
+            Phase::Held if unanswered => self.publish(ABANDONED),
             _ => {}
         }
     }

@@ -329,21 +329,25 @@ impl Root {
                 // Nothing was sent: free the key and tell the client.
                 warn!("idemgate: outcome=detached_dispatch_failed {} cluster={} error={e:?}", f.claim.log, f.cluster);
                 settle::settle(&s, &f.claim, Outcome::Release, None, false, "reason=dispatch_failed");
+                let kind = ProblemKind::UpstreamNoAnswer;
                 self.answer(
                     f.context_id,
-                    |rid| reply::problem(&ProblemKind::UpstreamNoAnswer, rid, None),
+                    (kind.slug(), &f.claim.skey),
+                    |rid| reply::problem(&kind, rid, None),
                     &f.request_id,
                 );
             }
         }
     }
 
-    /// Answers a live HTTP context from the root.
-    fn answer(&self, context_id: u32, send: impl FnOnce(&str), request_id: &str) {
+    /// Answers a live HTTP context from the root, leaving `outcome` (its slug and storage key) in
+    /// that stream's filter state as the HTTP context does for the answers it sends itself.
+    fn answer(&self, context_id: u32, outcome: (&str, &StorageKey), send: impl FnOnce(&str), request_id: &str) {
         if !self.queues.live.borrow().contains(&context_id) {
             return;
         }
         if hostcalls::set_effective_context(context_id).is_ok() {
+            host::publish(outcome.0, Some(outcome.1));
             send(request_id);
         }
         self.queues.live.borrow_mut().remove(&context_id);
@@ -361,7 +365,12 @@ impl Root {
                 f.claim.log
             );
             let kind = ProblemKind::UpstreamNoAnswer;
-            self.answer(f.context_id, |rid| reply::problem(&kind, rid, None), &f.request_id);
+            self.answer(
+                f.context_id,
+                (kind.slug(), &f.claim.skey),
+                |rid| reply::problem(&kind, rid, None),
+                &f.request_id,
+            );
             return;
         };
         let (status, body) = writes::answer(body_size, num_headers);
@@ -389,7 +398,7 @@ impl Root {
                 let too_large = body.len() as u64 > policy.max_response_body_bytes;
                 let stored =
                     StoredResponse { status, headers: kept, body: if too_large { vec![] } else { body.clone() } };
-                settle::settle(&s, &f.claim, outcome, Some(stored), too_large, &detail);
+                let slug = settle::settle(&s, &f.claim, outcome, Some(stored), too_large, &detail);
                 if !live {
                     info!("idemgate: outcome=detached_response_kept {} status={status} client=gone", f.claim.log);
                 }
@@ -397,25 +406,29 @@ impl Root {
                 let expires = (outcome == Outcome::Store).then_some(ttl.as_str());
                 self.answer(
                     f.context_id,
-                    |_| reply::response(status, &client_headers, &body, false, expires),
+                    (slug, &f.claim.skey),
+                    |_| reply::response(status, &client_headers, &body, false, expires, slug),
                     &f.request_id,
                 );
             }
             // Envoy answered for an unreachable upstream: nothing was sent; pass its answer on.
             Some(status) if outcome == Outcome::Release => {
-                settle::settle(&s, &f.claim, outcome, None, false, &detail);
+                let slug = settle::settle(&s, &f.claim, outcome, None, false, &detail);
                 self.answer(
                     f.context_id,
-                    |_| reply::response(status, &client_headers, &body, false, None),
+                    (slug, &f.claim.skey),
+                    |_| reply::response(status, &client_headers, &body, false, None, slug),
                     &f.request_id,
                 );
             }
             // Silent or reset upstream: it may have run; nothing to replay.
             _ => {
                 settle::settle(&s, &f.claim, outcome, None, false, &detail);
+                let kind = ProblemKind::UpstreamNoAnswer;
                 self.answer(
                     f.context_id,
-                    |rid| reply::problem(&ProblemKind::UpstreamNoAnswer, rid, None),
+                    (kind.slug(), &f.claim.skey),
+                    |rid| reply::problem(&kind, rid, None),
                     &f.request_id,
                 );
             }
@@ -473,8 +486,14 @@ impl Root {
             WaitAnswer::Replay(r) => {
                 s.metrics.inc(Counter::WaitAnswered);
                 s.metrics.inc(Counter::Replayed);
+                let slug = match &r.state {
+                    crate::record::State::Completed(_) => reply::REPLAYED,
+                    crate::record::State::CompletedTooLarge { .. } => "response-not-stored",
+                    _ => ProblemKind::OutcomeUnknown.slug(),
+                };
                 self.answer(
                     w.context_id,
+                    (slug, &w.skey),
                     |rid| {
                         let _ = reply::replay(&r, rid, host::now_ms());
                     },
@@ -492,7 +511,7 @@ impl Root {
                     }
                     _ => {}
                 }
-                self.answer(w.context_id, |r| reply::problem(&kind, r, None), &rid);
+                self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &rid);
             }
         }
         true
@@ -503,7 +522,7 @@ impl Root {
             s.metrics.inc(Counter::InFlightConflict);
         }
         let kind = ProblemKind::InFlight { retry_after_seconds };
-        self.answer(w.context_id, |r| reply::problem(&kind, r, None), &w.request_id);
+        self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &w.request_id);
     }
 
     fn poll_answered(&mut self, context_id: u32, num_headers: usize, body_size: usize) {
@@ -703,6 +722,7 @@ impl HttpContext for Unconfigured {
         );
         let refusal =
             crate::failsafe::refuse(crate::failsafe::Broken::PolicyMissing, crate::failsafe::Holding::Nothing);
+        host::publish(refusal.problem.slug(), None);
         reply::problem(&refusal.problem, &request_id, None);
         proxy_wasm::types::Action::Pause
     }
