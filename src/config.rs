@@ -67,6 +67,9 @@ pub struct Policy {
     pub fingerprint: FingerprintConfig,
     pub scope: ScopeConfig,
     pub release_on_status: Vec<u16>,
+    /// The status of `key-reused` (a key back with another request): 422 (the IETF draft) or 409
+    /// (the Agentic Commerce Protocol's convention).
+    pub mismatch_status: u16,
     pub log_headers: Vec<String>,
     /// Response headers never stored nor replayed (lowercase); `set-cookie` by default.
     pub replay_exclude_headers: Vec<String>,
@@ -233,6 +236,7 @@ impl Default for Policy {
                 anonymous: Anonymous::Reject,
             },
             release_on_status: vec![429],
+            mismatch_status: 422,
             log_headers: vec![],
             replay_exclude_headers: vec!["set-cookie".into()],
             stale_lock: StaleLock::Reject,
@@ -269,6 +273,7 @@ const POLICY_FIELDS: &[&str] = &[
     "fingerprint",
     "scope",
     "release_on_status",
+    "mismatch_status",
     "log_headers",
     "replay_exclude_headers",
     "stale_lock",
@@ -502,6 +507,18 @@ fn apply_policy_fields(
             "ttl_seconds" => p.ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
             "lock_ttl_seconds" => p.lock_ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
             "unknown_outcome_seconds" => p.unknown_outcome_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
+            "mismatch_status" => {
+                p.mismatch_status = match v.as_u64() {
+                    Some(422) => 422,
+                    Some(409) => 409,
+                    _ => {
+                        return Err(err(
+                            &f,
+                            format!("expected 422 (the IETF draft) or 409 (the Agentic Commerce Protocol), got {v}"),
+                        ))
+                    }
+                }
+            }
             "max_request_body_bytes" => p.max_request_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
             "max_response_body_bytes" => p.max_response_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
             "fingerprint" => {
@@ -1038,6 +1055,21 @@ mod tests {
         .unwrap();
         assert!(matches!(c.routes[0].policy.forwarding, Forwarding::Detached { .. }));
         assert_eq!(c.routes[1].policy.forwarding, Forwarding::Router);
+    }
+
+    #[test]
+    fn mismatch_status_is_422_by_default_409_per_route_and_nothing_else() {
+        let c = Config::parse(
+            br#"{"scope": {"global": true}, "routes": [{"prefix": "/acp", "mismatch_status": 409}, {"prefix": "/"}]}"#,
+        )
+        .unwrap();
+        let statuses: Vec<u16> = c.policies().map(|p| p.mismatch_status).collect();
+        assert_eq!(statuses, [409, 422]);
+        for bad in ["400", "\"409\"", "409.0", "null"] {
+            let e = Config::parse(format!(r#"{{"scope": {{"global": true}}, "mismatch_status": {bad}}}"#).as_bytes())
+                .unwrap_err();
+            assert!(e.to_string().contains("`mismatch_status`"), "{bad}: {e}");
+        }
     }
 
     #[test]

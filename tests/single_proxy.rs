@@ -642,3 +642,37 @@ fn every_protected_request_leaves_its_outcome_and_full_key_in_envoys_access_log(
     assert_ne!(&line("slow")[4], key);
     assert!(s.envoy.log().contains(&format!("key={key}")), "the filter's log lines name the full key");
 }
+
+#[test]
+fn the_status_for_a_key_reused_with_another_payload_is_chosen_per_route() {
+    // The Agentic Commerce Protocol's routes answer 409; the others keep the IETF draft's 422.
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]},
+            "routes": [{"prefix": "/acp", "mismatch_status": 409}, {"prefix": "/", "mismatch_status": 422}]}"#,
+    );
+    assert_eq!(s.post("/acp/checkouts", Some("k-acp"), r#"{"amount":1}"#, &[]).status, 201);
+    let acp = s.post("/acp/checkouts", Some("k-acp"), r#"{"amount":2}"#, &[]);
+    assert_eq!(acp.status, 409, "{}", acp.body_text());
+    assert_eq!(problem_type(&acp), "urn:idemgate:problem:key-reused");
+    assert_eq!(acp.json()["status"], 409);
+    assert_eq!(acp.header("x-should-retry"), Some("false"));
+    assert_eq!(acp.header("retry-after"), None, "a 409 for another payload is no in-flight conflict");
+    assert_eq!(s.post("/charges", Some("k-ietf"), r#"{"amount":1}"#, &[]).status, 201);
+    let ietf = s.post("/charges", Some("k-ietf"), r#"{"amount":2}"#, &[]);
+    assert_eq!(ietf.status, 422, "{}", ietf.body_text());
+    assert_eq!(ietf.json()["status"], 422);
+    assert_eq!(s.up.executions(), 2);
+    assert_eq!(s.envoy.stat("idemgate.mismatch"), 2);
+}
+
+#[test]
+fn a_mismatch_status_other_than_409_or_422_is_refused_naming_the_field() {
+    let up = support::upstream::Upstream::start();
+    let o = support::EnvoyOptions::new(r#"{"routes": [{"prefix": "/", "mismatch_status": 400}]}"#, up.port);
+    match support::Envoy::try_start(&o) {
+        support::Started::Exited { log, .. } => {
+            assert!(log.contains("routes[0].mismatch_status"), "{log}");
+        }
+        support::Started::Ready(_) => panic!("Envoy accepted mismatch_status 400"),
+    }
+}

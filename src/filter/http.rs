@@ -202,7 +202,7 @@ impl Http {
             ProblemKind::BodyTooLarge { .. } => Counter::BodyTooLarge,
             ProblemKind::InFlight { .. } => Counter::InFlightConflict,
             ProblemKind::OutcomeUnknown => Counter::UnknownOutcome,
-            ProblemKind::KeyReused => Counter::Mismatch,
+            ProblemKind::KeyReused { .. } => Counter::Mismatch,
             ProblemKind::CapacityExhausted { .. } => Counter::LocalFull,
             ProblemKind::BufferBudgetExceeded { .. } => Counter::BufferBudgetExceeded,
             ProblemKind::StoreUnavailable { .. } => Counter::StoreUnavailable,
@@ -310,6 +310,7 @@ impl Http {
                     fp,
                     request_id: r.creator.request_id.clone(),
                     deadline_ms: now.saturating_add(wait_ms),
+                    mismatch_status: self.policy().map_or(422, |p| p.mismatch_status),
                     next_store_poll_ms: now,
                     polling: false,
                 });

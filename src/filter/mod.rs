@@ -109,6 +109,8 @@ pub struct Waiter {
     pub fp: Fingerprint,
     pub request_id: String,
     pub deadline_ms: u64,
+    /// The policy's status for a key reused with another request.
+    pub mismatch_status: u16,
     pub next_store_poll_ms: u64,
     pub polling: bool,
 }
@@ -453,7 +455,7 @@ impl Root {
                 // Unreadable now: the store (or the next tick) decides.
                 Err(_) => Seen::InFlight,
             };
-            if self.wait_answered(&w, wait::answer(seen, Tier::Local, &w.fp, has_store)) {
+            if self.wait_answered(&w, wait::answer(seen, Tier::Local, &w.fp, has_store, w.mismatch_status)) {
                 continue;
             }
             if now >= w.deadline_ms {
@@ -503,7 +505,7 @@ impl Root {
             WaitAnswer::Problem(kind) => {
                 s.metrics.inc(Counter::WaitAnswered);
                 match kind {
-                    ProblemKind::KeyReused => s.metrics.inc(Counter::Mismatch),
+                    ProblemKind::KeyReused { .. } => s.metrics.inc(Counter::Mismatch),
                     ProblemKind::OutcomeUnknown => s.metrics.inc(Counter::UnknownOutcome),
                     ProblemKind::RecordUnreadable { .. } => {
                         warn!("idemgate: outcome=record_unreadable request_id={rid} waiting=true");
@@ -538,7 +540,7 @@ impl Root {
                 // An unreadable answer: ask again at the next poll.
                 Err(_) => return,
             };
-            match wait::answer(seen, Tier::Store, &w.fp, has_store) {
+            match wait::answer(seen, Tier::Store, &w.fp, has_store, w.mismatch_status) {
                 WaitAnswer::KeepWaiting => return,
                 answer => (ws.remove(pos), answer),
             }
