@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::io::{Read, Write};
 use std::time::Duration;
 
 use support::http::{self, Response};
@@ -674,5 +675,105 @@ fn a_mismatch_status_other_than_409_or_422_is_refused_naming_the_field() {
             assert!(log.contains("routes[0].mismatch_status"), "{log}");
         }
         support::Started::Ready(_) => panic!("Envoy accepted mismatch_status 400"),
+    }
+}
+
+/// Istio's `WasmPlugin` and Envoy Gateway's `wasm` API cannot set the filter's
+/// `allow_on_headers_stop_iteration`: with `hold_headers: false` the request headers go on at
+/// once and only the body (the request's end) waits for the claim.
+#[test]
+fn without_the_stop_iteration_flag_a_key_still_executes_once_and_refused_requests_never_reach_the_upstream_complete() {
+    let s = Stack::with(r#"{"scope": {"headers": ["authorization"]}, "hold_headers": false}"#, |o| {
+        o.stop_iteration_flag = false;
+    });
+    let port = s.envoy.port;
+    let send = |key: &str, body: &str, extra: &[(&str, &str)]| {
+        let mut h =
+            vec![("authorization", "Bearer alice"), ("content-type", "application/json"), ("idempotency-key", key)];
+        h.extend_from_slice(extra);
+        http::request_timeout(port, "POST", "/charges", &h, body.as_bytes(), Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("no answer for {key} (a request held without the flag hangs): {e}"))
+    };
+    let first = send("k-nf", r#"{"amount":1}"#, &[]);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    let replay = send("k-nf", r#"{"amount":1}"#, &[]);
+    assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(send("k-nf", r#"{"amount":2}"#, &[]).status, 422);
+    // A retry while the first attempt runs is refused at its headers.
+    let slow = std::thread::spawn(move || {
+        let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-nf-slow"), ("x-up-delay-ms", "1500")];
+        http::request_timeout(port, "POST", "/charges", &h, b"{}", Duration::from_secs(10)).expect("slow")
+    });
+    for _ in 0..200 {
+        if s.up.executions() == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.up.executions(), 2, "the slow request reached the upstream");
+    assert_eq!(send("k-nf-slow", "{}", &[]).status, 409);
+    assert_eq!(slow.join().expect("slow thread").status, 201);
+    // A body over the limit is refused at its end, after its headers went upstream.
+    let big = "x".repeat(1_100_000);
+    assert_eq!(send("k-nf-big", &big, &[]).status, 413);
+    // Fifty concurrent duplicates of a new key: one execution.
+    let threads: Vec<_> = (0..50)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let h =
+                    [("authorization", "Bearer alice"), ("idempotency-key", "k-nf-burst"), ("x-up-delay-ms", "300")];
+                http::request_timeout(port, "POST", "/charges", &h, br#"{"amount":3}"#, Duration::from_secs(10))
+                    .expect("burst")
+                    .status
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = threads.into_iter().map(|t| t.join().expect("thread")).collect();
+    assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 50 - statuses.iter().filter(|s| **s == 409).count());
+    assert_eq!(s.up.executions_with_key("k-nf"), 1);
+    assert_eq!(s.up.executions_with_key("k-nf-slow"), 1);
+    assert_eq!(s.up.executions_with_key("k-nf-big"), 0);
+    assert_eq!(s.up.executions_with_key("k-nf-burst"), 1, "{statuses:?}");
+    assert_eq!(s.up.executions(), 3);
+    // The replay, the 422 and the 413 were decided at the body's end: their headers had reached
+    // the upstream, which saw each connection closed before the body (never a complete request).
+    // How many of them reached the upstream is Envoy's timing; what matters is that none executed.
+    eprintln!("upstream requests left incomplete: {}", s.up.partial_requests());
+    assert!(s.up.partial_requests() <= 3 + 49, "{}", s.up.partial_requests());
+}
+
+/// Why `hold_headers` stays the default wherever the flag can be set: without held headers, a
+/// retry's headers reach the upstream before the body's end decides it is a replay. An upstream
+/// that acts on headers alone (a handler that never reads the body) then executes it again; one
+/// that reads the request to its end never does (the test above).
+#[test]
+fn without_held_headers_an_upstream_acting_on_headers_alone_runs_a_replayed_key_again_so_holding_stays_the_default() {
+    for (hold, expected) in [(true, 1), (false, 2)] {
+        let s =
+            Stack::with(&format!(r#"{{"scope": {{"headers": ["authorization"]}}, "hold_headers": {hold}}}"#), |o| {
+                o.stop_iteration_flag = hold;
+            });
+        let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-hdr"), ("x-up-execute-on-headers", "1")];
+        let first = http::request(s.envoy.port, "POST", "/charges", &h, br#"{"amount":1}"#).expect("first");
+        assert_eq!(first.status, 201);
+        // The retry sends its headers and half its body, and the rest once the upstream has seen
+        // it (or a bounded number of polls later: with held headers it never does).
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", s.envoy.port)).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let head = "POST /charges HTTP/1.1\r\nhost: idemgate.test\r\nconnection: close\r\nauthorization: Bearer alice\r\nidempotency-key: k-hdr\r\nx-up-execute-on-headers: 1\r\ncontent-length: 12\r\n\r\n{\"amount\"";
+        c.write_all(head.as_bytes()).expect("head");
+        for _ in 0..50 {
+            if s.up.executions() >= 2 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        c.write_all(b":1}").expect("rest");
+        let mut answer = vec![];
+        let _ = c.read_to_end(&mut answer);
+        let retry = http::parse(&answer).expect("retry answer");
+        assert_eq!((retry.status, retry.header("idempotent-replayed")), (201, Some("true")));
+        assert_eq!(s.up.executions(), expected, "hold_headers: {hold}");
     }
 }

@@ -295,10 +295,7 @@ impl Http {
     fn in_flight_or_wait(&mut self, fp: Option<Fingerprint>, creator: Option<&Creator>) -> Action {
         let wait = self.policy().map(|p| p.in_flight);
         match (wait, fp) {
-            (Some(InFlight::Wait { .. }), None) => {
-                self.phase = Phase::Waiting { handle: None };
-                Action::Pause
-            }
+            (Some(InFlight::Wait { .. }), None) => self.wait_for_body(None),
             (Some(InFlight::Wait { wait_ms }), Some(fp)) => {
                 let Some(r) = self.req.as_ref() else {
                     return self.fail_closed(Broken::RequestMissing, "wait", None, Holding::Nothing);
@@ -320,6 +317,21 @@ impl Http {
                 Action::Pause
             }
             _ => self.answer(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS }, creator),
+        }
+    }
+
+    /// At the request headers, a protected request whose decision needs its body. With
+    /// `hold_headers` (the default; Envoy's `allow_on_headers_stop_iteration`) the headers wait
+    /// too. Without it the headers go on to the router, which starts the upstream request, while
+    /// the body callbacks return `Pause` (Envoy buffers the body): the upstream never receives the
+    /// request's end before the claim, and a request refused then is answered locally, which
+    /// resets its upstream stream (a request never complete, never executed).
+    fn wait_for_body(&mut self, handle: Option<Handle>) -> Action {
+        self.phase = Phase::Waiting { handle };
+        if self.shared.config.hold_headers {
+            Action::Pause
+        } else {
+            Action::Continue
         }
     }
 
@@ -346,8 +358,7 @@ impl Http {
                     Some(fp) => self.proceed(Some(handle), fp),
                     None => {
                         debug!("{}", self.log_line("claimed", "waiting_for_body=true"));
-                        self.phase = Phase::Waiting { handle: Some(handle) };
-                        Action::Pause
+                        self.wait_for_body(Some(handle))
                     }
                 }
             }
@@ -356,17 +367,11 @@ impl Http {
                 self.in_flight_or_wait(fp, creator.as_ref())
             }
             Ok(Begin::Reject { problem, creator, .. }) => self.answer(problem, creator.as_ref()),
-            Ok(Begin::NeedFingerprint) => {
-                self.phase = Phase::Waiting { handle: None };
-                Action::Pause
-            }
+            Ok(Begin::NeedFingerprint) => self.wait_for_body(None),
             // With a store, the local tier is a cache: a full bucket only means no local copy.
             Ok(Begin::Full) if self.shared.config.store.is_some() => match fp {
                 Some(fp) => self.proceed(None, fp),
-                None => {
-                    self.phase = Phase::Waiting { handle: None };
-                    Action::Pause
-                }
+                None => self.wait_for_body(None),
             },
             Ok(Begin::Full) => self
                 .answer(ProblemKind::CapacityExhausted { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS }, None),
@@ -869,8 +874,7 @@ impl HttpContext for Http {
         }
         if derive_at_body {
             // The key depends on the body: decide once it is here.
-            self.phase = Phase::Waiting { handle: None };
-            return Action::Pause;
+            return self.wait_for_body(None);
         }
         if end_of_stream {
             if fault_point(self.req.as_ref(), "policy-lost-at-headers") {

@@ -122,6 +122,9 @@ pub struct EnvoyOptions {
     /// A file access log (`access.log` in Envoy's scratch folder) printing `ACCESS_LOG_FORMAT`;
     /// read it with `Envoy::stop` then `Envoy::access_log` (the logger buffers its lines).
     pub access_log: bool,
+    /// The Wasm filter's `allow_on_headers_stop_iteration: true` (Istio's `WasmPlugin` and Envoy
+    /// Gateway's `wasm` API cannot set it).
+    pub stop_iteration_flag: bool,
 }
 
 /// The test access log's line: a test id, the status, Envoy's response code details and the
@@ -152,6 +155,7 @@ impl EnvoyOptions {
             http1_trailers: false,
             named_routes: vec![],
             access_log: false,
+            stop_iteration_flag: true,
         }
     }
 }
@@ -256,7 +260,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
               config:
                 name: idemgate
                 root_id: idemgate
-                allow_on_headers_stop_iteration: true
+                allow_on_headers_stop_iteration: {stop_iteration}
                 failure_policy: {failure_policy}
                 configuration:
                   "@type": type.googleapis.com/google.protobuf.StringValue
@@ -290,6 +294,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
             })
             .collect::<String>(),
         failure_policy = o.failure_policy,
+        stop_iteration = o.stop_iteration_flag,
         wasm = wasm.display(),
         extra = indent(&o.extra_http_filters, 10),
     )
