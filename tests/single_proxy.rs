@@ -777,3 +777,24 @@ fn without_held_headers_an_upstream_acting_on_headers_alone_runs_a_replayed_key_
         assert_eq!(s.up.executions(), expected, "hold_headers: {hold}");
     }
 }
+
+#[test]
+fn counters_exist_per_route_as_well_as_in_total() {
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/refunds"}, {"prefix": "/", "mismatch_status": 409}]}"#,
+    );
+    assert_eq!(s.post("/refunds", Some("k-r"), "{}", &[]).status, 201);
+    assert_eq!(s.post("/charges", Some("k-c"), "{}", &[]).status, 201);
+    assert_eq!(s.post("/charges", Some("k-c"), "{}", &[]).status, 201);
+    assert_eq!(s.post("/charges", Some("k-c"), r#"{"a":1}"#, &[]).status, 409);
+    assert_eq!(s.up.executions(), 2);
+    let e = &s.envoy;
+    assert_eq!((e.stat("idemgate.claimed"), e.stat("idemgate.replayed"), e.stat("idemgate.mismatch")), (2, 1, 1));
+    assert_eq!((e.stat("idemgate.route.0.claimed"), e.stat("idemgate.route.0.replayed")), (1, 0));
+    assert_eq!((e.stat("idemgate.route.1.claimed"), e.stat("idemgate.route.1.replayed")), (1, 1));
+    assert_eq!((e.stat("idemgate.route.0.stored"), e.stat("idemgate.route.1.stored")), (1, 1));
+    assert_eq!((e.stat("idemgate.route.0.mismatch"), e.stat("idemgate.route.1.mismatch")), (0, 1));
+    // Prometheus names them too.
+    let text = http::get(e.admin_port, "/stats/prometheus").unwrap().body_text();
+    assert!(text.lines().any(|l| l.starts_with("idemgate_route_1_replayed") && l.ends_with(" 1")), "{text}");
+}

@@ -254,18 +254,40 @@ impl Gauge {
     }
 }
 
+/// The name of counter `c` for the policy of `routes[route]`: `idemgate.route.<index>.<name>`
+/// (`idemgate_route_<index>_<name>` in Prometheus).
+pub fn route_counter_name(route: usize, c: Counter) -> String {
+    format!("idemgate.route.{route}.{}", c.name().trim_start_matches("idemgate."))
+}
+
 /// Metric ids, defined once per VM.
 #[derive(Clone, Debug, Default)]
 pub struct Metrics {
     ids: Vec<Option<u32>>,
     gauges: Vec<Option<u32>>,
+    /// Per configured route (none without `routes`: the totals are the one policy's), its
+    /// counters in `Counter::ALL` order.
+    per_route: Vec<Vec<Option<u32>>>,
 }
 
 impl Metrics {
-    pub fn define() -> Metrics {
+    /// Defines the totals, the gauges and, for each of `routes` routes, its own counters.
+    pub fn define(routes: usize) -> Metrics {
+        let counter = |name: &str| hostcalls::define_metric(MetricType::Counter, name).ok();
         Metrics {
-            ids: Counter::ALL.iter().map(|c| hostcalls::define_metric(MetricType::Counter, c.name()).ok()).collect(),
+            ids: Counter::ALL.iter().map(|c| counter(c.name())).collect(),
             gauges: Gauge::ALL.iter().map(|g| hostcalls::define_metric(MetricType::Gauge, g.name()).ok()).collect(),
+            per_route: (0..routes)
+                .map(|r| Counter::ALL.iter().map(|c| counter(&route_counter_name(r, *c))).collect())
+                .collect(),
+        }
+    }
+
+    /// Counts `c` in total and, when the request's policy is known, for its route.
+    pub fn inc_for(&self, c: Counter, policy_index: Option<usize>) {
+        self.inc(c);
+        if let Some(Some(id)) = policy_index.and_then(|i| self.per_route.get(i)).and_then(|ids| ids.get(c as usize)) {
+            let _ = hostcalls::increment_metric(*id, 1);
         }
     }
 
@@ -305,5 +327,11 @@ mod tests {
         let names: std::collections::HashSet<&str> =
             Counter::ALL.iter().map(|c| c.name()).chain(super::Gauge::ALL.iter().map(|g| g.name())).collect();
         assert_eq!(names.len(), Counter::ALL.len() + super::Gauge::ALL.len());
+    }
+
+    #[test]
+    fn route_counters_are_named_by_the_routes_index() {
+        assert_eq!(super::route_counter_name(1, Counter::Replayed), "idemgate.route.1.replayed");
+        assert_eq!(super::route_counter_name(0, Counter::StorePassed), "idemgate.route.0.store_passed_unprotected");
     }
 }

@@ -91,6 +91,8 @@ pub struct Http {
     response_complete: bool,
     /// The outcome was left in Envoy's filter state (`publish`): once per request.
     published: bool,
+    /// The selected policy, for per-route counters (known before `req` is).
+    policy_index: Option<usize>,
 }
 
 /// Fault tests only (feature `crash-injection`, never in the shipped module): traps the VM at
@@ -150,6 +152,7 @@ impl Http {
             response_too_large: false,
             response_complete: false,
             published: false,
+            policy_index: None,
         }
     }
 
@@ -170,7 +173,7 @@ impl Http {
     }
 
     fn count(&self, c: Counter) {
-        self.shared.metrics.inc(c);
+        self.shared.metrics.inc_for(c, self.policy_index);
     }
 
     fn log_line(&self, outcome: &str, extra: &str) -> String {
@@ -308,6 +311,7 @@ impl Http {
                     request_id: r.creator.request_id.clone(),
                     deadline_ms: now.saturating_add(wait_ms),
                     mismatch_status: self.policy().map_or(422, |p| p.mismatch_status),
+                    policy_index: r.policy_index,
                     next_store_poll_ms: now,
                     polling: false,
                 });
@@ -802,6 +806,7 @@ impl HttpContext for Http {
         else {
             return Action::Continue;
         };
+        self.policy_index = Some(policy_index);
         let Some(policy) = self.shared.config.policy_at(policy_index) else {
             return self.fail_closed(Broken::PolicyMissing, "request_headers_policy", None, Holding::Nothing);
         };

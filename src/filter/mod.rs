@@ -111,6 +111,8 @@ pub struct Waiter {
     pub deadline_ms: u64,
     /// The policy's status for a key reused with another request.
     pub mismatch_status: u16,
+    /// The policy's index, for per-route counters.
+    pub policy_index: usize,
     pub next_store_poll_ms: u64,
     pub polling: bool,
 }
@@ -486,8 +488,8 @@ impl Root {
             // Released: the first attempt never executed; the client may retry at once.
             WaitAnswer::RetryNow => self.wait_over(w, 0),
             WaitAnswer::Replay(r) => {
-                s.metrics.inc(Counter::WaitAnswered);
-                s.metrics.inc(Counter::Replayed);
+                s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
+                s.metrics.inc_for(Counter::Replayed, Some(w.policy_index));
                 let slug = match &r.state {
                     crate::record::State::Completed(_) => reply::REPLAYED,
                     crate::record::State::CompletedTooLarge { .. } => "response-not-stored",
@@ -503,13 +505,13 @@ impl Root {
                 );
             }
             WaitAnswer::Problem(kind) => {
-                s.metrics.inc(Counter::WaitAnswered);
+                s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
                 match kind {
-                    ProblemKind::KeyReused { .. } => s.metrics.inc(Counter::Mismatch),
-                    ProblemKind::OutcomeUnknown => s.metrics.inc(Counter::UnknownOutcome),
+                    ProblemKind::KeyReused { .. } => s.metrics.inc_for(Counter::Mismatch, Some(w.policy_index)),
+                    ProblemKind::OutcomeUnknown => s.metrics.inc_for(Counter::UnknownOutcome, Some(w.policy_index)),
                     ProblemKind::RecordUnreadable { .. } => {
                         warn!("idemgate: outcome=record_unreadable request_id={rid} waiting=true");
-                        s.metrics.inc(Counter::RecordUnreadable);
+                        s.metrics.inc_for(Counter::RecordUnreadable, Some(w.policy_index));
                     }
                     _ => {}
                 }
@@ -521,7 +523,7 @@ impl Root {
 
     fn wait_over(&self, w: &Waiter, retry_after_seconds: u64) {
         if let Some(s) = self.shared.as_ref() {
-            s.metrics.inc(Counter::InFlightConflict);
+            s.metrics.inc_for(Counter::InFlightConflict, Some(w.policy_index));
         }
         let kind = ProblemKind::InFlight { retry_after_seconds };
         self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &w.request_id);
@@ -644,7 +646,7 @@ impl RootContext for Root {
             }
         }
         let credentials = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty()).map(|v| store::basic_auth(&v));
-        let metrics = Metrics::define();
+        let metrics = Metrics::define(config.routes.len());
         // Fixed by `max_entries`: set once here (the record bytes are set by the tick).
         metrics.set(Gauge::LocalIndexBytes, table.max_index_bytes());
         self.shared = Some(Rc::new(Shared {

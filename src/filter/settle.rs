@@ -46,7 +46,7 @@ pub fn settle(
 ) -> &'static str {
     let Some(policy) = shared.config.policy_at(claim.policy_index) else {
         // The claim stays as it is (a forwarded claim is judged outcome-unknown once its lock expires).
-        shared.metrics.inc(Counter::InternalErrors);
+        shared.metrics.inc_for(Counter::InternalErrors, Some(claim.policy_index));
         log::error!("idemgate: outcome=internal_state branch=settle broken=policy_missing claim=kept {}", claim.log);
         return INTERNAL_STATE;
     };
@@ -67,22 +67,22 @@ pub fn settle(
             }
             match claim.handle.map(|h| t.complete(&mut HostShared, &h, record)) {
                 Some(Ok(Completed::Stored)) | None => {
-                    shared.metrics.inc(Counter::Stored);
+                    shared.metrics.inc_for(Counter::Stored, Some(claim.policy_index));
                     debug!("{}", line("stored", detail));
                     "stored"
                 }
                 Some(Ok(Completed::StoredWithoutBody)) => {
-                    shared.metrics.inc(Counter::StoredWithoutBody);
+                    shared.metrics.inc_for(Counter::StoredWithoutBody, Some(claim.policy_index));
                     info!("{}", line("stored_without_body", detail));
                     "stored-without-body"
                 }
                 Some(Ok(Completed::LostClaim)) => {
-                    shared.metrics.inc(Counter::LostClaim);
+                    shared.metrics.inc_for(Counter::LostClaim, Some(claim.policy_index));
                     info!("{}", line("lost_claim", detail));
                     "lost-claim"
                 }
                 Some(Err(e)) => {
-                    shared.metrics.inc(Counter::LocalErrors);
+                    shared.metrics.inc_for(Counter::LocalErrors, Some(claim.policy_index));
                     warn!("{}", line("store_failed", &format!("{detail} error={e:?}")));
                     "local-error"
                 }
@@ -103,7 +103,7 @@ pub fn settle(
             if claim.in_store && shared.config.store.is_some() {
                 shared.push_job(Job::new("unknown", &claim.skey, &Transition::unknown(claim.owner, unknown_ms), None));
             }
-            shared.metrics.inc(Counter::UnknownOutcome);
+            shared.metrics.inc_for(Counter::UnknownOutcome, Some(claim.policy_index));
             info!("{}", line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())));
             "marked-unknown"
         }
