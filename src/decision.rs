@@ -176,7 +176,9 @@ pub fn decide(
             if now_ms < lock_expires_at_ms =>
         {
             return match (fp, record.fingerprint) {
-                (Some(a), Some(b)) if *a != b => Decision::Reject(ProblemKind::KeyReused),
+                (Some(a), Some(b)) if *a != b => {
+                    Decision::Reject(ProblemKind::KeyReused { status: policy.mismatch_status })
+                }
                 _ => in_flight,
             };
         }
@@ -184,7 +186,9 @@ pub fn decide(
         // exactly one retry (the CAS decides which) may take it over.
         Phase::Claimed { .. } => {
             return match (fp, record.fingerprint) {
-                (Some(a), Some(b)) if *a != b => Decision::Reject(ProblemKind::KeyReused),
+                (Some(a), Some(b)) if *a != b => {
+                    Decision::Reject(ProblemKind::KeyReused { status: policy.mismatch_status })
+                }
                 _ => Decision::TakeOver,
             };
         }
@@ -194,7 +198,7 @@ pub fn decide(
         return Decision::NeedFingerprint;
     };
     if record.fingerprint.is_some_and(|r| r != *fp) {
-        return Decision::Reject(ProblemKind::KeyReused);
+        return Decision::Reject(ProblemKind::KeyReused { status: policy.mismatch_status });
     }
     match record.phase {
         Phase::Completed => Decision::Replay,
@@ -521,18 +525,18 @@ mod tests {
             ("expired outcome unknown", Some(rec(9, unknown.clone(), NOW - 10)), &def, Decision::Claim),
             ("completed, same request", Some(rec(9, completed.clone(), later)), &def, Decision::Replay),
             ("completed too large", Some(rec(9, too_large, later)), &def, Decision::Replay),
-            ("completed, other request", Some(rec(8, completed, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
+            ("completed, other request", Some(rec(8, completed, later)), &def, Decision::Reject(ProblemKind::KeyReused { status: 422 })),
             ("claimed, lock live", Some(rec(9, claimed_live.clone(), later)), &def, in_flight.clone()),
-            ("claimed, other request", Some(rec(8, claimed_live, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
+            ("claimed, other request", Some(rec(8, claimed_live, later)), &def, Decision::Reject(ProblemKind::KeyReused { status: 422 })),
             ("forwarded, lock live", Some(rec(9, forwarded_live, later)), &def, in_flight),
             ("claimed never forwarded, stale", Some(rec(9, claimed_stale.clone(), later)), &def, Decision::TakeOver),
             ("claimed stale, takeover mode", Some(rec(9, claimed_stale.clone(), later)), &takeover, Decision::TakeOver),
-            ("claimed stale, other request", Some(rec(8, claimed_stale, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
+            ("claimed stale, other request", Some(rec(8, claimed_stale, later)), &def, Decision::Reject(ProblemKind::KeyReused { status: 422 })),
             ("forwarded, stale", Some(rec(9, forwarded_stale.clone(), later)), &def, Decision::MarkUnknown),
             ("forwarded, stale, takeover mode", Some(rec(9, forwarded_stale.clone(), later)), &takeover, Decision::TakeOver),
-            ("forwarded stale, other request", Some(rec(8, forwarded_stale, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
+            ("forwarded stale, other request", Some(rec(8, forwarded_stale, later)), &def, Decision::Reject(ProblemKind::KeyReused { status: 422 })),
             ("outcome unknown", Some(rec(9, unknown.clone(), later)), &def, Decision::Reject(ProblemKind::OutcomeUnknown)),
-            ("outcome unknown, other request", Some(rec(8, unknown, later)), &def, Decision::Reject(ProblemKind::KeyReused)),
+            ("outcome unknown, other request", Some(rec(8, unknown, later)), &def, Decision::Reject(ProblemKind::KeyReused { status: 422 })),
         ];
         for (name, record, pol, want) in table {
             let lookup = match &record {
@@ -594,7 +598,7 @@ mod tests {
             ("forwarded, lock live, expired, at headers", summary(Phase::InProgress { lock_expires_at_ms: live }), None, in_flight.clone()),
             ("claimed at headers, lock live, expired", headers_claim(Phase::Claimed { lock_expires_at_ms: live }), Some(&fp), in_flight.clone()),
             ("claimed at headers, lock live, expired, at headers", headers_claim(Phase::Claimed { lock_expires_at_ms: live }), None, in_flight),
-            ("forwarded, lock live, expired, other request", summary(Phase::InProgress { lock_expires_at_ms: live }), Some(&Fingerprint([8; 32])), Decision::Reject(ProblemKind::KeyReused)),
+            ("forwarded, lock live, expired, other request", summary(Phase::InProgress { lock_expires_at_ms: live }), Some(&Fingerprint([8; 32])), Decision::Reject(ProblemKind::KeyReused { status: 422 })),
             ("forwarded, lock stale, expired", summary(Phase::InProgress { lock_expires_at_ms: stale }), Some(&fp), Decision::Claim),
             ("claimed, lock stale, expired", headers_claim(Phase::Claimed { lock_expires_at_ms: stale }), None, Decision::Claim),
             ("completed, expired", summary(Phase::Completed), Some(&fp), Decision::Claim),
@@ -602,6 +606,26 @@ mod tests {
         ];
         for (name, s, f, want) in table {
             assert_eq!(decide(Lookup::Found(s), f, NOW, &policy(), OnUnavailable::Reject), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_key_reused_with_another_request_gets_the_policys_mismatch_status_in_every_state() {
+        let acp = Policy { mismatch_status: 409, ..policy() };
+        let later = NOW + 5_000;
+        let completed = State::Completed(StoredResponse { status: 201, headers: vec![], body: vec![] });
+        for state in [
+            completed,
+            State::Claimed { owner: owner(), lock_expires_at_ms: later },
+            State::InProgress { owner: owner(), lock_expires_at_ms: NOW - 1 },
+            State::OutcomeUnknown { reason: UnknownReason::UpstreamTimeout },
+        ] {
+            let r = rec(8, state, later);
+            assert_eq!(
+                decide(Lookup::Found(r.summary()), Some(&Fingerprint([9; 32])), NOW, &acp, OnUnavailable::Reject),
+                Decision::Reject(ProblemKind::KeyReused { status: 409 }),
+                "{r:?}"
+            );
         }
     }
 
@@ -854,7 +878,7 @@ mod tests {
                 prop_assume!(fp != other);
                 let r = Record { fingerprint: Fingerprint(fp), created_at_ms: 0, expires_at_ms: now + 1, creator: Creator::default(),
                                  state: State::InProgress { owner: OwnerToken([0; 16]), lock_expires_at_ms: lock } };
-                prop_assert_eq!(decide(Lookup::Found(r.summary()), Some(&Fingerprint(other)), now, &Policy::default(), OnUnavailable::Reject), Decision::Reject(ProblemKind::KeyReused));
+                prop_assert_eq!(decide(Lookup::Found(r.summary()), Some(&Fingerprint(other)), now, &Policy::default(), OnUnavailable::Reject), Decision::Reject(ProblemKind::KeyReused { status: 422 }));
             }
         }
     }

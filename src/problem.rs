@@ -9,6 +9,15 @@ use crate::record::Creator;
 /// Prefix of every problem type URI.
 pub const TYPE_PREFIX: &str = "urn:idemgate:problem:";
 
+/// Envoy's response code details for a reply idemgate sends itself (`%RESPONSE_CODE_DETAILS%` in
+/// an access log): `idemgate_` then the outcome slug, lowercase, every other character than a
+/// letter or digit as `_` (Envoy refuses details with spaces).
+pub fn code_details(slug: &str) -> String {
+    let mut d = String::from("idemgate_");
+    d.extend(slug.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }));
+    d
+}
+
 /// An error answered by the filter itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ProblemKind {
@@ -25,8 +34,9 @@ pub enum ProblemKind {
     InFlight { retry_after_seconds: u64 },
     /// The first request may have executed but its outcome is not known.
     OutcomeUnknown,
-    /// The key was used before with a different request.
-    KeyReused,
+    /// The key was used before with a different request; `status` is the policy's
+    /// `mismatch_status` (422 or 409).
+    KeyReused { status: u16 },
     /// The store cannot be reached; nothing was forwarded.
     StoreUnavailable { retry_after_seconds: u64 },
     /// A record exists for the key but this build cannot read it (damaged, or written by a later
@@ -72,7 +82,7 @@ impl ProblemKind {
             ProblemKind::BodyTooLarge { .. } => "body-too-large",
             ProblemKind::InFlight { .. } => "request-in-flight",
             ProblemKind::OutcomeUnknown => "outcome-unknown",
-            ProblemKind::KeyReused => "key-reused",
+            ProblemKind::KeyReused { .. } => "key-reused",
             ProblemKind::StoreUnavailable { .. } => "store-unavailable",
             ProblemKind::RecordUnreadable { .. } => "record-unreadable",
             ProblemKind::CapacityExhausted { .. } => "capacity-exhausted",
@@ -88,7 +98,7 @@ impl ProblemKind {
             ProblemKind::KeyMissing { .. } | ProblemKind::KeyInvalid { .. } | ProblemKind::ScopeMissing { .. } => 400,
             ProblemKind::BodyTooLarge { .. } => 413,
             ProblemKind::InFlight { .. } | ProblemKind::OutcomeUnknown => 409,
-            ProblemKind::KeyReused => 422,
+            ProblemKind::KeyReused { status } => *status,
             ProblemKind::StoreUnavailable { .. }
             | ProblemKind::RecordUnreadable { .. }
             | ProblemKind::CapacityExhausted { .. }
@@ -107,7 +117,7 @@ impl ProblemKind {
             ProblemKind::BodyTooLarge { .. } => "Request body too large for idempotency protection",
             ProblemKind::InFlight { .. } => "A request with this idempotency key is in progress",
             ProblemKind::OutcomeUnknown => "Outcome of the original request is unknown",
-            ProblemKind::KeyReused => "Idempotency key reused with a different request",
+            ProblemKind::KeyReused { .. } => "Idempotency key reused with a different request",
             ProblemKind::StoreUnavailable { .. } => "Idempotency store unavailable",
             ProblemKind::RecordUnreadable { .. } => "Idempotency record unreadable",
             ProblemKind::CapacityExhausted { .. } => "Idempotency capacity exhausted",
@@ -140,7 +150,7 @@ impl ProblemKind {
                 "The first request with this key has not finished. Retry after {retry_after_seconds} s with the same key to get its result."
             ),
             ProblemKind::OutcomeUnknown => "The first request with this key was forwarded, but its result was lost (timeout, reset or disconnect), so it may or may not have taken effect. Do not retry with this key: check the resource, then use a new key if the operation must be done.".into(),
-            ProblemKind::KeyReused => "This key was already used with a different request (method, path, selected headers or body). Use a new key for a new operation.".into(),
+            ProblemKind::KeyReused { .. } => "This key was already used with a different request (method, path, selected headers or body). Use a new key for a new operation.".into(),
             ProblemKind::StoreUnavailable { retry_after_seconds } => format!(
                 "The idempotency store cannot be reached, so the request was not forwarded. Retry after {retry_after_seconds} s with the same key."
             ),
@@ -229,6 +239,17 @@ mod tests {
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
+    #[test]
+    fn response_code_details_are_the_slug_in_lowercase_with_underscores() {
+        assert_eq!(code_details("key-reused"), "idemgate_key_reused");
+        assert_eq!(code_details("replayed"), "idemgate_replayed");
+        for p in all() {
+            let d = code_details(p.slug());
+            assert!(d.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'), "{d}");
+        }
+        assert_eq!(code_details("A b/c"), "idemgate_a_b_c");
+    }
+
     fn all() -> Vec<ProblemKind> {
         let h = "idempotency-key".to_string();
         let mut v = vec![
@@ -237,7 +258,7 @@ mod tests {
             ProblemKind::BodyTooLarge { limit: 10 },
             ProblemKind::InFlight { retry_after_seconds: 2 },
             ProblemKind::OutcomeUnknown,
-            ProblemKind::KeyReused,
+            ProblemKind::KeyReused { status: 422 },
             ProblemKind::StoreUnavailable { retry_after_seconds: 1 },
             ProblemKind::RecordUnreadable { retry_after_seconds: 1 },
             ProblemKind::CapacityExhausted { retry_after_seconds: 1 },
@@ -288,7 +309,8 @@ mod tests {
         assert_eq!(ProblemKind::BodyTooLarge { limit: 1 }.status(), 413);
         assert_eq!(ProblemKind::InFlight { retry_after_seconds: 1 }.status(), 409);
         assert_eq!(ProblemKind::OutcomeUnknown.status(), 409);
-        assert_eq!(ProblemKind::KeyReused.status(), 422);
+        assert_eq!(ProblemKind::KeyReused { status: 422 }.status(), 422);
+        assert_eq!(ProblemKind::KeyReused { status: 409 }.status(), 409);
         assert_eq!(ProblemKind::StoreUnavailable { retry_after_seconds: 1 }.status(), 503);
     }
 
@@ -320,7 +342,7 @@ mod tests {
     fn conflict_names_the_run_that_created_the_record() {
         let creator =
             Creator { request_id: "first".into(), log_values: vec![("x-agent-run-id".into(), "run-7".into())] };
-        let b = body(&ProblemKind::KeyReused.to_problem("second", Some(&creator)));
+        let b = body(&ProblemKind::KeyReused { status: 422 }.to_problem("second", Some(&creator)));
         assert_eq!(b["original_request"]["request_id"], "first");
         assert_eq!(b["original_request"]["x-agent-run-id"], "run-7");
     }

@@ -87,8 +87,9 @@ pub enum WaitAnswer {
 
 /// What to answer a request waiting with fingerprint `fp`, from what `tier` shows. With a store,
 /// the store is the authority: a local tier that shows nothing, or a completion whose response it
-/// does not hold, leaves the answer to the store's poll.
-pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool) -> WaitAnswer {
+/// does not hold, leaves the answer to the store's poll. `mismatch_status` is the policy's status
+/// for a key reused with another request.
+pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool, mismatch_status: u16) -> WaitAnswer {
     let other_request = |f: Option<Fingerprint>| f.is_some_and(|f| f != *fp);
     match seen {
         Seen::InFlight => WaitAnswer::KeepWaiting,
@@ -98,7 +99,7 @@ pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool) -> Wait
         Seen::Absent if tier == Tier::Local && has_store => WaitAnswer::KeepWaiting,
         Seen::Absent => WaitAnswer::RetryNow,
         Seen::Completed { fingerprint, .. } | Seen::Unknown { fingerprint } if other_request(fingerprint) => {
-            WaitAnswer::Problem(ProblemKind::KeyReused)
+            WaitAnswer::Problem(ProblemKind::KeyReused { status: mismatch_status })
         }
         Seen::Unknown { .. } => WaitAnswer::Problem(ProblemKind::OutcomeUnknown),
         Seen::Completed { record: Some(r), .. }
@@ -137,38 +138,44 @@ mod tests {
 
     #[test]
     fn a_released_key_is_answered_at_once_by_the_authoritative_tier() {
-        assert_eq!(answer(Seen::Absent, Tier::Store, &FP, true), WaitAnswer::RetryNow);
-        assert_eq!(answer(Seen::Absent, Tier::Local, &FP, false), WaitAnswer::RetryNow);
+        assert_eq!(answer(Seen::Absent, Tier::Store, &FP, true, 422), WaitAnswer::RetryNow);
+        assert_eq!(answer(Seen::Absent, Tier::Local, &FP, false, 422), WaitAnswer::RetryNow);
         // With a store, a local miss says nothing: another proxy may hold the claim.
-        assert_eq!(answer(Seen::Absent, Tier::Local, &FP, true), WaitAnswer::KeepWaiting);
+        assert_eq!(answer(Seen::Absent, Tier::Local, &FP, true, 422), WaitAnswer::KeepWaiting);
     }
 
     #[test]
     fn a_completion_whose_response_this_tier_lacks_is_never_called_outcome_unknown() {
         let seen = || Seen::Completed { fingerprint: Some(FP), record: None, status: 201 };
         assert_eq!(
-            answer(seen(), Tier::Local, &FP, false),
+            answer(seen(), Tier::Local, &FP, false, 422),
             WaitAnswer::Problem(ProblemKind::ResponseNotStored { status: 201, location: None })
         );
-        assert_eq!(answer(seen(), Tier::Local, &FP, true), WaitAnswer::KeepWaiting, "the store may have it");
+        assert_eq!(answer(seen(), Tier::Local, &FP, true, 422), WaitAnswer::KeepWaiting, "the store may have it");
     }
 
     #[test]
     fn completed_unknown_in_flight_and_other_requests() {
         let r = completed();
         let seen = Seen::Completed { fingerprint: Some(FP), record: Some(r.clone()), status: 201 };
-        assert_eq!(answer(seen, Tier::Local, &FP, false), WaitAnswer::Replay(r.clone()));
+        assert_eq!(answer(seen, Tier::Local, &FP, false, 422), WaitAnswer::Replay(r.clone()));
         let seen = Seen::Completed { fingerprint: Some(FP), record: Some(r), status: 201 };
-        assert_eq!(answer(seen, Tier::Store, &OTHER, true), WaitAnswer::Problem(ProblemKind::KeyReused));
+        assert_eq!(
+            answer(seen, Tier::Store, &OTHER, true, 422),
+            WaitAnswer::Problem(ProblemKind::KeyReused { status: 422 })
+        );
         for tier in [Tier::Local, Tier::Store] {
             let unknown = Seen::Unknown { fingerprint: Some(FP) };
-            assert_eq!(answer(unknown, tier, &FP, true), WaitAnswer::Problem(ProblemKind::OutcomeUnknown));
+            assert_eq!(answer(unknown, tier, &FP, true, 422), WaitAnswer::Problem(ProblemKind::OutcomeUnknown));
             let unknown = Seen::Unknown { fingerprint: Some(FP) };
-            assert_eq!(answer(unknown, tier, &OTHER, true), WaitAnswer::Problem(ProblemKind::KeyReused));
-            assert_eq!(answer(Seen::InFlight, tier, &FP, true), WaitAnswer::KeepWaiting);
+            assert_eq!(
+                answer(unknown, tier, &OTHER, true, 422),
+                WaitAnswer::Problem(ProblemKind::KeyReused { status: 422 })
+            );
+            assert_eq!(answer(Seen::InFlight, tier, &FP, true, 422), WaitAnswer::KeepWaiting);
         }
         assert!(matches!(
-            answer(Seen::from_store(ReadReply::Unreadable("garbled".into())), Tier::Store, &FP, true),
+            answer(Seen::from_store(ReadReply::Unreadable("garbled".into())), Tier::Store, &FP, true, 422),
             WaitAnswer::Problem(ProblemKind::RecordUnreadable { .. })
         ));
     }

@@ -74,6 +74,10 @@ fn host_examples_carry_the_plugin_configuration_envoy_loads_in_the_tests() {
         ["envoy/istio/envoyfilter.yaml", "envoy/istio/wasmplugin.yaml", "envoy/envoy-gateway/envoyextensionpolicy.yaml"]
     {
         let mut cfg = plugin_config(rel);
+        // The WasmPlugin cannot set allow_on_headers_stop_iteration: it must not hold the headers.
+        let hold = cfg.as_object_mut().and_then(|m| m.remove("hold_headers"));
+        let expected_hold = if rel.ends_with("wasmplugin.yaml") { Some(serde_json::json!(false)) } else { None };
+        assert_eq!(hold, expected_hold, "{rel}: hold_headers");
         // Cluster names differ per host (Istio: outbound|port||fqdn); everything else is the same.
         let cluster = cfg["store"]["cluster"].as_str().unwrap_or("").to_string();
         assert!(!cluster.is_empty(), "{rel}: no store cluster");

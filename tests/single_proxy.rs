@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::io::{Read, Write};
 use std::time::Duration;
 
 use support::http::{self, Response};
@@ -581,4 +582,219 @@ fn a_route_name_selects_the_policy_of_the_envoy_route_that_matched() {
     s.post("/v1/orders", Some("k-name-3"), "{}", &[]);
     s.post("/v1/orders", Some("k-name-3"), "{}", &[]);
     assert_eq!(s.up.executions_with_key("k-name-3"), 2);
+}
+
+/// The access log line of the request sent with `x-test-id: id`, split at `|` (id, status, code
+/// details, outcome, key).
+fn access_line(lines: &[String], id: &str) -> Vec<String> {
+    let found: Vec<&String> = lines.iter().filter(|l| l.split('|').next() == Some(id)).collect();
+    assert_eq!(found.len(), 1, "one access log line for {id} in:\n{}", lines.join("\n"));
+    found[0].split('|').map(str::to_string).collect()
+}
+
+#[test]
+fn every_protected_request_leaves_its_outcome_and_full_key_in_envoys_access_log() {
+    let mut s = Stack::with(CFG, |o| o.access_log = true);
+    let body = r#"{"amount":7}"#;
+    let first = s.post("/charges", Some("k-log"), body, &[("x-test-id", "first")]);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    assert_eq!(s.post("/charges", Some("k-log"), body, &[("x-test-id", "replay")]).status, 201);
+    assert_eq!(s.post("/charges", Some("k-log"), r#"{"amount":8}"#, &[("x-test-id", "reused")]).status, 422);
+    // A slow first attempt with another key, and its retry while it runs.
+    let port = s.envoy.port;
+    let slow = std::thread::spawn(move || {
+        let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-slow"), ("x-up-delay-ms", "1500")];
+        http::request(port, "POST", "/charges", &[&h[..], &[("x-test-id", "slow")]].concat(), b"{}").expect("slow")
+    });
+    for _ in 0..200 {
+        if s.up.executions() == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.up.executions(), 2, "the slow request reached the upstream");
+    let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-slow"), ("x-test-id", "in-flight")];
+    assert_eq!(http::request(port, "POST", "/charges", &h, b"{}").expect("retry").status, 409);
+    assert_eq!(slow.join().expect("slow thread").status, 201);
+    let long_key = "k".repeat(300);
+    assert_eq!(s.post("/charges", Some(&long_key), body, &[("x-test-id", "bad-key")]).status, 400);
+    let get = http::request(port, "GET", "/charges", &[("x-test-id", "unprotected")], b"").expect("get");
+    assert_eq!(get.status, 201);
+    assert_eq!(s.up.executions(), 3, "k-log once, k-slow once, the GET");
+
+    s.envoy.stop();
+    let lines = s.envoy.access_log();
+    let line = |id: &str| access_line(&lines, id);
+    let (first, replay) = (line("first"), line("replay"));
+    assert_eq!(first[1..4], ["201", "via_upstream", "stored"], "{first:?}");
+    assert_eq!(replay[1..4], ["201", "idemgate_replayed", "replayed"], "{replay:?}");
+    assert_eq!(line("reused")[1..4], ["422", "idemgate_key_reused", "key-reused"]);
+    assert_eq!(line("slow")[1..4], ["201", "via_upstream", "stored"]);
+    assert_eq!(line("in-flight")[1..4], ["409", "idemgate_request_in_flight", "request-in-flight"]);
+    assert_eq!(line("bad-key")[1..5], ["400", "idemgate_key_too_long", "key-too-long", "-"]);
+    assert_eq!(line("unprotected")[1..5], ["201", "via_upstream", "-", "-"]);
+    // The full storage key (64 hex digits): the same for every request with that key, another for
+    // another key, and the one the filter's log lines name.
+    let key = &first[4];
+    assert!(key.len() == 64 && key.bytes().all(|b| b.is_ascii_hexdigit()), "{key}");
+    assert_eq!(&replay[4], key);
+    assert_eq!(&line("reused")[4], key);
+    assert_eq!(line("in-flight")[4], line("slow")[4]);
+    assert_ne!(&line("slow")[4], key);
+    assert!(s.envoy.log().contains(&format!("key={key}")), "the filter's log lines name the full key");
+}
+
+#[test]
+fn the_status_for_a_key_reused_with_another_payload_is_chosen_per_route() {
+    // The Agentic Commerce Protocol's routes answer 409; the others keep the IETF draft's 422.
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]},
+            "routes": [{"prefix": "/acp", "mismatch_status": 409}, {"prefix": "/", "mismatch_status": 422}]}"#,
+    );
+    assert_eq!(s.post("/acp/checkouts", Some("k-acp"), r#"{"amount":1}"#, &[]).status, 201);
+    let acp = s.post("/acp/checkouts", Some("k-acp"), r#"{"amount":2}"#, &[]);
+    assert_eq!(acp.status, 409, "{}", acp.body_text());
+    assert_eq!(problem_type(&acp), "urn:idemgate:problem:key-reused");
+    assert_eq!(acp.json()["status"], 409);
+    assert_eq!(acp.header("x-should-retry"), Some("false"));
+    assert_eq!(acp.header("retry-after"), None, "a 409 for another payload is no in-flight conflict");
+    assert_eq!(s.post("/charges", Some("k-ietf"), r#"{"amount":1}"#, &[]).status, 201);
+    let ietf = s.post("/charges", Some("k-ietf"), r#"{"amount":2}"#, &[]);
+    assert_eq!(ietf.status, 422, "{}", ietf.body_text());
+    assert_eq!(ietf.json()["status"], 422);
+    assert_eq!(s.up.executions(), 2);
+    assert_eq!(s.envoy.stat("idemgate.mismatch"), 2);
+}
+
+#[test]
+fn a_mismatch_status_other_than_409_or_422_is_refused_naming_the_field() {
+    let up = support::upstream::Upstream::start();
+    let o = support::EnvoyOptions::new(r#"{"routes": [{"prefix": "/", "mismatch_status": 400}]}"#, up.port);
+    match support::Envoy::try_start(&o) {
+        support::Started::Exited { log, .. } => {
+            assert!(log.contains("routes[0].mismatch_status"), "{log}");
+        }
+        support::Started::Ready(_) => panic!("Envoy accepted mismatch_status 400"),
+    }
+}
+
+/// Istio's `WasmPlugin` and Envoy Gateway's `wasm` API cannot set the filter's
+/// `allow_on_headers_stop_iteration`: with `hold_headers: false` the request headers go on at
+/// once and only the body (the request's end) waits for the claim.
+#[test]
+fn without_the_stop_iteration_flag_a_key_still_executes_once_and_refused_requests_never_reach_the_upstream_complete() {
+    let s = Stack::with(r#"{"scope": {"headers": ["authorization"]}, "hold_headers": false}"#, |o| {
+        o.stop_iteration_flag = false;
+    });
+    let port = s.envoy.port;
+    let send = |key: &str, body: &str, extra: &[(&str, &str)]| {
+        let mut h =
+            vec![("authorization", "Bearer alice"), ("content-type", "application/json"), ("idempotency-key", key)];
+        h.extend_from_slice(extra);
+        http::request_timeout(port, "POST", "/charges", &h, body.as_bytes(), Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("no answer for {key} (a request held without the flag hangs): {e}"))
+    };
+    let first = send("k-nf", r#"{"amount":1}"#, &[]);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    let replay = send("k-nf", r#"{"amount":1}"#, &[]);
+    assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(send("k-nf", r#"{"amount":2}"#, &[]).status, 422);
+    // A retry while the first attempt runs is refused at its headers.
+    let slow = std::thread::spawn(move || {
+        let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-nf-slow"), ("x-up-delay-ms", "1500")];
+        http::request_timeout(port, "POST", "/charges", &h, b"{}", Duration::from_secs(10)).expect("slow")
+    });
+    for _ in 0..200 {
+        if s.up.executions() == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.up.executions(), 2, "the slow request reached the upstream");
+    assert_eq!(send("k-nf-slow", "{}", &[]).status, 409);
+    assert_eq!(slow.join().expect("slow thread").status, 201);
+    // A body over the limit is refused at its end, after its headers went upstream.
+    let big = "x".repeat(1_100_000);
+    assert_eq!(send("k-nf-big", &big, &[]).status, 413);
+    // Fifty concurrent duplicates of a new key: one execution.
+    let threads: Vec<_> = (0..50)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let h =
+                    [("authorization", "Bearer alice"), ("idempotency-key", "k-nf-burst"), ("x-up-delay-ms", "300")];
+                http::request_timeout(port, "POST", "/charges", &h, br#"{"amount":3}"#, Duration::from_secs(10))
+                    .expect("burst")
+                    .status
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = threads.into_iter().map(|t| t.join().expect("thread")).collect();
+    assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 50 - statuses.iter().filter(|s| **s == 409).count());
+    assert_eq!(s.up.executions_with_key("k-nf"), 1);
+    assert_eq!(s.up.executions_with_key("k-nf-slow"), 1);
+    assert_eq!(s.up.executions_with_key("k-nf-big"), 0);
+    assert_eq!(s.up.executions_with_key("k-nf-burst"), 1, "{statuses:?}");
+    assert_eq!(s.up.executions(), 3);
+    // The replay, the 422 and the 413 were decided at the body's end: their headers had reached
+    // the upstream, which saw each connection closed before the body (never a complete request).
+    // How many of them reached the upstream is Envoy's timing; what matters is that none executed.
+    eprintln!("upstream requests left incomplete: {}", s.up.partial_requests());
+    assert!(s.up.partial_requests() <= 3 + 49, "{}", s.up.partial_requests());
+}
+
+/// Why `hold_headers` stays the default wherever the flag can be set: without held headers, a
+/// retry's headers reach the upstream before the body's end decides it is a replay. An upstream
+/// that acts on headers alone (a handler that never reads the body) then executes it again; one
+/// that reads the request to its end never does (the test above).
+#[test]
+fn without_held_headers_an_upstream_acting_on_headers_alone_runs_a_replayed_key_again_so_holding_stays_the_default() {
+    for (hold, expected) in [(true, 1), (false, 2)] {
+        let s =
+            Stack::with(&format!(r#"{{"scope": {{"headers": ["authorization"]}}, "hold_headers": {hold}}}"#), |o| {
+                o.stop_iteration_flag = hold;
+            });
+        let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-hdr"), ("x-up-execute-on-headers", "1")];
+        let first = http::request(s.envoy.port, "POST", "/charges", &h, br#"{"amount":1}"#).expect("first");
+        assert_eq!(first.status, 201);
+        // The retry sends its headers and half its body, and the rest once the upstream has seen
+        // it (or a bounded number of polls later: with held headers it never does).
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", s.envoy.port)).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let head = "POST /charges HTTP/1.1\r\nhost: idemgate.test\r\nconnection: close\r\nauthorization: Bearer alice\r\nidempotency-key: k-hdr\r\nx-up-execute-on-headers: 1\r\ncontent-length: 12\r\n\r\n{\"amount\"";
+        c.write_all(head.as_bytes()).expect("head");
+        for _ in 0..50 {
+            if s.up.executions() >= 2 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        c.write_all(b":1}").expect("rest");
+        let mut answer = vec![];
+        let _ = c.read_to_end(&mut answer);
+        let retry = http::parse(&answer).expect("retry answer");
+        assert_eq!((retry.status, retry.header("idempotent-replayed")), (201, Some("true")));
+        assert_eq!(s.up.executions(), expected, "hold_headers: {hold}");
+    }
+}
+
+#[test]
+fn counters_exist_per_route_as_well_as_in_total() {
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/refunds"}, {"prefix": "/", "mismatch_status": 409}]}"#,
+    );
+    assert_eq!(s.post("/refunds", Some("k-r"), "{}", &[]).status, 201);
+    assert_eq!(s.post("/charges", Some("k-c"), "{}", &[]).status, 201);
+    assert_eq!(s.post("/charges", Some("k-c"), "{}", &[]).status, 201);
+    assert_eq!(s.post("/charges", Some("k-c"), r#"{"a":1}"#, &[]).status, 409);
+    assert_eq!(s.up.executions(), 2);
+    let e = &s.envoy;
+    assert_eq!((e.stat("idemgate.claimed"), e.stat("idemgate.replayed"), e.stat("idemgate.mismatch")), (2, 1, 1));
+    assert_eq!((e.stat("idemgate.route.0.claimed"), e.stat("idemgate.route.0.replayed")), (1, 0));
+    assert_eq!((e.stat("idemgate.route.1.claimed"), e.stat("idemgate.route.1.replayed")), (1, 1));
+    assert_eq!((e.stat("idemgate.route.0.stored"), e.stat("idemgate.route.1.stored")), (1, 1));
+    assert_eq!((e.stat("idemgate.route.0.mismatch"), e.stat("idemgate.route.1.mismatch")), (0, 1));
+    // Prometheus names them too.
+    let text = http::get(e.admin_port, "/stats/prometheus").unwrap().body_text();
+    assert!(text.lines().any(|l| l.starts_with("idemgate_route_1_replayed") && l.ends_with(" 1")), "{text}");
 }

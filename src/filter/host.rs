@@ -7,6 +7,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
 use crate::local::{HostError, SetError, SharedData};
+use crate::scope::StorageKey;
 
 /// Envoy's shared data for this VM id.
 pub struct HostShared;
@@ -58,6 +59,34 @@ pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
 
 pub fn property(path: &[&str]) -> Option<Vec<u8>> {
     hostcalls::get_property(path.to_vec()).ok().flatten()
+}
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    /// The proxy-wasm ABI's `set_property` (the SDK's wrapper panics on any status but Ok).
+    fn proxy_set_property(path_data: *const u8, path_size: usize, value_data: *const u8, value_size: usize) -> u32;
+}
+
+/// Sets one top-level property (Envoy keeps it as filter state `wasm.<name>`); false if the host
+/// refused (for example a value already set once: Envoy's default for these is write-once).
+fn set_property(name: &str, value: &[u8]) -> bool {
+    // SAFETY: both pointers are to memory we own for the duration of the call, with its length.
+    unsafe { proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) == 0 }
+}
+
+/// The filter state an access log prints: `%FILTER_STATE(wasm.idemgate_outcome:PLAIN)%`.
+pub const OUTCOME_PROPERTY: &str = "idemgate_outcome";
+/// The full storage key's hex: `%FILTER_STATE(wasm.idemgate_key:PLAIN)%`.
+pub const KEY_PROPERTY: &str = "idemgate_key";
+
+/// Leaves a protected request's outcome slug and its storage key (64 hex digits, as in the log
+/// lines) in the stream's filter state, for Envoy's access logs. Called once per request, where
+/// its end is decided; a refusal is logged, never more.
+pub fn publish(outcome: &str, key: Option<&StorageKey>) {
+    let key_set = key.is_none_or(|k| set_property(KEY_PROPERTY, k.hex().as_bytes()));
+    if !set_property(OUTCOME_PROPERTY, outcome.as_bytes()) || !key_set {
+        log::debug!("idemgate: filter state not set for outcome={outcome}");
+    }
 }
 
 /// Random bytes from WASI `random_get` where the host offers it (wasm32-wasip1).
@@ -241,18 +270,40 @@ impl Gauge {
     }
 }
 
+/// The name of counter `c` for the policy of `routes[route]`: `idemgate.route.<index>.<name>`
+/// (`idemgate_route_<index>_<name>` in Prometheus).
+pub fn route_counter_name(route: usize, c: Counter) -> String {
+    format!("idemgate.route.{route}.{}", c.name().trim_start_matches("idemgate."))
+}
+
 /// Metric ids, defined once per VM.
 #[derive(Clone, Debug, Default)]
 pub struct Metrics {
     ids: Vec<Option<u32>>,
     gauges: Vec<Option<u32>>,
+    /// Per configured route (none without `routes`: the totals are the one policy's), its
+    /// counters in `Counter::ALL` order.
+    per_route: Vec<Vec<Option<u32>>>,
 }
 
 impl Metrics {
-    pub fn define() -> Metrics {
+    /// Defines the totals, the gauges and, for each of `routes` routes, its own counters.
+    pub fn define(routes: usize) -> Metrics {
+        let counter = |name: &str| hostcalls::define_metric(MetricType::Counter, name).ok();
         Metrics {
-            ids: Counter::ALL.iter().map(|c| hostcalls::define_metric(MetricType::Counter, c.name()).ok()).collect(),
+            ids: Counter::ALL.iter().map(|c| counter(c.name())).collect(),
             gauges: Gauge::ALL.iter().map(|g| hostcalls::define_metric(MetricType::Gauge, g.name()).ok()).collect(),
+            per_route: (0..routes)
+                .map(|r| Counter::ALL.iter().map(|c| counter(&route_counter_name(r, *c))).collect())
+                .collect(),
+        }
+    }
+
+    /// Counts `c` in total and, when the request's policy is known, for its route.
+    pub fn inc_for(&self, c: Counter, policy_index: Option<usize>) {
+        self.inc(c);
+        if let Some(Some(id)) = policy_index.and_then(|i| self.per_route.get(i)).and_then(|ids| ids.get(c as usize)) {
+            let _ = hostcalls::increment_metric(*id, 1);
         }
     }
 
@@ -292,5 +343,11 @@ mod tests {
         let names: std::collections::HashSet<&str> =
             Counter::ALL.iter().map(|c| c.name()).chain(super::Gauge::ALL.iter().map(|g| g.name())).collect();
         assert_eq!(names.len(), Counter::ALL.len() + super::Gauge::ALL.len());
+    }
+
+    #[test]
+    fn route_counters_are_named_by_the_routes_index() {
+        assert_eq!(super::route_counter_name(1, Counter::Replayed), "idemgate.route.1.replayed");
+        assert_eq!(super::route_counter_name(0, Counter::StorePassed), "idemgate.route.0.store_passed_unprotected");
     }
 }

@@ -83,6 +83,10 @@ pub struct Http {
     local_unknown: bool,
     response_too_large: bool,
     response_complete: bool,
+    /// The outcome was left in Envoy's filter state (`publish`): once per request.
+    published: bool,
+    /// The selected policy, for per-route counters (known before `req` is).
+    policy_index: Option<usize>,
 }
 
 /// Fault tests only (feature `crash-injection`, never in the shipped module): traps the VM at
@@ -109,6 +113,9 @@ fn fault_point(req: Option<&Protected>, point: &str) -> bool {
 fn fault_point(_req: Option<&Protected>, _point: &str) -> bool {
     false
 }
+
+/// The outcome of a protected request whose client left before it was forwarded or answered.
+const ABANDONED: &str = "abandoned";
 
 /// A policy index that selects no policy (what `fault_point` breaks).
 const NO_POLICY: usize = usize::MAX;
@@ -139,6 +146,8 @@ impl Http {
             local_unknown: false,
             response_too_large: false,
             response_complete: false,
+            published: false,
+            policy_index: None,
         }
     }
 
@@ -147,15 +156,26 @@ impl Http {
         self.shared.config.policy_at(i)
     }
 
+    /// The one place a protected request's end is told to Envoy: its outcome slug and storage key
+    /// go to the filter state an access log prints (`host::publish`). The first call wins.
+    fn publish(&mut self, outcome: &str) {
+        if self.published {
+            return;
+        }
+        self.published = true;
+        let key = self.req.as_ref().filter(|r| !r.derive_at_body).map(|r| &r.skey);
+        host::publish(outcome, key);
+    }
+
     fn count(&self, c: Counter) {
-        self.shared.metrics.inc(c);
+        self.shared.metrics.inc_for(c, self.policy_index);
     }
 
     fn log_line(&self, outcome: &str, extra: &str) -> String {
         let Some(r) = self.req.as_ref() else { return format!("idemgate: outcome={outcome} {extra}") };
         let mut line = format!(
             "idemgate: outcome={outcome} key={} scope={} method={} path={} request_id={}",
-            r.skey.short(),
+            r.skey.hex(),
             r.scope.short(),
             r.head.method,
             r.head.path_without_query(),
@@ -180,7 +200,7 @@ impl Http {
             ProblemKind::BodyTooLarge { .. } => Counter::BodyTooLarge,
             ProblemKind::InFlight { .. } => Counter::InFlightConflict,
             ProblemKind::OutcomeUnknown => Counter::UnknownOutcome,
-            ProblemKind::KeyReused => Counter::Mismatch,
+            ProblemKind::KeyReused { .. } => Counter::Mismatch,
             ProblemKind::CapacityExhausted { .. } => Counter::LocalFull,
             ProblemKind::BufferBudgetExceeded { .. } => Counter::BufferBudgetExceeded,
             ProblemKind::StoreUnavailable { .. } => Counter::StoreUnavailable,
@@ -203,6 +223,7 @@ impl Http {
             |r| r.creator.request_id.clone(),
         );
         self.phase = Phase::Answered;
+        self.publish(problem.slug());
         reply::problem(&problem, &request_id, creator);
         Action::Pause
     }
@@ -247,6 +268,7 @@ impl Http {
             let by = format!("status={} created_by_request_id={}", r.status, record.creator.request_id);
             debug!("{}", self.log_line("replayed", &by));
             self.phase = Phase::Answered;
+            self.publish(reply::REPLAYED);
             let _ = reply::replay(&record, &self.request_id(), host::now_ms());
             return Action::Pause;
         }
@@ -271,10 +293,7 @@ impl Http {
     fn in_flight_or_wait(&mut self, fp: Option<Fingerprint>, creator: Option<&Creator>) -> Action {
         let wait = self.policy().map(|p| p.in_flight);
         match (wait, fp) {
-            (Some(InFlight::Wait { .. }), None) => {
-                self.phase = Phase::Waiting { handle: None };
-                Action::Pause
-            }
+            (Some(InFlight::Wait { .. }), None) => self.wait_for_body(None),
             (Some(InFlight::Wait { wait_ms }), Some(fp)) => {
                 let Some(r) = self.req.as_ref() else {
                     return self.fail_closed(Broken::RequestMissing, "wait", None, Holding::Nothing);
@@ -286,6 +305,8 @@ impl Http {
                     fp,
                     request_id: r.creator.request_id.clone(),
                     deadline_ms: now.saturating_add(wait_ms),
+                    mismatch_status: self.policy().map_or(422, |p| p.mismatch_status),
+                    policy_index: r.policy_index,
                     next_store_poll_ms: now,
                     polling: false,
                 });
@@ -295,6 +316,21 @@ impl Http {
                 Action::Pause
             }
             _ => self.answer(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS }, creator),
+        }
+    }
+
+    /// At the request headers, a protected request whose decision needs its body. With
+    /// `hold_headers` (the default; Envoy's `allow_on_headers_stop_iteration`) the headers wait
+    /// too. Without it the headers go on to the router, which starts the upstream request, while
+    /// the body callbacks return `Pause` (Envoy buffers the body): the upstream never receives the
+    /// request's end before the claim, and a request refused then is answered locally, which
+    /// resets its upstream stream (a request never complete, never executed).
+    fn wait_for_body(&mut self, handle: Option<Handle>) -> Action {
+        self.phase = Phase::Waiting { handle };
+        if self.shared.config.hold_headers {
+            Action::Pause
+        } else {
+            Action::Continue
         }
     }
 
@@ -321,8 +357,7 @@ impl Http {
                     Some(fp) => self.proceed(Some(handle), fp),
                     None => {
                         debug!("{}", self.log_line("claimed", "waiting_for_body=true"));
-                        self.phase = Phase::Waiting { handle: Some(handle) };
-                        Action::Pause
+                        self.wait_for_body(Some(handle))
                     }
                 }
             }
@@ -348,17 +383,11 @@ impl Http {
                 self.in_flight_or_wait(fp, creator.as_ref())
             }
             Ok(Begin::Reject { problem, creator, .. }) => self.answer(problem, creator.as_ref()),
-            Ok(Begin::NeedFingerprint) => {
-                self.phase = Phase::Waiting { handle: None };
-                Action::Pause
-            }
+            Ok(Begin::NeedFingerprint) => self.wait_for_body(None),
             // With a store, the local tier is a cache: a full bucket only means no local copy.
             Ok(Begin::Full) if self.shared.config.store.is_some() => match fp {
                 Some(fp) => self.proceed(None, fp),
-                None => {
-                    self.phase = Phase::Waiting { handle: None };
-                    Action::Pause
-                }
+                None => self.wait_for_body(None),
             },
             Ok(Begin::Full) => self
                 .answer(ProblemKind::CapacityExhausted { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS }, None),
@@ -423,6 +452,7 @@ impl Http {
             Decision::PassUnprotected => {
                 self.count(Counter::StorePassed);
                 warn!("{}", self.log_line("store_unavailable_passed", &format!("error={e}")));
+                self.publish("passed-unprotected");
                 self.phase = Phase::Pass;
                 Action::Continue
             }
@@ -711,12 +741,13 @@ impl Http {
         }
     }
 
-    fn finish(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) {
+    /// Settles a forwarded exchange; returns its outcome slug.
+    fn finish(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) -> &'static str {
         let Some(policy) = self.policy().cloned() else {
             // Forwarded, so its claim stays (outcome unknown once its lock expires): say so.
             self.count(Counter::InternalErrors);
             error!("{}", self.log_line("internal_state", "branch=finish broken=policy_missing claim=kept"));
-            return;
+            return settle::INTERNAL_STATE;
         };
         let u64_property = |path: &[&str]| {
             host::property(path).and_then(|b| b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
@@ -759,10 +790,10 @@ impl Http {
         let Some(claim) = self.claim(handle, fp, in_store) else {
             self.count(Counter::InternalErrors);
             error!("{}", self.log_line("internal_state", "branch=finish broken=request_missing claim=kept"));
-            return;
+            return settle::INTERNAL_STATE;
         };
         let response = self.response.take();
-        settle::settle(&self.shared, &claim, classify(&facts, &policy), response, self.response_too_large, &detail);
+        settle::settle(&self.shared, &claim, classify(&facts, &policy), response, self.response_too_large, &detail)
     }
 }
 
@@ -798,6 +829,7 @@ impl HttpContext for Http {
         else {
             return Action::Continue;
         };
+        self.policy_index = Some(policy_index);
         let Some(policy) = self.shared.config.policy_at(policy_index) else {
             return self.fail_closed(Broken::PolicyMissing, "request_headers_policy", None, Holding::Nothing);
         };
@@ -870,8 +902,7 @@ impl HttpContext for Http {
         }
         if derive_at_body {
             // The key depends on the body: decide once it is here.
-            self.phase = Phase::Waiting { handle: None };
-            return Action::Pause;
+            return self.wait_for_body(None);
         }
         if end_of_stream {
             if fault_point(self.req.as_ref(), "policy-lost-at-headers") {
@@ -1017,22 +1048,31 @@ impl HttpContext for Http {
         }
         self.release_budget();
         // A detached or held request whose client is gone can no longer be answered; the root
-        // still settles a detached request's claim when the upstream answers.
-        self.shared.queues.live.borrow_mut().remove(&self.context_id);
+        // still settles a detached request's claim when the upstream answers. (The root takes a
+        // context out of `live` when it answers it, and tells Envoy the outcome then.)
+        let unanswered = self.shared.queues.live.borrow_mut().remove(&self.context_id);
         match std::mem::replace(&mut self.phase, Phase::Pass) {
-            Phase::Forwarded { handle, fp, in_store } => self.finish(handle, fp, in_store),
-            p @ Phase::Waiting { handle: Some(_) } => {
+            Phase::Forwarded { handle, fp, in_store } => {
+                let outcome = self.finish(handle, fp, in_store);
+                self.publish(outcome);
+            }
+            p @ Phase::Waiting { .. } => {
                 // The client left (or the stream was reset) before the body was complete: the
                 // request was never forwarded, so a retry may execute it.
                 self.phase = p;
                 self.release_unforwarded();
+                self.publish(ABANDONED);
             }
             Phase::Calling { handle, .. } => {
                 // The client left while the store answered: our claim may have landed. Free it,
                 // owner-checked, through the root (this context's callout dies with it).
                 self.release_local(handle);
                 self.release_lost_claim();
+                self.publish(ABANDONED);
             }
+            // Sent by the root, which still settles its claim: only the client is gone.
+            Phase::Detached if unanswered => self.publish("detached-client-left"),
+            Phase::Held if unanswered => self.publish(ABANDONED),
             _ => {}
         }
     }

@@ -109,6 +109,10 @@ pub struct Waiter {
     pub fp: Fingerprint,
     pub request_id: String,
     pub deadline_ms: u64,
+    /// The policy's status for a key reused with another request.
+    pub mismatch_status: u16,
+    /// The policy's index, for per-route counters.
+    pub policy_index: usize,
     pub next_store_poll_ms: u64,
     pub polling: bool,
 }
@@ -332,21 +336,25 @@ impl Root {
                 // Nothing was sent: free the key and tell the client.
                 warn!("idemgate: outcome=detached_dispatch_failed {} cluster={} error={e:?}", f.claim.log, f.cluster);
                 settle::settle(&s, &f.claim, Outcome::Release, None, false, "reason=dispatch_failed");
+                let kind = ProblemKind::UpstreamNoAnswer;
                 self.answer(
                     f.context_id,
-                    |rid| reply::problem(&ProblemKind::UpstreamNoAnswer, rid, None),
+                    (kind.slug(), &f.claim.skey),
+                    |rid| reply::problem(&kind, rid, None),
                     &f.request_id,
                 );
             }
         }
     }
 
-    /// Answers a live HTTP context from the root.
-    fn answer(&self, context_id: u32, send: impl FnOnce(&str), request_id: &str) {
+    /// Answers a live HTTP context from the root, leaving `outcome` (its slug and storage key) in
+    /// that stream's filter state as the HTTP context does for the answers it sends itself.
+    fn answer(&self, context_id: u32, outcome: (&str, &StorageKey), send: impl FnOnce(&str), request_id: &str) {
         if !self.queues.live.borrow().contains(&context_id) {
             return;
         }
         if hostcalls::set_effective_context(context_id).is_ok() {
+            host::publish(outcome.0, Some(outcome.1));
             send(request_id);
         }
         self.queues.live.borrow_mut().remove(&context_id);
@@ -364,7 +372,12 @@ impl Root {
                 f.claim.log
             );
             let kind = ProblemKind::UpstreamNoAnswer;
-            self.answer(f.context_id, |rid| reply::problem(&kind, rid, None), &f.request_id);
+            self.answer(
+                f.context_id,
+                (kind.slug(), &f.claim.skey),
+                |rid| reply::problem(&kind, rid, None),
+                &f.request_id,
+            );
             return;
         };
         let (status, body) = writes::answer(body_size, num_headers);
@@ -392,7 +405,7 @@ impl Root {
                 let too_large = body.len() as u64 > policy.max_response_body_bytes;
                 let stored =
                     StoredResponse { status, headers: kept, body: if too_large { vec![] } else { body.clone() } };
-                settle::settle(&s, &f.claim, outcome, Some(stored), too_large, &detail);
+                let slug = settle::settle(&s, &f.claim, outcome, Some(stored), too_large, &detail);
                 if !live {
                     info!("idemgate: outcome=detached_response_kept {} status={status} client=gone", f.claim.log);
                 }
@@ -400,25 +413,29 @@ impl Root {
                 let expires = (outcome == Outcome::Store).then_some(ttl.as_str());
                 self.answer(
                     f.context_id,
-                    |_| reply::response(status, &client_headers, &body, false, expires),
+                    (slug, &f.claim.skey),
+                    |_| reply::response(status, &client_headers, &body, false, expires, slug),
                     &f.request_id,
                 );
             }
             // Envoy answered for an unreachable upstream: nothing was sent; pass its answer on.
             Some(status) if outcome == Outcome::Release => {
-                settle::settle(&s, &f.claim, outcome, None, false, &detail);
+                let slug = settle::settle(&s, &f.claim, outcome, None, false, &detail);
                 self.answer(
                     f.context_id,
-                    |_| reply::response(status, &client_headers, &body, false, None),
+                    (slug, &f.claim.skey),
+                    |_| reply::response(status, &client_headers, &body, false, None, slug),
                     &f.request_id,
                 );
             }
             // Silent or reset upstream: it may have run; nothing to replay.
             _ => {
                 settle::settle(&s, &f.claim, outcome, None, false, &detail);
+                let kind = ProblemKind::UpstreamNoAnswer;
                 self.answer(
                     f.context_id,
-                    |rid| reply::problem(&ProblemKind::UpstreamNoAnswer, rid, None),
+                    (kind.slug(), &f.claim.skey),
+                    |rid| reply::problem(&kind, rid, None),
                     &f.request_id,
                 );
             }
@@ -443,7 +460,7 @@ impl Root {
                 // Unreadable now: the store (or the next tick) decides.
                 Err(_) => Seen::InFlight,
             };
-            if self.wait_answered(&w, wait::answer(seen, Tier::Local, &w.fp, has_store)) {
+            if self.wait_answered(&w, wait::answer(seen, Tier::Local, &w.fp, has_store, w.mismatch_status)) {
                 continue;
             }
             if now >= w.deadline_ms {
@@ -474,10 +491,16 @@ impl Root {
             // Released: the first attempt never executed; the client may retry at once.
             WaitAnswer::RetryNow => self.wait_over(w, 0),
             WaitAnswer::Replay(r) => {
-                s.metrics.inc(Counter::WaitAnswered);
-                s.metrics.inc(Counter::Replayed);
+                s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
+                s.metrics.inc_for(Counter::Replayed, Some(w.policy_index));
+                let slug = match &r.state {
+                    crate::record::State::Completed(_) => reply::REPLAYED,
+                    crate::record::State::CompletedTooLarge { .. } => "response-not-stored",
+                    _ => ProblemKind::OutcomeUnknown.slug(),
+                };
                 self.answer(
                     w.context_id,
+                    (slug, &w.skey),
                     |rid| {
                         let _ = reply::replay(&r, rid, host::now_ms());
                     },
@@ -485,17 +508,17 @@ impl Root {
                 );
             }
             WaitAnswer::Problem(kind) => {
-                s.metrics.inc(Counter::WaitAnswered);
+                s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
                 match kind {
-                    ProblemKind::KeyReused => s.metrics.inc(Counter::Mismatch),
-                    ProblemKind::OutcomeUnknown => s.metrics.inc(Counter::UnknownOutcome),
+                    ProblemKind::KeyReused { .. } => s.metrics.inc_for(Counter::Mismatch, Some(w.policy_index)),
+                    ProblemKind::OutcomeUnknown => s.metrics.inc_for(Counter::UnknownOutcome, Some(w.policy_index)),
                     ProblemKind::RecordUnreadable { .. } => {
                         warn!("idemgate: outcome=record_unreadable request_id={rid} waiting=true");
-                        s.metrics.inc(Counter::RecordUnreadable);
+                        s.metrics.inc_for(Counter::RecordUnreadable, Some(w.policy_index));
                     }
                     _ => {}
                 }
-                self.answer(w.context_id, |r| reply::problem(&kind, r, None), &rid);
+                self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &rid);
             }
         }
         true
@@ -503,10 +526,10 @@ impl Root {
 
     fn wait_over(&self, w: &Waiter, retry_after_seconds: u64) {
         if let Some(s) = self.shared.as_ref() {
-            s.metrics.inc(Counter::InFlightConflict);
+            s.metrics.inc_for(Counter::InFlightConflict, Some(w.policy_index));
         }
         let kind = ProblemKind::InFlight { retry_after_seconds };
-        self.answer(w.context_id, |r| reply::problem(&kind, r, None), &w.request_id);
+        self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &w.request_id);
     }
 
     fn poll_answered(&mut self, context_id: u32, num_headers: usize, body_size: usize) {
@@ -522,7 +545,7 @@ impl Root {
                 // An unreadable answer: ask again at the next poll.
                 Err(_) => return,
             };
-            match wait::answer(seen, Tier::Store, &w.fp, has_store) {
+            match wait::answer(seen, Tier::Store, &w.fp, has_store, w.mismatch_status) {
                 WaitAnswer::KeepWaiting => return,
                 answer => (ws.remove(pos), answer),
             }
@@ -632,7 +655,7 @@ impl RootContext for Root {
             }
         }
         let credentials = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty()).map(|v| store::basic_auth(&v));
-        let metrics = Metrics::define();
+        let metrics = Metrics::define(config.routes.len());
         // Fixed by `max_entries`: set once here (the record bytes and occupancy are set by the tick).
         metrics.set(Gauge::LocalIndexBytes, table.max_index_bytes());
         metrics.set(Gauge::LocalCapacity, table.capacity());
@@ -723,6 +746,7 @@ impl HttpContext for Unconfigured {
         );
         let refusal =
             crate::failsafe::refuse(crate::failsafe::Broken::PolicyMissing, crate::failsafe::Holding::Nothing);
+        host::publish(refusal.problem.slug(), None);
         reply::problem(&refusal.problem, &request_id, None);
         proxy_wasm::types::Action::Pause
     }

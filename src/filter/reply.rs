@@ -1,16 +1,74 @@
 //! Local replies: problem documents and replays. Usable from an HTTP context, or from the root
 //! context after `set_effective_context` to a live HTTP context (detached forwarding, waiters).
+//!
+//! Every reply carries response code details (`idemgate_<slug>`, `problem::code_details`), so
+//! Envoy's `%RESPONSE_CODE_DETAILS%` tells a replay from a 409. The SDK's `send_http_response`
+//! passes none, so the ABI's `proxy_send_local_response` is called here directly.
 
-use proxy_wasm::hostcalls;
-
-use crate::problem::ProblemKind;
+use crate::problem::{code_details, ProblemKind};
 use crate::record::{Creator, Record, State};
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    /// The proxy-wasm ABI 0.2.1 local reply (as declared by the SDK, which passes no details).
+    fn proxy_send_local_response(
+        status_code: u32,
+        status_code_details_data: *const u8,
+        status_code_details_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        grpc_status: i32,
+    ) -> u32;
+}
+
+/// The ABI's header map: the number of pairs, each pair's name and value lengths (u32, little
+/// endian), then each name and value followed by a NUL byte.
+fn serialize_headers(headers: &[(&str, &str)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&(headers.len() as u32).to_le_bytes());
+    for (n, v) in headers {
+        out.extend_from_slice(&(n.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    }
+    for (n, v) in headers {
+        out.extend_from_slice(n.as_bytes());
+        out.push(0);
+        out.extend_from_slice(v.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
+/// Sends a local reply with response code details; false if the host refused it (logged).
+fn send(status: u16, details: &str, headers: &[(&str, &str)], body: &[u8]) -> bool {
+    let map = serialize_headers(headers);
+    // SAFETY: every pointer is to memory we own for the duration of the call, with its length;
+    // the host copies what it needs.
+    let result = unsafe {
+        proxy_send_local_response(
+            u32::from(status),
+            details.as_ptr(),
+            details.len(),
+            body.as_ptr(),
+            body.len(),
+            map.as_ptr(),
+            map.len(),
+            -1,
+        )
+    };
+    if result != 0 {
+        log::error!("idemgate: outcome=internal_state branch=local_reply status={status} details={details} host_status={result}");
+    }
+    result == 0
+}
 
 /// Sends a problem document.
 pub fn problem(kind: &ProblemKind, request_id: &str, creator: Option<&Creator>) {
     let p = kind.to_problem(request_id, creator);
     let headers: Vec<(&str, &str)> = p.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-    let _ = hostcalls::send_http_response(u32::from(p.status), headers, Some(&p.body));
+    send(p.status, &code_details(kind.slug()), &headers, &p.body);
 }
 
 /// The header advertising how long the key's record lasts (the IETF draft asks resources to
@@ -23,9 +81,16 @@ pub fn expires_in(expires_at_ms: u64, now_ms: u64) -> String {
 }
 
 /// Sends a response as the upstream gave it. `replayed` adds `idempotent-replayed: true`;
-/// `expires_in` the expiry header. Header values that are not valid UTF-8 are left out (the host
-/// call takes text).
-pub fn response(status: u16, headers: &[(String, Vec<u8>)], body: &[u8], replayed: bool, expires_in: Option<&str>) {
+/// `expires_in` the expiry header; `slug` names the outcome in the response code details. Header
+/// values that are not valid UTF-8 are left out (the host call takes text).
+pub fn response(
+    status: u16,
+    headers: &[(String, Vec<u8>)],
+    body: &[u8],
+    replayed: bool,
+    expires_in: Option<&str>,
+    slug: &str,
+) {
     let mut h: Vec<(&str, &str)> =
         headers.iter().filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.as_str(), v))).collect();
     if replayed {
@@ -34,14 +99,17 @@ pub fn response(status: u16, headers: &[(String, Vec<u8>)], body: &[u8], replaye
     if let Some(e) = expires_in {
         h.push((EXPIRES_HEADER, e));
     }
-    let _ = hostcalls::send_http_response(u32::from(status), h, Some(body));
+    send(status, &code_details(slug), &h, body);
 }
+
+/// The outcome slug of a replay.
+pub const REPLAYED: &str = "replayed";
 
 /// Replays a completed record; returns the problem sent instead when there is no body to replay.
 pub fn replay(record: &Record, request_id: &str, now_ms: u64) -> Option<ProblemKind> {
     match &record.state {
         State::Completed(r) => {
-            response(r.status, &r.headers, &r.body, true, Some(&expires_in(record.expires_at_ms, now_ms)));
+            response(r.status, &r.headers, &r.body, true, Some(&expires_in(record.expires_at_ms, now_ms)), REPLAYED);
             None
         }
         State::CompletedTooLarge { status, location } => {

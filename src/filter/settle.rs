@@ -30,7 +30,12 @@ pub struct Claim {
     pub log: String,
 }
 
-/// Applies `outcome` to the claim. `detail` is appended to the log line.
+/// The outcome slug of a forwarded exchange that met a broken invariant (its claim kept).
+pub const INTERNAL_STATE: &str = "internal-state";
+
+/// Applies `outcome` to the claim. `detail` is appended to the log line. Returns the exchange's
+/// outcome slug (for Envoy's filter state): `stored`, `stored-without-body`, `lost-claim`,
+/// `released`, `marked-unknown`, `local-error` or `internal-state`.
 pub fn settle(
     shared: &Shared,
     claim: &Claim,
@@ -38,12 +43,12 @@ pub fn settle(
     response: Option<StoredResponse>,
     too_large: bool,
     detail: &str,
-) {
+) -> &'static str {
     let Some(policy) = shared.config.policy_at(claim.policy_index) else {
         // The claim stays as it is (a forwarded claim is judged outcome-unknown once its lock expires).
-        shared.metrics.inc(Counter::InternalErrors);
+        shared.metrics.inc_for(Counter::InternalErrors, Some(claim.policy_index));
         log::error!("idemgate: outcome=internal_state branch=settle broken=policy_missing claim=kept {}", claim.log);
-        return;
+        return INTERNAL_STATE;
     };
     let now = host::now_ms();
     let t = &shared.table;
@@ -61,20 +66,24 @@ pub fn settle(
             }
             match claim.handle.map(|h| t.complete(&mut HostShared, &h, record)) {
                 Some(Ok(Completed::Stored)) | None => {
-                    shared.metrics.inc(Counter::Stored);
+                    shared.metrics.inc_for(Counter::Stored, Some(claim.policy_index));
                     debug!("{}", line("stored", detail));
+                    "stored"
                 }
                 Some(Ok(Completed::StoredWithoutBody)) => {
-                    shared.metrics.inc(Counter::StoredWithoutBody);
+                    shared.metrics.inc_for(Counter::StoredWithoutBody, Some(claim.policy_index));
                     info!("{}", line("stored_without_body", detail));
+                    "stored-without-body"
                 }
                 Some(Ok(Completed::LostClaim)) => {
-                    shared.metrics.inc(Counter::LostClaim);
+                    shared.metrics.inc_for(Counter::LostClaim, Some(claim.policy_index));
                     info!("{}", line("lost_claim", detail));
+                    "lost-claim"
                 }
                 Some(Err(e)) => {
-                    shared.metrics.inc(Counter::LocalErrors);
+                    shared.metrics.inc_for(Counter::LocalErrors, Some(claim.policy_index));
                     warn!("{}", line("store_failed", &format!("{detail} error={e:?}")));
+                    "local-error"
                 }
             }
         }
@@ -84,6 +93,7 @@ pub fn settle(
                 shared.push_job(Job::new("release", &claim.skey, &Transition::release(claim.owner), None));
             }
             info!("{}", line("released", detail));
+            "released"
         }
         Outcome::Unknown(reason) => {
             if let Some(h) = claim.handle {
@@ -92,8 +102,9 @@ pub fn settle(
             if claim.in_store && shared.config.store.is_some() {
                 shared.push_job(Job::new("unknown", &claim.skey, &Transition::unknown(claim.owner, &lifetimes), None));
             }
-            shared.metrics.inc(Counter::UnknownOutcome);
+            shared.metrics.inc_for(Counter::UnknownOutcome, Some(claim.policy_index));
             info!("{}", line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())));
+            "marked-unknown"
         }
     }
 }

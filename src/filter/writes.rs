@@ -45,7 +45,7 @@ impl Job {
     pub fn new(what: &'static str, skey: &StorageKey, t: &Transition, fallback: Option<&Transition>) -> Job {
         Job {
             what,
-            key_hash: skey.short(),
+            key_hash: skey.hex(),
             request: t.request(skey),
             fallback: fallback.map(|f| f.request(skey)),
             attempts: 0,

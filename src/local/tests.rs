@@ -172,7 +172,9 @@ fn first_request_claims_then_completes_and_a_retry_replays() {
         other => panic!("{other:?}"),
     }
     match claim(&t, &mut m, k, Some(fp(9)), 4, NOW + 4) {
-        Begin::Reject { problem: ProblemKind::KeyReused, creator: Some(c), .. } => assert_eq!(c.request_id, "req-1"),
+        Begin::Reject { problem: ProblemKind::KeyReused { .. }, creator: Some(c), .. } => {
+            assert_eq!(c.request_id, "req-1")
+        }
         other => panic!("{other:?}"),
     }
 }

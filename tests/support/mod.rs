@@ -119,7 +119,17 @@ pub struct EnvoyOptions {
     /// Named Envoy routes to the upstream, tried before the unnamed catch-all: (name, the YAML
     /// of its `match`, e.g. `{prefix: "/pay", case_sensitive: false}`).
     pub named_routes: Vec<(String, String)>,
+    /// A file access log (`access.log` in Envoy's scratch folder) printing `ACCESS_LOG_FORMAT`;
+    /// read it with `Envoy::stop` then `Envoy::access_log` (the logger buffers its lines).
+    pub access_log: bool,
+    /// The Wasm filter's `allow_on_headers_stop_iteration: true` (Istio's `WasmPlugin` and Envoy
+    /// Gateway's `wasm` API cannot set it).
+    pub stop_iteration_flag: bool,
 }
+
+/// The test access log's line: a test id, the status, Envoy's response code details and the
+/// two filter-state values idemgate leaves, separated by `|`.
+pub const ACCESS_LOG_FORMAT: &str = "%REQ(X-TEST-ID)%|%RESPONSE_CODE%|%RESPONSE_CODE_DETAILS%|%FILTER_STATE(wasm.idemgate_outcome:PLAIN)%|%FILTER_STATE(wasm.idemgate_key:PLAIN)%\n";
 
 impl EnvoyOptions {
     pub fn new(plugin_config: &str, upstream_port: u16) -> EnvoyOptions {
@@ -144,6 +154,8 @@ impl EnvoyOptions {
             extra_clusters: vec![],
             http1_trailers: false,
             named_routes: vec![],
+            access_log: false,
+            stop_iteration_flag: true,
         }
     }
 }
@@ -215,6 +227,14 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
         )
     };
     let trailers = if o.http1_trailers { "\n          http_protocol_options: {enable_trailers: true}" } else { "" };
+    let access_log = if o.access_log {
+        format!(
+            "\n          access_log:\n          - name: envoy.access_loggers.file\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog\n              path: access.log\n              log_format: {{text_format_source: {{inline_string: {}}}}}",
+            serde_json::to_string(ACCESS_LOG_FORMAT).expect("json string")
+        )
+    } else {
+        String::new()
+    };
     format!(
         r#"  - name: main
     address: {{socket_address: {{address: 127.0.0.1, port_value: {listen_port}}}}}
@@ -225,7 +245,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
       - name: envoy.filters.network.http_connection_manager
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ingress{internal}{trailers}
+          stat_prefix: ingress{internal}{trailers}{access_log}
           route_config:
             virtual_hosts:
             - name: all
@@ -240,7 +260,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
               config:
                 name: idemgate
                 root_id: idemgate
-                allow_on_headers_stop_iteration: true
+                allow_on_headers_stop_iteration: {stop_iteration}
                 failure_policy: {failure_policy}
                 configuration:
                   "@type": type.googleapis.com/google.protobuf.StringValue
@@ -274,6 +294,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
             })
             .collect::<String>(),
         failure_policy = o.failure_policy,
+        stop_iteration = o.stop_iteration_flag,
         wasm = wasm.display(),
         extra = indent(&o.extra_http_filters, 10),
     )
@@ -412,6 +433,30 @@ impl Envoy {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// SIGTERM, then waits for Envoy to exit (at most 20 s, then SIGKILL): a graceful stop, which
+    /// flushes the file access log.
+    pub fn stop(&mut self) {
+        let Some(mut c) = self.child.take() else { return };
+        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+        for _ in 0..200 {
+            if let Ok(Some(_)) = c.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+
+    /// The access log's lines (`EnvoyOptions::access_log`): call `stop` first.
+    pub fn access_log(&self) -> Vec<String> {
+        std::fs::read_to_string(self._scratch.0.join("access.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
     }
 
     /// A counter or gauge from the admin `/stats` endpoint (0 when absent).

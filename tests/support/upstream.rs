@@ -6,7 +6,8 @@
 //! `x-up-set-cookie` (adds a set-cookie header), `x-up-reset: before-headers | mid-body` (executes,
 //! then closes the connection without an answer or halfway through the body), `x-up-body` (this
 //! text as the body), `x-up-plain` (only `content-length` and `content-type: text/plain`, the
-//! headers Envoy's own local replies carry).
+//! headers Envoy's own local replies carry), `x-up-execute-on-headers` (commits the execution as
+//! soon as the headers have arrived, as a handler that never reads the body does).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -28,6 +29,9 @@ pub struct Execution {
 #[derive(Default)]
 struct State {
     executions: Vec<Execution>,
+    /// Requests whose headers arrived but whose body never ended (the connection was closed
+    /// first): never executed. Their idempotency keys.
+    partial: Vec<Option<String>>,
 }
 
 pub struct Upstream {
@@ -60,6 +64,11 @@ impl Upstream {
     /// How many requests executed.
     pub fn executions(&self) -> u64 {
         self.state.lock().expect("lock").executions.len() as u64
+    }
+
+    /// Requests whose headers arrived but whose body never ended (never executed).
+    pub fn partial_requests(&self) -> u64 {
+        self.state.lock().expect("lock").partial.len() as u64
     }
 
     /// Executions whose forwarded idempotency key is `key`.
@@ -118,21 +127,40 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
             }
         }
         let get = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        let partial = || state.lock().expect("lock").partial.push(get("idempotency-key"));
+        let execute = |body: &[u8]| {
+            let mut s = state.lock().expect("lock");
+            let n = s.executions.len() as u64 + 1;
+            s.executions.push(Execution {
+                n,
+                method: method.clone(),
+                path: path.clone(),
+                key: get("idempotency-key"),
+                body: body.to_vec(),
+                headers: headers.clone(),
+            });
+            n
+        };
+        let on_headers = get("x-up-execute-on-headers").is_some();
+        let early = if on_headers { Some(execute(b"")) } else { None };
         let mut body = vec![];
         if let Some(len) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {
             body.resize(len, 0);
             if reader.read_exact(&mut body).is_err() {
+                partial();
                 return;
             }
         } else if get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
             loop {
                 let mut size_line = String::new();
                 if reader.read_line(&mut size_line).unwrap_or(0) == 0 {
+                    partial();
                     return;
                 }
                 let size = usize::from_str_radix(size_line.trim().split(';').next().unwrap_or("0"), 16).unwrap_or(0);
                 let mut chunk = vec![0; size + 2];
                 if reader.read_exact(&mut chunk).is_err() {
+                    partial();
                     return;
                 }
                 if size == 0 {
@@ -142,18 +170,9 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
             }
         }
         // Commit the execution now, before answering: a lost response does not undo it.
-        let n = {
-            let mut s = state.lock().expect("lock");
-            let n = s.executions.len() as u64 + 1;
-            s.executions.push(Execution {
-                n,
-                method: method.clone(),
-                path: path.clone(),
-                key: get("idempotency-key"),
-                body: body.clone(),
-                headers: headers.clone(),
-            });
-            n
+        let n = match early {
+            Some(n) => n,
+            None => execute(&body),
         };
         if let Some(ms) = get("x-up-delay-ms").and_then(|v| v.parse::<u64>().ok()) {
             std::thread::sleep(Duration::from_millis(ms));
