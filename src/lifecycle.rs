@@ -13,15 +13,16 @@
 //! | from \ event | Claim | TakeOver(never fwd) | TakeOver(stale fwd) | Forward | Complete | Release | MarkUnknown | StaleToUnknown | Expire | Evict |
 //! |---|---|---|---|---|---|---|---|---|---|---|
 //! | absent | claimed / forwarded | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage |
-//! | claimed | if free (else Held) | if lock stale (else LockLive) | WrongStage | owner: forwarded | owner: completed | owner: absent | WrongStage | WrongStage | if free: absent (else Held) | InFlight |
+//! | claimed | if free (else Held) | if lock stale (else LockLive) | WrongStage | owner: forwarded | WrongStage | owner: absent | WrongStage | WrongStage | if free: absent (else Held) | InFlight |
 //! | forwarded | if free (else Held) | WrongStage | if lock stale (else LockLive) | WrongStage | owner: completed | owner: absent | owner: unknown | if lock stale: unknown (else LockLive) | if free: absent (else Held) | InFlight |
 //! | completed | if free (else Held) | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | if free: absent (else Held) | absent |
 //! | unknown | if free (else Held) | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | if free: absent (else Held) | absent |
 //!
 //! "owner:" rows refuse `NotOwner` when the caller does not hold the claim. A claim or take-over
 //! enters `claimed` when it is made before the fingerprint is known (the local tier, at request
-//! headers) and `forwarded` otherwise. `Complete` from `claimed` is a claim made at headers that
-//! keeps a completion read from the store (the store holds no never-forwarded claims).
+//! headers) and `forwarded` otherwise. "Released" and "taken over" are no stages of their own: a
+//! release leads to `absent`, a take-over to a claim with a new owner. The store holds no
+//! never-forwarded claims: its claim script enters `forwarded` at once.
 
 use crate::decision::{Phase, Summary};
 
@@ -148,7 +149,7 @@ pub fn next(from: Stage, event: Event, facts: Facts) -> Result<Stage, Refusal> {
         (_, Event::TakeOver { .. }) => wrong,
         (Claimed, Event::Forward) => by_owner(Forwarded),
         (_, Event::Forward) => wrong,
-        (Claimed | Forwarded, Event::Complete) => by_owner(Completed),
+        (Forwarded, Event::Complete) => by_owner(Completed),
         (_, Event::Complete) => wrong,
         (Claimed | Forwarded, Event::Release) => by_owner(Absent),
         (_, Event::Release) => wrong,
@@ -173,7 +174,8 @@ pub fn sources(event: Event) -> &'static [Stage] {
         Event::TakeOver { how: TakeOver::StaleForwarded, .. } | Event::MarkUnknown | Event::StaleToUnknown => {
             &[Forwarded]
         }
-        Event::Complete | Event::Release => &[Claimed, Forwarded],
+        Event::Release => &[Claimed, Forwarded],
+        Event::Complete => &[Forwarded],
         Event::Evict => &[Completed, Unknown],
     }
 }

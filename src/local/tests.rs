@@ -691,3 +691,53 @@ fn the_configure_line_states_capacity_memory_and_sustained_rate() {
     assert!(!t.crossed_high_water(209_716, 209_800), "once per crossing");
     assert!(!t.crossed_high_water(0, 100));
 }
+
+/// Issue 13 (one lifecycle): a forwarded claim whose lock expired is marked outcome-unknown by the
+/// next request; its owner's late settle must not change it. The store already refused it (its
+/// transitions expect phase `P`); the local tier released the key (a retry executed again),
+/// completed it, or renewed its life. The table refuses all three from `unknown`.
+#[test]
+fn a_claim_marked_unknown_on_its_stale_lock_is_not_released_completed_or_renewed_by_its_late_owner() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let p = policy();
+    let k = skey(70);
+    let a = handle(&t.begin(&mut m, k, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    let stale = NOW + p.lock_ttl_seconds * 1000;
+    let b = t.begin(&mut m, k, Some(fp(1)), stale, &p, owner(2), &creator("b")).unwrap();
+    assert!(matches!(b, Begin::Reject { problem: ProblemKind::OutcomeUnknown, marked_unknown: true, .. }), "{b:?}");
+    let late = stale + 1_000;
+    assert!(!t.release(&mut m, &a).unwrap(), "a late release of an outcome-unknown record was accepted");
+    assert!(
+        !t.mark_unknown(&mut m, &a, UnknownReason::Other, late + 40_000, &p).unwrap(),
+        "a late mark-unknown renewed an outcome-unknown record"
+    );
+    assert_eq!(
+        complete(&t, &mut m, &a, fp(1), response("a"), false, &creator("a"), late, &p).unwrap(),
+        Completed::LostClaim,
+        "a late completion replaced an outcome-unknown record"
+    );
+    // Still outcome-unknown for unknown_outcome_seconds from when it was marked, then free.
+    let c = t.begin(&mut m, k, Some(fp(1)), stale + 49_999, &p, owner(3), &creator("c")).unwrap();
+    assert!(is_reject(&c, &ProblemKind::OutcomeUnknown), "{c:?}");
+    let d = t.begin(&mut m, k, Some(fp(1)), stale + 50_000, &p, owner(4), &creator("d")).unwrap();
+    assert!(matches!(d, Begin::Claimed { .. }), "{d:?}");
+}
+
+/// A completed record is final: its owner can neither release it (a retry would execute again)
+/// nor mark it unknown.
+#[test]
+fn a_completed_record_is_neither_released_nor_marked_unknown_by_its_owner() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let p = policy();
+    let k = skey(71);
+    let a = handle(&t.begin(&mut m, k, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    complete(&t, &mut m, &a, fp(1), response("a"), false, &creator("a"), NOW, &p).unwrap();
+    assert!(!t.release(&mut m, &a).unwrap(), "a completed record was released");
+    assert!(!t.mark_unknown(&mut m, &a, UnknownReason::Other, NOW + 1, &p).unwrap(), "a completed record was marked unknown");
+    match t.begin(&mut m, k, Some(fp(1)), NOW + 2, &p, owner(2), &creator("b")).unwrap() {
+        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("a"))),
+        other => panic!("{other:?}"),
+    }
+}
