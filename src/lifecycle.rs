@@ -18,7 +18,11 @@
 //! | completed | if free (else Held) | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | if free: absent (else Held) | absent |
 //! | unknown | if free (else Held) | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | if free: absent (else Held) | absent |
 //!
-//! "owner:" rows refuse `NotOwner` when the caller does not hold the claim. A claim or take-over
+//! "owner:" cells refuse `NotOwner` when the caller does not hold the claim, and `Expired` when
+//! the claim is free (past its expiry, lock expired: in the store its key is already gone); except
+//! `Forward`: a claim made at headers that nobody replaced while its body was uploading is still
+//! its key's only claim (the local tier checks that in the same CAS), and forwarding restarts its
+//! lock. A claim or take-over
 //! enters `claimed` when it is made before the fingerprint is known (the local tier, at request
 //! headers) and `forwarded` otherwise. "Released" and "taken over" are no stages of their own: a
 //! release leads to `absent`, a take-over to a claim with a new owner. The store holds no
@@ -93,6 +97,9 @@ pub enum Refusal {
     LockLive,
     /// A claim in flight is never evicted.
     InFlight,
+    /// The claim no longer holds its key (past its expiry, its lock expired): its owner can no
+    /// longer move it (in the store its key is gone, `PX`).
+    Expired,
 }
 
 /// What the rules need to know about the record an event meets, besides its stage.
@@ -134,6 +141,9 @@ pub fn next(from: Stage, event: Event, facts: Facts) -> Result<Stage, Refusal> {
     let by_owner = |to: Stage| if facts.owner { Ok(to) } else { Err(Refusal::NotOwner) };
     match (from, event) {
         (Absent, Event::Claim { forwarding }) => Ok(claim_stage(forwarding)),
+        (Claimed | Forwarded, Event::Complete | Event::Release | Event::MarkUnknown) if facts.free => {
+            Err(Refusal::Expired)
+        }
         (Absent, _) => wrong,
         (_, Event::Claim { .. } | Event::Expire) if !facts.free => Err(Refusal::Held),
         (_, Event::Claim { forwarding }) => Ok(claim_stage(forwarding)),

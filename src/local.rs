@@ -838,7 +838,13 @@ impl Table {
     /// Stores a completed record (see `Record::completed`). When `local.max_bytes` has no room
     /// for it, only the status and `location` are kept: retries then get a problem carrying them,
     /// never a second execution.
-    pub fn complete(&self, sd: &mut dyn SharedData, h: &Handle, mut record: Record) -> Result<Completed, LocalError> {
+    pub fn complete(
+        &self,
+        sd: &mut dyn SharedData,
+        h: &Handle,
+        mut record: Record,
+        now_ms: u64,
+    ) -> Result<Completed, LocalError> {
         let fp = record.fingerprint;
         let expires_at_ms = record.expires_at_ms;
         let mut bytes = encode_slot(h, &record);
@@ -858,7 +864,7 @@ impl Table {
         // bucket CAS below): a refused completion never overwrites the slot.
         let (bucket, _) = self.read_bucket(sd, h.bucket)?;
         let Some(position) = bucket.positions.get(h.position) else { return Err(LocalError::Corrupt) };
-        if step(position, Event::Complete, Some(h), 0).is_err() {
+        if step(position, Event::Complete, Some(h), now_ms).is_err() {
             self.add_usage(sd, -i64::from(counted));
             return Ok(Completed::LostClaim);
         }
@@ -872,7 +878,7 @@ impl Table {
             self.add_usage(sd, -i64::from(counted));
             return Ok(Completed::LostClaim);
         }
-        let updated = self.transition(sd, h, Event::Complete, 0, |slot, to| {
+        let updated = self.transition(sd, h, Event::Complete, now_ms, |slot, to| {
             if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
                 e.phase = phase;
                 e.fingerprint = Some(fp);
@@ -888,10 +894,11 @@ impl Table {
         Ok(if without_body { Completed::StoredWithoutBody } else { Completed::Stored })
     }
 
-    /// Frees our claim: the request never executed, a retry may. `Ok(false)` if it was not ours.
-    pub fn release(&self, sd: &mut dyn SharedData, h: &Handle) -> Result<bool, LocalError> {
+    /// Frees our claim: the request never executed, a retry may. `Ok(false)` if it was not ours
+    /// (or no longer a claim, or already free at `now_ms`: `lifecycle::next` refuses).
+    pub fn release(&self, sd: &mut dyn SharedData, h: &Handle, now_ms: u64) -> Result<bool, LocalError> {
         let mut bytes = 0;
-        let freed = self.transition(sd, h, Event::Release, 0, |slot, _| {
+        let freed = self.transition(sd, h, Event::Release, now_ms, |slot, _| {
             bytes = slot.as_ref().map_or(0, |e| e.slot_bytes);
             *slot = None;
         })?;

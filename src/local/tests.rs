@@ -94,7 +94,7 @@ pub fn complete(
     now: u64,
     policy: &Policy,
 ) -> Result<Completed, LocalError> {
-    t.complete(sd, h, Record::completed(fp, response, too_large, creator.clone(), now, policy.ttl_seconds))
+    t.complete(sd, h, Record::completed(fp, response, too_large, creator.clone(), now, policy.ttl_seconds), now)
 }
 
 fn fresh(t: &Table) -> Model {
@@ -245,7 +245,7 @@ fn a_forwarded_claim_whose_lock_is_live_keeps_its_key_past_the_expiry_set_at_hea
     assert!(t.peek(&mut m, &k, retry_at).unwrap().is_some());
     let done_at = NOW + 4_000;
     let r = Record::completed(fp(1), response("a"), false, creator("a"), done_at, p.ttl_seconds);
-    assert_eq!(t.complete(&mut m, &a, r).unwrap(), Completed::Stored);
+    assert_eq!(t.complete(&mut m, &a, r, NOW).unwrap(), Completed::Stored);
     assert!(matches!(
         t.begin(&mut m, k, Some(fp(1)), done_at + 2_999, &p, owner(3), &creator("c")).unwrap(),
         Begin::Replay(_)
@@ -262,7 +262,7 @@ fn a_claim_superseded_at_another_position_is_not_forwarded() {
     let (y, k) = (skey(40), skey(41));
     let hy = handle(&t.begin(&mut m, y, Some(fp(9)), NOW, &p, owner(9), &creator("y")).unwrap());
     let ry = Record::completed(fp(9), response("y"), false, creator("y"), NOW, p.ttl_seconds);
-    assert_eq!(t.complete(&mut m, &hy, ry).unwrap(), Completed::Stored);
+    assert_eq!(t.complete(&mut m, &hy, ry, NOW).unwrap(), Completed::Stored);
     let a = handle(&t.begin(&mut m, k, None, NOW + 10, &p, owner(1), &creator("a")).unwrap());
     assert_eq!((hy.position, a.position), (0, 1));
     let later = NOW + 2_300;
@@ -271,7 +271,7 @@ fn a_claim_superseded_at_another_position_is_not_forwarded() {
     assert!(!t.mark_forwarded(&mut m, &a, fp(1), later + 100, &p).unwrap(), "A must not be forwarded");
     // Nor once the retry has completed: its record is the key's live one.
     let rr = Record::completed(fp(1), response("retry"), false, creator("retry"), later, p.ttl_seconds);
-    assert_eq!(t.complete(&mut m, &retry, rr).unwrap(), Completed::Stored);
+    assert_eq!(t.complete(&mut m, &retry, rr, NOW).unwrap(), Completed::Stored);
     assert!(!t.mark_forwarded(&mut m, &a, fp(1), later + 200, &p).unwrap());
 }
 
@@ -296,8 +296,8 @@ fn release_lets_a_retry_execute() {
     let mut m = fresh(&t);
     let k = skey(4);
     let h = handle(&claim(&t, &mut m, k, Some(fp(1)), 1, NOW));
-    assert!(t.release(&mut m, &h).unwrap());
-    assert!(!t.release(&mut m, &h).unwrap(), "a second release finds nothing of ours");
+    assert!(t.release(&mut m, &h, NOW).unwrap());
+    assert!(!t.release(&mut m, &h, NOW).unwrap(), "a second release finds nothing of ours");
     assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 2, NOW), Begin::Claimed { .. }));
 }
 
@@ -346,7 +346,7 @@ fn a_taken_over_owner_can_neither_forward_nor_complete_nor_release() {
         complete(&t, &mut m, &a, fp(1), response("a"), false, &creator("a"), later, &policy()).unwrap(),
         Completed::LostClaim
     );
-    assert!(!t.release(&mut m, &a).unwrap());
+    assert!(!t.release(&mut m, &a, NOW).unwrap());
     assert!(!t.mark_unknown(&mut m, &a, UnknownReason::Other, later, &policy()).unwrap());
     assert_eq!(
         complete(&t, &mut m, &b, fp(1), response("b"), false, &creator("b"), later, &policy()).unwrap(),
@@ -453,7 +453,7 @@ fn the_count_follows_claims_releases_and_sweeps() {
     // A duplicate (409) or a replay takes no unit.
     assert!(is_reject(&claim(&t, &mut m, skey(0), Some(fp(1)), 2, NOW), &in_flight()));
     assert_eq!(t.count(&mut m), 10);
-    assert!(t.release(&mut m, &hs[0]).unwrap());
+    assert!(t.release(&mut m, &hs[0], NOW).unwrap());
     assert_eq!(t.count(&mut m), 9);
     for h in &hs[1..] {
         complete(&t, &mut m, h, fp(1), response("r"), false, &creator("c"), NOW, &policy()).unwrap();
@@ -707,7 +707,7 @@ fn a_claim_marked_unknown_on_its_stale_lock_is_not_released_completed_or_renewed
     let b = t.begin(&mut m, k, Some(fp(1)), stale, &p, owner(2), &creator("b")).unwrap();
     assert!(matches!(b, Begin::Reject { problem: ProblemKind::OutcomeUnknown, marked_unknown: true, .. }), "{b:?}");
     let late = stale + 1_000;
-    assert!(!t.release(&mut m, &a).unwrap(), "a late release of an outcome-unknown record was accepted");
+    assert!(!t.release(&mut m, &a, NOW).unwrap(), "a late release of an outcome-unknown record was accepted");
     assert!(
         !t.mark_unknown(&mut m, &a, UnknownReason::Other, late + 40_000, &p).unwrap(),
         "a late mark-unknown renewed an outcome-unknown record"
@@ -734,7 +734,7 @@ fn a_completed_record_is_neither_released_nor_marked_unknown_by_its_owner() {
     let k = skey(71);
     let a = handle(&t.begin(&mut m, k, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
     complete(&t, &mut m, &a, fp(1), response("a"), false, &creator("a"), NOW, &p).unwrap();
-    assert!(!t.release(&mut m, &a).unwrap(), "a completed record was released");
+    assert!(!t.release(&mut m, &a, NOW).unwrap(), "a completed record was released");
     assert!(!t.mark_unknown(&mut m, &a, UnknownReason::Other, NOW + 1, &p).unwrap(), "a completed record was marked unknown");
     match t.begin(&mut m, k, Some(fp(1)), NOW + 2, &p, owner(2), &creator("b")).unwrap() {
         Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("a"))),
