@@ -348,6 +348,9 @@ fn both_tiers_follow_the_same_lifecycle_for_random_event_sequences() {
     }
     // The sequences reach every stage and the transitions between them that matter.
     let transitions = transitions.into_inner();
+    let total: u32 = transitions.values().sum();
+    eprintln!("{total} events in 200 sequences, {} distinct transitions", transitions.len());
+    assert!(total >= 200, "{total} events");
     let seen = |what: &str| transitions.keys().any(|k| k.contains(what));
     for what in [
         "Absent --Claim",
