@@ -253,7 +253,8 @@ mod tests {
             for event in Event::ALL {
                 for f in all_facts() {
                     let ok = next(from, event, f).is_ok();
-                    let allowed = matches!(event, Event::Evict) || (f.free && matches!(event, Event::Claim { .. } | Event::Expire));
+                    let allowed = matches!(event, Event::Evict)
+                        || (f.free && matches!(event, Event::Claim { .. } | Event::Expire));
                     assert_eq!(ok, allowed, "{from:?} {event:?} {f:?}");
                 }
             }

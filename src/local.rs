@@ -145,9 +145,7 @@ fn stage_of(p: &Option<Entry>) -> Stage {
 /// `h`'s claim when `h` is given.
 fn step(p: &Option<Entry>, event: Event, h: Option<&Handle>, now_ms: u64) -> Result<Stage, Refusal> {
     let facts = match p {
-        Some(e) => {
-            Facts::of(&e.summary(), now_ms, h.is_some_and(|h| e.owner == h.owner && e.skey == h.skey))
-        }
+        Some(e) => Facts::of(&e.summary(), now_ms, h.is_some_and(|h| e.owner == h.owner && e.skey == h.skey)),
         None => Facts::default(),
     };
     lifecycle::next(stage_of(p), event, facts)

@@ -154,7 +154,8 @@ impl Local {
             _ => (h(0), h(0), h(0)),
         };
         match ev {
-            Ev::Claim(o) => match self.table.begin(&mut self.sd, KEY, Some(FP), now, p, owner(o), &creator(o)).unwrap() {
+            Ev::Claim(o) => match self.table.begin(&mut self.sd, KEY, Some(FP), now, p, owner(o), &creator(o)).unwrap()
+            {
                 Begin::Claimed { handle, took_over, .. } => {
                     self.handles.insert(o, handle);
                     if took_over {
@@ -176,9 +177,9 @@ impl Local {
                 }
             }
             Ev::Release(o) => accepted(self.table.release(&mut self.sd, &hr, now).unwrap()),
-            Ev::MarkUnknown(o) => accepted(
-                self.table.mark_unknown(&mut self.sd, &hu, UnknownReason::Other, now, p).unwrap(),
-            ),
+            Ev::MarkUnknown(o) => {
+                accepted(self.table.mark_unknown(&mut self.sd, &hu, UnknownReason::Other, now, p).unwrap())
+            }
             Ev::LockPasses => {
                 self.now += LOCK_MS;
                 Answer::Accepted
@@ -196,7 +197,8 @@ impl Local {
         let name = self.table.bucket_name(self.table.bucket_of(&KEY));
         let bytes = self.sd.get(&name).unwrap().0.expect("bucket");
         let bucket = idemgate::local::Bucket::decode(&bytes).expect("bucket decodes");
-        let owners: Vec<OwnerToken> = bucket.positions.iter().flatten().filter(|e| e.skey == KEY).map(|e| e.owner).collect();
+        let owners: Vec<OwnerToken> =
+            bucket.positions.iter().flatten().filter(|e| e.skey == KEY).map(|e| e.owner).collect();
         assert_eq!(owners.len(), 1, "one entry for the key: {owners:?}");
         (peeked.summary.stage(), owners.first().copied())
     }

@@ -735,7 +735,10 @@ fn a_completed_record_is_neither_released_nor_marked_unknown_by_its_owner() {
     let a = handle(&t.begin(&mut m, k, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
     complete(&t, &mut m, &a, fp(1), response("a"), false, &creator("a"), NOW, &p).unwrap();
     assert!(!t.release(&mut m, &a, NOW).unwrap(), "a completed record was released");
-    assert!(!t.mark_unknown(&mut m, &a, UnknownReason::Other, NOW + 1, &p).unwrap(), "a completed record was marked unknown");
+    assert!(
+        !t.mark_unknown(&mut m, &a, UnknownReason::Other, NOW + 1, &p).unwrap(),
+        "a completed record was marked unknown"
+    );
     match t.begin(&mut m, k, Some(fp(1)), NOW + 2, &p, owner(2), &creator("b")).unwrap() {
         Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("a"))),
         other => panic!("{other:?}"),
