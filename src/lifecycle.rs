@@ -261,6 +261,46 @@ mod tests {
         }
     }
 
+    /// The decision table never chooses a transition the lifecycle refuses: every claim,
+    /// take-over and stale-to-unknown `decide` answers is accepted by `next` on the same record.
+    #[test]
+    fn every_transition_the_decision_table_chooses_is_one_the_lifecycle_allows() {
+        use crate::config::{OnUnavailable, Policy, StaleLock};
+        use crate::decision::{decide, Decision, Lookup};
+        use crate::fingerprint::Fingerprint;
+        let now = 1_000_000;
+        for stale_lock in [StaleLock::Reject, StaleLock::Takeover] {
+            let policy = Policy { stale_lock, ..Policy::default() };
+            for phase in [
+                Phase::Claimed { lock_expires_at_ms: now - 1 },
+                Phase::Claimed { lock_expires_at_ms: now + 1 },
+                Phase::InProgress { lock_expires_at_ms: now - 1 },
+                Phase::InProgress { lock_expires_at_ms: now + 1 },
+                Phase::Completed,
+                Phase::Unknown,
+            ] {
+                for expires_at_ms in [now - 1, now, now + 1] {
+                    for fp in [None, Some(Fingerprint([1; 32]))] {
+                        let summary = Summary { fingerprint: Some(Fingerprint([1; 32])), expires_at_ms, phase };
+                        let facts = Facts::of(&summary, now, false);
+                        let forwarding = fp.is_some();
+                        let event =
+                            match decide(Lookup::Found(summary), fp.as_ref(), now, &policy, OnUnavailable::Reject) {
+                                Decision::Claim => Event::Claim { forwarding },
+                                Decision::TakeOver if summary.stage() == Stage::Claimed => {
+                                    Event::TakeOver { how: TakeOver::NeverForwarded, forwarding }
+                                }
+                                Decision::TakeOver => Event::TakeOver { how: TakeOver::StaleForwarded, forwarding },
+                                Decision::MarkUnknown => Event::StaleToUnknown,
+                                _ => continue,
+                            };
+                        assert!(next(summary.stage(), event, facts).is_ok(), "{summary:?} {fp:?} {event:?}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn an_absent_key_can_only_be_claimed() {
         for event in Event::ALL {

@@ -148,10 +148,11 @@ impl Local {
 
     fn apply(&mut self, ev: Ev, p: &Policy) -> Answer {
         let now = self.now;
-        let h = |o: u8| self.handle(o);
-        let (hc, hr, hu) = match ev {
-            Ev::Complete(o) | Ev::Release(o) | Ev::MarkUnknown(o) => (h(o), h(o), h(o)),
-            _ => (h(0), h(0), h(0)),
+        // The handle the owner got when it claimed (or one naming the key's bucket, for an owner
+        // that never claimed: the lifecycle refuses it as not the owner).
+        let h = match ev {
+            Ev::Complete(o) | Ev::Release(o) | Ev::MarkUnknown(o) => self.handle(o),
+            _ => self.handle(0),
         };
         match ev {
             Ev::Claim(o) => match self.table.begin(&mut self.sd, KEY, Some(FP), now, p, owner(o), &creator(o)).unwrap()
@@ -171,14 +172,14 @@ impl Local {
             },
             Ev::Complete(o) => {
                 let r = Record::completed(FP, response(), false, creator(o), now, p.ttl_seconds);
-                match self.table.complete(&mut self.sd, &hc, r, now).unwrap() {
+                match self.table.complete(&mut self.sd, &h, r, now).unwrap() {
                     Completed::Stored => Answer::Accepted,
                     _ => Answer::NotAccepted,
                 }
             }
-            Ev::Release(o) => accepted(self.table.release(&mut self.sd, &hr, now).unwrap()),
-            Ev::MarkUnknown(o) => {
-                accepted(self.table.mark_unknown(&mut self.sd, &hu, UnknownReason::Other, now, p).unwrap())
+            Ev::Release(_) => accepted(self.table.release(&mut self.sd, &h, now).unwrap()),
+            Ev::MarkUnknown(_) => {
+                accepted(self.table.mark_unknown(&mut self.sd, &h, UnknownReason::Other, now, p).unwrap())
             }
             Ev::LockPasses => {
                 self.now += LOCK_MS;
