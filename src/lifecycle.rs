@@ -200,6 +200,8 @@ pub fn needs_stale_lock(event: Event) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const STAGES: [Stage; 5] = [Stage::Absent, Stage::Claimed, Stage::Forwarded, Stage::Completed, Stage::Unknown];
 
