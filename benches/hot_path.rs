@@ -201,7 +201,7 @@ fn main() {
     if let Ok(Begin::Claimed { handle, .. }) =
         table.begin(&mut sd, skey, Some(fp), 1_000, policy, OwnerToken([2; 16]), &creator)
     {
-        let _ = table.complete(&mut sd, &handle, record.clone());
+        let _ = table.complete(&mut sd, &handle, record.clone(), 1_000);
     }
     // The step below must measure a replay, not a refusal.
     if !matches!(
@@ -224,7 +224,7 @@ fn main() {
         {
             let _ = table.mark_forwarded(&mut sd2, &handle, fp, 1_000 + i, policy);
             let r = Record::completed(fp, response.clone(), false, creator.clone(), 1_000 + i, 86_400);
-            if matches!(table.complete(&mut sd2, &handle, r), Ok(Completed::Stored)) {
+            if matches!(table.complete(&mut sd2, &handle, r, 1_000 + i), Ok(Completed::Stored)) {
                 claimed += 1;
             }
         }

@@ -19,6 +19,7 @@ pub mod failsafe;
 pub mod fingerprint;
 pub mod hex;
 pub mod key;
+pub mod lifecycle;
 pub mod local;
 pub mod owner;
 pub mod path;

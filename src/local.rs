@@ -40,6 +40,7 @@
 use crate::config::{LocalConfig, Policy, WhenFull};
 use crate::decision::{decide, Decision, Lookup, Phase, Summary};
 use crate::fingerprint::Fingerprint;
+use crate::lifecycle::{self, Event, Facts, Refusal, TakeOver};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, Stage, State, UnknownReason};
@@ -87,6 +88,9 @@ pub enum LocalError {
     Corrupt,
     /// Too many lost CAS races in a row.
     Contended,
+    /// The lifecycle refused a transition the decision table chose (`lifecycle::next`): a broken
+    /// invariant, answered like any other local error (503), never forwarded.
+    Refused(Refusal),
 }
 
 impl From<HostError> for LocalError {
@@ -119,6 +123,34 @@ pub enum EntryPhase {
     Unknown,
 }
 
+impl EntryPhase {
+    /// The bucket encoding of a live stage (`None` for `Absent`: an empty position).
+    fn of(stage: Stage) -> Option<EntryPhase> {
+        match stage {
+            Stage::Absent => None,
+            Stage::Claimed => Some(EntryPhase::Claimed),
+            Stage::Forwarded => Some(EntryPhase::InProgress),
+            Stage::Completed => Some(EntryPhase::Completed),
+            Stage::Unknown => Some(EntryPhase::Unknown),
+        }
+    }
+}
+
+/// The stage of a position (empty: `Absent`).
+fn stage_of(p: &Option<Entry>) -> Stage {
+    p.as_ref().map_or(Stage::Absent, |e| e.summary().stage())
+}
+
+/// The one lifecycle (`lifecycle::next`) applied to a position at `now_ms`, for a caller holding
+/// `h`'s claim when `h` is given.
+fn step(p: &Option<Entry>, event: Event, h: Option<&Handle>, now_ms: u64) -> Result<Stage, Refusal> {
+    let facts = match p {
+        Some(e) => Facts::of(&e.summary(), now_ms, h.is_some_and(|h| e.owner == h.owner && e.skey == h.skey)),
+        None => Facts::default(),
+    };
+    lifecycle::next(stage_of(p), event, facts)
+}
+
 impl Entry {
     fn summary(&self) -> Summary {
         let lock_expires_at_ms = self.lock_expires_at_ms;
@@ -141,10 +173,10 @@ impl Entry {
         self.skey == *skey && !self.is_free(now_ms)
     }
 
-    /// Whether eviction may drop it: never a live claim (that would allow a second execution of a
-    /// request still running).
-    fn evictable(&self) -> bool {
-        matches!(self.phase, EntryPhase::Completed | EntryPhase::Unknown)
+    /// Whether eviction may drop it (`Event::Evict`): never a live claim (that would allow a
+    /// second execution of a request still running).
+    fn evictable(&self, now_ms: u64) -> bool {
+        lifecycle::next(self.summary().stage(), Event::Evict, Facts::of(&self.summary(), now_ms, false)).is_ok()
     }
 }
 
@@ -486,21 +518,7 @@ impl Table {
             };
             let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
             let lifetimes = Lifetimes::of(policy);
-            let (phase, stage) = match fp {
-                Some(_) => (EntryPhase::InProgress, Stage::Forwarded),
-                None => (EntryPhase::Claimed, Stage::Claimed),
-            };
-            let new_entry = Entry {
-                skey,
-                fingerprint: fp,
-                phase,
-                owner,
-                created_at_ms: now_ms,
-                expires_at_ms: lifetimes.expires_at(stage, now_ms),
-                lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
-                status: 0,
-                slot_bytes: 0,
-            };
+            let forwarding = fp.is_some();
             let target = match (&decision, live) {
                 (Decision::Claim, _) => match self.place(sd, i, &bucket, now_ms, unit)? {
                     Some(place) => Some((place, false)),
@@ -508,6 +526,37 @@ impl Table {
                 },
                 (Decision::TakeOver, Some(j)) => Some((Place { position: j, evicted_age_ms: None, new: false }, true)),
                 _ => None,
+            };
+            // The one lifecycle says what the claim becomes: a new claim of an empty, free or
+            // evicted position, or a take-over of a stale claim; anything else is refused.
+            let stage = match target {
+                None => Stage::Absent,
+                Some((place, took_over)) => {
+                    let p = bucket.positions.get(place.position).cloned().flatten();
+                    let event = match (took_over, p.as_ref().map(|e| e.phase)) {
+                        (true, Some(EntryPhase::InProgress)) => {
+                            Event::TakeOver { how: TakeOver::StaleForwarded, forwarding }
+                        }
+                        (true, _) => Event::TakeOver { how: TakeOver::NeverForwarded, forwarding },
+                        (false, _) => Event::Claim { forwarding },
+                    };
+                    let from = match place.evicted_age_ms {
+                        Some(_) => step(&p, Event::Evict, None, now_ms).map(|_| None).map_err(LocalError::Refused)?,
+                        None => p,
+                    };
+                    step(&from, event, None, now_ms).map_err(LocalError::Refused)?
+                }
+            };
+            let new_entry = Entry {
+                skey,
+                fingerprint: fp,
+                phase: EntryPhase::of(stage).unwrap_or(EntryPhase::Claimed),
+                owner,
+                created_at_ms: now_ms,
+                expires_at_ms: lifetimes.expires_at(stage, now_ms),
+                lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
+                status: 0,
+                slot_bytes: 0,
             };
             if let Some((place, took_over)) = target {
                 // Claim the position (new, free, expired, evicted, or a stale claim taken over)
@@ -534,8 +583,12 @@ impl Table {
             }
             match (decision, live) {
                 (Decision::MarkUnknown, Some(j)) => {
-                    let Some(Some(e)) = bucket.positions.get_mut(j) else { return Err(LocalError::Corrupt) };
-                    e.phase = EntryPhase::Unknown;
+                    let Some(p) = bucket.positions.get_mut(j) else { return Err(LocalError::Corrupt) };
+                    let to = step(p, Event::StaleToUnknown, None, now_ms).map_err(LocalError::Refused)?;
+                    let (Some(e), Some(phase)) = (p.as_mut(), EntryPhase::of(to)) else {
+                        return Err(LocalError::Corrupt);
+                    };
+                    e.phase = phase;
                     e.expires_at_ms = lifetimes.expires_at(Stage::Unknown, now_ms);
                     let e = e.clone();
                     if !self.write_bucket(sd, i, &bucket, cas)? {
@@ -646,7 +699,7 @@ impl Table {
             .iter()
             .enumerate()
             .filter_map(|(j, p)| {
-                p.as_ref().filter(|e| e.evictable()).map(|e| (j, now_ms.saturating_sub(e.created_at_ms)))
+                p.as_ref().filter(|e| e.evictable(now_ms)).map(|e| (j, now_ms.saturating_sub(e.created_at_ms)))
             })
             .filter(|(_, age)| *age >= self.floor_ms)
             .max_by_key(|(_, age)| *age)
@@ -669,7 +722,10 @@ impl Table {
                         None => break,
                     },
                 };
-                let Some(e) = bucket.positions.get_mut(j).and_then(Option::take) else { break };
+                let Some(p) = bucket.positions.get_mut(j) else { break };
+                let event = if age.is_some() { Event::Evict } else { Event::Expire };
+                step(p, event, None, now_ms).map_err(LocalError::Refused)?;
+                let Some(e) = p.take() else { break };
                 if !self.write_bucket(sd, n, &bucket, cas)? {
                     continue;
                 }
@@ -711,23 +767,28 @@ impl Table {
         self.read_slot(sd, &h).ok().flatten().map(|(r, _)| r.creator)
     }
 
-    /// Applies `f` to our entry with CAS, retrying lost races. `Ok(None)` when the entry is no
-    /// longer ours.
-    fn update_entry<T>(
+    /// Applies `event` to our entry (`h`'s claim) with CAS, retrying lost races: the lifecycle
+    /// (`lifecycle::next`) gives the entry's next stage, and `f` fills in the rest of it. The
+    /// refusal when the table refuses (the position is no longer ours, or not in a stage the event
+    /// can leave): nothing is written.
+    fn transition(
         &self,
         sd: &mut dyn SharedData,
         h: &Handle,
-        mut f: impl FnMut(&mut Option<Entry>) -> T,
-    ) -> Result<Option<T>, LocalError> {
+        event: Event,
+        now_ms: u64,
+        mut f: impl FnMut(&mut Option<Entry>, Stage),
+    ) -> Result<Result<Stage, Refusal>, LocalError> {
         for _ in 0..MAX_CAS_RETRIES {
             let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
             let Some(slot) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
-            if !slot.as_ref().is_some_and(|e| e.owner == h.owner && e.skey == h.skey) {
-                return Ok(None);
-            }
-            let out = f(slot);
+            let to = match step(slot, event, Some(h), now_ms) {
+                Ok(to) => to,
+                Err(refused) => return Ok(Err(refused)),
+            };
+            f(slot, to);
             if self.write_bucket(sd, h.bucket, &bucket, cas)? {
-                return Ok(Some(out));
+                return Ok(Ok(to));
             }
         }
         Err(LocalError::Contended)
@@ -756,11 +817,12 @@ impl Table {
                 .enumerate()
                 .any(|(j, p)| j != h.position && p.as_ref().is_some_and(|e| e.holds(&h.skey, now_ms)));
             let Some(slot) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
-            let Some(e) = slot.as_mut().filter(|e| e.owner == h.owner && e.skey == h.skey) else { return Ok(false) };
+            let Ok(phase) = step(slot, Event::Forward, Some(h), now_ms).map(EntryPhase::of) else { return Ok(false) };
+            let (Some(e), Some(phase)) = (slot.as_mut(), phase) else { return Ok(false) };
             if superseded {
                 return Ok(false);
             }
-            e.phase = EntryPhase::InProgress;
+            e.phase = phase;
             e.fingerprint = Some(fp);
             e.lock_expires_at_ms = lifetimes.lock_expires_at(now_ms);
             e.expires_at_ms = lifetimes.expires_at(Stage::Forwarded, now_ms);
@@ -774,7 +836,13 @@ impl Table {
     /// Stores a completed record (see `Record::completed`). When `local.max_bytes` has no room
     /// for it, only the status and `location` are kept: retries then get a problem carrying them,
     /// never a second execution.
-    pub fn complete(&self, sd: &mut dyn SharedData, h: &Handle, mut record: Record) -> Result<Completed, LocalError> {
+    pub fn complete(
+        &self,
+        sd: &mut dyn SharedData,
+        h: &Handle,
+        mut record: Record,
+        now_ms: u64,
+    ) -> Result<Completed, LocalError> {
         let fp = record.fingerprint;
         let expires_at_ms = record.expires_at_ms;
         let mut bytes = encode_slot(h, &record);
@@ -790,6 +858,14 @@ impl Table {
             _ => 0,
         };
         let counted = if without_body { 0 } else { u32::try_from(bytes.len()).unwrap_or(u32::MAX) };
+        // Only a claim the lifecycle lets its owner complete is written (checked again in the
+        // bucket CAS below): a refused completion never overwrites the slot.
+        let (bucket, _) = self.read_bucket(sd, h.bucket)?;
+        let Some(position) = bucket.positions.get(h.position) else { return Err(LocalError::Corrupt) };
+        if step(position, Event::Complete, Some(h), now_ms).is_err() {
+            self.add_usage(sd, -i64::from(counted));
+            return Ok(Completed::LostClaim);
+        }
         // The slot first (owner-checked with CAS), then the index: a reader that sees the entry
         // completed always finds its record.
         let wrote = match self.read_slot(sd, h)? {
@@ -800,37 +876,38 @@ impl Table {
             self.add_usage(sd, -i64::from(counted));
             return Ok(Completed::LostClaim);
         }
-        let updated = self.update_entry(sd, h, |slot| {
-            if let Some(e) = slot {
-                e.phase = EntryPhase::Completed;
+        let updated = self.transition(sd, h, Event::Complete, now_ms, |slot, to| {
+            if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
+                e.phase = phase;
                 e.fingerprint = Some(fp);
                 e.expires_at_ms = expires_at_ms;
                 e.status = status;
                 e.slot_bytes = counted;
             }
         })?;
-        if updated.is_none() {
+        if updated.is_err() {
             self.add_usage(sd, -i64::from(counted));
             return Ok(Completed::LostClaim);
         }
         Ok(if without_body { Completed::StoredWithoutBody } else { Completed::Stored })
     }
 
-    /// Frees our claim: the request never executed, a retry may. `Ok(false)` if it was not ours.
-    pub fn release(&self, sd: &mut dyn SharedData, h: &Handle) -> Result<bool, LocalError> {
-        let freed = self.update_entry(sd, h, |slot| {
-            let bytes = slot.as_ref().map_or(0, |e| e.slot_bytes);
+    /// Frees our claim: the request never executed, a retry may. `Ok(false)` if it was not ours
+    /// (or no longer a claim, or already free at `now_ms`: `lifecycle::next` refuses).
+    pub fn release(&self, sd: &mut dyn SharedData, h: &Handle, now_ms: u64) -> Result<bool, LocalError> {
+        let mut bytes = 0;
+        let freed = self.transition(sd, h, Event::Release, now_ms, |slot, _| {
+            bytes = slot.as_ref().map_or(0, |e| e.slot_bytes);
             *slot = None;
-            bytes
         })?;
         match freed {
-            Some(bytes) => {
+            Ok(_) => {
                 self.add_usage(sd, -i64::from(bytes));
                 self.add_to(sd, &self.count_name(), -1);
                 self.clear_slot(sd, h);
                 Ok(true)
             }
-            None => Ok(false),
+            Err(_) => Ok(false),
         }
     }
 
@@ -845,13 +922,13 @@ impl Table {
         policy: &Policy,
     ) -> Result<bool, LocalError> {
         let _ = reason; // kept in logs and counters by the caller
-        let done = self.update_entry(sd, h, |slot| {
-            if let Some(e) = slot {
-                e.phase = EntryPhase::Unknown;
-                e.expires_at_ms = Lifetimes::of(policy).expires_at(Stage::Unknown, now_ms);
+        let done = self.transition(sd, h, Event::MarkUnknown, now_ms, |slot, to| {
+            if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
+                e.phase = phase;
+                e.expires_at_ms = Lifetimes::of(policy).expires_at(to, now_ms);
             }
         })?;
-        Ok(done.is_some())
+        Ok(done.is_ok())
     }
 
     /// Frees expired entries of `count` buckets from `start` (wrapping), so their response bytes
@@ -864,7 +941,10 @@ impl Table {
                 let (mut bucket, cas) = self.read_bucket(sd, i)?;
                 let mut freed = vec![];
                 for (j, p) in bucket.positions.iter_mut().enumerate() {
-                    if let Some(e) = p.take_if(|e| e.is_free(now_ms)) {
+                    if step(p, Event::Expire, None, now_ms).is_err() {
+                        continue;
+                    }
+                    if let Some(e) = p.take() {
                         freed.push((Handle { bucket: i, position: j, owner: e.owner, skey: e.skey }, e.slot_bytes));
                     }
                 }

@@ -158,11 +158,14 @@ pub struct Record {
     pub state: State,
 }
 
-/// The transitions of the lifecycle that give a record a new expiry. Every tier (the local
+/// The stages of the one lifecycle (`lifecycle::next` is its transition table); each transition
+/// that enters a live stage gives the record a new expiry. Every tier (the local
 /// tier's bucket entries and slots, the store's `PX`) takes it from `Lifetimes::life_ms`, so the
 /// tiers cannot disagree on how long a state lasts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
+    /// No record holds the key (never claimed, released, expired or evicted): it lives nowhere.
+    Absent,
     /// Claimed at request headers, not forwarded yet (the body may still be arriving).
     Claimed,
     /// Forwarded (or about to be): in flight while its lock lives, outcome-unknown afterwards.
@@ -198,12 +201,14 @@ impl Lifetimes {
     ///
     /// | stage | life |
     /// |---|---|
+    /// | absent | 0 (nothing is kept) |
     /// | claimed | `ttl`, never less than its lock |
     /// | forwarded | its lock, then `unknown_outcome` (a forwarded claim whose lock expired without a completion *is* outcome-unknown, from that moment) |
     /// | completed | `ttl`, from the completion |
     /// | unknown | `unknown_outcome`, from the moment it became unknown |
     pub fn life_ms(&self, stage: Stage) -> u64 {
         match stage {
+            Stage::Absent => 0,
             Stage::Claimed => self.ttl_ms.max(self.lock_ms),
             Stage::Forwarded => self.lock_ms.saturating_add(self.unknown_ms),
             Stage::Completed => self.ttl_ms,

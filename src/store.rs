@@ -28,6 +28,7 @@
 use std::fmt;
 
 use crate::decision::{Phase, Summary};
+use crate::lifecycle::{self, Event, TakeOver};
 use crate::owner::OwnerToken;
 use crate::record::{Lifetimes, Record, Stage};
 use crate::scope::StorageKey;
@@ -86,6 +87,26 @@ pub enum StorePhase {
 }
 
 impl StorePhase {
+    /// The store's encoding of a live stage of the lifecycle. `Claimed` has none: the store holds
+    /// no never-forwarded claim (its claim script enters `Forwarded` at once).
+    pub fn of(stage: Stage) -> Option<StorePhase> {
+        match stage {
+            Stage::Forwarded => Some(StorePhase::InProgress),
+            Stage::Completed => Some(StorePhase::Done),
+            Stage::Unknown => Some(StorePhase::Unknown),
+            Stage::Absent | Stage::Claimed => None,
+        }
+    }
+
+    /// The stage of the lifecycle this phase encodes.
+    pub fn stage(self) -> Stage {
+        match self {
+            StorePhase::InProgress => Stage::Forwarded,
+            StorePhase::Done => Stage::Completed,
+            StorePhase::Unknown => Stage::Unknown,
+        }
+    }
+
     fn letter(self) -> u8 {
         match self {
             StorePhase::InProgress => b'P',
@@ -262,19 +283,32 @@ fn eval_path(script: &str, key: &str, args: &[&[u8]]) -> String {
     p
 }
 
+/// The claim script's ARGV: the claim enters `Forwarded` (the lifecycle's `Claim` from `Absent`,
+/// with the fingerprint), living as a forwarded claim.
+fn claim_args(owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> Vec<Vec<u8>> {
+    vec![
+        owner.hex().into_bytes(),
+        lifetimes.life_ms(Stage::Forwarded).to_string().into_bytes(),
+        lifetimes.lock_ms.to_string().into_bytes(),
+        record.encode(),
+    ]
+}
+
 /// Claim-or-read: one POST whose body is the webdis command path.
 pub fn claim_request(skey: &StorageKey, owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> StoreRequest {
-    let path = eval_path(
-        CLAIM_SCRIPT,
-        &redis_key(skey),
-        &[
-            owner.hex().as_bytes(),
-            lifetimes.life_ms(Stage::Forwarded).to_string().as_bytes(),
-            lifetimes.lock_ms.to_string().as_bytes(),
-            &record.encode(),
-        ],
-    );
+    let args = claim_args(owner, record, lifetimes);
+    let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+    let path = eval_path(CLAIM_SCRIPT, &redis_key(skey), &args);
     StoreRequest { method: "POST", path: "/".into(), body: format!("{path}.raw").into_bytes() }
+}
+
+/// The exact Redis command `claim_request` makes webdis run: `EVAL script 1 key ARGV...` (for
+/// tests that run the script on Redis directly).
+pub fn claim_command(skey: &StorageKey, owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> Vec<Vec<u8>> {
+    let mut cmd = vec![b"EVAL".to_vec(), CLAIM_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
+    cmd.push(redis_key(skey).into_bytes());
+    cmd.extend(claim_args(owner, record, lifetimes));
+    cmd
 }
 
 /// A read (no claim): used by requests waiting for another attempt's result. `GET key`.
@@ -309,6 +343,23 @@ pub fn parse_read_reply(status: Option<u16>, body: &[u8]) -> Result<ReadReply, S
     }
 }
 
+/// The phase letters the transition script must find for `event`: the stages the lifecycle lets
+/// it leave (`lifecycle::sources`), in the store's encoding.
+fn expected_phases(event: Event) -> &'static str {
+    let has = |phase: StorePhase| lifecycle::sources(event).iter().any(|s| StorePhase::of(*s) == Some(phase));
+    match (has(StorePhase::InProgress), has(StorePhase::Done), has(StorePhase::Unknown)) {
+        (true, true, true) => "PDU",
+        (true, true, false) => "PD",
+        (true, false, true) => "PU",
+        (false, true, true) => "DU",
+        (true, false, false) => "P",
+        (false, true, false) => "D",
+        (false, false, true) => "U",
+        // No stored value can make this transition: the script then changes nothing.
+        (false, false, false) => "",
+    }
+}
+
 /// An owner-checked change of a stored value.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Transition {
@@ -334,8 +385,8 @@ impl Transition {
     pub fn complete(owner: OwnerToken, record: Record, lifetimes: &Lifetimes) -> Transition {
         Transition {
             expected_owner: owner,
-            expected_phases: "P",
-            require_stale: false,
+            expected_phases: expected_phases(Event::Complete),
+            require_stale: lifecycle::needs_stale_lock(Event::Complete),
             new_phase: Some(StorePhase::Done),
             new_owner: owner,
             ttl_ms: lifetimes.life_ms(Stage::Completed),
@@ -349,8 +400,8 @@ impl Transition {
     pub fn release(owner: OwnerToken) -> Transition {
         Transition {
             expected_owner: owner,
-            expected_phases: "P",
-            require_stale: false,
+            expected_phases: expected_phases(Event::Release),
+            require_stale: lifecycle::needs_stale_lock(Event::Release),
             new_phase: None,
             new_owner: owner,
             ttl_ms: 1,
@@ -373,8 +424,8 @@ impl Transition {
     pub fn unknown(owner: OwnerToken, lifetimes: &Lifetimes) -> Transition {
         Transition {
             expected_owner: owner,
-            expected_phases: "P",
-            require_stale: false,
+            expected_phases: expected_phases(Event::MarkUnknown),
+            require_stale: lifecycle::needs_stale_lock(Event::MarkUnknown),
             new_phase: Some(StorePhase::Unknown),
             new_owner: owner,
             ttl_ms: lifetimes.life_ms(Stage::Unknown),
@@ -386,7 +437,11 @@ impl Transition {
 
     /// Another request's forwarded lock expired (by Redis's clock) without a completion.
     pub fn stale_to_unknown(stale_owner: OwnerToken, lifetimes: &Lifetimes) -> Transition {
-        Transition { require_stale: true, ..Transition::unknown(stale_owner, lifetimes) }
+        Transition {
+            expected_phases: expected_phases(Event::StaleToUnknown),
+            require_stale: lifecycle::needs_stale_lock(Event::StaleToUnknown),
+            ..Transition::unknown(stale_owner, lifetimes)
+        }
     }
 
     /// Replaces another request's value with a claim of our own: a forwarded claim whose lock
@@ -402,10 +457,16 @@ impl Transition {
         free: bool,
         lifetimes: &Lifetimes,
     ) -> Transition {
+        // A free value is claimed anew; a stale forwarded claim is taken over (`stale_lock:
+        // "takeover"`). The store holds no never-forwarded claims.
+        let event = match free {
+            true => Event::Claim { forwarding: true },
+            false => Event::TakeOver { how: TakeOver::StaleForwarded, forwarding: true },
+        };
         Transition {
             expected_owner: stale_owner,
-            expected_phases: if free { "PDU" } else { "P" },
-            require_stale: true,
+            expected_phases: expected_phases(event),
+            require_stale: lifecycle::needs_stale_lock(event),
             new_phase: Some(StorePhase::InProgress),
             new_owner: owner,
             ttl_ms: lifetimes.life_ms(Stage::Forwarded),
@@ -415,23 +476,35 @@ impl Transition {
         }
     }
 
+    /// The script's ARGV before the record (the record, or `-`, is the last argument).
+    fn args(&self) -> Vec<Vec<u8>> {
+        let phase = vec![self.new_phase.map_or(if self.tombstone { b'R' } else { b'X' }, StorePhase::letter)];
+        vec![
+            self.expected_owner.hex().into_bytes(),
+            self.expected_phases.as_bytes().to_vec(),
+            if self.require_stale { b"1".to_vec() } else { b"0".to_vec() },
+            phase,
+            self.new_owner.hex().into_bytes(),
+            self.ttl_ms.max(1).to_string().into_bytes(),
+            self.lock_ms.map_or("-".to_string(), |l| l.to_string()).into_bytes(),
+        ]
+    }
+
+    /// The exact Redis command `request` makes webdis run: `EVAL script 1 key ARGV...` (for
+    /// tests that run the script on Redis directly).
+    pub fn eval_command(&self, skey: &StorageKey) -> Vec<Vec<u8>> {
+        let mut cmd = vec![b"EVAL".to_vec(), TRANSITION_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
+        cmd.push(redis_key(skey).into_bytes());
+        cmd.extend(self.args());
+        cmd.push(self.record.as_ref().map_or(b"-".to_vec(), Record::encode));
+        cmd
+    }
+
     /// The webdis request: a POST of the command, or a PUT with the record as body when there is
     /// a record (it can be large and binary).
     pub fn request(&self, skey: &StorageKey) -> StoreRequest {
-        let phase = [self.new_phase.map_or(if self.tombstone { b'R' } else { b'X' }, StorePhase::letter)];
-        let ttl = self.ttl_ms.max(1).to_string();
-        let lock = self.lock_ms.map_or("-".to_string(), |l| l.to_string());
-        let (expected, new_owner) = (self.expected_owner.hex(), self.new_owner.hex());
-        let stale: &[u8] = if self.require_stale { b"1" } else { b"0" };
-        let mut args: Vec<&[u8]> = vec![
-            expected.as_bytes(),
-            self.expected_phases.as_bytes(),
-            stale,
-            &phase,
-            new_owner.as_bytes(),
-            ttl.as_bytes(),
-            lock.as_bytes(),
-        ];
+        let owned = self.args();
+        let mut args: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
         let key = redis_key(skey);
         match &self.record {
             // webdis takes a PUT body as the last argument: binary-safe and not inflated.

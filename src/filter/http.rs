@@ -586,7 +586,7 @@ impl Http {
                 // call, ending with the store's key by this proxy's clock.
                 let record = value.record_on_clock(now, expires_at, host::now_ms());
                 if let Some(h) = handle {
-                    let _ = self.shared.table.complete(&mut HostShared, &h, record.clone());
+                    let _ = self.shared.table.complete(&mut HostShared, &h, record.clone(), host::now_ms());
                 }
                 self.replay(record)
             }

@@ -64,7 +64,7 @@ pub fn settle(
                 let complete = Transition::complete(claim.owner, record.clone(), &lifetimes);
                 shared.push_job(Job::new("complete", &claim.skey, &complete, Some(&unknown)));
             }
-            match claim.handle.map(|h| t.complete(&mut HostShared, &h, record)) {
+            match claim.handle.map(|h| t.complete(&mut HostShared, &h, record, now)) {
                 Some(Ok(Completed::Stored)) | None => {
                     shared.metrics.inc_for(Counter::Stored, Some(claim.policy_index));
                     debug!("{}", line("stored", detail));
@@ -112,7 +112,7 @@ pub fn settle(
 /// Releases a local claim (owner-checked), counting it.
 pub fn release_local(shared: &Shared, handle: Option<Handle>) {
     if let Some(h) = handle {
-        if let Ok(true) = shared.table.release(&mut HostShared, &h) {
+        if let Ok(true) = shared.table.release(&mut HostShared, &h, host::now_ms()) {
             shared.metrics.inc(Counter::Released);
         }
     }

@@ -94,7 +94,7 @@ pub fn complete(
     now: u64,
     policy: &Policy,
 ) -> Result<Completed, LocalError> {
-    t.complete(sd, h, Record::completed(fp, response, too_large, creator.clone(), now, policy.ttl_seconds))
+    t.complete(sd, h, Record::completed(fp, response, too_large, creator.clone(), now, policy.ttl_seconds), now)
 }
 
 fn fresh(t: &Table) -> Model {
@@ -247,7 +247,7 @@ fn a_forwarded_claim_whose_lock_is_live_keeps_its_key_past_the_expiry_set_at_hea
     assert!(t.peek(&mut m, &k, retry_at).unwrap().is_some());
     let done_at = NOW + 4_000;
     let r = Record::completed(fp(1), response("a"), false, creator("a"), done_at, p.ttl_seconds);
-    assert_eq!(t.complete(&mut m, &a, r).unwrap(), Completed::Stored);
+    assert_eq!(t.complete(&mut m, &a, r, NOW).unwrap(), Completed::Stored);
     assert!(matches!(
         t.begin(&mut m, k, Some(fp(1)), done_at + 2_999, &p, owner(3), &creator("c")).unwrap(),
         Begin::Replay(_)
@@ -264,7 +264,7 @@ fn a_claim_superseded_at_another_position_is_not_forwarded() {
     let (y, k) = (skey(40), skey(41));
     let hy = handle(&t.begin(&mut m, y, Some(fp(9)), NOW, &p, owner(9), &creator("y")).unwrap());
     let ry = Record::completed(fp(9), response("y"), false, creator("y"), NOW, p.ttl_seconds);
-    assert_eq!(t.complete(&mut m, &hy, ry).unwrap(), Completed::Stored);
+    assert_eq!(t.complete(&mut m, &hy, ry, NOW).unwrap(), Completed::Stored);
     let a = handle(&t.begin(&mut m, k, None, NOW + 10, &p, owner(1), &creator("a")).unwrap());
     assert_eq!((hy.position, a.position), (0, 1));
     let later = NOW + 2_300;
@@ -273,7 +273,7 @@ fn a_claim_superseded_at_another_position_is_not_forwarded() {
     assert!(!t.mark_forwarded(&mut m, &a, fp(1), later + 100, &p).unwrap(), "A must not be forwarded");
     // Nor once the retry has completed: its record is the key's live one.
     let rr = Record::completed(fp(1), response("retry"), false, creator("retry"), later, p.ttl_seconds);
-    assert_eq!(t.complete(&mut m, &retry, rr).unwrap(), Completed::Stored);
+    assert_eq!(t.complete(&mut m, &retry, rr, NOW).unwrap(), Completed::Stored);
     assert!(!t.mark_forwarded(&mut m, &a, fp(1), later + 200, &p).unwrap());
 }
 
@@ -298,8 +298,8 @@ fn release_lets_a_retry_execute() {
     let mut m = fresh(&t);
     let k = skey(4);
     let h = handle(&claim(&t, &mut m, k, Some(fp(1)), 1, NOW));
-    assert!(t.release(&mut m, &h).unwrap());
-    assert!(!t.release(&mut m, &h).unwrap(), "a second release finds nothing of ours");
+    assert!(t.release(&mut m, &h, NOW).unwrap());
+    assert!(!t.release(&mut m, &h, NOW).unwrap(), "a second release finds nothing of ours");
     assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 2, NOW), Begin::Claimed { .. }));
 }
 
@@ -348,7 +348,7 @@ fn a_taken_over_owner_can_neither_forward_nor_complete_nor_release() {
         complete(&t, &mut m, &a, fp(1), response("a"), false, &creator("a"), later, &policy()).unwrap(),
         Completed::LostClaim
     );
-    assert!(!t.release(&mut m, &a).unwrap());
+    assert!(!t.release(&mut m, &a, NOW).unwrap());
     assert!(!t.mark_unknown(&mut m, &a, UnknownReason::Other, later, &policy()).unwrap());
     assert_eq!(
         complete(&t, &mut m, &b, fp(1), response("b"), false, &creator("b"), later, &policy()).unwrap(),
@@ -455,7 +455,7 @@ fn the_count_follows_claims_releases_and_sweeps() {
     // A duplicate (409) or a replay takes no unit.
     assert!(is_reject(&claim(&t, &mut m, skey(0), Some(fp(1)), 2, NOW), &in_flight()));
     assert_eq!(t.count(&mut m), 10);
-    assert!(t.release(&mut m, &hs[0]).unwrap());
+    assert!(t.release(&mut m, &hs[0], NOW).unwrap());
     assert_eq!(t.count(&mut m), 9);
     for h in &hs[1..] {
         complete(&t, &mut m, h, fp(1), response("r"), false, &creator("c"), NOW, &policy()).unwrap();
@@ -692,4 +692,57 @@ fn the_configure_line_states_capacity_memory_and_sustained_rate() {
     assert!(t.crossed_high_water(209_714, 209_716));
     assert!(!t.crossed_high_water(209_716, 209_800), "once per crossing");
     assert!(!t.crossed_high_water(0, 100));
+}
+
+/// Issue 13 (one lifecycle): a forwarded claim whose lock expired is marked outcome-unknown by the
+/// next request; its owner's late settle must not change it. The store already refused it (its
+/// transitions expect phase `P`); the local tier released the key (a retry executed again),
+/// completed it, or renewed its life. The table refuses all three from `unknown`.
+#[test]
+fn a_claim_marked_unknown_on_its_stale_lock_is_not_released_completed_or_renewed_by_its_late_owner() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let p = policy();
+    let k = skey(70);
+    let a = handle(&t.begin(&mut m, k, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    let stale = NOW + p.lock_ttl_seconds * 1000;
+    let b = t.begin(&mut m, k, Some(fp(1)), stale, &p, owner(2), &creator("b")).unwrap();
+    assert!(matches!(b, Begin::Reject { problem: ProblemKind::OutcomeUnknown, marked_unknown: true, .. }), "{b:?}");
+    let late = stale + 1_000;
+    assert!(!t.release(&mut m, &a, NOW).unwrap(), "a late release of an outcome-unknown record was accepted");
+    assert!(
+        !t.mark_unknown(&mut m, &a, UnknownReason::Other, late + 40_000, &p).unwrap(),
+        "a late mark-unknown renewed an outcome-unknown record"
+    );
+    assert_eq!(
+        complete(&t, &mut m, &a, fp(1), response("a"), false, &creator("a"), late, &p).unwrap(),
+        Completed::LostClaim,
+        "a late completion replaced an outcome-unknown record"
+    );
+    // Still outcome-unknown for unknown_outcome_seconds from when it was marked, then free.
+    let c = t.begin(&mut m, k, Some(fp(1)), stale + 49_999, &p, owner(3), &creator("c")).unwrap();
+    assert!(is_reject(&c, &ProblemKind::OutcomeUnknown), "{c:?}");
+    let d = t.begin(&mut m, k, Some(fp(1)), stale + 50_000, &p, owner(4), &creator("d")).unwrap();
+    assert!(matches!(d, Begin::Claimed { .. }), "{d:?}");
+}
+
+/// A completed record is final: its owner can neither release it (a retry would execute again)
+/// nor mark it unknown.
+#[test]
+fn a_completed_record_is_neither_released_nor_marked_unknown_by_its_owner() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let p = policy();
+    let k = skey(71);
+    let a = handle(&t.begin(&mut m, k, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    complete(&t, &mut m, &a, fp(1), response("a"), false, &creator("a"), NOW, &p).unwrap();
+    assert!(!t.release(&mut m, &a, NOW).unwrap(), "a completed record was released");
+    assert!(
+        !t.mark_unknown(&mut m, &a, UnknownReason::Other, NOW + 1, &p).unwrap(),
+        "a completed record was marked unknown"
+    );
+    match t.begin(&mut m, k, Some(fp(1)), NOW + 2, &p, owner(2), &creator("b")).unwrap() {
+        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("a"))),
+        other => panic!("{other:?}"),
+    }
 }

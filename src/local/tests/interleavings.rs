@@ -236,7 +236,7 @@ fn a_release_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhi
     for s in all_binary_schedules(12) {
         let (t1, t2) = (t.clone(), t.clone());
         let work: Vec<Work<String>> = vec![
-            Box::new(move |sd: &mut dyn SharedData| format!("{:?}", t1.release(sd, &a).unwrap())),
+            Box::new(move |sd: &mut dyn SharedData| format!("{:?}", t1.release(sd, &a, NOW).unwrap())),
             Box::new(move |sd: &mut dyn SharedData| {
                 let b = handle(&t2.begin(sd, skey(21), Some(fp(2)), NOW, &policy(), owner(2), &creator("b")).unwrap());
                 let done = complete(&t2, sd, &b, fp(2), response("b"), false, &creator("b"), NOW, &policy()).unwrap();
