@@ -228,6 +228,35 @@ impl Http {
         Action::Pause
     }
 
+    /// This proxy holds the key as outcome-unknown: read (never claim) what the store holds, in
+    /// case an operator settled it there.
+    fn read_settled(&mut self, fp: Fingerprint) -> Action {
+        let Some(r) = self.req.as_ref() else {
+            return self.fail_closed(Broken::RequestMissing, "read_settled", None, Holding::Nothing);
+        };
+        let req = store::read_request(&r.skey);
+        self.call(req, None, fp, false)
+    }
+
+    /// The store's answer for a key held here as outcome-unknown. Only a record settles it: a
+    /// completion is replayed, another request's claim running now is in flight; an absent key
+    /// is no proof the key never ran (the store may have lost or expired it), so the local
+    /// outcome-unknown stands, as it does when the store cannot be read.
+    fn settled_answer(&mut self, fp: Fingerprint, status: Option<u16>, body: &[u8]) -> Action {
+        match store::parse_read_reply(status, body) {
+            Ok(store::ReadReply::Found(v)) if v.record.fingerprint != fp => {
+                let status = self.policy().map_or(422, |p| p.mismatch_status);
+                self.answer(ProblemKind::KeyReused { status }, None)
+            }
+            Ok(store::ReadReply::Found(v)) if v.phase == store::StorePhase::Done => self.replay(v.record),
+            Ok(store::ReadReply::Found(v)) if v.phase == store::StorePhase::InProgress => self.in_flight(),
+            _ => {
+                self.count(Counter::UnknownOutcome);
+                self.answer(ProblemKind::OutcomeUnknown, None)
+            }
+        }
+    }
+
     fn in_flight(&mut self) -> Action {
         self.answer(ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS }, None)
     }
@@ -372,7 +401,7 @@ impl Http {
             {
                 self.local_unknown = true;
                 match fp {
-                    Some(fp) => self.proceed(None, fp),
+                    Some(fp) => self.read_settled(fp),
                     None => {
                         self.phase = Phase::Waiting { handle: None };
                         Action::Pause
@@ -539,22 +568,15 @@ impl Http {
                 Err(e) => self.store_answer_lost(handle, &e),
             };
         }
+        if self.local_unknown {
+            return self.settled_answer(fp, status, body);
+        }
         let on_unavailable = self.shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
         // Cannot happen (a claim is made for a request): fail closed.
         let Some(owner) = self.req.as_ref().map(|r| r.owner) else {
             return self.store_failed(handle, &StoreError::Garbled("a claim answer without its request".into()));
         };
         let (now, expires_at, value) = match store::parse_claim_reply(status, body, &owner) {
-            // The store had no record of a key this proxy holds as outcome-unknown: absence is no
-            // proof it never ran (the store may have lost or expired it), so the local answer
-            // stands and the claim just made is withdrawn. Only a record in the store (an
-            // operator's completion) settles it.
-            Ok(ClaimReply::Claimed { .. }) if self.local_unknown => {
-                self.release_local(handle);
-                self.enqueue("release", Transition::release(owner), None);
-                self.count(Counter::UnknownOutcome);
-                return self.answer(ProblemKind::OutcomeUnknown, None);
-            }
             Ok(ClaimReply::Claimed { .. }) => return self.forward(handle, fp, true),
             Ok(ClaimReply::Exists { now_ms, expires_at_ms, value }) => (now_ms, expires_at_ms, value),
             // The key holds a record we cannot read: nothing was claimed, and it is no outage.
