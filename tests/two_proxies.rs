@@ -716,12 +716,12 @@ fn first_attempt_losing_its_claim(
     let mut h = vec![("x-up-delay-ms", "1500")];
     h.extend_from_slice(extra);
     let first = in_background(p.a.port, key, &h);
-    assert!(eventually(Duration::from_secs(5), || p.up.executions() == 1), "the first attempt never executed");
+    assert!(eventually(Duration::from_secs(20), || p.up.executions() == 1), "the first attempt never executed");
     assert!(!redis.keys("*").is_empty(), "the claim is in the store");
     redis.command(&[b"FLUSHALL"]);
     let first = first.join().unwrap();
     // The owner's write has been answered (whatever it did).
-    assert!(eventually(Duration::from_secs(5), || p.a.stat("idemgate.store_writes") >= 1), "the write never landed");
+    assert!(eventually(Duration::from_secs(20), || p.a.stat("idemgate.store_writes") >= 1), "the write never landed");
     first
 }
 
