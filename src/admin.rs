@@ -24,7 +24,7 @@ use crate::problem::ProblemKind;
 use crate::record::{Lifetimes, Record, State, StoredResponse, NOT_REPLAYED};
 use crate::request::RequestHead;
 use crate::scope::{CallerScope, StorageKey};
-use crate::store::{encode_arg, StorePhase, StoredValue, Transition, KEY_PREFIX};
+use crate::store::{encode_arg, StorePhase, StoredValue, Transition, WhereAbsent, KEY_PREFIX};
 
 /// Whether the store, not a proxy's local tier, settles a key the local tier refuses with
 /// `problem`: an outcome-unknown key is settled by an operator in the store (`resolve`), so
@@ -321,7 +321,13 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64) -> Result<Transit
     };
     let phases = phase_letters(value.phase);
     // The script re-checks a claim's lock by Redis's clock, so one that was renewed meanwhile stays.
-    let checked = |t: Transition| Transition { expected_phases: phases, require_stale: stale, ..t };
+    // A key that vanished since it was read is refused, never written anew.
+    let checked = |t: Transition| Transition {
+        expected_phases: phases,
+        require_stale: stale,
+        where_absent: WhereAbsent::Refuse,
+        ..t
+    };
     match action {
         Settle::Forget => Ok(checked(Transition::release(owner))),
         Settle::Release | Settle::Complete { .. } if value.phase == StorePhase::Done => Err(Refusal::Completed),

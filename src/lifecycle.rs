@@ -190,6 +190,17 @@ pub fn sources(event: Event) -> &'static [Stage] {
     }
 }
 
+/// Whether the store tier writes the event's new stage where it finds its key absent (or a
+/// release tombstone), instead of refusing: the store can lose a live key (`FLUSHALL`, an
+/// eviction, a failover to a replica that never had it), and a completion or outcome-unknown mark
+/// that vanished with it would let a retry execute again. The owner's request did run, so its key
+/// must not read as free. The local tier never meets this: it loses a live entry only by its own
+/// expiry, after which `next` refuses the owner (`Expired`). A key held by another owner or in
+/// another stage is still refused (`NotOwner`, `WrongStage`).
+pub fn store_writes_where_absent(event: Event) -> bool {
+    matches!(event, Event::Complete | Event::MarkUnknown)
+}
+
 /// Whether the event needs the record's lock to have expired (a tier that cannot evaluate
 /// `Facts` before writing, like the store's transition script, re-checks it atomically).
 /// A claim of a free record needs it too: a record holding a live lock is never free.

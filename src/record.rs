@@ -267,6 +267,25 @@ impl Record {
         }
     }
 
+    /// The record of a request that may have executed without a response (`reason`), living as
+    /// an outcome-unknown record (`Lifetimes`) from `now_ms`. The store writes it only where the
+    /// owner's claim is gone (`store::WhereAbsent`); otherwise the claim's own record is kept.
+    pub fn unknown(
+        fingerprint: Fingerprint,
+        creator: Creator,
+        reason: UnknownReason,
+        now_ms: u64,
+        lifetimes: &Lifetimes,
+    ) -> Record {
+        Record {
+            fingerprint,
+            created_at_ms: now_ms,
+            expires_at_ms: lifetimes.expires_at(Stage::Unknown, now_ms),
+            creator,
+            state: State::OutcomeUnknown { reason },
+        }
+    }
+
     pub fn is_expired(&self, now_ms: u64) -> bool {
         now_ms >= self.expires_at_ms
     }

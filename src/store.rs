@@ -56,22 +56,29 @@ redis.call('SET',KEYS[1],'IGS1P'..ARGV[1]..string.format('%015d',now+tonumber(AR
 return {'1',string.format('%d',now),ARGV[1]}";
 
 /// Owner-checked transition. KEYS[1]; ARGV: expected owner hex, expected phases, require stale
-/// lock ('1'/'0'), new phase ('X' deletes), new owner hex, ttl ms, lock ms ('-': none),
-/// record ('-': keep the stored one) last. Answers 1 when it changed the value, 0 otherwise.
+/// lock ('1'/'0'), new phase ('X' deletes), new owner hex, ttl ms, lock ms ('-': none), where
+/// absent ('0', '1', 'K'), record ('-': keep the stored one) last. Answers 1 when it changed the
+/// value, 0 otherwise.
 /// New phase 'R' is a release of a claim whose answer was lost: as 'X', but when the key is
 /// absent it writes a tombstone naming the owner for ttl ms, so the claim landing late is refused.
+/// Where absent '1' or 'K' (a completion, an outcome-unknown mark): when the key is absent or holds
+/// a release tombstone, the new value is written with the record and the answer is 2 (the owner's
+/// claim was lost by the store); 'K' keeps the stored record where the owner's claim is found.
 const TRANSITION_SCRIPT: &str = "local v=redis.call('GET',KEYS[1]) \
+if v and ARGV[8]~='0' and string.sub(v,1,5)=='IGS1R' then v=false end \
 if not v and ARGV[4]=='R' then redis.call('SET',KEYS[1],'IGS1R'..ARGV[1],'PX',ARGV[6]) return 1 end \
-if not v or string.sub(v,1,4)~='IGS1' or string.sub(v,6,37)~=ARGV[1] then return 0 end \
-if not string.find(ARGV[2],string.sub(v,5,5),1,true) then return 0 end \
 local t=redis.call('TIME') \
 local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
-if ARGV[3]=='1' and tonumber(string.sub(v,38,52))>now then return 0 end \
-if ARGV[4]=='X' or ARGV[4]=='R' then redis.call('DEL',KEYS[1]) return 1 end \
 local lock=0 \
 if ARGV[7]~='-' then lock=now+tonumber(ARGV[7]) end \
-local rec=ARGV[8] \
-if rec=='-' then rec=string.sub(v,53) end \
+if not v and ARGV[8]~='0' and ARGV[9]~='-' and ARGV[4]~='X' then \
+redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..ARGV[9],'PX',ARGV[6]) return 2 end \
+if not v or string.sub(v,1,4)~='IGS1' or string.sub(v,6,37)~=ARGV[1] then return 0 end \
+if not string.find(ARGV[2],string.sub(v,5,5),1,true) then return 0 end \
+if ARGV[3]=='1' and tonumber(string.sub(v,38,52))>now then return 0 end \
+if ARGV[4]=='X' or ARGV[4]=='R' then redis.call('DEL',KEYS[1]) return 1 end \
+local rec=ARGV[9] \
+if rec=='-' or ARGV[8]=='K' then rec=string.sub(v,53) end \
 redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..rec,'PX',ARGV[6]) \
 return 1";
 
@@ -378,10 +385,45 @@ pub struct Transition {
     pub record: Option<Record>,
     /// With `new_phase: None`: when the key is absent, leave a release tombstone for `ttl_ms`.
     pub tombstone: bool,
+    /// What to do when the key is absent (or holds a release tombstone).
+    pub where_absent: WhereAbsent,
+}
+
+/// What an owner-checked transition does where it finds no value (the key absent, or a release
+/// tombstone): `lifecycle::store_writes_where_absent` says which events write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WhereAbsent {
+    /// Change nothing (answer 0).
+    Refuse,
+    /// Write the new value with the transition's record (answer 2).
+    Write,
+    /// Write the new value with the transition's record (answer 2); where the owner's claim is
+    /// found, keep its stored record (an outcome-unknown mark).
+    WriteKeepingStored,
+}
+
+impl WhereAbsent {
+    fn letter(self) -> u8 {
+        match self {
+            WhereAbsent::Refuse => b'0',
+            WhereAbsent::Write => b'1',
+            WhereAbsent::WriteKeepingStored => b'K',
+        }
+    }
+
+    /// `how` if the store writes `event` where its key is absent, else `Refuse`.
+    fn for_event(event: Event, how: WhereAbsent) -> WhereAbsent {
+        if lifecycle::store_writes_where_absent(event) {
+            how
+        } else {
+            WhereAbsent::Refuse
+        }
+    }
 }
 
 impl Transition {
-    /// Completion by the owner: store the completed record (sent as the PUT body).
+    /// Completion by the owner: store the completed record (sent as the PUT body). Where the store
+    /// lost the owner's claim, the record is written all the same (answer 2).
     pub fn complete(owner: OwnerToken, record: Record, lifetimes: &Lifetimes) -> Transition {
         Transition {
             expected_owner: owner,
@@ -393,6 +435,7 @@ impl Transition {
             lock_ms: None,
             record: Some(record),
             tombstone: false,
+            where_absent: WhereAbsent::for_event(Event::Complete, WhereAbsent::Write),
         }
     }
 
@@ -408,6 +451,7 @@ impl Transition {
             lock_ms: None,
             record: None,
             tombstone: false,
+            where_absent: WhereAbsent::Refuse,
         }
     }
 
@@ -420,27 +464,35 @@ impl Transition {
     }
 
     /// The owner's request may have executed without a response: outcome-unknown for
-    /// `unknown_outcome_seconds` from now (Redis's now: the `PX`).
-    pub fn unknown(owner: OwnerToken, lifetimes: &Lifetimes) -> Transition {
+    /// `unknown_outcome_seconds` from now (Redis's now: the `PX`). The claim's stored record is
+    /// kept; where the store lost the claim, `where_absent` (the owner's record of the request,
+    /// `Record::unknown`) is written instead (answer 2), so the key never reads as free.
+    pub fn unknown(owner: OwnerToken, where_absent: Record, lifetimes: &Lifetimes) -> Transition {
+        Transition {
+            record: Some(where_absent),
+            where_absent: WhereAbsent::for_event(Event::MarkUnknown, WhereAbsent::WriteKeepingStored),
+            ..Transition::to_unknown(owner, Event::MarkUnknown, lifetimes)
+        }
+    }
+
+    /// Another request's forwarded lock expired (by Redis's clock) without a completion.
+    pub fn stale_to_unknown(stale_owner: OwnerToken, lifetimes: &Lifetimes) -> Transition {
+        Transition::to_unknown(stale_owner, Event::StaleToUnknown, lifetimes)
+    }
+
+    /// `event` to outcome-unknown, keeping the stored record and refusing where absent.
+    fn to_unknown(owner: OwnerToken, event: Event, lifetimes: &Lifetimes) -> Transition {
         Transition {
             expected_owner: owner,
-            expected_phases: expected_phases(Event::MarkUnknown),
-            require_stale: lifecycle::needs_stale_lock(Event::MarkUnknown),
+            expected_phases: expected_phases(event),
+            require_stale: lifecycle::needs_stale_lock(event),
             new_phase: Some(StorePhase::Unknown),
             new_owner: owner,
             ttl_ms: lifetimes.life_ms(Stage::Unknown),
             lock_ms: None,
             record: None,
             tombstone: false,
-        }
-    }
-
-    /// Another request's forwarded lock expired (by Redis's clock) without a completion.
-    pub fn stale_to_unknown(stale_owner: OwnerToken, lifetimes: &Lifetimes) -> Transition {
-        Transition {
-            expected_phases: expected_phases(Event::StaleToUnknown),
-            require_stale: lifecycle::needs_stale_lock(Event::StaleToUnknown),
-            ..Transition::unknown(stale_owner, lifetimes)
+            where_absent: WhereAbsent::Refuse,
         }
     }
 
@@ -473,6 +525,7 @@ impl Transition {
             lock_ms: Some(lifetimes.lock_ms),
             record: Some(record),
             tombstone: false,
+            where_absent: WhereAbsent::Refuse,
         }
     }
 
@@ -487,6 +540,7 @@ impl Transition {
             self.new_owner.hex().into_bytes(),
             self.ttl_ms.max(1).to_string().into_bytes(),
             self.lock_ms.map_or("-".to_string(), |l| l.to_string()).into_bytes(),
+            vec![self.where_absent.letter()],
         ]
     }
 
@@ -682,11 +736,32 @@ pub fn parse_claim_reply(status: Option<u16>, body: &[u8], owner: &OwnerToken) -
     }
 }
 
-/// Parses the answer to a transition: `true` if it changed the value.
-pub fn parse_transition_reply(status: Option<u16>, body: &[u8]) -> Result<bool, StoreError> {
+/// The answer to an owner-checked transition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransitionReply {
+    /// The value was changed (1).
+    Changed,
+    /// Nothing changed (0): the value is not the expected owner's, or not in an expected phase, or
+    /// its lock is live.
+    Refused,
+    /// The key was absent (or a release tombstone) and the new value was written there (2): the
+    /// store had lost the owner's claim (`WhereAbsent`).
+    ClaimGoneRewritten,
+}
+
+impl TransitionReply {
+    /// The store holds the transition's new value.
+    pub fn written(self) -> bool {
+        self != TransitionReply::Refused
+    }
+}
+
+/// Parses the answer to a transition.
+pub fn parse_transition_reply(status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
     match as_int(&parse_reply(status, body)?) {
-        Some(1) => Ok(true),
-        Some(0) => Ok(false),
+        Some(1) => Ok(TransitionReply::Changed),
+        Some(0) => Ok(TransitionReply::Refused),
+        Some(2) => Ok(TransitionReply::ClaimGoneRewritten),
         _ => Err(garbled("transition reply")),
     }
 }

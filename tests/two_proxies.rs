@@ -703,3 +703,52 @@ fn store_values_are_judged_by_redis_clock_whatever_the_writers_clock() {
     assert_eq!((fresh.status, fresh.header("idempotent-replayed")), (201, None), "{}", fresh.body_text());
     assert_eq!(p.up.executions(), 4);
 }
+
+/// Sends a slow first attempt through `a` with `extra` upstream headers, and empties the store
+/// (`FLUSHALL`: an eviction, a failover) while the upstream works, so the owner's write after the
+/// exchange finds its claim gone. Returns the first attempt's answer once a's write has landed.
+fn first_attempt_losing_its_claim(
+    p: &Pair,
+    redis: &Redis,
+    key: &'static str,
+    extra: &[(&'static str, &'static str)],
+) -> Response {
+    let mut h = vec![("x-up-delay-ms", "1500")];
+    h.extend_from_slice(extra);
+    let first = in_background(p.a.port, key, &h);
+    assert!(eventually(Duration::from_secs(20), || p.up.executions() == 1), "the first attempt never executed");
+    assert!(!redis.keys("*").is_empty(), "the claim is in the store");
+    redis.command(&[b"FLUSHALL"]);
+    let first = first.join().unwrap();
+    // The owner's write has been answered (whatever it did).
+    assert!(eventually(Duration::from_secs(20), || p.a.stat("idemgate.store_writes") >= 1), "the write never landed");
+    first
+}
+
+#[test]
+fn a_completion_that_finds_its_claim_gone_still_stores_the_response() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, &cfg(""));
+    let first = first_attempt_losing_its_claim(&p, &redis, "k-flushed", &[]);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    let r = post(&p.b, "k-flushed", "{}", &[]);
+    assert_eq!(p.up.executions(), 1, "the retry on the other proxy executed again");
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")), "{}", r.body_text());
+    assert_eq!(r.body, first.body);
+    assert_eq!(p.a.stat("idemgate.store_claim_gone_rewritten"), 1);
+}
+
+#[test]
+fn an_outcome_unknown_mark_that_finds_its_claim_gone_still_holds_the_key() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, &cfg(""));
+    let first = first_attempt_losing_its_claim(&p, &redis, "k-flushed-reset", &[("x-up-reset", "before-headers")]);
+    assert_eq!(first.status, 503, "Envoy answers the reset: {}", first.body_text());
+    let r = post(&p.b, "k-flushed-reset", "{}", &[]);
+    assert_eq!(p.up.executions(), 1, "the retry on the other proxy executed again");
+    assert_eq!(r.status, 409, "{}", r.body_text());
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:outcome-unknown");
+    assert_eq!(p.a.stat("idemgate.store_claim_gone_rewritten"), 1);
+}

@@ -26,7 +26,7 @@ use clap::{Arg, ArgAction, ArgMatches, Command};
 use idemgate::admin::{self, Header, KeyRequest, KeyState, Settle};
 use idemgate::config::{Anonymous, Config};
 use idemgate::probe::{self, Answer, Seen};
-use idemgate::store::{self, ReadReply, Resp, StoreRequest};
+use idemgate::store::{self, ReadReply, Resp, StoreRequest, TransitionReply};
 
 const DEFAULT_WEBDIS: &str = "http://127.0.0.1:7379";
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -316,11 +316,12 @@ fn settle(w: &Webdis, skey: &idemgate::scope::StorageKey, action: &Settle, done:
     let t = admin::plan(action, &value, now).or_else(|r| fail(r.to_string()))?;
     let (status, body) = w.send(&t.request(skey))?;
     match store::parse_transition_reply(status, &body) {
-        Ok(true) => {
+        // An operator's transition refuses where the key is absent (`WhereAbsent::Refuse`).
+        Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten) => {
             println!("{done}");
             Ok(())
         }
-        Ok(false) => fail(
+        Ok(TransitionReply::Refused) => fail(
             "refused: the record changed since it was read (its request or another operator acted); inspect it again",
         ),
         Err(e) => fail(format!("store: {e}")),

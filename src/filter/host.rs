@@ -140,6 +140,7 @@ pub enum Counter {
     StoreWrites,
     StoreWriteRetries,
     StoreWriteFailures,
+    StoreClaimGoneRewritten,
     DetachedForwards,
     Waited,
     WaitAnswered,
@@ -149,7 +150,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 36] = [
+    pub const ALL: [Counter; 37] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -180,6 +181,7 @@ impl Counter {
         Counter::StoreWrites,
         Counter::StoreWriteRetries,
         Counter::StoreWriteFailures,
+        Counter::StoreClaimGoneRewritten,
         Counter::DetachedForwards,
         Counter::Waited,
         Counter::WaitAnswered,
@@ -220,6 +222,7 @@ impl Counter {
             Counter::StoreWrites => "idemgate.store_writes",
             Counter::StoreWriteRetries => "idemgate.store_write_retries",
             Counter::StoreWriteFailures => "idemgate.store_write_failures",
+            Counter::StoreClaimGoneRewritten => "idemgate.store_claim_gone_rewritten",
             Counter::DetachedForwards => "idemgate.detached_forwards",
             Counter::Waited => "idemgate.waited",
             Counter::WaitAnswered => "idemgate.wait_answered",

@@ -35,7 +35,7 @@ use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
 use crate::request::{RequestHead, ROUTER_RETRY_CAP};
 use crate::scope::{CallerScope, StorageKey};
-use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition};
+use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition, TransitionReply};
 
 pub(super) use crate::record::NOT_REPLAYED;
 
@@ -557,11 +557,12 @@ impl Http {
     ) -> Action {
         if takeover {
             return match store::parse_transition_reply(status, body) {
-                Ok(true) => {
+                // A take-over never writes where the key is absent (`WhereAbsent::Refuse`).
+                Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten) => {
                     self.count(Counter::TakenOver);
                     self.forward(handle, fp, true)
                 }
-                Ok(false) => {
+                Ok(TransitionReply::Refused) => {
                     self.release_local(handle);
                     self.in_flight()
                 }

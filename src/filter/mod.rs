@@ -29,7 +29,7 @@ use crate::local::Table;
 use crate::problem::ProblemKind;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
-use crate::store;
+use crate::store::{self, TransitionReply};
 use crate::wait::{self, Seen, Tier, WaitAnswer};
 use host::{Counter, Gauge, HostShared, Metrics};
 use settle::Claim;
@@ -577,15 +577,27 @@ impl Context for Root {
             Some(Call::Write(job)) => {
                 let (status, body) = writes::answer(body_size, num_headers);
                 match store::parse_transition_reply(status, &body) {
-                    Ok(changed) => {
+                    Ok(reply) => {
                         if let Some(s) = self.shared.as_ref() {
                             s.metrics.inc(Counter::StoreWrites);
                         }
-                        if !changed {
-                            info!(
+                        match reply {
+                            TransitionReply::Changed => {}
+                            TransitionReply::Refused => info!(
                                 "idemgate: store write {} for key={} found the claim no longer ours",
                                 job.what, job.key_hash
-                            );
+                            ),
+                            // The store lost the claim (FLUSHALL, an eviction, a failover) while
+                            // the request ran: the record was written where it was gone.
+                            TransitionReply::ClaimGoneRewritten => {
+                                if let Some(s) = self.shared.as_ref() {
+                                    s.metrics.inc(Counter::StoreClaimGoneRewritten);
+                                }
+                                warn!(
+                                    "idemgate: store write {} for key={} found the claim gone from the store (flushed, evicted or failed over) and wrote the record where it was",
+                                    job.what, job.key_hash
+                                );
+                            }
                         }
                         self.write_ended();
                     }

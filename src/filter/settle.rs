@@ -12,7 +12,7 @@ use crate::decision::Outcome;
 use crate::fingerprint::Fingerprint;
 use crate::local::{Completed, Handle};
 use crate::owner::OwnerToken;
-use crate::record::{Creator, Lifetimes, Record, StoredResponse};
+use crate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
 use crate::scope::StorageKey;
 use crate::store::Transition;
 
@@ -60,7 +60,9 @@ pub fn settle(
             let record =
                 Record::completed(claim.fp, response, too_large, claim.creator.clone(), now, policy.ttl_seconds);
             if claim.in_store && shared.config.store.is_some() {
-                let unknown = Transition::unknown(claim.owner, &lifetimes);
+                let gone =
+                    Record::unknown(claim.fp, claim.creator.clone(), UnknownReason::StoreWriteFailed, now, &lifetimes);
+                let unknown = Transition::unknown(claim.owner, gone, &lifetimes);
                 let complete = Transition::complete(claim.owner, record.clone(), &lifetimes);
                 shared.push_job(Job::new("complete", &claim.skey, &complete, Some(&unknown)));
             }
@@ -100,7 +102,13 @@ pub fn settle(
                 let _ = t.mark_unknown(&mut HostShared, &h, reason, now, policy);
             }
             if claim.in_store && shared.config.store.is_some() {
-                shared.push_job(Job::new("unknown", &claim.skey, &Transition::unknown(claim.owner, &lifetimes), None));
+                let gone = Record::unknown(claim.fp, claim.creator.clone(), reason, now, &lifetimes);
+                shared.push_job(Job::new(
+                    "unknown",
+                    &claim.skey,
+                    &Transition::unknown(claim.owner, gone, &lifetimes),
+                    None,
+                ));
             }
             shared.metrics.inc_for(Counter::UnknownOutcome, Some(claim.policy_index));
             info!("{}", line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())));

@@ -1,6 +1,6 @@
 use super::*;
 use crate::fingerprint::Fingerprint;
-use crate::record::{Creator, Lifetimes, Stage, State, StoredResponse};
+use crate::record::{Creator, Lifetimes, Stage, State, StoredResponse, UnknownReason};
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -91,7 +91,7 @@ fn every_transitions_px_comes_from_the_one_lifetime_table() {
     let t = Transition::take_over(a, b, record(), false, &l);
     assert_eq!((t.ttl_ms, t.lock_ms), (602_000, Some(2_000)));
     assert_eq!(Transition::complete(a, record(), &l).ttl_ms, 4_000, "completed: ttl from completion");
-    assert_eq!(Transition::unknown(a, &l).ttl_ms, 600_000, "unknown: unknown_outcome from now");
+    assert_eq!(Transition::unknown(a, gone(), &l).ttl_ms, 600_000, "unknown: unknown_outcome from now");
     assert_eq!(Transition::stale_to_unknown(a, &l).ttl_ms, 600_000);
     for (stage, px) in [(Stage::Forwarded, 602_000), (Stage::Completed, 4_000), (Stage::Unknown, 600_000)] {
         assert_eq!(l.life_ms(stage), px, "{stage:?}");
@@ -127,8 +127,8 @@ fn a_completion_travels_as_a_put_body_and_other_transitions_as_posts() {
     assert_eq!((post.method, post.path.as_str()), ("POST", "/"));
     let body = String::from_utf8(post.body).unwrap();
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
-    // EVAL script 1 key | owner phases stale new-phase new-owner ttl lock record
-    assert_eq!(&parts[4..], &["02".repeat(16).as_str(), "P", "0", "X", "02".repeat(16).as_str(), "1", "-", "-"]);
+    // EVAL script 1 key | owner phases stale new-phase new-owner ttl lock where-absent record
+    assert_eq!(&parts[4..], &["02".repeat(16).as_str(), "P", "0", "X", "02".repeat(16).as_str(), "1", "-", "0", "-"]);
     let stale = Transition::stale_to_unknown(owner, &lives(1000, 500, 5000)).request(&skey());
     let body = String::from_utf8(stale.body).unwrap();
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
@@ -205,9 +205,10 @@ fn store_failures_of_every_kind_are_errors_never_panics() {
     assert_eq!(parse_claim_reply(Some(200), b"-ERR boom\r\n", &OWNER), Err(StoreError::Redis("ERR boom".into())));
     assert!(matches!(parse_claim_reply(Some(200), b"{\"EVAL\":[1,2]}", &OWNER), Err(StoreError::Garbled(_))));
     assert!(matches!(parse_claim_reply(Some(200), b"*2\r\n:7\r\n:1\r\n", &OWNER), Err(StoreError::Garbled(_))));
-    assert_eq!(parse_transition_reply(Some(200), b":1\r\n"), Ok(true));
-    assert_eq!(parse_transition_reply(Some(200), b"$1\r\n0\r\n"), Ok(false));
-    assert!(parse_transition_reply(Some(200), b":2\r\n").is_err());
+    assert_eq!(parse_transition_reply(Some(200), b":1\r\n"), Ok(TransitionReply::Changed));
+    assert_eq!(parse_transition_reply(Some(200), b"$1\r\n0\r\n"), Ok(TransitionReply::Refused));
+    assert!(parse_transition_reply(Some(200), b":3\r\n").is_err());
+    assert!(parse_transition_reply(Some(200), b":-1\r\n").is_err());
     assert!(parse_transition_reply(Some(502), b":1\r\n").is_err());
 }
 
@@ -380,8 +381,9 @@ fn a_lost_claim_release_leaves_a_tombstone_naming_its_owner_that_reads_as_absent
     let t = Transition::release_lost(owner, &lives(86_400_000, 30_000, 60_000));
     assert!(t.tombstone && t.new_phase.is_none());
     let req = String::from_utf8(t.request(&skey()).body).unwrap();
-    // ARGV: owner, phases, stale, new phase 'R', new owner, ttl (the claim's own life), lock, record.
-    let tail = format!("/{}/P/0/R/{}/90000/-/-.raw", owner.hex(), owner.hex());
+    // ARGV: owner, phases, stale, new phase 'R', new owner, ttl (the claim's own life), lock,
+    // where absent (no write: the tombstone is its own case), record.
+    let tail = format!("/{}/P/0/R/{}/90000/-/0/-.raw", owner.hex(), owner.hex());
     assert!(req.ends_with(&tail), "{req}");
     // A plain release deletes and never writes a tombstone.
     let plain = String::from_utf8(Transition::release(owner).request(&skey()).body).unwrap();
@@ -396,4 +398,55 @@ fn a_lost_claim_release_leaves_a_tombstone_naming_its_owner_that_reads_as_absent
 fn a_claim_refused_by_its_owners_tombstone_is_never_taken_for_a_claim() {
     let refused = b"*2\r\n$1\r\n2\r\n$13\r\n1764000000000\r\n";
     assert!(parse_claim_reply(Some(200), refused, &OWNER).is_err());
+}
+
+/// The outcome-unknown record an owner writes where the store lost its claim.
+fn gone() -> Record {
+    let l = lives(4_000, 2_000, 600_000);
+    Record::unknown(record().fingerprint, record().creator, UnknownReason::UpstreamReset, 0, &l)
+}
+
+/// A completion or outcome-unknown mark that finds its claim gone from the store writes its
+/// record there and answers 2; an owner mismatch stays a refusal (0).
+#[test]
+fn a_write_that_finds_its_claim_gone_answers_its_own_code() {
+    assert_eq!(parse_transition_reply(Some(200), b":2\r\n"), Ok(TransitionReply::ClaimGoneRewritten));
+    assert_eq!(parse_transition_reply(Some(200), b"$1\r\n2\r\n"), Ok(TransitionReply::ClaimGoneRewritten));
+    assert!(TransitionReply::ClaimGoneRewritten.written() && TransitionReply::Changed.written());
+    assert!(!TransitionReply::Refused.written());
+}
+
+/// Only the owner's completion and outcome-unknown mark write where the key is absent; every
+/// other transition keeps refusing there. The flag is the ARGV before the record.
+#[test]
+fn only_completion_and_outcome_unknown_write_where_their_claim_is_gone() {
+    let (a, b) = (OwnerToken([1; 16]), OwnerToken([2; 16]));
+    let l = lives(4_000, 2_000, 600_000);
+    let flag = |t: &Transition| {
+        let req = t.request(&skey());
+        let cmd = if t.record.is_some() { req.path } else { String::from_utf8(req.body).unwrap() };
+        let parts: Vec<String> = cmd.trim_end_matches(".raw").split('/').map(str::to_string).collect();
+        // (PUT) "" EVAL script 1 key | 7 args, where-absent [, record] -- the flag is 8th of ARGV.
+        let argv0 = parts.iter().position(|p| p == &a.hex()).unwrap();
+        parts[argv0 + 7].clone()
+    };
+    let complete = Transition::complete(a, record(), &l);
+    assert_eq!((complete.where_absent, flag(&complete).as_str()), (WhereAbsent::Write, "1"));
+    let unknown = Transition::unknown(a, gone(), &l);
+    assert_eq!((unknown.where_absent, flag(&unknown).as_str()), (WhereAbsent::WriteKeepingStored, "K"));
+    // The record written where absent travels as the PUT body; where the claim is found it is kept.
+    assert_eq!(unknown.request(&skey()).method, "PUT");
+    assert_eq!(unknown.request(&skey()).body, gone().encode());
+    for t in [
+        Transition::release(a),
+        Transition::release_lost(a, &l),
+        Transition::stale_to_unknown(a, &l),
+        Transition::take_over(a, b, record(), false, &l),
+        Transition::take_over(a, b, record(), true, &l),
+    ] {
+        assert_eq!((t.where_absent, flag(&t).as_str()), (WhereAbsent::Refuse, "0"), "{t:?}");
+    }
+    // The script writes where absent only on the flag, and answers 2 for it.
+    assert!(TRANSITION_SCRIPT.contains("if not v and ARGV[8]~='0' and ARGV[9]~='-'"));
+    assert!(TRANSITION_SCRIPT.contains("return 2 end"));
 }
