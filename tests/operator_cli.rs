@@ -73,16 +73,24 @@ impl Stack {
         text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect()
     }
 
-    /// Polls `list` (at most 50 times, 100 ms apart) until `skey` is in `state`: the filter's
-    /// root context writes outcomes after the answer.
+    /// Polls `list` (at most 200 times, 100 ms apart) until `skey` is in `state`: the filter's
+    /// root context writes outcomes after the answer, retrying with backoff if the store refuses.
     fn wait_listed(&self, state: &str, skey: &str) {
-        for _ in 0..50 {
+        for _ in 0..200 {
             if self.listed(state).iter().any(|k| k == skey) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        panic!("{skey} never listed as {state}; inspect: {}", text(&self.cli(&["inspect", skey]).stdout));
+        let stats: Vec<_> = ["store_writes", "store_write_retries", "store_errors", "unknown_outcome", "released"]
+            .iter()
+            .map(|n| format!("{n}={}", self.envoy.stat(&format!("idemgate.{n}"))))
+            .collect();
+        panic!(
+            "{skey} never listed as {state}; {}; inspect: {}",
+            stats.join(" "),
+            text(&self.cli(&["inspect", skey]).stdout)
+        );
     }
 
     fn inspect(&self, skey: &str) -> serde_json::Value {
