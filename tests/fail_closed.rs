@@ -195,12 +195,12 @@ fn fail_closed_a_claim_landing_after_its_release_does_not_block_the_key() {
     assert_eq!(up.executions(), 0);
     // The release, queued when the claim's answer was lost, is answered before the claim lands.
     assert!(
-        eventually(Duration::from_secs(5), || e.stat("idemgate.store_writes") >= 1),
+        eventually(Duration::from_secs(20), || e.stat("idemgate.store_writes") >= 1),
         "the owner-checked release never ran"
     );
     assert_eq!(slow.answered.load(Ordering::SeqCst), 0, "the claim landed before the release: nothing measured");
     // Then the held claim reaches Redis.
-    assert!(eventually(Duration::from_secs(5), || slow.answered.load(Ordering::SeqCst) >= 1), "the claim never landed");
+    assert!(eventually(Duration::from_secs(20), || slow.answered.load(Ordering::SeqCst) >= 1), "the claim never landed");
     // Nothing ran under that claim: a retry with the same key must execute, once.
     let retry = post(e.port, "k-late-claim", "{}", &[]);
     assert_eq!(retry.status, 201, "key blocked by a claim that landed after its release: {}", retry.body_text());

@@ -265,10 +265,10 @@ fn a_completion_write_during_a_short_store_outage_lands_when_the_store_returns()
     let p = Pair::new(webdis.port, WRITE_FAIL_CFG);
     let first = first_attempt_outliving_redis(p.a.port, &mut redis, "k-wshort");
     assert_eq!(first.status, 201, "the client still gets its response");
-    assert!(eventually(Duration::from_secs(3), || p.a.stat("idemgate.store_write_retries") >= 1));
+    assert!(eventually(Duration::from_secs(10), || p.a.stat("idemgate.store_write_retries") >= 1));
     redis.restart();
     // The write is retried with backoff (0.2 .. 3.2 s) and lands once the store is back.
-    assert!(eventually(Duration::from_secs(8), || p.a.stat("idemgate.store_writes") >= 1), "the write never landed");
+    assert!(eventually(Duration::from_secs(20), || p.a.stat("idemgate.store_writes") >= 1), "the write never landed");
     assert_eq!(p.a.stat("idemgate.store_write_failures"), 0);
     let r = post(&p.b, "k-wshort", "{}", &[]);
     assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")), "{}", r.body_text());
@@ -297,7 +297,7 @@ fn a_claim_whose_answer_was_lost_is_released_so_a_retry_executes() {
                                                      // (A retry of the release that runs after the claim was deleted leaves a release tombstone,
                                                      // which holds no record and reads as a free key.)
     let no_claim = || redis.keys("*").iter().all(|k| redis.get_raw(k).is_none_or(|v| v.starts_with(b"IGS1R")));
-    assert!(eventually(Duration::from_secs(8), no_claim), "the lost claim is still in the store");
+    assert!(eventually(Duration::from_secs(20), no_claim), "the lost claim is still in the store");
     let retry = post(&p.b, "k-lost", "{}", &[]);
     assert_eq!(retry.status, 201, "{}", retry.body_text());
     assert_eq!(p.up.executions(), 1);
@@ -340,7 +340,7 @@ fn through_a_redis_cluster_duplicates_execute_exactly_once() {
         assert_eq!(first.status, 201, "{}", first.body_text());
         // The completion write has landed (under load it may take a retry).
         assert!(
-            eventually(Duration::from_secs(8), || p.a.stat("idemgate.store_writes") > n),
+            eventually(Duration::from_secs(20), || p.a.stat("idemgate.store_writes") > n),
             "{key}: write never landed"
         );
         let again = post(&p.b, &key, "{}", &[]);
@@ -460,7 +460,7 @@ fn a_completion_write_queued_when_the_plugin_is_reloaded_still_lands() {
     let b = Envoy::start(&o);
     let first = first_attempt_outliving_redis(a.port, &mut redis, "k-reload");
     assert_eq!(first.status, 201, "the client still gets its response");
-    assert!(eventually(Duration::from_secs(3), || a.stat("idemgate.store_write_retries") >= 1));
+    assert!(eventually(Duration::from_secs(10), || a.stat("idemgate.store_write_retries") >= 1));
     assert_eq!(a.stat("idemgate.store_writes_pending"), 1, "the gauge shows the write waiting");
     // The plugin configuration changes while the write waits for its retry: Envoy replaces the
     // listener and stops the old plugin's root contexts.
@@ -473,7 +473,7 @@ fn a_completion_write_queued_when_the_plugin_is_reloaded_still_lands() {
     o.plugin_config =
         WRITE_FAIL_CFG.replace("\"lock_ttl_seconds\": 2", "\"lock_ttl_seconds\": 2, \"ttl_seconds\": 86401");
     a.reload_listener(&o);
-    assert!(eventually(Duration::from_secs(5), || updates(&a) > before), "the listener was not reloaded");
+    assert!(eventually(Duration::from_secs(15), || updates(&a) > before), "the listener was not reloaded");
     // The old listener is dropped after the 1 s drain time; the store stays down a while longer,
     // so the write can land only if the old root context is still there to retry it (next
     // retries: 1.4 s and 3.0 s after the first failure).
@@ -601,7 +601,7 @@ fn an_outcome_unknown_record_lives_unknown_outcome_seconds_on_every_proxy() {
     assert_eq!(first.status, 504, "{}", first.body_text());
     assert_eq!(p.up.executions(), 1);
     assert!(
-        eventually(Duration::from_secs(5), || redis
+        eventually(Duration::from_secs(20), || redis
             .get_raw(redis_key_of(plugin, "k-unknown-life"))
             .is_some_and(|v| v.get(4) == Some(&b'U'))),
         "the store never learned the outcome is unknown"
@@ -645,7 +645,7 @@ fn store_values_are_judged_by_redis_clock_whatever_the_writers_clock() {
         assert_eq!(post(&p.a, k, "{}", &[]).status, 201);
         let name = redis_key_of(plugin, k);
         assert!(
-            eventually(Duration::from_secs(5), || redis.get_raw(&name).is_some_and(|v| v.get(4) == Some(&b'D'))),
+            eventually(Duration::from_secs(20), || redis.get_raw(&name).is_some_and(|v| v.get(4) == Some(&b'D'))),
             "{k}: no completed record in the store"
         );
         let v = StoredValue::decode(&redis.get_raw(&name).expect("value")).expect("a value this build reads");
