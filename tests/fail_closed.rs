@@ -200,7 +200,10 @@ fn fail_closed_a_claim_landing_after_its_release_does_not_block_the_key() {
     );
     assert_eq!(slow.answered.load(Ordering::SeqCst), 0, "the claim landed before the release: nothing measured");
     // Then the held claim reaches Redis.
-    assert!(eventually(Duration::from_secs(20), || slow.answered.load(Ordering::SeqCst) >= 1), "the claim never landed");
+    assert!(
+        eventually(Duration::from_secs(20), || slow.answered.load(Ordering::SeqCst) >= 1),
+        "the claim never landed"
+    );
     // Nothing ran under that claim: a retry with the same key must execute, once.
     let retry = post(e.port, "k-late-claim", "{}", &[]);
     assert_eq!(retry.status, 201, "key blocked by a claim that landed after its release: {}", retry.body_text());
