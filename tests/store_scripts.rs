@@ -1,0 +1,206 @@
+//! The store's two Lua scripts are sent by their SHA-1 (`EVALSHA`), in full (`EVAL`) only when
+//! Redis answers NOSCRIPT (issue 15 item 3). Redis and webdis run as shipped (`envoy/redis.conf`,
+//! `envoy/docker-compose/webdis.json`: their ACLs must let EVALSHA through); what Redis ran is
+//! read from its own `INFO commandstats`, and every test counts the upstream's executions.
+
+mod support;
+
+use std::time::Duration;
+
+use support::http::{self, Response};
+use support::store::{Redis, Webdis};
+use support::upstream::Upstream;
+use support::{Envoy, EnvoyOptions};
+
+const PLUGIN: &str = r#"{"scope": {"headers": ["authorization"]}, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 1000}}"#;
+const CALLER: &str = "Bearer alice-secret-token";
+
+/// The webdis configuration users copy, and its basic-auth credential.
+fn shipped_webdis() -> (serde_json::Value, String) {
+    let path = support::repo_root().join("envoy/docker-compose/webdis.json");
+    let shipped: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(path).expect("read webdis.json")).expect("webdis.json is JSON");
+    let credential = shipped["acl"]
+        .as_array()
+        .and_then(|acl| acl.iter().find_map(|a| a["http_basic_auth"].as_str().map(str::to_string)))
+        .expect("the shipped webdis ACL names a credential");
+    (shipped, credential)
+}
+
+/// Redis and webdis exactly as shipped, and an Envoy factory using them.
+struct Store {
+    redis: Redis,
+    webdis: Webdis,
+    credential: String,
+}
+
+impl Store {
+    fn start() -> Store {
+        let (shipped, credential) = shipped_webdis();
+        let redis = Redis::start();
+        let webdis = Webdis::start_shipped(redis.port, &shipped);
+        Store { redis, webdis, credential }
+    }
+
+    fn envoy(&self, up: &Upstream) -> Envoy {
+        let mut o = EnvoyOptions::new(PLUGIN, up.port);
+        o.store_port = Some(self.webdis.port);
+        o.vm_host_env.push(("IDEMGATE_STORE_AUTH".into(), self.credential.clone()));
+        Envoy::start(&o)
+    }
+
+    /// `calls` and `failed_calls` of one command in Redis's `INFO commandstats` (0 if never run).
+    fn command_stats(&self, command: &str) -> (u64, u64) {
+        let info = self.redis.cli(&["INFO", "commandstats"]);
+        let prefix = format!("cmdstat_{command}:");
+        let Some(line) = info.lines().find(|l| l.starts_with(&prefix)) else { return (0, 0) };
+        let field = |name: &str| {
+            line.trim_start_matches(&prefix)
+                .split(',')
+                .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        (field("calls"), field("failed_calls"))
+    }
+
+    /// The phase letter of the value idemgate stores for `key` (sent by `post`), if any.
+    fn phase_of(&self, key: &str) -> Option<u8> {
+        self.redis.get_raw(redis_key_of(key)).and_then(|v| v.get(4).copied())
+    }
+}
+
+/// The Redis key idemgate uses for `key` sent by `post` through an Envoy running `PLUGIN`.
+fn redis_key_of(key: &str) -> String {
+    use idemgate::request::RequestHead;
+    use idemgate::scope::{CallerScope, StorageKey};
+    let config = idemgate::config::Config::parse(PLUGIN.as_bytes()).expect("config");
+    let policy = config.policy_for("POST", "/charges").expect("policy");
+    let head = RequestHead::from_pairs(vec![
+        (":method".into(), b"POST".to_vec()),
+        (":path".into(), b"/charges".to_vec()),
+        (":authority".into(), b"idemgate.test".to_vec()),
+        ("authorization".into(), CALLER.as_bytes().to_vec()),
+    ]);
+    let scope = CallerScope::of(&head, &policy.scope);
+    let k = idemgate::key::parse_key_header(&[key.as_bytes()], 255).expect("key").expect("a key");
+    idemgate::store::redis_key(&StorageKey::derive(&policy.namespace, &scope, &k))
+}
+
+fn post(envoy: &Envoy, key: &str) -> Response {
+    let h = [("authorization", CALLER), ("idempotency-key", key)];
+    http::request(envoy.port, "POST", "/charges", &h, br#"{"amount": 7}"#).expect("request")
+}
+
+/// Polls `cond` every 50 ms for at most `limit` (the root's writes land after the answer).
+fn eventually(limit: Duration, cond: impl Fn() -> bool) -> bool {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < limit {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    cond()
+}
+
+/// A key is first executed and answered 201, its completion lands in the store (phase `D`),
+/// and a retry on `retry_on` replays it.
+fn executes_once_and_replays(s: &Store, first: &Envoy, retry_on: &Envoy, up: &Upstream, key: &str) {
+    let before = up.executions();
+    let r = post(first, key);
+    assert_eq!(r.status, 201, "{key}: {} {}", r.status, r.body_text());
+    assert_eq!(up.executions(), before + 1, "{key}: executions");
+    assert!(
+        eventually(Duration::from_secs(20), || s.phase_of(key) == Some(b'D')),
+        "{key}: the root's completion never landed (store holds phase {:?}); store counters {:?}",
+        s.phase_of(key).map(char::from),
+        first.stats("idemgate.store")
+    );
+    let again = post(retry_on, key);
+    assert_eq!(again.status, 201, "{key}: {}", again.body_text());
+    assert_eq!(again.header("idempotent-replayed"), Some("true"), "{key}: {}", again.body_text());
+    assert_eq!(again.body, r.body, "{key}");
+    assert_eq!(up.executions(), before + 1, "{key}: executions after the retry");
+}
+
+#[test]
+fn first_requests_run_the_scripts_by_their_sha1_and_load_each_script_at_most_once() {
+    let s = Store::start();
+    let up = Upstream::start();
+    let e = s.envoy(&up);
+    const KEYS: u64 = 5;
+    for i in 0..KEYS {
+        executes_once_and_replays(&s, &e, &e, &up, &format!("sha-{i}"));
+    }
+    assert_eq!(up.executions(), KEYS);
+    let (evalsha, _) = s.command_stats("evalsha");
+    let (eval, _) = s.command_stats("eval");
+    // Each key: one claim and one completion, each an EVALSHA (the first of each a NOSCRIPT on
+    // this fresh Redis, then one EVAL that loads the script).
+    assert!(evalsha >= 2 * KEYS, "evalsha calls {evalsha} < {} (eval calls {eval})", 2 * KEYS);
+    assert!(eval <= 2, "eval calls {eval} > 2: a script was sent in full more than once");
+    e.assert_no_wasm_panic();
+}
+
+#[test]
+fn after_a_script_flush_or_a_redis_restart_a_new_key_executes_once_completes_and_replays_on_another_proxy() {
+    let mut s = Store::start();
+    let up = Upstream::start();
+    let a = s.envoy(&up);
+    let b = s.envoy(&up);
+    // Both scripts are loaded (the claim and the completion of a first key).
+    executes_once_and_replays(&s, &a, &b, &up, "warm");
+
+    // SCRIPT FLUSH (an operator, a failover to a node that never ran them): the claim of a new key
+    // and the completion the root context writes both meet NOSCRIPT.
+    assert!(s.redis.cli(&["SCRIPT", "FLUSH"]).contains("OK"));
+    executes_once_and_replays(&s, &a, &b, &up, "after-flush");
+
+    // A restart (SIGKILL, AOF kept) empties the script cache too.
+    s.redis.restart();
+    assert!(
+        eventually(Duration::from_secs(20), || s.webdis.request("GET", "/PING", b"").is_ok_and(|r| r.status == 200)),
+        "webdis never reached the restarted Redis"
+    );
+    executes_once_and_replays(&s, &a, &b, &up, "after-restart");
+    // The keys written before the restart are still replayed by the proxy that never saw them.
+    let warm = post(&b, "after-flush");
+    assert_eq!(warm.header("idempotent-replayed"), Some("true"), "{}", warm.body_text());
+    assert_eq!(up.executions(), 3);
+    a.assert_no_wasm_panic();
+    b.assert_no_wasm_panic();
+}
+
+/// Bytes the proxy sends to webdis per first request (claim-or-read and completion), read from
+/// Envoy's store cluster (`upstream_cx_tx_bytes_total`: request lines, headers and bodies), for
+/// docs/BENCHMARKS.md. Printed with `--nocapture`.
+#[test]
+fn store_bytes_per_first_request_are_measured() {
+    let s = Store::start();
+    let up = Upstream::start();
+    let e = s.envoy(&up);
+    let tx = || {
+        e.stats("cluster.idemgate_store.upstream_cx_tx_bytes_total")
+            .into_iter()
+            .find(|(n, _)| n == "cluster.idemgate_store.upstream_cx_tx_bytes_total")
+            .map_or(0, |(_, v)| v)
+    };
+    // A fresh Redis: the very first request (its scripts not yet loaded).
+    let t0 = tx();
+    executes_once_and_replays(&s, &e, &e, &up, "bytes-first");
+    let first = tx() - t0;
+    // Later first requests (distinct keys), each completion landed before the next.
+    const KEYS: u64 = 20;
+    let t1 = tx();
+    for i in 0..KEYS {
+        executes_once_and_replays(&s, &e, &e, &up, &format!("bytes-{i:02}"));
+    }
+    let per_request = (tx() - t1) / KEYS;
+    println!(
+        "store bytes sent per first request: {per_request} (mean of {KEYS}, scripts loaded); \
+         the very first on a fresh Redis: {first}"
+    );
+    assert!(per_request > 0, "no bytes counted on the store cluster");
+    e.assert_no_wasm_panic();
+}
