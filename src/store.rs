@@ -24,6 +24,13 @@
 //! Values are binary-safe: arguments are percent-encoded in the webdis command path, the large
 //! completed record travels as a PUT body (webdis makes it the last argument), and answers are
 //! read as raw RESP (`.raw`).
+//!
+//! **Scripts by name**: each call runs its script by SHA-1 (`EVALSHA`, the name computed when the
+//! crate is compiled: `Script::sha1_hex`). A Redis that does not hold the script (restarted,
+//! failed over, `SCRIPT FLUSH`) answers NOSCRIPT, which means the script did not run: the parsers
+//! answer it as its own case (`ClaimReply::NoScript`, `TransitionReply::NoScript`), never as an
+//! outage, and the caller re-sends the same call once with the script in full
+//! (`StoreRequest::with_script`, an `EVAL`, which also loads it for later calls).
 
 use std::fmt;
 
@@ -32,6 +39,7 @@ use crate::lifecycle::{self, Event, TakeOver};
 use crate::owner::OwnerToken;
 use crate::record::{Lifetimes, Record, Stage};
 use crate::scope::StorageKey;
+use crate::sha1;
 
 /// Prefix of every Redis key idemgate writes (the namespace is inside the hashed storage key).
 pub const KEY_PREFIX: &str = "idemgate:v1:";
@@ -81,6 +89,60 @@ local rec=ARGV[9] \
 if rec=='-' or ARGV[8]=='K' then rec=string.sub(v,53) end \
 redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..rec,'PX',ARGV[6]) \
 return 1";
+
+/// Redis's names for the scripts (lowercase hex SHA-1 of their text), computed at compile time.
+const CLAIM_SHA1: [u8; 40] = sha1::hex(&sha1::digest(CLAIM_SCRIPT.as_bytes()));
+const TRANSITION_SHA1: [u8; 40] = sha1::hex(&sha1::digest(TRANSITION_SCRIPT.as_bytes()));
+
+/// A Lua script idemgate runs in Redis: sent by its SHA-1 (`EVALSHA`), and in full (`EVAL`, which
+/// also loads it) only after Redis answered NOSCRIPT.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Script {
+    /// Claim-or-read (`claim_request`).
+    Claim,
+    /// The owner-checked transition (`Transition::request`).
+    Transition,
+}
+
+impl Script {
+    /// The script's text.
+    pub fn text(self) -> &'static str {
+        match self {
+            Script::Claim => CLAIM_SCRIPT,
+            Script::Transition => TRANSITION_SCRIPT,
+        }
+    }
+
+    /// Redis's name for the script: the lowercase hex SHA-1 of its text.
+    pub fn sha1_hex(self) -> &'static [u8; 40] {
+        match self {
+            Script::Claim => &CLAIM_SHA1,
+            Script::Transition => &TRANSITION_SHA1,
+        }
+    }
+
+    /// The webdis command that runs the script on `key` with `args`: `EVALSHA/<sha1>/1/key/args...`,
+    /// or `EVAL/<script>/1/key/args...` with `in_full`.
+    fn command(self, in_full: bool, key: &str, args: &[&[u8]]) -> String {
+        let mut p = self.head(in_full);
+        p.push_str("1/");
+        p.push_str(&encode_arg(key.as_bytes()));
+        for a in args {
+            p.push('/');
+            p.push_str(&encode_arg(a));
+        }
+        p
+    }
+
+    /// The start of the command up to the key count: `EVALSHA/<sha1>/` or `EVAL/<script>/`.
+    fn head(self, in_full: bool) -> String {
+        if in_full {
+            format!("EVAL/{}/", encode_arg(self.text().as_bytes()))
+        } else {
+            format!("EVALSHA/{}/", encode_arg(self.sha1_hex()))
+        }
+    }
+}
 
 /// A record's phase in the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -235,6 +297,35 @@ pub struct StoreRequest {
     pub method: &'static str,
     pub path: String,
     pub body: Vec<u8>,
+    /// The script this request runs by its SHA-1 (`EVALSHA`), if it does: see `with_script`.
+    pub by_sha1: Option<Script>,
+}
+
+impl StoreRequest {
+    /// A webdis command sent as the body of `POST /` (e.g. `GET/<key>.raw`), running no script
+    /// by name.
+    pub fn command(command: &str) -> StoreRequest {
+        StoreRequest { method: "POST", path: "/".into(), body: command.as_bytes().to_vec(), by_sha1: None }
+    }
+
+    /// The same call with its script in full (`EVAL`, which also loads it), to send once after
+    /// Redis answered this request NOSCRIPT: the script did not run, so sending the call again
+    /// cannot run it twice. Every argument is kept byte for byte; only `EVALSHA/<sha1>` becomes
+    /// `EVAL/<script>`. `None` for a request that runs no script by name (an `EVAL` already, a
+    /// `GET`): a store answering NOSCRIPT to those is not believed, and nothing is sent again.
+    pub fn with_script(&self) -> Option<StoreRequest> {
+        let script = self.by_sha1?;
+        let (by_name, in_full) = (script.head(false), script.head(true));
+        let mut again = StoreRequest { by_sha1: None, ..self.clone() };
+        if let Some(rest) = self.body.strip_prefix(by_name.as_bytes()) {
+            again.body = [in_full.as_bytes(), rest].concat();
+        } else if let Some(rest) = self.path.strip_prefix('/').and_then(|p| p.strip_prefix(by_name.as_str())) {
+            again.path = format!("/{in_full}{rest}");
+        } else {
+            return None;
+        }
+        Some(again)
+    }
 }
 
 /// Percent-encodes every byte but RFC 3986 unreserved characters other than `.` (webdis reads
@@ -281,15 +372,6 @@ pub fn redis_key(skey: &StorageKey) -> String {
     format!("{KEY_PREFIX}{}", skey.hex())
 }
 
-fn eval_path(script: &str, key: &str, args: &[&[u8]]) -> String {
-    let mut p = format!("EVAL/{}/1/{}", encode_arg(script.as_bytes()), encode_arg(key.as_bytes()));
-    for a in args {
-        p.push('/');
-        p.push_str(&encode_arg(a));
-    }
-    p
-}
-
 /// The claim script's ARGV: the claim enters `Forwarded` (the lifecycle's `Claim` from `Absent`,
 /// with the fingerprint), living as a forwarded claim.
 fn claim_args(owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> Vec<Vec<u8>> {
@@ -301,16 +383,17 @@ fn claim_args(owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> Vec
     ]
 }
 
-/// Claim-or-read: one POST whose body is the webdis command path.
+/// Claim-or-read: one POST whose body is the webdis command path (`EVALSHA` of the claim script).
 pub fn claim_request(skey: &StorageKey, owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> StoreRequest {
     let args = claim_args(owner, record, lifetimes);
     let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-    let path = eval_path(CLAIM_SCRIPT, &redis_key(skey), &args);
-    StoreRequest { method: "POST", path: "/".into(), body: format!("{path}.raw").into_bytes() }
+    let command = Script::Claim.command(false, &redis_key(skey), &args);
+    StoreRequest { by_sha1: Some(Script::Claim), ..StoreRequest::command(&format!("{command}.raw")) }
 }
 
-/// The exact Redis command `claim_request` makes webdis run: `EVAL script 1 key ARGV...` (for
-/// tests that run the script on Redis directly).
+/// The Redis command `claim_request` makes webdis run, with the script in full (as its
+/// `with_script` form does): `EVAL script 1 key ARGV...`, for tests that run the script on Redis
+/// directly.
 pub fn claim_command(skey: &StorageKey, owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> Vec<Vec<u8>> {
     let mut cmd = vec![b"EVAL".to_vec(), CLAIM_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
     cmd.push(redis_key(skey).into_bytes());
@@ -320,11 +403,7 @@ pub fn claim_command(skey: &StorageKey, owner: &OwnerToken, record: &Record, lif
 
 /// A read (no claim): used by requests waiting for another attempt's result. `GET key`.
 pub fn read_request(skey: &StorageKey) -> StoreRequest {
-    StoreRequest {
-        method: "POST",
-        path: "/".into(),
-        body: format!("GET/{}.raw", encode_arg(redis_key(skey).as_bytes())).into_bytes(),
-    }
+    StoreRequest::command(&format!("GET/{}.raw", encode_arg(redis_key(skey).as_bytes())))
 }
 
 /// The answer to `read_request`.
@@ -544,8 +623,9 @@ impl Transition {
         ]
     }
 
-    /// The exact Redis command `request` makes webdis run: `EVAL script 1 key ARGV...` (for
-    /// tests that run the script on Redis directly).
+    /// The Redis command `request` makes webdis run, with the script in full (as its
+    /// `with_script` form does): `EVAL script 1 key ARGV...`, for tests that run the script on
+    /// Redis directly.
     pub fn eval_command(&self, skey: &StorageKey) -> Vec<Vec<u8>> {
         let mut cmd = vec![b"EVAL".to_vec(), TRANSITION_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
         cmd.push(redis_key(skey).into_bytes());
@@ -560,20 +640,19 @@ impl Transition {
         let owned = self.args();
         let mut args: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
         let key = redis_key(skey);
+        let script = Script::Transition;
         match &self.record {
             // webdis takes a PUT body as the last argument: binary-safe and not inflated.
             Some(r) => StoreRequest {
                 method: "PUT",
-                path: format!("/{}.raw", eval_path(TRANSITION_SCRIPT, &key, &args)),
+                path: format!("/{}.raw", script.command(false, &key, &args)),
                 body: r.encode(),
+                by_sha1: Some(script),
             },
             None => {
                 args.push(b"-");
-                StoreRequest {
-                    method: "POST",
-                    path: "/".into(),
-                    body: format!("{}.raw", eval_path(TRANSITION_SCRIPT, &key, &args)).into_bytes(),
-                }
+                let command = script.command(false, &key, &args);
+                StoreRequest { by_sha1: Some(script), ..StoreRequest::command(&format!("{command}.raw")) }
             }
         }
     }
@@ -683,11 +762,36 @@ fn check_http(status: Option<u16>) -> Result<(), StoreError> {
     }
 }
 
+/// The answer to a command that runs no script by name (a `GET`): any Redis error, NOSCRIPT
+/// included, is `StoreError::Redis`.
 fn parse_reply(status: Option<u16>, body: &[u8]) -> Result<Resp, StoreError> {
     check_http(status)?;
     match parse_resp(body)? {
         Resp::Error(e) => Err(StoreError::Redis(e)),
         v => Ok(v),
+    }
+}
+
+/// The error Redis answers to an `EVALSHA` of a script it does not hold: "NOSCRIPT No matching
+/// script. Please use EVAL." (Redis 7.0; webdis passes it with HTTP 200).
+const NOSCRIPT: &str = "NOSCRIPT";
+
+/// What Redis did with a script call.
+enum Ran {
+    Answered(Resp),
+    /// NOSCRIPT: Redis does not hold the script, so it did not run.
+    NoScript,
+}
+
+/// The answer to a script call: HTTP 200 with one RESP value. Redis's NOSCRIPT error (its error
+/// code, the first word of the error line, exactly `NOSCRIPT`) is its own case; any other error
+/// is `StoreError::Redis`. No answer, an HTTP error or bytes that do not parse are never NOSCRIPT.
+fn parse_script_reply(status: Option<u16>, body: &[u8]) -> Result<Ran, StoreError> {
+    check_http(status)?;
+    match parse_resp(body)? {
+        Resp::Error(e) if e.split(' ').next() == Some(NOSCRIPT) => Ok(Ran::NoScript),
+        Resp::Error(e) => Err(StoreError::Redis(e)),
+        v => Ok(Ran::Answered(v)),
     }
 }
 
@@ -703,13 +807,20 @@ pub enum ClaimReply {
     /// written by a later release (another value format or record version) during a rolling
     /// upgrade. The store answered; it is not "unavailable" (`decision::Lookup::Unreadable`).
     Unreadable { now_ms: u64, why: String },
+    /// Redis does not hold the claim script (restarted, failed over, `SCRIPT FLUSH`): nothing ran
+    /// and nothing was claimed. Send the request's `with_script` form, once.
+    NoScript,
 }
 
 /// Parses webdis's answer to `claim_request` made with `owner` (`status` is the HTTP status,
 /// `None` if no answer). A "claimed" answer must echo `owner`: one that does not (a store, proxy
 /// or mock answering without reading the request) is garbled, so nothing is forwarded on it.
 pub fn parse_claim_reply(status: Option<u16>, body: &[u8], owner: &OwnerToken) -> Result<ClaimReply, StoreError> {
-    let Resp::Array(Some(items)) = parse_reply(status, body)? else {
+    let answer = match parse_script_reply(status, body)? {
+        Ran::NoScript => return Ok(ClaimReply::NoScript),
+        Ran::Answered(v) => v,
+    };
+    let Resp::Array(Some(items)) = answer else {
         return Err(garbled("claim reply is not an array"));
     };
     let now_ms =
@@ -747,18 +858,25 @@ pub enum TransitionReply {
     /// The key was absent (or a release tombstone) and the new value was written there (2): the
     /// store had lost the owner's claim (`WhereAbsent`).
     ClaimGoneRewritten,
+    /// Redis does not hold the transition script (restarted, failed over, `SCRIPT FLUSH`): nothing
+    /// ran and nothing changed. Send the request's `with_script` form, once.
+    NoScript,
 }
 
 impl TransitionReply {
     /// The store holds the transition's new value.
     pub fn written(self) -> bool {
-        self != TransitionReply::Refused
+        matches!(self, TransitionReply::Changed | TransitionReply::ClaimGoneRewritten)
     }
 }
 
 /// Parses the answer to a transition.
 pub fn parse_transition_reply(status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
-    match as_int(&parse_reply(status, body)?) {
+    let answer = match parse_script_reply(status, body)? {
+        Ran::NoScript => return Ok(TransitionReply::NoScript),
+        Ran::Answered(v) => v,
+    };
+    match as_int(&answer) {
         Some(1) => Ok(TransitionReply::Changed),
         Some(0) => Ok(TransitionReply::Refused),
         Some(2) => Ok(TransitionReply::ClaimGoneRewritten),

@@ -41,6 +41,9 @@ fn the_shipped_store_refuses_every_command_idemgate_does_not_send() {
         format!("SET/{key}/forged"),
         "CONFIG/SET/appendonly/no".to_string(),
         "KEYS/*".to_string(),
+        // EVALSHA needs no SCRIPT command: EVAL loads a script Redis lost.
+        "SCRIPT/FLUSH".to_string(),
+        format!("SCRIPT/LOAD/{}", pct("return 1")),
     ];
     let mut allowed = vec![];
     for command in &commands {
@@ -55,6 +58,7 @@ fn the_shipped_store_refuses_every_command_idemgate_does_not_send() {
         let script = match name {
             "FLUSHALL" | "KEYS" => format!("return redis.call('{name}'{})", if name == "KEYS" { ",'*'" } else { "" }),
             "CONFIG" => "return redis.call('CONFIG','SET','appendonly','no')".to_string(),
+            "SCRIPT" => "return redis.call('SCRIPT','FLUSH')".to_string(),
             _ => format!("return redis.call('{name}','other:key','x')"),
         };
         let r = send(&webdis, credential.as_deref(), &format!("EVAL/{}/0", pct(&script)));

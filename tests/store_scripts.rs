@@ -8,7 +8,8 @@ mod support;
 use std::time::Duration;
 
 use support::http::{self, Response};
-use support::store::{Redis, Webdis};
+use idemgate::store::Script;
+use support::store::{FakeStore, Redis, Webdis};
 use support::upstream::Upstream;
 use support::{Envoy, EnvoyOptions};
 
@@ -35,9 +36,12 @@ struct Store {
 }
 
 impl Store {
+    /// A Redis that holds none of idemgate's scripts (new, or restarted), behind webdis.
     fn start() -> Store {
         let (shipped, credential) = shipped_webdis();
         let redis = Redis::start();
+        // The test support loads the scripts into every new Redis: start from an empty cache.
+        assert!(redis.cli(&["SCRIPT", "FLUSH"]).contains("OK"));
         let webdis = Webdis::start_shipped(redis.port, &shipped);
         Store { redis, webdis, credential }
     }
@@ -115,7 +119,7 @@ fn executes_once_and_replays(s: &Store, first: &Envoy, retry_on: &Envoy, up: &Up
         eventually(Duration::from_secs(20), || s.phase_of(key) == Some(b'D')),
         "{key}: the root's completion never landed (store holds phase {:?}); store counters {:?}",
         s.phase_of(key).map(char::from),
-        first.stats("idemgate.store")
+        first.stats("wasmcustom.idemgate.store")
     );
     let again = post(retry_on, key);
     assert_eq!(again.status, 201, "{key}: {}", again.body_text());
@@ -140,6 +144,11 @@ fn first_requests_run_the_scripts_by_their_sha1_and_load_each_script_at_most_onc
     // this fresh Redis, then one EVAL that loads the script).
     assert!(evalsha >= 2 * KEYS, "evalsha calls {evalsha} < {} (eval calls {eval})", 2 * KEYS);
     assert!(eval <= 2, "eval calls {eval} > 2: a script was sent in full more than once");
+    assert_eq!(e.stat("idemgate.store_script_loads"), eval, "every EVAL was a re-send after NOSCRIPT");
+    // Redis knows both scripts by the names idemgate computed at compile time.
+    let (claim, transition) = (Script::Claim.sha1_hex(), Script::Transition.sha1_hex());
+    let exists = s.redis.cli(&["SCRIPT", "EXISTS", std::str::from_utf8(claim).unwrap(), std::str::from_utf8(transition).unwrap()]);
+    assert_eq!(exists.split_whitespace().collect::<Vec<_>>(), ["1", "1"], "SCRIPT EXISTS: {exists}");
     e.assert_no_wasm_panic();
 }
 
@@ -149,13 +158,16 @@ fn after_a_script_flush_or_a_redis_restart_a_new_key_executes_once_completes_and
     let up = Upstream::start();
     let a = s.envoy(&up);
     let b = s.envoy(&up);
+    let loads = |e: &Envoy| e.stat("idemgate.store_script_loads");
     // Both scripts are loaded (the claim and the completion of a first key).
     executes_once_and_replays(&s, &a, &b, &up, "warm");
+    assert_eq!((loads(&a), loads(&b)), (2, 0), "the first key's claim and completion loaded the scripts");
 
     // SCRIPT FLUSH (an operator, a failover to a node that never ran them): the claim of a new key
     // and the completion the root context writes both meet NOSCRIPT.
     assert!(s.redis.cli(&["SCRIPT", "FLUSH"]).contains("OK"));
     executes_once_and_replays(&s, &a, &b, &up, "after-flush");
+    assert_eq!((loads(&a), loads(&b)), (4, 0), "the claim and the completion each sent again with its script");
 
     // A restart (SIGKILL, AOF kept) empties the script cache too.
     s.redis.restart();
@@ -164,6 +176,7 @@ fn after_a_script_flush_or_a_redis_restart_a_new_key_executes_once_completes_and
         "webdis never reached the restarted Redis"
     );
     executes_once_and_replays(&s, &a, &b, &up, "after-restart");
+    assert_eq!((loads(&a), loads(&b)), (6, 0), "a restarted Redis holds no script either");
     // The keys written before the restart are still replayed by the proxy that never saw them.
     let warm = post(&b, "after-flush");
     assert_eq!(warm.header("idempotent-replayed"), Some("true"), "{}", warm.body_text());
@@ -202,5 +215,41 @@ fn store_bytes_per_first_request_are_measured() {
          the very first on a fresh Redis: {first}"
     );
     assert!(per_request > 0, "no bytes counted on the store cluster");
+    // 3,730 when every call carried its script in full (before EVALSHA).
+    assert!(per_request < 2_000, "{per_request} bytes per first request: are the scripts sent in full?");
+    e.assert_no_wasm_panic();
+}
+
+/// A store that answers NOSCRIPT to everything (a broken proxy or mock, or an attacker on the
+/// store link): each call is sent again with its script exactly once, the EVAL's NOSCRIPT is not
+/// believed, and nothing is forwarded: the claim is answered 503 and its owner-checked release
+/// gives up after its bounded retries. No loop, no execution.
+#[test]
+fn a_store_answering_noscript_to_everything_gets_each_call_once_more_and_nothing_executes() {
+    let store = FakeStore::start(b"-NOSCRIPT No matching script. Please use EVAL.\r\n".to_vec());
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(PLUGIN, up.port);
+    o.store_port = Some(store.port);
+    let e = Envoy::start(&o);
+    const KEYS: u64 = 3;
+    for i in 0..KEYS {
+        let r = post(&e, &format!("noscript-{i}"));
+        assert_eq!(r.status, 503, "{}", r.body_text());
+        assert_eq!(r.json()["type"], "urn:idemgate:problem:store-unavailable", "{}", r.body_text());
+    }
+    assert_eq!(up.executions(), 0);
+    assert_eq!(e.stat("idemgate.store_calls_waited"), 2 * KEYS, "each claim: EVALSHA, then EVAL once");
+    // The releases queued for those claims (their answers were not understood) end too.
+    assert!(
+        eventually(Duration::from_secs(30), || e.stat("idemgate.store_write_failures") == KEYS
+            && e.stat("idemgate.store_writes_pending") == 0),
+        "the releases never ended: {:?}",
+        e.stats("wasmcustom.idemgate.store")
+    );
+    // Per key: the claim twice; the release once by name, once with its script, then its six
+    // retries (`writes::MAX_WRITE_ATTEMPTS` attempts in all), never by name again.
+    assert_eq!(store.requests(), KEYS * (2 + 1 + 7), "store requests");
+    assert_eq!(e.stat("idemgate.store_script_loads"), 2 * KEYS);
+    assert_eq!(up.executions(), 0);
     e.assert_no_wasm_panic();
 }

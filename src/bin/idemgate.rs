@@ -314,7 +314,15 @@ fn settle(w: &Webdis, skey: &idemgate::scope::StorageKey, action: &Settle, done:
     };
     let now = w.now_ms()?;
     let t = admin::plan(action, &value, now).or_else(|r| fail(r.to_string()))?;
-    let (status, body) = w.send(&t.request(skey))?;
+    let request = t.request(skey);
+    let (mut status, mut body) = w.send(&request)?;
+    // Redis lost the transition script (restart, failover, SCRIPT FLUSH): nothing ran. The same
+    // transition once more with the script in full, which also loads it.
+    if store::parse_transition_reply(status, &body) == Ok(TransitionReply::NoScript) {
+        if let Some(again) = request.with_script() {
+            (status, body) = w.send(&again)?;
+        }
+    }
     match store::parse_transition_reply(status, &body) {
         // An operator's transition refuses where the key is absent (`WhereAbsent::Refuse`).
         Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten) => {
@@ -324,6 +332,7 @@ fn settle(w: &Webdis, skey: &idemgate::scope::StorageKey, action: &Settle, done:
         Ok(TransitionReply::Refused) => fail(
             "refused: the record changed since it was read (its request or another operator acted); inspect it again",
         ),
+        Ok(TransitionReply::NoScript) => fail("store: NOSCRIPT answered to the transition carrying its script"),
         Err(e) => fail(format!("store: {e}")),
     }
 }
@@ -353,7 +362,7 @@ impl Webdis {
 
     fn command(&self, body: &str) -> Result<Resp, Fail> {
         let (status, bytes) =
-            self.send(&StoreRequest { method: "POST", path: "/".into(), body: body.as_bytes().to_vec() })?;
+            self.send(&StoreRequest::command(body))?;
         match status {
             Some(200) => store::parse_resp(&bytes).or_else(|e| fail(format!("store: {e}"))),
             Some(403) => fail("webdis answered 403: set IDEMGATE_STORE_AUTH to its user:password"),

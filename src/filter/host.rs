@@ -141,6 +141,7 @@ pub enum Counter {
     StoreWriteRetries,
     StoreWriteFailures,
     StoreClaimGoneRewritten,
+    StoreScriptLoads,
     DetachedForwards,
     Waited,
     WaitAnswered,
@@ -150,7 +151,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 37] = [
+    pub const ALL: [Counter; 38] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -182,6 +183,7 @@ impl Counter {
         Counter::StoreWriteRetries,
         Counter::StoreWriteFailures,
         Counter::StoreClaimGoneRewritten,
+        Counter::StoreScriptLoads,
         Counter::DetachedForwards,
         Counter::Waited,
         Counter::WaitAnswered,
@@ -223,6 +225,7 @@ impl Counter {
             Counter::StoreWriteRetries => "idemgate.store_write_retries",
             Counter::StoreWriteFailures => "idemgate.store_write_failures",
             Counter::StoreClaimGoneRewritten => "idemgate.store_claim_gone_rewritten",
+            Counter::StoreScriptLoads => "idemgate.store_script_loads",
             Counter::DetachedForwards => "idemgate.detached_forwards",
             Counter::Waited => "idemgate.waited",
             Counter::WaitAnswered => "idemgate.wait_answered",

@@ -87,6 +87,9 @@ pub struct Http {
     published: bool,
     /// The selected policy, for per-route counters (known before `req` is).
     policy_index: Option<usize>,
+    /// The store call in flight (`Phase::Calling`), kept to send again with its script in full
+    /// if Redis answers NOSCRIPT.
+    sent: Option<store::StoreRequest>,
 }
 
 /// Fault tests only (feature `crash-injection`, never in the shipped module): traps the VM at
@@ -148,6 +151,7 @@ impl Http {
             response_complete: false,
             published: false,
             policy_index: None,
+            sent: None,
         }
     }
 
@@ -455,9 +459,25 @@ impl Http {
         match writes::dispatch(cfg, &req, self.shared.credentials.as_deref()) {
             Ok(token) => {
                 self.phase = Phase::Calling { handle, fp, token, takeover };
+                self.sent = Some(req);
                 Action::Pause
             }
             Err(e) => self.store_failed(handle, &StoreError::Garbled(e)),
+        }
+    }
+
+    /// Redis answered our claim-or-read (or take-over) NOSCRIPT: it does not hold the script, so
+    /// the script did not run and nothing was claimed. The same call goes once more with the
+    /// script in full (`EVAL`, which also loads it). A NOSCRIPT to a call that carried its script
+    /// is no answer Redis gives: taken as a lost answer (503, the claim released owner-checked).
+    fn send_with_script(&mut self, handle: Option<Handle>, fp: Fingerprint, takeover: bool) -> Action {
+        match self.sent.take().as_ref().and_then(store::StoreRequest::with_script) {
+            Some(again) => {
+                self.count(Counter::StoreScriptLoads);
+                info!("{}", self.log_line("store_script_missing", "resent=eval"));
+                self.call(again, handle, fp, takeover)
+            }
+            None => self.store_answer_lost(handle, &StoreError::Garbled("NOSCRIPT to a call carrying its script".into())),
         }
     }
 
@@ -566,6 +586,7 @@ impl Http {
                     self.release_local(handle);
                     self.in_flight()
                 }
+                Ok(TransitionReply::NoScript) => self.send_with_script(handle, fp, true),
                 Err(e) => self.store_answer_lost(handle, &e),
             };
         }
@@ -595,6 +616,8 @@ impl Http {
                     ),
                 };
             }
+            // Nothing ran: the same call again, with the script.
+            Ok(ClaimReply::NoScript) => return self.send_with_script(handle, fp, false),
             Err(e) => return self.store_answer_lost(handle, &e),
         };
         let Some(policy) = self.policy().cloned() else {

@@ -281,6 +281,27 @@ impl Root {
         }
     }
 
+    /// Redis answered the write NOSCRIPT: it does not hold the transition script, so nothing ran.
+    /// The same write goes again at once with the script in full (`EVAL`, which also loads it), as
+    /// the same attempt: a NOSCRIPT is no failure. A write that carried its script cannot be
+    /// answered NOSCRIPT by Redis: that is a failed attempt (retried, then its fallback).
+    fn write_with_script(&mut self, mut job: Job) {
+        match job.request.with_script() {
+            Some(again) => {
+                if let Some(s) = self.shared.as_ref() {
+                    s.metrics.inc(Counter::StoreScriptLoads);
+                }
+                info!(
+                    "idemgate: store write {} for key={} met a store without its script (NOSCRIPT); sent again with the script",
+                    job.what, job.key_hash
+                );
+                job.request = again;
+                self.dispatch_job(job);
+            }
+            None => self.write_failed(job, "NOSCRIPT answered to a write carrying its script"),
+        }
+    }
+
     /// A write failed: retry it (with backoff), then its fallback, then give up (counted and logged).
     fn write_failed(&mut self, mut job: Job, why: &str) {
         let Some(s) = self.shared.clone() else { return };
@@ -577,12 +598,16 @@ impl Context for Root {
             Some(Call::Write(job)) => {
                 let (status, body) = writes::answer(body_size, num_headers);
                 match store::parse_transition_reply(status, &body) {
+                    // Redis lost the script (restart, failover, SCRIPT FLUSH): nothing ran.
+                    Ok(TransitionReply::NoScript) => self.write_with_script(job),
                     Ok(reply) => {
                         if let Some(s) = self.shared.as_ref() {
                             s.metrics.inc(Counter::StoreWrites);
                         }
                         match reply {
                             TransitionReply::Changed => {}
+                            // Answered above: no write.
+                            TransitionReply::NoScript => {}
                             TransitionReply::Refused => info!(
                                 "idemgate: store write {} for key={} found the claim no longer ours",
                                 job.what, job.key_hash

@@ -62,14 +62,15 @@ fn arguments_are_percent_encoded_so_dots_slashes_and_binary_survive_webdis() {
 }
 
 #[test]
-fn claim_request_is_one_post_of_an_eval_with_raw_output() {
+fn claim_request_is_one_post_of_an_evalsha_with_raw_output() {
     let r = claim_request(&skey(), &OwnerToken([1; 16]), &record(), &lives(86_400_000, 60_000, 600_000));
-    assert_eq!((r.method, r.path.as_str()), ("POST", "/"));
+    assert_eq!((r.method, r.path.as_str(), r.by_sha1), ("POST", "/", Some(Script::Claim)));
     let body = String::from_utf8(r.body).unwrap();
-    assert!(body.starts_with("EVAL/"));
+    assert!(body.starts_with("EVALSHA/"));
     assert!(body.ends_with(".raw"));
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
-    assert_eq!(parts.len(), 8, "EVAL script numkeys key owner ttl lock record");
+    assert_eq!(parts.len(), 8, "EVALSHA sha1 numkeys key owner ttl lock record");
+    assert_eq!(parts[1].as_bytes(), Script::Claim.sha1_hex());
     assert_eq!(parts[2], "1");
     assert_eq!(parts[3], format!("idemgate%3Av1%3A{}", "07".repeat(32)));
     assert_eq!(parts[4], "01".repeat(16));
@@ -110,7 +111,7 @@ fn replacing_a_stored_value_always_requires_its_lock_not_live() {
     assert_eq!((free.expected_phases, free.require_stale), ("PDU", true));
     let path = free.request(&skey()).path;
     let parts: Vec<&str> = path.trim_end_matches(".raw").split('/').collect();
-    // "" EVAL script 1 key | owner phases stale ...
+    // "" EVALSHA sha1 1 key | owner phases stale ...
     assert_eq!((parts[6], parts[7]), ("PDU", "1"));
 }
 
@@ -121,13 +122,14 @@ fn a_completion_travels_as_a_put_body_and_other_transitions_as_posts() {
     done.state = State::Completed(StoredResponse { status: 201, headers: vec![], body: vec![0, 1, 2, 255] });
     let put = Transition::complete(owner, done.clone(), &lives(1000, 500, 5000)).request(&skey());
     assert_eq!(put.method, "PUT");
-    assert!(put.path.starts_with("/EVAL/") && put.path.ends_with(".raw"));
+    assert!(put.path.starts_with("/EVALSHA/") && put.path.ends_with(".raw"));
+    assert_eq!(put.by_sha1, Some(Script::Transition));
     assert_eq!(put.body, done.encode());
     let post = Transition::release(owner).request(&skey());
     assert_eq!((post.method, post.path.as_str()), ("POST", "/"));
     let body = String::from_utf8(post.body).unwrap();
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
-    // EVAL script 1 key | owner phases stale new-phase new-owner ttl lock where-absent record
+    // EVALSHA sha1 1 key | owner phases stale new-phase new-owner ttl lock where-absent record
     assert_eq!(&parts[4..], &["02".repeat(16).as_str(), "P", "0", "X", "02".repeat(16).as_str(), "1", "-", "0", "-"]);
     let stale = Transition::stale_to_unknown(owner, &lives(1000, 500, 5000)).request(&skey());
     let body = String::from_utf8(stale.body).unwrap();
@@ -449,4 +451,138 @@ fn only_completion_and_outcome_unknown_write_where_their_claim_is_gone() {
     // The script writes where absent only on the flag, and answers 2 for it.
     assert!(TRANSITION_SCRIPT.contains("if not v and ARGV[8]~='0' and ARGV[9]~='-'"));
     assert!(TRANSITION_SCRIPT.contains("return 2 end"));
+}
+
+/// Redis's answer to an EVALSHA of a script it does not hold (webdis passes it with HTTP 200).
+const NOSCRIPT_ANSWER: &[u8] = b"-NOSCRIPT No matching script. Please use EVAL.\r\n";
+
+#[test]
+fn noscript_is_its_own_answer_never_an_outage_or_garbled() {
+    assert_eq!(parse_claim_reply(Some(200), NOSCRIPT_ANSWER, &OWNER), Ok(ClaimReply::NoScript));
+    assert_eq!(parse_transition_reply(Some(200), NOSCRIPT_ANSWER), Ok(TransitionReply::NoScript));
+    assert!(!TransitionReply::NoScript.written());
+    // A GET runs no script: a store answering it NOSCRIPT is only an error.
+    assert!(matches!(parse_read_reply(Some(200), NOSCRIPT_ANSWER), Err(StoreError::Redis(_))));
+}
+
+/// NOSCRIPT is the only answer after which a call is sent again, so nothing that may have run is
+/// ever taken for it: no answer (a timeout, a reset), an HTTP error, another Redis error, or
+/// bytes that are not exactly one RESP error whose code is NOSCRIPT.
+#[test]
+fn nothing_but_redis_noscript_error_reads_as_noscript() {
+    let not_noscript: [(Option<u16>, &[u8]); 10] = [
+        (None, b""),
+        (None, NOSCRIPT_ANSWER),
+        (Some(503), NOSCRIPT_ANSWER),
+        (Some(403), NOSCRIPT_ANSWER),
+        (Some(200), b"-ERR NOSCRIPT No matching script\r\n"),
+        (Some(200), b"-NOSCRIPTS No matching script\r\n"),
+        (Some(200), b"+NOSCRIPT No matching script\r\n"),
+        (Some(200), b"-NOSCRIPT No matching script"),
+        (Some(200), b"-NOSCRIPT No matching script\r\n:1\r\n"),
+        (Some(200), br#"{"EVALSHA":[false,"NOSCRIPT No matching script. Please use EVAL."]}"#),
+    ];
+    for (status, body) in not_noscript {
+        let claim = parse_claim_reply(status, body, &OWNER);
+        assert!(claim.is_err(), "{status:?} {:?}: {claim:?}", String::from_utf8_lossy(body));
+        let transition = parse_transition_reply(status, body);
+        assert!(transition.is_err(), "{status:?} {:?}: {transition:?}", String::from_utf8_lossy(body));
+    }
+    assert_eq!(parse_claim_reply(None, NOSCRIPT_ANSWER, &OWNER), Err(StoreError::NoAnswer));
+    assert_eq!(parse_transition_reply(Some(503), NOSCRIPT_ANSWER), Err(StoreError::Http(503)));
+}
+
+/// The re-sent call is the same call: every argument byte for byte, only `EVALSHA/<sha1>` made
+/// `EVAL/<script>` (the webdis request the filter sent before scripts were named). It is made
+/// once: the full form has no `with_script` of its own, and neither has a read.
+#[test]
+fn with_script_is_the_same_call_with_the_script_in_full_and_only_once() {
+    let l = lives(86_400_000, 60_000, 600_000);
+    let owner = OwnerToken([1; 16]);
+    let mut done = record();
+    done.state = State::Completed(StoredResponse { status: 201, headers: vec![], body: b"a/b.c\0".to_vec() });
+    let requests = [
+        (Script::Claim, claim_request(&skey(), &owner, &record(), &l)),
+        (Script::Transition, Transition::complete(owner, done, &l).request(&skey())),
+        (Script::Transition, Transition::release(owner).request(&skey())),
+        (Script::Transition, Transition::take_over(owner, OwnerToken([2; 16]), record(), true, &l).request(&skey())),
+    ];
+    for (script, by_name) in requests {
+        let full = by_name.with_script().expect("an EVALSHA has a full form");
+        assert_eq!((full.method, full.by_sha1), (by_name.method, None));
+        let name = format!("EVALSHA/{}/", String::from_utf8_lossy(script.sha1_hex()));
+        let text = format!("EVAL/{}/", encode_arg(script.text().as_bytes()));
+        let (sent, again) = match by_name.method {
+            "PUT" => {
+                assert_eq!(full.body, by_name.body, "the record travels unchanged");
+                (by_name.path.clone().into_bytes(), full.path.clone().into_bytes())
+            }
+            _ => {
+                assert_eq!(full.path, by_name.path);
+                (by_name.body.clone(), full.body.clone())
+            }
+        };
+        let skip = usize::from(by_name.method == "PUT");
+        assert!(sent[skip..].starts_with(name.as_bytes()), "{}", String::from_utf8_lossy(&sent));
+        assert!(again[skip..].starts_with(text.as_bytes()), "{}", String::from_utf8_lossy(&again));
+        assert_eq!(sent[skip + name.len()..], again[skip + text.len()..], "the arguments, byte for byte");
+        assert_eq!(full.with_script(), None, "re-sent at most once");
+    }
+    assert_eq!(read_request(&skey()).with_script(), None);
+    assert_eq!(StoreRequest::command("PING.raw").with_script(), None);
+    // A request claiming a script by name whose command does not start with that name is never
+    // rewritten into something else.
+    let forged = StoreRequest { by_sha1: Some(Script::Claim), ..read_request(&skey()) };
+    assert_eq!(forged.with_script(), None);
+}
+
+/// The scripts' names are the SHA-1 of their text, computed at compile time; recomputed here
+/// with the system's `sha1sum` (Redis answers the same names: `tests/store_scripts.rs`).
+#[cfg(not(target_arch = "wasm32"))]
+#[test]
+fn script_names_are_the_sha1_of_their_text_as_sha1sum_computes_it() {
+    use std::io::Write;
+    for script in [Script::Claim, Script::Transition] {
+        let mut child = std::process::Command::new("sha1sum")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("sha1sum");
+        child.stdin.take().unwrap().write_all(script.text().as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let hex = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(script.sha1_hex().as_slice(), hex.split(' ').next().unwrap().as_bytes(), "{script:?}");
+    }
+    assert_ne!(Script::Claim.sha1_hex(), Script::Transition.sha1_hex());
+}
+
+/// Bytes of webdis requests for a first request (claim-or-read, then the completion of a small
+/// response), by name and in full: the request lines and bodies the proxy sends, without HTTP
+/// headers. Printed with `--nocapture` for docs/BENCHMARKS.md; the saving is the scripts' text.
+#[test]
+fn a_first_requests_store_requests_shrink_by_the_scripts_text() {
+    let l = lives(86_400_000, 60_000, 600_000);
+    let owner = OwnerToken([1; 16]);
+    let mut done = record();
+    done.state = State::Completed(StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: br#"{"id":"ch_1","amount":7}"#.to_vec(),
+    });
+    let size = |r: &StoreRequest| r.path.len() + r.body.len();
+    let claim = claim_request(&skey(), &owner, &record(), &l);
+    let complete = Transition::complete(owner, done, &l).request(&skey());
+    let (claim_full, complete_full) = (claim.with_script().unwrap(), complete.with_script().unwrap());
+    println!(
+        "claim {} bytes by name, {} in full; completion {} by name, {} in full",
+        size(&claim),
+        size(&claim_full),
+        size(&complete),
+        size(&complete_full)
+    );
+    for (script, by_name, full) in [(Script::Claim, &claim, &claim_full), (Script::Transition, &complete, &complete_full)]
+    {
+        let text = encode_arg(script.text().as_bytes()).len();
+        assert_eq!(size(full) - size(by_name), text - 40 + "EVAL".len() - "EVALSHA".len());
+    }
 }

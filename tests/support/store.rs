@@ -427,7 +427,21 @@ impl Redis {
     fn launch_new(dir: PathBuf, port: u16, extra_args: Vec<String>, scratch: Option<Scratch>) -> Redis {
         let mut r = Redis { port, dir, extra_args, open: false, proc: Proc(None), _scratch: scratch };
         r.launch();
+        r.load_idemgate_scripts();
         r
+    }
+
+    /// Loads idemgate's two store scripts (`SCRIPT LOAD`, as the operators' user), so a new test
+    /// Redis is one that has served idemgate before: the first claim and completion are one
+    /// `EVALSHA` each, as later ones are. A restart (`restart`) empties the script cache, as it
+    /// does in production; `tests/store_scripts.rs` starts from an empty cache (`SCRIPT FLUSH`).
+    /// Redis's names for the scripts must be the ones idemgate computed at compile time.
+    pub fn load_idemgate_scripts(&self) {
+        use idemgate::store::Script;
+        for script in [Script::Claim, Script::Transition] {
+            let name = must(self.port, &[b"SCRIPT", b"LOAD", script.text().as_bytes()]).into_bulk();
+            assert_eq!(name.as_deref(), Some(&script.sha1_hex()[..]), "Redis's name for the {script:?} script");
+        }
     }
 
     fn launch(&mut self) {
