@@ -160,6 +160,21 @@ fn operator_releases_an_outcome_unknown_key_and_the_retry_executes() {
     assert_eq!(s.up.executions(), 2);
 }
 
+/// A Redis that lost idemgate's scripts (restarted, failed over, `SCRIPT FLUSH`) answers the
+/// operator's transition NOSCRIPT: the tool sends it once more with the script, and it lands.
+#[test]
+fn operator_settles_a_key_in_a_redis_that_lost_the_scripts() {
+    let s = Stack::start();
+    let skey = outcome_unknown(&s, "k-noscript");
+    assert!(s.redis.cli(&["SCRIPT", "FLUSH"]).contains("OK"));
+    let out = s.cli(&["resolve", &skey, "--release"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&s.cli(&["inspect", &skey]).stdout).trim(), "absent");
+    let retry = s.post_to(&s.other, "k-noscript", &[]);
+    assert_eq!(retry.status, 201, "{}", retry.body_text());
+    assert_eq!(s.up.executions(), 2, "the released key executes once more, on the retry");
+}
+
 /// The promise over convenience: a key this proxy holds as outcome-unknown is never executed
 /// again because the store no longer has it (lost in a flush, an eviction or a failover).
 #[test]
