@@ -554,14 +554,16 @@ Rerun: `make bench` (about {'3' if st['quick'] else '17'} minutes here; `BENCH_Q
 Raw figures: `target/bench/results.json`.
 """
     path = os.path.join(ROOT, "docs", "BENCHMARKS.md")
-    # The section on memory at the default capacity is measured by tests/capacity.rs, not here: keep it.
+    # Sections measured by tests, not here (memory at the default capacity: tests/capacity.rs;
+    # store bytes per first request: tests/store_scripts.rs): keep them.
     if os.path.exists(path):
         old = open(path).read()
-        at = old.find("## Memory at the default capacity")
-        if at >= 0:
-            end = old.find("\n## ", at + 1)
-            kept = old[at:] if end < 0 else old[at:end + 1]
-            doc = doc.replace("## Where the time goes", kept + "\n## Where the time goes", 1)
+        for section in ("## Memory at the default capacity", "## Store bytes per first request"):
+            at = old.find(section)
+            if at >= 0:
+                end = old.find("\n## ", at + 1)
+                kept = old[at:] if end < 0 else old[at:end + 1]
+                doc = doc.replace("## Where the time goes", kept + "\n## Where the time goes", 1)
     open(path, "w").write(doc)
 
 if __name__ == "__main__":

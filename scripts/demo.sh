@@ -79,7 +79,7 @@ start() {
     --logfile "$ROOT/$STATE/redis.log" < /dev/null > /dev/null 2>&1 & echo $! >> "$STATE/pids"
   # The store as shipped: Redis's ACL users (envoy/redis.conf), webdis's Redis password and its
   # ACL (envoy/docker-compose/webdis.json: every command refused without the credential, only
-  # EVAL, GET and PING with it); Envoy hands the credential to the VM (IDEMGATE_STORE_AUTH).
+  # EVALSHA, EVAL, GET and PING with it); Envoy hands the credential to the VM (IDEMGATE_STORE_AUTH).
   python3 - "$REDIS_PORT" "$WEBDIS_PORT" "$ROOT/$STATE/webdis.log" > "$STATE/webdis.json" <<'PY'
 import json, sys
 c = json.load(open("envoy/docker-compose/webdis.json"))

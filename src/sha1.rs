@@ -49,7 +49,13 @@ pub const fn digest(data: &[u8]) -> [u8; 20] {
             a = next;
             t += 1;
         }
-        h = [h[0].wrapping_add(a), h[1].wrapping_add(b), h[2].wrapping_add(c), h[3].wrapping_add(d), h[4].wrapping_add(e)];
+        h = [
+            h[0].wrapping_add(a),
+            h[1].wrapping_add(b),
+            h[2].wrapping_add(c),
+            h[3].wrapping_add(d),
+            h[4].wrapping_add(e),
+        ];
         block += 64;
     }
     let mut out = [0u8; 20];

@@ -7,8 +7,8 @@ mod support;
 
 use std::time::Duration;
 
-use support::http::{self, Response};
 use idemgate::store::Script;
+use support::http::{self, Response};
 use support::store::{FakeStore, Redis, Webdis};
 use support::upstream::Upstream;
 use support::{Envoy, EnvoyOptions};
@@ -147,7 +147,12 @@ fn first_requests_run_the_scripts_by_their_sha1_and_load_each_script_at_most_onc
     assert_eq!(e.stat("idemgate.store_script_loads"), eval, "every EVAL was a re-send after NOSCRIPT");
     // Redis knows both scripts by the names idemgate computed at compile time.
     let (claim, transition) = (Script::Claim.sha1_hex(), Script::Transition.sha1_hex());
-    let exists = s.redis.cli(&["SCRIPT", "EXISTS", std::str::from_utf8(claim).unwrap(), std::str::from_utf8(transition).unwrap()]);
+    let exists = s.redis.cli(&[
+        "SCRIPT",
+        "EXISTS",
+        std::str::from_utf8(claim).unwrap(),
+        std::str::from_utf8(transition).unwrap(),
+    ]);
     assert_eq!(exists.split_whitespace().collect::<Vec<_>>(), ["1", "1"], "SCRIPT EXISTS: {exists}");
     e.assert_no_wasm_panic();
 }

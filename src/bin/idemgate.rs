@@ -361,8 +361,7 @@ impl Webdis {
     }
 
     fn command(&self, body: &str) -> Result<Resp, Fail> {
-        let (status, bytes) =
-            self.send(&StoreRequest::command(body))?;
+        let (status, bytes) = self.send(&StoreRequest::command(body))?;
         match status {
             Some(200) => store::parse_resp(&bytes).or_else(|e| fail(format!("store: {e}"))),
             Some(403) => fail("webdis answered 403: set IDEMGATE_STORE_AUTH to its user:password"),

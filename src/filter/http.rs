@@ -477,7 +477,9 @@ impl Http {
                 info!("{}", self.log_line("store_script_missing", "resent=eval"));
                 self.call(again, handle, fp, takeover)
             }
-            None => self.store_answer_lost(handle, &StoreError::Garbled("NOSCRIPT to a call carrying its script".into())),
+            None => {
+                self.store_answer_lost(handle, &StoreError::Garbled("NOSCRIPT to a call carrying its script".into()))
+            }
         }
     }
 

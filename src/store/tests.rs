@@ -580,7 +580,8 @@ fn a_first_requests_store_requests_shrink_by_the_scripts_text() {
         size(&complete),
         size(&complete_full)
     );
-    for (script, by_name, full) in [(Script::Claim, &claim, &claim_full), (Script::Transition, &complete, &complete_full)]
+    for (script, by_name, full) in
+        [(Script::Claim, &claim, &claim_full), (Script::Transition, &complete, &complete_full)]
     {
         let text = encode_arg(script.text().as_bytes()).len();
         assert_eq!(size(full) - size(by_name), text - 40 + "EVAL".len() - "EVALSHA".len());
