@@ -281,6 +281,14 @@ impl Root {
         }
     }
 
+    /// The store answered a write (changed, refused, or written where its claim was gone).
+    fn write_landed(&mut self) {
+        if let Some(s) = self.shared.as_ref() {
+            s.metrics.inc(Counter::StoreWrites);
+        }
+        self.write_ended();
+    }
+
     /// Redis answered the write NOSCRIPT: it does not hold the transition script, so nothing ran.
     /// The same write goes again at once with the script in full (`EVAL`, which also loads it), as
     /// the same attempt: a NOSCRIPT is no failure. A write that carried its script cannot be
@@ -600,31 +608,25 @@ impl Context for Root {
                 match store::parse_transition_reply(status, &body) {
                     // Redis lost the script (restart, failover, SCRIPT FLUSH): nothing ran.
                     Ok(TransitionReply::NoScript) => self.write_with_script(job),
-                    Ok(reply) => {
+                    Ok(TransitionReply::Changed) => self.write_landed(),
+                    Ok(TransitionReply::Refused) => {
+                        info!(
+                            "idemgate: store write {} for key={} found the claim no longer ours",
+                            job.what, job.key_hash
+                        );
+                        self.write_landed();
+                    }
+                    // The store lost the claim (FLUSHALL, an eviction, a failover) while the
+                    // request ran: the record was written where it was gone.
+                    Ok(TransitionReply::ClaimGoneRewritten) => {
                         if let Some(s) = self.shared.as_ref() {
-                            s.metrics.inc(Counter::StoreWrites);
+                            s.metrics.inc(Counter::StoreClaimGoneRewritten);
                         }
-                        match reply {
-                            TransitionReply::Changed => {}
-                            // Answered above: no write.
-                            TransitionReply::NoScript => {}
-                            TransitionReply::Refused => info!(
-                                "idemgate: store write {} for key={} found the claim no longer ours",
-                                job.what, job.key_hash
-                            ),
-                            // The store lost the claim (FLUSHALL, an eviction, a failover) while
-                            // the request ran: the record was written where it was gone.
-                            TransitionReply::ClaimGoneRewritten => {
-                                if let Some(s) = self.shared.as_ref() {
-                                    s.metrics.inc(Counter::StoreClaimGoneRewritten);
-                                }
-                                warn!(
-                                    "idemgate: store write {} for key={} found the claim gone from the store (flushed, evicted or failed over) and wrote the record where it was",
-                                    job.what, job.key_hash
-                                );
-                            }
-                        }
-                        self.write_ended();
+                        warn!(
+                            "idemgate: store write {} for key={} found the claim gone from the store (flushed, evicted or failed over) and wrote the record where it was",
+                            job.what, job.key_hash
+                        );
+                        self.write_landed();
                     }
                     Err(e) => self.write_failed(job, &e.to_string()),
                 }
