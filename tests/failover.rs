@@ -427,6 +427,7 @@ fn min_replicas_to_write(n1: usize, n2: usize, n3: usize) -> (Promotion, Retried
     w.wait_writes_settled();
     w.redis.wait_in_sync();
     w.redis.relay.as_ref().expect("relay").hold();
+    let held_at = std::time::Instant::now();
     let second = send_batch(w.ports(), &lagging, &[]).answers();
     // The primary notices within max-lag plus its 1 s replication cron: poll generously.
     let noticed = (0..300).any(|_| {
@@ -436,6 +437,7 @@ fn min_replicas_to_write(n1: usize, n2: usize, n3: usize) -> (Promotion, Retried
         }
     });
     assert!(noticed, "the primary never stopped counting its held replica");
+    let window = held_at.elapsed();
     let executed_before_refusals = w.up.executions();
     let third = send_batch(w.ports(), &refused, &[]).answers();
     assert!(third.iter().all(|r| kind(r) == "503 store-unavailable"), "{:?}", tally(&third));
@@ -454,7 +456,8 @@ fn min_replicas_to_write(n1: usize, n2: usize, n3: usize) -> (Promotion, Retried
     }
     report(
         &format!(
-            "min-replicas-to-write 1, max-lag 2: {acknowledged} of {n2} claims sent right after the partition acknowledged, {n3} of {n3} after it was noticed refused"
+            "min-replicas-to-write 1, max-lag 2: {acknowledged} of {n2} claims sent right after the partition acknowledged, writes refused {:.1} s after it began, then {n3} of {n3} claims refused",
+            window.as_secs_f64()
         ),
         n1 + n2 + n3,
         &p,
