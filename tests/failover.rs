@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use support::http::{self, Response};
 use support::replication::{info, info_field, ReplicatedRedis};
-use support::store::Webdis;
+use support::store::{pct, Webdis};
 use support::upstream::Upstream;
 use support::{fault_report, Envoy, EnvoyOptions};
 
@@ -495,6 +495,38 @@ fn failover_redis_refuses_wait_inside_a_script() {
     // Outside a script it works: one replica acknowledged.
     let r = redis.primary.command(&[b"WAIT", b"1", b"1000"]);
     assert_eq!(r, support::store::resp::Value::Int(1));
+}
+
+/// Sequential claim-like writes through webdis (a script setting a new key, as idemgate's claim
+/// does) timed alone and each followed by `WAIT 1 1000` in a second request: what waiting for the
+/// replica after each claim would cost. idemgate does not do it (its Redis user may not even run
+/// WAIT; this test grants it for the measurement).
+#[test]
+fn failover_full_wait_after_each_claim_costs_a_second_round_trip() {
+    const CLAIMS: usize = 300;
+    const SCRIPT: &str = "return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', 60000)";
+    let redis = ReplicatedRedis::start(false, &[]);
+    let grant = redis.primary.command(&[b"ACL", b"SETUSER", b"default", b"+wait"]);
+    assert_eq!(grant, support::store::resp::Value::Status("OK".into()));
+    let webdis = Webdis::start(redis.primary.port);
+    let claims = |prefix: &str, wait: bool| -> f64 {
+        let start = std::time::Instant::now();
+        for i in 0..CLAIMS {
+            let key = pct(format!("idemgate:v1:{prefix}-{i}"));
+            let r = webdis.post(&format!("EVAL/{}/1/{key}/owner", pct(SCRIPT)));
+            assert_eq!(r.status, 200, "{}", r.body_text());
+            if wait {
+                let r = webdis.post("WAIT/1/1000");
+                assert_eq!(r.json()["WAIT"], 1, "the replica acknowledged: {}", r.body_text());
+            }
+        }
+        start.elapsed().as_secs_f64() * 1000.0 / CLAIMS as f64
+    };
+    let alone = claims("alone", false);
+    let waited = claims("waited", true);
+    let row = format!("WAIT 1 after each claim: {alone:.2} ms per claim alone, {waited:.2} ms with WAIT ({CLAIMS} sequential claims through webdis, replica on loopback)");
+    println!("{row}");
+    fault_report("failover.md", &[&row]);
 }
 
 /// How many runs the full forms make (`IDEMGATE_FAILOVER_RUNS`, default 5).
