@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 pub mod replication;
 pub mod store;
+pub mod tls;
 pub mod upstream;
 
 static PORT_SEQ: AtomicU32 = AtomicU32::new(0);
