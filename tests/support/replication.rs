@@ -1,8 +1,9 @@
 //! A Redis primary and its replica on 127.0.0.1 (ports chosen at run time), both loading
-//! `envoy/redis.conf` with its ACL users plus a replication user, for failover tests:
+//! `envoy/redis.conf` with its ACL users plus its replication user, for failover tests:
 //!
-//! - `ReplicatedRedis`: the pair, optionally linked through a `Relay`; `kill_primary` (SIGKILL,
-//!   and the relay cut), `promote_replica` (`REPLICAOF NO ONE`).
+//! - `ReplicatedRedis`: the pair (the replica authenticates as the replication user whose ACL
+//!   line `envoy/redis.conf` shows commented out), optionally linked through a `Relay`;
+//!   `kill_primary` (SIGKILL, and the relay cut), `promote_replica` (`REPLICAOF NO ONE`).
 //! - `Relay`: a TCP relay between the replica and the primary that can hold the replication link
 //!   in both directions (a partition: the primary keeps acknowledging writes its replica never
 //!   sees, and hears no acknowledgement from it) and cut it, dropping what it held.
@@ -14,21 +15,26 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// The replication user the replica authenticates as (`masteruser` / `masterauth`): it may run
-/// only what a replica sends (PSYNC, REPLCONF, PING). `envoy/redis.conf` has none; README's
-/// store section shows the line to add.
-pub const REPLICATION_USER: (&str, &str) = ("replicator", "idemgate-demo-replication-password");
+/// The replication user's name (`masteruser`).
+pub const REPLICATION_USER: &str = "replicator";
 
 /// Polls of the replication state (50 ms apart: 30 s) before a test fails.
 const SYNC_POLLS: u32 = 600;
 
-/// `--user replicator on >password +psync +replconf +ping`, the ACL line as command-line words.
-fn replication_user_args() -> Vec<String> {
-    let (user, password) = REPLICATION_USER;
-    ["--user", user, "on", &format!(">{password}"), "resetchannels", "-@all", "+psync", "+replconf", "+ping"]
-        .into_iter()
-        .map(String::from)
-        .collect()
+/// The replication user's ACL line as `envoy/redis.conf` ships it (commented out), as
+/// command-line words: `--user replicator on >password ...`, and its password.
+fn replication_user() -> (Vec<String>, String) {
+    let conf = std::fs::read_to_string(super::store::redis_conf()).expect("read envoy/redis.conf");
+    let prefix = format!("# user {REPLICATION_USER} ");
+    let line = conf
+        .lines()
+        .find_map(|l| l.strip_prefix("# ").filter(|_| l.starts_with(&prefix)))
+        .expect("envoy/redis.conf shows the replication user's line");
+    let words: Vec<String> = line.split_whitespace().map(String::from).collect();
+    let password = words.iter().find_map(|w| w.strip_prefix('>')).expect("a password").to_string();
+    let mut args = vec![format!("--{}", words[0])];
+    args.extend(words[1..].iter().cloned());
+    (args, password)
 }
 
 /// `INFO <section>` as text.
@@ -57,17 +63,18 @@ impl ReplicatedRedis {
     /// then the replica (`--replicaof` the primary, or the relay in front of it), and waits
     /// until the replica holds everything the primary has.
     pub fn start(through_relay: bool, primary_args: &[&str]) -> ReplicatedRedis {
-        let mut args = replication_user_args();
+        let (user_args, password) = replication_user();
+        let mut args = user_args.clone();
         // Start the full sync at once (the default waits 5 s to batch replicas).
         args.extend(["--repl-diskless-sync-delay", "0"].map(String::from));
         args.extend(primary_args.iter().map(|a| a.to_string()));
         let primary = Redis::start_with_args(&args.iter().map(String::as_str).collect::<Vec<_>>());
         let relay = through_relay.then(|| Relay::start(primary.port));
         let link_port = relay.as_ref().map_or(primary.port, |r| r.port).to_string();
-        let (user, password) = REPLICATION_USER;
-        let mut args = replication_user_args();
+        let mut args = user_args;
         args.extend(
-            ["--replicaof", "127.0.0.1", &link_port, "--masteruser", user, "--masterauth", password].map(String::from),
+            ["--replicaof", "127.0.0.1", &link_port, "--masteruser", REPLICATION_USER, "--masterauth", &password]
+                .map(String::from),
         );
         let replica = Redis::start_with_args(&args.iter().map(String::as_str).collect::<Vec<_>>());
         let pair = ReplicatedRedis { primary, replica, relay };
