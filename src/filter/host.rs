@@ -136,6 +136,7 @@ pub enum Counter {
     StoreUnavailable,
     StorePassed,
     RecordUnreadable,
+    RecordUnauthentic,
     StoreReplays,
     StoreWrites,
     StoreWriteRetries,
@@ -150,7 +151,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 37] = [
+    pub const ALL: [Counter; 38] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -177,6 +178,7 @@ impl Counter {
         Counter::StoreUnavailable,
         Counter::StorePassed,
         Counter::RecordUnreadable,
+        Counter::RecordUnauthentic,
         Counter::StoreReplays,
         Counter::StoreWrites,
         Counter::StoreWriteRetries,
@@ -218,6 +220,7 @@ impl Counter {
             Counter::StoreUnavailable => "idemgate.store_unavailable",
             Counter::StorePassed => "idemgate.store_passed_unprotected",
             Counter::RecordUnreadable => "idemgate.record_unreadable",
+            Counter::RecordUnauthentic => "idemgate.record_unauthentic",
             Counter::StoreReplays => "idemgate.store_replays",
             Counter::StoreWrites => "idemgate.store_writes",
             Counter::StoreWriteRetries => "idemgate.store_write_retries",

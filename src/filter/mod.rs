@@ -29,7 +29,8 @@ use crate::local::Table;
 use crate::problem::ProblemKind;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
-use crate::store::{self, TransitionReply};
+use crate::seal::Seal;
+use crate::store::{self, Transition, TransitionReply};
 use crate::wait::{self, Seen, Tier, WaitAnswer};
 use host::{Counter, Gauge, HostShared, Metrics};
 use settle::Claim;
@@ -141,6 +142,9 @@ pub struct Shared {
     pub queue_id: Option<u32>,
     /// `authorization` for the store, from the VM's environment.
     pub credentials: Option<String>,
+    /// The secrets store records are sealed with, from the VM's environment (`crate::seal`):
+    /// present whenever a store is configured (the configuration is refused otherwise).
+    pub seal: Option<Seal>,
 }
 
 impl Shared {
@@ -157,7 +161,14 @@ impl Shared {
     }
 
     /// Hands a store write to the root context.
-    pub fn push_job(&self, job: Job) {
+    /// Hands the store write `t` of `skey` (with its fallback) to the root context. Without a
+    /// store (and so no seal) there is nothing to write.
+    pub fn push_write(&self, what: &'static str, skey: &StorageKey, t: &Transition, fallback: Option<&Transition>) {
+        let Some(seal) = self.seal.as_ref() else { return };
+        self.push_job(Job::new(what, skey, t, fallback, seal));
+    }
+
+    fn push_job(&self, job: Job) {
         self.metrics.add(Gauge::StoreWritesPending, 1);
         self.queues.jobs.borrow_mut().push_back(job);
         self.wake();
@@ -540,7 +551,8 @@ impl Root {
             let Some(pos) = ws.iter().position(|w| w.context_id == context_id) else { return };
             let Some(w) = ws.get_mut(pos) else { return };
             w.polling = false;
-            let seen = match store::parse_read_reply(status, &body) {
+            let Some(seal) = self.shared.as_ref().and_then(|s| s.seal.clone()) else { return };
+            let seen = match store::parse_read_reply(status, &body, &w.skey, &seal) {
                 Ok(v) => Seen::from_store(v),
                 // An unreadable answer: ask again at the next poll.
                 Err(_) => return,
@@ -666,6 +678,17 @@ impl RootContext for Root {
                 return false;
             }
         }
+        let seal = match config.store {
+            // Records in a shared store are sealed (src/seal.rs): no secret, no store.
+            Some(_) => match Seal::from_env() {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    error!("idemgate configuration refused: {e}");
+                    return false;
+                }
+            },
+            None => None,
+        };
         let credentials = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty()).map(|v| store::basic_auth(&v));
         let metrics = Metrics::define(config.routes.len());
         // Fixed by `max_entries`: set once here (the record bytes and occupancy are set by the tick).
@@ -682,6 +705,7 @@ impl RootContext for Root {
             queues: self.queues.clone(),
             queue_id: self.queue_id,
             credentials,
+            seal,
         }));
         if hostcalls::set_tick_period(TICK).is_err() {
             warn!("idemgate: no timer: expired records are freed only when their bucket is reused");
