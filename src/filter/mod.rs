@@ -553,6 +553,13 @@ impl Root {
             w.polling = false;
             let Some(seal) = self.shared.as_ref().and_then(|s| s.seal.clone()) else { return };
             let seen = match store::parse_read_reply(status, &body, &w.skey, &seal) {
+                Ok(store::ReadReply::Unreadable(why)) if why.is_unauthentic() => {
+                    if let Some(s) = self.shared.as_ref() {
+                        s.metrics.inc_for(Counter::RecordUnauthentic, Some(w.policy_index));
+                        warn!("idemgate: outcome=record_unauthentic key={} waiting=true error={why}", w.skey.hex());
+                    }
+                    Seen::from_store(store::ReadReply::Unreadable(why))
+                }
                 Ok(v) => Seen::from_store(v),
                 // An unreadable answer: ask again at the next poll.
                 Err(_) => return,
