@@ -65,7 +65,13 @@ fn claims_per_second(webdis: &Webdis, mode: &str) -> f64 {
         let mut skey = [0u8; 32];
         skey[..8].copy_from_slice(&(i as u64).to_le_bytes());
         skey[8] = mode.len() as u8;
-        let req = idemgate::store::claim_request(&StorageKey(skey), &OwnerToken([2; 16]), &record, &lives);
+        let req = idemgate::store::claim_request(
+            &StorageKey(skey),
+            &OwnerToken([2; 16]),
+            &record,
+            &lives,
+            &support::record_seal(),
+        );
         let r = http::request(webdis.port, req.method, &req.path, &headers, &req.body).expect("webdis");
         assert_eq!(r.status, 200, "{}", r.body_text());
     }
