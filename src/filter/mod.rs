@@ -185,7 +185,11 @@ impl Shared {
     /// Hands the store write `t` of `skey` (with its fallback) to the root context. Without a
     /// store (and so no seal) there is nothing to write.
     pub fn push_write(&self, what: &'static str, skey: &StorageKey, t: &Transition, fallback: Option<&Transition>) {
-        let Some(seal) = self.seal.as_ref() else { return };
+        let Some(seal) = self.seal.as_ref() else {
+            // Cannot happen: a store is configured only with its seal (`on_configure`).
+            error!("idemgate: store write {what} for key={} dropped: no record seal", skey.hex());
+            return;
+        };
         self.push_job(Job::new(what, skey, t, fallback, seal));
     }
 
@@ -253,6 +257,8 @@ impl Root {
 
     /// Takes the store writes and detached forwards HTTP contexts queued for this root.
     fn take_queued_work(&mut self) {
+        // What a later tick finds queued was queued after this.
+        self.stray_seen = false;
         let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
         for job in jobs {
             self.dispatch_job(job);
