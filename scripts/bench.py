@@ -74,7 +74,9 @@ def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port):
                 "config": {
                     "name": "idemgate", "root_id": "idemgate", "allow_on_headers_stop_iteration": True,
                     "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": json.dumps(plugin or {})},
-                    "vm_config": {"vm_id": "idemgate", "runtime": "envoy.wasm.runtime.v8", "code": {"local": {"filename": wasm}}},
+                    "vm_config": {"vm_id": "idemgate", "runtime": "envoy.wasm.runtime.v8", "code": {"local": {"filename": wasm}},
+                                  # Store records are sealed with this secret (src/seal.rs).
+                                  "environment_variables": {"key_values": {"IDEMGATE_RECORD_KEY": "idemgate-bench-record-key-0123456789abcdef"}}},
                 },
             },
         })

@@ -89,6 +89,10 @@ print(json.dumps(c))
 PY
   IDEMGATE_STORE_AUTH=$(python3 -c 'import json; print(next(a["http_basic_auth"] for a in json.load(open("envoy/docker-compose/webdis.json"))["acl"] if "http_basic_auth" in a))')
   export IDEMGATE_STORE_AUTH
+  # The secret store records are sealed with (HMAC-SHA-256 over key and record, src/seal.rs): the
+  # same for every proxy of the stack, new for each stack unless given.
+  IDEMGATE_RECORD_KEY=${IDEMGATE_RECORD_KEY:-$(python3 -c 'import secrets; print(secrets.token_hex(32))')}
+  export IDEMGATE_RECORD_KEY
   (cd "$STATE" && exec webdis webdis.json < /dev/null > /dev/null 2>&1) & echo $! >> "$STATE/pids"
   target/release/demo-payments --port "$API_PORT" < /dev/null > "$STATE/api.log" 2>&1 & echo $! >> "$STATE/pids"
   render envoy/demo/envoy.yaml.tmpl > "$STATE/envoy.yaml"
@@ -101,6 +105,7 @@ PY
 GATEWAY=http://127.0.0.1:$LISTEN_PORT
 API=http://127.0.0.1:$API_PORT
 ADMIN=http://127.0.0.1:$ADMIN_PORT
+IDEMGATE_RECORD_KEY=$IDEMGATE_RECORD_KEY
 ENV
 }
 

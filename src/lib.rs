@@ -28,6 +28,7 @@ pub mod problem;
 pub mod record;
 pub mod request;
 pub mod scope;
+pub mod seal;
 pub mod sha1;
 pub mod store;
 pub mod wait;

@@ -37,8 +37,9 @@ use std::fmt;
 use crate::decision::{Phase, Summary};
 use crate::lifecycle::{self, Event, TakeOver};
 use crate::owner::OwnerToken;
-use crate::record::{Lifetimes, Record, Stage};
+use crate::record::{Lifetimes, Record, Stage, State};
 use crate::scope::StorageKey;
+use crate::seal::{Seal, Unsealed};
 use crate::sha1;
 
 /// Prefix of every Redis key idemgate writes (the namespace is inside the hashed storage key).
@@ -222,19 +223,23 @@ impl StoredValue {
         r
     }
 
-    /// Encodes a value as the scripts write it (used by tests and by nothing on the wire).
-    pub fn encode(&self) -> Vec<u8> {
+    /// Encodes a value as the scripts write it at `skey`, its record sealed with `seal` (used by
+    /// tests and by nothing on the wire).
+    pub fn encode(&self, skey: &StorageKey, seal: &Seal) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER_LEN + 64);
         out.extend_from_slice(VALUE_MAGIC);
         out.push(self.phase.letter());
         out.extend_from_slice(self.owner.hex().as_bytes());
         out.extend_from_slice(format!("{:015}", self.lock_expires_at_ms % 1_000_000_000_000_000).as_bytes());
-        out.extend_from_slice(&self.record.encode());
+        out.extend_from_slice(&seal.seal(&redis_key(skey), &self.record.encode()));
         out
     }
 
-    pub fn decode(v: &[u8]) -> Result<StoredValue, StoreError> {
-        let bad = |why: &str| StoreError::Garbled(format!("stored value: {why}"));
+    /// Decodes the value read at `skey`. Its record must verify under `seal` for this very key
+    /// (`ValueError::Unauthentic` otherwise: never replayed, never forwarded on), and a completed
+    /// phase must carry a completed record.
+    pub fn open(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<StoredValue, ValueError> {
+        let bad = |why: &str| ValueError::Unreadable(format!("stored value: {why}"));
         if v.len() < HEADER_LEN || !v.starts_with(VALUE_MAGIC) {
             return Err(bad("no idemgate header"));
         }
@@ -250,8 +255,39 @@ impl StoredValue {
             .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
             .and_then(|s| s.parse::<u64>().ok())
             .ok_or_else(|| bad("lock expiry"))?;
-        let record = Record::decode(v.get(HEADER_LEN..).unwrap_or_default()).map_err(|e| bad(&e.to_string()))?;
+        let (record, _) =
+            seal.open(&redis_key(skey), v.get(HEADER_LEN..).unwrap_or_default()).map_err(ValueError::Unauthentic)?;
+        let record = Record::decode(record).map_err(|e| bad(&e.to_string()))?;
+        let completed = matches!(record.state, State::Completed(_) | State::CompletedTooLarge { .. });
+        if phase == StorePhase::Done && !completed {
+            return Err(bad("completed phase without a completed record"));
+        }
         Ok(StoredValue { phase, owner: OwnerToken(owner), lock_expires_at_ms: lock, record })
+    }
+}
+
+/// Why a stored value was not accepted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ValueError {
+    /// Damaged, or written by a later release (another value format or record version).
+    Unreadable(String),
+    /// Its record's seal does not verify for its key: moved from another key or namespace,
+    /// forged, truncated, or written with a secret this proxy does not hold (`seal`).
+    Unauthentic(Unsealed),
+}
+
+impl ValueError {
+    pub fn is_unauthentic(&self) -> bool {
+        matches!(self, ValueError::Unauthentic(_))
+    }
+}
+
+impl fmt::Display for ValueError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ValueError::Unreadable(why) => write!(f, "{why}"),
+            ValueError::Unauthentic(why) => write!(f, "stored value: unauthentic: {why}"),
+        }
     }
 }
 
@@ -374,18 +410,30 @@ pub fn redis_key(skey: &StorageKey) -> String {
 
 /// The claim script's ARGV: the claim enters `Forwarded` (the lifecycle's `Claim` from `Absent`,
 /// with the fingerprint), living as a forwarded claim.
-fn claim_args(owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> Vec<Vec<u8>> {
+fn claim_args(
+    skey: &StorageKey,
+    owner: &OwnerToken,
+    record: &Record,
+    lifetimes: &Lifetimes,
+    seal: &Seal,
+) -> Vec<Vec<u8>> {
     vec![
         owner.hex().into_bytes(),
         lifetimes.life_ms(Stage::Forwarded).to_string().into_bytes(),
         lifetimes.lock_ms.to_string().into_bytes(),
-        record.encode(),
+        seal.seal(&redis_key(skey), &record.encode()),
     ]
 }
 
 /// Claim-or-read: one POST whose body is the webdis command path (`EVALSHA` of the claim script).
-pub fn claim_request(skey: &StorageKey, owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> StoreRequest {
-    let args = claim_args(owner, record, lifetimes);
+pub fn claim_request(
+    skey: &StorageKey,
+    owner: &OwnerToken,
+    record: &Record,
+    lifetimes: &Lifetimes,
+    seal: &Seal,
+) -> StoreRequest {
+    let args = claim_args(skey, owner, record, lifetimes, seal);
     let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
     let command = Script::Claim.command(false, &redis_key(skey), &args);
     StoreRequest { by_sha1: Some(Script::Claim), ..StoreRequest::command(&format!("{command}.raw")) }
@@ -394,10 +442,16 @@ pub fn claim_request(skey: &StorageKey, owner: &OwnerToken, record: &Record, lif
 /// The Redis command `claim_request` makes webdis run, with the script in full (as its
 /// `with_script` form does): `EVAL script 1 key ARGV...`, for tests that run the script on Redis
 /// directly.
-pub fn claim_command(skey: &StorageKey, owner: &OwnerToken, record: &Record, lifetimes: &Lifetimes) -> Vec<Vec<u8>> {
+pub fn claim_command(
+    skey: &StorageKey,
+    owner: &OwnerToken,
+    record: &Record,
+    lifetimes: &Lifetimes,
+    seal: &Seal,
+) -> Vec<Vec<u8>> {
     let mut cmd = vec![b"EVAL".to_vec(), CLAIM_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
     cmd.push(redis_key(skey).into_bytes());
-    cmd.extend(claim_args(owner, record, lifetimes));
+    cmd.extend(claim_args(skey, owner, record, lifetimes, seal));
     cmd
 }
 
@@ -411,19 +465,24 @@ pub fn read_request(skey: &StorageKey) -> StoreRequest {
 pub enum ReadReply {
     Absent,
     Found(StoredValue),
-    /// The key holds a value this build cannot decode (see `ClaimReply::Unreadable`).
-    Unreadable(String),
+    /// The key holds a value this build cannot decode or verify (see `ClaimReply::Unreadable`).
+    Unreadable(ValueError),
 }
 
-/// Parses the answer to `read_request`.
-pub fn parse_read_reply(status: Option<u16>, body: &[u8]) -> Result<ReadReply, StoreError> {
+/// Parses the answer to `read_request(skey)`.
+pub fn parse_read_reply(
+    status: Option<u16>,
+    body: &[u8],
+    skey: &StorageKey,
+    seal: &Seal,
+) -> Result<ReadReply, StoreError> {
     match parse_reply(status, body)? {
         Resp::Bulk(None) => Ok(ReadReply::Absent),
         // A release tombstone holds no record: the key is free.
         Resp::Bulk(Some(v)) if v.starts_with(b"IGS1R") => Ok(ReadReply::Absent),
-        Resp::Bulk(Some(v)) => Ok(match StoredValue::decode(&v) {
+        Resp::Bulk(Some(v)) => Ok(match StoredValue::open(&v, skey, seal) {
             Ok(value) => ReadReply::Found(value),
-            Err(e) => ReadReply::Unreadable(e.to_string()),
+            Err(e) => ReadReply::Unreadable(e),
         }),
         _ => Err(garbled("read reply")),
     }
@@ -626,17 +685,18 @@ impl Transition {
     /// The Redis command `request` makes webdis run, with the script in full (as its
     /// `with_script` form does): `EVAL script 1 key ARGV...`, for tests that run the script on
     /// Redis directly.
-    pub fn eval_command(&self, skey: &StorageKey) -> Vec<Vec<u8>> {
+    pub fn eval_command(&self, skey: &StorageKey, seal: &Seal) -> Vec<Vec<u8>> {
         let mut cmd = vec![b"EVAL".to_vec(), TRANSITION_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
-        cmd.push(redis_key(skey).into_bytes());
+        let key = redis_key(skey);
+        cmd.push(key.clone().into_bytes());
         cmd.extend(self.args());
-        cmd.push(self.record.as_ref().map_or(b"-".to_vec(), Record::encode));
+        cmd.push(self.record.as_ref().map_or(b"-".to_vec(), |r| seal.seal(&key, &r.encode())));
         cmd
     }
 
     /// The webdis request: a POST of the command, or a PUT with the record as body when there is
     /// a record (it can be large and binary).
-    pub fn request(&self, skey: &StorageKey) -> StoreRequest {
+    pub fn request(&self, skey: &StorageKey, seal: &Seal) -> StoreRequest {
         let owned = self.args();
         let mut args: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
         let key = redis_key(skey);
@@ -646,7 +706,7 @@ impl Transition {
             Some(r) => StoreRequest {
                 method: "PUT",
                 path: format!("/{}.raw", script.command(false, &key, &args)),
-                body: r.encode(),
+                body: seal.seal(&key, &r.encode()),
                 by_sha1: Some(script),
             },
             None => {
@@ -805,8 +865,9 @@ pub enum ClaimReply {
     Exists { now_ms: u64, expires_at_ms: u64, value: StoredValue },
     /// The key exists (so nothing was claimed) but its value cannot be decoded: damaged, or
     /// written by a later release (another value format or record version) during a rolling
-    /// upgrade. The store answered; it is not "unavailable" (`decision::Lookup::Unreadable`).
-    Unreadable { now_ms: u64, why: String },
+    /// upgrade, or its seal does not verify. The store answered; it is not "unavailable"
+    /// (`decision::Lookup::Unreadable`).
+    Unreadable { now_ms: u64, why: ValueError },
     /// Redis does not hold the claim script (restarted, failed over, `SCRIPT FLUSH`): nothing ran
     /// and nothing was claimed. Send the request's `with_script` form, once.
     NoScript,
@@ -815,7 +876,13 @@ pub enum ClaimReply {
 /// Parses webdis's answer to `claim_request` made with `owner` (`status` is the HTTP status,
 /// `None` if no answer). A "claimed" answer must echo `owner`: one that does not (a store, proxy
 /// or mock answering without reading the request) is garbled, so nothing is forwarded on it.
-pub fn parse_claim_reply(status: Option<u16>, body: &[u8], owner: &OwnerToken) -> Result<ClaimReply, StoreError> {
+pub fn parse_claim_reply(
+    status: Option<u16>,
+    body: &[u8],
+    owner: &OwnerToken,
+    skey: &StorageKey,
+    seal: &Seal,
+) -> Result<ClaimReply, StoreError> {
     let answer = match parse_script_reply(status, body)? {
         Ran::NoScript => return Ok(ClaimReply::NoScript),
         Ran::Answered(v) => v,
@@ -838,9 +905,9 @@ pub fn parse_claim_reply(status: Option<u16>, body: &[u8], owner: &OwnerToken) -
                 Some(left) => now_ms.saturating_add(u64::try_from(left).map_err(|_| garbled("claim reply pttl"))?),
                 None => return Err(garbled("claim reply pttl")),
             };
-            Ok(match StoredValue::decode(v) {
+            Ok(match StoredValue::open(v, skey, seal) {
                 Ok(value) => ClaimReply::Exists { now_ms, expires_at_ms, value },
-                Err(e) => ClaimReply::Unreadable { now_ms, why: e.to_string() },
+                Err(why) => ClaimReply::Unreadable { now_ms, why },
             })
         }
         _ => Err(garbled("claim reply shape")),

@@ -175,7 +175,13 @@ mod tests {
             assert_eq!(answer(Seen::InFlight, tier, &FP, true, 422), WaitAnswer::KeepWaiting);
         }
         assert!(matches!(
-            answer(Seen::from_store(ReadReply::Unreadable("garbled".into())), Tier::Store, &FP, true, 422),
+            answer(
+                Seen::from_store(ReadReply::Unreadable(crate::store::ValueError::Unreadable("garbled".into()))),
+                Tier::Store,
+                &FP,
+                true,
+                422
+            ),
             WaitAnswer::Problem(ProblemKind::RecordUnreadable { .. })
         ));
     }

@@ -66,16 +66,16 @@ fn claims_per_second(webdis: &Webdis, mode: &str) -> f64 {
         let mut skey = [0u8; 32];
         skey[..8].copy_from_slice(&(i as u64).to_le_bytes());
         skey[8] = mode.len() as u8;
-        let owner = OwnerToken([2; 16]);
-        let req = idemgate::store::claim_request(&StorageKey(skey), &owner, &record, &lives);
+        let (owner, skey, seal) = (OwnerToken([2; 16]), StorageKey(skey), support::record_seal());
+        let req = idemgate::store::claim_request(&skey, &owner, &record, &lives, &seal);
         let mut r = http::request(webdis.port, req.method, &req.path, &headers, &req.body).expect("webdis");
-        // A fresh Redis holds no script: the first claim is sent again with it (as the filter does).
-        if parse_claim_reply(Some(r.status), &r.body, &owner) == Ok(ClaimReply::NoScript) {
+        // A Redis without the script answers NOSCRIPT: the claim is sent again with it (as the filter does).
+        if parse_claim_reply(Some(r.status), &r.body, &owner, &skey, &seal) == Ok(ClaimReply::NoScript) {
             let again = req.with_script().expect("a claim runs its script by name");
             r = http::request(webdis.port, again.method, &again.path, &headers, &again.body).expect("webdis");
         }
         assert!(
-            matches!(parse_claim_reply(Some(r.status), &r.body, &owner), Ok(ClaimReply::Claimed { .. })),
+            matches!(parse_claim_reply(Some(r.status), &r.body, &owner, &skey, &seal), Ok(ClaimReply::Claimed { .. })),
             "{} {}",
             r.status,
             r.body_text()

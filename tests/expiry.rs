@@ -233,7 +233,8 @@ fn store_a_claim_whose_lock_is_live_is_not_taken_over_past_its_records_expiry() 
     }
     let (name, value) = stored.expect("a completed record in the store");
     // Another proxy's forwarded claim on the key: lock live for 60 s, record expiry just past.
-    let mut v = StoredValue::decode(&value).expect("stored value");
+    let skey = support::storage_key_of(&name);
+    let mut v = StoredValue::open(&value, &skey, &support::record_seal()).expect("stored value");
     let now = redis_now_ms(&redis);
     let other = OwnerToken([7; 16]);
     v.phase = StorePhase::InProgress;
@@ -241,7 +242,7 @@ fn store_a_claim_whose_lock_is_live_is_not_taken_over_past_its_records_expiry() 
     v.lock_expires_at_ms = now + 60_000;
     v.record.expires_at_ms = now - 1_000;
     v.record.state = State::InProgress { owner: other, lock_expires_at_ms: now + 60_000 };
-    redis.command(&[b"SET", name.as_bytes(), &v.encode(), b"PX", b"60000"]);
+    redis.command(&[b"SET", name.as_bytes(), &v.encode(&skey, &support::record_seal()), b"PX", b"60000"]);
     let retry = post(b.port, "k-store-live", &[]);
     assert_eq!(up.executions(), 1, "executions: the live claim was taken over ({} {})", retry.status, retry.problem());
     assert_eq!((retry.status, retry.problem().as_str()), (409, "request-in-flight"), "{}", retry.body_text());

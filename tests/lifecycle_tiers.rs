@@ -233,7 +233,7 @@ impl StoreTier<'_> {
     }
 
     fn transition(&self, t: Transition) -> bool {
-        match self.eval(t.eval_command(&KEY)) {
+        match self.eval(t.eval_command(&KEY, &support::record_seal())) {
             Value::Int(1) => true,
             Value::Int(0) => false,
             other => panic!("transition answered {other:?}"),
@@ -243,7 +243,7 @@ impl StoreTier<'_> {
     /// An owner's completion or outcome-unknown mark: `Accepted`, `NotAccepted`, or `Rewritten`
     /// where the key was absent and the script wrote it anyway (answer 2).
     fn owner_write(&self, t: Transition) -> Answer {
-        match self.eval(t.eval_command(&KEY)) {
+        match self.eval(t.eval_command(&KEY, &support::record_seal())) {
             Value::Int(1) => Answer::Accepted,
             Value::Int(0) => Answer::NotAccepted,
             Value::Int(2) => Answer::Rewritten,
@@ -262,7 +262,13 @@ impl StoreTier<'_> {
         match ev {
             Ev::Claim(o) => {
                 let record = Record::in_progress(FP, creator(o), owner(o), 0, &lifetimes);
-                let items = match self.eval(store::claim_command(&KEY, &owner(o), &record, &lifetimes)) {
+                let items = match self.eval(store::claim_command(
+                    &KEY,
+                    &owner(o),
+                    &record,
+                    &lifetimes,
+                    &support::record_seal(),
+                )) {
                     Value::Array(Some(items)) => items,
                     other => panic!("claim answered {other:?}"),
                 };
@@ -273,7 +279,9 @@ impl StoreTier<'_> {
                 }
                 let now = bulk_u64(items.get(1));
                 let value = match items.get(2) {
-                    Some(Value::Bulk(Some(v))) => StoredValue::decode(v).expect("value decodes"),
+                    Some(Value::Bulk(Some(v))) => {
+                        StoredValue::open(v, &KEY, &support::record_seal()).expect("value decodes")
+                    }
                     other => panic!("claim value {other:?}"),
                 };
                 let pttl = bulk_u64(items.get(3));
@@ -333,7 +341,7 @@ impl StoreTier<'_> {
             None => (Stage::Absent, None),
             Some(v) if v.starts_with(b"IGS1R") => (Stage::Absent, None),
             Some(v) => {
-                let value = StoredValue::decode(&v).expect("value decodes");
+                let value = StoredValue::open(&v, &KEY, &support::record_seal()).expect("value decodes");
                 (value.phase.stage(), Some(value.owner))
             }
         }

@@ -114,6 +114,7 @@ fn cli_with(webdis: &str, args: &[&str]) -> Output {
         .arg(webdis)
         .args(args)
         .env("IDEMGATE_STORE_AUTH", AUTH)
+        .env("IDEMGATE_RECORD_KEY", support::RECORD_KEY)
         .output()
         .expect("run idemgate")
 }
@@ -275,10 +276,20 @@ fn the_cli_computes_the_filters_storage_key_and_refuses_bad_input() {
     let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
         .args(["--webdis", &format!("http://127.0.0.1:{}", s.webdis.port), "inspect", &skey])
         .env_remove("IDEMGATE_STORE_AUTH")
+        .env("IDEMGATE_RECORD_KEY", support::RECORD_KEY)
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("IDEMGATE_STORE_AUTH"), "{}", text(&out.stderr));
+    // Records are verified with the proxies' secret: without it the CLI reads nothing.
+    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["--webdis", &format!("http://127.0.0.1:{}", s.webdis.port), "inspect", &skey])
+        .env("IDEMGATE_STORE_AUTH", AUTH)
+        .env_remove("IDEMGATE_RECORD_KEY")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("IDEMGATE_RECORD_KEY"), "{}", text(&out.stderr));
 }
 
 fn probe(url: &str, extra: &[&str]) -> (Output, serde_json::Value) {

@@ -649,7 +649,12 @@ fn store_values_are_judged_by_redis_clock_whatever_the_writers_clock() {
             eventually(Duration::from_secs(20), || redis.get_raw(&name).is_some_and(|v| v.get(4) == Some(&b'D'))),
             "{k}: no completed record in the store"
         );
-        let v = StoredValue::decode(&redis.get_raw(&name).expect("value")).expect("a value this build reads");
+        let v = StoredValue::open(
+            &redis.get_raw(&name).expect("value"),
+            &support::storage_key_of(&name),
+            &support::record_seal(),
+        )
+        .expect("a value this build reads");
         values.push((name, v));
     }
     assert_eq!(p.up.executions(), 3);
@@ -666,14 +671,26 @@ fn store_values_are_judged_by_redis_clock_whatever_the_writers_clock() {
     v.record.created_at_ms = now - behind;
     v.record.expires_at_ms = now - behind + 4_000;
     v.record.state = State::InProgress { owner: other, lock_expires_at_ms: now - behind + 2_000 };
-    redis.command(&[b"SET", name.as_bytes(), &v.encode(), b"PX", b"4000"]);
+    redis.command(&[
+        b"SET",
+        name.as_bytes(),
+        &v.encode(&support::storage_key_of(&name), &support::record_seal()),
+        b"PX",
+        b"4000",
+    ]);
     // Completed records, PX 4 s (ttl from completion), written by clocks 3 s behind and 30 s ahead.
     for ((name, v), shift) in values[1..].iter().zip([-(behind as i64), ahead as i64]) {
         let mut v = v.clone();
         let now = redis_now_ms(&redis);
         v.record.created_at_ms = now.saturating_add_signed(shift);
         v.record.expires_at_ms = v.record.created_at_ms + 4_000;
-        redis.command(&[b"SET", name.as_bytes(), &v.encode(), b"PX", b"4000"]);
+        redis.command(&[
+            b"SET",
+            name.as_bytes(),
+            &v.encode(&support::storage_key_of(name), &support::record_seal()),
+            b"PX",
+            b"4000",
+        ]);
     }
     let live = post(&p.b, keys[0], "{}", &[]);
     assert_eq!((live.status, problem_type(&live).as_str()), (409, "urn:idemgate:problem:request-in-flight"));
@@ -752,4 +769,133 @@ fn an_outcome_unknown_mark_that_finds_its_claim_gone_still_holds_the_key() {
     assert_eq!(r.status, 409, "{}", r.body_text());
     assert_eq!(problem_type(&r), "urn:idemgate:problem:outcome-unknown");
     assert_eq!(p.a.stat("idemgate.store_claim_gone_rewritten"), 1);
+}
+
+/// The same key's value, moved within the store: `SET to <value of from>`.
+fn copy_value(redis: &Redis, from: &str, to: &str) {
+    let v = redis.get_raw(from).expect("the value to copy");
+    redis.command(&[b"SET", to.as_bytes(), &v, b"PX", b"60000"]);
+}
+
+/// Issue 15, item 2, through Envoy: caller S's payment B executes, then payment A with the same
+/// body under another key. A's stored value copied over B's Redis key must not make a retry of B,
+/// on a proxy that has B only in the store, replay payment A (before sealed records it did: 201
+/// with A's resource); nor may a value from another namespace, a forged one or a truncated one.
+/// Each is refused with 503 `record-unreadable`, counted as `record_unauthentic`, logged with the
+/// key's hash, and nothing executes again.
+#[test]
+fn store_a_value_moved_forged_or_cut_is_never_replayed() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let plugin = cfg("");
+    let p = Pair::new(webdis.port, &plugin);
+    let body = r#"{"amount":4200}"#;
+    let b = post(&p.a, "k-pay-b", body, &[]);
+    let a = post(&p.a, "k-pay-a", body, &[]);
+    assert_eq!((b.status, a.status), (201, 201));
+    assert_ne!(a.body, b.body, "two payments, two resources");
+    let (key_a, key_b) = (redis_key_of(&plugin, "k-pay-a"), redis_key_of(&plugin, "k-pay-b"));
+    let done = |k: &str| redis.get_raw(k).is_some_and(|v| v.get(4) == Some(&b'D'));
+    assert!(eventually(Duration::from_secs(20), || done(&key_a) && done(&key_b)), "completions in the store");
+    // Another namespace's record of the same caller and key, on a third proxy sharing the store.
+    let other_ns = r#"{"scope": {"headers": ["authorization"]}, "namespace": "tenant-2", "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+    let mut o = EnvoyOptions::new(other_ns, p.up.port);
+    o.store_port = Some(webdis.port);
+    let c = Envoy::start(&o);
+    assert_eq!(post(&c, "k-pay-ns", body, &[]).status, 201);
+    let key_ns_there = redis_key_of(other_ns, "k-pay-ns");
+    assert!(eventually(Duration::from_secs(20), || done(&key_ns_there)), "tenant-2's completion");
+    assert_eq!(p.up.executions(), 3);
+
+    // 1. A's value over B's key: B's retry on b (B is in b's memory nowhere).
+    copy_value(&redis, &key_a, &key_b);
+    let r = post(&p.b, "k-pay-b", body, &[]);
+    assert_ne!(r.body, a.body, "payment A replayed as payment B");
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (503, "urn:idemgate:problem:record-unreadable"),
+        "{}",
+        r.body_text()
+    );
+    // 2. tenant-2's value under the default namespace's key for the same caller and key.
+    let key_ns_here = redis_key_of(&plugin, "k-pay-ns");
+    copy_value(&redis, &key_ns_there, &key_ns_here);
+    let r = post(&p.b, "k-pay-ns", body, &[]);
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (503, "urn:idemgate:problem:record-unreadable"),
+        "{}",
+        r.body_text()
+    );
+    // 3. A's own value with its resource id changed (same length), and 4. cut short.
+    let genuine = redis.get_raw(&key_a).expect("A's value");
+    let at = genuine.windows(6).position(|w| w == b"\"res-2").expect("A's resource id in its record") + 5;
+    let mut forged = genuine.clone();
+    forged[at] = b'9';
+    for (what, value) in [("forged", forged), ("truncated", genuine[..genuine.len() - 7].to_vec())] {
+        redis.command(&[b"SET", key_a.as_bytes(), &value, b"PX", b"60000"]);
+        let r = post(&p.b, "k-pay-a", body, &[]);
+        assert!(!r.body_text().contains("res-9"), "{what}: the forged response was replayed");
+        assert_eq!((r.status, problem_type(&r).as_str()), (503, "urn:idemgate:problem:record-unreadable"), "{what}");
+    }
+    assert_eq!(p.up.executions(), 3, "nothing executed again");
+    assert_eq!(p.b.stat("idemgate.record_unauthentic"), 4);
+    assert_eq!(p.b.stat("idemgate.record_unreadable"), 4);
+    let log = p.b.log();
+    assert!(log.contains("outcome=record_unauthentic key="), "{log}");
+    c.assert_no_wasm_panic();
+}
+
+/// Rotation of the record secret (issue 15, item 2): a proxy given the new secret with the old
+/// one as previous replays what the old one sealed, and writes with the new one; a proxy still
+/// on the old secret alone refuses what the new one sealed (503, never executed), which is why
+/// every proxy gets the new secret as previous before any writes with it (README).
+#[test]
+fn store_records_sealed_with_the_previous_secret_are_replayed_while_rotating() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let plugin = cfg("");
+    let old = "rotation-old-record-key-0123456789abcdef-01";
+    let new = "rotation-new-record-key-0123456789abcdef-02";
+    let p = Pair::with(webdis.port, &plugin, |o| {
+        o.vm_env = vec![("IDEMGATE_RECORD_KEY".into(), old.into())];
+    });
+    let up_port = p.up.port;
+    let mut o = EnvoyOptions::new(&plugin, up_port);
+    o.store_port = Some(webdis.port);
+    o.vm_env = vec![("IDEMGATE_RECORD_KEY".into(), new.into()), ("IDEMGATE_RECORD_KEY_PREVIOUS".into(), old.into())];
+    let rotated = Envoy::start(&o);
+    let first = post(&p.a, "k-rot-old", "{}", &[]);
+    assert_eq!(first.status, 201);
+    let done = |k: &str| redis.get_raw(redis_key_of(&plugin, k)).is_some_and(|v| v.get(4) == Some(&b'D'));
+    assert!(eventually(Duration::from_secs(20), || done("k-rot-old")));
+    let again = post(&rotated, "k-rot-old", "{}", &[]);
+    assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
+    assert_eq!(again.body, first.body);
+    assert_eq!(post(&rotated, "k-rot-new", "{}", &[]).status, 201);
+    assert!(eventually(Duration::from_secs(20), || done("k-rot-new")));
+    let stale = post(&p.b, "k-rot-new", "{}", &[]);
+    assert_eq!((stale.status, problem_type(&stale).as_str()), (503, "urn:idemgate:problem:record-unreadable"));
+    assert_eq!(p.up.executions(), 2);
+    assert_eq!(rotated.stat("idemgate.record_unauthentic"), 0);
+    assert_eq!(p.b.stat("idemgate.record_unauthentic"), 1);
+    rotated.assert_no_wasm_panic();
+}
+
+/// A proxy sharing a store without a record secret (or with one too short to be a secret) is
+/// refused at configuration: it would write records anyone who can write the store could forge.
+#[test]
+fn a_store_without_a_record_secret_is_refused_at_configuration() {
+    for (value, needle) in [("", "IDEMGATE_RECORD_KEY is not set"), ("short-secret", "at least 32 bytes")] {
+        let mut o = EnvoyOptions::new(&cfg(""), support::free_port());
+        o.store_port = Some(support::free_port());
+        o.vm_env = vec![("IDEMGATE_RECORD_KEY".into(), value.into())];
+        match Envoy::try_start(&o) {
+            support::Started::Ready(envoy) => panic!("envoy started without a record secret; log:\n{}", envoy.log()),
+            support::Started::Exited { code, log } => {
+                assert_ne!(code, Some(0));
+                assert!(log.contains(needle), "log lacks `{needle}`:\n{log}");
+            }
+        }
+    }
 }

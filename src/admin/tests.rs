@@ -72,7 +72,8 @@ fn value_headers_are_read_without_the_record() {
         (StorePhase::Done, KeyState::Completed),
         (StorePhase::Unknown, KeyState::OutcomeUnknown),
     ] {
-        let bytes = value(phase, NOW + 1).encode();
+        let seal = crate::seal::Seal::new(Some("admin-tests-record-key-0123456789abcdef"), None).unwrap();
+        let bytes = value(phase, NOW + 1).encode(&StorageKey([7; 32]), &seal);
         assert_eq!(
             parse_header(&bytes[..VALUE_HEADER_LEN]),
             Header::Value { state, owner: "ab".repeat(16), lock_expires_at_ms: NOW + 1 }

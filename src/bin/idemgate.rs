@@ -26,6 +26,7 @@ use clap::{Arg, ArgAction, ArgMatches, Command};
 use idemgate::admin::{self, Header, KeyRequest, KeyState, Settle};
 use idemgate::config::{Anonymous, Config};
 use idemgate::probe::{self, Answer, Seen};
+use idemgate::seal::Seal;
 use idemgate::store::{self, ReadReply, Resp, StoreRequest, TransitionReply};
 
 const DEFAULT_WEBDIS: &str = "http://127.0.0.1:7379";
@@ -314,7 +315,7 @@ fn settle(w: &Webdis, skey: &idemgate::scope::StorageKey, action: &Settle, done:
     };
     let now = w.now_ms()?;
     let t = admin::plan(action, &value, now).or_else(|r| fail(r.to_string()))?;
-    let request = t.request(skey);
+    let request = t.request(skey, &record_seal()?);
     let (mut status, mut body) = w.send(&request)?;
     // Redis lost the transition script (restart, failover, SCRIPT FLUSH): nothing ran. The same
     // transition once more with the script in full, which also loads it.
@@ -335,6 +336,13 @@ fn settle(w: &Webdis, skey: &idemgate::scope::StorageKey, action: &Settle, done:
         Ok(TransitionReply::NoScript) => fail("store: NOSCRIPT answered to the transition carrying its script"),
         Err(e) => fail(format!("store: {e}")),
     }
+}
+
+/// The proxies' record secret (`IDEMGATE_RECORD_KEY`, and `IDEMGATE_RECORD_KEY_PREVIOUS` while
+/// rotating): records are verified with it when read and sealed with it when written.
+fn record_seal() -> Result<Seal, Fail> {
+    Seal::from_env()
+        .or_else(|e| fail(format!("{e} (the CLI needs the proxies' record secret to read or settle a key)")))
 }
 
 /// webdis over plain HTTP/1.1.
@@ -371,7 +379,7 @@ impl Webdis {
 
     fn read(&self, skey: &idemgate::scope::StorageKey) -> Result<ReadReply, Fail> {
         let (status, body) = self.send(&store::read_request(skey))?;
-        store::parse_read_reply(status, &body).or_else(|e| fail(format!("store: {e}")))
+        store::parse_read_reply(status, &body, skey, &record_seal()?).or_else(|e| fail(format!("store: {e}")))
     }
 
     /// Redis's clock: locks are judged by it, as the filter's scripts do.

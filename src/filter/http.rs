@@ -175,6 +175,16 @@ impl Http {
         self.shared.metrics.inc_for(c, self.policy_index);
     }
 
+    /// A stored value that could not be read or verified: a seal that does not verify is counted
+    /// on its own (`record_unauthentic`: tampering, a transplanted value, or a proxy without the
+    /// secret the record was written with) and logged with the key's hash.
+    fn count_unreadable(&self, why: &store::ValueError) {
+        if why.is_unauthentic() {
+            self.count(Counter::RecordUnauthentic);
+            warn!("{}", self.log_line("record_unauthentic", &format!("error={why}")));
+        }
+    }
+
     fn log_line(&self, outcome: &str, extra: &str) -> String {
         let Some(r) = self.req.as_ref() else { return format!("idemgate: outcome={outcome} {extra}") };
         let mut line = format!(
@@ -247,7 +257,16 @@ impl Http {
     /// is no proof the key never ran (the store may have lost or expired it), so the local
     /// outcome-unknown stands, as it does when the store cannot be read.
     fn settled_answer(&mut self, fp: Fingerprint, status: Option<u16>, body: &[u8]) -> Action {
-        match store::parse_read_reply(status, body) {
+        let reply = match (self.req.as_ref(), self.shared.seal.as_ref()) {
+            (Some(r), Some(seal)) => store::parse_read_reply(status, body, &r.skey, seal),
+            _ => Err(StoreError::Garbled("a read answer without its request or seal".into())),
+        };
+        match reply {
+            Ok(store::ReadReply::Unreadable(why)) => {
+                self.count_unreadable(&why);
+                self.count(Counter::UnknownOutcome);
+                self.answer(ProblemKind::OutcomeUnknown, None)
+            }
             Ok(store::ReadReply::Found(v)) if v.record.fingerprint != fp => {
                 let status = self.policy().map_or(422, |p| p.mismatch_status);
                 self.answer(ProblemKind::KeyReused { status }, None)
@@ -444,7 +463,10 @@ impl Http {
         };
         let lifetimes = Lifetimes::of(policy);
         let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), &lifetimes);
-        let req = store::claim_request(&r.skey, &r.owner, &record, &lifetimes);
+        let Some(seal) = self.shared.seal.as_ref() else {
+            return self.fail_closed(Broken::StoreMissing, "claim_without_seal", handle, holding);
+        };
+        let req = store::claim_request(&r.skey, &r.owner, &record, &lifetimes, seal);
         self.call(req, handle, fp, false)
     }
 
@@ -600,12 +622,16 @@ impl Http {
         let Some(owner) = self.req.as_ref().map(|r| r.owner) else {
             return self.store_failed(handle, &StoreError::Garbled("a claim answer without its request".into()));
         };
-        let (now, expires_at, value) = match store::parse_claim_reply(status, body, &owner) {
+        let (Some(skey), Some(seal)) = (self.req.as_ref().map(|r| r.skey), self.shared.seal.clone()) else {
+            return self.store_failed(handle, &StoreError::Garbled("a claim answer without its key or seal".into()));
+        };
+        let (now, expires_at, value) = match store::parse_claim_reply(status, body, &owner, &skey, &seal) {
             Ok(ClaimReply::Claimed { .. }) => return self.forward(handle, fp, true),
             Ok(ClaimReply::Exists { now_ms, expires_at_ms, value }) => (now_ms, expires_at_ms, value),
             // The key holds a record we cannot read: nothing was claimed, and it is no outage.
             Ok(ClaimReply::Unreadable { now_ms, why }) => {
                 self.release_local(handle);
+                self.count_unreadable(&why);
                 warn!("{}", self.log_line("record_unreadable", &format!("error={why}")));
                 let Some(policy) = self.policy() else {
                     return self.fail_closed(Broken::PolicyMissing, "store_answer_unreadable", None, Holding::Nothing);
@@ -679,7 +705,11 @@ impl Http {
         };
         let lifetimes = Lifetimes::of(policy);
         let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), &lifetimes);
-        let req = Transition::take_over(old.owner, r.owner, record, free, &lifetimes).request(&r.skey);
+        let Some(seal) = self.shared.seal.as_ref() else {
+            let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
+            return self.fail_closed(Broken::StoreMissing, "take_over_without_seal", handle, holding);
+        };
+        let req = Transition::take_over(old.owner, r.owner, record, free, &lifetimes).request(&r.skey, seal);
         self.call(req, handle, fp, true)
     }
 
@@ -689,8 +719,7 @@ impl Http {
             return;
         }
         let Some(r) = self.req.as_ref() else { return };
-        let job = writes::Job::new(what, &r.skey, &t, fallback.as_ref());
-        self.shared.push_job(job);
+        self.shared.push_write(what, &r.skey, &t, fallback.as_ref());
     }
 
     /// A claim-or-read or take-over was sent and its answer is lost (or the client left while it
@@ -1040,6 +1069,9 @@ impl HttpContext for Http {
             return Action::Continue;
         }
         crash_point(self.req.as_ref(), "response");
+        if fault_point(self.req.as_ref(), "lost-wake") {
+            self.shared.lose_next_wake();
+        }
         let Some(policy) = self.policy() else { return Action::Continue };
         let exclude = &policy.replay_exclude_headers;
         let mut status = 0;

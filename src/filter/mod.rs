@@ -29,7 +29,8 @@ use crate::local::Table;
 use crate::problem::ProblemKind;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
-use crate::store::{self, TransitionReply};
+use crate::seal::Seal;
+use crate::store::{self, Transition, TransitionReply};
 use crate::wait::{self, Seen, Tier, WaitAnswer};
 use host::{Counter, Gauge, HostShared, Metrics};
 use settle::Claim;
@@ -141,6 +142,12 @@ pub struct Shared {
     pub queue_id: Option<u32>,
     /// `authorization` for the store, from the VM's environment.
     pub credentials: Option<String>,
+    /// The secrets store records are sealed with, from the VM's environment (`crate::seal`):
+    /// present whenever a store is configured (the configuration is refused otherwise).
+    pub seal: Option<Seal>,
+    /// Fault tests only: `lose_next_wake`.
+    #[cfg(feature = "crash-injection")]
+    lose_next_wake: Cell<bool>,
 }
 
 impl Shared {
@@ -150,14 +157,43 @@ impl Shared {
         n
     }
 
+    /// Fault tests only (feature `crash-injection`): the next wake is not sent, as if the host
+    /// had lost it.
+    #[cfg(feature = "crash-injection")]
+    pub fn lose_next_wake(&self) {
+        self.lose_next_wake.set(true);
+    }
+
+    #[cfg(not(feature = "crash-injection"))]
+    pub fn lose_next_wake(&self) {}
+
+    /// Wakes the root (`on_queue_ready`). If the host loses the wake, the root's tick finds
+    /// the work anyway (`Root::collect_stray_work`).
     fn wake(&self) {
+        #[cfg(feature = "crash-injection")]
+        if self.lose_next_wake.replace(false) {
+            return;
+        }
         if let Some(q) = self.queue_id {
-            let _ = hostcalls::enqueue_shared_queue(q, Some(b"w"));
+            if let Err(e) = hostcalls::enqueue_shared_queue(q, Some(b"w")) {
+                warn!("idemgate: cannot wake the root context (queue {q}: {e:?}): its tick takes the work");
+            }
         }
     }
 
     /// Hands a store write to the root context.
-    pub fn push_job(&self, job: Job) {
+    /// Hands the store write `t` of `skey` (with its fallback) to the root context. Without a
+    /// store (and so no seal) there is nothing to write.
+    pub fn push_write(&self, what: &'static str, skey: &StorageKey, t: &Transition, fallback: Option<&Transition>) {
+        let Some(seal) = self.seal.as_ref() else {
+            // Cannot happen: a store is configured only with its seal (`on_configure`).
+            error!("idemgate: store write {what} for key={} dropped: no record seal", skey.hex());
+            return;
+        };
+        self.push_job(Job::new(what, skey, t, fallback, seal));
+    }
+
+    fn push_job(&self, job: Job) {
         self.metrics.add(Gauge::StoreWritesPending, 1);
         self.queues.jobs.borrow_mut().push_back(job);
         self.wake();
@@ -198,6 +234,8 @@ struct Root {
     /// Set when the host asked this root to stop while writes were pending: the time after
     /// which it stops anyway.
     stopping_until_ms: Option<u64>,
+    /// The last tick found work queued by HTTP contexts and not yet taken by `on_queue_ready`.
+    stray_seen: bool,
 }
 
 impl Root {
@@ -213,7 +251,48 @@ impl Root {
             queue_id: None,
             retries: Vec::new(),
             stopping_until_ms: None,
+            stray_seen: false,
         }
+    }
+
+    /// Takes the store writes and detached forwards HTTP contexts queued for this root.
+    fn take_queued_work(&mut self) {
+        // What a later tick finds queued was queued after this.
+        self.stray_seen = false;
+        let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
+        for job in jobs {
+            self.dispatch_job(job);
+        }
+        let forwards: Vec<Forward> = self.queues.forwards.borrow_mut().drain(..).collect();
+        for f in forwards {
+            self.dispatch_forward(f);
+        }
+    }
+
+    /// Work queued by an HTTP context wakes the root through its shared queue; a wake the host
+    /// never delivers would leave a completion or outcome-unknown write (or a detached forward)
+    /// queued for good. Work still queued at two ticks in a row (the wake, posted to this same
+    /// thread, would have run between them) was not woken for: taken here, counted, logged.
+    fn collect_stray_work(&mut self) {
+        let queued = self.queues.jobs.borrow().len() + self.queues.forwards.borrow().len();
+        if queued == 0 {
+            self.stray_seen = false;
+            return;
+        }
+        if !self.stray_seen {
+            self.stray_seen = true;
+            return;
+        }
+        self.stray_seen = false;
+        if let Some(s) = self.shared.as_ref() {
+            for _ in 0..queued {
+                s.metrics.inc(Counter::RootWakesMissed);
+            }
+        }
+        warn!(
+            "idemgate: {queued} store write(s) or forward(s) queued for the root were not woken for: taken by its tick"
+        );
+        self.take_queued_work();
     }
 
     /// Store writes this root still owns: queued by HTTP contexts, in flight, or waiting to retry.
@@ -569,7 +648,15 @@ impl Root {
             let Some(pos) = ws.iter().position(|w| w.context_id == context_id) else { return };
             let Some(w) = ws.get_mut(pos) else { return };
             w.polling = false;
-            let seen = match store::parse_read_reply(status, &body) {
+            let Some(seal) = self.shared.as_ref().and_then(|s| s.seal.clone()) else { return };
+            let seen = match store::parse_read_reply(status, &body, &w.skey, &seal) {
+                Ok(store::ReadReply::Unreadable(why)) if why.is_unauthentic() => {
+                    if let Some(s) = self.shared.as_ref() {
+                        s.metrics.inc_for(Counter::RecordUnauthentic, Some(w.policy_index));
+                        warn!("idemgate: outcome=record_unauthentic key={} waiting=true error={why}", w.skey.hex());
+                    }
+                    Seen::from_store(store::ReadReply::Unreadable(why))
+                }
                 Ok(v) => Seen::from_store(v),
                 // An unreadable answer: ask again at the next poll.
                 Err(_) => return,
@@ -693,6 +780,17 @@ impl RootContext for Root {
                 return false;
             }
         }
+        let seal = match config.store {
+            // Records in a shared store are sealed (src/seal.rs): no secret, no store.
+            Some(_) => match Seal::from_env() {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    error!("idemgate configuration refused: {e}");
+                    return false;
+                }
+            },
+            None => None,
+        };
         let credentials = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty()).map(|v| store::basic_auth(&v));
         let metrics = Metrics::define(config.routes.len());
         // Fixed by `max_entries`: set once here (the record bytes and occupancy are set by the tick).
@@ -709,6 +807,9 @@ impl RootContext for Root {
             queues: self.queues.clone(),
             queue_id: self.queue_id,
             credentials,
+            seal,
+            #[cfg(feature = "crash-injection")]
+            lose_next_wake: Cell::new(false),
         }));
         if hostcalls::set_tick_period(TICK).is_err() {
             warn!("idemgate: no timer: expired records are freed only when their bucket is reused");
@@ -718,17 +819,11 @@ impl RootContext for Root {
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
-        let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
-        for job in jobs {
-            self.dispatch_job(job);
-        }
-        let forwards: Vec<Forward> = self.queues.forwards.borrow_mut().drain(..).collect();
-        for f in forwards {
-            self.dispatch_forward(f);
-        }
+        self.take_queued_work();
     }
 
     fn on_tick(&mut self) {
+        self.collect_stray_work();
         self.check_waiters();
         self.dispatch_due_retries();
         self.finish_stopping_if_drained();

@@ -6,7 +6,6 @@
 use log::{debug, info, warn};
 
 use super::host::{self, Counter, HostShared};
-use super::writes::Job;
 use super::Shared;
 use crate::decision::Outcome;
 use crate::fingerprint::Fingerprint;
@@ -64,7 +63,7 @@ pub fn settle(
                     Record::unknown(claim.fp, claim.creator.clone(), UnknownReason::StoreWriteFailed, now, &lifetimes);
                 let unknown = Transition::unknown(claim.owner, gone, &lifetimes);
                 let complete = Transition::complete(claim.owner, record.clone(), &lifetimes);
-                shared.push_job(Job::new("complete", &claim.skey, &complete, Some(&unknown)));
+                shared.push_write("complete", &claim.skey, &complete, Some(&unknown));
             }
             match claim.handle.map(|h| t.complete(&mut HostShared, &h, record, now)) {
                 Some(Ok(Completed::Stored)) | None => {
@@ -92,7 +91,7 @@ pub fn settle(
         Outcome::Release => {
             release_local(shared, claim.handle);
             if claim.in_store && shared.config.store.is_some() {
-                shared.push_job(Job::new("release", &claim.skey, &Transition::release(claim.owner), None));
+                shared.push_write("release", &claim.skey, &Transition::release(claim.owner), None);
             }
             info!("{}", line("released", detail));
             "released"
@@ -103,12 +102,7 @@ pub fn settle(
             }
             if claim.in_store && shared.config.store.is_some() {
                 let gone = Record::unknown(claim.fp, claim.creator.clone(), reason, now, &lifetimes);
-                shared.push_job(Job::new(
-                    "unknown",
-                    &claim.skey,
-                    &Transition::unknown(claim.owner, gone, &lifetimes),
-                    None,
-                ));
+                shared.push_write("unknown", &claim.skey, &Transition::unknown(claim.owner, gone, &lifetimes), None);
             }
             shared.metrics.inc_for(Counter::UnknownOutcome, Some(claim.policy_index));
             info!("{}", line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())));

@@ -14,6 +14,7 @@ use proxy_wasm::types::{BufferType, MapType};
 
 use crate::config::StoreConfig;
 use crate::scope::StorageKey;
+use crate::seal::Seal;
 use crate::store::{StoreRequest, Transition};
 
 /// Attempts of one write before its fallback: the first, one retry at once (a transient error),
@@ -42,12 +43,18 @@ pub struct Job {
 
 impl Job {
     /// The write `t` of the record at `skey`, with an optional fallback.
-    pub fn new(what: &'static str, skey: &StorageKey, t: &Transition, fallback: Option<&Transition>) -> Job {
+    pub fn new(
+        what: &'static str,
+        skey: &StorageKey,
+        t: &Transition,
+        fallback: Option<&Transition>,
+        seal: &Seal,
+    ) -> Job {
         Job {
             what,
             key_hash: skey.hex(),
-            request: t.request(skey),
-            fallback: fallback.map(|f| f.request(skey)),
+            request: t.request(skey, seal),
+            fallback: fallback.map(|f| f.request(skey, seal)),
             attempts: 0,
         }
     }

@@ -14,8 +14,14 @@ fn record() -> Record {
     }
 }
 
+/// A stored value in `phase`, its record in the matching state (a completed phase holds a
+/// completed record).
 fn value(phase: StorePhase) -> StoredValue {
-    StoredValue { phase, owner: OwnerToken([0xab; 16]), lock_expires_at_ms: 1_764_000_060_000, record: record() }
+    let mut record = record();
+    if phase == StorePhase::Done {
+        record.state = State::Completed(StoredResponse { status: 201, headers: vec![], body: b"{}".to_vec() });
+    }
+    StoredValue { phase, owner: OwnerToken([0xab; 16]), lock_expires_at_ms: 1_764_000_060_000, record }
 }
 
 /// ttl, lock and outcome-unknown lives, in ms.
@@ -30,29 +36,72 @@ fn skey() -> StorageKey {
     StorageKey([7; 32])
 }
 
+/// The secret the store values of these tests are sealed with.
+fn seal() -> Seal {
+    Seal::new(Some("store-tests-record-key-0123456789abcdef"), None).unwrap()
+}
+
 #[test]
 fn stored_values_round_trip_and_hold_the_lock_in_fixed_width_ascii() {
     for p in [StorePhase::InProgress, StorePhase::Done, StorePhase::Unknown] {
         let v = value(p);
-        let bytes = v.encode();
+        let bytes = v.encode(&skey(), &seal());
         assert_eq!(&bytes[..4], b"IGS1");
         assert_eq!(&bytes[37..52], b"001764000060000");
-        assert_eq!(StoredValue::decode(&bytes), Ok(v));
+        assert_eq!(StoredValue::open(&bytes, &skey(), &seal()), Ok(v));
     }
+}
+
+/// Issue 15, item 2: a value moved to another key (or namespace: the namespace is inside the
+/// storage key), forged, truncated, or sealed with another secret is unauthentic; a value sealed
+/// with the previous secret is accepted while rotating; a completed phase over a claim's record
+/// (a header changed by whoever can write the store) is unreadable, never a replay.
+#[test]
+fn stored_values_are_bound_to_their_key_and_secret() {
+    let v = value(StorePhase::Done);
+    let at_b = v.encode(&skey(), &seal());
+    let other_key = StorageKey([8; 32]);
+    assert_eq!(
+        StoredValue::open(&at_b, &other_key, &seal()),
+        Err(ValueError::Unauthentic(crate::seal::Unsealed::BadTag)),
+        "a value transplanted to another key"
+    );
+    let mut forged = at_b.clone();
+    let n = forged.len();
+    forged[n - 3] ^= 0x20;
+    assert!(StoredValue::open(&forged, &skey(), &seal()).unwrap_err().is_unauthentic(), "one byte of the response");
+    let unsealed = [&at_b[..HEADER_LEN], &v.record.encode()[..]].concat();
+    assert_eq!(
+        StoredValue::open(&unsealed, &skey(), &seal()),
+        Err(ValueError::Unauthentic(crate::seal::Unsealed::NotSealed)),
+        "a record written without a seal"
+    );
+    let stranger = Seal::new(Some("another-deployments-record-key-0123456789"), None).unwrap();
+    assert!(StoredValue::open(&v.encode(&skey(), &stranger), &skey(), &seal()).unwrap_err().is_unauthentic());
+    let rotated =
+        Seal::new(Some("the-next-record-key-0123456789abcdef-0001"), Some("store-tests-record-key-0123456789abcdef"))
+            .unwrap();
+    assert_eq!(StoredValue::open(&at_b, &skey(), &rotated), Ok(v.clone()), "the previous secret, while rotating");
+    // The header is Redis's to write (phase, owner, lock): a claim's header turned "completed".
+    let mut claim = value(StorePhase::InProgress).encode(&skey(), &seal());
+    claim[4] = b'D';
+    assert!(matches!(StoredValue::open(&claim, &skey(), &seal()), Err(ValueError::Unreadable(_))));
 }
 
 #[test]
 fn garbled_stored_values_are_errors() {
-    let good = value(StorePhase::Done).encode();
-    for bad in [&b""[..], b"IGS1", b"XXXXPabababababababababababababababab001764000060000", &good[..60]] {
-        assert!(matches!(StoredValue::decode(bad), Err(StoreError::Garbled(_))), "{bad:?}");
+    let good = value(StorePhase::Done).encode(&skey(), &seal());
+    for bad in [&b""[..], b"IGS1", b"XXXXPabababababababababababababababab001764000060000"] {
+        assert!(matches!(StoredValue::open(bad, &skey(), &seal()), Err(ValueError::Unreadable(_))), "{bad:?}");
     }
+    // Cut inside the sealed record: its seal no longer verifies.
+    assert!(matches!(StoredValue::open(&good[..60], &skey(), &seal()), Err(ValueError::Unauthentic(_))));
     let mut wrong_phase = good.clone();
     wrong_phase[4] = b'Z';
-    assert!(StoredValue::decode(&wrong_phase).is_err());
+    assert!(StoredValue::open(&wrong_phase, &skey(), &seal()).is_err());
     let mut bad_lock = good;
     bad_lock[40] = b'x';
-    assert!(StoredValue::decode(&bad_lock).is_err());
+    assert!(StoredValue::open(&bad_lock, &skey(), &seal()).is_err());
 }
 
 #[test]
@@ -63,7 +112,7 @@ fn arguments_are_percent_encoded_so_dots_slashes_and_binary_survive_webdis() {
 
 #[test]
 fn claim_request_is_one_post_of_an_evalsha_with_raw_output() {
-    let r = claim_request(&skey(), &OwnerToken([1; 16]), &record(), &lives(86_400_000, 60_000, 600_000));
+    let r = claim_request(&skey(), &OwnerToken([1; 16]), &record(), &lives(86_400_000, 60_000, 600_000), &seal());
     assert_eq!((r.method, r.path.as_str(), r.by_sha1), ("POST", "/", Some(Script::Claim)));
     let body = String::from_utf8(r.body).unwrap();
     assert!(body.starts_with("EVALSHA/"));
@@ -85,7 +134,7 @@ fn claim_request_is_one_post_of_an_evalsha_with_raw_output() {
 #[test]
 fn every_transitions_px_comes_from_the_one_lifetime_table() {
     let l = lives(4_000, 2_000, 600_000);
-    let body = String::from_utf8(claim_request(&skey(), &OwnerToken([1; 16]), &record(), &l).body).unwrap();
+    let body = String::from_utf8(claim_request(&skey(), &OwnerToken([1; 16]), &record(), &l, &seal()).body).unwrap();
     let px = body.trim_end_matches(".raw").split('/').nth(5).unwrap().to_string();
     assert_eq!(px, "602000");
     let (a, b) = (OwnerToken([1; 16]), OwnerToken([2; 16]));
@@ -109,7 +158,7 @@ fn replacing_a_stored_value_always_requires_its_lock_not_live() {
     assert_eq!((stale.expected_phases, stale.require_stale), ("P", true));
     let free = Transition::take_over(old, new, record(), true, &lives(9_000, 1_000, 9_000));
     assert_eq!((free.expected_phases, free.require_stale), ("PDU", true));
-    let path = free.request(&skey()).path;
+    let path = free.request(&skey(), &seal()).path;
     let parts: Vec<&str> = path.trim_end_matches(".raw").split('/').collect();
     // "" EVALSHA sha1 1 key | owner phases stale ...
     assert_eq!((parts[6], parts[7]), ("PDU", "1"));
@@ -120,18 +169,18 @@ fn a_completion_travels_as_a_put_body_and_other_transitions_as_posts() {
     let owner = OwnerToken([2; 16]);
     let mut done = record();
     done.state = State::Completed(StoredResponse { status: 201, headers: vec![], body: vec![0, 1, 2, 255] });
-    let put = Transition::complete(owner, done.clone(), &lives(1000, 500, 5000)).request(&skey());
+    let put = Transition::complete(owner, done.clone(), &lives(1000, 500, 5000)).request(&skey(), &seal());
     assert_eq!(put.method, "PUT");
     assert!(put.path.starts_with("/EVALSHA/") && put.path.ends_with(".raw"));
     assert_eq!(put.by_sha1, Some(Script::Transition));
-    assert_eq!(put.body, done.encode());
-    let post = Transition::release(owner).request(&skey());
+    assert_eq!(put.body, seal().seal(&redis_key(&skey()), &done.encode()), "the record, sealed for its key");
+    let post = Transition::release(owner).request(&skey(), &seal());
     assert_eq!((post.method, post.path.as_str()), ("POST", "/"));
     let body = String::from_utf8(post.body).unwrap();
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
     // EVALSHA sha1 1 key | owner phases stale new-phase new-owner ttl lock where-absent record
     assert_eq!(&parts[4..], &["02".repeat(16).as_str(), "P", "0", "X", "02".repeat(16).as_str(), "1", "-", "0", "-"]);
-    let stale = Transition::stale_to_unknown(owner, &lives(1000, 500, 5000)).request(&skey());
+    let stale = Transition::stale_to_unknown(owner, &lives(1000, 500, 5000)).request(&skey(), &seal());
     let body = String::from_utf8(stale.body).unwrap();
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
     assert_eq!((parts[6], parts[7], parts[9]), ("1", "U", "5000"));
@@ -169,44 +218,65 @@ fn resp_values_parse_strictly() {
 fn claim_replies_are_understood_whether_integers_come_as_integers_or_bulk_strings() {
     let echo = "01".repeat(16);
     let claimed = format!("*3\r\n:1\r\n:1764\r\n$32\r\n{echo}\r\n");
-    assert_eq!(parse_claim_reply(Some(200), claimed.as_bytes(), &OWNER), Ok(ClaimReply::Claimed { now_ms: 1764 }));
+    assert_eq!(
+        parse_claim_reply(Some(200), claimed.as_bytes(), &OWNER, &skey(), &seal()),
+        Ok(ClaimReply::Claimed { now_ms: 1764 })
+    );
     let claimed = format!("*3\r\n$1\r\n1\r\n$4\r\n1764\r\n$32\r\n{echo}\r\n");
-    assert_eq!(parse_claim_reply(Some(200), claimed.as_bytes(), &OWNER), Ok(ClaimReply::Claimed { now_ms: 1764 }));
+    assert_eq!(
+        parse_claim_reply(Some(200), claimed.as_bytes(), &OWNER, &skey(), &seal()),
+        Ok(ClaimReply::Claimed { now_ms: 1764 })
+    );
     let v = value(StorePhase::Done);
-    let enc = v.encode();
+    let enc = v.encode(&skey(), &seal());
     let mut reply = format!("*4\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", enc.len()).into_bytes();
     reply.extend_from_slice(&enc);
     reply.extend_from_slice(b"\r\n$4\r\n4000\r\n");
     assert_eq!(
-        parse_claim_reply(Some(200), &reply, &OWNER),
+        parse_claim_reply(Some(200), &reply, &OWNER, &skey(), &seal()),
         Ok(ClaimReply::Exists { now_ms: 1765, expires_at_ms: 5765, value: v.clone() })
     );
     // A key without expiry holds; a three-item answer (no PTTL) or a PTTL that is no time is garbled.
     let no_px = reply_with_pttl(&enc, "-1");
     assert_eq!(
-        parse_claim_reply(Some(200), &no_px, &OWNER),
+        parse_claim_reply(Some(200), &no_px, &OWNER, &skey(), &seal()),
         Ok(ClaimReply::Exists { now_ms: 1765, expires_at_ms: u64::MAX, value: v })
     );
     for bad in ["-2", "x"] {
         assert!(
-            matches!(parse_claim_reply(Some(200), &reply_with_pttl(&enc, bad), &OWNER), Err(StoreError::Garbled(_))),
+            matches!(
+                parse_claim_reply(Some(200), &reply_with_pttl(&enc, bad), &OWNER, &skey(), &seal()),
+                Err(StoreError::Garbled(_))
+            ),
             "{bad}"
         );
     }
     let mut three = format!("*3\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", enc.len()).into_bytes();
     three.extend_from_slice(&enc);
     three.extend_from_slice(b"\r\n");
-    assert!(matches!(parse_claim_reply(Some(200), &three, &OWNER), Err(StoreError::Garbled(_))));
+    assert!(matches!(parse_claim_reply(Some(200), &three, &OWNER, &skey(), &seal()), Err(StoreError::Garbled(_))));
 }
 
 #[test]
 fn store_failures_of_every_kind_are_errors_never_panics() {
-    assert_eq!(parse_claim_reply(None, b"", &OWNER), Err(StoreError::NoAnswer));
-    assert_eq!(parse_claim_reply(Some(503), b"Service Unavailable", &OWNER), Err(StoreError::Http(503)));
-    assert_eq!(parse_claim_reply(Some(403), b"", &OWNER), Err(StoreError::Http(403)));
-    assert_eq!(parse_claim_reply(Some(200), b"-ERR boom\r\n", &OWNER), Err(StoreError::Redis("ERR boom".into())));
-    assert!(matches!(parse_claim_reply(Some(200), b"{\"EVAL\":[1,2]}", &OWNER), Err(StoreError::Garbled(_))));
-    assert!(matches!(parse_claim_reply(Some(200), b"*2\r\n:7\r\n:1\r\n", &OWNER), Err(StoreError::Garbled(_))));
+    assert_eq!(parse_claim_reply(None, b"", &OWNER, &skey(), &seal()), Err(StoreError::NoAnswer));
+    assert_eq!(
+        parse_claim_reply(Some(503), b"Service Unavailable", &OWNER, &skey(), &seal()),
+        Err(StoreError::Http(503))
+    );
+    assert_eq!(parse_claim_reply(Some(403), b"", &OWNER, &skey(), &seal()), Err(StoreError::Http(403)));
+    assert_eq!(
+        parse_claim_reply(Some(200), b"-ERR boom\r\n", &OWNER, &skey(), &seal()),
+        Err(StoreError::Redis("ERR boom".into()))
+    );
+    assert!(matches!(
+        parse_claim_reply(Some(200), b"{\"EVAL\":[1,2]}", &OWNER, &skey(), &seal()),
+        Err(StoreError::Garbled(_))
+    ));
+    assert!(matches!(
+        parse_claim_reply(Some(200), b"*2\r\n:7\r\n:1\r\n", &OWNER, &skey(), &seal()),
+        Err(StoreError::Garbled(_))
+    ));
     assert_eq!(parse_transition_reply(Some(200), b":1\r\n"), Ok(TransitionReply::Changed));
     assert_eq!(parse_transition_reply(Some(200), b"$1\r\n0\r\n"), Ok(TransitionReply::Refused));
     assert!(parse_transition_reply(Some(200), b":3\r\n").is_err());
@@ -226,7 +296,13 @@ fn a_claimed_answer_that_does_not_echo_the_claims_owner_is_refused() {
         "*3\r\n$1\r\n1\r\n$4\r\n1764\r\n$-1\r\n".to_string(),
         format!("*4\r\n$1\r\n1\r\n$4\r\n1764\r\n$32\r\n{}\r\n:1\r\n", "01".repeat(16)),
     ] {
-        assert!(matches!(parse_claim_reply(Some(200), bad.as_bytes(), &OWNER), Err(StoreError::Garbled(_))), "{bad:?}");
+        assert!(
+            matches!(
+                parse_claim_reply(Some(200), bad.as_bytes(), &OWNER, &skey(), &seal()),
+                Err(StoreError::Garbled(_))
+            ),
+            "{bad:?}"
+        );
     }
 }
 
@@ -234,7 +310,8 @@ fn a_claimed_answer_that_does_not_echo_the_claims_owner_is_refused() {
 #[test]
 fn the_claim_script_answers_claimed_with_the_owner_it_was_given() {
     assert!(CLAIM_SCRIPT.contains("return {'1',string.format('%d',now),ARGV[1]}"));
-    let body = String::from_utf8(claim_request(&skey(), &OWNER, &record(), &lives(1_000, 1_000, 1_000)).body).unwrap();
+    let body = String::from_utf8(claim_request(&skey(), &OWNER, &record(), &lives(1_000, 1_000, 1_000), &seal()).body)
+        .unwrap();
     assert_eq!(body.split('/').nth(4), Some("01".repeat(16).as_str()));
 }
 
@@ -258,15 +335,15 @@ fn arrays_claiming_more_elements_than_any_answer_are_refused_before_allocating()
 fn reads_are_plain_gets_and_their_answers_are_checked() {
     let r = read_request(&skey());
     assert_eq!(String::from_utf8(r.body).unwrap(), format!("GET/idemgate%3Av1%3A{}.raw", "07".repeat(32)));
-    assert_eq!(parse_read_reply(Some(200), b"$-1\r\n"), Ok(ReadReply::Absent));
+    assert_eq!(parse_read_reply(Some(200), b"$-1\r\n", &skey(), &seal()), Ok(ReadReply::Absent));
     let v = value(StorePhase::Done);
-    let enc = v.encode();
+    let enc = v.encode(&skey(), &seal());
     let mut reply = format!("${}\r\n", enc.len()).into_bytes();
     reply.extend_from_slice(&enc);
     reply.extend_from_slice(b"\r\n");
-    assert_eq!(parse_read_reply(Some(200), &reply), Ok(ReadReply::Found(v)));
-    assert!(parse_read_reply(Some(200), b":1\r\n").is_err());
-    assert!(matches!(parse_read_reply(Some(200), b"$3\r\nabc\r\n"), Ok(ReadReply::Unreadable(_))));
+    assert_eq!(parse_read_reply(Some(200), &reply, &skey(), &seal()), Ok(ReadReply::Found(v)));
+    assert!(parse_read_reply(Some(200), b":1\r\n", &skey(), &seal()).is_err());
+    assert!(matches!(parse_read_reply(Some(200), b"$3\r\nabc\r\n", &skey(), &seal()), Ok(ReadReply::Unreadable(_))));
 }
 
 /// Bytes of a value as a stored-value bulk string in a claim-or-read answer ("exists").
@@ -284,7 +361,7 @@ fn reply_with_pttl(value: &[u8], pttl: &str) -> Vec<u8> {
 
 #[test]
 fn a_value_that_exists_but_cannot_be_decoded_is_unreadable_not_a_store_failure() {
-    let good = value(StorePhase::Done).encode();
+    let good = value(StorePhase::Done).encode(&skey(), &seal());
     let mut future_record = good.clone();
     future_record[HEADER_LEN + 3] = 2; // the record's version byte, after "IGR"
     let mut future_value = good.clone();
@@ -302,7 +379,7 @@ fn a_value_that_exists_but_cannot_be_decoded_is_unreadable_not_a_store_failure()
     for (what, v) in cases {
         assert!(
             matches!(
-                parse_claim_reply(Some(200), &exists_reply(&v), &OWNER),
+                parse_claim_reply(Some(200), &exists_reply(&v), &OWNER, &skey(), &seal()),
                 Ok(ClaimReply::Unreadable { now_ms: 1765, .. })
             ),
             "{what}"
@@ -310,15 +387,15 @@ fn a_value_that_exists_but_cannot_be_decoded_is_unreadable_not_a_store_failure()
         let mut read = format!("${}\r\n", v.len()).into_bytes();
         read.extend_from_slice(&v);
         read.extend_from_slice(b"\r\n");
-        assert!(matches!(parse_read_reply(Some(200), &read), Ok(ReadReply::Unreadable(_))), "{what}");
+        assert!(matches!(parse_read_reply(Some(200), &read, &skey(), &seal()), Ok(ReadReply::Unreadable(_))), "{what}");
     }
     // The shape of the answer itself still decides "garbled": no value, or not a string.
     assert!(matches!(
-        parse_claim_reply(Some(200), b"*4\r\n:0\r\n:1\r\n:5\r\n:1\r\n", &OWNER),
+        parse_claim_reply(Some(200), b"*4\r\n:0\r\n:1\r\n:5\r\n:1\r\n", &OWNER, &skey(), &seal()),
         Err(StoreError::Garbled(_))
     ));
     assert!(matches!(
-        parse_claim_reply(Some(200), b"*4\r\n:0\r\n:1\r\n$-1\r\n:1\r\n", &OWNER),
+        parse_claim_reply(Some(200), b"*4\r\n:0\r\n:1\r\n$-1\r\n:1\r\n", &OWNER, &skey(), &seal()),
         Err(StoreError::Garbled(_))
     ));
 }
@@ -354,19 +431,19 @@ mod props {
         #[test]
         fn answers_of_any_bytes_never_panic(status in proptest::option::of(100u16..600), body in proptest::collection::vec(any::<u8>(), 0..300)) {
             let _ = parse_resp(&body);
-            let _ = parse_claim_reply(status, &body, &OWNER);
+            let _ = parse_claim_reply(status, &body, &OWNER, &skey(), &seal());
             let _ = parse_transition_reply(status, &body);
-            let _ = StoredValue::decode(&body);
+            let _ = StoredValue::open(&body, &skey(), &seal());
         }
 
         #[test]
         fn mutated_claim_replies_never_panic(pos in any::<prop::sample::Index>(), byte in any::<u8>(), cut in any::<prop::sample::Index>()) {
-            let enc = value(StorePhase::Done).encode();
+            let enc = value(StorePhase::Done).encode(&skey(), &seal());
             let mut reply = reply_with_pttl(&enc, "4000");
             let i = pos.index(reply.len());
             reply[i] = byte;
-            let _ = parse_claim_reply(Some(200), &reply, &OWNER);
-            let _ = parse_claim_reply(Some(200), &reply[..cut.index(reply.len())], &OWNER);
+            let _ = parse_claim_reply(Some(200), &reply, &OWNER, &skey(), &seal());
+            let _ = parse_claim_reply(Some(200), &reply[..cut.index(reply.len())], &OWNER, &skey(), &seal());
         }
 
         #[test]
@@ -382,24 +459,24 @@ fn a_lost_claim_release_leaves_a_tombstone_naming_its_owner_that_reads_as_absent
     let owner = OwnerToken([0xcd; 16]);
     let t = Transition::release_lost(owner, &lives(86_400_000, 30_000, 60_000));
     assert!(t.tombstone && t.new_phase.is_none());
-    let req = String::from_utf8(t.request(&skey()).body).unwrap();
+    let req = String::from_utf8(t.request(&skey(), &seal()).body).unwrap();
     // ARGV: owner, phases, stale, new phase 'R', new owner, ttl (the claim's own life), lock,
     // where absent (no write: the tombstone is its own case), record.
     let tail = format!("/{}/P/0/R/{}/90000/-/0/-.raw", owner.hex(), owner.hex());
     assert!(req.ends_with(&tail), "{req}");
     // A plain release deletes and never writes a tombstone.
-    let plain = String::from_utf8(Transition::release(owner).request(&skey()).body).unwrap();
+    let plain = String::from_utf8(Transition::release(owner).request(&skey(), &seal()).body).unwrap();
     assert!(plain.contains("/P/0/X/"), "{plain}");
     // A waiter reading the tombstone sees a free key.
     let tomb = format!("IGS1R{}", owner.hex());
     let resp = format!("${}\r\n{tomb}\r\n", tomb.len());
-    assert_eq!(parse_read_reply(Some(200), resp.as_bytes()), Ok(ReadReply::Absent));
+    assert_eq!(parse_read_reply(Some(200), resp.as_bytes(), &skey(), &seal()), Ok(ReadReply::Absent));
 }
 
 #[test]
 fn a_claim_refused_by_its_owners_tombstone_is_never_taken_for_a_claim() {
     let refused = b"*2\r\n$1\r\n2\r\n$13\r\n1764000000000\r\n";
-    assert!(parse_claim_reply(Some(200), refused, &OWNER).is_err());
+    assert!(parse_claim_reply(Some(200), refused, &OWNER, &skey(), &seal()).is_err());
 }
 
 /// The outcome-unknown record an owner writes where the store lost its claim.
@@ -425,7 +502,7 @@ fn only_completion_and_outcome_unknown_write_where_their_claim_is_gone() {
     let (a, b) = (OwnerToken([1; 16]), OwnerToken([2; 16]));
     let l = lives(4_000, 2_000, 600_000);
     let flag = |t: &Transition| {
-        let req = t.request(&skey());
+        let req = t.request(&skey(), &seal());
         let cmd = if t.record.is_some() { req.path } else { String::from_utf8(req.body).unwrap() };
         let parts: Vec<String> = cmd.trim_end_matches(".raw").split('/').map(str::to_string).collect();
         // (PUT) "" EVAL script 1 key | 7 args, where-absent [, record] -- the flag is 8th of ARGV.
@@ -437,8 +514,8 @@ fn only_completion_and_outcome_unknown_write_where_their_claim_is_gone() {
     let unknown = Transition::unknown(a, gone(), &l);
     assert_eq!((unknown.where_absent, flag(&unknown).as_str()), (WhereAbsent::WriteKeepingStored, "K"));
     // The record written where absent travels as the PUT body; where the claim is found it is kept.
-    assert_eq!(unknown.request(&skey()).method, "PUT");
-    assert_eq!(unknown.request(&skey()).body, gone().encode());
+    assert_eq!(unknown.request(&skey(), &seal()).method, "PUT");
+    assert_eq!(unknown.request(&skey(), &seal()).body, seal().seal(&redis_key(&skey()), &gone().encode()));
     for t in [
         Transition::release(a),
         Transition::release_lost(a, &l),
@@ -458,11 +535,11 @@ const NOSCRIPT_ANSWER: &[u8] = b"-NOSCRIPT No matching script. Please use EVAL.\
 
 #[test]
 fn noscript_is_its_own_answer_never_an_outage_or_garbled() {
-    assert_eq!(parse_claim_reply(Some(200), NOSCRIPT_ANSWER, &OWNER), Ok(ClaimReply::NoScript));
+    assert_eq!(parse_claim_reply(Some(200), NOSCRIPT_ANSWER, &OWNER, &skey(), &seal()), Ok(ClaimReply::NoScript));
     assert_eq!(parse_transition_reply(Some(200), NOSCRIPT_ANSWER), Ok(TransitionReply::NoScript));
     assert!(!TransitionReply::NoScript.written());
     // A GET runs no script: a store answering it NOSCRIPT is only an error.
-    assert!(matches!(parse_read_reply(Some(200), NOSCRIPT_ANSWER), Err(StoreError::Redis(_))));
+    assert!(matches!(parse_read_reply(Some(200), NOSCRIPT_ANSWER, &skey(), &seal()), Err(StoreError::Redis(_))));
 }
 
 /// NOSCRIPT is the only answer after which a call is sent again, so nothing that may have run is
@@ -483,12 +560,12 @@ fn nothing_but_redis_noscript_error_reads_as_noscript() {
         (Some(200), br#"{"EVALSHA":[false,"NOSCRIPT No matching script. Please use EVAL."]}"#),
     ];
     for (status, body) in not_noscript {
-        let claim = parse_claim_reply(status, body, &OWNER);
+        let claim = parse_claim_reply(status, body, &OWNER, &skey(), &seal());
         assert!(claim.is_err(), "{status:?} {:?}: {claim:?}", String::from_utf8_lossy(body));
         let transition = parse_transition_reply(status, body);
         assert!(transition.is_err(), "{status:?} {:?}: {transition:?}", String::from_utf8_lossy(body));
     }
-    assert_eq!(parse_claim_reply(None, NOSCRIPT_ANSWER, &OWNER), Err(StoreError::NoAnswer));
+    assert_eq!(parse_claim_reply(None, NOSCRIPT_ANSWER, &OWNER, &skey(), &seal()), Err(StoreError::NoAnswer));
     assert_eq!(parse_transition_reply(Some(503), NOSCRIPT_ANSWER), Err(StoreError::Http(503)));
 }
 
@@ -502,10 +579,13 @@ fn with_script_is_the_same_call_with_the_script_in_full_and_only_once() {
     let mut done = record();
     done.state = State::Completed(StoredResponse { status: 201, headers: vec![], body: b"a/b.c\0".to_vec() });
     let requests = [
-        (Script::Claim, claim_request(&skey(), &owner, &record(), &l)),
-        (Script::Transition, Transition::complete(owner, done, &l).request(&skey())),
-        (Script::Transition, Transition::release(owner).request(&skey())),
-        (Script::Transition, Transition::take_over(owner, OwnerToken([2; 16]), record(), true, &l).request(&skey())),
+        (Script::Claim, claim_request(&skey(), &owner, &record(), &l, &seal())),
+        (Script::Transition, Transition::complete(owner, done, &l).request(&skey(), &seal())),
+        (Script::Transition, Transition::release(owner).request(&skey(), &seal())),
+        (
+            Script::Transition,
+            Transition::take_over(owner, OwnerToken([2; 16]), record(), true, &l).request(&skey(), &seal()),
+        ),
     ];
     for (script, by_name) in requests {
         let full = by_name.with_script().expect("an EVALSHA has a full form");
@@ -570,8 +650,8 @@ fn a_first_requests_store_requests_shrink_by_the_scripts_text() {
         body: br#"{"id":"ch_1","amount":7}"#.to_vec(),
     });
     let size = |r: &StoreRequest| r.path.len() + r.body.len();
-    let claim = claim_request(&skey(), &owner, &record(), &l);
-    let complete = Transition::complete(owner, done, &l).request(&skey());
+    let claim = claim_request(&skey(), &owner, &record(), &l, &seal());
+    let complete = Transition::complete(owner, done, &l).request(&skey(), &seal());
     let (claim_full, complete_full) = (claim.with_script().unwrap(), complete.with_script().unwrap());
     println!(
         "claim {} bytes by name, {} in full; completion {} by name, {} in full",

@@ -13,10 +13,31 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod replication;
 pub mod store;
+pub mod tls;
 pub mod upstream;
 
 static PORT_SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// The record secret every test VM gets (`IDEMGATE_RECORD_KEY`) unless its options set one: a
+/// test that sets it to "" sees a VM without it.
+pub const RECORD_KEY: &str = "idemgate-tests-record-key-0123456789abcdef0123456789";
+
+/// The seal of the test VMs' records (`RECORD_KEY`), for tests that read or plant store values.
+pub fn record_seal() -> idemgate::seal::Seal {
+    idemgate::seal::Seal::new(Some(RECORD_KEY), None).expect("test record key")
+}
+
+/// The storage key behind a Redis key name (`idemgate:v1:<hex>`).
+pub fn storage_key_of(redis_name: &str) -> idemgate::scope::StorageKey {
+    let hex = redis_name.strip_prefix(idemgate::store::KEY_PREFIX).expect("an idemgate key");
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex");
+    }
+    idemgate::scope::StorageKey(out)
+}
 
 /// A port that was free a moment ago on 127.0.0.1, chosen in 20000-32767: below Linux's
 /// ephemeral range, so it cannot be taken meanwhile as the source port of an outgoing connection.
@@ -214,11 +235,14 @@ fn indent(items: &[String], n: usize) -> String {
 /// indented by two spaces.
 pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, wasm: &Path) -> String {
     let plugin_json = serde_json::to_string(plugin_config).expect("json string");
-    let env = if o.vm_env.is_empty() && o.vm_host_env.is_empty() {
-        String::new()
-    } else {
+    let env = {
+        let mut vm_env = o.vm_env.clone();
+        let named = |k: &str| o.vm_env.iter().chain(&o.vm_host_env).any(|(n, _)| n == k);
+        if !named("IDEMGATE_RECORD_KEY") {
+            vm_env.push(("IDEMGATE_RECORD_KEY".to_string(), RECORD_KEY.to_string()));
+        }
         let pairs: Vec<String> =
-            o.vm_env.iter().map(|(k, v)| format!("{k}: {}", serde_json::to_string(v).expect("json"))).collect();
+            vm_env.iter().map(|(k, v)| format!("{k}: {}", serde_json::to_string(v).expect("json"))).collect();
         let keys: Vec<&str> = o.vm_host_env.iter().map(|(k, _)| k.as_str()).collect();
         format!(
             "\n                  environment_variables: {{key_values: {{{}}}, host_env_keys: [{}]}}",
@@ -553,11 +577,13 @@ impl Drop for Stack {
     }
 }
 
-/// `envoy --mode validate` on a config file; returns (success, output).
+/// `envoy --mode validate` on a config file; returns (success, output). Envoy gets the record
+/// secret in its environment, as the shipped configs' containers do (`host_env_keys`).
 pub fn envoy_validate(config_path: &Path) -> (bool, String) {
     let out = Command::new(envoy_bin())
         .args(["--mode", "validate", "--disable-hot-restart", "-c"])
         .arg(config_path)
+        .env("IDEMGATE_RECORD_KEY", RECORD_KEY)
         .current_dir(repo_root())
         .output()
         .expect("run envoy --mode validate");
