@@ -12,6 +12,7 @@ build:
 deps:
 	scripts/install-deps.sh envoy
 	scripts/install-deps.sh store
+	scripts/install-deps.sh etcd
 	scripts/install-deps.sh agent-client
 	scripts/install-deps.sh h2-client
 
