@@ -685,14 +685,15 @@ pub fn parse_claim_reply(
 pub fn parse_transition_reply(
     status: Option<u16>,
     body: &[u8],
-    skey: &StorageKey,
-    echo: Option<(StorePhase, &OwnerToken)>,
+    echo: Option<(&StorageKey, StorePhase, &OwnerToken)>,
 ) -> Result<TransitionReply, StoreError> {
     let a: TxnAnswer = json_answer(status, body)?;
     if !has_revision(&a.header) {
         return Err(garbled("etcd answer without a revision"));
     }
-    let echo = echo.map(|(p, o)| owner_mark(p, o));
+    let skey = echo.map_or(StorageKey([0; 32]), |(s, _, _)| *s);
+    let skey = &skey;
+    let echo = echo.map(|(_, p, o)| owner_mark(p, o));
     let shape = shape(&a.responses).ok_or_else(|| garbled("etcd transition answer shape"))?;
     match (a.succeeded, shape.as_slice()) {
         // A release.
