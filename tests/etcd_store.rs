@@ -66,6 +66,22 @@ fn post(e: &Envoy, key: &str, body: &str, extra: &[(&str, &str)]) -> Response {
     http::request(e.port, "POST", "/charges", &h, body.as_bytes()).expect("request")
 }
 
+/// `post`, sent again (at most 20 times, 250 ms apart) while it is answered 503
+/// store-unavailable, as a client honouring `retry-after` would: a member just killed stays in
+/// Envoy's rotation until its health check fails (within about a second), and a claim sent to it
+/// is refused, never forwarded.
+fn post_until_answered(e: &Envoy, key: &str, body: &str) -> (Response, u32) {
+    let mut unavailable = 0;
+    loop {
+        let r = post(e, key, body, &[]);
+        if r.status != 503 || r.problem() != "store-unavailable" || unavailable == 20 {
+            return (r, unavailable);
+        }
+        unavailable += 1;
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
 /// Waits (at most 400 looks, 50 ms apart) until `e`'s root contexts have landed `n` store writes.
 fn wait_writes(e: &Envoy, n: u64) {
     for _ in 0..400 {
@@ -105,8 +121,10 @@ fn etcd_forty_concurrent_duplicates_split_across_two_proxies_execute_once() {
         .collect();
     let statuses: Vec<u16> = handles.into_iter().map(|h| h.join().expect("thread")).collect();
     assert_eq!(p.up.executions(), 1, "statuses {statuses:?}");
-    assert!(statuses.iter().all(|s| [201, 409].contains(s)), "{statuses:?}");
-    assert_eq!(statuses.iter().filter(|s| **s == 201).count() >= 1, true);
+    // 503 (store-unavailable, never forwarded) when an answer took longer than timeout_ms: seen
+    // 2 of 40 times with three such tests running at once on a loaded 2-core machine.
+    assert!(statuses.iter().all(|s| [201, 409, 503].contains(s)), "{statuses:?}");
+    assert!(statuses.contains(&201), "{statuses:?}");
 }
 
 #[test]
@@ -179,9 +197,10 @@ fn etcd_fault_leader_sigkill_with_duplicates_in_flight_executes_nothing_twice_an
     let first: Vec<u16> = threads.into_iter().map(|t| t.join().expect("thread")).collect();
     etcd.wait_leader();
     // Retries of every key on b (which never served the acknowledged ones: they come from etcd).
-    let mut replayed = 0;
+    let (mut replayed, mut refused) = (0, 0);
     for k in &done {
-        let r = post(&p.b, k, r#"{"amount":9}"#, &[]);
+        let (r, n) = post_until_answered(&p.b, k, r#"{"amount":9}"#);
+        refused += n;
         assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")), "{k}: {}", r.body_text());
         replayed += 1;
     }
@@ -189,13 +208,15 @@ fn etcd_fault_leader_sigkill_with_duplicates_in_flight_executes_nothing_twice_an
     for round in 0..2 {
         for k in &flying {
             let e = if round == 0 { &p.b } else { &p.a };
-            retried.push(post(e, k, r#"{"amount":9}"#, &[]).status);
+            let (r, n) = post_until_answered(e, k, r#"{"amount":9}"#);
+            refused += n;
+            retried.push(r.status);
         }
     }
     let by_key = p.up.executions_by_key();
     let twice: Vec<_> = by_key.iter().filter(|(_, n)| **n > 1).collect();
     eprintln!(
-        "leader kill: executions {} (acknowledged 20 + in flight {}), second executions {}, acknowledged replayed {replayed}/20, first answers {first:?}, retries {retried:?}",
+        "leader kill: executions {} (acknowledged 20 + in flight {}), second executions {}, acknowledged replayed {replayed}/20, first answers {first:?}, retries {retried:?} (after {refused} store-unavailable answers)",
         p.up.executions(),
         flying.iter().filter(|k| by_key.get(*k).copied().unwrap_or(0) > 0).count(),
         twice.len()
