@@ -319,3 +319,55 @@ fn etcd_fault_quorum_lost_answers_503_forwards_nothing_and_protection_resumes() 
         ],
     );
 }
+
+/// What a first request costs through Envoy with each store, on this machine: 60 unique keys in a
+/// row (a bounded loop, one client), then a replay of each on the other proxy (a local miss: one
+/// store read). Prints the medians and the 95th percentiles; asserts executions only.
+#[test]
+fn etcd_cost_first_request_and_replay_after_local_miss_beside_redis() {
+    use support::store::{Redis, Webdis};
+    fn measure(a: &Envoy, b: &Envoy, prefix: &str) -> (Vec<f64>, Vec<f64>) {
+        let (mut first, mut replay) = (vec![], vec![]);
+        for i in 0..60 {
+            let k = format!("{prefix}-{i}");
+            let t = Instant::now();
+            assert_eq!(post(a, &k, "{}", &[]).status, 201);
+            first.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        wait_writes(a, 60);
+        for i in 0..60 {
+            let t = Instant::now();
+            assert_eq!(post(b, &format!("{prefix}-{i}"), "{}", &[]).header("idempotent-replayed"), Some("true"));
+            replay.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        (first, replay)
+    }
+    fn pct(v: &mut [f64], q: f64) -> f64 {
+        v.sort_by(|x, y| x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal));
+        v[((v.len() as f64 - 1.0) * q).round() as usize]
+    }
+    let etcd = EtcdCluster::start();
+    let p = Pair::new(&etcd);
+    let (mut ef, mut er) = measure(&p.a, &p.b, "cost-etcd");
+    assert_eq!(p.up.executions(), 60);
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(
+        r#"{"scope": {"headers": ["authorization"]}, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 1000}}"#,
+        up.port,
+    );
+    o.store_port = Some(webdis.port);
+    let (ra, rb) = (Envoy::start(&o), Envoy::start(&o));
+    let (mut rf, mut rr) = measure(&ra, &rb, "cost-redis");
+    assert_eq!(up.executions(), 60);
+    let line = format!(
+        "first request: etcd median {:.2} ms p95 {:.2} ms, redis median {:.2} ms p95 {:.2} ms; replay after a local miss: etcd median {:.2} ms p95 {:.2} ms, redis median {:.2} ms p95 {:.2} ms",
+        pct(&mut ef, 0.5), pct(&mut ef, 0.95), pct(&mut rf, 0.5), pct(&mut rf, 0.95),
+        pct(&mut er, 0.5), pct(&mut er, 0.95), pct(&mut rr, 0.5), pct(&mut rr, 0.95)
+    );
+    eprintln!("{line}");
+    let dir = support::repo_root().join("target/faults");
+    let _ = std::fs::create_dir_all(&dir);
+    let _ = std::fs::write(dir.join("etcd_cost.md"), format!("{line}\n"));
+}
