@@ -610,7 +610,7 @@ fn shape(ops: &[Op]) -> Option<Vec<u8>> {
 }
 
 /// The one key-value a range read of `key` found (`None`: the key is absent).
-fn single_kv<'a>(r: &'a RangeAnswer, key: &str) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
+fn single_kv(r: &RangeAnswer, key: &str) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
     match r.kvs.as_slice() {
         [] => Ok(None),
         [kv] => {

@@ -482,7 +482,6 @@ fn a_lease_outlives_every_record_put_under_it() {
 #[test]
 fn answers_seen_from_a_real_etcd_parse() {
     // Recorded from etcd 3.4.23 with curl (see TOOLCHAIN.md).
-    let s = skey(1);
     let nested_refused = br#"{"header":{"cluster_id":"15118495548433857066","member_id":"13668033151171901709","revision":"2","raft_term":"2"},"responses":[{"response_txn":{"header":{}}}]}"#;
     assert_eq!(parse_transition_reply(Some(200), nested_refused, None), Ok(TransitionReply::Refused));
     let refused = br#"{"header":{"cluster_id":"1","member_id":"1","revision":"4","raft_term":"2"}}"#;
