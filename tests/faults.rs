@@ -416,3 +416,43 @@ fn fault_matrix_store_credentials_come_from_envoys_environment_and_never_show_in
         "with IDEMGATE_STORE_AUTH: 201; without: 503, 0 executions",
     );
 }
+
+/// A store write whose wake the host never delivers (simulated by the test build: the root is not
+/// woken for the completion queued by `x-idemgate-test-fault: lost-wake`): the root's tick takes
+/// it within two ticks, so the completion still reaches the store and another proxy replays it.
+/// Without the tick's collection the write stayed queued until some later request woke the root:
+/// with no later request, the other proxy answered 409 in-flight, then outcome-unknown.
+#[test]
+fn fault_matrix_a_store_write_whose_wake_is_lost_still_lands() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(&store_cfg(""), up.port);
+    o.store_port = Some(webdis.port);
+    o.concurrency = 1;
+    let b = Envoy::start(&o);
+    o.wasm = Some(crash_module());
+    let a = Envoy::start(&o);
+    let first = post(a.port, "k-lost-wake", "{}", &[("x-idemgate-test-fault", "lost-wake")]);
+    assert_eq!(first.status, 201);
+    let t0 = Instant::now();
+    let completed = || redis.dump_all_values().iter().any(|(_, v)| v.get(4) == Some(&b'D'));
+    while !completed() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(completed(), "the completion never reached the store (store writes: {})", a.stat("idemgate.store_writes"));
+    let landed_after = t0.elapsed();
+    let replay = post(b.port, "k-lost-wake", "{}", &[]);
+    assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")), "{}", replay.body_text());
+    assert_eq!(up.executions(), 1);
+    assert_eq!(a.stat("idemgate.root_wakes_missed"), 1);
+    assert!(a.log().contains("not woken for: taken by its tick"), "{}", a.log());
+    record(
+        "the root is never woken for a completion write",
+        up.executions(),
+        &format!(
+            "taken by the root's tick; in the store {:.2} s after the answer; the other proxy replays",
+            landed_after.as_secs_f64()
+        ),
+    );
+}

@@ -142,6 +142,7 @@ pub enum Counter {
     StoreWriteRetries,
     StoreWriteFailures,
     StoreClaimGoneRewritten,
+    RootWakesMissed,
     DetachedForwards,
     Waited,
     WaitAnswered,
@@ -151,7 +152,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 38] = [
+    pub const ALL: [Counter; 39] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -184,6 +185,7 @@ impl Counter {
         Counter::StoreWriteRetries,
         Counter::StoreWriteFailures,
         Counter::StoreClaimGoneRewritten,
+        Counter::RootWakesMissed,
         Counter::DetachedForwards,
         Counter::Waited,
         Counter::WaitAnswered,
@@ -226,6 +228,7 @@ impl Counter {
             Counter::StoreWriteRetries => "idemgate.store_write_retries",
             Counter::StoreWriteFailures => "idemgate.store_write_failures",
             Counter::StoreClaimGoneRewritten => "idemgate.store_claim_gone_rewritten",
+            Counter::RootWakesMissed => "idemgate.root_wakes_missed",
             Counter::DetachedForwards => "idemgate.detached_forwards",
             Counter::Waited => "idemgate.waited",
             Counter::WaitAnswered => "idemgate.wait_answered",

@@ -1072,6 +1072,9 @@ impl HttpContext for Http {
             return Action::Continue;
         }
         crash_point(self.req.as_ref(), "response");
+        if fault_point(self.req.as_ref(), "lost-wake") {
+            self.shared.lose_next_wake();
+        }
         let Some(policy) = self.policy() else { return Action::Continue };
         let exclude = &policy.replay_exclude_headers;
         let mut status = 0;

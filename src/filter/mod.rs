@@ -150,6 +150,9 @@ pub struct Shared {
     /// (`crate::etcd::Leases`), and the TTL each is granted with.
     pub leases: RefCell<crate::etcd::Leases>,
     pub lease_ttl_seconds: u64,
+    /// Fault tests only: `lose_next_wake`.
+    #[cfg(feature = "crash-injection")]
+    lose_next_wake: Cell<bool>,
 }
 
 impl Shared {
@@ -159,9 +162,27 @@ impl Shared {
         n
     }
 
+    /// Fault tests only (feature `crash-injection`): the next wake is not sent, as if the host
+    /// had lost it.
+    #[cfg(feature = "crash-injection")]
+    pub fn lose_next_wake(&self) {
+        self.lose_next_wake.set(true);
+    }
+
+    #[cfg(not(feature = "crash-injection"))]
+    pub fn lose_next_wake(&self) {}
+
+    /// Wakes the root (`on_queue_ready`). If the host loses the wake, the root's tick finds
+    /// the work anyway (`Root::collect_stray_work`).
     fn wake(&self) {
+        #[cfg(feature = "crash-injection")]
+        if self.lose_next_wake.replace(false) {
+            return;
+        }
         if let Some(q) = self.queue_id {
-            let _ = hostcalls::enqueue_shared_queue(q, Some(b"w"));
+            if let Err(e) = hostcalls::enqueue_shared_queue(q, Some(b"w")) {
+                warn!("idemgate: cannot wake the root context (queue {q}: {e:?}): its tick takes the work");
+            }
         }
     }
 
@@ -182,7 +203,11 @@ impl Shared {
         fallback: Option<&Transition>,
         fence: Option<&crate::etcd::Fence>,
     ) {
-        let Some(seal) = self.seal.as_ref() else { return };
+        let Some(seal) = self.seal.as_ref() else {
+            // Cannot happen: a store is configured only with its seal (`on_configure`).
+            error!("idemgate: store write {what} for key={} dropped: no record seal", skey.hex());
+            return;
+        };
         if !stores::is_etcd(self) {
             return self.push_job(Job::new(what, skey, t, fallback, seal));
         }
@@ -245,6 +270,8 @@ struct Root {
     /// Set when the host asked this root to stop while writes were pending: the time after
     /// which it stops anyway.
     stopping_until_ms: Option<u64>,
+    /// The last tick found work queued by HTTP contexts and not yet taken by `on_queue_ready`.
+    stray_seen: bool,
 }
 
 impl Root {
@@ -260,7 +287,48 @@ impl Root {
             queue_id: None,
             retries: Vec::new(),
             stopping_until_ms: None,
+            stray_seen: false,
         }
+    }
+
+    /// Takes the store writes and detached forwards HTTP contexts queued for this root.
+    fn take_queued_work(&mut self) {
+        // What a later tick finds queued was queued after this.
+        self.stray_seen = false;
+        let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
+        for job in jobs {
+            self.dispatch_job(job);
+        }
+        let forwards: Vec<Forward> = self.queues.forwards.borrow_mut().drain(..).collect();
+        for f in forwards {
+            self.dispatch_forward(f);
+        }
+    }
+
+    /// Work queued by an HTTP context wakes the root through its shared queue; a wake the host
+    /// never delivers would leave a completion or outcome-unknown write (or a detached forward)
+    /// queued for good. Work still queued at two ticks in a row (the wake, posted to this same
+    /// thread, would have run between them) was not woken for: taken here, counted, logged.
+    fn collect_stray_work(&mut self) {
+        let queued = self.queues.jobs.borrow().len() + self.queues.forwards.borrow().len();
+        if queued == 0 {
+            self.stray_seen = false;
+            return;
+        }
+        if !self.stray_seen {
+            self.stray_seen = true;
+            return;
+        }
+        self.stray_seen = false;
+        if let Some(s) = self.shared.as_ref() {
+            for _ in 0..queued {
+                s.metrics.inc(Counter::RootWakesMissed);
+            }
+        }
+        warn!(
+            "idemgate: {queued} store write(s) or forward(s) queued for the root were not woken for: taken by its tick"
+        );
+        self.take_queued_work();
     }
 
     /// Store writes this root still owns: queued by HTTP contexts, in flight, or waiting to retry.
@@ -798,6 +866,8 @@ impl RootContext for Root {
             seal,
             leases: RefCell::new(crate::etcd::Leases::default()),
             lease_ttl_seconds,
+            #[cfg(feature = "crash-injection")]
+            lose_next_wake: Cell::new(false),
         }));
         // The first lease before any request needs one (the tick keeps one ahead from then on).
         self.grant_lease_if_due();
@@ -809,18 +879,12 @@ impl RootContext for Root {
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
-        let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
-        for job in jobs {
-            self.dispatch_job(job);
-        }
-        let forwards: Vec<Forward> = self.queues.forwards.borrow_mut().drain(..).collect();
-        for f in forwards {
-            self.dispatch_forward(f);
-        }
+        self.take_queued_work();
     }
 
     fn on_tick(&mut self) {
         self.grant_lease_if_due();
+        self.collect_stray_work();
         self.check_waiters();
         self.dispatch_due_retries();
         self.finish_stopping_if_drained();

@@ -14,7 +14,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod etcd;
+pub mod replication;
 pub mod store;
+pub mod tls;
 pub mod upstream;
 
 static PORT_SEQ: AtomicU32 = AtomicU32::new(0);

@@ -679,6 +679,20 @@ impl Webdis {
         self.launch();
     }
 
+    /// Points this webdis at another Redis on 127.0.0.1 (a promoted replica), as an operator
+    /// would after a failover: rewrites `redis_port` in its configuration and starts it again on
+    /// the same HTTP port (SIGKILL first); waits until GET /PING answers 200 through the new Redis.
+    pub fn repoint(&mut self, redis_port: u16) {
+        self.proc.kill9();
+        let text = std::fs::read(&self.config_path).expect("read webdis.json");
+        let mut config: serde_json::Value = serde_json::from_slice(&text).expect("webdis.json is JSON");
+        config["redis_port"] = redis_port.into();
+        std::fs::write(&self.config_path, serde_json::to_string_pretty(&config).expect("json"))
+            .expect("write webdis.json");
+        self.redis_port = redis_port;
+        self.launch();
+    }
+
     pub fn config_path(&self) -> &Path {
         &self.config_path
     }

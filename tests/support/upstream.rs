@@ -7,7 +7,9 @@
 //! then closes the connection without an answer or halfway through the body), `x-up-body` (this
 //! text as the body), `x-up-plain` (only `content-length` and `content-type: text/plain`, the
 //! headers Envoy's own local replies carry), `x-up-execute-on-headers` (commits the execution as
-//! soon as the headers have arrived, as a handler that never reads the body does).
+//! soon as the headers have arrived, as a handler that never reads the body does), `x-up-hold`
+//! (commits the execution, then holds its answer until the test calls `Upstream::release_holds`,
+//! for at most 60 s: a request still running while the test changes the world around it).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -32,7 +34,12 @@ struct State {
     /// Requests whose headers arrived but whose body never ended (the connection was closed
     /// first): never executed. Their idempotency keys.
     partial: Vec<Option<String>>,
+    /// `x-up-hold` answers may go (`Upstream::release_holds`).
+    holds_released: bool,
 }
+
+/// How long an `x-up-hold` request waits for `Upstream::release_holds` at most, in 5 ms polls.
+const HOLD_POLLS: u32 = 12_000;
 
 pub struct Upstream {
     pub port: u16,
@@ -87,6 +94,11 @@ impl Upstream {
 
     pub fn log(&self) -> Vec<Execution> {
         self.state.lock().expect("lock").executions.clone()
+    }
+
+    /// Lets every `x-up-hold` request answer, those held now and those to come.
+    pub fn release_holds(&self) {
+        self.state.lock().expect("lock").holds_released = true;
     }
 }
 
@@ -176,6 +188,14 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
         };
         if let Some(ms) = get("x-up-delay-ms").and_then(|v| v.parse::<u64>().ok()) {
             std::thread::sleep(Duration::from_millis(ms));
+        }
+        if get("x-up-hold").is_some() {
+            for _ in 0..HOLD_POLLS {
+                if state.lock().expect("lock").holds_released {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
         }
         let status: u16 = get("x-up-status").and_then(|v| v.parse().ok()).unwrap_or(201);
         let resp_body = match (get("x-up-body"), get("x-up-body-bytes").and_then(|v| v.parse::<usize>().ok())) {
