@@ -4,7 +4,7 @@
 #   scripts/fuzz.sh [seconds per target, default 60]
 # Seed corpora live in fuzz/corpus/<target>; findings are written to fuzz/artifacts/ and fail
 # the run. Every target runs with a small allocation limit (one allocation of 64 MB or more, or
-# 1 GB resident, fails), and store_answers and record_decoder also count the bytes they hold
+# 1 GB resident, fails), and store_answers, etcd_answers and record_decoder also count the bytes they hold
 # (fuzz/fuzz_targets/alloc_meter.rs): more than a few bytes per input byte fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ mkdir -p target/faults
 report=$(pwd)/target/faults/fuzz.md
 : > "$report"
 cd fuzz
-for t in key_parser record_decoder store_answers config_parser canonical_json; do
+for t in key_parser record_decoder store_answers etcd_answers config_parser canonical_json; do
   echo "fuzz: $t for ${SECONDS_PER_TARGET}s"
   # A private copy of the seeds: the committed corpus stays small and reviewed.
   work=$(mktemp -d)

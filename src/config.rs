@@ -166,10 +166,22 @@ pub enum StaleLock {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoreConfig {
+    /// Which store the cluster reaches: Redis behind webdis (`store.rs`, the default) or etcd v3's
+    /// JSON API (`etcd.rs`).
+    pub kind: StoreKind,
     pub cluster: String,
     pub authority: String,
     pub timeout_ms: u64,
     pub on_unavailable: OnUnavailable,
+}
+
+/// `store.kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreKind {
+    /// Redis through webdis (the default).
+    Redis,
+    /// etcd v3 through its JSON gateway (linearizable, replicated by Raft).
+    Etcd,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -343,6 +355,9 @@ impl Config {
             validate_policy(&default_policy, "")?;
         }
         let config = Config { default_policy, routes, store, local, max_buffered_bytes, hold_headers };
+        if config.store.as_ref().is_some_and(|s| s.kind == StoreKind::Etcd) {
+            check_etcd_clocks(&config)?;
+        }
         // Without held headers, Envoy's router has already started the upstream request when the
         // claim is made: a detached callout would be a second one.
         if !hold_headers && config.policies().any(|p| matches!(p.forwarding, Forwarding::Detached { .. })) {
@@ -688,6 +703,30 @@ fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) ->
 /// `ttl_seconds` must exceed `lock_ttl_seconds` by at least this much (issue 13, item 2).
 pub const TTL_OVER_LOCK_MARGIN_SECONDS: u64 = 1;
 
+/// With etcd, locks and record expiries are judged by the proxies' clocks, read
+/// `crate::etcd::CLOCK_SKEW_TOLERANCE_MS` behind (etcd has no clock a transaction can read): a
+/// record must then outlive its lock by that tolerance too, on every proxy's clock.
+fn check_etcd_clocks(c: &Config) -> Result<(), ConfigError> {
+    let skew_s = crate::etcd::CLOCK_SKEW_TOLERANCE_MS.div_ceil(1000);
+    let margin = TTL_OVER_LOCK_MARGIN_SECONDS.saturating_add(skew_s);
+    let prefixes: Vec<String> = match c.routes.is_empty() {
+        true => vec![String::new()],
+        false => (0..c.routes.len()).map(|i| format!("routes[{i}]")).collect(),
+    };
+    for (p, prefix) in c.policies().zip(prefixes) {
+        if p.ttl_seconds < p.lock_ttl_seconds.saturating_add(margin) {
+            return Err(err(
+                &join(&prefix, "ttl_seconds"),
+                format!(
+                    "{} does not exceed lock_ttl_seconds ({}) by at least {margin} s: with store.kind \"etcd\" locks are judged by the proxies' clocks with a {skew_s} s skew tolerance, and a record must outlive its lock by that too; raise ttl_seconds or lower lock_ttl_seconds",
+                    p.ttl_seconds, p.lock_ttl_seconds
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
     if p.derive_key.is_some() && p.scope.headers.is_empty() {
         return Err(err(
@@ -801,7 +840,11 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
 
 fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
     let m = as_object(v, "store")?;
-    check_unknown(m, "store", &[&["cluster", "authority", "timeout_ms", "on_unavailable"]])?;
+    check_unknown(m, "store", &[&["kind", "cluster", "authority", "timeout_ms", "on_unavailable"]])?;
+    let kind = match m.get("kind") {
+        Some(k) => as_choice(k, "store.kind", &[("redis", StoreKind::Redis), ("etcd", StoreKind::Etcd)])?,
+        None => StoreKind::Redis,
+    };
     let cluster = match m.get("cluster") {
         Some(c) => as_str(c, "store.cluster")?.to_string(),
         None => return Err(err("store.cluster", "missing: name the Envoy cluster that reaches the store")),
@@ -823,7 +866,7 @@ fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
         }
         None => OnUnavailable::Reject,
     };
-    Ok(StoreConfig { cluster, authority, timeout_ms, on_unavailable })
+    Ok(StoreConfig { kind, cluster, authority, timeout_ms, on_unavailable })
 }
 
 fn parse_local(v: &Value) -> Result<LocalConfig, ConfigError> {
@@ -949,6 +992,7 @@ mod tests {
         assert_eq!(
             c.store,
             Some(StoreConfig {
+                kind: StoreKind::Redis,
                 cluster: "idemgate_store".into(),
                 authority: "webdis".into(),
                 timeout_ms: 50,
@@ -973,12 +1017,30 @@ mod tests {
         assert_eq!(
             c.store,
             Some(StoreConfig {
+                kind: StoreKind::Redis,
                 cluster: "redis".into(),
                 authority: "redis".into(),
                 timeout_ms: 250,
                 on_unavailable: OnUnavailable::Reject
             })
         );
+    }
+
+    #[test]
+    fn store_kind_is_redis_by_default_or_etcd_and_etcd_needs_ttl_over_lock_by_the_skew_tolerance() {
+        let c = parse(r#"{"scope": {"global": true}, "store": {"cluster": "s"}}"#).unwrap();
+        assert_eq!(c.store.unwrap().kind, StoreKind::Redis);
+        let c = parse(r#"{"scope": {"global": true}, "store": {"kind": "etcd", "cluster": "s"}}"#).unwrap();
+        assert_eq!(c.store.unwrap().kind, StoreKind::Etcd);
+        let e = parse(r#"{"scope": {"global": true}, "store": {"kind": "zk", "cluster": "s"}}"#).unwrap_err();
+        assert_eq!(e.field, "store.kind");
+        // ttl = lock + 1 is enough for Redis (one clock), not for etcd (the proxies' clocks).
+        let tight = r#"{"scope": {"global": true}, "ttl_seconds": 11, "lock_ttl_seconds": 10, "store": {"kind": "KIND", "cluster": "s"}}"#;
+        assert!(parse(&tight.replace("KIND", "redis")).is_ok());
+        let e = parse(&tight.replace("KIND", "etcd")).unwrap_err();
+        assert_eq!(e.field, "ttl_seconds");
+        assert!(e.reason.contains("skew tolerance"), "{}", e.reason);
+        assert!(parse(&tight.replace("KIND", "etcd").replace("\"ttl_seconds\": 11", "\"ttl_seconds\": 12")).is_ok());
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod canonical_json;
 pub mod config;
 pub mod decision;
 pub mod derive;
+pub mod etcd;
 pub mod failsafe;
 pub mod fingerprint;
 pub mod hex;

@@ -32,6 +32,22 @@ fn envoy_validates_the_compose_flavour_and_idemgate_accepts_its_configuration() 
 }
 
 #[test]
+fn envoy_validates_the_etcd_example_and_idemgate_accepts_its_configuration() {
+    let root = support::repo_root();
+    let text = std::fs::read_to_string(root.join("envoy/etcd/envoy.yaml")).unwrap();
+    let scratch = support::Scratch::new("etcd-example");
+    let path = scratch.0.join("envoy.yaml");
+    std::fs::write(&path, text.replace("dist/idemgate.wasm", &support::wasm_path().display().to_string())).unwrap();
+    let (ok, log) = support::envoy_validate(&path);
+    assert!(ok, "{log}");
+    assert!(log.contains("configuration accepted"), "{log}");
+    let start = text.find("value: |").expect("plugin configuration") + "value: |".len();
+    let end = text[start..].find("vm_config:").expect("vm_config") + start;
+    let config: serde_json::Value = serde_json::from_str(&text[start..end]).expect("plugin configuration JSON");
+    assert_eq!(config["store"]["kind"], "etcd");
+}
+
+#[test]
 fn the_compose_file_refers_only_to_files_that_exist() {
     let root = support::repo_root();
     let dir = root.join("envoy/docker-compose");

@@ -20,6 +20,7 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 
 use super::host::{self, Counter, HostShared};
 use super::settle::{self, Claim};
+use super::stores::{self, Unbuilt};
 use super::writes;
 use super::{reply, Forward, Shared, Waiter};
 use crate::admin;
@@ -90,6 +91,9 @@ pub struct Http {
     /// The store call in flight (`Phase::Calling`), kept to send again with its script in full
     /// if Redis answers NOSCRIPT.
     sent: Option<store::StoreRequest>,
+    /// `store.kind: "etcd"`: the value the claim-or-read found and its revision, which a
+    /// take-over or stale-to-unknown decided on it compares.
+    fence: Option<crate::etcd::Fence>,
 }
 
 /// Fault tests only (feature `crash-injection`, never in the shipped module): traps the VM at
@@ -152,6 +156,7 @@ impl Http {
             published: false,
             policy_index: None,
             sent: None,
+            fence: None,
         }
     }
 
@@ -248,7 +253,7 @@ impl Http {
         let Some(r) = self.req.as_ref() else {
             return self.fail_closed(Broken::RequestMissing, "read_settled", None, Holding::Nothing);
         };
-        let req = store::read_request(&r.skey);
+        let req = stores::read_request(&self.shared, &r.skey);
         self.call(req, None, fp, false)
     }
 
@@ -258,7 +263,7 @@ impl Http {
     /// outcome-unknown stands, as it does when the store cannot be read.
     fn settled_answer(&mut self, fp: Fingerprint, status: Option<u16>, body: &[u8]) -> Action {
         let reply = match (self.req.as_ref(), self.shared.seal.as_ref()) {
-            (Some(r), Some(seal)) => store::parse_read_reply(status, body, &r.skey, seal),
+            (Some(r), Some(seal)) => stores::parse_read(&self.shared, status, body, &r.skey, seal, host::now_ms()),
             _ => Err(StoreError::Garbled("a read answer without its request or seal".into())),
         };
         match reply {
@@ -466,8 +471,15 @@ impl Http {
         let Some(seal) = self.shared.seal.as_ref() else {
             return self.fail_closed(Broken::StoreMissing, "claim_without_seal", handle, holding);
         };
-        let req = store::claim_request(&r.skey, &r.owner, &record, &lifetimes, seal);
-        self.call(req, handle, fp, false)
+        match stores::claim_request(&self.shared, &r.skey, &r.owner, &record, &lifetimes, seal, host::now_ms()) {
+            Ok(req) => self.call(req, handle, fp, false),
+            // Nothing was sent: the store counts as unavailable (never a claim without a lease).
+            Err(Unbuilt::NoLease) => self.store_failed(handle, &StoreError::Garbled(Unbuilt::NoLease.to_string())),
+            Err(Unbuilt::Broken(why)) => {
+                warn!("{}", self.log_line("internal_state", &format!("error={why}")));
+                self.fail_closed(Broken::ImpossibleDecision, "claim_request", handle, holding)
+            }
+        }
     }
 
     fn call(&mut self, req: store::StoreRequest, handle: Option<Handle>, fp: Fingerprint, takeover: bool) -> Action {
@@ -600,7 +612,11 @@ impl Http {
         body: &[u8],
     ) -> Action {
         if takeover {
-            return match store::parse_transition_reply(status, body) {
+            let Some((skey, owner)) = self.req.as_ref().map(|r| (r.skey, r.owner)) else {
+                return self
+                    .store_failed(handle, &StoreError::Garbled("a take-over answer without its request".into()));
+            };
+            return match stores::parse_take_over(&self.shared, status, body, &skey, &owner) {
                 // A take-over never writes where the key is absent (`WhereAbsent::Refuse`).
                 Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten) => {
                     self.count(Counter::TakenOver);
@@ -625,11 +641,15 @@ impl Http {
         let (Some(skey), Some(seal)) = (self.req.as_ref().map(|r| r.skey), self.shared.seal.clone()) else {
             return self.store_failed(handle, &StoreError::Garbled("a claim answer without its key or seal".into()));
         };
-        let (now, expires_at, value) = match store::parse_claim_reply(status, body, &owner, &skey, &seal) {
-            Ok(ClaimReply::Claimed { .. }) => return self.forward(handle, fp, true),
-            Ok(ClaimReply::Exists { now_ms, expires_at_ms, value }) => (now_ms, expires_at_ms, value),
+        let parsed = stores::parse_claim(&self.shared, status, body, &owner, &skey, &seal, host::now_ms());
+        let (now, expires_at, value) = match parsed {
+            Ok((ClaimReply::Claimed { .. }, _)) => return self.forward(handle, fp, true),
+            Ok((ClaimReply::Exists { now_ms, expires_at_ms, value }, fence)) => {
+                self.fence = fence;
+                (now_ms, expires_at_ms, value)
+            }
             // The key holds a record we cannot read: nothing was claimed, and it is no outage.
-            Ok(ClaimReply::Unreadable { now_ms, why }) => {
+            Ok((ClaimReply::Unreadable { now_ms, why }, _)) => {
                 self.release_local(handle);
                 self.count_unreadable(&why);
                 warn!("{}", self.log_line("record_unreadable", &format!("error={why}")));
@@ -645,7 +665,7 @@ impl Http {
                 };
             }
             // Nothing ran: the same call again, with the script.
-            Ok(ClaimReply::NoScript) => return self.send_with_script(handle, fp, false),
+            Ok((ClaimReply::NoScript, _)) => return self.send_with_script(handle, fp, false),
             Err(e) => return self.store_answer_lost(handle, &e),
         };
         let Some(policy) = self.policy().cloned() else {
@@ -709,8 +729,16 @@ impl Http {
             let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
             return self.fail_closed(Broken::StoreMissing, "take_over_without_seal", handle, holding);
         };
-        let req = Transition::take_over(old.owner, r.owner, record, free, &lifetimes).request(&r.skey, seal);
-        self.call(req, handle, fp, true)
+        let t = Transition::take_over(old.owner, r.owner, record, free, &lifetimes);
+        let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
+        match stores::transition_request(&self.shared, &t, &r.skey, seal, host::now_ms(), self.fence.as_ref()) {
+            Ok(req) => self.call(req, handle, fp, true),
+            Err(Unbuilt::NoLease) => self.store_failed(handle, &StoreError::Garbled(Unbuilt::NoLease.to_string())),
+            Err(Unbuilt::Broken(why)) => {
+                warn!("{}", self.log_line("internal_state", &format!("error={why}")));
+                self.fail_closed(Broken::ImpossibleDecision, "take_over_request", handle, holding)
+            }
+        }
     }
 
     /// Hands a write to the root context, which outlives this request.
@@ -719,7 +747,7 @@ impl Http {
             return;
         }
         let Some(r) = self.req.as_ref() else { return };
-        self.shared.push_write(what, &r.skey, &t, fallback.as_ref());
+        self.shared.push_write_fenced(what, &r.skey, &t, fallback.as_ref(), self.fence.as_ref());
     }
 
     /// A claim-or-read or take-over was sent and its answer is lost (or the client left while it

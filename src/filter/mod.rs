@@ -10,6 +10,7 @@ mod host;
 mod http;
 mod reply;
 mod settle;
+mod stores;
 mod writes;
 
 use std::cell::{Cell, RefCell};
@@ -145,6 +146,10 @@ pub struct Shared {
     /// The secrets store records are sealed with, from the VM's environment (`crate::seal`):
     /// present whenever a store is configured (the configuration is refused otherwise).
     pub seal: Option<Seal>,
+    /// `store.kind: "etcd"`: the leases this VM's root context granted ahead of need
+    /// (`crate::etcd::Leases`), and the TTL each is granted with.
+    pub leases: RefCell<crate::etcd::Leases>,
+    pub lease_ttl_seconds: u64,
     /// Fault tests only: `lose_next_wake`.
     #[cfg(feature = "crash-injection")]
     lose_next_wake: Cell<bool>,
@@ -185,12 +190,41 @@ impl Shared {
     /// Hands the store write `t` of `skey` (with its fallback) to the root context. Without a
     /// store (and so no seal) there is nothing to write.
     pub fn push_write(&self, what: &'static str, skey: &StorageKey, t: &Transition, fallback: Option<&Transition>) {
+        self.push_write_fenced(what, skey, t, fallback, None);
+    }
+
+    /// `push_write`, for a transition decided on a value read from the store (`fence`: etcd
+    /// compares its revision).
+    pub fn push_write_fenced(
+        &self,
+        what: &'static str,
+        skey: &StorageKey,
+        t: &Transition,
+        fallback: Option<&Transition>,
+        fence: Option<&crate::etcd::Fence>,
+    ) {
         let Some(seal) = self.seal.as_ref() else {
             // Cannot happen: a store is configured only with its seal (`on_configure`).
             error!("idemgate: store write {what} for key={} dropped: no record seal", skey.hex());
             return;
         };
-        self.push_job(Job::new(what, skey, t, fallback, seal));
+        if !stores::is_etcd(self) {
+            return self.push_job(Job::new(what, skey, t, fallback, seal));
+        }
+        let now = host::now_ms();
+        let built = stores::transition_request(self, t, skey, seal, now, fence).and_then(|request| {
+            let fallback = fallback.map(|f| stores::transition_request(self, f, skey, seal, now, None)).transpose()?;
+            Ok(Job { what, key_hash: skey.hex(), request, fallback, attempts: 0 })
+        });
+        match built {
+            Ok(job) => self.push_job(job),
+            // As a write whose every attempt failed: a claim left in the store is judged
+            // outcome-unknown once its lock expires.
+            Err(e) => {
+                self.metrics.inc(Counter::StoreWriteFailures);
+                warn!("idemgate: store write {what} for key={} not sent: {e}", skey.hex());
+            }
+        }
     }
 
     fn push_job(&self, job: Job) {
@@ -214,6 +248,8 @@ impl Shared {
 }
 
 enum Call {
+    /// An etcd lease grant (`store.kind: "etcd"`).
+    Lease,
     Write(Job),
     Forward(Box<Forward>),
     Poll(u32),
@@ -578,7 +614,9 @@ impl Root {
             if let Some(cfg) = s.config.store.as_ref() {
                 if !w.polling && now >= w.next_store_poll_ms {
                     s.metrics.inc(Counter::StoreCalls);
-                    if let Ok(token) = writes::dispatch(cfg, &store::read_request(&w.skey), s.credentials.as_deref()) {
+                    if let Ok(token) =
+                        writes::dispatch(cfg, &stores::read_request(&s, &w.skey), s.credentials.as_deref())
+                    {
                         self.calls.insert(token, Call::Poll(w.context_id));
                         w.polling = true;
                     }
@@ -640,6 +678,47 @@ impl Root {
         self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &w.request_id);
     }
 
+    /// `store.kind: "etcd"`: grants the next lease when `Leases::wants_grant` says so (ahead of
+    /// need: never on a request's path).
+    fn grant_lease_if_due(&mut self) {
+        let Some(s) = self.shared.clone() else { return };
+        let Some(cfg) = s.config.store.as_ref().filter(|_| stores::is_etcd(&s)) else { return };
+        let now = host::now_ms();
+        if !s.leases.borrow().wants_grant(now) {
+            return;
+        }
+        s.metrics.inc(Counter::StoreCalls);
+        let req = crate::etcd::lease_grant_request(s.lease_ttl_seconds);
+        match writes::dispatch(cfg, &req, s.credentials.as_deref()) {
+            Ok(token) => {
+                s.leases.borrow_mut().grant_sent(now);
+                self.calls.insert(token, Call::Lease);
+            }
+            Err(e) => {
+                s.metrics.inc(Counter::StoreErrors);
+                s.leases.borrow_mut().grant_failed(now);
+                warn!("idemgate: etcd lease grant not sent: {e}");
+            }
+        }
+    }
+
+    fn lease_answered(&mut self, num_headers: usize, body_size: usize) {
+        let Some(s) = self.shared.clone() else { return };
+        let (status, body) = writes::answer(body_size, num_headers);
+        let now = host::now_ms();
+        match crate::etcd::parse_lease_grant(status, &body, s.lease_ttl_seconds) {
+            Ok(id) => {
+                s.leases.borrow_mut().granted(id, now);
+                info!("idemgate: etcd lease granted (root {}, ttl {} s)", self.id, s.lease_ttl_seconds);
+            }
+            Err(e) => {
+                s.metrics.inc(Counter::StoreErrors);
+                s.leases.borrow_mut().grant_failed(now);
+                warn!("idemgate: etcd lease grant failed: {e}");
+            }
+        }
+    }
+
     fn poll_answered(&mut self, context_id: u32, num_headers: usize, body_size: usize) {
         let (status, body) = writes::answer(body_size, num_headers);
         let Some(has_store) = self.shared.as_ref().map(|s| s.config.store.is_some()) else { return };
@@ -649,7 +728,8 @@ impl Root {
             let Some(w) = ws.get_mut(pos) else { return };
             w.polling = false;
             let Some(seal) = self.shared.as_ref().and_then(|s| s.seal.clone()) else { return };
-            let seen = match store::parse_read_reply(status, &body, &w.skey, &seal) {
+            let Some(s) = self.shared.as_ref() else { return };
+            let seen = match stores::parse_read(s, status, &body, &w.skey, &seal, host::now_ms()) {
                 Ok(store::ReadReply::Unreadable(why)) if why.is_unauthentic() => {
                     if let Some(s) = self.shared.as_ref() {
                         s.metrics.inc_for(Counter::RecordUnauthentic, Some(w.policy_index));
@@ -690,9 +770,11 @@ impl Context for Root {
 
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         match self.calls.remove(&token) {
+            Some(Call::Lease) => self.lease_answered(num_headers, body_size),
             Some(Call::Write(job)) => {
                 let (status, body) = writes::answer(body_size, num_headers);
-                match store::parse_transition_reply(status, &body) {
+                let Some(s) = self.shared.clone() else { return };
+                match stores::parse_write(&s, status, &body) {
                     // Redis lost the script (restart, failover, SCRIPT FLUSH): nothing ran.
                     Ok(TransitionReply::NoScript) => self.write_with_script(job),
                     Ok(TransitionReply::Changed) => self.write_landed(),
@@ -706,9 +788,7 @@ impl Context for Root {
                     // The store lost the claim (FLUSHALL, an eviction, a failover) while the
                     // request ran: the record was written where it was gone.
                     Ok(TransitionReply::ClaimGoneRewritten) => {
-                        if let Some(s) = self.shared.as_ref() {
-                            s.metrics.inc(Counter::StoreClaimGoneRewritten);
-                        }
+                        s.metrics.inc(Counter::StoreClaimGoneRewritten);
                         warn!(
                             "idemgate: store write {} for key={} found the claim gone from the store (flushed, evicted or failed over) and wrote the record where it was",
                             job.what, job.key_hash
@@ -792,6 +872,7 @@ impl RootContext for Root {
             None => None,
         };
         let credentials = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty()).map(|v| store::basic_auth(&v));
+        let lease_ttl_seconds = crate::etcd::lease_ttl_seconds(&config);
         let metrics = Metrics::define(config.routes.len());
         // Fixed by `max_entries`: set once here (the record bytes and occupancy are set by the tick).
         metrics.set(Gauge::LocalIndexBytes, table.max_index_bytes());
@@ -808,9 +889,13 @@ impl RootContext for Root {
             queue_id: self.queue_id,
             credentials,
             seal,
+            leases: RefCell::new(crate::etcd::Leases::default()),
+            lease_ttl_seconds,
             #[cfg(feature = "crash-injection")]
             lose_next_wake: Cell::new(false),
         }));
+        // The first lease before any request needs one (the tick keeps one ahead from then on).
+        self.grant_lease_if_due();
         if hostcalls::set_tick_period(TICK).is_err() {
             warn!("idemgate: no timer: expired records are freed only when their bucket is reused");
         }
@@ -823,6 +908,7 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        self.grant_lease_if_due();
         self.collect_stray_work();
         self.check_waiters();
         self.dispatch_due_retries();

@@ -13,6 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod etcd;
 pub mod replication;
 pub mod store;
 pub mod tls;
@@ -106,6 +107,8 @@ pub struct EnvoyOptions {
     pub buffer_limit_bytes: u64,
     /// webdis port for the `idemgate_store` cluster, if any.
     pub store_port: Option<u16>,
+    /// etcd members' client ports for the `idemgate_store` cluster (`store.kind: "etcd"`).
+    pub etcd_ports: Vec<u16>,
     /// Environment variables of the Wasm VM (`vm_config.environment_variables`).
     pub vm_env: Vec<(String, String)>,
     /// Variables set in Envoy's own environment and handed to the VM by name
@@ -161,6 +164,7 @@ impl EnvoyOptions {
             concurrency: 2,
             buffer_limit_bytes: 4 * 1024 * 1024,
             store_port: None,
+            etcd_ports: vec![],
             vm_env: vec![],
             vm_host_env: vec![],
             failure_policy: "FAIL_RELOAD".into(),
@@ -222,7 +226,11 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
     );
-    cfg + &store_cluster + &indent(&o.extra_clusters, 2)
+    let etcd_cluster = match o.etcd_ports.is_empty() {
+        true => String::new(),
+        false => indent(&[etcd::envoy_cluster(&o.etcd_ports)], 2),
+    };
+    cfg + &store_cluster + &etcd_cluster + &indent(&o.extra_clusters, 2)
 }
 
 /// YAML list items written from column 0, indented by `n` spaces.

@@ -1,0 +1,33 @@
+#![no_main]
+//! Any bytes as etcd's JSON gateway's answer (with any status) to a claim, a transition, a read
+//! or a lease grant: errors, never panics, and never holds more than a few bytes of memory per
+//! answer byte (lists are refused past four elements as they arrive; nothing is sized from the
+//! answer).
+use libfuzzer_sys::fuzz_target;
+
+#[path = "alloc_meter.rs"]
+mod alloc_meter;
+
+#[global_allocator]
+static METER: alloc_meter::Meter = alloc_meter::Meter;
+
+fuzz_target!(|data: &[u8]| {
+    let status = data.first().map(|b| if *b < 128 { Some(200) } else { Some(u16::from(*b) * 2) });
+    let body = data.get(1..).unwrap_or_default();
+    let owner = idemgate::owner::OwnerToken([1; 16]);
+    let skey = idemgate::scope::StorageKey([7; 32]);
+    let Ok(seal) = idemgate::seal::Seal::new(Some("fuzz-record-key-0123456789abcdef0123"), None) else { return };
+    let now = 1_700_000_000_000;
+    // Base64 text is kept once and decoded once (3/4), then opened and the record decoded: a few
+    // copies of the answer; JSON structure (objects, lists of at most four) is bounded per level.
+    alloc_meter::within(body.len(), 8, 128 * 1024, || {
+        let _ = idemgate::etcd::parse_claim_reply(status.flatten(), body, &owner, &skey, &seal, now);
+        let _ = idemgate::etcd::parse_transition_reply(status.flatten(), body, None);
+        let echo = Some((&skey, idemgate::store::StorePhase::InProgress, &owner));
+        let _ = idemgate::etcd::parse_transition_reply(status.flatten(), body, echo);
+        let _ = idemgate::etcd::parse_read_reply(status.flatten(), body, &skey, &seal, now);
+        let _ = idemgate::etcd::parse_lease_grant(status.flatten(), body, 600);
+        let _ = idemgate::etcd::open_value(body, &skey, &seal);
+        let _ = idemgate::etcd::unb64(&String::from_utf8_lossy(body));
+    });
+});

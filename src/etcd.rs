@@ -1,0 +1,769 @@
+//! The etcd v3 store (`store.kind: "etcd"`): the same lifecycle as the Redis store
+//! (`store.rs`), kept in a linearizable, Raft-replicated key-value store reached through etcd's
+//! JSON gateway (`POST /v3/kv/txn`, `/v3/kv/range`, `/v3/lease/grant`) with HTTP callouts.
+//! Requests are built and answers parsed here, without host calls.
+//!
+//! **Keys.** A storage key `S` lives under three etcd keys: `idemgate/v1/<S hex>` holds the value,
+//! `idemgate/v1/<S hex>/o` holds its *owner mark* (the phase letter and the owner token's hex, 33
+//! bytes), and `idemgate/v1/<S hex>/r/<owner hex>` is a release tombstone of one owner. Every write
+//! puts the value and its owner mark together, in one transaction.
+//!
+//! **Values.** `IGE1` followed by the seal (`seal.rs`, bound to the etcd key) of
+//! `phase(1) owner(32 hex) lock-expiry-ms(15 digits) expiry-ms(15 digits) record`. Unlike the
+//! Redis store, where a script writes the header from Redis's clock, every byte of an etcd value
+//! is written by a proxy, so the seal covers the header too: phase, owner and times cannot be
+//! changed without the secret.
+//!
+//! **Claim-or-read, one round trip.** One transaction: if the value was never created
+//! (`create_revision == 0`) and the owner has no release tombstone, put the forwarded claim and its
+//! owner mark with the current window's lease and read the owner mark back (the answer echoes the
+//! owner: a "succeeded" that does not is refused); otherwise range-read the value, whose
+//! `mod_revision` is the fencing token (`Fence`) of any transition a non-owner makes on it.
+//!
+//! **Owner-checked transitions**, built from `store::Transition` (so from `lifecycle::sources`,
+//! `needs_stale_lock` and `store_writes_where_absent`, as the Redis scripts are):
+//! - by the owner (complete, release, mark unknown): compare the owner mark with the one expected
+//!   phase and the owner; where-absent writes (complete, mark unknown) add, on failure, a nested
+//!   transaction that writes only if the value is absent (`create_revision == 0`): answer 2;
+//! - by another request (stale-to-unknown, take-over, claim of a free value): compare the value's
+//!   `mod_revision` with the one read (nobody changed it since), after checking, here, the read
+//!   owner, phase and (stale) lock by the one clock rule below;
+//! - release of a lost claim: deletes the owner's claim if it landed, otherwise puts the owner's
+//!   release tombstone, which the claim transaction compares: the late claim is refused.
+//!
+//! **The clock rule.** etcd has no clock a transaction can read. Expiry of the *keys* is etcd's:
+//! every put carries a lease that outlives the record's life (`Leases`). Lock expiry and record
+//! expiry are judged by the proxies' clocks: a value carries the times its writer computed on its
+//! own clock, and every reader judges them with its clock taken `CLOCK_SKEW_TOLERANCE_MS` behind
+//! (`judged_now`). So with proxies' clocks within that tolerance of each other no lock is judged
+//! stale, and no record free, before its writer's clock says so. Beyond it, a proxy whose clock
+//! runs ahead can judge a lock stale early: with `stale_lock: "reject"` (the default) that is an
+//! early outcome-unknown (never a second execution); with `"takeover"` an early take-over.
+//!
+//! **Leases.** Never granted on the critical path: the root context grants one per window of
+//! `LEASE_WINDOW_MS` ahead of need (`Leases::wants_grant`), with a TTL of the window plus the
+//! longest record life plus `LEASE_MARGIN_MS`, and every put of that window uses it; a request
+//! finding no usable lease is refused (503), never claims without expiry.
+
+use serde::de::{self, IgnoredAny, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+use serde_json::{json, Value};
+
+use crate::config::Config;
+use crate::owner::OwnerToken;
+use crate::record::{Lifetimes, Record, Stage, State};
+use crate::scope::StorageKey;
+use crate::seal::Seal;
+use crate::store::{
+    ClaimReply, ReadReply, StoreError, StorePhase, StoreRequest, StoredValue, Transition, TransitionReply, ValueError,
+    WhereAbsent,
+};
+
+/// Prefix of every etcd key idemgate writes (the namespace is inside the hashed storage key).
+pub const KEY_PREFIX: &str = "idemgate/v1/";
+/// How far apart the proxies' clocks may be: every reader judges locks and expiries with its
+/// clock taken this far behind (`judged_now`).
+pub const CLOCK_SKEW_TOLERANCE_MS: u64 = 1_000;
+/// One lease serves the puts of one window of this length.
+pub const LEASE_WINDOW_MS: u64 = 60_000;
+/// A lease outlives the window and the longest record life by this much more: a write built late
+/// in its window and retried by the root (at most about 20 s) still lands under a live lease.
+pub const LEASE_MARGIN_MS: u64 = 30_000;
+/// A failed grant is tried again after this long.
+const LEASE_RETRY_MS: u64 = 500;
+/// A grant with no answer after this long (cannot happen: the host answers every callout) is
+/// forgotten and sent again.
+const LEASE_GRANT_STUCK_MS: u64 = 10_000;
+
+const VALUE_MAGIC: &[u8; 4] = b"IGE1";
+/// phase (1) + owner hex (32) + lock expiry ms (15 digits) + expiry ms (15 digits).
+const HEADER_LEN: usize = 1 + 32 + 15 + 15;
+/// What a release tombstone holds (its key names the owner).
+const TOMBSTONE: &[u8] = b"R";
+/// Elements of any list in an answer: idemgate's transactions answer at most three operations and
+/// one key-value. An answer claiming more is refused as it arrives, before it costs memory.
+const MAX_LIST: usize = 4;
+
+/// The path of every transaction.
+const TXN_PATH: &str = "/v3/kv/txn";
+
+/// The etcd key of a storage key's value.
+pub fn etcd_key(skey: &StorageKey) -> String {
+    format!("{KEY_PREFIX}{}", skey.hex())
+}
+
+/// The etcd key of a storage key's owner mark.
+pub fn owner_key(skey: &StorageKey) -> String {
+    format!("{}/o", etcd_key(skey))
+}
+
+/// The etcd key of `owner`'s release tombstone for a storage key.
+pub fn tombstone_key(skey: &StorageKey, owner: &OwnerToken) -> String {
+    format!("{}/r/{}", etcd_key(skey), owner.hex())
+}
+
+/// A reader's clock for judging locks and expiries written by any proxy (the clock rule above).
+pub fn judged_now(local_now_ms: u64) -> u64 {
+    local_now_ms.saturating_sub(CLOCK_SKEW_TOLERANCE_MS)
+}
+
+fn letter(phase: StorePhase) -> u8 {
+    match phase {
+        StorePhase::InProgress => b'P',
+        StorePhase::Done => b'D',
+        StorePhase::Unknown => b'U',
+    }
+}
+
+fn phase_of(letter: u8) -> Option<StorePhase> {
+    match letter {
+        b'P' => Some(StorePhase::InProgress),
+        b'D' => Some(StorePhase::Done),
+        b'U' => Some(StorePhase::Unknown),
+        _ => None,
+    }
+}
+
+/// The owner mark: the phase letter and the owner token's hex.
+pub fn owner_mark(phase: StorePhase, owner: &OwnerToken) -> Vec<u8> {
+    let mut m = vec![letter(phase)];
+    m.extend_from_slice(owner.hex().as_bytes());
+    m
+}
+
+/// Encodes a value as a proxy writes it at `skey`: `expires_at_ms` and the lock expiry are times
+/// of the writer's clock.
+pub fn encode_value(v: &StoredValue, expires_at_ms: u64, skey: &StorageKey, seal: &Seal) -> Vec<u8> {
+    let mut body = Vec::with_capacity(HEADER_LEN + 64);
+    body.push(letter(v.phase));
+    body.extend_from_slice(v.owner.hex().as_bytes());
+    body.extend_from_slice(format!("{:015}", v.lock_expires_at_ms.min(999_999_999_999_999)).as_bytes());
+    body.extend_from_slice(format!("{:015}", expires_at_ms.min(999_999_999_999_999)).as_bytes());
+    body.extend_from_slice(&v.record.encode());
+    let mut out = VALUE_MAGIC.to_vec();
+    out.extend_from_slice(&seal.seal(&etcd_key(skey), &body));
+    out
+}
+
+fn digits15(b: Option<&[u8]>) -> Option<u64> {
+    let b = b?;
+    if b.len() != 15 || !b.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(b).ok()?.parse().ok()
+}
+
+/// Decodes the value read at `skey` and its expiry (the writer's clock). The seal must verify
+/// for this very key (`ValueError::Unauthentic` otherwise), and a completed phase must carry a
+/// completed record.
+pub fn open_value(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<(StoredValue, u64), ValueError> {
+    let bad = |why: &str| ValueError::Unreadable(format!("stored value: {why}"));
+    let sealed = v.strip_prefix(VALUE_MAGIC).ok_or_else(|| bad("no idemgate etcd header"))?;
+    let (body, _) = seal.open(&etcd_key(skey), sealed).map_err(ValueError::Unauthentic)?;
+    if body.len() < HEADER_LEN {
+        return Err(bad("short header"));
+    }
+    let phase = body.first().copied().and_then(phase_of).ok_or_else(|| bad("unknown phase"))?;
+    let owner = decode_hex16(body.get(1..33)).ok_or_else(|| bad("owner"))?;
+    let lock = digits15(body.get(33..48)).ok_or_else(|| bad("lock expiry"))?;
+    let expires = digits15(body.get(48..63)).ok_or_else(|| bad("expiry"))?;
+    let record = Record::decode(body.get(HEADER_LEN..).unwrap_or_default()).map_err(|e| bad(&e.to_string()))?;
+    let completed = matches!(record.state, State::Completed(_) | State::CompletedTooLarge { .. });
+    if phase == StorePhase::Done && !completed {
+        return Err(bad("completed phase without a completed record"));
+    }
+    Ok((StoredValue { phase, owner: OwnerToken(owner), lock_expires_at_ms: lock, record }, expires))
+}
+
+fn decode_hex16(s: Option<&[u8]>) -> Option<[u8; 16]> {
+    let s = s?;
+    if s.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, pair) in s.chunks(2).enumerate() {
+        let text = std::str::from_utf8(pair).ok()?;
+        if !text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+            return None;
+        }
+        *out.get_mut(i)? = u8::from_str_radix(text, 16).ok()?;
+    }
+    Some(out)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Base64 (etcd's JSON gateway carries keys and values as standard base64 with padding).
+
+const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding.
+pub fn b64(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk.first().copied().unwrap_or(0),
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for (i, shift) in [18u32, 12, 6, 0].iter().enumerate() {
+            if i <= chunk.len() {
+                out.push(char::from(B64[((n >> shift) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+fn b64_digit(c: u8) -> Option<u32> {
+    match c {
+        b'A'..=b'Z' => Some(u32::from(c - b'A')),
+        b'a'..=b'z' => Some(u32::from(c - b'a') + 26),
+        b'0'..=b'9' => Some(u32::from(c - b'0') + 52),
+        b'+' => Some(62),
+        b'/' => Some(63),
+        _ => None,
+    }
+}
+
+/// Decodes standard base64 with padding, strictly (no whitespace, padding only at the end).
+pub fn unb64(text: &str) -> Option<Vec<u8>> {
+    let t = text.as_bytes();
+    if t.len() % 4 != 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(t.len() / 4 * 3);
+    let quads = t.len() / 4;
+    for (qi, q) in t.chunks(4).enumerate() {
+        let last = qi + 1 == quads;
+        let pad = q.iter().rev().take_while(|c| **c == b'=').count();
+        if pad > 2 || (pad > 0 && !last) {
+            return None;
+        }
+        let mut n = 0u32;
+        for (i, c) in q.iter().enumerate() {
+            let d = if i >= 4 - pad { 0 } else { b64_digit(*c)? };
+            n = (n << 6) | d;
+        }
+        let bytes = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
+        out.extend_from_slice(bytes.get(..3 - pad).unwrap_or_default());
+    }
+    Some(out)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Requests.
+
+fn int64(n: u64) -> String {
+    n.min(i64::MAX as u64).to_string()
+}
+
+fn put(key: &str, value: &[u8], lease: i64) -> Value {
+    json!({"request_put": {"key": b64(key.as_bytes()), "value": b64(value), "lease": lease.to_string()}})
+}
+
+fn range(key: &str) -> Value {
+    json!({"request_range": {"key": b64(key.as_bytes())}})
+}
+
+fn delete(key: &str) -> Value {
+    json!({"request_delete_range": {"key": b64(key.as_bytes())}})
+}
+
+fn never_created(key: &str) -> Value {
+    json!({"key": b64(key.as_bytes()), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
+}
+
+fn txn(compare: Vec<Value>, success: Vec<Value>, failure: Vec<Value>) -> Value {
+    json!({"compare": compare, "success": success, "failure": failure})
+}
+
+fn post(path: &'static str, body: &Value) -> StoreRequest {
+    StoreRequest { method: "POST", path: path.to_string(), body: body.to_string().into_bytes(), by_sha1: None }
+}
+
+/// The puts that write `value` (with `expires_at_ms`) and its owner mark, then read the mark back
+/// (the answer echoes who now holds the key).
+fn write_ops(skey: &StorageKey, seal: &Seal, value: &StoredValue, expires_at_ms: u64, lease: i64) -> Vec<Value> {
+    vec![
+        put(&etcd_key(skey), &encode_value(value, expires_at_ms, skey, seal), lease),
+        put(&owner_key(skey), &owner_mark(value.phase, &value.owner), lease),
+        range(&owner_key(skey)),
+    ]
+}
+
+/// Claim-or-read in one transaction: the forwarded claim (`record`, owned by `owner`, its lock
+/// and expiry those of a forwarded claim from `now_ms` on this proxy's clock) is put with `lease`
+/// if the value was never created and `owner` left no release tombstone; otherwise the value is
+/// read.
+pub fn claim_request(
+    skey: &StorageKey,
+    owner: &OwnerToken,
+    record: &Record,
+    lifetimes: &Lifetimes,
+    seal: &Seal,
+    lease: i64,
+    now_ms: u64,
+) -> StoreRequest {
+    let value = StoredValue {
+        phase: StorePhase::InProgress,
+        owner: *owner,
+        lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
+        record: record.clone(),
+    };
+    let body = txn(
+        vec![never_created(&etcd_key(skey)), never_created(&tombstone_key(skey, owner))],
+        write_ops(skey, seal, &value, lifetimes.expires_at(Stage::Forwarded, now_ms), lease),
+        vec![range(&etcd_key(skey))],
+    );
+    post(TXN_PATH, &body)
+}
+
+/// A read (no claim): the value of `skey`.
+pub fn read_request(skey: &StorageKey) -> StoreRequest {
+    post("/v3/kv/range", &json!({"key": b64(etcd_key(skey).as_bytes())}))
+}
+
+/// What a non-owner's transition was decided on: the value it read and that value's
+/// `mod_revision`, the fencing token its transaction compares.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fence {
+    pub mod_revision: i64,
+    pub value: StoredValue,
+    /// The value's expiry (its writer's clock).
+    pub expires_at_ms: u64,
+}
+
+/// `t` as one etcd transaction at `skey`, writing with `lease` and times from `now_ms` (this
+/// proxy's clock). A transition that needs a stale lock (stale-to-unknown, take-over, claim of a
+/// free value) needs the `fence` it was decided on, and is refused here (an error: never sent)
+/// unless the fenced value carries the expected owner and phase and its lock is stale by
+/// `judged_now`. An error is a broken invariant of the caller: it sends nothing and fails closed.
+pub fn transition_request(
+    t: &Transition,
+    skey: &StorageKey,
+    seal: &Seal,
+    lease: i64,
+    now_ms: u64,
+    fence: Option<&Fence>,
+) -> Result<StoreRequest, String> {
+    Ok(post(TXN_PATH, &transition_body(t, skey, seal, lease, now_ms, fence)?))
+}
+
+fn transition_body(
+    t: &Transition,
+    skey: &StorageKey,
+    seal: &Seal,
+    lease: i64,
+    now_ms: u64,
+    fence: Option<&Fence>,
+) -> Result<Value, String> {
+    let compare = if t.require_stale {
+        let Some(f) = fence else {
+            return Err("a transition on a stale lock without the value it was decided on".into());
+        };
+        if f.value.owner != t.expected_owner {
+            return Err("the fenced value is not the expected owner's".into());
+        }
+        if !t.expected_phases.as_bytes().contains(&letter(f.value.phase)) {
+            return Err("the fenced value is not in an expected phase".into());
+        }
+        if f.value.summary(f.expires_at_ms).lock_is_live(judged_now(now_ms)) {
+            return Err("the fenced value's lock is live".into());
+        }
+        json!({"key": b64(etcd_key(skey).as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": f.mod_revision.to_string()})
+    } else {
+        // An owner's own transition: the owner mark must be exactly the expected phase and owner.
+        let [phase] = t.expected_phases.as_bytes() else {
+            return Err(format!("an owner's transition expects one phase, not {:?}", t.expected_phases));
+        };
+        let phase = phase_of(*phase).ok_or("an unknown expected phase")?;
+        json!({"key": b64(owner_key(skey).as_bytes()), "target": "VALUE", "result": "EQUAL", "value": b64(&owner_mark(phase, &t.expected_owner))})
+    };
+    let new_value = match t.new_phase {
+        None => None,
+        Some(phase) => {
+            let record = match (&t.record, fence) {
+                (Some(r), _) => r.clone(),
+                // Keep the stored record (stale-to-unknown): the fenced value's.
+                (None, Some(f)) => f.value.record.clone(),
+                (None, None) => return Err("a transition keeping a stored record it never read".into()),
+            };
+            let lock = t.lock_ms.map_or(0, |l| now_ms.saturating_add(l));
+            let value = StoredValue { phase, owner: t.new_owner, lock_expires_at_ms: lock, record };
+            Some((value, now_ms.saturating_add(t.ttl_ms)))
+        }
+    };
+    let success = match &new_value {
+        None => vec![delete(&etcd_key(skey)), delete(&owner_key(skey))],
+        Some((value, expires)) => write_ops(skey, seal, value, *expires, lease),
+    };
+    let failure = match (&new_value, t.where_absent) {
+        // A release whose claim may land later: leave the owner's tombstone, which the claim
+        // transaction compares.
+        (None, _) if t.tombstone => vec![put(&tombstone_key(skey, &t.expected_owner), TOMBSTONE, lease)],
+        (Some((value, expires)), WhereAbsent::Write | WhereAbsent::WriteKeepingStored) if t.record.is_some() => {
+            vec![json!({"request_txn": txn(
+                vec![never_created(&etcd_key(skey))],
+                write_ops(skey, seal, value, *expires, lease),
+                vec![],
+            )})]
+        }
+        _ => vec![],
+    };
+    Ok(txn(vec![compare], success, failure))
+}
+
+/// The lease grant request: `ttl_seconds` (`lease_ttl_seconds`), its id chosen by etcd.
+pub fn lease_grant_request(ttl_seconds: u64) -> StoreRequest {
+    post("/v3/lease/grant", &json!({"TTL": int64(ttl_seconds), "ID": "0"}))
+}
+
+/// The longest life any record of `config` is given (`Lifetimes::life_ms` of a forwarded claim,
+/// a completion and an outcome-unknown mark, over every policy).
+pub fn longest_life_ms(config: &Config) -> u64 {
+    config
+        .policies()
+        .map(|p| {
+            let l = Lifetimes::of(p);
+            [Stage::Forwarded, Stage::Completed, Stage::Unknown].iter().map(|s| l.life_ms(*s)).max().unwrap_or(0)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// The TTL of each window's lease: the window, the longest record life, and the margin. A put made
+/// while its lease is usable (`Leases::usable`) outlives its record's life by etcd's clock.
+pub fn lease_ttl_seconds(config: &Config) -> u64 {
+    LEASE_WINDOW_MS.saturating_add(longest_life_ms(config)).saturating_add(LEASE_MARGIN_MS).div_ceil(1000)
+}
+
+/// A VM's leases: at most two granted (the current window's and the next), and at most one grant
+/// in flight. Times are this proxy's clock.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Leases {
+    granted: Vec<(i64, u64)>,
+    grant_sent_at_ms: Option<u64>,
+    retry_at_ms: u64,
+}
+
+impl Leases {
+    /// The lease a put made now uses: granted by a request sent less than a window ago, so it
+    /// outlives the longest record life from now (its TTL started when etcd granted it, after the
+    /// request was sent). `None`: no usable lease, refuse (never put without one).
+    pub fn usable(&self, now_ms: u64) -> Option<i64> {
+        self.granted.iter().filter(|(_, until)| now_ms < *until).max_by_key(|(_, until)| *until).map(|(id, _)| *id)
+    }
+
+    /// Whether the root should grant a lease now: no grant in flight, and no usable lease with
+    /// more than half a window of use left.
+    pub fn wants_grant(&self, now_ms: u64) -> bool {
+        if let Some(sent) = self.grant_sent_at_ms {
+            if now_ms.saturating_sub(sent) < LEASE_GRANT_STUCK_MS {
+                return false;
+            }
+        }
+        if now_ms < self.retry_at_ms {
+            return false;
+        }
+        let newest = self.granted.iter().map(|(_, until)| *until).max().unwrap_or(0);
+        newest.saturating_sub(now_ms) <= LEASE_WINDOW_MS / 2
+    }
+
+    pub fn grant_sent(&mut self, now_ms: u64) {
+        self.grant_sent_at_ms = Some(now_ms);
+    }
+
+    /// The grant sent at `sent_at_ms` answered lease `id`.
+    pub fn granted(&mut self, id: i64, now_ms: u64) {
+        let sent = self.grant_sent_at_ms.take().unwrap_or(now_ms);
+        self.granted.retain(|(_, until)| now_ms < *until);
+        self.granted.push((id, sent.saturating_add(LEASE_WINDOW_MS)));
+        if self.granted.len() > 2 {
+            self.granted.remove(0);
+        }
+    }
+
+    pub fn grant_failed(&mut self, now_ms: u64) {
+        self.grant_sent_at_ms = None;
+        self.retry_at_ms = now_ms.saturating_add(LEASE_RETRY_MS);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Answers. Parsed into typed shapes (unknown fields ignored without being kept), every list
+// bounded as it arrives (`MAX_LIST`), every 64-bit integer a decimal string.
+
+fn few<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+    struct Few<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for Few<T> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "a list of at most {MAX_LIST} elements")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            // Grown as elements arrive, never sized from the answer.
+            let mut out = Vec::new();
+            while let Some(item) = seq.next_element()? {
+                if out.len() == MAX_LIST {
+                    return Err(de::Error::custom("a list longer than any idemgate answer"));
+                }
+                out.push(item);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Few(std::marker::PhantomData))
+}
+
+#[derive(Deserialize)]
+struct Header {
+    revision: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct TxnAnswer {
+    header: Option<Header>,
+    #[serde(default)]
+    succeeded: bool,
+    #[serde(default, deserialize_with = "few")]
+    responses: Vec<Op>,
+}
+
+#[derive(Deserialize)]
+struct Op {
+    response_range: Option<RangeAnswer>,
+    response_put: Option<IgnoredAny>,
+    response_delete_range: Option<IgnoredAny>,
+    response_txn: Option<Box<TxnAnswer>>,
+}
+
+#[derive(Deserialize)]
+struct RangeAnswer {
+    header: Option<Header>,
+    #[serde(default, deserialize_with = "few")]
+    kvs: Vec<Kv>,
+}
+
+#[derive(Deserialize)]
+struct Kv {
+    key: Option<String>,
+    value: Option<String>,
+    mod_revision: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct LeaseAnswer {
+    header: Option<Header>,
+    #[serde(rename = "ID")]
+    id: Option<String>,
+    #[serde(rename = "TTL")]
+    ttl: Option<String>,
+    error: Option<String>,
+}
+
+fn garbled(why: &str) -> StoreError {
+    StoreError::Garbled(why.to_string())
+}
+
+fn check_http(status: Option<u16>) -> Result<(), StoreError> {
+    match status {
+        Some(200) => Ok(()),
+        Some(s) => Err(StoreError::Http(s)),
+        None => Err(StoreError::NoAnswer),
+    }
+}
+
+fn json_answer<'a, T: Deserialize<'a>>(status: Option<u16>, body: &'a [u8]) -> Result<T, StoreError> {
+    check_http(status)?;
+    serde_json::from_slice(body).map_err(|e| StoreError::Garbled(format!("etcd answer: {e}")))
+}
+
+fn decimal(s: Option<&str>) -> Option<i64> {
+    let s = s?;
+    if s.is_empty() || s.len() > 19 || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
+}
+
+fn has_revision(h: &Option<Header>) -> bool {
+    h.as_ref().and_then(|h| decimal(h.revision.as_deref())).is_some()
+}
+
+impl Op {
+    fn kind(&self) -> Option<u8> {
+        match (&self.response_range, &self.response_put, &self.response_delete_range, &self.response_txn) {
+            (Some(_), None, None, None) => Some(b'r'),
+            (None, Some(_), None, None) => Some(b'p'),
+            (None, None, Some(_), None) => Some(b'd'),
+            (None, None, None, Some(_)) => Some(b't'),
+            _ => None,
+        }
+    }
+}
+
+fn shape(ops: &[Op]) -> Option<Vec<u8>> {
+    ops.iter().map(Op::kind).collect()
+}
+
+/// The one key-value a range read of `key` found (`None`: the key is absent).
+fn single_kv(r: &RangeAnswer, key: &str) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
+    match r.kvs.as_slice() {
+        [] => Ok(None),
+        [kv] => {
+            let k = kv.key.as_deref().and_then(unb64).ok_or_else(|| garbled("etcd key"))?;
+            if k != key.as_bytes() {
+                return Err(garbled("etcd answered another key"));
+            }
+            let v = kv.value.as_deref().map_or(Some(vec![]), unb64).ok_or_else(|| garbled("etcd value"))?;
+            let rev = decimal(kv.mod_revision.as_deref()).ok_or_else(|| garbled("etcd mod_revision"))?;
+            Ok(Some((v, rev)))
+        }
+        _ => Err(garbled("etcd answered several values for one key")),
+    }
+}
+
+/// Whether `ops` are the writes of `write_ops` whose owner mark reads back `echo` (when given).
+fn writes_echo(ops: &[Op], skey: &StorageKey, echo: Option<&[u8]>) -> Result<(), StoreError> {
+    if shape(ops).as_deref() != Some(b"ppr") {
+        return Err(garbled("etcd write answer shape"));
+    }
+    let Some(expected) = echo else { return Ok(()) };
+    let mark = ops.get(2).and_then(|o| o.response_range.as_ref()).ok_or_else(|| garbled("etcd write answer"))?;
+    match single_kv(mark, &owner_key(skey))? {
+        Some((v, _)) if v == expected => Ok(()),
+        _ => Err(garbled("etcd answer does not echo the claim's owner")),
+    }
+}
+
+/// Parses etcd's answer to `claim_request(skey, owner, ...)` (`status`: the HTTP status, `None`
+/// if no answer), read at `local_now_ms` on this proxy's clock. A claim must echo `owner`'s mark.
+/// An existing value comes with its `Fence` (for a take-over or stale-to-unknown), and is judged
+/// by `judged_now` (its `now_ms`) against the times its writer wrote.
+pub fn parse_claim_reply(
+    status: Option<u16>,
+    body: &[u8],
+    owner: &OwnerToken,
+    skey: &StorageKey,
+    seal: &Seal,
+    local_now_ms: u64,
+) -> Result<(ClaimReply, Option<Fence>), StoreError> {
+    let a: TxnAnswer = json_answer(status, body)?;
+    if !has_revision(&a.header) {
+        return Err(garbled("etcd answer without a revision"));
+    }
+    let now_ms = judged_now(local_now_ms);
+    if a.succeeded {
+        writes_echo(&a.responses, skey, Some(&owner_mark(StorePhase::InProgress, owner)))?;
+        return Ok((ClaimReply::Claimed { now_ms }, None));
+    }
+    let [op] = a.responses.as_slice() else { return Err(garbled("etcd claim answer shape")) };
+    let read = op
+        .response_range
+        .as_ref()
+        .filter(|_| op.kind() == Some(b'r'))
+        .ok_or_else(|| garbled("etcd claim answer shape"))?;
+    match single_kv(read, &etcd_key(skey))? {
+        // Not created because this owner's release tombstone is there: this claim arrived after
+        // its own release (it was given up): nothing was claimed.
+        None => Err(garbled("claim refused by its owner's release tombstone")),
+        Some((v, mod_revision)) => Ok(match open_value(&v, skey, seal) {
+            Ok((value, expires_at_ms)) => {
+                let fence = Fence { mod_revision, value: value.clone(), expires_at_ms };
+                (ClaimReply::Exists { now_ms, expires_at_ms, value }, Some(fence))
+            }
+            Err(why) => (ClaimReply::Unreadable { now_ms, why }, None),
+        }),
+    }
+}
+
+/// Parses the answer to a `transition_request`. With `echo` (a take-over: the new phase and
+/// owner), a change must read back that owner mark.
+pub fn parse_transition_reply(
+    status: Option<u16>,
+    body: &[u8],
+    echo: Option<(&StorageKey, StorePhase, &OwnerToken)>,
+) -> Result<TransitionReply, StoreError> {
+    let a: TxnAnswer = json_answer(status, body)?;
+    if !has_revision(&a.header) {
+        return Err(garbled("etcd answer without a revision"));
+    }
+    let skey = echo.map_or(StorageKey([0; 32]), |(s, _, _)| *s);
+    let skey = &skey;
+    let echo = echo.map(|(_, p, o)| owner_mark(p, o));
+    let shape = shape(&a.responses).ok_or_else(|| garbled("etcd transition answer shape"))?;
+    match (a.succeeded, shape.as_slice()) {
+        // A release.
+        (true, b"dd") if echo.is_none() => Ok(TransitionReply::Changed),
+        (true, _) => writes_echo(&a.responses, skey, echo.as_deref()).map(|_| TransitionReply::Changed),
+        (false, b"") => Ok(TransitionReply::Refused),
+        // A lost claim's release left its tombstone.
+        (false, b"p") if echo.is_none() => Ok(TransitionReply::Changed),
+        (false, b"t") => {
+            let inner = a
+                .responses
+                .first()
+                .and_then(|o| o.response_txn.as_ref())
+                .ok_or_else(|| garbled("etcd nested answer"))?;
+            match (inner.succeeded, shape_of(&inner.responses)?.as_slice()) {
+                (true, _) => {
+                    writes_echo(&inner.responses, skey, echo.as_deref()).map(|_| TransitionReply::ClaimGoneRewritten)
+                }
+                (false, b"") => Ok(TransitionReply::Refused),
+                _ => Err(garbled("etcd nested answer shape")),
+            }
+        }
+        _ => Err(garbled("etcd transition answer shape")),
+    }
+}
+
+fn shape_of(ops: &[Op]) -> Result<Vec<u8>, StoreError> {
+    shape(ops).ok_or_else(|| garbled("etcd answer shape"))
+}
+
+/// Parses the answer to `read_request(skey)` read at `local_now_ms`: a value past its expiry by
+/// `judged_now` (its lease not yet over) is absent, as Redis would have dropped it.
+pub fn parse_read_reply(
+    status: Option<u16>,
+    body: &[u8],
+    skey: &StorageKey,
+    seal: &Seal,
+    local_now_ms: u64,
+) -> Result<ReadReply, StoreError> {
+    let a: RangeAnswer = json_answer(status, body)?;
+    if !has_revision(&a.header) {
+        return Err(garbled("etcd answer without a revision"));
+    }
+    match single_kv(&a, &etcd_key(skey))? {
+        None => Ok(ReadReply::Absent),
+        Some((v, _)) => Ok(match open_value(&v, skey, seal) {
+            Ok((value, expires)) if value.summary(expires).is_free(judged_now(local_now_ms)) => ReadReply::Absent,
+            Ok((value, _)) => ReadReply::Found(value),
+            Err(e) => ReadReply::Unreadable(e),
+        }),
+    }
+}
+
+/// Parses the answer to `lease_grant_request(ttl_seconds)`: the lease id, if etcd granted at
+/// least the TTL asked for.
+pub fn parse_lease_grant(status: Option<u16>, body: &[u8], ttl_seconds: u64) -> Result<i64, StoreError> {
+    let a: LeaseAnswer = json_answer(status, body)?;
+    if !has_revision(&a.header) {
+        return Err(garbled("etcd answer without a revision"));
+    }
+    if let Some(e) = a.error.filter(|e| !e.is_empty()) {
+        return Err(StoreError::Garbled(format!("etcd lease grant: {e}")));
+    }
+    let id = decimal(a.id.as_deref()).filter(|id| *id > 0).ok_or_else(|| garbled("etcd lease id"))?;
+    let ttl = decimal(a.ttl.as_deref()).ok_or_else(|| garbled("etcd lease ttl"))?;
+    if u64::try_from(ttl).unwrap_or(0) < ttl_seconds {
+        return Err(garbled("etcd granted a shorter lease than asked"));
+    }
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,226 @@
+//! A three-member etcd cluster on 127.0.0.1 (Debian `etcd-server` 3.4, installed by
+//! `scripts/install-deps.sh etcd`), ports picked at run time, data in a scratch folder, every
+//! member killed when dropped. Members can be killed (SIGKILL), hung (SIGSTOP), resumed (SIGCONT)
+//! and started again on their data; the leader is found through `/v3/maintenance/status`.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::http;
+use super::{free_port, Scratch};
+
+pub struct Member {
+    pub name: String,
+    pub client_port: u16,
+    pub peer_port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+    stopped: bool,
+}
+
+pub struct EtcdCluster {
+    pub members: Vec<Member>,
+    initial_cluster: String,
+    _scratch: Scratch,
+}
+
+fn b64(bytes: &[u8]) -> String {
+    idemgate::etcd::b64(bytes)
+}
+
+impl EtcdCluster {
+    /// Starts three members and waits (bounded) until they agree on a leader.
+    pub fn start() -> EtcdCluster {
+        let scratch = Scratch::new("etcd");
+        let members: Vec<Member> = (0..3)
+            .map(|i| Member {
+                name: format!("m{i}"),
+                client_port: free_port(),
+                peer_port: free_port(),
+                dir: scratch.0.join(format!("m{i}")),
+                child: None,
+                stopped: false,
+            })
+            .collect();
+        let initial_cluster = members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut c = EtcdCluster { members, initial_cluster, _scratch: scratch };
+        for i in 0..3 {
+            c.launch(i, "new");
+        }
+        c.wait_leader();
+        c
+    }
+
+    fn launch(&mut self, i: usize, state: &str) {
+        let initial_cluster = self.initial_cluster.clone();
+        let m = &mut self.members[i];
+        std::fs::create_dir_all(&m.dir).expect("etcd dir");
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(m.dir.with_extension("log")).expect("log");
+        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let peer = format!("http://127.0.0.1:{}", m.peer_port);
+        let child = Command::new("etcd")
+            .args(["--name", &m.name, "--data-dir"])
+            .arg(m.dir.join("data"))
+            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &initial_cluster, "--initial-cluster-state", state])
+            .args(["--initial-cluster-token", "idemgate-tests"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("start etcd (installed by scripts/install-deps.sh etcd)");
+        m.child = Some(child);
+        m.stopped = false;
+    }
+
+    pub fn client_ports(&self) -> Vec<u16> {
+        self.members.iter().map(|m| m.client_port).collect()
+    }
+
+    pub fn log(&self, i: usize) -> String {
+        std::fs::read_to_string(self.members[i].dir.with_extension("log")).unwrap_or_default()
+    }
+
+    /// `POST path` with a JSON body to member `i` (2 s timeout).
+    pub fn call(&self, i: usize, path: &str, body: &Value) -> Option<Value> {
+        let r = http::request_timeout(
+            self.members[i].client_port,
+            "POST",
+            path,
+            &[],
+            body.to_string().as_bytes(),
+            Duration::from_secs(2),
+        )
+        .ok()?;
+        (r.status == 200).then(|| r.json())
+    }
+
+    fn alive(&self, i: usize) -> bool {
+        self.members[i].child.is_some() && !self.members[i].stopped
+    }
+
+    /// The index of the member the live members name as leader, if they agree on one.
+    pub fn leader(&self) -> Option<usize> {
+        let mut ids = vec![];
+        let mut leader = None;
+        for i in (0..3).filter(|i| self.alive(*i)) {
+            let s = self.call(i, "/v3/maintenance/status", &json!({}))?;
+            let l = s["leader"].as_str()?.to_string();
+            if l == "0" || leader.as_ref().is_some_and(|x: &String| *x != l) {
+                return None;
+            }
+            leader = Some(l);
+            ids.push((i, s["header"]["member_id"].as_str()?.to_string()));
+        }
+        let leader = leader?;
+        ids.into_iter().find(|(_, id)| *id == leader).map(|(i, _)| i)
+    }
+
+    /// Waits (at most 300 looks, 100 ms apart) for a leader among the live members.
+    pub fn wait_leader(&self) -> usize {
+        for _ in 0..300 {
+            if let Some(l) = self.leader() {
+                return l;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("etcd elected no leader; logs:\n{}\n{}\n{}", self.log(0), self.log(1), self.log(2));
+    }
+
+    /// SIGKILL member `i`.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn signal(&self, i: usize, sig: &str) {
+        if let Some(c) = self.members[i].child.as_ref() {
+            let _ = Command::new("kill").args([sig, &c.id().to_string()]).status();
+        }
+    }
+
+    /// SIGSTOP member `i`: it hangs, its connections stay open.
+    pub fn stop(&mut self, i: usize) {
+        self.signal(i, "-STOP");
+        self.members[i].stopped = true;
+    }
+
+    /// SIGCONT member `i`.
+    pub fn resume(&mut self, i: usize) {
+        self.signal(i, "-CONT");
+        self.members[i].stopped = false;
+    }
+
+    /// Starts a killed member again on its data.
+    pub fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.launch(i, "existing");
+    }
+
+    /// Every key and value in the cluster (a linearizable range of the whole keyspace, asked of
+    /// the live members in turn).
+    pub fn all(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let q = json!({"key": b64(&[0]), "range_end": b64(&[0])});
+        for i in (0..3).filter(|i| self.alive(*i)) {
+            if let Some(r) = self.call(i, "/v3/kv/range", &q) {
+                let kvs = r["kvs"].as_array().cloned().unwrap_or_default();
+                return kvs
+                    .iter()
+                    .map(|kv| {
+                        let d = |f: &str| idemgate::etcd::unb64(kv[f].as_str().unwrap_or("")).expect("base64");
+                        (d("key"), d("value"))
+                    })
+                    .collect();
+            }
+        }
+        panic!("no etcd member answered a range");
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for i in 0..3 {
+            self.resume(i);
+            self.kill(i);
+        }
+    }
+}
+
+/// The `idemgate_store` cluster of an Envoy in front of these client ports: HTTP/1.1, round robin,
+/// an active health check on etcd's `/health` (a member that hangs, or has no quorum, leaves the
+/// rotation within a second or two).
+pub fn envoy_cluster(ports: &[u16]) -> String {
+    let endpoints: String = ports
+        .iter()
+        .map(|p| {
+            format!("        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n")
+        })
+        .collect();
+    format!(
+        r#"- name: idemgate_store
+  connect_timeout: 0.25s
+  type: STATIC
+  lb_policy: ROUND_ROBIN
+  health_checks:
+  - timeout: 0.5s
+    interval: 0.5s
+    unhealthy_threshold: 1
+    healthy_threshold: 1
+    http_health_check: {{path: /health}}
+  load_assignment:
+    cluster_name: idemgate_store
+    endpoints:
+    - lb_endpoints:
+{endpoints}"#
+    )
+}
