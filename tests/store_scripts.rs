@@ -254,7 +254,7 @@ fn store_bytes_per_first_request_are_measured() {
          the very first on a fresh Redis: {first}"
     );
     assert!(per_request > 0, "no bytes counted on the store cluster");
-    // 3,730 when every call carried its script in full (before EVALSHA).
+    // 3,850 when every call carried its script in full (before EVALSHA).
     assert!(per_request < 2_000, "{per_request} bytes per first request: are the scripts sent in full?");
     e.assert_no_wasm_panic();
 }
