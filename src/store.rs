@@ -382,25 +382,7 @@ pub fn encode_arg(bytes: &[u8]) -> String {
 /// The `authorization` header value for webdis HTTP basic auth from `user:password` (taken from
 /// the VM's environment, never from the plugin configuration).
 pub fn basic_auth(user_password: &str) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let bytes = user_password.as_bytes();
-    let mut out = String::from("Basic ");
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk.first().copied().unwrap_or(0),
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for (i, shift) in [18u32, 12, 6, 0].iter().enumerate() {
-            if i <= chunk.len() {
-                out.push(char::from(ALPHABET[((n >> shift) & 63) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    format!("Basic {}", crate::base64::b64(user_password.as_bytes()))
 }
 
 /// The Redis key of a storage key.

@@ -28,7 +28,7 @@ pub struct EtcdCluster {
 }
 
 fn b64(bytes: &[u8]) -> String {
-    idemgate::etcd::b64(bytes)
+    idemgate::base64::b64(bytes)
 }
 
 impl EtcdCluster {
@@ -177,7 +177,7 @@ impl EtcdCluster {
                 return kvs
                     .iter()
                     .map(|kv| {
-                        let d = |f: &str| idemgate::etcd::unb64(kv[f].as_str().unwrap_or("")).expect("base64");
+                        let d = |f: &str| idemgate::base64::unb64(kv[f].as_str().unwrap_or("")).expect("base64");
                         (d("key"), d("value"))
                     })
                     .collect();
