@@ -61,6 +61,20 @@ def stop(p):
         PROCS.remove(p)
 
 
+# The floors (src/filter/floor.rs, dist/idemgate-floor.wasm): the work no fingerprinting, storing
+# filter can avoid, chosen by the plugin configuration.
+FLOOR_STORE_KEY = "idemgate:v1:bench-floor"
+
+
+def floor_plugin(mode):
+    return {"idemgate_bench_floor": mode, "key": FLOOR_STORE_KEY}
+
+
+# The 1-connection pass (latency without queueing): these scenarios, every round, after the
+# 16-connection runs; its p50s give `first_local_p50_overhead_us`.
+ONE_CONNECTION = ["h_floor_empty_post", "h_floor_buffering", "d_first_local", "h_floor_store", "e_first_store"]
+ONE_CONNECTION_DURATION = 2 if QUICK else 4
+
 PLUGIN_LOCAL = {"scope": {"headers": ["authorization"]}, "local": {"max_entries": 200000, "max_bytes": 268435456, "when_full": "evict_oldest"}}
 
 
@@ -172,14 +186,14 @@ end
 """
 
 
-def wrk(port, method="POST", mode="none", pool=1, duration=DURATION):
+def wrk(port, method="POST", mode="none", pool=1, duration=DURATION, connections=CONNECTIONS):
     body = "nil" if method == "GET" else json.dumps(BODY)
     script = LUA % {"mode": mode, "pool": pool, "method": method, "body": body, "unique": 40_000 * duration,
                     "run": f"{time.time_ns():x}"}
     f = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False, dir=OUT)
     f.write(script)
     f.close()
-    out = subprocess.run(["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{duration}s", "--latency", "-s", f.name, f"http://127.0.0.1:{port}"],
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", f.name, f"http://127.0.0.1:{port}"],
                          capture_output=True, text=True, timeout=duration + 60).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     total = int(re.search(r"(\d+) requests in", out).group(1))
@@ -207,6 +221,7 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     wasm = os.path.join(ROOT, "dist", "idemgate.wasm")
     empty = os.path.join(ROOT, "dist", "empty.wasm")
+    floor = os.path.join(ROOT, "dist", "idemgate-floor.wasm")
     api_port = free_port()
     start([os.path.join(ROOT, "target", "release", "demo-payments"), "--port", str(api_port)], os.path.join(OUT, "api.log"))
     wait_http(f"http://127.0.0.1:{api_port}/stats")
@@ -223,22 +238,28 @@ def main():
     plugin_store = dict(PLUGIN_LOCAL, store={"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 1000})
     R = {}
     base = dict(api_port=api_port, store_port=None, plugin=None)
-    # Scenarios (a)-(f) run interleaved: every Envoy is started first, then each round runs every
-    # scenario once in turn, so a slow spell of this shared VM hits all of them alike; a ratio is
-    # the median of its per-round ratios (same round, same conditions), with their spread.
+    # Scenarios (a)-(f) and the floors (h) run interleaved: every Envoy is started first, then each
+    # round runs every scenario once in turn, so a slow spell of this shared VM hits all of them
+    # alike; a ratio is the median of its per-round ratios (same round, same conditions), with
+    # their spread. The floors get the same POSTs (body, headers, unique keys) as (d) and (e).
     group = [
         ("a_direct", dict(base, wasm=None, direct=True), dict(mode="none")),
         ("a_proxied", dict(base, wasm=None, direct=False), dict(mode="none")),
         ("b_empty_wasm_direct", dict(base, wasm=empty, direct=True), dict(mode="fixed")),
         ("b_empty_wasm_proxied", dict(base, wasm=empty, direct=False), dict(method="GET", mode="none")),
         ("c_unprotected_get", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(method="GET", mode="none")),
+        ("h_floor_empty_post", dict(base, wasm=floor, direct=False, plugin=floor_plugin("empty")), dict(mode="unique")),
+        ("h_floor_buffering", dict(base, wasm=floor, direct=False, plugin=floor_plugin("buffering")), dict(mode="unique")),
         ("d_first_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="unique")),
+        ("h_floor_store", dict(base, wasm=floor, direct=False, plugin=floor_plugin("store"), store_port=webdis_port), dict(mode="unique")),
         ("e_first_store", dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port), dict(mode="unique")),
         ("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed")),
     ]
     envoys = {name: Envoy(name, **kw) for name, kw, _ in group}
     wrk(envoys["f_replay_local"].port, duration=1, mode="fixed")  # the record every run replays
     runs = {name: [] for name, _, _ in group}
+    runs1 = {name: [] for name in ONE_CONNECTION}
+    wkws = {name: wkw for name, _, wkw in group}
     counters = {name: (envoys[name].stat("idemgate.store_calls"), envoys[name].stat("idemgate.store_calls_waited"), envoys[name].store_requests()) for name in envoys}
     for rnd in range(RUNS):
         for name, _, wkw in group:
@@ -246,10 +267,14 @@ def main():
             r = wrk(envoys[name].port, **wkw)
             r["envoy_cpu_us_per_request"] = (envoys[name].cpu_seconds() - cpu0) * 1e6 / max(r["requests"], 1)
             runs[name].append(r)
+        for name in ONE_CONNECTION:
+            runs1[name].append(wrk(envoys[name].port, duration=ONE_CONNECTION_DURATION, connections=1, **wkws[name]))
         print(f"bench: round {rnd + 1}/{RUNS} done", flush=True)
     time.sleep(0.5)  # writes made after the last responses
     for name, kw, _ in group:
         R[name] = summarise(runs[name])
+        if name in runs1:
+            R[name]["one_connection"] = summarise(runs1[name])
         if kw.get("plugin"):
             n = max(R[name]["requests"], 1)
             c0, w0, s0 = counters[name]
@@ -268,6 +293,11 @@ def main():
         """Median and spread of the per-round throughput ratios x/y."""
         rs = [a["rps"] / b["rps"] for a, b in zip(runs[x], runs[y])]
         return {"median": statistics.median(rs), "min": min(rs), "max": max(rs), "per_round": rs}
+
+    def p50_overhead_us(x, y):
+        """Median and spread of the per-round 1-connection p50 differences x - y, in µs."""
+        ds = [(a["p50_ms"] - b["p50_ms"]) * 1000 for a, b in zip(runs1[x], runs1[y])]
+        return {"median": statistics.median(ds), "min": min(ds), "max": max(ds), "per_round": ds}
 
     # (g): records made by another proxy: a pool of keys completed through proxy A, replayed by
     # proxy B whose local tier has never seen them (each key once per run, so every replay misses
@@ -330,6 +360,10 @@ def main():
     passthrough = paired("c_unprotected_get", "b_empty_wasm_proxied")
     protected_first = paired("e_first_store", "a_proxied")
     replay_local = paired("f_replay_local", "b_empty_wasm_direct")
+    local_floor = paired("d_first_local", "h_floor_buffering")
+    store_floor = paired("e_first_store", "h_floor_store")
+    local_p50 = p50_overhead_us("d_first_local", "h_floor_buffering")
+    store_p50 = p50_overhead_us("e_first_store", "h_floor_store")
     results = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip()},
         "settings": {"envoy_workers": 1, "wrk_threads": 1, "connections": CONNECTIONS, "duration_s": DURATION, "runs": RUNS, "interleaved": True, "body_bytes": len(BODY), "log_level": "error", "quick": QUICK},
@@ -347,6 +381,21 @@ def main():
         "replay_local_ratio_spread": replay_local,
         "replay_local_ratio_divides_by": "b_empty_wasm_direct (empty Wasm filter in front of Envoy's direct_response, same POSTs)",
         "empty_wasm_ratio_direct": paired("b_empty_wasm_direct", "a_direct")["median"],
+        "first_local_floor_ratio": local_floor["median"],
+        "first_local_floor_ratio_spread": local_floor,
+        "first_local_floor_ratio_divides_by": "h_floor_buffering (pause at headers, whole body, continue, response headers and body read; same POSTs)",
+        "first_local_floor_cpu_ratio": cpu_paired("d_first_local", "h_floor_buffering"),
+        "first_store_floor_ratio": store_floor["median"],
+        "first_store_floor_ratio_spread": store_floor,
+        "first_store_floor_ratio_divides_by": "h_floor_store (the buffering floor plus a webdis GET waited for and a second one from the root after the response; same POSTs, same webdis)",
+        "first_store_floor_cpu_ratio": cpu_paired("e_first_store", "h_floor_store"),
+        "first_local_p50_overhead_us": local_p50["median"],
+        "first_local_p50_overhead_us_spread": local_p50,
+        "first_local_p50_overhead_us_note": "1-connection p50 of (d) minus that of the buffering floor, per round, median",
+        "first_store_p50_overhead_us": store_p50["median"],
+        "first_store_p50_overhead_us_spread": store_p50,
+        "pause_cost_ratio": paired("h_floor_buffering", "h_floor_empty_post")["median"],
+        "pause_cost_ratio_note": "buffering floor / empty filter on the same POSTs: what pausing for the body costs any filter",
         "first_request_store_round_trips": R["e_first_store"]["store_calls_waited_per_request"],
         "first_request_store_round_trips_note": "store calls the client waits for (the claim-or-read); the completion write is made after the response",
         "first_request_store_calls_total": R["e_first_store"]["store_calls_per_request"],
@@ -354,6 +403,7 @@ def main():
         "replay_after_local_miss_store_round_trips": R["g_replay_after_local_miss"]["store_calls_per_local_miss"],
         "wasm_bytes": os.path.getsize(wasm),
         "empty_wasm_bytes": os.path.getsize(empty),
+        "floor_wasm_bytes": os.path.getsize(floor),
         "hot_path_ns": profile,
         "envoy_cpu_split": cpu_split,
         "scenarios": R,
@@ -420,6 +470,9 @@ LABELS = [
     ("d_first_local", "(d) idemgate, first POST, local tier"),
     ("e_first_store", "(e) idemgate, first POST, Redis store"),
     ("f_replay_local", "(f) idemgate, replay from memory"),
+    ("h_floor_empty_post", "(h) floor: empty filter, same POSTs"),
+    ("h_floor_buffering", "(h) floor: buffering (body, response)"),
+    ("h_floor_store", "(h) floor: buffering + 2 store callouts"),
     ("g_replay_after_local_miss", "(g) idemgate, replay after local miss"),
 ]
 
@@ -489,6 +542,21 @@ def write_docs(results):
         "encodes and decodes, the host calls that copy headers and body) is the cost: see the profile below",
     ])
     st = results["settings"]
+    busy = " (a quick run on a shared machine: not judged here; a full quiet `make bench` decides)" if st["quick"] else ""
+    targets += "\n" + "\n".join([
+        f"- `first_local_floor_ratio` >= 0.9: {results['first_local_floor_ratio']:.3f}, {yes(results['first_local_floor_ratio'] >= 0.9)}{busy} "
+        f"(by Envoy CPU per request {results['first_local_floor_cpu_ratio']:.3f})",
+        f"- `first_store_floor_ratio` >= 0.9: {results['first_store_floor_ratio']:.3f}, {yes(results['first_store_floor_ratio'] >= 0.9)}{busy} "
+        f"(by Envoy CPU per request {results['first_store_floor_cpu_ratio']:.3f})",
+        f"- `first_local_p50_overhead_us` <= 30: {results['first_local_p50_overhead_us']:.0f} µs, {yes(results['first_local_p50_overhead_us'] <= 30)}{busy}",
+    ])
+    one = lambda k: S[k].get("one_connection", {})
+    floor_rows = "\n".join(
+        f"| {label} | {S[k]['rps']:.0f} ({S[k]['rps_min']:.0f}-{S[k]['rps_max']:.0f}) | {S[k]['envoy_cpu_us_per_request']:.0f} | "
+        f"{one(k).get('p50_ms', float('nan')) * 1000:.0f} | {one(k).get('p99_ms', float('nan')) * 1000:.0f} |"
+        for k, label in [("h_floor_empty_post", "(h) empty filter, same POSTs"), ("h_floor_buffering", "(h) buffering floor"),
+                         ("d_first_local", "(d) idemgate, first POST, local tier"), ("h_floor_store", "(h) store floor"),
+                         ("e_first_store", "(e) idemgate, first POST, Redis store")])
     sp = lambda k: f"{results[k + '_spread']['min']:.3f}-{results[k + '_spread']['max']:.3f}"
     doc = f"""# Benchmarks
 
@@ -522,6 +590,28 @@ Ratios (each names its baseline):
 - module: {results['wasm_bytes']} bytes (the empty filter: {results['empty_wasm_bytes']} bytes)
 
 ![throughput and p99 by scenario](bench.svg)
+
+## Floors
+
+What no fingerprinting, storing filter can avoid, measured in the same interleaved rounds on the
+same POSTs (`src/filter/floor.rs`, built as `dist/idemgate-floor.wasm` by `scripts/build-wasm.sh
+--floor`, never shipped): the **empty filter** reads one header and continues; the **buffering
+floor** pauses at the request headers, takes the whole body, continues, and reads the response
+headers and body; the **store floor** adds one callout per request to the same webdis (a `GET` of
+one key) waited for before continuing, and a second one made by the root context after the
+response, as idemgate's completion write is. The 1-connection columns come from a pass of
+{ONE_CONNECTION_DURATION} s per scenario in each round (latency without queueing).
+
+| scenario | req/s, {st['connections']} connections | Envoy CPU µs / request | p50 µs, 1 connection | p99 µs, 1 connection |
+|---|---|---|---|---|
+{floor_rows}
+
+- `first_local_floor_ratio` = (d) / buffering floor = **{results['first_local_floor_ratio']:.3f}** (rounds: {sp('first_local_floor_ratio')})
+- `first_store_floor_ratio` = (e) / store floor = **{results['first_store_floor_ratio']:.3f}** (rounds: {sp('first_store_floor_ratio')})
+- `first_local_p50_overhead_us` = (d) minus the buffering floor, 1-connection p50 = **{results['first_local_p50_overhead_us']:.0f} µs**
+  (rounds: {results['first_local_p50_overhead_us_spread']['min']:.0f} to {results['first_local_p50_overhead_us_spread']['max']:.0f});
+  with the store, (e) minus the store floor: {results['first_store_p50_overhead_us']:.0f} µs
+- pausing for the body, buffering floor / empty filter on the same POSTs: {results['pause_cost_ratio']:.3f}
 
 ## Targets
 

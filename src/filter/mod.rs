@@ -5,7 +5,11 @@
 //! after forwarding, detached upstream calls, and requests held waiting for another attempt's
 //! result. HTTP contexts hand it work through `Queues` (same VM, same thread) and wake it through
 //! a shared queue registered by that root.
+// The benchmark builds (`empty-filter`, `bench-floor`) leave idemgate's own glue unused.
+#![cfg_attr(any(feature = "empty-filter", feature = "bench-floor"), allow(dead_code, unused_imports))]
 
+#[cfg(all(feature = "bench-floor", not(feature = "empty-filter")))]
+mod floor;
 mod host;
 mod http;
 mod reply;
@@ -52,7 +56,7 @@ const SWEEP_BUCKETS_PER_SECOND: u32 = 512;
 /// outcome-unknown fallback (2 x 6.2 s of backoff plus their timeouts).
 const STOP_HOLD_MS: u64 = 20_000;
 
-#[cfg(not(feature = "empty-filter"))]
+#[cfg(not(any(feature = "empty-filter", feature = "bench-floor")))]
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Trace);
     proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root::new(id)) });
@@ -62,6 +66,13 @@ proxy_wasm::main! {{
 #[cfg(feature = "empty-filter")]
 proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(EmptyRoot) });
+}}
+
+/// Benchmarks only (`--features bench-floor`): the floors idemgate's first request is measured
+/// against (`floor.rs`).
+#[cfg(all(feature = "bench-floor", not(feature = "empty-filter")))]
+proxy_wasm::main! {{
+    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(floor::FloorRoot::new(id)) });
 }}
 
 #[cfg(feature = "empty-filter")]

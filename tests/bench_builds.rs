@@ -1,0 +1,96 @@
+//! The benchmark-only modules (issue 17): the floors `make bench` divides idemgate's first request
+//! by (`--features bench-floor`, dist/idemgate-floor.wasm) do the work they stand for, and none of
+//! them is in the shipped module.
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use support::store::{Redis, Webdis};
+use support::upstream::Upstream;
+use support::{http, Envoy, EnvoyOptions};
+
+/// Builds a benchmark module once per test process (`scripts/build-wasm.sh <flag>`).
+fn bench_module(flag: &str, file: &str) -> PathBuf {
+    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap();
+    let path = support::repo_root().join("dist").join(file);
+    if !built.iter().any(|f| f == flag) {
+        let out = Command::new("scripts/build-wasm.sh")
+            .arg(flag)
+            .current_dir(support::repo_root())
+            .output()
+            .expect("build a benchmark module");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        built.push(flag.to_string());
+    }
+    path
+}
+
+fn floor_module() -> PathBuf {
+    bench_module("--floor", "idemgate-floor.wasm")
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn bench_builds_the_shipped_module_carries_no_floor() {
+    let shipped = std::fs::read(support::wasm_path()).expect("dist/idemgate.wasm");
+    let floor = std::fs::read(floor_module()).expect("floor module");
+    let needle = b"idemgate_bench_floor";
+    assert!(contains(&floor, needle), "the floor build must carry its configuration field");
+    assert!(!contains(&shipped, needle), "the shipped module carries the benchmark floor");
+}
+
+fn floor_envoy(up: &Upstream, mode: &str, store_port: Option<u16>) -> Envoy {
+    let mut o = EnvoyOptions::new(&format!(r#"{{"idemgate_bench_floor": "{mode}"}}"#), up.port);
+    o.wasm = Some(floor_module());
+    o.store_port = store_port;
+    o.concurrency = 1;
+    Envoy::start(&o)
+}
+
+/// Store requests Envoy sent through the store cluster, once `want` have been sent (the second
+/// callout of each request is made after its response), polled a bounded number of times.
+fn store_requests_reaching(e: &Envoy, want: u64) -> u64 {
+    let mut n = 0;
+    for _ in 0..100 {
+        n = e.stat("cluster.idemgate_store.upstream_rq_total");
+        if n >= want {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    n
+}
+
+#[test]
+fn bench_floors_forward_every_post_whole_and_the_store_floor_makes_two_store_calls_each() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let body = br#"{"amount":4200,"currency":"eur","note":"benchmark body of fixed size"}"#;
+    for mode in ["empty", "buffering", "store"] {
+        let up = Upstream::start();
+        let store = (mode == "store").then_some(webdis.port);
+        let e = floor_envoy(&up, mode, store);
+        for i in 0..5 {
+            let key = format!("k-{mode}-{i}");
+            let h = [("content-type", "application/json"), ("idempotency-key", key.as_str())];
+            let r = http::request(e.port, "POST", "/bench", &h, body).expect("answer");
+            assert_eq!(r.status, 201, "{mode}: {}", r.body_text());
+        }
+        assert_eq!(up.executions(), 5, "{mode}: every POST forwarded once");
+        assert!(up.log().iter().all(|x| x.body == body), "{mode}: bodies forwarded whole");
+        let want = if mode == "store" { 10 } else { 0 };
+        assert_eq!(store_requests_reaching(&e, want), want, "{mode}: store requests");
+        if mode == "store" {
+            // Every callout reached webdis and was answered (a GET of one absent key).
+            assert_eq!(e.stat("cluster.idemgate_store.upstream_rq_200"), 10, "{mode}: answered");
+        }
+    }
+}
