@@ -7,6 +7,7 @@ their spread (min-max). Results: target/bench/results.json, docs/BENCHMARKS.md, 
 BENCH_QUICK=1 shortens every run (under three minutes in all).
 
 """
+import http.client
 import json
 import os
 import platform
@@ -138,6 +139,20 @@ class Envoy:
                     return 0
         return 0
 
+    def stats(self, prefix):
+        """Every stat whose name starts with `prefix` (Wasm metrics without their `wasmcustom.`)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            n, _, v = line.partition(": ")
+            n = n.removeprefix("wasmcustom.")
+            if n.startswith(prefix):
+                try:
+                    out[n[len(prefix):]] = int(v)
+                except ValueError:
+                    pass
+        return out
+
     def store_requests(self):
         """Requests Envoy sent to the store cluster: an independent count of round trips."""
         return self.stat("cluster.idemgate_store.upstream_rq_total")
@@ -207,6 +222,89 @@ def wrk(port, method="POST", mode="none", pool=1, duration=DURATION, connections
     return {"rps": rps, "p50_ms": pct(50), "p99_ms": pct(99), "requests": total, "non_2xx": non2xx}
 
 
+# The counting pass (dist/idemgate-count.wasm, src/filter/meter.rs): host calls, VM allocations and
+# store bytes per request, by count (not time: the same on a busy machine as on a quiet one).
+COUNT_REQUESTS = 200
+COUNT_WARM = 3
+
+
+def send(conn, method, key):
+    headers = {"content-type": "application/json", "authorization": "Bearer bench", "host": "bench"}
+    if key:
+        headers["idempotency-key"] = key
+    conn.request(method, "/bench", body=BODY if method == "POST" else None, headers=headers)
+    r = conn.getresponse()
+    r.read()
+    if r.status >= 300:
+        raise RuntimeError(f"counting pass: {method} {key}: {r.status}")
+
+
+def count_figures(e, requests, root_answers):
+    """The counting build's figures once `requests` requests have logged and the root has handled
+    `root_answers` callout answers (those two are flushed last, so the read after sees the rest)."""
+    for _ in range(400):
+        f = e.stats("idemgate.count.")
+        if f.get("requests_logged", 0) >= requests and f.get("root_answers", 0) >= root_answers:
+            return e.stats("idemgate.count.")
+        time.sleep(0.05)
+    raise RuntimeError(f"counting pass: figures never reached {requests} requests: {e.stats('idemgate.count.')}")
+
+
+def count_scenario(e, method, key_of, root_answers_per_request):
+    conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
+    for i in range(COUNT_WARM):
+        send(conn, method, key_of(i))
+    before = count_figures(e, COUNT_WARM, COUNT_WARM * root_answers_per_request)
+    for i in range(COUNT_WARM, COUNT_WARM + COUNT_REQUESTS):
+        send(conn, method, key_of(i))
+    after = count_figures(e, COUNT_WARM + COUNT_REQUESTS, (COUNT_WARM + COUNT_REQUESTS) * root_answers_per_request)
+    conn.close()
+    return {k: (after[k] - before.get(k, 0)) / COUNT_REQUESTS for k in after}
+
+
+def count_pass(base, wasm, count_wasm, plugin_store, webdis_port):
+    """Per request, for each scenario of the benchmark: host calls, VM allocations (the host's
+    requests to allocate included), buffers the host handed the VM, bytes sent to the store."""
+    run = f"{time.time_ns():x}"
+    out = {}
+    cases = [
+        ("unprotected_get", dict(base, wasm=count_wasm, direct=False, plugin=PLUGIN_LOCAL), "GET", lambda i: None, 0),
+        ("first_local", dict(base, wasm=count_wasm, direct=False, plugin=PLUGIN_LOCAL), "POST", lambda i: f"count-{run}-{i}", 0),
+        ("first_store", dict(base, wasm=count_wasm, direct=False, plugin=plugin_store, store_port=webdis_port), "POST",
+         lambda i: f"count-store-{run}-{i}", 1),
+        ("replay_local", dict(base, wasm=count_wasm, direct=False, plugin=PLUGIN_LOCAL), "POST", lambda i: f"count-replay-{run}", 0),
+    ]
+    for name, kw, method, key_of, answers in cases:
+        e = Envoy("count-" + name, **kw)
+        try:
+            out[name] = count_scenario(e, method, key_of, answers)
+        finally:
+            e.close()
+    # Replays of records another proxy made: written through a proxy with the shipped module, read
+    # (each key once: every one misses locally and reads the store) through the counting one.
+    w = Envoy("count-writer", **dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port))
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", w.port, timeout=10)
+        for i in range(COUNT_WARM + COUNT_REQUESTS):
+            send(conn, "POST", f"count-miss-{run}-{i}")
+        conn.close()
+        for _ in range(400):  # every completion written to the store
+            if w.stat("idemgate.store_writes") >= COUNT_WARM + COUNT_REQUESTS:
+                break
+            time.sleep(0.05)
+    finally:
+        w.close()
+    e = Envoy("count-reader", **dict(base, wasm=count_wasm, direct=False, plugin=plugin_store, store_port=webdis_port))
+    try:
+        out["replay_after_local_miss"] = count_scenario(e, "POST", lambda i: f"count-miss-{run}-{i}", 0)
+    finally:
+        e.close()
+    for name, f in out.items():
+        print(f"bench: counted {name}: {f['host_calls']:.1f} host calls, {f['vm_allocations']:.1f} VM allocations, "
+              f"{f['store_bytes']:.0f} store bytes per request", flush=True)
+    return out
+
+
 def summarise(runs):
     med = lambda k: statistics.median(r[k] for r in runs)
     return {
@@ -221,6 +319,7 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     wasm = os.path.join(ROOT, "dist", "idemgate.wasm")
     empty = os.path.join(ROOT, "dist", "empty.wasm")
+    count_wasm = os.path.join(ROOT, "dist", "idemgate-count.wasm")
     floor = os.path.join(ROOT, "dist", "idemgate-floor.wasm")
     api_port = free_port()
     start([os.path.join(ROOT, "target", "release", "demo-payments"), "--port", str(api_port)], os.path.join(OUT, "api.log"))
@@ -353,6 +452,8 @@ def main():
     mem["rss_growth_after_cap_filled_bytes"] = mem["points"][-1]["rss_bytes"] - filled
     R["memory"] = mem
 
+    counted = count_pass(base, wasm, count_wasm, plugin_store, webdis_port)
+
     # The per-step profile compiles the core twice (native and wasm32): full runs only.
     profile = hot_path_profile() if not QUICK else {"skipped": "quick run"}
     cpu_split = perf_split(base, wasm, empty) if not QUICK else {"skipped": "quick run"}
@@ -404,6 +505,12 @@ def main():
         "wasm_bytes": os.path.getsize(wasm),
         "empty_wasm_bytes": os.path.getsize(empty),
         "floor_wasm_bytes": os.path.getsize(floor),
+        **{f"host_calls_{k}": v["host_calls"] for k, v in counted.items()},
+        **{f"vm_allocations_{k}": v["vm_allocations"] for k, v in counted.items()},
+        "store_bytes_first_request": counted["first_store"]["store_bytes"],
+        "store_bytes_first_request_note": "bytes of the webdis requests' paths and bodies per first request with Redis (the claim-or-read and the completion write), counted by dist/idemgate-count.wasm",
+        "store_bytes_replay_after_local_miss": counted["replay_after_local_miss"]["store_bytes"],
+        "counted_per_request": counted,
         "hot_path_ns": profile,
         "envoy_cpu_split": cpu_split,
         "scenarios": R,
@@ -549,7 +656,16 @@ def write_docs(results):
         f"- `first_store_floor_ratio` >= 0.9: {results['first_store_floor_ratio']:.3f}, {yes(results['first_store_floor_ratio'] >= 0.9)}{busy} "
         f"(by Envoy CPU per request {results['first_store_floor_cpu_ratio']:.3f})",
         f"- `first_local_p50_overhead_us` <= 30: {results['first_local_p50_overhead_us']:.0f} µs, {yes(results['first_local_p50_overhead_us'] <= 30)}{busy}",
+        f"- `host_calls_first_local` <= 20: {results['host_calls_first_local']:.1f}, {yes(results['host_calls_first_local'] <= 20)} (counted, "
+        "the same on any machine; what bounds it: see \"Host calls per request\")",
+        f"- `store_bytes_first_request` reported: {results['store_bytes_first_request']:.0f} bytes",
     ])
+    C = results["counted_per_request"]
+    count_rows = "\n".join(
+        f"| {label} | {C[k]['host_calls']:.1f} | {C[k]['vm_allocations']:.1f} | {C[k]['host_buffers']:.1f} | {C[k]['store_bytes']:.0f} |"
+        for k, label in [("unprotected_get", "(c) unprotected GET"), ("first_local", "(d) first POST, local tier"),
+                         ("first_store", "(e) first POST, Redis store"), ("replay_local", "(f) replay from memory"),
+                         ("replay_after_local_miss", "(g) replay after a local miss")] if k in C)
     one = lambda k: S[k].get("one_connection", {})
     floor_rows = "\n".join(
         f"| {label} | {S[k]['rps']:.0f} ({S[k]['rps_min']:.0f}-{S[k]['rps_max']:.0f}) | {S[k]['envoy_cpu_us_per_request']:.0f} | "
@@ -612,6 +728,20 @@ response, as idemgate's completion write is. The 1-connection columns come from 
   (rounds: {results['first_local_p50_overhead_us_spread']['min']:.0f} to {results['first_local_p50_overhead_us_spread']['max']:.0f});
   with the store, (e) minus the store floor: {results['first_store_p50_overhead_us']:.0f} µs
 - pausing for the body, buffering floor / empty filter on the same POSTs: {results['pause_cost_ratio']:.3f}
+
+## Host calls per request
+
+Counted, not timed, so the same on a busy machine as on a quiet one: `dist/idemgate-count.wasm`
+(`scripts/build-wasm.sh --count-host-calls`, never shipped) is idemgate with every host call
+counted where `src/filter/host.rs` makes it and a counting allocator; the figures are per request
+over {COUNT_REQUESTS} requests after {COUNT_WARM} uncounted ones, Envoy logging errors only (as in the runs
+above). Host calls include the root's store write and its answer; the tick's sweeps and gauges are
+not requests' work and are left out. VM allocations include those the host asks the VM for to hand
+it a value (one per buffer handed over). Store bytes are the webdis requests' paths and bodies.
+
+| scenario | host calls | VM allocations | buffers handed to the VM | bytes sent to the store |
+|---|---|---|---|---|
+{count_rows}
 
 ## Targets
 

@@ -11,6 +11,8 @@ case "${1:-}" in
   --crash-injection) FEATURES="--features crash-injection" OUT=dist/idemgate-crash.wasm SUBDIR=/crash ;;
   # --floor: the benchmarks' floors (src/filter/floor.rs), written to dist/idemgate-floor.wasm.
   --floor) FEATURES="--features bench-floor" OUT=dist/idemgate-floor.wasm SUBDIR=/floor ;;
+  # --count-host-calls: idemgate counting its host calls and allocations, dist/idemgate-count.wasm.
+  --count-host-calls) FEATURES="--features count-host-calls" OUT=dist/idemgate-count.wasm SUBDIR=/count ;;
 esac
 scripts/install-deps.sh wasm-toolchain "$TARGET"
 . scripts/wasm-env.sh

@@ -94,3 +94,92 @@ fn bench_floors_forward_every_post_whole_and_the_store_floor_makes_two_store_cal
         }
     }
 }
+
+fn count_module() -> PathBuf {
+    bench_module("--count-host-calls", "idemgate-count.wasm")
+}
+
+#[test]
+fn bench_builds_the_shipped_module_carries_no_host_call_counter() {
+    let shipped = std::fs::read(support::wasm_path()).expect("dist/idemgate.wasm");
+    let count = std::fs::read(count_module()).expect("count module");
+    let needle = b"idemgate.count.host_calls";
+    assert!(contains(&count, needle), "the counting build must carry its metric");
+    assert!(!contains(&shipped, needle), "the shipped module carries the host-call counter");
+}
+
+/// The benchmark's local-tier configuration (scripts/bench.py `PLUGIN_LOCAL`).
+const BENCH_LOCAL: &str = r#"{"scope": {"headers": ["authorization"]}, "local": {"max_entries": 200000, "max_bytes": 268435456, "when_full": "evict_oldest"}}"#;
+
+/// The counting build's figures (`idemgate.count.*`), read once `requests` requests have logged
+/// and the root has handled `root_answers` callout answers (flushed after every other figure, so
+/// the read that follows sees all of their work).
+fn figures(e: &Envoy, requests: u64, root_answers: u64) -> std::collections::HashMap<String, u64> {
+    let read = || -> std::collections::HashMap<String, u64> {
+        e.stats("idemgate.count.")
+            .into_iter()
+            .map(|(n, v)| (n.trim_start_matches("wasmcustom.").to_string(), v))
+            .collect()
+    };
+    for _ in 0..200 {
+        let f = read();
+        let done = f.get("idemgate.count.requests_logged").copied().unwrap_or(0);
+        let answered = f.get("idemgate.count.root_answers").copied().unwrap_or(0);
+        if done >= requests && answered >= root_answers {
+            return read();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the counting build never reported {requests} requests and {root_answers} root answers: {:?}", read());
+}
+
+/// Host calls, VM allocations and store bytes per request: `send(i)` sends request `i`; the
+/// first `warm` requests are not counted.
+fn per_request(
+    e: &Envoy,
+    warm: u64,
+    n: u64,
+    root_answers_per_request: u64,
+    send: impl Fn(u64),
+) -> std::collections::HashMap<String, f64> {
+    for i in 0..warm {
+        send(i);
+    }
+    let before = figures(e, warm, warm * root_answers_per_request);
+    for i in warm..warm + n {
+        send(i);
+    }
+    let after = figures(e, warm + n, (warm + n) * root_answers_per_request);
+    after
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.trim_start_matches("idemgate.count.").to_string(),
+                (v - before.get(k).copied().unwrap_or(0)) as f64 / n as f64,
+            )
+        })
+        .collect()
+}
+
+const BODY: &[u8] = br#"{"amount":4200,"currency":"eur","note":"benchmark body of fixed size"}"#;
+
+fn bench_post(port: u16, key: &str) {
+    let h = [("content-type", "application/json"), ("authorization", "Bearer bench"), ("idempotency-key", key)];
+    let r = http::request(port, "POST", "/bench", &h, BODY).expect("answer");
+    assert!(r.status < 300, "{key}: {} {}", r.status, r.body_text());
+}
+
+#[test]
+fn count_build_a_first_protected_request_in_the_local_tier_makes_at_most_20_host_calls() {
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(BENCH_LOCAL, up.port);
+    o.wasm = Some(count_module());
+    o.concurrency = 1;
+    // As in `make bench`: Envoy logs errors only.
+    o.wasm_log_level = "error".into();
+    let e = Envoy::start(&o);
+    let f = per_request(&e, 3, 20, 0, |i| bench_post(e.port, &format!("first-{i}")));
+    println!("first request, local tier, per request: {f:?}");
+    assert_eq!(up.executions(), 23);
+    assert!(f["host_calls"] <= 20.0, "host calls per first local request {} > 20 ({f:?})", f["host_calls"]);
+}

@@ -14,11 +14,11 @@
 use std::rc::Rc;
 
 use log::{debug, error, info, warn};
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use super::host::{self, Counter, HostShared};
+use super::meter;
 use super::settle::{self, Claim};
 use super::stores::{self, Unbuilt};
 use super::writes;
@@ -130,10 +130,10 @@ fn forbid_router_retries(head: &mut RequestHead) -> bool {
     let removed = head.forbid_router_retries();
     let mut ok = true;
     for name in removed {
-        ok &= hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None).is_ok();
+        ok &= host::set_header(MapType::HttpRequestHeaders, &name, None);
     }
     let (cap, zero) = ROUTER_RETRY_CAP;
-    ok && hostcalls::set_map_value(MapType::HttpRequestHeaders, cap, Some(zero)).is_ok()
+    ok && host::set_header(MapType::HttpRequestHeaders, cap, Some(zero))
 }
 
 impl Http {
@@ -793,7 +793,7 @@ impl Http {
         r.skey = StorageKey::derive(&policy.namespace, &r.scope, &key);
         r.derive_at_body = false;
         r.head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
+        let _ = host::set_header(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
         self.count(Counter::DerivedKeys);
         debug!("{}", self.log_line("derived_key", "key_source=derived"));
         Ok(true)
@@ -885,7 +885,7 @@ impl Context for Http {
         }
         let (status, body) = writes::answer(body_size, num_headers);
         if self.on_store_answer(handle, fp, takeover, status, &body) == Action::Continue {
-            let _ = hostcalls::resume_http_request();
+            let _ = host::resume_request();
         }
     }
 }
@@ -942,7 +942,7 @@ impl HttpContext for Http {
             Some(k) => {
                 if !derive_at_body {
                     head.headers.push((policy.header.clone(), k.as_str().as_bytes().to_vec()));
-                    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &policy.header, Some(k.as_str()));
+                    let _ = host::set_header(MapType::HttpRequestHeaders, &policy.header, Some(k.as_str()));
                     self.count(Counter::DerivedKeys);
                 }
                 k
@@ -1091,7 +1091,7 @@ impl HttpContext for Http {
         // Publish the expiry policy to the client that created the record.
         if !self.policy().is_some_and(|p| p.release_on_status.contains(&status)) {
             let ttl = self.policy().map_or(0, |p| p.ttl_seconds).to_string();
-            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, reply::EXPIRES_HEADER, &ttl);
+            let _ = host::add_header(MapType::HttpResponseHeaders, reply::EXPIRES_HEADER, &ttl);
         }
         Action::Continue
     }
@@ -1126,6 +1126,13 @@ impl HttpContext for Http {
     }
 
     fn on_log(&mut self) {
+        self.log_exchange();
+        meter::request_logged();
+    }
+}
+
+impl Http {
+    fn log_exchange(&mut self) {
         if self.req.is_none() && matches!(self.phase, Phase::Pass) {
             return; // unprotected: nothing to settle
         }

@@ -12,6 +12,7 @@
 mod floor;
 mod host;
 mod http;
+mod meter;
 mod reply;
 mod settle;
 mod stores;
@@ -23,9 +24,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use log::{debug, error, info, warn};
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
+use proxy_wasm::types::{ContextType, MapType};
 
 use crate::config::{Config, Forwarding};
 use crate::decision::{callout_from_upstream, classify_callout, Outcome};
@@ -58,7 +58,7 @@ const STOP_HOLD_MS: u64 = 20_000;
 
 #[cfg(not(any(feature = "empty-filter", feature = "bench-floor")))]
 proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Trace);
+    host::init_logging();
     proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root::new(id)) });
 }}
 
@@ -191,7 +191,7 @@ impl Shared {
             return;
         }
         if let Some(q) = self.queue_id {
-            if let Err(e) = hostcalls::enqueue_shared_queue(q, Some(b"w")) {
+            if let Err(e) = host::enqueue(q, b"w") {
                 warn!("idemgate: cannot wake the root context (queue {q}: {e:?}): its tick takes the work");
             }
         }
@@ -283,6 +283,8 @@ struct Root {
     stopping_until_ms: Option<u64>,
     /// The last tick found work queued by HTTP contexts and not yet taken by `on_queue_ready`.
     stray_seen: bool,
+    /// The `count-host-calls` build's figures, flushed to its metrics on the tick.
+    meter: meter::Flush,
 }
 
 impl Root {
@@ -299,6 +301,7 @@ impl Root {
             retries: Vec::new(),
             stopping_until_ms: None,
             stray_seen: false,
+            meter: meter::Flush::new(),
         }
     }
 
@@ -451,7 +454,7 @@ impl Root {
         let timeout = Duration::from_millis(f.timeout_ms.max(1));
         let sent = {
             let headers: Vec<(&str, &str)> = f.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-            hostcalls::dispatch_http_call(&f.cluster, headers, Some(&f.body), vec![], timeout)
+            host::dispatch_http_call(&f.cluster, headers, &f.body, timeout)
         };
         match sent {
             Ok(token) => {
@@ -479,7 +482,7 @@ impl Root {
         if !self.queues.live.borrow().contains(&context_id) {
             return;
         }
-        if hostcalls::set_effective_context(context_id).is_ok() {
+        if host::set_effective_context(context_id) {
             host::publish(outcome.0, Some(outcome.1));
             send(request_id);
         }
@@ -507,11 +510,7 @@ impl Root {
             return;
         };
         let (status, body) = writes::answer(body_size, num_headers);
-        let headers = if num_headers == 0 {
-            vec![]
-        } else {
-            hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default()
-        };
+        let headers = if num_headers == 0 { vec![] } else { host::all_headers(MapType::HttpCallResponseHeaders) };
         let elapsed = host::now_ms().saturating_sub(f.sent_at_ms);
         let outcome = classify_callout(status, &headers, &body, policy);
         let upstream_answered = callout_from_upstream(&headers);
@@ -751,8 +750,15 @@ impl Context for Root {
     }
 
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        self.call_answered(token, num_headers, body_size);
+        meter::root_answered();
+    }
+}
+
+impl Root {
+    fn call_answered(&mut self, token: u32, num_headers: usize, body_size: usize) {
         match self.calls.remove(&token) {
-            Some(Call::Lease) => self.lease_answered(num_headers, body_size),
+            Some(Call::Lease) => meter::background(|| self.lease_answered(num_headers, body_size)),
             Some(Call::Write(job)) => {
                 let (status, body) = writes::answer(body_size, num_headers);
                 let Some(s) = self.shared.clone() else { return };
@@ -792,9 +798,36 @@ impl Context for Root {
 }
 
 impl RootContext for Root {
-    fn on_configure(&mut self, _size: usize) -> bool {
-        let raw =
-            hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default();
+    fn on_configure(&mut self, size: usize) -> bool {
+        meter::background(|| self.configure(size))
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        host::drain_queue(queue_id);
+        self.take_queued_work();
+    }
+
+    fn on_tick(&mut self) {
+        meter::background(|| self.tick());
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        match &self.shared {
+            Some(s) => Some(Box::new(http::Http::new(s.clone(), context_id))),
+            // Not configured (cannot happen once Envoy accepted the config): it cannot tell a
+            // protected request from another, so it refuses every request rather than pass one.
+            None => Some(Box::new(Unconfigured)),
+        }
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+impl Root {
+    fn configure(&mut self, _size: usize) -> bool {
+        let raw = host::plugin_configuration();
         let config = match Config::parse(&raw) {
             Ok(c) => c,
             Err(e) => {
@@ -822,7 +855,7 @@ impl RootContext for Root {
         let waits = config.policies().any(|p| matches!(p.in_flight, crate::config::InFlight::Wait { .. }));
         // Detached forwarding and waiting answer clients from the root context: the host must let
         // it switch the effective context. Probe it now, rather than hang requests later.
-        if (detached || waits) && hostcalls::set_effective_context(self.id).is_err() {
+        if (detached || waits) && !host::set_effective_context(self.id) {
             error!("idemgate configuration refused: this host cannot switch the effective context, which forwarding \"detached\" and in_flight \"wait\" need");
             return false;
         }
@@ -840,7 +873,7 @@ impl RootContext for Root {
         if self.queue_id.is_none() {
             // A queue of this root's own (same thread): HTTP contexts wake it to hand it work.
             let name = format!("idemgate.root.{}.{vm:x}", self.id);
-            self.queue_id = hostcalls::register_shared_queue(&name).ok();
+            self.queue_id = host::register_queue(&name);
             if self.queue_id.is_none() {
                 error!("idemgate: cannot register the root's work queue");
                 return false;
@@ -882,18 +915,14 @@ impl RootContext for Root {
         }));
         // The first lease before any request needs one (the tick keeps one ahead from then on).
         self.grant_lease_if_due();
-        if hostcalls::set_tick_period(TICK).is_err() {
+        if !host::set_tick_period(TICK) {
             warn!("idemgate: no timer: expired records are freed only when their bucket is reused");
         }
         true
     }
 
-    fn on_queue_ready(&mut self, queue_id: u32) {
-        while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
-        self.take_queued_work();
-    }
-
-    fn on_tick(&mut self) {
+    fn tick(&mut self) {
+        self.meter.flush();
         self.grant_lease_if_due();
         self.collect_stray_work();
         self.check_waiters();
@@ -926,19 +955,6 @@ impl RootContext for Root {
             Err(e) => debug!("idemgate: sweep failed: {e:?}"),
         }
         self.sweep_at = (self.sweep_at + SWEEP_BUCKETS_PER_SECOND) % buckets.max(1);
-    }
-
-    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        match &self.shared {
-            Some(s) => Some(Box::new(http::Http::new(s.clone(), context_id))),
-            // Not configured (cannot happen once Envoy accepted the config): it cannot tell a
-            // protected request from another, so it refuses every request rather than pass one.
-            None => Some(Box::new(Unconfigured)),
-        }
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
     }
 }
 
