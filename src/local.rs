@@ -777,10 +777,27 @@ impl Table {
         h: &Handle,
         event: Event,
         now_ms: u64,
+        f: impl FnMut(&mut Option<Entry>, Stage),
+    ) -> Result<Result<Stage, Refusal>, LocalError> {
+        self.transition_from(sd, h, None, event, now_ms, f)
+    }
+
+    /// `transition`, starting from a bucket the caller has just read (and its CAS) instead of
+    /// reading it again: if it changed since, the CAS fails and the next round reads it afresh.
+    fn transition_from(
+        &self,
+        sd: &mut dyn SharedData,
+        h: &Handle,
+        mut read: Option<(Bucket, u32)>,
+        event: Event,
+        now_ms: u64,
         mut f: impl FnMut(&mut Option<Entry>, Stage),
     ) -> Result<Result<Stage, Refusal>, LocalError> {
         for _ in 0..MAX_CAS_RETRIES {
-            let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
+            let (mut bucket, cas) = match read.take() {
+                Some(b) => b,
+                None => self.read_bucket(sd, h.bucket)?,
+            };
             let Some(slot) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
             let to = match step(slot, event, Some(h), now_ms) {
                 Ok(to) => to,
@@ -860,7 +877,7 @@ impl Table {
         let counted = if without_body { 0 } else { u32::try_from(bytes.len()).unwrap_or(u32::MAX) };
         // Only a claim the lifecycle lets its owner complete is written (checked again in the
         // bucket CAS below): a refused completion never overwrites the slot.
-        let (bucket, _) = self.read_bucket(sd, h.bucket)?;
+        let (bucket, cas) = self.read_bucket(sd, h.bucket)?;
         let Some(position) = bucket.positions.get(h.position) else { return Err(LocalError::Corrupt) };
         if step(position, Event::Complete, Some(h), now_ms).is_err() {
             self.add_usage(sd, -i64::from(counted));
@@ -876,7 +893,8 @@ impl Table {
             self.add_usage(sd, -i64::from(counted));
             return Ok(Completed::LostClaim);
         }
-        let updated = self.transition(sd, h, Event::Complete, now_ms, |slot, to| {
+        // The bucket read above is the first round's: unchanged since, its CAS holds.
+        let updated = self.transition_from(sd, h, Some((bucket, cas)), Event::Complete, now_ms, |slot, to| {
             if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
                 e.phase = phase;
                 e.fingerprint = Some(fp);

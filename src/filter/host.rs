@@ -185,6 +185,9 @@ extern "C" {
     ) -> u32;
     /// The proxy-wasm ABI's log call.
     fn proxy_log(level: u32, message_data: *const u8, message_size: usize) -> u32;
+    /// The host's log level for this plugin (Envoy: its `wasm` logger's level, trace 0 to off 6).
+    /// Declared with a plain integer: the SDK's enum has no value for "off".
+    fn proxy_get_log_level(return_level: *mut u32) -> u32;
 }
 
 /// Sends a local reply (`headers`: the ABI's serialized header map); the host's status (0: Ok).
@@ -291,6 +294,31 @@ pub fn init_logging() {
         std::panic::set_hook(Box::new(|info| write_log(5, &info.to_string())));
     }
     log::set_max_level(log::LevelFilter::Trace);
+}
+
+/// The `log` crate's filter for the host's level: a line the host would drop is never built.
+pub fn level_filter(host_level: u32) -> log::LevelFilter {
+    match host_level {
+        0 => log::LevelFilter::Trace,
+        1 => log::LevelFilter::Debug,
+        2 => log::LevelFilter::Info,
+        3 => log::LevelFilter::Warn,
+        4 => log::LevelFilter::Error,
+        // critical, off (or a level this build does not know): idemgate logs nothing so severe.
+        _ => log::LevelFilter::Off,
+    }
+}
+
+/// Asks the host which lines it keeps (Envoy: `--component-log-level wasm:<level>`, or its admin
+/// `/logging` endpoint at run time) and builds only those from now on. Called when the plugin is
+/// configured and on every tick, so a level changed at run time applies within a tick. A host
+/// that does not answer leaves every line on (the host filters them, as before).
+pub fn refresh_log_level() {
+    let mut level = 0u32;
+    meter::call();
+    // SAFETY: the host writes one u32 into memory we own.
+    let status = unsafe { proxy_get_log_level(&mut level) };
+    log::set_max_level(if status == 0 { level_filter(level) } else { log::LevelFilter::Trace });
 }
 
 /// The counters idemgate exports, `idemgate.<name>` in Envoy's /stats.
@@ -525,6 +553,16 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::Counter;
+
+    #[test]
+    fn idemgate_builds_exactly_the_lines_the_hosts_level_keeps() {
+        use log::LevelFilter::*;
+        let expected = [Trace, Debug, Info, Warn, Error, Off, Off, Off];
+        for (host_level, want) in expected.iter().enumerate() {
+            assert_eq!(super::level_filter(host_level as u32), *want, "host level {host_level}");
+        }
+        assert_eq!(super::level_filter(u32::MAX), Off);
+    }
 
     #[test]
     fn every_counter_sits_at_its_own_index_with_a_distinct_name() {

@@ -25,13 +25,13 @@ use super::writes;
 use super::{reply, Forward, Shared, Waiter};
 use crate::admin;
 use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
-use crate::decision::{admit, check_body_size, classify, decide, Admission, Decision, ExchangeFacts, Lookup};
+use crate::decision::{admit, check_body_size, classify_exchange, decide, Admission, Decision, Exchange, Lookup};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::derive;
 use crate::failsafe::{self, Broken, Holding};
 use crate::fingerprint::Fingerprint;
 use crate::local::{Begin, Handle, LocalError};
-use crate::owner::{OwnerToken, TokenSources};
+use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
 use crate::request::{RequestHead, ROUTER_RETRY_CAP};
@@ -829,43 +829,18 @@ impl Http {
             error!("{}", self.log_line("internal_state", "branch=finish broken=policy_missing claim=kept"));
             return settle::INTERNAL_STATE;
         };
-        let u64_property = |path: &[&str]| {
-            host::property(path).and_then(|b| b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
-        };
-        let flags = u64_property(&["response", "flags"]).unwrap_or(0);
-        let code_details = host::property(&["response", "code_details"])
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default();
-        let status = self
-            .response
-            .as_ref()
-            .map(|r| r.status)
-            .filter(|s| *s > 0)
-            .or_else(|| u64_property(&["response", "code"]).and_then(|c| u16::try_from(c).ok()).filter(|c| *c > 0));
-        // Whether the router ever started an upstream request, picked a host, connected to it.
-        let attempts = u64_property(&["upstream", "request_attempt_count"]);
-        let upstream_host = host::property(&["upstream", "address"]).is_some();
-        let upstream_connected = host::property(&["upstream", "local_address"]).is_some();
-        let facts = ExchangeFacts {
-            forwarded: true,
-            status,
-            code_details: code_details.clone(),
-            flags,
-            response_complete: self.response_complete,
-            upstream_host,
-            upstream_connected,
-            attempts,
-        };
-        let detail = format!(
-            "status={} code_details={code_details} flags={flags} attempts={} upstream_host={upstream_host} upstream_connected={upstream_connected}",
-            status.unwrap_or(0),
-            attempts.map_or_else(|| "unknown".to_string(), |n| n.to_string())
-        );
+        let status = self.response.as_ref().map(|r| r.status).filter(|s| *s > 0);
+        let mut x = Finished { status: status.map(Some), complete: self.response_complete, ..Finished::default() };
+        // Whether the router re-sent it is read always (its warning below); every other fact only
+        // when the classification needs it (`classify_exchange`).
+        let attempts = x.attempts();
+        let outcome = classify_exchange(&mut x, &policy);
+        let detail = if log::log_enabled!(log::Level::Info) { x.detail() } else { String::new() };
         // The router was told to send it once; a later filter (or a host that ignores the cap)
         // may still have re-sent it. Nothing can undo that now: count it and say so.
         if attempts.is_some_and(|n| n > 1) {
             self.count(Counter::UpstreamAttemptsRepeated);
-            warn!("{}", self.log_line("upstream_attempts_repeated", &detail));
+            warn!("{}", self.log_line("upstream_attempts_repeated", &x.detail()));
         }
         let Some(claim) = self.claim(handle, fp, in_store) else {
             self.count(Counter::InternalErrors);
@@ -873,7 +848,76 @@ impl Http {
             return settle::INTERNAL_STATE;
         };
         let response = self.response.take();
-        settle::settle(&self.shared, &claim, classify(&facts, &policy), response, self.response_too_large, &detail)
+        settle::settle(&self.shared, &claim, outcome, response, self.response_too_large, &detail)
+    }
+}
+
+/// A forwarded exchange as Envoy finished it, each fact read from Envoy's properties the first
+/// time `classify_exchange` asks for it (one host call each), then kept.
+#[derive(Default)]
+struct Finished {
+    status: Option<Option<u16>>,
+    complete: bool,
+    flags: Option<u64>,
+    code_details: Option<String>,
+    attempts: Option<Option<u64>>,
+    upstream_host: Option<bool>,
+    upstream_connected: Option<bool>,
+}
+
+fn u64_property(path: &[&str]) -> Option<u64> {
+    host::property(path).and_then(|b| b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
+}
+
+impl Finished {
+    /// The facts read, for log lines (`-` for those the classification never needed).
+    fn detail(&self) -> String {
+        let shown = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        format!(
+            "status={} code_details={} flags={} attempts={} upstream_host={} upstream_connected={}",
+            self.status.flatten().unwrap_or(0),
+            shown(self.code_details.clone()),
+            shown(self.flags.map(|f| f.to_string())),
+            shown(self.attempts.map(|a| a.map_or_else(|| "unknown".to_string(), |n| n.to_string()))),
+            shown(self.upstream_host.map(|b| b.to_string())),
+            shown(self.upstream_connected.map(|b| b.to_string())),
+        )
+    }
+}
+
+impl Exchange for Finished {
+    fn forwarded(&mut self) -> bool {
+        true
+    }
+    fn status(&mut self) -> Option<u16> {
+        *self.status.get_or_insert_with(|| {
+            u64_property(&["response", "code"]).and_then(|c| u16::try_from(c).ok()).filter(|c| *c > 0)
+        })
+    }
+    fn code_details(&mut self) -> String {
+        self.code_details
+            .get_or_insert_with(|| {
+                host::property(&["response", "code_details"])
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default()
+            })
+            .clone()
+    }
+    fn flags(&mut self) -> u64 {
+        *self.flags.get_or_insert_with(|| u64_property(&["response", "flags"]).unwrap_or(0))
+    }
+    fn response_complete(&mut self) -> bool {
+        self.complete
+    }
+    // Whether the router ever started an upstream request, picked a host, connected to it.
+    fn upstream_host(&mut self) -> bool {
+        *self.upstream_host.get_or_insert_with(|| host::property(&["upstream", "address"]).is_some())
+    }
+    fn upstream_connected(&mut self) -> bool {
+        *self.upstream_connected.get_or_insert_with(|| host::property(&["upstream", "local_address"]).is_some())
+    }
+    fn attempts(&mut self) -> Option<u64> {
+        *self.attempts.get_or_insert_with(|| u64_property(&["upstream", "request_attempt_count"]))
     }
 }
 
@@ -892,20 +936,21 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
-        // Cheap path first: one header read lets unprotected methods through, a second (the path)
-        // decides the route.
+        // Cheap path first: one header read lets unprotected methods through. Then the whole
+        // header map, read once: the route (the path), every line of the key header (a repeated
+        // one must be seen), the caller's scope and the fingerprint all come from it.
         let method = host::header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
         if !self.shared.config.protects_method(&method) {
             return Action::Continue;
         }
-        let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        let mut head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
         // The name of the Envoy route that matched, read only when a route is selected by it.
         let route_name = if self.shared.config.uses_route_names() {
             host::property(&["xds", "route_name"]).map(|n| String::from_utf8_lossy(&n).into_owned())
         } else {
             None
         };
-        let Some(policy_index) = self.shared.config.policy_index_for_route(&method, &path, route_name.as_deref())
+        let Some(policy_index) = self.shared.config.policy_index_for_route(&method, &head.path, route_name.as_deref())
         else {
             return Action::Continue;
         };
@@ -913,16 +958,13 @@ impl HttpContext for Http {
         let Some(policy) = self.shared.config.policy_at(policy_index) else {
             return self.fail_closed(Broken::PolicyMissing, "request_headers_policy", None, Holding::Nothing);
         };
-        // No key and nothing to derive one from: decided on a single header read, without copying
-        // the header map or hashing the caller.
-        if policy.derive_key.is_none() && host::header(MapType::HttpRequestHeaders, &policy.header).is_none() {
+        // No key and nothing to derive one from: decided without hashing the caller.
+        if policy.derive_key.is_none() && head.values(&policy.header).is_empty() {
             return match admit(Some(policy), &[]) {
                 Admission::Reject(p) => self.answer(p, None),
                 _ => Action::Continue,
             };
         }
-        // The whole header map: a repeated key header must be seen, not just its first line.
-        let mut head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
         let scope = CallerScope::of(&head, &policy.scope);
         let key_values = head.values(&policy.header);
         // A request without a key but with the operation's identifiers gets a key derived at
@@ -968,13 +1010,7 @@ impl HttpContext for Http {
         let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
         let request_id = first("x-request-id").unwrap_or_default();
         let log_values = policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect();
-        let owner = OwnerToken::derive(&TokenSources {
-            entropy: &host::entropy(),
-            node: &self.shared.node,
-            vm: self.shared.vm,
-            now_nanos: host::now_nanos(),
-            counter: self.shared.next_token(),
-        });
+        let owner = self.shared.next_owner();
         let creator = Creator { request_id, log_values };
         self.req = Some(Protected { policy_index, head, skey, scope, creator, owner, derive_at_body });
         if was_derived && !derive_at_body {

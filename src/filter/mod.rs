@@ -31,6 +31,7 @@ use crate::config::{Config, Forwarding};
 use crate::decision::{callout_from_upstream, classify_callout, Outcome};
 use crate::fingerprint::Fingerprint;
 use crate::local::Table;
+use crate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use crate::problem::ProblemKind;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
@@ -147,9 +148,9 @@ pub struct Shared {
     pub metrics: Metrics,
     /// Request-body bytes buffered by this VM right now.
     pub buffered: Cell<u64>,
+    /// This VM's owner-token seed and the number of tokens made from it (`crate::owner`).
+    owner_seed: OwnerSeed,
     tokens: Cell<u64>,
-    pub node: String,
-    pub vm: u64,
     pub queues: Rc<Queues>,
     pub queue_id: Option<u32>,
     /// `authorization` for the store, from the VM's environment.
@@ -167,10 +168,11 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn next_token(&self) -> u64 {
-        let n = self.tokens.get().wrapping_add(1);
+    /// The next owner token of this VM: no host call, no randomness (see `crate::owner`).
+    pub fn next_owner(&self) -> OwnerToken {
+        let n = self.tokens.get().saturating_add(1);
         self.tokens.set(n);
-        n
+        OwnerToken::next(&self.owner_seed, n)
     }
 
     /// Fault tests only (feature `crash-injection`): the next wake is not sent, as if the host
@@ -827,6 +829,7 @@ impl RootContext for Root {
 
 impl Root {
     fn configure(&mut self, _size: usize) -> bool {
+        host::refresh_log_level();
         let raw = host::plugin_configuration();
         let config = match Config::parse(&raw) {
             Ok(c) => c,
@@ -869,7 +872,11 @@ impl Root {
         info!("{}", table.describe(ttl));
         let node =
             host::property(&["node", "id"]).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
-        let vm = (u64::from(self.id) << 48) ^ host::now_nanos();
+        let started_nanos = host::now_nanos();
+        let vm = (u64::from(self.id) << 48) ^ started_nanos;
+        // Once per VM (per configuration): every owner token of this VM is made from it.
+        let owner_seed =
+            OwnerSeed::derive(&TokenSources { entropy: &host::entropy(), node: &node, vm, now_nanos: started_nanos });
         if self.queue_id.is_none() {
             // A queue of this root's own (same thread): HTTP contexts wake it to hand it work.
             let name = format!("idemgate.root.{}.{vm:x}", self.id);
@@ -901,9 +908,8 @@ impl Root {
             table,
             metrics,
             buffered: Cell::new(0),
+            owner_seed,
             tokens: Cell::new(0),
-            node,
-            vm,
             queues: self.queues.clone(),
             queue_id: self.queue_id,
             credentials,
@@ -923,6 +929,7 @@ impl Root {
 
     fn tick(&mut self) {
         self.meter.flush();
+        host::refresh_log_level();
         self.grant_lease_if_due();
         self.collect_stray_work();
         self.check_waiters();
