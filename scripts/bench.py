@@ -666,6 +666,11 @@ def write_docs(results):
         for k, label in [("unprotected_get", "(c) unprotected GET"), ("first_local", "(d) first POST, local tier"),
                          ("first_store", "(e) first POST, Redis store"), ("replay_local", "(f) replay from memory"),
                          ("replay_after_local_miss", "(g) replay after a local miss")] if k in C)
+    phases = ["request_headers", "request_body", "call_answer", "response_headers", "response_body", "log", "root"]
+    phase_rows = "\n".join(
+        f"| {label} | " + " | ".join(f"{C[k].get('calls.' + p, 0):.1f}" for p in phases) + f" | {C[k]['host_calls']:.1f} |"
+        for k, label in [("first_local", "(d) first POST, local tier"), ("first_store", "(e) first POST, Redis store"),
+                         ("replay_local", "(f) replay from memory"), ("replay_after_local_miss", "(g) replay after a local miss")] if k in C)
     one = lambda k: S[k].get("one_connection", {})
     floor_rows = "\n".join(
         f"| {label} | {S[k]['rps']:.0f} ({S[k]['rps_min']:.0f}-{S[k]['rps_max']:.0f}) | {S[k]['envoy_cpu_us_per_request']:.0f} | "
@@ -742,6 +747,13 @@ it a value (one per buffer handed over). Store bytes are the webdis requests' pa
 | scenario | host calls | VM allocations | buffers handed to the VM | bytes sent to the store |
 |---|---|---|---|---|
 {count_rows}
+
+By callback (the store's answer to the claim comes to the request's own context; the root makes
+the completion write and reads its answer):
+
+| scenario | request headers | request body | store answer | response headers | response body | log | root | in all |
+|---|---|---|---|---|---|---|---|---|
+{phase_rows}
 
 ## Targets
 

@@ -132,6 +132,14 @@ pub fn enqueue(queue_id: u32, value: &[u8]) -> Result<(), Status> {
     hostcalls::enqueue_shared_queue(queue_id, Some(value))
 }
 
+/// Takes one item off a shared queue (the host posts one `on_queue_ready` per item enqueued).
+pub fn dequeue(queue_id: u32) {
+    meter::call();
+    if let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {
+        meter::buffer();
+    }
+}
+
 /// Empties a shared queue (its items only wake the root).
 pub fn drain_queue(queue_id: u32) {
     loop {

@@ -11,6 +11,7 @@
 //! on_log: Forwarded ─▶ classify ─▶ complete | release | unknown (local now; store writes via the root)
 //! ```
 
+use std::cell::Cell;
 use std::rc::Rc;
 
 use log::{debug, error, info, warn};
@@ -91,6 +92,8 @@ pub struct Http {
     /// `store.kind: "etcd"`: the value the claim-or-read found and its revision, which a
     /// take-over or stale-to-unknown decided on it compares.
     fence: Option<crate::etcd::Fence>,
+    /// The host's clock, read at most once per callback (`now`; cleared as each callback starts).
+    clock: Cell<Option<u64>>,
 }
 
 /// Fault tests only (feature `crash-injection`, never in the shipped module): traps the VM at
@@ -153,7 +156,25 @@ impl Http {
             published: false,
             policy_index: None,
             fence: None,
+            clock: Cell::new(None),
         }
+    }
+
+    /// The time now, in ms: one clock read per callback, every decision of the callback made
+    /// with it.
+    fn now(&self) -> u64 {
+        if let Some(t) = self.clock.get() {
+            return t;
+        }
+        let t = host::now_ms();
+        self.clock.set(Some(t));
+        t
+    }
+
+    /// Callback `c` starts: the clock is read again when it is first needed.
+    fn callback(&self, c: meter::Callback) {
+        meter::callback(c);
+        self.clock.set(None);
     }
 
     fn policy(&self) -> Option<&Policy> {
@@ -259,7 +280,7 @@ impl Http {
     /// outcome-unknown stands, as it does when the store cannot be read.
     fn settled_answer(&mut self, fp: Fingerprint, status: Option<u16>, body: &[u8]) -> Action {
         let reply = match (self.req.as_ref(), self.shared.seal.as_ref()) {
-            (Some(r), Some(seal)) => stores::parse_read(&self.shared, status, body, &r.skey, seal, host::now_ms()),
+            (Some(r), Some(seal)) => stores::parse_read(&self.shared, status, body, &r.skey, seal, self.now()),
             _ => Err(StoreError::Garbled("a read answer without its request or seal".into())),
         };
         match reply {
@@ -322,7 +343,7 @@ impl Http {
             debug!("{}", self.log_line("replayed", &by));
             self.phase = Phase::Answered;
             self.publish(reply::REPLAYED);
-            let _ = reply::replay(&record, &self.request_id(), host::now_ms());
+            let _ = reply::replay(&record, &self.request_id(), self.now());
             return Action::Pause;
         }
         let creator = record.creator.clone();
@@ -351,7 +372,7 @@ impl Http {
                 let Some(r) = self.req.as_ref() else {
                     return self.fail_closed(Broken::RequestMissing, "wait", None, Holding::Nothing);
                 };
-                let now = host::now_ms();
+                let now = self.now();
                 self.shared.push_waiter(Waiter {
                     context_id: self.context_id,
                     skey: r.skey,
@@ -395,7 +416,7 @@ impl Http {
 
     fn begin(&self, fp: Option<Fingerprint>) -> Result<Begin, LocalError> {
         let (Some(r), Some(policy)) = (self.req.as_ref(), self.policy()) else { return Err(LocalError::Corrupt) };
-        self.shared.table.begin(&mut HostShared, r.skey, fp, host::now_ms(), policy, r.owner, &r.creator)
+        self.shared.table.begin(&mut HostShared, r.skey, fp, self.now(), policy, r.owner, &r.creator)
     }
 
     /// Acts on the local tier's answer. `fp` is set once the body is complete.
@@ -463,11 +484,11 @@ impl Http {
             };
         };
         let lifetimes = Lifetimes::of(policy);
-        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), &lifetimes);
+        let record = Record::in_progress(fp, r.creator.clone(), r.owner, self.now(), &lifetimes);
         let Some(seal) = self.shared.seal.as_ref() else {
             return self.fail_closed(Broken::StoreMissing, "claim_without_seal", handle, holding);
         };
-        match stores::claim_request(&self.shared, &r.skey, &r.owner, &record, &lifetimes, seal, host::now_ms()) {
+        match stores::claim_request(&self.shared, &r.skey, &r.owner, &record, &lifetimes, seal, self.now()) {
             Ok(req) => self.call(req, handle, fp, false),
             // Nothing was sent: the store counts as unavailable (never a claim without a lease).
             Err(Unbuilt::NoLease) => self.store_failed(handle, &StoreError::Garbled(Unbuilt::NoLease.to_string())),
@@ -618,7 +639,7 @@ impl Http {
         let (Some(skey), Some(seal)) = (self.req.as_ref().map(|r| r.skey), self.shared.seal.clone()) else {
             return self.store_failed(handle, &StoreError::Garbled("a claim answer without its key or seal".into()));
         };
-        let parsed = stores::parse_claim(&self.shared, status, body, &owner, &skey, &seal, host::now_ms());
+        let parsed = stores::parse_claim(&self.shared, status, body, &owner, &skey, &seal, self.now());
         let (now, expires_at, value) = match parsed {
             Ok((ClaimReply::Claimed { .. }, _)) => return self.forward(handle, fp, true),
             Ok((ClaimReply::Exists { now_ms, expires_at_ms, value }, fence)) => {
@@ -653,9 +674,9 @@ impl Http {
                 self.count(Counter::StoreReplays);
                 // A completed record never changes: keep a copy so the next replay needs no store
                 // call, ending with the store's key by this proxy's clock.
-                let record = value.record_on_clock(now, expires_at, host::now_ms());
+                let record = value.record_on_clock(now, expires_at, self.now());
                 if let Some(h) = handle {
-                    let _ = self.shared.table.complete(&mut HostShared, &h, record.clone(), host::now_ms());
+                    let _ = self.shared.table.complete(&mut HostShared, &h, record.clone(), self.now());
                 }
                 self.replay(record)
             }
@@ -699,14 +720,14 @@ impl Http {
             return self.fail_closed(Broken::RequestMissing, "take_over", handle, holding);
         };
         let lifetimes = Lifetimes::of(policy);
-        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), &lifetimes);
+        let record = Record::in_progress(fp, r.creator.clone(), r.owner, self.now(), &lifetimes);
         let Some(seal) = self.shared.seal.as_ref() else {
             let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
             return self.fail_closed(Broken::StoreMissing, "take_over_without_seal", handle, holding);
         };
         let t = Transition::take_over(old.owner, r.owner, record, free, &lifetimes);
         let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
-        match stores::transition_request(&self.shared, &t, &r.skey, seal, host::now_ms(), self.fence.as_ref()) {
+        match stores::transition_request(&self.shared, &t, &r.skey, seal, self.now(), self.fence.as_ref()) {
             Ok(req) => self.call(req, handle, fp, true),
             Err(Unbuilt::NoLease) => self.store_failed(handle, &StoreError::Garbled(Unbuilt::NoLease.to_string())),
             Err(Unbuilt::Broken(why)) => {
@@ -758,7 +779,7 @@ impl Http {
         }
         match std::mem::replace(&mut self.phase, Phase::Pass) {
             Phase::Waiting { handle: Some(handle) } => {
-                match self.shared.table.mark_forwarded(&mut HostShared, &handle, fp, host::now_ms(), &policy) {
+                match self.shared.table.mark_forwarded(&mut HostShared, &handle, fp, self.now(), &policy) {
                     Ok(true) => self.proceed(Some(handle), fp),
                     Ok(false) => {
                         self.count(Counter::LostClaim);
@@ -808,7 +829,7 @@ impl Http {
     }
 
     fn release_local(&self, handle: Option<Handle>) {
-        settle::release_local(&self.shared, handle);
+        settle::release_local(&self.shared, handle, self.now());
     }
 
     /// Frees a local claim whose request was never forwarded (refused or abandoned).
@@ -923,6 +944,7 @@ impl Exchange for Finished {
 
 impl Context for Http {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        self.callback(meter::Callback::CallAnswer);
         let Phase::Calling { handle, fp, token: expected, takeover } = self.phase else { return };
         if token != expected {
             return;
@@ -936,6 +958,7 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        self.callback(meter::Callback::RequestHeaders);
         // Cheap path first: one header read lets unprotected methods through. Then the whole
         // header map, read once: the route (the path), every line of the key header (a repeated
         // one must be seen), the caller's scope and the fingerprint all come from it.
@@ -1047,6 +1070,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.callback(meter::Callback::RequestBody);
         match self.phase {
             Phase::Waiting { .. } => {}
             // Paused on a store call: keep buffering.
@@ -1090,6 +1114,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_trailers(&mut self, _n: usize) -> Action {
+        self.callback(meter::Callback::RequestBody);
         match self.phase {
             Phase::Waiting { .. } => {
                 // Trailers reach the upstream with the request: part of its fingerprint.
@@ -1104,6 +1129,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        self.callback(meter::Callback::ResponseHeaders);
         if !matches!(self.phase, Phase::Forwarded { .. }) {
             return Action::Continue;
         }
@@ -1133,6 +1159,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.callback(meter::Callback::ResponseBody);
         if !matches!(self.phase, Phase::Forwarded { .. }) {
             return Action::Continue;
         }
@@ -1155,6 +1182,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_trailers(&mut self, _n: usize) -> Action {
+        self.callback(meter::Callback::ResponseBody);
         if matches!(self.phase, Phase::Forwarded { .. }) {
             self.response_complete = true;
         }
@@ -1162,6 +1190,7 @@ impl HttpContext for Http {
     }
 
     fn on_log(&mut self) {
+        self.callback(meter::Callback::Log);
         self.log_exchange();
         meter::request_logged();
     }

@@ -10,12 +10,42 @@
 //! flushes the figures to the metrics `idemgate.count.*` on its tick (background, uncounted).
 //! Without the feature every function here is an empty inline one.
 
+/// Where a host call is made: the callback it is made in (HTTP contexts), or the root's work for
+/// requests (its queue and the answers to its callouts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Callback {
+    RequestHeaders,
+    RequestBody,
+    CallAnswer,
+    ResponseHeaders,
+    ResponseBody,
+    Log,
+    Root,
+}
+
 #[cfg(feature = "count-host-calls")]
 mod counting {
     use std::alloc::{GlobalAlloc, Layout, System};
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
     static BACKGROUND: AtomicBool = AtomicBool::new(false);
+    static CALLBACK: AtomicUsize = AtomicUsize::new(0);
+
+    /// Host calls by callback (`super::Callback` order), flushed as `idemgate.count.calls.<name>`.
+    pub static BY_CALLBACK: [AtomicU64; 7] = [const { AtomicU64::new(0) }; 7];
+    pub const CALLBACK_NAMES: [&str; 7] = [
+        "idemgate.count.calls.request_headers",
+        "idemgate.count.calls.request_body",
+        "idemgate.count.calls.call_answer",
+        "idemgate.count.calls.response_headers",
+        "idemgate.count.calls.response_body",
+        "idemgate.count.calls.log",
+        "idemgate.count.calls.root",
+    ];
+
+    pub fn callback(c: super::Callback) {
+        CALLBACK.store(c as usize, Relaxed);
+    }
 
     /// The figures, in `NAMES` order. The last two say how much work has finished (a request's
     /// `on_log`, an answer to one of the root's callouts), counted at its very end and flushed
@@ -55,7 +85,14 @@ mod counting {
     }
 
     pub fn call() {
-        add(if BACKGROUND.load(Relaxed) { BACKGROUND_CALLS } else { CALLS }, 1);
+        if BACKGROUND.load(Relaxed) {
+            add(BACKGROUND_CALLS, 1);
+        } else {
+            add(CALLS, 1);
+            if let Some(c) = BY_CALLBACK.get(CALLBACK.load(Relaxed)) {
+                c.fetch_add(1, Relaxed);
+            }
+        }
     }
 
     pub fn buffer() {
@@ -102,7 +139,7 @@ mod counting {
 }
 
 #[cfg(feature = "count-host-calls")]
-pub use counting::{background, buffer, call, request_logged, root_answered, store_bytes};
+pub use counting::{background, buffer, call, callback, request_logged, root_answered, store_bytes};
 
 /// The metrics of the counting build and the figures flushed to them so far.
 #[cfg(feature = "count-host-calls")]
@@ -119,13 +156,16 @@ impl Flush {
     }
 
     /// Adds to each metric what was counted since the last flush. Call it as background work.
+    /// The figures saying how much work has finished go last (see `FIGURES`).
     pub fn flush(&mut self) {
         use std::sync::atomic::Ordering::Relaxed;
+        let names = || counting::CALLBACK_NAMES.iter().chain(counting::NAMES.iter());
         if self.ids.is_empty() {
-            self.ids = counting::NAMES.iter().map(|n| super::host::define_counter(n)).collect();
-            self.flushed = vec![0; counting::NAMES.len()];
+            self.ids = names().map(|n| super::host::define_counter(n)).collect();
+            self.flushed = vec![0; self.ids.len()];
         }
-        for ((f, id), done) in counting::FIGURES.iter().zip(&self.ids).zip(self.flushed.iter_mut()) {
+        let figures = counting::BY_CALLBACK.iter().chain(counting::FIGURES.iter());
+        for ((f, id), done) in figures.zip(&self.ids).zip(self.flushed.iter_mut()) {
             let now = f.load(Relaxed);
             if let (Some(id), true) = (id, now > *done) {
                 super::host::increment_metric(*id, i64::try_from(now - *done).unwrap_or(i64::MAX));
@@ -156,6 +196,11 @@ pub fn request_logged() {}
 #[cfg(not(feature = "count-host-calls"))]
 #[inline(always)]
 pub fn root_answered() {}
+
+/// The host calls that follow are made in callback `c`.
+#[cfg(not(feature = "count-host-calls"))]
+#[inline(always)]
+pub fn callback(_c: Callback) {}
 
 /// Runs `f` as background work (not caused by a request): the tick, configuration.
 #[cfg(not(feature = "count-host-calls"))]

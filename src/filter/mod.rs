@@ -752,6 +752,7 @@ impl Context for Root {
     }
 
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        meter::callback(meter::Callback::Root);
         self.call_answered(token, num_headers, body_size);
         meter::root_answered();
     }
@@ -805,7 +806,10 @@ impl RootContext for Root {
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
-        host::drain_queue(queue_id);
+        meter::callback(meter::Callback::Root);
+        // Its item only woke us: the host posts one call per item, so one is taken here (the
+        // tick empties the queue of any a lost call left behind).
+        host::dequeue(queue_id);
         self.take_queued_work();
     }
 
@@ -930,6 +934,9 @@ impl Root {
     fn tick(&mut self) {
         self.meter.flush();
         host::refresh_log_level();
+        if let Some(q) = self.queue_id {
+            host::drain_queue(q);
+        }
         self.grant_lease_if_due();
         self.collect_stray_work();
         self.check_waiters();
