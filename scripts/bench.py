@@ -49,6 +49,12 @@ def wait_http(url, seconds=30):
     raise RuntimeError(f"{url} did not answer")
 
 
+def proc_cpu_seconds(pid):
+    """User + system CPU time a process has used so far (all its threads)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start(cmd, log, cwd=None):
     p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
     PROCS.append(p)
@@ -74,7 +80,7 @@ def floor_plugin(mode):
 # The 1-connection pass (latency without queueing): these scenarios, every round, after the
 # 16-connection runs; its p50s give `first_local_p50_overhead_us`.
 ONE_CONNECTION = ["h_floor_empty_post", "h_floor_buffering", "d_first_local", "h_floor_store", "e_first_store"]
-ONE_CONNECTION_DURATION = 2 if QUICK else 4
+ONE_CONNECTION_DURATION = 1 if QUICK else 4
 
 PLUGIN_LOCAL = {"scope": {"headers": ["authorization"]}, "local": {"max_entries": 200000, "max_bytes": 268435456, "when_full": "evict_oldest"}}
 
@@ -165,8 +171,7 @@ class Envoy:
 
     def cpu_seconds(self):
         """User + system CPU time Envoy has used so far (all its threads)."""
-        fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return proc_cpu_seconds(self.proc.pid)
 
     def close(self):
         stop(self.proc)
@@ -311,6 +316,8 @@ def summarise(runs):
         "rps": med("rps"), "rps_min": min(r["rps"] for r in runs), "rps_max": max(r["rps"] for r in runs),
         "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"), "p99_ms_max": max(r["p99_ms"] for r in runs),
         "envoy_cpu_us_per_request": statistics.median(r.get("envoy_cpu_us_per_request", 0) for r in runs),
+        "webdis_cpu_us_per_request": statistics.median(r.get("webdis_cpu_us_per_request", 0) for r in runs),
+        "redis_cpu_us_per_request": statistics.median(r.get("redis_cpu_us_per_request", 0) for r in runs),
         "requests": sum(r["requests"] for r in runs), "non_2xx": sum(r["non_2xx"] for r in runs), "runs": runs,
     }
 
@@ -326,14 +333,15 @@ def main():
     wait_http(f"http://127.0.0.1:{api_port}/stats")
     redis_port, webdis_port = free_port(), free_port()
     rdir = tempfile.mkdtemp(dir=OUT)
-    start(["redis-server", os.path.join(ROOT, "envoy", "redis.conf"), "--port", str(redis_port), "--dir", rdir, "--daemonize", "no", "--appendonly", "no"], os.path.join(OUT, "redis.log"))
+    redis_proc = start(["redis-server", os.path.join(ROOT, "envoy", "redis.conf"), "--port", str(redis_port), "--dir", rdir, "--daemonize", "no", "--appendonly", "no"], os.path.join(OUT, "redis.log"))
     # envoy/redis.conf requires idemgate's Redis password (its ACL user); webdis sends it.
     redis_auth = json.load(open(os.path.join(ROOT, "envoy", "docker-compose", "webdis.json")))["redis_auth"]
     json.dump({"redis_host": "127.0.0.1", "redis_port": redis_port, "redis_auth": redis_auth, "http_host": "127.0.0.1", "http_port": webdis_port, "threads": 1, "pool_size": 8,
                "daemonize": False, "database": 0, "verbosity": 1, "logfile": os.path.join(OUT, "webdis.log"), "acl": [{"disabled": ["DEBUG"]}]},
               open(os.path.join(OUT, "webdis.json"), "w"))
-    start(["webdis", os.path.join(OUT, "webdis.json")], os.path.join(OUT, "webdis.out"), cwd=OUT)
+    webdis_proc = start(["webdis", os.path.join(OUT, "webdis.json")], os.path.join(OUT, "webdis.out"), cwd=OUT)
     wait_http(f"http://127.0.0.1:{webdis_port}/PING")
+    store_side = {"webdis": webdis_proc.pid, "redis": redis_proc.pid}
     plugin_store = dict(PLUGIN_LOCAL, store={"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 1000})
     R = {}
     base = dict(api_port=api_port, store_port=None, plugin=None)
@@ -363,8 +371,12 @@ def main():
     for rnd in range(RUNS):
         for name, _, wkw in group:
             cpu0 = envoys[name].cpu_seconds()
+            side0 = {k: proc_cpu_seconds(pid) for k, pid in store_side.items()}
             r = wrk(envoys[name].port, **wkw)
             r["envoy_cpu_us_per_request"] = (envoys[name].cpu_seconds() - cpu0) * 1e6 / max(r["requests"], 1)
+            # The store's side of the same requests: webdis (one thread) and Redis.
+            for k, pid in store_side.items():
+                r[f"{k}_cpu_us_per_request"] = (proc_cpu_seconds(pid) - side0[k]) * 1e6 / max(r["requests"], 1)
             runs[name].append(r)
         for name in ONE_CONNECTION:
             runs1[name].append(wrk(envoys[name].port, duration=ONE_CONNECTION_DURATION, connections=1, **wkws[name]))
@@ -375,7 +387,8 @@ def main():
         if name in runs1:
             R[name]["one_connection"] = summarise(runs1[name])
         if kw.get("plugin"):
-            n = max(R[name]["requests"], 1)
+            # Every request the counters saw: the 1-connection pass's too.
+            n = max(R[name]["requests"] + R[name].get("one_connection", {}).get("requests", 0), 1)
             c0, w0, s0 = counters[name]
             R[name]["store_calls_per_request"] = (envoys[name].stat("idemgate.store_calls") - c0) / n
             R[name]["store_calls_waited_per_request"] = (envoys[name].stat("idemgate.store_calls_waited") - w0) / n
@@ -456,7 +469,7 @@ def main():
 
     # The per-step profile compiles the core twice (native and wasm32): full runs only.
     profile = hot_path_profile() if not QUICK else {"skipped": "quick run"}
-    cpu_split = perf_split(base, wasm, empty) if not QUICK else {"skipped": "quick run"}
+    cpu_split = perf_split(base, wasm, empty, floor, plugin_store, webdis_port) if not QUICK else {"skipped": "quick run"}
 
     passthrough = paired("c_unprotected_get", "b_empty_wasm_proxied")
     protected_first = paired("e_first_store", "a_proxied")
@@ -532,15 +545,19 @@ def hot_path_profile():
     return out
 
 
-def perf_split(base, wasm, empty):
+def perf_split(base, wasm, empty, floor, plugin_store, webdis_port):
     """Where Envoy's CPU goes (Linux perf, when it works here): the kernel, Envoy's own code
     (stripped: no symbols), and the Wasm code V8 compiled ([JIT]), for the GET pass-through of the
-    empty filter and of idemgate, a first POST and a local replay."""
+    empty filter and of idemgate, a first POST (local tier, and Redis) beside its floors, and a
+    local replay."""
     if subprocess.run(["perf", "stat", "-e", "task-clock", "true"], capture_output=True).returncode != 0:
         return {"skipped": "perf is not usable here"}
     cases = [("b_empty_wasm_proxied", dict(base, wasm=empty, direct=False), dict(method="GET", mode="none")),
              ("c_unprotected_get", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(method="GET", mode="none")),
+             ("h_floor_buffering", dict(base, wasm=floor, direct=False, plugin=floor_plugin("buffering")), dict(mode="unique")),
              ("d_first_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="unique")),
+             ("h_floor_store", dict(base, wasm=floor, direct=False, plugin=floor_plugin("store"), store_port=webdis_port), dict(mode="unique")),
+             ("e_first_store", dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port), dict(mode="unique")),
              ("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed"))]
     out = {}
     for name, ekw, wkw in cases:
@@ -678,6 +695,43 @@ def write_docs(results):
         for k, label in [("h_floor_empty_post", "(h) empty filter, same POSTs"), ("h_floor_buffering", "(h) buffering floor"),
                          ("d_first_local", "(d) idemgate, first POST, local tier"), ("h_floor_store", "(h) store floor"),
                          ("e_first_store", "(e) idemgate, first POST, Redis store")])
+    E, HS, D, HB = S["e_first_store"], S["h_floor_store"], S["d_first_local"], S["h_floor_buffering"]
+    cpu = lambda x, k: x.get(k, 0)
+    local_extra = cpu(D, "envoy_cpu_us_per_request") - cpu(HB, "envoy_cpu_us_per_request")
+    store_extra = cpu(E, "envoy_cpu_us_per_request") - cpu(HS, "envoy_cpu_us_per_request")
+    busy = lambda x: cpu(x, "webdis_cpu_us_per_request") * x["rps"] / 1e6
+    store_path = f"""## The store path, explained
+
+A first request with Redis beside the store floor, from what can be counted (the counting build,
+Envoy's count of requests to the store cluster) and from the runs above (CPU time per request of
+Envoy, webdis and Redis, read from /proc around each run, median of the rounds):
+
+- **Callouts**: idemgate makes {results['first_request_store_calls_total']:.2f} store calls per first request: the claim-or-read
+  the client waits for ({results['first_request_store_round_trips']:.2f}) and the completion write the root makes after the
+  response. The store floor makes {cpu(HS, 'store_cluster_requests_per_request'):.2f}, one waited for and one after the response, to the
+  same webdis (one thread) in front of the same Redis.
+- **Bytes sent to the store**: {results['store_bytes_first_request']:.0f} per first request (webdis paths and bodies): each call is
+  an `EVAL` carrying its whole Lua script, percent-encoded, with the sealed record; the floor's
+  two `GET`s carry {2 * len('/GET/' + FLOOR_STORE_KEY)}. (Scripts run by name, `EVALSHA`, are another branch's work.)
+- **Host calls**: {C['first_store']['host_calls']:.0f} against {C['first_local']['host_calls']:.0f} in the local tier (see "By callback"): the callout, its
+  answer's status and body, resuming the request, waking the root and its queue, the root's
+  callout and its answer, and their counters.
+- **CPU per request** in this run, µs:
+
+| | Envoy | webdis | Redis | webdis busy (share of one core) |
+|---|---|---|---|---|
+| buffering floor | {cpu(HB, 'envoy_cpu_us_per_request'):.0f} | - | - | - |
+| (d) idemgate, local tier | {cpu(D, 'envoy_cpu_us_per_request'):.0f} | - | - | - |
+| store floor | {cpu(HS, 'envoy_cpu_us_per_request'):.0f} | {cpu(HS, 'webdis_cpu_us_per_request'):.0f} | {cpu(HS, 'redis_cpu_us_per_request'):.0f} | {busy(HS):.2f} |
+| (e) idemgate, Redis | {cpu(E, 'envoy_cpu_us_per_request'):.0f} | {cpu(E, 'webdis_cpu_us_per_request'):.0f} | {cpu(E, 'redis_cpu_us_per_request'):.0f} | {busy(E):.2f} |
+
+  Of the {store_extra:.0f} µs of Envoy CPU (e) spends beyond the store floor, {local_extra:.0f} µs is what the local
+  tier already costs beyond the buffering floor ((d) minus it: hashing, the local table's shared
+  data, the header maps); the remaining {store_extra - local_extra:.0f} µs is the store path's own: building, sealing and
+  percent-encoding those bytes, parsing the answers, and the host calls above. On this 2-core
+  machine Envoy, wrk, webdis and Redis share the cores (with whatever else runs), so CPU figures
+  move from run to run: compare rows of one run, not runs.
+"""
     sp = lambda k: f"{results[k + '_spread']['min']:.3f}-{results[k + '_spread']['max']:.3f}"
     doc = f"""# Benchmarks
 
@@ -755,6 +809,32 @@ the completion write and reads its answer):
 |---|---|---|---|---|---|---|---|---|
 {phase_rows}
 
+What a first request in the local tier still pays for (`host_calls_first_local`, target 20):
+- request headers: `:method` read alone (unprotected methods pass on it), the header map, the
+  header `x-envoy-max-retries: 0`, the clock, the bucket's read and CAS write (the claim), the
+  record count's read and CAS write (the table's bound, reserved before the claim), the claim's
+  record slot (it names the original request in 409s and makes the completion's slot write
+  owner-checked), the counters `protected` and `claimed`;
+- request body: the body, the clock, the bucket's read and CAS write (marked forwarded, its lock
+  restarted);
+- response: the header map, the expiry header, each body chunk;
+- log: the attempt count and code details (the rest of Envoy's facts only when the
+  classification needs them), the clock, the byte usage's read and CAS write (`local.max_bytes`),
+  the bucket's read and CAS write, the slot's read and CAS write (the completed record), the
+  counter `stored`, the two filter-state values of the access log.
+
+Cuts considered and not made, each because it changes what idemgate promises or shows: counters
+kept in the VM and flushed on the tick (3 calls: every counter would lag by up to a tick per
+worker, and operators and the tests read them right after a request); no claim slot at headers
+(1 call: a 409 during the upload would no longer name the original request, and a late
+completion could overwrite a newer owner's slot); per-worker leases of the record count and the
+byte usage (4 calls: the table's bounds and its gauges would carry a lease of slack per worker).
+Already cut (41 before issue 17): debug lines built and sent whatever Envoy's level (3), a random
+read and a clock read per owner token (2: tokens now come from a per-VM seed and a counter), the
+response flags and upstream addresses read whether needed or not (3), the path and
+key header read alone before the map (2), the bucket read twice by the completion (1).
+
+{store_path}
 ## Targets
 
 {targets}

@@ -389,28 +389,28 @@ impl Table {
         before < mark && now >= mark
     }
 
-    pub fn bucket_name(&self, i: u32) -> String {
-        format!("{}.b.{i}", self.prefix)
+    pub fn bucket_name(&self, i: u32) -> Name {
+        Name::of(format_args!("{}.b.{i}", self.prefix))
     }
 
-    pub fn slot_name(&self, i: u32, j: usize) -> String {
-        format!("{}.s.{i}.{j}", self.prefix)
+    pub fn slot_name(&self, i: u32, j: usize) -> Name {
+        Name::of(format_args!("{}.s.{i}.{j}", self.prefix))
     }
 
-    fn usage_name(&self) -> String {
-        format!("{}.usage", self.prefix)
+    fn usage_name(&self) -> Name {
+        Name::of(format_args!("{}.usage", self.prefix))
     }
 
-    fn count_name(&self) -> String {
-        format!("{}.count", self.prefix)
+    fn count_name(&self) -> Name {
+        Name::of(format_args!("{}.count", self.prefix))
     }
 
-    fn evicted_age_name(&self) -> String {
-        format!("{}.evicted_age", self.prefix)
+    fn evicted_age_name(&self) -> Name {
+        Name::of(format_args!("{}.evicted_age", self.prefix))
     }
 
-    fn ready_name(&self) -> String {
-        format!("{}.ready", self.prefix)
+    fn ready_name(&self) -> Name {
+        Name::of(format_args!("{}.ready", self.prefix))
     }
 
     pub fn bucket_of(&self, skey: &StorageKey) -> u32 {
@@ -1063,6 +1063,52 @@ impl Table {
                 return;
             }
         }
+    }
+}
+
+/// A shared-data key name, written on the stack: a request names a bucket, a slot and a counter
+/// a dozen times, and none of those names needs an allocation (the longest, a slot's, is under
+/// 80 bytes; a longer one, which no table makes, goes to the heap).
+pub enum Name {
+    Stack([u8; 96], usize),
+    Heap(String),
+}
+
+impl Name {
+    fn of(parts: std::fmt::Arguments<'_>) -> Name {
+        use std::fmt::Write;
+        let mut n = Name::Stack([0; 96], 0);
+        if n.write_fmt(parts).is_err() {
+            n = Name::Heap(std::fmt::format(parts));
+        }
+        n
+    }
+}
+
+impl std::fmt::Write for Name {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let Name::Stack(buf, len) = self else { return Err(std::fmt::Error) };
+        let end = *len + s.len();
+        buf.get_mut(*len..end).ok_or(std::fmt::Error)?.copy_from_slice(s.as_bytes());
+        *len = end;
+        Ok(())
+    }
+}
+
+impl std::ops::Deref for Name {
+    type Target = str;
+    fn deref(&self) -> &str {
+        match self {
+            // Only whole `&str`s are ever written in: always UTF-8.
+            Name::Stack(buf, len) => buf.get(..*len).and_then(|b| std::str::from_utf8(b).ok()).unwrap_or(""),
+            Name::Heap(s) => s,
+        }
+    }
+}
+
+impl std::fmt::Debug for Name {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self)
     }
 }
 
