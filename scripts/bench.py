@@ -568,7 +568,9 @@ def perf_split(base, wasm, empty, floor, plugin_store, webdis_port):
             rec = subprocess.Popen(["perf", "record", "-F", "999", "-p", str(e.proc.pid), "-o", data, "--", "sleep", "5"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.3)
+            cpu0 = e.cpu_seconds()
             r = wrk(e.port, duration=4, **wkw)
+            cpu_us = (e.cpu_seconds() - cpu0) * 1e6 / max(r["requests"], 1)
             rec.wait(timeout=60)
             rep = subprocess.run(["perf", "report", "-i", data, "--sort", "dso", "--stdio"], capture_output=True, text=True).stdout
             shares = {"kernel": 0.0, "envoy": 0.0, "wasm_jit": 0.0, "other": 0.0}
@@ -579,7 +581,8 @@ def perf_split(base, wasm, empty, floor, plugin_store, webdis_port):
                 pct, dso = float(m.group(1)), m.group(2)
                 key = "kernel" if "kernel" in dso else "wasm_jit" if dso.startswith("[JIT]") else "envoy" if dso == "envoy" else "other"
                 shares[key] += pct
-            out[name] = {"percent": shares, "rps_under_perf": r["rps"]}
+            out[name] = {"percent": shares, "rps_under_perf": r["rps"], "envoy_cpu_us_per_request": cpu_us,
+                         "us_per_request": {k: v * cpu_us / 100 for k, v in shares.items()}}
         finally:
             e.close()
     return out
@@ -641,8 +644,13 @@ def write_docs(results):
     if "skipped" in cs:
         cpu = f"Not measured in this run ({cs['skipped']}); the full `make bench` measures it with Linux perf."
     else:
-        cpu = "| scenario | kernel % | Envoy code % | Wasm code (V8 JIT) % | req/s under perf |\n|---|---|---|---|---|\n" + "\n".join(
-            f"| {k} | {v['percent']['kernel']:.1f} | {v['percent']['envoy']:.1f} | {v['percent']['wasm_jit']:.1f} | {v['rps_under_perf']:.0f} |" for k, v in cs.items())
+        cpu = ("| scenario | kernel % | Envoy code % | Wasm code (V8 JIT) % | req/s under perf | Envoy CPU µs / request: kernel, Envoy code, Wasm code |\n|---|---|---|---|---|---|\n" + "\n".join(
+            f"| {k} | {v['percent']['kernel']:.1f} | {v['percent']['envoy']:.1f} | {v['percent']['wasm_jit']:.1f} | {v['rps_under_perf']:.0f} | "
+            + (f"{v['us_per_request']['kernel']:.0f}, {v['us_per_request']['envoy']:.0f}, {v['us_per_request']['wasm_jit']:.0f} |" if "us_per_request" in v else "- |")
+            for k, v in cs.items())
+            + "\n\nThe buffering and store floors beside idemgate's first request show where its cost lies: the"
+            " Wasm code's own share, and Envoy's code doing the work of the host calls (shared data, header"
+            " maps, properties), which the counted host calls above explain.")
     growth = m["rss_growth_after_cap_filled_bytes"] / 1048576
     last_keys = m["points"][-1]["keys_sent"]
     yes = lambda ok: "reached" if ok else "**not reached**"
@@ -696,10 +704,10 @@ def write_docs(results):
                          ("d_first_local", "(d) idemgate, first POST, local tier"), ("h_floor_store", "(h) store floor"),
                          ("e_first_store", "(e) idemgate, first POST, Redis store")])
     E, HS, D, HB = S["e_first_store"], S["h_floor_store"], S["d_first_local"], S["h_floor_buffering"]
-    cpu = lambda x, k: x.get(k, 0)
-    local_extra = cpu(D, "envoy_cpu_us_per_request") - cpu(HB, "envoy_cpu_us_per_request")
-    store_extra = cpu(E, "envoy_cpu_us_per_request") - cpu(HS, "envoy_cpu_us_per_request")
-    busy = lambda x: cpu(x, "webdis_cpu_us_per_request") * x["rps"] / 1e6
+    cpu_of = lambda x, k: x.get(k, 0)
+    local_extra = cpu_of(D, "envoy_cpu_us_per_request") - cpu_of(HB, "envoy_cpu_us_per_request")
+    store_extra = cpu_of(E, "envoy_cpu_us_per_request") - cpu_of(HS, "envoy_cpu_us_per_request")
+    busy = lambda x: cpu_of(x, "webdis_cpu_us_per_request") * x["rps"] / 1e6
     store_path = f"""## The store path, explained
 
 A first request with Redis beside the store floor, from what can be counted (the counting build,
@@ -708,7 +716,7 @@ Envoy, webdis and Redis, read from /proc around each run, median of the rounds):
 
 - **Callouts**: idemgate makes {results['first_request_store_calls_total']:.2f} store calls per first request: the claim-or-read
   the client waits for ({results['first_request_store_round_trips']:.2f}) and the completion write the root makes after the
-  response. The store floor makes {cpu(HS, 'store_cluster_requests_per_request'):.2f}, one waited for and one after the response, to the
+  response. The store floor makes {cpu_of(HS, 'store_cluster_requests_per_request'):.2f}, one waited for and one after the response, to the
   same webdis (one thread) in front of the same Redis.
 - **Bytes sent to the store**: {results['store_bytes_first_request']:.0f} per first request (webdis paths and bodies): each call is
   an `EVAL` carrying its whole Lua script, percent-encoded, with the sealed record; the floor's
@@ -720,10 +728,10 @@ Envoy, webdis and Redis, read from /proc around each run, median of the rounds):
 
 | | Envoy | webdis | Redis | webdis busy (share of one core) |
 |---|---|---|---|---|
-| buffering floor | {cpu(HB, 'envoy_cpu_us_per_request'):.0f} | - | - | - |
-| (d) idemgate, local tier | {cpu(D, 'envoy_cpu_us_per_request'):.0f} | - | - | - |
-| store floor | {cpu(HS, 'envoy_cpu_us_per_request'):.0f} | {cpu(HS, 'webdis_cpu_us_per_request'):.0f} | {cpu(HS, 'redis_cpu_us_per_request'):.0f} | {busy(HS):.2f} |
-| (e) idemgate, Redis | {cpu(E, 'envoy_cpu_us_per_request'):.0f} | {cpu(E, 'webdis_cpu_us_per_request'):.0f} | {cpu(E, 'redis_cpu_us_per_request'):.0f} | {busy(E):.2f} |
+| buffering floor | {cpu_of(HB, 'envoy_cpu_us_per_request'):.0f} | - | - | - |
+| (d) idemgate, local tier | {cpu_of(D, 'envoy_cpu_us_per_request'):.0f} | - | - | - |
+| store floor | {cpu_of(HS, 'envoy_cpu_us_per_request'):.0f} | {cpu_of(HS, 'webdis_cpu_us_per_request'):.0f} | {cpu_of(HS, 'redis_cpu_us_per_request'):.0f} | {busy(HS):.2f} |
+| (e) idemgate, Redis | {cpu_of(E, 'envoy_cpu_us_per_request'):.0f} | {cpu_of(E, 'webdis_cpu_us_per_request'):.0f} | {cpu_of(E, 'redis_cpu_us_per_request'):.0f} | {busy(E):.2f} |
 
   Of the {store_extra:.0f} µs of Envoy CPU (e) spends beyond the store floor, {local_extra:.0f} µs is what the local
   tier already costs beyond the buffering floor ((d) minus it: hashing, the local table's shared
@@ -874,8 +882,9 @@ Raw figures: `target/bench/results.json`.
         at = old.find("## Memory at the default capacity")
         if at >= 0:
             end = old.find("\n## ", at + 1)
-            kept = old[at:] if end < 0 else old[at:end + 1]
-            doc = doc.replace("## Where the time goes", kept + "\n## Where the time goes", 1)
+            # One blank line after it, however many the page had (they grew by one a run).
+            kept = (old[at:] if end < 0 else old[at:end]).rstrip("\n") + "\n\n"
+            doc = doc.replace("## Where the time goes", kept + "## Where the time goes", 1)
     open(path, "w").write(doc)
 
 if __name__ == "__main__":
