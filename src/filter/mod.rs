@@ -63,14 +63,14 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root::new(id)) });
 }}
 
-/// Benchmarks only (`--features empty-filter`): the floor of any Wasm filter, reading one header.
+// Benchmarks only (`--features empty-filter`): the floor of any Wasm filter, reading one header.
 #[cfg(feature = "empty-filter")]
 proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(EmptyRoot) });
 }}
 
-/// Benchmarks only (`--features bench-floor`): the floors idemgate's first request is measured
-/// against (`floor.rs`).
+// Benchmarks only (`--features bench-floor`): the floors idemgate's first request is measured
+// against (`floor.rs`).
 #[cfg(all(feature = "bench-floor", not(feature = "empty-filter")))]
 proxy_wasm::main! {{
     proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(floor::FloorRoot::new(id)) });
