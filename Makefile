@@ -108,6 +108,8 @@ down:
 bench: build deps
 	scripts/install-deps.sh bench
 	scripts/build-wasm.sh --empty
+	scripts/build-wasm.sh --floor
+	scripts/build-wasm.sh --count-host-calls
 	cargo build --locked --release --quiet --bin demo-payments
 	python3 scripts/bench.py
 

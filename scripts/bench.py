@@ -7,6 +7,7 @@ their spread (min-max). Results: target/bench/results.json, docs/BENCHMARKS.md, 
 BENCH_QUICK=1 shortens every run (under three minutes in all).
 
 """
+import http.client
 import json
 import os
 import platform
@@ -48,6 +49,12 @@ def wait_http(url, seconds=30):
     raise RuntimeError(f"{url} did not answer")
 
 
+def proc_cpu_seconds(pid):
+    """User + system CPU time a process has used so far (all its threads)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start(cmd, log, cwd=None):
     p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
     PROCS.append(p)
@@ -60,6 +67,20 @@ def stop(p):
     if p in PROCS:
         PROCS.remove(p)
 
+
+# The floors (src/filter/floor.rs, dist/idemgate-floor.wasm): the work no fingerprinting, storing
+# filter can avoid, chosen by the plugin configuration.
+FLOOR_STORE_KEY = "idemgate:v1:bench-floor"
+
+
+def floor_plugin(mode):
+    return {"idemgate_bench_floor": mode, "key": FLOOR_STORE_KEY}
+
+
+# The 1-connection pass (latency without queueing): these scenarios, every round, after the
+# 16-connection runs; its p50s give `first_local_p50_overhead_us`.
+ONE_CONNECTION = ["h_floor_empty_post", "h_floor_buffering", "d_first_local", "h_floor_store", "e_first_store"]
+ONE_CONNECTION_DURATION = 1 if QUICK else 4
 
 PLUGIN_LOCAL = {"scope": {"headers": ["authorization"]}, "local": {"max_entries": 200000, "max_bytes": 268435456, "when_full": "evict_oldest"}}
 
@@ -124,6 +145,20 @@ class Envoy:
                     return 0
         return 0
 
+    def stats(self, prefix):
+        """Every stat whose name starts with `prefix` (Wasm metrics without their `wasmcustom.`)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            n, _, v = line.partition(": ")
+            n = n.removeprefix("wasmcustom.")
+            if n.startswith(prefix):
+                try:
+                    out[n[len(prefix):]] = int(v)
+                except ValueError:
+                    pass
+        return out
+
     def store_requests(self):
         """Requests Envoy sent to the store cluster: an independent count of round trips."""
         return self.stat("cluster.idemgate_store.upstream_rq_total")
@@ -136,8 +171,7 @@ class Envoy:
 
     def cpu_seconds(self):
         """User + system CPU time Envoy has used so far (all its threads)."""
-        fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return proc_cpu_seconds(self.proc.pid)
 
     def close(self):
         stop(self.proc)
@@ -172,14 +206,14 @@ end
 """
 
 
-def wrk(port, method="POST", mode="none", pool=1, duration=DURATION):
+def wrk(port, method="POST", mode="none", pool=1, duration=DURATION, connections=CONNECTIONS):
     body = "nil" if method == "GET" else json.dumps(BODY)
     script = LUA % {"mode": mode, "pool": pool, "method": method, "body": body, "unique": 40_000 * duration,
                     "run": f"{time.time_ns():x}"}
     f = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False, dir=OUT)
     f.write(script)
     f.close()
-    out = subprocess.run(["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{duration}s", "--latency", "-s", f.name, f"http://127.0.0.1:{port}"],
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", f.name, f"http://127.0.0.1:{port}"],
                          capture_output=True, text=True, timeout=duration + 60).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     total = int(re.search(r"(\d+) requests in", out).group(1))
@@ -193,12 +227,97 @@ def wrk(port, method="POST", mode="none", pool=1, duration=DURATION):
     return {"rps": rps, "p50_ms": pct(50), "p99_ms": pct(99), "requests": total, "non_2xx": non2xx}
 
 
+# The counting pass (dist/idemgate-count.wasm, src/filter/meter.rs): host calls, VM allocations and
+# store bytes per request, by count (not time: the same on a busy machine as on a quiet one).
+COUNT_REQUESTS = 200
+COUNT_WARM = 3
+
+
+def send(conn, method, key):
+    headers = {"content-type": "application/json", "authorization": "Bearer bench", "host": "bench"}
+    if key:
+        headers["idempotency-key"] = key
+    conn.request(method, "/bench", body=BODY if method == "POST" else None, headers=headers)
+    r = conn.getresponse()
+    r.read()
+    if r.status >= 300:
+        raise RuntimeError(f"counting pass: {method} {key}: {r.status}")
+
+
+def count_figures(e, requests, root_answers):
+    """The counting build's figures once `requests` requests have logged and the root has handled
+    `root_answers` callout answers (those two are flushed last, so the read after sees the rest)."""
+    for _ in range(400):
+        f = e.stats("idemgate.count.")
+        if f.get("requests_logged", 0) >= requests and f.get("root_answers", 0) >= root_answers:
+            return e.stats("idemgate.count.")
+        time.sleep(0.05)
+    raise RuntimeError(f"counting pass: figures never reached {requests} requests: {e.stats('idemgate.count.')}")
+
+
+def count_scenario(e, method, key_of, root_answers_per_request):
+    conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
+    for i in range(COUNT_WARM):
+        send(conn, method, key_of(i))
+    before = count_figures(e, COUNT_WARM, COUNT_WARM * root_answers_per_request)
+    for i in range(COUNT_WARM, COUNT_WARM + COUNT_REQUESTS):
+        send(conn, method, key_of(i))
+    after = count_figures(e, COUNT_WARM + COUNT_REQUESTS, (COUNT_WARM + COUNT_REQUESTS) * root_answers_per_request)
+    conn.close()
+    return {k: (after[k] - before.get(k, 0)) / COUNT_REQUESTS for k in after}
+
+
+def count_pass(base, wasm, count_wasm, plugin_store, webdis_port):
+    """Per request, for each scenario of the benchmark: host calls, VM allocations (the host's
+    requests to allocate included), buffers the host handed the VM, bytes sent to the store."""
+    run = f"{time.time_ns():x}"
+    out = {}
+    cases = [
+        ("unprotected_get", dict(base, wasm=count_wasm, direct=False, plugin=PLUGIN_LOCAL), "GET", lambda i: None, 0),
+        ("first_local", dict(base, wasm=count_wasm, direct=False, plugin=PLUGIN_LOCAL), "POST", lambda i: f"count-{run}-{i}", 0),
+        ("first_store", dict(base, wasm=count_wasm, direct=False, plugin=plugin_store, store_port=webdis_port), "POST",
+         lambda i: f"count-store-{run}-{i}", 1),
+        ("replay_local", dict(base, wasm=count_wasm, direct=False, plugin=PLUGIN_LOCAL), "POST", lambda i: f"count-replay-{run}", 0),
+    ]
+    for name, kw, method, key_of, answers in cases:
+        e = Envoy("count-" + name, **kw)
+        try:
+            out[name] = count_scenario(e, method, key_of, answers)
+        finally:
+            e.close()
+    # Replays of records another proxy made: written through a proxy with the shipped module, read
+    # (each key once: every one misses locally and reads the store) through the counting one.
+    w = Envoy("count-writer", **dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port))
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", w.port, timeout=10)
+        for i in range(COUNT_WARM + COUNT_REQUESTS):
+            send(conn, "POST", f"count-miss-{run}-{i}")
+        conn.close()
+        for _ in range(400):  # every completion written to the store
+            if w.stat("idemgate.store_writes") >= COUNT_WARM + COUNT_REQUESTS:
+                break
+            time.sleep(0.05)
+    finally:
+        w.close()
+    e = Envoy("count-reader", **dict(base, wasm=count_wasm, direct=False, plugin=plugin_store, store_port=webdis_port))
+    try:
+        out["replay_after_local_miss"] = count_scenario(e, "POST", lambda i: f"count-miss-{run}-{i}", 0)
+    finally:
+        e.close()
+    for name, f in out.items():
+        print(f"bench: counted {name}: {f['host_calls']:.1f} host calls, {f['vm_allocations']:.1f} VM allocations, "
+              f"{f['store_bytes']:.0f} store bytes per request", flush=True)
+    return out
+
+
 def summarise(runs):
     med = lambda k: statistics.median(r[k] for r in runs)
     return {
         "rps": med("rps"), "rps_min": min(r["rps"] for r in runs), "rps_max": max(r["rps"] for r in runs),
         "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"), "p99_ms_max": max(r["p99_ms"] for r in runs),
         "envoy_cpu_us_per_request": statistics.median(r.get("envoy_cpu_us_per_request", 0) for r in runs),
+        "webdis_cpu_us_per_request": statistics.median(r.get("webdis_cpu_us_per_request", 0) for r in runs),
+        "redis_cpu_us_per_request": statistics.median(r.get("redis_cpu_us_per_request", 0) for r in runs),
         "requests": sum(r["requests"] for r in runs), "non_2xx": sum(r["non_2xx"] for r in runs), "runs": runs,
     }
 
@@ -207,51 +326,69 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     wasm = os.path.join(ROOT, "dist", "idemgate.wasm")
     empty = os.path.join(ROOT, "dist", "empty.wasm")
+    count_wasm = os.path.join(ROOT, "dist", "idemgate-count.wasm")
+    floor = os.path.join(ROOT, "dist", "idemgate-floor.wasm")
     api_port = free_port()
     start([os.path.join(ROOT, "target", "release", "demo-payments"), "--port", str(api_port)], os.path.join(OUT, "api.log"))
     wait_http(f"http://127.0.0.1:{api_port}/stats")
     redis_port, webdis_port = free_port(), free_port()
     rdir = tempfile.mkdtemp(dir=OUT)
-    start(["redis-server", os.path.join(ROOT, "envoy", "redis.conf"), "--port", str(redis_port), "--dir", rdir, "--daemonize", "no", "--appendonly", "no"], os.path.join(OUT, "redis.log"))
+    redis_proc = start(["redis-server", os.path.join(ROOT, "envoy", "redis.conf"), "--port", str(redis_port), "--dir", rdir, "--daemonize", "no", "--appendonly", "no"], os.path.join(OUT, "redis.log"))
     # envoy/redis.conf requires idemgate's Redis password (its ACL user); webdis sends it.
     redis_auth = json.load(open(os.path.join(ROOT, "envoy", "docker-compose", "webdis.json")))["redis_auth"]
     json.dump({"redis_host": "127.0.0.1", "redis_port": redis_port, "redis_auth": redis_auth, "http_host": "127.0.0.1", "http_port": webdis_port, "threads": 1, "pool_size": 8,
                "daemonize": False, "database": 0, "verbosity": 1, "logfile": os.path.join(OUT, "webdis.log"), "acl": [{"disabled": ["DEBUG"]}]},
               open(os.path.join(OUT, "webdis.json"), "w"))
-    start(["webdis", os.path.join(OUT, "webdis.json")], os.path.join(OUT, "webdis.out"), cwd=OUT)
+    webdis_proc = start(["webdis", os.path.join(OUT, "webdis.json")], os.path.join(OUT, "webdis.out"), cwd=OUT)
     wait_http(f"http://127.0.0.1:{webdis_port}/PING")
+    store_side = {"webdis": webdis_proc.pid, "redis": redis_proc.pid}
     plugin_store = dict(PLUGIN_LOCAL, store={"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 1000})
     R = {}
     base = dict(api_port=api_port, store_port=None, plugin=None)
-    # Scenarios (a)-(f) run interleaved: every Envoy is started first, then each round runs every
-    # scenario once in turn, so a slow spell of this shared VM hits all of them alike; a ratio is
-    # the median of its per-round ratios (same round, same conditions), with their spread.
+    # Scenarios (a)-(f) and the floors (h) run interleaved: every Envoy is started first, then each
+    # round runs every scenario once in turn, so a slow spell of this shared VM hits all of them
+    # alike; a ratio is the median of its per-round ratios (same round, same conditions), with
+    # their spread. The floors get the same POSTs (body, headers, unique keys) as (d) and (e).
     group = [
         ("a_direct", dict(base, wasm=None, direct=True), dict(mode="none")),
         ("a_proxied", dict(base, wasm=None, direct=False), dict(mode="none")),
         ("b_empty_wasm_direct", dict(base, wasm=empty, direct=True), dict(mode="fixed")),
         ("b_empty_wasm_proxied", dict(base, wasm=empty, direct=False), dict(method="GET", mode="none")),
         ("c_unprotected_get", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(method="GET", mode="none")),
+        ("h_floor_empty_post", dict(base, wasm=floor, direct=False, plugin=floor_plugin("empty")), dict(mode="unique")),
+        ("h_floor_buffering", dict(base, wasm=floor, direct=False, plugin=floor_plugin("buffering")), dict(mode="unique")),
         ("d_first_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="unique")),
+        ("h_floor_store", dict(base, wasm=floor, direct=False, plugin=floor_plugin("store"), store_port=webdis_port), dict(mode="unique")),
         ("e_first_store", dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port), dict(mode="unique")),
         ("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed")),
     ]
     envoys = {name: Envoy(name, **kw) for name, kw, _ in group}
     wrk(envoys["f_replay_local"].port, duration=1, mode="fixed")  # the record every run replays
     runs = {name: [] for name, _, _ in group}
+    runs1 = {name: [] for name in ONE_CONNECTION}
+    wkws = {name: wkw for name, _, wkw in group}
     counters = {name: (envoys[name].stat("idemgate.store_calls"), envoys[name].stat("idemgate.store_calls_waited"), envoys[name].store_requests()) for name in envoys}
     for rnd in range(RUNS):
         for name, _, wkw in group:
             cpu0 = envoys[name].cpu_seconds()
+            side0 = {k: proc_cpu_seconds(pid) for k, pid in store_side.items()}
             r = wrk(envoys[name].port, **wkw)
             r["envoy_cpu_us_per_request"] = (envoys[name].cpu_seconds() - cpu0) * 1e6 / max(r["requests"], 1)
+            # The store's side of the same requests: webdis (one thread) and Redis.
+            for k, pid in store_side.items():
+                r[f"{k}_cpu_us_per_request"] = (proc_cpu_seconds(pid) - side0[k]) * 1e6 / max(r["requests"], 1)
             runs[name].append(r)
+        for name in ONE_CONNECTION:
+            runs1[name].append(wrk(envoys[name].port, duration=ONE_CONNECTION_DURATION, connections=1, **wkws[name]))
         print(f"bench: round {rnd + 1}/{RUNS} done", flush=True)
     time.sleep(0.5)  # writes made after the last responses
     for name, kw, _ in group:
         R[name] = summarise(runs[name])
+        if name in runs1:
+            R[name]["one_connection"] = summarise(runs1[name])
         if kw.get("plugin"):
-            n = max(R[name]["requests"], 1)
+            # Every request the counters saw: the 1-connection pass's too.
+            n = max(R[name]["requests"] + R[name].get("one_connection", {}).get("requests", 0), 1)
             c0, w0, s0 = counters[name]
             R[name]["store_calls_per_request"] = (envoys[name].stat("idemgate.store_calls") - c0) / n
             R[name]["store_calls_waited_per_request"] = (envoys[name].stat("idemgate.store_calls_waited") - w0) / n
@@ -268,6 +405,11 @@ def main():
         """Median and spread of the per-round throughput ratios x/y."""
         rs = [a["rps"] / b["rps"] for a, b in zip(runs[x], runs[y])]
         return {"median": statistics.median(rs), "min": min(rs), "max": max(rs), "per_round": rs}
+
+    def p50_overhead_us(x, y):
+        """Median and spread of the per-round 1-connection p50 differences x - y, in µs."""
+        ds = [(a["p50_ms"] - b["p50_ms"]) * 1000 for a, b in zip(runs1[x], runs1[y])]
+        return {"median": statistics.median(ds), "min": min(ds), "max": max(ds), "per_round": ds}
 
     # (g): records made by another proxy: a pool of keys completed through proxy A, replayed by
     # proxy B whose local tier has never seen them (each key once per run, so every replay misses
@@ -323,13 +465,19 @@ def main():
     mem["rss_growth_after_cap_filled_bytes"] = mem["points"][-1]["rss_bytes"] - filled
     R["memory"] = mem
 
+    counted = count_pass(base, wasm, count_wasm, plugin_store, webdis_port)
+
     # The per-step profile compiles the core twice (native and wasm32): full runs only.
     profile = hot_path_profile() if not QUICK else {"skipped": "quick run"}
-    cpu_split = perf_split(base, wasm, empty) if not QUICK else {"skipped": "quick run"}
+    cpu_split = perf_split(base, wasm, empty, floor, plugin_store, webdis_port) if not QUICK else {"skipped": "quick run"}
 
     passthrough = paired("c_unprotected_get", "b_empty_wasm_proxied")
     protected_first = paired("e_first_store", "a_proxied")
     replay_local = paired("f_replay_local", "b_empty_wasm_direct")
+    local_floor = paired("d_first_local", "h_floor_buffering")
+    store_floor = paired("e_first_store", "h_floor_store")
+    local_p50 = p50_overhead_us("d_first_local", "h_floor_buffering")
+    store_p50 = p50_overhead_us("e_first_store", "h_floor_store")
     results = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip()},
         "settings": {"envoy_workers": 1, "wrk_threads": 1, "connections": CONNECTIONS, "duration_s": DURATION, "runs": RUNS, "interleaved": True, "body_bytes": len(BODY), "log_level": "error", "quick": QUICK},
@@ -347,6 +495,21 @@ def main():
         "replay_local_ratio_spread": replay_local,
         "replay_local_ratio_divides_by": "b_empty_wasm_direct (empty Wasm filter in front of Envoy's direct_response, same POSTs)",
         "empty_wasm_ratio_direct": paired("b_empty_wasm_direct", "a_direct")["median"],
+        "first_local_floor_ratio": local_floor["median"],
+        "first_local_floor_ratio_spread": local_floor,
+        "first_local_floor_ratio_divides_by": "h_floor_buffering (pause at headers, whole body, continue, response headers and body read; same POSTs)",
+        "first_local_floor_cpu_ratio": cpu_paired("d_first_local", "h_floor_buffering"),
+        "first_store_floor_ratio": store_floor["median"],
+        "first_store_floor_ratio_spread": store_floor,
+        "first_store_floor_ratio_divides_by": "h_floor_store (the buffering floor plus a webdis GET waited for and a second one from the root after the response; same POSTs, same webdis)",
+        "first_store_floor_cpu_ratio": cpu_paired("e_first_store", "h_floor_store"),
+        "first_local_p50_overhead_us": local_p50["median"],
+        "first_local_p50_overhead_us_spread": local_p50,
+        "first_local_p50_overhead_us_note": "1-connection p50 of (d) minus that of the buffering floor, per round, median",
+        "first_store_p50_overhead_us": store_p50["median"],
+        "first_store_p50_overhead_us_spread": store_p50,
+        "pause_cost_ratio": paired("h_floor_buffering", "h_floor_empty_post")["median"],
+        "pause_cost_ratio_note": "buffering floor / empty filter on the same POSTs: what pausing for the body costs any filter",
         "first_request_store_round_trips": R["e_first_store"]["store_calls_waited_per_request"],
         "first_request_store_round_trips_note": "store calls the client waits for (the claim-or-read); the completion write is made after the response",
         "first_request_store_calls_total": R["e_first_store"]["store_calls_per_request"],
@@ -354,6 +517,13 @@ def main():
         "replay_after_local_miss_store_round_trips": R["g_replay_after_local_miss"]["store_calls_per_local_miss"],
         "wasm_bytes": os.path.getsize(wasm),
         "empty_wasm_bytes": os.path.getsize(empty),
+        "floor_wasm_bytes": os.path.getsize(floor),
+        **{f"host_calls_{k}": v["host_calls"] for k, v in counted.items()},
+        **{f"vm_allocations_{k}": v["vm_allocations"] for k, v in counted.items()},
+        "store_bytes_first_request": counted["first_store"]["store_bytes"],
+        "store_bytes_first_request_note": "bytes of the webdis requests' paths and bodies per first request with Redis (the claim-or-read and the completion write), counted by dist/idemgate-count.wasm",
+        "store_bytes_replay_after_local_miss": counted["replay_after_local_miss"]["store_bytes"],
+        "counted_per_request": counted,
         "hot_path_ns": profile,
         "envoy_cpu_split": cpu_split,
         "scenarios": R,
@@ -375,15 +545,19 @@ def hot_path_profile():
     return out
 
 
-def perf_split(base, wasm, empty):
+def perf_split(base, wasm, empty, floor, plugin_store, webdis_port):
     """Where Envoy's CPU goes (Linux perf, when it works here): the kernel, Envoy's own code
     (stripped: no symbols), and the Wasm code V8 compiled ([JIT]), for the GET pass-through of the
-    empty filter and of idemgate, a first POST and a local replay."""
+    empty filter and of idemgate, a first POST (local tier, and Redis) beside its floors, and a
+    local replay."""
     if subprocess.run(["perf", "stat", "-e", "task-clock", "true"], capture_output=True).returncode != 0:
         return {"skipped": "perf is not usable here"}
     cases = [("b_empty_wasm_proxied", dict(base, wasm=empty, direct=False), dict(method="GET", mode="none")),
              ("c_unprotected_get", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(method="GET", mode="none")),
+             ("h_floor_buffering", dict(base, wasm=floor, direct=False, plugin=floor_plugin("buffering")), dict(mode="unique")),
              ("d_first_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="unique")),
+             ("h_floor_store", dict(base, wasm=floor, direct=False, plugin=floor_plugin("store"), store_port=webdis_port), dict(mode="unique")),
+             ("e_first_store", dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port), dict(mode="unique")),
              ("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed"))]
     out = {}
     for name, ekw, wkw in cases:
@@ -394,7 +568,9 @@ def perf_split(base, wasm, empty):
             rec = subprocess.Popen(["perf", "record", "-F", "999", "-p", str(e.proc.pid), "-o", data, "--", "sleep", "5"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.3)
+            cpu0 = e.cpu_seconds()
             r = wrk(e.port, duration=4, **wkw)
+            cpu_us = (e.cpu_seconds() - cpu0) * 1e6 / max(r["requests"], 1)
             rec.wait(timeout=60)
             rep = subprocess.run(["perf", "report", "-i", data, "--sort", "dso", "--stdio"], capture_output=True, text=True).stdout
             shares = {"kernel": 0.0, "envoy": 0.0, "wasm_jit": 0.0, "other": 0.0}
@@ -405,7 +581,8 @@ def perf_split(base, wasm, empty):
                 pct, dso = float(m.group(1)), m.group(2)
                 key = "kernel" if "kernel" in dso else "wasm_jit" if dso.startswith("[JIT]") else "envoy" if dso == "envoy" else "other"
                 shares[key] += pct
-            out[name] = {"percent": shares, "rps_under_perf": r["rps"]}
+            out[name] = {"percent": shares, "rps_under_perf": r["rps"], "envoy_cpu_us_per_request": cpu_us,
+                         "us_per_request": {k: v * cpu_us / 100 for k, v in shares.items()}}
         finally:
             e.close()
     return out
@@ -420,6 +597,9 @@ LABELS = [
     ("d_first_local", "(d) idemgate, first POST, local tier"),
     ("e_first_store", "(e) idemgate, first POST, Redis store"),
     ("f_replay_local", "(f) idemgate, replay from memory"),
+    ("h_floor_empty_post", "(h) floor: empty filter, same POSTs"),
+    ("h_floor_buffering", "(h) floor: buffering (body, response)"),
+    ("h_floor_store", "(h) floor: buffering + 2 store callouts"),
     ("g_replay_after_local_miss", "(g) idemgate, replay after local miss"),
 ]
 
@@ -464,8 +644,13 @@ def write_docs(results):
     if "skipped" in cs:
         cpu = f"Not measured in this run ({cs['skipped']}); the full `make bench` measures it with Linux perf."
     else:
-        cpu = "| scenario | kernel % | Envoy code % | Wasm code (V8 JIT) % | req/s under perf |\n|---|---|---|---|---|\n" + "\n".join(
-            f"| {k} | {v['percent']['kernel']:.1f} | {v['percent']['envoy']:.1f} | {v['percent']['wasm_jit']:.1f} | {v['rps_under_perf']:.0f} |" for k, v in cs.items())
+        cpu = ("| scenario | kernel % | Envoy code % | Wasm code (V8 JIT) % | req/s under perf | Envoy CPU µs / request: kernel, Envoy code, Wasm code |\n|---|---|---|---|---|---|\n" + "\n".join(
+            f"| {k} | {v['percent']['kernel']:.1f} | {v['percent']['envoy']:.1f} | {v['percent']['wasm_jit']:.1f} | {v['rps_under_perf']:.0f} | "
+            + (f"{v['us_per_request']['kernel']:.0f}, {v['us_per_request']['envoy']:.0f}, {v['us_per_request']['wasm_jit']:.0f} |" if "us_per_request" in v else "- |")
+            for k, v in cs.items())
+            + "\n\nThe buffering and store floors beside idemgate's first request show where its cost lies: the"
+            " Wasm code's own share, and Envoy's code doing the work of the host calls (shared data, header"
+            " maps, properties), which the counted host calls above explain.")
     growth = m["rss_growth_after_cap_filled_bytes"] / 1048576
     last_keys = m["points"][-1]["keys_sent"]
     yes = lambda ok: "reached" if ok else "**not reached**"
@@ -489,6 +674,72 @@ def write_docs(results):
         "encodes and decodes, the host calls that copy headers and body) is the cost: see the profile below",
     ])
     st = results["settings"]
+    busy = " (a quick run on a shared machine: not judged here; a full quiet `make bench` decides)" if st["quick"] else ""
+    targets += "\n" + "\n".join([
+        f"- `first_local_floor_ratio` >= 0.9: {results['first_local_floor_ratio']:.3f}, {yes(results['first_local_floor_ratio'] >= 0.9)}{busy} "
+        f"(by Envoy CPU per request {results['first_local_floor_cpu_ratio']:.3f})",
+        f"- `first_store_floor_ratio` >= 0.9: {results['first_store_floor_ratio']:.3f}, {yes(results['first_store_floor_ratio'] >= 0.9)}{busy} "
+        f"(by Envoy CPU per request {results['first_store_floor_cpu_ratio']:.3f})",
+        f"- `first_local_p50_overhead_us` <= 30: {results['first_local_p50_overhead_us']:.0f} µs, {yes(results['first_local_p50_overhead_us'] <= 30)}{busy}",
+        f"- `host_calls_first_local` <= 20: {results['host_calls_first_local']:.1f}, {yes(results['host_calls_first_local'] <= 20)} (counted, "
+        "the same on any machine; what bounds it: see \"Host calls per request\")",
+        f"- `store_bytes_first_request` reported: {results['store_bytes_first_request']:.0f} bytes",
+    ])
+    C = results["counted_per_request"]
+    count_rows = "\n".join(
+        f"| {label} | {C[k]['host_calls']:.1f} | {C[k]['vm_allocations']:.1f} | {C[k]['host_buffers']:.1f} | {C[k]['store_bytes']:.0f} |"
+        for k, label in [("unprotected_get", "(c) unprotected GET"), ("first_local", "(d) first POST, local tier"),
+                         ("first_store", "(e) first POST, Redis store"), ("replay_local", "(f) replay from memory"),
+                         ("replay_after_local_miss", "(g) replay after a local miss")] if k in C)
+    phases = ["request_headers", "request_body", "call_answer", "response_headers", "response_body", "log", "root"]
+    phase_rows = "\n".join(
+        f"| {label} | " + " | ".join(f"{C[k].get('calls.' + p, 0):.1f}" for p in phases) + f" | {C[k]['host_calls']:.1f} |"
+        for k, label in [("first_local", "(d) first POST, local tier"), ("first_store", "(e) first POST, Redis store"),
+                         ("replay_local", "(f) replay from memory"), ("replay_after_local_miss", "(g) replay after a local miss")] if k in C)
+    one = lambda k: S[k].get("one_connection", {})
+    floor_rows = "\n".join(
+        f"| {label} | {S[k]['rps']:.0f} ({S[k]['rps_min']:.0f}-{S[k]['rps_max']:.0f}) | {S[k]['envoy_cpu_us_per_request']:.0f} | "
+        f"{one(k).get('p50_ms', float('nan')) * 1000:.0f} | {one(k).get('p99_ms', float('nan')) * 1000:.0f} |"
+        for k, label in [("h_floor_empty_post", "(h) empty filter, same POSTs"), ("h_floor_buffering", "(h) buffering floor"),
+                         ("d_first_local", "(d) idemgate, first POST, local tier"), ("h_floor_store", "(h) store floor"),
+                         ("e_first_store", "(e) idemgate, first POST, Redis store")])
+    E, HS, D, HB = S["e_first_store"], S["h_floor_store"], S["d_first_local"], S["h_floor_buffering"]
+    cpu_of = lambda x, k: x.get(k, 0)
+    local_extra = cpu_of(D, "envoy_cpu_us_per_request") - cpu_of(HB, "envoy_cpu_us_per_request")
+    store_extra = cpu_of(E, "envoy_cpu_us_per_request") - cpu_of(HS, "envoy_cpu_us_per_request")
+    busy = lambda x: cpu_of(x, "webdis_cpu_us_per_request") * x["rps"] / 1e6
+    store_path = f"""## The store path, explained
+
+A first request with Redis beside the store floor, from what can be counted (the counting build,
+Envoy's count of requests to the store cluster) and from the runs above (CPU time per request of
+Envoy, webdis and Redis, read from /proc around each run, median of the rounds):
+
+- **Callouts**: idemgate makes {results['first_request_store_calls_total']:.2f} store calls per first request: the claim-or-read
+  the client waits for ({results['first_request_store_round_trips']:.2f}) and the completion write the root makes after the
+  response. The store floor makes {cpu_of(HS, 'store_cluster_requests_per_request'):.2f}, one waited for and one after the response, to the
+  same webdis (one thread) in front of the same Redis.
+- **Bytes sent to the store**: {results['store_bytes_first_request']:.0f} per first request (webdis paths and bodies): each call is
+  an `EVAL` carrying its whole Lua script, percent-encoded, with the sealed record; the floor's
+  two `GET`s carry {2 * len('/GET/' + FLOOR_STORE_KEY)}. (Scripts run by name, `EVALSHA`, are another branch's work.)
+- **Host calls**: {C['first_store']['host_calls']:.0f} against {C['first_local']['host_calls']:.0f} in the local tier (see "By callback"): the callout, its
+  answer's status and body, resuming the request, waking the root and its queue, the root's
+  callout and its answer, and their counters.
+- **CPU per request** in this run, µs:
+
+| | Envoy | webdis | Redis | webdis busy (share of one core) |
+|---|---|---|---|---|
+| buffering floor | {cpu_of(HB, 'envoy_cpu_us_per_request'):.0f} | - | - | - |
+| (d) idemgate, local tier | {cpu_of(D, 'envoy_cpu_us_per_request'):.0f} | - | - | - |
+| store floor | {cpu_of(HS, 'envoy_cpu_us_per_request'):.0f} | {cpu_of(HS, 'webdis_cpu_us_per_request'):.0f} | {cpu_of(HS, 'redis_cpu_us_per_request'):.0f} | {busy(HS):.2f} |
+| (e) idemgate, Redis | {cpu_of(E, 'envoy_cpu_us_per_request'):.0f} | {cpu_of(E, 'webdis_cpu_us_per_request'):.0f} | {cpu_of(E, 'redis_cpu_us_per_request'):.0f} | {busy(E):.2f} |
+
+  Of the {store_extra:.0f} µs of Envoy CPU (e) spends beyond the store floor, {local_extra:.0f} µs is what the local
+  tier already costs beyond the buffering floor ((d) minus it: hashing, the local table's shared
+  data, the header maps); the remaining {store_extra - local_extra:.0f} µs is the store path's own: building, sealing and
+  percent-encoding those bytes, parsing the answers, and the host calls above. On this 2-core
+  machine Envoy, wrk, webdis and Redis share the cores (with whatever else runs), so CPU figures
+  move from run to run: compare rows of one run, not runs.
+"""
     sp = lambda k: f"{results[k + '_spread']['min']:.3f}-{results[k + '_spread']['max']:.3f}"
     doc = f"""# Benchmarks
 
@@ -523,6 +774,75 @@ Ratios (each names its baseline):
 
 ![throughput and p99 by scenario](bench.svg)
 
+## Floors
+
+What no fingerprinting, storing filter can avoid, measured in the same interleaved rounds on the
+same POSTs (`src/filter/floor.rs`, built as `dist/idemgate-floor.wasm` by `scripts/build-wasm.sh
+--floor`, never shipped): the **empty filter** reads one header and continues; the **buffering
+floor** pauses at the request headers, takes the whole body, continues, and reads the response
+headers and body; the **store floor** adds one callout per request to the same webdis (a `GET` of
+one key) waited for before continuing, and a second one made by the root context after the
+response, as idemgate's completion write is. The 1-connection columns come from a pass of
+{ONE_CONNECTION_DURATION} s per scenario in each round (latency without queueing).
+
+| scenario | req/s, {st['connections']} connections | Envoy CPU µs / request | p50 µs, 1 connection | p99 µs, 1 connection |
+|---|---|---|---|---|
+{floor_rows}
+
+- `first_local_floor_ratio` = (d) / buffering floor = **{results['first_local_floor_ratio']:.3f}** (rounds: {sp('first_local_floor_ratio')})
+- `first_store_floor_ratio` = (e) / store floor = **{results['first_store_floor_ratio']:.3f}** (rounds: {sp('first_store_floor_ratio')})
+- `first_local_p50_overhead_us` = (d) minus the buffering floor, 1-connection p50 = **{results['first_local_p50_overhead_us']:.0f} µs**
+  (rounds: {results['first_local_p50_overhead_us_spread']['min']:.0f} to {results['first_local_p50_overhead_us_spread']['max']:.0f});
+  with the store, (e) minus the store floor: {results['first_store_p50_overhead_us']:.0f} µs
+- pausing for the body, buffering floor / empty filter on the same POSTs: {results['pause_cost_ratio']:.3f}
+
+## Host calls per request
+
+Counted, not timed, so the same on a busy machine as on a quiet one: `dist/idemgate-count.wasm`
+(`scripts/build-wasm.sh --count-host-calls`, never shipped) is idemgate with every host call
+counted where `src/filter/host.rs` makes it and a counting allocator; the figures are per request
+over {COUNT_REQUESTS} requests after {COUNT_WARM} uncounted ones, Envoy logging errors only (as in the runs
+above). Host calls include the root's store write and its answer; the tick's sweeps and gauges are
+not requests' work and are left out. VM allocations include those the host asks the VM for to hand
+it a value (one per buffer handed over). Store bytes are the webdis requests' paths and bodies.
+
+| scenario | host calls | VM allocations | buffers handed to the VM | bytes sent to the store |
+|---|---|---|---|---|
+{count_rows}
+
+By callback (the store's answer to the claim comes to the request's own context; the root makes
+the completion write and reads its answer):
+
+| scenario | request headers | request body | store answer | response headers | response body | log | root | in all |
+|---|---|---|---|---|---|---|---|---|
+{phase_rows}
+
+What a first request in the local tier still pays for (`host_calls_first_local`, target 20):
+- request headers: `:method` read alone (unprotected methods pass on it), the header map, the
+  header `x-envoy-max-retries: 0`, the clock, the bucket's read and CAS write (the claim), the
+  record count's read and CAS write (the table's bound, reserved before the claim), the claim's
+  record slot (it names the original request in 409s and makes the completion's slot write
+  owner-checked), the counters `protected` and `claimed`;
+- request body: the body, the clock, the bucket's read and CAS write (marked forwarded, its lock
+  restarted);
+- response: the header map, the expiry header, each body chunk;
+- log: the attempt count and code details (the rest of Envoy's facts only when the
+  classification needs them), the clock, the byte usage's read and CAS write (`local.max_bytes`),
+  the bucket's read and CAS write, the slot's read and CAS write (the completed record), the
+  counter `stored`, the two filter-state values of the access log.
+
+Cuts considered and not made, each because it changes what idemgate promises or shows: counters
+kept in the VM and flushed on the tick (3 calls: every counter would lag by up to a tick per
+worker, and operators and the tests read them right after a request); no claim slot at headers
+(1 call: a 409 during the upload would no longer name the original request, and a late
+completion could overwrite a newer owner's slot); per-worker leases of the record count and the
+byte usage (4 calls: the table's bounds and its gauges would carry a lease of slack per worker).
+Already cut (41 before issue 17): debug lines built and sent whatever Envoy's level (3), a random
+read and a clock read per owner token (2: tokens now come from a per-VM seed and a counter), the
+response flags and upstream addresses read whether needed or not (3), the path and
+key header read alone before the map (2), the bucket read twice by the completion (1).
+
+{store_path}
 ## Targets
 
 {targets}
@@ -564,8 +884,9 @@ Raw figures: `target/bench/results.json`.
             at = old.find(section)
             if at >= 0:
                 end = old.find("\n## ", at + 1)
-                kept = old[at:] if end < 0 else old[at:end + 1]
-                doc = doc.replace("## Where the time goes", kept + "\n## Where the time goes", 1)
+                # One blank line after it, however many the page had (they grew by one a run).
+                kept = (old[at:] if end < 0 else old[at:end]).rstrip("\n") + "\n\n"
+                doc = doc.replace("## Where the time goes", kept + "## Where the time goes", 1)
     open(path, "w").write(doc)
 
 if __name__ == "__main__":

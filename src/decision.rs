@@ -234,6 +234,48 @@ pub struct ExchangeFacts {
     pub attempts: Option<u64>,
 }
 
+/// What `classify` asks of a finished exchange, one fact at a time: the filter answers each with a
+/// host call (a property read) only when `classify` asks for it, so an exchange the upstream
+/// answered in full costs two reads (the attempt count and the code details), not five.
+/// `ExchangeFacts` answers from plain values.
+pub trait Exchange {
+    fn forwarded(&mut self) -> bool;
+    fn status(&mut self) -> Option<u16>;
+    fn code_details(&mut self) -> String;
+    fn flags(&mut self) -> u64;
+    fn response_complete(&mut self) -> bool;
+    fn upstream_host(&mut self) -> bool;
+    fn upstream_connected(&mut self) -> bool;
+    fn attempts(&mut self) -> Option<u64>;
+}
+
+impl Exchange for ExchangeFacts {
+    fn forwarded(&mut self) -> bool {
+        self.forwarded
+    }
+    fn status(&mut self) -> Option<u16> {
+        self.status
+    }
+    fn code_details(&mut self) -> String {
+        self.code_details.clone()
+    }
+    fn flags(&mut self) -> u64 {
+        self.flags
+    }
+    fn response_complete(&mut self) -> bool {
+        self.response_complete
+    }
+    fn upstream_host(&mut self) -> bool {
+        self.upstream_host
+    }
+    fn upstream_connected(&mut self) -> bool {
+        self.upstream_connected
+    }
+    fn attempts(&mut self) -> Option<u64> {
+        self.attempts
+    }
+}
+
 /// Envoy response flag bits (envoy/stream_info/stream_info.h), as `response.flags` reports them.
 pub mod flags {
     pub const FAILED_LOCAL_HEALTH_CHECK: u64 = 0x1;
@@ -306,17 +348,26 @@ const CONNECT_FAILURES: [&str; 4] =
 /// cluster). A local reply by a later filter after the upstream answered (a Lua or ext_proc
 /// failure on the response path) carries no flag and is not evidence: outcome unknown.
 pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
-    if !facts.forwarded || never_started(facts) {
+    classify_exchange(&mut facts.clone(), policy)
+}
+
+/// `classify`, asking `x` for each fact only when the rule reached needs it (see `Exchange`).
+pub fn classify_exchange(x: &mut impl Exchange, policy: &Policy) -> Outcome {
+    if !x.forwarded() || never_started(x) {
         return Outcome::Release;
     }
     let by_status =
         |status: u16| if policy.release_on_status.contains(&status) { Outcome::Release } else { Outcome::Store };
     // The whole upstream response was captured: the client leaving while it was being written
     // changes nothing, the retry gets the replay.
-    if let (true, Some(status), "via_upstream") = (facts.response_complete, facts.status, facts.code_details.as_str()) {
-        return by_status(status);
+    if x.response_complete() {
+        if let Some(status) = x.status() {
+            if x.code_details() == "via_upstream" {
+                return by_status(status);
+            }
+        }
     }
-    let f = facts.flags;
+    let f = x.flags();
     if f & flags::MAYBE_EXECUTED != 0 {
         let reason = if f
             & (flags::UPSTREAM_REQUEST_TIMEOUT
@@ -338,11 +389,11 @@ pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
         };
         return Outcome::Unknown(reason);
     }
-    if envoy_never_sent(facts) {
+    if envoy_never_sent(x) {
         return Outcome::Release;
     }
-    match facts.status {
-        Some(status) if facts.code_details == "via_upstream" => by_status(status),
+    match x.status() {
+        Some(status) if x.code_details() == "via_upstream" => by_status(status),
         // No status, a local reply that is not on the allow-list (a later filter failing on the
         // response path, an unflagged upstream failure): it may have run.
         _ => Outcome::Unknown(UnknownReason::Other),
@@ -350,20 +401,21 @@ pub fn classify(facts: &ExchangeFacts, policy: &Policy) -> Outcome {
 }
 
 /// No upstream request was ever started: Envoy says there was no attempt and no upstream host.
-/// Both must be read: an unreadable attempt count is no evidence.
-fn never_started(facts: &ExchangeFacts) -> bool {
-    facts.attempts == Some(0) && !facts.upstream_host
+/// Both must be read: an unreadable attempt count is no evidence. (The host is asked only when
+/// the count says no attempt.)
+fn never_started(x: &mut impl Exchange) -> bool {
+    x.attempts() == Some(0) && !x.upstream_host()
 }
 
 /// Envoy answered for a failure that happens before anything is sent, on the only attempt: the
 /// flag and the code details must agree (a flag alone may be left over from another attempt, and
 /// the details name whoever answered last).
-fn envoy_never_sent(facts: &ExchangeFacts) -> bool {
-    if !matches!(facts.attempts, Some(0 | 1)) {
+fn envoy_never_sent(x: &mut impl Exchange) -> bool {
+    if !matches!(x.attempts(), Some(0 | 1)) {
         return false;
     }
-    let f = facts.flags;
-    let d = facts.code_details.as_str();
+    let f = x.flags();
+    let d = x.code_details();
     let reset_reason = d
         .strip_prefix("upstream_reset_before_response_started{")
         .and_then(|r| r.strip_suffix('}'))
@@ -373,8 +425,8 @@ fn envoy_never_sent(facts: &ExchangeFacts) -> bool {
         || (f & flags::NO_CLUSTER_FOUND != 0 && d == "cluster_not_found")
         || (f & flags::UPSTREAM_OVERFLOW != 0 && (d == "maintenance_mode" || reset_reason == Some("overflow")))
         || (f & flags::UPSTREAM_CONNECTION_FAILURE != 0
-            && !facts.upstream_connected
-            && reset_reason.is_some_and(|r| CONNECT_FAILURES.contains(&r)))
+            && reset_reason.is_some_and(|r| CONNECT_FAILURES.contains(&r))
+            && !x.upstream_connected())
 }
 
 /// The header Envoy's router adds to every upstream response it relays, callouts included
@@ -683,6 +735,123 @@ mod tests {
             attempts: Some(0),
             ..facts(true, status, details, flags)
         }
+    }
+
+    /// An exchange that records which facts `classify_exchange` asked for.
+    struct Asked(ExchangeFacts, Vec<&'static str>);
+
+    impl Exchange for Asked {
+        fn forwarded(&mut self) -> bool {
+            self.0.forwarded
+        }
+        fn status(&mut self) -> Option<u16> {
+            self.0.status
+        }
+        fn code_details(&mut self) -> String {
+            self.1.push("code_details");
+            self.0.code_details.clone()
+        }
+        fn flags(&mut self) -> u64 {
+            self.1.push("flags");
+            self.0.flags
+        }
+        fn response_complete(&mut self) -> bool {
+            self.0.response_complete
+        }
+        fn upstream_host(&mut self) -> bool {
+            self.1.push("upstream_host");
+            self.0.upstream_host
+        }
+        fn upstream_connected(&mut self) -> bool {
+            self.1.push("upstream_connected");
+            self.0.upstream_connected
+        }
+        fn attempts(&mut self) -> Option<u64> {
+            self.1.push("attempts");
+            self.0.attempts
+        }
+    }
+
+    #[test]
+    fn an_exchange_the_upstream_answered_in_full_is_classified_on_its_attempts_and_code_details_alone() {
+        let mut x =
+            Asked(ExchangeFacts { response_complete: true, ..facts(true, Some(201), "via_upstream", 0) }, vec![]);
+        assert_eq!(classify_exchange(&mut x, &policy()), Outcome::Store);
+        x.1.sort_unstable();
+        x.1.dedup();
+        assert_eq!(x.1, ["attempts", "code_details"], "facts read (each one a host call in the filter)");
+    }
+
+    #[test]
+    fn the_facts_left_unread_never_change_an_outcome() {
+        // Whatever the facts classify did not ask for, it answers the same: flipping each fact it
+        // left unread never changes the outcome.
+        use flags::*;
+        let details = [
+            "via_upstream",
+            "no_healthy_upstream",
+            "upstream_reset_before_response_started{connection_timeout}",
+            "upstream_reset_before_response_started{remote_connection_failure|x}",
+            "response_timeout",
+            "",
+            "other",
+        ];
+        let flag_sets = [
+            0,
+            UPSTREAM_CONNECTION_FAILURE,
+            NO_HEALTHY_UPSTREAM,
+            UPSTREAM_REQUEST_TIMEOUT,
+            UPSTREAM_OVERFLOW,
+            DOWNSTREAM_CONNECTION_TERMINATION,
+            UPSTREAM_CONNECTION_FAILURE | UPSTREAM_REQUEST_TIMEOUT,
+        ];
+        let mut cases = 0;
+        for d in details {
+            for f in flag_sets {
+                for attempts in [None, Some(0), Some(1), Some(2)] {
+                    for status in [None, Some(201), Some(429), Some(503)] {
+                        for bits in 0..16u8 {
+                            let x = ExchangeFacts {
+                                forwarded: bits & 1 != 0,
+                                status,
+                                code_details: d.into(),
+                                flags: f,
+                                response_complete: bits & 2 != 0,
+                                upstream_host: bits & 4 != 0,
+                                upstream_connected: bits & 8 != 0,
+                                attempts,
+                            };
+                            let mut asked = Asked(x.clone(), vec![]);
+                            let out = classify_exchange(&mut asked, &policy());
+                            let unread = |n: &str| !asked.1.contains(&n);
+                            let mut flips = vec![];
+                            if unread("flags") {
+                                flips.push(ExchangeFacts { flags: !x.flags, ..x.clone() });
+                            }
+                            if unread("code_details") {
+                                flips.push(ExchangeFacts { code_details: "via_upstream".into(), ..x.clone() });
+                                flips.push(ExchangeFacts { code_details: "no_healthy_upstream".into(), ..x.clone() });
+                            }
+                            if unread("upstream_host") {
+                                flips.push(ExchangeFacts { upstream_host: !x.upstream_host, ..x.clone() });
+                            }
+                            if unread("upstream_connected") {
+                                flips.push(ExchangeFacts { upstream_connected: !x.upstream_connected, ..x.clone() });
+                            }
+                            if unread("attempts") {
+                                flips.push(ExchangeFacts { attempts: Some(0), ..x.clone() });
+                                flips.push(ExchangeFacts { attempts: Some(3), ..x.clone() });
+                            }
+                            for y in flips {
+                                assert_eq!(classify(&y, &policy()), out, "{x:?} vs {y:?}");
+                                cases += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(cases > 1000, "{cases}");
     }
 
     #[test]

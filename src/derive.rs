@@ -36,7 +36,7 @@ pub fn derive(head: &RequestHead, cfg: &DeriveKey, scope: &CallerScope, body: Op
             return None;
         }
         f.field(name.as_bytes());
-        f.field(values.len().to_string().as_bytes());
+        f.count(values.len());
         for v in values {
             f.field(v);
         }

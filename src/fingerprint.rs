@@ -41,15 +41,38 @@ impl Framer {
     }
 
     pub fn field(&mut self, bytes: &[u8]) {
-        self.0.update(bytes.len().to_string().as_bytes());
+        let mut digits = [0u8; 20];
+        self.0.update(decimal(bytes.len(), &mut digits));
         self.0.update(b":");
         self.0.update(bytes);
         self.0.update(b",");
     }
 
+    /// A field holding the decimal number `n` (a count of the fields that follow).
+    pub fn count(&mut self, n: usize) {
+        let mut digits = [0u8; 20];
+        self.field(decimal(n, &mut digits));
+    }
+
     pub fn finish(self) -> [u8; 32] {
         self.0.finalize().into()
     }
+}
+
+/// `n` in decimal, written into `buf` (no allocation: every hash frames several numbers).
+fn decimal(mut n: usize, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        if let Some(d) = buf.get_mut(at) {
+            *d = b'0' + (n % 10) as u8;
+        }
+        n /= 10;
+        if n == 0 || at == 0 {
+            break;
+        }
+    }
+    buf.get(at..).unwrap_or(&[])
 }
 
 /// How the body entered the fingerprint.
@@ -90,11 +113,11 @@ impl Fingerprint {
         let target = if cfg.include_query { head.path.as_str() } else { head.path_without_query() };
         f.field(target.as_bytes());
         let names = header_names(cfg);
-        f.field(names.len().to_string().as_bytes());
+        f.count(names.len());
         for name in names {
             let values = head.values(name);
             f.field(name.as_bytes());
-            f.field(values.len().to_string().as_bytes());
+            f.count(values.len());
             for v in values {
                 f.field(v);
             }
@@ -107,7 +130,7 @@ impl Fingerprint {
             vec![]
         };
         trailers.sort_by(|a, b| a.0.cmp(&b.0));
-        f.field(trailers.len().to_string().as_bytes());
+        f.count(trailers.len());
         for (name, value) in &trailers {
             f.field(name.as_bytes());
             f.field(value);
@@ -126,6 +149,14 @@ mod tests {
 
     fn head(method: &str, path: &str, extra: &[(&str, &str)]) -> RequestHead {
         RequestHead::for_test(method, path, extra)
+    }
+
+    #[test]
+    fn field_lengths_are_framed_in_decimal_as_written_by_to_string() {
+        let mut buf = [0u8; 20];
+        for n in (0..2000).chain([9, 10, 99, 100, 65_535, u32::MAX as usize, usize::MAX]) {
+            assert_eq!(decimal(n, &mut buf), n.to_string().as_bytes(), "{n}");
+        }
     }
 
     /// The defaults (operation headers and trailers on) with these fields.

@@ -389,28 +389,28 @@ impl Table {
         before < mark && now >= mark
     }
 
-    pub fn bucket_name(&self, i: u32) -> String {
-        format!("{}.b.{i}", self.prefix)
+    pub fn bucket_name(&self, i: u32) -> Name {
+        Name::of(format_args!("{}.b.{i}", self.prefix))
     }
 
-    pub fn slot_name(&self, i: u32, j: usize) -> String {
-        format!("{}.s.{i}.{j}", self.prefix)
+    pub fn slot_name(&self, i: u32, j: usize) -> Name {
+        Name::of(format_args!("{}.s.{i}.{j}", self.prefix))
     }
 
-    fn usage_name(&self) -> String {
-        format!("{}.usage", self.prefix)
+    fn usage_name(&self) -> Name {
+        Name::of(format_args!("{}.usage", self.prefix))
     }
 
-    fn count_name(&self) -> String {
-        format!("{}.count", self.prefix)
+    fn count_name(&self) -> Name {
+        Name::of(format_args!("{}.count", self.prefix))
     }
 
-    fn evicted_age_name(&self) -> String {
-        format!("{}.evicted_age", self.prefix)
+    fn evicted_age_name(&self) -> Name {
+        Name::of(format_args!("{}.evicted_age", self.prefix))
     }
 
-    fn ready_name(&self) -> String {
-        format!("{}.ready", self.prefix)
+    fn ready_name(&self) -> Name {
+        Name::of(format_args!("{}.ready", self.prefix))
     }
 
     pub fn bucket_of(&self, skey: &StorageKey) -> u32 {
@@ -777,10 +777,27 @@ impl Table {
         h: &Handle,
         event: Event,
         now_ms: u64,
+        f: impl FnMut(&mut Option<Entry>, Stage),
+    ) -> Result<Result<Stage, Refusal>, LocalError> {
+        self.transition_from(sd, h, None, event, now_ms, f)
+    }
+
+    /// `transition`, starting from a bucket the caller has just read (and its CAS) instead of
+    /// reading it again: if it changed since, the CAS fails and the next round reads it afresh.
+    fn transition_from(
+        &self,
+        sd: &mut dyn SharedData,
+        h: &Handle,
+        mut read: Option<(Bucket, u32)>,
+        event: Event,
+        now_ms: u64,
         mut f: impl FnMut(&mut Option<Entry>, Stage),
     ) -> Result<Result<Stage, Refusal>, LocalError> {
         for _ in 0..MAX_CAS_RETRIES {
-            let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
+            let (mut bucket, cas) = match read.take() {
+                Some(b) => b,
+                None => self.read_bucket(sd, h.bucket)?,
+            };
             let Some(slot) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
             let to = match step(slot, event, Some(h), now_ms) {
                 Ok(to) => to,
@@ -860,7 +877,7 @@ impl Table {
         let counted = if without_body { 0 } else { u32::try_from(bytes.len()).unwrap_or(u32::MAX) };
         // Only a claim the lifecycle lets its owner complete is written (checked again in the
         // bucket CAS below): a refused completion never overwrites the slot.
-        let (bucket, _) = self.read_bucket(sd, h.bucket)?;
+        let (bucket, cas) = self.read_bucket(sd, h.bucket)?;
         let Some(position) = bucket.positions.get(h.position) else { return Err(LocalError::Corrupt) };
         if step(position, Event::Complete, Some(h), now_ms).is_err() {
             self.add_usage(sd, -i64::from(counted));
@@ -876,7 +893,8 @@ impl Table {
             self.add_usage(sd, -i64::from(counted));
             return Ok(Completed::LostClaim);
         }
-        let updated = self.transition(sd, h, Event::Complete, now_ms, |slot, to| {
+        // The bucket read above is the first round's: unchanged since, its CAS holds.
+        let updated = self.transition_from(sd, h, Some((bucket, cas)), Event::Complete, now_ms, |slot, to| {
             if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
                 e.phase = phase;
                 e.fingerprint = Some(fp);
@@ -1045,6 +1063,52 @@ impl Table {
                 return;
             }
         }
+    }
+}
+
+/// A shared-data key name, written on the stack: a request names a bucket, a slot and a counter
+/// a dozen times, and none of those names needs an allocation (the longest, a slot's, is under
+/// 80 bytes; a longer one, which no table makes, goes to the heap).
+pub enum Name {
+    Stack([u8; 96], usize),
+    Heap(String),
+}
+
+impl Name {
+    fn of(parts: std::fmt::Arguments<'_>) -> Name {
+        use std::fmt::Write;
+        let mut n = Name::Stack([0; 96], 0);
+        if n.write_fmt(parts).is_err() {
+            n = Name::Heap(std::fmt::format(parts));
+        }
+        n
+    }
+}
+
+impl std::fmt::Write for Name {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let Name::Stack(buf, len) = self else { return Err(std::fmt::Error) };
+        let end = *len + s.len();
+        buf.get_mut(*len..end).ok_or(std::fmt::Error)?.copy_from_slice(s.as_bytes());
+        *len = end;
+        Ok(())
+    }
+}
+
+impl std::ops::Deref for Name {
+    type Target = str;
+    fn deref(&self) -> &str {
+        match self {
+            // Only whole `&str`s are ever written in: always UTF-8.
+            Name::Stack(buf, len) => buf.get(..*len).and_then(|b| std::str::from_utf8(b).ok()).unwrap_or(""),
+            Name::Heap(s) => s,
+        }
+    }
+}
+
+impl std::fmt::Debug for Name {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self)
     }
 }
 

@@ -39,7 +39,7 @@ impl CallerScope {
             let values = head.values(name);
             identified |= values.iter().any(|v| !v.trim_ascii().is_empty());
             f.field(name.as_bytes());
-            f.field(values.len().to_string().as_bytes());
+            f.count(values.len());
             for v in values {
                 f.field(v);
             }

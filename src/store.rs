@@ -367,13 +367,16 @@ impl StoreRequest {
 /// Percent-encodes every byte but RFC 3986 unreserved characters other than `.` (webdis reads
 /// a dot in the last argument as the output format).
 pub fn encode_arg(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
     let mut out = String::with_capacity(bytes.len() * 3);
     for &b in bytes {
         if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'~' {
             out.push(char::from(b));
         } else {
+            // No allocation per byte: an argument is encoded into the one string.
             out.push('%');
-            out.push_str(&crate::hex::encode(&[b]).to_ascii_uppercase());
+            out.push(char::from(HEX[usize::from(b >> 4)]));
+            out.push(char::from(HEX[usize::from(b & 0x0f)]));
         }
     }
     out

@@ -798,3 +798,29 @@ fn counters_exist_per_route_as_well_as_in_total() {
     let text = http::get(e.admin_port, "/stats/prometheus").unwrap().body_text();
     assert!(text.lines().any(|l| l.starts_with("idemgate_route_1_replayed") && l.ends_with(" 1")), "{text}");
 }
+
+/// idemgate builds only the log lines Envoy keeps (it asks Envoy's level for Wasm): a level
+/// raised at run time through the admin endpoint reaches it within a tick, and lines logged at
+/// debug then appear, as they did when every line was sent and Envoy dropped them.
+#[test]
+fn a_log_level_raised_at_run_time_reaches_idemgate_and_its_debug_lines_appear() {
+    let s = Stack::with(CFG, |o| o.wasm_log_level = "info".into());
+    let r = s.post("/charges", Some("k-quiet"), "{}", &[]);
+    assert_eq!(r.status, 201);
+    assert!(!s.envoy.log().contains("outcome=forwarded"), "a debug line at level info");
+    let set = http::request(s.envoy.admin_port, "POST", "/logging?wasm=debug", &[], b"").expect("admin");
+    assert_eq!(set.status, 200, "{}", set.body_text());
+    // Each worker reads the level on its tick (100 ms): bounded by count, not by time.
+    let mut seen = false;
+    for i in 0..50 {
+        let r = s.post("/charges", Some(&format!("k-loud-{i}")), "{}", &[]);
+        assert_eq!(r.status, 201);
+        if s.envoy.log().contains("outcome=forwarded") {
+            seen = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(seen, "no debug line after the level was raised");
+    assert_eq!(s.up.executions(), s.up.executions_by_key().len() as u64, "each key executed once");
+}

@@ -1,11 +1,13 @@
 //! Host access: thin wrappers over proxy-wasm host calls that never panic on our side and turn
-//! host failures into values.
+//! host failures into values. Every host call idemgate makes goes through this module (each
+//! wrapper calls `meter::call` first, which counts it in the `count-host-calls` build).
 
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
+use super::meter;
 use crate::local::{HostError, SetError, SharedData};
 use crate::scope::StorageKey;
 
@@ -14,10 +16,16 @@ pub struct HostShared;
 
 impl SharedData for HostShared {
     fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
-        hostcalls::get_shared_data(key).map_err(|_| HostError)
+        meter::call();
+        let got = hostcalls::get_shared_data(key).map_err(|_| HostError);
+        if matches!(got, Ok((Some(_), _))) {
+            meter::buffer();
+        }
+        got
     }
 
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        meter::call();
         match hostcalls::set_shared_data(key, Some(value), cas) {
             Ok(()) => Ok(()),
             Err(Status::CasMismatch) => Err(SetError::CasMismatch),
@@ -26,50 +34,193 @@ impl SharedData for HostShared {
     }
 }
 
+fn now() -> Option<Duration> {
+    meter::call();
+    hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+}
+
 pub fn now_ms() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    now().map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 pub fn now_nanos() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+    now().map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
 /// One header's first value. Read as bytes: the SDK's text variant panics on a value that is
 /// not UTF-8 (a client may send any byte >= 0x80), and a panic is a VM crash.
 pub fn header(map: MapType, name: &str) -> Option<String> {
-    hostcalls::get_map_value_bytes(map, name).ok().flatten().map(|v| String::from_utf8_lossy(&v).into_owned())
+    meter::call();
+    let v = hostcalls::get_map_value_bytes(map, name).ok().flatten()?;
+    meter::buffer();
+    Some(String::from_utf8_lossy(&v).into_owned())
 }
 
 pub fn all_headers(map: MapType) -> Vec<(String, Vec<u8>)> {
+    meter::call();
+    meter::buffer();
     hostcalls::get_map_bytes(map).unwrap_or_default()
+}
+
+/// Sets (or, with `None`, removes) a header; false if the host refused.
+pub fn set_header(map: MapType, name: &str, value: Option<&str>) -> bool {
+    meter::call();
+    hostcalls::set_map_value(map, name, value).is_ok()
+}
+
+/// Adds a header line; false if the host refused.
+pub fn add_header(map: MapType, name: &str, value: &str) -> bool {
+    meter::call();
+    hostcalls::add_map_value(map, name, value).is_ok()
 }
 
 pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
     if size == 0 {
         return vec![];
     }
-    hostcalls::get_buffer(kind, 0, size).ok().flatten().unwrap_or_default()
+    meter::call();
+    let b = hostcalls::get_buffer(kind, 0, size).ok().flatten().unwrap_or_default();
+    if !b.is_empty() {
+        meter::buffer();
+    }
+    b
+}
+
+/// The plugin configuration, whole.
+pub fn plugin_configuration() -> Vec<u8> {
+    meter::call();
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default()
 }
 
 pub fn property(path: &[&str]) -> Option<Vec<u8>> {
-    hostcalls::get_property(path.to_vec()).ok().flatten()
+    meter::call();
+    let v = hostcalls::get_property(path.to_vec()).ok().flatten()?;
+    meter::buffer();
+    Some(v)
+}
+
+/// Lets a paused request go on.
+pub fn resume_request() -> bool {
+    meter::call();
+    hostcalls::resume_http_request().is_ok()
+}
+
+/// Sends an HTTP callout through `cluster`; its answer comes to `on_http_call_response`.
+pub fn dispatch_http_call(
+    cluster: &str,
+    headers: Vec<(&str, &str)>,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<u32, Status> {
+    meter::call();
+    hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
+}
+
+/// Makes `context_id` the context later host calls act on; false if the host refused.
+pub fn set_effective_context(context_id: u32) -> bool {
+    meter::call();
+    hostcalls::set_effective_context(context_id).is_ok()
+}
+
+pub fn register_queue(name: &str) -> Option<u32> {
+    meter::call();
+    hostcalls::register_shared_queue(name).ok()
+}
+
+pub fn enqueue(queue_id: u32, value: &[u8]) -> Result<(), Status> {
+    meter::call();
+    hostcalls::enqueue_shared_queue(queue_id, Some(value))
+}
+
+/// Takes one item off a shared queue (the host posts one `on_queue_ready` per item enqueued).
+pub fn dequeue(queue_id: u32) {
+    meter::call();
+    if let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {
+        meter::buffer();
+    }
+}
+
+/// Empties a shared queue (its items only wake the root).
+pub fn drain_queue(queue_id: u32) {
+    loop {
+        meter::call();
+        match hostcalls::dequeue_shared_queue(queue_id) {
+            Ok(Some(_)) => meter::buffer(),
+            _ => return,
+        }
+    }
+}
+
+pub fn set_tick_period(period: Duration) -> bool {
+    meter::call();
+    hostcalls::set_tick_period(period).is_ok()
+}
+
+pub fn define_counter(name: &str) -> Option<u32> {
+    meter::call();
+    hostcalls::define_metric(MetricType::Counter, name).ok()
+}
+
+fn define_gauge(name: &str) -> Option<u32> {
+    meter::call();
+    hostcalls::define_metric(MetricType::Gauge, name).ok()
+}
+
+pub fn increment_metric(id: u32, delta: i64) {
+    meter::call();
+    let _ = hostcalls::increment_metric(id, delta);
+}
+
+fn record_metric(id: u32, value: u64) {
+    meter::call();
+    let _ = hostcalls::record_metric(id, value);
 }
 
 #[link(wasm_import_module = "env")]
 extern "C" {
     /// The proxy-wasm ABI's `set_property` (the SDK's wrapper panics on any status but Ok).
     fn proxy_set_property(path_data: *const u8, path_size: usize, value_data: *const u8, value_size: usize) -> u32;
+    /// The proxy-wasm ABI 0.2.1 local reply (as declared by the SDK, which passes no details).
+    fn proxy_send_local_response(
+        status_code: u32,
+        status_code_details_data: *const u8,
+        status_code_details_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        grpc_status: i32,
+    ) -> u32;
+    /// The proxy-wasm ABI's log call.
+    fn proxy_log(level: u32, message_data: *const u8, message_size: usize) -> u32;
+    /// The host's log level for this plugin (Envoy: its `wasm` logger's level, trace 0 to off 6).
+    /// Declared with a plain integer: the SDK's enum has no value for "off".
+    fn proxy_get_log_level(return_level: *mut u32) -> u32;
+}
+
+/// Sends a local reply (`headers`: the ABI's serialized header map); the host's status (0: Ok).
+pub fn send_local_response(status: u16, details: &str, headers: &[u8], body: &[u8]) -> u32 {
+    meter::call();
+    // SAFETY: every pointer is to memory we own for the duration of the call, with its length;
+    // the host copies what it needs.
+    unsafe {
+        proxy_send_local_response(
+            u32::from(status),
+            details.as_ptr(),
+            details.len(),
+            body.as_ptr(),
+            body.len(),
+            headers.as_ptr(),
+            headers.len(),
+            -1,
+        )
+    }
 }
 
 /// Sets one top-level property (Envoy keeps it as filter state `wasm.<name>`); false if the host
 /// refused (for example a value already set once: Envoy's default for these is write-once).
 fn set_property(name: &str, value: &[u8]) -> bool {
+    meter::call();
     // SAFETY: both pointers are to memory we own for the duration of the call, with its length.
     unsafe { proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) == 0 }
 }
@@ -98,6 +249,7 @@ pub fn entropy() -> Vec<u8> {
             fn random_get(buf: *mut u8, len: usize) -> u16;
         }
         let mut buf = [0u8; 16];
+        meter::call();
         // SAFETY: the host writes at most `len` bytes into the buffer we own.
         let errno = unsafe { random_get(buf.as_mut_ptr(), buf.len()) };
         if errno == 0 {
@@ -105,6 +257,76 @@ pub fn entropy() -> Vec<u8> {
         }
     }
     vec![]
+}
+
+/// idemgate's logger: every line goes to the host's log (`proxy_log`) through `host.rs`.
+struct HostLogger;
+
+static LOGGER: HostLogger = HostLogger;
+
+impl log::Log for HostLogger {
+    fn enabled(&self, metadata: &log::Metadata) -> bool {
+        metadata.level() <= log::max_level()
+    }
+
+    fn log(&self, record: &log::Record) {
+        if !self.enabled(record.metadata()) {
+            return;
+        }
+        // The ABI's levels: trace 0, debug 1, info 2, warn 3, error 4.
+        let level = match record.level() {
+            log::Level::Trace => 0,
+            log::Level::Debug => 1,
+            log::Level::Info => 2,
+            log::Level::Warn => 3,
+            log::Level::Error => 4,
+        };
+        write_log(level, &record.args().to_string());
+    }
+
+    fn flush(&self) {}
+}
+
+fn write_log(level: u32, message: &str) {
+    meter::call();
+    // SAFETY: the pointer is to memory we own for the duration of the call, with its length.
+    unsafe {
+        proxy_log(level, message.as_ptr(), message.len());
+    }
+}
+
+/// Installs idemgate's logger (every level on, until the host's level is read) and a panic hook
+/// that logs the panic (critical) before the VM aborts. No host call: safe in `_initialize`.
+pub fn init_logging() {
+    if log::set_logger(&LOGGER).is_ok() {
+        std::panic::set_hook(Box::new(|info| write_log(5, &info.to_string())));
+    }
+    log::set_max_level(log::LevelFilter::Trace);
+}
+
+/// The `log` crate's filter for the host's level: a line the host would drop is never built.
+pub fn level_filter(host_level: u32) -> log::LevelFilter {
+    match host_level {
+        0 => log::LevelFilter::Trace,
+        1 => log::LevelFilter::Debug,
+        2 => log::LevelFilter::Info,
+        3 => log::LevelFilter::Warn,
+        4 => log::LevelFilter::Error,
+        // critical, off (or a level this build does not know): idemgate logs nothing so severe.
+        _ => log::LevelFilter::Off,
+    }
+}
+
+/// Asks the host which lines it keeps (Envoy: `--component-log-level wasm:<level>`, or its admin
+/// `/logging` endpoint at run time) and builds only those from now on. Called when the plugin is
+/// configured and on every tick, so a level changed at run time applies within a tick. A host
+/// that does not answer leaves every line on (the host filters them, as before).
+pub fn refresh_log_level() {
+    let mut level = 0u32;
+    meter::call();
+    // SAFETY: the host writes one u32 into memory we own.
+    let status = unsafe { proxy_get_log_level(&mut level) };
+    log::set_max_level(if status == 0 { level_filter(level) } else { log::LevelFilter::Trace });
 }
 
 /// The counters idemgate exports, `idemgate.<name>` in Envoy's /stats.
@@ -301,12 +523,11 @@ pub struct Metrics {
 impl Metrics {
     /// Defines the totals, the gauges and, for each of `routes` routes, its own counters.
     pub fn define(routes: usize) -> Metrics {
-        let counter = |name: &str| hostcalls::define_metric(MetricType::Counter, name).ok();
         Metrics {
-            ids: Counter::ALL.iter().map(|c| counter(c.name())).collect(),
-            gauges: Gauge::ALL.iter().map(|g| hostcalls::define_metric(MetricType::Gauge, g.name()).ok()).collect(),
+            ids: Counter::ALL.iter().map(|c| define_counter(c.name())).collect(),
+            gauges: Gauge::ALL.iter().map(|g| define_gauge(g.name())).collect(),
             per_route: (0..routes)
-                .map(|r| Counter::ALL.iter().map(|c| counter(&route_counter_name(r, *c))).collect())
+                .map(|r| Counter::ALL.iter().map(|c| define_counter(&route_counter_name(r, *c))).collect())
                 .collect(),
         }
     }
@@ -315,27 +536,27 @@ impl Metrics {
     pub fn inc_for(&self, c: Counter, policy_index: Option<usize>) {
         self.inc(c);
         if let Some(Some(id)) = policy_index.and_then(|i| self.per_route.get(i)).and_then(|ids| ids.get(c as usize)) {
-            let _ = hostcalls::increment_metric(*id, 1);
+            increment_metric(*id, 1);
         }
     }
 
     pub fn set(&self, g: Gauge, value: u64) {
         if let Some(Some(id)) = self.gauges.get(g as usize) {
-            let _ = hostcalls::record_metric(*id, value);
+            record_metric(*id, value);
         }
     }
 
     /// Adds `delta` (negative to subtract) to a gauge that every worker moves by its own share.
     pub fn add(&self, g: Gauge, delta: i64) {
         if let Some(Some(id)) = self.gauges.get(g as usize) {
-            let _ = hostcalls::increment_metric(*id, delta);
+            increment_metric(*id, delta);
         }
     }
 
     pub fn inc(&self, c: Counter) {
         // `ALL` lists the counters in declaration order, so a counter's discriminant is its index.
         if let Some(Some(id)) = self.ids.get(c as usize) {
-            let _ = hostcalls::increment_metric(*id, 1);
+            increment_metric(*id, 1);
         }
     }
 }
@@ -343,6 +564,16 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::Counter;
+
+    #[test]
+    fn idemgate_builds_exactly_the_lines_the_hosts_level_keeps() {
+        use log::LevelFilter::*;
+        let expected = [Trace, Debug, Info, Warn, Error, Off, Off, Off];
+        for (host_level, want) in expected.iter().enumerate() {
+            assert_eq!(super::level_filter(host_level as u32), *want, "host level {host_level}");
+        }
+        assert_eq!(super::level_filter(u32::MAX), Off);
+    }
 
     #[test]
     fn every_counter_sits_at_its_own_index_with_a_distinct_name() {

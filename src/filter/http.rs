@@ -11,27 +11,28 @@
 //! on_log: Forwarded ─▶ classify ─▶ complete | release | unknown (local now; store writes via the root)
 //! ```
 
+use std::cell::Cell;
 use std::rc::Rc;
 
 use log::{debug, error, info, warn};
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use super::host::{self, Counter, HostShared};
+use super::meter;
 use super::settle::{self, Claim};
 use super::stores::{self, Unbuilt};
 use super::writes;
 use super::{reply, Forward, Shared, Waiter};
 use crate::admin;
 use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
-use crate::decision::{admit, check_body_size, classify, decide, Admission, Decision, ExchangeFacts, Lookup};
+use crate::decision::{admit, check_body_size, classify_exchange, decide, Admission, Decision, Exchange, Lookup};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::derive;
 use crate::failsafe::{self, Broken, Holding};
 use crate::fingerprint::Fingerprint;
 use crate::local::{Begin, Handle, LocalError};
-use crate::owner::{OwnerToken, TokenSources};
+use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
 use crate::request::{RequestHead, ROUTER_RETRY_CAP};
@@ -94,6 +95,8 @@ pub struct Http {
     /// `store.kind: "etcd"`: the value the claim-or-read found and its revision, which a
     /// take-over or stale-to-unknown decided on it compares.
     fence: Option<crate::etcd::Fence>,
+    /// The host's clock, read at most once per callback (`now`; cleared as each callback starts).
+    clock: Cell<Option<u64>>,
 }
 
 /// Fault tests only (feature `crash-injection`, never in the shipped module): traps the VM at
@@ -133,10 +136,10 @@ fn forbid_router_retries(head: &mut RequestHead) -> bool {
     let removed = head.forbid_router_retries();
     let mut ok = true;
     for name in removed {
-        ok &= hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None).is_ok();
+        ok &= host::set_header(MapType::HttpRequestHeaders, &name, None);
     }
     let (cap, zero) = ROUTER_RETRY_CAP;
-    ok && hostcalls::set_map_value(MapType::HttpRequestHeaders, cap, Some(zero)).is_ok()
+    ok && host::set_header(MapType::HttpRequestHeaders, cap, Some(zero))
 }
 
 impl Http {
@@ -157,7 +160,25 @@ impl Http {
             policy_index: None,
             sent: None,
             fence: None,
+            clock: Cell::new(None),
         }
+    }
+
+    /// The time now, in ms: one clock read per callback, every decision of the callback made
+    /// with it.
+    fn now(&self) -> u64 {
+        if let Some(t) = self.clock.get() {
+            return t;
+        }
+        let t = host::now_ms();
+        self.clock.set(Some(t));
+        t
+    }
+
+    /// Callback `c` starts: the clock is read again when it is first needed.
+    fn callback(&self, c: meter::Callback) {
+        meter::callback(c);
+        self.clock.set(None);
     }
 
     fn policy(&self) -> Option<&Policy> {
@@ -263,7 +284,7 @@ impl Http {
     /// outcome-unknown stands, as it does when the store cannot be read.
     fn settled_answer(&mut self, fp: Fingerprint, status: Option<u16>, body: &[u8]) -> Action {
         let reply = match (self.req.as_ref(), self.shared.seal.as_ref()) {
-            (Some(r), Some(seal)) => stores::parse_read(&self.shared, status, body, &r.skey, seal, host::now_ms()),
+            (Some(r), Some(seal)) => stores::parse_read(&self.shared, status, body, &r.skey, seal, self.now()),
             _ => Err(StoreError::Garbled("a read answer without its request or seal".into())),
         };
         match reply {
@@ -326,7 +347,7 @@ impl Http {
             debug!("{}", self.log_line("replayed", &by));
             self.phase = Phase::Answered;
             self.publish(reply::REPLAYED);
-            let _ = reply::replay(&record, &self.request_id(), host::now_ms());
+            let _ = reply::replay(&record, &self.request_id(), self.now());
             return Action::Pause;
         }
         let creator = record.creator.clone();
@@ -355,7 +376,7 @@ impl Http {
                 let Some(r) = self.req.as_ref() else {
                     return self.fail_closed(Broken::RequestMissing, "wait", None, Holding::Nothing);
                 };
-                let now = host::now_ms();
+                let now = self.now();
                 self.shared.push_waiter(Waiter {
                     context_id: self.context_id,
                     skey: r.skey,
@@ -399,7 +420,7 @@ impl Http {
 
     fn begin(&self, fp: Option<Fingerprint>) -> Result<Begin, LocalError> {
         let (Some(r), Some(policy)) = (self.req.as_ref(), self.policy()) else { return Err(LocalError::Corrupt) };
-        self.shared.table.begin(&mut HostShared, r.skey, fp, host::now_ms(), policy, r.owner, &r.creator)
+        self.shared.table.begin(&mut HostShared, r.skey, fp, self.now(), policy, r.owner, &r.creator)
     }
 
     /// Acts on the local tier's answer. `fp` is set once the body is complete.
@@ -467,11 +488,11 @@ impl Http {
             };
         };
         let lifetimes = Lifetimes::of(policy);
-        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), &lifetimes);
+        let record = Record::in_progress(fp, r.creator.clone(), r.owner, self.now(), &lifetimes);
         let Some(seal) = self.shared.seal.as_ref() else {
             return self.fail_closed(Broken::StoreMissing, "claim_without_seal", handle, holding);
         };
-        match stores::claim_request(&self.shared, &r.skey, &r.owner, &record, &lifetimes, seal, host::now_ms()) {
+        match stores::claim_request(&self.shared, &r.skey, &r.owner, &record, &lifetimes, seal, self.now()) {
             Ok(req) => self.call(req, handle, fp, false),
             // Nothing was sent: the store counts as unavailable (never a claim without a lease).
             Err(Unbuilt::NoLease) => self.store_failed(handle, &StoreError::Garbled(Unbuilt::NoLease.to_string())),
@@ -641,7 +662,7 @@ impl Http {
         let (Some(skey), Some(seal)) = (self.req.as_ref().map(|r| r.skey), self.shared.seal.clone()) else {
             return self.store_failed(handle, &StoreError::Garbled("a claim answer without its key or seal".into()));
         };
-        let parsed = stores::parse_claim(&self.shared, status, body, &owner, &skey, &seal, host::now_ms());
+        let parsed = stores::parse_claim(&self.shared, status, body, &owner, &skey, &seal, self.now());
         let (now, expires_at, value) = match parsed {
             Ok((ClaimReply::Claimed { .. }, _)) => return self.forward(handle, fp, true),
             Ok((ClaimReply::Exists { now_ms, expires_at_ms, value }, fence)) => {
@@ -678,9 +699,9 @@ impl Http {
                 self.count(Counter::StoreReplays);
                 // A completed record never changes: keep a copy so the next replay needs no store
                 // call, ending with the store's key by this proxy's clock.
-                let record = value.record_on_clock(now, expires_at, host::now_ms());
+                let record = value.record_on_clock(now, expires_at, self.now());
                 if let Some(h) = handle {
-                    let _ = self.shared.table.complete(&mut HostShared, &h, record.clone(), host::now_ms());
+                    let _ = self.shared.table.complete(&mut HostShared, &h, record.clone(), self.now());
                 }
                 self.replay(record)
             }
@@ -724,14 +745,14 @@ impl Http {
             return self.fail_closed(Broken::RequestMissing, "take_over", handle, holding);
         };
         let lifetimes = Lifetimes::of(policy);
-        let record = Record::in_progress(fp, r.creator.clone(), r.owner, host::now_ms(), &lifetimes);
+        let record = Record::in_progress(fp, r.creator.clone(), r.owner, self.now(), &lifetimes);
         let Some(seal) = self.shared.seal.as_ref() else {
             let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
             return self.fail_closed(Broken::StoreMissing, "take_over_without_seal", handle, holding);
         };
         let t = Transition::take_over(old.owner, r.owner, record, free, &lifetimes);
         let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
-        match stores::transition_request(&self.shared, &t, &r.skey, seal, host::now_ms(), self.fence.as_ref()) {
+        match stores::transition_request(&self.shared, &t, &r.skey, seal, self.now(), self.fence.as_ref()) {
             Ok(req) => self.call(req, handle, fp, true),
             Err(Unbuilt::NoLease) => self.store_failed(handle, &StoreError::Garbled(Unbuilt::NoLease.to_string())),
             Err(Unbuilt::Broken(why)) => {
@@ -783,7 +804,7 @@ impl Http {
         }
         match std::mem::replace(&mut self.phase, Phase::Pass) {
             Phase::Waiting { handle: Some(handle) } => {
-                match self.shared.table.mark_forwarded(&mut HostShared, &handle, fp, host::now_ms(), &policy) {
+                match self.shared.table.mark_forwarded(&mut HostShared, &handle, fp, self.now(), &policy) {
                     Ok(true) => self.proceed(Some(handle), fp),
                     Ok(false) => {
                         self.count(Counter::LostClaim);
@@ -818,7 +839,7 @@ impl Http {
         r.skey = StorageKey::derive(&policy.namespace, &r.scope, &key);
         r.derive_at_body = false;
         r.head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
+        let _ = host::set_header(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
         self.count(Counter::DerivedKeys);
         debug!("{}", self.log_line("derived_key", "key_source=derived"));
         Ok(true)
@@ -833,7 +854,7 @@ impl Http {
     }
 
     fn release_local(&self, handle: Option<Handle>) {
-        settle::release_local(&self.shared, handle);
+        settle::release_local(&self.shared, handle, self.now());
     }
 
     /// Frees a local claim whose request was never forwarded (refused or abandoned).
@@ -854,43 +875,18 @@ impl Http {
             error!("{}", self.log_line("internal_state", "branch=finish broken=policy_missing claim=kept"));
             return settle::INTERNAL_STATE;
         };
-        let u64_property = |path: &[&str]| {
-            host::property(path).and_then(|b| b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
-        };
-        let flags = u64_property(&["response", "flags"]).unwrap_or(0);
-        let code_details = host::property(&["response", "code_details"])
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default();
-        let status = self
-            .response
-            .as_ref()
-            .map(|r| r.status)
-            .filter(|s| *s > 0)
-            .or_else(|| u64_property(&["response", "code"]).and_then(|c| u16::try_from(c).ok()).filter(|c| *c > 0));
-        // Whether the router ever started an upstream request, picked a host, connected to it.
-        let attempts = u64_property(&["upstream", "request_attempt_count"]);
-        let upstream_host = host::property(&["upstream", "address"]).is_some();
-        let upstream_connected = host::property(&["upstream", "local_address"]).is_some();
-        let facts = ExchangeFacts {
-            forwarded: true,
-            status,
-            code_details: code_details.clone(),
-            flags,
-            response_complete: self.response_complete,
-            upstream_host,
-            upstream_connected,
-            attempts,
-        };
-        let detail = format!(
-            "status={} code_details={code_details} flags={flags} attempts={} upstream_host={upstream_host} upstream_connected={upstream_connected}",
-            status.unwrap_or(0),
-            attempts.map_or_else(|| "unknown".to_string(), |n| n.to_string())
-        );
+        let status = self.response.as_ref().map(|r| r.status).filter(|s| *s > 0);
+        let mut x = Finished { status: status.map(Some), complete: self.response_complete, ..Finished::default() };
+        // Whether the router re-sent it is read always (its warning below); every other fact only
+        // when the classification needs it (`classify_exchange`).
+        let attempts = x.attempts();
+        let outcome = classify_exchange(&mut x, &policy);
+        let detail = if log::log_enabled!(log::Level::Info) { x.detail() } else { String::new() };
         // The router was told to send it once; a later filter (or a host that ignores the cap)
         // may still have re-sent it. Nothing can undo that now: count it and say so.
         if attempts.is_some_and(|n| n > 1) {
             self.count(Counter::UpstreamAttemptsRepeated);
-            warn!("{}", self.log_line("upstream_attempts_repeated", &detail));
+            warn!("{}", self.log_line("upstream_attempts_repeated", &x.detail()));
         }
         let Some(claim) = self.claim(handle, fp, in_store) else {
             self.count(Counter::InternalErrors);
@@ -898,39 +894,111 @@ impl Http {
             return settle::INTERNAL_STATE;
         };
         let response = self.response.take();
-        settle::settle(&self.shared, &claim, classify(&facts, &policy), response, self.response_too_large, &detail)
+        settle::settle(&self.shared, &claim, outcome, response, self.response_too_large, &detail)
+    }
+}
+
+/// A forwarded exchange as Envoy finished it, each fact read from Envoy's properties the first
+/// time `classify_exchange` asks for it (one host call each), then kept.
+#[derive(Default)]
+struct Finished {
+    status: Option<Option<u16>>,
+    complete: bool,
+    flags: Option<u64>,
+    code_details: Option<String>,
+    attempts: Option<Option<u64>>,
+    upstream_host: Option<bool>,
+    upstream_connected: Option<bool>,
+}
+
+fn u64_property(path: &[&str]) -> Option<u64> {
+    host::property(path).and_then(|b| b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
+}
+
+impl Finished {
+    /// The facts read, for log lines (`-` for those the classification never needed).
+    fn detail(&self) -> String {
+        let shown = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        format!(
+            "status={} code_details={} flags={} attempts={} upstream_host={} upstream_connected={}",
+            self.status.flatten().unwrap_or(0),
+            shown(self.code_details.clone()),
+            shown(self.flags.map(|f| f.to_string())),
+            shown(self.attempts.map(|a| a.map_or_else(|| "unknown".to_string(), |n| n.to_string()))),
+            shown(self.upstream_host.map(|b| b.to_string())),
+            shown(self.upstream_connected.map(|b| b.to_string())),
+        )
+    }
+}
+
+impl Exchange for Finished {
+    fn forwarded(&mut self) -> bool {
+        true
+    }
+    fn status(&mut self) -> Option<u16> {
+        *self.status.get_or_insert_with(|| {
+            u64_property(&["response", "code"]).and_then(|c| u16::try_from(c).ok()).filter(|c| *c > 0)
+        })
+    }
+    fn code_details(&mut self) -> String {
+        self.code_details
+            .get_or_insert_with(|| {
+                host::property(&["response", "code_details"])
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default()
+            })
+            .clone()
+    }
+    fn flags(&mut self) -> u64 {
+        *self.flags.get_or_insert_with(|| u64_property(&["response", "flags"]).unwrap_or(0))
+    }
+    fn response_complete(&mut self) -> bool {
+        self.complete
+    }
+    // Whether the router ever started an upstream request, picked a host, connected to it.
+    fn upstream_host(&mut self) -> bool {
+        *self.upstream_host.get_or_insert_with(|| host::property(&["upstream", "address"]).is_some())
+    }
+    fn upstream_connected(&mut self) -> bool {
+        *self.upstream_connected.get_or_insert_with(|| host::property(&["upstream", "local_address"]).is_some())
+    }
+    fn attempts(&mut self) -> Option<u64> {
+        *self.attempts.get_or_insert_with(|| u64_property(&["upstream", "request_attempt_count"]))
     }
 }
 
 impl Context for Http {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        self.callback(meter::Callback::CallAnswer);
         let Phase::Calling { handle, fp, token: expected, takeover } = self.phase else { return };
         if token != expected {
             return;
         }
         let (status, body) = writes::answer(body_size, num_headers);
         if self.on_store_answer(handle, fp, takeover, status, &body) == Action::Continue {
-            let _ = hostcalls::resume_http_request();
+            let _ = host::resume_request();
         }
     }
 }
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
-        // Cheap path first: one header read lets unprotected methods through, a second (the path)
-        // decides the route.
+        self.callback(meter::Callback::RequestHeaders);
+        // Cheap path first: one header read lets unprotected methods through. Then the whole
+        // header map, read once: the route (the path), every line of the key header (a repeated
+        // one must be seen), the caller's scope and the fingerprint all come from it.
         let method = host::header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
         if !self.shared.config.protects_method(&method) {
             return Action::Continue;
         }
-        let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        let mut head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
         // The name of the Envoy route that matched, read only when a route is selected by it.
         let route_name = if self.shared.config.uses_route_names() {
             host::property(&["xds", "route_name"]).map(|n| String::from_utf8_lossy(&n).into_owned())
         } else {
             None
         };
-        let Some(policy_index) = self.shared.config.policy_index_for_route(&method, &path, route_name.as_deref())
+        let Some(policy_index) = self.shared.config.policy_index_for_route(&method, &head.path, route_name.as_deref())
         else {
             return Action::Continue;
         };
@@ -938,16 +1006,13 @@ impl HttpContext for Http {
         let Some(policy) = self.shared.config.policy_at(policy_index) else {
             return self.fail_closed(Broken::PolicyMissing, "request_headers_policy", None, Holding::Nothing);
         };
-        // No key and nothing to derive one from: decided on a single header read, without copying
-        // the header map or hashing the caller.
-        if policy.derive_key.is_none() && host::header(MapType::HttpRequestHeaders, &policy.header).is_none() {
+        // No key and nothing to derive one from: decided without hashing the caller.
+        if policy.derive_key.is_none() && head.values(&policy.header).is_empty() {
             return match admit(Some(policy), &[]) {
                 Admission::Reject(p) => self.answer(p, None),
                 _ => Action::Continue,
             };
         }
-        // The whole header map: a repeated key header must be seen, not just its first line.
-        let mut head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
         let scope = CallerScope::of(&head, &policy.scope);
         let key_values = head.values(&policy.header);
         // A request without a key but with the operation's identifiers gets a key derived at
@@ -967,7 +1032,7 @@ impl HttpContext for Http {
             Some(k) => {
                 if !derive_at_body {
                     head.headers.push((policy.header.clone(), k.as_str().as_bytes().to_vec()));
-                    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &policy.header, Some(k.as_str()));
+                    let _ = host::set_header(MapType::HttpRequestHeaders, &policy.header, Some(k.as_str()));
                     self.count(Counter::DerivedKeys);
                 }
                 k
@@ -993,13 +1058,7 @@ impl HttpContext for Http {
         let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
         let request_id = first("x-request-id").unwrap_or_default();
         let log_values = policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect();
-        let owner = OwnerToken::derive(&TokenSources {
-            entropy: &host::entropy(),
-            node: &self.shared.node,
-            vm: self.shared.vm,
-            now_nanos: host::now_nanos(),
-            counter: self.shared.next_token(),
-        });
+        let owner = self.shared.next_owner();
         let creator = Creator { request_id, log_values };
         self.req = Some(Protected { policy_index, head, skey, scope, creator, owner, derive_at_body });
         if was_derived && !derive_at_body {
@@ -1036,6 +1095,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.callback(meter::Callback::RequestBody);
         match self.phase {
             Phase::Waiting { .. } => {}
             // Paused on a store call: keep buffering.
@@ -1079,6 +1139,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_trailers(&mut self, _n: usize) -> Action {
+        self.callback(meter::Callback::RequestBody);
         match self.phase {
             Phase::Waiting { .. } => {
                 // Trailers reach the upstream with the request: part of its fingerprint.
@@ -1093,6 +1154,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        self.callback(meter::Callback::ResponseHeaders);
         if !matches!(self.phase, Phase::Forwarded { .. }) {
             return Action::Continue;
         }
@@ -1116,12 +1178,13 @@ impl HttpContext for Http {
         // Publish the expiry policy to the client that created the record.
         if !self.policy().is_some_and(|p| p.release_on_status.contains(&status)) {
             let ttl = self.policy().map_or(0, |p| p.ttl_seconds).to_string();
-            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, reply::EXPIRES_HEADER, &ttl);
+            let _ = host::add_header(MapType::HttpResponseHeaders, reply::EXPIRES_HEADER, &ttl);
         }
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.callback(meter::Callback::ResponseBody);
         if !matches!(self.phase, Phase::Forwarded { .. }) {
             return Action::Continue;
         }
@@ -1144,6 +1207,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_trailers(&mut self, _n: usize) -> Action {
+        self.callback(meter::Callback::ResponseBody);
         if matches!(self.phase, Phase::Forwarded { .. }) {
             self.response_complete = true;
         }
@@ -1151,6 +1215,14 @@ impl HttpContext for Http {
     }
 
     fn on_log(&mut self) {
+        self.callback(meter::Callback::Log);
+        self.log_exchange();
+        meter::request_logged();
+    }
+}
+
+impl Http {
+    fn log_exchange(&mut self) {
         if self.req.is_none() && matches!(self.phase, Phase::Pass) {
             return; // unprotected: nothing to settle
         }

@@ -5,9 +5,14 @@
 //! after forwarding, detached upstream calls, and requests held waiting for another attempt's
 //! result. HTTP contexts hand it work through `Queues` (same VM, same thread) and wake it through
 //! a shared queue registered by that root.
+// The benchmark builds (`empty-filter`, `bench-floor`) leave idemgate's own glue unused.
+#![cfg_attr(any(feature = "empty-filter", feature = "bench-floor"), allow(dead_code, unused_imports))]
 
+#[cfg(all(feature = "bench-floor", not(feature = "empty-filter")))]
+mod floor;
 mod host;
 mod http;
+mod meter;
 mod reply;
 mod settle;
 mod stores;
@@ -19,14 +24,14 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use log::{debug, error, info, warn};
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
+use proxy_wasm::types::{ContextType, MapType};
 
 use crate::config::{Config, Forwarding};
 use crate::decision::{callout_from_upstream, classify_callout, Outcome};
 use crate::fingerprint::Fingerprint;
 use crate::local::Table;
+use crate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use crate::problem::ProblemKind;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
@@ -52,16 +57,23 @@ const SWEEP_BUCKETS_PER_SECOND: u32 = 512;
 /// outcome-unknown fallback (2 x 6.2 s of backoff plus their timeouts).
 const STOP_HOLD_MS: u64 = 20_000;
 
-#[cfg(not(feature = "empty-filter"))]
+#[cfg(not(any(feature = "empty-filter", feature = "bench-floor")))]
 proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Trace);
+    host::init_logging();
     proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root::new(id)) });
 }}
 
-/// Benchmarks only (`--features empty-filter`): the floor of any Wasm filter, reading one header.
+// Benchmarks only (`--features empty-filter`): the floor of any Wasm filter, reading one header.
 #[cfg(feature = "empty-filter")]
 proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(EmptyRoot) });
+}}
+
+// Benchmarks only (`--features bench-floor`): the floors idemgate's first request is measured
+// against (`floor.rs`).
+#[cfg(all(feature = "bench-floor", not(feature = "empty-filter")))]
+proxy_wasm::main! {{
+    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(floor::FloorRoot::new(id)) });
 }}
 
 #[cfg(feature = "empty-filter")]
@@ -136,9 +148,9 @@ pub struct Shared {
     pub metrics: Metrics,
     /// Request-body bytes buffered by this VM right now.
     pub buffered: Cell<u64>,
+    /// This VM's owner-token seed and the number of tokens made from it (`crate::owner`).
+    owner_seed: OwnerSeed,
     tokens: Cell<u64>,
-    pub node: String,
-    pub vm: u64,
     pub queues: Rc<Queues>,
     pub queue_id: Option<u32>,
     /// `authorization` for the store, from the VM's environment.
@@ -156,10 +168,11 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn next_token(&self) -> u64 {
-        let n = self.tokens.get().wrapping_add(1);
+    /// The next owner token of this VM: no host call, no randomness (see `crate::owner`).
+    pub fn next_owner(&self) -> OwnerToken {
+        let n = self.tokens.get().saturating_add(1);
         self.tokens.set(n);
-        n
+        OwnerToken::next(&self.owner_seed, n)
     }
 
     /// Fault tests only (feature `crash-injection`): the next wake is not sent, as if the host
@@ -180,7 +193,7 @@ impl Shared {
             return;
         }
         if let Some(q) = self.queue_id {
-            if let Err(e) = hostcalls::enqueue_shared_queue(q, Some(b"w")) {
+            if let Err(e) = host::enqueue(q, b"w") {
                 warn!("idemgate: cannot wake the root context (queue {q}: {e:?}): its tick takes the work");
             }
         }
@@ -272,6 +285,8 @@ struct Root {
     stopping_until_ms: Option<u64>,
     /// The last tick found work queued by HTTP contexts and not yet taken by `on_queue_ready`.
     stray_seen: bool,
+    /// The `count-host-calls` build's figures, flushed to its metrics on the tick.
+    meter: meter::Flush,
 }
 
 impl Root {
@@ -288,6 +303,7 @@ impl Root {
             retries: Vec::new(),
             stopping_until_ms: None,
             stray_seen: false,
+            meter: meter::Flush::new(),
         }
     }
 
@@ -469,7 +485,7 @@ impl Root {
         let timeout = Duration::from_millis(f.timeout_ms.max(1));
         let sent = {
             let headers: Vec<(&str, &str)> = f.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-            hostcalls::dispatch_http_call(&f.cluster, headers, Some(&f.body), vec![], timeout)
+            host::dispatch_http_call(&f.cluster, headers, &f.body, timeout)
         };
         match sent {
             Ok(token) => {
@@ -497,7 +513,7 @@ impl Root {
         if !self.queues.live.borrow().contains(&context_id) {
             return;
         }
-        if hostcalls::set_effective_context(context_id).is_ok() {
+        if host::set_effective_context(context_id) {
             host::publish(outcome.0, Some(outcome.1));
             send(request_id);
         }
@@ -525,11 +541,7 @@ impl Root {
             return;
         };
         let (status, body) = writes::answer(body_size, num_headers);
-        let headers = if num_headers == 0 {
-            vec![]
-        } else {
-            hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default()
-        };
+        let headers = if num_headers == 0 { vec![] } else { host::all_headers(MapType::HttpCallResponseHeaders) };
         let elapsed = host::now_ms().saturating_sub(f.sent_at_ms);
         let outcome = classify_callout(status, &headers, &body, policy);
         let upstream_answered = callout_from_upstream(&headers);
@@ -769,8 +781,16 @@ impl Context for Root {
     }
 
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        meter::callback(meter::Callback::Root);
+        self.call_answered(token, num_headers, body_size);
+        meter::root_answered();
+    }
+}
+
+impl Root {
+    fn call_answered(&mut self, token: u32, num_headers: usize, body_size: usize) {
         match self.calls.remove(&token) {
-            Some(Call::Lease) => self.lease_answered(num_headers, body_size),
+            Some(Call::Lease) => meter::background(|| self.lease_answered(num_headers, body_size)),
             Some(Call::Write(job)) => {
                 let (status, body) = writes::answer(body_size, num_headers);
                 let Some(s) = self.shared.clone() else { return };
@@ -806,9 +826,40 @@ impl Context for Root {
 }
 
 impl RootContext for Root {
-    fn on_configure(&mut self, _size: usize) -> bool {
-        let raw =
-            hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default();
+    fn on_configure(&mut self, size: usize) -> bool {
+        meter::background(|| self.configure(size))
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        meter::callback(meter::Callback::Root);
+        // Its item only woke us: the host posts one call per item, so one is taken here (the
+        // tick empties the queue of any a lost call left behind).
+        host::dequeue(queue_id);
+        self.take_queued_work();
+    }
+
+    fn on_tick(&mut self) {
+        meter::background(|| self.tick());
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        match &self.shared {
+            Some(s) => Some(Box::new(http::Http::new(s.clone(), context_id))),
+            // Not configured (cannot happen once Envoy accepted the config): it cannot tell a
+            // protected request from another, so it refuses every request rather than pass one.
+            None => Some(Box::new(Unconfigured)),
+        }
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+impl Root {
+    fn configure(&mut self, _size: usize) -> bool {
+        host::refresh_log_level();
+        let raw = host::plugin_configuration();
         let config = match Config::parse(&raw) {
             Ok(c) => c,
             Err(e) => {
@@ -836,7 +887,7 @@ impl RootContext for Root {
         let waits = config.policies().any(|p| matches!(p.in_flight, crate::config::InFlight::Wait { .. }));
         // Detached forwarding and waiting answer clients from the root context: the host must let
         // it switch the effective context. Probe it now, rather than hang requests later.
-        if (detached || waits) && hostcalls::set_effective_context(self.id).is_err() {
+        if (detached || waits) && !host::set_effective_context(self.id) {
             error!("idemgate configuration refused: this host cannot switch the effective context, which forwarding \"detached\" and in_flight \"wait\" need");
             return false;
         }
@@ -850,11 +901,15 @@ impl RootContext for Root {
         info!("{}", table.describe(ttl));
         let node =
             host::property(&["node", "id"]).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
-        let vm = (u64::from(self.id) << 48) ^ host::now_nanos();
+        let started_nanos = host::now_nanos();
+        let vm = (u64::from(self.id) << 48) ^ started_nanos;
+        // Once per VM (per configuration): every owner token of this VM is made from it.
+        let owner_seed =
+            OwnerSeed::derive(&TokenSources { entropy: &host::entropy(), node: &node, vm, now_nanos: started_nanos });
         if self.queue_id.is_none() {
             // A queue of this root's own (same thread): HTTP contexts wake it to hand it work.
             let name = format!("idemgate.root.{}.{vm:x}", self.id);
-            self.queue_id = hostcalls::register_shared_queue(&name).ok();
+            self.queue_id = host::register_queue(&name);
             if self.queue_id.is_none() {
                 error!("idemgate: cannot register the root's work queue");
                 return false;
@@ -882,9 +937,8 @@ impl RootContext for Root {
             table,
             metrics,
             buffered: Cell::new(0),
+            owner_seed,
             tokens: Cell::new(0),
-            node,
-            vm,
             queues: self.queues.clone(),
             queue_id: self.queue_id,
             credentials,
@@ -896,18 +950,18 @@ impl RootContext for Root {
         }));
         // The first lease before any request needs one (the tick keeps one ahead from then on).
         self.grant_lease_if_due();
-        if hostcalls::set_tick_period(TICK).is_err() {
+        if !host::set_tick_period(TICK) {
             warn!("idemgate: no timer: expired records are freed only when their bucket is reused");
         }
         true
     }
 
-    fn on_queue_ready(&mut self, queue_id: u32) {
-        while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
-        self.take_queued_work();
-    }
-
-    fn on_tick(&mut self) {
+    fn tick(&mut self) {
+        self.meter.flush();
+        host::refresh_log_level();
+        if let Some(q) = self.queue_id {
+            host::drain_queue(q);
+        }
         self.grant_lease_if_due();
         self.collect_stray_work();
         self.check_waiters();
@@ -940,19 +994,6 @@ impl RootContext for Root {
             Err(e) => debug!("idemgate: sweep failed: {e:?}"),
         }
         self.sweep_at = (self.sweep_at + SWEEP_BUCKETS_PER_SECOND) % buckets.max(1);
-    }
-
-    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        match &self.shared {
-            Some(s) => Some(Box::new(http::Http::new(s.clone(), context_id))),
-            // Not configured (cannot happen once Envoy accepted the config): it cannot tell a
-            // protected request from another, so it refuses every request rather than pass one.
-            None => Some(Box::new(Unconfigured)),
-        }
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
     }
 }
 

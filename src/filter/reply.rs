@@ -8,21 +8,6 @@
 use crate::problem::{code_details, ProblemKind};
 use crate::record::{Creator, Record, State};
 
-#[link(wasm_import_module = "env")]
-extern "C" {
-    /// The proxy-wasm ABI 0.2.1 local reply (as declared by the SDK, which passes no details).
-    fn proxy_send_local_response(
-        status_code: u32,
-        status_code_details_data: *const u8,
-        status_code_details_size: usize,
-        body_data: *const u8,
-        body_size: usize,
-        headers_data: *const u8,
-        headers_size: usize,
-        grpc_status: i32,
-    ) -> u32;
-}
-
 /// The ABI's header map: the number of pairs, each pair's name and value lengths (u32, little
 /// endian), then each name and value followed by a NUL byte.
 fn serialize_headers(headers: &[(&str, &str)]) -> Vec<u8> {
@@ -44,20 +29,7 @@ fn serialize_headers(headers: &[(&str, &str)]) -> Vec<u8> {
 /// Sends a local reply with response code details; false if the host refused it (logged).
 fn send(status: u16, details: &str, headers: &[(&str, &str)], body: &[u8]) -> bool {
     let map = serialize_headers(headers);
-    // SAFETY: every pointer is to memory we own for the duration of the call, with its length;
-    // the host copies what it needs.
-    let result = unsafe {
-        proxy_send_local_response(
-            u32::from(status),
-            details.as_ptr(),
-            details.len(),
-            body.as_ptr(),
-            body.len(),
-            map.as_ptr(),
-            map.len(),
-            -1,
-        )
-    };
+    let result = super::host::send_local_response(status, details, &map, body);
     if result != 0 {
         log::error!("idemgate: outcome=internal_state branch=local_reply status={status} details={details} host_status={result}");
     }

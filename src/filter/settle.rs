@@ -89,7 +89,7 @@ pub fn settle(
             }
         }
         Outcome::Release => {
-            release_local(shared, claim.handle);
+            release_local(shared, claim.handle, now);
             if claim.in_store && shared.config.store.is_some() {
                 shared.push_write("release", &claim.skey, &Transition::release(claim.owner), None);
             }
@@ -111,10 +111,10 @@ pub fn settle(
     }
 }
 
-/// Releases a local claim (owner-checked), counting it.
-pub fn release_local(shared: &Shared, handle: Option<Handle>) {
+/// Releases a local claim (owner-checked) at `now_ms`, counting it.
+pub fn release_local(shared: &Shared, handle: Option<Handle>, now_ms: u64) {
     if let Some(h) = handle {
-        if let Ok(true) = shared.table.release(&mut HostShared, &h, host::now_ms()) {
+        if let Ok(true) = shared.table.release(&mut HostShared, &h, now_ms) {
             shared.metrics.inc(Counter::Released);
         }
     }

@@ -9,7 +9,6 @@
 
 use std::time::Duration;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
 
 use crate::config::StoreConfig;
@@ -69,7 +68,8 @@ pub fn dispatch(cfg: &StoreConfig, req: &StoreRequest, credentials: Option<&str>
         headers.push(("authorization", c));
     }
     let timeout = Duration::from_millis(cfg.timeout_ms.max(1));
-    hostcalls::dispatch_http_call(&cfg.cluster, headers, Some(&req.body), vec![], timeout)
+    super::meter::store_bytes(req.path.len() + req.body.len());
+    super::host::dispatch_http_call(&cfg.cluster, headers, &req.body, timeout)
         .map_err(|s| format!("dispatch to cluster {:?} failed: {s:?}", cfg.cluster))
 }
 
@@ -79,10 +79,6 @@ pub fn answer(body_size: usize, num_headers: usize) -> (Option<u16>, Vec<u8>) {
         return (None, vec![]);
     }
     let status = super::host::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());
-    let body = if body_size == 0 {
-        vec![]
-    } else {
-        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten().unwrap_or_default()
-    };
+    let body = super::host::buffer(BufferType::HttpCallResponseBody, body_size);
     (status, body)
 }

@@ -484,7 +484,7 @@ fn creating_the_table_again_never_overwrites_live_records() {
     let k = skey(8);
     handle(&claim(&t, &mut m, k, Some(fp(1)), 1, NOW));
     assert_eq!(t.ensure_created(&mut m).unwrap(), 0, "ready marker: nothing to do");
-    m.map.remove(&t.ready_name()); // as if the marker had never been written
+    m.map.remove(&*t.ready_name()); // as if the marker had never been written
     assert_eq!(t.ensure_created(&mut m).unwrap(), 0, "every bucket exists: none rewritten");
     assert!(is_reject(&claim(&t, &mut m, k, Some(fp(1)), 2, NOW), &in_flight()));
 }
@@ -744,5 +744,22 @@ fn a_completed_record_is_neither_released_nor_marked_unknown_by_its_owner() {
     match t.begin(&mut m, k, Some(fp(1)), NOW + 2, &p, owner(2), &creator("b")).unwrap() {
         Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("a"))),
         other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn shared_data_names_are_built_without_allocating_and_spell_as_before() {
+    let t = Table::new(&LocalConfig { max_entries: u64::MAX, ..LocalConfig::default() });
+    let prefix = format!("idemgate.v2.local.n{}", u64::MAX);
+    for (name, want) in [
+        (t.bucket_name(u32::MAX), format!("{prefix}.b.{}", u32::MAX)),
+        (t.slot_name(u32::MAX, usize::MAX), format!("{prefix}.s.{}.{}", u32::MAX, usize::MAX)),
+        (t.usage_name(), format!("{prefix}.usage")),
+        (t.count_name(), format!("{prefix}.count")),
+        (t.evicted_age_name(), format!("{prefix}.evicted_age")),
+        (t.ready_name(), format!("{prefix}.ready")),
+    ] {
+        assert_eq!(&*name, want.as_str());
+        assert!(matches!(name, Name::Stack(..)), "{want} went to the heap");
     }
 }

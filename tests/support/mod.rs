@@ -149,6 +149,8 @@ pub struct EnvoyOptions {
     /// The Wasm filter's `allow_on_headers_stop_iteration: true` (Istio's `WasmPlugin` and Envoy
     /// Gateway's `wasm` API cannot set it).
     pub stop_iteration_flag: bool,
+    /// Envoy's log level for Wasm (`--component-log-level wasm:<level>`).
+    pub wasm_log_level: String,
 }
 
 /// The test access log's line: a test id, the status, Envoy's response code details and the
@@ -181,6 +183,7 @@ impl EnvoyOptions {
             named_routes: vec![],
             access_log: false,
             stop_iteration_flag: true,
+            wasm_log_level: "debug".into(),
         }
     }
 }
@@ -398,7 +401,8 @@ impl Envoy {
             .arg("-c")
             .arg(&cfg_path)
             .args(["--concurrency", &o.concurrency.to_string()])
-            .args(["--disable-hot-restart", "--log-level", "info", "--component-log-level", "wasm:debug"])
+            .args(["--disable-hot-restart", "--log-level", "info", "--component-log-level"])
+            .arg(format!("wasm:{}", o.wasm_log_level))
             .args(o.drain_time_s.map(|s| ["--drain-time-s".to_string(), s.to_string()]).into_iter().flatten())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
