@@ -28,6 +28,6 @@ fuzz_target!(|data: &[u8]| {
         let _ = idemgate::etcd::parse_read_reply(status.flatten(), body, &skey, &seal, now);
         let _ = idemgate::etcd::parse_lease_grant(status.flatten(), body, 600);
         let _ = idemgate::etcd::open_value(body, &skey, &seal);
-        let _ = idemgate::etcd::unb64(&String::from_utf8_lossy(body));
+        let _ = idemgate::base64::unb64(&String::from_utf8_lossy(body));
     });
 });
