@@ -76,19 +76,7 @@ impl Store {
 
 /// The Redis key idemgate uses for `key` sent by `post` through an Envoy running `PLUGIN`.
 fn redis_key_of(key: &str) -> String {
-    use idemgate::request::RequestHead;
-    use idemgate::scope::{CallerScope, StorageKey};
-    let config = idemgate::config::Config::parse(PLUGIN.as_bytes()).expect("config");
-    let policy = config.policy_for("POST", "/charges").expect("policy");
-    let head = RequestHead::from_pairs(vec![
-        (":method".into(), b"POST".to_vec()),
-        (":path".into(), b"/charges".to_vec()),
-        (":authority".into(), b"idemgate.test".to_vec()),
-        ("authorization".into(), CALLER.as_bytes().to_vec()),
-    ]);
-    let scope = CallerScope::of(&head, &policy.scope);
-    let k = idemgate::key::parse_key_header(&[key.as_bytes()], 255).expect("key").expect("a key");
-    idemgate::store::redis_key(&StorageKey::derive(&policy.namespace, &scope, &k))
+    support::redis_key_of(PLUGIN, CALLER, key)
 }
 
 fn post(envoy: &Envoy, key: &str) -> Response {

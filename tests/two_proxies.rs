@@ -514,19 +514,7 @@ fn wait_mode_answers_a_waiter_as_soon_as_the_first_attempt_is_released() {
 
 /// The Redis key idemgate uses for `key` sent by this suite's caller (`post`).
 fn redis_key_of(plugin: &str, key: &str) -> String {
-    use idemgate::request::RequestHead;
-    use idemgate::scope::{CallerScope, StorageKey};
-    let config = idemgate::config::Config::parse(plugin.as_bytes()).expect("config");
-    let policy = config.policy_for("POST", "/charges").expect("policy");
-    let head = RequestHead::from_pairs(vec![
-        (":method".into(), b"POST".to_vec()),
-        (":path".into(), b"/charges".to_vec()),
-        (":authority".into(), b"idemgate.test".to_vec()),
-        ("authorization".into(), b"Bearer alice-secret-token".to_vec()),
-    ]);
-    let scope = CallerScope::of(&head, &policy.scope);
-    let k = idemgate::key::parse_key_header(&[key.as_bytes()], 255).expect("key").expect("a key");
-    idemgate::store::redis_key(&StorageKey::derive(&policy.namespace, &scope, &k))
+    support::redis_key_of(plugin, "Bearer alice-secret-token", key)
 }
 
 #[test]

@@ -30,6 +30,24 @@ pub fn record_seal() -> idemgate::seal::Seal {
     idemgate::seal::Seal::new(Some(RECORD_KEY), None).expect("test record key")
 }
 
+/// The Redis key idemgate uses for `key` sent as `POST /charges` to `idemgate.test` by the caller
+/// whose `authorization` is `authorization`, through an Envoy running the plugin config `plugin`.
+pub fn redis_key_of(plugin: &str, authorization: &str, key: &str) -> String {
+    use idemgate::request::RequestHead;
+    use idemgate::scope::{CallerScope, StorageKey};
+    let config = idemgate::config::Config::parse(plugin.as_bytes()).expect("config");
+    let policy = config.policy_for("POST", "/charges").expect("policy");
+    let head = RequestHead::from_pairs(vec![
+        (":method".into(), b"POST".to_vec()),
+        (":path".into(), b"/charges".to_vec()),
+        (":authority".into(), b"idemgate.test".to_vec()),
+        ("authorization".into(), authorization.as_bytes().to_vec()),
+    ]);
+    let scope = CallerScope::of(&head, &policy.scope);
+    let k = idemgate::key::parse_key_header(&[key.as_bytes()], 255).expect("key").expect("a key");
+    idemgate::store::redis_key(&StorageKey::derive(&policy.namespace, &scope, &k))
+}
+
 /// The storage key behind a Redis key name (`idemgate:v1:<hex>`).
 pub fn storage_key_of(redis_name: &str) -> idemgate::scope::StorageKey {
     let hex = redis_name.strip_prefix(idemgate::store::KEY_PREFIX).expect("an idemgate key");
