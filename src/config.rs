@@ -173,6 +173,9 @@ pub struct StoreConfig {
     pub authority: String,
     pub timeout_ms: u64,
     pub on_unavailable: OnUnavailable,
+    /// `store.kind: "etcd"` with a credential: how often each worker authenticates again
+    /// (`etcd::Auth`); below etcd's token TTL.
+    pub token_refresh_seconds: u64,
 }
 
 /// `store.kind`.
@@ -840,7 +843,11 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
 
 fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
     let m = as_object(v, "store")?;
-    check_unknown(m, "store", &[&["kind", "cluster", "authority", "timeout_ms", "on_unavailable"]])?;
+    check_unknown(
+        m,
+        "store",
+        &[&["kind", "cluster", "authority", "timeout_ms", "on_unavailable", "token_refresh_seconds"]],
+    )?;
     let kind = match m.get("kind") {
         Some(k) => as_choice(k, "store.kind", &[("redis", StoreKind::Redis), ("etcd", StoreKind::Etcd)])?,
         None => StoreKind::Redis,
@@ -866,7 +873,17 @@ fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
         }
         None => OnUnavailable::Reject,
     };
-    Ok(StoreConfig { kind, cluster, authority, timeout_ms, on_unavailable })
+    let token_refresh_seconds = match (m.get("token_refresh_seconds"), kind) {
+        (Some(_), StoreKind::Redis) => {
+            return Err(err(
+                "store.token_refresh_seconds",
+                "only for store.kind \"etcd\" (webdis takes its credential in every request)",
+            ))
+        }
+        (Some(t), StoreKind::Etcd) => as_uint(t, "store.token_refresh_seconds", 1, 3600)?,
+        (None, _) => crate::etcd::DEFAULT_TOKEN_REFRESH_SECONDS,
+    };
+    Ok(StoreConfig { kind, cluster, authority, timeout_ms, on_unavailable, token_refresh_seconds })
 }
 
 fn parse_local(v: &Value) -> Result<LocalConfig, ConfigError> {
@@ -996,7 +1013,8 @@ mod tests {
                 cluster: "idemgate_store".into(),
                 authority: "webdis".into(),
                 timeout_ms: 50,
-                on_unavailable: OnUnavailable::Pass
+                on_unavailable: OnUnavailable::Pass,
+                token_refresh_seconds: 60
             })
         );
         assert_eq!(
@@ -1021,7 +1039,8 @@ mod tests {
                 cluster: "redis".into(),
                 authority: "redis".into(),
                 timeout_ms: 250,
-                on_unavailable: OnUnavailable::Reject
+                on_unavailable: OnUnavailable::Reject,
+                token_refresh_seconds: 60
             })
         );
     }
@@ -1041,6 +1060,13 @@ mod tests {
         assert_eq!(e.field, "ttl_seconds");
         assert!(e.reason.contains("skew tolerance"), "{}", e.reason);
         assert!(parse(&tight.replace("KIND", "etcd").replace("\"ttl_seconds\": 11", "\"ttl_seconds\": 12")).is_ok());
+        // The etcd token's refresh: etcd only, 1 s to an hour.
+        let refresh = r#"{"scope": {"global": true}, "store": {"kind": "KIND", "cluster": "s", "token_refresh_seconds": N}}"#;
+        let c = parse(&refresh.replace("KIND", "etcd").replace('N', "20")).unwrap();
+        assert_eq!(c.store.unwrap().token_refresh_seconds, 20);
+        for bad in [refresh.replace("KIND", "redis").replace('N', "20"), refresh.replace("KIND", "etcd").replace('N', "0")] {
+            assert_eq!(parse(&bad).unwrap_err().field, "store.token_refresh_seconds", "{bad}");
+        }
     }
 
     #[test]

@@ -433,6 +433,140 @@ impl Leases {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Authentication. With etcd's auth enabled, every request carries a token (`authorization:
+// <token>`) that `/v3/auth/authenticate` hands out for a user and password. The credential comes
+// from the VM's environment (`IDEMGATE_STORE_AUTH`, `user:password`), never the plugin
+// configuration. The root context authenticates ahead of need, as it grants leases: at start,
+// every `store.token_refresh_seconds` after (below etcd's token TTL, so a token in use never
+// expires), and at once when etcd refuses the token (401: a member restarted, a password changed).
+// A request is never sent without the token once one is needed: until the first one arrives no
+// lease is granted either, so requests are refused (503), never forwarded unprotected.
+
+/// The path of the authentication request.
+pub const AUTH_PATH: &str = "/v3/auth/authenticate";
+/// `store.token_refresh_seconds` by default: well below etcd's default token TTL (300 s, simple
+/// tokens; JWT tokens default to 5 minutes too).
+pub const DEFAULT_TOKEN_REFRESH_SECONDS: u64 = 60;
+/// The longest token accepted (etcd's simple tokens are about 20 bytes, its JWTs a few hundred).
+const MAX_TOKEN_LEN: usize = 4096;
+/// A failed authentication is tried again after this long, doubled at each failure up to
+/// `AUTH_RETRY_MAX_MS` (a wrong password costs etcd a bcrypt check each time).
+const AUTH_RETRY_MS: u64 = 500;
+const AUTH_RETRY_MAX_MS: u64 = 10_000;
+/// An authentication with no answer after this long is forgotten and sent again.
+const AUTH_STUCK_MS: u64 = 10_000;
+
+/// The authentication request for `user_password` (`user:password`, split at the first colon;
+/// the password may contain colons). Refused: no colon, or an empty user.
+pub fn authenticate_request(user_password: &str) -> Result<StoreRequest, String> {
+    let Some((user, password)) = user_password.split_once(':') else {
+        return Err("IDEMGATE_STORE_AUTH must be user:password".into());
+    };
+    if user.is_empty() {
+        return Err("IDEMGATE_STORE_AUTH has an empty user name".into());
+    }
+    Ok(post(AUTH_PATH, &json!({"name": user, "password": password})))
+}
+
+#[derive(Deserialize)]
+struct AuthAnswer {
+    header: Option<Header>,
+    token: Option<String>,
+}
+
+/// Parses the answer to `authenticate_request`: the token, which must fit in a header value
+/// (visible ASCII only, at most `MAX_TOKEN_LEN` bytes).
+pub fn parse_authenticate(status: Option<u16>, body: &[u8]) -> Result<String, StoreError> {
+    let a: AuthAnswer = json_answer(status, body)?;
+    if !has_revision(&a.header) {
+        return Err(garbled("etcd answer without a revision"));
+    }
+    let token = a.token.unwrap_or_default();
+    if token.is_empty() || token.len() > MAX_TOKEN_LEN || !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(garbled("etcd auth token"));
+    }
+    Ok(token)
+}
+
+/// What etcd said in an error answer (`{"error": "etcdserver: ..."}`), cut to 200 bytes, for a
+/// log line; empty if the body is not one.
+pub fn error_text(body: &[u8]) -> String {
+    #[derive(Deserialize)]
+    struct ErrorAnswer {
+        error: Option<String>,
+    }
+    let text = serde_json::from_slice::<ErrorAnswer>(body).ok().and_then(|a| a.error).unwrap_or_default();
+    text.chars().filter(|c| !c.is_control()).take(200).collect()
+}
+
+/// Whether etcd refused a request's token (expired, unknown to the member, its user's password
+/// changed): the root authenticates again at once. etcd checks the token before it proposes the
+/// request, so such a request did not run (the filter still treats it as any failed answer).
+pub fn token_refused(status: Option<u16>) -> bool {
+    status == Some(401)
+}
+
+/// A VM's etcd token: the one in use, and when to ask for the next. Times are this proxy's clock.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Auth {
+    token: Option<String>,
+    obtained_at_ms: u64,
+    sent_at_ms: Option<u64>,
+    retry_at_ms: u64,
+    failures: u32,
+    refused: bool,
+}
+
+impl Auth {
+    /// The token to send, if one was obtained (kept while its successor is asked for: etcd may
+    /// still accept it).
+    pub fn token(&self) -> Option<&str> {
+        self.token.as_deref()
+    }
+
+    /// Whether the root should authenticate now: none in flight, past any retry delay, and no
+    /// token yet, a refused one, or one obtained `refresh_ms` ago or more.
+    pub fn wants_authenticate(&self, now_ms: u64, refresh_ms: u64) -> bool {
+        if let Some(sent) = self.sent_at_ms {
+            if now_ms.saturating_sub(sent) < AUTH_STUCK_MS {
+                return false;
+            }
+        }
+        if now_ms < self.retry_at_ms {
+            return false;
+        }
+        self.token.is_none() || self.refused || now_ms.saturating_sub(self.obtained_at_ms) >= refresh_ms
+    }
+
+    pub fn sent(&mut self, now_ms: u64) {
+        self.sent_at_ms = Some(now_ms);
+    }
+
+    pub fn obtained(&mut self, token: String, now_ms: u64) {
+        self.token = Some(token);
+        self.obtained_at_ms = now_ms;
+        self.sent_at_ms = None;
+        self.failures = 0;
+        self.refused = false;
+    }
+
+    pub fn failed(&mut self, now_ms: u64) {
+        self.sent_at_ms = None;
+        let delay = AUTH_RETRY_MS.saturating_mul(1 << self.failures.min(5)).min(AUTH_RETRY_MAX_MS);
+        self.failures = self.failures.saturating_add(1);
+        self.retry_at_ms = now_ms.saturating_add(delay);
+    }
+
+    /// etcd refused the token in use (`token_refused`): authenticate again as soon as allowed.
+    /// Returns whether this is news (the first refusal of this token).
+    pub fn refused(&mut self) -> bool {
+        let news = self.token.is_some() && !self.refused;
+        self.refused = true;
+        news
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Answers. Parsed into typed shapes (unknown fields ignored without being kept), every list
 // bounded as it arrives (`MAX_LIST`), every 64-bit integer a decimal string.
 

@@ -28,13 +28,24 @@ struct Pair {
 
 impl Pair {
     fn new(etcd: &EtcdCluster) -> Pair {
+        Pair::with(etcd, &cfg(), None, true)
+    }
+
+    /// Two proxies with plugin configuration `config`, `IDEMGATE_STORE_AUTH` set to `auth` in
+    /// their VMs' environment, waiting for their leases if `leases`.
+    fn with(etcd: &EtcdCluster, config: &str, auth: Option<&str>, leases: bool) -> Pair {
         let up = Upstream::start();
-        let mut o = EnvoyOptions::new(&cfg(), up.port);
+        let mut o = EnvoyOptions::new(config, up.port);
         o.etcd_ports = etcd.client_ports();
+        if let Some(a) = auth {
+            o.vm_env.push(("IDEMGATE_STORE_AUTH".into(), a.into()));
+        }
         let a = Envoy::start(&o);
         let b = Envoy::start(&o);
-        wait_leases(&a, o.concurrency);
-        wait_leases(&b, o.concurrency);
+        if leases {
+            wait_leases(&a, o.concurrency);
+            wait_leases(&b, o.concurrency);
+        }
         Pair { up, a, b }
     }
 }
@@ -175,6 +186,102 @@ fn etcd_holds_no_raw_key_or_credential() {
         "{:?}",
         all.iter().map(|(k, _)| String::from_utf8_lossy(k).into_owned()).collect::<Vec<_>>()
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// etcd's authentication: the proxy trades `IDEMGATE_STORE_AUTH` (user:password, from the VM's
+// environment) for a token, renewed ahead of need and at once when etcd refuses it.
+
+const ETCD_USER: &str = "idemgate";
+const ETCD_PASSWORD: &str = "etcd-pw-5b7e0f19";
+
+fn etcd_auth() -> String {
+    format!("{ETCD_USER}:{ETCD_PASSWORD}")
+}
+
+#[test]
+fn etcd_auth_a_proxy_trades_its_environments_password_for_a_token_and_replays_across_proxies() {
+    let mut etcd = EtcdCluster::start();
+    etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+    // etcd refuses a client without a token: auth is really on.
+    let anonymous = http::request(etcd.members[0].client_port, "POST", "/v3/kv/range", &[], br#"{"key":"YQ=="}"#)
+        .expect("etcd");
+    assert_eq!(anonymous.status, 400, "{}", anonymous.body_text());
+    let p = Pair::with(&etcd, &cfg(), Some(&etcd_auth()), true);
+    let first = post(&p.a, "k-auth", r#"{"amount":5}"#, &[]);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    wait_writes(&p.a, 1);
+    let again = post(&p.b, "k-auth", r#"{"amount":5}"#, &[]);
+    assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
+    assert_eq!(p.up.executions(), 1);
+    for e in [&p.a, &p.b] {
+        assert!(e.stat("idemgate.store_authentications") >= 1);
+        assert_eq!(e.stat("idemgate.store_token_refused"), 0);
+        assert!(!e.log().contains(ETCD_PASSWORD), "the password reached a log line");
+    }
+    let contains = |hay: &[u8], needle: &str| hay.windows(needle.len()).any(|w| w == needle.as_bytes());
+    for (k, v) in etcd.all() {
+        assert!(!contains(&k, ETCD_PASSWORD) && !contains(&v, ETCD_PASSWORD), "the password is stored in etcd");
+    }
+}
+
+#[test]
+fn etcd_auth_a_wrong_password_is_503_and_forwards_nothing() {
+    let mut etcd = EtcdCluster::start();
+    etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+    let p = Pair::with(&etcd, &cfg(), Some(&format!("{ETCD_USER}:not-the-password")), false);
+    for _ in 0..200 {
+        if p.a.log().contains("etcd authentication failed") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(p.a.log().contains("invalid user ID or password"), "{}", p.a.log());
+    for i in 0..5 {
+        let r = post(&p.a, &format!("k-wrong-{i}"), r#"{"amount":1}"#, &[]);
+        assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"), "{}", r.body_text());
+    }
+    assert_eq!(p.up.executions(), 0);
+    assert_eq!(p.a.stat("idemgate.store_authentications"), 0);
+}
+
+#[test]
+fn etcd_auth_a_token_etcd_refuses_is_renewed_at_once_and_nothing_executes_twice() {
+    let mut etcd = EtcdCluster::start();
+    etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+    // Refreshed every hour: only the refusal can bring a new token within this test.
+    let config = cfg().replace(r#""timeout_ms": 1000"#, r#""timeout_ms": 1000, "token_refresh_seconds": 3600"#);
+    let p = Pair::with(&etcd, &config, Some(&etcd_auth()), true);
+    assert_eq!(post(&p.a, "k-before", r#"{"amount":1}"#, &[]).status, 201);
+    let before = p.a.stat("idemgate.store_authentications");
+    // A password change (to the same password) makes etcd forget every token of the user.
+    etcd.change_password(ETCD_USER, ETCD_PASSWORD);
+    let (r, refused) = post_until_answered(&p.a, "k-after", r#"{"amount":2}"#);
+    assert_eq!(r.status, 201, "after {refused} refusals: {}", r.body_text());
+    assert!(p.a.stat("idemgate.store_token_refused") >= 1, "etcd never refused the old token");
+    assert!(p.a.stat("idemgate.store_authentications") > before);
+    wait_writes(&p.a, 2);
+    // The refused attempts forwarded nothing; the key executed once, and replays on the other proxy.
+    assert_eq!(p.up.executions(), 2);
+    let again = replayed_on(&p.b, "k-after", r#"{"amount":2}"#);
+    assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
+    assert_eq!(p.up.executions(), 2);
+}
+
+#[test]
+fn etcd_auth_a_token_refreshed_below_etcds_ttl_never_lapses_while_idle() {
+    // etcd forgets a token unused for 3 s; the proxies authenticate again every second.
+    let mut etcd = EtcdCluster::start_with(&["--auth-token-ttl", "3"]);
+    etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+    let config = cfg().replace(r#""timeout_ms": 1000"#, r#""timeout_ms": 1000, "token_refresh_seconds": 1"#);
+    let p = Pair::with(&etcd, &config, Some(&etcd_auth()), true);
+    assert_eq!(post(&p.a, "k-idle-1", r#"{"amount":1}"#, &[]).status, 201);
+    // Idle for longer than etcd's token TTL.
+    std::thread::sleep(Duration::from_secs(5));
+    let r = post(&p.a, "k-idle-2", r#"{"amount":1}"#, &[]);
+    assert_eq!(r.status, 201, "{}", r.body_text());
+    assert_eq!(p.a.stat("idemgate.store_token_refused"), 0);
+    assert_eq!(p.up.executions(), 2);
 }
 
 /// Sends `key` on `e` with a 2.5 s upstream delay in a thread.

@@ -491,3 +491,69 @@ fn answers_seen_from_a_real_etcd_parse() {
     let lease_gone = br#"{"error":"etcdserver: requested lease not found","message":"etcdserver: requested lease not found","code":5}"#;
     assert_eq!(parse_transition_reply(Some(404), lease_gone, None), Err(StoreError::Http(404)));
 }
+
+#[test]
+fn authentication_is_asked_with_the_whole_password_and_refused_without_a_user() {
+    let r = authenticate_request("idemgate:pa:ss").unwrap();
+    assert_eq!((r.method, r.path.as_str()), ("POST", AUTH_PATH));
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!((v["name"].as_str(), v["password"].as_str()), (Some("idemgate"), Some("pa:ss")));
+    assert!(authenticate_request(":pw").is_err());
+    assert!(authenticate_request("no-colon").is_err());
+}
+
+#[test]
+fn a_token_is_taken_only_from_a_whole_answer_and_only_if_it_fits_a_header() {
+    let ok = br#"{"header":{"revision":"1"},"token":"aCYxrMFTHEFthxCm.12"}"#;
+    assert_eq!(parse_authenticate(Some(200), ok).unwrap(), "aCYxrMFTHEFthxCm.12");
+    let bad_password = br#"{"error":"etcdserver: authentication failed, invalid user ID or password","code":3}"#;
+    assert_eq!(parse_authenticate(Some(400), bad_password), Err(StoreError::Http(400)));
+    assert_eq!(parse_authenticate(None, b""), Err(StoreError::NoAnswer));
+    for body in [
+        &br#"{"token":"t"}"#[..],
+        br#"{"header":{"revision":"1"}}"#,
+        br#"{"header":{"revision":"1"},"token":""}"#,
+        br#"{"header":{"revision":"1"},"token":"a b"}"#,
+        br#"{"header":{"revision":"1"},"token":"a\r\nx-injected: 1"}"#,
+    ] {
+        assert!(parse_authenticate(Some(200), body).is_err(), "{}", String::from_utf8_lossy(body));
+    }
+    let long = format!(r#"{{"header":{{"revision":"1"}},"token":"{}"}}"#, "t".repeat(MAX_TOKEN_LEN + 1));
+    assert!(parse_authenticate(Some(200), long.as_bytes()).is_err());
+    assert!(token_refused(Some(401)) && !token_refused(Some(403)) && !token_refused(None));
+    assert_eq!(error_text(bad_password), "etcdserver: authentication failed, invalid user ID or password");
+    assert_eq!(error_text(b"<html>"), "");
+    assert_eq!(error_text(format!(r#"{{"error":"{}\n"}}"#, "x".repeat(300)).as_bytes()).len(), 200);
+}
+
+#[test]
+fn the_token_is_asked_at_start_refreshed_before_it_ages_and_again_at_once_when_refused() {
+    let refresh = 60_000;
+    let mut a = Auth::default();
+    assert!(a.wants_authenticate(0, refresh) && a.token().is_none());
+    a.sent(0);
+    assert!(!a.wants_authenticate(100, refresh), "one in flight at a time");
+    a.obtained("t1".into(), 100);
+    assert_eq!(a.token(), Some("t1"));
+    assert!(!a.wants_authenticate(60_099, refresh));
+    assert!(a.wants_authenticate(60_100, refresh), "refreshed every token_refresh_seconds");
+    // Refused by etcd: asked again at once, the old token kept until its successor arrives.
+    assert!(a.refused());
+    assert!(!a.refused(), "one refusal is news once");
+    assert!(a.wants_authenticate(1_000, refresh));
+    a.sent(1_000);
+    assert!(!a.wants_authenticate(1_001, refresh));
+    assert_eq!(a.token(), Some("t1"));
+    // A failure (wrong password, etcd down) backs off, doubling up to 10 s.
+    a.failed(2_000);
+    assert!(!a.wants_authenticate(2_499, refresh) && a.wants_authenticate(2_500, refresh));
+    for _ in 0..10 {
+        a.failed(10_000);
+    }
+    assert!(!a.wants_authenticate(19_999, refresh) && a.wants_authenticate(20_000, refresh));
+    a.obtained("t2".into(), 30_000);
+    assert_eq!(a.token(), Some("t2"));
+    assert!(!a.wants_authenticate(30_001, refresh), "a new token clears the refusal");
+    // A refusal before any token is no news (nothing to replace).
+    assert!(!Auth::default().refused());
+}

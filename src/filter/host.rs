@@ -365,6 +365,8 @@ pub enum Counter {
     StoreWriteFailures,
     StoreClaimGoneRewritten,
     StoreScriptLoads,
+    StoreAuthentications,
+    StoreTokenRefused,
     RootWakesMissed,
     DetachedForwards,
     Waited,
@@ -375,7 +377,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 40] = [
+    pub const ALL: [Counter; 42] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -409,6 +411,8 @@ impl Counter {
         Counter::StoreWriteFailures,
         Counter::StoreClaimGoneRewritten,
         Counter::StoreScriptLoads,
+        Counter::StoreAuthentications,
+        Counter::StoreTokenRefused,
         Counter::RootWakesMissed,
         Counter::DetachedForwards,
         Counter::Waited,
@@ -453,6 +457,8 @@ impl Counter {
             Counter::StoreWriteFailures => "idemgate.store_write_failures",
             Counter::StoreClaimGoneRewritten => "idemgate.store_claim_gone_rewritten",
             Counter::StoreScriptLoads => "idemgate.store_script_loads",
+            Counter::StoreAuthentications => "idemgate.store_authentications",
+            Counter::StoreTokenRefused => "idemgate.store_token_refused",
             Counter::RootWakesMissed => "idemgate.root_wakes_missed",
             Counter::DetachedForwards => "idemgate.detached_forwards",
             Counter::Waited => "idemgate.waited",

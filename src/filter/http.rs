@@ -511,7 +511,7 @@ impl Http {
         self.count(Counter::StoreCalls);
         // The only store calls a client waits for (the rest are made by the root context).
         self.count(Counter::StoreCallsWaited);
-        match writes::dispatch(cfg, &req, self.shared.credentials.as_deref()) {
+        match writes::dispatch(cfg, &req, &self.shared.credentials) {
             Ok(token) => {
                 self.phase = Phase::Calling { handle, fp, token, takeover };
                 self.sent = Some(req);

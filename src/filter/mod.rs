@@ -153,8 +153,13 @@ pub struct Shared {
     tokens: Cell<u64>,
     pub queues: Rc<Queues>,
     pub queue_id: Option<u32>,
-    /// `authorization` for the store, from the VM's environment.
-    pub credentials: Option<String>,
+    /// The `authorization` header of every store request: webdis's basic credential from the VM's
+    /// environment, or etcd's current token (`crate::etcd::Auth`), replaced as tokens are renewed.
+    pub credentials: RefCell<Option<String>>,
+    /// `store.kind: "etcd"` with `IDEMGATE_STORE_AUTH` set: the `user:password` the root
+    /// authenticates with, and the token's state.
+    pub etcd_secret: Option<String>,
+    pub etcd_auth: RefCell<crate::etcd::Auth>,
     /// The secrets store records are sealed with, from the VM's environment (`crate::seal`):
     /// present whenever a store is configured (the configuration is refused otherwise).
     pub seal: Option<Seal>,
@@ -263,6 +268,8 @@ impl Shared {
 enum Call {
     /// An etcd lease grant (`store.kind: "etcd"`).
     Lease,
+    /// An etcd authentication (`store.kind: "etcd"` with a credential).
+    Auth,
     Write(Job),
     Forward(Box<Forward>),
     Poll(u32),
@@ -390,7 +397,7 @@ impl Root {
             return self.write_ended();
         };
         s.metrics.inc(Counter::StoreCalls);
-        match writes::dispatch(cfg, &job.request, s.credentials.as_deref()) {
+        match writes::dispatch(cfg, &job.request, &s.credentials) {
             Ok(token) => {
                 self.calls.insert(token, Call::Write(job));
             }
@@ -627,7 +634,7 @@ impl Root {
                 if !w.polling && now >= w.next_store_poll_ms {
                     s.metrics.inc(Counter::StoreCalls);
                     if let Ok(token) =
-                        writes::dispatch(cfg, &stores::read_request(&s, &w.skey), s.credentials.as_deref())
+                        writes::dispatch(cfg, &stores::read_request(&s, &w.skey), &s.credentials)
                     {
                         self.calls.insert(token, Call::Poll(w.context_id));
                         w.polling = true;
@@ -699,9 +706,13 @@ impl Root {
         if !s.leases.borrow().wants_grant(now) {
             return;
         }
+        // With etcd's auth: no grant before the first token (it would only be refused).
+        if s.etcd_secret.is_some() && s.etcd_auth.borrow().token().is_none() {
+            return;
+        }
         s.metrics.inc(Counter::StoreCalls);
         let req = crate::etcd::lease_grant_request(s.lease_ttl_seconds);
-        match writes::dispatch(cfg, &req, s.credentials.as_deref()) {
+        match writes::dispatch(cfg, &req, &s.credentials) {
             Ok(token) => {
                 s.leases.borrow_mut().grant_sent(now);
                 self.calls.insert(token, Call::Lease);
@@ -714,9 +725,66 @@ impl Root {
         }
     }
 
+    /// `store.kind: "etcd"` with a credential: authenticates when `etcd::Auth::wants_authenticate`
+    /// says so (at start, every `store.token_refresh_seconds`, and at once after etcd refused the
+    /// token), ahead of need like the leases.
+    fn authenticate_if_due(&mut self) {
+        let Some(s) = self.shared.clone() else { return };
+        let Some(secret) = s.etcd_secret.as_deref() else { return };
+        let Some(cfg) = s.config.store.as_ref() else { return };
+        let now = host::now_ms();
+        if !s.etcd_auth.borrow().wants_authenticate(now, cfg.token_refresh_seconds.saturating_mul(1000)) {
+            return;
+        }
+        let req = match crate::etcd::authenticate_request(secret) {
+            Ok(r) => r,
+            Err(e) => {
+                s.etcd_auth.borrow_mut().failed(now);
+                error!("idemgate: etcd authentication not sent: {e}");
+                return;
+            }
+        };
+        s.metrics.inc(Counter::StoreCalls);
+        // The authentication itself carries no token.
+        match writes::send(cfg, &req, None) {
+            Ok(token) => {
+                s.etcd_auth.borrow_mut().sent(now);
+                self.calls.insert(token, Call::Auth);
+            }
+            Err(e) => {
+                s.metrics.inc(Counter::StoreErrors);
+                s.etcd_auth.borrow_mut().failed(now);
+                warn!("idemgate: etcd authentication not sent: {e}");
+            }
+        }
+    }
+
+    fn auth_answered(&mut self, num_headers: usize, body_size: usize) {
+        let Some(s) = self.shared.clone() else { return };
+        let (status, body) = writes::answer(body_size, num_headers);
+        let now = host::now_ms();
+        match crate::etcd::parse_authenticate(status, &body) {
+            Ok(token) => {
+                *s.credentials.borrow_mut() = Some(token.clone());
+                s.etcd_auth.borrow_mut().obtained(token, now);
+                s.metrics.inc(Counter::StoreAuthentications);
+                info!("idemgate: etcd authenticated (root {})", self.id);
+                // The first lease needed the token.
+                self.grant_lease_if_due();
+            }
+            Err(e) => {
+                s.metrics.inc(Counter::StoreErrors);
+                s.etcd_auth.borrow_mut().failed(now);
+                let said = crate::etcd::error_text(&body);
+                warn!("idemgate: etcd authentication failed: {e} {said:?} (the user:password in IDEMGATE_STORE_AUTH)");
+            }
+        }
+    }
+
     fn lease_answered(&mut self, num_headers: usize, body_size: usize) {
         let Some(s) = self.shared.clone() else { return };
         let (status, body) = writes::answer(body_size, num_headers);
+        stores::note_answer(&s, status);
         let now = host::now_ms();
         match crate::etcd::parse_lease_grant(status, &body, s.lease_ttl_seconds) {
             Ok(id) => {
@@ -791,6 +859,7 @@ impl Root {
     fn call_answered(&mut self, token: u32, num_headers: usize, body_size: usize) {
         match self.calls.remove(&token) {
             Some(Call::Lease) => meter::background(|| self.lease_answered(num_headers, body_size)),
+            Some(Call::Auth) => meter::background(|| self.auth_answered(num_headers, body_size)),
             Some(Call::Write(job)) => {
                 let (status, body) = writes::answer(body_size, num_headers);
                 let Some(s) = self.shared.clone() else { return };
@@ -926,7 +995,19 @@ impl Root {
             },
             None => None,
         };
-        let credentials = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty()).map(|v| store::basic_auth(&v));
+        let secret = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty());
+        let etcd = config.store.as_ref().is_some_and(|s| s.kind == crate::config::StoreKind::Etcd);
+        // webdis takes the credential in every request; etcd trades it for a token (`etcd::Auth`).
+        let (credentials, etcd_secret) = match (secret, etcd) {
+            (Some(v), true) => {
+                if let Err(e) = crate::etcd::authenticate_request(&v) {
+                    error!("idemgate configuration refused: {e}");
+                    return false;
+                }
+                (None, Some(v))
+            }
+            (v, _) => (v.map(|v| store::basic_auth(&v)), None),
+        };
         let lease_ttl_seconds = crate::etcd::lease_ttl_seconds(&config);
         let metrics = Metrics::define(config.routes.len());
         // Fixed by `max_entries`: set once here (the record bytes and occupancy are set by the tick).
@@ -941,14 +1022,17 @@ impl Root {
             tokens: Cell::new(0),
             queues: self.queues.clone(),
             queue_id: self.queue_id,
-            credentials,
+            credentials: RefCell::new(credentials),
+            etcd_secret,
+            etcd_auth: RefCell::new(crate::etcd::Auth::default()),
             seal,
             leases: RefCell::new(crate::etcd::Leases::default()),
             lease_ttl_seconds,
             #[cfg(feature = "crash-injection")]
             lose_next_wake: Cell::new(false),
         }));
-        // The first lease before any request needs one (the tick keeps one ahead from then on).
+        // The first token and lease before any request needs one (the tick keeps them ahead).
+        self.authenticate_if_due();
         self.grant_lease_if_due();
         if !host::set_tick_period(TICK) {
             warn!("idemgate: no timer: expired records are freed only when their bucket is reused");
@@ -962,6 +1046,7 @@ impl Root {
         if let Some(q) = self.queue_id {
             host::drain_queue(q);
         }
+        self.authenticate_if_due();
         self.grant_lease_if_due();
         self.collect_stray_work();
         self.check_waiters();

@@ -59,9 +59,19 @@ impl Job {
     }
 }
 
+/// Sends `req` to the store cluster with the current `authorization` (`Shared::credentials`).
+pub fn dispatch(
+    cfg: &StoreConfig,
+    req: &StoreRequest,
+    credentials: &std::cell::RefCell<Option<String>>,
+) -> Result<u32, String> {
+    let credentials = credentials.borrow();
+    send(cfg, req, credentials.as_deref())
+}
+
 /// Sends `req` to the store cluster. Errors (unknown cluster, host refusal) are returned, never
 /// panicked on.
-pub fn dispatch(cfg: &StoreConfig, req: &StoreRequest, credentials: Option<&str>) -> Result<u32, String> {
+pub fn send(cfg: &StoreConfig, req: &StoreRequest, credentials: Option<&str>) -> Result<u32, String> {
     let mut headers: Vec<(&str, &str)> =
         vec![(":method", req.method), (":path", req.path.as_str()), (":authority", cfg.authority.as_str())];
     if let Some(c) = credentials {

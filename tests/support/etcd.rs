@@ -24,8 +24,16 @@ pub struct Member {
 pub struct EtcdCluster {
     pub members: Vec<Member>,
     initial_cluster: String,
+    /// Flags every member starts with (`start_with`), e.g. `--auth-token-ttl`.
+    extra_args: Vec<String>,
+    /// With auth enabled (`enable_auth`): root's token, renewed when etcd refuses it.
+    root_token: std::cell::RefCell<Option<String>>,
+    auth_enabled: bool,
     _scratch: Scratch,
 }
+
+/// root's password once `enable_auth` ran (the tests' own admin; never given to a proxy).
+pub const ROOT_PASSWORD: &str = "root-pw-3c9d";
 
 fn b64(bytes: &[u8]) -> String {
     idemgate::base64::b64(bytes)
@@ -34,6 +42,11 @@ fn b64(bytes: &[u8]) -> String {
 impl EtcdCluster {
     /// Starts three members and waits (bounded) until they agree on a leader.
     pub fn start() -> EtcdCluster {
+        EtcdCluster::start_with(&[])
+    }
+
+    /// `start`, every member also given `extra_args`.
+    pub fn start_with(extra_args: &[&str]) -> EtcdCluster {
         let scratch = Scratch::new("etcd");
         let members: Vec<Member> = (0..3)
             .map(|i| Member {
@@ -50,7 +63,14 @@ impl EtcdCluster {
             .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
             .collect::<Vec<_>>()
             .join(",");
-        let mut c = EtcdCluster { members, initial_cluster, _scratch: scratch };
+        let mut c = EtcdCluster {
+            members,
+            initial_cluster,
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            root_token: std::cell::RefCell::new(None),
+            auth_enabled: false,
+            _scratch: scratch,
+        };
         for i in 0..3 {
             c.launch(i, "new");
         }
@@ -60,6 +80,7 @@ impl EtcdCluster {
 
     fn launch(&mut self, i: usize, state: &str) {
         let initial_cluster = self.initial_cluster.clone();
+        let extra_args = self.extra_args.clone();
         let m = &mut self.members[i];
         std::fs::create_dir_all(&m.dir).expect("etcd dir");
         let log = std::fs::OpenOptions::new().create(true).append(true).open(m.dir.with_extension("log")).expect("log");
@@ -72,6 +93,7 @@ impl EtcdCluster {
             .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &initial_cluster, "--initial-cluster-state", state])
             .args(["--initial-cluster-token", "idemgate-tests"])
+            .args(&extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
@@ -89,18 +111,80 @@ impl EtcdCluster {
         std::fs::read_to_string(self.members[i].dir.with_extension("log")).unwrap_or_default()
     }
 
-    /// `POST path` with a JSON body to member `i` (2 s timeout).
+    /// `POST path` with a JSON body to member `i` (2 s timeout), as root once auth is enabled
+    /// (root's token renewed once if etcd refuses it).
     pub fn call(&self, i: usize, path: &str, body: &Value) -> Option<Value> {
+        for _ in 0..2 {
+            let token = self.root_token.borrow().clone();
+            let headers: Vec<(&str, &str)> = token.iter().map(|t| ("authorization", t.as_str())).collect();
+            let r = http::request_timeout(
+                self.members[i].client_port,
+                "POST",
+                path,
+                &headers,
+                body.to_string().as_bytes(),
+                Duration::from_secs(2),
+            )
+            .ok()?;
+            if r.status == 401 && self.auth_enabled {
+                *self.root_token.borrow_mut() = self.authenticate(i, "root", ROOT_PASSWORD);
+                continue;
+            }
+            return (r.status == 200).then(|| r.json());
+        }
+        None
+    }
+
+    /// A token for `user` from member `i`, if etcd grants one.
+    pub fn authenticate(&self, i: usize, user: &str, password: &str) -> Option<String> {
+        let body = json!({"name": user, "password": password}).to_string();
         let r = http::request_timeout(
             self.members[i].client_port,
             "POST",
-            path,
+            "/v3/auth/authenticate",
             &[],
-            body.to_string().as_bytes(),
+            body.as_bytes(),
             Duration::from_secs(2),
         )
         .ok()?;
-        (r.status == 200).then(|| r.json())
+        (r.status == 200).then(|| r.json()["token"].as_str().map(str::to_string)).flatten()
+    }
+
+    /// Turns etcd's authentication on: user `user` (password `password`) may read and write
+    /// idemgate's keys (`idemgate::etcd::KEY_PREFIX` and below) and nothing else; root (password
+    /// `ROOT_PASSWORD`) administers. From then on `call` acts as root.
+    pub fn enable_auth(&mut self, user: &str, password: &str) {
+        let prefix = idemgate::etcd::KEY_PREFIX.as_bytes();
+        let mut end = prefix.to_vec();
+        if let Some(last) = end.last_mut() {
+            *last += 1;
+        }
+        let steps = [
+            ("/v3/auth/user/add", json!({"name": "root", "password": ROOT_PASSWORD})),
+            ("/v3/auth/user/grant", json!({"user": "root", "role": "root"})),
+            ("/v3/auth/role/add", json!({"name": "idemgate-rw"})),
+            (
+                "/v3/auth/role/grant",
+                json!({"name": "idemgate-rw", "perm": {"permType": "READWRITE", "key": b64(prefix), "range_end": b64(&end)}}),
+            ),
+            ("/v3/auth/user/add", json!({"name": user, "password": password})),
+            ("/v3/auth/user/grant", json!({"user": user, "role": "idemgate-rw"})),
+            ("/v3/auth/enable", json!({})),
+        ];
+        let l = self.wait_leader();
+        for (path, body) in steps {
+            assert!(self.call(l, path, &body).is_some(), "etcd refused {path} {body}");
+        }
+        self.auth_enabled = true;
+        *self.root_token.borrow_mut() = self.authenticate(l, "root", ROOT_PASSWORD);
+        assert!(self.root_token.borrow().is_some(), "root could not authenticate");
+    }
+
+    /// Sets `user`'s password (as root): etcd invalidates every token it handed `user`.
+    pub fn change_password(&self, user: &str, password: &str) {
+        let l = self.wait_leader();
+        let body = json!({"name": user, "password": password});
+        assert!(self.call(l, "/v3/auth/user/changepw", &body).is_some(), "etcd refused changepw");
     }
 
     fn alive(&self, i: usize) -> bool {
