@@ -1061,10 +1061,13 @@ mod tests {
         assert!(e.reason.contains("skew tolerance"), "{}", e.reason);
         assert!(parse(&tight.replace("KIND", "etcd").replace("\"ttl_seconds\": 11", "\"ttl_seconds\": 12")).is_ok());
         // The etcd token's refresh: etcd only, 1 s to an hour.
-        let refresh = r#"{"scope": {"global": true}, "store": {"kind": "KIND", "cluster": "s", "token_refresh_seconds": N}}"#;
+        let refresh =
+            r#"{"scope": {"global": true}, "store": {"kind": "KIND", "cluster": "s", "token_refresh_seconds": N}}"#;
         let c = parse(&refresh.replace("KIND", "etcd").replace('N', "20")).unwrap();
         assert_eq!(c.store.unwrap().token_refresh_seconds, 20);
-        for bad in [refresh.replace("KIND", "redis").replace('N', "20"), refresh.replace("KIND", "etcd").replace('N', "0")] {
+        for bad in
+            [refresh.replace("KIND", "redis").replace('N', "20"), refresh.replace("KIND", "etcd").replace('N', "0")]
+        {
             assert_eq!(parse(&bad).unwrap_err().field, "store.token_refresh_seconds", "{bad}");
         }
     }

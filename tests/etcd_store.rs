@@ -204,8 +204,8 @@ fn etcd_auth_a_proxy_trades_its_environments_password_for_a_token_and_replays_ac
     let mut etcd = EtcdCluster::start();
     etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
     // etcd refuses a client without a token: auth is really on.
-    let anonymous = http::request(etcd.members[0].client_port, "POST", "/v3/kv/range", &[], br#"{"key":"YQ=="}"#)
-        .expect("etcd");
+    let anonymous =
+        http::request(etcd.members[0].client_port, "POST", "/v3/kv/range", &[], br#"{"key":"YQ=="}"#).expect("etcd");
     assert_eq!(anonymous.status, 400, "{}", anonymous.body_text());
     let p = Pair::with(&etcd, &cfg(), Some(&etcd_auth()), true);
     let first = post(&p.a, "k-auth", r#"{"amount":5}"#, &[]);

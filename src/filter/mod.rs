@@ -633,9 +633,7 @@ impl Root {
             if let Some(cfg) = s.config.store.as_ref() {
                 if !w.polling && now >= w.next_store_poll_ms {
                     s.metrics.inc(Counter::StoreCalls);
-                    if let Ok(token) =
-                        writes::dispatch(cfg, &stores::read_request(&s, &w.skey), &s.credentials)
-                    {
+                    if let Ok(token) = writes::dispatch(cfg, &stores::read_request(&s, &w.skey), &s.credentials) {
                         self.calls.insert(token, Call::Poll(w.context_id));
                         w.polling = true;
                     }
