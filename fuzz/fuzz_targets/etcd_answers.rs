@@ -1,6 +1,6 @@
 #![no_main]
 //! Any bytes as etcd's JSON gateway's answer (with any status) to a claim, a transition, a read
-//! or a lease grant: errors, never panics, and never holds more than a few bytes of memory per
+//! a lease grant or an authentication: errors, never panics, and never holds more than a few bytes of memory per
 //! answer byte (lists are refused past four elements as they arrive; nothing is sized from the
 //! answer).
 use libfuzzer_sys::fuzz_target;
@@ -27,6 +27,11 @@ fuzz_target!(|data: &[u8]| {
         let _ = idemgate::etcd::parse_transition_reply(status.flatten(), body, echo);
         let _ = idemgate::etcd::parse_read_reply(status.flatten(), body, &skey, &seal, now);
         let _ = idemgate::etcd::parse_lease_grant(status.flatten(), body, 600);
+        if let Ok(token) = idemgate::etcd::parse_authenticate(status.flatten(), body) {
+            // A token goes into a header value: visible ASCII only, bounded.
+            assert!(!token.is_empty() && token.len() <= 4096 && token.bytes().all(|b| b.is_ascii_graphic()));
+        }
+        assert!(idemgate::etcd::error_text(body).chars().count() <= 200);
         let _ = idemgate::etcd::open_value(body, &skey, &seal);
         let _ = idemgate::base64::unb64(&String::from_utf8_lossy(body));
     });
