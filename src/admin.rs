@@ -41,17 +41,12 @@ pub const VALUE_HEADER_LEN: usize = 52;
 pub fn parse_storage_key(text: &str) -> Result<StorageKey, String> {
     let t = text.trim();
     let hex = t.strip_prefix(KEY_PREFIX).unwrap_or(t);
-    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+    let Some(bytes) = crate::hex::decode::<32>(hex.as_bytes()) else {
         return Err(format!(
             "{t:?} is not a storage key: expected 64 hex digits (the full key a log line or `idemgate key` prints)"
         ));
-    }
-    let mut out = [0u8; 32];
-    for (i, slot) in out.iter_mut().enumerate() {
-        let pair = hex.get(2 * i..2 * i + 2).unwrap_or_default();
-        *slot = u8::from_str_radix(pair, 16).map_err(|_| format!("{t:?}: bad hex"))?;
-    }
-    Ok(StorageKey(out))
+    };
+    Ok(StorageKey(bytes))
 }
 
 /// What a request carried that decides its storage key.

@@ -165,7 +165,7 @@ pub fn open_value(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<(StoredVal
         return Err(bad("short header"));
     }
     let phase = body.first().copied().and_then(phase_of).ok_or_else(|| bad("unknown phase"))?;
-    let owner = decode_hex16(body.get(1..33)).ok_or_else(|| bad("owner"))?;
+    let owner = body.get(1..33).and_then(crate::hex::decode::<16>).ok_or_else(|| bad("owner"))?;
     let lock = digits15(body.get(33..48)).ok_or_else(|| bad("lock expiry"))?;
     let expires = digits15(body.get(48..63)).ok_or_else(|| bad("expiry"))?;
     let record = Record::decode(body.get(HEADER_LEN..).unwrap_or_default()).map_err(|e| bad(&e.to_string()))?;
@@ -174,22 +174,6 @@ pub fn open_value(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<(StoredVal
         return Err(bad("completed phase without a completed record"));
     }
     Ok((StoredValue { phase, owner: OwnerToken(owner), lock_expires_at_ms: lock, record }, expires))
-}
-
-fn decode_hex16(s: Option<&[u8]>) -> Option<[u8; 16]> {
-    let s = s?;
-    if s.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, pair) in s.chunks(2).enumerate() {
-        let text = std::str::from_utf8(pair).ok()?;
-        if !text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
-            return None;
-        }
-        *out.get_mut(i)? = u8::from_str_radix(text, 16).ok()?;
-    }
-    Some(out)
 }
 
 // ---------------------------------------------------------------------------------------------

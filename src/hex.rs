@@ -1,4 +1,5 @@
-//! Lowercase hexadecimal, for log lines and test vectors.
+//! Hexadecimal: lowercase out (log lines, keys, owner marks), strict in (the one decoder of
+//! storage keys, owner tokens and percent-escapes).
 
 const DIGITS: &[u8; 16] = b"0123456789abcdef";
 
@@ -12,6 +13,29 @@ pub fn encode(bytes: &[u8]) -> String {
     out
 }
 
+/// The value of one hex digit (either case); `None` for anything else (no sign, no space).
+pub fn digit(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// Exactly `2 * N` hex digits as `N` bytes; `None` for any other length or any non-digit.
+pub fn decode<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
+    if text.len() != 2 * N {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (slot, pair) in out.iter_mut().zip(text.chunks_exact(2)) {
+        let (hi, lo) = (digit(*pair.first()?)?, digit(*pair.get(1)?)?);
+        *slot = (hi << 4) | lo;
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     #[cfg(target_arch = "wasm32")]
@@ -21,5 +45,16 @@ mod tests {
     fn encodes_lowercase_two_digits_per_byte() {
         assert_eq!(super::encode(&[0x00, 0x0f, 0xa5, 0xff]), "000fa5ff");
         assert_eq!(super::encode(&[]), "");
+    }
+
+    #[test]
+    fn decodes_exactly_its_length_of_digits_and_nothing_else() {
+        assert_eq!(super::decode::<4>(b"000fA5ff"), Some([0x00, 0x0f, 0xa5, 0xff]));
+        assert_eq!(super::decode::<2>(&super::encode(&[0xde, 0xad]).into_bytes()), Some([0xde, 0xad]));
+        // u8::from_str_radix would take "+f" for 15: a sign is not a digit here.
+        for bad in [&b"+f00"[..], b"0x00", b" f00", b"00g0", b"000", b"00000"] {
+            assert_eq!(super::decode::<2>(bad), None, "{}", String::from_utf8_lossy(bad));
+        }
+        assert_eq!(super::decode::<0>(b""), Some([]));
     }
 }

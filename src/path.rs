@@ -51,15 +51,6 @@ fn is_normal(path: &str) -> bool {
     path.starts_with('/') && !path.contains(['%', '\\']) && !path.contains("//") && !path.contains("/.")
 }
 
-fn hex_value(b: u8) -> Option<u8> {
-    match b {
-        b'0'..=b'9' => Some(b - b'0'),
-        b'a'..=b'f' => Some(b - b'a' + 10),
-        b'A'..=b'F' => Some(b - b'A' + 10),
-        _ => None,
-    }
-}
-
 fn is_unreserved(b: u8) -> bool {
     b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
 }
@@ -80,7 +71,11 @@ fn decode_unreserved(path: &str) -> String {
     let mut i = 0;
     while let Some(&b) = bytes.get(i) {
         let escape = if b == b'%' {
-            bytes.get(i + 1).copied().and_then(hex_value).zip(bytes.get(i + 2).copied().and_then(hex_value))
+            bytes
+                .get(i + 1)
+                .copied()
+                .and_then(crate::hex::digit)
+                .zip(bytes.get(i + 2).copied().and_then(crate::hex::digit))
         } else {
             None
         };

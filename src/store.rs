@@ -249,7 +249,7 @@ impl StoredValue {
             Some(b'U') => StorePhase::Unknown,
             _ => return Err(bad("unknown phase")),
         };
-        let owner = decode_hex16(v.get(5..37).unwrap_or_default()).ok_or_else(|| bad("owner"))?;
+        let owner = crate::hex::decode::<16>(v.get(5..37).unwrap_or_default()).ok_or_else(|| bad("owner"))?;
         let lock = std::str::from_utf8(v.get(37..52).unwrap_or_default())
             .ok()
             .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
@@ -289,18 +289,6 @@ impl fmt::Display for ValueError {
             ValueError::Unauthentic(why) => write!(f, "stored value: unauthentic: {why}"),
         }
     }
-}
-
-fn decode_hex16(s: &[u8]) -> Option<[u8; 16]> {
-    if s.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, pair) in s.chunks(2).enumerate() {
-        let text = std::str::from_utf8(pair).ok()?;
-        *out.get_mut(i)? = u8::from_str_radix(text, 16).ok()?;
-    }
-    Some(out)
 }
 
 /// Why the store could not answer. Any of these is "store unavailable" to the decision table.
