@@ -1029,9 +1029,9 @@ impl Root {
             #[cfg(feature = "crash-injection")]
             lose_next_wake: Cell::new(false),
         }));
-        // The first token and lease before any request needs one (the tick keeps them ahead).
-        self.authenticate_if_due();
-        self.grant_lease_if_due();
+        // The first token and lease come from the first tick (100 ms): while Envoy configures the
+        // VM its worker threads do not have the store cluster yet (a callout is refused with
+        // BadArgument), and the tick keeps them ahead from then on.
         if !host::set_tick_period(TICK) {
             warn!("idemgate: no timer: expired records are freed only when their bucket is reused");
         }
