@@ -472,14 +472,18 @@ pub fn parse_authenticate(status: Option<u16>, body: &[u8]) -> Result<String, St
     Ok(token)
 }
 
-/// What etcd said in an error answer (`{"error": "etcdserver: ..."}`), cut to 200 bytes, for a
-/// log line; empty if the body is not one.
+/// What etcd said in an error answer (`{"error": "etcdserver: ..."}`), or the start of any other
+/// body (a proxy's or a TLS server's own text), without control characters and cut to 200
+/// characters, for a log line.
 pub fn error_text(body: &[u8]) -> String {
     #[derive(Deserialize)]
     struct ErrorAnswer {
         error: Option<String>,
     }
-    let text = serde_json::from_slice::<ErrorAnswer>(body).ok().and_then(|a| a.error).unwrap_or_default();
+    let text = match serde_json::from_slice::<ErrorAnswer>(body).ok().and_then(|a| a.error) {
+        Some(e) => e,
+        None => String::from_utf8_lossy(body.get(..800).unwrap_or(body)).into_owned(),
+    };
     text.chars().filter(|c| !c.is_control()).take(200).collect()
 }
 

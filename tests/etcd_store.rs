@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use support::etcd::EtcdCluster;
 use support::http::{self, Response};
+use support::tls;
 use support::upstream::Upstream;
 use support::{Envoy, EnvoyOptions};
 
@@ -282,6 +283,103 @@ fn etcd_auth_a_token_refreshed_below_etcds_ttl_never_lapses_while_idle() {
     assert_eq!(r.status, 201, "{}", r.body_text());
     assert_eq!(p.a.stat("idemgate.store_token_refused"), 0);
     assert_eq!(p.up.executions(), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// etcd over TLS with client certificates, through the shipped cluster
+// `envoy/etcd/idemgate-store-cluster-tls.yaml`: the certificate decides who may connect, the
+// token (etcd's JSON gateway takes no user from a certificate) what it may do.
+
+const ETCD_NAME: &str = "etcd.idemgate.internal";
+
+/// The shipped TLS cluster for `etcd`'s HTTPS ports, with `pki`'s files (`with_certificate`:
+/// false removes the proxy's certificate).
+fn etcd_tls_cluster(etcd: &EtcdCluster, pki: &tls::Pki, with_certificate: bool) -> String {
+    let mut text = tls::shipped("envoy/etcd/idemgate-store-cluster-tls.yaml");
+    if !with_certificate {
+        let cut = [
+            "        tls_certificates:\n",
+            "        - certificate_chain: {filename: /etc/idemgate/store-tls/proxy.crt}\n",
+            "          private_key: {filename: /etc/idemgate/store-tls/proxy.key}\n",
+        ];
+        for line in cut {
+            assert!(text.contains(line), "the shipped cluster changed: {line}");
+            text = text.replace(line, "");
+        }
+    }
+    let values: Vec<(String, String)> = etcd
+        .tls_ports()
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| {
+            [
+                (format!("ETCD_ADDRESS_{}", i + 1), "127.0.0.1".to_string()),
+                (format!("ETCD_PORT_{}", i + 1), p.to_string()),
+            ]
+        })
+        .collect();
+    let values: Vec<(&str, String)> = values.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    pki.place(&tls::render(&text, &values, "idemgate-store-cluster-tls.yaml"))
+}
+
+fn tls_pair(cluster: String, leases: bool) -> Pair {
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(&cfg(), up.port);
+    o.extra_clusters = vec![cluster];
+    o.vm_env.push(("IDEMGATE_STORE_AUTH".into(), etcd_auth()));
+    let a = Envoy::start(&o);
+    let b = Envoy::start(&o);
+    if leases {
+        wait_leases(&a, o.concurrency);
+        wait_leases(&b, o.concurrency);
+    }
+    Pair { up, a, b }
+}
+
+#[test]
+fn etcd_tls_client_certificates_through_envoys_cluster_and_a_token_replay_across_proxies() {
+    let pki = tls::Pki::generate_for("etcd", ETCD_NAME);
+    let mut etcd = EtcdCluster::start_tls(&pki.dir);
+    etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+    // The members' client port speaks TLS only.
+    let plain =
+        http::request_timeout(etcd.members[0].tls_port, "POST", "/v3/kv/range", &[], b"{}", Duration::from_secs(2));
+    assert!(plain.as_ref().map_or(true, |r| r.status != 200), "plain HTTP answered on the TLS port");
+    let p = tls_pair(etcd_tls_cluster(&etcd, &pki, true), true);
+    let first = post(&p.a, "k-tls", r#"{"amount":5}"#, &[]);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    wait_writes(&p.a, 1);
+    let again = post(&p.b, "k-tls", r#"{"amount":5}"#, &[]);
+    assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
+    assert_eq!(p.up.executions(), 1);
+    assert!(p.a.stat("cluster.idemgate_store.ssl.handshake") >= 1, "no TLS handshake with etcd");
+}
+
+#[test]
+fn etcd_tls_a_proxy_without_a_certificate_or_with_another_cas_is_refused_and_forwards_nothing() {
+    let pki = tls::Pki::generate_for("etcd", ETCD_NAME);
+    let stranger = tls::Pki::generate_for("stranger", ETCD_NAME);
+    let mut etcd = EtcdCluster::start_tls(&pki.dir);
+    etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+    for (what, cluster) in [
+        ("no client certificate", etcd_tls_cluster(&etcd, &pki, false)),
+        ("another CA's certificates", etcd_tls_cluster(&etcd, &stranger, true)),
+    ] {
+        let p = tls_pair(cluster, false);
+        for _ in 0..200 {
+            if p.a.stat("idemgate.store_errors") >= 1 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(p.a.stat("idemgate.store_errors") >= 1, "{what}: etcd was never refused");
+        for i in 0..3 {
+            let r = post(&p.a, &format!("k-refused-{i}"), r#"{"amount":1}"#, &[]);
+            assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"), "{what}: {}", r.body_text());
+        }
+        assert_eq!(p.up.executions(), 0, "{what}");
+        assert_eq!(p.a.stat("idemgate.store_authentications"), 0, "{what}: authenticated without a trusted link");
+    }
 }
 
 /// Sends `key` on `e` with a 2.5 s upstream delay in a thread.

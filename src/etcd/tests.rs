@@ -522,7 +522,7 @@ fn a_token_is_taken_only_from_a_whole_answer_and_only_if_it_fits_a_header() {
     assert!(parse_authenticate(Some(200), long.as_bytes()).is_err());
     assert!(token_refused(Some(401)) && !token_refused(Some(403)) && !token_refused(None));
     assert_eq!(error_text(bad_password), "etcdserver: authentication failed, invalid user ID or password");
-    assert_eq!(error_text(b"<html>"), "");
+    assert_eq!(error_text(b"Client sent an HTTP request\r\nto an HTTPS server."), "Client sent an HTTP requestto an HTTPS server.");
     assert_eq!(error_text(format!(r#"{{"error":"{}\n"}}"#, "x".repeat(300)).as_bytes()).len(), 200);
 }
 

@@ -15,6 +15,9 @@ use super::{free_port, Scratch};
 pub struct Member {
     pub name: String,
     pub client_port: u16,
+    /// With `start_tls`: the member's HTTPS client port (client certificates required); the
+    /// plain `client_port` stays for the tests' own administration on loopback.
+    pub tls_port: u16,
     pub peer_port: u16,
     dir: PathBuf,
     child: Option<Child>,
@@ -26,6 +29,8 @@ pub struct EtcdCluster {
     initial_cluster: String,
     /// Flags every member starts with (`start_with`), e.g. `--auth-token-ttl`.
     extra_args: Vec<String>,
+    /// `start_tls`: the folder of `tls.crt`, `tls.key` and `ca.crt`.
+    tls_dir: Option<PathBuf>,
     /// With auth enabled (`enable_auth`): root's token, renewed when etcd refuses it.
     root_token: std::cell::RefCell<Option<String>>,
     auth_enabled: bool,
@@ -47,11 +52,22 @@ impl EtcdCluster {
 
     /// `start`, every member also given `extra_args`.
     pub fn start_with(extra_args: &[&str]) -> EtcdCluster {
+        EtcdCluster::start_inner(extra_args, None)
+    }
+
+    /// `start`, every member also serving HTTPS on its `tls_port` with `tls_dir`'s `tls.crt` and
+    /// `tls.key`, accepting only clients whose certificate `ca.crt` signed.
+    pub fn start_tls(tls_dir: &std::path::Path) -> EtcdCluster {
+        EtcdCluster::start_inner(&[], Some(tls_dir.to_path_buf()))
+    }
+
+    fn start_inner(extra_args: &[&str], tls_dir: Option<PathBuf>) -> EtcdCluster {
         let scratch = Scratch::new("etcd");
         let members: Vec<Member> = (0..3)
             .map(|i| Member {
                 name: format!("m{i}"),
                 client_port: free_port(),
+                tls_port: free_port(),
                 peer_port: free_port(),
                 dir: scratch.0.join(format!("m{i}")),
                 child: None,
@@ -67,6 +83,7 @@ impl EtcdCluster {
             members,
             initial_cluster,
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            tls_dir,
             root_token: std::cell::RefCell::new(None),
             auth_enabled: false,
             _scratch: scratch,
@@ -80,11 +97,27 @@ impl EtcdCluster {
 
     fn launch(&mut self, i: usize, state: &str) {
         let initial_cluster = self.initial_cluster.clone();
-        let extra_args = self.extra_args.clone();
+        let mut extra_args = self.extra_args.clone();
+        if let Some(d) = &self.tls_dir {
+            let f = |n: &str| d.join(n).display().to_string();
+            extra_args.extend([
+                "--cert-file".to_string(),
+                f("tls.crt"),
+                "--key-file".to_string(),
+                f("tls.key"),
+                "--client-cert-auth".to_string(),
+                "--trusted-ca-file".to_string(),
+                f("ca.crt"),
+            ]);
+        }
+        let tls = self.tls_dir.is_some();
         let m = &mut self.members[i];
         std::fs::create_dir_all(&m.dir).expect("etcd dir");
         let log = std::fs::OpenOptions::new().create(true).append(true).open(m.dir.with_extension("log")).expect("log");
-        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let mut client = format!("http://127.0.0.1:{}", m.client_port);
+        if tls {
+            client.push_str(&format!(",https://127.0.0.1:{}", m.tls_port));
+        }
         let peer = format!("http://127.0.0.1:{}", m.peer_port);
         let child = Command::new("etcd")
             .args(["--name", &m.name, "--data-dir"])
@@ -105,6 +138,10 @@ impl EtcdCluster {
 
     pub fn client_ports(&self) -> Vec<u16> {
         self.members.iter().map(|m| m.client_port).collect()
+    }
+
+    pub fn tls_ports(&self) -> Vec<u16> {
+        self.members.iter().map(|m| m.tls_port).collect()
     }
 
     pub fn log(&self, i: usize) -> String {

@@ -33,6 +33,19 @@ pub struct Pki {
 
 impl Pki {
     pub fn generate(name: &str) -> Pki {
+        Pki::generate_with(name, STORE_NAME, "/CN=idemgate-proxy")
+    }
+
+    /// For etcd: a server certificate naming `server_name` and 127.0.0.1, good for both ends of
+    /// a TLS connection (etcd's JSON gateway dials its own gRPC server with it), and a proxy
+    /// certificate with no Common Name (its name in a subject alternative name): with auth on,
+    /// etcd's JSON gateway refuses a client certificate carrying one (400 "CommonName of client
+    /// sending a request against gateway will be ignored and not used as expected").
+    pub fn generate_for(name: &str, server_name: &str) -> Pki {
+        Pki::generate_with(name, server_name, "/O=idemgate-proxy")
+    }
+
+    fn generate_with(name: &str, server_name: &str, proxy_subject: &str) -> Pki {
         let scratch = Scratch::new(&format!("pki-{name}"));
         let dir = scratch.0.clone();
         let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
@@ -43,13 +56,21 @@ impl Pki {
         ca.extend(ec);
         openssl(&dir, &ca);
         for (stem, subject, ext) in [
-            ("tls", STORE_NAME, format!("subjectAltName=DNS:{STORE_NAME}\nextendedKeyUsage=serverAuth\n")),
-            ("proxy", "idemgate-proxy", "extendedKeyUsage=clientAuth\n".to_string()),
+            (
+                "tls",
+                server_name,
+                format!("subjectAltName=DNS:{server_name},IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"),
+            ),
+            (
+                "proxy",
+                proxy_subject,
+                "subjectAltName=DNS:idemgate-proxy\nextendedKeyUsage=clientAuth\n".to_string(),
+            ),
         ] {
             std::fs::write(dir.join(format!("{stem}.ext")), ext).expect("write extensions");
             let (key, csr, crt, extfile) =
                 (format!("{stem}.key"), format!("{stem}.csr"), format!("{stem}.crt"), format!("{stem}.ext"));
-            let subject = format!("/CN={subject}");
+            let subject = if subject.starts_with('/') { subject.to_string() } else { format!("/CN={subject}") };
             let mut req = vec!["req", "-new", "-keyout", &key, "-out", &csr, "-subj", &subject];
             req.extend(ec);
             openssl(&dir, &req);
@@ -78,13 +99,13 @@ impl Pki {
     }
 
     /// `text` with the shipped certificate folder replaced by this one.
-    fn place(&self, text: &str) -> String {
+    pub fn place(&self, text: &str) -> String {
         text.replace(SHIPPED_TLS_DIR, &format!("{}/", self.dir.display()))
     }
 }
 
 /// Replaces `${NAME}` placeholders and checks none is left outside comments.
-fn render(template: &str, values: &[(&str, String)], what: &str) -> String {
+pub fn render(template: &str, values: &[(&str, String)], what: &str) -> String {
     let mut text = template.to_string();
     for (name, value) in values {
         text = text.replace(&format!("${{{name}}}"), value);
@@ -95,7 +116,7 @@ fn render(template: &str, values: &[(&str, String)], what: &str) -> String {
     text
 }
 
-fn shipped(rel: &str) -> String {
+pub fn shipped(rel: &str) -> String {
     std::fs::read_to_string(repo_root().join(rel)).unwrap_or_else(|e| panic!("read {rel}: {e}"))
 }
 
