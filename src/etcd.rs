@@ -273,7 +273,39 @@ pub fn transition_request(
     now_ms: u64,
     fence: Option<&Fence>,
 ) -> Result<StoreRequest, String> {
-    Ok(post(TXN_PATH, &transition_body(t, skey, seal, lease, now_ms, fence)?))
+    Ok(post(TXN_PATH, &transition_body(t, skey, seal, lease, now_ms, fence, false)?))
+}
+
+/// An operator's transition (`idemgate resolve`/`forget`, planned by `admin::plan` from the
+/// value read with `parse_fenced_read`): `t` as one etcd transaction that lands only if the value
+/// is still the one read, whatever the event (the value's `mod_revision` compared, never the
+/// owner mark alone), so a record that changed between the operator's read and write (its
+/// request, a proxy or another operator acted) is refused. Refused here, never sent, unless the
+/// fenced value carries the expected owner and phase and, for a transition needing a stale lock,
+/// its lock is stale by `judged_now(now_ms)`. Its puts (a completion) use `lease`, which the
+/// operator grants for `operator_lease_ttl_seconds(t.ttl_ms)`; a key found absent is left absent.
+pub fn operator_transition_request(
+    t: &Transition,
+    skey: &StorageKey,
+    seal: &Seal,
+    lease: i64,
+    now_ms: u64,
+    fence: &Fence,
+) -> Result<StoreRequest, String> {
+    if t.tombstone || t.where_absent != WhereAbsent::Refuse {
+        return Err("an operator's transition never writes where the key is absent".into());
+    }
+    if t.new_phase.is_some() && lease <= 0 {
+        return Err("an operator's write without a lease".into());
+    }
+    Ok(post(TXN_PATH, &transition_body(t, skey, seal, lease, now_ms, Some(fence), true)?))
+}
+
+/// The TTL of the lease an operator's write carries: the record's life (`ttl_ms`, from the write)
+/// plus `LEASE_MARGIN_MS`, which covers the time between the grant and the put and the readers'
+/// `CLOCK_SKEW_TOLERANCE_MS`.
+pub fn operator_lease_ttl_seconds(ttl_ms: u64) -> u64 {
+    ttl_ms.saturating_add(LEASE_MARGIN_MS).div_ceil(1000)
 }
 
 fn transition_body(
@@ -283,8 +315,9 @@ fn transition_body(
     lease: i64,
     now_ms: u64,
     fence: Option<&Fence>,
+    always_fenced: bool,
 ) -> Result<Value, String> {
-    let compare = if t.require_stale {
+    let compare = if t.require_stale || always_fenced {
         let Some(f) = fence else {
             return Err("a transition on a stale lock without the value it was decided on".into());
         };
@@ -294,7 +327,7 @@ fn transition_body(
         if !t.expected_phases.as_bytes().contains(&letter(f.value.phase)) {
             return Err("the fenced value is not in an expected phase".into());
         }
-        if f.value.summary(f.expires_at_ms).lock_is_live(judged_now(now_ms)) {
+        if t.require_stale && f.value.summary(f.expires_at_ms).lock_is_live(judged_now(now_ms)) {
             return Err("the fenced value's lock is live".into());
         }
         json!({"key": b64(etcd_key(skey).as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": f.mod_revision.to_string()})
@@ -559,17 +592,22 @@ impl Auth {
 // bounded as it arrives (`MAX_LIST`), every 64-bit integer a decimal string.
 
 fn few<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
-    struct Few<T>(std::marker::PhantomData<T>);
-    impl<'de, T: Deserialize<'de>> Visitor<'de> for Few<T> {
+    few_n::<D, T, MAX_LIST>(d)
+}
+
+/// A list of at most `N` elements, refused as the `N + 1`th arrives.
+fn few_n<'de, D: Deserializer<'de>, T: Deserialize<'de>, const N: usize>(d: D) -> Result<Vec<T>, D::Error> {
+    struct Few<T, const N: usize>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>, const N: usize> Visitor<'de> for Few<T, N> {
         type Value = Vec<T>;
         fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            write!(f, "a list of at most {MAX_LIST} elements")
+            write!(f, "a list of at most {N} elements")
         }
         fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
             // Grown as elements arrive, never sized from the answer.
             let mut out = Vec::new();
             while let Some(item) = seq.next_element()? {
-                if out.len() == MAX_LIST {
+                if out.len() == N {
                     return Err(de::Error::custom("a list longer than any idemgate answer"));
                 }
                 out.push(item);
@@ -577,7 +615,7 @@ fn few<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D
             Ok(out)
         }
     }
-    d.deserialize_seq(Few(std::marker::PhantomData))
+    d.deserialize_seq(Few::<T, N>(std::marker::PhantomData))
 }
 
 #[derive(Deserialize)]
@@ -795,18 +833,137 @@ pub fn parse_read_reply(
     seal: &Seal,
     local_now_ms: u64,
 ) -> Result<ReadReply, StoreError> {
+    parse_fenced_read(status, body, skey, seal, local_now_ms).map(|(r, _)| r)
+}
+
+/// `parse_read_reply`, and with a value found its `Fence` (the value, its expiry and its
+/// `mod_revision`): what an operator's transition is decided on and compares
+/// (`operator_transition_request`).
+pub fn parse_fenced_read(
+    status: Option<u16>,
+    body: &[u8],
+    skey: &StorageKey,
+    seal: &Seal,
+    local_now_ms: u64,
+) -> Result<(ReadReply, Option<Fence>), StoreError> {
     let a: RangeAnswer = json_answer(status, body)?;
     if !has_revision(&a.header) {
         return Err(garbled("etcd answer without a revision"));
     }
     match single_kv(&a, &etcd_key(skey))? {
-        None => Ok(ReadReply::Absent),
-        Some((v, _)) => Ok(match open_value(&v, skey, seal) {
-            Ok((value, expires)) if value.summary(expires).is_free(judged_now(local_now_ms)) => ReadReply::Absent,
-            Ok((value, _)) => ReadReply::Found(value),
-            Err(e) => ReadReply::Unreadable(e),
+        None => Ok((ReadReply::Absent, None)),
+        Some((v, mod_revision)) => Ok(match open_value(&v, skey, seal) {
+            Ok((value, expires)) if value.summary(expires).is_free(judged_now(local_now_ms)) => {
+                (ReadReply::Absent, None)
+            }
+            Ok((value, expires_at_ms)) => {
+                let fence = Fence { mod_revision, value: value.clone(), expires_at_ms };
+                (ReadReply::Found(value), Some(fence))
+            }
+            Err(e) => (ReadReply::Unreadable(e), None),
         }),
     }
+}
+
+/// Most keys one page of `list_page_request` asks for (and `parse_list_page` accepts).
+pub const LIST_PAGE_MAX: usize = 256;
+
+/// One page of the operator's listing: the etcd keys (names only, never values) from `start`
+/// (`None`: the first of `KEY_PREFIX`) to the end of `KEY_PREFIX`, in key order, at most `page`
+/// of them (1 to `LIST_PAGE_MAX`). Owner marks and tombstones come too (they share the prefix):
+/// `parse_list_page` skips them.
+pub fn list_page_request(start: Option<&[u8]>, page: usize) -> StoreRequest {
+    let mut end = KEY_PREFIX.as_bytes().to_vec();
+    if let Some(last) = end.last_mut() {
+        // `/` + 1: the first key after every key under the prefix.
+        *last = last.saturating_add(1);
+    }
+    let start = start.unwrap_or(KEY_PREFIX.as_bytes());
+    let limit = page.clamp(1, LIST_PAGE_MAX);
+    post(
+        "/v3/kv/range",
+        &json!({"key": b64(start), "range_end": b64(&end), "limit": limit.to_string(), "keys_only": true}),
+    )
+}
+
+/// A page of storage keys (`parse_list_page`) and where the next page starts (`None`: the last).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListPage {
+    /// The storage keys whose value keys the page holds, in key order.
+    pub keys: Vec<StorageKey>,
+    /// The start of the next page: just after the page's last key.
+    pub next: Option<Vec<u8>>,
+}
+
+#[derive(Deserialize)]
+struct ListAnswer {
+    header: Option<Header>,
+    #[serde(default, deserialize_with = "few_n::<_, _, LIST_PAGE_MAX>")]
+    kvs: Vec<KeyOnly>,
+    #[serde(default)]
+    more: bool,
+}
+
+#[derive(Deserialize)]
+struct KeyOnly {
+    key: Option<String>,
+}
+
+/// Parses the answer to `list_page_request(start, page)`: every key must be under `KEY_PREFIX`,
+/// from `start` on, in increasing order, at most `page` of them; value keys (`KEY_PREFIX` and 64
+/// lowercase hex digits) become storage keys, owner marks (`/o`) and release tombstones
+/// (`/r/<owner>`) are skipped, any other key under the prefix too. A page that says more follows
+/// must hold a key (the next page starts after it), so a listing always moves on.
+pub fn parse_list_page(
+    status: Option<u16>,
+    body: &[u8],
+    start: Option<&[u8]>,
+    page: usize,
+) -> Result<ListPage, StoreError> {
+    let a: ListAnswer = json_answer(status, body)?;
+    if !has_revision(&a.header) {
+        return Err(garbled("etcd answer without a revision"));
+    }
+    if a.kvs.len() > page.clamp(1, LIST_PAGE_MAX) {
+        return Err(garbled("etcd answered more keys than asked"));
+    }
+    let mut keys = vec![];
+    let mut last: Vec<u8> = start.unwrap_or(KEY_PREFIX.as_bytes()).to_vec();
+    let mut first = true;
+    for kv in &a.kvs {
+        let k = kv.key.as_deref().and_then(unb64).ok_or_else(|| garbled("etcd key"))?;
+        let Some(rest) = k.strip_prefix(KEY_PREFIX.as_bytes()) else {
+            return Err(garbled("etcd answered a key outside idemgate's prefix"));
+        };
+        // The first key may be `start` itself; every key after it must be greater.
+        if k < last || (!first && k == last) {
+            return Err(garbled("etcd answered keys out of order"));
+        }
+        first = false;
+        if rest.len() == 64 {
+            if let Some(skey) = storage_key_of_hex(rest) {
+                keys.push(skey);
+            }
+        }
+        last = k;
+    }
+    let next = match (a.more, a.kvs.is_empty()) {
+        (false, _) => None,
+        (true, true) => return Err(garbled("etcd said more keys follow an empty page")),
+        (true, false) => {
+            last.push(0);
+            Some(last)
+        }
+    };
+    Ok(ListPage { keys, next })
+}
+
+/// 64 lowercase hex digits (as `etcd_key` writes them) as a storage key.
+fn storage_key_of_hex(hex: &[u8]) -> Option<StorageKey> {
+    if hex.iter().any(u8::is_ascii_uppercase) {
+        return None;
+    }
+    crate::hex::decode::<32>(hex).map(StorageKey)
 }
 
 /// Parses the answer to `lease_grant_request(ttl_seconds)`: the lease id, if etcd granted at

@@ -1,8 +1,9 @@
 #![no_main]
 //! Any bytes as etcd's JSON gateway's answer (with any status) to a claim, a transition, a read
-//! a lease grant or an authentication: errors, never panics, and never holds more than a few bytes of memory per
-//! answer byte (lists are refused past four elements as they arrive; nothing is sized from the
-//! answer).
+//! (the filter's and the operator's fenced one), a lease grant, an authentication or a page of
+//! the operator's `list`: errors, never panics, and never holds more than a few bytes of memory
+//! per answer byte (lists are refused past four elements, a list page past
+//! `etcd::LIST_PAGE_MAX`, as they arrive; nothing is sized from the answer).
 use libfuzzer_sys::fuzz_target;
 
 #[path = "alloc_meter.rs"]
@@ -26,6 +27,9 @@ fuzz_target!(|data: &[u8]| {
         let echo = Some((&skey, idemgate::store::StorePhase::InProgress, &owner));
         let _ = idemgate::etcd::parse_transition_reply(status.flatten(), body, echo);
         let _ = idemgate::etcd::parse_read_reply(status.flatten(), body, &skey, &seal, now);
+        let _ = idemgate::etcd::parse_fenced_read(status.flatten(), body, &skey, &seal, now);
+        let _ = idemgate::etcd::parse_list_page(status.flatten(), body, None, idemgate::etcd::LIST_PAGE_MAX);
+        let _ = idemgate::etcd::parse_list_page(status.flatten(), body, Some(b"idemgate/v1/7\0"), 2);
         let _ = idemgate::etcd::parse_lease_grant(status.flatten(), body, 600);
         if let Ok(token) = idemgate::etcd::parse_authenticate(status.flatten(), body) {
             // A token goes into a header value: visible ASCII only, bounded.

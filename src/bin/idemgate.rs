@@ -1,8 +1,9 @@
 //! `idemgate`: the operator's command line (native only: the wasm build uses `--lib`, and clap
-//! is a dependency for non-wasm targets only). It talks to the store the filter uses (Redis
-//! behind webdis, `--webdis` or `IDEMGATE_WEBDIS`, with the credential in `IDEMGATE_STORE_AUTH`
-//! as `user:password`, the variable the filter reads) and leaves every rule to the core
-//! (`idemgate::admin`, `idemgate::probe`, `idemgate::store`).
+//! is a dependency for non-wasm targets only). It talks to the store the filter uses: Redis
+//! behind webdis (`--webdis` or `IDEMGATE_WEBDIS`), or etcd (`--etcd URL[,URL...]` or
+//! `IDEMGATE_ETCD`, `etcd_store.rs`), with the credential in `IDEMGATE_STORE_AUTH` as
+//! `user:password`, the variable the filter reads, and leaves every rule to the core
+//! (`idemgate::admin`, `idemgate::probe`, `idemgate::store`, `idemgate::etcd`).
 //!
 //!     idemgate key [--config plugin.json] [--namespace N] --scope-header 'authorization: Bearer ...' --authority api.example KEY
 //!     idemgate inspect STORAGE_KEY
@@ -16,6 +17,9 @@
 //! a store error, 2 a usage error.
 
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "idemgate/etcd_store.rs"]
+mod etcd_store;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -52,6 +56,11 @@ fn cli() -> Command {
         .arg_required_else_help(true)
         .arg(Arg::new("webdis").long("webdis").global(true).help(
             "webdis URL (default: $IDEMGATE_WEBDIS or http://127.0.0.1:7379); credential from $IDEMGATE_STORE_AUTH",
+        ))
+        .arg(Arg::new("etcd").long("etcd").global(true).conflicts_with("webdis").help(
+            "the etcd store instead: http://host:port of a member or a load balancer, several comma-separated \
+             (tried in order while one does not connect); default $IDEMGATE_ETCD; credential from \
+             $IDEMGATE_STORE_AUTH (user:password)",
         ))
         .subcommand(
             Command::new("key")
@@ -151,6 +160,25 @@ fn run(m: &ArgMatches) -> Result<(), Fail> {
             .unwrap_or_else(|| DEFAULT_WEBDIS.to_string());
         Webdis::new(&url)
     };
+    // etcd when asked for (`--etcd`, or `IDEMGATE_ETCD` without `--webdis`).
+    let etcd_url = m.get_one::<String>("etcd").cloned().or_else(|| {
+        std::env::var("IDEMGATE_ETCD").ok().filter(|v| !v.is_empty() && m.get_one::<String>("webdis").is_none())
+    });
+    if let Some(url) = etcd_url {
+        let e = || etcd_store::Etcd::connect(&url);
+        return match m.subcommand() {
+            Some(("key", a)) => key(a),
+            Some(("inspect", a)) => etcd_store::inspect(&e()?, a),
+            Some(("list", a)) => etcd_store::list(&e()?, a),
+            Some(("resolve", a)) => {
+                let (skey, action, done) = settlement(a)?;
+                etcd_store::settle(&e()?, &skey, &action, done)
+            }
+            Some(("forget", a)) => etcd_store::settle(&e()?, &storage_key(a)?, &Settle::Forget, "forgotten"),
+            Some(("probe", a)) => probe_cmd(a),
+            _ => usage("a subcommand is needed (see --help)"),
+        };
+    }
     match m.subcommand() {
         Some(("key", a)) => key(a),
         Some(("inspect", a)) => inspect(&webdis()?, a),
@@ -287,9 +315,15 @@ fn list(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
 }
 
 fn resolve(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
+    let (skey, action, done) = settlement(a)?;
+    settle(w, &skey, &action, done)
+}
+
+/// What `resolve` asks (whichever the store): the key, the action, what to print once done.
+fn settlement(a: &ArgMatches) -> Result<(idemgate::scope::StorageKey, Settle, &'static str), Fail> {
     let skey = storage_key(a)?;
     if a.get_flag("release") {
-        return settle(w, &skey, &Settle::Release, "released: the next retry executes");
+        return Ok((skey, Settle::Release, "released: the next retry executes"));
     }
     if !a.get_flag("complete") {
         return usage("resolve needs --release or --complete");
@@ -301,7 +335,7 @@ fn resolve(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
     };
     let response = admin::operator_response(*status, &many(a, "header"), body).or_else(usage)?;
     let ttl_ms = a.get_one::<u64>("ttl_seconds").copied().unwrap_or(86_400).saturating_mul(1000);
-    settle(w, &skey, &Settle::Complete { response, ttl_ms }, "completed: retries replay this response")
+    Ok((skey, Settle::Complete { response, ttl_ms }, "completed: retries replay this response"))
 }
 
 /// Reads the value, plans the action (core), sends the owner- and phase-checked transition.
@@ -421,7 +455,19 @@ fn http(
     headers: &[(String, String)],
     body: &[u8],
 ) -> std::io::Result<Answer> {
-    let mut c = TcpStream::connect((host, port))?;
+    exchange(TcpStream::connect((host, port))?, host, port, method, path, headers, body)
+}
+
+/// One HTTP/1.1 exchange on the connection `c` to `host:port`.
+fn exchange(
+    mut c: TcpStream,
+    host: &str,
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> std::io::Result<Answer> {
     c.set_read_timeout(Some(TIMEOUT))?;
     c.set_write_timeout(Some(TIMEOUT))?;
     let mut req = format!(

@@ -522,7 +522,10 @@ fn a_token_is_taken_only_from_a_whole_answer_and_only_if_it_fits_a_header() {
     assert!(parse_authenticate(Some(200), long.as_bytes()).is_err());
     assert!(token_refused(Some(401)) && !token_refused(Some(403)) && !token_refused(None));
     assert_eq!(error_text(bad_password), "etcdserver: authentication failed, invalid user ID or password");
-    assert_eq!(error_text(b"Client sent an HTTP request\r\nto an HTTPS server."), "Client sent an HTTP requestto an HTTPS server.");
+    assert_eq!(
+        error_text(b"Client sent an HTTP request\r\nto an HTTPS server."),
+        "Client sent an HTTP requestto an HTTPS server."
+    );
     assert_eq!(error_text(format!(r#"{{"error":"{}\n"}}"#, "x".repeat(300)).as_bytes()).len(), 200);
 }
 
@@ -556,4 +559,209 @@ fn the_token_is_asked_at_start_refreshed_before_it_ages_and_again_at_once_when_r
     assert!(!a.wants_authenticate(30_001, refresh), "a new token clears the refusal");
     // A refusal before any token is no news (nothing to replace).
     assert!(!Auth::default().refused());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The operator's CLI on etcd: fenced reads, fenced transitions, leases, list pages.
+
+/// The value of `s` as the operator reads it: the read answer and its fence.
+fn operator_read(e: &mut Etcd, s: &StorageKey, now: u64) -> (ReadReply, Option<Fence>) {
+    let body = e.run(&read_request(s));
+    parse_fenced_read(Some(200), &body, s, &seal(), now).unwrap()
+}
+
+fn operator_write(e: &mut Etcd, s: &StorageKey, t: &Transition, now: u64, fence: &Fence) -> TransitionReply {
+    let req = operator_transition_request(t, s, &seal(), LEASE, now, fence).unwrap();
+    let echo = t.new_phase.map(|p| (s, p, &t.new_owner));
+    parse_transition_reply(Some(200), &e.run(&req), echo).unwrap()
+}
+
+/// A key marked outcome-unknown by its owner (`owner(1)`), as the filter leaves it.
+fn outcome_unknown_key(e: &mut Etcd, s: &StorageKey) {
+    claim(e, s, owner(1), NOW).unwrap();
+    let mark = Transition::unknown(owner(1), unknown(NOW), &lifetimes());
+    assert_eq!(write(e, s, &mark, NOW, None), TransitionReply::Changed);
+}
+
+#[test]
+fn a_fenced_read_carries_the_values_revision_and_judges_expiry_as_reads_do() {
+    let s = skey(1);
+    let mut e = Etcd::default();
+    assert_eq!(operator_read(&mut e, &s, NOW), (ReadReply::Absent, None));
+    claim(&mut e, &s, owner(1), NOW).unwrap();
+    let (read, fence) = operator_read(&mut e, &s, NOW);
+    let f = fence.unwrap();
+    assert_eq!(read, ReadReply::Found(f.value.clone()));
+    assert_eq!(f.mod_revision, e.kv[etcd_key(&s).as_bytes()].2);
+    assert_eq!(f.expires_at_ms, e.value(&s).unwrap().1);
+    // Past its expiry by the judged clock: absent, and no fence to write on.
+    assert_eq!(operator_read(&mut e, &s, f.expires_at_ms + CLOCK_SKEW_TOLERANCE_MS), (ReadReply::Absent, None));
+    assert!(parse_fenced_read(Some(401), b"{}", &s, &seal(), NOW).is_err());
+}
+
+#[test]
+fn an_operators_transition_compares_the_revision_read_whatever_the_event() {
+    let s = skey(1);
+    let mut e = Etcd::default();
+    outcome_unknown_key(&mut e, &s);
+    let (_, fence) = operator_read(&mut e, &s, NOW);
+    let fence = fence.unwrap();
+    let release = crate::admin::plan(&crate::admin::Settle::Release, &fence.value, judged_now(NOW)).unwrap();
+    let req = operator_transition_request(&release, &s, &seal(), LEASE, NOW, &fence).unwrap();
+    let body: Value = serde_json::from_slice(&req.body).unwrap();
+    assert_eq!(body["compare"].as_array().unwrap().len(), 1);
+    assert_eq!(body["compare"][0]["target"], "MOD");
+    assert_eq!(body["compare"][0]["mod_revision"], fence.mod_revision.to_string());
+    assert_eq!(unb64(body["compare"][0]["key"].as_str().unwrap()).unwrap(), etcd_key(&s).as_bytes());
+    assert_eq!(body["failure"], json!([]), "a key found changed or absent is left as it is");
+    // The value rewritten since the read, with the same phase and owner (what an owner-mark
+    // compare alone would let through): refused, nothing deleted.
+    e.revision += 1;
+    let rev = e.revision;
+    e.kv.get_mut(etcd_key(&s).as_bytes()).unwrap().2 = rev;
+    assert_eq!(operator_write(&mut e, &s, &release, NOW, &fence), TransitionReply::Refused);
+    assert_eq!(e.value(&s).unwrap().0.phase, StorePhase::Unknown);
+    // Read again: it lands, value and owner mark gone.
+    let (_, fresh) = operator_read(&mut e, &s, NOW);
+    assert_eq!(operator_write(&mut e, &s, &release, NOW, &fresh.unwrap()), TransitionReply::Changed);
+    assert!(e.value(&s).is_none());
+    assert!(!e.kv.contains_key(owner_key(&s).as_bytes()));
+}
+
+#[test]
+fn two_operators_deciding_on_one_read_change_the_key_once() {
+    let s = skey(1);
+    let mut e = Etcd::default();
+    outcome_unknown_key(&mut e, &s);
+    let (_, fence) = operator_read(&mut e, &s, NOW);
+    let fence = fence.unwrap();
+    let response = StoredResponse { status: 201, headers: vec![], body: b"found".to_vec() };
+    let complete =
+        crate::admin::plan(&crate::admin::Settle::Complete { response, ttl_ms: 60_000 }, &fence.value, judged_now(NOW))
+            .unwrap();
+    let release = crate::admin::plan(&crate::admin::Settle::Release, &fence.value, judged_now(NOW)).unwrap();
+    assert_eq!(operator_write(&mut e, &s, &complete, NOW, &fence), TransitionReply::Changed);
+    assert_eq!(operator_write(&mut e, &s, &release, NOW, &fence), TransitionReply::Refused);
+    let (v, expires) = e.value(&s).unwrap();
+    assert_eq!((v.phase, v.owner, expires), (StorePhase::Done, owner(1), NOW + 60_000));
+    assert_eq!(e.kv[owner_key(&s).as_bytes()].0, owner_mark(StorePhase::Done, &owner(1)));
+    // The owner's own late outcome-unknown mark (it expects its claim) changes nothing either.
+    let late = Transition::unknown(owner(1), unknown(NOW), &lifetimes());
+    assert_eq!(write(&mut e, &s, &late, NOW, None), TransitionReply::Refused);
+}
+
+#[test]
+fn an_operators_transition_is_refused_unbuilt_when_it_does_not_fit_the_value_read() {
+    let s = skey(1);
+    let mut e = Etcd::default();
+    claim(&mut e, &s, owner(1), NOW).unwrap();
+    let (_, fence) = operator_read(&mut e, &s, NOW);
+    let fence = fence.unwrap();
+    // A claim whose lock is live (judged 1 s behind): admin refuses, and so would the builder.
+    assert!(crate::admin::plan(&crate::admin::Settle::Forget, &fence.value, judged_now(NOW)).is_err());
+    let mut forget = Transition::release(owner(1));
+    forget.require_stale = true;
+    assert!(operator_transition_request(&forget, &s, &seal(), LEASE, NOW, &fence).is_err(), "lock live");
+    // Stale by the judged clock only once the tolerance has passed too.
+    let lock = fence.value.lock_expires_at_ms;
+    assert!(operator_transition_request(&forget, &s, &seal(), LEASE, lock, &fence).is_err());
+    assert!(operator_transition_request(&forget, &s, &seal(), LEASE, lock + CLOCK_SKEW_TOLERANCE_MS, &fence).is_ok());
+    // Another owner, another phase, a write without a lease, a write where absent: never built.
+    let other = Transition { expected_owner: owner(2), ..forget.clone() };
+    assert!(operator_transition_request(&other, &s, &seal(), LEASE, lock + 5_000, &fence).is_err());
+    let done = Transition { expected_phases: "D", ..forget.clone() };
+    assert!(operator_transition_request(&done, &s, &seal(), LEASE, lock + 5_000, &fence).is_err());
+    let complete = Transition {
+        expected_phases: "P",
+        require_stale: true,
+        where_absent: WhereAbsent::Refuse,
+        ..Transition::complete(owner(1), completed(NOW), &lifetimes())
+    };
+    assert!(operator_transition_request(&complete, &s, &seal(), 0, lock + 5_000, &fence).is_err(), "no lease");
+    assert!(operator_transition_request(&complete, &s, &seal(), LEASE, lock + 5_000, &fence).is_ok());
+    let absent = Transition { where_absent: WhereAbsent::Write, ..complete.clone() };
+    assert!(operator_transition_request(&absent, &s, &seal(), LEASE, lock + 5_000, &fence).is_err());
+    let tomb = Transition { tombstone: true, ..forget.clone() };
+    assert!(operator_transition_request(&tomb, &s, &seal(), LEASE, lock + 5_000, &fence).is_err());
+}
+
+#[test]
+fn an_operators_lease_outlives_the_record_it_carries() {
+    assert_eq!(operator_lease_ttl_seconds(86_400_000), 86_400 + LEASE_MARGIN_MS / 1000);
+    assert_eq!(operator_lease_ttl_seconds(1), 1 + LEASE_MARGIN_MS / 1000);
+    assert!(operator_lease_ttl_seconds(u64::MAX) > 0);
+}
+
+fn page_answer(keys: &[&[u8]], more: bool) -> Vec<u8> {
+    let kvs: Vec<Value> = keys
+        .iter()
+        .map(|k| json!({"key": b64(k), "create_revision": "2", "mod_revision": "3", "version": "1"}))
+        .collect();
+    let mut a = json!({"header": {"revision": "9"}, "kvs": kvs, "count": keys.len().to_string()});
+    if more {
+        a["more"] = json!(true);
+    }
+    a.to_string().into_bytes()
+}
+
+#[test]
+fn a_list_page_asks_for_key_names_only_bounded_and_within_the_prefix() {
+    let req = list_page_request(None, 100);
+    assert_eq!((req.method, req.path.as_str()), ("POST", "/v3/kv/range"));
+    let v: Value = serde_json::from_slice(&req.body).unwrap();
+    assert_eq!(unb64(v["key"].as_str().unwrap()).unwrap(), KEY_PREFIX.as_bytes());
+    assert_eq!(unb64(v["range_end"].as_str().unwrap()).unwrap(), b"idemgate/v10");
+    assert_eq!((v["limit"].as_str(), v["keys_only"].as_bool()), (Some("100"), Some(true)));
+    let v: Value = serde_json::from_slice(&list_page_request(Some(b"idemgate/v1/ab\0"), 0).body).unwrap();
+    assert_eq!(v["limit"], "1", "never 0, which etcd reads as no limit");
+    assert_eq!(unb64(v["key"].as_str().unwrap()).unwrap(), b"idemgate/v1/ab\0");
+    let v: Value = serde_json::from_slice(&list_page_request(None, usize::MAX).body).unwrap();
+    assert_eq!(v["limit"], LIST_PAGE_MAX.to_string());
+}
+
+#[test]
+fn a_list_page_keeps_value_keys_and_skips_owner_marks_and_tombstones() {
+    let (a, b) = (skey(0xab), skey(0xcd));
+    let (ka, kb) = (etcd_key(&a), etcd_key(&b));
+    let (oa, ta) = (owner_key(&a), tombstone_key(&a, &owner(1)));
+    let body = page_answer(&[ka.as_bytes(), oa.as_bytes(), ta.as_bytes(), kb.as_bytes()], true);
+    let page = parse_list_page(Some(200), &body, None, 4).unwrap();
+    assert_eq!(page.keys, vec![a, b]);
+    let mut next = kb.as_bytes().to_vec();
+    next.push(0);
+    assert_eq!(page.next.as_deref(), Some(next.as_slice()));
+    // The last page; a page of marks only moves on all the same.
+    let last = parse_list_page(Some(200), &page_answer(&[owner_key(&b).as_bytes()], false), Some(&next), 4).unwrap();
+    assert_eq!(last, ListPage { keys: vec![], next: None });
+    let marks = parse_list_page(Some(200), &page_answer(&[oa.as_bytes()], true), None, 4).unwrap();
+    assert!(marks.keys.is_empty() && marks.next.is_some());
+    // Uppercase hex or a short name is not a value key idemgate writes: skipped.
+    let odd = format!("{KEY_PREFIX}{}", a.hex().to_ascii_uppercase());
+    let page = parse_list_page(Some(200), &page_answer(&[odd.as_bytes(), b"idemgate/v1/ab"], false), None, 4);
+    assert_eq!(page.unwrap().keys, vec![]);
+    assert_eq!(parse_list_page(Some(200), br#"{"header":{"revision":"9"}}"#, None, 4).unwrap().next, None);
+}
+
+#[test]
+fn a_list_page_that_could_loop_or_grow_is_refused() {
+    let (ka, kb) = (etcd_key(&skey(1)), etcd_key(&skey(2)));
+    let p = |body: &[u8], start: Option<&[u8]>, n| parse_list_page(Some(200), body, start, n);
+    let garbled = |r: Result<ListPage, StoreError>| matches!(r, Err(StoreError::Garbled(_)));
+    assert!(garbled(p(&page_answer(&[ka.as_bytes(), kb.as_bytes()], false), None, 1)), "more than asked");
+    assert!(garbled(p(&page_answer(&[kb.as_bytes(), ka.as_bytes()], false), None, 4)), "out of order");
+    assert!(garbled(p(&page_answer(&[ka.as_bytes(), ka.as_bytes()], false), None, 4)), "a key twice");
+    assert!(garbled(p(&page_answer(&[ka.as_bytes()], false), Some(kb.as_bytes()), 4)), "before the start");
+    assert!(garbled(p(&page_answer(&[], true), None, 4)), "more after nothing");
+    assert!(garbled(p(&page_answer(&[b"other/key"], false), None, 4)), "outside the prefix");
+    assert!(garbled(p(br#"{"kvs":[]}"#, None, 4)), "no revision");
+    assert!(matches!(p(b"{}", None, 4), Err(StoreError::Garbled(_))));
+    assert_eq!(parse_list_page(Some(401), b"{}", None, 4), Err(StoreError::Http(401)));
+    assert_eq!(parse_list_page(None, b"", None, 4), Err(StoreError::NoAnswer));
+    // A list longer than any page is refused as it arrives.
+    let mut huge = br#"{"header":{"revision":"1"},"kvs":["#.to_vec();
+    for _ in 0..LIST_PAGE_MAX + 1 {
+        huge.extend_from_slice(b"{},");
+    }
+    huge.extend_from_slice(b"{}]}");
+    assert!(garbled(p(&huge, None, LIST_PAGE_MAX)));
 }

@@ -61,11 +61,7 @@ impl Pki {
                 server_name,
                 format!("subjectAltName=DNS:{server_name},IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"),
             ),
-            (
-                "proxy",
-                proxy_subject,
-                "subjectAltName=DNS:idemgate-proxy\nextendedKeyUsage=clientAuth\n".to_string(),
-            ),
+            ("proxy", proxy_subject, "subjectAltName=DNS:idemgate-proxy\nextendedKeyUsage=clientAuth\n".to_string()),
         ] {
             std::fs::write(dir.join(format!("{stem}.ext")), ext).expect("write extensions");
             let (key, csr, crt, extfile) =
