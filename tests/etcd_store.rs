@@ -189,6 +189,55 @@ fn etcd_holds_no_raw_key_or_credential() {
     );
 }
 
+/// Envoy's view of each `idemgate_store` member: (port, health flags), from `/clusters`.
+fn store_health(e: &Envoy) -> Vec<(u16, String)> {
+    let r = http::get(e.admin_port, "/clusters").expect("admin /clusters");
+    r.body_text()
+        .lines()
+        .filter_map(|l| l.strip_prefix("idemgate_store::127.0.0.1:"))
+        .filter_map(|l| l.split_once("::health_flags::"))
+        .filter_map(|(port, flags)| Some((port.parse().ok()?, flags.to_string())))
+        .collect()
+}
+
+/// Polls (at most 100 looks, 100 ms apart) until `want` holds of `e`'s view of the members.
+fn wait_health(e: &Envoy, what: &str, want: impl Fn(&[(u16, String)]) -> bool) {
+    for _ in 0..100 {
+        if want(&store_health(e)) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{what}: Envoy sees {:?}", store_health(e));
+}
+
+#[test]
+fn etcd_envoy_health_checks_keep_live_members_in_rotation_and_take_a_killed_one_out() {
+    let mut etcd = EtcdCluster::start();
+    let p = Pair::new(&etcd);
+    let ports = etcd.client_ports();
+    // Every live member healthy (the shipped checks once left all three failed for a minute
+    // after a slow start, and Envoy then spread requests over every member, dead ones included).
+    for e in [&p.a, &p.b] {
+        wait_health(e, "all three healthy", |h| h.len() == 3 && h.iter().all(|(_, f)| f == "healthy"));
+    }
+    etcd.kill(0);
+    etcd.wait_leader();
+    for e in [&p.a, &p.b] {
+        wait_health(e, "the killed member out, the others in", |h| {
+            h.iter().all(|(port, f)| (*port == ports[0]) != (f == "healthy"))
+        });
+    }
+    let panics = p.a.stat("cluster.idemgate_store.lb_healthy_panic");
+    // Requests now go to live members only: none is refused for the store.
+    for i in 0..12 {
+        let r = post(&p.a, &format!("k-health-{i}"), r#"{"amount":1}"#, &[]);
+        assert_eq!(r.status, 201, "{i}: {}", r.body_text());
+    }
+    assert_eq!(p.a.stat("cluster.idemgate_store.lb_healthy_panic"), panics);
+    assert_eq!(p.up.executions(), 12);
+}
+
 // ---------------------------------------------------------------------------------------------
 // etcd's authentication: the proxy trades `IDEMGATE_STORE_AUTH` (user:password, from the VM's
 // environment) for a token, renewed ahead of need and at once when etcd refuses it.
@@ -412,13 +461,16 @@ fn etcd_fault_leader_sigkill_with_duplicates_in_flight_executes_nothing_twice_an
         threads.push(in_flight(&p.b, k.clone()));
     }
     let leader = etcd.leader().expect("a leader");
+    let killed_at = Instant::now();
     etcd.kill(leader);
     let first: Vec<u16> = threads.into_iter().map(|t| t.join().expect("thread")).collect();
     etcd.wait_leader();
     // Retries of every key on b (which never served the acknowledged ones: they come from etcd).
     let (mut replayed, mut refused) = (0, 0);
+    let mut served_again_after = None;
     for k in &done {
         let (r, n) = post_until_answered(&p.b, k, r#"{"amount":9}"#);
+        served_again_after.get_or_insert_with(|| killed_at.elapsed());
         refused += n;
         assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")), "{k}: {}", r.body_text());
         replayed += 1;
@@ -435,10 +487,11 @@ fn etcd_fault_leader_sigkill_with_duplicates_in_flight_executes_nothing_twice_an
     let by_key = p.up.executions_by_key();
     let twice: Vec<_> = by_key.iter().filter(|(_, n)| **n > 1).collect();
     eprintln!(
-        "leader kill: executions {} (acknowledged 20 + in flight {}), second executions {}, acknowledged replayed {replayed}/20, first answers {first:?}, retries {retried:?} (after {refused} store-unavailable answers)",
+        "leader kill: executions {} (acknowledged 20 + in flight {}), second executions {}, acknowledged replayed {replayed}/20, first answers {first:?}, retries {retried:?} (after {refused} store-unavailable answers; the first retry served {:?} after the kill)",
         p.up.executions(),
         flying.iter().filter(|k| by_key.get(*k).copied().unwrap_or(0) > 0).count(),
-        twice.len()
+        twice.len(),
+        served_again_after.unwrap_or_default()
     );
     support::fault_report(
         "table.md",

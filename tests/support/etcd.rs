@@ -335,6 +335,10 @@ pub fn envoy_cluster(ports: &[u16]) -> String {
   health_checks:
   - timeout: 0.5s
     interval: 0.5s
+    # Envoy checks a cluster that has had no traffic yet only every 60 s by default: a first
+    # check that fails during a slow start (the Wasm VM compiling) would leave every member
+    # failed for a minute, and Envoy then spreads requests over all of them, dead ones included.
+    no_traffic_interval: 0.5s
     unhealthy_threshold: 1
     healthy_threshold: 1
     http_health_check: {{path: /health}}
