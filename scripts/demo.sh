@@ -90,7 +90,7 @@ PY
 
 install() {
   scripts/install-deps.sh envoy
-  scripts/install-deps.sh "$STORE"
+  if [ "$STORE" = etcd ]; then scripts/install-deps.sh etcd; else scripts/install-deps.sh store; fi
   scripts/install-deps.sh agent-client
   scripts/build-wasm.sh >&2
   cargo build --locked --release --quiet --bin demo-payments
