@@ -74,9 +74,10 @@ test-envoy-versions: build deps
 test-envoy-oldest: build deps
 	$(MAKE) test-envoy-versions ENVOY_VERSIONS=$(ENVOY_OLDEST)
 
-## test-demo: the demo must pass too (every operation executed exactly once)
+## test-demo: the demo must pass too (every operation executed exactly once), on each store
 test-demo:
-	scripts/demo.sh run
+	scripts/demo.sh run redis
+	scripts/demo.sh run etcd
 
 ## test-native: everything but the fault matrix (test-faults) and the full failover forms (test-failover)
 test-native:
@@ -91,14 +92,16 @@ lint:
 	cargo fmt --check
 	cargo clippy --locked --all-targets -- -D warnings
 
-## demo: the whole stack on 127.0.0.1 (Redis, webdis, the demo payments API, Envoy with idemgate),
-## an agent simulator under injected faults, with and without idemgate; stops everything it started
+## demo: the whole stack on 127.0.0.1 (the store, the demo payments API, Envoy with idemgate),
+## an agent simulator under injected faults, with and without idemgate; stops everything it started.
+## STORE=redis (Redis behind webdis, the default) or STORE=etcd (three etcd members, auth on)
+STORE ?= redis
 demo:
-	scripts/demo.sh run
+	scripts/demo.sh run $(STORE)
 
-## up / down: the same stack left running for curl
+## up / down: the same stack left running for curl (make up STORE=etcd for etcd)
 up:
-	scripts/demo.sh up
+	scripts/demo.sh up $(STORE)
 
 down:
 	scripts/demo.sh down

@@ -148,6 +148,7 @@ def main():
     p.add_argument("--gateway", required=True)
     p.add_argument("--api", required=True)
     p.add_argument("--admin")
+    p.add_argument("--store", default="redis", help="the store the gateway uses (named in the last line)")
     a = p.parse_args()
     started = time.monotonic()
     ops, execs, attempts = run(a.gateway, a.api, "through idemgate")
@@ -157,7 +158,7 @@ def main():
     say(f"without idemgate: {ops_raw} operations -> {execs_raw} executions ({execs_raw - ops_raw} duplicate charges)")
     verdict = "every operation executed exactly once" if execs == ops else "SOME OPERATION DID NOT EXECUTE EXACTLY ONCE"
     say(
-        f"idemgate demo: {ops} operations requested, {execs} executions, {absorbed} retries absorbed "
+        f"idemgate demo ({a.store} store): {ops} operations requested, {execs} executions, {absorbed} retries absorbed "
         f"({verdict}; without idemgate {execs_raw} executions) in {time.monotonic() - started:.1f} s"
     )
     sys.exit(0 if execs == ops else 1)

@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# The demo stack without Docker: Redis + webdis (the store), the demo payments API, Envoy with
-# idemgate, all on 127.0.0.1 with ports chosen at run time.
+# The demo stack without Docker: the store, the demo payments API, Envoy with idemgate, all on
+# 127.0.0.1 with ports chosen at run time. The store is Redis + webdis (the default) or a
+# three-member etcd cluster with etcd's authentication on (store.kind "etcd").
 #
-#   scripts/demo.sh run    # start, run the agent simulator (with and without idemgate), stop
-#   scripts/demo.sh up     # start and leave running; prints commands to try
-#   scripts/demo.sh down   # stop what `up` started
+#   scripts/demo.sh run [redis|etcd]   # start, run the agent simulator (with and without idemgate), stop
+#   scripts/demo.sh up [redis|etcd]    # start and leave running; prints commands to try
+#   scripts/demo.sh down               # stop what `up` started
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 STATE=target/demo
 mkdir -p "$STATE"
+STORE=${2:-redis}
+case "$STORE" in
+  redis|etcd) ;;
+  *) echo "$0: unknown store '$STORE' (redis or etcd)" >&2; exit 2 ;;
+esac
 
 log() { echo "demo: $*" >&2; }
 
@@ -41,18 +47,50 @@ urllib.request.urlopen(r, timeout=1)" "$1" "${3:-}" 2>/dev/null; do
   done
 }
 
-# Renders envoy/demo/envoy.yaml.tmpl: every ${NAME} from the environment.
+# Renders envoy/demo/envoy.yaml.tmpl: every ${NAME} from the environment. With etcd (STORE=etcd)
+# the same template, with two changes: the plugin's store (kind "etcd", as envoy/etcd/envoy.yaml)
+# and the idemgate_store cluster (the three members, round robin, etcd's /health checked).
 render() {
-  python3 - "$1" <<'PY'
+  python3 - "$1" "$STORE" <<'PY'
 import os, re, sys
 text = open(sys.argv[1]).read()
+if sys.argv[2] == "etcd":
+    def swap(old, new):
+        global text
+        assert text.count(old) == 1, f"envoy/demo/envoy.yaml.tmpl changed: {old!r} not found once"
+        text = text.replace(old, new)
+    swap('"store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}',
+         '"store": {"kind": "etcd", "cluster": "idemgate_store", "timeout_ms": 1000}')
+    swap("""# webdis's basic-auth credential ("user:password"), from Envoy's environment
+                  # by name: never part of the plugin configuration.""",
+         """# etcd's user and password ("user:password", traded for a token), from Envoy's
+                  # environment by name: never part of the plugin configuration.""")
+    at = text.index("  - name: idemgate_store\n")
+    endpoints = "".join(
+        f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
+        for p in os.environ["ETCD_PORTS"].split())
+    text = text[:at] + f"""  - name: idemgate_store
+    connect_timeout: 0.25s
+    type: STATIC
+    lb_policy: ROUND_ROBIN
+    health_checks:
+    - timeout: 0.5s
+      interval: 0.5s
+      unhealthy_threshold: 1
+      healthy_threshold: 1
+      http_health_check: {{path: /health}}
+    load_assignment:
+      cluster_name: idemgate_store
+      endpoints:
+      - lb_endpoints:
+{endpoints}"""
 print(re.sub(r"\$\{([A-Z_]+)\}", lambda m: os.environ[m.group(1)], text), end="")
 PY
 }
 
 install() {
   scripts/install-deps.sh envoy
-  scripts/install-deps.sh store
+  if [ "$STORE" = etcd ]; then scripts/install-deps.sh etcd; else scripts/install-deps.sh store; fi
   scripts/install-deps.sh agent-client
   scripts/build-wasm.sh >&2
   cargo build --locked --release --quiet --bin demo-payments
@@ -66,14 +104,10 @@ stop() {
   rm -f "$STATE/pids" "$STATE/env"
 }
 
-start() {
-  stop
+start_redis() {
   rm -rf "$STATE/redis" && mkdir -p "$STATE/redis"
-  export BIND=127.0.0.1 API_HOST=127.0.0.1 WEBDIS_HOST=127.0.0.1
-  export LISTEN_PORT=$(free_port) ADMIN_PORT=$(free_port) API_PORT=$(free_port) WEBDIS_PORT=$(free_port)
+  export WEBDIS_HOST=127.0.0.1 WEBDIS_PORT=$(free_port)
   REDIS_PORT=$(free_port)
-  export WASM_PATH="$ROOT/dist/idemgate.wasm"
-  : > "$STATE/pids"
   # Every process writes to its own log: none keeps the caller's terminal or pipe open.
   redis-server envoy/redis.conf --port "$REDIS_PORT" --dir "$ROOT/$STATE/redis" --daemonize no \
     --logfile "$ROOT/$STATE/redis.log" < /dev/null > /dev/null 2>&1 & echo $! >> "$STATE/pids"
@@ -89,18 +123,112 @@ print(json.dumps(c))
 PY
   IDEMGATE_STORE_AUTH=$(python3 -c 'import json; print(next(a["http_basic_auth"] for a in json.load(open("envoy/docker-compose/webdis.json"))["acl"] if "http_basic_auth" in a))')
   export IDEMGATE_STORE_AUTH
+  (cd "$STATE" && exec webdis webdis.json < /dev/null > /dev/null 2>&1) & echo $! >> "$STATE/pids"
+  wait_http "http://127.0.0.1:$WEBDIS_PORT/PING" 20 "$IDEMGATE_STORE_AUTH"
+  STORE_SAYS="Redis behind webdis (127.0.0.1:$WEBDIS_PORT)"
+}
+
+# Three etcd members on 127.0.0.1 (data in target/demo/etcd), then etcd's authentication on: root
+# administers (its password stays here), user "idemgate" may read and write idemgate's keys
+# (idemgate/v1/ and below) and nothing else; its password goes to the proxy through the VM's
+# environment (IDEMGATE_STORE_AUTH). Both passwords are new for each stack.
+start_etcd() {
+  rm -rf "$STATE/etcd" && mkdir -p "$STATE/etcd"
+  local clients=() peers=() cluster="" i
+  for i in 0 1 2; do
+    clients+=("$(free_port)"); peers+=("$(free_port)")
+    cluster+="${cluster:+,}m$i=http://127.0.0.1:${peers[$i]}"
+  done
+  for i in 0 1 2; do
+    etcd --name "m$i" --data-dir "$ROOT/$STATE/etcd/m$i" \
+      --listen-client-urls "http://127.0.0.1:${clients[$i]}" --advertise-client-urls "http://127.0.0.1:${clients[$i]}" \
+      --listen-peer-urls "http://127.0.0.1:${peers[$i]}" --initial-advertise-peer-urls "http://127.0.0.1:${peers[$i]}" \
+      --initial-cluster "$cluster" --initial-cluster-state new --initial-cluster-token idemgate-demo \
+      < /dev/null > "$STATE/etcd/m$i.log" 2>&1 & echo $! >> "$STATE/pids"
+  done
+  export ETCD_PORTS="${clients[*]}"
+  local password root_password
+  password=$(python3 -c 'import secrets; print(secrets.token_hex(16))')
+  root_password=$(python3 -c 'import secrets; print(secrets.token_hex(16))')
+  python3 - "$password" "$root_password" $ETCD_PORTS <<'PY'
+import base64, json, sys, time, urllib.request
+password, root_password, ports = sys.argv[1], sys.argv[2], sys.argv[3:]
+def call(port, path, body=None, token=None):
+    r = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=None if body is None else json.dumps(body).encode())
+    if token:
+        r.add_header("authorization", token)
+    return json.load(urllib.request.urlopen(r, timeout=2))
+deadline = time.time() + 30
+while True:  # every member healthy: a leader elected, reachable from each
+    try:
+        if all(call(p, "/health").get("health") == "true" for p in ports):
+            break
+    except Exception:
+        pass
+    if time.time() > deadline:
+        sys.exit("demo: etcd did not become healthy (logs in target/demo/etcd/)")
+    time.sleep(0.2)
+b64 = lambda b: base64.b64encode(b).decode()
+prefix = b"idemgate/v1/"  # idemgate::etcd::KEY_PREFIX
+for path, body in [
+    ("/v3/auth/user/add", {"name": "root", "password": root_password}),
+    ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+    ("/v3/auth/role/add", {"name": "idemgate-rw"}),
+    ("/v3/auth/role/grant", {"name": "idemgate-rw", "perm": {"permType": "READWRITE", "key": b64(prefix), "range_end": b64(prefix[:-1] + bytes([prefix[-1] + 1]))}}),
+    ("/v3/auth/user/add", {"name": "idemgate", "password": password}),
+    ("/v3/auth/user/grant", {"user": "idemgate", "role": "idemgate-rw"}),
+    ("/v3/auth/enable", {}),
+]:
+    call(ports[0], path, body)
+# Auth is on: a client without a token is refused, and idemgate's user may not go beyond its prefix.
+try:
+    call(ports[0], "/v3/kv/put", {"key": b64(b"x"), "value": b64(b"y")})
+    sys.exit("demo: etcd accepted a write without a token")
+except urllib.error.HTTPError:
+    pass
+token = call(ports[0], "/v3/auth/authenticate", {"name": "idemgate", "password": password})["token"]
+try:
+    call(ports[0], "/v3/kv/put", {"key": b64(b"outside"), "value": b64(b"y")}, token)
+    sys.exit("demo: etcd let user idemgate write outside idemgate/v1/")
+except urllib.error.HTTPError:
+    pass
+PY
+  export IDEMGATE_STORE_AUTH="idemgate:$password"
+  STORE_SAYS="etcd, 3 members (127.0.0.1:${clients[0]}, :${clients[1]}, :${clients[2]}), authentication on, user idemgate limited to idemgate/v1/"
+  ETCD_TRY="ETCDCTL_API=3 etcdctl --endpoints=127.0.0.1:${clients[0]} --user 'idemgate:$password' get --prefix idemgate/v1/ --keys-only"
+}
+
+start() {
+  stop
+  export BIND=127.0.0.1 API_HOST=127.0.0.1
+  export LISTEN_PORT=$(free_port) ADMIN_PORT=$(free_port) API_PORT=$(free_port)
+  # Placeholders of the template that the etcd rendering does not use.
+  export WEBDIS_HOST=127.0.0.1 WEBDIS_PORT=0
+  export WASM_PATH="$ROOT/dist/idemgate.wasm"
+  : > "$STATE/pids"
+  ETCD_TRY=""
+  "start_$STORE"
   # The secret store records are sealed with (HMAC-SHA-256 over key and record, src/seal.rs): the
   # same for every proxy of the stack, new for each stack unless given.
   IDEMGATE_RECORD_KEY=${IDEMGATE_RECORD_KEY:-$(python3 -c 'import secrets; print(secrets.token_hex(32))')}
   export IDEMGATE_RECORD_KEY
-  (cd "$STATE" && exec webdis webdis.json < /dev/null > /dev/null 2>&1) & echo $! >> "$STATE/pids"
   target/release/demo-payments --port "$API_PORT" < /dev/null > "$STATE/api.log" 2>&1 & echo $! >> "$STATE/pids"
   render envoy/demo/envoy.yaml.tmpl > "$STATE/envoy.yaml"
   envoy -c "$STATE/envoy.yaml" --concurrency 2 --disable-hot-restart --log-level warn \
     --component-log-level wasm:info < /dev/null > "$STATE/envoy.log" 2>&1 & echo $! >> "$STATE/pids"
   wait_http "http://127.0.0.1:$API_PORT/stats" 20
-  wait_http "http://127.0.0.1:$WEBDIS_PORT/PING" 20 "$IDEMGATE_STORE_AUTH"
   wait_http "http://127.0.0.1:$ADMIN_PORT/ready" 60
+  if [ "$STORE" = etcd ]; then
+    # Each worker's root authenticates, then grants its lease; until then requests get 503.
+    local deadline=$((SECONDS + 30))
+    until [ "$(grep -c 'etcd lease granted' "$STATE/envoy.log")" -ge 2 ]; do
+      if grep -q 'etcd authentication failed' "$STATE/envoy.log" || [ $SECONDS -ge $deadline ]; then
+        log "idemgate got no etcd token and lease (see $STATE/envoy.log)"; return 1
+      fi
+      sleep 0.2
+    done
+  fi
+  log "store: $STORE_SAYS"
   cat > "$STATE/env" <<ENV
 GATEWAY=http://127.0.0.1:$LISTEN_PORT
 API=http://127.0.0.1:$API_PORT
@@ -115,7 +243,7 @@ case "${1:-run}" in
     trap stop EXIT
     start
     . "$STATE/env"
-    python3 scripts/agent_sim.py --gateway "$GATEWAY" --api "$API" --admin "$ADMIN"
+    python3 scripts/agent_sim.py --gateway "$GATEWAY" --api "$API" --admin "$ADMIN" --store "$STORE"
     ;;
   up)
     install
@@ -133,7 +261,9 @@ The demo stack is up (logs in $STATE/). Try:
   curl -si $GATEWAY/charges -H 'authorization: Bearer demo' -d '{"amount":1}'
   # what the API executed, and idemgate's counters
   curl -s $API/charges; curl -s $ADMIN/stats/prometheus | grep ^idemgate_
-
+${ETCD_TRY:+  # what idemgate keeps in etcd (its user sees only its own prefix)
+  $ETCD_TRY
+}
 Stop it with: make down
 TRY
     ;;
@@ -142,5 +272,5 @@ TRY
     log "stopped"
     ;;
   *)
-    echo "usage: $0 run|up|down" >&2; exit 2 ;;
+    echo "usage: $0 run|up [redis|etcd] | down" >&2; exit 2 ;;
 esac

@@ -101,6 +101,45 @@ fn bench_floors_forward_every_post_whole_and_the_store_floor_makes_two_store_cal
     }
 }
 
+/// The etcd store floor (`"store_kind": "etcd"`, scripts/bench.py's `h_floor_store_etcd`): two etcd
+/// writes per request (a put waited for, a second from the root after the response), both landed.
+#[test]
+fn bench_the_etcd_store_floor_makes_two_etcd_writes_per_request() {
+    let etcd = support::etcd::EtcdCluster::start();
+    let up = Upstream::start();
+    let key = "idemgate/v1/bench-floor";
+    let config = format!(r#"{{"idemgate_bench_floor": "store", "store_kind": "etcd", "key": "{key}"}}"#);
+    let mut o = EnvoyOptions::new(&config, up.port);
+    o.wasm = Some(floor_module());
+    o.etcd_ports = etcd.client_ports();
+    o.concurrency = 1;
+    let e = Envoy::start(&o);
+    // Every member admitted by the health check before the first callout.
+    assert_eq!(stat_reaching(&e, "cluster.idemgate_store.membership_healthy", 3), 3);
+    let body = br#"{"amount":4200,"currency":"eur","note":"benchmark body of fixed size"}"#;
+    for i in 0..5 {
+        let k = format!("k-etcd-{i}");
+        let h = [("content-type", "application/json"), ("idempotency-key", k.as_str())];
+        let r = http::request(e.port, "POST", "/bench", &h, body).expect("answer");
+        assert_eq!(r.status, 201, "{}", r.body_text());
+    }
+    assert_eq!(up.executions(), 5);
+    // Ten puts of the one key: its version (puts since it was created) reaches 10 once the root's
+    // puts after the responses have landed, and goes no further.
+    let q = serde_json::json!({"key": idemgate::base64::b64(key.as_bytes())});
+    let mut version = serde_json::Value::Null;
+    for _ in 0..100 {
+        version = etcd.call(etcd.wait_leader(), "/v3/kv/range", &q).expect("range")["kvs"][0]["version"].clone();
+        if version == "10" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let settled = etcd.call(etcd.wait_leader(), "/v3/kv/range", &q).expect("range")["kvs"][0]["version"].clone();
+    assert_eq!((version, settled), (serde_json::json!("10"), serde_json::json!("10")));
+}
+
 fn count_module() -> PathBuf {
     bench_module("--count-host-calls", "idemgate-count.wasm")
 }

@@ -10,6 +10,10 @@
 //! - `"store"`: the buffering floor plus one callout per request to the store cluster (a webdis
 //!   `GET` of one key), waited for before continuing, and a second one after the response, made by
 //!   the root context as idemgate's completion write is (handed over through the root's queue).
+//!   With `"store_kind": "etcd"` both callouts are etcd writes instead (`POST /v3/kv/put` of one
+//!   small value under idemgate's key prefix): a claim and a completion in etcd are writes, each
+//!   one Raft commit (and fsync) that no etcd-backed filter can avoid, where a Redis claim is one
+//!   script call whatever it does, so a `GET` stands for it.
 //!
 //! Nothing here decides anything: it only makes the host calls those steps need.
 
@@ -33,10 +37,21 @@ enum Mode {
     Store,
 }
 
+/// What the `store` floor calls: webdis (`GET /GET/<key>`) or etcd (`POST /v3/kv/put`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+enum StoreKind {
+    #[default]
+    Redis,
+    Etcd,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FloorConfig {
     idemgate_bench_floor: Mode,
+    #[serde(default)]
+    store_kind: StoreKind,
     /// The store cluster, its authority and the key read (`store` only).
     #[serde(default = "default_cluster")]
     cluster: String,
@@ -65,7 +80,9 @@ struct Setup {
     mode: Mode,
     cluster: String,
     authority: String,
+    method: &'static str,
     path: String,
+    body: Option<Vec<u8>>,
     timeout: Duration,
     queue_id: Option<u32>,
     /// Second callouts handed to the root (one per finished request).
@@ -74,8 +91,12 @@ struct Setup {
 
 impl Setup {
     fn dispatch(&self) -> Option<u32> {
-        let headers = vec![(":method", "GET"), (":path", self.path.as_str()), (":authority", self.authority.as_str())];
-        hostcalls::dispatch_http_call(&self.cluster, headers, None, vec![], self.timeout).ok()
+        let mut headers =
+            vec![(":method", self.method), (":path", self.path.as_str()), (":authority", self.authority.as_str())];
+        if self.body.is_some() {
+            headers.push(("content-type", "application/json"));
+        }
+        hostcalls::dispatch_http_call(&self.cluster, headers, self.body.as_deref(), vec![], self.timeout).ok()
     }
 }
 
@@ -117,9 +138,20 @@ impl RootContext for FloorRoot {
         if queue_id.is_none() {
             return false;
         }
+        let (method, path, body) = match c.store_kind {
+            StoreKind::Redis => ("GET", format!("/GET/{}", c.key), None),
+            StoreKind::Etcd => {
+                let key = crate::base64::b64(c.key.as_bytes());
+                let value = crate::base64::b64(b"bench-floor-value");
+                let body = serde_json::json!({"key": key, "value": value}).to_string().into_bytes();
+                ("POST", "/v3/kv/put".to_string(), Some(body))
+            }
+        };
         self.setup = Some(Rc::new(Setup {
             mode: c.idemgate_bench_floor,
-            path: format!("/GET/{}", c.key),
+            method,
+            path,
+            body,
             cluster: c.cluster,
             authority: c.authority,
             timeout: Duration::from_millis(c.timeout_ms.max(1)),
