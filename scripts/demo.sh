@@ -76,6 +76,7 @@ if sys.argv[2] == "etcd":
     health_checks:
     - timeout: 0.5s
       interval: 0.5s
+      no_traffic_interval: 0.5s
       unhealthy_threshold: 1
       healthy_threshold: 1
       http_health_check: {{path: /health}}
