@@ -7,6 +7,13 @@ const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 /// Standard base64 with padding.
 pub fn b64(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    b64_into(bytes, &mut out);
+    out
+}
+
+/// `b64(bytes)` appended to `out`.
+pub fn b64_into(bytes: &[u8], out: &mut String) {
+    out.reserve(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
         let b = [
             chunk.first().copied().unwrap_or(0),
@@ -22,7 +29,6 @@ pub fn b64(bytes: &[u8]) -> String {
             }
         }
     }
-    out
 }
 
 fn b64_digit(c: u8) -> Option<u32> {
