@@ -233,6 +233,38 @@ COUNT_REQUESTS = 200
 COUNT_WARM = 3
 
 
+# What each host call of a first local request is for, by (callback, kind) (`kind_rows`).
+FIRST_LOCAL_CALLS = {
+    ("request_headers", "get_header"): "`:method` alone, so an unprotected method passes on one read",
+    ("request_headers", "get_header_map"): "the header map: the route (path), the key, the caller's scope, the fingerprint",
+    ("request_headers", "set_header"): "`x-envoy-max-retries: 0` (the router never re-sends a protected request)",
+    ("request_headers", "clock"): "now, for the claim (lock and expiry)",
+    ("request_headers", "counter_get"): "the record count, read (`local.max_entries`, reserved before the claim)",
+    ("request_headers", "counter_set"): "the record count, CAS write of the reserved unit",
+    ("request_headers", "bucket_get"): "the key's bucket, read: is the key known?",
+    ("request_headers", "bucket_set"): "the claim: CAS write of the bucket (two concurrent requests: one wins)",
+    ("request_headers", "slot_set"): "the claim's record slot (names the original request in 409s)",
+    ("request_headers", "metric"): "counters `protected`, `claimed`",
+    ("request_body", "get_buffer"): "the body, once, at its end",
+    ("request_body", "clock"): "now, for the forwarded claim's lock (restarted when the body is complete)",
+    ("request_body", "bucket_get"): "the bucket, read: still our claim, the key's only live one?",
+    ("request_body", "bucket_set"): "marked forwarded with its fingerprint: CAS write of the bucket",
+    ("response_headers", "get_header_map"): "the response's status and headers, copied for replays",
+    ("response_headers", "add_header"): "`idempotency-key-expires-in` to the client",
+    ("response_body", "get_buffer"): "each body chunk, copied for replays",
+    ("log", "get_property"): "`upstream.request_attempt_count` (always), `response.code_details` (the classification)",
+    ("log", "clock"): "now, for the completed record (its expiry) and the lifecycle's check of our lock",
+    ("log", "counter_get"): "the byte usage, read (`local.max_bytes`)",
+    ("log", "counter_set"): "the byte usage, CAS write of the record's bytes",
+    ("log", "bucket_get"): "the bucket, read: may we still complete?",
+    ("log", "slot_get"): "our record slot, read: still ours, and its CAS",
+    ("log", "slot_set"): "the completed record, CAS write of the slot (owner-checked)",
+    ("log", "bucket_set"): "the entry completed: CAS write of the bucket",
+    ("log", "metric"): "counter `stored`",
+    ("log", "set_property"): "filter state `wasm.idemgate_outcome` and `wasm.idemgate_key` for the access log",
+}
+
+
 def send(conn, method, key):
     headers = {"content-type": "application/json", "authorization": "Bearer bench", "host": "bench"}
     if key:
@@ -696,6 +728,16 @@ def write_docs(results):
         f"| {label} | " + " | ".join(f"{C[k].get('calls.' + p, 0):.1f}" for p in phases) + f" | {C[k]['host_calls']:.1f} |"
         for k, label in [("first_local", "(d) first POST, local tier"), ("first_store", "(e) first POST, Redis store"),
                          ("replay_local", "(f) replay from memory"), ("replay_after_local_miss", "(g) replay after a local miss")] if k in C)
+    # Every host call of a first request in the local tier, by callback and kind (the counting
+    # build's `idemgate.count.kind.<callback>.<kind>`), with what each is for.
+    kinds = ["get_header", "get_header_map", "set_header", "add_header", "get_buffer", "get_property",
+             "set_property", "bucket_get", "bucket_set", "slot_get", "slot_set", "counter_get", "counter_set",
+             "shared_get", "shared_set", "clock", "metric", "define_metric", "send_response", "resume", "dispatch",
+             "queue", "other", "log"]
+    fl = C.get("first_local", {})
+    kind_rows = "\n".join(
+        f"| {p.replace('_', ' ')} | `{k}` | {fl['kind.' + p + '.' + k]:.1f} | {FIRST_LOCAL_CALLS.get((p, k), '')} |"
+        for p in phases for k in kinds if fl.get(f"kind.{p}.{k}", 0) > 0)
     one = lambda k: S[k].get("one_connection", {})
     floor_rows = "\n".join(
         f"| {label} | {S[k]['rps']:.0f} ({S[k]['rps_min']:.0f}-{S[k]['rps_max']:.0f}) | {S[k]['envoy_cpu_us_per_request']:.0f} | "
@@ -816,6 +858,13 @@ the completion write and reads its answer):
 | scenario | request headers | request body | store answer | response headers | response body | log | root | in all |
 |---|---|---|---|---|---|---|---|---|
 {phase_rows}
+
+Every call of a first request in the local tier, by callback and kind (`idemgate.count.kind.*`
+of the counting build; shared-data calls named by the key they touch):
+
+| callback | kind | calls | what for |
+|---|---|---|---|
+{kind_rows}
 
 What a first request in the local tier still pays for (`host_calls_first_local`, target 20):
 - request headers: `:method` read alone (unprotected methods pass on it), the header map, the

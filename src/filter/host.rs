@@ -7,7 +7,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
-use super::meter;
+use super::meter::{self, Kind};
 use crate::local::{HostError, SetError, SharedData};
 use crate::scope::StorageKey;
 
@@ -16,7 +16,7 @@ pub struct HostShared;
 
 impl SharedData for HostShared {
     fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
-        meter::call();
+        meter::shared(key, false);
         let got = hostcalls::get_shared_data(key).map_err(|_| HostError);
         if matches!(got, Ok((Some(_), _))) {
             meter::buffer();
@@ -25,7 +25,7 @@ impl SharedData for HostShared {
     }
 
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        meter::call();
+        meter::shared(key, true);
         match hostcalls::set_shared_data(key, Some(value), cas) {
             Ok(()) => Ok(()),
             Err(Status::CasMismatch) => Err(SetError::CasMismatch),
@@ -35,7 +35,7 @@ impl SharedData for HostShared {
 }
 
 fn now() -> Option<Duration> {
-    meter::call();
+    meter::call(Kind::Clock);
     hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok())
 }
 
@@ -50,27 +50,27 @@ pub fn now_nanos() -> u64 {
 /// One header's first value. Read as bytes: the SDK's text variant panics on a value that is
 /// not UTF-8 (a client may send any byte >= 0x80), and a panic is a VM crash.
 pub fn header(map: MapType, name: &str) -> Option<String> {
-    meter::call();
+    meter::call(Kind::GetHeader);
     let v = hostcalls::get_map_value_bytes(map, name).ok().flatten()?;
     meter::buffer();
     Some(String::from_utf8_lossy(&v).into_owned())
 }
 
 pub fn all_headers(map: MapType) -> Vec<(String, Vec<u8>)> {
-    meter::call();
+    meter::call(Kind::GetHeaderMap);
     meter::buffer();
     hostcalls::get_map_bytes(map).unwrap_or_default()
 }
 
 /// Sets (or, with `None`, removes) a header; false if the host refused.
 pub fn set_header(map: MapType, name: &str, value: Option<&str>) -> bool {
-    meter::call();
+    meter::call(Kind::SetHeader);
     hostcalls::set_map_value(map, name, value).is_ok()
 }
 
 /// Adds a header line; false if the host refused.
 pub fn add_header(map: MapType, name: &str, value: &str) -> bool {
-    meter::call();
+    meter::call(Kind::AddHeader);
     hostcalls::add_map_value(map, name, value).is_ok()
 }
 
@@ -78,7 +78,7 @@ pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
     if size == 0 {
         return vec![];
     }
-    meter::call();
+    meter::call(Kind::GetBuffer);
     let b = hostcalls::get_buffer(kind, 0, size).ok().flatten().unwrap_or_default();
     if !b.is_empty() {
         meter::buffer();
@@ -88,12 +88,12 @@ pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
 
 /// The plugin configuration, whole.
 pub fn plugin_configuration() -> Vec<u8> {
-    meter::call();
+    meter::call(Kind::GetBuffer);
     hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default()
 }
 
 pub fn property(path: &[&str]) -> Option<Vec<u8>> {
-    meter::call();
+    meter::call(Kind::GetProperty);
     let v = hostcalls::get_property(path.to_vec()).ok().flatten()?;
     meter::buffer();
     Some(v)
@@ -101,7 +101,7 @@ pub fn property(path: &[&str]) -> Option<Vec<u8>> {
 
 /// Lets a paused request go on.
 pub fn resume_request() -> bool {
-    meter::call();
+    meter::call(Kind::Resume);
     hostcalls::resume_http_request().is_ok()
 }
 
@@ -112,29 +112,29 @@ pub fn dispatch_http_call(
     body: &[u8],
     timeout: Duration,
 ) -> Result<u32, Status> {
-    meter::call();
+    meter::call(Kind::Dispatch);
     hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
 }
 
 /// Makes `context_id` the context later host calls act on; false if the host refused.
 pub fn set_effective_context(context_id: u32) -> bool {
-    meter::call();
+    meter::call(Kind::Other);
     hostcalls::set_effective_context(context_id).is_ok()
 }
 
 pub fn register_queue(name: &str) -> Option<u32> {
-    meter::call();
+    meter::call(Kind::Queue);
     hostcalls::register_shared_queue(name).ok()
 }
 
 pub fn enqueue(queue_id: u32, value: &[u8]) -> Result<(), Status> {
-    meter::call();
+    meter::call(Kind::Queue);
     hostcalls::enqueue_shared_queue(queue_id, Some(value))
 }
 
 /// Takes one item off a shared queue (the host posts one `on_queue_ready` per item enqueued).
 pub fn dequeue(queue_id: u32) {
-    meter::call();
+    meter::call(Kind::Queue);
     if let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {
         meter::buffer();
     }
@@ -143,7 +143,7 @@ pub fn dequeue(queue_id: u32) {
 /// Empties a shared queue (its items only wake the root).
 pub fn drain_queue(queue_id: u32) {
     loop {
-        meter::call();
+        meter::call(Kind::Queue);
         match hostcalls::dequeue_shared_queue(queue_id) {
             Ok(Some(_)) => meter::buffer(),
             _ => return,
@@ -152,27 +152,27 @@ pub fn drain_queue(queue_id: u32) {
 }
 
 pub fn set_tick_period(period: Duration) -> bool {
-    meter::call();
+    meter::call(Kind::Other);
     hostcalls::set_tick_period(period).is_ok()
 }
 
 pub fn define_counter(name: &str) -> Option<u32> {
-    meter::call();
+    meter::call(Kind::DefineMetric);
     hostcalls::define_metric(MetricType::Counter, name).ok()
 }
 
 fn define_gauge(name: &str) -> Option<u32> {
-    meter::call();
+    meter::call(Kind::DefineMetric);
     hostcalls::define_metric(MetricType::Gauge, name).ok()
 }
 
 pub fn increment_metric(id: u32, delta: i64) {
-    meter::call();
+    meter::call(Kind::Metric);
     let _ = hostcalls::increment_metric(id, delta);
 }
 
 fn record_metric(id: u32, value: u64) {
-    meter::call();
+    meter::call(Kind::Metric);
     let _ = hostcalls::record_metric(id, value);
 }
 
@@ -200,7 +200,7 @@ extern "C" {
 
 /// Sends a local reply (`headers`: the ABI's serialized header map); the host's status (0: Ok).
 pub fn send_local_response(status: u16, details: &str, headers: &[u8], body: &[u8]) -> u32 {
-    meter::call();
+    meter::call(Kind::SendResponse);
     // SAFETY: every pointer is to memory we own for the duration of the call, with its length;
     // the host copies what it needs.
     unsafe {
@@ -220,7 +220,7 @@ pub fn send_local_response(status: u16, details: &str, headers: &[u8], body: &[u
 /// Sets one top-level property (Envoy keeps it as filter state `wasm.<name>`); false if the host
 /// refused (for example a value already set once: Envoy's default for these is write-once).
 fn set_property(name: &str, value: &[u8]) -> bool {
-    meter::call();
+    meter::call(Kind::SetProperty);
     // SAFETY: both pointers are to memory we own for the duration of the call, with its length.
     unsafe { proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) == 0 }
 }
@@ -249,7 +249,7 @@ pub fn entropy() -> Vec<u8> {
             fn random_get(buf: *mut u8, len: usize) -> u16;
         }
         let mut buf = [0u8; 16];
-        meter::call();
+        meter::call(Kind::Other);
         // SAFETY: the host writes at most `len` bytes into the buffer we own.
         let errno = unsafe { random_get(buf.as_mut_ptr(), buf.len()) };
         if errno == 0 {
@@ -288,7 +288,7 @@ impl log::Log for HostLogger {
 }
 
 fn write_log(level: u32, message: &str) {
-    meter::call();
+    meter::call(Kind::Log);
     // SAFETY: the pointer is to memory we own for the duration of the call, with its length.
     unsafe {
         proxy_log(level, message.as_ptr(), message.len());
@@ -323,7 +323,7 @@ pub fn level_filter(host_level: u32) -> log::LevelFilter {
 /// that does not answer leaves every line on (the host filters them, as before).
 pub fn refresh_log_level() {
     let mut level = 0u32;
-    meter::call();
+    meter::call(Kind::Other);
     // SAFETY: the host writes one u32 into memory we own.
     let status = unsafe { proxy_get_log_level(&mut level) };
     log::set_max_level(if status == 0 { level_filter(level) } else { log::LevelFilter::Trace });
