@@ -516,6 +516,79 @@ pub fn route_counter_name(route: usize, c: Counter) -> String {
     format!("idemgate.route.{route}.{}", c.name().trim_start_matches("idemgate."))
 }
 
+/// The counter that says how many requests' counters are in Envoy's /stats: every request's
+/// `on_log` is counted, and handed to the host after every other counter of the same flush.
+pub const SETTLED_COUNTER: &str = "idemgate.requests_settled";
+
+/// Counter increments not yet handed to the host, for the whole VM (every root context's and
+/// HTTP context's, whatever configuration they were created under): a counter costs no host call
+/// where it is counted, and one per distinct counter when flushed (`flush_counters`: the root's
+/// tick, every 100 ms, and its end).
+#[derive(Default)]
+struct Pending {
+    /// (metric id, increments not yet flushed).
+    counts: Vec<(u32, u64)>,
+    /// Requests whose `on_log` ran since the last flush.
+    logged: u64,
+    /// The id of `SETTLED_COUNTER` (defined when a root is configured).
+    settled: Option<u32>,
+    /// No timer: every increment is flushed at once.
+    at_once: bool,
+}
+
+thread_local! {
+    static PENDING: std::cell::RefCell<Pending> = std::cell::RefCell::new(Pending::default());
+}
+
+fn count_pending(id: u32) {
+    let at_once = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        match p.counts.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, n)) => *n += 1,
+            None => p.counts.push((id, 1)),
+        }
+        p.at_once
+    });
+    if at_once {
+        flush_counters();
+    }
+}
+
+/// A request's `on_log` ran (its counters are all counted by then): it is counted in
+/// `SETTLED_COUNTER` by the flush that hands them to the host.
+pub fn request_settled() {
+    let at_once = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        p.logged += 1;
+        p.at_once
+    });
+    if at_once {
+        flush_counters();
+    }
+}
+
+/// Hands every pending counter increment to the host, one call per counter touched, then the
+/// number of requests settled since the last flush (last, so a reader that sees it reach N sees
+/// every counter of those N requests).
+pub fn flush_counters() {
+    let (counts, logged, settled) = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        (std::mem::take(&mut p.counts), std::mem::take(&mut p.logged), p.settled)
+    });
+    for (id, n) in counts {
+        increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+    }
+    if let (Some(id), true) = (settled, logged > 0) {
+        increment_metric(id, i64::try_from(logged).unwrap_or(i64::MAX));
+    }
+}
+
+/// Without a timer nothing would flush the counters: from now on each is handed over at once.
+pub fn flush_counters_at_once() {
+    PENDING.with(|p| p.borrow_mut().at_once = true);
+    flush_counters();
+}
+
 /// Metric ids, defined once per VM.
 #[derive(Clone, Debug, Default)]
 pub struct Metrics {
@@ -527,8 +600,12 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Defines the totals, the gauges and, for each of `routes` routes, its own counters.
+    /// Defines the totals, the gauges, `SETTLED_COUNTER` and, for each of `routes` routes, its
+    /// own counters.
     pub fn define(routes: usize) -> Metrics {
+        if let Some(id) = define_counter(SETTLED_COUNTER) {
+            PENDING.with(|p| p.borrow_mut().settled = Some(id));
+        }
         Metrics {
             ids: Counter::ALL.iter().map(|c| define_counter(c.name())).collect(),
             gauges: Gauge::ALL.iter().map(|g| define_gauge(g.name())).collect(),
@@ -538,14 +615,16 @@ impl Metrics {
         }
     }
 
-    /// Counts `c` in total and, when the request's policy is known, for its route.
+    /// Counts `c` in total and, when the request's policy is known, for its route (in Envoy's
+    /// /stats at the next flush).
     pub fn inc_for(&self, c: Counter, policy_index: Option<usize>) {
         self.inc(c);
         if let Some(Some(id)) = policy_index.and_then(|i| self.per_route.get(i)).and_then(|ids| ids.get(c as usize)) {
-            increment_metric(*id, 1);
+            count_pending(*id);
         }
     }
 
+    /// Gauges are set at once (they are read as levels, and move rarely).
     pub fn set(&self, g: Gauge, value: u64) {
         if let Some(Some(id)) = self.gauges.get(g as usize) {
             record_metric(*id, value);
@@ -559,10 +638,11 @@ impl Metrics {
         }
     }
 
+    /// Counts `c` (in Envoy's /stats at the next flush).
     pub fn inc(&self, c: Counter) {
         // `ALL` lists the counters in declaration order, so a counter's discriminant is its index.
         if let Some(Some(id)) = self.ids.get(c as usize) {
-            increment_metric(*id, 1);
+            count_pending(*id);
         }
     }
 }

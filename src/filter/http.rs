@@ -1225,6 +1225,8 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         self.callback(meter::Callback::Log);
         self.log_exchange();
+        // Its counters are all counted: the next flush says so (`idemgate.requests_settled`).
+        host::request_settled();
         meter::request_logged();
     }
 }
