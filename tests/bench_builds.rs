@@ -206,6 +206,28 @@ fn count_build_a_first_protected_request_in_the_local_tier_makes_at_most_30_host
     );
 }
 
+/// Host calls a replay from the local tier makes, at most (14 before issue 17 item 4).
+const LOCAL_REPLAY_HOST_CALLS: f64 = 11.0;
+
+#[test]
+fn count_build_a_replay_from_the_local_tier_stays_within_its_host_calls() {
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(BENCH_LOCAL, up.port);
+    o.wasm = Some(count_module());
+    o.concurrency = 1;
+    o.wasm_log_level = "error".into();
+    let e = Envoy::start(&o);
+    // The first request executes; every later one with the key is a replay from memory.
+    let f = per_request(&e, 3, 20, 0, |_| bench_post(e.port, "replayed"));
+    println!("replay from the local tier, per request: {f:?}");
+    assert_eq!(up.executions(), 1);
+    assert!(
+        f["host_calls"] <= LOCAL_REPLAY_HOST_CALLS,
+        "host calls per local replay {} > {LOCAL_REPLAY_HOST_CALLS} ({f:?})",
+        f["host_calls"]
+    );
+}
+
 #[test]
 fn count_build_a_first_protected_request_with_redis_allocates_a_few_hundred_times_not_thousands() {
     let redis = Redis::start();
@@ -229,4 +251,6 @@ fn count_build_a_first_protected_request_with_redis_allocates_a_few_hundred_time
     // Percent-encoding the store's requests once allocated twice per encoded byte: 2,227 a request.
     assert!(f["vm_allocations"] < 400.0, "VM allocations per first request with Redis {} ({f:?})", f["vm_allocations"]);
     assert!(f["store_bytes"] > 0.0, "{f:?}");
+    // 46 before issue 17 item 4 (its counters now flushed on the root's tick).
+    assert!(f["host_calls"] <= 38.0, "host calls per first request with Redis {} ({f:?})", f["host_calls"]);
 }
