@@ -311,6 +311,38 @@ COUNT_REQUESTS = 200
 COUNT_WARM = 3
 
 
+# What each host call of a first local request is for, by (callback, kind) (`kind_rows`).
+FIRST_LOCAL_CALLS = {
+    ("request_headers", "get_header"): "`:method` alone, so an unprotected method passes on one read",
+    ("request_headers", "get_header_map"): "the header map: the route (path), the key, the caller's scope, the fingerprint",
+    ("request_headers", "set_header"): "`x-envoy-max-retries: 0` (the router never re-sends a protected request)",
+    ("request_headers", "clock"): "now, for the claim (lock and expiry)",
+    ("request_headers", "counter_get"): "the record count, read (`local.max_entries`, reserved before the claim)",
+    ("request_headers", "counter_set"): "the record count, CAS write of the reserved unit",
+    ("request_headers", "bucket_get"): "the key's bucket, read: is the key known?",
+    ("request_headers", "bucket_set"): "the claim: CAS write of the bucket (two concurrent requests: one wins)",
+    ("request_headers", "slot_set"): "the claim's record slot (names the original request in 409s)",
+    ("request_headers", "metric"): "counters `protected`, `claimed`",
+    ("request_body", "get_buffer"): "the body, once, at its end",
+    ("request_body", "clock"): "now, for the forwarded claim's lock (restarted when the body is complete)",
+    ("request_body", "bucket_get"): "the bucket, read: still our claim, the key's only live one?",
+    ("request_body", "bucket_set"): "marked forwarded with its fingerprint: CAS write of the bucket",
+    ("response_headers", "get_header_map"): "the response's status and headers, copied for replays",
+    ("response_headers", "add_header"): "`idempotency-key-expires-in` to the client",
+    ("response_body", "get_buffer"): "each body chunk, copied for replays",
+    ("log", "get_property"): "`upstream.request_attempt_count` (always), `response.code_details` (the classification)",
+    ("log", "clock"): "now, for the completed record (its expiry) and the lifecycle's check that our claim is not free yet",
+    ("log", "counter_get"): "the byte usage, read (`local.max_bytes`)",
+    ("log", "counter_set"): "the byte usage, CAS write of the record's bytes",
+    ("log", "bucket_get"): "the bucket, read: may we still complete?",
+    ("log", "slot_get"): "our record slot, read: still ours, and its CAS",
+    ("log", "slot_set"): "the completed record, CAS write of the slot (owner-checked)",
+    ("log", "bucket_set"): "the entry completed: CAS write of the bucket",
+    ("log", "metric"): "counter `stored`",
+    ("log", "set_property"): "filter state `wasm.idemgate_outcome` and `wasm.idemgate_key` for the access log",
+}
+
+
 def send(conn, method, key):
     headers = {"content-type": "application/json", "authorization": "Bearer bench", "host": "bench"}
     if key:
@@ -835,6 +867,16 @@ def write_docs(results):
         for k, label in [("first_local", "(d) first POST, local tier"), ("first_store", "(e) first POST, Redis store"),
                          ("replay_local", "(f) replay from memory"), ("replay_after_local_miss", "(g) replay after a local miss"),
                          ("first_etcd", "(i) first POST, etcd store"), ("replay_after_local_miss_etcd", "(j) replay after a local miss, etcd")] if k in C)
+    # Every host call of a first request in the local tier, by callback and kind (the counting
+    # build's `idemgate.count.kind.<callback>.<kind>`), with what each is for.
+    kinds = ["get_header", "get_header_map", "set_header", "add_header", "get_buffer", "get_property",
+             "set_property", "bucket_get", "bucket_set", "slot_get", "slot_set", "counter_get", "counter_set",
+             "shared_get", "shared_set", "clock", "metric", "define_metric", "send_response", "resume", "dispatch",
+             "queue", "other", "log"]
+    fl = C.get("first_local", {})
+    kind_rows = "\n".join(
+        f"| {p.replace('_', ' ')} | `{k}` | {fl['kind.' + p + '.' + k]:.1f} | {FIRST_LOCAL_CALLS.get((p, k), '')} |"
+        for p in phases for k in kinds if fl.get(f"kind.{p}.{k}", 0) > 0)
     one = lambda k: S[k].get("one_connection", {})
     floor_rows = "\n".join(
         f"| {label} | {S[k]['rps']:.0f} ({S[k]['rps_min']:.0f}-{S[k]['rps_max']:.0f}) | {S[k]['envoy_cpu_us_per_request']:.0f} | "
@@ -1013,29 +1055,62 @@ the completion write and reads its answer):
 |---|---|---|---|---|---|---|---|---|
 {phase_rows}
 
-What a first request in the local tier still pays for (`host_calls_first_local`, target 20):
-- request headers: `:method` read alone (unprotected methods pass on it), the header map, the
-  header `x-envoy-max-retries: 0`, the clock, the bucket's read and CAS write (the claim), the
-  record count's read and CAS write (the table's bound, reserved before the claim), the claim's
-  record slot (it names the original request in 409s and makes the completion's slot write
-  owner-checked), the counters `protected` and `claimed`;
-- request body: the body, the clock, the bucket's read and CAS write (marked forwarded, its lock
-  restarted);
-- response: the header map, the expiry header, each body chunk;
-- log: the attempt count and code details (the rest of Envoy's facts only when the
-  classification needs them), the clock, the byte usage's read and CAS write (`local.max_bytes`),
-  the bucket's read and CAS write, the slot's read and CAS write (the completed record), the
-  counter `stored`, the two filter-state values of the access log.
+Every call of a first request in the local tier, by callback and kind (`idemgate.count.kind.*`
+of the counting build; shared-data calls named by the key they touch):
 
-Cuts considered and not made, each because it changes what idemgate promises or shows: counters
-kept in the VM and flushed on the tick (3 calls: every counter would lag by up to a tick per
-worker, and operators and the tests read them right after a request); no claim slot at headers
-(1 call: a 409 during the upload would no longer name the original request, and a late
-completion could overwrite a newer owner's slot); per-worker leases of the record count and the
-byte usage (4 calls: the table's bounds and its gauges would carry a lease of slack per worker).
-Already cut (41 before issue 17): debug lines built and sent whatever Envoy's level (3), a random
-read and a clock read per owner token (2: tokens now come from a per-VM seed and a counter), the
-response flags and upstream addresses read whether needed or not (3), the path and
+| callback | kind | calls | what for |
+|---|---|---|---|
+{kind_rows}
+
+What a first request in the local tier still pays for (`host_calls_first_local`, target 20: 26
+since issue 17 item 4, not reached), each call by the table above, and why it stays:
+- **Shared data, 13** (request headers 5, body 2, log 6). Every change of the table is a CAS on a
+  key that exists, and Envoy's `set_shared_data` hands back no version: the version a CAS compares
+  comes only from a read, so each change is a read and a write. A single CAS "on the expected
+  absent version" is no atomic insert in Envoy (`SharedData::set` inserts an absent key whatever
+  the CAS it is given, so two racing claims would both succeed), and every key the table writes
+  exists from configure time anyway. The pairs: the claim (bucket), the record count reserved
+  before it (`local.max_entries`), marking it forwarded (bucket: still ours and the key's only
+  live claim, its lock restarted), the byte usage (`local.max_bytes`), the completed record (slot,
+  owner-checked by its CAS, before the index) and the entry completed (bucket). The claim's slot
+  (one write) names the original request in 409s and is what the completion's owner check reads.
+- **Clock, 3**: the claim; the lock restarted when the body is complete (the route's timeout
+  counts from there, and `lock_ttl_seconds` need only exceed it: an older time would shorten the
+  lock under a running request); the completed record's expiry and the lifecycle's check that our
+  claim is not free yet. Each callback reads it once.
+- **Headers, 4**: the request's header map (method, route, key, scope, fingerprint: read whole
+  once); `x-envoy-max-retries: 0` (never re-sent by the router); the response's header map (status
+  and headers kept for replays); `idempotency-key-expires-in` to the client.
+- **Bodies, 2**: the request body once at its end; each response body chunk (one here).
+- **Properties, 2**: `response.code_details` (tells an upstream answer from Envoy's own reply: a
+  later filter can replace one) and `upstream.request_attempt_count` (read always: a re-send
+  behind idemgate's back is counted and logged).
+- **Filter state, 2**: `wasm.idemgate_outcome` and `wasm.idemgate_key`, the two values access logs
+  print by name (one call each).
+
+Cut by issue 17 item 4 (30 to 26, counted by `tests/bench_builds.rs`): the `:method` read alone for
+a request with a body (1: its header map is read whole at once, the method taken from it; a
+request without a body, such as an unprotected GET, still passes on its `:method` alone); the
+counters `protected`, `claimed` and `stored` (3: counted in the VM, handed to Envoy on the root's
+tick every 100 ms, one call per counter touched whatever the traffic, and when the root stops;
+/stats lags by up to a tick, `requests_settled` says which requests are in, and a VM that traps
+loses its last tick's counts). The same cut takes a local replay from 14 to 11 and a first request
+with Redis from 46 to 38.
+
+Considered and not made, each because it changes what idemgate promises or shows: one CAS on an
+absent version for the claim (not atomic in Envoy, above); no claim slot at headers (1 call: a
+409 during the upload would no longer name the original request, and a late completion could
+overwrite a newer owner's slot); an unchecked slot write at completion (1 call, the slot read: a
+completion that lost its claim in the window could overwrite the new owner's record); per-worker
+leases of the record count and the byte usage (4 calls: the table's bounds and the gauges
+`local_occupancy` and `local_record_bytes` would carry a lease of slack per worker); the clock
+of an earlier callback, or a VM-wide cached one (1 or 2 calls: a lock started before the
+request's end, or a record's expiry from before its completion); one filter-state value for both
+(1 call: access logs print `wasm.idemgate_outcome` and `wasm.idemgate_key` by name); the attempt
+count only when the classification needs it (1 call: a re-send behind idemgate's back would go
+unseen). Already cut (41 before issue 17): debug lines built and sent whatever Envoy's level (3),
+a random read and a clock read per owner token (2: tokens now come from a per-VM seed and a
+counter), the response flags and upstream addresses read whether needed or not (3), the path and
 key header read alone before the map (2), the bucket read twice by the completion (1).
 
 {store_path}

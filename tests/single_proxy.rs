@@ -344,6 +344,8 @@ fn a_full_local_tier_answers_503_rather_than_forget_a_record() {
 fn counters_are_exported_to_prometheus_without_the_envoy_prefix() {
     let s = Stack::new(CFG);
     s.post("/charges", Some("k-prom"), "{}", &[]);
+    // Counters reach Envoy on the root's tick: wait (bounded) until this request's are there.
+    s.envoy.settle();
     let r = http::get(s.envoy.admin_port, "/stats/prometheus").unwrap();
     let text = r.body_text();
     let line = text

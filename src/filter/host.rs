@@ -7,7 +7,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
-use super::meter;
+use super::meter::{self, Kind};
 use crate::local::{HostError, SetError, SharedData};
 use crate::scope::StorageKey;
 
@@ -16,7 +16,7 @@ pub struct HostShared;
 
 impl SharedData for HostShared {
     fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
-        meter::call();
+        meter::shared(key, false);
         let got = hostcalls::get_shared_data(key).map_err(|_| HostError);
         if matches!(got, Ok((Some(_), _))) {
             meter::buffer();
@@ -25,7 +25,7 @@ impl SharedData for HostShared {
     }
 
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        meter::call();
+        meter::shared(key, true);
         match hostcalls::set_shared_data(key, Some(value), cas) {
             Ok(()) => Ok(()),
             Err(Status::CasMismatch) => Err(SetError::CasMismatch),
@@ -35,7 +35,7 @@ impl SharedData for HostShared {
 }
 
 fn now() -> Option<Duration> {
-    meter::call();
+    meter::call(Kind::Clock);
     hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok())
 }
 
@@ -50,27 +50,27 @@ pub fn now_nanos() -> u64 {
 /// One header's first value. Read as bytes: the SDK's text variant panics on a value that is
 /// not UTF-8 (a client may send any byte >= 0x80), and a panic is a VM crash.
 pub fn header(map: MapType, name: &str) -> Option<String> {
-    meter::call();
+    meter::call(Kind::GetHeader);
     let v = hostcalls::get_map_value_bytes(map, name).ok().flatten()?;
     meter::buffer();
     Some(String::from_utf8_lossy(&v).into_owned())
 }
 
 pub fn all_headers(map: MapType) -> Vec<(String, Vec<u8>)> {
-    meter::call();
+    meter::call(Kind::GetHeaderMap);
     meter::buffer();
     hostcalls::get_map_bytes(map).unwrap_or_default()
 }
 
 /// Sets (or, with `None`, removes) a header; false if the host refused.
 pub fn set_header(map: MapType, name: &str, value: Option<&str>) -> bool {
-    meter::call();
+    meter::call(Kind::SetHeader);
     hostcalls::set_map_value(map, name, value).is_ok()
 }
 
 /// Adds a header line; false if the host refused.
 pub fn add_header(map: MapType, name: &str, value: &str) -> bool {
-    meter::call();
+    meter::call(Kind::AddHeader);
     hostcalls::add_map_value(map, name, value).is_ok()
 }
 
@@ -78,7 +78,7 @@ pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
     if size == 0 {
         return vec![];
     }
-    meter::call();
+    meter::call(Kind::GetBuffer);
     let b = hostcalls::get_buffer(kind, 0, size).ok().flatten().unwrap_or_default();
     if !b.is_empty() {
         meter::buffer();
@@ -88,12 +88,12 @@ pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
 
 /// The plugin configuration, whole.
 pub fn plugin_configuration() -> Vec<u8> {
-    meter::call();
+    meter::call(Kind::GetBuffer);
     hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default()
 }
 
 pub fn property(path: &[&str]) -> Option<Vec<u8>> {
-    meter::call();
+    meter::call(Kind::GetProperty);
     let v = hostcalls::get_property(path.to_vec()).ok().flatten()?;
     meter::buffer();
     Some(v)
@@ -101,7 +101,7 @@ pub fn property(path: &[&str]) -> Option<Vec<u8>> {
 
 /// Lets a paused request go on.
 pub fn resume_request() -> bool {
-    meter::call();
+    meter::call(Kind::Resume);
     hostcalls::resume_http_request().is_ok()
 }
 
@@ -112,29 +112,29 @@ pub fn dispatch_http_call(
     body: &[u8],
     timeout: Duration,
 ) -> Result<u32, Status> {
-    meter::call();
+    meter::call(Kind::Dispatch);
     hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
 }
 
 /// Makes `context_id` the context later host calls act on; false if the host refused.
 pub fn set_effective_context(context_id: u32) -> bool {
-    meter::call();
+    meter::call(Kind::Other);
     hostcalls::set_effective_context(context_id).is_ok()
 }
 
 pub fn register_queue(name: &str) -> Option<u32> {
-    meter::call();
+    meter::call(Kind::Queue);
     hostcalls::register_shared_queue(name).ok()
 }
 
 pub fn enqueue(queue_id: u32, value: &[u8]) -> Result<(), Status> {
-    meter::call();
+    meter::call(Kind::Queue);
     hostcalls::enqueue_shared_queue(queue_id, Some(value))
 }
 
 /// Takes one item off a shared queue (the host posts one `on_queue_ready` per item enqueued).
 pub fn dequeue(queue_id: u32) {
-    meter::call();
+    meter::call(Kind::Queue);
     if let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {
         meter::buffer();
     }
@@ -143,7 +143,7 @@ pub fn dequeue(queue_id: u32) {
 /// Empties a shared queue (its items only wake the root).
 pub fn drain_queue(queue_id: u32) {
     loop {
-        meter::call();
+        meter::call(Kind::Queue);
         match hostcalls::dequeue_shared_queue(queue_id) {
             Ok(Some(_)) => meter::buffer(),
             _ => return,
@@ -152,27 +152,27 @@ pub fn drain_queue(queue_id: u32) {
 }
 
 pub fn set_tick_period(period: Duration) -> bool {
-    meter::call();
+    meter::call(Kind::Other);
     hostcalls::set_tick_period(period).is_ok()
 }
 
 pub fn define_counter(name: &str) -> Option<u32> {
-    meter::call();
+    meter::call(Kind::DefineMetric);
     hostcalls::define_metric(MetricType::Counter, name).ok()
 }
 
 fn define_gauge(name: &str) -> Option<u32> {
-    meter::call();
+    meter::call(Kind::DefineMetric);
     hostcalls::define_metric(MetricType::Gauge, name).ok()
 }
 
 pub fn increment_metric(id: u32, delta: i64) {
-    meter::call();
+    meter::call(Kind::Metric);
     let _ = hostcalls::increment_metric(id, delta);
 }
 
 fn record_metric(id: u32, value: u64) {
-    meter::call();
+    meter::call(Kind::Metric);
     let _ = hostcalls::record_metric(id, value);
 }
 
@@ -200,7 +200,7 @@ extern "C" {
 
 /// Sends a local reply (`headers`: the ABI's serialized header map); the host's status (0: Ok).
 pub fn send_local_response(status: u16, details: &str, headers: &[u8], body: &[u8]) -> u32 {
-    meter::call();
+    meter::call(Kind::SendResponse);
     // SAFETY: every pointer is to memory we own for the duration of the call, with its length;
     // the host copies what it needs.
     unsafe {
@@ -220,7 +220,7 @@ pub fn send_local_response(status: u16, details: &str, headers: &[u8], body: &[u
 /// Sets one top-level property (Envoy keeps it as filter state `wasm.<name>`); false if the host
 /// refused (for example a value already set once: Envoy's default for these is write-once).
 fn set_property(name: &str, value: &[u8]) -> bool {
-    meter::call();
+    meter::call(Kind::SetProperty);
     // SAFETY: both pointers are to memory we own for the duration of the call, with its length.
     unsafe { proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) == 0 }
 }
@@ -249,7 +249,7 @@ pub fn entropy() -> Vec<u8> {
             fn random_get(buf: *mut u8, len: usize) -> u16;
         }
         let mut buf = [0u8; 16];
-        meter::call();
+        meter::call(Kind::Other);
         // SAFETY: the host writes at most `len` bytes into the buffer we own.
         let errno = unsafe { random_get(buf.as_mut_ptr(), buf.len()) };
         if errno == 0 {
@@ -288,7 +288,7 @@ impl log::Log for HostLogger {
 }
 
 fn write_log(level: u32, message: &str) {
-    meter::call();
+    meter::call(Kind::Log);
     // SAFETY: the pointer is to memory we own for the duration of the call, with its length.
     unsafe {
         proxy_log(level, message.as_ptr(), message.len());
@@ -323,7 +323,7 @@ pub fn level_filter(host_level: u32) -> log::LevelFilter {
 /// that does not answer leaves every line on (the host filters them, as before).
 pub fn refresh_log_level() {
     let mut level = 0u32;
-    meter::call();
+    meter::call(Kind::Other);
     // SAFETY: the host writes one u32 into memory we own.
     let status = unsafe { proxy_get_log_level(&mut level) };
     log::set_max_level(if status == 0 { level_filter(level) } else { log::LevelFilter::Trace });
@@ -516,6 +516,79 @@ pub fn route_counter_name(route: usize, c: Counter) -> String {
     format!("idemgate.route.{route}.{}", c.name().trim_start_matches("idemgate."))
 }
 
+/// The counter that says how many requests' counters are in Envoy's /stats: every request's
+/// `on_log` is counted, and handed to the host after every other counter of the same flush.
+pub const SETTLED_COUNTER: &str = "idemgate.requests_settled";
+
+/// Counter increments not yet handed to the host, for the whole VM (every root context's and
+/// HTTP context's, whatever configuration they were created under): a counter costs no host call
+/// where it is counted, and one per distinct counter when flushed (`flush_counters`: the root's
+/// tick, every 100 ms, and its end).
+#[derive(Default)]
+struct Pending {
+    /// (metric id, increments not yet flushed).
+    counts: Vec<(u32, u64)>,
+    /// Requests whose `on_log` ran since the last flush.
+    logged: u64,
+    /// The id of `SETTLED_COUNTER` (defined when a root is configured).
+    settled: Option<u32>,
+    /// No timer: every increment is flushed at once.
+    at_once: bool,
+}
+
+thread_local! {
+    static PENDING: std::cell::RefCell<Pending> = std::cell::RefCell::new(Pending::default());
+}
+
+fn count_pending(id: u32) {
+    let at_once = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        match p.counts.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, n)) => *n += 1,
+            None => p.counts.push((id, 1)),
+        }
+        p.at_once
+    });
+    if at_once {
+        flush_counters();
+    }
+}
+
+/// A request's `on_log` ran (its counters are all counted by then): it is counted in
+/// `SETTLED_COUNTER` by the flush that hands them to the host.
+pub fn request_settled() {
+    let at_once = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        p.logged += 1;
+        p.at_once
+    });
+    if at_once {
+        flush_counters();
+    }
+}
+
+/// Hands every pending counter increment to the host, one call per counter touched, then the
+/// number of requests settled since the last flush (last, so a reader that sees it reach N sees
+/// every counter of those N requests).
+pub fn flush_counters() {
+    let (counts, logged, settled) = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        (std::mem::take(&mut p.counts), std::mem::take(&mut p.logged), p.settled)
+    });
+    for (id, n) in counts {
+        increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+    }
+    if let (Some(id), true) = (settled, logged > 0) {
+        increment_metric(id, i64::try_from(logged).unwrap_or(i64::MAX));
+    }
+}
+
+/// Without a timer nothing would flush the counters: from now on each is handed over at once.
+pub fn flush_counters_at_once() {
+    PENDING.with(|p| p.borrow_mut().at_once = true);
+    flush_counters();
+}
+
 /// Metric ids, defined once per VM.
 #[derive(Clone, Debug, Default)]
 pub struct Metrics {
@@ -527,8 +600,12 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Defines the totals, the gauges and, for each of `routes` routes, its own counters.
+    /// Defines the totals, the gauges, `SETTLED_COUNTER` and, for each of `routes` routes, its
+    /// own counters.
     pub fn define(routes: usize) -> Metrics {
+        if let Some(id) = define_counter(SETTLED_COUNTER) {
+            PENDING.with(|p| p.borrow_mut().settled = Some(id));
+        }
         Metrics {
             ids: Counter::ALL.iter().map(|c| define_counter(c.name())).collect(),
             gauges: Gauge::ALL.iter().map(|g| define_gauge(g.name())).collect(),
@@ -538,14 +615,16 @@ impl Metrics {
         }
     }
 
-    /// Counts `c` in total and, when the request's policy is known, for its route.
+    /// Counts `c` in total and, when the request's policy is known, for its route (in Envoy's
+    /// /stats at the next flush).
     pub fn inc_for(&self, c: Counter, policy_index: Option<usize>) {
         self.inc(c);
         if let Some(Some(id)) = policy_index.and_then(|i| self.per_route.get(i)).and_then(|ids| ids.get(c as usize)) {
-            increment_metric(*id, 1);
+            count_pending(*id);
         }
     }
 
+    /// Gauges are set at once (they are read as levels, and move rarely).
     pub fn set(&self, g: Gauge, value: u64) {
         if let Some(Some(id)) = self.gauges.get(g as usize) {
             record_metric(*id, value);
@@ -559,10 +638,11 @@ impl Metrics {
         }
     }
 
+    /// Counts `c` (in Envoy's /stats at the next flush).
     pub fn inc(&self, c: Counter) {
         // `ALL` lists the counters in declaration order, so a counter's discriminant is its index.
         if let Some(Some(id)) = self.ids.get(c as usize) {
-            increment_metric(*id, 1);
+            count_pending(*id);
         }
     }
 }

@@ -984,21 +984,29 @@ impl Context for Http {
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
         self.callback(meter::Callback::RequestHeaders);
-        // Cheap path first: one header read lets unprotected methods through. Then the whole
-        // header map, read once: the route (the path), every line of the key header (a repeated
-        // one must be seen), the caller's scope and the fingerprint all come from it.
-        let method = host::header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
-        if !self.shared.config.protects_method(&method) {
-            return Action::Continue;
+        // The whole header map, read once: the method, the route (the path), every line of the
+        // key header (a repeated one must be seen), the caller's scope and the fingerprint all
+        // come from it. A request without a body (most unprotected ones: GET, HEAD) has its method
+        // read alone first, so an unprotected one passes on one small read; one with a body is
+        // read whole at once (one read either way when unprotected, one fewer when protected).
+        if end_of_stream {
+            let method = host::header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
+            if !self.shared.config.protects_method(&method) {
+                return Action::Continue;
+            }
         }
         let mut head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
+        if !end_of_stream && !self.shared.config.protects_method(&head.method) {
+            return Action::Continue;
+        }
         // The name of the Envoy route that matched, read only when a route is selected by it.
         let route_name = if self.shared.config.uses_route_names() {
             host::property(&["xds", "route_name"]).map(|n| String::from_utf8_lossy(&n).into_owned())
         } else {
             None
         };
-        let Some(policy_index) = self.shared.config.policy_index_for_route(&method, &head.path, route_name.as_deref())
+        let Some(policy_index) =
+            self.shared.config.policy_index_for_route(&head.method, &head.path, route_name.as_deref())
         else {
             return Action::Continue;
         };
@@ -1217,6 +1225,8 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         self.callback(meter::Callback::Log);
         self.log_exchange();
+        // Its counters are all counted: the next flush says so (`idemgate.requests_settled`).
+        host::request_settled();
         meter::request_logged();
     }
 }

@@ -23,6 +23,129 @@ pub enum Callback {
     Root,
 }
 
+/// What a host call does, for the counting build's breakdown (`idemgate.count.kind.<callback>.<kind>`).
+#[cfg_attr(not(feature = "count-host-calls"), allow(dead_code))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// One header's value.
+    GetHeader,
+    /// A whole header (or trailer) map.
+    GetHeaderMap,
+    /// A header set or removed.
+    SetHeader,
+    /// A header line added.
+    AddHeader,
+    /// A body buffer (or a callout's answer, or the plugin configuration).
+    GetBuffer,
+    /// A property of the stream (Envoy's facts: response flags, attempts, route name, ...).
+    GetProperty,
+    /// Filter state for the access log (`set_property`).
+    SetProperty,
+    /// A shared-data read or write (CAS or not) of a bucket of the local table (`.b.<i>`).
+    BucketGet,
+    BucketSet,
+    /// ... of a record slot (`.s.<i>.<j>`).
+    SlotGet,
+    SlotSet,
+    /// ... of one of the table's counters (`.count`, `.usage`).
+    CounterGet,
+    CounterSet,
+    /// ... of any other shared-data key.
+    SharedGet,
+    SharedSet,
+    Clock,
+    /// A counter incremented or a gauge moved.
+    Metric,
+    DefineMetric,
+    /// A local reply (problem or replay).
+    SendResponse,
+    Resume,
+    Dispatch,
+    Queue,
+    /// `set_effective_context`, tick period, log level, entropy.
+    Other,
+    Log,
+}
+
+#[cfg_attr(not(feature = "count-host-calls"), allow(dead_code))]
+impl Kind {
+    pub const ALL: [Kind; 24] = [
+        Kind::GetHeader,
+        Kind::GetHeaderMap,
+        Kind::SetHeader,
+        Kind::AddHeader,
+        Kind::GetBuffer,
+        Kind::GetProperty,
+        Kind::SetProperty,
+        Kind::BucketGet,
+        Kind::BucketSet,
+        Kind::SlotGet,
+        Kind::SlotSet,
+        Kind::CounterGet,
+        Kind::CounterSet,
+        Kind::SharedGet,
+        Kind::SharedSet,
+        Kind::Clock,
+        Kind::Metric,
+        Kind::DefineMetric,
+        Kind::SendResponse,
+        Kind::Resume,
+        Kind::Dispatch,
+        Kind::Queue,
+        Kind::Other,
+        Kind::Log,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::GetHeader => "get_header",
+            Kind::GetHeaderMap => "get_header_map",
+            Kind::SetHeader => "set_header",
+            Kind::AddHeader => "add_header",
+            Kind::GetBuffer => "get_buffer",
+            Kind::GetProperty => "get_property",
+            Kind::SetProperty => "set_property",
+            Kind::BucketGet => "bucket_get",
+            Kind::BucketSet => "bucket_set",
+            Kind::SlotGet => "slot_get",
+            Kind::SlotSet => "slot_set",
+            Kind::CounterGet => "counter_get",
+            Kind::CounterSet => "counter_set",
+            Kind::SharedGet => "shared_get",
+            Kind::SharedSet => "shared_set",
+            Kind::Clock => "clock",
+            Kind::Metric => "metric",
+            Kind::DefineMetric => "define_metric",
+            Kind::SendResponse => "send_response",
+            Kind::Resume => "resume",
+            Kind::Dispatch => "dispatch",
+            Kind::Queue => "queue",
+            Kind::Other => "other",
+            Kind::Log => "log",
+        }
+    }
+}
+
+/// The kind of a shared-data call on `key` (`set`: a write), by the local table's key names.
+#[cfg_attr(not(feature = "count-host-calls"), allow(dead_code))]
+pub fn shared_kind(key: &str, set: bool) -> Kind {
+    let pick = |get, put| if set { put } else { get };
+    if key.contains(".b.") {
+        pick(Kind::BucketGet, Kind::BucketSet)
+    } else if key.contains(".s.") {
+        pick(Kind::SlotGet, Kind::SlotSet)
+    } else if key.ends_with(".count") || key.ends_with(".usage") {
+        pick(Kind::CounterGet, Kind::CounterSet)
+    } else {
+        pick(Kind::SharedGet, Kind::SharedSet)
+    }
+}
+
+/// The names of the callbacks, in `Callback` order (for the breakdown's metric names).
+#[cfg_attr(not(feature = "count-host-calls"), allow(dead_code))]
+pub const CALLBACKS: [&str; 7] =
+    ["request_headers", "request_body", "call_answer", "response_headers", "response_body", "log", "root"];
+
 #[cfg(feature = "count-host-calls")]
 mod counting {
     use std::alloc::{GlobalAlloc, Layout, System};
@@ -84,12 +207,20 @@ mod counting {
         }
     }
 
-    pub fn call() {
+    /// Host calls by callback and kind (`callback * Kind::ALL.len() + kind`), flushed as
+    /// `idemgate.count.kind.<callback>.<kind>` (defined when first non-zero).
+    pub static BY_KIND: [AtomicU64; 7 * 24] = [const { AtomicU64::new(0) }; 7 * 24];
+
+    pub fn call(kind: super::Kind) {
         if BACKGROUND.load(Relaxed) {
             add(BACKGROUND_CALLS, 1);
         } else {
             add(CALLS, 1);
-            if let Some(c) = BY_CALLBACK.get(CALLBACK.load(Relaxed)) {
+            let cb = CALLBACK.load(Relaxed);
+            if let Some(c) = BY_CALLBACK.get(cb) {
+                c.fetch_add(1, Relaxed);
+            }
+            if let Some(c) = BY_KIND.get(cb * super::Kind::ALL.len() + kind as usize) {
                 c.fetch_add(1, Relaxed);
             }
         }
@@ -138,6 +269,16 @@ mod counting {
     static ALLOCATOR: Counting = Counting;
 }
 
+/// A shared-data call on `key` (`set`: a write), counted by what it touches.
+#[cfg(feature = "count-host-calls")]
+pub fn shared(key: &str, set: bool) {
+    counting::call(shared_kind(key, set));
+}
+
+#[cfg(not(feature = "count-host-calls"))]
+#[inline(always)]
+pub fn shared(_key: &str, _set: bool) {}
+
 #[cfg(feature = "count-host-calls")]
 pub use counting::{background, buffer, call, callback, request_logged, root_answered, store_bytes};
 
@@ -147,6 +288,9 @@ pub use counting::{background, buffer, call, callback, request_logged, root_answ
 pub struct Flush {
     ids: Vec<Option<u32>>,
     flushed: Vec<u64>,
+    /// The breakdown by callback and kind: each metric defined when its figure is first non-zero.
+    kind_ids: Vec<Option<u32>>,
+    kind_flushed: Vec<u64>,
 }
 
 #[cfg(feature = "count-host-calls")]
@@ -159,6 +303,29 @@ impl Flush {
     /// The figures saying how much work has finished go last (see `FIGURES`).
     pub fn flush(&mut self) {
         use std::sync::atomic::Ordering::Relaxed;
+        if self.kind_ids.is_empty() {
+            self.kind_ids = vec![None; counting::BY_KIND.len()];
+            self.kind_flushed = vec![0; counting::BY_KIND.len()];
+        }
+        let kinds = Kind::ALL.len();
+        for (i, f) in counting::BY_KIND.iter().enumerate() {
+            let now = f.load(Relaxed);
+            let (Some(id), Some(done)) = (self.kind_ids.get_mut(i), self.kind_flushed.get_mut(i)) else { continue };
+            if now <= *done {
+                continue;
+            }
+            if id.is_none() {
+                let (cb, kind) = (CALLBACKS.get(i / kinds), Kind::ALL.get(i % kinds));
+                if let (Some(cb), Some(kind)) = (cb, kind) {
+                    *id = super::host::define_counter(&format!("idemgate.count.kind.{cb}.{}", kind.name()));
+                }
+            }
+            if let Some(id) = id {
+                super::host::increment_metric(*id, i64::try_from(now - *done).unwrap_or(i64::MAX));
+                *done = now;
+            }
+        }
+        // The figures saying how much work has finished go last (after the breakdown too).
         let names = || counting::CALLBACK_NAMES.iter().chain(counting::NAMES.iter());
         if self.ids.is_empty() {
             self.ids = names().map(|n| super::host::define_counter(n)).collect();
@@ -177,7 +344,7 @@ impl Flush {
 
 #[cfg(not(feature = "count-host-calls"))]
 #[inline(always)]
-pub fn call() {}
+pub fn call(_kind: Kind) {}
 
 #[cfg(not(feature = "count-host-calls"))]
 #[inline(always)]

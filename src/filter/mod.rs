@@ -830,6 +830,8 @@ impl Root {
 
 impl Context for Root {
     fn on_done(&mut self) -> bool {
+        // Counters not yet flushed reach Envoy's /stats before the root stops.
+        meter::background(host::flush_counters);
         // Writes handed over by HTTP contexts but not yet dispatched go out now.
         let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
         for job in jobs {
@@ -906,7 +908,12 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        meter::background(|| self.tick());
+        meter::background(|| {
+            self.tick();
+            // Every counter counted since the last tick (requests' and this tick's) reaches
+            // Envoy's /stats now: one host call per counter touched, whatever the traffic.
+            host::flush_counters();
+        });
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -1033,7 +1040,8 @@ impl Root {
         // VM its worker threads do not have the store cluster yet (a callout is refused with
         // BadArgument), and the tick keeps them ahead from then on.
         if !host::set_tick_period(TICK) {
-            warn!("idemgate: no timer: expired records are freed only when their bucket is reused");
+            warn!("idemgate: no timer: expired records are freed only when their bucket is reused, counters are flushed as they are counted");
+            host::flush_counters_at_once();
         }
         true
     }
@@ -1093,5 +1101,9 @@ impl HttpContext for Unconfigured {
         host::publish(refusal.problem.slug(), None);
         reply::problem(&refusal.problem, &request_id, None);
         proxy_wasm::types::Action::Pause
+    }
+
+    fn on_log(&mut self) {
+        host::request_settled();
     }
 }

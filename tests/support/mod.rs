@@ -13,6 +13,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+/// How many times `Envoy::settle` looks (20 ms apart) for idemgate's counters to cover every
+/// completed request: 150 looks, 30 of the root's 100 ms ticks.
+const SETTLE_LOOKS: usize = 150;
+
 pub mod etcd;
 pub mod replication;
 pub mod store;
@@ -513,8 +517,36 @@ impl Envoy {
             .collect()
     }
 
-    /// A counter or gauge from the admin `/stats` endpoint (0 when absent).
+    /// Waits until idemgate's counters cover every request Envoy had completed when it was
+    /// called. idemgate counts in the VM and hands its counters to Envoy on the root's tick (every
+    /// 100 ms), the number of requests whose `on_log` ran (`idemgate.requests_settled`) last: once
+    /// that reaches the listeners' `downstream_rq_completed` as first read, every counter of those
+    /// requests is in /stats (requests completing meanwhile, under load, need not be). At most
+    /// `SETTLE_LOOKS` looks 20 ms apart (a request Envoy completed without the filter's `on_log`,
+    /// or a VM that crashed with counts not flushed, never settles: the read then goes on).
+    pub fn settle(&self) {
+        let mut target = None;
+        for _ in 0..SETTLE_LOOKS {
+            let (mut completed, mut settled) = (0, 0);
+            for (n, v) in self.stats("downstream_rq_completed%7Crequests_settled") {
+                let listener = n.strip_prefix("http.").and_then(|n| n.strip_suffix(".downstream_rq_completed"));
+                match listener {
+                    Some(l) if l != "admin" && !l.contains('.') => completed += v,
+                    _ if n.ends_with("idemgate.requests_settled") => settled += v,
+                    _ => {}
+                }
+            }
+            if settled >= *target.get_or_insert(completed) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A counter or gauge from the admin `/stats` endpoint (0 when absent), once every request
+    /// completed so far has its counters there (`settle`).
     pub fn stat(&self, name: &str) -> u64 {
+        self.settle();
         // Envoy's /stats shows Wasm metrics as `wasmcustom.<name>` (Prometheus strips the prefix).
         let custom = format!("wasmcustom.{name}");
         self.stats("idemgate").into_iter().find(|(n, _)| *n == custom || n == name).map_or(0, |(_, v)| v)
