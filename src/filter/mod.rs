@@ -1040,6 +1040,11 @@ impl Root {
         // VM its worker threads do not have the store cluster yet (a callout is refused with
         // BadArgument), and the tick keeps them ahead from then on.
         if !host::set_tick_period(TICK) {
+            if self.shared.as_ref().is_some_and(|s| stores::is_etcd(s)) {
+                // Leases and tokens are granted by the tick, never on a request's path.
+                error!("idemgate configuration refused: store.kind \"etcd\" needs a timer (set_tick_period), which this host refused");
+                return false;
+            }
             warn!("idemgate: no timer: expired records are freed only when their bucket is reused, counters are flushed as they are counted");
             host::flush_counters_at_once();
         }
