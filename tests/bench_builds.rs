@@ -80,7 +80,7 @@ fn bench_floors_forward_every_post_whole_and_the_store_floor_makes_two_store_cal
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     let body = br#"{"amount":4200,"currency":"eur","note":"benchmark body of fixed size"}"#;
-    for mode in ["empty", "buffering", "store"] {
+    for mode in ["empty", "buffering", "store", "shared"] {
         let up = Upstream::start();
         let store = (mode == "store").then_some(webdis.port);
         let e = floor_envoy(&up, mode, store);

@@ -15,6 +15,15 @@
 //!   one Raft commit (and fsync) that no etcd-backed filter can avoid, where a Redis claim is one
 //!   script call whatever it does, so a `GET` stands for it.
 //!
+//! - `"shared"`: the buffering floor plus the local tier's shared-data traffic of a first request,
+//!   call for call (`docs/BENCHMARKS.md`, host calls by kind): at the request headers a bucket
+//!   read and CAS write (the claim), the record count's read and CAS write, the claim slot's
+//!   write; at the end of the body the bucket's read and CAS write (forwarded); at the log the
+//!   byte usage's read and CAS write, the bucket's and the slot's (completed). Values of the sizes
+//!   idemgate's are in the benchmark (`SHARED_BUCKET_BYTES`, `SHARED_SLOT_BYTES`), keys spread
+//!   over `SHARED_BUCKETS` buckets made at configure time as idemgate's are. What idemgate's
+//!   first request costs beyond this floor is its own work (hashing, fingerprinting, encoding).
+//!
 //! Nothing here decides anything: it only makes the host calls those steps need.
 
 use std::cell::RefCell;
@@ -35,6 +44,25 @@ enum Mode {
     Empty,
     Buffering,
     Store,
+    Shared,
+}
+
+/// The shared floor's table: buckets and slots of about the sizes idemgate's hold in the
+/// benchmark (a bucket with a few 112-byte entries; a slot with the record of a 70-byte JSON
+/// response and its headers).
+const SHARED_BUCKETS: u32 = 4096;
+const SHARED_BUCKET_BYTES: usize = 4 + 4 * 112;
+const SHARED_SLOT_BYTES: usize = 320;
+
+/// A read, then a CAS write of the value read (one byte changed), as every state change of
+/// idemgate's local table is.
+fn touch(key: &str) {
+    if let Ok((Some(mut v), cas)) = hostcalls::get_shared_data(key) {
+        if let Some(b) = v.first_mut() {
+            *b ^= 1;
+        }
+        let _ = hostcalls::set_shared_data(key, Some(&v), cas);
+    }
 }
 
 /// What the `store` floor calls: webdis (`GET /GET/<key>`) or etcd (`POST /v3/kv/put`).
@@ -87,6 +115,9 @@ struct Setup {
     queue_id: Option<u32>,
     /// Second callouts handed to the root (one per finished request).
     pending: RefCell<VecDeque<()>>,
+    /// `shared`: requests seen (spreads them over the buckets) and the names' prefix.
+    seen: std::cell::Cell<u32>,
+    prefix: String,
 }
 
 impl Setup {
@@ -130,7 +161,7 @@ impl RootContext for FloorRoot {
         let raw =
             hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default();
         let Ok(c) = serde_json::from_slice::<FloorConfig>(&raw) else {
-            log::error!("idemgate bench floor: configuration refused (expected {{\"idemgate_bench_floor\": \"empty\" | \"buffering\" | \"store\"}})");
+            log::error!("idemgate bench floor: configuration refused (expected {{\"idemgate_bench_floor\": \"empty\" | \"buffering\" | \"store\" | \"shared\"}})");
             return false;
         };
         let name = format!("idemgate.floor.{}.{:x}", self.id, host::now_nanos());
@@ -147,7 +178,24 @@ impl RootContext for FloorRoot {
                 ("POST", "/v3/kv/put".to_string(), Some(body))
             }
         };
+        let prefix = "idemgate.floor.shared".to_string();
+        if c.idemgate_bench_floor == Mode::Shared {
+            // Made once, where absent, as idemgate's buckets are.
+            let make = |key: String, bytes: usize| {
+                if matches!(hostcalls::get_shared_data(&key), Ok((None, _))) {
+                    let _ = hostcalls::set_shared_data(&key, Some(&vec![7u8; bytes]), None);
+                }
+            };
+            for i in 0..SHARED_BUCKETS {
+                make(format!("{prefix}.b.{i}"), SHARED_BUCKET_BYTES);
+                make(format!("{prefix}.s.{i}"), SHARED_SLOT_BYTES);
+            }
+            make(format!("{prefix}.count"), 8);
+            make(format!("{prefix}.usage"), 8);
+        }
         self.setup = Some(Rc::new(Setup {
+            seen: std::cell::Cell::new(0),
+            prefix,
             mode: c.idemgate_bench_floor,
             method,
             path,
@@ -172,7 +220,11 @@ impl RootContext for FloorRoot {
 
     fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
         let setup = self.setup.clone()?;
-        Some(Box::new(FloorHttp { setup, body_size: 0, calling: None }))
+        let n = setup.seen.get().wrapping_add(1);
+        setup.seen.set(n);
+        let bucket = format!("{}.b.{}", setup.prefix, n.wrapping_mul(2_654_435_761) % SHARED_BUCKETS);
+        let slot = format!("{}.s.{}", setup.prefix, n.wrapping_mul(2_654_435_761) % SHARED_BUCKETS);
+        Some(Box::new(FloorHttp { setup, body_size: 0, calling: None, bucket, slot }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -184,11 +236,18 @@ struct FloorHttp {
     setup: Rc<Setup>,
     body_size: usize,
     calling: Option<u32>,
+    /// `shared`: this request's bucket and slot.
+    bucket: String,
+    slot: String,
 }
 
 impl FloorHttp {
     /// The whole request is here: go on, or (store floor) wait for one callout first.
     fn request_complete(&mut self) -> Action {
+        if self.setup.mode == Mode::Shared {
+            // Marked forwarded.
+            touch(&self.bucket);
+        }
         if self.setup.mode != Mode::Store {
             return Action::Continue;
         }
@@ -216,6 +275,12 @@ impl Context for FloorHttp {
 impl HttpContext for FloorHttp {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
         let _ = host::header(MapType::HttpRequestHeaders, "idempotency-key");
+        if self.setup.mode == Mode::Shared {
+            // The claim, the record count, the claim slot.
+            touch(&self.bucket);
+            touch(&format!("{}.count", self.setup.prefix));
+            let _ = hostcalls::set_shared_data(&self.slot, Some(&[7u8; SHARED_SLOT_BYTES]), None);
+        }
         match self.setup.mode {
             Mode::Empty => Action::Continue,
             _ if end_of_stream => self.request_complete(),
@@ -253,6 +318,12 @@ impl HttpContext for FloorHttp {
     }
 
     fn on_log(&mut self) {
+        if self.setup.mode == Mode::Shared {
+            // The byte usage, the bucket and the slot of the completed record.
+            touch(&format!("{}.usage", self.setup.prefix));
+            touch(&self.bucket);
+            touch(&self.slot);
+        }
         if self.setup.mode != Mode::Store {
             return;
         }
