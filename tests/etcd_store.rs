@@ -35,9 +35,14 @@ impl Pair {
     /// Two proxies with plugin configuration `config`, `IDEMGATE_STORE_AUTH` set to `auth` in
     /// their VMs' environment, waiting for their leases if `leases`.
     fn with(etcd: &EtcdCluster, config: &str, auth: Option<&str>, leases: bool) -> Pair {
+        Pair::reaching(config, auth, leases, |o| o.etcd_ports = etcd.client_ports())
+    }
+
+    /// `with`, the store cluster set by `store`.
+    fn reaching(config: &str, auth: Option<&str>, leases: bool, store: impl FnOnce(&mut EnvoyOptions)) -> Pair {
         let up = Upstream::start();
         let mut o = EnvoyOptions::new(config, up.port);
-        o.etcd_ports = etcd.client_ports();
+        store(&mut o);
         if let Some(a) = auth {
             o.vm_env.push(("IDEMGATE_STORE_AUTH".into(), a.into()));
         }
@@ -375,17 +380,7 @@ fn etcd_tls_cluster(etcd: &EtcdCluster, pki: &tls::Pki, with_certificate: bool) 
 }
 
 fn tls_pair(cluster: String, leases: bool) -> Pair {
-    let up = Upstream::start();
-    let mut o = EnvoyOptions::new(&cfg(), up.port);
-    o.extra_clusters = vec![cluster];
-    o.vm_env.push(("IDEMGATE_STORE_AUTH".into(), etcd_auth()));
-    let a = Envoy::start(&o);
-    let b = Envoy::start(&o);
-    if leases {
-        wait_leases(&a, o.concurrency);
-        wait_leases(&b, o.concurrency);
-    }
-    Pair { up, a, b }
+    Pair::reaching(&cfg(), Some(&etcd_auth()), leases, |o| o.extra_clusters = vec![cluster])
 }
 
 #[test]
