@@ -158,7 +158,7 @@ def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd
     if etcd_ports:
         # As envoy/etcd/envoy.yaml: every member, round robin, etcd's /health checked.
         clusters.append({"name": "idemgate_store", "connect_timeout": "0.25s", "type": "STATIC", "lb_policy": "ROUND_ROBIN",
-                         "health_checks": [{"timeout": "0.5s", "interval": "0.5s", "no_traffic_interval": "0.5s", "unhealthy_threshold": 1, "healthy_threshold": 1,
+                         "health_checks": [{"timeout": "1s", "interval": "0.5s", "no_traffic_interval": "0.5s", "unhealthy_threshold": 2, "healthy_threshold": 1,
                                             "http_health_check": {"path": "/health"}}],
                          "load_assignment": {"cluster_name": "idemgate_store", "endpoints": [{"lb_endpoints": [
                              {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}} for p in etcd_ports]}]}})

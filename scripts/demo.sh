@@ -74,10 +74,11 @@ if sys.argv[2] == "etcd":
     type: STATIC
     lb_policy: ROUND_ROBIN
     health_checks:
-    - timeout: 0.5s
+    - timeout: 1s
       interval: 0.5s
       no_traffic_interval: 0.5s
-      unhealthy_threshold: 1
+      # Two failures in a row take a member out: one slow answer on a loaded machine does not.
+      unhealthy_threshold: 2
       healthy_threshold: 1
       http_health_check: {{path: /health}}
     load_assignment:

@@ -317,9 +317,12 @@ impl Drop for EtcdCluster {
     }
 }
 
+/// Envoy's log of the store cluster's health-check events, in its folder (`Envoy::file`).
+pub const STORE_HEALTH_EVENTS: &str = "store-health-events.log";
+
 /// The `idemgate_store` cluster of an Envoy in front of these client ports: HTTP/1.1, round robin,
 /// an active health check on etcd's `/health` (a member that hangs, or has no quorum, leaves the
-/// rotation within a second or two).
+/// rotation within about three seconds).
 pub fn envoy_cluster(ports: &[u16]) -> String {
     let endpoints: String = ports
         .iter()
@@ -333,15 +336,24 @@ pub fn envoy_cluster(ports: &[u16]) -> String {
   type: STATIC
   lb_policy: ROUND_ROBIN
   health_checks:
-  - timeout: 0.5s
+  - timeout: 1s
     interval: 0.5s
     # Envoy checks a cluster that has had no traffic yet only every 60 s by default: a first
     # check that fails during a slow start (the Wasm VM compiling) would leave every member
     # failed for a minute, and Envoy then spreads requests over all of them, dead ones included.
     no_traffic_interval: 0.5s
-    unhealthy_threshold: 1
+    # Two failures in a row take a member out: one slow answer on a loaded machine does not.
+    unhealthy_threshold: 2
     healthy_threshold: 1
     http_health_check: {{path: /health}}
+    # Every ejection, admission and failed check, in Envoy's folder (`Envoy::file`): a test
+    # tells the health checker's verdicts from the load balancer's choices.
+    event_logger:
+    - name: envoy.health_check.event_sink.file
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.health_check.event_sinks.file.v3.HealthCheckEventFileSink
+        event_log_path: {STORE_HEALTH_EVENTS}
+    always_log_health_check_failures: true
   load_assignment:
     cluster_name: idemgate_store
     endpoints:

@@ -510,11 +510,12 @@ impl Envoy {
 
     /// The access log's lines (`EnvoyOptions::access_log`): call `stop` first.
     pub fn access_log(&self) -> Vec<String> {
-        std::fs::read_to_string(self._scratch.0.join("access.log"))
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
+        self.file("access.log").lines().map(str::to_string).collect()
+    }
+
+    /// A file Envoy wrote in its folder ("" if there is none).
+    pub fn file(&self, name: &str) -> String {
+        std::fs::read_to_string(self._scratch.0.join(name)).unwrap_or_default()
     }
 
     /// Waits until idemgate's counters cover every request Envoy had completed when it was
