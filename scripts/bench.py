@@ -863,7 +863,11 @@ def write_docs(results):
         f"{results['first_local_shared_floor_ratio']:.3f} of that floor (by CPU {results['first_local_shared_floor_cpu_ratio']:.3f}), "
         "the rest being its own work (hashing, fingerprinting, bucket encoding, the other host calls)",
         f"- `first_store_floor_ratio` >= 0.9: {results['first_store_floor_ratio']:.3f}, {yes(results['first_store_floor_ratio'] >= 0.9)}{busy} "
-        f"(by Envoy CPU per request {results['first_store_floor_cpu_ratio']:.3f})",
+        f"(by Envoy CPU per request {results['first_store_floor_cpu_ratio']:.3f}). What bounds it, measured (\"The store path, "
+        f"explained\"): a first request with the store does the local tier's work too, so the bound above applies to it; beyond "
+        f"that, per request, Envoy spends {S['e_first_store'].get('envoy_cpu_us_per_request', 0) - S['h_floor_store'].get('envoy_cpu_us_per_request', 0):.0f} µs "
+        f"more than the store floor and Redis runs two Lua scripts ({S['e_first_store'].get('redis_cpu_us_per_request', 0):.0f} µs of "
+        f"Redis CPU against {S['h_floor_store'].get('redis_cpu_us_per_request', 0):.0f} for the floor's two `GET`s), on the same two cores",
         f"- `first_local_p50_overhead_us` <= 30: {results['first_local_p50_overhead_us']:.0f} µs, {yes(results['first_local_p50_overhead_us'] <= 30)}{busy}",
         f"- `host_calls_first_local` <= 20: {results['host_calls_first_local']:.1f}, {yes(results['host_calls_first_local'] <= 20)} (counted, "
         "the same on any machine; what bounds it: see \"Host calls per request\")",
@@ -919,11 +923,12 @@ Envoy, webdis and Redis, read from /proc around each run, median of the rounds):
   response. The store floor makes {cpu_of(HS, 'store_cluster_requests_per_request'):.2f}, one waited for and one after the response, to the
   same webdis (one thread) in front of the same Redis.
 - **Bytes sent to the store**: {results['store_bytes_first_request']:.0f} per first request (webdis paths and bodies): each call is
-  an `EVAL` carrying its whole Lua script, percent-encoded, with the sealed record; the floor's
-  two `GET`s carry {2 * len('/GET/' + FLOOR_STORE_KEY)}. (Scripts run by name, `EVALSHA`, are another branch's work.)
+  an `EVALSHA` naming its Lua script by its 40-hex digest, percent-encoded, with the sealed record
+  (a Redis without the script answers NOSCRIPT once and gets it whole: "Store bytes per first
+  request"); the floor's two `GET`s carry {2 * len('/GET/' + FLOOR_STORE_KEY)}.
 - **Host calls**: {C['first_store']['host_calls']:.0f} against {C['first_local']['host_calls']:.0f} in the local tier (see "By callback"): the callout, its
   answer's status and body, resuming the request, waking the root and its queue, the root's
-  callout and its answer, and their counters.
+  callout and its answer.
 - **CPU per request** in this run, µs:
 
 | | Envoy | webdis | Redis | webdis busy (share of one core) | etcd (3 members) |
@@ -1164,7 +1169,7 @@ stripped, so its own code is one region):
 
 {cpu}
 
-Rerun: `make bench` (about {'3' if st['quick'] else '17'} minutes here; `BENCH_QUICK=1 make bench` for the short version).
+Rerun: `make bench` (about {'3' if st['quick'] else '22'} minutes here; `BENCH_QUICK=1 make bench` for the short version).
 Raw figures: `target/bench/results.json`.
 """
     path = os.path.join(ROOT, "docs", "BENCHMARKS.md")
