@@ -49,8 +49,8 @@ impl Pair {
         let a = Envoy::start(&o);
         let b = Envoy::start(&o);
         if leases {
-            wait_leases(&a, o.concurrency);
-            wait_leases(&b, o.concurrency);
+            support::etcd::wait_leases(&a, o.concurrency);
+            support::etcd::wait_leases(&b, o.concurrency);
         }
         Pair { up, a, b }
     }
@@ -63,18 +63,6 @@ impl Drop for Pair {
             self.b.assert_no_wasm_panic();
         }
     }
-}
-
-/// Waits (at most 200 looks, 50 ms apart) until every worker's root context holds a lease: until
-/// then a request is refused (503), never claimed without expiry.
-fn wait_leases(e: &Envoy, workers: u32) {
-    for _ in 0..200 {
-        if e.log().matches("etcd lease granted").count() >= workers as usize {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("no etcd lease granted; log:\n{}", e.log());
 }
 
 fn post(e: &Envoy, key: &str, body: &str, extra: &[(&str, &str)]) -> Response {

@@ -10,6 +10,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use support::http::{self, Response};
+use support::operator::{text, OperatorCli};
 use support::store::{Redis, Webdis};
 use support::upstream::Upstream;
 use support::{free_port, Envoy, EnvoyOptions, Scratch};
@@ -54,49 +55,37 @@ impl Stack {
         http::request(envoy.port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("request")
     }
 
-    /// Runs `idemgate ARGS` against this stack's webdis.
+    /// `idemgate ARGS` against this stack's webdis, with its credential.
     fn cli(&self, args: &[&str]) -> Output {
-        cli_with(&format!("http://127.0.0.1:{}", self.webdis.port), args)
+        self.ops().run(args)
+    }
+
+    fn ops(&self) -> OperatorCli {
+        OperatorCli::webdis(&format!("http://127.0.0.1:{}", self.webdis.port), Some(AUTH))
     }
 
     /// The storage key of `key` for the caller, by `idemgate key`.
     fn storage_key(&self, key: &str) -> String {
-        let auth = format!("authorization: {CALLER}");
-        let out = self.cli(&["key", "--scope-header", &auth, "--authority", "idemgate.test", key]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        text(&out.stdout).trim().to_string()
+        self.ops().storage_key(CALLER, key)
     }
 
     fn listed(&self, state: &str) -> Vec<String> {
-        let out = self.cli(&["list", "--state", state]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect()
+        self.ops().listed(state)
     }
 
-    /// Polls `list` (at most 200 times, 100 ms apart) until `skey` is in `state`: the filter's
-    /// root context writes outcomes after the answer, retrying with backoff if the store refuses.
     fn wait_listed(&self, state: &str, skey: &str) {
-        for _ in 0..200 {
-            if self.listed(state).iter().any(|k| k == skey) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let stats: Vec<_> = ["store_writes", "store_write_retries", "store_errors", "unknown_outcome", "released"]
-            .iter()
-            .map(|n| format!("{n}={}", self.envoy.stat(&format!("idemgate.{n}"))))
-            .collect();
-        panic!(
-            "{skey} never listed as {state}; {}; inspect: {}",
-            stats.join(" "),
-            text(&self.cli(&["inspect", skey]).stdout)
-        );
+        self.ops().wait_listed(state, skey, || {
+            let names = ["store_writes", "store_write_retries", "store_errors", "unknown_outcome", "released"];
+            names
+                .iter()
+                .map(|n| format!("{n}={}", self.envoy.stat(&format!("idemgate.{n}"))))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
     }
 
     fn inspect(&self, skey: &str) -> serde_json::Value {
-        let out = self.cli(&["inspect", skey]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out.stdout)))
+        self.ops().inspect(skey)
     }
 }
 
@@ -106,21 +95,6 @@ impl Drop for Stack {
             self.envoy.assert_no_wasm_panic();
         }
     }
-}
-
-fn cli_with(webdis: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .arg("--webdis")
-        .arg(webdis)
-        .args(args)
-        .env("IDEMGATE_STORE_AUTH", AUTH)
-        .env("IDEMGATE_RECORD_KEY", support::RECORD_KEY)
-        .output()
-        .expect("run idemgate")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 /// A key whose request executed but whose answer was lost (the upstream reset after running it).
@@ -271,15 +245,7 @@ fn the_cli_computes_the_filters_storage_key_and_refuses_bad_input() {
     let other = s.cli(&["key", "--scope-header", "authorization: Bearer bob", "--authority", "x", "k-key"]);
     assert_ne!(text(&other.stdout).trim(), skey);
     assert_eq!(s.cli(&["inspect", "abc"]).status.code(), Some(2));
-    let no_auth = cli_with(&format!("http://127.0.0.1:{}", s.webdis.port), &["inspect", &skey]);
-    assert!(no_auth.status.success());
-    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .args(["--webdis", &format!("http://127.0.0.1:{}", s.webdis.port), "inspect", &skey])
-        .env_remove("IDEMGATE_STORE_AUTH")
-        .env("IDEMGATE_RECORD_KEY", support::RECORD_KEY)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    let out = OperatorCli::webdis(&format!("http://127.0.0.1:{}", s.webdis.port), None).run(&["inspect", &skey]);
     assert!(text(&out.stderr).contains("IDEMGATE_STORE_AUTH"), "{}", text(&out.stderr));
     // Records are verified with the proxies' secret: without it the CLI reads nothing.
     let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))

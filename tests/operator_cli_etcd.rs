@@ -7,12 +7,12 @@ mod support;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Command, Output};
-use std::time::Duration;
+use std::process::Output;
 
 use serde_json::json;
 use support::etcd::EtcdCluster;
 use support::http::{self, Response};
+use support::operator::{text, OperatorCli};
 use support::upstream::Upstream;
 use support::{free_port, Envoy, EnvoyOptions, Scratch};
 
@@ -50,7 +50,7 @@ impl Stack {
         let a = Envoy::start(&o);
         let b = Envoy::start(&o);
         for e in [&a, &b] {
-            wait_leases(e, o.concurrency);
+            support::etcd::wait_leases(e, o.concurrency);
         }
         let urls = etcd.client_ports().iter().map(|p| format!("http://127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
         Stack { up, a, b, auth: auth.map(str::to_string), urls }
@@ -64,38 +64,27 @@ impl Stack {
 
     /// `idemgate --etcd <every member> ARGS`, with the stack's credential.
     fn cli(&self, args: &[&str]) -> Output {
-        cli(&self.urls, self.auth.as_deref(), args)
+        self.ops().run(args)
+    }
+
+    fn ops(&self) -> OperatorCli {
+        OperatorCli::etcd(&self.urls, self.auth.as_deref())
     }
 
     fn storage_key(&self, key: &str) -> String {
-        let auth = format!("authorization: {CALLER}");
-        let out = self.cli(&["key", "--scope-header", &auth, "--authority", "idemgate.test", key]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        text(&out.stdout).trim().to_string()
+        self.ops().storage_key(CALLER, key)
     }
 
     fn listed(&self, state: &str) -> Vec<String> {
-        let out = self.cli(&["list", "--state", state]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect()
+        self.ops().listed(state)
     }
 
-    /// Polls `list` (at most 200 looks, 100 ms apart) until `skey` is in `state`: the filter's root
-    /// context writes outcomes after the answer.
     fn wait_listed(&self, state: &str, skey: &str) {
-        for _ in 0..200 {
-            if self.listed(state).iter().any(|k| k == skey) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("{skey} never listed as {state}; inspect: {}", text(&self.cli(&["inspect", skey]).stdout));
+        self.ops().wait_listed(state, skey, || format!("store_writes={}", self.a.stat("idemgate.store_writes")))
     }
 
     fn inspect(&self, skey: &str) -> serde_json::Value {
-        let out = self.cli(&["inspect", skey]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out.stdout)))
+        self.ops().inspect(skey)
     }
 
     /// A key whose request executed but whose answer was lost (the upstream reset after running
@@ -120,31 +109,6 @@ impl Drop for Stack {
             self.b.assert_no_wasm_panic();
         }
     }
-}
-
-fn cli(urls: &str, auth: Option<&str>, args: &[&str]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_idemgate"));
-    c.arg("--etcd").arg(urls).args(args).env("IDEMGATE_RECORD_KEY", support::RECORD_KEY).env_remove("IDEMGATE_WEBDIS");
-    match auth {
-        Some(a) => c.env("IDEMGATE_STORE_AUTH", a),
-        None => c.env_remove("IDEMGATE_STORE_AUTH"),
-    };
-    c.output().expect("run idemgate")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-/// Waits (at most 200 looks, 50 ms apart) until every worker's root context holds a lease.
-fn wait_leases(e: &Envoy, workers: u32) {
-    for _ in 0..200 {
-        if e.log().matches("etcd lease granted").count() >= workers as usize {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("no etcd lease granted; log:\n{}", e.log());
 }
 
 /// The etcd keys under `idemgate/v1/<skey>` (value, owner mark, tombstones), as text.
@@ -213,7 +177,7 @@ fn etcd_cli_inspects_and_lists_completed_in_flight_and_outcome_unknown_keys() {
     assert_eq!(s.up.executions(), 3, "k-done, k-unknown, k-busy: once each");
     // A member that does not answer is skipped for the next one in the list.
     let dead = format!("http://127.0.0.1:{},{}", free_port(), s.urls);
-    let out = cli(&dead, None, &["inspect", &done_key]);
+    let out = OperatorCli::etcd(&dead, None).run(&["inspect", &done_key]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     // `--limit` bounds the listing; an absent key is "absent".
     let out = s.cli(&["list", "--state", "completed", "--limit", "1"]);
@@ -351,10 +315,18 @@ fn etcd_cli_refuses_a_record_changed_between_its_read_and_its_write() {
     let completed = std::sync::Arc::new(std::sync::Mutex::new(None));
     let seen = completed.clone();
     let relay = relay_changing_the_record_before_the_write(etcd.client_ports()[0], 2, move || {
-        let out = cli(&direct, None, &["resolve", &key, "--complete", "--status", "201", "--body-file", &file]);
+        let out = OperatorCli::etcd(&direct, None).run(&[
+            "resolve",
+            &key,
+            "--complete",
+            "--status",
+            "201",
+            "--body-file",
+            &file,
+        ]);
         *seen.lock().expect("lock") = Some(out);
     });
-    let out = cli(&format!("http://127.0.0.1:{relay}"), None, &["resolve", &skey, "--release"]);
+    let out = OperatorCli::etcd(&format!("http://127.0.0.1:{relay}"), None).run(&["resolve", &skey, "--release"]);
     let other = completed.lock().expect("lock").take().expect("the other operator ran before the write");
     assert!(other.status.success(), "the other operator: {}", text(&other.stderr));
     assert_eq!(out.status.code(), Some(1), "released a record it did not read: {}", text(&out.stdout));
@@ -378,12 +350,16 @@ fn etcd_cli_with_etcd_auth_works_with_the_right_credential_and_fails_clearly_wit
     let rec = s.inspect(&skey);
     assert_eq!(rec["state"], "outcome-unknown", "{rec}");
     // A wrong password, and no credential at all: a clear message, exit 1, nothing changed.
-    let wrong = cli(&s.urls, Some(&format!("{ETCD_USER}:not-the-password")), &["resolve", &skey, "--release"]);
+    let wrong = OperatorCli::etcd(&s.urls, Some(&format!("{ETCD_USER}:not-the-password"))).run(&[
+        "resolve",
+        &skey,
+        "--release",
+    ]);
     assert_eq!(wrong.status.code(), Some(1), "{}", text(&wrong.stdout));
     let msg = text(&wrong.stderr);
     assert!(msg.contains("etcd refused IDEMGATE_STORE_AUTH") && msg.contains("invalid user ID or password"), "{msg}");
     assert!(!msg.contains("not-the-password"), "the password reached the message: {msg}");
-    let none = cli(&s.urls, None, &["inspect", &skey]);
+    let none = OperatorCli::etcd(&s.urls, None).run(&["inspect", &skey]);
     assert_eq!(none.status.code(), Some(1), "{}", text(&none.stdout));
     assert!(text(&none.stderr).contains("set IDEMGATE_STORE_AUTH"), "{}", text(&none.stderr));
     assert_eq!(etcd_keys_of(&etcd, &skey).len(), 2, "nothing changed");

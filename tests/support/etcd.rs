@@ -361,3 +361,15 @@ pub fn envoy_cluster(ports: &[u16]) -> String {
 {endpoints}"#
     )
 }
+
+/// Waits (at most 200 looks, 50 ms apart) until every worker's root context holds a lease: until
+/// then a request is refused (503), never claimed without expiry.
+pub fn wait_leases(e: &super::Envoy, workers: u32) {
+    for _ in 0..200 {
+        if e.log().matches("etcd lease granted").count() >= workers as usize {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("no etcd lease granted; log:\n{}", e.log());
+}

@@ -1,0 +1,76 @@
+//! The operator CLI (`idemgate`) run against one store, the same calls for Redis (`--webdis`) and
+//! etcd (`--etcd`): the tests of each store differ in their stack, not in how they ask the CLI.
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+/// `idemgate` with a store's flag and credential; the record key every test VM has.
+pub struct OperatorCli {
+    /// `--webdis URL` or `--etcd URL[,URL...]`.
+    store: [String; 2],
+    /// `IDEMGATE_STORE_AUTH`, unset if `None`.
+    auth: Option<String>,
+}
+
+impl OperatorCli {
+    pub fn webdis(url: &str, auth: Option<&str>) -> OperatorCli {
+        OperatorCli { store: ["--webdis".into(), url.into()], auth: auth.map(str::to_string) }
+    }
+
+    /// `urls`: every member, comma-separated.
+    pub fn etcd(urls: &str, auth: Option<&str>) -> OperatorCli {
+        OperatorCli { store: ["--etcd".into(), urls.into()], auth: auth.map(str::to_string) }
+    }
+
+    /// `idemgate <store flag> ARGS`, the other store's variable removed from its environment.
+    pub fn run(&self, args: &[&str]) -> Output {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+        c.args(&self.store).args(args).env("IDEMGATE_RECORD_KEY", super::RECORD_KEY);
+        c.env_remove("IDEMGATE_WEBDIS").env_remove("IDEMGATE_ETCD");
+        match &self.auth {
+            Some(a) => c.env("IDEMGATE_STORE_AUTH", a),
+            None => c.env_remove("IDEMGATE_STORE_AUTH"),
+        };
+        c.output().expect("run idemgate")
+    }
+
+    /// The storage key of `key` for a caller whose scope is its `authorization` header, by
+    /// `idemgate key` (authority `idemgate.test`, as the tests' requests send).
+    pub fn storage_key(&self, authorization: &str, key: &str) -> String {
+        let auth = format!("authorization: {authorization}");
+        let out = self.run(&["key", "--scope-header", &auth, "--authority", "idemgate.test", key]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout).trim().to_string()
+    }
+
+    /// The storage keys `idemgate list --state STATE` prints.
+    pub fn listed(&self, state: &str) -> Vec<String> {
+        let out = self.run(&["list", "--state", state]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect()
+    }
+
+    /// Polls `list` (at most 200 looks, 100 ms apart) until `skey` is in `state`: the filter's root
+    /// context writes outcomes after the answer, retrying with backoff if the store refuses.
+    /// `why` says more when it never is (the proxies' counters, say).
+    pub fn wait_listed(&self, state: &str, skey: &str, why: impl Fn() -> String) {
+        for _ in 0..200 {
+            if self.listed(state).iter().any(|k| k == skey) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("{skey} never listed as {state}; {}; inspect: {}", why(), text(&self.run(&["inspect", skey]).stdout));
+    }
+
+    /// `idemgate inspect SKEY`, parsed.
+    pub fn inspect(&self, skey: &str) -> serde_json::Value {
+        let out = self.run(&["inspect", skey]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out.stdout)))
+    }
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
