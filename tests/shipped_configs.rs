@@ -117,3 +117,53 @@ fn the_istio_envoyfilter_sets_the_stop_iteration_flag_and_the_reload_failure_pol
         std::fs::read_to_string(support::repo_root().join("envoy/envoy-gateway/envoypatchpolicy.yaml")).unwrap();
     assert!(patch.contains("allow_on_headers_stop_iteration"));
 }
+
+/// The lines of `key`'s block (the key's line, then every deeper one and the list items at its
+/// column) in a YAML file, from the key's column.
+fn yaml_block(text: &str, key: &str) -> Vec<String> {
+    let depth = |l: &str| l.len() - l.trim_start().len();
+    let mut lines = text.lines().skip_while(|l| l.trim() != key);
+    let first = lines.next().unwrap_or_else(|| panic!("{key} not found"));
+    let indent = depth(first);
+    std::iter::once(first)
+        .chain(lines.take_while(|l| {
+            l.trim().is_empty() || depth(l) > indent || (depth(l) == indent && l.trim_start().starts_with("- "))
+        }))
+        .map(|l| l.get(indent..).unwrap_or("").trim_end().to_string())
+        .collect()
+}
+
+#[test]
+fn the_etcd_clusters_over_tls_and_in_clear_check_members_alike() {
+    // The tests run the plain cluster of envoy/etcd/envoy.yaml (tests/support/etcd.rs); the TLS
+    // one is pasted in its place by users and must take members out the same way.
+    let root = support::repo_root();
+    let plain = std::fs::read_to_string(root.join("envoy/etcd/envoy.yaml")).unwrap();
+    let tls = std::fs::read_to_string(root.join("envoy/etcd/idemgate-store-cluster-tls.yaml")).unwrap();
+    let checks = yaml_block(&plain, "health_checks:");
+    assert!(checks.iter().any(|l| l.contains("http_health_check: {path: /health}")), "{checks:?}");
+    assert_eq!(yaml_block(&tls, "health_checks:"), checks);
+    // And the cluster the tests render is the shipped one, with its members and the event log.
+    let rendered = support::etcd::envoy_cluster(&[11, 12, 13]);
+    let rendered_checks = yaml_block(&rendered, "health_checks:");
+    let without_log: Vec<String> = rendered_checks
+        .iter()
+        .filter(|l| {
+            ![
+                "event_logger:",
+                "- name: envoy.health_check",
+                "typed_config:",
+                "\"@type\"",
+                "event_log_path:",
+                "always_log_health_check_failures:",
+            ]
+            .iter()
+            .any(|k| l.trim_start().starts_with(k))
+        })
+        .cloned()
+        .collect();
+    assert_eq!(without_log, checks, "{rendered}");
+    for p in [11, 12, 13] {
+        assert!(rendered.contains(&format!("port_value: {p}}}")), "{rendered}");
+    }
+}

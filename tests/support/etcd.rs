@@ -320,46 +320,50 @@ impl Drop for EtcdCluster {
 /// Envoy's log of the store cluster's health-check events, in its folder (`Envoy::file`).
 pub const STORE_HEALTH_EVENTS: &str = "store-health-events.log";
 
-/// The `idemgate_store` cluster of an Envoy in front of these client ports: HTTP/1.1, round robin,
-/// an active health check on etcd's `/health` (a member that hangs, or has no quorum, leaves the
-/// rotation within about three seconds).
+/// The `idemgate_store` cluster of the shipped `envoy/etcd/envoy.yaml` (HTTP/1.1, round robin, an
+/// active health check on etcd's `/health`), from column 0, its members replaced by these client
+/// ports on 127.0.0.1 and its health events logged to `STORE_HEALTH_EVENTS`: the tests run the
+/// settings users copy.
 pub fn envoy_cluster(ports: &[u16]) -> String {
-    let endpoints: String = ports
+    let text =
+        std::fs::read_to_string(super::repo_root().join("envoy/etcd/envoy.yaml")).expect("envoy/etcd/envoy.yaml");
+    let lines: Vec<&str> = text.lines().collect();
+    let start =
+        lines.iter().position(|l| l.trim() == "- name: idemgate_store").expect("the shipped idemgate_store cluster");
+    let depth = |l: &str| l.len() - l.trim_start().len();
+    let indent = depth(lines[start]);
+    let block = lines[start..]
         .iter()
-        .map(|p| {
-            format!("        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n")
-        })
-        .collect();
-    format!(
-        r#"- name: idemgate_store
-  connect_timeout: 0.25s
-  type: STATIC
-  lb_policy: ROUND_ROBIN
-  health_checks:
-  - timeout: 1s
-    interval: 0.5s
-    # Envoy checks a cluster that has had no traffic yet only every 60 s by default: a first
-    # check that fails during a slow start (the Wasm VM compiling) would leave every member
-    # failed for a minute, and Envoy then spreads requests over all of them, dead ones included.
-    no_traffic_interval: 0.5s
-    # Two failures in a row take a member out: one slow answer on a loaded machine does not.
-    unhealthy_threshold: 2
-    healthy_threshold: 1
-    http_health_check: {{path: /health}}
-    # Every ejection, admission and failed check, in Envoy's folder (`Envoy::file`): a test
-    # tells the health checker's verdicts from the load balancer's choices.
-    event_logger:
-    - name: envoy.health_check.event_sink.file
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.health_check.event_sinks.file.v3.HealthCheckEventFileSink
-        event_log_path: {STORE_HEALTH_EVENTS}
-    always_log_health_check_failures: true
-  load_assignment:
-    cluster_name: idemgate_store
-    endpoints:
-    - lb_endpoints:
-{endpoints}"#
-    )
+        .enumerate()
+        .take_while(|(i, l)| *i == 0 || l.trim().is_empty() || depth(l) > indent)
+        .map(|(_, l)| l.get(indent..).unwrap_or("").trim_end());
+    let mut out = String::new();
+    let (mut endpoints, mut checks) = (0, 0);
+    for line in block {
+        if line.trim_start().starts_with("- endpoint:") {
+            let pad = &line[..depth(line)];
+            if let Some(p) = ports.get(endpoints) {
+                out += &format!(
+                    "{pad}- endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
+                );
+            }
+            endpoints += 1;
+            continue;
+        }
+        out += line;
+        out += "\n";
+        if line.trim_start().starts_with("http_health_check:") {
+            let pad = &line[..depth(line)];
+            checks += 1;
+            out += &format!(
+                "{pad}event_logger:\n{pad}- name: envoy.health_check.event_sink.file\n{pad}  typed_config:\n\
+                 {pad}    \"@type\": type.googleapis.com/envoy.extensions.health_check.event_sinks.file.v3.HealthCheckEventFileSink\n\
+                 {pad}    event_log_path: {STORE_HEALTH_EVENTS}\n{pad}always_log_health_check_failures: true\n"
+            );
+        }
+    }
+    assert_eq!((endpoints, checks), (ports.len(), 1), "the shipped cluster's members and health check:\n{out}");
+    out
 }
 
 /// Waits (at most 200 looks, 50 ms apart) until every worker's root context holds a lease: until
