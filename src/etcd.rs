@@ -71,8 +71,8 @@ pub const LEASE_WINDOW_MS: u64 = 60_000;
 pub const LEASE_MARGIN_MS: u64 = 30_000;
 /// A failed grant is tried again after this long.
 const LEASE_RETRY_MS: u64 = 500;
-/// A grant with no answer after this long (cannot happen: the host answers every callout) is
-/// forgotten and sent again.
+/// A grant with no answer after this long is sent again (the host answers every callout within
+/// `store.timeout_ms`, which may be longer): each answer's lease is timed from its own send.
 const LEASE_GRANT_STUCK_MS: u64 = 10_000;
 
 const VALUE_MAGIC: &[u8; 4] = b"IGE1";
@@ -510,19 +510,44 @@ impl Leases {
         self.grant_sent_at_ms = Some(now_ms);
     }
 
-    /// The grant sent at `sent_at_ms` answered lease `id`.
-    pub fn granted(&mut self, id: i64, now_ms: u64) {
-        let sent = self.grant_sent_at_ms.take().unwrap_or(now_ms);
+    /// The grant sent at `sent_at_ms` answered lease `id` (now): usable a window from that send,
+    /// whichever grant's answer this is. A grant sent again after `LEASE_GRANT_STUCK_MS` can be
+    /// answered after a later one: timed from the later send, or from its arrival, its lease would
+    /// be used longer than its TTL covers (etcd started it when it granted it, after the send).
+    pub fn granted(&mut self, id: i64, sent_at_ms: u64, now_ms: u64) {
+        self.answered(sent_at_ms);
         self.granted.retain(|(_, until)| now_ms < *until);
-        self.granted.push((id, sent.saturating_add(LEASE_WINDOW_MS)));
+        self.granted.push((id, sent_at_ms.saturating_add(LEASE_WINDOW_MS)));
         if self.granted.len() > 2 {
-            self.granted.remove(0);
+            // The one usable for the shortest time goes.
+            let shortest = self.granted.iter().enumerate().min_by_key(|(_, (_, until))| *until).map(|(i, _)| i);
+            if let Some(i) = shortest {
+                self.granted.remove(i);
+            }
         }
     }
 
-    pub fn grant_failed(&mut self, now_ms: u64) {
+    /// The grant sent at `sent_at_ms` failed (now): tried again after `LEASE_RETRY_MS`, unless a
+    /// newer grant is in flight.
+    pub fn grant_failed(&mut self, sent_at_ms: u64, now_ms: u64) {
+        if self.answered(sent_at_ms) {
+            self.retry_at_ms = now_ms.saturating_add(LEASE_RETRY_MS);
+        }
+    }
+
+    /// A grant could not be sent (now): tried again after `LEASE_RETRY_MS`.
+    pub fn grant_not_sent(&mut self, now_ms: u64) {
         self.grant_sent_at_ms = None;
         self.retry_at_ms = now_ms.saturating_add(LEASE_RETRY_MS);
+    }
+
+    /// Forgets the grant in flight if it is the one sent at `sent_at_ms`; true if it was.
+    fn answered(&mut self, sent_at_ms: u64) -> bool {
+        let latest = self.grant_sent_at_ms == Some(sent_at_ms);
+        if latest {
+            self.grant_sent_at_ms = None;
+        }
+        latest
     }
 }
 
@@ -597,11 +622,21 @@ pub fn error_text(body: &[u8]) -> String {
     text.chars().filter(|c| !c.is_control()).take(200).collect()
 }
 
-/// Whether etcd refused a request's token (expired, unknown to the member, its user's password
-/// changed): the root authenticates again at once. etcd checks the token before it proposes the
-/// request, so such a request did not run (the filter still treats it as any failed answer).
-pub fn token_refused(status: Option<u16>) -> bool {
-    status == Some(401)
+/// What etcd answers (400, gRPC InvalidArgument) to a token taken before its auth store last
+/// changed (a user, role or permission added or edited anywhere in etcd): a JWT carries the
+/// revision it was issued at, so every later request is refused until a new token is taken.
+pub const AUTH_OLD_REVISION: &str = "etcdserver: revision of auth store is old";
+
+/// Whether etcd refused a request's token: 401 (expired, unknown to the member, its user's
+/// password changed) or a 400 saying the token is older than the auth store
+/// (`AUTH_OLD_REVISION`). The root authenticates again at once. etcd refuses such a request
+/// without applying it (the filter still treats it as any failed answer).
+pub fn token_refused(status: Option<u16>, body: &[u8]) -> bool {
+    match status {
+        Some(401) => true,
+        Some(400) => error_text(body) == AUTH_OLD_REVISION,
+        _ => false,
+    }
 }
 
 /// A VM's etcd token: the one in use, and when to ask for the next. Times are this proxy's clock.

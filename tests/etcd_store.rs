@@ -337,6 +337,40 @@ fn etcd_auth_a_token_etcd_refuses_is_renewed_at_once_and_nothing_executes_twice(
 }
 
 #[test]
+fn etcd_auth_a_jwt_older_than_etcds_auth_store_is_replaced_at_once_and_nothing_executes_twice() {
+    // etcd's JWTs carry the auth store's revision: a role added anywhere in etcd makes every token
+    // issued before it refused (400 "revision of auth store is old") until a new one is taken.
+    let keys = support::Scratch::new("etcd-jwt");
+    tls::openssl(&keys.0, &["genrsa", "-out", "jwt.key", "2048"]);
+    tls::openssl(&keys.0, &["rsa", "-in", "jwt.key", "-pubout", "-out", "jwt.pub"]);
+    let jwt = format!(
+        "jwt,pub-key={},priv-key={},sign-method=RS256,ttl=10m",
+        keys.0.join("jwt.pub").display(),
+        keys.0.join("jwt.key").display()
+    );
+    let mut etcd = EtcdCluster::start_with(&["--auth-token", &jwt]);
+    etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+    // Refreshed every hour: only the refusal can bring a new token within this test.
+    let config = cfg().replace(r#""timeout_ms": 1000"#, r#""timeout_ms": 1000, "token_refresh_seconds": 3600"#);
+    let p = Pair::with(&etcd, &config, Some(&etcd_auth()), true);
+    assert_eq!(post(&p.a, "k-jwt-before", r#"{"amount":1}"#, &[]).status, 201);
+    wait_writes(&p.a, 1);
+    let before = p.a.stat("idemgate.store_authentications");
+    etcd.add_role("auditors");
+    let (r, refused) = post_until_answered(&p.a, "k-jwt-after", r#"{"amount":2}"#);
+    assert_eq!(r.status, 201, "after {refused} refusals: {}", r.body_text());
+    assert!(p.a.stat("idemgate.store_token_refused") >= 1, "etcd never refused the old token");
+    assert!(p.a.stat("idemgate.store_authentications") > before);
+    wait_writes(&p.a, 2);
+    // The refused attempts forwarded nothing; the key executed once, and replays on the other
+    // proxy (whose token is as old: it takes a new one the same way).
+    assert_eq!(p.up.executions(), 2);
+    let again = replayed_on(&p.b, "k-jwt-after", r#"{"amount":2}"#);
+    assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
+    assert_eq!(p.up.executions(), 2);
+}
+
+#[test]
 fn etcd_auth_a_token_refreshed_below_etcds_ttl_never_lapses_while_idle() {
     // etcd forgets a token unused for 3 s; the proxies authenticate again every second.
     let mut etcd = EtcdCluster::start_with(&["--auth-token-ttl", "3"]);

@@ -450,22 +450,54 @@ fn leases_are_granted_ahead_and_a_put_never_goes_without_one() {
     assert!(l.wants_grant(NOW));
     l.grant_sent(NOW);
     assert!(!l.wants_grant(NOW + 1), "one grant in flight");
-    l.granted(11, NOW + 5);
+    l.granted(11, NOW, NOW + 5);
     assert_eq!(l.usable(NOW + 5), Some(11));
     assert!(!l.wants_grant(NOW + 10));
     // Half a window later the next one is granted, before the first stops being usable.
     let half = NOW + LEASE_WINDOW_MS / 2;
     assert!(l.wants_grant(half));
     l.grant_sent(half);
-    l.granted(12, half + 1);
+    l.granted(12, half, half + 1);
     assert_eq!(l.usable(half + 2), Some(12));
     // No answer for a whole window: nothing usable.
     assert_eq!(l.usable(half + LEASE_WINDOW_MS), None);
     let mut f = Leases::default();
     f.grant_sent(NOW);
-    f.grant_failed(NOW + 1);
+    f.grant_failed(NOW, NOW + 1);
     assert!(!f.wants_grant(NOW + 2));
     assert!(f.wants_grant(NOW + 1 + LEASE_RETRY_MS));
+}
+
+#[test]
+fn a_late_answer_to_a_grant_sent_again_is_timed_from_its_own_send() {
+    // Grant A sent at NOW, its member hangs after etcd granted it (A's TTL runs from about NOW);
+    // no answer after LEASE_GRANT_STUCK_MS, so grant B is sent and answered at once; then A's answer
+    // arrives, late. A must be usable only a window from NOW, when it was sent: timed from B's send
+    // (or from its arrival), a put near that window's end would outlive A's TTL, etcd would drop the
+    // record early, and a retry would claim the key and execute it again.
+    let mut l = Leases::default();
+    l.grant_sent(NOW);
+    let again = NOW + LEASE_GRANT_STUCK_MS;
+    assert!(l.wants_grant(again), "a grant with no answer is sent again");
+    l.grant_sent(again);
+    l.granted(2, again, again + 50);
+    let late = NOW + 50_000;
+    l.granted(1, NOW, late);
+    assert_eq!(l.usable(NOW + LEASE_WINDOW_MS - 1), Some(2), "B, sent later, lasts longer");
+    assert_eq!(l.usable(again + LEASE_WINDOW_MS - 1), Some(2));
+    assert_eq!(l.usable(again + LEASE_WINDOW_MS), None, "A is never used past a window from its send");
+    // The older grant's failure leaves the newer one in flight: no third grant meanwhile.
+    let mut f = Leases::default();
+    f.grant_sent(NOW);
+    f.grant_sent(again);
+    f.grant_failed(NOW, again + 1);
+    assert!(!f.wants_grant(again + 2 + LEASE_RETRY_MS), "the newer grant is still in flight");
+    f.grant_failed(again, again + 3);
+    assert!(f.wants_grant(again + 3 + LEASE_RETRY_MS));
+    let mut n = Leases::default();
+    n.grant_not_sent(NOW);
+    assert!(!n.wants_grant(NOW + 1));
+    assert!(n.wants_grant(NOW + LEASE_RETRY_MS));
 }
 
 #[test]
@@ -522,7 +554,12 @@ fn a_token_is_taken_only_from_a_whole_answer_and_only_if_it_fits_a_header() {
     }
     let long = format!(r#"{{"header":{{"revision":"1"}},"token":"{}"}}"#, "t".repeat(MAX_TOKEN_LEN + 1));
     assert!(parse_authenticate(Some(200), long.as_bytes()).is_err());
-    assert!(token_refused(Some(401)) && !token_refused(Some(403)) && !token_refused(None));
+    assert!(token_refused(Some(401), b"") && !token_refused(Some(403), b"") && !token_refused(None, b""));
+    // A token older than etcd's auth store (a role granted anywhere since): taken again at once.
+    let old_revision = br#"{"error":"etcdserver: revision of auth store is old","code":3,"message":"etcdserver: revision of auth store is old"}"#;
+    assert!(token_refused(Some(400), old_revision));
+    assert!(!token_refused(Some(400), bad_password) && !token_refused(Some(400), b"revision of auth store is old"));
+    assert!(!token_refused(Some(200), old_revision));
     assert_eq!(error_text(bad_password), "etcdserver: authentication failed, invalid user ID or password");
     assert_eq!(
         error_text(b"Client sent an HTTP request\r\nto an HTTPS server."),

@@ -266,8 +266,11 @@ impl Shared {
 }
 
 enum Call {
-    /// An etcd lease grant (`store.kind: "etcd"`).
-    Lease,
+    /// An etcd lease grant (`store.kind: "etcd"`), sent at this time (this proxy's clock): its
+    /// lease is usable a window from then, whichever grant's answer it is.
+    Lease {
+        sent_at_ms: u64,
+    },
     /// An etcd authentication (`store.kind: "etcd"` with a credential).
     Auth,
     Write(Job),
@@ -713,11 +716,11 @@ impl Root {
         match writes::dispatch(cfg, &req, &s.credentials) {
             Ok(token) => {
                 s.leases.borrow_mut().grant_sent(now);
-                self.calls.insert(token, Call::Lease);
+                self.calls.insert(token, Call::Lease { sent_at_ms: now });
             }
             Err(e) => {
                 s.metrics.inc(Counter::StoreErrors);
-                s.leases.borrow_mut().grant_failed(now);
+                s.leases.borrow_mut().grant_not_sent(now);
                 warn!("idemgate: etcd lease grant not sent: {e}");
             }
         }
@@ -779,19 +782,19 @@ impl Root {
         }
     }
 
-    fn lease_answered(&mut self, num_headers: usize, body_size: usize) {
+    fn lease_answered(&mut self, sent_at_ms: u64, num_headers: usize, body_size: usize) {
         let Some(s) = self.shared.clone() else { return };
         let (status, body) = writes::answer(body_size, num_headers);
-        stores::note_answer(&s, status);
+        stores::note_answer(&s, status, &body);
         let now = host::now_ms();
         match crate::etcd::parse_lease_grant(status, &body, s.lease_ttl_seconds) {
             Ok(id) => {
-                s.leases.borrow_mut().granted(id, now);
+                s.leases.borrow_mut().granted(id, sent_at_ms, now);
                 info!("idemgate: etcd lease granted (root {}, ttl {} s)", self.id, s.lease_ttl_seconds);
             }
             Err(e) => {
                 s.metrics.inc(Counter::StoreErrors);
-                s.leases.borrow_mut().grant_failed(now);
+                s.leases.borrow_mut().grant_failed(sent_at_ms, now);
                 warn!("idemgate: etcd lease grant failed: {e}");
             }
         }
@@ -858,7 +861,9 @@ impl Context for Root {
 impl Root {
     fn call_answered(&mut self, token: u32, num_headers: usize, body_size: usize) {
         match self.calls.remove(&token) {
-            Some(Call::Lease) => meter::background(|| self.lease_answered(num_headers, body_size)),
+            Some(Call::Lease { sent_at_ms }) => {
+                meter::background(|| self.lease_answered(sent_at_ms, num_headers, body_size))
+            }
             Some(Call::Auth) => meter::background(|| self.auth_answered(num_headers, body_size)),
             Some(Call::Write(job)) => {
                 let (status, body) = writes::answer(body_size, num_headers);

@@ -36,13 +36,13 @@ pub fn is_etcd(shared: &Shared) -> bool {
 
 /// Every etcd answer passes here: a refused token (`etcd::token_refused`) has the root
 /// authenticate again at its next tick.
-pub fn note_answer(shared: &Shared, status: Option<u16>) {
-    if shared.etcd_secret.is_none() || !etcd::token_refused(status) {
+pub fn note_answer(shared: &Shared, status: Option<u16>, body: &[u8]) {
+    if shared.etcd_secret.is_none() || !etcd::token_refused(status, body) {
         return;
     }
     shared.metrics.inc(super::host::Counter::StoreTokenRefused);
     if shared.etcd_auth.borrow_mut().refused() {
-        log::warn!("idemgate: etcd refused the token (expired, or its member forgot it): authenticating again");
+        log::warn!("idemgate: etcd refused the token (expired, its member forgot it, or etcd's auth changed since): authenticating again");
     }
 }
 
@@ -76,7 +76,7 @@ pub fn parse_claim(
     seal: &Seal,
     now_ms: u64,
 ) -> Result<(ClaimReply, Option<Fence>), StoreError> {
-    note_answer(shared, status);
+    note_answer(shared, status, body);
     if !is_etcd(shared) {
         return store::parse_claim_reply(status, body, owner, skey, seal).map(|r| (r, None));
     }
@@ -100,7 +100,7 @@ pub fn transition_request(
 
 /// The answer to a write made by the root context.
 pub fn parse_write(shared: &Shared, status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
-    note_answer(shared, status);
+    note_answer(shared, status, body);
     if !is_etcd(shared) {
         return store::parse_transition_reply(status, body);
     }
@@ -115,7 +115,7 @@ pub fn parse_take_over(
     skey: &StorageKey,
     owner: &OwnerToken,
 ) -> Result<TransitionReply, StoreError> {
-    note_answer(shared, status);
+    note_answer(shared, status, body);
     if !is_etcd(shared) {
         return store::parse_transition_reply(status, body);
     }
@@ -137,7 +137,7 @@ pub fn parse_read(
     seal: &Seal,
     now_ms: u64,
 ) -> Result<ReadReply, StoreError> {
-    note_answer(shared, status);
+    note_answer(shared, status, body);
     if !is_etcd(shared) {
         return store::parse_read_reply(status, body, skey, seal);
     }

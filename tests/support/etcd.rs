@@ -163,7 +163,7 @@ impl EtcdCluster {
                 Duration::from_secs(2),
             )
             .ok()?;
-            if r.status == 401 && self.auth_enabled {
+            if self.auth_enabled && idemgate::etcd::token_refused(Some(r.status), &r.body) {
                 *self.root_token.borrow_mut() = self.authenticate(i, "root", ROOT_PASSWORD);
                 continue;
             }
@@ -222,6 +222,13 @@ impl EtcdCluster {
         let l = self.wait_leader();
         let body = json!({"name": user, "password": password});
         assert!(self.call(l, "/v3/auth/user/changepw", &body).is_some(), "etcd refused changepw");
+    }
+
+    /// Adds a role (as root): etcd's auth store moves to a new revision, so every token issued
+    /// before is older than it.
+    pub fn add_role(&self, name: &str) {
+        let l = self.wait_leader();
+        assert!(self.call(l, "/v3/auth/role/add", &json!({"name": name})).is_some(), "etcd refused role/add");
     }
 
     fn alive(&self, i: usize) -> bool {

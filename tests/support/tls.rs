@@ -13,7 +13,8 @@ pub const STORE_NAME: &str = "webdis.idemgate.internal";
 /// Where the shipped files read their certificates and keys.
 const SHIPPED_TLS_DIR: &str = "/etc/idemgate/store-tls/";
 
-fn openssl(dir: &Path, args: &[&str]) {
+/// `openssl ARGS` in `dir`, which must succeed.
+pub fn openssl(dir: &Path, args: &[&str]) {
     let out = Command::new("openssl")
         .args(args)
         .current_dir(dir)
