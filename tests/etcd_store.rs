@@ -313,27 +313,34 @@ fn etcd_auth_a_wrong_password_is_503_and_forwards_nothing() {
     assert_eq!(p.a.stat("idemgate.store_authentications"), 0);
 }
 
-#[test]
-fn etcd_auth_a_token_etcd_refuses_is_renewed_at_once_and_nothing_executes_twice() {
-    let mut etcd = EtcdCluster::start();
-    etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
-    // Refreshed every hour: only the refusal can bring a new token within this test.
+/// Two proxies on `etcd` (auth on) whose tokens are refreshed only every hour; `invalidate` makes
+/// etcd refuse their tokens. The next key must be served once they take a new one at once (not an
+/// hour later), executed once, and replayed by the other proxy (whose token is as old).
+fn a_refused_token_is_replaced_at_once(etcd: &EtcdCluster, key: &str, invalidate: impl FnOnce()) {
     let config = cfg().replace(r#""timeout_ms": 1000"#, r#""timeout_ms": 1000, "token_refresh_seconds": 3600"#);
-    let p = Pair::with(&etcd, &config, Some(&etcd_auth()), true);
-    assert_eq!(post(&p.a, "k-before", r#"{"amount":1}"#, &[]).status, 201);
+    let p = Pair::with(etcd, &config, Some(&etcd_auth()), true);
+    assert_eq!(post(&p.a, &format!("{key}-before"), r#"{"amount":1}"#, &[]).status, 201);
+    wait_writes(&p.a, 1);
     let before = p.a.stat("idemgate.store_authentications");
-    // A password change (to the same password) makes etcd forget every token of the user.
-    etcd.change_password(ETCD_USER, ETCD_PASSWORD);
-    let (r, refused) = post_until_answered(&p.a, "k-after", r#"{"amount":2}"#);
+    invalidate();
+    let (r, refused) = post_until_answered(&p.a, key, r#"{"amount":2}"#);
     assert_eq!(r.status, 201, "after {refused} refusals: {}", r.body_text());
     assert!(p.a.stat("idemgate.store_token_refused") >= 1, "etcd never refused the old token");
     assert!(p.a.stat("idemgate.store_authentications") > before);
     wait_writes(&p.a, 2);
     // The refused attempts forwarded nothing; the key executed once, and replays on the other proxy.
     assert_eq!(p.up.executions(), 2);
-    let again = replayed_on(&p.b, "k-after", r#"{"amount":2}"#);
+    let again = replayed_on(&p.b, key, r#"{"amount":2}"#);
     assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
     assert_eq!(p.up.executions(), 2);
+}
+
+#[test]
+fn etcd_auth_a_token_etcd_refuses_is_renewed_at_once_and_nothing_executes_twice() {
+    let mut etcd = EtcdCluster::start();
+    etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+    // A password change (to the same password) makes etcd forget every token of the user (401).
+    a_refused_token_is_replaced_at_once(&etcd, "k-after", || etcd.change_password(ETCD_USER, ETCD_PASSWORD));
 }
 
 #[test]
@@ -350,24 +357,7 @@ fn etcd_auth_a_jwt_older_than_etcds_auth_store_is_replaced_at_once_and_nothing_e
     );
     let mut etcd = EtcdCluster::start_with(&["--auth-token", &jwt]);
     etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
-    // Refreshed every hour: only the refusal can bring a new token within this test.
-    let config = cfg().replace(r#""timeout_ms": 1000"#, r#""timeout_ms": 1000, "token_refresh_seconds": 3600"#);
-    let p = Pair::with(&etcd, &config, Some(&etcd_auth()), true);
-    assert_eq!(post(&p.a, "k-jwt-before", r#"{"amount":1}"#, &[]).status, 201);
-    wait_writes(&p.a, 1);
-    let before = p.a.stat("idemgate.store_authentications");
-    etcd.add_role("auditors");
-    let (r, refused) = post_until_answered(&p.a, "k-jwt-after", r#"{"amount":2}"#);
-    assert_eq!(r.status, 201, "after {refused} refusals: {}", r.body_text());
-    assert!(p.a.stat("idemgate.store_token_refused") >= 1, "etcd never refused the old token");
-    assert!(p.a.stat("idemgate.store_authentications") > before);
-    wait_writes(&p.a, 2);
-    // The refused attempts forwarded nothing; the key executed once, and replays on the other
-    // proxy (whose token is as old: it takes a new one the same way).
-    assert_eq!(p.up.executions(), 2);
-    let again = replayed_on(&p.b, "k-jwt-after", r#"{"amount":2}"#);
-    assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
-    assert_eq!(p.up.executions(), 2);
+    a_refused_token_is_replaced_at_once(&etcd, "k-jwt-after", || etcd.add_role("auditors"));
 }
 
 #[test]
