@@ -417,6 +417,12 @@ fn transition_body(
             ("value", J::b64(&owner_mark(phase, &t.expected_owner))),
         ])
     };
+    let mut compares = vec![compare];
+    if t.new_phase.is_some() && t.new_owner != t.expected_owner {
+        // A new owner's claim (a take-over): refused if that owner already released it, its answer
+        // lost (`Transition::release_lost` leaves the tombstone), as a claim transaction is.
+        compares.push(never_created(&tombstone_key(skey, &t.new_owner)));
+    }
     let new_value = match t.new_phase {
         None => None,
         Some(phase) => {
@@ -447,7 +453,7 @@ fn transition_body(
         }
         _ => vec![],
     };
-    Ok(txn(vec![compare], success, failure))
+    Ok(txn(compares, success, failure))
 }
 
 /// The lease grant request: `ttl_seconds` (`lease_ttl_seconds`), its id chosen by etcd.

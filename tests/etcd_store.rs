@@ -158,6 +158,30 @@ fn etcd_another_body_with_the_same_key_is_422_on_the_other_proxy() {
 }
 
 #[test]
+fn etcd_an_expired_key_is_claimed_anew_on_the_other_proxy_and_executes_once_more() {
+    // Past its record's expiry the value is still in etcd (its lease outlives it) and judged free:
+    // the other proxy claims it with a take-over transaction (compared on the value's owner mark
+    // and on the new owner's tombstone), forwards once, and both proxies then replay the new answer.
+    let etcd = EtcdCluster::start();
+    let config = cfg().replace(r#""scope""#, r#""ttl_seconds": 3, "lock_ttl_seconds": 1, "scope""#);
+    let p = Pair::with(&etcd, &config, None, true);
+    assert_eq!(post(&p.a, "k-expired", r#"{"amount":1}"#, &[]).status, 201);
+    wait_writes(&p.a, 1);
+    // The record's 3 s, the readers' clock tolerance, and a margin.
+    std::thread::sleep(Duration::from_millis(3000 + idemgate::etcd::CLOCK_SKEW_TOLERANCE_MS + 500));
+    assert!(!etcd.all().is_empty(), "the expired value is still in etcd, under its lease");
+    let anew = post(&p.b, "k-expired", r#"{"amount":1}"#, &[]);
+    assert_eq!((anew.status, anew.header("idempotent-replayed")), (201, None), "{}", anew.body_text());
+    assert_eq!(p.up.executions(), 2);
+    wait_writes(&p.b, 1);
+    for e in [&p.b, &p.a] {
+        let again = replayed_on(e, "k-expired", r#"{"amount":1}"#);
+        assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
+    }
+    assert_eq!(p.up.executions(), 2);
+}
+
+#[test]
 fn etcd_holds_no_raw_key_or_credential() {
     let etcd = EtcdCluster::start();
     let p = Pair::new(&etcd);

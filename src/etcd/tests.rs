@@ -331,6 +331,28 @@ fn a_lost_claim_released_before_it_lands_never_lands() {
 }
 
 #[test]
+fn a_lost_take_over_released_before_it_lands_never_lands() {
+    // A take-over (of a stale lock, or of a free record) whose answer was lost is released with
+    // its owner's tombstone; landing after that, it would hold the key for a request never
+    // forwarded (in flight, then outcome-unknown). The tombstone refuses it, as it does a claim.
+    let l = lifetimes();
+    for free in [false, true] {
+        let s = skey(1);
+        let mut e = Etcd::default();
+        claim(&mut e, &s, owner(1), NOW).unwrap();
+        let later = NOW + l.lock_ms + CLOCK_SKEW_TOLERANCE_MS;
+        let (_, fence) = claim(&mut e, &s, owner(2), later).unwrap();
+        let take = Transition::take_over(owner(1), owner(2), in_progress(owner(2), later), free, &l);
+        write(&mut e, &s, &Transition::release_lost(owner(2), &l), later, None);
+        assert_eq!(write(&mut e, &s, &take, later, fence.as_ref()), TransitionReply::Refused, "free: {free}");
+        assert_eq!(e.value(&s).unwrap().0.owner, owner(1), "free: {free}");
+        // Another owner's take-over is not refused by that tombstone.
+        let other = Transition::take_over(owner(1), owner(3), in_progress(owner(3), later), free, &l);
+        assert_eq!(write(&mut e, &s, &other, later, fence.as_ref()), TransitionReply::Changed, "free: {free}");
+    }
+}
+
+#[test]
 fn a_completion_after_a_take_over_is_refused_and_the_new_owner_keeps_the_key() {
     let s = skey(1);
     let l = lifetimes();
