@@ -245,7 +245,9 @@ fn the_cli_computes_the_filters_storage_key_and_refuses_bad_input() {
     let other = s.cli(&["key", "--scope-header", "authorization: Bearer bob", "--authority", "x", "k-key"]);
     assert_ne!(text(&other.stdout).trim(), skey);
     assert_eq!(s.cli(&["inspect", "abc"]).status.code(), Some(2));
+    assert!(s.cli(&["inspect", &skey]).status.success());
     let out = OperatorCli::webdis(&format!("http://127.0.0.1:{}", s.webdis.port), None).run(&["inspect", &skey]);
+    assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("IDEMGATE_STORE_AUTH"), "{}", text(&out.stderr));
     // Records are verified with the proxies' secret: without it the CLI reads nothing.
     let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
