@@ -118,21 +118,6 @@ fn the_istio_envoyfilter_sets_the_stop_iteration_flag_and_the_reload_failure_pol
     assert!(patch.contains("allow_on_headers_stop_iteration"));
 }
 
-/// The lines of `key`'s block (the key's line, then every deeper one and the list items at its
-/// column) in a YAML file, from the key's column.
-fn yaml_block(text: &str, key: &str) -> Vec<String> {
-    let depth = |l: &str| l.len() - l.trim_start().len();
-    let mut lines = text.lines().skip_while(|l| l.trim() != key);
-    let first = lines.next().unwrap_or_else(|| panic!("{key} not found"));
-    let indent = depth(first);
-    std::iter::once(first)
-        .chain(lines.take_while(|l| {
-            l.trim().is_empty() || depth(l) > indent || (depth(l) == indent && l.trim_start().starts_with("- "))
-        }))
-        .map(|l| l.get(indent..).unwrap_or("").trim_end().to_string())
-        .collect()
-}
-
 #[test]
 fn the_etcd_clusters_over_tls_and_in_clear_check_members_alike() {
     // The tests run the plain cluster of envoy/etcd/envoy.yaml (tests/support/etcd.rs); the TLS
@@ -140,12 +125,12 @@ fn the_etcd_clusters_over_tls_and_in_clear_check_members_alike() {
     let root = support::repo_root();
     let plain = std::fs::read_to_string(root.join("envoy/etcd/envoy.yaml")).unwrap();
     let tls = std::fs::read_to_string(root.join("envoy/etcd/idemgate-store-cluster-tls.yaml")).unwrap();
-    let checks = yaml_block(&plain, "health_checks:");
+    let checks = support::yaml_block(&plain, "health_checks:");
     assert!(checks.iter().any(|l| l.contains("http_health_check: {path: /health}")), "{checks:?}");
-    assert_eq!(yaml_block(&tls, "health_checks:"), checks);
+    assert_eq!(support::yaml_block(&tls, "health_checks:"), checks);
     // And the cluster the tests render is the shipped one, with its members and the event log.
     let rendered = support::etcd::envoy_cluster(&[11, 12, 13]);
-    let rendered_checks = yaml_block(&rendered, "health_checks:");
+    let rendered_checks = support::yaml_block(&rendered, "health_checks:");
     let without_log: Vec<String> = rendered_checks
         .iter()
         .filter(|l| {

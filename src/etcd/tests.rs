@@ -153,6 +153,15 @@ fn claim(e: &mut Etcd, s: &StorageKey, o: OwnerToken, now: u64) -> Result<(Claim
     parse_claim_reply(Some(200), &body, &o, s, &seal(), now)
 }
 
+/// Owner 1's claim of `s` at NOW, and owner 2's claim-or-read once that lock is stale by every
+/// reader's clock: that time and the value read (its fence), for a take-over or stale-to-unknown.
+fn stale_lock(e: &mut Etcd, s: &StorageKey) -> (u64, Option<Fence>) {
+    claim(e, s, owner(1), NOW).unwrap();
+    let later = NOW + lifetimes().lock_ms + CLOCK_SKEW_TOLERANCE_MS;
+    let (_, fence) = claim(e, s, owner(2), later).unwrap();
+    (later, fence)
+}
+
 fn write(e: &mut Etcd, s: &StorageKey, t: &Transition, now: u64, fence: Option<&Fence>) -> TransitionReply {
     let req = transition_request(t, s, &seal(), LEASE, now, fence).unwrap();
     parse_transition_reply(Some(200), &e.run(&req), None).unwrap()
@@ -339,9 +348,7 @@ fn a_lost_take_over_released_before_it_lands_never_lands() {
     for free in [false, true] {
         let s = skey(1);
         let mut e = Etcd::default();
-        claim(&mut e, &s, owner(1), NOW).unwrap();
-        let later = NOW + l.lock_ms + CLOCK_SKEW_TOLERANCE_MS;
-        let (_, fence) = claim(&mut e, &s, owner(2), later).unwrap();
+        let (later, fence) = stale_lock(&mut e, &s);
         let take = Transition::take_over(owner(1), owner(2), in_progress(owner(2), later), free, &l);
         write(&mut e, &s, &Transition::release_lost(owner(2), &l), later, None);
         assert_eq!(write(&mut e, &s, &take, later, fence.as_ref()), TransitionReply::Refused, "free: {free}");
@@ -357,9 +364,7 @@ fn a_completion_after_a_take_over_is_refused_and_the_new_owner_keeps_the_key() {
     let s = skey(1);
     let l = lifetimes();
     let mut e = Etcd::default();
-    claim(&mut e, &s, owner(1), NOW).unwrap();
-    let later = NOW + l.lock_ms + CLOCK_SKEW_TOLERANCE_MS;
-    let (_, fence) = claim(&mut e, &s, owner(2), later).unwrap();
+    let (later, fence) = stale_lock(&mut e, &s);
     let take = Transition::take_over(owner(1), owner(2), in_progress(owner(2), later), false, &l);
     let req = transition_request(&take, &s, &seal(), LEASE, later, fence.as_ref()).unwrap();
     let body = e.run(&req);
@@ -385,9 +390,7 @@ fn stale_to_unknown_racing_the_owners_completion_lets_exactly_one_win() {
     for completion_first in [true, false] {
         let s = skey(1);
         let mut e = Etcd::default();
-        claim(&mut e, &s, owner(1), NOW).unwrap();
-        let later = NOW + l.lock_ms + CLOCK_SKEW_TOLERANCE_MS;
-        let (_, fence) = claim(&mut e, &s, owner(2), later).unwrap();
+        let (later, fence) = stale_lock(&mut e, &s);
         let stale = Transition::stale_to_unknown(owner(1), &l);
         let complete = Transition::complete(owner(1), completed(later), &l);
         let (first, second) = if completion_first {

@@ -334,19 +334,11 @@ pub const STORE_HEALTH_EVENTS: &str = "store-health-events.log";
 pub fn envoy_cluster(ports: &[u16]) -> String {
     let text =
         std::fs::read_to_string(super::repo_root().join("envoy/etcd/envoy.yaml")).expect("envoy/etcd/envoy.yaml");
-    let lines: Vec<&str> = text.lines().collect();
-    let start =
-        lines.iter().position(|l| l.trim() == "- name: idemgate_store").expect("the shipped idemgate_store cluster");
     let depth = |l: &str| l.len() - l.trim_start().len();
-    let indent = depth(lines[start]);
-    let block = lines[start..]
-        .iter()
-        .enumerate()
-        .take_while(|(i, l)| *i == 0 || l.trim().is_empty() || depth(l) > indent)
-        .map(|(_, l)| l.get(indent..).unwrap_or("").trim_end());
     let mut out = String::new();
     let (mut endpoints, mut checks) = (0, 0);
-    for line in block {
+    for line in super::yaml_block(&text, "- name: idemgate_store") {
+        let line = line.as_str();
         if line.trim_start().starts_with("- endpoint:") {
             let pad = &line[..depth(line)];
             if let Some(p) = ports.get(endpoints) {

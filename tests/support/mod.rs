@@ -259,6 +259,25 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
     cfg + &store_cluster + &etcd_cluster + &indent(&o.extra_clusters, 2)
 }
 
+/// The block of YAML text that starts at the line reading `first` (trimmed): that line, then every
+/// blank or deeper line, and, when `first` is a key rather than a list item, the list items at its
+/// column (YAML lets a key's list start there). Lines from that column, trailing spaces cut.
+pub fn yaml_block(text: &str, first: &str) -> Vec<String> {
+    let depth = |l: &str| l.len() - l.trim_start().len();
+    let mut lines = text.lines().skip_while(|l| l.trim() != first);
+    let head = lines.next().unwrap_or_else(|| panic!("{first} not found"));
+    let indent = depth(head);
+    let keys_list = !first.starts_with("- ");
+    std::iter::once(head)
+        .chain(lines.take_while(|l| {
+            l.trim().is_empty()
+                || depth(l) > indent
+                || (keys_list && depth(l) == indent && l.trim_start().starts_with("- "))
+        }))
+        .map(|l| l.get(indent..).unwrap_or("").trim_end().to_string())
+        .collect()
+}
+
 /// YAML list items written from column 0, indented by `n` spaces.
 fn indent(items: &[String], n: usize) -> String {
     let pad = " ".repeat(n);
