@@ -1,7 +1,7 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build test test-native test-wasm test-demo test-faults test-failover test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
+.PHONY: all build test test-begin test-native test-wasm test-demo test-faults test-failover test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
 
 all: build
 
@@ -18,8 +18,14 @@ deps:
 
 ## test: lint, native unit + property tests, Envoy integration tests, core tests on wasm32 under Node.js,
 ## the demo, and the fault matrix (test-faults)
-test: lint build deps test-native test-envoy-oldest test-wasm test-demo test-faults
+test: test-begin lint build deps test-native test-envoy-oldest test-wasm test-demo test-faults
+	@if [ -s target/envoy-start-stalls.log ]; then \
+	  echo "Envoy starts that were neither ready nor gone after 60 s, killed and started again (tests/support/mod.rs):"; \
+	  cat target/envoy-start-stalls.log; fi
 	@echo "make test: all suites passed"
+
+test-begin:
+	rm -f target/envoy-start-stalls.log
 
 ## test-faults: the fault matrix, hostile input, security cases, capacity (200,000 keys on defaults), a bounded soak (IDEMGATE_SOAK_SECONDS,
 ## default 120) and bounded fuzzing (FUZZ_SECONDS per target, default 60); tables in target/faults/
