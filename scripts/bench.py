@@ -24,6 +24,9 @@ import tempfile
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import etcd_store_cluster  # noqa: E402 (beside this script)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.environ.get("BENCH_QUICK") == "1"
 RUNS = 3 if QUICK else 5
@@ -157,14 +160,8 @@ def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd
     else:
         route["route"] = {"cluster": "api", "timeout": "10s"}
     clusters = [{"name": "api", "connect_timeout": "1s", "type": "STATIC", "load_assignment": {"cluster_name": "api", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": api_port}}}}]}]}}]
-    if etcd_ports:
-        # As envoy/etcd/envoy.yaml: every member, round robin, etcd's /health checked.
-        clusters.append({"name": "idemgate_store", "connect_timeout": "0.25s", "type": "STATIC", "lb_policy": "ROUND_ROBIN",
-                         "health_checks": [{"timeout": "1s", "interval": "0.5s", "no_traffic_interval": "0.5s", "unhealthy_threshold": 2, "healthy_threshold": 1,
-                                            "http_health_check": {"path": "/health"}}],
-                         "load_assignment": {"cluster_name": "idemgate_store", "endpoints": [{"lb_endpoints": [
-                             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}} for p in etcd_ports]}]}})
-    elif store_port:
+    # With etcd, the store cluster is envoy/etcd/envoy.yaml's own (`Envoy` adds it).
+    if store_port and not etcd_ports:
         clusters.append({"name": "idemgate_store", "connect_timeout": "0.25s", "type": "STATIC", "load_assignment": {"cluster_name": "idemgate_store", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": store_port}}}}]}]}})
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
@@ -186,7 +183,12 @@ class Envoy:
         self.port, self.admin = free_port(), free_port()
         path = os.path.join(OUT, f"envoy-{tag}.json")
         json.dump(envoy_config(self.port, self.admin, **kw), open(path, "w"))
-        self.proc = start(["envoy", "-c", path, "--concurrency", "1", "--disable-hot-restart", "--log-level", "error"], os.path.join(OUT, f"envoy-{tag}.log"))
+        args = ["envoy", "-c", path, "--concurrency", "1", "--disable-hot-restart", "--log-level", "error"]
+        if kw.get("etcd_ports"):
+            # The shipped store cluster itself, its members swapped (Envoy appends the clusters of
+            # --config-yaml to those of -c).
+            args += ["--config-yaml", "static_resources:\n  clusters:\n" + etcd_store_cluster.cluster(kw["etcd_ports"])]
+        self.proc = start(args, os.path.join(OUT, f"envoy-{tag}.log"))
         wait_http(f"http://127.0.0.1:{self.admin}/ready", 60)
         if kw.get("etcd_ports"):
             self.wait_store()

@@ -49,7 +49,7 @@ urllib.request.urlopen(r, timeout=1)" "$1" "${3:-}" 2>/dev/null; do
 
 # Renders envoy/demo/envoy.yaml.tmpl: every ${NAME} from the environment. With etcd (STORE=etcd)
 # the same template, with two changes: the plugin's store (kind "etcd", as envoy/etcd/envoy.yaml)
-# and the idemgate_store cluster (the three members, round robin, etcd's /health checked).
+# and the idemgate_store cluster (envoy/etcd/envoy.yaml's, with the three members started here).
 render() {
   python3 - "$1" "$STORE" <<'PY'
 import os, re, sys
@@ -65,27 +65,11 @@ if sys.argv[2] == "etcd":
                   # by name: never part of the plugin configuration.""",
          """# etcd's user and password ("user:password", traded for a token), from Envoy's
                   # environment by name: never part of the plugin configuration.""")
-    at = text.index("  - name: idemgate_store\n")
-    endpoints = "".join(
-        f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
-        for p in os.environ["ETCD_PORTS"].split())
-    text = text[:at] + f"""  - name: idemgate_store
-    connect_timeout: 0.25s
-    type: STATIC
-    lb_policy: ROUND_ROBIN
-    health_checks:
-    - timeout: 1s
-      interval: 0.5s
-      no_traffic_interval: 0.5s
-      # Two failures in a row take a member out: one slow answer on a loaded machine does not.
-      unhealthy_threshold: 2
-      healthy_threshold: 1
-      http_health_check: {{path: /health}}
-    load_assignment:
-      cluster_name: idemgate_store
-      endpoints:
-      - lb_endpoints:
-{endpoints}"""
+    # The shipped cluster itself (envoy/etcd/envoy.yaml), the members swapped: the template's
+    # idemgate_store (webdis) is its last cluster.
+    sys.path.insert(0, "scripts")
+    from etcd_store_cluster import cluster
+    text = text[:text.index("  - name: idemgate_store\n")] + cluster(os.environ["ETCD_PORTS"].split())
 print(re.sub(r"\$\{([A-Z_]+)\}", lambda m: os.environ[m.group(1)], text), end="")
 PY
 }
