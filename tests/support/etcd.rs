@@ -365,10 +365,11 @@ pub fn envoy_cluster(ports: &[u16]) -> String {
     out
 }
 
-/// Waits (at most 200 looks, 50 ms apart) until every worker's root context holds a lease: until
+/// Waits (at most 600 looks, 50 ms apart: room for a loaded machine, where one Envoy start was
+/// seen to take 8 s to reach its Wasm VM) until every worker's root context holds a lease: until
 /// then a request is refused (503), never claimed without expiry.
 pub fn wait_leases(e: &super::Envoy, workers: u32) {
-    for _ in 0..200 {
+    for _ in 0..600 {
         if e.log().matches("etcd lease granted").count() >= workers as usize {
             return;
         }
