@@ -225,6 +225,19 @@ impl Lifetimes {
     pub fn lock_expires_at(&self, now_ms: u64) -> u64 {
         now_ms.saturating_add(self.lock_ms)
     }
+
+    /// Whether the store's answer to a claim (or take-over) sent at `sent_at_ms` still lets its
+    /// request be forwarded when it arrives at `now_ms` (both read from this proxy's clock): only
+    /// while nobody can have judged the claim's lock stale. The lock was taken no earlier than the
+    /// send, for `lock_ms` (Redis: from when the script ran, by Redis's clock; etcd: from the
+    /// send, by this clock, which readers judge taken the skew tolerance behind; the local tier:
+    /// from the local claim, made before the send), so until `lock_ms` after the send no reader
+    /// finds it stale. An answer later than that may come after another request marked the claim
+    /// outcome-unknown (or, with `stale_lock: "takeover"`, took it over and forwarded): it is not
+    /// used.
+    pub fn answer_in_time(&self, sent_at_ms: u64, now_ms: u64) -> bool {
+        now_ms.saturating_sub(sent_at_ms) < self.lock_ms
+    }
 }
 
 impl Record {
@@ -560,6 +573,19 @@ mod tests {
             State::OutcomeUnknown { reason: UnknownReason::UpstreamTimeout },
             State::OutcomeUnknown { reason: UnknownReason::DownstreamGone },
         ]
+    }
+
+    #[test]
+    fn a_claim_answer_is_used_only_while_the_claims_lock_cannot_be_stale() {
+        let l = Lifetimes { ttl_ms: 10_000, lock_ms: 1_000, unknown_ms: 5_000 };
+        let sent = 1_764_000_000_000;
+        assert!(l.answer_in_time(sent, sent));
+        assert!(l.answer_in_time(sent, sent + 999));
+        // From the lock's length after the send, a reader may have judged it stale.
+        assert!(!l.answer_in_time(sent, sent + 1_000));
+        assert!(!l.answer_in_time(sent, sent + 60_000));
+        // A clock that stepped back since the send: no time has passed.
+        assert!(l.answer_in_time(sent, sent - 5_000));
     }
 
     #[test]

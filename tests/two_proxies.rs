@@ -10,9 +10,11 @@ use support::store::{Redis, RedisCluster, Webdis};
 use support::upstream::Upstream;
 use support::{Envoy, EnvoyOptions};
 
+/// The plugin configuration most tests use: a store timeout of 2 s, so that a loaded machine's
+/// slow webdis answer is not taken for an outage (tests of the timeout itself set their own).
 fn cfg(extra: &str) -> String {
     format!(
-        r#"{{"scope": {{"headers": ["authorization"]}}, "store": {{"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500{extra}}}}}"#
+        r#"{{"scope": {{"headers": ["authorization"]}}, "store": {{"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000{extra}}}}}"#
     )
 }
 
@@ -399,7 +401,7 @@ fn a_store_slower_than_its_timeout_is_unavailable() {
     assert_eq!(problem_type(&r), "urn:idemgate:problem:store-unavailable");
     // Hung, it would hold the request until the client gives up (20 s); 10 s leaves room for a
     // loaded machine.
-    assert!(started.elapsed() < Duration::from_secs(10), "answered after the 500 ms store timeout, not hung");
+    assert!(started.elapsed() < Duration::from_secs(10), "answered after the 2 s store timeout, not hung");
     assert_eq!(p.up.executions(), 0);
     drop(silent);
 }
@@ -788,7 +790,7 @@ fn store_a_value_moved_forged_or_cut_is_never_replayed() {
     let done = |k: &str| redis.get_raw(k).is_some_and(|v| v.get(4) == Some(&b'D'));
     assert!(eventually(Duration::from_secs(20), || done(&key_a) && done(&key_b)), "completions in the store");
     // Another namespace's record of the same caller and key, on a third proxy sharing the store.
-    let other_ns = r#"{"scope": {"headers": ["authorization"]}, "namespace": "tenant-2", "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+    let other_ns = r#"{"scope": {"headers": ["authorization"]}, "namespace": "tenant-2", "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}}"#;
     let mut o = EnvoyOptions::new(other_ns, p.up.port);
     o.store_port = Some(webdis.port);
     let c = Envoy::start(&o);
@@ -888,4 +890,64 @@ fn a_store_without_a_record_secret_is_refused_at_configuration() {
             }
         }
     }
+}
+
+/// A claim whose store answer comes after its lock could be judged stale is not forwarded: by
+/// then another proxy may have found the lock stale and, with `stale_lock: "takeover"`, taken the
+/// key over and executed it. Proxy a reaches webdis through a relay that holds the store's
+/// answers: a's claim lands in Redis at once, its answer reaches a only after b has taken the
+/// stale claim over and executed the request. (Found by an adversarial review; before the fix a
+/// forwarded on that answer: the upstream executed the key twice.)
+#[test]
+fn a_claim_answered_after_its_lock_went_stale_is_not_forwarded() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let relay = support::replication::Relay::start(webdis.port);
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 10, "lock_ttl_seconds": 1, "stale_lock": "takeover", "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 20000}}"#;
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(plugin, up.port);
+    o.store_port = Some(relay.port);
+    let a = Envoy::start(&o);
+    o.store_port = Some(webdis.port);
+    let b = Envoy::start(&o);
+    relay.hold_answers();
+    let port = a.port;
+    let first = std::thread::spawn(move || {
+        let h = [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "k-late-claim")];
+        http::request(port, "POST", "/charges", &h, b"{}")
+    });
+    let rkey = redis_key_of(plugin, "k-late-claim");
+    assert!(eventually(Duration::from_secs(20), || redis.get_raw(&rkey).is_some()), "a's claim in Redis");
+    // Once the lock is stale (1 s by Redis's clock), b takes the key over and executes it.
+    let mut taken = None;
+    for _ in 0..100 {
+        let r = post(&b, "k-late-claim", "{}", &[]);
+        if r.status != 409 {
+            taken = Some(r);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let taken = taken.expect("b took the stale claim over");
+    assert_eq!(taken.status, 201, "{}", taken.body_text());
+    assert_eq!(up.executions_with_key("k-late-claim"), 1);
+    relay.release_answers();
+    let first = first.join().unwrap().expect("a's answer");
+    assert_eq!(up.executions_with_key("k-late-claim"), 1, "a forwarded on an answer that came after its lock");
+    assert_eq!((first.status, first.problem().as_str()), (503, "store-unavailable"), "{}", first.body_text());
+    assert_eq!(a.stat("idemgate.store_answers_too_late"), 1);
+    // b's execution stands: a retry through a replays it (once b's completion is in the store).
+    let mut replay = None;
+    for _ in 0..100 {
+        let r = post(&a, "k-late-claim", "{}", &[]);
+        if r.status != 409 {
+            replay = Some(r);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let replay = replay.expect("b's completion in the store");
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"), "{}", replay.body_text());
+    assert_eq!(replay.body, taken.body);
+    assert_eq!(up.executions_with_key("k-late-claim"), 1);
 }

@@ -364,6 +364,7 @@ pub enum Counter {
     StoreWriteRetries,
     StoreWriteFailures,
     StoreClaimGoneRewritten,
+    StoreAnswersTooLate,
     StoreScriptLoads,
     StoreAuthentications,
     StoreTokenRefused,
@@ -377,7 +378,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 42] = [
+    pub const ALL: [Counter; 43] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -410,6 +411,7 @@ impl Counter {
         Counter::StoreWriteRetries,
         Counter::StoreWriteFailures,
         Counter::StoreClaimGoneRewritten,
+        Counter::StoreAnswersTooLate,
         Counter::StoreScriptLoads,
         Counter::StoreAuthentications,
         Counter::StoreTokenRefused,
@@ -456,6 +458,7 @@ impl Counter {
             Counter::StoreWriteRetries => "idemgate.store_write_retries",
             Counter::StoreWriteFailures => "idemgate.store_write_failures",
             Counter::StoreClaimGoneRewritten => "idemgate.store_claim_gone_rewritten",
+            Counter::StoreAnswersTooLate => "idemgate.store_answers_too_late",
             Counter::StoreScriptLoads => "idemgate.store_script_loads",
             Counter::StoreAuthentications => "idemgate.store_authentications",
             Counter::StoreTokenRefused => "idemgate.store_token_refused",

@@ -46,8 +46,9 @@ enum Phase {
     Pass,
     /// Protected; waiting for the whole body (a local claim is held if `handle` is set).
     Waiting { handle: Option<Handle> },
-    /// A store call is in flight (claim-or-read, or a take-over); the request is paused.
-    Calling { handle: Option<Handle>, fp: Fingerprint, token: u32, takeover: bool },
+    /// A store call is in flight (claim-or-read, or a take-over), sent at `sent_at_ms` (this
+    /// proxy's clock); the request is paused.
+    Calling { handle: Option<Handle>, fp: Fingerprint, token: u32, takeover: bool, sent_at_ms: u64 },
     /// Forwarded upstream under our claim(s).
     Forwarded { handle: Option<Handle>, fp: Fingerprint, in_store: bool },
     /// Sent upstream by the root context (`forwarding: "detached"`); the root answers.
@@ -513,7 +514,7 @@ impl Http {
         self.count(Counter::StoreCallsWaited);
         match writes::dispatch(cfg, &req, &self.shared.credentials) {
             Ok(token) => {
-                self.phase = Phase::Calling { handle, fp, token, takeover };
+                self.phase = Phase::Calling { handle, fp, token, takeover, sent_at_ms: self.now() };
                 self.sent = Some(req);
                 Action::Pause
             }
@@ -536,6 +537,30 @@ impl Http {
                 self.store_answer_lost(handle, &StoreError::Garbled("NOSCRIPT to a call carrying its script".into()))
             }
         }
+    }
+
+    /// The store claimed the key for us (a claim or a take-over sent at `sent_at_ms`): forward,
+    /// unless the answer came so late that the claim's lock may already be judged stale
+    /// (`Lifetimes::answer_in_time`): another request may then have marked it outcome-unknown or
+    /// taken it over and forwarded. Then it is handled as a lost answer: released owner-checked
+    /// (a no-op if the key changed hands), never forwarded.
+    fn forward_claimed(&mut self, handle: Option<Handle>, fp: Fingerprint, sent_at_ms: u64) -> Action {
+        let Some(policy) = self.policy() else {
+            let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
+            return self.fail_closed(Broken::PolicyMissing, "forward_claimed", handle, holding);
+        };
+        let lifetimes = Lifetimes::of(policy);
+        let now = self.now();
+        if !lifetimes.answer_in_time(sent_at_ms, now) {
+            self.count(Counter::StoreAnswersTooLate);
+            let why = format!(
+                "the store's claim answer came {} ms after the claim was sent, not within its lock ({} ms)",
+                now.saturating_sub(sent_at_ms),
+                lifetimes.lock_ms
+            );
+            return self.store_answer_lost(handle, &StoreError::Garbled(why));
+        }
+        self.forward(handle, fp, true)
     }
 
     /// The claim (or take-over) was sent but its answer is lost or garbled: it may have landed
@@ -623,12 +648,13 @@ impl Http {
         })
     }
 
-    /// The store's answer to our claim-or-read or take-over.
+    /// The store's answer to our claim-or-read or take-over (sent at `sent_at_ms`).
     fn on_store_answer(
         &mut self,
         handle: Option<Handle>,
         fp: Fingerprint,
         takeover: bool,
+        sent_at_ms: u64,
         status: Option<u16>,
         body: &[u8],
     ) -> Action {
@@ -641,7 +667,7 @@ impl Http {
                 // A take-over never writes where the key is absent (`WhereAbsent::Refuse`).
                 Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten) => {
                     self.count(Counter::TakenOver);
-                    self.forward(handle, fp, true)
+                    self.forward_claimed(handle, fp, sent_at_ms)
                 }
                 Ok(TransitionReply::Refused) => {
                     self.release_local(handle);
@@ -664,7 +690,7 @@ impl Http {
         };
         let parsed = stores::parse_claim(&self.shared, status, body, &owner, &skey, &seal, self.now());
         let (now, expires_at, value) = match parsed {
-            Ok((ClaimReply::Claimed { .. }, _)) => return self.forward(handle, fp, true),
+            Ok((ClaimReply::Claimed { .. }, _)) => return self.forward_claimed(handle, fp, sent_at_ms),
             Ok((ClaimReply::Exists { now_ms, expires_at_ms, value }, fence)) => {
                 self.fence = fence;
                 (now_ms, expires_at_ms, value)
@@ -970,12 +996,12 @@ impl Exchange for Finished {
 impl Context for Http {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         self.callback(meter::Callback::CallAnswer);
-        let Phase::Calling { handle, fp, token: expected, takeover } = self.phase else { return };
+        let Phase::Calling { handle, fp, token: expected, takeover, sent_at_ms } = self.phase else { return };
         if token != expected {
             return;
         }
         let (status, body) = writes::answer(body_size, num_headers);
-        if self.on_store_answer(handle, fp, takeover, status, &body) == Action::Continue {
+        if self.on_store_answer(handle, fp, takeover, sent_at_ms, status, &body) == Action::Continue {
             let _ = host::resume_request();
         }
     }

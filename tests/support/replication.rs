@@ -130,6 +130,7 @@ pub struct Relay {
 #[derive(Default)]
 struct RelayShared {
     held: AtomicBool,
+    answers_held: AtomicBool,
     cut: AtomicBool,
     conns: Mutex<Vec<TcpStream>>,
 }
@@ -153,8 +154,8 @@ impl Relay {
                         };
                         s.conns.lock().expect("lock").extend([client_kept, target_kept]);
                         let (s1, s2) = (s.clone(), s.clone());
-                        std::thread::spawn(move || pump(client, target, &s1));
-                        std::thread::spawn(move || pump(target_in, client_out, &s2));
+                        std::thread::spawn(move || pump(client, target, &s1, false));
+                        std::thread::spawn(move || pump(target_in, client_out, &s2, true));
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
@@ -166,6 +167,17 @@ impl Relay {
     /// Stops forwarding, both ways: bytes read from now on wait in the relay.
     pub fn hold(&self) {
         self.shared.held.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops forwarding the target's answers (requests still reach it): they wait in the relay
+    /// until `release_answers`.
+    pub fn hold_answers(&self) {
+        self.shared.answers_held.store(true, Ordering::SeqCst);
+    }
+
+    /// Forwards the answers held since `hold_answers`, and those that follow.
+    pub fn release_answers(&self) {
+        self.shared.answers_held.store(false, Ordering::SeqCst);
     }
 
     /// Closes every connection and refuses new ones; held bytes are dropped.
@@ -183,8 +195,9 @@ impl Drop for Relay {
     }
 }
 
-/// Copies `from` to `to` until either closes or the relay is cut; while held, keeps what it read.
-fn pump(mut from: TcpStream, mut to: TcpStream, s: &RelayShared) {
+/// Copies `from` to `to` until either closes or the relay is cut; while held (or, for the
+/// target's side, while answers are held), keeps what it read.
+fn pump(mut from: TcpStream, mut to: TcpStream, s: &RelayShared, answers: bool) {
     let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
     let mut buf = vec![0u8; 64 * 1024];
     while !s.cut.load(Ordering::SeqCst) {
@@ -196,8 +209,10 @@ fn pump(mut from: TcpStream, mut to: TcpStream, s: &RelayShared) {
             }
             Err(_) => break,
         };
-        // Held: the bytes stay here until released (never, in these tests) or the cut drops them.
-        while s.held.load(Ordering::SeqCst) && !s.cut.load(Ordering::SeqCst) {
+        // Held: the bytes stay here until released or the cut drops them.
+        while (s.held.load(Ordering::SeqCst) || (answers && s.answers_held.load(Ordering::SeqCst)))
+            && !s.cut.load(Ordering::SeqCst)
+        {
             std::thread::sleep(Duration::from_millis(2));
         }
         if s.cut.load(Ordering::SeqCst) || to.write_all(&buf[..n]).is_err() {
