@@ -53,12 +53,15 @@ impl RequestHead {
     /// A protected request reaches the upstream at most once, so Envoy must never re-send it:
     /// removes every header with which a client asks the router for retries (Envoy honours them
     /// from internal clients) and caps the router's retries at zero, which also stops a route's
-    /// `retry_policy` and the hedging that rides on it. Returns the headers to remove from the
-    /// host's map, then to set there (`ROUTER_RETRY_CAP`).
+    /// `retry_policy` and the hedging that rides on it. Also removes the headers with which a
+    /// client sets the router's timeout (`ROUTER_TIMEOUT_HEADERS`): the route's timeout is the one
+    /// `lock_ttl_seconds` is sized to outlast; a client disabling it (`0`) or lengthening it
+    /// would let its request run past the lock, and a retry then find it stale. Returns the
+    /// headers to remove from the host's map, then to set there (`ROUTER_RETRY_CAP`).
     pub fn forbid_router_retries(&mut self) -> Vec<String> {
         let mut removed: Vec<String> = vec![];
         self.headers.retain(|(n, _)| {
-            let drop = ROUTER_RETRY_HEADERS.iter().any(|h| n.eq_ignore_ascii_case(h))
+            let drop = ROUTER_RETRY_HEADERS.iter().chain(ROUTER_TIMEOUT_HEADERS).any(|h| n.eq_ignore_ascii_case(h))
                 || n.eq_ignore_ascii_case(ROUTER_RETRY_CAP.0);
             if drop && !removed.iter().any(|r| r.eq_ignore_ascii_case(n)) {
                 removed.push(n.to_ascii_lowercase());
@@ -79,6 +82,11 @@ pub const ROUTER_RETRY_HEADERS: &[&str] = &[
     "x-envoy-retriable-header-names",
     "x-envoy-hedge-on-per-try-timeout",
 ];
+
+/// Request headers with which a client sets how long the router waits for the upstream (Envoy
+/// honours them from internal clients; the second only where the router is set to
+/// `respect_expected_rq_timeout`): removed from protected requests.
+pub const ROUTER_TIMEOUT_HEADERS: &[&str] = &["x-envoy-upstream-rq-timeout-ms", "x-envoy-expected-rq-timeout-ms"];
 
 /// Set on every protected request: the router reads it after the filters and then sends the
 /// request once, whatever the route's `retry_policy` says (verified on Envoy 1.40).
@@ -106,7 +114,7 @@ mod tests {
     }
 
     #[test]
-    fn a_protected_request_carries_no_retry_request_and_caps_the_routers_retries_at_zero() {
+    fn a_protected_request_carries_no_retry_or_timeout_request_and_caps_the_routers_retries_at_zero() {
         let mut head = RequestHead::for_test(
             "POST",
             "/pay",
@@ -117,6 +125,8 @@ mod tests {
                 ("x-envoy-retriable-status-codes", "503"),
                 ("x-envoy-hedge-on-per-try-timeout", "true"),
                 ("x-envoy-retry-on", "reset"),
+                ("X-Envoy-Upstream-Rq-Timeout-Ms", "0"),
+                ("x-envoy-expected-rq-timeout-ms", "600000"),
                 ("x-tenant", "acme"),
             ],
         );
@@ -128,7 +138,9 @@ mod tests {
                 "x-envoy-retry-grpc-on",
                 "x-envoy-max-retries",
                 "x-envoy-retriable-status-codes",
-                "x-envoy-hedge-on-per-try-timeout"
+                "x-envoy-hedge-on-per-try-timeout",
+                "x-envoy-upstream-rq-timeout-ms",
+                "x-envoy-expected-rq-timeout-ms"
             ]
         );
         let names: Vec<&str> = head.headers.iter().map(|(n, _)| n.as_str()).collect();

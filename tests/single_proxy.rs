@@ -486,6 +486,23 @@ fn a_client_asking_envoy_for_retries_cannot_make_it_re_send_a_protected_request(
 }
 
 #[test]
+fn a_client_cannot_disable_the_routes_timeout_for_a_protected_request() {
+    // Envoy honours x-envoy-upstream-rq-timeout-ms from internal clients (loopback here, as a
+    // mesh's sidecars): 0 turns the route's timeout off. lock_ttl_seconds is sized to outlast the
+    // route's timeout, so a protected request must keep it.
+    let s = Stack::with(CFG, |o| {
+        o.internal_clients = true;
+        o.route_timeout_ms = 1000;
+    });
+    let ask = [("x-up-delay-ms", "2500"), ("x-envoy-upstream-rq-timeout-ms", "0")];
+    let r = s.post("/charges", None, "{}", &ask);
+    assert_eq!(r.status, 201, "Envoy honours a client's timeout header on unprotected requests");
+    let a = s.post("/charges", Some("k-client-timeout"), "{}", &ask);
+    assert_eq!(a.status, 504, "the route's 1 s timeout held: {}", a.body_text());
+    assert_eq!(s.up.executions_with_key("k-client-timeout"), 1);
+}
+
+#[test]
 fn an_exchange_re_sent_behind_idemgates_back_is_counted_and_logged() {
     // A later filter that undoes idemgate's protection: nothing idemgate can stop, so it reports it.
     let lua = r#"          - name: envoy.filters.http.lua
