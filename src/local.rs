@@ -106,7 +106,9 @@ pub struct Entry {
     pub fingerprint: Option<Fingerprint>,
     pub phase: EntryPhase,
     pub owner: OwnerToken,
-    pub created_at_ms: u64,
+    /// When the entry entered its stage: its claim, then its completion or outcome-unknown mark
+    /// (the eviction floor counts from `finished_at_ms`).
+    pub since_ms: u64,
     pub expires_at_ms: u64,
     pub lock_expires_at_ms: u64,
     /// The status of a completed record (0 otherwise).
@@ -173,6 +175,16 @@ impl Entry {
         self.skey == *skey && !self.is_free(now_ms)
     }
 
+    /// When its record finished, the time the eviction floor counts from: its completion or
+    /// outcome-unknown mark; for a claim whose lock expired without either, the lock's expiry
+    /// (outcome-unknown from then).
+    fn finished_at_ms(&self) -> u64 {
+        match self.phase {
+            EntryPhase::Completed | EntryPhase::Unknown => self.since_ms,
+            EntryPhase::Claimed | EntryPhase::InProgress => self.lock_expires_at_ms.max(self.since_ms),
+        }
+    }
+
     /// Whether eviction may drop it (`Event::Evict`): never a live claim (that would allow a
     /// second execution of a request still running).
     fn evictable(&self, now_ms: u64) -> bool {
@@ -215,7 +227,7 @@ impl Bucket {
                 }
             }
             out.extend_from_slice(&e.owner.0);
-            out.extend_from_slice(&e.created_at_ms.to_le_bytes());
+            out.extend_from_slice(&e.since_ms.to_le_bytes());
             out.extend_from_slice(&e.expires_at_ms.to_le_bytes());
             out.extend_from_slice(&e.lock_expires_at_ms.to_le_bytes());
             out.extend_from_slice(&e.status.to_le_bytes());
@@ -261,7 +273,7 @@ impl Bucket {
                 fingerprint,
                 phase,
                 owner: OwnerToken(owner),
-                created_at_ms: u64_at(81)?,
+                since_ms: u64_at(81)?,
                 expires_at_ms: u64_at(89)?,
                 lock_expires_at_ms: u64_at(97)?,
                 status: u16::from_le_bytes(arr(105, 107)?.try_into().ok()?),
@@ -552,7 +564,7 @@ impl Table {
                 fingerprint: fp,
                 phase: EntryPhase::of(stage).unwrap_or(EntryPhase::Claimed),
                 owner,
-                created_at_ms: now_ms,
+                since_ms: now_ms,
                 expires_at_ms: lifetimes.expires_at(stage, now_ms),
                 lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
                 status: 0,
@@ -589,6 +601,7 @@ impl Table {
                         return Err(LocalError::Corrupt);
                     };
                     e.phase = phase;
+                    e.since_ms = now_ms;
                     e.expires_at_ms = lifetimes.expires_at(Stage::Unknown, now_ms);
                     let e = e.clone();
                     if !self.write_bucket(sd, i, &bucket, cas)? {
@@ -699,7 +712,7 @@ impl Table {
             .iter()
             .enumerate()
             .filter_map(|(j, p)| {
-                p.as_ref().filter(|e| e.evictable(now_ms)).map(|e| (j, now_ms.saturating_sub(e.created_at_ms)))
+                p.as_ref().filter(|e| e.evictable(now_ms)).map(|e| (j, now_ms.saturating_sub(e.finished_at_ms())))
             })
             .filter(|(_, age)| *age >= self.floor_ms)
             .max_by_key(|(_, age)| *age)
@@ -753,7 +766,7 @@ impl Table {
         };
         let record = Record {
             fingerprint: e.fingerprint.unwrap_or(Fingerprint([0; 32])),
-            created_at_ms: e.created_at_ms,
+            created_at_ms: e.since_ms,
             expires_at_ms: e.expires_at_ms,
             creator: creator.clone(),
             state,
@@ -897,6 +910,7 @@ impl Table {
         let updated = self.transition_from(sd, h, Some((bucket, cas)), Event::Complete, now_ms, |slot, to| {
             if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
                 e.phase = phase;
+                e.since_ms = now_ms;
                 e.fingerprint = Some(fp);
                 e.expires_at_ms = expires_at_ms;
                 e.status = status;
@@ -943,6 +957,7 @@ impl Table {
         let done = self.transition(sd, h, Event::MarkUnknown, now_ms, |slot, to| {
             if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
                 e.phase = phase;
+                e.since_ms = now_ms;
                 e.expires_at_ms = Lifetimes::of(policy).expires_at(to, now_ms);
             }
         })?;

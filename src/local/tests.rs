@@ -130,7 +130,7 @@ fn bucket_round_trips_and_refuses_garbage() {
         fingerprint: Some(fp(2)),
         phase: EntryPhase::Completed,
         owner: owner(9),
-        created_at_ms: 1,
+        since_ms: 1,
         expires_at_ms: 2,
         lock_expires_at_ms: 3,
         status: 201,
@@ -762,4 +762,29 @@ fn shared_data_names_are_built_without_allocating_and_spell_as_before() {
         assert_eq!(&*name, want.as_str());
         assert!(matches!(name, Name::Stack(..)), "{want} went to the heap");
     }
+}
+
+/// The floor protects a record for `min_protection_seconds` from when it finished, not from its
+/// claim: a request whose upstream ran 9 s is still protected 10 s after its completion. (Found
+/// by an adversarial review: the age was counted from the claim, so it was evicted 1.1 s after
+/// it completed.)
+#[test]
+fn the_eviction_floor_counts_from_the_completion_not_the_claim() {
+    let t = floor_table(16, WhenFull::EvictOldest, 10);
+    let mut m = fresh(&t);
+    let keys: Vec<_> = (0..16).map(skey).collect();
+    let handles: Vec<_> = keys.iter().map(|k| handle(&claim(&t, &mut m, *k, Some(fp(1)), 1, NOW))).collect();
+    for h in &handles[..8] {
+        complete(&t, &mut m, h, fp(1), response("r"), false, &creator("c"), NOW + 9_000, &policy()).unwrap();
+    }
+    for h in &handles[8..] {
+        assert!(t.mark_unknown(&mut m, h, UnknownReason::Other, NOW + 9_000, &policy()).unwrap());
+    }
+    // 10.1 s after the claims, 1.1 s after the records finished: all under the floor.
+    assert_eq!(claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 10_100), Begin::Full);
+    assert_eq!(keys.iter().filter(|k| t.peek(&mut m, k, NOW + 10_100).unwrap().is_some()).count(), 16);
+    // 10 s after they finished: one gives its place.
+    let b = claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 19_000);
+    assert!(matches!(b, Begin::Claimed { evicted: true, .. }), "{b:?}");
+    assert_eq!(t.last_evicted_age_ms(&mut m), 10_000);
 }
