@@ -116,6 +116,23 @@ pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool, mismatc
     }
 }
 
+/// `answer` for the store's look, `local_in_flight` telling whether this proxy's local tier holds
+/// the key in flight at the same moment (asked only when it matters). A store that shows nothing
+/// while another request here holds the key locally (claimed at headers, its body still coming,
+/// or its store claim not yet landed) is no release: telling the waiter to retry at once would
+/// only send it into that claim again. It keeps waiting.
+pub fn answer_from_store(
+    seen: Seen,
+    local_in_flight: impl FnOnce() -> bool,
+    fp: &Fingerprint,
+    mismatch_status: u16,
+) -> WaitAnswer {
+    if matches!(seen, Seen::Absent) && local_in_flight() {
+        return WaitAnswer::KeepWaiting;
+    }
+    answer(seen, Tier::Store, fp, true, mismatch_status)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,6 +159,20 @@ mod tests {
         assert_eq!(answer(Seen::Absent, Tier::Local, &FP, false, 422), WaitAnswer::RetryNow);
         // With a store, a local miss says nothing: another proxy may hold the claim.
         assert_eq!(answer(Seen::Absent, Tier::Local, &FP, true, 422), WaitAnswer::KeepWaiting);
+    }
+
+    /// Found by an adversarial review: a waiter whose key another request on this proxy held
+    /// locally, not yet in the store, was told "released, retry now" at its first store poll.
+    #[test]
+    fn a_store_miss_is_no_release_while_the_local_tier_holds_the_key_in_flight() {
+        assert_eq!(answer_from_store(Seen::Absent, || true, &FP, 422), WaitAnswer::KeepWaiting);
+        assert_eq!(answer_from_store(Seen::Absent, || false, &FP, 422), WaitAnswer::RetryNow);
+        // Anything else the store shows is its answer, whatever the local tier holds.
+        assert_eq!(
+            answer_from_store(Seen::Unknown { fingerprint: Some(FP) }, || true, &FP, 422),
+            WaitAnswer::Problem(ProblemKind::OutcomeUnknown)
+        );
+        assert_eq!(answer_from_store(Seen::InFlight, || false, &FP, 422), WaitAnswer::KeepWaiting);
     }
 
     #[test]

@@ -951,3 +951,32 @@ fn a_claim_answered_after_its_lock_went_stale_is_not_forwarded() {
     assert_eq!(replay.body, taken.body);
     assert_eq!(up.executions_with_key("k-late-claim"), 1);
 }
+
+/// Wait mode with a store: a retry that meets a first attempt on the same proxy whose store claim
+/// has not landed yet (Redis paused for writes: the claim script waits, reads go on) keeps waiting
+/// while the store shows nothing, and gets the replay once the first attempt completes. (Found by
+/// an adversarial review: the waiter's first store poll saw the key absent and answered 409
+/// "released, retry now" while the first attempt was still in flight here.)
+#[test]
+fn wait_mode_keeps_waiting_while_a_first_attempt_here_has_not_reached_the_store() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(
+        webdis.port,
+        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 8000, "store": {"cluster": "idemgate_store", "timeout_ms": 6000}}"#,
+    );
+    // Write commands (the claim script among them) wait 2.5 s; GET, the waiter's poll, does not.
+    redis.command(&[b"CLIENT", b"PAUSE", b"2500", b"WRITE"]);
+    let first = in_background(p.a.port, "k-paused", &[]);
+    assert!(
+        eventually(Duration::from_secs(20), || p.a.stat("idemgate.store_calls_waited") == 1),
+        "the first attempt's store claim is sent"
+    );
+    let retry = in_background(p.a.port, "k-paused", &[]);
+    let (first, retry) = (first.join().unwrap(), retry.join().unwrap());
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    assert_eq!(retry.status, 201, "{} retry-after {:?}", retry.body_text(), retry.header("retry-after"));
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(p.up.executions_with_key("k-paused"), 1);
+    assert_eq!(p.a.stat("idemgate.waited"), 1, "the retry waited");
+}

@@ -802,7 +802,6 @@ impl Root {
 
     fn poll_answered(&mut self, context_id: u32, num_headers: usize, body_size: usize) {
         let (status, body) = writes::answer(body_size, num_headers);
-        let Some(has_store) = self.shared.as_ref().map(|s| s.config.store.is_some()) else { return };
         let (w, answer) = {
             let mut ws = self.queues.waiters.borrow_mut();
             let Some(pos) = ws.iter().position(|w| w.context_id == context_id) else { return };
@@ -822,7 +821,13 @@ impl Root {
                 // An unreadable answer: ask again at the next poll.
                 Err(_) => return,
             };
-            match wait::answer(seen, Tier::Store, &w.fp, has_store, w.mismatch_status) {
+            let local_in_flight = || {
+                matches!(
+                    s.table.peek(&mut HostShared, &w.skey, host::now_ms()).map(Seen::from_local),
+                    Ok(Seen::InFlight)
+                )
+            };
+            match wait::answer_from_store(seen, local_in_flight, &w.fp, w.mismatch_status) {
                 WaitAnswer::KeepWaiting => return,
                 answer => (ws.remove(pos), answer),
             }
