@@ -361,6 +361,7 @@ impl Config {
         if config.store.as_ref().is_some_and(|s| s.kind == StoreKind::Etcd) {
             check_etcd_clocks(&config)?;
         }
+        check_detached_with_store(&config)?;
         // Without held headers, Envoy's router has already started the upstream request when the
         // claim is made: a detached callout would be a second one.
         if !hold_headers && config.policies().any(|p| matches!(p.forwarding, Forwarding::Detached { .. })) {
@@ -723,6 +724,31 @@ fn check_etcd_clocks(c: &Config) -> Result<(), ConfigError> {
                 format!(
                     "{} does not exceed lock_ttl_seconds ({}) by at least {margin} s: with store.kind \"etcd\" locks are judged by the proxies' clocks with a {skew_s} s skew tolerance, and a record must outlive its lock by that too; raise ttl_seconds or lower lock_ttl_seconds",
                     p.ttl_seconds, p.lock_ttl_seconds
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// With a store, a detached request is forwarded once the store answers its claim, which may take
+/// up to `store.timeout_ms`, and then runs for up to `upstream.timeout_ms`: both within the lock,
+/// or a retry could find the lock stale while the request still runs (an answer later than that
+/// is never used: `Lifetimes::answer_in_time`).
+fn check_detached_with_store(c: &Config) -> Result<(), ConfigError> {
+    let Some(store_ms) = c.store.as_ref().map(|s| s.timeout_ms) else { return Ok(()) };
+    let prefixes: Vec<String> = match c.routes.is_empty() {
+        true => vec![String::new()],
+        false => (0..c.routes.len()).map(|i| format!("routes[{i}]")).collect(),
+    };
+    for (p, prefix) in c.policies().zip(prefixes) {
+        let Forwarding::Detached { timeout_ms, .. } = p.forwarding else { continue };
+        if timeout_ms.saturating_add(store_ms) >= p.lock_ttl_seconds.saturating_mul(1000) {
+            return Err(err(
+                &join(&prefix, "upstream.timeout_ms"),
+                format!(
+                    "{timeout_ms} ms plus store.timeout_ms ({store_ms} ms) is not below lock_ttl_seconds ({} s): a claim the store answers at its timeout, then an upstream running to its own, would outlive the lock, and a retry could execute again; lower either or raise lock_ttl_seconds",
+                    p.lock_ttl_seconds
                 ),
             ));
         }
@@ -1247,6 +1273,12 @@ mod tests {
         let route = r#"{"scope": {"headers": ["a"]}, "forwarding": "detached", "upstream": {"cluster": "api", "timeout_ms": 3000},
                         "routes": [{"prefix": "/fast"}, {"prefix": "/", "lock_ttl_seconds": 3}]}"#;
         assert_eq!(refused(route).field, "routes[1].upstream.timeout_ms");
+        // With a store, the claim's answer (up to store.timeout_ms) comes first: both within the lock.
+        let store = |ms: u64| format!(r#", "lock_ttl_seconds": 5, "store": {{"cluster": "s", "timeout_ms": {ms}}}}}"#);
+        let e = refused(&(detached(r#", "timeout_ms": 4000"#) + &store(1000)));
+        assert_eq!(e.field, "upstream.timeout_ms");
+        assert!(e.reason.contains("4000 ms plus store.timeout_ms (1000 ms)"), "{e}");
+        assert!(parse(&(detached(r#", "timeout_ms": 4000"#) + &store(999))).is_ok());
         // Router forwarding: the route's timeout is Envoy's, documented for the operator to keep below the lock.
         assert!(parse(r#"{"scope": {"headers": ["a"]}, "ttl_seconds": 3, "lock_ttl_seconds": 2}"#).is_ok());
     }

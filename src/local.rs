@@ -107,7 +107,7 @@ pub struct Entry {
     pub phase: EntryPhase,
     pub owner: OwnerToken,
     /// When the entry entered its stage: its claim, then its completion or outcome-unknown mark
-    /// (the eviction floor counts from `finished_at_ms`).
+    /// (the eviction floor counts from it: only finished records are ever evicted).
     pub since_ms: u64,
     pub expires_at_ms: u64,
     pub lock_expires_at_ms: u64,
@@ -173,16 +173,6 @@ impl Entry {
     /// Whether this entry holds `skey` at `now_ms` (a position holds a key until it is free).
     fn holds(&self, skey: &StorageKey, now_ms: u64) -> bool {
         self.skey == *skey && !self.is_free(now_ms)
-    }
-
-    /// When its record finished, the time the eviction floor counts from: its completion or
-    /// outcome-unknown mark; for a claim whose lock expired without either, the lock's expiry
-    /// (outcome-unknown from then).
-    fn finished_at_ms(&self) -> u64 {
-        match self.phase {
-            EntryPhase::Completed | EntryPhase::Unknown => self.since_ms,
-            EntryPhase::Claimed | EntryPhase::InProgress => self.lock_expires_at_ms.max(self.since_ms),
-        }
     }
 
     /// Whether eviction may drop it (`Event::Evict`): never a live claim (that would allow a
@@ -712,7 +702,7 @@ impl Table {
             .iter()
             .enumerate()
             .filter_map(|(j, p)| {
-                p.as_ref().filter(|e| e.evictable(now_ms)).map(|e| (j, now_ms.saturating_sub(e.finished_at_ms())))
+                p.as_ref().filter(|e| e.evictable(now_ms)).map(|e| (j, now_ms.saturating_sub(e.since_ms)))
             })
             .filter(|(_, age)| *age >= self.floor_ms)
             .max_by_key(|(_, age)| *age)

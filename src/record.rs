@@ -227,16 +227,17 @@ impl Lifetimes {
     }
 
     /// Whether the store's answer to a claim (or take-over) sent at `sent_at_ms` still lets its
-    /// request be forwarded when it arrives at `now_ms` (both read from this proxy's clock): only
-    /// while nobody can have judged the claim's lock stale. The lock was taken no earlier than the
-    /// send, for `lock_ms` (Redis: from when the script ran, by Redis's clock; etcd: from the
-    /// send, by this clock, which readers judge taken the skew tolerance behind; the local tier:
-    /// from the local claim, made before the send), so until `lock_ms` after the send no reader
-    /// finds it stale. An answer later than that may come after another request marked the claim
-    /// outcome-unknown (or, with `stale_lock: "takeover"`, took it over and forwarded): it is not
-    /// used.
-    pub fn answer_in_time(&self, sent_at_ms: u64, now_ms: u64) -> bool {
-        now_ms.saturating_sub(sent_at_ms) < self.lock_ms
+    /// request be forwarded when it arrives at `now_ms` (both read from this proxy's clock), the
+    /// request then running for up to `run_ms` (the upstream timeout where idemgate knows it:
+    /// detached forwarding; 0 otherwise): only if nobody can judge the claim's lock stale before
+    /// that. The lock was taken no earlier than the send, for `lock_ms` (Redis: from when the
+    /// script ran, by Redis's clock; etcd: from the send, by this clock, which readers judge taken
+    /// the skew tolerance behind; the local tier: from the local claim, made before the send), so
+    /// until `lock_ms` after the send no reader finds it stale. An answer later than that may come
+    /// after another request marked the claim outcome-unknown (or, with `stale_lock: "takeover"`,
+    /// took it over and forwarded): it is not used.
+    pub fn answer_in_time(&self, sent_at_ms: u64, now_ms: u64, run_ms: u64) -> bool {
+        now_ms.saturating_sub(sent_at_ms).saturating_add(run_ms) < self.lock_ms
     }
 }
 
@@ -579,13 +580,16 @@ mod tests {
     fn a_claim_answer_is_used_only_while_the_claims_lock_cannot_be_stale() {
         let l = Lifetimes { ttl_ms: 10_000, lock_ms: 1_000, unknown_ms: 5_000 };
         let sent = 1_764_000_000_000;
-        assert!(l.answer_in_time(sent, sent));
-        assert!(l.answer_in_time(sent, sent + 999));
+        assert!(l.answer_in_time(sent, sent, 0));
+        assert!(l.answer_in_time(sent, sent + 999, 0));
         // From the lock's length after the send, a reader may have judged it stale.
-        assert!(!l.answer_in_time(sent, sent + 1_000));
-        assert!(!l.answer_in_time(sent, sent + 60_000));
+        assert!(!l.answer_in_time(sent, sent + 1_000, 0));
+        assert!(!l.answer_in_time(sent, sent + 60_000, 0));
         // A clock that stepped back since the send: no time has passed.
-        assert!(l.answer_in_time(sent, sent - 5_000));
+        assert!(l.answer_in_time(sent, sent - 5_000, 0));
+        // A request that may then run 600 ms (a detached upstream timeout) must end within it.
+        assert!(l.answer_in_time(sent, sent + 399, 600));
+        assert!(!l.answer_in_time(sent, sent + 400, 600));
     }
 
     #[test]

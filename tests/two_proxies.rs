@@ -900,10 +900,25 @@ fn a_store_without_a_record_secret_is_refused_at_configuration() {
 /// forwarded on that answer: the upstream executed the key twice.)
 #[test]
 fn a_claim_answered_after_its_lock_went_stale_is_not_forwarded() {
+    late_claim_answer("reject");
+}
+
+/// The same with `on_unavailable: "pass"`: the store answered, so this is no outage, and the
+/// request is not forwarded unprotected either. (Found by a review of the fix above, which first
+/// treated the late answer as a store failure: under "pass" it forwarded, 2 executions.)
+#[test]
+fn a_claim_answered_after_its_lock_went_stale_is_not_forwarded_even_in_pass_mode() {
+    late_claim_answer("pass");
+}
+
+fn late_claim_answer(on_unavailable: &str) {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     let relay = support::replication::Relay::start(webdis.port);
-    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 10, "lock_ttl_seconds": 1, "stale_lock": "takeover", "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 20000}}"#;
+    let plugin = format!(
+        r#"{{"scope": {{"headers": ["authorization"]}}, "ttl_seconds": 10, "lock_ttl_seconds": 1, "stale_lock": "takeover", "store": {{"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 20000, "on_unavailable": "{on_unavailable}"}}}}"#
+    );
+    let plugin = plugin.as_str();
     let up = Upstream::start();
     let mut o = EnvoyOptions::new(plugin, up.port);
     o.store_port = Some(relay.port);
@@ -963,10 +978,12 @@ fn wait_mode_keeps_waiting_while_a_first_attempt_here_has_not_reached_the_store(
     let webdis = Webdis::start(redis.port);
     let p = Pair::new(
         webdis.port,
-        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 8000, "store": {"cluster": "idemgate_store", "timeout_ms": 6000}}"#,
+        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 20000, "store": {"cluster": "idemgate_store", "timeout_ms": 15000}}"#,
     );
-    // Write commands (the claim script among them) wait 2.5 s; GET, the waiter's poll, does not.
-    redis.command(&[b"CLIENT", b"PAUSE", b"2500", b"WRITE"]);
+    // Write commands (the claim script among them) wait 6 s; GET, the waiter's poll, does not.
+    // The retry must start waiting within those 6 s (or it meets the completed key: the test
+    // would pass without the case it is for), which `waited` checks below.
+    redis.command(&[b"CLIENT", b"PAUSE", b"6000", b"WRITE"]);
     let first = in_background(p.a.port, "k-paused", &[]);
     assert!(
         eventually(Duration::from_secs(20), || p.a.stat("idemgate.store_calls_waited") == 1),

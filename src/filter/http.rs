@@ -550,15 +550,22 @@ impl Http {
             return self.fail_closed(Broken::PolicyMissing, "forward_claimed", handle, holding);
         };
         let lifetimes = Lifetimes::of(policy);
+        let run_ms = match policy.forwarding {
+            Forwarding::Detached { timeout_ms, .. } => timeout_ms,
+            Forwarding::Router => 0,
+        };
         let now = self.now();
-        if !lifetimes.answer_in_time(sent_at_ms, now) {
+        if !lifetimes.answer_in_time(sent_at_ms, now, run_ms) {
             self.count(Counter::StoreAnswersTooLate);
             let why = format!(
-                "the store's claim answer came {} ms after the claim was sent, not within its lock ({} ms)",
+                "the store's claim answer came {} ms after the claim was sent, too late for its lock ({} ms; the upstream may run {run_ms} ms more)",
                 now.saturating_sub(sent_at_ms),
                 lifetimes.lock_ms
             );
-            return self.store_answer_lost(handle, &StoreError::Garbled(why));
+            // The store answered: this is no outage, so never forwarded unprotected either, even
+            // with on_unavailable "pass" (another request may hold the key by now).
+            self.release_lost_claim();
+            return self.store_failed_as(handle, &StoreError::Garbled(why), OnUnavailable::Reject);
         }
         self.forward(handle, fp, true)
     }
@@ -574,12 +581,21 @@ impl Http {
 
     /// The store could not answer: 503 (reject) or forward unprotected (pass).
     fn store_failed(&mut self, handle: Option<Handle>, e: &StoreError) -> Action {
+        let Some(on_unavailable) = self.shared.config.store.as_ref().map(|c| c.on_unavailable) else {
+            self.release_local(handle);
+            return self.fail_closed(Broken::StoreMissing, "store_failed", None, Holding::Nothing);
+        };
+        self.store_failed_as(handle, e, on_unavailable)
+    }
+
+    /// `store_failed`, with `on_unavailable` given.
+    fn store_failed_as(&mut self, handle: Option<Handle>, e: &StoreError, on_unavailable: OnUnavailable) -> Action {
         self.count(Counter::StoreErrors);
         self.release_local(handle);
-        let (Some(policy), Some(cfg)) = (self.policy(), self.shared.config.store.as_ref()) else {
+        let Some(policy) = self.policy() else {
             return self.fail_closed(Broken::PolicyMissing, "store_failed", None, Holding::Nothing);
         };
-        match decide(Lookup::StoreError, None, 0, policy, cfg.on_unavailable) {
+        match decide(Lookup::StoreError, None, 0, policy, on_unavailable) {
             Decision::PassUnprotected => {
                 self.count(Counter::StorePassed);
                 warn!("{}", self.log_line("store_unavailable_passed", &format!("error={e}")));
