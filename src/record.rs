@@ -241,6 +241,16 @@ impl Lifetimes {
     }
 }
 
+/// The timeout of a detached upstream call sent at `now_ms` under a lock that may be judged stale
+/// from `lock_deadline_ms` (both this proxy's clock): the upstream's `timeout_ms`, cut so that the
+/// call ends by then (a call still running past the lock would let a retry execute beside it);
+/// 0 when the lock is already spent: the call must not be sent.
+pub fn callout_timeout_within_lock(timeout_ms: u64, lock_deadline_ms: u64, now_ms: u64) -> u64 {
+    timeout_ms.min(lock_deadline_ms.saturating_sub(now_ms))
+}
+
+impl Lifetimes {}
+
 impl Record {
     /// The completed record of an upstream response: kept whole, or (`too_large`: over
     /// `max_response_body_bytes`) with only its status and `location`.
@@ -590,6 +600,11 @@ mod tests {
         // A request that may then run 600 ms (a detached upstream timeout) must end within it.
         assert!(l.answer_in_time(sent, sent + 399, 600));
         assert!(!l.answer_in_time(sent, sent + 400, 600));
+        // A detached call sent late in its lock ends with it; none is sent once it is spent.
+        assert_eq!(callout_timeout_within_lock(600, sent + 1_000, sent + 100), 600);
+        assert_eq!(callout_timeout_within_lock(600, sent + 1_000, sent + 700), 300);
+        assert_eq!(callout_timeout_within_lock(600, sent + 1_000, sent + 1_000), 0);
+        assert_eq!(callout_timeout_within_lock(600, sent + 1_000, sent + 5_000), 0);
     }
 
     #[test]

@@ -483,7 +483,7 @@ impl Http {
         };
         if self.shared.config.store.is_none() {
             return match handle {
-                Some(h) => self.forward(Some(h), fp, false),
+                Some(h) => self.forward(Some(h), fp, false, self.now()),
                 // Without a store, the local tier always holds the claim it forwards under.
                 None => self.fail_closed(Broken::ImpossibleDecision, "proceed_without_claim", None, Holding::Nothing),
             };
@@ -567,7 +567,7 @@ impl Http {
             self.release_lost_claim();
             return self.store_failed_as(handle, &StoreError::Garbled(why), OnUnavailable::Reject);
         }
-        self.forward(handle, fp, true)
+        self.forward(handle, fp, true, sent_at_ms)
     }
 
     /// The claim (or take-over) was sent but its answer is lost or garbled: it may have landed
@@ -611,7 +611,9 @@ impl Http {
         }
     }
 
-    fn forward(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) -> Action {
+    /// Forwards under our claim(s), whose lock runs from `lock_from_ms` (the store claim's send,
+    /// or now for the local tier's).
+    fn forward(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool, lock_from_ms: u64) -> Action {
         let holding = match (in_store, handle.is_some()) {
             (true, _) => Holding::StoreClaimSent,
             (false, true) => Holding::LocalClaim,
@@ -627,6 +629,7 @@ impl Http {
             return Action::Continue;
         };
         let (cluster, timeout_ms) = (cluster.clone(), *timeout_ms);
+        let lock_deadline_ms = Lifetimes::of(policy).lock_expires_at(lock_from_ms);
         // The root sends it: its callout outlives this request if the client leaves.
         let headers = r
             .head
@@ -645,6 +648,7 @@ impl Http {
             claim,
             request_id: r.creator.request_id.clone(),
             sent_at_ms: 0,
+            lock_deadline_ms,
         });
         self.phase = Phase::Detached;
         Action::Pause

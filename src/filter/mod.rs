@@ -113,6 +113,9 @@ pub struct Forward {
     pub claim: Claim,
     pub request_id: String,
     pub sent_at_ms: u64,
+    /// When the claim's lock may be judged stale (this proxy's clock): the callout's timeout is
+    /// cut to end by then, and none is sent after it.
+    pub lock_deadline_ms: u64,
 }
 
 /// A request held until another attempt with its key finishes (`in_flight: "wait"`).
@@ -492,10 +495,22 @@ impl Root {
     fn dispatch_forward(&mut self, mut f: Forward) {
         let Some(s) = self.shared.clone() else { return };
         f.sent_at_ms = host::now_ms();
-        let timeout = Duration::from_millis(f.timeout_ms.max(1));
-        let sent = {
+        // Within the lock: a callout still running when the lock can be judged stale would let a
+        // retry execute beside it. (The configuration keeps upstream.timeout_ms below the lock;
+        // the time the claim took, and the wait for this root, come off it.)
+        let timeout = Duration::from_millis(crate::record::callout_timeout_within_lock(
+            f.timeout_ms,
+            f.lock_deadline_ms,
+            f.sent_at_ms,
+        ));
+        let sent = if timeout.is_zero() {
+            Err(format!(
+                "the claim's lock ran out before the dispatch ({} ms late)",
+                f.sent_at_ms.saturating_sub(f.lock_deadline_ms)
+            ))
+        } else {
             let headers: Vec<(&str, &str)> = f.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-            host::dispatch_http_call(&f.cluster, headers, &f.body, timeout)
+            host::dispatch_http_call(&f.cluster, headers, &f.body, timeout).map_err(|e| format!("{e:?}"))
         };
         match sent {
             Ok(token) => {
@@ -504,7 +519,7 @@ impl Root {
             }
             Err(e) => {
                 // Nothing was sent: free the key and tell the client.
-                warn!("idemgate: outcome=detached_dispatch_failed {} cluster={} error={e:?}", f.claim.log, f.cluster);
+                warn!("idemgate: outcome=detached_dispatch_failed {} cluster={} error={e}", f.claim.log, f.cluster);
                 settle::settle(&s, &f.claim, Outcome::Release, None, false, "reason=dispatch_failed");
                 let kind = ProblemKind::UpstreamNoAnswer;
                 self.answer(
