@@ -10,9 +10,7 @@
 //! anonymous callers on them. (An anonymous request that sends its own key is what
 //! `scope.anonymous` decides: refused by default.)
 
-use sha2::{Digest, Sha256};
-
-use crate::config::DeriveKey;
+use crate::config::{DeriveKey, FingerprintConfig};
 use crate::fingerprint::Framer;
 use crate::key::IdempotencyKey;
 use crate::request::RequestHead;
@@ -22,14 +20,24 @@ const DERIVE_TAG: &[u8] = b"idemgate-derive-v1\0";
 
 /// The derived key, or `None` when a named header or the caller's identity is missing (even with
 /// `scope.anonymous: "shared"`).
-/// `body` is consulted only when `cfg.include_body` is set.
-pub fn derive(head: &RequestHead, cfg: &DeriveKey, scope: &CallerScope, body: Option<&[u8]>) -> Option<IdempotencyKey> {
+/// `body` is consulted only when `cfg.include_body` is set. The path and body count as the
+/// policy's fingerprint counts them (`fp`: `include_query`, `json: "canonical"`), so two requests
+/// the fingerprint calls the same (a retry whose JSON members came in another order) derive the
+/// same key rather than two keys that would both execute. With the default fingerprint (query
+/// included, raw JSON) the key is what it always was.
+pub fn derive(
+    head: &RequestHead,
+    cfg: &DeriveKey,
+    fp: &FingerprintConfig,
+    scope: &CallerScope,
+    body: Option<&[u8]>,
+) -> Option<IdempotencyKey> {
     if !scope.identified {
         return None;
     }
     let mut f = Framer::new(DERIVE_TAG);
     f.field(head.method.as_bytes());
-    f.field(head.path.as_bytes());
+    f.field(crate::fingerprint::target(head, fp).as_bytes());
     for name in &cfg.headers {
         let values = head.values(name);
         if values.iter().all(|v| v.is_empty()) {
@@ -42,7 +50,7 @@ pub fn derive(head: &RequestHead, cfg: &DeriveKey, scope: &CallerScope, body: Op
         }
     }
     match (cfg.include_body, body) {
-        (true, Some(b)) => f.field(crate::hex::encode(&Sha256::digest(b)).as_bytes()),
+        (true, Some(b)) => f.field(crate::hex::encode(&crate::fingerprint::body_digest(b, fp).1).as_bytes()),
         (true, None) => return None,
         (false, _) => f.field(b"-"),
     }
@@ -54,7 +62,7 @@ pub fn derive(head: &RequestHead, cfg: &DeriveKey, scope: &CallerScope, body: Op
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Anonymous, ScopeConfig};
+    use crate::config::{Anonymous, Policy, ScopeConfig};
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -79,7 +87,11 @@ mod tests {
     }
 
     fn key(h: &RequestHead, c: &DeriveKey, body: Option<&[u8]>) -> Option<String> {
-        derive(h, c, &scope(h), body).map(|k| k.as_str().to_string())
+        key_with(h, c, &Policy::default().fingerprint, body)
+    }
+
+    fn key_with(h: &RequestHead, c: &DeriveKey, fp: &FingerprintConfig, body: Option<&[u8]>) -> Option<String> {
+        derive(h, c, fp, &scope(h), body).map(|k| k.as_str().to_string())
     }
 
     const STEP: &[(&str, &str)] = &[("authorization", "a"), ("x-agent-task-id", "t1"), ("x-agent-step-id", "s1")];
@@ -105,6 +117,37 @@ mod tests {
         let h = head("POST", "/charges", STEP);
         assert_eq!(key(&h, &cfg(false), Some(b"x")), key(&h, &cfg(false), Some(b"y")), "body ignored unless asked");
         assert_ne!(key(&h, &cfg(true), Some(b"x")), key(&h, &cfg(true), Some(b"y")));
+    }
+
+    /// Found by an adversarial review: the key hashed the raw body and the whole target whatever
+    /// the fingerprint counted, so an agent's retry whose JSON members came in another order
+    /// (the same request to a `json: "canonical"` fingerprint) derived a second key and executed
+    /// again.
+    #[test]
+    fn requests_the_fingerprint_calls_the_same_derive_the_same_key() {
+        let c = cfg(true);
+        let canonical = FingerprintConfig { json: crate::config::JsonMode::Canonical, ..Policy::default().fingerprint };
+        let h = head("POST", "/charges", STEP);
+        let (a, b) = (br#"{"amount":100,"currency":"eur"}"#, br#"{"currency":"eur","amount":100}"#);
+        assert_eq!(key_with(&h, &c, &canonical, Some(a)), key_with(&h, &c, &canonical, Some(b)));
+        assert_ne!(key_with(&h, &c, &canonical, Some(a)), key_with(&h, &c, &canonical, Some(br#"{"amount":101}"#)));
+        assert_ne!(key(&h, &c, Some(a)), key(&h, &c, Some(b)), "raw JSON: another request");
+        let no_query = FingerprintConfig { include_query: false, ..Policy::default().fingerprint };
+        let (q1, q2) = (head("POST", "/charges?attempt=1", STEP), head("POST", "/charges?attempt=2", STEP));
+        assert_eq!(key_with(&q1, &c, &no_query, Some(a)), key_with(&q2, &c, &no_query, Some(a)));
+        assert_ne!(key(&q1, &c, Some(a)), key(&q2, &c, Some(a)), "query included by default");
+    }
+
+    /// With the default fingerprint the derived key is the one earlier releases derived (this
+    /// value was printed by the code before the change above): a retry across an upgrade finds
+    /// its first attempt's key.
+    #[test]
+    fn the_default_fingerprint_derives_the_key_earlier_releases_derived() {
+        let h = head("POST", "/charges?x=1", STEP);
+        assert_eq!(
+            key(&h, &cfg(true), Some(br#"{"b":1,"a":2}"#)).as_deref(),
+            Some("derived-fbeb559e068118de36c2440758f278a2")
+        );
     }
 
     #[test]

@@ -100,18 +100,10 @@ pub struct Fingerprint(pub [u8; 32]);
 impl Fingerprint {
     /// Computes the fingerprint of a request with its whole body.
     pub fn compute(head: &RequestHead, body: &[u8], cfg: &FingerprintConfig) -> (Fingerprint, BodyForm) {
-        let canonical = match cfg.json {
-            JsonMode::Canonical => canonical_json::canonicalize(body),
-            JsonMode::Raw => None,
-        };
-        let (form, body_digest): (BodyForm, [u8; 32]) = match &canonical {
-            Some(c) => (BodyForm::CanonicalJson, Sha256::digest(c).into()),
-            None => (BodyForm::Raw, Sha256::digest(body).into()),
-        };
+        let (form, body_digest) = body_digest(body, cfg);
         let mut f = Framer::new(FP_TAG);
         f.field(head.method.as_bytes());
-        let target = if cfg.include_query { head.path.as_str() } else { head.path_without_query() };
-        f.field(target.as_bytes());
+        f.field(target(head, cfg).as_bytes());
         let names = header_names(cfg);
         f.count(names.len());
         for name in names {
@@ -138,6 +130,29 @@ impl Fingerprint {
         f.field(form.tag());
         f.field(crate::hex::encode(&body_digest).as_bytes());
         (Fingerprint(f.finish()), form)
+    }
+}
+
+/// The request target as `cfg` counts it: the path, with its query only if `include_query`.
+/// (Derived keys use the same rule: `derive::derive`.)
+pub fn target<'h>(head: &'h RequestHead, cfg: &FingerprintConfig) -> &'h str {
+    if cfg.include_query {
+        head.path.as_str()
+    } else {
+        head.path_without_query()
+    }
+}
+
+/// The body's digest as `cfg` counts it: of its canonical JSON form with `json: "canonical"` (when
+/// it is JSON), else of its bytes. (Derived keys use the same rule: `derive::derive`.)
+pub fn body_digest(body: &[u8], cfg: &FingerprintConfig) -> (BodyForm, [u8; 32]) {
+    let canonical = match cfg.json {
+        JsonMode::Canonical => canonical_json::canonicalize(body),
+        JsonMode::Raw => None,
+    };
+    match &canonical {
+        Some(c) => (BodyForm::CanonicalJson, Sha256::digest(c).into()),
+        None => (BodyForm::Raw, Sha256::digest(body).into()),
     }
 }
 

@@ -877,7 +877,10 @@ impl Http {
     fn derive_key_with_body(&mut self, body: &[u8]) -> Result<bool, Broken> {
         let Some(policy) = self.policy().cloned() else { return Err(Broken::PolicyMissing) };
         let Some(r) = self.req.as_mut() else { return Err(Broken::RequestMissing) };
-        let Some(key) = policy.derive_key.as_ref().and_then(|d| derive::derive(&r.head, d, &r.scope, Some(body)))
+        let Some(key) = policy
+            .derive_key
+            .as_ref()
+            .and_then(|d| derive::derive(&r.head, d, &policy.fingerprint, &r.scope, Some(body)))
         else {
             self.phase = Phase::Pass;
             return Ok(false);
@@ -1075,10 +1078,14 @@ impl HttpContext for Http {
         let derive_at_body = derive.is_some_and(|d| d.include_body) && !end_of_stream;
         let derived = match derive {
             // Whether it can be derived is known now (headers, scope); the key itself later.
-            Some(d) if derive_at_body => {
-                derive::derive(&head, &crate::config::DeriveKey { include_body: false, ..d.clone() }, &scope, None)
-            }
-            Some(d) => derive::derive(&head, d, &scope, Some(b"")),
+            Some(d) if derive_at_body => derive::derive(
+                &head,
+                &crate::config::DeriveKey { include_body: false, ..d.clone() },
+                &policy.fingerprint,
+                &scope,
+                None,
+            ),
+            Some(d) => derive::derive(&head, d, &policy.fingerprint, &scope, Some(b"")),
             None => None,
         };
         let was_derived = derived.is_some();
