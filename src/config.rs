@@ -388,20 +388,22 @@ impl Config {
     }
 
     /// `policy_index_for` knowing the name of the Envoy route that matched the request (if it
-    /// has one): the first route, in order, whose prefix or route name matches.
+    /// has one): the first route, in order, whose prefix or route name matches and whose
+    /// `methods` hold the request's method. A route for other methods does not hide the routes
+    /// after it: `[{prefix: "/v1/orders", methods: ["PUT"]}, {prefix: "/"}]` protects a POST to
+    /// /v1/orders by the second.
     pub fn policy_index_for_route(&self, method: &str, path: &str, route_name: Option<&str>) -> Option<usize> {
-        let i = if self.routes.is_empty() { 0 } else { self.route_index_for(path, route_name)? };
-        self.policy_at(i)?.methods.iter().any(|m| m == method).then_some(i)
+        let protects = |p: &Policy| p.methods.iter().any(|m| m == method);
+        if self.routes.is_empty() {
+            return protects(&self.default_policy).then_some(0);
+        }
+        let first = |p: &str| self.routes.iter().position(|r| r.select.matches(p, route_name) && protects(&r.policy));
+        first(&crate::path::normalize(path)).or_else(|| first(path.split(['?', '#']).next().unwrap_or(path)))
     }
 
     /// Whether a route is selected by an Envoy route name (so the filter reads it).
     pub fn uses_route_names(&self) -> bool {
         self.routes.iter().any(|r| matches!(r.select, RouteMatch::RouteName(_)))
-    }
-
-    fn route_index_for(&self, path: &str, route_name: Option<&str>) -> Option<usize> {
-        let first = |p: &str| self.routes.iter().position(|r| r.select.matches(p, route_name));
-        first(&crate::path::normalize(path)).or_else(|| first(path.split(['?', '#']).next().unwrap_or(path)))
     }
 
     /// The policy at an index of `policies()`.
@@ -1369,6 +1371,19 @@ mod tests {
         .unwrap();
         assert_eq!(c.policy_for("POST", "/a/b").unwrap().namespace, "first");
         assert!(c.policy_for("POST", "/x?/a").is_none());
+    }
+
+    /// Found by an adversarial review: a route for other methods hid every later route, so a POST
+    /// to /v1/orders was not protected at all (every retry with its key executed).
+    #[test]
+    fn a_route_for_other_methods_does_not_hide_the_routes_after_it() {
+        let c = parse(
+            r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/v1/orders", "methods": ["PUT"], "namespace": "orders"}, {"prefix": "/"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.policy_for("PUT", "/v1/orders/7").unwrap().namespace, "orders");
+        assert_eq!(c.policy_index_for("POST", "/v1/orders"), Some(1));
+        assert!(c.policy_for("GET", "/v1/orders").is_none());
     }
 
     #[test]
