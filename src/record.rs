@@ -249,8 +249,6 @@ pub fn callout_timeout_within_lock(timeout_ms: u64, lock_deadline_ms: u64, now_m
     timeout_ms.min(lock_deadline_ms.saturating_sub(now_ms))
 }
 
-impl Lifetimes {}
-
 impl Record {
     /// The completed record of an upstream response: kept whole, or (`too_large`: over
     /// `max_response_body_bytes`) with only its status and `location`.
