@@ -911,6 +911,19 @@ fn a_claim_answered_after_its_lock_went_stale_is_not_forwarded_even_in_pass_mode
     late_claim_answer("pass");
 }
 
+/// The first answer to `key` (body `{}`) through `e` that is not a 409, asking at most 100 times,
+/// 100 ms apart.
+fn past_409(e: &Envoy, key: &str) -> Option<Response> {
+    for _ in 0..100 {
+        let r = post(e, key, "{}", &[]);
+        if r.status != 409 {
+            return Some(r);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    None
+}
+
 fn late_claim_answer(on_unavailable: &str) {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
@@ -934,16 +947,7 @@ fn late_claim_answer(on_unavailable: &str) {
     let rkey = redis_key_of(plugin, "k-late-claim");
     assert!(eventually(Duration::from_secs(20), || redis.get_raw(&rkey).is_some()), "a's claim in Redis");
     // Once the lock is stale (1 s by Redis's clock), b takes the key over and executes it.
-    let mut taken = None;
-    for _ in 0..100 {
-        let r = post(&b, "k-late-claim", "{}", &[]);
-        if r.status != 409 {
-            taken = Some(r);
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let taken = taken.expect("b took the stale claim over");
+    let taken = past_409(&b, "k-late-claim").expect("b took the stale claim over");
     assert_eq!(taken.status, 201, "{}", taken.body_text());
     assert_eq!(up.executions_with_key("k-late-claim"), 1);
     relay.release_answers();
@@ -952,16 +956,7 @@ fn late_claim_answer(on_unavailable: &str) {
     assert_eq!((first.status, first.problem().as_str()), (503, "store-unavailable"), "{}", first.body_text());
     assert_eq!(a.stat("idemgate.store_answers_too_late"), 1);
     // b's execution stands: a retry through a replays it (once b's completion is in the store).
-    let mut replay = None;
-    for _ in 0..100 {
-        let r = post(&a, "k-late-claim", "{}", &[]);
-        if r.status != 409 {
-            replay = Some(r);
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let replay = replay.expect("b's completion in the store");
+    let replay = past_409(&a, "k-late-claim").expect("b's completion in the store");
     assert_eq!(replay.header("idempotent-replayed"), Some("true"), "{}", replay.body_text());
     assert_eq!(replay.body, taken.body);
     assert_eq!(up.executions_with_key("k-late-claim"), 1);
