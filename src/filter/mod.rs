@@ -370,6 +370,12 @@ impl Root {
     /// A write is over (landed, or given up after its fallback).
     fn write_ended(&mut self) {
         if let Some(s) = self.shared.as_ref() {
+            // The last pending write's counters reach /stats before the gauge falls to zero (they
+            // are otherwise flushed on the tick), so a reader that sees no write pending sees
+            // every write's counters (`store_claim_gone_rewritten`, `store_write_failures`, ...).
+            if self.pending_writes() == 0 {
+                meter::background(host::flush_counters);
+            }
             s.metrics.add(Gauge::StoreWritesPending, -1);
         }
         self.finish_stopping_if_drained();
