@@ -709,17 +709,20 @@ fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) ->
 /// `ttl_seconds` must exceed `lock_ttl_seconds` by at least this much (issue 13, item 2).
 pub const TTL_OVER_LOCK_MARGIN_SECONDS: u64 = 1;
 
+/// Every policy in force with the field prefix its errors name: "" for the one policy without
+/// routes, `routes[i]` for each route's.
+fn labelled_policies(c: &Config) -> impl Iterator<Item = (&Policy, String)> {
+    let routed = !c.routes.is_empty();
+    c.policies().enumerate().map(move |(i, p)| (p, if routed { format!("routes[{i}]") } else { String::new() }))
+}
+
 /// With etcd, locks and record expiries are judged by the proxies' clocks, read
 /// `crate::etcd::CLOCK_SKEW_TOLERANCE_MS` behind (etcd has no clock a transaction can read): a
 /// record must then outlive its lock by that tolerance too, on every proxy's clock.
 fn check_etcd_clocks(c: &Config) -> Result<(), ConfigError> {
     let skew_s = crate::etcd::CLOCK_SKEW_TOLERANCE_MS.div_ceil(1000);
     let margin = TTL_OVER_LOCK_MARGIN_SECONDS.saturating_add(skew_s);
-    let prefixes: Vec<String> = match c.routes.is_empty() {
-        true => vec![String::new()],
-        false => (0..c.routes.len()).map(|i| format!("routes[{i}]")).collect(),
-    };
-    for (p, prefix) in c.policies().zip(prefixes) {
+    for (p, prefix) in labelled_policies(c) {
         if p.ttl_seconds < p.lock_ttl_seconds.saturating_add(margin) {
             return Err(err(
                 &join(&prefix, "ttl_seconds"),
@@ -739,11 +742,7 @@ fn check_etcd_clocks(c: &Config) -> Result<(), ConfigError> {
 /// is never used: `Lifetimes::answer_in_time`).
 fn check_detached_with_store(c: &Config) -> Result<(), ConfigError> {
     let Some(store_ms) = c.store.as_ref().map(|s| s.timeout_ms) else { return Ok(()) };
-    let prefixes: Vec<String> = match c.routes.is_empty() {
-        true => vec![String::new()],
-        false => (0..c.routes.len()).map(|i| format!("routes[{i}]")).collect(),
-    };
-    for (p, prefix) in c.policies().zip(prefixes) {
+    for (p, prefix) in labelled_policies(c) {
         let Forwarding::Detached { timeout_ms, .. } = p.forwarding else { continue };
         if timeout_ms.saturating_add(store_ms) >= p.lock_ttl_seconds.saturating_mul(1000) {
             return Err(err(
