@@ -20,17 +20,18 @@ const DERIVE_TAG: &[u8] = b"idemgate-derive-v1\0";
 
 /// The derived key, or `None` when a named header or the caller's identity is missing (even with
 /// `scope.anonymous: "shared"`).
-/// `body` is consulted only when `cfg.include_body` is set. The path and body count as the
-/// policy's fingerprint counts them (`fp`: `include_query`, `json: "canonical"`), so two requests
-/// the fingerprint calls the same (a retry whose JSON members came in another order) derive the
-/// same key rather than two keys that would both execute. With the default fingerprint (query
-/// included, raw JSON) the key is what it always was.
+/// `body_digest` (the body's `fingerprint::body_digest`) is consulted only when `cfg.include_body`
+/// is set. The path and body count as the policy's fingerprint counts them (`fp`:
+/// `include_query`, `json: "canonical"`), so two requests the fingerprint calls the same (a retry
+/// whose JSON members came in another order) derive the same key rather than two keys that would
+/// both execute. With the default fingerprint (query included, raw JSON) the key is what it always
+/// was.
 pub fn derive(
     head: &RequestHead,
     cfg: &DeriveKey,
     fp: &FingerprintConfig,
     scope: &CallerScope,
-    body: Option<&[u8]>,
+    body_digest: Option<&[u8; 32]>,
 ) -> Option<IdempotencyKey> {
     if !scope.identified {
         return None;
@@ -49,8 +50,8 @@ pub fn derive(
             f.field(v);
         }
     }
-    match (cfg.include_body, body) {
-        (true, Some(b)) => f.field(crate::hex::encode(&crate::fingerprint::body_digest(b, fp).1).as_bytes()),
+    match (cfg.include_body, body_digest) {
+        (true, Some(d)) => f.field(crate::hex::encode(d).as_bytes()),
         (true, None) => return None,
         (false, _) => f.field(b"-"),
     }
@@ -91,7 +92,8 @@ mod tests {
     }
 
     fn key_with(h: &RequestHead, c: &DeriveKey, fp: &FingerprintConfig, body: Option<&[u8]>) -> Option<String> {
-        derive(h, c, fp, &scope(h), body).map(|k| k.as_str().to_string())
+        let digest = body.map(|b| crate::fingerprint::body_digest(b, fp).1);
+        derive(h, c, fp, &scope(h), digest.as_ref()).map(|k| k.as_str().to_string())
     }
 
     const STEP: &[(&str, &str)] = &[("authorization", "a"), ("x-agent-task-id", "t1"), ("x-agent-step-id", "s1")];

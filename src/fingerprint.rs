@@ -100,7 +100,15 @@ pub struct Fingerprint(pub [u8; 32]);
 impl Fingerprint {
     /// Computes the fingerprint of a request with its whole body.
     pub fn compute(head: &RequestHead, body: &[u8], cfg: &FingerprintConfig) -> (Fingerprint, BodyForm) {
-        let (form, body_digest) = body_digest(body, cfg);
+        Fingerprint::of_digest(head, body_digest(body, cfg), cfg)
+    }
+
+    /// `compute`, with the body's `body_digest` already taken (a derived key takes it too).
+    pub fn of_digest(
+        head: &RequestHead,
+        (form, body_digest): (BodyForm, [u8; 32]),
+        cfg: &FingerprintConfig,
+    ) -> (Fingerprint, BodyForm) {
         let mut f = Framer::new(FP_TAG);
         f.field(head.method.as_bytes());
         f.field(target(head, cfg).as_bytes());

@@ -30,7 +30,7 @@ use crate::decision::{admit, check_body_size, classify_exchange, decide, Admissi
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::derive;
 use crate::failsafe::{self, Broken, Holding};
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{self, Fingerprint};
 use crate::local::{Begin, Handle, LocalError};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
@@ -832,8 +832,12 @@ impl Http {
         crash_point(self.req.as_ref(), "body");
         let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
         self.release_budget();
+        // Taken once, for the fingerprint and for a key derived from the body.
+        let Some(digest) = self.policy().map(|p| fingerprint::body_digest(&body, &p.fingerprint)) else {
+            return self.fail_closed_here(Broken::PolicyMissing, "body_complete");
+        };
         if self.req.as_ref().is_some_and(|r| r.derive_at_body) {
-            match self.derive_key_with_body(&body) {
+            match self.derive_key_with_body(&digest.1) {
                 Ok(true) => {}
                 // No key can be derived: the request is not protected.
                 Ok(false) => return Action::Continue,
@@ -843,7 +847,7 @@ impl Http {
         let (Some(r), Some(policy)) = (self.req.as_ref(), self.policy()) else {
             return self.fail_closed_here(Broken::PolicyMissing, "body_complete");
         };
-        let (fp, _) = Fingerprint::compute(&r.head, &body, &policy.fingerprint);
+        let (fp, _) = Fingerprint::of_digest(&r.head, digest, &policy.fingerprint);
         let policy = policy.clone();
         if matches!(policy.forwarding, Forwarding::Detached { .. }) {
             self.body = body;
@@ -874,13 +878,13 @@ impl Http {
     /// `derive_key.include_body`: the key (and so the storage key) is known only now. Returns
     /// false when no key can be derived (the request then passes unprotected), an error when an
     /// invariant is broken.
-    fn derive_key_with_body(&mut self, body: &[u8]) -> Result<bool, Broken> {
+    fn derive_key_with_body(&mut self, body_digest: &[u8; 32]) -> Result<bool, Broken> {
         let Some(policy) = self.policy().cloned() else { return Err(Broken::PolicyMissing) };
         let Some(r) = self.req.as_mut() else { return Err(Broken::RequestMissing) };
         let Some(key) = policy
             .derive_key
             .as_ref()
-            .and_then(|d| derive::derive(&r.head, d, &policy.fingerprint, &r.scope, Some(body)))
+            .and_then(|d| derive::derive(&r.head, d, &policy.fingerprint, &r.scope, Some(body_digest)))
         else {
             self.phase = Phase::Pass;
             return Ok(false);
@@ -1085,7 +1089,10 @@ impl HttpContext for Http {
                 &scope,
                 None,
             ),
-            Some(d) => derive::derive(&head, d, &policy.fingerprint, &scope, Some(b"")),
+            Some(d) => {
+                let empty = d.include_body.then(|| fingerprint::body_digest(b"", &policy.fingerprint).1);
+                derive::derive(&head, d, &policy.fingerprint, &scope, empty.as_ref())
+            }
             None => None,
         };
         let was_derived = derived.is_some();
