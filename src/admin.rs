@@ -281,6 +281,10 @@ pub enum Settle {
 pub enum Refusal {
     /// A claim whose lock is live: its request may still be running.
     InFlight { lock_expires_in_ms: u64 },
+    /// A claim whose lock expired less than the proxies' write window ago: the proxy that
+    /// forwarded it may still be retrying its completion (a store link down, say), which would
+    /// land after the operator's action and leave two answers for one key.
+    WritesMayLand { lock_expired_ms_ago: u64, wait_ms: u64 },
     /// Release or complete asked of a completed record.
     Completed,
 }
@@ -294,6 +298,13 @@ impl fmt::Display for Refusal {
                  still be running. Wait for it to finish (or for its lock to expire, which makes it outcome-unknown), \
                  then inspect it again"
             ),
+            Refusal::WritesMayLand { lock_expired_ms_ago, wait_ms } => write!(
+                f,
+                "refused: the key's lock expired only {lock_expired_ms_ago} ms ago, and the proxy that forwarded it may \
+                 still be retrying its completion for {wait_ms} ms more (every write is retried, then its \
+                 outcome-unknown fallback, each attempt up to store.timeout_ms: see --store-timeout-ms). Settling it \
+                 now could leave one answer on that proxy and another everywhere else; inspect it again then"
+            ),
             Refusal::Completed => write!(
                 f,
                 "refused: the key is completed and retries already replay its response; `idemgate forget` deletes it \
@@ -303,13 +314,20 @@ impl fmt::Display for Refusal {
     }
 }
 
-/// Plans an operator's action on the value just read (`now_ms` by Redis's clock) as one
-/// owner- and phase-checked transition, or refuses it.
-pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64) -> Result<Transition, Refusal> {
+/// Plans an operator's action on the value just read (`now_ms` by the store's clock) as one
+/// owner- and phase-checked transition, or refuses it. `write_window_ms` is how long after a
+/// claim's lock expired its proxy may still land a write (`store::write_window_ms` of the
+/// proxies' `store.timeout_ms`): a claim is settled only once that has passed too, so no
+/// completion still being retried can land after the operator's action.
+pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: u64) -> Result<Transition, Refusal> {
     let owner = value.owner;
     let stale = match value.phase {
         StorePhase::InProgress if value.lock_expires_at_ms > now_ms => {
             return Err(Refusal::InFlight { lock_expires_in_ms: value.lock_expires_at_ms - now_ms });
+        }
+        StorePhase::InProgress if value.lock_expires_at_ms.saturating_add(write_window_ms) > now_ms => {
+            let lock_expired_ms_ago = now_ms - value.lock_expires_at_ms;
+            return Err(Refusal::WritesMayLand { lock_expired_ms_ago, wait_ms: write_window_ms - lock_expired_ms_ago });
         }
         StorePhase::InProgress => true,
         StorePhase::Done | StorePhase::Unknown => false,

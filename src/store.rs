@@ -43,6 +43,33 @@ use crate::seal::{Seal, Unsealed};
 use crate::sha1;
 
 /// Prefix of every Redis key idemgate writes (the namespace is inside the hashed storage key).
+/// Attempts of one write made after forwarding (completion, release, outcome-unknown mark) before
+/// its fallback: the first, one retry at once (a transient error), then retries after 0.2, 0.4,
+/// 0.8, 1.6 and 3.2 s, so a store that is back within about 6 s still gets the write. The root
+/// context runs this schedule (`filter::writes`); the operator CLI waits it out (`write_window_ms`).
+pub const MAX_WRITE_ATTEMPTS: u8 = 7;
+
+/// How long to wait before retrying a write that has failed `attempts` times (1-based).
+pub fn retry_delay_ms(attempts: u8) -> u64 {
+    match attempts {
+        0 | 1 => 0,
+        n => 200u64 << u32::from((n - 2).min(10)),
+    }
+}
+
+/// Room for the root's tick (retries are dispatched on a 100 ms tick) and its queue, per write.
+const WRITE_SCHEDULE_SLACK_MS: u64 = 1_000;
+
+/// The longest a proxy may go on sending one write after forwarding and then its fallback, each
+/// attempt given the store's `timeout_ms`: `MAX_WRITE_ATTEMPTS` attempts and the backoff between
+/// them, twice (the write, then its outcome-unknown fallback), plus slack for the tick. A write
+/// sent within this window may still land; after it, none of that request's writes can follow.
+pub fn write_window_ms(store_timeout_ms: u64) -> u64 {
+    let backoff: u64 = (1..MAX_WRITE_ATTEMPTS).map(retry_delay_ms).sum();
+    let one = store_timeout_ms.saturating_mul(u64::from(MAX_WRITE_ATTEMPTS)).saturating_add(backoff);
+    one.saturating_add(WRITE_SCHEDULE_SLACK_MS).saturating_mul(2)
+}
+
 pub const KEY_PREFIX: &str = "idemgate:v1:";
 const VALUE_MAGIC: &[u8; 4] = b"IGS1";
 /// `IGS1` + phase (1) + owner hex (32) + lock expiry in ms, 15 decimal digits.

@@ -326,3 +326,71 @@ fn probe_reports_the_violations_of_the_demo_api_without_idemgate() {
     assert_eq!(report["passed"], false);
     drop(demo);
 }
+
+/// Issue 24, item 3: proxy a's store link goes down (a relay holds its bytes) after its claim
+/// landed and before its completion: the completion is retried while the claim's lock expires.
+/// An operator who settles the key then (its lock just expired) must be refused: the completion
+/// may still land, and proxy a, which holds the real response in its local tier, would replay
+/// it while every other proxy replays the operator's body. Once the link is back, the real
+/// completion lands and both proxies replay it. (Before the fix the operator's completion was
+/// accepted and proxy b replayed the operator's body: two first responses for one key.)
+#[test]
+fn a_claim_whose_completion_may_still_land_is_not_settled_by_the_operator() {
+    let redis = Redis::start();
+    let webdis = Webdis::start_with_auth(redis.port, AUTH);
+    let relay = support::replication::Relay::start(webdis.port);
+    let up = Upstream::start();
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 60, "lock_ttl_seconds": 5, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+    let mut o = EnvoyOptions::new(plugin, up.port);
+    o.vm_env = vec![("IDEMGATE_STORE_AUTH".to_string(), AUTH.to_string())];
+    o.store_port = Some(relay.port);
+    let a = Envoy::start(&o);
+    o.store_port = Some(webdis.port);
+    let b = Envoy::start(&o);
+    let ops = OperatorCli::webdis(&format!("http://127.0.0.1:{}", webdis.port), Some(AUTH));
+    let skey = ops.storage_key(CALLER, "k-late-write");
+    let port = a.port;
+    let first = std::thread::spawn(move || {
+        let h = [("authorization", CALLER), ("idempotency-key", "k-late-write"), ("x-up-delay-ms", "3000")];
+        http::request(port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("request")
+    });
+    ops.wait_listed("in-flight", &skey, || format!("executions={}", up.executions()));
+    relay.hold();
+    let first = first.join().unwrap();
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    // Wait (by Redis's clock, as the CLI judges) until the claim's lock has expired.
+    let mut expired = false;
+    for _ in 0..200 {
+        if ops.inspect(&skey)["lock"].as_str() == Some("expired") {
+            expired = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(expired, "the claim's lock never expired: {}", ops.inspect(&skey));
+    let scratch = Scratch::new("operator-cli");
+    let body = scratch.0.join("operator.json");
+    std::fs::write(&body, br#"{"id":"ch_the_operators_guess"}"#).unwrap();
+    for args in [
+        &["resolve", &skey, "--complete", "--status", "200", "--body-file", body.to_str().unwrap()][..],
+        &["resolve", &skey, "--release"],
+        &["forget", &skey],
+    ] {
+        let mut args = args.to_vec();
+        args.extend(["--store-timeout-ms", "500"]);
+        let out = ops.run(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?} accepted: {}", text(&out.stdout));
+        assert!(text(&out.stderr).contains("may still be retrying its completion"), "{}", text(&out.stderr));
+    }
+    // The link is back: the completion still being retried lands, and every proxy replays it.
+    relay.unhold();
+    ops.wait_listed("completed", &skey, || format!("a: retries={}", a.stat("idemgate.store_write_retries")));
+    for (name, envoy) in [("b", &b), ("a", &a)] {
+        let h = [("authorization", CALLER), ("idempotency-key", "k-late-write")];
+        let r = http::request(envoy.port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("retry");
+        assert_eq!(r.header("idempotent-replayed"), Some("true"), "{name}: {} {}", r.status, r.body_text());
+        assert_eq!((r.status, &r.body), (first.status, &first.body), "{name} replays another response");
+    }
+    assert_eq!(up.executions(), 1);
+    a.assert_no_wasm_panic();
+}

@@ -89,29 +89,58 @@ fn a_live_claim_is_never_settled() {
     let v = value(StorePhase::InProgress, NOW + 30_000);
     let complete = Settle::Complete { response: operator_response(201, &[], vec![]).unwrap(), ttl_ms: 1 };
     for action in [Settle::Release, Settle::Forget, complete] {
-        assert_eq!(plan(&action, &v, NOW), Err(Refusal::InFlight { lock_expires_in_ms: 30_000 }));
+        assert_eq!(plan(&action, &v, NOW, W), Err(Refusal::InFlight { lock_expires_in_ms: 30_000 }));
     }
+}
+
+/// The proxies' write window in these tests (`store::write_window_ms` of a 500 ms store timeout).
+const W: u64 = 21_400;
+
+#[test]
+fn the_write_window_covers_a_write_and_its_fallback_at_the_store_timeout() {
+    // 7 attempts of 500 ms and 6.2 s of backoff, 1 s of slack, twice.
+    assert_eq!(crate::store::write_window_ms(500), W);
+    assert_eq!(crate::store::write_window_ms(u64::MAX), u64::MAX);
+}
+
+/// A claim whose lock has just expired may still be completed by its proxy (its completion
+/// retried while the store link was down): settling it then would leave that proxy's response
+/// and the operator's. Refused until the write window after the lock has passed, for every action.
+#[test]
+fn a_claim_is_not_settled_while_its_proxys_writes_may_still_land() {
+    let complete = Settle::Complete { response: operator_response(201, &[], vec![]).unwrap(), ttl_ms: 1 };
+    let just_expired = value(StorePhase::InProgress, NOW - 3_100);
+    for action in [Settle::Release, Settle::Forget, complete.clone()] {
+        assert_eq!(
+            plan(&action, &just_expired, NOW, W),
+            Err(Refusal::WritesMayLand { lock_expired_ms_ago: 3_100, wait_ms: W - 3_100 })
+        );
+        assert!(plan(&action, &value(StorePhase::InProgress, NOW - W + 1), NOW, W).is_err());
+        assert!(plan(&action, &value(StorePhase::InProgress, NOW - W), NOW, W).is_ok());
+    }
+    // Outcome-unknown: the owner's completion needs a forwarded claim, so none can land on it.
+    assert!(plan(&complete, &value(StorePhase::Unknown, NOW), NOW, W).is_ok());
 }
 
 #[test]
 fn release_is_owner_and_phase_checked_and_a_stale_claim_is_rechecked_by_the_store() {
-    let unknown = plan(&Settle::Release, &value(StorePhase::Unknown, 0), NOW).unwrap();
+    let unknown = plan(&Settle::Release, &value(StorePhase::Unknown, 0), NOW, W).unwrap();
     assert_eq!(
         (unknown.expected_owner, unknown.expected_phases, unknown.require_stale),
         (OwnerToken([0xab; 16]), "U", false)
     );
     assert_eq!((unknown.new_phase, unknown.tombstone), (None, false));
-    let stale = plan(&Settle::Release, &value(StorePhase::InProgress, NOW), NOW).unwrap();
+    let stale = plan(&Settle::Release, &value(StorePhase::InProgress, NOW - W), NOW, W).unwrap();
     assert_eq!((stale.expected_phases, stale.require_stale, stale.new_phase), ("P", true, None));
 }
 
 #[test]
 fn a_completed_key_is_only_forgotten() {
     let done = value(StorePhase::Done, 0);
-    assert_eq!(plan(&Settle::Release, &done, NOW), Err(Refusal::Completed));
+    assert_eq!(plan(&Settle::Release, &done, NOW, W), Err(Refusal::Completed));
     let r = operator_response(201, &[], b"x".to_vec()).unwrap();
-    assert_eq!(plan(&Settle::Complete { response: r, ttl_ms: 1 }, &done, NOW), Err(Refusal::Completed));
-    let forget = plan(&Settle::Forget, &done, NOW).unwrap();
+    assert_eq!(plan(&Settle::Complete { response: r, ttl_ms: 1 }, &done, NOW, W), Err(Refusal::Completed));
+    let forget = plan(&Settle::Forget, &done, NOW, W).unwrap();
     assert_eq!((forget.expected_phases, forget.require_stale, forget.new_phase), ("D", false, None));
 }
 
@@ -120,7 +149,7 @@ fn completion_keeps_the_fingerprint_and_creator_and_stores_the_operators_respons
     let v = value(StorePhase::Unknown, 0);
     let headers = vec!["Content-Type: application/json".to_string()];
     let response = operator_response(201, &headers, b"{\"id\":\"ch_1\"}".to_vec()).unwrap();
-    let t = plan(&Settle::Complete { response: response.clone(), ttl_ms: 60_000 }, &v, NOW).unwrap();
+    let t = plan(&Settle::Complete { response: response.clone(), ttl_ms: 60_000 }, &v, NOW, W).unwrap();
     assert_eq!((t.expected_phases, t.new_phase), ("U", Some(StorePhase::Done)));
     let rec = t.record.unwrap();
     assert_eq!(rec.fingerprint, v.record.fingerprint);

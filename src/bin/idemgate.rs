@@ -49,6 +49,17 @@ fn usage<T>(msg: impl Into<String>) -> Result<T, Fail> {
 
 fn cli() -> Command {
     let key = || Arg::new("storage_key").required(true).help("the storage key: 64 hex digits (or idemgate:v1:<hex>)");
+    // The proxies' `store.timeout_ms`: a claim whose lock expired is settled only once its
+    // proxy's writes (each retried, then a fallback) cannot land any more.
+    let store_timeout = || {
+        Arg::new("store_timeout_ms")
+            .long("store-timeout-ms")
+            .value_parser(clap::value_parser!(u64).range(1..=idemgate::config::MAX_STORE_TIMEOUT_MS))
+            .help(
+                "the proxies' store.timeout_ms (default: the largest allowed, 60000): a claim whose lock \
+                 expired is settled only after its proxy's write retries are over",
+            )
+    };
     let headers = |help: &'static str| Arg::new("header").long("header").action(ArgAction::Append).help(help);
     Command::new("idemgate")
         .about("See and settle idempotency keys in idemgate's store; prove an API idempotent")
@@ -119,9 +130,15 @@ fn cli() -> Command {
                         .default_value("86400")
                         .value_parser(clap::value_parser!(u64))
                         .help("how long the completed record is kept"),
-                ),
+                )
+                .arg(store_timeout()),
         )
-        .subcommand(Command::new("forget").about("Delete a key's record (refused while it is in flight)").arg(key()))
+        .subcommand(
+            Command::new("forget")
+                .about("Delete a key's record (refused while it is in flight)")
+                .arg(key())
+                .arg(store_timeout()),
+        )
         .subcommand(
             Command::new("probe")
                 .about("Prove an API idempotent: the same call twice, concurrently, changed, with a malformed key")
@@ -172,9 +189,11 @@ fn run(m: &ArgMatches) -> Result<(), Fail> {
             Some(("list", a)) => etcd_store::list(&e()?, a),
             Some(("resolve", a)) => {
                 let (skey, action, done) = settlement(a)?;
-                etcd_store::settle(&e()?, &skey, &action, done)
+                etcd_store::settle(&e()?, &skey, &action, done, write_window(a))
             }
-            Some(("forget", a)) => etcd_store::settle(&e()?, &storage_key(a)?, &Settle::Forget, "forgotten"),
+            Some(("forget", a)) => {
+                etcd_store::settle(&e()?, &storage_key(a)?, &Settle::Forget, "forgotten", write_window(a))
+            }
             Some(("probe", a)) => probe_cmd(a),
             _ => usage("a subcommand is needed (see --help)"),
         };
@@ -184,7 +203,7 @@ fn run(m: &ArgMatches) -> Result<(), Fail> {
         Some(("inspect", a)) => inspect(&webdis()?, a),
         Some(("list", a)) => list(&webdis()?, a),
         Some(("resolve", a)) => resolve(&webdis()?, a),
-        Some(("forget", a)) => settle(&webdis()?, &storage_key(a)?, &Settle::Forget, "forgotten"),
+        Some(("forget", a)) => settle(&webdis()?, &storage_key(a)?, &Settle::Forget, "forgotten", write_window(a)),
         Some(("probe", a)) => probe_cmd(a),
         _ => usage("a subcommand is needed (see --help)"),
     }
@@ -316,7 +335,15 @@ fn list(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
 
 fn resolve(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
     let (skey, action, done) = settlement(a)?;
-    settle(w, &skey, &action, done)
+    settle(w, &skey, &action, done, write_window(a))
+}
+
+/// How long after a claim's lock expired its proxy may still land a write, from the proxies'
+/// `store.timeout_ms` (`--store-timeout-ms`; by default the largest the configuration allows, so
+/// the wait is never too short for any proxy).
+fn write_window(a: &ArgMatches) -> u64 {
+    let timeout_ms = a.get_one::<u64>("store_timeout_ms").copied().unwrap_or(idemgate::config::MAX_STORE_TIMEOUT_MS);
+    idemgate::store::write_window_ms(timeout_ms)
 }
 
 /// What `resolve` asks (whichever the store): the key, the action, what to print once done.
@@ -339,7 +366,13 @@ fn settlement(a: &ArgMatches) -> Result<(idemgate::scope::StorageKey, Settle, &'
 }
 
 /// Reads the value, plans the action (core), sends the owner- and phase-checked transition.
-fn settle(w: &Webdis, skey: &idemgate::scope::StorageKey, action: &Settle, done: &str) -> Result<(), Fail> {
+fn settle(
+    w: &Webdis,
+    skey: &idemgate::scope::StorageKey,
+    action: &Settle,
+    done: &str,
+    write_window_ms: u64,
+) -> Result<(), Fail> {
     let value = match w.read(skey)? {
         ReadReply::Found(v) => v,
         ReadReply::Absent => return fail("refused: the key is absent (nothing to settle)"),
@@ -348,7 +381,7 @@ fn settle(w: &Webdis, skey: &idemgate::scope::StorageKey, action: &Settle, done:
         }
     };
     let now = w.now_ms()?;
-    let t = admin::plan(action, &value, now).or_else(|r| fail(r.to_string()))?;
+    let t = admin::plan(action, &value, now, write_window_ms).or_else(|r| fail(r.to_string()))?;
     let request = t.request(skey, &record_seal()?);
     let (mut status, mut body) = w.send(&request)?;
     // Redis lost the transition script (restart, failover, SCRIPT FLUSH): nothing ran. The same

@@ -670,7 +670,7 @@ fn an_operators_transition_compares_the_revision_read_whatever_the_event() {
     outcome_unknown_key(&mut e, &s);
     let (_, fence) = operator_read(&mut e, &s, NOW);
     let fence = fence.unwrap();
-    let release = crate::admin::plan(&crate::admin::Settle::Release, &fence.value, judged_now(NOW)).unwrap();
+    let release = crate::admin::plan(&crate::admin::Settle::Release, &fence.value, judged_now(NOW), 0).unwrap();
     let req = operator_transition_request(&release, &s, &seal(), LEASE, NOW, &fence).unwrap();
     let body: Value = serde_json::from_slice(&req.body).unwrap();
     assert_eq!(body["compare"].as_array().unwrap().len(), 1);
@@ -700,10 +700,14 @@ fn two_operators_deciding_on_one_read_change_the_key_once() {
     let (_, fence) = operator_read(&mut e, &s, NOW);
     let fence = fence.unwrap();
     let response = StoredResponse { status: 201, headers: vec![], body: b"found".to_vec() };
-    let complete =
-        crate::admin::plan(&crate::admin::Settle::Complete { response, ttl_ms: 60_000 }, &fence.value, judged_now(NOW))
-            .unwrap();
-    let release = crate::admin::plan(&crate::admin::Settle::Release, &fence.value, judged_now(NOW)).unwrap();
+    let complete = crate::admin::plan(
+        &crate::admin::Settle::Complete { response, ttl_ms: 60_000 },
+        &fence.value,
+        judged_now(NOW),
+        0,
+    )
+    .unwrap();
+    let release = crate::admin::plan(&crate::admin::Settle::Release, &fence.value, judged_now(NOW), 0).unwrap();
     assert_eq!(operator_write(&mut e, &s, &complete, NOW, &fence), TransitionReply::Changed);
     assert_eq!(operator_write(&mut e, &s, &release, NOW, &fence), TransitionReply::Refused);
     let (v, expires) = e.value(&s).unwrap();
@@ -722,7 +726,7 @@ fn an_operators_transition_is_refused_unbuilt_when_it_does_not_fit_the_value_rea
     let (_, fence) = operator_read(&mut e, &s, NOW);
     let fence = fence.unwrap();
     // A claim whose lock is live (judged 1 s behind): admin refuses, and so would the builder.
-    assert!(crate::admin::plan(&crate::admin::Settle::Forget, &fence.value, judged_now(NOW)).is_err());
+    assert!(crate::admin::plan(&crate::admin::Settle::Forget, &fence.value, judged_now(NOW), 0).is_err());
     let mut forget = Transition::release(owner(1));
     forget.require_stale = true;
     assert!(operator_transition_request(&forget, &s, &seal(), LEASE, NOW, &fence).is_err(), "lock live");

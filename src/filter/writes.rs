@@ -16,18 +16,7 @@ use crate::scope::StorageKey;
 use crate::seal::Seal;
 use crate::store::{StoreRequest, Transition};
 
-/// Attempts of one write before its fallback: the first, one retry at once (a transient error),
-/// then retries after 0.2, 0.4, 0.8, 1.6 and 3.2 s, so a store that is back within about 6 s
-/// still gets the write.
-pub const MAX_WRITE_ATTEMPTS: u8 = 7;
-
-/// How long to wait before retrying a write that has failed `attempts` times (1-based).
-pub fn retry_delay_ms(attempts: u8) -> u64 {
-    match attempts {
-        0 | 1 => 0,
-        n => 200u64 << u32::from((n - 2).min(10)),
-    }
-}
+pub use crate::store::{retry_delay_ms, MAX_WRITE_ATTEMPTS};
 
 /// A write to the store, made by the root context.
 #[derive(Clone, Debug)]

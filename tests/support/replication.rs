@@ -169,6 +169,11 @@ impl Relay {
         self.shared.held.store(true, Ordering::SeqCst);
     }
 
+    /// Forwards what was held since `hold`, and what follows, both ways.
+    pub fn unhold(&self) {
+        self.shared.held.store(false, Ordering::SeqCst);
+    }
+
     /// Stops forwarding the target's answers (requests still reach it): they wait in the relay
     /// until `release_answers`.
     pub fn hold_answers(&self) {

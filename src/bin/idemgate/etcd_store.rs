@@ -206,7 +206,7 @@ pub fn list(e: &Etcd, a: &ArgMatches) -> Result<(), Fail> {
 /// Reads the value (and its `mod_revision`), plans the action (`admin::plan`, the lock judged
 /// by `etcd::judged_now`), grants the lease a write needs, and sends the transition fenced on
 /// the value read.
-pub fn settle(e: &Etcd, skey: &StorageKey, action: &Settle, done: &str) -> Result<(), Fail> {
+pub fn settle(e: &Etcd, skey: &StorageKey, action: &Settle, done: &str, write_window_ms: u64) -> Result<(), Fail> {
     let now = local_now_ms();
     let fence = match e.read(skey, now)? {
         (ReadReply::Found(_), Some(f)) => f,
@@ -216,7 +216,8 @@ pub fn settle(e: &Etcd, skey: &StorageKey, action: &Settle, done: &str) -> Resul
             return fail(format!("refused: the key holds a value this build cannot read: {why}"))
         }
     };
-    let t = admin::plan(action, &fence.value, etcd::judged_now(now)).or_else(|r| fail(r.to_string()))?;
+    let t =
+        admin::plan(action, &fence.value, etcd::judged_now(now), write_window_ms).or_else(|r| fail(r.to_string()))?;
     let lease = match t.new_phase {
         Some(_) => e.grant(etcd::operator_lease_ttl_seconds(t.ttl_ms))?,
         None => 0,
