@@ -16,6 +16,7 @@ pub mod canonical_json;
 pub mod config;
 pub mod decision;
 pub mod derive;
+pub mod encoding;
 pub mod etcd;
 pub mod failsafe;
 pub mod fingerprint;

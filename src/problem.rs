@@ -51,6 +51,9 @@ pub enum ProblemKind {
     /// Detached forwarding: the upstream gave no answer within `upstream.timeout_ms` (or the
     /// connection failed); the request may have executed.
     UpstreamNoAnswer,
+    /// A replay's stored body is in a content coding the retry does not accept, and idemgate
+    /// cannot decode it (`encoding`): nothing was executed again.
+    EncodingNotAccepted { coding: String },
     /// The gateway met one of its own invariants broken (`failsafe`): the request was refused,
     /// not forwarded.
     InternalState { retry_after_seconds: u64 },
@@ -89,6 +92,7 @@ impl ProblemKind {
             ProblemKind::BufferBudgetExceeded { .. } => "buffer-budget-exceeded",
             ProblemKind::ResponseNotStored { .. } => "response-not-stored",
             ProblemKind::UpstreamNoAnswer => "upstream-no-answer",
+            ProblemKind::EncodingNotAccepted { .. } => "encoding-not-accepted",
             ProblemKind::InternalState { .. } => "internal-state",
         }
     }
@@ -106,6 +110,7 @@ impl ProblemKind {
             | ProblemKind::InternalState { .. } => 503,
             ProblemKind::ResponseNotStored { status, .. } => *status,
             ProblemKind::UpstreamNoAnswer => 504,
+            ProblemKind::EncodingNotAccepted { .. } => 406,
         }
     }
 
@@ -124,6 +129,9 @@ impl ProblemKind {
             ProblemKind::BufferBudgetExceeded { .. } => "Too many requests being buffered",
             ProblemKind::ResponseNotStored { .. } => "Original response was too large to replay",
             ProblemKind::UpstreamNoAnswer => "The upstream did not answer",
+            ProblemKind::EncodingNotAccepted { .. } => {
+                "Original response is in an encoding this request does not accept"
+            }
             ProblemKind::InternalState { .. } => "Request not protected",
         }
     }
@@ -164,6 +172,9 @@ impl ProblemKind {
                 "Too many request bodies are being buffered at once; the request was not forwarded. Retry after {retry_after_seconds} s with the same key."
             ),
             ProblemKind::UpstreamNoAnswer => "The upstream did not answer in time (or could not be reached), so the request may or may not have taken effect. Do not retry with this key: check the resource, then use a new key if the operation must be done.".into(),
+            ProblemKind::EncodingNotAccepted { coding } => format!(
+                "The original request completed, and its response was stored `{coding}`-encoded, a content coding this request's Accept-Encoding does not accept and the gateway cannot decode. It was not executed again: retry with the same key and `Accept-Encoding: {coding}` to get the original response."
+            ),
             ProblemKind::InternalState { retry_after_seconds } => format!(
                 "The gateway could not protect this request and did not forward it. Retry after {retry_after_seconds} s with the same key."
             ),
@@ -265,6 +276,7 @@ mod tests {
             ProblemKind::BufferBudgetExceeded { retry_after_seconds: 1 },
             ProblemKind::ResponseNotStored { status: 201, location: Some("/c/1".into()) },
             ProblemKind::UpstreamNoAnswer,
+            ProblemKind::EncodingNotAccepted { coding: "br".into() },
             ProblemKind::InternalState { retry_after_seconds: 1 },
         ];
         for error in [

@@ -360,6 +360,8 @@ pub enum Counter {
     RecordUnreadable,
     RecordUnauthentic,
     StoreReplays,
+    ReplaysDecoded,
+    ReplaysEncodingNotAccepted,
     StoreWrites,
     StoreWriteRetries,
     StoreWriteFailures,
@@ -378,7 +380,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 43] = [
+    pub const ALL: [Counter; 45] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -407,6 +409,8 @@ impl Counter {
         Counter::RecordUnreadable,
         Counter::RecordUnauthentic,
         Counter::StoreReplays,
+        Counter::ReplaysDecoded,
+        Counter::ReplaysEncodingNotAccepted,
         Counter::StoreWrites,
         Counter::StoreWriteRetries,
         Counter::StoreWriteFailures,
@@ -454,6 +458,8 @@ impl Counter {
             Counter::RecordUnreadable => "idemgate.record_unreadable",
             Counter::RecordUnauthentic => "idemgate.record_unauthentic",
             Counter::StoreReplays => "idemgate.store_replays",
+            Counter::ReplaysDecoded => "idemgate.replays_decoded",
+            Counter::ReplaysEncodingNotAccepted => "idemgate.replays_encoding_not_accepted",
             Counter::StoreWrites => "idemgate.store_writes",
             Counter::StoreWriteRetries => "idemgate.store_write_retries",
             Counter::StoreWriteFailures => "idemgate.store_write_failures",
@@ -620,6 +626,18 @@ impl Metrics {
 
     /// Counts `c` in total and, when the request's policy is known, for its route (in Envoy's
     /// /stats at the next flush).
+    /// Counts what a replay needed beyond the stored bytes: a decoding, or a coding refused.
+    pub fn inc_for_replay(&self, sent: &super::reply::Replayed, policy_index: Option<usize>) {
+        use crate::problem::ProblemKind;
+        match sent {
+            super::reply::Replayed::Decoded => self.inc_for(Counter::ReplaysDecoded, policy_index),
+            super::reply::Replayed::Problem(ProblemKind::EncodingNotAccepted { .. }) => {
+                self.inc_for(Counter::ReplaysEncodingNotAccepted, policy_index)
+            }
+            _ => {}
+        }
+    }
+
     pub fn inc_for(&self, c: Counter, policy_index: Option<usize>) {
         self.inc(c);
         if let Some(Some(id)) = policy_index.and_then(|i| self.per_route.get(i)).and_then(|ids| ids.get(c as usize)) {

@@ -248,6 +248,7 @@ impl Http {
             ProblemKind::RecordUnreadable { .. } => Counter::RecordUnreadable,
             ProblemKind::ResponseNotStored { .. } => Counter::Replayed,
             ProblemKind::UpstreamNoAnswer => Counter::UnknownOutcome,
+            ProblemKind::EncodingNotAccepted { .. } => Counter::ReplaysEncodingNotAccepted,
             ProblemKind::InternalState { .. } => Counter::InternalErrors,
         };
         self.count(counter);
@@ -347,8 +348,12 @@ impl Http {
             let by = format!("status={} created_by_request_id={}", r.status, record.creator.request_id);
             debug!("{}", self.log_line("replayed", &by));
             self.phase = Phase::Answered;
-            self.publish(reply::REPLAYED);
-            let _ = reply::replay(&record, &self.request_id(), self.now());
+            let accept: Vec<Vec<u8>> = self.accept_encoding();
+            let accept: Vec<&[u8]> = accept.iter().map(Vec::as_slice).collect();
+            let max_decoded = self.policy().map_or(0, |p| p.max_response_body_bytes);
+            let (request_id, now) = (self.request_id(), self.now());
+            let sent = reply::replay(&record, &request_id, now, &accept, max_decoded, |slug| self.publish(slug));
+            self.shared.metrics.inc_for_replay(&sent, self.policy_index);
             return Action::Pause;
         }
         let creator = record.creator.clone();
@@ -360,6 +365,14 @@ impl Http {
             // Only completed records are replayed.
             _ => self.answer(ProblemKind::OutcomeUnknown, Some(&creator)),
         }
+    }
+
+    /// The request's `accept-encoding` lines (none before the request is known).
+    fn accept_encoding(&self) -> Vec<Vec<u8>> {
+        self.req
+            .as_ref()
+            .map(|r| r.head.values("accept-encoding").into_iter().map(<[u8]>::to_vec).collect())
+            .unwrap_or_default()
     }
 
     fn request_id(&self) -> String {
@@ -388,6 +401,8 @@ impl Http {
                     policy_index: r.policy_index,
                     next_store_poll_ms: now,
                     polling: false,
+                    accept_encoding: self.accept_encoding(),
+                    max_decoded_bytes: self.policy().map_or(0, |p| p.max_response_body_bytes),
                 });
                 self.count(Counter::Waited);
                 debug!("{}", self.log_line("waiting", &format!("wait_ms={wait_ms}")));

@@ -132,6 +132,10 @@ pub struct Waiter {
     pub policy_index: usize,
     pub next_store_poll_ms: u64,
     pub polling: bool,
+    /// The request's `accept-encoding` lines: a replay decodes a coding they do not accept.
+    pub accept_encoding: Vec<Vec<u8>>,
+    /// The policy's `max_response_body_bytes`: the most a replay decodes.
+    pub max_decoded_bytes: u64,
 }
 
 /// Work handed from HTTP contexts to their root context.
@@ -541,12 +545,31 @@ impl Root {
     /// Answers a live HTTP context from the root, leaving `outcome` (its slug and storage key) in
     /// that stream's filter state as the HTTP context does for the answers it sends itself.
     fn answer(&self, context_id: u32, outcome: (&str, &StorageKey), send: impl FnOnce(&str), request_id: &str) {
+        self.answer_publishing(
+            context_id,
+            outcome.1,
+            |rid, publish| {
+                publish(outcome.0);
+                send(rid);
+            },
+            request_id,
+        );
+    }
+
+    /// `answer`, for a reply that learns its outcome as it is built: `send` is given the request
+    /// id and a function that publishes the outcome (call it before sending).
+    fn answer_publishing(
+        &self,
+        context_id: u32,
+        skey: &StorageKey,
+        send: impl FnOnce(&str, &dyn Fn(&str)),
+        request_id: &str,
+    ) {
         if !self.queues.live.borrow().contains(&context_id) {
             return;
         }
         if host::set_effective_context(context_id) {
-            host::publish(outcome.0, Some(outcome.1));
-            send(request_id);
+            send(request_id, &|outcome| host::publish(outcome, Some(skey)));
         }
         self.queues.live.borrow_mut().remove(&context_id);
     }
@@ -680,16 +703,13 @@ impl Root {
             WaitAnswer::Replay(r) => {
                 s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
                 s.metrics.inc_for(Counter::Replayed, Some(w.policy_index));
-                let slug = match &r.state {
-                    crate::record::State::Completed(_) => reply::REPLAYED,
-                    crate::record::State::CompletedTooLarge { .. } => "response-not-stored",
-                    _ => ProblemKind::OutcomeUnknown.slug(),
-                };
-                self.answer(
+                let accept: Vec<&[u8]> = w.accept_encoding.iter().map(Vec::as_slice).collect();
+                self.answer_publishing(
                     w.context_id,
-                    (slug, &w.skey),
-                    |rid| {
-                        let _ = reply::replay(&r, rid, host::now_ms());
+                    &w.skey,
+                    |rid, publish| {
+                        let sent = reply::replay(&r, rid, host::now_ms(), &accept, w.max_decoded_bytes, publish);
+                        s.metrics.inc_for_replay(&sent, Some(w.policy_index));
                     },
                     &rid,
                 );

@@ -5,6 +5,7 @@
 //! Envoy's `%RESPONSE_CODE_DETAILS%` tells a replay from a 409. The SDK's `send_http_response`
 //! passes none, so the ABI's `proxy_send_local_response` is called here directly.
 
+use crate::encoding::Replay;
 use crate::problem::{code_details, ProblemKind};
 use crate::record::{Creator, Record, State};
 
@@ -77,22 +78,60 @@ pub fn response(
 /// The outcome slug of a replay.
 pub const REPLAYED: &str = "replayed";
 
-/// Replays a completed record; returns the problem sent instead when there is no body to replay.
-pub fn replay(record: &Record, request_id: &str, now_ms: u64) -> Option<ProblemKind> {
+/// What a replay sent.
+#[derive(Debug)]
+pub enum Replayed {
+    /// The stored response, as stored.
+    Stored,
+    /// The stored response decoded from a content coding the retry does not accept.
+    Decoded,
+    /// A problem instead (no body to replay, or a coding the retry does not accept).
+    Problem(ProblemKind),
+}
+
+/// Replays a completed record to a retry whose `accept-encoding` lines are `accept`
+/// (`encoding::for_retry`, decoding at most `max_decoded_bytes`). `outcome` is told the slug of
+/// what is about to be sent (`replayed`, or the problem's), before it is sent.
+pub fn replay(
+    record: &Record,
+    request_id: &str,
+    now_ms: u64,
+    accept: &[&[u8]],
+    max_decoded_bytes: u64,
+    outcome: impl FnOnce(&'static str),
+) -> Replayed {
     match &record.state {
         State::Completed(r) => {
-            response(r.status, &r.headers, &r.body, true, Some(&expires_in(record.expires_at_ms, now_ms)), REPLAYED);
-            None
+            let expires = expires_in(record.expires_at_ms, now_ms);
+            match crate::encoding::for_retry(r, accept, max_decoded_bytes) {
+                Ok(Replay::AsStored) => {
+                    outcome(REPLAYED);
+                    response(r.status, &r.headers, &r.body, true, Some(&expires), REPLAYED);
+                    Replayed::Stored
+                }
+                Ok(Replay::Decoded(d)) => {
+                    outcome(REPLAYED);
+                    response(d.status, &d.headers, &d.body, true, Some(&expires), REPLAYED);
+                    Replayed::Decoded
+                }
+                Err(kind) => {
+                    outcome(kind.slug());
+                    problem(&kind, request_id, Some(&record.creator));
+                    Replayed::Problem(kind)
+                }
+            }
         }
         State::CompletedTooLarge { status, location } => {
             let location = location.as_ref().map(|l| String::from_utf8_lossy(l).into_owned());
             let kind = ProblemKind::ResponseNotStored { status: *status, location };
+            outcome(kind.slug());
             problem(&kind, request_id, Some(&record.creator));
-            Some(kind)
+            Replayed::Problem(kind)
         }
         _ => {
+            outcome(ProblemKind::OutcomeUnknown.slug());
             problem(&ProblemKind::OutcomeUnknown, request_id, Some(&record.creator));
-            Some(ProblemKind::OutcomeUnknown)
+            Replayed::Problem(ProblemKind::OutcomeUnknown)
         }
     }
 }

@@ -9,7 +9,9 @@
 //! headers Envoy's own local replies carry), `x-up-execute-on-headers` (commits the execution as
 //! soon as the headers have arrived, as a handler that never reads the body does), `x-up-hold`
 //! (commits the execution, then holds its answer until the test calls `Upstream::release_holds`,
-//! for at most 60 s: a request still running while the test changes the world around it).
+//! for at most 60 s: a request still running while the test changes the world around it),
+//! `x-up-coding` (`gzip` gzips the body, as an upstream that compresses does; any other value is
+//! sent as the `content-encoding` of the unchanged body).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -210,6 +212,21 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
                 "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nlocation: /resources/res-{n}\r\nx-execution: {n}\r\n",
                 resp_body.len()
             )
+        };
+        let resp_body = match get("x-up-coding") {
+            Some(coding) => {
+                head = head.replace(&format!("content-length: {}\r\n", resp_body.len()), "");
+                let coded = if coding == "gzip" {
+                    let mut e = flate2::write::GzEncoder::new(vec![], flate2::Compression::default());
+                    let _ = e.write_all(&resp_body);
+                    e.finish().unwrap_or_default()
+                } else {
+                    resp_body
+                };
+                head.push_str(&format!("content-encoding: {coding}\r\ncontent-length: {}\r\n", coded.len()));
+                coded
+            }
+            None => resp_body,
         };
         if get("x-up-set-cookie").is_some() {
             head.push_str("set-cookie: session=secret-of-first-caller; HttpOnly\r\n");

@@ -1,0 +1,303 @@
+//! Content codings on replay (RFC 9110 §8.4, §12.5.3).
+//!
+//! A stored response is replayed as the first request received it, content coding included. A
+//! retry may not accept that coding: the first request sent `accept-encoding: gzip` and a
+//! compressor (after idemgate, or in the upstream) gzipped the answer, and the retry sends
+//! `accept-encoding: identity`, or none. Replaying gzip bytes to it would hand the client a body
+//! it cannot read. So, for each replay:
+//!
+//! - the stored response carries no coding (or only `identity`), or the retry accepts every
+//!   coding it carries: replayed as stored;
+//! - otherwise, one `gzip` (`x-gzip`) or `deflate` coding: decoded here (at most the policy's
+//!   `max_response_body_bytes` of output) and replayed without `content-encoding` (a strong
+//!   `etag`, which named the encoded bytes, becomes weak);
+//! - otherwise (`br`, `zstd`, `compress`, several codings, or a body that does not decode):
+//!   406 `encoding-not-accepted`, naming the coding; nothing is executed again.
+//!
+//! A retry without `accept-encoding` is treated as accepting only `identity` (RFC 9110 lets a
+//! server send any coding then, but a client that sent none rarely decodes one), and an empty
+//! field value means `identity` only, as the RFC says.
+
+use crate::problem::ProblemKind;
+use crate::record::StoredResponse;
+
+/// What a retry is replayed.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Replay {
+    /// The stored response as it is.
+    AsStored,
+    /// The stored response decoded to its identity form.
+    Decoded(StoredResponse),
+}
+
+/// Decides how the stored `response` is replayed to a retry whose `Accept-Encoding` field lines
+/// are `accept` (in order; none if the retry sent none). Decoding stops at `max_decoded_bytes`.
+pub fn for_retry(response: &StoredResponse, accept: &[&[u8]], max_decoded_bytes: u64) -> Result<Replay, ProblemKind> {
+    let codings = stored_codings(response);
+    if codings.is_empty() {
+        return Ok(Replay::AsStored);
+    }
+    let accept: Vec<(String, bool)> = accepted(accept);
+    if codings.iter().all(|c| accepts(&accept, c)) {
+        return Ok(Replay::AsStored);
+    }
+    let refused = || ProblemKind::EncodingNotAccepted { coding: codings.join(", ") };
+    let [coding] = codings.as_slice() else { return Err(refused()) };
+    let body = decode(coding, &response.body, max_decoded_bytes).ok_or_else(refused)?;
+    let headers = response
+        .headers
+        .iter()
+        .filter(|(n, _)| n != "content-encoding")
+        .map(|(n, v)| match (n.as_str(), v.first()) {
+            // A strong validator named the encoded bytes; the decoded ones are only equivalent.
+            ("etag", Some(b'"')) => (n.clone(), [b"W/".as_slice(), v].concat()),
+            _ => (n.clone(), v.clone()),
+        })
+        .collect();
+    Ok(Replay::Decoded(StoredResponse { status: response.status, headers, body }))
+}
+
+/// The codings applied to the stored body, in order, lowercase, `identity` left out.
+fn stored_codings(response: &StoredResponse) -> Vec<String> {
+    response
+        .headers
+        .iter()
+        .filter(|(n, _)| n == "content-encoding")
+        .flat_map(|(_, v)| String::from_utf8_lossy(v).split(',').map(normal_coding).collect::<Vec<_>>())
+        .filter(|c| !c.is_empty() && c != "identity")
+        .collect()
+}
+
+/// A coding's name as compared: lowercase, `x-gzip` and `x-compress` as `gzip` and `compress`.
+fn normal_coding(name: &str) -> String {
+    let c = name.trim().to_ascii_lowercase();
+    match c.as_str() {
+        "x-gzip" => "gzip".to_string(),
+        "x-compress" => "compress".to_string(),
+        _ => c,
+    }
+}
+
+/// The retry's `Accept-Encoding` members: (coding or `*`, acceptable: its weight above 0).
+fn accepted(lines: &[&[u8]]) -> Vec<(String, bool)> {
+    let mut out = vec![];
+    for line in lines {
+        for member in String::from_utf8_lossy(line).split(',') {
+            let mut parts = member.split(';');
+            let name = normal_coding(parts.next().unwrap_or_default());
+            if name.is_empty() {
+                continue;
+            }
+            let mut acceptable = true;
+            for p in parts {
+                if let Some((k, v)) = p.split_once('=') {
+                    if k.trim().eq_ignore_ascii_case("q") {
+                        // A weight of 0 (0, 0.0, 0.000) refuses; anything unreadable counts as 0.
+                        acceptable = v.trim().parse::<f64>().is_ok_and(|q| q > 0.0);
+                    }
+                }
+            }
+            out.push((name, acceptable));
+        }
+    }
+    out
+}
+
+/// Whether `coding` is acceptable: named with a weight above 0, or not named and `*` is.
+fn accepts(accept: &[(String, bool)], coding: &str) -> bool {
+    match accept.iter().find(|(n, _)| n == coding) {
+        Some((_, ok)) => *ok,
+        None => accept.iter().any(|(n, ok)| n == "*" && *ok),
+    }
+}
+
+/// The identity form of `body` under `coding`, or None (not a coding decoded here, damaged, or
+/// more than `limit` bytes decoded).
+fn decode(coding: &str, body: &[u8], limit: u64) -> Option<Vec<u8>> {
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    match coding {
+        "gzip" => gunzip(body, limit),
+        // `deflate` is the zlib format (RFC 9110 §8.4.1.2); some servers send raw deflate.
+        "deflate" => miniz_oxide::inflate::decompress_to_vec_zlib_with_limit(body, limit)
+            .or_else(|_| miniz_oxide::inflate::decompress_to_vec_with_limit(body, limit))
+            .ok(),
+        _ => None,
+    }
+}
+
+/// One gzip member (RFC 1952): the header (with its optional fields), a raw deflate stream, and
+/// the CRC-32 and length of the data, both checked. Several members, or anything after the
+/// member, is refused.
+fn gunzip(body: &[u8], limit: usize) -> Option<Vec<u8>> {
+    const FHCRC: u8 = 2;
+    const FEXTRA: u8 = 4;
+    const FNAME: u8 = 8;
+    const FCOMMENT: u8 = 16;
+    let (head, rest) = body.split_at_checked(10)?;
+    if head[0..3] != [0x1f, 0x8b, 8] || head[3] & 0xe0 != 0 {
+        return None;
+    }
+    let flags = head[3];
+    let mut rest = rest;
+    if flags & FEXTRA != 0 {
+        let (len, r) = rest.split_at_checked(2)?;
+        rest = r.get(usize::from(u16::from_le_bytes([len[0], len[1]]))..)?;
+    }
+    for flag in [FNAME, FCOMMENT] {
+        if flags & flag != 0 {
+            let end = rest.iter().position(|b| *b == 0)?;
+            rest = rest.get(end + 1..)?;
+        }
+    }
+    if flags & FHCRC != 0 {
+        rest = rest.get(2..)?;
+    }
+    let (stream, trailer) = rest.split_at_checked(rest.len().checked_sub(8)?)?;
+    let data = miniz_oxide::inflate::decompress_to_vec_with_limit(stream, limit).ok()?;
+    let crc = u32::from_le_bytes([trailer[0], trailer[1], trailer[2], trailer[3]]);
+    let size = u32::from_le_bytes([trailer[4], trailer[5], trailer[6], trailer[7]]);
+    (crc32fast::hash(&data) == crc && size == data.len() as u32).then_some(data)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    fn gzip(data: &[u8]) -> Vec<u8> {
+        let mut e = flate2::write::GzEncoder::new(vec![], flate2::Compression::default());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    }
+
+    fn zlib(data: &[u8]) -> Vec<u8> {
+        let mut e = flate2::write::ZlibEncoder::new(vec![], flate2::Compression::default());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    }
+
+    fn stored(coding: Option<&str>, body: Vec<u8>) -> StoredResponse {
+        let mut headers = vec![("content-type".to_string(), b"application/json".to_vec())];
+        if let Some(c) = coding {
+            headers.push(("content-encoding".to_string(), c.as_bytes().to_vec()));
+        }
+        headers.push(("etag".to_string(), b"\"v1\"".to_vec()));
+        StoredResponse { status: 201, headers, body }
+    }
+
+    const JSON: &[u8] = br#"{"id":"ch_1","amount":5}"#;
+
+    #[test]
+    fn a_response_without_a_coding_is_replayed_as_stored_whatever_the_retry_accepts() {
+        for accept in [&[][..], &[b"identity".as_slice()], &[b"gzip"], &[b"identity;q=0"]] {
+            assert_eq!(for_retry(&stored(None, JSON.to_vec()), accept, 1 << 20), Ok(Replay::AsStored));
+            assert_eq!(for_retry(&stored(Some("identity"), JSON.to_vec()), accept, 1 << 20), Ok(Replay::AsStored));
+        }
+    }
+
+    #[test]
+    fn a_retry_that_accepts_the_coding_gets_the_stored_bytes() {
+        let r = stored(Some("gzip"), gzip(JSON));
+        for accept in [
+            &[b"gzip".as_slice()][..],
+            &[b"gzip, deflate, br"],
+            &[b"br;q=1.0, GZIP;q=0.5"],
+            &[b"*"],
+            &[b"identity", b"x-gzip"],
+            &[b"deflate", b"gzip;q=0.001"],
+        ] {
+            assert_eq!(for_retry(&r, accept, 1 << 20), Ok(Replay::AsStored), "{accept:?}");
+        }
+    }
+
+    #[test]
+    fn a_retry_that_does_not_accept_gzip_gets_the_decoded_body_without_the_coding() {
+        let r = stored(Some("gzip"), gzip(JSON));
+        for accept in [
+            &[][..],
+            &[b"".as_slice()],
+            &[b"identity"],
+            &[b"br, deflate"],
+            &[b"gzip;q=0"],
+            &[b"gzip;q=0.000, *"],
+            &[b"*;q=0, identity"],
+        ] {
+            let Ok(Replay::Decoded(d)) = for_retry(&r, accept, 1 << 20) else { panic!("{accept:?}") };
+            assert_eq!(d.body, JSON, "{accept:?}");
+            assert_eq!(d.status, 201);
+            assert_eq!(
+                d.headers,
+                vec![
+                    ("content-type".to_string(), b"application/json".to_vec()),
+                    ("etag".to_string(), b"W/\"v1\"".to_vec())
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn deflate_is_decoded_in_the_zlib_form_and_the_raw_form() {
+        let Ok(Replay::Decoded(d)) = for_retry(&stored(Some("deflate"), zlib(JSON)), &[], 1 << 20) else { panic!() };
+        assert_eq!(d.body, JSON);
+        let mut e = flate2::write::DeflateEncoder::new(vec![], flate2::Compression::default());
+        e.write_all(JSON).unwrap();
+        let raw = e.finish().unwrap();
+        let Ok(Replay::Decoded(d)) = for_retry(&stored(Some("Deflate"), raw), &[b"identity"], 1 << 20) else {
+            panic!()
+        };
+        assert_eq!(d.body, JSON);
+    }
+
+    #[test]
+    fn what_cannot_be_decoded_is_refused_naming_the_coding() {
+        let refused = |c: &str| Err(ProblemKind::EncodingNotAccepted { coding: c.to_string() });
+        assert_eq!(for_retry(&stored(Some("br"), vec![1, 2, 3]), &[b"gzip"], 1 << 20), refused("br"));
+        assert_eq!(for_retry(&stored(Some("zstd"), vec![1]), &[], 1 << 20), refused("zstd"));
+        assert_eq!(
+            for_retry(&stored(Some("deflate, gzip"), gzip(&zlib(JSON))), &[], 1 << 20),
+            refused("deflate, gzip")
+        );
+        // Damaged, or truncated.
+        assert_eq!(for_retry(&stored(Some("gzip"), b"not gzip".to_vec()), &[], 1 << 20), refused("gzip"));
+        let mut cut = gzip(JSON);
+        cut.truncate(cut.len() - 6);
+        assert_eq!(for_retry(&stored(Some("gzip"), cut), &[], 1 << 20), refused("gzip"));
+    }
+
+    #[test]
+    fn gzip_headers_with_optional_fields_are_read_and_several_members_refused() {
+        let mut e = flate2::GzBuilder::new()
+            .filename("charge.json")
+            .comment("made by a test")
+            .extra(vec![1, 2, 3])
+            .write(vec![], flate2::Compression::best());
+        e.write_all(JSON).unwrap();
+        let named = e.finish().unwrap();
+        let Ok(Replay::Decoded(d)) = for_retry(&stored(Some("x-gzip"), named), &[], 1 << 20) else { panic!() };
+        assert_eq!(d.body, JSON);
+        let two = [gzip(b"{\"a\":"), gzip(b"1}")].concat();
+        assert!(for_retry(&stored(Some("gzip"), two), &[], 1 << 20).is_err());
+        // A checksum that does not match the data.
+        let mut bad = gzip(JSON);
+        let n = bad.len();
+        bad[n - 8] ^= 1;
+        assert!(for_retry(&stored(Some("gzip"), bad), &[], 1 << 20).is_err());
+    }
+
+    #[test]
+    fn decoding_stops_at_the_limit() {
+        // A small body that decodes to much more (a "zip bomb") never decodes past the limit.
+        let big = vec![b'a'; 1 << 20];
+        let r = stored(Some("gzip"), gzip(&big));
+        assert!(r.body.len() < 4096);
+        assert!(matches!(for_retry(&r, &[], 1 << 20), Ok(Replay::Decoded(_))));
+        assert_eq!(
+            for_retry(&r, &[], (1 << 20) - 1),
+            Err(ProblemKind::EncodingNotAccepted { coding: "gzip".to_string() })
+        );
+    }
+}

@@ -1,0 +1,94 @@
+//! Replays and content codings (issue 24, item 5), in Envoy 1.40 with a counting upstream: a
+//! response stored gzip-encoded (an upstream that gzips, or Envoy's compressor placed after
+//! idemgate) is replayed to a retry that does not accept gzip in its identity form, never as the
+//! gzip bytes; a retry that accepts gzip gets the stored bytes; a coding idemgate cannot decode is
+//! refused with 406 `encoding-not-accepted`. Nothing executes twice.
+
+mod support;
+
+use std::io::Read;
+
+use support::http::{self, Response};
+use support::Stack;
+
+const CFG: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
+
+/// Envoy's gzip compressor, for JSON answers of any size.
+const COMPRESSOR: &str = r#"- name: envoy.filters.http.compressor
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.compressor.v3.Compressor
+    response_direction_config:
+      common_config:
+        min_content_length: 1
+        content_type: [application/json]
+    compressor_library:
+      name: gzip
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.compression.gzip.compressor.v3.Gzip
+"#;
+
+fn post(s: &Stack, key: &str, extra: &[(&str, &str)]) -> Response {
+    let mut h: Vec<(&str, &str)> =
+        vec![("authorization", "Bearer alice"), ("content-type", "application/json"), ("idempotency-key", key)];
+    h.extend_from_slice(extra);
+    http::request(s.envoy.port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("request")
+}
+
+fn gunzip(b: &[u8]) -> Vec<u8> {
+    let mut out = vec![];
+    flate2::read::MultiGzDecoder::new(b).read_to_end(&mut out).expect("gzip body");
+    out
+}
+
+/// The first request accepted gzip and got it; then retries that do and do not accept it.
+fn a_gzip_first_response_is_replayed_to_each_retry_as_it_accepts(s: &Stack, first_extra: &[(&str, &str)]) {
+    let mut extra = vec![("accept-encoding", "gzip")];
+    extra.extend_from_slice(first_extra);
+    let first = post(s, "k-gz", &extra);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    assert_eq!(first.header("content-encoding"), Some("gzip"));
+    let identity = gunzip(&first.body);
+    assert!(identity.starts_with(b"{\"id\":\"res-1\""), "{}", String::from_utf8_lossy(&identity));
+    for accept in [Some("identity"), None, Some("br, deflate"), Some("gzip;q=0, identity")] {
+        let h: Vec<(&str, &str)> = accept.iter().map(|a| ("accept-encoding", *a)).collect();
+        let r = post(s, "k-gz", &h);
+        assert_eq!(r.status, 201, "{accept:?}: {}", r.body_text());
+        assert_eq!(r.header("idempotent-replayed"), Some("true"), "{accept:?}");
+        assert_eq!(r.header("content-encoding"), None, "{accept:?}: a coding the retry did not accept");
+        assert_eq!(r.body, identity, "{accept:?}: the gzip bytes replayed to a retry that does not accept gzip");
+    }
+    let r = post(s, "k-gz", &[("accept-encoding", "gzip, deflate")]);
+    assert_eq!((r.status, r.header("content-encoding")), (201, Some("gzip")));
+    assert_eq!(gunzip(&r.body), identity);
+    assert_eq!(s.up.executions(), 1);
+    assert!(s.envoy.stat("idemgate.replays_decoded") >= 4, "{}", s.envoy.stat("idemgate.replays_decoded"));
+}
+
+#[test]
+fn an_upstream_that_gzips_is_replayed_decoded_to_a_retry_that_does_not_accept_gzip() {
+    let s = Stack::new(CFG);
+    a_gzip_first_response_is_replayed_to_each_retry_as_it_accepts(&s, &[("x-up-coding", "gzip")]);
+}
+
+#[test]
+fn a_compressor_after_idemgate_is_replayed_decoded_to_a_retry_that_does_not_accept_gzip() {
+    let s = Stack::with(CFG, |o| o.extra_http_filters.push(COMPRESSOR.to_string()));
+    a_gzip_first_response_is_replayed_to_each_retry_as_it_accepts(&s, &[]);
+}
+
+#[test]
+fn a_coding_idemgate_cannot_decode_is_refused_with_406_never_replayed_as_bytes_the_retry_cannot_read() {
+    let s = Stack::new(CFG);
+    let first = post(&s, "k-br", &[("accept-encoding", "br"), ("x-up-coding", "br")]);
+    assert_eq!((first.status, first.header("content-encoding")), (201, Some("br")));
+    let r = post(&s, "k-br", &[("accept-encoding", "gzip")]);
+    assert_eq!(r.status, 406, "{}", r.body_text());
+    assert_eq!(r.json()["type"], "urn:idemgate:problem:encoding-not-accepted");
+    assert!(r.json()["detail"].as_str().unwrap_or("").contains("`Accept-Encoding: br`"), "{}", r.body_text());
+    // The same retry accepting br gets the original.
+    let r = post(&s, "k-br", &[("accept-encoding", "br")]);
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")));
+    assert_eq!(r.body, first.body);
+    assert_eq!(s.up.executions(), 1);
+    assert_eq!(s.envoy.stat("idemgate.replays_encoding_not_accepted"), 1);
+}
