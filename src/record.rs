@@ -16,6 +16,27 @@ pub const VERSION: u8 = 1;
 /// Most header lines (and most log values) a record holds: a decoder never builds more.
 pub const MAX_LIST_ITEMS: usize = 1024;
 
+/// A replay is a local reply, which carries no trailers: a response that ended with trailers is
+/// stored with this header naming them (`note_dropped_trailers`), so every replay says plainly
+/// which trailers it lacks. An upstream's own header of this name is never stored.
+pub const TRAILERS_DROPPED_HEADER: &str = "idempotent-replayed-trailers-dropped";
+
+/// Records in `response` that its trailers `names` cannot be replayed (lowercase, in order,
+/// each once, comma-separated).
+pub fn note_dropped_trailers(response: &mut StoredResponse, names: &[String]) {
+    let mut seen: Vec<String> = vec![];
+    for n in names {
+        let n = n.to_ascii_lowercase();
+        if !seen.contains(&n) {
+            seen.push(n);
+        }
+    }
+    response.headers.retain(|(n, _)| n != TRAILERS_DROPPED_HEADER);
+    if !seen.is_empty() {
+        response.headers.push((TRAILERS_DROPPED_HEADER.to_string(), seen.join(", ").into_bytes()));
+    }
+}
+
 /// Response headers never stored: hop-by-hop (RFC 9110 section 7.6.1) and those Envoy recomputes.
 pub const NOT_REPLAYED: &[&str] = &[
     "connection",
@@ -549,6 +570,19 @@ impl<'a> Reader<'a> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn dropped_trailers_are_named_once_each_and_replace_an_earlier_note() {
+        let mut r = StoredResponse { status: 200, headers: vec![("a".into(), b"1".to_vec())], body: vec![] };
+        note_dropped_trailers(&mut r, &["X-Checksum".into(), "server-timing".into(), "x-checksum".into()]);
+        note_dropped_trailers(&mut r, &["X-Checksum".into(), "server-timing".into()]);
+        assert_eq!(
+            r.headers,
+            vec![("a".into(), b"1".to_vec()), (TRAILERS_DROPPED_HEADER.into(), b"x-checksum, server-timing".to_vec())]
+        );
+        note_dropped_trailers(&mut r, &[]);
+        assert_eq!(r.headers, vec![("a".into(), b"1".to_vec())]);
+    }
+
     use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;

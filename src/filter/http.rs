@@ -1252,7 +1252,11 @@ impl HttpContext for Http {
         for (n, v) in host::all_headers(MapType::HttpResponseHeaders) {
             if n == ":status" {
                 status = std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok()).unwrap_or(0);
-            } else if !n.starts_with(':') && !NOT_REPLAYED.contains(&n.as_str()) && !exclude.contains(&n) {
+            } else if !n.starts_with(':')
+                && !NOT_REPLAYED.contains(&n.as_str())
+                && !exclude.contains(&n)
+                && n != crate::record::TRAILERS_DROPPED_HEADER
+            {
                 headers.push((n, v));
             }
         }
@@ -1293,6 +1297,12 @@ impl HttpContext for Http {
         self.callback(meter::Callback::ResponseBody);
         if matches!(self.phase, Phase::Forwarded { .. }) {
             self.response_complete = true;
+            // A replay cannot carry them: it says which it lacks.
+            let names: Vec<String> =
+                host::all_headers(MapType::HttpResponseTrailers).into_iter().map(|(n, _)| n).collect();
+            if let Some(r) = self.response.as_mut() {
+                crate::record::note_dropped_trailers(r, &names);
+            }
         }
         Action::Continue
     }

@@ -160,8 +160,9 @@ pub struct EnvoyOptions {
     pub extra_http_filters: Vec<String>,
     /// More clusters (each a YAML list item starting with `- name:`, written from column 0).
     pub extra_clusters: Vec<String>,
-    /// HTTP/1.1 request trailers reach the filters (`http_protocol_options.enable_trailers`);
-    /// Envoy drops them by default.
+    /// HTTP/1.1 request trailers reach the filters (`http_protocol_options.enable_trailers`), and
+    /// the upstream's response trailers reach Envoy (the cluster's `enable_trailers`); Envoy drops
+    /// both by default.
     pub http1_trailers: bool,
     /// Named Envoy routes to the upstream, tried before the unnamed catch-all: (name, the YAML
     /// of its `match`, e.g. `{prefix: "/pay", case_sensitive: false}`).
@@ -242,7 +243,7 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
   - name: upstream
     connect_timeout: 1s
     type: STATIC
-    per_connection_buffer_limit_bytes: {buffer}
+    per_connection_buffer_limit_bytes: {buffer}{cluster_trailers}
     load_assignment:
       cluster_name: upstream
       endpoints:
@@ -251,6 +252,11 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
 "#,
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
+        cluster_trailers = if o.http1_trailers {
+            "\n    typed_extension_protocol_options:\n      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        explicit_http_config:\n          http_protocol_options: {enable_trailers: true}"
+        } else {
+            ""
+        },
     );
     let etcd_cluster = match o.etcd_ports.is_empty() {
         true => String::new(),

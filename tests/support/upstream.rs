@@ -11,7 +11,8 @@
 //! (commits the execution, then holds its answer until the test calls `Upstream::release_holds`,
 //! for at most 60 s: a request still running while the test changes the world around it),
 //! `x-up-coding` (`gzip` gzips the body, as an upstream that compresses does; any other value is
-//! sent as the `content-encoding` of the unchanged body).
+//! sent as the `content-encoding` of the unchanged body), `x-up-trailer` (`name: value`: the body
+//! chunked, then that trailer).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -231,9 +232,23 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
         if get("x-up-set-cookie").is_some() {
             head.push_str("set-cookie: session=secret-of-first-caller; HttpOnly\r\n");
         }
+        // `x-up-trailer: name: value`: the body chunked, then that response trailer (Envoy passes
+        // HTTP/1 trailers on only with the cluster's `enable_trailers`).
+        let trailer = get("x-up-trailer");
+        if trailer.is_some() {
+            head = head.replace(&format!("content-length: {}\r\n", resp_body.len()), "");
+            head.push_str("transfer-encoding: chunked\r\n");
+        }
         head.push_str("\r\n");
         let mut out = head.into_bytes();
-        out.extend_from_slice(&resp_body);
+        match &trailer {
+            Some(t) => {
+                out.extend_from_slice(format!("{:x}\r\n", resp_body.len()).as_bytes());
+                out.extend_from_slice(&resp_body);
+                out.extend_from_slice(format!("\r\n0\r\n{t}\r\n\r\n").as_bytes());
+            }
+            None => out.extend_from_slice(&resp_body),
+        }
         match get("x-up-reset").as_deref() {
             // Executed, then the connection is cut: no response at all, or half of it.
             Some("before-headers") => return,

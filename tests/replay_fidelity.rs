@@ -92,3 +92,28 @@ fn a_coding_idemgate_cannot_decode_is_refused_with_406_never_replayed_as_bytes_t
     assert_eq!(s.up.executions(), 1);
     assert_eq!(s.envoy.stat("idemgate.replays_encoding_not_accepted"), 1);
 }
+
+/// Issue 24, item 8: a local reply carries no trailers, so a replay of a response that ended with
+/// trailers says which it lacks (`idempotent-replayed-trailers-dropped`) instead of passing for
+/// the whole response. (Before: the replay carried neither the trailer nor any word of it.)
+#[test]
+fn a_replay_of_a_response_with_trailers_names_the_trailers_it_lacks() {
+    let s = Stack::with(CFG, |o| o.http1_trailers = true);
+    let extra = [("x-up-trailer", "x-checksum: abc123"), ("connection", "close")];
+    let first = post(&s, "k-trailers", &extra);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    assert_eq!(first.header("idempotent-replayed-trailers-dropped"), None);
+    let r = post(&s, "k-trailers", &[("connection", "close")]);
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")));
+    assert_eq!(r.body, first.body);
+    assert_eq!(r.header("idempotent-replayed-trailers-dropped"), Some("x-checksum"));
+    // An upstream cannot make a replay claim trailers it never had.
+    let plain = post(&s, "k-no-trailers", &[("connection", "close")]);
+    assert_eq!(plain.status, 201);
+    let r = post(&s, "k-no-trailers", &[("connection", "close")]);
+    assert_eq!(
+        (r.header("idempotent-replayed"), r.header("idempotent-replayed-trailers-dropped")),
+        (Some("true"), None)
+    );
+    assert_eq!(s.up.executions(), 2);
+}
