@@ -1049,6 +1049,54 @@ mod tests {
     }
 
     #[test]
+    fn behind_an_internal_listener_the_chains_mark_decides() {
+        use crate::config::{Forwarding, Hop};
+        let hop = |h: Hop| Policy {
+            forwarding: Forwarding::Detached { cluster: "idemgate_hop".into(), timeout_ms: 5000, hop: h },
+            ..policy()
+        };
+        let (p, direct) = (hop(Hop::InternalListener), hop(Hop::Direct));
+        // Every answer through the chain is stamped by the callout's own router.
+        let marked = |mark: &str| {
+            hdrs(&[("content-type", "text/plain"), ("x-envoy-upstream-service-time", "0"), (HOP_HEADER, mark)])
+        };
+        // The marks Envoy 1.40's internal listener wrote (envoy/detached/envoy.yaml).
+        let rbac = marked("local;attempts=0;host=;connected=;flags=-;details=rbac_access_denied_matched_policy[none]");
+        let refused = marked("local;attempts=1;host=127.0.0.1:29909;connected=;flags=UF;details=upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}");
+        let timeout =
+            marked("local;attempts=1;host=127.0.0.1:29903;connected=127.0.0.1:40000;flags=UT;details=response_timeout");
+        let no_host = marked("local;attempts=0;host=;connected=;flags=UH;details=no_healthy_upstream");
+        let late = marked(
+            "local;attempts=1;host=127.0.0.1:1;connected=127.0.0.1:2;flags=-;details=lua_response_body_too_large",
+        );
+        let relayed = marked("relayed");
+        let forged = marked("local;attempts=zero");
+        let stamped = hdrs(&[("content-type", "text/plain"), ("x-envoy-upstream-service-time", "0")]);
+        let twice = [relayed.clone(), marked("local;attempts=0;host=;connected=;flags=-;details=x")].concat();
+        use Outcome::*;
+        use UnknownReason::*;
+        let body = &b"RBAC: access denied"[..];
+        assert_eq!(classify_callout(Some(403), &rbac, body, &p), Release, "a later filter refused before the router");
+        assert_eq!(classify_callout(Some(503), &refused, body, &p), Release, "the chain's router could not connect");
+        assert_eq!(classify_callout(Some(503), &no_host, body, &p), Release);
+        assert_eq!(classify_callout(Some(504), &timeout, body, &p), Unknown(UpstreamTimeout));
+        assert_eq!(
+            classify_callout(Some(500), &late, body, &p),
+            Unknown(Other),
+            "a local reply after the upstream ran"
+        );
+        assert_eq!(classify_callout(Some(403), &relayed, body, &p), Store, "the upstream's own 403");
+        assert_eq!(classify_callout(Some(429), &relayed, body, &p), Release, "release_on_status");
+        assert_eq!(classify_callout(Some(403), &forged, body, &p), Unknown(Other));
+        assert_eq!(classify_callout(Some(403), &twice, body, &p), Unknown(Other), "two marks: neither is believed");
+        assert_eq!(classify_callout(Some(403), &stamped, body, &p), Store, "no mark, stamped: it reached an upstream");
+        assert!(callout_answer_is_upstreams(&relayed, &p) && !callout_answer_is_upstreams(&rbac, &p));
+        // Straight to the upstream a mark is the upstream's own header: never believed.
+        assert_eq!(classify_callout(Some(403), &rbac, body, &direct), Store);
+        assert!(callout_answer_is_upstreams(&rbac, &direct));
+    }
+
+    #[test]
     fn callout_classification_table() {
         let p = policy();
         // Envoy's own local reply: content-length and content-type only.
