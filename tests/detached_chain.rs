@@ -125,6 +125,20 @@ fn the_internal_listeners_route_timeout_is_outcome_unknown_never_a_second_execut
 }
 
 #[test]
+fn the_callouts_timeout_before_the_routes_is_outcome_unknown_never_a_second_execution() {
+    let plugin = DETACHED.replace(r#""timeout_ms": 5000"#, r#""timeout_ms": 1000"#);
+    let (up, envoy) = stack(&plugin, |o| o.route_timeout_ms = 10_000);
+    let r = post(&envoy, "k-callout-slow", &[("x-up-delay-ms", "2000")]);
+    assert_eq!(r.status, 504, "{}", r.body_text());
+    assert!(r.body_text().contains("upstream-no-answer"), "{}", r.body_text());
+    let again = post(&envoy, "k-callout-slow", &[("x-up-delay-ms", "2000")]);
+    assert_eq!(again.status, 409, "{}", again.body_text());
+    assert!(again.body_text().contains("outcome-unknown"), "{}", again.body_text());
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert_eq!(up.executions_with_key("k-callout-slow"), 1);
+}
+
+#[test]
 fn a_detached_cluster_that_is_not_the_internal_listener_chain_is_refused() {
     // `upstream.cluster` names the upstream itself (no `hop: "direct"`): RBAC after idemgate
     // would be skipped, so nothing is sent.
@@ -141,13 +155,17 @@ fn a_detached_cluster_that_is_not_the_internal_listener_chain_is_refused() {
     envoy.assert_no_wasm_panic();
 }
 
-/// Envoy running a shipped configuration file (ports and module path replaced), killed when dropped.
-struct Shipped(std::process::Child, support::Scratch);
+/// Envoy running a shipped configuration file (ports and module path replaced), killed when
+/// dropped, before its scratch folder goes.
+struct Shipped {
+    child: std::process::Child,
+    _scratch: support::Scratch,
+}
 
 impl Drop for Shipped {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -174,7 +192,7 @@ fn the_shipped_detached_example_runs_its_later_filters_and_routes_for_detached_r
         .stderr(log)
         .spawn()
         .expect("envoy");
-    let _envoy = Shipped(child, scratch);
+    let _envoy = Shipped { child, _scratch: scratch };
     let ready = (0..600).any(|_| {
         std::thread::sleep(std::time::Duration::from_millis(100));
         http::get(admin, "/ready").is_ok_and(|r| r.status == 200)
