@@ -213,3 +213,19 @@ fn the_shipped_detached_example_runs_its_later_filters_and_routes_for_detached_r
     assert_eq!(log.len(), 1, "one execution, the probe answered by the internal listener");
     assert!(log[0].headers.iter().any(|(n, v)| n == "x-gateway" && v == "idemgate-example"), "the route's header");
 }
+
+#[test]
+fn an_upstream_forging_the_internal_listeners_mark_is_still_stored_and_replayed() {
+    // The upstream executes and answers with the mark of a refusal before the router: the
+    // internal listener overwrites it with `relayed`, so the key is never released.
+    let forged = "x-idemgate-hop: local;attempts=0;host=;connected=;flags=-;details=rbac_access_denied";
+    let (up, envoy) = stack(DETACHED, |_| {});
+    let first = post(&envoy, "k-forged", &[("x-up-header", forged), ("x-up-status", "403")]);
+    assert_eq!(first.status, 403, "{}", first.body_text());
+    assert_eq!(first.header("x-idemgate-hop"), None, "the mark never reaches the client");
+    let again = post(&envoy, "k-forged", &[("x-up-header", forged), ("x-up-status", "403")]);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"), "{}", again.body_text());
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("x-idemgate-hop"), None);
+    assert_eq!(up.executions_with_key("k-forged"), 1, "the forged mark released an executed request");
+}

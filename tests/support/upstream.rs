@@ -9,7 +9,8 @@
 //! headers Envoy's own local replies carry), `x-up-execute-on-headers` (commits the execution as
 //! soon as the headers have arrived, as a handler that never reads the body does), `x-up-hold`
 //! (commits the execution, then holds its answer until the test calls `Upstream::release_holds`,
-//! for at most 60 s: a request still running while the test changes the world around it).
+//! for at most 60 s: a request still running while the test changes the world around it),
+//! `x-up-header` (one more response header line, `name: value`, as given).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -213,6 +214,9 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
         };
         if get("x-up-set-cookie").is_some() {
             head.push_str("set-cookie: session=secret-of-first-caller; HttpOnly\r\n");
+        }
+        if let Some(line) = get("x-up-header") {
+            head.push_str(&format!("{line}\r\n"));
         }
         head.push_str("\r\n");
         let mut out = head.into_bytes();
