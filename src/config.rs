@@ -96,7 +96,21 @@ pub enum Forwarding {
     Router,
     /// The filter sends it itself from the root context, through a callout that outlives the
     /// client: the response is stored even if the client left, and a retry gets it.
-    Detached { cluster: String, timeout_ms: u64 },
+    Detached { cluster: String, timeout_ms: u64, hop: Hop },
+}
+
+/// What stands between a detached callout and the upstream (`upstream.hop`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hop {
+    /// Default: `upstream.cluster` is an Envoy internal listener that runs the filters after
+    /// idemgate and the route table, then the router, and marks every answer with
+    /// `x-idemgate-hop` (README, "Detached forwarding through an internal listener"). The root
+    /// proves the chain answers with that mark (a probe) before it sends a request through it,
+    /// and classifies each answer by the mark.
+    InternalListener,
+    /// The callout goes straight to the upstream cluster: no later filter, no route rewrite or
+    /// route header applies. Only for chains with nothing after idemgate that matters.
+    Direct,
 }
 
 /// What a request that finds its key in flight gets.
@@ -640,7 +654,7 @@ fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) ->
     match (detached, map.get("upstream")) {
         (true, Some(u)) => {
             let m = as_object(u, &f("upstream"))?;
-            check_unknown(m, &f("upstream"), &[&["cluster", "timeout_ms"]])?;
+            check_unknown(m, &f("upstream"), &[&["cluster", "timeout_ms", "hop"]])?;
             let cluster = match m.get("cluster") {
                 Some(c) => as_str(c, &f("upstream.cluster"))?.to_string(),
                 None => return Err(err(&f("upstream.cluster"), "missing: name the Envoy cluster of the upstream")),
@@ -652,7 +666,15 @@ fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) ->
                 Some(t) => as_uint(t, &f("upstream.timeout_ms"), 1, 600_000)?,
                 None => 30_000,
             };
-            p.forwarding = Forwarding::Detached { cluster, timeout_ms };
+            let hop = match m.get("hop") {
+                Some(h) => as_choice(
+                    h,
+                    &f("upstream.hop"),
+                    &[("internal_listener", Hop::InternalListener), ("direct", Hop::Direct)],
+                )?,
+                None => Hop::InternalListener,
+            };
+            p.forwarding = Forwarding::Detached { cluster, timeout_ms, hop };
         }
         (true, None) if !matches!(p.forwarding, Forwarding::Detached { .. }) => {
             return Err(err(
@@ -1186,7 +1208,17 @@ mod tests {
         )
         .unwrap();
         let p = &c.default_policy;
-        assert_eq!(p.forwarding, Forwarding::Detached { cluster: "api".into(), timeout_ms: 2000 });
+        assert_eq!(
+            p.forwarding,
+            Forwarding::Detached { cluster: "api".into(), timeout_ms: 2000, hop: Hop::InternalListener }
+        );
+        let direct = parse(
+            r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "api", "hop": "direct"}}"#,
+        )
+        .unwrap();
+        assert!(matches!(direct.default_policy.forwarding, Forwarding::Detached { hop: Hop::Direct, .. }));
+        let bad = r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "api", "hop": "none"}}"#;
+        assert!(parse(bad).unwrap_err().to_string().contains("upstream.hop"), "the error names the field");
         assert_eq!(p.in_flight, InFlight::Wait { wait_ms: 3000 });
         assert_eq!(
             p.derive_key,

@@ -8,7 +8,7 @@
 //! - `classify`: from how Envoy finished the exchange, whether the response is stored, the key
 //!   released, or the outcome unknown.
 
-use crate::config::{OnUnavailable, Policy, StaleLock};
+use crate::config::{Forwarding, Hop, OnUnavailable, Policy, StaleLock};
 use crate::fingerprint::Fingerprint;
 use crate::key::{parse_key_header, IdempotencyKey};
 use crate::problem::ProblemKind;
@@ -439,6 +439,111 @@ pub fn callout_from_upstream(headers: &[(String, Vec<u8>)]) -> bool {
     headers.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME_HEADER)
 }
 
+/// The response header an internal listener's chain (`upstream.hop: "internal_listener"`) puts
+/// on every answer it sends back to a detached callout, overwriting any the upstream sent:
+/// `relayed` (its route table's `response_headers_to_add`: the router relayed the upstream's
+/// answer), or `local;attempts=..;host=..;connected=..;flags=..;details=..` (its
+/// `local_reply_config` mapper: a filter or the router of that chain answered itself, with the
+/// stream's facts at that moment, Envoy's `%UPSTREAM_REQUEST_ATTEMPT_COUNT%`, `%UPSTREAM_HOST%`,
+/// `%UPSTREAM_LOCAL_ADDRESS%`, `%RESPONSE_FLAGS%` and `%RESPONSE_CODE_DETAILS%`).
+pub const HOP_HEADER: &str = "x-idemgate-hop";
+
+/// The request header of the root's probe of an internal listener chain (and never forwarded
+/// from a client in detached mode).
+pub const HOP_PROBE_HEADER: &str = "x-idemgate-hop-probe";
+
+/// What an answer's `x-idemgate-hop` says.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HopMark {
+    /// No mark: the answer did not come through the chain (Envoy's own reply for the callout, or
+    /// a cluster that is not the internal listener).
+    Missing,
+    /// The chain's router relayed the upstream's answer.
+    Relayed,
+    /// The chain answered itself; the facts of its stream when it did.
+    Local(ExchangeFacts),
+    /// A mark this build cannot read: no evidence of anything.
+    Unreadable,
+}
+
+/// Envoy's short response flag codes (`%RESPONSE_FLAGS%`) and their bits. A code not listed
+/// adds no bit: a release never rests on a flag's absence (see `classify_exchange`).
+const SHORT_FLAGS: [(&str, u64); 22] = [
+    ("LH", flags::FAILED_LOCAL_HEALTH_CHECK),
+    ("UH", flags::NO_HEALTHY_UPSTREAM),
+    ("UT", flags::UPSTREAM_REQUEST_TIMEOUT),
+    ("LR", flags::LOCAL_RESET),
+    ("UR", flags::UPSTREAM_REMOTE_RESET),
+    ("UF", flags::UPSTREAM_CONNECTION_FAILURE),
+    ("UC", flags::UPSTREAM_CONNECTION_TERMINATION),
+    ("UO", flags::UPSTREAM_OVERFLOW),
+    ("NR", flags::NO_ROUTE_FOUND),
+    ("DI", flags::DELAY_INJECTED),
+    ("FI", flags::FAULT_INJECTED),
+    ("RL", flags::RATE_LIMITED),
+    ("UAEX", flags::UNAUTHORIZED_EXTERNAL_SERVICE),
+    ("DC", flags::DOWNSTREAM_CONNECTION_TERMINATION),
+    ("URX", flags::UPSTREAM_RETRY_LIMIT_EXCEEDED),
+    ("SI", flags::STREAM_IDLE_TIMEOUT),
+    ("DPE", flags::DOWNSTREAM_PROTOCOL_ERROR),
+    ("UMSDR", flags::UPSTREAM_MAX_STREAM_DURATION_REACHED),
+    ("DT", flags::DURATION_TIMEOUT),
+    ("UPE", flags::UPSTREAM_PROTOCOL_ERROR),
+    ("NC", flags::NO_CLUSTER_FOUND),
+    ("DR", flags::DOWNSTREAM_REMOTE_RESET),
+];
+
+/// Reads an answer's `x-idemgate-hop` (`headers`: names lowercase; a repeated mark is unreadable).
+pub fn hop_mark(status: Option<u16>, headers: &[(String, Vec<u8>)]) -> HopMark {
+    let mut marks = headers.iter().filter(|(n, _)| n == HOP_HEADER);
+    let (Some((_, v)), None) = (marks.next(), marks.next()) else {
+        return if headers.iter().any(|(n, _)| n == HOP_HEADER) { HopMark::Unreadable } else { HopMark::Missing };
+    };
+    if v == b"relayed" {
+        return HopMark::Relayed;
+    }
+    local_hop_facts(v, status).map_or(HopMark::Unreadable, HopMark::Local)
+}
+
+fn local_hop_facts(v: &[u8], status: Option<u16>) -> Option<ExchangeFacts> {
+    let v = std::str::from_utf8(v).ok()?.strip_prefix("local;attempts=")?;
+    let (attempts, rest) = v.split_once(";host=")?;
+    let (host, rest) = rest.split_once(";connected=")?;
+    let (connected, rest) = rest.split_once(";flags=")?;
+    let (short_flags, details) = rest.split_once(";details=")?;
+    let set = |s: &str| !s.is_empty() && s != "-";
+    let bits = short_flags
+        .split(',')
+        .filter_map(|code| SHORT_FLAGS.iter().find(|(c, _)| *c == code).map(|(_, b)| *b))
+        .fold(0, |acc, b| acc | b);
+    Some(ExchangeFacts {
+        forwarded: true,
+        status,
+        code_details: details.to_string(),
+        flags: bits,
+        // A local reply: never the upstream's whole answer.
+        response_complete: false,
+        upstream_host: set(host),
+        upstream_connected: set(connected),
+        attempts: attempts.parse().ok(),
+    })
+}
+
+/// Whether a detached callout's answer is the upstream's own (to store and replay): behind an
+/// internal listener, the answers its router relayed (`x-idemgate-hop: relayed`); straight to
+/// the upstream cluster, the answers stamped by the callout's router.
+pub fn callout_answer_is_upstreams(headers: &[(String, Vec<u8>)], policy: &Policy) -> bool {
+    if behind_hop(policy) {
+        hop_mark(None, headers) == HopMark::Relayed
+    } else {
+        callout_from_upstream(headers)
+    }
+}
+
+fn behind_hop(policy: &Policy) -> bool {
+    matches!(policy.forwarding, Forwarding::Detached { hop: Hop::InternalListener, .. })
+}
+
 /// The start of Envoy's reply when the upstream connection failed or was reset before headers,
 /// then what follows it on the first attempt (after retries: `retried and the latest reset
 /// reason: `, and an earlier attempt may have run).
@@ -465,6 +570,18 @@ pub fn classify_callout(status: Option<u16>, headers: &[(String, Vec<u8>)], body
     let Some(status) = status else {
         return Outcome::Unknown(UnknownReason::UpstreamReset);
     };
+    if behind_hop(policy) {
+        // Every answer the chain sends carries its mark (the upstream's own overwritten); only
+        // an answer without one is the callout's Envoy's own (the rules below).
+        match hop_mark(Some(status), headers) {
+            HopMark::Relayed => {
+                return if policy.release_on_status.contains(&status) { Outcome::Release } else { Outcome::Store }
+            }
+            HopMark::Local(facts) => return classify(&facts, policy),
+            HopMark::Unreadable => return Outcome::Unknown(UnknownReason::Other),
+            HopMark::Missing => {}
+        }
+    }
     if callout_from_upstream(headers) {
         return if policy.release_on_status.contains(&status) { Outcome::Release } else { Outcome::Store };
     }
@@ -929,6 +1046,54 @@ mod tests {
 
     fn hdrs(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
         pairs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+    }
+
+    #[test]
+    fn behind_an_internal_listener_the_chains_mark_decides() {
+        use crate::config::{Forwarding, Hop};
+        let hop = |h: Hop| Policy {
+            forwarding: Forwarding::Detached { cluster: "idemgate_hop".into(), timeout_ms: 5000, hop: h },
+            ..policy()
+        };
+        let (p, direct) = (hop(Hop::InternalListener), hop(Hop::Direct));
+        // Every answer through the chain is stamped by the callout's own router.
+        let marked = |mark: &str| {
+            hdrs(&[("content-type", "text/plain"), ("x-envoy-upstream-service-time", "0"), (HOP_HEADER, mark)])
+        };
+        // The marks Envoy 1.40's internal listener wrote (envoy/detached/envoy.yaml).
+        let rbac = marked("local;attempts=0;host=;connected=;flags=-;details=rbac_access_denied_matched_policy[none]");
+        let refused = marked("local;attempts=1;host=127.0.0.1:29909;connected=;flags=UF;details=upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}");
+        let timeout =
+            marked("local;attempts=1;host=127.0.0.1:29903;connected=127.0.0.1:40000;flags=UT;details=response_timeout");
+        let no_host = marked("local;attempts=0;host=;connected=;flags=UH;details=no_healthy_upstream");
+        let late = marked(
+            "local;attempts=1;host=127.0.0.1:1;connected=127.0.0.1:2;flags=-;details=lua_response_body_too_large",
+        );
+        let relayed = marked("relayed");
+        let forged = marked("local;attempts=zero");
+        let stamped = hdrs(&[("content-type", "text/plain"), ("x-envoy-upstream-service-time", "0")]);
+        let twice = [relayed.clone(), marked("local;attempts=0;host=;connected=;flags=-;details=x")].concat();
+        use Outcome::*;
+        use UnknownReason::*;
+        let body = &b"RBAC: access denied"[..];
+        assert_eq!(classify_callout(Some(403), &rbac, body, &p), Release, "a later filter refused before the router");
+        assert_eq!(classify_callout(Some(503), &refused, body, &p), Release, "the chain's router could not connect");
+        assert_eq!(classify_callout(Some(503), &no_host, body, &p), Release);
+        assert_eq!(classify_callout(Some(504), &timeout, body, &p), Unknown(UpstreamTimeout));
+        assert_eq!(
+            classify_callout(Some(500), &late, body, &p),
+            Unknown(Other),
+            "a local reply after the upstream ran"
+        );
+        assert_eq!(classify_callout(Some(403), &relayed, body, &p), Store, "the upstream's own 403");
+        assert_eq!(classify_callout(Some(429), &relayed, body, &p), Release, "release_on_status");
+        assert_eq!(classify_callout(Some(403), &forged, body, &p), Unknown(Other));
+        assert_eq!(classify_callout(Some(403), &twice, body, &p), Unknown(Other), "two marks: neither is believed");
+        assert_eq!(classify_callout(Some(403), &stamped, body, &p), Store, "no mark, stamped: it reached an upstream");
+        assert!(callout_answer_is_upstreams(&relayed, &p) && !callout_answer_is_upstreams(&rbac, &p));
+        // Straight to the upstream a mark is the upstream's own header: never believed.
+        assert_eq!(classify_callout(Some(403), &rbac, body, &direct), Store);
+        assert!(callout_answer_is_upstreams(&rbac, &direct));
     }
 
     #[test]

@@ -58,7 +58,9 @@ fn stack(extra: &str) -> (Upstream, Envoy) {
 
 #[test]
 fn detached_mode_gives_the_retrying_agent_the_one_executions_response() {
-    let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 10000}"#);
+    let (up, envoy) = stack(
+        r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 10000}"#,
+    );
     // Client timeout 1 s; the upstream needs 2 s.
     let report = agent(envoy.port, Some("agent-charge-1"), &[], 1.0, 2000);
     assert_eq!(report["status"], 201, "{report}");
@@ -104,7 +106,9 @@ fn router_mode_executes_once_and_retries_get_outcome_unknown() {
 
 #[test]
 fn detached_mode_answers_a_client_that_stays_and_keeps_set_cookie_for_it_only() {
-    let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 5000}"#);
+    let (up, envoy) = stack(
+        r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 5000}"#,
+    );
     let h = [("authorization", "Bearer a"), ("idempotency-key", "k-stay"), ("x-up-set-cookie", "1")];
     let first = http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap();
     assert_eq!(first.status, 201);
@@ -122,7 +126,7 @@ fn detached_mode_never_lets_a_clients_retry_headers_re_send_the_request() {
     // Internal clients keep their x-envoy-* headers; the callout idemgate makes would honour them.
     let up = Upstream::start();
     let plugin = format!(
-        r#"{{{SCOPE}, "lock_ttl_seconds": 30, "forwarding": "detached", "upstream": {{"cluster": "upstream", "timeout_ms": 5000}}}}"#
+        r#"{{{SCOPE}, "lock_ttl_seconds": 30, "forwarding": "detached", "upstream": {{"cluster": "upstream", "hop": "direct", "timeout_ms": 5000}}}}"#
     );
     let mut o = EnvoyOptions::new(&plugin, up.port);
     o.internal_clients = true;
@@ -145,7 +149,8 @@ fn detached_mode_never_lets_a_clients_retry_headers_re_send_the_request() {
 
 #[test]
 fn detached_mode_upstream_silence_is_outcome_unknown() {
-    let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 500}"#);
+    let (up, envoy) =
+        stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 500}"#);
     let h = [("authorization", "Bearer a"), ("idempotency-key", "k-silent"), ("x-up-delay-ms", "1500")];
     let first = http::request(envoy.port, "POST", "/charges", &h, b"{}").unwrap();
     assert_eq!(first.status, 504, "{}", first.body_text());
@@ -283,7 +288,7 @@ fn derived_keys_execute_an_agent_step_once_and_a_new_step_again() {
 #[test]
 fn the_retrying_agent_with_derived_keys_recovers_its_lost_response_in_detached_mode() {
     let (up, envoy) = stack(
-        r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 10000},
+        r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 10000},
            "derive_key": {"headers": ["x-agent-task-id", "x-agent-step-id"], "include_body": true}"#,
     );
     let report = agent(envoy.port, None, &["x-agent-task-id: t-1", "x-agent-step-id: s-1"], 1.0, 2000);
@@ -296,7 +301,9 @@ fn the_retrying_agent_with_derived_keys_recovers_its_lost_response_in_detached_m
 fn detached_mode_a_response_beyond_envoys_async_client_limit_is_outcome_unknown() {
     // Envoy 1.40's async client keeps at most 32 MiB of a callout's response body; beyond that it
     // drains the rest and hands the filter no response at all. The upstream did execute.
-    let (up, envoy) = stack(r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 20000}"#);
+    let (up, envoy) = stack(
+        r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 20000}"#,
+    );
     let limit = (32 * 1024 * 1024).to_string();
     let over = (33 * 1024 * 1024).to_string();
     let send = |key: &str, size: &str| {

@@ -11,7 +11,7 @@ use support::Stack;
 
 const CFG: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
 const DETACHED: &str = r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached",
-    "upstream": {"cluster": "upstream", "timeout_ms": 5000}}"#;
+    "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 5000}}"#;
 
 fn post(s: &Stack, key: &str, extra: &[(&str, &str)]) -> Response {
     let mut h = vec![("authorization", "Bearer alice"), ("idempotency-key", key)];

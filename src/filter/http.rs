@@ -638,19 +638,21 @@ impl Http {
         else {
             return self.fail_closed(Broken::PolicyMissing, "forward", handle, holding);
         };
-        let Forwarding::Detached { cluster, timeout_ms } = &policy.forwarding else {
+        let Forwarding::Detached { cluster, timeout_ms, hop } = &policy.forwarding else {
             debug!("{}", self.log_line("forwarded", ""));
             self.phase = Phase::Forwarded { handle, fp, in_store };
             return Action::Continue;
         };
-        let (cluster, timeout_ms) = (cluster.clone(), *timeout_ms);
+        let (cluster, timeout_ms, hop) = (cluster.clone(), *timeout_ms, *hop);
         let lock_deadline_ms = Lifetimes::of(policy).lock_expires_at(lock_from_ms);
         // The root sends it: its callout outlives this request if the client leaves.
         let headers = r
             .head
             .headers
             .iter()
-            .filter(|(n, _)| !NOT_REPLAYED.contains(&n.as_str()) && n != "expect")
+            .filter(|(n, _)| {
+                !NOT_REPLAYED.contains(&n.as_str()) && n != "expect" && n != crate::decision::HOP_PROBE_HEADER
+            })
             .filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.clone(), v.to_string())))
             .collect();
         debug!("{}", self.log_line("forwarded", &format!("detached=true cluster={cluster}")));
@@ -658,6 +660,7 @@ impl Http {
             context_id: self.context_id,
             cluster,
             timeout_ms,
+            hop,
             headers,
             body: std::mem::take(&mut self.body),
             claim,

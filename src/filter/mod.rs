@@ -27,8 +27,10 @@ use log::{debug, error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, MapType};
 
-use crate::config::{Config, Forwarding};
-use crate::decision::{callout_from_upstream, classify_callout, Outcome};
+use crate::config::{Config, Forwarding, Hop};
+use crate::decision::{
+    callout_answer_is_upstreams, classify_callout, hop_mark, HopMark, Outcome, HOP_HEADER, HOP_PROBE_HEADER,
+};
 use crate::fingerprint::Fingerprint;
 use crate::local::Table;
 use crate::owner::{OwnerSeed, OwnerToken, TokenSources};
@@ -107,6 +109,7 @@ pub struct Forward {
     pub context_id: u32,
     pub cluster: String,
     pub timeout_ms: u64,
+    pub hop: Hop,
     /// Request headers, pseudo headers included.
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
@@ -283,6 +286,19 @@ enum Call {
     Write(Job),
     Forward(Box<Forward>),
     Poll(u32),
+    /// The probe of an internal listener chain (`upstream.hop: "internal_listener"`): its cluster.
+    HopProbe(String),
+}
+
+/// How long the root waits for a probe's answer.
+const HOP_PROBE_TIMEOUT_MS: u64 = 2_000;
+
+/// Where this root stands with a detached cluster behind an internal listener.
+enum HopCheck {
+    /// Its probe is on the way; the forwards waiting for its answer.
+    Probing(Vec<Forward>),
+    /// It answered with the chain's mark: forwards go.
+    Proven,
 }
 
 struct Root {
@@ -304,6 +320,9 @@ struct Root {
     stray_seen: bool,
     /// The `count-host-calls` build's figures, flushed to its metrics on the tick.
     meter: meter::Flush,
+    /// Detached clusters behind an internal listener, by name: none is sent a request before it
+    /// has answered a probe with the chain's mark.
+    hops: HashMap<String, HopCheck>,
 }
 
 impl Root {
@@ -321,6 +340,7 @@ impl Root {
             stopping_until_ms: None,
             stray_seen: false,
             meter: meter::Flush::new(),
+            hops: HashMap::new(),
         }
     }
 
@@ -334,7 +354,77 @@ impl Root {
         }
         let forwards: Vec<Forward> = self.queues.forwards.borrow_mut().drain(..).collect();
         for f in forwards {
-            self.dispatch_forward(f);
+            self.forward_through_hop(f);
+        }
+    }
+
+    /// Sends a detached request, once its cluster is proven to be the internal listener chain
+    /// that runs the filters after idemgate and the route table (`upstream.hop`); a cluster not
+    /// yet proven is probed first, the request waiting for the answer.
+    fn forward_through_hop(&mut self, f: Forward) {
+        if f.hop == Hop::Direct {
+            return self.dispatch_forward(f);
+        }
+        match self.hops.get_mut(&f.cluster) {
+            Some(HopCheck::Proven) => return self.dispatch_forward(f),
+            Some(HopCheck::Probing(waiting)) => return waiting.push(f),
+            None => {}
+        }
+        let authority = f.headers.iter().find(|(n, _)| n == ":authority").map_or("idemgate-hop-probe", |(_, v)| v);
+        let headers = vec![(":method", "GET"), (":path", "/"), (":authority", authority), (HOP_PROBE_HEADER, "1")];
+        match host::dispatch_http_call(&f.cluster, headers, &[], Duration::from_millis(HOP_PROBE_TIMEOUT_MS)) {
+            Ok(token) => {
+                self.calls.insert(token, Call::HopProbe(f.cluster.clone()));
+                self.hops.insert(f.cluster.clone(), HopCheck::Probing(vec![f]));
+            }
+            Err(e) => {
+                error!("idemgate: detached hop probe not sent to cluster={} error={e:?}", f.cluster);
+                self.refuse_unproven(vec![f]);
+            }
+        }
+    }
+
+    /// The probe's answer: the chain's mark proves the cluster (its waiting forwards go);
+    /// anything else refuses them (never sent, keys released) and the next forward probes again.
+    fn hop_probe_answered(&mut self, cluster: String, num_headers: usize) {
+        let headers = if num_headers == 0 { vec![] } else { host::all_headers(MapType::HttpCallResponseHeaders) };
+        let status =
+            headers.iter().find(|(n, _)| n == ":status").and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok());
+        let waiting = match self.hops.remove(&cluster) {
+            Some(HopCheck::Probing(waiting)) => waiting,
+            _ => vec![],
+        };
+        match hop_mark(status, &headers) {
+            HopMark::Relayed | HopMark::Local(_) => {
+                info!("idemgate: detached hop proven: cluster={cluster} answers with {HOP_HEADER}");
+                self.hops.insert(cluster, HopCheck::Proven);
+                for f in waiting {
+                    self.dispatch_forward(f);
+                }
+            }
+            HopMark::Missing | HopMark::Unreadable => {
+                error!(
+                    "idemgate: detached hop refused: cluster={cluster} answered the probe (status {}) without a readable {HOP_HEADER}: it is not an internal listener running the chain after idemgate (README, detached forwarding); its requests are refused, never sent",
+                    status.unwrap_or(0)
+                );
+                self.refuse_unproven(waiting);
+            }
+        }
+    }
+
+    /// Forwards whose cluster could not be proven: nothing was sent; keys released, clients told.
+    fn refuse_unproven(&mut self, forwards: Vec<Forward>) {
+        let Some(s) = self.shared.clone() else { return };
+        for f in forwards {
+            warn!("idemgate: outcome=detached_hop_unproven {} cluster={}", f.claim.log, f.cluster);
+            settle::settle(&s, &f.claim, Outcome::Release, None, false, "reason=hop_unproven");
+            let kind = ProblemKind::InternalState { retry_after_seconds: 1 };
+            self.answer(
+                f.context_id,
+                (kind.slug(), &f.claim.skey),
+                |rid| reply::problem(&kind, rid, None),
+                &f.request_id,
+            );
         }
     }
 
@@ -598,10 +688,10 @@ impl Root {
         let headers = if num_headers == 0 { vec![] } else { host::all_headers(MapType::HttpCallResponseHeaders) };
         let elapsed = host::now_ms().saturating_sub(f.sent_at_ms);
         let outcome = classify_callout(status, &headers, &body, policy);
-        let upstream_answered = callout_from_upstream(&headers);
+        let upstream_answered = callout_answer_is_upstreams(&headers, policy);
         let client_headers: Vec<(String, Vec<u8>)> = headers
             .into_iter()
-            .filter(|(n, _)| !n.starts_with(':') && !http::NOT_REPLAYED.contains(&n.as_str()))
+            .filter(|(n, _)| !n.starts_with(':') && !http::NOT_REPLAYED.contains(&n.as_str()) && n != HOP_HEADER)
             .collect();
         let detail = format!("detached=true status={} elapsed_ms={elapsed}", status.unwrap_or(0));
         let live = self.queues.live.borrow().contains(&f.context_id);
@@ -940,6 +1030,7 @@ impl Root {
             }
             Some(Call::Forward(f)) => self.forward_answered(*f, num_headers, body_size),
             Some(Call::Poll(context_id)) => self.poll_answered(context_id, num_headers, body_size),
+            Some(Call::HopProbe(cluster)) => self.hop_probe_answered(cluster, num_headers),
             None => {}
         }
     }

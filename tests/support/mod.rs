@@ -175,6 +175,16 @@ pub struct EnvoyOptions {
     pub stop_iteration_flag: bool,
     /// Envoy's log level for Wasm (`--component-log-level wasm:<level>`).
     pub wasm_log_level: String,
+    /// More of the catch-all route's action, appended inside its `route: {...}` (e.g.
+    /// `, prefix_rewrite: "/v2/"`).
+    pub route_action_extra: String,
+    /// More fields of the catch-all route (YAML lines, indented by 16 spaces), e.g. its
+    /// `request_headers_to_add`.
+    pub route_fields: String,
+    /// An internal listener `idemgate_hop` (and its cluster `idemgate_hop`) for detached
+    /// forwarding with `upstream.hop: "internal_listener"`: the filters after idemgate and the
+    /// route table of the main listener, then the router, as `envoy/detached/envoy.yaml` ships it.
+    pub internal_hop: bool,
 }
 
 /// The test access log's line: a test id, the status, Envoy's response code details and the
@@ -208,6 +218,9 @@ impl EnvoyOptions {
             access_log: false,
             stop_iteration_flag: true,
             wasm_log_level: "debug".into(),
+            route_action_extra: String::new(),
+            route_fields: String::new(),
+            internal_hop: false,
         }
     }
 }
@@ -235,11 +248,22 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
     } else {
         (format!("  listeners:\n{listener}"), String::new())
     };
+    let (bootstrap, hop_listener, hop_cluster) = if o.internal_hop {
+        (HOP_BOOTSTRAP.to_string(), render_hop_listener(o), HOP_CLUSTER.to_string())
+    } else {
+        Default::default()
+    };
+    let listeners = match (o.lds, o.internal_hop) {
+        (false, true) => listeners + &hop_listener,
+        (true, true) => format!("  listeners:\n{hop_listener}"),
+        _ => listeners,
+    };
     let cfg = format!(
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
-{dynamic}static_resources:
+{bootstrap}{dynamic}static_resources:
 {listeners}  clusters:
+{hop_cluster}
   - name: upstream
     connect_timeout: 1s
     type: STATIC
@@ -263,6 +287,99 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
         false => indent(&[etcd::envoy_cluster(&o.etcd_ports)], 2),
     };
     cfg + &store_cluster + &etcd_cluster + &indent(&o.extra_clusters, 2)
+}
+
+/// Envoy's internal listeners (needed by `EnvoyOptions::internal_hop`).
+const HOP_BOOTSTRAP: &str = "bootstrap_extensions:
+- name: envoy.bootstrap.internal_listener
+  typed_config:
+    \"@type\": type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener
+";
+
+/// The cluster of the internal listener `idemgate_hop`.
+const HOP_CLUSTER: &str = r#"  - name: idemgate_hop
+    load_assignment:
+      cluster_name: idemgate_hop
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {address: {envoy_internal_address: {server_listener_name: idemgate_hop}}}
+    transport_socket:
+      name: envoy.transport_sockets.internal_upstream
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport
+        transport_socket:
+          name: envoy.transport_sockets.raw_buffer
+          typed_config: {"@type": type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer}
+"#;
+
+/// The main listener's routes (`virtual_hosts`, indented for the HTTP connection manager).
+fn render_virtual_hosts(o: &EnvoyOptions, probe_route: bool) -> String {
+    let probe = if probe_route {
+        "              - match: {prefix: \"/\", headers: [{name: x-idemgate-hop-probe, present_match: true}]}\n                direct_response: {status: 204}\n"
+    } else {
+        ""
+    };
+    let named = o
+        .named_routes
+        .iter()
+        .map(|(name, m)| {
+            format!(
+                "              - name: {name}\n                match: {m}\n                route: {{cluster: upstream, timeout: {}s}}\n",
+                o.route_timeout_ms as f64 / 1000.0
+            )
+        })
+        .collect::<String>();
+    format!(
+        r#"            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+{probe}{named}              - match: {{prefix: "/"}}
+                route: {{cluster: upstream, timeout: {timeout}s{retry}{action}}}
+{fields}"#,
+        timeout = o.route_timeout_ms as f64 / 1000.0,
+        retry = o.retry_policy.as_ref().map_or(String::new(), |r| format!(", retry_policy: {r}"))
+            + &o.hedge_policy.as_ref().map_or(String::new(), |h| format!(", hedge_policy: {h}")),
+        action = o.route_action_extra,
+        fields = o.route_fields,
+    )
+}
+
+/// The internal listener of detached forwarding (`EnvoyOptions::internal_hop`), as
+/// `envoy/detached/envoy.yaml` has it: the main listener's later filters and routes, the
+/// router's retries off, every answer marked `x-idemgate-hop`.
+fn render_hop_listener(o: &EnvoyOptions) -> String {
+    format!(
+        r#"  - name: idemgate_hop
+    internal_listener: {{}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: idemgate_hop
+          local_reply_config:
+            mappers:
+            - filter: {{status_code_filter: {{comparison: {{op: GE, value: {{default_value: 0, runtime_key: idemgate_hop.local_reply_mark}}}}}}}}
+              headers_to_add:
+              - header: {{key: x-idemgate-hop, value: "local;attempts=%UPSTREAM_REQUEST_ATTEMPT_COUNT%;host=%UPSTREAM_HOST%;connected=%UPSTREAM_LOCAL_ADDRESS%;flags=%RESPONSE_FLAGS%;details=%RESPONSE_CODE_DETAILS%"}}
+                append_action: OVERWRITE_IF_EXISTS_OR_ADD
+          route_config:
+            request_headers_to_add:
+            - header: {{key: x-envoy-max-retries, value: "0"}}
+              append_action: OVERWRITE_IF_EXISTS_OR_ADD
+            response_headers_to_add:
+            - header: {{key: x-idemgate-hop, value: relayed}}
+              append_action: OVERWRITE_IF_EXISTS_OR_ADD
+{vhosts}          http_filters:
+{after}{extra}          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"#,
+        vhosts = render_virtual_hosts(o, true),
+        after = o.filters_after_idemgate,
+        extra = indent(&o.extra_http_filters, 10),
+    )
 }
 
 /// The block of YAML text that starts at the line reading `first` (trimmed): that line, then every
@@ -330,13 +447,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: ingress{internal}{trailers}{access_log}
           route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-{named}              - match: {{prefix: "/"}}
-                route: {{cluster: upstream, timeout: {timeout}s{retry}}}
-          http_filters:
+{vhosts}          http_filters:
           - name: envoy.filters.http.wasm
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
@@ -357,25 +468,13 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 "#,
         buffer = o.buffer_limit_bytes,
-        timeout = o.route_timeout_ms as f64 / 1000.0,
-        retry = o.retry_policy.as_ref().map_or(String::new(), |r| format!(", retry_policy: {r}"))
-            + &o.hedge_policy.as_ref().map_or(String::new(), |h| format!(", hedge_policy: {h}")),
+        vhosts = render_virtual_hosts(o, false),
         after = o.filters_after_idemgate,
         internal = if o.internal_clients {
             "\n          use_remote_address: true\n          internal_address_config: {cidr_ranges: [{address_prefix: 127.0.0.0, prefix_len: 8}]}"
         } else {
             ""
         },
-        named = o
-            .named_routes
-            .iter()
-            .map(|(name, m)| {
-                format!(
-                    "              - name: {name}\n                match: {m}\n                route: {{cluster: upstream, timeout: {}s}}\n",
-                    o.route_timeout_ms as f64 / 1000.0
-                )
-            })
-            .collect::<String>(),
         failure_policy = o.failure_policy,
         stop_iteration = o.stop_iteration_flag,
         wasm = wasm.display(),

@@ -12,7 +12,8 @@
 //! for at most 60 s: a request still running while the test changes the world around it),
 //! `x-up-coding` (`gzip` gzips the body, as an upstream that compresses does; any other value is
 //! sent as the `content-encoding` of the unchanged body), `x-up-trailer` (`name: value`: the body
-//! chunked, then that trailer).
+//! chunked, then that trailer), `x-up-header` (one more response header line, `name: value`, as
+//! given).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -231,6 +232,9 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
         };
         if get("x-up-set-cookie").is_some() {
             head.push_str("set-cookie: session=secret-of-first-caller; HttpOnly\r\n");
+        }
+        if let Some(line) = get("x-up-header") {
+            head.push_str(&format!("{line}\r\n"));
         }
         // `x-up-trailer: name: value`: the body chunked, then that response trailer (Envoy passes
         // HTTP/1 trailers on only with the cluster's `enable_trailers`).
