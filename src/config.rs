@@ -42,7 +42,8 @@ pub struct Route {
 pub enum RouteMatch {
     /// A path prefix in normal form (`path::normalize`), compared with every reading of the
     /// request path (`path::Reading`), each with the prefix read the same way; ASCII letters
-    /// without regard to case when `case_insensitive`.
+    /// without regard to case when `case_insensitive` (the default: ASP.NET Core and Express
+    /// route without regard to case).
     Prefix { prefix: String, case_insensitive: bool },
     /// The `name` of the Envoy route that matched the request (exact).
     RouteName(String),
@@ -874,7 +875,7 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
             ),
         ));
     }
-    Ok(RouteMatch::Prefix { prefix: prefix.to_string(), case_insensitive: case_insensitive.unwrap_or(false) })
+    Ok(RouteMatch::Prefix { prefix: prefix.to_string(), case_insensitive: case_insensitive.unwrap_or(true) })
 }
 
 fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
@@ -1397,8 +1398,9 @@ mod tests {
     #[test]
     fn routes_match_every_spelling_of_a_path_by_its_normal_form() {
         let c = parse(
-            r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/v1/payments", "namespace": "pay"},
-                {"prefix": "/v1/Refunds", "case_insensitive": true, "namespace": "refund"}]}"#,
+            r#"{"scope": {"headers": ["a"]}, "routes": [
+                {"prefix": "/v1/payments", "case_insensitive": false, "namespace": "pay"},
+                {"prefix": "/v1/Refunds", "namespace": "refund"}]}"#,
         )
         .unwrap();
         let ns = |path: &str| c.policy_for("POST", path).map(|p| p.namespace.as_str());
@@ -1416,10 +1418,10 @@ mod tests {
         ] {
             assert_eq!(ns(path), Some("pay"), "{path}");
         }
-        // Case-sensitive by default.
+        // Case-sensitive on request.
         assert_eq!(ns("/V1/payments"), None);
         assert_eq!(ns("/v1/%50ayments"), None, "%50 is P");
-        // Case-insensitive on request.
+        // Case-insensitive by default.
         for path in ["/v1/refunds", "/V1/REFUNDS/9", "//v1/%72efunds", "/v1/%52efunds"] {
             assert_eq!(ns(path), Some("refund"), "{path}");
         }
@@ -1481,10 +1483,10 @@ mod tests {
         }
         let e = refused(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "case_insensitive": "yes"}]}"#);
         assert_eq!(e.field, "routes[0].case_insensitive", "{e}");
-        let c = parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p"}, {"prefix": "/q", "case_insensitive": true}]}"#)
+        let c = parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p"}, {"prefix": "/q", "case_insensitive": false}]}"#)
             .unwrap();
         let ci = |r: &Route| matches!(r.select, RouteMatch::Prefix { case_insensitive: true, .. });
-        assert!(!ci(&c.routes[0]) && ci(&c.routes[1]));
+        assert!(ci(&c.routes[0]) && !ci(&c.routes[1]), "case-insensitive unless a route says false");
         // The top level has no such field: it selects nothing there.
         assert_eq!(refused(r#"{"scope": {"headers": ["a"]}, "case_insensitive": true}"#).field, "case_insensitive");
     }

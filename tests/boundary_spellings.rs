@@ -81,6 +81,15 @@ fn encoded_slashes_select_the_route_as_decoding_servers_read_them() {
 }
 
 #[test]
+fn letter_case_selects_the_route_as_case_insensitive_routers_read_it() {
+    let s = Stack::new(ROUTES);
+    // ASP.NET Core routing and Express (its default `caseSensitive: false`) ignore case.
+    let spellings = ["/V1/Payments", "/v1/PAYMENTS", "/V1;x/PAYMENTS", "/V1%2fPayments"];
+    let again = executed_again(&s, "/v1/payments", &spellings, "case");
+    assert!(again.is_empty(), "one key executed again through: {again:?}");
+}
+
+#[test]
 fn a_prefix_with_a_trailing_slash_also_protects_the_path_without_it() {
     let s = Stack::new(ROUTES);
     // Express (strict routing off, its default), Rails and Spring before 6 route `/v2/orders`
