@@ -57,6 +57,8 @@ fn path_parameters_select_the_route_as_servlet_containers_read_them() {
         "/v1/x/..;jsessionid=1/payments?q=1",
         "/v1/x/..%3B/payments",
         "/v1/x/%2E%2E;/payments",
+        // The absolute form: Envoy takes the path out of it.
+        "http://idemgate.test/v1;jsessionid=a1/payments",
     ];
     let again = executed_again(&s, "/v1/payments", &spellings, "param");
     assert!(again.is_empty(), "one key executed again through: {again:?}");
@@ -116,8 +118,13 @@ const AUTHORITY_CFG: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
 
 /// A plain-HTTP/1.1 request with this `Host`.
 fn h1_with_host(s: &Stack, host: &str, key: &str) -> Response {
+    h1_to(s, "/charges", host, key)
+}
+
+/// A plain-HTTP/1.1 request to this request target with this `Host`.
+fn h1_to(s: &Stack, target: &str, host: &str, key: &str) -> Response {
     let req = format!(
-        "POST /charges HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\nauthorization: Bearer alice\r\n\
+        "POST {target} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\nauthorization: Bearer alice\r\n\
          idempotency-key: {key}\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}"
     );
     http::raw(s.envoy.port, req.as_bytes(), Duration::from_secs(20)).expect("answer")
@@ -159,6 +166,11 @@ fn one_origin_spelled_several_ways_over_http1_is_one_scope() {
         }
     }
     assert!(again.is_empty(), "one caller's key executed again through Host: {again:?}");
+    // In the absolute form the target's authority is the request's (Envoy replaces Host with it).
+    for target in ["http://API.example.test.:80/charges", "http://api.example.test:0080/charges"] {
+        let r = h1_to(&s, target, "other.example.test", "k-h1");
+        assert_eq!(s.up.executions_with_key("k-h1"), 1, "{target} executed again (answered {})", r.status);
+    }
     for (n, host) in OTHER_ORIGIN.iter().enumerate() {
         let key = format!("k-h1-other-{n}");
         assert_eq!(h1_with_host(&s, "api.example.test", &key).status, 201);
