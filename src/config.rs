@@ -379,12 +379,11 @@ impl Config {
         Ok(config)
     }
 
-    /// The policy protecting a request, if any: when routes are configured, the first route whose
-    /// prefix matches the path's normal form (`path::normalize`: no query, merged slashes, no dot
-    /// segments, unreserved characters decoded), or else the first matching another reading of
-    /// the path (`path::Reading::ALL` in order: as sent, as servlet containers and decoding
-    /// servers read it), so a path that any mainstream origin routes to a protected prefix is
-    /// protected; and only for the policy's methods.
+    /// The policy protecting a request, if any: when routes are configured, the first route (in
+    /// order) whose prefix matches any reading of the path (`path::Reading::ALL`: the normal
+    /// form, the path as sent, as servlet containers and decoding servers read it), so a path
+    /// that any mainstream origin routes to a protected prefix is protected by the route its
+    /// canonical spelling selects, not by a catch-all after it; and only for the policy's methods.
     /// Routes selected by an Envoy route name need `policy_index_for_route`.
     pub fn policy_for(&self, method: &str, path: &str) -> Option<&Policy> {
         self.policy_index_for(method, path).and_then(|i| self.policy_at(i))
@@ -405,9 +404,9 @@ impl Config {
         if self.routes.is_empty() {
             return protects(&self.default_policy).then_some(0);
         }
-        Reading::ALL.into_iter().find_map(|reading| {
-            let read = reading.of(path);
-            self.routes.iter().position(|r| r.select.matches(&read, reading, route_name) && protects(&r.policy))
+        let readings = Reading::ALL.map(|reading| (reading, reading.of(path)));
+        self.routes.iter().position(|r| {
+            protects(&r.policy) && readings.iter().any(|(reading, read)| r.select.matches(read, *reading, route_name))
         })
     }
 
@@ -1444,14 +1443,18 @@ mod tests {
         // upstream that does not resolve `%2e%2e` reads it under /v1/payments.
         assert_eq!(ns("/v1/payments/%2e%2e/orders"), Some("pay"));
         assert_eq!(ns("/v1/orders"), None);
-        // The first route in order under the normal form wins over a later reading.
+        // The first route in order that matches any reading wins: a spelling of /a/b is not taken
+        // by the route after it, though its normal form (`/a%2Fb`) matches only that one.
         let two = parse(
             r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/a/b", "namespace": "ab"},
-                {"prefix": "/a", "namespace": "a"}]}"#,
+                {"prefix": "/", "namespace": "rest"}]}"#,
         )
         .unwrap();
-        assert_eq!(two.policy_for("POST", "/a%2Fb").map(|p| p.namespace.as_str()), Some("a"));
-        assert_eq!(two.policy_for("POST", "/x/../a/b").map(|p| p.namespace.as_str()), Some("ab"));
+        let two_ns = |path: &str| two.policy_for("POST", path).map(|p| p.namespace.as_str());
+        for path in ["/a/b", "/a%2Fb", "/x/../a/b", "/a;x/b", "/a/x/..;/b/c"] {
+            assert_eq!(two_ns(path), Some("ab"), "{path}");
+        }
+        assert_eq!(two_ns("/a/c"), Some("rest"));
         // A prefix with an escape is read the way the path is: `/caf%C3%A9` is `/café` decoded.
         let escaped = parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/caf%C3%A9"}]}"#).unwrap();
         assert!(escaped.policy_for("POST", "/x/..;/caf%c3%a9/1").is_some());

@@ -101,6 +101,19 @@ fn a_prefix_with_a_trailing_slash_also_protects_the_path_without_it() {
 }
 
 #[test]
+fn a_spelling_selects_the_same_route_as_its_canonical_path_before_a_catch_all() {
+    // The catch-all has a namespace of its own: a spelling of /v1/payments that it took would
+    // address another record, and execute again.
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]},
+            "routes": [{"prefix": "/v1/payments", "namespace": "pay"}, {"prefix": "/", "namespace": "rest"}]}"#,
+    );
+    let spellings = ["/v1%2Fpayments", "/v1;x/payments", "/v1/x/..;/payments", "/v1%252Fpayments"];
+    let again = executed_again(&s, "/v1/payments", &spellings, "catch-all");
+    assert!(again.is_empty(), "one key executed again through: {again:?}");
+}
+
+#[test]
 fn spellings_no_backend_reads_as_a_protected_path_stay_unprotected() {
     let s = Stack::new(ROUTES);
     // A servlet container reads `/v1/pay;ments` as `/v1/pay`; every reading of `/v1/pay%2Fments`
