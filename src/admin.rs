@@ -60,6 +60,9 @@ pub struct KeyRequest {
     pub lines: Vec<(String, String)>,
     /// The request's `:authority`; `None` when the policy has `include_authority: false`.
     pub authority: Option<String>,
+    /// The request's `:scheme` (`http` or `https`; empty when unknown): an explicit default port
+    /// of that scheme is dropped from the authority, as the filter does.
+    pub scheme: String,
     /// `scope.global`: every caller shares one scope.
     pub global: bool,
     /// `scope.anonymous: "shared"`.
@@ -85,6 +88,7 @@ pub fn storage_key_for(req: &KeyRequest) -> Result<ComputedKey, String> {
     let mut pairs: Vec<(String, Vec<u8>)> = vec![];
     if let Some(a) = &req.authority {
         pairs.push((":authority".into(), a.as_bytes().to_vec()));
+        pairs.push((":scheme".into(), req.scheme.as_bytes().to_vec()));
     }
     for (n, v) in &req.lines {
         pairs.push((n.trim().to_ascii_lowercase(), v.trim_matches([' ', '\t']).as_bytes().to_vec()));

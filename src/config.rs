@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+use crate::path::Reading;
 use serde_json::{Map, Value};
 
 /// The whole plugin configuration.
@@ -39,17 +40,22 @@ pub struct Route {
 /// What selects a route.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RouteMatch {
-    /// A path prefix in normal form (`path::normalize`), compared with the request path's normal
-    /// form; ASCII letters without regard to case when `case_insensitive`.
+    /// A path prefix in normal form (`path::normalize`), compared with every reading of the
+    /// request path (`path::Reading`), each with the prefix read the same way; ASCII letters
+    /// without regard to case when `case_insensitive` (the default: ASP.NET Core and Express
+    /// route without regard to case).
     Prefix { prefix: String, case_insensitive: bool },
     /// The `name` of the Envoy route that matched the request (exact).
     RouteName(String),
 }
 
 impl RouteMatch {
-    fn matches(&self, path: &str, route_name: Option<&str>) -> bool {
+    /// Whether this route selects a request whose path, read as `reading`, is `path`.
+    fn matches(&self, path: &str, reading: Reading, route_name: Option<&str>) -> bool {
         match self {
-            RouteMatch::Prefix { prefix, case_insensitive } => crate::path::has_prefix(path, prefix, *case_insensitive),
+            RouteMatch::Prefix { prefix, case_insensitive } => {
+                crate::path::has_prefix(path, &reading.of(prefix), *case_insensitive)
+            }
             RouteMatch::RouteName(name) => route_name == Some(name.as_str()),
         }
     }
@@ -387,10 +393,11 @@ impl Config {
         Ok(config)
     }
 
-    /// The policy protecting a request, if any: when routes are configured, the first route whose
-    /// prefix matches the path's normal form (`path::normalize`: no query, merged slashes, no dot
-    /// segments, unreserved characters decoded), or else the path as sent (query excluded), so a
-    /// path that could be read either way is protected; and only for the policy's methods.
+    /// The policy protecting a request, if any: when routes are configured, the first route (in
+    /// order) whose prefix matches any reading of the path (`path::Reading::ALL`: the normal
+    /// form, the path as sent, as servlet containers and decoding servers read it), so a path
+    /// that any mainstream origin routes to a protected prefix is protected by the route its
+    /// canonical spelling selects, not by a catch-all after it; and only for the policy's methods.
     /// Routes selected by an Envoy route name need `policy_index_for_route`.
     pub fn policy_for(&self, method: &str, path: &str) -> Option<&Policy> {
         self.policy_index_for(method, path).and_then(|i| self.policy_at(i))
@@ -411,8 +418,10 @@ impl Config {
         if self.routes.is_empty() {
             return protects(&self.default_policy).then_some(0);
         }
-        let first = |p: &str| self.routes.iter().position(|r| r.select.matches(p, route_name) && protects(&r.policy));
-        first(&crate::path::normalize(path)).or_else(|| first(path.split(['?', '#']).next().unwrap_or(path)))
+        let readings = Reading::ALL.map(|reading| (reading, reading.of(path)));
+        self.routes.iter().position(|r| {
+            protects(&r.policy) && readings.iter().any(|(reading, read)| r.select.matches(read, *reading, route_name))
+        })
     }
 
     /// Whether a route is selected by an Envoy route name (so the filter reads it).
@@ -887,7 +896,7 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
             ),
         ));
     }
-    Ok(RouteMatch::Prefix { prefix: prefix.to_string(), case_insensitive: case_insensitive.unwrap_or(false) })
+    Ok(RouteMatch::Prefix { prefix: prefix.to_string(), case_insensitive: case_insensitive.unwrap_or(true) })
 }
 
 fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
@@ -1420,8 +1429,9 @@ mod tests {
     #[test]
     fn routes_match_every_spelling_of_a_path_by_its_normal_form() {
         let c = parse(
-            r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/v1/payments", "namespace": "pay"},
-                {"prefix": "/v1/Refunds", "case_insensitive": true, "namespace": "refund"}]}"#,
+            r#"{"scope": {"headers": ["a"]}, "routes": [
+                {"prefix": "/v1/payments", "case_insensitive": false, "namespace": "pay"},
+                {"prefix": "/v1/Refunds", "namespace": "refund"}]}"#,
         )
         .unwrap();
         let ns = |path: &str| c.policy_for("POST", path).map(|p| p.namespace.as_str());
@@ -1439,19 +1449,48 @@ mod tests {
         ] {
             assert_eq!(ns(path), Some("pay"), "{path}");
         }
-        // Case-sensitive by default.
+        // Case-sensitive on request.
         assert_eq!(ns("/V1/payments"), None);
         assert_eq!(ns("/v1/%50ayments"), None, "%50 is P");
-        // Case-insensitive on request.
+        // Case-insensitive by default.
         for path in ["/v1/refunds", "/V1/REFUNDS/9", "//v1/%72efunds", "/v1/%52efunds"] {
             assert_eq!(ns(path), Some("refund"), "{path}");
         }
-        // An encoded slash is not a separator.
-        assert_eq!(ns("/v1%2Fpayments"), None);
+        // Decoding servers read an encoded slash as a separator; servlet containers cut `;params`.
+        for path in [
+            "/v1%2Fpayments",
+            "/%2Fv1/payments",
+            "/v1%5Cpayments",
+            "/v1%252Fpayments",
+            "/v1;jsessionid=1/payments",
+            "/v1/x/..;/payments",
+            "/v1/x/..%3B/payments",
+        ] {
+            assert_eq!(ns(path), Some("pay"), "{path}");
+        }
+        // No reading puts a slash inside `payments` apart, or reads `/v1/pay;ments` beyond `/v1/pay`.
+        assert_eq!(ns("/v1/pay%2Fments"), None);
+        assert_eq!(ns("/v1/pay;ments"), None);
         // A path whose normal form matches nothing is still matched as sent (query cut off): an
         // upstream that does not resolve `%2e%2e` reads it under /v1/payments.
         assert_eq!(ns("/v1/payments/%2e%2e/orders"), Some("pay"));
         assert_eq!(ns("/v1/orders"), None);
+        // The first route in order that matches any reading wins: a spelling of /a/b is not taken
+        // by the route after it, though its normal form (`/a%2Fb`) matches only that one.
+        let two = parse(
+            r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/a/b", "namespace": "ab"},
+                {"prefix": "/", "namespace": "rest"}]}"#,
+        )
+        .unwrap();
+        let two_ns = |path: &str| two.policy_for("POST", path).map(|p| p.namespace.as_str());
+        for path in ["/a/b", "/a%2Fb", "/x/../a/b", "/a;x/b", "/a/x/..;/b/c"] {
+            assert_eq!(two_ns(path), Some("ab"), "{path}");
+        }
+        assert_eq!(two_ns("/a/c"), Some("rest"));
+        // A prefix with an escape is read the way the path is: `/caf%C3%A9` is `/café` decoded.
+        let escaped = parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/caf%C3%A9"}]}"#).unwrap();
+        assert!(escaped.policy_for("POST", "/x/..;/caf%c3%a9/1").is_some());
+        assert!(escaped.policy_for("POST", "/caf\u{e9}").is_some());
         assert_eq!(ns("*"), None);
         assert_eq!(ns(""), None);
         // Without routes, every path is protected, even an odd one.
@@ -1479,10 +1518,10 @@ mod tests {
         }
         let e = refused(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "case_insensitive": "yes"}]}"#);
         assert_eq!(e.field, "routes[0].case_insensitive", "{e}");
-        let c = parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p"}, {"prefix": "/q", "case_insensitive": true}]}"#)
+        let c = parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p"}, {"prefix": "/q", "case_insensitive": false}]}"#)
             .unwrap();
         let ci = |r: &Route| matches!(r.select, RouteMatch::Prefix { case_insensitive: true, .. });
-        assert!(!ci(&c.routes[0]) && ci(&c.routes[1]));
+        assert!(ci(&c.routes[0]) && !ci(&c.routes[1]), "case-insensitive unless a route says false");
         // The top level has no such field: it selects nothing there.
         assert_eq!(refused(r#"{"scope": {"headers": ["a"]}, "case_insensitive": true}"#).field, "case_insensitive");
     }

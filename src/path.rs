@@ -1,48 +1,135 @@
-//! The normal form of a request path, used to select the policy (`routes[].prefix`) and nothing
-//! else: the fingerprint keeps the path as sent.
+//! How a request path selects a route (`routes[].prefix`), and nothing else: the fingerprint
+//! keeps the path as sent.
 //!
-//! An upstream (or its framework's router) may serve `/v1//payments`, `/v1/./payments` and
-//! `/v1/%70ayments` as `/v1/payments`; Envoy forwards them as sent unless its
-//! `normalize_path` / `merge_slashes` are on. A prefix compared with the raw `:path` would leave
-//! those spellings unprotected, so a key could execute once per spelling. The normal form:
+//! An upstream (or its framework's router) may serve `/v1//payments`, `/v1/./payments`,
+//! `/v1;jsessionid=1/payments` or `/v1%2Fpayments` as `/v1/payments`; Envoy forwards them as sent
+//! unless its `normalize_path` / `merge_slashes` / `path_with_escaped_slashes_action` say
+//! otherwise. A prefix compared with one reading of the path would leave the spellings that
+//! another reading routes there unprotected, so a key could execute once per spelling. A path is
+//! therefore read every way a mainstream origin reads it (`Reading::ALL`), and a route's prefix
+//! matches when it matches any reading (the prefix read the same way). The readings share these
+//! steps, in this order:
 //!
 //! 1. the query and the fragment are cut off (at the first `?` or `#`);
-//! 2. percent-encoded unreserved characters (RFC 3986 2.3: `A-Z a-z 0-9 - . _ ~`) are decoded;
-//!    every other escape stays encoded, its hex digits uppercased (`%2f` -> `%2F`, never `/`:
-//!    `/a%2Fb` is one segment to most servers);
-//! 3. an empty path is `/`, a path not starting with `/` is read as if it did (except `*`);
-//! 4. a backslash is a slash, as WHATWG URL parsers (browsers, Node's `URL`) read it; runs of
+//! 2. (servlet) `;params` are cut from each segment of the path as sent (`/v1;a=1/x` -> `/v1/x`,
+//!    `..;` -> `..`);
+//! 3. percent-escapes are decoded: in the normal form only those of unreserved characters
+//!    (RFC 3986 2.3: `A-Z a-z 0-9 - . _ ~`, every other escape kept with uppercase hex digits);
+//!    in the decoded readings every escape, once or twice (`%2F` is `/`, `%5C` is `\`,
+//!    `%252F` decoded twice is `/`);
+//! 4. (decoded, then params) `;params` are cut from each segment of the decoded path;
+//! 5. an empty path is `/`, a path not starting with `/` is read as if it did (except `*`);
+//! 6. a backslash is a slash, as WHATWG URL parsers (browsers, Node's `URL`) read it; runs of
 //!    `/` are merged into one;
-//! 5. dot segments are removed as RFC 3986 5.2.4 does (`/a/./b` -> `/a/b`, `/a/b/../c` ->
+//! 7. dot segments are removed as RFC 3986 5.2.4 does (`/a/./b` -> `/a/b`, `/a/b/../c` ->
 //!    `/a/c`, `..` above the root stays at the root).
 //!
+//! The as-sent reading is only step 1 (for origins that normalise nothing: Express, Node).
 //! Letter case is kept; a route compares it case-insensitively (ASCII) when it asks to.
-//! The work is one pass over the path plus one list of segments: linear in its length, and a
-//! path already in normal form is returned as it is, without allocating.
+//! Each reading is one pass over the path plus one list of segments: linear in its length, and a
+//! path already in normal form (no `%`, `;`, `\`, `//` or `/.`) is returned as it is, without
+//! allocating.
 
 use std::borrow::Cow;
 
-/// The normal form of `path` (a `:path` value, with or without its query).
+/// One way an origin reads a request path. A route's prefix protects a request when it matches
+/// the request path under any of them (`ALL`, tried in this order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reading {
+    /// RFC 3986: unreserved escapes decoded, backslashes as slashes, slashes merged, dot
+    /// segments removed (`normalize`).
+    Normal,
+    /// The path as sent, query cut off (origins that normalise nothing: Express, Node).
+    AsSent,
+    /// Servlet containers (Tomcat, Jetty, Spring MVC on the request URI): `;params` cut from
+    /// each segment as sent, then every escape decoded, then `Normal`'s steps.
+    Servlet,
+    /// Decoding servers (WSGI: Flask, Django; Go's net/http before 1.22, gorilla/mux): every
+    /// escape decoded once (`%2F` is a slash), then `Normal`'s steps.
+    Decoded,
+    /// Spring on the servlet path Tomcat already decoded: every escape decoded, then `;params`
+    /// cut from each segment (`..%3B` is `..`), then `Normal`'s steps.
+    DecodedParams,
+    /// `Decoded` behind a proxy that decoded once already (`%252F` is a slash).
+    TwiceDecoded,
+    /// `DecodedParams` behind a proxy that decoded once already.
+    TwiceDecodedParams,
+}
+
+impl Reading {
+    pub const ALL: [Reading; 7] = [
+        Reading::Normal,
+        Reading::AsSent,
+        Reading::Servlet,
+        Reading::Decoded,
+        Reading::DecodedParams,
+        Reading::TwiceDecoded,
+        Reading::TwiceDecodedParams,
+    ];
+
+    /// `path` (a `:path` value, with or without its query, or a route prefix) read this way.
+    pub fn of(self, path: &str) -> Cow<'_, str> {
+        let cut = without_query(path);
+        // (params cut from the path as sent, full decodings, params cut after decoding)
+        let (params_as_sent, decodings, params_decoded) = match self {
+            Reading::Normal => return normalize(path),
+            Reading::AsSent => return Cow::Borrowed(cut),
+            Reading::Servlet => (true, 1, false),
+            Reading::Decoded => (false, 1, false),
+            Reading::DecodedParams => (false, 1, true),
+            Reading::TwiceDecoded => (false, 2, false),
+            Reading::TwiceDecodedParams => (false, 2, true),
+        };
+        if cut == "*" || (is_normal(cut) && !cut.contains(';')) {
+            return Cow::Borrowed(cut);
+        }
+        let mut p = if params_as_sent { strip_params(cut) } else { cut.to_string() };
+        for _ in 0..decodings {
+            if !p.contains('%') {
+                break;
+            }
+            p = decode(&p, true);
+        }
+        if params_decoded {
+            p = strip_params(&p);
+        }
+        Cow::Owned(remove_dot_segments(&p.replace('\\', "/")))
+    }
+}
+
+/// The normal form of `path` (a `:path` value, with or without its query): `Reading::Normal`.
 pub fn normalize(path: &str) -> Cow<'_, str> {
-    let path = path.find(['?', '#']).and_then(|i| path.get(..i)).unwrap_or(path);
+    let path = without_query(path);
     if path == "*" {
         return Cow::Borrowed(path);
     }
     if is_normal(path) {
         return Cow::Borrowed(path);
     }
-    let decoded = decode_unreserved(path).replace('\\', "/");
+    let decoded = decode(path, false).replace('\\', "/");
     Cow::Owned(remove_dot_segments(&decoded))
 }
 
-/// Whether `path` (a normalised request path) starts with `prefix` (a normalised prefix),
-/// comparing ASCII letters without regard to case when `case_insensitive`.
+/// `path` up to its first `?` or `#`.
+fn without_query(path: &str) -> &str {
+    path.find(['?', '#']).and_then(|i| path.get(..i)).unwrap_or(path)
+}
+
+/// Whether `path` (a request path read one way) starts with `prefix` (the route's prefix read the
+/// same way), comparing ASCII letters without regard to case when `case_insensitive`. A prefix
+/// ending in `/` also matches the path without that slash (`/v1/orders/` matches `/v1/orders`):
+/// Express (non-strict routing, its default), Rails and Spring before 6 route both to one
+/// handler.
 pub fn has_prefix(path: &str, prefix: &str, case_insensitive: bool) -> bool {
-    if case_insensitive {
-        path.as_bytes().get(..prefix.len()).is_some_and(|head| head.eq_ignore_ascii_case(prefix.as_bytes()))
-    } else {
-        path.starts_with(prefix)
-    }
+    let starts = |p: &str| {
+        if case_insensitive {
+            path.as_bytes().get(..p.len()).is_some_and(|head| head.eq_ignore_ascii_case(p.as_bytes()))
+        } else {
+            path.starts_with(p)
+        }
+    };
+    let bare = prefix.strip_suffix('/').filter(|b| !b.is_empty());
+    starts(prefix) || bare.is_some_and(|b| path.len() == b.len() && starts(b))
 }
 
 /// A cheap check that covers every path a well-behaved client sends: rooted, no escapes, no
@@ -56,18 +143,20 @@ fn is_unreserved(b: u8) -> bool {
 }
 
 /// The uppercase hex digit of a value below 16.
-fn hex_digit(v: u8) -> char {
-    char::from(if v < 10 { b'0' + v } else { b'A' + (v - 10) })
+fn hex_digit(v: u8) -> u8 {
+    if v < 10 {
+        b'0' + v
+    } else {
+        b'A' + (v - 10)
+    }
 }
 
-/// Decodes `%XX` where XX is an unreserved character; other well-formed escapes get uppercase
-/// hex digits; a `%` not followed by two hex digits is kept as it is.
-fn decode_unreserved(path: &str) -> String {
+/// Decodes `%XX`: every escape when `all`, else only those of unreserved characters (the others
+/// get uppercase hex digits); a `%` not followed by two hex digits is kept as it is. Decoded
+/// bytes that are not UTF-8 become U+FFFD (the prefix, read the same way, gets the same).
+fn decode(path: &str, all: bool) -> String {
     let bytes = path.as_bytes();
-    let mut out = String::with_capacity(path.len());
-    // `start..i` is a run copied as it is; both ends sit on ASCII bytes or the ends of `path`,
-    // so they are character boundaries.
-    let mut start = 0;
+    let mut out: Vec<u8> = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while let Some(&b) = bytes.get(i) {
         let escape = if b == b'%' {
@@ -80,22 +169,33 @@ fn decode_unreserved(path: &str) -> String {
             None
         };
         let Some((hi, lo)) = escape else {
+            out.push(b);
             i += 1;
             continue;
         };
-        out.push_str(path.get(start..i).unwrap_or_default());
         let byte = (hi << 4) | lo;
-        if is_unreserved(byte) {
-            out.push(char::from(byte));
+        if all || is_unreserved(byte) {
+            out.push(byte);
         } else {
-            out.push('%');
-            out.push(hex_digit(hi));
-            out.push(hex_digit(lo));
+            out.extend_from_slice(&[b'%', hex_digit(hi), hex_digit(lo)]);
         }
         i += 3;
-        start = i;
     }
-    out.push_str(path.get(start..).unwrap_or_default());
+    match String::from_utf8(out) {
+        Ok(s) => s,
+        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+    }
+}
+
+/// Cuts each `/`-separated segment at its first `;` (`/v1;a=1/x;b` -> `/v1/x`, `..;` -> `..`).
+fn strip_params(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    for (n, segment) in path.split('/').enumerate() {
+        if n > 0 {
+            out.push('/');
+        }
+        out.push_str(segment.split(';').next().unwrap_or_default());
+    }
     out
 }
 
@@ -253,6 +353,96 @@ mod tests {
         assert!(matches!(normalize(&long), Cow::Borrowed(_)));
     }
 
+    /// Every reading of `p`, in `Reading::ALL` order.
+    fn readings(p: &str) -> Vec<String> {
+        Reading::ALL.iter().map(|r| r.of(p).into_owned()).collect()
+    }
+
+    fn read_as(p: &str, target: &str) -> bool {
+        readings(p).iter().any(|r| r == target)
+    }
+
+    #[test]
+    fn servlet_containers_cut_path_parameters_from_each_segment() {
+        assert_eq!(Reading::Servlet.of("/v1;jsessionid=a1/payments"), "/v1/payments");
+        assert_eq!(Reading::Servlet.of("/v1/x/..;/payments"), "/v1/payments");
+        assert_eq!(Reading::Servlet.of("/v1/x/..;a=b/payments?q=;x"), "/v1/payments");
+        assert_eq!(Reading::Servlet.of("/;x/v1;a;b/payments;c"), "/v1/payments");
+        // Cut before decoding: an encoded `;` is not a separator to Tomcat ...
+        assert_eq!(Reading::Servlet.of("/v1/x/..%3B/payments"), "/v1/x/..;/payments");
+        // ... but Spring cuts again on the decoded path.
+        assert_eq!(Reading::DecodedParams.of("/v1/x/..%3B/payments"), "/v1/payments");
+        // Parameters hide what follows them in their segment, encoded slashes included.
+        assert_eq!(Reading::Servlet.of("/v1;%2F..%2F..%2Fx/payments"), "/v1/payments");
+        assert_eq!(Reading::DecodedParams.of("/v1;%2F..%2F..%2Fx/payments"), "/x/payments");
+        // The normal form and the as-sent reading keep them.
+        assert_eq!(Reading::Normal.of("/v1;a/payments"), "/v1;a/payments");
+        assert_eq!(Reading::AsSent.of("/v1;a/payments?x"), "/v1;a/payments");
+    }
+
+    #[test]
+    fn decoding_servers_read_encoded_slashes_and_backslashes_as_separators() {
+        assert_eq!(Reading::Decoded.of("/v1%2Fpayments"), "/v1/payments");
+        assert_eq!(Reading::Decoded.of("/%2Fv1/payments"), "/v1/payments");
+        assert_eq!(Reading::Decoded.of("/v1%2fpayments"), "/v1/payments");
+        assert_eq!(Reading::Decoded.of("/v1%5Cpayments"), "/v1/payments");
+        assert_eq!(Reading::Decoded.of("/v1/x%2F..%2Fpayments"), "/v1/payments");
+        assert_eq!(Reading::Decoded.of("%2Fv1"), "/v1");
+        // Once: `%252F` is `%2F`; twice (behind a decoding proxy) it is `/`.
+        assert_eq!(Reading::Decoded.of("/v1%252Fpayments"), "/v1%2Fpayments");
+        assert_eq!(Reading::TwiceDecoded.of("/v1%252Fpayments"), "/v1/payments");
+        assert_eq!(Reading::TwiceDecodedParams.of("/v1%253Bx/payments"), "/v1/payments");
+        // Never a third time.
+        assert_eq!(Reading::TwiceDecoded.of("/v1%25252Fpayments"), "/v1%2Fpayments");
+        // Bytes that are not UTF-8 once decoded become U+FFFD; malformed escapes stay.
+        assert_eq!(Reading::Decoded.of("/a%FF/%C3%A9/%zz%"), "/a\u{fffd}/\u{e9}/%zz%");
+        // The normal form keeps `%2F` and `%5C` encoded.
+        assert_eq!(Reading::Normal.of("/v1%2Fpayments"), "/v1%2Fpayments");
+    }
+
+    #[test]
+    fn every_spelling_from_the_issue_has_a_reading_that_is_the_canonical_path() {
+        for p in [
+            "/v1;jsessionid=a1/payments",
+            "/v1/x/..;/payments",
+            "/v1%2Fpayments",
+            "/%2Fv1/payments",
+            "/v1/%2e%2E/v1/payments",
+            "/v1//payments",
+            "/v1\\payments",
+            "/v1%5cpayments",
+            "/v1%252Fpayments",
+            "/v1/x/..%3B/payments",
+            "/v1/x/%2E%2E;/payments",
+        ] {
+            assert!(read_as(p, "/v1/payments"), "{p}: {:?}", readings(p));
+        }
+        for p in ["/v1/pay%2Fments", "/v1/pay;ments", "/v1/paymentsX/.."] {
+            assert!(!read_as(p, "/v1/payments"), "{p}: {:?}", readings(p));
+        }
+    }
+
+    #[test]
+    fn plain_paths_are_every_reading_without_allocating() {
+        for r in Reading::ALL {
+            for p in ["/", "/v1/payments", "/v1/payments/", "/a-b_c~d/e.f", "*"] {
+                assert!(matches!(r.of(p), Cow::Borrowed(b) if b == p), "{r:?} {p}");
+            }
+            assert!(matches!(r.of("/v1/payments?a=%2F;b"), Cow::Borrowed("/v1/payments")), "{r:?}");
+        }
+    }
+
+    #[test]
+    fn a_prefix_with_a_trailing_slash_matches_the_path_without_it() {
+        assert!(has_prefix("/v1/orders", "/v1/orders/", false));
+        assert!(has_prefix("/V1/ORDERS", "/v1/orders/", true));
+        assert!(has_prefix("/v1/orders/7", "/v1/orders/", false));
+        assert!(!has_prefix("/v1/order", "/v1/orders/", false));
+        assert!(!has_prefix("/v1/ordersx", "/v1/orders/", false));
+        assert!(!has_prefix("/V1/orders", "/v1/orders/", false));
+        assert!(!has_prefix("", "/", false));
+    }
+
     #[test]
     fn prefixes_compare_case_only_when_asked() {
         assert!(has_prefix("/v1/payments/9", "/v1/payments", false));
@@ -271,7 +461,7 @@ mod tests {
         fn path_piece() -> impl Strategy<Value = String> {
             proptest::sample::select(vec![
                 "/", "//", ".", "..", "/./", "/../", "a", "B", "%2E", "%2e", "%2F", "%70", "%", "%4", "%zz", "?", "#",
-                "*", "\u{e9}", "~", "\\", "%5C",
+                "*", "\u{e9}", "~", "\\", "%5C", ";", ";x", "%3B", "%25", "%252F",
             ])
             .prop_map(str::to_string)
         }
@@ -292,6 +482,23 @@ mod tests {
             #[test]
             fn normalize_never_panics_on_any_text(p in ".{0,64}") {
                 let _ = normalize(&p);
+                for r in Reading::ALL {
+                    let _ = r.of(&p);
+                }
+            }
+
+            #[test]
+            fn every_decoded_reading_is_rooted_and_free_of_dot_segments(
+                pieces in proptest::collection::vec(path_piece(), 0..24)
+            ) {
+                let p = pieces.concat();
+                for r in &Reading::ALL[2..] {
+                    let read = r.of(&p).into_owned();
+                    prop_assert!(read == "*" || read.starts_with('/'), "{:?} {:?} -> {:?}", r, p, read);
+                    prop_assert!(!read.contains("//") && !read.contains('\\'), "{:?} {:?} -> {:?}", r, p, read);
+                    let segments: Vec<&str> = read.split('/').collect();
+                    prop_assert!(!segments.contains(&".") && !segments.contains(&".."), "{:?} {:?} -> {:?}", r, p, read);
+                }
             }
         }
     }

@@ -7,6 +7,8 @@ pub struct RequestHead {
     /// `:path` as sent, query included.
     pub path: String,
     pub authority: String,
+    /// `:scheme` as sent (`http` or `https`; empty when the host gave none).
+    pub scheme: String,
     /// All header lines in order (pseudo headers may be included; they are ignored by `values`).
     pub headers: Vec<(String, Vec<u8>)>,
     /// The request trailers, in order (empty until they arrive, and for requests without any).
@@ -23,6 +25,7 @@ impl RequestHead {
                 ":method" => head.method = text(),
                 ":path" => head.path = text(),
                 ":authority" => head.authority = text(),
+                ":scheme" => head.scheme = text(),
                 _ => {}
             }
         }

@@ -46,7 +46,7 @@ impl CallerScope {
         }
         if cfg.include_authority {
             f.field(b":authority");
-            f.field(head.authority.to_ascii_lowercase().as_bytes());
+            f.field(normal_authority(&head.authority, &head.scheme).as_bytes());
         }
         CallerScope { hash: f.finish(), identified }
     }
@@ -67,6 +67,52 @@ impl CallerScope {
     /// First 12 hex digits, for log lines.
     pub fn short(&self) -> String {
         hex::encode(self.hash.get(..6).unwrap_or_default())
+    }
+}
+
+/// The authority as URI comparison reads it (RFC 3986 6.2.2-6.2.3, RFC 9110 4.2.3), so that one
+/// origin spelled several ways is one scope: lowercase; the port without leading zeros, and
+/// none when it is empty or the default port of `scheme` (80 for `http`, 443 for `https`; none
+/// is dropped for another or no scheme); the host without the trailing dot of a fully
+/// qualified name (`api.example.` is `api.example`). An IPv6 literal keeps its brackets; an
+/// authority that is not `host[:port]` is only lowercased.
+pub fn normal_authority(authority: &str, scheme: &str) -> String {
+    let lower = authority.trim_ascii().to_ascii_lowercase();
+    let (host, port) = match lower.strip_prefix('[') {
+        Some(_) => match lower.find(']') {
+            Some(end) => {
+                let (host, rest) = lower.split_at(end + 1);
+                match rest.strip_prefix(':') {
+                    Some(port) => (host, Some(port)),
+                    None if rest.is_empty() => (host, None),
+                    None => return lower,
+                }
+            }
+            None => return lower,
+        },
+        None => match lower.split_once(':') {
+            Some((_, port)) if port.contains(':') => return lower,
+            Some((host, port)) => (host, Some(port)),
+            None => (lower.as_str(), None),
+        },
+    };
+    let host = match host.strip_suffix('.') {
+        Some(bare) if !bare.is_empty() && !bare.ends_with('.') => bare,
+        _ => host,
+    };
+    let default_port = match scheme.to_ascii_lowercase().as_str() {
+        "http" => Some("80"),
+        "https" => Some("443"),
+        _ => None,
+    };
+    let port = port.map(|p| match p.trim_start_matches('0') {
+        "" if !p.is_empty() => "0",
+        digits if p.bytes().all(|b| b.is_ascii_digit()) => digits,
+        _ => p,
+    });
+    match port {
+        Some(p) if !p.is_empty() && Some(p) != default_port => format!("{host}:{p}"),
+        _ => host.to_string(),
     }
 }
 
@@ -141,6 +187,76 @@ mod tests {
         assert_ne!(CallerScope::of(&x, &on), CallerScope::of(&y, &on));
         assert_eq!(CallerScope::of(&x, &off), CallerScope::of(&y, &off));
         assert_eq!(CallerScope::of(&head(Some("t"), "A.example"), &on), CallerScope::of(&x, &on));
+    }
+
+    fn with_scheme(authority: &str, scheme: &str) -> RequestHead {
+        RequestHead::from_pairs(vec![
+            (":scheme".into(), scheme.as_bytes().to_vec()),
+            (":authority".into(), authority.as_bytes().to_vec()),
+            ("authorization".into(), b"t".to_vec()),
+        ])
+    }
+
+    #[test]
+    fn an_authority_is_compared_as_uri_comparison_reads_it() {
+        let n = normal_authority;
+        // Case, the scheme's default port, an empty port, leading zeros, a trailing dot.
+        assert_eq!(n("API.Example.Test", "http"), "api.example.test");
+        assert_eq!(n("api.example.test:80", "http"), "api.example.test");
+        assert_eq!(n("api.example.test:443", "https"), "api.example.test");
+        assert_eq!(n("api.example.test:443", "HTTPS"), "api.example.test");
+        assert_eq!(n("api.example.test:", "http"), "api.example.test");
+        assert_eq!(n("api.example.test:0080", "http"), "api.example.test");
+        assert_eq!(n("api.example.test.", "http"), "api.example.test");
+        assert_eq!(n("API.example.test.:80", "http"), "api.example.test");
+        assert_eq!(n("api.example.test.:8080", "https"), "api.example.test:8080");
+        assert_eq!(n("api.example.test:08080", "https"), "api.example.test:8080");
+        assert_eq!(n(" api ", ""), "api");
+        // Another port, or the other scheme's default, is another origin.
+        assert_eq!(n("api.example.test:443", "http"), "api.example.test:443");
+        assert_eq!(n("api.example.test:80", "https"), "api.example.test:80");
+        assert_eq!(n("api.example.test:0", "http"), "api.example.test:0");
+        // Without a known scheme no port is a default.
+        assert_eq!(n("api:80", ""), "api:80");
+        assert_eq!(n("api:443", "ftp"), "api:443");
+        // IPv6 literals keep their brackets; their port is read after them.
+        assert_eq!(n("[::1]:80", "http"), "[::1]");
+        assert_eq!(n("[FE80::1]:8080", "http"), "[fe80::1]:8080");
+        assert_eq!(n("[::1]", "http"), "[::1]");
+        // Anything that is not host[:port] is only lowercased.
+        assert_eq!(n("::1", "http"), "::1");
+        assert_eq!(n("[::1]x", "http"), "[::1]x");
+        assert_eq!(n("[::1", "http"), "[::1");
+        assert_eq!(n("a:B", "http"), "a:b");
+        assert_eq!(n(".", "http"), ".");
+        assert_eq!(n("a..", "http"), "a..");
+        assert_eq!(n("", "http"), "");
+    }
+
+    #[test]
+    fn one_origin_spelled_several_ways_is_one_scope() {
+        let c = cfg(&["authorization"], true);
+        let plain = CallerScope::of(&with_scheme("api.example.test", "http"), &c);
+        for a in [
+            "api.example.test:80",
+            "api.example.test.",
+            "API.Example.Test.:80",
+            "api.example.test:",
+            "api.example.test:0080",
+        ] {
+            assert_eq!(CallerScope::of(&with_scheme(a, "http"), &c), plain, "{a}");
+        }
+        for a in ["api.example.test:443", "api.example.test:8080", "api.example.test.:81"] {
+            assert_ne!(CallerScope::of(&with_scheme(a, "http"), &c), plain, "{a}");
+        }
+        let tls = CallerScope::of(&with_scheme("api.example.test:443", "https"), &c);
+        assert_eq!(tls, plain, "the scheme itself is not part of the scope, only its default port");
+        // The pinned layout holds for an authority already in normal form, with or without a scheme.
+        let pinned = CallerScope::of(&head(Some("Bearer alice"), "api"), &c);
+        let mut h = head(Some("Bearer alice"), "API.:80");
+        h.scheme = "http".into();
+        assert_eq!(CallerScope::of(&h, &c), pinned);
+        assert_eq!(hex::encode(&pinned.hash), SCOPE_VECTOR);
     }
 
     #[test]

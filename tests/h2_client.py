@@ -4,7 +4,9 @@
 one line per stream: "<stream id> <status> <idempotent-replayed or ->". An argument written
 `@name:value` is sent as a request trailer (a HEADERS frame after the body that ends the stream).
 
-usage: h2_client.py PORT N PATH BODY [name:value | @name:value ...]
+usage: h2_client.py PORT N PATH BODY [name:value | @name:value | :authority=value ...]
+
+`:authority=value` sends that :authority instead of idemgate.test.
 """
 import socket
 import sys
@@ -14,7 +16,8 @@ import h2.connection
 import h2.events
 
 port, n, path, body = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].encode()
-extra = [tuple(h.split(":", 1)) for h in sys.argv[5:] if not h.startswith("@")]
+authority = next((h.split("=", 1)[1] for h in sys.argv[5:] if h.startswith(":authority=")), "idemgate.test")
+extra = [tuple(h.split(":", 1)) for h in sys.argv[5:] if not h.startswith(("@", ":authority="))]
 trailers = [tuple(h[1:].split(":", 1)) for h in sys.argv[5:] if h.startswith("@")]
 sock = socket.create_connection(("127.0.0.1", port), timeout=10)
 conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
@@ -22,7 +25,7 @@ conn.initiate_connection()
 streams = []
 for _ in range(n):
     sid = conn.get_next_available_stream_id()
-    headers = [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", "idemgate.test"),
+    headers = [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", authority),
                ("content-length", str(len(body)))] + [(k.strip().lower(), v.strip()) for k, v in extra]
     conn.send_headers(sid, headers)
     conn.send_data(sid, body, end_stream=not trailers)

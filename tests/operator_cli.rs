@@ -244,6 +244,10 @@ fn the_cli_computes_the_filters_storage_key_and_refuses_bad_input() {
     assert_eq!(s.storage_key("\"k-key\""), skey);
     let other = s.cli(&["key", "--scope-header", "authorization: Bearer bob", "--authority", "x", "k-key"]);
     assert_ne!(text(&other.stdout).trim(), skey);
+    // The authority is normalised as the filter does: with its scheme, an explicit default port goes.
+    let auth = format!("authorization: {CALLER}");
+    let spelled = ["key", "--scope-header", &auth, "--authority", "IDEMGATE.test.:80", "--scheme", "http", "k-key"];
+    assert_eq!(text(&s.cli(&spelled).stdout).trim(), skey);
     assert_eq!(s.cli(&["inspect", "abc"]).status.code(), Some(2));
     assert!(s.cli(&["inspect", &skey]).status.success());
     let out = OperatorCli::webdis(&format!("http://127.0.0.1:{}", s.webdis.port), None).run(&["inspect", &skey]);

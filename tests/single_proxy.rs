@@ -572,14 +572,14 @@ fn a_route_prefix_protects_every_spelling_of_its_path() {
 fn a_case_insensitive_route_protects_every_case_of_its_path() {
     let s = Stack::new(
         r#"{"scope": {"headers": ["authorization"]},
-            "routes": [{"prefix": "/v1/payments", "case_insensitive": true}, {"prefix": "/v2/payments"}]}"#,
+            "routes": [{"prefix": "/v1/payments", "case_insensitive": true}, {"prefix": "/v2/payments", "case_insensitive": false}]}"#,
     );
     assert_eq!(s.post("/v1/payments", Some("k-case"), "{}", &[]).status, 201);
     for path in ["/V1/payments", "/v1/PAYMENTS", "//V1/%50ayments"] {
         let r = s.post(path, Some("k-case"), "{}", &[]);
         assert_eq!(s.up.executions_with_key("k-case"), 1, "{path} executed again (answered {})", r.status);
     }
-    // Case-sensitive by default: `/V2/payments` is another path.
+    // Case-sensitive on request: `/V2/payments` is another path.
     s.post("/v2/payments", Some("k-case-2"), "{}", &[]);
     s.post("/V2/payments", Some("k-case-2"), "{}", &[]);
     assert_eq!(s.up.executions_with_key("k-case-2"), 2);

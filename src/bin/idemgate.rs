@@ -93,6 +93,10 @@ fn cli() -> Command {
                      names given with --scope-header)",
                 ))
                 .arg(Arg::new("authority").long("authority").help("the request's :authority"))
+                .arg(Arg::new("scheme").long("scheme").help(
+                    "the request's :scheme, http or https (an explicit default port of that scheme \
+                     is dropped from the authority, as the filter does)",
+                ))
                 .arg(
                     Arg::new("no_authority")
                         .long("no-authority")
@@ -262,6 +266,7 @@ fn key(a: &ArgMatches) -> Result<(), Fail> {
     if let Some(n) = a.get_one::<usize>("key_max_length") {
         req.key_max_length = *n;
     }
+    req.scheme = s(a, "scheme").cloned().unwrap_or_default();
     req.authority = match (include_authority, s(a, "authority")) {
         (true, Some(auth)) => Some(auth.clone()),
         (true, None) => {
