@@ -98,7 +98,10 @@ fn a_coding_idemgate_cannot_decode_is_refused_with_406_never_replayed_as_bytes_t
 /// the whole response. (Before: the replay carried neither the trailer nor any word of it.)
 #[test]
 fn a_replay_of_a_response_with_trailers_names_the_trailers_it_lacks() {
-    let s = Stack::with(CFG, |o| o.http1_trailers = true);
+    let s = Stack::with(CFG, |o| {
+        o.http1_trailers = true;
+        o.upstream_trailers = true;
+    });
     let extra = [("x-up-trailer", "x-checksum: abc123"), ("connection", "close")];
     let first = post(&s, "k-trailers", &extra);
     assert_eq!(first.status, 201, "{}", first.body_text());

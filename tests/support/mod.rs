@@ -160,10 +160,11 @@ pub struct EnvoyOptions {
     pub extra_http_filters: Vec<String>,
     /// More clusters (each a YAML list item starting with `- name:`, written from column 0).
     pub extra_clusters: Vec<String>,
-    /// HTTP/1.1 request trailers reach the filters (`http_protocol_options.enable_trailers`), and
-    /// the upstream's response trailers reach Envoy (the cluster's `enable_trailers`); Envoy drops
-    /// both by default.
+    /// HTTP/1.1 request trailers reach the filters (`http_protocol_options.enable_trailers`);
+    /// Envoy drops them by default.
     pub http1_trailers: bool,
+    /// The upstream's HTTP/1.1 response trailers reach Envoy (the cluster's `enable_trailers`).
+    pub upstream_trailers: bool,
     /// Named Envoy routes to the upstream, tried before the unnamed catch-all: (name, the YAML
     /// of its `match`, e.g. `{prefix: "/pay", case_sensitive: false}`).
     pub named_routes: Vec<(String, String)>,
@@ -214,6 +215,7 @@ impl EnvoyOptions {
             extra_http_filters: vec![],
             extra_clusters: vec![],
             http1_trailers: false,
+            upstream_trailers: false,
             named_routes: vec![],
             access_log: false,
             stop_iteration_flag: true,
@@ -276,7 +278,7 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
 "#,
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
-        cluster_trailers = if o.http1_trailers {
+        cluster_trailers = if o.upstream_trailers {
             "\n    typed_extension_protocol_options:\n      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        explicit_http_config:\n          http_protocol_options: {enable_trailers: true}"
         } else {
             ""
