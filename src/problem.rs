@@ -211,12 +211,11 @@ impl ProblemKind {
                 body.insert("location".into(), Value::String(l.clone()));
             }
         }
-        if let Some(c) = creator {
+        // The first request's id only: its logged values (`log_headers`) are for operators and
+        // never echoed, since the caller reading this may be another caller of the same scope.
+        if let Some(c) = creator.filter(|c| !c.request_id.is_empty()) {
             let mut by = Map::new();
             by.insert("request_id".into(), Value::String(c.request_id.clone()));
-            for (n, v) in &c.log_values {
-                by.insert(n.clone(), Value::String(v.clone()));
-            }
             body.insert("original_request".into(), Value::Object(by));
         }
         let mut headers = vec![("content-type".to_string(), "application/problem+json".to_string())];
@@ -339,12 +338,18 @@ mod tests {
     }
 
     #[test]
-    fn conflict_names_the_run_that_created_the_record() {
+    fn conflict_names_the_request_that_created_the_record_and_echoes_none_of_its_logged_values() {
         let creator =
             Creator { request_id: "first".into(), log_values: vec![("x-agent-run-id".into(), "run-7".into())] };
         let b = body(&ProblemKind::KeyReused { status: 422 }.to_problem("second", Some(&creator)));
         assert_eq!(b["original_request"]["request_id"], "first");
-        assert_eq!(b["original_request"]["x-agent-run-id"], "run-7");
+        // Logged values are the operator's: never echoed to whoever reads the problem.
+        assert_eq!(b["original_request"].as_object().map(|o| o.len()), Some(1));
+        assert!(!String::from_utf8_lossy(&p_body(&creator)).contains("run-7"));
+    }
+
+    fn p_body(creator: &Creator) -> Vec<u8> {
+        ProblemKind::OutcomeUnknown.to_problem("second", Some(creator)).body
     }
 
     #[test]
