@@ -91,6 +91,19 @@ pub struct Policy {
     pub in_flight: InFlight,
     /// Keys derived at the edge for requests that carry none (opt-in).
     pub derive_key: Option<DeriveKey>,
+    /// What a gRPC request (`content-type: application/grpc*`) gets.
+    pub grpc: GrpcMode,
+}
+
+/// gRPC on a protected route. A local reply to a gRPC request reaches the client as a
+/// trailers-only status (Envoy reshapes it), so a replay cannot carry the first call's message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GrpcMode {
+    /// Default: a gRPC call with a key (sent or derived) is refused before it executes
+    /// (`grpc-unsupported`, gRPC status FAILED_PRECONDITION); one without a key is unchanged.
+    Refuse,
+    /// gRPC calls pass unprotected, with or without a key (counted `grpc_passed_unprotected`).
+    Pass,
 }
 
 /// How a protected request reaches the upstream.
@@ -273,6 +286,7 @@ impl Default for Policy {
             forwarding: Forwarding::Router,
             in_flight: InFlight::Conflict,
             derive_key: None,
+            grpc: GrpcMode::Refuse,
         }
     }
 }
@@ -323,6 +337,7 @@ const POLICY_FIELDS: &[&str] = &[
     "in_flight",
     "wait_ms",
     "derive_key",
+    "grpc",
 ];
 const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes", "hold_headers"];
 
@@ -634,6 +649,7 @@ fn apply_policy_fields(
             "log_headers" => p.log_headers = header_list(v, &f)?,
             "credential_headers" => p.credential_headers = header_list(v, &f)?,
             "replay_exclude_headers" => p.replay_exclude_headers = header_list(v, &f)?,
+            "grpc" => p.grpc = as_choice(v, &f, &[("refuse", GrpcMode::Refuse), ("pass", GrpcMode::Pass)])?,
             "stale_lock" => {
                 p.stale_lock = as_choice(v, &f, &[("reject", StaleLock::Reject), ("takeover", StaleLock::Takeover)])?
             }
@@ -800,6 +816,12 @@ fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
         return Err(err(&join(prefix, "scope.headers"), format!("\"{}\" is the key header itself", p.header)));
     }
     check_log_headers(p, prefix)?;
+    if p.grpc == GrpcMode::Pass && p.require_key {
+        return Err(err(
+            &join(prefix, "grpc"),
+            "\"pass\" cannot be combined with require_key: true (gRPC calls would pass without the key that require_key asks of every request); give gRPC its own route",
+        ));
+    }
     // Detached forwarding knows its upstream's timeout: the lock (and so the record, which
     // outlives it) must outlast it, or a retry while the upstream still works would find the key
     // stale or expired and execute it again.
@@ -1607,5 +1629,24 @@ mod tests {
         .unwrap();
         assert_eq!(c.default_policy.log_headers, vec!["x-agent-run-id"]);
         assert_eq!(c.default_policy.credential_headers, vec!["x-shop-secret"]);
+    }
+
+    #[test]
+    fn grpc_is_refused_by_default_passed_per_route_and_never_with_require_key() {
+        let c = parse(
+            r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/pay.Payments", "grpc": "pass"}, {"prefix": "/"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.routes[0].policy.grpc, GrpcMode::Pass);
+        assert_eq!(c.routes[1].policy.grpc, GrpcMode::Refuse);
+        assert_eq!(parse(MINIMAL).unwrap().default_policy.grpc, GrpcMode::Refuse);
+        let e = refused(r#"{"scope": {"headers": ["authorization"]}, "grpc": "replay"}"#);
+        assert_eq!(e.field, "grpc");
+        assert!(e.reason.contains("\"refuse\", \"pass\""), "{e}");
+        let e = refused(
+            r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/g", "grpc": "pass", "require_key": true}]}"#,
+        );
+        assert_eq!(e.field, "routes[0].grpc");
+        assert!(e.reason.contains("require_key"), "{e}");
     }
 }

@@ -51,6 +51,9 @@ pub enum ProblemKind {
     /// Detached forwarding: the upstream gave no answer within `upstream.timeout_ms` (or the
     /// connection failed); the request may have executed.
     UpstreamNoAnswer,
+    /// A gRPC call with a key on a route with `grpc: "refuse"`: a replay would reach the client as
+    /// a failure (Envoy reshapes local replies to gRPC requests); nothing was forwarded.
+    GrpcUnsupported { header: String },
     /// The gateway met one of its own invariants broken (`failsafe`): the request was refused,
     /// not forwarded.
     InternalState { retry_after_seconds: u64 },
@@ -90,6 +93,7 @@ impl ProblemKind {
             ProblemKind::ResponseNotStored { .. } => "response-not-stored",
             ProblemKind::UpstreamNoAnswer => "upstream-no-answer",
             ProblemKind::InternalState { .. } => "internal-state",
+            ProblemKind::GrpcUnsupported { .. } => "grpc-unsupported",
         }
     }
 
@@ -106,6 +110,7 @@ impl ProblemKind {
             | ProblemKind::InternalState { .. } => 503,
             ProblemKind::ResponseNotStored { status, .. } => *status,
             ProblemKind::UpstreamNoAnswer => 504,
+            ProblemKind::GrpcUnsupported { .. } => 415,
         }
     }
 
@@ -125,6 +130,7 @@ impl ProblemKind {
             ProblemKind::ResponseNotStored { .. } => "Original response was too large to replay",
             ProblemKind::UpstreamNoAnswer => "The upstream did not answer",
             ProblemKind::InternalState { .. } => "Request not protected",
+            ProblemKind::GrpcUnsupported { .. } => "Idempotency keys are not supported for gRPC on this route",
         }
     }
 
@@ -167,6 +173,9 @@ impl ProblemKind {
             ProblemKind::InternalState { retry_after_seconds } => format!(
                 "The gateway could not protect this request and did not forward it. Retry after {retry_after_seconds} s with the same key."
             ),
+            ProblemKind::GrpcUnsupported { header } => format!(
+                "This gRPC call carries `{header}`, but the gateway cannot replay a gRPC response (a replay would reach the client as a failure), so it was not forwarded. Send it without the key (it then runs unprotected), or use the service's own idempotency."
+            ),
             ProblemKind::ResponseNotStored { status, .. } => format!(
                 "The original request completed with status {status}, but its response body was too large to keep. The operation is done: do not repeat it; fetch the resource instead."
             ),
@@ -189,6 +198,41 @@ impl ProblemKind {
     /// Anthropic SDKs honour; Stripe's SDKs would otherwise retry every 409).
     pub fn should_retry(&self) -> bool {
         self.retry_after().is_some()
+    }
+
+    /// The gRPC status a gRPC client gets for this problem (Envoy sends a local reply to a gRPC
+    /// request as a trailers-only status; without one, it would map the HTTP status, 400 to
+    /// INTERNAL and 409 or 422 to UNKNOWN). Retryable ones (ABORTED, UNAVAILABLE) only where
+    /// retrying with the same key helps.
+    pub fn grpc_status(&self) -> i32 {
+        const UNKNOWN: i32 = 2;
+        const INVALID_ARGUMENT: i32 = 3;
+        const ALREADY_EXISTS: i32 = 6;
+        const RESOURCE_EXHAUSTED: i32 = 8;
+        const FAILED_PRECONDITION: i32 = 9;
+        const ABORTED: i32 = 10;
+        const UNAVAILABLE: i32 = 14;
+        match self {
+            ProblemKind::KeyMissing { .. } | ProblemKind::KeyInvalid { .. } | ProblemKind::ScopeMissing { .. } => {
+                INVALID_ARGUMENT
+            }
+            ProblemKind::BodyTooLarge { .. } => RESOURCE_EXHAUSTED,
+            ProblemKind::InFlight { .. } => ABORTED,
+            ProblemKind::KeyReused { .. } => ALREADY_EXISTS,
+            ProblemKind::OutcomeUnknown | ProblemKind::UpstreamNoAnswer => UNKNOWN,
+            ProblemKind::StoreUnavailable { .. }
+            | ProblemKind::RecordUnreadable { .. }
+            | ProblemKind::CapacityExhausted { .. }
+            | ProblemKind::BufferBudgetExceeded { .. }
+            | ProblemKind::InternalState { .. } => UNAVAILABLE,
+            ProblemKind::ResponseNotStored { .. } | ProblemKind::GrpcUnsupported { .. } => FAILED_PRECONDITION,
+        }
+    }
+
+    /// The text a gRPC client reads as `grpc-message` (Envoy puts a local reply's body there):
+    /// the title, the problem type, the detail.
+    pub fn grpc_message(&self) -> String {
+        format!("{} ({TYPE_PREFIX}{}): {}", self.title(), self.slug(), self.detail())
     }
 
     /// Builds the response: status, headers and the `application/problem+json` body.
@@ -265,6 +309,7 @@ mod tests {
             ProblemKind::ResponseNotStored { status: 201, location: Some("/c/1".into()) },
             ProblemKind::UpstreamNoAnswer,
             ProblemKind::InternalState { retry_after_seconds: 1 },
+            ProblemKind::GrpcUnsupported { header: h.clone() },
         ];
         for error in [
             KeyError::Repeated,
@@ -362,5 +407,21 @@ mod tests {
         let b = body(&p);
         assert_eq!(b["original_status"], 201);
         assert_eq!(b["location"], "/charges/9");
+    }
+
+    #[test]
+    fn a_grpc_client_reads_a_status_that_says_whether_to_retry_and_a_message_naming_the_problem() {
+        for k in all() {
+            let g = k.grpc_status();
+            // Retryable gRPC statuses exactly where a retry with the same key helps.
+            assert_eq!(g == 10 || g == 14, k.should_retry(), "{}", k.slug());
+            assert!(g != 0 && g != 13, "{}: never OK nor INTERNAL", k.slug());
+            let m = k.grpc_message();
+            assert!(m.contains(&format!("urn:idemgate:problem:{}", k.slug())) && m.len() > 40, "{m}");
+        }
+        let refused = ProblemKind::GrpcUnsupported { header: "idempotency-key".into() };
+        assert_eq!((refused.grpc_status(), refused.status()), (9, 415));
+        assert!(!refused.should_retry());
+        assert_eq!(ProblemKind::KeyMissing { header: "k".into() }.grpc_status(), 3);
     }
 }

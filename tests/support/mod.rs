@@ -174,6 +174,8 @@ pub struct EnvoyOptions {
     pub stop_iteration_flag: bool,
     /// Envoy's log level for Wasm (`--component-log-level wasm:<level>`).
     pub wasm_log_level: String,
+    /// The upstream cluster speaks HTTP/2 (h2c, prior knowledge): a gRPC upstream.
+    pub upstream_http2: bool,
 }
 
 /// The test access log's line: a test id, the status, Envoy's response code details and the
@@ -207,6 +209,7 @@ impl EnvoyOptions {
             access_log: false,
             stop_iteration_flag: true,
             wasm_log_level: "debug".into(),
+            upstream_http2: false,
         }
     }
 }
@@ -242,7 +245,7 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
   - name: upstream
     connect_timeout: 1s
     type: STATIC
-    per_connection_buffer_limit_bytes: {buffer}
+    per_connection_buffer_limit_bytes: {buffer}{h2}
     load_assignment:
       cluster_name: upstream
       endpoints:
@@ -251,6 +254,11 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
 "#,
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
+        h2 = if o.upstream_http2 {
+            "\n    typed_extension_protocol_options:\n      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        explicit_http_config: {http2_protocol_options: {}}"
+        } else {
+            ""
+        },
     );
     let etcd_cluster = match o.etcd_ports.is_empty() {
         true => String::new(),
