@@ -146,6 +146,16 @@ fn a_missing_or_malformed_key_on_a_grpc_call_is_invalid_argument_naming_the_prob
     envoy.assert_no_wasm_panic();
 }
 
+/// A key derived at the edge (`derive_key`) makes a gRPC call keyed too: refused alike.
+#[test]
+fn a_grpc_call_with_a_derivable_key_is_refused_alike() {
+    let (server, envoy) = stack(&plugin(r#", "derive_key": {"headers": ["x-agent-step-id"]}"#));
+    let r = call(&envoy, &[CALLER, "x-agent-step-id:step-1"]);
+    assert_eq!(r["code"], FAILED_PRECONDITION, "{r}");
+    assert_eq!(server.executions(), 0);
+    envoy.assert_no_wasm_panic();
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
