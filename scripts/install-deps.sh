@@ -12,6 +12,7 @@
 #   scripts/install-deps.sh wrk              # wrk (the hostile-input flood)
 #   scripts/install-deps.sh bench            # wrk, and Linux perf when it can be installed (make bench)
 #   scripts/install-deps.sh h2-client        # python h2 for the HTTP/2 tests (hostile input, request trailers)
+#   scripts/install-deps.sh grpc-client      # python grpcio (pinned) for the gRPC tests (tests/grpc.rs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -90,6 +91,13 @@ case "${1:-}" in
     log "pip install h2"
     timeout 300 python3 -m pip install -q --disable-pip-version-check "h2>=4,<5"
     ;;
+  grpc-client)
+    # The real gRPC client and server of tests/grpc.rs (tests/grpc_peer.py: generic handlers,
+    # raw bytes, no generated code). Pinned: the test asserts what this client reads.
+    python3 -c "import grpc, sys; sys.exit(grpc.__version__ != '1.85.1')" 2>/dev/null && exit 0
+    log "pip install grpcio==1.85.1"
+    timeout 600 python3 -m pip install -q --disable-pip-version-check "grpcio==1.85.1"
+    ;;
   wrk)
     # The load generator of the benchmarks and of the flood in the hostile-input tests.
     command -v wrk >/dev/null || apt_ensure wrk
@@ -113,5 +121,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client" >&2; exit 2 ;;
 esac

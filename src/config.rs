@@ -82,7 +82,12 @@ pub struct Policy {
     /// The status of `key-reused` (a key back with another request): 422 (the IETF draft) or 409
     /// (the Agentic Commerce Protocol's convention).
     pub mismatch_status: u16,
+    /// Request headers logged with each decision and kept with the record (for operators: never
+    /// echoed to a client). No credential, no scope header (`check_log_headers`).
     pub log_headers: Vec<String>,
+    /// Request headers that carry a credential besides `CREDENTIAL_HEADERS` (lowercase): never
+    /// logged nor stored.
+    pub credential_headers: Vec<String>,
     /// Response headers never stored nor replayed (lowercase); `set-cookie` by default.
     pub replay_exclude_headers: Vec<String>,
     pub stale_lock: StaleLock,
@@ -92,6 +97,19 @@ pub struct Policy {
     pub in_flight: InFlight,
     /// Keys derived at the edge for requests that carry none (opt-in).
     pub derive_key: Option<DeriveKey>,
+    /// What a gRPC request (`content-type: application/grpc*`) gets.
+    pub grpc: GrpcMode,
+}
+
+/// gRPC on a protected route. A local reply to a gRPC request reaches the client as a
+/// trailers-only status (Envoy reshapes it), so a replay cannot carry the first call's message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GrpcMode {
+    /// Default: a gRPC call with a key (sent or derived) is refused before it executes
+    /// (`grpc-unsupported`, gRPC status FAILED_PRECONDITION); one without a key is unchanged.
+    Refuse,
+    /// gRPC calls pass unprotected, with or without a key (counted `grpc_passed_unprotected`).
+    Pass,
 }
 
 /// How a protected request reaches the upstream.
@@ -282,11 +300,13 @@ impl Default for Policy {
             release_on_status: vec![429],
             mismatch_status: 422,
             log_headers: vec![],
+            credential_headers: vec![],
             replay_exclude_headers: vec!["set-cookie".into()],
             stale_lock: StaleLock::Reject,
             forwarding: Forwarding::Router,
             in_flight: InFlight::Conflict,
             derive_key: None,
+            grpc: GrpcMode::Refuse,
         }
     }
 }
@@ -301,6 +321,11 @@ impl Default for LocalConfig {
         }
     }
 }
+
+/// Request headers that carry a credential whatever the configuration says: never logged nor
+/// kept with a record (`log_headers`). `credential_headers` adds to them.
+pub const CREDENTIAL_HEADERS: &[&str] =
+    &["authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key", "x-auth-token"];
 
 /// Limits that keep a configuration sane (documented in README).
 pub const MAX_KEY_LENGTH: u64 = 4096;
@@ -324,6 +349,7 @@ const POLICY_FIELDS: &[&str] = &[
     "release_on_status",
     "mismatch_status",
     "log_headers",
+    "credential_headers",
     "replay_exclude_headers",
     "stale_lock",
     "forwarding",
@@ -331,6 +357,7 @@ const POLICY_FIELDS: &[&str] = &[
     "in_flight",
     "wait_ms",
     "derive_key",
+    "grpc",
 ];
 const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes", "hold_headers"];
 
@@ -643,7 +670,9 @@ fn apply_policy_fields(
                 p.release_on_status = codes;
             }
             "log_headers" => p.log_headers = header_list(v, &f)?,
+            "credential_headers" => p.credential_headers = header_list(v, &f)?,
             "replay_exclude_headers" => p.replay_exclude_headers = header_list(v, &f)?,
+            "grpc" => p.grpc = as_choice(v, &f, &[("refuse", GrpcMode::Refuse), ("pass", GrpcMode::Pass)])?,
             "stale_lock" => {
                 p.stale_lock = as_choice(v, &f, &[("reject", StaleLock::Reject), ("takeover", StaleLock::Takeover)])?
             }
@@ -817,6 +846,13 @@ fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
     if p.scope.headers.contains(&p.header) {
         return Err(err(&join(prefix, "scope.headers"), format!("\"{}\" is the key header itself", p.header)));
     }
+    check_log_headers(p, prefix)?;
+    if p.grpc == GrpcMode::Pass && p.require_key {
+        return Err(err(
+            &join(prefix, "grpc"),
+            "\"pass\" cannot be combined with require_key: true (gRPC calls would pass without the key that require_key asks of every request); give gRPC its own route",
+        ));
+    }
     // Detached forwarding knows its upstream's timeout: the lock (and so the record, which
     // outlives it) must outlast it, or a retry while the upstream still works would find the key
     // stale or expired and execute it again.
@@ -829,6 +865,34 @@ fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
                     "{timeout_ms} ms is not below lock_ttl_seconds ({} s, ttl_seconds {} s): a retry while the upstream still works could execute again; lower it or raise lock_ttl_seconds",
                     p.lock_ttl_seconds, p.ttl_seconds
                 ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A logged value is written to the proxy's log and kept with the record (in the store too): a
+/// credential or a caller's scope there would be one caller's secret in clear beside every
+/// other caller's records. Refused, naming the entry.
+fn check_log_headers(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
+    for (i, h) in p.log_headers.iter().enumerate() {
+        let field = format!("{}[{i}]", join(prefix, "log_headers"));
+        if CREDENTIAL_HEADERS.contains(&h.as_str()) || p.credential_headers.contains(h) {
+            return Err(err(
+                &field,
+                format!("\"{h}\" carries a credential: a logged value is kept with the record (in the store too) and written to the log; log a header that names the run instead (e.g. x-agent-run-id)"),
+            ));
+        }
+        if *h == p.header {
+            return Err(err(
+                &field,
+                format!("\"{h}\" is the key header: records hold no raw key, only its hash; log another header"),
+            ));
+        }
+        if p.scope.headers.contains(h) {
+            return Err(err(
+                &field,
+                format!("\"{h}\" is a scope header (scope.headers), which identifies the caller and may be its credential: the record is addressed by its hash, never by the value; log another header"),
             ));
         }
     }
@@ -1593,5 +1657,67 @@ mod tests {
                 let _ = Config::parse(format!("{{{}}}", body.join(",")).as_bytes());
             }
         }
+    }
+
+    #[test]
+    fn a_logged_header_is_never_a_credential_a_scope_header_or_the_key() {
+        // Built in: the usual credential headers, in any case.
+        for h in ["authorization", "Proxy-Authorization", "cookie", "set-cookie", "x-api-key"] {
+            let e =
+                refused(&format!(r#"{{"scope": {{"headers": ["x-account-id"]}}, "log_headers": ["x-run", "{h}"]}}"#));
+            assert_eq!(e.field, "log_headers[1]", "{h}");
+            assert!(e.reason.contains("credential"), "{e}");
+        }
+        // The policy's scope headers, whatever they are called.
+        let e = refused(r#"{"scope": {"headers": ["x-account-id", "x-tenant"]}, "log_headers": ["x-tenant"]}"#);
+        assert_eq!(e.field, "log_headers[0]");
+        assert!(e.reason.contains("scope header"), "{e}");
+        // The key header (records hold no raw key).
+        let e = refused(r#"{"scope": {"headers": ["x-account-id"]}, "log_headers": ["idempotency-key"]}"#);
+        assert_eq!(e.field, "log_headers[0]");
+        // A credential the operator names (credential_headers), per route too.
+        let e = refused(
+            r#"{"scope": {"headers": ["x-account-id"]}, "credential_headers": ["x-shop-secret"], "log_headers": ["x-shop-secret"]}"#,
+        );
+        assert_eq!(e.field, "log_headers[0]");
+        let e = refused(
+            r#"{"scope": {"headers": ["x-account-id"]}, "credential_headers": ["x-shop-secret"],
+                "routes": [{"prefix": "/a"}, {"prefix": "/b", "log_headers": ["x-shop-secret"]}]}"#,
+        );
+        assert_eq!(e.field, "routes[1].log_headers[0]");
+        let e = refused(
+            r#"{"scope": {"headers": ["x-account-id"]}, "routes": [{"prefix": "/b", "scope": {"headers": ["x-user"]}, "log_headers": ["x-user"]}]}"#,
+        );
+        assert_eq!(e.field, "routes[0].log_headers[0]");
+        assert_eq!(
+            refused(r#"{"scope": {"headers": ["x-a"]}, "credential_headers": ["bad header"]}"#).field,
+            "credential_headers[0]"
+        );
+        // What names a run is still logged.
+        let c = parse(
+            r#"{"scope": {"headers": ["authorization"]}, "credential_headers": ["x-shop-secret"], "log_headers": ["x-agent-run-id"]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.default_policy.log_headers, vec!["x-agent-run-id"]);
+        assert_eq!(c.default_policy.credential_headers, vec!["x-shop-secret"]);
+    }
+
+    #[test]
+    fn grpc_is_refused_by_default_passed_per_route_and_never_with_require_key() {
+        let c = parse(
+            r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/pay.Payments", "grpc": "pass"}, {"prefix": "/"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.routes[0].policy.grpc, GrpcMode::Pass);
+        assert_eq!(c.routes[1].policy.grpc, GrpcMode::Refuse);
+        assert_eq!(parse(MINIMAL).unwrap().default_policy.grpc, GrpcMode::Refuse);
+        let e = refused(r#"{"scope": {"headers": ["authorization"]}, "grpc": "replay"}"#);
+        assert_eq!(e.field, "grpc");
+        assert!(e.reason.contains("\"refuse\", \"pass\""), "{e}");
+        let e = refused(
+            r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/g", "grpc": "pass", "require_key": true}]}"#,
+        );
+        assert_eq!(e.field, "routes[0].grpc");
+        assert!(e.reason.contains("require_key"), "{e}");
     }
 }

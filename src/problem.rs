@@ -54,6 +54,9 @@ pub enum ProblemKind {
     /// A replay's stored body is in a content coding the retry does not accept, and idemgate
     /// cannot decode it (`encoding`): nothing was executed again.
     EncodingNotAccepted { coding: String },
+    /// A gRPC call with a key on a route with `grpc: "refuse"`: a replay would reach the client as
+    /// a failure (Envoy reshapes local replies to gRPC requests); nothing was forwarded.
+    GrpcUnsupported { header: String },
     /// The gateway met one of its own invariants broken (`failsafe`): the request was refused,
     /// not forwarded.
     InternalState { retry_after_seconds: u64 },
@@ -94,6 +97,7 @@ impl ProblemKind {
             ProblemKind::UpstreamNoAnswer => "upstream-no-answer",
             ProblemKind::EncodingNotAccepted { .. } => "encoding-not-accepted",
             ProblemKind::InternalState { .. } => "internal-state",
+            ProblemKind::GrpcUnsupported { .. } => "grpc-unsupported",
         }
     }
 
@@ -111,6 +115,7 @@ impl ProblemKind {
             ProblemKind::ResponseNotStored { status, .. } => *status,
             ProblemKind::UpstreamNoAnswer => 504,
             ProblemKind::EncodingNotAccepted { .. } => 406,
+            ProblemKind::GrpcUnsupported { .. } => 415,
         }
     }
 
@@ -133,6 +138,7 @@ impl ProblemKind {
                 "Original response is in an encoding this request does not accept"
             }
             ProblemKind::InternalState { .. } => "Request not protected",
+            ProblemKind::GrpcUnsupported { .. } => "Idempotency keys are not supported for gRPC on this route",
         }
     }
 
@@ -178,6 +184,9 @@ impl ProblemKind {
             ProblemKind::InternalState { retry_after_seconds } => format!(
                 "The gateway could not protect this request and did not forward it. Retry after {retry_after_seconds} s with the same key."
             ),
+            ProblemKind::GrpcUnsupported { header } => format!(
+                "This gRPC call carries `{header}`, but the gateway cannot replay a gRPC response (a replay would reach the client as a failure), so it was not forwarded. Send it without the key (it then runs unprotected), or use the service's own idempotency."
+            ),
             ProblemKind::ResponseNotStored { status, .. } => format!(
                 "The original request completed with status {status}, but its response body was too large to keep. The operation is done: do not repeat it; fetch the resource instead."
             ),
@@ -202,6 +211,43 @@ impl ProblemKind {
         self.retry_after().is_some()
     }
 
+    /// The gRPC status a gRPC client gets for this problem (Envoy sends a local reply to a gRPC
+    /// request as a trailers-only status; without one, it would map the HTTP status, 400 to
+    /// INTERNAL and 409 or 422 to UNKNOWN). Retryable ones (ABORTED, UNAVAILABLE) only where
+    /// retrying with the same key helps.
+    pub fn grpc_status(&self) -> i32 {
+        const UNKNOWN: i32 = 2;
+        const INVALID_ARGUMENT: i32 = 3;
+        const ALREADY_EXISTS: i32 = 6;
+        const RESOURCE_EXHAUSTED: i32 = 8;
+        const FAILED_PRECONDITION: i32 = 9;
+        const ABORTED: i32 = 10;
+        const UNAVAILABLE: i32 = 14;
+        match self {
+            ProblemKind::KeyMissing { .. } | ProblemKind::KeyInvalid { .. } | ProblemKind::ScopeMissing { .. } => {
+                INVALID_ARGUMENT
+            }
+            ProblemKind::BodyTooLarge { .. } => RESOURCE_EXHAUSTED,
+            ProblemKind::InFlight { .. } => ABORTED,
+            ProblemKind::KeyReused { .. } => ALREADY_EXISTS,
+            ProblemKind::OutcomeUnknown | ProblemKind::UpstreamNoAnswer => UNKNOWN,
+            ProblemKind::StoreUnavailable { .. }
+            | ProblemKind::RecordUnreadable { .. }
+            | ProblemKind::CapacityExhausted { .. }
+            | ProblemKind::BufferBudgetExceeded { .. }
+            | ProblemKind::InternalState { .. } => UNAVAILABLE,
+            ProblemKind::ResponseNotStored { .. }
+            | ProblemKind::GrpcUnsupported { .. }
+            | ProblemKind::EncodingNotAccepted { .. } => FAILED_PRECONDITION,
+        }
+    }
+
+    /// The text a gRPC client reads as `grpc-message` (Envoy puts a local reply's body there):
+    /// the title, the problem type, the detail.
+    pub fn grpc_message(&self) -> String {
+        format!("{} ({TYPE_PREFIX}{}): {}", self.title(), self.slug(), self.detail())
+    }
+
     /// Builds the response: status, headers and the `application/problem+json` body.
     /// `request_id` is this request's id; `creator` names the run that made an existing record.
     pub fn to_problem(&self, request_id: &str, creator: Option<&Creator>) -> Problem {
@@ -222,12 +268,11 @@ impl ProblemKind {
                 body.insert("location".into(), Value::String(l.clone()));
             }
         }
-        if let Some(c) = creator {
+        // The first request's id only: its logged values (`log_headers`) are for operators and
+        // never echoed, since the caller reading this may be another caller of the same scope.
+        if let Some(c) = creator.filter(|c| !c.request_id.is_empty()) {
             let mut by = Map::new();
             by.insert("request_id".into(), Value::String(c.request_id.clone()));
-            for (n, v) in &c.log_values {
-                by.insert(n.clone(), Value::String(v.clone()));
-            }
             body.insert("original_request".into(), Value::Object(by));
         }
         let mut headers = vec![("content-type".to_string(), "application/problem+json".to_string())];
@@ -278,6 +323,7 @@ mod tests {
             ProblemKind::UpstreamNoAnswer,
             ProblemKind::EncodingNotAccepted { coding: "br".into() },
             ProblemKind::InternalState { retry_after_seconds: 1 },
+            ProblemKind::GrpcUnsupported { header: h.clone() },
         ];
         for error in [
             KeyError::Repeated,
@@ -351,12 +397,18 @@ mod tests {
     }
 
     #[test]
-    fn conflict_names_the_run_that_created_the_record() {
+    fn conflict_names_the_request_that_created_the_record_and_echoes_none_of_its_logged_values() {
         let creator =
             Creator { request_id: "first".into(), log_values: vec![("x-agent-run-id".into(), "run-7".into())] };
         let b = body(&ProblemKind::KeyReused { status: 422 }.to_problem("second", Some(&creator)));
         assert_eq!(b["original_request"]["request_id"], "first");
-        assert_eq!(b["original_request"]["x-agent-run-id"], "run-7");
+        // Logged values are the operator's: never echoed to whoever reads the problem.
+        assert_eq!(b["original_request"].as_object().map(|o| o.len()), Some(1));
+        assert!(!String::from_utf8_lossy(&p_body(&creator)).contains("run-7"));
+    }
+
+    fn p_body(creator: &Creator) -> Vec<u8> {
+        ProblemKind::OutcomeUnknown.to_problem("second", Some(creator)).body
     }
 
     #[test]
@@ -369,5 +421,21 @@ mod tests {
         let b = body(&p);
         assert_eq!(b["original_status"], 201);
         assert_eq!(b["location"], "/charges/9");
+    }
+
+    #[test]
+    fn a_grpc_client_reads_a_status_that_says_whether_to_retry_and_a_message_naming_the_problem() {
+        for k in all() {
+            let g = k.grpc_status();
+            // Retryable gRPC statuses exactly where a retry with the same key helps.
+            assert_eq!(g == 10 || g == 14, k.should_retry(), "{}", k.slug());
+            assert!(g != 0 && g != 13, "{}: never OK nor INTERNAL", k.slug());
+            let m = k.grpc_message();
+            assert!(m.contains(&format!("urn:idemgate:problem:{}", k.slug())) && m.len() > 40, "{m}");
+        }
+        let refused = ProblemKind::GrpcUnsupported { header: "idempotency-key".into() };
+        assert_eq!((refused.grpc_status(), refused.status()), (9, 415));
+        assert!(!refused.should_retry());
+        assert_eq!(ProblemKind::KeyMissing { header: "k".into() }.grpc_status(), 3);
     }
 }

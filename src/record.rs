@@ -49,12 +49,14 @@ pub const NOT_REPLAYED: &[&str] = &[
     "content-length",
 ];
 
-/// Who created a record, so a later 409/422/replay can name the run that made it.
+/// Who created a record: a later 409/422 names its request id to the client; the logged values
+/// are for operators only (logs, `idemgate inspect`), never echoed (`Policy::log_headers`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Creator {
     /// The `x-request-id` of the request that created the record.
     pub request_id: String,
-    /// The configured `log_headers` values of that request, (name, value).
+    /// The configured `log_headers` values of that request, (name, value): never a credential,
+    /// scope or key header (refused at configuration).
     pub log_values: Vec<(String, String)>,
 }
 

@@ -15,6 +15,20 @@ pub struct RequestHead {
     pub trailers: Vec<(String, Vec<u8>)>,
 }
 
+/// A gRPC request's content type: `application/grpc`, `application/grpc+proto`,
+/// `application/grpc-web...` (any letter case): Envoy reshapes every local reply to such a request
+/// into a trailers-only gRPC status, so a replay cannot be faithful.
+pub fn is_grpc_content_type(v: &[u8]) -> bool {
+    v.get(..16).is_some_and(|p| p.eq_ignore_ascii_case(b"application/grpc"))
+}
+
+/// Whether Envoy sends a local reply to a request of this content type as a gRPC status
+/// (`Grpc::Common::hasGrpcContentType`: exactly `application/grpc` or `application/grpc+...`;
+/// gRPC-Web is answered as plain HTTP).
+pub fn envoy_answers_as_grpc(v: &[u8]) -> bool {
+    v == b"application/grpc" || v.starts_with(b"application/grpc+")
+}
+
 impl RequestHead {
     /// Builds a head from the host's full header list (pseudo headers included).
     pub fn from_pairs(pairs: Vec<(String, Vec<u8>)>) -> RequestHead {
@@ -37,6 +51,11 @@ impl RequestHead {
     /// several values: the host's single-header read would only return the first.
     pub fn values(&self, name: &str) -> Vec<&[u8]> {
         self.headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice()).collect()
+    }
+
+    /// A gRPC request (`is_grpc_content_type` of its first `content-type`).
+    pub fn is_grpc(&self) -> bool {
+        self.values("content-type").first().is_some_and(|v| is_grpc_content_type(v))
     }
 
     /// A head for tests: method, path and header lines.
@@ -153,5 +172,20 @@ mod tests {
         let mut plain = RequestHead::for_test("POST", "/pay", &[]);
         assert!(plain.forbid_router_retries().is_empty());
         assert_eq!(plain.values("x-envoy-max-retries"), vec![b"0".as_slice()]);
+    }
+
+    #[test]
+    fn grpc_content_types_are_told_apart_as_idemgate_refuses_them_and_as_envoy_answers_them() {
+        for v in ["application/grpc", "application/grpc+proto", "Application/GRPC+json", "application/grpc-web+proto"] {
+            assert!(is_grpc_content_type(v.as_bytes()), "{v}");
+        }
+        for v in ["application/json", "application/grp", "text/grpc", ""] {
+            assert!(!is_grpc_content_type(v.as_bytes()), "{v}");
+        }
+        assert!(envoy_answers_as_grpc(b"application/grpc") && envoy_answers_as_grpc(b"application/grpc+proto"));
+        assert!(!envoy_answers_as_grpc(b"application/grpc-web") && !envoy_answers_as_grpc(b"application/json"));
+        let h = RequestHead::for_test("POST", "/p.S/M", &[("content-type", "application/grpc")]);
+        assert!(h.is_grpc());
+        assert!(!RequestHead::for_test("POST", "/p", &[("content-type", "application/json")]).is_grpc());
     }
 }

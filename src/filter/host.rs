@@ -199,7 +199,8 @@ extern "C" {
 }
 
 /// Sends a local reply (`headers`: the ABI's serialized header map); the host's status (0: Ok).
-pub fn send_local_response(status: u16, details: &str, headers: &[u8], body: &[u8]) -> u32 {
+/// `grpc_status`: the status a gRPC request's reply carries (`None`: Envoy maps the HTTP status).
+pub fn send_local_response(status: u16, details: &str, headers: &[u8], body: &[u8], grpc_status: Option<i32>) -> u32 {
     meter::call(Kind::SendResponse);
     // SAFETY: every pointer is to memory we own for the duration of the call, with its length;
     // the host copies what it needs.
@@ -212,7 +213,7 @@ pub fn send_local_response(status: u16, details: &str, headers: &[u8], body: &[u
             body.len(),
             headers.as_ptr(),
             headers.len(),
-            -1,
+            grpc_status.unwrap_or(-1),
         )
     }
 }
@@ -377,10 +378,12 @@ pub enum Counter {
     DerivedKeys,
     UpstreamAttemptsRepeated,
     InternalErrors,
+    GrpcRefused,
+    GrpcPassed,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 45] = [
+    pub const ALL: [Counter; 47] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -426,6 +429,8 @@ impl Counter {
         Counter::DerivedKeys,
         Counter::UpstreamAttemptsRepeated,
         Counter::InternalErrors,
+        Counter::GrpcRefused,
+        Counter::GrpcPassed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -475,6 +480,8 @@ impl Counter {
             Counter::DerivedKeys => "idemgate.derived_keys",
             Counter::UpstreamAttemptsRepeated => "idemgate.upstream_attempts_repeated",
             Counter::InternalErrors => "idemgate.internal_errors",
+            Counter::GrpcRefused => "idemgate.grpc_refused",
+            Counter::GrpcPassed => "idemgate.grpc_passed_unprotected",
         }
     }
 }

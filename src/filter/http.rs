@@ -25,7 +25,7 @@ use super::stores::{self, Unbuilt};
 use super::writes;
 use super::{reply, Forward, Shared, Waiter};
 use crate::admin;
-use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
+use crate::config::{Forwarding, GrpcMode, InFlight, OnUnavailable, Policy};
 use crate::decision::{admit, check_body_size, classify_exchange, decide, Admission, Decision, Exchange, Lookup};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::derive;
@@ -250,6 +250,7 @@ impl Http {
             ProblemKind::UpstreamNoAnswer => Counter::UnknownOutcome,
             ProblemKind::EncodingNotAccepted { .. } => Counter::ReplaysEncodingNotAccepted,
             ProblemKind::InternalState { .. } => Counter::InternalErrors,
+            ProblemKind::GrpcUnsupported { .. } => Counter::GrpcRefused,
         };
         self.count(counter);
         let by = creator.map_or(String::new(), |c| {
@@ -1085,6 +1086,15 @@ impl HttpContext for Http {
         let Some(policy) = self.shared.config.policy_at(policy_index) else {
             return self.fail_closed(Broken::PolicyMissing, "request_headers_policy", None, Holding::Nothing);
         };
+        // gRPC: a replay cannot be faithful (Envoy reshapes every local reply to a gRPC request
+        // into a trailers-only status), so such calls are refused with a key (below) or, with
+        // `grpc: "pass"`, not idemgate's at all.
+        let grpc = head.is_grpc();
+        if grpc && policy.grpc == GrpcMode::Pass {
+            self.count(Counter::GrpcPassed);
+            debug!("idemgate: outcome=grpc_passed_unprotected path={}", head.path_without_query());
+            return Action::Continue;
+        }
         // No key and nothing to derive one from: decided without hashing the caller.
         if policy.derive_key.is_none() && head.values(&policy.header).is_empty() {
             return match admit(Some(policy), &[]) {
@@ -1114,6 +1124,11 @@ impl HttpContext for Http {
             None => None,
         };
         let was_derived = derived.is_some();
+        // A gRPC call with a key (sent, valid or not, or derivable): refused before anything
+        // executes; a malformed key is answered as such first.
+        if grpc && (was_derived || matches!(admit(Some(policy), &key_values), Admission::Protect(_))) {
+            return self.answer(ProblemKind::GrpcUnsupported { header: policy.header.clone() }, None);
+        }
         let key = match derived {
             Some(k) => {
                 if !derive_at_body {

@@ -8,6 +8,7 @@
 use crate::encoding::Replay;
 use crate::problem::{code_details, ProblemKind};
 use crate::record::{Creator, Record, State};
+use crate::request::envoy_answers_as_grpc;
 
 /// The ABI's header map: the number of pairs, each pair's name and value lengths (u32, little
 /// endian), then each name and value followed by a NUL byte.
@@ -28,20 +29,27 @@ fn serialize_headers(headers: &[(&str, &str)]) -> Vec<u8> {
 }
 
 /// Sends a local reply with response code details; false if the host refused it (logged).
-fn send(status: u16, details: &str, headers: &[(&str, &str)], body: &[u8]) -> bool {
+fn send(status: u16, details: &str, headers: &[(&str, &str)], body: &[u8], grpc_status: Option<i32>) -> bool {
     let map = serialize_headers(headers);
-    let result = super::host::send_local_response(status, details, &map, body);
+    let result = super::host::send_local_response(status, details, &map, body, grpc_status);
     if result != 0 {
         log::error!("idemgate: outcome=internal_state branch=local_reply status={status} details={details} host_status={result}");
     }
     result == 0
 }
 
-/// Sends a problem document.
+/// Sends a problem document. To a gRPC request (Envoy turns the reply into a trailers-only status
+/// whose `grpc-message` is the body), the problem's gRPC status and its text instead of the JSON.
 pub fn problem(kind: &ProblemKind, request_id: &str, creator: Option<&Creator>) {
     let p = kind.to_problem(request_id, creator);
     let headers: Vec<(&str, &str)> = p.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-    send(p.status, &code_details(kind.slug()), &headers, &p.body);
+    let content_type = super::host::header(proxy_wasm::types::MapType::HttpRequestHeaders, "content-type");
+    if content_type.is_some_and(|c| envoy_answers_as_grpc(c.as_bytes())) {
+        let text = kind.grpc_message();
+        send(p.status, &code_details(kind.slug()), &headers, text.as_bytes(), Some(kind.grpc_status()));
+    } else {
+        send(p.status, &code_details(kind.slug()), &headers, &p.body, None);
+    }
 }
 
 /// The header advertising how long the key's record lasts (the IETF draft asks resources to
@@ -72,7 +80,7 @@ pub fn response(
     if let Some(e) = expires_in {
         h.push((EXPIRES_HEADER, e));
     }
-    send(status, &code_details(slug), &h, body);
+    send(status, &code_details(slug), &h, body, None);
 }
 
 /// The outcome slug of a replay.

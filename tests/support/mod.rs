@@ -186,6 +186,8 @@ pub struct EnvoyOptions {
     /// forwarding with `upstream.hop: "internal_listener"`: the filters after idemgate and the
     /// route table of the main listener, then the router, as `envoy/detached/envoy.yaml` ships it.
     pub internal_hop: bool,
+    /// The upstream cluster speaks HTTP/2 (h2c, prior knowledge): a gRPC upstream.
+    pub upstream_http2: bool,
 }
 
 /// The test access log's line: a test id, the status, Envoy's response code details and the
@@ -223,6 +225,7 @@ impl EnvoyOptions {
             route_action_extra: String::new(),
             route_fields: String::new(),
             internal_hop: false,
+            upstream_http2: false,
         }
     }
 }
@@ -269,7 +272,7 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
   - name: upstream
     connect_timeout: 1s
     type: STATIC
-    per_connection_buffer_limit_bytes: {buffer}{cluster_trailers}
+    per_connection_buffer_limit_bytes: {buffer}{cluster_protocol}
     load_assignment:
       cluster_name: upstream
       endpoints:
@@ -278,10 +281,10 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
 "#,
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
-        cluster_trailers = if o.upstream_trailers {
-            "\n    typed_extension_protocol_options:\n      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        explicit_http_config:\n          http_protocol_options: {enable_trailers: true}"
-        } else {
-            ""
+        cluster_protocol = match (o.upstream_http2, o.upstream_trailers) {
+            (true, _) => "\n    typed_extension_protocol_options:\n      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        explicit_http_config: {http2_protocol_options: {}}",
+            (false, true) => "\n    typed_extension_protocol_options:\n      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        explicit_http_config:\n          http_protocol_options: {enable_trailers: true}",
+            (false, false) => "",
         },
     );
     let etcd_cluster = match o.etcd_ports.is_empty() {
