@@ -65,6 +65,8 @@ pub struct Policy {
     pub require_key: bool,
     pub namespace: String,
     pub key_max_length: usize,
+    /// Which keys are accepted (`key_syntax`: `"strict"`, the default, or `"any"`).
+    pub key_syntax: crate::key::KeySyntax,
     pub ttl_seconds: u64,
     pub lock_ttl_seconds: u64,
     pub unknown_outcome_seconds: u64,
@@ -241,6 +243,7 @@ impl Default for Policy {
             require_key: false,
             namespace: "idemgate".into(),
             key_max_length: 255,
+            key_syntax: crate::key::KeySyntax::Strict,
             ttl_seconds: 86_400,
             lock_ttl_seconds: 60,
             unknown_outcome_seconds: 86_400,
@@ -294,6 +297,7 @@ const POLICY_FIELDS: &[&str] = &[
     "require_key",
     "namespace",
     "key_max_length",
+    "key_syntax",
     "ttl_seconds",
     "lock_ttl_seconds",
     "unknown_outcome_seconds",
@@ -552,6 +556,10 @@ fn apply_policy_fields(
                 p.namespace = s.to_string();
             }
             "key_max_length" => p.key_max_length = usize::try_from(as_uint(v, &f, 1, MAX_KEY_LENGTH)?).unwrap_or(255),
+            "key_syntax" => {
+                use crate::key::KeySyntax;
+                p.key_syntax = as_choice(v, &f, &[("strict", KeySyntax::Strict), ("any", KeySyntax::Any)])?;
+            }
             "ttl_seconds" => p.ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
             "lock_ttl_seconds" => p.lock_ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
             "unknown_outcome_seconds" => p.unknown_outcome_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,

@@ -3,7 +3,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::key::KeyError;
+use crate::key::{KeyError, KeySyntax};
 use crate::record::Creator;
 
 /// Prefix of every problem type URI.
@@ -23,8 +23,8 @@ pub fn code_details(slug: &str) -> String {
 pub enum ProblemKind {
     /// `require_key` is set and the request has no key.
     KeyMissing { header: String },
-    /// The key header is malformed.
-    KeyInvalid { header: String, error: KeyError },
+    /// The key header is malformed under the policy's `key_syntax` and `key_max_length`.
+    KeyInvalid { header: String, error: KeyError, syntax: KeySyntax, max_len: usize },
     /// The request has a key but none of the headers that identify its caller
     /// (`scope.anonymous: "reject"`); nothing was forwarded.
     ScopeMissing { headers: Vec<String> },
@@ -133,9 +133,10 @@ impl ProblemKind {
             ProblemKind::KeyMissing { header } => {
                 format!("This endpoint requires an `{header}` header: send a unique key per operation and reuse it on every retry.")
             }
-            ProblemKind::KeyInvalid { header, error } => {
-                format!("The `{header}` header is invalid: {error}. Fix the key; this request was not executed.")
-            }
+            ProblemKind::KeyInvalid { header, error, syntax, max_len } => format!(
+                "The `{header}` header is invalid: {error}; {}. Fix the key; this request was not executed.",
+                syntax.rule(*max_len)
+            ),
             ProblemKind::ScopeMissing { headers } => {
                 let names: Vec<String> = headers.iter().map(|h| format!("`{h}`")).collect();
                 format!(
@@ -324,7 +325,7 @@ mod tests {
             KeyError::NotAToken,
             KeyError::MalformedString,
         ] {
-            v.push(ProblemKind::KeyInvalid { header: h.clone(), error });
+            v.push(ProblemKind::KeyInvalid { header: h.clone(), error, syntax: KeySyntax::Strict, max_len: 255 });
         }
         v
     }
@@ -399,7 +400,11 @@ mod tests {
     #[test]
     fn statuses_follow_the_ietf_draft() {
         assert_eq!(ProblemKind::KeyMissing { header: "k".into() }.status(), 400);
-        assert_eq!(ProblemKind::KeyInvalid { header: "k".into(), error: KeyError::Empty }.status(), 400);
+        assert_eq!(
+            ProblemKind::KeyInvalid { header: "k".into(), error: KeyError::Empty, syntax: KeySyntax::Any, max_len: 9 }
+                .status(),
+            400
+        );
         assert_eq!(ProblemKind::BodyTooLarge { limit: 1 }.status(), 413);
         assert_eq!(ProblemKind::InFlight { retry_after_seconds: 1 }.status(), 409);
         assert_eq!(ProblemKind::OutcomeUnknown.status(), 409);

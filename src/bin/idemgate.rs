@@ -225,6 +225,7 @@ fn key(a: &ArgMatches) -> Result<(), Fail> {
         req.global = policy.scope.global;
         req.anonymous_shared = policy.scope.anonymous == Anonymous::Shared;
         req.key_max_length = policy.key_max_length;
+        req.key_syntax = policy.key_syntax;
         include_authority &= policy.scope.include_authority;
     }
     if let Some(n) = s(a, "namespace") {
