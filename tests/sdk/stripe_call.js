@@ -53,7 +53,8 @@ async function main() {
     report.error = e.raw ? { type: e.raw.type, code: e.raw.code, message: e.raw.message } : null;
   }
   report.requests_sent = sent;
-  process.stdout.write(JSON.stringify(report));
+  // Exit once written: a keep-alive socket to Envoy would otherwise hold the process open.
+  process.stdout.write(JSON.stringify(report), () => process.exit(0));
 }
 
 main();
