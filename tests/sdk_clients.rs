@@ -20,6 +20,20 @@ use support::{Envoy, EnvoyOptions};
 enum Sdk {
     StripePython,
     StripeNode,
+    GoCardlessPython,
+}
+
+impl Sdk {
+    /// Requests the SDK sends for one call answered 409 request-in-flight every time, with
+    /// `retries` retries allowed: Stripe's SDKs follow `stripe-should-retry: true`; gocardless-pro
+    /// retries only timeouts, connection errors and malformed responses (services/base_service.py),
+    /// never an API error.
+    fn requests_for_in_flight(self, retries: u64) -> u64 {
+        match self {
+            Sdk::StripePython | Sdk::StripeNode => 1 + retries,
+            Sdk::GoCardlessPython => 1,
+        }
+    }
 }
 
 /// One logical call: `POST /v1/payment_intents` through the SDK.
@@ -42,6 +56,11 @@ fn command(sdk: Sdk, port: u16, c: &Call) -> Command {
         Sdk::StripePython => {
             let mut cmd = Command::new(root.join("target/sdk-venv/bin/python"));
             cmd.arg(root.join("tests/sdk/stripe_call.py"));
+            cmd
+        }
+        Sdk::GoCardlessPython => {
+            let mut cmd = Command::new(root.join("target/sdk-venv/bin/python"));
+            cmd.arg(root.join("tests/sdk/gocardless_call.py"));
             cmd
         }
         Sdk::StripeNode => {
@@ -107,7 +126,7 @@ fn wait_executions(up: &Upstream, n: u64) {
 }
 
 /// A retry while the first call with the key is still running: 409 request-in-flight, which
-/// idemgate says a retry can help with, so the SDK retries (2 retries: 3 requests) and then
+/// idemgate says a retry can help with, so a Stripe SDK retries (2 retries: 3 requests) and then
 /// raises; once the first call has ended, the same key returns the first call's resource.
 fn in_flight_is_raised_then_the_key_replays_the_original(sdk: Sdk) {
     let (up, envoy) = stack();
@@ -118,7 +137,7 @@ fn in_flight_is_raised_then_the_key_replays_the_original(sdk: Sdk) {
     wait_executions(&up, 1);
     let during = call(sdk, port, &Call::new("sdk-in-flight"));
     assert_raised(&during, 409, "request-in-flight");
-    assert_eq!(during["requests_sent"], 3, "stripe-should-retry: true, so the SDK retries: {during}");
+    assert_eq!(during["requests_sent"], sdk.requests_for_in_flight(2), "stripe-should-retry: true: {during}");
     up.release_holds();
     let first = first.join().unwrap();
     assert_eq!((first["outcome"].as_str(), first["id"].as_str()), (Some("returned"), Some("res-1")), "{first}");
@@ -135,7 +154,7 @@ fn key_reused_with_another_body_is_raised(sdk: Sdk) {
     assert_eq!((ok["outcome"].as_str(), ok["id"].as_str()), (Some("returned"), Some("res-1")), "{ok}");
     let changed = call(sdk, envoy.port, &Call { amount: 9900, ..Call::new("sdk-reuse") });
     assert_raised(&changed, 422, "key-reused");
-    assert_eq!(changed["requests_sent"], 1, "stripe-should-retry: false: {changed}");
+    assert_eq!(changed["requests_sent"], 1, "should-retry: false: {changed}");
     assert_eq!(up.executions(), 1);
     envoy.assert_no_wasm_panic();
 }
@@ -157,9 +176,10 @@ fn malformed_keys_are_raised_and_caller_keys_accepted(sdk: Sdk) {
     envoy.assert_no_wasm_panic();
 }
 
-/// The upstream executes, then resets: Envoy answers 503, which the SDK retries; the retry gets
-/// 409 outcome-unknown with `stripe-should-retry: false`, so the SDK stops and raises (2 requests,
-/// not 1 + every retry it has).
+/// The upstream executes, then resets: Envoy answers 503, which the SDK retries (gocardless-pro
+/// because Envoy's text body is a malformed response to it); the retry gets 409 outcome-unknown
+/// with `stripe-should-retry: false`, so the SDK stops and raises (2 requests, not 1 + every retry
+/// it has).
 fn outcome_unknown_is_raised_and_not_retried(sdk: Sdk) {
     let (up, envoy) = stack();
     let r = call(sdk, envoy.port, &Call { headers: &["x-up-reset: before-headers"], ..Call::new("sdk-unknown") });
@@ -207,4 +227,24 @@ fn stripe_node_malformed_keys_are_raised_and_caller_keys_accepted() {
 #[test]
 fn stripe_node_outcome_unknown_is_raised_and_not_retried() {
     outcome_unknown_is_raised_and_not_retried(Sdk::StripeNode);
+}
+
+#[test]
+fn gocardless_python_in_flight_is_raised_then_the_key_replays_the_original() {
+    in_flight_is_raised_then_the_key_replays_the_original(Sdk::GoCardlessPython);
+}
+
+#[test]
+fn gocardless_python_key_reused_with_another_body_is_raised() {
+    key_reused_with_another_body_is_raised(Sdk::GoCardlessPython);
+}
+
+#[test]
+fn gocardless_python_malformed_keys_are_raised_and_caller_keys_accepted() {
+    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::GoCardlessPython);
+}
+
+#[test]
+fn gocardless_python_outcome_unknown_is_raised_and_not_retried() {
+    outcome_unknown_is_raised_and_not_retried(Sdk::GoCardlessPython);
 }
