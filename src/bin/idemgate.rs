@@ -585,7 +585,9 @@ fn probe_cmd(a: &ArgMatches) -> Result<(), Fail> {
             .collect::<Result<Vec<_>, Fail>>()
     })?;
     let mismatch = call(&key_a, &probe::changed_body(&body))?;
-    let malformed = call("\"unterminated", &body)?;
+    // Malformed under both `key_syntax` rules: `"unterminated` alone is a literal key under `any`;
+    // a non-ASCII byte is refused by both.
+    let malformed = call("\"unterminated-\u{e9}", &body)?;
     let rules = probe::judge(&Seen { first, second, concurrent, mismatch, malformed });
     if a.get_flag("json") {
         println!("{}", serde_json::to_string_pretty(&probe::report(&url, &rules)).unwrap_or_default());
