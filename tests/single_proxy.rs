@@ -198,7 +198,7 @@ fn malformed_keys_are_400_with_their_own_problem_types() {
         (b"idempotency-key: k\xff\xfe\r\nx-request-id: r\xff\r\n", "key-not-visible-ascii"),
     ];
     for (header, slug) in cases {
-        let req =
+        let mut req =
             b"POST /charges HTTP/1.1\r\nhost: t\r\nconnection: close\r\nauthorization: a\r\ncontent-length: 2\r\n"
                 .to_vec();
         req.extend_from_slice(header);
