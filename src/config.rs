@@ -960,6 +960,19 @@ mod tests {
     const MINIMAL: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
 
     #[test]
+    fn key_syntax_is_chosen_per_route() {
+        use crate::key::KeySyntax;
+        let c = parse(
+            r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/stripe", "key_syntax": "any"}, {"prefix": "/strict", "key_syntax": "strict"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.policy_for("POST", "/stripe/v1").map(|p| p.key_syntax), Some(KeySyntax::Any));
+        assert_eq!(c.policy_for("POST", "/strict/v1").map(|p| p.key_syntax), Some(KeySyntax::Strict));
+        let all_any = parse(r#"{"scope": {"headers": ["a"]}, "key_syntax": "any"}"#).unwrap();
+        assert_eq!(all_any.default_policy.key_syntax, KeySyntax::Any);
+    }
+
+    #[test]
     fn minimal_config_takes_every_documented_default() {
         let c = parse(MINIMAL).unwrap();
         let p = &c.default_policy;
@@ -968,6 +981,7 @@ mod tests {
         assert!(!p.require_key);
         assert_eq!(p.namespace, "idemgate");
         assert_eq!(p.key_max_length, 255);
+        assert_eq!(p.key_syntax, crate::key::KeySyntax::Strict);
         assert_eq!((p.ttl_seconds, p.lock_ttl_seconds, p.unknown_outcome_seconds), (86_400, 60, 86_400));
         assert_eq!((p.max_request_body_bytes, p.max_response_body_bytes), (1_048_576, 1_048_576));
         assert_eq!(
@@ -1129,6 +1143,8 @@ mod tests {
             (r#"{"scope": {"headers": ["a"]}, "require_key": "yes"}"#, "require_key"),
             (r#"{"scope": {"headers": ["a"]}, "namespace": ""}"#, "namespace"),
             (r#"{"scope": {"headers": ["a"]}, "key_max_length": 0}"#, "key_max_length"),
+            (r#"{"scope": {"headers": ["a"]}, "key_syntax": "stripe"}"#, "key_syntax"),
+            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "key_syntax": 1}]}"#, "routes[0].key_syntax"),
             (r#"{"scope": {"headers": ["a"]}, "max_request_body_bytes": 1e12}"#, "max_request_body_bytes"),
             (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"json": "sorted"}}"#, "fingerprint.json"),
             (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"body": true}}"#, "fingerprint.body"),
