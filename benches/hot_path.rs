@@ -120,13 +120,16 @@ fn main() {
         black_box(RequestHead::from_pairs(black_box(pairs.clone())));
     });
     b.step("parse_key", |_| {
-        black_box(parse_key_header(&fixed.values("idempotency-key"), 255).ok());
+        black_box(parse_key_header(&fixed.values("idempotency-key"), 255, idemgate::key::KeySyntax::Strict).ok());
     });
     let scope = CallerScope::of(&fixed, &policy.scope);
     b.step("caller_scope_sha256", |_| {
         black_box(CallerScope::of(black_box(&fixed), &policy.scope));
     });
-    let Ok(Some(key)) = parse_key_header(&fixed.values("idempotency-key"), 255) else { std::process::exit(2) };
+    let Ok(Some(key)) = parse_key_header(&fixed.values("idempotency-key"), 255, idemgate::key::KeySyntax::Strict)
+    else {
+        std::process::exit(2)
+    };
     b.step("storage_key_sha256", |_| {
         black_box(StorageKey::derive(&policy.namespace, &scope, black_box(&key)));
     });
@@ -236,7 +239,7 @@ fn main() {
 /// A distinct valid key for each `i`.
 fn numbered_key(prefix: &str, i: u64) -> idemgate::key::IdempotencyKey {
     let text = format!("{prefix}-{i}");
-    match parse_key_header(&[text.as_bytes()], 255) {
+    match parse_key_header(&[text.as_bytes()], 255, idemgate::key::KeySyntax::Strict) {
         Ok(Some(k)) => k,
         _ => std::process::exit(2),
     }

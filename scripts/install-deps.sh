@@ -13,6 +13,8 @@
 #   scripts/install-deps.sh bench            # wrk, and Linux perf when it can be installed (make bench)
 #   scripts/install-deps.sh h2-client        # python h2 for the HTTP/2 tests (hostile input, request trailers)
 #   scripts/install-deps.sh grpc-client      # python grpcio (pinned) for the gRPC tests (tests/grpc.rs)
+#   scripts/install-deps.sh sdk-clients      # pinned stripe / gocardless-pro (PyPI, venv target/sdk-venv) and
+#                                            # stripe-node (npm, target/sdk-node) for tests/sdk_clients.rs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -113,6 +115,25 @@ case "${1:-}" in
     log "pip install requests"
     timeout 300 python3 -m pip install -q --disable-pip-version-check "requests>=2.31" "urllib3>=2"
     ;;
+  sdk-clients)
+    # The client matrix (tests/sdk_clients.rs): real SDKs at the versions in tests/sdk/.
+    venv=target/sdk-venv
+    if ! "$venv/bin/python" -c "import stripe, gocardless_pro; assert stripe.VERSION == '16.1.0'" 2>/dev/null; then
+      python3 -c "import venv, ensurepip" 2>/dev/null || apt_ensure python3-venv
+      rm -rf "$venv"
+      python3 -m venv "$venv"
+      log "pip install -r tests/sdk/requirements.txt into $venv"
+      timeout 600 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/sdk/requirements.txt
+    fi
+    node_dir=target/sdk-node
+    if ! cmp -s tests/sdk/package-lock.json "$node_dir/package-lock.json" || [ ! -f "$node_dir/node_modules/stripe/package.json" ]; then
+      command -v npm >/dev/null || apt_ensure nodejs npm
+      rm -rf "$node_dir" && mkdir -p "$node_dir"
+      cp tests/sdk/package.json tests/sdk/package-lock.json "$node_dir/"
+      log "npm ci (tests/sdk/package-lock.json) into $node_dir"
+      (cd "$node_dir" && timeout 600 npm ci --no-audit --no-fund --silent)
+    fi
+    ;;
   wasm-bindgen)
     ver=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/[^0-9.]/,"",$0); print; exit}' Cargo.lock)
     [ -n "$ver" ] || { log "wasm-bindgen not found in Cargo.lock"; exit 1; }
@@ -121,5 +142,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client | sdk-clients" >&2; exit 2 ;;
 esac

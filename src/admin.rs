@@ -70,6 +70,8 @@ pub struct KeyRequest {
     /// The key header's value as sent (bare or quoted).
     pub key: String,
     pub key_max_length: usize,
+    /// The policy's `key_syntax`.
+    pub key_syntax: crate::key::KeySyntax,
 }
 
 /// A computed storage key and whether the filter would accept the request's caller.
@@ -84,7 +86,7 @@ pub struct ComputedKey {
 /// The storage key of a request, computed exactly as the filter does (`CallerScope::of`,
 /// `StorageKey::derive`, the key parsed as the header is).
 pub fn storage_key_for(req: &KeyRequest) -> Result<ComputedKey, String> {
-    let key = parse_key(req.key.as_bytes(), req.key_max_length).map_err(|e| format!("key: {e}"))?;
+    let key = parse_key(req.key.as_bytes(), req.key_max_length, req.key_syntax).map_err(|e| format!("key: {e}"))?;
     let mut pairs: Vec<(String, Vec<u8>)> = vec![];
     if let Some(a) = &req.authority {
         pairs.push((":authority".into(), a.as_bytes().to_vec()));

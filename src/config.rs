@@ -71,6 +71,8 @@ pub struct Policy {
     pub require_key: bool,
     pub namespace: String,
     pub key_max_length: usize,
+    /// Which keys are accepted (`key_syntax`: `"strict"`, the default, or `"any"`).
+    pub key_syntax: crate::key::KeySyntax,
     pub ttl_seconds: u64,
     pub lock_ttl_seconds: u64,
     pub unknown_outcome_seconds: u64,
@@ -279,6 +281,7 @@ impl Default for Policy {
             require_key: false,
             namespace: "idemgate".into(),
             key_max_length: 255,
+            key_syntax: crate::key::KeySyntax::Strict,
             ttl_seconds: 86_400,
             lock_ttl_seconds: 60,
             unknown_outcome_seconds: 86_400,
@@ -339,6 +342,7 @@ const POLICY_FIELDS: &[&str] = &[
     "require_key",
     "namespace",
     "key_max_length",
+    "key_syntax",
     "ttl_seconds",
     "lock_ttl_seconds",
     "unknown_outcome_seconds",
@@ -602,6 +606,10 @@ fn apply_policy_fields(
                 p.namespace = s.to_string();
             }
             "key_max_length" => p.key_max_length = usize::try_from(as_uint(v, &f, 1, MAX_KEY_LENGTH)?).unwrap_or(255),
+            "key_syntax" => {
+                use crate::key::KeySyntax;
+                p.key_syntax = as_choice(v, &f, &[("strict", KeySyntax::Strict), ("any", KeySyntax::Any)])?;
+            }
             "ttl_seconds" => p.ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
             "lock_ttl_seconds" => p.lock_ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
             "unknown_outcome_seconds" => p.unknown_outcome_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
@@ -1047,6 +1055,19 @@ mod tests {
     const MINIMAL: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
 
     #[test]
+    fn key_syntax_is_chosen_per_route() {
+        use crate::key::KeySyntax;
+        let c = parse(
+            r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/stripe", "key_syntax": "any"}, {"prefix": "/strict", "key_syntax": "strict"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.policy_for("POST", "/stripe/v1").map(|p| p.key_syntax), Some(KeySyntax::Any));
+        assert_eq!(c.policy_for("POST", "/strict/v1").map(|p| p.key_syntax), Some(KeySyntax::Strict));
+        let all_any = parse(r#"{"scope": {"headers": ["a"]}, "key_syntax": "any"}"#).unwrap();
+        assert_eq!(all_any.default_policy.key_syntax, KeySyntax::Any);
+    }
+
+    #[test]
     fn minimal_config_takes_every_documented_default() {
         let c = parse(MINIMAL).unwrap();
         let p = &c.default_policy;
@@ -1055,6 +1076,7 @@ mod tests {
         assert!(!p.require_key);
         assert_eq!(p.namespace, "idemgate");
         assert_eq!(p.key_max_length, 255);
+        assert_eq!(p.key_syntax, crate::key::KeySyntax::Strict);
         assert_eq!((p.ttl_seconds, p.lock_ttl_seconds, p.unknown_outcome_seconds), (86_400, 60, 86_400));
         assert_eq!((p.max_request_body_bytes, p.max_response_body_bytes), (1_048_576, 1_048_576));
         assert_eq!(
@@ -1216,6 +1238,8 @@ mod tests {
             (r#"{"scope": {"headers": ["a"]}, "require_key": "yes"}"#, "require_key"),
             (r#"{"scope": {"headers": ["a"]}, "namespace": ""}"#, "namespace"),
             (r#"{"scope": {"headers": ["a"]}, "key_max_length": 0}"#, "key_max_length"),
+            (r#"{"scope": {"headers": ["a"]}, "key_syntax": "stripe"}"#, "key_syntax"),
+            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "key_syntax": 1}]}"#, "routes[0].key_syntax"),
             (r#"{"scope": {"headers": ["a"]}, "max_request_body_bytes": 1e12}"#, "max_request_body_bytes"),
             (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"json": "sorted"}}"#, "fingerprint.json"),
             (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"body": true}}"#, "fingerprint.body"),

@@ -31,11 +31,16 @@ pub fn admit(policy: Option<&Policy>, key_values: &[&[u8]]) -> Admission {
     let Some(p) = policy else {
         return Admission::Pass;
     };
-    match parse_key_header(key_values, p.key_max_length) {
+    match parse_key_header(key_values, p.key_max_length, p.key_syntax) {
         Ok(Some(key)) => Admission::Protect(key),
         Ok(None) if p.require_key => Admission::Reject(ProblemKind::KeyMissing { header: p.header.clone() }),
         Ok(None) => Admission::Pass,
-        Err(error) => Admission::Reject(ProblemKind::KeyInvalid { header: p.header.clone(), error }),
+        Err(error) => Admission::Reject(ProblemKind::KeyInvalid {
+            header: p.header.clone(),
+            error,
+            syntax: p.key_syntax,
+            max_len: p.key_max_length,
+        }),
     }
 }
 
@@ -646,6 +651,8 @@ mod tests {
                 Admission::Reject(ProblemKind::KeyInvalid {
                     header: "idempotency-key".into(),
                     error: crate::key::KeyError::List,
+                    syntax: crate::key::KeySyntax::Strict,
+                    max_len: 255,
                 }),
             ),
             (
@@ -654,6 +661,8 @@ mod tests {
                 Admission::Reject(ProblemKind::KeyInvalid {
                     header: "idempotency-key".into(),
                     error: crate::key::KeyError::Repeated,
+                    syntax: crate::key::KeySyntax::Strict,
+                    max_len: 255,
                 }),
             ),
         ];

@@ -3,7 +3,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::key::KeyError;
+use crate::key::{KeyError, KeySyntax};
 use crate::record::Creator;
 
 /// Prefix of every problem type URI.
@@ -23,8 +23,8 @@ pub fn code_details(slug: &str) -> String {
 pub enum ProblemKind {
     /// `require_key` is set and the request has no key.
     KeyMissing { header: String },
-    /// The key header is malformed.
-    KeyInvalid { header: String, error: KeyError },
+    /// The key header is malformed under the policy's `key_syntax` and `key_max_length`.
+    KeyInvalid { header: String, error: KeyError, syntax: KeySyntax, max_len: usize },
     /// The request has a key but none of the headers that identify its caller
     /// (`scope.anonymous: "reject"`); nothing was forwarded.
     ScopeMissing { headers: Vec<String> },
@@ -147,9 +147,10 @@ impl ProblemKind {
             ProblemKind::KeyMissing { header } => {
                 format!("This endpoint requires an `{header}` header: send a unique key per operation and reuse it on every retry.")
             }
-            ProblemKind::KeyInvalid { header, error } => {
-                format!("The `{header}` header is invalid: {error}. Fix the key; this request was not executed.")
-            }
+            ProblemKind::KeyInvalid { header, error, syntax, max_len } => format!(
+                "The `{header}` header is invalid: {error}; {}. Fix the key; this request was not executed.",
+                syntax.rule(*max_len)
+            ),
             ProblemKind::ScopeMissing { headers } => {
                 let names: Vec<String> = headers.iter().map(|h| format!("`{h}`")).collect();
                 format!(
@@ -205,8 +206,9 @@ impl ProblemKind {
         }
     }
 
-    /// Whether retrying the same request can help (sent as `x-should-retry`, which the OpenAI and
-    /// Anthropic SDKs honour; Stripe's SDKs would otherwise retry every 409).
+    /// Whether retrying the same request can help, sent as `x-should-retry` (read by the
+    /// Stainless-generated SDKs: OpenAI, Anthropic, Modern Treasury, Orb) and as
+    /// `stripe-should-retry` (read by Stripe's SDKs, which otherwise retry every 409 and 5xx).
     pub fn should_retry(&self) -> bool {
         self.retry_after().is_some()
     }
@@ -248,6 +250,50 @@ impl ProblemKind {
         format!("{} ({TYPE_PREFIX}{}): {}", self.title(), self.slug(), self.detail())
     }
 
+    /// The `type` of the `error` member, from the one vocabulary an SDK refuses to stray from:
+    /// gocardless-pro raises `Invalid error type` (not one of its `ApiError` classes) for any type
+    /// but `validation_failed`, `invalid_api_usage`, `invalid_state` and `gocardless`; Stripe's SDKs
+    /// pick their error class from the status and accept any type. `None` for a 2xx answer
+    /// (`response-not-stored`), which is not an error: the operation is done.
+    fn sdk_error_type(&self) -> Option<&'static str> {
+        match self {
+            ProblemKind::KeyMissing { .. }
+            | ProblemKind::KeyInvalid { .. }
+            | ProblemKind::ScopeMissing { .. }
+            | ProblemKind::BodyTooLarge { .. }
+            | ProblemKind::GrpcUnsupported { .. }
+            | ProblemKind::EncodingNotAccepted { .. } => Some("invalid_api_usage"),
+            ProblemKind::InFlight { .. } | ProblemKind::OutcomeUnknown | ProblemKind::KeyReused { .. } => {
+                Some("invalid_state")
+            }
+            ProblemKind::StoreUnavailable { .. }
+            | ProblemKind::RecordUnreadable { .. }
+            | ProblemKind::CapacityExhausted { .. }
+            | ProblemKind::BufferBudgetExceeded { .. }
+            | ProblemKind::UpstreamNoAnswer
+            | ProblemKind::InternalState { .. } => Some("gocardless"),
+            ProblemKind::ResponseNotStored { .. } => None,
+        }
+    }
+
+    /// The `error` extension member, for SDKs that look for an error there instead of reading the
+    /// problem document (README, "Errors as SDKs read them"): stripe-node treats a body as an
+    /// error only when it has an `error` member, stripe-python raises `Invalid response object`
+    /// without one, gocardless-pro reads `error.type` and, for `invalid_state`, each
+    /// `error.errors[].reason`. `code` is the problem's slug, `message` its detail.
+    fn sdk_error(&self, detail: &str, request_id: &str) -> Option<Value> {
+        let kind = self.sdk_error_type()?;
+        let mut e = Map::new();
+        e.insert("type".into(), Value::String(kind.into()));
+        e.insert("code".into(), Value::String(self.slug().into()));
+        e.insert("message".into(), Value::String(detail.into()));
+        e.insert("errors".into(), json!([{ "reason": self.slug(), "message": detail }]));
+        if !request_id.is_empty() {
+            e.insert("request_id".into(), Value::String(request_id.into()));
+        }
+        Some(Value::Object(e))
+    }
+
     /// Builds the response: status, headers and the `application/problem+json` body.
     /// `request_id` is this request's id; `creator` names the run that made an existing record.
     pub fn to_problem(&self, request_id: &str, creator: Option<&Creator>) -> Problem {
@@ -255,7 +301,11 @@ impl ProblemKind {
         body.insert("type".into(), Value::String(format!("{TYPE_PREFIX}{}", self.slug())));
         body.insert("title".into(), Value::String(self.title().into()));
         body.insert("status".into(), json!(self.status()));
-        body.insert("detail".into(), Value::String(self.detail()));
+        let detail = self.detail();
+        if let Some(e) = self.sdk_error(&detail, request_id) {
+            body.insert("error".into(), e);
+        }
+        body.insert("detail".into(), Value::String(detail));
         if !request_id.is_empty() {
             body.insert("request_id".into(), Value::String(request_id.into()));
         }
@@ -280,6 +330,7 @@ impl ProblemKind {
             headers.push(("retry-after".into(), s.to_string()));
         }
         headers.push(("x-should-retry".into(), self.should_retry().to_string()));
+        headers.push(("stripe-should-retry".into(), self.should_retry().to_string()));
         if let ProblemKind::ResponseNotStored { location: Some(l), .. } = self {
             headers.push(("location".into(), l.clone()));
             headers.push(("idempotent-replayed".into(), "true".into()));
@@ -334,7 +385,7 @@ mod tests {
             KeyError::NotAToken,
             KeyError::MalformedString,
         ] {
-            v.push(ProblemKind::KeyInvalid { header: h.clone(), error });
+            v.push(ProblemKind::KeyInvalid { header: h.clone(), error, syntax: KeySyntax::Strict, max_len: 255 });
         }
         v
     }
@@ -361,9 +412,59 @@ mod tests {
     }
 
     #[test]
+    fn every_error_carries_the_error_member_sdks_read() {
+        for k in all() {
+            let p = k.to_problem("r1", None);
+            let b = body(&p);
+            if p.status < 400 {
+                assert!(b.get("error").is_none(), "{} is no error: the operation is done", k.slug());
+                continue;
+            }
+            let e = &b["error"];
+            // gocardless-pro raises `Invalid error type` for any other type.
+            let t = e["type"].as_str().unwrap();
+            assert!(["validation_failed", "invalid_api_usage", "invalid_state", "gocardless"].contains(&t), "{t}");
+            assert_eq!(e["code"], k.slug());
+            assert_eq!(e["message"], b["detail"]);
+            assert_eq!(e["request_id"], "r1");
+            // gocardless-pro reads each entry's `reason` (invalid_state) and `message` (every type);
+            // `idempotent_creation_conflict` would make it fetch a resource it is not given.
+            let errors = e["errors"].as_array().unwrap();
+            assert_eq!(errors.len(), 1);
+            assert_eq!(errors[0]["reason"], k.slug());
+            assert_eq!(errors[0]["message"], b["detail"]);
+        }
+        let retry_body = body(&ProblemKind::InFlight { retry_after_seconds: 1 }.to_problem("", None));
+        assert_eq!(retry_body["error"]["type"], "invalid_state");
+        assert!(retry_body["error"].get("request_id").is_none());
+        assert_eq!(
+            body(&ProblemKind::KeyMissing { header: "k".into() }.to_problem("", None))["error"]["type"],
+            "invalid_api_usage"
+        );
+        assert_eq!(
+            body(&ProblemKind::StoreUnavailable { retry_after_seconds: 1 }.to_problem("", None))["error"]["type"],
+            "gocardless"
+        );
+    }
+
+    #[test]
+    fn stripe_should_retry_says_what_x_should_retry_says() {
+        for k in all() {
+            let p = k.to_problem("", None);
+            let get = |name: &str| p.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+            assert_eq!(get("stripe-should-retry"), get("x-should-retry"), "{}", k.slug());
+            assert_eq!(get("x-should-retry"), Some(k.should_retry().to_string()));
+        }
+    }
+
+    #[test]
     fn statuses_follow_the_ietf_draft() {
         assert_eq!(ProblemKind::KeyMissing { header: "k".into() }.status(), 400);
-        assert_eq!(ProblemKind::KeyInvalid { header: "k".into(), error: KeyError::Empty }.status(), 400);
+        assert_eq!(
+            ProblemKind::KeyInvalid { header: "k".into(), error: KeyError::Empty, syntax: KeySyntax::Any, max_len: 9 }
+                .status(),
+            400
+        );
         assert_eq!(ProblemKind::BodyTooLarge { limit: 1 }.status(), 413);
         assert_eq!(ProblemKind::InFlight { retry_after_seconds: 1 }.status(), 409);
         assert_eq!(ProblemKind::OutcomeUnknown.status(), 409);

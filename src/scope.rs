@@ -165,7 +165,7 @@ mod tests {
     }
 
     fn key(k: &str) -> IdempotencyKey {
-        parse_key(k.as_bytes(), 255).unwrap()
+        parse_key(k.as_bytes(), 255, crate::key::KeySyntax::Strict).unwrap()
     }
 
     #[test]

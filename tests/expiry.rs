@@ -149,7 +149,7 @@ fn buckets(cfg: &str) -> impl Fn(&str) -> u32 {
     let scope = CallerScope::of(&head, &policy.scope);
     let table = Table::new(&config.local);
     move |key: &str| {
-        let k = parse_key(key.as_bytes(), policy.key_max_length).expect("key");
+        let k = parse_key(key.as_bytes(), policy.key_max_length, policy.key_syntax).expect("key");
         table.bucket_of(&StorageKey::derive(&policy.namespace, &scope, &k))
     }
 }

@@ -291,6 +291,21 @@ fn probe_finds_every_rule_kept_by_idemgate_in_envoy() {
     assert_eq!(s.up.executions(), 2, "one execution per fresh key (the probe's replay and concurrent keys)");
 }
 
+/// A route with Stripe's key rule (`key_syntax: "any"`) still refuses the probe's malformed key
+/// (before: `"unterminated` was a literal key there, so the probe reported malformed-key-400
+/// violated against a correct gateway).
+#[test]
+fn probe_finds_every_rule_kept_on_a_route_with_key_syntax_any() {
+    let up = Upstream::start();
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "key_syntax": "any"}"#;
+    let envoy = Envoy::start(&EnvoyOptions::new(plugin, up.port));
+    let url = format!("http://127.0.0.1:{}/charges", envoy.port);
+    let (out, report) = probe(&url, &["--header", "x-up-delay-ms: 300"]);
+    assert!(out.status.success(), "{report}\n{}", text(&out.stderr));
+    assert!(verdicts(&report).iter().all(|(_, v)| v == "kept"), "{report}");
+    assert_eq!(up.executions(), 2, "one execution per fresh key");
+}
+
 struct Demo(Child);
 
 impl Drop for Demo {

@@ -132,13 +132,65 @@ fn missing_key_with_require_key_is_400_and_without_it_passes_unprotected() {
     assert_eq!(s.envoy.stat("idemgate.missing_key"), 1);
 }
 
+/// Keys as clients write them (issue 25): RFC 8941 tokens (`:` and `/`) and sf-strings with
+/// spaces by default; Stripe's rule (any visible ASCII and spaces) with `key_syntax: "any"`;
+/// hostile keys refused under both, with a 400 whose detail names the rule. Each accepted key
+/// executes once and replays.
+#[test]
+fn keys_as_clients_write_them_under_each_key_syntax() {
+    let strict = Stack::new(CFG);
+    let any = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "key_syntax": "any"}"#);
+    let mut executions = 0;
+    for (s, keys) in [
+        (&strict, &["run-7:step/1", "urn:task:42/step:3", "\"step 1 of run 7\""][..]),
+        (&any, &["run-7:step/1", "a=b c", "task 7, step 1", "{\"step\": 1}"][..]),
+    ] {
+        for key in keys {
+            let first = s.post("/charges", Some(key), "{}", &[]);
+            assert_eq!(first.status, 201, "{key}: {}", first.body_text());
+            let again = s.post("/charges", Some(key), "{}", &[]);
+            assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{key}");
+            assert_eq!(again.body, first.body, "{key}");
+        }
+        executions += keys.len() as u64;
+    }
+    assert_eq!(strict.up.executions() + any.up.executions(), executions);
+    // The strict rule: `=` and a bare space are not token characters; the detail names the rule.
+    for (key, slug) in [("a=b", "key-not-a-token"), ("a b", "key-not-visible-ascii")] {
+        let r = strict.post("/charges", Some(key), "{}", &[]);
+        assert_eq!((r.status, problem_type(&r)), (400, format!("urn:idemgate:problem:{slug}")), "{key}");
+        let detail = r.json()["detail"].as_str().unwrap_or("").to_string();
+        assert!(detail.contains("key_syntax: \"strict\"") && detail.contains("!#$%&'*+-.^_`|~:/"), "{detail}");
+    }
+    // Hostile keys: 400 under both rules, nothing forwarded.
+    let long = "k".repeat(256);
+    for s in [&strict, &any] {
+        let before = s.up.executions();
+        for (key, slug) in [(long.as_str(), "key-too-long"), ("a\tb", "key-not-visible-ascii")] {
+            let r = s.post("/charges", Some(key), "{}", &[]);
+            assert_eq!((r.status, problem_type(&r)), (400, format!("urn:idemgate:problem:{slug}")), "{key}");
+            assert_eq!(r.header("stripe-should-retry"), Some("false"));
+        }
+        let req =
+            b"POST /charges HTTP/1.1\r\nhost: t\r\nconnection: close\r\nauthorization: a\r\ncontent-length: 2\r\nidempotency-key: caf\xc3\xa9\r\n\r\n{}".to_vec();
+        let r = s.raw(&req);
+        assert_eq!((r.status, problem_type(&r).as_str()), (400, "urn:idemgate:problem:key-not-visible-ascii"));
+        // DEL: refused by Envoy's codec or by idemgate; a 400 either way.
+        assert_eq!(s.post("/charges", Some("a\x7fb"), "{}", &[]).status, 400);
+        assert_eq!(s.up.executions(), before);
+    }
+    let r = any.post("/charges", Some(&long), "{}", &[]);
+    let detail = r.json()["detail"].as_str().unwrap_or("").to_string();
+    assert!(detail.contains("key_syntax: \"any\"") && detail.contains("1 to 255"), "{detail}");
+}
+
 #[test]
 fn malformed_keys_are_400_with_their_own_problem_types() {
     let s = Stack::new(CFG);
     let cases: &[(&[u8], &str)] = &[
         (b"idempotency-key: a,b\r\n", "key-is-a-list"),
         (b"idempotency-key: \"unterminated\r\n", "key-malformed-string"),
-        (b"idempotency-key: a/b\r\n", "key-not-a-token"),
+        (b"idempotency-key: a=b\r\n", "key-not-a-token"),
         (b"idempotency-key: k1\r\nidempotency-key: k1\r\n", "key-repeated"),
         (b"idempotency-key: \"\"\r\n", "key-empty"),
         (b"idempotency-key: caf\xc3\xa9\r\n", "key-not-visible-ascii"),

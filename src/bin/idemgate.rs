@@ -248,6 +248,7 @@ fn key(a: &ArgMatches) -> Result<(), Fail> {
         req.global = policy.scope.global;
         req.anonymous_shared = policy.scope.anonymous == Anonymous::Shared;
         req.key_max_length = policy.key_max_length;
+        req.key_syntax = policy.key_syntax;
         include_authority &= policy.scope.include_authority;
     }
     if let Some(n) = s(a, "namespace") {
@@ -622,7 +623,9 @@ fn probe_cmd(a: &ArgMatches) -> Result<(), Fail> {
             .collect::<Result<Vec<_>, Fail>>()
     })?;
     let mismatch = call(&key_a, &probe::changed_body(&body))?;
-    let malformed = call("\"unterminated", &body)?;
+    // Malformed under both `key_syntax` rules: `"unterminated` alone is a literal key under `any`;
+    // a non-ASCII byte is refused by both.
+    let malformed = call("\"unterminated-\u{e9}", &body)?;
     let rules = probe::judge(&Seen { first, second, concurrent, mismatch, malformed });
     if a.get_flag("json") {
         println!("{}", serde_json::to_string_pretty(&probe::report(&url, &rules)).unwrap_or_default());

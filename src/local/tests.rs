@@ -584,7 +584,7 @@ fn shared_data_holds_no_raw_key_and_no_raw_credential() {
         anonymous: crate::config::Anonymous::Reject,
     };
     let scope = CallerScope::of(&head, &cfg);
-    let key = parse_key_header(&head.values("idempotency-key"), 255).unwrap().unwrap();
+    let key = parse_key_header(&head.values("idempotency-key"), 255, crate::key::KeySyntax::Strict).unwrap().unwrap();
     let k = StorageKey::derive(&p.namespace, &scope, &key);
     let t = table(64, WhenFull::Reject);
     let mut m = fresh(&t);

@@ -49,7 +49,9 @@ pub fn redis_key_of(plugin: &str, authorization: &str, key: &str) -> String {
         ("authorization".into(), authorization.as_bytes().to_vec()),
     ]);
     let scope = CallerScope::of(&head, &policy.scope);
-    let k = idemgate::key::parse_key_header(&[key.as_bytes()], 255).expect("key").expect("a key");
+    let k = idemgate::key::parse_key_header(&[key.as_bytes()], 255, idemgate::key::KeySyntax::Strict)
+        .expect("key")
+        .expect("a key");
     idemgate::store::redis_key(&StorageKey::derive(&policy.namespace, &scope, &k))
 }
 

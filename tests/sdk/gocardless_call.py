@@ -1,0 +1,57 @@
+"""One logical call with the pinned gocardless-pro SDK (tests/sdk/requirements.txt), for
+tests/sdk_clients.rs: creates a payment through Envoy + idemgate and prints a JSON report on
+stdout: what the SDK returned or raised, and how many HTTP requests it sent (its own retries on
+timeouts, connection errors and malformed responses included). Same arguments as stripe_call.py;
+gocardless-pro retries 3 times in all, whatever --retries says.
+"""
+import argparse
+import json
+import sys
+
+import gocardless_pro
+from gocardless_pro import api_client, errors
+
+sent = []
+
+
+def counting(post):
+    """requests.post as gocardless-pro calls it, counting requests and keeping the last status."""
+
+    def wrapped(*args, **kwargs):
+        response = post(*args, **kwargs)
+        sent.append(response.status_code)
+        return response
+
+    return wrapped
+
+
+api_client.requests.post = counting(api_client.requests.post)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--key")
+    ap.add_argument("--amount", type=int, default=4200)
+    ap.add_argument("--retries", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=30)
+    ap.add_argument("--header", action="append", default=[])
+    a = ap.parse_args()
+    headers = dict(h.split(": ", 1) for h in a.header)
+    if a.key is not None:
+        headers["Idempotency-Key"] = a.key
+    client = gocardless_pro.Client(access_token="gc_test_idemgate", base_url=a.base, timeout=a.timeout)
+    report = {"sdk": "gocardless-pro 3.22.0"}
+    try:
+        payment = client.payments.create(params={"amount": a.amount, "currency": "EUR"}, headers=headers)
+        report.update(outcome="returned", id=payment.id, body=payment.attributes)
+    except errors.ApiError as e:
+        report.update(outcome="raised", error_class=type(e).__name__, message=str(e), error=e.error)
+    except Exception as e:  # anything else the SDK raises is still an error, named as such
+        report.update(outcome="raised", error_class=type(e).__name__, message=str(e), error=None)
+    report["http_status"] = sent[-1] if sent else None
+    report["requests_sent"] = len(sent)
+    json.dump(report, sys.stdout)
+
+
+main()

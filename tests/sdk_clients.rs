@@ -1,0 +1,250 @@
+//! The client matrix (issue 25): real SDKs, at the versions pinned in tests/sdk/ and installed by
+//! `scripts/install-deps.sh sdk-clients` (`make deps`), drive Envoy 1.40 + idemgate with a counting
+//! upstream. Each logical call runs in its own SDK process (tests/sdk/stripe_call.{py,js}), which
+//! reports what the SDK returned or raised and how many HTTP requests it sent, retries included.
+//!
+//! What must hold for every SDK: an idemgate 4xx/5xx is raised as an error, never returned as a
+//! resource; the SDK retries only where idemgate says a retry can help (`stripe-should-retry`, the
+//! header Stripe's SDKs read); and each logical call executes at the upstream at most once.
+
+mod support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+use support::upstream::Upstream;
+use support::{Envoy, EnvoyOptions};
+
+#[derive(Clone, Copy, Debug)]
+enum Sdk {
+    StripePython,
+    StripeNode,
+    GoCardlessPython,
+}
+
+impl Sdk {
+    /// Requests the SDK sends for one call answered 409 request-in-flight every time, with
+    /// `retries` retries allowed: Stripe's SDKs follow `stripe-should-retry: true`; gocardless-pro
+    /// retries only timeouts, connection errors and malformed responses (services/base_service.py),
+    /// never an API error.
+    fn requests_for_in_flight(self, retries: u64) -> u64 {
+        match self {
+            Sdk::StripePython | Sdk::StripeNode => 1 + retries,
+            Sdk::GoCardlessPython => 1,
+        }
+    }
+}
+
+/// One logical call: `POST /v1/payment_intents` through the SDK.
+struct Call<'a> {
+    key: Option<&'a str>,
+    amount: u32,
+    retries: u32,
+    headers: &'a [&'a str],
+}
+
+impl<'a> Call<'a> {
+    fn new(key: &'a str) -> Call<'a> {
+        Call { key: Some(key), amount: 4200, retries: 2, headers: &[] }
+    }
+}
+
+fn command(sdk: Sdk, port: u16, c: &Call) -> Command {
+    let root = support::repo_root();
+    let mut cmd = match sdk {
+        Sdk::StripePython => {
+            let mut cmd = Command::new(root.join("target/sdk-venv/bin/python"));
+            cmd.arg(root.join("tests/sdk/stripe_call.py"));
+            cmd
+        }
+        Sdk::GoCardlessPython => {
+            let mut cmd = Command::new(root.join("target/sdk-venv/bin/python"));
+            cmd.arg(root.join("tests/sdk/gocardless_call.py"));
+            cmd
+        }
+        Sdk::StripeNode => {
+            let mut cmd = Command::new("node");
+            cmd.env("SDK_NODE_DIR", root.join("target/sdk-node")).arg(root.join("tests/sdk/stripe_call.js"));
+            cmd
+        }
+    };
+    cmd.args(["--base", &format!("http://127.0.0.1:{port}")])
+        .args(["--amount", &c.amount.to_string()])
+        .args(["--retries", &c.retries.to_string()])
+        .args(["--timeout", "60"]);
+    if let Some(k) = c.key {
+        cmd.args(["--key", k]);
+    }
+    for h in c.headers {
+        cmd.args(["--header", h]);
+    }
+    cmd
+}
+
+fn report(sdk: Sdk, out: std::process::Output) -> Value {
+    assert!(
+        out.status.success(),
+        "{sdk:?} call failed (make deps installs the SDKs: scripts/install-deps.sh sdk-clients): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).expect("SDK call report");
+    eprintln!("{sdk:?}: {r}");
+    r
+}
+
+fn call(sdk: Sdk, port: u16, c: &Call) -> Value {
+    report(sdk, command(sdk, port, c).output().expect("SDK call"))
+}
+
+/// The SDK raised an idemgate error with this status and problem slug (the `error.code` the SDK
+/// read), never returning it as a resource.
+fn assert_raised(r: &Value, status: u16, slug: &str) {
+    assert_eq!(r["outcome"], "raised", "the SDK must raise, not return the problem as a resource: {r}");
+    assert_eq!(r["http_status"], status, "{r}");
+    assert_eq!(r["error"]["code"], slug, "{r}");
+    assert_eq!(r["error"]["type"].as_str().map(str::is_empty), Some(false), "{r}");
+    assert!(r["error"]["message"].as_str().is_some_and(|m| m.len() > 20), "{r}");
+}
+
+fn stack() -> (Upstream, Envoy) {
+    let up = Upstream::start();
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 30}"#;
+    let envoy = Envoy::start(&EnvoyOptions::new(plugin, up.port));
+    (up, envoy)
+}
+
+/// Waits (bounded by count, 60 s at most) until the upstream has executed `n` requests.
+fn wait_executions(up: &Upstream, n: u64) {
+    for _ in 0..3000 {
+        if up.executions() >= n {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("the upstream never reached {n} executions");
+}
+
+/// A retry while the first call with the key is still running: 409 request-in-flight, which
+/// idemgate says a retry can help with, so a Stripe SDK retries (2 retries: 3 requests) and then
+/// raises; once the first call has ended, the same key returns the first call's resource.
+fn in_flight_is_raised_then_the_key_replays_the_original(sdk: Sdk) {
+    let (up, envoy) = stack();
+    let port = envoy.port;
+    let first = std::thread::spawn(move || {
+        call(sdk, port, &Call { retries: 0, headers: &["x-up-hold: 1"], ..Call::new("sdk-in-flight") })
+    });
+    wait_executions(&up, 1);
+    let during = call(sdk, port, &Call::new("sdk-in-flight"));
+    assert_raised(&during, 409, "request-in-flight");
+    assert_eq!(during["requests_sent"], sdk.requests_for_in_flight(2), "stripe-should-retry: true: {during}");
+    up.release_holds();
+    let first = first.join().unwrap();
+    assert_eq!((first["outcome"].as_str(), first["id"].as_str()), (Some("returned"), Some("res-1")), "{first}");
+    let after = call(sdk, port, &Call::new("sdk-in-flight"));
+    assert_eq!((after["outcome"].as_str(), after["id"].as_str()), (Some("returned"), Some("res-1")), "{after}");
+    assert_eq!(up.executions(), 1, "one logical call, one execution");
+    envoy.assert_no_wasm_panic();
+}
+
+/// The same key with another body: 422 key-reused, raised at once (no retry), nothing executed.
+fn key_reused_with_another_body_is_raised(sdk: Sdk) {
+    let (up, envoy) = stack();
+    let ok = call(sdk, envoy.port, &Call::new("sdk-reuse"));
+    assert_eq!((ok["outcome"].as_str(), ok["id"].as_str()), (Some("returned"), Some("res-1")), "{ok}");
+    let changed = call(sdk, envoy.port, &Call { amount: 9900, ..Call::new("sdk-reuse") });
+    assert_raised(&changed, 422, "key-reused");
+    assert_eq!(changed["requests_sent"], 1, "should-retry: false: {changed}");
+    assert_eq!(up.executions(), 1);
+    envoy.assert_no_wasm_panic();
+}
+
+/// Malformed keys: 400, raised, never retried, never forwarded. A key as callers write them
+/// (`run-7:step/1`, an RFC 8941 token) is accepted.
+fn malformed_keys_are_raised_and_caller_keys_accepted(sdk: Sdk) {
+    let (up, envoy) = stack();
+    for key in ["has space", &"k".repeat(256)] {
+        let r = call(sdk, envoy.port, &Call::new(key));
+        let slug = if key.len() > 255 { "key-too-long" } else { "key-not-visible-ascii" };
+        assert_raised(&r, 400, slug);
+        assert_eq!(r["requests_sent"], 1, "{r}");
+    }
+    assert_eq!(up.executions(), 0);
+    let r = call(sdk, envoy.port, &Call::new("run-7:step/1"));
+    assert_eq!((r["outcome"].as_str(), r["id"].as_str()), (Some("returned"), Some("res-1")), "{r}");
+    assert_eq!(up.executions(), 1);
+    envoy.assert_no_wasm_panic();
+}
+
+/// The upstream executes, then resets: Envoy answers 503, which the SDK retries (gocardless-pro
+/// because Envoy's text body is a malformed response to it); the retry gets 409 outcome-unknown
+/// with `stripe-should-retry: false`, so the SDK stops and raises (2 requests, not 1 + every retry
+/// it has).
+fn outcome_unknown_is_raised_and_not_retried(sdk: Sdk) {
+    let (up, envoy) = stack();
+    let r = call(sdk, envoy.port, &Call { headers: &["x-up-reset: before-headers"], ..Call::new("sdk-unknown") });
+    assert_raised(&r, 409, "outcome-unknown");
+    assert_eq!(r["requests_sent"], 2, "the 503 is retried once, outcome-unknown is not: {r}");
+    assert_eq!(up.executions(), 1);
+    envoy.assert_no_wasm_panic();
+}
+
+#[test]
+fn stripe_python_in_flight_is_raised_then_the_key_replays_the_original() {
+    in_flight_is_raised_then_the_key_replays_the_original(Sdk::StripePython);
+}
+
+#[test]
+fn stripe_python_key_reused_with_another_body_is_raised() {
+    key_reused_with_another_body_is_raised(Sdk::StripePython);
+}
+
+#[test]
+fn stripe_python_malformed_keys_are_raised_and_caller_keys_accepted() {
+    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::StripePython);
+}
+
+#[test]
+fn stripe_python_outcome_unknown_is_raised_and_not_retried() {
+    outcome_unknown_is_raised_and_not_retried(Sdk::StripePython);
+}
+
+#[test]
+fn stripe_node_in_flight_is_raised_then_the_key_replays_the_original() {
+    in_flight_is_raised_then_the_key_replays_the_original(Sdk::StripeNode);
+}
+
+#[test]
+fn stripe_node_key_reused_with_another_body_is_raised() {
+    key_reused_with_another_body_is_raised(Sdk::StripeNode);
+}
+
+#[test]
+fn stripe_node_malformed_keys_are_raised_and_caller_keys_accepted() {
+    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::StripeNode);
+}
+
+#[test]
+fn stripe_node_outcome_unknown_is_raised_and_not_retried() {
+    outcome_unknown_is_raised_and_not_retried(Sdk::StripeNode);
+}
+
+#[test]
+fn gocardless_python_in_flight_is_raised_then_the_key_replays_the_original() {
+    in_flight_is_raised_then_the_key_replays_the_original(Sdk::GoCardlessPython);
+}
+
+#[test]
+fn gocardless_python_key_reused_with_another_body_is_raised() {
+    key_reused_with_another_body_is_raised(Sdk::GoCardlessPython);
+}
+
+#[test]
+fn gocardless_python_malformed_keys_are_raised_and_caller_keys_accepted() {
+    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::GoCardlessPython);
+}
+
+#[test]
+fn gocardless_python_outcome_unknown_is_raised_and_not_retried() {
+    outcome_unknown_is_raised_and_not_retried(Sdk::GoCardlessPython);
+}
