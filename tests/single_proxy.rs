@@ -770,7 +770,8 @@ fn without_the_stop_iteration_flag_a_key_still_executes_once_and_refused_request
     let replay = send("k-nf", r#"{"amount":1}"#, &[]);
     assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")));
     assert_eq!(replay.body, first.body);
-    assert_eq!(send("k-nf", r#"{"amount":2}"#, &[]).status, 422);
+    let reused = send("k-nf", r#"{"amount":2}"#, &[]);
+    assert_eq!(reused.status, 422, "{:?} {}", reused.headers, reused.body_text());
     // A retry while the first attempt runs is refused at its headers.
     let slow = std::thread::spawn(move || {
         let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-nf-slow"), ("x-up-delay-ms", "1500")];

@@ -49,10 +49,27 @@ pub fn now_nanos() -> u64 {
 
 /// One header's first value. Read as bytes: the SDK's text variant panics on a value that is
 /// not UTF-8 (a client may send any byte >= 0x80), and a panic is a VM crash.
+/// One header's value, or None: absent, or a map the host no longer lends (Envoy answers
+/// BadArgument for the request headers once they have gone on upstream, and the SDK's wrapper
+/// panics on that: a VM crash).
 pub fn header(map: MapType, name: &str) -> Option<String> {
     meter::call(Kind::GetHeader);
-    let v = hostcalls::get_map_value_bytes(map, name).ok().flatten()?;
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the name is memory we own for the duration of the call, with its length; on Ok the
+    // host has written a buffer it allocated through this module's allocator
+    // (`proxy_on_memory_allocate`, a leaked `Vec` of `size` bytes), which we take back once.
+    let status = unsafe { proxy_get_header_map_value(map as u32, name.as_ptr(), name.len(), &mut data, &mut size) };
+    if status != 0 {
+        return None;
+    }
     meter::buffer();
+    let v = if data.is_null() || size == 0 {
+        vec![]
+    } else {
+        // SAFETY: as above: `data` holds `size` initialised bytes allocated as a `Vec<u8>`.
+        unsafe { Vec::from_raw_parts(data, size, size) }
+    };
     Some(String::from_utf8_lossy(&v).into_owned())
 }
 
@@ -178,6 +195,16 @@ fn record_metric(id: u32, value: u64) {
 
 #[link(wasm_import_module = "env")]
 extern "C" {
+    /// The proxy-wasm ABI's `get_header_map_value` (the SDK's wrapper panics on a status other than
+    /// Ok and NotFound, which Envoy answers for a header map it no longer lends).
+    #[allow(clashing_extern_declarations)]
+    fn proxy_get_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
     /// The proxy-wasm ABI's `set_property` (the SDK's wrapper panics on any status but Ok).
     fn proxy_set_property(path_data: *const u8, path_size: usize, value_data: *const u8, value_size: usize) -> u32;
     /// The proxy-wasm ABI 0.2.1 local reply (as declared by the SDK, which passes no details).
