@@ -120,3 +120,45 @@ fn a_replay_of_a_response_with_trailers_names_the_trailers_it_lacks() {
     );
     assert_eq!(s.up.executions(), 2);
 }
+
+/// Envoy's CORS filter, and the policy of the test's catch-all route: two allowed origins.
+const CORS: &str = r#"- name: envoy.filters.http.cors
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors
+"#;
+const CORS_POLICY: &str = r#"                typed_per_filter_config:
+                  envoy.filters.http.cors:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.CorsPolicy
+                    allow_origin_string_match: [{exact: "https://a.test"}, {exact: "https://b.test"}]
+"#;
+
+/// The first request comes from origin a, its retry from origin b: which origin the replay's
+/// `access-control-allow-origin` names.
+fn cors_origin_of_the_replay(cors_before_idemgate: bool) -> Option<String> {
+    let s = Stack::with(CFG, |o| {
+        o.route_fields = CORS_POLICY.to_string();
+        if cors_before_idemgate {
+            o.filters_before_idemgate.push(CORS.to_string());
+        } else {
+            o.extra_http_filters.push(CORS.to_string());
+        }
+    });
+    let first = post(&s, "k-cors", &[("origin", "https://a.test")]);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    assert_eq!(first.header("access-control-allow-origin"), Some("https://a.test"));
+    let r = post(&s, "k-cors", &[("origin", "https://b.test")]);
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")));
+    assert_eq!(r.body, first.body);
+    assert_eq!(s.up.executions(), 1);
+    r.header("access-control-allow-origin").map(str::to_string)
+}
+
+/// Issue 24, item 8: CORS placed before idemgate (as `envoy/envoy.yaml` advises) answers each
+/// replay for its own origin; placed after idemgate, its headers for the first origin are part of
+/// the response idemgate stores, and every replay carries them (the documented reason for the
+/// advice; a browser at origin b then refuses the replay).
+#[test]
+fn cors_before_idemgate_answers_each_replay_for_its_own_origin() {
+    assert_eq!(cors_origin_of_the_replay(true).as_deref(), Some("https://b.test"));
+    assert_eq!(cors_origin_of_the_replay(false).as_deref(), Some("https://a.test"));
+}

@@ -157,6 +157,9 @@ pub struct EnvoyOptions {
     /// Clients on loopback are internal (`use_remote_address` with an `internal_address_config`),
     /// as a mesh's sidecars are: Envoy then honours their `x-envoy-*` request headers.
     pub internal_clients: bool,
+    /// HTTP filters before idemgate (each a YAML list item starting with `- name:`, written from
+    /// column 0), e.g. CORS or a compressor placed where the shipped configs advise.
+    pub filters_before_idemgate: Vec<String>,
     /// More HTTP filters between idemgate and the router (each a YAML list item starting with
     /// `- name:`, written from column 0), e.g. a Lua filter that answers or rewrites responses.
     pub extra_http_filters: Vec<String>,
@@ -216,6 +219,7 @@ impl EnvoyOptions {
             hedge_policy: None,
             filters_after_idemgate: String::new(),
             internal_clients: false,
+            filters_before_idemgate: vec![],
             extra_http_filters: vec![],
             extra_clusters: vec![],
             http1_trailers: false,
@@ -455,7 +459,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
           stat_prefix: ingress{internal}{trailers}{access_log}
           route_config:
 {vhosts}          http_filters:
-          - name: envoy.filters.http.wasm
+{before}          - name: envoy.filters.http.wasm
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
               config:
@@ -476,6 +480,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
 "#,
         buffer = o.buffer_limit_bytes,
         vhosts = render_virtual_hosts(o, false),
+        before = indent(&o.filters_before_idemgate, 10),
         after = o.filters_after_idemgate,
         internal = if o.internal_clients {
             "\n          use_remote_address: true\n          internal_address_config: {cidr_ranges: [{address_prefix: 127.0.0.0, prefix_len: 8}]}"
