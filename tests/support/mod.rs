@@ -174,6 +174,9 @@ pub struct EnvoyOptions {
     pub stop_iteration_flag: bool,
     /// Envoy's log level for Wasm (`--component-log-level wasm:<level>`).
     pub wasm_log_level: String,
+    /// More static listeners in the same Envoy, each (its port, its plugin configuration),
+    /// rendered like the main one: the same `vm_id`, so their filters share one VM's shared data.
+    pub extra_listeners: Vec<(u16, String)>,
 }
 
 /// The test access log's line: a test id, the status, Envoy's response code details and the
@@ -207,6 +210,7 @@ impl EnvoyOptions {
             access_log: false,
             stop_iteration_flag: true,
             wasm_log_level: "debug".into(),
+            extra_listeners: vec![],
         }
     }
 }
@@ -228,11 +232,19 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
 "#
         ),
     };
+    let extra: String = o
+        .extra_listeners
+        .iter()
+        .map(|(port, plugin)| {
+            render_listener(o, plugin, *port, wasm).replacen("  - name: main", &format!("  - name: extra-{port}"), 1)
+        })
+        .collect();
     let listener = render_listener(o, &o.plugin_config, listen_port, wasm);
     let (listeners, dynamic) = if o.lds {
-        (String::new(), "node: {id: idemgate-test, cluster: idemgate-test}\ndynamic_resources:\n  lds_config:\n    resource_api_version: V3\n    path_config_source:\n      path: lds.yaml\n      watched_directory: {path: .}\n".to_string())
+        // The main listener comes from the LDS file; extra ones stay static.
+        (if extra.is_empty() { String::new() } else { format!("  listeners:\n{extra}") }, "node: {id: idemgate-test, cluster: idemgate-test}\ndynamic_resources:\n  lds_config:\n    resource_api_version: V3\n    path_config_source:\n      path: lds.yaml\n      watched_directory: {path: .}\n".to_string())
     } else {
-        (format!("  listeners:\n{listener}"), String::new())
+        (format!("  listeners:\n{listener}{extra}"), String::new())
     };
     let cfg = format!(
         r#"admin:
