@@ -535,6 +535,15 @@ impl WhereAbsent {
 impl Transition {
     /// Completion by the owner: store the completed record (sent as the PUT body). Where the store
     /// lost the owner's claim, the record is written all the same (answer 2).
+    /// The same transition with its record's response body left out (`State::without_body`: the
+    /// status and `location` only), for a completion whose whole record the store refused as too
+    /// large; `None` for a transition carrying no response.
+    pub fn without_body(&self) -> Option<Transition> {
+        let record = self.record.as_ref().filter(|r| matches!(r.state, State::Completed(_)))?;
+        let record = Record { state: record.state.clone().without_body(), ..record.clone() };
+        Some(Transition { record: Some(record), ..self.clone() })
+    }
+
     pub fn complete(owner: OwnerToken, record: Record, lifetimes: &Lifetimes) -> Transition {
         Transition {
             expected_owner: owner,
@@ -901,6 +910,10 @@ pub enum TransitionReply {
     /// Redis does not hold the transition script (restarted, failed over, `SCRIPT FLUSH`): nothing
     /// ran and nothing changed. Send the request's `with_script` form, once.
     NoScript,
+    /// etcd only: the owner's claim is not there and the key is absent; nothing was written yet.
+    /// A write that writes where absent sends its second transaction
+    /// (`etcd::where_absent_request`), which writes only if the key is still absent.
+    Absent,
 }
 
 impl TransitionReply {
@@ -908,6 +921,12 @@ impl TransitionReply {
     pub fn written(self) -> bool {
         matches!(self, TransitionReply::Changed | TransitionReply::ClaimGoneRewritten)
     }
+}
+
+/// Whether webdis refused a request for its size (over its `http_max_request_size`, 413 Request
+/// Entity Too Large): nothing reached Redis.
+pub fn refused_as_too_large(status: Option<u16>) -> bool {
+    status == Some(413)
 }
 
 /// Parses the answer to a transition.

@@ -364,6 +364,8 @@ pub enum Counter {
     StoreWriteRetries,
     StoreWriteFailures,
     StoreClaimGoneRewritten,
+    /// A completion the store refused as too large, written again without its response body.
+    StoreWritesTooLarge,
     StoreAnswersTooLate,
     StoreScriptLoads,
     StoreAuthentications,
@@ -378,7 +380,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 43] = [
+    pub const ALL: [Counter; 44] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -411,6 +413,7 @@ impl Counter {
         Counter::StoreWriteRetries,
         Counter::StoreWriteFailures,
         Counter::StoreClaimGoneRewritten,
+        Counter::StoreWritesTooLarge,
         Counter::StoreAnswersTooLate,
         Counter::StoreScriptLoads,
         Counter::StoreAuthentications,
@@ -458,6 +461,7 @@ impl Counter {
             Counter::StoreWriteRetries => "idemgate.store_write_retries",
             Counter::StoreWriteFailures => "idemgate.store_write_failures",
             Counter::StoreClaimGoneRewritten => "idemgate.store_claim_gone_rewritten",
+            Counter::StoreWritesTooLarge => "idemgate.store_writes_too_large",
             Counter::StoreAnswersTooLate => "idemgate.store_answers_too_late",
             Counter::StoreScriptLoads => "idemgate.store_script_loads",
             Counter::StoreAuthentications => "idemgate.store_authentications",

@@ -698,7 +698,8 @@ impl Http {
                     self.count(Counter::TakenOver);
                     self.forward_claimed(handle, fp, sent_at_ms)
                 }
-                Ok(TransitionReply::Refused) => {
+                // Nothing was written (etcd: the key is absent, which a take-over never writes).
+                Ok(TransitionReply::Refused | TransitionReply::Absent) => {
                     self.release_local(handle);
                     self.in_flight()
                 }

@@ -229,13 +229,15 @@ impl Shared {
             error!("idemgate: store write {what} for key={} dropped: no record seal", skey.hex());
             return;
         };
-        if !stores::is_etcd(self) {
-            return self.push_job(Job::new(what, skey, t, fallback, seal));
-        }
         let now = host::now_ms();
-        let built = stores::transition_request(self, t, skey, seal, now, fence).and_then(|request| {
-            let fallback = fallback.map(|f| stores::transition_request(self, f, skey, seal, now, None)).transpose()?;
-            Ok(Job { what, key_hash: skey.hex(), request, fallback, attempts: 0 })
+        let built = self.build_job(what, skey, t, fence, seal, now).and_then(|mut job| {
+            let fallback =
+                fallback.map(|f| self.build_job("unknown_fallback", skey, f, None, seal, now)).transpose()?;
+            job.fallback = fallback.map(Box::new);
+            if let Some(small) = job.if_too_large.as_mut() {
+                small.fallback = job.fallback.clone();
+            }
+            Ok(job)
         });
         match built {
             Ok(job) => self.push_job(job),
@@ -246,6 +248,36 @@ impl Shared {
                 warn!("idemgate: store write {what} for key={} not sent: {e}", skey.hex());
             }
         }
+    }
+
+    /// The requests of the write `t`: the transition, its where-absent second transaction (etcd),
+    /// and, for a completion, the same completion without its body should the store refuse the
+    /// whole record as too large.
+    fn build_job(
+        &self,
+        what: &'static str,
+        skey: &StorageKey,
+        t: &Transition,
+        fence: Option<&crate::etcd::Fence>,
+        seal: &crate::seal::Seal,
+        now: u64,
+    ) -> Result<Job, stores::Unbuilt> {
+        let request = stores::transition_request(self, t, skey, seal, now, fence)?;
+        let if_absent = stores::where_absent_request(self, t, skey, seal, now)?;
+        let if_too_large = match t.without_body() {
+            Some(small) => Some(Box::new(self.build_job("complete_without_body", skey, &small, fence, seal, now)?)),
+            None => None,
+        };
+        Ok(Job {
+            what,
+            key_hash: skey.hex(),
+            request,
+            fallback: None,
+            if_absent,
+            if_too_large,
+            where_absent: false,
+            attempts: 0,
+        })
     }
 
     fn push_job(&self, job: Job) {
@@ -460,6 +492,29 @@ impl Root {
         }
     }
 
+    /// The store refused the write as too large (nothing of it applied): retrying cannot help. A
+    /// completion goes again without its response body, so the key ends as "executed, response not
+    /// stored" (`State::CompletedTooLarge`) on every proxy, never outcome-unknown; any other write
+    /// goes to its fallback at once.
+    fn write_too_large(&mut self, mut job: Job) {
+        let Some(s) = self.shared.clone() else { return };
+        s.metrics.inc(Counter::StoreErrors);
+        match job.if_too_large.take() {
+            Some(small) => {
+                s.metrics.inc(Counter::StoreWritesTooLarge);
+                warn!(
+                    "idemgate: store write {} for key={} refused by the store as too large; writing the record without its response body (retries get response-not-stored)",
+                    job.what, job.key_hash
+                );
+                self.dispatch_job(*small);
+            }
+            None => {
+                job.attempts = MAX_WRITE_ATTEMPTS.saturating_sub(1);
+                self.write_failed(job, "refused by the store as too large");
+            }
+        }
+    }
+
     /// A write failed: retry it (with backoff), then its fallback, then give up (counted and logged).
     fn write_failed(&mut self, mut job: Job, why: &str) {
         let Some(s) = self.shared.clone() else { return };
@@ -481,13 +536,7 @@ impl Root {
                 "idemgate: store write {} for key={} failed {} times ({why}); marking the outcome unknown",
                 job.what, job.key_hash, job.attempts
             );
-            self.dispatch_job(Job {
-                what: "unknown_fallback",
-                request: fallback,
-                fallback: None,
-                attempts: 0,
-                key_hash: job.key_hash,
-            });
+            self.dispatch_job(*fallback);
         } else {
             s.metrics.inc(Counter::StoreWriteFailures);
             warn!(
@@ -891,13 +940,37 @@ impl Root {
                 meter::background(|| self.lease_answered(sent_at_ms, num_headers, body_size))
             }
             Some(Call::Auth) => meter::background(|| self.auth_answered(num_headers, body_size)),
-            Some(Call::Write(job)) => {
+            Some(Call::Write(mut job)) => {
                 let (status, body) = writes::answer(body_size, num_headers);
                 let Some(s) = self.shared.clone() else { return };
-                match stores::parse_write(&s, status, &body) {
+                if stores::refused_as_too_large(&s, status, &body) {
+                    return self.write_too_large(job);
+                }
+                let parsed = match job.where_absent {
+                    true => stores::parse_where_absent(&s, status, &body),
+                    false => stores::parse_write(&s, status, &body),
+                };
+                match parsed {
                     // Redis lost the script (restart, failover, SCRIPT FLUSH): nothing ran.
                     Ok(TransitionReply::NoScript) => self.write_with_script(job),
                     Ok(TransitionReply::Changed) => self.write_landed(),
+                    // etcd: the claim is gone and the key absent; a write that writes where absent
+                    // sends its second transaction (as the same write: its retries, its fallback).
+                    Ok(TransitionReply::Absent) => match job.if_absent.take() {
+                        Some(request) => {
+                            job.request = request;
+                            job.where_absent = true;
+                            job.attempts = 0;
+                            self.dispatch_job(job);
+                        }
+                        None => {
+                            info!(
+                                "idemgate: store write {} for key={} found the key absent; nothing to write there",
+                                job.what, job.key_hash
+                            );
+                            self.write_landed();
+                        }
+                    },
                     Ok(TransitionReply::Refused) => {
                         info!(
                             "idemgate: store write {} for key={} found the claim no longer ours",

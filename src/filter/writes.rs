@@ -12,9 +12,7 @@ use std::time::Duration;
 use proxy_wasm::types::{BufferType, MapType};
 
 use crate::config::StoreConfig;
-use crate::scope::StorageKey;
-use crate::seal::Seal;
-use crate::store::{StoreRequest, Transition};
+use crate::store::StoreRequest;
 
 /// Attempts of one write before its fallback: the first, one retry at once (a transient error),
 /// then retries after 0.2, 0.4, 0.8, 1.6 and 3.2 s, so a store that is back within about 6 s
@@ -35,28 +33,19 @@ pub struct Job {
     pub what: &'static str,
     pub key_hash: String,
     pub request: StoreRequest,
-    /// Sent once if `request` keeps failing (for a completion: mark the outcome unknown).
-    pub fallback: Option<StoreRequest>,
+    /// Sent if `request` keeps failing (for a completion: mark the outcome unknown).
+    pub fallback: Option<Box<Job>>,
+    /// etcd: the second transaction of a where-absent write (`etcd::where_absent_request`), sent
+    /// when the store answers `TransitionReply::Absent`.
+    pub if_absent: Option<StoreRequest>,
+    /// A completion: the same completion without its response body (`State::CompletedTooLarge`),
+    /// sent instead when the store refuses `request` as too large (`stores::refused_as_too_large`):
+    /// the key then ends as "executed, response not stored", never outcome-unknown.
+    pub if_too_large: Option<Box<Job>>,
+    /// `request` is a where-absent second transaction (its answer is read by
+    /// `stores::parse_where_absent`).
+    pub where_absent: bool,
     pub attempts: u8,
-}
-
-impl Job {
-    /// The write `t` of the record at `skey`, with an optional fallback.
-    pub fn new(
-        what: &'static str,
-        skey: &StorageKey,
-        t: &Transition,
-        fallback: Option<&Transition>,
-        seal: &Seal,
-    ) -> Job {
-        Job {
-            what,
-            key_hash: skey.hex(),
-            request: t.request(skey, seal),
-            fallback: fallback.map(|f| f.request(skey, seal)),
-            attempts: 0,
-        }
-    }
 }
 
 /// Sends `req` to the store cluster with the current `authorization` (`Shared::credentials`).
