@@ -118,10 +118,11 @@ pub struct Entry {
     /// Bytes of the completed record in its slot, counted in `usage`.
     pub slot_bytes: u32,
     /// The entry's own protection floor: it may be evicted only once `since_ms + floor_ms` has
-    /// passed (`u64::MAX`: never, it is kept until it expires). Written by the configuration that
-    /// wrote the entry (`Table::entry_floor_ms`), so the protection a record was promised holds
-    /// whatever other configuration shares the table (another listener in the same VM, or a
-    /// reload) and evicts.
+    /// passed (`u64::MAX`: never, it is kept until it expires). Set by the configuration that
+    /// claimed the key (`Table::entry_floor_ms`) and only ever raised by the ones that complete
+    /// or mark it (another listener may mark a stale claim outcome-unknown), so the protection a
+    /// record was promised holds whatever other configuration shares the table (another listener
+    /// in the same VM, or a reload) and evicts.
     pub floor_ms: u64,
 }
 
@@ -618,7 +619,7 @@ impl Table {
                     };
                     e.phase = phase;
                     e.since_ms = now_ms;
-                    e.floor_ms = self.entry_floor_ms();
+                    e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
                     e.expires_at_ms = lifetimes.expires_at(Stage::Unknown, now_ms);
                     let e = e.clone();
                     if !self.write_bucket(sd, i, &bucket, cas)? {
@@ -928,7 +929,7 @@ impl Table {
             if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
                 e.phase = phase;
                 e.since_ms = now_ms;
-                e.floor_ms = self.entry_floor_ms();
+                e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
                 e.fingerprint = Some(fp);
                 e.expires_at_ms = expires_at_ms;
                 e.status = status;
@@ -976,7 +977,7 @@ impl Table {
             if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
                 e.phase = phase;
                 e.since_ms = now_ms;
-                e.floor_ms = self.entry_floor_ms();
+                e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
                 e.expires_at_ms = Lifetimes::of(policy).expires_at(to, now_ms);
             }
         })?;

@@ -450,6 +450,15 @@ fn a_record_keeps_the_floor_of_the_configuration_that_wrote_it_whichever_evicts(
     fill_completed(&cache, &mut m, &(0..16).map(skey).collect::<Vec<_>>(), NOW);
     let b = claim(&protected, &mut m, skey(100), Some(fp(1)), 2, NOW + 20);
     assert!(matches!(b, Begin::Claimed { evicted: true, .. }), "{b:?}");
+    // A stale claim of the protected configuration, marked outcome-unknown by the cache, keeps
+    // the floor its own configuration gave it.
+    let mut m = fresh(&protected);
+    let h = handle(&claim(&protected, &mut m, skey(200), Some(fp(1)), 1, NOW));
+    let b = claim(&cache, &mut m, skey(200), Some(fp(1)), 2, NOW + 11_000);
+    assert!(is_reject(&b, &ProblemKind::OutcomeUnknown), "{b:?}");
+    let (bucket, _) = cache.read_bucket(&mut m, h.bucket).unwrap();
+    let e = bucket.positions[h.position].as_ref().unwrap();
+    assert_eq!((e.phase, e.floor_ms), (EntryPhase::Unknown, 60_000));
     // A record written under `when_full: "reject"` is never evicted, not even by a cache.
     let reject = floor_table(16, WhenFull::Reject, 0);
     let mut m = fresh(&reject);
