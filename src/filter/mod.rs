@@ -40,7 +40,7 @@ use crate::store::{self, Transition, TransitionReply};
 use crate::wait::{self, Seen, Tier, WaitAnswer};
 use host::{Counter, Gauge, HostShared, Metrics};
 use settle::Claim;
-use writes::{Job, MAX_WRITE_ATTEMPTS};
+use writes::{Job, Source, MAX_WRITE_ATTEMPTS};
 
 /// The VM environment variable holding webdis credentials as `user:password` (set it in the Wasm
 /// `vm_config.environment_variables`; it never appears in the plugin configuration).
@@ -234,9 +234,6 @@ impl Shared {
             let fallback =
                 fallback.map(|f| self.build_job("unknown_fallback", skey, f, None, seal, now)).transpose()?;
             job.fallback = fallback.map(Box::new);
-            if let Some(small) = job.if_too_large.as_mut() {
-                small.fallback = job.fallback.clone();
-            }
             Ok(job)
         });
         match built {
@@ -250,10 +247,9 @@ impl Shared {
         }
     }
 
-    /// The requests of the write `t`: the transition, its where-absent second transaction (etcd),
-    /// and, for a completion, the same completion without its body should the store refuse the
-    /// whole record as too large.
-    fn build_job(
+    /// The write `t` as a job: its request, and `t` itself when it carries a record (for the
+    /// requests some answers call for: `Job::source`).
+    pub fn build_job(
         &self,
         what: &'static str,
         skey: &StorageKey,
@@ -263,21 +259,8 @@ impl Shared {
         now: u64,
     ) -> Result<Job, stores::Unbuilt> {
         let request = stores::transition_request(self, t, skey, seal, now, fence)?;
-        let if_absent = stores::where_absent_request(self, t, skey, seal, now)?;
-        let if_too_large = match t.without_body() {
-            Some(small) => Some(Box::new(self.build_job("complete_without_body", skey, &small, fence, seal, now)?)),
-            None => None,
-        };
-        Ok(Job {
-            what,
-            key_hash: skey.hex(),
-            request,
-            fallback: None,
-            if_absent,
-            if_too_large,
-            where_absent: false,
-            attempts: 0,
-        })
+        let source = t.record.is_some().then(|| Box::new(Source { transition: t.clone(), skey: *skey }));
+        Ok(Job { what, key_hash: skey.hex(), request, fallback: None, source, where_absent: false, attempts: 0 })
     }
 
     fn push_job(&self, job: Job) {
@@ -499,19 +482,60 @@ impl Root {
     fn write_too_large(&mut self, mut job: Job) {
         let Some(s) = self.shared.clone() else { return };
         s.metrics.inc(Counter::StoreErrors);
-        match job.if_too_large.take() {
-            Some(small) => {
+        let smaller = job.source.as_ref().and_then(|src| {
+            let small = src.transition.without_body()?;
+            let seal = s.seal.as_ref()?;
+            Some(s.build_job("complete_without_body", &src.skey, &small, None, seal, host::now_ms()))
+        });
+        match smaller {
+            Some(Ok(mut small)) => {
                 s.metrics.inc(Counter::StoreWritesTooLarge);
                 warn!(
                     "idemgate: store write {} for key={} refused by the store as too large; writing the record without its response body (retries get response-not-stored)",
                     job.what, job.key_hash
                 );
-                self.dispatch_job(*small);
+                small.fallback = job.fallback.take();
+                self.dispatch_job(small);
             }
-            None => {
+            // Not a completion (or the smaller write cannot be built now): retrying the same bytes
+            // cannot help; its fallback at once.
+            other => {
+                let why = match other {
+                    Some(Err(e)) => format!("refused by the store as too large; without its body: {e}"),
+                    _ => "refused by the store as too large".to_string(),
+                };
                 job.attempts = MAX_WRITE_ATTEMPTS.saturating_sub(1);
-                self.write_failed(job, "refused by the store as too large");
+                self.write_failed(job, &why);
             }
+        }
+    }
+
+    /// etcd answered that the key is absent: a write that writes where absent sends its second
+    /// transaction, as the same write (its retries, its fallback); any other write is done.
+    fn write_where_absent(&mut self, mut job: Job) {
+        let Some(s) = self.shared.clone() else { return };
+        let built = match (job.source.as_ref(), s.seal.as_ref()) {
+            (Some(src), Some(seal)) => {
+                stores::where_absent_request(&s, &src.transition, &src.skey, seal, host::now_ms())
+            }
+            _ => Ok(None),
+        };
+        match built {
+            Ok(Some(request)) => {
+                job.request = request;
+                job.where_absent = true;
+                job.attempts = 0;
+                self.dispatch_job(job);
+            }
+            Ok(None) => {
+                info!(
+                    "idemgate: store write {} for key={} found the key absent; nothing to write there",
+                    job.what, job.key_hash
+                );
+                self.write_landed();
+            }
+            // No lease now: as a failed attempt (retried; the retry asks again).
+            Err(e) => self.write_failed(job, &e.to_string()),
         }
     }
 
@@ -940,7 +964,7 @@ impl Root {
                 meter::background(|| self.lease_answered(sent_at_ms, num_headers, body_size))
             }
             Some(Call::Auth) => meter::background(|| self.auth_answered(num_headers, body_size)),
-            Some(Call::Write(mut job)) => {
+            Some(Call::Write(job)) => {
                 let (status, body) = writes::answer(body_size, num_headers);
                 let Some(s) = self.shared.clone() else { return };
                 if stores::refused_as_too_large(&s, status, &body) {
@@ -956,21 +980,7 @@ impl Root {
                     Ok(TransitionReply::Changed) => self.write_landed(),
                     // etcd: the claim is gone and the key absent; a write that writes where absent
                     // sends its second transaction (as the same write: its retries, its fallback).
-                    Ok(TransitionReply::Absent) => match job.if_absent.take() {
-                        Some(request) => {
-                            job.request = request;
-                            job.where_absent = true;
-                            job.attempts = 0;
-                            self.dispatch_job(job);
-                        }
-                        None => {
-                            info!(
-                                "idemgate: store write {} for key={} found the key absent; nothing to write there",
-                                job.what, job.key_hash
-                            );
-                            self.write_landed();
-                        }
-                    },
+                    Ok(TransitionReply::Absent) => self.write_where_absent(job),
                     Ok(TransitionReply::Refused) => {
                         info!(
                             "idemgate: store write {} for key={} found the claim no longer ours",

@@ -12,7 +12,8 @@ use std::time::Duration;
 use proxy_wasm::types::{BufferType, MapType};
 
 use crate::config::StoreConfig;
-use crate::store::StoreRequest;
+use crate::scope::StorageKey;
+use crate::store::{StoreRequest, Transition};
 
 /// Attempts of one write before its fallback: the first, one retry at once (a transient error),
 /// then retries after 0.2, 0.4, 0.8, 1.6 and 3.2 s, so a store that is back within about 6 s
@@ -35,17 +36,22 @@ pub struct Job {
     pub request: StoreRequest,
     /// Sent if `request` keeps failing (for a completion: mark the outcome unknown).
     pub fallback: Option<Box<Job>>,
-    /// etcd: the second transaction of a where-absent write (`etcd::where_absent_request`), sent
-    /// when the store answers `TransitionReply::Absent`.
-    pub if_absent: Option<StoreRequest>,
-    /// A completion: the same completion without its response body (`State::CompletedTooLarge`),
-    /// sent instead when the store refuses `request` as too large (`stores::refused_as_too_large`):
-    /// the key then ends as "executed, response not stored", never outcome-unknown.
-    pub if_too_large: Option<Box<Job>>,
+    /// A write carrying a record (a completion, an outcome-unknown mark): its transition, from
+    /// which the root builds, only when an answer calls for it, the where-absent second
+    /// transaction (etcd, answered `TransitionReply::Absent`) or the same completion without its
+    /// response body (the store refused the record as too large).
+    pub source: Option<Box<Source>>,
     /// `request` is a where-absent second transaction (its answer is read by
     /// `stores::parse_where_absent`).
     pub where_absent: bool,
     pub attempts: u8,
+}
+
+/// The transition a `Job` writes, and where.
+#[derive(Clone, Debug)]
+pub struct Source {
+    pub transition: Transition,
+    pub skey: StorageKey,
 }
 
 /// Sends `req` to the store cluster with the current `authorization` (`Shared::credentials`).
