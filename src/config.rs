@@ -216,7 +216,24 @@ pub struct StoreConfig {
     /// `store.kind: "etcd"` with a credential: how often each worker authenticates again
     /// (`etcd::Auth`); below etcd's token TTL.
     pub token_refresh_seconds: u64,
+    /// The largest request the store accepts (`store.max_request_bytes`): etcd's
+    /// `--max-request-bytes` (default 1.5 MiB, counted on the decoded request), webdis's
+    /// `http_max_request_size` (default 128 MiB). Every `max_response_body_bytes` must fit in it
+    /// with `STORE_WRITE_OVERHEAD_BYTES` to spare (`check_store_request_size`).
+    pub max_request_bytes: u64,
 }
+
+/// etcd's default `--max-request-bytes`.
+pub const ETCD_DEFAULT_MAX_REQUEST_BYTES: u64 = 1_572_864;
+/// webdis's default `http_max_request_size`.
+pub const WEBDIS_DEFAULT_MAX_REQUEST_BYTES: u64 = 134_217_728;
+/// What a completion's store write carries besides the response body: the response headers
+/// (Envoy lets an upstream send 60 KiB of them by default), the record's other fields (times,
+/// fingerprint, the creator's request id and logged headers), its seal, the value header and
+/// owner mark, the keys and the rest of the transaction or webdis request. A write larger than
+/// the store accepts anyway (larger headers) is written without its body, never lost
+/// (the root's `write_too_large`).
+pub const STORE_WRITE_OVERHEAD_BYTES: u64 = 96 * 1024;
 
 /// `store.kind`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -413,6 +430,7 @@ impl Config {
             check_etcd_clocks(&config)?;
         }
         check_detached_with_store(&config)?;
+        check_store_request_size(&config)?;
         // Without held headers, Envoy's router has already started the upstream request when the
         // claim is made: a detached callout would be a second one.
         if !hold_headers && config.policies().any(|p| matches!(p.forwarding, Forwarding::Detached { .. })) {
@@ -804,6 +822,26 @@ fn check_etcd_clocks(c: &Config) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// A response the configuration promises to keep (up to `max_response_body_bytes`) must fit in
+/// one store write (`store.max_request_bytes`, with `STORE_WRITE_OVERHEAD_BYTES` for the rest):
+/// otherwise every such completion would be refused by the store.
+fn check_store_request_size(c: &Config) -> Result<(), ConfigError> {
+    let Some(limit) = c.store.as_ref().map(|s| s.max_request_bytes) else { return Ok(()) };
+    for (p, prefix) in labelled_policies(c) {
+        if p.max_response_body_bytes.saturating_add(STORE_WRITE_OVERHEAD_BYTES) > limit {
+            return Err(err(
+                &join(&prefix, "max_response_body_bytes"),
+                format!(
+                    "{} does not fit in one store write: store.max_request_bytes is {limit} (the store's request limit: etcd's --max-request-bytes, webdis's http_max_request_size) and a record needs {STORE_WRITE_OVERHEAD_BYTES} bytes besides its body; lower max_response_body_bytes to at most {} or raise the store's limit and store.max_request_bytes",
+                    p.max_response_body_bytes,
+                    limit.saturating_sub(STORE_WRITE_OVERHEAD_BYTES)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// With a store, a detached request is forwarded once the store answers its claim, which may take
 /// up to `store.timeout_ms`, and then runs for up to `upstream.timeout_ms`: both within the lock,
 /// or a retry could find the lock stale while the request still runs (an answer later than that
@@ -976,7 +1014,15 @@ fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
     check_unknown(
         m,
         "store",
-        &[&["kind", "cluster", "authority", "timeout_ms", "on_unavailable", "token_refresh_seconds"]],
+        &[&[
+            "kind",
+            "cluster",
+            "authority",
+            "timeout_ms",
+            "on_unavailable",
+            "token_refresh_seconds",
+            "max_request_bytes",
+        ]],
     )?;
     let kind = match m.get("kind") {
         Some(k) => as_choice(k, "store.kind", &[("redis", StoreKind::Redis), ("etcd", StoreKind::Etcd)])?,
@@ -1013,7 +1059,14 @@ fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
         (Some(t), StoreKind::Etcd) => as_uint(t, "store.token_refresh_seconds", 1, 3600)?,
         (None, _) => crate::etcd::DEFAULT_TOKEN_REFRESH_SECONDS,
     };
-    Ok(StoreConfig { kind, cluster, authority, timeout_ms, on_unavailable, token_refresh_seconds })
+    let max_request_bytes = match m.get("max_request_bytes") {
+        Some(b) => as_uint(b, "store.max_request_bytes", 65_536, 1 << 32)?,
+        None => match kind {
+            StoreKind::Etcd => ETCD_DEFAULT_MAX_REQUEST_BYTES,
+            StoreKind::Redis => WEBDIS_DEFAULT_MAX_REQUEST_BYTES,
+        },
+    };
+    Ok(StoreConfig { kind, cluster, authority, timeout_ms, on_unavailable, token_refresh_seconds, max_request_bytes })
 }
 
 fn parse_local(v: &Value) -> Result<LocalConfig, ConfigError> {
@@ -1158,7 +1211,8 @@ mod tests {
                 authority: "webdis".into(),
                 timeout_ms: 50,
                 on_unavailable: OnUnavailable::Pass,
-                token_refresh_seconds: 60
+                token_refresh_seconds: 60,
+                max_request_bytes: WEBDIS_DEFAULT_MAX_REQUEST_BYTES
             })
         );
         assert_eq!(
@@ -1173,6 +1227,42 @@ mod tests {
         assert_eq!(c.max_buffered_bytes, 2_097_152);
     }
 
+    /// Issue 23, item 5: a response the configuration may keep must fit in one store write.
+    #[test]
+    fn max_response_body_bytes_must_fit_the_stores_request_limit() {
+        let etcd = parse(r#"{"scope": {"global": true}, "store": {"kind": "etcd", "cluster": "s"}}"#).unwrap();
+        assert_eq!(etcd.store.map(|s| s.max_request_bytes), Some(ETCD_DEFAULT_MAX_REQUEST_BYTES));
+        // The largest body etcd's default takes, and one byte more.
+        let fits = ETCD_DEFAULT_MAX_REQUEST_BYTES - STORE_WRITE_OVERHEAD_BYTES;
+        let cfg = |n: u64| {
+            format!(
+                r#"{{"scope": {{"global": true}}, "max_response_body_bytes": {n}, "store": {{"kind": "etcd", "cluster": "s"}}}}"#
+            )
+        };
+        assert!(parse(&cfg(fits)).is_ok());
+        let e = parse(&cfg(fits + 1)).unwrap_err();
+        assert_eq!(e.field, "max_response_body_bytes", "{e:?}");
+        assert!(e.reason.contains("store.max_request_bytes"), "{e:?}");
+        // Routes name their own field; a raised limit admits a larger body.
+        let routed = r#"{"scope": {"global": true}, "routes": [{"prefix": "/a"}, {"prefix": "/b", "max_response_body_bytes": 4194304}], "store": {"kind": "etcd", "cluster": "s"}}"#;
+        assert_eq!(parse(routed).unwrap_err().field, "routes[1].max_response_body_bytes");
+        let raised = r#"{"scope": {"global": true}, "max_response_body_bytes": 4194304, "store": {"kind": "etcd", "cluster": "s", "max_request_bytes": 8388608}}"#;
+        assert!(parse(raised).is_ok());
+        // webdis's default (128 MiB) takes the largest body idemgate keeps (64 MiB).
+        let redis = format!(
+            r#"{{"scope": {{"global": true}}, "max_response_body_bytes": {MAX_BODY_BYTES}, "store": {{"cluster": "s"}}}}"#
+        );
+        assert!(parse(&redis).is_ok());
+        let small = r#"{"scope": {"global": true}, "store": {"cluster": "s", "max_request_bytes": 1048576}}"#;
+        assert_eq!(parse(small).unwrap_err().field, "max_response_body_bytes");
+        assert_eq!(
+            parse(r#"{"scope": {"global": true}, "store": {"cluster": "s", "max_request_bytes": 10}}"#)
+                .unwrap_err()
+                .field,
+            "store.max_request_bytes"
+        );
+    }
+
     #[test]
     fn store_defaults_authority_to_cluster_and_rejects_when_unavailable() {
         let c = parse(r#"{"scope": {"global": true}, "store": {"cluster": "redis"}}"#).unwrap();
@@ -1184,7 +1274,8 @@ mod tests {
                 authority: "redis".into(),
                 timeout_ms: 250,
                 on_unavailable: OnUnavailable::Reject,
-                token_refresh_seconds: 60
+                token_refresh_seconds: 60,
+                max_request_bytes: WEBDIS_DEFAULT_MAX_REQUEST_BYTES
             })
         );
     }

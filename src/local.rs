@@ -25,11 +25,13 @@
 //! - `<prefix>.ready`: set once every bucket exists.
 //!
 //! When `max_entries` is reached, a new key takes the place of the oldest completed or
-//! outcome-unknown record older than `min_protection_seconds`, in its bucket or a few next ones
-//! (`when_full: "evict_oldest"`, the default); never a claim in flight. With none, the answer is
+//! outcome-unknown record older than its own floor (`Entry::floor_ms`: the
+//! `min_protection_seconds` of the configuration that wrote it, which may not be the one evicting:
+//! every configuration of the VM with the same `max_entries` shares the table), in its bucket or a
+//! few next ones (`when_full: "evict_oldest"`, the default); never a claim in flight. With none, the answer is
 //! `Begin::Full` (503 `capacity-exhausted`, or, with a store, no local copy).
 //!
-//! `<prefix>` is `idemgate.v2.local.n<max_entries>`: the layout version and the capacity are in
+//! `<prefix>` is `idemgate.v3.local.n<max_entries>`: the layout version and the capacity are in
 //! the names, so a module with another layout, or a changed `local.max_entries`, starts a fresh
 //! table instead of misreading this one. Memory is bounded by `max_entries` entries (and at most
 //! `64 B` slot names) plus `max_bytes` of responses, whatever the number of distinct keys.
@@ -54,8 +56,8 @@ pub const DENSITY: u64 = 8;
 const EVICT_SCAN_BUCKETS: u32 = 8;
 /// How many times an operation retries after losing a CAS race before giving up.
 const MAX_CAS_RETRIES: usize = 64;
-const BUCKET_MAGIC: &[u8; 4] = b"IGB\x02";
-const ENTRY_BYTES: usize = 1 + 32 + 1 + 32 + 16 + 8 + 8 + 8 + 2 + 4;
+const BUCKET_MAGIC: &[u8; 4] = b"IGB\x03";
+const ENTRY_BYTES: usize = 1 + 32 + 1 + 32 + 16 + 8 + 8 + 8 + 2 + 4 + 8;
 
 /// The host's shared data, exactly as proxy-wasm exposes it.
 pub trait SharedData {
@@ -115,6 +117,13 @@ pub struct Entry {
     pub status: u16,
     /// Bytes of the completed record in its slot, counted in `usage`.
     pub slot_bytes: u32,
+    /// The entry's own protection floor: it may be evicted only once `since_ms + floor_ms` has
+    /// passed (`u64::MAX`: never, it is kept until it expires). Set by the configuration that
+    /// claimed the key (`Table::entry_floor_ms`) and only ever raised by the ones that complete
+    /// or mark it (another listener may mark a stale claim outcome-unknown), so the protection a
+    /// record was promised holds whatever other configuration shares the table (another listener
+    /// in the same VM, or a reload) and evicts.
+    pub floor_ms: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,6 +188,7 @@ impl Entry {
     /// second execution of a request still running).
     fn evictable(&self, now_ms: u64) -> bool {
         lifecycle::next(self.summary().stage(), Event::Evict, Facts::of(&self.summary(), now_ms, false)).is_ok()
+            && now_ms.saturating_sub(self.since_ms) >= self.floor_ms
     }
 }
 
@@ -222,6 +232,7 @@ impl Bucket {
             out.extend_from_slice(&e.lock_expires_at_ms.to_le_bytes());
             out.extend_from_slice(&e.status.to_le_bytes());
             out.extend_from_slice(&e.slot_bytes.to_le_bytes());
+            out.extend_from_slice(&e.floor_ms.to_le_bytes());
         }
         out
     }
@@ -268,6 +279,7 @@ impl Bucket {
                 lock_expires_at_ms: u64_at(97)?,
                 status: u16::from_le_bytes(arr(105, 107)?.try_into().ok()?),
                 slot_bytes: u32::from_le_bytes(arr(107, 111)?.try_into().ok()?),
+                floor_ms: u64_at(111)?,
             });
         }
         r.is_empty().then_some(b)
@@ -332,7 +344,8 @@ pub struct Table {
     max_entries: u64,
     max_bytes: u64,
     when_full: WhenFull,
-    /// Only finished records at least this old are evicted.
+    /// The protection floor this configuration gives the records it writes (each entry keeps
+    /// its own: `Entry::floor_ms`).
     floor_ms: u64,
 }
 
@@ -340,7 +353,7 @@ impl Table {
     pub fn new(cfg: &LocalConfig) -> Table {
         let buckets = cfg.max_entries.div_ceil(DENSITY).clamp(1, u64::from(u32::MAX));
         Table {
-            prefix: format!("idemgate.v2.local.n{}", cfg.max_entries),
+            prefix: format!("idemgate.v3.local.n{}", cfg.max_entries),
             buckets: u32::try_from(buckets).unwrap_or(u32::MAX),
             max_entries: cfg.max_entries,
             max_bytes: cfg.max_bytes,
@@ -351,10 +364,23 @@ impl Table {
 
     /// With an external store the local tier is a cache: the store keeps every record, so a full
     /// table evicts the oldest finished record whatever its age (a claim in flight still never).
+    /// Only records this configuration writes get no floor: a record another configuration wrote
+    /// (another listener of the VM without a store, or this one before a reload added the store)
+    /// keeps its own.
     pub fn as_cache(mut self) -> Table {
         self.when_full = WhenFull::EvictOldest;
         self.floor_ms = 0;
         self
+    }
+
+    /// The floor of an entry this configuration writes: its `min_protection_seconds` when it
+    /// evicts (`evict_oldest`), none as a cache, and never evicted under `when_full: "reject"`
+    /// (that configuration promised to keep every record until it expires).
+    fn entry_floor_ms(&self) -> u64 {
+        match self.when_full {
+            WhenFull::EvictOldest => self.floor_ms,
+            _ => u64::MAX,
+        }
     }
 
     pub fn buckets(&self) -> u32 {
@@ -559,6 +585,7 @@ impl Table {
                 lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
                 status: 0,
                 slot_bytes: 0,
+                floor_ms: self.entry_floor_ms(),
             };
             if let Some((place, took_over)) = target {
                 // Claim the position (new, free, expired, evicted, or a stale claim taken over)
@@ -592,6 +619,7 @@ impl Table {
                     };
                     e.phase = phase;
                     e.since_ms = now_ms;
+                    e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
                     e.expires_at_ms = lifetimes.expires_at(Stage::Unknown, now_ms);
                     let e = e.clone();
                     if !self.write_bucket(sd, i, &bucket, cas)? {
@@ -692,8 +720,9 @@ impl Table {
         Ok(None)
     }
 
-    /// The oldest completed or outcome-unknown record of `b` at least `floor_ms` old, and its
-    /// age, when the table evicts at all. Never a claim in flight.
+    /// The oldest completed or outcome-unknown record of `b` past its own floor (`Entry::floor_ms`,
+    /// set by the configuration that wrote it, not this one), and its age, when this
+    /// configuration evicts at all. Never a claim in flight.
     fn eviction_candidate(&self, b: &Bucket, now_ms: u64) -> Option<(usize, u64)> {
         if self.when_full != WhenFull::EvictOldest {
             return None;
@@ -704,7 +733,6 @@ impl Table {
             .filter_map(|(j, p)| {
                 p.as_ref().filter(|e| e.evictable(now_ms)).map(|e| (j, now_ms.saturating_sub(e.since_ms)))
             })
-            .filter(|(_, age)| *age >= self.floor_ms)
             .max_by_key(|(_, age)| *age)
     }
 
@@ -901,6 +929,7 @@ impl Table {
             if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
                 e.phase = phase;
                 e.since_ms = now_ms;
+                e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
                 e.fingerprint = Some(fp);
                 e.expires_at_ms = expires_at_ms;
                 e.status = status;
@@ -948,6 +977,7 @@ impl Table {
             if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
                 e.phase = phase;
                 e.since_ms = now_ms;
+                e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
                 e.expires_at_ms = Lifetimes::of(policy).expires_at(to, now_ms);
             }
         })?;

@@ -60,14 +60,20 @@ pub fn retry_delay_ms(attempts: u8) -> u64 {
 /// Room for the root's tick (retries are dispatched on a 100 ms tick) and its queue, per write.
 const WRITE_SCHEDULE_SLACK_MS: u64 = 1_000;
 
-/// The longest a proxy may go on sending one write after forwarding and then its fallback, each
-/// attempt given the store's `timeout_ms`: `MAX_WRITE_ATTEMPTS` attempts and the backoff between
-/// them, twice (the write, then its outcome-unknown fallback), plus slack for the tick. A write
-/// sent within this window may still land; after it, none of that request's writes can follow.
+/// The most schedules one request's writes after forwarding can run in a row: the write (a
+/// completion), its body-less rewrite when the store refuses it as too large, and its
+/// outcome-unknown fallback, each of which may on etcd send its where-absent second transaction
+/// with a schedule of its own (`filter::mod` `write_too_large`, `write_where_absent`).
+const WRITE_SCHEDULES_IN_A_ROW: u64 = 6;
+
+/// The longest a proxy may go on sending one request's writes after forwarding, each attempt
+/// given the store's `timeout_ms`: `MAX_WRITE_ATTEMPTS` attempts and the backoff between them,
+/// plus slack for the tick, for each of `WRITE_SCHEDULES_IN_A_ROW` schedules. A write sent within
+/// this window may still land; after it, none of that request's writes can follow.
 pub fn write_window_ms(store_timeout_ms: u64) -> u64 {
     let backoff: u64 = (1..MAX_WRITE_ATTEMPTS).map(retry_delay_ms).sum();
     let one = store_timeout_ms.saturating_mul(u64::from(MAX_WRITE_ATTEMPTS)).saturating_add(backoff);
-    one.saturating_add(WRITE_SCHEDULE_SLACK_MS).saturating_mul(2)
+    one.saturating_add(WRITE_SCHEDULE_SLACK_MS).saturating_mul(WRITE_SCHEDULES_IN_A_ROW)
 }
 
 pub const KEY_PREFIX: &str = "idemgate:v1:";
@@ -562,6 +568,15 @@ impl WhereAbsent {
 impl Transition {
     /// Completion by the owner: store the completed record (sent as the PUT body). Where the store
     /// lost the owner's claim, the record is written all the same (answer 2).
+    /// The same transition with its record's response body left out (`State::without_body`: the
+    /// status and `location` only), for a completion whose whole record the store refused as too
+    /// large; `None` for a transition carrying no response.
+    pub fn without_body(&self) -> Option<Transition> {
+        let record = self.record.as_ref().filter(|r| matches!(r.state, State::Completed(_)))?;
+        let record = Record { state: record.state.clone().without_body(), ..record.clone() };
+        Some(Transition { record: Some(record), ..self.clone() })
+    }
+
     pub fn complete(owner: OwnerToken, record: Record, lifetimes: &Lifetimes) -> Transition {
         Transition {
             expected_owner: owner,
@@ -928,6 +943,10 @@ pub enum TransitionReply {
     /// Redis does not hold the transition script (restarted, failed over, `SCRIPT FLUSH`): nothing
     /// ran and nothing changed. Send the request's `with_script` form, once.
     NoScript,
+    /// etcd only: the owner's claim is not there and the key is absent; nothing was written yet.
+    /// A write that writes where absent sends its second transaction
+    /// (`etcd::where_absent_request`), which writes only if the key is still absent.
+    Absent,
 }
 
 impl TransitionReply {
@@ -935,6 +954,12 @@ impl TransitionReply {
     pub fn written(self) -> bool {
         matches!(self, TransitionReply::Changed | TransitionReply::ClaimGoneRewritten)
     }
+}
+
+/// Whether webdis refused a request for its size (over its `http_max_request_size`, 413 Request
+/// Entity Too Large): nothing reached Redis.
+pub fn refused_as_too_large(status: Option<u16>) -> bool {
+    status == Some(413)
 }
 
 /// Parses the answer to a transition.

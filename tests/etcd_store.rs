@@ -701,3 +701,91 @@ fn etcd_cost_first_request_and_replay_after_local_miss_beside_redis() {
     let _ = std::fs::create_dir_all(&dir);
     let _ = std::fs::write(dir.join("etcd_cost.md"), format!("{line}\n"));
 }
+
+/// Issue 23, item 5: a response of exactly the default `max_response_body_bytes` (1 MiB) through
+/// etcd with its default `--max-request-bytes` (1.5 MiB): stored by proxy a, replayed byte-exact
+/// by proxy b, one execution. (A completion that carried the record twice, in its put and in a
+/// nested where-absent put, was refused by etcd, 400 "request is too large", on every attempt.)
+#[test]
+fn etcd_a_response_of_exactly_max_response_body_bytes_is_replayed_on_the_other_proxy() {
+    let etcd = EtcdCluster::start();
+    let p = Pair::new(&etcd);
+    let size = "1048576";
+    let first = post(&p.a, "k-large", "{}", &[("x-up-body-bytes", size)]);
+    assert_eq!((first.status, first.body.len()), (201, 1_048_576));
+    let again = replayed_on(&p.b, "k-large", "{}");
+    assert_eq!(p.up.executions(), 1);
+    assert_eq!(
+        (again.status, again.problem()),
+        (201, String::new()),
+        "{}",
+        &again.body_text()[..200.min(again.body.len())]
+    );
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("location"), first.header("location"));
+    assert_eq!(p.a.stat("idemgate.store_writes_too_large"), 0);
+}
+
+/// Issue 23, item 5: a store that still refuses a completion as too large (here etcd's
+/// `--max-request-bytes` set below what `store.max_request_bytes` claims) ends the key as
+/// "executed, response not stored" on the other proxy, never outcome-unknown; one execution.
+#[test]
+fn etcd_a_completion_refused_as_too_large_is_stored_without_its_body() {
+    let etcd = EtcdCluster::start_with(&["--max-request-bytes", "262144"]);
+    let config = r#"{"scope": {"headers": ["authorization"]}, "store": {"kind": "etcd", "cluster": "idemgate_store", "timeout_ms": 1000}}"#;
+    let p = Pair::with(&etcd, config, None, true);
+    let first = post(&p.a, "k-refused", "{}", &[("x-up-body-bytes", "400000")]);
+    assert_eq!((first.status, first.body.len()), (201, 400_000));
+    let again = replayed_on(&p.b, "k-refused", "{}");
+    assert_eq!(p.up.executions(), 1);
+    assert_eq!((again.status, again.problem()), (201, "response-not-stored".to_string()), "{}", again.body_text());
+    assert_eq!(p.a.stat("idemgate.store_writes_too_large"), 1);
+    // Proxy a keeps the whole response in its local tier.
+    let local = post(&p.a, "k-refused", "{}", &[]);
+    assert_eq!(local.body, first.body);
+    assert_eq!(p.up.executions(), 1);
+}
+
+/// Issue 23, item 5: the completion's where-absent write is now a second transaction (the record
+/// once per transaction). The store loses the key while its request runs (every idemgate key
+/// deleted, as a lapsed lease or an operator would): the completion finds no claim, reads that the
+/// key is absent, writes the record there in its second transaction
+/// (`store_claim_gone_rewritten`), and proxy b replays it; one execution.
+#[test]
+fn etcd_a_completion_whose_claim_is_gone_writes_its_record_in_a_second_transaction() {
+    let etcd = EtcdCluster::start();
+    let p = Pair::new(&etcd);
+    let port = p.a.port;
+    let first = std::thread::spawn(move || {
+        let h = [("authorization", TOKEN), ("idempotency-key", "k-gone"), ("x-up-delay-ms", "1500")];
+        http::request(port, "POST", "/charges", &h, b"{}").expect("request")
+    });
+    // Bounded by count: wait until the request reached the upstream, then empty the store.
+    for _ in 0..200 {
+        if p.up.executions() == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(p.up.executions(), 1);
+    let prefix = idemgate::etcd::KEY_PREFIX.as_bytes();
+    let mut end = prefix.to_vec();
+    *end.last_mut().unwrap() += 1;
+    let del = serde_json::json!({"key": idemgate::base64::b64(prefix), "range_end": idemgate::base64::b64(&end)});
+    let leader = etcd.wait_leader();
+    assert!(etcd.call(leader, "/v3/kv/deleterange", &del).is_some());
+    let first = first.join().unwrap();
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    for _ in 0..400 {
+        if p.a.stat("idemgate.store_claim_gone_rewritten") >= 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(p.a.stat("idemgate.store_claim_gone_rewritten"), 1);
+    let again = replayed_on(&p.b, "k-gone", "{}");
+    assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
+    assert_eq!(again.body, first.body);
+    assert_eq!(p.up.executions(), 1);
+}

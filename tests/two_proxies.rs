@@ -992,3 +992,23 @@ fn wait_mode_keeps_waiting_while_a_first_attempt_here_has_not_reached_the_store(
     assert_eq!(p.up.executions_with_key("k-paused"), 1);
     assert_eq!(p.a.stat("idemgate.waited"), 1, "the retry waited");
 }
+
+/// Issue 23, item 5, through Redis behind webdis: a response of exactly the default
+/// `max_response_body_bytes` (1 MiB) is stored by proxy a and replayed byte-exact by proxy b, one
+/// execution (webdis takes requests up to its `http_max_request_size`, 128 MiB by default, and
+/// Redis bulk strings up to `proto-max-bulk-len`, 512 MB).
+#[test]
+fn a_response_of_exactly_max_response_body_bytes_is_replayed_on_the_other_proxy() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let p = Pair::new(webdis.port, &cfg(""));
+    let first = post(&p.a, "k-large", "{}", &[("x-up-body-bytes", "1048576")]);
+    assert_eq!((first.status, first.body.len()), (201, 1_048_576));
+    assert!(eventually(Duration::from_secs(20), || p.a.stat("idemgate.store_writes") >= 1), "no completion landed");
+    let again = post(&p.b, "k-large", "{}", &[]);
+    assert_eq!(p.up.executions(), 1);
+    assert_eq!(again.status, 201);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("location"), first.header("location"));
+}

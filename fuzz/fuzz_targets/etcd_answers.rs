@@ -26,6 +26,8 @@ fuzz_target!(|data: &[u8]| {
         let _ = idemgate::etcd::parse_transition_reply(status.flatten(), body, None);
         let echo = Some((&skey, idemgate::store::StorePhase::InProgress, &owner));
         let _ = idemgate::etcd::parse_transition_reply(status.flatten(), body, echo);
+        let _ = idemgate::etcd::parse_where_absent_reply(status.flatten(), body);
+        let _ = idemgate::etcd::refused_as_too_large(status.flatten(), body);
         let _ = idemgate::etcd::parse_read_reply(status.flatten(), body, &skey, &seal, now);
         let _ = idemgate::etcd::parse_fenced_read(status.flatten(), body, &skey, &seal, now);
         let _ = idemgate::etcd::parse_list_page(status.flatten(), body, None, idemgate::etcd::LIST_PAGE_MAX);

@@ -403,7 +403,8 @@ fn settle(
             println!("{done}");
             Ok(())
         }
-        Ok(TransitionReply::Refused) => fail(
+        // An operator's transition never writes where absent: the key is gone.
+        Ok(TransitionReply::Refused | TransitionReply::Absent) => fail(
             "refused: the record changed since it was read (its request or another operator acted); inspect it again",
         ),
         Ok(TransitionReply::NoScript) => fail("store: NOSCRIPT answered to the transition carrying its script"),

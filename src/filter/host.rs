@@ -394,6 +394,8 @@ pub enum Counter {
     StoreWriteRetries,
     StoreWriteFailures,
     StoreClaimGoneRewritten,
+    /// A completion the store refused as too large, written again without its response body.
+    StoreWritesTooLarge,
     StoreAnswersTooLate,
     StoreScriptLoads,
     StoreAuthentications,
@@ -410,7 +412,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 47] = [
+    pub const ALL: [Counter; 48] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -445,6 +447,7 @@ impl Counter {
         Counter::StoreWriteRetries,
         Counter::StoreWriteFailures,
         Counter::StoreClaimGoneRewritten,
+        Counter::StoreWritesTooLarge,
         Counter::StoreAnswersTooLate,
         Counter::StoreScriptLoads,
         Counter::StoreAuthentications,
@@ -496,6 +499,7 @@ impl Counter {
             Counter::StoreWriteRetries => "idemgate.store_write_retries",
             Counter::StoreWriteFailures => "idemgate.store_write_failures",
             Counter::StoreClaimGoneRewritten => "idemgate.store_claim_gone_rewritten",
+            Counter::StoreWritesTooLarge => "idemgate.store_writes_too_large",
             Counter::StoreAnswersTooLate => "idemgate.store_answers_too_late",
             Counter::StoreScriptLoads => "idemgate.store_script_loads",
             Counter::StoreAuthentications => "idemgate.store_authentications",

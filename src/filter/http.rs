@@ -48,7 +48,7 @@ enum Phase {
     Waiting { handle: Option<Handle> },
     /// A store call is in flight (claim-or-read, or a take-over), sent at `sent_at_ms` (this
     /// proxy's clock); the request is paused.
-    Calling { handle: Option<Handle>, fp: Fingerprint, token: u32, takeover: bool, sent_at_ms: u64 },
+    Calling { handle: Option<Handle>, fp: Fingerprint, token: u32, asked: Asked, sent_at_ms: u64 },
     /// Forwarded upstream under our claim(s).
     Forwarded { handle: Option<Handle>, fp: Fingerprint, in_store: bool },
     /// Sent upstream by the root context (`forwarding: "detached"`); the root answers.
@@ -57,6 +57,20 @@ enum Phase {
     Held,
     /// We answered locally (problem or replay): never store our own reply.
     Answered,
+}
+
+/// Which store request a paused request sent: its answer is read as the answer to that request,
+/// never re-derived from the local tier's state when the answer comes (a local outcome-unknown
+/// record may expire between the headers and the end of the body, so the request that reads the
+/// store for a settlement may end up claiming instead).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Asked {
+    /// Claim-or-read (`stores::claim_request`).
+    Claim,
+    /// A take-over of a stale or free record (`Transition::take_over`).
+    TakeOver,
+    /// A read of a key held here as outcome-unknown: only a record settles it.
+    Settled,
 }
 
 struct Protected {
@@ -81,9 +95,6 @@ pub struct Http {
     budgeted: u64,
     body_size: usize,
     response: Option<StoredResponse>,
-    /// The local tier holds this key as outcome-unknown and the store is being asked whether an
-    /// operator settled it: only a record found there may change the answer.
-    local_unknown: bool,
     response_too_large: bool,
     response_complete: bool,
     /// The outcome was left in Envoy's filter state (`publish`): once per request.
@@ -154,7 +165,6 @@ impl Http {
             budgeted: 0,
             body_size: 0,
             response: None,
-            local_unknown: false,
             response_too_large: false,
             response_complete: false,
             published: false,
@@ -278,7 +288,7 @@ impl Http {
             return self.fail_closed(Broken::RequestMissing, "read_settled", None, Holding::Nothing);
         };
         let req = stores::read_request(&self.shared, &r.skey);
-        self.call(req, None, fp, false)
+        self.call(req, None, fp, Asked::Settled)
     }
 
     /// The store's answer for a key held here as outcome-unknown. Only a record settles it: a
@@ -465,7 +475,6 @@ impl Http {
                 if self.shared.config.store.as_ref().is_some_and(|c| c.on_unavailable == OnUnavailable::Reject)
                     && admin::store_settles(&problem) =>
             {
-                self.local_unknown = true;
                 match fp {
                     Some(fp) => self.read_settled(fp),
                     None => {
@@ -510,7 +519,7 @@ impl Http {
             return self.fail_closed(Broken::StoreMissing, "claim_without_seal", handle, holding);
         };
         match stores::claim_request(&self.shared, &r.skey, &r.owner, &record, &lifetimes, seal, self.now()) {
-            Ok(req) => self.call(req, handle, fp, false),
+            Ok(req) => self.call(req, handle, fp, Asked::Claim),
             // Nothing was sent: the store counts as unavailable (never a claim without a lease).
             Err(Unbuilt::NoLease) => self.store_failed(handle, &StoreError::Garbled(Unbuilt::NoLease.to_string())),
             Err(Unbuilt::Broken(why)) => {
@@ -520,7 +529,7 @@ impl Http {
         }
     }
 
-    fn call(&mut self, req: store::StoreRequest, handle: Option<Handle>, fp: Fingerprint, takeover: bool) -> Action {
+    fn call(&mut self, req: store::StoreRequest, handle: Option<Handle>, fp: Fingerprint, asked: Asked) -> Action {
         let Some(cfg) = self.shared.config.store.as_ref() else {
             let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
             return self.fail_closed(Broken::StoreMissing, "store_call", handle, holding);
@@ -530,7 +539,7 @@ impl Http {
         self.count(Counter::StoreCallsWaited);
         match writes::dispatch(cfg, &req, &self.shared.credentials) {
             Ok(token) => {
-                self.phase = Phase::Calling { handle, fp, token, takeover, sent_at_ms: self.now() };
+                self.phase = Phase::Calling { handle, fp, token, asked, sent_at_ms: self.now() };
                 self.sent = Some(req);
                 Action::Pause
             }
@@ -542,12 +551,12 @@ impl Http {
     /// the script did not run and nothing was claimed. The same call goes once more with the
     /// script in full (`EVAL`, which also loads it). A NOSCRIPT to a call that carried its script
     /// is no answer Redis gives: taken as a lost answer (503, the claim released owner-checked).
-    fn send_with_script(&mut self, handle: Option<Handle>, fp: Fingerprint, takeover: bool) -> Action {
+    fn send_with_script(&mut self, handle: Option<Handle>, fp: Fingerprint, asked: Asked) -> Action {
         match self.sent.take().as_ref().and_then(store::StoreRequest::with_script) {
             Some(again) => {
                 self.count(Counter::StoreScriptLoads);
                 info!("{}", self.log_line("store_script_missing", "resent=eval"));
-                self.call(again, handle, fp, takeover)
+                self.call(again, handle, fp, asked)
             }
             None => {
                 self.store_answer_lost(handle, &StoreError::Garbled("NOSCRIPT to a call carrying its script".into()))
@@ -692,12 +701,12 @@ impl Http {
         &mut self,
         handle: Option<Handle>,
         fp: Fingerprint,
-        takeover: bool,
+        asked: Asked,
         sent_at_ms: u64,
         status: Option<u16>,
         body: &[u8],
     ) -> Action {
-        if takeover {
+        if asked == Asked::TakeOver {
             let Some((skey, owner)) = self.req.as_ref().map(|r| (r.skey, r.owner)) else {
                 return self
                     .store_failed(handle, &StoreError::Garbled("a take-over answer without its request".into()));
@@ -708,15 +717,16 @@ impl Http {
                     self.count(Counter::TakenOver);
                     self.forward_claimed(handle, fp, sent_at_ms)
                 }
-                Ok(TransitionReply::Refused) => {
+                // Nothing was written (etcd: the key is absent, which a take-over never writes).
+                Ok(TransitionReply::Refused | TransitionReply::Absent) => {
                     self.release_local(handle);
                     self.in_flight()
                 }
-                Ok(TransitionReply::NoScript) => self.send_with_script(handle, fp, true),
+                Ok(TransitionReply::NoScript) => self.send_with_script(handle, fp, Asked::TakeOver),
                 Err(e) => self.store_answer_lost(handle, &e),
             };
         }
-        if self.local_unknown {
+        if asked == Asked::Settled {
             return self.settled_answer(fp, status, body);
         }
         let on_unavailable = self.shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
@@ -751,7 +761,7 @@ impl Http {
                 };
             }
             // Nothing ran: the same call again, with the script.
-            Ok((ClaimReply::NoScript, _)) => return self.send_with_script(handle, fp, false),
+            Ok((ClaimReply::NoScript, _)) => return self.send_with_script(handle, fp, Asked::Claim),
             Err(e) => return self.store_answer_lost(handle, &e),
         };
         let Some(policy) = self.policy().cloned() else {
@@ -818,7 +828,7 @@ impl Http {
         let t = Transition::take_over(old.owner, r.owner, record, free, &lifetimes);
         let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
         match stores::transition_request(&self.shared, &t, &r.skey, seal, self.now(), self.fence.as_ref()) {
-            Ok(req) => self.call(req, handle, fp, true),
+            Ok(req) => self.call(req, handle, fp, Asked::TakeOver),
             Err(Unbuilt::NoLease) => self.store_failed(handle, &StoreError::Garbled(Unbuilt::NoLease.to_string())),
             Err(Unbuilt::Broken(why)) => {
                 warn!("{}", self.log_line("internal_state", &format!("error={why}")));
@@ -1042,12 +1052,12 @@ impl Exchange for Finished {
 impl Context for Http {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         self.callback(meter::Callback::CallAnswer);
-        let Phase::Calling { handle, fp, token: expected, takeover, sent_at_ms } = self.phase else { return };
+        let Phase::Calling { handle, fp, token: expected, asked, sent_at_ms } = self.phase else { return };
         if token != expected {
             return;
         }
         let (status, body) = writes::answer(body_size, num_headers);
-        if self.on_store_answer(handle, fp, takeover, sent_at_ms, status, &body) == Action::Continue {
+        if self.on_store_answer(handle, fp, asked, sent_at_ms, status, &body) == Action::Continue {
             let _ = host::resume_request();
         }
     }

@@ -42,7 +42,7 @@ use crate::store::{self, Transition, TransitionReply};
 use crate::wait::{self, Seen, Tier, WaitAnswer};
 use host::{Counter, Gauge, HostShared, Metrics};
 use settle::Claim;
-use writes::{Job, MAX_WRITE_ATTEMPTS};
+use writes::{Job, Source, MAX_WRITE_ATTEMPTS};
 
 /// The VM environment variable holding webdis credentials as `user:password` (set it in the Wasm
 /// `vm_config.environment_variables`; it never appears in the plugin configuration).
@@ -236,13 +236,12 @@ impl Shared {
             error!("idemgate: store write {what} for key={} dropped: no record seal", skey.hex());
             return;
         };
-        if !stores::is_etcd(self) {
-            return self.push_job(Job::new(what, skey, t, fallback, seal));
-        }
         let now = host::now_ms();
-        let built = stores::transition_request(self, t, skey, seal, now, fence).and_then(|request| {
-            let fallback = fallback.map(|f| stores::transition_request(self, f, skey, seal, now, None)).transpose()?;
-            Ok(Job { what, key_hash: skey.hex(), request, fallback, attempts: 0 })
+        let built = self.build_job(what, skey, t, fence, seal, now).and_then(|mut job| {
+            let fallback =
+                fallback.map(|f| self.build_job("unknown_fallback", skey, f, None, seal, now)).transpose()?;
+            job.fallback = fallback.map(Box::new);
+            Ok(job)
         });
         match built {
             Ok(job) => self.push_job(job),
@@ -253,6 +252,22 @@ impl Shared {
                 warn!("idemgate: store write {what} for key={} not sent: {e}", skey.hex());
             }
         }
+    }
+
+    /// The write `t` as a job: its request, and `t` itself when it carries a record (for the
+    /// requests some answers call for: `Job::source`).
+    pub fn build_job(
+        &self,
+        what: &'static str,
+        skey: &StorageKey,
+        t: &Transition,
+        fence: Option<&crate::etcd::Fence>,
+        seal: &crate::seal::Seal,
+        now: u64,
+    ) -> Result<Job, stores::Unbuilt> {
+        let request = stores::transition_request(self, t, skey, seal, now, fence)?;
+        let source = t.record.is_some().then(|| Box::new(Source { transition: t.clone(), skey: *skey }));
+        Ok(Job { what, key_hash: skey.hex(), request, fallback: None, source, where_absent: false, attempts: 0 })
     }
 
     fn push_job(&self, job: Job) {
@@ -554,6 +569,70 @@ impl Root {
         }
     }
 
+    /// The store refused the write as too large (nothing of it applied): retrying cannot help. A
+    /// completion goes again without its response body, so the key ends as "executed, response not
+    /// stored" (`State::CompletedTooLarge`) on every proxy, never outcome-unknown; any other write
+    /// goes to its fallback at once.
+    fn write_too_large(&mut self, mut job: Job) {
+        let Some(s) = self.shared.clone() else { return };
+        s.metrics.inc(Counter::StoreErrors);
+        let smaller = job.source.as_ref().and_then(|src| {
+            let small = src.transition.without_body()?;
+            let seal = s.seal.as_ref()?;
+            Some(s.build_job("complete_without_body", &src.skey, &small, None, seal, host::now_ms()))
+        });
+        match smaller {
+            Some(Ok(mut small)) => {
+                s.metrics.inc(Counter::StoreWritesTooLarge);
+                warn!(
+                    "idemgate: store write {} for key={} refused by the store as too large; writing the record without its response body (retries get response-not-stored)",
+                    job.what, job.key_hash
+                );
+                small.fallback = job.fallback.take();
+                self.dispatch_job(small);
+            }
+            // Not a completion (or the smaller write cannot be built now): retrying the same bytes
+            // cannot help; its fallback at once.
+            other => {
+                let why = match other {
+                    Some(Err(e)) => format!("refused by the store as too large; without its body: {e}"),
+                    _ => "refused by the store as too large".to_string(),
+                };
+                job.attempts = MAX_WRITE_ATTEMPTS.saturating_sub(1);
+                self.write_failed(job, &why);
+            }
+        }
+    }
+
+    /// etcd answered that the key is absent: a write that writes where absent sends its second
+    /// transaction, as the same write (its retries, its fallback); any other write is done.
+    fn write_where_absent(&mut self, mut job: Job) {
+        let Some(s) = self.shared.clone() else { return };
+        let built = match (job.source.as_ref(), s.seal.as_ref()) {
+            (Some(src), Some(seal)) => {
+                stores::where_absent_request(&s, &src.transition, &src.skey, seal, host::now_ms())
+            }
+            _ => Ok(None),
+        };
+        match built {
+            Ok(Some(request)) => {
+                job.request = request;
+                job.where_absent = true;
+                job.attempts = 0;
+                self.dispatch_job(job);
+            }
+            Ok(None) => {
+                info!(
+                    "idemgate: store write {} for key={} found the key absent; nothing to write there",
+                    job.what, job.key_hash
+                );
+                self.write_landed();
+            }
+            // No lease now: as a failed attempt (retried; the retry asks again).
+            Err(e) => self.write_failed(job, &e.to_string()),
+        }
+    }
+
     /// A write failed: retry it (with backoff), then its fallback, then give up (counted and logged).
     fn write_failed(&mut self, mut job: Job, why: &str) {
         let Some(s) = self.shared.clone() else { return };
@@ -575,13 +654,7 @@ impl Root {
                 "idemgate: store write {} for key={} failed {} times ({why}); marking the outcome unknown",
                 job.what, job.key_hash, job.attempts
             );
-            self.dispatch_job(Job {
-                what: "unknown_fallback",
-                request: fallback,
-                fallback: None,
-                attempts: 0,
-                key_hash: job.key_hash,
-            });
+            self.dispatch_job(*fallback);
         } else {
             s.metrics.inc(Counter::StoreWriteFailures);
             warn!(
@@ -1004,10 +1077,20 @@ impl Root {
             Some(Call::Write(job)) => {
                 let (status, body) = writes::answer(body_size, num_headers);
                 let Some(s) = self.shared.clone() else { return };
-                match stores::parse_write(&s, status, &body) {
+                if stores::refused_as_too_large(&s, status, &body) {
+                    return self.write_too_large(job);
+                }
+                let parsed = match job.where_absent {
+                    true => stores::parse_where_absent(&s, status, &body),
+                    false => stores::parse_write(&s, status, &body),
+                };
+                match parsed {
                     // Redis lost the script (restart, failover, SCRIPT FLUSH): nothing ran.
                     Ok(TransitionReply::NoScript) => self.write_with_script(job),
                     Ok(TransitionReply::Changed) => self.write_landed(),
+                    // etcd: the claim is gone and the key absent; a write that writes where absent
+                    // sends its second transaction (as the same write: its retries, its fallback).
+                    Ok(TransitionReply::Absent) => self.write_where_absent(job),
                     Ok(TransitionReply::Refused) => {
                         info!(
                             "idemgate: store write {} for key={} found the claim no longer ours",

@@ -98,6 +98,38 @@ pub fn transition_request(
     etcd::transition_request(t, skey, seal, lease(shared, now_ms)?, now_ms, fence).map_err(Unbuilt::Broken)
 }
 
+/// etcd: the second transaction of `t` when it writes where the key is absent (sent only if the
+/// owner-checked one is answered `TransitionReply::Absent`); `None` for Redis (its script writes
+/// where absent in the same call) and for a transition that never writes where absent.
+pub fn where_absent_request(
+    shared: &Shared,
+    t: &Transition,
+    skey: &StorageKey,
+    seal: &Seal,
+    now_ms: u64,
+) -> Result<Option<StoreRequest>, Unbuilt> {
+    if !is_etcd(shared) || !etcd::writes_where_absent(t) {
+        return Ok(None);
+    }
+    etcd::where_absent_request(t, skey, seal, lease(shared, now_ms)?, now_ms).map(Some).map_err(Unbuilt::Broken)
+}
+
+/// The answer to `where_absent_request`'s request.
+pub fn parse_where_absent(shared: &Shared, status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
+    note_answer(shared, status, body);
+    etcd::parse_where_absent_reply(status, body)
+}
+
+/// Whether the store refused a request for its size (nothing of it applied): etcd over
+/// `--max-request-bytes` or its gRPC limit, webdis over `http_max_request_size` (413).
+pub fn refused_as_too_large(shared: &Shared, status: Option<u16>, body: &[u8]) -> bool {
+    if is_etcd(shared) {
+        etcd::refused_as_too_large(status, body)
+    } else {
+        store::refused_as_too_large(status)
+    }
+}
+
 /// The answer to a write made by the root context.
 pub fn parse_write(shared: &Shared, status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
     note_answer(shared, status, body);

@@ -13,7 +13,6 @@ use proxy_wasm::types::{BufferType, MapType};
 
 use crate::config::StoreConfig;
 use crate::scope::StorageKey;
-use crate::seal::Seal;
 use crate::store::{StoreRequest, Transition};
 
 pub use crate::store::{retry_delay_ms, MAX_WRITE_ATTEMPTS};
@@ -24,28 +23,24 @@ pub struct Job {
     pub what: &'static str,
     pub key_hash: String,
     pub request: StoreRequest,
-    /// Sent once if `request` keeps failing (for a completion: mark the outcome unknown).
-    pub fallback: Option<StoreRequest>,
+    /// Sent if `request` keeps failing (for a completion: mark the outcome unknown).
+    pub fallback: Option<Box<Job>>,
+    /// A write carrying a record (a completion, an outcome-unknown mark): its transition, from
+    /// which the root builds, only when an answer calls for it, the where-absent second
+    /// transaction (etcd, answered `TransitionReply::Absent`) or the same completion without its
+    /// response body (the store refused the record as too large).
+    pub source: Option<Box<Source>>,
+    /// `request` is a where-absent second transaction (its answer is read by
+    /// `stores::parse_where_absent`).
+    pub where_absent: bool,
     pub attempts: u8,
 }
 
-impl Job {
-    /// The write `t` of the record at `skey`, with an optional fallback.
-    pub fn new(
-        what: &'static str,
-        skey: &StorageKey,
-        t: &Transition,
-        fallback: Option<&Transition>,
-        seal: &Seal,
-    ) -> Job {
-        Job {
-            what,
-            key_hash: skey.hex(),
-            request: t.request(skey, seal),
-            fallback: fallback.map(|f| f.request(skey, seal)),
-            attempts: 0,
-        }
-    }
+/// The transition a `Job` writes, and where.
+#[derive(Clone, Debug)]
+pub struct Source {
+    pub transition: Transition,
+    pub skey: StorageKey,
 }
 
 /// Sends `req` to the store cluster with the current `authorization` (`Shared::credentials`).

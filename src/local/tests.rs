@@ -135,6 +135,7 @@ fn bucket_round_trips_and_refuses_garbage() {
         lock_expires_at_ms: 3,
         status: 201,
         slot_bytes: 99,
+        floor_ms: 5,
     });
     b.positions[5] = Some(Entry { fingerprint: None, phase: EntryPhase::Claimed, ..b.positions[3].clone().unwrap() });
     let bytes = b.encode();
@@ -427,6 +428,44 @@ fn with_a_store_the_local_tier_evicts_finished_records_whatever_their_age() {
     assert_eq!(t.count(&mut m), 16);
 }
 
+/// Issue 23, item 1: two configurations of one table (the same `max_entries`, so the same shared
+/// data: two listeners of one VM, or one listener before and after a reload). Each record keeps
+/// the floor of the configuration that wrote it, whichever configuration evicts.
+#[test]
+fn a_record_keeps_the_floor_of_the_configuration_that_wrote_it_whichever_evicts() {
+    let protected = floor_table(16, WhenFull::EvictOldest, 60);
+    let cache = floor_table(16, WhenFull::EvictOldest, 60).as_cache();
+    let mut m = fresh(&protected);
+    fill_completed(&protected, &mut m, &(0..16).map(skey).collect::<Vec<_>>(), NOW);
+    // The cache configuration finds only records under their own 60 s floor: no local copy.
+    assert_eq!(claim(&cache, &mut m, skey(100), Some(fp(1)), 2, NOW + 30_000), Begin::Full);
+    for n in 0..16 {
+        assert!(matches!(claim(&protected, &mut m, skey(n), Some(fp(1)), 3, NOW + 30_000), Begin::Replay(_)), "{n}");
+    }
+    // Past their floor (still unexpired), they go.
+    let past = NOW + 60_000 + 100;
+    assert!(matches!(claim(&cache, &mut m, skey(100), Some(fp(1)), 2, past), Begin::Claimed { evicted: true, .. }));
+    // Records the cache wrote carry no floor: the protected configuration may evict them at once.
+    let mut m = fresh(&cache);
+    fill_completed(&cache, &mut m, &(0..16).map(skey).collect::<Vec<_>>(), NOW);
+    let b = claim(&protected, &mut m, skey(100), Some(fp(1)), 2, NOW + 20);
+    assert!(matches!(b, Begin::Claimed { evicted: true, .. }), "{b:?}");
+    // A stale claim of the protected configuration, marked outcome-unknown by the cache, keeps
+    // the floor its own configuration gave it.
+    let mut m = fresh(&protected);
+    let h = handle(&claim(&protected, &mut m, skey(200), Some(fp(1)), 1, NOW));
+    let b = claim(&cache, &mut m, skey(200), Some(fp(1)), 2, NOW + 11_000);
+    assert!(is_reject(&b, &ProblemKind::OutcomeUnknown), "{b:?}");
+    let (bucket, _) = cache.read_bucket(&mut m, h.bucket).unwrap();
+    let e = bucket.positions[h.position].as_ref().unwrap();
+    assert_eq!((e.phase, e.floor_ms), (EntryPhase::Unknown, 60_000));
+    // A record written under `when_full: "reject"` is never evicted, not even by a cache.
+    let reject = floor_table(16, WhenFull::Reject, 0);
+    let mut m = fresh(&reject);
+    fill_completed(&reject, &mut m, &(0..16).map(skey).collect::<Vec<_>>(), NOW);
+    assert_eq!(claim(&cache, &mut m, skey(100), Some(fp(1)), 2, NOW + 50_000), Begin::Full);
+}
+
 #[test]
 fn a_full_table_evicts_from_the_next_buckets_when_the_keys_own_bucket_has_nothing_to_give() {
     let t = floor_table(16, WhenFull::EvictOldest, 1);
@@ -687,7 +726,7 @@ fn the_configure_line_states_capacity_memory_and_sustained_rate() {
     let t = Table::new(&LocalConfig::default());
     assert_eq!(
         t.describe(86_400),
-        "idemgate: local table: capacity 262144 records, 284 MiB reserved, supports 3.0 protected requests/s sustained at ttl_seconds 86400"
+        "idemgate: local table: capacity 262144 records, 286 MiB reserved, supports 3.0 protected requests/s sustained at ttl_seconds 86400"
     );
     assert!(t.crossed_high_water(209_714, 209_716));
     assert!(!t.crossed_high_water(209_716, 209_800), "once per crossing");
@@ -750,7 +789,7 @@ fn a_completed_record_is_neither_released_nor_marked_unknown_by_its_owner() {
 #[test]
 fn shared_data_names_are_built_without_allocating_and_spell_as_before() {
     let t = Table::new(&LocalConfig { max_entries: u64::MAX, ..LocalConfig::default() });
-    let prefix = format!("idemgate.v2.local.n{}", u64::MAX);
+    let prefix = format!("idemgate.v3.local.n{}", u64::MAX);
     for (name, want) in [
         (t.bucket_name(u32::MAX), format!("{prefix}.b.{}", u32::MAX)),
         (t.slot_name(u32::MAX, usize::MAX), format!("{prefix}.s.{}.{}", u32::MAX, usize::MAX)),

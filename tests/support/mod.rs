@@ -193,6 +193,9 @@ pub struct EnvoyOptions {
     pub internal_hop: bool,
     /// The upstream cluster speaks HTTP/2 (h2c, prior knowledge): a gRPC upstream.
     pub upstream_http2: bool,
+    /// More static listeners in the same Envoy, each (its port, its plugin configuration),
+    /// rendered like the main one: the same `vm_id`, so their filters share one VM's shared data.
+    pub extra_listeners: Vec<(u16, String)>,
 }
 
 /// The test access log's line: a test id, the status, Envoy's response code details and the
@@ -232,6 +235,7 @@ impl EnvoyOptions {
             route_fields: String::new(),
             internal_hop: false,
             upstream_http2: false,
+            extra_listeners: vec![],
         }
     }
 }
@@ -253,11 +257,19 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
 "#
         ),
     };
+    let extra: String = o
+        .extra_listeners
+        .iter()
+        .map(|(port, plugin)| {
+            render_listener(o, plugin, *port, wasm).replacen("  - name: main", &format!("  - name: extra-{port}"), 1)
+        })
+        .collect();
     let listener = render_listener(o, &o.plugin_config, listen_port, wasm);
     let (listeners, dynamic) = if o.lds {
-        (String::new(), "node: {id: idemgate-test, cluster: idemgate-test}\ndynamic_resources:\n  lds_config:\n    resource_api_version: V3\n    path_config_source:\n      path: lds.yaml\n      watched_directory: {path: .}\n".to_string())
+        // The main listener comes from the LDS file; extra ones stay static.
+        (if extra.is_empty() { String::new() } else { format!("  listeners:\n{extra}") }, "node: {id: idemgate-test, cluster: idemgate-test}\ndynamic_resources:\n  lds_config:\n    resource_api_version: V3\n    path_config_source:\n      path: lds.yaml\n      watched_directory: {path: .}\n".to_string())
     } else {
-        (format!("  listeners:\n{listener}"), String::new())
+        (format!("  listeners:\n{listener}{extra}"), String::new())
     };
     let (bootstrap, hop_listener, hop_cluster) = if o.internal_hop {
         (HOP_BOOTSTRAP.to_string(), render_hop_listener(o), HOP_CLUSTER.to_string())

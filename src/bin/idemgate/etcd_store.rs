@@ -231,7 +231,8 @@ pub fn settle(e: &Etcd, skey: &StorageKey, action: &Settle, done: &str, write_wi
             println!("{done}");
             Ok(())
         }
-        Ok(TransitionReply::Refused) => fail(
+        // An operator's transition never writes where absent: the key is gone.
+        Ok(TransitionReply::Refused | TransitionReply::Absent) => fail(
             "refused: the record changed since it was read (its request or another operator acted); inspect it again",
         ),
         Ok(TransitionReply::NoScript) => fail("store: an etcd answer parsed as NOSCRIPT"),
