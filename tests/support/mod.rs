@@ -190,6 +190,8 @@ pub struct EnvoyOptions {
     pub internal_hop: bool,
     /// The upstream cluster speaks HTTP/2 (h2c, prior knowledge): a gRPC upstream.
     pub upstream_http2: bool,
+    /// The main listener's `local_reply_config` (the YAML of its value, written from column 0).
+    pub local_reply_config: Option<String>,
 }
 
 /// The test access log's line: a test id, the status, Envoy's response code details and the
@@ -228,6 +230,7 @@ impl EnvoyOptions {
             route_fields: String::new(),
             internal_hop: false,
             upstream_http2: false,
+            local_reply_config: None,
         }
     }
 }
@@ -452,7 +455,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
       - name: envoy.filters.network.http_connection_manager
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ingress{internal}{trailers}{access_log}
+          stat_prefix: ingress{internal}{trailers}{access_log}{local_reply}
           route_config:
 {vhosts}          http_filters:
           - name: envoy.filters.http.wasm
@@ -482,6 +485,9 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
         } else {
             ""
         },
+        local_reply = o.local_reply_config.as_ref().map_or(String::new(), |c| {
+            format!("\n          local_reply_config:\n{}", indent(&[c.clone()], 12).trim_end_matches('\n'))
+        }),
         failure_policy = o.failure_policy,
         stop_iteration = o.stop_iteration_flag,
         wasm = wasm.display(),
