@@ -486,7 +486,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
             ""
         },
         local_reply = o.local_reply_config.as_ref().map_or(String::new(), |c| {
-            format!("\n          local_reply_config:\n{}", indent(&[c.clone()], 12).trim_end_matches('\n'))
+            format!("\n          local_reply_config:\n{}", indent(std::slice::from_ref(c), 12).trim_end_matches('\n'))
         }),
         failure_policy = o.failure_policy,
         stop_iteration = o.stop_iteration_flag,
