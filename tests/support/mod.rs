@@ -196,6 +196,8 @@ pub struct EnvoyOptions {
     /// More static listeners in the same Envoy, each (its port, its plugin configuration),
     /// rendered like the main one: the same `vm_id`, so their filters share one VM's shared data.
     pub extra_listeners: Vec<(u16, String)>,
+    /// The main listener's `local_reply_config` (the YAML of its value, written from column 0).
+    pub local_reply_config: Option<String>,
 }
 
 /// The test access log's line: a test id, the status, Envoy's response code details and the
@@ -236,6 +238,7 @@ impl EnvoyOptions {
             internal_hop: false,
             upstream_http2: false,
             extra_listeners: vec![],
+            local_reply_config: None,
         }
     }
 }
@@ -468,7 +471,7 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
       - name: envoy.filters.network.http_connection_manager
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ingress{internal}{trailers}{access_log}
+          stat_prefix: ingress{internal}{trailers}{access_log}{local_reply}
           route_config:
 {vhosts}          http_filters:
 {before}          - name: envoy.filters.http.wasm
@@ -499,6 +502,9 @@ pub fn render_listener(o: &EnvoyOptions, plugin_config: &str, listen_port: u16, 
         } else {
             ""
         },
+        local_reply = o.local_reply_config.as_ref().map_or(String::new(), |c| {
+            format!("\n          local_reply_config:\n{}", indent(std::slice::from_ref(c), 12).trim_end_matches('\n'))
+        }),
         failure_policy = o.failure_policy,
         stop_iteration = o.stop_iteration_flag,
         wasm = wasm.display(),
