@@ -1143,9 +1143,10 @@ mod tests {
             attempts: Some(attempts),
         };
         let marked = |mark: &str| hdrs(&[("content-type", "text/plain"), (HOP_HEADER, mark)]);
-        // The mark a second Envoy 1.40 wrote with envoy/next-hop/envoy.yaml, its app down.
+        // The marks a second Envoy 1.40 wrote with envoy/next-hop/envoy.yaml, its app down (`retried`:
+        // its keyed route given `retry_on: connect-failure, num_retries: 2`).
         let refused = marked("local;attempts=1;host=127.0.0.1:29909;connected=;flags=UF;details=upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}");
-        let retried = marked("local;attempts=3;host=127.0.0.1:29909;connected=;flags=UF,URX;details=upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}");
+        let retried = marked("local;attempts=3;host=127.0.0.1:19299;connected=;flags=URX,UF;details=upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}");
         let timeout =
             marked("local;attempts=1;host=127.0.0.1:29903;connected=127.0.0.1:40000;flags=UT;details=response_timeout");
         let relayed = marked("relayed");
@@ -1155,10 +1156,18 @@ mod tests {
         let run = |f: ExchangeFacts, h: &[(String, Vec<u8>)], p: &Policy| classify_routed(&mut f.clone(), h, p);
         assert_eq!(run(relayed_by_edge(503, 1), &refused, &classify_p), Release, "the hop never connected");
         assert_eq!(run(relayed_by_edge(503, 1), &refused, &store_p), Store, "default: the mark is not believed");
-        assert_eq!(run(relayed_by_edge(503, 1), &retried, &classify_p), Unknown(Other), "the hop retried: an attempt may have run");
+        assert_eq!(
+            run(relayed_by_edge(503, 1), &retried, &classify_p),
+            Unknown(Other),
+            "the hop retried: an attempt may have run"
+        );
         assert_eq!(run(relayed_by_edge(504, 1), &timeout, &classify_p), Unknown(UpstreamTimeout));
         assert_eq!(run(relayed_by_edge(503, 1), &relayed, &classify_p), Store, "the app's own 503");
-        assert_eq!(run(relayed_by_edge(503, 1), &none, &classify_p), Store, "no mark: the app's (its text proves nothing)");
+        assert_eq!(
+            run(relayed_by_edge(503, 1), &none, &classify_p),
+            Store,
+            "no mark: the app's (its text proves nothing)"
+        );
         assert_eq!(run(relayed_by_edge(503, 2), &refused, &classify_p), Store, "the edge itself retried");
         assert_eq!(run(relayed_by_edge(429, 1), &relayed, &classify_p), Release, "release_on_status still applies");
     }

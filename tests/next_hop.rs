@@ -151,18 +151,27 @@ const APP_503: (&str, &str) = ("x-up-status", "503");
 fn a_retrying_next_hop_executes_a_keyed_request_three_times_the_failing_baseline() {
     let app = Upstream::start();
     let hop = PlainEnvoy::start(&retrying_next_hop(app.port));
-    let edge = edge(&hop);
-    for (path, key) in [("/istio/charges", "k-istio"), ("/5xx/charges", "k-5xx")] {
-        let first = post(&edge, path, Some(key), &[APP_503]);
-        assert_eq!(first.status, 503, "{path}: the application's 503");
-        assert_eq!(app.executions_with_key(key), 3, "{path}: the next hop re-sent it twice");
+    // The edge as shipped, then one whose route also adds x-envoy-max-retries: 0 itself.
+    let mut with_route_header = EnvoyOptions::new(EDGE, hop.port);
+    with_route_header.route_fields = "                request_headers_to_add:\n                - header: {key: x-envoy-max-retries, value: \"0\"}\n                  append_action: OVERWRITE_IF_EXISTS_OR_ADD\n".into();
+    for (edge, tag) in [(edge(&hop), "idemgate"), (Envoy::start(&with_route_header), "route")] {
+        for (path, key) in [("/istio/charges", format!("k-istio-{tag}")), ("/5xx/charges", format!("k-5xx-{tag}"))] {
+            let first = post(&edge, path, Some(&key), &[APP_503]);
+            assert_eq!(first.status, 503, "{path}: the application's 503");
+            assert_eq!(app.executions_with_key(&key), 3, "{path} ({tag}): the next hop re-sent it twice");
+        }
+        edge.assert_no_wasm_panic();
     }
-    // idemgate's cap never reached the next hop: the edge's router consumed it.
-    assert!(
-        app.log().iter().all(|x| x.headers.iter().all(|(n, _)| !n.starts_with("x-envoy-max-retries"))),
-        "x-envoy-max-retries reached the application"
-    );
-    edge.assert_no_wasm_panic();
+    // Why: the edge's router consumes the cap (idemgate's and the route's) and sends nothing
+    // on. Seen with the application right behind the edge, where no hop could remove it.
+    let direct = support::Stack::with(EDGE, |o| o.route_fields = with_route_header.route_fields.clone());
+    assert_eq!(post(&direct.envoy, "/charges", Some("k-direct"), &[]).status, 201);
+    for log in [direct.up.log(), app.log()] {
+        assert!(
+            log.iter().all(|x| x.headers.iter().all(|(n, _)| n != "x-envoy-max-retries")),
+            "x-envoy-max-retries went past the edge's router"
+        );
+    }
 }
 
 #[test]
