@@ -101,6 +101,25 @@ pub struct Policy {
     pub derive_key: Option<DeriveKey>,
     /// What a gRPC request (`content-type: application/grpc*`) gets.
     pub grpc: GrpcMode,
+    /// Router forwarding: whether a next hop's own failure reply, marked by that hop, is
+    /// classified as the edge's own would be (`next_hop_failures`).
+    pub next_hop_failures: NextHopFailures,
+}
+
+/// What a failure reply that an Envoy behind the edge (a sidecar, a gateway) generated itself
+/// counts as (README, "Hops behind idemgate"). To the edge's router it is an upstream answer like
+/// any other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NextHopFailures {
+    /// Default: stored and replayed like the upstream's own answer (a 503 included), since
+    /// nothing the edge sees proves the hop wrote it: an application can send the same text.
+    Store,
+    /// An answer carrying the next hop's `x-idemgate-hop: local;...` mark (stamped by the hop's
+    /// `local_reply_config`, overwritten with `relayed` on every answer it relays, as in
+    /// envoy/next-hop/envoy.yaml) is classified by the facts in the mark, as the edge's own
+    /// failure is: released when nothing was sent, outcome-unknown when it may have run. Only
+    /// sound when every next hop overwrites the header, or the application could forge a release.
+    Classify,
 }
 
 /// gRPC on a protected route. A local reply to a gRPC request reaches the client as a
@@ -327,6 +346,7 @@ impl Default for Policy {
             in_flight: InFlight::Conflict,
             derive_key: None,
             grpc: GrpcMode::Refuse,
+            next_hop_failures: NextHopFailures::Store,
         }
     }
 }
@@ -379,6 +399,7 @@ const POLICY_FIELDS: &[&str] = &[
     "wait_ms",
     "derive_key",
     "grpc",
+    "next_hop_failures",
 ];
 const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes", "hold_headers"];
 
@@ -699,6 +720,10 @@ fn apply_policy_fields(
             "credential_headers" => p.credential_headers = header_list(v, &f)?,
             "replay_exclude_headers" => p.replay_exclude_headers = header_list(v, &f)?,
             "grpc" => p.grpc = as_choice(v, &f, &[("refuse", GrpcMode::Refuse), ("pass", GrpcMode::Pass)])?,
+            "next_hop_failures" => {
+                p.next_hop_failures =
+                    as_choice(v, &f, &[("store", NextHopFailures::Store), ("classify", NextHopFailures::Classify)])?
+            }
             "stale_lock" => {
                 p.stale_lock = as_choice(v, &f, &[("reject", StaleLock::Reject), ("takeover", StaleLock::Takeover)])?
             }
@@ -897,6 +922,12 @@ fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
         return Err(err(
             &join(prefix, "grpc"),
             "\"pass\" cannot be combined with require_key: true (gRPC calls would pass without the key that require_key asks of every request); give gRPC its own route",
+        ));
+    }
+    if p.next_hop_failures == NextHopFailures::Classify && matches!(p.forwarding, Forwarding::Detached { .. }) {
+        return Err(err(
+            &join(prefix, "next_hop_failures"),
+            "\"classify\" is only used with forwarding \"router\" (a detached callout's answers are classified by upstream.hop)",
         ));
     }
     // Detached forwarding knows its upstream's timeout: the lock (and so the record, which
@@ -1815,6 +1846,23 @@ mod tests {
         .unwrap();
         assert_eq!(c.default_policy.log_headers, vec!["x-agent-run-id"]);
         assert_eq!(c.default_policy.credential_headers, vec!["x-shop-secret"]);
+    }
+
+    #[test]
+    fn next_hop_failures_are_stored_by_default_classified_per_route_and_only_with_router_forwarding() {
+        let c = parse(
+            r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/hop", "next_hop_failures": "classify"}, {"prefix": "/"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.routes[0].policy.next_hop_failures, NextHopFailures::Classify);
+        assert_eq!(c.routes[1].policy.next_hop_failures, NextHopFailures::Store);
+        assert_eq!(parse(MINIMAL).unwrap().default_policy.next_hop_failures, NextHopFailures::Store);
+        let e = refused(r#"{"scope": {"headers": ["authorization"]}, "next_hop_failures": "release"}"#);
+        assert_eq!(e.field, "next_hop_failures");
+        let e = refused(
+            r#"{"scope": {"headers": ["authorization"]}, "next_hop_failures": "classify", "forwarding": "detached", "upstream": {"cluster": "api", "timeout_ms": 1000}}"#,
+        );
+        assert_eq!(e.field, "next_hop_failures");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! - `classify`: from how Envoy finished the exchange, whether the response is stored, the key
 //!   released, or the outcome unknown.
 
-use crate::config::{Forwarding, Hop, OnUnavailable, Policy, StaleLock};
+use crate::config::{Forwarding, Hop, NextHopFailures, OnUnavailable, Policy, StaleLock};
 use crate::fingerprint::Fingerprint;
 use crate::key::{parse_key_header, IdempotencyKey};
 use crate::problem::ProblemKind;
@@ -402,6 +402,27 @@ pub fn classify_exchange(x: &mut impl Exchange, policy: &Policy) -> Outcome {
         // No status, a local reply that is not on the allow-list (a later filter failing on the
         // response path, an unflagged upstream failure): it may have run.
         _ => Outcome::Unknown(UnknownReason::Other),
+    }
+}
+
+/// `classify_exchange` for router forwarding, given the answer's headers (names lowercase; empty
+/// when none were kept). Under `next_hop_failures: "classify"`, an answer the edge's router relayed
+/// from its only attempt that carries a next hop's `x-idemgate-hop: local;...` mark is that hop's
+/// own failure reply: classified by the facts in the mark, as the edge's own failure would be
+/// (released when that hop sent nothing, outcome-unknown when it may have run). Any other answer
+/// (no mark, `relayed`, an unreadable mark) keeps the edge's own classification.
+pub fn classify_routed(x: &mut impl Exchange, headers: &[(String, Vec<u8>)], policy: &Policy) -> Outcome {
+    let outcome = classify_exchange(x, policy);
+    if policy.next_hop_failures != NextHopFailures::Classify
+        || outcome != Outcome::Store
+        || x.code_details() != "via_upstream"
+        || x.attempts() != Some(1)
+    {
+        return outcome;
+    }
+    match hop_mark(x.status(), headers) {
+        HopMark::Local(facts) => classify(&facts, policy),
+        HopMark::Missing | HopMark::Relayed | HopMark::Unreadable => outcome,
     }
 }
 
@@ -1103,6 +1124,52 @@ mod tests {
         // Straight to the upstream a mark is the upstream's own header: never believed.
         assert_eq!(classify_callout(Some(403), &rbac, body, &direct), Store);
         assert!(callout_answer_is_upstreams(&rbac, &direct));
+    }
+
+    #[test]
+    fn a_next_hops_marked_failure_is_classified_as_the_edges_own_only_when_asked() {
+        use crate::config::NextHopFailures;
+        let classify_p = Policy { next_hop_failures: NextHopFailures::Classify, ..policy() };
+        let store_p = policy();
+        // The edge's router relayed the next hop's answer, on its only attempt.
+        let relayed_by_edge = |status: u16, attempts: u64| ExchangeFacts {
+            forwarded: true,
+            status: Some(status),
+            code_details: "via_upstream".into(),
+            flags: 0,
+            response_complete: true,
+            upstream_host: true,
+            upstream_connected: true,
+            attempts: Some(attempts),
+        };
+        let marked = |mark: &str| hdrs(&[("content-type", "text/plain"), (HOP_HEADER, mark)]);
+        // The marks a second Envoy 1.40 wrote with envoy/next-hop/envoy.yaml, its app down (`retried`:
+        // its keyed route given `retry_on: connect-failure, num_retries: 2`).
+        let refused = marked("local;attempts=1;host=127.0.0.1:29909;connected=;flags=UF;details=upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}");
+        let retried = marked("local;attempts=3;host=127.0.0.1:19299;connected=;flags=URX,UF;details=upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}");
+        let timeout =
+            marked("local;attempts=1;host=127.0.0.1:29903;connected=127.0.0.1:40000;flags=UT;details=response_timeout");
+        let relayed = marked("relayed");
+        let none = hdrs(&[("content-type", "text/plain")]);
+        use Outcome::*;
+        use UnknownReason::*;
+        let run = |f: ExchangeFacts, h: &[(String, Vec<u8>)], p: &Policy| classify_routed(&mut f.clone(), h, p);
+        assert_eq!(run(relayed_by_edge(503, 1), &refused, &classify_p), Release, "the hop never connected");
+        assert_eq!(run(relayed_by_edge(503, 1), &refused, &store_p), Store, "default: the mark is not believed");
+        assert_eq!(
+            run(relayed_by_edge(503, 1), &retried, &classify_p),
+            Unknown(Other),
+            "the hop retried: an attempt may have run"
+        );
+        assert_eq!(run(relayed_by_edge(504, 1), &timeout, &classify_p), Unknown(UpstreamTimeout));
+        assert_eq!(run(relayed_by_edge(503, 1), &relayed, &classify_p), Store, "the app's own 503");
+        assert_eq!(
+            run(relayed_by_edge(503, 1), &none, &classify_p),
+            Store,
+            "no mark: the app's (its text proves nothing)"
+        );
+        assert_eq!(run(relayed_by_edge(503, 2), &refused, &classify_p), Store, "the edge itself retried");
+        assert_eq!(run(relayed_by_edge(429, 1), &relayed, &classify_p), Release, "release_on_status still applies");
     }
 
     #[test]

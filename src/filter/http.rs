@@ -26,7 +26,7 @@ use super::writes;
 use super::{reply, Forward, Shared, Waiter};
 use crate::admin;
 use crate::config::{Forwarding, GrpcMode, InFlight, OnUnavailable, Policy};
-use crate::decision::{admit, check_body_size, classify_exchange, decide, Admission, Decision, Exchange, Lookup};
+use crate::decision::{admit, check_body_size, classify_routed, decide, Admission, Decision, Exchange, Lookup};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::derive;
 use crate::failsafe::{self, Broken, Holding};
@@ -960,9 +960,10 @@ impl Http {
         let status = self.response.as_ref().map(|r| r.status).filter(|s| *s > 0);
         let mut x = Finished { status: status.map(Some), complete: self.response_complete, ..Finished::default() };
         // Whether the router re-sent it is read always (its warning below); every other fact only
-        // when the classification needs it (`classify_exchange`).
+        // when the classification needs it (`classify_routed`).
         let attempts = x.attempts();
-        let outcome = classify_exchange(&mut x, &policy);
+        let headers = self.response.as_ref().map_or(&[][..], |r| &r.headers[..]);
+        let outcome = classify_routed(&mut x, headers, &policy);
         let detail = if log::log_enabled!(log::Level::Info) { x.detail() } else { String::new() };
         // The router was told to send it once; a later filter (or a host that ignores the cap)
         // may still have re-sent it. Nothing can undo that now: count it and say so.

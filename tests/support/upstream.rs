@@ -53,7 +53,13 @@ pub struct Upstream {
 
 impl Upstream {
     pub fn start() -> Upstream {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
+        Upstream::start_on(0)
+    }
+
+    /// An upstream on this port (0: any free one), e.g. an application coming back on the port
+    /// a proxy's cluster names.
+    pub fn start_on(port: u16) -> Upstream {
+        let listener = TcpListener::bind(("127.0.0.1", port)).expect("bind upstream");
         let port = listener.local_addr().expect("addr").port();
         let state = Arc::new(Mutex::new(State::default()));
         let stop = Arc::new(AtomicBool::new(false));
