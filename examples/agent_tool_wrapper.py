@@ -8,6 +8,15 @@
 
     wrapper = ToolWrapper("http://127.0.0.1:10000", token="...")
     result = wrapper.call("POST", "/charges", {"amount": 4200}, run="r1", task="pay-invoice-7", step="charge")
+
+SDKs that send no key of their own (openai, anthropic, any Stainless SDK whose idempotency header
+is unset) get the same key per call through their per-request header option, which each of their
+retries reuses:
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:10000/v1")
+    h = ToolWrapper.sdk_headers(run="r1", task="summarise-7", step="draft", tool="chat.completions")
+    client.chat.completions.create(model=m, messages=msgs, extra_headers=h)   # Python
+    // Node: client.chat.completions.create({ model, messages }, { headers: h })
 """
 import hashlib
 import json
@@ -39,6 +48,17 @@ class ToolWrapper:
         if not all([run, task, step, tool]):
             raise ValueError("a state-changing call needs run, task, step and tool to derive its key")
         return "op-" + hashlib.sha256("\x00".join([run, task, step, tool]).encode()).hexdigest()[:40]
+
+    @staticmethod
+    def sdk_headers(run, task, step, tool):
+        """The per-request headers for an SDK call (openai/anthropic `extra_headers=`, Node
+        `{ headers }`): the operation's key, and the ids idemgate logs."""
+        return {
+            "Idempotency-Key": ToolWrapper.key(run, task, step, tool),
+            "x-agent-run-id": run,
+            "x-agent-task-id": task,
+            "x-agent-step-id": step,
+        }
 
     def call(self, method, path, body, run=None, task=None, step=None):
         if method.upper() in STATE_CHANGING and not (run and task and step):

@@ -155,49 +155,11 @@ fn a_detached_cluster_that_is_not_the_internal_listener_chain_is_refused() {
     envoy.assert_no_wasm_panic();
 }
 
-/// Envoy running a shipped configuration file (ports and module path replaced), killed when
-/// dropped, before its scratch folder goes.
-struct Shipped {
-    child: std::process::Child,
-    _scratch: support::Scratch,
-}
-
-impl Drop for Shipped {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[test]
 fn the_shipped_detached_example_runs_its_later_filters_and_routes_for_detached_requests() {
     let up = Upstream::start();
-    let (port, admin) = (support::free_port(), support::free_port());
-    let text = std::fs::read_to_string(support::repo_root().join("envoy/detached/envoy.yaml")).unwrap();
-    let text = text
-        .replace("port_value: 10000", &format!("port_value: {port}"))
-        .replace("port_value: 9901", &format!("port_value: {admin}"))
-        .replace("port_value: 8080", &format!("port_value: {}", up.port))
-        .replace("dist/idemgate.wasm", &support::wasm_path().display().to_string());
-    let scratch = support::Scratch::new("detached-example");
-    let path = scratch.0.join("envoy.yaml");
-    std::fs::write(&path, text).unwrap();
-    let log = std::fs::File::create(scratch.0.join("envoy.log")).unwrap();
-    let child = std::process::Command::new(support::envoy_bin())
-        .arg("-c")
-        .arg(&path)
-        .args(["--concurrency", "2", "--disable-hot-restart"])
-        .env("IDEMGATE_RECORD_KEY", support::RECORD_KEY)
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("envoy");
-    let _envoy = Shipped { child, _scratch: scratch };
-    let ready = (0..600).any(|_| {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        http::get(admin, "/ready").is_ok_and(|r| r.status == 200)
-    });
-    assert!(ready, "envoy/detached/envoy.yaml did not start");
+    let envoy = support::Shipped::start("envoy/detached/envoy.yaml", up.port);
+    let port = envoy.port;
     // RBAC (x-role: payments only) after idemgate: refused, never sent, the key free.
     let h = [("authorization", "Bearer a"), ("idempotency-key", "k-example")];
     let denied = http::request(port, "POST", "/charges", &h, b"{}").unwrap();

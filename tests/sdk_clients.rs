@@ -9,12 +9,16 @@
 
 mod support;
 
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
 use support::upstream::Upstream;
-use support::{Envoy, EnvoyOptions};
+use support::{Envoy, EnvoyOptions, Shipped};
 
 #[derive(Clone, Copy, Debug)]
 enum Sdk {
@@ -41,12 +45,14 @@ struct Call<'a> {
     key: Option<&'a str>,
     amount: u32,
     retries: u32,
+    /// The SDK's own request timeout, seconds.
+    timeout: f64,
     headers: &'a [&'a str],
 }
 
 impl<'a> Call<'a> {
     fn new(key: &'a str) -> Call<'a> {
-        Call { key: Some(key), amount: 4200, retries: 2, headers: &[] }
+        Call { key: Some(key), amount: 4200, retries: 2, timeout: 60.0, headers: &[] }
     }
 }
 
@@ -72,7 +78,7 @@ fn command(sdk: Sdk, port: u16, c: &Call) -> Command {
     cmd.args(["--base", &format!("http://127.0.0.1:{port}")])
         .args(["--amount", &c.amount.to_string()])
         .args(["--retries", &c.retries.to_string()])
-        .args(["--timeout", "60"]);
+        .args(["--timeout", &c.timeout.to_string()]);
     if let Some(k) = c.key {
         cmd.args(["--key", k]);
     }
@@ -247,4 +253,175 @@ fn gocardless_python_malformed_keys_are_raised_and_caller_keys_accepted() {
 #[test]
 fn gocardless_python_outcome_unknown_is_raised_and_not_retried() {
     outcome_unknown_is_raised_and_not_retried(Sdk::GoCardlessPython);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A lost response on the shipped defaults (issue 25 item 2): envoy/envoy.yaml as users run it.
+// ---------------------------------------------------------------------------------------------
+
+/// The shipped single-proxy configuration, its ports and module path replaced.
+const SHIPPED: &str = "envoy/envoy.yaml";
+
+/// A load balancer in front of Envoy (HTTP/1.1, one request per connection to Envoy): relays
+/// each request and Envoy's answer, except the first, which it answers 504 as soon as the
+/// upstream has executed it, closing its connection to Envoy as an LB whose timeout fired does.
+/// Returns its port; its threads end with the test process.
+fn gateway_timeout_once(backend: u16, executions: impl Fn() -> u64 + Send + Sync + 'static) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind lb");
+    let port = listener.local_addr().expect("addr").port();
+    let executions = Arc::new(executions);
+    let seen = Arc::new(AtomicU64::new(0));
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let (executions, seen) = (executions.clone(), seen.clone());
+            std::thread::spawn(move || {
+                let _ = relay(conn, backend, &*executions, &seen);
+            });
+        }
+    });
+    port
+}
+
+/// One exchange per client connection: the request's head (its `connection` header replaced by
+/// `close`) and body to Envoy, Envoy's answer (or the 504) back, then both connections closed.
+fn relay(client: TcpStream, backend: u16, executions: &dyn Fn() -> u64, seen: &AtomicU64) -> std::io::Result<()> {
+    let mut reader = BufReader::new(client.try_clone()?);
+    let mut client = client;
+    let mut head = String::new();
+    let mut length = 0usize;
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line)? == 0 {
+            return Ok(());
+        }
+        if line == "\r\n" {
+            break;
+        }
+        let lower = line.to_ascii_lowercase();
+        if let Some(v) = lower.strip_prefix("content-length:") {
+            length = v.trim().parse().unwrap_or(0);
+        }
+        assert!(!lower.starts_with("transfer-encoding:"), "the LB relays content-length bodies only");
+        if !lower.starts_with("connection:") {
+            head.push_str(&line);
+        }
+    }
+    head.push_str("connection: close\r\n\r\n");
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body)?;
+    let mut envoy = TcpStream::connect(("127.0.0.1", backend))?;
+    envoy.write_all(head.as_bytes())?;
+    envoy.write_all(&body)?;
+    if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+        for _ in 0..3000 {
+            if executions() >= 1 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(envoy);
+        let text = "upstream request timeout";
+        let answer = format!(
+            "HTTP/1.1 504 Gateway Timeout\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+            text.len()
+        );
+        return client.write_all(answer.as_bytes());
+    }
+    let mut answer = vec![];
+    envoy.read_to_end(&mut answer)?;
+    client.write_all(&answer)
+}
+
+/// The SDK returned the one execution's resource.
+fn assert_original(r: &Value, up: &Upstream) {
+    assert_eq!(
+        (r["outcome"].as_str(), r["id"].as_str()),
+        (Some("returned"), Some("res-1")),
+        "the SDK must end holding the original object: {r}"
+    );
+    assert!(r["requests_sent"].as_u64().is_some_and(|n| n >= 2), "the SDK retried: {r}");
+    assert_eq!(up.executions(), 1, "one logical call, one execution");
+}
+
+/// (a) The SDK times out (1 s) while the upstream takes 2 s and completes; the SDK retries with
+/// the same key and must end with the original resource.
+fn shipped_timeout_then_retry_returns_the_original(sdk: Sdk) {
+    let up = Upstream::start();
+    let envoy = Shipped::start(SHIPPED, up.port);
+    let r = call(
+        sdk,
+        envoy.port,
+        &Call { retries: 3, timeout: 1.0, headers: &["x-up-delay-ms: 2000"], ..Call::new("sdk-timeout") },
+    );
+    assert_original(&r, &up);
+    envoy.assert_no_wasm_panic();
+}
+
+/// (b) A load balancer in front answers 504 once the upstream has executed (the upstream takes
+/// 2 s and completes); the SDK retries the 504 with the same key and must end with the original.
+fn shipped_lb_504_then_retry_returns_the_original(sdk: Sdk) {
+    let up = Upstream::start();
+    let envoy = Shipped::start(SHIPPED, up.port);
+    let lb = gateway_timeout_once(envoy.port, up.execution_counter());
+    let r = call(sdk, lb, &Call { retries: 3, headers: &["x-up-delay-ms: 2000"], ..Call::new("sdk-504") });
+    assert_original(&r, &up);
+    envoy.assert_no_wasm_panic();
+}
+
+/// (c) The same key with another body on the shipped configuration: 422 key-reused, raised.
+fn shipped_changed_body_is_raised(sdk: Sdk) {
+    let up = Upstream::start();
+    let envoy = Shipped::start(SHIPPED, up.port);
+    let ok = call(sdk, envoy.port, &Call::new("sdk-changed"));
+    assert_eq!((ok["outcome"].as_str(), ok["id"].as_str()), (Some("returned"), Some("res-1")), "{ok}");
+    let changed = call(sdk, envoy.port, &Call { amount: 9900, ..Call::new("sdk-changed") });
+    assert_raised(&changed, 422, "key-reused");
+    assert_eq!(changed["requests_sent"], 1, "should-retry: false: {changed}");
+    assert_eq!(up.executions(), 1);
+    envoy.assert_no_wasm_panic();
+}
+
+#[test]
+fn shipped_stripe_python_timeout_then_retry_returns_the_original() {
+    shipped_timeout_then_retry_returns_the_original(Sdk::StripePython);
+}
+
+#[test]
+fn shipped_stripe_python_lb_504_then_retry_returns_the_original() {
+    shipped_lb_504_then_retry_returns_the_original(Sdk::StripePython);
+}
+
+#[test]
+fn shipped_stripe_python_changed_body_is_raised() {
+    shipped_changed_body_is_raised(Sdk::StripePython);
+}
+
+#[test]
+fn shipped_stripe_node_timeout_then_retry_returns_the_original() {
+    shipped_timeout_then_retry_returns_the_original(Sdk::StripeNode);
+}
+
+#[test]
+fn shipped_stripe_node_lb_504_then_retry_returns_the_original() {
+    shipped_lb_504_then_retry_returns_the_original(Sdk::StripeNode);
+}
+
+#[test]
+fn shipped_stripe_node_changed_body_is_raised() {
+    shipped_changed_body_is_raised(Sdk::StripeNode);
+}
+
+#[test]
+fn shipped_gocardless_python_timeout_then_retry_returns_the_original() {
+    shipped_timeout_then_retry_returns_the_original(Sdk::GoCardlessPython);
+}
+
+#[test]
+fn shipped_gocardless_python_lb_504_then_retry_returns_the_original() {
+    shipped_lb_504_then_retry_returns_the_original(Sdk::GoCardlessPython);
+}
+
+#[test]
+fn shipped_gocardless_python_changed_body_is_raised() {
+    shipped_changed_body_is_raised(Sdk::GoCardlessPython);
 }

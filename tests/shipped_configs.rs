@@ -152,3 +152,32 @@ fn the_etcd_clusters_over_tls_and_in_clear_check_members_alike() {
         assert!(rendered.contains(&format!("port_value: {p}}}")), "{rendered}");
     }
 }
+
+/// The plugin configuration of envoy/envoy.yaml (the JSON after `value: |`), as shipped.
+fn single_proxy_plugin_config() -> serde_json::Value {
+    let text = std::fs::read_to_string(support::repo_root().join("envoy/envoy.yaml")).unwrap();
+    let start = text.find("value: |").expect("plugin configuration") + "value: |".len();
+    let end = text[start..].find("vm_config:").expect("vm_config") + start;
+    serde_json::from_str(&text[start..end]).expect("plugin configuration JSON")
+}
+
+#[test]
+fn the_single_proxy_config_recovers_lost_responses_and_refuses_timeouts_past_its_lock() {
+    // Detached through the internal listener, retries held: what tests/sdk_clients.rs measures.
+    let mut cfg = single_proxy_plugin_config();
+    assert_eq!(cfg["forwarding"], "detached");
+    assert_eq!(cfg["upstream"]["cluster"], "idemgate_hop");
+    assert_eq!(cfg["upstream"].get("hop"), None, "the internal listener hop (the default)");
+    assert_eq!(cfg["in_flight"], "wait");
+    let c = idemgate::config::Config::parse(cfg.to_string().as_bytes()).expect("the shipped configuration");
+    assert!(matches!(c.default_policy.in_flight, idemgate::config::InFlight::Wait { .. }));
+    // The hop's route is the ingress route: its timeout (30 s) within the callout's and the lock's.
+    let text = std::fs::read_to_string(support::repo_root().join("envoy/envoy.yaml")).unwrap();
+    assert!(text.contains("internal_listener: {}") && text.contains("route: {cluster: api, timeout: 30s}"));
+    // A callout allowed to outlive the lock would let a retry execute again: refused, by name.
+    let lock_ms = cfg["lock_ttl_seconds"].as_u64().unwrap() * 1000;
+    assert!(cfg["upstream"]["timeout_ms"].as_u64().unwrap() < lock_ms);
+    cfg["upstream"]["timeout_ms"] = serde_json::json!(lock_ms);
+    let e = idemgate::config::Config::parse(cfg.to_string().as_bytes()).unwrap_err();
+    assert_eq!(e.field, "upstream.timeout_ms", "{e}");
+}

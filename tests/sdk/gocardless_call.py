@@ -15,11 +15,13 @@ sent = []
 
 
 def counting(post):
-    """requests.post as gocardless-pro calls it, counting requests and keeping the last status."""
+    """requests.post as gocardless-pro calls it, counting requests (those that time out too) and
+    keeping the last status (None for a request that got no answer)."""
 
     def wrapped(*args, **kwargs):
+        sent.append(None)
         response = post(*args, **kwargs)
-        sent.append(response.status_code)
+        sent[-1] = response.status_code
         return response
 
     return wrapped

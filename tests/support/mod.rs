@@ -801,6 +801,69 @@ impl Drop for Envoy {
     }
 }
 
+/// Envoy running a configuration file shipped under envoy/ as users run it (`envoy -c <file>`),
+/// with only its loopback ports (10000, 9901, the API's 8080) and the module path replaced;
+/// killed when dropped, before its scratch folder goes.
+pub struct Shipped {
+    child: Child,
+    pub port: u16,
+    pub admin_port: u16,
+    pub log_path: PathBuf,
+    _scratch: Scratch,
+}
+
+impl Shipped {
+    pub fn start(rel: &str, upstream_port: u16) -> Shipped {
+        let (port, admin_port) = (free_port(), free_port());
+        let text = std::fs::read_to_string(repo_root().join(rel)).expect("shipped config");
+        let text = text
+            .replace("port_value: 10000", &format!("port_value: {port}"))
+            .replace("port_value: 9901", &format!("port_value: {admin_port}"))
+            .replace("port_value: 8080", &format!("port_value: {upstream_port}"))
+            .replace("dist/idemgate.wasm", &wasm_path().display().to_string());
+        let scratch = Scratch::new("shipped");
+        let path = scratch.0.join("envoy.yaml");
+        std::fs::write(&path, text).expect("write config");
+        let log_path = scratch.0.join("envoy.log");
+        let log = std::fs::File::create(&log_path).expect("log file");
+        let child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&path)
+            .args(["--concurrency", "2", "--disable-hot-restart"])
+            .env("IDEMGATE_RECORD_KEY", RECORD_KEY)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("envoy");
+        let shipped = Shipped { child, port, admin_port, log_path, _scratch: scratch };
+        let ready = (0..600).any(|_| {
+            std::thread::sleep(Duration::from_millis(100));
+            http::get(admin_port, "/ready").is_ok_and(|r| r.status == 200)
+        });
+        assert!(ready, "{rel} did not start:\n{}", shipped.log());
+        shipped
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Asserts the VM never panicked or crashed.
+    pub fn assert_no_wasm_panic(&self) {
+        let log = self.log();
+        for needle in ["panicked at", "Wasm VM failed", "wasm trap", "Function: proxy_on_"] {
+            assert!(!log.contains(needle), "envoy log shows `{needle}`:\n{log}");
+        }
+    }
+}
+
+impl Drop for Shipped {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Appends one row (`| a | b | c |`) to target/faults/<file>, the tables `make test-faults`
 /// prints. Rows from tests running in parallel threads never interleave.
 pub fn fault_report(file: &str, cells: &[&str]) {

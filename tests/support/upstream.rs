@@ -83,6 +83,13 @@ impl Upstream {
         self.state.lock().expect("lock").executions.len() as u64
     }
 
+    /// A reader of `executions()` that other threads may keep (a proxy in front waiting for the
+    /// upstream to have executed).
+    pub fn execution_counter(&self) -> impl Fn() -> u64 + Send + 'static {
+        let state = self.state.clone();
+        move || state.lock().expect("lock").executions.len() as u64
+    }
+
     /// Requests whose headers arrived but whose body never ended (never executed).
     pub fn partial_requests(&self) -> u64 {
         self.state.lock().expect("lock").partial.len() as u64
