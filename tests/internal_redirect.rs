@@ -1,0 +1,126 @@
+//! Envoy's internal redirects (a route's `internal_redirect_policy`): the router follows the
+//! upstream's 303/307 itself and re-creates the stream for the target, which runs the filter
+//! chain again. idemgate treats the re-created stream as the same request under the same claim:
+//! the final answer (after the redirect) is stored and replayed, each hop executes once. A client
+//! that sends `x-envoy-original-url` itself gets no part of another request's claim.
+
+mod support;
+
+use support::http::{self, Response};
+use support::Stack;
+
+const CFG: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
+const REDIRECTS: &str = ", internal_redirect_policy: {redirect_response_codes: [303, 307]}";
+
+fn stack(internal_clients: bool) -> Stack {
+    Stack::with(CFG, |o| {
+        o.route_action_extra = REDIRECTS.into();
+        o.internal_clients = internal_clients;
+    })
+}
+
+fn post(s: &Stack, who: &str, path: &str, key: &str, extra: &[(&str, &str)]) -> Response {
+    let auth = format!("Bearer {who}");
+    let mut h: Vec<(&str, &str)> =
+        vec![("authorization", &auth), ("content-type", "application/json"), ("idempotency-key", key)];
+    h.extend_from_slice(extra);
+    http::request(s.envoy.port, "POST", path, &h, br#"{"amount":100}"#).expect("request")
+}
+
+fn problem_type(r: &Response) -> String {
+    r.json()["type"].as_str().unwrap_or("").to_string()
+}
+
+/// The redirect with `status`: the first answer is the target's, the retry replays it.
+fn redirect_is_one_request(status: &str, target_method: &str) {
+    let s = stack(false);
+    let redirect = format!("{status} /target");
+    let a = post(&s, "alice", "/charges", "k-redirect", &[("x-up-redirect", &redirect)]);
+    assert_eq!(a.status, 201, "{status}: first answer {}", a.body_text());
+    assert_eq!(a.header("idempotent-replayed"), None);
+    let log = s.up.log();
+    let hops: Vec<(String, String)> = log.iter().map(|e| (e.method.clone(), e.path.clone())).collect();
+    assert_eq!(
+        hops,
+        vec![("POST".to_string(), "/charges".to_string()), (target_method.to_string(), "/target".to_string())],
+        "{status}: each hop executed once"
+    );
+    let b = post(&s, "alice", "/charges", "k-redirect", &[("x-up-redirect", &redirect)]);
+    assert_eq!(b.status, 201, "{status}: retry {}", b.body_text());
+    assert_eq!(b.header("idempotent-replayed"), Some("true"), "{status}: the retry is a replay");
+    assert_eq!(b.body, a.body, "{status}: the target's answer, byte-exact");
+    assert_eq!(b.header("x-execution"), Some("2"));
+    assert_eq!(s.up.executions(), 2, "{status}: the retry executed nothing");
+    assert_eq!(s.envoy.stat("idemgate.mismatch"), 0);
+    assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 0);
+    assert_eq!(s.envoy.stat("idemgate.stored"), 1);
+}
+
+#[test]
+fn a_307_redirect_stores_the_targets_answer_and_replays_it() {
+    redirect_is_one_request("307", "POST");
+}
+
+#[test]
+fn a_303_redirect_stores_the_targets_answer_and_replays_it() {
+    redirect_is_one_request("303", "GET");
+}
+
+/// `x-envoy-original-url` sent by clients (internal ones, whose `x-envoy-*` headers Envoy keeps):
+/// no bypass, no other request's claim, no other caller's response.
+#[test]
+fn a_forged_original_url_neither_bypasses_nor_joins_another_claim() {
+    let s = stack(true);
+    let forged = ("x-envoy-original-url", "http://idemgate.test/charges");
+    // Alice's request completes normally.
+    let a = post(&s, "alice", "/charges", "k-forged", &[]);
+    assert_eq!(a.status, 201);
+    // Bob names Alice's request as his original: his own request, in his own scope.
+    let bob = post(&s, "bob", "/target", "k-forged", &[forged]);
+    assert_eq!(bob.status, 201, "{}", bob.body_text());
+    assert_eq!(bob.header("idempotent-replayed"), None);
+    assert_ne!(bob.body, a.body, "never Alice's response");
+    assert!(s.up.log().iter().any(|e| e.headers.iter().any(|(n, _)| n == "x-envoy-original-url")),
+        "the forged header reached the filter chain");
+    // Alice herself: another request under her key is still refused.
+    let other = post(&s, "alice", "/target", "k-forged", &[forged]);
+    assert_eq!(other.status, 422, "{}", other.body_text());
+    assert_eq!(problem_type(&other), "urn:idemgate:problem:key-reused");
+    // A forged marker on a fresh key is protected like any request: executed once, replayed.
+    let f1 = post(&s, "carol", "/target", "k-fresh", &[forged]);
+    let f2 = post(&s, "carol", "/target", "k-fresh", &[forged]);
+    assert_eq!(f1.status, 201);
+    assert_eq!(f2.header("idempotent-replayed"), Some("true"));
+    assert_eq!(f2.body, f1.body);
+    assert_eq!(s.up.executions(), 3, "alice once, bob once, carol once");
+}
+
+/// A request in flight: a forged marker under its key waits its turn like any duplicate.
+#[test]
+fn a_forged_original_url_meets_an_in_flight_claim_as_a_duplicate() {
+    let s = stack(true);
+    let port = s.envoy.port;
+    let first = std::thread::spawn(move || {
+        let h = [
+            ("authorization", "Bearer alice"),
+            ("content-type", "application/json"),
+            ("idempotency-key", "k-held"),
+            ("x-up-hold", "1"),
+        ];
+        http::request(port, "POST", "/charges", &h, br#"{"amount":100}"#).expect("request")
+    });
+    // Bounded by count: the held request is executing once the upstream has it.
+    for _ in 0..2000 {
+        if s.up.executions() == 1 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(s.up.executions(), 1);
+    let forged = post(&s, "alice", "/charges", "k-held", &[("x-envoy-original-url", "http://idemgate.test/charges")]);
+    assert_eq!(forged.status, 409, "{}", forged.body_text());
+    s.up.release_holds();
+    let a = first.join().expect("first");
+    assert_eq!(a.status, 201);
+    assert_eq!(s.up.executions(), 1);
+}
