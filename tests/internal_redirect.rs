@@ -54,6 +54,8 @@ fn redirect_is_one_request(status: &str, target_method: &str) {
     assert_eq!(s.envoy.stat("idemgate.mismatch"), 0);
     assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 0);
     assert_eq!(s.envoy.stat("idemgate.stored"), 1);
+    assert_eq!(s.envoy.stat("idemgate.internal_redirects_followed"), 1);
+    assert_eq!(s.envoy.stat("idemgate.internal_redirects_unfollowed"), 0);
 }
 
 #[test]
@@ -80,8 +82,10 @@ fn a_forged_original_url_neither_bypasses_nor_joins_another_claim() {
     assert_eq!(bob.status, 201, "{}", bob.body_text());
     assert_eq!(bob.header("idempotent-replayed"), None);
     assert_ne!(bob.body, a.body, "never Alice's response");
-    assert!(s.up.log().iter().any(|e| e.headers.iter().any(|(n, _)| n == "x-envoy-original-url")),
-        "the forged header reached the filter chain");
+    assert!(
+        s.up.log().iter().any(|e| e.headers.iter().any(|(n, _)| n == "x-envoy-original-url")),
+        "the forged header reached the filter chain"
+    );
     // Alice herself: another request under her key is still refused.
     let other = post(&s, "alice", "/target", "k-forged", &[forged]);
     assert_eq!(other.status, 422, "{}", other.body_text());
@@ -123,4 +127,40 @@ fn a_forged_original_url_meets_an_in_flight_claim_as_a_duplicate() {
     let a = first.join().expect("first");
     assert_eq!(a.status, 201);
     assert_eq!(s.up.executions(), 1);
+}
+
+/// The redirect's target route runs without idemgate (disabled on that route): the handed-over
+/// claim waits for a stream that never comes. Meanwhile the same caller's forged marker on another
+/// connection cannot take it (409 in flight); when the window ends it is outcome-unknown (the
+/// first hop executed), never released.
+#[test]
+fn an_unfollowed_redirect_is_outcome_unknown_and_a_forged_marker_cannot_take_it() {
+    let s = Stack::with(CFG, |o| {
+        o.route_action_extra = REDIRECTS.into();
+        o.internal_clients = true;
+        let off = r#"{envoy.filters.http.wasm: {"@type": type.googleapis.com/envoy.config.route.v3.FilterConfig, disabled: true}}"#;
+        o.named_routes = vec![(
+            "target".into(),
+            format!("{{prefix: \"/target\"}}\n                typed_per_filter_config: {off}"),
+        )];
+    });
+    let a = post(&s, "alice", "/charges", "k-unfollowed", &[("x-up-redirect", "307 /target")]);
+    assert_eq!(a.status, 201, "{}", a.body_text());
+    assert_eq!(s.up.executions(), 2);
+    let forged = post(&s, "alice", "/charges", "k-unfollowed", &[("x-envoy-original-url", "http://idemgate.test/charges")]);
+    assert_eq!(forged.status, 409, "{}", forged.body_text());
+    assert_eq!(problem_type(&forged), "urn:idemgate:problem:request-in-flight");
+    // Bounded by count: the window (10 s) ends and the next sweep settles it.
+    for _ in 0..600 {
+        if s.envoy.stat("idemgate.internal_redirects_unfollowed") == 1 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(s.envoy.stat("idemgate.internal_redirects_unfollowed"), 1);
+    let retry = post(&s, "alice", "/charges", "k-unfollowed", &[]);
+    assert_eq!(retry.status, 409, "{}", retry.body_text());
+    assert_eq!(problem_type(&retry), "urn:idemgate:problem:outcome-unknown");
+    assert_eq!(s.up.executions(), 2, "never executed again");
+    assert_eq!(s.envoy.stat("idemgate.internal_redirects_followed"), 0);
 }

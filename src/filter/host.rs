@@ -407,10 +407,12 @@ pub enum Counter {
     InternalErrors,
     GrpcRefused,
     GrpcPassed,
+    RedirectsFollowed,
+    RedirectsUnfollowed,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 47] = [
+    pub const ALL: [Counter; 49] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -458,6 +460,8 @@ impl Counter {
         Counter::InternalErrors,
         Counter::GrpcRefused,
         Counter::GrpcPassed,
+        Counter::RedirectsFollowed,
+        Counter::RedirectsUnfollowed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -509,6 +513,8 @@ impl Counter {
             Counter::InternalErrors => "idemgate.internal_errors",
             Counter::GrpcRefused => "idemgate.grpc_refused",
             Counter::GrpcPassed => "idemgate.grpc_passed_unprotected",
+            Counter::RedirectsFollowed => "idemgate.internal_redirects_followed",
+            Counter::RedirectsUnfollowed => "idemgate.internal_redirects_unfollowed",
         }
     }
 }

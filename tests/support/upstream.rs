@@ -211,7 +211,9 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
         });
         if let Some((status, to)) = redirect {
             let host = get("host").unwrap_or_default();
-            let out = format!("HTTP/1.1 {status} X\r\nlocation: http://{host}{to}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n");
+            let out = format!(
+                "HTTP/1.1 {status} X\r\nlocation: http://{host}{to}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n"
+            );
             let _ = writer.write_all(out.as_bytes());
             let _ = writer.flush();
             continue;
