@@ -11,6 +11,8 @@
 //! the URL the claim's request was redirected from. A claim nobody takes is settled outcome-unknown
 //! (its first hop executed) when its window ends.
 
+use crate::decision::Outcome;
+use crate::record::UnknownReason;
 use crate::scope::StorageKey;
 
 /// The header Envoy sets on a re-created stream: `scheme://authority/path` redirected from.
@@ -25,6 +27,16 @@ pub const HANDOFF_WINDOW_MS: u64 = 10_000;
 
 /// At most this many claims wait at once per VM; beyond, the oldest is settled outcome-unknown.
 pub const MAX_HANDOFFS: usize = 256;
+
+/// How a re-created stream's exchange settles its claim: as any exchange, except that nothing
+/// releases it (a connection failure or a `release_on_status` answer of the target says nothing
+/// about the first hop, which executed): outcome-unknown instead.
+pub fn after_first_hop(outcome: Outcome) -> Outcome {
+    match outcome {
+        Outcome::Release => Outcome::Unknown(UnknownReason::Other),
+        o => o,
+    }
+}
 
 /// A claim handed over by a stream Envoy ended for an internal redirect.
 #[derive(Clone, Debug)]
@@ -176,6 +188,14 @@ mod tests {
         let mut u = Handoffs::default();
         u.post(h(1, None, 10, 100));
         assert!(u.take(&k, 0, URL, None, 11, 100).is_none());
+    }
+
+    #[test]
+    fn a_target_never_releases_the_claim() {
+        assert!(matches!(after_first_hop(Outcome::Release), Outcome::Unknown(UnknownReason::Other)));
+        assert!(matches!(after_first_hop(Outcome::Store), Outcome::Store));
+        let timeout = Outcome::Unknown(UnknownReason::UpstreamTimeout);
+        assert!(matches!(after_first_hop(timeout), Outcome::Unknown(UnknownReason::UpstreamTimeout)));
     }
 
     #[test]

@@ -139,15 +139,14 @@ fn an_unfollowed_redirect_is_outcome_unknown_and_a_forged_marker_cannot_take_it(
         o.route_action_extra = REDIRECTS.into();
         o.internal_clients = true;
         let off = r#"{envoy.filters.http.wasm: {"@type": type.googleapis.com/envoy.config.route.v3.FilterConfig, disabled: true}}"#;
-        o.named_routes = vec![(
-            "target".into(),
-            format!("{{prefix: \"/target\"}}\n                typed_per_filter_config: {off}"),
-        )];
+        o.named_routes =
+            vec![("target".into(), format!("{{prefix: \"/target\"}}\n                typed_per_filter_config: {off}"))];
     });
     let a = post(&s, "alice", "/charges", "k-unfollowed", &[("x-up-redirect", "307 /target")]);
     assert_eq!(a.status, 201, "{}", a.body_text());
     assert_eq!(s.up.executions(), 2);
-    let forged = post(&s, "alice", "/charges", "k-unfollowed", &[("x-envoy-original-url", "http://idemgate.test/charges")]);
+    let forged =
+        post(&s, "alice", "/charges", "k-unfollowed", &[("x-envoy-original-url", "http://idemgate.test/charges")]);
     assert_eq!(forged.status, 409, "{}", forged.body_text());
     assert_eq!(problem_type(&forged), "urn:idemgate:problem:request-in-flight");
     // Bounded by count: the window (10 s) ends and the next sweep settles it.
@@ -163,4 +162,60 @@ fn an_unfollowed_redirect_is_outcome_unknown_and_a_forged_marker_cannot_take_it(
     assert_eq!(problem_type(&retry), "urn:idemgate:problem:outcome-unknown");
     assert_eq!(s.up.executions(), 2, "never executed again");
     assert_eq!(s.envoy.stat("idemgate.internal_redirects_followed"), 0);
+}
+
+/// With a store: the completion written for the handed-over claim is the store's record, and the
+/// other proxy replays it.
+#[test]
+fn through_the_store_the_other_proxy_replays_the_targets_answer() {
+    use support::store::{Redis, Webdis};
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = support::upstream::Upstream::start();
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}}"#;
+    let mut o = support::EnvoyOptions::new(plugin, up.port);
+    o.store_port = Some(webdis.port);
+    o.route_action_extra = REDIRECTS.into();
+    let a = support::Envoy::start(&o);
+    let b = support::Envoy::start(&o);
+    let h = [
+        ("authorization", "Bearer alice"),
+        ("content-type", "application/json"),
+        ("idempotency-key", "k-store"),
+        ("x-up-redirect", "307 /target"),
+    ];
+    let first = http::request(a.port, "POST", "/charges", &h, br#"{"amount":100}"#).expect("request");
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    // Bounded by count: the completion write lands (a retry meanwhile is 409 in flight).
+    let mut again = None;
+    for _ in 0..100 {
+        let r = http::request(b.port, "POST", "/charges", &h, br#"{"amount":100}"#).expect("request");
+        if r.status != 409 {
+            again = Some(r);
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let again = again.expect("a replay");
+    assert_eq!(again.status, 201, "{}", again.body_text());
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(up.executions(), 2);
+    a.assert_no_wasm_panic();
+    b.assert_no_wasm_panic();
+}
+
+/// The target answers a status in `release_on_status` (429 by default): that says nothing about
+/// the first hop, which executed, so the key is outcome-unknown, never released for a retry.
+#[test]
+fn a_targets_release_status_never_releases_the_first_hop() {
+    let s = stack(false);
+    let h = [("x-up-redirect", "307 /target"), ("x-up-status", "429")];
+    let a = post(&s, "alice", "/charges", "k-429", &h);
+    assert_eq!(a.status, 429, "{}", a.body_text());
+    assert_eq!(s.up.executions(), 2);
+    let retry = post(&s, "alice", "/charges", "k-429", &h);
+    assert_eq!(retry.status, 409, "{}", retry.body_text());
+    assert_eq!(problem_type(&retry), "urn:idemgate:problem:outcome-unknown");
+    assert_eq!(s.up.executions(), 2, "the first hop never ran again");
 }

@@ -89,6 +89,8 @@ pub struct Http {
     response_complete: bool,
     /// The outcome was left in Envoy's filter state (`publish`): once per request.
     published: bool,
+    /// A stream Envoy re-created for an internal redirect, continuing a handed-over claim.
+    redirected: bool,
     /// The selected policy, for per-route counters (known before `req` is).
     policy_index: Option<usize>,
     /// The store call in flight (`Phase::Calling`), kept to send again with its script in full
@@ -159,6 +161,7 @@ impl Http {
             response_too_large: false,
             response_complete: false,
             published: false,
+            redirected: false,
             policy_index: None,
             sent: None,
             fence: None,
@@ -1016,6 +1019,7 @@ impl Http {
             derive_at_body: false,
         });
         self.phase = Phase::Forwarded { handle: c.handle, fp: c.fp, in_store: c.in_store };
+        self.redirected = true;
         if !retries_forbidden {
             // The claim stays (judged outcome-unknown once its lock expires): never re-sent.
             return self.fail_closed_here(Broken::HostCallFailed, "redirect_retry_guard");
@@ -1050,6 +1054,7 @@ impl Http {
         // when the classification needs it (`classify_exchange`).
         let attempts = x.attempts();
         let outcome = classify_exchange(&mut x, &policy);
+        let outcome = if self.redirected { redirect::after_first_hop(outcome) } else { outcome };
         let detail = if log::log_enabled!(log::Level::Info) { x.detail() } else { String::new() };
         // The router was told to send it once; a later filter (or a host that ignores the cap)
         // may still have re-sent it. Nothing can undo that now: count it and say so.
