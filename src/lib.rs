@@ -29,6 +29,7 @@ pub mod path;
 pub mod probe;
 pub mod problem;
 pub mod record;
+pub mod redirect;
 pub mod request;
 pub mod scope;
 pub mod seal;

@@ -409,10 +409,12 @@ pub enum Counter {
     InternalErrors,
     GrpcRefused,
     GrpcPassed,
+    RedirectsFollowed,
+    RedirectsUnfollowed,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 48] = [
+    pub const ALL: [Counter; 50] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -461,6 +463,8 @@ impl Counter {
         Counter::InternalErrors,
         Counter::GrpcRefused,
         Counter::GrpcPassed,
+        Counter::RedirectsFollowed,
+        Counter::RedirectsUnfollowed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -513,6 +517,8 @@ impl Counter {
             Counter::InternalErrors => "idemgate.internal_errors",
             Counter::GrpcRefused => "idemgate.grpc_refused",
             Counter::GrpcPassed => "idemgate.grpc_passed_unprotected",
+            Counter::RedirectsFollowed => "idemgate.internal_redirects_followed",
+            Counter::RedirectsUnfollowed => "idemgate.internal_redirects_unfollowed",
         }
     }
 }

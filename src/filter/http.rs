@@ -35,6 +35,7 @@ use crate::local::{Begin, Handle, LocalError};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
+use crate::redirect::{self, Handoff};
 use crate::request::{RequestHead, ROUTER_RETRY_CAP};
 use crate::scope::{CallerScope, StorageKey};
 use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition, TransitionReply};
@@ -99,6 +100,8 @@ pub struct Http {
     response_complete: bool,
     /// The outcome was left in Envoy's filter state (`publish`): once per request.
     published: bool,
+    /// A stream Envoy re-created for an internal redirect, continuing a handed-over claim.
+    redirected: bool,
     /// The selected policy, for per-route counters (known before `req` is).
     policy_index: Option<usize>,
     /// The store call in flight (`Phase::Calling`), kept to send again with its script in full
@@ -168,6 +171,7 @@ impl Http {
             response_too_large: false,
             response_complete: false,
             published: false,
+            redirected: false,
             policy_index: None,
             sent: None,
             fence: None,
@@ -949,8 +953,100 @@ impl Http {
         }
     }
 
-    /// Settles a forwarded exchange; returns its outcome slug.
-    fn finish(&mut self, handle: Option<Handle>, fp: Fingerprint, in_store: bool) -> &'static str {
+    /// A forwarded exchange Envoy ended for an internal redirect (the router took the upstream's
+    /// 3xx, so no response reached this filter): its claim, to hand over to the re-created stream.
+    /// Otherwise the response code details if they were read.
+    fn redirected(
+        &self,
+        handle: Option<Handle>,
+        fp: Fingerprint,
+        in_store: bool,
+    ) -> Result<Handoff<Claim>, Option<String>> {
+        if self.response.is_some() {
+            return Err(None);
+        }
+        let details = host::property(&["response", "code_details"])
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default();
+        if details != redirect::REDIRECT_CODE_DETAILS {
+            return Err(Some(details));
+        }
+        let (Some(r), Some(claim)) = (self.req.as_ref(), self.claim(handle, fp, in_store)) else {
+            return Err(Some(details));
+        };
+        Ok(Handoff {
+            claim,
+            skey: r.skey,
+            policy_index: r.policy_index,
+            url: format!("{}{}", r.head.authority, r.head.path),
+            connection: u64_property(&["connection", "id"]),
+            from_context: self.context_id,
+            posted_ms: self.now(),
+        })
+    }
+
+    /// A stream Envoy re-created for an internal redirect (`crate::redirect`): it continues the
+    /// claim its first stream handed over, and settles it with the final answer. Anything else
+    /// carrying `x-envoy-original-url` (a client can send it) is an ordinary request.
+    fn continue_redirect(&mut self) -> Option<Action> {
+        if self.shared.handoffs.borrow().is_empty() {
+            return None;
+        }
+        let url = host::header(MapType::HttpRequestHeaders, redirect::ORIGINAL_URL_HEADER)?;
+        let connection = u64_property(&["connection", "id"]);
+        let now = self.now();
+        let policies = self.shared.handoffs.borrow().policies_for(url.as_bytes(), connection, self.context_id, now);
+        if policies.is_empty() {
+            return None;
+        }
+        let head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
+        for i in policies {
+            let Some(policy) = self.shared.config.policy_at(i) else { continue };
+            let Admission::Protect(key) = admit(Some(policy), &head.values(&policy.header)) else { continue };
+            let scope = CallerScope::of(&head, &policy.scope);
+            let skey = StorageKey::derive(&policy.namespace, &scope, &key);
+            let taken =
+                self.shared.handoffs.borrow_mut().take(&skey, i, url.as_bytes(), connection, self.context_id, now);
+            let Some(h) = taken else { continue };
+            return Some(self.adopt(h, head, scope));
+        }
+        None
+    }
+
+    /// Continues a handed-over claim: forwarded under it, settled at this stream's end.
+    fn adopt(&mut self, h: Handoff<Claim>, mut head: RequestHead, scope: CallerScope) -> Action {
+        let c = h.claim;
+        self.policy_index = Some(c.policy_index);
+        self.count(Counter::RedirectsFollowed);
+        let retries_forbidden = forbid_router_retries(&mut head);
+        self.req = Some(Protected {
+            policy_index: c.policy_index,
+            head,
+            skey: c.skey,
+            scope,
+            creator: c.creator,
+            owner: c.owner,
+            derive_at_body: false,
+        });
+        self.phase = Phase::Forwarded { handle: c.handle, fp: c.fp, in_store: c.in_store };
+        self.redirected = true;
+        if !retries_forbidden {
+            // The claim stays (judged outcome-unknown once its lock expires): never re-sent.
+            return self.fail_closed_here(Broken::HostCallFailed, "redirect_retry_guard");
+        }
+        debug!("{}", self.log_line("redirect_followed", &format!("from={}", h.url)));
+        Action::Continue
+    }
+
+    /// Settles a forwarded exchange; returns its outcome slug. `code_details`: Envoy's response
+    /// code details if already read.
+    fn finish(
+        &mut self,
+        handle: Option<Handle>,
+        fp: Fingerprint,
+        in_store: bool,
+        code_details: Option<String>,
+    ) -> &'static str {
         let Some(policy) = self.policy().cloned() else {
             // Forwarded, so its claim stays (outcome unknown once its lock expires): say so.
             self.count(Counter::InternalErrors);
@@ -958,12 +1054,18 @@ impl Http {
             return settle::INTERNAL_STATE;
         };
         let status = self.response.as_ref().map(|r| r.status).filter(|s| *s > 0);
-        let mut x = Finished { status: status.map(Some), complete: self.response_complete, ..Finished::default() };
+        let mut x = Finished {
+            status: status.map(Some),
+            complete: self.response_complete,
+            code_details,
+            ..Finished::default()
+        };
         // Whether the router re-sent it is read always (its warning below); every other fact only
         // when the classification needs it (`classify_routed`).
         let attempts = x.attempts();
         let headers = self.response.as_ref().map_or(&[][..], |r| &r.headers[..]);
         let outcome = classify_routed(&mut x, headers, &policy);
+        let outcome = if self.redirected { redirect::after_first_hop(outcome) } else { outcome };
         let detail = if log::log_enabled!(log::Level::Info) { x.detail() } else { String::new() };
         // The router was told to send it once; a later filter (or a host that ignores the cap)
         // may still have re-sent it. Nothing can undo that now: count it and say so.
@@ -1067,6 +1169,9 @@ impl Context for Http {
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
         self.callback(meter::Callback::RequestHeaders);
+        if let Some(action) = self.continue_redirect() {
+            return action;
+        }
         // The whole header map, read once: the method, the route (the path), every line of the
         // key header (a repeated one must be seen), the caller's scope and the fingerprint all
         // come from it. A request without a body (most unprotected ones: GET, HEAD) has its method
@@ -1357,7 +1462,10 @@ impl Http {
         let unanswered = self.shared.queues.live.borrow_mut().remove(&self.context_id);
         match std::mem::replace(&mut self.phase, Phase::Pass) {
             Phase::Forwarded { handle, fp, in_store } => {
-                let outcome = self.finish(handle, fp, in_store);
+                let outcome = match self.redirected(handle, fp, in_store) {
+                    Ok(h) => settle::hand_over(&self.shared, h),
+                    Err(code_details) => self.finish(handle, fp, in_store, code_details),
+                };
                 self.publish(outcome);
             }
             p @ Phase::Waiting { .. } => {

@@ -177,6 +177,9 @@ pub struct Shared {
     /// (`crate::etcd::Leases`), and the TTL each is granted with.
     pub leases: RefCell<crate::etcd::Leases>,
     pub lease_ttl_seconds: u64,
+    /// Claims of streams Envoy ended for an internal redirect, waiting for the re-created stream
+    /// (`crate::redirect`).
+    pub handoffs: RefCell<crate::redirect::Handoffs<settle::Claim>>,
     /// Fault tests only: `lose_next_wake`.
     #[cfg(feature = "crash-injection")]
     lose_next_wake: Cell<bool>,
@@ -1258,6 +1261,7 @@ impl Root {
             seal,
             leases: RefCell::new(crate::etcd::Leases::default()),
             lease_ttl_seconds,
+            handoffs: RefCell::new(crate::redirect::Handoffs::default()),
             #[cfg(feature = "crash-injection")]
             lose_next_wake: Cell::new(false),
         }));
@@ -1290,6 +1294,7 @@ impl Root {
         self.finish_stopping_if_drained();
         let Some(s) = self.shared.clone() else { return };
         let now = host::now_ms();
+        settle::unfollowed_redirects(&s, now);
         if now.saturating_sub(self.last_sweep_ms) < 1000 {
             return;
         }

@@ -12,6 +12,7 @@ use crate::fingerprint::Fingerprint;
 use crate::local::{Completed, Handle};
 use crate::owner::OwnerToken;
 use crate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
+use crate::redirect::Handoff;
 use crate::scope::StorageKey;
 use crate::store::Transition;
 
@@ -109,6 +110,36 @@ pub fn settle(
             "marked-unknown"
         }
     }
+}
+
+/// A forwarded request's stream was ended by Envoy for an internal redirect: its claim waits
+/// for the re-created stream (`crate::redirect`), which settles it with the final answer. Claims
+/// pushed out (too many waiting) are settled as unfollowed.
+pub fn hand_over(shared: &Shared, h: Handoff<Claim>) -> &'static str {
+    debug!("idemgate: outcome=redirect_handed_over {} url={}", h.claim.log, h.url);
+    let pushed = shared.handoffs.borrow_mut().post(h);
+    for old in pushed {
+        unfollowed(shared, &old);
+    }
+    "redirected"
+}
+
+/// Claims whose re-created stream never came within the window: the first hop executed, so
+/// they are outcome-unknown (never released: a retry must not run it again).
+pub fn unfollowed_redirects(shared: &Shared, now_ms: u64) {
+    if shared.handoffs.borrow().is_empty() {
+        return;
+    }
+    let old = shared.handoffs.borrow_mut().expire(now_ms);
+    for h in old {
+        unfollowed(shared, &h);
+    }
+}
+
+fn unfollowed(shared: &Shared, h: &Handoff<Claim>) {
+    shared.metrics.inc_for(Counter::RedirectsUnfollowed, Some(h.claim.policy_index));
+    let detail = format!("code_details={} redirect_followed=false", crate::redirect::REDIRECT_CODE_DETAILS);
+    settle(shared, &h.claim, Outcome::Unknown(UnknownReason::Other), None, false, &detail);
 }
 
 /// Releases a local claim (owner-checked) at `now_ms`, counting it.

@@ -13,7 +13,10 @@
 //! `x-up-coding` (`gzip` gzips the body, as an upstream that compresses does; any other value is
 //! sent as the `content-encoding` of the unchanged body), `x-up-trailer` (`name: value`: the body
 //! chunked, then that trailer), `x-up-header` (one more response header line, `name: value`, as
-//! given).
+//! given), `x-up-redirect` (`<status> <path>`: a request for any other path is answered that
+//! status with `location: http://<its host><path>` (Envoy follows absolute locations only) and an
+//! empty body, one for that path as usual: an upstream that
+//! redirects, for Envoy's internal redirects).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -213,6 +216,20 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
+        }
+        // `x-up-redirect: <status> <path>`: executed, then redirected unless it is for `<path>`.
+        let redirect = get("x-up-redirect").and_then(|v| {
+            let (status, to) = v.split_once(' ')?;
+            (to != path).then(|| (status.to_string(), to.to_string()))
+        });
+        if let Some((status, to)) = redirect {
+            let host = get("host").unwrap_or_default();
+            let out = format!(
+                "HTTP/1.1 {status} X\r\nlocation: http://{host}{to}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n"
+            );
+            let _ = writer.write_all(out.as_bytes());
+            let _ = writer.flush();
+            continue;
         }
         let status: u16 = get("x-up-status").and_then(|v| v.parse().ok()).unwrap_or(201);
         let resp_body = match (get("x-up-body"), get("x-up-body-bytes").and_then(|v| v.parse::<usize>().ok())) {
