@@ -60,8 +60,8 @@ pub struct KeyRequest {
     pub lines: Vec<(String, String)>,
     /// The request's `:authority`; `None` when the policy has `include_authority: false`.
     pub authority: Option<String>,
-    /// The request's `:scheme` (`http` or `https`; empty when unknown): an explicit default port
-    /// of that scheme is dropped from the authority, as the filter does.
+    /// The request's `:scheme` (`http` or `https`; empty when unknown). The scope no longer reads
+    /// it (`scope::normal_authority` drops ports 80 and 443 whatever the scheme).
     pub scheme: String,
     /// `scope.global`: every caller shares one scope.
     pub global: bool,

@@ -483,15 +483,49 @@ impl Config {
     /// `methods` hold the request's method. A route for other methods does not hide the routes
     /// after it: `[{prefix: "/v1/orders", methods: ["PUT"]}, {prefix: "/"}]` protects a POST to
     /// /v1/orders by the second.
+    ///
+    /// A path whose readings select routes that would store its key apart (another namespace,
+    /// key header, scope or key rule: `Policy::same_storage`) is selected by none: it would be
+    /// one key in two tables, executed once under each. `select_route` tells it apart.
     pub fn policy_index_for_route(&self, method: &str, path: &str, route_name: Option<&str>) -> Option<usize> {
+        match self.select_route(method, path, route_name) {
+            Selection::Policy(i) => Some(i),
+            Selection::Unprotected | Selection::Ambiguous { .. } => None,
+        }
+    }
+
+    /// The route of a request, its path read every way a backend may read it
+    /// (`path::Reading::ALL`): for each reading, the first route (in order) whose prefix or
+    /// route name matches it and whose `methods` hold the method. The first of those routes in
+    /// order is the request's, if every one of them stores keys as it does
+    /// (`Policy::same_storage`); otherwise the request is `Ambiguous` (`/v1/payments/../orders`
+    /// with a route for /v1/payments in one namespace and one for / in another: a backend runs it
+    /// as /v1/orders, which the second route protects, while one reading selects the first).
+    pub fn select_route(&self, method: &str, path: &str, route_name: Option<&str>) -> Selection {
         let protects = |p: &Policy| p.methods.iter().any(|m| m == method);
         if self.routes.is_empty() {
-            return protects(&self.default_policy).then_some(0);
+            return match protects(&self.default_policy) {
+                true => Selection::Policy(0),
+                false => Selection::Unprotected,
+            };
         }
-        let readings = Reading::ALL.map(|reading| (reading, reading.of(path)));
-        self.routes.iter().position(|r| {
-            protects(&r.policy) && readings.iter().any(|(reading, read)| r.select.matches(read, *reading, route_name))
-        })
+        let mut chosen: Vec<usize> = vec![];
+        for reading in Reading::ALL {
+            let read = reading.of(path);
+            let first =
+                self.routes.iter().position(|r| protects(&r.policy) && r.select.matches(&read, reading, route_name));
+            if let Some(i) = first {
+                if !chosen.contains(&i) {
+                    chosen.push(i);
+                }
+            }
+        }
+        let Some(&first) = chosen.iter().min() else { return Selection::Unprotected };
+        let policy = |i: usize| self.routes.get(i).map(|r| &r.policy);
+        match chosen.iter().find(|&&i| !policy(i).zip(policy(first)).is_some_and(|(a, b)| a.same_storage(b))) {
+            Some(&other) => Selection::Ambiguous { first, other },
+            None => Selection::Policy(first),
+        }
     }
 
     /// Whether a route is selected by an Envoy route name (so the filter reads it).
@@ -518,6 +552,33 @@ impl Config {
     pub fn policies(&self) -> impl Iterator<Item = &Policy> {
         let default = self.routes.is_empty().then_some(&self.default_policy);
         default.into_iter().chain(self.routes.iter().map(|r| &r.policy))
+    }
+}
+
+/// The route a request falls under (`Config::select_route`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Selection {
+    /// No route protects it (or its method).
+    Unprotected,
+    /// The route (or default policy) at this index of `policies()`.
+    Policy(usize),
+    /// Readings of its path select routes that store keys apart: refused, never forwarded as
+    /// either (one key would be stored, and executed, once under each).
+    Ambiguous { first: usize, other: usize },
+}
+
+impl Policy {
+    /// Whether a request's key is stored under the same storage key by both policies: the same
+    /// namespace, key header, key rule and length, requirement, derivation and caller scope.
+    /// Two such routes share every record, so a request selected by either meets one record.
+    pub fn same_storage(&self, other: &Policy) -> bool {
+        self.namespace == other.namespace
+            && self.header == other.header
+            && self.key_syntax == other.key_syntax
+            && self.key_max_length == other.key_max_length
+            && self.require_key == other.require_key
+            && self.derive_key == other.derive_key
+            && self.scope == other.scope
     }
 }
 
@@ -717,7 +778,15 @@ fn apply_policy_fields(
                 p.release_on_status = codes;
             }
             "log_headers" => p.log_headers = header_list(v, &f)?,
-            "credential_headers" => p.credential_headers = header_list(v, &f)?,
+            // A route adds to the credentials it inherits, never replaces them: a route naming
+            // one more must not make the top level's loggable (found by an adversarial review).
+            "credential_headers" => {
+                for h in header_list(v, &f)? {
+                    if !p.credential_headers.contains(&h) {
+                        p.credential_headers.push(h);
+                    }
+                }
+            }
             "replay_exclude_headers" => p.replay_exclude_headers = header_list(v, &f)?,
             "grpc" => p.grpc = as_choice(v, &f, &[("refuse", GrpcMode::Refuse), ("pass", GrpcMode::Pass)])?,
             "next_hop_failures" => {
@@ -1831,6 +1900,18 @@ mod tests {
                 "routes": [{"prefix": "/a"}, {"prefix": "/b", "log_headers": ["x-shop-secret"]}]}"#,
         );
         assert_eq!(e.field, "routes[1].log_headers[0]");
+        // A route's own credential_headers add to the inherited ones (before: they replaced them,
+        // and the top level's x-shop-secret was logged on that route).
+        let e = refused(
+            r#"{"scope": {"headers": ["x-account-id"]}, "credential_headers": ["x-shop-secret"],
+                "routes": [{"prefix": "/b", "credential_headers": ["x-other"], "log_headers": ["x-shop-secret"]}]}"#,
+        );
+        assert_eq!(e.field, "routes[0].log_headers[0]");
+        let e = refused(
+            r#"{"scope": {"headers": ["x-account-id"]}, "credential_headers": ["x-shop-secret"],
+                "routes": [{"prefix": "/b", "credential_headers": ["x-other"], "log_headers": ["x-other"]}]}"#,
+        );
+        assert_eq!(e.field, "routes[0].log_headers[0]");
         let e = refused(
             r#"{"scope": {"headers": ["x-account-id"]}, "routes": [{"prefix": "/b", "scope": {"headers": ["x-user"]}, "log_headers": ["x-user"]}]}"#,
         );
@@ -1882,5 +1963,33 @@ mod tests {
         );
         assert_eq!(e.field, "routes[0].grpc");
         assert!(e.reason.contains("require_key"), "{e}");
+    }
+
+    #[test]
+    fn readings_that_select_routes_storing_keys_apart_are_ambiguous_and_alike_ones_are_not() {
+        let apart = Config::parse(
+            br#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/v1/payments", "namespace": "pay"}, {"prefix": "/", "namespace": "rest"}]}"#,
+        )
+        .unwrap();
+        for path in ["/v1/payments/../orders", "/v1/payments/..%2Forders", "/v1%2Fpayments", "/v1;x/payments"] {
+            assert_eq!(apart.select_route("POST", path, None), Selection::Ambiguous { first: 0, other: 1 }, "{path}");
+            assert_eq!(apart.policy_index_for("POST", path), None, "{path}");
+        }
+        assert_eq!(apart.select_route("POST", "/v1/payments/p1", None), Selection::Policy(0));
+        assert_eq!(apart.select_route("POST", "/v1/orders", None), Selection::Policy(1));
+        assert_eq!(apart.select_route("GET", "/v1/payments/../orders", None), Selection::Unprotected);
+        let alike = Config::parse(br#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/v1/payments", "ttl_seconds": 3600}, {"prefix": "/"}]}"#)
+            .unwrap();
+        assert_eq!(alike.select_route("POST", "/v1%2Fpayments", None), Selection::Policy(0));
+        assert_eq!(alike.select_route("POST", "/v1/payments/../orders", None), Selection::Policy(0));
+        // Another scope, key header or key rule keeps keys apart too.
+        for other in [
+            r#"{"prefix": "/", "scope": {"headers": ["x-tenant"]}}"#,
+            r#"{"prefix": "/", "header": "x-idempotency-key"}"#,
+            r#"{"prefix": "/", "key_syntax": "any"}"#,
+        ] {
+            let c = Config::parse(format!(r#"{{"scope": {{"headers": ["authorization"]}}, "routes": [{{"prefix": "/v1/payments"}}, {other}]}}"#).as_bytes()).unwrap();
+            assert!(matches!(c.select_route("POST", "/v1%2Fpayments", None), Selection::Ambiguous { .. }), "{other}");
+        }
     }
 }

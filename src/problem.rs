@@ -57,6 +57,9 @@ pub enum ProblemKind {
     /// A gRPC call with a key on a route with `grpc: "refuse"`: a replay would reach the client as
     /// a failure (Envoy reshapes local replies to gRPC requests); nothing was forwarded.
     GrpcUnsupported { header: String },
+    /// The request's path reads as two routes that store keys apart (`config::Selection`):
+    /// refused, never forwarded.
+    RouteAmbiguous,
     /// The gateway met one of its own invariants broken (`failsafe`): the request was refused,
     /// not forwarded.
     InternalState { retry_after_seconds: u64 },
@@ -98,6 +101,7 @@ impl ProblemKind {
             ProblemKind::EncodingNotAccepted { .. } => "encoding-not-accepted",
             ProblemKind::InternalState { .. } => "internal-state",
             ProblemKind::GrpcUnsupported { .. } => "grpc-unsupported",
+            ProblemKind::RouteAmbiguous => "route-ambiguous",
         }
     }
 
@@ -116,6 +120,7 @@ impl ProblemKind {
             ProblemKind::UpstreamNoAnswer => 504,
             ProblemKind::EncodingNotAccepted { .. } => 406,
             ProblemKind::GrpcUnsupported { .. } => 415,
+            ProblemKind::RouteAmbiguous => 400,
         }
     }
 
@@ -139,6 +144,7 @@ impl ProblemKind {
             }
             ProblemKind::InternalState { .. } => "Request not protected",
             ProblemKind::GrpcUnsupported { .. } => "Idempotency keys are not supported for gRPC on this route",
+            ProblemKind::RouteAmbiguous => "Request path is ambiguous between protected routes",
         }
     }
 
@@ -185,6 +191,7 @@ impl ProblemKind {
             ProblemKind::InternalState { retry_after_seconds } => format!(
                 "The gateway could not protect this request and did not forward it. Retry after {retry_after_seconds} s with the same key."
             ),
+            ProblemKind::RouteAmbiguous => "This path reads as two routes whose idempotency keys are kept apart (dot segments, `;` parameters or escaped slashes that backends resolve differently), so one key could run once under each. It was not forwarded: send the path in its plain form.".into(),
             ProblemKind::GrpcUnsupported { header } => format!(
                 "This gRPC call carries `{header}`, but the gateway cannot replay a gRPC response (a replay would reach the client as a failure), so it was not forwarded. Send it without the key (it then runs unprotected), or use the service's own idempotency."
             ),
@@ -238,6 +245,7 @@ impl ProblemKind {
             | ProblemKind::CapacityExhausted { .. }
             | ProblemKind::BufferBudgetExceeded { .. }
             | ProblemKind::InternalState { .. } => UNAVAILABLE,
+            ProblemKind::RouteAmbiguous => INVALID_ARGUMENT,
             ProblemKind::ResponseNotStored { .. }
             | ProblemKind::GrpcUnsupported { .. }
             | ProblemKind::EncodingNotAccepted { .. } => FAILED_PRECONDITION,
@@ -262,6 +270,7 @@ impl ProblemKind {
             | ProblemKind::ScopeMissing { .. }
             | ProblemKind::BodyTooLarge { .. }
             | ProblemKind::GrpcUnsupported { .. }
+            | ProblemKind::RouteAmbiguous
             | ProblemKind::EncodingNotAccepted { .. } => Some("invalid_api_usage"),
             ProblemKind::InFlight { .. } | ProblemKind::OutcomeUnknown | ProblemKind::KeyReused { .. } => {
                 Some("invalid_state")
@@ -375,6 +384,7 @@ mod tests {
             ProblemKind::EncodingNotAccepted { coding: "br".into() },
             ProblemKind::InternalState { retry_after_seconds: 1 },
             ProblemKind::GrpcUnsupported { header: h.clone() },
+            ProblemKind::RouteAmbiguous,
         ];
         for error in [
             KeyError::Repeated,

@@ -46,7 +46,7 @@ impl CallerScope {
         }
         if cfg.include_authority {
             f.field(b":authority");
-            f.field(normal_authority(&head.authority, &head.scheme).as_bytes());
+            f.field(normal_authority(&head.authority).as_bytes());
         }
         CallerScope { hash: f.finish(), identified }
     }
@@ -72,11 +72,16 @@ impl CallerScope {
 
 /// The authority as URI comparison reads it (RFC 3986 6.2.2-6.2.3, RFC 9110 4.2.3), so that one
 /// origin spelled several ways is one scope: lowercase; the port without leading zeros, and
-/// none when it is empty or the default port of `scheme` (80 for `http`, 443 for `https`; none
-/// is dropped for another or no scheme); the host without the trailing dot of a fully
-/// qualified name (`api.example.` is `api.example`). An IPv6 literal keeps its brackets; an
-/// authority that is not `host[:port]` is only lowercased.
-pub fn normal_authority(authority: &str, scheme: &str) -> String {
+/// none when it is empty, 80 or 443 (the default ports of http and https); the host without the
+/// trailing dot of a fully qualified name (`api.example.` is `api.example`). An IPv6 literal
+/// keeps its brackets; an authority that is not `host[:port]` is only lowercased.
+///
+/// Both default ports are dropped whatever the request's `:scheme`, which the client controls
+/// (an HTTP/2 client writes it; Envoy takes `x-forwarded-proto` from HTTP/1 clients unless
+/// `use_remote_address` is set): a scope that depended on it would let one caller split its own
+/// key in two by sending `x-forwarded-proto: https` with `Host: api:443` (found by an adversarial
+/// review: 2 executions). The scope still holds the caller's credentials, so no two callers merge.
+pub fn normal_authority(authority: &str) -> String {
     let lower = authority.trim_ascii().to_ascii_lowercase();
     let (host, port) = match lower.strip_prefix('[') {
         Some(_) => match lower.find(']') {
@@ -100,18 +105,13 @@ pub fn normal_authority(authority: &str, scheme: &str) -> String {
         Some(bare) if !bare.is_empty() && !bare.ends_with('.') => bare,
         _ => host,
     };
-    let default_port = match scheme.to_ascii_lowercase().as_str() {
-        "http" => Some("80"),
-        "https" => Some("443"),
-        _ => None,
-    };
     let port = port.map(|p| match p.trim_start_matches('0') {
         "" if !p.is_empty() => "0",
         digits if p.bytes().all(|b| b.is_ascii_digit()) => digits,
         _ => p,
     });
     match port {
-        Some(p) if !p.is_empty() && Some(p) != default_port => format!("{host}:{p}"),
+        Some(p) if !p.is_empty() && p != "80" && p != "443" => format!("{host}:{p}"),
         _ => host.to_string(),
     }
 }
@@ -199,7 +199,7 @@ mod tests {
 
     #[test]
     fn an_authority_is_compared_as_uri_comparison_reads_it() {
-        let n = normal_authority;
+        let n = |a: &str, _scheme: &str| normal_authority(a);
         // Case, the scheme's default port, an empty port, leading zeros, a trailing dot.
         assert_eq!(n("API.Example.Test", "http"), "api.example.test");
         assert_eq!(n("api.example.test:80", "http"), "api.example.test");
@@ -212,13 +212,12 @@ mod tests {
         assert_eq!(n("api.example.test.:8080", "https"), "api.example.test:8080");
         assert_eq!(n("api.example.test:08080", "https"), "api.example.test:8080");
         assert_eq!(n(" api ", ""), "api");
-        // Another port, or the other scheme's default, is another origin.
-        assert_eq!(n("api.example.test:443", "http"), "api.example.test:443");
-        assert_eq!(n("api.example.test:80", "https"), "api.example.test:80");
+        // Both default ports go whatever the scheme (the client's to choose); another port stays.
+        assert_eq!(n("api.example.test:443", "http"), "api.example.test");
+        assert_eq!(n("api.example.test:80", "https"), "api.example.test");
         assert_eq!(n("api.example.test:0", "http"), "api.example.test:0");
-        // Without a known scheme no port is a default.
-        assert_eq!(n("api:80", ""), "api:80");
-        assert_eq!(n("api:443", "ftp"), "api:443");
+        assert_eq!(n("api:80", ""), "api");
+        assert_eq!(n("api:443", "ftp"), "api");
         // IPv6 literals keep their brackets; their port is read after them.
         assert_eq!(n("[::1]:80", "http"), "[::1]");
         assert_eq!(n("[FE80::1]:8080", "http"), "[fe80::1]:8080");
@@ -246,11 +245,18 @@ mod tests {
         ] {
             assert_eq!(CallerScope::of(&with_scheme(a, "http"), &c), plain, "{a}");
         }
-        for a in ["api.example.test:443", "api.example.test:8080", "api.example.test.:81"] {
+        for a in ["api.example.test:8080", "api.example.test.:81"] {
             assert_ne!(CallerScope::of(&with_scheme(a, "http"), &c), plain, "{a}");
         }
-        let tls = CallerScope::of(&with_scheme("api.example.test:443", "https"), &c);
-        assert_eq!(tls, plain, "the scheme itself is not part of the scope, only its default port");
+        for (a, scheme) in
+            [("api.example.test:443", "https"), ("api.example.test:443", "http"), ("api.example.test:80", "https")]
+        {
+            assert_eq!(
+                CallerScope::of(&with_scheme(a, scheme), &c),
+                plain,
+                "{a} over {scheme}: the client's scheme never splits a scope"
+            );
+        }
         // The pinned layout holds for an authority already in normal form, with or without a scheme.
         let pinned = CallerScope::of(&head(Some("Bearer alice"), "api"), &c);
         let mut h = head(Some("Bearer alice"), "API.:80");

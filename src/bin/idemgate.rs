@@ -94,8 +94,8 @@ fn cli() -> Command {
                 ))
                 .arg(Arg::new("authority").long("authority").help("the request's :authority"))
                 .arg(Arg::new("scheme").long("scheme").help(
-                    "the request's :scheme, http or https (an explicit default port of that scheme \
-                     is dropped from the authority, as the filter does)",
+                    "the request's :scheme (no longer changes the key: ports 80 and 443 are dropped from \
+                     the authority whatever the scheme, as the filter does)",
                 ))
                 .arg(
                     Arg::new("no_authority")

@@ -408,13 +408,14 @@ pub enum Counter {
     UpstreamAttemptsRepeated,
     InternalErrors,
     GrpcRefused,
+    RouteAmbiguous,
     GrpcPassed,
     RedirectsFollowed,
     RedirectsUnfollowed,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 50] = [
+    pub const ALL: [Counter; 51] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -462,6 +463,7 @@ impl Counter {
         Counter::UpstreamAttemptsRepeated,
         Counter::InternalErrors,
         Counter::GrpcRefused,
+        Counter::RouteAmbiguous,
         Counter::GrpcPassed,
         Counter::RedirectsFollowed,
         Counter::RedirectsUnfollowed,
@@ -516,6 +518,7 @@ impl Counter {
             Counter::UpstreamAttemptsRepeated => "idemgate.upstream_attempts_repeated",
             Counter::InternalErrors => "idemgate.internal_errors",
             Counter::GrpcRefused => "idemgate.grpc_refused",
+            Counter::RouteAmbiguous => "idemgate.route_ambiguous",
             Counter::GrpcPassed => "idemgate.grpc_passed_unprotected",
             Counter::RedirectsFollowed => "idemgate.internal_redirects_followed",
             Counter::RedirectsUnfollowed => "idemgate.internal_redirects_unfollowed",

@@ -25,7 +25,7 @@ use super::stores::{self, Unbuilt};
 use super::writes;
 use super::{reply, Forward, Shared, Waiter};
 use crate::admin;
-use crate::config::{Forwarding, GrpcMode, InFlight, OnUnavailable, Policy};
+use crate::config::{Forwarding, GrpcMode, InFlight, OnUnavailable, Policy, Selection};
 use crate::decision::{admit, check_body_size, classify_routed, decide, Admission, Decision, Exchange, Lookup};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::derive;
@@ -265,6 +265,7 @@ impl Http {
             ProblemKind::EncodingNotAccepted { .. } => Counter::ReplaysEncodingNotAccepted,
             ProblemKind::InternalState { .. } => Counter::InternalErrors,
             ProblemKind::GrpcUnsupported { .. } => Counter::GrpcRefused,
+            ProblemKind::RouteAmbiguous => Counter::RouteAmbiguous,
         };
         self.count(counter);
         let by = creator.map_or(String::new(), |c| {
@@ -1193,10 +1194,13 @@ impl HttpContext for Http {
         } else {
             None
         };
-        let Some(policy_index) =
-            self.shared.config.policy_index_for_route(&head.method, &head.path, route_name.as_deref())
-        else {
-            return Action::Continue;
+        let policy_index = match self.shared.config.select_route(&head.method, &head.path, route_name.as_deref()) {
+            Selection::Policy(i) => i,
+            Selection::Unprotected => return Action::Continue,
+            Selection::Ambiguous { first, other } => {
+                debug!("idemgate: outcome=route_ambiguous routes={first},{other} path={}", head.path_without_query());
+                return self.answer(ProblemKind::RouteAmbiguous, None);
+            }
         };
         self.policy_index = Some(policy_index);
         let Some(policy) = self.shared.config.policy_at(policy_index) else {
