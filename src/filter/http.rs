@@ -1391,11 +1391,7 @@ impl HttpContext for Http {
         for (n, v) in host::all_headers(MapType::HttpResponseHeaders) {
             if n == ":status" {
                 status = std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok()).unwrap_or(0);
-            } else if !n.starts_with(':')
-                && !NOT_REPLAYED.contains(&n.as_str())
-                && !exclude.contains(&n)
-                && n != crate::record::TRAILERS_DROPPED_HEADER
-            {
+            } else if crate::record::storable_header(&n) && !exclude.contains(&n) {
                 headers.push((n, v));
             }
         }
