@@ -10,7 +10,8 @@
 //!   coding it carries: replayed as stored;
 //! - otherwise, one `gzip` (`x-gzip`) or `deflate` coding: decoded here (at most the policy's
 //!   `max_response_body_bytes` of output) and replayed without `content-encoding` (a strong
-//!   `etag`, which named the encoded bytes, becomes weak);
+//!   `etag`, which named the encoded bytes, becomes weak; the digests of the coded bytes,
+//!   `CODED_DIGESTS`, are dropped); an empty body, whatever its coding, is replayed empty so;
 //! - otherwise (`br`, `zstd`, `compress`, several codings, or a body that does not decode):
 //!   406 `encoding-not-accepted`, naming the coding; nothing is executed again.
 //!
@@ -41,20 +42,39 @@ pub fn for_retry(response: &StoredResponse, accept: &[&[u8]], max_decoded_bytes:
     if codings.iter().all(|c| accepts(&accept, c)) {
         return Ok(Replay::AsStored);
     }
+    // No content (a 201 or 204 without a body, a HEAD's answer): nothing to decode, whatever the
+    // coding; its identity form is empty too.
+    if response.body.is_empty() {
+        return Ok(Replay::Decoded(StoredResponse {
+            status: response.status,
+            headers: decoded_headers(response),
+            body: vec![],
+        }));
+    }
     let refused = || ProblemKind::EncodingNotAccepted { coding: codings.join(", ") };
     let [coding] = codings.as_slice() else { return Err(refused()) };
     let body = decode(coding, &response.body, max_decoded_bytes).ok_or_else(refused)?;
-    let headers = response
+    Ok(Replay::Decoded(StoredResponse { status: response.status, headers: decoded_headers(response), body }))
+}
+
+/// Digests computed over the content as coded (RFC 9530 `Content-Digest` and `Repr-Digest`,
+/// whose representation includes its content coding; RFC 3230 `Digest`; `Content-MD5`): wrong for
+/// the decoded body, so a decoded replay drops them rather than carry a digest it fails.
+const CODED_DIGESTS: &[&str] = &["content-digest", "repr-digest", "digest", "content-md5"];
+
+/// The stored headers for the decoded body: no `content-encoding`, none of `CODED_DIGESTS`, and a
+/// strong `etag` made weak.
+fn decoded_headers(response: &StoredResponse) -> Vec<(String, Vec<u8>)> {
+    response
         .headers
         .iter()
-        .filter(|(n, _)| n != "content-encoding")
+        .filter(|(n, _)| n != "content-encoding" && !CODED_DIGESTS.contains(&n.as_str()))
         .map(|(n, v)| match (n.as_str(), v.first()) {
             // A strong validator named the encoded bytes; the decoded ones are only equivalent.
             ("etag", Some(b'"')) => (n.clone(), [b"W/".as_slice(), v].concat()),
             _ => (n.clone(), v.clone()),
         })
-        .collect();
-    Ok(Replay::Decoded(StoredResponse { status: response.status, headers, body }))
+        .collect()
 }
 
 /// The codings applied to the stored body, in order, lowercase, `identity` left out.
@@ -286,6 +306,39 @@ mod tests {
         let n = bad.len();
         bad[n - 8] ^= 1;
         assert!(for_retry(&stored(Some("gzip"), bad), &[], 1 << 20).is_err());
+    }
+
+    #[test]
+    fn an_empty_coded_body_is_replayed_empty_without_the_coding_never_refused() {
+        // Before: a 201 or 204 stored with `content-encoding: gzip` and no body could not be
+        // decoded, so every retry not accepting gzip got 406 instead of its replay.
+        for coding in ["gzip", "br", "deflate, gzip"] {
+            for status in [201, 204] {
+                let r = StoredResponse { status, ..stored(Some(coding), vec![]) };
+                let Ok(Replay::Decoded(d)) = for_retry(&r, &[b"identity"], 1 << 20) else {
+                    panic!("{coding} {status}")
+                };
+                assert_eq!((d.status, d.body.as_slice()), (status, &b""[..]));
+                assert!(d.headers.iter().all(|(n, _)| n != "content-encoding"), "{:?}", d.headers);
+            }
+        }
+        // A retry that accepts the coding still gets what the first request got.
+        assert_eq!(for_retry(&stored(Some("gzip"), vec![]), &[b"gzip"], 1 << 20), Ok(Replay::AsStored));
+    }
+
+    #[test]
+    fn a_decoded_replay_drops_the_digests_of_the_coded_bytes() {
+        // Before: `content-digest` and the like were kept, naming bytes the retry never got.
+        let mut r = stored(Some("gzip"), gzip(JSON));
+        for n in ["content-digest", "Repr-Digest", "digest", "content-md5"] {
+            r.headers.push((n.to_ascii_lowercase(), b"sha-256=:AAAA:".to_vec()));
+        }
+        r.headers.push(("x-other".to_string(), b"1".to_vec()));
+        let Ok(Replay::Decoded(d)) = for_retry(&r, &[], 1 << 20) else { panic!() };
+        let names: Vec<&str> = d.headers.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["content-type", "etag", "x-other"]);
+        // Replayed as stored (the coding accepted), every digest stays: it is right then.
+        assert_eq!(for_retry(&r, &[b"gzip"], 1 << 20), Ok(Replay::AsStored));
     }
 
     #[test]

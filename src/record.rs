@@ -24,6 +24,12 @@ pub const TRAILERS_DROPPED_HEADER: &str = "idempotent-replayed-trailers-dropped"
 /// Records in `response` that its trailers `names` cannot be replayed (lowercase, in order,
 /// each once, comma-separated).
 pub fn note_dropped_trailers(response: &mut StoredResponse, names: &[String]) {
+    note_dropped_trailers_in(&mut response.headers, names);
+}
+
+/// `note_dropped_trailers` on a header list (a detached call's answer to its client, a local
+/// reply that carries no trailers either).
+pub fn note_dropped_trailers_in(headers: &mut Vec<(String, Vec<u8>)>, names: &[String]) {
     let mut seen: Vec<String> = vec![];
     for n in names {
         let n = n.to_ascii_lowercase();
@@ -31,10 +37,18 @@ pub fn note_dropped_trailers(response: &mut StoredResponse, names: &[String]) {
             seen.push(n);
         }
     }
-    response.headers.retain(|(n, _)| n != TRAILERS_DROPPED_HEADER);
+    headers.retain(|(n, _)| n != TRAILERS_DROPPED_HEADER);
     if !seen.is_empty() {
-        response.headers.push((TRAILERS_DROPPED_HEADER.to_string(), seen.join(", ").into_bytes()));
+        headers.push((TRAILERS_DROPPED_HEADER.to_string(), seen.join(", ").into_bytes()));
     }
+}
+
+/// Whether an upstream's response header (name lowercase, as the host gives it) may be stored
+/// and replayed: not a pseudo-header, not `NOT_REPLAYED`, and not `TRAILERS_DROPPED_HEADER`
+/// (only idemgate says which trailers a replay lacks). The operator's `replay_exclude_headers`
+/// come on top.
+pub fn storable_header(name: &str) -> bool {
+    !name.starts_with(':') && !NOT_REPLAYED.contains(&name) && name != TRAILERS_DROPPED_HEADER
 }
 
 /// Response headers never stored: hop-by-hop (RFC 9110 section 7.6.1) and those Envoy recomputes.
@@ -583,6 +597,15 @@ mod tests {
         );
         note_dropped_trailers(&mut r, &[]);
         assert_eq!(r.headers, vec![("a".into(), b"1".to_vec())]);
+    }
+
+    #[test]
+    fn an_upstreams_own_trailers_dropped_header_and_hop_headers_are_never_stored() {
+        assert!(storable_header("content-type"));
+        assert!(storable_header("x-checksum"));
+        for n in [":status", "content-length", "transfer-encoding", "trailer", TRAILERS_DROPPED_HEADER] {
+            assert!(!storable_header(n), "{n}");
+        }
     }
 
     use super::*;

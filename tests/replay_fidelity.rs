@@ -121,6 +121,33 @@ fn a_replay_of_a_response_with_trailers_names_the_trailers_it_lacks() {
     assert_eq!(s.up.executions(), 2);
 }
 
+/// Detached forwarding keeps the same promise: the detached call's answer (the root's callout
+/// response) is a local reply to the first client and a replay to every retry, neither carrying
+/// trailers, so both name those the upstream sent; and an upstream's own
+/// `idempotent-replayed-trailers-dropped` is never stored nor passed on. (Before: the callout's
+/// trailers were ignored, so neither named them, and the forged header was stored and replayed.)
+#[test]
+fn a_detached_response_with_trailers_names_them_and_an_upstreams_forged_claim_is_dropped() {
+    let cfg = r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached",
+                  "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 10000}}"#;
+    let s = Stack::with(cfg, |o| o.upstream_trailers = true);
+    let first = post(&s, "k-dt", &[("x-up-trailer", "x-checksum: abc123")]);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    assert_eq!(first.header("idempotent-replayed-trailers-dropped"), Some("x-checksum"), "{:?}", first.headers);
+    let r = post(&s, "k-dt", &[]);
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")));
+    assert_eq!(r.body, first.body);
+    assert_eq!(r.header("idempotent-replayed-trailers-dropped"), Some("x-checksum"), "{:?}", r.headers);
+    let forged = [("x-up-header", "idempotent-replayed-trailers-dropped: x-forged")];
+    let first = post(&s, "k-dt-forged", &forged);
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    assert_eq!(first.header("idempotent-replayed-trailers-dropped"), None, "{:?}", first.headers);
+    let r = post(&s, "k-dt-forged", &[]);
+    assert_eq!(r.header("idempotent-replayed"), Some("true"));
+    assert_eq!(r.header("idempotent-replayed-trailers-dropped"), None, "{:?}", r.headers);
+    assert_eq!(s.up.executions(), 2);
+}
+
 /// Envoy's CORS filter, and the policy of the test's catch-all route: two allowed origins.
 const CORS: &str = r#"- name: envoy.filters.http.cors
   typed_config:

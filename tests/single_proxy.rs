@@ -815,6 +815,31 @@ fn without_the_stop_iteration_flag_a_key_still_executes_once_and_refused_request
     assert!(s.up.partial_requests() <= 3 + 49, "{}", s.up.partial_requests());
 }
 
+/// `derive_key.include_body` with `hold_headers: false`: the key is known at the body's end,
+/// after the headers went upstream, so the derived key cannot be added to them (Envoy refuses a
+/// header map it no longer lends; the SDK's wrapper panicked on that: a VM crash, an empty 503).
+/// The key still protects the request; the upstream just does not see it.
+#[test]
+fn a_key_derived_from_the_body_after_the_headers_went_upstream_protects_without_crashing_the_vm() {
+    let s = Stack::with(
+        r#"{"scope": {"headers": ["authorization"]}, "hold_headers": false,
+            "derive_key": {"headers": ["x-agent-task-id", "x-agent-step-id"], "include_body": true}}"#,
+        |o| o.stop_iteration_flag = false,
+    );
+    let h = [("authorization", "Bearer alice"), ("x-agent-task-id", "t-1"), ("x-agent-step-id", "s-1")];
+    let send = || {
+        http::request_timeout(s.envoy.port, "POST", "/charges", &h, br#"{"amount":1}"#, Duration::from_secs(10))
+            .expect("answer")
+    };
+    let first = send();
+    assert_eq!(first.status, 201, "{:?} {}\n{}", first.headers, first.body_text(), s.envoy.log());
+    let replay = send();
+    assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")), "{}", replay.body_text());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(s.up.executions(), 1);
+    s.envoy.assert_no_wasm_panic();
+}
+
 /// Why `hold_headers` stays the default wherever the flag can be set: without held headers, a
 /// retry's headers reach the upstream before the body's end decides it is a replay. An upstream
 /// that acts on headers alone (a handler that never reads the body) then executes it again; one

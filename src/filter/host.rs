@@ -73,22 +73,83 @@ pub fn header(map: MapType, name: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&v).into_owned())
 }
 
+/// Every line of a header map, names as text (lossy) and values as bytes; empty if the host no
+/// longer lends the map (the SDK's wrapper panics on that status: a VM crash) or its answer is
+/// not a well-formed map.
 pub fn all_headers(map: MapType) -> Vec<(String, Vec<u8>)> {
     meter::call(Kind::GetHeaderMap);
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: on Ok the host has written a buffer it allocated through this module's allocator
+    // (`proxy_on_memory_allocate`, a leaked `Vec` of `size` bytes), which we take back once.
+    let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
+    if status != 0 || data.is_null() || size == 0 {
+        return vec![];
+    }
     meter::buffer();
-    hostcalls::get_map_bytes(map).unwrap_or_default()
+    // SAFETY: as above: `data` holds `size` initialised bytes allocated as a `Vec<u8>`.
+    let bytes = unsafe { Vec::from_raw_parts(data, size, size) };
+    parse_header_map(&bytes).unwrap_or_default()
 }
 
-/// Sets (or, with `None`, removes) a header; false if the host refused.
+/// The ABI's serialized header map (a u32 count, then each pair's name and value lengths as u32,
+/// little endian, then each name and value followed by a NUL byte), or None when it is not
+/// well formed (short, lengths past its end, a missing NUL). Never panics, whatever the bytes.
+pub fn parse_header_map(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+    fn u32_at(bytes: &[u8], at: usize) -> Option<usize> {
+        let b: [u8; 4] = bytes.get(at..at.checked_add(4)?)?.try_into().ok()?;
+        usize::try_from(u32::from_le_bytes(b)).ok()
+    }
+    fn take<'a>(bytes: &'a [u8], at: &mut usize, len: usize) -> Option<&'a [u8]> {
+        let end = at.checked_add(len)?;
+        let v = bytes.get(*at..end)?;
+        if bytes.get(end) != Some(&0) {
+            return None;
+        }
+        *at = end + 1;
+        Some(v)
+    }
+    if bytes.is_empty() {
+        return Some(vec![]);
+    }
+    let count = u32_at(bytes, 0)?;
+    // Each pair takes at least 8 bytes of lengths and 2 NULs: a count the bytes cannot hold is
+    // refused before anything is allocated for it.
+    let mut at = count.checked_mul(8)?.checked_add(4)?;
+    if count.checked_mul(10)? > bytes.len() {
+        return None;
+    }
+    let mut out = Vec::with_capacity(count);
+    for i in 0..count {
+        let key_len = u32_at(bytes, 4 + i * 8)?;
+        let value_len = u32_at(bytes, 8 + i * 8)?;
+        let key = take(bytes, &mut at, key_len)?;
+        let value = take(bytes, &mut at, value_len)?;
+        out.push((String::from_utf8_lossy(key).into_owned(), value.to_vec()));
+    }
+    Some(out)
+}
+
+/// Sets (or, with `None`, removes) a header; false if the host refused (for example the request
+/// headers once they have gone on upstream: Envoy answers BadArgument, on which the SDK's wrapper
+/// panics).
 pub fn set_header(map: MapType, name: &str, value: Option<&str>) -> bool {
     meter::call(Kind::SetHeader);
-    hostcalls::set_map_value(map, name, value).is_ok()
+    // SAFETY: every pointer is to memory we own for the duration of the call, with its length.
+    let status = unsafe {
+        match value {
+            Some(v) => proxy_replace_header_map_value(map as u32, name.as_ptr(), name.len(), v.as_ptr(), v.len()),
+            None => proxy_remove_header_map_value(map as u32, name.as_ptr(), name.len()),
+        }
+    };
+    status == 0
 }
 
-/// Adds a header line; false if the host refused.
+/// Adds a header line; false if the host refused (as `set_header`).
 pub fn add_header(map: MapType, name: &str, value: &str) -> bool {
     meter::call(Kind::AddHeader);
-    hostcalls::add_map_value(map, name, value).is_ok()
+    // SAFETY: every pointer is to memory we own for the duration of the call, with its length.
+    unsafe { proxy_add_header_map_value(map as u32, name.as_ptr(), name.len(), value.as_ptr(), value.len()) == 0 }
 }
 
 pub fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
@@ -204,6 +265,31 @@ extern "C" {
         key_size: usize,
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
+    ) -> u32;
+    /// The proxy-wasm ABI's `get_header_map_pairs` (the SDK's wrapper panics as above).
+    #[allow(clashing_extern_declarations)]
+    fn proxy_get_header_map_pairs(map_type: u32, return_map_data: *mut *mut u8, return_map_size: *mut usize) -> u32;
+    /// The proxy-wasm ABI's `replace_header_map_value` (the SDK's wrapper panics on any status
+    /// but Ok, which Envoy answers for a header map it no longer lends).
+    #[allow(clashing_extern_declarations)]
+    fn proxy_replace_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
+    /// The proxy-wasm ABI's `remove_header_map_value` (the SDK's wrapper panics likewise).
+    #[allow(clashing_extern_declarations)]
+    fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
+    /// The proxy-wasm ABI's `add_header_map_value` (the SDK's wrapper panics likewise).
+    #[allow(clashing_extern_declarations)]
+    fn proxy_add_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
     ) -> u32;
     /// The proxy-wasm ABI's `set_property` (the SDK's wrapper panics on any status but Ok).
     fn proxy_set_property(path_data: *const u8, path_size: usize, value_data: *const u8, value_size: usize) -> u32;
@@ -740,6 +826,63 @@ mod tests {
         let names: std::collections::HashSet<&str> =
             Counter::ALL.iter().map(|c| c.name()).chain(super::Gauge::ALL.iter().map(|g| g.name())).collect();
         assert_eq!(names.len(), Counter::ALL.len() + super::Gauge::ALL.len());
+    }
+
+    /// The ABI's map format, written as `reply::serialize_headers` writes it.
+    fn map(pairs: &[(&[u8], &[u8])]) -> Vec<u8> {
+        let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
+        for (k, v) in pairs {
+            out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        }
+        for (k, v) in pairs {
+            out.extend_from_slice(k);
+            out.push(0);
+            out.extend_from_slice(v);
+            out.push(0);
+        }
+        out
+    }
+
+    #[test]
+    fn a_header_map_is_read_as_the_host_serializes_it() {
+        let bytes = map(&[(b":method", b"POST"), (b"x-empty", b""), (b"x-bin", b"\xff\x00a")]);
+        let got = super::parse_header_map(&bytes).expect("well formed");
+        assert_eq!(
+            got,
+            vec![
+                (":method".to_string(), b"POST".to_vec()),
+                ("x-empty".to_string(), vec![]),
+                ("x-bin".to_string(), b"\xff\x00a".to_vec()),
+            ]
+        );
+        assert_eq!(super::parse_header_map(&[]), Some(vec![]));
+        assert_eq!(super::parse_header_map(&map(&[])), Some(vec![]));
+    }
+
+    #[test]
+    fn a_malformed_header_map_is_refused_never_a_panic() {
+        let good = map(&[(b"a", b"bc"), (b"dd", b"e")]);
+        // Every truncation, and every single byte changed, is either refused or read in bounds.
+        for n in 0..good.len() {
+            assert_eq!(super::parse_header_map(&good[..n]), if n == 0 { Some(vec![]) } else { None }, "cut at {n}");
+        }
+        for i in 0..good.len() {
+            for b in [0u8, 1, 0x7f, 0xff] {
+                let mut bad = good.clone();
+                bad[i] = b;
+                let _ = super::parse_header_map(&bad);
+            }
+        }
+        // A count the bytes cannot hold (no allocation for it), lengths past the end, no NUL.
+        assert_eq!(super::parse_header_map(&u32::MAX.to_le_bytes()), None);
+        let mut long = good.clone();
+        long[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(super::parse_header_map(&long), None);
+        let mut no_nul = good.clone();
+        let last = no_nul.len() - 1;
+        no_nul[last] = b'x';
+        assert_eq!(super::parse_header_map(&no_nul), None);
     }
 
     #[test]

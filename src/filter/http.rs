@@ -926,7 +926,12 @@ impl Http {
         r.skey = StorageKey::derive(&policy.namespace, &r.scope, &key);
         r.derive_at_body = false;
         r.head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
-        let _ = host::set_header(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
+        // With `hold_headers: false` the request headers went upstream at their end, without the
+        // key (it was not known yet): the key protects the request here, and the upstream never
+        // sees it (Envoy no longer lends the map; a write would only be refused).
+        if self.shared.config.hold_headers {
+            let _ = host::set_header(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
+        }
         self.count(Counter::DerivedKeys);
         debug!("{}", self.log_line("derived_key", "key_source=derived"));
         Ok(true)
@@ -1390,11 +1395,7 @@ impl HttpContext for Http {
         for (n, v) in host::all_headers(MapType::HttpResponseHeaders) {
             if n == ":status" {
                 status = std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok()).unwrap_or(0);
-            } else if !n.starts_with(':')
-                && !NOT_REPLAYED.contains(&n.as_str())
-                && !exclude.contains(&n)
-                && n != crate::record::TRAILERS_DROPPED_HEADER
-            {
+            } else if crate::record::storable_header(&n) && !exclude.contains(&n) {
                 headers.push((n, v));
             }
         }

@@ -742,7 +742,7 @@ impl Root {
 
     /// The upstream's answer to a detached call: settle the claim, then answer the client if it
     /// is still there.
-    fn forward_answered(&mut self, f: Forward, num_headers: usize, body_size: usize) {
+    fn forward_answered(&mut self, f: Forward, num_headers: usize, body_size: usize, num_trailers: usize) {
         let Some(s) = self.shared.clone() else { return };
         let Some(policy) = s.config.policy_at(f.claim.policy_index) else {
             // Sent, so the claim stays (outcome unknown once its lock expires); the client is told.
@@ -765,10 +765,16 @@ impl Root {
         let elapsed = host::now_ms().saturating_sub(f.sent_at_ms);
         let outcome = classify_callout(status, &headers, &body, policy);
         let upstream_answered = callout_answer_is_upstreams(&headers, policy);
-        let client_headers: Vec<(String, Vec<u8>)> = headers
-            .into_iter()
-            .filter(|(n, _)| !n.starts_with(':') && !http::NOT_REPLAYED.contains(&n.as_str()) && n != HOP_HEADER)
-            .collect();
+        let client_headers: Vec<(String, Vec<u8>)> =
+            headers.into_iter().filter(|(n, _)| crate::record::storable_header(n) && n != HOP_HEADER).collect();
+        // Neither the client's answer nor a replay (local replies both) carries the trailers:
+        // both say which they lack, as a forwarded response's replay does.
+        let mut client_headers = client_headers;
+        if num_trailers > 0 {
+            let names: Vec<String> =
+                host::all_headers(MapType::HttpCallResponseTrailers).into_iter().map(|(n, _)| n).collect();
+            crate::record::note_dropped_trailers_in(&mut client_headers, &names);
+        }
         let detail = format!("detached=true status={} elapsed_ms={elapsed}", status.unwrap_or(0));
         let live = self.queues.live.borrow().contains(&f.context_id);
         match status {
@@ -1063,15 +1069,15 @@ impl Context for Root {
         false
     }
 
-    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, num_trailers: usize) {
         meter::callback(meter::Callback::Root);
-        self.call_answered(token, num_headers, body_size);
+        self.call_answered(token, num_headers, body_size, num_trailers);
         meter::root_answered();
     }
 }
 
 impl Root {
-    fn call_answered(&mut self, token: u32, num_headers: usize, body_size: usize) {
+    fn call_answered(&mut self, token: u32, num_headers: usize, body_size: usize, num_trailers: usize) {
         match self.calls.remove(&token) {
             Some(Call::Lease { sent_at_ms }) => {
                 meter::background(|| self.lease_answered(sent_at_ms, num_headers, body_size))
@@ -1114,7 +1120,7 @@ impl Root {
                     Err(e) => self.write_failed(job, &e.to_string()),
                 }
             }
-            Some(Call::Forward(f)) => self.forward_answered(*f, num_headers, body_size),
+            Some(Call::Forward(f)) => self.forward_answered(*f, num_headers, body_size, num_trailers),
             Some(Call::Poll(context_id)) => self.poll_answered(context_id, num_headers, body_size),
             Some(Call::HopProbe(cluster)) => self.hop_probe_answered(cluster, num_headers),
             None => {}
