@@ -1754,16 +1754,21 @@ mod tests {
         // upstream that does not resolve `%2e%2e` reads it under /v1/payments.
         assert_eq!(ns("/v1/payments/%2e%2e/orders"), Some("pay"));
         assert_eq!(ns("/v1/orders"), None);
-        // The first route in order that matches any reading wins: a spelling of /a/b is not taken
-        // by the route after it, though its normal form (`/a%2Fb`) matches only that one.
+        // Readings that select two routes keeping keys apart select neither (`Selection::Ambiguous`,
+        // refused by the filter): a spelling of /a/b whose normal form (`/a%2Fb`) matches only
+        // the route after it belongs to no route; plain spellings of /a/b stay /a/b's.
         let two = parse(
             r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/a/b", "namespace": "ab"},
                 {"prefix": "/", "namespace": "rest"}]}"#,
         )
         .unwrap();
         let two_ns = |path: &str| two.policy_for("POST", path).map(|p| p.namespace.as_str());
-        for path in ["/a/b", "/a%2Fb", "/x/../a/b", "/a;x/b", "/a/x/..;/b/c"] {
+        for path in ["/a/b", "/A/b", "/a/b/c"] {
             assert_eq!(two_ns(path), Some("ab"), "{path}");
+        }
+        for path in ["/a%2Fb", "/x/../a/b", "/a;x/b", "/a/x/..;/b/c"] {
+            assert_eq!(two_ns(path), None, "{path}");
+            assert!(matches!(two.select_route("POST", path, None), Selection::Ambiguous { .. }), "{path}");
         }
         assert_eq!(two_ns("/a/c"), Some("rest"));
         // A prefix with an escape is read the way the path is: `/caf%C3%A9` is `/café` decoded.

@@ -43,11 +43,13 @@ fn the_storage_key_of_a_request_is_the_filters_pinned_vector() {
     // The quoted form of a key is the same key, as for the filter.
     assert_eq!(storage_key_for(&alice("\"k1\"")).unwrap().storage_key, k.storage_key);
     assert!(storage_key_for(&alice("\"k1")).unwrap_err().starts_with("key:"));
-    // The authority is normalised as the filter does: with the scheme, its default port goes.
+    // The authority is normalised as the filter does: ports 80 and 443 go, whatever the scheme.
     let spelled = KeyRequest { authority: Some("API.:443".into()), scheme: "https".into(), ..alice("k1") };
     assert_eq!(storage_key_for(&spelled).unwrap().storage_key, k.storage_key);
     let no_scheme = KeyRequest { authority: Some("api:443".into()), ..alice("k1") };
-    assert_ne!(storage_key_for(&no_scheme).unwrap().storage_key, k.storage_key);
+    assert_eq!(storage_key_for(&no_scheme).unwrap().storage_key, k.storage_key);
+    let other_port = KeyRequest { authority: Some("api:8443".into()), ..alice("k1") };
+    assert_ne!(storage_key_for(&other_port).unwrap().storage_key, k.storage_key);
 }
 
 #[test]
