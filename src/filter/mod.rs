@@ -239,7 +239,8 @@ impl Shared {
             error!("idemgate: store write {what} for key={} dropped: no record seal", skey.hex());
             return;
         };
-        let now = host::now_ms();
+        // Only etcd's requests carry a time (a lease, the clock rule); Redis judges by its own.
+        let now = if stores::is_etcd(self) { host::now_ms() } else { 0 };
         let built = self.build_job(what, skey, t, fence, seal, now).and_then(|mut job| {
             let fallback =
                 fallback.map(|f| self.build_job("unknown_fallback", skey, f, None, seal, now)).transpose()?;
