@@ -1,6 +1,6 @@
 //! The client matrix (issue 25): real SDKs, at the versions pinned in tests/sdk/ and installed by
 //! `scripts/install-deps.sh sdk-clients` (`make deps`), drive Envoy 1.40 + idemgate with a counting
-//! upstream. Each logical call runs in its own SDK process (tests/sdk/stripe_call.{py,js}), which
+//! upstream. Each logical call runs in its own SDK process (tests/sdk/*_call.{py,js}), which
 //! reports what the SDK returned or raised and how many HTTP requests it sent, retries included.
 //!
 //! What must hold for every SDK: an idemgate 4xx/5xx is raised as an error, never returned as a
