@@ -13,7 +13,7 @@
 #   scripts/install-deps.sh bench            # wrk, and Linux perf when it can be installed (make bench)
 #   scripts/install-deps.sh h2-client        # python h2 for the HTTP/2 tests (hostile input, request trailers)
 #   scripts/install-deps.sh grpc-client      # python grpcio (pinned) for the gRPC tests (tests/grpc.rs)
-#   scripts/install-deps.sh sdk-clients      # pinned stripe / gocardless-pro (PyPI, venv target/sdk-venv) and
+#   scripts/install-deps.sh sdk-clients      # pinned stripe / gocardless-pro / openai / anthropic / modern-treasury (PyPI, venv target/sdk-venv) and
 #                                            # stripe-node (npm, target/sdk-node) for tests/sdk_clients.rs
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -118,12 +118,14 @@ case "${1:-}" in
   sdk-clients)
     # The client matrix (tests/sdk_clients.rs): real SDKs at the versions in tests/sdk/.
     venv=target/sdk-venv
-    if ! "$venv/bin/python" -c "import stripe, gocardless_pro; assert stripe.VERSION == '16.1.0'" 2>/dev/null; then
+    # Reinstalled whenever tests/sdk/requirements.txt changes (the copy kept in the venv differs).
+    if ! cmp -s tests/sdk/requirements.txt "$venv/requirements.txt" || [ ! -x "$venv/bin/python" ]; then
       python3 -c "import venv, ensurepip" 2>/dev/null || apt_ensure python3-venv
       rm -rf "$venv"
       python3 -m venv "$venv"
       log "pip install -r tests/sdk/requirements.txt into $venv"
       timeout 600 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/sdk/requirements.txt
+      cp tests/sdk/requirements.txt "$venv/requirements.txt"
     fi
     node_dir=target/sdk-node
     if ! cmp -s tests/sdk/package-lock.json "$node_dir/package-lock.json" || [ ! -f "$node_dir/node_modules/stripe/package.json" ]; then

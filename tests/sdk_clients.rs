@@ -1,11 +1,11 @@
 //! The client matrix (issue 25): real SDKs, at the versions pinned in tests/sdk/ and installed by
 //! `scripts/install-deps.sh sdk-clients` (`make deps`), drive Envoy 1.40 + idemgate with a counting
-//! upstream. Each logical call runs in its own SDK process (tests/sdk/stripe_call.{py,js}), which
+//! upstream. Each logical call runs in its own SDK process (tests/sdk/*_call.{py,js}), which
 //! reports what the SDK returned or raised and how many HTTP requests it sent, retries included.
 //!
 //! What must hold for every SDK: an idemgate 4xx/5xx is raised as an error, never returned as a
 //! resource; the SDK retries only where idemgate says a retry can help (`stripe-should-retry`, the
-//! header Stripe's SDKs read); and each logical call executes at the upstream at most once.
+//! header Stripe's SDKs read; `x-should-retry`, the one Stainless SDKs read); and each logical call executes at the upstream at most once.
 
 mod support;
 
@@ -25,17 +25,23 @@ enum Sdk {
     StripePython,
     StripeNode,
     GoCardlessPython,
+    OpenAiPython,
+    AnthropicPython,
+    ModernTreasuryPython,
 }
 
 impl Sdk {
     /// Requests the SDK sends for one call answered 409 request-in-flight every time, with
     /// `retries` retries allowed: Stripe's SDKs follow `stripe-should-retry: true`; gocardless-pro
     /// retries only timeouts, connection errors and malformed responses (services/base_service.py),
-    /// never an API error.
+    /// never an API error; the Stainless SDKs (openai, anthropic, modern-treasury) follow
+    /// `x-should-retry: true`.
     fn requests_for_in_flight(self, retries: u64) -> u64 {
         match self {
             Sdk::StripePython | Sdk::StripeNode => 1 + retries,
             Sdk::GoCardlessPython => 1,
+            // Stainless SDKs (`_should_retry` in their _base_client.py) follow `x-should-retry`.
+            Sdk::OpenAiPython | Sdk::AnthropicPython | Sdk::ModernTreasuryPython => 1 + retries,
         }
     }
 }
@@ -67,6 +73,16 @@ fn command(sdk: Sdk, port: u16, c: &Call) -> Command {
         Sdk::GoCardlessPython => {
             let mut cmd = Command::new(root.join("target/sdk-venv/bin/python"));
             cmd.arg(root.join("tests/sdk/gocardless_call.py"));
+            cmd
+        }
+        Sdk::OpenAiPython | Sdk::AnthropicPython | Sdk::ModernTreasuryPython => {
+            let name = match sdk {
+                Sdk::OpenAiPython => "openai",
+                Sdk::AnthropicPython => "anthropic",
+                _ => "modern-treasury",
+            };
+            let mut cmd = Command::new(root.join("target/sdk-venv/bin/python"));
+            cmd.arg(root.join("tests/sdk/stainless_call.py")).args(["--sdk", name]);
             cmd
         }
         Sdk::StripeNode => {
@@ -116,7 +132,9 @@ fn assert_raised(r: &Value, status: u16, slug: &str) {
 fn stack() -> (Upstream, Envoy) {
     let up = Upstream::start();
     let plugin = r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 30}"#;
-    let envoy = Envoy::start(&EnvoyOptions::new(plugin, up.port));
+    // The held first call outlives the second call's process start and its retries (anthropic's
+    // import alone takes seconds on a loaded machine): a route timeout far above them.
+    let envoy = Envoy::start(&EnvoyOptions { route_timeout_ms: 60_000, ..EnvoyOptions::new(plugin, up.port) });
     (up, envoy)
 }
 
@@ -332,6 +350,15 @@ fn relay(client: TcpStream, backend: u16, executions: &dyn Fn() -> u64, seen: &A
     client.write_all(&answer)
 }
 
+/// The key of a shipped-config call: modern-treasury's own (it sends one per call, which its
+/// retries must reuse for the call to end well), the caller's stable key for the others.
+fn shipped_key(sdk: Sdk, key: &str) -> Option<&str> {
+    match sdk {
+        Sdk::ModernTreasuryPython => None,
+        _ => Some(key),
+    }
+}
+
 /// The SDK returned the one execution's resource.
 fn assert_original(r: &Value, up: &Upstream) {
     assert_eq!(
@@ -340,6 +367,9 @@ fn assert_original(r: &Value, up: &Upstream) {
         "the SDK must end holding the original object: {r}"
     );
     assert!(r["requests_sent"].as_u64().is_some_and(|n| n >= 2), "the SDK retried: {r}");
+    if let Some(keys) = r["keys_sent"].as_array() {
+        assert_eq!(keys.len(), 1, "every request of the call carried the same key: {r}");
+    }
     assert_eq!(up.executions(), 1, "one logical call, one execution");
 }
 
@@ -351,7 +381,13 @@ fn shipped_timeout_then_retry_returns_the_original(sdk: Sdk) {
     let r = call(
         sdk,
         envoy.port,
-        &Call { retries: 3, timeout: 1.0, headers: &["x-up-delay-ms: 2000"], ..Call::new("sdk-timeout") },
+        &Call {
+            key: shipped_key(sdk, "sdk-timeout"),
+            retries: 3,
+            timeout: 1.0,
+            headers: &["x-up-delay-ms: 2000"],
+            ..Call::new("sdk-timeout")
+        },
     );
     assert_original(&r, &up);
     envoy.assert_no_wasm_panic();
@@ -363,7 +399,13 @@ fn shipped_lb_504_then_retry_returns_the_original(sdk: Sdk) {
     let up = Upstream::start();
     let envoy = Shipped::start(SHIPPED, up.port);
     let lb = gateway_timeout_once(envoy.port, up.execution_counter());
-    let r = call(sdk, lb, &Call { retries: 3, headers: &["x-up-delay-ms: 2000"], ..Call::new("sdk-504") });
+    let c = Call {
+        key: shipped_key(sdk, "sdk-504"),
+        retries: 3,
+        headers: &["x-up-delay-ms: 2000"],
+        ..Call::new("sdk-504")
+    };
+    let r = call(sdk, lb, &c);
     assert_original(&r, &up);
     envoy.assert_no_wasm_panic();
 }
@@ -424,4 +466,109 @@ fn shipped_gocardless_python_lb_504_then_retry_returns_the_original() {
 #[test]
 fn shipped_gocardless_python_changed_body_is_raised() {
     shipped_changed_body_is_raised(Sdk::GoCardlessPython);
+}
+
+#[test]
+fn openai_python_in_flight_is_raised_then_the_key_replays_the_original() {
+    in_flight_is_raised_then_the_key_replays_the_original(Sdk::OpenAiPython);
+}
+
+#[test]
+fn openai_python_key_reused_with_another_body_is_raised() {
+    key_reused_with_another_body_is_raised(Sdk::OpenAiPython);
+}
+
+#[test]
+fn openai_python_malformed_keys_are_raised_and_caller_keys_accepted() {
+    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::OpenAiPython);
+}
+
+#[test]
+fn openai_python_outcome_unknown_is_raised_and_not_retried() {
+    outcome_unknown_is_raised_and_not_retried(Sdk::OpenAiPython);
+}
+
+#[test]
+fn shipped_openai_python_timeout_then_retry_returns_the_original() {
+    shipped_timeout_then_retry_returns_the_original(Sdk::OpenAiPython);
+}
+
+#[test]
+fn shipped_openai_python_lb_504_then_retry_returns_the_original() {
+    shipped_lb_504_then_retry_returns_the_original(Sdk::OpenAiPython);
+}
+
+#[test]
+fn shipped_openai_python_changed_body_is_raised() {
+    shipped_changed_body_is_raised(Sdk::OpenAiPython);
+}
+
+#[test]
+fn anthropic_python_in_flight_is_raised_then_the_key_replays_the_original() {
+    in_flight_is_raised_then_the_key_replays_the_original(Sdk::AnthropicPython);
+}
+
+#[test]
+fn anthropic_python_key_reused_with_another_body_is_raised() {
+    key_reused_with_another_body_is_raised(Sdk::AnthropicPython);
+}
+
+#[test]
+fn anthropic_python_malformed_keys_are_raised_and_caller_keys_accepted() {
+    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::AnthropicPython);
+}
+
+#[test]
+fn anthropic_python_outcome_unknown_is_raised_and_not_retried() {
+    outcome_unknown_is_raised_and_not_retried(Sdk::AnthropicPython);
+}
+
+#[test]
+fn shipped_anthropic_python_timeout_then_retry_returns_the_original() {
+    shipped_timeout_then_retry_returns_the_original(Sdk::AnthropicPython);
+}
+
+#[test]
+fn shipped_anthropic_python_lb_504_then_retry_returns_the_original() {
+    shipped_lb_504_then_retry_returns_the_original(Sdk::AnthropicPython);
+}
+
+#[test]
+fn shipped_anthropic_python_changed_body_is_raised() {
+    shipped_changed_body_is_raised(Sdk::AnthropicPython);
+}
+
+#[test]
+fn modern_treasury_python_in_flight_is_raised_then_the_key_replays_the_original() {
+    in_flight_is_raised_then_the_key_replays_the_original(Sdk::ModernTreasuryPython);
+}
+
+#[test]
+fn modern_treasury_python_key_reused_with_another_body_is_raised() {
+    key_reused_with_another_body_is_raised(Sdk::ModernTreasuryPython);
+}
+
+#[test]
+fn modern_treasury_python_malformed_keys_are_raised_and_caller_keys_accepted() {
+    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::ModernTreasuryPython);
+}
+
+#[test]
+fn modern_treasury_python_outcome_unknown_is_raised_and_not_retried() {
+    outcome_unknown_is_raised_and_not_retried(Sdk::ModernTreasuryPython);
+}
+
+#[test]
+fn shipped_modern_treasury_python_timeout_then_retry_returns_the_original() {
+    shipped_timeout_then_retry_returns_the_original(Sdk::ModernTreasuryPython);
+}
+
+#[test]
+fn shipped_modern_treasury_python_lb_504_then_retry_returns_the_original() {
+    shipped_lb_504_then_retry_returns_the_original(Sdk::ModernTreasuryPython);
+}
+
+#[test]
+fn shipped_modern_treasury_python_changed_body_is_raised() {
+    shipped_changed_body_is_raised(Sdk::ModernTreasuryPython);
 }
