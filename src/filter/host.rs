@@ -495,13 +495,14 @@ pub enum Counter {
     InternalErrors,
     GrpcRefused,
     RouteAmbiguous,
+    McpRefused,
     GrpcPassed,
     RedirectsFollowed,
     RedirectsUnfollowed,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 51] = [
+    pub const ALL: [Counter; 52] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -550,6 +551,7 @@ impl Counter {
         Counter::InternalErrors,
         Counter::GrpcRefused,
         Counter::RouteAmbiguous,
+        Counter::McpRefused,
         Counter::GrpcPassed,
         Counter::RedirectsFollowed,
         Counter::RedirectsUnfollowed,
@@ -605,6 +607,7 @@ impl Counter {
             Counter::InternalErrors => "idemgate.internal_errors",
             Counter::GrpcRefused => "idemgate.grpc_refused",
             Counter::RouteAmbiguous => "idemgate.route_ambiguous",
+            Counter::McpRefused => "idemgate.mcp_refused",
             Counter::GrpcPassed => "idemgate.grpc_passed_unprotected",
             Counter::RedirectsFollowed => "idemgate.internal_redirects_followed",
             Counter::RedirectsUnfollowed => "idemgate.internal_redirects_unfollowed",

@@ -266,6 +266,7 @@ impl Http {
             ProblemKind::InternalState { .. } => Counter::InternalErrors,
             ProblemKind::GrpcUnsupported { .. } => Counter::GrpcRefused,
             ProblemKind::RouteAmbiguous => Counter::RouteAmbiguous,
+            ProblemKind::McpBatchRefused | ProblemKind::McpBodyAmbiguous => Counter::McpRefused,
         };
         self.count(counter);
         let by = creator.map_or(String::new(), |c| {
