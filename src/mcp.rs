@@ -20,6 +20,7 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::problem::{ProblemKind, TYPE_PREFIX};
+use crate::record::StoredResponse;
 
 /// The route's MCP policy (`mcp` in the route's configuration).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -368,6 +369,40 @@ pub fn stored_body(
     }
 }
 
+/// Response headers a replay never carries: the first caller's session is not the retry's.
+pub const NOT_REPLAYED_HEADERS: &[&str] = &["mcp-session-id", "content-length"];
+
+/// `stored_body` on a whole response: what a completion keeps. Its `content-type` stays as the
+/// upstream sent it (a replay reads it to know whether the first answer was an event stream);
+/// its body is the final JSON-RPC response.
+pub fn stored_response(r: StoredResponse, id: &[u8]) -> Result<StoredResponse, NotFinal> {
+    let header = |name: &str| r.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
+    let body = stored_body(r.status, header("content-type"), header("content-encoding"), &r.body, id)?;
+    let headers = r.headers.into_iter().filter(|(n, _)| !NOT_REPLAYED_HEADERS.contains(&n.as_str())).collect();
+    Ok(StoredResponse { status: r.status, headers, body })
+}
+
+/// A replay of a stored response to a retry (`id`, JSON text; `accepts`): status, headers and
+/// body. A 2xx's body is the final JSON-RPC response with the retry's id, as JSON or as one event
+/// (`Accepts::sse_reply`); any other status is replayed as stored.
+pub fn replay(r: &StoredResponse, id: &[u8], accepts: Accepts) -> (u16, Vec<(String, Vec<u8>)>, Vec<u8>) {
+    let mut headers: Vec<(String, Vec<u8>)> =
+        r.headers.iter().filter(|(n, _)| !NOT_REPLAYED_HEADERS.contains(&n.as_str())).cloned().collect();
+    if !(200..300).contains(&r.status) {
+        return (r.status, headers, r.body.clone());
+    }
+    let Some(body) = with_id(&r.body, id) else { return (r.status, headers, r.body.clone()) };
+    let first_was_sse = r.headers.iter().any(|(n, v)| n == "content-type" && is_sse(v));
+    headers.retain(|(n, _)| n != "content-type");
+    if accepts.sse_reply(first_was_sse) {
+        headers.push(("content-type".into(), SSE_TYPE.as_bytes().to_vec()));
+        (r.status, headers, sse_event(&body))
+    } else {
+        headers.push(("content-type".into(), JSON_TYPE.as_bytes().to_vec()));
+        (r.status, headers, body)
+    }
+}
+
 /// Whether `msg` is a JSON-RPC response (result or error, no method) to the request `id`.
 fn answers(msg: &[u8], id: &Value) -> bool {
     let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(msg) else { return false };
@@ -581,6 +616,37 @@ data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}";
         // A JSON-RPC error is a final answer; a 4xx is kept as it came.
         assert!(stored_body(200, None, None, br#"{"id":1,"error":{"code":-1,"message":"x"}}"#, b"1").is_ok());
         assert_eq!(stored_body(404, None, None, b"gone", b"1"), Ok(b"gone".to_vec()));
+    }
+
+    #[test]
+    fn a_replay_answers_the_retry_in_the_form_it_accepts() {
+        let first = StoredResponse {
+            status: 200,
+            headers: vec![
+                ("content-type".into(), b"text/event-stream".to_vec()),
+                ("mcp-session-id".into(), b"s-1".to_vec()),
+                ("x-app".into(), b"1".to_vec()),
+            ],
+            body: b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"n\":1}}\n\n".to_vec(),
+        };
+        let stored = stored_response(first, b"1").unwrap();
+        assert_eq!(stored.body, br#"{"jsonrpc":"2.0","id":1,"result":{"n":1}}"#);
+        assert!(stored.headers.iter().all(|(n, _)| n != "mcp-session-id"));
+        let both = Accepts { json: true, sse: true };
+        let (status, headers, body) = replay(&stored, b"\"retry\"", both);
+        assert_eq!(status, 200);
+        assert!(headers.contains(&("content-type".to_string(), b"text/event-stream".to_vec())));
+        assert!(headers.contains(&("x-app".to_string(), b"1".to_vec())));
+        assert_eq!(body, b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":\"retry\",\"result\":{\"n\":1}}\n\n".to_vec());
+        let (_, headers, body) = replay(&stored, b"2", Accepts { json: true, sse: false });
+        assert!(headers.contains(&("content-type".to_string(), b"application/json".to_vec())));
+        assert_eq!(body, br#"{"jsonrpc":"2.0","id":2,"result":{"n":1}}"#);
+        let cut = StoredResponse {
+            status: 200,
+            headers: vec![("content-type".into(), b"text/event-stream".to_vec())],
+            body: b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n".to_vec(),
+        };
+        assert_eq!(stored_response(cut, b"1"), Err(NotFinal::Missing));
     }
 
     #[test]

@@ -197,6 +197,7 @@ pub fn dispatch_http_call(
 /// Makes `context_id` the context later host calls act on; false if the host refused.
 pub fn set_effective_context(context_id: u32) -> bool {
     meter::call(Kind::Other);
+    super::reply::set_current(context_id);
     hostcalls::set_effective_context(context_id).is_ok()
 }
 
