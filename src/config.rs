@@ -1115,7 +1115,10 @@ fn parse_protocol(m: &Map<String, Value>, f: &str) -> Result<Option<crate::mcp::
     };
     let tools = names("tools")?;
     if tools.as_ref().is_some_and(Vec::is_empty) {
-        return Err(err(&join(&fm, "tools"), "an empty list would protect no tool; leave it out to protect every tool"));
+        return Err(err(
+            &join(&fm, "tools"),
+            "an empty list would protect no tool; leave it out to protect every tool",
+        ));
     }
     let key_arguments = names("key_arguments")?.unwrap_or_default();
     Ok(Some(crate::mcp::McpPolicy { tools, key_arguments }))
@@ -1275,7 +1278,10 @@ mod tests {
         assert_eq!(c.policy_for("POST", "/h").map(|p| p.mcp.is_none()), Some(true));
         for (text, field) in [
             (r#"{"scope": {"headers": ["a"]}, "protocol": "mcp"}"#, "protocol"),
-            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "grpc"}]}"#, "routes[0].protocol"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "grpc"}]}"#,
+                "routes[0].protocol",
+            ),
             (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "mcp": {}}]}"#, "routes[0].mcp"),
             (
                 r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "mcp": {"tools": []}}]}"#,
@@ -1289,7 +1295,10 @@ mod tests {
                 r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "mcp": {"key_arguments": [""]}}]}"#,
                 "routes[0].mcp.key_arguments[0]",
             ),
-            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "grpc": "pass"}]}"#, "routes[0].grpc"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "grpc": "pass"}]}"#,
+                "routes[0].grpc",
+            ),
             (
                 r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "methods": ["PUT"]}]}"#,
                 "routes[0].methods",

@@ -129,10 +129,10 @@ fn call(value: &Value, canonical: &[u8], tool: &str, policy: &McpPolicy) -> Call
     h.update((arguments.len() as u64).to_be_bytes());
     h.update(arguments);
     let params = value.get("params");
-    let meta = params.and_then(|p| p.get("_meta")).and_then(|m| m.get("idempotencyKey")).map(|v| BodyKey {
-        source: "params._meta.idempotencyKey".into(),
-        value: v.as_str().map(str::to_string),
-    });
+    let meta = params
+        .and_then(|p| p.get("_meta"))
+        .and_then(|m| m.get("idempotencyKey"))
+        .map(|v| BodyKey { source: "params._meta.idempotencyKey".into(), value: v.as_str().map(str::to_string) });
     let key = meta.or_else(|| {
         let args = params.and_then(|p| p.get("arguments"))?;
         policy.key_arguments.iter().find_map(|name| {
@@ -311,7 +311,7 @@ impl Accepts {
     /// The form of a reply: an event stream only when the client accepts one and (for a replay)
     /// the first answer was one, or when it does not accept JSON.
     pub fn sse_reply(self, first_was_sse: bool) -> bool {
-        (self.sse && first_was_sse) || (self.sse && !self.json)
+        self.sse && (first_was_sse || !self.json)
     }
 }
 
@@ -385,21 +385,22 @@ pub fn stored_response(r: StoredResponse, id: &[u8]) -> Result<StoredResponse, N
 /// A replay of a stored response to a retry (`id`, JSON text; `accepts`): status, headers and
 /// body. A 2xx's body is the final JSON-RPC response with the retry's id, as JSON or as one event
 /// (`Accepts::sse_reply`); any other status is replayed as stored.
-pub fn replay(r: &StoredResponse, id: &[u8], accepts: Accepts) -> (u16, Vec<(String, Vec<u8>)>, Vec<u8>) {
+pub fn replay(r: &StoredResponse, id: &[u8], accepts: Accepts) -> StoredResponse {
     let mut headers: Vec<(String, Vec<u8>)> =
         r.headers.iter().filter(|(n, _)| !NOT_REPLAYED_HEADERS.contains(&n.as_str())).cloned().collect();
+    let as_stored = |headers| StoredResponse { status: r.status, headers, body: r.body.clone() };
     if !(200..300).contains(&r.status) {
-        return (r.status, headers, r.body.clone());
+        return as_stored(headers);
     }
-    let Some(body) = with_id(&r.body, id) else { return (r.status, headers, r.body.clone()) };
+    let Some(body) = with_id(&r.body, id) else { return as_stored(headers) };
     let first_was_sse = r.headers.iter().any(|(n, v)| n == "content-type" && is_sse(v));
     headers.retain(|(n, _)| n != "content-type");
     if accepts.sse_reply(first_was_sse) {
         headers.push(("content-type".into(), SSE_TYPE.as_bytes().to_vec()));
-        (r.status, headers, sse_event(&body))
+        StoredResponse { status: r.status, headers, body: sse_event(&body) }
     } else {
         headers.push(("content-type".into(), JSON_TYPE.as_bytes().to_vec()));
-        (r.status, headers, body)
+        StoredResponse { status: r.status, headers, body }
     }
 }
 
@@ -548,9 +549,11 @@ mod tests {
         assert_eq!(a.id, b"1");
         assert_eq!(b.id, b"\"retry-7\"");
         // Number spelling is the upstream's business: 5.0 is another request.
-        let c = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5.0,"to":"x"}}}"#);
+        let c =
+            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5.0,"to":"x"}}}"#);
         assert_ne!(a.digest, c.digest);
-        let d = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"refund","arguments":{"amount":5,"to":"x"}}}"#);
+        let d =
+            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"refund","arguments":{"amount":5,"to":"x"}}}"#);
         assert_ne!(a.digest, d.digest);
         // No arguments and empty arguments are one call.
         let e = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge"}}"#);
@@ -566,11 +569,18 @@ mod tests {
             r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"idempotency_key":"arg"},"_meta":{"idempotencyKey":"meta"}}}"#,
         );
         assert_eq!(m.key, Some(BodyKey { source: "params._meta.idempotencyKey".into(), value: Some("meta".into()) }));
-        let a = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"idempotency_key":"arg"}}}"#);
-        assert_eq!(a.key, Some(BodyKey { source: "params.arguments.idempotency_key".into(), value: Some("arg".into()) }));
+        let a =
+            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"idempotency_key":"arg"}}}"#);
+        assert_eq!(
+            a.key,
+            Some(BodyKey { source: "params.arguments.idempotency_key".into(), value: Some("arg".into()) })
+        );
         let n = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","_meta":{"idempotencyKey":5}}}"#);
         assert_eq!(n.key.and_then(|k| k.value), None);
-        assert_eq!(call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"other":"x"}}}"#).key, None);
+        assert_eq!(
+            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"other":"x"}}}"#).key,
+            None
+        );
     }
 
     #[test]
@@ -633,12 +643,15 @@ data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}";
         assert_eq!(stored.body, br#"{"jsonrpc":"2.0","id":1,"result":{"n":1}}"#);
         assert!(stored.headers.iter().all(|(n, _)| n != "mcp-session-id"));
         let both = Accepts { json: true, sse: true };
-        let (status, headers, body) = replay(&stored, b"\"retry\"", both);
+        let StoredResponse { status, headers, body } = replay(&stored, b"\"retry\"", both);
         assert_eq!(status, 200);
         assert!(headers.contains(&("content-type".to_string(), b"text/event-stream".to_vec())));
         assert!(headers.contains(&("x-app".to_string(), b"1".to_vec())));
-        assert_eq!(body, b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":\"retry\",\"result\":{\"n\":1}}\n\n".to_vec());
-        let (_, headers, body) = replay(&stored, b"2", Accepts { json: true, sse: false });
+        assert_eq!(
+            body,
+            b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":\"retry\",\"result\":{\"n\":1}}\n\n".to_vec()
+        );
+        let StoredResponse { headers, body, .. } = replay(&stored, b"2", Accepts { json: true, sse: false });
         assert!(headers.contains(&("content-type".to_string(), b"application/json".to_vec())));
         assert_eq!(body, br#"{"jsonrpc":"2.0","id":2,"result":{"n":1}}"#);
         let cut = StoredResponse {

@@ -148,7 +148,7 @@ fn unprotected_methods_and_tools_pass_untouched_even_with_a_key() {
         assert_eq!(message(&post(s.envoy.port, &h, list))["id"], 1);
         assert_eq!(message(&post(s.envoy.port, &h, init))["id"], 2);
         let lookup = post(s.envoy.port, &h, &tools_call(json!(3), "lookup", json!({}), Value::Null));
-        assert_eq!(message(&lookup)["result"]["execution"].as_u64().is_some(), true);
+        assert!(message(&lookup)["result"]["execution"].as_u64().is_some());
         let cancel = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1}}"#;
         assert_eq!(post(s.envoy.port, &h, cancel).status, 202);
     }
@@ -179,18 +179,27 @@ fn a_batch_holding_a_protected_call_is_refused_whole() {
 fn an_event_stream_answer_is_replayed_as_its_final_response_in_the_form_the_retry_accepts() {
     let s = Mcp::start(&plugin("", ""));
     let h = |accept: &'static str| [ALICE, ("accept", accept), ("idempotency-key", "k-sse"), ("x-mcp-answer", "sse")];
-    let first = post(s.envoy.port, &h("application/json, text/event-stream"), &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null));
+    let first = post(
+        s.envoy.port,
+        &h("application/json, text/event-stream"),
+        &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null),
+    );
     assert_eq!(first.header("content-type"), Some("text/event-stream"));
     let m1 = message(&first);
     assert_eq!(m1["id"], 1);
-    let sse = post(s.envoy.port, &h("application/json, text/event-stream"), &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null));
+    let sse = post(
+        s.envoy.port,
+        &h("application/json, text/event-stream"),
+        &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null),
+    );
     println!("sse replay: {:?} {}", sse.headers, sse.body_text());
     assert_eq!(sse.header("content-type"), Some("text/event-stream"));
     assert!(sse.body_text().starts_with("event: message\ndata: "), "{}", sse.body_text());
     assert!(!sse.body_text().contains("notifications/progress"), "earlier events are not kept");
     assert_eq!(message(&sse)["id"], 2);
     assert_eq!(message(&sse)["result"], m1["result"]);
-    let json_only = post(s.envoy.port, &h("application/json"), &tools_call(json!(3), "charge", json!({"amount": 1}), Value::Null));
+    let json_only =
+        post(s.envoy.port, &h("application/json"), &tools_call(json!(3), "charge", json!({"amount": 1}), Value::Null));
     assert_eq!(json_only.header("content-type"), Some("application/json"));
     assert_eq!(json_only.json()["id"], 3);
     assert_eq!(json_only.json()["result"], m1["result"]);
@@ -259,7 +268,13 @@ fn detached_forwarding_with_wait_gives_every_duplicate_the_one_result_with_its_o
                     if i > 0 {
                         std::thread::sleep(Duration::from_millis(200));
                     }
-                    let h = [ALICE, BOTH, ("idempotency-key", "k-wait"), ("x-up-delay-ms", "1000"), ("x-mcp-answer", "sse")];
+                    let h = [
+                        ALICE,
+                        BOTH,
+                        ("idempotency-key", "k-wait"),
+                        ("x-up-delay-ms", "1000"),
+                        ("x-mcp-answer", "sse"),
+                    ];
                     post(port, &h, &tools_call(json!(format!("id-{i}")), "charge", json!({"amount": 1}), Value::Null))
                 })
             })
@@ -281,10 +296,7 @@ fn a_retry_on_the_other_proxy_gets_the_result_through_the_store() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     let up = McpUpstream::start();
-    let cfg = plugin(
-        "",
-        r#", "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}"#,
-    );
+    let cfg = plugin("", r#", "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}"#);
     let mut o = EnvoyOptions::new(&cfg, up.port);
     o.store_port = Some(webdis.port);
     let a = Envoy::start(&o);
@@ -308,4 +320,74 @@ fn duplicate_member_names_are_refused_never_forwarded() {
     println!("{} {}", r.status, r.body_text());
     assert_eq!(error_type(&message(&r)), "mcp-body-ambiguous");
     assert_eq!(s.up.calls().len(), 0);
+}
+
+#[test]
+fn a_cancellation_never_releases_the_key() {
+    let s = Mcp::start(&plugin("", ""));
+    let port = s.envoy.port;
+    let h = [ALICE, BOTH, ("idempotency-key", "k-cancel"), ("x-up-delay-ms", "1000")];
+    let first =
+        std::thread::spawn(move || post(port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null)));
+    // While the call runs: the client cancels it (with the same key), then retries.
+    std::thread::sleep(Duration::from_millis(300));
+    let cancel = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1,"reason":"timeout"}}"#;
+    assert_eq!(post(port, &[ALICE, BOTH, ("idempotency-key", "k-cancel")], cancel).status, 202);
+    let during = post(port, &h, &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null));
+    assert_eq!(message(&during)["error"]["code"], -32001, "{}", during.body_text());
+    assert_eq!(message(&during)["id"], 2);
+    let first = first.join().unwrap();
+    let after = post(port, &h, &tools_call(json!(3), "charge", json!({"amount": 1}), Value::Null));
+    assert_eq!(message(&after)["id"], 3);
+    assert_eq!(message(&after)["result"], message(&first)["result"]);
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn a_lost_response_comes_back_with_detached_forwarding() {
+    let s = Mcp::start(&plugin(
+        r#", "lock_ttl_seconds": 30, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 10000}, "in_flight": "wait", "wait_ms": 8000"#,
+        "",
+    ));
+    let h =
+        [("content-type", "application/json"), ALICE, BOTH, ("idempotency-key", "k-lost"), ("x-up-delay-ms", "1000")];
+    let body = tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null);
+    // The client gives up long before the tool completes.
+    let lost = http::request_timeout(s.envoy.port, "POST", "/mcp", &h, &body, Duration::from_millis(200));
+    assert!(lost.is_err(), "the first answer is lost");
+    let retry = http::request(
+        s.envoy.port,
+        "POST",
+        "/mcp",
+        &h,
+        &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null),
+    )
+    .expect("answer");
+    println!("{} {}", retry.status, retry.body_text());
+    let m = message(&retry);
+    assert_eq!(m["id"], 2);
+    assert_eq!(m["result"]["execution"], 1);
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn a_call_without_key_follows_require_key_and_refusals_follow_accept() {
+    let s = Mcp::start(&plugin(r#", "require_key": true"#, ""));
+    let body = tools_call(json!("x"), "charge", json!({"amount": 1}), Value::Null);
+    let r = post(s.envoy.port, &[ALICE, BOTH], &body);
+    let m = message(&r);
+    assert_eq!((r.status, m["id"].clone(), m["error"]["code"].clone()), (200, json!("x"), json!(-32005)));
+    assert_eq!(error_type(&m), "key-missing");
+    // A client that accepts only an event stream gets the refusal as one event.
+    let sse = post(s.envoy.port, &[ALICE, ("accept", "text/event-stream")], &body);
+    assert_eq!(sse.header("content-type"), Some("text/event-stream"));
+    assert_eq!(message(&sse)["error"]["code"], -32005);
+    // A key in _meta that is no string is a malformed key.
+    let bad = tools_call(json!(1), "charge", json!({}), json!({"idempotencyKey": 42}));
+    let m = message(&post(s.envoy.port, &[ALICE, BOTH], &bad));
+    assert_eq!(m["error"]["code"], -32005, "{m}");
+    // Other methods still pass without a key.
+    let list = post(s.envoy.port, &[ALICE, BOTH], br#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#);
+    assert_eq!(message(&list)["id"], 1);
+    assert_eq!(s.up.executions(), 0);
 }

@@ -1629,7 +1629,8 @@ impl Http {
         let log_values = policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect();
         let owner = self.shared.next_owner();
         let creator = Creator { request_id, log_values };
-        let fp = Fingerprint::of_digest(&head, (fingerprint::BodyForm::CanonicalJson, call.digest), &policy.fingerprint).0;
+        let fp =
+            Fingerprint::of_digest(&head, (fingerprint::BodyForm::CanonicalJson, call.digest), &policy.fingerprint).0;
         self.req = Some(Protected {
             policy_index,
             head,

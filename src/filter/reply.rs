@@ -170,9 +170,9 @@ pub fn replay(
         State::Completed(r) => {
             let expires = expires_in(record.expires_at_ms, now_ms);
             if let Some(m) = current_mcp() {
-                let (status, headers, body) = mcp::replay(r, &m.id, m.accepts);
+                let sent = mcp::replay(r, &m.id, m.accepts);
                 outcome(REPLAYED);
-                response(status, &headers, &body, true, Some(&expires), REPLAYED);
+                response(sent.status, &sent.headers, &sent.body, true, Some(&expires), REPLAYED);
                 return Replayed::Stored;
             }
             match crate::encoding::for_retry(r, accept, max_decoded_bytes) {
