@@ -55,17 +55,19 @@ pub struct Call {
 /// What a POST body on an MCP route is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Classified {
-    /// Not a protected call (another method, a notification, a response, an unlisted tool, a body
-    /// no JSON-RPC server would take): passed untouched.
+    /// Not a protected call (another method, a notification, a response, an unlisted tool):
+    /// passed untouched.
     Pass,
     /// A single protected `tools/call`.
     Call(Call),
     /// A batch (a JSON array) holding a protected `tools/call`: refused whole; the ids (JSON
     /// text) of its members that are requests with an id.
     Batch(Vec<Vec<u8>>),
-    /// Valid JSON to a lenient reader but with no canonical form (a member name repeated in an
-    /// object, nesting deeper than `canonical_json::MAX_DEPTH`): two servers could read two
-    /// different calls in it, so it is refused (`mcp-body-ambiguous`).
+    /// A body this gateway cannot read as exactly one JSON document: not JSON, not UTF-8 (a
+    /// server's reader may take UTF-16 or a BOM), a member name repeated in an object, nesting
+    /// deeper than `canonical_json::MAX_DEPTH`, a number out of range. Another reader could find
+    /// a tool call in it that idemgate does not see, so it is refused (`mcp-body-ambiguous`);
+    /// no MCP client sends one.
     Ambiguous,
 }
 
@@ -74,11 +76,9 @@ const FP_TAG: &[u8] = b"idemgate-mcp-tools-call-v1\0";
 
 /// Classifies a POST body on an MCP route under `policy`.
 pub fn classify(body: &[u8], policy: &McpPolicy) -> Classified {
-    let Ok(value) = serde_json::from_slice::<Value>(body) else {
-        // No JSON-RPC server executes what is not JSON (its answer is a parse error).
-        return Classified::Pass;
-    };
-    let Some(canonical) = crate::canonical_json::canonicalize(body) else {
+    let (Ok(value), Some(canonical)) =
+        (serde_json::from_slice::<Value>(body), crate::canonical_json::canonicalize(body))
+    else {
         return Classified::Ambiguous;
     };
     match &value {
@@ -502,12 +502,12 @@ mod tests {
             Classified::Pass
         );
         assert_eq!(c(r#"{"jsonrpc":"2.0","id":1,"result":{}}"#), Classified::Pass);
-        assert_eq!(c("not json"), Classified::Pass);
+        assert_eq!(c("not json"), Classified::Ambiguous);
         assert_eq!(c(r#"[]"#), Classified::Pass);
         assert_eq!(c("\"tools/call\""), Classified::Pass);
         assert_eq!(c("{\"method\":\"tools/call\",\"params\":{\"name\":\"ch\u{e9}\"}}"), Classified::Pass);
         let not_utf8 = b"{\"method\":\"tools/call\",\"params\":{\"name\":\"charge\"},\"x\":\"\xff\"}";
-        assert_eq!(classify(not_utf8, &p), Classified::Pass);
+        assert_eq!(classify(not_utf8, &p), Classified::Ambiguous);
     }
 
     #[test]
@@ -532,9 +532,24 @@ mod tests {
         assert_eq!(classify(dup.as_bytes(), &all_tools()), Classified::Ambiguous);
         let args_dup = r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"a":1,"a":2}}}"#;
         assert_eq!(classify(args_dup.as_bytes(), &all_tools()), Classified::Ambiguous);
-        // Deeper than serde_json reads: no server built on it runs it.
-        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
-        assert_eq!(classify(deep.as_bytes(), &all_tools()), Classified::Pass);
+        // Deeper than idemgate reads, a number out of its range, UTF-16 or a BOM: a server's
+        // reader (Python's json takes all of them) could run a call idemgate never saw.
+        let deep = format!(
+            r#"{{"id":1,"method":"tools/call","params":{{"name":"charge","arguments":{{"x":{}{}}}}}}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        assert_eq!(classify(deep.as_bytes(), &all_tools()), Classified::Ambiguous);
+        let huge = r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"x":1e400}}}"#;
+        assert_eq!(classify(huge.as_bytes(), &all_tools()), Classified::Ambiguous);
+        let call = r#"{"id":1,"method":"tools/call","params":{"name":"charge"}}"#;
+        let utf16: Vec<u8> = call.encode_utf16().flat_map(u16::to_le_bytes).collect();
+        assert_eq!(classify(&utf16, &all_tools()), Classified::Ambiguous);
+        let bom = [&b"\xef\xbb\xbf"[..], call.as_bytes()].concat();
+        assert_eq!(classify(&bom, &all_tools()), Classified::Ambiguous);
+        // Escapes are read as servers read them: still the protected call.
+        let escaped = r#"{"id":1,"method":"tools\/call","params":{"name":"ch\u0061rge"}}"#;
+        assert!(matches!(classify(escaped.as_bytes(), &all_tools()), Classified::Call(_)));
     }
 
     #[test]

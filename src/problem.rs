@@ -66,8 +66,8 @@ pub enum ProblemKind {
     /// MCP route: a JSON-RPC batch holding a protected `tools/call` (`crate::mcp`); nothing was
     /// forwarded.
     McpBatchRefused,
-    /// MCP route: a JSON body two JSON readers could read as different calls (a member name
-    /// repeated, nesting too deep to canonicalise); nothing was forwarded.
+    /// MCP route: a POST body not read as exactly one JSON document (not JSON, not UTF-8, a member
+    /// name repeated, nesting too deep, a number out of range); nothing was forwarded.
     McpBodyAmbiguous,
 }
 
@@ -154,7 +154,7 @@ impl ProblemKind {
             ProblemKind::GrpcUnsupported { .. } => "Idempotency keys are not supported for gRPC on this route",
             ProblemKind::RouteAmbiguous => "Request path is ambiguous between protected routes",
             ProblemKind::McpBatchRefused => "Protected tool calls cannot be sent in a JSON-RPC batch",
-            ProblemKind::McpBodyAmbiguous => "JSON-RPC request is ambiguous",
+            ProblemKind::McpBodyAmbiguous => "Request body is not unambiguous JSON",
         }
     }
 
@@ -206,7 +206,7 @@ impl ProblemKind {
                 "This gRPC call carries `{header}`, but the gateway cannot replay a gRPC response (a replay would reach the client as a failure), so it was not forwarded. Send it without the key (it then runs unprotected), or use the service's own idempotency."
             ),
             ProblemKind::McpBatchRefused => "This JSON-RPC batch holds a protected tools/call, which the gateway can only run at most once when sent alone. Nothing in the batch was forwarded: send each tools/call as its own request.".into(),
-            ProblemKind::McpBodyAmbiguous => "This JSON-RPC body repeats a member name in an object (or nests too deep), so servers could read it as different calls. It was not forwarded: send plain JSON.".into(),
+            ProblemKind::McpBodyAmbiguous => "This body is not one JSON document the gateway reads unambiguously (not JSON or not UTF-8, a member name repeated in an object, nesting deeper than 128, a number out of range), so a server could find a tool call in it that the gateway cannot protect. It was not forwarded: send plain UTF-8 JSON.".into(),
             ProblemKind::ResponseNotStored { status, .. } => format!(
                 "The original request completed with status {status}, but its response body was too large to keep. The operation is done: do not repeat it; fetch the resource instead."
             ),

@@ -319,7 +319,33 @@ fn duplicate_member_names_are_refused_never_forwarded() {
     let r = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-dup")], body);
     println!("{} {}", r.status, r.body_text());
     assert_eq!(error_type(&message(&r)), "mcp-body-ambiguous");
+    // UTF-16, deep nesting in the arguments, a number out of range: a lenient server reader
+    // (Python's json) would run the call; idemgate cannot read it, so it is never forwarded.
+    let call = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#;
+    let utf16: Vec<u8> = call.encode_utf16().flat_map(u16::to_le_bytes).collect();
+    let deep =
+        call.replace(r#""arguments":{}"#, &format!(r#""arguments":{{"x":{}{}}}"#, "[".repeat(300), "]".repeat(300)));
+    let huge = call.replace(r#""arguments":{}"#, r#""arguments":{"amount":1e400}"#);
+    for body in [utf16, deep.into_bytes(), huge.into_bytes()] {
+        let r = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-odd")], &body);
+        assert_eq!(r.status, 200);
+        assert_eq!(error_type(&message(&r)), "mcp-body-ambiguous", "{}", r.body_text());
+    }
     assert_eq!(s.up.calls().len(), 0);
+}
+
+#[test]
+fn a_derived_key_protects_a_call_without_key() {
+    let s = Mcp::start(&plugin(r#", "derive_key": {"headers": ["x-agent-step-id"]}"#, ""));
+    let h = [ALICE, BOTH, ("x-agent-step-id", "step-1")];
+    let a = post(s.envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null));
+    let b = post(s.envoy.port, &h, &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null));
+    assert_eq!(message(&b)["id"], 2);
+    assert_eq!(message(&b)["result"], message(&a)["result"]);
+    // Other arguments in the same step are another call (the key derives from them).
+    let c = post(s.envoy.port, &h, &tools_call(json!(3), "charge", json!({"amount": 2}), Value::Null));
+    assert!(message(&c).get("result").is_some(), "{}", c.body_text());
+    assert_eq!(s.up.executions(), 2);
 }
 
 #[test]
