@@ -417,3 +417,27 @@ fn a_call_without_key_follows_require_key_and_refusals_follow_accept() {
     assert_eq!(message(&list)["id"], 1);
     assert_eq!(s.up.executions(), 0);
 }
+
+/// `hold_headers: false` (hosts without `allow_on_headers_stop_iteration`): the headers go
+/// upstream before the body says whether the call is protected; the body still waits for the
+/// decision, so a duplicate never completes upstream.
+#[test]
+fn without_held_headers_a_repeated_call_still_executes_once() {
+    let up = McpUpstream::start();
+    let mut o = EnvoyOptions::new(&plugin("", r#", "hold_headers": false"#), up.port);
+    o.stop_iteration_flag = false;
+    let envoy = Envoy::start(&o);
+    let h = [ALICE, BOTH, ("idempotency-key", "k-nohold")];
+    let a = post(envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null));
+    let b = post(envoy.port, &h, &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null));
+    println!("{} {}", b.status, b.body_text());
+    assert_eq!(message(&b)["id"], 2);
+    assert_eq!(message(&b)["result"], message(&a)["result"]);
+    let list = post(envoy.port, &h, br#"{"jsonrpc":"2.0","id":5,"method":"tools/list"}"#);
+    assert_eq!(message(&list)["id"], 5);
+    let changed = post(envoy.port, &h, &tools_call(json!(3), "charge", json!({"amount": 9}), Value::Null));
+    assert_eq!(message(&changed)["error"]["code"], -32002);
+    assert_eq!(up.executions(), 1);
+    assert_eq!(up.count("tools/list"), 1);
+    envoy.assert_no_wasm_panic();
+}
