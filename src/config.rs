@@ -61,6 +61,15 @@ impl RouteMatch {
     }
 }
 
+/// The route's MCP policy (`mcp` in the route's configuration).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct McpPolicy {
+    /// The protected tools; `None`: every tool.
+    pub tools: Option<Vec<String>>,
+    /// Tool arguments that carry the key, first found wins (after the header and `_meta`).
+    pub key_arguments: Vec<String>,
+}
+
 /// Everything that decides how one protected request is handled.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Policy {
@@ -104,6 +113,8 @@ pub struct Policy {
     /// Router forwarding: whether a next hop's own failure reply, marked by that hop, is
     /// classified as the edge's own would be (`next_hop_failures`).
     pub next_hop_failures: NextHopFailures,
+    /// `protocol: "mcp"` (routes only): the MCP policy; `None` for `protocol: "http"`.
+    pub mcp: Option<McpPolicy>,
 }
 
 /// What a failure reply that an Envoy behind the edge (a sidecar, a gateway) generated itself
@@ -347,6 +358,7 @@ impl Default for Policy {
             derive_key: None,
             grpc: GrpcMode::Refuse,
             next_hop_failures: NextHopFailures::Store,
+            mcp: None,
         }
     }
 }
@@ -1000,6 +1012,20 @@ fn validate_policy(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
             "\"pass\" cannot be combined with require_key: true (gRPC calls would pass without the key that require_key asks of every request); give gRPC its own route",
         ));
     }
+    if p.mcp.is_some() {
+        if p.grpc == GrpcMode::Pass {
+            return Err(err(
+                &join(prefix, "grpc"),
+                "\"pass\" cannot be combined with protocol \"mcp\": an MCP tool call must never pass unprotected by its content-type",
+            ));
+        }
+        if !p.methods.iter().any(|m| m == "POST") {
+            return Err(err(
+                &join(prefix, "methods"),
+                "must include POST with protocol \"mcp\" (MCP sends every tool call as a POST)",
+            ));
+        }
+    }
     if p.next_hop_failures == NextHopFailures::Classify && matches!(p.forwarding, Forwarding::Detached { .. }) {
         return Err(err(
             &join(prefix, "next_hop_failures"),
@@ -1064,7 +1090,8 @@ fn parse_routes(v: &Value, base: &Policy) -> Result<Vec<Route>, ConfigError> {
         }
         let select = parse_route_match(m, &f)?;
         let mut policy = base.clone();
-        apply_policy_fields(m, &f, &mut policy, ROUTE_MATCH_FIELDS)?;
+        apply_policy_fields(m, &f, &mut policy, &[ROUTE_MATCH_FIELDS, ROUTE_PROTOCOL_FIELDS].concat())?;
+        policy.mcp = parse_protocol(m, &f)?;
         validate_policy(&policy, &f)?;
         routes.push(Route { select, policy });
     }
@@ -1072,6 +1099,46 @@ fn parse_routes(v: &Value, base: &Policy) -> Result<Vec<Route>, ConfigError> {
 }
 
 const ROUTE_MATCH_FIELDS: &[&str] = &["prefix", "case_insensitive", "route_name"];
+const ROUTE_PROTOCOL_FIELDS: &[&str] = &["protocol", "mcp"];
+
+/// A route's `protocol` (`"http"`, the default, or `"mcp"`) and its `mcp` policy (docs/mcp.md).
+fn parse_protocol(m: &Map<String, Value>, f: &str) -> Result<Option<McpPolicy>, ConfigError> {
+    let mcp = match m.get("protocol") {
+        None => false,
+        Some(v) => as_choice(v, &join(f, "protocol"), &[("http", false), ("mcp", true)])?,
+    };
+    let Some(v) = m.get("mcp") else {
+        return Ok(mcp.then(McpPolicy::default));
+    };
+    let fm = join(f, "mcp");
+    if !mcp {
+        return Err(err(&fm, "only used with \"protocol\": \"mcp\""));
+    }
+    let o = as_object(v, &fm)?;
+    check_unknown(o, &fm, &[&["tools", "key_arguments"]])?;
+    let names = |field: &str| -> Result<Option<Vec<String>>, ConfigError> {
+        let fi = join(&fm, field);
+        let Some(v) = o.get(field) else { return Ok(None) };
+        let mut out = vec![];
+        for (i, t) in as_list(v, &fi)?.iter().enumerate() {
+            let s = as_str(t, &format!("{fi}[{i}]"))?;
+            if s.is_empty() {
+                return Err(err(&format!("{fi}[{i}]"), "an empty name names nothing"));
+            }
+            out.push(s.to_string());
+        }
+        Ok(Some(out))
+    };
+    let tools = names("tools")?;
+    if tools.as_ref().is_some_and(Vec::is_empty) {
+        return Err(err(
+            &join(&fm, "tools"),
+            "an empty list would protect no tool; leave it out to protect every tool",
+        ));
+    }
+    let key_arguments = names("key_arguments")?.unwrap_or_default();
+    Ok(Some(McpPolicy { tools, key_arguments }))
+}
 
 /// A route's selector: `prefix` (with `case_insensitive`) or `route_name`, exactly one.
 fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, ConfigError> {
@@ -1213,6 +1280,49 @@ mod tests {
     }
 
     const MINIMAL: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
+
+    #[test]
+    fn mcp_protocol_is_a_route_field_with_its_policy() {
+        let c = parse(
+            r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp", "mcp": {"tools": ["charge"], "key_arguments": ["idempotency_key"]}}, {"prefix": "/all", "protocol": "mcp"}, {"prefix": "/h", "protocol": "http"}]}"#,
+        )
+        .unwrap();
+        let mcp = c.policy_for("POST", "/mcp").and_then(|p| p.mcp.clone()).unwrap();
+        assert_eq!(mcp.tools, Some(vec!["charge".to_string()]));
+        assert_eq!(mcp.key_arguments, vec!["idempotency_key".to_string()]);
+        assert_eq!(c.policy_for("POST", "/all").and_then(|p| p.mcp.clone()), Some(McpPolicy::default()));
+        assert_eq!(c.policy_for("POST", "/h").map(|p| p.mcp.is_none()), Some(true));
+        for (text, field) in [
+            (r#"{"scope": {"headers": ["a"]}, "protocol": "mcp"}"#, "protocol"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "grpc"}]}"#,
+                "routes[0].protocol",
+            ),
+            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "mcp": {}}]}"#, "routes[0].mcp"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "mcp": {"tools": []}}]}"#,
+                "routes[0].mcp.tools",
+            ),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "mcp": {"tool": ["x"]}}]}"#,
+                "routes[0].mcp.tool",
+            ),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "mcp": {"key_arguments": [""]}}]}"#,
+                "routes[0].mcp.key_arguments[0]",
+            ),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "grpc": "pass"}]}"#,
+                "routes[0].grpc",
+            ),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "methods": ["PUT"]}]}"#,
+                "routes[0].methods",
+            ),
+        ] {
+            assert_eq!(refused(text).field, field, "{text}");
+        }
+    }
 
     #[test]
     fn key_syntax_is_chosen_per_route() {

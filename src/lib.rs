@@ -24,6 +24,7 @@ pub mod hex;
 pub mod key;
 pub mod lifecycle;
 pub mod local;
+pub mod mcp;
 pub mod owner;
 pub mod path;
 pub mod probe;

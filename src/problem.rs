@@ -63,6 +63,12 @@ pub enum ProblemKind {
     /// The gateway met one of its own invariants broken (`failsafe`): the request was refused,
     /// not forwarded.
     InternalState { retry_after_seconds: u64 },
+    /// MCP route: a JSON-RPC batch holding a protected `tools/call` (`crate::mcp`); nothing was
+    /// forwarded.
+    McpBatchRefused,
+    /// MCP route: a POST body not read as exactly one JSON document (not JSON, not UTF-8, a member
+    /// name repeated, nesting too deep, a number out of range); nothing was forwarded.
+    McpBodyAmbiguous,
 }
 
 /// A ready-to-send problem response.
@@ -102,6 +108,8 @@ impl ProblemKind {
             ProblemKind::InternalState { .. } => "internal-state",
             ProblemKind::GrpcUnsupported { .. } => "grpc-unsupported",
             ProblemKind::RouteAmbiguous => "route-ambiguous",
+            ProblemKind::McpBatchRefused => "mcp-batch-refused",
+            ProblemKind::McpBodyAmbiguous => "mcp-body-ambiguous",
         }
     }
 
@@ -120,11 +128,11 @@ impl ProblemKind {
             ProblemKind::UpstreamNoAnswer => 504,
             ProblemKind::EncodingNotAccepted { .. } => 406,
             ProblemKind::GrpcUnsupported { .. } => 415,
-            ProblemKind::RouteAmbiguous => 400,
+            ProblemKind::RouteAmbiguous | ProblemKind::McpBatchRefused | ProblemKind::McpBodyAmbiguous => 400,
         }
     }
 
-    fn title(&self) -> &'static str {
+    pub(crate) fn title(&self) -> &'static str {
         match self {
             ProblemKind::KeyMissing { .. } => "Idempotency key required",
             ProblemKind::KeyInvalid { .. } => "Malformed idempotency key",
@@ -145,10 +153,12 @@ impl ProblemKind {
             ProblemKind::InternalState { .. } => "Request not protected",
             ProblemKind::GrpcUnsupported { .. } => "Idempotency keys are not supported for gRPC on this route",
             ProblemKind::RouteAmbiguous => "Request path is ambiguous between protected routes",
+            ProblemKind::McpBatchRefused => "Protected tool calls cannot be sent in a JSON-RPC batch",
+            ProblemKind::McpBodyAmbiguous => "Request body is not unambiguous JSON",
         }
     }
 
-    fn detail(&self) -> String {
+    pub(crate) fn detail(&self) -> String {
         match self {
             ProblemKind::KeyMissing { header } => {
                 format!("This endpoint requires an `{header}` header: send a unique key per operation and reuse it on every retry.")
@@ -195,13 +205,15 @@ impl ProblemKind {
             ProblemKind::GrpcUnsupported { header } => format!(
                 "This gRPC call carries `{header}`, but the gateway cannot replay a gRPC response (a replay would reach the client as a failure), so it was not forwarded. Send it without the key (it then runs unprotected), or use the service's own idempotency."
             ),
+            ProblemKind::McpBatchRefused => "This JSON-RPC batch holds a protected tools/call, which the gateway can only run at most once when sent alone. Nothing in the batch was forwarded: send each tools/call as its own request.".into(),
+            ProblemKind::McpBodyAmbiguous => "This body is not one JSON document the gateway reads unambiguously (not JSON or not UTF-8, a member name repeated in an object, nesting deeper than 128, a number out of range), so a server could find a tool call in it that the gateway cannot protect. It was not forwarded: send plain UTF-8 JSON.".into(),
             ProblemKind::ResponseNotStored { status, .. } => format!(
                 "The original request completed with status {status}, but its response body was too large to keep. The operation is done: do not repeat it; fetch the resource instead."
             ),
         }
     }
 
-    fn retry_after(&self) -> Option<u64> {
+    pub(crate) fn retry_after(&self) -> Option<u64> {
         match self {
             ProblemKind::InFlight { retry_after_seconds }
             | ProblemKind::StoreUnavailable { retry_after_seconds }
@@ -245,7 +257,9 @@ impl ProblemKind {
             | ProblemKind::CapacityExhausted { .. }
             | ProblemKind::BufferBudgetExceeded { .. }
             | ProblemKind::InternalState { .. } => UNAVAILABLE,
-            ProblemKind::RouteAmbiguous => INVALID_ARGUMENT,
+            ProblemKind::RouteAmbiguous | ProblemKind::McpBatchRefused | ProblemKind::McpBodyAmbiguous => {
+                INVALID_ARGUMENT
+            }
             ProblemKind::ResponseNotStored { .. }
             | ProblemKind::GrpcUnsupported { .. }
             | ProblemKind::EncodingNotAccepted { .. } => FAILED_PRECONDITION,
@@ -271,6 +285,8 @@ impl ProblemKind {
             | ProblemKind::BodyTooLarge { .. }
             | ProblemKind::GrpcUnsupported { .. }
             | ProblemKind::RouteAmbiguous
+            | ProblemKind::McpBatchRefused
+            | ProblemKind::McpBodyAmbiguous
             | ProblemKind::EncodingNotAccepted { .. } => Some("invalid_api_usage"),
             ProblemKind::InFlight { .. } | ProblemKind::OutcomeUnknown | ProblemKind::KeyReused { .. } => {
                 Some("invalid_state")
@@ -385,6 +401,8 @@ mod tests {
             ProblemKind::InternalState { retry_after_seconds: 1 },
             ProblemKind::GrpcUnsupported { header: h.clone() },
             ProblemKind::RouteAmbiguous,
+            ProblemKind::McpBatchRefused,
+            ProblemKind::McpBodyAmbiguous,
         ];
         for error in [
             KeyError::Repeated,

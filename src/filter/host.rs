@@ -194,9 +194,26 @@ pub fn dispatch_http_call(
     hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
 }
 
+thread_local! {
+    /// The HTTP context host calls act on now: the one whose callback runs, or the one the root
+    /// made effective (`set_effective_context`); replies read it to tell an MCP request's.
+    static CURRENT_CONTEXT: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Host calls (and replies) now act on `context_id`: set when its callback starts.
+pub fn set_current_context(context_id: u32) {
+    CURRENT_CONTEXT.with(|c| c.set(context_id));
+}
+
+/// The context set by the last `set_current_context` or `set_effective_context`.
+pub fn current_context() -> u32 {
+    CURRENT_CONTEXT.with(std::cell::Cell::get)
+}
+
 /// Makes `context_id` the context later host calls act on; false if the host refused.
 pub fn set_effective_context(context_id: u32) -> bool {
     meter::call(Kind::Other);
+    set_current_context(context_id);
     hostcalls::set_effective_context(context_id).is_ok()
 }
 
@@ -495,13 +512,14 @@ pub enum Counter {
     InternalErrors,
     GrpcRefused,
     RouteAmbiguous,
+    McpRefused,
     GrpcPassed,
     RedirectsFollowed,
     RedirectsUnfollowed,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 51] = [
+    pub const ALL: [Counter; 52] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -550,6 +568,7 @@ impl Counter {
         Counter::InternalErrors,
         Counter::GrpcRefused,
         Counter::RouteAmbiguous,
+        Counter::McpRefused,
         Counter::GrpcPassed,
         Counter::RedirectsFollowed,
         Counter::RedirectsUnfollowed,
@@ -605,6 +624,7 @@ impl Counter {
             Counter::InternalErrors => "idemgate.internal_errors",
             Counter::GrpcRefused => "idemgate.grpc_refused",
             Counter::RouteAmbiguous => "idemgate.route_ambiguous",
+            Counter::McpRefused => "idemgate.mcp_refused",
             Counter::GrpcPassed => "idemgate.grpc_passed_unprotected",
             Counter::RedirectsFollowed => "idemgate.internal_redirects_followed",
             Counter::RedirectsUnfollowed => "idemgate.internal_redirects_unfollowed",

@@ -58,6 +58,9 @@ enum Phase {
     Held,
     /// We answered locally (problem or replay): never store our own reply.
     Answered,
+    /// A POST on an MCP route (`protocol: "mcp"`): whether it is protected is known only from
+    /// its whole body (`mcp_body_complete`); nothing is held yet.
+    McpBody,
 }
 
 /// Which store request a paused request sent: its answer is read as the answer to that request,
@@ -83,6 +86,8 @@ struct Protected {
     owner: OwnerToken,
     /// The key is derived at the end of the body (`derive_key.include_body`).
     derive_at_body: bool,
+    /// An MCP `tools/call`: its JSON-RPC id (JSON text).
+    mcp: Option<Vec<u8>>,
 }
 
 pub struct Http {
@@ -112,6 +117,8 @@ pub struct Http {
     fence: Option<crate::etcd::Fence>,
     /// The host's clock, read at most once per callback (`now`; cleared as each callback starts).
     clock: Cell<Option<u64>>,
+    /// `Phase::McpBody`: the request's headers, until its body says whether it is protected.
+    mcp_head: Option<RequestHead>,
 }
 
 /// Fault tests only (feature `crash-injection`, never in the shipped module): traps the VM at
@@ -176,6 +183,7 @@ impl Http {
             sent: None,
             fence: None,
             clock: Cell::new(None),
+            mcp_head: None,
         }
     }
 
@@ -194,6 +202,7 @@ impl Http {
     fn callback(&self, c: meter::Callback) {
         meter::callback(c);
         self.clock.set(None);
+        host::set_current_context(self.context_id);
     }
 
     fn policy(&self) -> Option<&Policy> {
@@ -266,6 +275,7 @@ impl Http {
             ProblemKind::InternalState { .. } => Counter::InternalErrors,
             ProblemKind::GrpcUnsupported { .. } => Counter::GrpcRefused,
             ProblemKind::RouteAmbiguous => Counter::RouteAmbiguous,
+            ProblemKind::McpBatchRefused | ProblemKind::McpBodyAmbiguous => Counter::McpRefused,
         };
         self.count(counter);
         let by = creator.map_or(String::new(), |c| {
@@ -700,6 +710,7 @@ impl Http {
             policy_index: r.policy_index,
             creator: r.creator.clone(),
             log: self.log_line("", "").trim_start_matches("idemgate: outcome= ").to_string(),
+            mcp_id: r.mcp.clone(),
         })
     }
 
@@ -1035,6 +1046,7 @@ impl Http {
             creator: c.creator,
             owner: c.owner,
             derive_at_body: false,
+            mcp: c.mcp_id,
         });
         self.phase = Phase::Forwarded { handle: c.handle, fp: c.fp, in_store: c.in_store };
         self.redirected = true;
@@ -1217,6 +1229,22 @@ impl HttpContext for Http {
         // into a trailers-only status), so such calls are refused with a key (below) or, with
         // `grpc: "pass"`, not idemgate's at all.
         let grpc = head.is_grpc();
+        // MCP: only the body says whether this is a protected tools/call. A request without one
+        // (GET streams, DELETE) is no tool call.
+        if policy.mcp.is_some() && !grpc {
+            if end_of_stream || head.method != "POST" {
+                return Action::Continue;
+            }
+            // Without `hold_headers` the headers go upstream now, before the body says whether
+            // the call is protected: the router is told not to re-send it now, as for any
+            // protected request (the one change an unprotected MCP POST then sees).
+            if !self.shared.config.hold_headers && !forbid_router_retries(&mut head) {
+                return self.fail_closed(Broken::HostCallFailed, "mcp_retry_guard", None, Holding::Nothing);
+            }
+            self.mcp_head = Some(head);
+            self.phase = Phase::McpBody;
+            return if self.shared.config.hold_headers { Action::Pause } else { Action::Continue };
+        }
         if grpc && policy.grpc == GrpcMode::Pass {
             self.count(Counter::GrpcPassed);
             debug!("idemgate: outcome=grpc_passed_unprotected path={}", head.path_without_query());
@@ -1288,7 +1316,7 @@ impl HttpContext for Http {
         let log_values = policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect();
         let owner = self.shared.next_owner();
         let creator = Creator { request_id, log_values };
-        self.req = Some(Protected { policy_index, head, skey, scope, creator, owner, derive_at_body });
+        self.req = Some(Protected { policy_index, head, skey, scope, creator, owner, derive_at_body, mcp: None });
         if was_derived && !derive_at_body {
             debug!("{}", self.log_line("derived_key", "key_source=derived"));
         }
@@ -1325,12 +1353,15 @@ impl HttpContext for Http {
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         self.callback(meter::Callback::RequestBody);
         match self.phase {
-            Phase::Waiting { .. } => {}
+            Phase::Waiting { .. } | Phase::McpBody => {}
             // Paused on a store call: keep buffering.
             Phase::Calling { .. } => return Action::Pause,
             _ => return Action::Continue,
         }
         self.body_size = body_size;
+        if matches!(self.phase, Phase::McpBody) {
+            return self.mcp_body(body_size, end_of_stream);
+        }
         if fault_point(self.req.as_ref(), "policy-lost-at-body") {
             if let Some(r) = self.req.as_mut() {
                 r.policy_index = NO_POLICY;
@@ -1376,6 +1407,7 @@ impl HttpContext for Http {
                 }
                 self.body_complete()
             }
+            Phase::McpBody => self.mcp_body_complete(),
             Phase::Calling { .. } => Action::Pause,
             _ => Action::Continue,
         }
@@ -1451,6 +1483,7 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         self.callback(meter::Callback::Log);
         self.log_exchange();
+        reply::forget_mcp(self.context_id);
         // Its counters are all counted: the next flush says so (`idemgate.requests_settled`).
         host::request_settled();
         meter::request_logged();
@@ -1458,6 +1491,166 @@ impl HttpContext for Http {
 }
 
 impl Http {
+    /// `Phase::McpBody`: a chunk of an MCP POST's body; the same limits as a protected body (it may
+    /// be a protected call), refused as JSON-RPC errors with id null (the id is not read yet).
+    fn mcp_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(policy) = self.policy_index.and_then(|i| self.shared.config.policy_at(i)) else {
+            self.release_budget();
+            return self.fail_closed_here(Broken::PolicyMissing, "mcp_body");
+        };
+        let refusal = match check_body_size(body_size as u64, policy) {
+            Err(p) => Some(p),
+            Ok(()) => {
+                let delta = (body_size as u64).saturating_sub(self.budgeted);
+                let b = &self.shared.buffered;
+                if b.get().saturating_add(delta) > self.shared.config.max_buffered_bytes {
+                    Some(ProblemKind::BufferBudgetExceeded { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS })
+                } else {
+                    b.set(b.get() + delta);
+                    self.budgeted = body_size as u64;
+                    None
+                }
+            }
+        };
+        if let Some(p) = refusal {
+            self.release_budget();
+            self.set_mcp_reply(b"null".to_vec(), vec![]);
+            return self.answer(p, None);
+        }
+        if end_of_stream {
+            self.mcp_body_complete()
+        } else {
+            Action::Pause
+        }
+    }
+
+    /// This request's replies are JSON-RPC, to id `id` (JSON text).
+    fn set_mcp_reply(&self, id: Vec<u8>, batch: Vec<Vec<u8>>) {
+        let head = self.req.as_ref().map(|r| &r.head).or(self.mcp_head.as_ref());
+        let accepts = crate::mcp::Accepts::of(&head.map(|h| h.values("accept")).unwrap_or_default());
+        reply::set_mcp(self.context_id, reply::McpReply { id, batch, accepts });
+    }
+
+    /// The whole body of an MCP POST: passed untouched unless it is a protected `tools/call`,
+    /// which is then protected as an HTTP request with a key is, its fingerprint the tool name
+    /// and canonical arguments (`crate::mcp`).
+    fn mcp_body_complete(&mut self) -> Action {
+        let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
+        self.release_budget();
+        self.phase = Phase::Pass;
+        let (Some(policy_index), Some(mut head)) = (self.policy_index, self.mcp_head.take()) else {
+            return self.fail_closed(Broken::RequestMissing, "mcp_body_complete", None, Holding::Nothing);
+        };
+        let Some(policy) = self.shared.config.policy_at(policy_index).cloned() else {
+            return self.fail_closed(Broken::PolicyMissing, "mcp_body_complete", None, Holding::Nothing);
+        };
+        let Some(mcp) = policy.mcp.as_ref() else {
+            return self.fail_closed(Broken::PolicyMissing, "mcp_body_complete", None, Holding::Nothing);
+        };
+        let call = match crate::mcp::classify(&body, mcp) {
+            crate::mcp::Classified::Pass => return Action::Continue,
+            crate::mcp::Classified::Batch(ids) => {
+                self.mcp_head = Some(head);
+                self.set_mcp_reply(b"null".to_vec(), ids);
+                return self.answer(ProblemKind::McpBatchRefused, None);
+            }
+            crate::mcp::Classified::Ambiguous => {
+                self.mcp_head = Some(head);
+                self.set_mcp_reply(b"null".to_vec(), vec![]);
+                return self.answer(ProblemKind::McpBodyAmbiguous, None);
+            }
+            crate::mcp::Classified::Call(c) => c,
+        };
+        self.mcp_head = Some(head.clone());
+        self.set_mcp_reply(call.id.clone(), vec![]);
+        self.mcp_head = None;
+        // The key: the header, then the body (`_meta`, a named argument), then derived.
+        let key_values = head.values(&policy.header);
+        let scope = CallerScope::of(&head, &policy.scope);
+        let key = if !key_values.is_empty() {
+            match admit(Some(&policy), &key_values) {
+                Admission::Protect(k) => Some(k),
+                Admission::Reject(p) => return self.answer(p, None),
+                Admission::Pass => None,
+            }
+        } else if let Some(k) = call.key.as_ref() {
+            let parsed = k
+                .value
+                .as_deref()
+                .ok_or(crate::key::KeyError::MalformedString)
+                .and_then(|v| crate::key::parse_key(v.as_bytes(), policy.key_max_length, policy.key_syntax));
+            match parsed {
+                Ok(k) => Some(k),
+                Err(error) => {
+                    return self.answer(
+                        ProblemKind::KeyInvalid {
+                            header: k.source.clone(),
+                            error,
+                            syntax: policy.key_syntax,
+                            max_len: policy.key_max_length,
+                        },
+                        None,
+                    )
+                }
+            }
+        } else {
+            None
+        };
+        let key = match key {
+            Some(k) => k,
+            None => {
+                let derived = policy.derive_key.as_ref().and_then(|d| {
+                    let d = crate::config::DeriveKey { include_body: true, ..d.clone() };
+                    derive::derive(&head, &d, &policy.fingerprint, &scope, Some(&call.digest))
+                });
+                match derived {
+                    Some(k) => {
+                        self.count(Counter::DerivedKeys);
+                        k
+                    }
+                    None => match admit(Some(&policy), &[]) {
+                        Admission::Reject(p) => return self.answer(p, None),
+                        _ => {
+                            reply::forget_mcp(self.context_id);
+                            return Action::Continue;
+                        }
+                    },
+                }
+            }
+        };
+        if let Err(p) = scope.admits(&policy.scope) {
+            return self.answer(p, None);
+        }
+        self.count(Counter::Protected);
+        if self.shared.config.hold_headers && !forbid_router_retries(&mut head) {
+            return self.fail_closed(Broken::HostCallFailed, "mcp_retry_guard", None, Holding::Nothing);
+        }
+        let skey = StorageKey::derive(&policy.namespace, &scope, &key);
+        let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
+        let request_id = first("x-request-id").unwrap_or_default();
+        let log_values = policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect();
+        let owner = self.shared.next_owner();
+        let creator = Creator { request_id, log_values };
+        let fp =
+            Fingerprint::of_digest(&head, (fingerprint::BodyForm::CanonicalJson, call.digest), &policy.fingerprint).0;
+        self.req = Some(Protected {
+            policy_index,
+            head,
+            skey,
+            scope,
+            creator,
+            owner,
+            derive_at_body: false,
+            mcp: Some(call.id),
+        });
+        debug!("{}", self.log_line("mcp_tools_call", &format!("tool={}", call.tool)));
+        if matches!(policy.forwarding, Forwarding::Detached { .. }) {
+            self.body = body;
+        }
+        let begun = self.begin(Some(fp));
+        self.act(begun, Some(fp))
+    }
+
     fn log_exchange(&mut self) {
         if self.req.is_none() && matches!(self.phase, Phase::Pass) {
             return; // unprotected: nothing to settle

@@ -5,8 +5,12 @@
 //! Envoy's `%RESPONSE_CODE_DETAILS%` tells a replay from a 409. The SDK's `send_http_response`
 //! passes none, so the ABI's `proxy_send_local_response` is called here directly.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+
 use super::host::Counter;
 use crate::encoding::Replay;
+use crate::mcp::{self, Accepts};
 use crate::problem::{code_details, ProblemKind};
 use crate::record::{Creator, Record, State};
 use crate::request::envoy_answers_as_grpc;
@@ -39,9 +43,55 @@ fn send(status: u16, details: &str, headers: &[(&str, &str)], body: &[u8], grpc_
     result == 0
 }
 
+/// How to answer a protected MCP request (`protocol: "mcp"`): its JSON-RPC id (JSON text), the
+/// ids of a refused batch, what it accepts.
+#[derive(Clone, Debug)]
+pub struct McpReply {
+    pub id: Vec<u8>,
+    pub batch: Vec<Vec<u8>>,
+    pub accepts: Accepts,
+}
+
+thread_local! {
+    /// MCP requests by context: their replies are JSON-RPC (`problem`, `replay`).
+    static MCP: RefCell<HashMap<u32, McpReply>> = RefCell::new(HashMap::new());
+}
+
+/// `context_id` is an MCP request: its replies are JSON-RPC.
+pub fn set_mcp(context_id: u32, r: McpReply) {
+    MCP.with(|m| m.borrow_mut().insert(context_id, r));
+}
+
+/// `context_id` has ended.
+pub fn forget_mcp(context_id: u32) {
+    MCP.with(|m| m.borrow_mut().remove(&context_id));
+}
+
+fn current_mcp() -> Option<McpReply> {
+    let id = super::host::current_context();
+    MCP.with(|m| m.borrow().get(&id).cloned())
+}
+
+/// A refusal to an MCP request: a JSON-RPC error with its id, status 200 (the transport's
+/// status for a JSON-RPC answer), as JSON or, to a client that does not accept JSON, one event.
+fn mcp_problem(kind: &ProblemKind, m: &McpReply) {
+    let body = match kind {
+        ProblemKind::McpBatchRefused => mcp::batch_error_body(kind, &m.batch),
+        _ => mcp::error_body(kind, &m.id),
+    };
+    if m.accepts.json || !m.accepts.sse {
+        send(200, &code_details(kind.slug()), &[("content-type", mcp::JSON_TYPE)], &body, None);
+    } else {
+        send(200, &code_details(kind.slug()), &[("content-type", mcp::SSE_TYPE)], &mcp::sse_event(&body), None);
+    }
+}
+
 /// Sends a problem document. To a gRPC request (Envoy turns the reply into a trailers-only status
 /// whose `grpc-message` is the body), the problem's gRPC status and its text instead of the JSON.
 pub fn problem(kind: &ProblemKind, request_id: &str, creator: Option<&Creator>) {
+    if let Some(m) = current_mcp() {
+        return mcp_problem(kind, &m);
+    }
     let p = kind.to_problem(request_id, creator);
     let headers: Vec<(&str, &str)> = p.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
     let content_type = super::host::header(proxy_wasm::types::MapType::HttpRequestHeaders, "content-type");
@@ -123,6 +173,12 @@ pub fn replay(
     match &record.state {
         State::Completed(r) => {
             let expires = expires_in(record.expires_at_ms, now_ms);
+            if let Some(m) = current_mcp() {
+                let sent = mcp::replay(r, &m.id, m.accepts);
+                outcome(REPLAYED);
+                response(sent.status, &sent.headers, &sent.body, true, Some(&expires), REPLAYED);
+                return Replayed::Stored;
+            }
             match crate::encoding::for_retry(r, accept, max_decoded_bytes) {
                 Ok(Replay::AsStored) => {
                     outcome(REPLAYED);

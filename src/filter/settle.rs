@@ -28,6 +28,9 @@ pub struct Claim {
     pub creator: Creator,
     /// The request's part of every log line (hashes, method, path, ids).
     pub log: String,
+    /// MCP (`protocol: "mcp"`): the JSON-RPC id (JSON text) of the call; what is stored is its
+    /// final response (`mcp::stored_response`).
+    pub mcp_id: Option<Vec<u8>>,
 }
 
 /// The outcome slug of a forwarded exchange that met a broken invariant (its claim kept).
@@ -54,6 +57,18 @@ pub fn settle(
     let t = &shared.table;
     let line = |outcome: &str, extra: &str| format!("idemgate: outcome={outcome} {} {extra}", claim.log);
     let lifetimes = Lifetimes::of(policy);
+    // An MCP call's answer is a completion only with its final JSON-RPC response: an event stream
+    // that ended before it leaves the call's outcome unknown (it may have run), never a success.
+    let (outcome, response) = match (outcome, claim.mcp_id.as_deref(), response) {
+        (Outcome::Store, Some(id), Some(r)) if !too_large => match crate::mcp::stored_response(r, id) {
+            Ok(r) => (Outcome::Store, Some(r)),
+            Err(why) => {
+                info!("{}", line("mcp_no_final_response", &format!("{detail} why={why:?}")));
+                (Outcome::Unknown(UnknownReason::Other), None)
+            }
+        },
+        (o, _, r) => (o, r),
+    };
     match outcome {
         Outcome::Store => {
             let response = response.unwrap_or(StoredResponse { status: 0, headers: vec![], body: vec![] });

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 const SETTLE_LOOKS: usize = 150;
 
 pub mod etcd;
+pub mod mcp_upstream;
 pub mod operator;
 pub mod replication;
 pub mod store;

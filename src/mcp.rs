@@ -1,0 +1,706 @@
+//! MCP (Model Context Protocol, Streamable HTTP transport) on a route with `protocol: "mcp"`
+//! (docs/mcp.md): JSON-RPC 2.0 in POST bodies, answered as `application/json` or as a
+//! `text/event-stream`. Only a `tools/call` for a protected tool is protected.
+//!
+//! The rules, all without host calls:
+//! - `classify`: what a POST body is (pass, a protected call, a batch holding one, a body two
+//!   JSON readers could read differently);
+//! - the key sources after the HTTP header (`Call::key`): `params._meta.idempotencyKey`, then a
+//!   tool argument named in `mcp.key_arguments`;
+//! - the fingerprint material (`Call::digest`): the tool name and the canonical JSON of
+//!   `params.arguments` (`crate::canonical_json`), never the JSON-RPC id, `_meta` or the session;
+//! - what is stored of an answer (`stored_body`): the final JSON-RPC response for the request's
+//!   id, from a JSON body or from the event stream (earlier events, progress notifications and
+//!   server requests, are not kept); an answer without one is no completion (outcome unknown);
+//! - a replay (`replay_body`): the stored response with the retry's id spliced in, every other
+//!   byte as stored, as JSON or as one SSE event;
+//! - refusals (`error_body`): JSON-RPC errors carrying idemgate's problem type.
+
+use serde_json::{json, Map, Value};
+use sha2::{Digest, Sha256};
+
+use crate::problem::{ProblemKind, TYPE_PREFIX};
+use crate::record::StoredResponse;
+
+pub use crate::config::McpPolicy;
+
+/// Where a key found in the body came from, and its text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BodyKey {
+    /// `params._meta.idempotencyKey` or `params.arguments.<name>`: named in a refusal.
+    pub source: String,
+    /// The key's text, or `None` when the member is not a JSON string.
+    pub value: Option<String>,
+}
+
+/// A protected `tools/call`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Call {
+    /// The JSON-RPC id as JSON text (`null` when the request has none).
+    pub id: Vec<u8>,
+    pub tool: String,
+    /// SHA-256 of the fingerprint material: tool name and canonical arguments.
+    pub digest: [u8; 32],
+    /// The key from the body, if any (`_meta` first, then the named arguments).
+    pub key: Option<BodyKey>,
+}
+
+/// What a POST body on an MCP route is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Classified {
+    /// Not a protected call (another method, a notification, a response, an unlisted tool):
+    /// passed untouched.
+    Pass,
+    /// A single protected `tools/call`.
+    Call(Call),
+    /// A batch (a JSON array) holding a protected `tools/call`: refused whole; the ids (JSON
+    /// text) of its members that are requests with an id.
+    Batch(Vec<Vec<u8>>),
+    /// A body this gateway cannot read as exactly one JSON document: not JSON, not UTF-8 (a
+    /// server's reader may take UTF-16 or a BOM), a member name repeated in an object, nesting
+    /// deeper than `canonical_json::MAX_DEPTH`, a number out of range. Another reader could find
+    /// a tool call in it that idemgate does not see, so it is refused (`mcp-body-ambiguous`);
+    /// no MCP client sends one.
+    Ambiguous,
+}
+
+const METHOD: &str = "tools/call";
+const FP_TAG: &[u8] = b"idemgate-mcp-tools-call-v1\0";
+
+/// Classifies a POST body on an MCP route under `policy`.
+pub fn classify(body: &[u8], policy: &McpPolicy) -> Classified {
+    let (Ok(value), Some(canonical)) =
+        (serde_json::from_slice::<Value>(body), crate::canonical_json::canonicalize(body))
+    else {
+        return Classified::Ambiguous;
+    };
+    match &value {
+        Value::Array(items) => {
+            if items.iter().any(|m| protected_tool(m, policy).is_some()) {
+                let ids = items
+                    .iter()
+                    .filter(|m| m.get("method").is_some())
+                    .filter_map(|m| m.get("id"))
+                    .map(|id| serde_json::to_vec(id).unwrap_or_else(|_| b"null".to_vec()))
+                    .collect();
+                Classified::Batch(ids)
+            } else {
+                Classified::Pass
+            }
+        }
+        Value::Object(_) => match protected_tool(&value, policy) {
+            Some(tool) => Classified::Call(call(&value, &canonical, tool, policy)),
+            None => Classified::Pass,
+        },
+        _ => Classified::Pass,
+    }
+}
+
+/// The tool name if `m` is a `tools/call` for a protected tool. A `tools/call` without an id (a
+/// notification, which no server should execute) is protected all the same: at most once.
+fn protected_tool<'v>(m: &'v Value, policy: &McpPolicy) -> Option<&'v str> {
+    if m.get("method").and_then(Value::as_str) != Some(METHOD) {
+        return None;
+    }
+    let tool = m.get("params").and_then(|p| p.get("name")).and_then(Value::as_str)?;
+    match &policy.tools {
+        Some(list) if !list.iter().any(|t| t == tool) => None,
+        _ => Some(tool),
+    }
+}
+
+fn call(value: &Value, canonical: &[u8], tool: &str, policy: &McpPolicy) -> Call {
+    let id = value.get("id").map_or_else(|| b"null".to_vec(), |id| serde_json::to_vec(id).unwrap_or_default());
+    // The arguments as written (numbers and strings keep their spelling), members sorted: the
+    // canonical document holds them in canonical form already.
+    let arguments = member(canonical, "params").and_then(|p| member(p, "arguments")).unwrap_or(b"{}");
+    let arguments: &[u8] = if arguments == b"null" { b"{}" } else { arguments };
+    let mut h = Sha256::new();
+    h.update(FP_TAG);
+    h.update((tool.len() as u64).to_be_bytes());
+    h.update(tool.as_bytes());
+    h.update((arguments.len() as u64).to_be_bytes());
+    h.update(arguments);
+    let params = value.get("params");
+    let meta = params
+        .and_then(|p| p.get("_meta"))
+        .and_then(|m| m.get("idempotencyKey"))
+        .map(|v| BodyKey { source: "params._meta.idempotencyKey".into(), value: v.as_str().map(str::to_string) });
+    let key = meta.or_else(|| {
+        let args = params.and_then(|p| p.get("arguments"))?;
+        policy.key_arguments.iter().find_map(|name| {
+            args.get(name)
+                .map(|v| BodyKey { source: format!("params.arguments.{name}"), value: v.as_str().map(str::to_string) })
+        })
+    });
+    Call { id, tool: tool.to_string(), digest: h.finalize().into(), key }
+}
+
+/// The raw bytes of the value of top-level member `name` in the JSON object `obj` (valid JSON;
+/// the first member of that name). Names are compared decoded (`"\u0069d"` is `id`).
+fn member<'a>(obj: &'a [u8], name: &str) -> Option<&'a [u8]> {
+    member_span(obj, name).and_then(|(s, e)| obj.get(s..e))
+}
+
+/// `member`, as a byte range of `obj`.
+fn member_span(obj: &[u8], name: &str) -> Option<(usize, usize)> {
+    let mut i = skip_ws(obj, 0);
+    if obj.get(i) != Some(&b'{') {
+        return None;
+    }
+    i += 1;
+    loop {
+        i = skip_ws(obj, i);
+        match obj.get(i)? {
+            b'}' => return None,
+            b',' => {
+                i += 1;
+                continue;
+            }
+            b'"' => {}
+            _ => return None,
+        }
+        let name_end = skip_string(obj, i)?;
+        let decoded: Option<String> = obj.get(i..name_end).and_then(|n| serde_json::from_slice(n).ok());
+        i = skip_ws(obj, name_end);
+        if obj.get(i) != Some(&b':') {
+            return None;
+        }
+        let start = skip_ws(obj, i + 1);
+        let end = skip_value(obj, start)?;
+        if decoded.as_deref() == Some(name) {
+            return Some((start, end));
+        }
+        i = end;
+    }
+}
+
+fn skip_ws(s: &[u8], mut i: usize) -> usize {
+    while matches!(s.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+        i += 1;
+    }
+    i
+}
+
+/// The index just past the string starting at `i` (its opening quote).
+fn skip_string(s: &[u8], i: usize) -> Option<usize> {
+    let mut j = i + 1;
+    loop {
+        match s.get(j)? {
+            b'\\' => j += 2,
+            b'"' => return Some(j + 1),
+            _ => j += 1,
+        }
+    }
+}
+
+/// The index just past the value starting at `i` (valid JSON assumed; bounded by the input).
+fn skip_value(s: &[u8], i: usize) -> Option<usize> {
+    match s.get(i)? {
+        b'"' => skip_string(s, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            loop {
+                match s.get(j)? {
+                    b'"' => {
+                        j = skip_string(s, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth = depth.saturating_sub(1);
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        _ => {
+            let mut j = i;
+            while let Some(b) = s.get(j) {
+                if matches!(b, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
+                    break;
+                }
+                j += 1;
+            }
+            Some(j)
+        }
+    }
+}
+
+/// The JSON-RPC error code of a refusal (docs/mcp.md).
+pub fn error_code(kind: &ProblemKind) -> i64 {
+    match kind {
+        ProblemKind::InFlight { .. } => -32001,
+        ProblemKind::KeyReused { .. } => -32002,
+        ProblemKind::OutcomeUnknown | ProblemKind::UpstreamNoAnswer => -32003,
+        ProblemKind::StoreUnavailable { .. }
+        | ProblemKind::RecordUnreadable { .. }
+        | ProblemKind::CapacityExhausted { .. }
+        | ProblemKind::BufferBudgetExceeded { .. }
+        | ProblemKind::InternalState { .. } => -32004,
+        ProblemKind::KeyMissing { .. } | ProblemKind::KeyInvalid { .. } => -32005,
+        ProblemKind::BodyTooLarge { .. } => -32006,
+        ProblemKind::McpBatchRefused => -32007,
+        _ => -32000,
+    }
+}
+
+fn error_value(kind: &ProblemKind, id: &[u8]) -> Value {
+    let id: Value = serde_json::from_slice(id).unwrap_or(Value::Null);
+    let mut data = Map::new();
+    data.insert("type".into(), Value::String(format!("{TYPE_PREFIX}{}", kind.slug())));
+    data.insert("status".into(), json!(kind.status()));
+    data.insert("detail".into(), Value::String(kind.detail()));
+    if let Some(s) = kind.retry_after() {
+        data.insert("retryAfter".into(), json!(s));
+    }
+    data.insert("retry".into(), Value::Bool(kind.should_retry()));
+    json!({"jsonrpc": "2.0", "id": id, "error": {"code": error_code(kind), "message": kind.title(), "data": data}})
+}
+
+/// A refusal as a JSON-RPC error response to the request whose id is `id` (JSON text).
+pub fn error_body(kind: &ProblemKind, id: &[u8]) -> Vec<u8> {
+    serde_json::to_vec(&error_value(kind, id)).unwrap_or_default()
+}
+
+/// A refused batch: one error per member request with an id, in an array.
+pub fn batch_error_body(kind: &ProblemKind, ids: &[Vec<u8>]) -> Vec<u8> {
+    let all: Vec<Value> = ids.iter().map(|id| error_value(kind, id)).collect();
+    serde_json::to_vec(&Value::Array(all)).unwrap_or_default()
+}
+
+/// What a client accepts (`Accept`): JSON, an event stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Accepts {
+    pub json: bool,
+    pub sse: bool,
+}
+
+pub const JSON_TYPE: &str = "application/json";
+pub const SSE_TYPE: &str = "text/event-stream";
+
+impl Accepts {
+    /// From the request's `Accept` lines; none at all accepts JSON.
+    pub fn of(lines: &[&[u8]]) -> Accepts {
+        let mut a = Accepts { json: lines.is_empty(), sse: false };
+        for line in lines {
+            for item in line.split(|b| *b == b',') {
+                let media = item.split(|b| *b == b';').next().unwrap_or_default().trim_ascii().to_ascii_lowercase();
+                match media.as_slice() {
+                    b"application/json" | b"application/*" | b"*/*" => a.json = true,
+                    b"text/event-stream" => a.sse = true,
+                    _ => {}
+                }
+            }
+        }
+        a
+    }
+
+    /// The form of a reply: an event stream only when the client accepts one and (for a replay)
+    /// the first answer was one, or when it does not accept JSON.
+    pub fn sse_reply(self, first_was_sse: bool) -> bool {
+        self.sse && (first_was_sse || !self.json)
+    }
+}
+
+/// `json` (one JSON-RPC message) as one SSE event: `event: message`, one `data:` line per line.
+pub fn sse_event(json: &[u8]) -> Vec<u8> {
+    let mut out = b"event: message\n".to_vec();
+    for line in json.split(|b| *b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(line);
+        out.push(b'\n');
+    }
+    out.push(b'\n');
+    out
+}
+
+/// Whether a content-type is an event stream.
+pub fn is_sse(content_type: &[u8]) -> bool {
+    content_type.split(|b| *b == b';').next().unwrap_or_default().trim_ascii().eq_ignore_ascii_case(SSE_TYPE.as_bytes())
+}
+
+/// Why an answer is not stored as a completion.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NotFinal {
+    /// A 2xx answer without the final JSON-RPC response to the request (an event stream that
+    /// ended before it, a body in a content coding, an answer for another id): the call may have
+    /// run, its result is unknown.
+    Missing,
+}
+
+/// What is stored of an upstream answer to a protected call whose id is `id` (JSON text): for a
+/// 2xx answer, the final JSON-RPC response (a JSON body as it is; from an event stream, the data
+/// of the event that answers `id`: earlier events are not kept); any other status as it came.
+pub fn stored_body(
+    status: u16,
+    content_type: Option<&[u8]>,
+    content_encoding: Option<&[u8]>,
+    body: &[u8],
+    id: &[u8],
+) -> Result<Vec<u8>, NotFinal> {
+    if !(200..300).contains(&status) {
+        return Ok(body.to_vec());
+    }
+    if content_encoding.is_some_and(|c| !c.trim_ascii().eq_ignore_ascii_case(b"identity")) {
+        return Err(NotFinal::Missing);
+    }
+    let id: Value = serde_json::from_slice(id).unwrap_or(Value::Null);
+    if content_type.is_some_and(is_sse) {
+        return sse_events(body).into_iter().find(|d| answers(d, &id)).ok_or(NotFinal::Missing);
+    }
+    if answers(body, &id) {
+        Ok(body.to_vec())
+    } else {
+        Err(NotFinal::Missing)
+    }
+}
+
+/// Response headers a replay never carries: the first caller's session is not the retry's.
+pub const NOT_REPLAYED_HEADERS: &[&str] = &["mcp-session-id", "content-length"];
+
+/// `stored_body` on a whole response: what a completion keeps. Its `content-type` stays as the
+/// upstream sent it (a replay reads it to know whether the first answer was an event stream);
+/// its body is the final JSON-RPC response.
+pub fn stored_response(r: StoredResponse, id: &[u8]) -> Result<StoredResponse, NotFinal> {
+    let header = |name: &str| r.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
+    let body = stored_body(r.status, header("content-type"), header("content-encoding"), &r.body, id)?;
+    let headers = r.headers.into_iter().filter(|(n, _)| !NOT_REPLAYED_HEADERS.contains(&n.as_str())).collect();
+    Ok(StoredResponse { status: r.status, headers, body })
+}
+
+/// A replay of a stored response to a retry (`id`, JSON text; `accepts`): status, headers and
+/// body. A 2xx's body is the final JSON-RPC response with the retry's id, as JSON or as one event
+/// (`Accepts::sse_reply`); any other status is replayed as stored.
+pub fn replay(r: &StoredResponse, id: &[u8], accepts: Accepts) -> StoredResponse {
+    let mut headers: Vec<(String, Vec<u8>)> =
+        r.headers.iter().filter(|(n, _)| !NOT_REPLAYED_HEADERS.contains(&n.as_str())).cloned().collect();
+    let as_stored = |headers| StoredResponse { status: r.status, headers, body: r.body.clone() };
+    if !(200..300).contains(&r.status) {
+        return as_stored(headers);
+    }
+    let Some(body) = with_id(&r.body, id) else { return as_stored(headers) };
+    let first_was_sse = r.headers.iter().any(|(n, v)| n == "content-type" && is_sse(v));
+    headers.retain(|(n, _)| n != "content-type");
+    if accepts.sse_reply(first_was_sse) {
+        headers.push(("content-type".into(), SSE_TYPE.as_bytes().to_vec()));
+        StoredResponse { status: r.status, headers, body: sse_event(&body) }
+    } else {
+        headers.push(("content-type".into(), JSON_TYPE.as_bytes().to_vec()));
+        StoredResponse { status: r.status, headers, body }
+    }
+}
+
+/// Whether `msg` is a JSON-RPC response (result or error, no method) to the request `id`.
+fn answers(msg: &[u8], id: &Value) -> bool {
+    let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(msg) else { return false };
+    !m.contains_key("method")
+        && (m.contains_key("result") || m.contains_key("error"))
+        && m.get("id").is_some_and(|i| i == id)
+}
+
+/// The data of every complete event in an event stream (WHATWG HTML, "event stream
+/// interpretation"): lines end in CRLF, LF or CR; `data:` lines join with LF; a blank line ends
+/// an event; an event not ended before the stream ends is dropped, as a browser drops it.
+fn sse_events(body: &[u8]) -> Vec<Vec<u8>> {
+    let mut events = vec![];
+    let mut data: Option<Vec<u8>> = None;
+    let mut i = 0;
+    while i < body.len() {
+        let rest = body.get(i..).unwrap_or_default();
+        let len = rest.iter().position(|b| *b == b'\n' || *b == b'\r');
+        let Some(len) = len else { break }; // an unterminated last line
+        let line = rest.get(..len).unwrap_or_default();
+        i += len + if rest.get(len..len + 2) == Some(b"\r\n") { 2 } else { 1 };
+        if line.is_empty() {
+            if let Some(d) = data.take() {
+                events.push(d);
+            }
+            continue;
+        }
+        if line.first() == Some(&b':') {
+            continue;
+        }
+        let (field, value) = match line.iter().position(|b| *b == b':') {
+            Some(c) => {
+                let v = line.get(c + 1..).unwrap_or_default();
+                (line.get(..c).unwrap_or_default(), v.strip_prefix(b" ").unwrap_or(v))
+            }
+            None => (line, &b""[..]),
+        };
+        if field == b"data" {
+            match data.as_mut() {
+                None => data = Some(value.to_vec()),
+                Some(d) => {
+                    d.push(b'\n');
+                    d.extend_from_slice(value);
+                }
+            }
+        }
+    }
+    events
+}
+
+/// A stored response replayed to a retry whose id is `id` (JSON text): the retry's id spliced in
+/// place of the stored one, every other byte as stored. `None` when the stored body has no
+/// top-level `id` (an answer stored as it came: replayed as it is).
+pub fn with_id(stored: &[u8], id: &[u8]) -> Option<Vec<u8>> {
+    let (s, e) = member_span(stored, "id")?;
+    let mut out = Vec::with_capacity(stored.len() + id.len());
+    out.extend_from_slice(stored.get(..s)?);
+    out.extend_from_slice(id);
+    out.extend_from_slice(stored.get(e..)?);
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn all_tools() -> McpPolicy {
+        McpPolicy { tools: None, key_arguments: vec!["idempotency_key".into()] }
+    }
+
+    fn call_of(body: &str) -> Call {
+        match classify(body.as_bytes(), &all_tools()) {
+            Classified::Call(c) => c,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn only_tools_call_for_a_listed_tool_is_protected() {
+        let p = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![] };
+        let c = |b: &str| classify(b.as_bytes(), &p);
+        assert!(matches!(
+            c(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#),
+            Classified::Call(_)
+        ));
+        assert_eq!(
+            c(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"lookup","arguments":{}}}"#),
+            Classified::Pass
+        );
+        assert_eq!(c(r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#), Classified::Pass);
+        assert_eq!(c(r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}"#), Classified::Pass);
+        assert_eq!(
+            c(r#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1}}"#),
+            Classified::Pass
+        );
+        assert_eq!(c(r#"{"jsonrpc":"2.0","id":1,"result":{}}"#), Classified::Pass);
+        assert_eq!(c("not json"), Classified::Ambiguous);
+        assert_eq!(c(r#"[]"#), Classified::Pass);
+        assert_eq!(c("\"tools/call\""), Classified::Pass);
+        assert_eq!(c("{\"method\":\"tools/call\",\"params\":{\"name\":\"ch\u{e9}\"}}"), Classified::Pass);
+        let not_utf8 = b"{\"method\":\"tools/call\",\"params\":{\"name\":\"charge\"},\"x\":\"\xff\"}";
+        assert_eq!(classify(not_utf8, &p), Classified::Ambiguous);
+    }
+
+    #[test]
+    fn a_batch_with_a_protected_call_is_refused_with_each_request_id() {
+        let b = r#"[{"jsonrpc":"2.0","id":"a","method":"tools/list"},
+                    {"jsonrpc":"2.0","method":"notifications/initialized"},
+                    {"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge"}}]"#;
+        assert_eq!(classify(b.as_bytes(), &all_tools()), Classified::Batch(vec![b"\"a\"".to_vec(), b"7".to_vec()]));
+        let only_lists = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#;
+        assert_eq!(classify(only_lists.as_bytes(), &all_tools()), Classified::Pass);
+        let body = batch_error_body(&ProblemKind::McpBatchRefused, &[b"\"a\"".to_vec(), b"7".to_vec()]);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v[0]["id"], "a");
+        assert_eq!(v[1]["id"], 7);
+        assert_eq!(v[1]["error"]["code"], -32007);
+        assert_eq!(v[1]["error"]["data"]["type"], "urn:idemgate:problem:mcp-batch-refused");
+    }
+
+    #[test]
+    fn duplicate_names_or_deep_nesting_are_ambiguous() {
+        let dup = r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","method":"tools/call","params":{"name":"charge"}}"#;
+        assert_eq!(classify(dup.as_bytes(), &all_tools()), Classified::Ambiguous);
+        let args_dup = r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"a":1,"a":2}}}"#;
+        assert_eq!(classify(args_dup.as_bytes(), &all_tools()), Classified::Ambiguous);
+        // Deeper than idemgate reads, a number out of its range, UTF-16 or a BOM: a server's
+        // reader (Python's json takes all of them) could run a call idemgate never saw.
+        let deep = format!(
+            r#"{{"id":1,"method":"tools/call","params":{{"name":"charge","arguments":{{"x":{}{}}}}}}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        assert_eq!(classify(deep.as_bytes(), &all_tools()), Classified::Ambiguous);
+        let huge = r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"x":1e400}}}"#;
+        assert_eq!(classify(huge.as_bytes(), &all_tools()), Classified::Ambiguous);
+        let call = r#"{"id":1,"method":"tools/call","params":{"name":"charge"}}"#;
+        let utf16: Vec<u8> = call.encode_utf16().flat_map(u16::to_le_bytes).collect();
+        assert_eq!(classify(&utf16, &all_tools()), Classified::Ambiguous);
+        let bom = [&b"\xef\xbb\xbf"[..], call.as_bytes()].concat();
+        assert_eq!(classify(&bom, &all_tools()), Classified::Ambiguous);
+        // Escapes are read as servers read them: still the protected call.
+        let escaped = r#"{"id":1,"method":"tools\/call","params":{"name":"ch\u0061rge"}}"#;
+        assert!(matches!(classify(escaped.as_bytes(), &all_tools()), Classified::Call(_)));
+    }
+
+    #[test]
+    fn fingerprint_is_tool_and_canonical_arguments_only() {
+        let a = call_of(
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5,"to":"x"},"_meta":{"progressToken":1}}}"#,
+        );
+        let b = call_of(
+            r#"{"params":{"_meta":{"progressToken":"p-2"},"arguments":{ "to" : "x", "amount" : 5 },"name":"charge"},"method":"tools/call","id":"retry-7","jsonrpc":"2.0"}"#,
+        );
+        assert_eq!(a.digest, b.digest);
+        assert_eq!(a.id, b"1");
+        assert_eq!(b.id, b"\"retry-7\"");
+        // Number spelling is the upstream's business: 5.0 is another request.
+        let c =
+            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5.0,"to":"x"}}}"#);
+        assert_ne!(a.digest, c.digest);
+        let d =
+            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"refund","arguments":{"amount":5,"to":"x"}}}"#);
+        assert_ne!(a.digest, d.digest);
+        // No arguments and empty arguments are one call.
+        let e = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge"}}"#);
+        let f = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#);
+        assert_eq!(e.digest, f.digest);
+        // A tools/call without id is still protected, answered with id null.
+        assert_eq!(call_of(r#"{"method":"tools/call","params":{"name":"charge"}}"#).id, b"null");
+    }
+
+    #[test]
+    fn key_from_meta_first_then_named_argument() {
+        let m = call_of(
+            r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"idempotency_key":"arg"},"_meta":{"idempotencyKey":"meta"}}}"#,
+        );
+        assert_eq!(m.key, Some(BodyKey { source: "params._meta.idempotencyKey".into(), value: Some("meta".into()) }));
+        let a =
+            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"idempotency_key":"arg"}}}"#);
+        assert_eq!(
+            a.key,
+            Some(BodyKey { source: "params.arguments.idempotency_key".into(), value: Some("arg".into()) })
+        );
+        let n = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","_meta":{"idempotencyKey":5}}}"#);
+        assert_eq!(n.key.and_then(|k| k.value), None);
+        assert_eq!(
+            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"other":"x"}}}"#).key,
+            None
+        );
+    }
+
+    #[test]
+    fn replay_splices_the_retry_id_and_keeps_every_other_byte() {
+        let stored = br#"{"jsonrpc":"2.0", "id" : 1 ,"result":{"content":[{"type":"text","text":"id: 1"}],"id":9}}"#;
+        let out = with_id(stored, b"\"r-2\"").unwrap();
+        assert_eq!(
+            out,
+            br#"{"jsonrpc":"2.0", "id" : "r-2" ,"result":{"content":[{"type":"text","text":"id: 1"}],"id":9}}"#
+        );
+        let s2 = br#"{"result":{"x":"\"id\":"},"id":"a\"b"}"#;
+        assert_eq!(with_id(s2, b"3").unwrap(), br#"{"result":{"x":"\"id\":"},"id":3}"#);
+        assert_eq!(with_id(b"[1]", b"3"), None);
+        assert_eq!(with_id(br#"{"result":{}}"#, b"3"), None);
+    }
+
+    #[test]
+    fn the_final_response_is_found_in_an_event_stream() {
+        let sse = b": ping\r\nevent: message\r\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\r\n\r\n\
+event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":2,\"result\":{}}\n\n\
+event: message\ndata: {\"jsonrpc\":\"2.0\",\n\
+data: \"id\":1,\"result\":{\"ok\":true}}\n\n";
+        let got = stored_body(200, Some(b"text/event-stream"), None, sse, b"1").unwrap();
+        assert_eq!(got, b"{\"jsonrpc\":\"2.0\",\n\"id\":1,\"result\":{\"ok\":true}}");
+        // The stream ended before the final event (or in its middle): no completion.
+        let cut = b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n\
+data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}";
+        assert_eq!(stored_body(200, Some(b"text/event-stream"), None, cut, b"1"), Err(NotFinal::Missing));
+        // An answer to another id, a request from the server, a gzip body: no completion.
+        assert_eq!(
+            stored_body(200, Some(b"application/json"), None, br#"{"id":2,"result":{}}"#, b"1"),
+            Err(NotFinal::Missing)
+        );
+        assert_eq!(
+            stored_body(200, Some(b"application/json"), None, br#"{"id":1,"method":"sampling/createMessage"}"#, b"1"),
+            Err(NotFinal::Missing)
+        );
+        assert_eq!(
+            stored_body(200, Some(b"application/json"), Some(b"gzip"), br#"{"id":1,"result":{}}"#, b"1"),
+            Err(NotFinal::Missing)
+        );
+        assert_eq!(stored_body(200, None, None, br#"{"id":"1","result":{}}"#, b"1"), Err(NotFinal::Missing));
+        // A JSON-RPC error is a final answer; a 4xx is kept as it came.
+        assert!(stored_body(200, None, None, br#"{"id":1,"error":{"code":-1,"message":"x"}}"#, b"1").is_ok());
+        assert_eq!(stored_body(404, None, None, b"gone", b"1"), Ok(b"gone".to_vec()));
+    }
+
+    #[test]
+    fn a_replay_answers_the_retry_in_the_form_it_accepts() {
+        let first = StoredResponse {
+            status: 200,
+            headers: vec![
+                ("content-type".into(), b"text/event-stream".to_vec()),
+                ("mcp-session-id".into(), b"s-1".to_vec()),
+                ("x-app".into(), b"1".to_vec()),
+            ],
+            body: b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"n\":1}}\n\n".to_vec(),
+        };
+        let stored = stored_response(first, b"1").unwrap();
+        assert_eq!(stored.body, br#"{"jsonrpc":"2.0","id":1,"result":{"n":1}}"#);
+        assert!(stored.headers.iter().all(|(n, _)| n != "mcp-session-id"));
+        let both = Accepts { json: true, sse: true };
+        let StoredResponse { status, headers, body } = replay(&stored, b"\"retry\"", both);
+        assert_eq!(status, 200);
+        assert!(headers.contains(&("content-type".to_string(), b"text/event-stream".to_vec())));
+        assert!(headers.contains(&("x-app".to_string(), b"1".to_vec())));
+        assert_eq!(
+            body,
+            b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":\"retry\",\"result\":{\"n\":1}}\n\n".to_vec()
+        );
+        let StoredResponse { headers, body, .. } = replay(&stored, b"2", Accepts { json: true, sse: false });
+        assert!(headers.contains(&("content-type".to_string(), b"application/json".to_vec())));
+        assert_eq!(body, br#"{"jsonrpc":"2.0","id":2,"result":{"n":1}}"#);
+        let cut = StoredResponse {
+            status: 200,
+            headers: vec![("content-type".into(), b"text/event-stream".to_vec())],
+            body: b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n".to_vec(),
+        };
+        assert_eq!(stored_response(cut, b"1"), Err(NotFinal::Missing));
+    }
+
+    #[test]
+    fn accept_decides_json_or_event_stream() {
+        let both = Accepts::of(&[b"application/json, text/event-stream"]);
+        assert!(both.json && both.sse);
+        assert!(both.sse_reply(true));
+        assert!(!both.sse_reply(false));
+        let sse_only = Accepts::of(&[b"text/event-stream;q=1"]);
+        assert!(sse_only.sse_reply(false));
+        let none = Accepts::of(&[]);
+        assert!(none.json && !none.sse_reply(true));
+        assert_eq!(sse_event(b"{\"a\":\n1}"), b"event: message\ndata: {\"a\":\ndata: 1}\n\n".to_vec());
+    }
+
+    #[test]
+    fn refusals_are_json_rpc_errors_with_the_request_id() {
+        let body = error_body(&ProblemKind::InFlight { retry_after_seconds: 2 }, b"\"x\"");
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["jsonrpc"], "2.0");
+        assert_eq!(v["id"], "x");
+        assert_eq!(v["error"]["code"], -32001);
+        assert_eq!(v["error"]["data"]["status"], 409);
+        assert_eq!(v["error"]["data"]["retryAfter"], 2);
+        assert_eq!(v["error"]["data"]["retry"], true);
+        let r: Value = serde_json::from_slice(&error_body(&ProblemKind::KeyReused { status: 422 }, b"3")).unwrap();
+        assert_eq!(r["error"]["code"], -32002);
+        assert_eq!(r["error"]["data"]["retry"], false);
+        assert!(r["error"]["data"].get("retryAfter").is_none());
+        assert_eq!(error_code(&ProblemKind::OutcomeUnknown), -32003);
+        assert_eq!(error_code(&ProblemKind::StoreUnavailable { retry_after_seconds: 1 }), -32004);
+        assert_eq!(error_code(&ProblemKind::KeyMissing { header: "h".into() }), -32005);
+        assert_eq!(error_code(&ProblemKind::BodyTooLarge { limit: 1 }), -32006);
+        assert_eq!(error_code(&ProblemKind::McpBodyAmbiguous), -32000);
+    }
+}
