@@ -60,6 +60,13 @@ impl App {
         format!("http://127.0.0.1:{}{path}", self.port)
     }
 
+    /// HTTP requests the server received so far (this one included).
+    fn requests(&self) -> u64 {
+        let r = http::get(self.port, "/count").expect("GET /count");
+        let v: Value = serde_json::from_slice(&r.body).expect("count JSON");
+        v["requests"].as_u64().expect("requests")
+    }
+
     /// Executions so far.
     fn count(&self) -> u64 {
         let r = http::get(self.port, "/count").expect("GET /count");
@@ -321,15 +328,22 @@ fn fresh_keys_every_run_and_a_dry_run_sends_nothing() {
     let first_line = |p: &str| p.lines().find(|l| l.contains("(the body)")).map(str::to_string);
     assert_ne!(first_line(&plan1), first_line(&plan2));
     assert_eq!(app.count(), 0, "a dry run executes nothing");
-    // The announced count is what the app saw: its requests and the evidence reads.
-    let (out, report) = probe(&app.url("/charges"), &["--count-url", &app.url("/count")]);
-    let announced: usize = text(&out.stderr)
-        .split("idemgate probe: ")
-        .nth(1)
-        .and_then(|r| r.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .expect("the count announced");
-    assert_eq!(report["requests_sent"], announced);
+    // The announced count is what the server received: the probe's requests and evidence reads
+    // (each GET /count counts itself).
+    for extra in [vec!["--count-url".to_string(), app.url("/count")], vec![]] {
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let before = app.requests();
+        let (out, report) = probe(&app.url("/charges"), &extra);
+        let received = app.requests() - before - 1;
+        let announced: u64 = text(&out.stderr)
+            .split("idemgate probe: ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .expect("the count announced");
+        assert_eq!(received, announced, "{extra:?}: {}", text(&out.stderr));
+        assert_eq!(report["requests_sent"], announced);
+    }
 }
 
 /// https:// against a server with a private CA (IDEMGATE_PROBE_CA_FILE), the Starlette app

@@ -3,7 +3,8 @@
     python apps.py KIND    # serves on 127.0.0.1:<free port>, prints "PORT <n>" once listening
 
 Every app creates a charge on POST /charges (201 {"id": "ch_<n>", ...}, after DELAY seconds so
-concurrent duplicates overlap) and counts its executions: GET /count answers {"count": n} and
+concurrent duplicates overlap) and counts its executions: GET /count answers {"count": n, "requests": r} (r: every HTTP request the
+server received, Starlette apps only) and
 GET /charges lists the charges created (a JSON array). KIND:
 
   asgi-idempotency-header   IdempotencyHeaderMiddleware (memory backend), Starlette
@@ -25,7 +26,7 @@ import time
 
 DELAY = float(os.environ.get("PROBE_APP_DELAY", "0.4"))
 KIND = sys.argv[1]
-state = {"count": 0, "charges": []}
+state = {"count": 0, "charges": [], "requests": 0}
 lock = threading.Lock()
 
 
@@ -70,7 +71,7 @@ def serve_asgi():
         return JSONResponse(doc, status_code=status)
 
     async def count(_request):
-        return JSONResponse({"count": state["count"]})
+        return JSONResponse({"count": state["count"], "requests": state["requests"]})
 
     app = Starlette(routes=[Route("/charges", charges, methods=["GET", "POST"]), Route("/count", count)])
     if KIND == "asgi-idempotency-header":
@@ -88,6 +89,16 @@ def serve_asgi():
         app = IdempotencyMiddleware(app)
     elif KIND not in ("plain", "constant"):
         sys.exit(f"unknown app {KIND}")
+    inner = app
+
+    async def counted(scope, receive, send):
+        # Every HTTP request that reached the server, refused by the library or not.
+        if scope["type"] == "http":
+            with lock:
+                state["requests"] += 1
+        await inner(scope, receive, send)
+
+    app = counted
     sock = listen()
     tls = {}
     if os.environ.get("PROBE_APP_TLS_CERT"):

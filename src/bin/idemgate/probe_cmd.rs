@@ -216,7 +216,6 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
     let check_other = !other.is_empty() && want("other-caller-scoped");
     let path = &t.path;
     let mut plan = Plan { lines: vec![] };
-    let ev = usize::from(evidence.is_some());
     let read = |p: &mut Plan| {
         if let Some((u, _)) = &evidence {
             p.add(1, format!("GET {u} (evidence)"));
@@ -252,8 +251,8 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
         plan.add(1, format!("{method} {path} {key_header}: {} as the second caller", key("a")));
         read(&mut plan);
     }
-    let _ = ev;
-    eprintln!("idemgate probe: {} request(s) to send ({} profile)", plan.total(), o.profile.as_str());
+    let retries = if replay { " (up to 5 more while the retry is answered 409 with retry-after)" } else { "" };
+    eprintln!("idemgate probe: {} request(s) to send{retries}, {} profile", plan.total(), o.profile.as_str());
     if a.get_flag("dry_run") {
         for l in &plan.lines {
             println!("{l}");
@@ -276,11 +275,17 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
         }
         Ok(Some(ans.body))
     };
-    // One step: the evidence before and after its requests.
+    // One step: the evidence before and after its requests (the reading after one step is the
+    // reading before the next: the steps run one after the other).
+    let last = std::cell::RefCell::new(None);
     let step = |desc: String, f: &dyn Fn() -> Result<Vec<Answer>, Fail>| -> Result<Step, Fail> {
-        let before = read_evidence()?;
+        let before = match last.borrow_mut().take() {
+            Some(b) => Some(b),
+            None => read_evidence()?,
+        };
         let answers = f()?;
         let after = read_evidence()?;
+        last.borrow_mut().clone_from(&after);
         let executions = match (before, after) {
             (Some(b), Some(a)) => probe::executions_between(&b, &a),
             _ => Executions::Unknown,
