@@ -344,7 +344,9 @@ pub fn judge(s: &Seen, o: &Options) -> Vec<Rule> {
             let Some(step) = step else {
                 return skipped(match name {
                     "missing-key-400" => "not checked (pass --check-missing-key when the operation requires a key)",
-                    "other-caller-scoped" => "not checked (pass --second-caller-header with another caller's credentials)",
+                    "other-caller-scoped" => {
+                        "not checked (pass --second-caller-header with another caller's credentials)"
+                    }
                     _ => "not checked",
                 });
             };
@@ -395,7 +397,9 @@ fn replay(s: &Seen, step: &Step, o: &Options) -> (Verdict, String) {
     let what = match (first.status == second.status, same_body) {
         (true, true) => format!("the retry answered {} with the same body", second.status),
         (true, false) => format!("the retry answered {} with a different body", second.status),
-        (false, true) => format!("the retry answered {} (the first {}) with the same body", second.status, first.status),
+        (false, true) => {
+            format!("the retry answered {} (the first {}) with the same body", second.status, first.status)
+        }
         (false, false) => {
             format!("the retry answered {} (the first {}) with a different body", second.status, first.status)
         }
@@ -408,7 +412,10 @@ fn replay(s: &Seen, step: &Step, o: &Options) -> (Verdict, String) {
         return if identical {
             (Verdict::Kept, format!("{what}; no new execution"))
         } else if o.profile == Profile::Draft && second.status == 409 && same_body {
-            (Verdict::Violated, format!("{what}; no new execution, but the draft asks for the previous result, not a 409"))
+            (
+                Verdict::Violated,
+                format!("{what}; no new execution, but the draft asks for the previous result, not a 409"),
+            )
         } else {
             (Verdict::Violated, format!("{what}; no new execution, but not the first answer"))
         };
@@ -444,8 +451,11 @@ fn marked(step: &Step, o: &Options) -> (Verdict, String) {
                 .filter(|(n, _)| n.contains("replay") && *n != o.replay_header)
                 .map(|(n, _)| n.as_str())
                 .collect();
-            let hint =
-                if other.is_empty() { String::new() } else { format!(" (it carried {}: see --replay-header)", other.join(", ")) };
+            let hint = if other.is_empty() {
+                String::new()
+            } else {
+                format!(" (it carried {}: see --replay-header)", other.join(", "))
+            };
             (Verdict::Violated, format!("the retry carried no {}{hint}", o.replay_header))
         }
     }
@@ -489,7 +499,11 @@ fn in_flight(s: &Seen, step: &Step, o: &Options) -> (Verdict, String) {
     };
     if !conflicts.is_empty() {
         if let Some(bad) = conflicts.iter().find(|a| !conflict_ok(a)) {
-            let want = if o.profile == Profile::Strict { "an application/problem+json document" } else { "a problem description" };
+            let want = if o.profile == Profile::Strict {
+                "an application/problem+json document"
+            } else {
+                "a problem description"
+            };
             return (Verdict::Violated, format!("{observed}; a 409 without {want}: {}", bad.summary()));
         }
         let evidence = ran.map_or(String::new(), |k| format!("; {k} execution(s) counted"));
@@ -509,7 +523,9 @@ fn in_flight(s: &Seen, step: &Step, o: &Options) -> (Verdict, String) {
     let evidence = ran.map_or(" (executions not measured)".to_string(), |k| format!("; {k} execution(s) counted"));
     (
         Verdict::Inconclusive,
-        format!("{observed}, no 409{evidence}: the duplicates did not overlap a running request, or the server held them until the first finished"),
+        format!(
+            "{observed}, no 409{evidence}: every duplicate got the first one's result, so the draft's 409 for a request still in progress was not observed (the server held them, or they arrived after it finished)"
+        ),
     )
 }
 
@@ -534,9 +550,15 @@ fn mismatch(s: &Seen, step: &Step, o: &Options) -> (Verdict, String) {
         };
         (Verdict::Kept, format!("{observed}{link}"))
     } else if a.same_result(first) && answers_tell_executions_apart(s) == Some(false) {
-        (Verdict::Violated, format!("{observed}: the same answer as the first request (and as a fresh key), not refused ({want})"))
+        (
+            Verdict::Violated,
+            format!("{observed}: the same answer as the first request (and as a fresh key), not refused ({want})"),
+        )
     } else if a.same_result(first) {
-        (Verdict::Violated, format!("{observed}: it was answered as a replay of the first request, not refused ({want})"))
+        (
+            Verdict::Violated,
+            format!("{observed}: it was answered as a replay of the first request, not refused ({want})"),
+        )
     } else if (200..300).contains(&a.status) && step.executions.any().is_none() {
         (Verdict::Violated, format!("{observed}: accepted, not refused ({want}); executions not measured"))
     } else {
@@ -558,7 +580,11 @@ fn refused_400(step: &Step, what: &str, o: &Options) -> (Verdict, String) {
     if ok {
         (Verdict::Kept, observed)
     } else {
-        let want = if o.profile == Profile::Strict { "400 application/problem+json" } else { "400 with a body or a Link header" };
+        let want = if o.profile == Profile::Strict {
+            "400 application/problem+json"
+        } else {
+            "400 with a body or a Link header"
+        };
         (Verdict::Violated, format!("{observed}, not {want}"))
     }
 }
@@ -573,7 +599,10 @@ fn scoped(s: &Seen, step: &Step) -> (Verdict, String) {
                 format!("{observed} with the first caller's body, but every execution answers that body"),
             );
         }
-        return (Verdict::Violated, format!("{observed} with the first caller's body: the key is not scoped to the caller"));
+        return (
+            Verdict::Violated,
+            format!("{observed} with the first caller's body: the key is not scoped to the caller"),
+        );
     }
     (Verdict::Kept, format!("{observed} with its own answer ({})", step.executions.describe()))
 }
@@ -587,7 +616,10 @@ fn expiry(s: &Seen) -> (Verdict, String) {
         .find_map(|a| a.headers.iter().find(|(n, _)| n.contains("idempotency") && n.contains("expire")).cloned());
     match published {
         Some((n, v)) => (Verdict::Kept, format!("{n}: {v}")),
-        None => (Verdict::Violated, "no idempotency-key-expires-in (or similar) header on the first answer or the retry".into()),
+        None => (
+            Verdict::Violated,
+            "no idempotency-key-expires-in (or similar) header on the first answer or the retry".into(),
+        ),
     }
 }
 

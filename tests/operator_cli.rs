@@ -290,7 +290,11 @@ fn probe_finds_every_rule_kept_by_idemgate_in_envoy() {
     // Every strict rule kept; the missing-key and second-caller checks were not asked for.
     assert!(verdicts(&report).iter().all(|(_, v)| v == "kept" || v == "skipped"), "{report}");
     assert_eq!(verdicts(&report).iter().filter(|(_, v)| v == "kept").count(), 6, "{report}");
-    assert_eq!(s.up.executions(), 3, "one execution per fresh key (the replay's, the fresh comparison's, the concurrent one)");
+    assert_eq!(
+        s.up.executions(),
+        3,
+        "one execution per fresh key (the replay's, the fresh comparison's, the concurrent one)"
+    );
 }
 
 /// A route with Stripe's key rule (`key_syntax: "any"`) still refuses the probe's malformed key

@@ -5,7 +5,6 @@
 //! in front of the plain app. Every app counts its executions (GET /count), and each verdict is
 //! asserted against that count: what the server really did.
 
-#[allow(dead_code)]
 mod support;
 
 use std::io::{BufRead, BufReader};
@@ -129,8 +128,7 @@ fn detail(report: &Value, name: &str) -> String {
 #[test]
 fn a_constant_body_never_passes_replay_identical() {
     let app = App::start("constant");
-    let (out, report) =
-        probe(&app.url("/charges"), &["--skip", "mismatch-refused", "--fail-inconclusive"]);
+    let (out, report) = probe(&app.url("/charges"), &["--skip", "mismatch-refused", "--fail-inconclusive"]);
     assert_eq!(verdict(&report, "replay-identical"), "inconclusive", "{report:#}");
     assert!(detail(&report, "replay-identical").contains("fresh key got the same answer"), "{report:#}");
     assert_eq!(out.status.code(), Some(3), "{report:#}\n{}", text(&out.stderr));
@@ -231,7 +229,10 @@ fn fastapi_idempotency_held_duplicates_are_inconclusive_and_said_so() {
     let (out, report) = probe(&app.url("/charges"), &["--list-url", &app.url("/charges"), "--fail-inconclusive"]);
     assert_eq!(verdict(&report, "in-flight-409"), "inconclusive", "{report:#}");
     let d = detail(&report, "in-flight-409");
-    assert!(d.contains("3 marked as replays") && d.contains("1 execution(s) counted") && !d.contains("never overlapped"), "{d}");
+    assert!(
+        d.contains("3 marked as replays") && d.contains("1 execution(s) counted") && !d.contains("never overlapped"),
+        "{d}"
+    );
     assert_eq!(verdict(&report, "replay-identical"), "kept", "{report:#}");
     assert_eq!(verdict(&report, "mismatch-refused"), "kept", "{report:#}");
     assert_eq!(out.status.code(), Some(3), "{report:#}");
@@ -317,7 +318,8 @@ fn idemgate_in_front_of_the_plain_app_keeps_every_strict_rule() {
 fn fresh_keys_every_run_and_a_dry_run_sends_nothing() {
     let app = App::start("asgi-idempotency-header");
     let run = || {
-        let (out, _) = probe(&app.url("/charges"), &["--dry-run", "--profile", "strict", "--count-url", &app.url("/count")]);
+        let (out, _) =
+            probe(&app.url("/charges"), &["--dry-run", "--profile", "strict", "--count-url", &app.url("/count")]);
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
         (text(&out.stdout), text(&out.stderr))
     };

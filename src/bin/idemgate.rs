@@ -584,4 +584,3 @@ fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
         b = b.get(size + 2..)?;
     }
 }
-

@@ -2,7 +2,7 @@
 
     python apps.py KIND    # serves on 127.0.0.1:<free port>, prints "PORT <n>" once listening
 
-Every app creates a charge on POST /charges (201 {"id": "ch_<n>", ...}, after DELAY seconds so
+Every app creates a charge on POST /charges (201 {"id": "ch_<n>", ...}, after PROBE_APP_DELAY seconds, default 1, so
 concurrent duplicates overlap) and counts its executions: GET /count answers {"count": n, "requests": r} (r: every HTTP request the
 server received, Starlette apps only) and
 GET /charges lists the charges created (a JSON array). KIND:
@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-DELAY = float(os.environ.get("PROBE_APP_DELAY", "0.4"))
+DELAY = float(os.environ.get("PROBE_APP_DELAY", "1.0"))
 KIND = sys.argv[1]
 state = {"count": 0, "charges": [], "requests": 0}
 lock = threading.Lock()

@@ -168,7 +168,10 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
     }
     let o = Options {
         profile,
-        replay_header: s(a, "replay_header").cloned().unwrap_or_else(|| "idempotent-replayed".into()).to_ascii_lowercase(),
+        replay_header: s(a, "replay_header")
+            .cloned()
+            .unwrap_or_else(|| "idempotent-replayed".into())
+            .to_ascii_lowercase(),
         skip,
     };
     let mut headers = vec![];
@@ -188,8 +191,10 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
         headers.push((n, v.trim().to_string()));
     }
     let mut second_caller = headers.clone();
-    let other: Vec<(String, String)> =
-        many(a, "second_caller_header").iter().map(|l| header_line(l, "--second-caller-header")).collect::<Result<_, _>>()?;
+    let other: Vec<(String, String)> = many(a, "second_caller_header")
+        .iter()
+        .map(|l| header_line(l, "--second-caller-header"))
+        .collect::<Result<_, _>>()?;
     second_caller.retain(|(n, _)| !other.iter().any(|(o, _)| o == n));
     second_caller.extend(other.iter().cloned());
     let body = match s(a, "body_file") {
@@ -265,11 +270,11 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
         if let Some(k) = k {
             h.push((key_header.clone(), k.to_string()));
         }
-        client.send(&t, &method, &h, b).or_else(|e| Err(Fail(format!("{url}: {e} (exit 2: no verdict)"), 2)))
+        client.send(&t, &method, &h, b).map_err(|e| Fail(format!("{url}: {e} (exit 2: no verdict)"), 2))
     };
     let read_evidence = || -> Result<Option<Vec<u8>>, Fail> {
         let Some((u, et)) = &evidence else { return Ok(None) };
-        let ans = client.send(et, "GET", &headers, &[]).or_else(|e| Err(Fail(format!("evidence {u}: {e}"), 2)))?;
+        let ans = client.send(et, "GET", &headers, &[]).map_err(|e| Fail(format!("evidence {u}: {e}"), 2))?;
         if !(200..300).contains(&ans.status) {
             return Err(Fail(format!("evidence {u} answered {} (a 2xx is needed)", ans.summary()), 2));
         }
@@ -297,8 +302,11 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
     let ka = key("a");
     let first = step(desc(&ka, "the body"), &|| Ok(vec![send(&headers, Some(&ka), &body)?]))?;
     let first_answer = first.answers.first().cloned().unwrap_or_default();
-    let expected =
-        if expect.is_empty() { (200..300).contains(&first_answer.status) } else { expect.contains(&first_answer.status) };
+    let expected = if expect.is_empty() {
+        (200..300).contains(&first_answer.status)
+    } else {
+        expect.contains(&first_answer.status)
+    };
     if !expected {
         let want = if expect.is_empty() {
             "a 2xx".to_string()
@@ -316,7 +324,9 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
     if matches!(first.executions, Executions::Counted(0) | Executions::Changed(false)) {
         let (u, _) = evidence.as_ref().map_or((String::new(), ()), |(u, _)| (u.clone(), ()));
         return Err(Fail(
-            format!("{u}: the evidence did not change when the first request executed: it cannot count executions (exit 2)"),
+            format!(
+                "{u}: the evidence did not change when the first request executed: it cannot count executions (exit 2)"
+            ),
             2,
         ));
     }
@@ -338,7 +348,11 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
     };
     let kc = key("c");
     let fresh = if fresh_needed {
-        Some(Step::one(desc(&kc, "the same body under a fresh key"), send(&headers, Some(&kc), &body)?, Executions::Unknown))
+        Some(Step::one(
+            desc(&kc, "the same body under a fresh key"),
+            send(&headers, Some(&kc), &body)?,
+            Executions::Unknown,
+        ))
     } else {
         None
     };
@@ -387,14 +401,18 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
     } else {
         None
     };
-    let rules = probe::judge(&Seen { first, second, fresh, concurrent, mismatch, malformed, missing, other_caller }, &o);
+    let rules =
+        probe::judge(&Seen { first, second, fresh, concurrent, mismatch, malformed, missing, other_caller }, &o);
     let fail_inconclusive = a.get_flag("fail_inconclusive");
     if let Some(f) = s(a, "junit") {
         std::fs::write(f, probe::junit(&url, &o, &rules, fail_inconclusive))
-            .or_else(|e| Err(Fail(format!("--junit {f}: {e}"), 2)))?;
+            .map_err(|e| Fail(format!("--junit {f}: {e}"), 2))?;
     }
     if a.get_flag("json") {
-        println!("{}", serde_json::to_string_pretty(&probe::report(&url, &o, &rules, plan.total())).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&probe::report(&url, &o, &rules, plan.total())).unwrap_or_default()
+        );
     } else {
         for r in &rules {
             println!("{:<20} {:<13} {}", r.name, r.verdict.as_str(), r.detail);
