@@ -242,11 +242,12 @@ fn fastapi_idempotency_held_duplicates_are_inconclusive_and_said_so() {
 /// django-idempotency-key 1.3.0 answers a retry 409 with the stored body (no execution), hashes
 /// the body into the key (a changed body executes) and, without its lock, runs concurrent
 /// duplicates. Before: the retry's message said "with another body". Now: it says the same body,
-/// and every execution the probe reports is the app's count.
+/// and every execution the probe reports is the app's count. Its middleware requires a key, so
+/// the missing-key check is kept; a first answer slower than --timeout-ms is exit 2.
 #[test]
 fn django_idempotency_key_violations_say_what_happened() {
     let app = App::start("django-idempotency-key");
-    let (out, report) = probe(&app.url("/charges"), &["--count-url", &app.url("/count")]);
+    let (out, report) = probe(&app.url("/charges"), &["--count-url", &app.url("/count"), "--check-missing-key"]);
     let d = detail(&report, "replay-identical");
     assert_eq!(verdict(&report, "replay-identical"), "violated", "{report:#}");
     assert!(d.contains("409") && d.contains("with the same body") && d.contains("no new execution"), "{d}");
@@ -254,8 +255,13 @@ fn django_idempotency_key_violations_say_what_happened() {
     assert!(detail(&report, "in-flight-409").contains("4 executions counted"), "{report:#}");
     assert_eq!(verdict(&report, "mismatch-refused"), "violated", "{report:#}");
     assert!(detail(&report, "mismatch-refused").contains("changed body executed"), "{report:#}");
+    // Its middleware requires a key: 400 with a JSON body, not executed.
+    assert_eq!(verdict(&report, "missing-key-400"), "kept", "{report:#}");
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(app.count(), 6, "first, 4 concurrent, the changed body");
+    // A request that outlives --timeout-ms is an error before any verdict (exit 2).
+    let (out, _) = probe(&app.url("/charges"), &["--timeout-ms", "200"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
 }
 
 /// The plain app executes everything: every rule violated, with evidence or without.

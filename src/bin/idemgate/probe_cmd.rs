@@ -219,6 +219,13 @@ pub fn run(a: &ArgMatches) -> Result<(), Fail> {
     let fresh_needed = evidence.is_none() && (replay || want("in-flight-409") || want("other-caller-scoped"));
     let check_missing = a.get_flag("check_missing_key") && want("missing-key-400");
     let check_other = !other.is_empty() && want("other-caller-scoped");
+    for (asked, rule) in
+        [(a.get_flag("check_missing_key"), "missing-key-400"), (!other.is_empty(), "other-caller-scoped")]
+    {
+        if asked && probe::clause(o.profile, rule).is_none() {
+            eprintln!("idemgate probe: note: the {} profile has no rule {rule}: not checked", o.profile.as_str());
+        }
+    }
     let path = &t.path;
     let mut plan = Plan { lines: vec![] };
     let read = |p: &mut Plan| {
