@@ -15,6 +15,8 @@
 #   scripts/install-deps.sh grpc-client      # python grpcio (pinned) for the gRPC tests (tests/grpc.rs)
 #   scripts/install-deps.sh sdk-clients      # pinned stripe / gocardless-pro / openai / anthropic / modern-treasury (PyPI, venv target/sdk-venv) and
 #                                            # stripe-node (npm, target/sdk-node) for tests/sdk_clients.rs
+#   scripts/install-deps.sh probe-apps       # pinned third-party idempotency libraries (tests/probe/requirements.txt, venv target/probe-venv)
+#                                            # for tests/probe_gate.rs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -136,6 +138,19 @@ case "${1:-}" in
       (cd "$node_dir" && timeout 600 npm ci --no-audit --no-fund --silent)
     fi
     ;;
+  probe-apps)
+    # The servers nobody here wrote that `idemgate probe` is tested against (tests/probe_gate.rs,
+    # tests/probe/apps.py). Reinstalled whenever tests/probe/requirements.txt changes.
+    venv=target/probe-venv
+    if ! cmp -s tests/probe/requirements.txt "$venv/requirements.txt" || [ ! -x "$venv/bin/python" ]; then
+      python3 -c "import venv, ensurepip" 2>/dev/null || apt_ensure python3-venv
+      rm -rf "$venv"
+      python3 -m venv "$venv"
+      log "pip install -r tests/probe/requirements.txt into $venv"
+      timeout 600 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/probe/requirements.txt
+      cp tests/probe/requirements.txt "$venv/requirements.txt"
+    fi
+    ;;
   wasm-bindgen)
     ver=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/[^0-9.]/,"",$0); print; exit}' Cargo.lock)
     [ -n "$ver" ] || { log "wasm-bindgen not found in Cargo.lock"; exit 1; }
@@ -144,5 +159,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client | sdk-clients" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client | sdk-clients | probe-apps" >&2; exit 2 ;;
 esac

@@ -265,7 +265,7 @@ fn the_cli_computes_the_filters_storage_key_and_refuses_bad_input() {
 }
 
 fn probe(url: &str, extra: &[&str]) -> (Output, serde_json::Value) {
-    let mut args = vec!["probe", url, "--json", "--header", "authorization: Bearer probe-ci"];
+    let mut args = vec!["probe", url, "--json", "--profile", "strict", "--header", "authorization: Bearer probe-ci"];
     args.extend_from_slice(extra);
     let out = Command::new(env!("CARGO_BIN_EXE_idemgate")).args(&args).output().expect("run idemgate probe");
     let report = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out.stdout)));
@@ -287,8 +287,14 @@ fn probe_finds_every_rule_kept_by_idemgate_in_envoy() {
     let url = format!("http://127.0.0.1:{}/charges", s.envoy.port);
     let (out, report) = probe(&url, &["--header", "x-up-delay-ms: 300"]);
     assert!(out.status.success(), "{report}\n{}", text(&out.stderr));
-    assert!(verdicts(&report).iter().all(|(_, v)| v == "kept"), "{report}");
-    assert_eq!(s.up.executions(), 2, "one execution per fresh key (the probe's replay and concurrent keys)");
+    // Every strict rule kept; the missing-key and second-caller checks were not asked for.
+    assert!(verdicts(&report).iter().all(|(_, v)| v == "kept" || v == "skipped"), "{report}");
+    assert_eq!(verdicts(&report).iter().filter(|(_, v)| v == "kept").count(), 6, "{report}");
+    assert_eq!(
+        s.up.executions(),
+        3,
+        "one execution per fresh key (the replay's, the fresh comparison's, the concurrent one)"
+    );
 }
 
 /// A route with Stripe's key rule (`key_syntax: "any"`) still refuses the probe's malformed key
@@ -302,8 +308,9 @@ fn probe_finds_every_rule_kept_on_a_route_with_key_syntax_any() {
     let url = format!("http://127.0.0.1:{}/charges", envoy.port);
     let (out, report) = probe(&url, &["--header", "x-up-delay-ms: 300"]);
     assert!(out.status.success(), "{report}\n{}", text(&out.stderr));
-    assert!(verdicts(&report).iter().all(|(_, v)| v == "kept"), "{report}");
-    assert_eq!(up.executions(), 2, "one execution per fresh key");
+    assert!(verdicts(&report).iter().all(|(_, v)| v == "kept" || v == "skipped"), "{report}");
+    assert_eq!(verdicts(&report).iter().filter(|(_, v)| v == "kept").count(), 6, "{report}");
+    assert_eq!(up.executions(), 3, "one execution per fresh key");
 }
 
 struct Demo(Child);
@@ -339,7 +346,7 @@ fn probe_reports_the_violations_of_the_demo_api_without_idemgate() {
     let (out, report) = probe(&url, &["--body-file", body.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1), "{report}");
     let v = verdicts(&report);
-    for rule in ["replay-identical", "replay-marked", "mismatch-422", "malformed-key-400", "expiry-published"] {
+    for rule in ["replay-identical", "replay-marked", "mismatch-refused", "malformed-key-400", "expiry-published"] {
         assert!(v.contains(&(rule.to_string(), "violated".to_string())), "{rule}: {report}");
     }
     assert_eq!(report["passed"], false);

@@ -11,15 +11,20 @@
 //!     idemgate resolve STORAGE_KEY --release
 //!     idemgate resolve STORAGE_KEY --complete --status 201 [--body-file F] [--header 'name: value' ...]
 //!     idemgate forget STORAGE_KEY
-//!     idemgate probe URL [--method POST] [--header 'name: value' ...] [--body-file F] [--json]
+//!     idemgate probe URL [--profile draft|stripe|strict] [--count-url U] [--json] ... (docs/probe.md)
 //!
 //! Exit status: 0 done, 1 refused / absent where an action needed a record / a probe violation /
-//! a store error, 2 a usage error.
+//! a store error, 2 a usage error (for probe also: the target unreachable or failing before any
+//! rule), 3 a probe rule inconclusive with --fail-inconclusive.
 
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "idemgate/etcd_store.rs"]
 mod etcd_store;
+#[path = "idemgate/probe_cmd.rs"]
+mod probe_cmd;
+#[path = "idemgate/tls.rs"]
+mod tls;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -29,7 +34,7 @@ use std::time::Duration;
 use clap::{Arg, ArgAction, ArgMatches, Command};
 use idemgate::admin::{self, Header, KeyRequest, KeyState, Settle};
 use idemgate::config::{Anonymous, Config};
-use idemgate::probe::{self, Answer, Seen};
+use idemgate::probe::Answer;
 use idemgate::seal::Seal;
 use idemgate::store::{self, ReadReply, Resp, StoreRequest, TransitionReply};
 
@@ -143,22 +148,7 @@ fn cli() -> Command {
                 .arg(key())
                 .arg(store_timeout()),
         )
-        .subcommand(
-            Command::new("probe")
-                .about("Prove an API idempotent: the same call twice, concurrently, changed, with a malformed key")
-                .arg(Arg::new("url").required(true).help("http:// URL of the operation"))
-                .arg(Arg::new("method").long("method").default_value("POST"))
-                .arg(headers("'name: value' sent on every request (repeat)"))
-                .arg(Arg::new("body_file").long("body-file"))
-                .arg(Arg::new("key_header").long("key-header").default_value("idempotency-key"))
-                .arg(
-                    Arg::new("concurrency")
-                        .long("concurrency")
-                        .default_value("4")
-                        .value_parser(clap::value_parser!(usize)),
-                )
-                .arg(Arg::new("json").long("json").action(ArgAction::SetTrue)),
-        )
+        .subcommand(probe_cmd::command())
 }
 
 fn main() -> ExitCode {
@@ -198,7 +188,7 @@ fn run(m: &ArgMatches) -> Result<(), Fail> {
             Some(("forget", a)) => {
                 etcd_store::settle(&e()?, &storage_key(a)?, &Settle::Forget, "forgotten", write_window(a))
             }
-            Some(("probe", a)) => probe_cmd(a),
+            Some(("probe", a)) => probe_cmd::run(a),
             _ => usage("a subcommand is needed (see --help)"),
         };
     }
@@ -208,7 +198,7 @@ fn run(m: &ArgMatches) -> Result<(), Fail> {
         Some(("list", a)) => list(&webdis()?, a),
         Some(("resolve", a)) => resolve(&webdis()?, a),
         Some(("forget", a)) => settle(&webdis()?, &storage_key(a)?, &Settle::Forget, "forgotten", write_window(a)),
-        Some(("probe", a)) => probe_cmd(a),
+        Some(("probe", a)) => probe_cmd::run(a),
         _ => usage("a subcommand is needed (see --help)"),
     }
 }
@@ -495,10 +485,11 @@ fn http(
     headers: &[(String, String)],
     body: &[u8],
 ) -> std::io::Result<Answer> {
-    exchange(TcpStream::connect((host, port))?, host, port, method, path, headers, body)
+    exchange(TcpStream::connect((host, port))?, host, port, method, path, headers, body, TIMEOUT)
 }
 
 /// One HTTP/1.1 exchange on the connection `c` to `host:port`.
+#[allow(clippy::too_many_arguments)]
 fn exchange(
     mut c: TcpStream,
     host: &str,
@@ -507,9 +498,23 @@ fn exchange(
     path: &str,
     headers: &[(String, String)],
     body: &[u8],
+    timeout: Duration,
 ) -> std::io::Result<Answer> {
-    c.set_read_timeout(Some(TIMEOUT))?;
-    c.set_write_timeout(Some(TIMEOUT))?;
+    c.set_read_timeout(Some(timeout))?;
+    c.set_write_timeout(Some(timeout))?;
+    exchange_on(&mut c, host, port, method, path, headers, body)
+}
+
+/// One HTTP/1.1 exchange on any connection (plain or TLS) whose timeouts are set.
+fn exchange_on(
+    c: &mut (impl Read + Write),
+    host: &str,
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> std::io::Result<Answer> {
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nhost: {host}:{port}\r\nconnection: close\r\ncontent-length: {}\r\n",
         body.len()
@@ -526,7 +531,12 @@ fn exchange(
     let mut buf = vec![];
     let mut chunk = [0u8; 16384];
     loop {
-        let n = c.read(&mut chunk)?;
+        // A TLS peer that closes without close_notify: the end of the answer as for a TCP close.
+        let n = match c.read(&mut chunk) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => 0,
+            Err(e) => return Err(e),
+        };
         buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
         if n == 0 {
             return parse_response(&buf, true).ok_or_else(|| std::io::Error::other("malformed HTTP response"));
@@ -572,75 +582,5 @@ fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
         }
         out.extend_from_slice(b.get(..size)?);
         b = b.get(size + 2..)?;
-    }
-}
-
-fn probe_cmd(a: &ArgMatches) -> Result<(), Fail> {
-    let url = s(a, "url").cloned().unwrap_or_default();
-    let (host, port, path) = parse_url(&url).or_else(usage)?;
-    let method = s(a, "method").cloned().unwrap_or_else(|| "POST".into());
-    let key_header = s(a, "key_header").cloned().unwrap_or_else(|| "idempotency-key".into()).to_ascii_lowercase();
-    let mut headers = vec![];
-    for l in many(a, "header") {
-        let Some((n, v)) = l.split_once(':') else { return usage(format!("--header {l:?}: expected 'name: value'")) };
-        headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
-    }
-    let body = match s(a, "body_file") {
-        Some(f) => std::fs::read(f).or_else(|e| usage(format!("{f}: {e}")))?,
-        None => vec![],
-    };
-    let concurrency = a.get_one::<usize>("concurrency").copied().unwrap_or(4).max(2);
-    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let key_a = format!("idemgate-probe-{}-{stamp}-a", std::process::id());
-    let key_b = format!("idemgate-probe-{}-{stamp}-b", std::process::id());
-    let call = |key: &str, body: &[u8]| -> Result<Answer, Fail> {
-        let mut h = headers.clone();
-        h.push((key_header.clone(), key.to_string()));
-        http(&host, port, &method, &path, &h, body).or_else(|e| fail(format!("{url}: {e}")))
-    };
-    let first = call(&key_a, &body)?;
-    // A client retries a 409 that says when: the first call's record may be a moment from landing.
-    let mut second = call(&key_a, &body)?;
-    for _ in 0..5 {
-        if second.status != 409 || second.header("retry-after").is_none() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-        second = call(&key_a, &body)?;
-    }
-    let barrier = std::sync::Barrier::new(concurrency);
-    let concurrent: Vec<Answer> = std::thread::scope(|sc| {
-        let handles: Vec<_> = (0..concurrency)
-            .map(|_| {
-                sc.spawn(|| {
-                    barrier.wait();
-                    call(&key_b, &body)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| fail("a probe thread failed")))
-            .collect::<Result<Vec<_>, Fail>>()
-    })?;
-    let mismatch = call(&key_a, &probe::changed_body(&body))?;
-    // Malformed under both `key_syntax` rules: `"unterminated` alone is a literal key under `any`;
-    // a non-ASCII byte is refused by both.
-    let malformed = call("\"unterminated-\u{e9}", &body)?;
-    let rules = probe::judge(&Seen { first, second, concurrent, mismatch, malformed });
-    if a.get_flag("json") {
-        println!("{}", serde_json::to_string_pretty(&probe::report(&url, &rules)).unwrap_or_default());
-    } else {
-        for r in &rules {
-            println!("{:<18} {:<13} {}", r.name, r.verdict.as_str(), r.detail);
-        }
-    }
-    if probe::passes(&rules) {
-        Ok(())
-    } else {
-        fail(format!(
-            "{url} violates {} rule(s) of the idempotency-key draft",
-            rules.iter().filter(|r| r.verdict == probe::Verdict::Violated).count()
-        ))
     }
 }

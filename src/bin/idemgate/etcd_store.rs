@@ -81,7 +81,7 @@ impl Etcd {
                     continue;
                 }
             };
-            return match exchange(stream, host, *port, r.method, &r.path, &headers, &r.body) {
+            return match exchange(stream, host, *port, r.method, &r.path, &headers, &r.body, super::TIMEOUT) {
                 Ok(a) => Ok((a.status, a.body)),
                 Err(e) => fail(format!(
                     "etcd at {host}:{port}: {e} (no answer: a change may have landed; inspect the key again)"
