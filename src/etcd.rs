@@ -52,6 +52,9 @@
 //! longest record life plus `LEASE_MARGIN_MS`, and every put of that window uses it; a request
 //! finding no usable lease is refused (503), never claims without expiry.
 
+use std::borrow::Cow;
+use std::fmt::Write as _;
+
 use serde::de::{self, IgnoredAny, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 
@@ -95,19 +98,32 @@ const MAX_LIST: usize = 4;
 /// The path of every transaction.
 const TXN_PATH: &str = "/v3/kv/txn";
 
+/// The etcd key of a storage key's value, with room for `more` bytes after it.
+fn key_with_room(skey: &StorageKey, more: usize) -> String {
+    let mut key = String::with_capacity(KEY_PREFIX.len() + 64 + more);
+    key.push_str(KEY_PREFIX);
+    crate::hex::encode_into(&skey.0, &mut key);
+    key
+}
+
 /// The etcd key of a storage key's value.
 pub fn etcd_key(skey: &StorageKey) -> String {
-    format!("{KEY_PREFIX}{}", skey.hex())
+    key_with_room(skey, 0)
 }
 
 /// The etcd key of a storage key's owner mark.
 pub fn owner_key(skey: &StorageKey) -> String {
-    format!("{}/o", etcd_key(skey))
+    let mut key = key_with_room(skey, 2);
+    key.push_str("/o");
+    key
 }
 
 /// The etcd key of `owner`'s release tombstone for a storage key.
 pub fn tombstone_key(skey: &StorageKey, owner: &OwnerToken) -> String {
-    format!("{}/r/{}", etcd_key(skey), owner.hex())
+    let mut key = key_with_room(skey, 3 + 32);
+    key.push_str("/r/");
+    crate::hex::encode_into(&owner.0, &mut key);
+    key
 }
 
 /// A reader's clock for judging locks and expiries written by any proxy (the clock rule above).
@@ -133,23 +149,52 @@ fn phase_of(letter: u8) -> Option<StorePhase> {
 }
 
 /// The owner mark: the phase letter and the owner token's hex.
-pub fn owner_mark(phase: StorePhase, owner: &OwnerToken) -> Vec<u8> {
-    let mut m = vec![letter(phase)];
-    m.extend_from_slice(owner.hex().as_bytes());
+pub fn owner_mark(phase: StorePhase, owner: &OwnerToken) -> [u8; 33] {
+    let mut m = [letter(phase); 33];
+    for (slot, digit) in m.iter_mut().skip(1).zip(crate::hex::digits(&owner.0)) {
+        *slot = digit;
+    }
     m
+}
+
+/// `n` (at most 15 digits' worth) in 15 decimal digits.
+fn push_digits15(out: &mut Vec<u8>, n: u64) {
+    let mut digits = [b'0'; 15];
+    let mut n = n.min(999_999_999_999_999);
+    for slot in digits.iter_mut().rev() {
+        *slot = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
+    out.extend_from_slice(&digits);
 }
 
 /// Encodes a value as a proxy writes it at `skey`: `expires_at_ms` and the lock expiry are times
 /// of the writer's clock.
 pub fn encode_value(v: &StoredValue, expires_at_ms: u64, skey: &StorageKey, seal: &Seal) -> Vec<u8> {
-    let mut body = Vec::with_capacity(HEADER_LEN + 64);
-    body.push(letter(v.phase));
-    body.extend_from_slice(v.owner.hex().as_bytes());
-    body.extend_from_slice(format!("{:015}", v.lock_expires_at_ms.min(999_999_999_999_999)).as_bytes());
-    body.extend_from_slice(format!("{:015}", expires_at_ms.min(999_999_999_999_999)).as_bytes());
-    body.extend_from_slice(&v.record.encode());
-    let mut out = VALUE_MAGIC.to_vec();
-    out.extend_from_slice(&seal.seal(&etcd_key(skey), &body));
+    seal_value(v.phase, &v.owner, v.lock_expires_at_ms, &v.record, expires_at_ms, &etcd_key(skey), seal)
+}
+
+/// `encode_value` of its parts, at the etcd key `key`.
+fn seal_value(
+    phase: StorePhase,
+    owner: &OwnerToken,
+    lock_expires_at_ms: u64,
+    record: &Record,
+    expires_at_ms: u64,
+    key: &str,
+    seal: &Seal,
+) -> Vec<u8> {
+    let record = record.encode();
+    let mut body = Vec::with_capacity(HEADER_LEN + record.len());
+    // The phase and the owner's hex: the owner mark's 33 bytes.
+    body.extend_from_slice(&owner_mark(phase, owner));
+    push_digits15(&mut body, lock_expires_at_ms);
+    push_digits15(&mut body, expires_at_ms);
+    body.extend_from_slice(&record);
+    let sealed = seal.seal(key, &body);
+    let mut out = Vec::with_capacity(VALUE_MAGIC.len() + sealed.len());
+    out.extend_from_slice(VALUE_MAGIC);
+    out.extend_from_slice(&sealed);
     out
 }
 
@@ -187,116 +232,197 @@ pub fn open_value(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<(StoredVal
 // ---------------------------------------------------------------------------------------------
 // Requests.
 
-fn int64(n: u64) -> String {
-    n.min(i64::MAX as u64).to_string()
-}
+/// A JSON body, written directly into one buffer sized before it is written: the requests here
+/// are fixed shapes of objects, lists and short strings (base64, decimals, names). A
+/// `serde_json::Value` tree of the same cost about ten times the allocations, and a tree of
+/// small strings joined level by level (each field, object and list its own `String`) about 80 a
+/// transaction; written this way a claim costs a handful (counted, `tests/bench_builds.rs`).
+struct Body(String);
 
-/// A JSON text, written directly: the requests here are fixed shapes of objects, lists and short
-/// strings (base64, decimals, names), and a `serde_json::Value` tree of the same costs about ten
-/// times the allocations (a claim: 166, a completion: 331, counted).
-struct J(String);
+impl Body {
+    fn with_capacity(n: usize) -> Body {
+        Body(String::with_capacity(n))
+    }
 
-impl J {
+    fn raw(&mut self, text: &str) -> &mut Body {
+        self.0.push_str(text);
+        self
+    }
+
     /// A JSON string: quotes, backslashes and control characters escaped.
-    fn str(text: &str) -> J {
-        let mut out = String::with_capacity(text.len() + 2);
-        out.push('"');
+    fn str(&mut self, text: &str) -> &mut Body {
+        self.0.push('"');
         for c in text.chars() {
             match c {
-                '"' => out.push_str("\\\""),
-                '\\' => out.push_str("\\\\"),
-                c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
-                c => out.push(c),
+                '"' => self.0.push_str("\\\""),
+                '\\' => self.0.push_str("\\\\"),
+                c if u32::from(c) < 0x20 => {
+                    let _ = write!(self.0, "\\u{:04x}", u32::from(c));
+                }
+                c => self.0.push(c),
             }
         }
-        out.push('"');
-        J(out)
+        self.0.push('"');
+        self
     }
 
     /// A JSON string of `bytes` in base64 (whose alphabet needs no escape).
-    fn b64(bytes: &[u8]) -> J {
-        let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4 + 2);
-        out.push('"');
-        crate::base64::b64_into(bytes, &mut out);
-        out.push('"');
-        J(out)
+    fn b64(&mut self, bytes: &[u8]) -> &mut Body {
+        self.0.push('"');
+        crate::base64::b64_into(bytes, &mut self.0);
+        self.0.push('"');
+        self
     }
 
-    fn obj<const N: usize>(fields: [(&str, J); N]) -> J {
-        let mut out = String::with_capacity(fields.iter().map(|(k, v)| k.len() + v.0.len() + 4).sum::<usize>() + 2);
-        out.push('{');
-        for (i, (k, v)) in fields.into_iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            out.push('"');
-            out.push_str(k);
-            out.push_str("\":");
-            out.push_str(&v.0);
+    /// A 64-bit integer as proto3 JSON writes it: a decimal string.
+    fn int(&mut self, n: i64) -> &mut Body {
+        let _ = write!(self.0, "\"{n}\"");
+        self
+    }
+
+    fn post(self, path: &'static str) -> StoreRequest {
+        StoreRequest { method: "POST", path: path.to_string(), body: self.0.into_bytes(), by_sha1: None }
+    }
+}
+
+/// The length of `n` bytes in base64, quoted.
+fn b64_len(n: usize) -> usize {
+    n.div_ceil(3) * 4 + 2
+}
+
+/// Room for a decimal 64-bit integer, quoted.
+const INT_LEN: usize = 22;
+
+/// One comparison of a transaction (every one `EQUAL`).
+enum Compare<'a> {
+    /// `key` was never created (or is absent since): its `create_revision` is 0.
+    NeverCreated(&'a [u8]),
+    /// `key`'s `mod_revision` is the one read (the fencing token of a non-owner's transition).
+    ModRevision(&'a [u8], i64),
+    /// `key` holds exactly `value`.
+    Value(&'a [u8], &'a [u8]),
+}
+
+impl Compare<'_> {
+    /// At most the length `write` writes.
+    fn len(&self) -> usize {
+        let fixed = r#"{"key":,"target":"CREATE","result":"EQUAL","create_revision":}"#.len();
+        match self {
+            Compare::NeverCreated(k) => fixed + b64_len(k.len()) + 3,
+            Compare::ModRevision(k, _) => fixed + b64_len(k.len()) + INT_LEN,
+            Compare::Value(k, v) => fixed + b64_len(k.len()) + b64_len(v.len()),
         }
-        out.push('}');
-        J(out)
     }
 
-    fn arr(items: Vec<J>) -> J {
-        let mut out = String::with_capacity(items.iter().map(|v| v.0.len() + 1).sum::<usize>() + 2);
-        out.push('[');
-        for (i, v) in items.into_iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            out.push_str(&v.0);
+    fn write(&self, out: &mut Body) {
+        let (key, target) = match self {
+            Compare::NeverCreated(k) => (k, "CREATE"),
+            Compare::ModRevision(k, _) => (k, "MOD"),
+            Compare::Value(k, _) => (k, "VALUE"),
+        };
+        out.raw(r#"{"key":"#).b64(key).raw(r#","target":""#).raw(target).raw(r#"","result":"EQUAL","#);
+        match self {
+            Compare::NeverCreated(_) => out.raw(r#""create_revision":"0""#),
+            Compare::ModRevision(_, rev) => out.raw(r#""mod_revision":"#).int(*rev),
+            Compare::Value(_, v) => out.raw(r#""value":"#).b64(v),
+        };
+        out.raw("}");
+    }
+}
+
+/// One operation of a transaction.
+enum Op<'a> {
+    /// Puts `value` at `key` with `lease`.
+    Put(&'a [u8], &'a [u8], i64),
+    /// Reads `key` (its value and revisions).
+    Range(&'a [u8]),
+    /// Reads whether `key` exists: its name only, never its value.
+    Exists(&'a [u8]),
+    Delete(&'a [u8]),
+}
+
+impl Op<'_> {
+    /// At most the length `write` writes.
+    fn len(&self) -> usize {
+        let fixed = r#"{"request_delete_range":{"key":,"keys_only":true}}"#.len();
+        match self {
+            Op::Put(k, v, _) => fixed + b64_len(k.len()) + b64_len(v.len()) + r#","value":,"lease":"#.len() + INT_LEN,
+            Op::Range(k) | Op::Exists(k) | Op::Delete(k) => fixed + b64_len(k.len()),
         }
-        out.push(']');
-        J(out)
+    }
+
+    fn write(&self, out: &mut Body) {
+        match self {
+            Op::Put(k, v, lease) => {
+                out.raw(r#"{"request_put":{"key":"#).b64(k).raw(r#","value":"#).b64(v).raw(r#","lease":"#).int(*lease)
+            }
+            Op::Range(k) => out.raw(r#"{"request_range":{"key":"#).b64(k),
+            Op::Exists(k) => out.raw(r#"{"request_range":{"key":"#).b64(k).raw(r#","keys_only":true"#),
+            Op::Delete(k) => out.raw(r#"{"request_delete_range":{"key":"#).b64(k),
+        };
+        out.raw("}}");
     }
 }
 
-fn put(key: &str, value: &[u8], lease: i64) -> J {
-    J::obj([(
-        "request_put",
-        J::obj([("key", J::b64(key.as_bytes())), ("value", J::b64(value)), ("lease", J::str(&lease.to_string()))]),
-    )])
+/// A transaction at `TXN_PATH`: if every comparison holds, the `success` operations, otherwise
+/// the `failure` ones; written into one buffer of the length all of them need.
+fn txn(compare: &[Compare], success: &[Op], failure: &[Op]) -> StoreRequest {
+    let len = r#"{"compare":[],"success":[],"failure":[]}"#.len()
+        + compare.iter().map(|c| c.len() + 1).sum::<usize>()
+        + success.iter().chain(failure).map(|o| o.len() + 1).sum::<usize>();
+    let mut out = Body::with_capacity(len);
+    out.raw(r#"{"compare":["#);
+    for (i, c) in compare.iter().enumerate() {
+        if i > 0 {
+            out.raw(",");
+        }
+        c.write(&mut out);
+    }
+    for (name, ops) in [(r#"],"success":["#, success), (r#"],"failure":["#, failure)] {
+        out.raw(name);
+        for (i, o) in ops.iter().enumerate() {
+            if i > 0 {
+                out.raw(",");
+            }
+            o.write(&mut out);
+        }
+    }
+    out.raw("]}");
+    out.post(TXN_PATH)
 }
 
-fn range(key: &str) -> J {
-    J::obj([("request_range", J::obj([("key", J::b64(key.as_bytes()))]))])
+/// The etcd keys of one storage key (`etcd_key`, `owner_key`), each made once per request.
+struct Keys {
+    value: String,
+    owner: String,
 }
 
-/// A range read of `key`'s name only (whether it exists), never its value.
-fn exists(key: &str) -> J {
-    J::obj([("request_range", J::obj([("key", J::b64(key.as_bytes())), ("keys_only", J("true".into()))]))])
+impl Keys {
+    fn of(skey: &StorageKey) -> Keys {
+        Keys { value: etcd_key(skey), owner: owner_key(skey) }
+    }
 }
 
-fn delete(key: &str) -> J {
-    J::obj([("request_delete_range", J::obj([("key", J::b64(key.as_bytes()))]))])
+/// A value a transaction writes (`encode_value` of its parts), its record borrowed.
+struct NewValue<'a> {
+    phase: StorePhase,
+    owner: OwnerToken,
+    lock_expires_at_ms: u64,
+    record: &'a Record,
+    expires_at_ms: u64,
 }
 
-fn never_created(key: &str) -> J {
-    J::obj([
-        ("key", J::b64(key.as_bytes())),
-        ("target", J::str("CREATE")),
-        ("result", J::str("EQUAL")),
-        ("create_revision", J::str("0")),
+/// The puts that write `value` and its owner mark, then the read of the mark back (the answer
+/// echoes who now holds the key), handed to `then` (which writes the transaction carrying them).
+fn with_write_ops<R>(keys: &Keys, seal: &Seal, value: &NewValue, lease: i64, then: impl FnOnce([Op; 3]) -> R) -> R {
+    let v = value;
+    let sealed = seal_value(v.phase, &v.owner, v.lock_expires_at_ms, v.record, v.expires_at_ms, &keys.value, seal);
+    let mark = owner_mark(v.phase, &v.owner);
+    then([
+        Op::Put(keys.value.as_bytes(), &sealed, lease),
+        Op::Put(keys.owner.as_bytes(), &mark, lease),
+        Op::Range(keys.owner.as_bytes()),
     ])
-}
-
-fn txn(compare: Vec<J>, success: Vec<J>, failure: Vec<J>) -> J {
-    J::obj([("compare", J::arr(compare)), ("success", J::arr(success)), ("failure", J::arr(failure))])
-}
-
-fn post(path: &'static str, body: J) -> StoreRequest {
-    StoreRequest { method: "POST", path: path.to_string(), body: body.0.into_bytes(), by_sha1: None }
-}
-
-/// The puts that write `value` (with `expires_at_ms`) and its owner mark, then read the mark back
-/// (the answer echoes who now holds the key).
-fn write_ops(skey: &StorageKey, seal: &Seal, value: &StoredValue, expires_at_ms: u64, lease: i64) -> Vec<J> {
-    vec![
-        put(&etcd_key(skey), &encode_value(value, expires_at_ms, skey, seal), lease),
-        put(&owner_key(skey), &owner_mark(value.phase, &value.owner), lease),
-        range(&owner_key(skey)),
-    ]
 }
 
 /// Claim-or-read in one transaction: the forwarded claim (`record`, owned by `owner`, its lock
@@ -312,23 +438,30 @@ pub fn claim_request(
     lease: i64,
     now_ms: u64,
 ) -> StoreRequest {
-    let value = StoredValue {
+    let value = NewValue {
         phase: StorePhase::InProgress,
         owner: *owner,
         lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
-        record: record.clone(),
+        record,
+        expires_at_ms: lifetimes.expires_at(Stage::Forwarded, now_ms),
     };
-    let body = txn(
-        vec![never_created(&etcd_key(skey)), never_created(&tombstone_key(skey, owner))],
-        write_ops(skey, seal, &value, lifetimes.expires_at(Stage::Forwarded, now_ms), lease),
-        vec![range(&etcd_key(skey))],
-    );
-    post(TXN_PATH, body)
+    let keys = Keys::of(skey);
+    let tombstone = tombstone_key(skey, owner);
+    with_write_ops(&keys, seal, &value, lease, |writes| {
+        txn(
+            &[Compare::NeverCreated(keys.value.as_bytes()), Compare::NeverCreated(tombstone.as_bytes())],
+            &writes,
+            &[Op::Range(keys.value.as_bytes())],
+        )
+    })
 }
 
 /// A read (no claim): the value of `skey`.
 pub fn read_request(skey: &StorageKey) -> StoreRequest {
-    post("/v3/kv/range", J::obj([("key", J::b64(etcd_key(skey).as_bytes()))]))
+    let key = etcd_key(skey);
+    let mut out = Body::with_capacity(b64_len(key.len()) + 16);
+    out.raw(r#"{"key":"#).b64(key.as_bytes()).raw("}");
+    out.post("/v3/kv/range")
 }
 
 /// What a non-owner's transition was decided on: the value it read and that value's
@@ -354,7 +487,7 @@ pub fn transition_request(
     now_ms: u64,
     fence: Option<&Fence>,
 ) -> Result<StoreRequest, String> {
-    Ok(post(TXN_PATH, transition_body(t, skey, seal, lease, now_ms, fence, false)?))
+    transition_body(t, skey, seal, lease, now_ms, fence, false)
 }
 
 /// An operator's transition (`idemgate resolve`/`forget`, planned by `admin::plan` from the
@@ -379,7 +512,7 @@ pub fn operator_transition_request(
     if t.new_phase.is_some() && lease <= 0 {
         return Err("an operator's write without a lease".into());
     }
-    Ok(post(TXN_PATH, transition_body(t, skey, seal, lease, now_ms, Some(fence), true)?))
+    transition_body(t, skey, seal, lease, now_ms, Some(fence), true)
 }
 
 /// The TTL of the lease an operator's write carries: the record's life (`ttl_ms`, from the write)
@@ -397,7 +530,9 @@ fn transition_body(
     now_ms: u64,
     fence: Option<&Fence>,
     always_fenced: bool,
-) -> Result<J, String> {
+) -> Result<StoreRequest, String> {
+    let keys = Keys::of(skey);
+    let expected_mark;
     let compare = if t.require_stale || always_fenced {
         let Some(f) = fence else {
             return Err("a transition on a stale lock without the value it was decided on".into());
@@ -411,59 +546,50 @@ fn transition_body(
         if t.require_stale && f.value.summary(f.expires_at_ms).lock_is_live(judged_now(now_ms)) {
             return Err("the fenced value's lock is live".into());
         }
-        J::obj([
-            ("key", J::b64(etcd_key(skey).as_bytes())),
-            ("target", J::str("MOD")),
-            ("result", J::str("EQUAL")),
-            ("mod_revision", J::str(&f.mod_revision.to_string())),
-        ])
+        Compare::ModRevision(keys.value.as_bytes(), f.mod_revision)
     } else {
         // An owner's own transition: the owner mark must be exactly the expected phase and owner.
         let [phase] = t.expected_phases.as_bytes() else {
             return Err(format!("an owner's transition expects one phase, not {:?}", t.expected_phases));
         };
         let phase = phase_of(*phase).ok_or("an unknown expected phase")?;
-        J::obj([
-            ("key", J::b64(owner_key(skey).as_bytes())),
-            ("target", J::str("VALUE")),
-            ("result", J::str("EQUAL")),
-            ("value", J::b64(&owner_mark(phase, &t.expected_owner))),
-        ])
+        expected_mark = owner_mark(phase, &t.expected_owner);
+        Compare::Value(keys.owner.as_bytes(), &expected_mark)
     };
-    let mut compares = vec![compare];
-    if t.new_phase.is_some() && t.new_owner != t.expected_owner {
-        // A new owner's claim (a take-over): refused if that owner already released it, its answer
-        // lost (`Transition::release_lost` leaves the tombstone), as a claim transaction is.
-        compares.push(never_created(&tombstone_key(skey, &t.new_owner)));
-    }
+    // A new owner's claim (a take-over): refused if that owner already released it, its answer
+    // lost (`Transition::release_lost` leaves the tombstone), as a claim transaction is.
+    let taker = (t.new_phase.is_some() && t.new_owner != t.expected_owner).then(|| tombstone_key(skey, &t.new_owner));
+    let compares = [compare, Compare::NeverCreated(taker.as_deref().unwrap_or_default().as_bytes())];
+    let compares = compares.get(..1 + usize::from(taker.is_some())).unwrap_or_default();
     let new_value = match t.new_phase {
         None => None,
         Some(phase) => {
             let record = match (&t.record, fence) {
-                (Some(r), _) => r.clone(),
+                (Some(r), _) => r,
                 // Keep the stored record (stale-to-unknown): the fenced value's.
-                (None, Some(f)) => f.value.record.clone(),
+                (None, Some(f)) => &f.value.record,
                 (None, None) => return Err("a transition keeping a stored record it never read".into()),
             };
             let lock = t.lock_ms.map_or(0, |l| now_ms.saturating_add(l));
-            let value = StoredValue { phase, owner: t.new_owner, lock_expires_at_ms: lock, record };
-            Some((value, now_ms.saturating_add(t.ttl_ms)))
+            let expires_at_ms = now_ms.saturating_add(t.ttl_ms);
+            Some(NewValue { phase, owner: t.new_owner, lock_expires_at_ms: lock, record, expires_at_ms })
         }
     };
-    let success = match &new_value {
-        None => vec![delete(&etcd_key(skey)), delete(&owner_key(skey))],
-        Some((value, expires)) => write_ops(skey, seal, value, *expires, lease),
-    };
-    let failure = match (&new_value, t.where_absent) {
-        // A release whose claim may land later: leave the owner's tombstone, which the claim
-        // transaction compares.
-        (None, _) if t.tombstone => vec![put(&tombstone_key(skey, &t.expected_owner), TOMBSTONE, lease)],
+    // A release whose claim may land later: leave the owner's tombstone, which the claim
+    // transaction compares.
+    let own_tombstone = (new_value.is_none() && t.tombstone).then(|| tombstone_key(skey, &t.expected_owner));
+    let failure = match (&new_value, &own_tombstone) {
+        (None, Some(k)) => Some(Op::Put(k.as_bytes(), TOMBSTONE, lease)),
         // Whether the value exists: absent, the write follows in `where_absent_request` (the
         // record once per transaction).
-        (Some(_), _) if writes_where_absent(t) => vec![exists(&etcd_key(skey))],
-        _ => vec![],
+        (Some(_), _) if writes_where_absent(t) => Some(Op::Exists(keys.value.as_bytes())),
+        _ => None,
     };
-    Ok(txn(compares, success, failure))
+    let failure = failure.as_slice();
+    Ok(match &new_value {
+        None => txn(compares, &[Op::Delete(keys.value.as_bytes()), Op::Delete(keys.owner.as_bytes())], failure),
+        Some(value) => with_write_ops(&keys, seal, value, lease, |writes| txn(compares, &writes, failure)),
+    })
 }
 
 /// Whether `t` writes its record where the key is absent (a completion, an outcome-unknown mark).
@@ -487,10 +613,13 @@ pub fn where_absent_request(
     let (Some(phase), Some(record), true) = (t.new_phase, t.record.as_ref(), writes_where_absent(t)) else {
         return Err("a where-absent write for a transition that never writes where absent".into());
     };
-    let lock = t.lock_ms.map_or(0, |l| now_ms.saturating_add(l));
-    let value = StoredValue { phase, owner: t.new_owner, lock_expires_at_ms: lock, record: record.clone() };
-    let ops = write_ops(skey, seal, &value, now_ms.saturating_add(t.ttl_ms), lease);
-    Ok(post(TXN_PATH, txn(vec![never_created(&etcd_key(skey))], ops, vec![])))
+    let lock_expires_at_ms = t.lock_ms.map_or(0, |l| now_ms.saturating_add(l));
+    let expires_at_ms = now_ms.saturating_add(t.ttl_ms);
+    let value = NewValue { phase, owner: t.new_owner, lock_expires_at_ms, record, expires_at_ms };
+    let keys = Keys::of(skey);
+    Ok(with_write_ops(&keys, seal, &value, lease, |writes| {
+        txn(&[Compare::NeverCreated(keys.value.as_bytes())], &writes, &[])
+    }))
 }
 
 /// The answer to `where_absent_request`: written (`ClaimGoneRewritten`: the store had lost the
@@ -522,7 +651,9 @@ pub fn refused_as_too_large(status: Option<u16>, body: &[u8]) -> bool {
 
 /// The lease grant request: `ttl_seconds` (`lease_ttl_seconds`), its id chosen by etcd.
 pub fn lease_grant_request(ttl_seconds: u64) -> StoreRequest {
-    post("/v3/lease/grant", J::obj([("TTL", J::str(&int64(ttl_seconds))), ("ID", J::str("0"))]))
+    let mut out = Body::with_capacity(48);
+    out.raw(r#"{"TTL":"#).int(i64::try_from(ttl_seconds).unwrap_or(i64::MAX)).raw(r#","ID":"0"}"#);
+    out.post("/v3/lease/grant")
 }
 
 /// The longest life any record of `config` is given (`Lifetimes::life_ms` of a forwarded claim,
@@ -653,12 +784,15 @@ pub fn authenticate_request(user_password: &str) -> Result<StoreRequest, String>
     if user.is_empty() {
         return Err("IDEMGATE_STORE_AUTH has an empty user name".into());
     }
-    Ok(post(AUTH_PATH, J::obj([("name", J::str(user)), ("password", J::str(password))])))
+    let mut out = Body::with_capacity(user.len() + password.len() + 32);
+    out.raw(r#"{"name":"#).str(user).raw(r#","password":"#).str(password).raw("}");
+    Ok(out.post(AUTH_PATH))
 }
 
 #[derive(Deserialize)]
-struct AuthAnswer {
-    header: Option<Header>,
+struct AuthAnswer<'a> {
+    #[serde(borrow)]
+    header: Option<Header<'a>>,
     token: Option<String>,
 }
 
@@ -785,8 +919,9 @@ fn few_n<'de, D: Deserializer<'de>, T: Deserialize<'de>, const N: usize>(d: D) -
             write!(f, "a list of at most {N} elements")
         }
         fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
-            // Grown as elements arrive, never sized from the answer.
-            let mut out = Vec::new();
+            // Room for an idemgate answer's lists (`MAX_LIST`) at once, grown beyond as elements
+            // arrive (a list page), never sized from the answer.
+            let mut out = Vec::with_capacity(N.min(MAX_LIST));
             while let Some(item) = seq.next_element()? {
                 if out.len() == N {
                     return Err(de::Error::custom("a list longer than any idemgate answer"));
@@ -799,45 +934,57 @@ fn few_n<'de, D: Deserializer<'de>, T: Deserialize<'de>, const N: usize>(d: D) -
     d.deserialize_seq(Few::<T, N>(std::marker::PhantomData))
 }
 
+// Strings of an answer are borrowed from it where they hold no escape (etcd writes base64 and
+// decimals, which never do); a string with one is unescaped into its own copy, read the same.
+
 #[derive(Deserialize)]
-struct Header {
-    revision: Option<String>,
+struct Header<'a> {
+    #[serde(borrow)]
+    revision: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
-struct TxnAnswer {
-    header: Option<Header>,
+struct TxnAnswer<'a> {
+    #[serde(borrow)]
+    header: Option<Header<'a>>,
     #[serde(default)]
     succeeded: bool,
-    #[serde(default, deserialize_with = "few")]
-    responses: Vec<Op>,
+    #[serde(borrow, default, deserialize_with = "few")]
+    responses: Vec<OpAnswer<'a>>,
 }
 
 #[derive(Deserialize)]
-struct Op {
-    response_range: Option<RangeAnswer>,
+struct OpAnswer<'a> {
+    #[serde(borrow)]
+    response_range: Option<RangeAnswer<'a>>,
     response_put: Option<IgnoredAny>,
     response_delete_range: Option<IgnoredAny>,
-    response_txn: Option<Box<TxnAnswer>>,
+    #[serde(borrow)]
+    response_txn: Option<Box<TxnAnswer<'a>>>,
 }
 
 #[derive(Deserialize)]
-struct RangeAnswer {
-    header: Option<Header>,
-    #[serde(default, deserialize_with = "few")]
-    kvs: Vec<Kv>,
+struct RangeAnswer<'a> {
+    #[serde(borrow)]
+    header: Option<Header<'a>>,
+    #[serde(borrow, default, deserialize_with = "few")]
+    kvs: Vec<Kv<'a>>,
 }
 
 #[derive(Deserialize)]
-struct Kv {
-    key: Option<String>,
-    value: Option<String>,
-    mod_revision: Option<String>,
+struct Kv<'a> {
+    #[serde(borrow)]
+    key: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    value: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    mod_revision: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
-struct LeaseAnswer {
-    header: Option<Header>,
+struct LeaseAnswer<'a> {
+    #[serde(borrow)]
+    header: Option<Header<'a>>,
     #[serde(rename = "ID")]
     id: Option<String>,
     #[serde(rename = "TTL")]
@@ -870,11 +1017,11 @@ fn decimal(s: Option<&str>) -> Option<i64> {
     s.parse().ok()
 }
 
-fn has_revision(h: &Option<Header>) -> bool {
+fn has_revision(h: &Option<Header<'_>>) -> bool {
     h.as_ref().and_then(|h| decimal(h.revision.as_deref())).is_some()
 }
 
-impl Op {
+impl OpAnswer<'_> {
     fn kind(&self) -> Option<u8> {
         match (&self.response_range, &self.response_put, &self.response_delete_range, &self.response_txn) {
             (Some(_), None, None, None) => Some(b'r'),
@@ -886,12 +1033,12 @@ impl Op {
     }
 }
 
-fn shape(ops: &[Op]) -> Option<Vec<u8>> {
-    ops.iter().map(Op::kind).collect()
+fn shape(ops: &[OpAnswer]) -> Option<Vec<u8>> {
+    ops.iter().map(OpAnswer::kind).collect()
 }
 
 /// The one key-value a range read of `key` found (`None`: the key is absent).
-fn single_kv(r: &RangeAnswer, key: &str) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
+fn single_kv(r: &RangeAnswer<'_>, key: &str) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
     match r.kvs.as_slice() {
         [] => Ok(None),
         [kv] => {
@@ -908,7 +1055,7 @@ fn single_kv(r: &RangeAnswer, key: &str) -> Result<Option<(Vec<u8>, i64)>, Store
 }
 
 /// Whether `ops` are the writes of `write_ops` whose owner mark reads back `echo` (when given).
-fn writes_echo(ops: &[Op], skey: &StorageKey, echo: Option<&[u8]>) -> Result<(), StoreError> {
+fn writes_echo(ops: &[OpAnswer], skey: &StorageKey, echo: Option<&[u8]>) -> Result<(), StoreError> {
     if shape(ops).as_deref() != Some(b"ppr") {
         return Err(garbled("etcd write answer shape"));
     }
@@ -979,7 +1126,9 @@ pub fn parse_transition_reply(
     match (a.succeeded, shape.as_slice()) {
         // A release.
         (true, b"dd") if echo.is_none() => Ok(TransitionReply::Changed),
-        (true, _) => writes_echo(&a.responses, skey, echo.as_deref()).map(|_| TransitionReply::Changed),
+        (true, _) => {
+            writes_echo(&a.responses, skey, echo.as_ref().map(|m| m.as_slice())).map(|_| TransitionReply::Changed)
+        }
         (false, b"") => Ok(TransitionReply::Refused),
         // A lost claim's release left its tombstone.
         (false, b"p") if echo.is_none() => Ok(TransitionReply::Changed),
@@ -996,7 +1145,7 @@ pub fn parse_transition_reply(
     }
 }
 
-fn shape_of(ops: &[Op]) -> Result<Vec<u8>, StoreError> {
+fn shape_of(ops: &[OpAnswer]) -> Result<Vec<u8>, StoreError> {
     shape(ops).ok_or_else(|| garbled("etcd answer shape"))
 }
 
@@ -1056,15 +1205,10 @@ pub fn list_page_request(start: Option<&[u8]>, page: usize) -> StoreRequest {
     }
     let start = start.unwrap_or(KEY_PREFIX.as_bytes());
     let limit = page.clamp(1, LIST_PAGE_MAX);
-    post(
-        "/v3/kv/range",
-        J::obj([
-            ("key", J::b64(start)),
-            ("range_end", J::b64(&end)),
-            ("limit", J::str(&limit.to_string())),
-            ("keys_only", J("true".into())),
-        ]),
-    )
+    let mut out = Body::with_capacity(b64_len(start.len()) + b64_len(end.len()) + 64);
+    out.raw(r#"{"key":"#).b64(start).raw(r#","range_end":"#).b64(&end);
+    out.raw(r#","limit":"#).int(i64::try_from(limit).unwrap_or(1)).raw(r#","keys_only":true}"#);
+    out.post("/v3/kv/range")
 }
 
 /// A page of storage keys (`parse_list_page`) and where the next page starts (`None`: the last).
@@ -1077,17 +1221,19 @@ pub struct ListPage {
 }
 
 #[derive(Deserialize)]
-struct ListAnswer {
-    header: Option<Header>,
+struct ListAnswer<'a> {
+    #[serde(borrow)]
+    header: Option<Header<'a>>,
     #[serde(default, deserialize_with = "few_n::<_, _, LIST_PAGE_MAX>")]
-    kvs: Vec<KeyOnly>,
+    kvs: Vec<KeyOnly<'a>>,
     #[serde(default)]
     more: bool,
 }
 
 #[derive(Deserialize)]
-struct KeyOnly {
-    key: Option<String>,
+struct KeyOnly<'a> {
+    #[serde(borrow)]
+    key: Option<Cow<'a, str>>,
 }
 
 /// Parses the answer to `list_page_request(start, page)`: every key must be under `KEY_PREFIX`,

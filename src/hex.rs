@@ -6,11 +6,18 @@ const DIGITS: &[u8; 16] = b"0123456789abcdef";
 /// Lowercase hex of `bytes`.
 pub fn encode(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
-    }
+    encode_into(bytes, &mut out);
     out
+}
+
+/// `encode(bytes)` appended to `out`.
+pub fn encode_into(bytes: &[u8], out: &mut String) {
+    out.extend(digits(bytes).map(char::from));
+}
+
+/// The lowercase hex digits of `bytes`, two a byte.
+pub fn digits(bytes: &[u8]) -> impl Iterator<Item = u8> + '_ {
+    bytes.iter().flat_map(|b| [DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0x0f)]])
 }
 
 /// The value of one hex digit (either case); `None` for anything else (no sign, no space).

@@ -240,6 +240,101 @@ fn a_claimed_answer_that_does_not_echo_the_owner_is_refused() {
     assert!(matches!(parse_claim_reply(Some(200), bare, &owner(1), &s, &seal(), NOW), Err(StoreError::Garbled(_))));
 }
 
+/// The answer etcd 3.4's gateway gives a claim that landed (recorded shape: `succeeded`, two
+/// puts and the owner mark read back), with `mark` as the mark read at `key`.
+fn claimed_answer(key: &[u8], mark: &[u8], succeeded: &str) -> Vec<u8> {
+    format!(
+        r#"{{"header":{{"cluster_id":"1","member_id":"2","revision":"5","raft_term":"2"}},{succeeded}"responses":[{{"response_put":{{"header":{{"revision":"5"}}}}}},{{"response_put":{{"header":{{"revision":"5"}}}}}},{{"response_range":{{"header":{{"revision":"5"}},"kvs":[{{"key":"{}","create_revision":"5","mod_revision":"5","version":"1","value":"{}","lease":"7"}}],"count":"1"}}}}]}}"#,
+        b64(key),
+        b64(mark)
+    )
+    .into_bytes()
+}
+
+#[test]
+fn a_mis_parsed_claim_answer_is_never_read_as_a_won_claim() {
+    let s = skey(1);
+    let o = owner(1);
+    let c = |body: &[u8]| parse_claim_reply(Some(200), body, &o, &s, &seal(), NOW);
+    let mark = owner_mark(StorePhase::InProgress, &o);
+    let won = ClaimReply::Claimed { now_ms: judged_now(NOW) };
+    // The one answer that is a won claim.
+    assert_eq!(c(&claimed_answer(owner_key(&s).as_bytes(), &mark, r#""succeeded":true,"#)).unwrap().0, won);
+    // The same strings with JSON escapes (which etcd never writes) read the same: unescaped, not
+    // borrowed, never misread.
+    let escaped = String::from_utf8(claimed_answer(owner_key(&s).as_bytes(), &mark, r#""succeeded":true,"#))
+        .unwrap()
+        .replace(r#""revision":"5""#, r#""revision":"\u0035""#)
+        .replacen(&b64(&mark)[..4], &format!("\\u00{:02x}{}", b64(&mark).as_bytes()[0], &b64(&mark)[1..4]), 1);
+    assert_eq!(c(escaped.as_bytes()).unwrap().0, won, "{escaped}");
+    let mut refused: Vec<(&str, Vec<u8>)> = vec![
+        // The writes' answer without `succeeded` (proto3 JSON leaves out a false one): not won,
+        // and three operations are no claim-or-read answer either.
+        ("no succeeded", claimed_answer(owner_key(&s).as_bytes(), &mark, "")),
+        ("succeeded false", claimed_answer(owner_key(&s).as_bytes(), &mark, r#""succeeded":false,"#)),
+        ("succeeded as a string", claimed_answer(owner_key(&s).as_bytes(), &mark, r#""succeeded":"true","#)),
+        ("succeeded twice", claimed_answer(owner_key(&s).as_bytes(), &mark, r#""succeeded":false,"succeeded":true,"#)),
+        // The mark read back at another key: the answer to another key's claim.
+        ("another key", claimed_answer(owner_key(&skey(2)).as_bytes(), &mark, r#""succeeded":true,"#)),
+        ("the value key", claimed_answer(etcd_key(&s).as_bytes(), &mark, r#""succeeded":true,"#)),
+        // Another owner's mark, or another phase's.
+        (
+            "another owner",
+            claimed_answer(
+                owner_key(&s).as_bytes(),
+                &owner_mark(StorePhase::InProgress, &owner(2)),
+                r#""succeeded":true,"#,
+            ),
+        ),
+        (
+            "another phase",
+            claimed_answer(owner_key(&s).as_bytes(), &owner_mark(StorePhase::Done, &o), r#""succeeded":true,"#),
+        ),
+        // A header only, with or without `succeeded`.
+        ("header only", br#"{"header":{"revision":"5"}}"#.to_vec()),
+        ("header and succeeded", br#"{"header":{"revision":"5"},"succeeded":true}"#.to_vec()),
+        (
+            "no header",
+            br#"{"succeeded":true,"responses":[{"response_put":{}},{"response_put":{}},{"response_range":{}}]}"#
+                .to_vec(),
+        ),
+    ];
+    // A truncated answer, at every length.
+    let whole = claimed_answer(owner_key(&s).as_bytes(), &mark, r#""succeeded":true,"#);
+    for n in (0..whole.len()).step_by(7) {
+        refused.push(("truncated", whole[..n].to_vec()));
+    }
+    for (why, body) in refused {
+        match c(&body) {
+            Ok((ClaimReply::Claimed { .. }, _)) => {
+                panic!("{why}: read as a won claim: {}", String::from_utf8_lossy(&body))
+            }
+            Ok(other) => panic!("{why}: {other:?}"),
+            Err(_) => {}
+        }
+    }
+}
+
+#[test]
+fn a_mis_parsed_take_over_answer_is_never_read_as_a_change() {
+    let s = skey(1);
+    let new = owner(2);
+    let t = |body: &[u8]| parse_transition_reply(Some(200), body, Some((&s, StorePhase::InProgress, &new)));
+    let mark = owner_mark(StorePhase::InProgress, &new);
+    let ok = r#""succeeded":true,"#;
+    assert_eq!(t(&claimed_answer(owner_key(&s).as_bytes(), &mark, ok)), Ok(TransitionReply::Changed));
+    for (why, body) in [
+        ("no succeeded", claimed_answer(owner_key(&s).as_bytes(), &mark, "")),
+        ("another key", claimed_answer(owner_key(&skey(2)).as_bytes(), &mark, ok)),
+        ("the old owner", claimed_answer(owner_key(&s).as_bytes(), &owner_mark(StorePhase::InProgress, &owner(1)), ok)),
+        ("header and succeeded", br#"{"header":{"revision":"5"},"succeeded":true}"#.to_vec()),
+    ] {
+        assert_ne!(t(&body), Ok(TransitionReply::Changed), "{why}");
+    }
+    // A header only is a refusal (the compare failed), never a change.
+    assert_eq!(t(br#"{"header":{"revision":"5"}}"#), Ok(TransitionReply::Refused));
+}
+
 #[test]
 fn errors_and_hostile_answers_are_store_errors_never_claims() {
     let s = skey(1);
