@@ -87,6 +87,13 @@ def main():
         report.update(outcome="returned", id=getattr(obj, "id", None), body=obj.to_dict())
     except sdk.APIStatusError as e:
         body = e.body
+        if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+            # orb replaces a body it cannot classify by status (5xx) with its own generic one
+            # (`type: .../500-internal-server-error`); the problem it received is in e.response.
+            try:
+                body = e.response.json()
+            except ValueError:
+                pass
         err = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else body
         report.update(outcome="raised", error_class=type(e).__name__, http_status=e.status_code, message=str(e), error=err)
     except Exception as e:  # anything else the SDK raises is still an error, named as such
