@@ -178,7 +178,7 @@ fn assert_returned(r: &Value, id: &str) {
     assert_eq!((r["outcome"].as_str(), r["id"].as_str()), (Some("returned"), Some(id)), "{r}");
 }
 
-/// One row of the results table (target/faults/sdk_clients.md, docs/clients.md): the SDK, the
+/// One row of the results table (target/sdk-clients/results.md, docs/clients.md): the SDK, the
 /// scenario, what the SDK returned or raised, the requests it sent, the executions the call made.
 fn record(scenario: &str, r: &Value, executions: u64) {
     let outcome = match r["outcome"].as_str() {
@@ -191,8 +191,9 @@ fn record(scenario: &str, r: &Value, executions: u64) {
         ),
     };
     let sdk = r["sdk"].as_str().unwrap_or("?");
-    support::fault_report(
-        "sdk_clients.md",
+    support::table_row(
+        "target/sdk-clients",
+        "results.md",
         &[sdk, scenario, &outcome, &r["requests_sent"].to_string(), &executions.to_string()],
     );
 }
