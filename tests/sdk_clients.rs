@@ -6,6 +6,12 @@
 //! What must hold for every SDK: an idemgate 4xx/5xx is raised as an error, never returned as a
 //! resource; the SDK retries only where idemgate says a retry can help (`stripe-should-retry`, the
 //! header Stripe's SDKs read; `x-should-retry`, the one Stainless SDKs read); and each logical call executes at the upstream at most once.
+//!
+//! Two tests per SDK: `router_forwarding` (four scenarios on one Envoy with the plugin's default
+//! forwarding) and `shipped_envoy_yaml` (the five: timeout, LB 504, connection lost after
+//! the answer, upstream reset, changed body, on one Envoy running envoy/envoy.yaml). Each
+//! scenario uses keys of its own and counts the executions it adds; every call's outcome is a row
+//! of target/sdk-clients/results.md, the table docs/clients.md shows.
 
 mod support;
 
