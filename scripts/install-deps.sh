@@ -13,8 +13,8 @@
 #   scripts/install-deps.sh bench            # wrk, and Linux perf when it can be installed (make bench)
 #   scripts/install-deps.sh h2-client        # python h2 for the HTTP/2 tests (hostile input, request trailers)
 #   scripts/install-deps.sh grpc-client      # python grpcio (pinned) for the gRPC tests (tests/grpc.rs)
-#   scripts/install-deps.sh sdk-clients      # pinned stripe / gocardless-pro / openai / anthropic / modern-treasury (PyPI, venv target/sdk-venv) and
-#                                            # stripe-node (npm, target/sdk-node) for tests/sdk_clients.rs
+#   scripts/install-deps.sh sdk-clients      # pinned stripe / gocardless-pro / openai / anthropic / modern-treasury / orb-billing (PyPI, venv target/sdk-venv) and
+#                                            # stripe-node, openai-node, modern-treasury-node (npm, target/sdk-node) for tests/sdk_clients.rs
 #   scripts/install-deps.sh probe-apps       # pinned third-party idempotency libraries (tests/probe/requirements.txt, venv target/probe-venv)
 #                                            # for tests/probe_gate.rs
 set -euo pipefail

@@ -6,6 +6,12 @@
 //! What must hold for every SDK: an idemgate 4xx/5xx is raised as an error, never returned as a
 //! resource; the SDK retries only where idemgate says a retry can help (`stripe-should-retry`, the
 //! header Stripe's SDKs read; `x-should-retry`, the one Stainless SDKs read); and each logical call executes at the upstream at most once.
+//!
+//! Two tests per SDK: `router_forwarding` (four scenarios on one Envoy with the plugin's default
+//! forwarding) and `shipped_envoy_yaml` (the issue's five: timeout, LB 504, connection lost after
+//! the answer, upstream reset, changed body, on one Envoy running envoy/envoy.yaml). Each
+//! scenario uses keys of its own and counts the executions it adds; every call's outcome is a row
+//! of target/sdk-clients/results.md, the table docs/clients.md shows.
 
 mod support;
 
@@ -26,23 +32,31 @@ enum Sdk {
     StripeNode,
     GoCardlessPython,
     OpenAiPython,
+    OpenAiNode,
     AnthropicPython,
     ModernTreasuryPython,
+    ModernTreasuryNode,
+    OrbPython,
 }
 
 impl Sdk {
     /// Requests the SDK sends for one call answered 409 request-in-flight every time, with
     /// `retries` retries allowed: Stripe's SDKs follow `stripe-should-retry: true`; gocardless-pro
     /// retries only timeouts, connection errors and malformed responses (services/base_service.py),
-    /// never an API error; the Stainless SDKs (openai, anthropic, modern-treasury) follow
+    /// never an API error; the Stainless SDKs (openai, anthropic, modern-treasury, orb; Python
+    /// `_should_retry` in _base_client.py, Node `shouldRetry` in client.js) follow
     /// `x-should-retry: true`.
     fn requests_for_in_flight(self, retries: u64) -> u64 {
         match self {
-            Sdk::StripePython | Sdk::StripeNode => 1 + retries,
             Sdk::GoCardlessPython => 1,
-            // Stainless SDKs (`_should_retry` in their _base_client.py) follow `x-should-retry`.
-            Sdk::OpenAiPython | Sdk::AnthropicPython | Sdk::ModernTreasuryPython => 1 + retries,
+            _ => 1 + retries,
         }
+    }
+
+    /// The SDK sends an idempotency key of its own on every POST, reused by its retries
+    /// (modern-treasury and orb: `idempotency_key` / `idempotencyKey` under `Idempotency-Key`).
+    fn sends_its_own_key(self) -> bool {
+        matches!(self, Sdk::ModernTreasuryPython | Sdk::ModernTreasuryNode | Sdk::OrbPython)
     }
 }
 
@@ -75,10 +89,11 @@ fn command(sdk: Sdk, port: u16, c: &Call) -> Command {
             cmd.arg(root.join("tests/sdk/gocardless_call.py"));
             cmd
         }
-        Sdk::OpenAiPython | Sdk::AnthropicPython | Sdk::ModernTreasuryPython => {
+        Sdk::OpenAiPython | Sdk::AnthropicPython | Sdk::ModernTreasuryPython | Sdk::OrbPython => {
             let name = match sdk {
                 Sdk::OpenAiPython => "openai",
                 Sdk::AnthropicPython => "anthropic",
+                Sdk::OrbPython => "orb",
                 _ => "modern-treasury",
             };
             let mut cmd = Command::new(root.join("target/sdk-venv/bin/python"));
@@ -88,6 +103,14 @@ fn command(sdk: Sdk, port: u16, c: &Call) -> Command {
         Sdk::StripeNode => {
             let mut cmd = Command::new("node");
             cmd.env("SDK_NODE_DIR", root.join("target/sdk-node")).arg(root.join("tests/sdk/stripe_call.js"));
+            cmd
+        }
+        Sdk::OpenAiNode | Sdk::ModernTreasuryNode => {
+            let name = if matches!(sdk, Sdk::OpenAiNode) { "openai" } else { "modern-treasury" };
+            let mut cmd = Command::new("node");
+            cmd.env("SDK_NODE_DIR", root.join("target/sdk-node"))
+                .arg(root.join("tests/sdk/stainless_call.js"))
+                .args(["--sdk", name]);
             cmd
         }
     };
@@ -129,6 +152,8 @@ fn assert_raised(r: &Value, status: u16, slug: &str) {
     assert!(r["error"]["message"].as_str().is_some_and(|m| m.len() > 20), "{r}");
 }
 
+/// The router-forwarding stack the first four scenarios share (one per SDK, each scenario with
+/// keys of its own, so executions are counted per scenario as the upstream's count grows).
 fn stack() -> (Upstream, Envoy) {
     let up = Upstream::start();
     let plugin = r#"{"scope": {"headers": ["authorization"]}, "lock_ttl_seconds": 30}"#;
@@ -149,128 +174,116 @@ fn wait_executions(up: &Upstream, n: u64) {
     panic!("the upstream never reached {n} executions");
 }
 
+/// The id of the upstream's `n`th execution (its resources are `res-<n>`).
+fn res(n: u64) -> String {
+    format!("res-{n}")
+}
+
+/// The SDK returned the resource `id`.
+fn assert_returned(r: &Value, id: &str) {
+    assert_eq!((r["outcome"].as_str(), r["id"].as_str()), (Some("returned"), Some(id)), "{r}");
+}
+
+/// One row of the results table (target/sdk-clients/results.md, docs/clients.md): the SDK, the
+/// scenario, what the SDK returned or raised, the requests it sent, the executions the call made.
+fn record(scenario: &str, r: &Value, executions: u64) {
+    let outcome = match r["outcome"].as_str() {
+        Some("returned") => format!("returned `{}`", r["id"].as_str().unwrap_or("?")),
+        _ => format!(
+            "raised `{}` {} `{}`",
+            r["error_class"].as_str().unwrap_or("?"),
+            r["http_status"],
+            r["error"]["code"].as_str().unwrap_or("-")
+        ),
+    };
+    let sdk = r["sdk"].as_str().unwrap_or("?");
+    support::table_row(
+        "target/sdk-clients",
+        "results.md",
+        &[sdk, scenario, &outcome, &r["requests_sent"].to_string(), &executions.to_string()],
+    );
+}
+
 /// A retry while the first call with the key is still running: 409 request-in-flight, which
 /// idemgate says a retry can help with, so a Stripe SDK retries (2 retries: 3 requests) and then
 /// raises; once the first call has ended, the same key returns the first call's resource.
-fn in_flight_is_raised_then_the_key_replays_the_original(sdk: Sdk) {
-    let (up, envoy) = stack();
-    let port = envoy.port;
+fn in_flight_is_raised_then_the_key_replays_the_original(sdk: Sdk, up: &Upstream, port: u16) {
+    let base = up.executions();
     let first = std::thread::spawn(move || {
         call(sdk, port, &Call { retries: 0, headers: &["x-up-hold: 1"], ..Call::new("sdk-in-flight") })
     });
-    wait_executions(&up, 1);
+    wait_executions(up, base + 1);
     let during = call(sdk, port, &Call::new("sdk-in-flight"));
     assert_raised(&during, 409, "request-in-flight");
-    assert_eq!(during["requests_sent"], sdk.requests_for_in_flight(2), "stripe-should-retry: true: {during}");
+    assert_eq!(during["requests_sent"], sdk.requests_for_in_flight(2), "should-retry: true: {during}");
     up.release_holds();
-    let first = first.join().unwrap();
-    assert_eq!((first["outcome"].as_str(), first["id"].as_str()), (Some("returned"), Some("res-1")), "{first}");
+    let first = first.join().expect("first call");
+    assert_returned(&first, &res(base + 1));
     let after = call(sdk, port, &Call::new("sdk-in-flight"));
-    assert_eq!((after["outcome"].as_str(), after["id"].as_str()), (Some("returned"), Some("res-1")), "{after}");
-    assert_eq!(up.executions(), 1, "one logical call, one execution");
-    envoy.assert_no_wasm_panic();
+    assert_returned(&after, &res(base + 1));
+    assert_eq!(up.executions() - base, 1, "one logical call, one execution");
+    record("router: retry while the first call runs (409 `request-in-flight`, 2 retries)", &during, 1);
+    record("router: the same key after the first call ended", &after, 1);
 }
 
 /// The same key with another body: 422 key-reused, raised at once (no retry), nothing executed.
-fn key_reused_with_another_body_is_raised(sdk: Sdk) {
-    let (up, envoy) = stack();
-    let ok = call(sdk, envoy.port, &Call::new("sdk-reuse"));
-    assert_eq!((ok["outcome"].as_str(), ok["id"].as_str()), (Some("returned"), Some("res-1")), "{ok}");
-    let changed = call(sdk, envoy.port, &Call { amount: 9900, ..Call::new("sdk-reuse") });
+fn key_reused_with_another_body_is_raised(sdk: Sdk, up: &Upstream, port: u16) {
+    let base = up.executions();
+    let ok = call(sdk, port, &Call::new("sdk-reuse"));
+    assert_returned(&ok, &res(base + 1));
+    let changed = call(sdk, port, &Call { amount: 9900, ..Call::new("sdk-reuse") });
     assert_raised(&changed, 422, "key-reused");
     assert_eq!(changed["requests_sent"], 1, "should-retry: false: {changed}");
-    assert_eq!(up.executions(), 1);
-    envoy.assert_no_wasm_panic();
+    assert_eq!(up.executions() - base, 1);
+    record("router: same key, changed body", &changed, 1);
 }
 
 /// Malformed keys: 400, raised, never retried, never forwarded. A key as callers write them
 /// (`run-7:step/1`, an RFC 8941 token) is accepted.
-fn malformed_keys_are_raised_and_caller_keys_accepted(sdk: Sdk) {
-    let (up, envoy) = stack();
+fn malformed_keys_are_raised_and_caller_keys_accepted(sdk: Sdk, up: &Upstream, port: u16) {
+    let base = up.executions();
     for key in ["has space", &"k".repeat(256)] {
-        let r = call(sdk, envoy.port, &Call::new(key));
+        let r = call(sdk, port, &Call::new(key));
         let slug = if key.len() > 255 { "key-too-long" } else { "key-not-visible-ascii" };
         assert_raised(&r, 400, slug);
         assert_eq!(r["requests_sent"], 1, "{r}");
+        assert_eq!(up.executions() - base, 0);
+        record(
+            &format!(
+                "router: malformed key (`{}`)",
+                if key.len() > 255 { "k".repeat(3) + "…(256)" } else { key.to_string() }
+            ),
+            &r,
+            0,
+        );
     }
-    assert_eq!(up.executions(), 0);
-    let r = call(sdk, envoy.port, &Call::new("run-7:step/1"));
-    assert_eq!((r["outcome"].as_str(), r["id"].as_str()), (Some("returned"), Some("res-1")), "{r}");
-    assert_eq!(up.executions(), 1);
-    envoy.assert_no_wasm_panic();
+    let r = call(sdk, port, &Call::new("run-7:step/1"));
+    assert_returned(&r, &res(base + 1));
+    assert_eq!(up.executions() - base, 1);
+    record("router: key `run-7:step/1`", &r, 1);
 }
 
 /// The upstream executes, then resets: Envoy answers 503, which the SDK retries (gocardless-pro
 /// because Envoy's text body is a malformed response to it); the retry gets 409 outcome-unknown
 /// with `stripe-should-retry: false`, so the SDK stops and raises (2 requests, not 1 + every retry
 /// it has).
-fn outcome_unknown_is_raised_and_not_retried(sdk: Sdk) {
-    let (up, envoy) = stack();
-    let r = call(sdk, envoy.port, &Call { headers: &["x-up-reset: before-headers"], ..Call::new("sdk-unknown") });
+fn outcome_unknown_is_raised_and_not_retried(sdk: Sdk, up: &Upstream, port: u16) {
+    let base = up.executions();
+    let r = call(sdk, port, &Call { headers: &["x-up-reset: before-headers"], ..Call::new("sdk-unknown") });
     assert_raised(&r, 409, "outcome-unknown");
     assert_eq!(r["requests_sent"], 2, "the 503 is retried once, outcome-unknown is not: {r}");
-    assert_eq!(up.executions(), 1);
+    assert_eq!(up.executions() - base, 1);
+    record("router: upstream executes then resets (503, then 409 `outcome-unknown`)", &r, 1);
+}
+
+/// The four router-forwarding scenarios, one after the other on one stack.
+fn router_scenarios(sdk: Sdk) {
+    let (up, envoy) = stack();
+    in_flight_is_raised_then_the_key_replays_the_original(sdk, &up, envoy.port);
+    key_reused_with_another_body_is_raised(sdk, &up, envoy.port);
+    malformed_keys_are_raised_and_caller_keys_accepted(sdk, &up, envoy.port);
+    outcome_unknown_is_raised_and_not_retried(sdk, &up, envoy.port);
     envoy.assert_no_wasm_panic();
-}
-
-#[test]
-fn stripe_python_in_flight_is_raised_then_the_key_replays_the_original() {
-    in_flight_is_raised_then_the_key_replays_the_original(Sdk::StripePython);
-}
-
-#[test]
-fn stripe_python_key_reused_with_another_body_is_raised() {
-    key_reused_with_another_body_is_raised(Sdk::StripePython);
-}
-
-#[test]
-fn stripe_python_malformed_keys_are_raised_and_caller_keys_accepted() {
-    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::StripePython);
-}
-
-#[test]
-fn stripe_python_outcome_unknown_is_raised_and_not_retried() {
-    outcome_unknown_is_raised_and_not_retried(Sdk::StripePython);
-}
-
-#[test]
-fn stripe_node_in_flight_is_raised_then_the_key_replays_the_original() {
-    in_flight_is_raised_then_the_key_replays_the_original(Sdk::StripeNode);
-}
-
-#[test]
-fn stripe_node_key_reused_with_another_body_is_raised() {
-    key_reused_with_another_body_is_raised(Sdk::StripeNode);
-}
-
-#[test]
-fn stripe_node_malformed_keys_are_raised_and_caller_keys_accepted() {
-    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::StripeNode);
-}
-
-#[test]
-fn stripe_node_outcome_unknown_is_raised_and_not_retried() {
-    outcome_unknown_is_raised_and_not_retried(Sdk::StripeNode);
-}
-
-#[test]
-fn gocardless_python_in_flight_is_raised_then_the_key_replays_the_original() {
-    in_flight_is_raised_then_the_key_replays_the_original(Sdk::GoCardlessPython);
-}
-
-#[test]
-fn gocardless_python_key_reused_with_another_body_is_raised() {
-    key_reused_with_another_body_is_raised(Sdk::GoCardlessPython);
-}
-
-#[test]
-fn gocardless_python_malformed_keys_are_raised_and_caller_keys_accepted() {
-    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::GoCardlessPython);
-}
-
-#[test]
-fn gocardless_python_outcome_unknown_is_raised_and_not_retried() {
-    outcome_unknown_is_raised_and_not_retried(Sdk::GoCardlessPython);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -280,29 +293,65 @@ fn gocardless_python_outcome_unknown_is_raised_and_not_retried() {
 /// The shipped single-proxy configuration, its ports and module path replaced.
 const SHIPPED: &str = "envoy/envoy.yaml";
 
-/// A load balancer in front of Envoy (HTTP/1.1, one request per connection to Envoy): relays
-/// each request and Envoy's answer, except the first, which it answers 504 as soon as the
-/// upstream has executed it, closing its connection to Envoy as an LB whose timeout fired does.
-/// Returns its port; its threads end with the test process.
-fn gateway_timeout_once(backend: u16, executions: impl Fn() -> u64 + Send + Sync + 'static) -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind lb");
-    let port = listener.local_addr().expect("addr").port();
-    let executions = Arc::new(executions);
-    let seen = Arc::new(AtomicU64::new(0));
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            let (executions, seen) = (executions.clone(), seen.clone());
-            std::thread::spawn(move || {
-                let _ = relay(conn, backend, &*executions, &seen);
-            });
-        }
-    });
-    port
+/// What the shipped configuration answers when the upstream executes then resets: detached
+/// forwarding sees no answer to its call, so 504 upstream-no-answer (an outcome-unknown with
+/// `x-should-retry: false` and `stripe-should-retry: false`); no SDK retries it.
+const SHIPPED_RESET: (u16, &str) = (504, "upstream-no-answer");
+const SHIPPED_RESET_REQUESTS: u64 = 1;
+
+/// How the proxy in front of Envoy loses the answer to the first request it relays.
+#[derive(Clone, Copy, Debug)]
+enum Loss {
+    /// A load balancer whose timeout fired: once the upstream has executed, it closes its
+    /// connection to Envoy and answers 504 itself.
+    GatewayTimeout,
+    /// The connection to the client is lost after the upstream answered: once Envoy's first
+    /// response bytes reach the proxy, it closes both connections without relaying a byte.
+    DropAfterAnswer,
+}
+
+/// A proxy in front of Envoy (HTTP/1.1, one request per connection to Envoy): relays each
+/// request and Envoy's answer, except the first, whose answer it loses as `loss` says.
+/// `requests` counts the requests that reached it (the SDK's attempts, seen at the edge); its
+/// threads end with the test process.
+struct Edge {
+    port: u16,
+    requests: Arc<AtomicU64>,
+}
+
+impl Edge {
+    fn start(backend: u16, loss: Loss, executed: impl Fn() -> bool + Send + Sync + 'static) -> Edge {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind edge");
+        let port = listener.local_addr().expect("addr").port();
+        let executed = Arc::new(executed);
+        let requests = Arc::new(AtomicU64::new(0));
+        let seen = requests.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let (executed, seen) = (executed.clone(), seen.clone());
+                std::thread::spawn(move || {
+                    let _ = relay(conn, backend, loss, &*executed, &seen);
+                });
+            }
+        });
+        Edge { port, requests }
+    }
+
+    fn requests(&self) -> u64 {
+        self.requests.load(Ordering::SeqCst)
+    }
 }
 
 /// One exchange per client connection: the request's head (its `connection` header replaced by
-/// `close`) and body to Envoy, Envoy's answer (or the 504) back, then both connections closed.
-fn relay(client: TcpStream, backend: u16, executions: &dyn Fn() -> u64, seen: &AtomicU64) -> std::io::Result<()> {
+/// `close`) and body to Envoy, Envoy's answer back (or, for the first request, lost as `loss`
+/// says), then both connections closed.
+fn relay(
+    client: TcpStream,
+    backend: u16,
+    loss: Loss,
+    executed: &dyn Fn() -> bool,
+    seen: &AtomicU64,
+) -> std::io::Result<()> {
     let mut reader = BufReader::new(client.try_clone()?);
     let mut client = client;
     let mut head = String::new();
@@ -319,7 +368,7 @@ fn relay(client: TcpStream, backend: u16, executions: &dyn Fn() -> u64, seen: &A
         if let Some(v) = lower.strip_prefix("content-length:") {
             length = v.trim().parse().unwrap_or(0);
         }
-        assert!(!lower.starts_with("transfer-encoding:"), "the LB relays content-length bodies only");
+        assert!(!lower.starts_with("transfer-encoding:"), "the edge relays content-length bodies only");
         if !lower.starts_with("connection:") {
             head.push_str(&line);
         }
@@ -331,244 +380,183 @@ fn relay(client: TcpStream, backend: u16, executions: &dyn Fn() -> u64, seen: &A
     envoy.write_all(head.as_bytes())?;
     envoy.write_all(&body)?;
     if seen.fetch_add(1, Ordering::SeqCst) == 0 {
-        for _ in 0..3000 {
-            if executions() >= 1 {
-                break;
+        match loss {
+            Loss::GatewayTimeout => {
+                for _ in 0..3000 {
+                    if executed() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                drop(envoy);
+                let text = "upstream request timeout";
+                let answer = format!(
+                    "HTTP/1.1 504 Gateway Timeout\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+                    text.len()
+                );
+                return client.write_all(answer.as_bytes());
             }
-            std::thread::sleep(Duration::from_millis(20));
+            Loss::DropAfterAnswer => {
+                // Envoy's read timeout is its route's (30 s): its answer comes well before.
+                envoy.set_read_timeout(Some(Duration::from_secs(60)))?;
+                let mut first = [0u8; 1];
+                let answered = envoy.read(&mut first)? == 1;
+                assert!(answered && executed(), "Envoy answered after the upstream executed");
+                let _ = client.shutdown(std::net::Shutdown::Both);
+                return Ok(());
+            }
         }
-        drop(envoy);
-        let text = "upstream request timeout";
-        let answer = format!(
-            "HTTP/1.1 504 Gateway Timeout\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
-            text.len()
-        );
-        return client.write_all(answer.as_bytes());
     }
     let mut answer = vec![];
     envoy.read_to_end(&mut answer)?;
     client.write_all(&answer)
 }
 
-/// The key of a shipped-config call: modern-treasury's own (it sends one per call, which its
-/// retries must reuse for the call to end well), the caller's stable key for the others.
+/// The key of a shipped-config call: the SDK's own where it sends one (modern-treasury, orb:
+/// its retries must reuse it for the call to end well), the caller's stable key for the others.
 fn shipped_key(sdk: Sdk, key: &str) -> Option<&str> {
-    match sdk {
-        Sdk::ModernTreasuryPython => None,
-        _ => Some(key),
+    if sdk.sends_its_own_key() {
+        None
+    } else {
+        Some(key)
     }
 }
 
-/// The SDK returned the one execution's resource.
-fn assert_original(r: &Value, up: &Upstream) {
+/// The SDK returned the one execution's resource (`res-<base + 1>`) after retrying, every request
+/// of the call with the same key, and the call executed once.
+fn assert_original(r: &Value, up: &Upstream, base: u64) {
     assert_eq!(
         (r["outcome"].as_str(), r["id"].as_str()),
-        (Some("returned"), Some("res-1")),
+        (Some("returned"), Some(res(base + 1).as_str())),
         "the SDK must end holding the original object: {r}"
     );
     assert!(r["requests_sent"].as_u64().is_some_and(|n| n >= 2), "the SDK retried: {r}");
     if let Some(keys) = r["keys_sent"].as_array() {
         assert_eq!(keys.len(), 1, "every request of the call carried the same key: {r}");
     }
-    assert_eq!(up.executions(), 1, "one logical call, one execution");
+    assert_eq!(up.executions() - base, 1, "one logical call, one execution");
 }
 
 /// (a) The SDK times out (1 s) while the upstream takes 2 s and completes; the SDK retries with
 /// the same key and must end with the original resource.
-fn shipped_timeout_then_retry_returns_the_original(sdk: Sdk) {
-    let up = Upstream::start();
-    let envoy = Shipped::start(SHIPPED, up.port);
-    let r = call(
-        sdk,
-        envoy.port,
-        &Call {
-            key: shipped_key(sdk, "sdk-timeout"),
-            retries: 3,
-            timeout: 1.0,
-            headers: &["x-up-delay-ms: 2000"],
-            ..Call::new("sdk-timeout")
-        },
-    );
-    assert_original(&r, &up);
-    envoy.assert_no_wasm_panic();
+fn shipped_timeout_then_retry_returns_the_original(sdk: Sdk, up: &Upstream, port: u16) {
+    let base = up.executions();
+    let c = Call {
+        key: shipped_key(sdk, "sdk-timeout"),
+        retries: 3,
+        timeout: 1.0,
+        headers: &["x-up-delay-ms: 2000"],
+        ..Call::new("sdk-timeout")
+    };
+    let r = call(sdk, port, &c);
+    assert_original(&r, up, base);
+    record("shipped: the SDK times out (1 s) while the upstream completes (2 s)", &r, 1);
+}
+
+/// A proxy in front of the shipped Envoy that loses the first answer as `loss` says, once this
+/// scenario's call has executed.
+fn edge(loss: Loss, up: &Upstream, port: u16) -> Edge {
+    let (executions, base) = (up.execution_counter(), up.executions());
+    Edge::start(port, loss, move || executions() > base)
 }
 
 /// (b) A load balancer in front answers 504 once the upstream has executed (the upstream takes
 /// 2 s and completes); the SDK retries the 504 with the same key and must end with the original.
-fn shipped_lb_504_then_retry_returns_the_original(sdk: Sdk) {
-    let up = Upstream::start();
-    let envoy = Shipped::start(SHIPPED, up.port);
-    let lb = gateway_timeout_once(envoy.port, up.execution_counter());
+fn shipped_lb_504_then_retry_returns_the_original(sdk: Sdk, up: &Upstream, port: u16) {
+    let base = up.executions();
+    let edge = edge(Loss::GatewayTimeout, up, port);
     let c = Call {
         key: shipped_key(sdk, "sdk-504"),
         retries: 3,
         headers: &["x-up-delay-ms: 2000"],
         ..Call::new("sdk-504")
     };
-    let r = call(sdk, lb, &c);
-    assert_original(&r, &up);
-    envoy.assert_no_wasm_panic();
+    let r = call(sdk, edge.port, &c);
+    assert_original(&r, up, base);
+    assert_eq!(r["requests_sent"], edge.requests(), "the SDK's attempts, counted at the edge: {r}");
+    record("shipped: a load balancer answers 504 once the upstream has executed", &r, 1);
 }
 
-/// (c) The same key with another body on the shipped configuration: 422 key-reused, raised.
-fn shipped_changed_body_is_raised(sdk: Sdk) {
-    let up = Upstream::start();
-    let envoy = Shipped::start(SHIPPED, up.port);
-    let ok = call(sdk, envoy.port, &Call::new("sdk-changed"));
-    assert_eq!((ok["outcome"].as_str(), ok["id"].as_str()), (Some("returned"), Some("res-1")), "{ok}");
-    let changed = call(sdk, envoy.port, &Call { amount: 9900, ..Call::new("sdk-changed") });
+/// (c) The response is lost between Envoy and the client after the upstream answered: a proxy in
+/// front of Envoy closes the client's connection once Envoy's first response bytes reach it. The
+/// SDK sees a connection error, retries with the same key and must end with the original.
+fn shipped_reset_after_answer_then_retry_returns_the_original(sdk: Sdk, up: &Upstream, port: u16) {
+    let base = up.executions();
+    let edge = edge(Loss::DropAfterAnswer, up, port);
+    let c = Call { key: shipped_key(sdk, "sdk-drop"), retries: 3, ..Call::new("sdk-drop") };
+    let r = call(sdk, edge.port, &c);
+    assert_original(&r, up, base);
+    assert_eq!(r["requests_sent"], edge.requests(), "the SDK's attempts, counted at the edge: {r}");
+    record("shipped: the connection to the client is lost after the upstream answered", &r, 1);
+}
+
+/// (d) The upstream executes, then resets the connection without answering (every attempt asks
+/// it to): the outcome is unknown, so the SDK must raise an error, never return a resource, and
+/// the key must never execute a second time.
+fn shipped_upstream_reset_is_raised(sdk: Sdk, up: &Upstream, port: u16) {
+    let base = up.executions();
+    let c = Call {
+        key: shipped_key(sdk, "sdk-up-reset"),
+        retries: 3,
+        headers: &["x-up-reset: before-headers"],
+        ..Call::new("sdk-up-reset")
+    };
+    let r = call(sdk, port, &c);
+    assert_raised(&r, SHIPPED_RESET.0, SHIPPED_RESET.1);
+    assert_eq!(r["requests_sent"], SHIPPED_RESET_REQUESTS, "{r}");
+    assert_eq!(up.executions() - base, 1, "one logical call, one execution");
+    record("shipped: the upstream executes, then resets without answering", &r, 1);
+}
+
+/// (e) The same key with another body on the shipped configuration: 422 key-reused, raised.
+fn shipped_changed_body_is_raised(sdk: Sdk, up: &Upstream, port: u16) {
+    let base = up.executions();
+    let ok = call(sdk, port, &Call::new("sdk-changed"));
+    assert_returned(&ok, &res(base + 1));
+    let changed = call(sdk, port, &Call { amount: 9900, ..Call::new("sdk-changed") });
     assert_raised(&changed, 422, "key-reused");
     assert_eq!(changed["requests_sent"], 1, "should-retry: false: {changed}");
-    assert_eq!(up.executions(), 1);
+    assert_eq!(up.executions() - base, 1);
+    record("shipped: same key, changed body", &changed, 1);
+}
+
+/// The five lost-response and changed-body scenarios, one after the other on one shipped Envoy.
+fn shipped_scenarios(sdk: Sdk) {
+    let up = Upstream::start();
+    let envoy = Shipped::start(SHIPPED, up.port);
+    shipped_timeout_then_retry_returns_the_original(sdk, &up, envoy.port);
+    shipped_lb_504_then_retry_returns_the_original(sdk, &up, envoy.port);
+    shipped_reset_after_answer_then_retry_returns_the_original(sdk, &up, envoy.port);
+    shipped_upstream_reset_is_raised(sdk, &up, envoy.port);
+    shipped_changed_body_is_raised(sdk, &up, envoy.port);
     envoy.assert_no_wasm_panic();
 }
 
-#[test]
-fn shipped_stripe_python_timeout_then_retry_returns_the_original() {
-    shipped_timeout_then_retry_returns_the_original(Sdk::StripePython);
+/// Every scenario for one SDK, as a module of tests named after it.
+macro_rules! matrix {
+    ($name:ident, $sdk:ident) => {
+        mod $name {
+            /// In flight, changed body, malformed keys, outcome-unknown: router forwarding.
+            #[test]
+            fn router_forwarding() {
+                super::router_scenarios(super::Sdk::$sdk);
+            }
+
+            /// Timeout, 504, reset after the answer, upstream reset, changed body: `envoy/envoy.yaml`.
+            #[test]
+            fn shipped_envoy_yaml() {
+                super::shipped_scenarios(super::Sdk::$sdk);
+            }
+        }
+    };
 }
 
-#[test]
-fn shipped_stripe_python_lb_504_then_retry_returns_the_original() {
-    shipped_lb_504_then_retry_returns_the_original(Sdk::StripePython);
-}
-
-#[test]
-fn shipped_stripe_python_changed_body_is_raised() {
-    shipped_changed_body_is_raised(Sdk::StripePython);
-}
-
-#[test]
-fn shipped_stripe_node_timeout_then_retry_returns_the_original() {
-    shipped_timeout_then_retry_returns_the_original(Sdk::StripeNode);
-}
-
-#[test]
-fn shipped_stripe_node_lb_504_then_retry_returns_the_original() {
-    shipped_lb_504_then_retry_returns_the_original(Sdk::StripeNode);
-}
-
-#[test]
-fn shipped_stripe_node_changed_body_is_raised() {
-    shipped_changed_body_is_raised(Sdk::StripeNode);
-}
-
-#[test]
-fn shipped_gocardless_python_timeout_then_retry_returns_the_original() {
-    shipped_timeout_then_retry_returns_the_original(Sdk::GoCardlessPython);
-}
-
-#[test]
-fn shipped_gocardless_python_lb_504_then_retry_returns_the_original() {
-    shipped_lb_504_then_retry_returns_the_original(Sdk::GoCardlessPython);
-}
-
-#[test]
-fn shipped_gocardless_python_changed_body_is_raised() {
-    shipped_changed_body_is_raised(Sdk::GoCardlessPython);
-}
-
-#[test]
-fn openai_python_in_flight_is_raised_then_the_key_replays_the_original() {
-    in_flight_is_raised_then_the_key_replays_the_original(Sdk::OpenAiPython);
-}
-
-#[test]
-fn openai_python_key_reused_with_another_body_is_raised() {
-    key_reused_with_another_body_is_raised(Sdk::OpenAiPython);
-}
-
-#[test]
-fn openai_python_malformed_keys_are_raised_and_caller_keys_accepted() {
-    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::OpenAiPython);
-}
-
-#[test]
-fn openai_python_outcome_unknown_is_raised_and_not_retried() {
-    outcome_unknown_is_raised_and_not_retried(Sdk::OpenAiPython);
-}
-
-#[test]
-fn shipped_openai_python_timeout_then_retry_returns_the_original() {
-    shipped_timeout_then_retry_returns_the_original(Sdk::OpenAiPython);
-}
-
-#[test]
-fn shipped_openai_python_lb_504_then_retry_returns_the_original() {
-    shipped_lb_504_then_retry_returns_the_original(Sdk::OpenAiPython);
-}
-
-#[test]
-fn shipped_openai_python_changed_body_is_raised() {
-    shipped_changed_body_is_raised(Sdk::OpenAiPython);
-}
-
-#[test]
-fn anthropic_python_in_flight_is_raised_then_the_key_replays_the_original() {
-    in_flight_is_raised_then_the_key_replays_the_original(Sdk::AnthropicPython);
-}
-
-#[test]
-fn anthropic_python_key_reused_with_another_body_is_raised() {
-    key_reused_with_another_body_is_raised(Sdk::AnthropicPython);
-}
-
-#[test]
-fn anthropic_python_malformed_keys_are_raised_and_caller_keys_accepted() {
-    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::AnthropicPython);
-}
-
-#[test]
-fn anthropic_python_outcome_unknown_is_raised_and_not_retried() {
-    outcome_unknown_is_raised_and_not_retried(Sdk::AnthropicPython);
-}
-
-#[test]
-fn shipped_anthropic_python_timeout_then_retry_returns_the_original() {
-    shipped_timeout_then_retry_returns_the_original(Sdk::AnthropicPython);
-}
-
-#[test]
-fn shipped_anthropic_python_lb_504_then_retry_returns_the_original() {
-    shipped_lb_504_then_retry_returns_the_original(Sdk::AnthropicPython);
-}
-
-#[test]
-fn shipped_anthropic_python_changed_body_is_raised() {
-    shipped_changed_body_is_raised(Sdk::AnthropicPython);
-}
-
-#[test]
-fn modern_treasury_python_in_flight_is_raised_then_the_key_replays_the_original() {
-    in_flight_is_raised_then_the_key_replays_the_original(Sdk::ModernTreasuryPython);
-}
-
-#[test]
-fn modern_treasury_python_key_reused_with_another_body_is_raised() {
-    key_reused_with_another_body_is_raised(Sdk::ModernTreasuryPython);
-}
-
-#[test]
-fn modern_treasury_python_malformed_keys_are_raised_and_caller_keys_accepted() {
-    malformed_keys_are_raised_and_caller_keys_accepted(Sdk::ModernTreasuryPython);
-}
-
-#[test]
-fn modern_treasury_python_outcome_unknown_is_raised_and_not_retried() {
-    outcome_unknown_is_raised_and_not_retried(Sdk::ModernTreasuryPython);
-}
-
-#[test]
-fn shipped_modern_treasury_python_timeout_then_retry_returns_the_original() {
-    shipped_timeout_then_retry_returns_the_original(Sdk::ModernTreasuryPython);
-}
-
-#[test]
-fn shipped_modern_treasury_python_lb_504_then_retry_returns_the_original() {
-    shipped_lb_504_then_retry_returns_the_original(Sdk::ModernTreasuryPython);
-}
-
-#[test]
-fn shipped_modern_treasury_python_changed_body_is_raised() {
-    shipped_changed_body_is_raised(Sdk::ModernTreasuryPython);
-}
+matrix!(stripe_python, StripePython);
+matrix!(stripe_node, StripeNode);
+matrix!(gocardless_python, GoCardlessPython);
+matrix!(openai_python, OpenAiPython);
+matrix!(openai_node, OpenAiNode);
+matrix!(anthropic_python, AnthropicPython);
+matrix!(modern_treasury_python, ModernTreasuryPython);
+matrix!(modern_treasury_node, ModernTreasuryNode);
+matrix!(orb_python, OrbPython);

@@ -4,9 +4,10 @@ stdout: what the SDK returned or raised, and how many HTTP requests it sent (its
 timeouts, connection errors and malformed responses included). Same arguments as stripe_call.py;
 gocardless-pro retries 3 times in all, whatever --retries says.
 """
-import argparse
 import json
 import sys
+
+import call_args
 
 import gocardless_pro
 from gocardless_pro import api_client, errors
@@ -31,15 +32,7 @@ api_client.requests.post = counting(api_client.requests.post)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--base", required=True)
-    ap.add_argument("--key")
-    ap.add_argument("--amount", type=int, default=4200)
-    ap.add_argument("--retries", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=30)
-    ap.add_argument("--header", action="append", default=[])
-    a = ap.parse_args()
-    headers = dict(h.split(": ", 1) for h in a.header)
+    a, headers = call_args.parse()
     if a.key is not None:
         headers["Idempotency-Key"] = a.key
     client = gocardless_pro.Client(access_token="gc_test_idemgate", base_url=a.base, timeout=a.timeout)

@@ -2,26 +2,11 @@
 // tests/sdk_clients.rs: creates a PaymentIntent through Envoy + idemgate and prints a JSON report
 // on stdout: what the SDK returned or threw, and how many HTTP requests it sent (retries included).
 //
-//   SDK_NODE_DIR=target/sdk-node node stripe_call.js --base http://127.0.0.1:PORT --key K \
-//       --amount 4200 --retries 2 [--timeout 30] [--header "name: value"]...
+//   SDK_NODE_DIR=target/sdk-node node stripe_call.js <call_args.js's arguments>
 'use strict';
 const path = require('path');
 const Stripe = require(path.resolve(process.env.SDK_NODE_DIR || 'target/sdk-node', 'node_modules/stripe'));
-
-function args() {
-  const a = { amount: 4200, retries: 2, timeout: 30, headers: {} };
-  const v = process.argv.slice(2);
-  for (let i = 0; i < v.length; i += 2) {
-    const [name, value] = [v[i], v[i + 1]];
-    if (name === '--header') {
-      const at = value.indexOf(': ');
-      a.headers[value.slice(0, at)] = value.slice(at + 2);
-    } else {
-      a[name.slice(2)] = value;
-    }
-  }
-  return a;
-}
+const args = require('./call_args');
 
 async function main() {
   const a = args();

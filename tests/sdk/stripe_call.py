@@ -5,9 +5,10 @@ on stdout: what the SDK returned or raised, and how many HTTP requests it sent (
     stripe_call.py --base http://127.0.0.1:PORT --key K --amount 4200 --retries 2 \
         [--timeout 30] [--header "name: value"]...
 """
-import argparse
 import json
 import sys
+
+import call_args
 
 import stripe
 
@@ -23,15 +24,7 @@ class CountingClient(stripe.RequestsClient):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--base", required=True)
-    ap.add_argument("--key")
-    ap.add_argument("--amount", type=int, default=4200)
-    ap.add_argument("--retries", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=30)
-    ap.add_argument("--header", action="append", default=[])
-    a = ap.parse_args()
-    headers = dict(h.split(": ", 1) for h in a.header)
+    a, headers = call_args.parse()
     client = stripe.StripeClient(
         "sk_test_idemgate",
         base_addresses={"api": a.base},

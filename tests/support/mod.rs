@@ -868,9 +868,15 @@ impl Drop for Shipped {
 /// Appends one row (`| a | b | c |`) to target/faults/<file>, the tables `make test-faults`
 /// prints. Rows from tests running in parallel threads never interleave.
 pub fn fault_report(file: &str, cells: &[&str]) {
+    table_row("target/faults", file, cells)
+}
+
+/// Appends one row (`| a | b | c |`) to <dir>/<file>, `dir` relative to the repository root.
+/// Rows from tests running in parallel threads never interleave.
+pub fn table_row(dir: &str, file: &str, cells: &[&str]) {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _g = LOCK.lock();
-    let dir = repo_root().join("target/faults");
+    let dir = repo_root().join(dir);
     let _ = std::fs::create_dir_all(&dir);
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(file)) {
         let _ = writeln!(f, "| {} |", cells.join(" | "));
