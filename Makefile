@@ -17,6 +17,7 @@ deps:
 	scripts/install-deps.sh h2-client
 	scripts/install-deps.sh grpc-client
 	scripts/install-deps.sh sdk-clients
+	scripts/install-deps.sh mcp-sdk
 
 ## test: lint, native unit + property tests, Envoy integration tests, core tests on wasm32 under Node.js,
 ## the demo, and the fault matrix (test-faults)
