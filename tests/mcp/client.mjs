@@ -18,7 +18,7 @@ const load = async (spec) => import(pathToFileURL(require.resolve(spec)).href);
 const { Client } = await load("@modelcontextprotocol/sdk/client/index.js");
 const { StreamableHTTPClientTransport } = await load("@modelcontextprotocol/sdk/client/streamableHttp.js");
 
-const a = { keyVia: "header", tool: "charge", amount: 4200, currency: "eur", delayMs: 0, steps: "same:60" };
+const a = { authorization: "Bearer mcp-test-agent", keyVia: "header", tool: "charge", amount: 4200, currency: "eur", delayMs: 0, steps: "same:60" };
 const argv = process.argv.slice(2);
 for (let i = 0; i < argv.length; i += 2) {
   const name = argv[i].replace(/^--/, "").replace(/-([a-z])/g, (_, c) => c.toUpperCase());
@@ -34,7 +34,9 @@ function toolArguments() {
 }
 
 async function connect() {
-  const headers = a.key && a.keyVia === "header" ? { "Idempotency-Key": a.key } : {};
+  // The caller's identity: idemgate scopes keys by it (envoy/mcp/envoy.yaml: scope.headers).
+  const headers = { Authorization: a.authorization };
+  if (a.key && a.keyVia === "header") headers["Idempotency-Key"] = a.key;
   const transport = new StreamableHTTPClientTransport(new URL(a.url), { requestInit: { headers } });
   const client = new Client({ name: "idemgate-mcp-test", version: "1.0.0" });
   await client.connect(transport);

@@ -35,11 +35,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--delay-ms", type=int, default=0)
     p.add_argument("--mode", default="auto", help="auto (2026-07-28, no session) or legacy (initialize)")
     p.add_argument("--steps", default="same:60")
+    p.add_argument("--authorization", default="Bearer mcp-test-agent")
     return p.parse_args()
 
 
 def open_client(a: argparse.Namespace, stack: AsyncExitStack):
-    headers = {}
+    # The caller's identity: idemgate scopes keys by it (envoy/mcp/envoy.yaml: scope.headers).
+    headers = {"Authorization": a.authorization}
     if a.key and a.key_via == "header":
         headers["Idempotency-Key"] = a.key
     http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(120.0))
