@@ -201,10 +201,11 @@ fn mcp_route() -> String {
 /// Detached forwarding through the internal listener and `in_flight: "wait"`, as
 /// envoy/mcp/envoy.yaml ships them; `extra` adds top-level fields (the store).
 fn plugin(extra: &str) -> String {
+    let scope = if extra.contains("\"scope\"") { "" } else { r#", "scope": {"headers": ["authorization"]}"# };
     format!(
-        r#"{{"scope": {{"headers": ["authorization"]}}, "lock_ttl_seconds": 60, "forwarding": "detached",
+        r#"{{"lock_ttl_seconds": 60, "forwarding": "detached",
             "upstream": {{"cluster": "idemgate_hop", "timeout_ms": 30000}},
-            "in_flight": "wait", "wait_ms": 30000{extra},
+            "in_flight": "wait", "wait_ms": 30000{scope}{extra},
             "routes": [{}]}}"#,
         mcp_route()
     )
@@ -341,7 +342,11 @@ fn a_lost_response_is_recovered_through_the_shipped_mcp_config() {
 fn a_retry_on_the_other_proxy_returns_the_original_through_the_store() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
-    let store = r#", "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}"#;
+    // The clients reach each proxy at its own port (127.0.0.1:<port> as :authority), where a load
+    // balancer would give both one authority: the caller scope leaves it out (README, "One
+    // authority for all proxies").
+    let store = r#", "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000},
+        "scope": {"headers": ["authorization"], "include_authority": false}"#;
     for answers in ANSWERS {
         let server = McpServer::start(answers, false);
         let mut o = options(&plugin(store), &server);
