@@ -378,8 +378,8 @@ fn rpc(envoy: &Envoy, accept: &str, headers: &[(&str, &str)], body: &str) -> htt
 fn message(r: &http::Response) -> Value {
     let text = r.body_text();
     if r.header("content-type").is_some_and(|t| t.starts_with("text/event-stream")) {
-        let data = text.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim).filter(|d| !d.is_empty());
-        serde_json::from_str(data.last().expect("an SSE data line")).expect("JSON-RPC in SSE")
+        let mut data = text.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim).filter(|d| !d.is_empty());
+        serde_json::from_str(data.next_back().expect("an SSE data line")).expect("JSON-RPC in SSE")
     } else {
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("JSON-RPC body ({e}): {text}"))
     }
