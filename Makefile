@@ -105,8 +105,10 @@ lint:
 ## an agent simulator under injected faults, with and without idemgate; stops everything it started.
 ## STORE=redis (Redis behind webdis, the default) or STORE=etcd (three etcd members, auth on)
 STORE ?= redis
+## MCP=1: the MCP variant (an agent on the MCP Python SDK calling an MCP payments server through
+## envoy/mcp/envoy.yaml, docs/mcp-setup.md)
 demo:
-	scripts/demo.sh run $(STORE)
+	@if [ -n "$(MCP)" ]; then scripts/demo.sh mcp; else scripts/demo.sh run $(STORE); fi
 
 ## up / down: the same stack left running for curl (make up STORE=etcd for etcd)
 up:
