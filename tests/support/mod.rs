@@ -88,7 +88,9 @@ pub fn repo_root() -> PathBuf {
 
 /// dist/idemgate.wasm, or the module named by `IDEMGATE_WASM` (to try another build).
 pub fn wasm_path() -> PathBuf {
-    let p = std::env::var_os("IDEMGATE_WASM").map_or_else(|| repo_root().join("dist/idemgate.wasm"), PathBuf::from);
+    let p = std::env::var_os("IDEMGATE_WASM")
+        .filter(|p| !p.is_empty())
+        .map_or_else(|| repo_root().join("dist/idemgate.wasm"), PathBuf::from);
     assert!(p.exists(), "{} is missing: run `make build` (make test does it)", p.display());
     p
 }
