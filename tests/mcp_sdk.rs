@@ -442,3 +442,53 @@ fn a_replay_answers_the_retrys_id_on_the_wire() {
         envoy.assert_no_wasm_panic();
     }
 }
+
+/// On the wire: the client's `notifications/cancelled` for a protected call in flight passes to
+/// the server and never releases the key (the retry is held and gets the original, one
+/// execution); a JSON-RPC batch holding a protected call is refused whole (-32007, one error per
+/// request with an id), nothing executed.
+#[test]
+fn a_cancel_never_releases_the_key_and_a_batch_is_refused() {
+    let (server, envoy) = stack(Answers::Json, false);
+    let accept = "application/json, text/event-stream";
+    let slow = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":4200,"currency":"eur","delay_ms":2000}}}"#;
+    let key = [("idempotency-key", "mcp-cancel")];
+    let port = envoy.port;
+    let first = std::thread::spawn(move || {
+        let h = [
+            ("content-type", "application/json"),
+            ("accept", accept),
+            ("authorization", "Bearer mcp-test-agent"),
+            ("idempotency-key", "mcp-cancel"),
+        ];
+        http::request(port, "POST", "/mcp", &h, slow.as_bytes()).expect("first")
+    });
+    server.wait_count("charge", 1);
+    let cancel = r#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1,"reason":"timeout"}}"#;
+    let c = rpc(&envoy, accept, &key, cancel);
+    assert!(c.status == 202 || c.status == 200, "the notification reaches the server: {} {}", c.status, c.body_text());
+    assert_eq!(c.header("idempotent-replayed"), None);
+    let retry = rpc(&envoy, accept, &key, &slow.replace(r#""id":1"#, r#""id":2"#));
+    assert_eq!(retry.status, 200, "{}", retry.body_text());
+    let first = first.join().unwrap();
+    let (a, b) = (message(&first), message(&retry));
+    assert_eq!(b["id"], 2);
+    assert_eq!(b["result"], a["result"], "the retry after a cancel gets the original");
+    assert_eq!(server.count("charge"), 1, "the cancel released nothing");
+
+    let batch = r#"[{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1,"currency":"eur"}}},
+                    {"jsonrpc":"2.0","id":"six","method":"tools/list","params":{}},
+                    {"jsonrpc":"2.0","method":"notifications/progress","params":{"progressToken":1,"progress":1}}]"#;
+    let r = rpc(&envoy, accept, &[("idempotency-key", "mcp-batch")], batch);
+    eprintln!("batch: {} {:?} {}", r.status, r.headers, r.body_text());
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let errors: Value = serde_json::from_slice(&r.body).expect("a JSON array");
+    let errors = errors.as_array().expect("one error per request with an id");
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    for (e, id) in errors.iter().zip([serde_json::json!(5), serde_json::json!("six")]) {
+        assert_eq!(e["id"], id, "{e}");
+        assert_eq!(e["error"]["code"], -32007, "{e}");
+    }
+    assert_eq!(server.count("charge"), 1, "nothing of the batch executed");
+    envoy.assert_no_wasm_panic();
+}
