@@ -18,6 +18,7 @@ deps:
 	scripts/install-deps.sh grpc-client
 	scripts/install-deps.sh sdk-clients
 	scripts/install-deps.sh probe-apps
+	scripts/install-deps.sh mcp-sdk
 
 ## test: lint, native unit + property tests, Envoy integration tests, core tests on wasm32 under Node.js,
 ## the demo, and the fault matrix (test-faults)
@@ -83,10 +84,11 @@ test-envoy-versions: build deps
 test-envoy-oldest: build deps
 	$(MAKE) test-envoy-versions ENVOY_VERSIONS=$(ENVOY_OLDEST)
 
-## test-demo: the demo must pass too (every operation executed exactly once), on each store
+## test-demo: the demo must pass too (every operation executed exactly once), on each store and for MCP
 test-demo:
 	scripts/demo.sh run redis
 	scripts/demo.sh run etcd
+	scripts/demo.sh mcp
 
 ## test-native: everything but the fault matrix (test-faults) and the full failover forms (test-failover)
 test-native:
@@ -106,8 +108,10 @@ lint:
 ## an agent simulator under injected faults, with and without idemgate; stops everything it started.
 ## STORE=redis (Redis behind webdis, the default) or STORE=etcd (three etcd members, auth on)
 STORE ?= redis
+## MCP=1: the MCP variant (an agent on the MCP Python SDK calling an MCP payments server through
+## envoy/mcp/envoy.yaml, docs/mcp-setup.md)
 demo:
-	scripts/demo.sh run $(STORE)
+	@if [ -n "$(MCP)" ]; then scripts/demo.sh mcp; else scripts/demo.sh run $(STORE); fi
 
 ## up / down: the same stack left running for curl (make up STORE=etcd for etcd)
 up:

@@ -6,12 +6,16 @@
 #   scripts/demo.sh run [redis|etcd]   # start, run the agent simulator (with and without idemgate), stop
 #   scripts/demo.sh up [redis|etcd]    # start and leave running; prints commands to try
 #   scripts/demo.sh down               # stop what `up` started
+#   scripts/demo.sh mcp                # the MCP variant (make demo MCP=1): the MCP payments server
+#                                      # (tests/mcp/server.py) behind envoy/mcp/envoy.yaml, an agent on
+#                                      # the MCP Python SDK (scripts/mcp_agent_sim.py) under the same faults
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 STATE=target/demo
 mkdir -p "$STATE"
 STORE=${2:-redis}
+[ "${1:-}" = mcp ] && STORE=redis  # the MCP variant keeps its records in idemgate's local table
 case "$STORE" in
   redis|etcd) ;;
   *) echo "$0: unknown store '$STORE' (redis or etcd)" >&2; exit 2 ;;
@@ -253,10 +257,32 @@ ${ETCD_TRY:+  # what idemgate keeps in etcd (its user sees only its own prefix)
 Stop it with: make down
 TRY
     ;;
+  mcp)
+    scripts/install-deps.sh envoy
+    scripts/install-deps.sh mcp-sdk
+    scripts/build-wasm.sh >&2
+    trap stop EXIT
+    stop
+    : > "$STATE/pids"
+    LISTEN_PORT=$(free_port) ADMIN_PORT=$(free_port) MCP_PORT=$(free_port)
+    IDEMGATE_RECORD_KEY=${IDEMGATE_RECORD_KEY:-$(python3 -c 'import secrets; print(secrets.token_hex(32))')}
+    export IDEMGATE_RECORD_KEY
+    target/mcp-venv/bin/python tests/mcp/server.py --port "$MCP_PORT" < /dev/null > "$STATE/mcp-server.log" 2>&1 & echo $! >> "$STATE/pids"
+    # The shipped example as users run it, only its loopback ports and the module path replaced.
+    sed -e "s/port_value: 10000/port_value: $LISTEN_PORT/" -e "s/port_value: 9901/port_value: $ADMIN_PORT/" \
+      -e "s/port_value: 8080/port_value: $MCP_PORT/" -e "s|dist/idemgate.wasm|${WASM_PATH:-$ROOT/dist/idemgate.wasm}|" \
+      envoy/mcp/envoy.yaml > "$STATE/envoy-mcp.yaml"
+    envoy -c "$STATE/envoy-mcp.yaml" --concurrency 2 --disable-hot-restart --log-level warn \
+      --component-log-level wasm:info < /dev/null > "$STATE/envoy.log" 2>&1 & echo $! >> "$STATE/pids"
+    wait_http "http://127.0.0.1:$MCP_PORT/count" 30
+    wait_http "http://127.0.0.1:$ADMIN_PORT/ready" 60
+    target/mcp-venv/bin/python scripts/mcp_agent_sim.py --gateway "http://127.0.0.1:$LISTEN_PORT/mcp" \
+      --server "http://127.0.0.1:$MCP_PORT" --store local
+    ;;
   down)
     stop
     log "stopped"
     ;;
   *)
-    echo "usage: $0 run|up [redis|etcd] | down" >&2; exit 2 ;;
+    echo "usage: $0 run|up [redis|etcd] | mcp | down" >&2; exit 2 ;;
 esac

@@ -17,6 +17,8 @@
 #                                            # stripe-node, openai-node, modern-treasury-node (npm, target/sdk-node) for tests/sdk_clients.rs
 #   scripts/install-deps.sh probe-apps       # pinned third-party idempotency libraries (tests/probe/requirements.txt, venv target/probe-venv)
 #                                            # for tests/probe_gate.rs
+#   scripts/install-deps.sh mcp-sdk          # the official MCP SDKs: `mcp` (PyPI, venv target/mcp-venv) and
+#                                            # @modelcontextprotocol/sdk (npm, target/mcp-node), pinned in tests/mcp/, for tests/mcp_sdk.rs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -151,6 +153,28 @@ case "${1:-}" in
       cp tests/probe/requirements.txt "$venv/requirements.txt"
     fi
     ;;
+  mcp-sdk)
+    # The MCP tests (tests/mcp_sdk.rs): the official SDKs at the versions in tests/mcp/, reinstalled
+    # whenever a pin file changes (the copy kept beside the install differs).
+    venv=target/mcp-venv
+    if ! cmp -s tests/mcp/requirements.txt "$venv/requirements.txt" || [ ! -x "$venv/bin/python" ]; then
+      python3 -c "import venv, ensurepip" 2>/dev/null || apt_ensure python3-venv
+      rm -rf "$venv"
+      python3 -m venv "$venv"
+      log "pip install -r tests/mcp/requirements.txt into $venv"
+      timeout 600 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/mcp/requirements.txt
+      cp tests/mcp/requirements.txt "$venv/requirements.txt"
+    fi
+    node_dir=target/mcp-node
+    if ! cmp -s tests/mcp/package-lock.json "$node_dir/package-lock.json" \
+        || [ ! -f "$node_dir/node_modules/@modelcontextprotocol/sdk/package.json" ]; then
+      command -v npm >/dev/null || apt_ensure nodejs npm
+      rm -rf "$node_dir" && mkdir -p "$node_dir"
+      cp tests/mcp/package.json tests/mcp/package-lock.json "$node_dir/"
+      log "npm ci (tests/mcp/package-lock.json) into $node_dir"
+      (cd "$node_dir" && timeout 600 npm ci --no-audit --no-fund --silent)
+    fi
+    ;;
   wasm-bindgen)
     ver=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/[^0-9.]/,"",$0); print; exit}' Cargo.lock)
     [ -n "$ver" ] || { log "wasm-bindgen not found in Cargo.lock"; exit 1; }
@@ -159,5 +183,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client | sdk-clients | probe-apps" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client | sdk-clients | probe-apps | mcp-sdk" >&2; exit 2 ;;
 esac

@@ -205,3 +205,26 @@ fn envoy_validates_the_readmes_minimal_config_and_idemgate_accepts_its_configura
         assert!(yaml.contains(needed), "README's minimal config lacks {needed}");
     }
 }
+
+/// The MCP example (issue 28): Envoy validates it, idemgate accepts its configuration, and the
+/// plugin configuration is the one docs/mcp-setup.md describes (its behaviour: tests/mcp_sdk.rs,
+/// `a_lost_response_is_recovered_through_the_shipped_mcp_config`).
+#[test]
+fn envoy_validates_the_mcp_example_and_idemgate_accepts_its_configuration() {
+    let root = support::repo_root();
+    let text = std::fs::read_to_string(root.join("envoy/mcp/envoy.yaml")).unwrap();
+    let scratch = support::Scratch::new("mcp-example");
+    let path = scratch.0.join("envoy.yaml");
+    std::fs::write(&path, text.replace("dist/idemgate.wasm", &support::wasm_path().display().to_string())).unwrap();
+    let (ok, log) = support::envoy_validate(&path);
+    assert!(ok, "{log}");
+    assert!(log.contains("configuration accepted"), "{log}");
+    let start = text.find("value: |").expect("plugin configuration") + "value: |".len();
+    let end = text[start..].find("vm_config:").expect("vm_config") + start;
+    let config: serde_json::Value = serde_json::from_str(&text[start..end]).expect("plugin configuration JSON");
+    assert_eq!(config["forwarding"], "detached");
+    assert_eq!(config["in_flight"], "wait");
+    assert_eq!(config["routes"][0]["prefix"], "/mcp");
+    assert_eq!(config["routes"][0]["protocol"], "mcp");
+    assert_eq!(config["routes"][0]["mcp"]["key_arguments"], serde_json::json!(["idempotency_key", "idempotencyKey"]));
+}

@@ -87,8 +87,11 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// dist/idemgate.wasm, or the module named by `IDEMGATE_WASM` (to try another build).
 pub fn wasm_path() -> PathBuf {
-    let p = repo_root().join("dist/idemgate.wasm");
+    let p = std::env::var_os("IDEMGATE_WASM")
+        .filter(|p| !p.is_empty())
+        .map_or_else(|| repo_root().join("dist/idemgate.wasm"), PathBuf::from);
     assert!(p.exists(), "{} is missing: run `make build` (make test does it)", p.display());
     p
 }

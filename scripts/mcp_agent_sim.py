@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""`make demo MCP=1`: scripts/agent_sim.py's agent, calling the MCP payments server
+(tests/mcp/server.py, the official MCP Python SDK) with the official MCP Python client, under the
+same faults: a tool slower than the agent's timeout, a response lost on the way back, concurrent
+duplicate retries, a retry that alters the arguments, a restarted task. The key is the wrapper's
+(task, step) key in `_meta.idempotencyKey`, kept across retries.
+
+Run twice: through idemgate (envoy/mcp/envoy.yaml), then straight to the MCP server. Exits 0 only
+if, through idemgate, every operation executed exactly once. Runs under target/mcp-venv/bin/python.
+"""
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+import time
+import urllib.request
+
+import httpx2
+from mcp.client import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+AGENT_TIMEOUT = 1.0
+MAX_ATTEMPTS = 4
+
+
+def say(line):
+    print(line, flush=True)
+
+
+def key_for(task, step):
+    return "agent-" + hashlib.sha256(f"{task}/{step}".encode()).hexdigest()[:32]
+
+
+def executions(server):
+    with urllib.request.urlopen(server + "/count", timeout=5) as r:
+        return json.load(r)["charge"]
+
+
+class Wrapper:
+    def __init__(self, url, stats):
+        self.url = url
+        self.stats = stats
+
+    async def attempt(self, client, task, step, args, key, n, label):
+        who = f"  [{task}/{step}]{label} attempt {n} key={hashlib.sha256(key.encode()).hexdigest()[:8]}"
+        self.stats["attempts"] += 1
+        try:
+            r = await client.call_tool("charge", args, read_timeout_seconds=AGENT_TIMEOUT,
+                                       meta={"idempotencyKey": key})
+        except MCPError as e:
+            slug = (e.data or {}).get("type", "").rsplit(":", 1)[-1] if isinstance(e.data, dict) else ""
+            if not slug and "timed out" in e.message:
+                say(f"{who} -> no answer within {AGENT_TIMEOUT:.0f} s (the response is late: lost to the agent)")
+                return "lost", None
+            if slug == "key-reused":
+                say(f"{who} -> MCP error {e.code} key reused with other arguments: refused, nothing executed")
+                return "mismatch", None
+            if slug == "request-in-flight":
+                say(f"{who} -> MCP error {e.code} in flight: the first call is still running")
+                return "in_flight", None
+            say(f"{who} -> MCP error {e.code} {slug or e.message}")
+            return "other", None
+        payment = json.loads("".join(getattr(c, "text", "") for c in r.content)).get("payment")
+        say(f"{who} -> result (payment {payment})")
+        return "result", payment
+
+    async def charge(self, task, step, amount, lose_first=False, delay_ms=0, altered_retry=False, label=""):
+        key = key_for(task, step)
+        args = {"amount": amount, "currency": "eur"}
+        if delay_ms:
+            args["delay_ms"] = delay_ms
+        # The agent's identity (idemgate scopes keys by it: envoy/mcp/envoy.yaml, scope.headers).
+        http = httpx2.AsyncClient(headers={"Authorization": "Bearer demo-agent"}, timeout=httpx2.Timeout(60.0))
+        async with Client(streamable_http_client(self.url, http_client=http)) as client:
+            for n in range(1, MAX_ATTEMPTS + 1):
+                send = dict(args, amount=amount + 1) if altered_retry and n == 2 else args
+                what, payment = await self.attempt(client, task, step, send, key, n, label)
+                if what == "result":
+                    if lose_first and n == 1:
+                        say(f"  [{task}/{step}]{label}   (a proxy on the way back answered 504: the agent never sees this result)")
+                        await asyncio.sleep(0.2)
+                        continue
+                    return payment
+                if what == "mismatch":
+                    say(f"  [{task}/{step}]{label}   the wrapper retries with the original arguments")
+                elif what != "lost":
+                    await asyncio.sleep(1)
+        say(f"  [{task}/{step}]{label} gave up after {MAX_ATTEMPTS} attempts")
+        return None
+
+
+async def run(url, server, title):
+    before = executions(server)
+    stats = {"attempts": 0}
+    w = Wrapper(url, stats)
+    say(f"\n== {title} ==")
+    ops = 0
+    say("1. a plain charge")
+    ops += 1
+    await w.charge("task-1", "step-1", 1200)
+    say("2. the tool answers after the agent's timeout (2 s > 1 s)")
+    ops += 1
+    await w.charge("task-1", "step-2", 2500, delay_ms=2000)
+    say("3. the result is lost on the way back (a proxy answers 504)")
+    ops += 1
+    await w.charge("task-1", "step-3", 990, lose_first=True)
+    say("4. three concurrent retries of one call")
+    ops += 1
+    await asyncio.gather(*(w.charge("task-1", "step-4", 4200, delay_ms=500, label=f" #{i}") for i in range(1, 4)))
+    say("5. the result is lost and the retry alters the arguments")
+    ops += 1
+    await w.charge("task-1", "step-5", 700, lose_first=True, altered_retry=True)
+    say("6. the whole task restarts with a new task id (a new operation, executed again on purpose)")
+    ops += 1
+    await w.charge("task-2", "step-1", 1200)
+    # A tool that outlived its caller (step 2 without idemgate) still counts: let it end.
+    await asyncio.sleep(2.5)
+    return ops, executions(server) - before, stats["attempts"]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--gateway", required=True, help="the MCP endpoint through idemgate")
+    p.add_argument("--server", required=True, help="the MCP server's base URL (its /mcp and /count)")
+    p.add_argument("--store", default="local")
+    a = p.parse_args()
+    started = time.monotonic()
+    ops, execs, attempts = asyncio.run(run(a.gateway, a.server, "through idemgate (MCP)"))
+    ops_raw, execs_raw, _ = asyncio.run(run(a.server + "/mcp", a.server, "the same agent, straight to the MCP server (no idemgate)"))
+    absorbed = attempts - execs
+    say("")
+    say(f"without idemgate: {ops_raw} operations -> {execs_raw} executions ({execs_raw - ops_raw} duplicate charges)")
+    verdict = "every operation executed exactly once" if execs == ops else "SOME OPERATION DID NOT EXECUTE EXACTLY ONCE"
+    say(
+        f"idemgate demo ({a.store} store): {ops} operations requested, {execs} executions, {absorbed} retries absorbed "
+        f"({verdict}; without idemgate {execs_raw} executions) in {time.monotonic() - started:.1f} s"
+    )
+    sys.exit(0 if execs == ops else 1)
+
+
+if __name__ == "__main__":
+    main()

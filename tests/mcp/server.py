@@ -1,0 +1,81 @@
+"""The MCP payments server of tests/mcp_sdk.rs: the official Python SDK (`mcp`, pinned in
+tests/mcp/requirements.txt) and nothing of ours but the tools.
+
+Streamable HTTP at /mcp, stateless by default (no Mcp-Session-Id; a tool call outlives the client
+that sent it), answering `application/json` (--json) or `text/event-stream` (the SDK's default).
+--stateful keeps sessions (initialize + Mcp-Session-Id, the older protocol revisions' way).
+
+Tools:
+  charge(amount, currency, idempotency_key=None, delay_ms=0)  counts each execution; `delay_ms`
+      (or MCP_CHARGE_DELAY_MS) makes it slow; returns a payment with an id unique to the execution.
+  balance(currency)  read-only (annotations.readOnlyHint), counted too.
+GET /count answers {"charge": n, "balance": m} (executions so far); the Rust test reads it.
+
+Prints `listening <port>` on stdout once the port is bound (--port 0 picks one).
+"""
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+import uuid
+
+import uvicorn
+from mcp.server.mcpserver import MCPServer
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp_types import ToolAnnotations
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+COUNTS = {"charge": 0, "balance": 0}
+
+server = MCPServer("idemgate-test-payments")
+
+
+@server.tool(description="Charge a card: executes a payment each time it runs.")
+async def charge(amount: int, currency: str, idempotency_key: str | None = None, delay_ms: int = 0) -> dict:
+    COUNTS["charge"] += 1
+    n = COUNTS["charge"]
+    delay = delay_ms or int(os.environ.get("MCP_CHARGE_DELAY_MS", "0"))
+    if delay:
+        await asyncio.sleep(delay / 1000)
+    return {"payment": f"pay_{n}_{uuid.uuid4().hex[:12]}", "execution": n, "amount": amount, "currency": currency}
+
+
+@server.tool(
+    description="The balance (read only).",
+    annotations=ToolAnnotations(readOnlyHint=True, idempotentHint=True),
+)
+async def balance(currency: str) -> dict:
+    COUNTS["balance"] += 1
+    return {"currency": currency, "available": 100000}
+
+
+@server.custom_route("/count", methods=["GET"])
+async def count(_: Request) -> JSONResponse:
+    return JSONResponse(COUNTS)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="answer application/json instead of SSE")
+    p.add_argument("--stateful", action="store_true", help="sessions (initialize + Mcp-Session-Id)")
+    a = p.parse_args()
+    app = server.streamable_http_app(
+        json_response=a.json,
+        stateless_http=not a.stateful,
+        # Envoy forwards the client's Host (127.0.0.1:<Envoy's port>); nothing to protect on loopback.
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", a.port))
+    print(f"listening {sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
