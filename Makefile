@@ -97,6 +97,7 @@ test-wasm:
 	scripts/test-wasm.sh
 
 lint:
+	scripts/module-graph.py >/dev/null
 	cargo fmt --check
 	cargo clippy --locked --all-targets -- -D warnings
 

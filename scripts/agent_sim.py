@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The demo's agent simulator: an agent paying through a tool wrapper, under injected faults.
 
-The wrapper does what README asks of agent builders: it derives the key from (task, step), keeps
+The wrapper does what docs/agents.md asks of agent builders: it derives the key from (task, step), keeps
 it across every retry, retries timeouts, 409s and 5xx, and never lets the "model" choose the key.
 Faults: a response that arrives after the agent's timeout, a response lost on the way back (as a
 proxy answering 504 would), concurrent duplicate retries, a retry with an altered body, and a

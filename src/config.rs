@@ -109,7 +109,7 @@ pub struct Policy {
 }
 
 /// What a failure reply that an Envoy behind the edge (a sidecar, a gateway) generated itself
-/// counts as (README, "Hops behind idemgate"). To the edge's router it is an upstream answer like
+/// counts as (docs/hops.md). To the edge's router it is an upstream answer like
 /// any other.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NextHopFailures {
@@ -151,7 +151,7 @@ pub enum Forwarding {
 pub enum Hop {
     /// Default: `upstream.cluster` is an Envoy internal listener that runs the filters after
     /// idemgate and the route table, then the router, and marks every answer with
-    /// `x-idemgate-hop` (README, "Detached forwarding through an internal listener"). The root
+    /// `x-idemgate-hop` (docs/agents.md, "Detached forwarding through an internal listener"). The root
     /// proves the chain answers with that mark (a probe) before it sends a request through it,
     /// and classifies each answer by the mark.
     InternalListener,
@@ -370,7 +370,7 @@ impl Default for LocalConfig {
 pub const CREDENTIAL_HEADERS: &[&str] =
     &["authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key", "x-auth-token"];
 
-/// Limits that keep a configuration sane (documented in README).
+/// Limits that keep a configuration sane (documented in docs/configuration.md).
 pub const MAX_KEY_LENGTH: u64 = 4096;
 pub const MAX_TTL_SECONDS: u64 = 366 * 86_400;
 pub const MAX_BODY_BYTES: u64 = 64 * 1024 * 1024;
@@ -891,6 +891,13 @@ fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) ->
 
 /// `ttl_seconds` must exceed `lock_ttl_seconds` by at least this much (issue 13, item 2).
 pub const TTL_OVER_LOCK_MARGIN_SECONDS: u64 = 1;
+/// How far apart the proxies' clocks may be, with etcd (it has no clock a transaction can read):
+/// every reader judges locks and expiries with its clock taken this far behind
+/// (`etcd::judged_now`), and a record must outlive its lock by this too (`check_etcd_clocks`).
+pub const CLOCK_SKEW_TOLERANCE_MS: u64 = 1_000;
+/// `store.token_refresh_seconds` by default: well below etcd's default token TTL (300 s, simple
+/// tokens; JWT tokens default to 5 minutes too).
+pub const DEFAULT_TOKEN_REFRESH_SECONDS: u64 = 60;
 
 /// Every policy in force with the field prefix its errors name: "" for the one policy without
 /// routes, `routes[i]` for each route's.
@@ -900,10 +907,10 @@ fn labelled_policies(c: &Config) -> impl Iterator<Item = (&Policy, String)> {
 }
 
 /// With etcd, locks and record expiries are judged by the proxies' clocks, read
-/// `crate::etcd::CLOCK_SKEW_TOLERANCE_MS` behind (etcd has no clock a transaction can read): a
+/// `CLOCK_SKEW_TOLERANCE_MS` behind (etcd has no clock a transaction can read): a
 /// record must then outlive its lock by that tolerance too, on every proxy's clock.
 fn check_etcd_clocks(c: &Config) -> Result<(), ConfigError> {
-    let skew_s = crate::etcd::CLOCK_SKEW_TOLERANCE_MS.div_ceil(1000);
+    let skew_s = CLOCK_SKEW_TOLERANCE_MS.div_ceil(1000);
     let margin = TTL_OVER_LOCK_MARGIN_SECONDS.saturating_add(skew_s);
     for (p, prefix) in labelled_policies(c) {
         if p.ttl_seconds < p.lock_ttl_seconds.saturating_add(margin) {
@@ -1212,7 +1219,7 @@ fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
             ))
         }
         (Some(t), StoreKind::Etcd) => as_uint(t, "store.token_refresh_seconds", 1, 3600)?,
-        (None, _) => crate::etcd::DEFAULT_TOKEN_REFRESH_SECONDS,
+        (None, _) => DEFAULT_TOKEN_REFRESH_SECONDS,
     };
     let max_request_bytes = match m.get("max_request_bytes") {
         Some(b) => as_uint(b, "store.max_request_bytes", 65_536, 1 << 32)?,

@@ -1,6 +1,6 @@
 //! Decisions: what to do with a request, and what a finished exchange means.
 //!
-//! Three pure functions, each a table (see ARCHITECTURE.md):
+//! Three pure functions, each a table (see docs/internals.md, "Decisions"):
 //! - `admit`: from the policy in force and the key header, whether a request passes untouched, is
 //!   refused at once (400), or is protected;
 //! - `decide`: from what the store holds for the key, the action (claim, take over, replay, 409,

@@ -68,9 +68,10 @@ use crate::store::{
 
 /// Prefix of every etcd key idemgate writes (the namespace is inside the hashed storage key).
 pub const KEY_PREFIX: &str = "idemgate/v1/";
-/// How far apart the proxies' clocks may be: every reader judges locks and expiries with its
-/// clock taken this far behind (`judged_now`).
-pub const CLOCK_SKEW_TOLERANCE_MS: u64 = 1_000;
+/// How far apart the proxies' clocks may be (defined with the configuration, which checks lifetimes
+/// against it): every reader judges locks and expiries with its clock taken this far behind
+/// (`judged_now`).
+pub use crate::config::CLOCK_SKEW_TOLERANCE_MS;
 /// One lease serves the puts of one window of this length.
 pub const LEASE_WINDOW_MS: u64 = 60_000;
 /// A lease outlives the window and the longest record life by this much more: a write built late
@@ -632,9 +633,8 @@ impl Leases {
 
 /// The path of the authentication request.
 pub const AUTH_PATH: &str = "/v3/auth/authenticate";
-/// `store.token_refresh_seconds` by default: well below etcd's default token TTL (300 s, simple
-/// tokens; JWT tokens default to 5 minutes too).
-pub const DEFAULT_TOKEN_REFRESH_SECONDS: u64 = 60;
+/// `store.token_refresh_seconds` by default (defined with the configuration).
+pub use crate::config::DEFAULT_TOKEN_REFRESH_SECONDS;
 /// The longest token accepted (etcd's simple tokens are about 20 bytes, its JWTs a few hundred).
 const MAX_TOKEN_LEN: usize = 4096;
 /// A failed authentication is tried again after this long, doubled at each failure up to

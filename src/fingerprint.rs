@@ -4,7 +4,7 @@
 //! operation headers (`content-type` and the method-override headers, unless turned off) and of
 //! the configured headers, the request trailers (unless turned off) and a digest of the body (raw
 //! bytes, or canonical JSON when configured and the body is valid JSON). The layout is pinned in
-//! ARCHITECTURE.md and by test vectors: a change of layout bumps the tag's version.
+//! docs/internals.md and by test vectors: a change of layout bumps the tag's version.
 
 use sha2::{Digest, Sha256};
 
@@ -328,7 +328,7 @@ mod tests {
         assert_ne!(fp(&one, b"", &c), fp(&two, b"", &c));
     }
 
-    /// Pinned vectors, computed independently of this code from the layout in ARCHITECTURE.md:
+    /// Pinned vectors, computed independently of this code from the layout in docs/internals.md:
     /// `printf '{"b": 1, "a": [1,2]}' | sha256sum` gives the raw body digest, `printf '{"a":[1,2],"b":1}' | sha256sum`
     /// the canonical one, then for example
     /// `printf 'idemgate-fp-v2\0004:POST,11:/pay?cur=eu,1:5,12:content-type,1:1,16:application/json,22:x-http-method-override,1:0,13:x-http-method,1:0,17:x-method-override,1:0,8:x-tenant,1:1,4:acme,1:2,3:x-a,1:1,10:x-checksum,3:abc,3:raw,64:<raw digest>,' | sha256sum`

@@ -1,4 +1,4 @@
-//! RFC 9457 problem documents: one stable `type` per error, listed in README with what the
+//! RFC 9457 problem documents: one stable `type` per error, listed in docs/problems.md with what the
 //! client should do.
 
 use serde_json::{json, Map, Value};
@@ -302,7 +302,7 @@ impl ProblemKind {
     }
 
     /// The `error` extension member, for SDKs that look for an error there instead of reading the
-    /// problem document (README, "Errors as SDKs read them"): stripe-node treats a body as an
+    /// problem document (docs/problems.md, "Errors as SDKs read them"): stripe-node treats a body as an
     /// error only when it has an `error` member, stripe-python raises `Invalid response object`
     /// without one, gocardless-pro reads `error.type` and, for `invalid_state`, each
     /// `error.errors[].reason`. `code` is the problem's slug, `message` its detail.

@@ -2,7 +2,7 @@
 //!
 //! Records hold no raw key and no credential: they are addressed by a hashed storage key (see
 //! `scope`). Decoding is total: any byte string gives a record or a `DecodeError`, never a panic.
-//! The layout is documented in ARCHITECTURE.md.
+//! The layout is documented in docs/internals.md ("Record encoding").
 
 use std::fmt;
 
@@ -349,7 +349,7 @@ impl Record {
         now_ms >= self.expires_at_ms
     }
 
-    /// Encodes the record (see ARCHITECTURE.md for the layout).
+    /// Encodes the record (see docs/internals.md for the layout).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64 + self.body_len());
         out.extend_from_slice(MAGIC);

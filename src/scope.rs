@@ -2,7 +2,7 @@
 //!
 //! A record is addressed by `SHA-256(namespace, scope hash, key)`: never by the raw key or a raw
 //! credential. Two callers that send the same key get different records, so a guessed key cannot
-//! replay (or block) another caller's response. Layouts are pinned in ARCHITECTURE.md.
+//! replay (or block) another caller's response. Layouts are pinned in docs/internals.md.
 //!
 //! A caller that sends none of the configured scope headers (or only empty ones) is anonymous: all
 //! such callers would hash to one scope, so a request of theirs that uses a key is refused

@@ -167,7 +167,7 @@ fn durability_a_redis_killed_after_acknowledging_claims_and_completions_with_app
     assert!(extra as usize <= lost, "an execution again without a lost record: {extra} > {lost}");
 }
 
-/// README promises that no acknowledged claim is lost when Redis dies: the shipped configuration
+/// docs/stores.md promises that no acknowledged claim is lost when Redis dies: the shipped configuration
 /// must fsync before every reply.
 #[test]
 fn the_shipped_redis_conf_fsyncs_before_acknowledging_a_write() {

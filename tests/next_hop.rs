@@ -1,4 +1,4 @@
-//! Hops behind idemgate (README, "Hops behind idemgate"): a second, plain Envoy between the edge
+//! Hops behind idemgate (docs/hops.md): a second, plain Envoy between the edge
 //! (idemgate) and the application, as a sidecar or an internal gateway stands there.
 //!
 //! - Its retries: idemgate's `x-envoy-max-retries: 0` is consumed by the edge's own router and
@@ -228,7 +228,7 @@ fn a_next_hops_connect_failure_is_replayed_by_default_and_released_under_classif
     // The application comes back on that port; each client retries.
     let app = Upstream::start_on(app_port);
     // Default (`store`): the next hop's 503 is taken for the operation's result, replayed, and
-    // the operation never runs (documented: README, "Hops behind idemgate").
+    // the operation never runs (documented: docs/hops.md).
     let retry = post(&edge, "/charges", Some("k-stored"), &[]);
     assert_eq!(retry.status, 503, "{}", retry.body_text());
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));

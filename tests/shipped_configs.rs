@@ -181,3 +181,27 @@ fn the_single_proxy_config_recovers_lost_responses_and_refuses_timeouts_past_its
     let e = idemgate::config::Config::parse(cfg.to_string().as_bytes()).unwrap_err();
     assert_eq!(e.field, "upstream.timeout_ms", "{e}");
 }
+
+/// The minimal configuration README.md shows (the `yaml` block after its `minimal-envoy-config`
+/// marker) is one Envoy validates and whose plugin configuration idemgate accepts.
+#[test]
+fn envoy_validates_the_readmes_minimal_config_and_idemgate_accepts_its_configuration() {
+    let root = support::repo_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let after = &readme[readme.find("<!-- minimal-envoy-config").expect("README: the minimal-envoy-config marker")..];
+    let start = after.find("```yaml\n").expect("README: a yaml block after the marker") + "```yaml\n".len();
+    let end = after[start..].find("\n```").expect("README: the yaml block's end") + start;
+    let yaml = &after[start..end];
+    let scratch = support::Scratch::new("readme-minimal");
+    let path = scratch.0.join("envoy.yaml");
+    std::fs::write(&path, yaml.replace("dist/idemgate.wasm", &support::wasm_path().display().to_string())).unwrap();
+    let (ok, log) = support::envoy_validate(&path);
+    assert!(ok, "{log}");
+    assert!(log.contains("configuration accepted"), "{log}");
+    let line = yaml.lines().find(|l| l.trim_start().starts_with("value: '")).expect("the plugin configuration");
+    let json = line.trim_start().trim_start_matches("value: '").trim_end().trim_end_matches('\'');
+    assert!(idemgate::config::Config::parse(json.as_bytes()).is_ok(), "{json}");
+    for needed in ["allow_on_headers_stop_iteration: true", "failure_policy: FAIL_RELOAD"] {
+        assert!(yaml.contains(needed), "README's minimal config lacks {needed}");
+    }
+}

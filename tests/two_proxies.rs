@@ -472,7 +472,7 @@ fn a_completion_write_queued_when_the_plugin_is_reloaded_still_lands() {
     let before = updates(&a);
     // Only the plugin configuration changes (the same VM serves the new root contexts). A new
     // module or VM configuration starts a new VM and Envoy destroys the old one with its
-    // listener: README says to keep the drain time above the write retry window for that.
+    // listener: docs/stores.md says to keep the drain time above the write retry window for that.
     o.lds = true;
     o.plugin_config =
         WRITE_FAIL_CFG.replace("\"lock_ttl_seconds\": 2", "\"lock_ttl_seconds\": 2, \"ttl_seconds\": 86401");
@@ -841,7 +841,7 @@ fn store_a_value_moved_forged_or_cut_is_never_replayed() {
 /// Rotation of the record secret (issue 15, item 2): a proxy given the new secret with the old
 /// one as previous replays what the old one sealed, and writes with the new one; a proxy still
 /// on the old secret alone refuses what the new one sealed (503, never executed), which is why
-/// every proxy gets the new secret as previous before any writes with it (README).
+/// every proxy gets the new secret as previous before any writes with it (docs/stores.md, "Sealed records").
 #[test]
 fn store_records_sealed_with_the_previous_secret_are_replayed_while_rotating() {
     let redis = Redis::start();

@@ -762,18 +762,6 @@ impl Metrics {
 
     /// Counts `c` in total and, when the request's policy is known, for its route (in Envoy's
     /// /stats at the next flush).
-    /// Counts what a replay needed beyond the stored bytes: a decoding, or a coding refused.
-    pub fn inc_for_replay(&self, sent: &super::reply::Replayed, policy_index: Option<usize>) {
-        use crate::problem::ProblemKind;
-        match sent {
-            super::reply::Replayed::Decoded => self.inc_for(Counter::ReplaysDecoded, policy_index),
-            super::reply::Replayed::Problem(ProblemKind::EncodingNotAccepted { .. }) => {
-                self.inc_for(Counter::ReplaysEncodingNotAccepted, policy_index)
-            }
-            _ => {}
-        }
-    }
-
     pub fn inc_for(&self, c: Counter, policy_index: Option<usize>) {
         self.inc(c);
         if let Some(Some(id)) = policy_index.and_then(|i| self.per_route.get(i)).and_then(|ids| ids.get(c as usize)) {

@@ -370,7 +370,9 @@ impl Http {
             let max_decoded = self.policy().map_or(0, |p| p.max_response_body_bytes);
             let (request_id, now) = (self.request_id(), self.now());
             let sent = reply::replay(&record, &request_id, now, &accept, max_decoded, |slug| self.publish(slug));
-            self.shared.metrics.inc_for_replay(&sent, self.policy_index);
+            if let Some(c) = sent.counter() {
+                self.shared.metrics.inc_for(c, self.policy_index);
+            }
             return Action::Pause;
         }
         let creator = record.creator.clone();

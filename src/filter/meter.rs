@@ -299,9 +299,12 @@ impl Flush {
         Flush::default()
     }
 
-    /// Adds to each metric what was counted since the last flush. Call it as background work.
-    /// The figures saying how much work has finished go last (see `FIGURES`).
-    pub fn flush(&mut self) {
+    /// Adds to each metric what was counted since the last flush, defining a metric with `define`
+    /// and adding to it with `increment` (the host's, `host::define_counter` and
+    /// `host::increment_metric`: passed in, so that the meter stays below the host calls it counts).
+    /// Call it as background work. The figures saying how much work has finished go last (see
+    /// `FIGURES`).
+    pub fn flush(&mut self, mut define: impl FnMut(&str) -> Option<u32>, mut increment: impl FnMut(u32, i64)) {
         use std::sync::atomic::Ordering::Relaxed;
         if self.kind_ids.is_empty() {
             self.kind_ids = vec![None; counting::BY_KIND.len()];
@@ -317,25 +320,25 @@ impl Flush {
             if id.is_none() {
                 let (cb, kind) = (CALLBACKS.get(i / kinds), Kind::ALL.get(i % kinds));
                 if let (Some(cb), Some(kind)) = (cb, kind) {
-                    *id = super::host::define_counter(&format!("idemgate.count.kind.{cb}.{}", kind.name()));
+                    *id = define(&format!("idemgate.count.kind.{cb}.{}", kind.name()));
                 }
             }
             if let Some(id) = id {
-                super::host::increment_metric(*id, i64::try_from(now - *done).unwrap_or(i64::MAX));
+                increment(*id, i64::try_from(now - *done).unwrap_or(i64::MAX));
                 *done = now;
             }
         }
         // The figures saying how much work has finished go last (after the breakdown too).
         let names = || counting::CALLBACK_NAMES.iter().chain(counting::NAMES.iter());
         if self.ids.is_empty() {
-            self.ids = names().map(|n| super::host::define_counter(n)).collect();
+            self.ids = names().map(|n| define(n)).collect();
             self.flushed = vec![0; self.ids.len()];
         }
         let figures = counting::BY_CALLBACK.iter().chain(counting::FIGURES.iter());
         for ((f, id), done) in figures.zip(&self.ids).zip(self.flushed.iter_mut()) {
             let now = f.load(Relaxed);
             if let (Some(id), true) = (id, now > *done) {
-                super::host::increment_metric(*id, i64::try_from(now - *done).unwrap_or(i64::MAX));
+                increment(*id, i64::try_from(now - *done).unwrap_or(i64::MAX));
                 *done = now;
             }
         }
@@ -387,5 +390,5 @@ impl Flush {
     }
 
     #[inline(always)]
-    pub fn flush(&mut self) {}
+    pub fn flush(&mut self, _define: impl FnMut(&str) -> Option<u32>, _increment: impl FnMut(u32, i64)) {}
 }

@@ -423,7 +423,7 @@ impl Root {
             }
             HopMark::Missing | HopMark::Unreadable => {
                 error!(
-                    "idemgate: detached hop refused: cluster={cluster} answered the probe (status {}) without a readable {HOP_HEADER}: it is not an internal listener running the chain after idemgate (README, detached forwarding); its requests are refused, never sent",
+                    "idemgate: detached hop refused: cluster={cluster} answered the probe (status {}) without a readable {HOP_HEADER}: it is not an internal listener running the chain after idemgate (docs/agents.md, detached forwarding); its requests are refused, never sent",
                     status.unwrap_or(0)
                 );
                 self.refuse_unproven(waiting);
@@ -882,7 +882,9 @@ impl Root {
                     &w.skey,
                     |rid, publish| {
                         let sent = reply::replay(&r, rid, host::now_ms(), &accept, w.max_decoded_bytes, publish);
-                        s.metrics.inc_for_replay(&sent, Some(w.policy_index));
+                        if let Some(c) = sent.counter() {
+                            s.metrics.inc_for(c, Some(w.policy_index));
+                        }
                     },
                     &rid,
                 );
@@ -1288,7 +1290,7 @@ impl Root {
     }
 
     fn tick(&mut self) {
-        self.meter.flush();
+        self.meter.flush(host::define_counter, host::increment_metric);
         host::refresh_log_level();
         if let Some(q) = self.queue_id {
             host::drain_queue(q);

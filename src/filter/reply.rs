@@ -5,6 +5,7 @@
 //! Envoy's `%RESPONSE_CODE_DETAILS%` tells a replay from a 409. The SDK's `send_http_response`
 //! passes none, so the ABI's `proxy_send_local_response` is called here directly.
 
+use super::host::Counter;
 use crate::encoding::Replay;
 use crate::problem::{code_details, ProblemKind};
 use crate::record::{Creator, Record, State};
@@ -95,6 +96,17 @@ pub enum Replayed {
     Decoded,
     /// A problem instead (no body to replay, or a coding the retry does not accept).
     Problem(ProblemKind),
+}
+
+impl Replayed {
+    /// The counter of what a replay needed beyond the stored bytes: a decoding, or a coding refused.
+    pub fn counter(&self) -> Option<Counter> {
+        match self {
+            Replayed::Decoded => Some(Counter::ReplaysDecoded),
+            Replayed::Problem(ProblemKind::EncodingNotAccepted { .. }) => Some(Counter::ReplaysEncodingNotAccepted),
+            _ => None,
+        }
+    }
 }
 
 /// Replays a completed record to a retry whose `accept-encoding` lines are `accept`

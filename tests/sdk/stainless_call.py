@@ -7,7 +7,7 @@ client the SDK uses.
     stainless_call.py --sdk openai|anthropic|modern-treasury --base http://127.0.0.1:PORT \
         [--key K] --amount 4200 --retries 2 [--timeout 30] [--header "name: value"]...
 
-openai and anthropic send no idempotency key themselves: the key goes in as the README shows, a
+openai and anthropic send no idempotency key themselves: the key goes in as docs/agents.md shows ("SDKs that send no key"), a
 per-request header (`extra_headers={"Idempotency-Key": K}`). modern-treasury sends its own
 `Idempotency-Key` on every POST (one key per call, reused by its retries: _base_client.py);
 `--key` gives it a stable one through its `idempotency_key=` argument, and without `--key` the

@@ -417,7 +417,7 @@ impl Redis {
             .chain(["--cluster-node-timeout", "5000"].map(String::from))
             .collect();
         // Envoy's redis_proxy in front of the cluster connects without credentials: the cluster
-        // example opens Redis's default user (not hardened; see README).
+        // example opens Redis's default user (not hardened; see docs/stores.md).
         let mut r =
             Redis { port, dir: dir.to_path_buf(), extra_args: args, open: true, proc: Proc(None), _scratch: None };
         r.launch();
