@@ -5,9 +5,13 @@
 //! the update) with it in its log. Unknown fields are errors, never ignored.
 
 use std::fmt;
+use std::marker::PhantomData;
 
 use crate::path::Reading;
-use serde_json::{Map, Value};
+use serde::de::value::MapAccessDeserializer;
+use serde::de::{MapAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+use serde_json::error::Category;
 
 /// The whole plugin configuration.
 #[derive(Clone, Debug, PartialEq)]
@@ -376,72 +380,230 @@ pub const MAX_TTL_SECONDS: u64 = 366 * 86_400;
 pub const MAX_BODY_BYTES: u64 = 64 * 1024 * 1024;
 pub const MAX_STORE_TIMEOUT_MS: u64 = 60_000;
 
-const POLICY_FIELDS: &[&str] = &[
-    "header",
-    "methods",
-    "require_key",
-    "namespace",
-    "key_max_length",
-    "key_syntax",
-    "ttl_seconds",
-    "lock_ttl_seconds",
-    "unknown_outcome_seconds",
-    "max_request_body_bytes",
-    "max_response_body_bytes",
-    "fingerprint",
-    "scope",
-    "release_on_status",
-    "mismatch_status",
-    "log_headers",
-    "credential_headers",
-    "replay_exclude_headers",
-    "stale_lock",
-    "forwarding",
-    "upstream",
-    "in_flight",
-    "wait_ms",
-    "derive_key",
-    "grpc",
-    "next_hop_failures",
-];
-const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes", "hold_headers"];
+/// Declares a raw configuration object: every field optional (absent: `None`), `null` refused
+/// like any other wrong type (a field whose type is itself an `Option` reads `null` as
+/// `Some(None)`), unknown fields and duplicate keys refused.
+macro_rules! raw_object {
+    ($(#[$meta:meta])* struct $name:ident { $($(#[$fmeta:meta])* $field:ident: $ty:ty,)* }) => {
+        $(#[$meta])*
+        #[derive(Default, Deserialize)]
+        #[serde(remote = "Self", deny_unknown_fields, expecting = "an object")]
+        struct $name {
+            $($(#[$fmeta])* #[serde(default, deserialize_with = "given")] $field: Option<$ty>,)*
+        }
+
+        impl RawObject for $name {
+            fn read<'de, D: Deserializer<'de>>(d: D) -> Result<$name, D::Error> {
+                $name::deserialize(d) // the derived reader (`remote = "Self"`)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<$name, D::Error> {
+                d.deserialize_map(ObjectOnly(PhantomData))
+            }
+        }
+    };
+}
+
+/// A raw object's derived reader, which serde's derive would also let read a list (its fields by
+/// position): `ObjectOnly` hands it JSON objects only.
+trait RawObject: Sized {
+    fn read<'de, D: Deserializer<'de>>(d: D) -> Result<Self, D::Error>;
+}
+
+struct ObjectOnly<T>(PhantomData<T>);
+
+impl<'de, T: RawObject> Visitor<'de> for ObjectOnly<T> {
+    type Value = T;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+        T::read(MapAccessDeserializer::new(map))
+    }
+}
+
+/// A field that is present: its value, never read as absent (`null` is a wrong type unless `T`
+/// is an `Option`).
+fn given<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
+}
+
+raw_object! {
+    /// One level as written: the top level or one entry of `routes` (one type, so their policy
+    /// fields are one list; `Config::parse` and `parse_routes` refuse the other level's fields).
+    struct RawLevel {
+        header: String,
+        methods: Vec<String>,
+        require_key: bool,
+        namespace: String,
+        key_max_length: u64,
+        key_syntax: String,
+        ttl_seconds: u64,
+        lock_ttl_seconds: u64,
+        unknown_outcome_seconds: u64,
+        max_request_body_bytes: u64,
+        max_response_body_bytes: u64,
+        fingerprint: RawFingerprint,
+        scope: RawScope,
+        release_on_status: Vec<u64>,
+        mismatch_status: u64,
+        log_headers: Vec<String>,
+        credential_headers: Vec<String>,
+        replay_exclude_headers: Vec<String>,
+        stale_lock: String,
+        forwarding: String,
+        upstream: RawUpstream,
+        in_flight: String,
+        wait_ms: u64,
+        /// `null` removes an inherited derivation.
+        derive_key: Option<RawDeriveKey>,
+        grpc: String,
+        next_hop_failures: String,
+        // The top level only (`null`: absent).
+        store: Option<RawStore>,
+        routes: Option<Vec<RawLevel>>,
+        local: Option<RawLocal>,
+        max_buffered_bytes: u64,
+        hold_headers: bool,
+        // Routes only.
+        prefix: String,
+        case_insensitive: bool,
+        route_name: String,
+        protocol: String,
+        mcp: RawMcp,
+    }
+}
+
+raw_object! {
+    struct RawFingerprint {
+        headers: Vec<String>,
+        include_query: bool,
+        json: String,
+        operation_headers: bool,
+        trailers: bool,
+    }
+}
+
+raw_object! {
+    struct RawScope {
+        headers: Vec<String>,
+        global: bool,
+        include_authority: bool,
+        anonymous: String,
+    }
+}
+
+raw_object! {
+    struct RawUpstream {
+        cluster: String,
+        timeout_ms: u64,
+        hop: String,
+    }
+}
+
+raw_object! {
+    struct RawDeriveKey {
+        headers: Vec<String>,
+        include_body: bool,
+    }
+}
+
+raw_object! {
+    /// A route's `mcp` (docs/mcp.md), read by `parse_protocol`.
+    struct RawMcp {
+        tools: Vec<String>,
+        key_arguments: Vec<String>,
+    }
+}
+
+raw_object! {
+    struct RawStore {
+        kind: String,
+        cluster: String,
+        authority: String,
+        timeout_ms: u64,
+        on_unavailable: String,
+        token_refresh_seconds: u64,
+        max_request_bytes: u64,
+    }
+}
+
+raw_object! {
+    struct RawLocal {
+        max_entries: u64,
+        max_bytes: u64,
+        when_full: String,
+        min_protection_seconds: u64,
+    }
+}
+
+/// The text as raw structs: an empty text is `{}`; a syntax error names no field, any other
+/// error the path serde was reading (`routes[1].upstream.timeout_ms`).
+fn read(text: &[u8]) -> Result<RawLevel, ConfigError> {
+    let trimmed = text.trim_ascii();
+    if trimmed.is_empty() {
+        return Ok(RawLevel::default());
+    }
+    let mut de = serde_json::Deserializer::from_slice(trimmed);
+    let raw = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let field = e.path().to_string();
+        refusal(if field == "." { "" } else { &field }, e.into_inner())
+    })?;
+    de.end().map_err(|e| refusal("", e))?;
+    Ok(raw)
+}
+
+fn refusal(field: &str, e: serde_json::Error) -> ConfigError {
+    match e.classify() {
+        Category::Data => err(field, e.to_string()),
+        Category::Syntax | Category::Eof | Category::Io => err("", format!("not valid JSON: {e}")),
+    }
+}
 
 impl Config {
-    /// Parses and validates the plugin configuration (a JSON object; empty means `{}`).
+    /// Parses and validates the plugin configuration (a JSON object; empty means `{}`): serde
+    /// reads it into the raw structs below (`RawLevel`: unknown fields, wrong types and duplicate
+    /// keys refused, naming the path), then one validation pass builds the checked form.
     pub fn parse(text: &[u8]) -> Result<Config, ConfigError> {
-        let trimmed = text.trim_ascii();
-        let value: Value = if trimmed.is_empty() {
-            Value::Object(Map::new())
-        } else {
-            serde_json::from_slice(trimmed).map_err(|e| err("", format!("not valid JSON: {e}")))?
-        };
-        let top = as_object(&value, "")?;
+        let top = read(text)?;
+        for (name, set) in [
+            ("prefix", top.prefix.is_some()),
+            ("case_insensitive", top.case_insensitive.is_some()),
+            ("route_name", top.route_name.is_some()),
+            ("protocol", top.protocol.is_some()),
+            ("mcp", top.mcp.is_some()),
+        ] {
+            if set {
+                return Err(err(name, "a route's field: it can only be set in an entry of routes"));
+            }
+        }
 
         let mut default_policy = Policy::default();
-        apply_policy_fields(top, "", &mut default_policy, TOP_ONLY_FIELDS)?;
+        apply_policy_fields(&top, "", &mut default_policy)?;
 
-        let store = match top.get("store") {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(parse_store(v)?),
+        let store = match &top.store {
+            None | Some(None) => None,
+            Some(Some(s)) => Some(parse_store(s)?),
         };
-        let local = match top.get("local") {
-            None | Some(Value::Null) => LocalConfig::default(),
-            Some(v) => parse_local(v)?,
+        let local = match &top.local {
+            None | Some(None) => LocalConfig::default(),
+            Some(Some(l)) => parse_local(l)?,
         };
-        let max_buffered_bytes = match top.get("max_buffered_bytes") {
+        let max_buffered_bytes = match top.max_buffered_bytes {
             None => 64 * 1024 * 1024,
-            Some(v) => as_uint(v, "max_buffered_bytes", 1024, 16 * 1024 * 1024 * 1024)?,
+            Some(n) => range(n, "max_buffered_bytes", 1024, 16 * 1024 * 1024 * 1024)?,
         };
-        let hold_headers = match top.get("hold_headers") {
-            None => true,
-            Some(v) => as_bool(v, "hold_headers")?,
-        };
-        let routes = match top.get("routes") {
-            None | Some(Value::Null) => vec![],
-            Some(v) => parse_routes(v, &default_policy)?,
+        let hold_headers = top.hold_headers.unwrap_or(true);
+        let routes = match &top.routes {
+            None | Some(None) => vec![],
+            Some(Some(r)) => parse_routes(r, &default_policy)?,
         };
         if routes.is_empty() {
-            if let Some(Value::Array(_)) = top.get("routes") {
+            if let Some(Some(_)) = top.routes {
                 return Err(err(
                     "routes",
                     "an empty list would protect nothing; remove the field to protect every path",
@@ -597,40 +759,14 @@ fn join(prefix: &str, name: &str) -> String {
     }
 }
 
-fn describe(v: &Value) -> String {
-    let text = v.to_string();
-    if text.len() > 40 {
-        format!("{}...", text.chars().take(40).collect::<String>())
-    } else {
-        text
+fn range(n: u64, field: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
+    match (min..=max).contains(&n) {
+        true => Ok(n),
+        false => Err(err(field, format!("expected a whole number from {min} to {max}, got {n}"))),
     }
 }
 
-fn as_object<'a>(v: &'a Value, field: &str) -> Result<&'a Map<String, Value>, ConfigError> {
-    v.as_object().ok_or_else(|| err(field, format!("expected an object, got {}", describe(v))))
-}
-
-fn as_bool(v: &Value, field: &str) -> Result<bool, ConfigError> {
-    v.as_bool().ok_or_else(|| err(field, format!("expected true or false, got {}", describe(v))))
-}
-
-fn as_str<'a>(v: &'a Value, field: &str) -> Result<&'a str, ConfigError> {
-    v.as_str().ok_or_else(|| err(field, format!("expected a string, got {}", describe(v))))
-}
-
-fn as_uint(v: &Value, field: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
-    match v.as_u64() {
-        Some(n) if (min..=max).contains(&n) => Ok(n),
-        _ => Err(err(field, format!("expected a whole number from {min} to {max}, got {}", describe(v)))),
-    }
-}
-
-fn as_list<'a>(v: &'a Value, field: &str) -> Result<&'a Vec<Value>, ConfigError> {
-    v.as_array().ok_or_else(|| err(field, format!("expected a list, got {}", describe(v))))
-}
-
-fn as_choice<T: Copy>(v: &Value, field: &str, choices: &[(&str, T)]) -> Result<T, ConfigError> {
-    let s = as_str(v, field)?;
+fn choice<T: Copy>(s: &str, field: &str, choices: &[(&str, T)]) -> Result<T, ConfigError> {
     choices.iter().find(|(name, _)| *name == s).map(|(_, t)| *t).ok_or_else(|| {
         let names: Vec<String> = choices.iter().map(|(n, _)| format!("\"{n}\"")).collect();
         err(field, format!("expected one of {}, got \"{s}\"", names.join(", ")))
@@ -642,17 +778,16 @@ fn is_token(s: &str) -> bool {
 }
 
 /// A header name: an RFC 9110 token, stored lowercase. Pseudo headers are refused.
-fn header_name(v: &Value, field: &str) -> Result<String, ConfigError> {
-    let s = as_str(v, field)?;
+fn header_name(s: &str, field: &str) -> Result<String, ConfigError> {
     if !is_token(s) {
         return Err(err(field, format!("\"{s}\" is not a valid header name")));
     }
     Ok(s.to_ascii_lowercase())
 }
 
-fn header_list(v: &Value, field: &str) -> Result<Vec<String>, ConfigError> {
+fn header_list(list: &[String], field: &str) -> Result<Vec<String>, ConfigError> {
     let mut out: Vec<String> = vec![];
-    for (i, item) in as_list(v, field)?.iter().enumerate() {
+    for (i, item) in list.iter().enumerate() {
         let name = header_name(item, &format!("{field}[{i}]"))?;
         if out.contains(&name) {
             return Err(err(&format!("{field}[{i}]"), format!("\"{name}\" is listed twice")));
@@ -662,173 +797,161 @@ fn header_list(v: &Value, field: &str) -> Result<Vec<String>, ConfigError> {
     Ok(out)
 }
 
-fn check_unknown(map: &Map<String, Value>, prefix: &str, known: &[&[&str]]) -> Result<(), ConfigError> {
-    for name in map.keys() {
-        if !known.iter().any(|set| set.contains(&name.as_str())) {
-            let all: Vec<&str> = known.iter().flat_map(|s| s.iter().copied()).collect();
-            return Err(err(&join(prefix, name), format!("unknown field; expected one of: {}", all.join(", "))));
+/// Applies the policy fields present in `l` onto `p` (so a route inherits what it leaves out),
+/// checking each in the order of their names.
+fn apply_policy_fields(l: &RawLevel, prefix: &str, p: &mut Policy) -> Result<(), ConfigError> {
+    let f = |n: &str| join(prefix, n);
+    apply_agent_fields(l, prefix, p)?;
+    // A route adds to the credentials it inherits, never replaces them: a route naming one more
+    // must not make the top level's loggable (found by an adversarial review).
+    if let Some(list) = &l.credential_headers {
+        for h in header_list(list, &f("credential_headers"))? {
+            if !p.credential_headers.contains(&h) {
+                p.credential_headers.push(h);
+            }
         }
     }
-    Ok(())
-}
-
-/// Applies the policy fields present in `map` onto `p` (so a route inherits what it leaves out).
-fn apply_policy_fields(
-    map: &Map<String, Value>,
-    prefix: &str,
-    p: &mut Policy,
-    also: &[&str],
-) -> Result<(), ConfigError> {
-    check_unknown(map, prefix, &[POLICY_FIELDS, also])?;
-    apply_agent_fields(map, prefix, p)?;
-    for (name, v) in map {
-        let f = join(prefix, name);
-        match name.as_str() {
-            "header" => p.header = header_name(v, &f)?,
-            "methods" => {
-                let mut methods = vec![];
-                for (i, m) in as_list(v, &f)?.iter().enumerate() {
-                    let fi = format!("{f}[{i}]");
-                    let s = as_str(m, &fi)?;
-                    if !is_token(s) {
-                        return Err(err(&fi, format!("\"{s}\" is not a valid HTTP method")));
-                    }
-                    methods.push(s.to_ascii_uppercase());
-                }
-                if methods.is_empty() {
-                    return Err(err(&f, "an empty list would protect nothing"));
-                }
-                p.methods = methods;
-            }
-            "require_key" => p.require_key = as_bool(v, &f)?,
-            "namespace" => {
-                let s = as_str(v, &f)?;
-                if s.is_empty() || s.len() > 128 || !s.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
-                    return Err(err(&f, "expected 1 to 128 visible ASCII characters"));
-                }
-                p.namespace = s.to_string();
-            }
-            "key_max_length" => p.key_max_length = usize::try_from(as_uint(v, &f, 1, MAX_KEY_LENGTH)?).unwrap_or(255),
-            "key_syntax" => {
-                use crate::key::KeySyntax;
-                p.key_syntax = as_choice(v, &f, &[("strict", KeySyntax::Strict), ("any", KeySyntax::Any)])?;
-            }
-            "ttl_seconds" => p.ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
-            "lock_ttl_seconds" => p.lock_ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
-            "unknown_outcome_seconds" => p.unknown_outcome_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
-            "mismatch_status" => {
-                p.mismatch_status = match v.as_u64() {
-                    Some(422) => 422,
-                    Some(409) => 409,
-                    _ => {
-                        return Err(err(
-                            &f,
-                            format!("expected 422 (the IETF draft) or 409 (the Agentic Commerce Protocol), got {v}"),
-                        ))
-                    }
-                }
-            }
-            "max_request_body_bytes" => p.max_request_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
-            "max_response_body_bytes" => p.max_response_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
-            "fingerprint" => {
-                let m = as_object(v, &f)?;
-                check_unknown(m, &f, &[&["headers", "include_query", "json", "operation_headers", "trailers"]])?;
-                for (n, v) in m {
-                    let fi = join(&f, n);
-                    match n.as_str() {
-                        "headers" => p.fingerprint.headers = header_list(v, &fi)?,
-                        "include_query" => p.fingerprint.include_query = as_bool(v, &fi)?,
-                        "operation_headers" => p.fingerprint.operation_headers = as_bool(v, &fi)?,
-                        "trailers" => p.fingerprint.trailers = as_bool(v, &fi)?,
-                        _ => {
-                            p.fingerprint.json =
-                                as_choice(v, &fi, &[("raw", JsonMode::Raw), ("canonical", JsonMode::Canonical)])?
-                        }
-                    }
-                }
-            }
-            "scope" => {
-                let m = as_object(v, &f)?;
-                check_unknown(m, &f, &[&["headers", "global", "include_authority", "anonymous"]])?;
-                for (n, v) in m {
-                    let fi = join(&f, n);
-                    match n.as_str() {
-                        "headers" => p.scope.headers = header_list(v, &fi)?,
-                        "global" => p.scope.global = as_bool(v, &fi)?,
-                        "anonymous" => {
-                            p.scope.anonymous =
-                                as_choice(v, &fi, &[("reject", Anonymous::Reject), ("shared", Anonymous::Shared)])?
-                        }
-                        _ => p.scope.include_authority = as_bool(v, &fi)?,
-                    }
-                }
-                if m.contains_key("anonymous") && p.scope.global {
-                    return Err(err(
-                        &join(&f, "anonymous"),
-                        "only used with scope.headers: with scope.global every caller already shares one scope",
-                    ));
-                }
-            }
-            "release_on_status" => {
-                let mut codes = vec![];
-                for (i, c) in as_list(v, &f)?.iter().enumerate() {
-                    let fi = format!("{f}[{i}]");
-                    let code = as_uint(c, &fi, 400, 599).map_err(|_| {
-                        err(&fi, format!("expected an error status from 400 to 599 (releasing a success would allow a second execution), got {}", describe(c)))
-                    })?;
-                    codes.push(u16::try_from(code).unwrap_or(0));
-                }
-                p.release_on_status = codes;
-            }
-            "log_headers" => p.log_headers = header_list(v, &f)?,
-            // A route adds to the credentials it inherits, never replaces them: a route naming
-            // one more must not make the top level's loggable (found by an adversarial review).
-            "credential_headers" => {
-                for h in header_list(v, &f)? {
-                    if !p.credential_headers.contains(&h) {
-                        p.credential_headers.push(h);
-                    }
-                }
-            }
-            "replay_exclude_headers" => p.replay_exclude_headers = header_list(v, &f)?,
-            "grpc" => p.grpc = as_choice(v, &f, &[("refuse", GrpcMode::Refuse), ("pass", GrpcMode::Pass)])?,
-            "next_hop_failures" => {
-                p.next_hop_failures =
-                    as_choice(v, &f, &[("store", NextHopFailures::Store), ("classify", NextHopFailures::Classify)])?
-            }
-            "stale_lock" => {
-                p.stale_lock = as_choice(v, &f, &[("reject", StaleLock::Reject), ("takeover", StaleLock::Takeover)])?
-            }
-            _ => {} // top-only fields, handled by the caller
+    if let Some(m) = &l.fingerprint {
+        let fi = |n: &str| join(&f("fingerprint"), n);
+        if let Some(h) = &m.headers {
+            p.fingerprint.headers = header_list(h, &fi("headers"))?;
         }
+        p.fingerprint.include_query = m.include_query.unwrap_or(p.fingerprint.include_query);
+        if let Some(j) = &m.json {
+            p.fingerprint.json = choice(j, &fi("json"), &[("raw", JsonMode::Raw), ("canonical", JsonMode::Canonical)])?;
+        }
+        p.fingerprint.operation_headers = m.operation_headers.unwrap_or(p.fingerprint.operation_headers);
+        p.fingerprint.trailers = m.trailers.unwrap_or(p.fingerprint.trailers);
+    }
+    if let Some(g) = &l.grpc {
+        p.grpc = choice(g, &f("grpc"), &[("refuse", GrpcMode::Refuse), ("pass", GrpcMode::Pass)])?;
+    }
+    if let Some(h) = &l.header {
+        p.header = header_name(h, &f("header"))?;
+    }
+    if let Some(n) = l.key_max_length {
+        p.key_max_length = usize::try_from(range(n, &f("key_max_length"), 1, MAX_KEY_LENGTH)?).unwrap_or(255);
+    }
+    if let Some(s) = &l.key_syntax {
+        use crate::key::KeySyntax;
+        p.key_syntax = choice(s, &f("key_syntax"), &[("strict", KeySyntax::Strict), ("any", KeySyntax::Any)])?;
+    }
+    if let Some(n) = l.lock_ttl_seconds {
+        p.lock_ttl_seconds = range(n, &f("lock_ttl_seconds"), 1, MAX_TTL_SECONDS)?;
+    }
+    if let Some(h) = &l.log_headers {
+        p.log_headers = header_list(h, &f("log_headers"))?;
+    }
+    if let Some(n) = l.max_request_body_bytes {
+        p.max_request_body_bytes = range(n, &f("max_request_body_bytes"), 0, MAX_BODY_BYTES)?;
+    }
+    if let Some(n) = l.max_response_body_bytes {
+        p.max_response_body_bytes = range(n, &f("max_response_body_bytes"), 0, MAX_BODY_BYTES)?;
+    }
+    if let Some(list) = &l.methods {
+        let mut methods = vec![];
+        for (i, s) in list.iter().enumerate() {
+            if !is_token(s) {
+                return Err(err(&format!("{}[{i}]", f("methods")), format!("\"{s}\" is not a valid HTTP method")));
+            }
+            methods.push(s.to_ascii_uppercase());
+        }
+        if methods.is_empty() {
+            return Err(err(&f("methods"), "an empty list would protect nothing"));
+        }
+        p.methods = methods;
+    }
+    if let Some(n) = l.mismatch_status {
+        if n != 422 && n != 409 {
+            return Err(err(
+                &f("mismatch_status"),
+                format!("expected 422 (the IETF draft) or 409 (the Agentic Commerce Protocol), got {n}"),
+            ));
+        }
+        p.mismatch_status = u16::try_from(n).unwrap_or(422);
+    }
+    if let Some(s) = &l.namespace {
+        if s.is_empty() || s.len() > 128 || !s.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+            return Err(err(&f("namespace"), "expected 1 to 128 visible ASCII characters"));
+        }
+        p.namespace = s.clone();
+    }
+    if let Some(n) = &l.next_hop_failures {
+        p.next_hop_failures = choice(
+            n,
+            &f("next_hop_failures"),
+            &[("store", NextHopFailures::Store), ("classify", NextHopFailures::Classify)],
+        )?;
+    }
+    if let Some(list) = &l.release_on_status {
+        let mut codes = vec![];
+        for (i, &code) in list.iter().enumerate() {
+            if !(400..=599).contains(&code) {
+                return Err(err(
+                    &format!("{}[{i}]", f("release_on_status")),
+                    format!("expected an error status from 400 to 599 (releasing a success would allow a second execution), got {code}"),
+                ));
+            }
+            codes.push(u16::try_from(code).unwrap_or(0));
+        }
+        p.release_on_status = codes;
+    }
+    if let Some(h) = &l.replay_exclude_headers {
+        p.replay_exclude_headers = header_list(h, &f("replay_exclude_headers"))?;
+    }
+    p.require_key = l.require_key.unwrap_or(p.require_key);
+    if let Some(m) = &l.scope {
+        let fi = |n: &str| join(&f("scope"), n);
+        if let Some(a) = &m.anonymous {
+            p.scope.anonymous =
+                choice(a, &fi("anonymous"), &[("reject", Anonymous::Reject), ("shared", Anonymous::Shared)])?;
+        }
+        p.scope.global = m.global.unwrap_or(p.scope.global);
+        if let Some(h) = &m.headers {
+            p.scope.headers = header_list(h, &fi("headers"))?;
+        }
+        p.scope.include_authority = m.include_authority.unwrap_or(p.scope.include_authority);
+        if m.anonymous.is_some() && p.scope.global {
+            return Err(err(
+                &fi("anonymous"),
+                "only used with scope.headers: with scope.global every caller already shares one scope",
+            ));
+        }
+    }
+    if let Some(s) = &l.stale_lock {
+        p.stale_lock =
+            choice(s, &f("stale_lock"), &[("reject", StaleLock::Reject), ("takeover", StaleLock::Takeover)])?;
+    }
+    if let Some(n) = l.ttl_seconds {
+        p.ttl_seconds = range(n, &f("ttl_seconds"), 1, MAX_TTL_SECONDS)?;
+    }
+    if let Some(n) = l.unknown_outcome_seconds {
+        p.unknown_outcome_seconds = range(n, &f("unknown_outcome_seconds"), 1, MAX_TTL_SECONDS)?;
     }
     Ok(())
 }
 
 /// `forwarding` + `upstream`, `in_flight` + `wait_ms`, `derive_key`.
-fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) -> Result<(), ConfigError> {
+fn apply_agent_fields(l: &RawLevel, prefix: &str, p: &mut Policy) -> Result<(), ConfigError> {
     let f = |n: &str| join(prefix, n);
-    let detached = match map.get("forwarding") {
+    let detached = match &l.forwarding {
         None => matches!(p.forwarding, Forwarding::Detached { .. }),
-        Some(v) => as_choice(v, &f("forwarding"), &[("router", false), ("detached", true)])?,
+        Some(s) => choice(s, &f("forwarding"), &[("router", false), ("detached", true)])?,
     };
-    match (detached, map.get("upstream")) {
+    match (detached, &l.upstream) {
         (true, Some(u)) => {
-            let m = as_object(u, &f("upstream"))?;
-            check_unknown(m, &f("upstream"), &[&["cluster", "timeout_ms", "hop"]])?;
-            let cluster = match m.get("cluster") {
-                Some(c) => as_str(c, &f("upstream.cluster"))?.to_string(),
-                None => return Err(err(&f("upstream.cluster"), "missing: name the Envoy cluster of the upstream")),
+            let Some(cluster) = u.cluster.clone() else {
+                return Err(err(&f("upstream.cluster"), "missing: name the Envoy cluster of the upstream"));
             };
             if cluster.is_empty() {
                 return Err(err(&f("upstream.cluster"), "must not be empty"));
             }
-            let timeout_ms = match m.get("timeout_ms") {
-                Some(t) => as_uint(t, &f("upstream.timeout_ms"), 1, 600_000)?,
+            let timeout_ms = match u.timeout_ms {
+                Some(t) => range(t, &f("upstream.timeout_ms"), 1, 600_000)?,
                 None => 30_000,
             };
-            let hop = match m.get("hop") {
-                Some(h) => as_choice(
+            let hop = match &u.hop {
+                Some(h) => choice(
                     h,
                     &f("upstream.hop"),
                     &[("internal_listener", Hop::InternalListener), ("direct", Hop::Direct)],
@@ -847,29 +970,27 @@ fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) ->
         (false, Some(_)) => return Err(err(&f("upstream"), "only used with forwarding: \"detached\"")),
         (false, None) => p.forwarding = Forwarding::Router,
     }
-    let wait = match map.get("in_flight") {
+    let wait = match &l.in_flight {
         None => matches!(p.in_flight, InFlight::Wait { .. }),
-        Some(v) => as_choice(v, &f("in_flight"), &[("conflict", false), ("wait", true)])?,
+        Some(s) => choice(s, &f("in_flight"), &[("conflict", false), ("wait", true)])?,
     };
     let current_wait = match p.in_flight {
         InFlight::Wait { wait_ms } => wait_ms,
         InFlight::Conflict => 5_000,
     };
-    let wait_ms = match map.get("wait_ms") {
-        Some(v) => as_uint(v, &f("wait_ms"), 1, 60_000)?,
+    let wait_ms = match l.wait_ms {
+        Some(n) => range(n, &f("wait_ms"), 1, 60_000)?,
         None => current_wait,
     };
-    if !wait && map.contains_key("wait_ms") {
+    if !wait && l.wait_ms.is_some() {
         return Err(err(&f("wait_ms"), "only used with in_flight: \"wait\""));
     }
     p.in_flight = if wait { InFlight::Wait { wait_ms } } else { InFlight::Conflict };
-    if let Some(v) = map.get("derive_key") {
-        if v.is_null() {
-            p.derive_key = None;
-        } else {
-            let m = as_object(v, &f("derive_key"))?;
-            check_unknown(m, &f("derive_key"), &[&["headers", "include_body"]])?;
-            let headers = match m.get("headers") {
+    match &l.derive_key {
+        None => {}
+        Some(None) => p.derive_key = None,
+        Some(Some(d)) => {
+            let headers = match &d.headers {
                 Some(h) => header_list(h, &f("derive_key.headers"))?,
                 None => vec![],
             };
@@ -879,11 +1000,7 @@ fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) ->
                     "name the headers that identify one operation, e.g. [\"x-agent-task-id\", \"x-agent-step-id\"]",
                 ));
             }
-            let include_body = match m.get("include_body") {
-                Some(b) => as_bool(b, &f("derive_key.include_body"))?,
-                None => false,
-            };
-            p.derive_key = Some(DeriveKey { headers, include_body });
+            p.derive_key = Some(DeriveKey { headers, include_body: d.include_body.unwrap_or(false) });
         }
     }
     Ok(())
@@ -1069,71 +1186,68 @@ fn check_log_headers(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn parse_routes(v: &Value, base: &Policy) -> Result<Vec<Route>, ConfigError> {
+fn parse_routes(raw: &[RawLevel], base: &Policy) -> Result<Vec<Route>, ConfigError> {
     let mut routes = vec![];
-    for (i, item) in as_list(v, "routes")?.iter().enumerate() {
+    for (i, r) in raw.iter().enumerate() {
         let f = format!("routes[{i}]");
-        let m = as_object(item, &f)?;
-        for top in TOP_ONLY_FIELDS {
-            if m.contains_key(*top) {
-                return Err(err(&join(&f, top), "can only be set at the top level, not in a route"));
+        for (name, set) in [
+            ("store", r.store.is_some()),
+            ("routes", r.routes.is_some()),
+            ("local", r.local.is_some()),
+            ("max_buffered_bytes", r.max_buffered_bytes.is_some()),
+            ("hold_headers", r.hold_headers.is_some()),
+        ] {
+            if set {
+                return Err(err(&join(&f, name), "can only be set at the top level, not in a route"));
             }
         }
-        let select = parse_route_match(m, &f)?;
+        let select = parse_route_match(r, &f)?;
         let mut policy = base.clone();
-        apply_policy_fields(m, &f, &mut policy, &[ROUTE_MATCH_FIELDS, ROUTE_PROTOCOL_FIELDS].concat())?;
-        policy.mcp = parse_protocol(m, &f)?;
+        apply_policy_fields(r, &f, &mut policy)?;
+        policy.mcp = parse_protocol(r, &f)?;
         validate_policy(&policy, &f)?;
         routes.push(Route { select, policy });
     }
     Ok(routes)
 }
 
-const ROUTE_MATCH_FIELDS: &[&str] = &["prefix", "case_insensitive", "route_name"];
-const ROUTE_PROTOCOL_FIELDS: &[&str] = &["protocol", "mcp"];
-
 /// A route's `protocol` (`"http"`, the default, or `"mcp"`) and its `mcp` policy (docs/mcp.md).
-fn parse_protocol(m: &Map<String, Value>, f: &str) -> Result<Option<crate::mcp::McpPolicy>, ConfigError> {
-    let mcp = match m.get("protocol") {
+fn parse_protocol(r: &RawLevel, f: &str) -> Result<Option<crate::mcp::McpPolicy>, ConfigError> {
+    let mcp = match &r.protocol {
         None => false,
-        Some(v) => as_choice(v, &join(f, "protocol"), &[("http", false), ("mcp", true)])?,
+        Some(s) => choice(s, &join(f, "protocol"), &[("http", false), ("mcp", true)])?,
     };
-    let Some(v) = m.get("mcp") else {
+    let Some(o) = &r.mcp else {
         return Ok(mcp.then(crate::mcp::McpPolicy::default));
     };
     let fm = join(f, "mcp");
     if !mcp {
         return Err(err(&fm, "only used with \"protocol\": \"mcp\""));
     }
-    let o = as_object(v, &fm)?;
-    check_unknown(o, &fm, &[&["tools", "key_arguments"]])?;
-    let names = |field: &str| -> Result<Option<Vec<String>>, ConfigError> {
+    let names = |list: &Option<Vec<String>>, field: &str| -> Result<(), ConfigError> {
         let fi = join(&fm, field);
-        let Some(v) = o.get(field) else { return Ok(None) };
-        let mut out = vec![];
-        for (i, t) in as_list(v, &fi)?.iter().enumerate() {
-            let s = as_str(t, &format!("{fi}[{i}]"))?;
-            if s.is_empty() {
-                return Err(err(&format!("{fi}[{i}]"), "an empty name names nothing"));
-            }
-            out.push(s.to_string());
+        match list.iter().flatten().position(String::is_empty) {
+            Some(i) => Err(err(&format!("{fi}[{i}]"), "an empty name names nothing")),
+            None => Ok(()),
         }
-        Ok(Some(out))
     };
-    let tools = names("tools")?;
-    if tools.as_ref().is_some_and(Vec::is_empty) {
-        return Err(err(&join(&fm, "tools"), "an empty list would protect no tool; leave it out to protect every tool"));
+    names(&o.tools, "tools")?;
+    if o.tools.as_ref().is_some_and(Vec::is_empty) {
+        return Err(err(
+            &join(&fm, "tools"),
+            "an empty list would protect no tool; leave it out to protect every tool",
+        ));
     }
-    let key_arguments = names("key_arguments")?.unwrap_or_default();
-    Ok(Some(crate::mcp::McpPolicy { tools, key_arguments }))
+    names(&o.key_arguments, "key_arguments")?;
+    Ok(Some(crate::mcp::McpPolicy {
+        tools: o.tools.clone(),
+        key_arguments: o.key_arguments.clone().unwrap_or_default(),
+    }))
 }
 
 /// A route's selector: `prefix` (with `case_insensitive`) or `route_name`, exactly one.
-fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, ConfigError> {
-    let prefix = m.get("prefix").map(|p| as_str(p, &join(f, "prefix"))).transpose()?;
-    let route_name = m.get("route_name").map(|n| as_str(n, &join(f, "route_name"))).transpose()?;
-    let case_insensitive = m.get("case_insensitive").map(|v| as_bool(v, &join(f, "case_insensitive"))).transpose()?;
-    let prefix = match (prefix, route_name) {
+fn parse_route_match(r: &RawLevel, f: &str) -> Result<RouteMatch, ConfigError> {
+    let prefix = match (&r.prefix, &r.route_name) {
         (Some(_), Some(_)) => {
             return Err(err(&join(f, "route_name"), "cannot be combined with prefix; a route has one or the other"))
         }
@@ -1141,10 +1255,10 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
             if name.is_empty() {
                 return Err(err(&join(f, "route_name"), "must not be empty: name the Envoy route (its `name`)"));
             }
-            if case_insensitive.is_some() {
+            if r.case_insensitive.is_some() {
                 return Err(err(&join(f, "case_insensitive"), "applies to prefix only; a route name matches exactly"));
             }
-            return Ok(RouteMatch::RouteName(name.to_string()));
+            return Ok(RouteMatch::RouteName(name.clone()));
         }
         (Some(prefix), None) => prefix,
         (None, None) => {
@@ -1159,7 +1273,7 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
     }
     // Requests are matched on their normal form: a prefix in any other form would never match.
     let normal = crate::path::normalize(prefix);
-    if normal != prefix {
+    if normal != *prefix {
         return Err(err(
             &join(f, "prefix"),
             format!(
@@ -1168,61 +1282,43 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
             ),
         ));
     }
-    Ok(RouteMatch::Prefix { prefix: prefix.to_string(), case_insensitive: case_insensitive.unwrap_or(true) })
+    Ok(RouteMatch::Prefix { prefix: prefix.clone(), case_insensitive: r.case_insensitive.unwrap_or(true) })
 }
 
-fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
-    let m = as_object(v, "store")?;
-    check_unknown(
-        m,
-        "store",
-        &[&[
-            "kind",
-            "cluster",
-            "authority",
-            "timeout_ms",
-            "on_unavailable",
-            "token_refresh_seconds",
-            "max_request_bytes",
-        ]],
-    )?;
-    let kind = match m.get("kind") {
-        Some(k) => as_choice(k, "store.kind", &[("redis", StoreKind::Redis), ("etcd", StoreKind::Etcd)])?,
+fn parse_store(s: &RawStore) -> Result<StoreConfig, ConfigError> {
+    let kind = match &s.kind {
+        Some(k) => choice(k, "store.kind", &[("redis", StoreKind::Redis), ("etcd", StoreKind::Etcd)])?,
         None => StoreKind::Redis,
     };
-    let cluster = match m.get("cluster") {
-        Some(c) => as_str(c, "store.cluster")?.to_string(),
-        None => return Err(err("store.cluster", "missing: name the Envoy cluster that reaches the store")),
+    let Some(cluster) = s.cluster.clone() else {
+        return Err(err("store.cluster", "missing: name the Envoy cluster that reaches the store"));
     };
     if cluster.is_empty() {
         return Err(err("store.cluster", "must not be empty"));
     }
-    let authority = match m.get("authority") {
-        Some(a) => as_str(a, "store.authority")?.to_string(),
-        None => cluster.clone(),
-    };
-    let timeout_ms = match m.get("timeout_ms") {
-        Some(t) => as_uint(t, "store.timeout_ms", 1, MAX_STORE_TIMEOUT_MS)?,
+    let authority = s.authority.clone().unwrap_or_else(|| cluster.clone());
+    let timeout_ms = match s.timeout_ms {
+        Some(t) => range(t, "store.timeout_ms", 1, MAX_STORE_TIMEOUT_MS)?,
         None => 250,
     };
-    let on_unavailable = match m.get("on_unavailable") {
+    let on_unavailable = match &s.on_unavailable {
         Some(o) => {
-            as_choice(o, "store.on_unavailable", &[("reject", OnUnavailable::Reject), ("pass", OnUnavailable::Pass)])?
+            choice(o, "store.on_unavailable", &[("reject", OnUnavailable::Reject), ("pass", OnUnavailable::Pass)])?
         }
         None => OnUnavailable::Reject,
     };
-    let token_refresh_seconds = match (m.get("token_refresh_seconds"), kind) {
+    let token_refresh_seconds = match (s.token_refresh_seconds, kind) {
         (Some(_), StoreKind::Redis) => {
             return Err(err(
                 "store.token_refresh_seconds",
                 "only for store.kind \"etcd\" (webdis takes its credential in every request)",
             ))
         }
-        (Some(t), StoreKind::Etcd) => as_uint(t, "store.token_refresh_seconds", 1, 3600)?,
+        (Some(t), StoreKind::Etcd) => range(t, "store.token_refresh_seconds", 1, 3600)?,
         (None, _) => DEFAULT_TOKEN_REFRESH_SECONDS,
     };
-    let max_request_bytes = match m.get("max_request_bytes") {
-        Some(b) => as_uint(b, "store.max_request_bytes", 65_536, 1 << 32)?,
+    let max_request_bytes = match s.max_request_bytes {
+        Some(b) => range(b, "store.max_request_bytes", 65_536, 1 << 32)?,
         None => match kind {
             StoreKind::Etcd => ETCD_DEFAULT_MAX_REQUEST_BYTES,
             StoreKind::Redis => WEBDIS_DEFAULT_MAX_REQUEST_BYTES,
@@ -1231,21 +1327,20 @@ fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
     Ok(StoreConfig { kind, cluster, authority, timeout_ms, on_unavailable, token_refresh_seconds, max_request_bytes })
 }
 
-fn parse_local(v: &Value) -> Result<LocalConfig, ConfigError> {
-    let m = as_object(v, "local")?;
-    check_unknown(m, "local", &[&["max_entries", "max_bytes", "when_full", "min_protection_seconds"]])?;
+fn parse_local(raw: &RawLocal) -> Result<LocalConfig, ConfigError> {
     let mut l = LocalConfig::default();
-    for (n, v) in m {
-        let f = join("local", n);
-        match n.as_str() {
-            "max_entries" => l.max_entries = as_uint(v, &f, 16, 1_000_000)?,
-            "max_bytes" => l.max_bytes = as_uint(v, &f, 4096, 16 * 1024 * 1024 * 1024)?,
-            "min_protection_seconds" => l.min_protection_seconds = as_uint(v, &f, 0, MAX_TTL_SECONDS)?,
-            _ => {
-                l.when_full =
-                    as_choice(v, &f, &[("reject", WhenFull::Reject), ("evict_oldest", WhenFull::EvictOldest)])?
-            }
-        }
+    if let Some(n) = raw.max_bytes {
+        l.max_bytes = range(n, "local.max_bytes", 4096, 16 * 1024 * 1024 * 1024)?;
+    }
+    if let Some(n) = raw.max_entries {
+        l.max_entries = range(n, "local.max_entries", 16, 1_000_000)?;
+    }
+    if let Some(n) = raw.min_protection_seconds {
+        l.min_protection_seconds = range(n, "local.min_protection_seconds", 0, MAX_TTL_SECONDS)?;
+    }
+    if let Some(w) = &raw.when_full {
+        l.when_full =
+            choice(w, "local.when_full", &[("reject", WhenFull::Reject), ("evict_oldest", WhenFull::EvictOldest)])?;
     }
     Ok(l)
 }
@@ -1282,7 +1377,10 @@ mod tests {
         assert_eq!(c.policy_for("POST", "/h").map(|p| p.mcp.is_none()), Some(true));
         for (text, field) in [
             (r#"{"scope": {"headers": ["a"]}, "protocol": "mcp"}"#, "protocol"),
-            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "grpc"}]}"#, "routes[0].protocol"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "grpc"}]}"#,
+                "routes[0].protocol",
+            ),
             (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "mcp": {}}]}"#, "routes[0].mcp"),
             (
                 r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "mcp": {"tools": []}}]}"#,
@@ -1296,7 +1394,10 @@ mod tests {
                 r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "mcp": {"key_arguments": [""]}}]}"#,
                 "routes[0].mcp.key_arguments[0]",
             ),
-            (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "grpc": "pass"}]}"#, "routes[0].grpc"),
+            (
+                r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "grpc": "pass"}]}"#,
+                "routes[0].grpc",
+            ),
             (
                 r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/m", "protocol": "mcp", "methods": ["PUT"]}]}"#,
                 "routes[0].methods",
@@ -1960,6 +2061,36 @@ mod tests {
     mod props {
         use super::super::*;
         use proptest::prelude::*;
+
+        const POLICY_FIELDS: &[&str] = &[
+            "header",
+            "methods",
+            "require_key",
+            "namespace",
+            "key_max_length",
+            "key_syntax",
+            "ttl_seconds",
+            "lock_ttl_seconds",
+            "unknown_outcome_seconds",
+            "max_request_body_bytes",
+            "max_response_body_bytes",
+            "fingerprint",
+            "scope",
+            "release_on_status",
+            "mismatch_status",
+            "log_headers",
+            "credential_headers",
+            "replay_exclude_headers",
+            "stale_lock",
+            "forwarding",
+            "upstream",
+            "in_flight",
+            "wait_ms",
+            "derive_key",
+            "grpc",
+            "next_hop_failures",
+        ];
+        const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes", "hold_headers"];
 
         proptest! {
             #[test]
