@@ -550,8 +550,17 @@ fn read(text: &[u8]) -> Result<RawLevel, ConfigError> {
     }
     let mut de = serde_json::Deserializer::from_slice(trimmed);
     let raw = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let field = e.path().to_string();
-        refusal(if field == "." { "" } else { &field }, e.into_inner())
+        let path = e.path().to_string();
+        let path = if path == "." { "" } else { &path };
+        let e = e.into_inner();
+        // serde refuses a key given twice (serde_json itself would keep the last one silently)
+        // in the object's reader, so the path ends at the object: the field is named in the text.
+        let twice =
+            e.to_string().strip_prefix("duplicate field `").and_then(|t| t.split('`').next().map(str::to_string));
+        match twice {
+            Some(name) => refusal(&join(path, &name), e),
+            None => refusal(path, e),
+        }
     })?;
     de.end().map_err(|e| refusal("", e))?;
     Ok(raw)
@@ -2055,6 +2064,95 @@ mod tests {
         assert_eq!(refused(r#"{"scope": {"headers": ["a"]}, "route_name": "pay"}"#).field, "route_name");
         let c = parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"route_name": "pay"}]}"#).unwrap();
         assert_eq!(c.routes[0].select, RouteMatch::RouteName("pay".into()));
+    }
+
+    /// A route with every nested object, for errors placed at each level.
+    const NESTED: &str = r#"{"scope": {"headers": ["a"]}, "store": {"cluster": "s"}, "local": {"max_entries": 16},
+        "routes": [{"prefix": "/a"}, {"prefix": "/b", "forwarding": "detached", "upstream": {"cluster": "u", "timeout_ms": 1000},
+        "fingerprint": {"json": "raw"}, "derive_key": {"headers": ["x-step"]}, "protocol": "mcp", "mcp": {"tools": ["t"]}}]}"#;
+
+    #[test]
+    fn nested_config_parses_so_the_errors_below_are_each_its_own() {
+        assert!(parse(NESTED).is_ok());
+    }
+
+    #[test]
+    fn an_unknown_field_at_each_level_names_its_path() {
+        for (after, field) in [
+            (r#""scope": {"#, "scope.colour"),
+            (r#""store": {"#, "store.colour"),
+            (r#""local": {"#, "local.colour"),
+            (r#"{"prefix": "/b", "#, "routes[1].colour"),
+            (r#""upstream": {"#, "routes[1].upstream.colour"),
+            (r#""fingerprint": {"#, "routes[1].fingerprint.colour"),
+            (r#""derive_key": {"#, "routes[1].derive_key.colour"),
+            (r#""mcp": {"#, "routes[1].mcp.colour"),
+            (r#"{"scope""#, "colour"),
+        ] {
+            let text = NESTED.replacen(after, &after.replacen('{', r#"{"colour": 1, "#, 1), 1);
+            assert!(NESTED.contains(after), "{after}");
+            let e = refused(&text);
+            assert_eq!(e.field, field, "{text}: {e}");
+            assert!(e.reason.starts_with("unknown field `colour`, expected"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_wrong_type_names_its_path() {
+        for (from, to, field, reason) in [
+            (r#""timeout_ms": 1000"#, r#""timeout_ms": "1000""#, "routes[1].upstream.timeout_ms", "expected u64"),
+            (r#""timeout_ms": 1000"#, r#""timeout_ms": -1"#, "routes[1].upstream.timeout_ms", "expected u64"),
+            (
+                r#""headers": ["x-step"]"#,
+                r#""headers": ["x-step", 7]"#,
+                "routes[1].derive_key.headers[1]",
+                "expected a string",
+            ),
+            (r#""tools": ["t"]"#, r#""tools": "t""#, "routes[1].mcp.tools", "expected a sequence"),
+            (r#""max_entries": 16"#, r#""max_entries": true"#, "local.max_entries", "expected u64"),
+            (r#""store": {"cluster": "s"}"#, r#""store": ["s"]"#, "store", "expected an object"),
+            (r#"{"prefix": "/a"}"#, r#"["/a"]"#, "routes[0]", "expected an object"),
+            (r#""headers": ["a"]"#, r#""headers": null"#, "scope.headers", "invalid type: null"),
+        ] {
+            assert!(NESTED.contains(from), "{from}");
+            let e = refused(&NESTED.replacen(from, to, 1));
+            assert_eq!(e.field, field, "{to}: {e}");
+            assert!(e.reason.contains(reason), "{to}: {e}");
+        }
+        let e = refused(r#"[{"scope": {"global": true}}]"#);
+        assert_eq!((e.field.as_str(), e.reason.contains("expected an object")), ("", true), "{e}");
+    }
+
+    /// serde_json alone keeps the last of two equal keys silently (so did the configuration when it
+    /// walked a `serde_json::Value`); a key given twice is now refused, naming it.
+    #[test]
+    fn a_key_given_twice_is_refused_naming_it() {
+        for (text, field) in [
+            (r#"{"scope": {"global": true}, "ttl_seconds": 100, "ttl_seconds": 200}"#, "ttl_seconds"),
+            (r#"{"scope": {"global": true, "global": false}}"#, "scope.global"),
+            (
+                r#"{"scope": {"global": true}, "routes": [{"prefix": "/a"}, {"prefix": "/b", "prefix": "/c"}]}"#,
+                "routes[1].prefix",
+            ),
+        ] {
+            let e = refused(text);
+            assert_eq!(e.field, field, "{text}: {e}");
+            assert!(e.reason.starts_with("duplicate field"), "{e}");
+        }
+    }
+
+    #[test]
+    fn null_is_a_wrong_type_except_where_it_means_absent_or_removes_a_derivation() {
+        assert_eq!(refused(r#"{"scope": {"global": true}, "header": null}"#).field, "header");
+        assert_eq!(refused(r#"{"scope": {"global": true}, "hold_headers": null}"#).field, "hold_headers");
+        let c = parse(r#"{"scope": {"global": true}, "store": null, "local": null, "routes": null}"#).unwrap();
+        assert_eq!((c.store, c.routes.len()), (None, 0));
+        let c = parse(r#"{"scope": {"headers": ["a"]}, "derive_key": {"headers": ["x-step"]}, "routes": [{"prefix": "/a", "derive_key": null}, {"prefix": "/b"}]}"#).unwrap();
+        assert_eq!((c.routes[0].policy.derive_key.is_none(), c.routes[1].policy.derive_key.is_some()), (true, true));
+        assert_eq!(
+            refused(r#"{"scope": {"global": true}, "routes": [{"prefix": "/a", "store": null}]}"#).field,
+            "routes[0].store"
+        );
     }
 
     #[cfg(not(target_arch = "wasm32"))]
