@@ -3,6 +3,11 @@
 //! Every error names the field (as a path such as `routes[1].scope.headers`) and the reason;
 //! the filter refuses the configuration with that sentence, so Envoy refuses to start (or NACKs
 //! the update) with it in its log. Unknown fields are errors, never ignored.
+//!
+//! Two steps: serde reads the text into raw structs (`RawLevel` and the objects under it: every
+//! field optional, unknown fields, wrong types and keys given twice refused, with the path from
+//! `serde_path_to_error`), then one validation pass (`Config::parse`) applies them onto the
+//! defaults, each route onto the top level's policy, and checks ranges and combinations.
 
 use std::fmt;
 use std::marker::PhantomData;
