@@ -585,11 +585,11 @@ impl Config {
     pub fn parse(text: &[u8]) -> Result<Config, ConfigError> {
         let top = read(text)?;
         for (name, set) in [
-            ("prefix", top.prefix.is_some()),
             ("case_insensitive", top.case_insensitive.is_some()),
-            ("route_name", top.route_name.is_some()),
-            ("protocol", top.protocol.is_some()),
             ("mcp", top.mcp.is_some()),
+            ("prefix", top.prefix.is_some()),
+            ("protocol", top.protocol.is_some()),
+            ("route_name", top.route_name.is_some()),
         ] {
             if set {
                 return Err(err(name, "a route's field: it can only be set in an entry of routes"));
