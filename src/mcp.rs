@@ -128,10 +128,10 @@ fn call(value: &Value, canonical: &[u8], tool: &str, policy: &McpPolicy) -> Call
     h.update((arguments.len() as u64).to_be_bytes());
     h.update(arguments);
     let params = value.get("params");
-    let meta = params
-        .and_then(|p| p.get("_meta"))
-        .and_then(|m| m.get("idempotencyKey"))
-        .map(|v| BodyKey { source: "params._meta.idempotencyKey".into(), value: v.as_str().map(str::to_string) });
+    let meta = params.and_then(|p| p.get("_meta")).and_then(|m| m.get("idempotencyKey")).map(|v| BodyKey {
+        source: "params._meta.idempotencyKey".into(),
+        value: v.as_str().map(str::to_string),
+    });
     let key = meta.or_else(|| {
         let args = params.and_then(|p| p.get("arguments"))?;
         policy.key_arguments.iter().find_map(|name| {
@@ -513,11 +513,9 @@ mod tests {
         assert_eq!(a.id, b"1");
         assert_eq!(b.id, b"\"retry-7\"");
         // Number spelling is the upstream's business: 5.0 is another request.
-        let c =
-            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5.0,"to":"x"}}}"#);
+        let c = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5.0,"to":"x"}}}"#);
         assert_ne!(a.digest, c.digest);
-        let d =
-            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"refund","arguments":{"amount":5,"to":"x"}}}"#);
+        let d = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"refund","arguments":{"amount":5,"to":"x"}}}"#);
         assert_ne!(a.digest, d.digest);
         // No arguments and empty arguments are one call.
         let e = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge"}}"#);
@@ -533,18 +531,11 @@ mod tests {
             r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"idempotency_key":"arg"},"_meta":{"idempotencyKey":"meta"}}}"#,
         );
         assert_eq!(m.key, Some(BodyKey { source: "params._meta.idempotencyKey".into(), value: Some("meta".into()) }));
-        let a =
-            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"idempotency_key":"arg"}}}"#);
-        assert_eq!(
-            a.key,
-            Some(BodyKey { source: "params.arguments.idempotency_key".into(), value: Some("arg".into()) })
-        );
+        let a = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"idempotency_key":"arg"}}}"#);
+        assert_eq!(a.key, Some(BodyKey { source: "params.arguments.idempotency_key".into(), value: Some("arg".into()) }));
         let n = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","_meta":{"idempotencyKey":5}}}"#);
         assert_eq!(n.key.and_then(|k| k.value), None);
-        assert_eq!(
-            call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"other":"x"}}}"#).key,
-            None
-        );
+        assert_eq!(call_of(r#"{"id":1,"method":"tools/call","params":{"name":"c","arguments":{"other":"x"}}}"#).key, None);
     }
 
     #[test]
