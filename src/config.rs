@@ -3,11 +3,20 @@
 //! Every error names the field (as a path such as `routes[1].scope.headers`) and the reason;
 //! the filter refuses the configuration with that sentence, so Envoy refuses to start (or NACKs
 //! the update) with it in its log. Unknown fields are errors, never ignored.
+//!
+//! Two steps: serde reads the text into raw structs (`RawLevel` and the objects under it: every
+//! field optional, unknown fields, wrong types and keys given twice refused, with the path from
+//! `serde_path_to_error`), then one validation pass (`Config::parse`) applies them onto the
+//! defaults, each route onto the top level's policy, and checks ranges and combinations.
 
 use std::fmt;
+use std::marker::PhantomData;
 
 use crate::path::Reading;
-use serde_json::{Map, Value};
+use serde::de::value::MapAccessDeserializer;
+use serde::de::{MapAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+use serde_json::error::Category;
 
 /// The whole plugin configuration.
 #[derive(Clone, Debug, PartialEq)]
@@ -385,72 +394,239 @@ pub const MAX_TTL_SECONDS: u64 = 366 * 86_400;
 pub const MAX_BODY_BYTES: u64 = 64 * 1024 * 1024;
 pub const MAX_STORE_TIMEOUT_MS: u64 = 60_000;
 
-const POLICY_FIELDS: &[&str] = &[
-    "header",
-    "methods",
-    "require_key",
-    "namespace",
-    "key_max_length",
-    "key_syntax",
-    "ttl_seconds",
-    "lock_ttl_seconds",
-    "unknown_outcome_seconds",
-    "max_request_body_bytes",
-    "max_response_body_bytes",
-    "fingerprint",
-    "scope",
-    "release_on_status",
-    "mismatch_status",
-    "log_headers",
-    "credential_headers",
-    "replay_exclude_headers",
-    "stale_lock",
-    "forwarding",
-    "upstream",
-    "in_flight",
-    "wait_ms",
-    "derive_key",
-    "grpc",
-    "next_hop_failures",
-];
-const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes", "hold_headers"];
+/// Declares a raw configuration object: every field optional (absent: `None`), `null` refused
+/// like any other wrong type (a field whose type is itself an `Option` reads `null` as
+/// `Some(None)`), unknown fields and duplicate keys refused.
+macro_rules! raw_object {
+    ($(#[$meta:meta])* struct $name:ident { $($(#[$fmeta:meta])* $field:ident: $ty:ty,)* }) => {
+        $(#[$meta])*
+        #[derive(Default, Deserialize)]
+        #[serde(remote = "Self", deny_unknown_fields, expecting = "an object")]
+        struct $name {
+            $($(#[$fmeta])* #[serde(default, deserialize_with = "given")] $field: Option<$ty>,)*
+        }
+
+        impl RawObject for $name {
+            fn read<'de, D: Deserializer<'de>>(d: D) -> Result<$name, D::Error> {
+                $name::deserialize(d) // the derived reader (`remote = "Self"`)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<$name, D::Error> {
+                d.deserialize_map(ObjectOnly(PhantomData))
+            }
+        }
+    };
+}
+
+/// A raw object's derived reader, which serde's derive would also let read a list (its fields by
+/// position): `ObjectOnly` hands it JSON objects only.
+trait RawObject: Sized {
+    fn read<'de, D: Deserializer<'de>>(d: D) -> Result<Self, D::Error>;
+}
+
+struct ObjectOnly<T>(PhantomData<T>);
+
+impl<'de, T: RawObject> Visitor<'de> for ObjectOnly<T> {
+    type Value = T;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+        T::read(MapAccessDeserializer::new(map))
+    }
+}
+
+/// A field that is present: its value, never read as absent (`null` is a wrong type unless `T`
+/// is an `Option`).
+fn given<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
+}
+
+raw_object! {
+    /// One level as written: the top level or one entry of `routes` (one type, so their policy
+    /// fields are one list; `Config::parse` and `parse_routes` refuse the other level's fields).
+    struct RawLevel {
+        header: String,
+        methods: Vec<String>,
+        require_key: bool,
+        namespace: String,
+        key_max_length: u64,
+        key_syntax: String,
+        ttl_seconds: u64,
+        lock_ttl_seconds: u64,
+        unknown_outcome_seconds: u64,
+        max_request_body_bytes: u64,
+        max_response_body_bytes: u64,
+        fingerprint: RawFingerprint,
+        scope: RawScope,
+        release_on_status: Vec<u64>,
+        mismatch_status: u64,
+        log_headers: Vec<String>,
+        credential_headers: Vec<String>,
+        replay_exclude_headers: Vec<String>,
+        stale_lock: String,
+        forwarding: String,
+        upstream: RawUpstream,
+        in_flight: String,
+        wait_ms: u64,
+        /// `null` removes an inherited derivation.
+        derive_key: Option<RawDeriveKey>,
+        grpc: String,
+        next_hop_failures: String,
+        // The top level only (`null`: absent).
+        store: Option<RawStore>,
+        routes: Option<Vec<RawLevel>>,
+        local: Option<RawLocal>,
+        max_buffered_bytes: u64,
+        hold_headers: bool,
+        // Routes only.
+        prefix: String,
+        case_insensitive: bool,
+        route_name: String,
+        protocol: String,
+        mcp: RawMcp,
+    }
+}
+
+raw_object! {
+    struct RawFingerprint {
+        headers: Vec<String>,
+        include_query: bool,
+        json: String,
+        operation_headers: bool,
+        trailers: bool,
+    }
+}
+
+raw_object! {
+    struct RawScope {
+        headers: Vec<String>,
+        global: bool,
+        include_authority: bool,
+        anonymous: String,
+    }
+}
+
+raw_object! {
+    struct RawUpstream {
+        cluster: String,
+        timeout_ms: u64,
+        hop: String,
+    }
+}
+
+raw_object! {
+    struct RawDeriveKey {
+        headers: Vec<String>,
+        include_body: bool,
+    }
+}
+
+raw_object! {
+    /// A route's `mcp` (docs/mcp.md), read by `parse_protocol`.
+    struct RawMcp {
+        tools: Vec<String>,
+        key_arguments: Vec<String>,
+    }
+}
+
+raw_object! {
+    struct RawStore {
+        kind: String,
+        cluster: String,
+        authority: String,
+        timeout_ms: u64,
+        on_unavailable: String,
+        token_refresh_seconds: u64,
+        max_request_bytes: u64,
+    }
+}
+
+raw_object! {
+    struct RawLocal {
+        max_entries: u64,
+        max_bytes: u64,
+        when_full: String,
+        min_protection_seconds: u64,
+    }
+}
+
+/// The text as raw structs: an empty text is `{}`; a syntax error names no field, any other
+/// error the path serde was reading (`routes[1].upstream.timeout_ms`).
+fn read(text: &[u8]) -> Result<RawLevel, ConfigError> {
+    let trimmed = text.trim_ascii();
+    if trimmed.is_empty() {
+        return Ok(RawLevel::default());
+    }
+    let mut de = serde_json::Deserializer::from_slice(trimmed);
+    let raw = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let path = if path == "." { "" } else { &path };
+        let e = e.into_inner();
+        // serde refuses a key given twice (serde_json itself would keep the last one silently)
+        // in the object's reader, so the path ends at the object: the field is named in the text.
+        let twice =
+            e.to_string().strip_prefix("duplicate field `").and_then(|t| t.split('`').next().map(str::to_string));
+        match twice {
+            Some(name) => refusal(&join(path, &name), e),
+            None => refusal(path, e),
+        }
+    })?;
+    de.end().map_err(|e| refusal("", e))?;
+    Ok(raw)
+}
+
+fn refusal(field: &str, e: serde_json::Error) -> ConfigError {
+    match e.classify() {
+        Category::Data => err(field, e.to_string()),
+        Category::Syntax | Category::Eof | Category::Io => err("", format!("not valid JSON: {e}")),
+    }
+}
 
 impl Config {
-    /// Parses and validates the plugin configuration (a JSON object; empty means `{}`).
+    /// Parses and validates the plugin configuration (a JSON object; empty means `{}`): serde
+    /// reads it into the raw structs below (`RawLevel`: unknown fields, wrong types and duplicate
+    /// keys refused, naming the path), then one validation pass builds the checked form.
     pub fn parse(text: &[u8]) -> Result<Config, ConfigError> {
-        let trimmed = text.trim_ascii();
-        let value: Value = if trimmed.is_empty() {
-            Value::Object(Map::new())
-        } else {
-            serde_json::from_slice(trimmed).map_err(|e| err("", format!("not valid JSON: {e}")))?
-        };
-        let top = as_object(&value, "")?;
+        let top = read(text)?;
+        for (name, set) in [
+            ("case_insensitive", top.case_insensitive.is_some()),
+            ("mcp", top.mcp.is_some()),
+            ("prefix", top.prefix.is_some()),
+            ("protocol", top.protocol.is_some()),
+            ("route_name", top.route_name.is_some()),
+        ] {
+            if set {
+                return Err(err(name, "a route's field: it can only be set in an entry of routes"));
+            }
+        }
 
         let mut default_policy = Policy::default();
-        apply_policy_fields(top, "", &mut default_policy, TOP_ONLY_FIELDS)?;
+        apply_policy_fields(&top, "", &mut default_policy)?;
 
-        let store = match top.get("store") {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(parse_store(v)?),
+        let store = match &top.store {
+            None | Some(None) => None,
+            Some(Some(s)) => Some(parse_store(s)?),
         };
-        let local = match top.get("local") {
-            None | Some(Value::Null) => LocalConfig::default(),
-            Some(v) => parse_local(v)?,
+        let local = match &top.local {
+            None | Some(None) => LocalConfig::default(),
+            Some(Some(l)) => parse_local(l)?,
         };
-        let max_buffered_bytes = match top.get("max_buffered_bytes") {
+        let max_buffered_bytes = match top.max_buffered_bytes {
             None => 64 * 1024 * 1024,
-            Some(v) => as_uint(v, "max_buffered_bytes", 1024, 16 * 1024 * 1024 * 1024)?,
+            Some(n) => range(n, "max_buffered_bytes", 1024, 16 * 1024 * 1024 * 1024)?,
         };
-        let hold_headers = match top.get("hold_headers") {
-            None => true,
-            Some(v) => as_bool(v, "hold_headers")?,
-        };
-        let routes = match top.get("routes") {
-            None | Some(Value::Null) => vec![],
-            Some(v) => parse_routes(v, &default_policy)?,
+        let hold_headers = top.hold_headers.unwrap_or(true);
+        let routes = match &top.routes {
+            None | Some(None) => vec![],
+            Some(Some(r)) => parse_routes(r, &default_policy)?,
         };
         if routes.is_empty() {
-            if let Some(Value::Array(_)) = top.get("routes") {
+            if let Some(Some(_)) = top.routes {
                 return Err(err(
                     "routes",
                     "an empty list would protect nothing; remove the field to protect every path",
@@ -606,40 +782,14 @@ fn join(prefix: &str, name: &str) -> String {
     }
 }
 
-fn describe(v: &Value) -> String {
-    let text = v.to_string();
-    if text.len() > 40 {
-        format!("{}...", text.chars().take(40).collect::<String>())
-    } else {
-        text
+fn range(n: u64, field: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
+    match (min..=max).contains(&n) {
+        true => Ok(n),
+        false => Err(err(field, format!("expected a whole number from {min} to {max}, got {n}"))),
     }
 }
 
-fn as_object<'a>(v: &'a Value, field: &str) -> Result<&'a Map<String, Value>, ConfigError> {
-    v.as_object().ok_or_else(|| err(field, format!("expected an object, got {}", describe(v))))
-}
-
-fn as_bool(v: &Value, field: &str) -> Result<bool, ConfigError> {
-    v.as_bool().ok_or_else(|| err(field, format!("expected true or false, got {}", describe(v))))
-}
-
-fn as_str<'a>(v: &'a Value, field: &str) -> Result<&'a str, ConfigError> {
-    v.as_str().ok_or_else(|| err(field, format!("expected a string, got {}", describe(v))))
-}
-
-fn as_uint(v: &Value, field: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
-    match v.as_u64() {
-        Some(n) if (min..=max).contains(&n) => Ok(n),
-        _ => Err(err(field, format!("expected a whole number from {min} to {max}, got {}", describe(v)))),
-    }
-}
-
-fn as_list<'a>(v: &'a Value, field: &str) -> Result<&'a Vec<Value>, ConfigError> {
-    v.as_array().ok_or_else(|| err(field, format!("expected a list, got {}", describe(v))))
-}
-
-fn as_choice<T: Copy>(v: &Value, field: &str, choices: &[(&str, T)]) -> Result<T, ConfigError> {
-    let s = as_str(v, field)?;
+fn choice<T: Copy>(s: &str, field: &str, choices: &[(&str, T)]) -> Result<T, ConfigError> {
     choices.iter().find(|(name, _)| *name == s).map(|(_, t)| *t).ok_or_else(|| {
         let names: Vec<String> = choices.iter().map(|(n, _)| format!("\"{n}\"")).collect();
         err(field, format!("expected one of {}, got \"{s}\"", names.join(", ")))
@@ -651,17 +801,16 @@ fn is_token(s: &str) -> bool {
 }
 
 /// A header name: an RFC 9110 token, stored lowercase. Pseudo headers are refused.
-fn header_name(v: &Value, field: &str) -> Result<String, ConfigError> {
-    let s = as_str(v, field)?;
+fn header_name(s: &str, field: &str) -> Result<String, ConfigError> {
     if !is_token(s) {
         return Err(err(field, format!("\"{s}\" is not a valid header name")));
     }
     Ok(s.to_ascii_lowercase())
 }
 
-fn header_list(v: &Value, field: &str) -> Result<Vec<String>, ConfigError> {
+fn header_list(list: &[String], field: &str) -> Result<Vec<String>, ConfigError> {
     let mut out: Vec<String> = vec![];
-    for (i, item) in as_list(v, field)?.iter().enumerate() {
+    for (i, item) in list.iter().enumerate() {
         let name = header_name(item, &format!("{field}[{i}]"))?;
         if out.contains(&name) {
             return Err(err(&format!("{field}[{i}]"), format!("\"{name}\" is listed twice")));
@@ -671,173 +820,161 @@ fn header_list(v: &Value, field: &str) -> Result<Vec<String>, ConfigError> {
     Ok(out)
 }
 
-fn check_unknown(map: &Map<String, Value>, prefix: &str, known: &[&[&str]]) -> Result<(), ConfigError> {
-    for name in map.keys() {
-        if !known.iter().any(|set| set.contains(&name.as_str())) {
-            let all: Vec<&str> = known.iter().flat_map(|s| s.iter().copied()).collect();
-            return Err(err(&join(prefix, name), format!("unknown field; expected one of: {}", all.join(", "))));
+/// Applies the policy fields present in `l` onto `p` (so a route inherits what it leaves out),
+/// checking each in the order of their names.
+fn apply_policy_fields(l: &RawLevel, prefix: &str, p: &mut Policy) -> Result<(), ConfigError> {
+    let f = |n: &str| join(prefix, n);
+    apply_agent_fields(l, prefix, p)?;
+    // A route adds to the credentials it inherits, never replaces them: a route naming one more
+    // must not make the top level's loggable (found by an adversarial review).
+    if let Some(list) = &l.credential_headers {
+        for h in header_list(list, &f("credential_headers"))? {
+            if !p.credential_headers.contains(&h) {
+                p.credential_headers.push(h);
+            }
         }
     }
-    Ok(())
-}
-
-/// Applies the policy fields present in `map` onto `p` (so a route inherits what it leaves out).
-fn apply_policy_fields(
-    map: &Map<String, Value>,
-    prefix: &str,
-    p: &mut Policy,
-    also: &[&str],
-) -> Result<(), ConfigError> {
-    check_unknown(map, prefix, &[POLICY_FIELDS, also])?;
-    apply_agent_fields(map, prefix, p)?;
-    for (name, v) in map {
-        let f = join(prefix, name);
-        match name.as_str() {
-            "header" => p.header = header_name(v, &f)?,
-            "methods" => {
-                let mut methods = vec![];
-                for (i, m) in as_list(v, &f)?.iter().enumerate() {
-                    let fi = format!("{f}[{i}]");
-                    let s = as_str(m, &fi)?;
-                    if !is_token(s) {
-                        return Err(err(&fi, format!("\"{s}\" is not a valid HTTP method")));
-                    }
-                    methods.push(s.to_ascii_uppercase());
-                }
-                if methods.is_empty() {
-                    return Err(err(&f, "an empty list would protect nothing"));
-                }
-                p.methods = methods;
-            }
-            "require_key" => p.require_key = as_bool(v, &f)?,
-            "namespace" => {
-                let s = as_str(v, &f)?;
-                if s.is_empty() || s.len() > 128 || !s.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
-                    return Err(err(&f, "expected 1 to 128 visible ASCII characters"));
-                }
-                p.namespace = s.to_string();
-            }
-            "key_max_length" => p.key_max_length = usize::try_from(as_uint(v, &f, 1, MAX_KEY_LENGTH)?).unwrap_or(255),
-            "key_syntax" => {
-                use crate::key::KeySyntax;
-                p.key_syntax = as_choice(v, &f, &[("strict", KeySyntax::Strict), ("any", KeySyntax::Any)])?;
-            }
-            "ttl_seconds" => p.ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
-            "lock_ttl_seconds" => p.lock_ttl_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
-            "unknown_outcome_seconds" => p.unknown_outcome_seconds = as_uint(v, &f, 1, MAX_TTL_SECONDS)?,
-            "mismatch_status" => {
-                p.mismatch_status = match v.as_u64() {
-                    Some(422) => 422,
-                    Some(409) => 409,
-                    _ => {
-                        return Err(err(
-                            &f,
-                            format!("expected 422 (the IETF draft) or 409 (the Agentic Commerce Protocol), got {v}"),
-                        ))
-                    }
-                }
-            }
-            "max_request_body_bytes" => p.max_request_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
-            "max_response_body_bytes" => p.max_response_body_bytes = as_uint(v, &f, 0, MAX_BODY_BYTES)?,
-            "fingerprint" => {
-                let m = as_object(v, &f)?;
-                check_unknown(m, &f, &[&["headers", "include_query", "json", "operation_headers", "trailers"]])?;
-                for (n, v) in m {
-                    let fi = join(&f, n);
-                    match n.as_str() {
-                        "headers" => p.fingerprint.headers = header_list(v, &fi)?,
-                        "include_query" => p.fingerprint.include_query = as_bool(v, &fi)?,
-                        "operation_headers" => p.fingerprint.operation_headers = as_bool(v, &fi)?,
-                        "trailers" => p.fingerprint.trailers = as_bool(v, &fi)?,
-                        _ => {
-                            p.fingerprint.json =
-                                as_choice(v, &fi, &[("raw", JsonMode::Raw), ("canonical", JsonMode::Canonical)])?
-                        }
-                    }
-                }
-            }
-            "scope" => {
-                let m = as_object(v, &f)?;
-                check_unknown(m, &f, &[&["headers", "global", "include_authority", "anonymous"]])?;
-                for (n, v) in m {
-                    let fi = join(&f, n);
-                    match n.as_str() {
-                        "headers" => p.scope.headers = header_list(v, &fi)?,
-                        "global" => p.scope.global = as_bool(v, &fi)?,
-                        "anonymous" => {
-                            p.scope.anonymous =
-                                as_choice(v, &fi, &[("reject", Anonymous::Reject), ("shared", Anonymous::Shared)])?
-                        }
-                        _ => p.scope.include_authority = as_bool(v, &fi)?,
-                    }
-                }
-                if m.contains_key("anonymous") && p.scope.global {
-                    return Err(err(
-                        &join(&f, "anonymous"),
-                        "only used with scope.headers: with scope.global every caller already shares one scope",
-                    ));
-                }
-            }
-            "release_on_status" => {
-                let mut codes = vec![];
-                for (i, c) in as_list(v, &f)?.iter().enumerate() {
-                    let fi = format!("{f}[{i}]");
-                    let code = as_uint(c, &fi, 400, 599).map_err(|_| {
-                        err(&fi, format!("expected an error status from 400 to 599 (releasing a success would allow a second execution), got {}", describe(c)))
-                    })?;
-                    codes.push(u16::try_from(code).unwrap_or(0));
-                }
-                p.release_on_status = codes;
-            }
-            "log_headers" => p.log_headers = header_list(v, &f)?,
-            // A route adds to the credentials it inherits, never replaces them: a route naming
-            // one more must not make the top level's loggable (found by an adversarial review).
-            "credential_headers" => {
-                for h in header_list(v, &f)? {
-                    if !p.credential_headers.contains(&h) {
-                        p.credential_headers.push(h);
-                    }
-                }
-            }
-            "replay_exclude_headers" => p.replay_exclude_headers = header_list(v, &f)?,
-            "grpc" => p.grpc = as_choice(v, &f, &[("refuse", GrpcMode::Refuse), ("pass", GrpcMode::Pass)])?,
-            "next_hop_failures" => {
-                p.next_hop_failures =
-                    as_choice(v, &f, &[("store", NextHopFailures::Store), ("classify", NextHopFailures::Classify)])?
-            }
-            "stale_lock" => {
-                p.stale_lock = as_choice(v, &f, &[("reject", StaleLock::Reject), ("takeover", StaleLock::Takeover)])?
-            }
-            _ => {} // top-only fields, handled by the caller
+    if let Some(m) = &l.fingerprint {
+        let fi = |n: &str| join(&f("fingerprint"), n);
+        if let Some(h) = &m.headers {
+            p.fingerprint.headers = header_list(h, &fi("headers"))?;
         }
+        p.fingerprint.include_query = m.include_query.unwrap_or(p.fingerprint.include_query);
+        if let Some(j) = &m.json {
+            p.fingerprint.json = choice(j, &fi("json"), &[("raw", JsonMode::Raw), ("canonical", JsonMode::Canonical)])?;
+        }
+        p.fingerprint.operation_headers = m.operation_headers.unwrap_or(p.fingerprint.operation_headers);
+        p.fingerprint.trailers = m.trailers.unwrap_or(p.fingerprint.trailers);
+    }
+    if let Some(g) = &l.grpc {
+        p.grpc = choice(g, &f("grpc"), &[("refuse", GrpcMode::Refuse), ("pass", GrpcMode::Pass)])?;
+    }
+    if let Some(h) = &l.header {
+        p.header = header_name(h, &f("header"))?;
+    }
+    if let Some(n) = l.key_max_length {
+        p.key_max_length = usize::try_from(range(n, &f("key_max_length"), 1, MAX_KEY_LENGTH)?).unwrap_or(255);
+    }
+    if let Some(s) = &l.key_syntax {
+        use crate::key::KeySyntax;
+        p.key_syntax = choice(s, &f("key_syntax"), &[("strict", KeySyntax::Strict), ("any", KeySyntax::Any)])?;
+    }
+    if let Some(n) = l.lock_ttl_seconds {
+        p.lock_ttl_seconds = range(n, &f("lock_ttl_seconds"), 1, MAX_TTL_SECONDS)?;
+    }
+    if let Some(h) = &l.log_headers {
+        p.log_headers = header_list(h, &f("log_headers"))?;
+    }
+    if let Some(n) = l.max_request_body_bytes {
+        p.max_request_body_bytes = range(n, &f("max_request_body_bytes"), 0, MAX_BODY_BYTES)?;
+    }
+    if let Some(n) = l.max_response_body_bytes {
+        p.max_response_body_bytes = range(n, &f("max_response_body_bytes"), 0, MAX_BODY_BYTES)?;
+    }
+    if let Some(list) = &l.methods {
+        let mut methods = vec![];
+        for (i, s) in list.iter().enumerate() {
+            if !is_token(s) {
+                return Err(err(&format!("{}[{i}]", f("methods")), format!("\"{s}\" is not a valid HTTP method")));
+            }
+            methods.push(s.to_ascii_uppercase());
+        }
+        if methods.is_empty() {
+            return Err(err(&f("methods"), "an empty list would protect nothing"));
+        }
+        p.methods = methods;
+    }
+    if let Some(n) = l.mismatch_status {
+        if n != 422 && n != 409 {
+            return Err(err(
+                &f("mismatch_status"),
+                format!("expected 422 (the IETF draft) or 409 (the Agentic Commerce Protocol), got {n}"),
+            ));
+        }
+        p.mismatch_status = u16::try_from(n).unwrap_or(422);
+    }
+    if let Some(s) = &l.namespace {
+        if s.is_empty() || s.len() > 128 || !s.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+            return Err(err(&f("namespace"), "expected 1 to 128 visible ASCII characters"));
+        }
+        p.namespace = s.clone();
+    }
+    if let Some(n) = &l.next_hop_failures {
+        p.next_hop_failures = choice(
+            n,
+            &f("next_hop_failures"),
+            &[("store", NextHopFailures::Store), ("classify", NextHopFailures::Classify)],
+        )?;
+    }
+    if let Some(list) = &l.release_on_status {
+        let mut codes = vec![];
+        for (i, &code) in list.iter().enumerate() {
+            if !(400..=599).contains(&code) {
+                return Err(err(
+                    &format!("{}[{i}]", f("release_on_status")),
+                    format!("expected an error status from 400 to 599 (releasing a success would allow a second execution), got {code}"),
+                ));
+            }
+            codes.push(u16::try_from(code).unwrap_or(0));
+        }
+        p.release_on_status = codes;
+    }
+    if let Some(h) = &l.replay_exclude_headers {
+        p.replay_exclude_headers = header_list(h, &f("replay_exclude_headers"))?;
+    }
+    p.require_key = l.require_key.unwrap_or(p.require_key);
+    if let Some(m) = &l.scope {
+        let fi = |n: &str| join(&f("scope"), n);
+        if let Some(a) = &m.anonymous {
+            p.scope.anonymous =
+                choice(a, &fi("anonymous"), &[("reject", Anonymous::Reject), ("shared", Anonymous::Shared)])?;
+        }
+        p.scope.global = m.global.unwrap_or(p.scope.global);
+        if let Some(h) = &m.headers {
+            p.scope.headers = header_list(h, &fi("headers"))?;
+        }
+        p.scope.include_authority = m.include_authority.unwrap_or(p.scope.include_authority);
+        if m.anonymous.is_some() && p.scope.global {
+            return Err(err(
+                &fi("anonymous"),
+                "only used with scope.headers: with scope.global every caller already shares one scope",
+            ));
+        }
+    }
+    if let Some(s) = &l.stale_lock {
+        p.stale_lock =
+            choice(s, &f("stale_lock"), &[("reject", StaleLock::Reject), ("takeover", StaleLock::Takeover)])?;
+    }
+    if let Some(n) = l.ttl_seconds {
+        p.ttl_seconds = range(n, &f("ttl_seconds"), 1, MAX_TTL_SECONDS)?;
+    }
+    if let Some(n) = l.unknown_outcome_seconds {
+        p.unknown_outcome_seconds = range(n, &f("unknown_outcome_seconds"), 1, MAX_TTL_SECONDS)?;
     }
     Ok(())
 }
 
 /// `forwarding` + `upstream`, `in_flight` + `wait_ms`, `derive_key`.
-fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) -> Result<(), ConfigError> {
+fn apply_agent_fields(l: &RawLevel, prefix: &str, p: &mut Policy) -> Result<(), ConfigError> {
     let f = |n: &str| join(prefix, n);
-    let detached = match map.get("forwarding") {
+    let detached = match &l.forwarding {
         None => matches!(p.forwarding, Forwarding::Detached { .. }),
-        Some(v) => as_choice(v, &f("forwarding"), &[("router", false), ("detached", true)])?,
+        Some(s) => choice(s, &f("forwarding"), &[("router", false), ("detached", true)])?,
     };
-    match (detached, map.get("upstream")) {
+    match (detached, &l.upstream) {
         (true, Some(u)) => {
-            let m = as_object(u, &f("upstream"))?;
-            check_unknown(m, &f("upstream"), &[&["cluster", "timeout_ms", "hop"]])?;
-            let cluster = match m.get("cluster") {
-                Some(c) => as_str(c, &f("upstream.cluster"))?.to_string(),
-                None => return Err(err(&f("upstream.cluster"), "missing: name the Envoy cluster of the upstream")),
+            let Some(cluster) = u.cluster.clone() else {
+                return Err(err(&f("upstream.cluster"), "missing: name the Envoy cluster of the upstream"));
             };
             if cluster.is_empty() {
                 return Err(err(&f("upstream.cluster"), "must not be empty"));
             }
-            let timeout_ms = match m.get("timeout_ms") {
-                Some(t) => as_uint(t, &f("upstream.timeout_ms"), 1, 600_000)?,
+            let timeout_ms = match u.timeout_ms {
+                Some(t) => range(t, &f("upstream.timeout_ms"), 1, 600_000)?,
                 None => 30_000,
             };
-            let hop = match m.get("hop") {
-                Some(h) => as_choice(
+            let hop = match &u.hop {
+                Some(h) => choice(
                     h,
                     &f("upstream.hop"),
                     &[("internal_listener", Hop::InternalListener), ("direct", Hop::Direct)],
@@ -856,29 +993,27 @@ fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) ->
         (false, Some(_)) => return Err(err(&f("upstream"), "only used with forwarding: \"detached\"")),
         (false, None) => p.forwarding = Forwarding::Router,
     }
-    let wait = match map.get("in_flight") {
+    let wait = match &l.in_flight {
         None => matches!(p.in_flight, InFlight::Wait { .. }),
-        Some(v) => as_choice(v, &f("in_flight"), &[("conflict", false), ("wait", true)])?,
+        Some(s) => choice(s, &f("in_flight"), &[("conflict", false), ("wait", true)])?,
     };
     let current_wait = match p.in_flight {
         InFlight::Wait { wait_ms } => wait_ms,
         InFlight::Conflict => 5_000,
     };
-    let wait_ms = match map.get("wait_ms") {
-        Some(v) => as_uint(v, &f("wait_ms"), 1, 60_000)?,
+    let wait_ms = match l.wait_ms {
+        Some(n) => range(n, &f("wait_ms"), 1, 60_000)?,
         None => current_wait,
     };
-    if !wait && map.contains_key("wait_ms") {
+    if !wait && l.wait_ms.is_some() {
         return Err(err(&f("wait_ms"), "only used with in_flight: \"wait\""));
     }
     p.in_flight = if wait { InFlight::Wait { wait_ms } } else { InFlight::Conflict };
-    if let Some(v) = map.get("derive_key") {
-        if v.is_null() {
-            p.derive_key = None;
-        } else {
-            let m = as_object(v, &f("derive_key"))?;
-            check_unknown(m, &f("derive_key"), &[&["headers", "include_body"]])?;
-            let headers = match m.get("headers") {
+    match &l.derive_key {
+        None => {}
+        Some(None) => p.derive_key = None,
+        Some(Some(d)) => {
+            let headers = match &d.headers {
                 Some(h) => header_list(h, &f("derive_key.headers"))?,
                 None => vec![],
             };
@@ -888,11 +1023,7 @@ fn apply_agent_fields(map: &Map<String, Value>, prefix: &str, p: &mut Policy) ->
                     "name the headers that identify one operation, e.g. [\"x-agent-task-id\", \"x-agent-step-id\"]",
                 ));
             }
-            let include_body = match m.get("include_body") {
-                Some(b) => as_bool(b, &f("derive_key.include_body"))?,
-                None => false,
-            };
-            p.derive_key = Some(DeriveKey { headers, include_body });
+            p.derive_key = Some(DeriveKey { headers, include_body: d.include_body.unwrap_or(false) });
         }
     }
     Ok(())
@@ -1078,74 +1209,65 @@ fn check_log_headers(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn parse_routes(v: &Value, base: &Policy) -> Result<Vec<Route>, ConfigError> {
+fn parse_routes(raw: &[RawLevel], base: &Policy) -> Result<Vec<Route>, ConfigError> {
     let mut routes = vec![];
-    for (i, item) in as_list(v, "routes")?.iter().enumerate() {
+    for (i, r) in raw.iter().enumerate() {
         let f = format!("routes[{i}]");
-        let m = as_object(item, &f)?;
-        for top in TOP_ONLY_FIELDS {
-            if m.contains_key(*top) {
-                return Err(err(&join(&f, top), "can only be set at the top level, not in a route"));
+        for (name, set) in [
+            ("store", r.store.is_some()),
+            ("routes", r.routes.is_some()),
+            ("local", r.local.is_some()),
+            ("max_buffered_bytes", r.max_buffered_bytes.is_some()),
+            ("hold_headers", r.hold_headers.is_some()),
+        ] {
+            if set {
+                return Err(err(&join(&f, name), "can only be set at the top level, not in a route"));
             }
         }
-        let select = parse_route_match(m, &f)?;
+        let select = parse_route_match(r, &f)?;
         let mut policy = base.clone();
-        apply_policy_fields(m, &f, &mut policy, &[ROUTE_MATCH_FIELDS, ROUTE_PROTOCOL_FIELDS].concat())?;
-        policy.mcp = parse_protocol(m, &f)?;
+        apply_policy_fields(r, &f, &mut policy)?;
+        policy.mcp = parse_protocol(r, &f)?;
         validate_policy(&policy, &f)?;
         routes.push(Route { select, policy });
     }
     Ok(routes)
 }
 
-const ROUTE_MATCH_FIELDS: &[&str] = &["prefix", "case_insensitive", "route_name"];
-const ROUTE_PROTOCOL_FIELDS: &[&str] = &["protocol", "mcp"];
-
 /// A route's `protocol` (`"http"`, the default, or `"mcp"`) and its `mcp` policy (docs/mcp.md).
-fn parse_protocol(m: &Map<String, Value>, f: &str) -> Result<Option<McpPolicy>, ConfigError> {
-    let mcp = match m.get("protocol") {
+fn parse_protocol(r: &RawLevel, f: &str) -> Result<Option<McpPolicy>, ConfigError> {
+    let mcp = match &r.protocol {
         None => false,
-        Some(v) => as_choice(v, &join(f, "protocol"), &[("http", false), ("mcp", true)])?,
+        Some(s) => choice(s, &join(f, "protocol"), &[("http", false), ("mcp", true)])?,
     };
-    let Some(v) = m.get("mcp") else {
+    let Some(o) = &r.mcp else {
         return Ok(mcp.then(McpPolicy::default));
     };
     let fm = join(f, "mcp");
     if !mcp {
         return Err(err(&fm, "only used with \"protocol\": \"mcp\""));
     }
-    let o = as_object(v, &fm)?;
-    check_unknown(o, &fm, &[&["tools", "key_arguments"]])?;
-    let names = |field: &str| -> Result<Option<Vec<String>>, ConfigError> {
+    let names = |list: &Option<Vec<String>>, field: &str| -> Result<(), ConfigError> {
         let fi = join(&fm, field);
-        let Some(v) = o.get(field) else { return Ok(None) };
-        let mut out = vec![];
-        for (i, t) in as_list(v, &fi)?.iter().enumerate() {
-            let s = as_str(t, &format!("{fi}[{i}]"))?;
-            if s.is_empty() {
-                return Err(err(&format!("{fi}[{i}]"), "an empty name names nothing"));
-            }
-            out.push(s.to_string());
+        match list.iter().flatten().position(String::is_empty) {
+            Some(i) => Err(err(&format!("{fi}[{i}]"), "an empty name names nothing")),
+            None => Ok(()),
         }
-        Ok(Some(out))
     };
-    let tools = names("tools")?;
-    if tools.as_ref().is_some_and(Vec::is_empty) {
+    names(&o.tools, "tools")?;
+    if o.tools.as_ref().is_some_and(Vec::is_empty) {
         return Err(err(
             &join(&fm, "tools"),
             "an empty list would protect no tool; leave it out to protect every tool",
         ));
     }
-    let key_arguments = names("key_arguments")?.unwrap_or_default();
-    Ok(Some(McpPolicy { tools, key_arguments }))
+    names(&o.key_arguments, "key_arguments")?;
+    Ok(Some(McpPolicy { tools: o.tools.clone(), key_arguments: o.key_arguments.clone().unwrap_or_default() }))
 }
 
 /// A route's selector: `prefix` (with `case_insensitive`) or `route_name`, exactly one.
-fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, ConfigError> {
-    let prefix = m.get("prefix").map(|p| as_str(p, &join(f, "prefix"))).transpose()?;
-    let route_name = m.get("route_name").map(|n| as_str(n, &join(f, "route_name"))).transpose()?;
-    let case_insensitive = m.get("case_insensitive").map(|v| as_bool(v, &join(f, "case_insensitive"))).transpose()?;
-    let prefix = match (prefix, route_name) {
+fn parse_route_match(r: &RawLevel, f: &str) -> Result<RouteMatch, ConfigError> {
+    let prefix = match (&r.prefix, &r.route_name) {
         (Some(_), Some(_)) => {
             return Err(err(&join(f, "route_name"), "cannot be combined with prefix; a route has one or the other"))
         }
@@ -1153,10 +1275,10 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
             if name.is_empty() {
                 return Err(err(&join(f, "route_name"), "must not be empty: name the Envoy route (its `name`)"));
             }
-            if case_insensitive.is_some() {
+            if r.case_insensitive.is_some() {
                 return Err(err(&join(f, "case_insensitive"), "applies to prefix only; a route name matches exactly"));
             }
-            return Ok(RouteMatch::RouteName(name.to_string()));
+            return Ok(RouteMatch::RouteName(name.clone()));
         }
         (Some(prefix), None) => prefix,
         (None, None) => {
@@ -1171,7 +1293,7 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
     }
     // Requests are matched on their normal form: a prefix in any other form would never match.
     let normal = crate::path::normalize(prefix);
-    if normal != prefix {
+    if normal != *prefix {
         return Err(err(
             &join(f, "prefix"),
             format!(
@@ -1180,61 +1302,43 @@ fn parse_route_match(m: &Map<String, Value>, f: &str) -> Result<RouteMatch, Conf
             ),
         ));
     }
-    Ok(RouteMatch::Prefix { prefix: prefix.to_string(), case_insensitive: case_insensitive.unwrap_or(true) })
+    Ok(RouteMatch::Prefix { prefix: prefix.clone(), case_insensitive: r.case_insensitive.unwrap_or(true) })
 }
 
-fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
-    let m = as_object(v, "store")?;
-    check_unknown(
-        m,
-        "store",
-        &[&[
-            "kind",
-            "cluster",
-            "authority",
-            "timeout_ms",
-            "on_unavailable",
-            "token_refresh_seconds",
-            "max_request_bytes",
-        ]],
-    )?;
-    let kind = match m.get("kind") {
-        Some(k) => as_choice(k, "store.kind", &[("redis", StoreKind::Redis), ("etcd", StoreKind::Etcd)])?,
+fn parse_store(s: &RawStore) -> Result<StoreConfig, ConfigError> {
+    let kind = match &s.kind {
+        Some(k) => choice(k, "store.kind", &[("redis", StoreKind::Redis), ("etcd", StoreKind::Etcd)])?,
         None => StoreKind::Redis,
     };
-    let cluster = match m.get("cluster") {
-        Some(c) => as_str(c, "store.cluster")?.to_string(),
-        None => return Err(err("store.cluster", "missing: name the Envoy cluster that reaches the store")),
+    let Some(cluster) = s.cluster.clone() else {
+        return Err(err("store.cluster", "missing: name the Envoy cluster that reaches the store"));
     };
     if cluster.is_empty() {
         return Err(err("store.cluster", "must not be empty"));
     }
-    let authority = match m.get("authority") {
-        Some(a) => as_str(a, "store.authority")?.to_string(),
-        None => cluster.clone(),
-    };
-    let timeout_ms = match m.get("timeout_ms") {
-        Some(t) => as_uint(t, "store.timeout_ms", 1, MAX_STORE_TIMEOUT_MS)?,
+    let authority = s.authority.clone().unwrap_or_else(|| cluster.clone());
+    let timeout_ms = match s.timeout_ms {
+        Some(t) => range(t, "store.timeout_ms", 1, MAX_STORE_TIMEOUT_MS)?,
         None => 250,
     };
-    let on_unavailable = match m.get("on_unavailable") {
+    let on_unavailable = match &s.on_unavailable {
         Some(o) => {
-            as_choice(o, "store.on_unavailable", &[("reject", OnUnavailable::Reject), ("pass", OnUnavailable::Pass)])?
+            choice(o, "store.on_unavailable", &[("reject", OnUnavailable::Reject), ("pass", OnUnavailable::Pass)])?
         }
         None => OnUnavailable::Reject,
     };
-    let token_refresh_seconds = match (m.get("token_refresh_seconds"), kind) {
+    let token_refresh_seconds = match (s.token_refresh_seconds, kind) {
         (Some(_), StoreKind::Redis) => {
             return Err(err(
                 "store.token_refresh_seconds",
                 "only for store.kind \"etcd\" (webdis takes its credential in every request)",
             ))
         }
-        (Some(t), StoreKind::Etcd) => as_uint(t, "store.token_refresh_seconds", 1, 3600)?,
+        (Some(t), StoreKind::Etcd) => range(t, "store.token_refresh_seconds", 1, 3600)?,
         (None, _) => DEFAULT_TOKEN_REFRESH_SECONDS,
     };
-    let max_request_bytes = match m.get("max_request_bytes") {
-        Some(b) => as_uint(b, "store.max_request_bytes", 65_536, 1 << 32)?,
+    let max_request_bytes = match s.max_request_bytes {
+        Some(b) => range(b, "store.max_request_bytes", 65_536, 1 << 32)?,
         None => match kind {
             StoreKind::Etcd => ETCD_DEFAULT_MAX_REQUEST_BYTES,
             StoreKind::Redis => WEBDIS_DEFAULT_MAX_REQUEST_BYTES,
@@ -1243,21 +1347,20 @@ fn parse_store(v: &Value) -> Result<StoreConfig, ConfigError> {
     Ok(StoreConfig { kind, cluster, authority, timeout_ms, on_unavailable, token_refresh_seconds, max_request_bytes })
 }
 
-fn parse_local(v: &Value) -> Result<LocalConfig, ConfigError> {
-    let m = as_object(v, "local")?;
-    check_unknown(m, "local", &[&["max_entries", "max_bytes", "when_full", "min_protection_seconds"]])?;
+fn parse_local(raw: &RawLocal) -> Result<LocalConfig, ConfigError> {
     let mut l = LocalConfig::default();
-    for (n, v) in m {
-        let f = join("local", n);
-        match n.as_str() {
-            "max_entries" => l.max_entries = as_uint(v, &f, 16, 1_000_000)?,
-            "max_bytes" => l.max_bytes = as_uint(v, &f, 4096, 16 * 1024 * 1024 * 1024)?,
-            "min_protection_seconds" => l.min_protection_seconds = as_uint(v, &f, 0, MAX_TTL_SECONDS)?,
-            _ => {
-                l.when_full =
-                    as_choice(v, &f, &[("reject", WhenFull::Reject), ("evict_oldest", WhenFull::EvictOldest)])?
-            }
-        }
+    if let Some(n) = raw.max_bytes {
+        l.max_bytes = range(n, "local.max_bytes", 4096, 16 * 1024 * 1024 * 1024)?;
+    }
+    if let Some(n) = raw.max_entries {
+        l.max_entries = range(n, "local.max_entries", 16, 1_000_000)?;
+    }
+    if let Some(n) = raw.min_protection_seconds {
+        l.min_protection_seconds = range(n, "local.min_protection_seconds", 0, MAX_TTL_SECONDS)?;
+    }
+    if let Some(w) = &raw.when_full {
+        l.when_full =
+            choice(w, "local.when_full", &[("reject", WhenFull::Reject), ("evict_oldest", WhenFull::EvictOldest)])?;
     }
     Ok(l)
 }
@@ -1974,10 +2077,129 @@ mod tests {
         assert_eq!(c.routes[0].select, RouteMatch::RouteName("pay".into()));
     }
 
+    /// A route with every nested object, for errors placed at each level.
+    const NESTED: &str = r#"{"scope": {"headers": ["a"]}, "store": {"cluster": "s"}, "local": {"max_entries": 16},
+        "routes": [{"prefix": "/a"}, {"prefix": "/b", "forwarding": "detached", "upstream": {"cluster": "u", "timeout_ms": 1000},
+        "fingerprint": {"json": "raw"}, "derive_key": {"headers": ["x-step"]}, "protocol": "mcp", "mcp": {"tools": ["t"]}}]}"#;
+
+    #[test]
+    fn nested_config_parses_so_the_errors_below_are_each_its_own() {
+        assert!(parse(NESTED).is_ok());
+    }
+
+    #[test]
+    fn an_unknown_field_at_each_level_names_its_path() {
+        for (after, field) in [
+            (r#""scope": {"#, "scope.colour"),
+            (r#""store": {"#, "store.colour"),
+            (r#""local": {"#, "local.colour"),
+            (r#"{"prefix": "/b", "#, "routes[1].colour"),
+            (r#""upstream": {"#, "routes[1].upstream.colour"),
+            (r#""fingerprint": {"#, "routes[1].fingerprint.colour"),
+            (r#""derive_key": {"#, "routes[1].derive_key.colour"),
+            (r#""mcp": {"#, "routes[1].mcp.colour"),
+            (r#"{"scope""#, "colour"),
+        ] {
+            let text = NESTED.replacen(after, &after.replacen('{', r#"{"colour": 1, "#, 1), 1);
+            assert!(NESTED.contains(after), "{after}");
+            let e = refused(&text);
+            assert_eq!(e.field, field, "{text}: {e}");
+            assert!(e.reason.starts_with("unknown field `colour`, expected"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_wrong_type_names_its_path() {
+        for (from, to, field, reason) in [
+            (r#""timeout_ms": 1000"#, r#""timeout_ms": "1000""#, "routes[1].upstream.timeout_ms", "expected u64"),
+            (r#""timeout_ms": 1000"#, r#""timeout_ms": -1"#, "routes[1].upstream.timeout_ms", "expected u64"),
+            (
+                r#""headers": ["x-step"]"#,
+                r#""headers": ["x-step", 7]"#,
+                "routes[1].derive_key.headers[1]",
+                "expected a string",
+            ),
+            (r#""tools": ["t"]"#, r#""tools": "t""#, "routes[1].mcp.tools", "expected a sequence"),
+            (r#""max_entries": 16"#, r#""max_entries": true"#, "local.max_entries", "expected u64"),
+            (r#""store": {"cluster": "s"}"#, r#""store": ["s"]"#, "store", "expected an object"),
+            (r#"{"prefix": "/a"}"#, r#"["/a"]"#, "routes[0]", "expected an object"),
+            (r#""headers": ["a"]"#, r#""headers": null"#, "scope.headers", "invalid type: null"),
+        ] {
+            assert!(NESTED.contains(from), "{from}");
+            let e = refused(&NESTED.replacen(from, to, 1));
+            assert_eq!(e.field, field, "{to}: {e}");
+            assert!(e.reason.contains(reason), "{to}: {e}");
+        }
+        let e = refused(r#"[{"scope": {"global": true}}]"#);
+        assert_eq!((e.field.as_str(), e.reason.contains("expected an object")), ("", true), "{e}");
+    }
+
+    /// serde_json alone keeps the last of two equal keys silently (so did the configuration when it
+    /// walked a `serde_json::Value`); a key given twice is now refused, naming it.
+    #[test]
+    fn a_key_given_twice_is_refused_naming_it() {
+        for (text, field) in [
+            (r#"{"scope": {"global": true}, "ttl_seconds": 100, "ttl_seconds": 200}"#, "ttl_seconds"),
+            (r#"{"scope": {"global": true, "global": false}}"#, "scope.global"),
+            (
+                r#"{"scope": {"global": true}, "routes": [{"prefix": "/a"}, {"prefix": "/b", "prefix": "/c"}]}"#,
+                "routes[1].prefix",
+            ),
+        ] {
+            let e = refused(text);
+            assert_eq!(e.field, field, "{text}: {e}");
+            assert!(e.reason.starts_with("duplicate field"), "{e}");
+        }
+    }
+
+    #[test]
+    fn null_is_a_wrong_type_except_where_it_means_absent_or_removes_a_derivation() {
+        assert_eq!(refused(r#"{"scope": {"global": true}, "header": null}"#).field, "header");
+        assert_eq!(refused(r#"{"scope": {"global": true}, "hold_headers": null}"#).field, "hold_headers");
+        let c = parse(r#"{"scope": {"global": true}, "store": null, "local": null, "routes": null}"#).unwrap();
+        assert_eq!((c.store, c.routes.len()), (None, 0));
+        let c = parse(r#"{"scope": {"headers": ["a"]}, "derive_key": {"headers": ["x-step"]}, "routes": [{"prefix": "/a", "derive_key": null}, {"prefix": "/b"}]}"#).unwrap();
+        assert_eq!((c.routes[0].policy.derive_key.is_none(), c.routes[1].policy.derive_key.is_some()), (true, true));
+        assert_eq!(
+            refused(r#"{"scope": {"global": true}, "routes": [{"prefix": "/a", "store": null}]}"#).field,
+            "routes[0].store"
+        );
+    }
+
     #[cfg(not(target_arch = "wasm32"))]
     mod props {
         use super::super::*;
         use proptest::prelude::*;
+
+        const POLICY_FIELDS: &[&str] = &[
+            "header",
+            "methods",
+            "require_key",
+            "namespace",
+            "key_max_length",
+            "key_syntax",
+            "ttl_seconds",
+            "lock_ttl_seconds",
+            "unknown_outcome_seconds",
+            "max_request_body_bytes",
+            "max_response_body_bytes",
+            "fingerprint",
+            "scope",
+            "release_on_status",
+            "mismatch_status",
+            "log_headers",
+            "credential_headers",
+            "replay_exclude_headers",
+            "stale_lock",
+            "forwarding",
+            "upstream",
+            "in_flight",
+            "wait_ms",
+            "derive_key",
+            "grpc",
+            "next_hop_failures",
+        ];
+        const TOP_ONLY_FIELDS: &[&str] = &["store", "routes", "local", "max_buffered_bytes", "hold_headers"];
 
         proptest! {
             #[test]

@@ -35,6 +35,32 @@ fn envoy_refuses_to_start_with_a_bad_configuration_and_names_the_field() {
     }
 }
 
+/// The configuration is read by serde derive (src/config.rs): a key given twice, which a plain
+/// JSON reader resolves by keeping the last one, is refused; a wrong type deep in a route names
+/// its whole path.
+#[test]
+fn envoy_refuses_a_key_given_twice_and_a_nested_wrong_type_naming_the_path() {
+    let cases = [
+        (
+            r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 0, "ttl_seconds": 100}"#,
+            "field `ttl_seconds`: duplicate field",
+        ),
+        (
+            r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/", "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": "1500"}}]}"#,
+            "field `routes[0].upstream.timeout_ms`: invalid type: string",
+        ),
+    ];
+    for (config, needle) in cases {
+        match Envoy::try_start(&EnvoyOptions::new(config, support::free_port())) {
+            Started::Ready(envoy) => panic!("envoy started with bad config {config}; log:\n{}", envoy.log()),
+            Started::Exited { code, log } => {
+                assert_ne!(code, Some(0), "envoy must fail for {config}");
+                assert!(log.contains(needle), "log for {config} lacks `{needle}`:\n{log}");
+            }
+        }
+    }
+}
+
 #[test]
 fn envoy_refuses_a_detached_upstream_timeout_that_outlives_the_lock_or_the_record() {
     let cases = [
