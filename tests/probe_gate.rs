@@ -407,3 +407,108 @@ impl App {
         app
     }
 }
+
+/// idemgate (Envoy + dist/idemgate.wasm) in front of `kind`, keys scoped to `authorization`.
+fn behind_idemgate(kind: &str) -> (App, Envoy) {
+    let app = App::start(kind);
+    let envoy = Envoy::start(&EnvoyOptions::new(r#"{"scope": {"headers": ["authorization"]}}"#, app.port));
+    (app, envoy)
+}
+
+/// The probe through idemgate, executions read at the app itself (GET /count on its port).
+fn probe_through(app: &App, envoy: &Envoy, extra: &[&str]) -> (Output, Value) {
+    let url = format!("http://127.0.0.1:{}/charges", envoy.port);
+    let count = app.url("/count");
+    let mut args = vec!["--header", "authorization: Bearer ci", "--count-url", count.as_str()];
+    args.extend_from_slice(extra);
+    probe(&url, &args)
+}
+
+/// What idemgate does in front of any app, asserted on the probe's verdicts and the app's count:
+/// one execution for the first request, one for the concurrent duplicates (the rest 409
+/// problem+json), none for the retry (a replay), the changed body (422) or the malformed key
+/// (400). Both the draft and the strict profile keep every rule they judge; 4 executions in all.
+fn idemgate_keeps_every_rule_in_front_of(kind: &str) {
+    let (app, envoy) = behind_idemgate(kind);
+    for profile in ["draft", "strict"] {
+        let before = app.count();
+        let (out, report) = probe_through(&app, &envoy, &["--profile", profile]);
+        let judged: Vec<&str> = match profile {
+            "draft" => vec!["replay-identical", "in-flight-409", "mismatch-refused"],
+            _ => vec![
+                "replay-identical",
+                "replay-marked",
+                "in-flight-409",
+                "mismatch-refused",
+                "malformed-key-400",
+                "expiry-published",
+            ],
+        };
+        for r in &judged {
+            assert_eq!(verdict(&report, r), "kept", "{kind} {profile} {r}: {report:#}\n{}", text(&out.stderr));
+        }
+        assert_eq!(verdict(&report, "missing-key-400"), "skipped");
+        assert!(detail(&report, "in-flight-409").contains("1 execution(s) counted"), "{kind}: {report:#}");
+        assert_eq!(out.status.code(), Some(0), "{kind} {profile}: {}", text(&out.stderr));
+        assert_eq!(app.count() - before, 2, "{kind} {profile}: the first request and one concurrent");
+    }
+}
+
+#[test]
+fn idemgate_in_front_of_asgi_idempotency_header() {
+    idemgate_keeps_every_rule_in_front_of("asgi-idempotency-header");
+}
+
+#[test]
+fn idemgate_in_front_of_fastapi_idempotency_key() {
+    idemgate_keeps_every_rule_in_front_of("fastapi-idempotency-key");
+}
+
+#[test]
+fn idemgate_in_front_of_fastapi_idempotency() {
+    idemgate_keeps_every_rule_in_front_of("fastapi-idempotency");
+}
+
+#[test]
+fn idemgate_in_front_of_django_idempotency_key() {
+    idemgate_keeps_every_rule_in_front_of("django-idempotency-key");
+}
+
+#[test]
+fn idemgate_in_front_of_the_replay_exec_app() {
+    idemgate_keeps_every_rule_in_front_of("replay-exec");
+}
+
+/// The constant-body app behind idemgate: with the count every rule is kept (idemgate replays,
+/// the app ran twice); without evidence the retry is inconclusive, never kept, since a fresh key
+/// gets the same answer too.
+#[test]
+fn idemgate_in_front_of_the_constant_app() {
+    idemgate_keeps_every_rule_in_front_of("constant");
+    let (app, envoy) = behind_idemgate("constant");
+    let url = format!("http://127.0.0.1:{}/charges", envoy.port);
+    let (out, report) = probe(&url, &["--header", "authorization: Bearer ci", "--fail-inconclusive"]);
+    assert_eq!(verdict(&report, "replay-identical"), "inconclusive", "{report:#}");
+    assert_eq!(verdict(&report, "mismatch-refused"), "kept", "{report:#}");
+    assert_eq!(out.status.code(), Some(3), "{report:#}\n{}", text(&out.stderr));
+    assert_eq!(app.count(), 3, "the first, the fresh key, one concurrent");
+}
+
+/// A broken idempotency layer that executes every request and then answers a seen key with the
+/// stored answer: indistinguishable from a replay by its answers. With --count-url the retry's
+/// execution is counted (violated); without evidence the retry must not be "kept".
+#[test]
+fn an_app_that_replays_the_answer_but_executes_again_never_passes() {
+    let app = App::start("replay-exec");
+    let (out, report) = probe(&app.url("/charges"), &["--count-url", &app.url("/count")]);
+    assert_eq!(verdict(&report, "replay-identical"), "violated", "{report:#}");
+    assert!(detail(&report, "replay-identical").contains("executed again"), "{report:#}");
+    assert_eq!(verdict(&report, "in-flight-409"), "violated", "{report:#}");
+    assert_eq!(verdict(&report, "mismatch-refused"), "violated", "{report:#}");
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(app.count(), 7, "first, retry, 4 concurrent, the changed body");
+    let (out, report) = probe(&app.url("/charges"), &["--skip", "in-flight-409,mismatch-refused", "--fail-inconclusive"]);
+    assert_eq!(verdict(&report, "replay-identical"), "inconclusive", "{report:#}");
+    assert_eq!(out.status.code(), Some(3), "{report:#}");
+    assert_eq!(app.count(), 10, "first, retry, fresh key: all executed");
+}

@@ -13,6 +13,8 @@ GET /charges lists the charges created (a JSON array). KIND:
   django-idempotency-key    Django view with @idempotency_key and IdempotencyKeyMiddleware
   plain                     no idempotency at all (executes every request)
   constant                  no idempotency, and the same answer for every execution
+  replay-exec               a broken idempotency layer: it executes every request, then answers a key it has seen with
+                            the answer it stored for that key (looks like a replay, executes again)
 
 PROBE_APP_TLS_CERT / PROBE_APP_TLS_KEY (PEM files): the Starlette apps serve HTTPS.
 """
@@ -62,12 +64,18 @@ def serve_asgi():
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
+    stored = {}
+
     async def charges(request):
         if request.method == "GET":
             return JSONResponse(state["charges"])
         body = await request.body()
         await asyncio.sleep(DELAY)
         status, doc = execute(body)
+        key = request.headers.get("idempotency-key")
+        if KIND == "replay-exec" and key is not None:
+            # Executed above whatever the key; the first stored answer wins.
+            status, doc = stored.setdefault(key, (status, doc))
         return JSONResponse(doc, status_code=status)
 
     async def count(_request):
@@ -87,7 +95,7 @@ def serve_asgi():
         from fastapi_idempotency import IdempotencyMiddleware
 
         app = IdempotencyMiddleware(app)
-    elif KIND not in ("plain", "constant"):
+    elif KIND not in ("plain", "constant", "replay-exec"):
         sys.exit(f"unknown app {KIND}")
     inner = app
 
