@@ -597,6 +597,16 @@ fn scoped(s: &Seen, step: &Step) -> (Verdict, String) {
     let (a, first) = (step.answer(), s.first.answer());
     let observed = format!("the second caller's request with key A answered {}", a.status);
     if a.body == first.body && !a.body.is_empty() {
+        if step.executions.any() == Some(true) {
+            // It ran as its own request: the same bytes are the operation's, not a replay.
+            return (
+                Verdict::Kept,
+                format!(
+                    "{observed} with the first caller's body, but it executed as its own request ({})",
+                    step.executions.describe()
+                ),
+            );
+        }
         if answers_tell_executions_apart(s) == Some(false) {
             return (
                 Verdict::Inconclusive,
@@ -940,6 +950,9 @@ mod tests {
         s.other_caller = st(vec![s.first.answer().clone()], Executions::Counted(0));
         assert_eq!(verdict(&s, Profile::Strict, "other-caller-scoped"), Verdict::Violated);
         s.other_caller = st(vec![a(201, "{\"id\":7}", &[])], Executions::Counted(1));
+        assert_eq!(verdict(&s, Profile::Strict, "other-caller-scoped"), Verdict::Kept);
+        // A constant answer that executed is the second caller's own, not the first's.
+        s.other_caller = st(vec![s.first.answer().clone()], Executions::Counted(1));
         assert_eq!(verdict(&s, Profile::Strict, "other-caller-scoped"), Verdict::Kept);
     }
 

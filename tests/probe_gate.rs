@@ -492,6 +492,17 @@ fn idemgate_in_front_of_the_constant_app() {
     assert_eq!(verdict(&report, "mismatch-refused"), "kept", "{report:#}");
     assert_eq!(out.status.code(), Some(3), "{report:#}\n{}", text(&out.stderr));
     assert_eq!(app.count(), 3, "the first, the fresh key, one concurrent");
+    // The second caller's request with key A executes on its own (counted) and, the app being
+    // constant, answers the same bytes as the first caller's: that is not a leak.
+    let (out, report) = probe_through(
+        &app,
+        &envoy,
+        &["--second-caller-header", "authorization: Bearer other", "--skip", "in-flight-409,mismatch-refused", "--profile", "strict"],
+    );
+    assert_eq!(verdict(&report, "other-caller-scoped"), "kept", "{report:#}");
+    assert!(rule(&report, "other-caller-scoped")["executions"].as_str().unwrap().contains("1 execution"), "{report:#}");
+    assert_eq!(out.status.code(), Some(0), "{report:#}");
+    assert_eq!(app.count(), 5, "the first and the second caller's");
 }
 
 /// A broken idempotency layer that executes every request and then answers a seen key with the
