@@ -497,7 +497,14 @@ fn idemgate_in_front_of_the_constant_app() {
     let (out, report) = probe_through(
         &app,
         &envoy,
-        &["--second-caller-header", "authorization: Bearer other", "--skip", "in-flight-409,mismatch-refused", "--profile", "strict"],
+        &[
+            "--second-caller-header",
+            "authorization: Bearer other",
+            "--skip",
+            "in-flight-409,mismatch-refused",
+            "--profile",
+            "strict",
+        ],
     );
     assert_eq!(verdict(&report, "other-caller-scoped"), "kept", "{report:#}");
     assert!(rule(&report, "other-caller-scoped")["executions"].as_str().unwrap().contains("1 execution"), "{report:#}");
@@ -518,7 +525,8 @@ fn an_app_that_replays_the_answer_but_executes_again_never_passes() {
     assert_eq!(verdict(&report, "mismatch-refused"), "violated", "{report:#}");
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(app.count(), 7, "first, retry, 4 concurrent, the changed body");
-    let (out, report) = probe(&app.url("/charges"), &["--skip", "in-flight-409,mismatch-refused", "--fail-inconclusive"]);
+    let (out, report) =
+        probe(&app.url("/charges"), &["--skip", "in-flight-409,mismatch-refused", "--fail-inconclusive"]);
     assert_eq!(verdict(&report, "replay-identical"), "inconclusive", "{report:#}");
     assert_eq!(out.status.code(), Some(3), "{report:#}");
     assert_eq!(app.count(), 10, "first, retry, fresh key: all executed");
