@@ -1,9 +1,10 @@
 //! `idemgate probe` as a CI gate (issue 29), against servers nobody here wrote: small apps on
 //! real PyPI idempotency libraries (tests/probe/apps.py, versions pinned in
 //! tests/probe/requirements.txt, installed by `scripts/install-deps.sh probe-apps` into
-//! target/probe-venv), a plain app, a constant-body app, a 404 URL, and idemgate (Envoy + module)
-//! in front of the plain app. Every app counts its executions (GET /count), and each verdict is
-//! asserted against that count: what the server really did.
+//! target/probe-venv), a plain app, a constant-body app, a broken app that replays answers but
+//! executes again, a 404 URL, and idemgate (Envoy + module) in front of each. Every app counts
+//! its executions (GET /count), and each verdict is asserted against that count: what the server
+//! really did. The file runs in about 65-73 s (17 tests in parallel, bounded by request count).
 
 mod support;
 
