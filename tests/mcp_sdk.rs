@@ -492,3 +492,30 @@ fn a_cancel_never_releases_the_key_and_a_batch_is_refused() {
     assert_eq!(server.count("charge"), 1, "nothing of the batch executed");
     envoy.assert_no_wasm_panic();
 }
+
+/// Review (adversarial): the official Python server takes `content-type: application/grpc,
+/// application/json` as JSON (it splits the type at `,`) and runs the call (seen here, straight
+/// to the server); through idemgate, which read that type as gRPC and passed a keyless gRPC
+/// request before its body, each send with a `_meta` key executed. Now refused, never forwarded.
+#[test]
+fn a_tools_call_under_a_grpc_content_type_never_reaches_the_server_twice() {
+    let (server, envoy) = stack(Answers::Json, false);
+    let body = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":4200,"currency":"eur"},"_meta":{"idempotencyKey":"mcp-grpc-typed"}}}"#;
+    let h = [
+        ("content-type", "application/grpc, application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("authorization", "Bearer mcp-test-agent"),
+    ];
+    let direct = http::request(server.port, "POST", "/mcp", &h, body.as_bytes()).expect("request");
+    eprintln!("straight to the server: {} {}", direct.status, direct.body_text());
+    assert_eq!(server.count("charge"), 1, "the official server runs a call under this content-type");
+    for _ in 0..2 {
+        let r = http::request(envoy.port, "POST", "/mcp", &h, body.as_bytes()).expect("request");
+        eprintln!("through idemgate: {} {}", r.status, r.body_text());
+        let m = message(&r);
+        assert_eq!(m["id"], 1);
+        assert_eq!(m["error"]["data"]["type"], "urn:idemgate:problem:mcp-body-ambiguous");
+    }
+    assert_eq!(server.count("charge"), 1, "nothing through idemgate executed");
+    envoy.assert_no_wasm_panic();
+}
