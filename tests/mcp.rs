@@ -442,10 +442,11 @@ fn without_held_headers_a_repeated_call_still_executes_once() {
     envoy.assert_no_wasm_panic();
 }
 
-/// Review (adversarial): the Python SDK server takes `content-type: application/grpc,
-/// application/json` as JSON (it splits the type at `,`); idemgate read it as gRPC, and a gRPC
-/// request without a key header passed before its body was read, so a `_meta` key was never seen
-/// and each send executed.
+/// Review (adversarial): a server that does not check the content type (this upstream) runs a
+/// tools/call sent as `content-type: application/grpc, application/json`; idemgate read it as gRPC,
+/// and a gRPC request without a key header passed before its body was read, so a `_meta` key was
+/// never seen and each send executed. (The official Python server refuses that type itself:
+/// mcp_sdk::a_tools_call_under_a_grpc_content_type_is_refused_before_the_server.)
 #[test]
 fn a_tools_call_under_a_grpc_content_type_is_never_passed_unread() {
     let s = Mcp::start(&plugin("", ""));

@@ -1230,9 +1230,9 @@ impl HttpContext for Http {
         // `grpc: "pass"`, not idemgate's at all.
         let grpc = head.is_grpc();
         // MCP: only the body says whether this is a protected tools/call. A request without one
-        // (GET streams, DELETE) is no tool call. A gRPC content-type is no exception: the Python
-        // SDK server reads `application/grpc, application/json` as JSON (a protected call under
-        // such a type is refused, `mcp_body_complete`).
+        // (GET streams, DELETE) is no tool call. A gRPC content-type is no exception: a server that
+        // does not check the type runs a tools/call sent as `application/grpc, application/json`
+        // (a protected call under such a type is refused, `mcp_body_complete`).
         if policy.mcp.is_some() {
             if end_of_stream || head.method != "POST" {
                 return Action::Continue;
@@ -1566,8 +1566,8 @@ impl Http {
         self.mcp_head = Some(head.clone());
         self.set_mcp_reply(call.id.clone(), vec![]);
         self.mcp_head = None;
-        // A protected call under a gRPC content-type: read two ways (gRPC here, JSON by the
-        // Python SDK server), never forwarded, with or without a key.
+        // A protected call under a gRPC content-type: read two ways (gRPC here, JSON by a server
+        // that does not check the type), never forwarded, with or without a key.
         if head.is_grpc() {
             return self.answer(ProblemKind::McpBodyAmbiguous, None);
         }
