@@ -759,8 +759,12 @@ impl Policy {
     /// Whether a request's key is stored under the same storage key by both policies: the same
     /// namespace, key header, key rule and length, requirement, derivation and caller scope.
     /// Two such routes share every record, so a request selected by either meets one record.
+    /// The MCP policy too: an MCP route reads its key from the body (`_meta`, a named argument)
+    /// where a plain route reads none, so a spelling read as both would pass the MCP call
+    /// unprotected under the plain one.
     pub fn same_storage(&self, other: &Policy) -> bool {
-        self.namespace == other.namespace
+        self.mcp == other.mcp
+            && self.namespace == other.namespace
             && self.header == other.header
             && self.key_syntax == other.key_syntax
             && self.key_max_length == other.key_max_length
@@ -2331,6 +2335,9 @@ mod tests {
             r#"{"prefix": "/", "scope": {"headers": ["x-tenant"]}}"#,
             r#"{"prefix": "/", "header": "x-idempotency-key"}"#,
             r#"{"prefix": "/", "key_syntax": "any"}"#,
+            // An MCP route reads its key from the body, a plain one does not (adversarial review).
+            r#"{"prefix": "/", "protocol": "mcp"}"#,
+            r#"{"prefix": "/", "protocol": "mcp", "mcp": {"tools": ["charge"]}}"#,
         ] {
             let c = Config::parse(format!(r#"{{"scope": {{"headers": ["authorization"]}}, "routes": [{{"prefix": "/v1/payments"}}, {other}]}}"#).as_bytes()).unwrap();
             assert!(matches!(c.select_route("POST", "/v1%2Fpayments", None), Selection::Ambiguous { .. }), "{other}");

@@ -206,7 +206,7 @@ impl ProblemKind {
                 "This gRPC call carries `{header}`, but the gateway cannot replay a gRPC response (a replay would reach the client as a failure), so it was not forwarded. Send it without the key (it then runs unprotected), or use the service's own idempotency."
             ),
             ProblemKind::McpBatchRefused => "This JSON-RPC batch holds a protected tools/call, which the gateway can only run at most once when sent alone. Nothing in the batch was forwarded: send each tools/call as its own request.".into(),
-            ProblemKind::McpBodyAmbiguous => "This body is not one JSON document the gateway reads unambiguously (not JSON or not UTF-8, a member name repeated in an object, nesting deeper than 128, a number out of range), so a server could find a tool call in it that the gateway cannot protect. It was not forwarded: send plain UTF-8 JSON.".into(),
+            ProblemKind::McpBodyAmbiguous => "This body is not one JSON document the gateway reads unambiguously (not JSON or not UTF-8, a member name repeated in an object, nesting deeper than 128, a number out of range, a tool call under a gRPC content type), so a server could find a tool call in it that the gateway cannot protect. It was not forwarded: send plain UTF-8 JSON as application/json.".into(),
             ProblemKind::ResponseNotStored { status, .. } => format!(
                 "The original request completed with status {status}, but its response body was too large to keep. The operation is done: do not repeat it; fetch the resource instead."
             ),

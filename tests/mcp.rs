@@ -441,3 +441,52 @@ fn without_held_headers_a_repeated_call_still_executes_once() {
     assert_eq!(up.count("tools/list"), 1);
     envoy.assert_no_wasm_panic();
 }
+
+/// Review (adversarial): a server that does not check the content type (this upstream) runs a
+/// tools/call sent as `content-type: application/grpc, application/json`; idemgate read it as gRPC,
+/// and a gRPC request without a key header passed before its body was read, so a `_meta` key was
+/// never seen and each send executed. (The official Python server refuses that type itself:
+/// mcp_sdk::a_tools_call_under_a_grpc_content_type_is_refused_before_the_server.)
+#[test]
+fn a_tools_call_under_a_grpc_content_type_is_never_passed_unread() {
+    let s = Mcp::start(&plugin("", ""));
+    let body = tools_call(json!(1), "charge", json!({"amount": 7}), json!({"idempotencyKey": "grpc-k-1"}));
+    let mut answers = vec![];
+    for _ in 0..2 {
+        let h = [("content-type", "application/grpc, application/json"), ALICE, BOTH];
+        let r = http::request(s.envoy.port, "POST", "/mcp", &h, &body).expect("answer");
+        println!("grpc-typed call: {} {}", r.status, r.body_text());
+        let m = message(&r);
+        assert_eq!((m["id"].clone(), error_type(&m)), (json!(1), "mcp-body-ambiguous".to_string()));
+        answers.push(r.status);
+    }
+    assert_eq!(s.up.executions(), 0, "a tools/call under a gRPC content-type is refused, never executed: {answers:?}");
+}
+
+/// Review (adversarial): a path that one reading routes to a plain route and another to the MCP
+/// route (`/api/..%2Fmcp` is `/mcp` to a decoding origin) took the plain route (the first one)
+/// when both share a store: the body was never read, the `_meta` key never seen.
+#[test]
+fn a_path_spelling_that_reaches_the_mcp_route_through_another_route_is_refused() {
+    let plugin =
+        format!(r#"{{"scope": {{"headers": ["authorization"]}}, "routes": [{{"prefix": "/api"}}, {ROUTE}}}]}}"#);
+    let s = Mcp::start(&plugin);
+    let body = tools_call(json!(1), "charge", json!({"amount": 8}), json!({"idempotencyKey": "path-k-1"}));
+    for path in ["/api/..%2Fmcp", "/api/..%2Fmcp"] {
+        let h = [("content-type", "application/json"), ALICE, BOTH];
+        let r = http::request(s.envoy.port, "POST", path, &h, &body).expect("answer");
+        println!("{path}: {} {}", r.status, r.body_text());
+        assert_eq!(r.status, 400);
+        assert_eq!(r.json()["type"], "urn:idemgate:problem:route-ambiguous");
+    }
+    // The plain spelling is the MCP route's: protected as ever.
+    for id in [2, 3] {
+        let r = post(
+            s.envoy.port,
+            &[ALICE, BOTH],
+            &tools_call(json!(id), "charge", json!({"amount": 8}), json!({"idempotencyKey": "path-k-1"})),
+        );
+        assert_eq!(message(&r)["id"], id);
+    }
+    assert_eq!(s.up.executions(), 1);
+}

@@ -492,3 +492,32 @@ fn a_cancel_never_releases_the_key_and_a_batch_is_refused() {
     assert_eq!(server.count("charge"), 1, "nothing of the batch executed");
     envoy.assert_no_wasm_panic();
 }
+
+/// Review (adversarial): idemgate read `content-type: application/grpc, application/json` as gRPC
+/// and passed a keyless gRPC request before its body, so a `_meta` key was never seen and a server
+/// that does not check the type (tests/mcp.rs's counting upstream) ran each send. The official
+/// Python server (mcp 2.3.0) refuses that type itself (its transport check asks for a type
+/// starting with `application/json`, seen here straight to the server), so against it this was
+/// no break; through idemgate the call is now refused before any server sees it.
+#[test]
+fn a_tools_call_under_a_grpc_content_type_is_refused_before_the_server() {
+    let (server, envoy) = stack(Answers::Json, false);
+    let body = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":4200,"currency":"eur"},"_meta":{"idempotencyKey":"mcp-grpc-typed"}}}"#;
+    let h = [
+        ("content-type", "application/grpc, application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("authorization", "Bearer mcp-test-agent"),
+    ];
+    let direct = http::request(server.port, "POST", "/mcp", &h, body.as_bytes()).expect("request");
+    eprintln!("straight to the server: {} {}", direct.status, direct.body_text());
+    assert_eq!(direct.status, 400, "the official server refuses this content-type itself");
+    for _ in 0..2 {
+        let r = http::request(envoy.port, "POST", "/mcp", &h, body.as_bytes()).expect("request");
+        eprintln!("through idemgate: {} {}", r.status, r.body_text());
+        let m = message(&r);
+        assert_eq!(m["id"], 1);
+        assert_eq!(m["error"]["data"]["type"], "urn:idemgate:problem:mcp-body-ambiguous");
+    }
+    assert_eq!(server.count("charge"), 0, "nothing executed");
+    envoy.assert_no_wasm_panic();
+}

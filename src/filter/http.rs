@@ -1230,8 +1230,10 @@ impl HttpContext for Http {
         // `grpc: "pass"`, not idemgate's at all.
         let grpc = head.is_grpc();
         // MCP: only the body says whether this is a protected tools/call. A request without one
-        // (GET streams, DELETE) is no tool call.
-        if policy.mcp.is_some() && !grpc {
+        // (GET streams, DELETE) is no tool call. A gRPC content-type is no exception: a server that
+        // does not check the type runs a tools/call sent as `application/grpc, application/json`
+        // (a protected call under such a type is refused, `mcp_body_complete`).
+        if policy.mcp.is_some() {
             if end_of_stream || head.method != "POST" {
                 return Action::Continue;
             }
@@ -1564,6 +1566,11 @@ impl Http {
         self.mcp_head = Some(head.clone());
         self.set_mcp_reply(call.id.clone(), vec![]);
         self.mcp_head = None;
+        // A protected call under a gRPC content-type: read two ways (gRPC here, JSON by a server
+        // that does not check the type), never forwarded, with or without a key.
+        if head.is_grpc() {
+            return self.answer(ProblemKind::McpBodyAmbiguous, None);
+        }
         // The key: the header, then the body (`_meta`, a named argument), then derived.
         let key_values = head.values(&policy.header);
         let scope = CallerScope::of(&head, &policy.scope);
