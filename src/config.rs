@@ -623,7 +623,7 @@ impl Config {
         let hold_headers = top.hold_headers.unwrap_or(true);
         let routes = match &top.routes {
             None | Some(None) => vec![],
-            Some(Some(r)) => parse_routes(r, &default_policy)?,
+            Some(Some(r)) => parse_routes(r, &default_policy, top.release_on_status.is_some())?,
         };
         if routes.is_empty() {
             if let Some(Some(_)) = top.routes {
@@ -1213,7 +1213,14 @@ fn check_log_headers(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn parse_routes(raw: &[RawLevel], base: &Policy) -> Result<Vec<Route>, ConfigError> {
+/// What an MCP route releases when neither it nor the top level sets `release_on_status`: the
+/// statuses the Streamable HTTP transport answers before it dispatches a message (400 a request it
+/// cannot read or a missing session, 404 a session it no longer knows, 405, 406, 415), and 429.
+/// A tool's own failure comes back in a 200 (a JSON-RPC error or `isError`), so none of these
+/// follows an execution; 5xx stays stored.
+pub const MCP_RELEASE_ON_STATUS: [u16; 6] = [400, 404, 405, 406, 415, 429];
+
+fn parse_routes(raw: &[RawLevel], base: &Policy, top_release_set: bool) -> Result<Vec<Route>, ConfigError> {
     let mut routes = vec![];
     for (i, r) in raw.iter().enumerate() {
         let f = format!("routes[{i}]");
@@ -1232,6 +1239,9 @@ fn parse_routes(raw: &[RawLevel], base: &Policy) -> Result<Vec<Route>, ConfigErr
         let mut policy = base.clone();
         apply_policy_fields(r, &f, &mut policy)?;
         policy.mcp = parse_protocol(r, &f)?;
+        if policy.mcp.is_some() && r.release_on_status.is_none() && !top_release_set {
+            policy.release_on_status = MCP_RELEASE_ON_STATUS.to_vec();
+        }
         validate_policy(&policy, &f)?;
         routes.push(Route { select, policy });
     }
@@ -2342,5 +2352,16 @@ mod tests {
             let c = Config::parse(format!(r#"{{"scope": {{"headers": ["authorization"]}}, "routes": [{{"prefix": "/v1/payments"}}, {other}]}}"#).as_bytes()).unwrap();
             assert!(matches!(c.select_route("POST", "/v1%2Fpayments", None), Selection::Ambiguous { .. }), "{other}");
         }
+    }
+
+    #[test]
+    fn an_mcp_route_releases_the_transports_pre_dispatch_statuses_unless_told_otherwise() {
+        let c = Config::parse(br#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp"}, {"prefix": "/pay"}]}"#).unwrap();
+        assert_eq!(c.policy_for("POST", "/mcp").unwrap().release_on_status, MCP_RELEASE_ON_STATUS.to_vec());
+        assert_eq!(c.policy_for("POST", "/pay").unwrap().release_on_status, vec![429]);
+        let c = Config::parse(br#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp", "release_on_status": [429]}]}"#).unwrap();
+        assert_eq!(c.policy_for("POST", "/mcp").unwrap().release_on_status, vec![429]);
+        let c = Config::parse(br#"{"scope": {"headers": ["authorization"]}, "release_on_status": [503], "routes": [{"prefix": "/mcp", "protocol": "mcp"}]}"#).unwrap();
+        assert_eq!(c.policy_for("POST", "/mcp").unwrap().release_on_status, vec![503]);
     }
 }

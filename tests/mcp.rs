@@ -490,3 +490,24 @@ fn a_path_spelling_that_reaches_the_mcp_route_through_another_route_is_refused()
     }
     assert_eq!(s.up.executions(), 1);
 }
+
+/// A stateful server answers 404 to a session it no longer knows, before dispatching the call:
+/// nothing ran, so the key is released and the retry, in the new session, executes (once). Before
+/// MCP routes released these pre-dispatch statuses by default, the 404 was stored and replayed to
+/// every retry with the key until `ttl_seconds` (the agent could never complete the call).
+#[test]
+fn a_stale_session_404_releases_the_key_so_the_retry_in_a_new_session_executes_once() {
+    let s = Mcp::start(&plugin("", ""));
+    let body = tools_call(json!(1), "charge", json!({"amount": 5}), json!({}));
+    let stale = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-stale"), ("mcp-session-id", "stale")], &body);
+    assert_eq!(stale.status, 404, "{}", stale.body_text());
+    assert_eq!(s.up.executions(), 0);
+    let retry = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-stale"), ("mcp-session-id", "s-new")], &body);
+    println!("retry: {} {:?} {}", retry.status, retry.headers, retry.body_text());
+    assert_eq!(retry.status, 200, "{}", retry.body_text());
+    assert_eq!(retry.header("idempotent-replayed"), None);
+    assert_eq!(s.up.executions(), 1);
+    let again = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-stale"), ("mcp-session-id", "s-new")], &body);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(s.up.executions(), 1, "executed once in all");
+}

@@ -6,6 +6,8 @@
 //! `application/json`; `sse` answers `text/event-stream` with a progress notification, then the
 //! final response event; `sse-cut` sends the progress notification and ends the stream without
 //! the final response (a server that died mid-call); `x-up-delay-ms` waits before answering.
+//! `mcp-session-id: stale` gets the 404 a stateful server answers a session it no longer knows,
+//! before dispatching anything (not counted as an execution).
 //! Other requests with an id get an empty result; notifications and responses get 202.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -90,6 +92,18 @@ fn serve(conn: TcpStream, calls: Arc<Mutex<Vec<Call>>>) {
             }
         }
         let msg: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        if get("mcp-session-id").as_deref() == Some("stale") {
+            calls.lock().expect("lock").push(Call { method: "(stale session)".into(), body: msg, headers });
+            let b = r#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"Session not found"}}"#;
+            let out = format!(
+                "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{b}",
+                b.len()
+            );
+            if writer.write_all(out.as_bytes()).is_err() {
+                return;
+            }
+            continue;
+        }
         let method = msg["method"].as_str().unwrap_or("").to_string();
         let n = {
             let mut c = calls.lock().expect("lock");
