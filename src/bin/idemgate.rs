@@ -446,14 +446,27 @@ impl Webdis {
         store::parse_read_reply(status, &body, skey, &record_seal()?).or_else(|e| fail(format!("store: {e}")))
     }
 
-    /// Redis's clock: locks are judged by it, as the filter's scripts do.
+    /// Redis's clock: locks are judged by it, as the filter's scripts do. A read, so an answer
+    /// that is not the clock (webdis under load has answered otherwise) is asked again, three
+    /// times at most, and named when it stays wrong.
     fn now_ms(&self) -> Result<u64, Fail> {
-        let Resp::Array(Some(items)) = self.command(&admin::command::time())? else {
-            return fail("unexpected TIME answer");
-        };
-        let parts: Vec<Vec<u8>> =
-            items.into_iter().filter_map(|i| if let Resp::Bulk(Some(b)) = i { Some(b) } else { None }).collect();
-        admin::time_ms(&parts).map_or_else(|| fail("unexpected TIME answer"), Ok)
+        let mut last = String::new();
+        for _ in 0..3 {
+            match self.command(&admin::command::time())? {
+                Resp::Array(Some(items)) => {
+                    let parts: Vec<Vec<u8>> = items
+                        .iter()
+                        .filter_map(|i| if let Resp::Bulk(Some(b)) = i { Some(b.clone()) } else { None })
+                        .collect();
+                    match admin::time_ms(&parts) {
+                        Some(ms) => return Ok(ms),
+                        None => last = format!("{items:?}"),
+                    }
+                }
+                other => last = format!("{other:?}"),
+            }
+        }
+        fail(format!("unexpected TIME answer: {last}"))
     }
 }
 
