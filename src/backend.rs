@@ -50,6 +50,14 @@ impl Backend {
         }
     }
 
+    /// The store of `kind` whose writes use the lease `lease` gives (asked only for etcd).
+    pub fn writing(kind: StoreKind, lease: impl FnOnce() -> Option<i64>) -> Backend {
+        match kind {
+            StoreKind::Redis => Backend::Redis,
+            StoreKind::Etcd => Backend::Etcd { lease: lease() },
+        }
+    }
+
     /// Whether its requests and answers are judged by the proxy's clock (etcd), so the caller
     /// must read it; Redis judges by its own.
     pub fn uses_proxy_clock(&self) -> bool {

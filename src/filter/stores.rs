@@ -26,11 +26,7 @@ pub fn backend(shared: &Shared) -> Backend {
 
 /// The configured store with the lease usable at `now_ms` (etcd), for writes.
 fn writer(shared: &Shared, now_ms: u64) -> Backend {
-    let lease = match kind(shared) {
-        StoreKind::Etcd => shared.leases.borrow().usable(now_ms),
-        StoreKind::Redis => None,
-    };
-    Backend::of(kind(shared), lease)
+    Backend::writing(kind(shared), || shared.leases.borrow().usable(now_ms))
 }
 
 /// Every answer passes here: a refused etcd token (`etcd::token_refused`) has the root
