@@ -11,6 +11,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod admin;
+pub mod backend;
 pub mod base64;
 pub mod canonical_json;
 pub mod config;

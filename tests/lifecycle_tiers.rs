@@ -1,15 +1,20 @@
-//! One lifecycle, two tiers: random event sequences (claims, take-overs, completions, releases,
+//! One lifecycle, three tiers: random event sequences (claims, take-overs, completions, releases,
 //! outcome-unknown marks, locks going stale, lives ending; three owners on one key) driven through
-//! the local tier (the real `local::Table` over a model of proxy-wasm shared data) and through the
-//! store tier (the real Lua scripts run by a real Redis, with exactly the arguments
-//! `store::claim_command` and `Transition::eval_command` build, the same as the webdis requests).
-//! After every event both tiers must agree on what was accepted or refused and on the key's stage
-//! and owner.
+//! the local tier (the real `local::Table` over a model of proxy-wasm shared data), through the
+//! Redis store (the real Lua scripts run by a real Redis, with exactly the arguments
+//! `store::claim_command` and `Transition::eval_command` build, the same as the webdis requests)
+//! and through the etcd store (a real three-member etcd from Debian, sent exactly the requests
+//! `etcd::claim_request`, `etcd::transition_request` and `etcd::where_absent_request` build, its
+//! answers read by the `etcd::parse_*` the filter uses). After every event the tiers must agree
+//! on what was accepted or refused and on the key's stage and owner.
 //!
 //! Time: the local tier takes explicit `now` values; the store judges by Redis's clock. No test
 //! sleeps: "a lock goes stale" is the local clock moving on by the lock's life and, in Redis, the
 //! value's lock expiry rewritten to 0 (`SETRANGE`, the key's `PX` untouched); "its life ends" is
-//! the local clock moving past every life and, in Redis, the key deleted (what `PX` does). Lives
+//! the local clock moving past every life and, in Redis, the key deleted (what `PX` does). etcd is
+//! judged by the proxy's clock (`etcd::judged_now`): the etcd tier keeps its own `now`, moved on
+//! by the lock's life plus `CLOCK_SKEW_TOLERANCE_MS` when a lock goes stale; when a life ends its
+//! keys (value, owner mark, tombstones) are deleted, what the end of their lease does. Lives
 //! other than the lock's are long (1000 s), so nothing else expires within a sequence: the
 //! expiries by `ttl` and `unknown_outcome` themselves are covered by unit tests (`local::tests`,
 //! `store::tests`, `record::tests`) and by `tests/expiry.rs`.
@@ -18,16 +23,18 @@ mod support;
 
 use idemgate::config::{Policy, StaleLock};
 use idemgate::decision::{decide, Decision, Lookup};
+use idemgate::etcd::{self, Fence};
 use idemgate::fingerprint::Fingerprint;
 use idemgate::lifecycle::Stage;
 use idemgate::local::{Begin, Completed, Handle, HostError, SetError, SharedData, Table};
 use idemgate::owner::OwnerToken;
 use idemgate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
 use idemgate::scope::StorageKey;
-use idemgate::store::{self, StoredValue, Transition};
+use idemgate::store::{self, ClaimReply, ReadReply, StorePhase, StoredValue, Transition, TransitionReply};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use std::collections::HashMap;
+use support::etcd::EtcdCluster;
 use support::store::{resp::Value, Redis};
 
 /// Shared data as Envoy implements it (CAS on an absent key inserts; removal leaves an empty value).
@@ -348,21 +355,172 @@ impl StoreTier<'_> {
     }
 }
 
+/// The etcd store, driven as the filter drives it (`filter::stores` and the take-over,
+/// stale-to-unknown and where-absent steps of the glue).
+struct EtcdTier<'a> {
+    etcd: &'a EtcdCluster,
+    lease: i64,
+    now: std::cell::Cell<u64>,
+}
+
+impl<'a> EtcdTier<'a> {
+    fn new(etcd: &'a EtcdCluster) -> EtcdTier<'a> {
+        let ttl = 3600;
+        let r = etcd::lease_grant_request(ttl);
+        let (status, body) = Self::send_to(etcd, &r);
+        let lease = etcd::parse_lease_grant(status, &body, ttl).expect("lease granted");
+        EtcdTier { etcd, lease, now: std::cell::Cell::new(1_000_000_000) }
+    }
+
+    fn send_to(etcd: &EtcdCluster, r: &store::StoreRequest) -> (Option<u16>, Vec<u8>) {
+        let port = etcd.members[0].client_port;
+        let a = support::http::request(port, r.method, &r.path, &[], &r.body).expect("etcd answers");
+        (Some(a.status), a.body)
+    }
+
+    fn send(&self, r: &store::StoreRequest) -> (Option<u16>, Vec<u8>) {
+        Self::send_to(self.etcd, r)
+    }
+
+    /// Deletes every key of the store's prefix (values, owner marks, tombstones).
+    fn clear(&self) {
+        let prefix = etcd::KEY_PREFIX.as_bytes();
+        let mut end = prefix.to_vec();
+        if let Some(last) = end.last_mut() {
+            *last += 1;
+        }
+        let b64 = idemgate::base64::b64;
+        let q = format!(r#"{{"key":"{}","range_end":"{}"}}"#, b64(prefix), b64(&end));
+        let a =
+            support::http::request(self.etcd.members[0].client_port, "POST", "/v3/kv/deleterange", &[], q.as_bytes())
+                .expect("etcd answers");
+        assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    }
+
+    /// A transition as the filter sends it; a where-absent write's second transaction follows an
+    /// `Absent` answer.
+    fn transition(&self, t: &Transition, fence: Option<&Fence>, echo: Option<&OwnerToken>) -> TransitionReply {
+        let now = self.now.get();
+        let seal = support::record_seal();
+        let r = etcd::transition_request(t, &KEY, &seal, self.lease, now, fence).expect("request built");
+        let (status, body) = self.send(&r);
+        let reply = etcd::parse_transition_reply(status, &body, echo.map(|o| (&KEY, StorePhase::InProgress, o)))
+            .expect("transition answer parses");
+        if reply != TransitionReply::Absent {
+            return reply;
+        }
+        let r = etcd::where_absent_request(t, &KEY, &seal, self.lease, now).expect("where-absent built");
+        let (status, body) = self.send(&r);
+        etcd::parse_where_absent_reply(status, &body).expect("where-absent answer parses")
+    }
+
+    fn changed(reply: TransitionReply) -> Answer {
+        match reply {
+            TransitionReply::Changed => Answer::Accepted,
+            TransitionReply::Refused => Answer::NotAccepted,
+            TransitionReply::ClaimGoneRewritten => Answer::Rewritten,
+            other => panic!("etcd transition answered {other:?}"),
+        }
+    }
+
+    fn apply(&self, ev: Ev, p: &Policy) -> Answer {
+        let lifetimes = Lifetimes::of(p);
+        let now = self.now.get();
+        let seal = support::record_seal();
+        match ev {
+            Ev::Claim(o) => {
+                let record = Record::in_progress(FP, creator(o), owner(o), now, &lifetimes);
+                let r = etcd::claim_request(&KEY, &owner(o), &record, &lifetimes, &seal, self.lease, now);
+                let (status, body) = self.send(&r);
+                let (reply, fence) =
+                    etcd::parse_claim_reply(status, &body, &owner(o), &KEY, &seal, now).expect("claim answer parses");
+                let (now_ms, summary, value) = match reply {
+                    ClaimReply::Claimed { .. } => return Answer::Claimed,
+                    ClaimReply::Exists { now_ms, expires_at_ms, value } => {
+                        (now_ms, value.summary(expires_at_ms), value)
+                    }
+                    other => panic!("etcd claim answered {other:?}"),
+                };
+                let decision =
+                    decide(Lookup::Found(summary), Some(&FP), now_ms, p, idemgate::config::OnUnavailable::Reject);
+                match decision {
+                    Decision::Claim | Decision::TakeOver => {
+                        let free = matches!(decision, Decision::Claim);
+                        let t = Transition::take_over(value.owner, owner(o), record, free, &lifetimes);
+                        match (self.transition(&t, fence.as_ref(), Some(&owner(o))), free) {
+                            (TransitionReply::Changed, true) => Answer::Claimed,
+                            (TransitionReply::Changed, false) => Answer::TookOver,
+                            (TransitionReply::Refused, _) => Answer::Refused("take-over lost".into()),
+                            (other, _) => panic!("etcd take-over answered {other:?}"),
+                        }
+                    }
+                    Decision::MarkUnknown => {
+                        let t = Transition::stale_to_unknown(value.owner, &lifetimes);
+                        match self.transition(&t, fence.as_ref(), None) {
+                            TransitionReply::Changed => Answer::MarkedUnknown,
+                            TransitionReply::Refused => Answer::Refused("stale-to-unknown lost".into()),
+                            other => panic!("etcd stale-to-unknown answered {other:?}"),
+                        }
+                    }
+                    Decision::Replay => Answer::Replay,
+                    Decision::Reject(problem) => Answer::Refused(format!("{problem:?}")),
+                    other => Answer::Refused(format!("{other:?}")),
+                }
+            }
+            Ev::Complete(o) => {
+                let r = Record::completed(FP, response(), false, creator(o), now, p.ttl_seconds);
+                Self::changed(self.transition(&Transition::complete(owner(o), r, &lifetimes), None, None))
+            }
+            Ev::Release(o) => Self::changed(self.transition(&Transition::release(owner(o)), None, None)),
+            Ev::MarkUnknown(o) => {
+                let gone = Record::unknown(FP, creator(o), UnknownReason::Other, now, &lifetimes);
+                Self::changed(self.transition(&Transition::unknown(owner(o), gone, &lifetimes), None, None))
+            }
+            Ev::LockPasses => {
+                self.now.set(now + LOCK_MS + etcd::CLOCK_SKEW_TOLERANCE_MS);
+                Answer::Accepted
+            }
+            Ev::LifeEnds => {
+                self.clear();
+                self.now.set(now + FAR);
+                Answer::Accepted
+            }
+        }
+    }
+
+    fn state(&self) -> (Stage, Option<OwnerToken>) {
+        let (status, body) = self.send(&etcd::read_request(&KEY));
+        match etcd::parse_read_reply(status, &body, &KEY, &support::record_seal(), self.now.get())
+            .expect("read answer parses")
+        {
+            ReadReply::Absent => (Stage::Absent, None),
+            ReadReply::Found(value) => (value.phase.stage(), Some(value.owner)),
+            ReadReply::Unreadable(e) => panic!("etcd value unreadable: {e:?}"),
+        }
+    }
+}
+
 #[test]
 fn both_tiers_follow_the_same_lifecycle_for_random_event_sequences() {
     let redis = Redis::start();
     let store_tier = StoreTier { redis: &redis };
+    let cluster = EtcdCluster::start();
+    let etcd_tier = EtcdTier::new(&cluster);
     let mut runner = TestRunner::new(Config { cases: 200, failure_persistence: None, ..Config::default() });
     let strategy = (proptest::collection::vec(event(), 1..=12), any::<bool>());
     let transitions = std::cell::RefCell::new(HashMap::<String, u32>::new());
     let result = runner.run(&strategy, |(events, takeover)| {
         let p = policy(if takeover { StaleLock::Takeover } else { StaleLock::Reject });
         redis.command(&[b"DEL", &store_tier.redis_key()]);
+        etcd_tier.clear();
         let mut local = Local::new();
         for (n, ev) in events.iter().enumerate() {
             let before = local.state().0;
             let a = local.apply(*ev, &p);
             let b = store_tier.apply(*ev, &p);
+            let c = etcd_tier.apply(*ev, &p);
+            // The two stores agree with each other everywhere.
+            prop_assert_eq!(&b, &c, "Redis and etcd answers differ at event {} {:?} of {:?}", n, ev, events);
             // Where the tiers differ on purpose: a completion or outcome-unknown mark that finds
             // the key absent is refused by the local tier (it loses a live entry only by its own
             // expiry, after which the owner may no longer move it) but written by the store, which
@@ -373,14 +531,17 @@ fn both_tiers_follow_the_same_lifecycle_for_random_event_sequences() {
                 prop_assert_eq!(&b, &Answer::Rewritten, "store tier at event {} {:?} of {:?}", n, ev, events);
                 let stage = if matches!(ev, Ev::Complete(_)) { Stage::Completed } else { Stage::Unknown };
                 prop_assert_eq!(store_tier.state(), (stage, Some(owner(*o))), "store after event {} {:?}", n, ev);
+                prop_assert_eq!(etcd_tier.state(), (stage, Some(owner(*o))), "etcd after event {} {:?}", n, ev);
                 prop_assert_eq!(local.state(), (Stage::Absent, None));
                 *transitions.borrow_mut().entry(format!("Absent --{ev:?}/store {b:?}--> {stage:?}")).or_default() += 1;
                 redis.command(&[b"DEL", &store_tier.redis_key()]);
+                etcd_tier.clear();
                 continue;
             }
             prop_assert_eq!(&a, &b, "answers differ at event {} {:?} of {:?}", n, ev, events);
             let (sa, sb) = (local.state(), store_tier.state());
             prop_assert_eq!(sa, sb, "states differ after event {} {:?} of {:?}", n, ev, events);
+            prop_assert_eq!(sa, etcd_tier.state(), "etcd's state differs after event {} {:?} of {:?}", n, ev, events);
             *transitions.borrow_mut().entry(format!("{before:?} --{ev:?}/{a:?}--> {:?}", sa.0)).or_default() += 1;
         }
         Ok::<(), TestCaseError>(())

@@ -240,7 +240,7 @@ impl Shared {
             return;
         };
         // Only etcd's requests carry a time (a lease, the clock rule); Redis judges by its own.
-        let now = if stores::is_etcd(self) { host::now_ms() } else { 0 };
+        let now = if stores::backend(self).uses_proxy_clock() { host::now_ms() } else { 0 };
         let built = self.build_job(what, skey, t, fence, seal, now).and_then(|mut job| {
             let fallback =
                 fallback.map(|f| self.build_job("unknown_fallback", skey, f, None, seal, now)).transpose()?;
@@ -918,7 +918,7 @@ impl Root {
     /// need: never on a request's path).
     fn grant_lease_if_due(&mut self) {
         let Some(s) = self.shared.clone() else { return };
-        let Some(cfg) = s.config.store.as_ref().filter(|_| stores::is_etcd(&s)) else { return };
+        let Some(cfg) = s.config.store.as_ref().filter(|_| stores::backend(&s).needs_tick()) else { return };
         let now = host::now_ms();
         if !s.leases.borrow().wants_grant(now) {
             return;
@@ -1278,7 +1278,7 @@ impl Root {
         // VM its worker threads do not have the store cluster yet (a callout is refused with
         // BadArgument), and the tick keeps them ahead from then on.
         if !host::set_tick_period(TICK) {
-            if self.shared.as_ref().is_some_and(|s| stores::is_etcd(s)) {
+            if self.shared.as_ref().is_some_and(|s| stores::backend(s).needs_tick()) {
                 // Leases and tokens are granted by the tick, never on a request's path.
                 error!("idemgate configuration refused: store.kind \"etcd\" needs a timer (set_tick_period), which this host refused");
                 return false;

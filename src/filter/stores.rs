@@ -1,6 +1,7 @@
-//! Which protocol the configured store speaks (`store.kind`): Redis through webdis
-//! (`crate::store`) or etcd v3 (`crate::etcd`). The few places the glue builds a store request or
-//! reads a store answer ask here; every rule stays in the core.
+//! The configured store (`crate::backend::Backend`) as the glue sees it: the store of
+//! `store.kind` with the lease the root holds, and every etcd answer shown to its token keeper.
+//! The few places the glue builds a store request or reads a store answer ask here; every rule,
+//! and which protocol each request speaks, stays in the core.
 
 use super::Shared;
 use crate::config::StoreKind;
@@ -9,33 +10,27 @@ use crate::owner::OwnerToken;
 use crate::record::{Lifetimes, Record};
 use crate::scope::StorageKey;
 use crate::seal::Seal;
-use crate::store::{self, ClaimReply, ReadReply, StoreError, StorePhase, StoreRequest, Transition, TransitionReply};
+use crate::store::{ClaimReply, ReadReply, StoreError, StoreRequest, Transition, TransitionReply};
 
-/// Why an etcd request could not be built.
-#[derive(Debug)]
-pub enum Unbuilt {
-    /// No usable lease (none granted yet, or etcd has not answered a grant for a window): the
-    /// store counts as unavailable; nothing is ever put without a lease.
-    NoLease,
-    /// A broken invariant of the caller (`etcd::transition_request`'s refusals): fail closed.
-    Broken(String),
+pub use crate::backend::{Backend, Unbuilt};
+
+fn kind(shared: &Shared) -> StoreKind {
+    shared.config.store.as_ref().map_or(StoreKind::Redis, |s| s.kind)
 }
 
-impl std::fmt::Display for Unbuilt {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Unbuilt::NoLease => write!(f, "no usable etcd lease (granted ahead by the root context)"),
-            Unbuilt::Broken(why) => write!(f, "{why}"),
-        }
-    }
+/// The configured store (Redis if none is: no request is then ever built), for reads and
+/// answers (no lease).
+pub fn backend(shared: &Shared) -> Backend {
+    Backend::of(kind(shared), None)
 }
 
-pub fn is_etcd(shared: &Shared) -> bool {
-    shared.config.store.as_ref().is_some_and(|s| s.kind == StoreKind::Etcd)
+/// The configured store with the lease usable at `now_ms` (etcd), for writes.
+fn writer(shared: &Shared, now_ms: u64) -> Backend {
+    Backend::writing(kind(shared), || shared.leases.borrow().usable(now_ms))
 }
 
-/// Every etcd answer passes here: a refused token (`etcd::token_refused`) has the root
-/// authenticate again at its next tick.
+/// Every answer passes here: a refused etcd token (`etcd::token_refused`) has the root
+/// authenticate again at its next tick (only an etcd store with a secret has a token).
 pub fn note_answer(shared: &Shared, status: Option<u16>, body: &[u8]) {
     if shared.etcd_secret.is_none() || !etcd::token_refused(status, body) {
         return;
@@ -44,10 +39,6 @@ pub fn note_answer(shared: &Shared, status: Option<u16>, body: &[u8]) {
     if shared.etcd_auth.borrow_mut().refused() {
         log::warn!("idemgate: etcd refused the token (expired, its member forgot it, or etcd's auth changed since): authenticating again");
     }
-}
-
-fn lease(shared: &Shared, now_ms: u64) -> Result<i64, Unbuilt> {
-    shared.leases.borrow().usable(now_ms).ok_or(Unbuilt::NoLease)
 }
 
 /// The claim-or-read request.
@@ -60,10 +51,7 @@ pub fn claim_request(
     seal: &Seal,
     now_ms: u64,
 ) -> Result<StoreRequest, Unbuilt> {
-    if !is_etcd(shared) {
-        return Ok(store::claim_request(skey, owner, record, lifetimes, seal));
-    }
-    Ok(etcd::claim_request(skey, owner, record, lifetimes, seal, lease(shared, now_ms)?, now_ms))
+    writer(shared, now_ms).claim_request(skey, owner, record, lifetimes, seal, now_ms)
 }
 
 /// The answer to a claim-or-read, with etcd's fence of an existing value.
@@ -77,10 +65,7 @@ pub fn parse_claim(
     now_ms: u64,
 ) -> Result<(ClaimReply, Option<Fence>), StoreError> {
     note_answer(shared, status, body);
-    if !is_etcd(shared) {
-        return store::parse_claim_reply(status, body, owner, skey, seal).map(|r| (r, None));
-    }
-    etcd::parse_claim_reply(status, body, owner, skey, seal, now_ms)
+    backend(shared).parse_claim(status, body, owner, skey, seal, now_ms)
 }
 
 /// A transition's request (`fence`: the value a non-owner decided on; etcd needs it).
@@ -92,15 +77,10 @@ pub fn transition_request(
     now_ms: u64,
     fence: Option<&Fence>,
 ) -> Result<StoreRequest, Unbuilt> {
-    if !is_etcd(shared) {
-        return Ok(t.request(skey, seal));
-    }
-    etcd::transition_request(t, skey, seal, lease(shared, now_ms)?, now_ms, fence).map_err(Unbuilt::Broken)
+    writer(shared, now_ms).transition_request(t, skey, seal, now_ms, fence)
 }
 
-/// etcd: the second transaction of `t` when it writes where the key is absent (sent only if the
-/// owner-checked one is answered `TransitionReply::Absent`); `None` for Redis (its script writes
-/// where absent in the same call) and for a transition that never writes where absent.
+/// The second request of `t` when it writes where the key is absent (`Backend::where_absent_request`).
 pub fn where_absent_request(
     shared: &Shared,
     t: &Transition,
@@ -108,35 +88,24 @@ pub fn where_absent_request(
     seal: &Seal,
     now_ms: u64,
 ) -> Result<Option<StoreRequest>, Unbuilt> {
-    if !is_etcd(shared) || !etcd::writes_where_absent(t) {
-        return Ok(None);
-    }
-    etcd::where_absent_request(t, skey, seal, lease(shared, now_ms)?, now_ms).map(Some).map_err(Unbuilt::Broken)
+    writer(shared, now_ms).where_absent_request(t, skey, seal, now_ms)
 }
 
 /// The answer to `where_absent_request`'s request.
 pub fn parse_where_absent(shared: &Shared, status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
     note_answer(shared, status, body);
-    etcd::parse_where_absent_reply(status, body)
+    backend(shared).parse_where_absent(status, body)
 }
 
-/// Whether the store refused a request for its size (nothing of it applied): etcd over
-/// `--max-request-bytes` or its gRPC limit, webdis over `http_max_request_size` (413).
+/// Whether the store refused a request for its size (nothing of it applied).
 pub fn refused_as_too_large(shared: &Shared, status: Option<u16>, body: &[u8]) -> bool {
-    if is_etcd(shared) {
-        etcd::refused_as_too_large(status, body)
-    } else {
-        store::refused_as_too_large(status)
-    }
+    backend(shared).refused_as_too_large(status, body)
 }
 
 /// The answer to a write made by the root context.
 pub fn parse_write(shared: &Shared, status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
     note_answer(shared, status, body);
-    if !is_etcd(shared) {
-        return store::parse_transition_reply(status, body);
-    }
-    etcd::parse_transition_reply(status, body, None)
+    backend(shared).parse_write(status, body)
 }
 
 /// The answer to a take-over: with etcd, a change must echo the new owner's claim.
@@ -148,17 +117,11 @@ pub fn parse_take_over(
     owner: &OwnerToken,
 ) -> Result<TransitionReply, StoreError> {
     note_answer(shared, status, body);
-    if !is_etcd(shared) {
-        return store::parse_transition_reply(status, body);
-    }
-    etcd::parse_transition_reply(status, body, Some((skey, StorePhase::InProgress, owner)))
+    backend(shared).parse_take_over(status, body, skey, owner)
 }
 
 pub fn read_request(shared: &Shared, skey: &StorageKey) -> StoreRequest {
-    if !is_etcd(shared) {
-        return store::read_request(skey);
-    }
-    etcd::read_request(skey)
+    backend(shared).read_request(skey)
 }
 
 pub fn parse_read(
@@ -170,8 +133,5 @@ pub fn parse_read(
     now_ms: u64,
 ) -> Result<ReadReply, StoreError> {
     note_answer(shared, status, body);
-    if !is_etcd(shared) {
-        return store::parse_read_reply(status, body, skey, seal);
-    }
-    etcd::parse_read_reply(status, body, skey, seal, now_ms)
+    backend(shared).parse_read(status, body, skey, seal, now_ms)
 }
