@@ -49,6 +49,34 @@ rustup_has_std() {
   ls "$dir"/libcore-* >/dev/null 2>&1
 }
 
+# pinned_venv REQUIREMENTS VENV: a virtual environment holding exactly REQUIREMENTS, made again
+# whenever the file changes (the copy kept in the venv differs) or the venv is gone.
+pinned_venv() {
+  local req=$1 venv=$2
+  if ! cmp -s "$req" "$venv/requirements.txt" || [ ! -x "$venv/bin/python" ]; then
+    python3 -c "import venv, ensurepip" 2>/dev/null || apt_ensure python3-venv
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    log "pip install -r $req into $venv"
+    timeout 600 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$req"
+    cp "$req" "$venv/requirements.txt"
+  fi
+}
+
+# pinned_node DIR NODE_DIR PACKAGE: DIR's package.json and package-lock.json installed by `npm ci`
+# into NODE_DIR, again whenever the lock file changes or PACKAGE is not installed.
+pinned_node() {
+  local dir=$1 node_dir=$2 package=$3
+  if ! cmp -s "$dir/package-lock.json" "$node_dir/package-lock.json" \
+      || [ ! -f "$node_dir/node_modules/$package/package.json" ]; then
+    command -v npm >/dev/null || apt_ensure nodejs npm
+    rm -rf "$node_dir" && mkdir -p "$node_dir"
+    cp "$dir/package.json" "$dir/package-lock.json" "$node_dir/"
+    log "npm ci ($dir/package-lock.json) into $node_dir"
+    (cd "$node_dir" && timeout 600 npm ci --no-audit --no-fund --silent)
+  fi
+}
+
 case "${1:-}" in
   wasm-toolchain)
     target=${2:-wasm32-wasip1}
@@ -123,57 +151,23 @@ case "${1:-}" in
     # The client matrix (tests/sdk_clients.rs): real SDKs at the versions in tests/sdk/.
     venv=target/sdk-venv
     # Reinstalled whenever tests/sdk/requirements.txt changes (the copy kept in the venv differs).
-    if ! cmp -s tests/sdk/requirements.txt "$venv/requirements.txt" || [ ! -x "$venv/bin/python" ]; then
-      python3 -c "import venv, ensurepip" 2>/dev/null || apt_ensure python3-venv
-      rm -rf "$venv"
-      python3 -m venv "$venv"
-      log "pip install -r tests/sdk/requirements.txt into $venv"
-      timeout 600 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/sdk/requirements.txt
-      cp tests/sdk/requirements.txt "$venv/requirements.txt"
-    fi
+    pinned_venv tests/sdk/requirements.txt "$venv"
     node_dir=target/sdk-node
-    if ! cmp -s tests/sdk/package-lock.json "$node_dir/package-lock.json" || [ ! -f "$node_dir/node_modules/stripe/package.json" ]; then
-      command -v npm >/dev/null || apt_ensure nodejs npm
-      rm -rf "$node_dir" && mkdir -p "$node_dir"
-      cp tests/sdk/package.json tests/sdk/package-lock.json "$node_dir/"
-      log "npm ci (tests/sdk/package-lock.json) into $node_dir"
-      (cd "$node_dir" && timeout 600 npm ci --no-audit --no-fund --silent)
-    fi
+    pinned_node tests/sdk "$node_dir" stripe
     ;;
   probe-apps)
     # The servers nobody here wrote that `idemgate probe` is tested against (tests/probe_gate.rs,
     # tests/probe/apps.py). Reinstalled whenever tests/probe/requirements.txt changes.
     venv=target/probe-venv
-    if ! cmp -s tests/probe/requirements.txt "$venv/requirements.txt" || [ ! -x "$venv/bin/python" ]; then
-      python3 -c "import venv, ensurepip" 2>/dev/null || apt_ensure python3-venv
-      rm -rf "$venv"
-      python3 -m venv "$venv"
-      log "pip install -r tests/probe/requirements.txt into $venv"
-      timeout 600 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/probe/requirements.txt
-      cp tests/probe/requirements.txt "$venv/requirements.txt"
-    fi
+    pinned_venv tests/probe/requirements.txt "$venv"
     ;;
   mcp-sdk)
     # The MCP tests (tests/mcp_sdk.rs): the official SDKs at the versions in tests/mcp/, reinstalled
     # whenever a pin file changes (the copy kept beside the install differs).
     venv=target/mcp-venv
-    if ! cmp -s tests/mcp/requirements.txt "$venv/requirements.txt" || [ ! -x "$venv/bin/python" ]; then
-      python3 -c "import venv, ensurepip" 2>/dev/null || apt_ensure python3-venv
-      rm -rf "$venv"
-      python3 -m venv "$venv"
-      log "pip install -r tests/mcp/requirements.txt into $venv"
-      timeout 600 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/mcp/requirements.txt
-      cp tests/mcp/requirements.txt "$venv/requirements.txt"
-    fi
+    pinned_venv tests/mcp/requirements.txt "$venv"
     node_dir=target/mcp-node
-    if ! cmp -s tests/mcp/package-lock.json "$node_dir/package-lock.json" \
-        || [ ! -f "$node_dir/node_modules/@modelcontextprotocol/sdk/package.json" ]; then
-      command -v npm >/dev/null || apt_ensure nodejs npm
-      rm -rf "$node_dir" && mkdir -p "$node_dir"
-      cp tests/mcp/package.json tests/mcp/package-lock.json "$node_dir/"
-      log "npm ci (tests/mcp/package-lock.json) into $node_dir"
-      (cd "$node_dir" && timeout 600 npm ci --no-audit --no-fund --silent)
-    fi
+    pinned_node tests/mcp "$node_dir" @modelcontextprotocol/sdk
     ;;
   wasm-bindgen)
     ver=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/[^0-9.]/,"",$0); print; exit}' Cargo.lock)

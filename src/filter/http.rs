@@ -1313,11 +1313,8 @@ impl HttpContext for Http {
             return self.fail_closed(Broken::HostCallFailed, "retry_guard", None, Holding::Nothing);
         }
         let skey = StorageKey::derive(&policy.namespace, &scope, &key);
-        let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
-        let request_id = first("x-request-id").unwrap_or_default();
-        let log_values = policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect();
         let owner = self.shared.next_owner();
-        let creator = Creator { request_id, log_values };
+        let creator = creator_of(policy, &head);
         self.req = Some(Protected { policy_index, head, skey, scope, creator, owner, derive_at_body, mcp: None });
         if was_derived && !derive_at_body {
             debug!("{}", self.log_line("derived_key", "key_source=derived"));
@@ -1633,11 +1630,8 @@ impl Http {
             return self.fail_closed(Broken::HostCallFailed, "mcp_retry_guard", None, Holding::Nothing);
         }
         let skey = StorageKey::derive(&policy.namespace, &scope, &key);
-        let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
-        let request_id = first("x-request-id").unwrap_or_default();
-        let log_values = policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect();
         let owner = self.shared.next_owner();
-        let creator = Creator { request_id, log_values };
+        let creator = creator_of(&policy, &head);
         let fp =
             Fingerprint::of_digest(&head, (fingerprint::BodyForm::CanonicalJson, call.digest), &policy.fingerprint).0;
         self.req = Some(Protected {
@@ -1694,5 +1688,14 @@ impl Http {
             Phase::Held if unanswered => self.publish(ABANDONED),
             _ => {}
         }
+    }
+}
+
+/// Who made a record, as a 409 names it: the request's `x-request-id` and its `log_headers`.
+fn creator_of(policy: &Policy, head: &RequestHead) -> Creator {
+    let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
+    Creator {
+        request_id: first("x-request-id").unwrap_or_default(),
+        log_values: policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect(),
     }
 }
