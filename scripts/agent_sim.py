@@ -19,6 +19,8 @@ import time
 
 import requests
 
+from demo_verdict import finish, key_for
+
 AGENT_TIMEOUT = 1.0
 MAX_ATTEMPTS = 4
 OUT_LOCK = threading.Lock()
@@ -28,10 +30,6 @@ def say(line):
     with OUT_LOCK:
         print(line, flush=True)
 
-
-def key_for(task, step):
-    """The wrapper's key: stable for one operation, never invented by the model."""
-    return "agent-" + hashlib.sha256(f"{task}/{step}".encode()).hexdigest()[:32]
 
 
 class Wrapper:
@@ -151,17 +149,9 @@ def main():
     p.add_argument("--store", default="redis", help="the store the gateway uses (named in the last line)")
     a = p.parse_args()
     started = time.monotonic()
-    ops, execs, attempts = run(a.gateway, a.api, "through idemgate")
+    guarded = run(a.gateway, a.api, "through idemgate")
     ops_raw, execs_raw, _ = run(a.api, a.api, "the same agent, straight to the API (no idemgate)")
-    absorbed = attempts - execs
-    say("")
-    say(f"without idemgate: {ops_raw} operations -> {execs_raw} executions ({execs_raw - ops_raw} duplicate charges)")
-    verdict = "every operation executed exactly once" if execs == ops else "SOME OPERATION DID NOT EXECUTE EXACTLY ONCE"
-    say(
-        f"idemgate demo ({a.store} store): {ops} operations requested, {execs} executions, {absorbed} retries absorbed "
-        f"({verdict}; without idemgate {execs_raw} executions) in {time.monotonic() - started:.1f} s"
-    )
-    sys.exit(0 if execs == ops else 1)
+    sys.exit(finish(say, a.store, guarded, (ops_raw, execs_raw), started))
 
 
 if __name__ == "__main__":

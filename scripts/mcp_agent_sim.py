@@ -21,6 +21,8 @@ from mcp.client import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
+from demo_verdict import finish, key_for
+
 AGENT_TIMEOUT = 1.0
 MAX_ATTEMPTS = 4
 
@@ -28,9 +30,6 @@ MAX_ATTEMPTS = 4
 def say(line):
     print(line, flush=True)
 
-
-def key_for(task, step):
-    return "agent-" + hashlib.sha256(f"{task}/{step}".encode()).hexdigest()[:32]
 
 
 def executions(server):
@@ -127,17 +126,9 @@ def main():
     p.add_argument("--store", default="local")
     a = p.parse_args()
     started = time.monotonic()
-    ops, execs, attempts = asyncio.run(run(a.gateway, a.server, "through idemgate (MCP)"))
+    guarded = asyncio.run(run(a.gateway, a.server, "through idemgate (MCP)"))
     ops_raw, execs_raw, _ = asyncio.run(run(a.server + "/mcp", a.server, "the same agent, straight to the MCP server (no idemgate)"))
-    absorbed = attempts - execs
-    say("")
-    say(f"without idemgate: {ops_raw} operations -> {execs_raw} executions ({execs_raw - ops_raw} duplicate charges)")
-    verdict = "every operation executed exactly once" if execs == ops else "SOME OPERATION DID NOT EXECUTE EXACTLY ONCE"
-    say(
-        f"idemgate demo ({a.store} store): {ops} operations requested, {execs} executions, {absorbed} retries absorbed "
-        f"({verdict}; without idemgate {execs_raw} executions) in {time.monotonic() - started:.1f} s"
-    )
-    sys.exit(0 if execs == ops else 1)
+    sys.exit(finish(say, a.store, guarded, (ops_raw, execs_raw), started))
 
 
 if __name__ == "__main__":
