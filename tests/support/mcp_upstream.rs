@@ -10,7 +10,7 @@
 //! before dispatching anything (not counted as an execution).
 //! Other requests with an id get an empty result; notifications and responses get 202.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -65,24 +65,7 @@ fn serve(conn: TcpStream, calls: Arc<Mutex<Vec<Call>>>) {
     let Ok(mut writer) = conn.try_clone() else { return };
     let mut reader = BufReader::new(conn);
     loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        let mut headers: Vec<(String, String)> = vec![];
-        loop {
-            let mut h = String::new();
-            if reader.read_line(&mut h).unwrap_or(0) == 0 {
-                return;
-            }
-            let h = h.trim_end();
-            if h.is_empty() {
-                break;
-            }
-            if let Some((n, v)) = h.split_once(':') {
-                headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
-            }
-        }
+        let Some((_, _, headers)) = super::upstream::read_head(&mut reader) else { return };
         let get = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
         let mut body = vec![];
         if let Some(len) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {

@@ -129,6 +129,35 @@ impl Drop for Upstream {
     }
 }
 
+/// Header lines as (lowercase name, value), in order.
+pub type Headers = Vec<(String, String)>;
+
+/// An HTTP/1.1 request's line and headers (names lowercased) read from `reader`; `None` when the
+/// connection ends first.
+pub fn read_head(reader: &mut impl BufRead) -> Option<(String, String, Headers)> {
+    let mut line = String::new();
+    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+        return None;
+    }
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or("").to_string();
+    let path = parts.next().unwrap_or("").to_string();
+    let mut headers: Headers = vec![];
+    loop {
+        let mut h = String::new();
+        if reader.read_line(&mut h).unwrap_or(0) == 0 {
+            return None;
+        }
+        let h = h.trim_end();
+        if h.is_empty() {
+            return Some((method, path, headers));
+        }
+        if let Some((n, v)) = h.split_once(':') {
+            headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
+        }
+    }
+}
+
 fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(60)));
     let mut writer = match conn.try_clone() {
@@ -137,27 +166,7 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
     };
     let mut reader = BufReader::new(conn);
     loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        let mut parts = line.split_whitespace();
-        let method = parts.next().unwrap_or("").to_string();
-        let path = parts.next().unwrap_or("").to_string();
-        let mut headers: Vec<(String, String)> = vec![];
-        loop {
-            let mut h = String::new();
-            if reader.read_line(&mut h).unwrap_or(0) == 0 {
-                return;
-            }
-            let h = h.trim_end();
-            if h.is_empty() {
-                break;
-            }
-            if let Some((n, v)) = h.split_once(':') {
-                headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
-            }
-        }
+        let Some((method, path, headers)) = read_head(&mut reader) else { return };
         let get = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
         let partial = || state.lock().expect("lock").partial.push(get("idempotency-key"));
         let execute = |body: &[u8]| {
