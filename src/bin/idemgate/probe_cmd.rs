@@ -123,11 +123,15 @@ impl Client {
         let mut last = std::io::Error::other("no address");
         for addr in addrs {
             match TcpStream::connect_timeout(&addr, self.timeout) {
-                Ok(c) => {
+                Ok(mut c) => {
+                    c.set_read_timeout(Some(self.timeout))?;
+                    c.set_write_timeout(Some(self.timeout))?;
+                    let (host, port, path) = (&t.host, t.port, &t.path);
                     if t.tls {
-                        return super::tls::exchange(c, &t.host, t.port, method, &t.path, headers, body, self.timeout);
+                        let mut tls = super::tls::wrap(c, host)?;
+                        return super::exchange_on(&mut tls, host, port, method, path, headers, body);
                     }
-                    return super::exchange(c, &t.host, t.port, method, &t.path, headers, body, self.timeout);
+                    return super::exchange_on(&mut c, host, port, method, path, headers, body);
                 }
                 Err(e) => last = e,
             }

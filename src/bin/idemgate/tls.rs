@@ -4,9 +4,7 @@
 
 use std::net::TcpStream;
 use std::sync::Arc;
-use std::time::Duration;
 
-use idemgate::probe::Answer;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 
@@ -30,22 +28,10 @@ fn config() -> std::io::Result<Arc<rustls::ClientConfig>> {
     Ok(Arc::new(cfg))
 }
 
-/// One HTTP/1.1 exchange over TLS on the connection `c` to `host:port`.
-#[allow(clippy::too_many_arguments)]
-pub fn exchange(
-    c: TcpStream,
-    host: &str,
-    port: u16,
-    method: &str,
-    path: &str,
-    headers: &[(String, String)],
-    body: &[u8],
-    timeout: Duration,
-) -> std::io::Result<Answer> {
-    c.set_read_timeout(Some(timeout))?;
-    c.set_write_timeout(Some(timeout))?;
+/// The connection `c` to `host` inside a TLS client session (certificates checked against the
+/// roots of `config`); its timeouts are the caller's.
+pub fn wrap(c: TcpStream, host: &str) -> std::io::Result<rustls::StreamOwned<rustls::ClientConnection, TcpStream>> {
     let name = ServerName::try_from(host.to_string()).map_err(|e| std::io::Error::other(format!("{host}: {e}")))?;
     let conn = rustls::ClientConnection::new(config()?, name).map_err(std::io::Error::other)?;
-    let mut tls = rustls::StreamOwned::new(conn, c);
-    super::exchange_on(&mut tls, host, port, method, path, headers, body)
+    Ok(rustls::StreamOwned::new(conn, c))
 }
