@@ -33,17 +33,7 @@ fn envoy_validates_the_compose_flavour_and_idemgate_accepts_its_configuration() 
 
 #[test]
 fn envoy_validates_the_etcd_example_and_idemgate_accepts_its_configuration() {
-    let root = support::repo_root();
-    let text = std::fs::read_to_string(root.join("envoy/etcd/envoy.yaml")).unwrap();
-    let scratch = support::Scratch::new("etcd-example");
-    let path = scratch.0.join("envoy.yaml");
-    std::fs::write(&path, text.replace("dist/idemgate.wasm", &support::wasm_path().display().to_string())).unwrap();
-    let (ok, log) = support::envoy_validate(&path);
-    assert!(ok, "{log}");
-    assert!(log.contains("configuration accepted"), "{log}");
-    let start = text.find("value: |").expect("plugin configuration") + "value: |".len();
-    let end = text[start..].find("vm_config:").expect("vm_config") + start;
-    let config: serde_json::Value = serde_json::from_str(&text[start..end]).expect("plugin configuration JSON");
+    let config = validated_plugin_config("envoy/etcd/envoy.yaml", "etcd-example");
     assert_eq!(config["store"]["kind"], "etcd");
 }
 
@@ -211,9 +201,21 @@ fn envoy_validates_the_readmes_minimal_config_and_idemgate_accepts_its_configura
 /// `a_lost_response_is_recovered_through_the_shipped_mcp_config`).
 #[test]
 fn envoy_validates_the_mcp_example_and_idemgate_accepts_its_configuration() {
+    let config = validated_plugin_config("envoy/mcp/envoy.yaml", "mcp-example");
+    assert_eq!(config["forwarding"], "detached");
+    assert_eq!(config["in_flight"], "wait");
+    assert_eq!(config["routes"][0]["prefix"], "/mcp");
+    assert_eq!(config["routes"][0]["protocol"], "mcp");
+    assert_eq!(config["routes"][0]["mcp"]["key_arguments"], serde_json::json!(["idempotency_key", "idempotencyKey"]));
+}
+
+/// The shipped Envoy configuration `file` (from the repository root), with the module path made
+/// this build's, validated by Envoy (idemgate accepting its plugin configuration); returns that
+/// plugin configuration (the JSON between `value: |` and `vm_config:`).
+fn validated_plugin_config(file: &str, scratch: &str) -> serde_json::Value {
     let root = support::repo_root();
-    let text = std::fs::read_to_string(root.join("envoy/mcp/envoy.yaml")).unwrap();
-    let scratch = support::Scratch::new("mcp-example");
+    let text = std::fs::read_to_string(root.join(file)).unwrap();
+    let scratch = support::Scratch::new(scratch);
     let path = scratch.0.join("envoy.yaml");
     std::fs::write(&path, text.replace("dist/idemgate.wasm", &support::wasm_path().display().to_string())).unwrap();
     let (ok, log) = support::envoy_validate(&path);
@@ -221,10 +223,5 @@ fn envoy_validates_the_mcp_example_and_idemgate_accepts_its_configuration() {
     assert!(log.contains("configuration accepted"), "{log}");
     let start = text.find("value: |").expect("plugin configuration") + "value: |".len();
     let end = text[start..].find("vm_config:").expect("vm_config") + start;
-    let config: serde_json::Value = serde_json::from_str(&text[start..end]).expect("plugin configuration JSON");
-    assert_eq!(config["forwarding"], "detached");
-    assert_eq!(config["in_flight"], "wait");
-    assert_eq!(config["routes"][0]["prefix"], "/mcp");
-    assert_eq!(config["routes"][0]["protocol"], "mcp");
-    assert_eq!(config["routes"][0]["mcp"]["key_arguments"], serde_json::json!(["idempotency_key", "idempotencyKey"]));
+    serde_json::from_str(&text[start..end]).expect("plugin configuration JSON")
 }
