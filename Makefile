@@ -33,20 +33,23 @@ test-begin:
 
 ## test-faults: the fault matrix, hostile input, security cases, capacity (200,000 keys on defaults), a bounded soak (IDEMGATE_SOAK_SECONDS,
 ## default 120) and bounded fuzzing (FUZZ_SECONDS per target, default 60); tables in target/faults/
-FAULT_CASES_ELSEWHERE = malformed_keys body_over_the_limit client_that_disconnects upstream_timeout \
-  never_forwarded_stale_claim response_too_large full_local_tier two_callers replays_carry_no_set_cookie \
-  request_envoy_never_sent buffer_budget redis_down store_slower proxy_killed_mid_request \
-  survives_a_redis_kill store_write_failing short_store_outage answer_was_lost no_raw_key lands_even_when_the_client_has_left \
-  flood_of_unique_keys_keeps_envoy_memory_flat
+FAULT_CASES_ELSEWHERE = single_proxy::malformed_keys single_proxy::body_over_the_limit single_proxy::client_that_disconnects \
+  single_proxy::upstream_timeout single_proxy::a_never_forwarded_stale_claim single_proxy::a_response_too_large \
+  single_proxy::a_full_local_tier single_proxy::two_callers single_proxy::replays_carry_no_set_cookie \
+  single_proxy::a_request_envoy_never_sent single_proxy::the_per_worker_buffer_budget two_proxies::redis_down \
+  two_proxies::a_store_slower two_proxies::a_proxy_killed_mid_request two_proxies::a_completed_key_survives_a_redis_kill \
+  two_proxies::a_store_write_failing two_proxies::a_completion_write_during_a_short_store_outage \
+  two_proxies::a_claim_whose_answer_was_lost two_proxies::the_store_holds_no_raw_key \
+  two_proxies::the_write_after_forwarding_lands_even_when_the_client_has_left
 test-faults: build deps
 	scripts/install-deps.sh wrk
 	scripts/install-deps.sh h2-client
 	scripts/build-wasm.sh --crash-injection
 	rm -rf target/faults
-	cargo test --locked --test faults --test hostile --test soak --test capacity --test durability --test hostile_store
-	cargo test --locked --test single_proxy --test two_proxies --test memory_flood -- $(FAULT_CASES_ELSEWHERE)
+	cargo test --locked --test it -- faults::
+	cargo test --locked --test it -- $(FAULT_CASES_ELSEWHERE)
 	# etcd: leader SIGKILL with duplicates in flight, a member hung by SIGSTOP, quorum lost (tests/etcd_store.rs)
-	cargo test --locked --test etcd_store -- etcd_fault_
+	cargo test --locked --test it -- etcd_store::etcd_fault_
 	scripts/fuzz.sh $${FUZZ_SECONDS:-60}
 	@printf '\nFault table (case | upstream executions | what the clients saw):\n'; cat target/faults/table.md
 	@printf '\nHostile input (case | answer | executions):\n'; cat target/faults/hostile.md
@@ -59,7 +62,7 @@ test-faults: build deps
 ## short forms (failover_*). Table in target/faults/failover.md
 test-failover: build deps
 	rm -f target/faults/failover.md
-	cargo test --locked --test failover -- failover_full_ --test-threads 1
+	cargo test --locked --test it -- failover::failover_full_ --test-threads 1
 	@printf '\nFailover (scenario | keys | executed before the failover | lost | executed twice | answers):\n'; cat target/faults/failover.md
 
 ## test-envoy-versions: the single-proxy and two-proxy suites on the newest patch release of every Envoy
@@ -70,14 +73,14 @@ test-failover: build deps
 # without support for it").
 ENVOY_VERSIONS ?= 1.36.4 1.37.0 1.38.2 1.39.3 1.40.0
 ENVOY_OLDEST = $(firstword $(ENVOY_VERSIONS))
-ENVOY_VERSION_SUITES = --test single_proxy --test two_proxies
+ENVOY_VERSION_SUITES = single_proxy:: two_proxies::
 test-envoy-versions: build deps
 	@set -e; for v in $(ENVOY_VERSIONS); do \
 	  scripts/install-deps.sh envoy-version $$v; \
 	  m=$$(echo $$v | cut -d. -f1,2); \
 	  bin=$(CURDIR)/target/envoy-versions/$$m/bin/envoy; \
 	  echo "== $$($$bin --version | grep -o 'version: .*')"; \
-	  ENVOY_BIN=$$bin cargo test --locked $(ENVOY_VERSION_SUITES); \
+	  ENVOY_BIN=$$bin cargo test --locked --test it -- $(ENVOY_VERSION_SUITES); \
 	done
 
 ## test-envoy-oldest: the oldest supported Envoy (make test; the newest runs in test-native)
@@ -94,7 +97,7 @@ test-demo:
 test-native:
 	cargo test --locked --all-targets -- --skip fault_matrix_ --skip hostile_input_ --skip soak_mixed_ --skip carries_200000_unique_keys --skip durability_ --skip failover_full_ --skip etcd_fault_
 	# Ignored in the parallel run (see the test): run alone.
-	cargo test --locked --test two_proxies -- --ignored --exact an_outcome_unknown_record_lives_unknown_outcome_seconds_on_every_proxy
+	cargo test --locked --test it -- --ignored --exact two_proxies::an_outcome_unknown_record_lives_unknown_outcome_seconds_on_every_proxy
 
 test-wasm:
 	scripts/test-wasm.sh
