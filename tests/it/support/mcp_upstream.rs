@@ -21,8 +21,6 @@ use serde_json::{json, Value};
 pub struct Call {
     /// The request's JSON-RPC method.
     pub method: String,
-    pub body: Value,
-    pub headers: Vec<(String, String)>,
 }
 
 pub struct McpUpstream {
@@ -76,7 +74,7 @@ fn serve(conn: TcpStream, calls: Arc<Mutex<Vec<Call>>>) {
         }
         let msg: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         if get("mcp-session-id").as_deref() == Some("stale") {
-            calls.lock().expect("lock").push(Call { method: "(stale session)".into(), body: msg, headers });
+            calls.lock().expect("lock").push(Call { method: "(stale session)".into() });
             let b = r#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"Session not found"}}"#;
             let out = format!(
                 "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{b}",
@@ -90,7 +88,7 @@ fn serve(conn: TcpStream, calls: Arc<Mutex<Vec<Call>>>) {
         let method = msg["method"].as_str().unwrap_or("").to_string();
         let n = {
             let mut c = calls.lock().expect("lock");
-            c.push(Call { method: method.clone(), body: msg.clone(), headers: headers.clone() });
+            c.push(Call { method: method.clone() });
             c.iter().filter(|c| c.method == "tools/call").count()
         };
         if let Some(ms) = get("x-up-delay-ms").and_then(|v| v.parse::<u64>().ok()) {

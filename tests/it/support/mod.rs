@@ -4,7 +4,6 @@
 //!   `dist/idemgate.wasm` (built by `make build`).
 //! - `http`: a raw HTTP/1.1 client, so tests can send exactly the bytes they mean (duplicate
 //!   headers, odd keys) and read every response header.
-#![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -811,7 +810,6 @@ impl Drop for Envoy {
 pub struct Shipped {
     child: Child,
     pub port: u16,
-    pub admin_port: u16,
     pub log_path: PathBuf,
     _scratch: Scratch,
 }
@@ -839,7 +837,7 @@ impl Shipped {
             .stderr(log)
             .spawn()
             .expect("envoy");
-        let shipped = Shipped { child, port, admin_port, log_path, _scratch: scratch };
+        let shipped = Shipped { child, port, log_path, _scratch: scratch };
         let ready = (0..600).any(|_| {
             std::thread::sleep(Duration::from_millis(100));
             http::get(admin_port, "/ready").is_ok_and(|r| r.status == 200)

@@ -503,10 +503,6 @@ impl Redis {
         self.launch();
     }
 
-    pub fn is_running(&mut self) -> bool {
-        self.proc.0.is_some() && self.proc.exited().is_none()
-    }
-
     /// The data folder (AOF in `appendonlydir/`, log in `redis.log`).
     pub fn dir(&self) -> PathBuf {
         self.dir.clone()
@@ -707,10 +703,6 @@ impl Webdis {
         self.launch();
     }
 
-    pub fn config_path(&self) -> &Path {
-        &self.config_path
-    }
-
     /// webdis's log file and anything it printed.
     pub fn log(&self) -> String {
         format!("{}{}", read_log(&self.log_path), read_log(&self.out_path))
@@ -734,9 +726,7 @@ impl Webdis {
 pub struct RedisCluster {
     /// webdis in front of the Envoy listener, as idemgate would call it.
     pub webdis: Webdis,
-    /// Envoy's redis_proxy listener (speaks RESP, like a single Redis).
-    pub envoy_port: u16,
-    pub envoy_admin_port: u16,
+    /// Envoy's redis_proxy, the listener webdis calls (it speaks RESP, like a single Redis).
     envoy: Proc,
     envoy_config_path: PathBuf,
     envoy_log_path: PathBuf,
@@ -819,16 +809,7 @@ impl RedisCluster {
         }
 
         let webdis = Webdis::start_inner(envoy_port, None, None);
-        let cluster = RedisCluster {
-            webdis,
-            envoy_port,
-            envoy_admin_port,
-            envoy,
-            envoy_config_path,
-            envoy_log_path,
-            nodes,
-            _scratch: scratch,
-        };
+        let cluster = RedisCluster { webdis, envoy, envoy_config_path, envoy_log_path, nodes, _scratch: scratch };
         // PING is answered by Envoy itself; a keyed read proves routing to the owning node works.
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
