@@ -24,7 +24,7 @@ deps:
 ## the demo, and the fault matrix (test-faults)
 test: test-begin lint build deps test-native test-envoy-oldest test-wasm test-demo test-faults
 	@if [ -s target/envoy-start-stalls.log ]; then \
-	  echo "Envoy starts that were neither ready nor gone after 60 s, killed and started again (tests/support/mod.rs):"; \
+	  echo "Envoy starts that were neither ready nor gone after 60 s, killed and started again (tests/it/support/mod.rs):"; \
 	  cat target/envoy-start-stalls.log; fi
 	@echo "make test: all suites passed"
 
@@ -50,7 +50,7 @@ test-faults: build deps
 	@printf '\nFuzzing (target | executions | time | result):\n'; cat target/faults/fuzz.md
 	@printf '\nDurability (appendfsync | cost | lost | executed again):\n'; cat target/faults/durability.md
 
-## test-failover: Redis failover measured in full (tests/failover.rs, failover_full_*): a primary SIGKILLed
+## test-failover: Redis failover measured in full (tests/it/failover.rs, failover_full_*): a primary SIGKILLed
 ## under traffic through two proxies and its replica promoted, 400 keys x IDEMGATE_FAILOVER_RUNS runs (default 5),
 ## a partitioned replica, requests still running at the failover, min-replicas-to-write; `make test` runs the
 ## short forms (failover_*). Table in target/faults/failover.md

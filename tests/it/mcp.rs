@@ -1,5 +1,5 @@
 //! MCP tool calls (`protocol: "mcp"`, issue 28) through the real Envoy 1.40 and idemgate, in front
-//! of a counting JSON-RPC upstream (tests/support/mcp_upstream.rs), over raw HTTP so every id is
+//! of a counting JSON-RPC upstream (tests/it/support/mcp_upstream.rs), over raw HTTP so every id is
 //! checked on the wire. Every test counts the executions of `tools/call` at the upstream.
 
 use crate::support;

@@ -9,7 +9,7 @@
 //! The route under test is the MCP policy (docs/mcp-setup.md):
 //! `{"prefix": "/mcp", "protocol": "mcp", "mcp": {"tools": ["charge"], "key_arguments": [...]}}`.
 //! `MCP_TEST_SDK` picks one SDK, `MCP_TEST_ROUTE` replaces that route's JSON (e.g. `{"prefix": "/mcp"}` to see what a plain
-//! HTTP route does), `IDEMGATE_WASM` the module (tests/support).
+//! HTTP route does), `IDEMGATE_WASM` the module (tests/it/support).
 //!
 //! The Python SDK repairs the ids of SSE answers and 4xx bodies without saying so (SEMANTICS.md),
 //! so `a_replay_answers_the_retrys_id_on_the_wire` checks ids with raw HTTP.
@@ -495,7 +495,7 @@ fn a_cancel_never_releases_the_key_and_a_batch_is_refused() {
 
 /// Review (adversarial): idemgate read `content-type: application/grpc, application/json` as gRPC
 /// and passed a keyless gRPC request before its body, so a `_meta` key was never seen and a server
-/// that does not check the type (tests/mcp.rs's counting upstream) ran each send. The official
+/// that does not check the type (tests/it/mcp.rs's counting upstream) ran each send. The official
 /// Python server (mcp 2.3.0) refuses that type itself (its transport check asks for a type
 /// starting with `application/json`, seen here straight to the server), so against it this was
 /// no break; through idemgate the call is now refused before any server sees it.

@@ -159,7 +159,7 @@ fn chunked_with_trailers(s: &Stack, key: &str, trailers: &str) -> Response {
 #[test]
 fn http1_request_trailers_count_once_envoy_lets_them_through() {
     // By default Envoy's HTTP/1 codec drops request trailers: neither idemgate nor the upstream
-    // sees them, so other trailers are the same request (tests/hostile.rs shows it). With
+    // sees them, so other trailers are the same request (tests/it/faults/hostile.rs shows it). With
     // `enable_trailers` they reach the filter (and may reach the upstream): they count.
     let s = Stack::with(CFG, |o| o.http1_trailers = true);
     assert_eq!(chunked_with_trailers(&s, "k-h1", "x-checksum: abc\r\n").status, 201);

@@ -110,7 +110,7 @@ fn the_istio_envoyfilter_sets_the_stop_iteration_flag_and_the_reload_failure_pol
 
 #[test]
 fn the_etcd_clusters_over_tls_and_in_clear_check_members_alike() {
-    // The tests run the plain cluster of envoy/etcd/envoy.yaml (tests/support/etcd.rs); the TLS
+    // The tests run the plain cluster of envoy/etcd/envoy.yaml (tests/it/support/etcd.rs); the TLS
     // one is pasted in its place by users and must take members out the same way.
     let root = support::repo_root();
     let plain = std::fs::read_to_string(root.join("envoy/etcd/envoy.yaml")).unwrap();
@@ -153,7 +153,7 @@ fn single_proxy_plugin_config() -> serde_json::Value {
 
 #[test]
 fn the_single_proxy_config_recovers_lost_responses_and_refuses_timeouts_past_its_lock() {
-    // Detached through the internal listener, retries held: what tests/sdk_clients.rs measures.
+    // Detached through the internal listener, retries held: what tests/it/sdk_clients.rs measures.
     let mut cfg = single_proxy_plugin_config();
     assert_eq!(cfg["forwarding"], "detached");
     assert_eq!(cfg["upstream"]["cluster"], "idemgate_hop");
@@ -197,7 +197,7 @@ fn envoy_validates_the_readmes_minimal_config_and_idemgate_accepts_its_configura
 }
 
 /// The MCP example (issue 28): Envoy validates it, idemgate accepts its configuration, and the
-/// plugin configuration is the one docs/mcp-setup.md describes (its behaviour: tests/mcp_sdk.rs,
+/// plugin configuration is the one docs/mcp-setup.md describes (its behaviour: tests/it/mcp_sdk.rs,
 /// `a_lost_response_is_recovered_through_the_shipped_mcp_config`).
 #[test]
 fn envoy_validates_the_mcp_example_and_idemgate_accepts_its_configuration() {

@@ -1,6 +1,6 @@
 //! Hostile input sent through Envoy (`make test-faults`), each with its expected answer, the
 //! upstream's execution count, and no VM crash. (Malformed key shapes and repeated key headers are
-//! in tests/single_proxy.rs; `make test-faults` runs those too.) Each case writes a line to
+//! in tests/it/single_proxy/faults.rs, also run by `make test-faults`.) Each case writes a line to
 //! target/faults/hostile.md.
 
 use crate::support;
@@ -104,7 +104,7 @@ fn hostile_input_bodies_at_and_over_the_limit_plain_and_chunked() {
     assert_eq!(r.header("idempotent-replayed"), Some("true"), "{}", r.body_text());
     // Envoy's HTTP/1 codec drops request trailers by default (no `enable_trailers`): neither
     // idemgate nor the upstream sees them, so other trailers are the same request; the body still
-    // counts. (Trailers that do arrive are fingerprinted: tests/scope_and_fingerprint.rs.)
+    // counts. (Trailers that do arrive are fingerprinted: tests/it/scope_and_fingerprint.rs.)
     assert_eq!(chunked("k-trailer", r#"{"amount":7}"#, "x-checksum: abc\r\n").status, 201);
     let r = chunked("k-trailer", r#"{"amount":7}"#, "x-checksum: other\r\n");
     assert_eq!(r.header("idempotent-replayed"), Some("true"));

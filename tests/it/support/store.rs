@@ -434,7 +434,7 @@ impl Redis {
     /// Loads idemgate's two store scripts (`SCRIPT LOAD`, as the operators' user), so a new test
     /// Redis is one that has served idemgate before: the first claim and completion are one
     /// `EVALSHA` each, as later ones are. A restart (`restart`) empties the script cache, as it
-    /// does in production; `tests/store_scripts.rs` starts from an empty cache (`SCRIPT FLUSH`).
+    /// does in production; `tests/it/store_scripts.rs` starts from an empty cache (`SCRIPT FLUSH`).
     /// Redis's names for the scripts must be the ones idemgate computed at compile time.
     pub fn load_idemgate_scripts(&self) {
         use idemgate::store::Script;
