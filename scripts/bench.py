@@ -1128,7 +1128,7 @@ since issue 17 item 4, not reached), each call by the table above, and why it st
 - **Filter state, 2**: `wasm.idemgate_outcome` and `wasm.idemgate_key`, the two values access logs
   print by name (one call each).
 
-Cut by issue 17 item 4 (30 to 26, counted by `tests/bench_builds.rs`): the `:method` read alone for
+Cut by issue 17 item 4 (30 to 26, counted by `tests/it/bench_builds.rs`): the `:method` read alone for
 a request with a body (1: its header map is read whole at once, the method taken from it; a
 request without a body, such as an unprotected GET, still passes on its `:method` alone); the
 counters `protected`, `claimed` and `stored` (3: counted in the VM, handed to Envoy on the root's
@@ -1188,8 +1188,8 @@ Rerun: `make bench` (about {'3' if st['quick'] else '22'} minutes here; `BENCH_Q
 Raw figures: `target/bench/results.json`.
 """
     path = os.path.join(ROOT, "docs", "BENCHMARKS.md")
-    # Sections measured by tests, not here (memory at the default capacity: tests/capacity.rs;
-    # store bytes per first request: tests/store_scripts.rs): keep them.
+    # Sections measured by tests, not here (memory at the default capacity: tests/it/faults/capacity.rs;
+    # store bytes per first request: tests/it/store_scripts.rs): keep them.
     if os.path.exists(path):
         old = open(path).read()
         for section in ("## Memory at the default capacity", "## Store bytes per first request"):

@@ -2,7 +2,7 @@
 """The `idemgate_store` cluster of the shipped envoy/etcd/envoy.yaml, its members swapped for the
 client ports given: the demo (scripts/demo.sh) and the benchmark (scripts/bench.py) use the
 shipped cluster itself (health checks, timeouts, balancing), as the tests do
-(tests/support/etcd.rs), rather than a copy of it.
+(tests/it/support/etcd.rs), rather than a copy of it.
 
     scripts/etcd_store_cluster.py PORT [PORT ...]   # prints the cluster (a YAML list item)
 """

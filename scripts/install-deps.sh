@@ -12,13 +12,13 @@
 #   scripts/install-deps.sh wrk              # wrk (the hostile-input flood)
 #   scripts/install-deps.sh bench            # wrk, and Linux perf when it can be installed (make bench)
 #   scripts/install-deps.sh h2-client        # python h2 for the HTTP/2 tests (hostile input, request trailers)
-#   scripts/install-deps.sh grpc-client      # python grpcio (pinned) for the gRPC tests (tests/grpc.rs)
+#   scripts/install-deps.sh grpc-client      # python grpcio (pinned) for the gRPC tests (tests/it/grpc.rs)
 #   scripts/install-deps.sh sdk-clients      # pinned stripe / gocardless-pro / openai / anthropic / modern-treasury / orb-billing (PyPI, venv target/sdk-venv) and
-#                                            # stripe-node, openai-node, modern-treasury-node (npm, target/sdk-node) for tests/sdk_clients.rs
+#                                            # stripe-node, openai-node, modern-treasury-node (npm, target/sdk-node) for tests/it/sdk_clients.rs
 #   scripts/install-deps.sh probe-apps       # pinned third-party idempotency libraries (tests/probe/requirements.txt, venv target/probe-venv)
-#                                            # for tests/probe_gate.rs
+#                                            # for tests/it/probe_gate.rs
 #   scripts/install-deps.sh mcp-sdk          # the official MCP SDKs: `mcp` (PyPI, venv target/mcp-venv) and
-#                                            # @modelcontextprotocol/sdk (npm, target/mcp-node), pinned in tests/mcp/, for tests/mcp_sdk.rs
+#                                            # @modelcontextprotocol/sdk (npm, target/mcp-node), pinned in tests/mcp/, for tests/it/mcp_sdk.rs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -126,7 +126,7 @@ case "${1:-}" in
     timeout 300 python3 -m pip install -q --disable-pip-version-check "h2>=4,<5"
     ;;
   grpc-client)
-    # The real gRPC client and server of tests/grpc.rs (tests/grpc_peer.py: generic handlers,
+    # The real gRPC client and server of tests/it/grpc.rs (tests/grpc_peer.py: generic handlers,
     # raw bytes, no generated code). Pinned: the test asserts what this client reads.
     python3 -c "import grpc, sys; sys.exit(grpc.__version__ != '1.85.1')" 2>/dev/null && exit 0
     log "pip install grpcio==1.85.1"
@@ -148,7 +148,7 @@ case "${1:-}" in
     timeout 300 python3 -m pip install -q --disable-pip-version-check "requests>=2.31" "urllib3>=2"
     ;;
   sdk-clients)
-    # The client matrix (tests/sdk_clients.rs): real SDKs at the versions in tests/sdk/.
+    # The client matrix (tests/it/sdk_clients.rs): real SDKs at the versions in tests/sdk/.
     venv=target/sdk-venv
     # Reinstalled whenever tests/sdk/requirements.txt changes (the copy kept in the venv differs).
     pinned_venv tests/sdk/requirements.txt "$venv"
@@ -156,13 +156,13 @@ case "${1:-}" in
     pinned_node tests/sdk "$node_dir" stripe
     ;;
   probe-apps)
-    # The servers nobody here wrote that `idemgate probe` is tested against (tests/probe_gate.rs,
+    # The servers nobody here wrote that `idemgate probe` is tested against (tests/it/probe_gate.rs,
     # tests/probe/apps.py). Reinstalled whenever tests/probe/requirements.txt changes.
     venv=target/probe-venv
     pinned_venv tests/probe/requirements.txt "$venv"
     ;;
   mcp-sdk)
-    # The MCP tests (tests/mcp_sdk.rs): the official SDKs at the versions in tests/mcp/, reinstalled
+    # The MCP tests (tests/it/mcp_sdk.rs): the official SDKs at the versions in tests/mcp/, reinstalled
     # whenever a pin file changes (the copy kept beside the install differs).
     venv=target/mcp-venv
     pinned_venv tests/mcp/requirements.txt "$venv"

@@ -236,7 +236,7 @@ pub fn open_value(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<(StoredVal
 /// are fixed shapes of objects, lists and short strings (base64, decimals, names). A
 /// `serde_json::Value` tree of the same cost about ten times the allocations, and a tree of
 /// small strings joined level by level (each field, object and list its own `String`) about 80 a
-/// transaction; written this way a claim costs a handful (counted, `tests/bench_builds.rs`).
+/// transaction; written this way a claim costs a handful (counted, `tests/it/bench_builds.rs`).
 struct Body(String);
 
 impl Body {

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A real gRPC peer for tests/grpc.rs (grpcio, no generated code: raw bytes in and out).
+"""A real gRPC peer for tests/it/grpc.rs (grpcio, no generated code: raw bytes in and out).
 
   grpc_peer.py serve EXECUTIONS_FILE
       A unary server on 127.0.0.1 (h2c) answering /pay.Payments/Charge with b"charged:" + the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""HTTP/2 (prior knowledge, h2c) client for tests/hostile.rs: opens ONE connection to
+"""HTTP/2 (prior knowledge, h2c) client for tests/it/faults/hostile.rs: opens ONE connection to
 127.0.0.1:PORT and sends N concurrent POST streams with the given headers and body, then prints
 one line per stream: "<stream id> <status> <idempotent-replayed or ->". An argument written
 `@name:value` is sent as a request trailer (a HEADERS frame after the body that ends the stream).

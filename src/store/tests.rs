@@ -617,7 +617,7 @@ fn with_script_is_the_same_call_with_the_script_in_full_and_only_once() {
 }
 
 /// The scripts' names are the SHA-1 of their text, computed at compile time; recomputed here
-/// with the system's `sha1sum` (Redis answers the same names: `tests/store_scripts.rs`).
+/// with the system's `sha1sum` (Redis answers the same names: `tests/it/store_scripts.rs`).
 #[cfg(not(target_arch = "wasm32"))]
 #[test]
 fn script_names_are_the_sha1_of_their_text_as_sha1sum_computes_it() {

@@ -1,4 +1,4 @@
-// One MCP caller for tests/mcp_sdk.rs: the official TypeScript SDK client
+// One MCP caller for tests/it/mcp_sdk.rs: the official TypeScript SDK client
 // (@modelcontextprotocol/sdk, pinned in tests/mcp/package-lock.json, installed in target/mcp-node
 // by `scripts/install-deps.sh mcp-sdk`) over Streamable HTTP, nothing of ours but the arguments.
 //

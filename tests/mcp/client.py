@@ -1,4 +1,4 @@
-"""One MCP caller for tests/mcp_sdk.rs: the official Python SDK client (`mcp`, pinned in
+"""One MCP caller for tests/it/mcp_sdk.rs: the official Python SDK client (`mcp`, pinned in
 tests/mcp/requirements.txt) over Streamable HTTP, nothing of ours but the arguments.
 
   client.py --url http://127.0.0.1:P/mcp --key K --key-via header|meta|arg

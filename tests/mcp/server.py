@@ -1,4 +1,4 @@
-"""The MCP payments server of tests/mcp_sdk.rs: the official Python SDK (`mcp`, pinned in
+"""The MCP payments server of tests/it/mcp_sdk.rs: the official Python SDK (`mcp`, pinned in
 tests/mcp/requirements.txt) and nothing of ours but the tools.
 
 Streamable HTTP at /mcp, stateless by default (no Mcp-Session-Id; a tool call outlives the client

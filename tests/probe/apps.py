@@ -1,4 +1,4 @@
-"""Small APIs for tests/probe_gate.rs, each on a real PyPI idempotency library (or none).
+"""Small APIs for tests/it/probe_gate.rs, each on a real PyPI idempotency library (or none).
 
     python apps.py KIND    # serves on 127.0.0.1:<free port>, prints "PORT <n>" once listening
 

@@ -1,4 +1,4 @@
-"""The command line every tests/sdk/*_call.py script takes (tests/sdk_clients.rs builds it):
+"""The command line every tests/sdk/*_call.py script takes (tests/it/sdk_clients.rs builds it):
 
     --base http://127.0.0.1:PORT [--key K] [--amount 4200] [--retries 2] [--timeout 30]
     [--header "name: value"]...

@@ -1,5 +1,5 @@
 """One logical call with the pinned gocardless-pro SDK (tests/sdk/requirements.txt), for
-tests/sdk_clients.rs: creates a payment through Envoy + idemgate and prints a JSON report on
+tests/it/sdk_clients.rs: creates a payment through Envoy + idemgate and prints a JSON report on
 stdout: what the SDK returned or raised, and how many HTTP requests it sent (its own retries on
 timeouts, connection errors and malformed responses included). Same arguments as stripe_call.py;
 gocardless-pro retries 3 times in all, whatever --retries says.

@@ -1,5 +1,5 @@
 // One logical call with a pinned Stainless-generated Node SDK (tests/sdk/package-lock.json):
-// openai-node or modern-treasury-node, for tests/sdk_clients.rs. Prints a JSON report on stdout:
+// openai-node or modern-treasury-node, for tests/it/sdk_clients.rs. Prints a JSON report on stdout:
 // what the SDK returned or threw, and how many HTTP requests it sent (retries included), counted
 // by the `fetch` the SDK is given.
 //

@@ -1,5 +1,5 @@
 """One logical call with a pinned Stainless-generated SDK (tests/sdk/requirements.txt): openai,
-anthropic, modern-treasury or orb-billing (`--sdk orb`), for tests/sdk_clients.rs. Prints a JSON
+anthropic, modern-treasury or orb-billing (`--sdk orb`), for tests/it/sdk_clients.rs. Prints a JSON
 report on stdout: what the SDK returned or raised, and how many HTTP requests it sent (retries
 included), counted by an httpx request hook on the client the SDK uses.
 

@@ -1,5 +1,5 @@
 // One logical call with the pinned stripe-node SDK (tests/sdk/package-lock.json), for
-// tests/sdk_clients.rs: creates a PaymentIntent through Envoy + idemgate and prints a JSON report
+// tests/it/sdk_clients.rs: creates a PaymentIntent through Envoy + idemgate and prints a JSON report
 // on stdout: what the SDK returned or threw, and how many HTTP requests it sent (retries included).
 //
 //   SDK_NODE_DIR=target/sdk-node node stripe_call.js <call_args.js's arguments>

@@ -1,5 +1,5 @@
 """One logical call with the pinned stripe-python SDK (tests/sdk/requirements.txt), for
-tests/sdk_clients.rs: creates a PaymentIntent through Envoy + idemgate and prints a JSON report
+tests/it/sdk_clients.rs: creates a PaymentIntent through Envoy + idemgate and prints a JSON report
 on stdout: what the SDK returned or raised, and how many HTTP requests it sent (retries included).
 
     stripe_call.py --base http://127.0.0.1:PORT --key K --amount 4200 --retries 2 \

@@ -1,0 +1,513 @@
+//! MCP tool calls (`protocol: "mcp"`, issue 28) through the real Envoy 1.40 and idemgate, in front
+//! of a counting JSON-RPC upstream (tests/it/support/mcp_upstream.rs), over raw HTTP so every id is
+//! checked on the wire. Every test counts the executions of `tools/call` at the upstream.
+
+use crate::support;
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use support::http::{self, Response};
+use support::mcp_upstream::McpUpstream;
+use support::store::{Redis, Webdis};
+use support::{Envoy, EnvoyOptions};
+
+const ROUTE: &str =
+    r#"{"prefix": "/mcp", "protocol": "mcp", "mcp": {"tools": ["charge"], "key_arguments": ["idempotency_key"]}"#;
+
+fn plugin(route_extra: &str, top_extra: &str) -> String {
+    format!(r#"{{"scope": {{"headers": ["authorization"]}}{top_extra}, "routes": [{ROUTE}{route_extra}}}]}}"#)
+}
+
+struct Mcp {
+    up: McpUpstream,
+    envoy: Envoy,
+}
+
+impl Mcp {
+    fn start(plugin: &str) -> Mcp {
+        let up = McpUpstream::start();
+        let envoy = Envoy::start(&EnvoyOptions::new(plugin, up.port));
+        Mcp { up, envoy }
+    }
+}
+
+impl Drop for Mcp {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.envoy.assert_no_wasm_panic();
+        }
+    }
+}
+
+const ALICE: (&str, &str) = ("authorization", "Bearer alice");
+const BOTH: (&str, &str) = ("accept", "application/json, text/event-stream");
+
+fn tools_call(id: Value, tool: &str, arguments: Value, meta: Value) -> Vec<u8> {
+    let mut params = json!({"name": tool, "arguments": arguments});
+    if !meta.is_null() {
+        params["_meta"] = meta;
+    }
+    serde_json::to_vec(&json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params})).unwrap()
+}
+
+fn post(port: u16, headers: &[(&str, &str)], body: &[u8]) -> Response {
+    let mut h = vec![("content-type", "application/json")];
+    h.extend_from_slice(headers);
+    http::request(port, "POST", "/mcp", &h, body).expect("answer")
+}
+
+/// The JSON-RPC message of an answer: the body, or the data of its last SSE event.
+fn message(r: &Response) -> Value {
+    if r.header("content-type").is_some_and(|c| c.starts_with("text/event-stream")) {
+        let text = r.body_text();
+        let last = text.split("\n\n").filter(|e| !e.trim().is_empty()).last().unwrap_or("").to_string();
+        let data: Vec<&str> = last.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+        return serde_json::from_str(&data.join("\n")).unwrap_or(Value::Null);
+    }
+    r.json()
+}
+
+fn error_type(m: &Value) -> String {
+    m["error"]["data"]["type"].as_str().unwrap_or("").trim_start_matches("urn:idemgate:problem:").to_string()
+}
+
+#[test]
+fn a_repeated_call_executes_once_and_the_retry_gets_its_own_id() {
+    let s = Mcp::start(&plugin("", ""));
+    let args = json!({"amount": 5, "to": "acct-1"});
+    let first = post(
+        s.envoy.port,
+        &[ALICE, BOTH, ("idempotency-key", "k-1"), ("mcp-session-id", "s-1")],
+        &tools_call(json!(1), "charge", args.clone(), json!({"progressToken": 1})),
+    );
+    assert_eq!(first.status, 200, "{}", first.body_text());
+    let m1 = message(&first);
+    assert_eq!(m1["id"], 1);
+    // The retry: a string id, a new session, another progress token, members in another order.
+    let retry_body = br#"{"params":{"_meta":{"progressToken":"p-9"},"arguments":{"to":"acct-1","amount":5},"name":"charge"},"method":"tools/call","id":"retry-2","jsonrpc":"2.0"}"#;
+    let retry = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-1"), ("mcp-session-id", "s-2")], retry_body);
+    println!("retry: {} {:?} {}", retry.status, retry.headers, retry.body_text());
+    assert_eq!(retry.status, 200);
+    let m2 = message(&retry);
+    assert_eq!(m2["id"], "retry-2", "the retry's own id, as a string");
+    assert_eq!(m2["result"], m1["result"]);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.header("mcp-session-id"), None, "the first caller's session is never replayed");
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn the_key_comes_from_meta_or_from_a_named_argument() {
+    let s = Mcp::start(&plugin("", ""));
+    for (i, (args, meta)) in [
+        (json!({"amount": 1}), json!({"idempotencyKey": "meta-key-1"})),
+        (json!({"amount": 2, "idempotency_key": "arg-key-1"}), Value::Null),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let a = post(s.envoy.port, &[ALICE, BOTH], &tools_call(json!(10 + i), "charge", args.clone(), meta.clone()));
+        let b = post(s.envoy.port, &[ALICE, BOTH], &tools_call(json!(20 + i), "charge", args, meta));
+        assert_eq!(message(&a)["id"], 10 + i);
+        let mb = message(&b);
+        println!("case {i}: {}", b.body_text());
+        assert_eq!(mb["id"], 20 + i);
+        assert_eq!(mb["result"], message(&a)["result"]);
+        assert_eq!(s.up.executions(), i + 1, "case {i}");
+    }
+}
+
+#[test]
+fn other_arguments_under_the_key_are_refused_as_a_json_rpc_error() {
+    let s = Mcp::start(&plugin("", ""));
+    let h = [ALICE, BOTH, ("idempotency-key", "k-args")];
+    post(s.envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 5}), Value::Null));
+    let r = post(s.envoy.port, &h, &tools_call(json!(2), "charge", json!({"amount": 6}), Value::Null));
+    println!("{} {}", r.status, r.body_text());
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let m = message(&r);
+    assert_eq!(m["id"], 2);
+    assert_eq!(m["error"]["code"], -32002);
+    assert_eq!(error_type(&m), "key-reused");
+    assert_eq!(m["error"]["data"]["retry"], false);
+    // Another number spelling is another request too (canonical JSON keeps spellings).
+    let r = post(s.envoy.port, &h, &tools_call(json!(3), "charge", json!({"amount": 5.0}), Value::Null));
+    assert_eq!(message(&r)["error"]["code"], -32002);
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn unprotected_methods_and_tools_pass_untouched_even_with_a_key() {
+    let s = Mcp::start(&plugin("", ""));
+    let h = [ALICE, BOTH, ("idempotency-key", "k-same")];
+    let list = br#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#;
+    let init = br#"{"jsonrpc":"2.0","id":2,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}"#;
+    for _ in 0..2 {
+        assert_eq!(message(&post(s.envoy.port, &h, list))["id"], 1);
+        assert_eq!(message(&post(s.envoy.port, &h, init))["id"], 2);
+        let lookup = post(s.envoy.port, &h, &tools_call(json!(3), "lookup", json!({}), Value::Null));
+        assert!(message(&lookup)["result"]["execution"].as_u64().is_some());
+        let cancel = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1}}"#;
+        assert_eq!(post(s.envoy.port, &h, cancel).status, 202);
+    }
+    assert_eq!(s.up.count("tools/list"), 2);
+    assert_eq!(s.up.count("initialize"), 2);
+    assert_eq!(s.up.count("notifications/cancelled"), 2);
+    assert_eq!(s.up.executions(), 2, "an unlisted tool is not protected");
+}
+
+#[test]
+fn a_batch_holding_a_protected_call_is_refused_whole() {
+    let s = Mcp::start(&plugin("", ""));
+    let batch = br#"[{"jsonrpc":"2.0","id":"a","method":"tools/list"},{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","arguments":{}}},{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"name":"charge","arguments":{}}}]"#;
+    let r = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-batch")], batch);
+    println!("{} {}", r.status, r.body_text());
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    let errors = v.as_array().expect("an array of errors");
+    assert_eq!(errors.len(), 3);
+    assert_eq!(errors[1]["id"], 7);
+    assert_eq!(errors[1]["error"]["code"], -32007);
+    assert_eq!(error_type(&errors[1]), "mcp-batch-refused");
+    assert_eq!(s.up.executions(), 0);
+    assert_eq!(s.up.count("tools/list"), 0);
+}
+
+#[test]
+fn an_event_stream_answer_is_replayed_as_its_final_response_in_the_form_the_retry_accepts() {
+    let s = Mcp::start(&plugin("", ""));
+    let h = |accept: &'static str| [ALICE, ("accept", accept), ("idempotency-key", "k-sse"), ("x-mcp-answer", "sse")];
+    let first = post(
+        s.envoy.port,
+        &h("application/json, text/event-stream"),
+        &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null),
+    );
+    assert_eq!(first.header("content-type"), Some("text/event-stream"));
+    let m1 = message(&first);
+    assert_eq!(m1["id"], 1);
+    let sse = post(
+        s.envoy.port,
+        &h("application/json, text/event-stream"),
+        &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null),
+    );
+    println!("sse replay: {:?} {}", sse.headers, sse.body_text());
+    assert_eq!(sse.header("content-type"), Some("text/event-stream"));
+    assert!(sse.body_text().starts_with("event: message\ndata: "), "{}", sse.body_text());
+    assert!(!sse.body_text().contains("notifications/progress"), "earlier events are not kept");
+    assert_eq!(message(&sse)["id"], 2);
+    assert_eq!(message(&sse)["result"], m1["result"]);
+    let json_only =
+        post(s.envoy.port, &h("application/json"), &tools_call(json!(3), "charge", json!({"amount": 1}), Value::Null));
+    assert_eq!(json_only.header("content-type"), Some("application/json"));
+    assert_eq!(json_only.json()["id"], 3);
+    assert_eq!(json_only.json()["result"], m1["result"]);
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn an_event_stream_without_its_final_response_is_outcome_unknown_never_a_success() {
+    let s = Mcp::start(&plugin("", ""));
+    let h = [ALICE, BOTH, ("idempotency-key", "k-cut"), ("x-mcp-answer", "sse-cut")];
+    post(s.envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null));
+    let r = post(s.envoy.port, &h, &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null));
+    println!("{} {}", r.status, r.body_text());
+    let m = message(&r);
+    assert_eq!(m["id"], 2);
+    assert_eq!(m["error"]["code"], -32003);
+    assert_eq!(error_type(&m), "outcome-unknown");
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn another_caller_with_the_same_key_never_gets_the_first_callers_result() {
+    let s = Mcp::start(&plugin("", ""));
+    let body = tools_call(json!(1), "charge", json!({"amount": 1}), json!({"idempotencyKey": "shared-key"}));
+    let a = post(s.envoy.port, &[ALICE, BOTH], &body);
+    let b = post(s.envoy.port, &[("authorization", "Bearer bob"), BOTH], &body);
+    assert_ne!(message(&a)["result"], message(&b)["result"]);
+    assert_eq!(b.header("idempotent-replayed"), None);
+    assert_eq!(s.up.executions(), 2);
+}
+
+#[test]
+fn concurrent_duplicates_execute_once() {
+    let s = Mcp::start(&plugin("", ""));
+    let port = s.envoy.port;
+    let answers: Vec<Response> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..4)
+            .map(|i| {
+                sc.spawn(move || {
+                    let h = [ALICE, BOTH, ("idempotency-key", "k-conc"), ("x-up-delay-ms", "800")];
+                    post(port, &h, &tools_call(json!(i), "charge", json!({"amount": 1}), Value::Null))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, a) in answers.iter().enumerate() {
+        let m = message(a);
+        assert_eq!(m["id"], i, "{}", a.body_text());
+        assert!(m.get("result").is_some() || m["error"]["code"] == -32001, "{}", a.body_text());
+    }
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn detached_forwarding_with_wait_gives_every_duplicate_the_one_result_with_its_own_id() {
+    let s = Mcp::start(&plugin(
+        r#", "lock_ttl_seconds": 30, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 10000}, "in_flight": "wait", "wait_ms": 8000"#,
+        "",
+    ));
+    let port = s.envoy.port;
+    let answers: Vec<Response> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..3)
+            .map(|i| {
+                sc.spawn(move || {
+                    if i > 0 {
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                    let h = [
+                        ALICE,
+                        BOTH,
+                        ("idempotency-key", "k-wait"),
+                        ("x-up-delay-ms", "1000"),
+                        ("x-mcp-answer", "sse"),
+                    ];
+                    post(port, &h, &tools_call(json!(format!("id-{i}")), "charge", json!({"amount": 1}), Value::Null))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let first = message(&answers[0]);
+    for (i, a) in answers.iter().enumerate() {
+        println!("{i}: {} {}", a.status, a.body_text());
+        let m = message(a);
+        assert_eq!(m["id"], format!("id-{i}"));
+        assert_eq!(m["result"], first["result"]);
+    }
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn a_retry_on_the_other_proxy_gets_the_result_through_the_store() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = McpUpstream::start();
+    let cfg = plugin("", r#", "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}"#);
+    let mut o = EnvoyOptions::new(&cfg, up.port);
+    o.store_port = Some(webdis.port);
+    let a = Envoy::start(&o);
+    let b = Envoy::start(&o);
+    let h = [ALICE, BOTH, ("idempotency-key", "k-two"), ("x-mcp-answer", "sse")];
+    let first = post(a.port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null));
+    let retry = post(b.port, &h, &tools_call(json!("on-b"), "charge", json!({"amount": 1}), Value::Null));
+    println!("{} {}", retry.status, retry.body_text());
+    assert_eq!(message(&retry)["id"], "on-b");
+    assert_eq!(message(&retry)["result"], message(&first)["result"]);
+    assert_eq!(up.executions(), 1);
+    a.assert_no_wasm_panic();
+    b.assert_no_wasm_panic();
+}
+
+#[test]
+fn duplicate_member_names_are_refused_never_forwarded() {
+    let s = Mcp::start(&plugin("", ""));
+    let body = br#"{"jsonrpc":"2.0","id":1,"method":"tools/list","method":"tools/call","params":{"name":"charge","arguments":{}}}"#;
+    let r = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-dup")], body);
+    println!("{} {}", r.status, r.body_text());
+    assert_eq!(error_type(&message(&r)), "mcp-body-ambiguous");
+    // UTF-16, deep nesting in the arguments, a number out of range: a lenient server reader
+    // (Python's json) would run the call; idemgate cannot read it, so it is never forwarded.
+    let call = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#;
+    let utf16: Vec<u8> = call.encode_utf16().flat_map(u16::to_le_bytes).collect();
+    let deep =
+        call.replace(r#""arguments":{}"#, &format!(r#""arguments":{{"x":{}{}}}"#, "[".repeat(300), "]".repeat(300)));
+    let huge = call.replace(r#""arguments":{}"#, r#""arguments":{"amount":1e400}"#);
+    for body in [utf16, deep.into_bytes(), huge.into_bytes()] {
+        let r = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-odd")], &body);
+        assert_eq!(r.status, 200);
+        assert_eq!(error_type(&message(&r)), "mcp-body-ambiguous", "{}", r.body_text());
+    }
+    assert_eq!(s.up.calls().len(), 0);
+}
+
+#[test]
+fn a_derived_key_protects_a_call_without_key() {
+    let s = Mcp::start(&plugin(r#", "derive_key": {"headers": ["x-agent-step-id"]}"#, ""));
+    let h = [ALICE, BOTH, ("x-agent-step-id", "step-1")];
+    let a = post(s.envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null));
+    let b = post(s.envoy.port, &h, &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null));
+    assert_eq!(message(&b)["id"], 2);
+    assert_eq!(message(&b)["result"], message(&a)["result"]);
+    // Other arguments in the same step are another call (the key derives from them).
+    let c = post(s.envoy.port, &h, &tools_call(json!(3), "charge", json!({"amount": 2}), Value::Null));
+    assert!(message(&c).get("result").is_some(), "{}", c.body_text());
+    assert_eq!(s.up.executions(), 2);
+}
+
+#[test]
+fn a_cancellation_never_releases_the_key() {
+    let s = Mcp::start(&plugin("", ""));
+    let port = s.envoy.port;
+    let h = [ALICE, BOTH, ("idempotency-key", "k-cancel"), ("x-up-delay-ms", "1000")];
+    let first =
+        std::thread::spawn(move || post(port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null)));
+    // While the call runs: the client cancels it (with the same key), then retries.
+    std::thread::sleep(Duration::from_millis(300));
+    let cancel = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1,"reason":"timeout"}}"#;
+    assert_eq!(post(port, &[ALICE, BOTH, ("idempotency-key", "k-cancel")], cancel).status, 202);
+    let during = post(port, &h, &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null));
+    assert_eq!(message(&during)["error"]["code"], -32001, "{}", during.body_text());
+    assert_eq!(message(&during)["id"], 2);
+    let first = first.join().unwrap();
+    let after = post(port, &h, &tools_call(json!(3), "charge", json!({"amount": 1}), Value::Null));
+    assert_eq!(message(&after)["id"], 3);
+    assert_eq!(message(&after)["result"], message(&first)["result"]);
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn a_lost_response_comes_back_with_detached_forwarding() {
+    let s = Mcp::start(&plugin(
+        r#", "lock_ttl_seconds": 30, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 10000}, "in_flight": "wait", "wait_ms": 8000"#,
+        "",
+    ));
+    let h =
+        [("content-type", "application/json"), ALICE, BOTH, ("idempotency-key", "k-lost"), ("x-up-delay-ms", "1000")];
+    let body = tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null);
+    // The client gives up long before the tool completes.
+    let lost = http::request_timeout(s.envoy.port, "POST", "/mcp", &h, &body, Duration::from_millis(200));
+    assert!(lost.is_err(), "the first answer is lost");
+    let retry = http::request(
+        s.envoy.port,
+        "POST",
+        "/mcp",
+        &h,
+        &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null),
+    )
+    .expect("answer");
+    println!("{} {}", retry.status, retry.body_text());
+    let m = message(&retry);
+    assert_eq!(m["id"], 2);
+    assert_eq!(m["result"]["execution"], 1);
+    assert_eq!(s.up.executions(), 1);
+}
+
+#[test]
+fn a_call_without_key_follows_require_key_and_refusals_follow_accept() {
+    let s = Mcp::start(&plugin(r#", "require_key": true"#, ""));
+    let body = tools_call(json!("x"), "charge", json!({"amount": 1}), Value::Null);
+    let r = post(s.envoy.port, &[ALICE, BOTH], &body);
+    let m = message(&r);
+    assert_eq!((r.status, m["id"].clone(), m["error"]["code"].clone()), (200, json!("x"), json!(-32005)));
+    assert_eq!(error_type(&m), "key-missing");
+    // A client that accepts only an event stream gets the refusal as one event.
+    let sse = post(s.envoy.port, &[ALICE, ("accept", "text/event-stream")], &body);
+    assert_eq!(sse.header("content-type"), Some("text/event-stream"));
+    assert_eq!(message(&sse)["error"]["code"], -32005);
+    // A key in _meta that is no string is a malformed key.
+    let bad = tools_call(json!(1), "charge", json!({}), json!({"idempotencyKey": 42}));
+    let m = message(&post(s.envoy.port, &[ALICE, BOTH], &bad));
+    assert_eq!(m["error"]["code"], -32005, "{m}");
+    // Other methods still pass without a key.
+    let list = post(s.envoy.port, &[ALICE, BOTH], br#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#);
+    assert_eq!(message(&list)["id"], 1);
+    assert_eq!(s.up.executions(), 0);
+}
+
+/// `hold_headers: false` (hosts without `allow_on_headers_stop_iteration`): the headers go
+/// upstream before the body says whether the call is protected; the body still waits for the
+/// decision, so a duplicate never completes upstream.
+#[test]
+fn without_held_headers_a_repeated_call_still_executes_once() {
+    let up = McpUpstream::start();
+    let mut o = EnvoyOptions::new(&plugin("", r#", "hold_headers": false"#), up.port);
+    o.stop_iteration_flag = false;
+    let envoy = Envoy::start(&o);
+    let h = [ALICE, BOTH, ("idempotency-key", "k-nohold")];
+    let a = post(envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null));
+    let b = post(envoy.port, &h, &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null));
+    println!("{} {}", b.status, b.body_text());
+    assert_eq!(message(&b)["id"], 2);
+    assert_eq!(message(&b)["result"], message(&a)["result"]);
+    let list = post(envoy.port, &h, br#"{"jsonrpc":"2.0","id":5,"method":"tools/list"}"#);
+    assert_eq!(message(&list)["id"], 5);
+    let changed = post(envoy.port, &h, &tools_call(json!(3), "charge", json!({"amount": 9}), Value::Null));
+    assert_eq!(message(&changed)["error"]["code"], -32002);
+    assert_eq!(up.executions(), 1);
+    assert_eq!(up.count("tools/list"), 1);
+    envoy.assert_no_wasm_panic();
+}
+
+/// Review (adversarial): a server that does not check the content type (this upstream) runs a
+/// tools/call sent as `content-type: application/grpc, application/json`; idemgate read it as gRPC,
+/// and a gRPC request without a key header passed before its body was read, so a `_meta` key was
+/// never seen and each send executed. (The official Python server refuses that type itself:
+/// mcp_sdk::a_tools_call_under_a_grpc_content_type_is_refused_before_the_server.)
+#[test]
+fn a_tools_call_under_a_grpc_content_type_is_never_passed_unread() {
+    let s = Mcp::start(&plugin("", ""));
+    let body = tools_call(json!(1), "charge", json!({"amount": 7}), json!({"idempotencyKey": "grpc-k-1"}));
+    let mut answers = vec![];
+    for _ in 0..2 {
+        let h = [("content-type", "application/grpc, application/json"), ALICE, BOTH];
+        let r = http::request(s.envoy.port, "POST", "/mcp", &h, &body).expect("answer");
+        println!("grpc-typed call: {} {}", r.status, r.body_text());
+        let m = message(&r);
+        assert_eq!((m["id"].clone(), error_type(&m)), (json!(1), "mcp-body-ambiguous".to_string()));
+        answers.push(r.status);
+    }
+    assert_eq!(s.up.executions(), 0, "a tools/call under a gRPC content-type is refused, never executed: {answers:?}");
+}
+
+/// Review (adversarial): a path that one reading routes to a plain route and another to the MCP
+/// route (`/api/..%2Fmcp` is `/mcp` to a decoding origin) took the plain route (the first one)
+/// when both share a store: the body was never read, the `_meta` key never seen.
+#[test]
+fn a_path_spelling_that_reaches_the_mcp_route_through_another_route_is_refused() {
+    let plugin =
+        format!(r#"{{"scope": {{"headers": ["authorization"]}}, "routes": [{{"prefix": "/api"}}, {ROUTE}}}]}}"#);
+    let s = Mcp::start(&plugin);
+    let body = tools_call(json!(1), "charge", json!({"amount": 8}), json!({"idempotencyKey": "path-k-1"}));
+    for path in ["/api/..%2Fmcp", "/api/..%2Fmcp"] {
+        let h = [("content-type", "application/json"), ALICE, BOTH];
+        let r = http::request(s.envoy.port, "POST", path, &h, &body).expect("answer");
+        println!("{path}: {} {}", r.status, r.body_text());
+        assert_eq!(r.status, 400);
+        assert_eq!(r.json()["type"], "urn:idemgate:problem:route-ambiguous");
+    }
+    // The plain spelling is the MCP route's: protected as ever.
+    for id in [2, 3] {
+        let r = post(
+            s.envoy.port,
+            &[ALICE, BOTH],
+            &tools_call(json!(id), "charge", json!({"amount": 8}), json!({"idempotencyKey": "path-k-1"})),
+        );
+        assert_eq!(message(&r)["id"], id);
+    }
+    assert_eq!(s.up.executions(), 1);
+}
+
+/// A stateful server answers 404 to a session it no longer knows, before dispatching the call:
+/// nothing ran, so the key is released and the retry, in the new session, executes (once). Before
+/// MCP routes released these pre-dispatch statuses by default, the 404 was stored and replayed to
+/// every retry with the key until `ttl_seconds` (the agent could never complete the call).
+#[test]
+fn a_stale_session_404_releases_the_key_so_the_retry_in_a_new_session_executes_once() {
+    let s = Mcp::start(&plugin("", ""));
+    let body = tools_call(json!(1), "charge", json!({"amount": 5}), json!({}));
+    let stale = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-stale"), ("mcp-session-id", "stale")], &body);
+    assert_eq!(stale.status, 404, "{}", stale.body_text());
+    assert_eq!(s.up.executions(), 0);
+    let retry = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-stale"), ("mcp-session-id", "s-new")], &body);
+    println!("retry: {} {:?} {}", retry.status, retry.headers, retry.body_text());
+    assert_eq!(retry.status, 200, "{}", retry.body_text());
+    assert_eq!(retry.header("idempotent-replayed"), None);
+    assert_eq!(s.up.executions(), 1);
+    let again = post(s.envoy.port, &[ALICE, BOTH, ("idempotency-key", "k-stale"), ("mcp-session-id", "s-new")], &body);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(s.up.executions(), 1, "executed once in all");
+}
