@@ -217,6 +217,16 @@ impl StorePhase {
             StorePhase::Unknown => b'U',
         }
     }
+
+    /// The phase a value's header letter encodes (`letter`'s inverse).
+    pub fn of_letter(letter: u8) -> Option<StorePhase> {
+        match letter {
+            b'P' => Some(StorePhase::InProgress),
+            b'D' => Some(StorePhase::Done),
+            b'U' => Some(StorePhase::Unknown),
+            _ => None,
+        }
+    }
 }
 
 /// A value read from the store.
@@ -276,11 +286,8 @@ impl StoredValue {
         if v.len() < HEADER_LEN || !v.starts_with(VALUE_MAGIC) {
             return Err(bad("no idemgate header"));
         }
-        let phase = match v.get(4) {
-            Some(b'P') => StorePhase::InProgress,
-            Some(b'D') => StorePhase::Done,
-            Some(b'U') => StorePhase::Unknown,
-            _ => return Err(bad("unknown phase")),
+        let Some(phase) = v.get(4).and_then(|l| StorePhase::of_letter(*l)) else {
+            return Err(bad("unknown phase"));
         };
         let owner = crate::hex::decode::<16>(v.get(5..37).unwrap_or_default()).ok_or_else(|| bad("owner"))?;
         let lock = std::str::from_utf8(v.get(37..52).unwrap_or_default())
@@ -497,8 +504,13 @@ pub fn parse_read_reply(
 /// The phase letters the transition script must find for `event`: the stages the lifecycle lets
 /// it leave (`lifecycle::sources`), in the store's encoding.
 fn expected_phases(event: Event) -> &'static str {
-    let has = |phase: StorePhase| lifecycle::sources(event).iter().any(|s| StorePhase::of(*s) == Some(phase));
-    match (has(StorePhase::InProgress), has(StorePhase::Done), has(StorePhase::Unknown)) {
+    phase_letters(|phase| lifecycle::sources(event).contains(&phase.stage()))
+}
+
+/// The phase letters (`"PU"`, ...) a transition script accepts: those of the phases `accepted`
+/// takes, in the store's encoding (`StorePhase::letter`), in the order P, D, U.
+pub fn phase_letters(accepted: impl Fn(StorePhase) -> bool) -> &'static str {
+    match (accepted(StorePhase::InProgress), accepted(StorePhase::Done), accepted(StorePhase::Unknown)) {
         (true, true, true) => "PDU",
         (true, true, false) => "PD",
         (true, false, true) => "PU",

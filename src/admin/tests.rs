@@ -75,9 +75,9 @@ fn storage_keys_are_read_as_hex_or_as_the_redis_key() {
 #[test]
 fn value_headers_are_read_without_the_record() {
     for (phase, state) in [
-        (StorePhase::InProgress, KeyState::InFlight),
-        (StorePhase::Done, KeyState::Completed),
-        (StorePhase::Unknown, KeyState::OutcomeUnknown),
+        (StorePhase::InProgress, Stage::Forwarded),
+        (StorePhase::Done, Stage::Completed),
+        (StorePhase::Unknown, Stage::Unknown),
     ] {
         let seal = crate::seal::Seal::new(Some("admin-tests-record-key-0123456789abcdef"), None).unwrap();
         let bytes = value(phase, NOW + 1).encode(&StorageKey([7; 32]), &seal);
