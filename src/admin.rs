@@ -24,7 +24,9 @@ use crate::problem::ProblemKind;
 use crate::record::{Lifetimes, Record, Stage, State, StoredResponse, NOT_REPLAYED};
 use crate::request::RequestHead;
 use crate::scope::{CallerScope, StorageKey};
-use crate::store::{encode_arg, phase_letters, StorePhase, StoredValue, Transition, WhereAbsent, KEY_PREFIX};
+use crate::store::{
+    encode_arg, phase_letters, stage_letter, stage_of_letter, StoredValue, Transition, WhereAbsent, KEY_PREFIX,
+};
 
 /// Whether the store, not a proxy's local tier, settles a key the local tier refuses with
 /// `problem`: an outcome-unknown key is settled by an operator in the store (`resolve`), so
@@ -155,7 +157,7 @@ pub fn parse_header(bytes: &[u8]) -> Header {
     if bytes.len() < VALUE_HEADER_LEN || !bytes.starts_with(b"IGS1") {
         return Header::Unreadable;
     }
-    let Some(state) = bytes.get(4).and_then(|l| StorePhase::of_letter(*l)).map(StorePhase::stage) else {
+    let Some(state) = bytes.get(4).and_then(|l| stage_of_letter(*l)) else {
         return Header::Unreadable;
     };
     let owner = String::from_utf8_lossy(bytes.get(5..37).unwrap_or_default()).into_owned();
@@ -214,7 +216,7 @@ fn text(v: &[u8]) -> String {
 /// holds no raw key and no credential).
 pub fn report(skey: &StorageKey, value: &StoredValue, now_ms: u64) -> Value {
     let r = &value.record;
-    let state = value.phase.stage();
+    let state = value.phase;
     let mut m = Map::new();
     m.insert("storage_key".into(), json!(skey.hex()));
     m.insert("state".into(), json!(state_name(state)));
@@ -312,17 +314,20 @@ impl fmt::Display for Refusal {
 pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: u64) -> Result<Transition, Refusal> {
     let owner = value.owner;
     let stale = match value.phase {
-        StorePhase::InProgress if value.lock_expires_at_ms > now_ms => {
+        Stage::Claimed | Stage::Forwarded if value.lock_expires_at_ms > now_ms => {
             return Err(Refusal::InFlight { lock_expires_in_ms: value.lock_expires_at_ms - now_ms });
         }
-        StorePhase::InProgress if value.lock_expires_at_ms.saturating_add(write_window_ms) > now_ms => {
+        Stage::Claimed | Stage::Forwarded if value.lock_expires_at_ms.saturating_add(write_window_ms) > now_ms => {
             let lock_expired_ms_ago = now_ms - value.lock_expires_at_ms;
             return Err(Refusal::WritesMayLand { lock_expired_ms_ago, wait_ms: write_window_ms - lock_expired_ms_ago });
         }
-        StorePhase::InProgress => true,
-        StorePhase::Done | StorePhase::Unknown => false,
+        Stage::Claimed | Stage::Forwarded => true,
+        // A value read is never absent (`store::stage_of_letter`); were one built so, its
+        // transition expects no phase and the store changes nothing.
+        Stage::Completed | Stage::Unknown | Stage::Absent => false,
     };
-    let phases = phase_letters(|p| p == value.phase);
+    // The letter the value was read with.
+    let phases = phase_letters(|p| stage_letter(p) == stage_letter(value.phase));
     // The script re-checks a claim's lock by Redis's clock, so one that was renewed meanwhile stays.
     // A key that vanished since it was read is refused, never written anew.
     let checked = |t: Transition| Transition {
@@ -333,7 +338,7 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: 
     };
     match action {
         Settle::Forget => Ok(checked(Transition::release(owner))),
-        Settle::Release | Settle::Complete { .. } if value.phase == StorePhase::Done => Err(Refusal::Completed),
+        Settle::Release | Settle::Complete { .. } if value.phase == Stage::Completed => Err(Refusal::Completed),
         Settle::Release => Ok(checked(Transition::release(owner))),
         Settle::Complete { response, ttl_ms } => {
             let record = Record {

@@ -12,12 +12,10 @@ use crate::admin::{self, Header};
 use crate::config::StoreKind;
 use crate::etcd::{self, Fence};
 use crate::owner::OwnerToken;
-use crate::record::{Lifetimes, Record};
+use crate::record::{Lifetimes, Record, Stage};
 use crate::scope::StorageKey;
 use crate::seal::Seal;
-use crate::store::{
-    self, ClaimReply, ReadReply, Resp, StoreError, StorePhase, StoreRequest, Transition, TransitionReply,
-};
+use crate::store::{self, ClaimReply, ReadReply, Resp, StoreError, StoreRequest, Transition, TransitionReply};
 
 /// The configured store, with what its writes need.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,9 +181,7 @@ impl Backend {
     ) -> Result<TransitionReply, StoreError> {
         match self {
             Backend::Redis => store::parse_transition_reply(status, body),
-            Backend::Etcd { .. } => {
-                etcd::parse_transition_reply(status, body, Some((skey, StorePhase::InProgress, owner)))
-            }
+            Backend::Etcd { .. } => etcd::parse_transition_reply(status, body, Some((skey, Stage::Forwarded, owner))),
         }
     }
 

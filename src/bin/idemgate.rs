@@ -370,7 +370,7 @@ fn list(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
                     let local = local_now_ms();
                     match st.read(&skey, local)? {
                         (ReadReply::Found(v), _) => {
-                            (skey.hex(), v.phase.stage(), v.lock_expires_at_ms, st.backend.judged_now(local))
+                            (skey.hex(), v.phase, v.lock_expires_at_ms, st.backend.judged_now(local))
                         }
                         (ReadReply::Absent, _) => continue,
                         (ReadReply::Unreadable(_), _) => {
