@@ -333,6 +333,9 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: 
     let checked = |t: Transition| Transition {
         expected_phases: phases,
         require_stale: stale,
+        // Outside the lifecycle table (outcome-unknown to completed or absent, a stale claim
+        // freed by an operator): checked by the phase read and its stale lock.
+        event: None,
         where_absent: WhereAbsent::Refuse,
         ..t
     };

@@ -60,6 +60,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::base64::unb64;
 use crate::config::Config;
+use crate::lifecycle::{self, Facts};
 use crate::owner::OwnerToken;
 use crate::record::{Lifetimes, Record, Stage, State};
 use crate::scope::StorageKey;
@@ -523,11 +524,26 @@ fn transition_body(
         if f.value.owner != t.expected_owner {
             return Err("the fenced value is not the expected owner's".into());
         }
-        if !t.expected_phases.as_bytes().contains(&stage_letter(f.value.phase)) {
-            return Err("the fenced value is not in an expected phase".into());
-        }
-        if t.require_stale && f.value.summary(f.expires_at_ms).lock_is_live(judged_now(now_ms)) {
-            return Err("the fenced value's lock is live".into());
+        let summary = f.value.summary(f.expires_at_ms);
+        // An operator's request is judged as one whatever it carries (`operator_transition_request`).
+        match t.event.filter(|_| !always_fenced) {
+            // The decision taken on the fenced value, judged by the one transition table at
+            // `judged_now` (as Redis's script and the local tier's CAS judge theirs).
+            Some(event) => {
+                let facts = Facts::of(&summary, judged_now(now_ms), true);
+                lifecycle::next(f.value.phase, event, facts)
+                    .map_err(|r| format!("the fenced value refuses {event:?}: {r:?}"))?;
+            }
+            // An operator's settlement (outside the table): the phase read, and its lock stale
+            // when it was a claim.
+            None => {
+                if !t.expected_phases.as_bytes().contains(&stage_letter(f.value.phase)) {
+                    return Err("the fenced value is not in an expected phase".into());
+                }
+                if t.require_stale && summary.lock_is_live(judged_now(now_ms)) {
+                    return Err("the fenced value's lock is live".into());
+                }
+            }
         }
         Compare::ModRevision(keys.value.as_bytes(), f.mod_revision)
     } else {

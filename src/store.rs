@@ -512,6 +512,11 @@ pub struct Transition {
     /// `None` deletes the key.
     /// `Forwarded`, `Completed` or `Unknown` (`stage_letter`).
     pub new_phase: Option<Stage>,
+    /// The lifecycle event this transition makes (`lifecycle::next`'s row), which a store that
+    /// checks a decision before sending it (etcd's fenced transitions) judges by; `None`: an
+    /// operator's settlement (`admin::plan`), which the table does not hold and which is checked
+    /// by its expected phases and stale lock only.
+    pub event: Option<Event>,
     pub new_owner: OwnerToken,
     pub ttl_ms: u64,
     /// A new lock of this many ms from Redis's now, or none.
@@ -574,6 +579,7 @@ impl Transition {
             expected_phases: expected_phases(Event::Complete),
             require_stale: lifecycle::needs_stale_lock(Event::Complete),
             new_phase: Some(Stage::Completed),
+            event: Some(Event::Complete),
             new_owner: owner,
             ttl_ms: lifetimes.life_ms(Stage::Completed),
             lock_ms: None,
@@ -590,6 +596,7 @@ impl Transition {
             expected_phases: expected_phases(Event::Release),
             require_stale: lifecycle::needs_stale_lock(Event::Release),
             new_phase: None,
+            event: Some(Event::Release),
             new_owner: owner,
             ttl_ms: 1,
             lock_ms: None,
@@ -631,6 +638,7 @@ impl Transition {
             expected_phases: expected_phases(event),
             require_stale: lifecycle::needs_stale_lock(event),
             new_phase: Some(Stage::Unknown),
+            event: Some(event),
             new_owner: owner,
             ttl_ms: lifetimes.life_ms(Stage::Unknown),
             lock_ms: None,
@@ -664,6 +672,7 @@ impl Transition {
             expected_phases: expected_phases(event),
             require_stale: lifecycle::needs_stale_lock(event),
             new_phase: Some(Stage::Forwarded),
+            event: Some(event),
             new_owner: owner,
             ttl_ms: lifetimes.life_ms(Stage::Forwarded),
             lock_ms: Some(lifetimes.lock_ms),

@@ -411,6 +411,27 @@ fn owner_transitions_compare_the_owner_mark_and_fenced_ones_the_revision() {
     assert!(transition_request(&stale, &s, &seal(), LEASE, NOW, Some(&other)).is_err(), "another owner's value");
 }
 
+/// A non-owner's fenced transition is the lifecycle's (`lifecycle::next` on the fenced value at
+/// `judged_now`), as Redis's script and the local tier judge theirs: a claim of a value that is
+/// not free yet (a completed record before its expiry, whose lock is no claim's) is never built,
+/// nor a take-over of a completed value or an outcome-unknown mark of one.
+#[test]
+fn a_fenced_transition_is_built_only_where_the_lifecycle_allows_it() {
+    let s = skey(1);
+    let l = lifetimes();
+    let value = StoredValue { phase: Stage::Completed, owner: owner(1), lock_expires_at_ms: 0, record: completed(NOW) };
+    let fence = Fence { mod_revision: 5, value, expires_at_ms: NOW + 60_000 };
+    let claim_free = Transition::take_over(owner(1), owner(2), in_progress(owner(2), NOW), true, &l);
+    let held = transition_request(&claim_free, &s, &seal(), LEASE, NOW, Some(&fence));
+    assert!(held.unwrap_err().contains("Held"), "a completed record before its expiry holds its key");
+    let past = NOW + 60_000 + CLOCK_SKEW_TOLERANCE_MS;
+    assert!(transition_request(&claim_free, &s, &seal(), LEASE, past, Some(&fence)).is_ok(), "free");
+    let take = Transition::take_over(owner(1), owner(2), in_progress(owner(2), past), false, &l);
+    assert!(transition_request(&take, &s, &seal(), LEASE, past, Some(&fence)).unwrap_err().contains("WrongStage"));
+    let stale = Transition::stale_to_unknown(owner(1), &l);
+    assert!(transition_request(&stale, &s, &seal(), LEASE, past, Some(&fence)).unwrap_err().contains("WrongStage"));
+}
+
 /// The sequences that would execute a key twice, run through the real requests and parsers on a
 /// model of etcd's transactions.
 #[test]
@@ -451,7 +472,11 @@ fn a_lost_take_over_released_before_it_lands_never_lands() {
     for free in [false, true] {
         let s = skey(1);
         let mut e = Etcd::default();
-        let (later, fence) = stale_lock(&mut e, &s);
+        let (stale, fence) = stale_lock(&mut e, &s);
+        // A free value is claimed once it is past its expiry (`Summary::is_free`), a stale lock
+        // taken over as soon as it is stale.
+        let free_at = fence.as_ref().map_or(stale, |f| f.expires_at_ms + CLOCK_SKEW_TOLERANCE_MS);
+        let later = if free { free_at } else { stale };
         let take = Transition::take_over(owner(1), owner(2), in_progress(owner(2), later), free, &l);
         write(&mut e, &s, &Transition::release_lost(owner(2), &l), later, None);
         assert_eq!(write(&mut e, &s, &take, later, fence.as_ref()), TransitionReply::Refused, "free: {free}");
