@@ -458,4 +458,64 @@ mod tests {
         assert_eq!(Backend::of(StoreKind::Etcd, Some(5)).read_request(&skey), etcd::read_request(&skey));
         assert_eq!(Backend::Redis.read_request(&skey), store::read_request(&skey));
     }
+
+    fn bulk(b: &[u8]) -> Vec<u8> {
+        let mut out = format!("${}\r\n", b.len()).into_bytes();
+        out.extend_from_slice(b);
+        out.extend_from_slice(b"\r\n");
+        out
+    }
+
+    #[test]
+    fn a_redis_scan_step_lists_each_key_with_its_header_and_ends_at_cursor_zero() {
+        let hex = "ab".repeat(32);
+        let head = format!("IGS1P{}{:015}", "cd".repeat(16), 42);
+        let answer = |cursor: &[u8]| {
+            let mut a = b"*5\r\n".to_vec();
+            for part in [cursor, format!("idemgate:v1:{hex}").as_bytes(), head.as_bytes(), b"idemgate:v1:x", b"IGS1R"] {
+                a.extend(bulk(part));
+            }
+            a
+        };
+        let page = Backend::Redis.parse_list(Some(200), &answer(b"17"), None).unwrap();
+        let value = Header::Value { state: Stage::Forwarded, owner: "cd".repeat(16), lock_expires_at_ms: 42 };
+        assert_eq!(page.found[0], Listed::Header { hex: hex.clone(), header: value });
+        assert_eq!(page.found[1], Listed::Header { hex: "x".into(), header: Header::Tombstone });
+        assert_eq!(page.next.as_deref(), Some(&b"17"[..]));
+        assert_eq!(Backend::Redis.parse_list(Some(200), &answer(b"0"), Some(b"17")).unwrap().next, None);
+        assert_eq!(Backend::Redis.list_request(Some(b"17")), StoreRequest::command(&admin::command::scan("17", 200)));
+        assert!(Backend::Redis.parse_list(Some(403), &answer(b"0"), None).is_err());
+        assert!(Backend::Redis.parse_list(Some(200), b":1\r\n", None).is_err());
+    }
+
+    #[test]
+    fn the_operators_clock_is_redis_time_or_the_judged_local_clock() {
+        let time = [bulk(b"1700000000"), bulk(b"250000")].concat();
+        let answer = [b"*2\r\n".to_vec(), time].concat();
+        assert_eq!(Backend::Redis.parse_clock(Some(200), &answer), Ok(1_700_000_000_250));
+        assert!(matches!(Backend::Redis.parse_clock(Some(200), b":5\r\n"), Err(StoreError::Garbled(_))));
+        assert_eq!(Backend::Redis.parse_clock(Some(503), &answer), Err(StoreError::Http(503)));
+        let e = Backend::of(StoreKind::Etcd, None);
+        assert_eq!(e.clock_request(), None);
+        assert_eq!(e.judged_now(1_000_000), etcd::judged_now(1_000_000));
+        assert!(Backend::Redis.clock_request().is_some());
+    }
+
+    #[test]
+    fn an_etcd_operator_write_needs_its_fence_and_a_lease_and_redis_needs_neither() {
+        let skey = StorageKey([1; 32]);
+        let seal = Seal::new(Some("a-test-secret-of-at-least-32-bytes!!"), None).unwrap();
+        let forget = Transition {
+            event: None,
+            where_absent: store::WhereAbsent::Refuse,
+            ..Transition::release(OwnerToken([2; 16]))
+        };
+        let e = Backend::of(StoreKind::Etcd, None);
+        assert!(matches!(e.operator_transition_request(&forget, &skey, &seal, 1, None), Err(Unbuilt::Broken(_))));
+        assert_eq!(e.operator_lease_request(&forget), None, "a delete needs no lease");
+        assert!(Backend::Redis.operator_transition_request(&forget, &skey, &seal, 1, None).is_ok());
+        assert_eq!(Backend::Redis.operator_lease_request(&forget), None);
+        assert_eq!(e.with_lease(9), Backend::Etcd { lease: Some(9) });
+        assert_eq!(Backend::Redis.with_lease(9), Backend::Redis);
+    }
 }
