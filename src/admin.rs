@@ -21,10 +21,12 @@ use serde_json::{json, Map, Value};
 use crate::config::{Anonymous, ScopeConfig};
 use crate::key::parse_key;
 use crate::problem::ProblemKind;
-use crate::record::{Lifetimes, Record, State, StoredResponse, NOT_REPLAYED};
+use crate::record::{Lifetimes, Record, Stage, State, StoredResponse, NOT_REPLAYED};
 use crate::request::RequestHead;
 use crate::scope::{CallerScope, StorageKey};
-use crate::store::{encode_arg, StorePhase, StoredValue, Transition, WhereAbsent, KEY_PREFIX};
+use crate::store::{
+    encode_arg, phase_letters, stage_letter, stage_of_letter, StoredValue, Transition, WhereAbsent, KEY_PREFIX,
+};
 
 /// Whether the store, not a proxy's local tier, settles a key the local tier refuses with
 /// `problem`: an outcome-unknown key is settled by an operator in the store (`resolve`), so
@@ -111,38 +113,24 @@ pub fn storage_key_for(req: &KeyRequest) -> Result<ComputedKey, String> {
     Ok(ComputedKey { storage_key: StorageKey::derive(&req.namespace, &scope, &key), scope, refused })
 }
 
-/// A stored value's state as operators name it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KeyState {
-    InFlight,
-    Completed,
-    OutcomeUnknown,
+/// A key's stage as operators name it (`inspect`'s `state`, `list --state`): in-flight (a
+/// claim, forwarded or not), completed, outcome-unknown, absent.
+pub fn state_name(stage: Stage) -> &'static str {
+    match stage {
+        Stage::Claimed | Stage::Forwarded => "in-flight",
+        Stage::Completed => "completed",
+        Stage::Unknown => "outcome-unknown",
+        Stage::Absent => "absent",
+    }
 }
 
-impl KeyState {
-    pub fn parse(s: &str) -> Result<KeyState, String> {
-        match s {
-            "in-flight" => Ok(KeyState::InFlight),
-            "completed" => Ok(KeyState::Completed),
-            "outcome-unknown" => Ok(KeyState::OutcomeUnknown),
-            _ => Err(format!("{s:?}: expected in-flight, completed or outcome-unknown")),
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            KeyState::InFlight => "in-flight",
-            KeyState::Completed => "completed",
-            KeyState::OutcomeUnknown => "outcome-unknown",
-        }
-    }
-
-    fn of(phase: StorePhase) -> KeyState {
-        match phase {
-            StorePhase::InProgress => KeyState::InFlight,
-            StorePhase::Done => KeyState::Completed,
-            StorePhase::Unknown => KeyState::OutcomeUnknown,
-        }
+/// The stage `list --state` names: the store holds a claim as `Forwarded` only.
+pub fn parse_state(s: &str) -> Result<Stage, String> {
+    match s {
+        "in-flight" => Ok(Stage::Forwarded),
+        "completed" => Ok(Stage::Completed),
+        "outcome-unknown" => Ok(Stage::Unknown),
+        _ => Err(format!("{s:?}: expected in-flight, completed or outcome-unknown")),
     }
 }
 
@@ -150,7 +138,8 @@ impl KeyState {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Header {
     Value {
-        state: KeyState,
+        /// `Forwarded`, `Completed` or `Unknown`: the stages the store holds.
+        state: Stage,
         owner: String,
         lock_expires_at_ms: u64,
     },
@@ -168,11 +157,8 @@ pub fn parse_header(bytes: &[u8]) -> Header {
     if bytes.len() < VALUE_HEADER_LEN || !bytes.starts_with(b"IGS1") {
         return Header::Unreadable;
     }
-    let state = match bytes.get(4) {
-        Some(b'P') => KeyState::InFlight,
-        Some(b'D') => KeyState::Completed,
-        Some(b'U') => KeyState::OutcomeUnknown,
-        _ => return Header::Unreadable,
+    let Some(state) = bytes.get(4).and_then(|l| stage_of_letter(*l)) else {
+        return Header::Unreadable;
     };
     let owner = String::from_utf8_lossy(bytes.get(5..37).unwrap_or_default()).into_owned();
     let lock = std::str::from_utf8(bytes.get(37..52).unwrap_or_default()).ok().and_then(|s| s.parse::<u64>().ok());
@@ -230,10 +216,10 @@ fn text(v: &[u8]) -> String {
 /// holds no raw key and no credential).
 pub fn report(skey: &StorageKey, value: &StoredValue, now_ms: u64) -> Value {
     let r = &value.record;
-    let state = KeyState::of(value.phase);
+    let state = value.phase;
     let mut m = Map::new();
     m.insert("storage_key".into(), json!(skey.hex()));
-    m.insert("state".into(), json!(state.as_str()));
+    m.insert("state".into(), json!(state_name(state)));
     m.insert("now_ms".into(), json!(now_ms));
     m.insert("created_at_ms".into(), json!(r.created_at_ms));
     m.insert("expires_at_ms".into(), json!(r.expires_at_ms));
@@ -244,7 +230,7 @@ pub fn report(skey: &StorageKey, value: &StoredValue, now_ms: u64) -> Value {
     let logged: Map<String, Value> = r.creator.log_values.iter().map(|(n, v)| (n.clone(), json!(v))).collect();
     creator.insert("logged_headers".into(), Value::Object(logged));
     m.insert("creator".into(), Value::Object(creator));
-    if state == KeyState::InFlight {
+    if state == Stage::Forwarded {
         let live = value.lock_expires_at_ms > now_ms;
         m.insert("lock_expires_at_ms".into(), json!(value.lock_expires_at_ms));
         m.insert("lock".into(), json!(if live { "live" } else { "expired" }));
@@ -328,28 +314,34 @@ impl fmt::Display for Refusal {
 pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: u64) -> Result<Transition, Refusal> {
     let owner = value.owner;
     let stale = match value.phase {
-        StorePhase::InProgress if value.lock_expires_at_ms > now_ms => {
+        Stage::Claimed | Stage::Forwarded if value.lock_expires_at_ms > now_ms => {
             return Err(Refusal::InFlight { lock_expires_in_ms: value.lock_expires_at_ms - now_ms });
         }
-        StorePhase::InProgress if value.lock_expires_at_ms.saturating_add(write_window_ms) > now_ms => {
+        Stage::Claimed | Stage::Forwarded if value.lock_expires_at_ms.saturating_add(write_window_ms) > now_ms => {
             let lock_expired_ms_ago = now_ms - value.lock_expires_at_ms;
             return Err(Refusal::WritesMayLand { lock_expired_ms_ago, wait_ms: write_window_ms - lock_expired_ms_ago });
         }
-        StorePhase::InProgress => true,
-        StorePhase::Done | StorePhase::Unknown => false,
+        Stage::Claimed | Stage::Forwarded => true,
+        // A value read is never absent (`store::stage_of_letter`); were one built so, its
+        // transition expects no phase and the store changes nothing.
+        Stage::Completed | Stage::Unknown | Stage::Absent => false,
     };
-    let phases = phase_letters(value.phase);
+    // The letter the value was read with.
+    let phases = phase_letters(|p| stage_letter(p) == stage_letter(value.phase));
     // The script re-checks a claim's lock by Redis's clock, so one that was renewed meanwhile stays.
     // A key that vanished since it was read is refused, never written anew.
     let checked = |t: Transition| Transition {
         expected_phases: phases,
         require_stale: stale,
+        // Outside the lifecycle table (outcome-unknown to completed or absent, a stale claim
+        // freed by an operator): checked by the phase read and its stale lock.
+        event: None,
         where_absent: WhereAbsent::Refuse,
         ..t
     };
     match action {
         Settle::Forget => Ok(checked(Transition::release(owner))),
-        Settle::Release | Settle::Complete { .. } if value.phase == StorePhase::Done => Err(Refusal::Completed),
+        Settle::Release | Settle::Complete { .. } if value.phase == Stage::Completed => Err(Refusal::Completed),
         Settle::Release => Ok(checked(Transition::release(owner))),
         Settle::Complete { response, ttl_ms } => {
             let record = Record {
@@ -363,14 +355,6 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: 
             let lives = Lifetimes { ttl_ms: *ttl_ms, lock_ms: 0, unknown_ms: 0 };
             Ok(checked(Transition::complete(owner, record, &lives)))
         }
-    }
-}
-
-fn phase_letters(p: StorePhase) -> &'static str {
-    match p {
-        StorePhase::InProgress => "P",
-        StorePhase::Done => "D",
-        StorePhase::Unknown => "U",
     }
 }
 

@@ -1,16 +1,21 @@
 //! The one store interface: which protocol the configured store speaks (`store.kind`), Redis
 //! through webdis (`crate::store`) or etcd v3 (`crate::etcd`), and for each of claim, read and
-//! transition the request it builds and how its answer is read. The filter's glue and the
-//! operator CLI call these without asking which store it is; the requests and the parsing are
-//! those of `store` and `etcd`, unchanged.
+//! transition the request it builds and how its answer is read; and the operator's side (the
+//! clock an operator's judgement uses, a fenced read, the store's own view of a key, listing,
+//! the lease and the transition of `admin::plan`'s release, complete and forget). The filter's
+//! glue and the operator CLI call these without asking which store it is; the requests and the
+//! parsing are those of `store`, `etcd` and `admin::command`, unchanged.
 
+use serde_json::Value;
+
+use crate::admin::{self, Header};
 use crate::config::StoreKind;
 use crate::etcd::{self, Fence};
 use crate::owner::OwnerToken;
-use crate::record::{Lifetimes, Record};
+use crate::record::{Lifetimes, Record, Stage};
 use crate::scope::StorageKey;
 use crate::seal::Seal;
-use crate::store::{self, ClaimReply, ReadReply, StoreError, StorePhase, StoreRequest, Transition, TransitionReply};
+use crate::store::{self, ClaimReply, ReadReply, Resp, StoreError, StoreRequest, Transition, TransitionReply};
 
 /// The configured store, with what its writes need.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,9 +181,7 @@ impl Backend {
     ) -> Result<TransitionReply, StoreError> {
         match self {
             Backend::Redis => store::parse_transition_reply(status, body),
-            Backend::Etcd { .. } => {
-                etcd::parse_transition_reply(status, body, Some((skey, StorePhase::InProgress, owner)))
-            }
+            Backend::Etcd { .. } => etcd::parse_transition_reply(status, body, Some((skey, Stage::Forwarded, owner))),
         }
     }
 
@@ -207,6 +210,239 @@ impl Backend {
     }
 }
 
+/// One page of a listing of the store's keys (`Backend::list_request`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listing {
+    pub found: Vec<Listed>,
+    /// Where the next page starts; `None`: the listing is over.
+    pub next: Option<Vec<u8>>,
+}
+
+/// A key a listing found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Listed {
+    /// A key and its value's header, read together (Redis: `GETRANGE` in the scan): judged
+    /// without reading the record. `hex`: the key as stored, without its prefix.
+    Header { hex: String, header: Header },
+    /// A key alone (etcd: a page of key names, never of values): its value is read to judge it.
+    Key(StorageKey),
+}
+
+/// How many keys one step of a Redis scan asks for.
+const SCAN_COUNT: u32 = 200;
+
+/// The operator's side of the interface: what `idemgate inspect`, `list`, `resolve` and `forget`
+/// send and how they read the answers.
+impl Backend {
+    /// The request that reads the clock an operator's judgement uses, when it is the store's:
+    /// Redis's `TIME` (every lock is judged by it, as the filter's scripts do). `None` where the
+    /// operator's own clock is used (etcd: `judged_now`, as the filter does).
+    pub fn clock_request(&self) -> Option<StoreRequest> {
+        match self {
+            Backend::Redis => Some(StoreRequest::command(&admin::command::time())),
+            Backend::Etcd { .. } => None,
+        }
+    }
+
+    /// The answer to `clock_request`, in ms.
+    pub fn parse_clock(&self, status: Option<u16>, body: &[u8]) -> Result<u64, StoreError> {
+        match command_answer(status, body)? {
+            Resp::Array(Some(items)) => {
+                let parts: Vec<Vec<u8>> = items
+                    .iter()
+                    .filter_map(|i| if let Resp::Bulk(Some(b)) = i { Some(b.clone()) } else { None })
+                    .collect();
+                admin::time_ms(&parts).ok_or_else(|| StoreError::Garbled(format!("unexpected TIME answer: {items:?}")))
+            }
+            other => Err(StoreError::Garbled(format!("unexpected TIME answer: {other:?}"))),
+        }
+    }
+
+    /// The time an operator's judgement uses when the operator's clock reads `local_now_ms` and
+    /// `clock_request` is `None` (etcd: `judged_now`, the clock taken the skew tolerance behind).
+    pub fn judged_now(&self, local_now_ms: u64) -> u64 {
+        match self {
+            Backend::Redis => local_now_ms,
+            Backend::Etcd { .. } => etcd::judged_now(local_now_ms),
+        }
+    }
+
+    /// The answer to `read_request` as an operator reads it, at `local_now_ms` on the operator's
+    /// clock: the value and, with etcd, the `Fence` an operator's transition is decided on.
+    pub fn parse_fenced_read(
+        &self,
+        status: Option<u16>,
+        body: &[u8],
+        skey: &StorageKey,
+        seal: &Seal,
+        local_now_ms: u64,
+    ) -> Result<(ReadReply, Option<Fence>), StoreError> {
+        match self {
+            Backend::Redis => store::parse_read_reply(status, body, skey, seal).map(|r| (r, None)),
+            Backend::Etcd { .. } => etcd::parse_fenced_read(status, body, skey, seal, local_now_ms),
+        }
+    }
+
+    /// The request for what the store itself says of a key beside its value, when a read does
+    /// not say it (Redis: the key's `PTTL`).
+    pub fn inspect_request(&self, skey: &StorageKey) -> Option<StoreRequest> {
+        match self {
+            Backend::Redis => Some(StoreRequest::command(&admin::command::pttl(&store::redis_key(skey)))),
+            Backend::Etcd { .. } => None,
+        }
+    }
+
+    /// The fields `inspect` adds to `admin::report`: the store's own lifetime of the key (Redis:
+    /// `store_ttl_ms` from `inspect_request`'s `answer`; etcd: the value's expiry by its writer's
+    /// clock and its `mod_revision`, from the read's `fence`).
+    pub fn store_fields(
+        &self,
+        fence: Option<&Fence>,
+        answer: Option<(Option<u16>, &[u8])>,
+    ) -> Result<Vec<(&'static str, Value)>, StoreError> {
+        match self {
+            Backend::Redis => match answer {
+                Some((status, body)) => match command_answer(status, body)? {
+                    Resp::Integer(ms) => Ok(vec![("store_ttl_ms", ms.into())]),
+                    _ => Ok(vec![]),
+                },
+                None => Ok(vec![]),
+            },
+            Backend::Etcd { .. } => Ok(fence
+                .map(|f| {
+                    vec![("store_expires_at_ms", f.expires_at_ms.into()), ("store_mod_revision", f.mod_revision.into())]
+                })
+                .unwrap_or_default()),
+        }
+    }
+
+    /// One page of the store's idemgate keys, from `cursor` (`None`: the first page): never a
+    /// command that blocks the store, never an unbounded range. Redis: a `SCAN` step with each
+    /// value's header (`admin::command::scan`); etcd: a page of at most `etcd::LIST_PAGE_MAX`
+    /// key names.
+    pub fn list_request(&self, cursor: Option<&[u8]>) -> StoreRequest {
+        match self {
+            Backend::Redis => {
+                let cursor = cursor.map_or_else(|| "0".to_string(), |c| String::from_utf8_lossy(c).into_owned());
+                StoreRequest::command(&admin::command::scan(&cursor, SCAN_COUNT))
+            }
+            Backend::Etcd { .. } => etcd::list_page_request(cursor, etcd::LIST_PAGE_MAX),
+        }
+    }
+
+    /// The answer to `list_request(cursor)`.
+    pub fn parse_list(&self, status: Option<u16>, body: &[u8], cursor: Option<&[u8]>) -> Result<Listing, StoreError> {
+        match self {
+            Backend::Redis => {
+                let garbled = || StoreError::Garbled("unexpected SCAN answer".into());
+                let Resp::Array(Some(items)) = command_answer(status, body)? else { return Err(garbled()) };
+                let Some((Resp::Bulk(Some(next)), found)) = items.split_first() else { return Err(garbled()) };
+                let mut out = vec![];
+                for pair in found.chunks(2) {
+                    let [Resp::Bulk(Some(k)), Resp::Bulk(Some(head))] = pair else { continue };
+                    let k = String::from_utf8_lossy(k).into_owned();
+                    let hex = k.strip_prefix(store::KEY_PREFIX).unwrap_or(&k).to_string();
+                    out.push(Listed::Header { hex, header: admin::parse_header(head) });
+                }
+                let next = Some(next.clone()).filter(|n| n.as_slice() != b"0");
+                Ok(Listing { found: out, next })
+            }
+            Backend::Etcd { .. } => {
+                let page = etcd::parse_list_page(status, body, cursor, etcd::LIST_PAGE_MAX)?;
+                Ok(Listing { found: page.keys.into_iter().map(Listed::Key).collect(), next: page.next })
+            }
+        }
+    }
+
+    /// The lease an operator's transition `t` writes with, to be granted before it is built:
+    /// `(request, ttl_seconds)` for etcd when `t` writes a value; `None` when none is needed.
+    pub fn operator_lease_request(&self, t: &Transition) -> Option<(StoreRequest, u64)> {
+        match self {
+            Backend::Etcd { .. } if t.new_phase.is_some() => {
+                let ttl = etcd::operator_lease_ttl_seconds(t.ttl_ms);
+                Some((etcd::lease_grant_request(ttl), ttl))
+            }
+            _ => None,
+        }
+    }
+
+    /// The lease granted by the answer to `operator_lease_request`'s request of `ttl_seconds`.
+    pub fn parse_lease(&self, status: Option<u16>, body: &[u8], ttl_seconds: u64) -> Result<i64, StoreError> {
+        etcd::parse_lease_grant(status, body, ttl_seconds)
+    }
+
+    /// This store writing with `lease` (etcd; Redis needs none).
+    pub fn with_lease(self, lease: i64) -> Backend {
+        match self {
+            Backend::Redis => Backend::Redis,
+            Backend::Etcd { .. } => Backend::Etcd { lease: Some(lease) },
+        }
+    }
+
+    /// An operator's transition (`admin::plan`'s) as one request, checked against the value it
+    /// was decided on: Redis's script re-checks owner, phase and lock; etcd's transaction compares
+    /// the `fence` read (its `mod_revision`), with times from `local_now_ms`.
+    pub fn operator_transition_request(
+        &self,
+        t: &Transition,
+        skey: &StorageKey,
+        seal: &Seal,
+        local_now_ms: u64,
+        fence: Option<&Fence>,
+    ) -> Result<StoreRequest, Unbuilt> {
+        match *self {
+            Backend::Redis => Ok(t.request(skey, seal)),
+            Backend::Etcd { lease } => {
+                let Some(fence) = fence else {
+                    return Err(Unbuilt::Broken("store: a value read without its revision".into()));
+                };
+                let lease = match (t.new_phase, lease) {
+                    (Some(_), None) => return Err(Unbuilt::NoLease),
+                    (_, lease) => lease.unwrap_or(0),
+                };
+                etcd::operator_transition_request(t, skey, seal, lease, local_now_ms, fence).map_err(Unbuilt::Broken)
+            }
+        }
+    }
+
+    /// `request` once more when its answer says nothing ran because the store lost its script
+    /// (Redis's `NOSCRIPT` after a restart, a failover, `SCRIPT FLUSH`): with the script in full,
+    /// which also loads it. `None` otherwise.
+    pub fn resend(&self, request: &StoreRequest, status: Option<u16>, body: &[u8]) -> Option<StoreRequest> {
+        match self {
+            Backend::Redis if store::parse_transition_reply(status, body) == Ok(TransitionReply::NoScript) => {
+                request.with_script()
+            }
+            _ => None,
+        }
+    }
+
+    /// The answer to an operator's transition `t` of `skey` (etcd: a write must echo what it wrote).
+    pub fn parse_operator_transition(
+        &self,
+        status: Option<u16>,
+        body: &[u8],
+        t: &Transition,
+        skey: &StorageKey,
+    ) -> Result<TransitionReply, StoreError> {
+        match self {
+            Backend::Redis => store::parse_transition_reply(status, body),
+            Backend::Etcd { .. } => {
+                etcd::parse_transition_reply(status, body, t.new_phase.map(|p| (skey, p, &t.new_owner)))
+            }
+        }
+    }
+}
+
+/// webdis's answer to a command (`StoreRequest::command`) as a RESP value.
+fn command_answer(status: Option<u16>, body: &[u8]) -> Result<Resp, StoreError> {
+    match status {
+        Some(200) => store::parse_resp(body),
+        Some(s) => Err(StoreError::Http(s)),
+        None => Err(StoreError::NoAnswer),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,5 +457,65 @@ mod tests {
         assert!(Backend::of(StoreKind::Redis, None).transition_request(&t, &skey, &seal, 1, None).is_ok());
         assert_eq!(Backend::of(StoreKind::Etcd, Some(5)).read_request(&skey), etcd::read_request(&skey));
         assert_eq!(Backend::Redis.read_request(&skey), store::read_request(&skey));
+    }
+
+    fn bulk(b: &[u8]) -> Vec<u8> {
+        let mut out = format!("${}\r\n", b.len()).into_bytes();
+        out.extend_from_slice(b);
+        out.extend_from_slice(b"\r\n");
+        out
+    }
+
+    #[test]
+    fn a_redis_scan_step_lists_each_key_with_its_header_and_ends_at_cursor_zero() {
+        let hex = "ab".repeat(32);
+        let head = format!("IGS1P{}{:015}", "cd".repeat(16), 42);
+        let answer = |cursor: &[u8]| {
+            let mut a = b"*5\r\n".to_vec();
+            for part in [cursor, format!("idemgate:v1:{hex}").as_bytes(), head.as_bytes(), b"idemgate:v1:x", b"IGS1R"] {
+                a.extend(bulk(part));
+            }
+            a
+        };
+        let page = Backend::Redis.parse_list(Some(200), &answer(b"17"), None).unwrap();
+        let value = Header::Value { state: Stage::Forwarded, owner: "cd".repeat(16), lock_expires_at_ms: 42 };
+        assert_eq!(page.found[0], Listed::Header { hex: hex.clone(), header: value });
+        assert_eq!(page.found[1], Listed::Header { hex: "x".into(), header: Header::Tombstone });
+        assert_eq!(page.next.as_deref(), Some(&b"17"[..]));
+        assert_eq!(Backend::Redis.parse_list(Some(200), &answer(b"0"), Some(b"17")).unwrap().next, None);
+        assert_eq!(Backend::Redis.list_request(Some(b"17")), StoreRequest::command(&admin::command::scan("17", 200)));
+        assert!(Backend::Redis.parse_list(Some(403), &answer(b"0"), None).is_err());
+        assert!(Backend::Redis.parse_list(Some(200), b":1\r\n", None).is_err());
+    }
+
+    #[test]
+    fn the_operators_clock_is_redis_time_or_the_judged_local_clock() {
+        let time = [bulk(b"1700000000"), bulk(b"250000")].concat();
+        let answer = [b"*2\r\n".to_vec(), time].concat();
+        assert_eq!(Backend::Redis.parse_clock(Some(200), &answer), Ok(1_700_000_000_250));
+        assert!(matches!(Backend::Redis.parse_clock(Some(200), b":5\r\n"), Err(StoreError::Garbled(_))));
+        assert_eq!(Backend::Redis.parse_clock(Some(503), &answer), Err(StoreError::Http(503)));
+        let e = Backend::of(StoreKind::Etcd, None);
+        assert_eq!(e.clock_request(), None);
+        assert_eq!(e.judged_now(1_000_000), etcd::judged_now(1_000_000));
+        assert!(Backend::Redis.clock_request().is_some());
+    }
+
+    #[test]
+    fn an_etcd_operator_write_needs_its_fence_and_a_lease_and_redis_needs_neither() {
+        let skey = StorageKey([1; 32]);
+        let seal = Seal::new(Some("a-test-secret-of-at-least-32-bytes!!"), None).unwrap();
+        let forget = Transition {
+            event: None,
+            where_absent: store::WhereAbsent::Refuse,
+            ..Transition::release(OwnerToken([2; 16]))
+        };
+        let e = Backend::of(StoreKind::Etcd, None);
+        assert!(matches!(e.operator_transition_request(&forget, &skey, &seal, 1, None), Err(Unbuilt::Broken(_))));
+        assert_eq!(e.operator_lease_request(&forget), None, "a delete needs no lease");
+        assert!(Backend::Redis.operator_transition_request(&forget, &skey, &seal, 1, None).is_ok());
+        assert_eq!(Backend::Redis.operator_lease_request(&forget), None);
+        assert_eq!(e.with_lease(9), Backend::Etcd { lease: Some(9) });
+        assert_eq!(Backend::Redis.with_lease(9), Backend::Redis);
     }
 }

@@ -60,13 +60,14 @@ use serde::{Deserialize, Deserializer};
 
 use crate::base64::unb64;
 use crate::config::Config;
+use crate::lifecycle::{self, Facts};
 use crate::owner::OwnerToken;
 use crate::record::{Lifetimes, Record, Stage, State};
 use crate::scope::StorageKey;
 use crate::seal::Seal;
 use crate::store::{
-    ClaimReply, ReadReply, StoreError, StorePhase, StoreRequest, StoredValue, Transition, TransitionReply, ValueError,
-    WhereAbsent,
+    stage_letter, stage_of_letter, ClaimReply, ReadReply, StoreError, StoreRequest, StoredValue, Transition,
+    TransitionReply, ValueError, WhereAbsent,
 };
 
 /// Prefix of every etcd key idemgate writes (the namespace is inside the hashed storage key).
@@ -131,26 +132,9 @@ pub fn judged_now(local_now_ms: u64) -> u64 {
     local_now_ms.saturating_sub(CLOCK_SKEW_TOLERANCE_MS)
 }
 
-fn letter(phase: StorePhase) -> u8 {
-    match phase {
-        StorePhase::InProgress => b'P',
-        StorePhase::Done => b'D',
-        StorePhase::Unknown => b'U',
-    }
-}
-
-fn phase_of(letter: u8) -> Option<StorePhase> {
-    match letter {
-        b'P' => Some(StorePhase::InProgress),
-        b'D' => Some(StorePhase::Done),
-        b'U' => Some(StorePhase::Unknown),
-        _ => None,
-    }
-}
-
 /// The owner mark: the phase letter and the owner token's hex.
-pub fn owner_mark(phase: StorePhase, owner: &OwnerToken) -> [u8; 33] {
-    let mut m = [letter(phase); 33];
+pub fn owner_mark(phase: Stage, owner: &OwnerToken) -> [u8; 33] {
+    let mut m = [stage_letter(phase); 33];
     for (slot, digit) in m.iter_mut().skip(1).zip(crate::hex::digits(&owner.0)) {
         *slot = digit;
     }
@@ -176,7 +160,7 @@ pub fn encode_value(v: &StoredValue, expires_at_ms: u64, skey: &StorageKey, seal
 
 /// `encode_value` of its parts, at the etcd key `key`.
 fn seal_value(
-    phase: StorePhase,
+    phase: Stage,
     owner: &OwnerToken,
     lock_expires_at_ms: u64,
     record: &Record,
@@ -216,13 +200,13 @@ pub fn open_value(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<(StoredVal
     if body.len() < HEADER_LEN {
         return Err(bad("short header"));
     }
-    let phase = body.first().copied().and_then(phase_of).ok_or_else(|| bad("unknown phase"))?;
+    let phase = body.first().copied().and_then(stage_of_letter).ok_or_else(|| bad("unknown phase"))?;
     let owner = body.get(1..33).and_then(crate::hex::decode::<16>).ok_or_else(|| bad("owner"))?;
     let lock = digits15(body.get(33..48)).ok_or_else(|| bad("lock expiry"))?;
     let expires = digits15(body.get(48..63)).ok_or_else(|| bad("expiry"))?;
     let record = Record::decode(body.get(HEADER_LEN..).unwrap_or_default()).map_err(|e| bad(&e.to_string()))?;
     let completed = matches!(record.state, State::Completed(_) | State::CompletedTooLarge { .. });
-    if phase == StorePhase::Done && !completed {
+    if phase == Stage::Completed && !completed {
         return Err(bad("completed phase without a completed record"));
     }
     Ok((StoredValue { phase, owner: OwnerToken(owner), lock_expires_at_ms: lock, record }, expires))
@@ -405,7 +389,7 @@ impl Keys {
 
 /// A value a transaction writes (`encode_value` of its parts), its record borrowed.
 struct NewValue<'a> {
-    phase: StorePhase,
+    phase: Stage,
     owner: OwnerToken,
     lock_expires_at_ms: u64,
     record: &'a Record,
@@ -439,7 +423,7 @@ pub fn claim_request(
     now_ms: u64,
 ) -> StoreRequest {
     let value = NewValue {
-        phase: StorePhase::InProgress,
+        phase: Stage::Forwarded,
         owner: *owner,
         lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
         record,
@@ -540,11 +524,26 @@ fn transition_body(
         if f.value.owner != t.expected_owner {
             return Err("the fenced value is not the expected owner's".into());
         }
-        if !t.expected_phases.as_bytes().contains(&letter(f.value.phase)) {
-            return Err("the fenced value is not in an expected phase".into());
-        }
-        if t.require_stale && f.value.summary(f.expires_at_ms).lock_is_live(judged_now(now_ms)) {
-            return Err("the fenced value's lock is live".into());
+        let summary = f.value.summary(f.expires_at_ms);
+        // An operator's request is judged as one whatever it carries (`operator_transition_request`).
+        match t.event.filter(|_| !always_fenced) {
+            // The decision taken on the fenced value, judged by the one transition table at
+            // `judged_now` (as Redis's script and the local tier's CAS judge theirs).
+            Some(event) => {
+                let facts = Facts::of(&summary, judged_now(now_ms), true);
+                lifecycle::next(f.value.phase, event, facts)
+                    .map_err(|r| format!("the fenced value refuses {event:?}: {r:?}"))?;
+            }
+            // An operator's settlement (outside the table): the phase read, and its lock stale
+            // when it was a claim.
+            None => {
+                if !t.expected_phases.as_bytes().contains(&stage_letter(f.value.phase)) {
+                    return Err("the fenced value is not in an expected phase".into());
+                }
+                if t.require_stale && summary.lock_is_live(judged_now(now_ms)) {
+                    return Err("the fenced value's lock is live".into());
+                }
+            }
         }
         Compare::ModRevision(keys.value.as_bytes(), f.mod_revision)
     } else {
@@ -552,7 +551,7 @@ fn transition_body(
         let [phase] = t.expected_phases.as_bytes() else {
             return Err(format!("an owner's transition expects one phase, not {:?}", t.expected_phases));
         };
-        let phase = phase_of(*phase).ok_or("an unknown expected phase")?;
+        let phase = stage_of_letter(*phase).ok_or("an unknown expected phase")?;
         expected_mark = owner_mark(phase, &t.expected_owner);
         Compare::Value(keys.owner.as_bytes(), &expected_mark)
     };
@@ -1085,7 +1084,7 @@ pub fn parse_claim_reply(
     }
     let now_ms = judged_now(local_now_ms);
     if a.succeeded {
-        writes_echo(&a.responses, skey, Some(&owner_mark(StorePhase::InProgress, owner)))?;
+        writes_echo(&a.responses, skey, Some(&owner_mark(Stage::Forwarded, owner)))?;
         return Ok((ClaimReply::Claimed { now_ms }, None));
     }
     let [op] = a.responses.as_slice() else { return Err(garbled("etcd claim answer shape")) };
@@ -1113,7 +1112,7 @@ pub fn parse_claim_reply(
 pub fn parse_transition_reply(
     status: Option<u16>,
     body: &[u8],
-    echo: Option<(&StorageKey, StorePhase, &OwnerToken)>,
+    echo: Option<(&StorageKey, Stage, &OwnerToken)>,
 ) -> Result<TransitionReply, StoreError> {
     let a: TxnAnswer = json_answer(status, body)?;
     if !has_revision(&a.header) {

@@ -178,51 +178,35 @@ impl Script {
     }
 }
 
-/// A record's phase in the store.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StorePhase {
-    /// Forwarded (or about to be): the request may execute.
-    InProgress,
-    /// Completed: the record holds the response (or its status and location).
-    Done,
-    /// May have executed; no response.
-    Unknown,
+/// The store's encoding of a stage (`record::Stage`): the letter a value's header, a transition's
+/// arguments and etcd's owner mark carry. The store holds three stages: `Forwarded` (`P`), `Completed`
+/// (`D`), `Unknown` (`U`). It holds no never-forwarded claim (its claim script enters `Forwarded` at
+/// once), so a `Claimed` stage is written as the claim it is, `P`; `Absent` is `X`, the letter a
+/// transition that deletes the key carries and which no reader accepts as a value's.
+pub fn stage_letter(stage: Stage) -> u8 {
+    match stage {
+        Stage::Claimed | Stage::Forwarded => b'P',
+        Stage::Completed => b'D',
+        Stage::Unknown => b'U',
+        Stage::Absent => b'X',
+    }
 }
 
-impl StorePhase {
-    /// The store's encoding of a live stage of the lifecycle. `Claimed` has none: the store holds
-    /// no never-forwarded claim (its claim script enters `Forwarded` at once).
-    pub fn of(stage: Stage) -> Option<StorePhase> {
-        match stage {
-            Stage::Forwarded => Some(StorePhase::InProgress),
-            Stage::Completed => Some(StorePhase::Done),
-            Stage::Unknown => Some(StorePhase::Unknown),
-            Stage::Absent | Stage::Claimed => None,
-        }
-    }
-
-    /// The stage of the lifecycle this phase encodes.
-    pub fn stage(self) -> Stage {
-        match self {
-            StorePhase::InProgress => Stage::Forwarded,
-            StorePhase::Done => Stage::Completed,
-            StorePhase::Unknown => Stage::Unknown,
-        }
-    }
-
-    fn letter(self) -> u8 {
-        match self {
-            StorePhase::InProgress => b'P',
-            StorePhase::Done => b'D',
-            StorePhase::Unknown => b'U',
-        }
+/// The stage a value's letter encodes (`stage_letter`'s inverse over the stages the store holds).
+pub fn stage_of_letter(letter: u8) -> Option<Stage> {
+    match letter {
+        b'P' => Some(Stage::Forwarded),
+        b'D' => Some(Stage::Completed),
+        b'U' => Some(Stage::Unknown),
+        _ => None,
     }
 }
 
 /// A value read from the store.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoredValue {
-    pub phase: StorePhase,
+    /// `Forwarded`, `Completed` or `Unknown`: the stages the store holds (`stage_of_letter`).
+    pub phase: Stage,
     pub owner: OwnerToken,
     /// By Redis's clock.
     pub lock_expires_at_ms: u64,
@@ -235,9 +219,13 @@ impl StoredValue {
     /// `expires_at_ms` was computed by the clock of whichever proxy wrote it: never used here.
     pub fn summary(&self, expires_at_ms: u64) -> Summary {
         let phase = match self.phase {
-            StorePhase::InProgress => Phase::InProgress { lock_expires_at_ms: self.lock_expires_at_ms },
-            StorePhase::Done => Phase::Completed,
-            StorePhase::Unknown => Phase::Unknown,
+            // As it reads back: the store holds a claim as forwarded (`stage_letter`).
+            Stage::Claimed | Stage::Forwarded => Phase::InProgress { lock_expires_at_ms: self.lock_expires_at_ms },
+            Stage::Completed => Phase::Completed,
+            Stage::Unknown => Phase::Unknown,
+            // No value read is absent (`stage_of_letter`); were one built so, it is judged as
+            // outcome-unknown: never executed again, never replayed.
+            Stage::Absent => Phase::Unknown,
         };
         Summary { fingerprint: Some(self.record.fingerprint), expires_at_ms, phase }
     }
@@ -261,7 +249,7 @@ impl StoredValue {
     pub fn encode(&self, skey: &StorageKey, seal: &Seal) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER_LEN + 64);
         out.extend_from_slice(VALUE_MAGIC);
-        out.push(self.phase.letter());
+        out.push(stage_letter(self.phase));
         out.extend_from_slice(self.owner.hex().as_bytes());
         out.extend_from_slice(format!("{:015}", self.lock_expires_at_ms % 1_000_000_000_000_000).as_bytes());
         out.extend_from_slice(&seal.seal(&redis_key(skey), &self.record.encode()));
@@ -276,11 +264,8 @@ impl StoredValue {
         if v.len() < HEADER_LEN || !v.starts_with(VALUE_MAGIC) {
             return Err(bad("no idemgate header"));
         }
-        let phase = match v.get(4) {
-            Some(b'P') => StorePhase::InProgress,
-            Some(b'D') => StorePhase::Done,
-            Some(b'U') => StorePhase::Unknown,
-            _ => return Err(bad("unknown phase")),
+        let Some(phase) = v.get(4).and_then(|l| stage_of_letter(*l)) else {
+            return Err(bad("unknown phase"));
         };
         let owner = crate::hex::decode::<16>(v.get(5..37).unwrap_or_default()).ok_or_else(|| bad("owner"))?;
         let lock = std::str::from_utf8(v.get(37..52).unwrap_or_default())
@@ -292,7 +277,7 @@ impl StoredValue {
             seal.open(&redis_key(skey), v.get(HEADER_LEN..).unwrap_or_default()).map_err(ValueError::Unauthentic)?;
         let record = Record::decode(record).map_err(|e| bad(&e.to_string()))?;
         let completed = matches!(record.state, State::Completed(_) | State::CompletedTooLarge { .. });
-        if phase == StorePhase::Done && !completed {
+        if phase == Stage::Completed && !completed {
             return Err(bad("completed phase without a completed record"));
         }
         Ok(StoredValue { phase, owner: OwnerToken(owner), lock_expires_at_ms: lock, record })
@@ -497,8 +482,13 @@ pub fn parse_read_reply(
 /// The phase letters the transition script must find for `event`: the stages the lifecycle lets
 /// it leave (`lifecycle::sources`), in the store's encoding.
 fn expected_phases(event: Event) -> &'static str {
-    let has = |phase: StorePhase| lifecycle::sources(event).iter().any(|s| StorePhase::of(*s) == Some(phase));
-    match (has(StorePhase::InProgress), has(StorePhase::Done), has(StorePhase::Unknown)) {
+    phase_letters(|stage| lifecycle::sources(event).contains(&stage))
+}
+
+/// The phase letters (`"PU"`, ...) a transition script accepts: those of the stages the store
+/// holds that `accepted` takes, in the store's encoding (`stage_letter`), in the order P, D, U.
+pub fn phase_letters(accepted: impl Fn(Stage) -> bool) -> &'static str {
+    match (accepted(Stage::Forwarded), accepted(Stage::Completed), accepted(Stage::Unknown)) {
         (true, true, true) => "PDU",
         (true, true, false) => "PD",
         (true, false, true) => "PU",
@@ -520,7 +510,13 @@ pub struct Transition {
     /// Only if the stored lock has expired by Redis's clock.
     pub require_stale: bool,
     /// `None` deletes the key.
-    pub new_phase: Option<StorePhase>,
+    /// `Forwarded`, `Completed` or `Unknown` (`stage_letter`).
+    pub new_phase: Option<Stage>,
+    /// The lifecycle event this transition makes (`lifecycle::next`'s row), which a store that
+    /// checks a decision before sending it (etcd's fenced transitions) judges by; `None`: an
+    /// operator's settlement (`admin::plan`), which the table does not hold and which is checked
+    /// by its expected phases and stale lock only.
+    pub event: Option<Event>,
     pub new_owner: OwnerToken,
     pub ttl_ms: u64,
     /// A new lock of this many ms from Redis's now, or none.
@@ -582,7 +578,8 @@ impl Transition {
             expected_owner: owner,
             expected_phases: expected_phases(Event::Complete),
             require_stale: lifecycle::needs_stale_lock(Event::Complete),
-            new_phase: Some(StorePhase::Done),
+            new_phase: Some(Stage::Completed),
+            event: Some(Event::Complete),
             new_owner: owner,
             ttl_ms: lifetimes.life_ms(Stage::Completed),
             lock_ms: None,
@@ -599,6 +596,7 @@ impl Transition {
             expected_phases: expected_phases(Event::Release),
             require_stale: lifecycle::needs_stale_lock(Event::Release),
             new_phase: None,
+            event: Some(Event::Release),
             new_owner: owner,
             ttl_ms: 1,
             lock_ms: None,
@@ -639,7 +637,8 @@ impl Transition {
             expected_owner: owner,
             expected_phases: expected_phases(event),
             require_stale: lifecycle::needs_stale_lock(event),
-            new_phase: Some(StorePhase::Unknown),
+            new_phase: Some(Stage::Unknown),
+            event: Some(event),
             new_owner: owner,
             ttl_ms: lifetimes.life_ms(Stage::Unknown),
             lock_ms: None,
@@ -672,7 +671,8 @@ impl Transition {
             expected_owner: stale_owner,
             expected_phases: expected_phases(event),
             require_stale: lifecycle::needs_stale_lock(event),
-            new_phase: Some(StorePhase::InProgress),
+            new_phase: Some(Stage::Forwarded),
+            event: Some(event),
             new_owner: owner,
             ttl_ms: lifetimes.life_ms(Stage::Forwarded),
             lock_ms: Some(lifetimes.lock_ms),
@@ -684,7 +684,7 @@ impl Transition {
 
     /// The script's ARGV before the record (the record, or `-`, is the last argument).
     fn args(&self) -> Vec<Vec<u8>> {
-        let phase = vec![self.new_phase.map_or(if self.tombstone { b'R' } else { b'X' }, StorePhase::letter)];
+        let phase = vec![self.new_phase.map_or(if self.tombstone { b'R' } else { b'X' }, stage_letter)];
         vec![
             self.expected_owner.hex().into_bytes(),
             self.expected_phases.as_bytes().to_vec(),

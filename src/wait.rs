@@ -9,8 +9,8 @@ use crate::decision::UNAVAILABLE_RETRY_AFTER_SECONDS;
 use crate::fingerprint::Fingerprint;
 use crate::local::Peeked;
 use crate::problem::ProblemKind;
-use crate::record::{Record, State};
-use crate::store::{ReadReply, StorePhase};
+use crate::record::{Record, Stage, State};
+use crate::store::ReadReply;
 
 /// What one tier shows of the key a request waits on.
 #[derive(Clone, Debug)]
@@ -50,9 +50,10 @@ impl Seen {
         };
         let fingerprint = Some(v.record.fingerprint);
         match v.phase {
-            StorePhase::InProgress => Seen::InFlight,
-            StorePhase::Unknown => Seen::Unknown { fingerprint },
-            StorePhase::Done => {
+            Stage::Claimed | Stage::Forwarded => Seen::InFlight,
+            // No value read is absent (`store::stage_of_letter`): as outcome-unknown if one were.
+            Stage::Unknown | Stage::Absent => Seen::Unknown { fingerprint },
+            Stage::Completed => {
                 let status = match &v.record.state {
                     State::Completed(r) => r.status,
                     State::CompletedTooLarge { status, .. } => *status,

@@ -24,7 +24,7 @@ fuzz_target!(|data: &[u8]| {
     alloc_meter::within(body.len(), 8, 128 * 1024, || {
         let _ = idemgate::etcd::parse_claim_reply(status.flatten(), body, &owner, &skey, &seal, now);
         let _ = idemgate::etcd::parse_transition_reply(status.flatten(), body, None);
-        let echo = Some((&skey, idemgate::store::StorePhase::InProgress, &owner));
+        let echo = Some((&skey, idemgate::record::Stage::Forwarded, &owner));
         let _ = idemgate::etcd::parse_transition_reply(status.flatten(), body, echo);
         let _ = idemgate::etcd::parse_where_absent_reply(status.flatten(), body);
         let _ = idemgate::etcd::refused_as_too_large(status.flatten(), body);

@@ -7,7 +7,7 @@ use wasm_bindgen_test::wasm_bindgen_test as test;
 
 const NOW: u64 = 1_764_000_000_000;
 
-fn value(phase: StorePhase, lock_expires_at_ms: u64) -> StoredValue {
+fn value(phase: Stage, lock_expires_at_ms: u64) -> StoredValue {
     StoredValue {
         phase,
         owner: OwnerToken([0xab; 16]),
@@ -74,11 +74,9 @@ fn storage_keys_are_read_as_hex_or_as_the_redis_key() {
 
 #[test]
 fn value_headers_are_read_without_the_record() {
-    for (phase, state) in [
-        (StorePhase::InProgress, KeyState::InFlight),
-        (StorePhase::Done, KeyState::Completed),
-        (StorePhase::Unknown, KeyState::OutcomeUnknown),
-    ] {
+    for (phase, state) in
+        [(Stage::Forwarded, Stage::Forwarded), (Stage::Completed, Stage::Completed), (Stage::Unknown, Stage::Unknown)]
+    {
         let seal = crate::seal::Seal::new(Some("admin-tests-record-key-0123456789abcdef"), None).unwrap();
         let bytes = value(phase, NOW + 1).encode(&StorageKey([7; 32]), &seal);
         assert_eq!(
@@ -93,7 +91,7 @@ fn value_headers_are_read_without_the_record() {
 
 #[test]
 fn a_live_claim_is_never_settled() {
-    let v = value(StorePhase::InProgress, NOW + 30_000);
+    let v = value(Stage::Forwarded, NOW + 30_000);
     let complete = Settle::Complete { response: operator_response(201, &[], vec![]).unwrap(), ttl_ms: 1 };
     for action in [Settle::Release, Settle::Forget, complete] {
         assert_eq!(plan(&action, &v, NOW, W), Err(Refusal::InFlight { lock_expires_in_ms: 30_000 }));
@@ -116,34 +114,34 @@ fn the_write_window_covers_a_write_and_its_fallback_at_the_store_timeout() {
 #[test]
 fn a_claim_is_not_settled_while_its_proxys_writes_may_still_land() {
     let complete = Settle::Complete { response: operator_response(201, &[], vec![]).unwrap(), ttl_ms: 1 };
-    let just_expired = value(StorePhase::InProgress, NOW - 3_100);
+    let just_expired = value(Stage::Forwarded, NOW - 3_100);
     for action in [Settle::Release, Settle::Forget, complete.clone()] {
         assert_eq!(
             plan(&action, &just_expired, NOW, W),
             Err(Refusal::WritesMayLand { lock_expired_ms_ago: 3_100, wait_ms: W - 3_100 })
         );
-        assert!(plan(&action, &value(StorePhase::InProgress, NOW - W + 1), NOW, W).is_err());
-        assert!(plan(&action, &value(StorePhase::InProgress, NOW - W), NOW, W).is_ok());
+        assert!(plan(&action, &value(Stage::Forwarded, NOW - W + 1), NOW, W).is_err());
+        assert!(plan(&action, &value(Stage::Forwarded, NOW - W), NOW, W).is_ok());
     }
     // Outcome-unknown: the owner's completion needs a forwarded claim, so none can land on it.
-    assert!(plan(&complete, &value(StorePhase::Unknown, NOW), NOW, W).is_ok());
+    assert!(plan(&complete, &value(Stage::Unknown, NOW), NOW, W).is_ok());
 }
 
 #[test]
 fn release_is_owner_and_phase_checked_and_a_stale_claim_is_rechecked_by_the_store() {
-    let unknown = plan(&Settle::Release, &value(StorePhase::Unknown, 0), NOW, W).unwrap();
+    let unknown = plan(&Settle::Release, &value(Stage::Unknown, 0), NOW, W).unwrap();
     assert_eq!(
         (unknown.expected_owner, unknown.expected_phases, unknown.require_stale),
         (OwnerToken([0xab; 16]), "U", false)
     );
     assert_eq!((unknown.new_phase, unknown.tombstone), (None, false));
-    let stale = plan(&Settle::Release, &value(StorePhase::InProgress, NOW - W), NOW, W).unwrap();
+    let stale = plan(&Settle::Release, &value(Stage::Forwarded, NOW - W), NOW, W).unwrap();
     assert_eq!((stale.expected_phases, stale.require_stale, stale.new_phase), ("P", true, None));
 }
 
 #[test]
 fn a_completed_key_is_only_forgotten() {
-    let done = value(StorePhase::Done, 0);
+    let done = value(Stage::Completed, 0);
     assert_eq!(plan(&Settle::Release, &done, NOW, W), Err(Refusal::Completed));
     let r = operator_response(201, &[], b"x".to_vec()).unwrap();
     assert_eq!(plan(&Settle::Complete { response: r, ttl_ms: 1 }, &done, NOW, W), Err(Refusal::Completed));
@@ -153,11 +151,11 @@ fn a_completed_key_is_only_forgotten() {
 
 #[test]
 fn completion_keeps_the_fingerprint_and_creator_and_stores_the_operators_response() {
-    let v = value(StorePhase::Unknown, 0);
+    let v = value(Stage::Unknown, 0);
     let headers = vec!["Content-Type: application/json".to_string()];
     let response = operator_response(201, &headers, b"{\"id\":\"ch_1\"}".to_vec()).unwrap();
     let t = plan(&Settle::Complete { response: response.clone(), ttl_ms: 60_000 }, &v, NOW, W).unwrap();
-    assert_eq!((t.expected_phases, t.new_phase), ("U", Some(StorePhase::Done)));
+    assert_eq!((t.expected_phases, t.new_phase), ("U", Some(Stage::Completed)));
     let rec = t.record.unwrap();
     assert_eq!(rec.fingerprint, v.record.fingerprint);
     assert_eq!(rec.creator, v.record.creator);
@@ -176,7 +174,7 @@ fn operator_responses_refuse_what_the_filter_never_stores() {
 
 #[test]
 fn the_report_names_state_times_creator_and_response_size() {
-    let mut v = value(StorePhase::Done, 0);
+    let mut v = value(Stage::Completed, 0);
     v.record.state = State::Completed(operator_response(201, &["location: /c/1".into()], vec![0; 17]).unwrap());
     let r = report(&StorageKey([7; 32]), &v, NOW);
     assert_eq!(r["state"], "completed");
@@ -186,9 +184,9 @@ fn the_report_names_state_times_creator_and_response_size() {
     assert_eq!(r["creator"]["logged_headers"]["x-agent"], "a1");
     assert_eq!(r["fingerprint"], "05".repeat(32));
     assert_eq!(r["response_headers"][0][1], "/c/1");
-    let live = report(&StorageKey([7; 32]), &value(StorePhase::InProgress, NOW + 1), NOW);
+    let live = report(&StorageKey([7; 32]), &value(Stage::Forwarded, NOW + 1), NOW);
     assert_eq!((live["state"].as_str(), live["lock"].as_str()), (Some("in-flight"), Some("live")));
-    let mut u = value(StorePhase::Unknown, 0);
+    let mut u = value(Stage::Unknown, 0);
     u.record.state = State::OutcomeUnknown { reason: UnknownReason::UpstreamTimeout };
     assert_eq!(report(&StorageKey([7; 32]), &u, NOW)["reason"], "upstream_timeout");
 }

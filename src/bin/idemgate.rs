@@ -32,11 +32,15 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Arg, ArgAction, ArgMatches, Command};
-use idemgate::admin::{self, Header, KeyRequest, KeyState, Settle};
-use idemgate::config::{Anonymous, Config};
+use idemgate::admin::{self, Header, KeyRequest, Settle};
+use idemgate::backend::{Backend, Listed};
+use idemgate::config::{Anonymous, Config, StoreKind};
+use idemgate::etcd::Fence;
 use idemgate::probe::Answer;
+use idemgate::record::Stage;
+use idemgate::scope::StorageKey;
 use idemgate::seal::Seal;
-use idemgate::store::{self, ReadReply, Resp, StoreRequest, TransitionReply};
+use idemgate::store::{self, ReadReply, StoreError, StoreRequest, TransitionReply};
 
 const DEFAULT_WEBDIS: &str = "http://127.0.0.1:7379";
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -163,41 +167,31 @@ fn main() -> ExitCode {
 }
 
 fn run(m: &ArgMatches) -> Result<(), Fail> {
-    let webdis = || {
+    // etcd when asked for (`--etcd`, or `IDEMGATE_ETCD` without `--webdis`); else webdis.
+    let etcd_url = m.get_one::<String>("etcd").cloned().or_else(|| {
+        std::env::var("IDEMGATE_ETCD").ok().filter(|v| !v.is_empty() && m.get_one::<String>("webdis").is_none())
+    });
+    // The only place that asks which store it is.
+    let store = || -> Result<Store, Fail> {
+        if let Some(url) = &etcd_url {
+            return Ok(Store {
+                backend: Backend::of(StoreKind::Etcd, None),
+                link: Box::new(etcd_store::Etcd::connect(url)?),
+            });
+        }
         let url = m
             .get_one::<String>("webdis")
             .cloned()
             .or_else(|| std::env::var("IDEMGATE_WEBDIS").ok())
             .unwrap_or_else(|| DEFAULT_WEBDIS.to_string());
-        Webdis::new(&url)
+        Ok(Store { backend: Backend::of(StoreKind::Redis, None), link: Box::new(Webdis::new(&url)?) })
     };
-    // etcd when asked for (`--etcd`, or `IDEMGATE_ETCD` without `--webdis`).
-    let etcd_url = m.get_one::<String>("etcd").cloned().or_else(|| {
-        std::env::var("IDEMGATE_ETCD").ok().filter(|v| !v.is_empty() && m.get_one::<String>("webdis").is_none())
-    });
-    if let Some(url) = etcd_url {
-        let e = || etcd_store::Etcd::connect(&url);
-        return match m.subcommand() {
-            Some(("key", a)) => key(a),
-            Some(("inspect", a)) => etcd_store::inspect(&e()?, a),
-            Some(("list", a)) => etcd_store::list(&e()?, a),
-            Some(("resolve", a)) => {
-                let (skey, action, done) = settlement(a)?;
-                etcd_store::settle(&e()?, &skey, &action, done, write_window(a))
-            }
-            Some(("forget", a)) => {
-                etcd_store::settle(&e()?, &storage_key(a)?, &Settle::Forget, "forgotten", write_window(a))
-            }
-            Some(("probe", a)) => probe_cmd::run(a),
-            _ => usage("a subcommand is needed (see --help)"),
-        };
-    }
     match m.subcommand() {
         Some(("key", a)) => key(a),
-        Some(("inspect", a)) => inspect(&webdis()?, a),
-        Some(("list", a)) => list(&webdis()?, a),
-        Some(("resolve", a)) => resolve(&webdis()?, a),
-        Some(("forget", a)) => settle(&webdis()?, &storage_key(a)?, &Settle::Forget, "forgotten", write_window(a)),
+        Some(("inspect", a)) => inspect(&store()?, a),
+        Some(("list", a)) => list(&store()?, a),
+        Some(("resolve", a)) => resolve(&store()?, a),
+        Some(("forget", a)) => settle(&store()?, &storage_key(a)?, &Settle::Forget, "forgotten", write_window(a)),
         Some(("probe", a)) => probe_cmd::run(a),
         _ => usage("a subcommand is needed (see --help)"),
     }
@@ -273,17 +267,76 @@ fn key(a: &ArgMatches) -> Result<(), Fail> {
     Ok(())
 }
 
-fn inspect(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
+/// The configured store: the interface that builds its requests and reads its answers
+/// (`backend::Backend`, every rule of the store there) and the link that carries them.
+struct Store {
+    backend: Backend,
+    link: Box<dyn Link>,
+}
+
+/// What carries a store's requests: webdis, or etcd's members (`etcd_store.rs`).
+trait Link {
+    /// Sends `r`; a refusal of the request itself (authentication, permission) is a clear failure.
+    fn call(&self, r: &StoreRequest) -> Result<(Option<u16>, Vec<u8>), Fail>;
+}
+
+/// This machine's clock in ms since the epoch.
+fn local_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Store {
+    /// The time an operator's judgement uses (`local_now_ms`: this machine's clock, read before
+    /// the value was): the store's clock where locks are judged by it (Redis's `TIME`, a read: an
+    /// answer that is not the clock, as webdis under load has given, is asked again, three times
+    /// at most), else this machine's as the filter judges it.
+    fn now(&self, local_now_ms: u64) -> Result<u64, Fail> {
+        let Some(request) = self.backend.clock_request() else { return Ok(self.backend.judged_now(local_now_ms)) };
+        let mut last = String::new();
+        for _ in 0..3 {
+            let (status, body) = self.link.call(&request)?;
+            match self.backend.parse_clock(status, &body) {
+                Ok(ms) => return Ok(ms),
+                Err(StoreError::Garbled(why)) => last = why,
+                Err(e) => return fail(format!("store: {e}")),
+            }
+        }
+        fail(last)
+    }
+
+    /// The value of `skey` and, where the store has one, what it was read as (`Fence`), judged
+    /// at `local_now_ms`.
+    fn read(&self, skey: &StorageKey, local_now_ms: u64) -> Result<(ReadReply, Option<Fence>), Fail> {
+        let (status, body) = self.link.call(&self.backend.read_request(skey))?;
+        self.backend
+            .parse_fenced_read(status, &body, skey, &record_seal()?, local_now_ms)
+            .or_else(|e| fail(format!("store: {e}")))
+    }
+}
+
+fn inspect(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
     let skey = storage_key(a)?;
-    let now = w.now_ms()?;
-    match w.read(&skey)? {
-        ReadReply::Absent => println!("absent"),
-        ReadReply::Unreadable(why) => return fail(format!("the key holds a value this build cannot read: {why}")),
-        ReadReply::Found(v) => {
+    let local = local_now_ms();
+    let now = st.now(local)?;
+    match st.read(&skey, local)? {
+        (ReadReply::Absent, _) => println!("absent"),
+        (ReadReply::Unreadable(why), _) => return fail(format!("the key holds a value this build cannot read: {why}")),
+        (ReadReply::Found(v), fence) => {
             let mut report = admin::report(&skey, &v, now);
-            let pttl = w.command(&admin::command::pttl(&store::redis_key(&skey)))?;
-            if let (Resp::Integer(ms), Some(o)) = (pttl, report.as_object_mut()) {
-                o.insert("store_ttl_ms".into(), ms.into());
+            let answer = match st.backend.inspect_request(&skey) {
+                Some(r) => Some(st.link.call(&r)?),
+                None => None,
+            };
+            let fields = st
+                .backend
+                .store_fields(fence.as_ref(), answer.as_ref().map(|(status, body)| (*status, body.as_slice())))
+                .or_else(|e| fail(format!("store: {e}")))?;
+            if let Some(o) = report.as_object_mut() {
+                for (name, value) in fields {
+                    o.insert(name.into(), value);
+                }
             }
             println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
         }
@@ -291,47 +344,69 @@ fn inspect(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
     Ok(())
 }
 
-fn list(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
-    let want = KeyState::parse(s(a, "state").map_or("", |v| v.as_str())).or_else(usage)?;
+/// Pages of the store's keys (`Backend::list_request`: never a command that blocks the store,
+/// never an unbounded range), each judged by the header read with it or, where the page holds
+/// names only (etcd), by one read of its value, until `--limit` are shown.
+fn list(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
+    let want = admin::parse_state(s(a, "state").map_or("", |v| v.as_str())).or_else(usage)?;
     let limit = a.get_one::<usize>("limit").copied().unwrap_or(100);
-    let now = w.now_ms()?;
-    let mut cursor = "0".to_string();
+    let now = st.now(local_now_ms())?;
+    let mut cursor: Option<Vec<u8>> = None;
     let mut shown = 0;
-    loop {
-        let Resp::Array(Some(items)) = w.command(&admin::command::scan(&cursor, 200))? else {
-            return fail("unexpected SCAN answer");
-        };
-        let Some((Resp::Bulk(Some(next)), found)) = items.split_first() else {
-            return fail("unexpected SCAN answer");
-        };
-        for pair in found.chunks(2) {
-            let [Resp::Bulk(Some(k)), Resp::Bulk(Some(head))] = pair else { continue };
-            let k = String::from_utf8_lossy(k).into_owned();
-            if let Header::Value { state, lock_expires_at_ms, .. } = admin::parse_header(head) {
-                if state != want || shown >= limit {
-                    continue;
-                }
-                let hex = k.strip_prefix(store::KEY_PREFIX).unwrap_or(&k);
-                match state {
-                    KeyState::InFlight if lock_expires_at_ms > now => {
-                        println!("{hex}\t{}\tlock live {} ms", state.as_str(), lock_expires_at_ms - now)
-                    }
-                    KeyState::InFlight => println!("{hex}\t{}\tlock expired", state.as_str()),
-                    _ => println!("{hex}\t{}", state.as_str()),
-                }
-                shown += 1;
+    let mut unreadable = 0;
+    while shown < limit {
+        let (status, body) = st.link.call(&st.backend.list_request(cursor.as_deref()))?;
+        let page = st.backend.parse_list(status, &body, cursor.as_deref()).or_else(|e| fail(format!("store: {e}")))?;
+        for found in page.found {
+            if shown >= limit {
+                break;
             }
+            let (hex, state, lock_expires_at_ms, now) = match found {
+                Listed::Header { hex, header: Header::Value { state, lock_expires_at_ms, .. } } => {
+                    (hex, state, lock_expires_at_ms, now)
+                }
+                Listed::Header { .. } => continue,
+                Listed::Key(skey) => {
+                    let local = local_now_ms();
+                    match st.read(&skey, local)? {
+                        (ReadReply::Found(v), _) => {
+                            (skey.hex(), v.phase, v.lock_expires_at_ms, st.backend.judged_now(local))
+                        }
+                        (ReadReply::Absent, _) => continue,
+                        (ReadReply::Unreadable(_), _) => {
+                            unreadable += 1;
+                            continue;
+                        }
+                    }
+                }
+            };
+            if state != want {
+                continue;
+            }
+            let name = admin::state_name(state);
+            match state {
+                Stage::Forwarded if lock_expires_at_ms > now => {
+                    println!("{hex}\t{name}\tlock live {} ms", lock_expires_at_ms - now)
+                }
+                Stage::Forwarded => println!("{hex}\t{name}\tlock expired"),
+                _ => println!("{hex}\t{name}"),
+            }
+            shown += 1;
         }
-        cursor = String::from_utf8_lossy(next).into_owned();
-        if cursor == "0" || shown >= limit {
-            return Ok(());
+        match page.next {
+            Some(next) => cursor = Some(next),
+            None => break,
         }
     }
+    if unreadable > 0 {
+        eprintln!("idemgate: note: {unreadable} value(s) this build cannot read (another record key?) were skipped");
+    }
+    Ok(())
 }
 
-fn resolve(w: &Webdis, a: &ArgMatches) -> Result<(), Fail> {
+fn resolve(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
     let (skey, action, done) = settlement(a)?;
-    settle(w, &skey, &action, done, write_window(a))
+    settle(st, &skey, &action, done, write_window(a))
 }
 
 /// How long after a claim's lock expired its proxy may still land a write, from the proxies'
@@ -361,33 +436,39 @@ fn settlement(a: &ArgMatches) -> Result<(idemgate::scope::StorageKey, Settle, &'
     Ok((skey, Settle::Complete { response, ttl_ms }, "completed: retries replay this response"))
 }
 
-/// Reads the value, plans the action (core), sends the owner- and phase-checked transition.
-fn settle(
-    w: &Webdis,
-    skey: &idemgate::scope::StorageKey,
-    action: &Settle,
-    done: &str,
-    write_window_ms: u64,
-) -> Result<(), Fail> {
-    let value = match w.read(skey)? {
-        ReadReply::Found(v) => v,
-        ReadReply::Absent => return fail("refused: the key is absent (nothing to settle)"),
-        ReadReply::Unreadable(why) => {
+/// Reads the value, plans the action (`admin::plan`, judged by `Store::now`), grants the lease
+/// a write needs (etcd), and sends the owner- and phase-checked transition, fenced on the value
+/// read.
+fn settle(st: &Store, skey: &StorageKey, action: &Settle, done: &str, write_window_ms: u64) -> Result<(), Fail> {
+    let local = local_now_ms();
+    let (value, fence) = match st.read(skey, local)? {
+        (ReadReply::Found(v), fence) => (v, fence),
+        (ReadReply::Absent, _) => return fail("refused: the key is absent (nothing to settle)"),
+        (ReadReply::Unreadable(why), _) => {
             return fail(format!("refused: the key holds a value this build cannot read: {why}"))
         }
     };
-    let now = w.now_ms()?;
+    let now = st.now(local)?;
     let t = admin::plan(action, &value, now, write_window_ms).or_else(|r| fail(r.to_string()))?;
-    let request = t.request(skey, &record_seal()?);
-    let (mut status, mut body) = w.send(&request)?;
-    // Redis lost the transition script (restart, failover, SCRIPT FLUSH): nothing ran. The same
-    // transition once more with the script in full, which also loads it.
-    if store::parse_transition_reply(status, &body) == Ok(TransitionReply::NoScript) {
-        if let Some(again) = request.with_script() {
-            (status, body) = w.send(&again)?;
+    let backend = match st.backend.operator_lease_request(&t) {
+        Some((request, ttl_seconds)) => {
+            let (status, body) = st.link.call(&request)?;
+            let lease = st
+                .backend
+                .parse_lease(status, &body, ttl_seconds)
+                .or_else(|e| fail(format!("store: lease grant: {e}")))?;
+            st.backend.with_lease(lease)
         }
+        None => st.backend,
+    };
+    let request = backend
+        .operator_transition_request(&t, skey, &record_seal()?, local, fence.as_ref())
+        .or_else(|why| fail(format!("refused: {why}")))?;
+    let (mut status, mut body) = st.link.call(&request)?;
+    if let Some(again) = backend.resend(&request, status, &body) {
+        (status, body) = st.link.call(&again)?;
     }
-    match store::parse_transition_reply(status, &body) {
+    match backend.parse_operator_transition(status, &body, &t, skey) {
         // An operator's transition refuses where the key is absent (`WhereAbsent::Refuse`).
         Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten) => {
             println!("{done}");
@@ -431,42 +512,15 @@ impl Webdis {
             Err(e) => fail(format!("webdis at {}:{}: {e}", self.host, self.port)),
         }
     }
+}
 
-    fn command(&self, body: &str) -> Result<Resp, Fail> {
-        let (status, bytes) = self.send(&StoreRequest::command(body))?;
-        match status {
-            Some(200) => store::parse_resp(&bytes).or_else(|e| fail(format!("store: {e}"))),
-            Some(403) => fail("webdis answered 403: set IDEMGATE_STORE_AUTH to its user:password"),
-            s => fail(format!("webdis answered {s:?}")),
+impl Link for Webdis {
+    fn call(&self, r: &StoreRequest) -> Result<(Option<u16>, Vec<u8>), Fail> {
+        let (status, body) = self.send(r)?;
+        if status == Some(403) {
+            return fail("webdis answered 403: set IDEMGATE_STORE_AUTH to its user:password");
         }
-    }
-
-    fn read(&self, skey: &idemgate::scope::StorageKey) -> Result<ReadReply, Fail> {
-        let (status, body) = self.send(&store::read_request(skey))?;
-        store::parse_read_reply(status, &body, skey, &record_seal()?).or_else(|e| fail(format!("store: {e}")))
-    }
-
-    /// Redis's clock: locks are judged by it, as the filter's scripts do. A read, so an answer
-    /// that is not the clock (webdis under load has answered otherwise) is asked again, three
-    /// times at most, and named when it stays wrong.
-    fn now_ms(&self) -> Result<u64, Fail> {
-        let mut last = String::new();
-        for _ in 0..3 {
-            match self.command(&admin::command::time())? {
-                Resp::Array(Some(items)) => {
-                    let parts: Vec<Vec<u8>> = items
-                        .iter()
-                        .filter_map(|i| if let Resp::Bulk(Some(b)) = i { Some(b.clone()) } else { None })
-                        .collect();
-                    match admin::time_ms(&parts) {
-                        Some(ms) => return Ok(ms),
-                        None => last = format!("{items:?}"),
-                    }
-                }
-                other => last = format!("{other:?}"),
-            }
-        }
-        fail(format!("unexpected TIME answer: {last}"))
+        Ok((status, body))
     }
 }
 

@@ -189,7 +189,7 @@ fn base64_round_trips_and_refuses_what_etcd_never_sends() {
 
 #[test]
 fn a_value_is_sealed_whole_and_bound_to_its_key() {
-    let v = StoredValue { phase: StorePhase::Done, owner: owner(1), lock_expires_at_ms: 0, record: completed(NOW) };
+    let v = StoredValue { phase: Stage::Completed, owner: owner(1), lock_expires_at_ms: 0, record: completed(NOW) };
     let bytes = encode_value(&v, NOW + 60_000, &skey(1), &seal());
     assert_eq!(open_value(&bytes, &skey(1), &seal()), Ok((v.clone(), NOW + 60_000)));
     assert!(open_value(&bytes, &skey(2), &seal()).unwrap_err().is_unauthentic(), "moved to another key");
@@ -218,7 +218,7 @@ fn the_claim_is_one_transaction_with_a_lease_and_an_owner_echo() {
     let mut e = Etcd::default();
     assert_eq!(claim(&mut e, &s, owner(1), NOW).unwrap().0, ClaimReply::Claimed { now_ms: judged_now(NOW) });
     let (v, expires) = e.value(&s).unwrap();
-    assert_eq!((v.phase, v.owner, v.lock_expires_at_ms), (StorePhase::InProgress, owner(1), NOW + 10_000));
+    assert_eq!((v.phase, v.owner, v.lock_expires_at_ms), (Stage::Forwarded, owner(1), NOW + 10_000));
     assert_eq!(expires, NOW + 40_000, "a forwarded claim's life: the lock, then unknown_outcome");
     // The duplicate reads it, with its fencing token.
     let (reply, fence) = claim(&mut e, &s, owner(2), NOW + 1).unwrap();
@@ -256,7 +256,7 @@ fn a_mis_parsed_claim_answer_is_never_read_as_a_won_claim() {
     let s = skey(1);
     let o = owner(1);
     let c = |body: &[u8]| parse_claim_reply(Some(200), body, &o, &s, &seal(), NOW);
-    let mark = owner_mark(StorePhase::InProgress, &o);
+    let mark = owner_mark(Stage::Forwarded, &o);
     let won = ClaimReply::Claimed { now_ms: judged_now(NOW) };
     // The one answer that is a won claim.
     assert_eq!(c(&claimed_answer(owner_key(&s).as_bytes(), &mark, r#""succeeded":true,"#)).unwrap().0, won);
@@ -280,15 +280,11 @@ fn a_mis_parsed_claim_answer_is_never_read_as_a_won_claim() {
         // Another owner's mark, or another phase's.
         (
             "another owner",
-            claimed_answer(
-                owner_key(&s).as_bytes(),
-                &owner_mark(StorePhase::InProgress, &owner(2)),
-                r#""succeeded":true,"#,
-            ),
+            claimed_answer(owner_key(&s).as_bytes(), &owner_mark(Stage::Forwarded, &owner(2)), r#""succeeded":true,"#),
         ),
         (
             "another phase",
-            claimed_answer(owner_key(&s).as_bytes(), &owner_mark(StorePhase::Done, &o), r#""succeeded":true,"#),
+            claimed_answer(owner_key(&s).as_bytes(), &owner_mark(Stage::Completed, &o), r#""succeeded":true,"#),
         ),
         // A header only, with or without `succeeded`.
         ("header only", br#"{"header":{"revision":"5"}}"#.to_vec()),
@@ -319,14 +315,14 @@ fn a_mis_parsed_claim_answer_is_never_read_as_a_won_claim() {
 fn a_mis_parsed_take_over_answer_is_never_read_as_a_change() {
     let s = skey(1);
     let new = owner(2);
-    let t = |body: &[u8]| parse_transition_reply(Some(200), body, Some((&s, StorePhase::InProgress, &new)));
-    let mark = owner_mark(StorePhase::InProgress, &new);
+    let t = |body: &[u8]| parse_transition_reply(Some(200), body, Some((&s, Stage::Forwarded, &new)));
+    let mark = owner_mark(Stage::Forwarded, &new);
     let ok = r#""succeeded":true,"#;
     assert_eq!(t(&claimed_answer(owner_key(&s).as_bytes(), &mark, ok)), Ok(TransitionReply::Changed));
     for (why, body) in [
         ("no succeeded", claimed_answer(owner_key(&s).as_bytes(), &mark, "")),
         ("another key", claimed_answer(owner_key(&skey(2)).as_bytes(), &mark, ok)),
-        ("the old owner", claimed_answer(owner_key(&s).as_bytes(), &owner_mark(StorePhase::InProgress, &owner(1)), ok)),
+        ("the old owner", claimed_answer(owner_key(&s).as_bytes(), &owner_mark(Stage::Forwarded, &owner(1)), ok)),
         ("header and succeeded", br#"{"header":{"revision":"5"},"succeeded":true}"#.to_vec()),
     ] {
         assert_ne!(t(&body), Ok(TransitionReply::Changed), "{why}");
@@ -375,7 +371,7 @@ fn owner_transitions_compare_the_owner_mark_and_fenced_ones_the_revision() {
     let mark = |p| b64(&owner_mark(p, &owner(1)));
     let complete = body(&Transition::complete(owner(1), completed(NOW), &l), None);
     assert_eq!(complete["compare"][0]["target"], "VALUE");
-    assert_eq!(complete["compare"][0]["value"], mark(StorePhase::InProgress));
+    assert_eq!(complete["compare"][0]["value"], mark(Stage::Forwarded));
     // Where the claim is gone, a completion reads whether the key exists (its name only); the
     // record is in the transaction once.
     assert_eq!(complete["failure"][0]["request_range"]["keys_only"], json!(true));
@@ -395,7 +391,7 @@ fn owner_transitions_compare_the_owner_mark_and_fenced_ones_the_revision() {
     let stale = Transition::stale_to_unknown(owner(1), &l);
     assert!(transition_request(&stale, &s, &seal(), LEASE, NOW, None).is_err());
     let value = StoredValue {
-        phase: StorePhase::InProgress,
+        phase: Stage::Forwarded,
         owner: owner(1),
         lock_expires_at_ms: NOW - CLOCK_SKEW_TOLERANCE_MS + 1,
         record: in_progress(owner(1), NOW - 10_000),
@@ -413,6 +409,27 @@ fn owner_transitions_compare_the_owner_mark_and_fenced_ones_the_revision() {
     );
     let other = Fence { value: StoredValue { owner: owner(3), ..gone.value.clone() }, ..gone.clone() };
     assert!(transition_request(&stale, &s, &seal(), LEASE, NOW, Some(&other)).is_err(), "another owner's value");
+}
+
+/// A non-owner's fenced transition is the lifecycle's (`lifecycle::next` on the fenced value at
+/// `judged_now`), as Redis's script and the local tier judge theirs: a claim of a value that is
+/// not free yet (a completed record before its expiry, whose lock is no claim's) is never built,
+/// nor a take-over of a completed value or an outcome-unknown mark of one.
+#[test]
+fn a_fenced_transition_is_built_only_where_the_lifecycle_allows_it() {
+    let s = skey(1);
+    let l = lifetimes();
+    let value = StoredValue { phase: Stage::Completed, owner: owner(1), lock_expires_at_ms: 0, record: completed(NOW) };
+    let fence = Fence { mod_revision: 5, value, expires_at_ms: NOW + 60_000 };
+    let claim_free = Transition::take_over(owner(1), owner(2), in_progress(owner(2), NOW), true, &l);
+    let held = transition_request(&claim_free, &s, &seal(), LEASE, NOW, Some(&fence));
+    assert!(held.unwrap_err().contains("Held"), "a completed record before its expiry holds its key");
+    let past = NOW + 60_000 + CLOCK_SKEW_TOLERANCE_MS;
+    assert!(transition_request(&claim_free, &s, &seal(), LEASE, past, Some(&fence)).is_ok(), "free");
+    let take = Transition::take_over(owner(1), owner(2), in_progress(owner(2), past), false, &l);
+    assert!(transition_request(&take, &s, &seal(), LEASE, past, Some(&fence)).unwrap_err().contains("WrongStage"));
+    let stale = Transition::stale_to_unknown(owner(1), &l);
+    assert!(transition_request(&stale, &s, &seal(), LEASE, past, Some(&fence)).unwrap_err().contains("WrongStage"));
 }
 
 /// The sequences that would execute a key twice, run through the real requests and parsers on a
@@ -455,7 +472,11 @@ fn a_lost_take_over_released_before_it_lands_never_lands() {
     for free in [false, true] {
         let s = skey(1);
         let mut e = Etcd::default();
-        let (later, fence) = stale_lock(&mut e, &s);
+        let (stale, fence) = stale_lock(&mut e, &s);
+        // A free value is claimed once it is past its expiry (`Summary::is_free`), a stale lock
+        // taken over as soon as it is stale.
+        let free_at = fence.as_ref().map_or(stale, |f| f.expires_at_ms + CLOCK_SKEW_TOLERANCE_MS);
+        let later = if free { free_at } else { stale };
         let take = Transition::take_over(owner(1), owner(2), in_progress(owner(2), later), free, &l);
         write(&mut e, &s, &Transition::release_lost(owner(2), &l), later, None);
         assert_eq!(write(&mut e, &s, &take, later, fence.as_ref()), TransitionReply::Refused, "free: {free}");
@@ -476,7 +497,7 @@ fn a_completion_after_a_take_over_is_refused_and_the_new_owner_keeps_the_key() {
     let req = transition_request(&take, &s, &seal(), LEASE, later, fence.as_ref()).unwrap();
     let body = e.run(&req);
     assert_eq!(
-        parse_transition_reply(Some(200), &body, Some((&s, StorePhase::InProgress, &owner(2)))),
+        parse_transition_reply(Some(200), &body, Some((&s, Stage::Forwarded, &owner(2)))),
         Ok(TransitionReply::Changed)
     );
     // The stale owner's late completion and release change nothing.
@@ -507,7 +528,7 @@ fn stale_to_unknown_racing_the_owners_completion_lets_exactly_one_win() {
         };
         assert_eq!((first, second), (TransitionReply::Changed, TransitionReply::Refused));
         let phase = e.value(&s).unwrap().0.phase;
-        assert_eq!(phase, if completion_first { StorePhase::Done } else { StorePhase::Unknown });
+        assert_eq!(phase, if completion_first { Stage::Completed } else { Stage::Unknown });
     }
 }
 
@@ -523,7 +544,7 @@ fn a_completion_or_unknown_mark_that_finds_its_claim_gone_writes_it_and_an_owner
         TransitionReply::ClaimGoneRewritten
     );
     let ClaimReply::Exists { value, .. } = claim(&mut e, &s, owner(2), NOW).unwrap().0 else { panic!() };
-    assert_eq!(value.phase, StorePhase::Done, "the retry replays");
+    assert_eq!(value.phase, Stage::Completed, "the retry replays");
     // Gone, then claimed by a retry before the owner's mark: refused, the retry keeps it.
     let s2 = skey(2);
     claim(&mut e, &s2, owner(1), NOW).unwrap();
@@ -557,7 +578,7 @@ fn a_finished_record_is_never_released_completed_or_marked_again() {
     ] {
         assert_eq!(write(&mut e, &s, &t, NOW, None), TransitionReply::Refused, "{t:?}");
     }
-    assert_eq!(e.value(&s).unwrap().0.phase, StorePhase::Done);
+    assert_eq!(e.value(&s).unwrap().0.phase, Stage::Completed);
 }
 
 #[test]
@@ -817,7 +838,7 @@ fn an_operators_transition_compares_the_revision_read_whatever_the_event() {
     let rev = e.revision;
     e.kv.get_mut(etcd_key(&s).as_bytes()).unwrap().2 = rev;
     assert_eq!(operator_write(&mut e, &s, &release, NOW, &fence), TransitionReply::Refused);
-    assert_eq!(e.value(&s).unwrap().0.phase, StorePhase::Unknown);
+    assert_eq!(e.value(&s).unwrap().0.phase, Stage::Unknown);
     // Read again: it lands, value and owner mark gone.
     let (_, fresh) = operator_read(&mut e, &s, NOW);
     assert_eq!(operator_write(&mut e, &s, &release, NOW, &fresh.unwrap()), TransitionReply::Changed);
@@ -844,8 +865,8 @@ fn two_operators_deciding_on_one_read_change_the_key_once() {
     assert_eq!(operator_write(&mut e, &s, &complete, NOW, &fence), TransitionReply::Changed);
     assert_eq!(operator_write(&mut e, &s, &release, NOW, &fence), TransitionReply::Refused);
     let (v, expires) = e.value(&s).unwrap();
-    assert_eq!((v.phase, v.owner, expires), (StorePhase::Done, owner(1), NOW + 60_000));
-    assert_eq!(e.kv[owner_key(&s).as_bytes()].0, owner_mark(StorePhase::Done, &owner(1)));
+    assert_eq!((v.phase, v.owner, expires), (Stage::Completed, owner(1), NOW + 60_000));
+    assert_eq!(e.kv[owner_key(&s).as_bytes()].0, owner_mark(Stage::Completed, &owner(1)));
     // The owner's own late outcome-unknown mark (it expects its claim) changes nothing either.
     let late = Transition::unknown(owner(1), unknown(NOW), &lifetimes());
     assert_eq!(write(&mut e, &s, &late, NOW, None), TransitionReply::Refused);

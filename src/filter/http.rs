@@ -325,8 +325,8 @@ impl Http {
                 let status = self.policy().map_or(422, |p| p.mismatch_status);
                 self.answer(ProblemKind::KeyReused { status }, None)
             }
-            Ok(store::ReadReply::Found(v)) if v.phase == store::StorePhase::Done => self.replay(v.record),
-            Ok(store::ReadReply::Found(v)) if v.phase == store::StorePhase::InProgress => self.in_flight(),
+            Ok(store::ReadReply::Found(v)) if v.phase == crate::record::Stage::Completed => self.replay(v.record),
+            Ok(store::ReadReply::Found(v)) if v.phase == crate::record::Stage::Forwarded => self.in_flight(),
             _ => {
                 self.count(Counter::UnknownOutcome);
                 self.answer(ProblemKind::OutcomeUnknown, None)

@@ -16,9 +16,9 @@ fn record() -> Record {
 
 /// A stored value in `phase`, its record in the matching state (a completed phase holds a
 /// completed record).
-fn value(phase: StorePhase) -> StoredValue {
+fn value(phase: Stage) -> StoredValue {
     let mut record = record();
-    if phase == StorePhase::Done {
+    if phase == Stage::Completed {
         record.state = State::Completed(StoredResponse { status: 201, headers: vec![], body: b"{}".to_vec() });
     }
     StoredValue { phase, owner: OwnerToken([0xab; 16]), lock_expires_at_ms: 1_764_000_060_000, record }
@@ -43,7 +43,7 @@ fn seal() -> Seal {
 
 #[test]
 fn stored_values_round_trip_and_hold_the_lock_in_fixed_width_ascii() {
-    for p in [StorePhase::InProgress, StorePhase::Done, StorePhase::Unknown] {
+    for p in [Stage::Forwarded, Stage::Completed, Stage::Unknown] {
         let v = value(p);
         let bytes = v.encode(&skey(), &seal());
         assert_eq!(&bytes[..4], b"IGS1");
@@ -58,7 +58,7 @@ fn stored_values_round_trip_and_hold_the_lock_in_fixed_width_ascii() {
 /// (a header changed by whoever can write the store) is unreadable, never a replay.
 #[test]
 fn stored_values_are_bound_to_their_key_and_secret() {
-    let v = value(StorePhase::Done);
+    let v = value(Stage::Completed);
     let at_b = v.encode(&skey(), &seal());
     let other_key = StorageKey([8; 32]);
     assert_eq!(
@@ -83,14 +83,14 @@ fn stored_values_are_bound_to_their_key_and_secret() {
             .unwrap();
     assert_eq!(StoredValue::open(&at_b, &skey(), &rotated), Ok(v.clone()), "the previous secret, while rotating");
     // The header is Redis's to write (phase, owner, lock): a claim's header turned "completed".
-    let mut claim = value(StorePhase::InProgress).encode(&skey(), &seal());
+    let mut claim = value(Stage::Forwarded).encode(&skey(), &seal());
     claim[4] = b'D';
     assert!(matches!(StoredValue::open(&claim, &skey(), &seal()), Err(ValueError::Unreadable(_))));
 }
 
 #[test]
 fn garbled_stored_values_are_errors() {
-    let good = value(StorePhase::Done).encode(&skey(), &seal());
+    let good = value(Stage::Completed).encode(&skey(), &seal());
     for bad in [&b""[..], b"IGS1", b"XXXXPabababababababababababababababab001764000060000"] {
         assert!(matches!(StoredValue::open(bad, &skey(), &seal()), Err(ValueError::Unreadable(_))), "{bad:?}");
     }
@@ -227,7 +227,7 @@ fn claim_replies_are_understood_whether_integers_come_as_integers_or_bulk_string
         parse_claim_reply(Some(200), claimed.as_bytes(), &OWNER, &skey(), &seal()),
         Ok(ClaimReply::Claimed { now_ms: 1764 })
     );
-    let v = value(StorePhase::Done);
+    let v = value(Stage::Completed);
     let enc = v.encode(&skey(), &seal());
     let mut reply = format!("*4\r\n$1\r\n0\r\n$4\r\n1765\r\n${}\r\n", enc.len()).into_bytes();
     reply.extend_from_slice(&enc);
@@ -336,7 +336,7 @@ fn reads_are_plain_gets_and_their_answers_are_checked() {
     let r = read_request(&skey());
     assert_eq!(String::from_utf8(r.body).unwrap(), format!("GET/idemgate%3Av1%3A{}.raw", "07".repeat(32)));
     assert_eq!(parse_read_reply(Some(200), b"$-1\r\n", &skey(), &seal()), Ok(ReadReply::Absent));
-    let v = value(StorePhase::Done);
+    let v = value(Stage::Completed);
     let enc = v.encode(&skey(), &seal());
     let mut reply = format!("${}\r\n", enc.len()).into_bytes();
     reply.extend_from_slice(&enc);
@@ -361,7 +361,7 @@ fn reply_with_pttl(value: &[u8], pttl: &str) -> Vec<u8> {
 
 #[test]
 fn a_value_that_exists_but_cannot_be_decoded_is_unreadable_not_a_store_failure() {
-    let good = value(StorePhase::Done).encode(&skey(), &seal());
+    let good = value(Stage::Completed).encode(&skey(), &seal());
     let mut future_record = good.clone();
     future_record[HEADER_LEN + 3] = 2; // the record's version byte, after "IGR"
     let mut future_value = good.clone();
@@ -402,18 +402,18 @@ fn a_value_that_exists_but_cannot_be_decoded_is_unreadable_not_a_store_failure()
 
 #[test]
 fn summary_uses_the_stores_phase_lock_and_expiry_never_the_writers_clock() {
-    let s = value(StorePhase::InProgress).summary(7_000);
+    let s = value(Stage::Forwarded).summary(7_000);
     assert_eq!(s.phase, Phase::InProgress { lock_expires_at_ms: 1_764_000_060_000 });
     assert_eq!(s.fingerprint, Some(Fingerprint([5; 32])));
     assert_eq!(s.expires_at_ms, 7_000, "Redis's expiry, not the record's ({})", record().expires_at_ms);
-    assert_eq!(value(StorePhase::Unknown).summary(7_000).phase, Phase::Unknown);
+    assert_eq!(value(Stage::Unknown).summary(7_000).phase, Phase::Unknown);
 }
 
 /// Issue 13, item 2: a proxy keeps its copy of a store record for what is left of the key's life
 /// by Redis's clock, counted on its own clock, whatever the proxies' and Redis's clocks say.
 #[test]
 fn a_store_record_moves_onto_the_proxys_clock_with_what_is_left_of_its_life() {
-    let v = value(StorePhase::Done);
+    let v = value(Stage::Completed);
     // Redis at 1_000_000, the key expires at 1_004_000; the proxy's clock reads 30 s behind.
     let r = v.record_on_clock(1_000_000, 1_004_000, 970_000);
     assert_eq!(r.expires_at_ms, 974_000);
@@ -438,7 +438,7 @@ mod props {
 
         #[test]
         fn mutated_claim_replies_never_panic(pos in any::<prop::sample::Index>(), byte in any::<u8>(), cut in any::<prop::sample::Index>()) {
-            let enc = value(StorePhase::Done).encode(&skey(), &seal());
+            let enc = value(Stage::Completed).encode(&skey(), &seal());
             let mut reply = reply_with_pttl(&enc, "4000");
             let i = pos.index(reply.len());
             reply[i] = byte;

@@ -30,7 +30,7 @@ use idemgate::local::{Begin, Completed, Handle, HostError, SetError, SharedData,
 use idemgate::owner::OwnerToken;
 use idemgate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
 use idemgate::scope::StorageKey;
-use idemgate::store::{self, ClaimReply, ReadReply, StorePhase, StoredValue, Transition, TransitionReply};
+use idemgate::store::{self, ClaimReply, ReadReply, StoredValue, Transition, TransitionReply};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use std::collections::HashMap;
@@ -349,7 +349,7 @@ impl StoreTier<'_> {
             Some(v) if v.starts_with(b"IGS1R") => (Stage::Absent, None),
             Some(v) => {
                 let value = StoredValue::open(&v, &KEY, &support::record_seal()).expect("value decodes");
-                (value.phase.stage(), Some(value.owner))
+                (value.phase, Some(value.owner))
             }
         }
     }
@@ -404,7 +404,7 @@ impl<'a> EtcdTier<'a> {
         let seal = support::record_seal();
         let r = etcd::transition_request(t, &KEY, &seal, self.lease, now, fence).expect("request built");
         let (status, body) = self.send(&r);
-        let reply = etcd::parse_transition_reply(status, &body, echo.map(|o| (&KEY, StorePhase::InProgress, o)))
+        let reply = etcd::parse_transition_reply(status, &body, echo.map(|o| (&KEY, Stage::Forwarded, o)))
             .expect("transition answer parses");
         if reply != TransitionReply::Absent {
             return reply;
@@ -494,7 +494,7 @@ impl<'a> EtcdTier<'a> {
             .expect("read answer parses")
         {
             ReadReply::Absent => (Stage::Absent, None),
-            ReadReply::Found(value) => (value.phase.stage(), Some(value.owner)),
+            ReadReply::Found(value) => (value.phase, Some(value.owner)),
             ReadReply::Unreadable(e) => panic!("etcd value unreadable: {e:?}"),
         }
     }

@@ -424,8 +424,8 @@ fn an_outcome_unknown_record_lives_unknown_outcome_seconds_on_every_proxy() {
 #[test]
 fn store_values_are_judged_by_redis_clock_whatever_the_writers_clock() {
     use idemgate::owner::OwnerToken;
-    use idemgate::record::State;
-    use idemgate::store::{StorePhase, StoredValue};
+    use idemgate::record::{Stage, State};
+    use idemgate::store::StoredValue;
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 4, "lock_ttl_seconds": 2, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
@@ -455,7 +455,7 @@ fn store_values_are_judged_by_redis_clock_whatever_the_writers_clock() {
     let (name, mut v) = values[0].clone();
     let now = redis_now_ms(&redis);
     let other = OwnerToken([7; 16]);
-    v.phase = StorePhase::InProgress;
+    v.phase = Stage::Forwarded;
     v.owner = other;
     v.lock_expires_at_ms = now + 2_000;
     v.record.created_at_ms = now - behind;
