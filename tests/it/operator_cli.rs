@@ -368,13 +368,16 @@ fn probe_reports_the_violations_of_the_demo_api_without_idemgate() {
 /// it while every other proxy replays the operator's body. Once the link is back, the real
 /// completion lands and both proxies replay it. (Before the fix the operator's completion was
 /// accepted and proxy b replayed the operator's body: two first responses for one key.)
+/// `timeout_ms` 2000: the completion's retries (7 attempts, 6.2 s of backoff) must outlast the
+/// hold, the lock's expiry and three CLI runs on a loaded machine; at 500 ms (9.7 s in all) the
+/// test failed twice in ten runs under a load average of 15.
 #[test]
 fn a_claim_whose_completion_may_still_land_is_not_settled_by_the_operator() {
     let redis = Redis::start();
     let webdis = Webdis::start_with_auth(redis.port, AUTH);
     let relay = support::replication::Relay::start(webdis.port);
     let up = Upstream::start();
-    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 60, "lock_ttl_seconds": 5, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 60, "lock_ttl_seconds": 5, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}}"#;
     let mut o = EnvoyOptions::new(plugin, up.port);
     o.vm_env = vec![("IDEMGATE_STORE_AUTH".to_string(), AUTH.to_string())];
     o.store_port = Some(relay.port);
@@ -411,7 +414,7 @@ fn a_claim_whose_completion_may_still_land_is_not_settled_by_the_operator() {
         &["forget", &skey],
     ] {
         let mut args = args.to_vec();
-        args.extend(["--store-timeout-ms", "500"]);
+        args.extend(["--store-timeout-ms", "2000"]);
         let out = ops.run(&args);
         assert_eq!(out.status.code(), Some(1), "{args:?} accepted: {}", text(&out.stdout));
         assert!(text(&out.stderr).contains("may still be retrying its completion"), "{}", text(&out.stderr));
