@@ -7,4 +7,5 @@
 //! - `writes`: the store writes made after forwarding, their retry schedule and fallback, and the
 //!   stopping root's hold until they are over.
 
+pub mod waiters;
 pub mod writes;

@@ -31,8 +31,8 @@ use crate::config::{Config, Forwarding, Hop};
 use crate::decision::{
     callout_answer_is_upstreams, classify_callout, hop_mark, HopMark, Outcome, HOP_HEADER, HOP_PROBE_HEADER,
 };
+use crate::engine::waiters::{self as engine_waiters, Action as WaitAction, Reply as WaitReply};
 use crate::engine::writes::{self as engine_writes, Action as WriteAction, Job, Note, WriteId, Writes};
-use crate::fingerprint::Fingerprint;
 use crate::local::Table;
 use crate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use crate::problem::ProblemKind;
@@ -40,7 +40,7 @@ use crate::record::StoredResponse;
 use crate::scope::StorageKey;
 use crate::seal::Seal;
 use crate::store::{self, Transition};
-use crate::wait::{self, Seen, Tier, WaitAnswer};
+use crate::wait::Seen;
 use host::{Counter, Gauge, HostShared, Metrics};
 use settle::Claim;
 
@@ -50,8 +50,6 @@ pub const STORE_AUTH_ENV: &str = "IDEMGATE_STORE_AUTH";
 
 /// The root's tick: waiters are checked at this pace, sweeps run once a second.
 const TICK: Duration = Duration::from_millis(100);
-/// A waiting request asks the store at most this often.
-const WAIT_STORE_POLL_MS: u64 = 300;
 /// Buckets each worker sweeps per second, freeing expired records and their bytes.
 const SWEEP_BUCKETS_PER_SECOND: u32 = 512;
 /// How long a stopping root context holds its VM for store writes still pending.
@@ -119,25 +117,7 @@ pub struct Forward {
     pub lock_deadline_ms: u64,
 }
 
-/// A request held until another attempt with its key finishes (`in_flight: "wait"`).
-#[derive(Debug)]
-pub struct Waiter {
-    pub context_id: u32,
-    pub skey: StorageKey,
-    pub fp: Fingerprint,
-    pub request_id: String,
-    pub deadline_ms: u64,
-    /// The policy's status for a key reused with another request.
-    pub mismatch_status: u16,
-    /// The policy's index, for per-route counters.
-    pub policy_index: usize,
-    pub next_store_poll_ms: u64,
-    pub polling: bool,
-    /// The request's `accept-encoding` lines: a replay decodes a coding they do not accept.
-    pub accept_encoding: Vec<Vec<u8>>,
-    /// The policy's `max_response_body_bytes`: the most a replay decodes.
-    pub max_decoded_bytes: u64,
-}
+pub use crate::engine::waiters::Waiter;
 
 /// Work handed from HTTP contexts to their root context.
 #[derive(Default)]
@@ -756,55 +736,73 @@ impl Root {
         }
     }
 
-    /// Checks every waiting request: answered from the local tier as soon as it shows the
-    /// outcome, from the store (polled at most every `WAIT_STORE_POLL_MS`), or with a 409 at its
-    /// deadline. What to answer is `wait::answer`'s rule, the same for both tiers.
+    /// Checks every waiting request (`engine::waiters::tick`): answered from the local tier as
+    /// soon as it shows the outcome, from the store (polled at most every `WAIT_STORE_POLL_MS`),
+    /// or with a 409 at its deadline.
     fn check_waiters(&mut self) {
         let Some(s) = self.shared.clone() else { return };
         let now = host::now_ms();
-        let has_store = s.config.store.is_some();
-        let waiters: Vec<Waiter> = self.queues.waiters.borrow_mut().drain(..).collect();
-        let mut keep = vec![];
-        for mut w in waiters {
-            if !self.queues.live.borrow().contains(&w.context_id) {
-                continue;
-            }
-            let seen = match s.table.peek(&mut HostShared, &w.skey, now) {
-                Ok(p) => Seen::from_local(p),
-                // Unreadable now: the store (or the next tick) decides.
-                Err(_) => Seen::InFlight,
-            };
-            if self.wait_answered(&w, wait::answer(seen, Tier::Local, &w.fp, has_store, w.mismatch_status)) {
-                continue;
-            }
-            if now >= w.deadline_ms {
-                self.wait_over(&w, crate::decision::IN_FLIGHT_RETRY_AFTER_SECONDS);
-                continue;
-            }
-            if let Some(cfg) = s.config.store.as_ref() {
-                if !w.polling && now >= w.next_store_poll_ms {
-                    s.metrics.inc(Counter::StoreCalls);
-                    if let Ok(token) = writes::dispatch(cfg, &stores::read_request(&s, &w.skey), &s.credentials) {
-                        self.calls.insert(token, Call::Poll(w.context_id));
-                        w.polling = true;
-                    }
-                    w.next_store_poll_ms = now + WAIT_STORE_POLL_MS;
-                }
-            }
-            keep.push(w);
-        }
-        self.queues.waiters.borrow_mut().extend(keep);
+        let actions = {
+            let mut ws = self.queues.waiters.borrow_mut();
+            let live = self.queues.live.borrow();
+            engine_waiters::tick(&mut ws, now, s.config.store.is_some(), &|id| live.contains(&id), &mut |k| {
+                s.table.peek(&mut HostShared, k, now).ok().map(Seen::from_local)
+            })
+        };
+        self.run_waiters(actions);
     }
 
-    /// Answers a waiting request as `answer` says; false when it must keep waiting.
-    fn wait_answered(&self, w: &Waiter, answer: WaitAnswer) -> bool {
-        let Some(s) = self.shared.clone() else { return false };
+    /// The store's answer to a waiter's poll.
+    fn poll_answered(&mut self, context_id: u32, num_headers: usize, body_size: usize) {
+        let (status, body) = writes::answer(body_size, num_headers);
+        let Some(s) = self.shared.clone() else { return };
+        stores::note_answer(&s, status, &body);
+        let actions = engine_waiters::store_answered(
+            &mut self.queues.waiters.borrow_mut(),
+            context_id,
+            status,
+            &body,
+            stores::backend(&s),
+            s.seal.as_ref(),
+            host::now_ms(),
+            &mut |k| {
+                matches!(s.table.peek(&mut HostShared, k, host::now_ms()).map(Seen::from_local), Ok(Seen::InFlight))
+            },
+        );
+        self.run_waiters(actions);
+    }
+
+    /// Carries out the waiters machine's actions.
+    fn run_waiters(&mut self, actions: Vec<WaitAction>) {
+        let Some(s) = self.shared.clone() else { return };
+        for action in actions {
+            match action {
+                WaitAction::Answer(w, reply) => self.wait_answered(&w, reply),
+                WaitAction::Poll { context_id, skey } => {
+                    let Some(cfg) = s.config.store.as_ref() else { continue };
+                    s.metrics.inc(Counter::StoreCalls);
+                    if let Ok(token) = writes::dispatch(cfg, &stores::read_request(&s, &skey), &s.credentials) {
+                        self.calls.insert(token, Call::Poll(context_id));
+                        engine_waiters::poll_sent(&mut self.queues.waiters.borrow_mut(), context_id);
+                    }
+                }
+                WaitAction::Unauthentic { policy_index, skey, why } => {
+                    s.metrics.inc_for(Counter::RecordUnauthentic, Some(policy_index));
+                    warn!("idemgate: outcome=record_unauthentic key={} waiting=true error={why}", skey.hex());
+                }
+            }
+        }
+    }
+
+    /// Answers a waiting request as the waiters machine says.
+    fn wait_answered(&self, w: &Waiter, reply: WaitReply) {
+        let Some(s) = self.shared.clone() else { return };
         let rid = w.request_id.clone();
-        match answer {
-            WaitAnswer::KeepWaiting => return false,
-            // Released: the first attempt never executed; the client may retry at once.
-            WaitAnswer::RetryNow => self.wait_over(w, 0),
-            WaitAnswer::Replay(r) => {
+        match reply {
+            // Released (0: the first attempt never executed; the client may retry at once), or
+            // the wait is over.
+            WaitReply::InFlight { retry_after_seconds } => self.wait_over(w, retry_after_seconds),
+            WaitReply::Replay(r) => {
                 s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
                 s.metrics.inc_for(Counter::Replayed, Some(w.policy_index));
                 let accept: Vec<&[u8]> = w.accept_encoding.iter().map(Vec::as_slice).collect();
@@ -820,7 +818,7 @@ impl Root {
                     &rid,
                 );
             }
-            WaitAnswer::Problem(kind) => {
+            WaitReply::Problem(kind) => {
                 s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
                 match kind {
                     ProblemKind::KeyReused { .. } => s.metrics.inc_for(Counter::Mismatch, Some(w.policy_index)),
@@ -834,7 +832,6 @@ impl Root {
                 self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &rid);
             }
         }
-        true
     }
 
     fn wait_over(&self, w: &Waiter, retry_after_seconds: u64) {
@@ -945,41 +942,6 @@ impl Root {
                 warn!("idemgate: etcd lease grant failed: {e}");
             }
         }
-    }
-
-    fn poll_answered(&mut self, context_id: u32, num_headers: usize, body_size: usize) {
-        let (status, body) = writes::answer(body_size, num_headers);
-        let (w, answer) = {
-            let mut ws = self.queues.waiters.borrow_mut();
-            let Some(pos) = ws.iter().position(|w| w.context_id == context_id) else { return };
-            let Some(w) = ws.get_mut(pos) else { return };
-            w.polling = false;
-            let Some(seal) = self.shared.as_ref().and_then(|s| s.seal.clone()) else { return };
-            let Some(s) = self.shared.as_ref() else { return };
-            let seen = match stores::parse_read(s, status, &body, &w.skey, &seal, host::now_ms()) {
-                Ok(store::ReadReply::Unreadable(why)) if why.is_unauthentic() => {
-                    if let Some(s) = self.shared.as_ref() {
-                        s.metrics.inc_for(Counter::RecordUnauthentic, Some(w.policy_index));
-                        warn!("idemgate: outcome=record_unauthentic key={} waiting=true error={why}", w.skey.hex());
-                    }
-                    Seen::from_store(store::ReadReply::Unreadable(why))
-                }
-                Ok(v) => Seen::from_store(v),
-                // An unreadable answer: ask again at the next poll.
-                Err(_) => return,
-            };
-            let local_in_flight = || {
-                matches!(
-                    s.table.peek(&mut HostShared, &w.skey, host::now_ms()).map(Seen::from_local),
-                    Ok(Seen::InFlight)
-                )
-            };
-            match wait::answer_from_store(seen, local_in_flight, &w.fp, w.mismatch_status) {
-                WaitAnswer::KeepWaiting => return,
-                answer => (ws.remove(pos), answer),
-            }
-        };
-        self.wait_answered(&w, answer);
     }
 }
 
