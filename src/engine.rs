@@ -5,7 +5,11 @@
 //! their tests drive them with a clock they move.
 //!
 //! - `writes`: the store writes made after forwarding, their retry schedule and fallback, and the
-//!   stopping root's hold until they are over.
+//!   stopping root's hold until they are over;
+//! - `waiters`: the requests held by `in_flight: "wait"`, answered from the local tier, the
+//!   store's polls, or at their deadline;
+//! - `keeper`: etcd's lease and token, kept ahead of need.
 
+pub mod keeper;
 pub mod waiters;
 pub mod writes;

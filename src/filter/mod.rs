@@ -31,6 +31,7 @@ use crate::config::{Config, Forwarding, Hop};
 use crate::decision::{
     callout_answer_is_upstreams, classify_callout, hop_mark, HopMark, Outcome, HOP_HEADER, HOP_PROBE_HEADER,
 };
+use crate::engine::keeper::{Action as KeeperAction, Keeper, Note as KeeperNote};
 use crate::engine::waiters::{self as engine_waiters, Action as WaitAction, Reply as WaitReply};
 use crate::engine::writes::{self as engine_writes, Action as WriteAction, Job, Note, WriteId, Writes};
 use crate::local::Table;
@@ -842,107 +843,116 @@ impl Root {
         self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &w.request_id);
     }
 
-    /// `store.kind: "etcd"`: grants the next lease when `Leases::wants_grant` says so (ahead of
-    /// need: never on a request's path).
+    /// `store.kind: "etcd"`: grants the next lease when the keeper says so (ahead of need: never
+    /// on a request's path).
     fn grant_lease_if_due(&mut self) {
         let Some(s) = self.shared.clone() else { return };
         let Some(cfg) = s.config.store.as_ref().filter(|_| stores::backend(&s).needs_tick()) else { return };
         let now = host::now_ms();
-        if !s.leases.borrow().wants_grant(now) {
-            return;
-        }
-        // With etcd's auth: no grant before the first token (it would only be refused).
-        if s.etcd_secret.is_some() && s.etcd_auth.borrow().token().is_none() {
-            return;
-        }
-        s.metrics.inc(Counter::StoreCalls);
-        let req = crate::etcd::lease_grant_request(s.lease_ttl_seconds);
-        match writes::dispatch(cfg, &req, &s.credentials) {
-            Ok(token) => {
-                s.leases.borrow_mut().grant_sent(now);
-                self.calls.insert(token, Call::Lease { sent_at_ms: now });
-            }
-            Err(e) => {
-                s.metrics.inc(Counter::StoreErrors);
-                s.leases.borrow_mut().grant_not_sent(now);
-                warn!("idemgate: etcd lease grant not sent: {e}");
-            }
+        if let Some(a) = keeper(&s, |k| k.grant_if_due(now)) {
+            self.keeper_action(&s, cfg, a, now);
         }
     }
 
-    /// `store.kind: "etcd"` with a credential: authenticates when `etcd::Auth::wants_authenticate`
-    /// says so (at start, every `store.token_refresh_seconds`, and at once after etcd refused the
-    /// token), ahead of need like the leases.
+    /// `store.kind: "etcd"` with a credential: authenticates when the keeper says so (at start,
+    /// every `store.token_refresh_seconds`, and at once after etcd refused the token), ahead of
+    /// need like the leases.
     fn authenticate_if_due(&mut self) {
         let Some(s) = self.shared.clone() else { return };
-        let Some(secret) = s.etcd_secret.as_deref() else { return };
-        let Some(cfg) = s.config.store.as_ref() else { return };
-        let now = host::now_ms();
-        if !s.etcd_auth.borrow().wants_authenticate(now, cfg.token_refresh_seconds.saturating_mul(1000)) {
+        if s.etcd_secret.is_none() {
             return;
         }
-        let req = match crate::etcd::authenticate_request(secret) {
-            Ok(r) => r,
-            Err(e) => {
-                s.etcd_auth.borrow_mut().failed(now);
-                error!("idemgate: etcd authentication not sent: {e}");
-                return;
-            }
-        };
-        s.metrics.inc(Counter::StoreCalls);
-        // The authentication itself carries no token.
-        match writes::send(cfg, &req, None) {
-            Ok(token) => {
-                s.etcd_auth.borrow_mut().sent(now);
-                self.calls.insert(token, Call::Auth);
-            }
-            Err(e) => {
-                s.metrics.inc(Counter::StoreErrors);
-                s.etcd_auth.borrow_mut().failed(now);
-                warn!("idemgate: etcd authentication not sent: {e}");
-            }
+        let Some(cfg) = s.config.store.as_ref() else { return };
+        let now = host::now_ms();
+        if let Some(a) = keeper(&s, |k| k.authenticate_if_due(cfg.token_refresh_seconds.saturating_mul(1000), now)) {
+            self.keeper_action(&s, cfg, a, now);
         }
     }
 
     fn auth_answered(&mut self, num_headers: usize, body_size: usize) {
         let Some(s) = self.shared.clone() else { return };
+        let Some(cfg) = s.config.store.as_ref() else { return };
         let (status, body) = writes::answer(body_size, num_headers);
         let now = host::now_ms();
-        match crate::etcd::parse_authenticate(status, &body) {
-            Ok(token) => {
-                *s.credentials.borrow_mut() = Some(token.clone());
-                s.etcd_auth.borrow_mut().obtained(token, now);
-                s.metrics.inc(Counter::StoreAuthentications);
-                info!("idemgate: etcd authenticated (root {})", self.id);
-                // The first lease needed the token.
-                self.grant_lease_if_due();
-            }
-            Err(e) => {
-                s.metrics.inc(Counter::StoreErrors);
-                s.etcd_auth.borrow_mut().failed(now);
-                let said = crate::etcd::error_text(&body);
-                warn!("idemgate: etcd authentication failed: {e} {said:?} (the user:password in IDEMGATE_STORE_AUTH)");
-            }
+        for a in keeper(&s, |k| k.auth_answered(status, &body, now)) {
+            self.keeper_action(&s, cfg, a, now);
         }
     }
 
     fn lease_answered(&mut self, sent_at_ms: u64, num_headers: usize, body_size: usize) {
         let Some(s) = self.shared.clone() else { return };
+        let Some(cfg) = s.config.store.as_ref() else { return };
         let (status, body) = writes::answer(body_size, num_headers);
         stores::note_answer(&s, status, &body);
         let now = host::now_ms();
-        match crate::etcd::parse_lease_grant(status, &body, s.lease_ttl_seconds) {
-            Ok(id) => {
-                s.leases.borrow_mut().granted(id, sent_at_ms, now);
-                info!("idemgate: etcd lease granted (root {}, ttl {} s)", self.id, s.lease_ttl_seconds);
+        let note = keeper(&s, |k| k.lease_answered(sent_at_ms, status, &body, now));
+        self.keeper_action(&s, cfg, KeeperAction::Note(note), now);
+    }
+
+    /// Carries out one action of the etcd keeper.
+    fn keeper_action(&mut self, s: &Rc<Shared>, cfg: &crate::config::StoreConfig, a: KeeperAction, now: u64) {
+        match a {
+            KeeperAction::Authenticate(req) => {
+                s.metrics.inc(Counter::StoreCalls);
+                // The authentication itself carries no token.
+                match writes::send(cfg, &req, None) {
+                    Ok(token) => {
+                        keeper(s, |k| k.auth_sent(now));
+                        self.calls.insert(token, Call::Auth);
+                    }
+                    Err(e) => {
+                        s.metrics.inc(Counter::StoreErrors);
+                        keeper(s, |k| k.auth_not_sent(now));
+                        warn!("idemgate: etcd authentication not sent: {e}");
+                    }
+                }
             }
-            Err(e) => {
+            KeeperAction::GrantLease(req) => {
+                s.metrics.inc(Counter::StoreCalls);
+                match writes::dispatch(cfg, &req, &s.credentials) {
+                    Ok(token) => {
+                        keeper(s, |k| k.lease_sent(now));
+                        self.calls.insert(token, Call::Lease { sent_at_ms: now });
+                    }
+                    Err(e) => {
+                        s.metrics.inc(Counter::StoreErrors);
+                        keeper(s, |k| k.lease_not_sent(now));
+                        warn!("idemgate: etcd lease grant not sent: {e}");
+                    }
+                }
+            }
+            KeeperAction::UseToken(token) => *s.credentials.borrow_mut() = Some(token),
+            KeeperAction::Note(KeeperNote::AuthUnbuilt(e)) => error!("idemgate: etcd authentication not sent: {e}"),
+            KeeperAction::Note(KeeperNote::Authenticated) => {
+                s.metrics.inc(Counter::StoreAuthentications);
+                info!("idemgate: etcd authenticated (root {})", self.id);
+            }
+            KeeperAction::Note(KeeperNote::AuthFailed { why, said }) => {
                 s.metrics.inc(Counter::StoreErrors);
-                s.leases.borrow_mut().grant_failed(sent_at_ms, now);
+                warn!(
+                    "idemgate: etcd authentication failed: {why} {said:?} (the user:password in IDEMGATE_STORE_AUTH)"
+                );
+            }
+            KeeperAction::Note(KeeperNote::LeaseGranted) => {
+                info!("idemgate: etcd lease granted (root {}, ttl {} s)", self.id, s.lease_ttl_seconds)
+            }
+            KeeperAction::Note(KeeperNote::LeaseFailed(e)) => {
+                s.metrics.inc(Counter::StoreErrors);
                 warn!("idemgate: etcd lease grant failed: {e}");
             }
         }
     }
+}
+
+/// The root's etcd lease and token as the keeper machine (`engine::keeper`) sees them.
+fn keeper<T>(s: &Shared, f: impl FnOnce(&mut Keeper) -> T) -> T {
+    let (mut leases, mut auth) = (s.leases.borrow_mut(), s.etcd_auth.borrow_mut());
+    f(&mut Keeper {
+        leases: &mut leases,
+        auth: &mut auth,
+        secret: s.etcd_secret.as_deref(),
+        lease_ttl_seconds: s.lease_ttl_seconds,
+    })
 }
 
 impl Context for Root {
