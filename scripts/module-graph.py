@@ -33,6 +33,11 @@ def module_files():
     for name in sorted(os.listdir(fdir)):
         if name.endswith(".rs") and name != "tests.rs":
             out.append(("filter" if name == "mod.rs" else "filter::" + name[:-3], os.path.join(fdir, name)))
+    # The engine's machines (`src/engine.rs` declares them): core modules of their own.
+    edir = os.path.join(ROOT, "engine")
+    for name in sorted(os.listdir(edir)) if os.path.isdir(edir) else []:
+        if name.endswith(".rs") and name != "tests.rs":
+            out.append(("engine::" + name[:-3], os.path.join(edir, name)))
     return out
 
 
@@ -73,6 +78,8 @@ def imports(mod, code, modules, own_items):
         first, second = m.group(1), m.group(2)
         if first == "filter":
             found.add("filter::" + second if second in subs else "filter")
+        elif first == "engine" and "engine::" + str(second) in modules:
+            found.add("engine::" + second)
         elif first in top:
             found.add(first)
     # A `use crate::{a, b::c}` group.

@@ -271,7 +271,7 @@ pub const WEBDIS_DEFAULT_MAX_REQUEST_BYTES: u64 = 134_217_728;
 /// fingerprint, the creator's request id and logged headers), its seal, the value header and
 /// owner mark, the keys and the rest of the transaction or webdis request. A write larger than
 /// the store accepts anyway (larger headers) is written without its body, never lost
-/// (the root's `write_too_large`).
+/// (`engine::writes`, too large).
 pub const STORE_WRITE_OVERHEAD_BYTES: u64 = 96 * 1024;
 
 /// `store.kind`.

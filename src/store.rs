@@ -46,7 +46,7 @@ use crate::sha1;
 /// Attempts of one write made after forwarding (completion, release, outcome-unknown mark) before
 /// its fallback: the first, one retry at once (a transient error), then retries after 0.2, 0.4,
 /// 0.8, 1.6 and 3.2 s, so a store that is back within about 6 s still gets the write. The root
-/// context runs this schedule (`filter::writes`); the operator CLI waits it out (`write_window_ms`).
+/// context runs this schedule (`engine::writes`); the operator CLI waits it out (`write_window_ms`).
 pub const MAX_WRITE_ATTEMPTS: u8 = 7;
 
 /// How long to wait before retrying a write that has failed `attempts` times (1-based).
@@ -63,7 +63,7 @@ const WRITE_SCHEDULE_SLACK_MS: u64 = 1_000;
 /// The most schedules one request's writes after forwarding can run in a row: the write (a
 /// completion), its body-less rewrite when the store refuses it as too large, and its
 /// outcome-unknown fallback, each of which may on etcd send its where-absent second transaction
-/// with a schedule of its own (`filter::mod` `write_too_large`, `write_where_absent`).
+/// with a schedule of its own (`engine::writes`: too large, absent).
 const WRITE_SCHEDULES_IN_A_ROW: u64 = 6;
 
 /// The longest a proxy may go on sending one request's writes after forwarding, each attempt

@@ -31,18 +31,19 @@ use crate::config::{Config, Forwarding, Hop};
 use crate::decision::{
     callout_answer_is_upstreams, classify_callout, hop_mark, HopMark, Outcome, HOP_HEADER, HOP_PROBE_HEADER,
 };
-use crate::fingerprint::Fingerprint;
+use crate::engine::keeper::{Action as KeeperAction, Keeper, Note as KeeperNote};
+use crate::engine::waiters::{self as engine_waiters, Action as WaitAction, Reply as WaitReply};
+use crate::engine::writes::{self as engine_writes, Action as WriteAction, Job, Note, WriteId, Writes};
 use crate::local::Table;
 use crate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use crate::problem::ProblemKind;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
 use crate::seal::Seal;
-use crate::store::{self, Transition, TransitionReply};
-use crate::wait::{self, Seen, Tier, WaitAnswer};
+use crate::store::{self, Transition};
+use crate::wait::Seen;
 use host::{Counter, Gauge, HostShared, Metrics};
 use settle::Claim;
-use writes::{Job, Source, MAX_WRITE_ATTEMPTS};
 
 /// The VM environment variable holding webdis credentials as `user:password` (set it in the Wasm
 /// `vm_config.environment_variables`; it never appears in the plugin configuration).
@@ -50,14 +51,10 @@ pub const STORE_AUTH_ENV: &str = "IDEMGATE_STORE_AUTH";
 
 /// The root's tick: waiters are checked at this pace, sweeps run once a second.
 const TICK: Duration = Duration::from_millis(100);
-/// A waiting request asks the store at most this often.
-const WAIT_STORE_POLL_MS: u64 = 300;
 /// Buckets each worker sweeps per second, freeing expired records and their bytes.
 const SWEEP_BUCKETS_PER_SECOND: u32 = 512;
-/// How long a stopping root context (plugin reload, listener drain, shutdown) holds its VM for
-/// store writes still queued or in flight: the whole retry schedule of a write and of its
-/// outcome-unknown fallback (2 x 6.2 s of backoff plus their timeouts).
-const STOP_HOLD_MS: u64 = 20_000;
+/// How long a stopping root context holds its VM for store writes still pending.
+const STOP_HOLD_MS: u64 = engine_writes::STOP_HOLD_MS;
 
 #[cfg(not(any(feature = "empty-filter", feature = "bench-floor")))]
 proxy_wasm::main! {{
@@ -121,25 +118,7 @@ pub struct Forward {
     pub lock_deadline_ms: u64,
 }
 
-/// A request held until another attempt with its key finishes (`in_flight: "wait"`).
-#[derive(Debug)]
-pub struct Waiter {
-    pub context_id: u32,
-    pub skey: StorageKey,
-    pub fp: Fingerprint,
-    pub request_id: String,
-    pub deadline_ms: u64,
-    /// The policy's status for a key reused with another request.
-    pub mismatch_status: u16,
-    /// The policy's index, for per-route counters.
-    pub policy_index: usize,
-    pub next_store_poll_ms: u64,
-    pub polling: bool,
-    /// The request's `accept-encoding` lines: a replay decodes a coding they do not accept.
-    pub accept_encoding: Vec<Vec<u8>>,
-    /// The policy's `max_response_body_bytes`: the most a replay decodes.
-    pub max_decoded_bytes: u64,
-}
+pub use crate::engine::waiters::Waiter;
 
 /// Work handed from HTTP contexts to their root context.
 #[derive(Default)]
@@ -269,9 +248,7 @@ impl Shared {
         seal: &crate::seal::Seal,
         now: u64,
     ) -> Result<Job, stores::Unbuilt> {
-        let request = stores::transition_request(self, t, skey, seal, now, fence)?;
-        let source = t.record.is_some().then(|| Box::new(Source { transition: t.clone(), skey: *skey }));
-        Ok(Job { what, key_hash: skey.hex(), request, fallback: None, source, where_absent: false, attempts: 0 })
+        Job::build(what, skey, t, fence, stores::writer(self, now), seal, now)
     }
 
     fn push_job(&self, job: Job) {
@@ -302,7 +279,7 @@ enum Call {
     },
     /// An etcd authentication (`store.kind: "etcd"` with a credential).
     Auth,
-    Write(Job),
+    Write(WriteId),
     Forward(Box<Forward>),
     Poll(u32),
     /// The probe of an internal listener chain (`upstream.hop: "internal_listener"`): its cluster.
@@ -330,11 +307,9 @@ struct Root {
     queues: Rc<Queues>,
     calls: HashMap<u32, Call>,
     queue_id: Option<u32>,
-    /// Failed writes waiting for their retry: (due time in ms, job), dispatched by the tick.
-    retries: Vec<(u64, Job)>,
-    /// Set when the host asked this root to stop while writes were pending: the time after
-    /// which it stops anyway.
-    stopping_until_ms: Option<u64>,
+    /// The store writes made after forwarding: in flight, waiting for their retry, and the
+    /// stopping root's hold (`crate::engine::writes`).
+    writes: Writes,
     /// The last tick found work queued by HTTP contexts and not yet taken by `on_queue_ready`.
     stray_seen: bool,
     /// The `count-host-calls` build's figures, flushed to its metrics on the tick.
@@ -355,8 +330,7 @@ impl Root {
             queues: Rc::new(Queues::default()),
             calls: HashMap::new(),
             queue_id: None,
-            retries: Vec::new(),
-            stopping_until_ms: None,
+            writes: Writes::default(),
             stray_seen: false,
             meter: meter::Flush::new(),
             hops: HashMap::new(),
@@ -367,10 +341,7 @@ impl Root {
     fn take_queued_work(&mut self) {
         // What a later tick finds queued was queued after this.
         self.stray_seen = false;
-        let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
-        for job in jobs {
-            self.dispatch_job(job);
-        }
+        self.take_queued_writes();
         let forwards: Vec<Forward> = self.queues.forwards.borrow_mut().drain(..).collect();
         for f in forwards {
             self.forward_through_hop(f);
@@ -475,9 +446,105 @@ impl Root {
 
     /// Store writes this root still owns: queued by HTTP contexts, in flight, or waiting to retry.
     fn pending_writes(&self) -> usize {
-        self.queues.jobs.borrow().len()
-            + self.retries.len()
-            + self.calls.values().filter(|c| matches!(c, Call::Write(_))).count()
+        self.queues.jobs.borrow().len() + self.writes.pending()
+    }
+
+    /// Hands the writes HTTP contexts queued to the write machine, and sends them.
+    fn take_queued_writes(&mut self) {
+        let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
+        for job in jobs {
+            self.writes.push(job);
+        }
+        self.run_writes();
+    }
+
+    /// Carries out the write machine's actions, in order, until it has none.
+    fn run_writes(&mut self) {
+        while let Some(action) = self.writes.poll() {
+            match action {
+                WriteAction::Send(id) => self.send_write(id),
+                WriteAction::Note { what, key_hash, note, .. } => self.write_note(what, &key_hash, note),
+                WriteAction::Ended => self.write_ended(),
+                WriteAction::Stop { pending } => self.stop_now(pending),
+            }
+        }
+    }
+
+    fn send_write(&mut self, id: WriteId) {
+        let Some(s) = self.shared.clone() else { return self.writes.abandon(id) };
+        let Some(cfg) = s.config.store.as_ref() else {
+            // Cannot happen (writes exist only with a store): count it over rather than hold the VM.
+            error!("idemgate: store write with no store configured");
+            return self.writes.abandon(id);
+        };
+        let Some(request) = self.writes.request(id) else { return };
+        s.metrics.inc(Counter::StoreCalls);
+        match writes::dispatch(cfg, request, &s.credentials) {
+            Ok(token) => {
+                self.calls.insert(token, Call::Write(id));
+            }
+            Err(e) => self.writes.not_sent(id, &e, &host::now_ms),
+        }
+    }
+
+    /// The store's answer to write `id` (`status` `None`: no answer).
+    fn write_answered(&mut self, id: WriteId, status: Option<u16>, body: &[u8]) {
+        let Some(s) = self.shared.clone() else { return };
+        stores::note_answer(&s, status, body);
+        let writer = || {
+            let now = host::now_ms();
+            (now, stores::writer(&s, now))
+        };
+        let b = engine_writes::Builder { store: stores::backend(&s), seal: s.seal.as_ref(), writer: &writer };
+        self.writes.answered(id, status, body, &b);
+        self.run_writes();
+    }
+
+    /// Counts and logs what happened to a write.
+    fn write_note(&self, what: &str, key_hash: &str, note: Note) {
+        let Some(s) = self.shared.as_ref() else { return };
+        match note {
+            Note::Landed => s.metrics.inc(Counter::StoreWrites),
+            Note::NoLongerOurs => {
+                info!("idemgate: store write {what} for key={key_hash} found the claim no longer ours")
+            }
+            Note::ClaimGoneRewritten => {
+                s.metrics.inc(Counter::StoreClaimGoneRewritten);
+                warn!(
+                    "idemgate: store write {what} for key={key_hash} found the claim gone from the store (flushed, evicted or failed over) and wrote the record where it was"
+                );
+            }
+            Note::NothingWhereAbsent => {
+                info!("idemgate: store write {what} for key={key_hash} found the key absent; nothing to write there")
+            }
+            Note::ScriptLoad => {
+                s.metrics.inc(Counter::StoreScriptLoads);
+                info!(
+                    "idemgate: store write {what} for key={key_hash} met a store without its script (NOSCRIPT); sent again with the script"
+                );
+            }
+            Note::TooLarge => s.metrics.inc(Counter::StoreErrors),
+            Note::TooLargeWithoutBody => {
+                s.metrics.inc(Counter::StoreWritesTooLarge);
+                warn!(
+                    "idemgate: store write {what} for key={key_hash} refused by the store as too large; writing the record without its response body (retries get response-not-stored)"
+                );
+            }
+            Note::Retry { why, delay_ms } => {
+                s.metrics.inc(Counter::StoreErrors);
+                s.metrics.inc(Counter::StoreWriteRetries);
+                warn!("idemgate: store write {what} for key={key_hash} failed ({why}); retrying in {delay_ms} ms");
+            }
+            Note::Failed { why, attempts, fallback } => {
+                s.metrics.inc(Counter::StoreErrors);
+                s.metrics.inc(Counter::StoreWriteFailures);
+                if fallback {
+                    warn!("idemgate: store write {what} for key={key_hash} failed {attempts} times ({why}); marking the outcome unknown");
+                } else {
+                    warn!("idemgate: store write {what} for key={key_hash} failed {attempts} times ({why}); a claim left in the store is judged outcome-unknown once its lock expires");
+                }
+            }
+        }
     }
 
     /// A write is over (landed, or given up after its fallback).
@@ -496,177 +563,22 @@ impl Root {
 
     /// A stopping root tells the host it is done once its writes are over or its bound passed.
     fn finish_stopping_if_drained(&mut self) {
-        let Some(until) = self.stopping_until_ms else { return };
-        let pending = self.pending_writes();
-        if pending == 0 || host::now_ms() >= until {
-            if pending > 0 {
-                warn!("idemgate: root context stopping with {pending} store write(s) still pending after {STOP_HOLD_MS} ms: other proxies judge those keys outcome-unknown");
-            } else {
-                info!("idemgate: root context stopping: every queued store write has landed");
-            }
-            self.stopping_until_ms = None;
-            if pending > 0 {
-                if let Some(s) = self.shared.as_ref() {
-                    s.metrics.add(Gauge::StoreWritesPending, -(pending as i64));
-                }
-            }
-            self.done();
+        if self.writes.stopping() {
+            self.writes.stop_if_drained(self.queues.jobs.borrow().len(), host::now_ms());
         }
     }
 
-    fn dispatch_job(&mut self, job: Job) {
-        let Some(s) = self.shared.clone() else { return };
-        let Some(cfg) = s.config.store.as_ref() else {
-            // Cannot happen (jobs exist only with a store): count it over rather than hold the VM.
-            error!("idemgate: store write {} for key={} with no store configured", job.what, job.key_hash);
-            return self.write_ended();
-        };
-        s.metrics.inc(Counter::StoreCalls);
-        match writes::dispatch(cfg, &job.request, &s.credentials) {
-            Ok(token) => {
-                self.calls.insert(token, Call::Write(job));
+    /// The write machine says the stopping root may stop, `pending` writes left.
+    fn stop_now(&mut self, pending: usize) {
+        if pending > 0 {
+            warn!("idemgate: root context stopping with {pending} store write(s) still pending after {STOP_HOLD_MS} ms: other proxies judge those keys outcome-unknown");
+            if let Some(s) = self.shared.as_ref() {
+                s.metrics.add(Gauge::StoreWritesPending, -(pending as i64));
             }
-            Err(e) => self.write_failed(job, &e),
-        }
-    }
-
-    /// Dispatches the failed writes whose retry time has come.
-    fn dispatch_due_retries(&mut self) {
-        if self.retries.is_empty() {
-            return;
-        }
-        let now = host::now_ms();
-        let (due, later): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.retries).into_iter().partition(|(at, _)| *at <= now);
-        self.retries = later;
-        for (_, job) in due {
-            self.dispatch_job(job);
-        }
-    }
-
-    /// The store answered a write (changed, refused, or written where its claim was gone).
-    fn write_landed(&mut self) {
-        if let Some(s) = self.shared.as_ref() {
-            s.metrics.inc(Counter::StoreWrites);
-        }
-        self.write_ended();
-    }
-
-    /// Redis answered the write NOSCRIPT: it does not hold the transition script, so nothing ran.
-    /// The same write goes again at once with the script in full (`EVAL`, which also loads it), as
-    /// the same attempt: a NOSCRIPT is no failure. A write that carried its script cannot be
-    /// answered NOSCRIPT by Redis: that is a failed attempt (retried, then its fallback).
-    fn write_with_script(&mut self, mut job: Job) {
-        match job.request.with_script() {
-            Some(again) => {
-                if let Some(s) = self.shared.as_ref() {
-                    s.metrics.inc(Counter::StoreScriptLoads);
-                }
-                info!(
-                    "idemgate: store write {} for key={} met a store without its script (NOSCRIPT); sent again with the script",
-                    job.what, job.key_hash
-                );
-                job.request = again;
-                self.dispatch_job(job);
-            }
-            None => self.write_failed(job, "NOSCRIPT answered to a write carrying its script"),
-        }
-    }
-
-    /// The store refused the write as too large (nothing of it applied): retrying cannot help. A
-    /// completion goes again without its response body, so the key ends as "executed, response not
-    /// stored" (`State::CompletedTooLarge`) on every proxy, never outcome-unknown; any other write
-    /// goes to its fallback at once.
-    fn write_too_large(&mut self, mut job: Job) {
-        let Some(s) = self.shared.clone() else { return };
-        s.metrics.inc(Counter::StoreErrors);
-        let smaller = job.source.as_ref().and_then(|src| {
-            let small = src.transition.without_body()?;
-            let seal = s.seal.as_ref()?;
-            Some(s.build_job("complete_without_body", &src.skey, &small, None, seal, host::now_ms()))
-        });
-        match smaller {
-            Some(Ok(mut small)) => {
-                s.metrics.inc(Counter::StoreWritesTooLarge);
-                warn!(
-                    "idemgate: store write {} for key={} refused by the store as too large; writing the record without its response body (retries get response-not-stored)",
-                    job.what, job.key_hash
-                );
-                small.fallback = job.fallback.take();
-                self.dispatch_job(small);
-            }
-            // Not a completion (or the smaller write cannot be built now): retrying the same bytes
-            // cannot help; its fallback at once.
-            other => {
-                let why = match other {
-                    Some(Err(e)) => format!("refused by the store as too large; without its body: {e}"),
-                    _ => "refused by the store as too large".to_string(),
-                };
-                job.attempts = MAX_WRITE_ATTEMPTS.saturating_sub(1);
-                self.write_failed(job, &why);
-            }
-        }
-    }
-
-    /// etcd answered that the key is absent: a write that writes where absent sends its second
-    /// transaction, as the same write (its retries, its fallback); any other write is done.
-    fn write_where_absent(&mut self, mut job: Job) {
-        let Some(s) = self.shared.clone() else { return };
-        let built = match (job.source.as_ref(), s.seal.as_ref()) {
-            (Some(src), Some(seal)) => {
-                stores::where_absent_request(&s, &src.transition, &src.skey, seal, host::now_ms())
-            }
-            _ => Ok(None),
-        };
-        match built {
-            Ok(Some(request)) => {
-                job.request = request;
-                job.where_absent = true;
-                job.attempts = 0;
-                self.dispatch_job(job);
-            }
-            Ok(None) => {
-                info!(
-                    "idemgate: store write {} for key={} found the key absent; nothing to write there",
-                    job.what, job.key_hash
-                );
-                self.write_landed();
-            }
-            // No lease now: as a failed attempt (retried; the retry asks again).
-            Err(e) => self.write_failed(job, &e.to_string()),
-        }
-    }
-
-    /// A write failed: retry it (with backoff), then its fallback, then give up (counted and logged).
-    fn write_failed(&mut self, mut job: Job, why: &str) {
-        let Some(s) = self.shared.clone() else { return };
-        s.metrics.inc(Counter::StoreErrors);
-        job.attempts = job.attempts.saturating_add(1);
-        if job.attempts < MAX_WRITE_ATTEMPTS {
-            s.metrics.inc(Counter::StoreWriteRetries);
-            let delay = writes::retry_delay_ms(job.attempts);
-            warn!("idemgate: store write {} for key={} failed ({why}); retrying in {delay} ms", job.what, job.key_hash);
-            if delay == 0 {
-                self.dispatch_job(job);
-            } else {
-                // Later, not now: a store that is restarting refuses an immediate retry just the same.
-                self.retries.push((host::now_ms().saturating_add(delay), job));
-            }
-        } else if let Some(fallback) = job.fallback.take() {
-            s.metrics.inc(Counter::StoreWriteFailures);
-            warn!(
-                "idemgate: store write {} for key={} failed {} times ({why}); marking the outcome unknown",
-                job.what, job.key_hash, job.attempts
-            );
-            self.dispatch_job(*fallback);
         } else {
-            s.metrics.inc(Counter::StoreWriteFailures);
-            warn!(
-                "idemgate: store write {} for key={} failed {} times ({why}); a claim left in the store is judged outcome-unknown once its lock expires",
-                job.what, job.key_hash, job.attempts
-            );
-            self.write_ended();
+            info!("idemgate: root context stopping: every queued store write has landed");
         }
+        self.done();
     }
 
     fn dispatch_forward(&mut self, mut f: Forward) {
@@ -825,55 +737,73 @@ impl Root {
         }
     }
 
-    /// Checks every waiting request: answered from the local tier as soon as it shows the
-    /// outcome, from the store (polled at most every `WAIT_STORE_POLL_MS`), or with a 409 at its
-    /// deadline. What to answer is `wait::answer`'s rule, the same for both tiers.
+    /// Checks every waiting request (`engine::waiters::tick`): answered from the local tier as
+    /// soon as it shows the outcome, from the store (polled at most every `WAIT_STORE_POLL_MS`),
+    /// or with a 409 at its deadline.
     fn check_waiters(&mut self) {
         let Some(s) = self.shared.clone() else { return };
         let now = host::now_ms();
-        let has_store = s.config.store.is_some();
-        let waiters: Vec<Waiter> = self.queues.waiters.borrow_mut().drain(..).collect();
-        let mut keep = vec![];
-        for mut w in waiters {
-            if !self.queues.live.borrow().contains(&w.context_id) {
-                continue;
-            }
-            let seen = match s.table.peek(&mut HostShared, &w.skey, now) {
-                Ok(p) => Seen::from_local(p),
-                // Unreadable now: the store (or the next tick) decides.
-                Err(_) => Seen::InFlight,
-            };
-            if self.wait_answered(&w, wait::answer(seen, Tier::Local, &w.fp, has_store, w.mismatch_status)) {
-                continue;
-            }
-            if now >= w.deadline_ms {
-                self.wait_over(&w, crate::decision::IN_FLIGHT_RETRY_AFTER_SECONDS);
-                continue;
-            }
-            if let Some(cfg) = s.config.store.as_ref() {
-                if !w.polling && now >= w.next_store_poll_ms {
-                    s.metrics.inc(Counter::StoreCalls);
-                    if let Ok(token) = writes::dispatch(cfg, &stores::read_request(&s, &w.skey), &s.credentials) {
-                        self.calls.insert(token, Call::Poll(w.context_id));
-                        w.polling = true;
-                    }
-                    w.next_store_poll_ms = now + WAIT_STORE_POLL_MS;
-                }
-            }
-            keep.push(w);
-        }
-        self.queues.waiters.borrow_mut().extend(keep);
+        let actions = {
+            let mut ws = self.queues.waiters.borrow_mut();
+            let live = self.queues.live.borrow();
+            engine_waiters::tick(&mut ws, now, s.config.store.is_some(), &|id| live.contains(&id), &mut |k| {
+                s.table.peek(&mut HostShared, k, now).ok().map(Seen::from_local)
+            })
+        };
+        self.run_waiters(actions);
     }
 
-    /// Answers a waiting request as `answer` says; false when it must keep waiting.
-    fn wait_answered(&self, w: &Waiter, answer: WaitAnswer) -> bool {
-        let Some(s) = self.shared.clone() else { return false };
+    /// The store's answer to a waiter's poll.
+    fn poll_answered(&mut self, context_id: u32, num_headers: usize, body_size: usize) {
+        let (status, body) = writes::answer(body_size, num_headers);
+        let Some(s) = self.shared.clone() else { return };
+        stores::note_answer(&s, status, &body);
+        let actions = engine_waiters::store_answered(
+            &mut self.queues.waiters.borrow_mut(),
+            context_id,
+            status,
+            &body,
+            stores::backend(&s),
+            s.seal.as_ref(),
+            host::now_ms(),
+            &mut |k| {
+                matches!(s.table.peek(&mut HostShared, k, host::now_ms()).map(Seen::from_local), Ok(Seen::InFlight))
+            },
+        );
+        self.run_waiters(actions);
+    }
+
+    /// Carries out the waiters machine's actions.
+    fn run_waiters(&mut self, actions: Vec<WaitAction>) {
+        let Some(s) = self.shared.clone() else { return };
+        for action in actions {
+            match action {
+                WaitAction::Answer(w, reply) => self.wait_answered(&w, reply),
+                WaitAction::Poll { context_id, skey } => {
+                    let Some(cfg) = s.config.store.as_ref() else { continue };
+                    s.metrics.inc(Counter::StoreCalls);
+                    if let Ok(token) = writes::dispatch(cfg, &stores::read_request(&s, &skey), &s.credentials) {
+                        self.calls.insert(token, Call::Poll(context_id));
+                        engine_waiters::poll_sent(&mut self.queues.waiters.borrow_mut(), context_id);
+                    }
+                }
+                WaitAction::Unauthentic { policy_index, skey, why } => {
+                    s.metrics.inc_for(Counter::RecordUnauthentic, Some(policy_index));
+                    warn!("idemgate: outcome=record_unauthentic key={} waiting=true error={why}", skey.hex());
+                }
+            }
+        }
+    }
+
+    /// Answers a waiting request as the waiters machine says.
+    fn wait_answered(&self, w: &Waiter, reply: WaitReply) {
+        let Some(s) = self.shared.clone() else { return };
         let rid = w.request_id.clone();
-        match answer {
-            WaitAnswer::KeepWaiting => return false,
-            // Released: the first attempt never executed; the client may retry at once.
-            WaitAnswer::RetryNow => self.wait_over(w, 0),
-            WaitAnswer::Replay(r) => {
+        match reply {
+            // Released (0: the first attempt never executed; the client may retry at once), or
+            // the wait is over.
+            WaitReply::InFlight { retry_after_seconds } => self.wait_over(w, retry_after_seconds),
+            WaitReply::Replay(r) => {
                 s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
                 s.metrics.inc_for(Counter::Replayed, Some(w.policy_index));
                 let accept: Vec<&[u8]> = w.accept_encoding.iter().map(Vec::as_slice).collect();
@@ -889,7 +819,7 @@ impl Root {
                     &rid,
                 );
             }
-            WaitAnswer::Problem(kind) => {
+            WaitReply::Problem(kind) => {
                 s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
                 match kind {
                     ProblemKind::KeyReused { .. } => s.metrics.inc_for(Counter::Mismatch, Some(w.policy_index)),
@@ -903,7 +833,6 @@ impl Root {
                 self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &rid);
             }
         }
-        true
     }
 
     fn wait_over(&self, w: &Waiter, retry_after_seconds: u64) {
@@ -914,142 +843,116 @@ impl Root {
         self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &w.request_id);
     }
 
-    /// `store.kind: "etcd"`: grants the next lease when `Leases::wants_grant` says so (ahead of
-    /// need: never on a request's path).
+    /// `store.kind: "etcd"`: grants the next lease when the keeper says so (ahead of need: never
+    /// on a request's path).
     fn grant_lease_if_due(&mut self) {
         let Some(s) = self.shared.clone() else { return };
         let Some(cfg) = s.config.store.as_ref().filter(|_| stores::backend(&s).needs_tick()) else { return };
         let now = host::now_ms();
-        if !s.leases.borrow().wants_grant(now) {
-            return;
-        }
-        // With etcd's auth: no grant before the first token (it would only be refused).
-        if s.etcd_secret.is_some() && s.etcd_auth.borrow().token().is_none() {
-            return;
-        }
-        s.metrics.inc(Counter::StoreCalls);
-        let req = crate::etcd::lease_grant_request(s.lease_ttl_seconds);
-        match writes::dispatch(cfg, &req, &s.credentials) {
-            Ok(token) => {
-                s.leases.borrow_mut().grant_sent(now);
-                self.calls.insert(token, Call::Lease { sent_at_ms: now });
-            }
-            Err(e) => {
-                s.metrics.inc(Counter::StoreErrors);
-                s.leases.borrow_mut().grant_not_sent(now);
-                warn!("idemgate: etcd lease grant not sent: {e}");
-            }
+        if let Some(a) = keeper(&s, |k| k.grant_if_due(now)) {
+            self.keeper_action(&s, cfg, a, now);
         }
     }
 
-    /// `store.kind: "etcd"` with a credential: authenticates when `etcd::Auth::wants_authenticate`
-    /// says so (at start, every `store.token_refresh_seconds`, and at once after etcd refused the
-    /// token), ahead of need like the leases.
+    /// `store.kind: "etcd"` with a credential: authenticates when the keeper says so (at start,
+    /// every `store.token_refresh_seconds`, and at once after etcd refused the token), ahead of
+    /// need like the leases.
     fn authenticate_if_due(&mut self) {
         let Some(s) = self.shared.clone() else { return };
-        let Some(secret) = s.etcd_secret.as_deref() else { return };
-        let Some(cfg) = s.config.store.as_ref() else { return };
-        let now = host::now_ms();
-        if !s.etcd_auth.borrow().wants_authenticate(now, cfg.token_refresh_seconds.saturating_mul(1000)) {
+        if s.etcd_secret.is_none() {
             return;
         }
-        let req = match crate::etcd::authenticate_request(secret) {
-            Ok(r) => r,
-            Err(e) => {
-                s.etcd_auth.borrow_mut().failed(now);
-                error!("idemgate: etcd authentication not sent: {e}");
-                return;
-            }
-        };
-        s.metrics.inc(Counter::StoreCalls);
-        // The authentication itself carries no token.
-        match writes::send(cfg, &req, None) {
-            Ok(token) => {
-                s.etcd_auth.borrow_mut().sent(now);
-                self.calls.insert(token, Call::Auth);
-            }
-            Err(e) => {
-                s.metrics.inc(Counter::StoreErrors);
-                s.etcd_auth.borrow_mut().failed(now);
-                warn!("idemgate: etcd authentication not sent: {e}");
-            }
+        let Some(cfg) = s.config.store.as_ref() else { return };
+        let now = host::now_ms();
+        if let Some(a) = keeper(&s, |k| k.authenticate_if_due(cfg.token_refresh_seconds.saturating_mul(1000), now)) {
+            self.keeper_action(&s, cfg, a, now);
         }
     }
 
     fn auth_answered(&mut self, num_headers: usize, body_size: usize) {
         let Some(s) = self.shared.clone() else { return };
+        let Some(cfg) = s.config.store.as_ref() else { return };
         let (status, body) = writes::answer(body_size, num_headers);
         let now = host::now_ms();
-        match crate::etcd::parse_authenticate(status, &body) {
-            Ok(token) => {
-                *s.credentials.borrow_mut() = Some(token.clone());
-                s.etcd_auth.borrow_mut().obtained(token, now);
-                s.metrics.inc(Counter::StoreAuthentications);
-                info!("idemgate: etcd authenticated (root {})", self.id);
-                // The first lease needed the token.
-                self.grant_lease_if_due();
-            }
-            Err(e) => {
-                s.metrics.inc(Counter::StoreErrors);
-                s.etcd_auth.borrow_mut().failed(now);
-                let said = crate::etcd::error_text(&body);
-                warn!("idemgate: etcd authentication failed: {e} {said:?} (the user:password in IDEMGATE_STORE_AUTH)");
-            }
+        for a in keeper(&s, |k| k.auth_answered(status, &body, now)) {
+            self.keeper_action(&s, cfg, a, now);
         }
     }
 
     fn lease_answered(&mut self, sent_at_ms: u64, num_headers: usize, body_size: usize) {
         let Some(s) = self.shared.clone() else { return };
+        let Some(cfg) = s.config.store.as_ref() else { return };
         let (status, body) = writes::answer(body_size, num_headers);
         stores::note_answer(&s, status, &body);
         let now = host::now_ms();
-        match crate::etcd::parse_lease_grant(status, &body, s.lease_ttl_seconds) {
-            Ok(id) => {
-                s.leases.borrow_mut().granted(id, sent_at_ms, now);
-                info!("idemgate: etcd lease granted (root {}, ttl {} s)", self.id, s.lease_ttl_seconds);
+        let note = keeper(&s, |k| k.lease_answered(sent_at_ms, status, &body, now));
+        self.keeper_action(&s, cfg, KeeperAction::Note(note), now);
+    }
+
+    /// Carries out one action of the etcd keeper.
+    fn keeper_action(&mut self, s: &Rc<Shared>, cfg: &crate::config::StoreConfig, a: KeeperAction, now: u64) {
+        match a {
+            KeeperAction::Authenticate(req) => {
+                s.metrics.inc(Counter::StoreCalls);
+                // The authentication itself carries no token.
+                match writes::send(cfg, &req, None) {
+                    Ok(token) => {
+                        keeper(s, |k| k.auth_sent(now));
+                        self.calls.insert(token, Call::Auth);
+                    }
+                    Err(e) => {
+                        s.metrics.inc(Counter::StoreErrors);
+                        keeper(s, |k| k.auth_not_sent(now));
+                        warn!("idemgate: etcd authentication not sent: {e}");
+                    }
+                }
             }
-            Err(e) => {
+            KeeperAction::GrantLease(req) => {
+                s.metrics.inc(Counter::StoreCalls);
+                match writes::dispatch(cfg, &req, &s.credentials) {
+                    Ok(token) => {
+                        keeper(s, |k| k.lease_sent(now));
+                        self.calls.insert(token, Call::Lease { sent_at_ms: now });
+                    }
+                    Err(e) => {
+                        s.metrics.inc(Counter::StoreErrors);
+                        keeper(s, |k| k.lease_not_sent(now));
+                        warn!("idemgate: etcd lease grant not sent: {e}");
+                    }
+                }
+            }
+            KeeperAction::UseToken(token) => *s.credentials.borrow_mut() = Some(token),
+            KeeperAction::Note(KeeperNote::AuthUnbuilt(e)) => error!("idemgate: etcd authentication not sent: {e}"),
+            KeeperAction::Note(KeeperNote::Authenticated) => {
+                s.metrics.inc(Counter::StoreAuthentications);
+                info!("idemgate: etcd authenticated (root {})", self.id);
+            }
+            KeeperAction::Note(KeeperNote::AuthFailed { why, said }) => {
                 s.metrics.inc(Counter::StoreErrors);
-                s.leases.borrow_mut().grant_failed(sent_at_ms, now);
+                warn!(
+                    "idemgate: etcd authentication failed: {why} {said:?} (the user:password in IDEMGATE_STORE_AUTH)"
+                );
+            }
+            KeeperAction::Note(KeeperNote::LeaseGranted) => {
+                info!("idemgate: etcd lease granted (root {}, ttl {} s)", self.id, s.lease_ttl_seconds)
+            }
+            KeeperAction::Note(KeeperNote::LeaseFailed(e)) => {
+                s.metrics.inc(Counter::StoreErrors);
                 warn!("idemgate: etcd lease grant failed: {e}");
             }
         }
     }
+}
 
-    fn poll_answered(&mut self, context_id: u32, num_headers: usize, body_size: usize) {
-        let (status, body) = writes::answer(body_size, num_headers);
-        let (w, answer) = {
-            let mut ws = self.queues.waiters.borrow_mut();
-            let Some(pos) = ws.iter().position(|w| w.context_id == context_id) else { return };
-            let Some(w) = ws.get_mut(pos) else { return };
-            w.polling = false;
-            let Some(seal) = self.shared.as_ref().and_then(|s| s.seal.clone()) else { return };
-            let Some(s) = self.shared.as_ref() else { return };
-            let seen = match stores::parse_read(s, status, &body, &w.skey, &seal, host::now_ms()) {
-                Ok(store::ReadReply::Unreadable(why)) if why.is_unauthentic() => {
-                    if let Some(s) = self.shared.as_ref() {
-                        s.metrics.inc_for(Counter::RecordUnauthentic, Some(w.policy_index));
-                        warn!("idemgate: outcome=record_unauthentic key={} waiting=true error={why}", w.skey.hex());
-                    }
-                    Seen::from_store(store::ReadReply::Unreadable(why))
-                }
-                Ok(v) => Seen::from_store(v),
-                // An unreadable answer: ask again at the next poll.
-                Err(_) => return,
-            };
-            let local_in_flight = || {
-                matches!(
-                    s.table.peek(&mut HostShared, &w.skey, host::now_ms()).map(Seen::from_local),
-                    Ok(Seen::InFlight)
-                )
-            };
-            match wait::answer_from_store(seen, local_in_flight, &w.fp, w.mismatch_status) {
-                WaitAnswer::KeepWaiting => return,
-                answer => (ws.remove(pos), answer),
-            }
-        };
-        self.wait_answered(&w, answer);
-    }
+/// The root's etcd lease and token as the keeper machine (`engine::keeper`) sees them.
+fn keeper<T>(s: &Shared, f: impl FnOnce(&mut Keeper) -> T) -> T {
+    let (mut leases, mut auth) = (s.leases.borrow_mut(), s.etcd_auth.borrow_mut());
+    f(&mut Keeper {
+        leases: &mut leases,
+        auth: &mut auth,
+        secret: s.etcd_secret.as_deref(),
+        lease_ttl_seconds: s.lease_ttl_seconds,
+    })
 }
 
 impl Context for Root {
@@ -1057,18 +960,17 @@ impl Context for Root {
         // Counters not yet flushed reach Envoy's /stats before the root stops.
         meter::background(host::flush_counters);
         // Writes handed over by HTTP contexts but not yet dispatched go out now.
-        let jobs: Vec<Job> = self.queues.jobs.borrow_mut().drain(..).collect();
-        for job in jobs {
-            self.dispatch_job(job);
-        }
+        self.take_queued_writes();
         let pending = self.pending_writes();
         if pending == 0 {
             return true;
         }
         // Hold the VM until they land (or the bound passes): a write lost here is a key other
         // proxies answer outcome-unknown although it succeeded.
+        if self.writes.stop(self.queues.jobs.borrow().len(), host::now_ms()) {
+            return true;
+        }
         info!("idemgate: root context asked to stop with {pending} store write(s) pending; holding it for at most {STOP_HOLD_MS} ms");
-        self.stopping_until_ms = Some(host::now_ms().saturating_add(STOP_HOLD_MS));
         false
     }
 
@@ -1086,42 +988,9 @@ impl Root {
                 meter::background(|| self.lease_answered(sent_at_ms, num_headers, body_size))
             }
             Some(Call::Auth) => meter::background(|| self.auth_answered(num_headers, body_size)),
-            Some(Call::Write(job)) => {
+            Some(Call::Write(id)) => {
                 let (status, body) = writes::answer(body_size, num_headers);
-                let Some(s) = self.shared.clone() else { return };
-                if stores::refused_as_too_large(&s, status, &body) {
-                    return self.write_too_large(job);
-                }
-                let parsed = match job.where_absent {
-                    true => stores::parse_where_absent(&s, status, &body),
-                    false => stores::parse_write(&s, status, &body),
-                };
-                match parsed {
-                    // Redis lost the script (restart, failover, SCRIPT FLUSH): nothing ran.
-                    Ok(TransitionReply::NoScript) => self.write_with_script(job),
-                    Ok(TransitionReply::Changed) => self.write_landed(),
-                    // etcd: the claim is gone and the key absent; a write that writes where absent
-                    // sends its second transaction (as the same write: its retries, its fallback).
-                    Ok(TransitionReply::Absent) => self.write_where_absent(job),
-                    Ok(TransitionReply::Refused) => {
-                        info!(
-                            "idemgate: store write {} for key={} found the claim no longer ours",
-                            job.what, job.key_hash
-                        );
-                        self.write_landed();
-                    }
-                    // The store lost the claim (FLUSHALL, an eviction, a failover) while the
-                    // request ran: the record was written where it was gone.
-                    Ok(TransitionReply::ClaimGoneRewritten) => {
-                        s.metrics.inc(Counter::StoreClaimGoneRewritten);
-                        warn!(
-                            "idemgate: store write {} for key={} found the claim gone from the store (flushed, evicted or failed over) and wrote the record where it was",
-                            job.what, job.key_hash
-                        );
-                        self.write_landed();
-                    }
-                    Err(e) => self.write_failed(job, &e.to_string()),
-                }
+                self.write_answered(id, status, &body);
             }
             Some(Call::Forward(f)) => self.forward_answered(*f, num_headers, body_size, num_trailers),
             Some(Call::Poll(context_id)) => self.poll_answered(context_id, num_headers, body_size),
@@ -1299,8 +1168,12 @@ impl Root {
         self.grant_lease_if_due();
         self.collect_stray_work();
         self.check_waiters();
-        self.dispatch_due_retries();
+        if self.writes.next_retry_ms().is_some() {
+            self.writes.tick(host::now_ms());
+            self.run_writes();
+        }
         self.finish_stopping_if_drained();
+        self.run_writes();
         let Some(s) = self.shared.clone() else { return };
         let now = host::now_ms();
         settle::unfollowed_redirects(&s, now);

@@ -25,7 +25,7 @@ pub fn backend(shared: &Shared) -> Backend {
 }
 
 /// The configured store with the lease usable at `now_ms` (etcd), for writes.
-fn writer(shared: &Shared, now_ms: u64) -> Backend {
+pub fn writer(shared: &Shared, now_ms: u64) -> Backend {
     Backend::writing(kind(shared), || shared.leases.borrow().usable(now_ms))
 }
 
@@ -78,34 +78,6 @@ pub fn transition_request(
     fence: Option<&Fence>,
 ) -> Result<StoreRequest, Unbuilt> {
     writer(shared, now_ms).transition_request(t, skey, seal, now_ms, fence)
-}
-
-/// The second request of `t` when it writes where the key is absent (`Backend::where_absent_request`).
-pub fn where_absent_request(
-    shared: &Shared,
-    t: &Transition,
-    skey: &StorageKey,
-    seal: &Seal,
-    now_ms: u64,
-) -> Result<Option<StoreRequest>, Unbuilt> {
-    writer(shared, now_ms).where_absent_request(t, skey, seal, now_ms)
-}
-
-/// The answer to `where_absent_request`'s request.
-pub fn parse_where_absent(shared: &Shared, status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
-    note_answer(shared, status, body);
-    backend(shared).parse_where_absent(status, body)
-}
-
-/// Whether the store refused a request for its size (nothing of it applied).
-pub fn refused_as_too_large(shared: &Shared, status: Option<u16>, body: &[u8]) -> bool {
-    backend(shared).refused_as_too_large(status, body)
-}
-
-/// The answer to a write made by the root context.
-pub fn parse_write(shared: &Shared, status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
-    note_answer(shared, status, body);
-    backend(shared).parse_write(status, body)
 }
 
 /// The answer to a take-over: with etcd, a change must echo the new owner's claim.

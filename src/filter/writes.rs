@@ -1,47 +1,17 @@
-//! Store callouts: dispatching a webdis request through the store cluster, reading its answer,
-//! and the queue of writes made after forwarding.
+//! Store callouts: dispatching a store request through the store cluster and reading its answer.
 //!
 //! A callout made from an HTTP context dies with it when the client leaves, so every write that
 //! must survive (completion, release, outcome-unknown) is handed to the root context: the HTTP
-//! context pushes a `Job` and wakes the root through its shared queue; the root dispatches it
-//! from `on_queue_ready`, owns the callout, retries a failed write a bounded number of times, and
-//! falls back to marking the outcome unknown (never to absent).
+//! context pushes a `Job` (`crate::engine::writes`) and wakes the root through its shared queue;
+//! the root feeds it to its write machine, which retries a failed write a bounded number of
+//! times and falls back to marking the outcome unknown (never to absent).
 
 use std::time::Duration;
 
 use proxy_wasm::types::{BufferType, MapType};
 
 use crate::config::StoreConfig;
-use crate::scope::StorageKey;
-use crate::store::{StoreRequest, Transition};
-
-pub use crate::store::{retry_delay_ms, MAX_WRITE_ATTEMPTS};
-
-/// A write to the store, made by the root context.
-#[derive(Clone, Debug)]
-pub struct Job {
-    pub what: &'static str,
-    pub key_hash: String,
-    pub request: StoreRequest,
-    /// Sent if `request` keeps failing (for a completion: mark the outcome unknown).
-    pub fallback: Option<Box<Job>>,
-    /// A write carrying a record (a completion, an outcome-unknown mark): its transition, from
-    /// which the root builds, only when an answer calls for it, the where-absent second
-    /// transaction (etcd, answered `TransitionReply::Absent`) or the same completion without its
-    /// response body (the store refused the record as too large).
-    pub source: Option<Box<Source>>,
-    /// `request` is a where-absent second transaction (its answer is read by
-    /// `stores::parse_where_absent`).
-    pub where_absent: bool,
-    pub attempts: u8,
-}
-
-/// The transition a `Job` writes, and where.
-#[derive(Clone, Debug)]
-pub struct Source {
-    pub transition: Transition,
-    pub skey: StorageKey,
-}
+use crate::store::StoreRequest;
 
 /// Sends `req` to the store cluster with the current `authorization` (`Shared::credentials`).
 pub fn dispatch(

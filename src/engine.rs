@@ -1,0 +1,15 @@
+//! The root context's duties as sans-IO state machines (issue 26): each takes inputs with the
+//! time (`now_ms`: work handed over, a callout answered, lost or refused, a tick) and gives
+//! actions back (send this request, answer this waiter, count this, stop now). No host call: the
+//! glue (`src/filter/mod.rs`) feeds them Envoy's callbacks and carries out their actions, and
+//! their tests drive them with a clock they move.
+//!
+//! - `writes`: the store writes made after forwarding, their retry schedule and fallback, and the
+//!   stopping root's hold until they are over;
+//! - `waiters`: the requests held by `in_flight: "wait"`, answered from the local tier, the
+//!   store's polls, or at their deadline;
+//! - `keeper`: etcd's lease and token, kept ahead of need.
+
+pub mod keeper;
+pub mod waiters;
+pub mod writes;
