@@ -18,6 +18,7 @@ pub mod config;
 pub mod decision;
 pub mod derive;
 pub mod encoding;
+pub mod engine;
 pub mod etcd;
 pub mod failsafe;
 pub mod fingerprint;

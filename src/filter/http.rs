@@ -29,11 +29,11 @@ use super::settle::{self, Claim};
 use super::stores::{self, Unbuilt};
 use super::writes;
 use super::{reply, Forward, Shared, Waiter};
-use crate::admin;
 use crate::config::{Forwarding, GrpcMode, InFlight, OnUnavailable, Policy, Selection};
-use crate::decision::{admit, check_body_size, classify_routed, decide, Admission, Decision, Exchange, Lookup};
+use crate::decision::{admit, check_body_size, classify_routed, Admission, Exchange};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::derive;
+use crate::engine::request::{self, Answered, Step};
 use crate::etcd::Fence;
 use crate::failsafe::{self, Broken, Holding};
 use crate::fingerprint::{self, Fingerprint};
@@ -44,7 +44,7 @@ use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
 use crate::redirect::{self, Handoff};
 use crate::request::{RequestHead, ROUTER_RETRY_CAP};
 use crate::scope::{CallerScope, StorageKey};
-use crate::store::{self, ClaimReply, StoreError, StoredValue, Transition, TransitionReply};
+use crate::store::{self, StoreError, StoredValue, Transition, TransitionReply};
 
 pub(super) use crate::record::NOT_REPLAYED;
 
@@ -352,34 +352,6 @@ impl Http {
         self.call(req, sent, None, fp, Asked::Settled, None)
     }
 
-    /// The store's answer for a key held here as outcome-unknown. Only a record settles it: a
-    /// completion is replayed, another request's claim running now is in flight; an absent key
-    /// is no proof the key never ran (the store may have lost or expired it), so the local
-    /// outcome-unknown stands, as it does when the store cannot be read.
-    fn settled_answer(&mut self, req: &Protected, fp: Fingerprint, status: Option<u16>, body: &[u8]) -> Action {
-        let reply = match self.shared.seal.as_ref() {
-            Some(seal) => stores::parse_read(&self.shared, status, body, &req.skey, seal, self.now()),
-            None => Err(StoreError::Garbled("a read answer without its seal".into())),
-        };
-        match reply {
-            Ok(store::ReadReply::Unreadable(why)) => {
-                self.count_unreadable(req, &why);
-                self.count(Counter::UnknownOutcome);
-                self.answer(Some(req), ProblemKind::OutcomeUnknown, None)
-            }
-            Ok(store::ReadReply::Found(v)) if v.record.fingerprint != fp => {
-                let status = req.policy.mismatch_status;
-                self.answer(Some(req), ProblemKind::KeyReused { status }, None)
-            }
-            Ok(store::ReadReply::Found(v)) if v.phase == store::StorePhase::Done => self.replay(req, v.record),
-            Ok(store::ReadReply::Found(v)) if v.phase == store::StorePhase::InProgress => self.in_flight(req),
-            _ => {
-                self.count(Counter::UnknownOutcome);
-                self.answer(Some(req), ProblemKind::OutcomeUnknown, None)
-            }
-        }
-    }
-
     fn in_flight(&mut self, req: &Protected) -> Action {
         self.answer(Some(req), ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS }, None)
     }
@@ -502,75 +474,95 @@ impl Http {
 
     /// Acts on the local tier's answer. `fp` is set once the body is complete.
     fn act(&mut self, req: Protected, begun: Result<Begin, LocalError>, fp: Option<Fingerprint>) -> Action {
-        match begun {
-            Ok(Begin::Claimed { handle, took_over, evicted }) => {
-                self.count(if took_over { Counter::TakenOver } else { Counter::Claimed });
-                if evicted {
-                    self.count(Counter::LocalEvictions);
-                }
-                match fp {
-                    Some(fp) => self.proceed(req, Some(handle), fp),
-                    None => {
-                        debug!("{}", log_line(Some(&req), "claimed", "waiting_for_body=true"));
-                        self.wait_for_body(req, Some(handle))
-                    }
-                }
+        if let Ok(Begin::Claimed { took_over, evicted, .. }) = &begun {
+            self.count(if *took_over { Counter::TakenOver } else { Counter::Claimed });
+            if *evicted {
+                self.count(Counter::LocalEvictions);
             }
-            Ok(Begin::Replay(r)) => self.replay(&req, r),
-            // With a store, the store settles a key whose outcome is unknown (an operator may have
-            // released or completed it there): the local copy is asked again of the store. Only
-            // when a store failure is answered 503 (`on_unavailable: "reject"`): under "pass" a
-            // failure would forward the key unprotected, so the local 409 stands.
-            Ok(Begin::Reject { problem, .. })
-                if self.shared.config.store.as_ref().is_some_and(|c| c.on_unavailable == OnUnavailable::Reject)
-                    && admin::store_settles(&problem) =>
-            {
-                match fp {
-                    Some(fp) => self.read_settled(req, fp),
-                    None => {
-                        self.phase = Phase::Waiting { req, handle: None };
-                        Action::Pause
-                    }
+        }
+        let step = request::after_local(begun, fp, self.store_mode(), self.now());
+        self.run(req, step, None)
+    }
+
+    /// The store this request runs with (`None`: the local tier only).
+    fn store_mode(&self) -> request::StoreMode {
+        self.shared.config.store.as_ref().map(|c| c.on_unavailable)
+    }
+
+    /// Executes the request machine's next step (`crate::engine::request`). `fence`: the store
+    /// value a store answer decided on, which a take-over or stale-to-unknown compares.
+    fn run(&mut self, req: Protected, step: Step, fence: Option<Fence>) -> Action {
+        match step {
+            Step::WaitForBody { handle } => {
+                if handle.is_some() {
+                    debug!("{}", log_line(Some(&req), "claimed", "waiting_for_body=true"));
                 }
+                self.wait_for_body(req, handle)
             }
-            Ok(Begin::Reject { problem: ProblemKind::InFlight { .. }, creator, .. }) => {
+            Step::PauseForBody => {
+                self.phase = Phase::Waiting { req, handle: None };
+                Action::Pause
+            }
+            Step::ClaimInStore { handle, fp } => self.claim_in_store(req, handle, fp),
+            Step::ReadSettled { fp } => self.read_settled(req, fp),
+            Step::Forward { handle, fp, in_store, lock_from_ms } => {
+                self.forward(req, Claimed { handle, fp, in_store }, lock_from_ms)
+            }
+            Step::Replay { record, cache } => {
+                if let Some(h) = cache {
+                    let _ = self.shared.table.complete(&mut HostShared, &h, record.clone(), self.now());
+                }
+                self.replay(&req, record)
+            }
+            Step::InFlight { creator, release, fp } => {
+                self.release_local(release);
                 self.in_flight_or_wait(req, fp, creator.as_ref())
             }
-            Ok(Begin::Reject { problem, creator, .. }) => self.answer(Some(&req), problem, creator.as_ref()),
-            Ok(Begin::NeedFingerprint) => self.wait_for_body(req, None),
-            // With a store, the local tier is a cache: a full bucket only means no local copy.
-            Ok(Begin::Full) if self.shared.config.store.is_some() => match fp {
-                Some(fp) => self.proceed(req, None, fp),
-                None => self.wait_for_body(req, None),
-            },
-            Ok(Begin::Full) => self.answer(
-                Some(&req),
-                ProblemKind::CapacityExhausted { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS },
-                None,
-            ),
-            Err(e) => self.local_error(&req, e),
+            Step::Reply { problem, creator, release } => {
+                self.release_local(release);
+                self.answer(Some(&req), problem, creator.as_ref())
+            }
+            Step::MarkUnknown { old_owner, creator, release } => {
+                self.release_local(release);
+                let unknown = Transition::stale_to_unknown(old_owner, &Lifetimes::of(&req.policy));
+                self.enqueue(&req, fence.as_ref(), "stale_to_unknown", unknown, None);
+                self.answer(Some(&req), ProblemKind::OutcomeUnknown, Some(&creator))
+            }
+            Step::TakeOver { handle, fp, old, free } => self.take_over(req, handle, fp, &old, free, fence),
+            Step::Unreadable { why, problem, release } => {
+                self.release_local(release);
+                self.count_unreadable(&req, &why);
+                warn!("{}", log_line(Some(&req), "record_unreadable", &format!("error={why}")));
+                self.answer(Some(&req), problem, None)
+            }
+            Step::UnknownStands { unreadable } => {
+                if let Some(why) = unreadable {
+                    self.count_unreadable(&req, &why);
+                }
+                self.count(Counter::UnknownOutcome);
+                self.answer(Some(&req), ProblemKind::OutcomeUnknown, None)
+            }
+            Step::LocalFailed(e) => self.local_error(&req, e),
+            Step::PassUnprotected => {
+                self.publish(req.published_key(), "passed-unprotected");
+                self.phase = Phase::Pass;
+                Action::Continue
+            }
+            Step::FailClosed { broken, branch, handle } => {
+                self.fail_closed(Some(&req), broken, branch, handle, holding(handle))
+            }
         }
     }
 
     /// The fingerprint is known and the local tier holds our claim (or has no room): claim in the
     /// store if there is one, then forward.
     fn proceed(&mut self, req: Protected, handle: Option<Handle>, fp: Fingerprint) -> Action {
-        if self.shared.config.store.is_none() {
-            return match handle {
-                Some(h) => {
-                    let now = self.now();
-                    self.forward(req, Claimed { handle: Some(h), fp, in_store: false }, now)
-                }
-                // Without a store, the local tier always holds the claim it forwards under.
-                None => self.fail_closed(
-                    Some(&req),
-                    Broken::ImpossibleDecision,
-                    "proceed_without_claim",
-                    None,
-                    Holding::Nothing,
-                ),
-            };
-        };
+        let step = request::after_fingerprint(handle, fp, self.store_mode(), self.now());
+        self.run(req, step, None)
+    }
+
+    /// Sends the store a claim-or-read (`Step::ClaimInStore`).
+    fn claim_in_store(&mut self, req: Protected, handle: Option<Handle>, fp: Fingerprint) -> Action {
         let lifetimes = Lifetimes::of(&req.policy);
         let record = Record::in_progress(fp, req.creator.clone(), req.owner, self.now(), &lifetimes);
         let Some(seal) = self.shared.seal.as_ref() else {
@@ -633,34 +625,6 @@ impl Http {
         }
     }
 
-    /// The store claimed the key for us (a claim or a take-over sent at `sent_at_ms`): forward,
-    /// unless the answer came so late that the claim's lock may already be judged stale
-    /// (`Lifetimes::answer_in_time`): another request may then have marked it outcome-unknown or
-    /// taken it over and forwarded. Then it is handled as a lost answer: released owner-checked
-    /// (a no-op if the key changed hands), never forwarded.
-    fn forward_claimed(&mut self, req: Protected, call: Call) -> Action {
-        let lifetimes = Lifetimes::of(&req.policy);
-        let run_ms = match req.policy.forwarding {
-            Forwarding::Detached { timeout_ms, .. } => timeout_ms,
-            Forwarding::Router => 0,
-        };
-        let now = self.now();
-        let sent_at_ms = call.sent_at_ms;
-        if !lifetimes.answer_in_time(sent_at_ms, now, run_ms) {
-            self.count(Counter::StoreAnswersTooLate);
-            let why = format!(
-                "the store's claim answer came {} ms after the claim was sent, too late for its lock ({} ms; the upstream may run {run_ms} ms more)",
-                now.saturating_sub(sent_at_ms),
-                lifetimes.lock_ms
-            );
-            // The store answered: this is no outage, so never forwarded unprotected either, even
-            // with on_unavailable "pass" (another request may hold the key by now).
-            self.release_lost_claim(&req, call.fence.as_ref());
-            return self.store_failed_as(req, call.handle, &StoreError::Garbled(why), OnUnavailable::Reject);
-        }
-        self.forward(req, Claimed { handle: call.handle, fp: call.fp, in_store: true }, sent_at_ms)
-    }
-
     /// The claim (or take-over) was sent but its answer is lost or garbled: it may have landed
     /// (a store that timed out can still run it). Release it, owner-checked, through the root,
     /// which retries with backoff: otherwise a claim nothing executed under would answer retries
@@ -695,26 +659,16 @@ impl Http {
     ) -> Action {
         self.count(Counter::StoreErrors);
         self.release_local(handle);
-        match decide(Lookup::StoreError, None, 0, &req.policy, on_unavailable) {
-            Decision::PassUnprotected => {
+        let step = request::after_store_failure(&req.policy, on_unavailable);
+        match &step {
+            Step::PassUnprotected => {
                 self.count(Counter::StorePassed);
                 warn!("{}", log_line(Some(&req), "store_unavailable_passed", &format!("error={e}")));
-                self.publish(req.published_key(), "passed-unprotected");
-                self.phase = Phase::Pass;
-                Action::Continue
             }
-            Decision::Reject(p) => {
-                warn!("{}", log_line(Some(&req), "store_unavailable", &format!("error={e}")));
-                self.answer(Some(&req), p, None)
-            }
-            _ => self.fail_closed(
-                Some(&req),
-                Broken::ImpossibleDecision,
-                "store_failed_decision",
-                None,
-                Holding::Nothing,
-            ),
+            Step::Reply { .. } => warn!("{}", log_line(Some(&req), "store_unavailable", &format!("error={e}"))),
+            _ => {}
         }
+        self.run(req, step, None)
     }
 
     /// Forwards under our claim(s), whose lock runs from `lock_from_ms` (the store claim's send,
@@ -754,95 +708,64 @@ impl Http {
         Action::Pause
     }
 
-    /// The store's answer to our claim-or-read, take-over or read.
+    /// The store's answer to our claim-or-read, take-over or read: parsed here, decided by the
+    /// request machine (`crate::engine::request`).
     fn on_store_answer(&mut self, req: Protected, call: Call, status: Option<u16>, body: &[u8]) -> Action {
         let shared = Rc::clone(&self.shared);
-        if call.asked == Asked::TakeOver {
-            return match stores::parse_take_over(&shared, status, body, &req.skey, &req.owner) {
-                // A take-over never writes where the key is absent (`WhereAbsent::Refuse`).
-                Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten) => {
+        let sent = request::Sent { handle: call.handle, fp: call.fp, sent_at_ms: call.sent_at_ms };
+        let now = self.now();
+        let (answered, fence) = match call.asked {
+            Asked::TakeOver => {
+                let reply = stores::parse_take_over(&shared, status, body, &req.skey, &req.owner);
+                if matches!(reply, Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten)) {
                     self.count(Counter::TakenOver);
-                    self.forward_claimed(req, call)
                 }
-                // Nothing was written (etcd: the key is absent, which a take-over never writes).
-                Ok(TransitionReply::Refused | TransitionReply::Absent) => {
-                    self.release_local(call.handle);
-                    self.in_flight(&req)
-                }
-                Ok(TransitionReply::NoScript) => self.send_with_script(req, call),
-                Err(e) => self.store_answer_lost(req, call.handle, call.fence.as_ref(), &e),
-            };
-        }
-        if call.asked == Asked::Settled {
-            return self.settled_answer(&req, call.fp, status, body);
-        }
-        let (handle, fp) = (call.handle, call.fp);
-        let on_unavailable = shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
-        let Some(seal) = shared.seal.as_ref() else {
-            return self.store_failed(req, handle, &StoreError::Garbled("a claim answer without its seal".into()));
-        };
-        let parsed = stores::parse_claim(&shared, status, body, &req.owner, &req.skey, seal, self.now());
-        let (now, expires_at, value, fence) = match parsed {
-            Ok((ClaimReply::Claimed { .. }, _)) => return self.forward_claimed(req, call),
-            Ok((ClaimReply::Exists { now_ms, expires_at_ms, value }, fence)) => (now_ms, expires_at_ms, value, fence),
-            // The key holds a record we cannot read: nothing was claimed, and it is no outage.
-            Ok((ClaimReply::Unreadable { now_ms, why }, _)) => {
-                self.release_local(handle);
-                self.count_unreadable(&req, &why);
-                warn!("{}", log_line(Some(&req), "record_unreadable", &format!("error={why}")));
-                return match decide(Lookup::Unreadable, Some(&fp), now_ms, &req.policy, on_unavailable) {
-                    Decision::Reject(p) => self.answer(Some(&req), p, None),
-                    _ => self.answer(
-                        Some(&req),
-                        ProblemKind::RecordUnreadable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS },
-                        None,
-                    ),
+                (request::after_take_over(reply, &sent, &req.policy, now), None)
+            }
+            Asked::Settled => {
+                let reply = match shared.seal.as_ref() {
+                    Some(seal) => stores::parse_read(&shared, status, body, &req.skey, seal, now),
+                    None => Err(StoreError::Garbled("a read answer without its seal".into())),
                 };
+                let step = request::after_settled_read(reply, &call.fp, req.policy.mismatch_status);
+                return self.run(req, step, None);
             }
-            // Nothing ran: the same call again, with the script.
-            Ok((ClaimReply::NoScript, _)) => return self.send_with_script(req, call),
-            Err(e) => return self.store_answer_lost(req, handle, call.fence.as_ref(), &e),
-        };
-        let policy = Arc::clone(&req.policy);
-        // Judged by Redis's clock only: its now, the key's expiry (TIME + PTTL), the lock's.
-        match decide(Lookup::Found(value.summary(expires_at)), Some(&fp), now, &policy, on_unavailable) {
-            Decision::Replay => {
-                self.count(Counter::StoreReplays);
-                // A completed record never changes: keep a copy so the next replay needs no store
-                // call, ending with the store's key by this proxy's clock.
-                let record = value.record_on_clock(now, expires_at, self.now());
-                if let Some(h) = handle {
-                    let _ = self.shared.table.complete(&mut HostShared, &h, record.clone(), self.now());
+            Asked::Claim => {
+                let Some(seal) = shared.seal.as_ref() else {
+                    let e = StoreError::Garbled("a claim answer without its seal".into());
+                    return self.store_failed(req, call.handle, &e);
+                };
+                let on_unavailable = shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
+                let (reply, fence) = match stores::parse_claim(&shared, status, body, &req.owner, &req.skey, seal, now)
+                {
+                    Ok((reply, fence)) => (Ok(reply), fence),
+                    Err(e) => (Err(e), None),
+                };
+                let answered = request::after_claim(reply, &sent, &req.policy, on_unavailable, now);
+                if matches!(answered, Answered::Next(Step::Replay { .. })) {
+                    self.count(Counter::StoreReplays);
                 }
-                self.replay(&req, record)
+                (answered, fence)
             }
-            Decision::Reject(ProblemKind::InFlight { .. }) => {
-                self.release_local(handle);
-                self.in_flight_or_wait(req, Some(fp), Some(&value.record.creator))
+        };
+        match answered {
+            Answered::Next(step) => self.run(req, step, fence.or(call.fence)),
+            Answered::Resend => self.send_with_script(req, call),
+            Answered::Lost { error } => self.store_answer_lost(req, call.handle, call.fence.as_ref(), &error),
+            // The store claimed the key for us, so late that the claim's lock may already be
+            // judged stale: another request may then have marked it outcome-unknown or taken it
+            // over and forwarded. Handled as a lost answer: released owner-checked (a no-op if
+            // the key changed hands), never forwarded.
+            Answered::TooLate { waited_ms, lock_ms, run_ms } => {
+                self.count(Counter::StoreAnswersTooLate);
+                let why = format!(
+                    "the store's claim answer came {waited_ms} ms after the claim was sent, too late for its lock ({lock_ms} ms; the upstream may run {run_ms} ms more)"
+                );
+                // The store answered: this is no outage, so never forwarded unprotected either,
+                // even with on_unavailable "pass" (another request may hold the key by now).
+                self.release_lost_claim(&req, call.fence.as_ref());
+                self.store_failed_as(req, call.handle, &StoreError::Garbled(why), OnUnavailable::Reject)
             }
-            Decision::Reject(p) => {
-                self.release_local(handle);
-                self.answer(Some(&req), p, Some(&value.record.creator))
-            }
-            Decision::MarkUnknown => {
-                self.release_local(handle);
-                let unknown = Transition::stale_to_unknown(value.owner, &Lifetimes::of(&policy));
-                self.enqueue(&req, fence.as_ref(), "stale_to_unknown", unknown, None);
-                self.answer(Some(&req), ProblemKind::OutcomeUnknown, Some(&value.record.creator))
-            }
-            // A stale lock with `stale_lock: "takeover"`, or a record the store still holds that
-            // is free (past its expiry, no live lock, judged by Redis's clock): replace it,
-            // owner-checked, in one more round trip; the script re-checks the lock.
-            Decision::TakeOver => self.take_over(req, handle, fp, &value, false, fence),
-            Decision::Claim => self.take_over(req, handle, fp, &value, true, fence),
-            // Neither can follow from a value read with a fingerprint: never forward on it.
-            Decision::PassUnprotected | Decision::NeedFingerprint => self.fail_closed(
-                Some(&req),
-                Broken::ImpossibleDecision,
-                "store_answer_decision",
-                handle,
-                holding(handle),
-            ),
         }
     }
 
