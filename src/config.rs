@@ -11,6 +11,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use crate::path::Reading;
 use serde::de::value::MapAccessDeserializer;
@@ -21,8 +22,9 @@ use serde_json::error::Category;
 /// The whole plugin configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
-    /// The policy used when `routes` is absent.
-    pub default_policy: Policy,
+    /// The policy used when `routes` is absent (shared, so a request holds its policy without
+    /// copying it: `shared_policy`).
+    pub default_policy: Arc<Policy>,
     /// When not empty, only paths matching one of these prefixes are protected (first match wins).
     pub routes: Vec<Route>,
     /// The external store (`None`: local tier only).
@@ -43,7 +45,7 @@ pub struct Config {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Route {
     pub select: RouteMatch,
-    pub policy: Policy,
+    pub policy: Arc<Policy>,
 }
 
 /// What selects a route.
@@ -634,6 +636,7 @@ impl Config {
             }
             validate_policy(&default_policy, "")?;
         }
+        let default_policy = Arc::new(default_policy);
         let config = Config { default_policy, routes, store, local, max_buffered_bytes, hold_headers };
         if config.store.as_ref().is_some_and(|s| s.kind == StoreKind::Etcd) {
             check_etcd_clocks(&config)?;
@@ -724,9 +727,19 @@ impl Config {
     /// The policy at an index of `policies()`.
     pub fn policy_at(&self, i: usize) -> Option<&Policy> {
         if self.routes.is_empty() {
-            (i == 0).then_some(&self.default_policy)
+            (i == 0).then_some(&*self.default_policy)
         } else {
-            self.routes.get(i).map(|r| &r.policy)
+            self.routes.get(i).map(|r| &*r.policy)
+        }
+    }
+
+    /// The policy at an index of `policies()`, shared: what a request carries once its route is
+    /// selected, so its policy cannot go missing later (no copy is made).
+    pub fn shared_policy(&self, i: usize) -> Option<Arc<Policy>> {
+        if self.routes.is_empty() {
+            (i == 0).then(|| Arc::clone(&self.default_policy))
+        } else {
+            self.routes.get(i).map(|r| Arc::clone(&r.policy))
         }
     }
 
@@ -738,8 +751,8 @@ impl Config {
 
     /// Every policy in force: the default one, or one per route.
     pub fn policies(&self) -> impl Iterator<Item = &Policy> {
-        let default = self.routes.is_empty().then_some(&self.default_policy);
-        default.into_iter().chain(self.routes.iter().map(|r| &r.policy))
+        let default = self.routes.is_empty().then_some(&*self.default_policy);
+        default.into_iter().chain(self.routes.iter().map(|r| &*r.policy))
     }
 }
 
@@ -1243,7 +1256,7 @@ fn parse_routes(raw: &[RawLevel], base: &Policy, top_release_set: bool) -> Resul
             policy.release_on_status = MCP_RELEASE_ON_STATUS.to_vec();
         }
         validate_policy(&policy, &f)?;
-        routes.push(Route { select, policy });
+        routes.push(Route { select, policy: Arc::new(policy) });
     }
     Ok(routes)
 }
@@ -1747,7 +1760,7 @@ mod tests {
             Some(DeriveKey { headers: vec!["x-agent-task-id".into(), "x-agent-step-id".into()], include_body: true })
         );
         let d = parse(MINIMAL).unwrap().default_policy;
-        assert_eq!((d.forwarding, d.in_flight, d.derive_key), (Forwarding::Router, InFlight::Conflict, None));
+        assert_eq!((&d.forwarding, &d.in_flight, &d.derive_key), (&Forwarding::Router, &InFlight::Conflict, &None));
         let table: &[(&str, &str)] = &[
             (r#"{"scope": {"headers": ["a"]}, "forwarding": "detached"}"#, "upstream"),
             (r#"{"scope": {"headers": ["a"]}, "forwarding": "teleport"}"#, "forwarding"),

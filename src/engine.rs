@@ -1,9 +1,11 @@
-//! The root context's duties as sans-IO state machines (issue 26): each takes inputs with the
+//! The filter's protocol as sans-IO state machines (issue 26): each takes inputs with the
 //! time (`now_ms`: work handed over, a callout answered, lost or refused, a tick) and gives
 //! actions back (send this request, answer this waiter, count this, stop now). No host call: the
 //! glue (`src/filter/mod.rs`) feeds them Envoy's callbacks and carries out their actions, and
 //! their tests drive them with a clock they move.
 //!
+//! - `request`: what a protected request does next once the local tier, its fingerprint or the
+//!   store has answered (the decisions of `src/filter/http.rs`, returned as a `Step` it carries out);
 //! - `writes`: the store writes made after forwarding, their retry schedule and fallback, and the
 //!   stopping root's hold until they are over;
 //! - `waiters`: the requests held by `in_flight: "wait"`, answered from the local tier, the
@@ -11,5 +13,6 @@
 //! - `keeper`: etcd's lease and token, kept ahead of need.
 
 pub mod keeper;
+pub mod request;
 pub mod waiters;
 pub mod writes;

@@ -3,8 +3,8 @@
 
 use super::*;
 use crate::owner::OwnerToken;
-use crate::record::{Creator, State, StoredResponse};
 use crate::record::Stage;
+use crate::record::{Creator, State, StoredResponse};
 use crate::store::StoredValue;
 use std::collections::{BTreeMap, BTreeSet};
 #[cfg(target_arch = "wasm32")]

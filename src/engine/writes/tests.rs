@@ -4,8 +4,8 @@
 use super::*;
 use crate::fingerprint::Fingerprint;
 use crate::owner::OwnerToken;
-use crate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
 use crate::record::Stage;
+use crate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
 use crate::store::write_window_ms;
 use std::collections::BTreeMap;
 #[cfg(target_arch = "wasm32")]

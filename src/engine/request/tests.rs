@@ -1,0 +1,305 @@
+//! The request machine driven without Envoy: each test feeds the answers a request meets, in
+//! order, and checks the command each one yields.
+
+use super::*;
+use crate::config::StaleLock;
+use crate::record::{State, StoredResponse};
+use crate::scope::StorageKey;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+/// The store's clock (ms) in the answers below; the proxy's own clock is `LOCAL`.
+const STORE_NOW: u64 = 1_764_000_000_000;
+const LOCAL: u64 = 5_000_000;
+const REJECT: StoreMode = Some(OnUnavailable::Reject);
+
+fn policy() -> Policy {
+    Policy::default()
+}
+
+fn fp(n: u8) -> Fingerprint {
+    Fingerprint([n; 32])
+}
+
+fn handle() -> Handle {
+    Handle { bucket: 3, position: 1, owner: OwnerToken([7; 16]), skey: StorageKey([9; 32]) }
+}
+
+fn creator() -> Creator {
+    Creator { request_id: "first".into(), log_values: vec![] }
+}
+
+/// The store's value for a key in `phase`, made by a request with fingerprint `fp(1)`; its lock
+/// expires at `lock_expires_at_ms` (store clock).
+fn value(phase: Stage, lock_expires_at_ms: u64) -> StoredValue {
+    let state = match phase {
+        Stage::Completed => {
+            State::Completed(StoredResponse { status: 201, headers: vec![], body: b"{\"id\":1}".to_vec() })
+        }
+        Stage::Unknown => State::OutcomeUnknown { reason: crate::record::UnknownReason::StaleLock },
+        // The store holds no other stage (a claim is written forwarded).
+        Stage::Forwarded | Stage::Claimed | Stage::Absent => {
+            State::InProgress { owner: OwnerToken([1; 16]), lock_expires_at_ms }
+        }
+    };
+    let record = Record {
+        fingerprint: fp(1),
+        created_at_ms: STORE_NOW - 1_000,
+        expires_at_ms: STORE_NOW + 86_400_000,
+        creator: creator(),
+        state,
+    };
+    StoredValue { phase, owner: OwnerToken([1; 16]), lock_expires_at_ms, record }
+}
+
+/// `value` found by a claim-or-read, the key expiring in a day by the store's clock.
+fn exists(v: StoredValue) -> Result<ClaimReply, StoreError> {
+    Ok(ClaimReply::Exists { now_ms: STORE_NOW, expires_at_ms: STORE_NOW + 86_400_000, value: v })
+}
+
+fn sent(handle: Option<Handle>, n: u8) -> Sent {
+    Sent { handle, fp: fp(n), sent_at_ms: LOCAL - 20 }
+}
+
+#[test]
+fn a_first_request_claims_locally_waits_for_its_body_claims_in_the_store_and_forwards() {
+    let h = handle();
+    // Headers: the local tier claims before the fingerprint is known.
+    let begun = Ok(Begin::Claimed { handle: h, took_over: false, evicted: false });
+    assert_eq!(after_local(begun, None, REJECT, LOCAL), Step::WaitForBody { handle: Some(h) });
+    // Body complete (marked forwarded locally): the store is asked next, the local claim held.
+    assert_eq!(after_fingerprint(Some(h), fp(1), REJECT, LOCAL), Step::ClaimInStore { handle: Some(h), fp: fp(1) });
+    // The store claimed it for us in time: forwarded under both claims.
+    let claimed = Ok(ClaimReply::Claimed { now_ms: STORE_NOW });
+    assert_eq!(
+        after_claim(claimed, &sent(Some(h), 1), &policy(), OnUnavailable::Reject, LOCAL),
+        Answered::Next(Step::Forward { handle: Some(h), fp: fp(1), in_store: true, lock_from_ms: LOCAL - 20 })
+    );
+}
+
+#[test]
+fn without_a_store_a_request_forwards_under_its_local_claim_and_never_without_one() {
+    let h = handle();
+    let begun = Ok(Begin::Claimed { handle: h, took_over: false, evicted: false });
+    assert_eq!(
+        after_local(begun, Some(fp(1)), None, LOCAL),
+        Step::Forward { handle: Some(h), fp: fp(1), in_store: false, lock_from_ms: LOCAL }
+    );
+    assert_eq!(
+        after_fingerprint(None, fp(1), None, LOCAL),
+        Step::FailClosed { broken: Broken::ImpossibleDecision, branch: "proceed_without_claim", handle: None }
+    );
+    // A full local tier with no store: 503, nothing held.
+    assert!(matches!(
+        after_local(Ok(Begin::Full), Some(fp(1)), None, LOCAL),
+        Step::Reply { problem: ProblemKind::CapacityExhausted { .. }, release: None, .. }
+    ));
+    // With a store, a full local tier is only a missing cache: the store is asked.
+    assert_eq!(
+        after_local(Ok(Begin::Full), Some(fp(1)), REJECT, LOCAL),
+        Step::ClaimInStore { handle: None, fp: fp(1) }
+    );
+    assert_eq!(after_local(Ok(Begin::Full), None, REJECT, LOCAL), Step::WaitForBody { handle: None });
+}
+
+#[test]
+fn a_retry_meeting_the_key_in_flight_in_the_store_gets_in_flight_and_frees_its_local_claim() {
+    let h = handle();
+    let live = value(Stage::Forwarded, STORE_NOW + 30_000);
+    let step = after_claim(exists(live), &sent(Some(h), 1), &policy(), OnUnavailable::Reject, LOCAL);
+    assert_eq!(step, Answered::Next(Step::InFlight { creator: Some(creator()), release: Some(h), fp: Some(fp(1)) }));
+}
+
+#[test]
+fn a_retry_meeting_the_completed_key_replays_it_and_keeps_a_local_copy_on_its_own_clock() {
+    let h = handle();
+    let done = value(Stage::Completed, 0);
+    let Answered::Next(Step::Replay { record, cache }) =
+        after_claim(exists(done), &sent(Some(h), 1), &policy(), OnUnavailable::Reject, LOCAL)
+    else {
+        panic!("a completed key with the same fingerprint is replayed");
+    };
+    assert_eq!(cache, Some(h));
+    assert!(matches!(record.state, State::Completed(ref r) if r.status == 201));
+    // The store's key lives one more day: so does the local copy, by this proxy's clock.
+    assert_eq!(record.expires_at_ms, LOCAL + 86_400_000);
+}
+
+#[test]
+fn a_retry_with_another_body_meeting_any_stage_is_refused_with_the_mismatch_status() {
+    for phase in [Stage::Completed, Stage::Unknown, Stage::Forwarded] {
+        let step = after_claim(
+            exists(value(phase, STORE_NOW + 30_000)),
+            &sent(None, 2),
+            &policy(),
+            OnUnavailable::Reject,
+            LOCAL,
+        );
+        assert_eq!(
+            step,
+            Answered::Next(Step::Reply {
+                problem: ProblemKind::KeyReused { status: 422 },
+                creator: Some(creator()),
+                release: None
+            }),
+            "{phase:?}"
+        );
+    }
+}
+
+#[test]
+fn a_retry_meeting_an_unknown_outcome_is_told_so_and_never_forwarded() {
+    let step = after_claim(exists(value(Stage::Unknown, 0)), &sent(None, 1), &policy(), OnUnavailable::Reject, LOCAL);
+    let unknown = Step::Reply { problem: ProblemKind::OutcomeUnknown, creator: Some(creator()), release: None };
+    assert_eq!(step, Answered::Next(unknown));
+}
+
+#[test]
+fn a_retry_meeting_a_stale_forwarded_claim_marks_it_unknown_or_takes_it_over_as_the_policy_says() {
+    let h = handle();
+    let stale = value(Stage::Forwarded, STORE_NOW - 1);
+    let step = after_claim(exists(stale.clone()), &sent(Some(h), 1), &policy(), OnUnavailable::Reject, LOCAL);
+    let mark = Step::MarkUnknown { old_owner: OwnerToken([1; 16]), creator: creator(), release: Some(h) };
+    assert_eq!(step, Answered::Next(mark));
+    let takeover = Policy { stale_lock: StaleLock::Takeover, ..policy() };
+    let step = after_claim(exists(stale.clone()), &sent(Some(h), 1), &takeover, OnUnavailable::Reject, LOCAL);
+    assert_eq!(step, Answered::Next(Step::TakeOver { handle: Some(h), fp: fp(1), old: Box::new(stale), free: false }));
+}
+
+#[test]
+fn a_record_past_its_expiry_with_no_live_lock_is_free_and_taken_over_owner_checked() {
+    let mut done = value(Stage::Completed, 0);
+    done.record.expires_at_ms = STORE_NOW - 1;
+    let gone = Ok(ClaimReply::Exists { now_ms: STORE_NOW, expires_at_ms: STORE_NOW - 1, value: done.clone() });
+    let step = after_claim(gone, &sent(None, 1), &policy(), OnUnavailable::Reject, LOCAL);
+    assert_eq!(step, Answered::Next(Step::TakeOver { handle: None, fp: fp(1), old: Box::new(done), free: true }));
+}
+
+#[test]
+fn a_take_over_forwards_when_it_landed_and_is_in_flight_when_another_request_won() {
+    let h = handle();
+    let s = sent(Some(h), 1);
+    let forward =
+        Answered::Next(Step::Forward { handle: Some(h), fp: fp(1), in_store: true, lock_from_ms: LOCAL - 20 });
+    assert_eq!(after_take_over(Ok(TransitionReply::Changed), &s, &policy(), LOCAL), forward);
+    assert_eq!(after_take_over(Ok(TransitionReply::ClaimGoneRewritten), &s, &policy(), LOCAL), forward);
+    for lost_race in [TransitionReply::Refused, TransitionReply::Absent] {
+        assert_eq!(
+            after_take_over(Ok(lost_race), &s, &policy(), LOCAL),
+            Answered::Next(Step::Reply {
+                problem: ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS },
+                creator: None,
+                release: Some(h)
+            })
+        );
+    }
+    assert_eq!(after_take_over(Ok(TransitionReply::NoScript), &s, &policy(), LOCAL), Answered::Resend);
+}
+
+#[test]
+fn a_lost_or_garbled_store_answer_is_a_lost_claim_never_a_forward() {
+    let s = sent(Some(handle()), 1);
+    for error in [StoreError::NoAnswer, StoreError::Http(503), StoreError::Garbled("x".into())] {
+        assert_eq!(
+            after_claim(Err(error.clone()), &s, &policy(), OnUnavailable::Pass, LOCAL),
+            Answered::Lost { error: error.clone() }
+        );
+        assert_eq!(after_take_over(Err(error.clone()), &s, &policy(), LOCAL), Answered::Lost { error });
+    }
+    assert_eq!(after_claim(Ok(ClaimReply::NoScript), &s, &policy(), OnUnavailable::Reject, LOCAL), Answered::Resend);
+}
+
+#[test]
+fn a_claim_answer_later_than_the_lock_is_not_used_even_though_the_store_claimed_it() {
+    let h = handle();
+    let lock_ms = 60_000;
+    let claimed = || Ok(ClaimReply::Claimed { now_ms: STORE_NOW });
+    let s = Sent { handle: Some(h), fp: fp(1), sent_at_ms: LOCAL };
+    // One ms short of the lock: still in time.
+    let in_time = after_claim(claimed(), &s, &policy(), OnUnavailable::Reject, LOCAL + lock_ms - 1);
+    assert_eq!(
+        in_time,
+        Answered::Next(Step::Forward { handle: Some(h), fp: fp(1), in_store: true, lock_from_ms: LOCAL })
+    );
+    let late = after_claim(claimed(), &s, &policy(), OnUnavailable::Pass, LOCAL + lock_ms);
+    assert_eq!(late, Answered::TooLate { waited_ms: lock_ms, lock_ms, run_ms: 0 });
+    // The same for a take-over.
+    let late = after_take_over(Ok(TransitionReply::Changed), &s, &policy(), LOCAL + lock_ms);
+    assert!(matches!(late, Answered::TooLate { .. }));
+}
+
+#[test]
+fn an_unreadable_record_is_refused_as_unreadable_whatever_on_unavailable_says() {
+    let h = handle();
+    for mode in [OnUnavailable::Reject, OnUnavailable::Pass] {
+        let reply =
+            Ok(ClaimReply::Unreadable { now_ms: STORE_NOW, why: ValueError::Unreadable("a later format".into()) });
+        let step = after_claim(reply, &sent(Some(h), 1), &policy(), mode, LOCAL);
+        let Answered::Next(Step::Unreadable { problem, release, .. }) = step else { panic!("{mode:?}: {step:?}") };
+        assert!(matches!(problem, ProblemKind::RecordUnreadable { .. }), "{mode:?}");
+        assert_eq!(release, Some(h));
+    }
+}
+
+#[test]
+fn a_store_failure_is_503_or_an_unprotected_forward_as_on_unavailable_says() {
+    assert!(matches!(
+        after_store_failure(&policy(), OnUnavailable::Reject),
+        Step::Reply { problem: ProblemKind::StoreUnavailable { .. }, .. }
+    ));
+    assert_eq!(after_store_failure(&policy(), OnUnavailable::Pass), Step::PassUnprotected);
+}
+
+#[test]
+fn a_local_outcome_unknown_is_asked_of_the_store_only_when_a_store_failure_is_refused() {
+    let unknown = || Ok(Begin::Reject { problem: ProblemKind::OutcomeUnknown, creator: None, marked_unknown: false });
+    assert_eq!(after_local(unknown(), None, REJECT, LOCAL), Step::PauseForBody);
+    assert_eq!(after_local(unknown(), Some(fp(1)), REJECT, LOCAL), Step::ReadSettled { fp: fp(1) });
+    // Under "pass" a store failure would forward it unprotected: the local answer stands.
+    for store in [Some(OnUnavailable::Pass), None] {
+        assert_eq!(
+            after_local(unknown(), Some(fp(1)), store, LOCAL),
+            Step::Reply { problem: ProblemKind::OutcomeUnknown, creator: None, release: None }
+        );
+    }
+}
+
+#[test]
+fn the_stores_settlement_of_a_local_unknown_replays_a_completion_and_otherwise_the_unknown_stands() {
+    let done = ReadReply::Found(value(Stage::Completed, 0));
+    assert!(matches!(after_settled_read(Ok(done.clone()), &fp(1), 422), Step::Replay { cache: None, .. }));
+    assert_eq!(
+        after_settled_read(Ok(done), &fp(2), 409),
+        Step::Reply { problem: ProblemKind::KeyReused { status: 409 }, creator: None, release: None }
+    );
+    let running = ReadReply::Found(value(Stage::Forwarded, STORE_NOW + 1));
+    assert!(matches!(
+        after_settled_read(Ok(running), &fp(1), 422),
+        Step::Reply { problem: ProblemKind::InFlight { .. }, .. }
+    ));
+    // An absent key is no proof the key never ran; nor is a lost answer.
+    assert_eq!(after_settled_read(Ok(ReadReply::Absent), &fp(1), 422), Step::UnknownStands { unreadable: None });
+    assert_eq!(after_settled_read(Err(StoreError::NoAnswer), &fp(1), 422), Step::UnknownStands { unreadable: None });
+    let unknown = ReadReply::Found(value(Stage::Unknown, 0));
+    assert_eq!(after_settled_read(Ok(unknown), &fp(1), 422), Step::UnknownStands { unreadable: None });
+}
+
+#[test]
+fn a_retry_meeting_the_local_tier_replays_or_is_in_flight_without_asking_the_store() {
+    let record = value(Stage::Completed, 0).record;
+    assert_eq!(
+        after_local(Ok(Begin::Replay(record.clone())), Some(fp(1)), REJECT, LOCAL),
+        Step::Replay { record, cache: None }
+    );
+    let in_flight = Ok(Begin::Reject {
+        problem: ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS },
+        creator: Some(creator()),
+        marked_unknown: false,
+    });
+    assert_eq!(
+        after_local(in_flight, None, REJECT, LOCAL),
+        Step::InFlight { creator: Some(creator()), release: None, fp: None }
+    );
+    assert_eq!(after_local(Ok(Begin::NeedFingerprint), None, REJECT, LOCAL), Step::WaitForBody { handle: None });
+    assert_eq!(after_local(Err(LocalError::Corrupt), None, REJECT, LOCAL), Step::LocalFailed(LocalError::Corrupt));
+}
