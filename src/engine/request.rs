@@ -16,16 +16,35 @@
 //! ```
 //!
 //! Every "cannot happen" answer is a [`Step::FailClosed`], which has no way to forward.
+//!
+//! Before those, the request's own steps (the host's values in, a command out):
+//!
+//! ```text
+//! request headers ─▶ at_headers    ─▶ Admitted | NotProtected: Pass | Unprotected | RouteAmbiguous
+//!                                    | McpBody | GrpcPassed | Refuse | PolicyMissing
+//! a body chunk    ─▶ body_chunk    ─▶ the bytes to add to the VM's budget | a refusal (413, 503)
+//! body end        ─▶ at_body_end   ─▶ Pass (no key derivable) | Fingerprinted (and the derived key)
+//! claim marked    ─▶ after_mark_forwarded ─▶ as after_fingerprint | ClaimLost | LocalFailed
+//! MCP body end    ─▶ at_mcp_body   ─▶ Pass | Refuse (JSON-RPC id, batch ids) | Protect
+//! ```
+
+use std::sync::Arc;
 
 use crate::admin;
-use crate::config::{Forwarding, OnUnavailable, Policy};
+use crate::config::{Config, DeriveKey, Forwarding, GrpcMode, OnUnavailable, Policy, Selection};
+use crate::decision::{admit, check_body_size, Admission};
 use crate::decision::{decide, Decision, Lookup, IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
+use crate::derive;
 use crate::failsafe::Broken;
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{self, Fingerprint};
+use crate::key::{self, IdempotencyKey, KeyError};
 use crate::local::{Begin, Handle, LocalError};
+use crate::mcp::{self, Classified};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, Stage};
+use crate::request::RequestHead;
+use crate::scope::CallerScope;
 use crate::store::{ClaimReply, ReadReply, StoreError, StoredValue, TransitionReply, ValueError};
 
 /// What the request does next. `release`: a local claim to free before answering.
@@ -63,6 +82,8 @@ pub enum Step {
     LocalFailed(LocalError),
     /// The store is unavailable with `on_unavailable: "pass"`: forward unprotected.
     PassUnprotected,
+    /// The local claim held while the body came was lost (taken over meanwhile): 409.
+    ClaimLost,
     /// A broken invariant: 503 `internal-state` (`failsafe::refuse`), never forward.
     FailClosed { broken: Broken, branch: &'static str, handle: Option<Handle> },
 }
@@ -272,5 +293,322 @@ pub fn after_store_failure(policy: &Policy, on_unavailable: OnUnavailable) -> St
     }
 }
 
+/// How a protected request's key was had.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyFrom {
+    /// The key header (or, for an MCP call, the body).
+    Sent,
+    /// Derived at the edge now (`derive_key`): the glue adds it to the request's headers.
+    Derived,
+    /// Derivable, but from the body too (`derive_key.include_body`): the key given is the one
+    /// without the body, replaced at the body's end (`at_body_end`).
+    DerivedAtBody,
+}
+
+/// A request the headers protect: its route, policy, scope and key.
+#[derive(Clone, Debug)]
+pub struct Admitted {
+    pub route: usize,
+    pub policy: Arc<Policy>,
+    pub scope: CallerScope,
+    pub key: IdempotencyKey,
+    pub from: KeyFrom,
+}
+
+/// Why the request headers leave a request unprotected, or refuse it (`at_headers`).
+#[derive(Clone, Debug)]
+pub enum NotProtected {
+    /// No route protects it: continue untouched.
+    Pass,
+    /// A route was selected, but the request is not protected (no key where none is required,
+    /// an MCP request without a body or not a POST): continue untouched.
+    Unprotected { route: usize },
+    /// Two routes match the request: 400 `route-ambiguous` (logged with both).
+    RouteAmbiguous { first: usize, other: usize },
+    /// The route selected has no policy: cannot happen, fail closed.
+    PolicyMissing { route: usize },
+    /// A POST on an MCP route: only its whole body says whether it is protected.
+    McpBody { route: usize, policy: Arc<Policy> },
+    /// A gRPC call on a route with `grpc: "pass"`: continue, counted.
+    GrpcPassed { route: usize },
+    /// Refused before anything is held (a missing or malformed key, no scope, gRPC with a key).
+    Refuse { route: usize, problem: ProblemKind },
+}
+
+impl NotProtected {
+    /// The route selected, the label of per-route counters.
+    pub fn route(&self) -> Option<usize> {
+        match self {
+            NotProtected::Pass | NotProtected::RouteAmbiguous { .. } => None,
+            NotProtected::PolicyMissing { route }
+            | NotProtected::Unprotected { route }
+            | NotProtected::McpBody { route, .. }
+            | NotProtected::GrpcPassed { route }
+            | NotProtected::Refuse { route, .. } => Some(*route),
+        }
+    }
+}
+
+/// The request headers' step: route selection, admission, scope and key (given or derived); the
+/// request protected, or why not (`head`: the whole header map; `route_name`: Envoy's route name,
+/// read only when `config.uses_route_names()`; `end_of_stream`: no body follows). The method is
+/// checked first by the glue (`Config::protects_method`), which reads it alone when there is no
+/// body.
+pub fn at_headers(
+    config: &Config,
+    head: &RequestHead,
+    route_name: Option<&str>,
+    end_of_stream: bool,
+) -> Result<Admitted, NotProtected> {
+    let route = match config.select_route(&head.method, &head.path, route_name) {
+        Selection::Policy(i) => i,
+        Selection::Unprotected => return Err(NotProtected::Pass),
+        Selection::Ambiguous { first, other } => return Err(NotProtected::RouteAmbiguous { first, other }),
+    };
+    // The one place a route's index becomes its policy: from here on the request carries it.
+    let Some(policy) = config.shared_policy(route) else { return Err(NotProtected::PolicyMissing { route }) };
+    // gRPC: a replay cannot be faithful (Envoy reshapes every local reply to a gRPC request
+    // into a trailers-only status), so such calls are refused with a key (below) or, with
+    // `grpc: "pass"`, not idemgate's at all.
+    let grpc = head.is_grpc();
+    // MCP: only the body says whether this is a protected tools/call. A request without one
+    // (GET streams, DELETE) is no tool call. A gRPC content-type is no exception: a server that
+    // does not check the type runs a tools/call sent as `application/grpc, application/json`
+    // (a protected call under such a type is refused, `at_mcp_body`).
+    if policy.mcp.is_some() {
+        if end_of_stream || head.method != "POST" {
+            return Err(NotProtected::Unprotected { route });
+        }
+        return Err(NotProtected::McpBody { route, policy });
+    }
+    if grpc && policy.grpc == GrpcMode::Pass {
+        return Err(NotProtected::GrpcPassed { route });
+    }
+    let key_values = head.values(&policy.header);
+    // No key and nothing to derive one from: decided without hashing the caller.
+    if policy.derive_key.is_none() && key_values.is_empty() {
+        return match admit(Some(&policy), &[]) {
+            Admission::Reject(problem) => Err(NotProtected::Refuse { route, problem }),
+            _ => Err(NotProtected::Unprotected { route }),
+        };
+    }
+    let scope = CallerScope::of(head, &policy.scope);
+    // A request without a key but with the operation's identifiers gets a key derived at
+    // the edge (opt-in); with include_body, once the body is here.
+    let derive = if key_values.is_empty() { policy.derive_key.as_ref() } else { None };
+    let derive_at_body = derive.is_some_and(|d| d.include_body) && !end_of_stream;
+    let derived = match derive {
+        // Whether it can be derived is known now (headers, scope); the key itself later.
+        Some(d) if derive_at_body => {
+            derive::derive(head, &DeriveKey { include_body: false, ..d.clone() }, &policy.fingerprint, &scope, None)
+        }
+        Some(d) => {
+            let empty = d.include_body.then(|| fingerprint::body_digest(b"", &policy.fingerprint).1);
+            derive::derive(head, d, &policy.fingerprint, &scope, empty.as_ref())
+        }
+        None => None,
+    };
+    // A gRPC call with a key (sent, valid or not, or derivable): refused before anything
+    // executes; a malformed key is answered as such first.
+    if grpc && (derived.is_some() || matches!(admit(Some(&policy), &key_values), Admission::Protect(_))) {
+        return Err(NotProtected::Refuse {
+            route,
+            problem: ProblemKind::GrpcUnsupported { header: policy.header.clone() },
+        });
+    }
+    let (key, from) = match derived {
+        Some(k) if derive_at_body => (k, KeyFrom::DerivedAtBody),
+        Some(k) => (k, KeyFrom::Derived),
+        None => match admit(Some(&policy), &key_values) {
+            Admission::Pass => return Err(NotProtected::Unprotected { route }),
+            Admission::Reject(problem) => return Err(NotProtected::Refuse { route, problem }),
+            Admission::Protect(k) => (k, KeyFrom::Sent),
+        },
+    };
+    // A key from a caller none of the scope headers identify: refused unless the operator
+    // chose a shared anonymous scope (a key is only ever derived for an identified caller, so
+    // a derived key is never refused here).
+    if let Err(problem) = scope.admits(&policy.scope) {
+        return Err(NotProtected::Refuse { route, problem });
+    }
+    Ok(Admitted { route, policy, scope, key, from })
+}
+
+/// A chunk of a body the filter buffers (`body_size`: the bytes so far; `budgeted`: the bytes
+/// this request counts against the VM's budget; `vm_buffered`: the VM's count now): the bytes
+/// to add to the VM's count, or the refusal (413 over the route's limit, 503 over the VM's).
+pub fn body_chunk(
+    body_size: u64,
+    budgeted: u64,
+    vm_buffered: u64,
+    max_buffered: u64,
+    policy: &Policy,
+) -> Result<u64, ProblemKind> {
+    check_body_size(body_size, policy)?;
+    // Per-VM budget of buffered bytes: many concurrent large bodies get a 503, not an OOM.
+    let delta = body_size.saturating_sub(budgeted);
+    if vm_buffered.saturating_add(delta) > max_buffered {
+        return Err(ProblemKind::BufferBudgetExceeded { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS });
+    }
+    Ok(delta)
+}
+
+/// A protected request's whole body is here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AtBodyEnd {
+    /// The key was to be derived with the body and cannot be: the request is not protected.
+    Pass,
+    /// The fingerprint; `derived`: the key derived with the body (`KeyFrom::DerivedAtBody`);
+    /// `keep_body`: the body is kept for the root to send (`forwarding: "detached"`).
+    Fingerprinted { fp: Fingerprint, derived: Option<IdempotencyKey>, keep_body: bool },
+}
+
+/// The body step: the fingerprint once the body is whole (`head` with its trailers), and the
+/// key when it is derived from the body (`derive_at_body`), added to `head` (which the
+/// fingerprint then reads, as the upstream does).
+pub fn at_body_end(
+    policy: &Policy,
+    head: &mut RequestHead,
+    scope: &CallerScope,
+    derive_at_body: bool,
+    body: &[u8],
+) -> AtBodyEnd {
+    // Taken once, for the fingerprint and for a key derived from the body.
+    let digest = fingerprint::body_digest(body, &policy.fingerprint);
+    let mut derived = None;
+    if derive_at_body {
+        let Some(key) = policy
+            .derive_key
+            .as_ref()
+            .and_then(|d| derive::derive(head, d, &policy.fingerprint, scope, Some(&digest.1)))
+        else {
+            return AtBodyEnd::Pass;
+        };
+        head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
+        derived = Some(key);
+    }
+    let fp = Fingerprint::of_digest(head, digest, &policy.fingerprint).0;
+    let keep_body = matches!(policy.forwarding, Forwarding::Detached { .. });
+    AtBodyEnd::Fingerprinted { fp, derived, keep_body }
+}
+
+/// The local tier answered `mark_forwarded` for the claim held while the body came.
+pub fn after_mark_forwarded(
+    marked: Result<bool, LocalError>,
+    handle: Handle,
+    fp: Fingerprint,
+    store: StoreMode,
+    now_ms: u64,
+) -> Step {
+    match marked {
+        Ok(true) => after_fingerprint(Some(handle), fp, store, now_ms),
+        Ok(false) => Step::ClaimLost,
+        Err(e) => Step::LocalFailed(e),
+    }
+}
+
+/// A protected MCP `tools/call`: its JSON-RPC id, tool, scope, key and body digest.
+#[derive(Clone, Debug)]
+pub struct McpCall {
+    /// The JSON-RPC id (JSON text) every reply to it carries.
+    pub id: Vec<u8>,
+    pub tool: String,
+    pub scope: CallerScope,
+    pub key: IdempotencyKey,
+    /// The key was derived (`derive_key`, always with the body's digest).
+    pub derived: bool,
+    /// The digest of the fingerprint's body material: tool name and canonical arguments.
+    pub digest: [u8; 32],
+}
+
+/// What an MCP POST's whole body decides.
+#[derive(Clone, Debug)]
+pub enum AtMcpBody {
+    /// Not a protected call (or no key and none required): passed untouched.
+    Pass,
+    /// The route's policy has no MCP part: cannot happen, fail closed.
+    PolicyMissing,
+    /// Refused as a JSON-RPC error to `id` (`batch`: the ids of a refused batch's requests).
+    Refuse { id: Vec<u8>, batch: Vec<Vec<u8>>, problem: ProblemKind },
+    /// A protected call.
+    Protect(Box<McpCall>),
+}
+
+/// The MCP body step: a protected `tools/call` is protected as an HTTP request with a key is;
+/// the key is the header's, then the body's (`_meta`, a named argument), then derived.
+pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBody {
+    let Some(mcp) = policy.mcp.as_ref() else { return AtMcpBody::PolicyMissing };
+    let null = || b"null".to_vec();
+    let call = match mcp::classify(body, mcp) {
+        Classified::Pass => return AtMcpBody::Pass,
+        Classified::Batch(ids) => {
+            return AtMcpBody::Refuse { id: null(), batch: ids, problem: ProblemKind::McpBatchRefused }
+        }
+        Classified::Ambiguous => {
+            return AtMcpBody::Refuse { id: null(), batch: vec![], problem: ProblemKind::McpBodyAmbiguous }
+        }
+        Classified::Call(c) => c,
+    };
+    let refuse = |problem| AtMcpBody::Refuse { id: call.id.clone(), batch: vec![], problem };
+    // A protected call under a gRPC content-type: read two ways (gRPC here, JSON by a server
+    // that does not check the type), never forwarded, with or without a key.
+    if head.is_grpc() {
+        return refuse(ProblemKind::McpBodyAmbiguous);
+    }
+    let key_values = head.values(&policy.header);
+    let scope = CallerScope::of(head, &policy.scope);
+    let key = if !key_values.is_empty() {
+        match admit(Some(policy), &key_values) {
+            Admission::Protect(k) => Some(k),
+            Admission::Reject(p) => return refuse(p),
+            Admission::Pass => None,
+        }
+    } else if let Some(k) = call.key.as_ref() {
+        let parsed = k
+            .value
+            .as_deref()
+            .ok_or(KeyError::MalformedString)
+            .and_then(|v| key::parse_key(v.as_bytes(), policy.key_max_length, policy.key_syntax));
+        match parsed {
+            Ok(k) => Some(k),
+            Err(error) => {
+                return refuse(ProblemKind::KeyInvalid {
+                    header: k.source.clone(),
+                    error,
+                    syntax: policy.key_syntax,
+                    max_len: policy.key_max_length,
+                })
+            }
+        }
+    } else {
+        None
+    };
+    let (key, derived) = match key {
+        Some(k) => (k, false),
+        None => {
+            let derived = policy.derive_key.as_ref().and_then(|d| {
+                let d = DeriveKey { include_body: true, ..d.clone() };
+                derive::derive(head, &d, &policy.fingerprint, &scope, Some(&call.digest))
+            });
+            match derived {
+                Some(k) => (k, true),
+                None => {
+                    return match admit(Some(policy), &[]) {
+                        Admission::Reject(p) => refuse(p),
+                        _ => AtMcpBody::Pass,
+                    }
+                }
+            }
+        }
+    };
+    // A key is only ever derived for an identified caller: a derived key is never refused here.
+    if let Err(p) = scope.admits(&policy.scope) {
+        return refuse(p);
+    }
+    AtMcpBody::Protect(Box::new(McpCall { id: call.id, tool: call.tool, scope, key, derived, digest: call.digest }))
+}
+
+#[cfg(test)]
+mod steps_tests;
 #[cfg(test)]
 mod tests;

@@ -29,14 +29,14 @@ use super::settle::{self, Claim};
 use super::stores::{self, Unbuilt};
 use super::writes;
 use super::{reply, Forward, Shared, Waiter};
-use crate::config::{Forwarding, GrpcMode, InFlight, OnUnavailable, Policy, Selection};
-use crate::decision::{admit, check_body_size, classify_routed, Admission, Exchange};
+use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
+use crate::decision::{admit, classify_routed, Admission, Exchange};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
-use crate::derive;
-use crate::engine::request::{self, Answered, Step};
+use crate::engine::request::{self, Admitted, Answered, AtBodyEnd, AtMcpBody, KeyFrom, McpCall, NotProtected, Step};
 use crate::etcd::Fence;
 use crate::failsafe::{self, Broken, Holding};
 use crate::fingerprint::{self, Fingerprint};
+use crate::key::IdempotencyKey;
 use crate::local::{Begin, Handle, LocalError};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
@@ -543,6 +543,10 @@ impl Http {
                 self.answer(Some(&req), ProblemKind::OutcomeUnknown, None)
             }
             Step::LocalFailed(e) => self.local_error(&req, e),
+            Step::ClaimLost => {
+                self.count(Counter::LostClaim);
+                self.in_flight(&req)
+            }
             Step::PassUnprotected => {
                 self.publish(req.published_key(), "passed-unprotected");
                 self.phase = Phase::Pass;
@@ -554,11 +558,38 @@ impl Http {
         }
     }
 
-    /// The fingerprint is known and the local tier holds our claim (or has no room): claim in the
-    /// store if there is one, then forward.
-    fn proceed(&mut self, req: Protected, handle: Option<Handle>, fp: Fingerprint) -> Action {
-        let step = request::after_fingerprint(handle, fp, self.store_mode(), self.now());
-        self.run(req, step, None)
+    /// The request headers' step decided the request is not protected (`request::at_headers`).
+    fn not_protected_at_headers(&mut self, not: NotProtected, mut head: RequestHead) -> Action {
+        match not {
+            NotProtected::Pass | NotProtected::Unprotected { .. } => Action::Continue,
+            NotProtected::RouteAmbiguous { first, other } => {
+                debug!("idemgate: outcome=route_ambiguous routes={first},{other} path={}", head.path_without_query());
+                self.answer(None, ProblemKind::RouteAmbiguous, None)
+            }
+            NotProtected::PolicyMissing { .. } => {
+                self.fail_closed(None, Broken::PolicyMissing, "request_headers_policy", None, Holding::Nothing)
+            }
+            NotProtected::McpBody { route, policy } => {
+                // Without `hold_headers` the headers go upstream now, before the body says whether
+                // the call is protected: the router is told not to re-send it now, as for any
+                // protected request (the one change an unprotected MCP POST then sees).
+                if !self.shared.config.hold_headers && !forbid_router_retries(&mut head) {
+                    return self.fail_closed(None, Broken::HostCallFailed, "mcp_retry_guard", None, Holding::Nothing);
+                }
+                self.phase = Phase::McpBody { route, policy, head };
+                if self.shared.config.hold_headers {
+                    Action::Pause
+                } else {
+                    Action::Continue
+                }
+            }
+            NotProtected::GrpcPassed { .. } => {
+                self.count(Counter::GrpcPassed);
+                debug!("idemgate: outcome=grpc_passed_unprotected path={}", head.path_without_query());
+                Action::Continue
+            }
+            NotProtected::Refuse { problem, .. } => self.answer(None, problem, None),
+        }
     }
 
     /// Sends the store a claim-or-read (`Step::ClaimInStore`).
@@ -829,27 +860,26 @@ impl Http {
         crash_point(&req, "body");
         let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
         self.release_budget();
-        // Taken once, for the fingerprint and for a key derived from the body.
-        let digest = fingerprint::body_digest(&body, &req.policy.fingerprint);
-        if req.derive_at_body && !self.derive_key_with_body(&mut req, &digest.1) {
-            // No key can be derived: the request is not protected.
-            self.phase = Phase::Pass;
-            return Action::Continue;
+        let (fp, derived, keep_body) =
+            match request::at_body_end(&req.policy, &mut req.head, &req.scope, req.derive_at_body, &body) {
+                AtBodyEnd::Fingerprinted { fp, derived, keep_body } => (fp, derived, keep_body),
+                AtBodyEnd::Pass => {
+                    // No key can be derived: the request is not protected.
+                    self.phase = Phase::Pass;
+                    return Action::Continue;
+                }
+            };
+        if let Some(key) = derived {
+            self.key_derived_with_body(&mut req, &key);
         }
-        let (fp, _) = Fingerprint::of_digest(&req.head, digest, &req.policy.fingerprint);
-        if matches!(req.policy.forwarding, Forwarding::Detached { .. }) {
+        if keep_body {
             req.body = body;
         }
         match handle {
             Some(handle) => {
-                match self.shared.table.mark_forwarded(&mut HostShared, &handle, fp, self.now(), &req.policy) {
-                    Ok(true) => self.proceed(req, Some(handle), fp),
-                    Ok(false) => {
-                        self.count(Counter::LostClaim);
-                        self.in_flight(&req)
-                    }
-                    Err(e) => self.local_error(&req, e),
-                }
+                let marked = self.shared.table.mark_forwarded(&mut HostShared, &handle, fp, self.now(), &req.policy);
+                let step = request::after_mark_forwarded(marked, handle, fp, self.store_mode(), self.now());
+                self.run(req, step, None)
             }
             None => {
                 let begun = self.begin(&req, Some(fp));
@@ -858,29 +888,19 @@ impl Http {
         }
     }
 
-    /// `derive_key.include_body`: the key (and so the storage key) is known only now. Returns
-    /// false when no key can be derived (the request then passes unprotected).
-    fn derive_key_with_body(&mut self, req: &mut Protected, body_digest: &[u8; 32]) -> bool {
-        let policy = Arc::clone(&req.policy);
-        let Some(key) = policy
-            .derive_key
-            .as_ref()
-            .and_then(|d| derive::derive(&req.head, d, &policy.fingerprint, &req.scope, Some(body_digest)))
-        else {
-            return false;
-        };
-        req.skey = StorageKey::derive(&policy.namespace, &req.scope, &key);
+    /// `derive_key.include_body`: the key (and so the storage key) is known only now (the engine
+    /// added it to the request's head).
+    fn key_derived_with_body(&mut self, req: &mut Protected, key: &IdempotencyKey) {
+        req.skey = StorageKey::derive(&req.policy.namespace, &req.scope, key);
         req.derive_at_body = false;
-        req.head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
         // With `hold_headers: false` the request headers went upstream at their end, without the
         // key (it was not known yet): the key protects the request here, and the upstream never
         // sees it (Envoy no longer lends the map; a write would only be refused).
         if self.shared.config.hold_headers {
-            let _ = host::set_header(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
+            let _ = host::set_header(MapType::HttpRequestHeaders, &req.policy.header, Some(key.as_str()));
         }
         self.count(Counter::DerivedKeys);
         debug!("{}", log_line(Some(req), "derived_key", "key_source=derived"));
-        true
     }
 
     fn release_budget(&mut self) {
@@ -1135,98 +1155,19 @@ impl HttpContext for Http {
         } else {
             None
         };
-        let route = match self.shared.config.select_route(&head.method, &head.path, route_name.as_deref()) {
-            Selection::Policy(i) => i,
-            Selection::Unprotected => return Action::Continue,
-            Selection::Ambiguous { first, other } => {
-                debug!("idemgate: outcome=route_ambiguous routes={first},{other} path={}", head.path_without_query());
-                return self.answer(None, ProblemKind::RouteAmbiguous, None);
-            }
-        };
-        self.counted_as = Some(route);
-        // The one place a route's index becomes its policy: from here on the request carries it.
-        let Some(policy) = self.shared.config.shared_policy(route) else {
-            return self.fail_closed(None, Broken::PolicyMissing, "request_headers_policy", None, Holding::Nothing);
-        };
-        // gRPC: a replay cannot be faithful (Envoy reshapes every local reply to a gRPC request
-        // into a trailers-only status), so such calls are refused with a key (below) or, with
-        // `grpc: "pass"`, not idemgate's at all.
-        let grpc = head.is_grpc();
-        // MCP: only the body says whether this is a protected tools/call. A request without one
-        // (GET streams, DELETE) is no tool call. A gRPC content-type is no exception: a server that
-        // does not check the type runs a tools/call sent as `application/grpc, application/json`
-        // (a protected call under such a type is refused, `mcp_body_complete`).
-        if policy.mcp.is_some() {
-            if end_of_stream || head.method != "POST" {
-                return Action::Continue;
-            }
-            // Without `hold_headers` the headers go upstream now, before the body says whether
-            // the call is protected: the router is told not to re-send it now, as for any
-            // protected request (the one change an unprotected MCP POST then sees).
-            if !self.shared.config.hold_headers && !forbid_router_retries(&mut head) {
-                return self.fail_closed(None, Broken::HostCallFailed, "mcp_retry_guard", None, Holding::Nothing);
-            }
-            self.phase = Phase::McpBody { route, policy, head };
-            return if self.shared.config.hold_headers { Action::Pause } else { Action::Continue };
-        }
-        if grpc && policy.grpc == GrpcMode::Pass {
-            self.count(Counter::GrpcPassed);
-            debug!("idemgate: outcome=grpc_passed_unprotected path={}", head.path_without_query());
-            return Action::Continue;
-        }
-        // No key and nothing to derive one from: decided without hashing the caller.
-        if policy.derive_key.is_none() && head.values(&policy.header).is_empty() {
-            return match admit(Some(&policy), &[]) {
-                Admission::Reject(p) => self.answer(None, p, None),
-                _ => Action::Continue,
-            };
-        }
-        let scope = CallerScope::of(&head, &policy.scope);
-        let key_values = head.values(&policy.header);
-        // A request without a key but with the operation's identifiers gets a key derived at
-        // the edge (opt-in); with include_body, once the body is here.
-        let derive = if key_values.is_empty() { policy.derive_key.as_ref() } else { None };
-        let derive_at_body = derive.is_some_and(|d| d.include_body) && !end_of_stream;
-        let derived = match derive {
-            // Whether it can be derived is known now (headers, scope); the key itself later.
-            Some(d) if derive_at_body => derive::derive(
-                &head,
-                &crate::config::DeriveKey { include_body: false, ..d.clone() },
-                &policy.fingerprint,
-                &scope,
-                None,
-            ),
-            Some(d) => {
-                let empty = d.include_body.then(|| fingerprint::body_digest(b"", &policy.fingerprint).1);
-                derive::derive(&head, d, &policy.fingerprint, &scope, empty.as_ref())
-            }
-            None => None,
-        };
-        let was_derived = derived.is_some();
-        // A gRPC call with a key (sent, valid or not, or derivable): refused before anything
-        // executes; a malformed key is answered as such first.
-        if grpc && (was_derived || matches!(admit(Some(&policy), &key_values), Admission::Protect(_))) {
-            return self.answer(None, ProblemKind::GrpcUnsupported { header: policy.header.clone() }, None);
-        }
-        let key = match derived {
-            Some(k) => {
-                if !derive_at_body {
-                    head.headers.push((policy.header.clone(), k.as_str().as_bytes().to_vec()));
-                    let _ = host::set_header(MapType::HttpRequestHeaders, &policy.header, Some(k.as_str()));
-                    self.count(Counter::DerivedKeys);
+        let Admitted { route, policy, scope, key, from } =
+            match request::at_headers(&self.shared.config, &head, route_name.as_deref(), end_of_stream) {
+                Ok(a) => a,
+                Err(not) => {
+                    self.counted_as = not.route();
+                    return self.not_protected_at_headers(not, head);
                 }
-                k
-            }
-            None => match admit(Some(&policy), &key_values) {
-                Admission::Pass => return Action::Continue,
-                Admission::Reject(p) => return self.answer(None, p, None),
-                Admission::Protect(k) => k,
-            },
-        };
-        // A key from a caller none of the scope headers identify: refused unless the operator
-        // chose a shared anonymous scope (derived keys are only ever derived for identified ones).
-        if let Err(p) = scope.admits(&policy.scope) {
-            return self.answer(None, p, None);
+            };
+        self.counted_as = Some(route);
+        if from == KeyFrom::Derived {
+            head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
+            let _ = host::set_header(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
+            self.count(Counter::DerivedKeys);
         }
         self.count(Counter::Protected);
         // At most once: Envoy's router must never re-send it (a route's retry_policy, hedging, or
@@ -1234,12 +1175,13 @@ impl HttpContext for Http {
         if !forbid_router_retries(&mut head) {
             return self.fail_closed(None, Broken::HostCallFailed, "retry_guard", None, Holding::Nothing);
         }
+        let derive_at_body = from == KeyFrom::DerivedAtBody;
         let skey = StorageKey::derive(&policy.namespace, &scope, &key);
         let owner = self.shared.next_owner();
         let creator = creator_of(&policy, &head);
         let req =
             Protected { route, policy, head, skey, scope, creator, owner, derive_at_body, mcp: None, body: vec![] };
-        if was_derived && !derive_at_body {
+        if from == KeyFrom::Derived {
             debug!("{}", log_line(Some(&req), "derived_key", "key_source=derived"));
         }
         if derive_at_body {
@@ -1392,26 +1334,17 @@ impl Http {
             self.release_budget();
             return self.fail_closed(Some(&req), Broken::PolicyMissing, "request_body", handle, holding(handle));
         }
-        if let Err(p) = check_body_size(body_size as u64, &req.policy) {
-            self.release_budget();
-            self.release_unforwarded(&req, handle);
-            return self.answer(Some(&req), p, None);
-        }
-        // Per-VM budget of buffered bytes: many concurrent large bodies get a 503, not an OOM.
-        let total = body_size as u64;
-        let delta = total.saturating_sub(self.budgeted);
         let b = &self.shared.buffered;
-        if b.get().saturating_add(delta) > self.shared.config.max_buffered_bytes {
-            self.release_budget();
-            self.release_unforwarded(&req, handle);
-            return self.answer(
-                Some(&req),
-                ProblemKind::BufferBudgetExceeded { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS },
-                None,
-            );
+        let max = self.shared.config.max_buffered_bytes;
+        match request::body_chunk(body_size as u64, self.budgeted, b.get(), max, &req.policy) {
+            Ok(delta) => b.set(b.get() + delta),
+            Err(p) => {
+                self.release_budget();
+                self.release_unforwarded(&req, handle);
+                return self.answer(Some(&req), p, None);
+            }
         }
-        b.set(b.get() + delta);
-        self.budgeted = total;
+        self.budgeted = body_size as u64;
         if end_of_stream {
             self.body_complete(req, handle)
         } else {
@@ -1431,24 +1364,18 @@ impl Http {
         end_of_stream: bool,
     ) -> Action {
         self.body_size = body_size;
-        let refusal = match check_body_size(body_size as u64, &policy) {
-            Err(p) => Some(p),
-            Ok(()) => {
-                let delta = (body_size as u64).saturating_sub(self.budgeted);
-                let b = &self.shared.buffered;
-                if b.get().saturating_add(delta) > self.shared.config.max_buffered_bytes {
-                    Some(ProblemKind::BufferBudgetExceeded { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS })
-                } else {
-                    b.set(b.get() + delta);
-                    self.budgeted = body_size as u64;
-                    None
-                }
+        let b = &self.shared.buffered;
+        let max = self.shared.config.max_buffered_bytes;
+        match request::body_chunk(body_size as u64, self.budgeted, b.get(), max, &policy) {
+            Ok(delta) => {
+                b.set(b.get() + delta);
+                self.budgeted = body_size as u64;
             }
-        };
-        if let Some(p) = refusal {
-            self.release_budget();
-            self.set_mcp_reply(&head, b"null".to_vec(), vec![]);
-            return self.answer(None, p, None);
+            Err(p) => {
+                self.release_budget();
+                self.set_mcp_reply(&head, b"null".to_vec(), vec![]);
+                return self.answer(None, p, None);
+            }
         }
         if end_of_stream {
             self.mcp_body_complete(route, policy, head)
@@ -1471,84 +1398,24 @@ impl Http {
         let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
         self.release_budget();
         self.phase = Phase::Pass;
-        let Some(mcp) = policy.mcp.as_ref() else {
-            return self.fail_closed(None, Broken::PolicyMissing, "mcp_body_complete", None, Holding::Nothing);
+        let call = match request::at_mcp_body(&policy, &head, &body) {
+            AtMcpBody::Pass => {
+                reply::forget_mcp(self.context_id);
+                return Action::Continue;
+            }
+            AtMcpBody::PolicyMissing => {
+                return self.fail_closed(None, Broken::PolicyMissing, "mcp_body_complete", None, Holding::Nothing)
+            }
+            AtMcpBody::Refuse { id, batch, problem } => {
+                self.set_mcp_reply(&head, id, batch);
+                return self.answer(None, problem, None);
+            }
+            AtMcpBody::Protect(call) => *call,
         };
-        let call = match crate::mcp::classify(&body, mcp) {
-            crate::mcp::Classified::Pass => return Action::Continue,
-            crate::mcp::Classified::Batch(ids) => {
-                self.set_mcp_reply(&head, b"null".to_vec(), ids);
-                return self.answer(None, ProblemKind::McpBatchRefused, None);
-            }
-            crate::mcp::Classified::Ambiguous => {
-                self.set_mcp_reply(&head, b"null".to_vec(), vec![]);
-                return self.answer(None, ProblemKind::McpBodyAmbiguous, None);
-            }
-            crate::mcp::Classified::Call(c) => c,
-        };
-        self.set_mcp_reply(&head, call.id.clone(), vec![]);
-        // A protected call under a gRPC content-type: read two ways (gRPC here, JSON by a server
-        // that does not check the type), never forwarded, with or without a key.
-        if head.is_grpc() {
-            return self.answer(None, ProblemKind::McpBodyAmbiguous, None);
-        }
-        // The key: the header, then the body (`_meta`, a named argument), then derived.
-        let key_values = head.values(&policy.header);
-        let scope = CallerScope::of(&head, &policy.scope);
-        let key = if !key_values.is_empty() {
-            match admit(Some(&policy), &key_values) {
-                Admission::Protect(k) => Some(k),
-                Admission::Reject(p) => return self.answer(None, p, None),
-                Admission::Pass => None,
-            }
-        } else if let Some(k) = call.key.as_ref() {
-            let parsed = k
-                .value
-                .as_deref()
-                .ok_or(crate::key::KeyError::MalformedString)
-                .and_then(|v| crate::key::parse_key(v.as_bytes(), policy.key_max_length, policy.key_syntax));
-            match parsed {
-                Ok(k) => Some(k),
-                Err(error) => {
-                    return self.answer(
-                        None,
-                        ProblemKind::KeyInvalid {
-                            header: k.source.clone(),
-                            error,
-                            syntax: policy.key_syntax,
-                            max_len: policy.key_max_length,
-                        },
-                        None,
-                    )
-                }
-            }
-        } else {
-            None
-        };
-        let key = match key {
-            Some(k) => k,
-            None => {
-                let derived = policy.derive_key.as_ref().and_then(|d| {
-                    let d = crate::config::DeriveKey { include_body: true, ..d.clone() };
-                    derive::derive(&head, &d, &policy.fingerprint, &scope, Some(&call.digest))
-                });
-                match derived {
-                    Some(k) => {
-                        self.count(Counter::DerivedKeys);
-                        k
-                    }
-                    None => match admit(Some(&policy), &[]) {
-                        Admission::Reject(p) => return self.answer(None, p, None),
-                        _ => {
-                            reply::forget_mcp(self.context_id);
-                            return Action::Continue;
-                        }
-                    },
-                }
-            }
-        };
-        if let Err(p) = scope.admits(&policy.scope) {
-            return self.answer(None, p, None);
+        let McpCall { id, tool, scope, key, derived, digest } = call;
+        self.set_mcp_reply(&head, id.clone(), vec![]);
+        if derived {
+            self.count(Counter::DerivedKeys);
         }
         self.count(Counter::Protected);
         if self.shared.config.hold_headers && !forbid_router_retries(&mut head) {
@@ -1557,8 +1424,7 @@ impl Http {
         let skey = StorageKey::derive(&policy.namespace, &scope, &key);
         let owner = self.shared.next_owner();
         let creator = creator_of(&policy, &head);
-        let fp =
-            Fingerprint::of_digest(&head, (fingerprint::BodyForm::CanonicalJson, call.digest), &policy.fingerprint).0;
+        let fp = Fingerprint::of_digest(&head, (fingerprint::BodyForm::CanonicalJson, digest), &policy.fingerprint).0;
         let detached = matches!(policy.forwarding, Forwarding::Detached { .. });
         let req = Protected {
             route,
@@ -1569,10 +1435,10 @@ impl Http {
             creator,
             owner,
             derive_at_body: false,
-            mcp: Some(call.id),
+            mcp: Some(id),
             body: if detached { body } else { vec![] },
         };
-        debug!("{}", log_line(Some(&req), "mcp_tools_call", &format!("tool={}", call.tool)));
+        debug!("{}", log_line(Some(&req), "mcp_tools_call", &format!("tool={tool}")));
         let begun = self.begin(&req, Some(fp));
         self.act(req, begun, Some(fp))
     }

@@ -1,0 +1,381 @@
+//! The request's own steps driven without Envoy (headers, body chunks, body end, an MCP body),
+//! from a configuration as an operator writes it and the header maps a client sends; then one
+//! request run through headers, body and the local tier's claim to `Step::Forward`.
+
+use super::*;
+use crate::key::KeyError;
+use crate::local::{HostError, SetError, SharedData, Table};
+use crate::owner::OwnerToken;
+use crate::scope::StorageKey;
+use std::collections::HashMap;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+const NOW: u64 = 1_000_000;
+const AUTH: &str = "Bearer caller-1";
+
+fn config(json: &str) -> Config {
+    match Config::parse(json.as_bytes()) {
+        Ok(c) => c,
+        Err(e) => panic!("configuration refused: {e:?}"),
+    }
+}
+
+/// A request as a client sends it: `extra` headers after the method, path and caller.
+fn head(method: &str, path: &str, extra: &[(&str, &str)]) -> RequestHead {
+    let mut pairs: Vec<(String, Vec<u8>)> = vec![
+        (":method".into(), method.as_bytes().to_vec()),
+        (":path".into(), path.as_bytes().to_vec()),
+        (":authority".into(), b"idemgate.test".to_vec()),
+        ("authorization".into(), AUTH.as_bytes().to_vec()),
+    ];
+    pairs.extend(extra.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())));
+    RequestHead::from_pairs(pairs)
+}
+
+const SCOPED: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
+
+fn admitted(at: Result<Admitted, NotProtected>) -> Admitted {
+    match at {
+        Ok(a) => a,
+        Err(not) => panic!("not protected: {not:?}"),
+    }
+}
+
+fn refused(at: Result<Admitted, NotProtected>) -> ProblemKind {
+    match at {
+        Err(NotProtected::Refuse { problem, .. }) => problem,
+        other => panic!("not refused: {other:?}"),
+    }
+}
+
+#[test]
+fn a_key_sent_in_its_header_is_protected_and_a_malformed_one_is_a_400_before_anything_is_held() {
+    let c = config(SCOPED);
+    let a = admitted(at_headers(&c, &head("POST", "/charges", &[("idempotency-key", "k-1")]), None, false));
+    assert_eq!((a.route, a.key.as_str(), a.from), (0, "k-1", KeyFrom::Sent));
+    // Two lines of the key header: which one the upstream reads is unknown, so neither is used.
+    let twice = head("POST", "/charges", &[("idempotency-key", "k-1"), ("idempotency-key", "k-2")]);
+    let p = refused(at_headers(&c, &twice, None, false));
+    assert_eq!((p.slug(), p.status()), ("key-repeated", 400));
+    assert!(matches!(p, ProblemKind::KeyInvalid { error: KeyError::Repeated, .. }));
+    let empty = refused(at_headers(&c, &head("POST", "/charges", &[("idempotency-key", "")]), None, true));
+    assert_eq!((empty.slug(), empty.status()), ("key-empty", 400));
+}
+
+#[test]
+fn without_a_key_a_request_passes_unless_the_route_requires_one() {
+    let optional = config(SCOPED);
+    assert!(matches!(
+        at_headers(&optional, &head("POST", "/charges", &[]), None, false),
+        Err(NotProtected::Unprotected { route: 0 })
+    ));
+    let required = config(r#"{"scope": {"headers": ["authorization"]}, "require_key": true}"#);
+    let p = refused(at_headers(&required, &head("POST", "/charges", &[]), None, false));
+    assert_eq!(p, ProblemKind::KeyMissing { header: "idempotency-key".into() });
+    assert_eq!(p.status(), 400);
+    // A method no route protects is no route's at all.
+    assert!(matches!(at_headers(&required, &head("GET", "/charges", &[]), None, true), Err(NotProtected::Pass)));
+}
+
+#[test]
+fn a_key_from_a_caller_no_scope_header_identifies_is_refused() {
+    let c = config(r#"{"scope": {"headers": ["x-tenant"]}}"#);
+    let p = refused(at_headers(&c, &head("POST", "/charges", &[("idempotency-key", "k-1")]), None, false));
+    assert_eq!(p, ProblemKind::ScopeMissing { headers: vec!["x-tenant".into()] });
+}
+
+#[test]
+fn a_spelling_two_routes_read_apart_is_route_ambiguous_and_the_plain_path_is_its_route() {
+    let c = config(
+        r#"{"scope": {"headers": ["authorization"]},
+            "routes": [{"prefix": "/v1/payments", "namespace": "pay"}, {"prefix": "/", "namespace": "rest"}]}"#,
+    );
+    let key = [("idempotency-key", "k-1")];
+    for path in ["/v1/payments/../orders", "/v1%2Fpayments", "/v1/x/..;/payments"] {
+        let at = at_headers(&c, &head("POST", path, &key), None, false);
+        assert!(matches!(at, Err(NotProtected::RouteAmbiguous { first: 0, other: 1 })), "{path}: {at:?}");
+        assert_eq!(at.err().and_then(|n| n.route()), None, "no route's counters count it");
+    }
+    assert_eq!(admitted(at_headers(&c, &head("POST", "/v1/payments", &key), None, false)).route, 0);
+    assert_eq!(admitted(at_headers(&c, &head("POST", "/v1/orders", &key), None, false)).route, 1);
+}
+
+#[test]
+fn a_grpc_call_with_a_key_is_refused_and_with_grpc_pass_is_not_idemgates() {
+    let grpc = [("content-type", "application/grpc"), ("idempotency-key", "k-1")];
+    let p = refused(at_headers(&config(SCOPED), &head("POST", "/svc/Charge", &grpc), None, false));
+    assert_eq!(p, ProblemKind::GrpcUnsupported { header: "idempotency-key".into() });
+    let pass = config(r#"{"scope": {"headers": ["authorization"]}, "grpc": "pass"}"#);
+    assert!(matches!(
+        at_headers(&pass, &head("POST", "/svc/Charge", &grpc), None, false),
+        Err(NotProtected::GrpcPassed { .. })
+    ));
+}
+
+#[test]
+fn derive_key_derives_at_the_headers_or_at_the_body_end_and_never_for_an_anonymous_caller() {
+    let at_headers_only =
+        config(r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-order-id"]}}"#);
+    let order = [("x-order-id", "o-17")];
+    let a = admitted(at_headers(&at_headers_only, &head("POST", "/charges", &order), None, false));
+    assert_eq!(a.from, KeyFrom::Derived);
+    // The same operation derives the same key; another order another key.
+    let again = admitted(at_headers(&at_headers_only, &head("POST", "/charges", &order), None, false));
+    assert_eq!(a.key, again.key);
+    let other =
+        admitted(at_headers(&at_headers_only, &head("POST", "/charges", &[("x-order-id", "o-18")]), None, false));
+    assert_ne!(a.key, other.key);
+    // Without the operation's identifier nothing is derived: unprotected (no key required).
+    assert!(matches!(
+        at_headers(&at_headers_only, &head("POST", "/charges", &[]), None, false),
+        Err(NotProtected::Unprotected { .. })
+    ));
+
+    let with_body = config(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-order-id"], "include_body": true}}"#,
+    );
+    let a = admitted(at_headers(&with_body, &head("POST", "/charges", &order), None, false));
+    assert_eq!(a.from, KeyFrom::DerivedAtBody);
+    // At the body's end: the key from the body too, added to the head the fingerprint reads.
+    let policy = Arc::clone(&a.policy);
+    let mut h = head("POST", "/charges", &order);
+    let AtBodyEnd::Fingerprinted { fp: fp_a, derived: Some(k_a), keep_body: false } =
+        at_body_end(&policy, &mut h, &a.scope, true, br#"{"amount":1}"#)
+    else {
+        panic!("a key is derived with the body");
+    };
+    assert_eq!(h.values("idempotency-key"), vec![k_a.as_str().as_bytes()]);
+    let mut h2 = head("POST", "/charges", &order);
+    let AtBodyEnd::Fingerprinted { fp: fp_b, derived: Some(k_b), .. } =
+        at_body_end(&policy, &mut h2, &a.scope, true, br#"{"amount":2}"#)
+    else {
+        panic!("a key is derived with the body");
+    };
+    assert_ne!((k_a, fp_a), (k_b, fp_b), "another body, another operation");
+    // A request with no body at all derives at its headers, from the empty body.
+    let whole = admitted(at_headers(&with_body, &head("POST", "/charges", &order), None, true));
+    assert_eq!(whole.from, KeyFrom::Derived);
+    // An anonymous caller never gets a derived key.
+    let anonymous = RequestHead::from_pairs(vec![
+        (":method".into(), b"POST".to_vec()),
+        (":path".into(), b"/charges".to_vec()),
+        ("x-order-id".into(), b"o-17".to_vec()),
+    ]);
+    assert!(matches!(at_headers(&at_headers_only, &anonymous, None, false), Err(NotProtected::Unprotected { .. })));
+}
+
+#[test]
+fn a_body_end_without_a_key_to_derive_passes_and_a_sent_key_keeps_its_fingerprint() {
+    let c = config(SCOPED);
+    let a = admitted(at_headers(&c, &head("POST", "/charges", &[("idempotency-key", "k-1")]), None, false));
+    let mut h = head("POST", "/charges", &[("idempotency-key", "k-1")]);
+    let end = at_body_end(&a.policy, &mut h, &a.scope, false, b"{}");
+    let (fp, _) = Fingerprint::compute(&h, b"{}", &a.policy.fingerprint);
+    assert_eq!(end, AtBodyEnd::Fingerprinted { fp, derived: None, keep_body: false });
+    // derive_key.include_body whose operation identifier is gone at the body's end (a
+    // `hold_headers: false` request whose headers changed): not protected.
+    let derive = config(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-order-id"], "include_body": true}}"#,
+    );
+    let a = admitted(at_headers(&derive, &head("POST", "/charges", &[("x-order-id", "o-1")]), None, false));
+    assert_eq!(at_body_end(&a.policy, &mut head("POST", "/charges", &[]), &a.scope, true, b"{}"), AtBodyEnd::Pass);
+}
+
+#[test]
+fn a_body_over_the_routes_limit_is_413_and_over_the_vms_budget_503() {
+    let c = config(r#"{"scope": {"headers": ["authorization"]}, "max_request_body_bytes": 1000}"#);
+    let policy = c.shared_policy(0).unwrap_or_default();
+    // Within both: the bytes not yet counted are added to the VM's count.
+    assert_eq!(body_chunk(600, 0, 0, 10_000, &policy), Ok(600));
+    assert_eq!(body_chunk(1000, 600, 600, 10_000, &policy), Ok(400));
+    let p = body_chunk(1001, 600, 600, 10_000, &policy).err();
+    assert_eq!(p, Some(ProblemKind::BodyTooLarge { limit: 1000 }));
+    assert_eq!(p.map(|p| p.status()), Some(413));
+    // Other requests hold 9,500 bytes of the VM's 10,000: 600 more is over.
+    let p = body_chunk(600, 0, 9_500, 10_000, &policy).err();
+    assert!(matches!(p, Some(ProblemKind::BufferBudgetExceeded { .. })));
+    assert_eq!(p.map(|p| p.status()), Some(503));
+}
+
+#[test]
+fn a_claim_lost_while_the_body_came_is_in_flight_and_a_kept_one_goes_on() {
+    let h = crate::local::Handle { bucket: 1, position: 0, owner: OwnerToken([2; 16]), skey: StorageKey([3; 32]) };
+    let fp = Fingerprint([4; 32]);
+    assert_eq!(after_mark_forwarded(Ok(false), h, fp, None, NOW), Step::ClaimLost);
+    assert_eq!(
+        after_mark_forwarded(Ok(true), h, fp, None, NOW),
+        Step::Forward { handle: Some(h), fp, in_store: false, lock_from_ms: NOW }
+    );
+    assert_eq!(
+        after_mark_forwarded(Ok(true), h, fp, Some(OnUnavailable::Reject), NOW),
+        Step::ClaimInStore { handle: Some(h), fp }
+    );
+}
+
+const MCP: &str = r#"{"scope": {"headers": ["authorization"]},
+    "routes": [{"prefix": "/mcp", "protocol": "mcp",
+                "mcp": {"tools": ["charge"], "key_arguments": ["idempotency_key"]}}]}"#;
+
+fn mcp_policy() -> (Config, Arc<Policy>) {
+    let c = config(MCP);
+    let at = at_headers(&c, &head("POST", "/mcp", &[]), None, false);
+    let Err(NotProtected::McpBody { route: 0, policy }) = at else { panic!("an MCP POST waits for its body: {at:?}") };
+    (c, policy)
+}
+
+fn call(id: u32, tool: &str, args: &str, meta: &str) -> Vec<u8> {
+    format!(
+        r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"{tool}","arguments":{args}{meta}}}}}"#
+    )
+    .into_bytes()
+}
+
+fn mcp_protected(at: AtMcpBody) -> McpCall {
+    match at {
+        AtMcpBody::Protect(c) => *c,
+        other => panic!("not protected: {other:?}"),
+    }
+}
+
+#[test]
+fn an_mcp_tools_call_takes_its_key_from_the_header_then_meta_then_an_argument() {
+    let (c, policy) = mcp_policy();
+    // Not a body-carrying POST: no tool call.
+    assert!(matches!(at_headers(&c, &head("GET", "/mcp", &[]), None, true), Err(NotProtected::Pass)));
+    assert!(matches!(
+        at_headers(&c, &head("POST", "/mcp", &[]), None, true),
+        Err(NotProtected::Unprotected { route: 0 })
+    ));
+    let plain = head("POST", "/mcp", &[]);
+    let meta = mcp_protected(at_mcp_body(
+        &policy,
+        &plain,
+        &call(7, "charge", "{}", r#","_meta":{"idempotencyKey":"k-meta"}"#),
+    ));
+    assert_eq!(
+        (meta.id.as_slice(), meta.tool.as_str(), meta.key.as_str(), meta.derived),
+        (&b"7"[..], "charge", "k-meta", false)
+    );
+    let arg = mcp_protected(at_mcp_body(&policy, &plain, &call(8, "charge", r#"{"idempotency_key":"k-arg"}"#, "")));
+    assert_eq!(arg.key.as_str(), "k-arg");
+    // The header wins over the body.
+    let with_header = head("POST", "/mcp", &[("idempotency-key", "k-header")]);
+    let body = call(9, "charge", r#"{"idempotency_key":"k-arg"}"#, r#","_meta":{"idempotencyKey":"k-meta"}"#);
+    assert_eq!(mcp_protected(at_mcp_body(&policy, &with_header, &body)).key.as_str(), "k-header");
+    // The fingerprint is the tool and its canonical arguments: member order does not matter.
+    let a = mcp_protected(at_mcp_body(
+        &policy,
+        &plain,
+        &call(1, "charge", r#"{"a":1,"b":2}"#, r#","_meta":{"idempotencyKey":"k"}"#),
+    ));
+    let b = mcp_protected(at_mcp_body(
+        &policy,
+        &plain,
+        &call(2, "charge", r#"{"b":2,"a":1}"#, r#","_meta":{"idempotencyKey":"k"}"#),
+    ));
+    assert_eq!(a.digest, b.digest);
+    // A key in the body that is no string is refused to the call's id, as a malformed key.
+    let bad = at_mcp_body(&policy, &plain, &call(3, "charge", r#"{"idempotency_key":12}"#, ""));
+    let AtMcpBody::Refuse { id, batch, problem: ProblemKind::KeyInvalid { header, .. } } = bad else {
+        panic!("a non-string key is refused: {bad:?}");
+    };
+    assert_eq!((id.as_slice(), batch.len(), header.as_str()), (&b"3"[..], 0, "params.arguments.idempotency_key"));
+    // An unlisted tool, or no key where none is required: passed untouched.
+    assert!(matches!(
+        at_mcp_body(&policy, &plain, &call(4, "lookup", "{}", r#","_meta":{"idempotencyKey":"k"}"#)),
+        AtMcpBody::Pass
+    ));
+    assert!(matches!(at_mcp_body(&policy, &plain, &call(5, "charge", "{}", "")), AtMcpBody::Pass));
+}
+
+#[test]
+fn an_mcp_batch_holding_a_protected_call_and_an_ambiguous_body_are_refused() {
+    let (_, policy) = mcp_policy();
+    let plain = head("POST", "/mcp", &[]);
+    let mut batch = b"[".to_vec();
+    batch.extend(call(1, "charge", "{}", r#","_meta":{"idempotencyKey":"k"}"#));
+    batch.extend(br#",{"jsonrpc":"2.0","id":2,"method":"tools/list"}]"#);
+    let at = at_mcp_body(&policy, &plain, &batch);
+    let AtMcpBody::Refuse { id, batch: ids, problem: ProblemKind::McpBatchRefused } = at else {
+        panic!("a batch with a protected call is refused: {at:?}");
+    };
+    assert_eq!((id, ids), (b"null".to_vec(), vec![b"1".to_vec(), b"2".to_vec()]));
+    // A body read two ways (a duplicate member) is never forwarded.
+    let twice = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","method":"ping","params":{"name":"charge"}}"#;
+    assert!(matches!(
+        at_mcp_body(&policy, &plain, twice),
+        AtMcpBody::Refuse { problem: ProblemKind::McpBodyAmbiguous, .. }
+    ));
+    // A protected call under a gRPC content-type: refused to its id.
+    let grpc = head("POST", "/mcp", &[("content-type", "application/grpc, application/json")]);
+    let at = at_mcp_body(&policy, &grpc, &call(6, "charge", "{}", r#","_meta":{"idempotencyKey":"k"}"#));
+    assert!(matches!(at, AtMcpBody::Refuse { ref id, problem: ProblemKind::McpBodyAmbiguous, .. } if id == b"6"));
+}
+
+/// Shared data with Envoy's CAS semantics (test-only; the minimum the local tier calls).
+#[derive(Default)]
+struct Memory {
+    map: HashMap<String, (Vec<u8>, u32)>,
+    next_cas: u32,
+}
+
+impl SharedData for Memory {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        Ok(match self.map.get(key) {
+            None => (None, None),
+            Some((v, cas)) => ((!v.is_empty()).then(|| v.clone()), Some(*cas)),
+        })
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        if let (Some(want), Some((_, have))) = (cas.filter(|c| *c != 0), self.map.get(key)) {
+            if want != *have {
+                return Err(SetError::CasMismatch);
+            }
+        }
+        self.next_cas += 1;
+        self.map.insert(key.to_string(), (value.to_vec(), self.next_cas));
+        Ok(())
+    }
+}
+
+/// One request through the steps the glue runs, as `src/filter/http.rs` runs them: headers,
+/// the local claim at the headers, the body, the claim marked forwarded, the next step.
+fn drive(c: &Config, table: &Table, sd: &mut Memory, key: &str, body: &[u8], owner: u8, now: u64) -> Step {
+    let mut h = head("POST", "/charges", &[("idempotency-key", key)]);
+    let a = admitted(at_headers(c, &h, None, false));
+    let skey = StorageKey::derive(&a.policy.namespace, &a.scope, &a.key);
+    let creator = Creator { request_id: format!("r-{owner}"), log_values: vec![] };
+    let owner = OwnerToken([owner; 16]);
+    let store = c.store.as_ref().map(|s| s.on_unavailable);
+    let begun = table.begin(sd, skey, None, now, &a.policy, owner, &creator);
+    let handle = match after_local(begun, None, store, now) {
+        Step::WaitForBody { handle: Some(handle) } => handle,
+        other => return other,
+    };
+    assert_eq!(body_chunk(body.len() as u64, 0, 0, c.max_buffered_bytes, &a.policy), Ok(body.len() as u64));
+    let AtBodyEnd::Fingerprinted { fp, .. } = at_body_end(&a.policy, &mut h, &a.scope, false, body) else {
+        panic!("a sent key needs no derivation");
+    };
+    let marked = table.mark_forwarded(sd, &handle, fp, now, &a.policy);
+    after_mark_forwarded(marked, handle, fp, store, now)
+}
+
+#[test]
+fn in_memory_a_request_runs_headers_body_and_local_claim_to_forward_and_a_duplicate_meets_it_in_flight() {
+    let c = config(SCOPED);
+    let table = Table::new(&c.local);
+    let mut sd = Memory::default();
+    assert!(table.ensure_created(&mut sd).is_ok());
+    let first = drive(&c, &table, &mut sd, "k-1", br#"{"amount":1}"#, 1, NOW);
+    assert!(matches!(first, Step::Forward { handle: Some(_), in_store: false, lock_from_ms: NOW, .. }), "{first:?}");
+    // The same key while the first runs: 409 from the claim at the headers, its body never read.
+    let second = drive(&c, &table, &mut sd, "k-1", br#"{"amount":1}"#, 2, NOW + 10);
+    assert!(
+        matches!(second, Step::InFlight { creator: Some(ref c), release: None, fp: None } if c.request_id == "r-1")
+    );
+    // Another key runs beside it.
+    let other = drive(&c, &table, &mut sd, "k-2", br#"{"amount":1}"#, 3, NOW + 20);
+    assert!(matches!(other, Step::Forward { .. }), "{other:?}");
+}
