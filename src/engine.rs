@@ -4,8 +4,10 @@
 //! glue (`src/filter/mod.rs`) feeds them Envoy's callbacks and carries out their actions, and
 //! their tests drive them with a clock they move.
 //!
-//! - `request`: what a protected request does next once the local tier, its fingerprint or the
-//!   store has answered (the decisions of `src/filter/http.rs`, returned as a `Step` it carries out);
+//! - `request`: what a request's headers, body and MCP body decide (route, key, scope, limits,
+//!   fingerprint), and what a protected request does next once the local tier, its fingerprint or
+//!   the store has answered (the decisions of `src/filter/http.rs`, returned as a `Step` it
+//!   carries out);
 //! - `writes`: the store writes made after forwarding, their retry schedule and fallback, and the
 //!   stopping root's hold until they are over;
 //! - `waiters`: the requests held by `in_flight: "wait"`, answered from the local tier, the
