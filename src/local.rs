@@ -913,14 +913,9 @@ impl Table {
             _ => 0,
         };
         let full = encode_body(h, &record);
-        let lean = match &record.state {
-            State::Completed(_) => {
-                let mut r = record.clone();
-                r.state = r.state.without_body();
-                Some(encode_body(h, &r))
-            }
-            _ => None,
-        };
+        let has_body = matches!(record.state, State::Completed(_));
+        // The status-only record, made only when the full one does not fit.
+        let mut lean: Option<Vec<u8>> = None;
         let name = self.body_name(h.bucket, h.position);
         // What the body key holds from us now: (bytes written, with the body).
         let mut written: Option<(u32, bool)> = None;
@@ -936,14 +931,15 @@ impl Table {
             let ours = position.as_ref().map_or(0, |e| u64::from(e.body_bytes));
             let others = bucket.bytes().saturating_sub(ours);
             let fits = |b: &[u8]| others.saturating_add(b.len() as u64) <= self.bucket_bytes();
-            let choice: Option<(&[u8], bool)> = if lean.is_some() && fits(&full) {
-                Some((&full, true))
-            } else if let Some(l) = lean.as_deref().filter(|l| fits(l)) {
-                Some((l, false))
-            } else if lean.is_none() && fits(&full) {
-                Some((&full, false))
+            if has_body && !fits(&full) && lean.is_none() {
+                let mut r = record.clone();
+                r.state = r.state.without_body();
+                lean = Some(encode_body(h, &r));
+            }
+            let choice: Option<(&[u8], bool)> = if fits(&full) {
+                Some((&full, has_body))
             } else {
-                None
+                lean.as_deref().filter(|l| fits(l)).map(|l| (l, false))
             };
             let want = choice.map(|(b, body)| (u32::try_from(b.len()).unwrap_or(u32::MAX), body));
             if want != written {
