@@ -2,7 +2,7 @@
 //! and compiled to wasm32-wasip1 under Node.js, whose V8 is the engine Envoy runs the filter in).
 //!
 //! Each step is what the filter does for one protected request, on the same inputs as the Envoy
-//! benchmark (70-byte JSON body, its headers, a 16-entry bucket, a 200-byte response). Host calls
+//! benchmark (70-byte JSON body, its headers, a bucket of 32 entries, a 200-byte response). Host calls
 //! are not here: shared data is an in-memory map with the host's CAS rules, so the figures are
 //! the Wasm-side cost only. Output: one JSON object per line, `{"step", "ns_per_op", "iters"}`.
 //!
@@ -12,46 +12,23 @@
 use idemgate::config::Config;
 use idemgate::fingerprint::Fingerprint;
 use idemgate::key::parse_key_header;
-use idemgate::local::{Begin, Bucket, Completed, HostError, SetError, SharedData, Table};
+use idemgate::local::memory::MemoryShared;
+use idemgate::local::{Begin, Bucket, Completed, Table};
 use idemgate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use idemgate::record::{Creator, Record, StoredResponse};
 use idemgate::request::RequestHead;
 use idemgate::scope::{CallerScope, StorageKey};
-use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::Instant;
 
-/// The benchmark's plugin configuration: a table of 4096 entries (256 buckets of 16), evicting
+/// The benchmark's plugin configuration: a table of 4096 entries (128 buckets of 64), evicting
 /// the oldest when full, as under a flood of unique keys.
 const CONFIG: &[u8] =
     br#"{"scope": {"headers": ["authorization"]}, "local": {"max_entries": 4096, "when_full": "evict_oldest"}}"#;
 const BODY: &[u8] = br#"{"amount":4200,"currency":"eur","note":"benchmark body of fixed size"}"#;
 
-/// Shared data with the host's rules: CAS on an absent key inserts.
-#[derive(Default)]
-struct Map {
-    map: HashMap<String, (Vec<u8>, u32)>,
-    next: u32,
-}
-
-impl SharedData for Map {
-    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
-        Ok(match self.map.get(key) {
-            None => (None, None),
-            Some((v, c)) => (Some(v.clone()), Some(*c)),
-        })
-    }
-    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        if let (Some(want), Some((_, have))) = (cas.filter(|c| *c != 0), self.map.get(key)) {
-            if want != *have {
-                return Err(SetError::CasMismatch);
-            }
-        }
-        self.next = self.next.wrapping_add(1).max(1);
-        self.map.insert(key.to_string(), (value.to_vec(), self.next));
-        Ok(())
-    }
-}
+/// Shared data with the host's rules (the crate's one fake, feature `testkit`).
+type Map = MemoryShared;
 
 fn head(key: &str) -> RequestHead {
     let pairs: Vec<(String, Vec<u8>)> = [
@@ -170,17 +147,16 @@ fn main() {
     b.step("record_decode_200b_response", |_| {
         black_box(Record::decode(black_box(&encoded)).ok());
     });
-    // A full bucket: 16 claims with distinct keys landing anywhere, then the bucket bytes of the
-    // fullest one.
-    for n in 0..(16 * table.buckets() as u64) {
+    // A table at `max_entries`: 32 claims a bucket with distinct keys landing anywhere, then the
+    // bucket bytes of the fullest one.
+    for n in 0..(32 * table.buckets() as u64) {
         let sk = StorageKey::derive(&policy.namespace, &scope, &numbered_key("fill", n));
         let _ = table.begin(&mut sd, sk, None, 1_000, policy, OwnerToken([1; 16]), &creator);
     }
     let bucket_bytes = sd
-        .map
-        .iter()
+        .entries()
         .filter(|(k, _)| k.contains(".b."))
-        .map(|(_, (v, _))| v.clone())
+        .map(|(_, v)| v.clone())
         .max_by_key(|v| v.len())
         .unwrap_or_default();
     b.step("bucket_decode", |_| {

@@ -321,11 +321,8 @@ FIRST_LOCAL_CALLS = {
     ("request_headers", "get_header_map"): "the header map: the route (path), the key, the caller's scope, the fingerprint",
     ("request_headers", "set_header"): "`x-envoy-max-retries: 0` (the router never re-sends a protected request)",
     ("request_headers", "clock"): "now, for the claim (lock and expiry)",
-    ("request_headers", "counter_get"): "the record count, read (`local.max_entries`, reserved before the claim)",
-    ("request_headers", "counter_set"): "the record count, CAS write of the reserved unit",
     ("request_headers", "bucket_get"): "the key's bucket, read: is the key known?",
-    ("request_headers", "bucket_set"): "the claim: CAS write of the bucket (two concurrent requests: one wins)",
-    ("request_headers", "slot_set"): "the claim's record slot (names the original request in 409s)",
+    ("request_headers", "bucket_set"): "the claim: CAS write of the bucket, its records and bytes (two concurrent requests: one wins; the creator kept in the entry names it in 409s)",
     ("request_headers", "metric"): "counters `protected`, `claimed`",
     ("request_body", "get_buffer"): "the body, once, at its end",
     ("request_body", "clock"): "now, for the forwarded claim's lock (restarted when the body is complete)",
@@ -336,11 +333,8 @@ FIRST_LOCAL_CALLS = {
     ("response_body", "get_buffer"): "each body chunk, copied for replays",
     ("log", "get_property"): "`upstream.request_attempt_count` (always), `response.code_details` (the classification)",
     ("log", "clock"): "now, for the completed record (its expiry) and the lifecycle's check that our claim is not free yet",
-    ("log", "counter_get"): "the byte usage, read (`local.max_bytes`)",
-    ("log", "counter_set"): "the byte usage, CAS write of the record's bytes",
-    ("log", "bucket_get"): "the bucket, read: may we still complete?",
-    ("log", "slot_get"): "our record slot, read: still ours, and its CAS",
-    ("log", "slot_set"): "the completed record, CAS write of the slot (owner-checked)",
+    ("log", "bucket_get"): "the bucket, read: may we still complete, and does the body fit the bucket's share of `max_bytes`?",
+    ("log", "slot_set"): "the completed record, written to its body key (prefixed with our owner token)",
     ("log", "bucket_set"): "the entry completed: CAS write of the bucket",
     ("log", "metric"): "counter `stored`",
     ("log", "set_property"): "filter state `wasm.idemgate_outcome` and `wasm.idemgate_key` for the access log",
@@ -638,7 +632,7 @@ def main():
         "first_local_floor_cpu_ratio": cpu_paired("d_first_local", "h_floor_buffering"),
         "first_local_shared_floor_ratio": shared_floor["median"],
         "first_local_shared_floor_ratio_spread": shared_floor,
-        "first_local_shared_floor_ratio_divides_by": "h_floor_shared (the buffering floor plus the local tier's 13 shared-data calls of a first request, values of idemgate's sizes)",
+        "first_local_shared_floor_ratio_divides_by": "h_floor_shared (the buffering floor plus the local tier's 7 shared-data calls of a first request (layout v4), values of idemgate's sizes)",
         "first_local_shared_floor_cpu_ratio": cpu_paired("d_first_local", "h_floor_shared"),
         "shared_floor_vs_buffering_ratio": shared_vs_buffering["median"],
         "shared_floor_vs_buffering_cpu_ratio": cpu_paired("h_floor_shared", "h_floor_buffering"),
@@ -861,7 +855,7 @@ def write_docs(results):
     targets += "\n" + "\n".join([
         f"- `first_local_floor_ratio` >= 0.9: {results['first_local_floor_ratio']:.3f}, {yes(results['first_local_floor_ratio'] >= 0.9)}{busy} "
         f"(by Envoy CPU per request {results['first_local_floor_cpu_ratio']:.3f}). What bounds it, measured: the buffering "
-        f"floor plus only the local tier's 13 shared-data calls (the claim, the record count, the slots, the byte usage: "
+        f"floor plus only the local tier's 7 shared-data calls (layout v4: the claim, forwarded, the body key and the completing CAS: "
         f"\"Host calls per request\") runs at {results['shared_floor_vs_buffering_ratio']:.3f} of the buffering floor "
         f"(by CPU {results['shared_floor_vs_buffering_cpu_ratio']:.3f}); idemgate's first request is "
         f"{results['first_local_shared_floor_ratio']:.3f} of that floor (by CPU {results['first_local_shared_floor_cpu_ratio']:.3f}), "
@@ -1055,9 +1049,9 @@ What no fingerprinting, storing filter can avoid, measured in the same interleav
 same POSTs (`src/filter/floor.rs`, built as `dist/idemgate-floor.wasm` by `scripts/build-wasm.sh
 --floor`, never shipped): the **empty filter** reads one header and continues; the **buffering
 floor** pauses at the request headers, takes the whole body, continues, and reads the response
-headers and body; the **shared-data floor** adds to it the local tier's 13 shared-data calls of a
-first request, call for call (reads and CAS writes of a bucket, the record count, the byte usage and
-a slot, values of the sizes idemgate's have here): the part of the local tier's design no
+headers and body; the **shared-data floor** adds to it the local tier's 7 shared-data calls of a
+first request (layout v4), call for call (three reads and CAS writes of a bucket, one write of a
+body key, values of the sizes idemgate's have here; docs/local-tier.md has why 7 is its bound): the part of the local tier's design no
 implementation of it can skip; the **store floor** adds one callout per request to the same webdis (a `GET` of
 one key) waited for before continuing, and a second one made by the root context after the
 response, as idemgate's completion write is. The 1-connection columns come from a pass of

@@ -6,38 +6,41 @@
 //!
 //! So the table is a set of key names whose number is bounded, the buckets created once (only
 //! where truly absent) when the plugin is configured, before its VM serves traffic, and every
-//! state change afterwards is a compare-and-swap on a key that exists:
+//! state change afterwards is a compare-and-swap on a key that exists. Layout v4
+//! (docs/local-tier.md has the sizing and the bound analysis):
 //!
-//! - `B = ceil(max_entries / 8)` **buckets** `<prefix>.b.<i>`, each with up to 64 positions, of
-//!   which the value holds only the occupied ones (memory follows use: about 8 entries a bucket
-//!   when the table is full, so a bucket overflows only far past its average). A key lives in
-//!   bucket `skey mod B`. Claims, take-overs, completions and releases are CAS writes of the whole
-//!   bucket, so exactly one of two racing workers wins.
-//! - `<prefix>.count`: the occupied positions of all buckets, against `local.max_entries` (CAS
-//!   counter). A claim that needs a new position reserves one unit first and only then makes its
-//!   single bucket CAS, so the bound holds under any interleaving; a replaced free or evicted
-//!   entry hands its unit over.
-//! - **record slots** `<prefix>.s.<i>.<j>`, one per position ever used: the full record (creator,
-//!   and the stored response once completed). A slot is written only by the owner of its position
-//!   and prefixed with that owner's token, so a reader can tell a stale slot from a current one.
-//! - `<prefix>.usage`: bytes held by completed records, against `local.max_bytes` (CAS counter).
-//! - `<prefix>.evicted_age`: the age (ms) of the last record evicted (the protection actually given).
+//! - **Set-associative buckets** `<prefix>.b.<i>`: `B = ceil(max_entries / 32)` buckets of
+//!   `BUCKET_WIDTH` (64) positions (a table of at most 64 records is one bucket of `max_entries`
+//!   positions). A key lives in bucket `skey mod B`, and nowhere else. A bucket's value holds its
+//!   occupied positions **and its own accounting**: the bytes its body keys hold (against its
+//!   share of `local.max_bytes`, `max_bytes / B`) and the age of its last eviction. So a claim is
+//!   one read and one CAS of one bucket, capacity and eviction are decided within the bucket, and
+//!   no table-wide counter is on the request path.
+//! - **Body keys** `<prefix>.r.<i>.<j>`, one per position ever used: the stored record (creator
+//!   and response), prefixed with its owner's token and the storage key. The owner writes it just
+//!   before the bucket CAS that completes its claim; a reader checks the token, so a body left by
+//!   an earlier owner of the position (or a stale owner's late write) is never replayed for
+//!   another's record. The bucket counts the bytes a body key holds until a later owner of its
+//!   position replaces them.
 //! - `<prefix>.ready`: set once every bucket exists.
 //!
-//! When `max_entries` is reached, a new key takes the place of the oldest completed or
-//! outcome-unknown record older than its own floor (`Entry::floor_ms`: the
-//! `min_protection_seconds` of the configuration that wrote it, which may not be the one evicting:
-//! every configuration of the VM with the same `max_entries` shares the table), in its bucket or a
-//! few next ones (`when_full: "evict_oldest"`, the default); never a claim in flight. With none, the answer is
+//! Gauges (records, bytes, last eviction age) are sums over the buckets, made off the request
+//! path by the tick's sweep (`Gauges`).
+//!
+//! A full bucket gives a new key the place of its oldest completed or outcome-unknown record
+//! older than that record's own floor (`Entry::floor_ms`, written by the configuration that wrote
+//! it: every configuration of the VM with the same `max_entries` shares the table), with
+//! `when_full: "evict_oldest"` (the default); never a claim in flight. With none, the answer is
 //! `Begin::Full` (503 `capacity-exhausted`, or, with a store, no local copy).
 //!
-//! `<prefix>` is `idemgate.v3.local.n<max_entries>`: the layout version and the capacity are in
+//! `<prefix>` is `idemgate.v4.local.n<max_entries>`: the layout version and the capacity are in
 //! the names, so a module with another layout, or a changed `local.max_entries`, starts a fresh
-//! table instead of misreading this one. Memory is bounded by `max_entries` entries (and at most
-//! `64 B` slot names) plus `max_bytes` of responses, whatever the number of distinct keys.
+//! table instead of misreading this one. After a hot reload from a v3 module, the v3 table's
+//! records are honoured read-only (`v3`): a key v4 does not hold is looked up there before it is
+//! claimed.
 //!
 //! Everything here is plain Rust over the `SharedData` trait, tested against a model with the
-//! host's exact semantics under many interleavings of several workers.
+//! host's exact semantics (`memory::MemoryShared`) under many interleavings of several workers.
 
 use crate::config::{LocalConfig, Policy, WhenFull};
 use crate::decision::{decide, Decision, Lookup, Phase, Summary};
@@ -48,16 +51,25 @@ use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, Stage, State, UnknownReason};
 use crate::scope::StorageKey;
 
-/// Positions a bucket may hold (its value holds only the occupied ones).
+#[cfg(any(test, feature = "testkit"))]
+pub mod memory;
+pub mod v3;
+
+/// Positions a bucket holds at most (its value holds only the occupied ones).
 pub const BUCKET_WIDTH: usize = 64;
-/// Average entries per bucket when the table is full: `buckets = ceil(max_entries / DENSITY)`.
-pub const DENSITY: u64 = 8;
-/// How many buckets after its own a claim looks at for a record to evict when the table is full.
-const EVICT_SCAN_BUCKETS: u32 = 8;
+/// Average records per bucket at `max_entries`: `buckets = ceil(max_entries / DENSITY)`, half
+/// their width, so under uniform keys a first bucket overflows only past `max_entries`.
+pub const DENSITY: u64 = 32;
 /// How many times an operation retries after losing a CAS race before giving up.
 const MAX_CAS_RETRIES: usize = 64;
-const BUCKET_MAGIC: &[u8; 4] = b"IGB\x03";
-const ENTRY_BYTES: usize = 1 + 32 + 1 + 32 + 16 + 8 + 8 + 8 + 2 + 4 + 8;
+const BUCKET_MAGIC: &[u8; 4] = b"IGB\x04";
+/// An entry's fixed part: position, stage, key, fingerprint, owner, four times, status, body
+/// bytes, floor, creator length (the creator's bytes follow, at most `MAX_CREATOR_BYTES`).
+const ENTRY_BYTES: usize = 1 + 1 + 32 + 33 + 16 + 8 + 8 + 8 + 2 + 4 + 8 + 1;
+/// The creator an in-flight entry keeps (to name the run holding the key in a 409).
+const MAX_CREATOR_BYTES: usize = 255;
+/// The bucket's header: magic, the last eviction's instant and age, the entry count.
+const HEADER_BYTES: usize = 4 + 8 + 8 + 1;
 
 /// The host's shared data, exactly as proxy-wasm exposes it.
 pub trait SharedData {
@@ -106,7 +118,8 @@ impl From<HostError> for LocalError {
 pub struct Entry {
     pub skey: StorageKey,
     pub fingerprint: Option<Fingerprint>,
-    pub phase: EntryPhase,
+    /// Claimed, Forwarded, Completed or Unknown (never `Absent`: that is an empty position).
+    pub stage: Stage,
     pub owner: OwnerToken,
     /// When the entry entered its stage: its claim, then its completion or outcome-unknown mark
     /// (the eviction floor counts from it: only finished records are ever evicted).
@@ -115,8 +128,9 @@ pub struct Entry {
     pub lock_expires_at_ms: u64,
     /// The status of a completed record (0 otherwise).
     pub status: u16,
-    /// Bytes of the completed record in its slot, counted in `usage`.
-    pub slot_bytes: u32,
+    /// Bytes the position's body key holds (this record's, or, before it completes, those an
+    /// earlier owner of the position left), counted in the bucket's share of `max_bytes`.
+    pub body_bytes: u32,
     /// The entry's own protection floor: it may be evicted only once `since_ms + floor_ms` has
     /// passed (`u64::MAX`: never, it is kept until it expires). Set by the configuration that
     /// claimed the key (`Table::entry_floor_ms`) and only ever raised by the ones that complete
@@ -124,32 +138,14 @@ pub struct Entry {
     /// record was promised holds whatever other configuration shares the table (another listener
     /// in the same VM, or a reload) and evicts.
     pub floor_ms: u64,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EntryPhase {
-    Claimed,
-    InProgress,
-    Completed,
-    Unknown,
-}
-
-impl EntryPhase {
-    /// The bucket encoding of a live stage (`None` for `Absent`: an empty position).
-    fn of(stage: Stage) -> Option<EntryPhase> {
-        match stage {
-            Stage::Absent => None,
-            Stage::Claimed => Some(EntryPhase::Claimed),
-            Stage::Forwarded => Some(EntryPhase::InProgress),
-            Stage::Completed => Some(EntryPhase::Completed),
-            Stage::Unknown => Some(EntryPhase::Unknown),
-        }
-    }
+    /// The run that claimed it (`encode_creator`), kept until completion (the body has it then):
+    /// a 409 names it without reading another key. Empty when too long to keep.
+    pub creator: Vec<u8>,
 }
 
 /// The stage of a position (empty: `Absent`).
 fn stage_of(p: &Option<Entry>) -> Stage {
-    p.as_ref().map_or(Stage::Absent, |e| e.summary().stage())
+    p.as_ref().map_or(Stage::Absent, |e| e.stage)
 }
 
 /// The one lifecycle (`lifecycle::next`) applied to a position at `now_ms`, for a caller holding
@@ -165,11 +161,11 @@ fn step(p: &Option<Entry>, event: Event, h: Option<&Handle>, now_ms: u64) -> Res
 impl Entry {
     fn summary(&self) -> Summary {
         let lock_expires_at_ms = self.lock_expires_at_ms;
-        let phase = match self.phase {
-            EntryPhase::Claimed => Phase::Claimed { lock_expires_at_ms },
-            EntryPhase::InProgress => Phase::InProgress { lock_expires_at_ms },
-            EntryPhase::Completed => Phase::Completed,
-            EntryPhase::Unknown => Phase::Unknown,
+        let phase = match self.stage {
+            Stage::Claimed | Stage::Absent => Phase::Claimed { lock_expires_at_ms },
+            Stage::Forwarded => Phase::InProgress { lock_expires_at_ms },
+            Stage::Completed => Phase::Completed,
+            Stage::Unknown => Phase::Unknown,
         };
         Summary { fingerprint: self.fingerprint, expires_at_ms: self.expires_at_ms, phase }
     }
@@ -187,37 +183,59 @@ impl Entry {
     /// Whether eviction may drop it (`Event::Evict`): never a live claim (that would allow a
     /// second execution of a request still running).
     fn evictable(&self, now_ms: u64) -> bool {
-        lifecycle::next(self.summary().stage(), Event::Evict, Facts::of(&self.summary(), now_ms, false)).is_ok()
+        lifecycle::next(self.stage, Event::Evict, Facts::of(&self.summary(), now_ms, false)).is_ok()
             && now_ms.saturating_sub(self.since_ms) >= self.floor_ms
+    }
+
+    fn creator(&self) -> Option<Creator> {
+        decode_creator(&self.creator)
     }
 }
 
-/// A bucket: `BUCKET_WIDTH` positions.
+fn stage_tag(s: Stage) -> u8 {
+    match s {
+        Stage::Absent | Stage::Claimed => 1,
+        Stage::Forwarded => 2,
+        Stage::Completed => 3,
+        Stage::Unknown => 4,
+    }
+}
+
+/// A bucket: `width` positions, the bytes left in the body keys of its empty positions, and its
+/// last eviction.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Bucket {
     pub positions: Vec<Option<Entry>>,
+    /// For an empty position: the bytes its body key still holds (a freed record's body, replaced
+    /// by the position's next owner). Counted in the bucket's bytes until then.
+    pub left: Vec<u32>,
+    /// When the bucket last evicted a record, and that record's age (ms).
+    pub evicted_at_ms: u64,
+    pub evicted_age_ms: u64,
 }
 
 impl Bucket {
     pub fn empty() -> Bucket {
-        Bucket { positions: vec![None; BUCKET_WIDTH] }
+        Bucket::of_width(BUCKET_WIDTH)
     }
 
-    /// Magic, the number of occupied positions, then each: its index, its phase tag, the entry.
+    pub fn of_width(width: usize) -> Bucket {
+        Bucket { positions: vec![None; width], left: vec![0; width], evicted_at_ms: 0, evicted_age_ms: 0 }
+    }
+
+    /// Header (magic, last eviction instant and age, entry count), each entry (position, stage
+    /// tag, fields, creator), then the count and list of (position, bytes) left in body keys.
     pub fn encode(&self) -> Vec<u8> {
         let used = self.positions.iter().filter(|p| p.is_some()).count();
-        let mut out = Vec::with_capacity(5 + used * (1 + ENTRY_BYTES));
+        let mut out = Vec::with_capacity(HEADER_BYTES + 1 + used * (ENTRY_BYTES + 36));
         out.extend_from_slice(BUCKET_MAGIC);
+        out.extend_from_slice(&self.evicted_at_ms.to_le_bytes());
+        out.extend_from_slice(&self.evicted_age_ms.to_le_bytes());
         out.push(u8::try_from(used).unwrap_or(u8::MAX));
         for (j, p) in self.positions.iter().enumerate() {
             let Some(e) = p else { continue };
             out.push(u8::try_from(j).unwrap_or(u8::MAX));
-            out.push(match e.phase {
-                EntryPhase::Claimed => 1,
-                EntryPhase::InProgress => 2,
-                EntryPhase::Completed => 3,
-                EntryPhase::Unknown => 4,
-            });
+            out.push(stage_tag(e.stage));
             out.extend_from_slice(&e.skey.0);
             match &e.fingerprint {
                 None => out.extend_from_slice(&[0u8; 33]),
@@ -231,8 +249,17 @@ impl Bucket {
             out.extend_from_slice(&e.expires_at_ms.to_le_bytes());
             out.extend_from_slice(&e.lock_expires_at_ms.to_le_bytes());
             out.extend_from_slice(&e.status.to_le_bytes());
-            out.extend_from_slice(&e.slot_bytes.to_le_bytes());
+            out.extend_from_slice(&e.body_bytes.to_le_bytes());
             out.extend_from_slice(&e.floor_ms.to_le_bytes());
+            let creator = e.creator.get(..MAX_CREATOR_BYTES.min(e.creator.len())).unwrap_or(&[]);
+            out.push(u8::try_from(creator.len()).unwrap_or(0));
+            out.extend_from_slice(creator);
+        }
+        let left: Vec<(usize, u32)> = self.left.iter().copied().enumerate().filter(|(_, b)| *b > 0).collect();
+        out.push(u8::try_from(left.len()).unwrap_or(u8::MAX));
+        for (j, b) in left {
+            out.push(u8::try_from(j).unwrap_or(u8::MAX));
+            out.extend_from_slice(&b.to_le_bytes());
         }
         out
     }
@@ -240,53 +267,89 @@ impl Bucket {
     /// Refuses an unknown magic or tag, a position out of range or not in increasing order,
     /// truncation and trailing bytes.
     pub fn decode(bytes: &[u8]) -> Option<Bucket> {
-        let (&used, mut r) = bytes.strip_prefix(BUCKET_MAGIC.as_slice())?.split_first()?;
-        let mut b = Bucket::empty();
+        Bucket::decode_width(bytes, BUCKET_WIDTH)
+    }
+
+    /// `decode` for a bucket of `width` positions.
+    pub fn decode_width(bytes: &[u8], width: usize) -> Option<Bucket> {
+        let r = bytes.strip_prefix(BUCKET_MAGIC.as_slice())?;
+        let u64_of = |b: &[u8]| b.try_into().ok().map(u64::from_le_bytes);
+        let mut b = Bucket::of_width(width);
+        b.evicted_at_ms = u64_of(r.get(0..8)?)?;
+        b.evicted_age_ms = u64_of(r.get(8..16)?)?;
+        let (&used, mut r) = r.get(16..)?.split_first()?;
         let mut next = 0usize;
         for _ in 0..used {
             let (&j, tail) = r.split_first()?;
             let j = usize::from(j);
-            if j < next || j >= BUCKET_WIDTH {
+            if j < next || j >= width {
                 return None;
             }
             next = j + 1;
             let (&tag, tail) = tail.split_first()?;
-            let phase = match tag {
-                1 => EntryPhase::Claimed,
-                2 => EntryPhase::InProgress,
-                3 => EntryPhase::Completed,
-                4 => EntryPhase::Unknown,
+            let stage = match tag {
+                1 => Stage::Claimed,
+                2 => Stage::Forwarded,
+                3 => Stage::Completed,
+                4 => Stage::Unknown,
                 _ => return None,
             };
-            let body = tail.get(..ENTRY_BYTES - 1)?;
-            r = tail.get(ENTRY_BYTES - 1..)?;
+            let body = tail.get(..ENTRY_BYTES - 2)?;
             let arr = |from: usize, to: usize| body.get(from..to);
-            let u64_at = |at: usize| arr(at, at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
-            let skey: [u8; 32] = arr(0, 32)?.try_into().ok()?;
+            let u64_at = |at: usize| arr(at, at + 8).and_then(u64_of);
             let fingerprint = match body.get(32)? {
                 0 => None,
                 1 => Some(Fingerprint(arr(33, 65)?.try_into().ok()?)),
                 _ => return None,
             };
-            let owner: [u8; 16] = arr(65, 81)?.try_into().ok()?;
+            let creator_len = usize::from(*body.get(ENTRY_BYTES - 3)?);
+            let creator = tail.get(ENTRY_BYTES - 2..ENTRY_BYTES - 2 + creator_len)?.to_vec();
+            r = tail.get(ENTRY_BYTES - 2 + creator_len..)?;
             *b.positions.get_mut(j)? = Some(Entry {
-                skey: StorageKey(skey),
+                skey: StorageKey(arr(0, 32)?.try_into().ok()?),
                 fingerprint,
-                phase,
-                owner: OwnerToken(owner),
+                stage,
+                owner: OwnerToken(arr(65, 81)?.try_into().ok()?),
                 since_ms: u64_at(81)?,
                 expires_at_ms: u64_at(89)?,
                 lock_expires_at_ms: u64_at(97)?,
                 status: u16::from_le_bytes(arr(105, 107)?.try_into().ok()?),
-                slot_bytes: u32::from_le_bytes(arr(107, 111)?.try_into().ok()?),
+                body_bytes: u32::from_le_bytes(arr(107, 111)?.try_into().ok()?),
                 floor_ms: u64_at(111)?,
+                creator,
             });
+        }
+        let (&n, mut r) = r.split_first()?;
+        for _ in 0..n {
+            let (&j, tail) = r.split_first()?;
+            let bytes = u32::from_le_bytes(tail.get(..4)?.try_into().ok()?);
+            r = tail.get(4..)?;
+            let j = usize::from(j);
+            if b.positions.get(j)?.is_some() {
+                return None;
+            }
+            *b.left.get_mut(j)? = bytes;
         }
         r.is_empty().then_some(b)
     }
 
-    fn occupied(&self) -> u64 {
+    pub fn occupied(&self) -> u64 {
         self.positions.iter().filter(|p| p.is_some()).count() as u64
+    }
+
+    /// Bytes its body keys hold (its share of `max_bytes` bounds it).
+    pub fn bytes(&self) -> u64 {
+        let held: u64 = self.positions.iter().flatten().map(|e| u64::from(e.body_bytes)).sum();
+        held + self.left.iter().map(|b| u64::from(*b)).sum::<u64>()
+    }
+
+    /// Empties position `j`; the bytes its body key holds stay counted (`left`).
+    fn free(&mut self, j: usize) -> Option<Entry> {
+        let e = self.positions.get_mut(j)?.take()?;
+        if let Some(l) = self.left.get_mut(j) {
+            *l = e.body_bytes;
+        }
+        Some(e)
     }
 }
 
@@ -319,7 +382,7 @@ pub enum Begin {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Peeked {
     pub summary: Summary,
-    /// The record, when it is completed and its slot could be read.
+    /// The record, when it is completed and its body could be read.
     pub record: Option<Record>,
     /// The response status the index keeps (0 before completion).
     pub status: u16,
@@ -341,29 +404,37 @@ pub enum Completed {
 pub struct Table {
     prefix: String,
     buckets: u32,
+    /// Positions per bucket.
+    width: usize,
     max_entries: u64,
     max_bytes: u64,
     when_full: WhenFull,
     /// The protection floor this configuration gives the records it writes (each entry keeps
     /// its own: `Entry::floor_ms`).
     floor_ms: u64,
+    /// The v3 table of a module this one replaced by a hot reload, consulted read-only.
+    v3: Option<v3::V3>,
 }
 
 impl Table {
     pub fn new(cfg: &LocalConfig) -> Table {
-        let buckets = cfg.max_entries.div_ceil(DENSITY).clamp(1, u64::from(u32::MAX));
+        let small = cfg.max_entries <= BUCKET_WIDTH as u64;
+        let buckets = if small { 1 } else { cfg.max_entries.div_ceil(DENSITY).clamp(1, u64::from(u32::MAX)) };
+        let width = if small { usize::try_from(cfg.max_entries.max(1)).unwrap_or(BUCKET_WIDTH) } else { BUCKET_WIDTH };
         Table {
-            prefix: format!("idemgate.v3.local.n{}", cfg.max_entries),
+            prefix: format!("idemgate.v4.local.n{}", cfg.max_entries),
             buckets: u32::try_from(buckets).unwrap_or(u32::MAX),
+            width,
             max_entries: cfg.max_entries,
             max_bytes: cfg.max_bytes,
             when_full: cfg.when_full,
             floor_ms: cfg.min_protection_seconds.saturating_mul(1000),
+            v3: None,
         }
     }
 
     /// With an external store the local tier is a cache: the store keeps every record, so a full
-    /// table evicts the oldest finished record whatever its age (a claim in flight still never).
+    /// bucket evicts the oldest finished record whatever its age (a claim in flight still never).
     /// Only records this configuration writes get no floor: a record another configuration wrote
     /// (another listener of the VM without a store, or this one before a reload added the store)
     /// keeps its own.
@@ -371,6 +442,15 @@ impl Table {
         self.when_full = WhenFull::EvictOldest;
         self.floor_ms = 0;
         self
+    }
+
+    /// Honours the records of a v3 table of the same `max_entries` when a v3 module created one
+    /// in this Envoy (a hot reload from it): a key this table does not hold is looked up there
+    /// before it is claimed. Returns whether it found one.
+    pub fn consult_v3_if_present(&mut self, sd: &mut dyn SharedData) -> bool {
+        let old = v3::V3::new(self.max_entries);
+        self.v3 = old.present(sd).then_some(old);
+        self.v3.is_some()
     }
 
     /// The floor of an entry this configuration writes: its `min_protection_seconds` when it
@@ -387,27 +467,43 @@ impl Table {
         self.buckets
     }
 
-    /// Records the table holds at most (`local.max_entries`).
+    /// Positions per bucket.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// `local.max_entries`: the records the table is sized for (a bucket overflows first, under
+    /// uniform keys, only past it: docs/local-tier.md).
     pub fn capacity(&self) -> u64 {
         self.max_entries
     }
 
-    /// Bytes of the bucket index with every record held: bounded by `max_entries` (an empty
-    /// table holds only the bucket names and their 4-byte headers).
+    /// The most records it can ever hold: every position of every bucket.
+    pub fn positions(&self) -> u64 {
+        u64::from(self.buckets) * self.width as u64
+    }
+
+    /// A bucket's share of `local.max_bytes`: the bytes its body keys may hold.
+    pub fn bucket_bytes(&self) -> u64 {
+        self.max_bytes / u64::from(self.buckets.max(1))
+    }
+
+    /// Bytes of the bucket index with every position held (an empty table holds only the bucket
+    /// names and their headers).
     pub fn max_index_bytes(&self) -> u64 {
-        u64::from(self.buckets) * (BUCKET_MAGIC.len() + 1) as u64 + self.max_entries * (1 + ENTRY_BYTES) as u64
+        u64::from(self.buckets) * (HEADER_BYTES + 1) as u64 + self.positions() * (ENTRY_BYTES + 5) as u64
     }
 
     /// What the table holds and supports, for the configure-time log line: a record lives
     /// `ttl_seconds`, so `capacity / ttl_seconds` protected requests a second fit without
-    /// evicting. "Reserved" is the most it may take: the index at capacity plus `max_bytes` of
-    /// responses (memory follows use up to that).
+    /// evicting. "Reserved" is the most it may take: the index with every position held plus
+    /// `max_bytes` of responses (memory follows use up to that).
     pub fn describe(&self, ttl_seconds: u64) -> String {
         let mib = (self.max_index_bytes() + self.max_bytes) as f64 / (1024.0 * 1024.0);
         let rate = self.max_entries as f64 / ttl_seconds.max(1) as f64;
         format!(
-            "idemgate: local table: capacity {} records, {mib:.0} MiB reserved, supports {rate:.1} protected requests/s sustained at ttl_seconds {ttl_seconds}",
-            self.max_entries
+            "idemgate: local table: capacity {} records ({} buckets of {}), {mib:.0} MiB reserved, supports {rate:.1} protected requests/s sustained at ttl_seconds {ttl_seconds}",
+            self.max_entries, self.buckets, self.width
         )
     }
 
@@ -421,20 +517,9 @@ impl Table {
         Name::of(format_args!("{}.b.{i}", self.prefix))
     }
 
-    pub fn slot_name(&self, i: u32, j: usize) -> Name {
-        Name::of(format_args!("{}.s.{i}.{j}", self.prefix))
-    }
-
-    fn usage_name(&self) -> Name {
-        Name::of(format_args!("{}.usage", self.prefix))
-    }
-
-    fn count_name(&self) -> Name {
-        Name::of(format_args!("{}.count", self.prefix))
-    }
-
-    fn evicted_age_name(&self) -> Name {
-        Name::of(format_args!("{}.evicted_age", self.prefix))
+    /// The body key of position `j` of bucket `i`.
+    pub fn body_name(&self, i: u32, j: usize) -> Name {
+        Name::of(format_args!("{}.r.{i}.{j}", self.prefix))
     }
 
     fn ready_name(&self) -> Name {
@@ -447,10 +532,10 @@ impl Table {
         u32::try_from(u64::from_le_bytes(first) % u64::from(self.buckets)).unwrap_or(0)
     }
 
-    /// Creates the buckets and the counters where they are truly absent; never touches one that
-    /// exists (a worker starting or a configuration reload keeps live records). Returns how many
-    /// keys it created. Call it when the plugin is configured, before traffic: Envoy configures
-    /// the main-thread VM before any worker serves a request.
+    /// Creates the buckets where they are truly absent; never touches one that exists (a worker
+    /// starting or a configuration reload keeps live records). Returns how many keys it created.
+    /// Call it when the plugin is configured, before traffic: Envoy configures the main-thread VM
+    /// before any worker serves a request.
     pub fn ensure_created(&self, sd: &mut dyn SharedData) -> Result<u32, LocalError> {
         if let (Some(v), _) = sd.get(&self.ready_name())? {
             if v == b"1" {
@@ -458,7 +543,7 @@ impl Table {
             }
         }
         let mut created = 0;
-        let empty = Bucket::empty().encode();
+        let empty = Bucket::of_width(self.width).encode();
         for i in 0..self.buckets {
             let name = self.bucket_name(i);
             if let (None, None) = sd.get(&name)? {
@@ -466,19 +551,13 @@ impl Table {
                 created += 1;
             }
         }
-        for name in [self.usage_name(), self.count_name()] {
-            if let (None, None) = sd.get(&name)? {
-                sd.set(&name, &0u64.to_le_bytes(), None).map_err(|_| LocalError::Host)?;
-                created += 1;
-            }
-        }
         sd.set(&self.ready_name(), b"1", None).map_err(|_| LocalError::Host)?;
         Ok(created)
     }
 
-    fn read_bucket(&self, sd: &mut dyn SharedData, i: u32) -> Result<(Bucket, u32), LocalError> {
+    pub fn read_bucket(&self, sd: &mut dyn SharedData, i: u32) -> Result<(Bucket, u32), LocalError> {
         match sd.get(&self.bucket_name(i))? {
-            (Some(v), Some(cas)) => Bucket::decode(&v).map(|b| (b, cas)).ok_or(LocalError::Corrupt),
+            (Some(v), Some(cas)) => Bucket::decode_width(&v, self.width).map(|b| (b, cas)).ok_or(LocalError::Corrupt),
             // Never created, or emptied by something else: creating it here would not be atomic.
             _ => Err(LocalError::Missing),
         }
@@ -493,16 +572,15 @@ impl Table {
         }
     }
 
-    /// Reads a record slot if it belongs to `owner` and `skey`.
-    fn read_slot(&self, sd: &mut dyn SharedData, h: &Handle) -> Result<Option<(Record, u32)>, LocalError> {
-        let (v, cas) = sd.get(&self.slot_name(h.bucket, h.position))?;
-        let (Some(v), Some(cas)) = (v, cas) else { return Ok(None) };
-        Ok(decode_slot(&v, h).map(|r| (r, cas)))
+    /// Reads a body key if it belongs to `owner` and `skey`.
+    fn read_body(&self, sd: &mut dyn SharedData, h: &Handle) -> Result<Option<Record>, LocalError> {
+        let (v, _) = sd.get(&self.body_name(h.bucket, h.position))?;
+        Ok(v.and_then(|v| decode_body(&v, h)))
     }
 
     /// Looks the key up and, when it is free (or a stale claim that never forwarded), claims it
-    /// atomically. `fp` is `None` at request headers. On a claim, `creator` and the owner are
-    /// written to the record slot.
+    /// atomically: one read and one CAS of the key's bucket. `fp` is `None` at request headers.
+    /// The claim keeps `creator` in its entry (a 409 names it).
     #[allow(clippy::too_many_arguments)]
     pub fn begin(
         &self,
@@ -514,29 +592,8 @@ impl Table {
         owner: OwnerToken,
         creator: &Creator,
     ) -> Result<Begin, LocalError> {
-        let mut unit = Unit::None;
-        let out = self.begin_holding(sd, skey, fp, now_ms, policy, owner, creator, &mut unit);
-        if unit != Unit::None {
-            // A unit of the count this call reserved (or took from an evicted record) but did
-            // not use: the position it stands for is free.
-            self.add_to(sd, &self.count_name(), -1);
-        }
-        out
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn begin_holding(
-        &self,
-        sd: &mut dyn SharedData,
-        skey: StorageKey,
-        fp: Option<Fingerprint>,
-        now_ms: u64,
-        policy: &Policy,
-        owner: OwnerToken,
-        creator: &Creator,
-        unit: &mut Unit,
-    ) -> Result<Begin, LocalError> {
         let i = self.bucket_of(&skey);
+        let mut v3_checked = false;
         for _ in 0..MAX_CAS_RETRIES {
             let (mut bucket, cas) = self.read_bucket(sd, i)?;
             let live = bucket.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.holds(&skey, now_ms)));
@@ -544,99 +601,100 @@ impl Table {
                 Some(e) => Lookup::Found(e.summary()),
                 None => Lookup::Absent,
             };
+            if live.is_none() && !v3_checked {
+                // A key this table does not hold may still be held by the v3 module this one
+                // replaced: its record answers, and nothing is claimed while it holds the key.
+                if let Some(answer) = self.answer_from_v3(sd, &skey, fp.as_ref(), now_ms, policy)? {
+                    return Ok(answer);
+                }
+                v3_checked = true;
+            }
             let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
             let lifetimes = Lifetimes::of(policy);
             let forwarding = fp.is_some();
             let target = match (&decision, live) {
-                (Decision::Claim, _) => match self.place(sd, i, &bucket, now_ms, unit)? {
+                (Decision::Claim, _) => match self.place(&bucket, now_ms) {
                     Some(place) => Some((place, false)),
                     None => return Ok(Begin::Full),
                 },
-                (Decision::TakeOver, Some(j)) => Some((Place { position: j, evicted_age_ms: None, new: false }, true)),
+                (Decision::TakeOver, Some(j)) => Some((Place { position: j, evicted_age_ms: None }, true)),
                 _ => None,
             };
-            // The one lifecycle says what the claim becomes: a new claim of an empty, free or
-            // evicted position, or a take-over of a stale claim; anything else is refused.
-            let stage = match target {
-                None => Stage::Absent,
-                Some((place, took_over)) => {
-                    let p = bucket.positions.get(place.position).cloned().flatten();
-                    let event = match (took_over, p.as_ref().map(|e| e.phase)) {
-                        (true, Some(EntryPhase::InProgress)) => {
-                            Event::TakeOver { how: TakeOver::StaleForwarded, forwarding }
-                        }
-                        (true, _) => Event::TakeOver { how: TakeOver::NeverForwarded, forwarding },
-                        (false, _) => Event::Claim { forwarding },
-                    };
-                    let from = match place.evicted_age_ms {
-                        Some(_) => step(&p, Event::Evict, None, now_ms).map(|_| None).map_err(LocalError::Refused)?,
-                        None => p,
-                    };
-                    step(&from, event, None, now_ms).map_err(LocalError::Refused)?
-                }
-            };
-            let new_entry = Entry {
-                skey,
-                fingerprint: fp,
-                phase: EntryPhase::of(stage).unwrap_or(EntryPhase::Claimed),
-                owner,
-                since_ms: now_ms,
-                expires_at_ms: lifetimes.expires_at(stage, now_ms),
-                lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
-                status: 0,
-                slot_bytes: 0,
-                floor_ms: self.entry_floor_ms(),
-            };
             if let Some((place, took_over)) = target {
-                // Claim the position (new, free, expired, evicted, or a stale claim taken over)
-                // with one CAS of the whole bucket; a lost race starts over with a fresh read.
+                // The one lifecycle says what the claim becomes: a new claim of an empty, free or
+                // evicted position, or a take-over of a stale claim; anything else is refused.
                 let j = place.position;
-                let freed = bucket.positions.get(j).and_then(|p| p.as_ref()).map_or(0, |e| e.slot_bytes);
-                if let Some(p) = bucket.positions.get_mut(j) {
-                    *p = Some(new_entry);
+                let p = bucket.positions.get(j).cloned().flatten();
+                let event = match (took_over, p.as_ref().map(|e| e.stage)) {
+                    (true, Some(Stage::Forwarded)) => Event::TakeOver { how: TakeOver::StaleForwarded, forwarding },
+                    (true, _) => Event::TakeOver { how: TakeOver::NeverForwarded, forwarding },
+                    (false, _) => Event::Claim { forwarding },
+                };
+                let from = match place.evicted_age_ms {
+                    Some(_) => step(&p, Event::Evict, None, now_ms).map(|_| None).map_err(LocalError::Refused)?,
+                    None => p.clone(),
+                };
+                let stage = step(&from, event, None, now_ms).map_err(LocalError::Refused)?;
+                // The position's body key keeps what it holds until this claim completes: its
+                // bytes stay counted, now on the new entry.
+                let body_bytes = match &p {
+                    Some(e) => e.body_bytes,
+                    None => bucket.left.get(j).copied().unwrap_or(0),
+                };
+                if let Some(l) = bucket.left.get_mut(j) {
+                    *l = 0;
                 }
+                let new_entry = Entry {
+                    skey,
+                    fingerprint: fp,
+                    stage,
+                    owner,
+                    since_ms: now_ms,
+                    expires_at_ms: lifetimes.expires_at(stage, now_ms),
+                    lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
+                    status: 0,
+                    body_bytes,
+                    floor_ms: self.entry_floor_ms(),
+                    creator: encode_creator(creator),
+                };
+                if let Some(age) = place.evicted_age_ms {
+                    bucket.evicted_at_ms = now_ms;
+                    bucket.evicted_age_ms = age;
+                }
+                let Some(slot) = bucket.positions.get_mut(j) else { return Err(LocalError::Corrupt) };
+                *slot = Some(new_entry);
+                // One CAS of the whole bucket; a lost race starts over with a fresh read.
                 if !self.write_bucket(sd, i, &bucket, cas)? {
                     continue;
                 }
-                let evicted = place.evicted_age_ms.is_some() || (place.new && *unit == Unit::Evicted);
-                if place.new {
-                    *unit = Unit::None; // the new position holds it now
-                }
-                if let Some(age) = place.evicted_age_ms {
-                    self.note_eviction(sd, age);
-                }
-                self.add_usage(sd, -i64::from(freed));
                 let handle = Handle { bucket: i, position: j, owner, skey };
-                self.write_claim_slot(sd, &handle, &bucket, creator);
-                return Ok(Begin::Claimed { handle, took_over, evicted });
+                return Ok(Begin::Claimed { handle, took_over, evicted: place.evicted_age_ms.is_some() });
             }
             match (decision, live) {
                 (Decision::MarkUnknown, Some(j)) => {
                     let Some(p) = bucket.positions.get_mut(j) else { return Err(LocalError::Corrupt) };
                     let to = step(p, Event::StaleToUnknown, None, now_ms).map_err(LocalError::Refused)?;
-                    let (Some(e), Some(phase)) = (p.as_mut(), EntryPhase::of(to)) else {
-                        return Err(LocalError::Corrupt);
-                    };
-                    e.phase = phase;
+                    let Some(e) = p.as_mut() else { return Err(LocalError::Corrupt) };
+                    e.stage = to;
                     e.since_ms = now_ms;
                     e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
                     e.expires_at_ms = lifetimes.expires_at(Stage::Unknown, now_ms);
-                    let e = e.clone();
+                    let creator = e.creator();
                     if !self.write_bucket(sd, i, &bucket, cas)? {
                         continue;
                     }
-                    let creator = self.creator_of(sd, i, j, &e);
                     return Ok(Begin::Reject { problem: ProblemKind::OutcomeUnknown, creator, marked_unknown: true });
                 }
                 (Decision::Replay, Some(j)) => {
                     let Some(Some(e)) = bucket.positions.get(j) else { return Err(LocalError::Corrupt) };
                     let h = Handle { bucket: i, position: j, owner: e.owner, skey };
-                    return Ok(match self.read_slot(sd, &h)? {
-                        Some((r, _)) if matches!(r.state, State::Completed(_) | State::CompletedTooLarge { .. }) => {
+                    return Ok(match self.read_body(sd, &h)? {
+                        Some(r) if matches!(r.state, State::Completed(_) | State::CompletedTooLarge { .. }) => {
                             Begin::Replay(r)
                         }
-                        // The slot no longer matches (should not happen): never execute again;
-                        // answer with what the index knows.
+                        // No body of this record (the bucket had no room even for its status, or
+                        // a stale owner's late write replaced it): never execute again; answer
+                        // with what the index knows.
                         _ => Begin::Reject {
                             problem: ProblemKind::ResponseNotStored { status: e.status, location: None },
                             creator: None,
@@ -645,10 +703,7 @@ impl Table {
                     });
                 }
                 (Decision::Reject(problem), j) => {
-                    let creator = j.and_then(|j| {
-                        let e = bucket.positions.get(j)?.as_ref()?.clone();
-                        self.creator_of(sd, i, j, &e)
-                    });
+                    let creator = j.and_then(|j| self.creator_of(sd, i, j, bucket.positions.get(j)?.as_ref()?));
                     return Ok(Begin::Reject { problem, creator, marked_unknown: false });
                 }
                 (Decision::NeedFingerprint, _) => return Ok(Begin::NeedFingerprint),
@@ -660,64 +715,83 @@ impl Table {
         Err(LocalError::Contended)
     }
 
+    /// What a v3 record of `skey` answers, when the v3 table of a replaced module holds it: a
+    /// replay of its response, or a refusal; never a claim (v4 does not write there, and v3 does
+    /// not look here). A stale v3 claim is answered as in flight and a stale forwarded one as
+    /// outcome-unknown: its owner may still be running it.
+    fn answer_from_v3(
+        &self,
+        sd: &mut dyn SharedData,
+        skey: &StorageKey,
+        fp: Option<&Fingerprint>,
+        now_ms: u64,
+        policy: &Policy,
+    ) -> Result<Option<Begin>, LocalError> {
+        let Some(old) = &self.v3 else { return Ok(None) };
+        let Some(e) = old.holder(sd, skey, now_ms)? else { return Ok(None) };
+        let creator = |sd: &mut dyn SharedData| old.record(sd, skey, &e).map(|r| r.creator);
+        let answer = match decide(Lookup::Found(e.summary), fp, now_ms, policy, crate::config::OnUnavailable::Reject) {
+            Decision::Replay => match old.record(sd, skey, &e) {
+                Some(r) if matches!(r.state, State::Completed(_) | State::CompletedTooLarge { .. }) => Begin::Replay(r),
+                _ => Begin::Reject {
+                    problem: ProblemKind::ResponseNotStored { status: e.status, location: None },
+                    creator: None,
+                    marked_unknown: false,
+                },
+            },
+            Decision::NeedFingerprint => Begin::NeedFingerprint,
+            Decision::Reject(problem) => Begin::Reject { problem, creator: creator(sd), marked_unknown: false },
+            Decision::MarkUnknown => {
+                Begin::Reject { problem: ProblemKind::OutcomeUnknown, creator: creator(sd), marked_unknown: false }
+            }
+            _ => Begin::Reject {
+                problem: ProblemKind::InFlight { retry_after_seconds: 1 },
+                creator: creator(sd),
+                marked_unknown: false,
+            },
+        };
+        Ok(Some(answer))
+    }
+
     /// Reads the live record of `skey` without claiming anything: its summary and, when it is
     /// completed, the record itself (for requests waiting on another attempt).
     pub fn peek(&self, sd: &mut dyn SharedData, skey: &StorageKey, now_ms: u64) -> Result<Option<Peeked>, LocalError> {
         let i = self.bucket_of(skey);
         let (bucket, _) = self.read_bucket(sd, i)?;
-        let Some((j, e)) = bucket
+        let found = bucket
             .positions
             .iter()
             .enumerate()
-            .find_map(|(j, p)| p.as_ref().filter(|e| e.holds(skey, now_ms)).map(|e| (j, e)))
-        else {
-            return Ok(None);
+            .find_map(|(j, p)| p.as_ref().filter(|e| e.holds(skey, now_ms)).map(|e| (j, e)));
+        let Some((j, e)) = found else {
+            let Some(old) = &self.v3 else { return Ok(None) };
+            let Some(e) = old.holder(sd, skey, now_ms)? else { return Ok(None) };
+            let record = match e.summary.phase {
+                Phase::Completed => old.record(sd, skey, &e),
+                _ => None,
+            };
+            return Ok(Some(Peeked { summary: e.summary, record, status: e.status }));
         };
-        let record = match e.phase {
-            EntryPhase::Completed => {
-                let h = Handle { bucket: i, position: j, owner: e.owner, skey: *skey };
-                self.read_slot(sd, &h)?.map(|(r, _)| r)
-            }
+        let record = match e.stage {
+            Stage::Completed => self.read_body(sd, &Handle { bucket: i, position: j, owner: e.owner, skey: *skey })?,
             _ => None,
         };
         Ok(Some(Peeked { summary: e.summary(), record, status: e.status }))
     }
 
-    /// A position for a new key, in this order: a free one (expired, no live lock: it hands its
-    /// unit of the count over); an empty one, with a unit of the count (reserved now, or taken
-    /// from a free or evicted record of one of the next buckets when the table is full); or, at
-    /// capacity with `evict_oldest`, the oldest finished record of this bucket older than the
-    /// floor. `None`: full.
-    fn place(
-        &self,
-        sd: &mut dyn SharedData,
-        i: u32,
-        b: &Bucket,
-        now_ms: u64,
-        unit: &mut Unit,
-    ) -> Result<Option<Place>, LocalError> {
+    /// A position for a new key in its bucket, in this order: a free one (expired, no live
+    /// lock); an empty one (first one whose body key holds bytes: the claim takes them over);
+    /// or, with `evict_oldest`, the oldest finished record past its floor. `None`: full.
+    fn place(&self, b: &Bucket, now_ms: u64) -> Option<Place> {
         if let Some(j) = b.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.is_free(now_ms))) {
-            return Ok(Some(Place { position: j, evicted_age_ms: None, new: false }));
+            return Some(Place { position: j, evicted_age_ms: None });
         }
-        let empty = b.positions.iter().position(Option::is_none);
-        if let Some(j) = empty {
-            if *unit == Unit::None && self.reserve_on(sd, &self.count_name(), 1, self.max_entries)? {
-                *unit = Unit::Reserved;
-            }
-            if *unit != Unit::None {
-                return Ok(Some(Place { position: j, evicted_age_ms: None, new: true }));
-            }
+        let empty =
+            |with_bytes: bool| b.positions.iter().zip(&b.left).position(|(p, l)| p.is_none() && (*l > 0) == with_bytes);
+        if let Some(j) = empty(true).or_else(|| empty(false)) {
+            return Some(Place { position: j, evicted_age_ms: None });
         }
-        if let Some((j, age)) = self.eviction_candidate(b, now_ms) {
-            return Ok(Some(Place { position: j, evicted_age_ms: Some(age), new: false }));
-        }
-        if let Some(j) = empty {
-            if let Some(evicted) = self.take_from_next_buckets(sd, i, now_ms)? {
-                *unit = if evicted { Unit::Evicted } else { Unit::Reserved };
-                return Ok(Some(Place { position: j, evicted_age_ms: None, new: true }));
-            }
-        }
-        Ok(None)
+        self.eviction_candidate(b, now_ms).map(|(j, age)| Place { position: j, evicted_age_ms: Some(age) })
     }
 
     /// The oldest completed or outcome-unknown record of `b` past its own floor (`Entry::floor_ms`,
@@ -736,66 +810,14 @@ impl Table {
             .max_by_key(|(_, age)| *age)
     }
 
-    /// At capacity, with no room in the key's own bucket: frees one position in one of the next
-    /// `EVICT_SCAN_BUCKETS` buckets (a free record, else an evictable one) with a CAS of that
-    /// bucket, and keeps its unit of the count for the caller's claim (so no other claim can take
-    /// it in between). `Some(true)` when it evicted a live record.
-    fn take_from_next_buckets(&self, sd: &mut dyn SharedData, i: u32, now_ms: u64) -> Result<Option<bool>, LocalError> {
-        for k in 1..=EVICT_SCAN_BUCKETS.min(self.buckets.saturating_sub(1)) {
-            let n = i.wrapping_add(k) % self.buckets;
-            for _ in 0..MAX_CAS_RETRIES {
-                let (mut bucket, cas) = self.read_bucket(sd, n)?;
-                let free = bucket.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.is_free(now_ms)));
-                let (j, age) = match free {
-                    Some(j) => (j, None),
-                    None => match self.eviction_candidate(&bucket, now_ms) {
-                        Some((j, age)) => (j, Some(age)),
-                        None => break,
-                    },
-                };
-                let Some(p) = bucket.positions.get_mut(j) else { break };
-                let event = if age.is_some() { Event::Evict } else { Event::Expire };
-                step(p, event, None, now_ms).map_err(LocalError::Refused)?;
-                let Some(e) = p.take() else { break };
-                if !self.write_bucket(sd, n, &bucket, cas)? {
-                    continue;
-                }
-                self.add_usage(sd, -i64::from(e.slot_bytes));
-                self.clear_slot(sd, &Handle { bucket: n, position: j, owner: e.owner, skey: e.skey });
-                if let Some(age) = age {
-                    self.note_eviction(sd, age);
-                }
-                return Ok(Some(age.is_some()));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Keeps the age of the record just evicted, for the gauge (the protection actually given).
-    fn note_eviction(&self, sd: &mut dyn SharedData, age_ms: u64) {
-        let _ = sd.set(&self.evicted_age_name(), &age_ms.to_le_bytes(), None);
-    }
-
-    fn write_claim_slot(&self, sd: &mut dyn SharedData, h: &Handle, b: &Bucket, creator: &Creator) {
-        let Some(Some(e)) = b.positions.get(h.position) else { return };
-        let state = match e.phase {
-            EntryPhase::Claimed => State::Claimed { owner: h.owner, lock_expires_at_ms: e.lock_expires_at_ms },
-            _ => State::InProgress { owner: h.owner, lock_expires_at_ms: e.lock_expires_at_ms },
-        };
-        let record = Record {
-            fingerprint: e.fingerprint.unwrap_or(Fingerprint([0; 32])),
-            created_at_ms: e.since_ms,
-            expires_at_ms: e.expires_at_ms,
-            creator: creator.clone(),
-            state,
-        };
-        // Best effort: the slot only serves to name the creator until completion.
-        let _ = sd.set(&self.slot_name(h.bucket, h.position), &encode_slot(h, &record), None);
-    }
-
+    /// The run that made entry `e` at position `j` of bucket `i`: kept in the entry until
+    /// completion, in its body after.
     fn creator_of(&self, sd: &mut dyn SharedData, i: u32, j: usize, e: &Entry) -> Option<Creator> {
+        if let Some(c) = e.creator() {
+            return Some(c);
+        }
         let h = Handle { bucket: i, position: j, owner: e.owner, skey: e.skey };
-        self.read_slot(sd, &h).ok().flatten().map(|(r, _)| r.creator)
+        self.read_body(sd, &h).ok().flatten().map(|r| r.creator)
     }
 
     /// Applies `event` to our entry (`h`'s claim) with CAS, retrying lost races: the lifecycle
@@ -808,33 +830,16 @@ impl Table {
         h: &Handle,
         event: Event,
         now_ms: u64,
-        f: impl FnMut(&mut Option<Entry>, Stage),
-    ) -> Result<Result<Stage, Refusal>, LocalError> {
-        self.transition_from(sd, h, None, event, now_ms, f)
-    }
-
-    /// `transition`, starting from a bucket the caller has just read (and its CAS) instead of
-    /// reading it again: if it changed since, the CAS fails and the next round reads it afresh.
-    fn transition_from(
-        &self,
-        sd: &mut dyn SharedData,
-        h: &Handle,
-        mut read: Option<(Bucket, u32)>,
-        event: Event,
-        now_ms: u64,
-        mut f: impl FnMut(&mut Option<Entry>, Stage),
+        mut f: impl FnMut(&mut Bucket, Stage),
     ) -> Result<Result<Stage, Refusal>, LocalError> {
         for _ in 0..MAX_CAS_RETRIES {
-            let (mut bucket, cas) = match read.take() {
-                Some(b) => b,
-                None => self.read_bucket(sd, h.bucket)?,
-            };
-            let Some(slot) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
+            let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
+            let Some(slot) = bucket.positions.get(h.position) else { return Err(LocalError::Corrupt) };
             let to = match step(slot, event, Some(h), now_ms) {
                 Ok(to) => to,
                 Err(refused) => return Ok(Err(refused)),
             };
-            f(slot, to);
+            f(&mut bucket, to);
             if self.write_bucket(sd, h.bucket, &bucket, cas)? {
                 return Ok(Ok(to));
             }
@@ -846,7 +851,9 @@ impl Table {
     /// Forwarding requires a claim that is still the key's only live claim: the position is still
     /// ours, and no other position holds the key (a retry may have claimed it elsewhere while our
     /// claim, made before a slow upload, had expired). Both are checked in the same CAS of the
-    /// bucket that marks us forwarded. The lock restarts now and the expiry becomes a forwarded claim's (`Stage::Forwarded`: the lock, then `unknown_outcome_seconds`).
+    /// bucket that marks us forwarded. The lock restarts now and the expiry becomes a forwarded
+    /// claim's (`Stage::Forwarded`: the lock, then `unknown_outcome_seconds`). After a reload
+    /// from v3, a key the replaced module claimed meanwhile is not forwarded either.
     /// `Ok(false)`: do not forward.
     pub fn mark_forwarded(
         &self,
@@ -856,6 +863,11 @@ impl Table {
         now_ms: u64,
         policy: &Policy,
     ) -> Result<bool, LocalError> {
+        if let Some(old) = &self.v3 {
+            if old.holder(sd, &h.skey, now_ms)?.is_some() {
+                return Ok(false);
+            }
+        }
         let lifetimes = Lifetimes::of(policy);
         for _ in 0..MAX_CAS_RETRIES {
             let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
@@ -865,12 +877,12 @@ impl Table {
                 .enumerate()
                 .any(|(j, p)| j != h.position && p.as_ref().is_some_and(|e| e.holds(&h.skey, now_ms)));
             let Some(slot) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
-            let Ok(phase) = step(slot, Event::Forward, Some(h), now_ms).map(EntryPhase::of) else { return Ok(false) };
-            let (Some(e), Some(phase)) = (slot.as_mut(), phase) else { return Ok(false) };
+            let Ok(stage) = step(slot, Event::Forward, Some(h), now_ms) else { return Ok(false) };
+            let Some(e) = slot.as_mut() else { return Ok(false) };
             if superseded {
                 return Ok(false);
             }
-            e.phase = phase;
+            e.stage = stage;
             e.fingerprint = Some(fp);
             e.lock_expires_at_ms = lifetimes.lock_expires_at(now_ms);
             e.expires_at_ms = lifetimes.expires_at(Stage::Forwarded, now_ms);
@@ -881,85 +893,110 @@ impl Table {
         Err(LocalError::Contended)
     }
 
-    /// Stores a completed record (see `Record::completed`). When `local.max_bytes` has no room
-    /// for it, only the status and `location` are kept: retries then get a problem carrying them,
-    /// never a second execution.
+    /// Stores a completed record (see `Record::completed`): the body key first, then the bucket
+    /// CAS that marks the entry completed (a reader that sees it completed finds its body). When
+    /// the bucket's share of `local.max_bytes` has no room for it, only the status and `location`
+    /// are kept (and with no room even for those, the status in the index): retries then get a
+    /// problem carrying them, never a second execution.
     pub fn complete(
         &self,
         sd: &mut dyn SharedData,
         h: &Handle,
-        mut record: Record,
+        record: Record,
         now_ms: u64,
     ) -> Result<Completed, LocalError> {
         let fp = record.fingerprint;
         let expires_at_ms = record.expires_at_ms;
-        let mut bytes = encode_slot(h, &record);
-        let mut without_body = !matches!(record.state, State::Completed(_));
-        if !without_body && !self.reserve(sd, bytes.len() as u64)? {
-            without_body = true;
-            record.state = record.state.without_body();
-            bytes = encode_slot(h, &record);
-        }
         let status = match &record.state {
             State::Completed(r) => r.status,
             State::CompletedTooLarge { status, .. } => *status,
             _ => 0,
         };
-        let counted = if without_body { 0 } else { u32::try_from(bytes.len()).unwrap_or(u32::MAX) };
-        // Only a claim the lifecycle lets its owner complete is written (checked again in the
-        // bucket CAS below): a refused completion never overwrites the slot.
-        let (bucket, cas) = self.read_bucket(sd, h.bucket)?;
-        let Some(position) = bucket.positions.get(h.position) else { return Err(LocalError::Corrupt) };
-        if step(position, Event::Complete, Some(h), now_ms).is_err() {
-            self.add_usage(sd, -i64::from(counted));
-            return Ok(Completed::LostClaim);
-        }
-        // The slot first (owner-checked with CAS), then the index: a reader that sees the entry
-        // completed always finds its record.
-        let wrote = match self.read_slot(sd, h)? {
-            Some((_, cas)) => matches!(sd.set(&self.slot_name(h.bucket, h.position), &bytes, Some(cas)), Ok(())),
-            None => false,
-        };
-        if !wrote {
-            self.add_usage(sd, -i64::from(counted));
-            return Ok(Completed::LostClaim);
-        }
-        // The bucket read above is the first round's: unchanged since, its CAS holds.
-        let updated = self.transition_from(sd, h, Some((bucket, cas)), Event::Complete, now_ms, |slot, to| {
-            if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
-                e.phase = phase;
-                e.since_ms = now_ms;
-                e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
-                e.fingerprint = Some(fp);
-                e.expires_at_ms = expires_at_ms;
-                e.status = status;
-                e.slot_bytes = counted;
+        let full = encode_body(h, &record);
+        let has_body = matches!(record.state, State::Completed(_));
+        // The status-only record, made only when the full one does not fit.
+        let mut lean: Option<Vec<u8>> = None;
+        let name = self.body_name(h.bucket, h.position);
+        // What the body key holds from us now: (bytes written, with the body).
+        let mut written: Option<(u32, bool)> = None;
+        for _ in 0..MAX_CAS_RETRIES {
+            let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
+            let Some(position) = bucket.positions.get(h.position) else { return Err(LocalError::Corrupt) };
+            if step(position, Event::Complete, Some(h), now_ms).is_err() {
+                if written.is_some() {
+                    let _ = self.withdraw_body(sd, h);
+                }
+                return Ok(Completed::LostClaim);
             }
-        })?;
-        if updated.is_err() {
-            self.add_usage(sd, -i64::from(counted));
-            return Ok(Completed::LostClaim);
+            let ours = position.as_ref().map_or(0, |e| u64::from(e.body_bytes));
+            let others = bucket.bytes().saturating_sub(ours);
+            let fits = |b: &[u8]| others.saturating_add(b.len() as u64) <= self.bucket_bytes();
+            if has_body && !fits(&full) && lean.is_none() {
+                let mut r = record.clone();
+                r.state = r.state.without_body();
+                lean = Some(encode_body(h, &r));
+            }
+            let choice: Option<(&[u8], bool)> = if fits(&full) {
+                Some((&full, has_body))
+            } else {
+                lean.as_deref().filter(|l| fits(l)).map(|l| (l, false))
+            };
+            let want = choice.map(|(b, body)| (u32::try_from(b.len()).unwrap_or(u32::MAX), body));
+            if want != written {
+                match choice {
+                    Some((bytes, _)) => sd.set(&name, bytes, None).map_err(|_| LocalError::Host)?,
+                    None if written.is_some() => sd.set(&name, b"", None).map_err(|_| LocalError::Host)?,
+                    None => {}
+                }
+                written = want;
+            }
+            let body_bytes = match written {
+                Some((n, _)) => n,
+                // Nothing written: an earlier body the key may hold stays counted.
+                None => u32::try_from(ours).unwrap_or(u32::MAX),
+            };
+            let Some(Some(e)) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
+            e.stage = Stage::Completed;
+            e.since_ms = now_ms;
+            e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
+            e.fingerprint = Some(fp);
+            e.expires_at_ms = expires_at_ms;
+            e.status = status;
+            e.body_bytes = body_bytes;
+            e.creator = vec![];
+            if self.write_bucket(sd, h.bucket, &bucket, cas)? {
+                return Ok(if matches!(written, Some((_, true))) {
+                    Completed::Stored
+                } else {
+                    Completed::StoredWithoutBody
+                });
+            }
         }
-        Ok(if without_body { Completed::StoredWithoutBody } else { Completed::Stored })
+        if written.is_some() {
+            let _ = self.withdraw_body(sd, h);
+        }
+        Err(LocalError::Contended)
+    }
+
+    /// Empties a body key `h`'s owner wrote (a claim it then lost: a stale owner's late write,
+    /// which the position's current owner never counted; or a record the sweep freed), if it
+    /// still holds that body (CAS).
+    /// Whether it emptied it.
+    fn withdraw_body(&self, sd: &mut dyn SharedData, h: &Handle) -> bool {
+        let name = self.body_name(h.bucket, h.position);
+        match sd.get(&name) {
+            Ok((Some(v), Some(cas))) if body_belongs_to(&v, h) => sd.set(&name, b"", Some(cas)).is_ok(),
+            _ => false,
+        }
     }
 
     /// Frees our claim: the request never executed, a retry may. `Ok(false)` if it was not ours
     /// (or no longer a claim, or already free at `now_ms`: `lifecycle::next` refuses).
     pub fn release(&self, sd: &mut dyn SharedData, h: &Handle, now_ms: u64) -> Result<bool, LocalError> {
-        let mut bytes = 0;
-        let freed = self.transition(sd, h, Event::Release, now_ms, |slot, _| {
-            bytes = slot.as_ref().map_or(0, |e| e.slot_bytes);
-            *slot = None;
+        let freed = self.transition(sd, h, Event::Release, now_ms, |bucket, _| {
+            bucket.free(h.position);
         })?;
-        match freed {
-            Ok(_) => {
-                self.add_usage(sd, -i64::from(bytes));
-                self.add_to(sd, &self.count_name(), -1);
-                self.clear_slot(sd, h);
-                Ok(true)
-            }
-            Err(_) => Ok(false),
-        }
+        Ok(freed.is_ok())
     }
 
     /// The request may have executed without a response: keep an outcome-unknown record for
@@ -973,9 +1010,9 @@ impl Table {
         policy: &Policy,
     ) -> Result<bool, LocalError> {
         let _ = reason; // kept in logs and counters by the caller
-        let done = self.transition(sd, h, Event::MarkUnknown, now_ms, |slot, to| {
-            if let (Some(e), Some(phase)) = (slot, EntryPhase::of(to)) {
-                e.phase = phase;
+        let done = self.transition(sd, h, Event::MarkUnknown, now_ms, |bucket, to| {
+            if let Some(Some(e)) = bucket.positions.get_mut(h.position) {
+                e.stage = to;
                 e.since_ms = now_ms;
                 e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
                 e.expires_at_ms = Lifetimes::of(policy).expires_at(to, now_ms);
@@ -984,33 +1021,36 @@ impl Table {
         Ok(done.is_ok())
     }
 
-    /// Frees expired entries of `count` buckets from `start` (wrapping), so their response bytes
-    /// are released even if their keys never come back. Returns how many entries it freed.
-    pub fn sweep(&self, sd: &mut dyn SharedData, start: u32, count: u32, now_ms: u64) -> Result<u32, LocalError> {
+    /// Frees expired entries of `count` buckets from `start` (wrapping), so their positions are
+    /// free even if their keys never come back, and notes each bucket's figures in `gauges`.
+    /// Returns how many entries it freed. Off the request path (the root's tick).
+    pub fn sweep(
+        &self,
+        sd: &mut dyn SharedData,
+        start: u32,
+        count: u32,
+        now_ms: u64,
+        gauges: &mut Gauges,
+    ) -> Result<u32, LocalError> {
+        gauges.fit(self.buckets);
         let mut freed_total = 0;
         for k in 0..count.min(self.buckets) {
             let i = (start.wrapping_add(k)) % self.buckets;
             for _ in 0..MAX_CAS_RETRIES {
                 let (mut bucket, cas) = self.read_bucket(sd, i)?;
-                let mut freed = vec![];
-                for (j, p) in bucket.positions.iter_mut().enumerate() {
-                    if step(p, Event::Expire, None, now_ms).is_err() {
-                        continue;
-                    }
-                    if let Some(e) = p.take() {
-                        freed.push((Handle { bucket: i, position: j, owner: e.owner, skey: e.skey }, e.slot_bytes));
-                    }
-                }
+                let expired: Vec<usize> = (0..bucket.positions.len())
+                    .filter(|j| bucket.positions.get(*j).is_some_and(|p| step(p, Event::Expire, None, now_ms).is_ok()))
+                    .collect();
+                let freed: Vec<(usize, Entry)> =
+                    expired.iter().filter_map(|j| bucket.free(*j).map(|e| (*j, e))).collect();
                 if freed.is_empty() {
+                    gauges.note(i, &bucket);
                     break;
                 }
                 if self.write_bucket(sd, i, &bucket, cas)? {
-                    self.add_to(sd, &self.count_name(), -(freed.len() as i64));
-                    for (h, bytes) in &freed {
-                        self.add_usage(sd, -i64::from(*bytes));
-                        self.clear_slot(sd, h);
-                    }
                     freed_total += freed.len() as u32;
+                    let bucket = self.drop_bodies(sd, i, &freed).unwrap_or(bucket);
+                    gauges.note(i, &bucket);
                     break;
                 }
             }
@@ -1018,91 +1058,106 @@ impl Table {
         Ok(freed_total)
     }
 
-    /// Empties the record slot of a position just freed, only if it still holds `h`'s record
-    /// (CAS on the slot): a worker that claimed the position after the bucket was written may
-    /// already have written its own record there, and keeps it. A slot left behind by a lost race
-    /// is ignored by readers (its owner differs from the position's) and overwritten by the next
-    /// owner of the position.
-    fn clear_slot(&self, sd: &mut dyn SharedData, h: &Handle) {
-        let name = self.slot_name(h.bucket, h.position);
-        if let Ok((Some(v), Some(cas))) = sd.get(&name) {
-            if slot_belongs_to(&v, h) {
-                let _ = sd.set(&name, b"", Some(cas));
+    /// Empties the body keys of the records a sweep just freed, each only if it still holds that
+    /// record's body (owner-checked CAS: a later owner of the position keeps its own), then stops
+    /// counting them where their position is still empty. Returns the bucket as written.
+    fn drop_bodies(&self, sd: &mut dyn SharedData, i: u32, freed: &[(usize, Entry)]) -> Option<Bucket> {
+        let mut dropped = vec![];
+        for (j, e) in freed.iter().filter(|(_, e)| e.body_bytes > 0) {
+            let h = Handle { bucket: i, position: *j, owner: e.owner, skey: e.skey };
+            if self.withdraw_body(sd, &h) {
+                dropped.push(*j);
             }
         }
-    }
-
-    /// Bytes of completed records held now.
-    pub fn usage(&self, sd: &mut dyn SharedData) -> u64 {
-        self.read_u64(sd, &self.usage_name())
-    }
-
-    /// Records held now (the count every claim, release, eviction and sweep keeps).
-    pub fn count(&self, sd: &mut dyn SharedData) -> u64 {
-        self.read_u64(sd, &self.count_name())
-    }
-
-    /// The age in ms of the last record evicted to make room (0 before any eviction).
-    pub fn last_evicted_age_ms(&self, sd: &mut dyn SharedData) -> u64 {
-        self.read_u64(sd, &self.evicted_age_name())
-    }
-
-    fn read_u64(&self, sd: &mut dyn SharedData, name: &str) -> u64 {
-        match sd.get(name) {
-            Ok((Some(v), _)) => v.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0),
-            _ => 0,
+        if dropped.is_empty() {
+            return None;
         }
+        for _ in 0..MAX_CAS_RETRIES {
+            let (mut bucket, cas) = self.read_bucket(sd, i).ok()?;
+            for j in &dropped {
+                if bucket.positions.get(*j).is_some_and(Option::is_none) {
+                    if let Some(l) = bucket.left.get_mut(*j) {
+                        *l = 0;
+                    }
+                }
+            }
+            if self.write_bucket(sd, i, &bucket, cas).ok()? {
+                return Some(bucket);
+            }
+        }
+        None
     }
 
-    /// Number of occupied positions (scans every bucket: for tests and diagnostics).
-    pub fn occupied(&self, sd: &mut dyn SharedData) -> u64 {
+    /// Records held now (reads every bucket: for tests and diagnostics; the gauges come from the
+    /// sweep).
+    pub fn count(&self, sd: &mut dyn SharedData) -> u64 {
         (0..self.buckets).filter_map(|i| self.read_bucket(sd, i).ok()).map(|(b, _)| b.occupied()).sum()
     }
 
-    /// Adds `bytes` to usage if it stays within `max_bytes`.
-    fn reserve(&self, sd: &mut dyn SharedData, bytes: u64) -> Result<bool, LocalError> {
-        self.reserve_on(sd, &self.usage_name(), bytes, self.max_bytes)
+    /// Bytes the body keys hold now (reads every bucket, as `count`).
+    pub fn usage(&self, sd: &mut dyn SharedData) -> u64 {
+        (0..self.buckets).filter_map(|i| self.read_bucket(sd, i).ok()).map(|(b, _)| b.bytes()).sum()
     }
 
-    /// Adds `amount` to the counter `name` (CAS) if it stays within `limit`.
-    fn reserve_on(&self, sd: &mut dyn SharedData, name: &str, amount: u64, limit: u64) -> Result<bool, LocalError> {
-        for _ in 0..MAX_CAS_RETRIES {
-            let (v, cas) = sd.get(name)?;
-            let (Some(v), Some(cas)) = (v, cas) else { return Err(LocalError::Missing) };
-            let used = v.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0);
-            if used.saturating_add(amount) > limit {
-                return Ok(false);
-            }
-            match sd.set(name, &(used + amount).to_le_bytes(), Some(cas)) {
-                Ok(()) => return Ok(true),
-                Err(SetError::CasMismatch) => continue,
-                Err(SetError::Host) => return Err(LocalError::Host),
+    /// The age in ms of the last record evicted to make room (0 before any eviction; reads every
+    /// bucket, as `count`).
+    pub fn last_evicted_age_ms(&self, sd: &mut dyn SharedData) -> u64 {
+        let mut g = Gauges::default();
+        for i in 0..self.buckets {
+            if let Ok((b, _)) = self.read_bucket(sd, i) {
+                g.fit(self.buckets);
+                g.note(i, &b);
             }
         }
-        Err(LocalError::Contended)
+        g.evicted_age_ms()
     }
 
-    fn add_usage(&self, sd: &mut dyn SharedData, delta: i64) {
-        self.add_to(sd, &self.usage_name(), delta);
-    }
-
-    fn add_to(&self, sd: &mut dyn SharedData, name: &str, delta: i64) {
-        if delta == 0 {
-            return;
-        }
-        for _ in 0..MAX_CAS_RETRIES {
-            let Ok((Some(v), Some(cas))) = sd.get(name) else { return };
-            let used = v.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0);
-            let next = used.saturating_add_signed(delta);
-            if sd.set(name, &next.to_le_bytes(), Some(cas)) != Err(SetError::CasMismatch) {
-                return;
-            }
-        }
+    /// Number of occupied positions (`count`).
+    pub fn occupied(&self, sd: &mut dyn SharedData) -> u64 {
+        self.count(sd)
     }
 }
 
-/// A shared-data key name, written on the stack: a request names a bucket, a slot and a counter
-/// a dozen times, and none of those names needs an allocation (the longest, a slot's, is under
+/// The table's gauges, made by the sweep from the buckets it reads (each bucket's figures as of
+/// its last sweep: approximate, never on the request path).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Gauges {
+    /// Per bucket: records, bytes, last eviction instant and age.
+    buckets: Vec<(u8, u64, u64, u64)>,
+}
+
+impl Gauges {
+    fn fit(&mut self, buckets: u32) {
+        let n = usize::try_from(buckets).unwrap_or(0);
+        if self.buckets.len() != n {
+            self.buckets = vec![(0, 0, 0, 0); n];
+        }
+    }
+
+    fn note(&mut self, i: u32, b: &Bucket) {
+        if let Some(g) = usize::try_from(i).ok().and_then(|i| self.buckets.get_mut(i)) {
+            *g = (u8::try_from(b.occupied()).unwrap_or(u8::MAX), b.bytes(), b.evicted_at_ms, b.evicted_age_ms);
+        }
+    }
+
+    /// Records held (as of each bucket's last sweep).
+    pub fn occupancy(&self) -> u64 {
+        self.buckets.iter().map(|g| u64::from(g.0)).sum()
+    }
+
+    /// Bytes the body keys hold.
+    pub fn bytes(&self) -> u64 {
+        self.buckets.iter().map(|g| g.1).sum()
+    }
+
+    /// The age of the table's latest eviction (0 before any).
+    pub fn evicted_age_ms(&self) -> u64 {
+        self.buckets.iter().max_by_key(|g| g.2).filter(|g| g.2 > 0).map_or(0, |g| g.3)
+    }
+}
+
+/// A shared-data key name, written on the stack: a request names a bucket and a body key
+/// a few times, and none of those names needs an allocation (the longest, a body key's, is under
 /// 80 bytes; a longer one, which no table makes, goes to the heap).
 pub enum Name {
     Stack([u8; 96], usize),
@@ -1147,42 +1202,69 @@ impl std::fmt::Debug for Name {
     }
 }
 
-/// A unit of the record count a claim holds for a new position.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Unit {
-    None,
-    /// Reserved under `max_entries`, or taken from a free record of another bucket.
-    Reserved,
-    /// Taken from a record evicted from another bucket.
-    Evicted,
-}
-
 /// Where a claim goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Place {
     position: usize,
     /// The age of the record this claim replaces by eviction.
     evicted_age_ms: Option<u64>,
-    /// An empty position: the claim uses the unit of the count it holds.
-    new: bool,
 }
 
-/// A slot: the owner's token and the storage key, then the encoded record.
-fn encode_slot(h: &Handle, r: &Record) -> Vec<u8> {
-    let mut out = Vec::with_capacity(48);
-    out.extend_from_slice(&h.owner.0);
-    out.extend_from_slice(&h.skey.0);
-    out.extend_from_slice(&r.encode());
+/// The creator as an entry keeps it: the request id, then each log value (name, value), each a
+/// length byte and its bytes; empty when it does not fit in `MAX_CREATOR_BYTES`.
+fn encode_creator(c: &Creator) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + c.request_id.len());
+    let put = |s: &str, out: &mut Vec<u8>| match u8::try_from(s.len()) {
+        Ok(n) => {
+            out.push(n);
+            out.extend_from_slice(s.as_bytes());
+            true
+        }
+        Err(_) => false,
+    };
+    let mut ok = put(&c.request_id, &mut out);
+    for (n, v) in &c.log_values {
+        ok = ok && put(n, &mut out) && put(v, &mut out);
+    }
+    if !ok || out.len() > MAX_CREATOR_BYTES {
+        return vec![];
+    }
     out
 }
 
-/// Whether a slot's value was written by `h`'s owner for `h`'s key.
-fn slot_belongs_to(v: &[u8], h: &Handle) -> bool {
+fn decode_creator(b: &[u8]) -> Option<Creator> {
+    fn take(r: &mut &[u8]) -> Option<String> {
+        let (&n, tail) = r.split_first()?;
+        let s = std::str::from_utf8(tail.get(..usize::from(n))?).ok()?.to_string();
+        *r = tail.get(usize::from(n)..)?;
+        Some(s)
+    }
+    let mut r = b;
+    let request_id = take(&mut r)?;
+    let mut log_values = vec![];
+    while !r.is_empty() {
+        log_values.push((take(&mut r)?, take(&mut r)?));
+    }
+    Some(Creator { request_id, log_values })
+}
+
+/// A body: the owner's token and the storage key, then the encoded record.
+fn encode_body(h: &Handle, r: &Record) -> Vec<u8> {
+    let encoded = r.encode();
+    let mut out = Vec::with_capacity(48 + encoded.len());
+    out.extend_from_slice(&h.owner.0);
+    out.extend_from_slice(&h.skey.0);
+    out.extend_from_slice(&encoded);
+    out
+}
+
+/// Whether a body was written by `h`'s owner for `h`'s key.
+fn body_belongs_to(v: &[u8], h: &Handle) -> bool {
     v.get(..16) == Some(h.owner.0.as_slice()) && v.get(16..48) == Some(h.skey.0.as_slice())
 }
 
-fn decode_slot(v: &[u8], h: &Handle) -> Option<Record> {
-    if !slot_belongs_to(v, h) {
+fn decode_body(v: &[u8], h: &Handle) -> Option<Record> {
+    if !body_belongs_to(v, h) {
         return None;
     }
     Record::decode(v.get(48..)?).ok()

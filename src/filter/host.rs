@@ -483,6 +483,7 @@ pub enum Counter {
     LocalErrors,
     BufferBudgetExceeded,
     LocalSwept,
+    LocalSweepPasses,
     StoreCalls,
     StoreCallsWaited,
     StoreErrors,
@@ -519,7 +520,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 52] = [
+    pub const ALL: [Counter; 53] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -540,6 +541,7 @@ impl Counter {
         Counter::LocalErrors,
         Counter::BufferBudgetExceeded,
         Counter::LocalSwept,
+        Counter::LocalSweepPasses,
         Counter::StoreCalls,
         Counter::StoreCallsWaited,
         Counter::StoreErrors,
@@ -596,6 +598,7 @@ impl Counter {
             Counter::LocalErrors => "idemgate.local_errors",
             Counter::BufferBudgetExceeded => "idemgate.buffer_budget_exceeded",
             Counter::LocalSwept => "idemgate.local_swept",
+            Counter::LocalSweepPasses => "idemgate.local_sweep_passes",
             Counter::StoreCalls => "idemgate.store_calls",
             Counter::StoreCallsWaited => "idemgate.store_calls_waited",
             Counter::StoreErrors => "idemgate.store_errors",

@@ -44,10 +44,10 @@ pub enum Kind {
     /// A shared-data read or write (CAS or not) of a bucket of the local table (`.b.<i>`).
     BucketGet,
     BucketSet,
-    /// ... of a record slot (`.s.<i>.<j>`).
+    /// ... of a record body key (`.r.<i>.<j>`; a v3 table's slot, `.s.<i>.<j>`).
     SlotGet,
     SlotSet,
-    /// ... of one of the table's counters (`.count`, `.usage`).
+    /// ... of a table-wide counter (`.count`, `.usage`: v3 only; v4 has none).
     CounterGet,
     CounterSet,
     /// ... of any other shared-data key.
@@ -132,7 +132,7 @@ pub fn shared_kind(key: &str, set: bool) -> Kind {
     let pick = |get, put| if set { put } else { get };
     if key.contains(".b.") {
         pick(Kind::BucketGet, Kind::BucketSet)
-    } else if key.contains(".s.") {
+    } else if key.contains(".r.") || key.contains(".s.") {
         pick(Kind::SlotGet, Kind::SlotSet)
     } else if key.ends_with(".count") || key.ends_with(".usage") {
         pick(Kind::CounterGet, Kind::CounterSet)

@@ -304,6 +304,8 @@ struct Root {
     last_sweep_ms: u64,
     /// The local table's occupancy at the last tick (for the 80 % warning).
     last_occupancy: u64,
+    /// The local table's figures, bucket by bucket, as the sweep last read them.
+    gauges: crate::local::Gauges,
     queues: Rc<Queues>,
     calls: HashMap<u32, Call>,
     queue_id: Option<u32>,
@@ -327,6 +329,7 @@ impl Root {
             sweep_at: 0,
             last_sweep_ms: 0,
             last_occupancy: 0,
+            gauges: crate::local::Gauges::default(),
             queues: Rc::new(Queues::default()),
             calls: HashMap::new(),
             queue_id: None,
@@ -1047,11 +1050,17 @@ impl Root {
                 return false;
             }
         };
-        let table = match config.store {
+        let mut table = match config.store {
             // The store keeps every record: the local tier is a cache that evicts freely.
             Some(_) => Table::new(&config.local).as_cache(),
             None => Table::new(&config.local),
         };
+        // After a hot reload from a module of layout v3, its records are honoured (read only).
+        if table.consult_v3_if_present(&mut HostShared) {
+            info!(
+                "idemgate: a local table of layout v3 is present: its records are honoured until this Envoy restarts"
+            );
+        }
         // Buckets are created where truly absent, never over a live one (see src/local.rs).
         match table.ensure_created(&mut HostShared) {
             Ok(created) if created > 0 => {
@@ -1181,19 +1190,10 @@ impl Root {
             return;
         }
         self.last_sweep_ms = now;
-        s.metrics.set(Gauge::LocalRecordBytes, s.table.usage(&mut HostShared));
-        let occupancy = s.table.count(&mut HostShared);
-        s.metrics.set(Gauge::LocalOccupancy, occupancy);
-        s.metrics.set(Gauge::LocalEvictedAgeSeconds, s.table.last_evicted_age_ms(&mut HostShared) / 1000);
-        if s.table.crossed_high_water(self.last_occupancy, occupancy) {
-            warn!(
-                "idemgate: local table {occupancy} of {} records (80 % or more): when full, records older than local.min_protection_seconds are evicted, then requests get 503 capacity-exhausted",
-                s.table.capacity()
-            );
-        }
-        self.last_occupancy = occupancy;
+        // The sweep frees expired records and reads each bucket's figures: the gauges are their
+        // sums, made here, off the request path (each bucket as of its last sweep).
         let buckets = s.table.buckets();
-        match s.table.sweep(&mut HostShared, self.sweep_at, SWEEP_BUCKETS_PER_SECOND, now) {
+        match s.table.sweep(&mut HostShared, self.sweep_at, SWEEP_BUCKETS_PER_SECOND, now, &mut self.gauges) {
             Ok(n) => {
                 for _ in 0..n {
                     s.metrics.inc(Counter::LocalSwept);
@@ -1201,7 +1201,23 @@ impl Root {
             }
             Err(e) => debug!("idemgate: sweep failed: {e:?}"),
         }
-        self.sweep_at = (self.sweep_at + SWEEP_BUCKETS_PER_SECOND) % buckets.max(1);
+        let next = (self.sweep_at + SWEEP_BUCKETS_PER_SECOND) % buckets.max(1);
+        if SWEEP_BUCKETS_PER_SECOND >= buckets || next <= self.sweep_at {
+            // Every bucket read once more since the last pass: tests wait on this count.
+            s.metrics.inc(Counter::LocalSweepPasses);
+        }
+        self.sweep_at = next;
+        s.metrics.set(Gauge::LocalRecordBytes, self.gauges.bytes());
+        let occupancy = self.gauges.occupancy();
+        s.metrics.set(Gauge::LocalOccupancy, occupancy);
+        s.metrics.set(Gauge::LocalEvictedAgeSeconds, self.gauges.evicted_age_ms() / 1000);
+        if s.table.crossed_high_water(self.last_occupancy, occupancy) {
+            warn!(
+                "idemgate: local table {occupancy} of {} records (80 % or more): when full, records older than local.min_protection_seconds are evicted, then requests get 503 capacity-exhausted",
+                s.table.capacity()
+            );
+        }
+        self.last_occupancy = occupancy;
     }
 }
 

@@ -5,47 +5,11 @@
 use super::*;
 use crate::config::LocalConfig;
 use crate::record::StoredResponse;
-use std::collections::HashMap;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
-/// Shared data as Envoy implements it.
-#[derive(Default, Clone)]
-pub struct Model {
-    map: HashMap<String, (Vec<u8>, u32)>,
-    next_cas: u32,
-}
-
-impl Model {
-    pub fn names(&self) -> usize {
-        self.map.len()
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.map.iter().map(|(k, (v, _))| k.len() + v.len()).sum()
-    }
-}
-
-impl SharedData for Model {
-    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
-        Ok(match self.map.get(key) {
-            None => (None, None),
-            Some((v, cas)) if v.is_empty() => (None, Some(*cas)),
-            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
-        })
-    }
-
-    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        if let (Some(want), Some((_, have))) = (cas.filter(|c| *c != 0), self.map.get(key)) {
-            if want != *have {
-                return Err(SetError::CasMismatch);
-            }
-        }
-        self.next_cas += 1;
-        self.map.insert(key.to_string(), (value.to_vec(), self.next_cas));
-        Ok(())
-    }
-}
+/// Shared data as Envoy implements it (the one fake: `memory::MemoryShared`).
+pub type Model = super::memory::MemoryShared;
 
 const NOW: u64 = 1_000_000_000;
 
@@ -128,30 +92,43 @@ fn bucket_round_trips_and_refuses_garbage() {
     b.positions[3] = Some(Entry {
         skey: skey(7),
         fingerprint: Some(fp(2)),
-        phase: EntryPhase::Completed,
+        stage: Stage::Completed,
         owner: owner(9),
         since_ms: 1,
         expires_at_ms: 2,
         lock_expires_at_ms: 3,
         status: 201,
-        slot_bytes: 99,
+        body_bytes: 99,
         floor_ms: 5,
+        creator: vec![],
     });
-    b.positions[5] = Some(Entry { fingerprint: None, phase: EntryPhase::Claimed, ..b.positions[3].clone().unwrap() });
+    b.positions[5] = Some(Entry {
+        fingerprint: None,
+        stage: Stage::Claimed,
+        creator: encode_creator(&creator("req-5")),
+        ..b.positions[3].clone().unwrap()
+    });
+    b.left[9] = 1234;
+    b.evicted_at_ms = 77;
+    b.evicted_age_ms = 66;
     let bytes = b.encode();
-    assert_eq!(Bucket::decode(&bytes), Some(b));
+    assert_eq!(Bucket::decode(&bytes), Some(b.clone()));
     for cut in 0..bytes.len() {
         assert_eq!(Bucket::decode(&bytes[..cut]), None);
     }
     assert_eq!(Bucket::decode(b"nonsense"), None);
     assert_eq!(Bucket::decode(&[bytes.as_slice(), b"x"].concat()), None, "trailing bytes");
     let mut swapped = bytes.clone();
-    swapped[5] = 5; // the first entry now claims position 5, the second too
+    swapped[HEADER_BYTES] = 5; // the first entry now claims position 5, the second too
     assert_eq!(Bucket::decode(&swapped), None, "positions must increase");
     let mut out_of_range = bytes.clone();
-    out_of_range[5] = BUCKET_WIDTH as u8;
+    out_of_range[HEADER_BYTES] = BUCKET_WIDTH as u8;
     assert_eq!(Bucket::decode(&out_of_range), None);
     assert_eq!(Bucket::decode(&Bucket::empty().encode()), Some(Bucket::empty()));
+    assert_eq!(decode_creator(&encode_creator(&creator("req-5"))), Some(creator("req-5")));
+    let mut left_on_a_held_position = b.clone();
+    left_on_a_held_position.left[3] = 1;
+    assert_eq!(Bucket::decode(&left_on_a_held_position.encode()), None, "bytes left only on an empty position");
 }
 
 #[test]
@@ -244,7 +221,11 @@ fn a_forwarded_claim_whose_lock_is_live_keeps_its_key_past_the_expiry_set_at_hea
         let b = t.begin(&mut m, k, f, retry_at, &p, owner(2), &creator("b")).unwrap();
         assert!(is_reject(&b, &in_flight()), "{b:?}");
     }
-    assert_eq!(t.sweep(&mut m, 0, t.buckets(), retry_at).unwrap(), 0, "a sweep frees no live claim");
+    assert_eq!(
+        t.sweep(&mut m, 0, t.buckets(), retry_at, &mut Gauges::default()).unwrap(),
+        0,
+        "a sweep frees no live claim"
+    );
     assert!(t.peek(&mut m, &k, retry_at).unwrap().is_some());
     let done_at = NOW + 4_000;
     let r = Record::completed(fp(1), response("a"), false, creator("a"), done_at, p.ttl_seconds);
@@ -458,7 +439,7 @@ fn a_record_keeps_the_floor_of_the_configuration_that_wrote_it_whichever_evicts(
     assert!(is_reject(&b, &ProblemKind::OutcomeUnknown), "{b:?}");
     let (bucket, _) = cache.read_bucket(&mut m, h.bucket).unwrap();
     let e = bucket.positions[h.position].as_ref().unwrap();
-    assert_eq!((e.phase, e.floor_ms), (EntryPhase::Unknown, 60_000));
+    assert_eq!((e.stage, e.floor_ms), (Stage::Unknown, 60_000));
     // A record written under `when_full: "reject"` is never evicted, not even by a cache.
     let reject = floor_table(16, WhenFull::Reject, 0);
     let mut m = fresh(&reject);
@@ -466,23 +447,51 @@ fn a_record_keeps_the_floor_of_the_configuration_that_wrote_it_whichever_evicts(
     assert_eq!(claim(&cache, &mut m, skey(100), Some(fp(1)), 2, NOW + 50_000), Begin::Full);
 }
 
+/// Layout v4 is set-associative: a full bucket evicts within itself (never a record of another
+/// bucket), and a key of another bucket still finds room.
 #[test]
-fn a_full_table_evicts_from_the_next_buckets_when_the_keys_own_bucket_has_nothing_to_give() {
-    let t = floor_table(16, WhenFull::EvictOldest, 1);
-    assert_eq!(t.buckets(), 2);
+fn a_full_bucket_evicts_within_itself_and_other_buckets_keep_their_records() {
+    let t = floor_table(100, WhenFull::EvictOldest, 1);
+    assert_eq!((t.buckets(), t.width()), (4, 64));
     let mut m = fresh(&t);
-    fill_completed(&t, &mut m, &keys_in_bucket(&t, 0, 16), NOW);
-    let k = keys_in_bucket(&t, 1, 1)[0];
-    assert_eq!(claim(&t, &mut m, k, Some(fp(1)), 2, NOW + 500), Begin::Full, "under the floor");
-    assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 2, NOW + 2_000), Begin::Claimed { evicted: true, .. }));
-    assert_eq!((t.count(&mut m), t.occupied(&mut m)), (16, 16));
-    // An expired record in another bucket gives its place without an eviction.
-    let t = floor_table(16, WhenFull::Reject, 0);
+    let full = keys_in_bucket(&t, 0, 64);
+    fill_completed(&t, &mut m, &full, NOW);
+    let other = keys_in_bucket(&t, 1, 1)[0];
+    let next = keys_in_bucket(&t, 0, 65)[64];
+    assert_eq!(claim(&t, &mut m, next, Some(fp(1)), 2, NOW + 500), Begin::Full, "under the floor");
+    assert!(matches!(claim(&t, &mut m, other, Some(fp(1)), 2, NOW + 500), Begin::Claimed { evicted: false, .. }));
+    assert!(matches!(claim(&t, &mut m, next, Some(fp(1)), 2, NOW + 2_000), Begin::Claimed { evicted: true, .. }));
+    assert_eq!(t.count(&mut m), 65);
+    assert_eq!(full.iter().filter(|k| t.peek(&mut m, k, NOW + 2_000).unwrap().is_some()).count(), 63);
+    let age = t.last_evicted_age_ms(&mut m);
+    assert!((1_000..=2_000).contains(&age), "evicted age {age}");
+    // An expired record of the bucket gives its place without an eviction.
+    let t = floor_table(100, WhenFull::Reject, 0);
     let mut m = fresh(&t);
-    fill_completed(&t, &mut m, &keys_in_bucket(&t, 0, 16), NOW);
+    fill_completed(&t, &mut m, &full, NOW);
     let later = NOW + policy().ttl_seconds * 1000 + 100;
-    assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 2, later), Begin::Claimed { evicted: false, .. }));
-    assert_eq!((t.count(&mut m), t.occupied(&mut m)), (16, 16));
+    assert!(matches!(claim(&t, &mut m, next, Some(fp(1)), 2, later), Begin::Claimed { evicted: false, .. }));
+    assert_eq!(t.count(&mut m), 64);
+}
+
+/// Under uniform keys (SHA-256 storage keys, as the filter makes them) the default table's first
+/// bucket overflows its 64 positions only past `max_entries` (docs/local-tier.md: about 1.2 x).
+#[test]
+fn the_first_bucket_overflows_only_past_max_entries() {
+    let t = Table::new(&LocalConfig::default());
+    assert_eq!((t.buckets(), t.width()), (8192, 64));
+    let mut held = vec![0usize; t.buckets() as usize];
+    let mut n = 0u64;
+    let first_overflow = loop {
+        let b = t.bucket_of(&hashed_skey(n)) as usize;
+        held[b] += 1;
+        n += 1;
+        if held[b] > BUCKET_WIDTH {
+            break n;
+        }
+    };
+    assert_eq!(first_overflow, 308_089, "{} of max_entries", first_overflow as f64 / t.capacity() as f64);
+    assert!(first_overflow > t.capacity());
 }
 
 #[test]
@@ -500,20 +509,20 @@ fn the_count_follows_claims_releases_and_sweeps() {
         complete(&t, &mut m, h, fp(1), response("r"), false, &creator("c"), NOW, &policy()).unwrap();
     }
     let later = NOW + policy().ttl_seconds * 1000 + 1;
-    assert_eq!(t.sweep(&mut m, 0, t.buckets(), later).unwrap(), 9);
+    assert_eq!(t.sweep(&mut m, 0, t.buckets(), later, &mut Gauges::default()).unwrap(), 9);
     assert_eq!((t.count(&mut m), t.occupied(&mut m)), (0, 0));
 }
 
 #[test]
 fn an_empty_bucket_costs_a_few_bytes_and_a_bucket_grows_with_use() {
     let t = Table::new(&LocalConfig::default());
-    assert_eq!(t.buckets(), 262_144 / 8);
-    assert_eq!(Bucket::empty().encode().len(), 5);
+    assert_eq!(t.buckets(), 262_144 / 32);
+    assert_eq!(Bucket::empty().encode().len(), HEADER_BYTES + 1);
     let mut m = fresh(&t);
     let k = skey(1);
     claim(&t, &mut m, k, Some(fp(1)), 1, NOW);
     let (v, _) = m.get(&t.bucket_name(t.bucket_of(&k))).unwrap();
-    assert_eq!(v.unwrap().len(), 5 + 1 + ENTRY_BYTES);
+    assert_eq!(v.unwrap().len(), HEADER_BYTES + 1 + ENTRY_BYTES + "req-1".len() + 1);
 }
 
 #[test]
@@ -572,16 +581,66 @@ fn usage_follows_completions_releases_and_sweeps() {
     let h = handle(&claim(&t, &mut m, skey(1), Some(fp(1)), 1, NOW));
     complete(&t, &mut m, &h, fp(1), response("abc"), false, &creator("c"), NOW, &policy()).unwrap();
     let used = t.usage(&mut m);
-    assert!(used > 0);
+    let (body, _) = m.get(&t.body_name(h.bucket, h.position)).unwrap();
+    assert_eq!(used, body.unwrap().len() as u64, "the bucket counts the bytes its body key holds");
     let h2 = handle(&claim(&t, &mut m, skey(2), Some(fp(1)), 1, NOW));
     complete(&t, &mut m, &h2, fp(1), response("x".repeat(10_000).as_str()), true, &creator("c"), NOW, &policy())
         .unwrap();
-    assert_eq!(t.usage(&mut m), used, "a too-large response is kept without its body and not counted");
+    let (lean, _) = m.get(&t.body_name(h2.bucket, h2.position)).unwrap();
+    let lean = lean.unwrap().len() as u64;
+    assert!(lean < 200, "a too-large response is kept without its body: {lean} bytes");
+    assert_eq!(t.usage(&mut m), used + lean);
     assert_eq!(t.occupied(&mut m), 2);
     let after_expiry = NOW + policy().ttl_seconds * 1000;
-    assert_eq!(t.sweep(&mut m, 0, t.buckets(), after_expiry).unwrap(), 2);
-    assert_eq!(t.usage(&mut m), 0);
+    let mut g = Gauges::default();
+    assert_eq!(t.sweep(&mut m, 0, t.buckets(), after_expiry, &mut g).unwrap(), 2);
+    assert_eq!(t.usage(&mut m), 0, "the sweep empties the bodies of the records it frees");
+    assert_eq!((g.occupancy(), g.bytes()), (0, 0));
     assert_eq!(t.occupied(&mut m), 0);
+}
+
+/// Each bucket has its share of `max_bytes`: a completion that does not fit keeps its status only,
+/// and the bytes the body keys hold never pass the share.
+#[test]
+fn a_bucket_never_holds_more_than_its_share_of_max_bytes() {
+    let t = Table::new(&LocalConfig {
+        max_entries: 64,
+        max_bytes: 4_000,
+        when_full: WhenFull::Reject,
+        min_protection_seconds: 0,
+    });
+    assert_eq!(t.bucket_bytes(), 4_000);
+    let mut m = fresh(&t);
+    let mut outcomes = vec![];
+    for n in 0..10 {
+        let h = handle(&claim(&t, &mut m, skey(n), Some(fp(1)), 1, NOW));
+        let body = "z".repeat(1_000);
+        outcomes.push(complete(&t, &mut m, &h, fp(1), response(&body), false, &creator("c"), NOW, &policy()).unwrap());
+        let held: usize = m
+            .names_with("idemgate.v4")
+            .iter()
+            .filter(|k| k.contains(".r."))
+            .map(|k| m.get(k).unwrap().0.map_or(0, |v| v.len()))
+            .sum();
+        assert_eq!(t.usage(&mut m), held as u64);
+        assert!(held <= 4_000, "{held} bytes");
+    }
+    assert_eq!(outcomes.iter().filter(|o| **o == Completed::Stored).count(), 3);
+    assert!(outcomes[3..].iter().all(|o| *o == Completed::StoredWithoutBody), "{outcomes:?}");
+}
+
+/// Issue 27: a first request (claim at headers, forwarded, completed) makes 7 shared-data calls.
+#[test]
+fn a_first_request_makes_seven_shared_data_calls() {
+    let t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let before = m.calls;
+    let h = handle(&claim(&t, &mut m, skey(1), None, 1, NOW));
+    assert_eq!(m.calls - before, 2, "the claim: one read, one CAS");
+    assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW + 1, &policy()).unwrap());
+    assert_eq!(m.calls - before, 4);
+    complete(&t, &mut m, &h, fp(1), response("x"), false, &creator("c"), NOW + 2, &policy()).unwrap();
+    assert_eq!(m.calls - before, 7);
 }
 
 #[test]
@@ -661,7 +720,11 @@ fn a_forwarded_claim_that_never_finished_is_outcome_unknown_for_unknown_outcome_
     let (k, j) = (skey(60), skey(61));
     t.begin(&mut m, k, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap();
     let past_ttl = NOW + 5_300;
-    assert_eq!(t.sweep(&mut m, 0, t.buckets(), past_ttl).unwrap(), 0, "no sweep frees it at its ttl");
+    assert_eq!(
+        t.sweep(&mut m, 0, t.buckets(), past_ttl, &mut Gauges::default()).unwrap(),
+        0,
+        "no sweep frees it at its ttl"
+    );
     let b = t.begin(&mut m, k, Some(fp(1)), past_ttl, &p, owner(2), &creator("b")).unwrap();
     assert!(matches!(b, Begin::Reject { problem: ProblemKind::OutcomeUnknown, .. }), "{b:?}");
     // Marked unknown by the settle after a route timeout: 600 s from then.
@@ -726,7 +789,7 @@ fn the_configure_line_states_capacity_memory_and_sustained_rate() {
     let t = Table::new(&LocalConfig::default());
     assert_eq!(
         t.describe(86_400),
-        "idemgate: local table: capacity 262144 records, 286 MiB reserved, supports 3.0 protected requests/s sustained at ttl_seconds 86400"
+        "idemgate: local table: capacity 262144 records (8192 buckets of 64), 320 MiB reserved, supports 3.0 protected requests/s sustained at ttl_seconds 86400"
     );
     assert!(t.crossed_high_water(209_714, 209_716));
     assert!(!t.crossed_high_water(209_716, 209_800), "once per crossing");
@@ -789,13 +852,10 @@ fn a_completed_record_is_neither_released_nor_marked_unknown_by_its_owner() {
 #[test]
 fn shared_data_names_are_built_without_allocating_and_spell_as_before() {
     let t = Table::new(&LocalConfig { max_entries: u64::MAX, ..LocalConfig::default() });
-    let prefix = format!("idemgate.v3.local.n{}", u64::MAX);
+    let prefix = format!("idemgate.v4.local.n{}", u64::MAX);
     for (name, want) in [
         (t.bucket_name(u32::MAX), format!("{prefix}.b.{}", u32::MAX)),
-        (t.slot_name(u32::MAX, usize::MAX), format!("{prefix}.s.{}.{}", u32::MAX, usize::MAX)),
-        (t.usage_name(), format!("{prefix}.usage")),
-        (t.count_name(), format!("{prefix}.count")),
-        (t.evicted_age_name(), format!("{prefix}.evicted_age")),
+        (t.body_name(u32::MAX, usize::MAX), format!("{prefix}.r.{}.{}", u32::MAX, usize::MAX)),
         (t.ready_name(), format!("{prefix}.ready")),
     ] {
         assert_eq!(&*name, want.as_str());
@@ -826,4 +886,68 @@ fn the_eviction_floor_counts_from_the_completion_not_the_claim() {
     let b = claim(&t, &mut m, skey(100), Some(fp(1)), 2, NOW + 19_000);
     assert!(matches!(b, Begin::Claimed { evicted: true, .. }), "{b:?}");
     assert_eq!(t.last_evicted_age_ms(&mut m), 10_000);
+}
+
+/// Upgrade from layout v3 (issue 27): after a hot reload the old module's claim may still be in
+/// flight. The v4 table honours the v3 record, read only: 409 while it runs, its response once
+/// the old module completes it (even after the claim's own expiry), never a second execution;
+/// and a claim v4 made at headers is not forwarded once v3 holds the key.
+#[test]
+fn a_v3_claim_in_flight_after_a_reload_is_never_executed_again() {
+    let v3_table = "idemgate.v3.local.n1000";
+    let k = skey(42);
+    let old_owner = owner(0x33);
+    let p = policy();
+    let v3_bucket = |tag: u8, expires: u64, lock: u64| {
+        let b = (u64::from_le_bytes(k.0[24..32].try_into().unwrap()) % 125) as u32;
+        (
+            format!("{v3_table}.b.{b}"),
+            format!("{v3_table}.s.{b}.3"),
+            v3::encode_for_test(&[(3, tag, k, old_owner, expires, lock)]),
+        )
+    };
+    let mut t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    assert!(!t.consult_v3_if_present(&mut m), "no v3 table: nothing to consult");
+    m.set(&format!("{v3_table}.ready"), b"1", None).unwrap();
+    assert!(t.consult_v3_if_present(&mut m));
+    // In flight in v3 (forwarded, lock live).
+    let (bucket, slot, v) = v3_bucket(2, NOW + 20_000, NOW + 10_000);
+    m.set(&bucket, &v, None).unwrap();
+    assert!(is_reject(&t.begin(&mut m, k, Some(fp(7)), NOW + 1, &p, owner(1), &creator("b")).unwrap(), &in_flight()));
+    assert!(matches!(
+        t.begin(&mut m, k, Some(fp(7)), NOW + 12_000, &p, owner(1), &creator("b")).unwrap(),
+        Begin::Reject { problem: ProblemKind::OutcomeUnknown, marked_unknown: false, .. }
+    ));
+    // The old module completes it after the expiry it had as a claim: replayed from v3.
+    let done = NOW + 30_000;
+    let r = Record::completed(Fingerprint([7; 32]), response("v3"), false, creator("a"), done, p.ttl_seconds);
+    let mut body = old_owner.0.to_vec();
+    body.extend_from_slice(&k.0);
+    body.extend_from_slice(&r.encode());
+    m.set(&slot, &body, None).unwrap();
+    let (_, _, v) = v3_bucket(3, r.expires_at_ms, 0);
+    m.set(&bucket, &v, None).unwrap();
+    match t.begin(&mut m, k, Some(fp(7)), done + 1, &p, owner(1), &creator("b")).unwrap() {
+        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("v3"))),
+        other => panic!("a v3 record must be replayed, not executed again: {other:?}"),
+    }
+    assert!(t.peek(&mut m, &k, done + 1).unwrap().is_some_and(|p| p.record.is_some()));
+    // A claim v4 made at headers (v3 not holding the key then) is not forwarded once it does.
+    let k2 = skey(43);
+    let h = handle(&t.begin(&mut m, k2, None, NOW, &p, owner(2), &creator("c")).unwrap());
+    let b2 = (u64::from_le_bytes(k2.0[24..32].try_into().unwrap()) % 125) as u32;
+    m.set(
+        &format!("{v3_table}.b.{b2}"),
+        &v3::encode_for_test(&[(0, 1, k2, old_owner, NOW + 20_000, NOW + 10_000)]),
+        None,
+    )
+    .unwrap();
+    assert!(!t.mark_forwarded(&mut m, &h, fp(1), NOW + 1, &p).unwrap());
+    // Once the v3 record no longer holds its key, v4 claims it.
+    let expired = r.expires_at_ms + 1;
+    assert!(matches!(
+        t.begin(&mut m, k, Some(fp(7)), expired, &p, owner(1), &creator("b")).unwrap(),
+        Begin::Claimed { .. }
+    ));
 }

@@ -159,15 +159,15 @@ fn buckets(cfg: &str) -> impl Fn(&str) -> u32 {
 /// and a retry of A's key takes position 0 and executes; then A's body arrives. A's claim is no
 /// longer its key's only live claim: A must not be forwarded.
 ///
-/// Each worker sweeps expired entries of 64 buckets a second, from bucket 0; a sweep freeing A's
-/// position first would hide the defect. So the table has 62,500 buckets and the keys are chosen
-/// in one past 31,250, which no sweep reaches in the first 8 minutes of the proxy.
+/// Each worker sweeps expired entries of 512 buckets a second, from bucket 0; a sweep freeing A's
+/// position first would hide the defect. So the table has 31,250 buckets (layout v4) and the keys
+/// are chosen in one past 15,625, which no sweep reaches in the first 30 s of the proxy.
 #[test]
 fn a_claim_superseded_while_its_body_was_uploading_is_never_forwarded() {
     let cfg = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 2, "lock_ttl_seconds": 1,
                   "local": {"max_entries": 1000000}}"#;
     let bucket_of = buckets(cfg);
-    let a_key = (0..64).map(|i| format!("k-a-{i}")).find(|k| bucket_of(k) >= 31_250).expect("a key past the sweeps");
+    let a_key = (0..64).map(|i| format!("k-a-{i}")).find(|k| bucket_of(k) >= 15_625).expect("a key past the sweeps");
     let bucket = bucket_of(&a_key);
     let y_key =
         (0..2_000_000).map(|i| format!("k-y-{i}")).find(|k| bucket_of(k) == bucket).expect("a key in A's bucket");

@@ -26,7 +26,7 @@ use idemgate::decision::{decide, Decision, Lookup};
 use idemgate::etcd::{self, Fence};
 use idemgate::fingerprint::Fingerprint;
 use idemgate::lifecycle::Stage;
-use idemgate::local::{Begin, Completed, Handle, HostError, SetError, SharedData, Table};
+use idemgate::local::{Begin, Completed, Handle, SharedData, Table};
 use idemgate::owner::OwnerToken;
 use idemgate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
 use idemgate::scope::StorageKey;
@@ -37,33 +37,8 @@ use std::collections::HashMap;
 use support::etcd::EtcdCluster;
 use support::store::{resp::Value, Redis};
 
-/// Shared data as Envoy implements it (CAS on an absent key inserts; removal leaves an empty value).
-#[derive(Default)]
-struct Shared {
-    map: HashMap<String, (Vec<u8>, u32)>,
-    next_cas: u32,
-}
-
-impl SharedData for Shared {
-    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
-        Ok(match self.map.get(key) {
-            None => (None, None),
-            Some((v, cas)) if v.is_empty() => (None, Some(*cas)),
-            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
-        })
-    }
-
-    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        if let (Some(want), Some((_, have))) = (cas.filter(|c| *c != 0), self.map.get(key)) {
-            if want != *have {
-                return Err(SetError::CasMismatch);
-            }
-        }
-        self.next_cas += 1;
-        self.map.insert(key.to_string(), (value.to_vec(), self.next_cas));
-        Ok(())
-    }
-}
+/// Shared data as Envoy implements it (the crate's one fake: `local::memory::MemoryShared`).
+type Shared = idemgate::local::memory::MemoryShared;
 
 #[derive(Clone, Copy, Debug)]
 enum Ev {

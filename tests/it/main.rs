@@ -38,3 +38,4 @@ mod store_scripts;
 mod store_support_smoke;
 mod store_tls;
 mod two_proxies;
+mod upgrade;

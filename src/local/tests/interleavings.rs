@@ -267,7 +267,9 @@ fn a_sweep_never_clears_the_slot_of_a_worker_that_claimed_the_position_meanwhile
     for s in all_binary_schedules(12) {
         let (t1, t2) = (t.clone(), t.clone());
         let work: Vec<Work<String>> = vec![
-            Box::new(move |sd: &mut dyn SharedData| format!("{:?}", t1.sweep(sd, 0, 1, later).unwrap())),
+            Box::new(move |sd: &mut dyn SharedData| {
+                format!("{:?}", t1.sweep(sd, 0, 1, later, &mut Gauges::default()).unwrap())
+            }),
             Box::new(move |sd: &mut dyn SharedData| {
                 let b =
                     handle(&t2.begin(sd, skey(23), Some(fp(2)), later, &policy(), owner(2), &creator("b")).unwrap());
@@ -297,7 +299,8 @@ fn two_claims_for_the_last_free_record_never_exceed_max_entries_under_every_inte
     for n in 0..15u64 {
         claim(&t, &mut base, skey(n), Some(fp(1)), 1, NOW); // in flight: never evicted
     }
-    let (a, b) = (keys_in_bucket(&t, 0, 20)[19], keys_in_bucket(&t, 1, 20)[19]);
+    // A table of 16 is one bucket of 16 positions (layout v4): one position left for two keys.
+    let (a, b) = (skey(100), skey(101));
     for s in all_binary_schedules(12) {
         let (t1, t2) = (t.clone(), t.clone());
         let work: Vec<Work<Begin>> = vec![
@@ -315,18 +318,18 @@ fn two_claims_for_the_last_free_record_never_exceed_max_entries_under_every_inte
     }
 }
 
-/// At capacity, two claims evict at once (from their own bucket or the next): both claim, each
-/// in place of one finished record, and the table stays at capacity, with no unit lost or added.
+/// At capacity, two claims evict at once (within their bucket, layout v4): both claim, each in
+/// place of one finished record, and the table stays at capacity.
 #[test]
 fn racing_evictions_keep_the_table_at_capacity_under_random_interleavings() {
     let t = floor_table(16, WhenFull::EvictOldest, 0);
     let mut base = fresh(&t);
-    // All 16 finished records in bucket 0: a key of bucket 1 must take one from its neighbour.
+    // All 16 positions of the one bucket hold finished records.
     for (n, k) in keys_in_bucket(&t, 0, 16).into_iter().enumerate() {
         let h = handle(&claim(&t, &mut base, k, Some(fp(1)), 1, NOW + n as u64));
         complete(&t, &mut base, &h, fp(1), response("r"), false, &creator("c"), NOW, &policy()).unwrap();
     }
-    let (a, b) = (keys_in_bucket(&t, 0, 20)[19], keys_in_bucket(&t, 1, 1)[0]);
+    let (a, b) = (keys_in_bucket(&t, 0, 20)[19], keys_in_bucket(&t, 0, 20)[18]);
     for s in schedules(2, 400, 40, 14).into_iter().chain(all_binary_schedules(10)) {
         let (t1, t2) = (t.clone(), t.clone());
         let later = NOW + 1_000;

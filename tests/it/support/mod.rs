@@ -684,7 +684,9 @@ impl Envoy {
     /// configuration and VM settings; a changed `vm_env` makes Envoy start a new Wasm VM).
     pub fn reload_listener(&self, o: &EnvoyOptions) {
         assert!(self.options.lds, "reload_listener needs EnvoyOptions::lds");
-        let listener = render_listener(o, &o.plugin_config, self.port, &self.wasm);
+        // `o.wasm` set: the listener loads that module (a new module starts a new Wasm VM).
+        let wasm = o.wasm.clone().unwrap_or_else(|| self.wasm.clone());
+        let listener = render_listener(o, &o.plugin_config, self.port, &wasm);
         let tmp = self._scratch.0.join("lds.yaml.tmp");
         std::fs::write(&tmp, render_lds(&listener)).expect("write lds");
         std::fs::rename(&tmp, self._scratch.0.join("lds.yaml")).expect("swap lds");
