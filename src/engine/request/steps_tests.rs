@@ -4,10 +4,10 @@
 
 use super::*;
 use crate::key::KeyError;
-use crate::local::{HostError, SetError, SharedData, Table};
+use crate::local::memory::MemoryShared;
+use crate::local::Table;
 use crate::owner::OwnerToken;
 use crate::scope::StorageKey;
-use std::collections::HashMap;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -313,36 +313,9 @@ fn an_mcp_batch_holding_a_protected_call_and_an_ambiguous_body_are_refused() {
     assert!(matches!(at, AtMcpBody::Refuse { ref id, problem: ProblemKind::McpBodyAmbiguous, .. } if id == b"6"));
 }
 
-/// Shared data with Envoy's CAS semantics (test-only; the minimum the local tier calls).
-#[derive(Default)]
-struct Memory {
-    map: HashMap<String, (Vec<u8>, u32)>,
-    next_cas: u32,
-}
-
-impl SharedData for Memory {
-    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
-        Ok(match self.map.get(key) {
-            None => (None, None),
-            Some((v, cas)) => ((!v.is_empty()).then(|| v.clone()), Some(*cas)),
-        })
-    }
-
-    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        if let (Some(want), Some((_, have))) = (cas.filter(|c| *c != 0), self.map.get(key)) {
-            if want != *have {
-                return Err(SetError::CasMismatch);
-            }
-        }
-        self.next_cas += 1;
-        self.map.insert(key.to_string(), (value.to_vec(), self.next_cas));
-        Ok(())
-    }
-}
-
 /// One request through the steps the glue runs, as `src/filter/http.rs` runs them: headers,
 /// the local claim at the headers, the body, the claim marked forwarded, the next step.
-fn drive(c: &Config, table: &Table, sd: &mut Memory, key: &str, body: &[u8], owner: u8, now: u64) -> Step {
+fn drive(c: &Config, table: &Table, sd: &mut MemoryShared, key: &str, body: &[u8], owner: u8, now: u64) -> Step {
     let mut h = head("POST", "/charges", &[("idempotency-key", key)]);
     let a = admitted(at_headers(c, &h, None, false));
     let skey = StorageKey::derive(&a.policy.namespace, &a.scope, &a.key);
@@ -366,7 +339,7 @@ fn drive(c: &Config, table: &Table, sd: &mut Memory, key: &str, body: &[u8], own
 fn in_memory_a_request_runs_headers_body_and_local_claim_to_forward_and_a_duplicate_meets_it_in_flight() {
     let c = config(SCOPED);
     let table = Table::new(&c.local);
-    let mut sd = Memory::default();
+    let mut sd = MemoryShared::default();
     assert!(table.ensure_created(&mut sd).is_ok());
     let first = drive(&c, &table, &mut sd, "k-1", br#"{"amount":1}"#, 1, NOW);
     assert!(matches!(first, Step::Forward { handle: Some(_), in_store: false, lock_from_ms: NOW, .. }), "{first:?}");
