@@ -61,6 +61,46 @@ pub enum Level {
     Debug,
 }
 
+/// A log line, built only if its level is logged (`Display`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Line<'a> {
+    /// `idemgate: outcome=<outcome> <the claim's log> <detail>`, then `tail`.
+    Outcome { outcome: &'static str, log: &'a str, detail: &'a str, tail: Tail },
+    /// The claim's policy is gone: the claim is kept.
+    Kept { log: &'a str },
+}
+
+/// What ends an outcome line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Tail {
+    None,
+    /// ` why=<why>`: why an MCP answer is not a final response.
+    Why(String),
+    /// ` error=<error>`: the local tier's error.
+    Error(String),
+    /// ` reason=<reason>`: why the outcome is unknown.
+    Reason(UnknownReason),
+}
+
+impl std::fmt::Display for Line<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Line::Outcome { outcome, log, detail, tail } => {
+                write!(f, "idemgate: outcome={outcome} {log} {detail}")?;
+                match tail {
+                    Tail::None => Ok(()),
+                    Tail::Why(why) => write!(f, " why={why}"),
+                    Tail::Error(e) => write!(f, " error={e}"),
+                    Tail::Reason(r) => write!(f, " reason={}", r.as_str()),
+                }
+            }
+            Line::Kept { log } => {
+                write!(f, "idemgate: outcome=internal_state branch=settle broken=policy_missing claim=kept {log}")
+            }
+        }
+    }
+}
+
 /// A local-tier operation on the claim's handle; the glue reports its answer to `finish`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Local {
@@ -72,7 +112,7 @@ pub enum Local {
 
 /// What the glue does, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Command {
+pub enum Command<'a> {
     /// Push this store write of the claim's key (through the root's write queue), with the
     /// fallback sent if it keeps failing.
     Write {
@@ -82,7 +122,7 @@ pub enum Command {
     },
     Local(Local),
     Count(Count),
-    Log(Level, String),
+    Log(Level, Line<'a>),
 }
 
 /// What the local tier answered the `Local` command (`None`: there was none, no handle).
@@ -96,18 +136,19 @@ pub enum LocalAnswer {
 }
 
 #[derive(Debug)]
-enum Next {
+enum Next<'a> {
     Kept,
-    Stored { detail: String },
-    Released { write: Option<Command>, detail: String },
-    Unknown { write: Option<Command>, reason: UnknownReason, detail: String },
+    Stored,
+    Released { write: Option<Command<'a>> },
+    Unknown { write: Option<Command<'a>>, reason: UnknownReason },
 }
 
 /// A settlement between its start and the local tier's answer.
 #[derive(Debug)]
-pub struct Settlement {
-    log: String,
-    next: Next,
+pub struct Settlement<'a> {
+    log: &'a str,
+    detail: &'a str,
+    next: Next<'a>,
 }
 
 /// Starts settling `claim` with `outcome` (its `response`, `too_large` over the policy's
@@ -116,22 +157,21 @@ pub struct Settlement {
 /// Returns the machine and the commands to carry out now, the last of them the `Local` one if
 /// any; its answer goes to `Settlement::finish`.
 #[allow(clippy::too_many_arguments)]
-pub fn start(
-    claim: &Claim,
+pub fn start<'a>(
+    claim: &'a Claim,
     policy: Option<&Policy>,
     has_store: bool,
     outcome: Outcome,
     response: Option<StoredResponse>,
     too_large: bool,
-    detail: &str,
+    detail: &'a str,
     now_ms: u64,
-) -> (Settlement, Vec<Command>) {
-    let log = claim.log.clone();
+) -> (Settlement<'a>, Vec<Command<'a>>) {
+    let log = claim.log.as_str();
     let Some(policy) = policy else {
         // The claim stays as it is (a forwarded claim is judged outcome-unknown once its lock expires).
-        let line = format!("idemgate: outcome=internal_state branch=settle broken=policy_missing claim=kept {log}");
-        let cmds = vec![Command::Count(Count::InternalErrors), Command::Log(Level::Error, line)];
-        return (Settlement { log, next: Next::Kept }, cmds);
+        let cmds = vec![Command::Count(Count::InternalErrors), Command::Log(Level::Error, Line::Kept { log })];
+        return (Settlement { log, detail, next: Next::Kept }, cmds);
     };
     let mut out = vec![];
     let to_store = claim.in_store && has_store;
@@ -142,8 +182,11 @@ pub fn start(
         (Outcome::Store, Some(id), Some(r)) if !too_large => match crate::mcp::stored_response(r, id) {
             Ok(r) => (Outcome::Store, Some(r)),
             Err(why) => {
-                let line = format!("idemgate: outcome=mcp_no_final_response {log} {detail} why={why:?}");
-                out.push(Command::Log(Level::Info, line));
+                let tail = Tail::Why(format!("{why:?}"));
+                out.push(Command::Log(
+                    Level::Info,
+                    Line::Outcome { outcome: "mcp_no_final_response", log, detail, tail },
+                ));
                 (Outcome::Unknown(UnknownReason::Other), None)
             }
         },
@@ -171,7 +214,7 @@ pub fn start(
                 });
             }
             out.extend(claim.handle.map(|h| Command::Local(Local::Complete(h, Box::new(record)))));
-            Next::Stored { detail: detail.to_string() }
+            Next::Stored
         }
         Outcome::Release => {
             out.extend(claim.handle.map(|h| Command::Local(Local::Release(h))));
@@ -180,7 +223,7 @@ pub fn start(
                 transition: Box::new(Transition::release(claim.owner)),
                 fallback: None,
             });
-            Next::Released { write, detail: detail.to_string() }
+            Next::Released { write }
         }
         Outcome::Unknown(reason) => {
             out.extend(claim.handle.map(|h| Command::Local(Local::MarkUnknown(h, reason))));
@@ -192,59 +235,60 @@ pub fn start(
                     fallback: None,
                 }
             });
-            Next::Unknown { write, reason, detail: detail.to_string() }
+            Next::Unknown { write, reason }
         }
     };
-    (Settlement { log, next }, out)
+    (Settlement { log, detail, next }, out)
 }
 
-impl Settlement {
+impl<'a> Settlement<'a> {
     /// The local tier answered (`LocalAnswer::None` if there was no `Local` command): the
     /// commands left, and the exchange's outcome slug (for Envoy's filter state): `stored`,
     /// `stored-without-body`, `lost-claim`, `released`, `marked-unknown`, `local-error` or
     /// `internal-state`.
-    pub fn finish(self, local: LocalAnswer) -> (Vec<Command>, &'static str) {
-        let log = self.log;
-        let line = |outcome: &str, extra: &str| format!("idemgate: outcome={outcome} {log} {extra}");
+    pub fn finish(self, local: LocalAnswer) -> (Vec<Command<'a>>, &'static str) {
+        let (log, detail) = (self.log, self.detail);
+        let line = |outcome: &'static str, tail: Tail| Line::Outcome { outcome, log, detail, tail };
         match self.next {
             Next::Kept => (vec![], INTERNAL_STATE),
-            Next::Stored { detail } => {
-                let (count, level, name, extra, slug) = match local {
+            Next::Stored => {
+                let (count, level, name, tail, slug) = match local {
                     LocalAnswer::None | LocalAnswer::Completed(Ok(Completed::Stored)) => {
-                        (Count::Stored, Level::Debug, "stored", detail, "stored")
+                        (Count::Stored, Level::Debug, "stored", Tail::None, "stored")
                     }
-                    LocalAnswer::Completed(Ok(Completed::StoredWithoutBody)) => {
-                        (Count::StoredWithoutBody, Level::Info, "stored_without_body", detail, "stored-without-body")
-                    }
+                    LocalAnswer::Completed(Ok(Completed::StoredWithoutBody)) => (
+                        Count::StoredWithoutBody,
+                        Level::Info,
+                        "stored_without_body",
+                        Tail::None,
+                        "stored-without-body",
+                    ),
                     LocalAnswer::Completed(Ok(Completed::LostClaim)) => {
-                        (Count::LostClaim, Level::Info, "lost_claim", detail, "lost-claim")
+                        (Count::LostClaim, Level::Info, "lost_claim", Tail::None, "lost-claim")
                     }
                     LocalAnswer::Completed(Err(e)) => {
-                        (Count::LocalErrors, Level::Warn, "store_failed", format!("{detail} error={e}"), "local-error")
+                        (Count::LocalErrors, Level::Warn, "store_failed", Tail::Error(e), "local-error")
                     }
                     // Not an answer to a completion: the local tier's state is not known.
                     LocalAnswer::Released(_) | LocalAnswer::Marked => {
-                        (Count::LocalErrors, Level::Warn, "store_failed", format!("{detail} error=?"), "local-error")
+                        (Count::LocalErrors, Level::Warn, "store_failed", Tail::Error("?".into()), "local-error")
                     }
                 };
-                (vec![Command::Count(count), Command::Log(level, line(name, &extra))], slug)
+                (vec![Command::Count(count), Command::Log(level, line(name, tail))], slug)
             }
-            Next::Released { write, detail } => {
+            Next::Released { write } => {
                 let mut out = vec![];
                 if local == LocalAnswer::Released(true) {
                     out.push(Command::Count(Count::Released));
                 }
                 out.extend(write);
-                out.push(Command::Log(Level::Info, line("released", &detail)));
+                out.push(Command::Log(Level::Info, line("released", Tail::None)));
                 (out, "released")
             }
-            Next::Unknown { write, reason, detail } => {
+            Next::Unknown { write, reason } => {
                 let mut out: Vec<Command> = write.into_iter().collect();
                 out.push(Command::Count(Count::UnknownOutcome));
-                out.push(Command::Log(
-                    Level::Info,
-                    line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())),
-                ));
+                out.push(Command::Log(Level::Info, line("unknown_outcome", Tail::Reason(reason))));
                 (out, "marked-unknown")
             }
         }

@@ -44,7 +44,7 @@ pub fn settle(
 }
 
 /// Carries out one command; a local-tier operation's answer is returned.
-fn run(shared: &Shared, claim: &Claim, c: Command, now: u64) -> Option<LocalAnswer> {
+fn run(shared: &Shared, claim: &Claim, c: Command<'_>, now: u64) -> Option<LocalAnswer> {
     let t = &shared.table;
     match c {
         Command::Write { what, transition, fallback } => {

@@ -31,7 +31,14 @@ fn response() -> StoredResponse {
 }
 
 /// Runs a whole settlement: the local command (if any) answered `local`.
-fn settle(claim: &Claim, has_store: bool, outcome: Outcome, local: LocalAnswer) -> (Vec<Command>, &'static str) {
+fn settle(
+    claim: &Claim,
+    has_store: bool,
+    outcome: Outcome,
+    local: LocalAnswer,
+) -> (Vec<Command<'static>>, &'static str) {
+    // The commands borrow the claim: a test's claim lives as long as the test binary.
+    let claim: &'static Claim = Box::leak(Box::new(claim.clone()));
     let policy = Policy::default();
     let (m, mut cmds) = start(claim, Some(&policy), has_store, outcome, Some(response()), false, "d=1", NOW);
     let asked = cmds.iter().any(|c| matches!(c, Command::Local(_)));
@@ -40,7 +47,7 @@ fn settle(claim: &Claim, has_store: bool, outcome: Outcome, local: LocalAnswer) 
     (cmds, slug)
 }
 
-fn writes(cmds: &[Command]) -> Vec<(&'static str, Option<&Transition>, Option<&Transition>)> {
+fn writes<'c>(cmds: &'c [Command<'_>]) -> Vec<(&'static str, Option<&'c Transition>, Option<&'c Transition>)> {
     cmds.iter()
         .filter_map(|c| match c {
             Command::Write { what, transition, fallback } => Some((*what, Some(&**transition), fallback.as_deref())),
@@ -53,8 +60,8 @@ fn counts(cmds: &[Command]) -> Vec<Count> {
     cmds.iter().filter_map(|c| if let Command::Count(c) = c { Some(*c) } else { None }).collect()
 }
 
-fn logs(cmds: &[Command]) -> Vec<(Level, &str)> {
-    cmds.iter().filter_map(|c| if let Command::Log(l, s) = c { Some((*l, s.as_str())) } else { None }).collect()
+fn logs(cmds: &[Command]) -> Vec<(Level, String)> {
+    cmds.iter().filter_map(|c| if let Command::Log(l, s) = c { Some((*l, s.to_string())) } else { None }).collect()
 }
 
 /// A write that frees the key (deletes it).
@@ -81,7 +88,7 @@ fn store_completes_in_both_tiers_with_an_unknown_fallback() {
         Some(&State::OutcomeUnknown { reason: UnknownReason::StoreWriteFailed })
     );
     assert_eq!(counts(&cmds), vec![Count::Stored]);
-    assert_eq!(logs(&cmds), vec![(Level::Debug, "idemgate: outcome=stored key=k d=1")]);
+    assert_eq!(logs(&cmds), vec![(Level::Debug, "idemgate: outcome=stored key=k d=1".to_string())]);
 }
 
 #[test]
@@ -115,7 +122,7 @@ fn release_frees_both_tiers_and_counts_only_a_local_release() {
     assert!(w[0].0 == "release" && w[0].2.is_none());
     assert_eq!(w[0].1, Some(&Transition::release(OwnerToken([7; 16]))));
     assert_eq!(counts(&cmds), vec![Count::Released]);
-    assert_eq!(logs(&cmds), vec![(Level::Info, "idemgate: outcome=released key=k d=1")]);
+    assert_eq!(logs(&cmds), vec![(Level::Info, "idemgate: outcome=released key=k d=1".to_string())]);
     // A claim no longer ours locally: not counted as released.
     let (cmds, _) = settle(&claim(true), true, Outcome::Release, LocalAnswer::Released(false));
     assert!(counts(&cmds).is_empty());
@@ -168,7 +175,8 @@ fn mcp_without_its_final_response_is_unknown_never_stored() {
 
 #[test]
 fn a_claim_without_its_policy_is_kept() {
-    let (m, cmds) = start(&claim(true), None, true, Outcome::Release, None, false, "d=1", NOW);
+    let c = claim(true);
+    let (m, cmds) = start(&c, None, true, Outcome::Release, None, false, "d=1", NOW);
     assert_eq!(counts(&cmds), vec![Count::InternalErrors]);
     assert!(!cmds.iter().any(|c| matches!(c, Command::Local(_) | Command::Write { .. })));
     let (rest, slug) = m.finish(LocalAnswer::None);
