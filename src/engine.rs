@@ -12,9 +12,15 @@
 //!   stopping root's hold until they are over;
 //! - `waiters`: the requests held by `in_flight: "wait"`, answered from the local tier, the
 //!   store's polls, or at their deadline;
-//! - `keeper`: etcd's lease and token, kept ahead of need.
+//! - `keeper`: etcd's lease and token, kept ahead of need;
+//! - `settle`: what a finished exchange does to its claim (complete, release, mark
+//!   outcome-unknown) in the local tier and, through `writes`, in the store;
+//! - `forwards`: the detached forwards (`forwarding: "detached"`) and the probes of the internal
+//!   listener chains they go through.
 
+pub mod forwards;
 pub mod keeper;
 pub mod request;
+pub mod settle;
 pub mod waiters;
 pub mod writes;

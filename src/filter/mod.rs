@@ -27,23 +27,23 @@ use log::{debug, error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, MapType};
 
-use crate::config::{Config, Forwarding, Hop};
-use crate::decision::{
-    callout_answer_is_upstreams, classify_callout, hop_mark, HopMark, Outcome, HOP_HEADER, HOP_PROBE_HEADER,
+use crate::config::{Config, Forwarding};
+use crate::decision::Outcome;
+use crate::engine::forwards::{
+    self as engine_forwards, Action as ForwardAction, Forwards, Reply as ForwardReply, HOP_PROBE_TIMEOUT_MS,
 };
 use crate::engine::keeper::{Action as KeeperAction, Keeper, Note as KeeperNote};
+use crate::engine::settle::Level;
 use crate::engine::waiters::{self as engine_waiters, Action as WaitAction, Reply as WaitReply};
 use crate::engine::writes::{self as engine_writes, Action as WriteAction, Job, Note, WriteId, Writes};
 use crate::local::Table;
 use crate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use crate::problem::ProblemKind;
-use crate::record::StoredResponse;
 use crate::scope::StorageKey;
 use crate::seal::Seal;
 use crate::store::{self, Transition};
 use crate::wait::Seen;
 use host::{Counter, Gauge, HostShared, Metrics};
-use settle::Claim;
 
 /// The VM environment variable holding webdis credentials as `user:password` (set it in the Wasm
 /// `vm_config.environment_variables`; it never appears in the plugin configuration).
@@ -100,24 +100,7 @@ impl HttpContext for EmptyHttp {
     }
 }
 
-/// A protected request sent upstream by the root (`forwarding: "detached"`).
-#[derive(Debug)]
-pub struct Forward {
-    pub context_id: u32,
-    pub cluster: String,
-    pub timeout_ms: u64,
-    pub hop: Hop,
-    /// Request headers, pseudo headers included.
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-    pub claim: Claim,
-    pub request_id: String,
-    pub sent_at_ms: u64,
-    /// When the claim's lock may be judged stale (this proxy's clock): the callout's timeout is
-    /// cut to end by then, and none is sent after it.
-    pub lock_deadline_ms: u64,
-}
-
+pub use crate::engine::forwards::Forward;
 pub use crate::engine::waiters::Waiter;
 
 /// Work handed from HTTP contexts to their root context.
@@ -286,17 +269,6 @@ enum Call {
     HopProbe(String),
 }
 
-/// How long the root waits for a probe's answer.
-const HOP_PROBE_TIMEOUT_MS: u64 = 2_000;
-
-/// Where this root stands with a detached cluster behind an internal listener.
-enum HopCheck {
-    /// Its probe is on the way; the forwards waiting for its answer.
-    Probing(Vec<Forward>),
-    /// It answered with the chain's mark: forwards go.
-    Proven,
-}
-
 struct Root {
     id: u32,
     shared: Option<Rc<Shared>>,
@@ -316,9 +288,9 @@ struct Root {
     stray_seen: bool,
     /// The `count-host-calls` build's figures, flushed to its metrics on the tick.
     meter: meter::Flush,
-    /// Detached clusters behind an internal listener, by name: none is sent a request before it
-    /// has answered a probe with the chain's mark.
-    hops: HashMap<String, HopCheck>,
+    /// The detached forwards' hop probes: clusters behind an internal listener, proven or probed
+    /// (`crate::engine::forwards`).
+    forwards: Forwards,
 }
 
 impl Root {
@@ -336,7 +308,7 @@ impl Root {
             writes: Writes::default(),
             stray_seen: false,
             meter: meter::Flush::new(),
-            hops: HashMap::new(),
+            forwards: Forwards::default(),
         }
     }
 
@@ -351,30 +323,13 @@ impl Root {
         }
     }
 
-    /// Sends a detached request, once its cluster is proven to be the internal listener chain
-    /// that runs the filters after idemgate and the route table (`upstream.hop`); a cluster not
-    /// yet proven is probed first, the request waiting for the answer.
+    /// A detached request handed over: sent once its cluster is proven to be the internal
+    /// listener chain that runs the filters after idemgate and the route table (`upstream.hop`);
+    /// a cluster not yet proven is probed first, the request waiting for the answer
+    /// (`engine::forwards`).
     fn forward_through_hop(&mut self, f: Forward) {
-        if f.hop == Hop::Direct {
-            return self.dispatch_forward(f);
-        }
-        match self.hops.get_mut(&f.cluster) {
-            Some(HopCheck::Proven) => return self.dispatch_forward(f),
-            Some(HopCheck::Probing(waiting)) => return waiting.push(f),
-            None => {}
-        }
-        let authority = f.headers.iter().find(|(n, _)| n == ":authority").map_or("idemgate-hop-probe", |(_, v)| v);
-        let headers = vec![(":method", "GET"), (":path", "/"), (":authority", authority), (HOP_PROBE_HEADER, "1")];
-        match host::dispatch_http_call(&f.cluster, headers, &[], Duration::from_millis(HOP_PROBE_TIMEOUT_MS)) {
-            Ok(token) => {
-                self.calls.insert(token, Call::HopProbe(f.cluster.clone()));
-                self.hops.insert(f.cluster.clone(), HopCheck::Probing(vec![f]));
-            }
-            Err(e) => {
-                error!("idemgate: detached hop probe not sent to cluster={} error={e:?}", f.cluster);
-                self.refuse_unproven(vec![f]);
-            }
-        }
+        let action = self.forwards.queued(f, host::now_ms());
+        self.run_forwards(action.into_iter().collect());
     }
 
     /// The probe's answer: the chain's mark proves the cluster (its waiting forwards go);
@@ -383,41 +338,58 @@ impl Root {
         let headers = if num_headers == 0 { vec![] } else { host::all_headers(MapType::HttpCallResponseHeaders) };
         let status =
             headers.iter().find(|(n, _)| n == ":status").and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok());
-        let waiting = match self.hops.remove(&cluster) {
-            Some(HopCheck::Probing(waiting)) => waiting,
-            _ => vec![],
-        };
-        match hop_mark(status, &headers) {
-            HopMark::Relayed | HopMark::Local(_) => {
-                info!("idemgate: detached hop proven: cluster={cluster} answers with {HOP_HEADER}");
-                self.hops.insert(cluster, HopCheck::Proven);
-                for f in waiting {
-                    self.dispatch_forward(f);
-                }
-            }
-            HopMark::Missing | HopMark::Unreadable => {
-                error!(
-                    "idemgate: detached hop refused: cluster={cluster} answered the probe (status {}) without a readable {HOP_HEADER}: it is not an internal listener running the chain after idemgate (docs/agents.md, detached forwarding); its requests are refused, never sent",
-                    status.unwrap_or(0)
-                );
-                self.refuse_unproven(waiting);
-            }
+        let out = self.forwards.probe_answered(cluster, status, &headers, host::now_ms());
+        self.run_forwards(out);
+    }
+
+    /// Carries out `engine::forwards`' actions in order.
+    fn run_forwards(&mut self, actions: Vec<ForwardAction>) {
+        for a in actions {
+            self.run_forward(a);
         }
     }
 
-    /// Forwards whose cluster could not be proven: nothing was sent; keys released, clients told.
-    fn refuse_unproven(&mut self, forwards: Vec<Forward>) {
-        let Some(s) = self.shared.clone() else { return };
-        for f in forwards {
-            warn!("idemgate: outcome=detached_hop_unproven {} cluster={}", f.claim.log, f.cluster);
-            settle::settle(&s, &f.claim, Outcome::Release, None, false, "reason=hop_unproven");
-            let kind = ProblemKind::InternalState { retry_after_seconds: 1 };
-            self.answer(
-                f.context_id,
-                (kind.slug(), &f.claim.skey),
-                |rid| reply::problem(&kind, rid, None),
-                &f.request_id,
-            );
+    fn run_forward(&mut self, a: ForwardAction) {
+        match a {
+            ForwardAction::Probe { cluster, headers } => {
+                let h: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+                match host::dispatch_http_call(&cluster, h, &[], Duration::from_millis(HOP_PROBE_TIMEOUT_MS)) {
+                    Ok(token) => {
+                        self.calls.insert(token, Call::HopProbe(cluster));
+                    }
+                    Err(e) => {
+                        let out = self.forwards.probe_not_sent(&cluster, &format!("{e:?}"));
+                        self.run_forwards(out);
+                    }
+                }
+            }
+            ForwardAction::Send(f, timeout_ms) => {
+                let Some(s) = self.shared.clone() else { return };
+                let headers: Vec<(&str, &str)> = f.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+                match host::dispatch_http_call(&f.cluster, headers, &f.body, Duration::from_millis(timeout_ms)) {
+                    Ok(token) => {
+                        s.metrics.inc(Counter::DetachedForwards);
+                        self.calls.insert(token, Call::Forward(f));
+                    }
+                    Err(e) => self.run_forward(engine_forwards::not_sent(*f, &format!("{e:?}"))),
+                }
+            }
+            // Nothing was sent: free the key and tell the client.
+            ForwardAction::Refuse { forward: f, log, detail, problem } => {
+                let Some(s) = self.shared.clone() else { return };
+                warn!("{log}");
+                settle::settle(&s, &f.claim, Outcome::Release, None, false, detail);
+                self.answer(
+                    f.context_id,
+                    (problem.slug(), &f.claim.skey),
+                    |rid| reply::problem(&problem, rid, None),
+                    &f.request_id,
+                );
+            }
+            ForwardAction::Log(Level::Error, line) => error!("{line}"),
+            ForwardAction::Log(Level::Warn, line) => warn!("{line}"),
+            ForwardAction::Log(Level::Info, line) => info!("{line}"),
+            ForwardAction::Log(Level::Debug, line) => debug!("{line}"),
         }
     }
 
@@ -584,46 +556,6 @@ impl Root {
         self.done();
     }
 
-    fn dispatch_forward(&mut self, mut f: Forward) {
-        let Some(s) = self.shared.clone() else { return };
-        f.sent_at_ms = host::now_ms();
-        // Within the lock: a callout still running when the lock can be judged stale would let a
-        // retry execute beside it. (The configuration keeps upstream.timeout_ms below the lock;
-        // the time the claim took, and the wait for this root, come off it.)
-        let timeout = Duration::from_millis(crate::record::callout_timeout_within_lock(
-            f.timeout_ms,
-            f.lock_deadline_ms,
-            f.sent_at_ms,
-        ));
-        let sent = if timeout.is_zero() {
-            Err(format!(
-                "the claim's lock ran out before the dispatch ({} ms late)",
-                f.sent_at_ms.saturating_sub(f.lock_deadline_ms)
-            ))
-        } else {
-            let headers: Vec<(&str, &str)> = f.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-            host::dispatch_http_call(&f.cluster, headers, &f.body, timeout).map_err(|e| format!("{e:?}"))
-        };
-        match sent {
-            Ok(token) => {
-                s.metrics.inc(Counter::DetachedForwards);
-                self.calls.insert(token, Call::Forward(Box::new(f)));
-            }
-            Err(e) => {
-                // Nothing was sent: free the key and tell the client.
-                warn!("idemgate: outcome=detached_dispatch_failed {} cluster={} error={e}", f.claim.log, f.cluster);
-                settle::settle(&s, &f.claim, Outcome::Release, None, false, "reason=dispatch_failed");
-                let kind = ProblemKind::UpstreamNoAnswer;
-                self.answer(
-                    f.context_id,
-                    (kind.slug(), &f.claim.skey),
-                    |rid| reply::problem(&kind, rid, None),
-                    &f.request_id,
-                );
-            }
-        }
-    }
-
     /// Answers a live HTTP context from the root, leaving `outcome` (its slug and storage key) in
     /// that stream's filter state as the HTTP context does for the answers it sends itself.
     fn answer(&self, context_id: u32, outcome: (&str, &StorageKey), send: impl FnOnce(&str), request_id: &str) {
@@ -656,87 +588,50 @@ impl Root {
         self.queues.live.borrow_mut().remove(&context_id);
     }
 
-    /// The upstream's answer to a detached call: settle the claim, then answer the client if it
-    /// is still there.
+    /// The upstream's answer to a detached call (`engine::forwards::answered`): settle the
+    /// claim, then answer the client if it is still there.
     fn forward_answered(&mut self, f: Forward, num_headers: usize, body_size: usize, num_trailers: usize) {
         let Some(s) = self.shared.clone() else { return };
-        let Some(policy) = s.config.policy_at(f.claim.policy_index) else {
-            // Sent, so the claim stays (outcome unknown once its lock expires); the client is told.
+        let policy = s.config.policy_at(f.claim.policy_index);
+        let a = match policy {
+            None => engine_forwards::answered(&f, None, None, vec![], vec![], &[], false, 0),
+            Some(policy) => {
+                let (status, body) = writes::answer(body_size, num_headers);
+                let headers =
+                    if num_headers == 0 { vec![] } else { host::all_headers(MapType::HttpCallResponseHeaders) };
+                let now = host::now_ms();
+                let trailers: Vec<String> = if num_trailers > 0 {
+                    host::all_headers(MapType::HttpCallResponseTrailers).into_iter().map(|(n, _)| n).collect()
+                } else {
+                    vec![]
+                };
+                let live = self.queues.live.borrow().contains(&f.context_id);
+                engine_forwards::answered(&f, Some(policy), status, headers, body, &trailers, live, now)
+            }
+        };
+        if let Some(line) = &a.log {
             s.metrics.inc(Counter::InternalErrors);
-            error!(
-                "idemgate: outcome=internal_state branch=detached_answer broken=policy_missing claim=kept {}",
-                f.claim.log
-            );
-            let kind = ProblemKind::UpstreamNoAnswer;
-            self.answer(
+            error!("{line}");
+        }
+        let slug = a.settle.map_or(crate::engine::settle::INTERNAL_STATE, |st| {
+            settle::settle(&s, &f.claim, st.outcome, st.response, st.too_large, &st.detail)
+        });
+        if let Some(line) = a.kept {
+            info!("{line}");
+        }
+        match a.reply {
+            ForwardReply::Response { status, headers, body, expires } => self.answer(
+                f.context_id,
+                (slug, &f.claim.skey),
+                |_| reply::response(status, &headers, &body, false, expires.as_deref(), slug),
+                &f.request_id,
+            ),
+            ForwardReply::Problem(kind) => self.answer(
                 f.context_id,
                 (kind.slug(), &f.claim.skey),
                 |rid| reply::problem(&kind, rid, None),
                 &f.request_id,
-            );
-            return;
-        };
-        let (status, body) = writes::answer(body_size, num_headers);
-        let headers = if num_headers == 0 { vec![] } else { host::all_headers(MapType::HttpCallResponseHeaders) };
-        let elapsed = host::now_ms().saturating_sub(f.sent_at_ms);
-        let outcome = classify_callout(status, &headers, &body, policy);
-        let upstream_answered = callout_answer_is_upstreams(&headers, policy);
-        let client_headers: Vec<(String, Vec<u8>)> =
-            headers.into_iter().filter(|(n, _)| crate::record::storable_header(n) && n != HOP_HEADER).collect();
-        // Neither the client's answer nor a replay (local replies both) carries the trailers:
-        // both say which they lack, as a forwarded response's replay does.
-        let mut client_headers = client_headers;
-        if num_trailers > 0 {
-            let names: Vec<String> =
-                host::all_headers(MapType::HttpCallResponseTrailers).into_iter().map(|(n, _)| n).collect();
-            crate::record::note_dropped_trailers_in(&mut client_headers, &names);
-        }
-        let detail = format!("detached=true status={} elapsed_ms={elapsed}", status.unwrap_or(0));
-        let live = self.queues.live.borrow().contains(&f.context_id);
-        match status {
-            Some(status) if upstream_answered => {
-                let kept = client_headers
-                    .iter()
-                    .filter(|(n, _)| !policy.replay_exclude_headers.contains(n))
-                    .cloned()
-                    .collect();
-                let too_large = body.len() as u64 > policy.max_response_body_bytes;
-                let stored =
-                    StoredResponse { status, headers: kept, body: if too_large { vec![] } else { body.clone() } };
-                let slug = settle::settle(&s, &f.claim, outcome, Some(stored), too_large, &detail);
-                if !live {
-                    info!("idemgate: outcome=detached_response_kept {} status={status} client=gone", f.claim.log);
-                }
-                let ttl = policy.ttl_seconds.to_string();
-                let expires = (outcome == Outcome::Store).then_some(ttl.as_str());
-                self.answer(
-                    f.context_id,
-                    (slug, &f.claim.skey),
-                    |_| reply::response(status, &client_headers, &body, false, expires, slug),
-                    &f.request_id,
-                );
-            }
-            // Envoy answered for an unreachable upstream: nothing was sent; pass its answer on.
-            Some(status) if outcome == Outcome::Release => {
-                let slug = settle::settle(&s, &f.claim, outcome, None, false, &detail);
-                self.answer(
-                    f.context_id,
-                    (slug, &f.claim.skey),
-                    |_| reply::response(status, &client_headers, &body, false, None, slug),
-                    &f.request_id,
-                );
-            }
-            // Silent or reset upstream: it may have run; nothing to replay.
-            _ => {
-                settle::settle(&s, &f.claim, outcome, None, false, &detail);
-                let kind = ProblemKind::UpstreamNoAnswer;
-                self.answer(
-                    f.context_id,
-                    (kind.slug(), &f.claim.skey),
-                    |rid| reply::problem(&kind, rid, None),
-                    &f.request_id,
-                );
-            }
+            ),
         }
     }
 

@@ -3,42 +3,21 @@
 //! the root context. Shared by the router path (`on_log`) and detached forwarding (the root's
 //! callout answer).
 
-use log::{debug, info, warn};
+use log::debug;
 
 use super::host::{self, Counter, HostShared};
 use super::Shared;
 use crate::decision::Outcome;
-use crate::fingerprint::Fingerprint;
-use crate::local::{Completed, Handle};
-use crate::owner::OwnerToken;
-use crate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
+pub use crate::engine::settle::Claim;
+use crate::engine::settle::{self as engine, Command, Count, Level, Local, LocalAnswer};
+use crate::local::Handle;
+use crate::record::{StoredResponse, UnknownReason};
 use crate::redirect::Handoff;
-use crate::scope::StorageKey;
-use crate::store::Transition;
 
-/// What a forwarded request holds.
-#[derive(Clone, Debug)]
-pub struct Claim {
-    pub handle: Option<Handle>,
-    pub fp: Fingerprint,
-    pub in_store: bool,
-    pub owner: OwnerToken,
-    pub skey: StorageKey,
-    pub policy_index: usize,
-    pub creator: Creator,
-    /// The request's part of every log line (hashes, method, path, ids).
-    pub log: String,
-    /// MCP (`protocol: "mcp"`): the JSON-RPC id (JSON text) of the call; what is stored is its
-    /// final response (`mcp::stored_response`).
-    pub mcp_id: Option<Vec<u8>>,
-}
-
-/// The outcome slug of a forwarded exchange that met a broken invariant (its claim kept).
-pub const INTERNAL_STATE: &str = "internal-state";
-
-/// Applies `outcome` to the claim. `detail` is appended to the log line. Returns the exchange's
-/// outcome slug (for Envoy's filter state): `stored`, `stored-without-body`, `lost-claim`,
-/// `released`, `marked-unknown`, `local-error` or `internal-state`.
+/// Applies `outcome` to the claim (`engine::settle` decides; this carries its commands out).
+/// `detail` is appended to the log line. Returns the exchange's outcome slug (for Envoy's filter
+/// state): `stored`, `stored-without-body`, `lost-claim`, `released`, `marked-unknown`,
+/// `local-error` or `internal-state`.
 pub fn settle(
     shared: &Shared,
     claim: &Claim,
@@ -47,83 +26,65 @@ pub fn settle(
     too_large: bool,
     detail: &str,
 ) -> &'static str {
-    let Some(policy) = shared.config.policy_at(claim.policy_index) else {
-        // The claim stays as it is (a forwarded claim is judged outcome-unknown once its lock expires).
-        shared.metrics.inc_for(Counter::InternalErrors, Some(claim.policy_index));
-        log::error!("idemgate: outcome=internal_state branch=settle broken=policy_missing claim=kept {}", claim.log);
-        return INTERNAL_STATE;
-    };
+    let policy = shared.config.policy_at(claim.policy_index);
     let now = host::now_ms();
+    let has_store = shared.config.store.is_some();
+    let (machine, cmds) = engine::start(claim, policy, has_store, outcome, response, too_large, detail, now);
+    let mut answer = LocalAnswer::None;
+    for c in cmds {
+        if let Some(a) = run(shared, claim, c, now) {
+            answer = a;
+        }
+    }
+    let (cmds, slug) = machine.finish(answer);
+    for c in cmds {
+        run(shared, claim, c, now);
+    }
+    slug
+}
+
+/// Carries out one command; a local-tier operation's answer is returned.
+fn run(shared: &Shared, claim: &Claim, c: Command<'_>, now: u64) -> Option<LocalAnswer> {
     let t = &shared.table;
-    let line = |outcome: &str, extra: &str| format!("idemgate: outcome={outcome} {} {extra}", claim.log);
-    let lifetimes = Lifetimes::of(policy);
-    // An MCP call's answer is a completion only with its final JSON-RPC response: an event stream
-    // that ended before it leaves the call's outcome unknown (it may have run), never a success.
-    let (outcome, response) = match (outcome, claim.mcp_id.as_deref(), response) {
-        (Outcome::Store, Some(id), Some(r)) if !too_large => match crate::mcp::stored_response(r, id) {
-            Ok(r) => (Outcome::Store, Some(r)),
-            Err(why) => {
-                info!("{}", line("mcp_no_final_response", &format!("{detail} why={why:?}")));
-                (Outcome::Unknown(UnknownReason::Other), None)
-            }
-        },
-        (o, _, r) => (o, r),
-    };
-    match outcome {
-        Outcome::Store => {
-            let response = response.unwrap_or(StoredResponse { status: 0, headers: vec![], body: vec![] });
-            let record =
-                Record::completed(claim.fp, response, too_large, claim.creator.clone(), now, policy.ttl_seconds);
-            if claim.in_store && shared.config.store.is_some() {
-                let gone =
-                    Record::unknown(claim.fp, claim.creator.clone(), UnknownReason::StoreWriteFailed, now, &lifetimes);
-                let unknown = Transition::unknown(claim.owner, gone, &lifetimes);
-                let complete = Transition::complete(claim.owner, record.clone(), &lifetimes);
-                shared.push_write("complete", &claim.skey, &complete, Some(&unknown));
-            }
-            match claim.handle.map(|h| t.complete(&mut HostShared, &h, record, now)) {
-                Some(Ok(Completed::Stored)) | None => {
-                    shared.metrics.inc_for(Counter::Stored, Some(claim.policy_index));
-                    debug!("{}", line("stored", detail));
-                    "stored"
-                }
-                Some(Ok(Completed::StoredWithoutBody)) => {
-                    shared.metrics.inc_for(Counter::StoredWithoutBody, Some(claim.policy_index));
-                    info!("{}", line("stored_without_body", detail));
-                    "stored-without-body"
-                }
-                Some(Ok(Completed::LostClaim)) => {
-                    shared.metrics.inc_for(Counter::LostClaim, Some(claim.policy_index));
-                    info!("{}", line("lost_claim", detail));
-                    "lost-claim"
-                }
-                Some(Err(e)) => {
-                    shared.metrics.inc_for(Counter::LocalErrors, Some(claim.policy_index));
-                    warn!("{}", line("store_failed", &format!("{detail} error={e:?}")));
-                    "local-error"
-                }
-            }
+    match c {
+        Command::Write { what, transition, fallback } => {
+            shared.push_write(what, &claim.skey, &transition, fallback.as_deref());
         }
-        Outcome::Release => {
-            release_local(shared, claim.handle, now);
-            if claim.in_store && shared.config.store.is_some() {
-                shared.push_write("release", &claim.skey, &Transition::release(claim.owner), None);
-            }
-            info!("{}", line("released", detail));
-            "released"
+        Command::Local(Local::Complete(h, record)) => {
+            let done = t.complete(&mut HostShared, &h, *record, now).map_err(|e| format!("{e:?}"));
+            return Some(LocalAnswer::Completed(done));
         }
-        Outcome::Unknown(reason) => {
-            if let Some(h) = claim.handle {
+        Command::Local(Local::Release(h)) => {
+            return Some(LocalAnswer::Released(matches!(t.release(&mut HostShared, &h, now), Ok(true))));
+        }
+        Command::Local(Local::MarkUnknown(h, reason)) => {
+            if let Some(policy) = shared.config.policy_at(claim.policy_index) {
                 let _ = t.mark_unknown(&mut HostShared, &h, reason, now, policy);
             }
-            if claim.in_store && shared.config.store.is_some() {
-                let gone = Record::unknown(claim.fp, claim.creator.clone(), reason, now, &lifetimes);
-                shared.push_write("unknown", &claim.skey, &Transition::unknown(claim.owner, gone, &lifetimes), None);
-            }
-            shared.metrics.inc_for(Counter::UnknownOutcome, Some(claim.policy_index));
-            info!("{}", line("unknown_outcome", &format!("{detail} reason={}", reason.as_str())));
-            "marked-unknown"
+            return Some(LocalAnswer::Marked);
         }
+        // The local release is counted as `release_local` counts it: not per route.
+        Command::Count(Count::Released) => shared.metrics.inc(Counter::Released),
+        Command::Count(c) => shared.metrics.inc_for(counter(c), Some(claim.policy_index)),
+        Command::Log(level, line) => match level {
+            Level::Error => log::error!("{line}"),
+            Level::Warn => log::warn!("{line}"),
+            Level::Info => log::info!("{line}"),
+            Level::Debug => log::debug!("{line}"),
+        },
+    }
+    None
+}
+
+fn counter(c: Count) -> Counter {
+    match c {
+        Count::InternalErrors => Counter::InternalErrors,
+        Count::Stored => Counter::Stored,
+        Count::StoredWithoutBody => Counter::StoredWithoutBody,
+        Count::LostClaim => Counter::LostClaim,
+        Count::LocalErrors => Counter::LocalErrors,
+        Count::UnknownOutcome => Counter::UnknownOutcome,
+        Count::Released => Counter::Released,
     }
 }
 

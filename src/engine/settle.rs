@@ -1,0 +1,299 @@
+//! What a finished exchange does to its claim, as a sans-IO machine: the claim, the exchange's
+//! outcome (`decision::classify`), its response and the time come in; commands come out (push
+//! this store write with this fallback, complete / release / mark unknown in the local tier,
+//! count and log this), then, once the glue reports what the local tier answered, the rest
+//! (count, log) and the exchange's outcome slug. Shared by the router path (`on_log`) and
+//! detached forwards; the glue (`filter/settle.rs`) carries the commands out in order.
+//!
+//! Rules kept here: an MCP call stores only its final JSON-RPC response (an event stream that
+//! ended before it is outcome-unknown, never a success); a completion's store write falls back
+//! to an outcome-unknown mark, never a release; a release is only ever the classified outcome's
+//! (evidence the request never executed), never a fallback; a claim whose policy is gone is kept.
+
+use crate::config::Policy;
+use crate::decision::Outcome;
+use crate::fingerprint::Fingerprint;
+use crate::local::{Completed, Handle};
+use crate::owner::OwnerToken;
+use crate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
+use crate::scope::StorageKey;
+use crate::store::Transition;
+
+/// What a forwarded request holds.
+#[derive(Clone, Debug)]
+pub struct Claim {
+    pub handle: Option<Handle>,
+    pub fp: Fingerprint,
+    pub in_store: bool,
+    pub owner: OwnerToken,
+    pub skey: StorageKey,
+    pub policy_index: usize,
+    pub creator: Creator,
+    /// The request's part of every log line (hashes, method, path, ids).
+    pub log: String,
+    /// MCP (`protocol: "mcp"`): the JSON-RPC id (JSON text) of the call; what is stored is its
+    /// final response (`mcp::stored_response`).
+    pub mcp_id: Option<Vec<u8>>,
+}
+
+/// The outcome slug of a forwarded exchange that met a broken invariant (its claim kept).
+pub const INTERNAL_STATE: &str = "internal-state";
+
+/// A counter the settlement counts (the glue's `Counter` of the same name; `Released` counted
+/// without the route, the others with it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Count {
+    InternalErrors,
+    Stored,
+    StoredWithoutBody,
+    LostClaim,
+    LocalErrors,
+    UnknownOutcome,
+    Released,
+}
+
+/// A log line's level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Level {
+    Error,
+    Warn,
+    Info,
+    Debug,
+}
+
+/// A log line, built only if its level is logged (`Display`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Line<'a> {
+    /// `idemgate: outcome=<outcome> <the claim's log> <detail>`, then `tail`.
+    Outcome { outcome: &'static str, log: &'a str, detail: &'a str, tail: Tail },
+    /// The claim's policy is gone: the claim is kept.
+    Kept { log: &'a str },
+}
+
+/// What ends an outcome line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Tail {
+    None,
+    /// ` why=<why>`: why an MCP answer is not a final response.
+    Why(String),
+    /// ` error=<error>`: the local tier's error.
+    Error(String),
+    /// ` reason=<reason>`: why the outcome is unknown.
+    Reason(UnknownReason),
+}
+
+impl std::fmt::Display for Line<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Line::Outcome { outcome, log, detail, tail } => {
+                write!(f, "idemgate: outcome={outcome} {log} {detail}")?;
+                match tail {
+                    Tail::None => Ok(()),
+                    Tail::Why(why) => write!(f, " why={why}"),
+                    Tail::Error(e) => write!(f, " error={e}"),
+                    Tail::Reason(r) => write!(f, " reason={}", r.as_str()),
+                }
+            }
+            Line::Kept { log } => {
+                write!(f, "idemgate: outcome=internal_state branch=settle broken=policy_missing claim=kept {log}")
+            }
+        }
+    }
+}
+
+/// A local-tier operation on the claim's handle; the glue reports its answer to `finish`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Local {
+    Complete(Handle, Box<Record>),
+    /// Owner-checked: a claim taken over is not released.
+    Release(Handle),
+    MarkUnknown(Handle, UnknownReason),
+}
+
+/// What the glue does, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Command<'a> {
+    /// Push this store write of the claim's key (through the root's write queue), with the
+    /// fallback sent if it keeps failing.
+    Write {
+        what: &'static str,
+        transition: Box<Transition>,
+        fallback: Option<Box<Transition>>,
+    },
+    Local(Local),
+    Count(Count),
+    Log(Level, Line<'a>),
+}
+
+/// What the local tier answered the `Local` command (`None`: there was none, no handle).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LocalAnswer {
+    None,
+    Completed(Result<Completed, String>),
+    /// `true`: released; `false` or an error: not (not ours any more, or unreadable).
+    Released(bool),
+    Marked,
+}
+
+#[derive(Debug)]
+enum Next<'a> {
+    Kept,
+    Stored,
+    Released { write: Option<Command<'a>> },
+    Unknown { write: Option<Command<'a>>, reason: UnknownReason },
+}
+
+/// A settlement between its start and the local tier's answer.
+#[derive(Debug)]
+pub struct Settlement<'a> {
+    log: &'a str,
+    detail: &'a str,
+    next: Next<'a>,
+}
+
+/// Starts settling `claim` with `outcome` (its `response`, `too_large` over the policy's
+/// `max_response_body_bytes`) at `now_ms`: `policy` is the claim's (`None`: broken invariant,
+/// the claim is kept), `has_store` whether a store is configured. `detail` ends the log line.
+/// Returns the machine and the commands to carry out now, the last of them the `Local` one if
+/// any; its answer goes to `Settlement::finish`.
+#[allow(clippy::too_many_arguments)]
+pub fn start<'a>(
+    claim: &'a Claim,
+    policy: Option<&Policy>,
+    has_store: bool,
+    outcome: Outcome,
+    response: Option<StoredResponse>,
+    too_large: bool,
+    detail: &'a str,
+    now_ms: u64,
+) -> (Settlement<'a>, Vec<Command<'a>>) {
+    let log = claim.log.as_str();
+    let Some(policy) = policy else {
+        // The claim stays as it is (a forwarded claim is judged outcome-unknown once its lock expires).
+        let cmds = vec![Command::Count(Count::InternalErrors), Command::Log(Level::Error, Line::Kept { log })];
+        return (Settlement { log, detail, next: Next::Kept }, cmds);
+    };
+    let mut out = vec![];
+    let to_store = claim.in_store && has_store;
+    let lifetimes = Lifetimes::of(policy);
+    // An MCP call's answer is a completion only with its final JSON-RPC response: an event stream
+    // that ended before it leaves the call's outcome unknown (it may have run), never a success.
+    let (outcome, response) = match (outcome, claim.mcp_id.as_deref(), response) {
+        (Outcome::Store, Some(id), Some(r)) if !too_large => match crate::mcp::stored_response(r, id) {
+            Ok(r) => (Outcome::Store, Some(r)),
+            Err(why) => {
+                let tail = Tail::Why(format!("{why:?}"));
+                out.push(Command::Log(
+                    Level::Info,
+                    Line::Outcome { outcome: "mcp_no_final_response", log, detail, tail },
+                ));
+                (Outcome::Unknown(UnknownReason::Other), None)
+            }
+        },
+        (o, _, r) => (o, r),
+    };
+    let next = match outcome {
+        Outcome::Store => {
+            let response = response.unwrap_or(StoredResponse { status: 0, headers: vec![], body: vec![] });
+            let record =
+                Record::completed(claim.fp, response, too_large, claim.creator.clone(), now_ms, policy.ttl_seconds);
+            if to_store {
+                let gone = Record::unknown(
+                    claim.fp,
+                    claim.creator.clone(),
+                    UnknownReason::StoreWriteFailed,
+                    now_ms,
+                    &lifetimes,
+                );
+                let unknown = Transition::unknown(claim.owner, gone, &lifetimes);
+                let complete = Transition::complete(claim.owner, record.clone(), &lifetimes);
+                out.push(Command::Write {
+                    what: "complete",
+                    transition: Box::new(complete),
+                    fallback: Some(Box::new(unknown)),
+                });
+            }
+            out.extend(claim.handle.map(|h| Command::Local(Local::Complete(h, Box::new(record)))));
+            Next::Stored
+        }
+        Outcome::Release => {
+            out.extend(claim.handle.map(|h| Command::Local(Local::Release(h))));
+            let write = to_store.then(|| Command::Write {
+                what: "release",
+                transition: Box::new(Transition::release(claim.owner)),
+                fallback: None,
+            });
+            Next::Released { write }
+        }
+        Outcome::Unknown(reason) => {
+            out.extend(claim.handle.map(|h| Command::Local(Local::MarkUnknown(h, reason))));
+            let write = to_store.then(|| {
+                let gone = Record::unknown(claim.fp, claim.creator.clone(), reason, now_ms, &lifetimes);
+                Command::Write {
+                    what: "unknown",
+                    transition: Box::new(Transition::unknown(claim.owner, gone, &lifetimes)),
+                    fallback: None,
+                }
+            });
+            Next::Unknown { write, reason }
+        }
+    };
+    (Settlement { log, detail, next }, out)
+}
+
+impl<'a> Settlement<'a> {
+    /// The local tier answered (`LocalAnswer::None` if there was no `Local` command): the
+    /// commands left, and the exchange's outcome slug (for Envoy's filter state): `stored`,
+    /// `stored-without-body`, `lost-claim`, `released`, `marked-unknown`, `local-error` or
+    /// `internal-state`.
+    pub fn finish(self, local: LocalAnswer) -> (Vec<Command<'a>>, &'static str) {
+        let (log, detail) = (self.log, self.detail);
+        let line = |outcome: &'static str, tail: Tail| Line::Outcome { outcome, log, detail, tail };
+        match self.next {
+            Next::Kept => (vec![], INTERNAL_STATE),
+            Next::Stored => {
+                let (count, level, name, tail, slug) = match local {
+                    LocalAnswer::None | LocalAnswer::Completed(Ok(Completed::Stored)) => {
+                        (Count::Stored, Level::Debug, "stored", Tail::None, "stored")
+                    }
+                    LocalAnswer::Completed(Ok(Completed::StoredWithoutBody)) => (
+                        Count::StoredWithoutBody,
+                        Level::Info,
+                        "stored_without_body",
+                        Tail::None,
+                        "stored-without-body",
+                    ),
+                    LocalAnswer::Completed(Ok(Completed::LostClaim)) => {
+                        (Count::LostClaim, Level::Info, "lost_claim", Tail::None, "lost-claim")
+                    }
+                    LocalAnswer::Completed(Err(e)) => {
+                        (Count::LocalErrors, Level::Warn, "store_failed", Tail::Error(e), "local-error")
+                    }
+                    // Not an answer to a completion: the local tier's state is not known.
+                    LocalAnswer::Released(_) | LocalAnswer::Marked => {
+                        (Count::LocalErrors, Level::Warn, "store_failed", Tail::Error("?".into()), "local-error")
+                    }
+                };
+                (vec![Command::Count(count), Command::Log(level, line(name, tail))], slug)
+            }
+            Next::Released { write } => {
+                let mut out = vec![];
+                if local == LocalAnswer::Released(true) {
+                    out.push(Command::Count(Count::Released));
+                }
+                out.extend(write);
+                out.push(Command::Log(Level::Info, line("released", Tail::None)));
+                (out, "released")
+            }
+            Next::Unknown { write, reason } => {
+                let mut out: Vec<Command> = write.into_iter().collect();
+                out.push(Command::Count(Count::UnknownOutcome));
+                out.push(Command::Log(Level::Info, line("unknown_outcome", Tail::Reason(reason))));
+                (out, "marked-unknown")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

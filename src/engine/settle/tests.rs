@@ -1,0 +1,215 @@
+//! The settlement driven without Envoy: each test starts a settlement, answers its local-tier
+//! command as the table would, and checks every command and the slug.
+
+use super::*;
+use crate::record::State;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+const NOW: u64 = 5_000_000;
+
+fn handle() -> Handle {
+    Handle { bucket: 3, position: 1, owner: OwnerToken([7; 16]), skey: StorageKey([9; 32]) }
+}
+
+fn claim(in_store: bool) -> Claim {
+    Claim {
+        handle: Some(handle()),
+        fp: Fingerprint([1; 32]),
+        in_store,
+        owner: OwnerToken([7; 16]),
+        skey: StorageKey([9; 32]),
+        policy_index: 0,
+        creator: Creator { request_id: "first".into(), log_values: vec![] },
+        log: "key=k".into(),
+        mcp_id: None,
+    }
+}
+
+fn response() -> StoredResponse {
+    StoredResponse { status: 201, headers: vec![], body: b"{\"id\":1}".to_vec() }
+}
+
+/// Runs a whole settlement: the local command (if any) answered `local`.
+fn settle(
+    claim: &Claim,
+    has_store: bool,
+    outcome: Outcome,
+    local: LocalAnswer,
+) -> (Vec<Command<'static>>, &'static str) {
+    // The commands borrow the claim: a test's claim lives as long as the test binary.
+    let claim: &'static Claim = Box::leak(Box::new(claim.clone()));
+    let policy = Policy::default();
+    let (m, mut cmds) = start(claim, Some(&policy), has_store, outcome, Some(response()), false, "d=1", NOW);
+    let asked = cmds.iter().any(|c| matches!(c, Command::Local(_)));
+    let (rest, slug) = m.finish(if asked { local } else { LocalAnswer::None });
+    cmds.extend(rest);
+    (cmds, slug)
+}
+
+fn writes<'c>(cmds: &'c [Command<'_>]) -> Vec<(&'static str, Option<&'c Transition>, Option<&'c Transition>)> {
+    cmds.iter()
+        .filter_map(|c| match c {
+            Command::Write { what, transition, fallback } => Some((*what, Some(&**transition), fallback.as_deref())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn counts(cmds: &[Command]) -> Vec<Count> {
+    cmds.iter().filter_map(|c| if let Command::Count(c) = c { Some(*c) } else { None }).collect()
+}
+
+fn logs(cmds: &[Command]) -> Vec<(Level, String)> {
+    cmds.iter().filter_map(|c| if let Command::Log(l, s) = c { Some((*l, s.to_string())) } else { None }).collect()
+}
+
+/// A write that frees the key (deletes it).
+fn is_release(t: &Transition) -> bool {
+    t.new_phase.is_none()
+}
+
+#[test]
+fn store_completes_in_both_tiers_with_an_unknown_fallback() {
+    let (cmds, slug) = settle(&claim(true), true, Outcome::Store, LocalAnswer::Completed(Ok(Completed::Stored)));
+    assert_eq!(slug, "stored");
+    // The store write first, then the local completion, then count and log.
+    assert!(matches!(cmds[0], Command::Write { what: "complete", .. }));
+    let Command::Local(Local::Complete(h, record)) = &cmds[1] else { panic!("{cmds:?}") };
+    assert_eq!(*h, handle());
+    assert_eq!(record.state, State::Completed(response()));
+    let w = writes(&cmds);
+    let (_, Some(t), Some(fallback)) = w[0] else { panic!("{w:?}") };
+    assert_eq!(t.record.as_ref().map(|r| &r.state), Some(&State::Completed(response())));
+    // The fallback marks the outcome unknown; it never frees the key.
+    assert!(!is_release(fallback));
+    assert_eq!(
+        fallback.record.as_ref().map(|r| &r.state),
+        Some(&State::OutcomeUnknown { reason: UnknownReason::StoreWriteFailed })
+    );
+    assert_eq!(counts(&cmds), vec![Count::Stored]);
+    assert_eq!(logs(&cmds), vec![(Level::Debug, "idemgate: outcome=stored key=k d=1".to_string())]);
+}
+
+#[test]
+fn each_local_answer_to_a_completion() {
+    let cases = [
+        (Ok(Completed::StoredWithoutBody), "stored-without-body", Count::StoredWithoutBody, Level::Info),
+        // A claim taken over by another owner: nothing written locally, counted, never a release.
+        (Ok(Completed::LostClaim), "lost-claim", Count::LostClaim, Level::Info),
+        (Err("Busy".to_string()), "local-error", Count::LocalErrors, Level::Warn),
+    ];
+    for (answer, want, count, level) in cases {
+        let (cmds, slug) = settle(&claim(false), true, Outcome::Store, LocalAnswer::Completed(answer));
+        assert_eq!(slug, want);
+        assert_eq!(counts(&cmds), vec![count]);
+        assert_eq!(logs(&cmds)[0].0, level);
+        // Not in the store: no store write.
+        assert!(writes(&cmds).is_empty());
+        assert!(!cmds.iter().any(|c| matches!(c, Command::Local(Local::Release(_)))));
+    }
+    let (cmds, _) = settle(&claim(false), true, Outcome::Store, LocalAnswer::Completed(Err("Busy".into())));
+    assert_eq!(logs(&cmds)[0].1, "idemgate: outcome=store_failed key=k d=1 error=Busy");
+}
+
+#[test]
+fn release_frees_both_tiers_and_counts_only_a_local_release() {
+    let (cmds, slug) = settle(&claim(true), true, Outcome::Release, LocalAnswer::Released(true));
+    assert_eq!(slug, "released");
+    assert_eq!(cmds[0], Command::Local(Local::Release(handle())));
+    let w = writes(&cmds);
+    assert_eq!(w.len(), 1);
+    assert!(w[0].0 == "release" && w[0].2.is_none());
+    assert_eq!(w[0].1, Some(&Transition::release(OwnerToken([7; 16]))));
+    assert_eq!(counts(&cmds), vec![Count::Released]);
+    assert_eq!(logs(&cmds), vec![(Level::Info, "idemgate: outcome=released key=k d=1".to_string())]);
+    // A claim no longer ours locally: not counted as released.
+    let (cmds, _) = settle(&claim(true), true, Outcome::Release, LocalAnswer::Released(false));
+    assert!(counts(&cmds).is_empty());
+}
+
+#[test]
+fn unknown_marks_both_tiers() {
+    let reason = UnknownReason::UpstreamTimeout;
+    let (cmds, slug) = settle(&claim(true), true, Outcome::Unknown(reason), LocalAnswer::Marked);
+    assert_eq!(slug, "marked-unknown");
+    assert_eq!(cmds[0], Command::Local(Local::MarkUnknown(handle(), reason)));
+    let w = writes(&cmds);
+    assert_eq!(w.len(), 1);
+    assert_eq!(w[0].0, "unknown");
+    assert_eq!(w[0].1.unwrap().record.as_ref().map(|r| &r.state), Some(&State::OutcomeUnknown { reason }));
+    assert_eq!(counts(&cmds), vec![Count::UnknownOutcome]);
+    assert_eq!(logs(&cmds)[0].1, format!("idemgate: outcome=unknown_outcome key=k d=1 reason={}", reason.as_str()));
+}
+
+#[test]
+fn no_store_write_without_a_store_or_a_store_claim() {
+    for outcome in [Outcome::Store, Outcome::Release, Outcome::Unknown(UnknownReason::Other)] {
+        assert!(writes(&settle(&claim(true), false, outcome, LocalAnswer::Marked).0).is_empty());
+        assert!(writes(&settle(&claim(false), true, outcome, LocalAnswer::Marked).0).is_empty());
+    }
+}
+
+#[test]
+fn without_a_local_handle_only_the_store_is_written() {
+    let mut c = claim(true);
+    c.handle = None;
+    let (cmds, slug) = settle(&c, true, Outcome::Store, LocalAnswer::None);
+    assert_eq!(slug, "stored");
+    assert!(!cmds.iter().any(|c| matches!(c, Command::Local(_))));
+    assert_eq!(writes(&cmds).len(), 1);
+}
+
+#[test]
+fn mcp_without_its_final_response_is_unknown_never_stored() {
+    let mut c = claim(true);
+    c.mcp_id = Some(b"7".to_vec());
+    let (cmds, slug) = settle(&c, true, Outcome::Store, LocalAnswer::Marked);
+    assert_eq!(slug, "marked-unknown");
+    assert!(logs(&cmds)[0].1.starts_with("idemgate: outcome=mcp_no_final_response key=k d=1 why="));
+    assert!(cmds.iter().any(|c| matches!(c, Command::Local(Local::MarkUnknown(_, UnknownReason::Other)))));
+    assert!(!cmds.iter().any(|c| matches!(c, Command::Local(Local::Complete(..)) | Command::Local(Local::Release(_)))));
+    let w = writes(&cmds);
+    assert!(w.len() == 1 && w[0].0 == "unknown" && !is_release(w[0].1.unwrap()));
+}
+
+#[test]
+fn a_claim_without_its_policy_is_kept() {
+    let c = claim(true);
+    let (m, cmds) = start(&c, None, true, Outcome::Release, None, false, "d=1", NOW);
+    assert_eq!(counts(&cmds), vec![Count::InternalErrors]);
+    assert!(!cmds.iter().any(|c| matches!(c, Command::Local(_) | Command::Write { .. })));
+    let (rest, slug) = m.finish(LocalAnswer::None);
+    assert!(rest.is_empty());
+    assert_eq!(slug, INTERNAL_STATE);
+}
+
+/// Whatever the outcome, the local answer and the tiers, nothing is released unless the
+/// classified outcome is `Release` (the evidence the request never executed).
+#[test]
+fn never_a_release_without_evidence() {
+    let answers = [
+        LocalAnswer::None,
+        LocalAnswer::Completed(Ok(Completed::Stored)),
+        LocalAnswer::Completed(Ok(Completed::LostClaim)),
+        LocalAnswer::Completed(Err("x".into())),
+        LocalAnswer::Released(true),
+        LocalAnswer::Marked,
+    ];
+    let outcomes = [Outcome::Store, Outcome::Unknown(UnknownReason::Other), Outcome::Unknown(UnknownReason::StaleLock)];
+    for outcome in outcomes {
+        for answer in answers.clone() {
+            for mcp in [None, Some(b"1".to_vec())] {
+                let mut c = claim(true);
+                c.mcp_id = mcp;
+                let (cmds, slug) = settle(&c, true, outcome, answer.clone());
+                assert_ne!(slug, "released");
+                assert!(!cmds.iter().any(|c| matches!(c, Command::Local(Local::Release(_)))));
+                assert!(!counts(&cmds).contains(&Count::Released));
+                for (_, t, f) in writes(&cmds) {
+                    assert!(!is_release(t.unwrap()) && !f.is_some_and(is_release));
+                }
+            }
+        }
+    }
+}
