@@ -601,15 +601,18 @@ impl Table {
                 Some(e) => Lookup::Found(e.summary()),
                 None => Lookup::Absent,
             };
-            if live.is_none() && !v3_checked {
-                // A key this table does not hold may still be held by the v3 module this one
-                // replaced: its record answers, and nothing is claimed while it holds the key.
+            let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
+            if !v3_checked && (live.is_none() || decision == Decision::TakeOver) {
+                // A key this table does not hold, or holds only by a stale claim that never
+                // forwarded (one made at headers and refused at `mark_forwarded` because the v3
+                // module claimed the key meanwhile), may still be held by the v3 module this one
+                // replaced: its record answers, and nothing is claimed or taken over while it
+                // holds the key.
                 if let Some(answer) = self.answer_from_v3(sd, &skey, fp.as_ref(), now_ms, policy)? {
                     return Ok(answer);
                 }
                 v3_checked = true;
             }
-            let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
             let lifetimes = Lifetimes::of(policy);
             let forwarding = fp.is_some();
             let target = match (&decision, live) {
