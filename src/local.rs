@@ -856,8 +856,8 @@ impl Table {
     /// claim, made before a slow upload, had expired). Both are checked in the same CAS of the
     /// bucket that marks us forwarded. The lock restarts now and the expiry becomes a forwarded
     /// claim's (`Stage::Forwarded`: the lock, then `unknown_outcome_seconds`). After a reload
-    /// from v3, a key the replaced module claimed meanwhile is not forwarded either.
-    /// `Ok(false)`: do not forward.
+    /// from v3, a key the replaced module claimed meanwhile is not forwarded either (and our claim
+    /// is released). `Ok(false)`: do not forward.
     pub fn mark_forwarded(
         &self,
         sd: &mut dyn SharedData,
@@ -868,6 +868,10 @@ impl Table {
     ) -> Result<bool, LocalError> {
         if let Some(old) = &self.v3 {
             if old.holder(sd, &h.skey, now_ms)?.is_some() {
+                // Not forwarded: our claim is freed (owner-checked; the request never left), so
+                // the v3 record answers the key's retries instead of our claim until its lock is
+                // stale.
+                let _ = self.release(sd, h, now_ms);
                 return Ok(false);
             }
         }

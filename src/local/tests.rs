@@ -979,8 +979,13 @@ fn a_stale_v4_claim_is_not_taken_over_while_v3_holds_the_key() {
     m.set(&format!("{v3_table}.s.{b}.3"), &body, None).unwrap();
     m.set(&format!("{v3_table}.b.{b}"), &v3::encode_for_test(&[(3, 3, k, old_owner, r.expires_at_ms, 0)]), None)
         .unwrap();
-    // v4's request is not forwarded.
+    // v4's request is not forwarded, and its claim does not hide the v3 record: a retry at once
+    // is answered from it.
     assert!(!t.mark_forwarded(&mut m, &h, fp(7), done + 1, &p).unwrap());
+    match t.begin(&mut m, k, Some(fp(7)), done + 2, &p, owner(8), &creator("retry-0")).unwrap() {
+        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("v3"))),
+        other => panic!("the v3 record must answer while v4's refused claim is in its lock: {other:?}"),
+    }
     // Its lock (10 s) is stale: a retry with its fingerprint gets v3's response.
     let later = NOW + 11_000;
     match t.begin(&mut m, k, Some(fp(7)), later, &p, owner(6), &creator("retry")).unwrap() {
