@@ -601,15 +601,18 @@ impl Table {
                 Some(e) => Lookup::Found(e.summary()),
                 None => Lookup::Absent,
             };
-            if live.is_none() && !v3_checked {
-                // A key this table does not hold may still be held by the v3 module this one
-                // replaced: its record answers, and nothing is claimed while it holds the key.
+            let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
+            if !v3_checked && (live.is_none() || decision == Decision::TakeOver) {
+                // A key this table does not hold, or holds only by a stale claim that never
+                // forwarded (one made at headers and refused at `mark_forwarded` because the v3
+                // module claimed the key meanwhile), may still be held by the v3 module this one
+                // replaced: its record answers, and nothing is claimed or taken over while it
+                // holds the key.
                 if let Some(answer) = self.answer_from_v3(sd, &skey, fp.as_ref(), now_ms, policy)? {
                     return Ok(answer);
                 }
                 v3_checked = true;
             }
-            let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
             let lifetimes = Lifetimes::of(policy);
             let forwarding = fp.is_some();
             let target = match (&decision, live) {
@@ -853,8 +856,8 @@ impl Table {
     /// claim, made before a slow upload, had expired). Both are checked in the same CAS of the
     /// bucket that marks us forwarded. The lock restarts now and the expiry becomes a forwarded
     /// claim's (`Stage::Forwarded`: the lock, then `unknown_outcome_seconds`). After a reload
-    /// from v3, a key the replaced module claimed meanwhile is not forwarded either.
-    /// `Ok(false)`: do not forward.
+    /// from v3, a key the replaced module claimed meanwhile is not forwarded either (and our claim
+    /// is released). `Ok(false)`: do not forward.
     pub fn mark_forwarded(
         &self,
         sd: &mut dyn SharedData,
@@ -865,6 +868,10 @@ impl Table {
     ) -> Result<bool, LocalError> {
         if let Some(old) = &self.v3 {
             if old.holder(sd, &h.skey, now_ms)?.is_some() {
+                // Not forwarded: our claim is freed (owner-checked; the request never left), so
+                // the v3 record answers the key's retries instead of our claim until its lock is
+                // stale.
+                let _ = self.release(sd, h, now_ms);
                 return Ok(false);
             }
         }

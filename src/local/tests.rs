@@ -951,3 +951,50 @@ fn a_v3_claim_in_flight_after_a_reload_is_never_executed_again() {
         Begin::Claimed { .. }
     ));
 }
+
+/// Upgrade from layout v3, the race the header-time check cannot see: v4 claims a key at headers
+/// (v3 not holding it then), the draining v3 module claims, forwards and completes the same key,
+/// and v4's claim is refused at `mark_forwarded` but stays in its bucket. Once its lock is stale, a
+/// retry that comes with its fingerprint must still meet the v3 record (replayed), not take the
+/// stale v4 claim over and execute the key a second time.
+#[test]
+fn a_stale_v4_claim_is_not_taken_over_while_v3_holds_the_key() {
+    let v3_table = "idemgate.v3.local.n1000";
+    let k = skey(44);
+    let old_owner = owner(0x34);
+    let p = policy();
+    let mut t = table(1000, WhenFull::Reject);
+    let mut m = fresh(&t);
+    m.set(&format!("{v3_table}.ready"), b"1", None).unwrap();
+    assert!(t.consult_v3_if_present(&mut m));
+    // v4 claims at headers: v3 does not hold the key yet.
+    let h = handle(&t.begin(&mut m, k, None, NOW, &p, owner(5), &creator("v4-first")).unwrap());
+    // The v3 module claims it (it never looks at v4), forwards it and completes it.
+    let b = (u64::from_le_bytes(k.0[24..32].try_into().unwrap()) % 125) as u32;
+    let done = NOW + 1_000;
+    let r = Record::completed(Fingerprint([7; 32]), response("v3"), false, creator("v3"), done, p.ttl_seconds);
+    let mut body = old_owner.0.to_vec();
+    body.extend_from_slice(&k.0);
+    body.extend_from_slice(&r.encode());
+    m.set(&format!("{v3_table}.s.{b}.3"), &body, None).unwrap();
+    m.set(&format!("{v3_table}.b.{b}"), &v3::encode_for_test(&[(3, 3, k, old_owner, r.expires_at_ms, 0)]), None)
+        .unwrap();
+    // v4's request is not forwarded, and its claim does not hide the v3 record: a retry at once
+    // is answered from it.
+    assert!(!t.mark_forwarded(&mut m, &h, fp(7), done + 1, &p).unwrap());
+    match t.begin(&mut m, k, Some(fp(7)), done + 2, &p, owner(8), &creator("retry-0")).unwrap() {
+        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("v3"))),
+        other => panic!("the v3 record must answer while v4's refused claim is in its lock: {other:?}"),
+    }
+    // Its lock (10 s) is stale: a retry with its fingerprint gets v3's response.
+    let later = NOW + 11_000;
+    match t.begin(&mut m, k, Some(fp(7)), later, &p, owner(6), &creator("retry")).unwrap() {
+        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("v3"))),
+        other => panic!("the key ran in v3: it must be replayed, not executed again: {other:?}"),
+    }
+    // And one at headers claims nothing either (its body would then be refused at mark_forwarded).
+    assert!(!matches!(
+        t.begin(&mut m, k, None, later, &p, owner(7), &creator("retry-2")).unwrap(),
+        Begin::Claimed { .. }
+    ));
+}

@@ -370,3 +370,66 @@ fn the_model_catches_a_naive_insert_if_absent_claim() {
     }
     assert!(double_wins > 0, "the naive claim must fail under some interleaving");
 }
+
+/// Layout v4's body keys: a stale owner's completion reads the bucket, then writes its body key
+/// before its CAS. Meanwhile its record is marked outcome-unknown, evicted, and its position
+/// reused by another key whose owner completes. Under every interleaving the new key replays its
+/// own response or, when the late write replaced its body, answers with its status, never the
+/// stale owner's response; and the evicted key is never answered with the new key's.
+#[test]
+fn a_late_body_of_an_evicted_record_is_never_replayed_for_the_next_owner_of_its_position() {
+    let t = table(1, WhenFull::EvictOldest); // one position: every claim reuses it
+    let p = policy();
+    let mut base = fresh(&t);
+    let a = handle(&t.begin(&mut base, skey(30), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    let later = NOW + p.lock_ttl_seconds * 1000 + 1;
+    for s in all_binary_schedules(12) {
+        let (t1, t2, p1, p2) = (t.clone(), t.clone(), p.clone(), p.clone());
+        let work: Vec<Work<String>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| {
+                format!("{:?}", complete(&t1, sd, &a, fp(1), response("a"), false, &creator("a"), later, &p1).unwrap())
+            }),
+            Box::new(move |sd: &mut dyn SharedData| {
+                // A retry of the first key finds its lock stale (outcome-unknown), then a new key
+                // takes the only position and completes.
+                let first = t2.begin(sd, skey(30), Some(fp(1)), later, &p2, owner(2), &creator("r")).unwrap();
+                let b = match t2.begin(sd, skey(31), Some(fp(2)), later, &p2, owner(3), &creator("b")).unwrap() {
+                    Begin::Claimed { handle, .. } => handle,
+                    other => return format!("{first:?} / {other:?}"),
+                };
+                let done = complete(&t2, sd, &b, fp(2), response("b"), false, &creator("b"), later, &p2).unwrap();
+                // Its retry, while the stale owner's completion may still be under way.
+                let retry = t2.begin(sd, skey(31), Some(fp(2)), later + 1, &p2, owner(4), &creator("c")).unwrap();
+                format!("{done:?} / {}", replayed(retry))
+            }),
+        ];
+        let (r, model) = run(base.clone(), &s, work);
+        let mut m = model;
+        let last = t.begin(&mut m, skey(31), Some(fp(2)), later + 1, &p, owner(5), &creator("d")).unwrap();
+        for answer in [r[1].rsplit(" / ").next().unwrap_or("").to_string(), replayed(last)] {
+            let ok = matches!(answer.as_str(), "b" | "not-stored-201")
+                // The stale owner completed before the retry saw its lock: the position is its key's.
+                || (r[0] == "Stored" && answer.starts_with("Full"))
+                || (r[0] == "Stored" && r[1].contains("Full"));
+            assert!(ok, "schedule {s:?}: {r:?}: {answer}");
+        }
+        if let Ok(Some(peeked)) = t.peek(&mut m, &skey(30), later + 1) {
+            if let Some(rec) = peeked.record {
+                assert_eq!(rec.state, crate::record::State::Completed(response("a")), "schedule {s:?}: {r:?}");
+            }
+        }
+    }
+}
+
+/// What a retry of a completed key was answered: the replayed body, `not-stored-<status>`, or the
+/// answer itself.
+fn replayed(b: Begin) -> String {
+    match b {
+        Begin::Replay(rec) => match rec.state {
+            crate::record::State::Completed(r) => String::from_utf8_lossy(&r.body).into_owned(),
+            other => format!("{other:?}"),
+        },
+        Begin::Reject { problem: ProblemKind::ResponseNotStored { status, .. }, .. } => format!("not-stored-{status}"),
+        other => format!("{other:?}"),
+    }
+}
