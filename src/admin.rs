@@ -20,6 +20,7 @@ use serde_json::{json, Map, Value};
 
 use crate::config::{Anonymous, ScopeConfig};
 use crate::key::parse_key;
+use crate::lifecycle::{self, Event, Facts, Refusal as LifecycleRefusal, Settlement};
 use crate::problem::ProblemKind;
 use crate::record::{Lifetimes, Record, Stage, State, StoredResponse, NOT_REPLAYED};
 use crate::request::RequestHead;
@@ -313,36 +314,46 @@ impl fmt::Display for Refusal {
 /// completion still being retried can land after the operator's action.
 pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: u64) -> Result<Transition, Refusal> {
     let owner = value.owner;
-    let stale = match value.phase {
-        Stage::Claimed | Stage::Forwarded if value.lock_expires_at_ms > now_ms => {
-            return Err(Refusal::InFlight { lock_expires_in_ms: value.lock_expires_at_ms - now_ms });
+    let settlement = match action {
+        Settle::Release => Settlement::Release,
+        Settle::Complete { .. } => Settlement::Complete,
+        Settle::Forget => Settlement::Forget,
+    };
+    let event = Event::Operator(settlement);
+    // The one transition table judges the value as read (the operator never holds the claim);
+    // the stores judge it again atomically when they write (Redis's script by its clock, etcd on
+    // the fenced value).
+    let facts = Facts { owner: false, lock_live: value.lock_expires_at_ms > now_ms, free: false };
+    match lifecycle::next(value.phase, event, facts) {
+        Ok(_) => {}
+        Err(LifecycleRefusal::LockLive) => {
+            return Err(Refusal::InFlight { lock_expires_in_ms: value.lock_expires_at_ms.saturating_sub(now_ms) });
         }
-        Stage::Claimed | Stage::Forwarded if value.lock_expires_at_ms.saturating_add(write_window_ms) > now_ms => {
-            let lock_expired_ms_ago = now_ms - value.lock_expires_at_ms;
-            return Err(Refusal::WritesMayLand { lock_expired_ms_ago, wait_ms: write_window_ms - lock_expired_ms_ago });
-        }
-        Stage::Claimed | Stage::Forwarded => true,
+        Err(_) if value.phase == Stage::Completed => return Err(Refusal::Completed),
         // A value read is never absent (`store::stage_of_letter`); were one built so, its
         // transition expects no phase and the store changes nothing.
-        Stage::Completed | Stage::Unknown | Stage::Absent => false,
-    };
+        Err(_) => {}
+    }
+    let claim = matches!(value.phase, Stage::Claimed | Stage::Forwarded);
+    // Beyond the table: the proxy that forwarded a claim may still be retrying its completion
+    // for a write window after its lock expired.
+    if claim && value.lock_expires_at_ms.saturating_add(write_window_ms) > now_ms {
+        let lock_expired_ms_ago = now_ms.saturating_sub(value.lock_expires_at_ms);
+        return Err(Refusal::WritesMayLand { lock_expired_ms_ago, wait_ms: write_window_ms - lock_expired_ms_ago });
+    }
     // The letter the value was read with.
     let phases = phase_letters(|p| stage_letter(p) == stage_letter(value.phase));
     // The script re-checks a claim's lock by Redis's clock, so one that was renewed meanwhile stays.
     // A key that vanished since it was read is refused, never written anew.
     let checked = |t: Transition| Transition {
         expected_phases: phases,
-        require_stale: stale,
-        // Outside the lifecycle table (outcome-unknown to completed or absent, a stale claim
-        // freed by an operator): checked by the phase read and its stale lock.
-        event: None,
+        require_stale: claim,
+        event: Some(event),
         where_absent: WhereAbsent::Refuse,
         ..t
     };
     match action {
-        Settle::Forget => Ok(checked(Transition::release(owner))),
-        Settle::Release | Settle::Complete { .. } if value.phase == Stage::Completed => Err(Refusal::Completed),
-        Settle::Release => Ok(checked(Transition::release(owner))),
+        Settle::Release | Settle::Forget => Ok(checked(Transition::release(owner))),
         Settle::Complete { response, ttl_ms } => {
             let record = Record {
                 fingerprint: value.record.fingerprint,

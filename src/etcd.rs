@@ -60,7 +60,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::base64::unb64;
 use crate::config::Config;
-use crate::lifecycle::{self, Facts};
+use crate::lifecycle::{self, Event, Facts};
 use crate::owner::OwnerToken;
 use crate::record::{Lifetimes, Record, Stage, State};
 use crate::scope::StorageKey;
@@ -525,17 +525,19 @@ fn transition_body(
             return Err("the fenced value is not the expected owner's".into());
         }
         let summary = f.value.summary(f.expires_at_ms);
-        // An operator's request is judged as one whatever it carries (`operator_transition_request`).
-        match t.event.filter(|_| !always_fenced) {
+        // An operator's request is judged as an operator's (`operator_transition_request`): its
+        // event is `Event::Operator`, whose facts hold no owner.
+        let operator = always_fenced || matches!(t.event, Some(Event::Operator(_)));
+        match t.event.filter(|e| !always_fenced || matches!(e, Event::Operator(_))) {
             // The decision taken on the fenced value, judged by the one transition table at
             // `judged_now` (as Redis's script and the local tier's CAS judge theirs).
             Some(event) => {
-                let facts = Facts::of(&summary, judged_now(now_ms), true);
+                let facts = Facts::of(&summary, judged_now(now_ms), !operator);
                 lifecycle::next(f.value.phase, event, facts)
                     .map_err(|r| format!("the fenced value refuses {event:?}: {r:?}"))?;
             }
-            // An operator's settlement (outside the table): the phase read, and its lock stale
-            // when it was a claim.
+            // A transition that names no event (none the filter or the CLI builds): the phase
+            // read, and its lock stale when it was a claim.
             None => {
                 if !t.expected_phases.as_bytes().contains(&stage_letter(f.value.phase)) {
                     return Err("the fenced value is not in an expected phase".into());

@@ -10,13 +10,13 @@
 //! whether its lock is live is `Summary::lock_is_live` (both fed to `next` as `Facts`); how long
 //! each stage lives is `record::Lifetimes::life_ms`.
 //!
-//! | from \ event | Claim | TakeOver(never fwd) | TakeOver(stale fwd) | Forward | Complete | Release | MarkUnknown | StaleToUnknown | Expire | Evict |
-//! |---|---|---|---|---|---|---|---|---|---|---|
-//! | absent | claimed / forwarded | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage |
-//! | claimed | if free (else Held) | if lock stale (else LockLive) | WrongStage | owner: forwarded | WrongStage | owner: absent | WrongStage | WrongStage | if free: absent (else Held) | InFlight |
-//! | forwarded | if free (else Held) | WrongStage | if lock stale (else LockLive) | WrongStage | owner: completed | owner: absent | owner: unknown | if lock stale: unknown (else LockLive) | if free: absent (else Held) | InFlight |
-//! | completed | if free (else Held) | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | if free: absent (else Held) | absent |
-//! | unknown | if free (else Held) | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | if free: absent (else Held) | absent |
+//! | from \ event | Claim | TakeOver(never fwd) | TakeOver(stale fwd) | Forward | Complete | Release | MarkUnknown | StaleToUnknown | Expire | Evict | Operator(Release / Complete / Forget) |
+//! |---|---|---|---|---|---|---|---|---|---|---|---|
+//! | absent | claimed / forwarded | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage |
+//! | claimed | if free (else Held) | if lock stale (else LockLive) | WrongStage | owner: forwarded | WrongStage | owner: absent | WrongStage | WrongStage | if free: absent (else Held) | InFlight | if lock stale: absent / completed / absent (else LockLive) |
+//! | forwarded | if free (else Held) | WrongStage | if lock stale (else LockLive) | WrongStage | owner: completed | owner: absent | owner: unknown | if lock stale: unknown (else LockLive) | if free: absent (else Held) | InFlight | if lock stale: absent / completed / absent (else LockLive) |
+//! | completed | if free (else Held) | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | if free: absent (else Held) | absent | WrongStage / WrongStage / absent |
+//! | unknown | if free (else Held) | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | if free: absent (else Held) | absent | absent / completed / absent |
 //!
 //! "owner:" cells refuse `NotOwner` when the caller does not hold the claim, and `Expired` when
 //! the claim is free (past its expiry, lock expired: in the store its key is already gone); except
@@ -63,11 +63,26 @@ pub enum Event {
     Expire,
     /// A finished record is dropped to make room (capacity).
     Evict,
+    /// An operator settles a key (`idemgate-cli settle`): not its owner, and only once its
+    /// request can no longer be running (a claim's lock expired). The CLI adds its own margin on
+    /// top (the proxies' write window, `admin::plan`).
+    Operator(Settlement),
+}
+
+/// What an operator does to a key (`admin::Settle`, without its response).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settlement {
+    /// Free a claim or an outcome-unknown key: the next retry executes.
+    Release,
+    /// Store the response found upstream for a claim or an outcome-unknown key.
+    Complete,
+    /// Delete the record, whatever its stage (a completed one too).
+    Forget,
 }
 
 impl Event {
     /// Every event, for tables and tests.
-    pub const ALL: [Event; 13] = [
+    pub const ALL: [Event; 16] = [
         Event::Claim { forwarding: false },
         Event::Claim { forwarding: true },
         Event::TakeOver { how: TakeOver::NeverForwarded, forwarding: false },
@@ -81,6 +96,9 @@ impl Event {
         Event::StaleToUnknown,
         Event::Expire,
         Event::Evict,
+        Event::Operator(Settlement::Release),
+        Event::Operator(Settlement::Complete),
+        Event::Operator(Settlement::Forget),
     ];
 }
 
@@ -170,6 +188,10 @@ pub fn next(from: Stage, event: Event, facts: Facts) -> Result<Stage, Refusal> {
         (_, Event::StaleToUnknown) => wrong,
         (Claimed | Forwarded, Event::Evict) => Err(Refusal::InFlight),
         (Completed | Unknown, Event::Evict) => Ok(Absent),
+        (Claimed | Forwarded, Event::Operator(_)) if facts.lock_live => Err(Refusal::LockLive),
+        (Completed, Event::Operator(Settlement::Release | Settlement::Complete)) => wrong,
+        (_, Event::Operator(Settlement::Release | Settlement::Forget)) => Ok(Absent),
+        (_, Event::Operator(Settlement::Complete)) => Ok(Completed),
     }
 }
 
@@ -187,6 +209,8 @@ pub fn sources(event: Event) -> &'static [Stage] {
         Event::Release => &[Claimed, Forwarded],
         Event::Complete => &[Forwarded],
         Event::Evict => &[Completed, Unknown],
+        Event::Operator(Settlement::Release | Settlement::Complete) => &[Claimed, Forwarded, Unknown],
+        Event::Operator(Settlement::Forget) => &[Claimed, Forwarded, Completed, Unknown],
     }
 }
 
@@ -261,12 +285,18 @@ mod tests {
     }
 
     #[test]
-    fn a_finished_record_changes_only_by_expiring_or_being_evicted() {
+    fn a_finished_record_changes_only_by_expiring_being_evicted_or_an_operator() {
         for from in [Stage::Completed, Stage::Unknown] {
             for event in Event::ALL {
                 for f in all_facts() {
                     let ok = next(from, event, f).is_ok();
+                    let operator = match event {
+                        Event::Operator(Settlement::Forget) => true,
+                        Event::Operator(_) => from == Stage::Unknown,
+                        _ => false,
+                    };
                     let allowed = matches!(event, Event::Evict)
+                        || operator
                         || (f.free && matches!(event, Event::Claim { .. } | Event::Expire));
                     assert_eq!(ok, allowed, "{from:?} {event:?} {f:?}");
                 }
@@ -311,6 +341,26 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// An operator never settles a key whose request may still run, and never rewrites a
+    /// completed answer (only forgets it), whoever it is and whatever else holds.
+    #[test]
+    fn an_operator_settles_only_what_can_no_longer_run_and_never_rewrites_an_answer() {
+        for from in [Stage::Claimed, Stage::Forwarded] {
+            for how in [Settlement::Release, Settlement::Complete, Settlement::Forget] {
+                for f in all_facts().into_iter().filter(|f| f.lock_live) {
+                    assert_eq!(next(from, Event::Operator(how), f), Err(Refusal::LockLive), "{from:?} {how:?} {f:?}");
+                }
+            }
+        }
+        for f in all_facts() {
+            for how in [Settlement::Release, Settlement::Complete] {
+                assert!(next(Stage::Completed, Event::Operator(how), f).is_err(), "{how:?} {f:?}");
+            }
+            assert_eq!(next(Stage::Unknown, Event::Operator(Settlement::Complete), f), Ok(Stage::Completed));
+            assert_eq!(next(Stage::Completed, Event::Operator(Settlement::Forget), f), Ok(Stage::Absent));
         }
     }
 
