@@ -27,6 +27,17 @@ pub enum Backend {
     Etcd { lease: Option<i64> },
 }
 
+/// The store's credential, as its requests carry it (`Backend::credential`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Credential {
+    /// No credential.
+    None,
+    /// The `authorization` header every request carries (webdis's basic auth).
+    Header(String),
+    /// `user:password`, traded for a token that requests carry (etcd's `Authenticate`).
+    Token(String),
+}
+
 /// Why a request could not be built.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Unbuilt {
@@ -52,6 +63,21 @@ impl Backend {
         match kind {
             StoreKind::Redis => Backend::Redis,
             StoreKind::Etcd => Backend::Etcd { lease },
+        }
+    }
+
+    /// What the store's credential (`user:password` from the VM's environment, never from the
+    /// plugin configuration) becomes: webdis takes it as the `authorization` header of every
+    /// request (`Credential::Header`); etcd trades it for a token (`Credential::Token`, checked
+    /// here so a malformed one refuses the configuration).
+    pub fn credential(&self, user_password: Option<String>) -> Result<Credential, String> {
+        match (self, user_password) {
+            (_, None) => Ok(Credential::None),
+            (Backend::Redis, Some(v)) => Ok(Credential::Header(store::basic_auth(&v))),
+            (Backend::Etcd { .. }, Some(v)) => {
+                etcd::authenticate_request(&v)?;
+                Ok(Credential::Token(v))
+            }
         }
     }
 
@@ -499,6 +525,20 @@ mod tests {
         assert_eq!(e.clock_request(), None);
         assert_eq!(e.judged_now(1_000_000), etcd::judged_now(1_000_000));
         assert!(Backend::Redis.clock_request().is_some());
+    }
+
+    #[test]
+    fn webdis_carries_the_credential_in_every_request_and_etcd_trades_a_well_formed_one_for_a_token() {
+        let e = Backend::of(StoreKind::Etcd, None);
+        assert_eq!(Backend::Redis.credential(None), Ok(Credential::None));
+        assert_eq!(e.credential(None), Ok(Credential::None));
+        assert_eq!(
+            Backend::Redis.credential(Some("u:p".into())),
+            Ok(Credential::Header(format!("Basic {}", crate::base64::b64(b"u:p"))))
+        );
+        assert_eq!(e.credential(Some("u:p".into())), Ok(Credential::Token("u:p".into())));
+        assert!(e.credential(Some("no-colon".into())).is_err());
+        assert!(e.credential(Some(":p".into())).is_err());
     }
 
     #[test]

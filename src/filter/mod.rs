@@ -27,6 +27,7 @@ use log::{debug, error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, MapType};
 
+use crate::backend::{Backend, Credential};
 use crate::config::{Config, Forwarding};
 use crate::decision::Outcome;
 use crate::engine::forwards::{
@@ -41,7 +42,7 @@ use crate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use crate::problem::ProblemKind;
 use crate::scope::StorageKey;
 use crate::seal::Seal;
-use crate::store::{self, Transition};
+use crate::store::Transition;
 use crate::wait::Seen;
 use host::{Counter, Gauge, HostShared, Metrics};
 
@@ -1011,17 +1012,15 @@ impl Root {
             None => None,
         };
         let secret = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty());
-        let etcd = config.store.as_ref().is_some_and(|s| s.kind == crate::config::StoreKind::Etcd);
-        // webdis takes the credential in every request; etcd trades it for a token (`etcd::Auth`).
-        let (credentials, etcd_secret) = match (secret, etcd) {
-            (Some(v), true) => {
-                if let Err(e) = crate::etcd::authenticate_request(&v) {
-                    error!("idemgate configuration refused: {e}");
-                    return false;
-                }
-                (None, Some(v))
+        let backend = config.store.as_ref().map(|s| Backend::of(s.kind, None));
+        let (credentials, etcd_secret) = match backend.map(|b| b.credential(secret)) {
+            None | Some(Ok(Credential::None)) => (None, None),
+            Some(Ok(Credential::Header(h))) => (Some(h), None),
+            Some(Ok(Credential::Token(v))) => (None, Some(v)),
+            Some(Err(e)) => {
+                error!("idemgate configuration refused: {e}");
+                return false;
             }
-            (v, _) => (v.map(|v| store::basic_auth(&v)), None),
         };
         let lease_ttl_seconds = crate::etcd::lease_ttl_seconds(&config);
         let metrics = Metrics::define(config.routes.len());
