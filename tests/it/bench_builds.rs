@@ -5,29 +5,14 @@
 use crate::support;
 
 use std::path::PathBuf;
-use std::process::Command;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use support::store::{Redis, Webdis};
 use support::upstream::Upstream;
 use support::{http, Envoy, EnvoyOptions};
 
-/// Builds a benchmark module once per test process (`scripts/build-wasm.sh <flag>`).
 fn bench_module(flag: &str, file: &str) -> PathBuf {
-    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
-    let mut built = BUILT.lock().unwrap();
-    let path = support::repo_root().join("dist").join(file);
-    if !built.iter().any(|f| f == flag) {
-        let out = Command::new("scripts/build-wasm.sh")
-            .arg(flag)
-            .current_dir(support::repo_root())
-            .output()
-            .expect("build a benchmark module");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        built.push(flag.to_string());
-    }
-    path
+    support::build_module(flag, file)
 }
 
 fn floor_module() -> PathBuf {

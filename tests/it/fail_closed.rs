@@ -10,9 +10,8 @@ use crate::support;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use support::http::{self, Response};
@@ -35,19 +34,7 @@ fn problem_type(r: &Response) -> String {
 
 /// The test-only module that breaks invariants on demand (built once per test run).
 fn fault_module() -> PathBuf {
-    static BUILT: Mutex<bool> = Mutex::new(false);
-    let mut built = BUILT.lock().unwrap();
-    let path = support::repo_root().join("dist/idemgate-crash.wasm");
-    if !*built {
-        let out = Command::new("scripts/build-wasm.sh")
-            .arg("--crash-injection")
-            .current_dir(support::repo_root())
-            .output()
-            .expect("build the crash-injection module");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        *built = true;
-    }
-    path
+    support::build_module("--crash-injection", "idemgate-crash.wasm")
 }
 
 fn fault_envoy(up: &Upstream) -> Envoy {

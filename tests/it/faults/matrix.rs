@@ -7,7 +7,6 @@ use crate::support;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -275,19 +274,7 @@ fn fault_matrix_the_configuration_reloaded_while_traffic_flows_executes_each_ope
 
 /// The test-only module that traps on `x-idemgate-test-crash` (built once per test run).
 fn crash_module() -> PathBuf {
-    static BUILT: Mutex<bool> = Mutex::new(false);
-    let mut built = BUILT.lock().unwrap();
-    let path = support::repo_root().join("dist/idemgate-crash.wasm");
-    if !*built {
-        let out = Command::new("scripts/build-wasm.sh")
-            .arg("--crash-injection")
-            .current_dir(support::repo_root())
-            .output()
-            .expect("build the crash-injection module");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        *built = true;
-    }
-    path
+    support::build_module("--crash-injection", "idemgate-crash.wasm")
 }
 
 #[test]

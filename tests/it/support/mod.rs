@@ -86,6 +86,25 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// A test or benchmark build of the module (`scripts/build-wasm.sh <flag>`, written to
+/// `dist/<file>`), built once per test process whatever suites ask for it: one lock for every
+/// build, so two suites never write the same file at once.
+pub fn build_module(flag: &str, file: &str) -> PathBuf {
+    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    let path = repo_root().join("dist").join(file);
+    if !built.iter().any(|f| f == flag) {
+        let out = Command::new("scripts/build-wasm.sh")
+            .arg(flag)
+            .current_dir(repo_root())
+            .output()
+            .expect("run scripts/build-wasm.sh");
+        assert!(out.status.success(), "scripts/build-wasm.sh {flag}: {}", String::from_utf8_lossy(&out.stderr));
+        built.push(flag.to_string());
+    }
+    path
+}
+
 /// dist/idemgate.wasm, or the module named by `IDEMGATE_WASM` (to try another build).
 pub fn wasm_path() -> PathBuf {
     let p = std::env::var_os("IDEMGATE_WASM")
