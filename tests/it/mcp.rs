@@ -303,7 +303,18 @@ fn a_retry_on_the_other_proxy_gets_the_result_through_the_store() {
     let b = Envoy::start(&o);
     let h = [ALICE, BOTH, ("idempotency-key", "k-two"), ("x-mcp-answer", "sse")];
     let first = post(a.port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null));
-    let retry = post(b.port, &h, &tools_call(json!("on-b"), "charge", json!({"amount": 1}), Value::Null));
+    // Proxy a answers its client before its root's completion write reaches the store: until it
+    // lands, b sees the key in flight (JSON-RPC error -32001, `request-in-flight`, as any client
+    // retrying there would). Bounded by count.
+    let in_flight = |r: &Response| message(r)["error"]["code"] == -32001;
+    let mut retry = post(b.port, &h, &tools_call(json!("on-b"), "charge", json!({"amount": 1}), Value::Null));
+    for _ in 0..200 {
+        if !in_flight(&retry) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(25));
+        retry = post(b.port, &h, &tools_call(json!("on-b"), "charge", json!({"amount": 1}), Value::Null));
+    }
     println!("{} {}", retry.status, retry.body_text());
     assert_eq!(message(&retry)["id"], "on-b");
     assert_eq!(message(&retry)["result"], message(&first)["result"]);
