@@ -1194,11 +1194,16 @@ Rerun: `make bench` (about {'3' if st['quick'] else '22'} minutes here; `BENCH_Q
 Raw figures: `target/bench/results.json`.
 """
     path = os.path.join(ROOT, "docs", "BENCHMARKS.md")
-    # Sections measured by tests, not here (memory at the default capacity: tests/it/faults/capacity.rs;
-    # store bytes per first request: tests/it/store_scripts.rs): keep them.
+    # Sections measured by tests or once by hand, not here (memory at the default capacity:
+    # tests/it/faults/capacity.rs; store bytes per first request: tests/it/store_scripts.rs; etcd
+    # over gRPC: a measurement outside make bench): keep them.
     if os.path.exists(path):
         old = open(path).read()
-        for section in ("## Memory at the default capacity", "## Store bytes per first request"):
+        for section in (
+            "## Memory at the default capacity",
+            "## Store bytes per first request",
+            "## etcd over its native gRPC API (measured, not built)",
+        ):
             at = old.find(section)
             if at >= 0:
                 end = old.find("\n## ", at + 1)
