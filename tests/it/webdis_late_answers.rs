@@ -196,3 +196,19 @@ fn the_operators_list_and_clock_refuse_another_requests_late_answer() {
     let (status, body) = read_answer(&mut conn, &mut buf);
     assert!(backend.parse_list(Some(status), &body, None, "this-listing").is_ok());
 }
+
+/// The CLI itself: a store answering every request with another request's `TIME` (its nonce not
+/// this request's) is asked three times, then refused; such an answer was taken for the clock
+/// before `TIME` echoed a nonce.
+#[test]
+fn the_cli_asks_again_then_refuses_a_clock_that_is_not_its_own() {
+    let bulk = |b: &str| format!("${}\r\n{b}\r\n", b.len());
+    let answer = format!("*3\r\n{}{}{}", bulk("1700000000"), bulk("250000"), bulk("another-request"));
+    let fake = support::store::FakeStore::start(answer.into_bytes());
+    let ops = support::operator::OperatorCli::webdis(&format!("http://127.0.0.1:{}", fake.port), None);
+    let out = ops.run(&["list", "--state", "in-flight"]);
+    let stderr = support::operator::text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("unexpected TIME answer (not this request's)"), "{stderr}");
+    assert_eq!(fake.requests(), 3, "asked three times: {stderr}");
+}
