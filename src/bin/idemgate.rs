@@ -319,7 +319,10 @@ impl Store {
             let (status, body) = self.link.call(&request)?;
             match self.backend.parse_clock(status, &body, &nonce) {
                 Ok(ms) => return Ok(ms),
-                Err(StoreError::Garbled(why)) => last = why,
+                Err(StoreError::Garbled(why)) => {
+                    eprintln!("idemgate: note: asked again: {why}");
+                    last = why
+                }
                 Err(e) => return fail(format!("store: {e}")),
             }
         }
@@ -335,7 +338,10 @@ impl Store {
             let (status, body) = self.link.call(&self.backend.list_request(cursor, &nonce))?;
             match self.backend.parse_list(status, &body, cursor, &nonce) {
                 Ok(page) => return Ok(page),
-                Err(StoreError::Garbled(why)) => last = why,
+                Err(StoreError::Garbled(why)) => {
+                    eprintln!("idemgate: note: asked again: {why}");
+                    last = why
+                }
                 Err(e) => return fail(format!("store: {e}")),
             }
         }
