@@ -174,25 +174,32 @@ pub mod command {
     use super::*;
 
     /// `TIME`: Redis's clock, which every lock is judged by (in a script: the shipped webdis ACL
-    /// lets only EVAL, GET and PING through).
-    pub fn time() -> String {
-        format!("EVAL/{}/0.raw", encode_arg(b"return redis.call('TIME')"))
+    /// lets only EVAL, GET and PING through), answered with `nonce` after it (`{seconds,
+    /// microseconds, nonce}`): webdis 0.1.9 can hand a new connection the late answer of another
+    /// client's command (docs/stores.md), so the CLI takes only an answer echoing its own nonce.
+    pub fn time(nonce: &str) -> String {
+        format!(
+            "EVAL/{}/0/{}.raw",
+            encode_arg(b"local t=redis.call('TIME') return {t[1],t[2],ARGV[1]}"),
+            encode_arg(nonce.as_bytes())
+        )
     }
 
     /// One step of a scan: `SCAN cursor MATCH idemgate:v1:* COUNT count` (never blocks Redis),
     /// then `GETRANGE key 0 51` of each key found (a value's header, never its possibly large
-    /// record), in one script whose answer is flat (`{cursor, key, header, key, header, ...}`):
-    /// webdis 0.1.9's raw output garbles nested arrays.
-    pub fn scan(cursor: &str, count: u32) -> String {
+    /// record), in one script whose answer is flat (`{nonce, cursor, key, header, key, header,
+    /// ...}`): webdis 0.1.9's raw output garbles nested arrays. `nonce` as in `time`.
+    pub fn scan(cursor: &str, count: u32, nonce: &str) -> String {
         const SCRIPT: &str = "local r=redis.call('SCAN',ARGV[1],'MATCH',ARGV[2],'COUNT',ARGV[3]) \
-local out={r[1]} \
+local out={ARGV[4],r[1]} \
 for _,k in ipairs(r[2]) do out[#out+1]=k out[#out+1]=redis.call('GETRANGE',k,0,51) end \
 return out";
         format!(
-            "EVAL/{}/0/{}/{}/{count}.raw",
+            "EVAL/{}/0/{}/{}/{count}/{}.raw",
             encode_arg(SCRIPT.as_bytes()),
             encode_arg(cursor.as_bytes()),
-            encode_arg(format!("{KEY_PREFIX}*").as_bytes())
+            encode_arg(format!("{KEY_PREFIX}*").as_bytes()),
+            encode_arg(nonce.as_bytes())
         )
     }
 

@@ -192,12 +192,14 @@ impl Backend {
     /// The answer to an owner's write or a stale-to-unknown (no echo checked).
     pub fn parse_write(&self, status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
         match self {
-            Backend::Redis => store::parse_transition_reply(status, body),
+            Backend::Redis => store::parse_transition_reply(status, body, None),
             Backend::Etcd { .. } => etcd::parse_transition_reply(status, body, None),
         }
     }
 
-    /// The answer to a take-over by `owner`: with etcd, a change must echo the new owner's claim.
+    /// The answer to a take-over by `owner`: a change forwards the request, so the answer must be
+    /// this request's: it must echo `owner` (Redis: the transition script's echo; etcd: the new
+    /// owner's claim).
     pub fn parse_take_over(
         &self,
         status: Option<u16>,
@@ -206,7 +208,7 @@ impl Backend {
         owner: &OwnerToken,
     ) -> Result<TransitionReply, StoreError> {
         match self {
-            Backend::Redis => store::parse_transition_reply(status, body),
+            Backend::Redis => store::parse_transition_reply(status, body, Some(owner)),
             Backend::Etcd { .. } => etcd::parse_transition_reply(status, body, Some((skey, Stage::Forwarded, owner))),
         }
     }
@@ -261,24 +263,30 @@ const SCAN_COUNT: u32 = 200;
 /// send and how they read the answers.
 impl Backend {
     /// The request that reads the clock an operator's judgement uses, when it is the store's:
-    /// Redis's `TIME` (every lock is judged by it, as the filter's scripts do). `None` where the
-    /// operator's own clock is used (etcd: `judged_now`, as the filter does).
-    pub fn clock_request(&self) -> Option<StoreRequest> {
+    /// Redis's `TIME` (every lock is judged by it, as the filter's scripts do), answered with
+    /// `nonce`. `None` where the operator's own clock is used (etcd: `judged_now`, as the filter
+    /// does).
+    pub fn clock_request(&self, nonce: &str) -> Option<StoreRequest> {
         match self {
-            Backend::Redis => Some(StoreRequest::command(&admin::command::time())),
+            Backend::Redis => Some(StoreRequest::command(&admin::command::time(nonce))),
             Backend::Etcd { .. } => None,
         }
     }
 
-    /// The answer to `clock_request`, in ms.
-    pub fn parse_clock(&self, status: Option<u16>, body: &[u8]) -> Result<u64, StoreError> {
+    /// The answer to `clock_request(nonce)`, in ms: one that does not echo `nonce` is not this
+    /// request's (garbled).
+    pub fn parse_clock(&self, status: Option<u16>, body: &[u8], nonce: &str) -> Result<u64, StoreError> {
         match command_answer(status, body)? {
             Resp::Array(Some(items)) => {
                 let parts: Vec<Vec<u8>> = items
                     .iter()
                     .filter_map(|i| if let Resp::Bulk(Some(b)) = i { Some(b.clone()) } else { None })
                     .collect();
-                admin::time_ms(&parts).ok_or_else(|| StoreError::Garbled(format!("unexpected TIME answer: {items:?}")))
+                match parts.as_slice() {
+                    [.., echo] if parts.len() == 3 && echo.as_slice() == nonce.as_bytes() => admin::time_ms(&parts)
+                        .ok_or_else(|| StoreError::Garbled(format!("unexpected TIME answer: {items:?}"))),
+                    _ => Err(StoreError::Garbled(format!("unexpected TIME answer (not this request's): {items:?}"))),
+                }
             }
             other => Err(StoreError::Garbled(format!("unexpected TIME answer: {other:?}"))),
         }
@@ -345,23 +353,38 @@ impl Backend {
     /// One page of the store's idemgate keys, from `cursor` (`None`: the first page): never a
     /// command that blocks the store, never an unbounded range. Redis: a `SCAN` step with each
     /// value's header (`admin::command::scan`); etcd: a page of at most `etcd::LIST_PAGE_MAX`
-    /// key names.
-    pub fn list_request(&self, cursor: Option<&[u8]>) -> StoreRequest {
+    /// key names. `nonce`: what a Redis answer echoes (`admin::command::scan`).
+    pub fn list_request(&self, cursor: Option<&[u8]>, nonce: &str) -> StoreRequest {
         match self {
             Backend::Redis => {
                 let cursor = cursor.map_or_else(|| "0".to_string(), |c| String::from_utf8_lossy(c).into_owned());
-                StoreRequest::command(&admin::command::scan(&cursor, SCAN_COUNT))
+                StoreRequest::command(&admin::command::scan(&cursor, SCAN_COUNT, nonce))
             }
             Backend::Etcd { .. } => etcd::list_page_request(cursor, etcd::LIST_PAGE_MAX),
         }
     }
 
-    /// The answer to `list_request(cursor)`.
-    pub fn parse_list(&self, status: Option<u16>, body: &[u8], cursor: Option<&[u8]>) -> Result<Listing, StoreError> {
+    /// The answer to `list_request(cursor, nonce)`: a Redis answer that does not echo `nonce` is
+    /// not this request's (garbled).
+    pub fn parse_list(
+        &self,
+        status: Option<u16>,
+        body: &[u8],
+        cursor: Option<&[u8]>,
+        nonce: &str,
+    ) -> Result<Listing, StoreError> {
         match self {
             Backend::Redis => {
-                let garbled = || StoreError::Garbled("unexpected SCAN answer".into());
-                let Resp::Array(Some(items)) = command_answer(status, body)? else { return Err(garbled()) };
+                let answer = command_answer(status, body)?;
+                let garbled = || {
+                    let shown: String = format!("{answer:?}").chars().take(200).collect();
+                    StoreError::Garbled(format!("unexpected SCAN answer (not this request's): {shown}"))
+                };
+                let Resp::Array(Some(items)) = &answer else { return Err(garbled()) };
+                let Some((Resp::Bulk(Some(echo)), items)) = items.split_first() else { return Err(garbled()) };
+                if echo.as_slice() != nonce.as_bytes() {
+                    return Err(garbled());
+                }
                 let Some((Resp::Bulk(Some(next)), found)) = items.split_first() else { return Err(garbled()) };
                 let mut out = vec![];
                 for pair in found.chunks(2) {
@@ -436,14 +459,15 @@ impl Backend {
     /// which also loads it. `None` otherwise.
     pub fn resend(&self, request: &StoreRequest, status: Option<u16>, body: &[u8]) -> Option<StoreRequest> {
         match self {
-            Backend::Redis if store::parse_transition_reply(status, body) == Ok(TransitionReply::NoScript) => {
+            Backend::Redis if store::parse_transition_reply(status, body, None) == Ok(TransitionReply::NoScript) => {
                 request.with_script()
             }
             _ => None,
         }
     }
 
-    /// The answer to an operator's transition `t` of `skey` (etcd: a write must echo what it wrote).
+    /// The answer to an operator's transition `t` of `skey`: it must be this request's (Redis: the
+    /// script's echo of `t`'s new owner; etcd: a write must echo what it wrote).
     pub fn parse_operator_transition(
         &self,
         status: Option<u16>,
@@ -452,7 +476,7 @@ impl Backend {
         skey: &StorageKey,
     ) -> Result<TransitionReply, StoreError> {
         match self {
-            Backend::Redis => store::parse_transition_reply(status, body),
+            Backend::Redis => store::parse_transition_reply(status, body, Some(&t.new_owner)),
             Backend::Etcd { .. } => {
                 etcd::parse_transition_reply(status, body, t.new_phase.map(|p| (skey, p, &t.new_owner)))
             }
@@ -496,35 +520,74 @@ mod tests {
     fn a_redis_scan_step_lists_each_key_with_its_header_and_ends_at_cursor_zero() {
         let hex = "ab".repeat(32);
         let head = format!("IGS1P{}{:015}", "cd".repeat(16), 42);
-        let answer = |cursor: &[u8]| {
-            let mut a = b"*5\r\n".to_vec();
-            for part in [cursor, format!("idemgate:v1:{hex}").as_bytes(), head.as_bytes(), b"idemgate:v1:x", b"IGS1R"] {
+        let answer_with = |nonce: &[u8], cursor: &[u8]| {
+            let mut a = b"*6\r\n".to_vec();
+            for part in
+                [nonce, cursor, format!("idemgate:v1:{hex}").as_bytes(), head.as_bytes(), b"idemgate:v1:x", b"IGS1R"]
+            {
                 a.extend(bulk(part));
             }
             a
         };
-        let page = Backend::Redis.parse_list(Some(200), &answer(b"17"), None).unwrap();
+        let answer = |cursor: &[u8]| answer_with(b"n1", cursor);
+        let page = Backend::Redis.parse_list(Some(200), &answer(b"17"), None, "n1").unwrap();
         let value = Header::Value { state: Stage::Forwarded, owner: "cd".repeat(16), lock_expires_at_ms: 42 };
         assert_eq!(page.found[0], Listed::Header { hex: hex.clone(), header: value });
         assert_eq!(page.found[1], Listed::Header { hex: "x".into(), header: Header::Tombstone });
         assert_eq!(page.next.as_deref(), Some(&b"17"[..]));
-        assert_eq!(Backend::Redis.parse_list(Some(200), &answer(b"0"), Some(b"17")).unwrap().next, None);
-        assert_eq!(Backend::Redis.list_request(Some(b"17")), StoreRequest::command(&admin::command::scan("17", 200)));
-        assert!(Backend::Redis.parse_list(Some(403), &answer(b"0"), None).is_err());
-        assert!(Backend::Redis.parse_list(Some(200), b":1\r\n", None).is_err());
+        assert_eq!(Backend::Redis.parse_list(Some(200), &answer(b"0"), Some(b"17"), "n1").unwrap().next, None);
+        assert_eq!(
+            Backend::Redis.list_request(Some(b"17"), "n1"),
+            StoreRequest::command(&admin::command::scan("17", 200, "n1"))
+        );
+        assert!(Backend::Redis.parse_list(Some(403), &answer(b"0"), None, "n1").is_err());
+        assert!(Backend::Redis.parse_list(Some(200), b":1\r\n", None, "n1").is_err());
+        // Another request's page (another nonce), or a page without one, is not this request's.
+        assert!(matches!(
+            Backend::Redis.parse_list(Some(200), &answer_with(b"n2", b"0"), None, "n1"),
+            Err(StoreError::Garbled(_))
+        ));
+        let unechoed = [b"*1\r\n".to_vec(), bulk(b"0")].concat();
+        assert!(matches!(Backend::Redis.parse_list(Some(200), &unechoed, None, "n1"), Err(StoreError::Garbled(_))));
     }
 
     #[test]
     fn the_operators_clock_is_redis_time_or_the_judged_local_clock() {
-        let time = [bulk(b"1700000000"), bulk(b"250000")].concat();
-        let answer = [b"*2\r\n".to_vec(), time].concat();
-        assert_eq!(Backend::Redis.parse_clock(Some(200), &answer), Ok(1_700_000_000_250));
-        assert!(matches!(Backend::Redis.parse_clock(Some(200), b":5\r\n"), Err(StoreError::Garbled(_))));
-        assert_eq!(Backend::Redis.parse_clock(Some(503), &answer), Err(StoreError::Http(503)));
+        let answer = |nonce: &[u8]| [b"*3\r\n".to_vec(), bulk(b"1700000000"), bulk(b"250000"), bulk(nonce)].concat();
+        assert_eq!(Backend::Redis.parse_clock(Some(200), &answer(b"n1"), "n1"), Ok(1_700_000_000_250));
+        assert!(matches!(Backend::Redis.parse_clock(Some(200), b":5\r\n", "n1"), Err(StoreError::Garbled(_))));
+        assert_eq!(Backend::Redis.parse_clock(Some(503), &answer(b"n1"), "n1"), Err(StoreError::Http(503)));
+        // Another request's clock (another nonce, or Redis's bare TIME answer) is not this one's.
+        assert!(matches!(Backend::Redis.parse_clock(Some(200), &answer(b"n2"), "n1"), Err(StoreError::Garbled(_))));
+        let bare = [b"*2\r\n".to_vec(), bulk(b"1700000000"), bulk(b"250000")].concat();
+        assert!(matches!(Backend::Redis.parse_clock(Some(200), &bare, "n1"), Err(StoreError::Garbled(_))));
         let e = Backend::of(StoreKind::Etcd, None);
-        assert_eq!(e.clock_request(), None);
+        assert_eq!(e.clock_request("n1"), None);
         assert_eq!(e.judged_now(1_000_000), etcd::judged_now(1_000_000));
-        assert!(Backend::Redis.clock_request().is_some());
+        assert!(Backend::Redis.clock_request("n1").is_some());
+    }
+
+    /// A take-over forwards on "changed" and an operator reports it: with Redis as with etcd,
+    /// only an answer echoing the request's new owner counts (webdis 0.1.9 can deliver another
+    /// request's late answer to a new connection: docs/stores.md).
+    #[test]
+    fn a_redis_take_over_or_operator_write_reads_only_its_own_answer() {
+        let skey = StorageKey([1; 32]);
+        let (ours, theirs) = (OwnerToken([3; 16]), OwnerToken([4; 16]));
+        let answer = |o: &OwnerToken| format!("*2\r\n:1\r\n$32\r\n{}\r\n", o.hex()).into_bytes();
+        let r = Backend::Redis;
+        assert_eq!(r.parse_take_over(Some(200), &answer(&ours), &skey, &ours), Ok(TransitionReply::Changed));
+        assert!(matches!(r.parse_take_over(Some(200), &answer(&theirs), &skey, &ours), Err(StoreError::Garbled(_))));
+        assert!(matches!(r.parse_take_over(Some(200), b":1\r\n", &skey, &ours), Err(StoreError::Garbled(_))));
+        let forget = Transition::release(ours);
+        assert_eq!(
+            r.parse_operator_transition(Some(200), &answer(&ours), &forget, &skey),
+            Ok(TransitionReply::Changed)
+        );
+        assert!(r.parse_operator_transition(Some(200), &answer(&theirs), &forget, &skey).is_err());
+        // An owner's own write checks the shape (its transition is the same whatever answer it reads).
+        assert_eq!(r.parse_write(Some(200), &answer(&theirs)), Ok(TransitionReply::Changed));
+        assert!(r.parse_write(Some(200), b":1\r\n").is_err());
     }
 
     #[test]

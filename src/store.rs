@@ -99,30 +99,32 @@ return {'1',string.format('%d',now),ARGV[1]}";
 
 /// Owner-checked transition. KEYS[1]; ARGV: expected owner hex, expected phases, require stale
 /// lock ('1'/'0'), new phase ('X' deletes), new owner hex, ttl ms, lock ms ('-': none), where
-/// absent ('0', '1', 'K'), record ('-': keep the stored one) last. Answers 1 when it changed the
-/// value, 0 otherwise.
+/// absent ('0', '1', 'K'), record ('-': keep the stored one) last. Answers `{1, new owner hex}`
+/// when it changed the value, `{0, new owner hex}` otherwise: the echo of `ARGV[5]` lets a reader
+/// refuse an answer that is not its own request's (webdis 0.1.9 can hand a new client the late
+/// answer of a command whose client went away: `parse_transition_reply`).
 /// New phase 'R' is a release of a claim whose answer was lost: as 'X', but when the key is
 /// absent it writes a tombstone naming the owner for ttl ms, so the claim landing late is refused.
 /// Where absent '1' or 'K' (a completion, an outcome-unknown mark): when the key is absent or holds
-/// a release tombstone, the new value is written with the record and the answer is 2 (the owner's
+/// a release tombstone, the new value is written with the record and the answer is `{2, ...}` (the owner's
 /// claim was lost by the store); 'K' keeps the stored record where the owner's claim is found.
 const TRANSITION_SCRIPT: &str = "local v=redis.call('GET',KEYS[1]) \
 if v and ARGV[8]~='0' and string.sub(v,1,5)=='IGS1R' then v=false end \
-if not v and ARGV[4]=='R' then redis.call('SET',KEYS[1],'IGS1R'..ARGV[1],'PX',ARGV[6]) return 1 end \
+if not v and ARGV[4]=='R' then redis.call('SET',KEYS[1],'IGS1R'..ARGV[1],'PX',ARGV[6]) return {1,ARGV[5]} end \
 local t=redis.call('TIME') \
 local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
 local lock=0 \
 if ARGV[7]~='-' then lock=now+tonumber(ARGV[7]) end \
 if not v and ARGV[8]~='0' and ARGV[9]~='-' and ARGV[4]~='X' then \
-redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..ARGV[9],'PX',ARGV[6]) return 2 end \
-if not v or string.sub(v,1,4)~='IGS1' or string.sub(v,6,37)~=ARGV[1] then return 0 end \
-if not string.find(ARGV[2],string.sub(v,5,5),1,true) then return 0 end \
-if ARGV[3]=='1' and tonumber(string.sub(v,38,52))>now then return 0 end \
-if ARGV[4]=='X' or ARGV[4]=='R' then redis.call('DEL',KEYS[1]) return 1 end \
+redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..ARGV[9],'PX',ARGV[6]) return {2,ARGV[5]} end \
+if not v or string.sub(v,1,4)~='IGS1' or string.sub(v,6,37)~=ARGV[1] then return {0,ARGV[5]} end \
+if not string.find(ARGV[2],string.sub(v,5,5),1,true) then return {0,ARGV[5]} end \
+if ARGV[3]=='1' and tonumber(string.sub(v,38,52))>now then return {0,ARGV[5]} end \
+if ARGV[4]=='X' or ARGV[4]=='R' then redis.call('DEL',KEYS[1]) return {1,ARGV[5]} end \
 local rec=ARGV[9] \
 if rec=='-' or ARGV[8]=='K' then rec=string.sub(v,53) end \
 redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..rec,'PX',ARGV[6]) \
-return 1";
+return {1,ARGV[5]}";
 
 /// Redis's names for the scripts (lowercase hex SHA-1 of their text), computed at compile time.
 const CLAIM_SHA1: [u8; 40] = sha1::hex(&sha1::digest(CLAIM_SCRIPT.as_bytes()));
@@ -962,16 +964,33 @@ pub fn refused_as_too_large(status: Option<u16>) -> bool {
     status == Some(413)
 }
 
-/// Parses the answer to a transition.
-pub fn parse_transition_reply(status: Option<u16>, body: &[u8]) -> Result<TransitionReply, StoreError> {
+/// Parses the answer to a transition: `{n, new owner hex}` (`TRANSITION_SCRIPT`). `echo`: the new
+/// owner the request named, when the caller acts on a change (a take-over forwards on it): an
+/// answer echoing another owner is garbled. Whatever `echo`, an answer without one (a bare
+/// integer) is garbled: webdis 0.1.9 writes a command's late answer to the connection that reuses
+/// the file descriptor of a client that went away, so a request can read another request's answer
+/// (docs/stores.md).
+pub fn parse_transition_reply(
+    status: Option<u16>,
+    body: &[u8],
+    echo: Option<&OwnerToken>,
+) -> Result<TransitionReply, StoreError> {
     let answer = match parse_script_reply(status, body)? {
         Ran::NoScript => return Ok(TransitionReply::NoScript),
         Ran::Answered(v) => v,
     };
-    match as_int(&answer) {
-        Some(1) => Ok(TransitionReply::Changed),
-        Some(0) => Ok(TransitionReply::Refused),
-        Some(2) => Ok(TransitionReply::ClaimGoneRewritten),
+    let Resp::Array(Some(items)) = answer else { return Err(garbled("transition reply is not its own")) };
+    let (Some(code), Some(Resp::Bulk(Some(echoed))), 2) = (items.first().and_then(as_int), items.get(1), items.len())
+    else {
+        return Err(garbled("transition reply shape"));
+    };
+    if echo.is_some_and(|owner| echoed.as_slice() != owner.hex().as_bytes()) {
+        return Err(garbled("transition reply does not echo the request's new owner"));
+    }
+    match code {
+        1 => Ok(TransitionReply::Changed),
+        0 => Ok(TransitionReply::Refused),
+        2 => Ok(TransitionReply::ClaimGoneRewritten),
         _ => Err(garbled("transition reply")),
     }
 }

@@ -22,7 +22,8 @@ fuzz_target!(|data: &[u8]| {
     alloc_meter::within(body.len(), 4, 128 * 1024, || {
         let _ = idemgate::store::parse_resp(body);
         let _ = idemgate::store::parse_claim_reply(status.flatten(), body, &owner, &skey, &seal);
-        let _ = idemgate::store::parse_transition_reply(status.flatten(), body);
+        let _ = idemgate::store::parse_transition_reply(status.flatten(), body, None);
+        let _ = idemgate::store::parse_transition_reply(status.flatten(), body, Some(&owner));
         let _ = idemgate::store::parse_read_reply(status.flatten(), body, &skey, &seal);
         let _ = idemgate::store::StoredValue::open(body, &skey, &seal);
     });

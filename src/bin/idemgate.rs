@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use clap::{Arg, ArgAction, ArgMatches, Command};
 use idemgate::admin::{self, Header, KeyRequest, Settle};
-use idemgate::backend::{Backend, Listed};
+use idemgate::backend::{Backend, Listed, Listing};
 use idemgate::config::{Anonymous, Config, StoreKind};
 use idemgate::etcd::Fence;
 use idemgate::probe::Answer;
@@ -280,6 +280,21 @@ trait Link {
     fn call(&self, r: &StoreRequest) -> Result<(Option<u16>, Vec<u8>), Fail>;
 }
 
+/// How many times the CLI asks a read again whose answer was not its own (`nonce`).
+const READ_ATTEMPTS: usize = 3;
+
+/// A new value for a read's answer to echo (a process-random hash of a counter and the clock):
+/// an answer echoing another is another request's.
+fn nonce() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.write_u64(local_now_ms());
+    h.write_u32(std::process::id());
+    format!("{:016x}", h.finish())
+}
+
 /// This machine's clock in ms since the epoch.
 fn local_now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -290,20 +305,47 @@ fn local_now_ms() -> u64 {
 impl Store {
     /// The time an operator's judgement uses (`local_now_ms`: this machine's clock, read before
     /// the value was): the store's clock where locks are judged by it (Redis's `TIME`, a read: an
-    /// answer that is not the clock, as webdis under load has given, is asked again, three times
-    /// at most), else this machine's as the filter judges it.
+    /// answer that is not this request's, which webdis 0.1.9 can hand a new connection (another
+    /// client's late answer: docs/stores.md), is asked again with a new nonce, three times at
+    /// most), else this machine's as the filter judges it.
     fn now(&self, local_now_ms: u64) -> Result<u64, Fail> {
-        let Some(request) = self.backend.clock_request() else { return Ok(self.backend.judged_now(local_now_ms)) };
+        if self.backend.clock_request("").is_none() {
+            return Ok(self.backend.judged_now(local_now_ms));
+        }
         let mut last = String::new();
-        for _ in 0..3 {
+        for _ in 0..READ_ATTEMPTS {
+            let nonce = nonce();
+            let Some(request) = self.backend.clock_request(&nonce) else { break };
             let (status, body) = self.link.call(&request)?;
-            match self.backend.parse_clock(status, &body) {
+            match self.backend.parse_clock(status, &body, &nonce) {
                 Ok(ms) => return Ok(ms),
-                Err(StoreError::Garbled(why)) => last = why,
+                Err(StoreError::Garbled(why)) => {
+                    eprintln!("idemgate: note: asked again: {why}");
+                    last = why
+                }
                 Err(e) => return fail(format!("store: {e}")),
             }
         }
         fail(last)
+    }
+
+    /// The page of keys from `cursor`: an answer that is not this request's (see `now`) is asked
+    /// again, three times at most.
+    fn list_page(&self, cursor: Option<&[u8]>) -> Result<Listing, Fail> {
+        let mut last = String::new();
+        for _ in 0..READ_ATTEMPTS {
+            let nonce = nonce();
+            let (status, body) = self.link.call(&self.backend.list_request(cursor, &nonce))?;
+            match self.backend.parse_list(status, &body, cursor, &nonce) {
+                Ok(page) => return Ok(page),
+                Err(StoreError::Garbled(why)) => {
+                    eprintln!("idemgate: note: asked again: {why}");
+                    last = why
+                }
+                Err(e) => return fail(format!("store: {e}")),
+            }
+        }
+        fail(format!("store: {last}"))
     }
 
     /// The value of `skey` and, where the store has one, what it was read as (`Fence`), judged
@@ -355,8 +397,7 @@ fn list(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
     let mut shown = 0;
     let mut unreadable = 0;
     while shown < limit {
-        let (status, body) = st.link.call(&st.backend.list_request(cursor.as_deref()))?;
-        let page = st.backend.parse_list(status, &body, cursor.as_deref()).or_else(|e| fail(format!("store: {e}")))?;
+        let page = st.list_page(cursor.as_deref())?;
         for found in page.found {
             if shown >= limit {
                 break;

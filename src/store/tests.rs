@@ -277,11 +277,48 @@ fn store_failures_of_every_kind_are_errors_never_panics() {
         parse_claim_reply(Some(200), b"*2\r\n:7\r\n:1\r\n", &OWNER, &skey(), &seal()),
         Err(StoreError::Garbled(_))
     ));
-    assert_eq!(parse_transition_reply(Some(200), b":1\r\n"), Ok(TransitionReply::Changed));
-    assert_eq!(parse_transition_reply(Some(200), b"$1\r\n0\r\n"), Ok(TransitionReply::Refused));
-    assert!(parse_transition_reply(Some(200), b":3\r\n").is_err());
-    assert!(parse_transition_reply(Some(200), b":-1\r\n").is_err());
-    assert!(parse_transition_reply(Some(502), b":1\r\n").is_err());
+    assert_eq!(parse_transition_reply(Some(200), &transition_answer(":1", &OWNER), None), Ok(TransitionReply::Changed));
+    let refused = transition_answer("$1\r\n0", &OWNER);
+    assert_eq!(parse_transition_reply(Some(200), &refused, Some(&OWNER)), Ok(TransitionReply::Refused));
+    assert!(parse_transition_reply(Some(200), &transition_answer(":3", &OWNER), None).is_err());
+    assert!(parse_transition_reply(Some(200), &transition_answer(":-1", &OWNER), None).is_err());
+    assert!(parse_transition_reply(Some(502), &transition_answer(":1", &OWNER), None).is_err());
+}
+
+/// The transition script's answer `{code, new owner hex}` as webdis's raw output carries it.
+fn transition_answer(code: &str, new_owner: &OwnerToken) -> Vec<u8> {
+    format!("*2\r\n{code}\r\n$32\r\n{}\r\n", new_owner.hex()).into_bytes()
+}
+
+/// webdis 0.1.9 writes a late answer to whichever new connection reuses the file descriptor of
+/// the client that went away (docs/stores.md): a take-over (which forwards on "changed") must
+/// read only its own answer. Another request's "changed", or a bare integer (any other command's
+/// answer, or this script's before it echoed), is garbled: never a claim to forward on.
+#[test]
+fn a_transition_answer_that_is_not_the_requests_own_is_refused() {
+    let other = OwnerToken([2; 16]);
+    let ours = parse_transition_reply(Some(200), &transition_answer(":1", &OWNER), Some(&OWNER));
+    assert_eq!(ours, Ok(TransitionReply::Changed));
+    for bad in [
+        transition_answer(":1", &other),
+        transition_answer(":2", &other),
+        b":1\r\n".to_vec(),
+        b"$1\r\n1\r\n".to_vec(),
+        b"*1\r\n:1\r\n".to_vec(),
+        format!("*3\r\n:1\r\n$32\r\n{}\r\n:1\r\n", OWNER.hex()).into_bytes(),
+        b"*2\r\n:1\r\n$-1\r\n".to_vec(),
+    ] {
+        let reply = parse_transition_reply(Some(200), &bad, Some(&OWNER));
+        assert!(matches!(reply, Err(StoreError::Garbled(_))), "{:?}: {reply:?}", String::from_utf8_lossy(&bad));
+    }
+    // Every answer of the script echoes the new owner (ARGV[5]).
+    for code in ["0", "1", "2"] {
+        assert!(!TRANSITION_SCRIPT.contains(&format!("return {code}")), "a bare answer {code}");
+    }
+    assert_eq!(TRANSITION_SCRIPT.matches("return {").count(), TRANSITION_SCRIPT.matches(",ARGV[5]}").count());
+    // Without an echo to check (an owner's own write), the shape is still required.
+    assert!(matches!(parse_transition_reply(Some(200), b":1\r\n", None), Err(StoreError::Garbled(_))));
+    assert_eq!(parse_transition_reply(Some(200), &transition_answer(":0", &other), None), Ok(TransitionReply::Refused));
 }
 
 /// A "claimed" answer must echo the claim's owner: an answer made without reading the request
@@ -432,7 +469,7 @@ mod props {
         fn answers_of_any_bytes_never_panic(status in proptest::option::of(100u16..600), body in proptest::collection::vec(any::<u8>(), 0..300)) {
             let _ = parse_resp(&body);
             let _ = parse_claim_reply(status, &body, &OWNER, &skey(), &seal());
-            let _ = parse_transition_reply(status, &body);
+            let _ = parse_transition_reply(status, &body, Some(&OWNER));
             let _ = StoredValue::open(&body, &skey(), &seal());
         }
 
@@ -489,8 +526,9 @@ fn gone() -> Record {
 /// record there and answers 2; an owner mismatch stays a refusal (0).
 #[test]
 fn a_write_that_finds_its_claim_gone_answers_its_own_code() {
-    assert_eq!(parse_transition_reply(Some(200), b":2\r\n"), Ok(TransitionReply::ClaimGoneRewritten));
-    assert_eq!(parse_transition_reply(Some(200), b"$1\r\n2\r\n"), Ok(TransitionReply::ClaimGoneRewritten));
+    let rewritten = |code: &str| parse_transition_reply(Some(200), &transition_answer(code, &OWNER), Some(&OWNER));
+    assert_eq!(rewritten(":2"), Ok(TransitionReply::ClaimGoneRewritten));
+    assert_eq!(rewritten("$1\r\n2"), Ok(TransitionReply::ClaimGoneRewritten));
     assert!(TransitionReply::ClaimGoneRewritten.written() && TransitionReply::Changed.written());
     assert!(!TransitionReply::Refused.written());
 }
@@ -527,7 +565,7 @@ fn only_completion_and_outcome_unknown_write_where_their_claim_is_gone() {
     }
     // The script writes where absent only on the flag, and answers 2 for it.
     assert!(TRANSITION_SCRIPT.contains("if not v and ARGV[8]~='0' and ARGV[9]~='-'"));
-    assert!(TRANSITION_SCRIPT.contains("return 2 end"));
+    assert!(TRANSITION_SCRIPT.contains("return {2,ARGV[5]} end"));
 }
 
 /// Redis's answer to an EVALSHA of a script it does not hold (webdis passes it with HTTP 200).
@@ -536,7 +574,7 @@ const NOSCRIPT_ANSWER: &[u8] = b"-NOSCRIPT No matching script. Please use EVAL.\
 #[test]
 fn noscript_is_its_own_answer_never_an_outage_or_garbled() {
     assert_eq!(parse_claim_reply(Some(200), NOSCRIPT_ANSWER, &OWNER, &skey(), &seal()), Ok(ClaimReply::NoScript));
-    assert_eq!(parse_transition_reply(Some(200), NOSCRIPT_ANSWER), Ok(TransitionReply::NoScript));
+    assert_eq!(parse_transition_reply(Some(200), NOSCRIPT_ANSWER, Some(&OWNER)), Ok(TransitionReply::NoScript));
     assert!(!TransitionReply::NoScript.written());
     // A GET runs no script: a store answering it NOSCRIPT is only an error.
     assert!(matches!(parse_read_reply(Some(200), NOSCRIPT_ANSWER, &skey(), &seal()), Err(StoreError::Redis(_))));
@@ -562,11 +600,11 @@ fn nothing_but_redis_noscript_error_reads_as_noscript() {
     for (status, body) in not_noscript {
         let claim = parse_claim_reply(status, body, &OWNER, &skey(), &seal());
         assert!(claim.is_err(), "{status:?} {:?}: {claim:?}", String::from_utf8_lossy(body));
-        let transition = parse_transition_reply(status, body);
+        let transition = parse_transition_reply(status, body, None);
         assert!(transition.is_err(), "{status:?} {:?}: {transition:?}", String::from_utf8_lossy(body));
     }
     assert_eq!(parse_claim_reply(None, NOSCRIPT_ANSWER, &OWNER, &skey(), &seal()), Err(StoreError::NoAnswer));
-    assert_eq!(parse_transition_reply(Some(503), NOSCRIPT_ANSWER), Err(StoreError::Http(503)));
+    assert_eq!(parse_transition_reply(Some(503), NOSCRIPT_ANSWER, None), Err(StoreError::Http(503)));
 }
 
 /// The re-sent call is the same call: every argument byte for byte, only `EVALSHA/<sha1>` made

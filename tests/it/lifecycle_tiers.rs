@@ -201,6 +201,17 @@ struct StoreTier<'a> {
     redis: &'a Redis,
 }
 
+/// The transition script's code from its answer `{code, new owner hex}`, its echo checked.
+fn code(answer: Value, t: &Transition) -> Value {
+    match answer {
+        Value::Array(Some(items)) if items.len() == 2 => {
+            assert_eq!(items[1], Value::Bulk(Some(t.new_owner.hex().into_bytes())), "the echo of the new owner");
+            items[0].clone()
+        }
+        other => other,
+    }
+}
+
 fn bulk_u64(v: Option<&Value>) -> u64 {
     match v {
         Some(Value::Bulk(Some(b))) => std::str::from_utf8(b).unwrap().parse().unwrap(),
@@ -215,7 +226,7 @@ impl StoreTier<'_> {
     }
 
     fn transition(&self, t: Transition) -> bool {
-        match self.eval(t.eval_command(&KEY, &support::record_seal())) {
+        match code(self.eval(t.eval_command(&KEY, &support::record_seal())), &t) {
             Value::Int(1) => true,
             Value::Int(0) => false,
             other => panic!("transition answered {other:?}"),
@@ -225,7 +236,7 @@ impl StoreTier<'_> {
     /// An owner's completion or outcome-unknown mark: `Accepted`, `NotAccepted`, or `Rewritten`
     /// where the key was absent and the script wrote it anyway (answer 2).
     fn owner_write(&self, t: Transition) -> Answer {
-        match self.eval(t.eval_command(&KEY, &support::record_seal())) {
+        match code(self.eval(t.eval_command(&KEY, &support::record_seal())), &t) {
             Value::Int(1) => Answer::Accepted,
             Value::Int(0) => Answer::NotAccepted,
             Value::Int(2) => Answer::Rewritten,

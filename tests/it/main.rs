@@ -39,3 +39,4 @@ mod store_support_smoke;
 mod store_tls;
 mod two_proxies;
 mod upgrade;
+mod webdis_late_answers;

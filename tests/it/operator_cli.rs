@@ -392,6 +392,17 @@ fn a_claim_whose_completion_may_still_land_is_not_settled_by_the_operator() {
         http::request(port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("request")
     });
     ops.wait_listed("in-flight", &skey, || format!("executions={}", up.executions()));
+    // Listed in flight is Redis's view: the claim's answer may still be on its way to proxy a.
+    // Hold the link only once a has it and forwarded (held, it timed out: 503, seen once).
+    let mut forwarded = false;
+    for _ in 0..300 {
+        if up.executions() == 1 {
+            forwarded = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(forwarded, "the first attempt never reached the upstream");
     relay.hold();
     let first = first.join().unwrap();
     assert_eq!(first.status, 201, "{}", first.body_text());

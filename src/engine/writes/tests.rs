@@ -17,7 +17,10 @@ const TIMEOUT_MS: u64 = 250;
 /// The root's tick.
 const TICK_MS: u64 = 100;
 const NOSCRIPT: &[u8] = b"-NOSCRIPT No matching script. Please use EVAL.\r\n";
-const CHANGED: &[u8] = b":1\r\n";
+/// The transition script's answers (`{code, new owner hex}`; an owner's write checks no echo).
+const CHANGED: &[u8] = b"*2\r\n:1\r\n$32\r\n00000000000000000000000000000000\r\n";
+const REFUSED: &[u8] = b"*2\r\n:0\r\n$32\r\n00000000000000000000000000000000\r\n";
+const CLAIM_GONE: &[u8] = b"*2\r\n:2\r\n$32\r\n00000000000000000000000000000000\r\n";
 
 fn seal() -> Seal {
     Seal::new(Some("engine-writes-tests-record-key-0123456789abcdef"), None).unwrap()
@@ -298,7 +301,7 @@ fn a_release_refused_as_too_large_is_given_up_at_once() {
 fn a_refused_write_lands_the_claim_being_no_longer_ours() {
     let mut sim = Sim::new();
     let id = sim.push(completion(1));
-    sim.answer(id, Some(200), b":0\r\n");
+    sim.answer(id, Some(200), REFUSED);
     let notes: Vec<_> = sim.notes.iter().map(|(_, n)| n.clone()).collect();
     assert_eq!(notes, vec![Note::NoLongerOurs, Note::Landed]);
     assert_eq!(sim.ended, 1);
@@ -426,8 +429,8 @@ mod props {
                         let id = *sim.outstanding.keys().nth(pick % sim.outstanding.len()).unwrap();
                         match reply {
                             Reply::Changed => sim.answer(id, Some(200), CHANGED),
-                            Reply::Refused => sim.answer(id, Some(200), b":0\r\n"),
-                            Reply::ClaimGone => sim.answer(id, Some(200), b":2\r\n"),
+                            Reply::Refused => sim.answer(id, Some(200), REFUSED),
+                            Reply::ClaimGone => sim.answer(id, Some(200), CLAIM_GONE),
                             Reply::NoScript => sim.answer(id, Some(200), NOSCRIPT),
                             Reply::TooLarge => sim.answer(id, Some(413), b""),
                             Reply::Error503 => sim.answer(id, Some(503), b""),

@@ -54,10 +54,11 @@ impl OperatorCli {
     /// context writes outcomes after the answer, retrying with backoff if the store refuses.
     /// `why` says more when it never is (the proxies' counters, say).
     ///
-    /// A look whose `list` fails is one more look, not a failure: while a test holds the proxies'
-    /// store link (webdis left with abandoned requests), `list` failed now and then with
-    /// "unexpected SCAN answer" (seen twice in about twenty runs; the cause is not found). The CLI
-    /// refuses an answer that is not a SCAN page, as it should; the next look asks again.
+    /// A look whose `list` fails is one more look, not a failure (a store that does not answer
+    /// now). While a test held the proxies' store link, `list` failed now and then with
+    /// "unexpected SCAN answer": webdis 0.1.9 wrote a proxy's late answer (its client gone) to
+    /// the CLI's new connection (docs/stores.md); the CLI now asks again when an answer does not
+    /// echo its nonce.
     pub fn wait_listed(&self, state: &str, skey: &str, why: impl Fn() -> String) {
         let mut last_error = String::new();
         for _ in 0..200 {

@@ -565,6 +565,11 @@ pub struct Webdis {
 }
 
 impl Webdis {
+    /// webdis's process id (its open descriptors are in `/proc/PID/fd`).
+    pub fn pid(&self) -> u32 {
+        self.proc.0.as_ref().map_or(0, |c| c.id())
+    }
+
     /// webdis in front of 127.0.0.1:`redis_port`, every command allowed except DEBUG.
     pub fn start(redis_port: u16) -> Webdis {
         Webdis::start_inner(redis_port, None, Some(REDIS_IDEMGATE_PASSWORD))
