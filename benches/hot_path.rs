@@ -4,7 +4,7 @@
 //! Each step is what the filter does for one protected request, on the same inputs as the Envoy
 //! benchmark (70-byte JSON body, its headers, a bucket of 32 entries, a 200-byte response). Host calls
 //! are not here: shared data is an in-memory map with the host's CAS rules, so the figures are
-//! the Wasm-side cost only. Output: one JSON object per line, `{"step", "ns_per_op", "iters"}`.
+//! the Wasm-side cost only. Output: one JSON object per line, `{"step", "ns_per_op", "allocs_per_op", "iters"}`.
 //!
 //! Under `cargo test --all-targets` (no `--bench` argument) every step runs a few times only, as
 //! a smoke test that the profile still runs.
@@ -18,8 +18,36 @@ use idemgate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use idemgate::record::{Creator, Record, StoredResponse};
 use idemgate::request::RequestHead;
 use idemgate::scope::{CallerScope, StorageKey};
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
+
+/// Counts allocations (and reallocations), so each step also reports how many it makes: on
+/// wasm32 every one is a call into the module's allocator.
+struct Counting;
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every call is forwarded unchanged to the system allocator; only a counter is added.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
 
 /// The benchmark's plugin configuration: a table of 4096 entries (128 buckets of 64), evicting
 /// the oldest when full, as under a flood of unique keys.
@@ -61,6 +89,7 @@ impl Bench {
         let ms = std::env::var("IDEMGATE_HOT_PATH_MS").ok().and_then(|v| v.parse::<u128>().ok()).unwrap_or(300);
         let (budget_ns, mut batch) = if self.full { (ms * 1_000_000, 64u64) } else { (0, 2) };
         let mut iters = 0u64;
+        let allocs0 = ALLOCATIONS.load(Ordering::Relaxed);
         let start = Instant::now();
         loop {
             for i in 0..batch {
@@ -73,7 +102,10 @@ impl Bench {
             batch = batch.saturating_mul(2).min(1 << 16);
         }
         let ns = start.elapsed().as_nanos() as f64 / iters as f64;
-        let line = format!("{{\"step\": \"{name}\", \"ns_per_op\": {ns:.1}, \"iters\": {iters}}}");
+        let allocs = (ALLOCATIONS.load(Ordering::Relaxed) - allocs0) as f64 / iters as f64;
+        let line = format!(
+            "{{\"step\": \"{name}\", \"ns_per_op\": {ns:.1}, \"allocs_per_op\": {allocs:.1}, \"iters\": {iters}}}"
+        );
         println!("{line}");
         self.lines.push(line);
     }

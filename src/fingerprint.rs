@@ -112,13 +112,14 @@ impl Fingerprint {
         let mut f = Framer::new(FP_TAG);
         f.field(head.method.as_bytes());
         f.field(target(head, cfg).as_bytes());
-        let names = header_names(cfg);
-        f.count(names.len());
-        for name in names {
-            let values = head.values(name);
+        // `header_names(cfg)`, walked without collecting it (no allocation per request).
+        let builtin: &[&str] = if cfg.operation_headers { OPERATION_HEADERS } else { &[] };
+        let configured = || cfg.headers.iter().map(String::as_str).filter(|h| !builtin.contains(h));
+        f.count(builtin.len() + configured().count());
+        for name in builtin.iter().copied().chain(configured()) {
             f.field(name.as_bytes());
-            f.count(values.len());
-            for v in values {
+            f.count(head.values_iter(name).count());
+            for v in head.values_iter(name) {
                 f.field(v);
             }
         }
@@ -136,7 +137,11 @@ impl Fingerprint {
             f.field(value);
         }
         f.field(form.tag());
-        f.field(crate::hex::encode(&body_digest).as_bytes());
+        let mut hex = [0u8; 64];
+        for (slot, d) in hex.iter_mut().zip(crate::hex::digits(&body_digest)) {
+            *slot = d;
+        }
+        f.field(&hex);
         (Fingerprint(f.finish()), form)
     }
 }

@@ -190,7 +190,8 @@ fn parse_bare(v: &[u8]) -> Result<String, KeyError> {
     if !v.iter().all(|b| is_key_token_char(*b)) {
         return Err(KeyError::NotAToken);
     }
-    Ok(v.iter().map(|b| char::from(*b)).collect())
+    // Visible ASCII only (checked above), so the bytes are their own UTF-8: copied at once.
+    Ok(std::str::from_utf8(v).map_or_else(|_| v.iter().map(|b| char::from(*b)).collect(), str::to_owned))
 }
 
 /// Stripe's rule: the value as sent (surrounding whitespace already trimmed), visible ASCII and

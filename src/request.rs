@@ -53,6 +53,12 @@ impl RequestHead {
         self.headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice()).collect()
     }
 
+    /// `values` without collecting them (no allocation: the hashes walk the lines twice, once
+    /// to count them).
+    pub fn values_iter<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.headers.iter().filter(move |(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice())
+    }
+
     /// A gRPC request (`is_grpc_content_type` of its first `content-type`).
     pub fn is_grpc(&self) -> bool {
         self.values("content-type").first().is_some_and(|v| is_grpc_content_type(v))

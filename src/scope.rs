@@ -34,19 +34,21 @@ impl CallerScope {
     pub fn of(head: &RequestHead, cfg: &ScopeConfig) -> CallerScope {
         let mut f = Framer::new(SCOPE_TAG);
         let mut identified = false;
-        f.field(&cfg.headers.len().to_string().into_bytes());
+        f.count(cfg.headers.len());
         for name in &cfg.headers {
-            let values = head.values(name);
-            identified |= values.iter().any(|v| !v.trim_ascii().is_empty());
+            identified |= head.values_iter(name).any(|v| !v.trim_ascii().is_empty());
             f.field(name.as_bytes());
-            f.count(values.len());
-            for v in values {
+            f.count(head.values_iter(name).count());
+            for v in head.values_iter(name) {
                 f.field(v);
             }
         }
         if cfg.include_authority {
             f.field(b":authority");
-            f.field(normal_authority(&head.authority).as_bytes());
+            match already_normal(&head.authority) {
+                Some(a) => f.field(a.as_bytes()),
+                None => f.field(normal_authority(&head.authority).as_bytes()),
+            }
         }
         CallerScope { hash: f.finish(), identified }
     }
@@ -114,6 +116,16 @@ pub fn normal_authority(authority: &str) -> String {
         Some(p) if !p.is_empty() && p != "80" && p != "443" => format!("{host}:{p}"),
         _ => host.to_string(),
     }
+}
+
+/// `authority` itself when `normal_authority` would return it unchanged, as for the common
+/// `host` or `host.domain` sent in lowercase (no port, no brackets, no trailing dot, no
+/// surrounding whitespace): the scope then hashes it without building a copy. `None`: ask
+/// `normal_authority`.
+fn already_normal(authority: &str) -> Option<&str> {
+    let b = authority.as_bytes();
+    let plain = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'-' | b'.' | b'_');
+    (b.iter().all(plain) && !authority.ends_with('.')).then_some(authority)
 }
 
 /// Where a record lives: `SHA-256(tag, namespace, scope hash, key)`.
@@ -316,6 +328,32 @@ mod tests {
         let h1 = RequestHead::from_pairs(vec![("x-a".into(), b"ab".to_vec()), ("x-b".into(), b"c".to_vec())]);
         let h2 = RequestHead::from_pairs(vec![("x-a".into(), b"a".to_vec()), ("x-b".into(), b"bc".to_vec())]);
         assert_ne!(CallerScope::of(&h1, &c), CallerScope::of(&h2, &c));
+    }
+
+    #[test]
+    fn an_authority_taken_as_it_is_is_one_normal_authority_returns_unchanged() {
+        // Every string over a small alphabet that covers each rule (case, ports, brackets, dots,
+        // whitespace), up to 4 characters: where the shortcut takes an authority as it is,
+        // `normal_authority` returns it unchanged; and it takes the plain lowercase ones.
+        let alphabet = ['a', 'B', '0', '8', '.', ':', '[', ']', ' ', '-', '_', '4'];
+        let mut taken = 0;
+        let mut strings = vec![String::new()];
+        for _ in 0..4 {
+            let longer: Vec<String> =
+                strings.iter().flat_map(|s| alphabet.iter().map(move |c| format!("{s}{c}"))).collect();
+            strings.extend(longer);
+        }
+        for s in &strings {
+            if let Some(a) = already_normal(s) {
+                assert_eq!(a, normal_authority(s), "{s:?}");
+                taken += 1;
+            }
+        }
+        assert!(taken > 1000, "{taken}");
+        assert_eq!(already_normal("api.example.com"), Some("api.example.com"));
+        assert_eq!(already_normal("bench"), Some("bench"));
+        assert_eq!(already_normal("API.example.com"), None);
+        assert_eq!(already_normal("api:8080"), None);
     }
 
     #[test]

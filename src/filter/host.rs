@@ -170,11 +170,55 @@ pub fn plugin_configuration() -> Vec<u8> {
     hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default()
 }
 
+/// A property's value, or None: absent, or any status but Ok. Read through the ABI directly: the
+/// SDK's wrapper copies the path into two vectors on each call and panics on a status other than
+/// Ok, NotFound, SerializationFailure and InternalFailure (a VM crash).
 pub fn property(path: &[&str]) -> Option<Vec<u8>> {
     meter::call(Kind::GetProperty);
-    let v = hostcalls::get_property(path.to_vec()).ok().flatten()?;
+    let mut stack = [0u8; PROPERTY_PATH_BYTES];
+    let heap: Vec<u8>;
+    let joined: &[u8] = match property_path(path, &mut stack) {
+        Some(j) => j,
+        None => {
+            heap = path.join("\0").into_bytes();
+            &heap
+        }
+    };
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the path is memory we own for the duration of the call, with its length; on Ok the
+    // host has written a buffer it allocated through this module's allocator
+    // (`proxy_on_memory_allocate`, a leaked `Vec` of `size` bytes), which we take back once.
+    let status = unsafe { proxy_get_property(joined.as_ptr(), joined.len(), &mut data, &mut size) };
+    if status != 0 || data.is_null() {
+        return None;
+    }
     meter::buffer();
-    Some(v)
+    if size == 0 {
+        return Some(vec![]);
+    }
+    // SAFETY: as above: `data` holds `size` initialised bytes allocated as a `Vec<u8>`.
+    Some(unsafe { Vec::from_raw_parts(data, size, size) })
+}
+
+/// Room for the property paths idemgate reads (the longest, `upstream.request_attempt_count`,
+/// takes 30 bytes); a longer path is joined on the heap.
+const PROPERTY_PATH_BYTES: usize = 64;
+
+/// `path` as the ABI takes it, its segments joined by NUL bytes, written into `buf`; None when
+/// it does not fit.
+fn property_path<'b>(path: &[&str], buf: &'b mut [u8]) -> Option<&'b [u8]> {
+    let mut at = 0usize;
+    for (i, part) in path.iter().enumerate() {
+        if i > 0 {
+            *buf.get_mut(at)? = 0;
+            at += 1;
+        }
+        let end = at.checked_add(part.len())?;
+        buf.get_mut(at..end)?.copy_from_slice(part.as_bytes());
+        at = end;
+    }
+    buf.get(..at)
 }
 
 /// Lets a paused request go on.
@@ -307,6 +351,14 @@ extern "C" {
         key_size: usize,
         value_data: *const u8,
         value_size: usize,
+    ) -> u32;
+    /// The proxy-wasm ABI's `get_property` (the SDK's wrapper panics on an unexpected status).
+    #[allow(clashing_extern_declarations)]
+    fn proxy_get_property(
+        path_data: *const u8,
+        path_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
     ) -> u32;
     /// The proxy-wasm ABI's `set_property` (the SDK's wrapper panics on any status but Ok).
     fn proxy_set_property(path_data: *const u8, path_size: usize, value_data: *const u8, value_size: usize) -> u32;
@@ -894,6 +946,29 @@ mod tests {
         let last = no_nul.len() - 1;
         no_nul[last] = b'x';
         assert_eq!(super::parse_header_map(&no_nul), None);
+    }
+
+    #[test]
+    fn a_property_path_is_joined_as_the_sdk_joins_it() {
+        let mut buf = [0u8; super::PROPERTY_PATH_BYTES];
+        assert_eq!(
+            super::property_path(&["upstream", "request_attempt_count"], &mut buf),
+            Some(&b"upstream\0request_attempt_count"[..])
+        );
+        assert_eq!(super::property_path(&["response", "code_details"], &mut buf), Some(&b"response\0code_details"[..]));
+        assert_eq!(super::property_path(&["plugin_root_id"], &mut buf), Some(&b"plugin_root_id"[..]));
+        assert_eq!(super::property_path(&[], &mut buf), Some(&b""[..]));
+        // Too long for the buffer: None (the caller joins it on the heap), never a panic.
+        let mut small = [0u8; 8];
+        assert_eq!(super::property_path(&["upstream", "address"], &mut small), None);
+        assert_eq!(super::property_path(&["12345678"], &mut small), Some(&b"12345678"[..]));
+        assert_eq!(super::property_path(&["1234567", "a"], &mut small), None);
+        // Every property idemgate reads fits.
+        for p in
+            [&["xds", "route_name"][..], &["connection", "id"], &["response", "flags"], &["upstream", "local_address"]]
+        {
+            assert_eq!(super::property_path(p, &mut buf).map(<[u8]>::len), Some(p.join("\0").len()));
+        }
     }
 
     #[test]
