@@ -24,11 +24,11 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use super::host::{self, Counter, HostShared};
-use super::meter;
 use super::settle::{self, Claim};
 use super::stores::{self, Unbuilt};
 use super::writes;
 use super::{reply, Forward, Shared, Waiter};
+use crate::bench_host::meter;
 use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
 use crate::decision::{admit, classify_routed, Admission, Exchange};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
