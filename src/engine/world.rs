@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use crate::config::{Config, OnUnavailable, Policy};
 use crate::decision::Outcome;
-use crate::engine::request::{self, Admitted, Answered, AtBodyEnd, Sent, Step};
+use crate::engine::request::{self, Admitted, Answered, Asked, AtBodyEnd, Sent, Step, StoreAnswer};
 use crate::engine::settle::{self, Claim, Command, Local, LocalAnswer};
 use crate::failsafe::Holding;
 use crate::lifecycle::{self, Event, Facts};
@@ -199,14 +199,6 @@ pub struct Callout {
     pub caller: Caller,
     pub op: Op,
     pub landed: Option<Reply>,
-}
-
-/// What a request paused on a store call asked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Asked {
-    Claim,
-    TakeOver,
-    Settled,
 }
 
 /// Where a request is.
@@ -410,7 +402,7 @@ impl World {
             Ok(a) => a,
             Err(not) => panic!("not protected: {not:?}"),
         };
-        let skey = StorageKey::derive(&admitted.policy.namespace, &admitted.scope, &admitted.key);
+        let skey = admitted.skey;
         let policy = Arc::clone(&admitted.policy);
         self.reqs[r].admitted = Some(admitted);
         self.reqs[r].skey = Some(skey);
@@ -617,23 +609,16 @@ impl World {
         let Phase::Calling { asked, sent, .. } = self.reqs[r].phase.clone() else { return };
         let policy = self.policy(r);
         let now = self.now;
-        let answered = match (asked, reply) {
-            (Asked::Claim, Ok(Reply::Claim(reply))) => {
-                request::after_claim(reply, &sent, &policy, self.on_unavailable(), now)
-            }
-            (Asked::Claim, Err(e)) => request::after_claim(Err(e), &sent, &policy, self.on_unavailable(), now),
-            (Asked::TakeOver, Ok(Reply::Transition(t))) => request::after_take_over(Ok(t), &sent, &policy, now),
-            (Asked::TakeOver, Err(e)) => request::after_take_over(Err(e), &sent, &policy, now),
-            (Asked::Settled, Ok(Reply::Read(read))) => {
-                let step = request::after_settled_read(Ok(read), &sent.fp, policy.mismatch_status);
-                return self.run(r, step);
-            }
-            (Asked::Settled, Err(e)) => {
-                let step = request::after_settled_read(Err(e), &sent.fp, policy.mismatch_status);
-                return self.run(r, step);
-            }
+        let answer = match (asked, reply) {
+            (Asked::Claim, Ok(Reply::Claim(reply))) => StoreAnswer::Claim(reply),
+            (Asked::Claim, Err(e)) => StoreAnswer::Claim(Err(e)),
+            (Asked::TakeOver, Ok(Reply::Transition(t))) => StoreAnswer::TakeOver(Ok(t)),
+            (Asked::TakeOver, Err(e)) => StoreAnswer::TakeOver(Err(e)),
+            (Asked::Settled, Ok(Reply::Read(read))) => StoreAnswer::Settled(Ok(read)),
+            (Asked::Settled, Err(e)) => StoreAnswer::Settled(Err(e)),
             (_, Ok(other)) => panic!("request {r} asked {asked:?}, answered {other:?}"),
         };
+        let answered = request::after_store_answer(answer, &sent, &policy, self.on_unavailable(), now);
         match answered {
             Answered::Next(step) => self.run(r, step),
             // The model's store always holds its scripts.
