@@ -77,7 +77,7 @@ def stop(p):
         PROCS.remove(p)
 
 
-# The floors (src/filter/floor.rs, dist/idemgate-floor.wasm): the work no fingerprinting, storing
+# The floors (src/bench_host/floor.rs, dist/idemgate-floor.wasm): the work no fingerprinting, storing
 # filter can avoid, chosen by the plugin configuration.
 FLOOR_STORE_KEY = "idemgate:v1:bench-floor"
 FLOOR_ETCD_KEY = "idemgate/v1/bench-floor"
@@ -309,7 +309,7 @@ def wrk(port, method="POST", mode="none", pool=1, duration=DURATION, connections
     return {"rps": rps, "p50_ms": pct(50), "p99_ms": pct(99), "requests": total, "non_2xx": non2xx}
 
 
-# The counting pass (dist/idemgate-count.wasm, src/filter/meter.rs): host calls, VM allocations and
+# The counting pass (dist/idemgate-count.wasm, src/bench_host/meter.rs): host calls, VM allocations and
 # store bytes per request, by count (not time: the same on a busy machine as on a quiet one).
 COUNT_REQUESTS = 200
 COUNT_WARM = 3
@@ -1065,7 +1065,7 @@ Ratios (each names its baseline):
 ## Floors
 
 What no fingerprinting, storing filter can avoid, measured in the same interleaved rounds on the
-same POSTs (`src/filter/floor.rs`, built as `dist/idemgate-floor.wasm` by `scripts/build-wasm.sh
+same POSTs (`src/bench_host/floor.rs`, built as `dist/idemgate-floor.wasm` by `scripts/build-wasm.sh
 --floor`, never shipped): the **empty filter** reads one header and continues; the **buffering
 floor** pauses at the request headers, takes the whole body, continues, and reads the response
 headers and body; the **shared-data floor** adds to it the local tier's 7 shared-data calls of a

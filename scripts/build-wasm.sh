@@ -9,7 +9,7 @@ FEATURES="" OUT=dist/idemgate.wasm SUBDIR=""
 case "${1:-}" in
   --empty) FEATURES="--features empty-filter" OUT=dist/empty.wasm SUBDIR=/empty ;;
   --crash-injection) FEATURES="--features crash-injection" OUT=dist/idemgate-crash.wasm SUBDIR=/crash ;;
-  # --floor: the benchmarks' floors (src/filter/floor.rs), written to dist/idemgate-floor.wasm.
+  # --floor: the benchmarks' floors (src/bench_host/floor.rs), written to dist/idemgate-floor.wasm.
   --floor) FEATURES="--features bench-floor" OUT=dist/idemgate-floor.wasm SUBDIR=/floor ;;
   # --count-host-calls: idemgate counting its host calls and allocations, dist/idemgate-count.wasm.
   --count-host-calls) FEATURES="--features count-host-calls" OUT=dist/idemgate-count.wasm SUBDIR=/count ;;

@@ -16,11 +16,15 @@
 //! - `settle`: what a finished exchange does to its claim (complete, release, mark
 //!   outcome-unknown) in the local tier and, through `writes`, in the store;
 //! - `forwards`: the detached forwards (`forwarding: "detached"`) and the probes of the internal
-//!   listener chains they go through.
+//!   listener chains they go through;
+//! - `world` (tests only): whole requests of two proxies and a store in memory, the Envoy suites'
+//!   scenarios and random schedules checked against the promise.
 
 pub mod forwards;
 pub mod keeper;
 pub mod request;
 pub mod settle;
 pub mod waiters;
+#[cfg(test)]
+pub mod world;
 pub mod writes;

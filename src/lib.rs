@@ -41,4 +41,6 @@ pub mod store;
 pub mod wait;
 
 #[cfg(feature = "proxy-wasm")]
+mod bench_host;
+#[cfg(feature = "proxy-wasm")]
 mod filter;

@@ -44,7 +44,7 @@ use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, Stage};
 use crate::request::RequestHead;
-use crate::scope::CallerScope;
+use crate::scope::{CallerScope, StorageKey};
 use crate::store::{ClaimReply, ReadReply, StoreError, StoredValue, TransitionReply, ValueError};
 
 /// What the request does next. `release`: a local claim to free before answering.
@@ -284,6 +284,54 @@ pub fn after_settled_read(reply: Result<ReadReply, StoreError>, fp: &Fingerprint
     }
 }
 
+/// What a request paused on a store call asked: its answer is read as the answer to that
+/// request, never re-derived from the local tier's state when the answer comes (a local
+/// outcome-unknown record may expire between the headers and the end of the body, so the request
+/// that reads the store for a settlement may end up claiming instead).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Asked {
+    /// Claim-or-read (`Step::ClaimInStore`).
+    Claim,
+    /// A take-over of a stale or free record (`Step::TakeOver`).
+    TakeOver,
+    /// A read of a key held here as outcome-unknown: only a record settles it (`Step::ReadSettled`).
+    Settled,
+}
+
+/// The store's answer to the call a request is paused on, parsed by the glue.
+#[derive(Clone, Debug)]
+pub enum StoreAnswer {
+    Claim(Result<ClaimReply, StoreError>),
+    TakeOver(Result<TransitionReply, StoreError>),
+    Settled(Result<ReadReply, StoreError>),
+}
+
+impl StoreAnswer {
+    /// What was asked.
+    pub fn asked(&self) -> Asked {
+        match self {
+            StoreAnswer::Claim(_) => Asked::Claim,
+            StoreAnswer::TakeOver(_) => Asked::TakeOver,
+            StoreAnswer::Settled(_) => Asked::Settled,
+        }
+    }
+}
+
+/// The store answered the call `sent` (`now_ms`: this proxy's clock): what the request does next.
+pub fn after_store_answer(
+    answer: StoreAnswer,
+    sent: &Sent,
+    policy: &Policy,
+    on_unavailable: OnUnavailable,
+    now_ms: u64,
+) -> Answered {
+    match answer {
+        StoreAnswer::Claim(reply) => after_claim(reply, sent, policy, on_unavailable, now_ms),
+        StoreAnswer::TakeOver(reply) => after_take_over(reply, sent, policy, now_ms),
+        StoreAnswer::Settled(reply) => Answered::Next(after_settled_read(reply, &sent.fp, policy.mismatch_status)),
+    }
+}
+
 /// The store could not be asked or did not answer: 503 (`reject`) or forward unprotected (`pass`).
 pub fn after_store_failure(policy: &Policy, on_unavailable: OnUnavailable) -> Step {
     match decide(Lookup::StoreError, None, 0, policy, on_unavailable) {
@@ -305,13 +353,15 @@ pub enum KeyFrom {
     DerivedAtBody,
 }
 
-/// A request the headers protect: its route, policy, scope and key.
+/// A request the headers protect: its route, policy, scope, key and storage key (for a key
+/// derived at the body's end, the provisional one, replaced then: `AtBodyEnd`).
 #[derive(Clone, Debug)]
 pub struct Admitted {
     pub route: usize,
     pub policy: Arc<Policy>,
     pub scope: CallerScope,
     pub key: IdempotencyKey,
+    pub skey: StorageKey,
     pub from: KeyFrom,
 }
 
@@ -431,7 +481,8 @@ pub fn at_headers(
     if let Err(problem) = scope.admits(&policy.scope) {
         return Err(NotProtected::Refuse { route, problem });
     }
-    Ok(Admitted { route, policy, scope, key, from })
+    let skey = StorageKey::derive(&policy.namespace, &scope, &key);
+    Ok(Admitted { route, policy, scope, key, skey, from })
 }
 
 /// A chunk of a body the filter buffers (`body_size`: the bytes so far; `budgeted`: the bytes
@@ -460,7 +511,14 @@ pub enum AtBodyEnd {
     Pass,
     /// The fingerprint; `derived`: the key derived with the body (`KeyFrom::DerivedAtBody`);
     /// `keep_body`: the body is kept for the root to send (`forwarding: "detached"`).
-    Fingerprinted { fp: Fingerprint, derived: Option<IdempotencyKey>, keep_body: bool },
+    Fingerprinted { fp: Fingerprint, derived: Option<Derived>, keep_body: bool },
+}
+
+/// A key derived at the body's end, and the storage key it makes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Derived {
+    pub key: IdempotencyKey,
+    pub skey: StorageKey,
 }
 
 /// The body step: the fingerprint once the body is whole (`head` with its trailers), and the
@@ -485,7 +543,8 @@ pub fn at_body_end(
             return AtBodyEnd::Pass;
         };
         head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
-        derived = Some(key);
+        let skey = StorageKey::derive(&policy.namespace, scope, &key);
+        derived = Some(Derived { key, skey });
     }
     let fp = Fingerprint::of_digest(head, digest, &policy.fingerprint).0;
     let keep_body = matches!(policy.forwarding, Forwarding::Detached { .. });
@@ -515,6 +574,7 @@ pub struct McpCall {
     pub tool: String,
     pub scope: CallerScope,
     pub key: IdempotencyKey,
+    pub skey: StorageKey,
     /// The key was derived (`derive_key`, always with the body's digest).
     pub derived: bool,
     /// The digest of the fingerprint's body material: tool name and canonical arguments.
@@ -605,7 +665,38 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
     if let Err(p) = scope.admits(&policy.scope) {
         return refuse(p);
     }
-    AtMcpBody::Protect(Box::new(McpCall { id: call.id, tool: call.tool, scope, key, derived, digest: call.digest }))
+    let skey = StorageKey::derive(&policy.namespace, &scope, &key);
+    AtMcpBody::Protect(Box::new(McpCall {
+        id: call.id,
+        tool: call.tool,
+        scope,
+        key,
+        skey,
+        derived,
+        digest: call.digest,
+    }))
+}
+
+/// The fingerprint of a protected request that has no body, from its headers as forwarded
+/// (after the glue's edits: a derived key added, the router's retry headers removed).
+pub fn fingerprint_without_body(policy: &Policy, head: &RequestHead) -> Fingerprint {
+    Fingerprint::compute(head, b"", &policy.fingerprint).0
+}
+
+/// The fingerprint of a protected MCP call: its headers as forwarded and the digest of its tool
+/// and canonical arguments (`McpCall::digest`).
+pub fn mcp_fingerprint(policy: &Policy, head: &RequestHead, digest: [u8; 32]) -> Fingerprint {
+    Fingerprint::of_digest(head, (fingerprint::BodyForm::CanonicalJson, digest), &policy.fingerprint).0
+}
+
+/// A request re-created by an internal redirect: the storage key of the claim it may take over
+/// under `policy` (its key and scope read from its headers as at the first request's), or
+/// `None` when its headers protect nothing.
+pub fn redirected_claim(policy: &Policy, head: &RequestHead) -> Option<(CallerScope, StorageKey)> {
+    let Admission::Protect(key) = admit(Some(policy), &head.values(&policy.header)) else { return None };
+    let scope = CallerScope::of(head, &policy.scope);
+    let skey = StorageKey::derive(&policy.namespace, &scope, &key);
+    Some((scope, skey))
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
-use super::meter::{self, Kind};
+use crate::bench_host::meter::{self, Kind};
 use crate::local::{HostError, SetError, SharedData};
 use crate::scope::StorageKey;
 

@@ -24,19 +24,20 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use super::host::{self, Counter, HostShared};
-use super::meter;
 use super::settle::{self, Claim};
 use super::stores::{self, Unbuilt};
 use super::writes;
 use super::{reply, Forward, Shared, Waiter};
+use crate::bench_host::meter;
 use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
-use crate::decision::{admit, classify_routed, Admission, Exchange};
+use crate::decision::{classify_routed, Exchange};
 use crate::decision::{IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
-use crate::engine::request::{self, Admitted, Answered, AtBodyEnd, AtMcpBody, KeyFrom, McpCall, NotProtected, Step};
+use crate::engine::request::{
+    self, Admitted, Answered, Asked, AtBodyEnd, AtMcpBody, Derived, KeyFrom, McpCall, NotProtected, Step, StoreAnswer,
+};
 use crate::etcd::Fence;
 use crate::failsafe::{self, Broken, Holding};
-use crate::fingerprint::{self, Fingerprint};
-use crate::key::IdempotencyKey;
+use crate::fingerprint::Fingerprint;
 use crate::local::{Begin, Handle, LocalError};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
@@ -69,20 +70,6 @@ enum Phase {
     Held { skey: StorageKey },
     /// We answered locally (problem or replay): never store our own reply.
     Answered,
-}
-
-/// Which store request a paused request sent: its answer is read as the answer to that request,
-/// never re-derived from the local tier's state when the answer comes (a local outcome-unknown
-/// record may expire between the headers and the end of the body, so the request that reads the
-/// store for a settlement may end up claiming instead).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Asked {
-    /// Claim-or-read (`stores::claim_request`).
-    Claim,
-    /// A take-over of a stale or free record (`Transition::take_over`).
-    TakeOver,
-    /// A read of a key held here as outcome-unknown: only a record settles it.
-    Settled,
 }
 
 /// A protected request: its route's policy and everything known once its key is.
@@ -745,40 +732,37 @@ impl Http {
         let shared = Rc::clone(&self.shared);
         let sent = request::Sent { handle: call.handle, fp: call.fp, sent_at_ms: call.sent_at_ms };
         let now = self.now();
-        let (answered, fence) = match call.asked {
+        let on_unavailable = shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
+        let (answer, fence) = match call.asked {
             Asked::TakeOver => {
                 let reply = stores::parse_take_over(&shared, status, body, &req.skey, &req.owner);
                 if matches!(reply, Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten)) {
                     self.count(Counter::TakenOver);
                 }
-                (request::after_take_over(reply, &sent, &req.policy, now), None)
+                (StoreAnswer::TakeOver(reply), None)
             }
             Asked::Settled => {
                 let reply = match shared.seal.as_ref() {
                     Some(seal) => stores::parse_read(&shared, status, body, &req.skey, seal, now),
                     None => Err(StoreError::Garbled("a read answer without its seal".into())),
                 };
-                let step = request::after_settled_read(reply, &call.fp, req.policy.mismatch_status);
-                return self.run(req, step, None);
+                (StoreAnswer::Settled(reply), None)
             }
             Asked::Claim => {
                 let Some(seal) = shared.seal.as_ref() else {
                     let e = StoreError::Garbled("a claim answer without its seal".into());
                     return self.store_failed(req, call.handle, &e);
                 };
-                let on_unavailable = shared.config.store.as_ref().map_or(OnUnavailable::Reject, |c| c.on_unavailable);
-                let (reply, fence) = match stores::parse_claim(&shared, status, body, &req.owner, &req.skey, seal, now)
-                {
-                    Ok((reply, fence)) => (Ok(reply), fence),
-                    Err(e) => (Err(e), None),
-                };
-                let answered = request::after_claim(reply, &sent, &req.policy, on_unavailable, now);
-                if matches!(answered, Answered::Next(Step::Replay { .. })) {
-                    self.count(Counter::StoreReplays);
+                match stores::parse_claim(&shared, status, body, &req.owner, &req.skey, seal, now) {
+                    Ok((reply, fence)) => (StoreAnswer::Claim(Ok(reply)), fence),
+                    Err(e) => (StoreAnswer::Claim(Err(e)), None),
                 }
-                (answered, fence)
             }
         };
+        let answered = request::after_store_answer(answer, &sent, &req.policy, on_unavailable, now);
+        if call.asked == Asked::Claim && matches!(answered, Answered::Next(Step::Replay { .. })) {
+            self.count(Counter::StoreReplays);
+        }
         match answered {
             Answered::Next(step) => self.run(req, step, fence.or(call.fence)),
             Answered::Resend => self.send_with_script(req, call),
@@ -869,8 +853,8 @@ impl Http {
                     return Action::Continue;
                 }
             };
-        if let Some(key) = derived {
-            self.key_derived_with_body(&mut req, &key);
+        if let Some(derived) = derived {
+            self.key_derived_with_body(&mut req, &derived);
         }
         if keep_body {
             req.body = body;
@@ -890,8 +874,9 @@ impl Http {
 
     /// `derive_key.include_body`: the key (and so the storage key) is known only now (the engine
     /// added it to the request's head).
-    fn key_derived_with_body(&mut self, req: &mut Protected, key: &IdempotencyKey) {
-        req.skey = StorageKey::derive(&req.policy.namespace, &req.scope, key);
+    fn key_derived_with_body(&mut self, req: &mut Protected, derived: &Derived) {
+        let key = &derived.key;
+        req.skey = derived.skey;
         req.derive_at_body = false;
         // With `hold_headers: false` the request headers went upstream at their end, without the
         // key (it was not known yet): the key protects the request here, and the upstream never
@@ -969,9 +954,7 @@ impl Http {
         let head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
         for i in policies {
             let Some(policy) = self.shared.config.shared_policy(i) else { continue };
-            let Admission::Protect(key) = admit(Some(&policy), &head.values(&policy.header)) else { continue };
-            let scope = CallerScope::of(&head, &policy.scope);
-            let skey = StorageKey::derive(&policy.namespace, &scope, &key);
+            let Some((scope, skey)) = request::redirected_claim(&policy, &head) else { continue };
             let taken =
                 self.shared.handoffs.borrow_mut().take(&skey, i, url.as_bytes(), connection, self.context_id, now);
             let Some(h) = taken else { continue };
@@ -1155,7 +1138,7 @@ impl HttpContext for Http {
         } else {
             None
         };
-        let Admitted { route, policy, scope, key, from } =
+        let Admitted { route, policy, scope, key, skey, from } =
             match request::at_headers(&self.shared.config, &head, route_name.as_deref(), end_of_stream) {
                 Ok(a) => a,
                 Err(not) => {
@@ -1176,7 +1159,6 @@ impl HttpContext for Http {
             return self.fail_closed(None, Broken::HostCallFailed, "retry_guard", None, Holding::Nothing);
         }
         let derive_at_body = from == KeyFrom::DerivedAtBody;
-        let skey = StorageKey::derive(&policy.namespace, &scope, &key);
         let owner = self.shared.next_owner();
         let creator = creator_of(&policy, &head);
         let req =
@@ -1200,7 +1182,7 @@ impl HttpContext for Http {
                 );
             }
             // No body: the fingerprint is known now.
-            let fp = Fingerprint::compute(&req.head, b"", &req.policy.fingerprint).0;
+            let fp = request::fingerprint_without_body(&req.policy, &req.head);
             let begun = self.begin(&req, Some(fp));
             return self.act(req, begun, Some(fp));
         }
@@ -1412,7 +1394,7 @@ impl Http {
             }
             AtMcpBody::Protect(call) => *call,
         };
-        let McpCall { id, tool, scope, key, derived, digest } = call;
+        let McpCall { id, tool, scope, skey, derived, digest, .. } = call;
         self.set_mcp_reply(&head, id.clone(), vec![]);
         if derived {
             self.count(Counter::DerivedKeys);
@@ -1421,10 +1403,9 @@ impl Http {
         if self.shared.config.hold_headers && !forbid_router_retries(&mut head) {
             return self.fail_closed(None, Broken::HostCallFailed, "mcp_retry_guard", None, Holding::Nothing);
         }
-        let skey = StorageKey::derive(&policy.namespace, &scope, &key);
         let owner = self.shared.next_owner();
         let creator = creator_of(&policy, &head);
-        let fp = Fingerprint::of_digest(&head, (fingerprint::BodyForm::CanonicalJson, digest), &policy.fingerprint).0;
+        let fp = request::mcp_fingerprint(&policy, &head, digest);
         let detached = matches!(policy.forwarding, Forwarding::Detached { .. });
         let req = Protected {
             route,

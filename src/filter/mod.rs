@@ -8,11 +8,8 @@
 // The benchmark builds (`empty-filter`, `bench-floor`) leave idemgate's own glue unused.
 #![cfg_attr(any(feature = "empty-filter", feature = "bench-floor"), allow(dead_code, unused_imports))]
 
-#[cfg(all(feature = "bench-floor", not(feature = "empty-filter")))]
-mod floor;
-mod host;
+pub(crate) mod host;
 mod http;
-mod meter;
 mod reply;
 mod settle;
 mod stores;
@@ -28,6 +25,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, MapType};
 
 use crate::backend::{Backend, Credential};
+use crate::bench_host::meter;
 use crate::config::{Config, Forwarding};
 use crate::decision::Outcome;
 use crate::engine::forwards::{
@@ -62,44 +60,6 @@ proxy_wasm::main! {{
     host::init_logging();
     proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root::new(id)) });
 }}
-
-// Benchmarks only (`--features empty-filter`): the floor of any Wasm filter, reading one header.
-#[cfg(feature = "empty-filter")]
-proxy_wasm::main! {{
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(EmptyRoot) });
-}}
-
-// Benchmarks only (`--features bench-floor`): the floors idemgate's first request is measured
-// against (`floor.rs`).
-#[cfg(all(feature = "bench-floor", not(feature = "empty-filter")))]
-proxy_wasm::main! {{
-    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(floor::FloorRoot::new(id)) });
-}}
-
-#[cfg(feature = "empty-filter")]
-struct EmptyRoot;
-#[cfg(feature = "empty-filter")]
-impl Context for EmptyRoot {}
-#[cfg(feature = "empty-filter")]
-impl RootContext for EmptyRoot {
-    fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(EmptyHttp))
-    }
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
-    }
-}
-#[cfg(feature = "empty-filter")]
-struct EmptyHttp;
-#[cfg(feature = "empty-filter")]
-impl Context for EmptyHttp {}
-#[cfg(feature = "empty-filter")]
-impl HttpContext for EmptyHttp {
-    fn on_http_request_headers(&mut self, _n: usize, _eos: bool) -> proxy_wasm::types::Action {
-        let _ = host::header(MapType::HttpRequestHeaders, "idempotency-key");
-        proxy_wasm::types::Action::Continue
-    }
-}
 
 pub use crate::engine::forwards::Forward;
 pub use crate::engine::waiters::Waiter;

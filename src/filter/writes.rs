@@ -32,7 +32,7 @@ pub fn send(cfg: &StoreConfig, req: &StoreRequest, credentials: Option<&str>) ->
         headers.push(("authorization", c));
     }
     let timeout = Duration::from_millis(cfg.timeout_ms.max(1));
-    super::meter::store_bytes(req.path.len() + req.body.len());
+    crate::bench_host::meter::store_bytes(req.path.len() + req.body.len());
     super::host::dispatch_http_call(&cfg.cluster, headers, &req.body, timeout)
         .map_err(|s| format!("dispatch to cluster {:?} failed: {s:?}", cfg.cluster))
 }

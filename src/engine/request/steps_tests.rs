@@ -140,14 +140,17 @@ fn derive_key_derives_at_the_headers_or_at_the_body_end_and_never_for_an_anonymo
     // At the body's end: the key from the body too, added to the head the fingerprint reads.
     let policy = Arc::clone(&a.policy);
     let mut h = head("POST", "/charges", &order);
-    let AtBodyEnd::Fingerprinted { fp: fp_a, derived: Some(k_a), keep_body: false } =
+    let AtBodyEnd::Fingerprinted { fp: fp_a, derived: Some(Derived { key: k_a, skey: s_a }), keep_body: false } =
         at_body_end(&policy, &mut h, &a.scope, true, br#"{"amount":1}"#)
     else {
         panic!("a key is derived with the body");
     };
     assert_eq!(h.values("idempotency-key"), vec![k_a.as_str().as_bytes()]);
+    // The storage key is the derived key's, not the provisional one the headers gave.
+    assert_eq!(s_a, StorageKey::derive(&policy.namespace, &a.scope, &k_a));
+    assert_ne!(s_a, a.skey);
     let mut h2 = head("POST", "/charges", &order);
-    let AtBodyEnd::Fingerprinted { fp: fp_b, derived: Some(k_b), .. } =
+    let AtBodyEnd::Fingerprinted { fp: fp_b, derived: Some(Derived { key: k_b, .. }), .. } =
         at_body_end(&policy, &mut h2, &a.scope, true, br#"{"amount":2}"#)
     else {
         panic!("a key is derived with the body");
@@ -257,6 +260,7 @@ fn an_mcp_tools_call_takes_its_key_from_the_header_then_meta_then_an_argument() 
         (meta.id.as_slice(), meta.tool.as_str(), meta.key.as_str(), meta.derived),
         (&b"7"[..], "charge", "k-meta", false)
     );
+    assert_eq!(meta.skey, StorageKey::derive(&policy.namespace, &meta.scope, &meta.key));
     let arg = mcp_protected(at_mcp_body(&policy, &plain, &call(8, "charge", r#"{"idempotency_key":"k-arg"}"#, "")));
     assert_eq!(arg.key.as_str(), "k-arg");
     // The header wins over the body.
@@ -318,7 +322,8 @@ fn an_mcp_batch_holding_a_protected_call_and_an_ambiguous_body_are_refused() {
 fn drive(c: &Config, table: &Table, sd: &mut MemoryShared, key: &str, body: &[u8], owner: u8, now: u64) -> Step {
     let mut h = head("POST", "/charges", &[("idempotency-key", key)]);
     let a = admitted(at_headers(c, &h, None, false));
-    let skey = StorageKey::derive(&a.policy.namespace, &a.scope, &a.key);
+    let skey = a.skey;
+    assert_eq!(skey, StorageKey::derive(&a.policy.namespace, &a.scope, &a.key));
     let creator = Creator { request_id: format!("r-{owner}"), log_values: vec![] };
     let owner = OwnerToken([owner; 16]);
     let store = c.store.as_ref().map(|s| s.on_unavailable);
