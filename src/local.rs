@@ -248,26 +248,7 @@ impl Bucket {
         out.push(u8::try_from(used).unwrap_or(u8::MAX));
         for (j, p) in self.positions.iter().enumerate() {
             let Some(e) = p else { continue };
-            out.push(u8::try_from(j).unwrap_or(u8::MAX));
-            out.push(stage_tag(e.stage));
-            out.extend_from_slice(&e.skey.0);
-            match &e.fingerprint {
-                None => out.extend_from_slice(&[0u8; 33]),
-                Some(fp) => {
-                    out.push(1);
-                    out.extend_from_slice(&fp.0);
-                }
-            }
-            out.extend_from_slice(&e.owner.0);
-            out.extend_from_slice(&e.since_ms.to_le_bytes());
-            out.extend_from_slice(&e.expires_at_ms.to_le_bytes());
-            out.extend_from_slice(&e.lock_expires_at_ms.to_le_bytes());
-            out.extend_from_slice(&e.status.to_le_bytes());
-            out.extend_from_slice(&e.body_bytes.to_le_bytes());
-            out.extend_from_slice(&e.floor_ms.to_le_bytes());
-            let creator = e.creator.get(..MAX_CREATOR_BYTES.min(e.creator.len())).unwrap_or(&[]);
-            out.push(u8::try_from(creator.len()).unwrap_or(0));
-            out.extend_from_slice(creator);
+            encode_entry(&mut out, j, e);
         }
         let left: Vec<(usize, u32)> = self.left.iter().copied().enumerate().filter(|(_, b)| *b > 0).collect();
         out.push(u8::try_from(left.len()).unwrap_or(u8::MAX));
@@ -294,44 +275,10 @@ impl Bucket {
         let (&used, mut r) = r.get(16..)?.split_first()?;
         let mut next = 0usize;
         for _ in 0..used {
-            let (&j, tail) = r.split_first()?;
-            let j = usize::from(j);
-            if j < next || j >= width {
-                return None;
-            }
+            let (j, e, tail) = decode_entry(r, width, next)?;
             next = j + 1;
-            let (&tag, tail) = tail.split_first()?;
-            let stage = match tag {
-                1 => Stage::Claimed,
-                2 => Stage::Forwarded,
-                3 => Stage::Completed,
-                4 => Stage::Unknown,
-                _ => return None,
-            };
-            let body = tail.get(..ENTRY_BYTES - 2)?;
-            let arr = |from: usize, to: usize| body.get(from..to);
-            let u64_at = |at: usize| arr(at, at + 8).and_then(u64_of);
-            let fingerprint = match body.get(32)? {
-                0 => None,
-                1 => Some(Fingerprint(arr(33, 65)?.try_into().ok()?)),
-                _ => return None,
-            };
-            let creator_len = usize::from(*body.get(ENTRY_BYTES - 3)?);
-            let creator = tail.get(ENTRY_BYTES - 2..ENTRY_BYTES - 2 + creator_len)?.to_vec();
-            r = tail.get(ENTRY_BYTES - 2 + creator_len..)?;
-            *b.positions.get_mut(j)? = Some(Entry {
-                skey: StorageKey(arr(0, 32)?.try_into().ok()?),
-                fingerprint,
-                stage,
-                owner: OwnerToken(arr(65, 81)?.try_into().ok()?),
-                since_ms: u64_at(81)?,
-                expires_at_ms: u64_at(89)?,
-                lock_expires_at_ms: u64_at(97)?,
-                status: u16::from_le_bytes(arr(105, 107)?.try_into().ok()?),
-                body_bytes: u32::from_le_bytes(arr(107, 111)?.try_into().ok()?),
-                floor_ms: u64_at(111)?,
-                creator,
-            });
+            r = tail;
+            *b.positions.get_mut(j)? = Some(e);
         }
         let (&n, mut r) = r.split_first()?;
         for _ in 0..n {
@@ -364,6 +311,167 @@ impl Bucket {
             *l = e.body_bytes;
         }
         Some(e)
+    }
+}
+
+/// Appends entry `e` at position `j` as a bucket holds it: position, stage tag, fields, creator
+/// (`ENTRY_BYTES` and the creator's bytes).
+#[inline(always)]
+fn encode_entry(out: &mut Vec<u8>, j: usize, e: &Entry) {
+    out.push(u8::try_from(j).unwrap_or(u8::MAX));
+    out.push(stage_tag(e.stage));
+    out.extend_from_slice(&e.skey.0);
+    match &e.fingerprint {
+        None => out.extend_from_slice(&[0u8; 33]),
+        Some(fp) => {
+            out.push(1);
+            out.extend_from_slice(&fp.0);
+        }
+    }
+    out.extend_from_slice(&e.owner.0);
+    out.extend_from_slice(&e.since_ms.to_le_bytes());
+    out.extend_from_slice(&e.expires_at_ms.to_le_bytes());
+    out.extend_from_slice(&e.lock_expires_at_ms.to_le_bytes());
+    out.extend_from_slice(&e.status.to_le_bytes());
+    out.extend_from_slice(&e.body_bytes.to_le_bytes());
+    out.extend_from_slice(&e.floor_ms.to_le_bytes());
+    let creator = e.creator.get(..MAX_CREATOR_BYTES.min(e.creator.len())).unwrap_or(&[]);
+    out.push(u8::try_from(creator.len()).unwrap_or(0));
+    out.extend_from_slice(creator);
+}
+
+/// Decodes the entry at the start of `r`: its position (at least `next`, under `width`), the
+/// entry, and the bytes after it.
+#[inline(always)]
+fn decode_entry(r: &[u8], width: usize, next: usize) -> Option<(usize, Entry, &[u8])> {
+    let u64_of = |b: &[u8]| b.try_into().ok().map(u64::from_le_bytes);
+    let (&j, tail) = r.split_first()?;
+    let j = usize::from(j);
+    if j < next || j >= width {
+        return None;
+    }
+    let (&tag, tail) = tail.split_first()?;
+    let stage = match tag {
+        1 => Stage::Claimed,
+        2 => Stage::Forwarded,
+        3 => Stage::Completed,
+        4 => Stage::Unknown,
+        _ => return None,
+    };
+    let body = tail.get(..ENTRY_BYTES - 2)?;
+    let arr = |from: usize, to: usize| body.get(from..to);
+    let u64_at = |at: usize| arr(at, at + 8).and_then(u64_of);
+    let fingerprint = match body.get(32)? {
+        0 => None,
+        1 => Some(Fingerprint(arr(33, 65)?.try_into().ok()?)),
+        _ => return None,
+    };
+    let creator_len = usize::from(*body.get(ENTRY_BYTES - 3)?);
+    let creator = tail.get(ENTRY_BYTES - 2..ENTRY_BYTES - 2 + creator_len)?.to_vec();
+    let rest = tail.get(ENTRY_BYTES - 2 + creator_len..)?;
+    let e = Entry {
+        skey: StorageKey(arr(0, 32)?.try_into().ok()?),
+        fingerprint,
+        stage,
+        owner: OwnerToken(arr(65, 81)?.try_into().ok()?),
+        since_ms: u64_at(81)?,
+        expires_at_ms: u64_at(89)?,
+        lock_expires_at_ms: u64_at(97)?,
+        status: u16::from_le_bytes(arr(105, 107)?.try_into().ok()?),
+        body_bytes: u32::from_le_bytes(arr(107, 111)?.try_into().ok()?),
+        floor_ms: u64_at(111)?,
+        creator,
+    };
+    Some((j, e, rest))
+}
+
+/// A bucket's value read without decoding its entries: where each entry lies, and the bytes the
+/// bucket counts. An operation on one entry (`Table::complete`, `Table::mark_forwarded`) decodes
+/// only that one (and those of its key) and writes the same value back with that entry replaced:
+/// byte for byte what `Bucket::decode`, a change to that entry and `Bucket::encode` give.
+struct RawBucket {
+    bytes: Vec<u8>,
+    /// Per occupied position, in order: (position, offset, length).
+    entries: Vec<(usize, usize, usize)>,
+    /// Bytes the bucket counts (`Bucket::bytes`).
+    counted: u64,
+}
+
+/// Where, in an entry, its storage key and its body bytes lie.
+const ENTRY_SKEY_AT: usize = 2;
+const ENTRY_BODY_BYTES_AT: usize = 2 + 107;
+
+impl RawBucket {
+    /// Indexes a bucket of `width` positions; refuses what `Bucket::decode_width` refuses in its
+    /// layout (magic, positions out of range or order, lengths, trailing bytes, a `left` at an
+    /// occupied position), checking the stage tag of every entry but decoding none.
+    fn index(bytes: Vec<u8>, width: usize) -> Option<RawBucket> {
+        let header = BUCKET_MAGIC.len() + 16;
+        if bytes.get(..BUCKET_MAGIC.len())? != BUCKET_MAGIC.as_slice() {
+            return None;
+        }
+        let used = usize::from(*bytes.get(header)?);
+        let mut at = header + 1;
+        let mut entries = Vec::with_capacity(used);
+        let mut occupied = [false; 256];
+        let mut counted = 0u64;
+        let mut next = 0usize;
+        for _ in 0..used {
+            let j = usize::from(*bytes.get(at)?);
+            if j < next || j >= width || !(1..=4).contains(bytes.get(at + 1)?) {
+                return None;
+            }
+            next = j + 1;
+            let len = ENTRY_BYTES + usize::from(*bytes.get(at + ENTRY_BYTES - 1)?);
+            bytes.get(at..at + len)?;
+            let b = bytes.get(at + ENTRY_BODY_BYTES_AT..at + ENTRY_BODY_BYTES_AT + 4)?;
+            counted += u64::from(u32::from_le_bytes(b.try_into().ok()?));
+            *occupied.get_mut(j)? = true;
+            entries.push((j, at, len));
+            at += len;
+        }
+        let n = usize::from(*bytes.get(at)?);
+        at += 1;
+        for _ in 0..n {
+            let j = usize::from(*bytes.get(at)?);
+            if j >= width || *occupied.get(j)? {
+                return None;
+            }
+            let b = bytes.get(at + 1..at + 5)?;
+            counted += u64::from(u32::from_le_bytes(b.try_into().ok()?));
+            at += 5;
+        }
+        (at == bytes.len()).then_some(RawBucket { bytes, entries, counted })
+    }
+
+    /// The entry at position `j` (`None`: empty), decoded.
+    fn entry(&self, j: usize) -> Option<Entry> {
+        let &(_, at, len) = self.entries.iter().find(|(p, _, _)| *p == j)?;
+        decode_entry(self.bytes.get(at..at + len)?, BUCKET_WIDTH.max(j + 1), 0).map(|(_, e, _)| e)
+    }
+
+    /// Positions other than `j` whose entry has storage key `skey`, decoded.
+    fn others_with_key(&self, j: usize, skey: &StorageKey) -> Vec<Entry> {
+        self.entries
+            .iter()
+            .filter(|(p, at, _)| {
+                *p != j && self.bytes.get(at + ENTRY_SKEY_AT..at + ENTRY_SKEY_AT + 32) == Some(skey.0.as_slice())
+            })
+            .filter_map(|(p, at, len)| {
+                decode_entry(self.bytes.get(*at..at + len)?, BUCKET_WIDTH.max(p + 1), 0).map(|(_, e, _)| e)
+            })
+            .collect()
+    }
+
+    /// The value with the (occupied) entry at position `j` replaced by `e`; `None` when `j` is
+    /// empty.
+    fn with_entry(&self, j: usize, e: &Entry) -> Option<Vec<u8>> {
+        let &(_, at, len) = self.entries.iter().find(|(p, _, _)| *p == j)?;
+        let mut out = Vec::with_capacity(self.bytes.len() + MAX_CREATOR_BYTES);
+        out.extend_from_slice(self.bytes.get(..at)?);
+        encode_entry(&mut out, j, e);
+        out.extend_from_slice(self.bytes.get(at + len..)?);
+        Some(out)
     }
 }
 
@@ -596,9 +704,22 @@ impl Table {
         }
     }
 
+    /// A bucket's value, indexed but not decoded (`RawBucket`), and its CAS.
+    fn read_raw(&self, sd: &mut dyn SharedData, i: u32) -> Result<(RawBucket, u32), LocalError> {
+        match sd.get(&self.bucket_name(i))? {
+            (Some(v), Some(cas)) => RawBucket::index(v, self.width).map(|b| (b, cas)).ok_or(LocalError::Corrupt),
+            _ => Err(LocalError::Missing),
+        }
+    }
+
     /// Writes a bucket with CAS; `Ok(false)` when another worker changed it first.
     fn write_bucket(&self, sd: &mut dyn SharedData, i: u32, b: &Bucket, cas: u32) -> Result<bool, LocalError> {
-        match sd.set(&self.bucket_name(i), &b.encode(), Some(cas)) {
+        self.write_value(sd, i, &b.encode(), cas)
+    }
+
+    /// Writes a bucket's encoded value with CAS; `Ok(false)` when another worker changed it first.
+    fn write_value(&self, sd: &mut dyn SharedData, i: u32, value: &[u8], cas: u32) -> Result<bool, LocalError> {
+        match sd.set(&self.bucket_name(i), value, Some(cas)) {
             Ok(()) => Ok(true),
             Err(SetError::CasMismatch) => Ok(false),
             Err(SetError::Host) => Err(LocalError::Host),
@@ -910,15 +1031,15 @@ impl Table {
         }
         let lifetimes = Lifetimes::of(policy);
         for _ in 0..MAX_CAS_RETRIES {
-            let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
-            let superseded = bucket
-                .positions
-                .iter()
-                .enumerate()
-                .any(|(j, p)| j != h.position && p.as_ref().is_some_and(|e| e.holds(&h.skey, now_ms)));
-            let Some(slot) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
-            let Ok(stage) = step(slot, Event::Forward, Some(h), now_ms) else { return Ok(false) };
-            let Some(e) = slot.as_mut() else { return Ok(false) };
+            // Only our entry and those of our key are decoded (`RawBucket`).
+            let (raw, cas) = self.read_raw(sd, h.bucket)?;
+            if h.position >= self.width {
+                return Err(LocalError::Corrupt);
+            }
+            let superseded = raw.others_with_key(h.position, &h.skey).iter().any(|e| e.holds(&h.skey, now_ms));
+            let slot = raw.entry(h.position);
+            let Ok(stage) = step(&slot, Event::Forward, Some(h), now_ms) else { return Ok(false) };
+            let Some(mut e) = slot else { return Ok(false) };
             if superseded {
                 return Ok(false);
             }
@@ -926,7 +1047,8 @@ impl Table {
             e.fingerprint = Some(fp);
             e.lock_expires_at_ms = lifetimes.lock_expires_at(now_ms);
             e.expires_at_ms = lifetimes.expires_at(Stage::Forwarded, now_ms);
-            if self.write_bucket(sd, h.bucket, &bucket, cas)? {
+            let Some(value) = raw.with_entry(h.position, &e) else { return Err(LocalError::Corrupt) };
+            if self.write_value(sd, h.bucket, &value, cas)? {
                 return Ok(true);
             }
         }
@@ -966,8 +1088,13 @@ impl Table {
         // Pool attempts left (a body write that lost a race to the sweep tries again).
         let mut pool_tries = 3;
         for _ in 0..MAX_CAS_RETRIES {
-            let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
-            let Some(position) = bucket.positions.get(h.position) else { return Err(LocalError::Corrupt) };
+            // Only our entry is decoded (`RawBucket`).
+            let (raw, cas) = self.read_raw(sd, h.bucket)?;
+            if h.position >= self.width {
+                return Err(LocalError::Corrupt);
+            }
+            let slot = raw.entry(h.position);
+            let position = &slot;
             if step(position, Event::Complete, Some(h), now_ms).is_err() {
                 if written.is_some() {
                     self.withdraw(sd, h, pooled);
@@ -975,7 +1102,7 @@ impl Table {
                 return Ok(Completed::LostClaim);
             }
             let ours = position.as_ref().map_or(0, |e| u64::from(e.body_bytes));
-            let others = bucket.bytes().saturating_sub(ours);
+            let others = raw.counted.saturating_sub(ours);
             let fits = |b: &[u8]| others.saturating_add(b.len() as u64) <= self.bucket_bytes();
             while has_body && pooled.is_none() && !fits(&full) && pool_tries > 0 {
                 pool_tries -= 1;
@@ -1017,7 +1144,7 @@ impl Table {
                     None => u32::try_from(ours).unwrap_or(u32::MAX),
                 }
             };
-            let Some(Some(e)) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
+            let Some(mut e) = slot else { return Err(LocalError::Corrupt) };
             e.stage = Stage::Completed;
             e.since_ms = now_ms;
             e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
@@ -1026,7 +1153,8 @@ impl Table {
             e.status = status;
             e.body_bytes = body_bytes;
             e.creator = vec![];
-            if self.write_bucket(sd, h.bucket, &bucket, cas)? {
+            let Some(value) = raw.with_entry(h.position, &e) else { return Err(LocalError::Corrupt) };
+            if self.write_value(sd, h.bucket, &value, cas)? {
                 return Ok(if matches!(written, Some((_, true))) {
                     Completed::Stored
                 } else {

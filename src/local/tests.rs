@@ -1087,3 +1087,71 @@ fn a_stale_v4_claim_is_not_taken_over_while_v3_holds_the_key() {
         Begin::Claimed { .. }
     ));
 }
+
+/// The raw view of a bucket (`RawBucket`, used by `mark_forwarded` and `complete`) counts what
+/// `Bucket::bytes` counts, decodes each entry as `Bucket::decode` does, and replacing one entry
+/// gives byte for byte what decode, change and encode give; it refuses truncated and trailing
+/// values as `decode` does.
+#[test]
+fn the_raw_bucket_view_patches_one_entry_byte_for_byte_as_decode_and_encode() {
+    let t = floor_table(64, WhenFull::EvictOldest, 0);
+    let mut m = fresh(&t);
+    let mut checked = 0;
+    for n in 0..300u64 {
+        let now = NOW + n * 10;
+        let b = claim(&t, &mut m, skey(n), if n % 3 == 0 { None } else { Some(fp(1)) }, (n % 250) as u8, now);
+        if let Begin::Claimed { handle: h, .. } = b {
+            if n % 4 != 0 {
+                let body = "v".repeat((n as usize * 37) % 700);
+                complete(&t, &mut m, &h, fp(1), response(&body), false, &creator("c"), now, &policy()).unwrap();
+            }
+        }
+        if n % 50 == 49 {
+            t.sweep(&mut m, 0, 1, now + policy().ttl_seconds * 1000 / 2, &mut Gauges::default()).unwrap();
+        }
+        let value = m.get(&t.bucket_name(0)).unwrap().0.unwrap();
+        let bucket = Bucket::decode_width(&value, t.width()).unwrap();
+        let raw = RawBucket::index(value.clone(), t.width()).unwrap();
+        assert_eq!(raw.counted, bucket.bytes());
+        for j in 0..t.width() {
+            assert_eq!(raw.entry(j), bucket.positions[j].clone(), "position {j}");
+            let Some(e) = bucket.positions[j].clone() else {
+                assert_eq!(raw.with_entry(j, &Entry { creator: vec![], ..dummy_entry() }), None);
+                continue;
+            };
+            let mut changed = e.clone();
+            changed.stage = Stage::Completed;
+            changed.body_bytes = 12_345;
+            changed.creator = if n % 2 == 0 { vec![] } else { b"\x03abc".to_vec() };
+            let mut expected = bucket.clone();
+            expected.positions[j] = Some(changed.clone());
+            assert_eq!(raw.with_entry(j, &changed), Some(expected.encode()), "position {j}");
+            let others: Vec<Entry> =
+                bucket.positions.iter().enumerate().filter(|(p, _)| *p != j).filter_map(|(_, p)| p.clone()).collect();
+            let same_key: Vec<Entry> = others.into_iter().filter(|o| o.skey == e.skey).collect();
+            assert_eq!(raw.others_with_key(j, &e.skey), same_key);
+            checked += 1;
+        }
+        assert!(RawBucket::index(value[..value.len() - 1].to_vec(), t.width()).is_none());
+        let mut longer = value.clone();
+        longer.push(0);
+        assert!(RawBucket::index(longer, t.width()).is_none());
+    }
+    assert!(checked > 5_000, "{checked} entries checked");
+}
+
+fn dummy_entry() -> Entry {
+    Entry {
+        skey: skey(0),
+        fingerprint: None,
+        stage: Stage::Claimed,
+        owner: owner(0),
+        since_ms: 0,
+        expires_at_ms: 0,
+        lock_expires_at_ms: 0,
+        status: 0,
+        body_bytes: 0,
+        floor_ms: 0,
+        creator: vec![],
+    }
+}
