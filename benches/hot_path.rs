@@ -238,9 +238,53 @@ fn main() {
         eprintln!("hot_path: no claim was completed");
         std::process::exit(2);
     }
+    // A first request (claim, forwarded, completed) into a bucket at realistic occupancy: 32
+    // records (a bucket's average at `max_entries`) and 64 (a full bucket). A table of at most 64
+    // records is one bucket of that width: filled with completed records, each new key takes the
+    // place of the oldest (`evict_oldest`, no floor), so the occupancy stays put.
+    for width in [32u64, 64] {
+        let Ok(c) = Config::parse(
+            format!(
+                r#"{{"scope": {{"headers": ["authorization"]}}, "local": {{"max_entries": {width}, "when_full": "evict_oldest", "min_protection_seconds": 0}}}}"#
+            )
+            .as_bytes(),
+        ) else {
+            std::process::exit(2)
+        };
+        let t = Table::new(&c.local);
+        let mut sd = Map::default();
+        let _ = t.ensure_created(&mut sd);
+        let first_request = |sd: &mut Map, i: u64| {
+            let sk = StorageKey::derive(&policy.namespace, &scope, &numbered_key("o", i));
+            let now = 1_000 + i;
+            match t.begin(sd, sk, None, now, policy, OwnerToken([5; 16]), &creator) {
+                Ok(Begin::Claimed { handle, .. }) => {
+                    let _ = t.mark_forwarded(sd, &handle, fp, now, policy);
+                    let r = Record::completed(fp, response.clone(), false, creator.clone(), now, 86_400);
+                    matches!(t.complete(sd, &handle, r, now), Ok(Completed::Stored))
+                }
+                _ => false,
+            }
+        };
+        for i in 0..width {
+            first_request(&mut sd, i);
+        }
+        if t.count(&mut sd) != width {
+            eprintln!("hot_path: the bucket of {width} is not full");
+            std::process::exit(2);
+        }
+        let mut stored = 0u64;
+        b.step(&format!("local_first_request_bucket_of_{width}"), |i| {
+            stored += u64::from(first_request(&mut sd, width + i));
+        });
+        if stored == 0 || t.count(&mut sd) != width {
+            eprintln!("hot_path: the bucket of {width} did not stay full");
+            std::process::exit(2);
+        }
+    }
     if !full {
         // Smoke run: every step ran and printed a figure.
-        assert_eq!(b.lines.len(), 13, "{:?}", b.lines);
+        assert_eq!(b.lines.len(), 15, "{:?}", b.lines);
     }
 }
 

@@ -22,6 +22,14 @@
 //!   an earlier owner of the position (or a stale owner's late write) is never replayed for
 //!   another's record. The bucket counts the bytes a body key holds until a later owner of its
 //!   position replaces them.
+//! - **The pool** `<prefix>.pool` (`pool`): the table-wide part of `local.max_bytes` (a quarter;
+//!   the buckets' shares are the rest, so shares and pool add up to `max_bytes` exactly). Only a
+//!   body that does not fit its bucket's remaining share takes bytes from it: its owner lists a
+//!   reservation (bucket, position, owner, bytes, body CAS) before writing the body with a CAS,
+//!   and its entry counts 0 bytes in the bucket. A reservation goes back when its completion
+//!   fails, and otherwise at the sweep of its bucket once its position no longer holds its owner
+//!   (`Table::sweep`, `Table::settle_stale`). Created with the buckets, or alone on a table made
+//!   by a v4 module without it (the bucket encoding is unchanged: both read each other's).
 //! - `<prefix>.ready`: set once every bucket exists.
 //!
 //! Gauges (records, bytes, last eviction age) are sums over the buckets, made off the request
@@ -53,7 +61,10 @@ use crate::scope::StorageKey;
 
 #[cfg(any(test, feature = "testkit"))]
 pub mod memory;
+pub mod pool;
 pub mod v3;
+
+use pool::{Pool, Reservation};
 
 /// Positions a bucket holds at most (its value holds only the occupied ones).
 pub const BUCKET_WIDTH: usize = 64;
@@ -70,6 +81,9 @@ const ENTRY_BYTES: usize = 1 + 1 + 32 + 33 + 16 + 8 + 8 + 8 + 2 + 4 + 8 + 1;
 const MAX_CREATOR_BYTES: usize = 255;
 /// The bucket's header: magic, the last eviction's instant and age, the entry count.
 const HEADER_BYTES: usize = 4 + 8 + 8 + 1;
+/// The pool's part of `local.max_bytes` is `max_bytes / POOL_DIVISOR` (plus what the division
+/// into bucket shares leaves).
+const POOL_DIVISOR: u64 = 4;
 
 /// The host's shared data, exactly as proxy-wasm exposes it.
 pub trait SharedData {
@@ -234,26 +248,7 @@ impl Bucket {
         out.push(u8::try_from(used).unwrap_or(u8::MAX));
         for (j, p) in self.positions.iter().enumerate() {
             let Some(e) = p else { continue };
-            out.push(u8::try_from(j).unwrap_or(u8::MAX));
-            out.push(stage_tag(e.stage));
-            out.extend_from_slice(&e.skey.0);
-            match &e.fingerprint {
-                None => out.extend_from_slice(&[0u8; 33]),
-                Some(fp) => {
-                    out.push(1);
-                    out.extend_from_slice(&fp.0);
-                }
-            }
-            out.extend_from_slice(&e.owner.0);
-            out.extend_from_slice(&e.since_ms.to_le_bytes());
-            out.extend_from_slice(&e.expires_at_ms.to_le_bytes());
-            out.extend_from_slice(&e.lock_expires_at_ms.to_le_bytes());
-            out.extend_from_slice(&e.status.to_le_bytes());
-            out.extend_from_slice(&e.body_bytes.to_le_bytes());
-            out.extend_from_slice(&e.floor_ms.to_le_bytes());
-            let creator = e.creator.get(..MAX_CREATOR_BYTES.min(e.creator.len())).unwrap_or(&[]);
-            out.push(u8::try_from(creator.len()).unwrap_or(0));
-            out.extend_from_slice(creator);
+            encode_entry(&mut out, j, e);
         }
         let left: Vec<(usize, u32)> = self.left.iter().copied().enumerate().filter(|(_, b)| *b > 0).collect();
         out.push(u8::try_from(left.len()).unwrap_or(u8::MAX));
@@ -350,6 +345,167 @@ impl Bucket {
             *l = e.body_bytes;
         }
         Some(e)
+    }
+}
+
+/// Appends entry `e` at position `j` as a bucket holds it: position, stage tag, fields, creator
+/// (`ENTRY_BYTES` and the creator's bytes).
+#[inline(always)]
+fn encode_entry(out: &mut Vec<u8>, j: usize, e: &Entry) {
+    out.push(u8::try_from(j).unwrap_or(u8::MAX));
+    out.push(stage_tag(e.stage));
+    out.extend_from_slice(&e.skey.0);
+    match &e.fingerprint {
+        None => out.extend_from_slice(&[0u8; 33]),
+        Some(fp) => {
+            out.push(1);
+            out.extend_from_slice(&fp.0);
+        }
+    }
+    out.extend_from_slice(&e.owner.0);
+    out.extend_from_slice(&e.since_ms.to_le_bytes());
+    out.extend_from_slice(&e.expires_at_ms.to_le_bytes());
+    out.extend_from_slice(&e.lock_expires_at_ms.to_le_bytes());
+    out.extend_from_slice(&e.status.to_le_bytes());
+    out.extend_from_slice(&e.body_bytes.to_le_bytes());
+    out.extend_from_slice(&e.floor_ms.to_le_bytes());
+    let creator = e.creator.get(..MAX_CREATOR_BYTES.min(e.creator.len())).unwrap_or(&[]);
+    out.push(u8::try_from(creator.len()).unwrap_or(0));
+    out.extend_from_slice(creator);
+}
+
+/// Decodes the entry at the start of `r`: its position (at least `next`, under `width`), the
+/// entry, and the bytes after it.
+#[inline(always)]
+fn decode_entry(r: &[u8], width: usize, next: usize) -> Option<(usize, Entry, &[u8])> {
+    let u64_of = |b: &[u8]| b.try_into().ok().map(u64::from_le_bytes);
+    let (&j, tail) = r.split_first()?;
+    let j = usize::from(j);
+    if j < next || j >= width {
+        return None;
+    }
+    let (&tag, tail) = tail.split_first()?;
+    let stage = match tag {
+        1 => Stage::Claimed,
+        2 => Stage::Forwarded,
+        3 => Stage::Completed,
+        4 => Stage::Unknown,
+        _ => return None,
+    };
+    let body = tail.get(..ENTRY_BYTES - 2)?;
+    let arr = |from: usize, to: usize| body.get(from..to);
+    let u64_at = |at: usize| arr(at, at + 8).and_then(u64_of);
+    let fingerprint = match body.get(32)? {
+        0 => None,
+        1 => Some(Fingerprint(arr(33, 65)?.try_into().ok()?)),
+        _ => return None,
+    };
+    let creator_len = usize::from(*body.get(ENTRY_BYTES - 3)?);
+    let creator = tail.get(ENTRY_BYTES - 2..ENTRY_BYTES - 2 + creator_len)?.to_vec();
+    let rest = tail.get(ENTRY_BYTES - 2 + creator_len..)?;
+    let e = Entry {
+        skey: StorageKey(arr(0, 32)?.try_into().ok()?),
+        fingerprint,
+        stage,
+        owner: OwnerToken(arr(65, 81)?.try_into().ok()?),
+        since_ms: u64_at(81)?,
+        expires_at_ms: u64_at(89)?,
+        lock_expires_at_ms: u64_at(97)?,
+        status: u16::from_le_bytes(arr(105, 107)?.try_into().ok()?),
+        body_bytes: u32::from_le_bytes(arr(107, 111)?.try_into().ok()?),
+        floor_ms: u64_at(111)?,
+        creator,
+    };
+    Some((j, e, rest))
+}
+
+/// A bucket's value read without decoding its entries: where each entry lies, and the bytes the
+/// bucket counts. An operation on one entry (`Table::complete`, `Table::mark_forwarded`) decodes
+/// only that one (and those of its key) and writes the same value back with that entry replaced:
+/// byte for byte what `Bucket::decode`, a change to that entry and `Bucket::encode` give.
+struct RawBucket {
+    bytes: Vec<u8>,
+    /// Per occupied position, in order: (position, offset, length).
+    entries: Vec<(usize, usize, usize)>,
+    /// Bytes the bucket counts (`Bucket::bytes`).
+    counted: u64,
+}
+
+/// Where, in an entry, its storage key and its body bytes lie.
+const ENTRY_SKEY_AT: usize = 2;
+const ENTRY_BODY_BYTES_AT: usize = 2 + 107;
+
+impl RawBucket {
+    /// Indexes a bucket of `width` positions; refuses what `Bucket::decode_width` refuses in its
+    /// layout (magic, positions out of range or order, lengths, trailing bytes, a `left` at an
+    /// occupied position), checking the stage tag of every entry but decoding none.
+    fn index(bytes: Vec<u8>, width: usize) -> Option<RawBucket> {
+        let header = BUCKET_MAGIC.len() + 16;
+        if bytes.get(..BUCKET_MAGIC.len())? != BUCKET_MAGIC.as_slice() {
+            return None;
+        }
+        let used = usize::from(*bytes.get(header)?);
+        let mut at = header + 1;
+        let mut entries = Vec::with_capacity(used);
+        let mut occupied = [false; 256];
+        let mut counted = 0u64;
+        let mut next = 0usize;
+        for _ in 0..used {
+            let j = usize::from(*bytes.get(at)?);
+            if j < next || j >= width || !(1..=4).contains(bytes.get(at + 1)?) {
+                return None;
+            }
+            next = j + 1;
+            let len = ENTRY_BYTES + usize::from(*bytes.get(at + ENTRY_BYTES - 1)?);
+            bytes.get(at..at + len)?;
+            let b = bytes.get(at + ENTRY_BODY_BYTES_AT..at + ENTRY_BODY_BYTES_AT + 4)?;
+            counted += u64::from(u32::from_le_bytes(b.try_into().ok()?));
+            *occupied.get_mut(j)? = true;
+            entries.push((j, at, len));
+            at += len;
+        }
+        let n = usize::from(*bytes.get(at)?);
+        at += 1;
+        for _ in 0..n {
+            let j = usize::from(*bytes.get(at)?);
+            if j >= width || *occupied.get(j)? {
+                return None;
+            }
+            let b = bytes.get(at + 1..at + 5)?;
+            counted += u64::from(u32::from_le_bytes(b.try_into().ok()?));
+            at += 5;
+        }
+        (at == bytes.len()).then_some(RawBucket { bytes, entries, counted })
+    }
+
+    /// The entry at position `j` (`None`: empty), decoded.
+    fn entry(&self, j: usize) -> Option<Entry> {
+        let &(_, at, len) = self.entries.iter().find(|(p, _, _)| *p == j)?;
+        decode_entry(self.bytes.get(at..at + len)?, BUCKET_WIDTH.max(j + 1), 0).map(|(_, e, _)| e)
+    }
+
+    /// Positions other than `j` whose entry has storage key `skey`, decoded.
+    fn others_with_key(&self, j: usize, skey: &StorageKey) -> Vec<Entry> {
+        self.entries
+            .iter()
+            .filter(|(p, at, _)| {
+                *p != j && self.bytes.get(at + ENTRY_SKEY_AT..at + ENTRY_SKEY_AT + 32) == Some(skey.0.as_slice())
+            })
+            .filter_map(|(p, at, len)| {
+                decode_entry(self.bytes.get(*at..at + len)?, BUCKET_WIDTH.max(p + 1), 0).map(|(_, e, _)| e)
+            })
+            .collect()
+    }
+
+    /// The value with the (occupied) entry at position `j` replaced by `e`; `None` when `j` is
+    /// empty.
+    fn with_entry(&self, j: usize, e: &Entry) -> Option<Vec<u8>> {
+        let &(_, at, len) = self.entries.iter().find(|(p, _, _)| *p == j)?;
+        let mut out = Vec::with_capacity(self.bytes.len() + MAX_CREATOR_BYTES);
+        out.extend_from_slice(self.bytes.get(..at)?);
+        encode_entry(&mut out, j, e);
+        out.extend_from_slice(self.bytes.get(at + len..)?);
+        Some(out)
     }
 }
 
@@ -483,9 +639,17 @@ impl Table {
         u64::from(self.buckets) * self.width as u64
     }
 
-    /// A bucket's share of `local.max_bytes`: the bytes its body keys may hold.
+    /// A bucket's share of `local.max_bytes`: the bytes its body keys may hold (counted in the
+    /// bucket). The buckets share `max_bytes` less a quarter, the pool's part (`pool_bytes`).
     pub fn bucket_bytes(&self) -> u64 {
-        self.max_bytes / u64::from(self.buckets.max(1))
+        (self.max_bytes - self.max_bytes / POOL_DIVISOR) / u64::from(self.buckets.max(1))
+    }
+
+    /// The table-wide pool's part of `local.max_bytes`: what the bucket shares leave of it, so
+    /// `buckets x bucket_bytes + pool_bytes = max_bytes`. Only a body that does not fit its
+    /// bucket's remaining share takes bytes from it.
+    pub fn pool_bytes(&self) -> u64 {
+        self.max_bytes - self.bucket_bytes() * u64::from(self.buckets.max(1))
     }
 
     /// Bytes of the bucket index with every position held (an empty table holds only the bucket
@@ -522,6 +686,11 @@ impl Table {
         Name::of(format_args!("{}.r.{i}.{j}", self.prefix))
     }
 
+    /// The table-wide pool of bytes for bodies too large for their bucket (`pool`).
+    pub fn pool_name(&self) -> Name {
+        Name::of(format_args!("{}.pool", self.prefix))
+    }
+
     fn ready_name(&self) -> Name {
         Name::of(format_args!("{}.ready", self.prefix))
     }
@@ -537,12 +706,18 @@ impl Table {
     /// Call it when the plugin is configured, before traffic: Envoy configures the main-thread VM
     /// before any worker serves a request.
     pub fn ensure_created(&self, sd: &mut dyn SharedData) -> Result<u32, LocalError> {
+        // The pool is created on its own: a table made by the first v4 module (82b9130) has its
+        // buckets and `ready` but no pool. Only where truly absent, as the buckets.
+        let mut created = 0;
+        if let (None, None) = sd.get(&self.pool_name())? {
+            sd.set(&self.pool_name(), &Pool::default().encode(), None).map_err(|_| LocalError::Host)?;
+            created += 1;
+        }
         if let (Some(v), _) = sd.get(&self.ready_name())? {
             if v == b"1" {
-                return Ok(0);
+                return Ok(created);
             }
         }
-        let mut created = 0;
         let empty = Bucket::of_width(self.width).encode();
         for i in 0..self.buckets {
             let name = self.bucket_name(i);
@@ -563,9 +738,22 @@ impl Table {
         }
     }
 
+    /// A bucket's value, indexed but not decoded (`RawBucket`), and its CAS.
+    fn read_raw(&self, sd: &mut dyn SharedData, i: u32) -> Result<(RawBucket, u32), LocalError> {
+        match sd.get(&self.bucket_name(i))? {
+            (Some(v), Some(cas)) => RawBucket::index(v, self.width).map(|b| (b, cas)).ok_or(LocalError::Corrupt),
+            _ => Err(LocalError::Missing),
+        }
+    }
+
     /// Writes a bucket with CAS; `Ok(false)` when another worker changed it first.
     fn write_bucket(&self, sd: &mut dyn SharedData, i: u32, b: &Bucket, cas: u32) -> Result<bool, LocalError> {
-        match sd.set(&self.bucket_name(i), &b.encode(), Some(cas)) {
+        self.write_value(sd, i, &b.encode(), cas)
+    }
+
+    /// Writes a bucket's encoded value with CAS; `Ok(false)` when another worker changed it first.
+    fn write_value(&self, sd: &mut dyn SharedData, i: u32, value: &[u8], cas: u32) -> Result<bool, LocalError> {
+        match sd.set(&self.bucket_name(i), value, Some(cas)) {
             Ok(()) => Ok(true),
             Err(SetError::CasMismatch) => Ok(false),
             Err(SetError::Host) => Err(LocalError::Host),
@@ -877,15 +1065,15 @@ impl Table {
         }
         let lifetimes = Lifetimes::of(policy);
         for _ in 0..MAX_CAS_RETRIES {
-            let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
-            let superseded = bucket
-                .positions
-                .iter()
-                .enumerate()
-                .any(|(j, p)| j != h.position && p.as_ref().is_some_and(|e| e.holds(&h.skey, now_ms)));
-            let Some(slot) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
-            let Ok(stage) = step(slot, Event::Forward, Some(h), now_ms) else { return Ok(false) };
-            let Some(e) = slot.as_mut() else { return Ok(false) };
+            // Only our entry and those of our key are decoded (`RawBucket`).
+            let (raw, cas) = self.read_raw(sd, h.bucket)?;
+            if h.position >= self.width {
+                return Err(LocalError::Corrupt);
+            }
+            let superseded = raw.others_with_key(h.position, &h.skey).iter().any(|e| e.holds(&h.skey, now_ms));
+            let slot = raw.entry(h.position);
+            let Ok(stage) = step(&slot, Event::Forward, Some(h), now_ms) else { return Ok(false) };
+            let Some(mut e) = slot else { return Ok(false) };
             if superseded {
                 return Ok(false);
             }
@@ -893,7 +1081,8 @@ impl Table {
             e.fingerprint = Some(fp);
             e.lock_expires_at_ms = lifetimes.lock_expires_at(now_ms);
             e.expires_at_ms = lifetimes.expires_at(Stage::Forwarded, now_ms);
-            if self.write_bucket(sd, h.bucket, &bucket, cas)? {
+            let Some(value) = raw.with_entry(h.position, &e) else { return Err(LocalError::Corrupt) };
+            if self.write_value(sd, h.bucket, &value, cas)? {
                 return Ok(true);
             }
         }
@@ -901,10 +1090,12 @@ impl Table {
     }
 
     /// Stores a completed record (see `Record::completed`): the body key first, then the bucket
-    /// CAS that marks the entry completed (a reader that sees it completed finds its body). When
-    /// the bucket's share of `local.max_bytes` has no room for it, only the status and `location`
-    /// are kept (and with no room even for those, the status in the index): retries then get a
-    /// problem carrying them, never a second execution.
+    /// CAS that marks the entry completed (a reader that sees it completed finds its body). A body
+    /// that does not fit the bucket's remaining share of `local.max_bytes` takes its bytes from
+    /// the table-wide pool instead (`store_pooled`: a few more calls, on that path only). With no
+    /// room there either, only the status and `location` are kept (and with no room even for
+    /// those, the status in the index): retries then get a problem carrying them, never a second
+    /// execution.
     pub fn complete(
         &self,
         sd: &mut dyn SharedData,
@@ -926,43 +1117,68 @@ impl Table {
         let name = self.body_name(h.bucket, h.position);
         // What the body key holds from us now: (bytes written, with the body).
         let mut written: Option<(u32, bool)> = None;
+        // Our reservation in the pool, once the body key holds the full body on it.
+        let mut pooled: Option<Reservation> = None;
+        // Pool attempts left (a body write that lost a race to the sweep tries again).
+        let mut pool_tries = 3;
         for _ in 0..MAX_CAS_RETRIES {
-            let (mut bucket, cas) = self.read_bucket(sd, h.bucket)?;
-            let Some(position) = bucket.positions.get(h.position) else { return Err(LocalError::Corrupt) };
+            // Only our entry is decoded (`RawBucket`).
+            let (raw, cas) = self.read_raw(sd, h.bucket)?;
+            if h.position >= self.width {
+                return Err(LocalError::Corrupt);
+            }
+            let slot = raw.entry(h.position);
+            let position = &slot;
             if step(position, Event::Complete, Some(h), now_ms).is_err() {
                 if written.is_some() {
-                    let _ = self.withdraw_body(sd, h);
+                    self.withdraw(sd, h, pooled);
                 }
                 return Ok(Completed::LostClaim);
             }
             let ours = position.as_ref().map_or(0, |e| u64::from(e.body_bytes));
-            let others = bucket.bytes().saturating_sub(ours);
+            let others = raw.counted.saturating_sub(ours);
             let fits = |b: &[u8]| others.saturating_add(b.len() as u64) <= self.bucket_bytes();
-            if has_body && !fits(&full) && lean.is_none() {
+            while has_body && pooled.is_none() && !fits(&full) && pool_tries > 0 {
+                pool_tries -= 1;
+                match self.store_pooled(sd, h, &full)? {
+                    Pooled::Stored(r) => {
+                        pooled = Some(r);
+                        written = Some((u32::try_from(full.len()).unwrap_or(u32::MAX), true));
+                    }
+                    Pooled::NoRoom => pool_tries = 0,
+                    Pooled::Raced => {}
+                }
+            }
+            if has_body && pooled.is_none() && !fits(&full) && lean.is_none() {
                 let mut r = record.clone();
                 r.state = r.state.without_body();
                 lean = Some(encode_body(h, &r));
             }
-            let choice: Option<(&[u8], bool)> = if fits(&full) {
-                Some((&full, has_body))
+            let body_bytes = if pooled.is_some() {
+                // The pool counts the body; the bytes the key held before are gone from it.
+                0
             } else {
-                lean.as_deref().filter(|l| fits(l)).map(|l| (l, false))
-            };
-            let want = choice.map(|(b, body)| (u32::try_from(b.len()).unwrap_or(u32::MAX), body));
-            if want != written {
-                match choice {
-                    Some((bytes, _)) => sd.set(&name, bytes, None).map_err(|_| LocalError::Host)?,
-                    None if written.is_some() => sd.set(&name, b"", None).map_err(|_| LocalError::Host)?,
-                    None => {}
+                let choice: Option<(&[u8], bool)> = if fits(&full) {
+                    Some((&full, has_body))
+                } else {
+                    lean.as_deref().filter(|l| fits(l)).map(|l| (l, false))
+                };
+                let want = choice.map(|(b, body)| (u32::try_from(b.len()).unwrap_or(u32::MAX), body));
+                if want != written {
+                    match choice {
+                        Some((bytes, _)) => sd.set(&name, bytes, None).map_err(|_| LocalError::Host)?,
+                        None if written.is_some() => sd.set(&name, b"", None).map_err(|_| LocalError::Host)?,
+                        None => {}
+                    }
+                    written = want;
                 }
-                written = want;
-            }
-            let body_bytes = match written {
-                Some((n, _)) => n,
-                // Nothing written: an earlier body the key may hold stays counted.
-                None => u32::try_from(ours).unwrap_or(u32::MAX),
+                match written {
+                    Some((n, _)) => n,
+                    // Nothing written: an earlier body the key may hold stays counted.
+                    None => u32::try_from(ours).unwrap_or(u32::MAX),
+                }
             };
-            let Some(Some(e)) = bucket.positions.get_mut(h.position) else { return Err(LocalError::Corrupt) };
+            let Some(mut e) = slot else { return Err(LocalError::Corrupt) };
             e.stage = Stage::Completed;
             e.since_ms = now_ms;
             e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
@@ -971,7 +1187,8 @@ impl Table {
             e.status = status;
             e.body_bytes = body_bytes;
             e.creator = vec![];
-            if self.write_bucket(sd, h.bucket, &bucket, cas)? {
+            let Some(value) = raw.with_entry(h.position, &e) else { return Err(LocalError::Corrupt) };
+            if self.write_value(sd, h.bucket, &value, cas)? {
                 return Ok(if matches!(written, Some((_, true))) {
                     Completed::Stored
                 } else {
@@ -980,9 +1197,112 @@ impl Table {
             }
         }
         if written.is_some() {
-            let _ = self.withdraw_body(sd, h);
+            self.withdraw(sd, h, pooled);
         }
         Err(LocalError::Contended)
+    }
+
+    /// Writes `body` on a reservation in the pool, when the pool has room: the body key's CAS
+    /// first (written once, empty, if the key was never written), then the reservation (CAS of
+    /// the pool), then the body with the CAS read first. So the body is never written unless the
+    /// pool counts it, and a reservation the sweep dropped meanwhile (it changes the key's CAS
+    /// before dropping one whose write may still come) makes the write fail. `None`: no room, or
+    /// a lost race (the caller keeps the status only).
+    fn store_pooled(&self, sd: &mut dyn SharedData, h: &Handle, body: &[u8]) -> Result<Pooled, LocalError> {
+        let Ok(bytes) = u32::try_from(body.len()) else { return Ok(Pooled::NoRoom) };
+        if u64::from(bytes) > self.pool_bytes() {
+            return Ok(Pooled::NoRoom);
+        }
+        let name = self.body_name(h.bucket, h.position);
+        let body_cas = match sd.get(&name)? {
+            (_, Some(c)) => c,
+            (_, None) => {
+                sd.set(&name, b"", None).map_err(|_| LocalError::Host)?;
+                match sd.get(&name)? {
+                    (_, Some(c)) => c,
+                    (_, None) => return Ok(Pooled::NoRoom),
+                }
+            }
+        };
+        let r = Reservation { bucket: h.bucket, position: h.position, owner: h.owner, bytes, body_cas };
+        if !self.reserve(sd, r)? {
+            return Ok(Pooled::NoRoom);
+        }
+        match sd.set(&name, body, Some(body_cas)) {
+            Ok(()) => Ok(Pooled::Stored(r)),
+            Err(e) => {
+                // Nothing of ours was written: the reservation goes back.
+                let _ = self.unreserve(sd, &[r]);
+                match e {
+                    SetError::CasMismatch => Ok(Pooled::Raced),
+                    SetError::Host => Err(LocalError::Host),
+                }
+            }
+        }
+    }
+
+    /// The pool and its CAS; `None` when it is missing or unreadable (then it has no room).
+    fn read_pool(&self, sd: &mut dyn SharedData) -> Result<Option<(Pool, u32)>, LocalError> {
+        Ok(match sd.get(&self.pool_name())? {
+            (Some(v), Some(cas)) => Pool::decode(&v).map(|p| (p, cas)),
+            _ => None,
+        })
+    }
+
+    /// Adds `r` to the pool if its bytes fit in `pool_bytes` and the list has room. Whether it did.
+    fn reserve(&self, sd: &mut dyn SharedData, r: Reservation) -> Result<bool, LocalError> {
+        for _ in 0..MAX_CAS_RETRIES {
+            let Some((mut pool, cas)) = self.read_pool(sd)? else { return Ok(false) };
+            if pool.reservations.len() >= pool::MAX_RESERVATIONS
+                || pool.used().saturating_add(u64::from(r.bytes)) > self.pool_bytes()
+            {
+                return Ok(false);
+            }
+            pool.reservations.push(r);
+            match sd.set(&self.pool_name(), &pool.encode(), Some(cas)) {
+                Ok(()) => return Ok(true),
+                Err(SetError::CasMismatch) => continue,
+                Err(SetError::Host) => return Err(LocalError::Host),
+            }
+        }
+        Ok(false)
+    }
+
+    /// Gives back the reservations `rs` (those still listed). Whether the pool no longer lists
+    /// them (`false`: a host error or lost races; the sweep tries again).
+    fn unreserve(&self, sd: &mut dyn SharedData, rs: &[Reservation]) -> bool {
+        for _ in 0..MAX_CAS_RETRIES {
+            let Ok(Some((mut pool, cas))) = self.read_pool(sd) else { return false };
+            let before = pool.reservations.len();
+            pool.reservations.retain(|x| !rs.iter().any(|r| r.same(x)));
+            if pool.reservations.len() == before {
+                return true;
+            }
+            match sd.set(&self.pool_name(), &pool.encode(), Some(cas)) {
+                Ok(()) => return true,
+                Err(SetError::CasMismatch) => continue,
+                Err(SetError::Host) => return false,
+            }
+        }
+        false
+    }
+
+    /// Takes back what a completion that did not land wrote: empties the body key if it still
+    /// holds our body (owner-checked), and gives back our reservation once the key no longer
+    /// holds it (else the sweep reclaims it).
+    fn withdraw(&self, sd: &mut dyn SharedData, h: &Handle, pooled: Option<Reservation>) {
+        let gone = self.withdraw_body(sd, h) || !self.body_holds(sd, h);
+        if let Some(r) = pooled.filter(|_| gone) {
+            let _ = self.unreserve(sd, &[r]);
+        }
+    }
+
+    /// Whether `h`'s body key holds `h`'s owner's body (`true` when it cannot tell).
+    fn body_holds(&self, sd: &mut dyn SharedData, h: &Handle) -> bool {
+        match sd.get(&self.body_name(h.bucket, h.position)) {
+            Ok((v, _)) => v.is_some_and(|v| body_belongs_to(&v, h)),
+            Err(_) => true,
+        }
     }
 
     /// Empties a body key `h`'s owner wrote (a claim it then lost: a stale owner's late write,
@@ -1040,8 +1360,18 @@ impl Table {
         gauges: &mut Gauges,
     ) -> Result<u32, LocalError> {
         gauges.fit(self.buckets);
+        let count = count.min(self.buckets);
+        let n = u64::from(self.buckets);
+        let in_range = |i: u32| i < self.buckets && (u64::from(i) + n - u64::from(start) % n) % n < u64::from(count);
+        // The pool's reservations in these buckets, checked against each bucket as swept.
+        let mut listed: Vec<Reservation> = match self.read_pool(sd)? {
+            Some((p, _)) => p.reservations.into_iter().filter(|r| in_range(r.bucket)).collect(),
+            None => vec![],
+        };
+        listed.sort_by_key(|r| r.bucket);
+        let mut stale: Vec<Reservation> = vec![];
         let mut freed_total = 0;
-        for k in 0..count.min(self.buckets) {
+        for k in 0..count {
             let i = (start.wrapping_add(k)) % self.buckets;
             for _ in 0..MAX_CAS_RETRIES {
                 let (mut bucket, cas) = self.read_bucket(sd, i)?;
@@ -1052,17 +1382,50 @@ impl Table {
                     expired.iter().filter_map(|j| bucket.free(*j).map(|e| (*j, e))).collect();
                 if freed.is_empty() {
                     gauges.note(i, &bucket);
+                    note_stale(&listed, i, &bucket, &mut stale);
                     break;
                 }
                 if self.write_bucket(sd, i, &bucket, cas)? {
                     freed_total += freed.len() as u32;
                     let bucket = self.drop_bodies(sd, i, &freed).unwrap_or(bucket);
                     gauges.note(i, &bucket);
+                    note_stale(&listed, i, &bucket, &mut stale);
                     break;
                 }
             }
         }
+        let reclaimed: Vec<Reservation> = stale.into_iter().filter(|r| self.settle_stale(sd, r)).collect();
+        if !reclaimed.is_empty() {
+            let _ = self.unreserve(sd, &reclaimed);
+        }
+        if let Ok(Some((p, _))) = self.read_pool(sd) {
+            gauges.pool_bytes = p.used();
+        }
         Ok(freed_total)
+    }
+
+    /// Makes sure a reservation whose record no longer holds its position (evicted, expired and
+    /// freed, replaced, or a claim lost before its body landed) covers no byte any more: empties
+    /// the body key if it holds the owner's body (CAS); if it holds something else with the CAS
+    /// the owner read before its write, that write may still come, so the sweep rewrites the
+    /// value as it is (a CAS) to make it fail. Whether the reservation may go.
+    fn settle_stale(&self, sd: &mut dyn SharedData, r: &Reservation) -> bool {
+        let name = self.body_name(r.bucket, r.position);
+        match sd.get(&name) {
+            Ok((v, Some(cas))) => {
+                let v = v.unwrap_or_default();
+                if v.get(..16) == Some(r.owner.0.as_slice()) {
+                    sd.set(&name, b"", Some(cas)).is_ok()
+                } else if cas == r.body_cas {
+                    sd.set(&name, &v, Some(cas)).is_ok()
+                } else {
+                    true
+                }
+            }
+            // Never written: the owner wrote it (empty) before reserving, so this cannot be.
+            Ok((_, None)) => true,
+            Err(_) => false,
+        }
     }
 
     /// Empties the body keys of the records a sweep just freed, each only if it still holds that
@@ -1101,9 +1464,16 @@ impl Table {
         (0..self.buckets).filter_map(|i| self.read_bucket(sd, i).ok()).map(|(b, _)| b.occupied()).sum()
     }
 
-    /// Bytes the body keys hold now (reads every bucket, as `count`).
+    /// Bytes the body keys hold now, as the buckets and the pool count them (reads every bucket
+    /// and the pool, as `count`).
     pub fn usage(&self, sd: &mut dyn SharedData) -> u64 {
-        (0..self.buckets).filter_map(|i| self.read_bucket(sd, i).ok()).map(|(b, _)| b.bytes()).sum()
+        let buckets: u64 = (0..self.buckets).filter_map(|i| self.read_bucket(sd, i).ok()).map(|(b, _)| b.bytes()).sum();
+        buckets + self.pool_usage(sd)
+    }
+
+    /// Bytes the pool's reservations count.
+    pub fn pool_usage(&self, sd: &mut dyn SharedData) -> u64 {
+        self.read_pool(sd).ok().flatten().map_or(0, |(p, _)| p.used())
     }
 
     /// The age in ms of the last record evicted to make room (0 before any eviction; reads every
@@ -1131,6 +1501,8 @@ impl Table {
 pub struct Gauges {
     /// Per bucket: records, bytes, last eviction instant and age.
     buckets: Vec<(u8, u64, u64, u64)>,
+    /// Bytes the pool's reservations count, as of the last sweep.
+    pool_bytes: u64,
 }
 
 impl Gauges {
@@ -1152,14 +1524,26 @@ impl Gauges {
         self.buckets.iter().map(|g| u64::from(g.0)).sum()
     }
 
-    /// Bytes the body keys hold.
+    /// Bytes the body keys hold (the buckets' and the pool's).
     pub fn bytes(&self) -> u64 {
-        self.buckets.iter().map(|g| g.1).sum()
+        self.buckets.iter().map(|g| g.1).sum::<u64>() + self.pool_bytes
     }
 
     /// The age of the table's latest eviction (0 before any).
     pub fn evicted_age_ms(&self) -> u64 {
         self.buckets.iter().max_by_key(|g| g.2).filter(|g| g.2 > 0).map_or(0, |g| g.3)
+    }
+}
+
+/// Adds to `stale` the reservations of `listed` in bucket `i` whose position no longer holds
+/// their owner's entry (as the sweep left bucket `b`).
+fn note_stale(listed: &[Reservation], i: u32, b: &Bucket, stale: &mut Vec<Reservation>) {
+    let from = listed.partition_point(|r| r.bucket < i);
+    for r in listed.iter().skip(from).take_while(|r| r.bucket == i) {
+        let held = b.positions.get(r.position).is_some_and(|p| p.as_ref().is_some_and(|e| e.owner == r.owner));
+        if !held {
+            stale.push(*r);
+        }
     }
 }
 
@@ -1207,6 +1591,16 @@ impl std::fmt::Debug for Name {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self)
     }
+}
+
+/// What `Table::store_pooled` did.
+enum Pooled {
+    /// The body key holds the body, on this reservation.
+    Stored(Reservation),
+    /// The pool has no room (or is missing): keep the status only.
+    NoRoom,
+    /// The body key changed between its read and the write: nothing written, nothing reserved.
+    Raced,
 }
 
 /// Where a claim goes.

@@ -599,8 +599,14 @@ fn usage_follows_completions_releases_and_sweeps() {
     assert_eq!(t.occupied(&mut m), 0);
 }
 
-/// Each bucket has its share of `max_bytes`: a completion that does not fit keeps its status only,
-/// and the bytes the body keys hold never pass the share.
+/// The bytes body keys hold in `m` (all of them, whatever the table).
+fn held(m: &Model) -> u64 {
+    m.entries().filter(|(k, _)| k.contains(".r.")).map(|(_, v)| v.len() as u64).sum()
+}
+
+/// Each bucket has its share of `max_bytes` (three quarters of it over the buckets), the pool the
+/// rest: a completion that fits neither keeps its status only, and the bytes the body keys hold
+/// never pass `max_bytes`.
 #[test]
 fn a_bucket_never_holds_more_than_its_share_of_max_bytes() {
     let t = Table::new(&LocalConfig {
@@ -609,24 +615,107 @@ fn a_bucket_never_holds_more_than_its_share_of_max_bytes() {
         when_full: WhenFull::Reject,
         min_protection_seconds: 0,
     });
-    assert_eq!(t.bucket_bytes(), 4_000);
+    assert_eq!((t.bucket_bytes(), t.pool_bytes()), (3_000, 1_000));
     let mut m = fresh(&t);
     let mut outcomes = vec![];
     for n in 0..10 {
         let h = handle(&claim(&t, &mut m, skey(n), Some(fp(1)), 1, NOW));
         let body = "z".repeat(1_000);
         outcomes.push(complete(&t, &mut m, &h, fp(1), response(&body), false, &creator("c"), NOW, &policy()).unwrap());
-        let held: usize = m
-            .names_with("idemgate.v4")
-            .iter()
-            .filter(|k| k.contains(".r."))
-            .map(|k| m.get(k).unwrap().0.map_or(0, |v| v.len()))
-            .sum();
-        assert_eq!(t.usage(&mut m), held as u64);
-        assert!(held <= 4_000, "{held} bytes");
+        assert_eq!(t.usage(&mut m), held(&m));
+        assert!(held(&m) <= 4_000, "{} bytes", held(&m));
     }
-    assert_eq!(outcomes.iter().filter(|o| **o == Completed::Stored).count(), 3);
-    assert!(outcomes[3..].iter().all(|o| *o == Completed::StoredWithoutBody), "{outcomes:?}");
+    // Two bodies fill the bucket's 3,000 bytes; the third (over 1,000 bytes) does not fit the pool.
+    assert_eq!(outcomes.iter().filter(|o| **o == Completed::Stored).count(), 2);
+    assert!(outcomes[2..].iter().all(|o| *o == Completed::StoredWithoutBody), "{outcomes:?}");
+    assert_eq!(t.pool_usage(&mut m), 0);
+}
+
+/// Issue 27's regression (layout v4 kept no body over its bucket's 32 KiB share): at the defaults
+/// a body of 100 KB, and one near `max_response_body_bytes`, is kept whole on the table-wide pool
+/// and replayed; it costs its completion a few shared-data calls more, and the first request of an
+/// ordinary body still makes 7.
+#[test]
+fn at_the_defaults_a_body_over_the_buckets_share_is_kept_whole() {
+    let t = Table::new(&LocalConfig::default());
+    assert_eq!((t.buckets(), t.bucket_bytes(), t.pool_bytes()), (8_192, 24 * 1024, 64 * 1024 * 1024));
+    let mut m = fresh(&t);
+    let max = crate::config::Policy::default().max_response_body_bytes as usize;
+    for (n, size) in [(1u64, 100_000usize), (2, max - 1_000)] {
+        let body = "q".repeat(size);
+        let h = handle(&claim(&t, &mut m, skey(n), None, 1, NOW));
+        assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW, &policy()).unwrap());
+        let before = m.calls;
+        let done = complete(&t, &mut m, &h, fp(1), response(&body), false, &creator("c"), NOW, &policy()).unwrap();
+        assert_eq!(done, Completed::Stored, "a body of {size} bytes");
+        // The bucket's read, the body key's read, its creation and read again (the first use of
+        // the key: 2 calls fewer after), the pool's read and CAS, the body's CAS, the bucket's CAS.
+        assert_eq!(m.calls - before, 8, "a body of {size} bytes");
+        match claim(&t, &mut m, skey(n), Some(fp(1)), 2, NOW + 1) {
+            Begin::Replay(r) => assert_eq!(r.state, State::Completed(response(&body)), "a body of {size} bytes"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(t.usage(&mut m), held(&m));
+    assert_eq!(t.pool_usage(&mut m), held(&m), "both bodies are on the pool");
+    // An ordinary body stays on the bucket: 7 calls for the whole first request.
+    let before = m.calls;
+    let h = handle(&claim(&t, &mut m, skey(3), None, 1, NOW));
+    assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW, &policy()).unwrap());
+    complete(&t, &mut m, &h, fp(1), response(&"s".repeat(2_000)), false, &creator("c"), NOW, &policy()).unwrap();
+    assert_eq!(m.calls - before, 7);
+}
+
+/// `local.max_bytes` bounds the bytes body keys hold, buckets and pool together, through a flood
+/// of keys with bodies of every size (evictions, replacements, expiries and sweeps), every
+/// retry replays its own response or its status, and once every record expired and the sweep
+/// passed, the pool lists nothing.
+#[test]
+fn max_bytes_bounds_buckets_and_pool_together_under_a_flood_of_mixed_bodies() {
+    // 4 buckets of 64 (share 7,500 bytes each), pool 10,000.
+    let t = Table::new(&LocalConfig {
+        max_entries: 128,
+        max_bytes: 40_000,
+        when_full: WhenFull::EvictOldest,
+        min_protection_seconds: 0,
+    });
+    assert_eq!((t.bucket_bytes(), t.pool_bytes()), (7_500, 10_000));
+    let mut m = fresh(&t);
+    let (mut pooled_peak, mut stored, mut lean) = (0, 0, 0);
+    for n in 0..3_000u64 {
+        let now = NOW + n * 50;
+        let size = usize::try_from((n * 7_919) % 9_000).unwrap();
+        let b = claim(&t, &mut m, skey(n), Some(fp(1)), (n % 200) as u8, now);
+        let Begin::Claimed { handle: h, .. } = b else { continue };
+        let body = format!("{n}:{}", "w".repeat(size));
+        match complete(&t, &mut m, &h, fp(1), response(&body), false, &creator("c"), now, &policy()).unwrap() {
+            Completed::Stored => stored += 1,
+            _ => lean += 1,
+        }
+        assert!(held(&m) <= 40_000, "after key {n}: {} bytes held", held(&m));
+        assert!(held(&m) <= t.usage(&mut m), "after key {n}: held {} > counted {}", held(&m), t.usage(&mut m));
+        pooled_peak = pooled_peak.max(t.pool_usage(&mut m));
+        match claim(&t, &mut m, skey(n), Some(fp(1)), 201, now + 1) {
+            Begin::Replay(r) => match r.state {
+                State::Completed(resp) => assert_eq!(resp.body, body.as_bytes(), "key {n}"),
+                State::CompletedTooLarge { status, .. } => assert_eq!(status, 201),
+                other => panic!("{other:?}"),
+            },
+            other => assert!(matches!(other, Begin::Reject { problem: ProblemKind::ResponseNotStored { .. }, .. })),
+        }
+        if n % 97 == 0 {
+            t.sweep(&mut m, u32::try_from(n).unwrap(), 2, now, &mut Gauges::default()).unwrap();
+        }
+    }
+    assert!(pooled_peak > 5_000, "the pool was used: {pooled_peak}");
+    assert!(stored > 100 && lean > 100, "stored {stored}, status only {lean}");
+    let far = NOW + 3_000 * 50 + 10 * policy().ttl_seconds * 1000;
+    let mut g = Gauges::default();
+    t.sweep(&mut m, 0, t.buckets(), far, &mut g).unwrap();
+    t.sweep(&mut m, 0, t.buckets(), far, &mut g).unwrap();
+    assert_eq!(t.pool_usage(&mut m), 0, "no reservation outlives its record");
+    assert_eq!(t.occupied(&mut m), 0);
+    assert!(held(&m) <= t.usage(&mut m));
 }
 
 /// Issue 27: a first request (claim at headers, forwarded, completed) makes 7 shared-data calls.
@@ -997,4 +1086,72 @@ fn a_stale_v4_claim_is_not_taken_over_while_v3_holds_the_key() {
         t.begin(&mut m, k, None, later, &p, owner(7), &creator("retry-2")).unwrap(),
         Begin::Claimed { .. }
     ));
+}
+
+/// The raw view of a bucket (`RawBucket`, used by `mark_forwarded` and `complete`) counts what
+/// `Bucket::bytes` counts, decodes each entry as `Bucket::decode` does, and replacing one entry
+/// gives byte for byte what decode, change and encode give; it refuses truncated and trailing
+/// values as `decode` does.
+#[test]
+fn the_raw_bucket_view_patches_one_entry_byte_for_byte_as_decode_and_encode() {
+    let t = floor_table(64, WhenFull::EvictOldest, 0);
+    let mut m = fresh(&t);
+    let mut checked = 0;
+    for n in 0..300u64 {
+        let now = NOW + n * 10;
+        let b = claim(&t, &mut m, skey(n), if n % 3 == 0 { None } else { Some(fp(1)) }, (n % 250) as u8, now);
+        if let Begin::Claimed { handle: h, .. } = b {
+            if n % 4 != 0 {
+                let body = "v".repeat((n as usize * 37) % 700);
+                complete(&t, &mut m, &h, fp(1), response(&body), false, &creator("c"), now, &policy()).unwrap();
+            }
+        }
+        if n % 50 == 49 {
+            t.sweep(&mut m, 0, 1, now + policy().ttl_seconds * 1000 / 2, &mut Gauges::default()).unwrap();
+        }
+        let value = m.get(&t.bucket_name(0)).unwrap().0.unwrap();
+        let bucket = Bucket::decode_width(&value, t.width()).unwrap();
+        let raw = RawBucket::index(value.clone(), t.width()).unwrap();
+        assert_eq!(raw.counted, bucket.bytes());
+        for j in 0..t.width() {
+            assert_eq!(raw.entry(j), bucket.positions[j].clone(), "position {j}");
+            let Some(e) = bucket.positions[j].clone() else {
+                assert_eq!(raw.with_entry(j, &Entry { creator: vec![], ..dummy_entry() }), None);
+                continue;
+            };
+            let mut changed = e.clone();
+            changed.stage = Stage::Completed;
+            changed.body_bytes = 12_345;
+            changed.creator = if n % 2 == 0 { vec![] } else { b"\x03abc".to_vec() };
+            let mut expected = bucket.clone();
+            expected.positions[j] = Some(changed.clone());
+            assert_eq!(raw.with_entry(j, &changed), Some(expected.encode()), "position {j}");
+            let others: Vec<Entry> =
+                bucket.positions.iter().enumerate().filter(|(p, _)| *p != j).filter_map(|(_, p)| p.clone()).collect();
+            let same_key: Vec<Entry> = others.into_iter().filter(|o| o.skey == e.skey).collect();
+            assert_eq!(raw.others_with_key(j, &e.skey), same_key);
+            checked += 1;
+        }
+        assert!(RawBucket::index(value[..value.len() - 1].to_vec(), t.width()).is_none());
+        let mut longer = value.clone();
+        longer.push(0);
+        assert!(RawBucket::index(longer, t.width()).is_none());
+    }
+    assert!(checked > 5_000, "{checked} entries checked");
+}
+
+fn dummy_entry() -> Entry {
+    Entry {
+        skey: skey(0),
+        fingerprint: None,
+        stage: Stage::Claimed,
+        owner: owner(0),
+        since_ms: 0,
+        expires_at_ms: 0,
+        lock_expires_at_ms: 0,
+        status: 0,
+        body_bytes: 0,
+        floor_ms: 0,
+        creator: vec![],
+    }
 }

@@ -579,10 +579,9 @@ fn etcd_a_response_of_exactly_max_response_body_bytes_is_replayed_on_the_other_p
 #[test]
 fn etcd_a_completion_refused_as_too_large_is_stored_without_its_body() {
     let etcd = EtcdCluster::start_with(&["--max-request-bytes", "262144"]);
-    // `local.max_entries` 64: one bucket, whose share of `max_bytes` is all of it, so proxy a's
-    // local tier can keep a 400 KB body (with the default 8,192 buckets a bucket's share is
-    // 32 KiB and a larger body is kept without it: docs/local-tier.md).
-    let config = r#"{"scope": {"headers": ["authorization"]}, "local": {"max_entries": 64}, "store": {"kind": "etcd", "cluster": "idemgate_store", "timeout_ms": 1000}}"#;
+    // The default local tier: a 400 KB body is over its bucket's share (24 KiB) and is kept on
+    // the table-wide pool (docs/local-tier.md).
+    let config = r#"{"scope": {"headers": ["authorization"]}, "store": {"kind": "etcd", "cluster": "idemgate_store", "timeout_ms": 1000}}"#;
     let p = Pair::with(&etcd, config, None, true);
     let first = post(&p.a, "k-refused", "{}", &[("x-up-body-bytes", "400000")]);
     assert_eq!((first.status, first.body.len()), (201, 400_000));

@@ -3,6 +3,7 @@
 //! workers up to a schedule depth, random for three or more.
 
 use super::*;
+use crate::local::pool::Pool;
 use std::sync::{Arc, Condvar, Mutex};
 
 struct State {
@@ -12,7 +13,13 @@ struct State {
     /// Workers blocked at a call.
     waiting: Vec<bool>,
     done: Vec<bool>,
+    /// Checked after every host call: the first violation, with the step it followed.
+    invariant: Option<Invariant>,
+    violation: Option<String>,
 }
+
+/// A property of shared data that must hold after every single host call.
+type Invariant = Box<dyn Fn(&Model) -> Result<(), String> + Send>;
 
 struct Sched {
     state: Mutex<State>,
@@ -35,6 +42,11 @@ impl WorkerData {
         st.turn = None;
         st.waiting[self.id] = false;
         let out = f(&mut st.model);
+        if st.violation.is_none() {
+            if let Some(Err(e)) = st.invariant.as_ref().map(|inv| inv(&st.model)) {
+                st.violation = Some(format!("after a call of worker {}: {e}", self.id));
+            }
+        }
         self.sched.cv.notify_all();
         out
     }
@@ -54,9 +66,27 @@ type Work<T> = Box<dyn FnOnce(&mut dyn SharedData) -> T + Send>;
 /// Runs `workers` from `model`; at each step the next worker is `schedule[step]` (or, past its
 /// end or when that worker is done, the lowest-numbered worker still running).
 fn run<T: Send + 'static>(model: Model, schedule: &[usize], workers: Vec<Work<T>>) -> (Vec<T>, Model) {
+    let (results, model, _) = run_checked(model, schedule, workers, None);
+    (results, model)
+}
+
+/// `run`, checking `invariant` after every host call; also returns its first violation.
+fn run_checked<T: Send + 'static>(
+    model: Model,
+    schedule: &[usize],
+    workers: Vec<Work<T>>,
+    invariant: Option<Invariant>,
+) -> (Vec<T>, Model, Option<String>) {
     let n = workers.len();
     let sched = Arc::new(Sched {
-        state: Mutex::new(State { model, turn: None, waiting: vec![false; n], done: vec![false; n] }),
+        state: Mutex::new(State {
+            model,
+            turn: None,
+            waiting: vec![false; n],
+            done: vec![false; n],
+            invariant,
+            violation: None,
+        }),
         cv: Condvar::new(),
     });
     let handles: Vec<_> = workers
@@ -91,8 +121,8 @@ fn run<T: Send + 'static>(model: Model, schedule: &[usize], workers: Vec<Work<T>
         step += 1;
     }
     let results = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    let model = Arc::try_unwrap(sched).ok().unwrap().state.into_inner().unwrap().model;
-    (results, model)
+    let st = Arc::try_unwrap(sched).ok().unwrap().state.into_inner().unwrap();
+    (results, st.model, st.violation)
 }
 
 /// Every schedule of `depth` binary choices.
@@ -432,4 +462,254 @@ fn replayed(b: Begin) -> String {
         Begin::Reject { problem: ProblemKind::ResponseNotStored { status, .. }, .. } => format!("not-stored-{status}"),
         other => format!("{other:?}"),
     }
+}
+
+/// A table that evicts with no floor, `max_entries` records and `max_bytes` for bodies.
+fn bytes_table(max_entries: u64, max_bytes: u64) -> Table {
+    Table::new(&LocalConfig { max_entries, max_bytes, when_full: WhenFull::EvictOldest, min_protection_seconds: 0 })
+}
+
+/// The bodies (over `min_len` bytes) of `owners` a body key holds: (bucket, position, owner, bytes).
+fn large_bodies(m: &Model, owners: &[u8], min_len: usize) -> Vec<(u32, usize, OwnerToken, usize)> {
+    let mut out = vec![];
+    for (k, (v, _)) in &m.map {
+        let Some((rest, j)) = k.rsplit_once('.') else { continue };
+        let Some((head, i)) = rest.rsplit_once('.') else { continue };
+        if !head.ends_with(".r") || v.len() <= min_len {
+            continue;
+        }
+        let Some(o) = owners.iter().map(|n| owner(*n)).find(|o| v.get(..16) == Some(o.0.as_slice())) else { continue };
+        out.push((i.parse().unwrap(), j.parse().unwrap(), o, v.len()));
+    }
+    out
+}
+
+fn pool_of(t: &Table, m: &Model) -> Pool {
+    Pool::decode(&m.map.get(&*t.pool_name()).expect("the pool exists").0).expect("the pool decodes")
+}
+
+/// After every host call: each body over `min_len` bytes of `owners` (bodies no bucket share can
+/// hold) is listed in the pool, the pool stays within its part, and the body keys hold at most
+/// `local.max_bytes`.
+fn pooled_bodies_are_listed(t: &Table, owners: Vec<u8>, min_len: usize) -> Invariant {
+    let t = t.clone();
+    Box::new(move |m: &Model| {
+        let pool = pool_of(&t, m);
+        if pool.used() > t.pool_bytes() {
+            return Err(format!("the pool counts {} bytes, over its {}", pool.used(), t.pool_bytes()));
+        }
+        for (i, j, o, len) in large_bodies(m, &owners, min_len) {
+            let listed = pool.reservations.iter().any(|r| r.bucket == i && r.position == j && r.owner == o);
+            if !listed {
+                return Err(format!("body key {i}.{j} holds {len} bytes of owner {} the pool does not list", o.0[0]));
+            }
+        }
+        let held: usize = m.map.iter().filter(|(k, _)| k.contains(".r.")).map(|(_, (v, _))| v.len()).sum();
+        if held as u64 > t.max_bytes {
+            return Err(format!("body keys hold {held} bytes, over max_bytes {}", t.max_bytes));
+        }
+        Ok(())
+    })
+}
+
+/// Every reservation the pool still lists belongs to the record at its position.
+fn no_stale_reservation(t: &Table, m: &mut Model) -> Result<(), String> {
+    for r in pool_of(t, m).reservations {
+        let (b, _) = t.read_bucket(m, r.bucket).unwrap();
+        if !b.positions[r.position].as_ref().is_some_and(|e| e.owner == r.owner) {
+            return Err(format!("a reservation of owner {} outlived its record: {r:?}", r.owner.0[0]));
+        }
+    }
+    Ok(())
+}
+
+/// Two workers complete a body too large for their bucket's share at once, and the pool has room
+/// for one: exactly one keeps its body (on the pool), the other its status; no body is ever held
+/// without the pool listing it; each key replays only its own response.
+#[test]
+fn two_large_bodies_completing_at_once_when_the_pool_has_room_for_one() {
+    // 4 buckets of 64: each bucket's share is 3,000 bytes and the pool 4,000, so a body of about
+    // 3,400 bytes fits only the pool, and only one at a time.
+    let t = bytes_table(128, 16_000);
+    assert_eq!((t.buckets(), t.bucket_bytes(), t.pool_bytes()), (4, 3_000, 4_000));
+    let mut base = fresh(&t);
+    let keys = keys_in_bucket(&t, 0, 2);
+    let ha = handle(&claim(&t, &mut base, keys[0], Some(fp(1)), 1, NOW));
+    let hb = handle(&claim(&t, &mut base, keys[1], Some(fp(2)), 2, NOW));
+    let (ba, bb) = ("a".repeat(3_300), "b".repeat(3_300));
+    let mut runs = 0;
+    for s in all_binary_schedules(12).chain(schedules(2, 300, 40, 27)) {
+        let (t1, t2, ba1, bb1) = (t.clone(), t.clone(), ba.clone(), bb.clone());
+        let work: Vec<Work<Completed>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| {
+                complete(&t1, sd, &ha, fp(1), response(&ba1), false, &creator("a"), NOW, &policy()).unwrap()
+            }),
+            Box::new(move |sd: &mut dyn SharedData| {
+                complete(&t2, sd, &hb, fp(2), response(&bb1), false, &creator("b"), NOW, &policy()).unwrap()
+            }),
+        ];
+        let inv = pooled_bodies_are_listed(&t, vec![1, 2], 3_000);
+        let (r, mut m, violation) = run_checked(base.clone(), &s, work, Some(inv));
+        assert_eq!(violation, None, "schedule {s:?}: {r:?}");
+        let stored: Vec<bool> = r.iter().map(|c| *c == Completed::Stored).collect();
+        assert_eq!(stored.iter().filter(|s| **s).count(), 1, "schedule {s:?}: {r:?}");
+        assert!(r.iter().all(|c| matches!(c, Completed::Stored | Completed::StoredWithoutBody)), "{r:?}");
+        for (n, (k, body)) in [(keys[0], &ba), (keys[1], &bb)].into_iter().enumerate() {
+            let answer = replayed(claim(&t, &mut m, k, Some(fp(n as u8 + 1)), 9, NOW + 1));
+            if stored[n] {
+                assert_eq!(&answer, body, "schedule {s:?}: {r:?}");
+            } else {
+                assert!(answer.starts_with("CompletedTooLarge { status: 201"), "schedule {s:?}: {r:?}: {answer}");
+            }
+        }
+        let full = large_bodies(&m, &[1, 2], 3_000);
+        assert_eq!(full.len(), 1, "schedule {s:?}");
+        assert_eq!(t.pool_usage(&mut m), full[0].3 as u64, "the pool counts exactly the body it holds");
+        let mut g = Gauges::default();
+        t.sweep(&mut m, 0, t.buckets(), NOW + 1, &mut g).unwrap();
+        assert_eq!(t.pool_usage(&mut m), full[0].3 as u64, "a live record keeps its reservation");
+        runs += 1;
+    }
+    assert_eq!(runs, 4096 + 300);
+}
+
+/// The table of `a_completion_racing_the_eviction_of_its_own_position...`: one bucket of two
+/// positions whose share is mostly held, so a body of about 3,400 bytes goes to the pool. Returns
+/// the table, the state, the stale owner's handle and the instant its lock is stale.
+fn eviction_race_setup() -> (Table, Model, Handle, u64) {
+    // One bucket of 2 positions: share 12,000 bytes, pool 4,000.
+    let t = bytes_table(2, 16_000);
+    assert_eq!((t.buckets(), t.width(), t.bucket_bytes(), t.pool_bytes()), (1, 2, 12_000, 4_000));
+    let p = policy();
+    let mut base = fresh(&t);
+    // Y's 10,000-byte body fills most of the share; X's claim evicts Y and keeps its bytes
+    // counted (X is in flight at `later`, never evicted); A holds the other position.
+    let y = handle(&claim(&t, &mut base, skey(40), Some(fp(1)), 40, NOW));
+    complete(&t, &mut base, &y, fp(1), response(&"y".repeat(10_000)), false, &creator("y"), NOW, &p).unwrap();
+    let a = handle(&claim(&t, &mut base, skey(41), Some(fp(1)), 1, NOW + 1));
+    assert!(matches!(claim(&t, &mut base, skey(42), Some(fp(1)), 42, NOW + 5), Begin::Claimed { evicted: true, .. }));
+    assert!(t.bucket_bytes() - t.read_bucket(&mut base, 0).unwrap().0.bytes() < 3_000);
+    (t, base, a, NOW + 1 + p.lock_ttl_seconds * 1000)
+}
+
+/// The work racing the stale owner: a retry of its key marks it outcome-unknown, a new key takes
+/// its position (eviction) and completes a large body, the sweep passes (before that completion
+/// when `sweep_first`), and the new key's retry (`d-body` when it replays its own body).
+fn evict_complete_sweep(t: &Table, later: u64, sweep_first: bool) -> Work<String> {
+    let t = t.clone();
+    Box::new(move |sd: &mut dyn SharedData| {
+        let p = policy();
+        let first = t.begin(sd, skey(41), Some(fp(1)), later, &p, owner(2), &creator("r")).unwrap();
+        let d = match t.begin(sd, skey(43), Some(fp(2)), later, &p, owner(3), &creator("d")).unwrap() {
+            Begin::Claimed { handle, .. } => handle,
+            other => return format!("{first:?} / {other:?}"),
+        };
+        let big = "d".repeat(3_300);
+        if sweep_first {
+            t.sweep(sd, 0, 1, later, &mut Gauges::default()).unwrap();
+        }
+        let done = complete(&t, sd, &d, fp(2), response(&big), false, &creator("d"), later, &p).unwrap();
+        if !sweep_first {
+            t.sweep(sd, 0, 1, later, &mut Gauges::default()).unwrap();
+        }
+        let retry = t.begin(sd, skey(43), Some(fp(2)), later + 1, &p, owner(4), &creator("e")).unwrap();
+        let answer = replayed(retry);
+        format!("{done:?} / {}", if answer == big { "d-body" } else { answer.as_str() })
+    })
+}
+
+/// A late completion of a large body races the eviction of its own position (its lock went
+/// stale: a retry marked it outcome-unknown, a new key took the position) and the sweep: the pool
+/// lists every pooled body at every step, the new key replays only its own response, and after
+/// the next sweep no reservation outlives its record.
+#[test]
+fn a_completion_racing_the_eviction_of_its_own_position_never_leaks_the_pool() {
+    let (t, base, a, later) = eviction_race_setup();
+    for s in all_binary_schedules(12).chain(schedules(2, 300, 60, 41)) {
+        let t1 = t.clone();
+        let work: Vec<Work<String>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| {
+                let big = "a".repeat(3_300);
+                format!("{:?}", complete(&t1, sd, &a, fp(1), response(&big), false, &creator("a"), later, &policy()))
+            }),
+            evict_complete_sweep(&t, later, false),
+        ];
+        let inv = pooled_bodies_are_listed(&t, vec![1, 3], 3_000);
+        let (r, mut m, violation) = run_checked(base.clone(), &s, work, Some(inv));
+        assert_eq!(violation, None, "schedule {s:?}: {r:?}");
+        let answer = r[1].rsplit(" / ").next().unwrap_or("");
+        // `not-stored-201`: the stale owner's late write replaced the new key's body (the one
+        // interleaving that loses a body, never mixes one: docs/local-tier.md).
+        let ok = answer == "d-body"
+            || answer.starts_with("CompletedTooLarge { status: 201")
+            || answer == "not-stored-201"
+            || (r[0].contains("Stored") && r[1].contains("Full"));
+        assert!(ok, "schedule {s:?}: {r:?}");
+        t.sweep(&mut m, 0, 1, later + 2, &mut Gauges::default()).unwrap();
+        assert_eq!(no_stale_reservation(&t, &mut m), Ok(()), "schedule {s:?}: {r:?}");
+        let far = later + 10 * policy().ttl_seconds * 1000;
+        t.sweep(&mut m, 0, 1, far, &mut Gauges::default()).unwrap();
+        t.sweep(&mut m, 0, 1, far, &mut Gauges::default()).unwrap();
+        assert_eq!(t.pool_usage(&mut m), 0, "schedule {s:?}: {r:?}");
+        assert_eq!(large_bodies(&m, &[1, 3], 3_000), vec![], "schedule {s:?}: {r:?}");
+    }
+}
+
+/// Shared data that refuses every call after `left` of them: a worker whose VM died between two
+/// writes.
+struct Dying<'a> {
+    sd: &'a mut dyn SharedData,
+    left: usize,
+}
+
+impl SharedData for Dying<'_> {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        if self.left == 0 {
+            return Err(HostError);
+        }
+        self.left -= 1;
+        self.sd.get(key)
+    }
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        if self.left == 0 {
+            return Err(SetError::Host);
+        }
+        self.left -= 1;
+        self.sd.set(key, value, cas)
+    }
+}
+
+/// A stale owner's late write of a large body, and an owner that dies between its writes: the
+/// sweep reclaims the reservation of a record that is gone, and never lets a write it could not
+/// see land unlisted (it changes the body key's CAS before dropping a reservation whose write may
+/// still come).
+#[test]
+fn a_stale_or_dying_owner_of_a_pooled_body_never_leaves_bytes_the_pool_does_not_count() {
+    let (t, base, a, later) = eviction_race_setup();
+    let mut died = 0;
+    for (n, s) in schedules(2, 1_600, 60, 53).into_iter().enumerate() {
+        // The stale owner dies after 1 to 7 calls, or never.
+        let calls = if n / 2 % 8 == 7 { usize::MAX } else { n / 2 % 8 + 1 };
+        let t1 = t.clone();
+        let work: Vec<Work<String>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| {
+                let big = "a".repeat(3_300);
+                let mut dying = Dying { sd, left: calls };
+                let r = complete(&t1, &mut dying, &a, fp(1), response(&big), false, &creator("a"), later, &policy());
+                format!("{r:?}")
+            }),
+            evict_complete_sweep(&t, later, n % 2 == 0),
+        ];
+        let inv = pooled_bodies_are_listed(&t, vec![1, 3], 3_000);
+        let (r, mut m, violation) = run_checked(base.clone(), &s, work, Some(inv));
+        assert_eq!(violation, None, "schedule {s:?}, dies after {calls}: {r:?}");
+        died += usize::from(r[0].contains("Host"));
+        t.sweep(&mut m, 0, 1, later + 2, &mut Gauges::default()).unwrap();
+        assert_eq!(no_stale_reservation(&t, &mut m), Ok(()), "schedule {s:?}, dies after {calls}: {r:?}");
+        assert!(
+            pool_of(&t, &m).reservations.iter().all(|r| r.owner != owner(1)),
+            "the stale owner's reservation is reclaimed: schedule {s:?}, dies after {calls}: {r:?}"
+        );
+    }
+    assert!(died > 100, "{died} runs where the owner died mid-way");
 }
