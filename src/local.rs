@@ -275,44 +275,10 @@ impl Bucket {
         let (&used, mut r) = r.get(16..)?.split_first()?;
         let mut next = 0usize;
         for _ in 0..used {
-            let (&j, tail) = r.split_first()?;
-            let j = usize::from(j);
-            if j < next || j >= width {
-                return None;
-            }
+            let (j, entry, rest) = decode_entry(r, width, next)?;
             next = j + 1;
-            let (&tag, tail) = tail.split_first()?;
-            let stage = match tag {
-                1 => Stage::Claimed,
-                2 => Stage::Forwarded,
-                3 => Stage::Completed,
-                4 => Stage::Unknown,
-                _ => return None,
-            };
-            let body = tail.get(..ENTRY_BYTES - 2)?;
-            let arr = |from: usize, to: usize| body.get(from..to);
-            let u64_at = |at: usize| arr(at, at + 8).and_then(u64_of);
-            let fingerprint = match body.get(32)? {
-                0 => None,
-                1 => Some(Fingerprint(arr(33, 65)?.try_into().ok()?)),
-                _ => return None,
-            };
-            let creator_len = usize::from(*body.get(ENTRY_BYTES - 3)?);
-            let creator = tail.get(ENTRY_BYTES - 2..ENTRY_BYTES - 2 + creator_len)?.to_vec();
-            r = tail.get(ENTRY_BYTES - 2 + creator_len..)?;
-            *b.positions.get_mut(j)? = Some(Entry {
-                skey: StorageKey(arr(0, 32)?.try_into().ok()?),
-                fingerprint,
-                stage,
-                owner: OwnerToken(arr(65, 81)?.try_into().ok()?),
-                since_ms: u64_at(81)?,
-                expires_at_ms: u64_at(89)?,
-                lock_expires_at_ms: u64_at(97)?,
-                status: u16::from_le_bytes(arr(105, 107)?.try_into().ok()?),
-                body_bytes: u32::from_le_bytes(arr(107, 111)?.try_into().ok()?),
-                floor_ms: u64_at(111)?,
-                creator,
-            });
+            r = rest;
+            *b.positions.get_mut(j)? = Some(entry);
         }
         let (&n, mut r) = r.split_first()?;
         for _ in 0..n {
