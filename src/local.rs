@@ -13,7 +13,7 @@
 //!   `BUCKET_WIDTH` (64) positions (a table of at most 64 records is one bucket of `max_entries`
 //!   positions). A key lives in bucket `skey mod B`, and nowhere else. A bucket's value holds its
 //!   occupied positions **and its own accounting**: the bytes its body keys hold (against its
-//!   share of `local.max_bytes`, `max_bytes / B`) and the age of its last eviction. So a claim is
+//!   share of `local.max_bytes`: three quarters of it over `B`) and the age of its last eviction. So a claim is
 //!   one read and one CAS of one bucket, capacity and eviction are decided within the bucket, and
 //!   no table-wide counter is on the request path.
 //! - **Body keys** `<prefix>.r.<i>.<j>`, one per position ever used: the stored record (creator
