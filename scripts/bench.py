@@ -706,7 +706,12 @@ def hot_path_profile():
     """The core's per-request steps, timed natively and in V8 (benches/hot_path.rs)."""
     env = dict(os.environ, IDEMGATE_HOT_PATH_MS="30" if QUICK else "300")
     out = {}
-    for where, cmd in (("native", ["cargo", "bench", "--locked", "--bench", "hot_path", "--", "--bench"]),
+    # --no-default-features, as on wasm32: the benches need only the core, and with the default
+    # features cargo also builds the CLI binary, whose library shares its file name with the
+    # testkit build of the dev-dependency on this crate (cargo's "output filename collision"),
+    # and that link failed here now and then.
+    native = ["cargo", "bench", "--locked", "--no-default-features", "--bench", "hot_path", "--", "--bench"]
+    for where, cmd in (("native", native),
                        ("wasm32_v8", [os.path.join(ROOT, "scripts", "hot-path-wasm.sh")])):
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         steps = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]

@@ -713,3 +713,91 @@ fn a_stale_or_dying_owner_of_a_pooled_body_never_leaves_bytes_the_pool_does_not_
     }
     assert!(died > 100, "{died} runs where the owner died mid-way");
 }
+
+#[test]
+fn scratch_review_two_sweeps_and_a_stale_pooled_owner() {
+    let (t, base, a, later) = eviction_race_setup();
+    for (n, s) in schedules(3, 1_500, 90, 77).into_iter().enumerate() {
+        let (t1, t3) = (t.clone(), t.clone());
+        let work: Vec<Work<String>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| {
+                let big = "a".repeat(3_300);
+                format!("{:?}", complete(&t1, sd, &a, fp(1), response(&big), false, &creator("a"), later, &policy()))
+            }),
+            evict_complete_sweep(&t, later, n % 2 == 0),
+            Box::new(move |sd: &mut dyn SharedData| {
+                for _ in 0..3 {
+                    t3.sweep(sd, 0, 1, later, &mut Gauges::default()).unwrap();
+                }
+                String::new()
+            }),
+        ];
+        let inv = pooled_bodies_are_listed(&t, vec![1, 3], 3_000);
+        let (r, mut m, violation) = run_checked(base.clone(), &s, work, Some(inv));
+        assert_eq!(violation, None, "schedule {s:?}: {r:?}");
+        let answer = r[1].rsplit(" / ").next().unwrap_or("");
+        let ok = answer == "d-body"
+            || answer.starts_with("CompletedTooLarge { status: 201")
+            || answer == "not-stored-201"
+            || (r[0].contains("Stored") && r[1].contains("Full"));
+        assert!(ok, "schedule {s:?}: {r:?}");
+        t.sweep(&mut m, 0, 1, later + 2, &mut Gauges::default()).unwrap();
+        assert_eq!(no_stale_reservation(&t, &mut m), Ok(()), "schedule {s:?}: {r:?}");
+        // Every reservation still listed covers a body its owner's key holds, or one it may still write.
+        let far = later + 10 * policy().ttl_seconds * 1000;
+        t.sweep(&mut m, 0, 1, far, &mut Gauges::default()).unwrap();
+        t.sweep(&mut m, 0, 1, far, &mut Gauges::default()).unwrap();
+        assert_eq!(t.pool_usage(&mut m), 0, "schedule {s:?}: {r:?}");
+        assert_eq!(large_bodies(&m, &[1, 3], 3_000), vec![], "schedule {s:?}: {r:?}");
+    }
+}
+
+#[test]
+fn scratch_review_expired_pooled_record_freed_while_its_position_is_reclaimed() {
+    let t = bytes_table(128, 16_000);
+    assert_eq!((t.buckets(), t.bucket_bytes(), t.pool_bytes()), (4, 3_000, 4_000));
+    let mut base = fresh(&t);
+    let keys = keys_in_bucket(&t, 0, 2);
+    let a = handle(&claim(&t, &mut base, keys[0], Some(fp(1)), 1, NOW));
+    let big = "a".repeat(3_300);
+    let c = complete(&t, &mut base, &a, fp(1), response(&big), false, &creator("a"), NOW, &policy()).unwrap();
+    assert_eq!(c, Completed::Stored);
+    assert!(t.pool_usage(&mut base) > 3_300);
+    let far = NOW + 10 * policy().ttl_seconds * 1000;
+    let dkey = keys[1];
+    for (n, s) in schedules(3, 1_500, 90, 91).into_iter().enumerate() {
+        let (t1, t2, t3) = (t.clone(), t.clone(), t.clone());
+        let work: Vec<Work<String>> = vec![
+            Box::new(move |sd: &mut dyn SharedData| {
+                t1.sweep(sd, 0, 4, far, &mut Gauges::default()).unwrap();
+                String::new()
+            }),
+            Box::new(move |sd: &mut dyn SharedData| {
+                let p = policy();
+                let d = match t2.begin(sd, dkey, Some(fp(2)), far, &p, owner(3), &creator("d")).unwrap() {
+                    Begin::Claimed { handle, .. } => handle,
+                    other => return format!("{other:?}"),
+                };
+                let big = "d".repeat(3_300 + n % 3);
+                let done = complete(&t2, sd, &d, fp(2), response(&big), false, &creator("d"), far, &p).unwrap();
+                let retry = t2.begin(sd, dkey, Some(fp(2)), far + 1, &p, owner(4), &creator("e")).unwrap();
+                let answer = replayed(retry);
+                format!("{done:?} / {}", if answer == big { "d-body" } else { answer.as_str() })
+            }),
+            Box::new(move |sd: &mut dyn SharedData| {
+                for _ in 0..2 {
+                    t3.sweep(sd, 0, 1, far, &mut Gauges::default()).unwrap();
+                }
+                String::new()
+            }),
+        ];
+        let inv = pooled_bodies_are_listed(&t, vec![1, 3], 3_000);
+        let (r, mut m, violation) = run_checked(base.clone(), &s, work, Some(inv));
+        assert_eq!(violation, None, "schedule {s:?}: {r:?}");
+        let ok = r[1] == "Stored / d-body" || r[1].starts_with("StoredWithoutBody / CompletedTooLarge { status: 201");
+        assert!(ok, "schedule {s:?}: {r:?}");
+        t.sweep(&mut m, 0, 4, far + 2, &mut Gauges::default()).unwrap();
+        assert_eq!(no_stale_reservation(&t, &mut m), Ok(()), "schedule {s:?}: {r:?}");
+        assert!(pool_of(&t, &m).reservations.iter().all(|r| r.owner != owner(1)), "schedule {s:?}: {r:?}");
+    }
+}
