@@ -260,7 +260,7 @@ pub fn report(skey: &StorageKey, value: &StoredValue, now_ms: u64) -> Value {
         State::OutcomeUnknown { reason } => {
             m.insert("reason".into(), json!(reason.as_str()));
         }
-        State::Claimed { .. } | State::InProgress { .. } => {}
+        State::Claimed { .. } | State::Forwarded { .. } => {}
     }
     Value::Object(m)
 }

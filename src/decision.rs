@@ -62,11 +62,13 @@ pub struct Summary {
     pub phase: Phase,
 }
 
-/// Where a key stands, without the stored response.
+/// Where a key stands, without the stored response: a live `record::Stage` (same names), the
+/// in-flight stages carrying their lock, so a lock without a claim cannot be written
+/// (`Summary::stage` maps it back).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
     Claimed { lock_expires_at_ms: u64 },
-    InProgress { lock_expires_at_ms: u64 },
+    Forwarded { lock_expires_at_ms: u64 },
     Completed,
     Unknown,
 }
@@ -75,7 +77,7 @@ impl Summary {
     /// Whether this is a claim (made at headers or forwarded) whose lock has not expired at `now_ms`.
     pub fn lock_is_live(&self, now_ms: u64) -> bool {
         match self.phase {
-            Phase::Claimed { lock_expires_at_ms } | Phase::InProgress { lock_expires_at_ms } => {
+            Phase::Claimed { lock_expires_at_ms } | Phase::Forwarded { lock_expires_at_ms } => {
                 now_ms < lock_expires_at_ms
             }
             Phase::Completed | Phase::Unknown => false,
@@ -96,9 +98,7 @@ impl Record {
     pub fn summary(&self) -> Summary {
         let phase = match &self.state {
             State::Claimed { lock_expires_at_ms, .. } => Phase::Claimed { lock_expires_at_ms: *lock_expires_at_ms },
-            State::InProgress { lock_expires_at_ms, .. } => {
-                Phase::InProgress { lock_expires_at_ms: *lock_expires_at_ms }
-            }
+            State::Forwarded { lock_expires_at_ms, .. } => Phase::Forwarded { lock_expires_at_ms: *lock_expires_at_ms },
             State::Completed(_) | State::CompletedTooLarge { .. } => Phase::Completed,
             State::OutcomeUnknown { .. } => Phase::Unknown,
         };
@@ -177,7 +177,7 @@ pub fn decide(
     // A live lock is answered at once (409), whatever the body: a concurrent duplicate need not
     // be buffered. Everything else needs the fingerprint.
     match record.phase {
-        Phase::Claimed { lock_expires_at_ms } | Phase::InProgress { lock_expires_at_ms }
+        Phase::Claimed { lock_expires_at_ms } | Phase::Forwarded { lock_expires_at_ms }
             if now_ms < lock_expires_at_ms =>
         {
             return match (fp, record.fingerprint) {
@@ -208,7 +208,7 @@ pub fn decide(
     match record.phase {
         Phase::Completed => Decision::Replay,
         Phase::Unknown => Decision::Reject(ProblemKind::OutcomeUnknown),
-        Phase::InProgress { .. } => match policy.stale_lock {
+        Phase::Forwarded { .. } => match policy.stale_lock {
             StaleLock::Reject => Decision::MarkUnknown,
             StaleLock::Takeover => Decision::TakeOver,
         },
@@ -712,8 +712,8 @@ mod tests {
         takeover.stale_lock = StaleLock::Takeover;
         let claimed_live = State::Claimed { owner: owner(), lock_expires_at_ms: later };
         let claimed_stale = State::Claimed { owner: owner(), lock_expires_at_ms: earlier };
-        let forwarded_live = State::InProgress { owner: owner(), lock_expires_at_ms: later };
-        let forwarded_stale = State::InProgress { owner: owner(), lock_expires_at_ms: earlier };
+        let forwarded_live = State::Forwarded { owner: owner(), lock_expires_at_ms: later };
+        let forwarded_stale = State::Forwarded { owner: owner(), lock_expires_at_ms: earlier };
         let unknown = State::OutcomeUnknown { reason: UnknownReason::UpstreamTimeout };
         let def = policy();
         let too_large = State::CompletedTooLarge { status: 201, location: None };
@@ -761,11 +761,11 @@ mod tests {
             Decision::Reject(ProblemKind::InFlight { retry_after_seconds: 1 })
         );
         assert_eq!(
-            d(summary(Phase::InProgress { lock_expires_at_ms: later }, Some(1))),
+            d(summary(Phase::Forwarded { lock_expires_at_ms: later }, Some(1))),
             Decision::Reject(ProblemKind::InFlight { retry_after_seconds: 1 })
         );
         assert_eq!(d(summary(Phase::Claimed { lock_expires_at_ms: NOW }, None)), Decision::TakeOver);
-        assert_eq!(d(summary(Phase::InProgress { lock_expires_at_ms: NOW }, Some(1))), Decision::NeedFingerprint);
+        assert_eq!(d(summary(Phase::Forwarded { lock_expires_at_ms: NOW }, Some(1))), Decision::NeedFingerprint);
         assert_eq!(d(summary(Phase::Completed, Some(1))), Decision::NeedFingerprint);
         assert_eq!(d(summary(Phase::Unknown, Some(1))), Decision::NeedFingerprint);
         // A claim made at headers has no fingerprint yet: a full request meeting it live is in flight.
@@ -793,12 +793,12 @@ mod tests {
         let headers_claim = |phase| Summary { fingerprint: None, expires_at_ms: expired, phase };
         #[rustfmt::skip]
         let table: Vec<(&str, Summary, Option<&Fingerprint>, Decision)> = vec![
-            ("forwarded, lock live, expired", summary(Phase::InProgress { lock_expires_at_ms: live }), Some(&fp), in_flight.clone()),
-            ("forwarded, lock live, expired, at headers", summary(Phase::InProgress { lock_expires_at_ms: live }), None, in_flight.clone()),
+            ("forwarded, lock live, expired", summary(Phase::Forwarded { lock_expires_at_ms: live }), Some(&fp), in_flight.clone()),
+            ("forwarded, lock live, expired, at headers", summary(Phase::Forwarded { lock_expires_at_ms: live }), None, in_flight.clone()),
             ("claimed at headers, lock live, expired", headers_claim(Phase::Claimed { lock_expires_at_ms: live }), Some(&fp), in_flight.clone()),
             ("claimed at headers, lock live, expired, at headers", headers_claim(Phase::Claimed { lock_expires_at_ms: live }), None, in_flight),
-            ("forwarded, lock live, expired, other request", summary(Phase::InProgress { lock_expires_at_ms: live }), Some(&Fingerprint([8; 32])), Decision::Reject(ProblemKind::KeyReused { status: 422 })),
-            ("forwarded, lock stale, expired", summary(Phase::InProgress { lock_expires_at_ms: stale }), Some(&fp), Decision::Claim),
+            ("forwarded, lock live, expired, other request", summary(Phase::Forwarded { lock_expires_at_ms: live }), Some(&Fingerprint([8; 32])), Decision::Reject(ProblemKind::KeyReused { status: 422 })),
+            ("forwarded, lock stale, expired", summary(Phase::Forwarded { lock_expires_at_ms: stale }), Some(&fp), Decision::Claim),
             ("claimed, lock stale, expired", headers_claim(Phase::Claimed { lock_expires_at_ms: stale }), None, Decision::Claim),
             ("completed, expired", summary(Phase::Completed), Some(&fp), Decision::Claim),
             ("unknown, expired", summary(Phase::Unknown), None, Decision::Claim),
@@ -816,7 +816,7 @@ mod tests {
         for state in [
             completed,
             State::Claimed { owner: owner(), lock_expires_at_ms: later },
-            State::InProgress { owner: owner(), lock_expires_at_ms: NOW - 1 },
+            State::Forwarded { owner: owner(), lock_expires_at_ms: NOW - 1 },
             State::OutcomeUnknown { reason: UnknownReason::UpstreamTimeout },
         ] {
             let r = rec(8, state, later);
@@ -1287,7 +1287,7 @@ mod tests {
             fn a_fingerprint_mismatch_on_an_unexpired_record_is_always_422(fp in any::<[u8; 32]>(), other in any::<[u8; 32]>(), lock in any::<u64>(), now in 0u64..u64::MAX - 1) {
                 prop_assume!(fp != other);
                 let r = Record { fingerprint: Fingerprint(fp), created_at_ms: 0, expires_at_ms: now + 1, creator: Creator::default(),
-                                 state: State::InProgress { owner: OwnerToken([0; 16]), lock_expires_at_ms: lock } };
+                                 state: State::Forwarded { owner: OwnerToken([0; 16]), lock_expires_at_ms: lock } };
                 prop_assert_eq!(decide(Lookup::Found(r.summary()), Some(&Fingerprint(other)), now, &Policy::default(), OnUnavailable::Reject), Decision::Reject(ProblemKind::KeyReused { status: 422 }));
             }
         }

@@ -144,7 +144,7 @@ impl Summary {
     pub fn stage(&self) -> Stage {
         match self.phase {
             Phase::Claimed { .. } => Stage::Claimed,
-            Phase::InProgress { .. } => Stage::Forwarded,
+            Phase::Forwarded { .. } => Stage::Forwarded,
             Phase::Completed => Stage::Completed,
             Phase::Unknown => Stage::Unknown,
         }
@@ -317,8 +317,8 @@ mod tests {
             for phase in [
                 Phase::Claimed { lock_expires_at_ms: now - 1 },
                 Phase::Claimed { lock_expires_at_ms: now + 1 },
-                Phase::InProgress { lock_expires_at_ms: now - 1 },
-                Phase::InProgress { lock_expires_at_ms: now + 1 },
+                Phase::Forwarded { lock_expires_at_ms: now - 1 },
+                Phase::Forwarded { lock_expires_at_ms: now + 1 },
                 Phase::Completed,
                 Phase::Unknown,
             ] {

@@ -177,7 +177,7 @@ impl Entry {
         let lock_expires_at_ms = self.lock_expires_at_ms;
         let phase = match self.stage {
             Stage::Claimed | Stage::Absent => Phase::Claimed { lock_expires_at_ms },
-            Stage::Forwarded => Phase::InProgress { lock_expires_at_ms },
+            Stage::Forwarded => Phase::Forwarded { lock_expires_at_ms },
             Stage::Completed => Phase::Completed,
             Stage::Unknown => Phase::Unknown,
         };

@@ -143,7 +143,7 @@ pub enum State {
     /// asked). If its lock expires it provably never executed and may be taken over.
     Claimed { owner: OwnerToken, lock_expires_at_ms: u64 },
     /// Forwarded to the upstream; the response has not been stored yet.
-    InProgress { owner: OwnerToken, lock_expires_at_ms: u64 },
+    Forwarded { owner: OwnerToken, lock_expires_at_ms: u64 },
     /// The upstream's response, kept for replay.
     Completed(StoredResponse),
     /// The upstream answered with a body larger than `max_response_body_bytes`: only the status and
@@ -168,7 +168,7 @@ impl State {
     fn tag(&self) -> u8 {
         match self {
             State::Claimed { .. } => 1,
-            State::InProgress { .. } => 2,
+            State::Forwarded { .. } => 2,
             State::Completed(_) => 3,
             State::CompletedTooLarge { .. } => 4,
             State::OutcomeUnknown { .. } => 5,
@@ -178,7 +178,7 @@ impl State {
     /// The owner of a live claim, if any.
     pub fn owner(&self) -> Option<OwnerToken> {
         match self {
-            State::Claimed { owner, .. } | State::InProgress { owner, .. } => Some(*owner),
+            State::Claimed { owner, .. } | State::Forwarded { owner, .. } => Some(*owner),
             _ => None,
         }
     }
@@ -322,7 +322,7 @@ impl Record {
             created_at_ms: now_ms,
             expires_at_ms: lifetimes.expires_at(Stage::Forwarded, now_ms),
             creator,
-            state: State::InProgress { owner, lock_expires_at_ms: lifetimes.lock_expires_at(now_ms) },
+            state: State::Forwarded { owner, lock_expires_at_ms: lifetimes.lock_expires_at(now_ms) },
         }
     }
 
@@ -365,7 +365,7 @@ impl Record {
             put_bytes(&mut out, v.as_bytes());
         }
         match &self.state {
-            State::Claimed { owner, lock_expires_at_ms } | State::InProgress { owner, lock_expires_at_ms } => {
+            State::Claimed { owner, lock_expires_at_ms } | State::Forwarded { owner, lock_expires_at_ms } => {
                 out.extend_from_slice(&owner.0);
                 put_varint(&mut out, *lock_expires_at_ms);
             }
@@ -431,7 +431,7 @@ impl Record {
                 if tag == 1 {
                     State::Claimed { owner, lock_expires_at_ms }
                 } else {
-                    State::InProgress { owner, lock_expires_at_ms }
+                    State::Forwarded { owner, lock_expires_at_ms }
                 }
             }
             3 => {
@@ -629,7 +629,7 @@ mod tests {
         let owner = OwnerToken([3; 16]);
         vec![
             State::Claimed { owner, lock_expires_at_ms: 60_000 },
-            State::InProgress { owner, lock_expires_at_ms: u64::MAX },
+            State::Forwarded { owner, lock_expires_at_ms: u64::MAX },
             State::Completed(StoredResponse {
                 status: 201,
                 headers: vec![("location".into(), b"/charges/1".to_vec()), ("x-bin".into(), vec![0, 255, 10])],
@@ -776,7 +776,7 @@ mod tests {
             let owner = any::<[u8; 16]>().prop_map(OwnerToken);
             prop_oneof![
                 (owner.clone(), any::<u64>()).prop_map(|(owner, l)| State::Claimed { owner, lock_expires_at_ms: l }),
-                (owner, any::<u64>()).prop_map(|(owner, l)| State::InProgress { owner, lock_expires_at_ms: l }),
+                (owner, any::<u64>()).prop_map(|(owner, l)| State::Forwarded { owner, lock_expires_at_ms: l }),
                 (
                     100u16..1000,
                     proptest::collection::vec(("[a-z-]{1,20}", proptest::collection::vec(any::<u8>(), 0..40)), 0..5),

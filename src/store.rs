@@ -222,7 +222,7 @@ impl StoredValue {
     pub fn summary(&self, expires_at_ms: u64) -> Summary {
         let phase = match self.phase {
             // As it reads back: the store holds a claim as forwarded (`stage_letter`).
-            Stage::Claimed | Stage::Forwarded => Phase::InProgress { lock_expires_at_ms: self.lock_expires_at_ms },
+            Stage::Claimed | Stage::Forwarded => Phase::Forwarded { lock_expires_at_ms: self.lock_expires_at_ms },
             Stage::Completed => Phase::Completed,
             Stage::Unknown => Phase::Unknown,
             // No value read is absent (`stage_of_letter`); were one built so, it is judged as

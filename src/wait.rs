@@ -33,7 +33,7 @@ impl Seen {
     pub fn from_local(p: Option<Peeked>) -> Seen {
         let Some(p) = p else { return Seen::Absent };
         match p.summary.phase {
-            Phase::Claimed { .. } | Phase::InProgress { .. } => Seen::InFlight,
+            Phase::Claimed { .. } | Phase::Forwarded { .. } => Seen::InFlight,
             Phase::Completed => {
                 Seen::Completed { fingerprint: p.summary.fingerprint, record: p.record, status: p.status }
             }

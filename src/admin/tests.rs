@@ -17,7 +17,7 @@ fn value(phase: Stage, lock_expires_at_ms: u64) -> StoredValue {
             created_at_ms: NOW - 5_000,
             expires_at_ms: NOW + 86_400_000,
             creator: Creator { request_id: "req-1".into(), log_values: vec![("x-agent".into(), "a1".into())] },
-            state: State::InProgress { owner: OwnerToken([0xab; 16]), lock_expires_at_ms },
+            state: State::Forwarded { owner: OwnerToken([0xab; 16]), lock_expires_at_ms },
         },
     }
 }

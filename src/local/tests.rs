@@ -183,7 +183,7 @@ fn peek_reads_without_claiming() {
     assert_eq!(t.peek(&mut m, &k, NOW).unwrap(), None);
     let h = handle(&claim(&t, &mut m, k, Some(fp(1)), 1, NOW));
     let p = t.peek(&mut m, &k, NOW).unwrap().unwrap();
-    assert!(matches!(p.summary.phase, crate::decision::Phase::InProgress { .. }));
+    assert!(matches!(p.summary.phase, crate::decision::Phase::Forwarded { .. }));
     assert_eq!(p.record, None);
     complete(&t, &mut m, &h, fp(1), response("ok"), false, &creator("c"), NOW, &policy()).unwrap();
     let p = t.peek(&mut m, &k, NOW).unwrap().unwrap();

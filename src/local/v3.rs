@@ -87,7 +87,7 @@ fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
         let lock_expires_at_ms = u64_at(97)?;
         let phase = match tag {
             1 => Phase::Claimed { lock_expires_at_ms },
-            2 => Phase::InProgress { lock_expires_at_ms },
+            2 => Phase::Forwarded { lock_expires_at_ms },
             3 => Phase::Completed,
             4 => Phase::Unknown,
             _ => return None,

@@ -10,7 +10,7 @@ fn record() -> Record {
         created_at_ms: 1,
         expires_at_ms: 2_000_000_000_000,
         creator: Creator { request_id: "r1".into(), log_values: vec![] },
-        state: State::InProgress { owner: OwnerToken([1; 16]), lock_expires_at_ms: 0 },
+        state: State::Forwarded { owner: OwnerToken([1; 16]), lock_expires_at_ms: 0 },
     }
 }
 
@@ -440,7 +440,7 @@ fn a_value_that_exists_but_cannot_be_decoded_is_unreadable_not_a_store_failure()
 #[test]
 fn summary_uses_the_stores_phase_lock_and_expiry_never_the_writers_clock() {
     let s = value(Stage::Forwarded).summary(7_000);
-    assert_eq!(s.phase, Phase::InProgress { lock_expires_at_ms: 1_764_000_060_000 });
+    assert_eq!(s.phase, Phase::Forwarded { lock_expires_at_ms: 1_764_000_060_000 });
     assert_eq!(s.fingerprint, Some(Fingerprint([5; 32])));
     assert_eq!(s.expires_at_ms, 7_000, "Redis's expiry, not the record's ({})", record().expires_at_ms);
     assert_eq!(value(Stage::Unknown).summary(7_000).phase, Phase::Unknown);

@@ -241,7 +241,7 @@ fn store_a_claim_whose_lock_is_live_is_not_taken_over_past_its_records_expiry() 
     v.owner = other;
     v.lock_expires_at_ms = now + 60_000;
     v.record.expires_at_ms = now - 1_000;
-    v.record.state = State::InProgress { owner: other, lock_expires_at_ms: now + 60_000 };
+    v.record.state = State::Forwarded { owner: other, lock_expires_at_ms: now + 60_000 };
     redis.command(&[b"SET", name.as_bytes(), &v.encode(&skey, &support::record_seal()), b"PX", b"60000"]);
     let retry = post(b.port, "k-store-live", &[]);
     assert_eq!(up.executions(), 1, "executions: the live claim was taken over ({} {})", retry.status, retry.problem());

@@ -460,7 +460,7 @@ fn store_values_are_judged_by_redis_clock_whatever_the_writers_clock() {
     v.lock_expires_at_ms = now + 2_000;
     v.record.created_at_ms = now - behind;
     v.record.expires_at_ms = now - behind + 4_000;
-    v.record.state = State::InProgress { owner: other, lock_expires_at_ms: now - behind + 2_000 };
+    v.record.state = State::Forwarded { owner: other, lock_expires_at_ms: now - behind + 2_000 };
     redis.command(&[
         b"SET",
         name.as_bytes(),

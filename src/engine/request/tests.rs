@@ -39,7 +39,7 @@ fn value(phase: Stage, lock_expires_at_ms: u64) -> StoredValue {
         Stage::Unknown => State::OutcomeUnknown { reason: crate::record::UnknownReason::StaleLock },
         // The store holds no other stage (a claim is written forwarded).
         Stage::Forwarded | Stage::Claimed | Stage::Absent => {
-            State::InProgress { owner: OwnerToken([1; 16]), lock_expires_at_ms }
+            State::Forwarded { owner: OwnerToken([1; 16]), lock_expires_at_ms }
         }
     };
     let record = Record {
