@@ -622,6 +622,27 @@ fn evict_complete_sweep(t: &Table, later: u64, sweep_first: bool) -> Work<String
 /// stale: a retry marked it outcome-unknown, a new key took the position) and the sweep: the pool
 /// lists every pooled body at every step, the new key replays only its own response, and after
 /// the next sweep no reservation outlives its record.
+/// What every schedule of a large completion racing the eviction of its own position must end
+/// in: a new key answered with its own body, or status-only, or `not-stored-201` (the stale
+/// owner's late write replaced the new key's body: the one interleaving that loses a body, never
+/// mixes one: docs/local-tier.md), or a full bucket; then no stale reservation after a sweep, and
+/// once everything expired an empty pool and no large body left.
+fn eviction_race_settles(t: &Table, m: &mut Model, r: &[String], s: &[usize], later: u64) {
+    let answer = r[1].rsplit(" / ").next().unwrap_or("");
+    let ok = answer == "d-body"
+        || answer.starts_with("CompletedTooLarge { status: 201")
+        || answer == "not-stored-201"
+        || (r[0].contains("Stored") && r[1].contains("Full"));
+    assert!(ok, "schedule {s:?}: {r:?}");
+    t.sweep(m, 0, 1, later + 2, &mut Gauges::default()).unwrap();
+    assert_eq!(no_stale_reservation(t, m), Ok(()), "schedule {s:?}: {r:?}");
+    let far = later + 10 * policy().ttl_seconds * 1000;
+    t.sweep(m, 0, 1, far, &mut Gauges::default()).unwrap();
+    t.sweep(m, 0, 1, far, &mut Gauges::default()).unwrap();
+    assert_eq!(t.pool_usage(m), 0, "schedule {s:?}: {r:?}");
+    assert_eq!(large_bodies(m, &[1, 3], 3_000), vec![], "schedule {s:?}: {r:?}");
+}
+
 #[test]
 fn a_completion_racing_the_eviction_of_its_own_position_never_leaks_the_pool() {
     let (t, base, a, later) = eviction_race_setup();
@@ -637,21 +658,7 @@ fn a_completion_racing_the_eviction_of_its_own_position_never_leaks_the_pool() {
         let inv = pooled_bodies_are_listed(&t, vec![1, 3], 3_000);
         let (r, mut m, violation) = run_checked(base.clone(), &s, work, Some(inv));
         assert_eq!(violation, None, "schedule {s:?}: {r:?}");
-        let answer = r[1].rsplit(" / ").next().unwrap_or("");
-        // `not-stored-201`: the stale owner's late write replaced the new key's body (the one
-        // interleaving that loses a body, never mixes one: docs/local-tier.md).
-        let ok = answer == "d-body"
-            || answer.starts_with("CompletedTooLarge { status: 201")
-            || answer == "not-stored-201"
-            || (r[0].contains("Stored") && r[1].contains("Full"));
-        assert!(ok, "schedule {s:?}: {r:?}");
-        t.sweep(&mut m, 0, 1, later + 2, &mut Gauges::default()).unwrap();
-        assert_eq!(no_stale_reservation(&t, &mut m), Ok(()), "schedule {s:?}: {r:?}");
-        let far = later + 10 * policy().ttl_seconds * 1000;
-        t.sweep(&mut m, 0, 1, far, &mut Gauges::default()).unwrap();
-        t.sweep(&mut m, 0, 1, far, &mut Gauges::default()).unwrap();
-        assert_eq!(t.pool_usage(&mut m), 0, "schedule {s:?}: {r:?}");
-        assert_eq!(large_bodies(&m, &[1, 3], 3_000), vec![], "schedule {s:?}: {r:?}");
+        eviction_race_settles(&t, &mut m, &r, &s, later);
     }
 }
 
@@ -735,20 +742,7 @@ fn scratch_review_two_sweeps_and_a_stale_pooled_owner() {
         let inv = pooled_bodies_are_listed(&t, vec![1, 3], 3_000);
         let (r, mut m, violation) = run_checked(base.clone(), &s, work, Some(inv));
         assert_eq!(violation, None, "schedule {s:?}: {r:?}");
-        let answer = r[1].rsplit(" / ").next().unwrap_or("");
-        let ok = answer == "d-body"
-            || answer.starts_with("CompletedTooLarge { status: 201")
-            || answer == "not-stored-201"
-            || (r[0].contains("Stored") && r[1].contains("Full"));
-        assert!(ok, "schedule {s:?}: {r:?}");
-        t.sweep(&mut m, 0, 1, later + 2, &mut Gauges::default()).unwrap();
-        assert_eq!(no_stale_reservation(&t, &mut m), Ok(()), "schedule {s:?}: {r:?}");
-        // Every reservation still listed covers a body its owner's key holds, or one it may still write.
-        let far = later + 10 * policy().ttl_seconds * 1000;
-        t.sweep(&mut m, 0, 1, far, &mut Gauges::default()).unwrap();
-        t.sweep(&mut m, 0, 1, far, &mut Gauges::default()).unwrap();
-        assert_eq!(t.pool_usage(&mut m), 0, "schedule {s:?}: {r:?}");
-        assert_eq!(large_bodies(&m, &[1, 3], 3_000), vec![], "schedule {s:?}: {r:?}");
+        eviction_race_settles(&t, &mut m, &r, &s, later);
     }
 }
 
