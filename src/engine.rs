@@ -8,6 +8,9 @@
 //!   fingerprint), and what a protected request does next once the local tier, its fingerprint or
 //!   the store has answered (the decisions of `src/filter/http.rs`, returned as a `Step` it
 //!   carries out);
+//! - `machine`: one protected request as a machine (its phase with its data; headers, body end,
+//!   store answers, the response and the exchange's end in; commands out), driven by
+//!   `src/filter/http.rs` and by `world`;
 //! - `writes`: the store writes made after forwarding, their retry schedule and fallback, and the
 //!   stopping root's hold until they are over;
 //! - `waiters`: the requests held by `in_flight: "wait"`, answered from the local tier, the
@@ -22,6 +25,7 @@
 
 pub mod forwards;
 pub mod keeper;
+pub mod machine;
 pub mod request;
 pub mod settle;
 pub mod waiters;

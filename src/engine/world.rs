@@ -4,26 +4,26 @@
 //! executions per key, store callouts that are answered, lost (before or after they land) or
 //! delayed, root writes retried then replaced by their fallback, and one clock the test moves.
 //!
-//! Each proxy sequences `engine::request`'s steps and carries out `engine::settle`'s commands as
-//! the filter does (`src/filter/http.rs` `run`, `on_store_answer`, `body_complete`;
-//! `src/filter/settle.rs`): the filter still sequences them itself, so this is a second
-//! sequencer of the same steps, kept to the filter's order by hand. What it leaves out: the wire
-//! (requests are built and answers parsed by `store`'s and `etcd`'s own tests), `in_flight:
-//! "wait"`, detached forwards, MCP, derived keys, and `engine::writes`'s schedule (a write lost is
-//! sent again up to `WRITE_TRIES` times, then its fallback, as `engine::writes` does in order).
+//! Each request is the filter's own request machine (`engine::machine`, which
+//! `src/filter/http.rs` drives with Envoy's callbacks): the world feeds it the same inputs
+//! (headers admitted, the body's end, the store's answers, the upstream's response, the
+//! exchange's end) and carries its commands out on its model (callouts to the store, root
+//! writes, the client's answer). What it leaves out: the wire (requests are built and answers
+//! parsed by `store`'s and `etcd`'s own tests), `in_flight: "wait"`, detached forwards, MCP,
+//! derived keys, and `engine::writes`'s schedule (a write lost is sent again up to `WRITE_TRIES`
+//! times, then its fallback, as `engine::writes` does in order).
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use crate::config::{Config, OnUnavailable, Policy};
+use crate::config::Config;
 use crate::decision::Outcome;
-use crate::engine::request::{self, Admitted, Answered, Asked, AtBodyEnd, Sent, Step, StoreAnswer};
-use crate::engine::settle::{self, Claim, Command, Local, LocalAnswer};
-use crate::failsafe::Holding;
+use crate::engine::machine::{self, Command, Ended, Io, Machine, NotSent, Protected, StoreOp};
+use crate::engine::request::{self, Asked, KeyFrom, StoreAnswer};
 use crate::lifecycle::{self, Event, Facts};
 use crate::local::memory::MemoryShared;
-use crate::local::{Handle, Table};
+use crate::local::{SharedData, Table};
 use crate::owner::OwnerToken;
+#[cfg(test)]
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, Stage, State, StoredResponse, UnknownReason};
 use crate::request::RequestHead;
@@ -201,17 +201,17 @@ pub struct Callout {
     pub landed: Option<Reply>,
 }
 
-/// Where a request is.
+/// Where a request is, as the tests see it (the machine's phase, read).
 #[derive(Clone, Debug)]
 pub enum Phase {
     /// Sent by the client; its headers not yet seen by its proxy.
     New,
-    /// Its headers seen; its body to come, holding `handle` (a local claim) if set.
-    Body { handle: Option<Handle> },
+    /// Its headers seen; its body to come (a local claim held or not).
+    Body,
     /// Paused on store callout `call`.
-    Calling { asked: Asked, sent: Sent, call: usize },
-    /// Forwarded under `claim`: the upstream has it.
-    Upstream(Box<Claim>),
+    Calling { call: usize },
+    /// Forwarded under its claim(s): the upstream has it.
+    Upstream,
     /// Answered.
     Done(Answer),
 }
@@ -241,7 +241,6 @@ pub enum Upstream {
 }
 
 /// One client request.
-#[derive(Clone, Debug)]
 pub struct Req {
     pub proxy: usize,
     pub key: String,
@@ -249,17 +248,18 @@ pub struct Req {
     pub owner: OwnerToken,
     pub creator: Creator,
     pub head: RequestHead,
-    pub admitted: Option<Admitted>,
     pub skey: Option<StorageKey>,
-    pub phase: Phase,
+    /// Its headers were given to its proxy.
+    pub started: bool,
+    /// The request machine (its callouts named by their index in `World::calls`).
+    pub machine: Machine<usize>,
+    /// What the client got.
+    pub answered: Option<Answer>,
 }
 
 impl Req {
     pub fn answer(&self) -> Option<&Answer> {
-        match &self.phase {
-            Phase::Done(a) => Some(a),
-            _ => None,
-        }
+        self.answered.as_ref()
     }
 }
 
@@ -337,44 +337,54 @@ impl World {
             owner: OwnerToken(token),
             creator: Creator { request_id: format!("r-{n}"), log_values: vec![] },
             head: head("/charges", key),
-            admitted: None,
             skey: None,
-            phase: Phase::New,
+            started: false,
+            machine: self.machine(),
+            answered: None,
         });
         n
     }
 
-    fn store_mode(&self) -> request::StoreMode {
-        self.config.store.as_ref().map(|s| s.on_unavailable)
+    fn machine(&self) -> Machine<usize> {
+        Machine::new(self.config.store.as_ref().map(|s| s.on_unavailable), true)
     }
 
-    fn on_unavailable(&self) -> OnUnavailable {
-        self.config.store.as_ref().map_or(OnUnavailable::Reject, |s| s.on_unavailable)
-    }
-
-    fn policy(&self, r: usize) -> Arc<Policy> {
-        match &self.reqs[r].admitted {
-            Some(a) => Arc::clone(&a.policy),
-            None => panic!("request {r} has no policy yet"),
+    /// Where request `r` is.
+    pub fn phase(&self, r: usize) -> Phase {
+        let q = &self.reqs[r];
+        if let Some(a) = &q.answered {
+            return Phase::Done(a.clone());
+        }
+        match q.machine.phase() {
+            _ if !q.started => Phase::New,
+            machine::Phase::Waiting { .. } => Phase::Body,
+            machine::Phase::Calling { call, .. } => Phase::Calling { call: call.wire },
+            machine::Phase::Forwarded { .. } => Phase::Upstream,
+            other => panic!("request {r} is in a phase the world leaves out: {}", phase_name(other)),
         }
     }
 
-    fn skey(&self, r: usize) -> StorageKey {
-        match self.reqs[r].skey {
-            Some(s) => s,
-            None => panic!("request {r} has no storage key yet"),
+    /// Request `r`'s machine takes an input (`f`), its commands carried out on the world.
+    fn drive<T>(&mut self, r: usize, f: impl FnOnce(&mut Machine<usize>, &mut Driver<'_>) -> T) -> T {
+        let fresh = self.machine();
+        let mut m = std::mem::replace(&mut self.reqs[r].machine, fresh);
+        let out = f(&mut m, &mut Driver { w: self, r });
+        self.reqs[r].machine = m;
+        out
+    }
+
+    /// After an input: a request the machine passed on unprotected (`on_unavailable: "pass"`)
+    /// is forwarded without any claim, and the upstream runs it.
+    fn passed(&mut self, r: usize) {
+        if self.reqs[r].answered.is_none() && matches!(self.reqs[r].machine.phase(), machine::Phase::Pass) {
+            self.unprotected += 1;
+            self.execute(r);
+            self.done(r, Answer::Unprotected);
         }
     }
 
     fn done(&mut self, r: usize, a: Answer) {
-        self.reqs[r].phase = Phase::Done(a);
-    }
-
-    fn release_local(&mut self, r: usize, handle: Option<Handle>) {
-        if let Some(h) = handle {
-            let p = &mut self.proxies[self.reqs[r].proxy];
-            let _ = p.table.release(&mut p.sd, &h, self.now);
-        }
+        self.reqs[r].answered = Some(a);
     }
 
     /// Sends a store callout for `caller`: its id.
@@ -395,159 +405,38 @@ impl World {
         (0..self.calls.len()).filter(|&i| self.calls[i].is_some()).collect()
     }
 
-    /// The request's proxy sees its headers (`http.rs` `on_http_request_headers`, then `act`).
+    /// The request's proxy sees its headers (`http.rs` `on_http_request_headers`).
     pub fn headers(&mut self, r: usize) {
-        assert!(matches!(self.reqs[r].phase, Phase::New), "headers once");
-        let admitted = match request::at_headers(&self.config, &self.reqs[r].head, None, false) {
+        assert!(!self.reqs[r].started, "headers once");
+        let a = match request::at_headers(&self.config, &self.reqs[r].head, None, false) {
             Ok(a) => a,
             Err(not) => panic!("not protected: {not:?}"),
         };
-        let skey = admitted.skey;
-        let policy = Arc::clone(&admitted.policy);
-        self.reqs[r].admitted = Some(admitted);
-        self.reqs[r].skey = Some(skey);
-        let (owner, creator) = (self.reqs[r].owner, self.reqs[r].creator.clone());
-        let p = &mut self.proxies[self.reqs[r].proxy];
-        let begun = p.table.begin(&mut p.sd, skey, None, self.now, &policy, owner, &creator);
-        let step = request::after_local(begun, None, self.store_mode(), self.now);
-        self.run(r, step);
+        let q = &mut self.reqs[r];
+        q.started = true;
+        q.skey = Some(a.skey);
+        let req = Protected {
+            route: a.route,
+            policy: a.policy,
+            head: q.head.clone(),
+            skey: a.skey,
+            scope: a.scope,
+            creator: q.creator.clone(),
+            owner: q.owner,
+            derive_at_body: a.from == KeyFrom::DerivedAtBody,
+            mcp: None,
+            body: vec![],
+        };
+        self.drive(r, |m, io| m.protect(io, req, false));
+        self.passed(r);
     }
 
     /// The request's whole body arrives (`http.rs` `body_complete`).
     pub fn body(&mut self, r: usize) {
-        let Phase::Body { handle } = self.reqs[r].phase.clone() else { panic!("request {r} waits for no body") };
-        let policy = self.policy(r);
-        let (scope, mut head, body) = match &self.reqs[r].admitted {
-            Some(a) => (a.scope, self.reqs[r].head.clone(), self.reqs[r].body.clone()),
-            None => panic!("admitted"),
-        };
-        let AtBodyEnd::Fingerprinted { fp, .. } = request::at_body_end(&policy, &mut head, &scope, false, &body) else {
-            panic!("a sent key needs no derivation")
-        };
-        let (now, mode, skey) = (self.now, self.store_mode(), self.skey(r));
-        let (owner, creator) = (self.reqs[r].owner, self.reqs[r].creator.clone());
-        let p = &mut self.proxies[self.reqs[r].proxy];
-        let step = match handle {
-            Some(h) => {
-                let marked = p.table.mark_forwarded(&mut p.sd, &h, fp, now, &policy);
-                request::after_mark_forwarded(marked, h, fp, mode, now)
-            }
-            None => {
-                let begun = p.table.begin(&mut p.sd, skey, Some(fp), now, &policy, owner, &creator);
-                request::after_local(begun, Some(fp), mode, now)
-            }
-        };
-        self.run(r, step);
-    }
-
-    /// Carries out the request machine's next step (`http.rs` `run`).
-    fn run(&mut self, r: usize, step: Step) {
-        let policy = self.policy(r);
-        let lt = Lifetimes::of(&policy);
-        let (skey, owner, now) = (self.skey(r), self.reqs[r].owner, self.now);
-        match step {
-            Step::WaitForBody { handle } => self.reqs[r].phase = Phase::Body { handle },
-            Step::PauseForBody => self.reqs[r].phase = Phase::Body { handle: None },
-            Step::ClaimInStore { handle, fp } => {
-                let record = Record::in_progress(fp, self.reqs[r].creator.clone(), owner, now, &lt);
-                let call = self.call(Caller::Request(r), Op::Claim { skey, owner, record, lifetimes: lt });
-                let sent = Sent { handle, fp, sent_at_ms: now };
-                self.reqs[r].phase = Phase::Calling { asked: Asked::Claim, sent, call };
-            }
-            Step::ReadSettled { fp } => {
-                let call = self.call(Caller::Request(r), Op::Read { skey });
-                let sent = Sent { handle: None, fp, sent_at_ms: now };
-                self.reqs[r].phase = Phase::Calling { asked: Asked::Settled, sent, call };
-            }
-            Step::Forward { handle, fp, in_store, .. } => {
-                let claim = Claim {
-                    handle,
-                    fp,
-                    in_store,
-                    owner,
-                    skey,
-                    policy_index: self.reqs[r].admitted.as_ref().map_or(0, |a| a.route),
-                    creator: self.reqs[r].creator.clone(),
-                    log: String::new(),
-                    mcp_id: None,
-                };
-                self.reqs[r].phase = Phase::Upstream(Box::new(claim));
-            }
-            Step::Replay { record, cache } => {
-                if let Some(h) = cache {
-                    let p = &mut self.proxies[self.reqs[r].proxy];
-                    let _ = p.table.complete(&mut p.sd, &h, record.clone(), now);
-                }
-                let answer = match record.state {
-                    State::Completed(resp) => Answer::Replay { status: resp.status, body: resp.body },
-                    State::CompletedTooLarge { .. } => Answer::Problem("response-not-stored"),
-                    _ => Answer::Problem(ProblemKind::OutcomeUnknown.slug()),
-                };
-                self.done(r, answer);
-            }
-            Step::InFlight { release, .. } => {
-                self.release_local(r, release);
-                let p = ProblemKind::InFlight { retry_after_seconds: 1 };
-                self.done(r, Answer::Problem(p.slug()));
-            }
-            Step::Reply { problem, release, .. } => {
-                self.release_local(r, release);
-                self.done(r, Answer::Problem(problem.slug()));
-            }
-            Step::MarkUnknown { old_owner, release, .. } => {
-                self.release_local(r, release);
-                self.write("stale_to_unknown", skey, Transition::stale_to_unknown(old_owner, &lt), None);
-                self.done(r, Answer::Problem(ProblemKind::OutcomeUnknown.slug()));
-            }
-            Step::TakeOver { handle, fp, old, free } => {
-                let record = Record::in_progress(fp, self.reqs[r].creator.clone(), owner, now, &lt);
-                let t = Transition::take_over(old.owner, owner, record, free, &lt);
-                let call = self.call(Caller::Request(r), Op::Transition { skey, t: Box::new(t) });
-                let sent = Sent { handle, fp, sent_at_ms: now };
-                self.reqs[r].phase = Phase::Calling { asked: Asked::TakeOver, sent, call };
-            }
-            Step::Unreadable { problem, release, .. } => {
-                self.release_local(r, release);
-                self.done(r, Answer::Problem(problem.slug()));
-            }
-            Step::UnknownStands { .. } => self.done(r, Answer::Problem(ProblemKind::OutcomeUnknown.slug())),
-            Step::LocalFailed(_) => {
-                let p = ProblemKind::StoreUnavailable { retry_after_seconds: 1 };
-                self.done(r, Answer::Problem(p.slug()));
-            }
-            Step::ClaimLost => {
-                let p = ProblemKind::InFlight { retry_after_seconds: 1 };
-                self.done(r, Answer::Problem(p.slug()));
-            }
-            Step::PassUnprotected => {
-                // Forwarded without any claim: the upstream runs it.
-                self.unprotected += 1;
-                self.execute(r);
-                self.done(r, Answer::Unprotected);
-            }
-            Step::FailClosed { broken, handle, .. } => {
-                let holding = if handle.is_some() { Holding::LocalClaim } else { Holding::Nothing };
-                let refusal = crate::failsafe::refuse(broken, holding);
-                if refusal.release_local {
-                    self.release_local(r, handle);
-                }
-                self.done(r, Answer::Problem(refusal.problem.slug()));
-            }
-        }
-    }
-
-    /// A store failure for a request holding `handle` (`http.rs` `store_failed_as`).
-    fn store_failed(&mut self, r: usize, handle: Option<Handle>, on_unavailable: OnUnavailable) {
-        self.release_local(r, handle);
-        let step = request::after_store_failure(&self.policy(r), on_unavailable);
-        self.run(r, step);
-    }
-
-    /// The claim or take-over's answer is lost (or too late): release it owner-checked, leaving
-    /// a tombstone (`http.rs` `release_lost_claim`).
-    fn release_lost(&mut self, r: usize) {
-        let t = Transition::release_lost(self.reqs[r].owner, &Lifetimes::of(&self.policy(r)));
-        self.write("release", self.skey(r), t, None);
+        assert!(matches!(self.phase(r), Phase::Body), "request {r} waits for no body");
+        let body = self.reqs[r].body.clone();
+        self.drive(r, |m, io| m.body_end(io, body, None));
+        self.passed(r);
     }
 
     /// The store runs callout `c` now (its answer not yet back).
@@ -606,9 +495,8 @@ impl World {
 
     /// A request's store call answered (`http.rs` `on_store_answer`).
     fn request_answered(&mut self, r: usize, reply: Result<Reply, StoreError>) {
-        let Phase::Calling { asked, sent, .. } = self.reqs[r].phase.clone() else { return };
-        let policy = self.policy(r);
-        let now = self.now;
+        let Some((_, call)) = self.reqs[r].machine.calling() else { return };
+        let asked = call.asked;
         let answer = match (asked, reply) {
             (Asked::Claim, Ok(Reply::Claim(reply))) => StoreAnswer::Claim(reply),
             (Asked::Claim, Err(e)) => StoreAnswer::Claim(Err(e)),
@@ -618,20 +506,8 @@ impl World {
             (Asked::Settled, Err(e)) => StoreAnswer::Settled(Err(e)),
             (_, Ok(other)) => panic!("request {r} asked {asked:?}, answered {other:?}"),
         };
-        let answered = request::after_store_answer(answer, &sent, &policy, self.on_unavailable(), now);
-        match answered {
-            Answered::Next(step) => self.run(r, step),
-            // The model's store always holds its scripts.
-            Answered::Resend => panic!("NOSCRIPT from the model store"),
-            Answered::Lost { .. } => {
-                self.release_lost(r);
-                self.store_failed(r, sent.handle, self.on_unavailable());
-            }
-            Answered::TooLate { .. } => {
-                self.release_lost(r);
-                self.store_failed(r, sent.handle, OnUnavailable::Reject);
-            }
-        }
+        self.drive(r, |m, io| m.store_answer(io, answer, None));
+        self.passed(r);
     }
 
     /// The upstream runs request `r`: its execution counted, its response body `<key>#<n>`.
@@ -644,11 +520,10 @@ impl World {
         StoredResponse { status: 201, headers: vec![], body }
     }
 
-    /// The upstream treats forwarded request `r` so; the exchange is settled
-    /// (`engine::settle` as `filter/settle.rs` carries it out).
+    /// The upstream treats forwarded request `r` so; its response flows through the machine,
+    /// and the exchange is settled (`engine::settle`, through the machine).
     pub fn upstream(&mut self, r: usize, how: Upstream) {
-        let Phase::Upstream(claim) = self.reqs[r].phase.clone() else { panic!("request {r} is not forwarded") };
-        let policy = self.policy(r);
+        assert!(matches!(self.phase(r), Phase::Upstream), "request {r} is not forwarded");
         let (outcome, response) = match how {
             Upstream::Answers => (Outcome::Store, Some(self.execute(r))),
             Upstream::Resets => {
@@ -657,56 +532,18 @@ impl World {
             }
             Upstream::NeverConnects => (Outcome::Release, None),
         };
-        let now = self.now;
-        let (machine, cmds) = settle::start(&claim, Some(&policy), true, outcome, response.clone(), false, "", now);
-        let mut local = LocalAnswer::None;
-        let mut writes = vec![];
-        for c in cmds {
-            if let Some(a) = self.settle_command(r, &claim, &policy, c, &mut writes) {
-                local = a;
-            }
+        if let Some(resp) = &response {
+            let m = &mut self.reqs[r].machine;
+            let _ = m.response_headers(vec![(":status".into(), resp.status.to_string().into_bytes())], false);
+            m.response_body(&resp.body, true);
         }
-        let (cmds, _slug) = machine.finish(local);
-        for c in cmds {
-            self.settle_command(r, &claim, &policy, c, &mut writes);
-        }
-        for (what, t, fallback) in writes {
-            self.write(what, claim.skey, t, fallback);
-        }
+        self.drive(r, |m, io| m.settle(io, Ended { outcome, detail: String::new() }));
         let answer = match (how, response) {
             (Upstream::Answers, Some(resp)) => Answer::Fresh { status: resp.status, body: resp.body },
             (Upstream::Resets, _) => Answer::Problem("upstream-reset"),
             _ => Answer::Problem("upstream-unreachable"),
         };
         self.done(r, answer);
-    }
-
-    fn settle_command(
-        &mut self,
-        r: usize,
-        _claim: &Claim,
-        policy: &Policy,
-        c: Command<'_>,
-        writes: &mut Vec<(&'static str, Transition, Option<Box<Transition>>)>,
-    ) -> Option<LocalAnswer> {
-        let now = self.now;
-        let p = &mut self.proxies[self.reqs[r].proxy];
-        match c {
-            Command::Write { what, transition, fallback } => writes.push((what, *transition, fallback)),
-            Command::Local(Local::Complete(h, record)) => {
-                let done = p.table.complete(&mut p.sd, &h, *record, now).map_err(|e| format!("{e:?}"));
-                return Some(LocalAnswer::Completed(done));
-            }
-            Command::Local(Local::Release(h)) => {
-                return Some(LocalAnswer::Released(matches!(p.table.release(&mut p.sd, &h, now), Ok(true))));
-            }
-            Command::Local(Local::MarkUnknown(h, reason)) => {
-                let _ = p.table.mark_unknown(&mut p.sd, &h, reason, now, policy);
-                return Some(LocalAnswer::Marked);
-            }
-            Command::Count(_) | Command::Log(..) => {}
-        }
-        None
     }
 
     /// Moves the clock.
@@ -721,10 +558,10 @@ impl World {
         for _ in 0..rounds {
             let mut moved = false;
             for r in 0..self.reqs.len() {
-                match self.reqs[r].phase {
+                match self.phase(r) {
                     Phase::New => self.headers(r),
-                    Phase::Body { .. } => self.body(r),
-                    Phase::Upstream(_) => self.upstream(r, Upstream::Answers),
+                    Phase::Body => self.body(r),
+                    Phase::Upstream => self.upstream(r, Upstream::Answers),
                     Phase::Calling { .. } | Phase::Done(_) => continue,
                 }
                 moved = true;
@@ -737,7 +574,66 @@ impl World {
                 return true;
             }
         }
-        self.reqs.iter().all(|q| matches!(q.phase, Phase::Done(_))) && self.pending_calls().is_empty()
+        self.reqs.iter().all(|q| q.answered.is_some()) && self.pending_calls().is_empty()
+    }
+}
+
+fn phase_name<W>(p: &machine::Phase<W>) -> &'static str {
+    match p {
+        machine::Phase::Pass => "pass",
+        machine::Phase::McpBody { .. } => "mcp-body",
+        machine::Phase::Waiting { .. } => "waiting",
+        machine::Phase::Calling { .. } => "calling",
+        machine::Phase::Forwarded { .. } => "forwarded",
+        machine::Phase::Detached { .. } => "detached",
+        machine::Phase::Held { .. } => "held",
+        machine::Phase::Answered => "answered",
+    }
+}
+
+/// The world as request `r`'s machine's driver.
+struct Driver<'w> {
+    w: &'w mut World,
+    r: usize,
+}
+
+impl Io for Driver<'_> {
+    type Wire = usize;
+
+    fn now_ms(&mut self) -> u64 {
+        self.w.now
+    }
+
+    fn local(&mut self) -> (&Table, &mut dyn SharedData) {
+        let p = &mut self.w.proxies[self.w.reqs[self.r].proxy];
+        (&p.table, &mut p.sd)
+    }
+
+    fn send(&mut self, req: &Protected, op: StoreOp<'_, usize>) -> Result<usize, NotSent> {
+        let skey = req.skey;
+        let op = match op {
+            StoreOp::Claim { record, lifetimes } => Op::Claim { skey, owner: req.owner, record, lifetimes },
+            StoreOp::TakeOver { transition, .. } => Op::Transition { skey, t: Box::new(transition) },
+            StoreOp::Read => Op::Read { skey },
+            // The model's store always holds its scripts.
+            StoreOp::Again(_) => panic!("NOSCRIPT from the model store"),
+        };
+        Ok(self.w.call(Caller::Request(self.r), op))
+    }
+
+    fn run(&mut self, c: Command<'_>) {
+        let r = self.r;
+        match c {
+            Command::Reply { problem, .. } => self.w.done(r, Answer::Problem(problem.slug())),
+            Command::Replay { record, .. } => {
+                if let State::Completed(resp) = record.state {
+                    self.w.done(r, Answer::Replay { status: resp.status, body: resp.body });
+                }
+            }
+            Command::Write { what, skey, transition, fallback, .. } => self.w.write(what, skey, *transition, fallback),
+            Command::Hold { .. } | Command::Detach { .. } => panic!("the world leaves out waits and detached forwards"),
+            Command::Count(_) | Command::Log(..) | Command::KeyDerived { .. } | Command::Publish { .. } => {}
+        }
     }
 }
 

@@ -10,7 +10,6 @@ use super::Shared;
 use crate::decision::Outcome;
 pub use crate::engine::settle::Claim;
 use crate::engine::settle::{self as engine, Command, Count, Level, Local, LocalAnswer};
-use crate::local::Handle;
 use crate::record::{StoredResponse, UnknownReason};
 use crate::redirect::Handoff;
 
@@ -116,13 +115,4 @@ fn unfollowed(shared: &Shared, h: &Handoff<Claim>) {
     shared.metrics.inc_for(Counter::RedirectsUnfollowed, Some(h.claim.policy_index));
     let detail = format!("code_details={} redirect_followed=false", crate::redirect::REDIRECT_CODE_DETAILS);
     settle(shared, &h.claim, Outcome::Unknown(UnknownReason::Other), None, false, &detail);
-}
-
-/// Releases a local claim (owner-checked) at `now_ms`, counting it.
-pub fn release_local(shared: &Shared, handle: Option<Handle>, now_ms: u64) {
-    if let Some(h) = handle {
-        if let Ok(true) = shared.table.release(&mut HostShared, &h, now_ms) {
-            shared.metrics.inc(Counter::Released);
-        }
-    }
 }

@@ -30,14 +30,14 @@ fn unavailable() -> Answer {
 /// answered.
 fn arrive(w: &mut World, r: usize) {
     w.headers(r);
-    if matches!(w.reqs[r].phase, Phase::Body { .. }) {
+    if matches!(w.phase(r), Phase::Body) {
         w.body(r);
     }
 }
 
 /// The one callout request `r` waits on.
 fn its_call(w: &World, r: usize) -> usize {
-    match w.reqs[r].phase {
+    match w.phase(r) {
         Phase::Calling { call, .. } => call,
         ref other => panic!("request {r} waits on no callout: {other:?}"),
     }
@@ -63,17 +63,17 @@ fn whole(w: &mut World, proxy: usize, key: &str, body: &[u8]) -> Answer {
     arrive(w, r);
     // A claim-or-read, then perhaps a take-over.
     for _ in 0..2 {
-        if let Phase::Calling { .. } = w.reqs[r].phase {
+        if let Phase::Calling { .. } = w.phase(r) {
             w.answer(its_call(w, r));
         }
     }
-    if let Phase::Upstream(_) = w.reqs[r].phase {
+    if let Phase::Upstream = w.phase(r) {
         w.upstream(r, Upstream::Answers);
     }
     answer_all(w);
     match w.reqs[r].answer() {
         Some(a) => a.clone(),
-        None => panic!("request {r} unanswered: {:?}", w.reqs[r].phase),
+        None => panic!("request {r} unanswered: {:?}", w.phase(r)),
     }
 }
 
@@ -98,7 +98,7 @@ fn a_first_request_executes_once_and_its_retries_on_either_proxy_get_its_replay(
     assert_eq!(other, Answer::Replay { status: 201, body: b"k-1#1".to_vec() });
     let r = w.send(1, "k-1", b"{\"amount\":1}");
     arrive(&mut w, r);
-    assert!(matches!(w.reqs[r].answer(), Some(Answer::Replay { .. })), "{:?}", w.reqs[r].phase);
+    assert!(matches!(w.reqs[r].answer(), Some(Answer::Replay { .. })), "{:?}", w.phase(r));
     assert_eq!(w.runs.get("k-1"), Some(&1));
     // Another key is its own.
     assert_eq!(whole(&mut w, 1, "k-2", b"{}"), Answer::Fresh { status: 201, body: b"k-2#1".to_vec() });
@@ -110,7 +110,7 @@ fn a_retry_while_the_first_runs_is_409_on_either_proxy_and_a_reused_key_is_422()
     let first = w.send(0, "k-1", b"{\"amount\":1}");
     arrive(&mut w, first);
     w.answer(its_call(&w, first));
-    assert!(matches!(w.reqs[first].phase, Phase::Upstream(_)));
+    assert!(matches!(w.phase(first), Phase::Upstream));
     // The same proxy: its local claim answers at the headers.
     let local = w.send(0, "k-1", b"{\"amount\":1}");
     arrive(&mut w, local);
@@ -215,7 +215,7 @@ fn past_its_lock_a_silent_claim_is_outcome_unknown_and_with_takeover_runs_again(
         let r = w.send(0, "k-1", b"{}");
         arrive(&mut w, r);
         w.answer(its_call(&w, r));
-        assert!(matches!(w.reqs[r].phase, Phase::Upstream(_)));
+        assert!(matches!(w.phase(r), Phase::Upstream));
         // Within the lock: in flight. Past it: the other proxy judges the claim stale.
         assert_eq!(whole(&mut w, 1, "k-1", b"{}"), in_flight());
         w.tick(10_001);
@@ -332,11 +332,10 @@ mod schedules {
                     w.send(proxy, KEYS[key], &body(key, other_body));
                 }
                 Move::Advance { pick } => {
-                    let ready: Vec<usize> = (0..w.reqs.len())
-                        .filter(|&r| matches!(w.reqs[r].phase, Phase::New | Phase::Body { .. }))
-                        .collect();
+                    let ready: Vec<usize> =
+                        (0..w.reqs.len()).filter(|&r| matches!(w.phase(r), Phase::New | Phase::Body)).collect();
                     if let Some(&r) = ready.get(pick % ready.len().max(1)) {
-                        if matches!(w.reqs[r].phase, Phase::New) {
+                        if matches!(w.phase(r), Phase::New) {
                             w.headers(r);
                         } else {
                             w.body(r);
@@ -344,8 +343,7 @@ mod schedules {
                     }
                 }
                 Move::Upstream { pick, how } => {
-                    let up: Vec<usize> =
-                        (0..w.reqs.len()).filter(|&r| matches!(w.reqs[r].phase, Phase::Upstream(_))).collect();
+                    let up: Vec<usize> = (0..w.reqs.len()).filter(|&r| matches!(w.phase(r), Phase::Upstream)).collect();
                     if let Some(&r) = up.get(pick % up.len().max(1)) {
                         let how = [Upstream::Answers, Upstream::Resets, Upstream::NeverConnects][how as usize % 3];
                         w.upstream(r, how);
@@ -381,7 +379,7 @@ mod schedules {
             }
         }
         // No request waits forever: everything finishes once the world lets it.
-        prop_assert!(w.drain(64), "unfinished: {:?}", w.reqs.iter().map(|q| &q.phase).collect::<Vec<_>>());
+        prop_assert!(w.drain(64), "unfinished: {:?}", (0..w.reqs.len()).map(|r| w.phase(r)).collect::<Vec<_>>());
         // Retries after it all: each key executed, none again.
         for (i, key) in KEYS.iter().enumerate() {
             let before = w.runs.get(*key).copied().unwrap_or(0);

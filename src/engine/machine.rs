@@ -1,0 +1,1067 @@
+//! One protected request as a sans-IO machine (issue 26): the phase it is in, with the data that
+//! phase needs (`Phase`), and one method per input (the request's headers admitted, a body
+//! refused or complete, the store's answer to the call it is paused on, the upstream's response
+//! as it flows, the exchange's end). Each method decides with `engine::request`'s and
+//! `engine::settle`'s pure steps and says what to do through [`Io`]: commands out ([`Command`]:
+//! reply this problem, replay this record, continue, hold for a wait, hand to the root, push a
+//! root write, count, log, publish), and three things it uses synchronously: the clock (read
+//! lazily, at most what the decision needs), the local tier (`Table` over `&mut dyn SharedData`,
+//! core code over a trait), and sending a store call (built and dispatched by the caller, who
+//! answers with its handle `W` or why it could not be sent).
+//!
+//! Two drivers: the HTTP context (`src/filter/http.rs`, Envoy's callbacks into inputs, commands
+//! into host calls) and the in-memory world (`engine::world`, tests). Nothing here reads the
+//! host.
+//!
+//! ```text
+//! Pass ◀─(unprotected / passed)─ protect ─▶ Waiting{claim?} ─ body end ─▶ Calling ─▶ Forwarded
+//!                                   │                          │            │           │
+//!                                   └──────────────▶ Answered ◀┴────────────┘   end: settle
+//! Held, Detached: the root answers (in_flight "wait", forwarding "detached")
+//! ```
+
+use std::sync::Arc;
+
+use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
+use crate::decision::{Outcome, IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
+use crate::engine::request::{self, Answered, Asked, AtBodyEnd, Sent, Step, StoreAnswer, StoreMode};
+use crate::engine::settle::{self, Claim, Count as SettleCount, Level};
+use crate::etcd::Fence;
+use crate::failsafe::{self, Broken, Holding};
+use crate::fingerprint::Fingerprint;
+use crate::local::{Begin, Handle, LocalError, SharedData, Table};
+use crate::owner::OwnerToken;
+use crate::problem::ProblemKind;
+use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
+use crate::request::RequestHead;
+use crate::scope::{CallerScope, StorageKey};
+use crate::store::{StoreError, StoredValue, Transition, TransitionReply, ValueError};
+
+pub use crate::engine::settle::Level as LogLevel;
+
+/// Where a request is, with the data that phase needs (and nothing a phase cannot have).
+/// One per request, held inline: boxing its large variants would cost an allocation per request.
+/// `W`: the driver's handle of a store call in flight.
+#[allow(clippy::large_enum_variant)]
+pub enum Phase<W> {
+    /// Not protected, or forwarded unprotected: every callback continues.
+    Pass,
+    /// A POST on an MCP route (`protocol: "mcp"`): whether it is protected is known only from
+    /// its whole body; nothing is held yet (the driver reads it: `filter/http.rs`).
+    McpBody { route: usize, policy: Arc<Policy>, head: RequestHead },
+    /// Protected; waiting for the whole body (a local claim is held if `handle` is set).
+    Waiting { req: Protected, handle: Option<Handle> },
+    /// A store call is in flight (claim-or-read, a take-over, or a read); the request is paused.
+    Calling { req: Protected, call: Call<W> },
+    /// Forwarded upstream under our claim(s); its response is copied while it flows.
+    Forwarded { req: Protected, claim: Claimed, response: Response, redirected: bool },
+    /// Sent upstream by the root context (`forwarding: "detached"`); the root answers.
+    Detached { skey: StorageKey },
+    /// Held until the first attempt with this key finishes (`in_flight: "wait"`); the root answers.
+    Held { skey: StorageKey },
+    /// We answered locally (problem or replay): never store our own reply.
+    Answered,
+}
+
+/// A protected request: its route's policy and everything known once its key is.
+#[derive(Clone, Debug)]
+pub struct Protected {
+    /// The route's index in the configuration (per-route counters, claims handed to the root).
+    pub route: usize,
+    pub policy: Arc<Policy>,
+    pub head: RequestHead,
+    pub skey: StorageKey,
+    pub scope: CallerScope,
+    pub creator: Creator,
+    pub owner: OwnerToken,
+    /// The key is derived at the end of the body (`derive_key.include_body`).
+    pub derive_at_body: bool,
+    /// An MCP `tools/call`: its JSON-RPC id (JSON text).
+    pub mcp: Option<Vec<u8>>,
+    /// The request body, kept for detached forwarding.
+    pub body: Vec<u8>,
+}
+
+/// The claim(s) a forwarded request holds.
+#[derive(Clone, Copy, Debug)]
+pub struct Claimed {
+    pub handle: Option<Handle>,
+    pub fp: Fingerprint,
+    pub in_store: bool,
+}
+
+/// A store call in flight (`Phase::Calling`).
+pub struct Call<W> {
+    /// The local claim held meanwhile, if any.
+    pub handle: Option<Handle>,
+    pub fp: Fingerprint,
+    pub asked: Asked,
+    /// When it was sent (this proxy's clock).
+    pub sent_at_ms: u64,
+    /// `store.kind: "etcd"`: the value the claim-or-read found and its revision, which a
+    /// take-over or stale-to-unknown decided on it compares.
+    pub fence: Option<Fence>,
+    /// The driver's handle of the call (its callout token and the request sent).
+    pub wire: W,
+}
+
+/// The upstream's response as it flows (`Phase::Forwarded`).
+#[derive(Default, Debug)]
+pub struct Response {
+    pub stored: Option<StoredResponse>,
+    pub too_large: bool,
+    pub complete: bool,
+}
+
+impl Protected {
+    /// The storage key Envoy's filter state shows (none while the key waits for the body).
+    pub fn published_key(&self) -> Option<&StorageKey> {
+        (!self.derive_at_body).then_some(&self.skey)
+    }
+
+    /// The request's `accept-encoding` lines.
+    pub fn accept_encoding(&self) -> Vec<Vec<u8>> {
+        self.head.values("accept-encoding").into_iter().map(<[u8]>::to_vec).collect()
+    }
+
+    /// The claim `held` as the settlement and the root know it.
+    pub fn claim(&self, held: Claimed) -> Claim {
+        Claim {
+            handle: held.handle,
+            fp: held.fp,
+            in_store: held.in_store,
+            owner: self.owner,
+            skey: self.skey,
+            policy_index: self.route,
+            creator: self.creator.clone(),
+            log: log_line(Some(self), "", "").trim_start_matches("idemgate: outcome= ").to_string(),
+            mcp_id: self.mcp.clone(),
+        }
+    }
+}
+
+/// The log line of a request's outcome.
+pub fn log_line(req: Option<&Protected>, outcome: &str, extra: &str) -> String {
+    let Some(r) = req else { return format!("idemgate: outcome={outcome} {extra}") };
+    let mut line = format!(
+        "idemgate: outcome={outcome} key={} scope={} method={} path={} request_id={}",
+        r.skey.hex(),
+        r.scope.short(),
+        r.head.method,
+        r.head.path_without_query(),
+        r.creator.request_id
+    );
+    for (n, v) in &r.creator.log_values {
+        line.push_str(&format!(" {n}={v}"));
+    }
+    if !extra.is_empty() {
+        line.push(' ');
+        line.push_str(extra);
+    }
+    line
+}
+
+/// What a request holds when `handle` is its local claim, never forwarded (`fail_closed`).
+fn holding(handle: Option<Handle>) -> Holding {
+    if handle.is_some() {
+        Holding::LocalClaim
+    } else {
+        Holding::Nothing
+    }
+}
+
+/// The outcome of a protected request whose client left before it was forwarded or answered.
+pub const ABANDONED: &str = "abandoned";
+
+/// What the callback the input came from returns to the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Pause,
+}
+
+/// A counter the machine counts (the glue's `Counter` of the same name; `Released` without the
+/// route, the others with it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Count {
+    Claimed,
+    TakenOver,
+    LocalEvictions,
+    LocalErrors,
+    StoreErrors,
+    StorePassed,
+    StoreReplays,
+    StoreAnswersTooLate,
+    RecordUnauthentic,
+    UnknownOutcome,
+    LostClaim,
+    DerivedKeys,
+    Released,
+    Stored,
+    StoredWithoutBody,
+    InternalErrors,
+}
+
+/// What the driver does, in the order given. Handed over one at a time (`Io::run`), never
+/// stored: a large variant costs no allocation.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Command<'a> {
+    Count(Count),
+    /// A log line (built only when its level is logged).
+    Log(Level, String),
+    /// Answer with this problem (never stored); `req`: the request, when protected. The driver
+    /// counts it by its kind, logs it, publishes its slug and sends it.
+    Reply {
+        req: Option<&'a Protected>,
+        problem: ProblemKind,
+        creator: Option<&'a Creator>,
+    },
+    /// Replay this completed record to the request.
+    Replay {
+        req: &'a Protected,
+        record: Record,
+    },
+    /// Push this store write of `skey` through the root (fenced with `fence` on etcd), with the
+    /// fallback sent if it keeps failing.
+    Write {
+        what: &'static str,
+        skey: StorageKey,
+        transition: Box<Transition>,
+        fallback: Option<Box<Transition>>,
+        fence: Option<&'a Fence>,
+    },
+    /// The key was derived from the body: put it in the request's headers.
+    KeyDerived {
+        header: &'a str,
+        key: &'a str,
+    },
+    /// Hold the request until the first attempt with its key finishes (`in_flight: "wait"`).
+    Hold {
+        req: &'a Protected,
+        fp: Fingerprint,
+        wait_ms: u64,
+    },
+    /// Hand the request to the root to send (`forwarding: "detached"`), its claim's lock
+    /// running until `lock_deadline_ms`.
+    Detach {
+        req: Protected,
+        claim: Claim,
+        lock_deadline_ms: u64,
+    },
+    /// Leave the outcome slug in Envoy's filter state (the first wins).
+    Publish {
+        key: Option<StorageKey>,
+        outcome: &'static str,
+    },
+}
+
+/// A store call the machine asks the driver to send for the request.
+#[derive(Debug)]
+pub enum StoreOp<'a, W> {
+    /// Claim-or-read: `record` written with `lifetimes` where the key is free.
+    Claim { record: Record, lifetimes: Lifetimes },
+    /// Replace the record the store holds (owner-checked; fenced with `fence` on etcd).
+    TakeOver { transition: Transition, fence: Option<&'a Fence> },
+    /// Read the key (a local outcome-unknown the store may have settled).
+    Read,
+    /// The call `W` again, with its script in full (Redis answered NOSCRIPT): the driver counts
+    /// the script load and logs it (`store_script_missing`).
+    Again(&'a W),
+}
+
+/// Why a store call was not sent.
+#[derive(Debug)]
+pub enum NotSent {
+    /// Nothing was sent (no lease, dispatch refused): a store failure.
+    Failed(StoreError),
+    /// A resend impossible (the call carried its script): as a lost answer.
+    Lost(StoreError),
+    /// A broken invariant (no seal, a request that cannot be built): fail closed.
+    Broken { broken: Broken, branch: &'static str },
+}
+
+/// The driver's side: commands carried out, and the synchronous services.
+pub trait Io {
+    /// The driver's handle of a store call in flight.
+    type Wire;
+    /// The time now (this proxy's clock), read at most once per callback.
+    fn now_ms(&mut self) -> u64;
+    /// The local tier and the shared data it runs on.
+    fn local(&mut self) -> (&Table, &mut dyn SharedData);
+    /// Sends a store call for `req`.
+    fn send(&mut self, req: &Protected, op: StoreOp<'_, Self::Wire>) -> Result<Self::Wire, NotSent>;
+    fn run(&mut self, c: Command<'_>);
+}
+
+/// What a protected request's exchange came to, as its driver saw it end.
+pub struct Ended {
+    pub outcome: Outcome,
+    /// The log line's facts.
+    pub detail: String,
+}
+
+fn log<I: Io + ?Sized>(io: &mut I, level: Level, line: impl FnOnce() -> String) {
+    let l = match level {
+        Level::Error => log::Level::Error,
+        Level::Warn => log::Level::Warn,
+        Level::Info => log::Level::Info,
+        Level::Debug => log::Level::Debug,
+    };
+    if log::log_enabled!(l) {
+        io.run(Command::Log(level, line()));
+    }
+}
+
+/// One request's machine.
+pub struct Machine<W> {
+    phase: Phase<W>,
+    /// The store the request runs with (`None`: the local tier only).
+    store: StoreMode,
+    /// `hold_headers`: the request headers wait with the body.
+    hold_headers: bool,
+}
+
+impl<W> Machine<W> {
+    pub fn new(store: StoreMode, hold_headers: bool) -> Machine<W> {
+        Machine { phase: Phase::Pass, store, hold_headers }
+    }
+
+    pub fn phase(&self) -> &Phase<W> {
+        &self.phase
+    }
+
+    /// The protected request, in a phase that holds it.
+    pub fn protected(&self) -> Option<&Protected> {
+        match &self.phase {
+            Phase::Waiting { req, .. } | Phase::Calling { req, .. } | Phase::Forwarded { req, .. } => Some(req),
+            _ => None,
+        }
+    }
+
+    /// Enters a phase the driver handles itself (MCP body, passed, answered, held, a redirect
+    /// adopted): the machine's phase is replaced.
+    pub fn set(&mut self, phase: Phase<W>) {
+        self.phase = phase;
+    }
+
+    /// Takes the phase out (the driver's own paths: MCP, redirects, the end of the exchange).
+    pub fn take(&mut self) -> Phase<W> {
+        std::mem::replace(&mut self.phase, Phase::Pass)
+    }
+
+    fn on_unavailable(&self) -> OnUnavailable {
+        self.store.unwrap_or(OnUnavailable::Reject)
+    }
+
+    /// A protected request's headers, admitted: claim at headers (concurrent duplicates get a
+    /// 409 without buffering their bodies), or wait for the body when the key depends on it;
+    /// with `end_of_stream` the fingerprint is known now.
+    pub fn protect<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, end_of_stream: bool) -> Flow {
+        if req.derive_at_body {
+            // The key depends on the body: decide once it is here.
+            return self.wait_for_body(req, None);
+        }
+        if end_of_stream {
+            let fp = request::fingerprint_without_body(&req.policy, &req.head);
+            return self.begin(io, req, Some(fp));
+        }
+        self.begin(io, req, None)
+    }
+
+    /// A protected request (an MCP call) whose fingerprint is known now.
+    pub fn protect_with<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, fp: Fingerprint) -> Flow {
+        self.begin(io, req, Some(fp))
+    }
+
+    /// A broken invariant met where the driver stands (fault tests: a policy lost): refused by
+    /// the one rule, never forwarded; `req` for a request not yet given to the machine.
+    /// `held`: what a request given here holds (`Holding::Forwarded` for a redirect adopted).
+    pub fn broken<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        req: Option<Protected>,
+        broken: Broken,
+        branch: &'static str,
+        held: Holding,
+    ) -> Flow {
+        match (req, self.take()) {
+            (Some(req), _) => self.fail_closed(io, Some(&req), broken, branch, None, held),
+            (None, Phase::Waiting { req, handle }) => {
+                self.fail_closed(io, Some(&req), broken, branch, handle, holding(handle))
+            }
+            (None, _) => self.fail_closed(io, None, broken, branch, None, Holding::Nothing),
+        }
+    }
+
+    /// The request is refused with `problem` (its body too large or over the VM's budget, or
+    /// refused at its headers): a local claim held meanwhile is freed.
+    pub fn refuse<I: Io<Wire = W>>(&mut self, io: &mut I, problem: ProblemKind) -> Flow {
+        match self.take() {
+            Phase::Waiting { req, handle } => {
+                self.release_unforwarded(io, &req, handle);
+                self.answer(io, Some(&req), problem, None)
+            }
+            _ => self.answer(io, None, problem, None),
+        }
+    }
+
+    /// The whole body (and trailers, in the head) is here: fingerprint it and go on.
+    pub fn body_end<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        body: Vec<u8>,
+        trailers: Option<Vec<(String, Vec<u8>)>>,
+    ) -> Flow {
+        let Phase::Waiting { mut req, handle } = self.take() else {
+            return self.fail_closed(io, None, Broken::ImpossibleDecision, "body_end", None, Holding::Nothing);
+        };
+        if let Some(t) = trailers {
+            // Trailers reach the upstream with the request: part of its fingerprint.
+            req.head.trailers = t;
+        }
+        let (fp, derived, keep_body) =
+            match request::at_body_end(&req.policy, &mut req.head, &req.scope, req.derive_at_body, &body) {
+                AtBodyEnd::Fingerprinted { fp, derived, keep_body } => (fp, derived, keep_body),
+                // No key can be derived: the request is not protected.
+                AtBodyEnd::Pass => return Flow::Continue,
+            };
+        if let Some(derived) = derived {
+            // `derive_key.include_body`: the key (and so the storage key) is known only now.
+            req.skey = derived.skey;
+            req.derive_at_body = false;
+            io.run(Command::KeyDerived { header: &req.policy.header, key: derived.key.as_str() });
+            io.run(Command::Count(Count::DerivedKeys));
+            log(io, Level::Debug, || log_line(Some(&req), "derived_key", "key_source=derived"));
+        }
+        if keep_body {
+            req.body = body;
+        }
+        match handle {
+            Some(handle) => {
+                let now = io.now_ms();
+                let (table, sd) = io.local();
+                let marked = table.mark_forwarded(sd, &handle, fp, now, &req.policy);
+                let step = request::after_mark_forwarded(marked, handle, fp, self.store, now);
+                self.run(io, req, step, None)
+            }
+            None => self.begin(io, req, Some(fp)),
+        }
+    }
+
+    /// The local tier's `begin` for `req` (`fp` once the body is complete), acted on.
+    fn begin<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, fp: Option<Fingerprint>) -> Flow {
+        let now = io.now_ms();
+        let (table, sd) = io.local();
+        let begun = table.begin(sd, req.skey, fp, now, &req.policy, req.owner, &req.creator);
+        if let Ok(Begin::Claimed { took_over, evicted, .. }) = &begun {
+            io.run(Command::Count(if *took_over { Count::TakenOver } else { Count::Claimed }));
+            if *evicted {
+                io.run(Command::Count(Count::LocalEvictions));
+            }
+        }
+        let step = request::after_local(begun, fp, self.store, now);
+        self.run(io, req, step, None)
+    }
+
+    /// The answer to the store call the request is paused on, parsed by the driver (`fence`:
+    /// the etcd value a claim-or-read found). `None` when not calling.
+    pub fn calling(&self) -> Option<(&Protected, &Call<W>)> {
+        match &self.phase {
+            Phase::Calling { req, call } => Some((req, call)),
+            _ => None,
+        }
+    }
+
+    /// The store answered the call the request is paused on.
+    pub fn store_answer<I: Io<Wire = W>>(&mut self, io: &mut I, answer: StoreAnswer, fence: Option<Fence>) -> Flow {
+        let Phase::Calling { req, call } = self.take() else { return Flow::Continue };
+        if let StoreAnswer::TakeOver(Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten)) = &answer {
+            io.run(Command::Count(Count::TakenOver));
+        }
+        let sent = Sent { handle: call.handle, fp: call.fp, sent_at_ms: call.sent_at_ms };
+        let now = io.now_ms();
+        let answered = request::after_store_answer(answer, &sent, &req.policy, self.on_unavailable(), now);
+        if call.asked == Asked::Claim && matches!(answered, Answered::Next(Step::Replay { .. })) {
+            io.run(Command::Count(Count::StoreReplays));
+        }
+        match answered {
+            Answered::Next(step) => self.run(io, req, step, fence.or(call.fence)),
+            Answered::Resend => self.send_with_script(io, req, call),
+            Answered::Lost { error } => self.store_answer_lost(io, req, call.handle, call.fence.as_ref(), &error),
+            // The store claimed the key for us, so late that the claim's lock may already be
+            // judged stale: another request may then have marked it outcome-unknown or taken it
+            // over and forwarded. Handled as a lost answer: released owner-checked (a no-op if
+            // the key changed hands), never forwarded.
+            Answered::TooLate { waited_ms, lock_ms, run_ms } => {
+                io.run(Command::Count(Count::StoreAnswersTooLate));
+                let why = format!(
+                    "the store's claim answer came {waited_ms} ms after the claim was sent, too late for its lock ({lock_ms} ms; the upstream may run {run_ms} ms more)"
+                );
+                // The store answered: this is no outage, so never forwarded unprotected either,
+                // even with on_unavailable "pass" (another request may hold the key by now).
+                self.release_lost_claim(io, &req, call.fence.as_ref());
+                self.store_failed_as(io, req, call.handle, &StoreError::Garbled(why), OnUnavailable::Reject)
+            }
+        }
+    }
+
+    /// The store's answer to the call the request is paused on could not be read as one
+    /// (`e`, before parsing: no seal): a store failure.
+    pub fn store_unreadable<I: Io<Wire = W>>(&mut self, io: &mut I, e: &StoreError) -> Flow {
+        let Phase::Calling { req, call } = self.take() else { return Flow::Continue };
+        self.store_failed(io, req, call.handle, e)
+    }
+
+    /// Redis answered our claim-or-read (or take-over) NOSCRIPT: it does not hold the script, so
+    /// the script did not run and nothing was claimed. The same call goes once more with the
+    /// script in full (`EVAL`, which also loads it). A NOSCRIPT to a call that carried its script
+    /// is no answer Redis gives: taken as a lost answer (503, the claim released owner-checked).
+    fn send_with_script<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, call: Call<W>) -> Flow {
+        let now = io.now_ms();
+        let again = io.send(&req, StoreOp::Again(&call.wire));
+        match again {
+            Ok(wire) => {
+                self.phase = Phase::Calling { req, call: Call { wire, sent_at_ms: now, ..call } };
+                Flow::Pause
+            }
+            Err(NotSent::Lost(e)) => self.store_answer_lost(io, req, call.handle, call.fence.as_ref(), &e),
+            Err(not) => self.not_sent(io, req, call.handle, not),
+        }
+    }
+
+    fn not_sent<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, handle: Option<Handle>, not: NotSent) -> Flow {
+        match not {
+            NotSent::Failed(e) | NotSent::Lost(e) => self.store_failed(io, req, handle, &e),
+            NotSent::Broken { broken, branch } => {
+                self.fail_closed(io, Some(&req), broken, branch, handle, holding(handle))
+            }
+        }
+    }
+
+    /// Sends `op` for `req` and pauses on it (`Phase::Calling`).
+    #[allow(clippy::too_many_arguments)]
+    fn call<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        req: Protected,
+        op: StoreOp<'_, W>,
+        handle: Option<Handle>,
+        fp: Fingerprint,
+        asked: Asked,
+        fence: Option<Fence>,
+    ) -> Flow {
+        let now = io.now_ms();
+        match io.send(&req, op) {
+            Ok(wire) => {
+                let call = Call { handle, fp, asked, sent_at_ms: now, fence, wire };
+                self.phase = Phase::Calling { req, call };
+                Flow::Pause
+            }
+            Err(not) => self.not_sent(io, req, handle, not),
+        }
+    }
+
+    /// The claim (or take-over) was sent but its answer is lost or garbled: it may have landed
+    /// (a store that timed out can still run it). Release it, owner-checked, through the root,
+    /// which retries with backoff: otherwise a claim nothing executed under would answer retries
+    /// with in-flight, then outcome-unknown. Then answer as for any store failure.
+    fn store_answer_lost<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        req: Protected,
+        handle: Option<Handle>,
+        fence: Option<&Fence>,
+        e: &StoreError,
+    ) -> Flow {
+        self.release_lost_claim(io, &req, fence);
+        self.store_failed(io, req, handle, e)
+    }
+
+    /// The store could not answer: 503 (reject) or forward unprotected (pass).
+    fn store_failed<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        req: Protected,
+        handle: Option<Handle>,
+        e: &StoreError,
+    ) -> Flow {
+        let Some(on_unavailable) = self.store else {
+            self.release_local(io, handle);
+            return self.fail_closed(io, Some(&req), Broken::StoreMissing, "store_failed", None, Holding::Nothing);
+        };
+        self.store_failed_as(io, req, handle, e, on_unavailable)
+    }
+
+    /// `store_failed`, with `on_unavailable` given.
+    fn store_failed_as<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        req: Protected,
+        handle: Option<Handle>,
+        e: &StoreError,
+        on_unavailable: OnUnavailable,
+    ) -> Flow {
+        io.run(Command::Count(Count::StoreErrors));
+        self.release_local(io, handle);
+        let step = request::after_store_failure(&req.policy, on_unavailable);
+        match &step {
+            Step::PassUnprotected => {
+                io.run(Command::Count(Count::StorePassed));
+                log(io, Level::Warn, || log_line(Some(&req), "store_unavailable_passed", &format!("error={e}")));
+            }
+            Step::Reply { .. } => {
+                log(io, Level::Warn, || log_line(Some(&req), "store_unavailable", &format!("error={e}")))
+            }
+            _ => {}
+        }
+        self.run(io, req, step, None)
+    }
+
+    /// Executes the request's next step (`crate::engine::request`). `fence`: the store value a
+    /// store answer decided on, which a take-over or stale-to-unknown compares.
+    fn run<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, step: Step, fence: Option<Fence>) -> Flow {
+        match step {
+            Step::WaitForBody { handle } => {
+                if handle.is_some() {
+                    log(io, Level::Debug, || log_line(Some(&req), "claimed", "waiting_for_body=true"));
+                }
+                self.wait_for_body(req, handle)
+            }
+            Step::PauseForBody => {
+                self.phase = Phase::Waiting { req, handle: None };
+                Flow::Pause
+            }
+            Step::ClaimInStore { handle, fp } => {
+                let lifetimes = Lifetimes::of(&req.policy);
+                let record = Record::in_progress(fp, req.creator.clone(), req.owner, io.now_ms(), &lifetimes);
+                self.call(io, req, StoreOp::Claim { record, lifetimes }, handle, fp, Asked::Claim, None)
+            }
+            // This proxy holds the key as outcome-unknown: read (never claim) what the store
+            // holds, in case an operator settled it there.
+            Step::ReadSettled { fp } => self.call(io, req, StoreOp::Read, None, fp, Asked::Settled, None),
+            Step::Forward { handle, fp, in_store, lock_from_ms } => {
+                self.forward(io, req, Claimed { handle, fp, in_store }, lock_from_ms)
+            }
+            Step::Replay { record, cache } => {
+                if let Some(h) = cache {
+                    let now = io.now_ms();
+                    let (table, sd) = io.local();
+                    let _ = table.complete(sd, &h, record.clone(), now);
+                }
+                self.replay(io, &req, record)
+            }
+            Step::InFlight { creator, release, fp } => {
+                self.release_local(io, release);
+                self.in_flight_or_wait(io, req, fp, creator.as_ref())
+            }
+            Step::Reply { problem, creator, release } => {
+                self.release_local(io, release);
+                self.answer(io, Some(&req), problem, creator.as_ref())
+            }
+            Step::MarkUnknown { old_owner, creator, release } => {
+                self.release_local(io, release);
+                let unknown = Transition::stale_to_unknown(old_owner, &Lifetimes::of(&req.policy));
+                self.enqueue(io, &req, fence.as_ref(), "stale_to_unknown", unknown);
+                self.answer(io, Some(&req), ProblemKind::OutcomeUnknown, Some(&creator))
+            }
+            Step::TakeOver { handle, fp, old, free } => self.take_over(io, req, handle, fp, &old, free, fence),
+            Step::Unreadable { why, problem, release } => {
+                self.release_local(io, release);
+                self.count_unreadable(io, &req, &why);
+                log(io, Level::Warn, || log_line(Some(&req), "record_unreadable", &format!("error={why}")));
+                self.answer(io, Some(&req), problem, None)
+            }
+            Step::UnknownStands { unreadable } => {
+                if let Some(why) = unreadable {
+                    self.count_unreadable(io, &req, &why);
+                }
+                io.run(Command::Count(Count::UnknownOutcome));
+                self.answer(io, Some(&req), ProblemKind::OutcomeUnknown, None)
+            }
+            Step::LocalFailed(e) => self.local_error(io, &req, e),
+            Step::ClaimLost => {
+                io.run(Command::Count(Count::LostClaim));
+                let p = ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS };
+                self.answer(io, Some(&req), p, None)
+            }
+            Step::PassUnprotected => {
+                io.run(Command::Publish { key: req.published_key().copied(), outcome: "passed-unprotected" });
+                self.phase = Phase::Pass;
+                Flow::Continue
+            }
+            Step::FailClosed { broken, branch, handle } => {
+                self.fail_closed(io, Some(&req), broken, branch, handle, holding(handle))
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn take_over<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        req: Protected,
+        handle: Option<Handle>,
+        fp: Fingerprint,
+        old: &StoredValue,
+        free: bool,
+        fence: Option<Fence>,
+    ) -> Flow {
+        let lifetimes = Lifetimes::of(&req.policy);
+        let record = Record::in_progress(fp, req.creator.clone(), req.owner, io.now_ms(), &lifetimes);
+        let transition = Transition::take_over(old.owner, req.owner, record, free, &lifetimes);
+        let now = io.now_ms();
+        let sent = io.send(&req, StoreOp::TakeOver { transition, fence: fence.as_ref() });
+        match sent {
+            Ok(wire) => {
+                let call = Call { handle, fp, asked: Asked::TakeOver, sent_at_ms: now, fence, wire };
+                self.phase = Phase::Calling { req, call };
+                Flow::Pause
+            }
+            Err(not) => self.not_sent(io, req, handle, not),
+        }
+    }
+
+    /// At the request headers, a protected request whose decision needs its body. With
+    /// `hold_headers` (the default; Envoy's `allow_on_headers_stop_iteration`) the headers wait
+    /// too. Without it the headers go on to the router, which starts the upstream request, while
+    /// the body callbacks return `Pause` (Envoy buffers the body): the upstream never receives the
+    /// request's end before the claim, and a request refused then is answered locally, which
+    /// resets its upstream stream (a request never complete, never executed).
+    fn wait_for_body(&mut self, req: Protected, handle: Option<Handle>) -> Flow {
+        self.phase = Phase::Waiting { req, handle };
+        if self.hold_headers {
+            Flow::Pause
+        } else {
+            Flow::Continue
+        }
+    }
+
+    /// A request meeting its key in flight: 409 now, or (wait mode) held until the first attempt
+    /// finishes. The fingerprint is needed to tell a replay from a 422, so a wait starts once the
+    /// body is complete.
+    fn in_flight_or_wait<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        req: Protected,
+        fp: Option<Fingerprint>,
+        creator: Option<&Creator>,
+    ) -> Flow {
+        match (req.policy.in_flight, fp) {
+            (InFlight::Wait { .. }, None) => self.wait_for_body(req, None),
+            (InFlight::Wait { wait_ms }, Some(fp)) => {
+                io.run(Command::Hold { req: &req, fp, wait_ms });
+                self.phase = Phase::Held { skey: req.skey };
+                Flow::Pause
+            }
+            _ => self.answer(
+                io,
+                Some(&req),
+                ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS },
+                creator,
+            ),
+        }
+    }
+
+    /// Forwards under our claim(s), whose lock runs from `lock_from_ms` (the store claim's send,
+    /// or now for the local tier's).
+    fn forward<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, held: Claimed, lock_from_ms: u64) -> Flow {
+        let Forwarding::Detached { cluster, .. } = &req.policy.forwarding else {
+            log(io, Level::Debug, || log_line(Some(&req), "forwarded", ""));
+            self.phase = Phase::Forwarded { req, claim: held, response: Response::default(), redirected: false };
+            return Flow::Continue;
+        };
+        log(io, Level::Debug, || log_line(Some(&req), "forwarded", &format!("detached=true cluster={cluster}")));
+        let lock_deadline_ms = Lifetimes::of(&req.policy).lock_expires_at(lock_from_ms);
+        let claim = req.claim(held);
+        let skey = req.skey;
+        // The root sends it: its callout outlives this request if the client leaves.
+        io.run(Command::Detach { req, claim, lock_deadline_ms });
+        self.phase = Phase::Detached { skey };
+        Flow::Pause
+    }
+
+    fn replay<I: Io<Wire = W>>(&mut self, io: &mut I, req: &Protected, record: Record) -> Flow {
+        if let State::Completed(_) = &record.state {
+            self.phase = Phase::Answered;
+            io.run(Command::Replay { req, record });
+            return Flow::Pause;
+        }
+        let creator = record.creator.clone();
+        match record.state {
+            State::CompletedTooLarge { status, location } => {
+                let location = location.map(|l| String::from_utf8_lossy(&l).into_owned());
+                self.answer(io, Some(req), ProblemKind::ResponseNotStored { status, location }, Some(&creator))
+            }
+            // Only completed records are replayed.
+            _ => self.answer(io, Some(req), ProblemKind::OutcomeUnknown, Some(&creator)),
+        }
+    }
+
+    /// Sends a problem (and never stores it).
+    fn answer<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        req: Option<&Protected>,
+        problem: ProblemKind,
+        creator: Option<&Creator>,
+    ) -> Flow {
+        self.phase = Phase::Answered;
+        io.run(Command::Reply { req, problem, creator });
+        Flow::Pause
+    }
+
+    /// A "cannot happen" branch: refuse by the one rule (`failsafe::refuse`), never forward.
+    /// `branch` names the branch in the log line; `handle` is the local claim held, if any.
+    fn fail_closed<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        req: Option<&Protected>,
+        broken: Broken,
+        branch: &str,
+        handle: Option<Handle>,
+        holding: Holding,
+    ) -> Flow {
+        let refusal = failsafe::refuse(broken, holding);
+        if refusal.release_local {
+            self.release_local(io, handle);
+        }
+        if refusal.release_store {
+            if let Some(r) = req {
+                self.release_lost_claim(io, r, None);
+            }
+        }
+        log(io, Level::Error, || {
+            log_line(req, "internal_state", &format!("branch={branch} broken={}", broken.as_str()))
+        });
+        self.answer(io, req, refusal.problem, None)
+    }
+
+    fn local_error<I: Io<Wire = W>>(&mut self, io: &mut I, req: &Protected, e: LocalError) -> Flow {
+        io.run(Command::Count(Count::LocalErrors));
+        log(io, Level::Warn, || log_line(Some(req), "local_error", &format!("error={e:?}")));
+        let p = ProblemKind::StoreUnavailable { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS };
+        self.answer(io, Some(req), p, None)
+    }
+
+    /// A stored value that could not be read or verified: a seal that does not verify is counted
+    /// on its own (`record_unauthentic`: tampering, a transplanted value, or a proxy without the
+    /// secret the record was written with) and logged with the key's hash.
+    fn count_unreadable<I: Io<Wire = W>>(&self, io: &mut I, req: &Protected, why: &ValueError) {
+        if why.is_unauthentic() {
+            io.run(Command::Count(Count::RecordUnauthentic));
+            log(io, Level::Warn, || log_line(Some(req), "record_unauthentic", &format!("error={why}")));
+        }
+    }
+
+    /// Pushes a write to the root, which outlives this request (none without a store).
+    fn enqueue<I: Io<Wire = W>>(
+        &self,
+        io: &mut I,
+        req: &Protected,
+        fence: Option<&Fence>,
+        what: &'static str,
+        t: Transition,
+    ) {
+        if self.store.is_none() {
+            return;
+        }
+        io.run(Command::Write { what, skey: req.skey, transition: Box::new(t), fallback: None, fence });
+    }
+
+    /// A claim-or-read or take-over was sent and its answer is lost (or the client left while it
+    /// ran): it may land in the store later, even after this release. The release is
+    /// owner-checked and leaves a tombstone if the claim has not landed yet, which the claim
+    /// script honours.
+    fn release_lost_claim<I: Io<Wire = W>>(&self, io: &mut I, req: &Protected, fence: Option<&Fence>) {
+        let t = Transition::release_lost(req.owner, &Lifetimes::of(&req.policy));
+        self.enqueue(io, req, fence, "release", t);
+    }
+
+    /// Releases a local claim (owner-checked), counting it.
+    fn release_local<I: Io<Wire = W>>(&self, io: &mut I, handle: Option<Handle>) {
+        if let Some(h) = handle {
+            let now = io.now_ms();
+            let (table, sd) = io.local();
+            if let Ok(true) = table.release(sd, &h, now) {
+                io.run(Command::Count(Count::Released));
+            }
+        }
+    }
+
+    /// Frees a local claim whose request was never forwarded (refused or abandoned).
+    fn release_unforwarded<I: Io<Wire = W>>(&self, io: &mut I, req: &Protected, handle: Option<Handle>) {
+        if handle.is_some() {
+            self.release_local(io, handle);
+            log(io, Level::Debug, || log_line(Some(req), "released", "reason=never_forwarded"));
+        }
+    }
+
+    /// The request, forwarded: its policy (the response's limits and exclusions).
+    pub fn forwarded(&self) -> Option<(&Protected, &Response)> {
+        match &self.phase {
+            Phase::Forwarded { req, response, .. } => Some((req, response)),
+            _ => None,
+        }
+    }
+
+    /// The upstream's response headers (`status`, every line), when forwarded: the storable
+    /// ones are kept; `Some(ttl_seconds)` when the client that created the record is told its
+    /// expiry policy (a status that does not release the key).
+    pub fn response_headers(&mut self, headers: Vec<(String, Vec<u8>)>, end_of_stream: bool) -> Option<u64> {
+        let Phase::Forwarded { req, response, .. } = &mut self.phase else { return None };
+        let policy = &req.policy;
+        let exclude = &policy.replay_exclude_headers;
+        let mut status = 0;
+        let mut kept = vec![];
+        for (n, v) in headers {
+            if n == ":status" {
+                status = std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+            } else if crate::record::storable_header(&n) && !exclude.contains(&n) {
+                kept.push((n, v));
+            }
+        }
+        response.stored = Some(StoredResponse { status, headers: kept, body: vec![] });
+        response.complete = end_of_stream;
+        (!policy.release_on_status.contains(&status)).then_some(policy.ttl_seconds)
+    }
+
+    /// Whether the response body's next chunk is wanted (forwarded, not yet over its limit).
+    pub fn wants_response_body(&self) -> bool {
+        matches!(&self.phase, Phase::Forwarded { response, .. } if !response.too_large)
+    }
+
+    /// A chunk of the upstream's response body (`chunk`: empty when not wanted).
+    pub fn response_body(&mut self, chunk: &[u8], end_of_stream: bool) {
+        let Phase::Forwarded { req, response, .. } = &mut self.phase else { return };
+        let limit = req.policy.max_response_body_bytes as usize;
+        if !response.too_large {
+            if let Some(r) = response.stored.as_mut() {
+                if r.body.len() + chunk.len() > limit {
+                    response.too_large = true;
+                    r.body = vec![];
+                } else {
+                    r.body.extend_from_slice(chunk);
+                }
+            }
+        }
+        if end_of_stream {
+            response.complete = true;
+        }
+    }
+
+    /// The upstream's response trailers, by name: a replay cannot carry them, it says which it
+    /// lacks.
+    pub fn response_trailers(&mut self, names: &[String]) {
+        if let Phase::Forwarded { response, .. } = &mut self.phase {
+            response.complete = true;
+            if let Some(r) = response.stored.as_mut() {
+                crate::record::note_dropped_trailers(r, names);
+            }
+        }
+    }
+
+    /// The forwarded exchange is over (its outcome classified by the driver): the claim settled
+    /// (`engine::settle`), the local tier now, the store through the root. Returns the outcome
+    /// slug (also published).
+    pub fn settle<I: Io<Wire = W>>(&mut self, io: &mut I, ended: Ended) -> &'static str {
+        let Phase::Forwarded { req, claim, response, .. } = self.take() else { return settle::INTERNAL_STATE };
+        let claim = req.claim(claim);
+        let slug = settle_claim(io, &claim, Some(&req.policy), self.store.is_some(), ended, response);
+        io.run(Command::Publish { key: req.published_key().copied(), outcome: slug });
+        slug
+    }
+
+    /// The client left (or the stream was reset) before the request was forwarded: what it held
+    /// is freed. `true` if the request was one the machine held.
+    pub fn abandon<I: Io<Wire = W>>(&mut self, io: &mut I) -> bool {
+        match self.take() {
+            Phase::Waiting { req, handle } => {
+                // Never forwarded, so a retry may execute it.
+                self.release_unforwarded(io, &req, handle);
+                io.run(Command::Publish { key: req.published_key().copied(), outcome: ABANDONED });
+                true
+            }
+            Phase::Calling { req, call } => {
+                // The client left while the store answered: our claim may have landed. Free it,
+                // owner-checked, through the root (this context's callout dies with it).
+                self.release_local(io, call.handle);
+                self.release_lost_claim(io, &req, call.fence.as_ref());
+                io.run(Command::Publish { key: req.published_key().copied(), outcome: ABANDONED });
+                true
+            }
+            other => {
+                self.phase = other;
+                false
+            }
+        }
+    }
+}
+
+/// Settles `claim` (`engine::settle`), the local tier's commands carried out through `io` and
+/// the rest (writes, counts, logs) given to it. Returns the outcome slug.
+pub fn settle_claim<I: Io + ?Sized>(
+    io: &mut I,
+    claim: &Claim,
+    policy: Option<&Policy>,
+    has_store: bool,
+    ended: Ended,
+    response: Response,
+) -> &'static str {
+    let now = io.now_ms();
+    let (machine, cmds) =
+        settle::start(claim, policy, has_store, ended.outcome, response.stored, response.too_large, &ended.detail, now);
+    let mut answer = settle::LocalAnswer::None;
+    for c in cmds {
+        if let Some(a) = settle_command(io, claim, policy, c, now) {
+            answer = a;
+        }
+    }
+    let (cmds, slug) = machine.finish(answer);
+    for c in cmds {
+        settle_command(io, claim, policy, c, now);
+    }
+    slug
+}
+
+fn settle_command<I: Io + ?Sized>(
+    io: &mut I,
+    claim: &Claim,
+    policy: Option<&Policy>,
+    c: settle::Command<'_>,
+    now: u64,
+) -> Option<settle::LocalAnswer> {
+    use settle::{Local, LocalAnswer};
+    match c {
+        settle::Command::Write { what, transition, fallback } => {
+            io.run(Command::Write { what, skey: claim.skey, transition, fallback, fence: None })
+        }
+        settle::Command::Local(Local::Complete(h, record)) => {
+            let (table, sd) = io.local();
+            let done = table.complete(sd, &h, *record, now).map_err(|e| format!("{e:?}"));
+            return Some(LocalAnswer::Completed(done));
+        }
+        settle::Command::Local(Local::Release(h)) => {
+            let (table, sd) = io.local();
+            return Some(LocalAnswer::Released(matches!(table.release(sd, &h, now), Ok(true))));
+        }
+        settle::Command::Local(Local::MarkUnknown(h, reason)) => {
+            if let Some(policy) = policy {
+                let (table, sd) = io.local();
+                let _ = table.mark_unknown(sd, &h, reason, now, policy);
+            }
+            return Some(LocalAnswer::Marked);
+        }
+        settle::Command::Count(c) => io.run(Command::Count(match c {
+            SettleCount::InternalErrors => Count::InternalErrors,
+            SettleCount::Stored => Count::Stored,
+            SettleCount::StoredWithoutBody => Count::StoredWithoutBody,
+            SettleCount::LostClaim => Count::LostClaim,
+            SettleCount::LocalErrors => Count::LocalErrors,
+            SettleCount::UnknownOutcome => Count::UnknownOutcome,
+            SettleCount::Released => Count::Released,
+        })),
+        settle::Command::Log(level, line) => log(io, level, || line.to_string()),
+    }
+    None
+}
