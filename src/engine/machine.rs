@@ -281,17 +281,23 @@ pub enum NotSent {
     Broken { broken: Broken, branch: &'static str },
 }
 
-/// The driver's side: commands carried out, and the synchronous services.
-pub trait Io {
-    /// The driver's handle of a store call in flight.
-    type Wire;
+/// What a settlement needs of its driver (`settle_claim`): the clock, the local tier, and
+/// commands carried out. The root's settlements (detached answers, redirects never followed)
+/// use it alone.
+pub trait Effects {
     /// The time now (this proxy's clock), read at most once per callback.
     fn now_ms(&mut self) -> u64;
     /// The local tier and the shared data it runs on.
     fn local(&mut self) -> (&Table, &mut dyn SharedData);
+    fn run(&mut self, c: Command<'_>);
+}
+
+/// The request's driver: `Effects`, and sending store calls.
+pub trait Io: Effects {
+    /// The driver's handle of a store call in flight.
+    type Wire;
     /// Sends a store call for `req`.
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Self::Wire>) -> Result<Self::Wire, NotSent>;
-    fn run(&mut self, c: Command<'_>);
 }
 
 /// What a protected request's exchange came to, as its driver saw it end.
@@ -301,7 +307,7 @@ pub struct Ended {
     pub detail: String,
 }
 
-fn log<I: Io + ?Sized>(io: &mut I, level: Level, line: impl FnOnce() -> String) {
+fn log<I: Effects + ?Sized>(io: &mut I, level: Level, line: impl FnOnce() -> String) {
     let l = match level {
         Level::Error => log::Level::Error,
         Level::Warn => log::Level::Warn,
@@ -1000,7 +1006,7 @@ impl<W> Machine<W> {
 
 /// Settles `claim` (`engine::settle`), the local tier's commands carried out through `io` and
 /// the rest (writes, counts, logs) given to it. Returns the outcome slug.
-pub fn settle_claim<I: Io + ?Sized>(
+pub fn settle_claim<I: Effects + ?Sized>(
     io: &mut I,
     claim: &Claim,
     policy: Option<&Policy>,
@@ -1024,7 +1030,7 @@ pub fn settle_claim<I: Io + ?Sized>(
     slug
 }
 
-fn settle_command<I: Io + ?Sized>(
+fn settle_command<I: Effects + ?Sized>(
     io: &mut I,
     claim: &Claim,
     policy: Option<&Policy>,

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use crate::config::Config;
 use crate::decision::Outcome;
-use crate::engine::machine::{self, Command, Ended, Io, Machine, NotSent, Protected, StoreOp};
+use crate::engine::machine::{self, Command, Effects, Ended, Io, Machine, NotSent, Protected, StoreOp};
 use crate::engine::request::{self, Asked, KeyFrom, StoreAnswer};
 use crate::lifecycle::{self, Event, Facts};
 use crate::local::memory::MemoryShared;
@@ -597,9 +597,7 @@ struct Driver<'w> {
     r: usize,
 }
 
-impl Io for Driver<'_> {
-    type Wire = usize;
-
+impl Effects for Driver<'_> {
     fn now_ms(&mut self) -> u64 {
         self.w.now
     }
@@ -607,18 +605,6 @@ impl Io for Driver<'_> {
     fn local(&mut self) -> (&Table, &mut dyn SharedData) {
         let p = &mut self.w.proxies[self.w.reqs[self.r].proxy];
         (&p.table, &mut p.sd)
-    }
-
-    fn send(&mut self, req: &Protected, op: StoreOp<'_, usize>) -> Result<usize, NotSent> {
-        let skey = req.skey;
-        let op = match op {
-            StoreOp::Claim { record, lifetimes } => Op::Claim { skey, owner: req.owner, record, lifetimes },
-            StoreOp::TakeOver { transition, .. } => Op::Transition { skey, t: Box::new(transition) },
-            StoreOp::Read => Op::Read { skey },
-            // The model's store always holds its scripts.
-            StoreOp::Again(_) => panic!("NOSCRIPT from the model store"),
-        };
-        Ok(self.w.call(Caller::Request(self.r), op))
     }
 
     fn run(&mut self, c: Command<'_>) {
@@ -634,6 +620,22 @@ impl Io for Driver<'_> {
             Command::Hold { .. } | Command::Detach { .. } => panic!("the world leaves out waits and detached forwards"),
             Command::Count(_) | Command::Log(..) | Command::KeyDerived { .. } | Command::Publish { .. } => {}
         }
+    }
+}
+
+impl Io for Driver<'_> {
+    type Wire = usize;
+
+    fn send(&mut self, req: &Protected, op: StoreOp<'_, usize>) -> Result<usize, NotSent> {
+        let skey = req.skey;
+        let op = match op {
+            StoreOp::Claim { record, lifetimes } => Op::Claim { skey, owner: req.owner, record, lifetimes },
+            StoreOp::TakeOver { transition, .. } => Op::Transition { skey, t: Box::new(transition) },
+            StoreOp::Read => Op::Read { skey },
+            // The model's store always holds its scripts.
+            StoreOp::Again(_) => panic!("NOSCRIPT from the model store"),
+        };
+        Ok(self.w.call(Caller::Request(self.r), op))
     }
 }
 

@@ -27,8 +27,8 @@ use crate::bench_host::meter;
 use crate::config::{Forwarding, Policy};
 use crate::decision::{classify_routed, Exchange};
 use crate::engine::machine::{
-    self, log_line, Claimed, Command, Count, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response,
-    StoreOp,
+    self, log_line, Claimed, Command, Count, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected,
+    Response, StoreOp,
 };
 use crate::engine::request::{self, Admitted, Asked, AtMcpBody, KeyFrom, McpCall, NotProtected, StoreAnswer};
 use crate::failsafe::{Broken, Holding};
@@ -118,27 +118,6 @@ fn action(f: Flow) -> Action {
     match f {
         Flow::Continue => Action::Continue,
         Flow::Pause => Action::Pause,
-    }
-}
-
-fn counter(c: Count) -> Counter {
-    match c {
-        Count::Claimed => Counter::Claimed,
-        Count::TakenOver => Counter::TakenOver,
-        Count::LocalEvictions => Counter::LocalEvictions,
-        Count::LocalErrors => Counter::LocalErrors,
-        Count::StoreErrors => Counter::StoreErrors,
-        Count::StorePassed => Counter::StorePassed,
-        Count::StoreReplays => Counter::StoreReplays,
-        Count::StoreAnswersTooLate => Counter::StoreAnswersTooLate,
-        Count::RecordUnauthentic => Counter::RecordUnauthentic,
-        Count::UnknownOutcome => Counter::UnknownOutcome,
-        Count::LostClaim => Counter::LostClaim,
-        Count::DerivedKeys => Counter::DerivedKeys,
-        Count::Released => Counter::Released,
-        Count::Stored => Counter::Stored,
-        Count::StoredWithoutBody => Counter::StoredWithoutBody,
-        Count::InternalErrors => Counter::InternalErrors,
     }
 }
 
@@ -297,11 +276,40 @@ impl Glue<'_> {
             }
         }
     }
+
+    fn command(&mut self, c: Command<'_>) {
+        match c {
+            // The local release is counted as `release_local` counts it: not per route.
+            Command::Count(Count::Released) => self.shared.metrics.inc(Counter::Released),
+            Command::Count(c) => self.count(settle::counter(c)),
+            Command::Log(level, line) => match level {
+                LogLevel::Error => error!("{line}"),
+                LogLevel::Warn => warn!("{line}"),
+                LogLevel::Info => info!("{line}"),
+                LogLevel::Debug => debug!("{line}"),
+            },
+            Command::Reply { req, problem, creator } => self.answer(req, problem, creator),
+            Command::Replay { req, record } => self.replay(req, &record),
+            Command::Write { what, skey, transition, fallback, fence } => {
+                self.shared.push_write_fenced(what, &skey, &transition, fallback.as_deref(), fence)
+            }
+            Command::KeyDerived { header, key } => {
+                // With `hold_headers: false` the request headers went upstream at their end,
+                // without the key (it was not known yet): the key protects the request here, and
+                // the upstream never sees it (Envoy no longer lends the map; a write would only
+                // be refused).
+                if self.shared.config.hold_headers {
+                    let _ = host::set_header(MapType::HttpRequestHeaders, header, Some(key));
+                }
+            }
+            Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
+            Command::Detach { req, claim, lock_deadline_ms } => self.detach(req, claim, lock_deadline_ms),
+            Command::Publish { key, outcome } => self.publish(key.as_ref(), outcome),
+        }
+    }
 }
 
-impl Io for Glue<'_> {
-    type Wire = Wire;
-
+impl Effects for Glue<'_> {
     fn now_ms(&mut self) -> u64 {
         self.now()
     }
@@ -309,6 +317,14 @@ impl Io for Glue<'_> {
     fn local(&mut self) -> (&Table, &mut dyn SharedData) {
         (&self.shared.table, &mut self.sd)
     }
+
+    fn run(&mut self, c: Command<'_>) {
+        self.command(c)
+    }
+}
+
+impl Io for Glue<'_> {
+    type Wire = Wire;
 
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Wire>) -> Result<Wire, NotSent> {
         let shared = self.shared;
@@ -340,37 +356,6 @@ impl Io for Glue<'_> {
             },
         };
         self.dispatch(sent)
-    }
-
-    fn run(&mut self, c: Command<'_>) {
-        match c {
-            // The local release is counted as `release_local` counts it: not per route.
-            Command::Count(Count::Released) => self.shared.metrics.inc(Counter::Released),
-            Command::Count(c) => self.count(counter(c)),
-            Command::Log(level, line) => match level {
-                LogLevel::Error => error!("{line}"),
-                LogLevel::Warn => warn!("{line}"),
-                LogLevel::Info => info!("{line}"),
-                LogLevel::Debug => debug!("{line}"),
-            },
-            Command::Reply { req, problem, creator } => self.answer(req, problem, creator),
-            Command::Replay { req, record } => self.replay(req, &record),
-            Command::Write { what, skey, transition, fallback, fence } => {
-                self.shared.push_write_fenced(what, &skey, &transition, fallback.as_deref(), fence)
-            }
-            Command::KeyDerived { header, key } => {
-                // With `hold_headers: false` the request headers went upstream at their end,
-                // without the key (it was not known yet): the key protects the request here, and
-                // the upstream never sees it (Envoy no longer lends the map; a write would only
-                // be refused).
-                if self.shared.config.hold_headers {
-                    let _ = host::set_header(MapType::HttpRequestHeaders, header, Some(key));
-                }
-            }
-            Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
-            Command::Detach { req, claim, lock_deadline_ms } => self.detach(req, claim, lock_deadline_ms),
-            Command::Publish { key, outcome } => self.publish(key.as_ref(), outcome),
-        }
     }
 }
 

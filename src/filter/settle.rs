@@ -1,22 +1,23 @@
 //! What happens to a forwarded request's claim once its exchange is over: store the response,
 //! release the key, or mark the outcome unknown, in the local tier now and in the store through
-//! the root context. Shared by the router path (`on_log`) and detached forwarding (the root's
-//! callout answer).
+//! the root context. The root's settlements (detached forwarding's callout answer, redirects never
+//! followed) run `engine::machine::settle_claim`, as a request's own end does (`on_log`).
 
 use log::debug;
 
 use super::host::{self, Counter, HostShared};
 use super::Shared;
 use crate::decision::Outcome;
+use crate::engine::machine::{self, Command, Count, Effects, Ended, LogLevel as Level, Response};
 pub use crate::engine::settle::Claim;
-use crate::engine::settle::{self as engine, Command, Count, Level, Local, LocalAnswer};
+use crate::local::{SharedData, Table};
 use crate::record::{StoredResponse, UnknownReason};
 use crate::redirect::Handoff;
 
-/// Applies `outcome` to the claim (`engine::settle` decides; this carries its commands out).
-/// `detail` is appended to the log line. Returns the exchange's outcome slug (for Envoy's filter
-/// state): `stored`, `stored-without-body`, `lost-claim`, `released`, `marked-unknown`,
-/// `local-error` or `internal-state`.
+/// Applies `outcome` to the claim (`engine::machine::settle_claim`, as a request's own end does;
+/// this carries its commands out). `detail` is appended to the log line. Returns the exchange's
+/// outcome slug (for Envoy's filter state): `stored`, `stored-without-body`, `lost-claim`,
+/// `released`, `marked-unknown`, `local-error` or `internal-state`.
 pub fn settle(
     shared: &Shared,
     claim: &Claim,
@@ -26,64 +27,69 @@ pub fn settle(
     detail: &str,
 ) -> &'static str {
     let policy = shared.config.policy_at(claim.policy_index);
-    let now = host::now_ms();
     let has_store = shared.config.store.is_some();
-    let (machine, cmds) = engine::start(claim, policy, has_store, outcome, response, too_large, detail, now);
-    let mut answer = LocalAnswer::None;
-    for c in cmds {
-        if let Some(a) = run(shared, claim, c, now) {
-            answer = a;
-        }
-    }
-    let (cmds, slug) = machine.finish(answer);
-    for c in cmds {
-        run(shared, claim, c, now);
-    }
-    slug
+    let mut root = Root { shared, policy_index: claim.policy_index, now: host::now_ms(), sd: HostShared };
+    let ended = Ended { outcome, detail: detail.to_string() };
+    let response = Response { stored: response, too_large, complete: true };
+    machine::settle_claim(&mut root, claim, policy, has_store, ended, response)
 }
 
-/// Carries out one command; a local-tier operation's answer is returned.
-fn run(shared: &Shared, claim: &Claim, c: Command<'_>, now: u64) -> Option<LocalAnswer> {
-    let t = &shared.table;
-    match c {
-        Command::Write { what, transition, fallback } => {
-            shared.push_write(what, &claim.skey, &transition, fallback.as_deref());
-        }
-        Command::Local(Local::Complete(h, record)) => {
-            let done = t.complete(&mut HostShared, &h, *record, now).map_err(|e| format!("{e:?}"));
-            return Some(LocalAnswer::Completed(done));
-        }
-        Command::Local(Local::Release(h)) => {
-            return Some(LocalAnswer::Released(matches!(t.release(&mut HostShared, &h, now), Ok(true))));
-        }
-        Command::Local(Local::MarkUnknown(h, reason)) => {
-            if let Some(policy) = shared.config.policy_at(claim.policy_index) {
-                let _ = t.mark_unknown(&mut HostShared, &h, reason, now, policy);
+/// The root's side of a settlement: the clock read once, the claim's route for counters.
+struct Root<'a> {
+    shared: &'a Shared,
+    policy_index: usize,
+    now: u64,
+    sd: HostShared,
+}
+
+impl Effects for Root<'_> {
+    fn now_ms(&mut self) -> u64 {
+        self.now
+    }
+
+    fn local(&mut self) -> (&Table, &mut dyn SharedData) {
+        (&self.shared.table, &mut self.sd)
+    }
+
+    fn run(&mut self, c: Command<'_>) {
+        match c {
+            Command::Write { what, skey, transition, fallback, .. } => {
+                self.shared.push_write(what, &skey, &transition, fallback.as_deref());
             }
-            return Some(LocalAnswer::Marked);
+            // The local release is counted as `release_local` counts it: not per route.
+            Command::Count(Count::Released) => self.shared.metrics.inc(Counter::Released),
+            Command::Count(c) => self.shared.metrics.inc_for(counter(c), Some(self.policy_index)),
+            Command::Log(level, line) => match level {
+                Level::Error => log::error!("{line}"),
+                Level::Warn => log::warn!("{line}"),
+                Level::Info => log::info!("{line}"),
+                Level::Debug => log::debug!("{line}"),
+            },
+            // A settlement gives no other command.
+            _ => {}
         }
-        // The local release is counted as `release_local` counts it: not per route.
-        Command::Count(Count::Released) => shared.metrics.inc(Counter::Released),
-        Command::Count(c) => shared.metrics.inc_for(counter(c), Some(claim.policy_index)),
-        Command::Log(level, line) => match level {
-            Level::Error => log::error!("{line}"),
-            Level::Warn => log::warn!("{line}"),
-            Level::Info => log::info!("{line}"),
-            Level::Debug => log::debug!("{line}"),
-        },
     }
-    None
 }
 
-fn counter(c: Count) -> Counter {
+/// The glue's counter of the machine's `Count` of the same name.
+pub fn counter(c: Count) -> Counter {
     match c {
-        Count::InternalErrors => Counter::InternalErrors,
+        Count::Claimed => Counter::Claimed,
+        Count::TakenOver => Counter::TakenOver,
+        Count::LocalEvictions => Counter::LocalEvictions,
+        Count::LocalErrors => Counter::LocalErrors,
+        Count::StoreErrors => Counter::StoreErrors,
+        Count::StorePassed => Counter::StorePassed,
+        Count::StoreReplays => Counter::StoreReplays,
+        Count::StoreAnswersTooLate => Counter::StoreAnswersTooLate,
+        Count::RecordUnauthentic => Counter::RecordUnauthentic,
+        Count::UnknownOutcome => Counter::UnknownOutcome,
+        Count::LostClaim => Counter::LostClaim,
+        Count::DerivedKeys => Counter::DerivedKeys,
+        Count::Released => Counter::Released,
         Count::Stored => Counter::Stored,
         Count::StoredWithoutBody => Counter::StoredWithoutBody,
-        Count::LostClaim => Counter::LostClaim,
-        Count::LocalErrors => Counter::LocalErrors,
-        Count::UnknownOutcome => Counter::UnknownOutcome,
-        Count::Released => Counter::Released,
+        Count::InternalErrors => Counter::InternalErrors,
     }
 }
 
