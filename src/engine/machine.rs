@@ -345,14 +345,38 @@ impl<W> Machine<W> {
         }
     }
 
-    /// Enters a phase the driver handles itself (MCP body, passed, answered, held, a redirect
-    /// adopted): the machine's phase is replaced.
-    pub fn set(&mut self, phase: Phase<W>) {
-        self.phase = phase;
+    /// A POST on an MCP route: its body is read by the driver, which then gives the machine a
+    /// protected call (`protect_with`) or passes it.
+    pub fn await_mcp_body(&mut self, route: usize, policy: Arc<Policy>, head: RequestHead) {
+        self.phase = Phase::McpBody { route, policy, head };
     }
 
-    /// Takes the phase out (the driver's own paths: MCP, redirects, the end of the exchange).
-    pub fn take(&mut self) -> Phase<W> {
+    /// The MCP POST's route, policy and head, taken out to read its body (the phase is `Pass`
+    /// until the driver gives it back or protects the call).
+    pub fn take_mcp_body(&mut self) -> Option<(usize, Arc<Policy>, RequestHead)> {
+        match self.take() {
+            Phase::McpBody { route, policy, head } => Some((route, policy, head)),
+            other => {
+                self.phase = other;
+                None
+            }
+        }
+    }
+
+    /// A stream Envoy re-created for an internal redirect continues the claim its first stream
+    /// handed over: forwarded under it, settled at this stream's end.
+    pub fn adopt(&mut self, req: Protected, claim: Claimed) {
+        self.phase = Phase::Forwarded { req, claim, response: Response::default(), redirected: true };
+    }
+
+    /// The request is over for the machine (its claim handed over to a re-created stream, or
+    /// its exchange logged): every callback continues.
+    pub fn end(&mut self) {
+        self.phase = Phase::Pass;
+    }
+
+    /// Takes the phase out, leaving `Pass`: each input starts so and leaves the next phase.
+    fn take(&mut self) -> Phase<W> {
         std::mem::replace(&mut self.phase, Phase::Pass)
     }
 
@@ -1006,8 +1030,8 @@ impl<W> Machine<W> {
 
 /// Settles `claim` (`engine::settle`), the local tier's commands carried out through `io` and
 /// the rest (writes, counts, logs) given to it. Returns the outcome slug.
-pub fn settle_claim<I: Effects + ?Sized>(
-    io: &mut I,
+pub fn settle_claim(
+    io: &mut dyn Effects,
     claim: &Claim,
     policy: Option<&Policy>,
     has_store: bool,
@@ -1030,8 +1054,8 @@ pub fn settle_claim<I: Effects + ?Sized>(
     slug
 }
 
-fn settle_command<I: Effects + ?Sized>(
-    io: &mut I,
+fn settle_command(
+    io: &mut dyn Effects,
     claim: &Claim,
     policy: Option<&Policy>,
     c: settle::Command<'_>,

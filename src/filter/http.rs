@@ -440,7 +440,7 @@ impl Http {
                 if !self.shared.config.hold_headers && !forbid_router_retries(&mut head) {
                     return self.broken(None, Broken::HostCallFailed, "mcp_retry_guard", Holding::Nothing);
                 }
-                self.machine.set(Phase::McpBody { route, policy, head });
+                self.machine.await_mcp_body(route, policy, head);
                 if self.shared.config.hold_headers {
                     Action::Pause
                 } else {
@@ -553,7 +553,7 @@ impl Http {
         if end_of_stream {
             self.mcp_body_complete(route, policy, head)
         } else {
-            self.machine.set(Phase::McpBody { route, policy, head });
+            self.machine.await_mcp_body(route, policy, head);
             Action::Pause
         }
     }
@@ -570,7 +570,6 @@ impl Http {
     fn mcp_body_complete(&mut self, route: usize, policy: Arc<Policy>, mut head: RequestHead) -> Action {
         let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
         self.release_budget();
-        self.machine.set(Phase::Pass);
         let call = match request::at_mcp_body(&policy, &head, &body) {
             AtMcpBody::Pass => {
                 reply::forget_mcp(self.context_id);
@@ -637,7 +636,7 @@ impl Http {
                     }
                     Err(h) => {
                         let key = self.machine.protected().and_then(Protected::published_key).copied();
-                        self.machine.set(Phase::Pass);
+                        self.machine.end();
                         let outcome = settle::hand_over(&self.shared, h);
                         let (_, mut io) = self.split();
                         io.publish(key.as_ref(), outcome);
@@ -661,7 +660,7 @@ impl Http {
             }
             _ => {}
         }
-        self.machine.set(Phase::Pass);
+        self.machine.end();
     }
 
     fn release_budget(&mut self) {
@@ -751,7 +750,7 @@ impl Http {
         }
         debug!("{}", log_line(Some(&req), "redirect_followed", &format!("from={}", h.url)));
         let claim = Claimed { handle: c.handle, fp: c.fp, in_store: c.in_store };
-        self.machine.set(Phase::Forwarded { req, claim, response: Response::default(), redirected: true });
+        self.machine.adopt(req, claim);
         Action::Continue
     }
 
@@ -928,9 +927,9 @@ impl HttpContext for Http {
         self.callback(meter::Callback::RequestBody);
         match self.machine.phase() {
             Phase::Waiting { .. } => self.request_body(body_size, end_of_stream),
-            Phase::McpBody { .. } => match self.machine.take() {
-                Phase::McpBody { route, policy, head } => self.mcp_body(route, policy, head, body_size, end_of_stream),
-                _ => Action::Continue,
+            Phase::McpBody { .. } => match self.machine.take_mcp_body() {
+                Some((route, policy, head)) => self.mcp_body(route, policy, head, body_size, end_of_stream),
+                None => Action::Continue,
             },
             // Paused on a store call: keep buffering.
             Phase::Calling { .. } => Action::Pause,
@@ -946,9 +945,9 @@ impl HttpContext for Http {
                 let trailers = host::all_headers(MapType::HttpRequestTrailers);
                 self.body_complete(Some(trailers))
             }
-            Phase::McpBody { .. } => match self.machine.take() {
-                Phase::McpBody { route, policy, head } => self.mcp_body_complete(route, policy, head),
-                _ => Action::Continue,
+            Phase::McpBody { .. } => match self.machine.take_mcp_body() {
+                Some((route, policy, head)) => self.mcp_body_complete(route, policy, head),
+                None => Action::Continue,
             },
             Phase::Calling { .. } => Action::Pause,
             _ => Action::Continue,
