@@ -22,7 +22,7 @@ use crate::engine::settle::{self, Claim, Command, Local, LocalAnswer};
 use crate::failsafe::Holding;
 use crate::lifecycle::{self, Event, Facts};
 use crate::local::memory::MemoryShared;
-use crate::local::{Handle, Table};
+use crate::local::{Handle, Seen, Table};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, Stage, State, StoredResponse, UnknownReason};
@@ -206,8 +206,8 @@ pub struct Callout {
 pub enum Phase {
     /// Sent by the client; its headers not yet seen by its proxy.
     New,
-    /// Its headers seen; its body to come, holding `handle` (a local claim) if set.
-    Body { handle: Option<Handle> },
+    /// Its headers seen; its body to come, holding nothing (`seen`: its bucket as read then).
+    Body { seen: Option<Box<Seen>> },
     /// Paused on store callout `call`.
     Calling { asked: Asked, sent: Sent, call: usize },
     /// Forwarded under `claim`: the upstream has it.
@@ -415,7 +415,7 @@ impl World {
 
     /// The request's whole body arrives (`http.rs` `body_complete`).
     pub fn body(&mut self, r: usize) {
-        let Phase::Body { handle } = self.reqs[r].phase.clone() else { panic!("request {r} waits for no body") };
+        let Phase::Body { seen } = self.reqs[r].phase.clone() else { panic!("request {r} waits for no body") };
         let policy = self.policy(r);
         let (scope, mut head, body) = match &self.reqs[r].admitted {
             Some(a) => (a.scope, self.reqs[r].head.clone(), self.reqs[r].body.clone()),
@@ -427,16 +427,9 @@ impl World {
         let (now, mode, skey) = (self.now, self.store_mode(), self.skey(r));
         let (owner, creator) = (self.reqs[r].owner, self.reqs[r].creator.clone());
         let p = &mut self.proxies[self.reqs[r].proxy];
-        let step = match handle {
-            Some(h) => {
-                let marked = p.table.mark_forwarded(&mut p.sd, &h, fp, now, &policy);
-                request::after_mark_forwarded(marked, h, fp, mode, now)
-            }
-            None => {
-                let begun = p.table.begin(&mut p.sd, skey, Some(fp), now, &policy, owner, &creator);
-                request::after_local(begun, Some(fp), mode, now)
-            }
-        };
+        let seen = seen.map(|s| *s);
+        let begun = p.table.begin_after(&mut p.sd, skey, Some(fp), now, &policy, owner, &creator, seen);
+        let step = request::after_local(begun, Some(fp), mode, now);
         self.run(r, step);
     }
 
@@ -446,8 +439,8 @@ impl World {
         let lt = Lifetimes::of(&policy);
         let (skey, owner, now) = (self.skey(r), self.reqs[r].owner, self.now);
         match step {
-            Step::WaitForBody { handle } => self.reqs[r].phase = Phase::Body { handle },
-            Step::PauseForBody => self.reqs[r].phase = Phase::Body { handle: None },
+            Step::WaitForBody { seen } => self.reqs[r].phase = Phase::Body { seen: seen.map(Box::new) },
+            Step::PauseForBody => self.reqs[r].phase = Phase::Body { seen: None },
             Step::ClaimInStore { handle, fp } => {
                 let record = Record::in_progress(fp, self.reqs[r].creator.clone(), owner, now, &lt);
                 let call = self.call(Caller::Request(r), Op::Claim { skey, owner, record, lifetimes: lt });
@@ -513,10 +506,6 @@ impl World {
             Step::UnknownStands { .. } => self.done(r, Answer::Problem(ProblemKind::OutcomeUnknown.slug())),
             Step::LocalFailed(_) => {
                 let p = ProblemKind::StoreUnavailable { retry_after_seconds: 1 };
-                self.done(r, Answer::Problem(p.slug()));
-            }
-            Step::ClaimLost => {
-                let p = ProblemKind::InFlight { retry_after_seconds: 1 };
                 self.done(r, Answer::Problem(p.slug()));
             }
             Step::PassUnprotected => {

@@ -38,7 +38,7 @@ use crate::engine::request::{
 use crate::etcd::Fence;
 use crate::failsafe::{self, Broken, Holding};
 use crate::fingerprint::Fingerprint;
-use crate::local::{Begin, Handle, LocalError};
+use crate::local::{Begin, Handle, LocalError, Seen};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
@@ -58,8 +58,9 @@ enum Phase {
     /// A POST on an MCP route (`protocol: "mcp"`): whether it is protected is known only from
     /// its whole body (`mcp_body_complete`); nothing is held yet.
     McpBody { route: usize, policy: Arc<Policy>, head: RequestHead },
-    /// Protected; waiting for the whole body (a local claim is held if `handle` is set).
-    Waiting { req: Protected, handle: Option<Handle> },
+    /// Protected; waiting for the whole body, holding nothing (`seen`: the key's bucket as read
+    /// at headers, for the claim at the body's end).
+    Waiting { req: Protected, seen: Option<Seen> },
     /// A store call is in flight (claim-or-read, a take-over, or a read); the request is paused.
     Calling { req: Protected, call: Call },
     /// Forwarded upstream under our claim(s); its response is copied while it flows.
@@ -339,10 +340,6 @@ impl Http {
         self.call(req, sent, None, fp, Asked::Settled, None)
     }
 
-    fn in_flight(&mut self, req: &Protected) -> Action {
-        self.answer(Some(req), ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS }, None)
-    }
-
     /// A "cannot happen" branch: refuse by the one rule (`failsafe::refuse`), never forward.
     /// `branch` names the branch in the log line; `handle` is the local claim held, if any.
     fn fail_closed(
@@ -436,8 +433,8 @@ impl Http {
     /// the body callbacks return `Pause` (Envoy buffers the body): the upstream never receives the
     /// request's end before the claim, and a request refused then is answered locally, which
     /// resets its upstream stream (a request never complete, never executed).
-    fn wait_for_body(&mut self, req: Protected, handle: Option<Handle>) -> Action {
-        self.phase = Phase::Waiting { req, handle };
+    fn wait_for_body(&mut self, req: Protected, seen: Option<Seen>) -> Action {
+        self.phase = Phase::Waiting { req, seen };
         if self.shared.config.hold_headers {
             Action::Pause
         } else {
@@ -455,8 +452,10 @@ impl Http {
         )
     }
 
-    fn begin(&self, req: &Protected, fp: Option<Fingerprint>) -> Result<Begin, LocalError> {
-        self.shared.table.begin(&mut HostShared, req.skey, fp, self.now(), &req.policy, req.owner, &req.creator)
+    /// The local tier's `begin` (`seen`: the bucket as read at headers).
+    fn begin(&self, req: &Protected, fp: Option<Fingerprint>, seen: Option<Seen>) -> Result<Begin, LocalError> {
+        let t = &self.shared.table;
+        t.begin_after(&mut HostShared, req.skey, fp, self.now(), &req.policy, req.owner, &req.creator, seen)
     }
 
     /// Acts on the local tier's answer. `fp` is set once the body is complete.
@@ -480,14 +479,9 @@ impl Http {
     /// value a store answer decided on, which a take-over or stale-to-unknown compares.
     fn run(&mut self, req: Protected, step: Step, fence: Option<Fence>) -> Action {
         match step {
-            Step::WaitForBody { handle } => {
-                if handle.is_some() {
-                    debug!("{}", log_line(Some(&req), "claimed", "waiting_for_body=true"));
-                }
-                self.wait_for_body(req, handle)
-            }
+            Step::WaitForBody { seen } => self.wait_for_body(req, seen),
             Step::PauseForBody => {
-                self.phase = Phase::Waiting { req, handle: None };
+                self.phase = Phase::Waiting { req, seen: None };
                 Action::Pause
             }
             Step::ClaimInStore { handle, fp } => self.claim_in_store(req, handle, fp),
@@ -530,10 +524,6 @@ impl Http {
                 self.answer(Some(&req), ProblemKind::OutcomeUnknown, None)
             }
             Step::LocalFailed(e) => self.local_error(&req, e),
-            Step::ClaimLost => {
-                self.count(Counter::LostClaim);
-                self.in_flight(&req)
-            }
             Step::PassUnprotected => {
                 self.publish(req.published_key(), "passed-unprotected");
                 self.phase = Phase::Pass;
@@ -840,7 +830,7 @@ impl Http {
     }
 
     /// The whole body is here: fingerprint it and go on.
-    fn body_complete(&mut self, mut req: Protected, handle: Option<Handle>) -> Action {
+    fn body_complete(&mut self, mut req: Protected, seen: Option<Seen>) -> Action {
         crash_point(&req, "body");
         let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
         self.release_budget();
@@ -859,17 +849,8 @@ impl Http {
         if keep_body {
             req.body = body;
         }
-        match handle {
-            Some(handle) => {
-                let marked = self.shared.table.mark_forwarded(&mut HostShared, &handle, fp, self.now(), &req.policy);
-                let step = request::after_mark_forwarded(marked, handle, fp, self.store_mode(), self.now());
-                self.run(req, step, None)
-            }
-            None => {
-                let begun = self.begin(&req, Some(fp));
-                self.act(req, begun, Some(fp))
-            }
-        }
+        let begun = self.begin(&req, Some(fp), seen);
+        self.act(req, begun, Some(fp))
     }
 
     /// `derive_key.include_body`: the key (and so the storage key) is known only now (the engine
@@ -898,14 +879,6 @@ impl Http {
 
     fn release_local(&self, handle: Option<Handle>) {
         settle::release_local(&self.shared, handle, self.now());
-    }
-
-    /// Frees a local claim whose request was never forwarded (refused or abandoned).
-    fn release_unforwarded(&self, req: &Protected, handle: Option<Handle>) {
-        if handle.is_some() {
-            self.release_local(handle);
-            debug!("{}", log_line(Some(req), "released", "reason=never_forwarded"));
-        }
     }
 
     /// A forwarded exchange Envoy ended for an internal redirect (the router took the upstream's
@@ -1183,18 +1156,19 @@ impl HttpContext for Http {
             }
             // No body: the fingerprint is known now.
             let fp = request::fingerprint_without_body(&req.policy, &req.head);
-            let begun = self.begin(&req, Some(fp));
+            let begun = self.begin(&req, Some(fp), None);
             return self.act(req, begun, Some(fp));
         }
-        // Claim at headers: concurrent duplicates get a 409 without buffering their bodies.
-        let begun = self.begin(&req, None);
+        // Look at headers (nothing is claimed before the body is whole): a key held by a live
+        // claim gets its 409 without buffering the body.
+        let begun = self.begin(&req, None, None);
         self.act(req, begun, None)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         self.callback(meter::Callback::RequestBody);
         match std::mem::replace(&mut self.phase, Phase::Pass) {
-            Phase::Waiting { req, handle } => self.request_body(req, handle, body_size, end_of_stream),
+            Phase::Waiting { req, seen } => self.request_body(req, seen, body_size, end_of_stream),
             Phase::McpBody { route, policy, head } => self.mcp_body(route, policy, head, body_size, end_of_stream),
             // Paused on a store call: keep buffering.
             p @ Phase::Calling { .. } => {
@@ -1211,10 +1185,10 @@ impl HttpContext for Http {
     fn on_http_request_trailers(&mut self, _n: usize) -> Action {
         self.callback(meter::Callback::RequestBody);
         match std::mem::replace(&mut self.phase, Phase::Pass) {
-            Phase::Waiting { mut req, handle } => {
+            Phase::Waiting { mut req, seen } => {
                 // Trailers reach the upstream with the request: part of its fingerprint.
                 req.head.trailers = host::all_headers(MapType::HttpRequestTrailers);
-                self.body_complete(req, handle)
+                self.body_complete(req, seen)
             }
             Phase::McpBody { route, policy, head } => self.mcp_body_complete(route, policy, head),
             p @ Phase::Calling { .. } => {
@@ -1303,18 +1277,12 @@ impl HttpContext for Http {
 
 impl Http {
     /// `Phase::Waiting`: a chunk of a protected request's body (`body_size` bytes so far).
-    fn request_body(
-        &mut self,
-        req: Protected,
-        handle: Option<Handle>,
-        body_size: usize,
-        end_of_stream: bool,
-    ) -> Action {
+    fn request_body(&mut self, req: Protected, seen: Option<Seen>, body_size: usize, end_of_stream: bool) -> Action {
         self.body_size = body_size;
         // The branch a policy lost while the body arrives would take (fault tests only).
         if fault_point(&req, "policy-lost-at-body") {
             self.release_budget();
-            return self.fail_closed(Some(&req), Broken::PolicyMissing, "request_body", handle, holding(handle));
+            return self.fail_closed(Some(&req), Broken::PolicyMissing, "request_body", None, Holding::Nothing);
         }
         let b = &self.shared.buffered;
         let max = self.shared.config.max_buffered_bytes;
@@ -1322,15 +1290,14 @@ impl Http {
             Ok(delta) => b.set(b.get() + delta),
             Err(p) => {
                 self.release_budget();
-                self.release_unforwarded(&req, handle);
                 return self.answer(Some(&req), p, None);
             }
         }
         self.budgeted = body_size as u64;
         if end_of_stream {
-            self.body_complete(req, handle)
+            self.body_complete(req, seen)
         } else {
-            self.phase = Phase::Waiting { req, handle };
+            self.phase = Phase::Waiting { req, seen };
             Action::Pause
         }
     }
@@ -1420,7 +1387,7 @@ impl Http {
             body: if detached { body } else { vec![] },
         };
         debug!("{}", log_line(Some(&req), "mcp_tools_call", &format!("tool={tool}")));
-        let begun = self.begin(&req, Some(fp));
+        let begun = self.begin(&req, Some(fp), None);
         self.act(req, begun, Some(fp))
     }
 
@@ -1441,10 +1408,9 @@ impl Http {
                 };
                 self.publish(req.published_key(), outcome);
             }
-            Phase::Waiting { req, handle } => {
-                // The client left (or the stream was reset) before the body was complete: the
-                // request was never forwarded, so a retry may execute it.
-                self.release_unforwarded(&req, handle);
+            Phase::Waiting { req, .. } => {
+                // The client left (or the stream was reset) before the body was complete: it
+                // held nothing (the claim is made at the body's end).
                 self.publish(req.published_key(), ABANDONED);
             }
             Phase::Calling { req, call } => {
