@@ -183,7 +183,7 @@ fn main() {
     // bucket bytes of the fullest one.
     for n in 0..(32 * table.buckets() as u64) {
         let sk = StorageKey::derive(&policy.namespace, &scope, &numbered_key("fill", n));
-        let _ = table.begin(&mut sd, sk, None, 1_000, policy, OwnerToken([1; 16]), &creator);
+        let _ = table.begin(&mut sd, sk, Some(fp), 1_000, policy, OwnerToken([1; 16]), &creator);
     }
     let bucket_bytes = sd
         .entries()
@@ -224,10 +224,14 @@ fn main() {
     let mut claimed = 0u64;
     b.step("local_claim_forward_complete", |i| {
         let sk = StorageKey::derive(&policy.namespace, &scope, &numbered_key("k", i));
+        // The filter's path: a look at headers, the claim at the body's end on that read.
+        let seen = match table.begin(&mut sd2, sk, None, 1_000 + i, policy, OwnerToken([4; 16]), &creator) {
+            Ok(Begin::NeedFingerprint { seen }) => seen,
+            _ => None,
+        };
         if let Ok(Begin::Claimed { handle, .. }) =
-            table.begin(&mut sd2, sk, None, 1_000 + i, policy, OwnerToken([4; 16]), &creator)
+            table.begin_after(&mut sd2, sk, Some(fp), 1_000 + i, policy, OwnerToken([4; 16]), &creator, seen)
         {
-            let _ = table.mark_forwarded(&mut sd2, &handle, fp, 1_000 + i, policy);
             let r = Record::completed(fp, response.clone(), false, creator.clone(), 1_000 + i, 86_400);
             if matches!(table.complete(&mut sd2, &handle, r, 1_000 + i), Ok(Completed::Stored)) {
                 claimed += 1;
@@ -238,7 +242,7 @@ fn main() {
         eprintln!("hot_path: no claim was completed");
         std::process::exit(2);
     }
-    // A first request (claim, forwarded, completed) into a bucket at realistic occupancy: 32
+    // A first request (looked at, claimed, completed) into a bucket at realistic occupancy: 32
     // records (a bucket's average at `max_entries`) and 64 (a full bucket). A table of at most 64
     // records is one bucket of that width: filled with completed records, each new key takes the
     // place of the oldest (`evict_oldest`, no floor), so the occupancy stays put.
@@ -257,9 +261,12 @@ fn main() {
         let first_request = |sd: &mut Map, i: u64| {
             let sk = StorageKey::derive(&policy.namespace, &scope, &numbered_key("o", i));
             let now = 1_000 + i;
-            match t.begin(sd, sk, None, now, policy, OwnerToken([5; 16]), &creator) {
+            let seen = match t.begin(sd, sk, None, now, policy, OwnerToken([5; 16]), &creator) {
+                Ok(Begin::NeedFingerprint { seen }) => seen,
+                _ => None,
+            };
+            match t.begin_after(sd, sk, Some(fp), now, policy, OwnerToken([5; 16]), &creator, seen) {
                 Ok(Begin::Claimed { handle, .. }) => {
-                    let _ = t.mark_forwarded(sd, &handle, fp, now, policy);
                     let r = Record::completed(fp, response.clone(), false, creator.clone(), now, 86_400);
                     matches!(t.complete(sd, &handle, r, now), Ok(Completed::Stored))
                 }

@@ -87,7 +87,7 @@ impl Summary {
     /// The one rule for "does this record still hold its key": a record is free (the key may be
     /// claimed again) once it is past its expiry **and** holds no live lock. A claim whose lock is
     /// live is never free, whatever its expiry. `decide`, the local tier (lookups, free positions,
-    /// sweeps, `mark_forwarded`) and the store tier (the decision on a store answer, and the
+    /// sweeps) and the store tier (the decision on a store answer, and the
     /// take-over it sends, whose script re-checks the lock by Redis's clock) all use it.
     pub fn is_free(&self, now_ms: u64) -> bool {
         now_ms >= self.expires_at_ms && !self.lock_is_live(now_ms)

@@ -386,8 +386,8 @@ fn decode_entry(r: &[u8], width: usize, next: usize) -> Option<(usize, Entry, &[
 }
 
 /// A bucket's value read without decoding its entries: where each entry lies, and the bytes the
-/// bucket counts. An operation on one entry (`Table::complete`, `Table::mark_forwarded`) decodes
-/// only that one (and those of its key) and writes the same value back with that entry replaced:
+/// bucket counts. An operation on one entry (`Table::complete`) decodes
+/// only that one and writes the same value back with that entry replaced:
 /// byte for byte what `Bucket::decode`, a change to that entry and `Bucket::encode` give.
 struct RawBucket {
     bytes: Vec<u8>,
@@ -397,8 +397,7 @@ struct RawBucket {
     counted: u64,
 }
 
-/// Where, in an entry, its storage key and its body bytes lie.
-const ENTRY_SKEY_AT: usize = 2;
+/// Where, in an entry, its body bytes lie.
 const ENTRY_BODY_BYTES_AT: usize = 2 + 107;
 
 impl RawBucket {
@@ -450,19 +449,6 @@ impl RawBucket {
         decode_entry(self.bytes.get(at..at + len)?, BUCKET_WIDTH.max(j + 1), 0).map(|(_, e, _)| e)
     }
 
-    /// Positions other than `j` whose entry has storage key `skey`, decoded.
-    fn others_with_key(&self, j: usize, skey: &StorageKey) -> Vec<Entry> {
-        self.entries
-            .iter()
-            .filter(|(p, at, _)| {
-                *p != j && self.bytes.get(at + ENTRY_SKEY_AT..at + ENTRY_SKEY_AT + 32) == Some(skey.0.as_slice())
-            })
-            .filter_map(|(p, at, len)| {
-                decode_entry(self.bytes.get(*at..at + len)?, BUCKET_WIDTH.max(p + 1), 0).map(|(_, e, _)| e)
-            })
-            .collect()
-    }
-
     /// The value with the (occupied) entry at position `j` replaced by `e`; `None` when `j` is
     /// empty.
     fn with_entry(&self, j: usize, e: &Entry) -> Option<Vec<u8>> {
@@ -487,17 +473,26 @@ pub struct Handle {
 /// The result of `Table::begin`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Begin {
-    /// This request now holds the key: forward it (after `mark_forwarded` when the claim was made
-    /// before the fingerprint was known).
+    /// This request now holds the key, forwarded (made only with the fingerprint): forward it.
     Claimed { handle: Handle, took_over: bool, evicted: bool },
     /// Completed before: replay this record.
     Replay(Record),
     /// Answer with this problem; `creator` names the run that made the record, when known.
     Reject { problem: ProblemKind, creator: Option<Creator>, marked_unknown: bool },
-    /// The decision needs the fingerprint: buffer the body, then call `begin` again with it.
-    NeedFingerprint,
+    /// The decision needs the fingerprint: buffer the body, then call `begin_after` with it and
+    /// `seen` (the bucket as read now, when the key was free to claim).
+    NeedFingerprint { seen: Option<Seen> },
     /// The key's bucket holds only unexpired records that may not be evicted.
     Full,
+}
+
+/// A key's bucket as `begin` read it at request headers, with its CAS (`Begin::NeedFingerprint`):
+/// the claim at the body's end makes its first CAS on it (`Table::begin_after`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Seen {
+    bucket: u32,
+    value: Bucket,
+    cas: u32,
 }
 
 /// A live record read without claiming anything (`Table::peek`).
@@ -733,8 +728,15 @@ impl Table {
     }
 
     /// Looks the key up and, when it is free (or a stale claim that never forwarded), claims it
-    /// atomically: one read and one CAS of the key's bucket. `fp` is `None` at request headers.
-    /// The claim keeps `creator` in its entry (a 409 names it).
+    /// atomically: one read and one CAS of the key's bucket, the claim forwarded at once (it
+    /// carries its fingerprint). The claim keeps `creator` in its entry (a 409 names it).
+    ///
+    /// `fp` is `None` at request headers: then nothing is claimed or taken over. What the key
+    /// holds is answered at once (a live claim: 409; a full bucket: 503; a stale forwarded claim
+    /// marked outcome-unknown), and otherwise `NeedFingerprint` carries the bucket as read with
+    /// its CAS (`Seen`), which the claim at the body's end (`begin_after`) makes its first CAS
+    /// on: a first request reads its bucket once. A request whose body is still uploading holds
+    /// nothing, so a client that gives up mid-upload leaves no claim behind.
     #[allow(clippy::too_many_arguments)]
     pub fn begin(
         &self,
@@ -746,10 +748,37 @@ impl Table {
         owner: OwnerToken,
         creator: &Creator,
     ) -> Result<Begin, LocalError> {
+        self.begin_after(sd, skey, fp, now_ms, policy, owner, creator, None)
+    }
+
+    /// `begin` with the bucket read at headers (`seen`, from `Begin::NeedFingerprint`). Its CAS
+    /// proves it current: a claim, take-over or outcome-unknown mark decided on it is written with
+    /// that CAS, and a bucket changed since fails it and is read again. A decision that writes
+    /// nothing (replay, refusal, full) is never made on it: the bucket is read again first. A
+    /// `seen` of another bucket (a key derived from the body) is ignored.
+    #[allow(clippy::too_many_arguments)]
+    pub fn begin_after(
+        &self,
+        sd: &mut dyn SharedData,
+        skey: StorageKey,
+        fp: Option<Fingerprint>,
+        now_ms: u64,
+        policy: &Policy,
+        owner: OwnerToken,
+        creator: &Creator,
+        seen: Option<Seen>,
+    ) -> Result<Begin, LocalError> {
         let i = self.bucket_of(&skey);
         let mut v3_checked = false;
-        for _ in 0..MAX_CAS_RETRIES {
-            let (mut bucket, cas) = self.read_bucket(sd, i)?;
+        let mut seen = seen.filter(|s| s.bucket == i);
+        for _ in 0..MAX_CAS_RETRIES + usize::from(seen.is_some()) {
+            let (mut bucket, cas, from_headers) = match seen.take() {
+                Some(s) => (s.value, s.cas, true),
+                None => {
+                    let (b, cas) = self.read_bucket(sd, i)?;
+                    (b, cas, false)
+                }
+            };
             let live = bucket.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.holds(&skey, now_ms)));
             let lookup = match live.and_then(|j| bucket.positions.get(j)).and_then(|p| p.as_ref()) {
                 Some(e) => Lookup::Found(e.summary()),
@@ -758,8 +787,8 @@ impl Table {
             let decision = decide(lookup, fp.as_ref(), now_ms, policy, crate::config::OnUnavailable::Reject);
             if !v3_checked && (live.is_none() || decision == Decision::TakeOver) {
                 // A key this table does not hold, or holds only by a stale claim that never
-                // forwarded (one made at headers and refused at `mark_forwarded` because the v3
-                // module claimed the key meanwhile), may still be held by the v3 module this one
+                // forwarded (one made at headers by a module of before claims moved to the body's
+                // end), may still be held by the v3 module this one
                 // replaced: its record answers, and nothing is claimed or taken over while it
                 // holds the key.
                 if let Some(answer) = self.answer_from_v3(sd, &skey, fp.as_ref(), now_ms, policy)? {
@@ -768,15 +797,27 @@ impl Table {
                 v3_checked = true;
             }
             let lifetimes = Lifetimes::of(policy);
-            let forwarding = fp.is_some();
+            let writes = matches!(decision, Decision::MarkUnknown)
+                || (fp.is_some() && matches!(decision, Decision::Claim | Decision::TakeOver));
+            if from_headers && !writes {
+                // Only a CAS proves the headers' read current: decide again on a fresh one.
+                continue;
+            }
             let target = match (&decision, live) {
                 (Decision::Claim, _) => match self.place(&bucket, now_ms) {
                     Some(place) => Some((place, false)),
+                    None if from_headers => continue,
                     None => return Ok(Begin::Full),
                 },
                 (Decision::TakeOver, Some(j)) => Some((Place { position: j, evicted_age_ms: None }, true)),
                 _ => None,
             };
+            if fp.is_none() && target.is_some() {
+                // Request headers: claim nothing until the body is whole (the bucket goes to the
+                // claim at its end).
+                return Ok(Begin::NeedFingerprint { seen: Some(Seen { bucket: i, value: bucket, cas }) });
+            }
+            let forwarding = true;
             if let Some((place, took_over)) = target {
                 // The one lifecycle says what the claim becomes: a new claim of an empty, free or
                 // evicted position, or a take-over of a stale claim; anything else is refused.
@@ -863,7 +904,7 @@ impl Table {
                     let creator = j.and_then(|j| self.creator_of(sd, i, j, bucket.positions.get(j)?.as_ref()?));
                     return Ok(Begin::Reject { problem, creator, marked_unknown: false });
                 }
-                (Decision::NeedFingerprint, _) => return Ok(Begin::NeedFingerprint),
+                (Decision::NeedFingerprint, _) => return Ok(Begin::NeedFingerprint { seen: None }),
                 // Claim and TakeOver were handled above; PassUnprotected cannot come from the
                 // local tier; MarkUnknown and Replay always have a live position.
                 _ => return Err(LocalError::Corrupt),
@@ -896,7 +937,7 @@ impl Table {
                     marked_unknown: false,
                 },
             },
-            Decision::NeedFingerprint => Begin::NeedFingerprint,
+            Decision::NeedFingerprint => Begin::NeedFingerprint { seen: None },
             Decision::Reject(problem) => Begin::Reject { problem, creator: creator(sd), marked_unknown: false },
             Decision::MarkUnknown => {
                 Begin::Reject { problem: ProblemKind::OutcomeUnknown, creator: creator(sd), marked_unknown: false }
@@ -999,57 +1040,6 @@ impl Table {
             f(&mut bucket, to);
             if self.write_bucket(sd, h.bucket, &bucket, cas)? {
                 return Ok(Ok(to));
-            }
-        }
-        Err(LocalError::Contended)
-    }
-
-    /// A claim made at headers becomes in progress with its fingerprint, just before forwarding.
-    /// Forwarding requires a claim that is still the key's only live claim: the position is still
-    /// ours, and no other position holds the key (a retry may have claimed it elsewhere while our
-    /// claim, made before a slow upload, had expired). Both are checked in the same CAS of the
-    /// bucket that marks us forwarded. The lock restarts now and the expiry becomes a forwarded
-    /// claim's (`Stage::Forwarded`: the lock, then `unknown_outcome_seconds`). After a reload
-    /// from v3, a key the replaced module claimed meanwhile is not forwarded either (and our claim
-    /// is released). `Ok(false)`: do not forward.
-    pub fn mark_forwarded(
-        &self,
-        sd: &mut dyn SharedData,
-        h: &Handle,
-        fp: Fingerprint,
-        now_ms: u64,
-        policy: &Policy,
-    ) -> Result<bool, LocalError> {
-        if let Some(old) = &self.v3 {
-            if old.holder(sd, &h.skey, now_ms)?.is_some() {
-                // Not forwarded: our claim is freed (owner-checked; the request never left), so
-                // the v3 record answers the key's retries instead of our claim until its lock is
-                // stale.
-                let _ = self.release(sd, h, now_ms);
-                return Ok(false);
-            }
-        }
-        let lifetimes = Lifetimes::of(policy);
-        for _ in 0..MAX_CAS_RETRIES {
-            // Only our entry and those of our key are decoded (`RawBucket`).
-            let (raw, cas) = self.read_raw(sd, h.bucket)?;
-            if h.position >= self.width {
-                return Err(LocalError::Corrupt);
-            }
-            let superseded = raw.others_with_key(h.position, &h.skey).iter().any(|e| e.holds(&h.skey, now_ms));
-            let slot = raw.entry(h.position);
-            let Ok(stage) = step(&slot, Event::Forward, Some(h), now_ms) else { return Ok(false) };
-            let Some(mut e) = slot else { return Ok(false) };
-            if superseded {
-                return Ok(false);
-            }
-            e.stage = stage;
-            e.fingerprint = Some(fp);
-            e.lock_expires_at_ms = lifetimes.lock_expires_at(now_ms);
-            e.expires_at_ms = lifetimes.expires_at(Stage::Forwarded, now_ms);
-            let Some(value) = raw.with_entry(h.position, &e) else { return Err(LocalError::Corrupt) };
-            if self.write_value(sd, h.bucket, &value, cas)? {
-                return Ok(true);
             }
         }
         Err(LocalError::Contended)

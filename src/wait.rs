@@ -119,8 +119,8 @@ pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool, mismatc
 
 /// `answer` for the store's look, `local_in_flight` telling whether this proxy's local tier holds
 /// the key in flight at the same moment (asked only when it matters). A store that shows nothing
-/// while another request here holds the key locally (claimed at headers, its body still coming,
-/// or its store claim not yet landed) is no release: telling the waiter to retry at once would
+/// while another request here holds the key locally (claimed at its body's end, its store claim
+/// not yet landed) is no release: telling the waiter to retry at once would
 /// only send it into that claim again. It keeps waiting.
 pub fn answer_from_store(
     seen: Seen,

@@ -16,9 +16,9 @@
 //!   script call whatever it does, so a `GET` stands for it.
 //!
 //! - `"shared"`: the buffering floor plus the local tier's shared-data traffic of a first request,
-//!   call for call (`docs/BENCHMARKS.md`, host calls by kind; layout v4, 7 calls): at the request
-//!   headers a bucket read and CAS write (the claim); at the end of the body the bucket's read and
-//!   CAS write (forwarded); at the log the body key's write, then the bucket's read and CAS write
+//!   call for call (`docs/BENCHMARKS.md`, host calls by kind; layout v4, 5 calls): at the request
+//!   headers a bucket read (the look); at the end of the body a CAS write of the value read then
+//!   (the claim); at the log the body key's write, then the bucket's read and CAS write
 //!   (completed). Values of the sizes
 //!   idemgate's are in the benchmark (`SHARED_BUCKET_BYTES`, `SHARED_SLOT_BYTES`), keys spread
 //!   over `SHARED_BUCKETS` buckets made at configure time as idemgate's are. What idemgate's
@@ -224,7 +224,7 @@ impl RootContext for FloorRoot {
         setup.seen.set(n);
         let bucket = format!("{}.b.{}", setup.prefix, n.wrapping_mul(2_654_435_761) % SHARED_BUCKETS);
         let slot = format!("{}.r.{}", setup.prefix, n.wrapping_mul(2_654_435_761) % SHARED_BUCKETS);
-        Some(Box::new(FloorHttp { setup, body_size: 0, calling: None, bucket, slot }))
+        Some(Box::new(FloorHttp { setup, body_size: 0, calling: None, bucket, slot, seen: None }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -236,17 +236,21 @@ struct FloorHttp {
     setup: Rc<Setup>,
     body_size: usize,
     calling: Option<u32>,
-    /// `shared`: this request's bucket and slot.
+    /// `shared`: this request's bucket and slot, and the bucket as read at headers with its CAS.
     bucket: String,
     slot: String,
+    seen: Option<(Vec<u8>, Option<u32>)>,
 }
 
 impl FloorHttp {
     /// The whole request is here: go on, or (store floor) wait for one callout first.
     fn request_complete(&mut self) -> Action {
-        if self.setup.mode == Mode::Shared {
-            // Marked forwarded.
-            touch(&self.bucket);
+        if let Some((mut v, cas)) = self.seen.take() {
+            // The claim: a CAS write of the value read at headers.
+            if let Some(b) = v.first_mut() {
+                *b ^= 1;
+            }
+            let _ = hostcalls::set_shared_data(&self.bucket, Some(&v), cas);
         }
         if self.setup.mode != Mode::Store {
             return Action::Continue;
@@ -276,8 +280,10 @@ impl HttpContext for FloorHttp {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
         let _ = host::header(MapType::HttpRequestHeaders, "idempotency-key");
         if self.setup.mode == Mode::Shared {
-            // The claim.
-            touch(&self.bucket);
+            // The look: the bucket read, kept for the claim.
+            if let Ok((Some(v), cas)) = hostcalls::get_shared_data(&self.bucket) {
+                self.seen = Some((v, cas));
+            }
         }
         match self.setup.mode {
             Mode::Empty => Action::Continue,

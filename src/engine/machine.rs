@@ -29,7 +29,7 @@ use crate::engine::settle::{self, Claim, Count as SettleCount, Level};
 use crate::etcd::Fence;
 use crate::failsafe::{self, Broken, Holding};
 use crate::fingerprint::Fingerprint;
-use crate::local::{Begin, Handle, LocalError, SharedData, Table};
+use crate::local::{Begin, Handle, LocalError, Seen, SharedData, Table};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
@@ -49,8 +49,9 @@ pub enum Phase<W> {
     /// A POST on an MCP route (`protocol: "mcp"`): whether it is protected is known only from
     /// its whole body; nothing is held yet (the driver reads it: `filter/http.rs`).
     McpBody { route: usize, policy: Arc<Policy>, head: RequestHead },
-    /// Protected; waiting for the whole body (a local claim is held if `handle` is set).
-    Waiting { req: Protected, handle: Option<Handle> },
+    /// Protected; waiting for the whole body, holding nothing (`seen`: the key's bucket as read
+    /// at headers, for the claim at the body's end).
+    Waiting { req: Protected, seen: Option<Seen> },
     /// A store call is in flight (claim-or-read, a take-over, or a read); the request is paused.
     Calling { req: Protected, call: Call<W> },
     /// Forwarded upstream under our claim(s); its response is copied while it flows.
@@ -384,9 +385,10 @@ impl<W> Machine<W> {
         self.store.unwrap_or(OnUnavailable::Reject)
     }
 
-    /// A protected request's headers, admitted: claim at headers (concurrent duplicates get a
-    /// 409 without buffering their bodies), or wait for the body when the key depends on it;
-    /// with `end_of_stream` the fingerprint is known now.
+    /// A protected request's headers, admitted: look at headers (nothing is claimed before the
+    /// body is whole: a key held by a live claim gets its 409 without buffering the body), or
+    /// wait for the body when the key depends on it; with `end_of_stream` the fingerprint is
+    /// known now.
     pub fn protect<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, end_of_stream: bool) -> Flow {
         if req.derive_at_body {
             // The key depends on the body: decide once it is here.
@@ -394,14 +396,14 @@ impl<W> Machine<W> {
         }
         if end_of_stream {
             let fp = request::fingerprint_without_body(&req.policy, &req.head);
-            return self.begin(io, req, Some(fp));
+            return self.begin(io, req, Some(fp), None);
         }
-        self.begin(io, req, None)
+        self.begin(io, req, None, None)
     }
 
     /// A protected request (an MCP call) whose fingerprint is known now.
     pub fn protect_with<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, fp: Fingerprint) -> Flow {
-        self.begin(io, req, Some(fp))
+        self.begin(io, req, Some(fp), None)
     }
 
     /// A broken invariant met where the driver stands (fault tests: a policy lost): refused by
@@ -417,21 +419,18 @@ impl<W> Machine<W> {
     ) -> Flow {
         match (req, self.take()) {
             (Some(req), _) => self.fail_closed(io, Some(&req), broken, branch, None, held),
-            (None, Phase::Waiting { req, handle }) => {
-                self.fail_closed(io, Some(&req), broken, branch, handle, holding(handle))
+            (None, Phase::Waiting { req, .. }) => {
+                self.fail_closed(io, Some(&req), broken, branch, None, Holding::Nothing)
             }
             (None, _) => self.fail_closed(io, None, broken, branch, None, Holding::Nothing),
         }
     }
 
     /// The request is refused with `problem` (its body too large or over the VM's budget, or
-    /// refused at its headers): a local claim held meanwhile is freed.
+    /// refused at its headers); it holds nothing yet.
     pub fn refuse<I: Io<Wire = W>>(&mut self, io: &mut I, problem: ProblemKind) -> Flow {
         match self.take() {
-            Phase::Waiting { req, handle } => {
-                self.release_unforwarded(io, &req, handle);
-                self.answer(io, Some(&req), problem, None)
-            }
+            Phase::Waiting { req, .. } => self.answer(io, Some(&req), problem, None),
             _ => self.answer(io, None, problem, None),
         }
     }
@@ -443,7 +442,7 @@ impl<W> Machine<W> {
         body: Vec<u8>,
         trailers: Option<Vec<(String, Vec<u8>)>>,
     ) -> Flow {
-        let Phase::Waiting { mut req, handle } = self.take() else {
+        let Phase::Waiting { mut req, seen } = self.take() else {
             return self.fail_closed(io, None, Broken::ImpossibleDecision, "body_end", None, Holding::Nothing);
         };
         if let Some(t) = trailers {
@@ -467,23 +466,21 @@ impl<W> Machine<W> {
         if keep_body {
             req.body = body;
         }
-        match handle {
-            Some(handle) => {
-                let now = io.now_ms();
-                let (table, sd) = io.local();
-                let marked = table.mark_forwarded(sd, &handle, fp, now, &req.policy);
-                let step = request::after_mark_forwarded(marked, handle, fp, self.store, now);
-                self.run(io, req, step, None)
-            }
-            None => self.begin(io, req, Some(fp)),
-        }
+        self.begin(io, req, Some(fp), seen)
     }
 
-    /// The local tier's `begin` for `req` (`fp` once the body is complete), acted on.
-    fn begin<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, fp: Option<Fingerprint>) -> Flow {
+    /// The local tier's `begin` for `req` (`fp` once the body is complete; `seen`: the bucket as
+    /// read at headers), acted on.
+    fn begin<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        req: Protected,
+        fp: Option<Fingerprint>,
+        seen: Option<Seen>,
+    ) -> Flow {
         let now = io.now_ms();
         let (table, sd) = io.local();
-        let begun = table.begin(sd, req.skey, fp, now, &req.policy, req.owner, &req.creator);
+        let begun = table.begin_after(sd, req.skey, fp, now, &req.policy, req.owner, &req.creator, seen);
         if let Ok(Begin::Claimed { took_over, evicted, .. }) = &begun {
             io.run(Command::Count(if *took_over { Count::TakenOver } else { Count::Claimed }));
             if *evicted {
@@ -652,14 +649,9 @@ impl<W> Machine<W> {
     /// store answer decided on, which a take-over or stale-to-unknown compares.
     fn run<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, step: Step, fence: Option<Fence>) -> Flow {
         match step {
-            Step::WaitForBody { handle } => {
-                if handle.is_some() {
-                    log(io, Level::Debug, || log_line(Some(&req), "claimed", "waiting_for_body=true"));
-                }
-                self.wait_for_body(req, handle)
-            }
+            Step::WaitForBody { seen } => self.wait_for_body(req, seen),
             Step::PauseForBody => {
-                self.phase = Phase::Waiting { req, handle: None };
+                self.phase = Phase::Waiting { req, seen: None };
                 Flow::Pause
             }
             Step::ClaimInStore { handle, fp } => {
@@ -710,11 +702,6 @@ impl<W> Machine<W> {
                 self.answer(io, Some(&req), ProblemKind::OutcomeUnknown, None)
             }
             Step::LocalFailed(e) => self.local_error(io, &req, e),
-            Step::ClaimLost => {
-                io.run(Command::Count(Count::LostClaim));
-                let p = ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS };
-                self.answer(io, Some(&req), p, None)
-            }
             Step::PassUnprotected => {
                 io.run(Command::Publish { key: req.published_key().copied(), outcome: "passed-unprotected" });
                 self.phase = Phase::Pass;
@@ -758,8 +745,8 @@ impl<W> Machine<W> {
     /// the body callbacks return `Pause` (Envoy buffers the body): the upstream never receives the
     /// request's end before the claim, and a request refused then is answered locally, which
     /// resets its upstream stream (a request never complete, never executed).
-    fn wait_for_body(&mut self, req: Protected, handle: Option<Handle>) -> Flow {
-        self.phase = Phase::Waiting { req, handle };
+    fn wait_for_body(&mut self, req: Protected, seen: Option<Seen>) -> Flow {
+        self.phase = Phase::Waiting { req, seen };
         if self.hold_headers {
             Flow::Pause
         } else {
@@ -919,14 +906,6 @@ impl<W> Machine<W> {
         }
     }
 
-    /// Frees a local claim whose request was never forwarded (refused or abandoned).
-    fn release_unforwarded<I: Io<Wire = W>>(&self, io: &mut I, req: &Protected, handle: Option<Handle>) {
-        if handle.is_some() {
-            self.release_local(io, handle);
-            log(io, Level::Debug, || log_line(Some(req), "released", "reason=never_forwarded"));
-        }
-    }
-
     /// The request, forwarded: its policy (the response's limits and exclusions).
     pub fn forwarded(&self) -> Option<(&Protected, &Response)> {
         match &self.phase {
@@ -1006,9 +985,9 @@ impl<W> Machine<W> {
     /// is freed. `true` if the request was one the machine held.
     pub fn abandon<I: Io<Wire = W>>(&mut self, io: &mut I) -> bool {
         match self.take() {
-            Phase::Waiting { req, handle } => {
-                // Never forwarded, so a retry may execute it.
-                self.release_unforwarded(io, &req, handle);
+            Phase::Waiting { req, .. } => {
+                // The client left (or the stream was reset) before the body was complete: it
+                // held nothing (the claim is made at the body's end).
                 io.run(Command::Publish { key: req.published_key().copied(), outcome: ABANDONED });
                 true
             }

@@ -24,7 +24,6 @@
 //!                                    | McpBody | GrpcPassed | Refuse | PolicyMissing
 //! a body chunk    ─▶ body_chunk    ─▶ the bytes to add to the VM's budget | a refusal (413, 503)
 //! body end        ─▶ at_body_end   ─▶ Pass (no key derivable) | Fingerprinted (and the derived key)
-//! claim marked    ─▶ after_mark_forwarded ─▶ as after_fingerprint | ClaimLost | LocalFailed
 //! MCP body end    ─▶ at_mcp_body   ─▶ Pass | Refuse (JSON-RPC id, batch ids) | Protect
 //! ```
 
@@ -38,7 +37,7 @@ use crate::derive;
 use crate::failsafe::Broken;
 use crate::fingerprint::{self, Fingerprint};
 use crate::key::{self, IdempotencyKey, KeyError};
-use crate::local::{Begin, Handle, LocalError};
+use crate::local::{Begin, Handle, LocalError, Seen};
 use crate::mcp::{self, Classified};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
@@ -50,8 +49,9 @@ use crate::store::{ClaimReply, ReadReply, StoreError, StoredValue, TransitionRep
 /// What the request does next. `release`: a local claim to free before answering.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
-    /// Wait for the whole body, holding `handle` (a local claim) if set.
-    WaitForBody { handle: Option<Handle> },
+    /// Wait for the whole body, holding nothing; `seen`: the key's bucket as read now, which the
+    /// claim at the body's end makes its first CAS on (`local::Table::begin_after`).
+    WaitForBody { seen: Option<Seen> },
     /// Pause until the body, holding nothing: a local outcome-unknown the store is asked to
     /// settle once the fingerprint is known.
     PauseForBody,
@@ -82,8 +82,6 @@ pub enum Step {
     LocalFailed(LocalError),
     /// The store is unavailable with `on_unavailable: "pass"`: forward unprotected.
     PassUnprotected,
-    /// The local claim held while the body came was lost (taken over meanwhile): 409.
-    ClaimLost,
     /// A broken invariant: 503 `internal-state` (`failsafe::refuse`), never forward.
     FailClosed { broken: Broken, branch: &'static str, handle: Option<Handle> },
 }
@@ -118,7 +116,12 @@ pub fn after_local(begun: Result<Begin, LocalError>, fp: Option<Fingerprint>, st
     match begun {
         Ok(Begin::Claimed { handle, .. }) => match fp {
             Some(fp) => after_fingerprint(Some(handle), fp, store, now_ms),
-            None => Step::WaitForBody { handle: Some(handle) },
+            // The local tier claims only with the fingerprint (at the body's end).
+            None => Step::FailClosed {
+                broken: Broken::ImpossibleDecision,
+                branch: "claim_without_fingerprint",
+                handle: Some(handle),
+            },
         },
         Ok(Begin::Replay(record)) => Step::Replay { record, cache: None },
         // With a store, the store settles a key whose outcome is unknown (an operator may have
@@ -135,11 +138,11 @@ pub fn after_local(begun: Result<Begin, LocalError>, fp: Option<Fingerprint>, st
             Step::InFlight { creator, release: None, fp }
         }
         Ok(Begin::Reject { problem, creator, .. }) => Step::Reply { problem, creator, release: None },
-        Ok(Begin::NeedFingerprint) => Step::WaitForBody { handle: None },
+        Ok(Begin::NeedFingerprint { seen }) => Step::WaitForBody { seen },
         // With a store, the local tier is a cache: a full bucket only means no local copy.
         Ok(Begin::Full) if store.is_some() => match fp {
             Some(fp) => after_fingerprint(None, fp, store, now_ms),
-            None => Step::WaitForBody { handle: None },
+            None => Step::WaitForBody { seen: None },
         },
         Ok(Begin::Full) => Step::Reply {
             problem: ProblemKind::CapacityExhausted { retry_after_seconds: UNAVAILABLE_RETRY_AFTER_SECONDS },
@@ -549,21 +552,6 @@ pub fn at_body_end(
     let fp = Fingerprint::of_digest(head, digest, &policy.fingerprint).0;
     let keep_body = matches!(policy.forwarding, Forwarding::Detached { .. });
     AtBodyEnd::Fingerprinted { fp, derived, keep_body }
-}
-
-/// The local tier answered `mark_forwarded` for the claim held while the body came.
-pub fn after_mark_forwarded(
-    marked: Result<bool, LocalError>,
-    handle: Handle,
-    fp: Fingerprint,
-    store: StoreMode,
-    now_ms: u64,
-) -> Step {
-    match marked {
-        Ok(true) => after_fingerprint(Some(handle), fp, store, now_ms),
-        Ok(false) => Step::ClaimLost,
-        Err(e) => Step::LocalFailed(e),
-    }
 }
 
 /// A protected MCP `tools/call`: its JSON-RPC id, tool, scope, key and body digest.

@@ -71,6 +71,31 @@ fn claim(t: &Table, m: &mut Model, k: StorageKey, f: Option<Fingerprint>, o: u8,
     t.begin(m, k, f, now, &policy(), owner(o), &creator(&format!("req-{o}"))).unwrap()
 }
 
+/// The filter's look at request headers: nothing claimed; the bucket as read, when the key is
+/// free to claim.
+fn look(t: &Table, m: &mut Model, k: StorageKey, now: u64) -> Option<Seen> {
+    match t.begin(m, k, None, now, &policy(), owner(99), &creator("look")).unwrap() {
+        Begin::NeedFingerprint { seen } => seen,
+        other => panic!("a look at headers claims nothing and needs the body here: {other:?}"),
+    }
+}
+
+/// A claim made at request headers before its fingerprint (stage claimed), as modules before
+/// claims moved to the body's end made them: a table keeps them across a module update (same
+/// layout), so every rule about them still holds.
+fn claim_at_headers(t: &Table, m: &mut Model, k: StorageKey, o: u8, now: u64, p: &Policy) -> Handle {
+    let h = handle(&t.begin(m, k, Some(fp(0)), now, p, owner(o), &creator(&format!("req-{o}"))).unwrap());
+    let (mut b, cas) = t.read_bucket(m, h.bucket).unwrap();
+    let lt = Lifetimes::of(p);
+    let e = b.positions[h.position].as_mut().unwrap();
+    e.stage = Stage::Claimed;
+    e.fingerprint = None;
+    e.expires_at_ms = lt.expires_at(Stage::Claimed, now);
+    e.lock_expires_at_ms = lt.lock_expires_at(now);
+    assert!(t.write_bucket(m, h.bucket, &b, cas).unwrap());
+    h
+}
+
 fn handle(b: &Begin) -> Handle {
     match b {
         Begin::Claimed { handle, .. } => *handle,
@@ -157,22 +182,34 @@ fn first_request_claims_then_completes_and_a_retry_replays() {
     }
 }
 
+/// Request headers claim nothing: the look answers a live claim 409 at once and hands a free
+/// key's bucket (with its CAS) to the claim at the body's end, which needs no read of its own.
 #[test]
-fn a_claim_at_headers_answers_duplicates_409_and_needs_the_body_for_completed_keys() {
+fn headers_claim_nothing_a_live_claim_gets_409_and_a_completed_key_needs_the_body() {
     let t = table(1000, WhenFull::Reject);
     let mut m = fresh(&t);
     let k = skey(2);
-    let h = handle(&claim(&t, &mut m, k, None, 1, NOW));
-    match claim(&t, &mut m, k, None, 2, NOW) {
+    let seen = look(&t, &mut m, k, NOW);
+    assert!(seen.is_some(), "a free key's bucket goes to the body's end");
+    assert_eq!(t.occupied(&mut m), 0, "nothing claimed at headers");
+    // A duplicate's headers meanwhile: free too, nothing claimed.
+    let dup = look(&t, &mut m, k, NOW);
+    let before = m.calls;
+    let b = t.begin_after(&mut m, k, Some(fp(1)), NOW + 1, &policy(), owner(1), &creator("req-1"), seen).unwrap();
+    assert_eq!(m.calls - before, 1, "the claim on the headers' read: one CAS, no read");
+    let h = handle(&b);
+    // The duplicate's body end: its read is stale (the CAS fails), read again: 409, not a claim.
+    let d = t.begin_after(&mut m, k, Some(fp(1)), NOW + 2, &policy(), owner(2), &creator("req-2"), dup).unwrap();
+    assert!(is_reject(&d, &in_flight()), "{d:?}");
+    match claim(&t, &mut m, k, None, 3, NOW + 2) {
         Begin::Reject { problem, creator: Some(c), .. } => {
             assert_eq!(problem, in_flight());
             assert_eq!(c.request_id, "req-1", "a 409 names the run holding the key");
         }
         other => panic!("{other:?}"),
     }
-    assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW + 1, &policy()).unwrap());
     complete(&t, &mut m, &h, fp(1), response("x"), false, &creator("req-1"), NOW + 2, &policy()).unwrap();
-    assert_eq!(claim(&t, &mut m, k, None, 3, NOW + 3), Begin::NeedFingerprint);
+    assert_eq!(claim(&t, &mut m, k, None, 4, NOW + 3), Begin::NeedFingerprint { seen: None });
 }
 
 #[test]
@@ -205,17 +242,17 @@ fn expired_records_count_as_absent_on_read() {
     assert!(matches!(claim(&t, &mut m, k, Some(fp(1)), 3, NOW + ttl_ms), Begin::Claimed { took_over: false, .. }));
 }
 
-/// Issue 12, item 5: a claim made at headers, forwarded after a slow upload, keeps its key past
-/// the expiry set at headers while its lock (moved at forwarding) is live; its record then lives
-/// from completion.
+/// Issue 12, item 5: a request claimed at the end of a slow upload holds its key for its lock
+/// from then (its record's expiry too): a retry 1.4 s later gets 409 at headers and at its body's
+/// end, a sweep frees nothing, and the record then lives from completion.
 #[test]
-fn a_forwarded_claim_whose_lock_is_live_keeps_its_key_past_the_expiry_set_at_headers() {
+fn a_claim_made_after_a_slow_upload_keeps_its_key_for_its_lock() {
     let t = table(1000, WhenFull::Reject);
     let mut m = fresh(&t);
     let p = Policy { ttl_seconds: 3, lock_ttl_seconds: 3, ..policy() };
     let k = skey(30);
-    let a = handle(&t.begin(&mut m, k, None, NOW, &p, owner(1), &creator("a")).unwrap());
-    assert!(t.mark_forwarded(&mut m, &a, fp(1), NOW + 2_000, &p).unwrap());
+    let seen = look(&t, &mut m, k, NOW);
+    let a = handle(&t.begin_after(&mut m, k, Some(fp(1)), NOW + 2_000, &p, owner(1), &creator("a"), seen).unwrap());
     let retry_at = NOW + 3_400;
     for f in [None, Some(fp(1))] {
         let b = t.begin(&mut m, k, f, retry_at, &p, owner(2), &creator("b")).unwrap();
@@ -236,10 +273,12 @@ fn a_forwarded_claim_whose_lock_is_live_keeps_its_key_past_the_expiry_set_at_hea
     ));
 }
 
-/// Issue 12, item 6: a claim made at headers whose key was claimed again at another position
-/// (its own claim expired during a slow upload) is not forwarded.
+/// Issue 12, item 6, now that headers claim nothing: A's headers were looked at, then (A still
+/// uploading) a retry claimed A's key at another position of the bucket and executed. At A's
+/// body end the bucket it read is stale: A never claims, it meets the retry's claim (409) or
+/// record (replay).
 #[test]
-fn a_claim_superseded_at_another_position_is_not_forwarded() {
+fn a_body_end_on_a_bucket_changed_since_its_headers_meets_the_keys_new_claim() {
     let t = table(8, WhenFull::Reject); // one bucket
     let mut m = fresh(&t);
     let p = Policy { ttl_seconds: 2, lock_ttl_seconds: 1, ..policy() };
@@ -247,31 +286,55 @@ fn a_claim_superseded_at_another_position_is_not_forwarded() {
     let hy = handle(&t.begin(&mut m, y, Some(fp(9)), NOW, &p, owner(9), &creator("y")).unwrap());
     let ry = Record::completed(fp(9), response("y"), false, creator("y"), NOW, p.ttl_seconds);
     assert_eq!(t.complete(&mut m, &hy, ry, NOW).unwrap(), Completed::Stored);
-    let a = handle(&t.begin(&mut m, k, None, NOW + 10, &p, owner(1), &creator("a")).unwrap());
-    assert_eq!((hy.position, a.position), (0, 1));
+    let seen_a = look(&t, &mut m, k, NOW + 10);
+    let seen_b = seen_a.clone();
     let later = NOW + 2_300;
     let retry = handle(&t.begin(&mut m, k, Some(fp(1)), later, &p, owner(2), &creator("retry")).unwrap());
     assert_eq!(retry.position, 0, "the retry claims Y's expired position");
-    assert!(!t.mark_forwarded(&mut m, &a, fp(1), later + 100, &p).unwrap(), "A must not be forwarded");
-    // Nor once the retry has completed: its record is the key's live one.
+    let a = t.begin_after(&mut m, k, Some(fp(1)), later + 100, &p, owner(1), &creator("a"), seen_a).unwrap();
+    assert!(is_reject(&a, &in_flight()), "A must not claim: {a:?}");
+    // Nor once the retry has completed: its record answers A.
     let rr = Record::completed(fp(1), response("retry"), false, creator("retry"), later, p.ttl_seconds);
     assert_eq!(t.complete(&mut m, &retry, rr, NOW).unwrap(), Completed::Stored);
-    assert!(!t.mark_forwarded(&mut m, &a, fp(1), later + 200, &p).unwrap());
+    match t.begin_after(&mut m, k, Some(fp(1)), later + 200, &p, owner(3), &creator("a"), seen_b).unwrap() {
+        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("retry"))),
+        other => panic!("A must be replayed the retry's response: {other:?}"),
+    }
+    assert_eq!(t.occupied(&mut m), 1, "one record of the key");
 }
 
-/// A stale claim at headers whose key nobody claimed since may still be forwarded: the bucket's
-/// CAS makes it the key's only live claim again.
+/// A decision that writes nothing is never made on the headers' read: the key completed at
+/// headers, then forgotten (expired and swept) before the body's end, is claimed, not answered
+/// from the record that is gone.
 #[test]
-fn a_stale_claim_nobody_superseded_is_forwarded_and_its_lock_covered() {
+fn a_body_end_decides_a_replay_only_on_a_fresh_read() {
     let t = table(8, WhenFull::Reject);
     let mut m = fresh(&t);
     let p = Policy { ttl_seconds: 2, lock_ttl_seconds: 1, ..policy() };
     let k = skey(42);
-    let a = handle(&t.begin(&mut m, k, None, NOW, &p, owner(1), &creator("a")).unwrap());
-    let late = NOW + 2_500;
-    assert!(t.mark_forwarded(&mut m, &a, fp(1), late, &p).unwrap());
-    let b = t.begin(&mut m, k, Some(fp(1)), late + 999, &p, owner(2), &creator("b")).unwrap();
-    assert!(is_reject(&b, &in_flight()), "{b:?}");
+    let h = handle(&t.begin(&mut m, k, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    assert_eq!(
+        t.complete(&mut m, &h, Record::completed(fp(1), response("a"), false, creator("a"), NOW, 2), NOW).unwrap(),
+        Completed::Stored
+    );
+    // A retry's headers: the record is completed (the fingerprint decides): the bucket as read
+    // is handed on only for a claim, so here nothing is.
+    assert_eq!(
+        t.begin(&mut m, k, None, NOW + 1, &p, owner(2), &creator("b")).unwrap(),
+        Begin::NeedFingerprint { seen: None }
+    );
+    // A look whose key was free at headers, then claimed and completed by another before the body
+    // end: a stale read that would claim fails its CAS; the fresh read replays.
+    let k2 = skey(43);
+    let seen = look(&t, &mut m, k2, NOW + 1);
+    let h2 = handle(&t.begin(&mut m, k2, Some(fp(1)), NOW + 2, &p, owner(3), &creator("c")).unwrap());
+    t.complete(&mut m, &h2, Record::completed(fp(1), response("c"), false, creator("c"), NOW + 2, 2), NOW + 2).unwrap();
+    let before = m.calls;
+    match t.begin_after(&mut m, k2, Some(fp(1)), NOW + 3, &p, owner(4), &creator("d"), seen).unwrap() {
+        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("c"))),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(m.calls - before, 3, "the failed CAS, a fresh read of the bucket, the body's read");
 }
 
 #[test]
@@ -320,12 +383,11 @@ fn a_taken_over_owner_can_neither_forward_nor_complete_nor_release() {
     let t = table(1000, WhenFull::Reject);
     let mut m = fresh(&t);
     let k = skey(7);
-    let a = handle(&claim(&t, &mut m, k, None, 1, NOW));
+    let a = claim_at_headers(&t, &mut m, k, 1, NOW, &policy());
     let later = NOW + policy().lock_ttl_seconds * 1000;
     let b = claim(&t, &mut m, k, Some(fp(1)), 2, later);
     assert!(matches!(b, Begin::Claimed { took_over: true, .. }), "{b:?}");
     let b = handle(&b);
-    assert!(!t.mark_forwarded(&mut m, &a, fp(1), later, &policy()).unwrap());
     assert_eq!(
         complete(&t, &mut m, &a, fp(1), response("a"), false, &creator("a"), later, &policy()).unwrap(),
         Completed::LostClaim
@@ -634,7 +696,7 @@ fn a_bucket_never_holds_more_than_its_share_of_max_bytes() {
 /// Issue 27's regression (layout v4 kept no body over its bucket's 32 KiB share): at the defaults
 /// a body of 100 KB, and one near `max_response_body_bytes`, is kept whole on the table-wide pool
 /// and replayed; it costs its completion a few shared-data calls more, and the first request of an
-/// ordinary body still makes 7.
+/// ordinary body still makes 5.
 #[test]
 fn at_the_defaults_a_body_over_the_buckets_share_is_kept_whole() {
     let t = Table::new(&LocalConfig::default());
@@ -643,8 +705,7 @@ fn at_the_defaults_a_body_over_the_buckets_share_is_kept_whole() {
     let max = crate::config::Policy::default().max_response_body_bytes as usize;
     for (n, size) in [(1u64, 100_000usize), (2, max - 1_000)] {
         let body = "q".repeat(size);
-        let h = handle(&claim(&t, &mut m, skey(n), None, 1, NOW));
-        assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW, &policy()).unwrap());
+        let h = handle(&claim(&t, &mut m, skey(n), Some(fp(1)), 1, NOW));
         let before = m.calls;
         let done = complete(&t, &mut m, &h, fp(1), response(&body), false, &creator("c"), NOW, &policy()).unwrap();
         assert_eq!(done, Completed::Stored, "a body of {size} bytes");
@@ -658,12 +719,13 @@ fn at_the_defaults_a_body_over_the_buckets_share_is_kept_whole() {
     }
     assert_eq!(t.usage(&mut m), held(&m));
     assert_eq!(t.pool_usage(&mut m), held(&m), "both bodies are on the pool");
-    // An ordinary body stays on the bucket: 7 calls for the whole first request.
+    // An ordinary body stays on the bucket: 5 calls for the whole first request.
     let before = m.calls;
-    let h = handle(&claim(&t, &mut m, skey(3), None, 1, NOW));
-    assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW, &policy()).unwrap());
+    let seen = look(&t, &mut m, skey(3), NOW);
+    let h =
+        handle(&t.begin_after(&mut m, skey(3), Some(fp(1)), NOW, &policy(), owner(1), &creator("c"), seen).unwrap());
     complete(&t, &mut m, &h, fp(1), response(&"s".repeat(2_000)), false, &creator("c"), NOW, &policy()).unwrap();
-    assert_eq!(m.calls - before, 7);
+    assert_eq!(m.calls - before, 5);
 }
 
 /// `local.max_bytes` bounds the bytes body keys hold, buckets and pool together, through a flood
@@ -718,18 +780,20 @@ fn max_bytes_bounds_buckets_and_pool_together_under_a_flood_of_mixed_bodies() {
     assert!(held(&m) <= t.usage(&mut m));
 }
 
-/// Issue 27: a first request (claim at headers, forwarded, completed) makes 7 shared-data calls.
+/// Issue 27: a first request (looked at at headers, claimed at its body's end on that read,
+/// completed) makes 5 shared-data calls.
 #[test]
-fn a_first_request_makes_seven_shared_data_calls() {
+fn a_first_request_makes_five_shared_data_calls() {
     let t = table(1000, WhenFull::Reject);
     let mut m = fresh(&t);
     let before = m.calls;
-    let h = handle(&claim(&t, &mut m, skey(1), None, 1, NOW));
-    assert_eq!(m.calls - before, 2, "the claim: one read, one CAS");
-    assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW + 1, &policy()).unwrap());
-    assert_eq!(m.calls - before, 4);
+    let seen = look(&t, &mut m, skey(1), NOW);
+    assert_eq!(m.calls - before, 1, "the look: one read");
+    let b = t.begin_after(&mut m, skey(1), Some(fp(1)), NOW + 1, &policy(), owner(1), &creator("c"), seen).unwrap();
+    let h = handle(&b);
+    assert_eq!(m.calls - before, 2, "the claim: one CAS on the headers' read");
     complete(&t, &mut m, &h, fp(1), response("x"), false, &creator("c"), NOW + 2, &policy()).unwrap();
-    assert_eq!(m.calls - before, 7);
+    assert_eq!(m.calls - before, 5, "the completion: the bucket's read, the body's write, the bucket's CAS");
 }
 
 #[test]
@@ -775,9 +839,8 @@ fn shared_data_holds_no_raw_key_and_no_raw_credential() {
     let k = StorageKey::derive(&p.namespace, &scope, &key);
     let t = table(64, WhenFull::Reject);
     let mut m = fresh(&t);
-    let b = claim(&t, &mut m, k, None, 1, NOW);
+    let b = claim(&t, &mut m, k, Some(fp(1)), 1, NOW);
     let h = handle(&b);
-    assert!(t.mark_forwarded(&mut m, &h, fp(1), NOW, &p).unwrap());
     complete(&t, &mut m, &h, fp(1), response("{}"), false, &creator("req-1"), NOW, &p).unwrap();
     // The record is there (a replay finds it) ...
     assert!(matches!(
@@ -1022,9 +1085,14 @@ fn a_v3_claim_in_flight_after_a_reload_is_never_executed_again() {
         other => panic!("a v3 record must be replayed, not executed again: {other:?}"),
     }
     assert!(t.peek(&mut m, &k, done + 1).unwrap().is_some_and(|p| p.record.is_some()));
-    // A claim v4 made at headers (v3 not holding the key then) is not forwarded once it does.
+    // A key free in both tables at headers, claimed by v3 before the body's end: v4 does not
+    // claim it (the v3 claim answers: in flight).
     let k2 = skey(43);
-    let h = handle(&t.begin(&mut m, k2, None, NOW, &p, owner(2), &creator("c")).unwrap());
+    let seen = match t.begin(&mut m, k2, None, NOW, &p, owner(2), &creator("c")).unwrap() {
+        Begin::NeedFingerprint { seen } => seen,
+        other => panic!("{other:?}"),
+    };
+    assert!(seen.is_some());
     let b2 = (u64::from_le_bytes(k2.0[24..32].try_into().unwrap()) % 125) as u32;
     m.set(
         &format!("{v3_table}.b.{b2}"),
@@ -1032,7 +1100,8 @@ fn a_v3_claim_in_flight_after_a_reload_is_never_executed_again() {
         None,
     )
     .unwrap();
-    assert!(!t.mark_forwarded(&mut m, &h, fp(1), NOW + 1, &p).unwrap());
+    let b = t.begin_after(&mut m, k2, Some(fp(1)), NOW + 1, &p, owner(2), &creator("c"), seen).unwrap();
+    assert!(matches!(b, Begin::Reject { .. }), "the v3 claim answers: {b:?}");
     // Once the v3 record no longer holds its key, v4 claims it.
     let expired = r.expires_at_ms + 1;
     assert!(matches!(
@@ -1041,11 +1110,11 @@ fn a_v3_claim_in_flight_after_a_reload_is_never_executed_again() {
     ));
 }
 
-/// Upgrade from layout v3, the race the header-time check cannot see: v4 claims a key at headers
-/// (v3 not holding it then), the draining v3 module claims, forwards and completes the same key,
-/// and v4's claim is refused at `mark_forwarded` but stays in its bucket. Once its lock is stale, a
-/// retry that comes with its fingerprint must still meet the v3 record (replayed), not take the
-/// stale v4 claim over and execute the key a second time.
+/// Upgrade from layout v3, the race the header-time check cannot see: a v4 claim made at headers
+/// (by a v4 module of before claims moved to the body's end; v3 not holding the key then), the
+/// draining v3 module claims, forwards and completes the same key, and the v4 claim stays in its
+/// bucket. Once its lock is stale, a retry that comes with its fingerprint must still meet the v3
+/// record (replayed), not take the stale v4 claim over and execute the key a second time.
 #[test]
 fn a_stale_v4_claim_is_not_taken_over_while_v3_holds_the_key() {
     let v3_table = "idemgate.v3.local.n1000";
@@ -1057,7 +1126,7 @@ fn a_stale_v4_claim_is_not_taken_over_while_v3_holds_the_key() {
     m.set(&format!("{v3_table}.ready"), b"1", None).unwrap();
     assert!(t.consult_v3_if_present(&mut m));
     // v4 claims at headers: v3 does not hold the key yet.
-    let h = handle(&t.begin(&mut m, k, None, NOW, &p, owner(5), &creator("v4-first")).unwrap());
+    let _h = claim_at_headers(&t, &mut m, k, 5, NOW, &p);
     // The v3 module claims it (it never looks at v4), forwards it and completes it.
     let b = (u64::from_le_bytes(k.0[24..32].try_into().unwrap()) % 125) as u32;
     let done = NOW + 1_000;
@@ -1068,27 +1137,23 @@ fn a_stale_v4_claim_is_not_taken_over_while_v3_holds_the_key() {
     m.set(&format!("{v3_table}.s.{b}.3"), &body, None).unwrap();
     m.set(&format!("{v3_table}.b.{b}"), &v3::encode_for_test(&[(3, 3, k, old_owner, r.expires_at_ms, 0)]), None)
         .unwrap();
-    // v4's request is not forwarded, and its claim does not hide the v3 record: a retry at once
-    // is answered from it.
-    assert!(!t.mark_forwarded(&mut m, &h, fp(7), done + 1, &p).unwrap());
-    match t.begin(&mut m, k, Some(fp(7)), done + 2, &p, owner(8), &creator("retry-0")).unwrap() {
-        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("v3"))),
-        other => panic!("the v3 record must answer while v4's refused claim is in its lock: {other:?}"),
-    }
+    // While the v4 claim's lock is live, a retry gets 409 (its module may still forward it).
+    let b = t.begin(&mut m, k, Some(fp(7)), done + 2, &p, owner(8), &creator("retry-0")).unwrap();
+    assert!(is_reject(&b, &in_flight()), "{b:?}");
     // Its lock (10 s) is stale: a retry with its fingerprint gets v3's response.
     let later = NOW + 11_000;
     match t.begin(&mut m, k, Some(fp(7)), later, &p, owner(6), &creator("retry")).unwrap() {
         Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("v3"))),
         other => panic!("the key ran in v3: it must be replayed, not executed again: {other:?}"),
     }
-    // And one at headers claims nothing either (its body would then be refused at mark_forwarded).
+    // And one at headers claims nothing either.
     assert!(!matches!(
         t.begin(&mut m, k, None, later, &p, owner(7), &creator("retry-2")).unwrap(),
         Begin::Claimed { .. }
     ));
 }
 
-/// The raw view of a bucket (`RawBucket`, used by `mark_forwarded` and `complete`) counts what
+/// The raw view of a bucket (`RawBucket`, used by `complete`) counts what
 /// `Bucket::bytes` counts, decodes each entry as `Bucket::decode` does, and replacing one entry
 /// gives byte for byte what decode, change and encode give; it refuses truncated and trailing
 /// values as `decode` does.
@@ -1126,10 +1191,6 @@ fn the_raw_bucket_view_patches_one_entry_byte_for_byte_as_decode_and_encode() {
             let mut expected = bucket.clone();
             expected.positions[j] = Some(changed.clone());
             assert_eq!(raw.with_entry(j, &changed), Some(expected.encode()), "position {j}");
-            let others: Vec<Entry> =
-                bucket.positions.iter().enumerate().filter(|(p, _)| *p != j).filter_map(|(_, p)| p.clone()).collect();
-            let same_key: Vec<Entry> = others.into_iter().filter(|o| o.skey == e.skey).collect();
-            assert_eq!(raw.others_with_key(j, &e.skey), same_key);
             checked += 1;
         }
         assert!(RawBucket::index(value[..value.len() - 1].to_vec(), t.width()).is_none());

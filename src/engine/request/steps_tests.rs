@@ -201,21 +201,6 @@ fn a_body_over_the_routes_limit_is_413_and_over_the_vms_budget_503() {
     assert_eq!(p.map(|p| p.status()), Some(503));
 }
 
-#[test]
-fn a_claim_lost_while_the_body_came_is_in_flight_and_a_kept_one_goes_on() {
-    let h = crate::local::Handle { bucket: 1, position: 0, owner: OwnerToken([2; 16]), skey: StorageKey([3; 32]) };
-    let fp = Fingerprint([4; 32]);
-    assert_eq!(after_mark_forwarded(Ok(false), h, fp, None, NOW), Step::ClaimLost);
-    assert_eq!(
-        after_mark_forwarded(Ok(true), h, fp, None, NOW),
-        Step::Forward { handle: Some(h), fp, in_store: false, lock_from_ms: NOW }
-    );
-    assert_eq!(
-        after_mark_forwarded(Ok(true), h, fp, Some(OnUnavailable::Reject), NOW),
-        Step::ClaimInStore { handle: Some(h), fp }
-    );
-}
-
 const MCP: &str = r#"{"scope": {"headers": ["authorization"]},
     "routes": [{"prefix": "/mcp", "protocol": "mcp",
                 "mcp": {"tools": ["charge"], "key_arguments": ["idempotency_key"]}}]}"#;
@@ -317,8 +302,9 @@ fn an_mcp_batch_holding_a_protected_call_and_an_ambiguous_body_are_refused() {
     assert!(matches!(at, AtMcpBody::Refuse { ref id, problem: ProblemKind::McpBodyAmbiguous, .. } if id == b"6"));
 }
 
-/// One request through the steps the glue runs, as `src/filter/http.rs` runs them: headers,
-/// the local claim at the headers, the body, the claim marked forwarded, the next step.
+/// One request through the steps the glue runs, as `src/filter/http.rs` runs them: headers (the
+/// local tier looked at, nothing claimed), the body, the local claim with the fingerprint on the
+/// bucket read at headers, the next step.
 fn drive(c: &Config, table: &Table, sd: &mut MemoryShared, key: &str, body: &[u8], owner: u8, now: u64) -> Step {
     let mut h = head("POST", "/charges", &[("idempotency-key", key)]);
     let a = admitted(at_headers(c, &h, None, false));
@@ -328,16 +314,16 @@ fn drive(c: &Config, table: &Table, sd: &mut MemoryShared, key: &str, body: &[u8
     let owner = OwnerToken([owner; 16]);
     let store = c.store.as_ref().map(|s| s.on_unavailable);
     let begun = table.begin(sd, skey, None, now, &a.policy, owner, &creator);
-    let handle = match after_local(begun, None, store, now) {
-        Step::WaitForBody { handle: Some(handle) } => handle,
+    let seen = match after_local(begun, None, store, now) {
+        Step::WaitForBody { seen } => seen,
         other => return other,
     };
     assert_eq!(body_chunk(body.len() as u64, 0, 0, c.max_buffered_bytes, &a.policy), Ok(body.len() as u64));
     let AtBodyEnd::Fingerprinted { fp, .. } = at_body_end(&a.policy, &mut h, &a.scope, false, body) else {
         panic!("a sent key needs no derivation");
     };
-    let marked = table.mark_forwarded(sd, &handle, fp, now, &a.policy);
-    after_mark_forwarded(marked, handle, fp, store, now)
+    let begun = table.begin_after(sd, skey, Some(fp), now, &a.policy, owner, &creator, seen);
+    after_local(begun, Some(fp), store, now)
 }
 
 #[test]

@@ -64,11 +64,20 @@ fn sent(handle: Option<Handle>, n: u8) -> Sent {
 #[test]
 fn a_first_request_claims_locally_waits_for_its_body_claims_in_the_store_and_forwards() {
     let h = handle();
-    // Headers: the local tier claims before the fingerprint is known.
+    // Headers: the local tier claims nothing before the fingerprint is known.
+    assert_eq!(
+        after_local(Ok(Begin::NeedFingerprint { seen: None }), None, REJECT, LOCAL),
+        Step::WaitForBody { seen: None }
+    );
+    // A claim without the fingerprint cannot come from the local tier: refused, never forwarded.
     let begun = Ok(Begin::Claimed { handle: h, took_over: false, evicted: false });
-    assert_eq!(after_local(begun, None, REJECT, LOCAL), Step::WaitForBody { handle: Some(h) });
-    // Body complete (marked forwarded locally): the store is asked next, the local claim held.
-    assert_eq!(after_fingerprint(Some(h), fp(1), REJECT, LOCAL), Step::ClaimInStore { handle: Some(h), fp: fp(1) });
+    assert_eq!(
+        after_local(begun, None, REJECT, LOCAL),
+        Step::FailClosed { broken: Broken::ImpossibleDecision, branch: "claim_without_fingerprint", handle: Some(h) }
+    );
+    // Body complete, claimed locally with its fingerprint: the store is asked next, the local claim held.
+    let begun = Ok(Begin::Claimed { handle: h, took_over: false, evicted: false });
+    assert_eq!(after_local(begun, Some(fp(1)), REJECT, LOCAL), Step::ClaimInStore { handle: Some(h), fp: fp(1) });
     // The store claimed it for us in time: forwarded under both claims.
     let claimed = Ok(ClaimReply::Claimed { now_ms: STORE_NOW });
     assert_eq!(
@@ -99,7 +108,7 @@ fn without_a_store_a_request_forwards_under_its_local_claim_and_never_without_on
         after_local(Ok(Begin::Full), Some(fp(1)), REJECT, LOCAL),
         Step::ClaimInStore { handle: None, fp: fp(1) }
     );
-    assert_eq!(after_local(Ok(Begin::Full), None, REJECT, LOCAL), Step::WaitForBody { handle: None });
+    assert_eq!(after_local(Ok(Begin::Full), None, REJECT, LOCAL), Step::WaitForBody { seen: None });
 }
 
 #[test]
@@ -300,6 +309,9 @@ fn a_retry_meeting_the_local_tier_replays_or_is_in_flight_without_asking_the_sto
         after_local(in_flight, None, REJECT, LOCAL),
         Step::InFlight { creator: Some(creator()), release: None, fp: None }
     );
-    assert_eq!(after_local(Ok(Begin::NeedFingerprint), None, REJECT, LOCAL), Step::WaitForBody { handle: None });
+    assert_eq!(
+        after_local(Ok(Begin::NeedFingerprint { seen: None }), None, REJECT, LOCAL),
+        Step::WaitForBody { seen: None }
+    );
     assert_eq!(after_local(Err(LocalError::Corrupt), None, REJECT, LOCAL), Step::LocalFailed(LocalError::Corrupt));
 }
