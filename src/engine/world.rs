@@ -207,7 +207,7 @@ pub enum Phase {
     /// Sent by the client; its headers not yet seen by its proxy.
     New,
     /// Its headers seen; its body to come, holding nothing (`seen`: its bucket as read then).
-    Body { seen: Option<Box<Seen>> },
+    Body { seen: Option<Seen> },
     /// Paused on store callout `call`.
     Calling { asked: Asked, sent: Sent, call: usize },
     /// Forwarded under `claim`: the upstream has it.
@@ -427,7 +427,6 @@ impl World {
         let (now, mode, skey) = (self.now, self.store_mode(), self.skey(r));
         let (owner, creator) = (self.reqs[r].owner, self.reqs[r].creator.clone());
         let p = &mut self.proxies[self.reqs[r].proxy];
-        let seen = seen.map(|s| *s);
         let begun = p.table.begin_after(&mut p.sd, skey, Some(fp), now, &policy, owner, &creator, seen);
         let step = request::after_local(begun, Some(fp), mode, now);
         self.run(r, step);
@@ -439,7 +438,7 @@ impl World {
         let lt = Lifetimes::of(&policy);
         let (skey, owner, now) = (self.skey(r), self.reqs[r].owner, self.now);
         match step {
-            Step::WaitForBody { seen } => self.reqs[r].phase = Phase::Body { seen: seen.map(Box::new) },
+            Step::WaitForBody { seen } => self.reqs[r].phase = Phase::Body { seen },
             Step::PauseForBody => self.reqs[r].phase = Phase::Body { seen: None },
             Step::ClaimInStore { handle, fp } => {
                 let record = Record::in_progress(fp, self.reqs[r].creator.clone(), owner, now, &lt);

@@ -184,6 +184,8 @@ pub struct Http {
     phase: Phase,
     /// Bytes of request body this context has counted against the VM's budget.
     budgeted: u64,
+    /// Bytes of the bucket read at headers (`Phase::Waiting`'s `seen`) counted against the same budget.
+    seen_budgeted: u64,
     body_size: usize,
     /// The outcome was left in Envoy's filter state (`publish`): once per request.
     published: bool,
@@ -243,6 +245,7 @@ impl Http {
             context_id,
             phase: Phase::Pass,
             budgeted: 0,
+            seen_budgeted: 0,
             body_size: 0,
             published: false,
             counted_as: None,
@@ -434,6 +437,17 @@ impl Http {
     /// request's end before the claim, and a request refused then is answered locally, which
     /// resets its upstream stream (a request never complete, never executed).
     fn wait_for_body(&mut self, req: Protected, seen: Option<Seen>) -> Action {
+        // The bucket read at headers is kept for the claim only within the worker's buffer budget
+        // (counted with the bodies being buffered): beyond it, the claim reads the bucket again.
+        let b = &self.shared.buffered;
+        let seen = seen.filter(|s| {
+            let fits = b.get().saturating_add(s.bytes()) <= self.shared.config.max_buffered_bytes;
+            if fits {
+                b.set(b.get() + s.bytes());
+                self.seen_budgeted = s.bytes();
+            }
+            fits
+        });
         self.phase = Phase::Waiting { req, seen };
         if self.shared.config.hold_headers {
             Action::Pause
@@ -870,10 +884,11 @@ impl Http {
     }
 
     fn release_budget(&mut self) {
-        if self.budgeted > 0 {
+        if self.budgeted > 0 || self.seen_budgeted > 0 {
             let b = &self.shared.buffered;
-            b.set(b.get().saturating_sub(self.budgeted));
+            b.set(b.get().saturating_sub(self.budgeted + self.seen_budgeted));
             self.budgeted = 0;
+            self.seen_budgeted = 0;
         }
     }
 
