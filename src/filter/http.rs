@@ -1292,7 +1292,13 @@ impl HttpContext for Http {
 
 impl Http {
     /// `Phase::Waiting`: a chunk of a protected request's body (`body_size` bytes so far).
-    fn request_body(&mut self, req: Protected, seen: Option<Seen>, body_size: usize, end_of_stream: bool) -> Action {
+    fn request_body(
+        &mut self,
+        req: Protected,
+        mut seen: Option<Seen>,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
         self.body_size = body_size;
         // The branch a policy lost while the body arrives would take (fault tests only).
         if fault_point(&req, "policy-lost-at-body") {
@@ -1301,6 +1307,12 @@ impl Http {
         }
         let b = &self.shared.buffered;
         let max = self.shared.config.max_buffered_bytes;
+        if seen.is_some() && request::body_chunk(body_size as u64, self.budgeted, b.get(), max, &req.policy).is_err() {
+            // The body goes first: the bucket read at headers is dropped (the claim reads it again).
+            b.set(b.get().saturating_sub(self.seen_budgeted));
+            self.seen_budgeted = 0;
+            seen = None;
+        }
         match request::body_chunk(body_size as u64, self.budgeted, b.get(), max, &req.policy) {
             Ok(delta) => b.set(b.get() + delta),
             Err(p) => {
