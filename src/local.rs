@@ -748,10 +748,10 @@ impl Table {
     /// carries its fingerprint). The claim keeps `creator` in its entry (a 409 names it).
     ///
     /// `fp` is `None` at request headers: then nothing is claimed or taken over. What the key
-    /// holds is answered at once (a live claim: 409; a full bucket: 503; a stale forwarded claim
-    /// marked outcome-unknown), and otherwise `NeedFingerprint` carries the bucket as read with
-    /// its CAS (`Seen`), which the claim at the body's end (`begin_after`) makes its first CAS
-    /// on: a first request reads its bucket once. A request whose body is still uploading holds
+    /// holds is answered at once (a live claim: 409; a full bucket: 503), and otherwise
+    /// `NeedFingerprint` waits for the body; when the key was free to claim (or take over) it
+    /// carries the bucket as read with its CAS (`Seen`), which the claim at the body's end
+    /// (`begin_after`) makes its first CAS on: a first request reads its bucket once. A request whose body is still uploading holds
     /// nothing, so a client that gives up mid-upload leaves no claim behind.
     #[allow(clippy::too_many_arguments)]
     pub fn begin(
