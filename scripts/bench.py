@@ -320,14 +320,14 @@ FIRST_LOCAL_CALLS = {
     ("request_headers", "get_header"): "`:method` alone, so an unprotected method passes on one read",
     ("request_headers", "get_header_map"): "the header map: the route (path), the key, the caller's scope, the fingerprint",
     ("request_headers", "set_header"): "`x-envoy-max-retries: 0` (the router never re-sends a protected request)",
-    ("request_headers", "clock"): "now, for the claim (lock and expiry)",
-    ("request_headers", "bucket_get"): "the key's bucket, read: is the key known?",
+    ("request_headers", "clock"): "now, for the look (is a lock live?)",
+    ("request_headers", "bucket_get"): "the key's bucket, read: is the key held? (nothing claimed; the value and its CAS kept for the claim)",
     ("request_headers", "bucket_set"): "the claim: CAS write of the bucket, its records and bytes (two concurrent requests: one wins; the creator kept in the entry names it in 409s)",
     ("request_headers", "metric"): "counters `protected`, `claimed`",
     ("request_body", "get_buffer"): "the body, once, at its end",
-    ("request_body", "clock"): "now, for the forwarded claim's lock (restarted when the body is complete)",
+    ("request_body", "clock"): "now, for the claim's lock and expiry (the lock counts from the end of the body)",
     ("request_body", "bucket_get"): "the bucket, read: still our claim, the key's only live one?",
-    ("request_body", "bucket_set"): "marked forwarded with its fingerprint: CAS write of the bucket",
+    ("request_body", "bucket_set"): "the claim, with its fingerprint, forwarded at once: CAS write of the bucket read at headers (two concurrent requests: one wins; the creator kept in the entry names it in 409s)",
     ("response_headers", "get_header_map"): "the response's status and headers, copied for replays",
     ("response_headers", "add_header"): "`idempotency-key-expires-in` to the client",
     ("response_body", "get_buffer"): "each body chunk, copied for replays",
@@ -886,7 +886,8 @@ def write_docs(results):
         f"- `host_calls_first_local` <= 14 (issue 27): {results['host_calls_first_local']:.1f}, {yes(results['host_calls_first_local'] <= 14)} (counted, "
         "the same on any machine; what bounds it: see \"Host calls per request\")",
         f"- shared-data calls per first local request <= 5 (issue 27): {shared_first_local(results):.1f}, {yes(shared_first_local(results) <= 5)} "
-        "(counted; why 7 is layout v4's bound: \"Host calls per request\" and docs/local-tier.md)",
+        "(counted: the look at headers, the claim's CAS on it at the body's end, the completion's read, body and CAS: "
+        "\"Host calls per request\" and docs/local-tier.md)",
         f"- etcd first request >= 0.8 of the etcd floor (issue 27): {results['first_etcd_floor_ratio']:.3f}, {yes(results['first_etcd_floor_ratio'] >= 0.8)}{busy}; "
         f">= 0.4 of Redis's: {results['etcd_first_vs_redis_ratio']:.3f}, {yes(results['etcd_first_vs_redis_ratio'] >= 0.4)}{busy} "
         "(what stops both is etcd's own CPU per commit: \"etcd beside Redis\")",
@@ -1120,26 +1121,29 @@ of the counting build; shared-data calls named by the key they touch):
 |---|---|---|---|
 {kind_rows}
 
-What a first request in the local tier still pays for (`host_calls_first_local`: 20 with layout v4,
-26 with v3; issue 27's target 14, not reached), each call by the table above, and why it stays:
-- **Shared data, 7** (request headers 2, body 2, log 3; v3 made 13). Every change of the table is
+What a first request in the local tier still pays for (`host_calls_first_local`: 18 with layout v4
+and the claim at the body's end, 20 with the claim at headers, 26 with v3; issue 27's target 14, not
+reached), each call by the table above, and why it stays:
+- **Shared data, 5** (request headers 1, body 1, log 3; 7 with the claim at headers, v3 made 13). Every change of the table is
   a CAS on a key that exists, and Envoy's `set_shared_data` hands back no version: the version a
   CAS compares comes only from a read (Envoy's CAS value is one process-wide counter, so the
   version after our own write cannot be predicted), so each change is a read and a write. A
   single CAS "on the expected absent version" is no atomic insert in Envoy (`SharedData::set`
   inserts an absent key whatever the CAS it is given, so two racing claims would both succeed).
-  The pairs: the claim (the key's bucket, which holds its own occupancy and bytes: no table-wide
-  counter), marking it forwarded (the bucket: still ours and the key's only live claim, its lock
-  restarted), and the completion (the bucket read, then the body written to its own key, then the
-  bucket's CAS that completes the entry and counts the body's bytes against the bucket's share of
-  `max_bytes`). Going to 5 would mean claiming only once the body is whole (a duplicate arriving
-  during a slow upload would no longer meet the claim: `tests/it/expiry.rs`) or completing by the
-  body key alone (the bytes could no longer be counted in the same atomic step: `max_bytes` would
-  not be exact); docs/local-tier.md has the analysis.
-- **Clock, 3**: the claim; the lock restarted when the body is complete (the route's timeout
-  counts from there, and `lock_ttl_seconds` need only exceed it: an older time would shorten the
-  lock under a running request); the completed record's expiry and the lifecycle's check that our
-  claim is not free yet. Each callback reads it once.
+  The claim is one pair split over two callbacks: the key's bucket (which holds its own occupancy
+  and bytes: no table-wide counter) read at the request headers, where nothing is claimed (a live
+  claim is answered 409 there), and its CAS at the end of the body on the value read then, the
+  claim made with its fingerprint and forwarded at once (a bucket changed meanwhile fails the CAS
+  and is read again: 2 calls more on that request). Then the completion (the bucket read, the body
+  written to its own key, the bucket's CAS that completes the entry and counts the body's bytes
+  against the bucket's share of `max_bytes`). Completing by the body key alone would save one more
+  (the bytes could no longer be counted in the same atomic step: `max_bytes` would not be exact);
+  docs/local-tier.md has the analysis.
+- **Clock, 3**: the look at headers (is a lock live?); the claim at the body's end (the lock
+  counts from there: the route's timeout counts from there, and `lock_ttl_seconds` need only
+  exceed it: an older time would shorten the lock under a running request); the completed
+  record's expiry and the lifecycle's check that our claim is not free yet. Each callback reads it
+  once.
 - **Headers, 4**: the request's header map (method, route, key, scope, fingerprint: read whole
   once); `x-envoy-max-retries: 0` (never re-sent by the router); the response's header map (status
   and headers kept for replays); `idempotency-key-expires-in` to the client.
@@ -1150,7 +1154,9 @@ What a first request in the local tier still pays for (`host_calls_first_local`:
 - **Filter state, 2**: `wasm.idemgate_outcome` and `wasm.idemgate_key`, the two values access logs
   print by name (one call each).
 
-Cut by layout v4 (issue 27; 26 to 20, counted by `tests/it/bench_builds.rs`): the table-wide
+Cut by the claim at the body's end (issue 27; 20 to 18, counted by `tests/it/bench_builds.rs`): the
+claim's read at the end of the body (its CAS uses the headers' read) and the CAS that marked a
+headers-time claim forwarded. Cut by layout v4 (issue 27; 26 to 20): the table-wide
 record count reserved before each claim and the table-wide byte usage (4 calls: each bucket now
 keeps its own, and the gauges are sums made by the background sweep), and the claim's slot
 written at headers (2 calls: the creator a 409 names is kept in the bucket's entry until the

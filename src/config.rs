@@ -399,18 +399,27 @@ pub const MAX_STORE_TIMEOUT_MS: u64 = 60_000;
 /// Declares a raw configuration object: every field optional (absent: `None`), `null` refused
 /// like any other wrong type (a field whose type is itself an `Option` reads `null` as
 /// `Some(None)`), unknown fields and duplicate keys refused.
+///
+/// serde's derive reads a `Wire` twin whose fields are `Given<T>`: a field with
+/// `deserialize_with` would get its own reader type, and so its own copy of the whole
+/// value-reading path per field; `Given<T>` shares one per field type (7.4 KB of the module).
 macro_rules! raw_object {
     ($(#[$meta:meta])* struct $name:ident { $($(#[$fmeta:meta])* $field:ident: $ty:ty,)* }) => {
         $(#[$meta])*
-        #[derive(Default, Deserialize)]
-        #[serde(remote = "Self", deny_unknown_fields, expecting = "an object")]
+        #[derive(Default)]
         struct $name {
-            $($(#[$fmeta])* #[serde(default, deserialize_with = "given")] $field: Option<$ty>,)*
+            $($(#[$fmeta])* $field: Option<$ty>,)*
         }
 
         impl RawObject for $name {
             fn read<'de, D: Deserializer<'de>>(d: D) -> Result<$name, D::Error> {
-                $name::deserialize(d) // the derived reader (`remote = "Self"`)
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields, expecting = "an object")]
+                struct Wire {
+                    $(#[serde(default)] $field: Given<$ty>,)*
+                }
+                let wire = Wire::deserialize(d)?; // the derived reader
+                Ok($name { $($field: wire.$field.0,)* })
             }
         }
 
@@ -443,9 +452,19 @@ impl<'de, T: RawObject> Visitor<'de> for ObjectOnly<T> {
 }
 
 /// A field that is present: its value, never read as absent (`null` is a wrong type unless `T`
-/// is an `Option`).
-fn given<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
-    T::deserialize(d).map(Some)
+/// is an `Option`); an absent field is `Given(None)` (`#[serde(default)]`).
+struct Given<T>(Option<T>);
+
+impl<T> Default for Given<T> {
+    fn default() -> Self {
+        Given(None)
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Given<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Given<T>, D::Error> {
+        T::deserialize(d).map(|v| Given(Some(v)))
+    }
 }
 
 raw_object! {
@@ -799,6 +818,9 @@ fn join(prefix: &str, name: &str) -> String {
     }
 }
 
+// `range` and `choice` are called at about fifteen sites each: out of line (and `choice`'s refusal
+// written once for every type of choice), they are one copy each in the module.
+#[inline(never)]
 fn range(n: u64, field: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
     match (min..=max).contains(&n) {
         true => Ok(n),
@@ -807,10 +829,16 @@ fn range(n: u64, field: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
 }
 
 fn choice<T: Copy>(s: &str, field: &str, choices: &[(&str, T)]) -> Result<T, ConfigError> {
-    choices.iter().find(|(name, _)| *name == s).map(|(_, t)| *t).ok_or_else(|| {
-        let names: Vec<String> = choices.iter().map(|(n, _)| format!("\"{n}\"")).collect();
-        err(field, format!("expected one of {}, got \"{s}\"", names.join(", ")))
-    })
+    match choices.iter().find(|(name, _)| *name == s) {
+        Some(&(_, t)) => Ok(t),
+        None => Err(not_a_choice(s, field, &mut choices.iter().map(|(n, _)| *n))),
+    }
+}
+
+#[inline(never)]
+fn not_a_choice(s: &str, field: &str, names: &mut dyn Iterator<Item = &str>) -> ConfigError {
+    let names: Vec<String> = names.map(|n| format!("\"{n}\"")).collect();
+    err(field, format!("expected one of {}, got \"{s}\"", names.join(", ")))
 }
 
 fn is_token(s: &str) -> bool {

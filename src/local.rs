@@ -487,12 +487,20 @@ pub enum Begin {
 }
 
 /// A key's bucket as `begin` read it at request headers, with its CAS (`Begin::NeedFingerprint`):
-/// the claim at the body's end makes its first CAS on it (`Table::begin_after`).
+/// the claim at the body's end makes its first CAS on it (`Table::begin_after`). Kept encoded
+/// (the value as shared data holds it: a few bytes per record the bucket holds).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Seen {
     bucket: u32,
-    value: Bucket,
+    value: Vec<u8>,
     cas: u32,
+}
+
+impl Seen {
+    /// The bytes it keeps (the filter counts them in the worker's buffer budget).
+    pub fn bytes(&self) -> u64 {
+        self.value.len() as u64
+    }
 }
 
 /// A live record read without claiming anything (`Table::peek`).
@@ -692,8 +700,16 @@ impl Table {
     }
 
     pub fn read_bucket(&self, sd: &mut dyn SharedData, i: u32) -> Result<(Bucket, u32), LocalError> {
+        self.read_bucket_value(sd, i).map(|(b, cas, _)| (b, cas))
+    }
+
+    /// `read_bucket`, with the value as read.
+    fn read_bucket_value(&self, sd: &mut dyn SharedData, i: u32) -> Result<(Bucket, u32, Vec<u8>), LocalError> {
         match sd.get(&self.bucket_name(i))? {
-            (Some(v), Some(cas)) => Bucket::decode_width(&v, self.width).map(|b| (b, cas)).ok_or(LocalError::Corrupt),
+            (Some(v), Some(cas)) => match Bucket::decode_width(&v, self.width) {
+                Some(b) => Ok((b, cas, v)),
+                None => Err(LocalError::Corrupt),
+            },
             // Never created, or emptied by something else: creating it here would not be atomic.
             _ => Err(LocalError::Missing),
         }
@@ -732,10 +748,10 @@ impl Table {
     /// carries its fingerprint). The claim keeps `creator` in its entry (a 409 names it).
     ///
     /// `fp` is `None` at request headers: then nothing is claimed or taken over. What the key
-    /// holds is answered at once (a live claim: 409; a full bucket: 503; a stale forwarded claim
-    /// marked outcome-unknown), and otherwise `NeedFingerprint` carries the bucket as read with
-    /// its CAS (`Seen`), which the claim at the body's end (`begin_after`) makes its first CAS
-    /// on: a first request reads its bucket once. A request whose body is still uploading holds
+    /// holds is answered at once (a live claim: 409; a full bucket: 503), and otherwise
+    /// `NeedFingerprint` waits for the body; when the key was free to claim (or take over) it
+    /// carries the bucket as read with its CAS (`Seen`), which the claim at the body's end
+    /// (`begin_after`) makes its first CAS on: a first request reads its bucket once. A request whose body is still uploading holds
     /// nothing, so a client that gives up mid-upload leaves no claim behind.
     #[allow(clippy::too_many_arguments)]
     pub fn begin(
@@ -772,11 +788,12 @@ impl Table {
         let mut v3_checked = false;
         let mut seen = seen.filter(|s| s.bucket == i);
         for _ in 0..MAX_CAS_RETRIES + usize::from(seen.is_some()) {
-            let (mut bucket, cas, from_headers) = match seen.take() {
-                Some(s) => (s.value, s.cas, true),
+            let headers_read = seen.take().and_then(|s| Some((Bucket::decode_width(&s.value, self.width)?, s.cas)));
+            let (mut bucket, cas, value, from_headers) = match headers_read {
+                Some((b, cas)) => (b, cas, None, true),
                 None => {
-                    let (b, cas) = self.read_bucket(sd, i)?;
-                    (b, cas, false)
+                    let (b, cas, v) = self.read_bucket_value(sd, i)?;
+                    (b, cas, Some(v), false)
                 }
             };
             let live = bucket.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.holds(&skey, now_ms)));
@@ -815,7 +832,8 @@ impl Table {
             if fp.is_none() && target.is_some() {
                 // Request headers: claim nothing until the body is whole (the bucket goes to the
                 // claim at its end).
-                return Ok(Begin::NeedFingerprint { seen: Some(Seen { bucket: i, value: bucket, cas }) });
+                let seen = value.map(|value| Seen { bucket: i, value, cas });
+                return Ok(Begin::NeedFingerprint { seen });
             }
             let forwarding = true;
             if let Some((place, took_over)) = target {

@@ -297,6 +297,10 @@ pub trait Effects {
 pub trait Io: Effects {
     /// The driver's handle of a store call in flight.
     type Wire;
+    /// Counts `bytes` (the bucket read at headers, kept for the claim at the body's end) in the
+    /// worker's buffer budget if they fit: `false` when they do not (the claim then reads the
+    /// bucket again).
+    fn budget_seen(&mut self, bytes: u64) -> bool;
     /// Sends a store call for `req`.
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Self::Wire>) -> Result<Self::Wire, NotSent>;
 }
@@ -392,7 +396,7 @@ impl<W> Machine<W> {
     pub fn protect<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, end_of_stream: bool) -> Flow {
         if req.derive_at_body {
             // The key depends on the body: decide once it is here.
-            return self.wait_for_body(req, None);
+            return self.wait_for_body(io, req, None);
         }
         if end_of_stream {
             let fp = request::fingerprint_without_body(&req.policy, &req.head);
@@ -432,6 +436,15 @@ impl<W> Machine<W> {
         match self.take() {
             Phase::Waiting { req, .. } => self.answer(io, Some(&req), problem, None),
             _ => self.answer(io, None, problem, None),
+        }
+    }
+
+    /// The body goes first in the buffer budget: the bucket read at headers is dropped (the
+    /// claim at the body's end reads it again). `true` if one was kept.
+    pub fn drop_seen(&mut self) -> bool {
+        match &mut self.phase {
+            Phase::Waiting { seen, .. } => seen.take().is_some(),
+            _ => false,
         }
     }
 
@@ -649,7 +662,7 @@ impl<W> Machine<W> {
     /// store answer decided on, which a take-over or stale-to-unknown compares.
     fn run<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, step: Step, fence: Option<Fence>) -> Flow {
         match step {
-            Step::WaitForBody { seen } => self.wait_for_body(req, seen),
+            Step::WaitForBody { seen } => self.wait_for_body(io, req, seen),
             Step::PauseForBody => {
                 self.phase = Phase::Waiting { req, seen: None };
                 Flow::Pause
@@ -745,7 +758,10 @@ impl<W> Machine<W> {
     /// the body callbacks return `Pause` (Envoy buffers the body): the upstream never receives the
     /// request's end before the claim, and a request refused then is answered locally, which
     /// resets its upstream stream (a request never complete, never executed).
-    fn wait_for_body(&mut self, req: Protected, seen: Option<Seen>) -> Flow {
+    fn wait_for_body<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, seen: Option<Seen>) -> Flow {
+        // The bucket read at headers is kept for the claim only within the worker's buffer budget
+        // (counted with the bodies being buffered): beyond it, the claim reads the bucket again.
+        let seen = seen.filter(|s| io.budget_seen(s.bytes()));
         self.phase = Phase::Waiting { req, seen };
         if self.hold_headers {
             Flow::Pause
@@ -765,7 +781,7 @@ impl<W> Machine<W> {
         creator: Option<&Creator>,
     ) -> Flow {
         match (req.policy.in_flight, fp) {
-            (InFlight::Wait { .. }, None) => self.wait_for_body(req, None),
+            (InFlight::Wait { .. }, None) => self.wait_for_body(io, req, None),
             (InFlight::Wait { wait_ms }, Some(fp)) => {
                 io.run(Command::Hold { req: &req, fp, wait_ms });
                 self.phase = Phase::Held { skey: req.skey };

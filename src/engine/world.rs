@@ -626,6 +626,11 @@ impl Effects for Driver<'_> {
 impl Io for Driver<'_> {
     type Wire = usize;
 
+    /// The world keeps no buffer budget: the bucket read at headers is always kept.
+    fn budget_seen(&mut self, _bytes: u64) -> bool {
+        true
+    }
+
     fn send(&mut self, req: &Protected, op: StoreOp<'_, usize>) -> Result<usize, NotSent> {
         let skey = req.skey;
         let op = match op {

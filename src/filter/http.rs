@@ -55,6 +55,9 @@ pub struct Http {
     machine: Machine<Wire>,
     /// Bytes of request body this context has counted against the VM's budget.
     budgeted: u64,
+    /// Bytes of the bucket read at headers (the machine's `Waiting` `seen`) counted against the
+    /// same budget.
+    seen_budgeted: u64,
     body_size: usize,
     /// The outcome was left in Envoy's filter state (`publish`): once per request.
     published: bool,
@@ -72,6 +75,7 @@ struct Glue<'a> {
     clock: &'a Cell<Option<u64>>,
     published: &'a mut bool,
     counted_as: Option<usize>,
+    seen_budgeted: &'a mut u64,
     sd: HostShared,
 }
 
@@ -326,6 +330,16 @@ impl Effects for Glue<'_> {
 impl Io for Glue<'_> {
     type Wire = Wire;
 
+    fn budget_seen(&mut self, bytes: u64) -> bool {
+        let b = &self.shared.buffered;
+        let fits = b.get().saturating_add(bytes) <= self.shared.config.max_buffered_bytes;
+        if fits {
+            b.set(b.get() + bytes);
+            *self.seen_budgeted = bytes;
+        }
+        fits
+    }
+
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Wire>) -> Result<Wire, NotSent> {
         let shared = self.shared;
         let sent = match op {
@@ -368,6 +382,7 @@ impl Http {
             context_id,
             machine,
             budgeted: 0,
+            seen_budgeted: 0,
             body_size: 0,
             published: false,
             counted_as: None,
@@ -383,6 +398,7 @@ impl Http {
             clock: &self.clock,
             published: &mut self.published,
             counted_as: self.counted_as,
+            seen_budgeted: &mut self.seen_budgeted,
             sd: HostShared,
         };
         (&mut self.machine, glue)
@@ -498,14 +514,24 @@ impl Http {
             self.release_budget();
             return self.broken(None, Broken::PolicyMissing, "request_body", Holding::Nothing);
         }
-        let b = &self.shared.buffered;
-        let max = self.shared.config.max_buffered_bytes;
-        match request::body_chunk(body_size as u64, self.budgeted, b.get(), max, &req.policy) {
-            Ok(delta) => b.set(b.get() + delta),
-            Err(p) => {
+        let shared = Rc::clone(&self.shared);
+        let (b, max) = (&shared.buffered, shared.config.max_buffered_bytes);
+        let over = |m: &Machine<Wire>, budgeted: u64| {
+            m.protected().map(|r| request::body_chunk(body_size as u64, budgeted, b.get(), max, &r.policy))
+        };
+        if self.seen_budgeted > 0 && matches!(over(&self.machine, self.budgeted), Some(Err(_))) {
+            // The body goes first: the bucket read at headers is dropped (the claim reads it again).
+            b.set(b.get().saturating_sub(self.seen_budgeted));
+            self.seen_budgeted = 0;
+            self.machine.drop_seen();
+        }
+        match over(&self.machine, self.budgeted) {
+            Some(Ok(delta)) => b.set(b.get() + delta),
+            Some(Err(p)) => {
                 self.release_budget();
                 return self.refuse(p);
             }
+            None => return Action::Continue,
         }
         self.budgeted = body_size as u64;
         if end_of_stream {
@@ -664,10 +690,11 @@ impl Http {
     }
 
     fn release_budget(&mut self) {
-        if self.budgeted > 0 {
+        if self.budgeted > 0 || self.seen_budgeted > 0 {
             let b = &self.shared.buffered;
-            b.set(b.get().saturating_sub(self.budgeted));
+            b.set(b.get().saturating_sub(self.budgeted + self.seen_budgeted));
             self.budgeted = 0;
+            self.seen_budgeted = 0;
         }
     }
 

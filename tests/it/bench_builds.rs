@@ -259,6 +259,52 @@ fn count_build_a_first_protected_request_in_the_local_tier_makes_at_most_20_host
     );
 }
 
+/// Shared-data calls among a counting build's figures (by kind: buckets, body keys, counters).
+fn shared_data_calls(f: &std::collections::HashMap<String, f64>) -> f64 {
+    f.iter()
+        .filter(|(k, _)| k.starts_with("kind."))
+        .filter(|(k, _)| {
+            ["bucket_", "slot_", "counter_", "shared_"]
+                .iter()
+                .any(|p| k.rsplit('.').next().is_some_and(|l| l.starts_with(p)))
+        })
+        .map(|(_, v)| *v)
+        .sum()
+}
+
+/// The bucket read at request headers is kept for the claim at the body's end only within the
+/// worker's buffer budget, and the body goes first: a body that fits `max_buffered_bytes` only
+/// without it is buffered and claimed (the claim reads its bucket again: one shared-data call
+/// more), never refused; a small body keeps it (5 calls).
+#[test]
+fn count_build_a_body_that_fits_the_buffer_budget_only_without_the_headers_read_is_still_claimed() {
+    let up = Upstream::start();
+    let cfg =
+        r#"{"scope": {"headers": ["authorization"]}, "max_buffered_bytes": 1024, "max_request_body_bytes": 1024}"#;
+    let mut o = EnvoyOptions::new(cfg, up.port);
+    o.wasm = Some(count_module());
+    o.concurrency = 1;
+    o.wasm_log_level = "error".into();
+    let e = Envoy::start(&o);
+    let post = |key: String, body: &[u8]| {
+        let h = [
+            ("content-type", "application/json"),
+            ("authorization", "Bearer bench"),
+            ("idempotency-key", key.as_str()),
+        ];
+        let r = http::request(e.port, "POST", "/bench", &h, body).expect("answer");
+        assert!(r.status < 300, "{key}: {} {}", r.status, r.body_text());
+    };
+    // 1,020 bytes: with the bucket's value (tens of bytes) beside it, over 1,024.
+    let big = vec![b'7'; 1020];
+    let f = per_request(&e, 2, 10, 0, |i| post(format!("big-{i}"), &big));
+    assert_eq!(shared_data_calls(&f), 6.0, "{f:?}");
+    let small = per_request_after(&e, (12, 0), 2, 10, 0, |i| post(format!("small-{i}"), BODY));
+    assert_eq!(shared_data_calls(&small), 5.0, "{small:?}");
+    assert_eq!(up.executions(), 24);
+    assert_eq!(e.stat("idemgate.buffer_budget_exceeded"), 0);
+}
+
 /// Host calls a replay from the local tier makes, at most (14 before issue 17 item 4).
 const LOCAL_REPLAY_HOST_CALLS: f64 = 11.0;
 
