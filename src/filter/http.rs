@@ -892,6 +892,13 @@ impl Http {
         }
     }
 
+    /// Gives back the bytes of the bucket read at headers (`seen_budgeted`): its `seen` is dropped.
+    fn drop_seen_budget(&mut self) {
+        let b = &self.shared.buffered;
+        b.set(b.get().saturating_sub(self.seen_budgeted));
+        self.seen_budgeted = 0;
+    }
+
     fn release_local(&self, handle: Option<Handle>) {
         settle::release_local(&self.shared, handle, self.now());
     }
@@ -1295,7 +1302,7 @@ impl Http {
     fn request_body(
         &mut self,
         req: Protected,
-        mut seen: Option<Seen>,
+        seen: Option<Seen>,
         body_size: usize,
         end_of_stream: bool,
     ) -> Action {
@@ -1305,14 +1312,17 @@ impl Http {
             self.release_budget();
             return self.fail_closed(Some(&req), Broken::PolicyMissing, "request_body", None, Holding::Nothing);
         }
-        let b = &self.shared.buffered;
         let max = self.shared.config.max_buffered_bytes;
-        if seen.is_some() && request::body_chunk(body_size as u64, self.budgeted, b.get(), max, &req.policy).is_err() {
-            // The body goes first: the bucket read at headers is dropped (the claim reads it again).
-            b.set(b.get().saturating_sub(self.seen_budgeted));
-            self.seen_budgeted = 0;
-            seen = None;
-        }
+        // The bucket read at headers is only a saving: it yields its bytes to its own body (the
+        // claim then reads the bucket again) rather than have the body refused.
+        let seen = if self.shared.buffered.get().saturating_add((body_size as u64).saturating_sub(self.budgeted)) > max
+        {
+            self.drop_seen_budget();
+            None
+        } else {
+            seen
+        };
+        let b = &self.shared.buffered;
         match request::body_chunk(body_size as u64, self.budgeted, b.get(), max, &req.policy) {
             Ok(delta) => b.set(b.get() + delta),
             Err(p) => {
