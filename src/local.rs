@@ -489,12 +489,23 @@ pub enum Begin {
 /// A key's bucket as `begin` read it at request headers, with its CAS (`Begin::NeedFingerprint`):
 /// the claim at the body's end makes its first CAS on it (`Table::begin_after`). Kept encoded
 /// (the value as shared data holds it: a few bytes per record the bucket holds).
+///
+/// Only a read at most `SEEN_MAX_AGE_MS` old is used: Envoy's CAS is one process-wide 32-bit
+/// counter, so a bucket's CAS can come round to the value read after 2^32 writes in the process,
+/// which a read kept for a whole slow upload could otherwise span (the CAS would then pass on a
+/// bucket that changed). 2^32 writes within that bound would take over 400 million writes a
+/// second, far beyond one mutex-guarded map.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Seen {
     bucket: u32,
     value: Vec<u8>,
     cas: u32,
+    read_at_ms: u64,
 }
+
+/// How long a bucket read kept from request headers (`Seen`) may be used for the claim's CAS;
+/// an older one (or one from a clock that went back) is read again.
+pub const SEEN_MAX_AGE_MS: u64 = 10_000;
 
 impl Seen {
     /// The bytes it keeps (the filter counts them in the worker's buffer budget).
@@ -771,7 +782,8 @@ impl Table {
     /// proves it current: a claim, take-over or outcome-unknown mark decided on it is written with
     /// that CAS, and a bucket changed since fails it and is read again. A decision that writes
     /// nothing (replay, refusal, full) is never made on it: the bucket is read again first. A
-    /// `seen` of another bucket (a key derived from the body) is ignored.
+    /// `seen` of another bucket (a key derived from the body), or older than `SEEN_MAX_AGE_MS` (the
+    /// CAS counter could have come round), is ignored.
     #[allow(clippy::too_many_arguments)]
     pub fn begin_after(
         &self,
@@ -786,7 +798,7 @@ impl Table {
     ) -> Result<Begin, LocalError> {
         let i = self.bucket_of(&skey);
         let mut v3_checked = false;
-        let mut seen = seen.filter(|s| s.bucket == i);
+        let mut seen = seen.filter(|s| s.bucket == i && now_ms.abs_diff(s.read_at_ms) <= SEEN_MAX_AGE_MS);
         for _ in 0..MAX_CAS_RETRIES + usize::from(seen.is_some()) {
             let headers_read = seen.take().and_then(|s| Some((Bucket::decode_width(&s.value, self.width)?, s.cas)));
             let (mut bucket, cas, value, from_headers) = match headers_read {
@@ -832,7 +844,7 @@ impl Table {
             if fp.is_none() && target.is_some() {
                 // Request headers: claim nothing until the body is whole (the bucket goes to the
                 // claim at its end).
-                let seen = value.map(|value| Seen { bucket: i, value, cas });
+                let seen = value.map(|value| Seen { bucket: i, value, cas, read_at_ms: now_ms });
                 return Ok(Begin::NeedFingerprint { seen });
             }
             let forwarding = true;

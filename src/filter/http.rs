@@ -519,10 +519,10 @@ impl Http {
         let over = |m: &Machine<Wire>, budgeted: u64| {
             m.protected().map(|r| request::body_chunk(body_size as u64, budgeted, b.get(), max, &r.policy))
         };
-        if self.seen_budgeted > 0 && matches!(over(&self.machine, self.budgeted), Some(Err(_))) {
-            // The body goes first: the bucket read at headers is dropped (the claim reads it again).
-            b.set(b.get().saturating_sub(self.seen_budgeted));
-            self.seen_budgeted = 0;
+        // The bucket read at headers is only a saving: it yields its bytes to its own body (the
+        // claim then reads the bucket again) rather than have the body refused.
+        if b.get().saturating_add((body_size as u64).saturating_sub(self.budgeted)) > max {
+            self.drop_seen_budget();
             self.machine.drop_seen();
         }
         match over(&self.machine, self.budgeted) {
@@ -687,6 +687,13 @@ impl Http {
             _ => {}
         }
         self.machine.end();
+    }
+
+    /// Gives back the bytes of the bucket read at headers (`seen_budgeted`): its `seen` is dropped.
+    fn drop_seen_budget(&mut self) {
+        let b = &self.shared.buffered;
+        b.set(b.get().saturating_sub(self.seen_budgeted));
+        self.seen_budgeted = 0;
     }
 
     fn release_budget(&mut self) {

@@ -32,6 +32,12 @@ impl MemoryShared {
         self.map.iter().map(|(k, (v, _))| (k, v))
     }
 
+    /// Sets the process-wide CAS counter to `last` (the next write takes `last + 1`): a test's
+    /// stand-in for the 2^32 writes after which Envoy's counter comes round.
+    pub fn set_last_cas(&mut self, last: u32) {
+        self.next_cas = last;
+    }
+
     /// Key names that start with `prefix`.
     pub fn names_with(&self, prefix: &str) -> Vec<String> {
         self.map.keys().filter(|k| k.starts_with(prefix)).cloned().collect()

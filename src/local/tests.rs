@@ -303,6 +303,36 @@ fn a_body_end_on_a_bucket_changed_since_its_headers_meets_the_keys_new_claim() {
     assert_eq!(t.occupied(&mut m), 1, "one record of the key");
 }
 
+/// Envoy's CAS is one process-wide 32-bit counter: after 2^32 writes anywhere in the process a
+/// bucket can be written with the very CAS a request read at its headers. A CAS made within one
+/// callback never spans that; the bucket read kept from headers lives as long as its upload (hours
+/// for a slow client). Here A looks at headers, B then claims and completes the key, and the
+/// counter has come round so that B's completion lands on A's CAS: a body end trusting that read
+/// would claim the key again over B's record (a second execution). A read older than
+/// `SEEN_MAX_AGE_MS` is not used: A reads the bucket again and is replayed B's response.
+#[test]
+fn a_headers_read_kept_through_a_cas_counter_wrap_never_claims_a_completed_key() {
+    let t = table(8, WhenFull::Reject);
+    let mut m = fresh(&t);
+    let p = Policy { ttl_seconds: 86_400, ..policy() };
+    let k = skey(44);
+    let seen = look(&t, &mut m, k, NOW).expect("a free key hands its bucket on");
+    let read_cas = seen.cas;
+    let hb = handle(&t.begin(&mut m, k, Some(fp(1)), NOW + 1, &p, owner(2), &creator("b")).unwrap());
+    // The counter came round during A's upload: B's body key takes `read_cas - 1`, its bucket
+    // write `read_cas`.
+    m.set_last_cas(read_cas.wrapping_sub(2));
+    let rb = Record::completed(fp(1), response("b"), false, creator("b"), NOW + 1, p.ttl_seconds);
+    assert_eq!(t.complete(&mut m, &hb, rb, NOW + 2).unwrap(), Completed::Stored);
+    assert_eq!(t.read_bucket(&mut m, hb.bucket).unwrap().1, read_cas, "the bucket's CAS came round");
+    let later = NOW + 2 * 3_600_000;
+    match t.begin_after(&mut m, k, Some(fp(1)), later, &p, owner(1), &creator("a"), Some(seen)).unwrap() {
+        Begin::Replay(r) => assert_eq!(r.state, State::Completed(response("b"))),
+        other => panic!("A must be replayed B's response, never claim again: {other:?}"),
+    }
+    assert_eq!(t.occupied(&mut m), 1, "one record of the key");
+}
+
 /// A decision that writes nothing is never made on the headers' read: the key completed at
 /// headers, then forgotten (expired and swept) before the body's end, is claimed, not answered
 /// from the record that is gone.

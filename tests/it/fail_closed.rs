@@ -68,7 +68,7 @@ fn fail_closed_a_policy_lost_while_the_body_arrives_is_refused_and_frees_the_key
     let e = fault_envoy(&up);
     let r = post(e.port, "k-lost-body", "{\"a\":1}", &[(FAULT, "policy-lost-at-body")]);
     assert_refused(&e, &up, &r, "request_body");
-    // It never left: the local claim made at headers was released, so the retry executes once.
+    // It never left and held nothing (claims are made at the body's end): the retry executes once.
     let retry = post(e.port, "k-lost-body", "{\"a\":1}", &[]);
     assert_eq!(retry.status, 201, "{}", retry.body_text());
     assert_eq!(post(e.port, "k-lost-body", "{\"a\":1}", &[]).header("idempotent-replayed"), Some("true"));
