@@ -291,6 +291,8 @@ pub trait Effects {
     /// The local tier and the shared data it runs on.
     fn local(&mut self) -> (&Table, &mut dyn SharedData);
     fn run(&mut self, c: Command<'_>);
+    /// Whether a line of `level` is logged (the line is built only then).
+    fn logs(&self, level: Level) -> bool;
 }
 
 /// The request's driver: `Effects`, and sending store calls.
@@ -313,13 +315,7 @@ pub struct Ended {
 }
 
 fn log<I: Effects + ?Sized>(io: &mut I, level: Level, line: impl FnOnce() -> String) {
-    let l = match level {
-        Level::Error => log::Level::Error,
-        Level::Warn => log::Level::Warn,
-        Level::Info => log::Level::Info,
-        Level::Debug => log::Level::Debug,
-    };
-    if log::log_enabled!(l) {
+    if io.logs(level) {
         io.run(Command::Log(level, line()));
     }
 }

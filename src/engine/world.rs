@@ -598,6 +598,11 @@ struct Driver<'w> {
 }
 
 impl Effects for Driver<'_> {
+    /// The world logs nothing.
+    fn logs(&self, _level: crate::engine::settle::Level) -> bool {
+        false
+    }
+
     fn now_ms(&mut self) -> u64 {
         self.w.now
     }

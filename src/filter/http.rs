@@ -314,6 +314,15 @@ impl Glue<'_> {
 }
 
 impl Effects for Glue<'_> {
+    fn logs(&self, level: LogLevel) -> bool {
+        log::log_enabled!(match level {
+            LogLevel::Error => log::Level::Error,
+            LogLevel::Warn => log::Level::Warn,
+            LogLevel::Info => log::Level::Info,
+            LogLevel::Debug => log::Level::Debug,
+        })
+    }
+
     fn now_ms(&mut self) -> u64 {
         self.now()
     }

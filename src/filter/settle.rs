@@ -43,6 +43,15 @@ struct Root<'a> {
 }
 
 impl Effects for Root<'_> {
+    fn logs(&self, level: Level) -> bool {
+        log::log_enabled!(match level {
+            Level::Error => log::Level::Error,
+            Level::Warn => log::Level::Warn,
+            Level::Info => log::Level::Info,
+            Level::Debug => log::Level::Debug,
+        })
+    }
+
     fn now_ms(&mut self) -> u64 {
         self.now
     }
