@@ -1299,13 +1299,7 @@ impl HttpContext for Http {
 
 impl Http {
     /// `Phase::Waiting`: a chunk of a protected request's body (`body_size` bytes so far).
-    fn request_body(
-        &mut self,
-        req: Protected,
-        seen: Option<Seen>,
-        body_size: usize,
-        end_of_stream: bool,
-    ) -> Action {
+    fn request_body(&mut self, req: Protected, seen: Option<Seen>, body_size: usize, end_of_stream: bool) -> Action {
         self.body_size = body_size;
         // The branch a policy lost while the body arrives would take (fault tests only).
         if fault_point(&req, "policy-lost-at-body") {
