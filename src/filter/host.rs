@@ -39,6 +39,27 @@ fn now() -> Option<Duration> {
     hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok())
 }
 
+/// The `log` crate's level of a core log level.
+fn log_level(level: crate::engine::settle::Level) -> log::Level {
+    use crate::engine::settle::Level;
+    match level {
+        Level::Error => log::Level::Error,
+        Level::Warn => log::Level::Warn,
+        Level::Info => log::Level::Info,
+        Level::Debug => log::Level::Debug,
+    }
+}
+
+/// Whether a core log line of `level` would be written (the core skips building it otherwise).
+pub fn logs(level: crate::engine::settle::Level) -> bool {
+    log::log_enabled!(log_level(level))
+}
+
+/// Writes a core log line at its level.
+pub fn log_line(level: crate::engine::settle::Level, line: &str) {
+    log::log!(log_level(level), "{line}");
+}
+
 pub fn now_ms() -> u64 {
     now().map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

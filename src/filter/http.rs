@@ -14,7 +14,7 @@ use std::cell::Cell;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use log::{debug, error, info, warn};
+use log::{debug, info, warn};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
@@ -286,12 +286,7 @@ impl Glue<'_> {
             // The local release is counted as `release_local` counts it: not per route.
             Command::Count(Count::Released) => self.shared.metrics.inc(Counter::Released),
             Command::Count(c) => self.count(settle::counter(c)),
-            Command::Log(level, line) => match level {
-                LogLevel::Error => error!("{line}"),
-                LogLevel::Warn => warn!("{line}"),
-                LogLevel::Info => info!("{line}"),
-                LogLevel::Debug => debug!("{line}"),
-            },
+            Command::Log(level, line) => host::log_line(level, &line),
             Command::Reply { req, problem, creator } => self.answer(req, problem, creator),
             Command::Replay { req, record } => self.replay(req, &record),
             Command::Write { what, skey, transition, fallback, fence } => {
@@ -315,12 +310,7 @@ impl Glue<'_> {
 
 impl Effects for Glue<'_> {
     fn logs(&self, level: LogLevel) -> bool {
-        log::log_enabled!(match level {
-            LogLevel::Error => log::Level::Error,
-            LogLevel::Warn => log::Level::Warn,
-            LogLevel::Info => log::Level::Info,
-            LogLevel::Debug => log::Level::Debug,
-        })
+        host::logs(level)
     }
 
     fn now_ms(&mut self) -> u64 {

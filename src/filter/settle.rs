@@ -44,12 +44,7 @@ struct Root<'a> {
 
 impl Effects for Root<'_> {
     fn logs(&self, level: Level) -> bool {
-        log::log_enabled!(match level {
-            Level::Error => log::Level::Error,
-            Level::Warn => log::Level::Warn,
-            Level::Info => log::Level::Info,
-            Level::Debug => log::Level::Debug,
-        })
+        host::logs(level)
     }
 
     fn now_ms(&mut self) -> u64 {
@@ -68,12 +63,7 @@ impl Effects for Root<'_> {
             // The local release is counted as `release_local` counts it: not per route.
             Command::Count(Count::Released) => self.shared.metrics.inc(Counter::Released),
             Command::Count(c) => self.shared.metrics.inc_for(counter(c), Some(self.policy_index)),
-            Command::Log(level, line) => match level {
-                Level::Error => log::error!("{line}"),
-                Level::Warn => log::warn!("{line}"),
-                Level::Info => log::info!("{line}"),
-                Level::Debug => log::debug!("{line}"),
-            },
+            Command::Log(level, line) => host::log_line(level, &line),
             // A settlement gives no other command.
             _ => {}
         }
