@@ -762,8 +762,9 @@ impl Table {
     /// holds is answered at once (a live claim: 409; a full bucket: 503), and otherwise
     /// `NeedFingerprint` waits for the body; when the key was free to claim (or take over) it
     /// carries the bucket as read with its CAS (`Seen`), which the claim at the body's end
-    /// (`begin_after`) makes its first CAS on: a first request reads its bucket once. A request whose body is still uploading holds
-    /// nothing, so a client that gives up mid-upload leaves no claim behind.
+    /// (`begin_after`) makes its first CAS on: a first request reads its bucket once. A request
+    /// whose body is still uploading holds nothing, so a client that gives up mid-upload leaves
+    /// no claim behind.
     #[allow(clippy::too_many_arguments)]
     pub fn begin(
         &self,
@@ -847,16 +848,18 @@ impl Table {
                 let seen = value.map(|value| Seen { bucket: i, value, cas, read_at_ms: now_ms });
                 return Ok(Begin::NeedFingerprint { seen });
             }
-            let forwarding = true;
             if let Some((place, took_over)) = target {
                 // The one lifecycle says what the claim becomes: a new claim of an empty, free or
                 // evicted position, or a take-over of a stale claim; anything else is refused.
+                // Claims carry their fingerprint (made at the body's end): forwarded at once.
                 let j = place.position;
                 let p = bucket.positions.get(j).cloned().flatten();
                 let event = match (took_over, p.as_ref().map(|e| e.stage)) {
-                    (true, Some(Stage::Forwarded)) => Event::TakeOver { how: TakeOver::StaleForwarded, forwarding },
-                    (true, _) => Event::TakeOver { how: TakeOver::NeverForwarded, forwarding },
-                    (false, _) => Event::Claim { forwarding },
+                    (true, Some(Stage::Forwarded)) => {
+                        Event::TakeOver { how: TakeOver::StaleForwarded, forwarding: true }
+                    }
+                    (true, _) => Event::TakeOver { how: TakeOver::NeverForwarded, forwarding: true },
+                    (false, _) => Event::Claim { forwarding: true },
                 };
                 let from = match place.evicted_age_ms {
                     Some(_) => step(&p, Event::Evict, None, now_ms).map(|_| None).map_err(LocalError::Refused)?,

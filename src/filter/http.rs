@@ -696,12 +696,12 @@ impl Http {
     }
 
     fn release_budget(&mut self) {
-        if self.budgeted > 0 || self.seen_budgeted > 0 {
+        if self.budgeted > 0 {
             let b = &self.shared.buffered;
-            b.set(b.get().saturating_sub(self.budgeted + self.seen_budgeted));
+            b.set(b.get().saturating_sub(self.budgeted));
             self.budgeted = 0;
-            self.seen_budgeted = 0;
         }
+        self.drop_seen_budget();
     }
 
     /// A forwarded exchange Envoy ended for an internal redirect (the router took the upstream's
