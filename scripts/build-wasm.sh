@@ -23,8 +23,9 @@ cargo build --locked --release --lib --target "$TARGET" --target-dir "$WASM_TARG
 mkdir -p dist
 # binaryen's optimizer over rustc's output, for size (-Oz: 870,309 -> 748,737 bytes, 12,651 fewer
 # than -O3; the core's per-step times of benches/hot_path.rs under Node, both passes applied to its
-# wasm32 build, were not slower beyond noise: median of paired ratios -Oz/-O3 0.91 over 15 steps
-# x 20 interleaved rounds). The features are the ones rustc's wasm32 output uses;
+# wasm32 build and timed on the process's CPU clock in 8 alternating rounds, were not slower beyond
+# noise: paired ratios -Oz/-O3 0.87-1.06 per step, median 0.955). The features are the ones rustc's
+# wasm32 output uses;
 # Envoy's V8 runs each. Every build gets it (the shipped module, the benchmarks' floors and the
 # test builds alike), so what the tests and the benchmarks measure is what ships.
 scripts/install-deps.sh wasm-opt
