@@ -17,6 +17,7 @@ use std::collections::HashMap;
 
 use crate::config::Config;
 use crate::decision::Outcome;
+use crate::engine::budget::Budget;
 use crate::engine::machine::{self, Command, Effects, Ended, Io, Machine, NotSent, Protected, StoreOp};
 use crate::engine::request::{self, Asked, KeyFrom, StoreAnswer};
 use crate::lifecycle::{self, Event, Facts};
@@ -623,6 +624,7 @@ impl Effects for Driver<'_> {
             }
             Command::Write { what, skey, transition, fallback, .. } => self.w.write(what, skey, *transition, fallback),
             Command::Hold { .. } | Command::Detach { .. } => panic!("the world leaves out waits and detached forwards"),
+            Command::McpReply { .. } | Command::HandOver { .. } => panic!("the world leaves out MCP and redirects"),
             Command::Count(_) | Command::Log(..) | Command::KeyDerived { .. } | Command::Publish { .. } => {}
         }
     }
@@ -632,8 +634,23 @@ impl Io for Driver<'_> {
     type Wire = usize;
 
     /// The world keeps no buffer budget: the bucket read at headers is always kept.
-    fn budget_seen(&mut self, _bytes: u64) -> bool {
+    fn budget(&self) -> Budget {
+        Budget { buffered: 0, max: u64::MAX }
+    }
+
+    fn set_buffered(&mut self, _buffered: u64) {}
+
+    fn read_body(&mut self, _req: Option<&Protected>, _size: usize) -> Vec<u8> {
+        self.w.reqs[self.r].body.clone()
+    }
+
+    fn forbid_router_retries(&mut self, head: &mut RequestHead) -> bool {
+        head.forbid_router_retries();
         true
+    }
+
+    fn next_owner(&mut self) -> OwnerToken {
+        self.w.reqs[self.r].owner
     }
 
     fn send(&mut self, req: &Protected, op: StoreOp<'_, usize>) -> Result<usize, NotSent> {
