@@ -263,7 +263,7 @@ LUA = """
 -- Requests are built once in init(), so the per-request cost of the load generator is the same
 -- small table lookup in every scenario (building them per request halved wrk's rate here).
 local reqs = {}
-local i = 0
+local i = %(start)d
 local n = 1
 -- A fresh prefix per wrk run (substituted by bench.py): wrk's Lua random generator is not
 -- seeded, so math.random alone would repeat the same "unique" keys in every run.
@@ -288,9 +288,11 @@ end
 """
 
 
-def wrk(port, method="POST", mode="none", pool=1, duration=DURATION, connections=CONNECTIONS, pool_prefix="pool-"):
+def wrk(port, method="POST", mode="none", pool=1, duration=DURATION, connections=CONNECTIONS, pool_prefix="pool-", pool_start=0):
+    """`pool_start`: the pool's key the run begins with (a pool is read in turn from there)."""
     body = "nil" if method == "GET" else json.dumps(BODY)
     script = LUA % {"mode": mode, "pool": pool, "pool_prefix": pool_prefix, "method": method, "body": body, "unique": 40_000 * duration,
+                    "start": pool_start % max(pool, 1),
                     "run": f"{time.time_ns():x}"}
     f = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False, dir=OUT)
     f.write(script)
@@ -474,8 +476,11 @@ def main():
         w = Envoy(f"miss_writer_{store}", **dict(base, wasm=wasm, direct=False, plugin=plugin, **skw))
         writes0 = w.stat("idemgate.store_writes")
         sent = 0
-        while sent < 2 * MISS_POOL:  # every pool key sent at least once (later passes replay)
-            sent += wrk(w.port, mode="pool", pool=MISS_POOL, pool_prefix=miss_prefix, duration=1)["requests"]
+        # Every pool key sent at least once (later passes replay). Each run goes on where the last
+        # one's answered requests ended (its unanswered last few are sent again), so a slow store
+        # whose one-second runs answer fewer than MISS_POOL requests still reaches every key.
+        while sent < 2 * MISS_POOL:
+            sent += wrk(w.port, mode="pool", pool=MISS_POOL, pool_prefix=miss_prefix, duration=1, pool_start=sent)["requests"]
         for _ in range(400):
             if w.stat("idemgate.store_writes") - writes0 >= MISS_POOL:
                 break
