@@ -263,7 +263,7 @@ LUA = """
 -- Requests are built once in init(), so the per-request cost of the load generator is the same
 -- small table lookup in every scenario (building them per request halved wrk's rate here).
 local reqs = {}
-local i = 0
+local i = %(start)d
 local n = 1
 -- A fresh prefix per wrk run (substituted by bench.py): wrk's Lua random generator is not
 -- seeded, so math.random alone would repeat the same "unique" keys in every run.
@@ -288,9 +288,11 @@ end
 """
 
 
-def wrk(port, method="POST", mode="none", pool=1, duration=DURATION, connections=CONNECTIONS, pool_prefix="pool-"):
+def wrk(port, method="POST", mode="none", pool=1, duration=DURATION, connections=CONNECTIONS, pool_prefix="pool-", pool_start=0):
+    """`pool_start`: the pool's key the run begins with (a pool is read in turn from there)."""
     body = "nil" if method == "GET" else json.dumps(BODY)
     script = LUA % {"mode": mode, "pool": pool, "pool_prefix": pool_prefix, "method": method, "body": body, "unique": 40_000 * duration,
+                    "start": pool_start % max(pool, 1),
                     "run": f"{time.time_ns():x}"}
     f = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False, dir=OUT)
     f.write(script)
@@ -474,8 +476,11 @@ def main():
         w = Envoy(f"miss_writer_{store}", **dict(base, wasm=wasm, direct=False, plugin=plugin, **skw))
         writes0 = w.stat("idemgate.store_writes")
         sent = 0
-        while sent < 2 * MISS_POOL:  # every pool key sent at least once (later passes replay)
-            sent += wrk(w.port, mode="pool", pool=MISS_POOL, pool_prefix=miss_prefix, duration=1)["requests"]
+        # Every pool key sent at least once (later passes replay). Each run goes on where the last
+        # one's answered requests ended (its unanswered last few are sent again), so a slow store
+        # whose one-second runs answer fewer than MISS_POOL requests still reaches every key.
+        while sent < 2 * MISS_POOL:
+            sent += wrk(w.port, mode="pool", pool=MISS_POOL, pool_prefix=miss_prefix, duration=1, pool_start=sent)["requests"]
         for _ in range(400):
             if w.stat("idemgate.store_writes") - writes0 >= MISS_POOL:
                 break
@@ -515,6 +520,7 @@ def main():
     runs1 = {name: [] for name in ONE_CONNECTION}
     wkws = {name: wkw for name, _, wkw in group}
     counters = {name: (envoys[name].stat("idemgate.store_calls"), envoys[name].stat("idemgate.store_calls_waited"), envoys[name].store_requests()) for name in envoys}
+    round_loads = []  # the 1-minute load average at each round's end: above the core count, others shared the CPU
     for rnd in range(RUNS):
         for name, _, wkw in group:
             cpu0 = envoys[name].cpu_seconds()
@@ -527,7 +533,8 @@ def main():
             runs[name].append(r)
         for name in ONE_CONNECTION:
             runs1[name].append(wrk(envoys[name].port, duration=ONE_CONNECTION_DURATION, connections=1, **wkws[name]))
-        print(f"bench: round {rnd + 1}/{RUNS} done", flush=True)
+        round_loads.append(round(os.getloadavg()[0], 2))
+        print(f"bench: round {rnd + 1}/{RUNS} done (load average {round_loads[-1]})", flush=True)
     time.sleep(0.5)  # writes made after the last responses
     for name, kw, _ in group:
         R[name] = summarise(runs[name])
@@ -610,7 +617,9 @@ def main():
     miss_etcd_vs_redis = paired("j_replay_after_local_miss_etcd", "g_replay_after_local_miss")
     one = lambda k, f: R[k]["one_connection"][f]
     results = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip(),
+                    "round_loads": round_loads},
+        "note": os.environ.get("BENCH_NOTE", ""),
         "settings": {"envoy_workers": 1, "wrk_threads": 1, "connections": CONNECTIONS, "duration_s": DURATION, "runs": RUNS, "interleaved": True, "body_bytes": len(BODY), "log_level": "error", "quick": QUICK},
         "passthrough_ratio": passthrough["median"],
         "passthrough_ratio_spread": passthrough,
@@ -632,7 +641,7 @@ def main():
         "first_local_floor_cpu_ratio": cpu_paired("d_first_local", "h_floor_buffering"),
         "first_local_shared_floor_ratio": shared_floor["median"],
         "first_local_shared_floor_ratio_spread": shared_floor,
-        "first_local_shared_floor_ratio_divides_by": "h_floor_shared (the buffering floor plus the local tier's 7 shared-data calls of a first request (layout v4), values of idemgate's sizes)",
+        "first_local_shared_floor_ratio_divides_by": "h_floor_shared (the buffering floor plus the local tier's 5 shared-data calls of a first request, values of idemgate's sizes)",
         "first_local_shared_floor_cpu_ratio": cpu_paired("d_first_local", "h_floor_shared"),
         "shared_floor_vs_buffering_ratio": shared_vs_buffering["median"],
         "shared_floor_vs_buffering_cpu_ratio": cpu_paired("h_floor_shared", "h_floor_buffering"),
@@ -871,7 +880,7 @@ def write_docs(results):
     targets += "\n" + "\n".join([
         f"- `first_local_floor_ratio` >= 0.85 (issue 27): {results['first_local_floor_ratio']:.3f}, {yes(results['first_local_floor_ratio'] >= 0.85)}{busy} "
         f"(by Envoy CPU per request {results['first_local_floor_cpu_ratio']:.3f}). What bounds it, measured: the buffering "
-        f"floor plus only the local tier's 7 shared-data calls (layout v4: the claim, forwarded, the body key and the completing CAS: "
+        f"floor plus only the local tier's 5 shared-data calls (the look at headers, the claim's CAS at the body's end, the body key, the completion's read and CAS: "
         f"\"Host calls per request\") runs at {results['shared_floor_vs_buffering_ratio']:.3f} of the buffering floor "
         f"(by CPU {results['shared_floor_vs_buffering_cpu_ratio']:.3f}); idemgate's first request is "
         f"{results['first_local_shared_floor_ratio']:.3f} of that floor (by CPU {results['first_local_shared_floor_cpu_ratio']:.3f}), "
@@ -1032,13 +1041,17 @@ while other engineers compiled and ran tests on it: short runs, few rounds, and 
 time depends on what else writes to it. Read the ratios (each round pairs scenarios measured
 moments apart), not the absolute figures; a full quiet `make bench` replaces them.
 """
+    loads = results["machine"].get("round_loads") or []
+    loads_note = (f" Load average (1 min) at each round's end: {', '.join(str(x) for x in loads)}"
+                  f" ({results['machine']['cpus']} cores: above that, other work shared the CPU).") if loads else ""
+    run_note = f"\n\n**About this run:** {results['note']}" if results.get("note") else ""
     quick_note = ("\n\n**Every figure on this page measured by `make bench` comes from a quick run (`BENCH_QUICK=1`) on a shared"
                   " 2-core machine** (other engineers compiling and testing at the same time): compare rows of this run, not"
                   " runs; a full `make bench` on a quiet machine replaces them. The sections kept from tests say so.") if st["quick"] else ""
     doc = f"""# Benchmarks
 
 Generated by `make bench` (`scripts/bench.py`); do not edit by hand. Machine: {results['machine']['cpus']} cores,
-{results['machine']['platform']}, {results['machine']['envoy']}.
+{results['machine']['platform']}, {results['machine']['envoy']}.{loads_note}{run_note}
 
 Settings: Envoy with {st['envoy_workers']} worker, log level {st['log_level']}; wrk with {st['wrk_threads']} thread and
 {st['connections']} connections for {st['duration_s']} s, {st['runs']} rounds (median, and min-max of
@@ -1074,9 +1087,10 @@ What no fingerprinting, storing filter can avoid, measured in the same interleav
 same POSTs (`src/bench_host/floor.rs`, built as `dist/idemgate-floor.wasm` by `scripts/build-wasm.sh
 --floor`, never shipped): the **empty filter** reads one header and continues; the **buffering
 floor** pauses at the request headers, takes the whole body, continues, and reads the response
-headers and body; the **shared-data floor** adds to it the local tier's 7 shared-data calls of a
-first request (layout v4), call for call (three reads and CAS writes of a bucket, one write of a
-body key, values of the sizes idemgate's have here; docs/local-tier.md has why 7 is its bound): the part of the local tier's design no
+headers and body; the **shared-data floor** adds to it the local tier's 5 shared-data calls of a
+first request, call for call (the bucket read at headers and its CAS write at the body's end, the
+body key's write, the bucket's read and CAS write at completion, values of the sizes idemgate's
+have here; docs/local-tier.md has why 5 is its bound): the part of the local tier's design no
 implementation of it can skip; the **store floor** adds one callout per request to the same webdis (a `GET` of
 one key) waited for before continuing, and a second one made by the root context after the
 response, as idemgate's completion write is. The 1-connection columns come from a pass of
@@ -1230,7 +1244,12 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--render"]:
         # The docs again from the last run's figures (target/bench/results.json), after a change to
         # their text: no new measurement.
-        write_docs(json.load(open(os.path.join(OUT, "results.json"))))
+        # BENCH_NOTE, when set, replaces the run's note (what the machine was doing meanwhile).
+        results = json.load(open(os.path.join(OUT, "results.json")))
+        if "BENCH_NOTE" in os.environ:
+            results["note"] = os.environ["BENCH_NOTE"]
+            json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=2)
+        write_docs(results)
         sys.exit(0)
     try:
         main()

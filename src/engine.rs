@@ -8,9 +8,12 @@
 //!   fingerprint), and what a protected request does next once the local tier, its fingerprint or
 //!   the store has answered (the decisions of `src/filter/http.rs`, returned as a `Step` it
 //!   carries out);
-//! - `machine`: one protected request as a machine (its phase with its data; headers, body end,
-//!   store answers, the response and the exchange's end in; commands out), driven by
+//! - `machine`: one protected request as a machine (its phase with its data; headers, body
+//!   chunks and end, an MCP POST's body, store answers, the response, an internal redirect's
+//!   hand-over and adoption, and the exchange's end in; commands out), driven by
 //!   `src/filter/http.rs` and by `world`;
+//! - `budget`: the worker's buffer budget as one request counts in it (bodies buffered, the
+//!   bucket read at headers kept, what is given back);
 //! - `writes`: the store writes made after forwarding, their retry schedule and fallback, and the
 //!   stopping root's hold until they are over;
 //! - `waiters`: the requests held by `in_flight: "wait"`, answered from the local tier, the
@@ -23,6 +26,7 @@
 //! - `world` (tests only): whole requests of two proxies and a store in memory, the Envoy suites'
 //!   scenarios and random schedules checked against the promise.
 
+pub mod budget;
 pub mod forwards;
 pub mod keeper;
 pub mod machine;

@@ -1,13 +1,17 @@
 //! One protected request as a sans-IO machine (issue 26): the phase it is in, with the data that
-//! phase needs (`Phase`), and one method per input (the request's headers admitted, a body
-//! refused or complete, the store's answer to the call it is paused on, the upstream's response
-//! as it flows, the exchange's end). Each method decides with `engine::request`'s and
+//! phase needs (`Phase`), and one method per input (the request's headers admitted, a body chunk
+//! or the trailers, an MCP POST's body, the store's answer to the call it is paused on, the
+//! upstream's response as it flows, a stream ended for an internal redirect or re-created for
+//! one, the exchange's end). Each method decides with `engine::request`'s, `engine::budget`'s and
 //! `engine::settle`'s pure steps and says what to do through [`Io`]: commands out ([`Command`]:
-//! reply this problem, replay this record, continue, hold for a wait, hand to the root, push a
-//! root write, count, log, publish), and three things it uses synchronously: the clock (read
-//! lazily, at most what the decision needs), the local tier (`Table` over `&mut dyn SharedData`,
-//! core code over a trait), and sending a store call (built and dispatched by the caller, who
-//! answers with its handle `W` or why it could not be sent).
+//! reply this problem (as JSON-RPC to this MCP id), replay this record, continue, hold for a
+//! wait, hand to the root, hand the claim over to a redirect's stream, push a root write, count,
+//! log, publish), and what it uses synchronously: the clock (read lazily, at most what the
+//! decision needs), the local tier (`Table` over `&mut dyn SharedData`, core code over a trait),
+//! the worker's buffer budget count (`Io::budget`), the request body once whole, the router's
+//! retries forbidden on a request's headers, a fresh owner token, and sending a store call
+//! (built and dispatched by the caller, who answers with its handle `W` or why it could not be
+//! sent).
 //!
 //! Two drivers: the HTTP context (`src/filter/http.rs`, Envoy's callbacks into inputs, commands
 //! into host calls) and the in-memory world (`engine::world`, tests). Nothing here reads the
@@ -24,15 +28,20 @@ use std::sync::Arc;
 
 use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
 use crate::decision::{Outcome, IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
-use crate::engine::request::{self, Answered, Asked, AtBodyEnd, Sent, Step, StoreAnswer, StoreMode};
+use crate::engine::budget::{Budget, Held};
+use crate::engine::request::{
+    self, Answered, Asked, AtBodyEnd, AtMcpBody, McpCall, Sent, Step, StoreAnswer, StoreMode,
+};
 use crate::engine::settle::{self, Claim, Count as SettleCount, Level};
 use crate::etcd::Fence;
 use crate::failsafe::{self, Broken, Holding};
 use crate::fingerprint::Fingerprint;
 use crate::local::{Begin, Handle, LocalError, Seen, SharedData, Table};
+use crate::mcp::Accepts;
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
+use crate::redirect::{self, Handoff, Handoffs};
 use crate::request::RequestHead;
 use crate::scope::{CallerScope, StorageKey};
 use crate::store::{StoreError, StoredValue, Transition, TransitionReply, ValueError};
@@ -47,7 +56,7 @@ pub enum Phase<W> {
     /// Not protected, or forwarded unprotected: every callback continues.
     Pass,
     /// A POST on an MCP route (`protocol: "mcp"`): whether it is protected is known only from
-    /// its whole body; nothing is held yet (the driver reads it: `filter/http.rs`).
+    /// its whole body, buffered in the worker's budget; nothing is held yet.
     McpBody { route: usize, policy: Arc<Policy>, head: RequestHead },
     /// Protected; waiting for the whole body, holding nothing (`seen`: the key's bucket as read
     /// at headers, for the claim at the body's end).
@@ -174,6 +183,9 @@ fn holding(handle: Option<Handle>) -> Holding {
 /// The outcome of a protected request whose client left before it was forwarded or answered.
 pub const ABANDONED: &str = "abandoned";
 
+/// The outcome of a stream Envoy ended for an internal redirect: its claim handed over.
+pub const REDIRECTED: &str = "redirected";
+
 /// What the callback the input came from returns to the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flow {
@@ -197,6 +209,11 @@ pub enum Count {
     UnknownOutcome,
     LostClaim,
     DerivedKeys,
+    /// An MCP `tools/call` found protected at its body's end (other requests are counted at
+    /// their headers by the driver).
+    Protected,
+    /// A stream re-created for an internal redirect continues its first stream's claim.
+    RedirectsFollowed,
     Released,
     Stored,
     StoredWithoutBody,
@@ -255,6 +272,20 @@ pub enum Command<'a> {
         key: Option<StorageKey>,
         outcome: &'static str,
     },
+    /// This request (on an MCP route) is answered in JSON-RPC: to `id` (JSON text; `null`
+    /// before it is read), the ids of a refused batch, as the client accepts.
+    McpReply {
+        id: Vec<u8>,
+        batch: Vec<Vec<u8>>,
+        accepts: Accepts,
+    },
+    /// The stream was ended for an internal redirect: `claim` waits for the stream Envoy
+    /// re-creates for it (`crate::redirect`), which was redirected from `url` (authority and
+    /// path). The driver adds what only the host knows (the connection, its context, the time).
+    HandOver {
+        claim: Claim,
+        url: String,
+    },
 }
 
 /// A store call the machine asks the driver to send for the request.
@@ -295,14 +326,25 @@ pub trait Effects {
     fn logs(&self, level: Level) -> bool;
 }
 
-/// The request's driver: `Effects`, and sending store calls.
+/// The request's driver: `Effects`, the host's request (its body, its headers' router retries,
+/// the worker's buffer budget and owner tokens), and sending store calls.
 pub trait Io: Effects {
     /// The driver's handle of a store call in flight.
     type Wire;
-    /// Counts `bytes` (the bucket read at headers, kept for the claim at the body's end) in the
-    /// worker's buffer budget if they fit: `false` when they do not (the claim then reads the
-    /// bucket again).
-    fn budget_seen(&mut self, bytes: u64) -> bool;
+    /// The worker's buffer budget now (its count is the driver's: every request of the worker
+    /// counts in it, `engine::budget`).
+    fn budget(&self) -> Budget;
+    /// The worker's buffer budget count is now `buffered`.
+    fn set_buffered(&mut self, buffered: u64);
+    /// The request body as buffered (`size` bytes), read once it is whole; `req`: the request
+    /// when protected.
+    fn read_body(&mut self, req: Option<&Protected>, size: usize) -> Vec<u8>;
+    /// Tells the router never to re-send the request (`RequestHead::forbid_router_retries`, on
+    /// `head` and the host's header map): `false` if the host refused a change (the request must
+    /// then not be forwarded).
+    fn forbid_router_retries(&mut self, head: &mut RequestHead) -> bool;
+    /// A fresh owner token for a request found protected now (an MCP `tools/call`).
+    fn next_owner(&mut self) -> OwnerToken;
     /// Sends a store call for `req`.
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Self::Wire>) -> Result<Self::Wire, NotSent>;
 }
@@ -327,11 +369,15 @@ pub struct Machine<W> {
     store: StoreMode,
     /// `hold_headers`: the request headers wait with the body.
     hold_headers: bool,
+    /// What the request counts in the worker's buffer budget.
+    held: Held,
+    /// The request body's size so far (its last chunk's `body_size`).
+    body_size: usize,
 }
 
 impl<W> Machine<W> {
     pub fn new(store: StoreMode, hold_headers: bool) -> Machine<W> {
-        Machine { phase: Phase::Pass, store, hold_headers }
+        Machine { phase: Phase::Pass, store, hold_headers, held: Held::default(), body_size: 0 }
     }
 
     pub fn phase(&self) -> &Phase<W> {
@@ -346,28 +392,89 @@ impl<W> Machine<W> {
         }
     }
 
-    /// A POST on an MCP route: its body is read by the driver, which then gives the machine a
-    /// protected call (`protect_with`) or passes it.
-    pub fn await_mcp_body(&mut self, route: usize, policy: Arc<Policy>, head: RequestHead) {
+    /// A POST on an MCP route (`request::at_headers`'s `NotProtected::McpBody`): whether it is
+    /// protected is known from its whole body. Without `hold_headers` its headers go upstream
+    /// now, before the body says, so the router is told now not to re-send it, as for any
+    /// protected request (the one change an unprotected MCP POST then sees).
+    pub fn await_mcp_body<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        route: usize,
+        policy: Arc<Policy>,
+        mut head: RequestHead,
+    ) -> Flow {
+        if !self.hold_headers && !io.forbid_router_retries(&mut head) {
+            return self.fail_closed(io, None, Broken::HostCallFailed, "mcp_retry_guard", None, Holding::Nothing);
+        }
         self.phase = Phase::McpBody { route, policy, head };
-    }
-
-    /// The MCP POST's route, policy and head, taken out to read its body (the phase is `Pass`
-    /// until the driver gives it back or protects the call).
-    pub fn take_mcp_body(&mut self) -> Option<(usize, Arc<Policy>, RequestHead)> {
-        match self.take() {
-            Phase::McpBody { route, policy, head } => Some((route, policy, head)),
-            other => {
-                self.phase = other;
-                None
-            }
+        if self.hold_headers {
+            Flow::Pause
+        } else {
+            Flow::Continue
         }
     }
 
     /// A stream Envoy re-created for an internal redirect continues the claim its first stream
-    /// handed over: forwarded under it, settled at this stream's end.
-    pub fn adopt(&mut self, req: Protected, claim: Claimed) {
+    /// handed over (`h`, taken with `take_handoff`; `policy` and `scope` as it read them): counted,
+    /// the router told never to re-send it, forwarded under the claim, settled at this stream's
+    /// end (where nothing releases it: its first hop executed). If the host refuses to forbid
+    /// the router's retries it fails closed, the claim kept (judged outcome-unknown once its lock
+    /// expires): never re-sent.
+    pub fn adopt<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        h: Handoff<Claim>,
+        policy: Arc<Policy>,
+        mut head: RequestHead,
+        scope: CallerScope,
+    ) -> Flow {
+        let c = h.claim;
+        io.run(Command::Count(Count::RedirectsFollowed));
+        let retries_forbidden = io.forbid_router_retries(&mut head);
+        let req = Protected {
+            route: c.policy_index,
+            policy,
+            head,
+            skey: c.skey,
+            scope,
+            creator: c.creator,
+            owner: c.owner,
+            derive_at_body: false,
+            mcp: c.mcp_id,
+            body: vec![],
+        };
+        if !retries_forbidden {
+            return self.broken(io, Some(req), Broken::HostCallFailed, "redirect_retry_guard", Holding::Forwarded);
+        }
+        log(io, Level::Debug, || log_line(Some(&req), "redirect_followed", &format!("from={}", h.url)));
+        let claim = Claimed { handle: c.handle, fp: c.fp, in_store: c.in_store };
         self.phase = Phase::Forwarded { req, claim, response: Response::default(), redirected: true };
+        Flow::Continue
+    }
+
+    /// Forwarded, and no response reached the filter: whether Envoy ended the stream for an
+    /// internal redirect is read from its response code details (`redirected_away`), read
+    /// only then.
+    pub fn wants_code_details(&self) -> bool {
+        matches!(&self.phase, Phase::Forwarded { response, .. } if response.stored.is_none())
+    }
+
+    /// The forwarded exchange's stream ended with Envoy's response code details
+    /// `code_details`: ended for an internal redirect (the router took the upstream's 3xx, so no
+    /// response reached this filter), its claim is handed over to the stream Envoy re-creates
+    /// (`Command::HandOver`), which settles it, and `true`; otherwise nothing is done (settle it).
+    pub fn redirected_away<I: Io<Wire = W>>(&mut self, io: &mut I, code_details: &str) -> bool {
+        let Phase::Forwarded { req, claim, response, .. } = &self.phase else { return false };
+        if response.stored.is_some() || code_details != redirect::REDIRECT_CODE_DETAILS {
+            return false;
+        }
+        let claim = req.claim(*claim);
+        let url = format!("{}{}", req.head.authority, req.head.path);
+        let key = req.published_key().copied();
+        self.phase = Phase::Pass;
+        io.run(Command::HandOver { claim, url });
+        io.run(Command::Publish { key, outcome: REDIRECTED });
+        true
     }
 
     /// The request is over for the machine (its claim handed over to a re-created stream, or
@@ -436,12 +543,127 @@ impl<W> Machine<W> {
     }
 
     /// The body goes first in the buffer budget: the bucket read at headers is dropped (the
-    /// claim at the body's end reads it again). `true` if one was kept.
-    pub fn drop_seen(&mut self) -> bool {
-        match &mut self.phase {
-            Phase::Waiting { seen, .. } => seen.take().is_some(),
-            _ => false,
+    /// claim at the body's end reads it again).
+    fn drop_seen(&mut self) {
+        if let Phase::Waiting { seen, .. } = &mut self.phase {
+            *seen = None;
         }
+    }
+
+    /// Gives back what the request counts in the worker's buffer budget (its body once whole or
+    /// refused, and at its end).
+    pub fn release_budget<I: Io<Wire = W>>(&mut self, io: &mut I) {
+        if self.held != Held::default() {
+            let after = self.held.release(io.budget().buffered);
+            io.set_buffered(after);
+        }
+    }
+
+    /// A chunk of the request body (`body_size` bytes so far; `end`: the last): buffered in
+    /// the worker's budget while the request waits for its body (a protected request's, or an
+    /// MCP POST's), refused over the route's limit (413) or the budget (503), and decided once
+    /// whole. A request paused on a store call keeps buffering; any other continues.
+    pub fn body_chunk<I: Io<Wire = W>>(&mut self, io: &mut I, body_size: usize, end: bool) -> Flow {
+        self.body_size = body_size;
+        let budget = io.budget();
+        let (counted, mcp) = match &self.phase {
+            Phase::Waiting { req, .. } => (self.held.chunk(body_size as u64, budget, &req.policy), false),
+            Phase::McpBody { policy, .. } => (self.held.chunk(body_size as u64, budget, policy), true),
+            Phase::Calling { .. } => return Flow::Pause,
+            _ => return Flow::Continue,
+        };
+        io.set_buffered(counted.buffered);
+        if counted.seen_dropped {
+            self.drop_seen();
+        }
+        if let Some(problem) = counted.refused {
+            if mcp {
+                // An MCP POST is refused as a JSON-RPC error with id null (the id is not read).
+                if let Phase::McpBody { head, .. } = self.take() {
+                    io.run(Command::McpReply { id: b"null".to_vec(), batch: vec![], accepts: accepts(&head) });
+                }
+            }
+            return self.refuse(io, problem);
+        }
+        if !end {
+            return Flow::Pause;
+        }
+        if mcp {
+            self.mcp_body_complete(io)
+        } else {
+            self.body_complete(io, None)
+        }
+    }
+
+    /// Whether the request trailers are wanted: a protected request waiting for its body (they
+    /// reach the upstream with it, so they are part of its fingerprint).
+    pub fn wants_trailers(&self) -> bool {
+        matches!(self.phase, Phase::Waiting { .. })
+    }
+
+    /// The request trailers (`Some` when wanted): they end the body.
+    pub fn trailers<I: Io<Wire = W>>(&mut self, io: &mut I, trailers: Option<Vec<(String, Vec<u8>)>>) -> Flow {
+        match &self.phase {
+            Phase::Waiting { .. } => self.body_complete(io, trailers),
+            Phase::McpBody { .. } => self.mcp_body_complete(io),
+            Phase::Calling { .. } => Flow::Pause,
+            _ => Flow::Continue,
+        }
+    }
+
+    /// The whole body of a protected request is here (with the trailers, if they ended it):
+    /// read, given back to the budget, fingerprinted.
+    fn body_complete<I: Io<Wire = W>>(&mut self, io: &mut I, trailers: Option<Vec<(String, Vec<u8>)>>) -> Flow {
+        let body = io.read_body(self.protected(), self.body_size);
+        self.release_budget(io);
+        self.body_end(io, body, trailers)
+    }
+
+    /// The whole body of an MCP POST: passed untouched unless it is a protected `tools/call`,
+    /// which is then protected as an HTTP request with a key is, its fingerprint the tool name
+    /// and canonical arguments (`crate::mcp`); refusals are JSON-RPC errors to its id.
+    fn mcp_body_complete<I: Io<Wire = W>>(&mut self, io: &mut I) -> Flow {
+        let Phase::McpBody { route, policy, mut head } = self.take() else { return Flow::Continue };
+        let body = io.read_body(None, self.body_size);
+        self.release_budget(io);
+        let call = match request::at_mcp_body(&policy, &head, &body) {
+            AtMcpBody::Pass => return Flow::Continue,
+            AtMcpBody::PolicyMissing => {
+                return self.fail_closed(io, None, Broken::PolicyMissing, "mcp_body_complete", None, Holding::Nothing)
+            }
+            AtMcpBody::Refuse { id, batch, problem } => {
+                io.run(Command::McpReply { id, batch, accepts: accepts(&head) });
+                return self.answer(io, None, problem, None);
+            }
+            AtMcpBody::Protect(call) => *call,
+        };
+        let McpCall { id, tool, scope, skey, derived, digest, .. } = call;
+        io.run(Command::McpReply { id: id.clone(), batch: vec![], accepts: accepts(&head) });
+        if derived {
+            io.run(Command::Count(Count::DerivedKeys));
+        }
+        io.run(Command::Count(Count::Protected));
+        if self.hold_headers && !io.forbid_router_retries(&mut head) {
+            return self.fail_closed(io, None, Broken::HostCallFailed, "mcp_retry_guard", None, Holding::Nothing);
+        }
+        let owner = io.next_owner();
+        let creator = request::creator_of(&policy, &head);
+        let fp = request::mcp_fingerprint(&policy, &head, digest);
+        let detached = matches!(policy.forwarding, Forwarding::Detached { .. });
+        let req = Protected {
+            route,
+            policy,
+            head,
+            skey,
+            scope,
+            creator,
+            owner,
+            derive_at_body: false,
+            mcp: Some(id),
+            body: if detached { body } else { vec![] },
+        };
+        log(io, Level::Debug, || log_line(Some(&req), "mcp_tools_call", &format!("tool={tool}")));
+        self.protect_with(io, req, fp)
     }
 
     /// The whole body (and trailers, in the head) is here: fingerprint it and go on.
@@ -757,7 +979,13 @@ impl<W> Machine<W> {
     fn wait_for_body<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, seen: Option<Seen>) -> Flow {
         // The bucket read at headers is kept for the claim only within the worker's buffer budget
         // (counted with the bodies being buffered): beyond it, the claim reads the bucket again.
-        let seen = seen.filter(|s| io.budget_seen(s.bytes()));
+        let seen = seen.filter(|s| match self.held.keep_seen(s.bytes(), io.budget()) {
+            Some(after) => {
+                io.set_buffered(after);
+                true
+            }
+            None => false,
+        });
         self.phase = Phase::Waiting { req, seen };
         if self.hold_headers {
             Flow::Pause
@@ -985,8 +1213,12 @@ impl<W> Machine<W> {
     /// The forwarded exchange is over (its outcome classified by the driver): the claim settled
     /// (`engine::settle`), the local tier now, the store through the root. Returns the outcome
     /// slug (also published).
-    pub fn settle<I: Io<Wire = W>>(&mut self, io: &mut I, ended: Ended) -> &'static str {
-        let Phase::Forwarded { req, claim, response, .. } = self.take() else { return settle::INTERNAL_STATE };
+    pub fn settle<I: Io<Wire = W>>(&mut self, io: &mut I, mut ended: Ended) -> &'static str {
+        let Phase::Forwarded { req, claim, response, redirected } = self.take() else { return settle::INTERNAL_STATE };
+        if redirected {
+            // A redirect's target never releases the claim: its first hop executed.
+            ended.outcome = redirect::after_first_hop(ended.outcome);
+        }
         let claim = req.claim(claim);
         let slug = settle_claim(io, &claim, Some(&req.policy), self.store.is_some(), ended, response);
         io.run(Command::Publish { key: req.published_key().copied(), outcome: slug });
@@ -1017,6 +1249,38 @@ impl<W> Machine<W> {
             }
         }
     }
+}
+
+/// The MCP reply's `accepts`, from the request's `accept` lines.
+fn accepts(head: &RequestHead) -> Accepts {
+    Accepts::of(&head.values("accept"))
+}
+
+/// The claim a stream Envoy re-created for an internal redirect continues, taken out of
+/// `handoffs`: under each policy a hand-over that fits the stream names (`policies`, from
+/// `Handoffs::policies_for`; `policy` gives each), the stream's storage key is read from its
+/// headers (`request::redirected_claim`), and a claim handed over under that policy and key,
+/// redirected from `original_url`, on `connection`, by an earlier context than `context_id`,
+/// within the window, is taken. `None`: an ordinary request (a client can send the header).
+#[allow(clippy::too_many_arguments)]
+pub fn take_handoff(
+    handoffs: &mut Handoffs<Claim>,
+    policies: &[usize],
+    policy: impl Fn(usize) -> Option<Arc<Policy>>,
+    head: &RequestHead,
+    original_url: &[u8],
+    connection: Option<u64>,
+    context_id: u32,
+    now_ms: u64,
+) -> Option<(Handoff<Claim>, Arc<Policy>, CallerScope)> {
+    for &i in policies {
+        let Some(p) = policy(i) else { continue };
+        let Some((scope, skey)) = request::redirected_claim(&p, head) else { continue };
+        if let Some(h) = handoffs.take(&skey, i, original_url, connection, context_id, now_ms) {
+            return Some((h, p, scope));
+        }
+    }
+    None
 }
 
 /// Settles `claim` (`engine::settle`), the local tier's commands carried out through `io` and
@@ -1086,3 +1350,6 @@ fn settle_command(
     }
     None
 }
+
+#[cfg(test)]
+mod tests;

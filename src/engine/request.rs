@@ -677,6 +677,15 @@ pub fn mcp_fingerprint(policy: &Policy, head: &RequestHead, digest: [u8; 32]) ->
     Fingerprint::of_digest(head, (fingerprint::BodyForm::CanonicalJson, digest), &policy.fingerprint).0
 }
 
+/// Who made a record, as a 409 names it: the request's `x-request-id` and its `log_headers`.
+pub fn creator_of(policy: &Policy, head: &RequestHead) -> Creator {
+    let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
+    Creator {
+        request_id: first("x-request-id").unwrap_or_default(),
+        log_values: policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect(),
+    }
+}
+
 /// A request re-created by an internal redirect: the storage key of the claim it may take over
 /// under `policy` (its key and scope read from its headers as at the first request's), or
 /// `None` when its headers protect nothing.

@@ -1,37 +1,60 @@
 //! An in-memory world for whole requests, without Envoy (issue 26; tests only): two proxies, each
-//! with its own shared data (`MemoryShared`) and local table, one store (a model of the store's
-//! record table whose every change is `lifecycle::next`'s), an upstream that counts its
+//! with its own shared data (`MemoryShared`), local table and root, one store (a model of the
+//! store's record table whose every change is `lifecycle::next`'s), an upstream that counts its
 //! executions per key, store callouts that are answered, lost (before or after they land) or
-//! delayed, root writes retried then replaced by their fallback, and one clock the test moves.
+//! delayed, clients that leave, and one clock the test moves.
 //!
 //! Each request is the filter's own request machine (`engine::machine`, which
 //! `src/filter/http.rs` drives with Envoy's callbacks): the world feeds it the same inputs
 //! (headers admitted, the body's end, the store's answers, the upstream's response, the
-//! exchange's end) and carries its commands out on its model (callouts to the store, root
-//! writes, the client's answer). What it leaves out: the wire (requests are built and answers
-//! parsed by `store`'s and `etcd`'s own tests), `in_flight: "wait"`, detached forwards, MCP,
-//! derived keys, and `engine::writes`'s schedule (a write lost is sent again up to `WRITE_TRIES`
-//! times, then its fallback, as `engine::writes` does in order).
+//! exchange's end, the client leaving) and carries its commands out on its model (callouts to the
+//! store, root writes, holds, detached forwards, the client's answer). Each proxy's root runs the
+//! root's own machines as `src/filter/mod.rs`'s `Root` does: `engine::writes` (every write after
+//! forwarding, its retries on their schedule and its fallback), `engine::waiters`
+//! (`in_flight: "wait"`: the local tier read on each tick, the store polled) and
+//! `engine::forwards` (`forwarding: "detached"`: the forward sent within its lock, its answer
+//! settled through `engine::machine::settle_claim`, its client answered if still there), ticked
+//! whenever the clock moves. The root's machines speak the store's wire (Redis through webdis):
+//! the world keeps each write's transitions by the request built for them, and answers writes
+//! and polls in the store's own encoding (`StoredValue::encode`, sealed).
+//!
+//! What it leaves out: the wire of the requests' own calls (built and parsed by `store`'s and
+//! `etcd`'s own tests), MCP, derived keys, internal-listener hops (detached routes here are
+//! `hop: "direct"`) and etcd's lease and token keeper (`engine::keeper`, tested on its own).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use crate::config::Config;
+use crate::backend::Backend;
+use crate::config::{Config, Forwarding, Policy};
 use crate::decision::Outcome;
-use crate::engine::machine::{self, Command, Effects, Ended, Io, Machine, NotSent, Protected, StoreOp};
+use crate::engine::budget::Budget;
+use crate::engine::forwards::{self, Action as ForwardAction, Forward, Forwards, Reply as ForwardReply};
+use crate::engine::machine::{
+    self, settle_claim, Command, Effects, Ended, Io, Machine, NotSent, Protected, Response, StoreOp,
+};
 use crate::engine::request::{self, Asked, KeyFrom, StoreAnswer};
+use crate::engine::waiters::{self, Action as WaitAction, Reply as WaitReply, Waiter};
+use crate::engine::writes::{Action as WriteAction, Builder, Job, Note, WriteId, Writes};
 use crate::lifecycle::{self, Event, Facts};
 use crate::local::memory::MemoryShared;
 use crate::local::{SharedData, Table};
 use crate::owner::OwnerToken;
-#[cfg(test)]
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Lifetimes, Record, Stage, State, StoredResponse, UnknownReason};
 use crate::request::RequestHead;
 use crate::scope::StorageKey;
-use crate::store::{ClaimReply, ReadReply, StoreError, StoredValue, Transition, TransitionReply, WhereAbsent};
+use crate::seal::Seal;
+use crate::store::{
+    ClaimReply, ReadReply, StoreError, StoreRequest, StoredValue, Transition, TransitionReply, WhereAbsent,
+};
+use crate::wait::Seen;
 
-/// How many times a root write is sent before its fallback replaces it.
-pub const WRITE_TRIES: u32 = 3;
+/// The secret every proxy of the world seals its records with.
+const SECRET: &str = "idemgate-world-record-key-0123456789";
+
+/// How often a root ticks (`filter/mod.rs` sets a 100 ms tick): the clock's step when the world
+/// waits for the root (a retry's backoff, a wait).
+pub const ROOT_TICK_MS: u64 = 100;
 
 /// One key's place in the store: a value, or a release tombstone naming the owner whose claim's
 /// answer was lost (`Transition::release_lost`). Each lives until `expires_at_ms` (the store's
@@ -176,8 +199,10 @@ pub enum Reply {
 pub enum Caller {
     /// A request paused on it.
     Request(usize),
-    /// The root's write (of `what`), sent `tries` times so far, with its fallback.
-    Write { what: &'static str, tries: u32, fallback: Option<Box<Transition>> },
+    /// Write `id` of proxy `proxy`'s root (`engine::writes`); `fallback`: its fallback's request.
+    Write { proxy: usize, id: WriteId, fallback: bool },
+    /// The store poll of request `r`, held on proxy `proxy` (`engine::waiters`).
+    Poll { proxy: usize, r: usize },
     /// Nobody: its caller saw it lost, and it may still land (a slow link or store).
     Orphan,
 }
@@ -212,7 +237,11 @@ pub enum Phase {
     Calling { call: usize },
     /// Forwarded under its claim(s): the upstream has it.
     Upstream,
-    /// Answered.
+    /// Held by its proxy's root until its key's first attempt finishes (`in_flight: "wait"`).
+    Held,
+    /// Handed to its proxy's root, which sends it upstream (`forwarding: "detached"`).
+    Detached,
+    /// Answered (or its client left).
     Done(Answer),
 }
 
@@ -225,6 +254,10 @@ pub enum Answer {
     Replay { status: u16, body: Vec<u8> },
     /// A problem document (its type's slug).
     Problem(&'static str),
+    /// 409 `request-in-flight` with this `retry-after` (seconds).
+    InFlight { retry_after_seconds: u64 },
+    /// The client left before its answer: it got nothing.
+    Gone,
     /// Passed to the upstream unprotected (`on_unavailable: "pass"`).
     Unprotected,
 }
@@ -244,6 +277,8 @@ pub enum Upstream {
 pub struct Req {
     pub proxy: usize,
     pub key: String,
+    /// Its caller (the `authorization` header's token, the key's scope).
+    pub caller: String,
     pub body: Vec<u8>,
     pub owner: OwnerToken,
     pub creator: Creator,
@@ -261,38 +296,77 @@ impl Req {
     pub fn answer(&self) -> Option<&Answer> {
         self.answered.as_ref()
     }
+
+    /// What the upstream counts its executions by: the key, with its caller when not the
+    /// default one (`CALLER`).
+    pub fn label(&self) -> String {
+        label(&self.caller, &self.key)
+    }
 }
 
-/// A proxy: its own shared data and local table.
+/// The label of `key` sent by `caller` (`Req::label`).
+pub fn label(caller: &str, key: &str) -> String {
+    if caller == CALLER {
+        key.to_string()
+    } else {
+        format!("{caller}/{key}")
+    }
+}
+
+/// A proxy: its own shared data and local table, and its root.
 pub struct Proxy {
     pub sd: MemoryShared,
     pub table: Table,
+    pub root: Root,
+}
+
+/// A proxy's root context: its machines, as `filter/mod.rs`'s `Root` holds them.
+#[derive(Default)]
+pub struct Root {
+    pub writes: Writes,
+    /// Each write's requests (its own, then its fallback's) with the transitions they carry: the
+    /// store model runs the transition of the request the write machine sends.
+    pub built: HashMap<WriteId, Vec<(StoreRequest, StorageKey, Transition)>>,
+    /// What the write machine noted (retries, failures, landings), in order.
+    pub notes: Vec<Note>,
+    pub waiters: Vec<Waiter>,
+    pub forwards: Forwards,
+    /// Detached forwards sent upstream and not yet answered, with their callout's timeout (ms).
+    pub out: Vec<(Box<Forward>, u64)>,
+    /// Requests (by index) the root can still answer: held or detached, their client still there.
+    pub live: HashSet<u32>,
 }
 
 /// Two proxies (or more), one store, one upstream, one clock.
 pub struct World {
     pub now: u64,
     pub config: Config,
+    /// The proxies' record seal (one secret, as a deployment shares it).
+    pub seal: Seal,
     pub proxies: Vec<Proxy>,
     pub store: Store,
     /// Callouts by id; `None` once answered or lost.
     pub calls: Vec<Option<Callout>>,
     pub reqs: Vec<Req>,
-    /// Executions by key, and the response body of each (the first is `<key>#1`).
+    /// Executions by label (`Req::label`), and the response body of each (the first is
+    /// `<label>#1`).
     pub runs: HashMap<String, u32>,
     pub responses: HashMap<String, Vec<Vec<u8>>>,
+    /// The request body each response body answered (each response is one execution's).
+    pub origins: HashMap<Vec<u8>, Vec<u8>>,
     /// Requests the upstream ran without a claim (`Step::PassUnprotected`).
     pub unprotected: u32,
 }
 
-pub const AUTH: &str = "Bearer caller-1";
+/// The default caller (`World::send`).
+pub const CALLER: &str = "caller-1";
 
-fn head(path: &str, key: &str) -> RequestHead {
+fn head(path: &str, caller: &str, key: &str) -> RequestHead {
     RequestHead::from_pairs(vec![
         (":method".into(), b"POST".to_vec()),
         (":path".into(), path.as_bytes().to_vec()),
         (":authority".into(), b"idemgate.test".to_vec()),
-        ("authorization".into(), AUTH.as_bytes().to_vec()),
+        ("authorization".into(), format!("Bearer {caller}").into_bytes()),
         ("idempotency-key".into(), key.as_bytes().to_vec()),
     ])
 }
@@ -309,34 +383,46 @@ impl World {
                 let table = Table::new(&config.local);
                 let mut sd = MemoryShared::default();
                 assert!(table.ensure_created(&mut sd).is_ok());
-                Proxy { sd, table }
+                Proxy { sd, table, root: Root::default() }
             })
             .collect();
+        let seal = match Seal::new(Some(SECRET), None) {
+            Ok(s) => s,
+            Err(e) => panic!("seal refused: {e}"),
+        };
         World {
             now,
             config,
+            seal,
             proxies,
             store: Store::default(),
             calls: vec![],
             reqs: vec![],
             runs: HashMap::new(),
             responses: HashMap::new(),
+            origins: HashMap::new(),
             unprotected: 0,
         }
     }
 
     /// A client sends a POST with `key` and `body` to `proxy`: the request's index.
     pub fn send(&mut self, proxy: usize, key: &str, body: &[u8]) -> usize {
+        self.send_as(proxy, CALLER, key, body)
+    }
+
+    /// `send`, by `caller` (the key's scope).
+    pub fn send_as(&mut self, proxy: usize, caller: &str, key: &str, body: &[u8]) -> usize {
         let n = self.reqs.len();
         let mut token = [0u8; 16];
         token[..8].copy_from_slice(&(n as u64 + 1).to_le_bytes());
         self.reqs.push(Req {
             proxy,
             key: key.to_string(),
+            caller: caller.to_string(),
             body: body.to_vec(),
             owner: OwnerToken(token),
             creator: Creator { request_id: format!("r-{n}"), log_values: vec![] },
-            head: head("/charges", key),
+            head: head("/charges", caller, key),
             skey: None,
             started: false,
             machine: self.machine(),
@@ -360,6 +446,8 @@ impl World {
             machine::Phase::Waiting { .. } => Phase::Body,
             machine::Phase::Calling { call, .. } => Phase::Calling { call: call.wire },
             machine::Phase::Forwarded { .. } => Phase::Upstream,
+            machine::Phase::Held { .. } => Phase::Held,
+            machine::Phase::Detached { .. } => Phase::Detached,
             other => panic!("request {r} is in a phase the world leaves out: {}", phase_name(other)),
         }
     }
@@ -393,11 +481,144 @@ impl World {
         self.calls.len() - 1
     }
 
-    /// The root's write of `t` (with its fallback).
-    fn write(&mut self, what: &'static str, skey: StorageKey, t: Transition, fallback: Option<Box<Transition>>) {
-        if self.config.store.is_some() {
-            self.call(Caller::Write { what, tries: 1, fallback }, Op::Transition { skey, t: Box::new(t) });
+    /// Proxy `proxy`'s root is handed the write `t` of `skey` (with its fallback), as
+    /// `filter/mod.rs`'s `push_write` builds it, and its write machine sends it.
+    fn write(
+        &mut self,
+        proxy: usize,
+        what: &'static str,
+        skey: StorageKey,
+        t: Transition,
+        fallback: Option<Box<Transition>>,
+    ) {
+        if self.config.store.is_none() {
+            return;
         }
+        let build = |what: &'static str, t: &Transition| match Job::build(
+            what,
+            &skey,
+            t,
+            None,
+            Backend::Redis,
+            &self.seal,
+            self.now,
+        ) {
+            Ok(job) => job,
+            Err(e) => panic!("write {what} not built: {e}"),
+        };
+        let mut job = build(what, &t);
+        let mut built = vec![(job.request.clone(), skey, t)];
+        if let Some(f) = fallback {
+            let fj = build("unknown_fallback", &f);
+            built.push((fj.request.clone(), skey, *f));
+            job.fallback = Some(Box::new(fj));
+        }
+        let root = &mut self.proxies[proxy].root;
+        let id = root.writes.push(job);
+        root.built.insert(id, built);
+        self.run_writes(proxy);
+    }
+
+    /// Carries out proxy `p`'s write machine's actions, in order, until it has none
+    /// (`filter/mod.rs` `run_writes`).
+    fn run_writes(&mut self, p: usize) {
+        while let Some(action) = self.proxies[p].root.writes.poll() {
+            match action {
+                WriteAction::Send(id) => {
+                    let root = &self.proxies[p].root;
+                    let sent = root.writes.request(id);
+                    let found = root.built.get(&id).and_then(|b| {
+                        b.iter()
+                            .enumerate()
+                            .find(|(_, (request, _, _))| Some(request) == sent)
+                            .map(|(i, (_, skey, t))| (i, *skey, t.clone()))
+                    });
+                    let Some((i, skey, t)) = found else {
+                        panic!("write {id} sends a request the world did not build")
+                    };
+                    self.call(Caller::Write { proxy: p, id, fallback: i > 0 }, Op::Transition { skey, t: Box::new(t) });
+                }
+                WriteAction::Note { note, .. } => self.proxies[p].root.notes.push(note),
+                WriteAction::Ended | WriteAction::Stop { .. } => {}
+            }
+        }
+    }
+
+    /// Proxy `p`'s root ticks (`filter/mod.rs` `on_tick`): retries due are sent, waiters are
+    /// checked, and detached forwards past their callout's timeout end unanswered.
+    fn root_tick(&mut self, p: usize) {
+        let now = self.now;
+        self.proxies[p].root.writes.tick(now);
+        self.run_writes(p);
+        let has_store = self.config.store.is_some();
+        let Proxy { sd, table, root } = &mut self.proxies[p];
+        let live = &root.live;
+        let actions = waiters::tick(&mut root.waiters, now, has_store, &|id| live.contains(&id), &mut |k| {
+            table.peek(&mut *sd, k, now).ok().map(Seen::from_local)
+        });
+        self.run_waiters(p, actions);
+        // Envoy ends a callout at its timeout, answering nothing; the upstream may have run it.
+        let late: Vec<u32> = self.proxies[p]
+            .root
+            .out
+            .iter()
+            .filter(|(f, timeout)| f.sent_at_ms.saturating_add(*timeout) <= now)
+            .map(|(f, _)| f.context_id)
+            .collect();
+        for r in late {
+            self.forward_upstream(p, r as usize, Upstream::Resets);
+        }
+    }
+
+    /// Carries out proxy `p`'s waiters machine's actions (`filter/mod.rs` `run_waiters`).
+    fn run_waiters(&mut self, p: usize, actions: Vec<WaitAction>) {
+        for action in actions {
+            match action {
+                WaitAction::Answer(w, reply) => {
+                    let answer = match reply {
+                        WaitReply::InFlight { retry_after_seconds } => Answer::InFlight { retry_after_seconds },
+                        WaitReply::Replay(record) => replayed(record),
+                        WaitReply::Problem(kind) => Answer::Problem(kind.slug()),
+                    };
+                    self.root_answers(p, w.context_id, answer);
+                }
+                WaitAction::Poll { context_id, skey } => {
+                    self.call(Caller::Poll { proxy: p, r: context_id as usize }, Op::Read { skey });
+                    waiters::poll_sent(&mut self.proxies[p].root.waiters, context_id);
+                }
+                WaitAction::Unauthentic { skey, why, .. } => {
+                    panic!("the model store's record of {} failed its seal: {why}", skey.hex())
+                }
+            }
+        }
+    }
+
+    /// Proxy `p`'s root answers request `context_id` if its client is still there.
+    fn root_answers(&mut self, p: usize, context_id: u32, answer: Answer) {
+        if self.proxies[p].root.live.remove(&context_id) {
+            self.done(context_id as usize, answer);
+        }
+    }
+
+    /// Carries out a detached forwarding action of proxy `p` (`filter/mod.rs` `run_forward`).
+    fn run_forward(&mut self, p: usize, a: ForwardAction) {
+        match a {
+            ForwardAction::Send(f, timeout) => self.proxies[p].root.out.push((f, timeout)),
+            ForwardAction::Refuse { forward, detail, problem, .. } => {
+                let ended = Ended { outcome: Outcome::Release, detail: detail.to_string() };
+                self.root_settles(p, &forward, ended, Response::default());
+                self.root_answers(p, forward.context_id, Answer::Problem(problem.slug()));
+            }
+            ForwardAction::Probe { cluster, .. } => panic!("the world's detached routes are direct; {cluster} probed"),
+            ForwardAction::Log(..) => {}
+        }
+    }
+
+    /// Proxy `p`'s root settles forward `f`'s claim (`filter/settle.rs` `settle`).
+    fn root_settles(&mut self, p: usize, f: &Forward, ended: Ended, response: Response) -> &'static str {
+        let policy: Option<Policy> = self.config.policy_at(f.claim.policy_index).cloned();
+        let has_store = self.config.store.is_some();
+        settle_claim(&mut RootDriver { w: self, p }, &f.claim, policy.as_ref(), has_store, ended, response)
     }
 
     /// The callouts still on their way (answered or lost ones are gone).
@@ -478,15 +699,38 @@ impl World {
 
     fn answered(&mut self, caller: Caller, op: Op, reply: Result<Reply, StoreError>) {
         match caller {
-            Caller::Write { what, tries, fallback } => {
-                if reply.is_ok() {
-                    return;
-                }
-                if tries < WRITE_TRIES {
-                    self.call(Caller::Write { what, tries: tries + 1, fallback }, op);
-                } else if let (Some(f), Op::Transition { skey, .. }) = (fallback, op) {
-                    self.call(Caller::Write { what, tries: 1, fallback: None }, Op::Transition { skey, t: f });
-                }
+            Caller::Write { proxy, id, .. } => {
+                let (status, body) = match reply {
+                    Ok(Reply::Transition(t)) => (Some(200), transition_wire(&t)),
+                    Ok(other) => panic!("write {id} answered {other:?}"),
+                    Err(_) => (None, vec![]),
+                };
+                let now = self.now;
+                let writer = move || (now, Backend::Redis);
+                let b = Builder { store: Backend::Redis, seal: Some(&self.seal), writer: &writer };
+                self.proxies[proxy].root.writes.answered(id, status, &body, &b);
+                self.run_writes(proxy);
+            }
+            Caller::Poll { proxy, r } => {
+                let Op::Read { skey } = op else { panic!("poll of request {r} is not a read") };
+                let (status, body) = match reply {
+                    Ok(Reply::Read(read)) => (Some(200), read_wire(&read, &skey, &self.seal)),
+                    Ok(other) => panic!("poll of request {r} answered {other:?}"),
+                    Err(_) => (None, vec![]),
+                };
+                let now = self.now;
+                let Proxy { sd, table, root } = &mut self.proxies[proxy];
+                let actions = waiters::store_answered(
+                    &mut root.waiters,
+                    r as u32,
+                    status,
+                    &body,
+                    Backend::Redis,
+                    Some(&self.seal),
+                    now,
+                    &mut |k| matches!(table.peek(&mut *sd, k, now).map(Seen::from_local), Ok(Seen::InFlight)),
+                );
+                self.run_waiters(proxy, actions);
             }
             Caller::Request(r) => self.request_answered(r, reply),
             Caller::Orphan => {}
@@ -510,13 +754,14 @@ impl World {
         self.passed(r);
     }
 
-    /// The upstream runs request `r`: its execution counted, its response body `<key>#<n>`.
+    /// The upstream runs request `r`: its execution counted, its response body `<label>#<n>`.
     fn execute(&mut self, r: usize) -> StoredResponse {
-        let key = self.reqs[r].key.clone();
+        let key = self.reqs[r].label();
         let n = self.runs.entry(key.clone()).or_insert(0);
         *n += 1;
         let body = format!("{key}#{n}").into_bytes();
         self.responses.entry(key).or_default().push(body.clone());
+        self.origins.insert(body.clone(), self.reqs[r].body.clone());
         StoredResponse { status: 201, headers: vec![], body }
     }
 
@@ -546,14 +791,89 @@ impl World {
         self.done(r, answer);
     }
 
-    /// Moves the clock.
+    /// The upstream treats detached request `r`'s forward so (sent by its proxy's root); the
+    /// root settles the claim and answers the client if it is still there.
+    pub fn upstream_detached(&mut self, r: usize, how: Upstream) {
+        assert!(self.is_out(r), "request {r} has no forward on its way");
+        let p = self.reqs[r].proxy;
+        self.forward_upstream(p, r, how);
+    }
+
+    /// Whether request `r`'s detached forward is on its way to the upstream.
+    pub fn is_out(&self, r: usize) -> bool {
+        let p = self.reqs[r].proxy;
+        self.proxies[p].root.out.iter().any(|(f, _)| f.context_id == r as u32)
+    }
+
+    fn forward_upstream(&mut self, p: usize, r: usize, how: Upstream) {
+        let out = &mut self.proxies[p].root.out;
+        let Some(i) = out.iter().position(|(f, _)| f.context_id == r as u32) else { return };
+        let (f, _) = out.remove(i);
+        let (status, headers, body) = match how {
+            Upstream::Answers => {
+                let resp = self.execute(r);
+                (Some(resp.status), vec![("x-envoy-upstream-service-time".to_string(), b"3".to_vec())], resp.body)
+            }
+            Upstream::Resets => {
+                self.execute(r);
+                (None, vec![], vec![])
+            }
+            Upstream::NeverConnects => {
+                (Some(503), vec![("content-type".to_string(), b"text/plain".to_vec())], b"no healthy upstream".to_vec())
+            }
+        };
+        let policy: Option<Policy> = self.config.policy_at(f.claim.policy_index).cloned();
+        let live = self.proxies[p].root.live.contains(&f.context_id);
+        let a = forwards::answered(&f, policy.as_ref(), status, headers, body, &[], live, self.now);
+        if let Some(st) = a.settle {
+            let ended = Ended { outcome: st.outcome, detail: st.detail };
+            let response = Response { stored: st.response, too_large: st.too_large, complete: true };
+            self.root_settles(p, &f, ended, response);
+        }
+        let answer = match a.reply {
+            ForwardReply::Response { status, body, .. } if status < 300 => Answer::Fresh { status, body },
+            ForwardReply::Response { .. } => Answer::Problem("upstream-unreachable"),
+            ForwardReply::Problem(kind) => Answer::Problem(kind.slug()),
+        };
+        self.root_answers(p, f.context_id, answer);
+    }
+
+    /// Request `r`'s client leaves (`http.rs` `on_done`/`on_log` before an answer): what the
+    /// request held is freed; a held or detached request's root answers no one. A forwarded
+    /// request is left alone (its upstream decides; `Upstream::Resets` models a reset).
+    pub fn leave(&mut self, r: usize) {
+        if self.reqs[r].answered.is_some() {
+            return;
+        }
+        let p = self.reqs[r].proxy;
+        match self.phase(r) {
+            Phase::Upstream | Phase::Done(_) => return,
+            Phase::Body | Phase::Calling { .. } => {
+                self.drive(r, |m, io| m.abandon(io));
+            }
+            Phase::New | Phase::Held | Phase::Detached => {}
+        }
+        self.proxies[p].root.live.remove(&(r as u32));
+        self.done(r, Answer::Gone);
+    }
+
+    /// Moves the clock; every root ticks.
     pub fn tick(&mut self, ms: u64) {
         self.now += ms;
+        for p in 0..self.proxies.len() {
+            self.root_tick(p);
+        }
+    }
+
+    /// Whether a root still has work the clock must move for: a write waiting for its retry, a
+    /// request held, or a detached forward out.
+    pub fn root_busy(&self) -> bool {
+        self.proxies.iter().any(|p| p.root.writes.pending() > 0 || !p.root.waiters.is_empty() || !p.root.out.is_empty())
     }
 
     /// Runs every request to its answer: headers, bodies, every callout answered, every forward
-    /// answered by the upstream; `false` if `rounds` rounds leave a request unanswered or a
-    /// callout on its way.
+    /// answered by the upstream, the clock moved a root tick at a time while a root waits;
+    /// `false` if `rounds` rounds leave a request unanswered or a callout on its way.
     pub fn drain(&mut self, rounds: usize) -> bool {
         for _ in 0..rounds {
             let mut moved = false;
@@ -562,7 +882,8 @@ impl World {
                     Phase::New => self.headers(r),
                     Phase::Body => self.body(r),
                     Phase::Upstream => self.upstream(r, Upstream::Answers),
-                    Phase::Calling { .. } | Phase::Done(_) => continue,
+                    Phase::Detached if self.is_out(r) => self.upstream_detached(r, Upstream::Answers),
+                    Phase::Calling { .. } | Phase::Held | Phase::Detached | Phase::Done(_) => continue,
                 }
                 moved = true;
             }
@@ -570,11 +891,51 @@ impl World {
                 self.answer(c);
                 moved = true;
             }
+            if !moved && self.root_busy() {
+                self.tick(ROOT_TICK_MS);
+                moved = true;
+            }
             if !moved {
                 return true;
             }
         }
         self.reqs.iter().all(|q| q.answered.is_some()) && self.pending_calls().is_empty()
+    }
+}
+
+/// What a client is sent for `record` replayed (`filter/reply.rs` `replay`).
+fn replayed(record: Record) -> Answer {
+    match record.state {
+        State::Completed(resp) => Answer::Replay { status: resp.status, body: resp.body },
+        State::CompletedTooLarge { status, .. } => {
+            Answer::Problem(ProblemKind::ResponseNotStored { status, location: None }.slug())
+        }
+        _ => Answer::Problem(ProblemKind::OutcomeUnknown.slug()),
+    }
+}
+
+/// The transition script's answer, as webdis sends it: `{code, new owner}`.
+fn transition_wire(t: &TransitionReply) -> Vec<u8> {
+    let code = match t {
+        TransitionReply::Changed => 1,
+        TransitionReply::Refused => 0,
+        TransitionReply::ClaimGoneRewritten => 2,
+        other => panic!("the model store answers no {other:?}"),
+    };
+    format!("*2\r\n:{code}\r\n$32\r\n{}\r\n", OwnerToken([0; 16]).hex()).into_bytes()
+}
+
+/// A read's answer, as webdis sends it: the value as the scripts wrote it, sealed for its key.
+fn read_wire(read: &ReadReply, skey: &StorageKey, seal: &Seal) -> Vec<u8> {
+    match read {
+        ReadReply::Found(v) => {
+            let value = v.encode(skey, seal);
+            let mut out = format!("${}\r\n", value.len()).into_bytes();
+            out.extend_from_slice(&value);
+            out.extend_from_slice(b"\r\n");
+            out
+        }
+        _ => b"$-1\r\n".to_vec(),
     }
 }
 
@@ -614,16 +975,95 @@ impl Effects for Driver<'_> {
 
     fn run(&mut self, c: Command<'_>) {
         let r = self.r;
+        let p = self.w.reqs[r].proxy;
         match c {
+            Command::Reply { problem: ProblemKind::InFlight { retry_after_seconds }, .. } => {
+                self.w.done(r, Answer::InFlight { retry_after_seconds })
+            }
             Command::Reply { problem, .. } => self.w.done(r, Answer::Problem(problem.slug())),
-            Command::Replay { record, .. } => {
-                if let State::Completed(resp) = record.state {
-                    self.w.done(r, Answer::Replay { status: resp.status, body: resp.body });
+            Command::Replay { record, .. } => self.w.done(r, replayed(record)),
+            Command::Write { what, skey, transition, fallback, .. } => {
+                self.w.write(p, what, skey, *transition, fallback)
+            }
+            // `http.rs` `hold`.
+            Command::Hold { req, fp, wait_ms } => {
+                let now = self.w.now;
+                let root = &mut self.w.proxies[p].root;
+                root.live.insert(r as u32);
+                root.waiters.push(Waiter {
+                    context_id: r as u32,
+                    skey: req.skey,
+                    fp,
+                    request_id: req.creator.request_id.clone(),
+                    deadline_ms: now.saturating_add(wait_ms),
+                    mismatch_status: req.policy.mismatch_status,
+                    policy_index: req.route,
+                    next_store_poll_ms: now,
+                    polling: false,
+                    accept_encoding: req.accept_encoding(),
+                    max_decoded_bytes: req.policy.max_response_body_bytes,
+                });
+            }
+            // `http.rs` `detach`, then the root's `forward_through_hop`.
+            Command::Detach { req, claim, lock_deadline_ms } => {
+                let Forwarding::Detached { cluster, timeout_ms, hop } = &req.policy.forwarding else {
+                    panic!("request {r} detached on a route that does not detach")
+                };
+                let headers = req
+                    .head
+                    .headers
+                    .iter()
+                    .filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.clone(), v.to_string())))
+                    .collect();
+                let f = Forward {
+                    context_id: r as u32,
+                    cluster: cluster.clone(),
+                    timeout_ms: *timeout_ms,
+                    hop: *hop,
+                    headers,
+                    body: req.body,
+                    claim,
+                    request_id: req.creator.request_id.clone(),
+                    sent_at_ms: 0,
+                    lock_deadline_ms,
+                };
+                let now = self.w.now;
+                let root = &mut self.w.proxies[p].root;
+                root.live.insert(r as u32);
+                if let Some(a) = root.forwards.queued(f, now) {
+                    self.w.run_forward(p, a);
                 }
             }
-            Command::Write { what, skey, transition, fallback, .. } => self.w.write(what, skey, *transition, fallback),
-            Command::Hold { .. } | Command::Detach { .. } => panic!("the world leaves out waits and detached forwards"),
+            Command::McpReply { .. } | Command::HandOver { .. } => panic!("the world leaves out MCP and redirects"),
             Command::Count(_) | Command::Log(..) | Command::KeyDerived { .. } | Command::Publish { .. } => {}
+        }
+    }
+}
+
+/// The world as proxy `p`'s root's settlement driver (`filter/settle.rs`'s `Root`).
+struct RootDriver<'w> {
+    w: &'w mut World,
+    p: usize,
+}
+
+impl Effects for RootDriver<'_> {
+    fn logs(&self, _level: crate::engine::settle::Level) -> bool {
+        false
+    }
+
+    fn now_ms(&mut self) -> u64 {
+        self.w.now
+    }
+
+    fn local(&mut self) -> (&Table, &mut dyn SharedData) {
+        let p = &mut self.w.proxies[self.p];
+        (&p.table, &mut p.sd)
+    }
+
+    fn run(&mut self, c: Command<'_>) {
+        // A settlement gives writes, counts and logs only.
+        if let Command::Write { what, skey, transition, fallback, .. } = c {
+            self.w.write(self.p, what, skey, *transition, fallback);
         }
     }
 }
@@ -632,8 +1072,23 @@ impl Io for Driver<'_> {
     type Wire = usize;
 
     /// The world keeps no buffer budget: the bucket read at headers is always kept.
-    fn budget_seen(&mut self, _bytes: u64) -> bool {
+    fn budget(&self) -> Budget {
+        Budget { buffered: 0, max: u64::MAX }
+    }
+
+    fn set_buffered(&mut self, _buffered: u64) {}
+
+    fn read_body(&mut self, _req: Option<&Protected>, _size: usize) -> Vec<u8> {
+        self.w.reqs[self.r].body.clone()
+    }
+
+    fn forbid_router_retries(&mut self, head: &mut RequestHead) -> bool {
+        head.forbid_router_retries();
         true
+    }
+
+    fn next_owner(&mut self) -> OwnerToken {
+        self.w.reqs[self.r].owner
     }
 
     fn send(&mut self, req: &Protected, op: StoreOp<'_, usize>) -> Result<usize, NotSent> {

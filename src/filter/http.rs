@@ -6,13 +6,13 @@
 //! waiters and detached forwards handed to the root, counters, logs, filter state).
 //!
 //! Kept here, beside the machine: what only the host can tell (the route name, the header map,
-//! the body buffer, Envoy's response properties that classify an exchange), the VM-wide body
-//! budget, the store's wire (`filter/stores.rs` builds and parses), an MCP POST's body until
-//! it is known to be a protected `tools/call`, and an internal redirect's hand-over.
+//! the body buffer, Envoy's response properties that classify an exchange, the connection an
+//! internal redirect's hand-over is tied to), the worker's buffer budget count and the claims
+//! handed over to redirects' streams (state the worker's requests share, in `Shared`), and the
+//! store's wire (`filter/stores.rs` builds and parses). The machine decides what they mean.
 
 use std::cell::Cell;
 use std::rc::Rc;
-use std::sync::Arc;
 
 use log::{debug, info, warn};
 use proxy_wasm::traits::{Context, HttpContext};
@@ -24,20 +24,22 @@ use super::stores::{self, Unbuilt};
 use super::writes;
 use super::{reply, Forward, Shared, Waiter};
 use crate::bench_host::meter;
-use crate::config::{Forwarding, Policy};
+use crate::config::Forwarding;
 use crate::decision::{classify_routed, Exchange};
+use crate::engine::budget::Budget;
 use crate::engine::machine::{
-    self, log_line, Claimed, Command, Count, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected,
-    Response, StoreOp,
+    self, log_line, Command, Count, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response,
+    StoreOp,
 };
-use crate::engine::request::{self, Admitted, Asked, AtMcpBody, KeyFrom, McpCall, NotProtected, StoreAnswer};
+use crate::engine::request::{self, Admitted, Asked, KeyFrom, NotProtected, StoreAnswer};
 use crate::failsafe::{Broken, Holding};
 use crate::local::{SharedData, Table};
+use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
 use crate::record::{Creator, Record, State};
 use crate::redirect::{self, Handoff};
 use crate::request::{RequestHead, ROUTER_RETRY_CAP};
-use crate::scope::{CallerScope, StorageKey};
+use crate::scope::StorageKey;
 use crate::store::{self, StoreError};
 
 pub(super) use crate::record::NOT_REPLAYED;
@@ -53,12 +55,6 @@ pub struct Http {
     shared: Rc<Shared>,
     context_id: u32,
     machine: Machine<Wire>,
-    /// Bytes of request body this context has counted against the VM's budget.
-    budgeted: u64,
-    /// Bytes of the bucket read at headers (the machine's `Waiting` `seen`) counted against the
-    /// same budget.
-    seen_budgeted: u64,
-    body_size: usize,
     /// The outcome was left in Envoy's filter state (`publish`): once per request.
     published: bool,
     /// The selected route, the label of per-route counters (known before the request is
@@ -75,7 +71,6 @@ struct Glue<'a> {
     clock: &'a Cell<Option<u64>>,
     published: &'a mut bool,
     counted_as: Option<usize>,
-    seen_budgeted: &'a mut u64,
     sd: HostShared,
 }
 
@@ -304,6 +299,21 @@ impl Glue<'_> {
             Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
             Command::Detach { req, claim, lock_deadline_ms } => self.detach(req, claim, lock_deadline_ms),
             Command::Publish { key, outcome } => self.publish(key.as_ref(), outcome),
+            Command::McpReply { id, batch, accepts } => {
+                reply::set_mcp(self.context_id, reply::McpReply { id, batch, accepts })
+            }
+            Command::HandOver { claim, url } => {
+                let h = Handoff {
+                    skey: claim.skey,
+                    policy_index: claim.policy_index,
+                    url,
+                    connection: u64_property(&["connection", "id"]),
+                    from_context: self.context_id,
+                    posted_ms: self.now(),
+                    claim,
+                };
+                settle::hand_over(self.shared, h);
+            }
         }
     }
 }
@@ -329,14 +339,27 @@ impl Effects for Glue<'_> {
 impl Io for Glue<'_> {
     type Wire = Wire;
 
-    fn budget_seen(&mut self, bytes: u64) -> bool {
-        let b = &self.shared.buffered;
-        let fits = b.get().saturating_add(bytes) <= self.shared.config.max_buffered_bytes;
-        if fits {
-            b.set(b.get() + bytes);
-            *self.seen_budgeted = bytes;
+    fn budget(&self) -> Budget {
+        Budget { buffered: self.shared.buffered.get(), max: self.shared.config.max_buffered_bytes }
+    }
+
+    fn set_buffered(&mut self, buffered: u64) {
+        self.shared.buffered.set(buffered);
+    }
+
+    fn read_body(&mut self, req: Option<&Protected>, size: usize) -> Vec<u8> {
+        if let Some(req) = req {
+            crash_point(req, "body");
         }
-        fits
+        host::buffer(BufferType::HttpRequestBody, size)
+    }
+
+    fn forbid_router_retries(&mut self, head: &mut RequestHead) -> bool {
+        forbid_router_retries(head)
+    }
+
+    fn next_owner(&mut self) -> OwnerToken {
+        self.shared.next_owner()
     }
 
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Wire>) -> Result<Wire, NotSent> {
@@ -376,17 +399,7 @@ impl Http {
     pub fn new(shared: Rc<Shared>, context_id: u32) -> Http {
         let store = shared.config.store.as_ref().map(|c| c.on_unavailable);
         let machine = Machine::new(store, shared.config.hold_headers);
-        Http {
-            shared,
-            context_id,
-            machine,
-            budgeted: 0,
-            seen_budgeted: 0,
-            body_size: 0,
-            published: false,
-            counted_as: None,
-            clock: Cell::new(None),
-        }
+        Http { shared, context_id, machine, published: false, counted_as: None, clock: Cell::new(None) }
     }
 
     /// The machine and its driver for this callback.
@@ -397,7 +410,6 @@ impl Http {
             clock: &self.clock,
             published: &mut self.published,
             counted_as: self.counted_as,
-            seen_budgeted: &mut self.seen_budgeted,
             sd: HostShared,
         };
         (&mut self.machine, glue)
@@ -438,7 +450,7 @@ impl Http {
     }
 
     /// The request headers' step decided the request is not protected (`request::at_headers`).
-    fn not_protected_at_headers(&mut self, not: NotProtected, mut head: RequestHead) -> Action {
+    fn not_protected_at_headers(&mut self, not: NotProtected, head: RequestHead) -> Action {
         match not {
             NotProtected::Pass | NotProtected::Unprotected { .. } => Action::Continue,
             NotProtected::RouteAmbiguous { first, other } => {
@@ -449,18 +461,8 @@ impl Http {
                 self.broken(None, Broken::PolicyMissing, "request_headers_policy", Holding::Nothing)
             }
             NotProtected::McpBody { route, policy } => {
-                // Without `hold_headers` the headers go upstream now, before the body says whether
-                // the call is protected: the router is told not to re-send it now, as for any
-                // protected request (the one change an unprotected MCP POST then sees).
-                if !self.shared.config.hold_headers && !forbid_router_retries(&mut head) {
-                    return self.broken(None, Broken::HostCallFailed, "mcp_retry_guard", Holding::Nothing);
-                }
-                self.machine.await_mcp_body(route, policy, head);
-                if self.shared.config.hold_headers {
-                    Action::Pause
-                } else {
-                    Action::Continue
-                }
+                let (m, mut io) = self.split();
+                action(m.await_mcp_body(&mut io, route, policy, head))
             }
             NotProtected::GrpcPassed { .. } => {
                 self.count(Counter::GrpcPassed);
@@ -504,143 +506,9 @@ impl Http {
         })
     }
 
-    /// `Phase::Waiting`: a chunk of a protected request's body (`body_size` bytes so far).
-    fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.body_size = body_size;
-        let Some(req) = self.machine.protected() else { return Action::Continue };
-        // The branch a policy lost while the body arrives would take (fault tests only).
-        if fault_point(req, "policy-lost-at-body") {
-            self.release_budget();
-            return self.broken(None, Broken::PolicyMissing, "request_body", Holding::Nothing);
-        }
-        let shared = Rc::clone(&self.shared);
-        let (b, max) = (&shared.buffered, shared.config.max_buffered_bytes);
-        let over = |m: &Machine<Wire>, budgeted: u64| {
-            m.protected().map(|r| request::body_chunk(body_size as u64, budgeted, b.get(), max, &r.policy))
-        };
-        // The bucket read at headers is only a saving: it yields its bytes to its own body (the
-        // claim then reads the bucket again) rather than have the body refused.
-        if b.get().saturating_add((body_size as u64).saturating_sub(self.budgeted)) > max {
-            self.drop_seen_budget();
-            self.machine.drop_seen();
-        }
-        match over(&self.machine, self.budgeted) {
-            Some(Ok(delta)) => b.set(b.get() + delta),
-            Some(Err(p)) => {
-                self.release_budget();
-                return self.refuse(p);
-            }
-            None => return Action::Continue,
-        }
-        self.budgeted = body_size as u64;
-        if end_of_stream {
-            self.body_complete(None)
-        } else {
-            Action::Pause
-        }
-    }
-
-    /// The whole body is here (with the trailers, if they ended it): the machine fingerprints it.
-    fn body_complete(&mut self, trailers: Option<Vec<(String, Vec<u8>)>>) -> Action {
-        if let Some(req) = self.machine.protected() {
-            crash_point(req, "body");
-        }
-        let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
-        self.release_budget();
-        let (m, mut io) = self.split();
-        action(m.body_end(&mut io, body, trailers))
-    }
-
-    /// `Phase::McpBody`: a chunk of an MCP POST's body; the same limits as a protected body (it may
-    /// be a protected call), refused as JSON-RPC errors with id null (the id is not read yet).
-    fn mcp_body(
-        &mut self,
-        route: usize,
-        policy: Arc<Policy>,
-        head: RequestHead,
-        body_size: usize,
-        end_of_stream: bool,
-    ) -> Action {
-        self.body_size = body_size;
-        let b = &self.shared.buffered;
-        let max = self.shared.config.max_buffered_bytes;
-        match request::body_chunk(body_size as u64, self.budgeted, b.get(), max, &policy) {
-            Ok(delta) => {
-                b.set(b.get() + delta);
-                self.budgeted = body_size as u64;
-            }
-            Err(p) => {
-                self.release_budget();
-                self.set_mcp_reply(&head, b"null".to_vec(), vec![]);
-                return self.refuse(p);
-            }
-        }
-        if end_of_stream {
-            self.mcp_body_complete(route, policy, head)
-        } else {
-            self.machine.await_mcp_body(route, policy, head);
-            Action::Pause
-        }
-    }
-
-    /// This request's replies are JSON-RPC, to id `id` (JSON text).
-    fn set_mcp_reply(&self, head: &RequestHead, id: Vec<u8>, batch: Vec<Vec<u8>>) {
-        let accepts = crate::mcp::Accepts::of(&head.values("accept"));
-        reply::set_mcp(self.context_id, reply::McpReply { id, batch, accepts });
-    }
-
-    /// The whole body of an MCP POST: passed untouched unless it is a protected `tools/call`,
-    /// which is then protected as an HTTP request with a key is, its fingerprint the tool name
-    /// and canonical arguments (`crate::mcp`).
-    fn mcp_body_complete(&mut self, route: usize, policy: Arc<Policy>, mut head: RequestHead) -> Action {
-        let body = host::buffer(BufferType::HttpRequestBody, self.body_size);
-        self.release_budget();
-        let call = match request::at_mcp_body(&policy, &head, &body) {
-            AtMcpBody::Pass => {
-                reply::forget_mcp(self.context_id);
-                return Action::Continue;
-            }
-            AtMcpBody::PolicyMissing => {
-                return self.broken(None, Broken::PolicyMissing, "mcp_body_complete", Holding::Nothing)
-            }
-            AtMcpBody::Refuse { id, batch, problem } => {
-                self.set_mcp_reply(&head, id, batch);
-                return self.refuse(problem);
-            }
-            AtMcpBody::Protect(call) => *call,
-        };
-        let McpCall { id, tool, scope, skey, derived, digest, .. } = call;
-        self.set_mcp_reply(&head, id.clone(), vec![]);
-        if derived {
-            self.count(Counter::DerivedKeys);
-        }
-        self.count(Counter::Protected);
-        if self.shared.config.hold_headers && !forbid_router_retries(&mut head) {
-            return self.broken(None, Broken::HostCallFailed, "mcp_retry_guard", Holding::Nothing);
-        }
-        let owner = self.shared.next_owner();
-        let creator = creator_of(&policy, &head);
-        let fp = request::mcp_fingerprint(&policy, &head, digest);
-        let detached = matches!(policy.forwarding, Forwarding::Detached { .. });
-        let req = Protected {
-            route,
-            policy,
-            head,
-            skey,
-            scope,
-            creator,
-            owner,
-            derive_at_body: false,
-            mcp: Some(id),
-            body: if detached { body } else { vec![] },
-        };
-        debug!("{}", log_line(Some(&req), "mcp_tools_call", &format!("tool={tool}")));
-        let (m, mut io) = self.split();
-        action(m.protect_with(&mut io, req, fp))
-    }
-
     fn log_exchange(&mut self) {
-        self.release_budget();
+        let (m, mut io) = self.split();
+        m.release_budget(&mut io);
         if matches!(self.machine.phase(), Phase::Pass) {
             return; // unprotected, or passed unprotected: nothing to settle
         }
@@ -649,23 +517,24 @@ impl Http {
         // context out of `live` when it answers it, and tells Envoy the outcome then.)
         let unanswered = self.shared.queues.live.borrow_mut().remove(&self.context_id);
         match self.machine.phase() {
-            Phase::Forwarded { req, claim, response, redirected } => {
-                let ended = match self.redirected(req, *claim, response) {
-                    Ok(h) => Err(h),
-                    Err(code_details) => Ok(self.finish(req, response, *redirected, code_details)),
-                };
-                match ended {
-                    Ok(ended) => {
-                        let (m, mut io) = self.split();
-                        m.settle(&mut io, ended);
+            Phase::Forwarded { .. } => {
+                // No response reached the filter: Envoy's response code details tell whether the
+                // router ended the stream for an internal redirect (its claim then handed over).
+                let code_details = self.machine.wants_code_details().then(|| {
+                    host::property(&["response", "code_details"])
+                        .map(|b| String::from_utf8_lossy(&b).into_owned())
+                        .unwrap_or_default()
+                });
+                if let Some(details) = &code_details {
+                    let (m, mut io) = self.split();
+                    if m.redirected_away(&mut io, details) {
+                        return;
                     }
-                    Err(h) => {
-                        let key = self.machine.protected().and_then(Protected::published_key).copied();
-                        self.machine.end();
-                        let outcome = settle::hand_over(&self.shared, h);
-                        let (_, mut io) = self.split();
-                        io.publish(key.as_ref(), outcome);
-                    }
+                }
+                if let Some((req, response)) = self.machine.forwarded() {
+                    let ended = self.finish(req, response, code_details);
+                    let (m, mut io) = self.split();
+                    m.settle(&mut io, ended);
                 }
             }
             Phase::Waiting { .. } | Phase::Calling { .. } => {
@@ -688,51 +557,6 @@ impl Http {
         self.machine.end();
     }
 
-    /// Gives back the bytes of the bucket read at headers (`seen_budgeted`): its `seen` is dropped.
-    fn drop_seen_budget(&mut self) {
-        let b = &self.shared.buffered;
-        b.set(b.get().saturating_sub(self.seen_budgeted));
-        self.seen_budgeted = 0;
-    }
-
-    fn release_budget(&mut self) {
-        if self.budgeted > 0 {
-            let b = &self.shared.buffered;
-            b.set(b.get().saturating_sub(self.budgeted));
-            self.budgeted = 0;
-        }
-        self.drop_seen_budget();
-    }
-
-    /// A forwarded exchange Envoy ended for an internal redirect (the router took the upstream's
-    /// 3xx, so no response reached this filter): its claim, to hand over to the re-created stream.
-    /// Otherwise the response code details if they were read.
-    fn redirected(
-        &self,
-        req: &Protected,
-        held: Claimed,
-        response: &Response,
-    ) -> Result<Handoff<Claim>, Option<String>> {
-        if response.stored.is_some() {
-            return Err(None);
-        }
-        let details = host::property(&["response", "code_details"])
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default();
-        if details != redirect::REDIRECT_CODE_DETAILS {
-            return Err(Some(details));
-        }
-        Ok(Handoff {
-            claim: req.claim(held),
-            skey: req.skey,
-            policy_index: req.route,
-            url: format!("{}{}", req.head.authority, req.head.path),
-            connection: u64_property(&["connection", "id"]),
-            from_context: self.context_id,
-            posted_ms: self.now(),
-        })
-    }
-
     /// A stream Envoy re-created for an internal redirect (`crate::redirect`): it continues the
     /// claim its first stream handed over, and settles it with the final answer. Anything else
     /// carrying `x-envoy-original-url` (a client can send it) is an ordinary request.
@@ -748,48 +572,25 @@ impl Http {
             return None;
         }
         let head = RequestHead::from_pairs(host::all_headers(MapType::HttpRequestHeaders));
-        for i in policies {
-            let Some(policy) = self.shared.config.shared_policy(i) else { continue };
-            let Some((scope, skey)) = request::redirected_claim(&policy, &head) else { continue };
-            let taken =
-                self.shared.handoffs.borrow_mut().take(&skey, i, url.as_bytes(), connection, self.context_id, now);
-            let Some(h) = taken else { continue };
-            return Some(self.adopt(h, policy, head, scope));
-        }
-        None
-    }
-
-    /// Continues a handed-over claim: forwarded under it, settled at this stream's end.
-    fn adopt(&mut self, h: Handoff<Claim>, policy: Arc<Policy>, mut head: RequestHead, scope: CallerScope) -> Action {
-        let c = h.claim;
-        self.counted_as = Some(c.policy_index);
-        self.count(Counter::RedirectsFollowed);
-        let retries_forbidden = forbid_router_retries(&mut head);
-        let req = Protected {
-            route: c.policy_index,
-            policy,
-            head,
-            skey: c.skey,
-            scope,
-            creator: c.creator,
-            owner: c.owner,
-            derive_at_body: false,
-            mcp: c.mcp_id,
-            body: vec![],
-        };
-        if !retries_forbidden {
-            // The claim stays (judged outcome-unknown once its lock expires): never re-sent.
-            return self.broken(Some(req), Broken::HostCallFailed, "redirect_retry_guard", Holding::Forwarded);
-        }
-        debug!("{}", log_line(Some(&req), "redirect_followed", &format!("from={}", h.url)));
-        let claim = Claimed { handle: c.handle, fp: c.fp, in_store: c.in_store };
-        self.machine.adopt(req, claim);
-        Action::Continue
+        let config = &self.shared.config;
+        let (h, policy, scope) = machine::take_handoff(
+            &mut self.shared.handoffs.borrow_mut(),
+            &policies,
+            |i| config.shared_policy(i),
+            &head,
+            url.as_bytes(),
+            connection,
+            self.context_id,
+            now,
+        )?;
+        self.counted_as = Some(h.claim.policy_index);
+        let (m, mut io) = self.split();
+        Some(action(m.adopt(&mut io, h, policy, head, scope)))
     }
 
     /// Classifies a forwarded exchange from what Envoy tells of it. `code_details`: Envoy's
     /// response code details if already read.
-    fn finish(&self, req: &Protected, response: &Response, redirected: bool, code_details: Option<String>) -> Ended {
+    fn finish(&self, req: &Protected, response: &Response, code_details: Option<String>) -> Ended {
         let status = response.stored.as_ref().map(|r| r.status).filter(|s| *s > 0);
         let mut x =
             Finished { status: status.map(Some), complete: response.complete, code_details, ..Finished::default() };
@@ -798,7 +599,6 @@ impl Http {
         let attempts = x.attempts();
         let headers = response.stored.as_ref().map_or(&[][..], |r| &r.headers[..]);
         let outcome = classify_routed(&mut x, headers, &req.policy);
-        let outcome = if redirected { redirect::after_first_hop(outcome) } else { outcome };
         let detail = if log::log_enabled!(log::Level::Info) { x.detail() } else { String::new() };
         // The router was told to send it once; a later filter (or a host that ignores the cap)
         // may still have re-sent it. Nothing can undo that now: count it and say so.
@@ -942,7 +742,7 @@ impl HttpContext for Http {
         }
         let derive_at_body = from == KeyFrom::DerivedAtBody;
         let owner = self.shared.next_owner();
-        let creator = creator_of(&policy, &head);
+        let creator = request::creator_of(&policy, &head);
         let req =
             Protected { route, policy, head, skey, scope, creator, owner, derive_at_body, mcp: None, body: vec![] };
         if from == KeyFrom::Derived {
@@ -958,33 +758,23 @@ impl HttpContext for Http {
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         self.callback(meter::Callback::RequestBody);
-        match self.machine.phase() {
-            Phase::Waiting { .. } => self.request_body(body_size, end_of_stream),
-            Phase::McpBody { .. } => match self.machine.take_mcp_body() {
-                Some((route, policy, head)) => self.mcp_body(route, policy, head, body_size, end_of_stream),
-                None => Action::Continue,
-            },
-            // Paused on a store call: keep buffering.
-            Phase::Calling { .. } => Action::Pause,
-            _ => Action::Continue,
+        let (m, mut io) = self.split();
+        // The branch a policy lost while the body arrives would take (fault tests only).
+        if let Phase::Waiting { req, .. } = m.phase() {
+            if fault_point(req, "policy-lost-at-body") {
+                m.release_budget(&mut io);
+                return action(m.broken(&mut io, None, Broken::PolicyMissing, "request_body", Holding::Nothing));
+            }
         }
+        action(m.body_chunk(&mut io, body_size, end_of_stream))
     }
 
     fn on_http_request_trailers(&mut self, _n: usize) -> Action {
         self.callback(meter::Callback::RequestBody);
-        match self.machine.phase() {
-            Phase::Waiting { .. } => {
-                // Trailers reach the upstream with the request: part of its fingerprint.
-                let trailers = host::all_headers(MapType::HttpRequestTrailers);
-                self.body_complete(Some(trailers))
-            }
-            Phase::McpBody { .. } => match self.machine.take_mcp_body() {
-                Some((route, policy, head)) => self.mcp_body_complete(route, policy, head),
-                None => Action::Continue,
-            },
-            Phase::Calling { .. } => Action::Pause,
-            _ => Action::Continue,
-        }
+        // Trailers reach the upstream with a protected request: part of its fingerprint.
+        let trailers = self.machine.wants_trailers().then(|| host::all_headers(MapType::HttpRequestTrailers));
+        let (m, mut io) = self.split();
+        action(m.trailers(&mut io, trailers))
     }
 
     fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
@@ -1034,14 +824,5 @@ impl HttpContext for Http {
         // Its counters are all counted: the next flush says so (`idemgate.requests_settled`).
         host::request_settled();
         meter::request_logged();
-    }
-}
-
-/// Who made a record, as a 409 names it: the request's `x-request-id` and its `log_headers`.
-fn creator_of(policy: &Policy, head: &RequestHead) -> Creator {
-    let first = |name: &str| head.values(name).first().map(|v| String::from_utf8_lossy(v).into_owned());
-    Creator {
-        request_id: first("x-request-id").unwrap_or_default(),
-        log_values: policy.log_headers.iter().filter_map(|h| first(h).map(|v| (h.clone(), v))).collect(),
     }
 }

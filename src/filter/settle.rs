@@ -85,6 +85,8 @@ pub fn counter(c: Count) -> Counter {
         Count::UnknownOutcome => Counter::UnknownOutcome,
         Count::LostClaim => Counter::LostClaim,
         Count::DerivedKeys => Counter::DerivedKeys,
+        Count::Protected => Counter::Protected,
+        Count::RedirectsFollowed => Counter::RedirectsFollowed,
         Count::Released => Counter::Released,
         Count::Stored => Counter::Stored,
         Count::StoredWithoutBody => Counter::StoredWithoutBody,
@@ -95,13 +97,12 @@ pub fn counter(c: Count) -> Counter {
 /// A forwarded request's stream was ended by Envoy for an internal redirect: its claim waits
 /// for the re-created stream (`crate::redirect`), which settles it with the final answer. Claims
 /// pushed out (too many waiting) are settled as unfollowed.
-pub fn hand_over(shared: &Shared, h: Handoff<Claim>) -> &'static str {
+pub fn hand_over(shared: &Shared, h: Handoff<Claim>) {
     debug!("idemgate: outcome=redirect_handed_over {} url={}", h.claim.log, h.url);
     let pushed = shared.handoffs.borrow_mut().post(h);
     for old in pushed {
         unfollowed(shared, &old);
     }
-    "redirected"
 }
 
 /// Claims whose re-created stream never came within the window: the first hop executed, so

@@ -1,0 +1,421 @@
+//! The machine's own inputs that the HTTP glue once decided itself (issue 26): body chunks in
+//! the worker's buffer budget, an MCP POST's body, and an internal redirect's hand-over and
+//! adoption, driven by a host kept in memory (its budget count, the body, the local tier) that
+//! records the machine's commands.
+
+use super::*;
+use crate::config::Config;
+use crate::decision::Phase as KeyPhase;
+use crate::engine::request::NotProtected;
+use crate::local::memory::MemoryShared;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+const NOW: u64 = 1_000_000;
+
+/// What the machine told its driver, owned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Did {
+    Count(Count),
+    Reply(&'static str),
+    McpReply { id: Vec<u8>, batch: Vec<Vec<u8>> },
+    HandOver { url: String, skey: StorageKey },
+    Publish(&'static str),
+    Other,
+}
+
+/// A host in memory: the worker's budget, the request body, one proxy's local tier.
+struct Host {
+    table: Table,
+    sd: MemoryShared,
+    buffered: u64,
+    max: u64,
+    body: Vec<u8>,
+    /// Whether the host accepts the router's retries being forbidden.
+    forbid_ok: bool,
+    did: Vec<Did>,
+    /// The claims handed over (`Command::HandOver`).
+    handed: Vec<Claim>,
+}
+
+impl Host {
+    fn new(config: &Config) -> Host {
+        let table = Table::new(&config.local);
+        let mut sd = MemoryShared::default();
+        assert!(table.ensure_created(&mut sd).is_ok());
+        let max = config.max_buffered_bytes;
+        Host { table, sd, buffered: 0, max, body: vec![], forbid_ok: true, did: vec![], handed: vec![] }
+    }
+
+    fn key_phase(&mut self, skey: &StorageKey) -> Option<KeyPhase> {
+        match self.table.peek(&mut self.sd, skey, NOW) {
+            Ok(p) => p.map(|p| p.summary.phase),
+            Err(e) => panic!("local tier: {e:?}"),
+        }
+    }
+
+    fn did(&self, d: &Did) -> bool {
+        self.did.contains(d)
+    }
+}
+
+impl Effects for Host {
+    fn now_ms(&mut self) -> u64 {
+        NOW
+    }
+
+    fn local(&mut self) -> (&Table, &mut dyn SharedData) {
+        (&self.table, &mut self.sd)
+    }
+
+    fn run(&mut self, c: Command<'_>) {
+        let d = match c {
+            Command::Count(c) => Did::Count(c),
+            Command::Reply { problem, .. } => Did::Reply(problem.slug()),
+            Command::McpReply { id, batch, .. } => Did::McpReply { id, batch },
+            Command::HandOver { claim, url } => {
+                let skey = claim.skey;
+                self.handed.push(claim);
+                Did::HandOver { url, skey }
+            }
+            Command::Publish { outcome, .. } => Did::Publish(outcome),
+            _ => Did::Other,
+        };
+        self.did.push(d);
+    }
+
+    fn logs(&self, _level: Level) -> bool {
+        false
+    }
+}
+
+impl Io for Host {
+    type Wire = u32;
+
+    fn budget(&self) -> Budget {
+        Budget { buffered: self.buffered, max: self.max }
+    }
+
+    fn set_buffered(&mut self, buffered: u64) {
+        self.buffered = buffered;
+    }
+
+    fn read_body(&mut self, _req: Option<&Protected>, size: usize) -> Vec<u8> {
+        assert_eq!(size, self.body.len(), "the body is read at its size");
+        self.body.clone()
+    }
+
+    fn forbid_router_retries(&mut self, head: &mut RequestHead) -> bool {
+        if self.forbid_ok {
+            head.forbid_router_retries();
+        }
+        self.forbid_ok
+    }
+
+    fn next_owner(&mut self) -> OwnerToken {
+        OwnerToken([7; 16])
+    }
+
+    fn send(&mut self, _req: &Protected, _op: StoreOp<'_, u32>) -> Result<u32, NotSent> {
+        panic!("these configurations name no store")
+    }
+}
+
+fn config(json: &str) -> Config {
+    match Config::parse(json.as_bytes()) {
+        Ok(c) => c,
+        Err(e) => panic!("configuration refused: {e:?}"),
+    }
+}
+
+fn head(path: &str, key: Option<&str>, extra: &[(&str, &str)]) -> RequestHead {
+    let mut pairs: Vec<(String, Vec<u8>)> = vec![
+        (":method".into(), b"POST".to_vec()),
+        (":path".into(), path.as_bytes().to_vec()),
+        (":authority".into(), b"idemgate.test".to_vec()),
+        ("authorization".into(), b"Bearer caller-1".to_vec()),
+    ];
+    if let Some(k) = key {
+        pairs.push(("idempotency-key".into(), k.as_bytes().to_vec()));
+    }
+    pairs.extend(extra.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())));
+    RequestHead::from_pairs(pairs)
+}
+
+/// A protected request's headers, admitted and given to a fresh machine (as `http.rs` does).
+fn protect(config: &Config, host: &mut Host, key: &str) -> (Machine<u32>, StorageKey) {
+    let h = head("/charges", Some(key), &[]);
+    let a = match request::at_headers(config, &h, None, false) {
+        Ok(a) => a,
+        Err(not) => panic!("not protected: {not:?}"),
+    };
+    let creator = request::creator_of(&a.policy, &h);
+    let req = Protected {
+        route: a.route,
+        policy: a.policy,
+        head: h,
+        skey: a.skey,
+        scope: a.scope,
+        creator,
+        owner: OwnerToken([1; 16]),
+        derive_at_body: false,
+        mcp: None,
+        body: vec![],
+    };
+    let mut m = Machine::new(None, true);
+    assert_eq!(m.protect(host, req, false), Flow::Pause);
+    assert!(matches!(m.phase(), Phase::Waiting { .. }));
+    (m, a.skey)
+}
+
+const BUDGET: &str =
+    r#"{"scope": {"headers": ["authorization"]}, "max_buffered_bytes": 4096, "max_request_body_bytes": 3000}"#;
+
+#[test]
+fn a_body_over_the_workers_budget_is_refused_and_gives_back_all_its_request_counted() {
+    let c = config(BUDGET);
+    let mut host = Host::new(&c);
+    // Other requests of the worker hold 2,000 bytes.
+    host.buffered = 2_000;
+    let (mut m, skey) = protect(&c, &mut host, "k-over");
+    let seen = host.buffered - 2_000;
+    assert!(seen > 0, "the bucket read at headers is kept within the budget");
+    assert_eq!(m.body_chunk(&mut host, 1_000, false), Flow::Pause);
+    assert!(host.buffered >= 3_000);
+    // 2,500 bytes do not fit beside the others' 2,000 even without the bucket read: 503.
+    assert_eq!(m.body_chunk(&mut host, 2_500, false), Flow::Pause);
+    assert!(host.did(&Did::Reply("buffer-budget-exceeded")), "{:?}", host.did);
+    assert!(matches!(m.phase(), Phase::Answered));
+    assert_eq!(host.buffered, 2_000, "the refused request gives back its body and its read");
+    assert_eq!(host.key_phase(&skey), None, "nothing claimed");
+    // Over the route's own limit: 413.
+    let mut host = Host::new(&c);
+    let (mut m, _) = protect(&c, &mut host, "k-large");
+    m.body_chunk(&mut host, 3_001, false);
+    assert!(host.did(&Did::Reply("body-too-large")), "{:?}", host.did);
+    assert_eq!(host.buffered, 0);
+}
+
+/// The read kept at headers yields to its own body: a body that fits the budget alone is
+/// claimed and forwarded, and its bytes are given back once it is whole.
+#[test]
+fn a_body_that_fits_the_budget_alone_is_claimed_and_its_bytes_given_back_once_whole() {
+    let c = config(BUDGET);
+    let mut host = Host::new(&c);
+    let (mut m, skey) = protect(&c, &mut host, "k-whole");
+    assert!(host.buffered > 0);
+    host.max = 1_024;
+    host.body = vec![b'x'; 1_024];
+    assert_eq!(m.body_chunk(&mut host, 1_024, true), Flow::Continue);
+    assert!(matches!(m.phase(), Phase::Forwarded { .. }), "{:?}", host.did);
+    assert!(host.did(&Did::Count(Count::Claimed)));
+    assert_eq!(host.buffered, 0);
+    assert!(matches!(host.key_phase(&skey), Some(KeyPhase::Forwarded { .. })));
+    // Its end gives back nothing more: the budget is the other requests'.
+    host.buffered = 500;
+    m.release_budget(&mut host);
+    assert_eq!(host.buffered, 500);
+}
+
+#[test]
+fn trailers_end_the_body_and_join_its_head() {
+    let c = config(BUDGET);
+    let mut host = Host::new(&c);
+    let (mut m, _) = protect(&c, &mut host, "k-trailers");
+    host.body = b"0123456789".to_vec();
+    assert_eq!(m.body_chunk(&mut host, 10, false), Flow::Pause);
+    assert!(host.buffered >= 10);
+    assert!(m.wants_trailers());
+    let t = vec![("x-checksum".to_string(), b"abc".to_vec())];
+    assert_eq!(m.trailers(&mut host, Some(t.clone())), Flow::Continue);
+    let Some((req, _)) = m.forwarded() else { panic!("forwarded: {:?}", host.did) };
+    assert_eq!(req.head.trailers, t);
+    assert_eq!(host.buffered, 0);
+    assert!(!m.wants_trailers());
+    // Forwarded: further chunks and trailers continue, counting nothing.
+    assert_eq!(m.body_chunk(&mut host, 20, false), Flow::Continue);
+    assert_eq!(host.buffered, 0);
+}
+
+const MCP: &str = r#"{"scope": {"headers": ["authorization"]}, "max_buffered_bytes": 4096,
+    "routes": [{"prefix": "/mcp", "protocol": "mcp",
+                "mcp": {"tools": ["charge"], "key_arguments": ["idempotency_key"]}}]}"#;
+
+fn call(id: u32, tool: &str, args: &str) -> Vec<u8> {
+    format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"{tool}","arguments":{args}}}}}"#)
+        .into_bytes()
+}
+
+/// An MCP POST given to a fresh machine (`hold_headers` as given).
+fn mcp_post(c: &Config, host: &mut Host, hold_headers: bool) -> (Machine<u32>, Flow) {
+    let h = head("/mcp", None, &[("accept", "application/json")]);
+    let Err(NotProtected::McpBody { route, policy }) = request::at_headers(c, &h, None, false) else {
+        panic!("an MCP POST waits for its body")
+    };
+    let mut m = Machine::new(None, hold_headers);
+    let flow = m.await_mcp_body(host, route, policy, h);
+    (m, flow)
+}
+
+#[test]
+fn an_mcp_post_is_buffered_whole_then_protected_as_a_call_or_passed() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let (mut m, flow) = mcp_post(&c, &mut host, true);
+    assert_eq!(flow, Flow::Pause);
+    host.body = call(8, "charge", r#"{"idempotency_key":"k-mcp"}"#);
+    let half = host.body.len() / 2;
+    assert_eq!(m.body_chunk(&mut host, half, false), Flow::Pause);
+    assert_eq!(host.buffered, half as u64);
+    let n = host.body.len();
+    assert_eq!(m.body_chunk(&mut host, n, true), Flow::Continue);
+    assert!(host.did(&Did::McpReply { id: b"8".to_vec(), batch: vec![] }), "{:?}", host.did);
+    assert!(host.did(&Did::Count(Count::Protected)));
+    assert!(host.did(&Did::Count(Count::Claimed)));
+    let Some((req, _)) = m.forwarded() else { panic!("forwarded: {:?}", host.did) };
+    assert_eq!(req.mcp.as_deref(), Some(&b"8"[..]));
+    assert_eq!(req.owner, OwnerToken([7; 16]));
+    assert_eq!(host.buffered, 0);
+    // Not a protected call: passed untouched, nothing replied.
+    let mut host = Host::new(&c);
+    let (mut m, _) = mcp_post(&c, &mut host, true);
+    host.body = br#"{"jsonrpc":"2.0","id":2,"method":"tools/list"}"#.to_vec();
+    let n = host.body.len();
+    assert_eq!(m.body_chunk(&mut host, n, true), Flow::Continue);
+    assert!(matches!(m.phase(), Phase::Pass));
+    assert!(host.did.is_empty(), "{:?}", host.did);
+    assert_eq!(host.buffered, 0);
+}
+
+#[test]
+fn an_mcp_post_is_refused_in_json_rpc_to_its_id_or_null() {
+    let c = config(MCP);
+    // Over the budget before its id is read: to id null.
+    let mut host = Host::new(&c);
+    host.buffered = 4_000;
+    let (mut m, _) = mcp_post(&c, &mut host, true);
+    assert_eq!(m.body_chunk(&mut host, 200, false), Flow::Pause);
+    assert_eq!(
+        host.did,
+        vec![Did::McpReply { id: b"null".to_vec(), batch: vec![] }, Did::Reply("buffer-budget-exceeded")]
+    );
+    assert_eq!(host.buffered, 4_000);
+    // A batch holding a protected call: to its ids. Ended by the trailers.
+    let mut host = Host::new(&c);
+    let (mut m, _) = mcp_post(&c, &mut host, true);
+    let mut batch = b"[".to_vec();
+    batch.extend(call(1, "charge", r#"{"idempotency_key":"k"}"#));
+    batch.extend(br#",{"jsonrpc":"2.0","id":2,"method":"tools/list"}]"#);
+    host.body = batch;
+    let n = host.body.len();
+    assert_eq!(m.body_chunk(&mut host, n, false), Flow::Pause);
+    assert!(!m.wants_trailers());
+    assert_eq!(m.trailers(&mut host, None), Flow::Pause);
+    let ids = vec![b"1".to_vec(), b"2".to_vec()];
+    assert_eq!(host.did, vec![Did::McpReply { id: b"null".to_vec(), batch: ids }, Did::Reply("mcp-batch-refused")]);
+    assert_eq!(host.buffered, 0);
+    // Without `hold_headers` the router is told at once never to re-send it; a host refusing
+    // that fails closed, before anything is forwarded.
+    let mut host = Host::new(&c);
+    host.forbid_ok = false;
+    let (m, flow) = mcp_post(&c, &mut host, false);
+    assert_eq!(flow, Flow::Pause);
+    assert!(matches!(m.phase(), Phase::Answered));
+    assert!(host.did(&Did::Reply("internal-state")), "{:?}", host.did);
+}
+
+/// A request forwarded under its local claim (`k-redirect`), as a stream that then ends.
+fn forwarded(c: &Config, host: &mut Host) -> (Machine<u32>, StorageKey) {
+    let (mut m, skey) = protect(c, host, "k-redirect");
+    assert_eq!(m.body_chunk(host, 0, true), Flow::Continue);
+    assert!(m.forwarded().is_some());
+    (m, skey)
+}
+
+#[test]
+fn a_stream_ended_for_an_internal_redirect_hands_its_claim_over() {
+    let c = config(BUDGET);
+    let mut host = Host::new(&c);
+    let (mut m, skey) = forwarded(&c, &mut host);
+    assert!(m.wants_code_details());
+    // Ended otherwise (a reset): settled by the driver, not handed over.
+    assert!(!m.redirected_away(&mut host, "upstream_reset_before_response_started"));
+    assert!(m.forwarded().is_some());
+    assert!(m.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
+    assert!(host.did(&Did::HandOver { url: "idemgate.test/charges".into(), skey }), "{:?}", host.did);
+    assert!(host.did(&Did::Publish(REDIRECTED)));
+    assert!(matches!(m.phase(), Phase::Pass));
+    // The claim stays held for the stream Envoy re-creates.
+    assert!(matches!(host.key_phase(&skey), Some(KeyPhase::Forwarded { .. })));
+    // A response reached the filter: no redirect, whatever the details say.
+    let mut host = Host::new(&c);
+    let (mut m, _) = forwarded(&c, &mut host);
+    let _ = m.response_headers(vec![(":status".into(), b"302".to_vec())], true);
+    assert!(!m.wants_code_details());
+    assert!(!m.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
+    assert!(m.forwarded().is_some());
+}
+
+/// The claim `host` was handed, as the driver posts it (connection 7, context 10).
+fn handed(host: &mut Host) -> Handoffs<Claim> {
+    let Some(claim) = host.handed.pop() else { panic!("no claim handed over: {:?}", host.did) };
+    let mut handoffs = Handoffs::default();
+    let h = Handoff {
+        skey: claim.skey,
+        policy_index: claim.policy_index,
+        url: "idemgate.test/charges".into(),
+        connection: Some(7),
+        from_context: 10,
+        posted_ms: NOW,
+        claim,
+    };
+    assert!(handoffs.post(h).is_empty());
+    handoffs
+}
+
+const URL: &[u8] = b"http://idemgate.test/charges";
+
+#[test]
+fn the_recreated_stream_continues_the_claim_and_its_target_never_releases_it() {
+    let c = config(BUDGET);
+    let mut host = Host::new(&c);
+    let (mut first, skey) = forwarded(&c, &mut host);
+    assert!(first.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
+    let mut handoffs = handed(&mut host);
+    let policy = |i: usize| c.shared_policy(i);
+    // Another key (or caller) takes nothing.
+    let other = head("/target", Some("k-other"), &[]);
+    assert!(take_handoff(&mut handoffs, &[0], policy, &other, URL, Some(7), 11, NOW).is_none());
+    let target = head("/target", Some("k-redirect"), &[]);
+    let taken = take_handoff(&mut handoffs, &[0], policy, &target, URL, Some(7), 11, NOW);
+    let Some((h, p, scope)) = taken else { panic!("the re-created stream takes its claim") };
+    assert!(handoffs.is_empty());
+    let mut m = Machine::new(None, true);
+    assert_eq!(m.adopt(&mut host, h, p, target, scope), Flow::Continue);
+    assert!(host.did(&Did::Count(Count::RedirectsFollowed)));
+    let Some((req, _)) = m.forwarded() else { panic!("forwarded under the claim") };
+    assert_eq!((req.skey, req.owner), (skey, OwnerToken([1; 16])));
+    // The target never connects (a release for any other request): its first hop executed, so
+    // the key is outcome-unknown, never released.
+    let slug = m.settle(&mut host, Ended { outcome: Outcome::Release, detail: String::new() });
+    assert_eq!(host.key_phase(&skey), Some(KeyPhase::Unknown), "settled {slug}");
+}
+
+#[test]
+fn a_recreated_stream_whose_retries_cannot_be_forbidden_fails_closed_keeping_the_claim() {
+    let c = config(BUDGET);
+    let mut host = Host::new(&c);
+    let (mut first, skey) = forwarded(&c, &mut host);
+    assert!(first.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
+    let mut handoffs = handed(&mut host);
+    let target = head("/target", Some("k-redirect"), &[]);
+    let taken = take_handoff(&mut handoffs, &[0], |i| c.shared_policy(i), &target, URL, Some(7), 11, NOW);
+    let Some((h, p, scope)) = taken else { panic!("the re-created stream takes its claim") };
+    host.forbid_ok = false;
+    let mut m = Machine::new(None, true);
+    assert_eq!(m.adopt(&mut host, h, p, target, scope), Flow::Pause);
+    assert!(host.did(&Did::Reply("internal-state")), "{:?}", host.did);
+    assert!(matches!(m.phase(), Phase::Answered));
+    // Never re-sent, never released: the claim stands until its lock expires.
+    assert!(matches!(host.key_phase(&skey), Some(KeyPhase::Forwarded { .. })));
+}
