@@ -345,6 +345,11 @@ pub trait Io: Effects {
     fn forbid_router_retries(&mut self, head: &mut RequestHead) -> bool;
     /// A fresh owner token for a request found protected now (an MCP `tools/call`).
     fn next_owner(&mut self) -> OwnerToken;
+    /// The claim handed over under `skey` and policy `policy_index` by a stream redirected from
+    /// `original_url` (`crate::redirect`: on this request's connection, by an earlier context,
+    /// within the window), taken: for a stream re-created for an internal redirect whose key
+    /// only its body names (an MCP `tools/call`). `None`: none fits.
+    fn take_handoff(&mut self, skey: &StorageKey, policy_index: usize, original_url: &[u8]) -> Option<Handoff<Claim>>;
     /// Sends a store call for `req`.
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Self::Wire>) -> Result<Self::Wire, NotSent>;
 }
@@ -428,9 +433,22 @@ impl<W> Machine<W> {
         mut head: RequestHead,
         scope: CallerScope,
     ) -> Flow {
-        let c = h.claim;
         io.run(Command::Count(Count::RedirectsFollowed));
         let retries_forbidden = io.forbid_router_retries(&mut head);
+        self.continue_claim(io, h, policy, head, scope, retries_forbidden)
+    }
+
+    /// `adopt` once the router's retries are forbidden (`retries_forbidden`: the host accepted).
+    fn continue_claim<I: Io<Wire = W>>(
+        &mut self,
+        io: &mut I,
+        h: Handoff<Claim>,
+        policy: Arc<Policy>,
+        head: RequestHead,
+        scope: CallerScope,
+        retries_forbidden: bool,
+    ) -> Flow {
+        let c = h.claim;
         let req = Protected {
             route: c.policy_index,
             policy,
@@ -639,6 +657,16 @@ impl<W> Machine<W> {
         };
         let McpCall { id, tool, scope, skey, derived, digest, .. } = call;
         io.run(Command::McpReply { id: id.clone(), batch: vec![], accepts: accepts(&head) });
+        // A stream Envoy re-created for an internal redirect (a 307: the body re-sent) names the
+        // key in its body only: the claim its first stream handed over is taken now, as an HTTP
+        // request's target takes it at its headers (`take_handoff`), under the same rules.
+        let original_url = head.values(redirect::ORIGINAL_URL_HEADER).first().map(|u| u.to_vec());
+        if let Some(h) = original_url.and_then(|u| io.take_handoff(&skey, route, &u)) {
+            io.run(Command::Count(Count::RedirectsFollowed));
+            // Without `hold_headers` they were forbidden at the headers (`await_mcp_body`).
+            let forbidden = !self.hold_headers || io.forbid_router_retries(&mut head);
+            return self.continue_claim(io, h, policy, head, scope, forbidden);
+        }
         if derived {
             io.run(Command::Count(Count::DerivedKeys));
         }

@@ -1091,6 +1091,16 @@ impl Io for Driver<'_> {
         self.w.reqs[self.r].owner
     }
 
+    /// The world leaves out internal redirects: nothing is ever handed over.
+    fn take_handoff(
+        &mut self,
+        _skey: &StorageKey,
+        _policy_index: usize,
+        _original_url: &[u8],
+    ) -> Option<crate::redirect::Handoff<crate::engine::settle::Claim>> {
+        None
+    }
+
     fn send(&mut self, req: &Protected, op: StoreOp<'_, usize>) -> Result<usize, NotSent> {
         let skey = req.skey;
         let op = match op {

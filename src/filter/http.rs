@@ -362,6 +362,15 @@ impl Io for Glue<'_> {
         self.shared.next_owner()
     }
 
+    fn take_handoff(&mut self, skey: &StorageKey, policy_index: usize, original_url: &[u8]) -> Option<Handoff<Claim>> {
+        if self.shared.handoffs.borrow().is_empty() {
+            return None;
+        }
+        let connection = u64_property(&["connection", "id"]);
+        let now = self.now();
+        self.shared.handoffs.borrow_mut().take(skey, policy_index, original_url, connection, self.context_id, now)
+    }
+
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Wire>) -> Result<Wire, NotSent> {
         let shared = self.shared;
         let sent = match op {

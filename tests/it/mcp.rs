@@ -522,3 +522,44 @@ fn a_stale_session_404_releases_the_key_so_the_retry_in_a_new_session_executes_o
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(s.up.executions(), 1, "executed once in all");
 }
+
+/// Found by the review of the move of MCP bodies and internal redirects into the request
+/// machine (present before it too): a `tools/call` whose key is in its arguments, redirected by
+/// its server (307, followed by Envoy's `internal_redirect_policy`, the body re-sent), was never
+/// matched to the claim its first stream handed over (the re-created stream's key was read from
+/// its headers, which name none). The target ran as a new call under the key its first hop
+/// still held: the client got a JSON-RPC `key-reused` error for a call whose first hop
+/// executed, the target never ran, and the key became outcome-unknown. Now the re-created
+/// stream takes the claim once its body names the key: one call, its target's result stored and
+/// replayed to the retry under the retry's id.
+#[test]
+fn a_tools_call_redirected_with_its_key_in_its_arguments_is_one_call() {
+    redirected_call_is_one_call("");
+    // Without held headers, the router's retries were forbidden at the headers.
+    redirected_call_is_one_call(r#", "hold_headers": false"#);
+}
+
+fn redirected_call_is_one_call(top_extra: &str) {
+    let up = McpUpstream::start();
+    let mut o = EnvoyOptions::new(&plugin("", top_extra), up.port);
+    o.stop_iteration_flag = top_extra.is_empty();
+    o.route_action_extra = ", internal_redirect_policy: {redirect_response_codes: [307]}".into();
+    let envoy = Envoy::start(&o);
+    let h = [ALICE, ("accept", "application/json"), ("x-up-redirect", "307 /mcp/target")];
+    let args = json!({"amount": 3, "idempotency_key": "k-redirected"});
+    let a = post(envoy.port, &h, &tools_call(json!(1), "charge", args.clone(), Value::Null));
+    assert_eq!(a.status, 200, "{}", a.body_text());
+    let m1 = message(&a);
+    assert_eq!(m1["id"], 1);
+    assert!(m1["error"].is_null(), "{top_extra}: the target's result, not an error: {m1}");
+    assert_eq!(m1["result"]["execution"], 2, "{m1}");
+    let b = post(envoy.port, &h, &tools_call(json!("r-2"), "charge", args, Value::Null));
+    let m2 = message(&b);
+    assert_eq!(m2["id"], "r-2", "{m2}");
+    assert_eq!(m2["result"], m1["result"]);
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    assert_eq!(up.executions(), 2, "each hop once, the retry nothing");
+    assert_eq!(envoy.stat("idemgate.internal_redirects_followed"), 1);
+    assert_eq!(envoy.stat("idemgate.unknown_outcome"), 0);
+    envoy.assert_no_wasm_panic();
+}

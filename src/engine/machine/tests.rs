@@ -36,6 +36,8 @@ struct Host {
     did: Vec<Did>,
     /// The claims handed over (`Command::HandOver`).
     handed: Vec<Claim>,
+    /// The worker's claims waiting for a redirect's re-created stream.
+    handoffs: Handoffs<Claim>,
 }
 
 impl Host {
@@ -44,7 +46,17 @@ impl Host {
         let mut sd = MemoryShared::default();
         assert!(table.ensure_created(&mut sd).is_ok());
         let max = config.max_buffered_bytes;
-        Host { table, sd, buffered: 0, max, body: vec![], forbid_ok: true, did: vec![], handed: vec![] }
+        Host {
+            table,
+            sd,
+            buffered: 0,
+            max,
+            body: vec![],
+            forbid_ok: true,
+            did: vec![],
+            handed: vec![],
+            handoffs: Handoffs::default(),
+        }
     }
 
     fn key_phase(&mut self, skey: &StorageKey) -> Option<KeyPhase> {
@@ -114,6 +126,11 @@ impl Io for Host {
 
     fn next_owner(&mut self) -> OwnerToken {
         OwnerToken([7; 16])
+    }
+
+    /// As the driver takes one: this stream is context 11 on connection 7.
+    fn take_handoff(&mut self, skey: &StorageKey, policy_index: usize, original_url: &[u8]) -> Option<Handoff<Claim>> {
+        self.handoffs.take(skey, policy_index, original_url, Some(7), 11, NOW)
     }
 
     fn send(&mut self, _req: &Protected, _op: StoreOp<'_, u32>) -> Result<u32, NotSent> {
@@ -418,4 +435,209 @@ fn a_recreated_stream_whose_retries_cannot_be_forbidden_fails_closed_keeping_the
     assert!(matches!(m.phase(), Phase::Answered));
     // Never re-sent, never released: the claim stands until its lock expires.
     assert!(matches!(host.key_phase(&skey), Some(KeyPhase::Forwarded { .. })));
+}
+
+/// The driver's end of a request (`Http::log_exchange`): what it counted given back, then a
+/// request still waiting for its body abandoned. The worker's count is then the other
+/// requests' again (`base`): nothing leaked, nothing given back twice.
+fn ends(host: &mut Host, m: &mut Machine<u32>, base: u64, what: &str) {
+    m.release_budget(host);
+    let _ = m.abandon(host);
+    m.end();
+    assert_eq!(host.buffered, base, "{what}: the worker's count after the request ended ({:?})", host.did);
+    // A second end (or a release after the end) gives back nothing more.
+    m.release_budget(host);
+    assert_eq!(host.buffered, base, "{what}: released twice");
+}
+
+/// The review of this move: however a request ends (refused, reset mid-upload, whole and
+/// forwarded, its bucket read dropped for its body, an MCP POST passed, refused or protected,
+/// a stream ended for an internal redirect, its re-created target), the worker's buffer count
+/// returns to what the other requests count: never leaked, never given back twice.
+#[test]
+fn every_kind_of_end_gives_back_exactly_what_its_request_counted() {
+    const BASE: u64 = 1_500;
+    let c = config(BUDGET);
+    // Refused over the route's limit (413), mid-upload.
+    let mut host = Host::new(&c);
+    host.buffered = BASE;
+    let (mut m, _) = protect(&c, &mut host, "k-413");
+    assert!(host.buffered > BASE, "the bucket read is kept");
+    m.body_chunk(&mut host, 1_000, false);
+    m.body_chunk(&mut host, 3_001, false);
+    assert!(host.did(&Did::Reply("body-too-large")));
+    ends(&mut host, &mut m, BASE, "413");
+    // Refused over the worker's budget (503).
+    let mut host = Host::new(&c);
+    host.buffered = BASE;
+    let (mut m, _) = protect(&c, &mut host, "k-503");
+    m.body_chunk(&mut host, 1_000, false);
+    host.buffered += 1_000; // another request meanwhile
+    m.body_chunk(&mut host, 2_000, false);
+    assert!(host.did(&Did::Reply("buffer-budget-exceeded")), "{:?}", host.did);
+    ends(&mut host, &mut m, BASE + 1_000, "503");
+    // Reset mid-upload, with its bucket read kept.
+    let mut host = Host::new(&c);
+    host.buffered = BASE;
+    let (mut m, _) = protect(&c, &mut host, "k-reset");
+    assert_eq!(m.body_chunk(&mut host, 700, false), Flow::Pause);
+    ends(&mut host, &mut m, BASE, "reset mid-upload");
+    assert!(host.did(&Did::Publish(ABANDONED)));
+    // Its bucket read dropped for its own body, then reset.
+    let mut host = Host::new(&c);
+    host.buffered = BASE;
+    let (mut m, _) = protect(&c, &mut host, "k-yield");
+    let seen = host.buffered - BASE;
+    assert!(seen > 0);
+    // Fits beside the others alone, not with the read too.
+    let chunk = (host.max - BASE - seen + 1) as usize;
+    assert_eq!(m.body_chunk(&mut host, chunk, false), Flow::Pause);
+    assert_eq!(host.buffered, BASE + chunk as u64, "the read yielded its bytes");
+    ends(&mut host, &mut m, BASE, "read dropped, then reset");
+    // Its bucket read dropped, then the body whole: claimed and forwarded, then settled.
+    let mut host = Host::new(&c);
+    host.buffered = BASE;
+    let (mut m, skey) = protect(&c, &mut host, "k-yield-whole");
+    let seen = host.buffered - BASE;
+    let n = (host.max - BASE - seen + 1) as usize;
+    host.body = vec![b'x'; n];
+    assert_eq!(m.body_chunk(&mut host, n - 10, false), Flow::Pause);
+    assert_eq!(m.body_chunk(&mut host, n, true), Flow::Continue);
+    assert!(m.forwarded().is_some(), "{:?}", host.did);
+    assert_eq!(host.buffered, BASE, "given back once whole");
+    let _ = m.settle(&mut host, Ended { outcome: Outcome::Release, detail: String::new() });
+    ends(&mut host, &mut m, BASE, "whole and forwarded");
+    assert_eq!(host.key_phase(&skey), None, "released");
+    // Internal redirect: the first stream hands its claim over; its target settles it.
+    let mut host = Host::new(&c);
+    host.buffered = BASE;
+    let (mut first, skey) = protect(&c, &mut host, "k-redirect");
+    host.body = vec![b'y'; 100];
+    assert_eq!(first.body_chunk(&mut host, 100, true), Flow::Continue);
+    first.release_budget(&mut host);
+    assert!(first.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
+    assert_eq!(host.buffered, BASE, "redirected");
+    let mut handoffs = handed(&mut host);
+    let target = head("/target", Some("k-redirect"), &[]);
+    let taken = take_handoff(&mut handoffs, &[0], |i| c.shared_policy(i), &target, URL, Some(7), 11, NOW);
+    let Some((h, p, scope)) = taken else { panic!("the re-created stream takes its claim") };
+    let mut m = Machine::new(None, true);
+    assert_eq!(m.adopt(&mut host, h, p, target, scope), Flow::Continue);
+    // Envoy gives the target the buffered body: it passes, counting nothing.
+    assert_eq!(m.body_chunk(&mut host, 100, true), Flow::Continue);
+    let _ = m.settle(&mut host, Ended { outcome: Outcome::Release, detail: String::new() });
+    ends(&mut host, &mut m, BASE, "redirect's target");
+    assert_eq!(host.key_phase(&skey), Some(KeyPhase::Unknown));
+    // MCP POSTs: passed, refused at its body, reset mid-upload, over the budget, protected.
+    let c = config(MCP);
+    let list = br#"{"jsonrpc":"2.0","id":2,"method":"tools/list"}"#.to_vec();
+    let bad = call(3, "charge", r#"{"idempotency_key":7}"#);
+    let good = call(4, "charge", r#"{"idempotency_key":"k-mcp-end"}"#);
+    for (what, body, trailers) in [("passed", &list, false), ("refused", &bad, true), ("protected", &good, false)] {
+        let mut host = Host::new(&c);
+        host.buffered = BASE;
+        let (mut m, _) = mcp_post(&c, &mut host, true);
+        host.body = body.clone();
+        let n = body.len();
+        assert_eq!(m.body_chunk(&mut host, n - 5, false), Flow::Pause);
+        assert_eq!(host.buffered, BASE + n as u64 - 5);
+        if trailers {
+            m.body_chunk(&mut host, n, false);
+            m.trailers(&mut host, None);
+        } else {
+            m.body_chunk(&mut host, n, true);
+        }
+        match what {
+            "passed" => assert!(matches!(m.phase(), Phase::Pass), "{:?}", host.did),
+            "refused" => assert!(matches!(m.phase(), Phase::Answered), "{:?}", host.did),
+            _ => assert!(m.forwarded().is_some(), "{:?}", host.did),
+        }
+        ends(&mut host, &mut m, BASE, what);
+    }
+    let mut host = Host::new(&c);
+    host.buffered = BASE;
+    let (mut m, _) = mcp_post(&c, &mut host, true);
+    assert_eq!(m.body_chunk(&mut host, 1_000, false), Flow::Pause);
+    ends(&mut host, &mut m, BASE, "MCP reset mid-upload");
+    let mut host = Host::new(&c);
+    host.buffered = BASE;
+    let (mut m, _) = mcp_post(&c, &mut host, true);
+    m.body_chunk(&mut host, 1_000, false);
+    host.buffered += 1_700; // others meanwhile
+    m.body_chunk(&mut host, 1_900, false);
+    assert!(host.did(&Did::McpReply { id: b"null".to_vec(), batch: vec![] }), "{:?}", host.did);
+    ends(&mut host, &mut m, BASE + 1_700, "MCP over the budget");
+}
+
+/// An MCP `tools/call` whose key is in its body (`key_arguments`), forwarded under its claim.
+fn mcp_forwarded(c: &Config, host: &mut Host) -> (Machine<u32>, StorageKey) {
+    let (mut m, _) = mcp_post(c, host, true);
+    host.body = call(5, "charge", r#"{"idempotency_key":"k-mcp-redirect"}"#);
+    let n = host.body.len();
+    assert_eq!(m.body_chunk(host, n, true), Flow::Continue);
+    let Some((req, _)) = m.forwarded() else { panic!("forwarded: {:?}", host.did) };
+    let skey = req.skey;
+    (m, skey)
+}
+
+/// Found by the review of 86a57ed (present before it too): a stream re-created for an internal
+/// redirect (a 307, the body re-sent) of an MCP `tools/call` whose key is in its body was never
+/// matched to the claim its first stream handed over: the key is read from the re-created
+/// stream's headers (`request::redirected_claim`), and there is none there. The target then ran as
+/// a new call under a key its own first hop still held: a JSON-RPC error (`key-reused`, its path
+/// being another; `request-in-flight` on the same path) for a call whose first hop executed, the
+/// target never run, and the claim expired outcome-unknown. It continues the claim once its body
+/// names the key, as an HTTP request's target does at its headers.
+#[test]
+fn an_mcp_call_redirected_with_its_key_in_its_body_continues_its_claim() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let (mut first, skey) = mcp_forwarded(&c, &mut host);
+    assert!(first.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
+    let Some(claim) = host.handed.pop() else { panic!("handed over: {:?}", host.did) };
+    host.handoffs.post(Handoff {
+        skey: claim.skey,
+        policy_index: claim.policy_index,
+        url: "idemgate.test/mcp".into(),
+        connection: Some(7),
+        from_context: 10,
+        posted_ms: NOW,
+        claim,
+    });
+    host.did.clear();
+    // The re-created stream (a 307 to /mcp-target: a POST, its body re-sent), driven as
+    // `http.rs` does: its headers name no key, so nothing is taken at them.
+    let target = head(
+        "/mcp/target",
+        None,
+        &[("accept", "application/json"), ("x-envoy-original-url", "http://idemgate.test/mcp")],
+    );
+    let mut handoffs = std::mem::take(&mut host.handoffs);
+    let at_headers = take_handoff(
+        &mut handoffs,
+        &[0],
+        |i| c.shared_policy(i),
+        &target,
+        b"http://idemgate.test/mcp",
+        Some(7),
+        11,
+        NOW,
+    );
+    assert!(at_headers.is_none(), "no key in its headers");
+    host.handoffs = handoffs;
+    let Err(NotProtected::McpBody { route, policy }) = request::at_headers(&c, &target, None, false) else {
+        panic!("an MCP POST waits for its body")
+    };
+    let mut m = Machine::new(None, true);
+    assert_eq!(m.await_mcp_body(&mut host, route, policy, target), Flow::Pause);
+    let n = host.body.len();
+    assert_eq!(m.body_chunk(&mut host, n, true), Flow::Continue, "{:?}", host.did);
+    assert!(host.did(&Did::McpReply { id: b"5".to_vec(), batch: vec![] }), "its refusals answer its id");
+    assert!(host.did(&Did::Count(Count::RedirectsFollowed)), "{:?}", host.did);
+    assert!(host.handoffs.is_empty(), "the claim is taken");
+    let Some((req, _)) = m.forwarded() else { panic!("forwarded under the claim: {:?}", host.did) };
+    assert_eq!((req.skey, req.owner), (skey, OwnerToken([7; 16])));
+    // Its target's answer never releases the key: the first hop executed.
+    let _ = m.settle(&mut host, Ended { outcome: Outcome::Release, detail: String::new() });
+    assert_eq!(host.key_phase(&skey), Some(KeyPhase::Unknown));
 }

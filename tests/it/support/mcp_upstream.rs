@@ -5,7 +5,10 @@
 //! Per request, from request headers: `x-mcp-answer: json` (default) answers
 //! `application/json`; `sse` answers `text/event-stream` with a progress notification, then the
 //! final response event; `sse-cut` sends the progress notification and ends the stream without
-//! the final response (a server that died mid-call); `x-up-delay-ms` waits before answering.
+//! the final response (a server that died mid-call); `x-up-delay-ms` waits before answering;
+//! `x-up-redirect: <status> <path>` answers a request for any other path that status with an
+//! absolute `location` to `<path>` and no body, after counting it (for Envoy's internal
+//! redirects).
 //! `mcp-session-id: stale` gets the 404 a stateful server answers a session it no longer knows,
 //! before dispatching anything (not counted as an execution).
 //! Other requests with an id get an empty result; notifications and responses get 202.
@@ -63,7 +66,7 @@ fn serve(conn: TcpStream, calls: Arc<Mutex<Vec<Call>>>) {
     let Ok(mut writer) = conn.try_clone() else { return };
     let mut reader = BufReader::new(conn);
     loop {
-        let Some((_, _, headers)) = super::upstream::read_head(&mut reader) else { return };
+        let Some((_, path, headers)) = super::upstream::read_head(&mut reader) else { return };
         let get = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
         let mut body = vec![];
         if let Some(len) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {
@@ -91,6 +94,22 @@ fn serve(conn: TcpStream, calls: Arc<Mutex<Vec<Call>>>) {
             c.push(Call { method: method.clone() });
             c.iter().filter(|c| c.method == "tools/call").count()
         };
+        // `x-up-redirect: <status> <path>`: executed, then redirected unless it is for `<path>`
+        // (an absolute `location`, which Envoy's internal redirects follow).
+        let redirect = get("x-up-redirect").and_then(|v| {
+            let (status, to) = v.split_once(' ')?;
+            (to != path).then(|| (status.to_string(), to.to_string()))
+        });
+        if let Some((status, to)) = redirect {
+            let host = get("host").unwrap_or_default();
+            let out = format!(
+                "HTTP/1.1 {status} X\r\nlocation: http://{host}{to}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n"
+            );
+            if writer.write_all(out.as_bytes()).is_err() {
+                return;
+            }
+            continue;
+        }
         if let Some(ms) = get("x-up-delay-ms").and_then(|v| v.parse::<u64>().ok()) {
             std::thread::sleep(Duration::from_millis(ms));
         }
