@@ -33,6 +33,7 @@ use crate::engine::request::{
     self, Answered, Asked, AtBodyEnd, AtMcpBody, McpCall, Sent, Step, StoreAnswer, StoreMode,
 };
 use crate::engine::settle::{self, Claim, Count as SettleCount, Level};
+use crate::engine::waiters::Waiter;
 use crate::etcd::Fence;
 use crate::failsafe::{self, Broken, Holding};
 use crate::fingerprint::Fingerprint;
@@ -132,6 +133,24 @@ impl Protected {
     /// The request's `accept-encoding` lines.
     pub fn accept_encoding(&self) -> Vec<Vec<u8>> {
         self.head.values("accept-encoding").into_iter().map(<[u8]>::to_vec).collect()
+    }
+
+    /// The root's waiter for this request held under fingerprint `fp` (`in_flight: "wait"`) by
+    /// the driver's context `context_id`, from `now_ms` for `wait_ms`.
+    pub fn waiter(&self, context_id: u32, fp: Fingerprint, now_ms: u64, wait_ms: u64) -> Waiter {
+        Waiter {
+            context_id,
+            skey: self.skey,
+            fp,
+            request_id: self.creator.request_id.clone(),
+            deadline_ms: now_ms.saturating_add(wait_ms),
+            mismatch_status: self.policy.mismatch_status,
+            policy_index: self.route,
+            next_store_poll_ms: now_ms,
+            polling: false,
+            accept_encoding: self.accept_encoding(),
+            max_decoded_bytes: self.policy.max_response_body_bytes,
+        }
     }
 
     /// The claim `held` as the settlement and the root know it.

@@ -990,19 +990,7 @@ impl Effects for Driver<'_> {
                 let now = self.w.now;
                 let root = &mut self.w.proxies[p].root;
                 root.live.insert(r as u32);
-                root.waiters.push(Waiter {
-                    context_id: r as u32,
-                    skey: req.skey,
-                    fp,
-                    request_id: req.creator.request_id.clone(),
-                    deadline_ms: now.saturating_add(wait_ms),
-                    mismatch_status: req.policy.mismatch_status,
-                    policy_index: req.route,
-                    next_store_poll_ms: now,
-                    polling: false,
-                    accept_encoding: req.accept_encoding(),
-                    max_decoded_bytes: req.policy.max_response_body_bytes,
-                });
+                root.waiters.push(req.waiter(r as u32, fp, now, wait_ms));
             }
             // `http.rs` `detach`, then the root's `forward_through_hop`.
             Command::Detach { req, claim, lock_deadline_ms } => {

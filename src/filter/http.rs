@@ -22,7 +22,7 @@ use super::host::{self, Counter, HostShared};
 use super::settle::{self, Claim};
 use super::stores::{self, Unbuilt};
 use super::writes;
-use super::{reply, Forward, Shared, Waiter};
+use super::{reply, Forward, Shared};
 use crate::bench_host::meter;
 use crate::config::Forwarding;
 use crate::decision::{classify_routed, Exchange};
@@ -208,19 +208,7 @@ impl Glue<'_> {
     /// Holds the request for the root's waiters (`in_flight: "wait"`).
     fn hold(&mut self, req: &Protected, fp: crate::fingerprint::Fingerprint, wait_ms: u64) {
         let now = self.now();
-        self.shared.push_waiter(Waiter {
-            context_id: self.context_id,
-            skey: req.skey,
-            fp,
-            request_id: req.creator.request_id.clone(),
-            deadline_ms: now.saturating_add(wait_ms),
-            mismatch_status: req.policy.mismatch_status,
-            policy_index: req.route,
-            next_store_poll_ms: now,
-            polling: false,
-            accept_encoding: req.accept_encoding(),
-            max_decoded_bytes: req.policy.max_response_body_bytes,
-        });
+        self.shared.push_waiter(req.waiter(self.context_id, fp, now, wait_ms));
         self.count(Counter::Waited);
         debug!("{}", log_line(Some(req), "waiting", &format!("wait_ms={wait_ms}")));
     }
