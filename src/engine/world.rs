@@ -636,10 +636,17 @@ impl World {
         let q = &mut self.reqs[r];
         q.started = true;
         q.skey = Some(a.skey);
+        // The head as `http.rs` `on_http_request_headers` hands it on: a derived key added, the
+        // router told never to re-send it.
+        let mut head = q.head.clone();
+        if a.from == KeyFrom::Derived {
+            head.headers.push((a.policy.header.clone(), a.key.as_str().as_bytes().to_vec()));
+        }
+        head.forbid_router_retries();
         let req = Protected {
             route: a.route,
             policy: a.policy,
-            head: q.head.clone(),
+            head,
             skey: a.skey,
             scope: a.scope,
             creator: q.creator.clone(),
