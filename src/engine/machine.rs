@@ -27,8 +27,9 @@
 use std::sync::Arc;
 
 use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
-use crate::decision::{Outcome, IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
+use crate::decision::{Outcome, HOP_PROBE_HEADER, IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::engine::budget::{Budget, Held};
+use crate::engine::forwards::Forward;
 use crate::engine::request::{
     self, Answered, Asked, AtBodyEnd, AtMcpBody, McpCall, Sent, Step, StoreAnswer, StoreMode,
 };
@@ -41,7 +42,7 @@ use crate::local::{Begin, Handle, LocalError, Seen, SharedData, Table};
 use crate::mcp::Accepts;
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
-use crate::record::{Creator, Lifetimes, Record, State, StoredResponse};
+use crate::record::{Creator, Lifetimes, Record, State, StoredResponse, NOT_REPLAYED};
 use crate::redirect::{self, Handoff, Handoffs};
 use crate::request::RequestHead;
 use crate::scope::{CallerScope, StorageKey};
@@ -151,6 +152,35 @@ impl Protected {
             accept_encoding: self.accept_encoding(),
             max_decoded_bytes: self.policy.max_response_body_bytes,
         }
+    }
+
+    /// This request as the root sends it upstream (`forwarding: "detached"`) for the driver's
+    /// context `context_id`, under `claim`, whose lock may be judged stale at `lock_deadline_ms`:
+    /// its header lines in order, pseudo headers included, but for the hop-by-hop and recomputed
+    /// ones (`NOT_REPLAYED`), `expect` and the hop probe's mark (`HOP_PROBE_HEADER`: only the
+    /// root's probe carries it); a value that is not UTF-8 is left out. `None` on a route that
+    /// does not detach.
+    pub fn forward(self, context_id: u32, claim: Claim, lock_deadline_ms: u64) -> Option<Forward> {
+        let Forwarding::Detached { cluster, timeout_ms, hop } = &self.policy.forwarding else { return None };
+        let headers = self
+            .head
+            .headers
+            .iter()
+            .filter(|(n, _)| !NOT_REPLAYED.contains(&n.as_str()) && n != "expect" && n != HOP_PROBE_HEADER)
+            .filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.clone(), v.to_string())))
+            .collect();
+        Some(Forward {
+            context_id,
+            cluster: cluster.clone(),
+            timeout_ms: *timeout_ms,
+            hop: *hop,
+            headers,
+            body: self.body,
+            claim,
+            request_id: self.creator.request_id,
+            sent_at_ms: 0,
+            lock_deadline_ms,
+        })
     }
 
     /// The claim `held` as the settlement and the root know it.

@@ -25,7 +25,7 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::backend::Backend;
-use crate::config::{Config, Forwarding, Policy};
+use crate::config::{Config, Policy};
 use crate::decision::Outcome;
 use crate::engine::budget::Budget;
 use crate::engine::forwards::{self, Action as ForwardAction, Forward, Forwards, Reply as ForwardReply};
@@ -636,10 +636,17 @@ impl World {
         let q = &mut self.reqs[r];
         q.started = true;
         q.skey = Some(a.skey);
+        // The head as `http.rs` `on_http_request_headers` hands it on: a derived key added, the
+        // router told never to re-send it.
+        let mut head = q.head.clone();
+        if a.from == KeyFrom::Derived {
+            head.headers.push((a.policy.header.clone(), a.key.as_str().as_bytes().to_vec()));
+        }
+        head.forbid_router_retries();
         let req = Protected {
             route: a.route,
             policy: a.policy,
-            head: q.head.clone(),
+            head,
             skey: a.skey,
             scope: a.scope,
             creator: q.creator.clone(),
@@ -994,26 +1001,8 @@ impl Effects for Driver<'_> {
             }
             // `http.rs` `detach`, then the root's `forward_through_hop`.
             Command::Detach { req, claim, lock_deadline_ms } => {
-                let Forwarding::Detached { cluster, timeout_ms, hop } = &req.policy.forwarding else {
+                let Some(f) = req.forward(r as u32, claim, lock_deadline_ms) else {
                     panic!("request {r} detached on a route that does not detach")
-                };
-                let headers = req
-                    .head
-                    .headers
-                    .iter()
-                    .filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.clone(), v.to_string())))
-                    .collect();
-                let f = Forward {
-                    context_id: r as u32,
-                    cluster: cluster.clone(),
-                    timeout_ms: *timeout_ms,
-                    hop: *hop,
-                    headers,
-                    body: req.body,
-                    claim,
-                    request_id: req.creator.request_id.clone(),
-                    sent_at_ms: 0,
-                    lock_deadline_ms,
                 };
                 let now = self.w.now;
                 let root = &mut self.w.proxies[p].root;

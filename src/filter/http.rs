@@ -22,9 +22,8 @@ use super::host::{self, Counter, HostShared};
 use super::settle::{self, Claim};
 use super::stores::{self, Unbuilt};
 use super::writes;
-use super::{reply, Forward, Shared};
+use super::{reply, Shared};
 use crate::bench_host::meter;
-use crate::config::Forwarding;
 use crate::decision::{classify_routed, Exchange};
 use crate::engine::budget::Budget;
 use crate::engine::machine::{
@@ -41,8 +40,6 @@ use crate::redirect::{self, Handoff};
 use crate::request::{RequestHead, ROUTER_RETRY_CAP};
 use crate::scope::StorageKey;
 use crate::store::{self, StoreError};
-
-pub(super) use crate::record::NOT_REPLAYED;
 
 /// A store call in flight, as this glue sent it: its callout token and the request (sent again
 /// with its script in full if Redis answers NOSCRIPT).
@@ -215,28 +212,8 @@ impl Glue<'_> {
 
     /// Hands the request to the root to send (`forwarding: "detached"`).
     fn detach(&mut self, req: Protected, claim: Claim, lock_deadline_ms: u64) {
-        let Forwarding::Detached { cluster, timeout_ms, hop } = &req.policy.forwarding else { return };
-        let headers = req
-            .head
-            .headers
-            .iter()
-            .filter(|(n, _)| {
-                !NOT_REPLAYED.contains(&n.as_str()) && n != "expect" && n != crate::decision::HOP_PROBE_HEADER
-            })
-            .filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.clone(), v.to_string())))
-            .collect();
-        self.shared.push_forward(Forward {
-            context_id: self.context_id,
-            cluster: cluster.clone(),
-            timeout_ms: *timeout_ms,
-            hop: *hop,
-            headers,
-            body: req.body,
-            claim,
-            request_id: req.creator.request_id.clone(),
-            sent_at_ms: 0,
-            lock_deadline_ms,
-        });
+        let Some(f) = req.forward(self.context_id, claim, lock_deadline_ms) else { return };
+        self.shared.push_forward(f);
     }
 
     /// Dispatches a built store request: the calls a client waits for (the rest are made by the

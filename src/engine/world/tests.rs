@@ -487,6 +487,40 @@ fn a_detached_forward_outlives_its_client_stores_its_response_and_the_retry_is_r
     assert_eq!(w.runs.get("k-3"), Some(&1));
 }
 
+/// The root's forward carries the client's request headers as the filter's glue sends them
+/// (`Protected::forward`): hop-by-hop and recomputed ones, `expect` and the hop probe's mark
+/// left out, every other line kept in order, pseudo headers included, and the router told never
+/// to re-send it (as every protected request's head is at its headers).
+#[test]
+fn a_detached_forward_leaves_out_hop_by_hop_headers_expect_and_the_probe_mark() {
+    let mut w = World::new(&detached_config(), 1, NOW);
+    let r = w.send(0, "k-1", b"{}");
+    for (n, v) in [
+        ("expect", "100-continue"),
+        ("connection", "keep-alive"),
+        ("keep-alive", "timeout=5"),
+        ("proxy-connection", "keep-alive"),
+        ("transfer-encoding", "chunked"),
+        ("te", "trailers"),
+        ("trailer", "x-sum"),
+        ("upgrade", "h2c"),
+        ("x-envoy-retry-on", "5xx"),
+        ("content-length", "2"),
+        (crate::decision::HOP_PROBE_HEADER, "1"),
+        ("x-kept", "yes"),
+    ] {
+        w.reqs[r].head.headers.push((n.to_string(), v.as_bytes().to_vec()));
+    }
+    arrive(&mut w, r);
+    w.answer(its_call(&w, r));
+    assert!(w.is_out(r), "the root sent it");
+    let names: Vec<&str> = w.proxies[0].root.out[0].0.headers.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [":method", ":path", ":authority", "authorization", "idempotency-key", "x-kept", "x-envoy-max-retries"],
+    );
+}
+
 /// A detached request all the way, its client staying.
 fn whole_detached(w: &mut World, proxy: usize, key: &str) -> Answer {
     let r = w.send(proxy, key, b"{}");

@@ -94,17 +94,8 @@ fn serve(conn: TcpStream, calls: Arc<Mutex<Vec<Call>>>) {
             c.push(Call { method: method.clone() });
             c.iter().filter(|c| c.method == "tools/call").count()
         };
-        // `x-up-redirect: <status> <path>`: executed, then redirected unless it is for `<path>`
-        // (an absolute `location`, which Envoy's internal redirects follow).
-        let redirect = get("x-up-redirect").and_then(|v| {
-            let (status, to) = v.split_once(' ')?;
-            (to != path).then(|| (status.to_string(), to.to_string()))
-        });
-        if let Some((status, to)) = redirect {
-            let host = get("host").unwrap_or_default();
-            let out = format!(
-                "HTTP/1.1 {status} X\r\nlocation: http://{host}{to}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n"
-            );
+        // `x-up-redirect: <status> <path>`: executed, then redirected unless it is for `<path>`.
+        if let Some(out) = super::upstream::redirect_answer(&headers, &path, n) {
             if writer.write_all(out.as_bytes()).is_err() {
                 return;
             }

@@ -132,6 +132,19 @@ impl Drop for Upstream {
 /// Header lines as (lowercase name, value), in order.
 pub type Headers = Vec<(String, String)>;
 
+/// `x-up-redirect: <status> <path>` among a request's `headers` (names lowercase), the request
+/// being for `path` and its execution `n`: the redirect to answer (that status, an absolute
+/// `location` to `<path>` on the request's `host`, which Envoy's internal redirects follow, an
+/// empty body), unless the request is for `<path>` itself. Shared by the MCP upstream.
+pub fn redirect_answer(headers: &[(String, String)], path: &str, n: impl std::fmt::Display) -> Option<String> {
+    let get = |name: &str| headers.iter().find(|(h, _)| h == name).map(|(_, v)| v.as_str());
+    let (status, to) = get("x-up-redirect")?.split_once(' ')?;
+    let host = get("host").unwrap_or_default();
+    (to != path).then(|| {
+        format!("HTTP/1.1 {status} X\r\nlocation: http://{host}{to}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n")
+    })
+}
+
 /// An HTTP/1.1 request's line and headers (names lowercased) read from `reader`; `None` when the
 /// connection ends first.
 pub fn read_head(reader: &mut impl BufRead) -> Option<(String, String, Headers)> {
@@ -226,16 +239,7 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
                 std::thread::sleep(Duration::from_millis(5));
             }
         }
-        // `x-up-redirect: <status> <path>`: executed, then redirected unless it is for `<path>`.
-        let redirect = get("x-up-redirect").and_then(|v| {
-            let (status, to) = v.split_once(' ')?;
-            (to != path).then(|| (status.to_string(), to.to_string()))
-        });
-        if let Some((status, to)) = redirect {
-            let host = get("host").unwrap_or_default();
-            let out = format!(
-                "HTTP/1.1 {status} X\r\nlocation: http://{host}{to}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n"
-            );
+        if let Some(out) = redirect_answer(&headers, &path, n) {
             let _ = writer.write_all(out.as_bytes());
             let _ = writer.flush();
             continue;
