@@ -337,8 +337,8 @@ fn store_steps(b: &mut Bench, i: &StoreInputs) {
         let gone = Record::unknown(i.fp, i.creator.clone(), UnknownReason::StoreWriteFailed, now, &lifetimes);
         let unknown = Transition::unknown(owner, gone, &lifetimes);
         let done = Transition::complete(owner, record.clone(), &lifetimes);
-        let job = Job::build("complete", &i.skey, &done, None, store, &seal, now);
-        let fallback = Job::build("unknown_fallback", &i.skey, &unknown, None, store, &seal, now);
+        let job = Job::build_owned("complete", &i.skey, done, None, store, &seal, now);
+        let fallback = Job::build_owned("unknown_fallback", &i.skey, unknown, None, store, &seal, now);
         // The record also completes the local tier's copy.
         (job.ok().zip(fallback.ok()), record)
     };
