@@ -9,15 +9,19 @@
 //! Under `cargo test --all-targets` (no `--bench` argument) every step runs a few times only, as
 //! a smoke test that the profile still runs.
 
+use idemgate::backend::Backend;
 use idemgate::config::Config;
+use idemgate::engine::writes::Job;
 use idemgate::fingerprint::Fingerprint;
 use idemgate::key::parse_key_header;
 use idemgate::local::memory::MemoryShared;
 use idemgate::local::{Begin, Bucket, Completed, Table};
 use idemgate::owner::{OwnerSeed, OwnerToken, TokenSources};
-use idemgate::record::{Creator, Record, StoredResponse};
+use idemgate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
 use idemgate::request::RequestHead;
 use idemgate::scope::{CallerScope, StorageKey};
+use idemgate::seal::Seal;
+use idemgate::store::{ClaimReply, Transition, TransitionReply};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -289,10 +293,82 @@ fn main() {
             std::process::exit(2);
         }
     }
+    store_steps(&mut b, &StoreInputs { skey, fp, creator: &creator, response: &response, policy });
     if !full {
         // Smoke run: every step ran and printed a figure.
-        assert_eq!(b.lines.len(), 15, "{:?}", b.lines);
+        assert_eq!(b.lines.len(), 20, "{:?}", b.lines);
     }
+}
+
+/// What one first request brings to the Redis store path.
+struct StoreInputs<'a> {
+    skey: StorageKey,
+    fp: Fingerprint,
+    creator: &'a Creator,
+    response: &'a StoredResponse,
+    policy: &'a idemgate::config::Policy,
+}
+
+/// The Redis store path of one first request, as the filter runs it (host calls excluded): the
+/// claim-or-read request with its sealed in-progress record (`engine::machine`'s `ClaimInStore`,
+/// then `Backend::claim_request` in the glue's `send`), the claim's answer read
+/// (`Backend::parse_claim`), the completion write and its outcome-unknown fallback built
+/// (`engine::settle`'s `Store` outcome, then the root's `Job::build` of each), the completion's
+/// answer read (`Backend::parse_write`); then all four in a row.
+fn store_steps(b: &mut Bench, i: &StoreInputs) {
+    let Ok(seal) = Seal::new(Some("4f1c7a0e9b2d3c5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6"), None) else {
+        std::process::exit(2)
+    };
+    let store = Backend::Redis;
+    let lifetimes = Lifetimes::of(i.policy);
+    let seed = OwnerSeed::derive(&TokenSources { entropy: &[9u8; 16], node: "bench", vm: 1, now_nanos: 1 });
+    let owner = OwnerToken::next(&seed, 1);
+    let now = 1_700_000_000_123u64;
+    let claim = |now: u64| {
+        let record = Record::in_progress(i.fp, i.creator.clone(), owner, now, &lifetimes);
+        store.claim_request(&i.skey, &owner, &record, &lifetimes, &seal, now)
+    };
+    // Redis's answers: the claim script's `{'1', now, owner}`, the transition script's `{1, owner}`.
+    let claimed = format!("*3\r\n$1\r\n1\r\n$13\r\n{now}\r\n$32\r\n{}\r\n", owner.hex()).into_bytes();
+    let changed = format!("*2\r\n:1\r\n$32\r\n{}\r\n", owner.hex()).into_bytes();
+    let parse_claim = || store.parse_claim(Some(200), &claimed, &owner, &i.skey, &seal, now);
+    let complete = |now: u64| {
+        let record = Record::completed(i.fp, i.response.clone(), false, i.creator.clone(), now, i.policy.ttl_seconds);
+        let gone = Record::unknown(i.fp, i.creator.clone(), UnknownReason::StoreWriteFailed, now, &lifetimes);
+        let unknown = Transition::unknown(owner, gone, &lifetimes);
+        let done = Transition::complete(owner, record.clone(), &lifetimes);
+        let job = Job::build_owned("complete", &i.skey, done, None, store, &seal, now);
+        let fallback = Job::build_owned("unknown_fallback", &i.skey, unknown, None, store, &seal, now);
+        // The record also completes the local tier's copy.
+        (job.ok().zip(fallback.ok()), record)
+    };
+    let parse_write = || store.parse_write(Some(200), &changed);
+    if !matches!(parse_claim(), Ok((ClaimReply::Claimed { .. }, None)))
+        || parse_write() != Ok(TransitionReply::Changed)
+        || claim(now).is_err()
+        || complete(now).0.is_none()
+    {
+        eprintln!("hot_path: the store path's requests or answers are not those of a first request");
+        std::process::exit(2);
+    }
+    b.step("store_claim_request", |n| {
+        black_box(claim(now + n).ok());
+    });
+    b.step("store_parse_claim_reply", |_| {
+        black_box(parse_claim().ok());
+    });
+    b.step("store_completion_jobs", |n| {
+        black_box(complete(now + n));
+    });
+    b.step("store_parse_completion_reply", |_| {
+        black_box(parse_write().ok());
+    });
+    b.step("store_first_request", |n| {
+        black_box(claim(now + n).ok());
+        black_box(parse_claim().ok());
+        black_box(complete(now + n));
+        black_box(parse_write().ok());
+    });
 }
 
 /// A distinct valid key for each `i`.

@@ -157,17 +157,17 @@ impl Script {
         }
     }
 
-    /// The webdis command that runs the script on `key` with `args`: `EVALSHA/<sha1>/1/key/args...`,
-    /// or `EVAL/<script>/1/key/args...` with `in_full`.
-    fn command(self, in_full: bool, key: &str, args: &[&[u8]]) -> String {
-        let mut p = self.head(in_full);
-        p.push_str("1/");
-        p.push_str(&encode_arg(key.as_bytes()));
+    /// The webdis command that runs the script by name on `key` with `args`, appended to `out`:
+    /// `EVALSHA/<sha1>/1/key/args...` (every argument percent-encoded straight into `out`).
+    fn command_into(self, key: &str, args: &[&[u8]], out: &mut String) {
+        out.push_str("EVALSHA/");
+        encode_arg_into(self.sha1_hex(), out);
+        out.push_str("/1/");
+        encode_arg_into(key.as_bytes(), out);
         for a in args {
-            p.push('/');
-            p.push_str(&encode_arg(a));
+            out.push('/');
+            encode_arg_into(a, out);
         }
-        p
     }
 
     /// The start of the command up to the key count: `EVALSHA/<sha1>/` or `EVAL/<script>/`.
@@ -375,19 +375,68 @@ impl StoreRequest {
 /// Percent-encodes every byte but RFC 3986 unreserved characters other than `.` (webdis reads
 /// a dot in the last argument as the output format).
 pub fn encode_arg(bytes: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
     let mut out = String::with_capacity(bytes.len() * 3);
+    encode_arg_into(bytes, &mut out);
+    out
+}
+
+/// `encode_arg(bytes)` appended to `out`: a request's arguments are encoded into its one string.
+pub fn encode_arg_into(bytes: &[u8], out: &mut String) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    // Room for the worst case (every byte escaped) at once, not grown byte by byte.
+    out.reserve(bytes.len().saturating_mul(3));
     for &b in bytes {
         if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'~' {
             out.push(char::from(b));
         } else {
-            // No allocation per byte: an argument is encoded into the one string.
             out.push('%');
             out.push(char::from(HEX[usize::from(b >> 4)]));
             out.push(char::from(HEX[usize::from(b & 0x0f)]));
         }
     }
-    out
+}
+
+/// A short argument (an owner's hex, phase letters, a decimal) kept on the stack: a request's
+/// arguments need no allocation each.
+#[derive(Clone, Copy)]
+struct Arg {
+    buf: [u8; 32],
+    len: usize,
+}
+
+impl Arg {
+    fn bytes(b: &[u8]) -> Arg {
+        let mut a = Arg { buf: [0; 32], len: b.len().min(32) };
+        a.buf.iter_mut().zip(b).for_each(|(d, s)| *d = *s);
+        a
+    }
+
+    fn hex(owner: &OwnerToken) -> Arg {
+        let mut a = Arg { buf: [0; 32], len: 32 };
+        a.buf.iter_mut().zip(crate::hex::digits(&owner.0)).for_each(|(d, s)| *d = s);
+        a
+    }
+
+    /// `n` in decimal, as `n.to_string()` writes it.
+    fn decimal(mut n: u64) -> Arg {
+        let mut digits = [0u8; 20];
+        let mut at = digits.len();
+        loop {
+            at -= 1;
+            if let Some(d) = digits.get_mut(at) {
+                *d = b'0' + (n % 10) as u8;
+            }
+            n /= 10;
+            if n == 0 || at == 0 {
+                break;
+            }
+        }
+        Arg::bytes(digits.get(at..).unwrap_or_default())
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        self.buf.get(..self.len).unwrap_or_default()
+    }
 }
 
 /// The `authorization` header value for webdis HTTP basic auth from `user:password` (taken from
@@ -398,24 +447,33 @@ pub fn basic_auth(user_password: &str) -> String {
 
 /// The Redis key of a storage key.
 pub fn redis_key(skey: &StorageKey) -> String {
-    format!("{KEY_PREFIX}{}", skey.hex())
+    let mut key = String::with_capacity(KEY_PREFIX.len() + 64);
+    key.push_str(KEY_PREFIX);
+    crate::hex::encode_into(&skey.0, &mut key);
+    key
+}
+
+/// Room for `Script::command_into`'s command on `key` with `args`, every byte escaped, and
+/// `/`...`.raw` around it: the string is never grown while it is built.
+fn command_capacity(key: &str, args: &[&[u8]]) -> usize {
+    let escaped: usize = args.iter().map(|a| a.len() + 1).sum::<usize>() + key.len();
+    16 + 40 + escaped.saturating_mul(3)
+}
+
+/// A webdis command (`EVALSHA/...` of `script` on `key` with `args`, raw output) as the body of
+/// `POST /`, built in one string.
+fn script_post(script: Script, key: &str, args: &[&[u8]]) -> StoreRequest {
+    let mut body = String::with_capacity(command_capacity(key, args));
+    script.command_into(key, args, &mut body);
+    body.push_str(".raw");
+    StoreRequest { method: "POST", path: "/".into(), body: body.into_bytes(), by_sha1: Some(script) }
 }
 
 /// The claim script's ARGV: the claim enters `Forwarded` (the lifecycle's `Claim` from `Absent`,
 /// with the fingerprint), living as a forwarded claim.
-fn claim_args(
-    skey: &StorageKey,
-    owner: &OwnerToken,
-    record: &Record,
-    lifetimes: &Lifetimes,
-    seal: &Seal,
-) -> Vec<Vec<u8>> {
-    vec![
-        owner.hex().into_bytes(),
-        lifetimes.life_ms(Stage::Forwarded).to_string().into_bytes(),
-        lifetimes.lock_ms.to_string().into_bytes(),
-        seal.seal(&redis_key(skey), &record.encode()),
-    ]
+/// The record, sealed for `key`, is the last.
+fn claim_args(owner: &OwnerToken, lifetimes: &Lifetimes) -> [Arg; 3] {
+    [Arg::hex(owner), Arg::decimal(lifetimes.life_ms(Stage::Forwarded)), Arg::decimal(lifetimes.lock_ms)]
 }
 
 /// Claim-or-read: one POST whose body is the webdis command path (`EVALSHA` of the claim script).
@@ -426,10 +484,10 @@ pub fn claim_request(
     lifetimes: &Lifetimes,
     seal: &Seal,
 ) -> StoreRequest {
-    let args = claim_args(skey, owner, record, lifetimes, seal);
-    let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-    let command = Script::Claim.command(false, &redis_key(skey), &args);
-    StoreRequest { by_sha1: Some(Script::Claim), ..StoreRequest::command(&format!("{command}.raw")) }
+    let key = redis_key(skey);
+    let sealed = seal.seal(&key, &record.encode());
+    let [a, b, c] = claim_args(owner, lifetimes);
+    script_post(Script::Claim, &key, &[a.as_slice(), b.as_slice(), c.as_slice(), &sealed])
 }
 
 /// The Redis command `claim_request` makes webdis run, with the script in full (as its
@@ -442,9 +500,11 @@ pub fn claim_command(
     lifetimes: &Lifetimes,
     seal: &Seal,
 ) -> Vec<Vec<u8>> {
-    let mut cmd = vec![b"EVAL".to_vec(), CLAIM_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
-    cmd.push(redis_key(skey).into_bytes());
-    cmd.extend(claim_args(skey, owner, record, lifetimes, seal));
+    let key = redis_key(skey);
+    let sealed = seal.seal(&key, &record.encode());
+    let mut cmd = vec![b"EVAL".to_vec(), CLAIM_SCRIPT.as_bytes().to_vec(), b"1".to_vec(), key.into_bytes()];
+    cmd.extend(claim_args(owner, lifetimes).iter().map(|a| a.as_slice().to_vec()));
+    cmd.push(sealed);
     cmd
 }
 
@@ -685,17 +745,17 @@ impl Transition {
     }
 
     /// The script's ARGV before the record (the record, or `-`, is the last argument).
-    fn args(&self) -> Vec<Vec<u8>> {
-        let phase = vec![self.new_phase.map_or(if self.tombstone { b'R' } else { b'X' }, stage_letter)];
-        vec![
-            self.expected_owner.hex().into_bytes(),
-            self.expected_phases.as_bytes().to_vec(),
-            if self.require_stale { b"1".to_vec() } else { b"0".to_vec() },
-            phase,
-            self.new_owner.hex().into_bytes(),
-            self.ttl_ms.max(1).to_string().into_bytes(),
-            self.lock_ms.map_or("-".to_string(), |l| l.to_string()).into_bytes(),
-            vec![self.where_absent.letter()],
+    fn args(&self) -> [Arg; 8] {
+        let phase = self.new_phase.map_or(if self.tombstone { b'R' } else { b'X' }, stage_letter);
+        [
+            Arg::hex(&self.expected_owner),
+            Arg::bytes(self.expected_phases.as_bytes()),
+            Arg::bytes(if self.require_stale { b"1" } else { b"0" }),
+            Arg::bytes(&[phase]),
+            Arg::hex(&self.new_owner),
+            Arg::decimal(self.ttl_ms.max(1)),
+            self.lock_ms.map_or(Arg::bytes(b"-"), Arg::decimal),
+            Arg::bytes(&[self.where_absent.letter()]),
         ]
     }
 
@@ -706,7 +766,7 @@ impl Transition {
         let mut cmd = vec![b"EVAL".to_vec(), TRANSITION_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
         let key = redis_key(skey);
         cmd.push(key.clone().into_bytes());
-        cmd.extend(self.args());
+        cmd.extend(self.args().iter().map(|a| a.as_slice().to_vec()));
         cmd.push(self.record.as_ref().map_or(b"-".to_vec(), |r| seal.seal(&key, &r.encode())));
         cmd
     }
@@ -715,21 +775,22 @@ impl Transition {
     /// a record (it can be large and binary).
     pub fn request(&self, skey: &StorageKey, seal: &Seal) -> StoreRequest {
         let owned = self.args();
-        let mut args: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+        let [a0, a1, a2, a3, a4, a5, a6, a7] = &owned;
+        let args = [a0, a1, a2, a3, a4, a5, a6, a7].map(Arg::as_slice);
         let key = redis_key(skey);
         let script = Script::Transition;
         match &self.record {
             // webdis takes a PUT body as the last argument: binary-safe and not inflated.
-            Some(r) => StoreRequest {
-                method: "PUT",
-                path: format!("/{}.raw", script.command(false, &key, &args)),
-                body: seal.seal(&key, &r.encode()),
-                by_sha1: Some(script),
-            },
+            Some(r) => {
+                let mut path = String::with_capacity(command_capacity(&key, &args));
+                path.push('/');
+                script.command_into(&key, &args, &mut path);
+                path.push_str(".raw");
+                StoreRequest { method: "PUT", path, body: seal.seal(&key, &r.encode()), by_sha1: Some(script) }
+            }
             None => {
-                args.push(b"-");
-                let command = script.command(false, &key, &args);
-                StoreRequest { by_sha1: Some(script), ..StoreRequest::command(&format!("{command}.raw")) }
+                let [a0, a1, a2, a3, a4, a5, a6, a7] = args;
+                script_post(script, &key, &[a0, a1, a2, a3, a4, a5, a6, a7, b"-"])
             }
         }
     }

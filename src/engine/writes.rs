@@ -61,8 +61,21 @@ impl Job {
         seal: &Seal,
         now_ms: u64,
     ) -> Result<Job, Unbuilt> {
-        let request = backend.transition_request(t, skey, seal, now_ms, fence)?;
-        let source = t.record.is_some().then(|| Box::new(Source { transition: t.clone(), skey: *skey }));
+        Job::build_owned(what, skey, t.clone(), fence, backend, seal, now_ms)
+    }
+
+    /// `build`, keeping `t` itself (no copy of its record) when it carries a record.
+    pub fn build_owned(
+        what: &'static str,
+        skey: &StorageKey,
+        t: Transition,
+        fence: Option<&Fence>,
+        backend: Backend,
+        seal: &Seal,
+        now_ms: u64,
+    ) -> Result<Job, Unbuilt> {
+        let request = backend.transition_request(&t, skey, seal, now_ms, fence)?;
+        let source = t.record.is_some().then(|| Box::new(Source { transition: t, skey: *skey }));
         Ok(Job { what, key_hash: skey.hex(), request, fallback: None, source, where_absent: false, attempts: 0 })
     }
 }

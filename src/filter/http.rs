@@ -250,7 +250,7 @@ impl Glue<'_> {
             Command::Reply { req, problem, creator } => self.answer(req, problem, creator),
             Command::Replay { req, record } => self.replay(req, &record),
             Command::Write { what, skey, transition, fallback, fence } => {
-                self.shared.push_write_fenced(what, &skey, &transition, fallback.as_deref(), fence)
+                self.shared.push_write_fenced(what, &skey, *transition, fallback.map(|f| *f), fence)
             }
             Command::KeyDerived { header, key } => {
                 // With `hold_headers: false` the request headers went upstream at their end,

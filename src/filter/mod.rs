@@ -143,7 +143,7 @@ impl Shared {
     /// Hands a store write to the root context.
     /// Hands the store write `t` of `skey` (with its fallback) to the root context. Without a
     /// store (and so no seal) there is nothing to write.
-    pub fn push_write(&self, what: &'static str, skey: &StorageKey, t: &Transition, fallback: Option<&Transition>) {
+    pub fn push_write(&self, what: &'static str, skey: &StorageKey, t: Transition, fallback: Option<Transition>) {
         self.push_write_fenced(what, skey, t, fallback, None);
     }
 
@@ -153,8 +153,8 @@ impl Shared {
         &self,
         what: &'static str,
         skey: &StorageKey,
-        t: &Transition,
-        fallback: Option<&Transition>,
+        t: Transition,
+        fallback: Option<Transition>,
         fence: Option<&crate::etcd::Fence>,
     ) {
         let Some(seal) = self.seal.as_ref() else {
@@ -187,12 +187,12 @@ impl Shared {
         &self,
         what: &'static str,
         skey: &StorageKey,
-        t: &Transition,
+        t: Transition,
         fence: Option<&crate::etcd::Fence>,
         seal: &crate::seal::Seal,
         now: u64,
     ) -> Result<Job, stores::Unbuilt> {
-        Job::build(what, skey, t, fence, stores::writer(self, now), seal, now)
+        Job::build_owned(what, skey, t, fence, stores::writer(self, now), seal, now)
     }
 
     fn push_job(&self, job: Job) {

@@ -58,7 +58,7 @@ impl Effects for Root<'_> {
     fn run(&mut self, c: Command<'_>) {
         match c {
             Command::Write { what, skey, transition, fallback, .. } => {
-                self.shared.push_write(what, &skey, &transition, fallback.as_deref());
+                self.shared.push_write(what, &skey, *transition, fallback.map(|f| *f));
             }
             // The local release is counted as `release_local` counts it: not per route.
             Command::Count(Count::Released) => self.shared.metrics.inc(Counter::Released),

@@ -705,3 +705,222 @@ fn a_first_requests_store_requests_shrink_by_the_scripts_text() {
         assert_eq!(size(full) - size(by_name), text - 40 + "EVAL".len() - "EVALSHA".len());
     }
 }
+
+/// The request builders as they were before issue 27's cuts (percent-encoding into a `String` per
+/// argument, every argument its own `Vec`), kept to prove the faster builders send the same bytes:
+/// proxies of two versions share one store during an upgrade.
+mod before_issue_27 {
+    use super::super::*;
+
+    pub fn encode_arg(bytes: &[u8]) -> String {
+        const HEX: &[u8; 16] = b"0123456789ABCDEF";
+        let mut out = String::with_capacity(bytes.len() * 3);
+        for &b in bytes {
+            if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'~' {
+                out.push(char::from(b));
+            } else {
+                out.push('%');
+                out.push(char::from(HEX[usize::from(b >> 4)]));
+                out.push(char::from(HEX[usize::from(b & 0x0f)]));
+            }
+        }
+        out
+    }
+
+    pub fn redis_key(skey: &StorageKey) -> String {
+        format!("{KEY_PREFIX}{}", skey.hex())
+    }
+
+    fn head(script: Script, in_full: bool) -> String {
+        if in_full {
+            format!("EVAL/{}/", encode_arg(script.text().as_bytes()))
+        } else {
+            format!("EVALSHA/{}/", encode_arg(script.sha1_hex()))
+        }
+    }
+
+    fn command(script: Script, key: &str, args: &[&[u8]]) -> String {
+        let mut p = head(script, false);
+        p.push_str("1/");
+        p.push_str(&encode_arg(key.as_bytes()));
+        for a in args {
+            p.push('/');
+            p.push_str(&encode_arg(a));
+        }
+        p
+    }
+
+    fn post(command: &str, script: Option<Script>) -> StoreRequest {
+        StoreRequest { method: "POST", path: "/".into(), body: command.as_bytes().to_vec(), by_sha1: script }
+    }
+
+    fn claim_args(skey: &StorageKey, owner: &OwnerToken, record: &Record, l: &Lifetimes, seal: &Seal) -> Vec<Vec<u8>> {
+        vec![
+            owner.hex().into_bytes(),
+            l.life_ms(Stage::Forwarded).to_string().into_bytes(),
+            l.lock_ms.to_string().into_bytes(),
+            seal.seal(&redis_key(skey), &record.encode()),
+        ]
+    }
+
+    pub fn claim_request(
+        skey: &StorageKey,
+        owner: &OwnerToken,
+        record: &Record,
+        l: &Lifetimes,
+        seal: &Seal,
+    ) -> StoreRequest {
+        let args = claim_args(skey, owner, record, l, seal);
+        let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+        let command = command(Script::Claim, &redis_key(skey), &args);
+        post(&format!("{command}.raw"), Some(Script::Claim))
+    }
+
+    pub fn claim_command(
+        skey: &StorageKey,
+        owner: &OwnerToken,
+        record: &Record,
+        l: &Lifetimes,
+        seal: &Seal,
+    ) -> Vec<Vec<u8>> {
+        let mut cmd = vec![b"EVAL".to_vec(), CLAIM_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
+        cmd.push(redis_key(skey).into_bytes());
+        cmd.extend(claim_args(skey, owner, record, l, seal));
+        cmd
+    }
+
+    fn args(t: &Transition) -> Vec<Vec<u8>> {
+        let phase = vec![t.new_phase.map_or(if t.tombstone { b'R' } else { b'X' }, stage_letter)];
+        vec![
+            t.expected_owner.hex().into_bytes(),
+            t.expected_phases.as_bytes().to_vec(),
+            if t.require_stale { b"1".to_vec() } else { b"0".to_vec() },
+            phase,
+            t.new_owner.hex().into_bytes(),
+            t.ttl_ms.max(1).to_string().into_bytes(),
+            t.lock_ms.map_or("-".to_string(), |l| l.to_string()).into_bytes(),
+            vec![t.where_absent.letter()],
+        ]
+    }
+
+    pub fn eval_command(t: &Transition, skey: &StorageKey, seal: &Seal) -> Vec<Vec<u8>> {
+        let mut cmd = vec![b"EVAL".to_vec(), TRANSITION_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
+        let key = redis_key(skey);
+        cmd.push(key.clone().into_bytes());
+        cmd.extend(args(t));
+        cmd.push(t.record.as_ref().map_or(b"-".to_vec(), |r| seal.seal(&key, &r.encode())));
+        cmd
+    }
+
+    pub fn transition_request(t: &Transition, skey: &StorageKey, seal: &Seal) -> StoreRequest {
+        let owned = args(t);
+        let mut args: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+        let key = redis_key(skey);
+        let script = Script::Transition;
+        match &t.record {
+            Some(r) => StoreRequest {
+                method: "PUT",
+                path: format!("/{}.raw", command(script, &key, &args)),
+                body: seal.seal(&key, &r.encode()),
+                by_sha1: Some(script),
+            },
+            None => {
+                args.push(b"-");
+                let command = command(script, &key, &args);
+                post(&format!("{command}.raw"), Some(script))
+            }
+        }
+    }
+
+    pub fn read_request(skey: &StorageKey) -> StoreRequest {
+        post(&format!("GET/{}.raw", encode_arg(redis_key(skey).as_bytes())), None)
+    }
+
+    pub fn value_encode(v: &StoredValue, skey: &StorageKey, seal: &Seal) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(VALUE_MAGIC);
+        out.push(stage_letter(v.phase));
+        out.extend_from_slice(v.owner.hex().as_bytes());
+        out.extend_from_slice(format!("{:015}", v.lock_expires_at_ms % 1_000_000_000_000_000).as_bytes());
+        out.extend_from_slice(&seal.seal(&redis_key(skey), &v.record.encode()));
+        out
+    }
+}
+
+/// Issue 27: the store path's requests were made cheaper to build, never different. Every
+/// request the filter, the root and the CLI send to Redis (claims of several records, each
+/// transition: completion with a body, without it, outcome-unknown, release, a lost claim's
+/// release, stale-to-unknown, take-over, an operator's; their NOSCRIPT forms), the scripts' direct
+/// commands, reads, stored values and percent-encoded arguments of every byte are byte for byte
+/// those of the builders before the change.
+#[test]
+fn store_requests_are_byte_identical_to_those_before_issue_27() {
+    let seal = seal();
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec()), ("location".into(), b"/c/1".to_vec())],
+        body: br#"{"id":"ch_1","amount":4200,"currency":"eur","status":"succeeded"}"#.to_vec(),
+    };
+    let creator =
+        Creator { request_id: "7f3c2a9e-5b1d/4e8f.9a6c%2d".into(), log_values: vec![("x-user".into(), "a b".into())] };
+    let fp = Fingerprint([0x2e; 32]);
+    let l = lives(86_400_000, 60_000, 3_600_000);
+    let owners = [OwnerToken([0; 16]), OwnerToken([0xff; 16]), OwnerToken(*b"0123456789.-/%~_")];
+    let skeys = [StorageKey([0; 32]), StorageKey([0xa5; 32]), skey()];
+    let mut records = vec![record()];
+    for now in [0, 1, 1_764_000_000_123, u64::MAX] {
+        records.push(Record::in_progress(fp, creator.clone(), owners[2], now, &l));
+        records.push(Record::completed(fp, response.clone(), false, creator.clone(), now, 86_400));
+        records.push(Record::completed(fp, response.clone(), true, Creator::default(), now, 1));
+        records.push(Record::unknown(fp, creator.clone(), UnknownReason::StoreWriteFailed, now, &l));
+    }
+    let mut checked = 0;
+    for skey in &skeys {
+        assert_eq!(redis_key(skey), before_issue_27::redis_key(skey));
+        assert_eq!(read_request(skey), before_issue_27::read_request(skey));
+        for owner in &owners {
+            for r in &records {
+                let new = claim_request(skey, owner, r, &l, &seal);
+                assert_eq!(new, before_issue_27::claim_request(skey, owner, r, &l, &seal));
+                assert_eq!(new.with_script(), before_issue_27::claim_request(skey, owner, r, &l, &seal).with_script());
+                assert_eq!(
+                    claim_command(skey, owner, r, &l, &seal),
+                    before_issue_27::claim_command(skey, owner, r, &l, &seal)
+                );
+                let mut transitions = vec![
+                    Transition::complete(*owner, r.clone(), &l),
+                    Transition::unknown(*owner, r.clone(), &l),
+                    Transition::release(*owner),
+                    Transition::release_lost(*owner, &lives(0, 0, 0)),
+                    Transition::stale_to_unknown(*owner, &l),
+                    Transition::take_over(owners[0], *owner, r.clone(), false, &l),
+                    Transition::take_over(owners[1], *owner, r.clone(), true, &l),
+                ];
+                transitions.extend(transitions.iter().filter_map(Transition::without_body).collect::<Vec<_>>());
+                transitions.push(Transition {
+                    lock_ms: Some(u64::MAX),
+                    ttl_ms: u64::MAX,
+                    event: None,
+                    expected_phases: "",
+                    ..Transition::release(*owner)
+                });
+                for t in &transitions {
+                    let new = t.request(skey, &seal);
+                    let old = before_issue_27::transition_request(t, skey, &seal);
+                    assert_eq!(new, old, "{t:?}");
+                    assert_eq!(new.with_script(), old.with_script());
+                    assert_eq!(t.eval_command(skey, &seal), before_issue_27::eval_command(t, skey, &seal));
+                    checked += 1;
+                }
+                for phase in [Stage::Forwarded, Stage::Completed, Stage::Unknown] {
+                    let v =
+                        StoredValue { phase, owner: *owner, lock_expires_at_ms: r.expires_at_ms, record: r.clone() };
+                    assert_eq!(v.encode(skey, &seal), before_issue_27::value_encode(&v, skey, &seal));
+                }
+            }
+        }
+    }
+    assert!(checked > 500, "{checked}");
+    let every_byte: Vec<u8> = (0..=255).collect();
+    assert_eq!(encode_arg(&every_byte), before_issue_27::encode_arg(&every_byte));
+}
