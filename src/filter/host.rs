@@ -758,14 +758,16 @@ pub fn route_counter_name(route: usize, c: Counter) -> String {
 /// `on_log` is counted, and handed to the host after every other counter of the same flush.
 pub const SETTLED_COUNTER: &str = "idemgate.requests_settled";
 
-/// Counter increments not yet handed to the host, for the whole VM (every root context's and
-/// HTTP context's, whatever configuration they were created under): a counter costs no host call
-/// where it is counted, and one per distinct counter when flushed (`flush_counters`: the root's
-/// tick, every 100 ms, and its end).
+/// Counter increments and gauge moves not yet handed to the host, for the whole VM (every root
+/// context's and HTTP context's, whatever configuration they were created under): a counter or a
+/// gauge's move costs no host call where it is made, and one per distinct metric when flushed
+/// (`flush_counters`: the root's tick, every 100 ms, and its end).
 #[derive(Default)]
 struct Pending {
     /// (metric id, increments not yet flushed).
     counts: Vec<(u32, u64)>,
+    /// (gauge id, net move not yet flushed): `Metrics::add`.
+    moves: Vec<(u32, i64)>,
     /// Requests whose `on_log` ran since the last flush.
     logged: u64,
     /// The id of `SETTLED_COUNTER` (defined when a root is configured).
@@ -805,19 +807,43 @@ pub fn request_settled() {
     }
 }
 
-/// Hands every pending counter increment to the host, one call per counter touched, then the
-/// number of requests settled since the last flush (last, so a reader that sees it reach N sees
-/// every counter of those N requests).
+/// Hands every pending counter increment and gauge move to the host, one call per metric whose
+/// figure changed: gauges that rose first, then the counters, then the number of requests
+/// settled since the last flush (so a reader that sees it reach N sees every counter of those N
+/// requests), then gauges that fell (so a reader that sees `store_writes_pending` fall to 0 sees
+/// every counter of the writes that ended, and one that sees a write's counter sees it pending).
 pub fn flush_counters() {
-    let (counts, logged, settled) = PENDING.with(|p| {
+    let (counts, moves, logged, settled) = PENDING.with(|p| {
         let mut p = p.borrow_mut();
-        (std::mem::take(&mut p.counts), std::mem::take(&mut p.logged), p.settled)
+        (std::mem::take(&mut p.counts), std::mem::take(&mut p.moves), std::mem::take(&mut p.logged), p.settled)
     });
+    for &(id, delta) in moves.iter().filter(|(_, d)| *d > 0) {
+        increment_metric(id, delta);
+    }
     for (id, n) in counts {
         increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
     }
     if let (Some(id), true) = (settled, logged > 0) {
         increment_metric(id, i64::try_from(logged).unwrap_or(i64::MAX));
+    }
+    for &(id, delta) in moves.iter().filter(|(_, d)| *d < 0) {
+        increment_metric(id, delta);
+    }
+}
+
+/// A gauge's move, handed to the host by the next flush (net of the moves before it: a write
+/// pushed and ended between two ticks costs no host call).
+fn move_pending(id: u32, delta: i64) {
+    let at_once = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        match p.moves.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, d)) => *d = d.saturating_add(delta),
+            None => p.moves.push((id, delta)),
+        }
+        p.at_once
+    });
+    if at_once {
+        flush_counters();
     }
 }
 
@@ -869,10 +895,11 @@ impl Metrics {
         }
     }
 
-    /// Adds `delta` (negative to subtract) to a gauge that every worker moves by its own share.
+    /// Adds `delta` (negative to subtract) to a gauge that every worker moves by its own share:
+    /// in Envoy's /stats at the next flush, as counters are (`flush_counters`).
     pub fn add(&self, g: Gauge, delta: i64) {
         if let Some(Some(id)) = self.gauges.get(g as usize) {
-            increment_metric(*id, delta);
+            move_pending(*id, delta);
         }
     }
 

@@ -486,12 +486,9 @@ impl Root {
     /// A write is over (landed, or given up after its fallback).
     fn write_ended(&mut self) {
         if let Some(s) = self.shared.as_ref() {
-            // The last pending write's counters reach /stats before the gauge falls to zero (they
-            // are otherwise flushed on the tick), so a reader that sees no write pending sees
-            // every write's counters (`store_claim_gone_rewritten`, `store_write_failures`, ...).
-            if self.pending_writes() == 0 {
-                meter::background(host::flush_counters);
-            }
+            // Flushed with the counters on the tick, after them (`host::flush_counters`): a
+            // reader that sees no write pending sees every write's counters
+            // (`store_claim_gone_rewritten`, `store_write_failures`, ...).
             s.metrics.add(Gauge::StoreWritesPending, -1);
         }
         self.finish_stopping_if_drained();
@@ -514,6 +511,8 @@ impl Root {
         } else {
             info!("idemgate: root context stopping: every queued store write has landed");
         }
+        // No tick after this one's end: what it counted, and the gauge's last moves, go now.
+        meter::background(host::flush_counters);
         self.done();
     }
 

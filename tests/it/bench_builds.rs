@@ -350,8 +350,10 @@ fn count_build_a_first_protected_request_with_redis_allocates_a_few_hundred_time
     // Percent-encoding the store's requests once allocated twice per encoded byte: 2,227 a request.
     assert!(f["vm_allocations"] < 400.0, "VM allocations per first request with Redis {} ({f:?})", f["vm_allocations"]);
     assert!(f["store_bytes"] > 0.0, "{f:?}");
-    // 46 before issue 17 item 4 (its counters now flushed on the root's tick).
-    assert!(f["host_calls"] <= 38.0, "host calls per first request with Redis {} ({f:?})", f["host_calls"]);
+    // 46 before issue 17 item 4 (its counters now flushed on the root's tick); 30 while the gauge
+    // `store_writes_pending` moved at once (a call when the write was queued, one when it ended),
+    // 28 since it moves with the counters on the tick.
+    assert!(f["host_calls"] <= 28.0, "host calls per first request with Redis {} ({f:?})", f["host_calls"]);
 }
 
 /// VM allocations per first request with the etcd store, at most (issue 27 targets 250): 449 here
