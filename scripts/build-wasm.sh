@@ -28,7 +28,13 @@ mkdir -p dist
 # wasm32 output uses;
 # Envoy's V8 runs each. Every build gets it (the shipped module, the benchmarks' floors and the
 # test builds alike), so what the tests and the benchmarks measure is what ships.
+# --low-memory-unused (issue 27: 732,378 -> 724,485 bytes): lets the pass fold a constant added to a
+# pointer into the load's or store's offset, which is exact unless the addition wraps past 4 GiB
+# into the first KiB of memory. rustc's wasm32 output keeps that KiB unused by anything but the
+# last KiB of a full 1 MiB stack (--stack-first: data from 1 MiB up, the stack below it), and no
+# pointer wraps. Fewer adds on the request path: the core's steps were not slower under Node
+# (median paired ratio 0.95, within noise).
 scripts/install-deps.sh wasm-opt
-wasm-opt -Oz --enable-bulk-memory --enable-sign-ext --enable-mutable-globals --enable-nontrapping-float-to-int \
+wasm-opt -Oz --low-memory-unused --enable-bulk-memory --enable-sign-ext --enable-mutable-globals --enable-nontrapping-float-to-int \
   "$WASM_TARGET_DIR$SUBDIR/$TARGET/release/idemgate.wasm" -o "$OUT"
 echo "build: $OUT $(stat -c %s "$OUT") bytes ($TARGET, $WASM_TOOLCHAIN toolchain, $(( $(date +%s) - start )) s)"

@@ -260,7 +260,17 @@ fn error_value(kind: &ProblemKind, id: &[u8]) -> Value {
         data.insert("retryAfter".into(), json!(s));
     }
     data.insert("retry".into(), Value::Bool(kind.should_retry()));
-    json!({"jsonrpc": "2.0", "id": id, "error": {"code": error_code(kind), "message": kind.title(), "data": data}})
+    // Built member by member, not by `json!`: its `id` and `data` would go through serde's
+    // `to_value`, a second `Value` serializer in the module (issue 27). The same JSON.
+    let mut error = Map::new();
+    error.insert("code".into(), Value::from(error_code(kind)));
+    error.insert("message".into(), Value::from(kind.title()));
+    error.insert("data".into(), Value::Object(data));
+    let mut out = Map::new();
+    out.insert("jsonrpc".into(), Value::from("2.0"));
+    out.insert("id".into(), id);
+    out.insert("error".into(), Value::Object(error));
+    Value::Object(out)
 }
 
 /// A refusal as a JSON-RPC error response to the request whose id is `id` (JSON text).
