@@ -26,7 +26,7 @@
 
 use std::sync::Arc;
 
-use crate::config::{Forwarding, InFlight, OnUnavailable, Policy};
+use crate::config::{Forwarding, Hop, InFlight, OnUnavailable, Policy};
 use crate::decision::{Outcome, HOP_PROBE_HEADER, IN_FLIGHT_RETRY_AFTER_SECONDS, UNAVAILABLE_RETRY_AFTER_SECONDS};
 use crate::engine::budget::{Budget, Held};
 use crate::engine::forwards::Forward;
@@ -154,14 +154,13 @@ impl Protected {
         }
     }
 
-    /// This request as the root sends it upstream (`forwarding: "detached"`) for the driver's
-    /// context `context_id`, under `claim`, whose lock may be judged stale at `lock_deadline_ms`:
-    /// its header lines in order, pseudo headers included, but for the hop-by-hop and recomputed
-    /// ones (`NOT_REPLAYED`), `expect` and the hop probe's mark (`HOP_PROBE_HEADER`: only the
-    /// root's probe carries it); a value that is not UTF-8 is left out. `None` on a route that
-    /// does not detach.
-    pub fn forward(self, context_id: u32, claim: Claim, lock_deadline_ms: u64) -> Option<Forward> {
-        let Forwarding::Detached { cluster, timeout_ms, hop } = &self.policy.forwarding else { return None };
+    /// This request as the root sends it upstream (`forwarding: "detached"`) to `cluster` with
+    /// `timeout_ms` through `hop`, under `claim`, whose lock may be judged stale at
+    /// `lock_deadline_ms`: its header lines in order, pseudo headers included, but for the
+    /// hop-by-hop and recomputed ones (`NOT_REPLAYED`), `expect` and the hop probe's mark
+    /// (`HOP_PROBE_HEADER`: only the root's probe carries it); a value that is not UTF-8 is left
+    /// out. Its `context_id` is the driver's to set (0 here).
+    fn forward(self, cluster: String, timeout_ms: u64, hop: Hop, claim: Claim, lock_deadline_ms: u64) -> Forward {
         let headers = self
             .head
             .headers
@@ -169,18 +168,18 @@ impl Protected {
             .filter(|(n, _)| !NOT_REPLAYED.contains(&n.as_str()) && n != "expect" && n != HOP_PROBE_HEADER)
             .filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.clone(), v.to_string())))
             .collect();
-        Some(Forward {
-            context_id,
-            cluster: cluster.clone(),
-            timeout_ms: *timeout_ms,
-            hop: *hop,
+        Forward {
+            context_id: 0,
+            cluster,
+            timeout_ms,
+            hop,
             headers,
             body: self.body,
             claim,
             request_id: self.creator.request_id,
             sent_at_ms: 0,
             lock_deadline_ms,
-        })
+        }
     }
 
     /// The claim `held` as the settlement and the root know it.
@@ -309,13 +308,9 @@ pub enum Command<'a> {
         fp: Fingerprint,
         wait_ms: u64,
     },
-    /// Hand the request to the root to send (`forwarding: "detached"`), its claim's lock
-    /// running until `lock_deadline_ms`.
-    Detach {
-        req: Protected,
-        claim: Claim,
-        lock_deadline_ms: u64,
-    },
+    /// Hand the request, built for the root to send (`forwarding: "detached"`), to the root:
+    /// the driver sets its `context_id`.
+    Detach(Box<Forward>),
     /// Leave the outcome slug in Envoy's filter state (the first wins).
     Publish {
         key: Option<StorageKey>,
@@ -1100,17 +1095,19 @@ impl<W> Machine<W> {
     /// Forwards under our claim(s), whose lock runs from `lock_from_ms` (the store claim's send,
     /// or now for the local tier's).
     fn forward<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, held: Claimed, lock_from_ms: u64) -> Flow {
-        let Forwarding::Detached { cluster, .. } = &req.policy.forwarding else {
+        let Forwarding::Detached { cluster, timeout_ms, hop } = &req.policy.forwarding else {
             log(io, Level::Debug, || log_line(Some(&req), "forwarded", ""));
             self.phase = Phase::Forwarded { req, claim: held, response: Response::default(), redirected: false };
             return Flow::Continue;
         };
+        let (cluster, timeout_ms, hop) = (cluster.clone(), *timeout_ms, *hop);
         log(io, Level::Debug, || log_line(Some(&req), "forwarded", &format!("detached=true cluster={cluster}")));
         let lock_deadline_ms = Lifetimes::of(&req.policy).lock_expires_at(lock_from_ms);
         let claim = req.claim(held);
         let skey = req.skey;
-        // The root sends it: its callout outlives this request if the client leaves.
-        io.run(Command::Detach { req, claim, lock_deadline_ms });
+        // The root sends it: its callout outlives this request if the client leaves. Built here,
+        // where the route is known to detach: no driver can be handed a detach it cannot send.
+        io.run(Command::Detach(Box::new(req.forward(cluster, timeout_ms, hop, claim, lock_deadline_ms))));
         self.phase = Phase::Detached { skey };
         Flow::Pause
     }

@@ -1000,10 +1000,9 @@ impl Effects for Driver<'_> {
                 root.waiters.push(req.waiter(r as u32, fp, now, wait_ms));
             }
             // `http.rs` `detach`, then the root's `forward_through_hop`.
-            Command::Detach { req, claim, lock_deadline_ms } => {
-                let Some(f) = req.forward(r as u32, claim, lock_deadline_ms) else {
-                    panic!("request {r} detached on a route that does not detach")
-                };
+            Command::Detach(mut f) => {
+                f.context_id = r as u32;
+                let f = *f;
                 let now = self.w.now;
                 let root = &mut self.w.proxies[p].root;
                 root.live.insert(r as u32);

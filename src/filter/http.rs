@@ -26,6 +26,7 @@ use super::{reply, Shared};
 use crate::bench_host::meter;
 use crate::decision::{classify_routed, Exchange};
 use crate::engine::budget::Budget;
+use crate::engine::forwards::Forward;
 use crate::engine::machine::{
     self, log_line, Command, Count, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response,
     StoreOp,
@@ -211,9 +212,9 @@ impl Glue<'_> {
     }
 
     /// Hands the request to the root to send (`forwarding: "detached"`).
-    fn detach(&mut self, req: Protected, claim: Claim, lock_deadline_ms: u64) {
-        let Some(f) = req.forward(self.context_id, claim, lock_deadline_ms) else { return };
-        self.shared.push_forward(f);
+    fn detach(&mut self, mut forward: Box<Forward>) {
+        forward.context_id = self.context_id;
+        self.shared.push_forward(*forward);
     }
 
     /// Dispatches a built store request: the calls a client waits for (the rest are made by the
@@ -262,7 +263,7 @@ impl Glue<'_> {
                 }
             }
             Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
-            Command::Detach { req, claim, lock_deadline_ms } => self.detach(req, claim, lock_deadline_ms),
+            Command::Detach(forward) => self.detach(forward),
             Command::Publish { key, outcome } => self.publish(key.as_ref(), outcome),
             Command::McpReply { id, batch, accepts } => {
                 reply::set_mcp(self.context_id, reply::McpReply { id, batch, accepts })
