@@ -117,18 +117,22 @@ pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool, mismatc
     }
 }
 
-/// `answer` for the store's look, `local_in_flight` telling whether this proxy's local tier holds
-/// the key in flight at the same moment (asked only when it matters). A store that shows nothing
-/// while another request here holds the key locally (claimed at its body's end, its store claim
-/// not yet landed) is no release: telling the waiter to retry at once would
-/// only send it into that claim again. It keeps waiting.
+/// `answer` for the store's look, `local_holds` telling whether this proxy's local tier shows the
+/// key at the moment the answer is read (in flight, finished, or unreadable: anything but
+/// absent; asked only when it matters). A store that shows nothing while the local tier shows
+/// the key is no release: another request here holds it (claimed at its body's end, its store
+/// claim not yet landed), or the store's answer is older than the local tier's view (a read
+/// answered before that claim landed, read after the first attempt finished here: the worker
+/// reading it was busy). Telling the waiter to retry at once would send it into that claim, or
+/// past the response it waits for. It keeps waiting: the local tier answers it at the next tick,
+/// or the next poll does.
 pub fn answer_from_store(
     seen: Seen,
-    local_in_flight: impl FnOnce() -> bool,
+    local_holds: impl FnOnce() -> bool,
     fp: &Fingerprint,
     mismatch_status: u16,
 ) -> WaitAnswer {
-    if matches!(seen, Seen::Absent) && local_in_flight() {
+    if matches!(seen, Seen::Absent) && local_holds() {
         return WaitAnswer::KeepWaiting;
     }
     answer(seen, Tier::Store, fp, true, mismatch_status)

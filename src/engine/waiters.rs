@@ -119,8 +119,8 @@ pub fn poll_sent(waiters: &mut [Waiter], context_id: u32) {
 }
 
 /// The store answered waiter `context_id`'s poll (`status` `None`: no answer), read by `store`
-/// with `seal`; `local_in_flight` tells whether this proxy's local tier holds a key in flight
-/// now (`wait::answer_from_store`). An answer that cannot be read leaves the waiter for the next
+/// with `seal`; `local_holds` tells whether this proxy's local tier shows a key now, in any
+/// stage (`wait::answer_from_store`). An answer that cannot be read leaves the waiter for the next
 /// poll.
 #[allow(clippy::too_many_arguments)]
 pub fn store_answered(
@@ -131,7 +131,7 @@ pub fn store_answered(
     store: Backend,
     seal: Option<&Seal>,
     now_ms: u64,
-    local_in_flight: &mut dyn FnMut(&StorageKey) -> bool,
+    local_holds: &mut dyn FnMut(&StorageKey) -> bool,
 ) -> Vec<Action> {
     let mut out = vec![];
     let Some(pos) = waiters.iter().position(|w| w.context_id == context_id) else { return out };
@@ -148,7 +148,7 @@ pub fn store_answered(
         Err(_) => return out,
     };
     let skey = w.skey;
-    match reply(wait::answer_from_store(seen, || local_in_flight(&skey), &w.fp, w.mismatch_status)) {
+    match reply(wait::answer_from_store(seen, || local_holds(&skey), &w.fp, w.mismatch_status)) {
         None => {}
         Some(r) => out.push(Action::Answer(Box::new(waiters.remove(pos)), r)),
     }

@@ -735,7 +735,7 @@ impl World {
                     Backend::Redis,
                     Some(&self.seal),
                     now,
-                    &mut |k| matches!(table.peek(&mut *sd, k, now).map(Seen::from_local), Ok(Seen::InFlight)),
+                    &mut |k| !matches!(table.peek(&mut *sd, k, now).map(Seen::from_local), Ok(Seen::Absent)),
                 );
                 self.run_waiters(proxy, actions);
             }

@@ -624,8 +624,9 @@ impl Root {
             stores::backend(&s),
             s.seal.as_ref(),
             host::now_ms(),
+            // Anything but a clean "absent" (an unreadable table too) holds the waiter.
             &mut |k| {
-                matches!(s.table.peek(&mut HostShared, k, host::now_ms()).map(Seen::from_local), Ok(Seen::InFlight))
+                !matches!(s.table.peek(&mut HostShared, k, host::now_ms()).map(Seen::from_local), Ok(Seen::Absent))
             },
         );
         self.run_waiters(actions);

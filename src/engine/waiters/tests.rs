@@ -156,7 +156,8 @@ impl Sim {
             Backend::Redis,
             Some(&self.seal),
             self.now,
-            &mut |k| matches!(local.get(k), Some(Some(Seen::InFlight))),
+            // As the glue reads it: anything but absent (unreadable, `Some(None)`, too) holds.
+            &mut |k| !matches!(local.get(k), None | Some(Some(Seen::Absent))),
         );
         self.run(actions);
     }
@@ -244,6 +245,25 @@ fn a_store_that_shows_nothing_while_the_local_tier_holds_the_key_is_no_release()
     sim.advance(300);
     sim.store_answers(1, Some(200), STORE_ABSENT);
     assert_eq!(sim.answer_of(1), Some(&Reply::InFlight { retry_after_seconds: 0 }));
+}
+
+/// Seen in CI (Envoy 1.36, two workers, a loaded machine): a poll answered "absent" before the
+/// first attempt's store claim landed was read by the waiter's worker after that attempt had
+/// finished here, and the waiter was told "released, retry now" (409, retry-after 0) instead of
+/// getting the replay. The local tier's view is newer than such an answer.
+#[test]
+fn a_store_miss_read_after_the_first_attempt_finished_here_is_no_release() {
+    let mut sim = Sim::new(true);
+    sim.hold(1, 1);
+    sim.local.insert(skey(1), Some(Seen::InFlight));
+    sim.tick();
+    // Meanwhile the claim landed, the upstream answered, the local tier holds the completion.
+    sim.local
+        .insert(skey(1), Some(Seen::Completed { fingerprint: Some(FP), record: Some(completed(FP)), status: 201 }));
+    sim.store_answers(1, Some(200), STORE_ABSENT);
+    assert!(sim.answers.is_empty(), "kept waiting: {:?}", sim.answers);
+    sim.tick();
+    assert_eq!(sim.answer_of(1), Some(&Reply::Replay(completed(FP))));
 }
 
 #[test]
