@@ -127,7 +127,9 @@ fn accepted(lines: &[&[u8]]) -> Vec<(String, bool)> {
 /// point (`1`, `0.5`, `0.001`, `.5`), above 0 when any digit is not 0. Anything else (a sign, an
 /// exponent, `inf`, `nan`, no digit) is unreadable, and an unreadable weight counts as 0. Read
 /// without `f64` (its parser is about 7 KB of the module); the same answer as `f64`'s `q > 0.0`
-/// on every plain decimal.
+/// on every plain decimal but one whose first non-zero digit comes after about 323 places
+/// (`f64` rounds it to 0; read here above 0, as its sender meant; an RFC 9110 qvalue has at most
+/// three places).
 fn weight_above_zero(q: &str) -> bool {
     let (whole, fraction) = q.split_once('.').unwrap_or((q, ""));
     let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());

@@ -811,7 +811,8 @@ pub fn request_settled() {
 /// figure changed: gauges that rose first, then the counters, then the number of requests
 /// settled since the last flush (so a reader that sees it reach N sees every counter of those N
 /// requests), then gauges that fell (so a reader that sees `store_writes_pending` fall to 0 sees
-/// every counter of the writes that ended, and one that sees a write's counter sees it pending).
+/// every counter of the writes that ended; a write queued and ended within one tick never shows
+/// in it, its moves netted out).
 pub fn flush_counters() {
     let (counts, moves, logged, settled) = PENDING.with(|p| {
         let mut p = p.borrow_mut();
