@@ -47,7 +47,7 @@ use crate::seal::Seal;
 use crate::store::{
     ClaimReply, ReadReply, StoreError, StoreRequest, StoredValue, Transition, TransitionReply, WhereAbsent,
 };
-use crate::wait::Seen;
+use crate::wait::{self, Seen};
 
 /// The secret every proxy of the world seals its records with.
 const SECRET: &str = "idemgate-world-record-key-0123456789";
@@ -735,7 +735,7 @@ impl World {
                     Backend::Redis,
                     Some(&self.seal),
                     now,
-                    &mut |k| !matches!(table.peek(&mut *sd, k, now).map(Seen::from_local), Ok(Seen::Absent)),
+                    &mut |k| wait::local_holds(table.peek(&mut *sd, k, now)),
                 );
                 self.run_waiters(proxy, actions);
             }

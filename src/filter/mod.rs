@@ -41,7 +41,7 @@ use crate::problem::ProblemKind;
 use crate::scope::StorageKey;
 use crate::seal::Seal;
 use crate::store::Transition;
-use crate::wait::Seen;
+use crate::wait::{self, Seen};
 use host::{Counter, Gauge, HostShared, Metrics};
 
 /// The VM environment variable holding webdis credentials as `user:password` (set it in the Wasm
@@ -624,10 +624,7 @@ impl Root {
             stores::backend(&s),
             s.seal.as_ref(),
             host::now_ms(),
-            // Anything but a clean "absent" (an unreadable table too) holds the waiter.
-            &mut |k| {
-                !matches!(s.table.peek(&mut HostShared, k, host::now_ms()).map(Seen::from_local), Ok(Seen::Absent))
-            },
+            &mut |k| wait::local_holds(s.table.peek(&mut HostShared, k, host::now_ms())),
         );
         self.run_waiters(actions);
     }
