@@ -110,11 +110,11 @@ fn accepted(lines: &[&[u8]]) -> Vec<(String, bool)> {
             }
             let mut acceptable = true;
             for p in parts {
-                if let Some((k, v)) = p.split_once('=') {
-                    if k.trim().eq_ignore_ascii_case("q") {
-                        // A weight of 0 (0, 0.0, 0.000) refuses; anything unreadable counts as 0.
-                        acceptable = weight_above_zero(v.trim());
-                    }
+                // `q` without `=` (`gzip;q`) is a weight with no value: unreadable like any other.
+                let (k, v) = p.split_once('=').unwrap_or((p, ""));
+                if k.trim().eq_ignore_ascii_case("q") {
+                    // A weight of 0 (0, 0.0, 0.000) refuses; anything unreadable counts as 0.
+                    acceptable = weight_above_zero(v.trim());
                 }
             }
             out.push((name, acceptable));
@@ -324,11 +324,20 @@ mod tests {
             assert!(!weight_above_zero(q), "{q}");
         }
         let r = stored(Some("gzip"), gzip(JSON));
-        for accept in [&[b"gzip;q=1e3".as_slice()][..], &[b"gzip; q=+1"], &[b"gzip;q=inf, identity"]] {
+        for accept in [
+            &[b"gzip;q=1e3".as_slice()][..],
+            &[b"gzip; q=+1"],
+            &[b"gzip;q=inf, identity"],
+            &[b"gzip;q"],
+            &[b"gzip; Q ;level=1"],
+            &[b"gzip;q="],
+        ] {
             let Ok(Replay::Decoded(d)) = for_retry(&r, accept, 1 << 20) else { panic!("{accept:?}") };
             assert_eq!(d.body, JSON, "{accept:?}");
         }
         assert_eq!(for_retry(&r, &[b"gzip; Q = .5 "], 1 << 20), Ok(Replay::AsStored));
+        // A parameter other than the weight, with or without a value, is not read.
+        assert_eq!(for_retry(&r, &[b"gzip;level, gzip2;x=1"], 1 << 20), Ok(Replay::AsStored));
     }
 
     #[test]
