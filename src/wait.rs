@@ -117,11 +117,12 @@ pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool, mismatc
     }
 }
 
-/// Whether the local tier's look at a key (`Table::peek`) holds a waiter against a store's
-/// "absent" (`answer_from_store`): anything but a clean absent, an unreadable table too. The rule
-/// the filter's root and `engine::world` both read a poll's answer by.
-pub fn local_holds<E>(peeked: Result<Option<Peeked>, E>) -> bool {
-    !matches!(peeked.map(Seen::from_local), Ok(Seen::Absent))
+/// Whether the local tier's look at a key holds a waiter against a store's "absent"
+/// (`answer_from_store`): anything but a clean absent, an unreadable table (`None`) too. `look` is
+/// the one a tick answers waiters from (`engine::waiters::tick`). The rule the filter's root,
+/// `engine::world` and the waiters' tests all read a poll's answer by.
+pub fn local_holds(look: Option<Seen>) -> bool {
+    !matches!(look, Some(Seen::Absent))
 }
 
 /// `answer` for the store's look, `local_holds` telling whether this proxy's local tier shows the

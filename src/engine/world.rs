@@ -735,7 +735,7 @@ impl World {
                     Backend::Redis,
                     Some(&self.seal),
                     now,
-                    &mut |k| wait::local_holds(table.peek(&mut *sd, k, now)),
+                    &mut |k| wait::local_holds(table.peek(&mut *sd, k, now).ok().map(Seen::from_local)),
                 );
                 self.run_waiters(proxy, actions);
             }

@@ -624,7 +624,7 @@ impl Root {
             stores::backend(&s),
             s.seal.as_ref(),
             host::now_ms(),
-            &mut |k| wait::local_holds(s.table.peek(&mut HostShared, k, host::now_ms())),
+            &mut |k| wait::local_holds(s.table.peek(&mut HostShared, k, host::now_ms()).ok().map(Seen::from_local)),
         );
         self.run_waiters(actions);
     }

@@ -156,8 +156,8 @@ impl Sim {
             Backend::Redis,
             Some(&self.seal),
             self.now,
-            // As the glue reads it: anything but absent (unreadable, `Some(None)`, too) holds.
-            &mut |k| !matches!(local.get(k), None | Some(Some(Seen::Absent))),
+            // The product's rule, on the look the tick reads.
+            &mut |k| wait::local_holds(local.get(k).cloned().unwrap_or(Some(Seen::Absent))),
         );
         self.run(actions);
     }
