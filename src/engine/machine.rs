@@ -1405,11 +1405,15 @@ fn settle_command(
             return Some(LocalAnswer::Released(matches!(table.release(sd, &h, now), Ok(true))));
         }
         settle::Command::Local(Local::MarkUnknown(h, reason)) => {
-            if let Some(policy) = policy {
-                let (table, sd) = io.local();
-                let _ = table.mark_unknown(sd, &h, reason, now, policy);
-            }
-            return Some(LocalAnswer::Marked);
+            let marked = match policy {
+                Some(policy) => {
+                    let (table, sd) = io.local();
+                    table.mark_unknown(sd, &h, reason, now, policy).map_err(|e| format!("{e:?}"))
+                }
+                // Cannot happen (`start` asks for no local command without the policy).
+                None => Err("no policy".to_string()),
+            };
+            return Some(LocalAnswer::Marked(marked));
         }
         settle::Command::Count(c) => io.run(Command::Count(match c {
             SettleCount::InternalErrors => Count::InternalErrors,

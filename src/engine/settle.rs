@@ -132,7 +132,10 @@ pub enum LocalAnswer {
     Completed(Result<Completed, String>),
     /// `true`: released; `false` or an error: not (not ours any more, or unreadable).
     Released(bool),
-    Marked,
+    /// `Ok(true)`: marked outcome-unknown; `Ok(false)`: the lifecycle refused it (the claim is
+    /// no longer ours: taken over, or its record expired); `Err`: the local tier failed (the
+    /// claim stays as it was: in flight until its lock expires, then outcome-unknown).
+    Marked(Result<bool, String>),
 }
 
 #[derive(Debug)]
@@ -270,7 +273,7 @@ impl<'a> Settlement<'a> {
                         (Count::LocalErrors, Level::Warn, "store_failed", Tail::Error(e), "local-error")
                     }
                     // Not an answer to a completion: the local tier's state is not known.
-                    LocalAnswer::Released(_) | LocalAnswer::Marked => {
+                    LocalAnswer::Released(_) | LocalAnswer::Marked(_) => {
                         (Count::LocalErrors, Level::Warn, "store_failed", Tail::Error("?".into()), "local-error")
                     }
                 };
@@ -286,10 +289,36 @@ impl<'a> Settlement<'a> {
                 (out, "released")
             }
             Next::Unknown { write, reason } => {
+                // The store's write goes whatever the local tier answered: the store is
+                // authoritative, and a mark that failed here must not leave it in flight.
                 let mut out: Vec<Command> = write.into_iter().collect();
                 out.push(Command::Count(Count::UnknownOutcome));
-                out.push(Command::Log(Level::Info, line("unknown_outcome", Tail::Reason(reason))));
-                (out, "marked-unknown")
+                match local {
+                    // Marked, or no local claim (a store-only settlement).
+                    LocalAnswer::None | LocalAnswer::Marked(Ok(true)) => {
+                        out.push(Command::Log(Level::Info, line("unknown_outcome", Tail::Reason(reason))));
+                        (out, "marked-unknown")
+                    }
+                    // Taken over or expired here: the key is another request's now.
+                    LocalAnswer::Marked(Ok(false)) => {
+                        out.push(Command::Count(Count::LostClaim));
+                        out.push(Command::Log(Level::Info, line("unknown_outcome_lost_claim", Tail::Reason(reason))));
+                        (out, "lost-claim")
+                    }
+                    // The local tier failed (or answered something else): the claim stays in
+                    // flight until its lock expires, then is outcome-unknown. Never a release.
+                    LocalAnswer::Marked(Err(e)) => {
+                        out.push(Command::Count(Count::LocalErrors));
+                        out.push(Command::Log(Level::Warn, line("unknown_outcome_local_failed", Tail::Error(e))));
+                        (out, "local-error")
+                    }
+                    LocalAnswer::Completed(_) | LocalAnswer::Released(_) => {
+                        out.push(Command::Count(Count::LocalErrors));
+                        let e = Tail::Error("not an answer to a mark".into());
+                        out.push(Command::Log(Level::Warn, line("unknown_outcome_local_failed", e)));
+                        (out, "local-error")
+                    }
+                }
             }
         }
     }

@@ -24,10 +24,30 @@ enum Did {
     Other,
 }
 
+/// One proxy's shared data in memory; `refuse_sets` makes every write fail as a host error.
+#[derive(Default)]
+struct Sd {
+    mem: MemoryShared,
+    refuse_sets: bool,
+}
+
+impl SharedData for Sd {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), crate::local::HostError> {
+        self.mem.get(key)
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::local::SetError> {
+        if self.refuse_sets {
+            return Err(crate::local::SetError::Host);
+        }
+        self.mem.set(key, value, cas)
+    }
+}
+
 /// A host in memory: the worker's budget, the request body, one proxy's local tier.
 struct Host {
     table: Table,
-    sd: MemoryShared,
+    sd: Sd,
     buffered: u64,
     max: u64,
     body: Vec<u8>,
@@ -43,7 +63,7 @@ struct Host {
 impl Host {
     fn new(config: &Config) -> Host {
         let table = Table::new(&config.local);
-        let mut sd = MemoryShared::default();
+        let mut sd = Sd::default();
         assert!(table.ensure_created(&mut sd).is_ok());
         let max = config.max_buffered_bytes;
         Host {
@@ -639,5 +659,34 @@ fn an_mcp_call_redirected_with_its_key_in_its_body_continues_its_claim() {
     assert_eq!((req.skey, req.owner), (skey, OwnerToken([7; 16])));
     // Its target's answer never releases the key: the first hop executed.
     let _ = m.settle(&mut host, Ended { outcome: Outcome::Release, detail: String::new() });
+    assert_eq!(host.key_phase(&skey), Some(KeyPhase::Unknown));
+}
+
+/// Issue 39, item 8: a route timeout's outcome-unknown mark that the local tier fails to write
+/// (a host error on every write) is not reported as marked: it is counted as a local error and
+/// published `local-error`, and the claim stays as it was (in flight, never released), so a
+/// retry is answered 409 until the lock expires and outcome-unknown after, never executed.
+#[test]
+fn a_failed_outcome_unknown_mark_is_a_local_error_and_keeps_the_claim() {
+    let c = config(r#"{"scope": {"headers": ["authorization"]}}"#);
+    let mut host = Host::new(&c);
+    let (mut m, skey) = forwarded(&c, &mut host);
+    host.sd.refuse_sets = true;
+    let ended =
+        Ended { outcome: Outcome::Unknown(crate::record::UnknownReason::UpstreamTimeout), detail: String::new() };
+    let slug = m.settle(&mut host, ended);
+    assert_eq!(slug, "local-error", "{:?}", host.did);
+    assert!(host.did(&Did::Count(Count::LocalErrors)), "{:?}", host.did);
+    assert!(host.did(&Did::Count(Count::UnknownOutcome)), "{:?}", host.did);
+    assert!(!host.did(&Did::Count(Count::Released)), "{:?}", host.did);
+    host.sd.refuse_sets = false;
+    assert!(matches!(host.key_phase(&skey), Some(KeyPhase::Forwarded { .. })), "the claim is kept, never released");
+    // The same mark on a working local tier: marked.
+    let mut host = Host::new(&c);
+    let (mut m, skey) = forwarded(&c, &mut host);
+    let ended =
+        Ended { outcome: Outcome::Unknown(crate::record::UnknownReason::UpstreamTimeout), detail: String::new() };
+    assert_eq!(m.settle(&mut host, ended), "marked-unknown");
+    assert!(!host.did(&Did::Count(Count::LocalErrors)), "{:?}", host.did);
     assert_eq!(host.key_phase(&skey), Some(KeyPhase::Unknown));
 }

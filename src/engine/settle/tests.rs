@@ -131,7 +131,7 @@ fn release_frees_both_tiers_and_counts_only_a_local_release() {
 #[test]
 fn unknown_marks_both_tiers() {
     let reason = UnknownReason::UpstreamTimeout;
-    let (cmds, slug) = settle(&claim(true), true, Outcome::Unknown(reason), LocalAnswer::Marked);
+    let (cmds, slug) = settle(&claim(true), true, Outcome::Unknown(reason), LocalAnswer::Marked(Ok(true)));
     assert_eq!(slug, "marked-unknown");
     assert_eq!(cmds[0], Command::Local(Local::MarkUnknown(handle(), reason)));
     let w = writes(&cmds);
@@ -142,11 +142,31 @@ fn unknown_marks_both_tiers() {
     assert_eq!(logs(&cmds)[0].1, format!("idemgate: outcome=unknown_outcome key=k d=1 reason={}", reason.as_str()));
 }
 
+/// Issue 39, item 8: the local tier's answer to the mark decides the count and the slug; the
+/// store's outcome-unknown write goes whatever it was (never a release).
+#[test]
+fn a_mark_the_local_tier_refused_or_failed_is_not_reported_as_marked() {
+    let reason = UnknownReason::UpstreamTimeout;
+    let (cmds, slug) = settle(&claim(true), true, Outcome::Unknown(reason), LocalAnswer::Marked(Err("Host".into())));
+    assert_eq!(slug, "local-error");
+    assert_eq!(counts(&cmds), vec![Count::UnknownOutcome, Count::LocalErrors]);
+    assert_eq!(
+        logs(&cmds)[0],
+        (Level::Warn, "idemgate: outcome=unknown_outcome_local_failed key=k d=1 error=Host".to_string())
+    );
+    let w = writes(&cmds);
+    assert!(w.len() == 1 && w[0].0 == "unknown" && !is_release(w[0].1.unwrap()));
+    let (cmds, slug) = settle(&claim(true), true, Outcome::Unknown(reason), LocalAnswer::Marked(Ok(false)));
+    assert_eq!(slug, "lost-claim");
+    assert_eq!(counts(&cmds), vec![Count::UnknownOutcome, Count::LostClaim]);
+    assert_eq!(writes(&cmds).len(), 1);
+}
+
 #[test]
 fn no_store_write_without_a_store_or_a_store_claim() {
     for outcome in [Outcome::Store, Outcome::Release, Outcome::Unknown(UnknownReason::Other)] {
-        assert!(writes(&settle(&claim(true), false, outcome, LocalAnswer::Marked).0).is_empty());
-        assert!(writes(&settle(&claim(false), true, outcome, LocalAnswer::Marked).0).is_empty());
+        assert!(writes(&settle(&claim(true), false, outcome, LocalAnswer::Marked(Ok(true))).0).is_empty());
+        assert!(writes(&settle(&claim(false), true, outcome, LocalAnswer::Marked(Ok(true))).0).is_empty());
     }
 }
 
@@ -164,7 +184,7 @@ fn without_a_local_handle_only_the_store_is_written() {
 fn mcp_without_its_final_response_is_unknown_never_stored() {
     let mut c = claim(true);
     c.mcp_id = Some(b"7".to_vec());
-    let (cmds, slug) = settle(&c, true, Outcome::Store, LocalAnswer::Marked);
+    let (cmds, slug) = settle(&c, true, Outcome::Store, LocalAnswer::Marked(Ok(true)));
     assert_eq!(slug, "marked-unknown");
     assert!(logs(&cmds)[0].1.starts_with("idemgate: outcome=mcp_no_final_response key=k d=1 why="));
     assert!(cmds.iter().any(|c| matches!(c, Command::Local(Local::MarkUnknown(_, UnknownReason::Other)))));
@@ -194,7 +214,9 @@ fn never_a_release_without_evidence() {
         LocalAnswer::Completed(Ok(Completed::LostClaim)),
         LocalAnswer::Completed(Err("x".into())),
         LocalAnswer::Released(true),
-        LocalAnswer::Marked,
+        LocalAnswer::Marked(Ok(true)),
+        LocalAnswer::Marked(Ok(false)),
+        LocalAnswer::Marked(Err("x".into())),
     ];
     let outcomes = [Outcome::Store, Outcome::Unknown(UnknownReason::Other), Outcome::Unknown(UnknownReason::StaleLock)];
     for outcome in outcomes {
