@@ -92,8 +92,6 @@ test-demo:
 test-native:
 	scripts/check-test-selection.py $(FAULT_FILTER)
 	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_
-	# Ignored in the parallel run (see the test): run alone.
-	cargo test --locked --test it -- --ignored --exact two_proxies::an_outcome_unknown_record_lives_unknown_outcome_seconds_on_every_proxy
 
 test-wasm:
 	scripts/test-wasm.sh

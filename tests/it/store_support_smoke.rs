@@ -155,3 +155,40 @@ fn redis_cluster_behind_envoy_behind_webdis_runs_single_key_scripts_on_the_ownin
     let r = cluster.webdis.post("SET/idem:ng/owner%2e2/NX/PX/60000/GET");
     assert_eq!(r.json(), serde_json::json!({"SET": "owner.1"}), "{}", r.body_text());
 }
+
+/// Issue 39, item 1. A webdis that cannot bind its port (another test's webdis holds it) exits
+/// with status 0 after logging "Address already in use"; until it exits, the other webdis
+/// answers `GET /PING`. The support took that answer for its own webdis: the test's proxies
+/// then claimed and wrote through another test's webdis into another test's Redis, silently
+/// (every write landed; nothing logged), and the test's own Redis never saw them, which is how
+/// `two_proxies::an_outcome_unknown_record_lives_unknown_outcome_seconds_on_every_proxy` saw
+/// "its outcome-unknown write never reached the store". Now the start fails loudly, and nothing
+/// written through it can reach the other test's Redis.
+#[test]
+fn a_webdis_whose_port_another_webdis_holds_never_starts_as_that_one() {
+    let (redis_a, redis_b) = (Redis::start_open(), Redis::start_open());
+    let webdis_a = Webdis::start(redis_a.port);
+    let port = webdis_a.port;
+    let started = std::panic::catch_unwind(|| {
+        let impostor = Webdis::start_on_port(redis_b.port, port);
+        // Before: this returned, and its writes went to redis_a.
+        let r = impostor.post("SET/k-impostor/v");
+        (r.status, impostor.pid())
+    });
+    let message = match &started {
+        Ok(r) => panic!("a webdis that could not bind its port was taken for started: {r:?}"),
+        Err(e) => e.downcast_ref::<String>().cloned().unwrap_or_default(),
+    };
+    assert!(message.contains("exited"), "{message}");
+    assert_eq!(redis_a.get_raw("k-impostor"), None, "a write meant for redis_b reached redis_a");
+    assert_eq!(redis_b.get_raw("k-impostor"), None);
+}
+
+/// `free_port` never hands out the same port twice in one process, even while none of them is
+/// listening yet (two tests choosing their ports before either starts its server).
+#[test]
+fn free_port_never_hands_out_a_port_twice() {
+    let ports: Vec<u16> = (0..300).map(|_| support::free_port()).collect();
+    let distinct: std::collections::BTreeSet<u16> = ports.iter().copied().collect();
+    assert_eq!(distinct.len(), ports.len());
+}

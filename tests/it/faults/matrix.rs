@@ -443,3 +443,49 @@ fn fault_matrix_a_store_write_whose_wake_is_lost_still_lands() {
         ),
     );
 }
+
+/// Issue 39: the write of `two_proxies::an_outcome_unknown_record_lives_unknown_outcome_seconds_
+/// on_every_proxy` (an outcome-unknown mark after a route timeout) with its root wake lost, as
+/// the host may lose it: the root's tick takes it (before that collection existed, nothing took
+/// it: the write never reached the store, nothing was logged after the mark, and the other proxy
+/// would have executed the key again once the claim expired). The other proxy answers
+/// outcome-unknown and nothing executes twice.
+#[test]
+fn fault_matrix_an_outcome_unknown_mark_whose_wake_is_lost_still_lands() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(&store_cfg(r#", "unknown_outcome_seconds": 600"#), up.port);
+    o.store_port = Some(webdis.port);
+    o.concurrency = 1;
+    o.route_timeout_ms = 1000;
+    let b = Envoy::start(&o);
+    o.wasm = Some(crash_module());
+    let a = Envoy::start(&o);
+    let first =
+        post(a.port, "k-lost-wake-unknown", "{}", &[("x-idemgate-test-fault", "lost-wake"), ("x-up-delay-ms", "1500")]);
+    assert_eq!(first.status, 504, "{}", first.body_text());
+    let unknown = || redis.dump_all_values().iter().any(|(_, v)| v.get(4) == Some(&b'U'));
+    let mut looks = 0;
+    while !unknown() {
+        looks += 1;
+        assert!(
+            looks < 500,
+            "the outcome-unknown mark never reached the store (store writes {}, wakes missed {}); log:\n{}",
+            a.stat("idemgate.store_writes"),
+            a.stat("idemgate.root_wakes_missed"),
+            a.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let retry = post(b.port, "k-lost-wake-unknown", "{}", &[]);
+    assert_eq!(retry.status, 409, "{}", retry.body_text());
+    assert!(retry.body_text().contains("outcome-unknown"), "{}", retry.body_text());
+    assert_eq!(up.executions(), 1);
+    assert_eq!(a.stat("idemgate.root_wakes_missed"), 1);
+    record(
+        "the root is never woken for an outcome-unknown mark (route timeout)",
+        up.executions(),
+        "taken by the root's tick; the other proxy answers 409 outcome-unknown",
+    );
+}

@@ -65,21 +65,65 @@ pub fn storage_key_of(redis_name: &str) -> idemgate::scope::StorageKey {
     idemgate::scope::StorageKey(out)
 }
 
-/// A port that was free a moment ago on 127.0.0.1, chosen in 20000-32767: below Linux's
-/// ephemeral range, so it cannot be taken meanwhile as the source port of an outgoing connection.
+/// Every port `free_port` has handed out in this test process. A port is handed out once: two
+/// tests that each ask for a port before either has started its server can no longer both get
+/// the same one (issue 39: the second server then failed to bind, and a readiness probe that
+/// asked only "does something answer on the port" reached the first test's server instead).
+static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// A port that was free a moment ago on 127.0.0.1, chosen in 20000-32767 (below Linux's
+/// ephemeral range, so it cannot be taken meanwhile as the source port of an outgoing
+/// connection) and never handed out before by this process. Another process can still take it
+/// before the server starts: servers check that the listener they reach is their own
+/// (`listener_is_owned_by`).
 pub fn free_port() -> u16 {
+    let mut handed = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
     for _ in 0..1000 {
         let n = PORT_SEQ.fetch_add(1, Ordering::SeqCst);
         let mix = (seed ^ std::process::id().wrapping_mul(2_654_435_761) ^ n.wrapping_mul(40_503))
             .wrapping_mul(2_246_822_519);
         let port = 20_000 + (mix % 12_768) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if !handed.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed.insert(port);
             return port;
         }
     }
     let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local addr").port()
+    let port = l.local_addr().expect("local addr").port();
+    handed.insert(port);
+    port
+}
+
+/// Whether the TCP socket listening on `port` (any local address, IPv4 or IPv6) is held by
+/// process `pid`: its inode, read from `/proc/net/tcp{,6}`, is one of `/proc/<pid>/fd`'s
+/// sockets. `false` when nothing listens there or another process does.
+pub fn listener_is_owned_by(pid: u32, port: u16) -> bool {
+    let inodes: Vec<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .flat_map(|t| {
+            t.lines()
+                .skip(1)
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    let local_port = f.get(1)?.rsplit(':').next()?;
+                    let listening = f.get(3) == Some(&"0A");
+                    (listening && u16::from_str_radix(local_port, 16).ok()? == port)
+                        .then(|| f.get(9).map(|i| i.to_string()))?
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if inodes.is_empty() {
+        return false;
+    }
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
+    fds.filter_map(Result::ok).filter_map(|e| std::fs::read_link(e.path()).ok()).any(|target| {
+        let t = target.to_string_lossy();
+        inodes.iter().any(|i| t == format!("socket:[{i}]"))
+    })
 }
 
 pub fn repo_root() -> PathBuf {

@@ -10,7 +10,7 @@
 //! - `resp`: a tiny binary-safe RESP client, so tests can read exactly the bytes Redis holds.
 //! - `base64`, `basic_auth`, `pct`: encoders for webdis requests.
 
-use super::{envoy_bin, free_port, http, repo_root, Scratch};
+use super::{envoy_bin, free_port, http, listener_is_owned_by, repo_root, Scratch};
 use std::fs::{File, OpenOptions};
 use std::io::Read;
 use std::net::TcpListener;
@@ -56,9 +56,8 @@ pub fn render_cluster_proxy_config(listen_port: u16, admin_port: u16, seed_port:
 /// `n` distinct ports that were free a moment ago on 127.0.0.1 (held together while chosen, so
 /// they differ from each other).
 pub fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> =
-        (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port")).collect();
-    listeners.iter().map(|l| l.local_addr().expect("local addr").port()).collect()
+    // `free_port` never hands a port out twice, so the ports differ.
+    (0..n).map(|_| free_port()).collect()
 }
 
 /// Standard base64 (with padding) of `bytes`.
@@ -575,6 +574,12 @@ impl Webdis {
         Webdis::start_inner(redis_port, None, Some(REDIS_IDEMGATE_PASSWORD))
     }
 
+    /// `start` on a port of the caller's (the support's own tests: a port another webdis holds).
+    pub fn start_on_port(redis_port: u16, port: u16) -> Webdis {
+        let config = Webdis::default_config(redis_port, None, Some(REDIS_IDEMGATE_PASSWORD));
+        Webdis::launch_new(redis_port, None, Some(port), config)
+    }
+
     /// webdis with a shipped configuration (`envoy/docker-compose/webdis.json`): its ACL and its
     /// Redis credential, in front of 127.0.0.1:`redis_port`; requests carry the ACL's basic-auth
     /// credential, if it has one.
@@ -583,7 +588,7 @@ impl Webdis {
             .as_array()
             .and_then(|acl| acl.iter().find_map(|a| a["http_basic_auth"].as_str().map(str::to_string)));
         let mut config = shipped.clone();
-        Webdis::launch_new(redis_port, auth, |port, log_path| {
+        Webdis::launch_new(redis_port, auth, None, |port, log_path| {
             config["redis_host"] = "127.0.0.1".into();
             config["redis_port"] = redis_port.into();
             config["http_host"] = "127.0.0.1".into();
@@ -602,6 +607,16 @@ impl Webdis {
 
     /// `redis_auth`: the password webdis sends Redis (`AUTH`), None for a Redis without one.
     fn start_inner(redis_port: u16, auth: Option<String>, redis_auth: Option<&str>) -> Webdis {
+        let config = Webdis::default_config(redis_port, auth.clone(), redis_auth);
+        Webdis::launch_new(redis_port, auth, None, config)
+    }
+
+    /// The configuration `start_inner` writes, given its port and log path.
+    fn default_config(
+        redis_port: u16,
+        auth: Option<String>,
+        redis_auth: Option<&str>,
+    ) -> impl FnOnce(u16, &Path) -> serde_json::Value + '_ {
         // ACLs apply in order, later matches overriding earlier ones; "*" matches every command.
         let acl = match &auth {
             None => serde_json::json!([{"disabled": ["DEBUG"]}]),
@@ -610,7 +625,7 @@ impl Webdis {
                 {"http_basic_auth": user_password, "enabled": ["*"], "disabled": ["DEBUG"]},
             ]),
         };
-        Webdis::launch_new(redis_port, auth, move |port, log_path| {
+        move |port, log_path| {
             serde_json::json!({
                 "redis_host": "127.0.0.1",
                 "redis_port": redis_port,
@@ -626,17 +641,18 @@ impl Webdis {
                 "http_max_request_size": 134_217_728,
                 "acl": acl,
             })
-        })
+        }
     }
 
     /// Writes the configuration `config(port, log path)` and starts webdis with it.
     fn launch_new(
         redis_port: u16,
         auth: Option<String>,
+        port: Option<u16>,
         config: impl FnOnce(u16, &Path) -> serde_json::Value,
     ) -> Webdis {
         let scratch = Scratch::new("webdis");
-        let port = free_port();
+        let port = port.unwrap_or_else(free_port);
         let log_path = scratch.0.join("webdis.log");
         let config = config(port, &log_path);
         let config_path = scratch.0.join("webdis.json");
@@ -665,7 +681,21 @@ impl Webdis {
                 panic!("webdis on port {} exited ({status}); log:\n{}", self.port, self.log());
             }
             let last = match self.request("GET", "/PING", b"") {
-                Ok(r) if r.status == 200 => return,
+                // Only our own webdis: one that cannot bind its port exits with status 0 after
+                // logging "Address already in use", and until then another webdis on that port
+                // answers PING for it (the tests' store would silently be another test's).
+                Ok(r) if r.status == 200 && listener_is_owned_by(self.pid(), self.port) => return,
+                Ok(r) if r.status == 200 => {
+                    if let Some(status) = self.proc.exited() {
+                        self.proc.0 = None;
+                        panic!(
+                            "webdis on port {} exited ({status}) while another process answers on its port; log:\n{}",
+                            self.port,
+                            self.log()
+                        );
+                    }
+                    format!("200 from a listener not (yet) ours on port {}", self.port)
+                }
                 Ok(r) => format!("{} {}", r.status, r.body_text()),
                 Err(e) => e.to_string(),
             };
