@@ -83,6 +83,7 @@ test-envoy-oldest: build deps
 
 ## test-demo: the demo must pass too (every operation executed exactly once), on each store and for MCP
 test-demo:
+	python3 scripts/demo_verdict.py
 	scripts/demo.sh run redis
 	scripts/demo.sh run etcd
 	scripts/demo.sh mcp

@@ -8,7 +8,8 @@ proxy answering 504 would), concurrent duplicate retries, a retry with an altere
 restart of the whole task with a new task id.
 
 The same run is made twice: through idemgate, then straight to the API (the counterfactual).
-It exits 0 only if, through idemgate, every operation executed exactly once.
+It exits 0 only if, through idemgate, every operation executed exactly once (each by its key in
+the API's listing of charges, scripts/demo_verdict.py) and no charge gave up.
 """
 import argparse
 import hashlib
@@ -36,6 +37,7 @@ class Wrapper:
     def __init__(self, base, stats):
         self.base = base
         self.stats = stats
+        self.gave_up = []
 
     def attempt(self, task, step, body, key, n, delay_ms=0, label=""):
         headers = {
@@ -96,6 +98,8 @@ class Wrapper:
             else:
                 time.sleep(0.3)
         say(f"  [{task}/{step}]{label} gave up after {MAX_ATTEMPTS} attempts")
+        with OUT_LOCK:
+            self.gave_up.append(f"{task}/{step}{label}")
         return None
 
 
@@ -104,22 +108,22 @@ def run(base, api, title):
     stats = {"attempts": 0}
     w = Wrapper(base, stats)
     say(f"\n== {title} ==")
-    ops = []
+    ops = {}
 
     say("1. a plain charge")
-    ops.append(("task-1", "step-1"))
+    ops[key_for("task-1", "step-1")] = "task-1/step-1"
     w.charge("task-1", "step-1", 1200)
 
     say("2. the API answers after the agent's timeout (2 s > 1 s)")
-    ops.append(("task-1", "step-2"))
+    ops[key_for("task-1", "step-2")] = "task-1/step-2"
     w.charge("task-1", "step-2", 2500, delay_ms=2000)
 
     say("3. the response is lost on the way back (a proxy answers 504)")
-    ops.append(("task-1", "step-3"))
+    ops[key_for("task-1", "step-3")] = "task-1/step-3"
     w.charge("task-1", "step-3", 990, lose_first=True)
 
     say("4. three concurrent retries of one call")
-    ops.append(("task-1", "step-4"))
+    ops[key_for("task-1", "step-4")] = "task-1/step-4"
     threads = [
         threading.Thread(target=w.charge, args=("task-1", "step-4", 4200), kwargs={"delay_ms": 500, "label": f" #{i}"})
         for i in range(1, 4)
@@ -130,15 +134,16 @@ def run(base, api, title):
         t.join()
 
     say("5. the response is lost and the retry alters the body")
-    ops.append(("task-1", "step-5"))
+    ops[key_for("task-1", "step-5")] = "task-1/step-5"
     w.charge("task-1", "step-5", 700, lose_first=True, altered_retry=True)
 
     say("6. the whole task restarts with a new task id (a new operation, executed again on purpose)")
-    ops.append(("task-2", "step-1"))
+    ops[key_for("task-2", "step-1")] = "task-2/step-1"
     w.charge("task-2", "step-1", 1200)
 
-    executions = requests.get(api + "/stats", timeout=5).json()["executions"]
-    return len(ops), executions, stats["attempts"]
+    # Each execution by its operation's key, as the API lists its charges.
+    executed = [c.get("idempotency_key") for c in requests.get(api + "/charges", timeout=5).json()["charges"]]
+    return ops, executed, stats["attempts"], w.gave_up
 
 
 def main():
@@ -150,8 +155,8 @@ def main():
     a = p.parse_args()
     started = time.monotonic()
     guarded = run(a.gateway, a.api, "through idemgate")
-    ops_raw, execs_raw, _ = run(a.api, a.api, "the same agent, straight to the API (no idemgate)")
-    sys.exit(finish(say, a.store, guarded, (ops_raw, execs_raw), started))
+    ops_raw, executed_raw, _, _ = run(a.api, a.api, "the same agent, straight to the API (no idemgate)")
+    sys.exit(finish(say, a.store, guarded, (ops_raw, executed_raw), started))
 
 
 if __name__ == "__main__":

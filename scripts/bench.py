@@ -821,9 +821,74 @@ ISSUE_27_MODULE_BYTES = 637772
 
 def shared_first_local(results):
     """Shared-data calls of a first local request, from the counting build's kinds."""
-    fl = results["counted_per_request"].get("first_local", {})
-    kinds = ("bucket_get", "bucket_set", "slot_get", "slot_set", "counter_get", "counter_set", "shared_get", "shared_set")
-    return sum(v for k, v in fl.items() if k.startswith("kind.") and k.rsplit(".", 1)[-1] in kinds)
+    return calls_of(results["counted_per_request"].get("first_local", {}), SHARED_KINDS)[0]
+
+
+# The kinds of host call `still_pays_for` groups, by what they touch (the counting build's
+# `idemgate.count.kind.<callback>.<kind>`).
+SHARED_KINDS = ("bucket_get", "bucket_set", "slot_get", "slot_set", "counter_get", "counter_set", "shared_get", "shared_set")
+PAYS_FOR_GROUPS = [
+    ("Shared data", SHARED_KINDS),
+    ("Clock", ("clock",)),
+    ("Headers", ("get_header", "get_header_map", "set_header", "add_header")),
+    ("Bodies", ("get_buffer",)),
+    ("Properties", ("get_property",)),
+    ("Filter state", ("set_property",)),
+]
+
+
+def calls_of(fl, kinds):
+    """Counted calls of these kinds per first local request: in all, and by callback (those made)."""
+    by = {}
+    for k, v in fl.items():
+        parts = k.split(".")
+        if len(parts) == 3 and parts[0] == "kind" and parts[2] in kinds and v > 0:
+            by[parts[1]] = by.get(parts[1], 0) + v
+    return sum(by.values()), by
+
+
+def still_pays_for(fl):
+    """What a first request in the local tier pays for, by group of host calls: every figure read from
+    the counting build's kinds (`fl`: counted_per_request["first_local"]), none written here."""
+    if "host_calls" not in fl:
+        return "What a first request in the local tier pays for: not counted in this run."
+    n = {}
+    for name, kinds in PAYS_FOR_GROUPS:
+        total, by = calls_of(fl, kinds)
+        where = ", ".join(f"{cb.replace('_', ' ')} {v:.0f}" for cb, v in by.items())
+        n[name] = f"{total:.0f}" + (f" ({where})" if where else "")
+    return f"""What a first request in the local tier still pays for (`host_calls_first_local`: {fl['host_calls']:.1f} in
+this run; issue 27's target 14), each call by the table above, and why it stays (the figures counted
+in this run):
+- **Shared data, {n['Shared data']}**. Every change of the table is
+  a CAS on a key that exists, and Envoy's `set_shared_data` hands back no version: the version a
+  CAS compares comes only from a read (Envoy's CAS value is one process-wide counter, so the
+  version after our own write cannot be predicted), so each change is a read and a write. A
+  single CAS "on the expected absent version" is no atomic insert in Envoy (`SharedData::set`
+  inserts an absent key whatever the CAS it is given, so two racing claims would both succeed).
+  The claim is one pair split over two callbacks: the key's bucket (which holds its own occupancy
+  and bytes: no table-wide counter) read at the request headers, where nothing is claimed (a live
+  claim is answered 409 there), and its CAS at the end of the body on the value read then, the
+  claim made with its fingerprint and forwarded at once (a bucket changed meanwhile fails the CAS
+  and is read again: 2 calls more on that request). Then the completion (the bucket read, the body
+  written to its own key, the bucket's CAS that completes the entry and counts the body's bytes
+  against the bucket's share of `max_bytes`). Completing by the body key alone would save one more
+  (the bytes could no longer be counted in the same atomic step: `max_bytes` would not be exact);
+  docs/local-tier.md has the analysis.
+- **Clock, {n['Clock']}**: the look at headers (is a lock live?); the claim at the body's end (the lock
+  counts from there: the route's timeout counts from there, and `lock_ttl_seconds` need only
+  exceed it: an older time would shorten the lock under a running request); the completed
+  record's expiry and the lifecycle's check that our claim is not free yet. Each callback reads it
+  once.
+- **Headers, {n['Headers']}**: the request's header map (method, route, key, scope, fingerprint: read whole
+  once); `x-envoy-max-retries: 0` (never re-sent by the router); the response's header map (status
+  and headers kept for replays); `idempotency-key-expires-in` to the client.
+- **Bodies, {n['Bodies']}**: the request body once at its end; each response body chunk.
+- **Properties, {n['Properties']}**: `response.code_details` (tells an upstream answer from Envoy's own reply: a
+  later filter can replace one) and `upstream.request_attempt_count` (read always: a re-send
+  behind idemgate's back is counted and logged).
+- **Filter state, {n['Filter state']}**: `wasm.idemgate_outcome` and `wasm.idemgate_key`, the two values access logs
+  print by name (one call each)."""
 
 
 def write_docs(results):
@@ -1135,38 +1200,7 @@ of the counting build; shared-data calls named by the key they touch):
 |---|---|---|---|
 {kind_rows}
 
-What a first request in the local tier still pays for (`host_calls_first_local`: 18 with layout v4
-and the claim at the body's end, 20 with the claim at headers, 26 with v3; issue 27's target 14, not
-reached), each call by the table above, and why it stays:
-- **Shared data, 5** (request headers 1, body 1, log 3; 7 with the claim at headers, v3 made 13). Every change of the table is
-  a CAS on a key that exists, and Envoy's `set_shared_data` hands back no version: the version a
-  CAS compares comes only from a read (Envoy's CAS value is one process-wide counter, so the
-  version after our own write cannot be predicted), so each change is a read and a write. A
-  single CAS "on the expected absent version" is no atomic insert in Envoy (`SharedData::set`
-  inserts an absent key whatever the CAS it is given, so two racing claims would both succeed).
-  The claim is one pair split over two callbacks: the key's bucket (which holds its own occupancy
-  and bytes: no table-wide counter) read at the request headers, where nothing is claimed (a live
-  claim is answered 409 there), and its CAS at the end of the body on the value read then, the
-  claim made with its fingerprint and forwarded at once (a bucket changed meanwhile fails the CAS
-  and is read again: 2 calls more on that request). Then the completion (the bucket read, the body
-  written to its own key, the bucket's CAS that completes the entry and counts the body's bytes
-  against the bucket's share of `max_bytes`). Completing by the body key alone would save one more
-  (the bytes could no longer be counted in the same atomic step: `max_bytes` would not be exact);
-  docs/local-tier.md has the analysis.
-- **Clock, 3**: the look at headers (is a lock live?); the claim at the body's end (the lock
-  counts from there: the route's timeout counts from there, and `lock_ttl_seconds` need only
-  exceed it: an older time would shorten the lock under a running request); the completed
-  record's expiry and the lifecycle's check that our claim is not free yet. Each callback reads it
-  once.
-- **Headers, 4**: the request's header map (method, route, key, scope, fingerprint: read whole
-  once); `x-envoy-max-retries: 0` (never re-sent by the router); the response's header map (status
-  and headers kept for replays); `idempotency-key-expires-in` to the client.
-- **Bodies, 2**: the request body once at its end; each response body chunk (one here).
-- **Properties, 2**: `response.code_details` (tells an upstream answer from Envoy's own reply: a
-  later filter can replace one) and `upstream.request_attempt_count` (read always: a re-send
-  behind idemgate's back is counted and logged).
-- **Filter state, 2**: `wasm.idemgate_outcome` and `wasm.idemgate_key`, the two values access logs
-  print by name (one call each).
+{still_pays_for(C.get('first_local', {}))}
 
 Cut by the claim at the body's end (issue 27; 20 to 18, counted by `tests/it/bench_builds.rs`): the
 claim's read at the end of the body (its CAS uses the headers' read) and the CAS that marked a

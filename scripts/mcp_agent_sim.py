@@ -3,10 +3,12 @@
 (tests/mcp/server.py, the official MCP Python SDK) with the official MCP Python client, under the
 same faults: a tool slower than the agent's timeout, a response lost on the way back, concurrent
 duplicate retries, a retry that alters the arguments, a restarted task. The key is the wrapper's
-(task, step) key in `_meta.idempotencyKey`, kept across retries.
+(task, step) key in `_meta.idempotencyKey`, kept across retries (and in the tool's own
+`idempotency_key` argument, so that the server lists each execution by its operation).
 
 Run twice: through idemgate (envoy/mcp/envoy.yaml), then straight to the MCP server. Exits 0 only
-if, through idemgate, every operation executed exactly once. Runs under target/mcp-venv/bin/python.
+if, through idemgate, every operation executed exactly once (each by its key in the server's
+listing, GET /charges: scripts/demo_verdict.py) and no call gave up. Runs under target/mcp-venv/bin/python.
 """
 import argparse
 import asyncio
@@ -32,15 +34,17 @@ def say(line):
 
 
 
-def executions(server):
-    with urllib.request.urlopen(server + "/count", timeout=5) as r:
-        return json.load(r)["charge"]
+def executed(server):
+    """The key of every execution of charge so far, as the server lists them."""
+    with urllib.request.urlopen(server + "/charges", timeout=5) as r:
+        return [c["idempotency_key"] for c in json.load(r)["charges"]]
 
 
 class Wrapper:
     def __init__(self, url, stats):
         self.url = url
         self.stats = stats
+        self.gave_up = []
 
     async def attempt(self, client, task, step, args, key, n, label):
         who = f"  [{task}/{step}]{label} attempt {n} key={hashlib.sha256(key.encode()).hexdigest()[:8]}"
@@ -67,7 +71,7 @@ class Wrapper:
 
     async def charge(self, task, step, amount, lose_first=False, delay_ms=0, altered_retry=False, label=""):
         key = key_for(task, step)
-        args = {"amount": amount, "currency": "eur"}
+        args = {"amount": amount, "currency": "eur", "idempotency_key": key}
         if delay_ms:
             args["delay_ms"] = delay_ms
         # The agent's identity (idemgate scopes keys by it: envoy/mcp/envoy.yaml, scope.headers).
@@ -87,36 +91,37 @@ class Wrapper:
                 elif what != "lost":
                     await asyncio.sleep(1)
         say(f"  [{task}/{step}]{label} gave up after {MAX_ATTEMPTS} attempts")
+        self.gave_up.append(f"{task}/{step}{label}")
         return None
 
 
 async def run(url, server, title):
-    before = executions(server)
+    before = len(executed(server))
     stats = {"attempts": 0}
     w = Wrapper(url, stats)
     say(f"\n== {title} ==")
-    ops = 0
+    ops = {}
     say("1. a plain charge")
-    ops += 1
+    ops[key_for("task-1", "step-1")] = "task-1/step-1"
     await w.charge("task-1", "step-1", 1200)
     say("2. the tool answers after the agent's timeout (2 s > 1 s)")
-    ops += 1
+    ops[key_for("task-1", "step-2")] = "task-1/step-2"
     await w.charge("task-1", "step-2", 2500, delay_ms=2000)
     say("3. the result is lost on the way back (a proxy answers 504)")
-    ops += 1
+    ops[key_for("task-1", "step-3")] = "task-1/step-3"
     await w.charge("task-1", "step-3", 990, lose_first=True)
     say("4. three concurrent retries of one call")
-    ops += 1
+    ops[key_for("task-1", "step-4")] = "task-1/step-4"
     await asyncio.gather(*(w.charge("task-1", "step-4", 4200, delay_ms=500, label=f" #{i}") for i in range(1, 4)))
     say("5. the result is lost and the retry alters the arguments")
-    ops += 1
+    ops[key_for("task-1", "step-5")] = "task-1/step-5"
     await w.charge("task-1", "step-5", 700, lose_first=True, altered_retry=True)
     say("6. the whole task restarts with a new task id (a new operation, executed again on purpose)")
-    ops += 1
+    ops[key_for("task-2", "step-1")] = "task-2/step-1"
     await w.charge("task-2", "step-1", 1200)
     # A tool that outlived its caller (step 2 without idemgate) still counts: let it end.
     await asyncio.sleep(2.5)
-    return ops, executions(server) - before, stats["attempts"]
+    return ops, executed(server)[before:], stats["attempts"], w.gave_up
 
 
 def main():
@@ -127,8 +132,8 @@ def main():
     a = p.parse_args()
     started = time.monotonic()
     guarded = asyncio.run(run(a.gateway, a.server, "through idemgate (MCP)"))
-    ops_raw, execs_raw, _ = asyncio.run(run(a.server + "/mcp", a.server, "the same agent, straight to the MCP server (no idemgate)"))
-    sys.exit(finish(say, a.store, guarded, (ops_raw, execs_raw), started))
+    ops_raw, executed_raw, _, _ = asyncio.run(run(a.server + "/mcp", a.server, "the same agent, straight to the MCP server (no idemgate)"))
+    sys.exit(finish(say, a.store, guarded, (ops_raw, executed_raw), started))
 
 
 if __name__ == "__main__":

@@ -114,21 +114,25 @@ fn a_reload_that_adds_a_store_never_evicts_records_written_before_it() {
 /// whether it was settled); its body comes after that local record expired, so at the end of the
 /// body the local tier claims and the store is asked to claim. That claim's answer must be read
 /// as a claim (forward, 201), not as the settlement read (a garbled read: 409 outcome-unknown,
-/// and the store claim left behind, holding the key). The timing is set by the client: the body
-/// is sent only after the local record's expiry (`unknown_outcome_seconds`, 3 s) has passed.
+/// and the store claim left behind, holding the key). The timing is set by the client: the headers
+/// are seen read (the `protected` counter) while the local record cannot have expired yet, and the
+/// body is sent only after it must have (`unknown_outcome_seconds`, 5 s; the TTL is the subject).
 #[test]
 fn a_claim_sent_after_a_local_outcome_unknown_expired_mid_body_is_read_as_a_claim() {
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
     let up = Upstream::start();
-    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 60, "lock_ttl_seconds": 2, "unknown_outcome_seconds": 3, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}}"#;
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 60, "lock_ttl_seconds": 2, "unknown_outcome_seconds": 5, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}}"#;
     let mut o = EnvoyOptions::new(plugin, up.port);
     o.store_port = Some(webdis.port);
     o.route_timeout_ms = 500;
     let envoy = Envoy::start(&o);
+    const UNKNOWN: Duration = Duration::from_secs(5);
     let h = [("authorization", "Bearer alice"), ("idempotency-key", "k-stuck"), ("x-up-delay-ms", "1500")];
+    // The local record is marked after this instant: it cannot expire before sent + UNKNOWN (less
+    // 1 s for the records' whole-second clock).
+    let sent = Instant::now();
     let first = http::request(envoy.port, "POST", "/charges", &h, b"{}").expect("request");
-    let marked = Instant::now();
     assert_eq!(first.status, 504, "{}", first.body_text());
     assert_eq!(up.executions(), 1);
     // The store learns the outcome is unknown; then an operator releases the key there.
@@ -142,15 +146,23 @@ fn a_claim_sent_after_a_local_outcome_unknown_expired_mid_body_is_read_as_a_clai
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(landed, "the store never learned the outcome is unknown");
+    // The local record was marked before the store learned of it: expired by landed + UNKNOWN.
+    let landed_at = Instant::now();
     redis.cli(&["DEL", &name]);
     // The headers while the local record is still outcome-unknown...
     let mut s = TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
     let head = "POST /charges HTTP/1.1\r\nhost: idemgate.test\r\nauthorization: Bearer alice\r\nidempotency-key: k-stuck\r\ncontent-length: 2\r\nconnection: close\r\n\r\n";
     s.write_all(head.as_bytes()).expect("headers");
-    assert!(marked.elapsed() < Duration::from_secs(3), "the headers came after the local record expired");
-    // ...the body once it has expired (3 s after it was marked, and a margin).
-    std::thread::sleep(Duration::from_secs(4).saturating_sub(marked.elapsed()));
+    // Read by the filter (counted as protected: the first request was the first), bounded by count.
+    support::wait_for("the second request's headers read", 200, || envoy.stat("idemgate.protected") == 2);
+    let read_after = sent.elapsed();
+    assert!(
+        read_after + Duration::from_secs(1) < UNKNOWN,
+        "too slow to judge: the headers were read {read_after:?} after the first request, when the local record may have expired"
+    );
+    // ...the body once the local record has expired (a margin for the whole-second clock).
+    std::thread::sleep((UNKNOWN + Duration::from_secs(1)).saturating_sub(landed_at.elapsed()));
     s.write_all(b"{}").expect("body");
     let mut buf = vec![];
     let _ = s.read_to_end(&mut buf);

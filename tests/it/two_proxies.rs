@@ -62,9 +62,13 @@ fn problem_type(r: &Response) -> String {
     r.json()["type"].as_str().unwrap_or("").to_string()
 }
 
-/// Waits until the root contexts' store writes have landed.
-fn settle() {
-    std::thread::sleep(Duration::from_millis(300));
+/// Waits until `key`'s record is completed in Redis (its phase byte 'D'), where the other proxy
+/// reads it: the root context writes the completion after the answer, on its own time.
+fn completed_in_store(redis: &Redis, plugin: &str, key: &str) {
+    let name = redis_key_of(plugin, key);
+    support::wait_for(&format!("{key}'s completed record in Redis"), 200, || {
+        redis.get_raw(&name).is_some_and(|v| v.get(4) == Some(&b'D'))
+    });
 }
 
 #[test]
@@ -74,7 +78,7 @@ fn the_other_proxy_replays_without_executing_and_then_serves_replays_from_memory
     let p = Pair::new(webdis.port, &cfg(""));
     let first = post(&p.a, "k-x", r#"{"amount":5}"#, &[]);
     assert_eq!(first.status, 201);
-    settle();
+    completed_in_store(&redis, &cfg(""), "k-x");
     let again = post(&p.b, "k-x", r#"{"amount":5}"#, &[]);
     assert_eq!(again.status, 201);
     assert_eq!(again.body, first.body);
@@ -127,7 +131,7 @@ fn a_mismatch_across_proxies_is_422() {
     let webdis = Webdis::start(redis.port);
     let p = Pair::new(webdis.port, &cfg(""));
     assert_eq!(post(&p.a, "k-m", r#"{"amount":5}"#, &[]).status, 201);
-    settle();
+    completed_in_store(&redis, &cfg(""), "k-m");
     let r = post(&p.b, "k-m", r#"{"amount":6}"#, &[]);
     assert_eq!(r.status, 422);
     assert_eq!(problem_type(&r), "urn:idemgate:problem:key-reused");
@@ -333,7 +337,7 @@ fn a_record_this_build_cannot_read_is_never_forwarded_even_in_pass_mode() {
     let p = Pair::new(webdis.port, &plugin);
     // A completed record as this build writes it, to turn into ones it cannot read.
     post(&p.a, "k-readable", "{}", &[]);
-    settle();
+    completed_in_store(&redis, &plugin, "k-readable");
     let good = redis.get_raw(redis_key_of(&plugin, "k-readable")).expect("the record idemgate wrote");
     assert_eq!(p.up.executions(), 1);
     let mut future_record = good.clone();

@@ -54,14 +54,12 @@ fn until(tries: u32, cond: impl Fn() -> bool) -> bool {
     cond()
 }
 
-fn post(port: u16, key: &str, delay_ms: u64) -> http::Response {
-    let delay = delay_ms.to_string();
-    let h = [
-        ("authorization", "Bearer alice"),
-        ("content-type", "application/json"),
-        ("idempotency-key", key),
-        ("x-up-delay-ms", delay.as_str()),
-    ];
+/// A POST; `held`: the upstream holds its answer until `Upstream::release_holds`.
+fn post(port: u16, key: &str, held: bool) -> http::Response {
+    let mut h = vec![("authorization", "Bearer alice"), ("content-type", "application/json"), ("idempotency-key", key)];
+    if held {
+        h.push(("x-up-hold", "1"));
+    }
     http::request(port, "POST", "/charges", &h, b"{\"amount\":1}").expect("request")
 }
 
@@ -74,23 +72,41 @@ fn a_v3_claim_in_flight_during_a_reload_to_v4_is_never_executed_again() {
     o.wasm = Some(v3);
     o.lds = true;
     o.drain_time_s = Some(30);
+    // The first attempt is held by the upstream until the test lets it answer (not for a guessed
+    // time the reload may outlast); the route must not time it out meanwhile.
+    o.route_timeout_ms = 60_000;
     let e = Envoy::start(&o);
     let port = e.port;
-    // The first attempt, through the v3 module: its upstream answers after 4 s.
-    let first = std::thread::spawn(move || post(port, "k-upgrade", 4000));
+    // The first attempt, through the v3 module, held at the upstream.
+    let first = std::thread::spawn(move || post(port, "k-upgrade", true));
     assert!(until(100, || up.executions() == 1), "the first attempt reached the upstream");
-    let updates = |e: &Envoy| e.stats("listener_manager.lds.update_success").first().map_or(0, |(_, v)| *v);
+    // Envoy's own stats (`Envoy::stat` reads idemgate's only).
+    let envoy_stat = |e: &Envoy, name: &str| e.stats(name).into_iter().find(|(n, _)| n == name).map_or(0, |(_, v)| v);
+    let updates = |e: &Envoy| envoy_stat(e, "listener_manager.lds.update_success");
     let before = updates(&e);
     o.wasm = Some(v4);
     e.reload_listener(&o);
-    assert!(until(150, || updates(&e) > before), "the listener was not reloaded");
+    // The new listener active (none warming: new connections go to it), the old one draining
+    // with v3's request, and the v4 module configured beside v3's table (its log line).
+    support::wait_for("the new listener active", 400, || {
+        updates(&e) > before && envoy_stat(&e, "listener_manager.total_listeners_warming") == 0
+    });
+    support::wait_for("the v4 module configured over v3's table", 400, || {
+        e.log().contains("a local table of layout v3 is present")
+    });
+    // (A filter-chain-only change is made in place: the old filter chain drains, not the listener.)
+    let draining = envoy_stat(&e, "listener_manager.total_listeners_draining")
+        + envoy_stat(&e, "listener_manager.total_filter_chains_draining");
+    assert!(draining >= 1, "the old listener (or filter chain) is not draining: {:?}", e.stats("draining"));
     // A retry on a new connection reaches the v4 module while v3's claim is in flight.
-    let retry = post(port, "k-upgrade", 0);
+    let retry = post(port, "k-upgrade", false);
     assert_eq!(retry.status, 409, "in flight in v3: {}", retry.body_text());
+    assert!(!first.is_finished(), "the first attempt answered before it was released");
+    up.release_holds();
     let first = first.join().expect("first attempt");
     assert_eq!(first.status, 201, "{}", first.body_text());
     // Completed by the old module: the new one replays it.
-    let again = post(port, "k-upgrade", 0);
+    let again = post(port, "k-upgrade", false);
     assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
     assert_eq!(again.body, first.body);
     assert_eq!(up.executions(), 1, "executed once");

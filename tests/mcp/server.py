@@ -10,6 +10,8 @@ Tools:
       (or MCP_CHARGE_DELAY_MS) makes it slow; returns a payment with an id unique to the execution.
   balance(currency)  read-only (annotations.readOnlyHint), counted too.
 GET /count answers {"charge": n, "balance": m} (executions so far); the Rust test reads it.
+GET /charges lists every execution of charge, in order: {"charges": [{"payment", "idempotency_key"}]}
+(the key as the `idempotency_key` argument gave it, or null); the MCP demo's verdict reads it.
 
 Prints `listening <port>` on stdout once the port is bound (--port 0 picks one).
 """
@@ -29,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 COUNTS = {"charge": 0, "balance": 0}
+CHARGES = []
 
 server = MCPServer("idemgate-test-payments")
 
@@ -37,10 +40,12 @@ server = MCPServer("idemgate-test-payments")
 async def charge(amount: int, currency: str, idempotency_key: str | None = None, delay_ms: int = 0) -> dict:
     COUNTS["charge"] += 1
     n = COUNTS["charge"]
+    payment = f"pay_{n}_{uuid.uuid4().hex[:12]}"
+    CHARGES.append({"payment": payment, "idempotency_key": idempotency_key})
     delay = delay_ms or int(os.environ.get("MCP_CHARGE_DELAY_MS", "0"))
     if delay:
         await asyncio.sleep(delay / 1000)
-    return {"payment": f"pay_{n}_{uuid.uuid4().hex[:12]}", "execution": n, "amount": amount, "currency": currency}
+    return {"payment": payment, "execution": n, "amount": amount, "currency": currency}
 
 
 @server.tool(
@@ -55,6 +60,11 @@ async def balance(currency: str) -> dict:
 @server.custom_route("/count", methods=["GET"])
 async def count(_: Request) -> JSONResponse:
     return JSONResponse(COUNTS)
+
+
+@server.custom_route("/charges", methods=["GET"])
+async def charges(_: Request) -> JSONResponse:
+    return JSONResponse({"charges": CHARGES})
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 use crate::support;
 
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use support::{http, Stack};
 
@@ -174,15 +174,21 @@ fn capacity_default_config_carries_200000_unique_keys_without_a_503() {
 
 #[test]
 fn capacity_a_full_table_refuses_under_the_protection_floor_and_evicts_records_older_than_it() {
-    // 32 records, a 2 s floor: short settings so the test is about state, not about waiting.
+    // 32 records, a 5 s floor: short settings so the test is about state, not about waiting, and a
+    // floor the fill is measured against (a machine too slow to send 33 requests within it fails
+    // saying so, never with a wrong verdict).
+    const FLOOR: Duration = Duration::from_secs(5);
     let s = Stack::new(
-        r#"{"scope": {"headers": ["authorization"]}, "local": {"max_entries": 32, "min_protection_seconds": 2}}"#,
+        r#"{"scope": {"headers": ["authorization"]}, "local": {"max_entries": 32, "min_protection_seconds": 5}}"#,
     );
+    let filled_from = Instant::now();
     for n in 0..32 {
         assert_eq!(post(&s, &format!("k-{n}")).status, 201, "k-{n}");
     }
     // Every record is younger than the floor: the documented 503, nothing forgotten or executed.
     let r = post(&s, "k-32");
+    let fill = filled_from.elapsed();
+    assert!(fill < FLOOR, "filling 32 records took {fill:?}, not under the {FLOOR:?} floor: too slow to judge");
     assert_eq!(r.status, 503, "{}", r.body_text());
     assert_eq!(r.json()["type"].as_str(), Some("urn:idemgate:problem:capacity-exhausted"));
     assert!(r.header("retry-after").is_some());
@@ -193,16 +199,31 @@ fn capacity_a_full_table_refuses_under_the_protection_floor_and_evicts_records_o
     for n in 0..32 {
         assert_eq!(post(&s, &format!("k-{n}")).header("idempotent-replayed"), Some("true"), "k-{n} kept");
     }
-    // Past the floor (a protocol timing: the floor is the subject), the oldest finished records go.
-    std::thread::sleep(Duration::from_millis(3_000));
-    for n in 32..40 {
+    // Past the floor, the oldest finished records go: k-32 is refused (nothing executed) until the
+    // oldest record is older than the floor, then claimed by evicting it. Waited for by asking,
+    // bounded by count, not by sleeping a guess; never claimed before the floor (whole seconds:
+    // up to 1 s early by our clock).
+    let mut refused = 1;
+    for _ in 0..400 {
+        let r = post(&s, "k-32");
+        if r.status == 201 {
+            break;
+        }
+        assert_eq!(r.json()["type"].as_str(), Some("urn:idemgate:problem:capacity-exhausted"), "{}", r.body_text());
+        refused += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let claimed_after = filled_from.elapsed();
+    assert_eq!(s.up.executions(), 33, "k-32 still refused after 400 polls ({claimed_after:?})");
+    assert!(claimed_after + Duration::from_secs(1) >= FLOOR, "evicted {claimed_after:?} after the fill began");
+    for n in 33..40 {
         assert_eq!(post(&s, &format!("k-{n}")).status, 201, "k-{n} claimed by evicting an old record");
     }
     assert_eq!(s.up.executions(), 40);
     assert_eq!(s.envoy.stat("idemgate.local_evictions"), 8);
-    assert_eq!(s.envoy.stat("idemgate.local_full"), 1);
-    let age = gauge_until(&s, "idemgate.local_evicted_age_seconds", |v| v >= 2);
-    assert!((2..60).contains(&age), "age of the last evicted record: {age} s");
+    assert_eq!(s.envoy.stat("idemgate.local_full"), refused);
+    let age = gauge_until(&s, "idemgate.local_evicted_age_seconds", |v| v >= 5);
+    assert!((5..60).contains(&age), "age of the last evicted record: {age} s");
     assert_eq!(gauge_until(&s, "idemgate.local_occupancy", |v| v == 32), 32);
     // The new records are held: their retries replay.
     for n in 32..40 {

@@ -1,7 +1,8 @@
 //! Hostile input sent through Envoy (`make test-faults`), each with its expected answer, the
 //! upstream's execution count, and no VM crash. (Malformed key shapes and repeated key headers are
 //! in tests/it/single_proxy/faults.rs, also run by `make test-faults`.) Each case writes a line to
-//! target/faults/hostile.md.
+//! target/faults/hostile.md, its executions measured (the upstream's count before and after the
+//! case) and asserted.
 
 use crate::support;
 
@@ -14,6 +15,16 @@ const CFG: &str = r#"{"scope": {"headers": ["authorization"]}, "max_request_body
 
 fn record(case: &str, answer: &str, executions: u64) {
     support::fault_report("hostile.md", &[case, answer, &executions.to_string()]);
+}
+
+/// One case: `run` sends it; its executions are what the upstream counted meanwhile, asserted to be
+/// `want` and written to the table.
+fn case(s: &Stack, name: &str, answer: &str, want: u64, run: impl FnOnce()) {
+    let before = s.up.executions();
+    run();
+    let executions = s.up.executions() - before;
+    assert_eq!(executions, want, "{name}: executions");
+    record(name, answer, executions);
 }
 
 fn post_head(key: &[u8], extra: &str) -> Vec<u8> {
@@ -30,14 +41,14 @@ fn post_head(key: &[u8], extra: &str) -> Vec<u8> {
 fn hostile_input_nul_and_control_bytes_in_the_key_are_refused_without_a_crash() {
     let s = Stack::new(CFG);
     // NUL: Envoy's HTTP/1 codec refuses the request itself.
-    let mut req = post_head(b"k\0x", "content-length: 2\r\n\r\n{}");
-    let r = s.raw(&req);
-    assert_eq!(r.status, 400);
-    record("NUL byte in the key header", "400 (Envoy's codec)", s.up.executions());
+    case(&s, "NUL byte in the key header", "400 (Envoy's codec)", 0, || {
+        let r = s.raw(&post_head(b"k\0x", "content-length: 2\r\n\r\n{}"));
+        assert_eq!(r.status, 400);
+    });
     // Other control bytes: refused by Envoy's codec too, or by idemgate (not visible ASCII).
     for (byte, name) in [(1u8, "0x01"), (0x1f, "0x1f"), (0x7f, "DEL 0x7f")] {
-        req = post_head(&[b'k', byte, b'x'], "content-length: 2\r\n\r\n{}");
-        let r = s.raw(&req);
+        let before = s.up.executions();
+        let r = s.raw(&post_head(&[b'k', byte, b'x'], "content-length: 2\r\n\r\n{}"));
         assert_eq!(r.status, 400, "{name}: {}", r.body_text());
         let seen = match r.problem() {
             p if p.is_empty() => "400 (Envoy's codec)".to_string(),
@@ -46,32 +57,35 @@ fn hostile_input_nul_and_control_bytes_in_the_key_are_refused_without_a_crash() 
                 format!("400 {p}")
             }
         };
-        record(&format!("control byte {name} in the key header"), &seen, s.up.executions());
+        let executions = s.up.executions() - before;
+        assert_eq!(executions, 0, "{name}: executions");
+        record(&format!("control byte {name} in the key header"), &seen, executions);
     }
-    assert_eq!(s.up.executions(), 0);
 }
 
 #[test]
 fn hostile_input_huge_headers_are_refused_before_anything_executes() {
     let s = Stack::new(CFG);
     // A key of 10 KB: ours (key-too-long).
-    let big_key = "k".repeat(10_000);
-    let r = s.raw(&post_head(big_key.as_bytes(), "content-length: 2\r\n\r\n{}"));
-    assert_eq!((r.status, r.problem().as_str()), (400, "key-too-long"));
+    case(&s, "10 KB key", "400 key-too-long", 0, || {
+        let big_key = "k".repeat(10_000);
+        let r = s.raw(&post_head(big_key.as_bytes(), "content-length: 2\r\n\r\n{}"));
+        assert_eq!((r.status, r.problem().as_str()), (400, "key-too-long"));
+    });
     // 100 KB of headers: over Envoy's 60 KiB default, refused by Envoy (431).
-    let filler = format!("x-filler: {}\r\n", "f".repeat(100_000));
-    let r = s.raw(&post_head(b"k-huge", &format!("{filler}content-length: 2\r\n\r\n{{}}")));
-    assert_eq!(r.status, 431, "{}", r.body_text());
+    case(&s, "100 KB of headers", "431 (Envoy)", 0, || {
+        let filler = format!("x-filler: {}\r\n", "f".repeat(100_000));
+        let r = s.raw(&post_head(b"k-huge", &format!("{filler}content-length: 2\r\n\r\n{{}}")));
+        assert_eq!(r.status, 431, "{}", r.body_text());
+    });
     // 90 headers of 500 bytes (45 KB, under the limit): protected as usual.
-    let many: String = (0..90).map(|i| format!("x-h{i}: {}\r\n", "v".repeat(500))).collect();
-    let r = s.raw(&post_head(b"k-many", &format!("{many}content-length: 2\r\n\r\n{{}}")));
-    assert_eq!(r.status, 201, "{}", r.body_text());
-    let r = s.raw(&post_head(b"k-many", &format!("{many}content-length: 2\r\n\r\n{{}}")));
-    assert_eq!(r.header("idempotent-replayed"), Some("true"));
-    assert_eq!(s.up.executions(), 1);
-    record("10 KB key", "400 key-too-long", 0);
-    record("100 KB of headers", "431 (Envoy)", 0);
-    record("90 headers, 45 KB, sent twice", "201 then replay", 1);
+    case(&s, "90 headers, 45 KB, sent twice", "201 then replay", 1, || {
+        let many: String = (0..90).map(|i| format!("x-h{i}: {}\r\n", "v".repeat(500))).collect();
+        let r = s.raw(&post_head(b"k-many", &format!("{many}content-length: 2\r\n\r\n{{}}")));
+        assert_eq!(r.status, 201, "{}", r.body_text());
+        let r = s.raw(&post_head(b"k-many", &format!("{many}content-length: 2\r\n\r\n{{}}")));
+        assert_eq!(r.header("idempotent-replayed"), Some("true"));
+    });
 }
 
 #[test]
@@ -93,32 +107,32 @@ fn hostile_input_bodies_at_and_over_the_limit_plain_and_chunked() {
             ),
         ))
     };
-    assert_eq!(plain("k-at", &at).status, 201);
-    let r = plain("k-over", &over);
-    assert_eq!((r.status, r.problem().as_str()), (413, "body-too-large"));
-    let r = chunked("k-over-c", &over, "");
-    assert_eq!((r.status, r.problem().as_str()), (413, "body-too-large"));
+    case(&s, "body of exactly max_request_body_bytes", "201", 1, || {
+        assert_eq!(plain("k-at", &at).status, 201);
+    });
+    case(&s, "body one byte over (content-length, and chunked)", "413 body-too-large", 0, || {
+        let r = plain("k-over", &over);
+        assert_eq!((r.status, r.problem().as_str()), (413, "body-too-large"));
+        let r = chunked("k-over-c", &over, "");
+        assert_eq!((r.status, r.problem().as_str()), (413, "body-too-large"));
+    });
     // A chunked body is the same request as the same bytes sent with a content-length.
-    assert_eq!(chunked("k-at-c", &at, "").status, 201);
-    let r = plain("k-at-c", &at);
-    assert_eq!(r.header("idempotent-replayed"), Some("true"), "{}", r.body_text());
+    case(&s, "chunked body, then the same bytes with content-length", "201 then replay", 1, || {
+        assert_eq!(chunked("k-at-c", &at, "").status, 201);
+        let r = plain("k-at-c", &at);
+        assert_eq!(r.header("idempotent-replayed"), Some("true"), "{}", r.body_text());
+    });
     // Envoy's HTTP/1 codec drops request trailers by default (no `enable_trailers`): neither
     // idemgate nor the upstream sees them, so other trailers are the same request; the body still
     // counts. (Trailers that do arrive are fingerprinted: tests/it/scope_and_fingerprint.rs.)
-    assert_eq!(chunked("k-trailer", r#"{"amount":7}"#, "x-checksum: abc\r\n").status, 201);
-    let r = chunked("k-trailer", r#"{"amount":7}"#, "x-checksum: other\r\n");
-    assert_eq!(r.header("idempotent-replayed"), Some("true"));
-    let r = chunked("k-trailer", r#"{"amount":8}"#, "x-checksum: abc\r\n");
-    assert_eq!((r.status, r.problem().as_str()), (422, "key-reused"));
-    assert_eq!(s.up.executions(), 3);
-    record("body of exactly max_request_body_bytes", "201", 1);
-    record("body one byte over (content-length, and chunked)", "413 body-too-large", 0);
-    record("chunked body, then the same bytes with content-length", "201 then replay", 1);
-    record(
-        "chunked body with trailers (dropped by Envoy's HTTP/1 codec); other trailers; other body",
-        "201, replay, 422",
-        1,
-    );
+    let trailers = "chunked body with trailers (dropped by Envoy's HTTP/1 codec); other trailers; other body";
+    case(&s, trailers, "201, replay, 422", 1, || {
+        assert_eq!(chunked("k-trailer", r#"{"amount":7}"#, "x-checksum: abc\r\n").status, 201);
+        let r = chunked("k-trailer", r#"{"amount":7}"#, "x-checksum: other\r\n");
+        assert_eq!(r.header("idempotent-replayed"), Some("true"));
+        let r = chunked("k-trailer", r#"{"amount":8}"#, "x-checksum: abc\r\n");
+        assert_eq!((r.status, r.problem().as_str()), (422, "key-reused"));
+    });
 }
 
 #[test]
@@ -130,24 +144,27 @@ fn hostile_input_invalid_json_with_canonical_fingerprints_falls_back_to_the_raw_
             &format!("content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()),
         ))
     };
-    assert_eq!(send("k-json", r#"{"a":1,"b":[1,2]}"#).status, 201);
     // Same JSON, other member order and spacing: the same request.
-    assert_eq!(send("k-json", r#"{ "b" : [1,2], "a" : 1 }"#).header("idempotent-replayed"), Some("true"));
+    case(&s, "canonical JSON: reordered members", "replay", 1, || {
+        assert_eq!(send("k-json", r#"{"a":1,"b":[1,2]}"#).status, 201);
+        assert_eq!(send("k-json", r#"{ "b" : [1,2], "a" : 1 }"#).header("idempotent-replayed"), Some("true"));
+    });
     // Not JSON: fingerprinted by its bytes.
-    assert_eq!(send("k-bad", r#"{"a":1,"#).status, 201);
-    assert_eq!(send("k-bad", r#"{"a":1,"#).header("idempotent-replayed"), Some("true"));
-    assert_eq!(send("k-bad", r#"{"a":1, "#).problem(), "key-reused");
+    case(&s, "canonical JSON: invalid JSON, same bytes / other bytes", "replay / 422", 1, || {
+        assert_eq!(send("k-bad", r#"{"a":1,"#).status, 201);
+        assert_eq!(send("k-bad", r#"{"a":1,"#).header("idempotent-replayed"), Some("true"));
+        assert_eq!(send("k-bad", r#"{"a":1, "#).problem(), "key-reused");
+    });
     // Duplicate member names are ambiguous: raw bytes too.
-    assert_eq!(send("k-dup", r#"{"a":1,"a":2}"#).status, 201);
-    assert_eq!(send("k-dup", r#"{"a":2,"a":1}"#).problem(), "key-reused");
+    case(&s, "canonical JSON: duplicate member names reordered", "422", 1, || {
+        assert_eq!(send("k-dup", r#"{"a":1,"a":2}"#).status, 201);
+        assert_eq!(send("k-dup", r#"{"a":2,"a":1}"#).problem(), "key-reused");
+    });
     // Deep nesting does not crash the canonicaliser.
-    let deep = format!("{}1{}", "[".repeat(5000), "]".repeat(5000));
-    assert_eq!(send("k-deep", &deep).status, 201);
-    assert_eq!(s.up.executions(), 4);
-    record("canonical JSON: reordered members", "replay", 1);
-    record("canonical JSON: invalid JSON, same bytes / other bytes", "replay / 422", 1);
-    record("canonical JSON: duplicate member names reordered", "422", 1);
-    record("canonical JSON: 5000 levels of nesting", "201", 1);
+    case(&s, "canonical JSON: 5000 levels of nesting", "201", 1, || {
+        let deep = format!("{}1{}", "[".repeat(5000), "]".repeat(5000));
+        assert_eq!(send("k-deep", &deep).status, 201);
+    });
 }
 
 #[test]
@@ -178,11 +195,12 @@ fn hostile_input_http2_streams_on_one_connection_with_one_key_execute_once() {
         .expect("h2 client");
     let text2 = String::from_utf8_lossy(&again.stdout).to_string();
     assert!(text2.lines().all(|l| l.ends_with(" 201 true")), "{text2}");
-    assert_eq!(s.up.executions(), 1);
+    let executions = s.up.executions();
+    assert_eq!(executions, 1);
     record(
         "20 HTTP/2 streams, one connection, one key; then 5 more",
         "one 201, the rest 409 in flight or replays; then 5 replays",
-        1,
+        executions,
     );
 }
 

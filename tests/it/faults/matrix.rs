@@ -1,6 +1,7 @@
 //! The fault matrix (`make test-faults`): parts of the real stack fail (upstream, client, store,
 //! Envoy, the Wasm VM, the configuration) and every case asserts how many times the upstream
-//! executed. Each case also writes a line of the fault table to target/faults/table.md.
+//! executed. Each case also writes a line of the fault table to target/faults/table.md, with the
+//! executions it asserted (measured: each case has its own upstream, or counts its own key).
 
 use crate::support;
 
@@ -89,6 +90,7 @@ fn fault_matrix_upstream_5xx_answers_are_results_stored_and_replayed() {
         let again = post(e.port, key, "{}", &[]);
         assert_eq!((again.status, again.header("idempotent-replayed")), (first.status, Some("true")));
         assert_eq!(again.body, first.body);
+        assert_eq!(up.executions_with_key(key), 1, "{key}");
     }
     assert_eq!(up.executions(), 2);
     record("upstream answers 502 / 503", up.executions(), "each stored once and replayed (2 keys)");
@@ -187,7 +189,10 @@ fn fault_matrix_an_envoy_restart_loses_the_local_tier_but_the_store_still_protec
     let mut e = Envoy::start(&o);
     let first = post(e.port, "k-restart", r#"{"a":1}"#, &[]);
     assert_eq!(first.status, 201);
-    settle();
+    // Killed once the completion is in the store (the record's phase byte 'D'), not after a guess.
+    support::wait_for("the completed record in Redis", 200, || {
+        redis.dump_all_values().iter().any(|(_, v)| v.get(4) == Some(&b'D'))
+    });
     e.kill();
     let e2 = Envoy::start(&o);
     let again = post(e2.port, "k-restart", r#"{"a":1}"#, &[]);
@@ -352,7 +357,11 @@ fn fault_matrix_a_vm_crash_before_forwarding_with_fail_reload_lets_one_retry_exe
     assert_eq!(up.executions_with_key("k-crash-body"), 1, "{statuses:?}");
     assert_eq!(statuses[0], 201);
     assert!(retries[1..].iter().all(|r| r.header("idempotent-replayed") == Some("true")));
-    record("Wasm VM traps before forwarding (FAIL_RELOAD)", 1, "after lock_ttl one retry executes, the others replay");
+    record(
+        "Wasm VM traps before forwarding (FAIL_RELOAD)",
+        up.executions_with_key("k-crash-body"),
+        "after lock_ttl one retry executes, the others replay",
+    );
 }
 
 #[test]
@@ -366,11 +375,12 @@ fn fault_matrix_a_vm_crash_with_fail_closed_refuses_everything_afterwards() {
     assert_eq!(up.executions_with_key("k-closed"), 1);
     record(
         "Wasm VM traps (FAIL_CLOSED)",
-        up.executions(),
+        up.executions_with_key("k-closed"),
         &format!("served again: {}; a new key afterwards: {}", later.is_some(), after.status),
     );
     assert!(later.is_none(), "FAIL_CLOSED recovered by itself");
     assert_eq!(after.status, 503);
+    assert_eq!(up.executions(), 1, "nothing else executed after the trap");
 }
 
 #[test]

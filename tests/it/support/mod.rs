@@ -931,6 +931,19 @@ impl Drop for Shipped {
     }
 }
 
+/// Waits for an observable state instead of sleeping a guessed time: polls `cond` every 50 ms, at
+/// most `polls` times (bounded by count, not by a deadline), and fails naming `what` if it never
+/// held.
+pub fn wait_for(what: &str, polls: u32, mut cond: impl FnMut() -> bool) {
+    for _ in 0..polls {
+        if cond() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(cond(), "{what}: still not seen after {polls} polls, 50 ms apart");
+}
+
 /// Appends one row (`| a | b | c |`) to target/faults/<file>, the tables `make test-faults`
 /// prints. Rows from tests running in parallel threads never interleave.
 pub fn fault_report(file: &str, cells: &[&str]) {

@@ -10,7 +10,7 @@ fn the_store_holds_no_raw_key_and_no_raw_credential() {
     let webdis = Webdis::start(redis.port);
     let p = Pair::new(webdis.port, &cfg(""));
     post(&p.a, "raw-key-7f3a9c", "{}", &[]);
-    settle();
+    completed_in_store(&redis, &cfg(""), "raw-key-7f3a9c");
     let all = redis.dump_all_values();
     assert_eq!(all.len(), 1, "{:?}", all.iter().map(|(k, _)| k).collect::<Vec<_>>());
     for (k, v) in &all {
@@ -44,7 +44,7 @@ fn redis_down_gives_503_and_no_execution_then_protection_resumes() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(ok.is_some(), "protection resumes without restarting Envoy");
-    settle();
+    completed_in_store(&redis, &cfg(""), "k-down");
     assert_eq!(post(&p.b, "k-down", "{}", &[]).header("idempotent-replayed"), Some("true"));
     assert_eq!(p.up.executions(), 1);
 }
