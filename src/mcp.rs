@@ -91,6 +91,11 @@ pub fn classify(body: &[u8], policy: &McpPolicy) -> Classified {
             }
         }
         Value::Object(_) => match protected_tool(&value, policy) {
+            // Without an id (or with `"id": null`) it is no call the SDK servers run: they take it
+            // as a notification (202) or refuse it, and never answer it, so protecting it as a
+            // call left its key outcome-unknown; a lenient server might still run it, so it is
+            // not passed either.
+            Some(_) if value.get("id").is_none_or(Value::is_null) => Classified::Ambiguous,
             Some(tool) => Classified::Call(call(&value, body, &canonical, tool, policy)),
             None => Classified::Pass,
         },
@@ -98,8 +103,7 @@ pub fn classify(body: &[u8], policy: &McpPolicy) -> Classified {
     }
 }
 
-/// The tool name if `m` is a `tools/call` for a protected tool. A `tools/call` without an id (a
-/// notification, which no server should execute) is protected all the same: at most once.
+/// The tool name if `m` is a `tools/call` for a protected tool, with or without an id.
 fn protected_tool<'v>(m: &'v Value, policy: &McpPolicy) -> Option<&'v str> {
     if m.get("method").and_then(Value::as_str) != Some(METHOD) {
         return None;
@@ -125,6 +129,15 @@ fn call(value: &Value, body: &[u8], canonical: &[u8], tool: &str, policy: &McpPo
     h.update(tool.as_bytes());
     h.update((arguments.len() as u64).to_be_bytes());
     h.update(arguments);
+    // `params.task` (2025-11-25: run the call as a task, answered with the task it created, not
+    // the tool's result) makes another call of the same arguments: in the material when present
+    // and not null, canonical, after the length-framed arguments (a call without it hashes as
+    // before this member was read).
+    if let Some(task) = member(canonical, "params").and_then(|p| member(p, "task")).filter(|t| *t != b"null") {
+        h.update(b"task\0");
+        h.update((task.len() as u64).to_be_bytes());
+        h.update(task);
+    }
     let params = value.get("params");
     let meta = params
         .and_then(|p| p.get("_meta"))
@@ -737,12 +750,37 @@ mod tests {
         let d =
             call_of(r#"{"id":1,"method":"tools/call","params":{"name":"refund","arguments":{"amount":5,"to":"x"}}}"#);
         assert_ne!(a.digest, d.digest);
+        // A task-augmented call is another call; the task's members in any order, one task.
+        let t = call_of(
+            r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5,"to":"x"},"task":{"ttl":6000}}}"#,
+        );
+        assert_ne!(a.digest, t.digest);
+        let t2 = call_of(
+            r#"{"id":1,"method":"tools/call","params":{"task":{ "ttl" : 6000 },"name":"charge","arguments":{"amount":5,"to":"x"}}}"#,
+        );
+        assert_eq!(t.digest, t2.digest);
+        let t3 = call_of(
+            r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5,"to":"x"},"task":{"ttl":1}}}"#,
+        );
+        assert_ne!(t.digest, t3.digest);
+        let n = call_of(
+            r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5,"to":"x"},"task":null}}"#,
+        );
+        assert_eq!(a.digest, n.digest);
         // No arguments and empty arguments are one call.
         let e = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge"}}"#);
         let f = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#);
         assert_eq!(e.digest, f.digest);
-        // A tools/call without id is still protected, answered with id null.
-        assert_eq!(call_of(r#"{"method":"tools/call","params":{"name":"charge"}}"#).id, b"null");
+        // A tools/call without an id, or with id null, is no call: refused, never forwarded (a
+        // notification-shaped tools/call for an unprotected tool passes, as any notification).
+        for b in [
+            r#"{"method":"tools/call","params":{"name":"charge"}}"#,
+            r#"{"id":null,"method":"tools/call","params":{"name":"charge"}}"#,
+        ] {
+            assert_eq!(classify(b.as_bytes(), &all_tools()), Classified::Ambiguous, "{b}");
+        }
+        let only = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![] };
+        assert_eq!(classify(br#"{"method":"tools/call","params":{"name":"lookup"}}"#, &only), Classified::Pass);
     }
 
     #[test]

@@ -651,3 +651,28 @@ fn ids_are_matched_by_value_and_replayed_as_the_retry_wrote_them() {
     assert_eq!(s.up.executions(), 1);
     assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 0);
 }
+
+/// Issue 40: a `tools/call` without an id, or with `"id": null`, is no call the SDK servers run
+/// (a notification: 202; a null id: refused) and none they answer. Protected as a call, it was
+/// forwarded and its key became outcome-unknown (no final response ever came), so the real call
+/// with that key was refused -32003. Now it is refused before any server sees it (`"id": null`,
+/// `mcp-body-ambiguous`) and its key stays free.
+#[test]
+fn a_tools_call_without_an_id_is_refused_and_leaves_its_key_free() {
+    let s = Mcp::start(&plugin("", ""));
+    let h = [ALICE, BOTH, ("idempotency-key", "k-no-id")];
+    for body in [
+        r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"charge","arguments":{"amount":1}}}"#,
+        r#"{"jsonrpc":"2.0","id":null,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1}}}"#,
+    ] {
+        let r = post(s.envoy.port, &h, body.as_bytes());
+        println!("{body}: {} {}", r.status, r.body_text());
+        let m = message(&r);
+        assert_eq!((m["id"].clone(), error_type(&m)), (Value::Null, "mcp-body-ambiguous".to_string()), "{body}");
+    }
+    assert_eq!(s.up.calls().len(), 0, "never forwarded");
+    let call = post(s.envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null));
+    println!("the call: {}", call.body_text());
+    assert_eq!(message(&call)["result"]["execution"], 1, "{}", call.body_text());
+    assert_eq!(s.up.executions(), 1);
+}
