@@ -1256,9 +1256,11 @@ fn check_log_headers(p: &Policy, prefix: &str) -> Result<(), ConfigError> {
 
 /// What an MCP route releases when neither it nor the top level sets `release_on_status`: the
 /// statuses the Streamable HTTP transport answers before it dispatches a message (400 a request it
-/// cannot read or a missing session, 404 a session it no longer knows, 405, 406, 415), and 429.
-/// A tool's own failure comes back in a 200 (a JSON-RPC error or `isError`), so none of these
-/// follows an execution; 5xx stays stored.
+/// cannot read or a missing session, 404 a session it no longer knows, 405, 406, 415), and 429;
+/// 5xx stays stored. At revision 2026-07-28 the Python SDK answers a tool's error with 400 or 404
+/// too, carrying the call's JSON-RPC response: such an answer is never released
+/// (`engine::settle`: only an answer without a JSON-RPC response with an id releases; docs/mcp.md,
+/// "What releases a key").
 pub const MCP_RELEASE_ON_STATUS: [u16; 6] = [400, 404, 405, 406, 415, 429];
 
 fn parse_routes(raw: &[RawLevel], base: &Policy, top_release_set: bool) -> Result<Vec<Route>, ConfigError> {

@@ -36,7 +36,7 @@ pub struct BodyKey {
 /// A protected `tools/call`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Call {
-    /// The JSON-RPC id as JSON text (`null` when the request has none).
+    /// The JSON-RPC id as the client wrote it, byte for byte (`null` when the request has none).
     pub id: Vec<u8>,
     pub tool: String,
     /// SHA-256 of the fingerprint material: tool name and canonical arguments.
@@ -77,11 +77,13 @@ pub fn classify(body: &[u8], policy: &McpPolicy) -> Classified {
     match &value {
         Value::Array(items) => {
             if items.iter().any(|m| protected_tool(m, policy).is_some()) {
-                let ids = items
-                    .iter()
-                    .filter(|m| m.get("method").is_some())
-                    .filter_map(|m| m.get("id"))
-                    .map(|id| serde_json::to_vec(id).unwrap_or_else(|_| b"null".to_vec()))
+                // Each member's id as the client wrote it (the raw bytes of the body).
+                let ids = elements(body)
+                    .into_iter()
+                    .zip(items)
+                    .filter(|(_, m)| m.get("method").is_some())
+                    .filter_map(|(raw, _)| member(raw, "id"))
+                    .map(<[u8]>::to_vec)
                     .collect();
                 Classified::Batch(ids)
             } else {
@@ -89,15 +91,19 @@ pub fn classify(body: &[u8], policy: &McpPolicy) -> Classified {
             }
         }
         Value::Object(_) => match protected_tool(&value, policy) {
-            Some(tool) => Classified::Call(call(&value, &canonical, tool, policy)),
+            // Without an id (or with `"id": null`) it is no call the SDK servers run: they take it
+            // as a notification (202) or refuse it, and never answer it, so protecting it as a
+            // call left its key outcome-unknown; a lenient server might still run it, so it is
+            // not passed either.
+            Some(_) if value.get("id").is_none_or(Value::is_null) => Classified::Ambiguous,
+            Some(tool) => Classified::Call(call(&value, body, &canonical, tool, policy)),
             None => Classified::Pass,
         },
         _ => Classified::Pass,
     }
 }
 
-/// The tool name if `m` is a `tools/call` for a protected tool. A `tools/call` without an id (a
-/// notification, which no server should execute) is protected all the same: at most once.
+/// The tool name if `m` is a `tools/call` for a protected tool, with or without an id.
 fn protected_tool<'v>(m: &'v Value, policy: &McpPolicy) -> Option<&'v str> {
     if m.get("method").and_then(Value::as_str) != Some(METHOD) {
         return None;
@@ -109,8 +115,10 @@ fn protected_tool<'v>(m: &'v Value, policy: &McpPolicy) -> Option<&'v str> {
     }
 }
 
-fn call(value: &Value, canonical: &[u8], tool: &str, policy: &McpPolicy) -> Call {
-    let id = value.get("id").map_or_else(|| b"null".to_vec(), |id| serde_json::to_vec(id).unwrap_or_default());
+fn call(value: &Value, body: &[u8], canonical: &[u8], tool: &str, policy: &McpPolicy) -> Call {
+    // The id as the client wrote it (`1e2` stays `1e2`, an integer beyond u64 keeps every digit):
+    // replays and refusals splice these bytes, never a re-serialised number.
+    let id = member(body, "id").map_or_else(|| b"null".to_vec(), <[u8]>::to_vec);
     // The arguments as written (numbers and strings keep their spelling), members sorted: the
     // canonical document holds them in canonical form already.
     let arguments = member(canonical, "params").and_then(|p| member(p, "arguments")).unwrap_or(b"{}");
@@ -121,6 +129,15 @@ fn call(value: &Value, canonical: &[u8], tool: &str, policy: &McpPolicy) -> Call
     h.update(tool.as_bytes());
     h.update((arguments.len() as u64).to_be_bytes());
     h.update(arguments);
+    // `params.task` (2025-11-25: run the call as a task, answered with the task it created, not
+    // the tool's result) makes another call of the same arguments: in the material when present
+    // and not null, canonical, after the length-framed arguments (a call without it hashes as
+    // before this member was read).
+    if let Some(task) = member(canonical, "params").and_then(|p| member(p, "task")).filter(|t| *t != b"null") {
+        h.update(b"task\0");
+        h.update((task.len() as u64).to_be_bytes());
+        h.update(task);
+    }
     let params = value.get("params");
     let meta = params
         .and_then(|p| p.get("_meta"))
@@ -172,6 +189,32 @@ fn member_span(obj: &[u8], name: &str) -> Option<(usize, usize)> {
             return Some((start, end));
         }
         i = end;
+    }
+}
+
+/// The raw bytes of each element of the JSON array `arr` (valid JSON: callers parse it first);
+/// empty for anything else, and bounded by the input whatever it holds.
+fn elements(arr: &[u8]) -> Vec<&[u8]> {
+    let mut out = vec![];
+    let mut i = skip_ws(arr, 0);
+    if arr.get(i) != Some(&b'[') {
+        return out;
+    }
+    i += 1;
+    loop {
+        i = skip_ws(arr, i);
+        match arr.get(i) {
+            None | Some(b']') => return out,
+            Some(b',') => i += 1,
+            Some(_) => match skip_value(arr, i) {
+                // Not valid JSON after all (a value of no length): stop, never loop.
+                Some(end) if end > i => {
+                    out.extend(arr.get(i..end));
+                    i = end;
+                }
+                _ => return out,
+            },
+        }
     }
 }
 
@@ -250,8 +293,8 @@ pub fn error_code(kind: &ProblemKind) -> i64 {
     }
 }
 
-fn error_value(kind: &ProblemKind, id: &[u8]) -> Value {
-    let id: Value = serde_json::from_slice(id).unwrap_or(Value::Null);
+/// A refusal's JSON-RPC error with `"id": null`; `error_body` splices the request's id in.
+fn error_value(kind: &ProblemKind) -> Value {
     let mut data = Map::new();
     data.insert("type".into(), Value::String(format!("{TYPE_PREFIX}{}", kind.slug())));
     data.insert("status".into(), json!(kind.status()));
@@ -268,20 +311,29 @@ fn error_value(kind: &ProblemKind, id: &[u8]) -> Value {
     error.insert("data".into(), Value::Object(data));
     let mut out = Map::new();
     out.insert("jsonrpc".into(), Value::from("2.0"));
-    out.insert("id".into(), id);
+    out.insert("id".into(), Value::Null);
     out.insert("error".into(), Value::Object(error));
     Value::Object(out)
 }
 
-/// A refusal as a JSON-RPC error response to the request whose id is `id` (JSON text).
+/// A refusal as a JSON-RPC error response to the request whose id is `id` (JSON text, spliced
+/// in byte for byte as the request wrote it).
 pub fn error_body(kind: &ProblemKind, id: &[u8]) -> Vec<u8> {
-    serde_json::to_vec(&error_value(kind, id)).unwrap_or_default()
+    let body = serde_json::to_vec(&error_value(kind)).unwrap_or_default();
+    with_id(&body, id).unwrap_or(body)
 }
 
 /// A refused batch: one error per member request with an id, in an array.
 pub fn batch_error_body(kind: &ProblemKind, ids: &[Vec<u8>]) -> Vec<u8> {
-    let all: Vec<Value> = ids.iter().map(|id| error_value(kind, id)).collect();
-    serde_json::to_vec(&Value::Array(all)).unwrap_or_default()
+    let mut out = b"[".to_vec();
+    for (i, id) in ids.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(&error_body(kind, id));
+    }
+    out.push(b']');
+    out
 }
 
 /// What a client accepts (`Accept`): JSON, an event stream.
@@ -345,9 +397,62 @@ pub enum NotFinal {
     Missing,
 }
 
-/// What is stored of an upstream answer to a protected call whose id is `id` (JSON text): for a
-/// 2xx answer, the final JSON-RPC response (a JSON body as it is; from an event stream, the data
-/// of the event that answers `id`: earlier events are not kept); any other status as it came.
+/// What an upstream answer, whatever its status, says about the call whose id is `id`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// The call's final JSON-RPC response (`result` or `error`, its id the call's by value): the
+    /// JSON body, or the data of the event carrying it. The server dispatched the call and
+    /// answered it: this is its result, whatever the status, the stream or the client did after.
+    Final(Vec<u8>),
+    /// A JSON-RPC response for another, non-null id: not the call's answer, and no evidence that
+    /// it never ran either.
+    Foreign,
+    /// No JSON-RPC response with an id: no body, a body that is not JSON-RPC, or one whose id is
+    /// `null` (the server could not read the request, JSON-RPC 2.0 section 5).
+    None,
+    /// A body idemgate cannot read (in a content coding; over `max_response_body_bytes`).
+    Unreadable,
+}
+
+/// Reads an upstream answer (`status` any) to the call whose id is `id` (JSON text): the JSON
+/// messages of its body (the body itself, a batch's members, or the data of each complete event
+/// of an event stream) searched for the call's final response.
+pub fn read_answer(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>, body: &[u8], id: &[u8]) -> Answer {
+    if content_encoding.is_some_and(|c| !c.trim_ascii().eq_ignore_ascii_case(b"identity")) {
+        return Answer::Unreadable;
+    }
+    let messages: Vec<Vec<u8>> = if content_type.is_some_and(is_sse) {
+        sse_events(body)
+    } else if matches!(serde_json::from_slice::<Value>(body), Ok(Value::Array(_))) {
+        elements(body).into_iter().map(<[u8]>::to_vec).collect()
+    } else {
+        vec![body.to_vec()]
+    };
+    let mut foreign = false;
+    for m in messages {
+        match response_id(&m) {
+            Some(i) if same_id(i, id) => return Answer::Final(m),
+            Some(i) if i.trim_ascii() != b"null" => foreign = true,
+            _ => {}
+        }
+    }
+    if foreign {
+        Answer::Foreign
+    } else {
+        Answer::None
+    }
+}
+
+/// `read_answer` on a captured response.
+pub fn answer_of(r: &StoredResponse, id: &[u8]) -> Answer {
+    let header = |name: &str| r.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
+    read_answer(header("content-type"), header("content-encoding"), &r.body, id)
+}
+
+/// What is stored of an upstream answer to a protected call whose id is `id` (JSON text): its
+/// final JSON-RPC response when it carries one (a JSON body as it is; from an event stream, the
+/// data of the event that answers `id`: earlier events are not kept); a 2xx without it is no
+/// completion; any other status without it is kept as it came.
 pub fn stored_body(
     status: u16,
     content_type: Option<&[u8]>,
@@ -355,20 +460,10 @@ pub fn stored_body(
     body: &[u8],
     id: &[u8],
 ) -> Result<Vec<u8>, NotFinal> {
-    if !(200..300).contains(&status) {
-        return Ok(body.to_vec());
-    }
-    if content_encoding.is_some_and(|c| !c.trim_ascii().eq_ignore_ascii_case(b"identity")) {
-        return Err(NotFinal::Missing);
-    }
-    let id: Value = serde_json::from_slice(id).unwrap_or(Value::Null);
-    if content_type.is_some_and(is_sse) {
-        return sse_events(body).into_iter().find(|d| answers(d, &id)).ok_or(NotFinal::Missing);
-    }
-    if answers(body, &id) {
-        Ok(body.to_vec())
-    } else {
-        Err(NotFinal::Missing)
+    match read_answer(content_type, content_encoding, body, id) {
+        Answer::Final(m) => Ok(m),
+        _ if !(200..300).contains(&status) => Ok(body.to_vec()),
+        _ => Err(NotFinal::Missing),
     }
 }
 
@@ -385,6 +480,13 @@ pub fn stored_response(r: StoredResponse, id: &[u8]) -> Result<StoredResponse, N
     Ok(StoredResponse { status: r.status, headers, body })
 }
 
+/// What a completion keeps of a response whose final JSON-RPC response is `body`
+/// (`Answer::Final`): its status, its headers but a session's, and that response.
+pub fn final_response(r: StoredResponse, body: Vec<u8>) -> StoredResponse {
+    let headers = r.headers.into_iter().filter(|(n, _)| !NOT_REPLAYED_HEADERS.contains(&n.as_str())).collect();
+    StoredResponse { status: r.status, headers, body }
+}
+
 /// A replay of a stored response to a retry (`id`, JSON text; `accepts`): status, headers and
 /// body. A 2xx's body is the final JSON-RPC response with the retry's id, as JSON or as one event
 /// (`Accepts::sse_reply`); any other status is replayed as stored.
@@ -393,7 +495,13 @@ pub fn replay(r: &StoredResponse, id: &[u8], accepts: Accepts) -> StoredResponse
         r.headers.iter().filter(|(n, _)| !NOT_REPLAYED_HEADERS.contains(&n.as_str())).cloned().collect();
     let as_stored = |headers| StoredResponse { status: r.status, headers, body: r.body.clone() };
     if !(200..300).contains(&r.status) {
-        return as_stored(headers);
+        // A JSON-RPC response stored with another status (a server that answers a tool's error
+        // with 400 or 404) is the call's final response too: the retry's id, the form as stored.
+        let answered = response_id(&r.body).is_some_and(|i| i.trim_ascii() != b"null");
+        return match with_id(&r.body, id) {
+            Some(body) if answered => StoredResponse { status: r.status, headers, body },
+            _ => as_stored(headers),
+        };
     }
     let Some(body) = with_id(&r.body, id) else { return as_stored(headers) };
     let first_was_sse = r.headers.iter().any(|(n, v)| n == "content-type" && is_sse(v));
@@ -407,12 +515,81 @@ pub fn replay(r: &StoredResponse, id: &[u8], accepts: Accepts) -> StoredResponse
     }
 }
 
-/// Whether `msg` is a JSON-RPC response (result or error, no method) to the request `id`.
-fn answers(msg: &[u8], id: &Value) -> bool {
-    let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(msg) else { return false };
-    !m.contains_key("method")
-        && (m.contains_key("result") || m.contains_key("error"))
-        && m.get("id").is_some_and(|i| i == id)
+/// The raw id of `msg` if it is a JSON-RPC response (an object with `result` or `error`, no
+/// `method`).
+fn response_id(msg: &[u8]) -> Option<&[u8]> {
+    let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(msg) else { return None };
+    if m.contains_key("method") || !(m.contains_key("result") || m.contains_key("error")) {
+        return None;
+    }
+    member(msg, "id")
+}
+
+/// Whether two JSON-RPC ids (JSON text) are one id, by value: strings compared decoded
+/// (`"a"` is `"\u0061"`), numbers by their exact value (`1`, `1.0`, `1e0` and `10e-1` are one
+/// id: a server's reader may keep only the value, and a JavaScript server echoes `1.0` as `1`),
+/// `null` only with `null`. A string is never a number (`"1"` is not `1`).
+pub fn same_id(a: &[u8], b: &[u8]) -> bool {
+    let (a, b) = (a.trim_ascii(), b.trim_ascii());
+    if a == b {
+        return true;
+    }
+    match (a.first(), b.first()) {
+        (Some(b'"'), Some(b'"')) => {
+            let decoded = |s: &[u8]| serde_json::from_slice::<String>(s).ok();
+            matches!((decoded(a), decoded(b)), (Some(x), Some(y)) if x == y)
+        }
+        _ => matches!((decimal(a), decimal(b)), (Some(x), Some(y)) if x == y),
+    }
+}
+
+/// A JSON number's exact value as (negative, significant digits without leading or trailing
+/// zeros, power of ten): `-12.50e1` is (true, "125", 0); zero is (false, "", 0). `None` for
+/// anything that is not a JSON number, or an exponent beyond i64.
+fn decimal(s: &[u8]) -> Option<(bool, Vec<u8>, i64)> {
+    let (negative, rest) = match s.strip_prefix(b"-") {
+        Some(r) => (true, r),
+        None => (false, s),
+    };
+    let int_len = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    let (int, rest) = rest.split_at(int_len);
+    if int.is_empty() || (int.len() > 1 && int.first() == Some(&b'0')) {
+        return None;
+    }
+    let (frac, rest) = match rest.strip_prefix(b".") {
+        Some(r) => {
+            let n = r.iter().take_while(|b| b.is_ascii_digit()).count();
+            if n == 0 {
+                return None;
+            }
+            r.split_at(n)
+        }
+        None => (&b""[..], rest),
+    };
+    let exp: i64 = match rest.first() {
+        None => 0,
+        Some(b'e' | b'E') => {
+            let e = rest.get(1..)?;
+            let digits = e.strip_prefix(b"+").or_else(|| e.strip_prefix(b"-")).unwrap_or(e);
+            if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            std::str::from_utf8(e.strip_prefix(b"+").unwrap_or(e)).ok()?.parse().ok()?
+        }
+        Some(_) => return None,
+    };
+    let mut digits: Vec<u8> = int.iter().chain(frac).copied().collect();
+    let mut power = exp.checked_sub(i64::try_from(frac.len()).ok()?)?;
+    let lead = digits.iter().take_while(|d| **d == b'0').count();
+    digits.drain(..lead);
+    while digits.last() == Some(&b'0') {
+        digits.pop();
+        power = power.checked_add(1)?;
+    }
+    if digits.is_empty() {
+        return Some((false, digits, 0));
+    }
+    Some((negative, digits, power))
 }
 
 /// The data of every complete event in an event stream (WHATWG HTML, "event stream
@@ -573,12 +750,37 @@ mod tests {
         let d =
             call_of(r#"{"id":1,"method":"tools/call","params":{"name":"refund","arguments":{"amount":5,"to":"x"}}}"#);
         assert_ne!(a.digest, d.digest);
+        // A task-augmented call is another call; the task's members in any order, one task.
+        let t = call_of(
+            r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5,"to":"x"},"task":{"ttl":6000}}}"#,
+        );
+        assert_ne!(a.digest, t.digest);
+        let t2 = call_of(
+            r#"{"id":1,"method":"tools/call","params":{"task":{ "ttl" : 6000 },"name":"charge","arguments":{"amount":5,"to":"x"}}}"#,
+        );
+        assert_eq!(t.digest, t2.digest);
+        let t3 = call_of(
+            r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5,"to":"x"},"task":{"ttl":1}}}"#,
+        );
+        assert_ne!(t.digest, t3.digest);
+        let n = call_of(
+            r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5,"to":"x"},"task":null}}"#,
+        );
+        assert_eq!(a.digest, n.digest);
         // No arguments and empty arguments are one call.
         let e = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge"}}"#);
         let f = call_of(r#"{"id":1,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#);
         assert_eq!(e.digest, f.digest);
-        // A tools/call without id is still protected, answered with id null.
-        assert_eq!(call_of(r#"{"method":"tools/call","params":{"name":"charge"}}"#).id, b"null");
+        // A tools/call without an id, or with id null, is no call: refused, never forwarded (a
+        // notification-shaped tools/call for an unprotected tool passes, as any notification).
+        for b in [
+            r#"{"method":"tools/call","params":{"name":"charge"}}"#,
+            r#"{"id":null,"method":"tools/call","params":{"name":"charge"}}"#,
+        ] {
+            assert_eq!(classify(b.as_bytes(), &all_tools()), Classified::Ambiguous, "{b}");
+        }
+        let only = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![] };
+        assert_eq!(classify(br#"{"method":"tools/call","params":{"name":"lookup"}}"#, &only), Classified::Pass);
     }
 
     #[test]
@@ -644,6 +846,116 @@ data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}";
         // A JSON-RPC error is a final answer; a 4xx is kept as it came.
         assert!(stored_body(200, None, None, br#"{"id":1,"error":{"code":-1,"message":"x"}}"#, b"1").is_ok());
         assert_eq!(stored_body(404, None, None, b"gone", b"1"), Ok(b"gone".to_vec()));
+    }
+
+    #[test]
+    fn elements_of_any_bytes_end() {
+        for bad in ["[}", "[:", "[1,}", "[", "[\"", "[1 2]", "x"] {
+            let _ = elements(bad.as_bytes());
+            let _ = read_answer(None, None, bad.as_bytes(), b"1");
+        }
+        assert_eq!(elements(br#"[1, "a" ,{"b":[2]}]"#), vec![&b"1"[..], b"\"a\"", br#"{"b":[2]}"#]);
+    }
+
+    #[test]
+    fn ids_are_one_id_by_value() {
+        for (a, b) in [
+            ("1", "1.0"),
+            ("1", "1e0"),
+            ("100", "1e2"),
+            ("100", "1E+2"),
+            ("1", "10e-1"),
+            ("-5", "-0.5E+1"),
+            ("0", "-0"),
+            ("0", "0.000e7"),
+            ("123456789012345678901234567890", "1.2345678901234567890123456789e29"),
+            (r#""a""#, r#""\u0061""#),
+            ("null", "null"),
+        ] {
+            assert!(same_id(a.as_bytes(), b.as_bytes()), "{a} {b}");
+            assert!(same_id(b.as_bytes(), a.as_bytes()), "{b} {a}");
+        }
+        for (a, b) in [
+            ("1", "2"),
+            ("1", r#""1""#),
+            ("1", "-1"),
+            ("null", "0"),
+            ("10", "1"),
+            // A JavaScript peer's rounding is another value: no match, so the answer is missing
+            // (outcome unknown), never someone else's.
+            ("12345678901234567890", "12345678901234567000"),
+            ("18446744073709551617", "18446744073709551616"),
+            (r#""a""#, r#""A""#),
+            ("1", "01"),
+            ("1", "1e"),
+        ] {
+            assert!(!same_id(a.as_bytes(), b.as_bytes()), "{a} {b}");
+        }
+    }
+
+    #[test]
+    fn ids_are_kept_and_spliced_as_the_client_wrote_them() {
+        for id in ["1e2", "123456789012345678901234567890", "-0.50", r#""\u0072-1""#, "1.0"] {
+            let body = format!(r#"{{"jsonrpc":"2.0","id": {id} ,"method":"tools/call","params":{{"name":"c"}}}}"#);
+            let c = call_of(&body);
+            assert_eq!(c.id, id.as_bytes(), "{id}");
+            let stored = br#"{"jsonrpc":"2.0","id":1,"result":{}}"#;
+            let expected = format!(r#"{{"jsonrpc":"2.0","id":{id},"result":{{}}}}"#);
+            assert_eq!(with_id(stored, &c.id).unwrap(), expected.as_bytes());
+            let refusal = String::from_utf8(error_body(&ProblemKind::McpBodyAmbiguous, &c.id)).unwrap();
+            assert!(refusal.contains(&format!(r#""id":{id},"#)), "{refusal}");
+        }
+        let batch = r#"[{"id":1e2,"method":"tools/call","params":{"name":"c"}},{"id":"x","method":"ping"}]"#;
+        let Classified::Batch(ids) = classify(batch.as_bytes(), &all_tools()) else { panic!() };
+        assert_eq!(ids, vec![b"1e2".to_vec(), b"\"x\"".to_vec()]);
+        let body = batch_error_body(&ProblemKind::McpBatchRefused, &ids);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v[1]["id"], "x");
+        assert!(String::from_utf8(body).unwrap().contains(r#""id":1e2,"#));
+    }
+
+    #[test]
+    fn an_answer_is_the_calls_by_its_id_value_whatever_its_status() {
+        let json = Some(&b"application/json"[..]);
+        // A JavaScript server echoes 1.0 as 1: the call's answer.
+        assert_eq!(
+            read_answer(json, None, br#"{"jsonrpc":"2.0","id":1,"result":{}}"#, b"1.0"),
+            Answer::Final(br#"{"jsonrpc":"2.0","id":1,"result":{}}"#.to_vec())
+        );
+        // A 2026-07-28 Python server's tool error (400 or 404): the request's id, the call's answer.
+        let err = br#"{"jsonrpc":"2.0","id":7,"error":{"code":-32600,"message":"charged, then failed"}}"#;
+        assert_eq!(read_answer(json, None, err, b"7"), Answer::Final(err.to_vec()));
+        assert_eq!(stored_body(400, json, None, err, b"7"), Ok(err.to_vec()));
+        // A transport's refusal before it read the request: id null, nothing of the call's.
+        let refused = br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error"}}"#;
+        assert_eq!(read_answer(json, None, refused, b"7"), Answer::None);
+        assert_eq!(read_answer(None, None, b"", b"7"), Answer::None);
+        assert_eq!(read_answer(Some(b"text/plain"), None, b"Not Acceptable", b"7"), Answer::None);
+        assert_eq!(
+            read_answer(json, None, br#"{"jsonrpc":"2.0","id":"server-error","error":{}}"#, b"7"),
+            Answer::Foreign
+        );
+        assert_eq!(read_answer(json, Some(b"gzip"), err, b"7"), Answer::Unreadable);
+        // An event stream: the event that answers, whatever follows it.
+        let sse = b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{}}\n\n: ping\n\n: pi";
+        assert_eq!(
+            read_answer(Some(b"text/event-stream"), None, sse, b"7"),
+            Answer::Final(br#"{"jsonrpc":"2.0","id":7,"result":{}}"#.to_vec())
+        );
+        // A 400 stored as the call's answer is replayed under the retry's id; other statuses as stored.
+        let r = StoredResponse {
+            status: 400,
+            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            body: err.to_vec(),
+        };
+        let sent = replay(&r, b"\"r-2\"", Accepts { json: true, sse: true });
+        assert_eq!(sent.status, 400);
+        assert_eq!(
+            sent.body,
+            br#"{"jsonrpc":"2.0","id":"r-2","error":{"code":-32600,"message":"charged, then failed"}}"#
+        );
+        let r = StoredResponse { status: 500, headers: vec![], body: br#"{"id":"e-1","message":"x"}"#.to_vec() };
+        assert_eq!(replay(&r, b"2", Accepts { json: true, sse: false }).body, r.body);
     }
 
     #[test]

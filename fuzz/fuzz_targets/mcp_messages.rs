@@ -1,6 +1,6 @@
 #![no_main]
 //! Any bytes as what an MCP route reads: a request body (`mcp::classify`), an upstream answer to
-//! store (`mcp::stored_body`, JSON or an event stream) and a stored answer replayed with a
+//! store (`mcp::stored_body`, `mcp::read_answer`, JSON or an event stream) and a stored answer replayed with a
 //! retry's id (`mcp::with_id`). Errors, never panics, holds a bounded number of bytes per input
 //! byte, and:
 //! - the fingerprint does not depend on the spelling: a body and its canonical form classify as
@@ -55,12 +55,18 @@ fuzz_target!(|data: &[u8]| {
             let (ct, status) = if mode & 0x80 == 0 { (&b"text/event-stream"[..], 200) } else { (&b"application/json"[..], 200 + u16::from(mode & 0x3f)) };
             if let Ok(stored) = mcp::stored_body(status, Some(ct), None, second, first) {
                 if (200..300).contains(&status) {
-                    let id = serde_json::from_slice::<Value>(first).unwrap_or(Value::Null);
                     let msg: Value = serde_json::from_slice(&stored).expect("a stored 2xx answer is JSON");
-                    assert_eq!(msg.get("id"), Some(&id), "a stored answer answers the request's id");
+                    // Ids by value (`mcp::same_id`): the stored message, read again, answers `first`.
+                    assert_eq!(
+                        mcp::read_answer(Some(b"application/json"), None, &stored, first),
+                        mcp::Answer::Final(stored.clone()),
+                        "a stored answer answers the request's id"
+                    );
                     assert!(msg.get("method").is_none(), "a stored answer is a response, not a request");
                 }
             }
+            // Any answer, any status: read without panic, bounded by its bytes.
+            let _ = mcp::read_answer(Some(ct), None, second, first);
         }
         _ => {
             let Some(out) = mcp::with_id(second, first) else { return };

@@ -6,7 +6,9 @@
 //! detached forwards; the glue (`filter/settle.rs`) carries the commands out in order.
 //!
 //! Rules kept here: an MCP call stores only its final JSON-RPC response (an event stream that
-//! ended before it is outcome-unknown, never a success); a completion's store write falls back
+//! ended before it is outcome-unknown, never a success), and once received that response is its
+//! result whatever the status or the exchange's end; a status the route releases releases an MCP
+//! call only when its answer carries no JSON-RPC response with an id; a completion's store write falls back
 //! to an outcome-unknown mark, never a release; a release is only ever the classified outcome's
 //! (evidence the request never executed), never a fallback; a claim whose policy is gone is kept.
 
@@ -179,21 +181,15 @@ pub fn start<'a>(
     let mut out = vec![];
     let to_store = claim.in_store && has_store;
     let lifetimes = Lifetimes::of(policy);
-    // An MCP call's answer is a completion only with its final JSON-RPC response: an event stream
-    // that ended before it leaves the call's outcome unknown (it may have run), never a success.
-    let (outcome, response) = match (outcome, claim.mcp_id.as_deref(), response) {
-        (Outcome::Store, Some(id), Some(r)) if !too_large => match crate::mcp::stored_response(r, id) {
-            Ok(r) => (Outcome::Store, Some(r)),
-            Err(why) => {
-                let tail = Tail::Why(format!("{why:?}"));
-                out.push(Command::Log(
-                    Level::Info,
-                    Line::Outcome { outcome: "mcp_no_final_response", log, detail, tail },
-                ));
-                (Outcome::Unknown(UnknownReason::Other), None)
+    let (outcome, response) = match claim.mcp_id.as_deref() {
+        Some(id) => {
+            let (o, r, why) = mcp_outcome(outcome, response, too_large, id);
+            if let Some((name, why)) = why {
+                out.push(Command::Log(Level::Info, Line::Outcome { outcome: name, log, detail, tail: Tail::Why(why) }));
             }
-        },
-        (o, _, r) => (o, r),
+            (o, r)
+        }
+        None => (outcome, response),
     };
     let next = match outcome {
         Outcome::Store => {
@@ -242,6 +238,51 @@ pub fn start<'a>(
         }
     };
     (Settlement { log, detail, next }, out)
+}
+
+/// What an MCP call's exchange settles as, from its classified `outcome` and the answer it got
+/// (`response`; `too_large`: its body was not kept), and, when that differs from the outcome, the
+/// log line's name and why. The call's final JSON-RPC response received (`mcp::Answer::Final`) is
+/// its result, stored and replayed, whatever the status (a 2026-07-28 Python server answers a
+/// tool's error with 400 or 404), the stream or the client did after it (a server that keeps an
+/// event stream open past the final event; a client that reads it and leaves). Without it: a
+/// classified completion of a 2xx is outcome-unknown (the call may have run, its result is not
+/// known); a classified release (a status the route releases) stands only when the answer holds
+/// no JSON-RPC response with an id (a server that could not read the request answers `"id":
+/// null`), otherwise the outcome is unknown: an answer for another id or one idemgate cannot read
+/// is no evidence that nothing ran.
+fn mcp_outcome(
+    outcome: Outcome,
+    response: Option<StoredResponse>,
+    too_large: bool,
+    id: &[u8],
+) -> (Outcome, Option<StoredResponse>, Option<(&'static str, String)>) {
+    use crate::mcp::Answer;
+    let answer = match &response {
+        None => Answer::None,
+        Some(_) if too_large => Answer::Unreadable,
+        Some(r) => crate::mcp::answer_of(r, id),
+    };
+    let unknown = UnknownReason::Other;
+    match (outcome, answer, response) {
+        (o, Answer::Final(body), Some(r)) => {
+            let stored = crate::mcp::final_response(r, body);
+            let why = (o != Outcome::Store).then(|| ("mcp_final_response_received", format!("{o:?}")));
+            (Outcome::Store, Some(stored), why)
+        }
+        (Outcome::Store, _, Some(r)) if too_large => (Outcome::Store, Some(r), None),
+        (Outcome::Store, answer, Some(r)) => match crate::mcp::stored_response(r, id) {
+            Ok(r) => (Outcome::Store, Some(r), None),
+            Err(why) => {
+                (Outcome::Unknown(unknown), None, Some(("mcp_no_final_response", format!("{why:?}/{answer:?}"))))
+            }
+        },
+        (Outcome::Release, Answer::None, r) => (Outcome::Release, r, None),
+        (Outcome::Release, answer, _) => {
+            (Outcome::Unknown(unknown), None, Some(("mcp_answered_not_released", format!("{answer:?}"))))
+        }
+        (o, _, r) => (o, r, None),
+    }
 }
 
 impl<'a> Settlement<'a> {

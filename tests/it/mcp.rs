@@ -563,3 +563,116 @@ fn redirected_call_is_one_call(top_extra: &str) {
     assert_eq!(envoy.stat("idemgate.unknown_outcome"), 0);
     envoy.assert_no_wasm_panic();
 }
+
+/// Sends `body` and reads the answer only until `until` appears in it, then closes the
+/// connection, as a client does that has read its final response from an event stream the
+/// server keeps open (the Python SDK's client). The bytes read.
+fn post_and_leave_once_read(port: u16, headers: &[(&str, &str)], body: &[u8], until: &str) -> String {
+    use std::io::{Read, Write};
+    let mut req = "POST /mcp HTTP/1.1\r\nhost: idemgate.test\r\ncontent-type: application/json\r\n".to_string();
+    for (n, v) in headers {
+        req.push_str(&format!("{n}: {v}\r\n"));
+    }
+    req.push_str(&format!("content-length: {}\r\n\r\n", body.len()));
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(req.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut got = vec![];
+    let mut chunk = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains(until) {
+        let n = s.read(&mut chunk).expect("the final event arrives while the stream stays open");
+        assert!(n > 0, "the stream ended: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&chunk[..n]);
+    }
+    let _ = s.shutdown(std::net::Shutdown::Both);
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Issue 40: the server sends the final response event and keeps the event stream open (the
+/// spec's SHOULD-close not followed; a 2026-07-28 Python server pings an open stream); the client
+/// reads its result and closes. The call completed and its client has its result: before, the
+/// exchange was classified client-gone, outcome-unknown, and the retry was told -32003 "may or
+/// may not have taken effect".
+#[test]
+fn a_final_response_received_on_a_stream_left_open_is_a_completion() {
+    let s = Mcp::start(&plugin("", ""));
+    let h = [ALICE, BOTH, ("idempotency-key", "k-open"), ("x-mcp-answer", "sse-open")];
+    let first = post_and_leave_once_read(
+        s.envoy.port,
+        &h,
+        &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null),
+        "\"result\"",
+    );
+    println!("first (read, then left): {first}");
+    assert!(first.contains("\"execution\":1"), "{first}");
+    // The exchange settles when Envoy sees the client gone; a retry may meet it in flight first.
+    let mut retry = post(s.envoy.port, &h, &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null));
+    for _ in 0..100 {
+        if message(&retry)["error"]["code"] != -32001 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        retry = post(s.envoy.port, &h, &tools_call(json!(2), "charge", json!({"amount": 1}), Value::Null));
+    }
+    println!("retry: {} {:?} {}", retry.status, retry.headers, retry.body_text());
+    let m = message(&retry);
+    assert_eq!(m["id"], 2);
+    assert_eq!(m["result"]["execution"], 1, "the first call's result, replayed: {m}");
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(s.up.executions(), 1);
+    assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 0);
+}
+
+/// Issue 40: JSON-RPC ids by value and byte-exact. A JavaScript server echoes the id `1.0` as `1`:
+/// the answer is the call's final response (before, it counted as missing: a completed call
+/// became outcome-unknown and every retry was told -32003). The retries' ids `1e2` and an
+/// integer beyond u64 are spliced into the replay as they were sent (before, `1e2` came back
+/// `100.0` and the long integer as a float).
+#[test]
+fn ids_are_matched_by_value_and_replayed_as_the_retry_wrote_them() {
+    let s = Mcp::start(&plugin("", ""));
+    let h = [ALICE, ("accept", "application/json"), ("idempotency-key", "k-ids"), ("x-mcp-id-echo", "js")];
+    let call = |id: &str| {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"charge","arguments":{{"amount":1}}}}}}"#
+        )
+    };
+    let first = post(s.envoy.port, &h, call("1.0").as_bytes());
+    println!("first: {} {}", first.status, first.body_text());
+    assert!(first.body_text().contains(r#""id":1,"#), "the server echoed 1.0 as 1: {}", first.body_text());
+    for id in ["1e2", "123456789012345678901234567890", "-0.5E+1"] {
+        let retry = post(s.envoy.port, &h, call(id).as_bytes());
+        println!("retry {id}: {} {}", retry.status, retry.body_text());
+        assert_eq!(retry.header("idempotent-replayed"), Some("true"), "{id}: {}", retry.body_text());
+        assert!(retry.body_text().contains(&format!(r#""id":{id},"#)), "{id} as sent: {}", retry.body_text());
+        assert_eq!(retry.json()["result"]["execution"], 1, "{id}: {}", retry.body_text());
+    }
+    assert_eq!(s.up.executions(), 1);
+    assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 0);
+}
+
+/// Issue 40: a `tools/call` without an id, or with `"id": null`, is no call the SDK servers run
+/// (a notification: 202; a null id: refused) and none they answer. Protected as a call, it was
+/// forwarded and its key became outcome-unknown (no final response ever came), so the real call
+/// with that key was refused -32003. Now it is refused before any server sees it (`"id": null`,
+/// `mcp-body-ambiguous`) and its key stays free.
+#[test]
+fn a_tools_call_without_an_id_is_refused_and_leaves_its_key_free() {
+    let s = Mcp::start(&plugin("", ""));
+    let h = [ALICE, BOTH, ("idempotency-key", "k-no-id")];
+    for body in [
+        r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"charge","arguments":{"amount":1}}}"#,
+        r#"{"jsonrpc":"2.0","id":null,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1}}}"#,
+    ] {
+        let r = post(s.envoy.port, &h, body.as_bytes());
+        println!("{body}: {} {}", r.status, r.body_text());
+        let m = message(&r);
+        assert_eq!((m["id"].clone(), error_type(&m)), (Value::Null, "mcp-body-ambiguous".to_string()), "{body}");
+    }
+    assert_eq!(s.up.calls().len(), 0, "never forwarded");
+    let call = post(s.envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 1}), Value::Null));
+    println!("the call: {}", call.body_text());
+    assert_eq!(message(&call)["result"]["execution"], 1, "{}", call.body_text());
+    assert_eq!(s.up.executions(), 1);
+}

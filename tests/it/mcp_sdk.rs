@@ -117,6 +117,8 @@ struct Call {
     steps: &'static str,
     /// The Python client's `mode` (`auto`: revision 2026-07-28, no session; `legacy`: initialize).
     mode: &'static str,
+    /// `charge_then_fail`: the MCP error code the tool raises after it charged.
+    fail_code: Option<i64>,
 }
 
 impl Call {
@@ -129,6 +131,7 @@ impl Call {
             delay_ms: 0,
             steps: "same:60",
             mode: "auto",
+            fail_code: None,
         }
     }
 }
@@ -155,6 +158,9 @@ fn command(sdk: Sdk, port: u16, c: &Call) -> Command {
         .args(["--steps", c.steps]);
     if let Some(k) = &c.key {
         cmd.args(["--key", k]);
+    }
+    if let Some(code) = c.fail_code {
+        cmd.args(["--fail-code", &code.to_string()]);
     }
     cmd
 }
@@ -201,13 +207,16 @@ fn mcp_route() -> String {
 /// Detached forwarding through the internal listener and `in_flight: "wait"`, as
 /// envoy/mcp/envoy.yaml ships them; `extra` adds top-level fields (the store).
 fn plugin(extra: &str) -> String {
+    plugin_with_route(extra, &mcp_route())
+}
+
+fn plugin_with_route(extra: &str, route: &str) -> String {
     let scope = if extra.contains("\"scope\"") { "" } else { r#", "scope": {"headers": ["authorization"]}"# };
     format!(
         r#"{{"lock_ttl_seconds": 60, "forwarding": "detached",
             "upstream": {{"cluster": "idemgate_hop", "timeout_ms": 30000}},
             "in_flight": "wait", "wait_ms": 30000{scope}{extra},
-            "routes": [{}]}}"#,
-        mcp_route()
+            "routes": [{route}]}}"#
     )
 }
 
@@ -430,7 +439,7 @@ fn a_replay_answers_the_retrys_id_on_the_wire() {
             assert_eq!(r.status, 200, "{answers:?}: {}", r.body_text());
             assert_eq!(r.header("idempotent-replayed"), None, "{answers:?}: tools/list is never replayed");
             let tools = message(&r);
-            assert!(tools["result"]["tools"].as_array().is_some_and(|t| t.len() == 2), "{tools}");
+            assert!(tools["result"]["tools"].as_array().is_some_and(|t| t.len() == 3), "{tools}");
         }
         let balance = r#"{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"name":"balance","arguments":{"currency":"eur"}}}"#;
         for _ in 0..2 {
@@ -520,4 +529,44 @@ fn a_tools_call_under_a_grpc_content_type_is_refused_before_the_server() {
     }
     assert_eq!(server.count("charge"), 0, "nothing executed");
     envoy.assert_no_wasm_panic();
+}
+
+/// Issue 40: a tool that charges, then raises an MCP error. At revision 2026-07-28 (the Python
+/// client's `auto` mode) the Python SDK 2.3.0 answers it with the status its
+/// `ERROR_CODE_HTTP_STATUS` maps the code to (400 for -32600, 404 for -32601) and a JSON-RPC error
+/// body carrying the request's id; at 2025-11-25 (the TypeScript client) with 200. An MCP route
+/// released 400 and 404 as refusals before dispatch, so the retry (a new client, the same key) ran
+/// the tool again: 2 executions. Now an answer carrying the call's JSON-RPC response is the
+/// call's result whatever its status: stored, and the retry gets the same error, one execution.
+#[test]
+fn a_tool_that_raises_after_it_charged_executes_once() {
+    let route = mcp_route().replace(r#"["charge"]"#, r#"["charge", "charge_then_fail"]"#);
+    for answers in ANSWERS {
+        let server = McpServer::start(answers, false);
+        let envoy = Envoy::start(&options(&plugin_with_route("", &route), &server));
+        let mut executions = 0;
+        for sdk in sdks() {
+            for code in [-32600, -32601] {
+                let key = format!("mcp-raise-{sdk:?}-{answers:?}-{code}");
+                let c = Call {
+                    tool: "charge_then_fail",
+                    steps: "same:60,new:60",
+                    fail_code: Some(code),
+                    ..Call::new(&key, "header")
+                };
+                let steps = call(sdk, envoy.port, &c);
+                executions += 1;
+                for step in &steps {
+                    assert_eq!(step["outcome"], "raised", "{sdk:?} {answers:?} {code}: {step}");
+                    assert_eq!(step["code"], code, "{sdk:?} {answers:?} {code}: the tool's own error: {step}");
+                }
+                assert_eq!(
+                    server.count("charge_then_fail"),
+                    executions,
+                    "{sdk:?} {answers:?} {code}: the retry replays the error, the tool ran once"
+                );
+            }
+        }
+        envoy.assert_no_wasm_panic();
+    }
 }

@@ -3,7 +3,7 @@
 // by `scripts/install-deps.sh mcp-sdk`) over Streamable HTTP, nothing of ours but the arguments.
 //
 //   node client.mjs --url http://127.0.0.1:P/mcp --key K --key-via header|meta|arg
-//        [--amount 4200] [--currency eur] [--delay-ms 0] [--tool charge] --steps same:60,new:60
+//        [--amount 4200] [--currency eur] [--delay-ms 0] [--tool charge] [--fail-code C] --steps same:60,new:60
 //
 // Same steps and JSON line as tests/mcp/client.py: `same:T` calls in the current client (the
 // first step connects one: initialize, and the session the server gives), `new:T` in a new client
@@ -26,8 +26,9 @@ for (let i = 0; i < argv.length; i += 2) {
 }
 
 function toolArguments() {
-  if (a.tool !== "charge") return { currency: a.currency };
+  if (!a.tool.startsWith("charge")) return { currency: a.currency };
   const args = { amount: Number(a.amount), currency: a.currency };
+  if (a.failCode) args.code = Number(a.failCode);
   if (Number(a.delayMs)) args.delay_ms = Number(a.delayMs);
   if (a.key && a.keyVia === "arg") args.idempotency_key = a.key;
   return args;

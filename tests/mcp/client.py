@@ -2,7 +2,7 @@
 tests/mcp/requirements.txt) over Streamable HTTP, nothing of ours but the arguments.
 
   client.py --url http://127.0.0.1:P/mcp --key K --key-via header|meta|arg
-            [--amount 4200] [--currency eur] [--delay-ms 0] [--tool charge]
+            [--amount 4200] [--currency eur] [--delay-ms 0] [--tool charge] [--fail-code C]
             [--mode auto|legacy] --steps same:60,new:60,...
 
 Each step calls the tool once with the same key and arguments: `same:T` in the current client
@@ -33,6 +33,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--amount", type=int, default=4200)
     p.add_argument("--currency", default="eur")
     p.add_argument("--delay-ms", type=int, default=0)
+    p.add_argument("--fail-code", type=int, help="charge_then_fail: the MCPError code the tool raises")
     p.add_argument("--mode", default="auto", help="auto (2026-07-28, no session) or legacy (initialize)")
     p.add_argument("--steps", default="same:60")
     p.add_argument("--authorization", default="Bearer mcp-test-agent")
@@ -50,11 +51,13 @@ def open_client(a: argparse.Namespace, stack: AsyncExitStack):
 
 
 def arguments(a: argparse.Namespace) -> dict:
-    if a.tool != "charge":
+    if not a.tool.startswith("charge"):
         return {"currency": a.currency}
     args = {"amount": a.amount, "currency": a.currency}
     if a.delay_ms:
         args["delay_ms"] = a.delay_ms
+    if a.fail_code is not None:
+        args["code"] = a.fail_code
     if a.key and a.key_via == "arg":
         args["idempotency_key"] = a.key
     return args

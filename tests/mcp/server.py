@@ -9,7 +9,13 @@ Tools:
   charge(amount, currency, idempotency_key=None, delay_ms=0)  counts each execution; `delay_ms`
       (or MCP_CHARGE_DELAY_MS) makes it slow; returns a payment with an id unique to the execution.
   balance(currency)  read-only (annotations.readOnlyHint), counted too.
-GET /count answers {"charge": n, "balance": m} (executions so far); the Rust test reads it.
+  charge_then_fail(amount, currency, code=-32600, idempotency_key=None)  counts an execution (the
+      payment is made), then raises `MCPError(code)`: at revision 2026-07-28 the SDK answers it
+      with the HTTP status of its ERROR_CODE_HTTP_STATUS (mcp/shared/inbound.py: 400 for -32600,
+      404 for -32601) and a JSON-RPC error body with the request's id, at the 2025 revisions with
+      200 (issue 40).
+GET /count answers {"charge": n, "balance": m, "charge_then_fail": k} (executions so far); the
+Rust test reads it.
 GET /charges lists every execution of charge, in order: {"charges": [{"payment", "idempotency_key"}]}
 (the key as the `idempotency_key` argument gave it, or null); the MCP demo's verdict reads it.
 
@@ -26,11 +32,12 @@ import uuid
 import uvicorn
 from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPError
 from mcp_types import ToolAnnotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-COUNTS = {"charge": 0, "balance": 0}
+COUNTS = {"charge": 0, "balance": 0, "charge_then_fail": 0}
 CHARGES = []
 
 server = MCPServer("idemgate-test-payments")
@@ -55,6 +62,12 @@ async def charge(amount: int, currency: str, idempotency_key: str | None = None,
 async def balance(currency: str) -> dict:
     COUNTS["balance"] += 1
     return {"currency": currency, "available": 100000}
+
+
+@server.tool(description="Charge a card, then fail with an MCP error: the payment is made each time it runs.")
+async def charge_then_fail(amount: int, currency: str, code: int = -32600, idempotency_key: str | None = None) -> dict:
+    COUNTS["charge_then_fail"] += 1
+    raise MCPError(code=code, message=f"charged {amount} {currency}, then failed")
 
 
 @server.custom_route("/count", methods=["GET"])

@@ -235,3 +235,78 @@ fn never_a_release_without_evidence() {
         }
     }
 }
+
+fn mcp_response(status: u16, content_type: &str, body: &[u8]) -> StoredResponse {
+    StoredResponse {
+        status,
+        headers: vec![("content-type".into(), content_type.as_bytes().to_vec())],
+        body: body.to_vec(),
+    }
+}
+
+fn mcp_settle(outcome: Outcome, r: Option<StoredResponse>, too_large: bool) -> (Vec<Command<'static>>, &'static str) {
+    let mut c = claim(true);
+    c.mcp_id = Some(b"7".to_vec());
+    let c: &'static Claim = Box::leak(Box::new(c));
+    let policy = Policy::default();
+    let (m, mut cmds) = start(c, Some(&policy), true, outcome, r, too_large, "d=1", NOW);
+    let local = match cmds.last() {
+        Some(Command::Local(Local::Complete(..))) => LocalAnswer::Completed(Ok(Completed::Stored)),
+        Some(Command::Local(Local::Release(_))) => LocalAnswer::Released(true),
+        Some(Command::Local(Local::MarkUnknown(..))) => LocalAnswer::Marked,
+        _ => LocalAnswer::None,
+    };
+    let (rest, slug) = m.finish(local);
+    cmds.extend(rest);
+    (cmds, slug)
+}
+
+/// Issue 40: an answer with a status the route releases (400, 404) that carries the call's
+/// JSON-RPC response (a 2026-07-28 Python server's answer to a tool that raised) is the call's
+/// result: stored, never released. A refusal without it (`"id": null`, no body) still releases;
+/// one for another id, or one that cannot be read, is outcome-unknown.
+#[test]
+fn mcp_a_released_status_carrying_the_calls_response_is_stored() {
+    let err = br#"{"jsonrpc":"2.0","id":7,"error":{"code":-32600,"message":"charged, then failed"}}"#;
+    let (cmds, slug) = mcp_settle(Outcome::Release, Some(mcp_response(400, "application/json", err)), false);
+    assert_eq!(slug, "stored");
+    let stored = cmds.iter().find_map(|c| match c {
+        Command::Local(Local::Complete(_, r)) => Some(r.clone()),
+        _ => None,
+    });
+    assert!(
+        matches!(stored.map(|r| r.state), Some(State::Completed(response)) if response.status == 400 && response.body == err)
+    );
+    let null = br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32001,"message":"Session not found"}}"#;
+    assert_eq!(mcp_settle(Outcome::Release, Some(mcp_response(404, "application/json", null)), false).1, "released");
+    assert_eq!(mcp_settle(Outcome::Release, Some(mcp_response(405, "text/plain", b"")), false).1, "released");
+    assert_eq!(mcp_settle(Outcome::Release, None, false).1, "released");
+    let other = br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"x"}}"#;
+    assert_eq!(
+        mcp_settle(Outcome::Release, Some(mcp_response(400, "application/json", other)), false).1,
+        "marked-unknown"
+    );
+    assert_eq!(
+        mcp_settle(Outcome::Release, Some(mcp_response(400, "application/json", err)), true).1,
+        "marked-unknown"
+    );
+}
+
+/// Issue 40: the call's final response received is a completion whatever the exchange did
+/// after it (a server keeping the event stream open, the client leaving once it read it).
+#[test]
+fn mcp_a_final_response_received_is_a_completion_whatever_came_after() {
+    let sse = b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{\"ok\":1}}\n\n: ping\n\n";
+    for reason in [UnknownReason::DownstreamGone, UnknownReason::UpstreamReset, UnknownReason::Other] {
+        let (cmds, slug) =
+            mcp_settle(Outcome::Unknown(reason), Some(mcp_response(200, "text/event-stream", sse)), false);
+        assert_eq!(slug, "stored", "{reason:?}");
+        assert!(logs(&cmds).iter().any(|(_, l)| l.contains("outcome=mcp_final_response_received")));
+        assert_eq!(writes(&cmds)[0].0, "complete");
+    }
+    // Without it, the outcome stays unknown.
+    let cut = b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{}}";
+    let gone = Outcome::Unknown(UnknownReason::DownstreamGone);
+    assert_eq!(mcp_settle(gone, Some(mcp_response(200, "text/event-stream", cut)), false).1, "marked-unknown");
+    assert_eq!(mcp_settle(gone, Some(mcp_response(200, "text/event-stream", sse)), true).1, "marked-unknown");
+}

@@ -5,12 +5,16 @@
 //! Per request, from request headers: `x-mcp-answer: json` (default) answers
 //! `application/json`; `sse` answers `text/event-stream` with a progress notification, then the
 //! final response event; `sse-cut` sends the progress notification and ends the stream without
-//! the final response (a server that died mid-call); `x-up-delay-ms` waits before answering;
+//! the final response (a server that died mid-call); `sse-open` sends both events on a chunked
+//! stream, then keeps it open with `: ping` comments (for 20 s, or until its reader leaves) without
+//! ever ending it (the spec's SHOULD-close not followed); `x-mcp-id-echo: js` echoes a numeric id
+//! as a JavaScript server does (`1.0` as `1`, `1e2` as `100`); `x-up-delay-ms` waits before answering;
 //! `x-up-redirect: <status> <path>` answers a request for any other path that status with an
 //! absolute `location` to `<path>` and no body, after counting it (for Envoy's internal
 //! redirects).
 //! `mcp-session-id: stale` gets the 404 a stateful server answers a session it no longer knows,
-//! before dispatching anything (not counted as an execution).
+//! before dispatching anything (not counted as an execution), with `"id": null` as the official
+//! SDKs' transports send it (Python `mcp` 2.3.0 and TypeScript 1.32.2 alike).
 //! Other requests with an id get an empty result; notifications and responses get 202.
 
 use std::io::{BufReader, Read, Write};
@@ -78,7 +82,7 @@ fn serve(conn: TcpStream, calls: Arc<Mutex<Vec<Call>>>) {
         let msg: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         if get("mcp-session-id").as_deref() == Some("stale") {
             calls.lock().expect("lock").push(Call { method: "(stale session)".into() });
-            let b = r#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"Session not found"}}"#;
+            let b = r#"{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Session not found"}}"#;
             let out = format!(
                 "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{b}",
                 b.len()
@@ -106,6 +110,12 @@ fn serve(conn: TcpStream, calls: Arc<Mutex<Vec<Call>>>) {
         }
         let out = match msg.get("id") {
             Some(id) if !method.is_empty() => {
+                let id = match id.as_f64() {
+                    Some(f) if get("x-mcp-id-echo").as_deref() == Some("js") && f.fract() == 0.0 && f.abs() < 9e15 => {
+                        json!(f as i64)
+                    }
+                    _ => id.clone(),
+                };
                 let result = if method == "tools/call" {
                     let text = format!("charged execution {n} for {}", msg["params"]["arguments"]);
                     json!({"content": [{"type": "text", "text": text}], "execution": n})
@@ -120,6 +130,21 @@ fn serve(conn: TcpStream, calls: Arc<Mutex<Vec<Call>>>) {
                     Some("sse") => {
                         let b = format!("event: message\ndata: {progress}\n\nevent: message\ndata: {response}\n\n");
                         format!("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nx-execution: {n}\r\n\r\n{b}", b.len())
+                    }
+                    Some("sse-open") => {
+                        let b = format!("event: message\ndata: {progress}\n\nevent: message\ndata: {response}\n\n");
+                        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                        let chunk = |b: &str| format!("{:x}\r\n{b}\r\n", b.len());
+                        if writer.write_all(format!("{head}{}", chunk(&b)).as_bytes()).is_err() {
+                            return;
+                        }
+                        for _ in 0..100 {
+                            std::thread::sleep(Duration::from_millis(200));
+                            if writer.write_all(chunk(": ping\n\n").as_bytes()).is_err() {
+                                return;
+                            }
+                        }
+                        return;
                     }
                     Some("sse-cut") => {
                         let b = format!("event: message\ndata: {progress}\n\n");
