@@ -499,3 +499,46 @@ fn fault_matrix_an_outcome_unknown_mark_whose_wake_is_lost_still_lands() {
         "taken by the root's tick; the other proxy answers 409 outcome-unknown",
     );
 }
+
+/// Issue 39, the other writes after forwarding: a release (the upstream answered 429, in
+/// `release_on_status`) whose root wake is lost still reaches the store, so the retry on the
+/// other proxy executes (the key was freed) instead of meeting the first attempt's claim (409
+/// in flight, then outcome-unknown once the lock expired).
+#[test]
+fn fault_matrix_a_release_whose_wake_is_lost_still_lands() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(&store_cfg(""), up.port);
+    o.store_port = Some(webdis.port);
+    o.concurrency = 1;
+    let b = Envoy::start(&o);
+    o.wasm = Some(crash_module());
+    let a = Envoy::start(&o);
+    let first =
+        post(a.port, "k-lost-wake-release", "{}", &[("x-idemgate-test-fault", "lost-wake"), ("x-up-status", "429")]);
+    assert_eq!(first.status, 429, "{}", first.body_text());
+    // The release deletes the claim (phase 'P'), which was in the store before the forward.
+    let released = || redis.dump_all_values().iter().all(|(_, v)| v.get(4) != Some(&b'P'));
+    let mut looks = 0;
+    while !released() {
+        looks += 1;
+        assert!(
+            looks < 500,
+            "the release never reached the store (store writes {}, wakes missed {}); log:\n{}",
+            a.stat("idemgate.store_writes"),
+            a.stat("idemgate.root_wakes_missed"),
+            a.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let retry = post(b.port, "k-lost-wake-release", "{}", &[]);
+    assert_eq!(retry.status, 201, "{}", retry.body_text());
+    assert_eq!(up.executions(), 2, "the released key executes once more, and only once");
+    assert_eq!(a.stat("idemgate.root_wakes_missed"), 1);
+    record(
+        "the root is never woken for a release (upstream 429)",
+        up.executions(),
+        "taken by the root's tick; the retry on the other proxy executes the freed key",
+    );
+}
