@@ -253,7 +253,7 @@ fn mcp_settle(outcome: Outcome, r: Option<StoredResponse>, too_large: bool) -> (
     let local = match cmds.last() {
         Some(Command::Local(Local::Complete(..))) => LocalAnswer::Completed(Ok(Completed::Stored)),
         Some(Command::Local(Local::Release(_))) => LocalAnswer::Released(true),
-        Some(Command::Local(Local::MarkUnknown(..))) => LocalAnswer::Marked,
+        Some(Command::Local(Local::MarkUnknown(..))) => LocalAnswer::Marked(Ok(true)),
         _ => LocalAnswer::None,
     };
     let (rest, slug) = m.finish(local);
