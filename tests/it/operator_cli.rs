@@ -207,16 +207,29 @@ fn operator_completes_an_outcome_unknown_key_and_retries_replay_it() {
     assert!(text(&forget.stdout).contains("local tier keeps a copy"), "{}", text(&forget.stdout));
     assert_eq!(text(&s.cli(&["inspect", &skey]).stdout).trim(), "absent");
     // `forget` reaches the store only (docs/operating.md, "What `forget` does not reach"): the
-    // proxy that replayed the key keeps its local copy and replays it again, never asking the
-    // store; the other proxy, which holds no copy, executes the retry.
+    // proxy that marked the key outcome-unknown keeps its mark (its replays of the operator's
+    // completion were read from the store) and answers 409 again; the other proxy, which holds
+    // no copy, executes the retry.
     let kept = s.post("k-complete", &[]);
-    assert_eq!((kept.status, kept.header("idempotent-replayed")), (201, Some("true")), "{}", kept.body_text());
-    assert_eq!(kept.body_text(), r#"{"id":"ch_found_upstream"}"#);
-    assert_eq!(s.up.executions(), 1, "the local copy is replayed after forget");
+    assert_eq!((kept.status, kept.problem().as_str()), (409, "outcome-unknown"), "{}", kept.body_text());
+    assert_eq!(s.up.executions(), 1);
     let elsewhere = s.post_to(&s.other, "k-complete", &[]);
     assert_eq!(elsewhere.status, 201, "{}", elsewhere.body_text());
     assert_eq!(elsewhere.header("idempotent-replayed"), None);
     assert_eq!(s.up.executions(), 2, "a proxy without a copy executes the forgotten key's retry");
+    // A key this proxy completed itself: its local copy keeps replaying after `forget`.
+    assert_eq!(s.post("k-done", &[]).status, 201);
+    assert_eq!(s.up.executions(), 3);
+    let done = s.storage_key("k-done");
+    s.wait_listed("completed", &done);
+    let forget = s.cli(&["forget", &done]);
+    assert!(forget.status.success(), "{}", text(&forget.stderr));
+    let replay = s.post("k-done", &[]);
+    assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")), "{}", replay.body_text());
+    assert_eq!(s.up.executions(), 3, "the local completed copy is replayed after forget");
+    let elsewhere = s.post_to(&s.other, "k-done", &[]);
+    assert_eq!((elsewhere.status, elsewhere.header("idempotent-replayed")), (201, None));
+    assert_eq!(s.up.executions(), 4, "a proxy without a copy executes the forgotten key's retry");
 }
 
 #[test]
