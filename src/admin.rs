@@ -276,6 +276,14 @@ pub enum Settle {
     Forget,
 }
 
+/// What `forget` reports once the store's record is deleted: what it reached and what it did not
+/// (a proxy's local tier keeps its copy, which no operator's call reaches; docs/operating.md,
+/// "What `forget` does not reach").
+pub const FORGOTTEN: &str = "forgotten in the store: a proxy that holds no copy of the key executes its next retry. \
+A proxy whose local tier keeps a copy still answers from it: a completed copy is replayed until it expires \
+(ttl_seconds), is evicted or that Envoy restarts; an outcome-unknown copy answers 409 until \
+unknown_outcome_seconds. Only restarting an Envoy empties its local tier";
+
 /// Why an action is refused.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Refusal {
@@ -308,7 +316,8 @@ impl fmt::Display for Refusal {
             Refusal::Completed => write!(
                 f,
                 "refused: the key is completed and retries already replay its response; `idemgate forget` deletes it \
-                 if it must go (its next retry then executes again)"
+                 from the store if it must go (its next retry then executes again on a proxy that holds no copy \
+                 of it; a proxy's local copy keeps replaying until it expires)"
             ),
         }
     }

@@ -375,7 +375,12 @@ impl Backend {
     ) -> Result<Listing, StoreError> {
         match self {
             Backend::Redis => {
-                let answer = command_answer(status, body)?;
+                // A page holds as many keys as Redis returns: parsed without the filter's bound.
+                let answer = match status {
+                    Some(200) => store::parse_resp_any_length(body)?,
+                    Some(s) => return Err(StoreError::Http(s)),
+                    None => return Err(StoreError::NoAnswer),
+                };
                 let garbled = || {
                     let shown: String = format!("{answer:?}").chars().take(200).collect();
                     StoreError::Garbled(format!("unexpected SCAN answer (not this request's): {shown}"))

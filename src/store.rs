@@ -816,7 +816,23 @@ const MAX_RESP_ELEMENTS: usize = 16;
 /// their elements arrive, and at most `MAX_RESP_ELEMENTS` arrive, so memory stays within a few
 /// bytes per answer byte whatever the answer claims.
 pub fn parse_resp(bytes: &[u8]) -> Result<Resp, StoreError> {
-    let mut budget = MAX_RESP_ELEMENTS;
+    parse_resp_within(bytes, MAX_RESP_ELEMENTS)
+}
+
+/// The fewest bytes a RESP element takes (`:0\r\n`, `*0\r\n`, `$-1\r\n` and longer).
+const MIN_RESP_ELEMENT_BYTES: usize = 4;
+
+/// Parses exactly one RESP value with arrays as long as the answer's bytes can hold: for the
+/// operator's listing, whose `SCAN` page holds as many keys as Redis returns (its `COUNT` is a
+/// hint). No answer that parses is refused for its length, and memory still stays within a few
+/// bytes per answer byte (each element takes at least `MIN_RESP_ELEMENT_BYTES` of it). The
+/// filter never reads such an answer: its replies keep `parse_resp`'s bound.
+pub fn parse_resp_any_length(bytes: &[u8]) -> Result<Resp, StoreError> {
+    parse_resp_within(bytes, bytes.len() / MIN_RESP_ELEMENT_BYTES)
+}
+
+/// `parse_resp` with `budget` array elements at most, all levels together.
+fn parse_resp_within(bytes: &[u8], mut budget: usize) -> Result<Resp, StoreError> {
     let (v, rest) = parse_one(bytes, 0, &mut budget)?;
     if !rest.is_empty() {
         return Err(StoreError::Garbled("trailing bytes after the RESP value".into()));

@@ -148,7 +148,11 @@ fn cli() -> Command {
         )
         .subcommand(
             Command::new("forget")
-                .about("Delete a key's record (refused while it is in flight)")
+                .about(
+                    "Delete a key's record from the store (refused while it is in flight). Proxies' local \
+                     tiers keep their copies: a proxy that holds the key completed replays it until its copy \
+                     expires or Envoy restarts",
+                )
                 .arg(key())
                 .arg(store_timeout()),
         )
@@ -191,7 +195,7 @@ fn run(m: &ArgMatches) -> Result<(), Fail> {
         Some(("inspect", a)) => inspect(&store()?, a),
         Some(("list", a)) => list(&store()?, a),
         Some(("resolve", a)) => resolve(&store()?, a),
-        Some(("forget", a)) => settle(&store()?, &storage_key(a)?, &Settle::Forget, "forgotten", write_window(a)),
+        Some(("forget", a)) => settle(&store()?, &storage_key(a)?, &Settle::Forget, admin::FORGOTTEN, write_window(a)),
         Some(("probe", a)) => probe_cmd::run(a),
         _ => usage("a subcommand is needed (see --help)"),
     }

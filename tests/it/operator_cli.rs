@@ -204,7 +204,32 @@ fn operator_completes_an_outcome_unknown_key_and_retries_replay_it() {
     assert!(s.listed("completed").contains(&skey));
     let forget = s.cli(&["forget", &skey]);
     assert!(forget.status.success(), "{}", text(&forget.stderr));
+    assert!(text(&forget.stdout).contains("local tier keeps a copy"), "{}", text(&forget.stdout));
     assert_eq!(text(&s.cli(&["inspect", &skey]).stdout).trim(), "absent");
+    // `forget` reaches the store only (docs/operating.md, "What `forget` does not reach"): the
+    // proxy that marked the key outcome-unknown keeps its mark (its replays of the operator's
+    // completion were read from the store) and answers 409 again; the other proxy, which holds
+    // no copy, executes the retry.
+    let kept = s.post("k-complete", &[]);
+    assert_eq!((kept.status, kept.problem().as_str()), (409, "outcome-unknown"), "{}", kept.body_text());
+    assert_eq!(s.up.executions(), 1);
+    let elsewhere = s.post_to(&s.other, "k-complete", &[]);
+    assert_eq!(elsewhere.status, 201, "{}", elsewhere.body_text());
+    assert_eq!(elsewhere.header("idempotent-replayed"), None);
+    assert_eq!(s.up.executions(), 2, "a proxy without a copy executes the forgotten key's retry");
+    // A key this proxy completed itself: its local copy keeps replaying after `forget`.
+    assert_eq!(s.post("k-done", &[]).status, 201);
+    assert_eq!(s.up.executions(), 3);
+    let done = s.storage_key("k-done");
+    s.wait_listed("completed", &done);
+    let forget = s.cli(&["forget", &done]);
+    assert!(forget.status.success(), "{}", text(&forget.stderr));
+    let replay = s.post("k-done", &[]);
+    assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")), "{}", replay.body_text());
+    assert_eq!(s.up.executions(), 3, "the local completed copy is replayed after forget");
+    let elsewhere = s.post_to(&s.other, "k-done", &[]);
+    assert_eq!((elsewhere.status, elsewhere.header("idempotent-replayed")), (201, None));
+    assert_eq!(s.up.executions(), 4, "a proxy without a copy executes the forgotten key's retry");
 }
 
 #[test]
@@ -441,4 +466,49 @@ fn a_claim_whose_completion_may_still_land_is_not_settled_by_the_operator() {
     }
     assert_eq!(up.executions(), 1);
     a.assert_no_wasm_panic();
+}
+
+/// `list` at store scale: a few thousand values written straight into Redis (headers only: `list`
+/// reads nothing else), many `SCAN` pages of whatever size Redis returns. Every outcome-unknown
+/// key is listed exactly once, no key of another state or a tombstone. Before, the CLI read each
+/// page with the filter's reply parser (16 elements at most) and failed on the first page
+/// holding 8 keys ("RESP arrays longer than any idemgate answer").
+#[test]
+fn list_pages_through_thousands_of_keys_and_lists_each_once() {
+    use std::collections::BTreeSet;
+    let redis = Redis::start();
+    let webdis = Webdis::start_with_auth(redis.port, AUTH);
+    let (unknown, completed, tombstones) = (3000usize, 1000usize, 200usize);
+    let hex = |i: usize| format!("{:064x}", i * 7919 + 1);
+    let owner = "0123456789abcdef0123456789abcdef";
+    let mut expected = BTreeSet::new();
+    let mut args: Vec<Vec<u8>> = vec![b"MSET".to_vec()];
+    for i in 0..unknown + completed + tombstones {
+        let h = hex(i);
+        let value = if i < unknown {
+            expected.insert(h.clone());
+            format!("IGS1U{owner}000000000000000record")
+        } else if i < unknown + completed {
+            format!("IGS1D{owner}000000000000000record")
+        } else {
+            format!("IGS1R{owner}")
+        };
+        args.push(format!("idemgate:v1:{h}").into_bytes());
+        args.push(value.into_bytes());
+    }
+    let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+    assert_eq!(redis.command(&refs), support::store::resp::Value::Status("OK".into()));
+    let ops = OperatorCli::webdis(&format!("http://127.0.0.1:{}", webdis.port), Some(AUTH));
+    let out = ops.run(&["list", "--state", "outcome-unknown", "--limit", "100000"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<String> =
+        text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect();
+    let listed: BTreeSet<String> = lines.iter().cloned().collect();
+    assert_eq!(lines.len(), listed.len(), "a key listed twice");
+    assert_eq!(listed.len(), unknown);
+    assert!(listed == expected, "listed keys differ from the outcome-unknown keys written");
+    // `--limit` stops the listing there.
+    let out = ops.run(&["list", "--state", "completed", "--limit", "250"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).lines().count(), 250);
 }

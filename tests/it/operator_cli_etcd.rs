@@ -372,3 +372,79 @@ fn etcd_cli_with_etcd_auth_works_with_the_right_credential_and_fails_clearly_wit
     assert_eq!(s.up.executions(), 2);
     s.wait_listed("completed", &skey);
 }
+
+/// `list` at store scale on etcd: a few thousand keys under `idemgate/v1/` written straight into
+/// etcd (values sealed as a proxy writes them, with owner marks and release tombstones between
+/// them), listed in many pages of at most `etcd::LIST_PAGE_MAX` names. Every outcome-unknown key
+/// is listed exactly once; owner marks, tombstones and completed keys are not.
+#[test]
+fn etcd_cli_lists_thousands_of_keys_across_pages_each_once() {
+    use idemgate::fingerprint::Fingerprint;
+    use idemgate::owner::OwnerToken;
+    use idemgate::record::{Creator, Record, Stage, State, UnknownReason};
+    use idemgate::scope::StorageKey;
+    use idemgate::store::StoredValue;
+    use std::collections::BTreeSet;
+    let etcd = EtcdCluster::start();
+    let seal = support::record_seal();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let (unknown, completed) = (1200usize, 300usize);
+    let mut expected = BTreeSet::new();
+    let mut ops = vec![];
+    let leader = etcd.wait_leader();
+    let b64 = |b: &[u8]| idemgate::base64::b64(b);
+    let flush = |ops: &mut Vec<serde_json::Value>| {
+        if !ops.is_empty() {
+            let r = etcd.call(leader, "/v3/kv/txn", &json!({"success": ops})).expect("etcd txn");
+            assert_eq!(r["succeeded"], true, "{r}");
+            ops.clear();
+        }
+    };
+    for i in 0..unknown + completed {
+        let mut k = [0u8; 32];
+        k[..8].copy_from_slice(&(i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_be_bytes());
+        k[31] = 1;
+        let skey = StorageKey(k);
+        let state = if i < unknown {
+            expected.insert(skey.hex());
+            State::OutcomeUnknown { reason: UnknownReason::UpstreamReset }
+        } else {
+            State::Completed(idemgate::record::StoredResponse { status: 201, headers: vec![], body: b"{}".to_vec() })
+        };
+        let phase = if i < unknown { Stage::Unknown } else { Stage::Completed };
+        let record = Record {
+            fingerprint: Fingerprint([7; 32]),
+            created_at_ms: now,
+            expires_at_ms: now + 3_600_000,
+            creator: Creator { request_id: format!("r-{i}"), log_values: vec![] },
+            state,
+        };
+        let v = StoredValue { phase, owner: OwnerToken([9; 16]), lock_expires_at_ms: 0, record };
+        let value = idemgate::etcd::encode_value(&v, now + 3_600_000, &skey, &seal);
+        let key = idemgate::etcd::etcd_key(&skey);
+        ops.push(json!({"request_put": {"key": b64(key.as_bytes()), "value": b64(&value)}}));
+        // Names the listing skips: an owner mark and a release tombstone beside some values.
+        if i % 3 == 0 {
+            ops.push(json!({"request_put": {"key": b64(format!("{key}/o").as_bytes()), "value": b64(b"x")}}));
+            let tomb = format!("{key}/r/{}", "ab".repeat(16));
+            ops.push(json!({"request_put": {"key": b64(tomb.as_bytes()), "value": b64(b"x")}}));
+        }
+        if ops.len() >= 96 {
+            flush(&mut ops);
+        }
+    }
+    flush(&mut ops);
+    let urls = etcd.client_ports().iter().map(|p| format!("http://127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
+    let cli = OperatorCli::etcd(&urls, None);
+    let out = cli.run(&["list", "--state", "outcome-unknown", "--limit", "100000"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<String> =
+        text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect();
+    let listed: BTreeSet<String> = lines.iter().cloned().collect();
+    assert_eq!(lines.len(), listed.len(), "a key listed twice");
+    assert_eq!(listed.len(), unknown);
+    assert!(listed == expected, "listed keys differ from the outcome-unknown keys written");
+    let out = cli.run(&["list", "--state", "completed", "--limit", "100"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).lines().count(), 100);
+}
