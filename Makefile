@@ -56,6 +56,7 @@ test-faults: build deps
 ## short forms (failover_*). Table in target/faults/failover.md
 test-failover: build deps
 	rm -f target/faults/failover.md
+	scripts/check-test-selection.py failover::failover_full_
 	cargo test --locked --test it -- failover::failover_full_ --test-threads 1
 	@printf '\nFailover (scenario | keys | executed before the failover | lost | executed twice | answers):\n'; cat target/faults/failover.md
 
@@ -69,6 +70,7 @@ ENVOY_VERSIONS ?= 1.36.4 1.37.0 1.38.2 1.39.3 1.40.0
 ENVOY_OLDEST = $(firstword $(ENVOY_VERSIONS))
 ENVOY_VERSION_SUITES = single_proxy:: two_proxies::
 test-envoy-versions: build deps
+	scripts/check-test-selection.py $(ENVOY_VERSION_SUITES)
 	@set -e; for v in $(ENVOY_VERSIONS); do \
 	  scripts/install-deps.sh envoy-version $$v; \
 	  m=$$(echo $$v | cut -d. -f1,2); \
@@ -91,6 +93,7 @@ test-demo:
 ## forms (test-failover)
 test-native:
 	scripts/check-test-selection.py $(FAULT_FILTER)
+	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_
 	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_
 	# Ignored in the parallel run (see the test): run alone.
 	cargo test --locked --test it -- --ignored --exact two_proxies::an_outcome_unknown_record_lives_unknown_outcome_seconds_on_every_proxy
