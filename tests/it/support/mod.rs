@@ -810,17 +810,20 @@ impl Envoy {
             .collect()
     }
 
-    /// Envoy's resident memory in bytes, read from /proc.
+    /// Envoy's resident memory in bytes, read from /proc. Panics when it cannot be read (no
+    /// Envoy running, /proc unreadable, no `VmRSS:` line): a growth measured from a 0 would pass.
     pub fn rss_bytes(&self) -> u64 {
-        let Some(child) = self.child.as_ref() else { return 0 };
+        let child = self.child.as_ref().expect("rss_bytes: this Envoy is not running (killed or stopped)");
         // The `envoy` command may be a launcher that execs the binary: same pid.
-        let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap_or_default();
+        let path = format!("/proc/{}/status", child.id());
+        let status = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("rss_bytes: cannot read {path}: {e}"));
         status
             .lines()
             .find(|l| l.starts_with("VmRSS:"))
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|kb| kb.parse::<u64>().ok())
-            .map_or(0, |kb| kb * 1024)
+            .map(|kb| kb * 1024)
+            .unwrap_or_else(|| panic!("rss_bytes: no readable `VmRSS:` line in {path}:\n{status}"))
     }
 
     /// Asserts the VM never panicked or crashed.
