@@ -103,6 +103,7 @@ test-wasm:
 
 lint:
 	scripts/module-graph.py >/dev/null
+	scripts/check-test-attrs.py
 	cargo fmt --check
 	cargo clippy --locked --all-targets -- -D warnings
 
