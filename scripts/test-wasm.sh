@@ -32,7 +32,7 @@ trap 'rm -f "$log"' EXIT
 # wasm-bindgen-test's summary: "test result: ok. N passed; 0 failed; ...".
 ran=$(grep -oE "test result: ok\. [0-9]+ passed" "$log" | grep -oE "[0-9]+" | tail -1 || true)
 [ -n "$ran" ] || { echo "test-wasm: no 'test result: ok. N passed' line in the run's output: cannot say what ran" >&2; exit 1; }
-native=$(cargo test --locked --lib -- --list 2>/dev/null | sed -n 's/: test$//p')
+native=$(cargo test --locked --lib -- --list | sed -n 's/: test$//p')
 [ -n "$native" ] || { echo "test-wasm: the native library lists no tests (cargo test --lib -- --list)" >&2; exit 1; }
 expected=$(grep -cvE "$NATIVE_ONLY" <<<"$native" || true)
 if [ "$ran" -lt "$expected" ]; then
