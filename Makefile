@@ -56,6 +56,7 @@ test-faults: build deps
 ## short forms (failover_*). Table in target/faults/failover.md
 test-failover: build deps
 	rm -f target/faults/failover.md
+	scripts/check-test-selection.py failover::failover_full_
 	cargo test --locked --test it -- failover::failover_full_ --test-threads 1
 	@printf '\nFailover (scenario | keys | executed before the failover | lost | executed twice | answers):\n'; cat target/faults/failover.md
 
@@ -69,6 +70,7 @@ ENVOY_VERSIONS ?= 1.36.4 1.37.0 1.38.2 1.39.3 1.40.0
 ENVOY_OLDEST = $(firstword $(ENVOY_VERSIONS))
 ENVOY_VERSION_SUITES = single_proxy:: two_proxies::
 test-envoy-versions: build deps
+	scripts/check-test-selection.py $(ENVOY_VERSION_SUITES)
 	@set -e; for v in $(ENVOY_VERSIONS); do \
 	  scripts/install-deps.sh envoy-version $$v; \
 	  m=$$(echo $$v | cut -d. -f1,2); \
@@ -92,6 +94,7 @@ test-demo:
 ## forms (test-failover)
 test-native:
 	scripts/check-test-selection.py $(FAULT_FILTER)
+	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_
 	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_
 
 test-wasm:
@@ -99,6 +102,7 @@ test-wasm:
 
 lint:
 	scripts/module-graph.py >/dev/null
+	scripts/check-test-attrs.py
 	cargo fmt --check
 	cargo clippy --locked --all-targets -- -D warnings
 

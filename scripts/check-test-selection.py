@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """Fails when a test would silently not run: the integration tests are one crate (tests/it/main.rs)
-and `make test-faults` selects them by module, so this checks what name lists used to hide.
+and `make` selects them by module (`make test-faults`: faults::, `make test-envoy-versions`:
+single_proxy:: two_proxies::, `make test-native`: everything but faults::), so this checks what
+name lists used to hide.
 
-    scripts/check-test-selection.py FILTER...   # the arguments make test-faults gives libtest
+    scripts/check-test-selection.py [--skip PATTERN]... FILTER...   # what the target gives libtest
+    scripts/check-test-selection.py --skip PATTERN...                # everything but PATTERN
 
 It reads every `#[test]` function under tests/it/ with the module its file makes (tests/it/x/y.rs
-is `x::y`), asks the test binary what exists (`cargo test --test it -- --list`) and what the fault
-run selects (`--list FILTER...`), and fails when
+is `x::y`), asks the test binary what exists (`cargo test --test it -- --list`) and what the run
+selects (`--list FILTER... --skip PATTERN...`), and fails when
 - a test function is not in the binary (a file no `mod` declares never compiles, so never runs);
-- the fault run selects fewer tests than the modules named `faults` hold, or none;
+- a FILTER matches no test function in the tree (a module renamed, a filter left behind);
+- the run selects fewer tests than the tree holds that libtest's rule (a name containing a FILTER
+  and no PATTERN) gives it, or none: the count each selection must reach comes from the tree;
 - a tests/*.rs file exists: cargo would build it as a separate binary, outside the one crate.
 """
 import pathlib
@@ -53,10 +58,24 @@ def listed(*args):
     return [line[: -len(": test")] for line in out.splitlines() if line.endswith(": test")]
 
 
+def selects(name, filters, skips):
+    """libtest's rule without --exact: some filter (or none given) is in the name, no skip is."""
+    return (not filters or any(f in name for f in filters)) and not any(k in name for k in skips)
+
+
 def main():
-    filters = sys.argv[1:]
-    if not filters:
+    args, filters, skips = sys.argv[1:], [], []
+    while args:
+        a = args.pop(0)
+        if a == "--skip" and args:
+            skips.append(args.pop(0))
+        elif a.startswith("-"):
+            sys.exit(__doc__)
+        else:
+            filters.append(a)
+    if not filters and not skips:
         sys.exit(__doc__)
+    selection = " ".join(filters + [f"--skip {k}" for k in skips])
     errors = []
     strays = sorted(p.name for p in (ROOT / "tests").glob("*.rs"))
     if strays:
@@ -64,25 +83,32 @@ def main():
     every = listed()
     names = set(every)
     sources = source_tests()
+    # Each test function by its name in the binary (or by its file's module path, if missing).
+    resolved = []
     for parts, name, path in sources:
         prefix = "::".join(parts) + "::" if parts else ""
+        if prefix + name in names:
+            resolved.append(prefix + name)
+            continue
         # A test a macro or an inline module makes sits deeper under its file's module.
-        if prefix + name not in names and not any(n.startswith(prefix) and n.endswith("::" + name) for n in names):
+        deeper = [n for n in every if n.startswith(prefix) and n.endswith("::" + name)]
+        if not deeper:
             errors.append(f"{path.relative_to(ROOT)}: {name} is not in the test binary (is its module declared?)")
-    in_faults = [s for s in sources if "faults" in s[0]]
-    selected = listed(*filters)
-    if not selected or len(selected) < len(in_faults):
-        errors.append(
-            f"the fault run ({' '.join(filters)}) selects {len(selected)} tests; "
-            f"the modules named faults hold {len(in_faults)}"
-        )
+        resolved.append(deeper[0] if deeper else prefix + name)
+    for f in filters:
+        if not any(f in n for n in resolved):
+            errors.append(f"the filter {f} matches no #[test] under tests/it (a module renamed?)")
+    expected = sum(selects(n, filters, skips) for n in resolved)
+    selected = listed(*filters, *[a for k in skips for a in ("--skip", k)])
+    if not selected or len(selected) < expected:
+        errors.append(f"the run ({selection}) selects {len(selected)} tests; the tree under tests/it holds {expected} it should")
     for e in errors:
         print(f"check-test-selection: {e}", file=sys.stderr)
     if errors:
         sys.exit(1)
     print(
         f"check-test-selection: {len(every)} tests in tests/it, each in the binary; "
-        f"the fault run ({' '.join(filters)}) selects {len(selected)}, the modules named faults hold {len(in_faults)}"
+        f"the run ({selection}) selects {len(selected)}, the tree holds {expected} it should"
     )
 
 

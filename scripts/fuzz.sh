@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${1:-60}
 command -v cargo-fuzz >/dev/null || timeout 600 cargo install --quiet cargo-fuzz
 rustup toolchain list | grep -q nightly || { echo "fuzz: needs the nightly toolchain (rustup toolchain install nightly)" >&2; exit 1; }
+# The run count from libFuzzer's last line ("Done <runs> runs in <seconds> second(s)"), empty if none.
+runs_of() { grep -oE "^Done [0-9]+ runs" "$1" | grep -oE "[0-9]+" | tail -1 || true; }
 mkdir -p target/faults
 report=$(pwd)/target/faults/fuzz.md
 : > "$report"
@@ -32,12 +34,19 @@ for t in key_parser record_decoder store_answers etcd_answers config_parser cano
     echo "fuzz: $t failed (exit $status)" >&2
     exit 1
   fi
-  runs=$(grep -oE "^Done [0-9]+ runs" "$log" | grep -oE "[0-9]+" | tail -1 || true)
-  echo "| $t | ${runs:-?} | ${SECONDS_PER_TARGET} s | no failure |" >> "$report"
-  rm -f "$log"
   if ls "artifacts/$t"/crash-* "artifacts/$t"/oom-* "artifacts/$t"/timeout-* >/dev/null 2>&1; then
     echo "fuzz: $t found a failing input in fuzz/artifacts/$t" >&2
     exit 1
   fi
+  # "No failure" only for a run that says how many inputs it tried: without the count (libFuzzer
+  # never reached its end, or its output changed) or with none tried, nothing was shown.
+  runs=$(runs_of "$log")
+  if [ -z "$runs" ] || [ "$runs" -eq 0 ]; then
+    tail -30 "$log" >&2
+    echo "fuzz: $t: no run count above 0 in libFuzzer's output (a line \"Done N runs in S second(s)\"): cannot say it fuzzed anything" >&2
+    exit 1
+  fi
+  echo "| $t | $runs | ${SECONDS_PER_TARGET} s | no failure |" >> "$report"
+  rm -f "$log"
 done
 echo "fuzz: no failure found"

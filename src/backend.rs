@@ -501,6 +501,8 @@ fn command_answer(status: Option<u16>, body: &[u8]) -> Result<Resp, StoreError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn etcd_without_a_lease_builds_no_write_and_redis_needs_none() {

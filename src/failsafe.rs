@@ -76,6 +76,8 @@ pub fn refuse(_broken: Broken, holding: Holding) -> Refusal {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const ALL_BROKEN: [Broken; 6] = [
         Broken::PolicyMissing,

@@ -144,6 +144,8 @@ impl<C> Handoffs<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn h(skey: u8, conn: Option<u64>, ctx: u32, at: u64) -> Handoff<&'static str> {
         Handoff {

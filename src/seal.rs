@@ -155,6 +155,8 @@ impl Seal {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const K1: &str = "0123456789abcdef0123456789abcdef-one";
     const K2: &str = "0123456789abcdef0123456789abcdef-two";

@@ -41,9 +41,12 @@ fn flood(port: u16, from: u64, count: u64, threads: u64) -> u64 {
     ok.load(Ordering::Relaxed)
 }
 
+/// The allocator's `allocated` bytes from the admin `/memory` endpoint. Panics when the answer has
+/// no readable figure: a growth measured from a 0 would pass without measuring anything.
 fn allocated(envoy: &Envoy) -> u64 {
-    let r = http::get(envoy.admin_port, "/memory").unwrap();
-    r.json()["allocated"].as_str().and_then(|s| s.parse().ok()).unwrap_or(0)
+    let r = http::get(envoy.admin_port, "/memory").expect("admin /memory");
+    let allocated = r.json()["allocated"].as_str().and_then(|s| s.parse().ok());
+    allocated.unwrap_or_else(|| panic!("admin /memory has no readable \"allocated\" figure: {}", r.body_text()))
 }
 
 #[test]

@@ -12,9 +12,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-/// How many times `Envoy::settle` looks (20 ms apart) for idemgate's counters to cover every
-/// completed request: 150 looks, 30 of the root's 100 ms ticks.
-const SETTLE_LOOKS: usize = 150;
+/// How many times `Envoy::settle` looks (20 ms apart, plus each look's own admin request) for
+/// idemgate's counters to cover every completed request before it fails the test: 500 looks, at
+/// least 100 of the root's 100 ms ticks. A count, not a deadline: a loaded machine that slows the
+/// looks slows the bound with them.
+const SETTLE_LOOKS: usize = 500;
 
 pub mod etcd;
 pub mod mcp_upstream;
@@ -798,10 +800,13 @@ impl Envoy {
     /// 100 ms), the number of requests whose `on_log` ran (`idemgate.requests_settled`) last: once
     /// that reaches the listeners' `downstream_rq_completed` as first read, every counter of those
     /// requests is in /stats (requests completing meanwhile, under load, need not be). At most
-    /// `SETTLE_LOOKS` looks 20 ms apart (a request Envoy completed without the filter's `on_log`,
-    /// or a VM that crashed with counts not flushed, never settles: the read then goes on).
+    /// `SETTLE_LOOKS` looks 20 ms apart, then it panics, saying what it waited for and what it
+    /// saw: a request Envoy completed without the filter's `on_log`, or a VM that crashed with
+    /// counts not flushed, never settles, and a counter read then would prove nothing (a
+    /// `stat(..) == 0` would pass on counts that have not arrived).
     pub fn settle(&self) {
         let mut target = None;
+        let mut seen = (0, 0);
         for _ in 0..SETTLE_LOOKS {
             let (mut completed, mut settled) = (0, 0);
             for (n, v) in self.stats("downstream_rq_completed%7Crequests_settled") {
@@ -815,17 +820,33 @@ impl Envoy {
             if settled >= *target.get_or_insert(completed) {
                 return;
             }
+            seen = (settled, completed);
             std::thread::sleep(Duration::from_millis(20));
         }
+        panic!(
+            "Envoy::settle gave up after {SETTLE_LOOKS} looks 20 ms apart: waited for idemgate.requests_settled \
+             to reach {} (the listeners' downstream_rq_completed at the first look), last saw {} settled \
+             ({} completed by then); idemgate's counters in /stats do not cover every completed request, so a \
+             counter read now would not measure them (a request completed without the filter's on_log, or a \
+             VM that stopped flushing?)",
+            target.unwrap_or(0),
+            seen.0,
+            seen.1
+        );
     }
 
-    /// A counter or gauge from the admin `/stats` endpoint (0 when absent), once every request
-    /// completed so far has its counters there (`settle`).
+    /// A counter or gauge from the admin `/stats` endpoint (0 when absent). idemgate's own
+    /// (`idemgate.*`, counted in the VM) are read once every request completed so far has its
+    /// counters there (`settle`, which fails the test if they never are); Envoy's own (`cluster.*`,
+    /// `listener_manager.*`, ...) are current already, and a build without idemgate's counters
+    /// (the benchmark floors) never settles.
     pub fn stat(&self, name: &str) -> u64 {
-        self.settle();
+        if name.starts_with("idemgate.") {
+            self.settle();
+        }
         // Envoy's /stats shows Wasm metrics as `wasmcustom.<name>` (Prometheus strips the prefix).
         let custom = format!("wasmcustom.{name}");
-        self.stats("idemgate").into_iter().find(|(n, _)| *n == custom || n == name).map_or(0, |(_, v)| v)
+        self.stats(name).into_iter().find(|(n, _)| *n == custom || n == name).map_or(0, |(_, v)| v)
     }
 
     /// Every counter and gauge whose name contains `filter`, from the admin `/stats` endpoint.
@@ -838,17 +859,20 @@ impl Envoy {
             .collect()
     }
 
-    /// Envoy's resident memory in bytes, read from /proc.
+    /// Envoy's resident memory in bytes, read from /proc. Panics when it cannot be read (no
+    /// Envoy running, /proc unreadable, no `VmRSS:` line): a growth measured from a 0 would pass.
     pub fn rss_bytes(&self) -> u64 {
-        let Some(child) = self.child.as_ref() else { return 0 };
+        let child = self.child.as_ref().expect("rss_bytes: this Envoy is not running (killed or stopped)");
         // The `envoy` command may be a launcher that execs the binary: same pid.
-        let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap_or_default();
+        let path = format!("/proc/{}/status", child.id());
+        let status = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("rss_bytes: cannot read {path}: {e}"));
         status
             .lines()
             .find(|l| l.starts_with("VmRSS:"))
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|kb| kb.parse::<u64>().ok())
-            .map_or(0, |kb| kb * 1024)
+            .map(|kb| kb * 1024)
+            .unwrap_or_else(|| panic!("rss_bytes: no readable `VmRSS:` line in {path}:\n{status}"))
     }
 
     /// Asserts the VM never panicked or crashed.
