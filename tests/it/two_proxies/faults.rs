@@ -88,7 +88,8 @@ fn a_proxy_killed_mid_request_leaves_a_claim_no_retry_executes_again() {
             [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "k-crash"), ("x-up-delay-ms", "1000")];
         http::request_timeout(port, "POST", "/charges", &h, b"{}", Duration::from_secs(5))
     });
-    std::thread::sleep(Duration::from_millis(400)); // a forwarded the request; the upstream runs
+    // a forwarded the request (so its claim is in the store): the upstream runs.
+    assert!(eventually(Duration::from_secs(20), || p.up.executions() == 1), "the first attempt never executed");
     p.a.kill();
     let _ = t.join();
     std::thread::sleep(Duration::from_millis(1200)); // past lock_ttl_seconds
