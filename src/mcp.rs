@@ -414,23 +414,54 @@ pub enum Answer {
     Unreadable,
 }
 
+/// Whether a content-type is JSON (`application/json` or a `+json` type).
+fn is_json(content_type: &[u8]) -> bool {
+    let t = content_type.split(|b| *b == b';').next().unwrap_or_default().trim_ascii();
+    t.eq_ignore_ascii_case(JSON_TYPE.as_bytes()) || t.len() >= 5 && t[t.len() - 5..].eq_ignore_ascii_case(b"+json")
+}
+
 /// Reads an upstream answer (`status` any) to the call whose id is `id` (JSON text): the JSON
 /// messages of its body (the body itself, a batch's members, or the data of each complete event
-/// of an event stream) searched for the call's final response.
+/// of an event stream) searched for the call's final response. `None` (which a released status
+/// may release on) only on evidence that no response is there: an empty body, a body of another
+/// content type that is no JSON, or JSON-RPC messages none of which answers with an id. A body
+/// declared (or, without a content type, sent) as JSON or as an event stream that idemgate cannot
+/// read whole (nesting beyond the parser's depth, numbers out of range, invalid text, trailing
+/// bytes, an event cut before its end, an event whose data is not JSON) is `Unreadable`: it may
+/// hold the call's response (issue 39's review: a 400 carrying a tool's error with deep `data`
+/// was read as no response and released).
 pub fn read_answer(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>, body: &[u8], id: &[u8]) -> Answer {
     if content_encoding.is_some_and(|c| !c.trim_ascii().eq_ignore_ascii_case(b"identity")) {
         return Answer::Unreadable;
     }
-    let messages: Vec<Vec<u8>> = if content_type.is_some_and(is_sse) {
-        sse_events(body)
-    } else if matches!(serde_json::from_slice::<Value>(body), Ok(Value::Array(_))) {
-        elements(body).into_iter().map(<[u8]>::to_vec).collect()
+    let sse = content_type.is_some_and(is_sse);
+    // Without a content type, a body that opens as JSON is taken as sent as JSON.
+    let declared_json = match content_type {
+        Some(t) => sse || is_json(t),
+        None => matches!(body.trim_ascii_start().first(), Some(b'{' | b'[')),
+    };
+    let (messages, mut unreadable): (Vec<Vec<u8>>, bool) = if sse {
+        let (events, cut) = sse_events(body);
+        (events, cut)
+    } else if body.trim_ascii().is_empty() {
+        (vec![], false)
     } else {
-        vec![body.to_vec()]
+        match serde_json::from_slice::<Value>(body) {
+            Ok(Value::Array(_)) => (elements(body).into_iter().map(<[u8]>::to_vec).collect(), false),
+            Ok(_) => (vec![body.to_vec()], false),
+            Err(_) => (vec![], declared_json),
+        }
     };
     let mut foreign = false;
     for m in messages {
-        match response_id(&m) {
+        if m.trim_ascii().is_empty() {
+            continue; // an event without data (a priming event)
+        }
+        let Ok(v) = serde_json::from_slice::<Value>(&m) else {
+            unreadable = true;
+            continue;
+        };
+        match response_id_of(&v, &m) {
             Some(i) if same_id(i, id) => return Answer::Final(m),
             Some(i) if i.trim_ascii() != b"null" => foreign = true,
             _ => {}
@@ -438,6 +469,8 @@ pub fn read_answer(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>,
     }
     if foreign {
         Answer::Foreign
+    } else if unreadable {
+        Answer::Unreadable
     } else {
         Answer::None
     }
@@ -462,8 +495,11 @@ pub fn stored_body(
 ) -> Result<Vec<u8>, NotFinal> {
     match read_answer(content_type, content_encoding, body, id) {
         Answer::Final(m) => Ok(m),
-        _ if !(200..300).contains(&status) => Ok(body.to_vec()),
-        _ => Err(NotFinal::Missing),
+        // Another call's response, or one idemgate cannot read, is never kept as this call's
+        // (a replay would splice this call's id into it), whatever the status.
+        Answer::Foreign | Answer::Unreadable => Err(NotFinal::Missing),
+        Answer::None if !(200..300).contains(&status) => Ok(body.to_vec()),
+        Answer::None => Err(NotFinal::Missing),
     }
 }
 
@@ -518,7 +554,12 @@ pub fn replay(r: &StoredResponse, id: &[u8], accepts: Accepts) -> StoredResponse
 /// The raw id of `msg` if it is a JSON-RPC response (an object with `result` or `error`, no
 /// `method`).
 fn response_id(msg: &[u8]) -> Option<&[u8]> {
-    let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(msg) else { return None };
+    response_id_of(&serde_json::from_slice::<Value>(msg).ok()?, msg)
+}
+
+/// `response_id` of `msg` already parsed as `v`.
+fn response_id_of<'m>(v: &Value, msg: &'m [u8]) -> Option<&'m [u8]> {
+    let Value::Object(m) = v else { return None };
     if m.contains_key("method") || !(m.contains_key("result") || m.contains_key("error")) {
         return None;
     }
@@ -595,14 +636,18 @@ fn decimal(s: &[u8]) -> Option<(bool, Vec<u8>, i64)> {
 /// The data of every complete event in an event stream (WHATWG HTML, "event stream
 /// interpretation"): lines end in CRLF, LF or CR; `data:` lines join with LF; a blank line ends
 /// an event; an event not ended before the stream ends is dropped, as a browser drops it.
-fn sse_events(body: &[u8]) -> Vec<Vec<u8>> {
+fn sse_events(body: &[u8]) -> (Vec<Vec<u8>>, bool) {
     let mut events = vec![];
     let mut data: Option<Vec<u8>> = None;
     let mut i = 0;
     while i < body.len() {
         let rest = body.get(i..).unwrap_or_default();
         let len = rest.iter().position(|b| *b == b'\n' || *b == b'\r');
-        let Some(len) = len else { break }; // an unterminated last line
+        // An unterminated last line: the event it belongs to is cut.
+        let Some(len) = len else {
+            let cut = !rest.trim_ascii().is_empty() || data.is_some_and(|d| !d.trim_ascii().is_empty());
+            return (events, cut);
+        };
         let line = rest.get(..len).unwrap_or_default();
         i += len + if rest.get(len..len + 2) == Some(b"\r\n") { 2 } else { 1 };
         if line.is_empty() {
@@ -631,7 +676,9 @@ fn sse_events(body: &[u8]) -> Vec<Vec<u8>> {
             }
         }
     }
-    events
+    // Data lines without the blank line that ends their event: cut too.
+    let cut = data.is_some_and(|d| !d.trim_ascii().is_empty());
+    (events, cut)
 }
 
 /// A stored response replayed to a retry whose id is `id` (JSON text): the retry's id spliced in
@@ -956,6 +1003,60 @@ data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}";
         );
         let r = StoredResponse { status: 500, headers: vec![], body: br#"{"id":"e-1","message":"x"}"#.to_vec() };
         assert_eq!(replay(&r, b"2", Accepts { json: true, sse: false }).body, r.body);
+    }
+
+    /// The review of issue 40's answer reading: "no response" (what a released status may
+    /// release on) only on evidence; a body declared as JSON or as an event stream that cannot be
+    /// read whole may hold the call's response, and another call's response is never kept.
+    #[test]
+    fn an_answer_that_cannot_be_read_whole_is_never_no_response() {
+        let json = Some(&b"application/json"[..]);
+        let sse = Some(&b"text/event-stream"[..]);
+        let deep = format!(
+            r#"{{"jsonrpc":"2.0","id":7,"error":{{"code":-32602,"message":"x","data":{}1{}}}}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        let unreadable: Vec<(Option<&[u8]>, Vec<u8>)> = vec![
+            // Nesting beyond serde_json's depth: a tool's error with deep data.
+            (json, deep.clone().into_bytes()),
+            (None, deep.into_bytes()),
+            // A number out of range, NaN, a lone surrogate, trailing bytes.
+            (json, br#"{"jsonrpc":"2.0","id":7,"result":{"n":1e400}}"#.to_vec()),
+            (json, br#"{"jsonrpc":"2.0","id":7,"result":{"n":NaN}}"#.to_vec()),
+            (json, br#"{"jsonrpc":"2.0","id":7,"result":{"s":"\udc80"}}"#.to_vec()),
+            (json, br#"{"jsonrpc":"2.0","id":7,"result":{}} x"#.to_vec()),
+            // An event stream whose answering event is cut, or whose data is not JSON.
+            (sse, b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"res".to_vec()),
+            (sse, b"data: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{}}\n".to_vec()),
+            (sse, b"data: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{\"n\":1e400}}\n\n".to_vec()),
+        ];
+        for (ct, body) in &unreadable {
+            let a = read_answer(*ct, None, body, b"7");
+            assert_eq!(
+                a,
+                Answer::Unreadable,
+                "{:?} {}",
+                ct.map(String::from_utf8_lossy),
+                String::from_utf8_lossy(body)
+            );
+            assert_eq!(stored_body(400, *ct, None, body, b"7"), Err(NotFinal::Missing));
+        }
+        // Evidence of no response: none of these may hold the call's answer.
+        let none: Vec<(Option<&[u8]>, &[u8])> = vec![
+            (json, b""),
+            (None, b"  "),
+            (Some(b"text/html"), b"<html>Bad Request</html>"),
+            (json, br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Bad Request"}}"#),
+            (sse, b"id: 1\ndata:\n\ndata: {\"jsonrpc\":\"2.0\",\"id\":null,\"error\":{}}\n\n"),
+        ];
+        for (ct, body) in none {
+            assert_eq!(read_answer(ct, None, body, b"7"), Answer::None, "{}", String::from_utf8_lossy(body));
+        }
+        // Another call's response is no answer of this call's at any status: never kept.
+        let other = br#"{"jsonrpc":"2.0","id":3,"result":{"payment":"p-3"}}"#;
+        assert_eq!(stored_body(500, json, None, other, b"7"), Err(NotFinal::Missing));
+        assert_eq!(stored_body(200, json, None, other, b"7"), Err(NotFinal::Missing));
     }
 
     #[test]

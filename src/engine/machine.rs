@@ -1240,7 +1240,7 @@ impl<W> Machine<W> {
         for (n, v) in headers {
             if n == ":status" {
                 status = std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok()).unwrap_or(0);
-            } else if crate::record::storable_header(&n) && !exclude.contains(&n) {
+            } else if crate::record::storable_header(&n) && (!exclude.contains(&n) || answer_header(req, &n)) {
                 kept.push((n, v));
             }
         }
@@ -1323,6 +1323,13 @@ impl<W> Machine<W> {
             }
         }
     }
+}
+
+/// Whether `name` is a response header an MCP call's answer is read by (`mcp::answer_of`: its
+/// content type and coding): kept whatever `replay_exclude_headers` says, since without them an
+/// answer carrying the call's response could be read as none and a released status release it.
+fn answer_header(req: &Protected, name: &str) -> bool {
+    req.mcp.is_some() && (name == "content-type" || name == "content-encoding")
 }
 
 /// The MCP reply's `accepts`, from the request's `accept` lines.

@@ -690,3 +690,24 @@ fn a_failed_outcome_unknown_mark_is_a_local_error_and_keeps_the_claim() {
     assert!(!host.did(&Did::Count(Count::LocalErrors)), "{:?}", host.did);
     assert_eq!(host.key_phase(&skey), Some(KeyPhase::Unknown));
 }
+
+/// The review of this session's MCP change: an MCP call's answer is read by its content type and
+/// coding (`mcp::answer_of`), so they are kept with the response even where the route's
+/// `replay_exclude_headers` names them (without them a gzipped 400 carrying the call's response
+/// read as no response, and the released status released the key); a plain route's exclusion
+/// stands.
+#[test]
+fn an_mcp_answer_keeps_the_headers_it_is_read_by_whatever_the_replay_exclusions() {
+    let c = config(&MCP.replace(
+        r#""protocol": "mcp","#,
+        r#""protocol": "mcp", "replay_exclude_headers": ["content-type", "content-encoding", "x-trace"],"#,
+    ));
+    let mut host = Host::new(&c);
+    let (mut m, _) = mcp_forwarded(&c, &mut host);
+    let headers =
+        [(":status", "400"), ("content-type", "application/json"), ("content-encoding", "gzip"), ("x-trace", "t")];
+    m.response_headers(headers.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect(), false);
+    let Some((_, response)) = m.forwarded() else { panic!("forwarded") };
+    let names: Vec<&str> = response.stored.iter().flat_map(|r| r.headers.iter().map(|(n, _)| n.as_str())).collect();
+    assert_eq!(names, vec!["content-type", "content-encoding"]);
+}

@@ -292,6 +292,34 @@ fn mcp_a_released_status_carrying_the_calls_response_is_stored() {
     );
 }
 
+/// The review of this session's MCP change: a released status whose body may hold the call's
+/// response but cannot be read whole (a tool's error with data nested beyond the parser's depth,
+/// a number out of range, an event cut before its end) is outcome-unknown, never a release; a
+/// non-2xx answer for another id is never stored as this call's (it would be replayed under the
+/// retry's id).
+#[test]
+fn mcp_a_released_status_with_an_answer_it_cannot_read_is_never_released() {
+    let deep = format!(
+        r#"{{"jsonrpc":"2.0","id":7,"error":{{"code":-32602,"message":"charged","data":{}0{}}}}}"#,
+        "[".repeat(300),
+        "]".repeat(300)
+    );
+    let cases: Vec<(u16, &str, Vec<u8>)> = vec![
+        (400, "application/json", deep.into_bytes()),
+        (400, "application/json", br#"{"jsonrpc":"2.0","id":7,"error":{"code":1e400,"message":"x"}}"#.to_vec()),
+        (404, "text/event-stream", b"data: {\"jsonrpc\":\"2.0\",\"id\":7,\"error\":{}}".to_vec()),
+    ];
+    for (status, ct, body) in cases {
+        let (cmds, slug) = mcp_settle(Outcome::Release, Some(mcp_response(status, ct, &body)), false);
+        assert_eq!(slug, "marked-unknown", "{status} {ct}");
+        assert!(!cmds.iter().any(|c| matches!(c, Command::Local(Local::Release(_)))));
+    }
+    let other = br#"{"jsonrpc":"2.0","id":3,"result":{"payment":"p-3"}}"#;
+    let (cmds, slug) = mcp_settle(Outcome::Store, Some(mcp_response(500, "application/json", other)), false);
+    assert_eq!(slug, "marked-unknown");
+    assert!(!cmds.iter().any(|c| matches!(c, Command::Local(Local::Complete(..)))));
+}
+
 /// Issue 40: the call's final response received is a completion whatever the exchange did
 /// after it (a server keeping the event stream open, the client leaving once it read it).
 #[test]
