@@ -38,6 +38,8 @@ class Wrapper:
         self.base = base
         self.stats = stats
         self.gave_up = []
+        # Every (key, charge id) the agent accepted as an operation's answer.
+        self.answers = []
 
     def attempt(self, task, step, body, key, n, delay_ms=0, label=""):
         headers = {
@@ -90,7 +92,10 @@ class Wrapper:
                     say(f"  [{task}/{step}]{label}   (a proxy on the way back answered 504: the agent never sees this response)")
                     time.sleep(0.2)
                     continue
-                return r.json().get("id")
+                got = r.json().get("id")
+                with OUT_LOCK:
+                    self.answers.append((key, got))
+                return got
             if what == "in_flight":
                 time.sleep(float(r.headers.get("retry-after", "1")))
             elif what == "mismatch":
@@ -142,8 +147,12 @@ def run(base, api, title):
     w.charge("task-2", "step-1", 1200)
 
     # Each execution by its operation's key, as the API lists its charges.
-    executed = [c.get("idempotency_key") for c in requests.get(api + "/charges", timeout=5).json()["charges"]]
-    return ops, executed, stats["attempts"], w.gave_up
+    charges = requests.get(api + "/charges", timeout=5).json()["charges"]
+    executed = [c.get("idempotency_key") for c in charges]
+    listed = {}
+    for c in charges:
+        listed.setdefault(c.get("idempotency_key"), []).append(c.get("id"))
+    return ops, executed, stats["attempts"], w.gave_up, w.answers, listed
 
 
 def main():
@@ -155,7 +164,7 @@ def main():
     a = p.parse_args()
     started = time.monotonic()
     guarded = run(a.gateway, a.api, "through idemgate")
-    ops_raw, executed_raw, _, _ = run(a.api, a.api, "the same agent, straight to the API (no idemgate)")
+    ops_raw, executed_raw = run(a.api, a.api, "the same agent, straight to the API (no idemgate)")[:2]
     sys.exit(finish(say, a.store, guarded, (ops_raw, executed_raw), started))
 
 

@@ -17,15 +17,22 @@ def key_for(task, step):
     return "agent-" + hashlib.sha256(f"{task}/{step}".encode()).hexdigest()[:32]
 
 
-def problems(ops, executed, gave_up):
+def problems(ops, executed, gave_up, answers=(), listed=None):
     """What is wrong with one run, by operation. `ops` maps each requested operation's key to its
     name ("task-1/step-2"), `executed` is the key of every execution the API lists (None for an
     execution without one), `gave_up` the names of the operations whose charge the agent gave up
-    on. Empty: every operation executed exactly once and every charge got its answer."""
+    on, `answers` every (key, id) the agent accepted as an operation's answer, and `listed` the
+    id of every execution the API lists by its key. Empty: every operation executed exactly once,
+    every charge got its answer, and every answer was its own operation's execution (a replay of
+    another operation's response would pass the counts alone)."""
     seen = Counter(executed)
     out = [f"{name} executed {seen[key]} times" for key, name in ops.items() if seen[key] != 1]
     out += [f"{n} execution(s) of no requested operation (key {key})" for key, n in seen.items() if key not in ops]
     out += [f"{name}: the agent gave up (no answer it could use)" for name in gave_up]
+    for key, got in answers:
+        own = (listed or {}).get(key, [])
+        if got not in own:
+            out.append(f"{ops.get(key, key)} was answered with {got}, which is not its execution ({own})")
     return out
 
 
@@ -34,9 +41,10 @@ def finish(say, store, guarded, raw, started):
     every operation executed exactly once, by its key in the API's listing, and no charge gave
     up). `guarded` is (ops, executed, attempts, gave_up) through idemgate, as `problems` reads
     them; `raw` (ops, executed) straight to the API."""
-    ops, executed, attempts, gave_up = guarded
+    ops, executed, attempts, gave_up = guarded[:4]
+    answers, listed = guarded[4:6] if len(guarded) >= 6 else ((), None)
     ops_raw, executed_raw = raw
-    wrong = problems(ops, executed, gave_up)
+    wrong = problems(ops, executed, gave_up, answers, listed)
     say("")
     say(
         f"without idemgate: {len(ops_raw)} operations -> {len(executed_raw)} executions "
@@ -62,10 +70,18 @@ def self_check():
         ("an execution of no operation", [k1, k2, k3, None], [], 1),
         ("a charge that gave up", [k1, k2, k3], ["t/s2"], 1),
     ]
+    listed = {k1: ["c1"], k2: ["c2"], k3: ["c3"]}
+    answered = [
+        ("every answer its own execution", [(k1, "c1"), (k2, "c2"), (k3, "c3")], 0),
+        ("an operation answered with another's execution", [(k1, "c1"), (k2, "c1"), (k3, "c3")], 1),
+        ("an answer that is no execution", [(k1, "c1"), (k2, "c9"), (k3, "c3")], 1),
+    ]
+    cases += [(name, [k1, k2, k3], [], want, answers) for name, answers, want in answered]
     bad = 0
-    for name, executed, gave_up, want in cases:
+    for name, executed, gave_up, want, *answers in cases:
         lines = []
-        code = finish(lines.append, "check", (ops, executed, 3 + len(executed), gave_up), (ops, executed), time.monotonic())
+        guarded = (ops, executed, 3 + len(executed), gave_up) + ((answers[0], listed) if answers else ())
+        code = finish(lines.append, "check", guarded, (ops, executed), time.monotonic())
         print(f"{'ok  ' if code == want else 'FAIL'} {name}: exit {code} (want {want}): {lines[-1]}")
         bad += code != want
     return 1 if bad else 0

@@ -34,10 +34,15 @@ def say(line):
 
 
 
+def charges(server):
+    """Every execution of charge so far, as the server lists them (payment, idempotency_key)."""
+    with urllib.request.urlopen(server + "/charges", timeout=5) as r:
+        return json.load(r)["charges"]
+
+
 def executed(server):
     """The key of every execution of charge so far, as the server lists them."""
-    with urllib.request.urlopen(server + "/charges", timeout=5) as r:
-        return [c["idempotency_key"] for c in json.load(r)["charges"]]
+    return [c["idempotency_key"] for c in charges(server)]
 
 
 class Wrapper:
@@ -45,6 +50,8 @@ class Wrapper:
         self.url = url
         self.stats = stats
         self.gave_up = []
+        # Every (key, payment) the agent accepted as an operation's result.
+        self.answers = []
 
     async def attempt(self, client, task, step, args, key, n, label):
         who = f"  [{task}/{step}]{label} attempt {n} key={hashlib.sha256(key.encode()).hexdigest()[:8]}"
@@ -85,6 +92,7 @@ class Wrapper:
                         say(f"  [{task}/{step}]{label}   (a proxy on the way back answered 504: the agent never sees this result)")
                         await asyncio.sleep(0.2)
                         continue
+                    self.answers.append((key, payment))
                     return payment
                 if what == "mismatch":
                     say(f"  [{task}/{step}]{label}   the wrapper retries with the original arguments")
@@ -121,7 +129,11 @@ async def run(url, server, title):
     await w.charge("task-2", "step-1", 1200)
     # A tool that outlived its caller (step 2 without idemgate) still counts: let it end.
     await asyncio.sleep(2.5)
-    return ops, executed(server)[before:], stats["attempts"], w.gave_up
+    mine = charges(server)[before:]
+    listed = {}
+    for c in mine:
+        listed.setdefault(c["idempotency_key"], []).append(c["payment"])
+    return ops, [c["idempotency_key"] for c in mine], stats["attempts"], w.gave_up, w.answers, listed
 
 
 def main():
@@ -132,7 +144,7 @@ def main():
     a = p.parse_args()
     started = time.monotonic()
     guarded = asyncio.run(run(a.gateway, a.server, "through idemgate (MCP)"))
-    ops_raw, executed_raw, _, _ = asyncio.run(run(a.server + "/mcp", a.server, "the same agent, straight to the MCP server (no idemgate)"))
+    ops_raw, executed_raw, *_ = asyncio.run(run(a.server + "/mcp", a.server, "the same agent, straight to the MCP server (no idemgate)"))
     sys.exit(finish(say, a.store, guarded, (ops_raw, executed_raw), started))
 
 
