@@ -530,14 +530,12 @@ pub fn replay(r: &StoredResponse, id: &[u8], accepts: Accepts) -> StoredResponse
     let mut headers: Vec<(String, Vec<u8>)> =
         r.headers.iter().filter(|(n, _)| !NOT_REPLAYED_HEADERS.contains(&n.as_str())).cloned().collect();
     let as_stored = |headers| StoredResponse { status: r.status, headers, body: r.body.clone() };
-    if !(200..300).contains(&r.status) {
-        // A JSON-RPC response stored with another status (a server that answers a tool's error
-        // with 400 or 404) is the call's final response too: the retry's id, the form as stored.
-        let answered = response_id(&r.body).is_some_and(|i| i.trim_ascii() != b"null");
-        return match with_id(&r.body, id) {
-            Some(body) if answered => StoredResponse { status: r.status, headers, body },
-            _ => as_stored(headers),
-        };
+    // A JSON-RPC response stored with another status (a server that answers a tool's error with
+    // 400 or 404) is the call's final response too: the retry's id, in the form it accepts (the
+    // first answer may have come as an event, whose data is what was stored).
+    let answered = (200..300).contains(&r.status) || response_id(&r.body).is_some_and(|i| i.trim_ascii() != b"null");
+    if !answered {
+        return as_stored(headers);
     }
     let Some(body) = with_id(&r.body, id) else { return as_stored(headers) };
     let first_was_sse = r.headers.iter().any(|(n, v)| n == "content-type" && is_sse(v));
@@ -1000,6 +998,22 @@ data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}";
         assert_eq!(
             sent.body,
             br#"{"jsonrpc":"2.0","id":"r-2","error":{"code":-32600,"message":"charged, then failed"}}"#
+        );
+        // A 400 whose response came as an event: replayed in a form the retry reads (review).
+        let r = StoredResponse {
+            status: 400,
+            headers: vec![("content-type".into(), b"text/event-stream".to_vec())],
+            body: err.to_vec(),
+        };
+        let sent = replay(&r, b"3", Accepts { json: false, sse: true });
+        assert_eq!(
+            read_answer(Some(b"text/event-stream"), None, &sent.body, b"3"),
+            Answer::Final(with_id(err, b"3").unwrap_or_default())
+        );
+        let sent = replay(&r, b"3", Accepts { json: true, sse: false });
+        assert_eq!(
+            sent.headers.iter().find(|(n, _)| n == "content-type").map(|(_, v)| v.as_slice()),
+            Some(&b"application/json"[..])
         );
         let r = StoredResponse { status: 500, headers: vec![], body: br#"{"id":"e-1","message":"x"}"#.to_vec() };
         assert_eq!(replay(&r, b"2", Accepts { json: true, sse: false }).body, r.body);
