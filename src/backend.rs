@@ -382,7 +382,14 @@ impl Backend {
                     None => return Err(StoreError::NoAnswer),
                 };
                 let garbled = || {
-                    let shown: String = format!("{answer:?}").chars().take(200).collect();
+                    // The answer's first elements only: it may be another client's large record.
+                    let shown: String = match &answer {
+                        Resp::Array(Some(items)) => format!("{:?}", items.iter().take(3).collect::<Vec<_>>()),
+                        other => format!("{other:?}"),
+                    }
+                    .chars()
+                    .take(200)
+                    .collect();
                     StoreError::Garbled(format!("unexpected SCAN answer (not this request's): {shown}"))
                 };
                 let Resp::Array(Some(items)) = &answer else { return Err(garbled()) };

@@ -398,6 +398,7 @@ fn list(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
     let limit = a.get_one::<usize>("limit").copied().unwrap_or(100);
     let now = st.now(local_now_ms())?;
     let mut cursor: Option<Vec<u8>> = None;
+    let mut seen = std::collections::HashSet::new();
     let mut shown = 0;
     let mut unreadable = 0;
     while shown < limit {
@@ -439,6 +440,13 @@ fn list(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
             shown += 1;
         }
         match page.next {
+            // A store whose cursor comes back to one already read would list for ever.
+            Some(next) if !seen.insert(next.clone()) => {
+                return fail(format!(
+                    "the store's listing came back to cursor {} already read: stopped after {shown} key(s) shown",
+                    String::from_utf8_lossy(&next)
+                ))
+            }
             Some(next) => cursor = Some(next),
             None => break,
         }
