@@ -414,6 +414,52 @@ fn fault_matrix_store_credentials_come_from_envoys_environment_and_never_show_in
     );
 }
 
+/// Two store-backed proxies for the lost-wake cases: `a` runs the crash build, whose request sent
+/// with `x-idemgate-test-fault: lost-wake` queues its write for the root without waking it (as a
+/// host that loses the wake would), `b` the shipped module; `extra` more configuration.
+struct LostWake {
+    redis: Redis,
+    _webdis: Webdis,
+    up: Upstream,
+    a: Envoy,
+    b: Envoy,
+}
+
+impl LostWake {
+    fn start(extra: &str, route_timeout_ms: u64) -> LostWake {
+        let redis = Redis::start();
+        let webdis = Webdis::start(redis.port);
+        let up = Upstream::start();
+        let mut o = EnvoyOptions::new(&store_cfg(extra), up.port);
+        o.store_port = Some(webdis.port);
+        o.concurrency = 1;
+        o.route_timeout_ms = route_timeout_ms;
+        let b = Envoy::start(&o);
+        o.wasm = Some(crash_module());
+        let a = Envoy::start(&o);
+        LostWake { redis, _webdis: webdis, up, a, b }
+    }
+
+    /// Waits (500 looks, 20 ms apart) until what Redis holds satisfies `landed`; fails naming
+    /// `what` with a's counters and log. Returns how long it took.
+    fn wait_landed(&self, what: &str, landed: impl Fn(&[(String, Vec<u8>)]) -> bool) -> Duration {
+        let t0 = Instant::now();
+        let mut looks = 0;
+        while !landed(&self.redis.dump_all_values()) {
+            looks += 1;
+            assert!(
+                looks < 500,
+                "{what} never reached the store (store writes {}, wakes missed {}); log:\n{}",
+                self.a.stat("idemgate.store_writes"),
+                self.a.stat("idemgate.root_wakes_missed"),
+                self.a.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        t0.elapsed()
+    }
+}
+
 /// A store write whose wake the host never delivers (simulated by the test build: the root is not
 /// woken for the completion queued by `x-idemgate-test-fault: lost-wake`): the root's tick takes
 /// it within two ticks, so the completion still reaches the store and another proxy replays it.
@@ -421,32 +467,18 @@ fn fault_matrix_store_credentials_come_from_envoys_environment_and_never_show_in
 /// with no later request, the other proxy answered 409 in-flight, then outcome-unknown.
 #[test]
 fn fault_matrix_a_store_write_whose_wake_is_lost_still_lands() {
-    let redis = Redis::start();
-    let webdis = Webdis::start(redis.port);
-    let up = Upstream::start();
-    let mut o = EnvoyOptions::new(&store_cfg(""), up.port);
-    o.store_port = Some(webdis.port);
-    o.concurrency = 1;
-    let b = Envoy::start(&o);
-    o.wasm = Some(crash_module());
-    let a = Envoy::start(&o);
-    let first = post(a.port, "k-lost-wake", "{}", &[("x-idemgate-test-fault", "lost-wake")]);
+    let w = LostWake::start("", 5_000);
+    let first = post(w.a.port, "k-lost-wake", "{}", &[("x-idemgate-test-fault", "lost-wake")]);
     assert_eq!(first.status, 201);
-    let t0 = Instant::now();
-    let completed = || redis.dump_all_values().iter().any(|(_, v)| v.get(4) == Some(&b'D'));
-    while !completed() && t0.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(completed(), "the completion never reached the store (store writes: {})", a.stat("idemgate.store_writes"));
-    let landed_after = t0.elapsed();
-    let replay = post(b.port, "k-lost-wake", "{}", &[]);
+    let landed_after = w.wait_landed("the completion", |values| values.iter().any(|(_, v)| v.get(4) == Some(&b'D')));
+    let replay = post(w.b.port, "k-lost-wake", "{}", &[]);
     assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")), "{}", replay.body_text());
-    assert_eq!(up.executions(), 1);
-    assert_eq!(a.stat("idemgate.root_wakes_missed"), 1);
-    assert!(a.log().contains("not woken for: taken by its tick"), "{}", a.log());
+    assert_eq!(w.up.executions(), 1);
+    assert_eq!(w.a.stat("idemgate.root_wakes_missed"), 1);
+    assert!(w.a.log().contains("not woken for: taken by its tick"), "{}", w.a.log());
     record(
         "the root is never woken for a completion write",
-        up.executions(),
+        w.up.executions(),
         &format!(
             "taken by the root's tick; in the store {:.2} s after the answer; the other proxy replays",
             landed_after.as_secs_f64()
@@ -462,40 +494,19 @@ fn fault_matrix_a_store_write_whose_wake_is_lost_still_lands() {
 /// outcome-unknown and nothing executes twice.
 #[test]
 fn fault_matrix_an_outcome_unknown_mark_whose_wake_is_lost_still_lands() {
-    let redis = Redis::start();
-    let webdis = Webdis::start(redis.port);
-    let up = Upstream::start();
-    let mut o = EnvoyOptions::new(&store_cfg(r#", "unknown_outcome_seconds": 600"#), up.port);
-    o.store_port = Some(webdis.port);
-    o.concurrency = 1;
-    o.route_timeout_ms = 1000;
-    let b = Envoy::start(&o);
-    o.wasm = Some(crash_module());
-    let a = Envoy::start(&o);
-    let first =
-        post(a.port, "k-lost-wake-unknown", "{}", &[("x-idemgate-test-fault", "lost-wake"), ("x-up-delay-ms", "1500")]);
+    let w = LostWake::start(r#", "unknown_outcome_seconds": 600"#, 1_000);
+    let h = [("x-idemgate-test-fault", "lost-wake"), ("x-up-delay-ms", "1500")];
+    let first = post(w.a.port, "k-lost-wake-unknown", "{}", &h);
     assert_eq!(first.status, 504, "{}", first.body_text());
-    let unknown = || redis.dump_all_values().iter().any(|(_, v)| v.get(4) == Some(&b'U'));
-    let mut looks = 0;
-    while !unknown() {
-        looks += 1;
-        assert!(
-            looks < 500,
-            "the outcome-unknown mark never reached the store (store writes {}, wakes missed {}); log:\n{}",
-            a.stat("idemgate.store_writes"),
-            a.stat("idemgate.root_wakes_missed"),
-            a.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let retry = post(b.port, "k-lost-wake-unknown", "{}", &[]);
+    w.wait_landed("the outcome-unknown mark", |values| values.iter().any(|(_, v)| v.get(4) == Some(&b'U')));
+    let retry = post(w.b.port, "k-lost-wake-unknown", "{}", &[]);
     assert_eq!(retry.status, 409, "{}", retry.body_text());
     assert!(retry.body_text().contains("outcome-unknown"), "{}", retry.body_text());
-    assert_eq!(up.executions(), 1);
-    assert_eq!(a.stat("idemgate.root_wakes_missed"), 1);
+    assert_eq!(w.up.executions(), 1);
+    assert_eq!(w.a.stat("idemgate.root_wakes_missed"), 1);
     record(
         "the root is never woken for an outcome-unknown mark (route timeout)",
-        up.executions(),
+        w.up.executions(),
         "taken by the root's tick; the other proxy answers 409 outcome-unknown",
     );
 }
@@ -506,39 +517,19 @@ fn fault_matrix_an_outcome_unknown_mark_whose_wake_is_lost_still_lands() {
 /// in flight, then outcome-unknown once the lock expired).
 #[test]
 fn fault_matrix_a_release_whose_wake_is_lost_still_lands() {
-    let redis = Redis::start();
-    let webdis = Webdis::start(redis.port);
-    let up = Upstream::start();
-    let mut o = EnvoyOptions::new(&store_cfg(""), up.port);
-    o.store_port = Some(webdis.port);
-    o.concurrency = 1;
-    let b = Envoy::start(&o);
-    o.wasm = Some(crash_module());
-    let a = Envoy::start(&o);
-    let first =
-        post(a.port, "k-lost-wake-release", "{}", &[("x-idemgate-test-fault", "lost-wake"), ("x-up-status", "429")]);
+    let w = LostWake::start("", 5_000);
+    let h = [("x-idemgate-test-fault", "lost-wake"), ("x-up-status", "429")];
+    let first = post(w.a.port, "k-lost-wake-release", "{}", &h);
     assert_eq!(first.status, 429, "{}", first.body_text());
     // The release deletes the claim (phase 'P'), which was in the store before the forward.
-    let released = || redis.dump_all_values().iter().all(|(_, v)| v.get(4) != Some(&b'P'));
-    let mut looks = 0;
-    while !released() {
-        looks += 1;
-        assert!(
-            looks < 500,
-            "the release never reached the store (store writes {}, wakes missed {}); log:\n{}",
-            a.stat("idemgate.store_writes"),
-            a.stat("idemgate.root_wakes_missed"),
-            a.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let retry = post(b.port, "k-lost-wake-release", "{}", &[]);
+    w.wait_landed("the release", |values| values.iter().all(|(_, v)| v.get(4) != Some(&b'P')));
+    let retry = post(w.b.port, "k-lost-wake-release", "{}", &[]);
     assert_eq!(retry.status, 201, "{}", retry.body_text());
-    assert_eq!(up.executions(), 2, "the released key executes once more, and only once");
-    assert_eq!(a.stat("idemgate.root_wakes_missed"), 1);
+    assert_eq!(w.up.executions(), 2, "the released key executes once more, and only once");
+    assert_eq!(w.a.stat("idemgate.root_wakes_missed"), 1);
     record(
         "the root is never woken for a release (upstream 429)",
-        up.executions(),
+        w.up.executions(),
         "taken by the root's tick; the retry on the other proxy executes the freed key",
     );
 }
