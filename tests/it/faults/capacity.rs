@@ -203,21 +203,30 @@ fn capacity_a_full_table_refuses_under_the_protection_floor_and_evicts_records_o
     // oldest record is older than the floor, then claimed by evicting it. Waited for by asking,
     // bounded by count, not by sleeping a guess; never claimed before the floor (whole seconds:
     // up to 1 s early by our clock).
-    let mut refused = 1;
-    for _ in 0..400 {
-        let r = post(&s, "k-32");
-        if r.status == 201 {
-            break;
+    // Each of k-32..k-39 waits so for the record it evicts (k-0, then k-1, ...: filled one after
+    // the other, each crosses the floor a little later), counting its refusals.
+    let claim_past_the_floor = |key: &str| -> u64 {
+        for refusals in 0..400 {
+            let r = post(&s, key);
+            if r.status == 201 {
+                return refusals;
+            }
+            assert_eq!(
+                r.json()["type"].as_str(),
+                Some("urn:idemgate:problem:capacity-exhausted"),
+                "{key}: {}",
+                r.body_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
-        assert_eq!(r.json()["type"].as_str(), Some("urn:idemgate:problem:capacity-exhausted"), "{}", r.body_text());
-        refused += 1;
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        panic!("{key} still refused after 400 polls ({:?} after the fill began)", filled_from.elapsed());
+    };
+    let mut refused = 1 + claim_past_the_floor("k-32");
     let claimed_after = filled_from.elapsed();
-    assert_eq!(s.up.executions(), 33, "k-32 still refused after 400 polls ({claimed_after:?})");
+    assert_eq!(s.up.executions(), 33);
     assert!(claimed_after + Duration::from_secs(1) >= FLOOR, "evicted {claimed_after:?} after the fill began");
     for n in 33..40 {
-        assert_eq!(post(&s, &format!("k-{n}")).status, 201, "k-{n} claimed by evicting an old record");
+        refused += claim_past_the_floor(&format!("k-{n}"));
     }
     assert_eq!(s.up.executions(), 40);
     assert_eq!(s.envoy.stat("idemgate.local_evictions"), 8);
