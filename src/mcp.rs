@@ -440,24 +440,28 @@ pub fn read_answer(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>,
         Some(t) => sse || is_json(t),
         None => matches!(body.trim_ascii_start().first(), Some(b'{' | b'[')),
     };
-    let (messages, mut unreadable): (Vec<Vec<u8>>, bool) = if sse {
+    // Each message with its parsed value where the body was parsed whole already (JSON), so no
+    // message is parsed twice; an event's data is parsed as it is read.
+    let (messages, mut unreadable) = if sse {
         let (events, cut) = sse_events(body);
-        (events, cut)
+        (events.into_iter().map(|e| (e, None)).collect(), cut)
     } else if body.trim_ascii().is_empty() {
         (vec![], false)
     } else {
         match serde_json::from_slice::<Value>(body) {
-            Ok(Value::Array(_)) => (elements(body).into_iter().map(<[u8]>::to_vec).collect(), false),
-            Ok(_) => (vec![body.to_vec()], false),
+            Ok(Value::Array(items)) => {
+                (elements(body).into_iter().zip(items).map(|(raw, v)| (raw.to_vec(), Some(v))).collect(), false)
+            }
+            Ok(v) => (vec![(body.to_vec(), Some(v))], false),
             Err(_) => (vec![], declared_json),
         }
     };
     let mut foreign = false;
-    for m in messages {
+    for (m, parsed) in messages {
         if m.trim_ascii().is_empty() {
             continue; // an event without data (a priming event)
         }
-        let Ok(v) = serde_json::from_slice::<Value>(&m) else {
+        let Some(v) = parsed.or_else(|| serde_json::from_slice::<Value>(&m).ok()) else {
             unreadable = true;
             continue;
         };
@@ -493,7 +497,12 @@ pub fn stored_body(
     body: &[u8],
     id: &[u8],
 ) -> Result<Vec<u8>, NotFinal> {
-    match read_answer(content_type, content_encoding, body, id) {
+    kept_body(status, read_answer(content_type, content_encoding, body, id), body)
+}
+
+/// `stored_body`'s rule on an answer already read (`answer`, of `body` answered with `status`).
+fn kept_body(status: u16, answer: Answer, body: &[u8]) -> Result<Vec<u8>, NotFinal> {
+    match answer {
         Answer::Final(m) => Ok(m),
         // Another call's response, or one idemgate cannot read, is never kept as this call's
         // (a replay would splice this call's id into it), whatever the status.
@@ -510,10 +519,14 @@ pub const NOT_REPLAYED_HEADERS: &[&str] = &["mcp-session-id", "content-length"];
 /// upstream sent it (a replay reads it to know whether the first answer was an event stream);
 /// its body is the final JSON-RPC response.
 pub fn stored_response(r: StoredResponse, id: &[u8]) -> Result<StoredResponse, NotFinal> {
-    let header = |name: &str| r.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
-    let body = stored_body(r.status, header("content-type"), header("content-encoding"), &r.body, id)?;
-    let headers = r.headers.into_iter().filter(|(n, _)| !NOT_REPLAYED_HEADERS.contains(&n.as_str())).collect();
-    Ok(StoredResponse { status: r.status, headers, body })
+    let answer = answer_of(&r, id);
+    stored_response_read(r, answer)
+}
+
+/// `stored_response` on a response whose answer was already read (`answer_of`).
+pub fn stored_response_read(r: StoredResponse, answer: Answer) -> Result<StoredResponse, NotFinal> {
+    let body = kept_body(r.status, answer, &r.body)?;
+    Ok(final_response(r, body))
 }
 
 /// What a completion keeps of a response whose final JSON-RPC response is `body`

@@ -271,12 +271,16 @@ fn mcp_outcome(
             (Outcome::Store, Some(stored), why)
         }
         (Outcome::Store, _, Some(r)) if too_large => (Outcome::Store, Some(r), None),
-        (Outcome::Store, answer, Some(r)) => match crate::mcp::stored_response(r, id) {
-            Ok(r) => (Outcome::Store, Some(r), None),
-            Err(why) => {
-                (Outcome::Unknown(unknown), None, Some(("mcp_no_final_response", format!("{why:?}/{answer:?}"))))
+        // The answer read above decides what is kept (not read again).
+        (Outcome::Store, answer, Some(r)) => {
+            let shown = format!("{answer:?}");
+            match crate::mcp::stored_response_read(r, answer) {
+                Ok(r) => (Outcome::Store, Some(r), None),
+                Err(why) => {
+                    (Outcome::Unknown(unknown), None, Some(("mcp_no_final_response", format!("{why:?}/{shown}"))))
+                }
             }
-        },
+        }
         (Outcome::Release, Answer::None, r) => (Outcome::Release, r, None),
         (Outcome::Release, answer, _) => {
             (Outcome::Unknown(unknown), None, Some(("mcp_answered_not_released", format!("{answer:?}"))))
