@@ -376,11 +376,7 @@ impl Backend {
         match self {
             Backend::Redis => {
                 // A page holds as many keys as Redis returns: parsed without the filter's bound.
-                let answer = match status {
-                    Some(200) => store::parse_resp_any_length(body)?,
-                    Some(s) => return Err(StoreError::Http(s)),
-                    None => return Err(StoreError::NoAnswer),
-                };
+                let answer = command_answer_parsed(status, body, store::parse_resp_any_length)?;
                 let garbled = || {
                     // The answer's first elements only: it may be another client's large record.
                     let shown: String = match &answer {
@@ -498,8 +494,17 @@ impl Backend {
 
 /// webdis's answer to a command (`StoreRequest::command`) as a RESP value.
 fn command_answer(status: Option<u16>, body: &[u8]) -> Result<Resp, StoreError> {
+    command_answer_parsed(status, body, store::parse_resp)
+}
+
+/// `command_answer` with the RESP parser `parse` (the listing's reads pages of any length).
+fn command_answer_parsed(
+    status: Option<u16>,
+    body: &[u8],
+    parse: fn(&[u8]) -> Result<Resp, StoreError>,
+) -> Result<Resp, StoreError> {
     match status {
-        Some(200) => store::parse_resp(body),
+        Some(200) => parse(body),
         Some(s) => Err(StoreError::Http(s)),
         None => Err(StoreError::NoAnswer),
     }

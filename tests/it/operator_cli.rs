@@ -499,16 +499,11 @@ fn list_pages_through_thousands_of_keys_and_lists_each_once() {
     let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
     assert_eq!(redis.command(&refs), support::store::resp::Value::Status("OK".into()));
     let ops = OperatorCli::webdis(&format!("http://127.0.0.1:{}", webdis.port), Some(AUTH));
-    let out = ops.run(&["list", "--state", "outcome-unknown", "--limit", "100000"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let lines: Vec<String> =
-        text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect();
+    let lines = ops.listed_at_most("outcome-unknown", 100_000);
     let listed: BTreeSet<String> = lines.iter().cloned().collect();
     assert_eq!(lines.len(), listed.len(), "a key listed twice");
     assert_eq!(listed.len(), unknown);
     assert!(listed == expected, "listed keys differ from the outcome-unknown keys written");
     // `--limit` stops the listing there.
-    let out = ops.run(&["list", "--state", "completed", "--limit", "250"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(text(&out.stdout).lines().count(), 250);
+    assert_eq!(ops.listed_at_most("completed", 250).len(), 250);
 }

@@ -436,15 +436,10 @@ fn etcd_cli_lists_thousands_of_keys_across_pages_each_once() {
     flush(&mut ops);
     let urls = etcd.client_ports().iter().map(|p| format!("http://127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
     let cli = OperatorCli::etcd(&urls, None);
-    let out = cli.run(&["list", "--state", "outcome-unknown", "--limit", "100000"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let lines: Vec<String> =
-        text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect();
+    let lines = cli.listed_at_most("outcome-unknown", 100_000);
     let listed: BTreeSet<String> = lines.iter().cloned().collect();
     assert_eq!(lines.len(), listed.len(), "a key listed twice");
     assert_eq!(listed.len(), unknown);
     assert!(listed == expected, "listed keys differ from the outcome-unknown keys written");
-    let out = cli.run(&["list", "--state", "completed", "--limit", "100"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(text(&out.stdout).lines().count(), 100);
+    assert_eq!(cli.listed_at_most("completed", 100).len(), 100);
 }

@@ -45,7 +45,16 @@ impl OperatorCli {
 
     /// The storage keys `idemgate list --state STATE` prints.
     pub fn listed(&self, state: &str) -> Vec<String> {
-        let out = self.run(&["list", "--state", state]);
+        self.list_keys(&["list", "--state", state])
+    }
+
+    /// The storage keys `idemgate list --state STATE --limit LIMIT` prints.
+    pub fn listed_at_most(&self, state: &str, limit: usize) -> Vec<String> {
+        self.list_keys(&["list", "--state", state, "--limit", &limit.to_string()])
+    }
+
+    fn list_keys(&self, args: &[&str]) -> Vec<String> {
+        let out = self.run(args);
         assert!(out.status.success(), "{}", text(&out.stderr));
         text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect()
     }
