@@ -480,6 +480,20 @@ pub fn read_answer(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>,
     }
 }
 
+/// Whether a call's final JSON-RPC response (`Answer::Final`'s message) asks for input before the
+/// call can run (revision 2026-07-28's `InputRequiredResult`: a `result` whose `resultType` is
+/// `"input_required"`, with its `inputRequests`). Not the call's end: the client answers by
+/// sending the call again with `params.inputResponses` (and the `requestState` it was given), and
+/// the server runs it from the start with them. Such an answer is released, so that later round
+/// claims the key and its final result is what the key keeps.
+pub fn input_required(message: &[u8]) -> bool {
+    let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(message) else { return false };
+    let Some(Value::Object(result)) = m.get("result") else { return false };
+    !m.contains_key("error")
+        && result.get("resultType").and_then(Value::as_str) == Some("input_required")
+        && result.get("inputRequests").is_some_and(Value::is_object)
+}
+
 /// `read_answer` on a captured response.
 pub fn answer_of(r: &StoredResponse, id: &[u8]) -> Answer {
     let header = |name: &str| r.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());

@@ -265,6 +265,11 @@ fn mcp_outcome(
     };
     let unknown = UnknownReason::Other;
     match (outcome, answer, response) {
+        // A round that asks for input (2026-07-28) is not the call's end: released, so the round
+        // that answers it claims the key (`mcp::input_required`).
+        (o, Answer::Final(body), Some(r)) if crate::mcp::input_required(&body) => {
+            (Outcome::Release, Some(r), Some(("mcp_input_required", format!("{o:?}"))))
+        }
         (o, Answer::Final(body), Some(r)) => {
             let stored = crate::mcp::final_response(r, body);
             let why = (o != Outcome::Store).then(|| ("mcp_final_response_received", format!("{o:?}")));

@@ -338,3 +338,37 @@ fn mcp_a_final_response_received_is_a_completion_whatever_came_after() {
     assert_eq!(mcp_settle(gone, Some(mcp_response(200, "text/event-stream", cut)), false).1, "marked-unknown");
     assert_eq!(mcp_settle(gone, Some(mcp_response(200, "text/event-stream", sse)), true).1, "marked-unknown");
 }
+
+/// Issue 40: a round that asks for input (2026-07-28 `InputRequiredResult`) is not the call's
+/// end: released whatever the exchange's outcome, so the round that answers it claims the key and
+/// its final result is what the key keeps. A result that only looks like it (no `inputRequests`,
+/// an error, another id) is not.
+#[test]
+fn mcp_a_round_that_asks_for_input_is_released_not_stored() {
+    let asks = br#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    for outcome in [Outcome::Store, Outcome::Unknown(UnknownReason::DownstreamGone), Outcome::Release] {
+        let (cmds, slug) = mcp_settle(outcome, Some(mcp_response(200, "application/json", asks)), false);
+        assert_eq!(slug, "released", "{outcome:?}");
+        assert!(cmds.iter().any(|c| matches!(c, Command::Local(Local::Release(_)))), "{outcome:?}");
+        assert!(logs(&cmds).iter().any(|(_, l)| l.contains("outcome=mcp_input_required")), "{outcome:?}");
+    }
+    let sse = format!("event: message\ndata: {}\n\n", std::str::from_utf8(asks).unwrap_or_default());
+    assert_eq!(
+        mcp_settle(Outcome::Store, Some(mcp_response(200, "text/event-stream", sse.as_bytes())), false).1,
+        "released"
+    );
+    let look_alikes: [&[u8]; 3] = [
+        br#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"input_required"}}"#,
+        br#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"complete","inputRequests":{}}}"#,
+        br#"{"jsonrpc":"2.0","id":7,"result":{"content":[],"structuredContent":{"resultType":"input_required","inputRequests":{}}}}"#,
+    ];
+    for body in look_alikes {
+        let (_, slug) = mcp_settle(Outcome::Store, Some(mcp_response(200, "application/json", body)), false);
+        assert_eq!(slug, "stored", "{}", String::from_utf8_lossy(body));
+    }
+    let other_id = br#"{"jsonrpc":"2.0","id":8,"result":{"resultType":"input_required","inputRequests":{}}}"#;
+    assert_eq!(
+        mcp_settle(Outcome::Store, Some(mcp_response(200, "application/json", other_id)), false).1,
+        "marked-unknown"
+    );
+}
