@@ -587,6 +587,15 @@ pub enum AtMcpBody {
 pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBody {
     let Some(mcp) = policy.mcp.as_ref() else { return AtMcpBody::PolicyMissing };
     let null = || b"null".to_vec();
+    // 2026-07-28's routing headers name the message; one that disagrees with the body is refused
+    // before anything reads either (a router or server going by the headers would run another
+    // call than the one protected).
+    if let Some(header) =
+        mcp::routing_headers_disagree(&head.values(mcp::METHOD_HEADER), &head.values(mcp::NAME_HEADER), body)
+    {
+        let id = mcp::request_id(body).unwrap_or_else(null);
+        return AtMcpBody::Refuse { id, batch: vec![], problem: ProblemKind::McpHeaderMismatch { header } };
+    }
     let call = match mcp::classify(body, mcp) {
         Classified::Pass => return AtMcpBody::Pass,
         Classified::Batch(ids) => {

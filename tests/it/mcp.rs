@@ -676,3 +676,42 @@ fn a_tools_call_without_an_id_is_refused_and_leaves_its_key_free() {
     assert_eq!(message(&call)["result"]["execution"], 1, "{}", call.body_text());
     assert_eq!(s.up.executions(), 1);
 }
+
+/// Issue 40: revision 2026-07-28's routing headers (`Mcp-Method`, `Mcp-Name`) must agree with the
+/// body, or a router or server going by the headers runs another call than the one protected (a
+/// call of `lookup` named `charge` in its header runs unprotected at a header-routed `charge`).
+/// Each disagreement is refused before anything is forwarded; headers that agree (as sent, or in
+/// the `=?base64?…?=` form clients use for other values) protect the call as before.
+#[test]
+fn routing_headers_that_disagree_with_the_body_are_refused_before_anything_runs() {
+    let s = Mcp::start(&plugin("", ""));
+    let charge = tools_call(json!(5), "charge", json!({"amount": 1}), Value::Null);
+    let lookup = tools_call(json!(6), "lookup", json!({}), Value::Null);
+    let batch = br#"[{"jsonrpc":"2.0","id":7,"method":"tools/list"}]"#.to_vec();
+    let cases: [(&str, Vec<(&str, &str)>, &[u8], &str); 6] = [
+        ("method", vec![("mcp-method", "tools/list")], &charge, "mcp-method"),
+        ("name", vec![("mcp-method", "tools/call"), ("mcp-name", "lookup")], &charge, "mcp-name"),
+        ("unprotected body, protected name", vec![("mcp-name", "charge")], &lookup, "mcp-name"),
+        ("name twice", vec![("mcp-name", "charge"), ("mcp-name", "charge")], &charge, "mcp-name"),
+        ("name in base64, another tool", vec![("mcp-name", "=?base64?bG9va3Vw?=")], &charge, "mcp-name"),
+        ("a batch", vec![("mcp-method", "tools/list")], &batch, "mcp-method"),
+    ];
+    for (what, extra, body, header) in cases {
+        let mut h = vec![ALICE, BOTH, ("idempotency-key", "k-headers")];
+        h.extend(extra);
+        let r = post(s.envoy.port, &h, body);
+        println!("{what}: {} {}", r.status, r.body_text());
+        let m = message(&r);
+        assert_eq!(error_type(&m), "mcp-header-mismatch", "{what}");
+        assert_eq!(m["error"]["code"], -32020, "{what}");
+        assert!(m["error"]["data"]["detail"].as_str().unwrap_or("").contains(header), "{what}: {m}");
+    }
+    assert_eq!(s.up.calls().len(), 0, "nothing forwarded");
+    // Agreeing headers: the call is protected (the key is still free: nothing above claimed it).
+    for name in ["charge", "=?base64?Y2hhcmdl?="] {
+        let h = [ALICE, BOTH, ("idempotency-key", "k-headers"), ("mcp-method", "tools/call"), ("mcp-name", name)];
+        let r = post(s.envoy.port, &h, &charge);
+        assert_eq!(message(&r)["result"]["execution"], 1, "{name}: {}", r.body_text());
+    }
+    assert_eq!(s.up.executions(), 1, "one execution, then its replay");
+}
