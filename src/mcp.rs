@@ -185,9 +185,7 @@ pub fn routing_headers_disagree(method: &[&[u8]], name: &[&[u8]], body: &[u8]) -
     if method.first().is_some_and(|h| Some(*h) != body_method.map(str::as_bytes)) {
         return Some(METHOD_HEADER);
     }
-    let Some(field) = NAME_BEARING.iter().find(|(n, _)| Some(*n) == body_method).map(|(_, f)| *f) else {
-        return None;
-    };
+    let field = NAME_BEARING.iter().find(|(n, _)| Some(*n) == body_method).map(|(_, f)| *f)?;
     let value = m.get("params").and_then(|p| p.get(field)).and_then(Value::as_str);
     match (name.first(), value) {
         (None, _) => None,
@@ -831,7 +829,8 @@ mod tests {
         let read = br#"{"jsonrpc":"2.0","id":4,"method":"resources/read","params":{"uri":"file:///a"}}"#;
         let list = br#"{"jsonrpc":"2.0","id":5,"method":"tools/list"}"#;
         let m: &[u8] = b"tools/call";
-        let agree: [(&[&[u8]], &[&[u8]], &[u8]); 8] = [
+        type Headers<'a> = &'a [&'a [u8]];
+        let agree: [(Headers, Headers, &[u8]); 8] = [
             (&[], &[], call),
             (&[m], &[], call),
             (&[m], &["=?base64?Y2Fmw6k=?=".as_bytes()], call),
@@ -846,7 +845,7 @@ mod tests {
         for (i, (method, name, body)) in agree.iter().enumerate() {
             assert_eq!(routing_headers_disagree(method, name, body), None, "agree {i}");
         }
-        let disagree: [(&[&[u8]], &[&[u8]], &[u8], &str); 9] = [
+        let disagree: [(Headers, Headers, &[u8], &str); 9] = [
             (&[b"tools/list"], &[], call, METHOD_HEADER),
             (&[m, m], &[], call, METHOD_HEADER),
             (&[b"Tools/Call"], &[], call, METHOD_HEADER),

@@ -688,7 +688,8 @@ fn routing_headers_that_disagree_with_the_body_are_refused_before_anything_runs(
     let charge = tools_call(json!(5), "charge", json!({"amount": 1}), Value::Null);
     let lookup = tools_call(json!(6), "lookup", json!({}), Value::Null);
     let batch = br#"[{"jsonrpc":"2.0","id":7,"method":"tools/list"}]"#.to_vec();
-    let cases: [(&str, Vec<(&str, &str)>, &[u8], &str); 6] = [
+    type Case<'a> = (&'a str, Vec<(&'a str, &'a str)>, &'a [u8], &'a str);
+    let cases: [Case; 6] = [
         ("method", vec![("mcp-method", "tools/list")], &charge, "mcp-method"),
         ("name", vec![("mcp-method", "tools/call"), ("mcp-name", "lookup")], &charge, "mcp-name"),
         ("unprotected body, protected name", vec![("mcp-name", "charge")], &lookup, "mcp-name"),
