@@ -534,18 +534,26 @@ fn a_stale_session_404_releases_the_key_so_the_retry_in_a_new_session_executes_o
 /// replayed to the retry under the retry's id.
 #[test]
 fn a_tools_call_redirected_with_its_key_in_its_arguments_is_one_call() {
-    redirected_call_is_one_call("");
+    redirected_call_is_one_call("", "/mcp/target");
     // Without held headers, the router's retries were forbidden at the headers.
-    redirected_call_is_one_call(r#", "hold_headers": false"#);
+    redirected_call_is_one_call(r#", "hold_headers": false"#, "/mcp/target");
 }
 
-fn redirected_call_is_one_call(top_extra: &str) {
+/// Issue 40: the same to another host (its `:authority`, part of the caller's scope, differs on
+/// the re-created stream): the claim is taken in the scope of the URL redirected from.
+#[test]
+fn a_tools_call_redirected_to_another_host_is_one_call() {
+    redirected_call_is_one_call("", "http://pay.example.test/mcp/target");
+}
+
+fn redirected_call_is_one_call(top_extra: &str, to: &str) {
     let up = McpUpstream::start();
     let mut o = EnvoyOptions::new(&plugin("", top_extra), up.port);
     o.stop_iteration_flag = top_extra.is_empty();
     o.route_action_extra = ", internal_redirect_policy: {redirect_response_codes: [307]}".into();
     let envoy = Envoy::start(&o);
-    let h = [ALICE, ("accept", "application/json"), ("x-up-redirect", "307 /mcp/target")];
+    let to = format!("307 {to}");
+    let h = [ALICE, ("accept", "application/json"), ("x-up-redirect", to.as_str())];
     let args = json!({"amount": 3, "idempotency_key": "k-redirected"});
     let a = post(envoy.port, &h, &tools_call(json!(1), "charge", args.clone(), Value::Null));
     assert_eq!(a.status, 200, "{}", a.body_text());

@@ -438,6 +438,28 @@ fn the_recreated_stream_continues_the_claim_and_its_target_never_releases_it() {
     assert_eq!(host.key_phase(&skey), Some(KeyPhase::Unknown), "settled {slug}");
 }
 
+/// Issue 40: a redirect to another host re-creates the stream under another `:authority`, part
+/// of the caller's scope: the stream reads its key in the scope of the URL it came from, so it
+/// takes its claim; a URL that names another authority than the claim's takes nothing.
+#[test]
+fn a_stream_recreated_for_another_host_continues_the_claim_in_the_first_hops_scope() {
+    let c = config(BUDGET);
+    let mut host = Host::new(&c);
+    let (mut first, skey) = forwarded(&c, &mut host);
+    assert!(first.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
+    let mut handoffs = handed(&mut host);
+    let policy = |i: usize| c.shared_policy(i);
+    let mut target = head("/target", Some("k-redirect"), &[]);
+    target.authority = "pay.example.test".into();
+    let elsewhere = b"http://other.example.test/charges";
+    assert!(take_handoff(&mut handoffs, &[0], policy, &target, elsewhere, Some(7), 11, NOW).is_none());
+    let taken = take_handoff(&mut handoffs, &[0], policy, &target, URL, Some(7), 11, NOW);
+    let Some((h, p, scope)) = taken else { panic!("the re-created stream takes its claim") };
+    assert_eq!(h.skey, skey);
+    assert_eq!(scope, CallerScope::of(&head("/charges", Some("k-redirect"), &[]), &p.scope), "the first hop's scope");
+    assert_ne!(scope, CallerScope::of(&target, &p.scope));
+}
+
 #[test]
 fn a_recreated_stream_whose_retries_cannot_be_forbidden_fails_closed_keeping_the_claim() {
     let c = config(BUDGET);
