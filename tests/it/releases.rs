@@ -562,3 +562,80 @@ fn the_releases_file_the_changelog_and_the_version_agree() {
         assert_eq!(tag, newest, "{f}: the image tag");
     }
 }
+
+/// The members of an uncompressed tar (ustar, as scripts/oci-image.py writes it): name -> bytes.
+fn untar(t: &[u8]) -> HashMap<String, Vec<u8>> {
+    let mut out = HashMap::new();
+    let mut at = 0;
+    while at + 512 <= t.len() && t[at] != 0 {
+        let h = &t[at..at + 512];
+        let field =
+            |r: std::ops::Range<usize>| String::from_utf8_lossy(&h[r]).trim_end_matches('\0').trim().to_string();
+        let name = field(0..100);
+        let size = usize::from_str_radix(&field(124..136), 8).expect("octal size");
+        let data = t[at + 512..at + 512 + size].to_vec();
+        if h[156] == b'0' || h[156] == 0 {
+            out.insert(name, data);
+        }
+        at += 512 + size.div_ceil(512) * 512;
+    }
+    out
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// `make release`'s image (scripts/oci-image.py): an OCI image layout whose index tags the one
+/// manifest with the version, every blob named by its digest, the config labelled with the
+/// version and commit, one gzipped layer holding the module as plugin.wasm; the same bytes twice.
+#[test]
+fn the_release_image_holds_the_module_under_its_version() {
+    let scratch = support::Scratch::new("oci");
+    let module = support::wasm_path();
+    let write = |out: &str| {
+        let path = scratch.0.join(out);
+        let ok = Command::new(repo_root().join("scripts/oci-image.py"))
+            .args([module.to_str().expect("path"), "9.8.7", "0123456789abcdef0123456789abcdef01234567"])
+            .arg(&path)
+            .status()
+            .expect("run scripts/oci-image.py");
+        assert!(ok.success());
+        std::fs::read(path).expect("the archive")
+    };
+    let archive = write("a.tar");
+    assert_eq!(archive, write("b.tar"), "reproducible");
+    let files = untar(&archive);
+    let json = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).expect("json");
+    let blob = |digest: &str| {
+        let hex = digest.strip_prefix("sha256:").expect("sha256 digest");
+        let b = files.get(&format!("blobs/sha256/{hex}")).unwrap_or_else(|| panic!("blob {digest}")).clone();
+        assert_eq!(sha256_hex(&b), hex, "blob {digest} holds what its name says");
+        b
+    };
+    assert_eq!(json(&files["oci-layout"])["imageLayoutVersion"], "1.0.0");
+    let index = json(&files["index.json"]);
+    let entry = &index["manifests"][0];
+    assert_eq!(entry["annotations"]["org.opencontainers.image.ref.name"], "9.8.7", "the tag");
+    let manifest_bytes = blob(entry["digest"].as_str().expect("digest"));
+    assert_eq!(entry["size"].as_u64(), Some(manifest_bytes.len() as u64));
+    let manifest = json(&manifest_bytes);
+    assert_eq!(manifest["mediaType"], "application/vnd.oci.image.manifest.v1+json");
+    let config = json(&blob(manifest["config"]["digest"].as_str().expect("config")));
+    assert_eq!(config["config"]["Labels"]["org.opencontainers.image.version"], "9.8.7");
+    assert_eq!(
+        config["config"]["Labels"]["org.opencontainers.image.revision"],
+        "0123456789abcdef0123456789abcdef01234567"
+    );
+    let layers = manifest["layers"].as_array().expect("layers");
+    assert_eq!(layers.len(), 1, "one layer");
+    assert_eq!(layers[0]["mediaType"], "application/vnd.oci.image.layer.v1.tar+gzip");
+    let gz = blob(layers[0]["digest"].as_str().expect("layer"));
+    let mut layer_tar = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..]).read_to_end(&mut layer_tar).expect("gunzip the layer");
+    assert_eq!(config["rootfs"]["diff_ids"][0], format!("sha256:{}", sha256_hex(&layer_tar)));
+    let layer = untar(&layer_tar);
+    assert_eq!(layer.keys().collect::<Vec<_>>(), vec!["plugin.wasm"]);
+    assert!(layer["plugin.wasm"] == std::fs::read(&module).expect("module"), "plugin.wasm is the module");
+}
