@@ -70,7 +70,7 @@ test-failover: build deps
 	@printf '\nFailover (scenario | keys | executed before the failover | lost | executed twice | answers):\n'; cat target/faults/failover.md
 
 ## test-mixed-fleet: the previous release (built from its commit in RELEASES) beside this build on one Redis
-## and one etcd, IDEMGATE_MIXED_FLEET_KEYS keys (default 200) crossing versions both ways
+## and one etcd, IDEMGATE_MIXED_FLEET_KEYS keys (default 1000, in rounds of 100) crossing versions both ways
 ## (tests/it/releases.rs, mixed_fleet_full_*); `make test` runs the short forms (mixed_fleet_*)
 test-mixed-fleet: build deps
 	scripts/check-test-selection.py releases::mixed_fleet_full_
