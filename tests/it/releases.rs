@@ -204,7 +204,8 @@ impl Fleet {
     }
 
     /// `keys` keys, each first sent to one version and retried on the other while it runs and
-    /// once it is done; then `duplicates` keys each sent six times at once across both versions.
+    /// once it is done; then `duplicates` keys each sent six times at once across both versions;
+    /// then, each round, two keys left outcome-unknown by one version and retried on the other.
     fn run(&self, keys: usize, duplicates: usize) {
         // In rounds of at most 100 keys: a thousand claims sent at once overrun a store's
         // timeout on a loaded 2-core machine (503 store-unavailable, a refusal, not the contract).
@@ -329,9 +330,37 @@ impl Fleet {
                 assert!(ok, "{key}: {} {}", r.status, r.body_text());
             }
         }
+        // 5. An outcome-unknown record crossing versions: the upstream executes, then resets
+        // before answering (Envoy's 503); the first proxy marks the key outcome-unknown after the
+        // answer, and the other version answers 409 outcome-unknown (request-in-flight until the
+        // mark lands, polled by count), never executing it again.
+        for i in 0..2 {
+            let (first, other) = self.sides(i);
+            let key = format!("u-{r}-{i}");
+            let cut = post(first, &key, &[("content-type", "application/json"), ("x-up-reset", "before-headers")]);
+            assert_eq!(cut.status, 503, "{key}'s first attempt on {}: {}", who(first), cut.body_text());
+            let mut last = None;
+            for _ in 0..400 {
+                let r = post(other, &key, &[("content-type", "application/json")]);
+                if r.problem() != "request-in-flight" {
+                    last = Some(r);
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let r = last.unwrap_or_else(|| panic!("{key}: still in flight on {} after 400 retries", who(other)));
+            assert_eq!(
+                (r.status, r.problem().as_str()),
+                (409, "outcome-unknown"),
+                "{key} unknown on {}, retried on {}: {}",
+                who(first),
+                who(other),
+                r.body_text()
+            );
+        }
         // Every key executed once, whichever version saw it first.
         let counts = by_key();
-        assert_eq!(counts.len(), before + keys + duplicates, "{counts:?}");
+        assert_eq!(counts.len(), before + keys + duplicates + 2, "{counts:?}");
         let twice: Vec<_> = counts.iter().filter(|(_, n)| **n != 1).collect();
         assert!(twice.is_empty(), "keys executed more than once: {twice:?}");
         // Nothing either version could not read.
