@@ -120,6 +120,12 @@ impl Upstream {
     pub fn release_holds(&self) {
         self.state.lock().expect("lock").holds_released = true;
     }
+
+    /// Holds `x-up-hold` requests again, once every request held before has answered (one still
+    /// waiting for its release would wait on).
+    pub fn hold_again(&self) {
+        self.state.lock().expect("lock").holds_released = false;
+    }
 }
 
 impl Drop for Upstream {
