@@ -551,17 +551,18 @@ pub fn read_answer(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>,
 }
 
 /// Whether a call's final JSON-RPC response (`Answer::Final`'s message) asks for input before the
-/// call can run (revision 2026-07-28's `InputRequiredResult`: a `result` whose `resultType` is
-/// `"input_required"`, with its `inputRequests`). Not the call's end: the client answers by
-/// sending the call again with `params.inputResponses` (and the `requestState` it was given), and
-/// the server runs it from the start with them. Such an answer is released, so that later round
-/// claims the key and its final result is what the key keeps.
+/// call can end (revision 2026-07-28's `InputRequiredResult`: a `result` whose `resultType` is
+/// `"input_required"`, with `inputRequests` or a `requestState`, at least one, as its schema
+/// says; state alone asks the client to poll). Not the call's end: the client sends the call again
+/// with `params.inputResponses` and the `requestState` it was given. Whether such an answer is
+/// kept or released is the route's `mcp.input_required`.
 pub fn input_required(message: &[u8]) -> bool {
     let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(message) else { return false };
     let Some(Value::Object(result)) = m.get("result") else { return false };
+    let present = |name| result.get(name).is_some_and(|v| !v.is_null());
     !m.contains_key("error")
         && result.get("resultType").and_then(Value::as_str) == Some("input_required")
-        && result.get("inputRequests").is_some_and(Value::is_object)
+        && (present("inputRequests") || present("requestState"))
 }
 
 /// `read_answer` on a captured response.
@@ -795,7 +796,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn all_tools() -> McpPolicy {
-        McpPolicy { tools: None, key_arguments: vec!["idempotency_key".into()] }
+        McpPolicy { tools: None, key_arguments: vec!["idempotency_key".into()], ..McpPolicy::default() }
     }
 
     fn call_of(body: &str) -> Call {
@@ -866,7 +867,7 @@ mod tests {
 
     #[test]
     fn only_tools_call_for_a_listed_tool_is_protected() {
-        let p = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![] };
+        let p = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![], ..McpPolicy::default() };
         let c = |b: &str| classify(b.as_bytes(), &p);
         assert!(matches!(
             c(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#),
@@ -980,7 +981,7 @@ mod tests {
         ] {
             assert_eq!(classify(b.as_bytes(), &all_tools()), Classified::Ambiguous, "{b}");
         }
-        let only = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![] };
+        let only = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![], ..McpPolicy::default() };
         assert_eq!(classify(br#"{"method":"tools/call","params":{"name":"lookup"}}"#, &only), Classified::Pass);
     }
 

@@ -1300,7 +1300,7 @@ impl<W> Machine<W> {
             ended.outcome = redirect::after_first_hop(ended.outcome);
         }
         let claim = req.claim(claim);
-        let slug = settle_claim(io, &claim, Some(&req.policy), self.store.is_some(), ended, response);
+        let slug = settle_claim(io, &claim, Some(&req.policy), self.store.is_some(), redirected, ended, response);
         io.run(Command::Publish { key: req.published_key().copied(), outcome: slug });
         slug
     }
@@ -1377,12 +1377,22 @@ pub fn settle_claim(
     claim: &Claim,
     policy: Option<&Policy>,
     has_store: bool,
+    redirected: bool,
     ended: Ended,
     response: Response,
 ) -> &'static str {
     let now = io.now_ms();
-    let (machine, cmds) =
-        settle::start(claim, policy, has_store, ended.outcome, response.stored, response.too_large, &ended.detail, now);
+    let (machine, cmds) = settle::start(
+        claim,
+        policy,
+        has_store,
+        redirected,
+        ended.outcome,
+        response.stored,
+        response.too_large,
+        &ended.detail,
+        now,
+    );
     let mut answer = settle::LocalAnswer::None;
     for c in cmds {
         if let Some(a) = settle_command(io, claim, policy, c, now) {
