@@ -194,12 +194,14 @@ pub fn routing_headers_disagree(method: &[&[u8]], name: &[&[u8]], body: &[u8]) -
     }
 }
 
-/// Whether header value `h` carries `value`: as it is, or as `=?base64?<canonical base64 of its
-/// UTF-8>?=` (how a client sends a value that is not plain printable ASCII).
+/// Whether header value `h` carries `value`: as it is when it is printable ASCII, or as
+/// `=?base64?<canonical base64 of its UTF-8>?=` (how a client sends any other value). A raw
+/// non-ASCII value is never taken: readers decode such bytes differently (the Python SDK's server
+/// reads them as Latin-1).
 fn header_names(h: &[u8], value: &str) -> bool {
     match h.strip_prefix(b"=?base64?").and_then(|r| r.strip_suffix(b"?=")) {
         Some(payload) => payload == base64(value.as_bytes()).as_slice(),
-        None => h == value.as_bytes(),
+        None => h == value.as_bytes() && h.iter().all(|b| (0x20..=0x7e).contains(b)),
     }
 }
 
@@ -846,12 +848,14 @@ mod tests {
         for (i, (method, name, body)) in agree.iter().enumerate() {
             assert_eq!(routing_headers_disagree(method, name, body), None, "agree {i}");
         }
-        let disagree: [(Headers, Headers, &[u8], &str); 9] = [
+        let disagree: [(Headers, Headers, &[u8], &str); 10] = [
             (&[b"tools/list"], &[], call, METHOD_HEADER),
             (&[m, m], &[], call, METHOD_HEADER),
             (&[b"Tools/Call"], &[], call, METHOD_HEADER),
             (&[m], &["café".as_bytes(), "café".as_bytes()], call, NAME_HEADER),
             (&[m], &[b"caf"], call, NAME_HEADER),
+            // The name's raw UTF-8: not plain printable ASCII, so only its base64 form names it.
+            (&[m], &["café".as_bytes()], call, NAME_HEADER),
             // Not canonical (other trailing bits), or no base64 at all: never the name.
             (&[m], &["=?base64?Y2Fmw6l=?=".as_bytes()], call, NAME_HEADER),
             (&[m], &["=?base64?Y2Fmw6k?=".as_bytes()], call, NAME_HEADER),
