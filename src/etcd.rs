@@ -87,7 +87,8 @@ const LEASE_RETRY_MS: u64 = 500;
 /// `store.timeout_ms`, which may be longer): each answer's lease is timed from its own send.
 const LEASE_GRANT_STUCK_MS: u64 = 10_000;
 
-const VALUE_MAGIC: &[u8; 4] = b"IGE1";
+/// The first bytes of every value the etcd store holds (`idemgate --version` names it).
+pub const VALUE_MAGIC: &[u8; 4] = b"IGE1";
 /// phase (1) + owner hex (32) + lock expiry ms (15 digits) + expiry ms (15 digits).
 const HEADER_LEN: usize = 1 + 32 + 15 + 15;
 /// What a release tombstone holds (its key names the owner).
@@ -1189,6 +1190,39 @@ pub fn parse_fenced_read(
             Err(e) => (ReadReply::Unreadable(e), None),
         }),
     }
+}
+
+/// A read of `skey`'s owner mark (the phase letter and owner hex, in plain text beside the sealed
+/// value): what an operator sees of the phase of a value this build cannot open.
+pub fn owner_mark_request(skey: &StorageKey) -> StoreRequest {
+    let key = owner_key(skey);
+    let mut out = Body::with_capacity(b64_len(key.len()) + 16);
+    out.raw(r#"{"key":"#).b64(key.as_bytes()).raw("}");
+    out.post("/v3/kv/range")
+}
+
+/// Parses a range answer for the single etcd key `key` as stored, opened or not: `None` when
+/// absent, else its bytes and `mod_revision` (what `forget_raw_request` compares). Answers
+/// `read_request` (`key`: `etcd_key`) and `owner_mark_request` (`owner_key`).
+pub fn parse_raw_read(status: Option<u16>, body: &[u8], key: &str) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
+    let a: RangeAnswer = json_answer(status, body)?;
+    if !has_revision(&a.header) {
+        return Err(garbled("etcd answer without a revision"));
+    }
+    single_kv(&a, key)
+}
+
+/// The deletion of `skey`'s value and owner mark if the value is still the one read at
+/// `mod_revision` (an operator's `forget` of a value this build cannot open: no owner or phase
+/// is compared, only that nothing wrote the key since it was read). Its answer is read by
+/// `parse_transition_reply` (no echo): changed, or refused when the value changed.
+pub fn forget_raw_request(skey: &StorageKey, mod_revision: i64) -> StoreRequest {
+    let keys = Keys::of(skey);
+    txn(
+        &[Compare::ModRevision(keys.value.as_bytes(), mod_revision)],
+        &[Op::Delete(keys.value.as_bytes()), Op::Delete(keys.owner.as_bytes())],
+        &[],
+    )
 }
 
 /// Most keys one page of `list_page_request` asks for (and `parse_list_page` accepts).

@@ -77,7 +77,8 @@ pub fn write_window_ms(store_timeout_ms: u64) -> u64 {
 }
 
 pub const KEY_PREFIX: &str = "idemgate:v1:";
-const VALUE_MAGIC: &[u8; 4] = b"IGS1";
+/// The first bytes of every value the Redis store holds (`idemgate --version` names it).
+pub const VALUE_MAGIC: &[u8; 4] = b"IGS1";
 /// `IGS1` + phase (1) + owner hex (32) + lock expiry in ms, 15 decimal digits.
 const HEADER_LEN: usize = 4 + 1 + 32 + 15;
 

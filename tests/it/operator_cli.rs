@@ -507,3 +507,191 @@ fn list_pages_through_thousands_of_keys_and_lists_each_once() {
     // `--limit` stops the listing there.
     assert_eq!(ops.listed_at_most("completed", 250).len(), 250);
 }
+
+/// Values this build cannot read, planted straight into Redis: garbage bytes, an outcome-unknown
+/// value sealed with another record key (another fleet's, or one rotated out), and a claim sealed
+/// so whose lock is live. `inspect` shows each as far as it can (size, SHA-1, TTL, the header's
+/// phase and lock) instead of refusing; `forget` deletes the outcome-unknown one, refuses the live
+/// claim (its request may be running) and the garbage until `--force` (nothing says what it is),
+/// then deletes it; a retry through Envoy then executes. Before, both refused every such value
+/// ("value this build cannot read"): a raw Redis DEL was the only way out.
+#[test]
+fn inspect_and_forget_reach_values_this_build_cannot_read() {
+    use idemgate::owner::OwnerToken;
+    use idemgate::record::{Creator, Record, Stage, State, UnknownReason};
+    use idemgate::scope::StorageKey;
+    use idemgate::store::StoredValue;
+    let s = Stack::start();
+    let other = idemgate::seal::Seal::new(Some("another-fleets-record-key-0123456789abcdef"), None).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let foreign = |key: &str, phase: Stage, lock: u64| -> (String, Vec<u8>) {
+        let skey = s.storage_key(key);
+        let state = match phase {
+            Stage::Unknown => State::OutcomeUnknown { reason: UnknownReason::UpstreamReset },
+            _ => State::Forwarded { owner: OwnerToken([5; 16]), lock_expires_at_ms: lock },
+        };
+        let record = Record {
+            fingerprint: idemgate::fingerprint::Fingerprint([7; 32]),
+            created_at_ms: now,
+            expires_at_ms: now + 3_600_000,
+            creator: Creator { request_id: "r-foreign".into(), log_values: vec![] },
+            state,
+        };
+        let v = StoredValue { phase, owner: OwnerToken([5; 16]), lock_expires_at_ms: lock, record };
+        let sk = StorageKey(idemgate::hex::decode::<32>(skey.as_bytes()).unwrap());
+        (skey, v.encode(&sk, &other))
+    };
+    let (unknown, unknown_value) = foreign("k-foreign-unknown", Stage::Unknown, 0);
+    let (claim, claim_value) = foreign("k-foreign-claim", Stage::Forwarded, now + 3_600_000);
+    let garbage = s.storage_key("k-garbage");
+    let garbage_value = b"\x00\xffnot an idemgate value at all".to_vec();
+    for (skey, value) in [(&unknown, &unknown_value), (&claim, &claim_value), (&garbage, &garbage_value)] {
+        let k = format!("idemgate:v1:{skey}");
+        let set = s.redis.command(&[b"SET", k.as_bytes(), value, b"PX", b"3600000"]);
+        assert_eq!(set, support::store::resp::Value::Status("OK".into()));
+    }
+    // inspect: shown, never refused.
+    for (skey, value, phase) in [
+        (&unknown, &unknown_value, Some("outcome-unknown")),
+        (&claim, &claim_value, Some("in-flight")),
+        (&garbage, &garbage_value, None),
+    ] {
+        let out = s.cli(&["inspect", skey, "--json"]);
+        assert!(out.status.success(), "{skey}: {}", text(&out.stderr));
+        let rec: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(rec["state"], "unreadable", "{rec}");
+        assert_eq!(rec["raw_bytes"].as_u64(), Some(value.len() as u64), "{rec}");
+        assert!(rec["store_ttl_ms"].as_i64().is_some_and(|t| t > 3_500_000 && t <= 3_600_000), "{rec}");
+        assert!(rec["unreadable"].as_str().is_some_and(|w| !w.is_empty()), "{rec}");
+        assert_eq!(rec["phase"].as_str(), phase, "{rec}");
+    }
+    let rec = s.inspect(&claim);
+    assert_eq!((rec["lock"].as_str(), rec["owner"].as_str()), (Some("live"), Some("05".repeat(16).as_str())), "{rec}");
+    // forget: the live claim is refused as any live claim is; the garbage until --force.
+    let out = s.cli(&["forget", &claim]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("in flight"), "{}", text(&out.stderr));
+    let out = s.cli(&["forget", &garbage]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("--force"), "{}", text(&out.stderr));
+    assert_eq!(s.redis.keys("idemgate:v1:*").len(), 3, "nothing deleted yet");
+    for args in [&["forget", &unknown][..], &["forget", &garbage, "--force"]] {
+        let out = s.cli(args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        assert!(text(&out.stdout).contains("unreadable value deleted"), "{}", text(&out.stdout));
+    }
+    assert_eq!(s.redis.keys("idemgate:v1:*"), vec![format!("idemgate:v1:{claim}")]);
+    assert_eq!(text(&s.cli(&["inspect", &unknown]).stdout).trim(), "absent");
+    // The retries execute now (before, the proxies found the unreadable value and refused).
+    for key in ["k-foreign-unknown", "k-garbage"] {
+        let r = s.post(key, &[]);
+        assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{key}: {}", r.body_text());
+    }
+    assert_eq!(s.up.executions(), 2);
+    let r = s.post("k-foreign-claim", &[]);
+    assert_ne!(r.status, 201, "{}", r.body_text());
+    assert_eq!(s.up.executions(), 2, "the other build's live claim was kept");
+}
+
+/// Every command's `--json` is one JSON document (parsed here), failures included.
+#[test]
+fn every_command_answers_json_with_json() {
+    let s = Stack::start();
+    let unknown = outcome_unknown(&s, "k-json-unknown");
+    let parse = |out: &Output| -> serde_json::Value {
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {:?}", text(&out.stdout)))
+    };
+    let auth = format!("authorization: {CALLER}");
+    let key = parse(&s.cli(&["key", "--json", "--scope-header", &auth, "--authority", "idemgate.test", "k-json"]));
+    let skey = s.storage_key("k-json");
+    assert_eq!((key["ok"].as_bool(), key["storage_key"].as_str()), (Some(true), Some(skey.as_str())), "{key}");
+    let absent = parse(&s.cli(&["inspect", &skey, "--json"]));
+    assert_eq!(absent["state"], "absent", "{absent}");
+    assert_eq!(s.post("k-json", &[]).status, 201);
+    s.wait_listed("completed", &skey);
+    let rec = parse(&s.cli(&["inspect", &skey, "--json"]));
+    assert_eq!((rec["state"].as_str(), rec["status"].as_u64()), (Some("completed"), Some(201)), "{rec}");
+    let list = parse(&s.cli(&["list", "--state", "outcome-unknown", "--json"]));
+    assert_eq!(list["keys"].as_array().map(Vec::len), Some(1), "{list}");
+    assert_eq!(
+        (list["keys"][0]["storage_key"].as_str(), list["complete"].as_bool()),
+        (Some(unknown.as_str()), Some(true))
+    );
+    let limited = parse(&s.cli(&["list", "--state", "completed", "--limit", "0", "--json"]));
+    assert_eq!((limited["shown"].as_u64(), limited["complete"].as_bool()), (Some(0), Some(false)), "{limited}");
+    let refused = s.cli(&["resolve", &skey, "--release", "--json"]);
+    assert_eq!(refused.status.code(), Some(1));
+    let r = parse(&refused);
+    assert_eq!((r["ok"].as_bool(), r["exit"].as_u64()), (Some(false), Some(1)), "{r}");
+    assert!(r["error"].as_str().is_some_and(|e| e.contains("completed")), "{r}");
+    let released = parse(&s.cli(&["resolve", &unknown, "--release", "--json"]));
+    assert_eq!((released["ok"].as_bool(), released["result"].as_str()), (Some(true), Some("released")), "{released}");
+    let forgot = parse(&s.cli(&["forget", &skey, "--json"]));
+    assert_eq!((forgot["result"].as_str(), forgot["storage_key"].as_str()), (Some("forgotten"), Some(skey.as_str())));
+    let usage = s.cli(&["inspect", "nope", "--json"]);
+    assert_eq!((usage.status.code(), parse(&usage)["exit"].as_u64()), (Some(2), Some(2)));
+}
+
+/// `idemgate --version` prints the crate's version (and, long, the record formats it reads).
+#[test]
+fn version_prints_the_crates_version_and_record_formats() {
+    let short = Command::new(env!("CARGO_BIN_EXE_idemgate")).arg("-V").output().unwrap();
+    assert!(short.status.success());
+    assert_eq!(text(&short.stdout).trim(), format!("idemgate {}", env!("CARGO_PKG_VERSION")));
+    let long = Command::new(env!("CARGO_BIN_EXE_idemgate")).arg("--version").output().unwrap();
+    let long = text(&long.stdout);
+    assert!(long.starts_with(&format!("idemgate {}\n", env!("CARGO_PKG_VERSION"))), "{long}");
+    for format in ["IGR v1", "IGS1", "IGE1", "IGM1"] {
+        assert!(long.contains(format), "{format}: {long}");
+    }
+}
+
+/// An endpoint that sends more than `--max-answer-bytes` (or announces more) ends the command
+/// with a clear error, whether it poses as webdis or as etcd: the CLI stops reading. The server
+/// offers 64 MiB; the CLI, capped at 1 MiB, stops long before it is all written.
+#[test]
+fn an_answer_past_the_cap_ends_the_command_with_a_clear_error() {
+    use std::io::{Read as _, Write as _};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let written = Arc::new(AtomicUsize::new(0));
+    let counted = written.clone();
+    // Connection 1 and 2: endless (64 MiB) bodies without a length; 3: a length of 10 GiB announced.
+    let server = std::thread::spawn(move || {
+        for (i, conn) in listener.incoming().take(3).enumerate() {
+            let Ok(mut c) = conn else { continue };
+            let mut req = [0u8; 4096];
+            let _ = c.read(&mut req);
+            let head: &[u8] = if i < 2 {
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n"
+            } else {
+                b"HTTP/1.1 200 OK\r\ncontent-length: 10737418240\r\n\r\n"
+            };
+            let _ = c.write_all(head);
+            let block = vec![b'x'; 65536];
+            for _ in 0..if i < 2 { 1024 } else { 1 } {
+                if c.write_all(&block).is_err() {
+                    break;
+                }
+                counted.fetch_add(block.len(), Ordering::SeqCst);
+            }
+        }
+    });
+    let url = format!("http://127.0.0.1:{port}");
+    let skey = "ab".repeat(32);
+    for (store, args) in [
+        (OperatorCli::webdis(&url, None), vec!["list", "--state", "completed", "--max-answer-bytes", "1048576"]),
+        (OperatorCli::etcd(&url, None), vec!["inspect", &skey, "--max-answer-bytes", "1048576"]),
+        (OperatorCli::webdis(&url, None), vec!["inspect", &skey]),
+    ] {
+        let out = store.run(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out.stdout));
+        let err = text(&out.stderr);
+        assert!(err.contains("--max-answer-bytes") && err.contains("not read"), "{args:?}: {err}");
+    }
+    server.join().unwrap();
+    let sent = written.load(Ordering::SeqCst);
+    assert!(sent < 32 << 20, "the CLI read on past its cap: {sent} bytes written to it");
+}
