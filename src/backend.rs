@@ -503,6 +503,32 @@ impl Backend {
         }
     }
 
+    /// The reads of many keys' values in one request, where a listing's pages hold names only
+    /// (etcd: `etcd::read_many_request`, at most `etcd::READ_MANY_MAX` keys); `None` for Redis,
+    /// whose pages carry each value's header.
+    pub fn read_many_request(&self, skeys: &[StorageKey]) -> Option<StoreRequest> {
+        match self {
+            Backend::Redis => None,
+            Backend::Etcd { .. } => Some(etcd::read_many_request(skeys)),
+        }
+    }
+
+    /// The answer to `read_many_request(skeys)`: one read per key, in order, as `parse_fenced_read`
+    /// judges one at `local_now_ms`.
+    pub fn parse_read_many(
+        &self,
+        status: Option<u16>,
+        body: &[u8],
+        skeys: &[StorageKey],
+        seal: &Seal,
+        local_now_ms: u64,
+    ) -> Result<Vec<ReadReply>, StoreError> {
+        match self {
+            Backend::Redis => Err(StoreError::Garbled("Redis reads no values while listing".into())),
+            Backend::Etcd { .. } => etcd::parse_read_many(status, body, skeys, seal, local_now_ms),
+        }
+    }
+
     /// The lease an operator's transition `t` writes with, to be granted before it is built:
     /// `(request, ttl_seconds)` for etcd when `t` writes a value; `None` when none is needed.
     pub fn operator_lease_request(&self, t: &Transition) -> Option<(StoreRequest, u64)> {

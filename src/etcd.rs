@@ -1177,9 +1177,19 @@ pub fn parse_fenced_read(
     if !has_revision(&a.header) {
         return Err(garbled("etcd answer without a revision"));
     }
-    match single_kv(&a, &etcd_key(skey))? {
-        None => Ok((ReadReply::Absent, None)),
-        Some((v, mod_revision)) => Ok(match open_value(&v, skey, seal) {
+    Ok(judged_read(single_kv(&a, &etcd_key(skey))?, skey, seal, local_now_ms))
+}
+
+/// A value read at `skey` (`None`: absent) as `parse_fenced_read` reads it at `local_now_ms`.
+fn judged_read(
+    found: Option<(Vec<u8>, i64)>,
+    skey: &StorageKey,
+    seal: &Seal,
+    local_now_ms: u64,
+) -> (ReadReply, Option<Fence>) {
+    match found {
+        None => (ReadReply::Absent, None),
+        Some((v, mod_revision)) => match open_value(&v, skey, seal) {
             Ok((value, expires)) if value.summary(expires).is_free(judged_now(local_now_ms)) => {
                 (ReadReply::Absent, None)
             }
@@ -1188,8 +1198,61 @@ pub fn parse_fenced_read(
                 (ReadReply::Found(value), Some(fence))
             }
             Err(e) => (ReadReply::Unreadable(e), None),
-        }),
+        },
     }
+}
+
+/// Most values one `read_many_request` reads: below etcd's `--max-txn-ops` (128 by default), and
+/// an answer holds at most this many values (each at most etcd's `--max-request-bytes`).
+pub const READ_MANY_MAX: usize = 64;
+
+/// The reads of the values of `skeys` (the first `READ_MANY_MAX`) in one transaction: what the
+/// operator's listing reads of a page of key names (`list_page_request`), one request for many
+/// keys instead of one each.
+pub fn read_many_request(skeys: &[StorageKey]) -> StoreRequest {
+    let keys: Vec<String> = skeys.iter().take(READ_MANY_MAX).map(etcd_key).collect();
+    let ops: Vec<Op> = keys.iter().map(|k| Op::Range(k.as_bytes())).collect();
+    txn(&[], &ops, &[])
+}
+
+#[derive(Deserialize)]
+struct ManyAnswer<'a> {
+    #[serde(borrow)]
+    header: Option<Header<'a>>,
+    #[serde(default)]
+    succeeded: bool,
+    #[serde(borrow, default, deserialize_with = "few_n::<_, _, READ_MANY_MAX>")]
+    responses: Vec<OpAnswer<'a>>,
+}
+
+/// Parses the answer to `read_many_request(skeys)`: each key's value read as `parse_fenced_read`
+/// reads one at `local_now_ms`, in the order of `skeys` (the first `READ_MANY_MAX`). Every read
+/// must be there, of its own key.
+pub fn parse_read_many(
+    status: Option<u16>,
+    body: &[u8],
+    skeys: &[StorageKey],
+    seal: &Seal,
+    local_now_ms: u64,
+) -> Result<Vec<ReadReply>, StoreError> {
+    let a: ManyAnswer = json_answer(status, body)?;
+    if !has_revision(&a.header) || !a.succeeded {
+        return Err(garbled("etcd answer without a revision, or not a read's"));
+    }
+    let skeys = skeys.get(..skeys.len().min(READ_MANY_MAX)).unwrap_or_default();
+    if a.responses.len() != skeys.len() {
+        return Err(garbled("etcd answered another number of reads than asked"));
+    }
+    let mut out = Vec::with_capacity(skeys.len());
+    for (op, skey) in a.responses.iter().zip(skeys) {
+        let range = op
+            .response_range
+            .as_ref()
+            .filter(|_| op.kind() == Some(b'r'))
+            .ok_or_else(|| garbled("etcd read answer shape"))?;
+        out.push(judged_read(single_kv(range, &etcd_key(skey))?, skey, seal, local_now_ms).0);
+    }
+    Ok(out)
 }
 
 /// A read of `skey`'s owner mark (the phase letter and owner hex, in plain text beside the sealed

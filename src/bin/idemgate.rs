@@ -481,6 +481,51 @@ impl Store {
     }
 }
 
+impl Store {
+    /// The keys of a listing's page with their stage, lock expiry and the time they are judged
+    /// at: a key read with its header (Redis) at `now`; a name alone (etcd) by reading its value,
+    /// `etcd::READ_MANY_MAX` keys a request. Tombstones and absent values are left out; values
+    /// this build cannot read are counted in `unreadable`.
+    fn judge_page(
+        &self,
+        found: Vec<Listed>,
+        now: u64,
+        unreadable: &mut usize,
+    ) -> Result<Vec<(String, Stage, u64, u64)>, Fail> {
+        let mut out = vec![];
+        let mut names = vec![];
+        for f in found {
+            match f {
+                Listed::Header { hex, header: Header::Value { state, lock_expires_at_ms, .. } } => {
+                    out.push((hex, state, lock_expires_at_ms, now))
+                }
+                Listed::Header { .. } => {}
+                Listed::Key(skey) => names.push(skey),
+            }
+        }
+        let seal = if names.is_empty() { None } else { Some(record_seal()?) };
+        for chunk in names.chunks(idemgate::etcd::READ_MANY_MAX) {
+            let (Some(request), Some(seal)) = (self.backend.read_many_request(chunk), seal.as_ref()) else { break };
+            let local = local_now_ms();
+            let (status, body) = self.link.call(&request)?;
+            let reads = self
+                .backend
+                .parse_read_many(status, &body, chunk, seal, local)
+                .or_else(|e| fail(format!("store: {e}")))?;
+            for (skey, read) in chunk.iter().zip(reads) {
+                match read {
+                    ReadReply::Found(v) => {
+                        out.push((skey.hex(), v.phase, v.lock_expires_at_ms, self.backend.judged_now(local)))
+                    }
+                    ReadReply::Absent => {}
+                    ReadReply::Unreadable(_) => *unreadable += 1,
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// A read of one key (`Store::read`).
 struct KeyRead {
     reply: ReadReply,
@@ -553,30 +598,11 @@ fn list(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
     while shown < limit {
         let page = st.list_page(cursor.as_deref())?;
         pages += 1;
-        for found in page.found {
+        for (hex, state, lock_expires_at_ms, now) in st.judge_page(page.found, now, &mut unreadable)? {
             if shown >= limit {
                 cut = true;
                 break;
             }
-            let (hex, state, lock_expires_at_ms, now) = match found {
-                Listed::Header { hex, header: Header::Value { state, lock_expires_at_ms, .. } } => {
-                    (hex, state, lock_expires_at_ms, now)
-                }
-                Listed::Header { .. } => continue,
-                Listed::Key(skey) => {
-                    let local = local_now_ms();
-                    match st.read(&skey, local)?.reply {
-                        ReadReply::Found(v) => {
-                            (skey.hex(), v.phase, v.lock_expires_at_ms, st.backend.judged_now(local))
-                        }
-                        ReadReply::Absent => continue,
-                        ReadReply::Unreadable(_) => {
-                            unreadable += 1;
-                            continue;
-                        }
-                    }
-                }
-            };
             if state != want {
                 continue;
             }

@@ -468,43 +468,59 @@ fn a_claim_whose_completion_may_still_land_is_not_settled_by_the_operator() {
     a.assert_no_wasm_panic();
 }
 
-/// `list` at store scale: a few thousand values written straight into Redis (headers only: `list`
-/// reads nothing else), many `SCAN` pages of whatever size Redis returns. Every outcome-unknown
-/// key is listed exactly once, no key of another state or a tombstone. Before, the CLI read each
-/// page with the filter's reply parser (16 elements at most) and failed on the first page
-/// holding 8 keys ("RESP arrays longer than any idemgate answer").
+/// `list` at store scale: 100,000 values written straight into Redis (headers only: `list` reads
+/// nothing else; MSET in chunks of 10,000), hundreds of `SCAN` pages of whatever size Redis
+/// returns. Every outcome-unknown key is listed exactly once, no key of another state or a
+/// tombstone, in text and in `--json`. Before, the CLI read each page with the filter's reply
+/// parser (16 elements at most) and failed on the first page holding 8 keys ("RESP arrays longer
+/// than any idemgate answer").
 #[test]
-fn list_pages_through_thousands_of_keys_and_lists_each_once() {
+fn list_pages_through_100000_keys_and_lists_each_once() {
     use std::collections::BTreeSet;
     let redis = Redis::start();
     let webdis = Webdis::start_with_auth(redis.port, AUTH);
-    let (unknown, completed, tombstones) = (3000usize, 1000usize, 200usize);
+    let (unknown, completed, tombstones) = (90_000usize, 8_000usize, 2_000usize);
     let hex = |i: usize| format!("{:064x}", i * 7919 + 1);
     let owner = "0123456789abcdef0123456789abcdef";
     let mut expected = BTreeSet::new();
-    let mut args: Vec<Vec<u8>> = vec![b"MSET".to_vec()];
-    for i in 0..unknown + completed + tombstones {
-        let h = hex(i);
-        let value = if i < unknown {
-            expected.insert(h.clone());
-            format!("IGS1U{owner}000000000000000record")
-        } else if i < unknown + completed {
-            format!("IGS1D{owner}000000000000000record")
-        } else {
-            format!("IGS1R{owner}")
-        };
-        args.push(format!("idemgate:v1:{h}").into_bytes());
-        args.push(value.into_bytes());
+    let all: Vec<usize> = (0..unknown + completed + tombstones).collect();
+    for chunk in all.chunks(10_000) {
+        let mut args: Vec<Vec<u8>> = vec![b"MSET".to_vec()];
+        for &i in chunk {
+            let h = hex(i);
+            let value = if i < unknown {
+                expected.insert(h.clone());
+                format!("IGS1U{owner}000000000000000record")
+            } else if i < unknown + completed {
+                format!("IGS1D{owner}000000000000000record")
+            } else {
+                format!("IGS1R{owner}")
+            };
+            args.push(format!("idemgate:v1:{h}").into_bytes());
+            args.push(value.into_bytes());
+        }
+        let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+        assert_eq!(redis.command(&refs), support::store::resp::Value::Status("OK".into()));
     }
-    let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-    assert_eq!(redis.command(&refs), support::store::resp::Value::Status("OK".into()));
+    assert_eq!(redis.command(&[b"DBSIZE"]), support::store::resp::Value::Int(100_000));
     let ops = OperatorCli::webdis(&format!("http://127.0.0.1:{}", webdis.port), Some(AUTH));
-    let lines = ops.listed_at_most("outcome-unknown", 100_000);
+    let started = std::time::Instant::now();
+    let lines = ops.listed_at_most("outcome-unknown", 1_000_000);
+    eprintln!("listed {} of 100000 keys in {:?}", lines.len(), started.elapsed());
     let listed: BTreeSet<String> = lines.iter().cloned().collect();
     assert_eq!(lines.len(), listed.len(), "a key listed twice");
     assert_eq!(listed.len(), unknown);
     assert!(listed == expected, "listed keys differ from the outcome-unknown keys written");
-    // `--limit` stops the listing there.
+    // `--json`: the same keys, the listing complete; `--limit` stops the listing there.
+    let out = ops.run(&["list", "--state", "completed", "--limit", "1000000", "--json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("list --json");
+    let keys: BTreeSet<&str> =
+        doc["keys"].as_array().unwrap().iter().filter_map(|k| k["storage_key"].as_str()).collect();
+    assert_eq!(
+        (keys.len(), doc["shown"].as_u64(), doc["complete"].as_bool()),
+        (completed, Some(completed as u64), Some(true))
+    );
+    assert!(keys.iter().all(|k| !expected.contains(*k)), "an outcome-unknown key listed as completed");
     assert_eq!(ops.listed_at_most("completed", 250).len(), 250);
 }
 
@@ -694,4 +710,56 @@ fn an_answer_past_the_cap_ends_the_command_with_a_clear_error() {
     server.join().unwrap();
     let sent = written.load(Ordering::SeqCst);
     assert!(sent < 32 << 20, "the CLI read on past its cap: {sent} bytes written to it");
+}
+
+/// What `forget` leaves in a proxy's local tier, measured through a real Envoy: a key the proxy
+/// completed itself (`ttl_seconds` 4) is forgotten in the store, and the proxy keeps replaying it
+/// from its local copy (executions unchanged) until that copy expires, `ttl_seconds` after the
+/// proxy stored it; the first retry after that executes. Retries every 250 ms, at most 80 looks.
+#[test]
+fn forget_leaves_a_proxys_local_copy_replaying_until_its_ttl() {
+    let redis = Redis::start();
+    let webdis = Webdis::start_with_auth(redis.port, AUTH);
+    let up = Upstream::start();
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 4, "lock_ttl_seconds": 2, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+    let mut o = EnvoyOptions::new(plugin, up.port);
+    o.store_port = Some(webdis.port);
+    o.vm_env = vec![("IDEMGATE_STORE_AUTH".to_string(), AUTH.to_string())];
+    let envoy = Envoy::start(&o);
+    let ops = OperatorCli::webdis(&format!("http://127.0.0.1:{}", webdis.port), Some(AUTH));
+    let post = || {
+        let h = [("authorization", CALLER), ("idempotency-key", "k-local-ttl")];
+        http::request(envoy.port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("request")
+    };
+    let first = post();
+    let stored = std::time::Instant::now();
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    let skey = ops.storage_key(CALLER, "k-local-ttl");
+    ops.wait_listed("completed", &skey, || format!("store_writes={}", envoy.stat("idemgate.store_writes")));
+    let out = ops.run(&["forget", &skey]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let forgotten_after = stored.elapsed();
+    assert_eq!(text(&ops.run(&["inspect", &skey]).stdout).trim(), "absent");
+    let (mut replays, mut last_replay, mut executed_at) = (0, Duration::ZERO, None);
+    for _ in 0..80 {
+        let r = post();
+        let at = stored.elapsed();
+        assert_eq!(r.status, 201, "{}", r.body_text());
+        if up.executions() == 2 {
+            assert_eq!(r.header("idempotent-replayed"), None);
+            executed_at = Some(at);
+            break;
+        }
+        assert_eq!(r.header("idempotent-replayed"), Some("true"), "{}", r.body_text());
+        (replays, last_replay) = (replays + 1, at);
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let executed_at = executed_at.expect("the local copy never expired: 80 retries replayed");
+    eprintln!(
+        "forgotten {forgotten_after:?} after the completion; {replays} replays from the local copy, the last \
+         {last_replay:?} after it; first execution {executed_at:?} after it (ttl_seconds 4)"
+    );
+    assert!(replays >= 1, "no retry replayed after forget: the local copy was not kept");
+    assert!(executed_at >= Duration::from_secs(4), "executed {executed_at:?} after the completion, before ttl_seconds");
+    assert_eq!(up.executions(), 2);
 }

@@ -373,22 +373,26 @@ fn etcd_cli_with_etcd_auth_works_with_the_right_credential_and_fails_clearly_wit
     s.wait_listed("completed", &skey);
 }
 
-/// `list` at store scale on etcd: a few thousand keys under `idemgate/v1/` written straight into
-/// etcd (values sealed as a proxy writes them, with owner marks and release tombstones between
-/// them), listed in many pages of at most `etcd::LIST_PAGE_MAX` names. Every outcome-unknown key
-/// is listed exactly once; owner marks, tombstones and completed keys are not.
+/// `list` at store scale on etcd: 100,000 keys under `idemgate/v1/` written straight into etcd
+/// (values sealed as a proxy writes them, with owner marks and release tombstones between some of
+/// them; written in transactions of 2,000 operations, so the members take up to 2,048), listed in
+/// hundreds of pages of at most `etcd::LIST_PAGE_MAX` names, each page's values read
+/// `etcd::READ_MANY_MAX` to a transaction. Every outcome-unknown key is listed exactly once; owner
+/// marks, tombstones and completed keys are not. Before, each value was read on its own
+/// connection (one request per key).
 #[test]
-fn etcd_cli_lists_thousands_of_keys_across_pages_each_once() {
+fn etcd_cli_lists_100000_keys_across_pages_each_once() {
     use idemgate::fingerprint::Fingerprint;
     use idemgate::owner::OwnerToken;
     use idemgate::record::{Creator, Record, Stage, State, UnknownReason};
     use idemgate::scope::StorageKey;
     use idemgate::store::StoredValue;
     use std::collections::BTreeSet;
-    let etcd = EtcdCluster::start();
+    let etcd = EtcdCluster::start_with(&["--max-txn-ops", "2048", "--max-request-bytes", "16777216"]);
     let seal = support::record_seal();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
-    let (unknown, completed) = (1200usize, 300usize);
+    let (unknown, completed) = (90_000usize, 10_000usize);
+    let written = std::time::Instant::now();
     let mut expected = BTreeSet::new();
     let mut ops = vec![];
     let leader = etcd.wait_leader();
@@ -424,22 +428,105 @@ fn etcd_cli_lists_thousands_of_keys_across_pages_each_once() {
         let key = idemgate::etcd::etcd_key(&skey);
         ops.push(json!({"request_put": {"key": b64(key.as_bytes()), "value": b64(&value)}}));
         // Names the listing skips: an owner mark and a release tombstone beside some values.
-        if i % 3 == 0 {
+        if i % 10 == 0 {
             ops.push(json!({"request_put": {"key": b64(format!("{key}/o").as_bytes()), "value": b64(b"x")}}));
             let tomb = format!("{key}/r/{}", "ab".repeat(16));
             ops.push(json!({"request_put": {"key": b64(tomb.as_bytes()), "value": b64(b"x")}}));
         }
-        if ops.len() >= 96 {
+        if ops.len() >= 1998 {
             flush(&mut ops);
         }
     }
     flush(&mut ops);
+    eprintln!("wrote 100000 values in {:?}", written.elapsed());
     let urls = etcd.client_ports().iter().map(|p| format!("http://127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
     let cli = OperatorCli::etcd(&urls, None);
-    let lines = cli.listed_at_most("outcome-unknown", 100_000);
+    let started = std::time::Instant::now();
+    let lines = cli.listed_at_most("outcome-unknown", 1_000_000);
+    eprintln!("listed {} of 100000 keys in {:?}", lines.len(), started.elapsed());
     let listed: BTreeSet<String> = lines.iter().cloned().collect();
     assert_eq!(lines.len(), listed.len(), "a key listed twice");
     assert_eq!(listed.len(), unknown);
     assert!(listed == expected, "listed keys differ from the outcome-unknown keys written");
     assert_eq!(cli.listed_at_most("completed", 100).len(), 100);
+}
+
+/// Values this build cannot read, planted straight into etcd: garbage bytes (no owner mark), an
+/// outcome-unknown value sealed with another record key (its owner mark in plain text beside it),
+/// and a claim sealed so. `inspect` shows each (size, SHA-1, `mod_revision`, the owner mark's
+/// phase) instead of refusing; `forget` deletes the outcome-unknown one with its owner mark,
+/// refuses the claim (its lock is inside the seal: it may be live) and the garbage until
+/// `--force`; a retry through Envoy then executes. Before, both refused every such value.
+#[test]
+fn etcd_inspect_and_forget_reach_values_this_build_cannot_read() {
+    use idemgate::owner::OwnerToken;
+    use idemgate::record::{Creator, Record, Stage, State, UnknownReason};
+    use idemgate::scope::StorageKey;
+    use idemgate::store::StoredValue;
+    let etcd = EtcdCluster::start();
+    let s = Stack::start(&etcd, None);
+    let other = idemgate::seal::Seal::new(Some("another-fleets-record-key-0123456789abcdef"), None).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let leader = etcd.wait_leader();
+    let b64 = |b: &[u8]| idemgate::base64::b64(b);
+    let put = |key: &str, value: &[u8]| {
+        let r = etcd.call(leader, "/v3/kv/put", &json!({"key": b64(key.as_bytes()), "value": b64(value)}));
+        assert!(r.is_some(), "etcd put {key}");
+    };
+    let plant = |key: &str, phase: Stage| -> String {
+        let skey = s.storage_key(key);
+        let sk = StorageKey(idemgate::hex::decode::<32>(skey.as_bytes()).unwrap());
+        let owner = OwnerToken([5; 16]);
+        let state = match phase {
+            Stage::Unknown => State::OutcomeUnknown { reason: UnknownReason::UpstreamReset },
+            _ => State::Forwarded { owner, lock_expires_at_ms: now + 3_600_000 },
+        };
+        let record = Record {
+            fingerprint: idemgate::fingerprint::Fingerprint([7; 32]),
+            created_at_ms: now,
+            expires_at_ms: now + 3_600_000,
+            creator: Creator { request_id: "r-foreign".into(), log_values: vec![] },
+            state,
+        };
+        let v = StoredValue { phase, owner, lock_expires_at_ms: now + 3_600_000, record };
+        put(&idemgate::etcd::etcd_key(&sk), &idemgate::etcd::encode_value(&v, now + 3_600_000, &sk, &other));
+        put(&idemgate::etcd::owner_key(&sk), &idemgate::etcd::owner_mark(phase, &owner));
+        skey
+    };
+    let unknown = plant("k-foreign-unknown", Stage::Unknown);
+    let claim = plant("k-foreign-claim", Stage::Forwarded);
+    let garbage = s.storage_key("k-garbage");
+    let garbage_value = b"\x00\xffnot an idemgate value";
+    put(&format!("{}{garbage}", idemgate::etcd::KEY_PREFIX), garbage_value);
+    for (skey, phase) in [(&unknown, Some("outcome-unknown")), (&claim, Some("in-flight")), (&garbage, None)] {
+        let out = s.cli(&["inspect", skey, "--json"]);
+        assert!(out.status.success(), "{skey}: {}", text(&out.stderr));
+        let rec: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(rec["state"], "unreadable", "{rec}");
+        assert_eq!(rec["phase"].as_str(), phase, "{rec}");
+        assert!(rec["raw_bytes"].as_u64().is_some_and(|n| n > 0), "{rec}");
+        assert!(rec["store_mod_revision"].as_i64().is_some_and(|r| r > 0), "{rec}");
+    }
+    assert_eq!(s.inspect(&garbage)["raw_bytes"].as_u64(), Some(garbage_value.len() as u64));
+    for (skey, why) in [(&claim, "lock is sealed"), (&garbage, "--force")] {
+        let out = s.cli(&["forget", skey]);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+        assert!(text(&out.stderr).contains(why), "{}", text(&out.stderr));
+    }
+    assert_eq!(etcd_keys_of(&etcd, &garbage).len(), 1, "nothing deleted");
+    for args in [&["forget", &unknown][..], &["forget", &garbage, "--force"]] {
+        let out = s.cli(args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+    }
+    assert_eq!(etcd_keys_of(&etcd, &unknown), Vec::<String>::new(), "value and owner mark deleted");
+    assert_eq!(etcd_keys_of(&etcd, &garbage), Vec::<String>::new());
+    assert_eq!(etcd_keys_of(&etcd, &claim).len(), 2, "the claim kept");
+    for key in ["k-foreign-unknown", "k-garbage"] {
+        let r = s.post_to(&s.a, key, &[]);
+        assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{key}: {}", r.body_text());
+    }
+    assert_eq!(s.up.executions(), 2);
+    let r = s.post_to(&s.b, "k-foreign-claim", &[]);
+    assert_ne!(r.status, 201, "{}", r.body_text());
+    assert_eq!(s.up.executions(), 2, "the other build's claim was kept");
 }
