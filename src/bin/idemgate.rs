@@ -485,7 +485,8 @@ impl Store {
     /// The keys of a listing's page with their stage, lock expiry and the time they are judged
     /// at: a key read with its header (Redis) at `now`; a name alone (etcd) by reading its value,
     /// `etcd::READ_MANY_MAX` keys a request. Tombstones and absent values are left out; values
-    /// this build cannot read are counted in `unreadable`.
+    /// this build cannot read (a Redis header it does not know, an etcd value it cannot open) are
+    /// counted in `unreadable`.
     fn judge_page(
         &self,
         found: Vec<Listed>,
@@ -499,7 +500,8 @@ impl Store {
                 Listed::Header { hex, header: Header::Value { state, lock_expires_at_ms, .. } } => {
                     out.push((hex, state, lock_expires_at_ms, now))
                 }
-                Listed::Header { .. } => {}
+                Listed::Header { header: Header::Unreadable, .. } => *unreadable += 1,
+                Listed::Header { header: Header::Tombstone, .. } => {}
                 Listed::Key(skey) => names.push(skey),
             }
         }

@@ -583,6 +583,11 @@ fn inspect_and_forget_reach_values_this_build_cannot_read() {
     }
     let rec = s.inspect(&claim);
     assert_eq!((rec["lock"].as_str(), rec["owner"].as_str()), (Some("live"), Some("05".repeat(16).as_str())), "{rec}");
+    // list reads headers only: the foreign value is listed by its header, the garbage counted.
+    let out = s.cli(&["list", "--state", "outcome-unknown", "--json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["keys"][0]["storage_key"].as_str(), Some(unknown.as_str()), "{doc}");
+    assert_eq!(doc["unreadable_skipped"].as_u64(), Some(1), "{doc}");
     // forget: the live claim is refused as any live claim is; the garbage until --force.
     let out = s.cli(&["forget", &claim]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));

@@ -8,6 +8,7 @@ use crate::support;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::Output;
+use std::time::Duration;
 
 use serde_json::json;
 use support::etcd::EtcdCluster;
@@ -394,15 +395,28 @@ fn etcd_cli_lists_100000_keys_across_pages_each_once() {
     let (unknown, completed) = (90_000usize, 10_000usize);
     let written = std::time::Instant::now();
     let mut expected = BTreeSet::new();
-    let mut ops = vec![];
-    let leader = etcd.wait_leader();
+    // Each transaction's body written as text (no JSON tree), sent with a bound of 60 s (etcd
+    // applies 2,000 puts well within it even on a loaded machine).
+    let mut ops = String::new();
+    let mut count = 0;
+    let leader = etcd.client_ports()[etcd.wait_leader()];
     let b64 = |b: &[u8]| idemgate::base64::b64(b);
-    let flush = |ops: &mut Vec<serde_json::Value>| {
-        if !ops.is_empty() {
-            let r = etcd.call(leader, "/v3/kv/txn", &json!({"success": ops})).expect("etcd txn");
-            assert_eq!(r["succeeded"], true, "{r}");
+    let flush = |ops: &mut String, count: &mut usize| {
+        if *count > 0 {
+            let body = format!(r#"{{"success":[{ops}]}}"#);
+            let r = http::request_timeout(leader, "POST", "/v3/kv/txn", &[], body.as_bytes(), Duration::from_secs(60))
+                .expect("etcd txn");
+            assert_eq!((r.status, r.json()["succeeded"].as_bool()), (200, Some(true)), "{}", r.body_text());
             ops.clear();
+            *count = 0;
         }
+    };
+    let put = |ops: &mut String, count: &mut usize, key: &[u8], value: &[u8]| {
+        if *count > 0 {
+            ops.push(',');
+        }
+        ops.push_str(&format!(r#"{{"request_put":{{"key":"{}","value":"{}"}}}}"#, b64(key), b64(value)));
+        *count += 1;
     };
     for i in 0..unknown + completed {
         let mut k = [0u8; 32];
@@ -426,18 +440,17 @@ fn etcd_cli_lists_100000_keys_across_pages_each_once() {
         let v = StoredValue { phase, owner: OwnerToken([9; 16]), lock_expires_at_ms: 0, record };
         let value = idemgate::etcd::encode_value(&v, now + 3_600_000, &skey, &seal);
         let key = idemgate::etcd::etcd_key(&skey);
-        ops.push(json!({"request_put": {"key": b64(key.as_bytes()), "value": b64(&value)}}));
+        put(&mut ops, &mut count, key.as_bytes(), &value);
         // Names the listing skips: an owner mark and a release tombstone beside some values.
         if i % 10 == 0 {
-            ops.push(json!({"request_put": {"key": b64(format!("{key}/o").as_bytes()), "value": b64(b"x")}}));
-            let tomb = format!("{key}/r/{}", "ab".repeat(16));
-            ops.push(json!({"request_put": {"key": b64(tomb.as_bytes()), "value": b64(b"x")}}));
+            put(&mut ops, &mut count, format!("{key}/o").as_bytes(), b"x");
+            put(&mut ops, &mut count, format!("{key}/r/{}", "ab".repeat(16)).as_bytes(), b"x");
         }
-        if ops.len() >= 1998 {
-            flush(&mut ops);
+        if count >= 1998 {
+            flush(&mut ops, &mut count);
         }
     }
-    flush(&mut ops);
+    flush(&mut ops, &mut count);
     eprintln!("wrote 100000 values in {:?}", written.elapsed());
     let urls = etcd.client_ports().iter().map(|p| format!("http://127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
     let cli = OperatorCli::etcd(&urls, None);
