@@ -324,15 +324,18 @@ enum Op<'a> {
     /// Reads whether `key` exists: its name only, never its value.
     Exists(&'a [u8]),
     Delete(&'a [u8]),
+    /// Reads `key` as the member that answers holds it (`serializable`: no round to the leader,
+    /// possibly a moment behind it): the operator's listing only (`read_many_request`).
+    RangeLocal(&'a [u8]),
 }
 
 impl Op<'_> {
     /// At most the length `write` writes.
     fn len(&self) -> usize {
-        let fixed = r#"{"request_delete_range":{"key":,"keys_only":true}}"#.len();
+        let fixed = r#"{"request_delete_range":{"key":,"serializable":true}}"#.len();
         match self {
             Op::Put(k, v, _) => fixed + b64_len(k.len()) + b64_len(v.len()) + r#","value":,"lease":"#.len() + INT_LEN,
-            Op::Range(k) | Op::Exists(k) | Op::Delete(k) => fixed + b64_len(k.len()),
+            Op::Range(k) | Op::Exists(k) | Op::Delete(k) | Op::RangeLocal(k) => fixed + b64_len(k.len()),
         }
     }
 
@@ -344,6 +347,7 @@ impl Op<'_> {
             Op::Range(k) => out.raw(r#"{"request_range":{"key":"#).b64(k),
             Op::Exists(k) => out.raw(r#"{"request_range":{"key":"#).b64(k).raw(r#","keys_only":true"#),
             Op::Delete(k) => out.raw(r#"{"request_delete_range":{"key":"#).b64(k),
+            Op::RangeLocal(k) => out.raw(r#"{"request_range":{"key":"#).b64(k).raw(r#","serializable":true"#),
         };
         out.raw("}}");
     }
@@ -1208,10 +1212,11 @@ pub const READ_MANY_MAX: usize = 64;
 
 /// The reads of the values of `skeys` (the first `READ_MANY_MAX`) in one transaction: what the
 /// operator's listing reads of a page of key names (`list_page_request`), one request for many
-/// keys instead of one each.
+/// keys instead of one each, `serializable` as the page was (no round to the leader: a read-only
+/// transaction of serializable ranges is answered by the member itself).
 pub fn read_many_request(skeys: &[StorageKey]) -> StoreRequest {
     let keys: Vec<String> = skeys.iter().take(READ_MANY_MAX).map(etcd_key).collect();
-    let ops: Vec<Op> = keys.iter().map(|k| Op::Range(k.as_bytes())).collect();
+    let ops: Vec<Op> = keys.iter().map(|k| Op::RangeLocal(k.as_bytes())).collect();
     txn(&[], &ops, &[])
 }
 
@@ -1291,7 +1296,8 @@ pub fn forget_raw_request(skey: &StorageKey, mod_revision: i64) -> StoreRequest 
 /// Most keys one page of `list_page_request` asks for (and `parse_list_page` accepts).
 pub const LIST_PAGE_MAX: usize = 256;
 
-/// One page of the operator's listing: the etcd keys (names only, never values) from `start`
+/// One page of the operator's listing (read `serializable`: the answering member's own view): the
+/// etcd keys (names only, never values) from `start`
 /// (`None`: the first of `KEY_PREFIX`) to the end of `KEY_PREFIX`, in key order, at most `page`
 /// of them (1 to `LIST_PAGE_MAX`). Owner marks and tombstones come too (they share the prefix):
 /// `parse_list_page` skips them.
@@ -1303,9 +1309,9 @@ pub fn list_page_request(start: Option<&[u8]>, page: usize) -> StoreRequest {
     }
     let start = start.unwrap_or(KEY_PREFIX.as_bytes());
     let limit = page.clamp(1, LIST_PAGE_MAX);
-    let mut out = Body::with_capacity(b64_len(start.len()) + b64_len(end.len()) + 64);
+    let mut out = Body::with_capacity(b64_len(start.len()) + b64_len(end.len()) + 96);
     out.raw(r#"{"key":"#).b64(start).raw(r#","range_end":"#).b64(&end);
-    out.raw(r#","limit":"#).int(i64::try_from(limit).unwrap_or(1)).raw(r#","keys_only":true}"#);
+    out.raw(r#","limit":"#).int(i64::try_from(limit).unwrap_or(1)).raw(r#","keys_only":true,"serializable":true}"#);
     out.post("/v3/kv/range")
 }
 

@@ -1021,6 +1021,7 @@ fn many_values_are_read_in_one_transaction_each_judged_as_one_read() {
     let body: Value = serde_json::from_slice(&req.body).unwrap();
     assert_eq!(body["success"].as_array().map(Vec::len), Some(3));
     assert_eq!(body["success"][1]["request_range"]["key"], b64(etcd_key(&skey(2)).as_bytes()));
+    assert_eq!(body["success"][1]["request_range"]["serializable"], json!(true));
     let v = StoredValue {
         phase: Stage::Unknown,
         owner: owner(4),
