@@ -404,8 +404,11 @@ fn etcd_cli_lists_100000_keys_across_pages_each_once() {
     let flush = |ops: &mut String, count: &mut usize| {
         if *count > 0 {
             let body = format!(r#"{{"success":[{ops}]}}"#);
-            let r = http::request_timeout(leader, "POST", "/v3/kv/txn", &[], body.as_bytes(), Duration::from_secs(60))
-                .expect("etcd txn");
+            // Sent again (at most 3 times: puts of the same values) when the exchange fails
+            // (once: connect interrupted by a signal, EINTR, in a loaded run).
+            let send =
+                || http::request_timeout(leader, "POST", "/v3/kv/txn", &[], body.as_bytes(), Duration::from_secs(60));
+            let r = send().or_else(|_| send()).or_else(|_| send()).expect("etcd txn");
             assert_eq!((r.status, r.json()["succeeded"].as_bool()), (200, Some(true)), "{}", r.body_text());
             ops.clear();
             *count = 0;
