@@ -203,6 +203,22 @@ return out";
         )
     }
 
+    /// The deletion of a value this build cannot read (`forget` of an unreadable record): `DEL key`
+    /// only if the value's SHA-1 is still `sha1_hex`, the value the operator read (anything written
+    /// since is left alone), answered `{"1"|"0", nonce}` (deleted or not; `nonce` as in `time`).
+    pub fn forget_raw(redis_key: &str, sha1_hex: &str, nonce: &str) -> String {
+        const SCRIPT: &str = "local v=redis.call('GET',KEYS[1]) \
+if v and redis.sha1hex(v)==ARGV[1] then redis.call('DEL',KEYS[1]) return {'1',ARGV[2]} end \
+return {'0',ARGV[2]}";
+        format!(
+            "EVAL/{}/1/{}/{}/{}.raw",
+            encode_arg(SCRIPT.as_bytes()),
+            encode_arg(redis_key.as_bytes()),
+            encode_arg(sha1_hex.as_bytes()),
+            encode_arg(nonce.as_bytes())
+        )
+    }
+
     /// `PTTL key` (in a script, as `time`).
     pub fn pttl(redis_key: &str) -> String {
         format!("EVAL/{}/1/{}.raw", encode_arg(b"return redis.call('PTTL',KEYS[1])"), encode_arg(redis_key.as_bytes()))
@@ -295,6 +311,9 @@ pub enum Refusal {
     WritesMayLand { lock_expired_ms_ago: u64, wait_ms: u64 },
     /// Release or complete asked of a completed record.
     Completed,
+    /// `forget` of a value this build cannot read whose phase or lock cannot be read either
+    /// (`Unsealed`): it may be another build's live claim. `--force` takes the operator's word.
+    Unjudged { what: &'static str },
 }
 
 impl fmt::Display for Refusal {
@@ -319,6 +338,13 @@ impl fmt::Display for Refusal {
                  from the store if it must go (its next retry then executes again on a proxy that holds no copy \
                  of it; a proxy's local copy keeps replaying until it expires)"
             ),
+            Refusal::Unjudged { what } => write!(
+                f,
+                "refused: the key holds a value this build cannot read, and {what}: it may be the live claim of \
+                 a proxy of another build (or sealed with another record key), whose request may still be \
+                 running, and deleting it would let a retry execute meanwhile. Check that no request with this \
+                 key is running, then run forget again with --force"
+            ),
         }
     }
 }
@@ -336,27 +362,8 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: 
         Settle::Forget => Settlement::Forget,
     };
     let event = Event::Operator(settlement);
-    // The one transition table judges the value as read (the operator never holds the claim);
-    // the stores judge it again atomically when they write (Redis's script by its clock, etcd on
-    // the fenced value).
-    let facts = Facts { owner: false, lock_live: value.lock_expires_at_ms > now_ms, free: false };
-    match lifecycle::next(value.phase, event, facts) {
-        Ok(_) => {}
-        Err(LifecycleRefusal::LockLive) => {
-            return Err(Refusal::InFlight { lock_expires_in_ms: value.lock_expires_at_ms.saturating_sub(now_ms) });
-        }
-        Err(_) if value.phase == Stage::Completed => return Err(Refusal::Completed),
-        // A value read is never absent (`store::stage_of_letter`); were one built so, its
-        // transition expects no phase and the store changes nothing.
-        Err(_) => {}
-    }
+    judge(value.phase, value.lock_expires_at_ms, settlement, now_ms, write_window_ms)?;
     let claim = matches!(value.phase, Stage::Claimed | Stage::Forwarded);
-    // Beyond the table: the proxy that forwarded a claim may still be retrying its completion
-    // for a write window after its lock expired.
-    if claim && value.lock_expires_at_ms.saturating_add(write_window_ms) > now_ms {
-        let lock_expired_ms_ago = now_ms.saturating_sub(value.lock_expires_at_ms);
-        return Err(Refusal::WritesMayLand { lock_expired_ms_ago, wait_ms: write_window_ms - lock_expired_ms_ago });
-    }
     // The letter the value was read with.
     let phases = phase_letters(|p| stage_letter(p) == stage_letter(value.phase));
     // The script re-checks a claim's lock by Redis's clock, so one that was renewed meanwhile stays.
@@ -383,6 +390,118 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: 
             Ok(checked(Transition::complete(owner, record, &lives)))
         }
     }
+}
+
+/// Whether an operator may `settlement` a value in `phase` whose lock expires at
+/// `lock_expires_at_ms`, judged at `now_ms` (the store's clock) with the proxies' write window
+/// (`plan`'s rule, and `plan_raw_forget`'s for a value read only in part).
+fn judge(
+    phase: Stage,
+    lock_expires_at_ms: u64,
+    settlement: Settlement,
+    now_ms: u64,
+    write_window_ms: u64,
+) -> Result<(), Refusal> {
+    // The one transition table judges the value as read (the operator never holds the claim);
+    // the stores judge it again atomically when they write (Redis's script by its clock, etcd on
+    // the fenced value).
+    let facts = Facts { owner: false, lock_live: lock_expires_at_ms > now_ms, free: false };
+    match lifecycle::next(phase, Event::Operator(settlement), facts) {
+        Ok(_) => {}
+        Err(LifecycleRefusal::LockLive) => {
+            return Err(Refusal::InFlight { lock_expires_in_ms: lock_expires_at_ms.saturating_sub(now_ms) });
+        }
+        Err(_) if phase == Stage::Completed => return Err(Refusal::Completed),
+        // A value read is never absent (`store::stage_of_letter`); were one built so, its
+        // transition expects no phase and the store changes nothing.
+        Err(_) => {}
+    }
+    // Beyond the table: the proxy that forwarded a claim may still be retrying its completion
+    // for a write window after its lock expired.
+    let claim = matches!(phase, Stage::Claimed | Stage::Forwarded);
+    if claim && lock_expires_at_ms.saturating_add(write_window_ms) > now_ms {
+        let lock_expired_ms_ago = now_ms.saturating_sub(lock_expires_at_ms);
+        return Err(Refusal::WritesMayLand { lock_expired_ms_ago, wait_ms: write_window_ms - lock_expired_ms_ago });
+    }
+    Ok(())
+}
+
+/// What can be read of a value this build cannot open (sealed with another record key, by
+/// another build, damaged): the plain-text parts beside its sealed record. Redis: the value's
+/// header (phase, owner, lock expiry: `parse_header`); etcd: the owner mark (phase and owner; the
+/// lock is inside the seal).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Unsealed {
+    pub phase: Option<Stage>,
+    pub owner: Option<String>,
+    pub lock_expires_at_ms: Option<u64>,
+}
+
+impl Unsealed {
+    /// A Redis value's header, if it has one this build knows.
+    pub fn of_redis_value(bytes: &[u8]) -> Unsealed {
+        match parse_header(bytes) {
+            Header::Value { state, owner, lock_expires_at_ms } => {
+                Unsealed { phase: Some(state), owner: Some(owner), lock_expires_at_ms: Some(lock_expires_at_ms) }
+            }
+            Header::Tombstone | Header::Unreadable => Unsealed::default(),
+        }
+    }
+
+    /// An etcd owner mark (`etcd::owner_mark`: the phase letter and 32 hex digits), if well formed.
+    pub fn of_etcd_mark(mark: &[u8]) -> Unsealed {
+        let phase = mark.first().and_then(|l| stage_of_letter(*l));
+        let owner = mark.get(1..).filter(|o| o.len() == 32 && o.iter().all(u8::is_ascii_hexdigit));
+        match (phase, owner) {
+            (Some(p), Some(o)) => Unsealed { phase: Some(p), owner: Some(text(o)), lock_expires_at_ms: None },
+            _ => Unsealed::default(),
+        }
+    }
+}
+
+/// Whether `forget` may delete a value this build cannot read, of which `seen` could be read,
+/// judged at `now_ms` as `plan` judges a readable one: a claim whose lock is live (or whose
+/// proxy may still land a write) is refused; a value whose phase, or a claim whose lock, cannot
+/// be read is refused unless `force` (the operator checked that no request with the key runs).
+pub fn plan_raw_forget(seen: &Unsealed, now_ms: u64, write_window_ms: u64, force: bool) -> Result<(), Refusal> {
+    match (seen.phase, seen.lock_expires_at_ms) {
+        (Some(phase), Some(lock)) => judge(phase, lock, Settlement::Forget, now_ms, write_window_ms),
+        (Some(Stage::Claimed | Stage::Forwarded), None) if !force => {
+            Err(Refusal::Unjudged { what: "it is a claim whose lock is sealed with it" })
+        }
+        (None, _) if !force => Err(Refusal::Unjudged { what: "neither its phase nor its lock can be read" }),
+        _ => Ok(()),
+    }
+}
+
+/// The report `inspect` prints of a value this build cannot read: what it is not (`why`), its
+/// size and SHA-1 as stored, and what `seen` could be read of it.
+pub fn raw_report(skey: &StorageKey, why: &str, bytes: &[u8], seen: &Unsealed, now_ms: u64) -> Value {
+    let mut m = Map::new();
+    m.insert("storage_key".into(), json!(skey.hex()));
+    m.insert("state".into(), json!("unreadable"));
+    m.insert("unreadable".into(), json!(why));
+    m.insert("now_ms".into(), json!(now_ms));
+    m.insert("raw_bytes".into(), json!(bytes.len()));
+    m.insert("raw_sha1".into(), json!(text(&crate::sha1::hex(&crate::sha1::digest(bytes)))));
+    let shown: Vec<u8> = bytes.iter().take(16).copied().collect();
+    m.insert(
+        "raw_prefix".into(),
+        json!(shown.iter().map(|b| if b.is_ascii_graphic() { *b as char } else { '.' }).collect::<String>()),
+    );
+    if let Some(p) = seen.phase {
+        m.insert("phase".into(), json!(state_name(p)));
+    }
+    if let Some(o) = &seen.owner {
+        m.insert("owner".into(), json!(o));
+    }
+    if let Some(lock) =
+        seen.lock_expires_at_ms.filter(|_| matches!(seen.phase, Some(Stage::Claimed | Stage::Forwarded)))
+    {
+        m.insert("lock_expires_at_ms".into(), json!(lock));
+        m.insert("lock".into(), json!(if lock > now_ms { "live" } else { "expired" }));
+    }
+    Value::Object(m)
 }
 
 /// A response an operator found upstream, from `--status`, `--header 'name: value'` lines and a

@@ -256,6 +256,14 @@ pub enum Listed {
     Key(StorageKey),
 }
 
+/// A value as stored (`Backend::parse_raw_read`), whatever it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawValue {
+    pub bytes: Vec<u8>,
+    /// etcd's `mod_revision` of the value (what its deletion compares); Redis: `None`.
+    pub revision: Option<i64>,
+}
+
 /// How many keys one step of a Redis scan asks for.
 const SCAN_COUNT: u32 = 200;
 
@@ -408,6 +416,116 @@ impl Backend {
                 let page = etcd::parse_list_page(status, body, cursor, etcd::LIST_PAGE_MAX)?;
                 Ok(Listing { found: page.keys.into_iter().map(Listed::Key).collect(), next: page.next })
             }
+        }
+    }
+
+    /// The answer to `read_request(skey)` as stored, whatever it holds: `None` when absent, else
+    /// the value's bytes and (etcd) its `mod_revision`. What `inspect` shows and `forget` deletes
+    /// of a value this build cannot read.
+    pub fn parse_raw_read(
+        &self,
+        status: Option<u16>,
+        body: &[u8],
+        skey: &StorageKey,
+    ) -> Result<Option<RawValue>, StoreError> {
+        match self {
+            Backend::Redis => match command_answer(status, body)? {
+                Resp::Bulk(None) => Ok(None),
+                Resp::Bulk(Some(bytes)) => Ok(Some(RawValue { bytes, revision: None })),
+                other => Err(StoreError::Garbled(format!("unexpected GET answer: {other:?}"))),
+            },
+            Backend::Etcd { .. } => Ok(etcd::parse_raw_read(status, body, &etcd::etcd_key(skey))?
+                .map(|(bytes, rev)| RawValue { bytes, revision: Some(rev) })),
+        }
+    }
+
+    /// The request for the plain-text phase of a value, where it is not in the value itself
+    /// (etcd: the owner mark; Redis's value header carries it).
+    pub fn raw_phase_request(&self, skey: &StorageKey) -> Option<StoreRequest> {
+        match self {
+            Backend::Redis => None,
+            Backend::Etcd { .. } => Some(etcd::owner_mark_request(skey)),
+        }
+    }
+
+    /// What can be read of `raw`, a value this build cannot open, with the answer to
+    /// `raw_phase_request` (`mark`) where there is one.
+    pub fn unsealed(
+        &self,
+        raw: &RawValue,
+        skey: &StorageKey,
+        mark: Option<(Option<u16>, &[u8])>,
+    ) -> Result<admin::Unsealed, StoreError> {
+        match self {
+            Backend::Redis => Ok(admin::Unsealed::of_redis_value(&raw.bytes)),
+            Backend::Etcd { .. } => match mark {
+                Some((status, body)) => Ok(etcd::parse_raw_read(status, body, &etcd::owner_key(skey))?
+                    .map(|(m, _)| admin::Unsealed::of_etcd_mark(&m))
+                    .unwrap_or_default()),
+                None => Ok(admin::Unsealed::default()),
+            },
+        }
+    }
+
+    /// The deletion of `raw` (a value this build cannot open) at `skey`, only if the store still
+    /// holds exactly it: Redis compares its SHA-1 in a script answered with `nonce`, etcd its
+    /// `mod_revision` (deleting the owner mark with it).
+    pub fn forget_raw_request(&self, skey: &StorageKey, raw: &RawValue, nonce: &str) -> StoreRequest {
+        match (self, raw.revision) {
+            (Backend::Etcd { .. }, Some(rev)) => etcd::forget_raw_request(skey, rev),
+            _ => {
+                let sha1 = crate::sha1::hex(&crate::sha1::digest(&raw.bytes));
+                let sha1 = String::from_utf8_lossy(&sha1).into_owned();
+                StoreRequest::command(&admin::command::forget_raw(&store::redis_key(skey), &sha1, nonce))
+            }
+        }
+    }
+
+    /// The answer to `forget_raw_request(.., nonce)`: `Changed` (deleted) or `Refused` (the value
+    /// changed since it was read, or is gone).
+    pub fn parse_forget_raw(
+        &self,
+        status: Option<u16>,
+        body: &[u8],
+        nonce: &str,
+    ) -> Result<TransitionReply, StoreError> {
+        match self {
+            Backend::Redis => match command_answer(status, body)? {
+                Resp::Array(Some(items)) => match items.as_slice() {
+                    [Resp::Bulk(Some(done)), Resp::Bulk(Some(echo))] if echo.as_slice() == nonce.as_bytes() => {
+                        Ok(if done.as_slice() == b"1" { TransitionReply::Changed } else { TransitionReply::Refused })
+                    }
+                    _ => Err(StoreError::Garbled(format!("unexpected forget answer (not this request's): {items:?}"))),
+                },
+                other => Err(StoreError::Garbled(format!("unexpected forget answer: {other:?}"))),
+            },
+            Backend::Etcd { .. } => etcd::parse_transition_reply(status, body, None),
+        }
+    }
+
+    /// The reads of many keys' values in one request, where a listing's pages hold names only
+    /// (etcd: `etcd::read_many_request`, at most `etcd::READ_MANY_MAX` keys); `None` for Redis,
+    /// whose pages carry each value's header.
+    pub fn read_many_request(&self, skeys: &[StorageKey]) -> Option<StoreRequest> {
+        match self {
+            Backend::Redis => None,
+            Backend::Etcd { .. } => Some(etcd::read_many_request(skeys)),
+        }
+    }
+
+    /// The answer to `read_many_request(skeys)`: one read per key, in order, as `parse_fenced_read`
+    /// judges one at `local_now_ms`.
+    pub fn parse_read_many(
+        &self,
+        status: Option<u16>,
+        body: &[u8],
+        skeys: &[StorageKey],
+        seal: &Seal,
+        local_now_ms: u64,
+    ) -> Result<Vec<ReadReply>, StoreError> {
+        match self {
+            Backend::Redis => Err(StoreError::Garbled("Redis reads no values while listing".into())),
+            Backend::Etcd { .. } => etcd::parse_read_many(status, body, skeys, seal, local_now_ms),
         }
     }
 

@@ -87,7 +87,8 @@ const LEASE_RETRY_MS: u64 = 500;
 /// `store.timeout_ms`, which may be longer): each answer's lease is timed from its own send.
 const LEASE_GRANT_STUCK_MS: u64 = 10_000;
 
-const VALUE_MAGIC: &[u8; 4] = b"IGE1";
+/// The first bytes of every value the etcd store holds (`idemgate --version` names it).
+pub const VALUE_MAGIC: &[u8; 4] = b"IGE1";
 /// phase (1) + owner hex (32) + lock expiry ms (15 digits) + expiry ms (15 digits).
 const HEADER_LEN: usize = 1 + 32 + 15 + 15;
 /// What a release tombstone holds (its key names the owner).
@@ -1176,9 +1177,19 @@ pub fn parse_fenced_read(
     if !has_revision(&a.header) {
         return Err(garbled("etcd answer without a revision"));
     }
-    match single_kv(&a, &etcd_key(skey))? {
-        None => Ok((ReadReply::Absent, None)),
-        Some((v, mod_revision)) => Ok(match open_value(&v, skey, seal) {
+    Ok(judged_read(single_kv(&a, &etcd_key(skey))?, skey, seal, local_now_ms))
+}
+
+/// A value read at `skey` (`None`: absent) as `parse_fenced_read` reads it at `local_now_ms`.
+fn judged_read(
+    found: Option<(Vec<u8>, i64)>,
+    skey: &StorageKey,
+    seal: &Seal,
+    local_now_ms: u64,
+) -> (ReadReply, Option<Fence>) {
+    match found {
+        None => (ReadReply::Absent, None),
+        Some((v, mod_revision)) => match open_value(&v, skey, seal) {
             Ok((value, expires)) if value.summary(expires).is_free(judged_now(local_now_ms)) => {
                 (ReadReply::Absent, None)
             }
@@ -1187,14 +1198,113 @@ pub fn parse_fenced_read(
                 (ReadReply::Found(value), Some(fence))
             }
             Err(e) => (ReadReply::Unreadable(e), None),
-        }),
+        },
     }
+}
+
+/// Most values one `read_many_request` reads: below etcd's `--max-txn-ops` (128 by default), and
+/// an answer holds at most this many values (each at most etcd's `--max-request-bytes`).
+pub const READ_MANY_MAX: usize = 64;
+
+/// The reads of the values of `skeys` (the first `READ_MANY_MAX`) in one transaction: what the
+/// operator's listing reads of a page of key names (`list_page_request`), one request for many
+/// keys instead of one each, `serializable` as the page was (no round to the leader: a read-only
+/// transaction of serializable ranges is answered by the member itself).
+pub fn read_many_request(skeys: &[StorageKey]) -> StoreRequest {
+    // Written here rather than as `Op`s of `txn`: the filter never sends it, so its module
+    // carries none of it.
+    let keys: Vec<String> = skeys.iter().take(READ_MANY_MAX).map(etcd_key).collect();
+    let each = r#"{"request_range":{"key":,"serializable":true}},"#.len();
+    let mut out = Body::with_capacity(32 + keys.iter().map(|k| each + b64_len(k.len())).sum::<usize>());
+    out.raw(r#"{"success":["#);
+    for (i, k) in keys.iter().enumerate() {
+        if i > 0 {
+            out.raw(",");
+        }
+        out.raw(r#"{"request_range":{"key":"#).b64(k.as_bytes()).raw(r#","serializable":true}}"#);
+    }
+    out.raw("]}");
+    out.post(TXN_PATH)
+}
+
+#[derive(Deserialize)]
+struct ManyAnswer<'a> {
+    #[serde(borrow)]
+    header: Option<Header<'a>>,
+    #[serde(default)]
+    succeeded: bool,
+    #[serde(borrow, default, deserialize_with = "few_n::<_, _, READ_MANY_MAX>")]
+    responses: Vec<OpAnswer<'a>>,
+}
+
+/// Parses the answer to `read_many_request(skeys)`: each key's value read as `parse_fenced_read`
+/// reads one at `local_now_ms`, in the order of `skeys` (the first `READ_MANY_MAX`). Every read
+/// must be there, of its own key.
+pub fn parse_read_many(
+    status: Option<u16>,
+    body: &[u8],
+    skeys: &[StorageKey],
+    seal: &Seal,
+    local_now_ms: u64,
+) -> Result<Vec<ReadReply>, StoreError> {
+    let a: ManyAnswer = json_answer(status, body)?;
+    if !has_revision(&a.header) || !a.succeeded {
+        return Err(garbled("etcd answer without a revision, or not a read's"));
+    }
+    let skeys = skeys.get(..skeys.len().min(READ_MANY_MAX)).unwrap_or_default();
+    if a.responses.len() != skeys.len() {
+        return Err(garbled("etcd answered another number of reads than asked"));
+    }
+    let mut out = Vec::with_capacity(skeys.len());
+    for (op, skey) in a.responses.iter().zip(skeys) {
+        let range = op
+            .response_range
+            .as_ref()
+            .filter(|_| op.kind() == Some(b'r'))
+            .ok_or_else(|| garbled("etcd read answer shape"))?;
+        out.push(judged_read(single_kv(range, &etcd_key(skey))?, skey, seal, local_now_ms).0);
+    }
+    Ok(out)
+}
+
+/// A read of `skey`'s owner mark (the phase letter and owner hex, in plain text beside the sealed
+/// value): what an operator sees of the phase of a value this build cannot open.
+pub fn owner_mark_request(skey: &StorageKey) -> StoreRequest {
+    let key = owner_key(skey);
+    let mut out = Body::with_capacity(b64_len(key.len()) + 16);
+    out.raw(r#"{"key":"#).b64(key.as_bytes()).raw("}");
+    out.post("/v3/kv/range")
+}
+
+/// Parses a range answer for the single etcd key `key` as stored, opened or not: `None` when
+/// absent, else its bytes and `mod_revision` (what `forget_raw_request` compares). Answers
+/// `read_request` (`key`: `etcd_key`) and `owner_mark_request` (`owner_key`).
+pub fn parse_raw_read(status: Option<u16>, body: &[u8], key: &str) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
+    let a: RangeAnswer = json_answer(status, body)?;
+    if !has_revision(&a.header) {
+        return Err(garbled("etcd answer without a revision"));
+    }
+    single_kv(&a, key)
+}
+
+/// The deletion of `skey`'s value and owner mark if the value is still the one read at
+/// `mod_revision` (an operator's `forget` of a value this build cannot open: no owner or phase
+/// is compared, only that nothing wrote the key since it was read). Its answer is read by
+/// `parse_transition_reply` (no echo): changed, or refused when the value changed.
+pub fn forget_raw_request(skey: &StorageKey, mod_revision: i64) -> StoreRequest {
+    let keys = Keys::of(skey);
+    txn(
+        &[Compare::ModRevision(keys.value.as_bytes(), mod_revision)],
+        &[Op::Delete(keys.value.as_bytes()), Op::Delete(keys.owner.as_bytes())],
+        &[],
+    )
 }
 
 /// Most keys one page of `list_page_request` asks for (and `parse_list_page` accepts).
 pub const LIST_PAGE_MAX: usize = 256;
 
-/// One page of the operator's listing: the etcd keys (names only, never values) from `start`
+/// One page of the operator's listing (read `serializable`: the answering member's own view): the
+/// etcd keys (names only, never values) from `start`
 /// (`None`: the first of `KEY_PREFIX`) to the end of `KEY_PREFIX`, in key order, at most `page`
 /// of them (1 to `LIST_PAGE_MAX`). Owner marks and tombstones come too (they share the prefix):
 /// `parse_list_page` skips them.
@@ -1206,9 +1316,9 @@ pub fn list_page_request(start: Option<&[u8]>, page: usize) -> StoreRequest {
     }
     let start = start.unwrap_or(KEY_PREFIX.as_bytes());
     let limit = page.clamp(1, LIST_PAGE_MAX);
-    let mut out = Body::with_capacity(b64_len(start.len()) + b64_len(end.len()) + 64);
+    let mut out = Body::with_capacity(b64_len(start.len()) + b64_len(end.len()) + 96);
     out.raw(r#"{"key":"#).b64(start).raw(r#","range_end":"#).b64(&end);
-    out.raw(r#","limit":"#).int(i64::try_from(limit).unwrap_or(1)).raw(r#","keys_only":true}"#);
+    out.raw(r#","limit":"#).int(i64::try_from(limit).unwrap_or(1)).raw(r#","keys_only":true,"serializable":true}"#);
     out.post("/v3/kv/range")
 }
 

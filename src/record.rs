@@ -10,6 +10,7 @@ use crate::config::Policy;
 use crate::fingerprint::Fingerprint;
 use crate::owner::OwnerToken;
 
+/// The first bytes of an encoded record (`idemgate --version` names it).
 pub const MAGIC: &[u8; 3] = b"IGR";
 /// The current encoding version. A decoder refuses versions it does not know.
 pub const VERSION: u8 = 1;

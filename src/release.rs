@@ -19,14 +19,19 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The line logged at configuration: the version and the record formats this build reads and
 /// writes.
 pub fn configured_line() -> String {
+    format!("idemgate {VERSION}: {}", formats())
+}
+
+/// The record formats this build reads and writes (the module's configured line and the operator
+/// CLI's `--version` both say it so).
+pub fn formats() -> String {
     let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let record = format!("{}+{}{}", text(seal::SEALED_MAGIC), text(record::MAGIC), record::VERSION);
     format!(
-        "idemgate {VERSION}: store records written and read as {}+{}+{}{} under {} (Redis) or {} (etcd); local table layout {} (a v3 table left by a reload is read, never written)",
+        "store records written and read as {}+{record} under {} (Redis) or {}+{record} under {} (etcd); local table layout {} (a v3 table left by a reload is read, never written)",
         text(store::VALUE_MAGIC),
-        text(seal::SEALED_MAGIC),
-        text(record::MAGIC),
-        record::VERSION,
         store::KEY_PREFIX,
+        text(etcd::VALUE_MAGIC),
         etcd::KEY_PREFIX,
         local::LAYOUT,
     )
@@ -45,7 +50,10 @@ mod tests {
     fn the_line_names_the_version_and_the_formats_the_encoders_write() {
         let line = configured_line();
         assert!(line.starts_with(&format!("idemgate {}: ", env!("CARGO_PKG_VERSION"))), "{line}");
-        assert!(line.contains("as IGS1+IGM1+IGR1 under idemgate:v1: (Redis) or idemgate/v1/ (etcd)"), "{line}");
+        assert!(
+            line.contains("as IGS1+IGM1+IGR1 under idemgate:v1: (Redis) or IGE1+IGM1+IGR1 under idemgate/v1/ (etcd)"),
+            "{line}"
+        );
         assert!(line.contains("local table layout v4 "), "{line}");
     }
 }

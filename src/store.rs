@@ -77,7 +77,7 @@ pub fn write_window_ms(store_timeout_ms: u64) -> u64 {
 }
 
 pub const KEY_PREFIX: &str = "idemgate:v1:";
-/// Marks a stored value: `IGS1`, the header the store scripts write (phase, owner, lock expiry),
+/// Marks a stored value (`idemgate --version` names it): `IGS1`, the header the store scripts write (phase, owner, lock expiry),
 /// then the sealed record.
 pub const VALUE_MAGIC: &[u8; 4] = b"IGS1";
 /// `IGS1` + phase (1) + owner hex (32) + lock expiry in ms, 15 decimal digits.

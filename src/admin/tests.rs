@@ -196,3 +196,42 @@ fn redis_time_is_read_in_ms() {
     assert_eq!(time_ms(&[b"1764000000".to_vec(), b"123456".to_vec()]), Some(1_764_000_000_123));
     assert_eq!(time_ms(&[b"x".to_vec()]), None);
 }
+
+/// `forget` of a value this build cannot read: judged by what is plain text in it, as a readable
+/// value is (a live claim and a claim whose proxy may still write are refused), and refused
+/// without `force` where nothing says whether it is a live claim.
+#[test]
+fn an_unreadable_value_is_forgotten_as_far_as_its_plain_text_allows() {
+    let seal = || crate::seal::Seal::new(Some("admin-unit-tests-record-key-0123456789abcdef"), None).unwrap();
+    let mut v = value(Stage::Forwarded, NOW + 1_000);
+    let redis = |v: &StoredValue| Unsealed::of_redis_value(&v.encode(&StorageKey([7; 32]), &seal()));
+    let live = redis(&v);
+    assert_eq!((live.phase, live.lock_expires_at_ms), (Some(Stage::Forwarded), Some(NOW + 1_000)));
+    assert!(
+        matches!(plan_raw_forget(&live, NOW, 0, true), Err(Refusal::InFlight { .. })),
+        "force never frees a live lock"
+    );
+    v.lock_expires_at_ms = NOW - 1_000;
+    assert!(matches!(plan_raw_forget(&redis(&v), NOW, 5_000, false), Err(Refusal::WritesMayLand { .. })));
+    assert_eq!(plan_raw_forget(&redis(&v), NOW, 500, false), Ok(()));
+    let unknown = Unsealed::of_redis_value(&value(Stage::Unknown, 0).encode(&StorageKey([7; 32]), &seal()));
+    assert_eq!(plan_raw_forget(&unknown, NOW, 60_000, false), Ok(()));
+    // Garbage: nothing readable; an etcd claim: its lock is sealed.
+    let garbage = Unsealed::of_redis_value(b"\x00garbage");
+    assert_eq!(garbage, Unsealed::default());
+    assert!(matches!(plan_raw_forget(&garbage, NOW, 0, false), Err(Refusal::Unjudged { .. })));
+    assert_eq!(plan_raw_forget(&garbage, NOW, 0, true), Ok(()));
+    let mark = Unsealed::of_etcd_mark(&crate::etcd::owner_mark(Stage::Forwarded, &OwnerToken([0xab; 16])));
+    assert_eq!((mark.phase, mark.owner.as_deref()), (Some(Stage::Forwarded), Some("ab".repeat(16).as_str())));
+    assert!(matches!(plan_raw_forget(&mark, NOW, 0, false), Err(Refusal::Unjudged { .. })));
+    assert_eq!(plan_raw_forget(&mark, NOW, 0, true), Ok(()));
+    let done = Unsealed::of_etcd_mark(&crate::etcd::owner_mark(Stage::Completed, &OwnerToken([1; 16])));
+    assert_eq!(plan_raw_forget(&done, NOW, 0, false), Ok(()));
+    assert_eq!(Unsealed::of_etcd_mark(b"Zxyz"), Unsealed::default());
+    let r = raw_report(&StorageKey([7; 32]), "stored value: unauthentic", b"IGS1Uxx", &unknown, NOW);
+    assert_eq!(
+        (r["state"].as_str(), r["raw_bytes"].as_u64(), r["phase"].as_str()),
+        (Some("unreadable"), Some(7), Some("outcome-unknown"))
+    );
+    assert_eq!(r["raw_sha1"].as_str().map(str::len), Some(40));
+}

@@ -10,8 +10,12 @@
 //!     idemgate list --state outcome-unknown|in-flight|completed [--limit N]
 //!     idemgate resolve STORAGE_KEY --release
 //!     idemgate resolve STORAGE_KEY --complete --status 201 [--body-file F] [--header 'name: value' ...]
-//!     idemgate forget STORAGE_KEY
+//!     idemgate forget STORAGE_KEY [--force]
 //!     idemgate probe URL [--profile draft|stripe|strict] [--count-url U] [--json] ... (docs/probe.md)
+//!     idemgate --version
+//!
+//! Every command takes `--json`: its result (or its failure, `{"ok": false, "error", "exit"}`) as
+//! one JSON document on stdout (docs/operating.md, "Machine-readable output").
 //!
 //! Exit status: 0 done, 1 refused / absent where an action needed a record / a probe violation /
 //! a store error, 2 a usage error (for probe also: the target unreachable or failing before any
@@ -33,7 +37,7 @@ use std::time::Duration;
 
 use clap::{Arg, ArgAction, ArgMatches, Command};
 use idemgate::admin::{self, Header, KeyRequest, Settle};
-use idemgate::backend::{Backend, Listed, Listing};
+use idemgate::backend::{Backend, Listed, Listing, RawValue};
 use idemgate::config::{Anonymous, Config, StoreKind};
 use idemgate::etcd::Fence;
 use idemgate::probe::Answer;
@@ -44,6 +48,36 @@ use idemgate::store::{self, ReadReply, StoreError, StoreRequest, TransitionReply
 
 const DEFAULT_WEBDIS: &str = "http://127.0.0.1:7379";
 const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The most bytes of one HTTP answer the CLI reads (`--max-answer-bytes`), headers included: a
+/// store's largest answer is one value read whole, at most the largest request the store
+/// accepts (webdis's default 128 MiB: `config::WEBDIS_DEFAULT_MAX_REQUEST_BYTES`) in base64
+/// (etcd's JSON: 4/3), with room for the framing. A broken or hostile endpoint that sends more
+/// (or announces more) ends the command with an error instead of filling memory.
+const DEFAULT_MAX_ANSWER_BYTES: u64 = idemgate::config::WEBDIS_DEFAULT_MAX_REQUEST_BYTES / 3 * 4 + (1 << 20);
+
+/// `--max-answer-bytes`, set once by `main` before any request.
+static MAX_ANSWER_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(DEFAULT_MAX_ANSWER_BYTES);
+
+fn max_answer_bytes() -> usize {
+    usize::try_from(MAX_ANSWER_BYTES.load(std::sync::atomic::Ordering::Relaxed)).unwrap_or(usize::MAX)
+}
+
+/// `--version`'s long form: the release and the formats it reads and writes.
+fn long_version() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| format!("{}\n{}", idemgate::release::VERSION, idemgate::release::formats()))
+}
+
+/// `--json` on a subcommand: its result as one JSON document.
+fn json_flag() -> Arg {
+    Arg::new("json").long("json").action(ArgAction::SetTrue).help("the result (or the failure) as JSON on stdout")
+}
+
+/// Prints `doc` as one JSON line.
+fn print_json(doc: &serde_json::Value) {
+    println!("{}", serde_json::to_string(doc).unwrap_or_default());
+}
 
 /// A failure: its message and exit status.
 struct Fail(String, u8);
@@ -72,8 +106,17 @@ fn cli() -> Command {
     let headers = |help: &'static str| Arg::new("header").long("header").action(ArgAction::Append).help(help);
     Command::new("idemgate")
         .about("See and settle idempotency keys in idemgate's store; prove an API idempotent")
+        .version(env!("CARGO_PKG_VERSION"))
+        .long_version(long_version())
         .subcommand_required(true)
         .arg_required_else_help(true)
+        .arg(
+            Arg::new("max_answer_bytes")
+                .long("max-answer-bytes")
+                .global(true)
+                .value_parser(clap::value_parser!(u64).range(1024..))
+                .help("the most bytes of one HTTP answer read (default: 172 MiB, a store's largest value)"),
+        )
         .arg(Arg::new("webdis").long("webdis").global(true).help(
             "webdis URL (default: $IDEMGATE_WEBDIS or http://127.0.0.1:7379); credential from $IDEMGATE_STORE_AUTH",
         ))
@@ -113,14 +156,24 @@ fn cli() -> Command {
                         .help("the policy has scope.include_authority: false"),
                 )
                 .arg(Arg::new("anonymous_shared").long("anonymous-shared").action(ArgAction::SetTrue))
-                .arg(Arg::new("key_max_length").long("key-max-length").value_parser(clap::value_parser!(usize))),
+                .arg(Arg::new("key_max_length").long("key-max-length").value_parser(clap::value_parser!(usize)))
+                .arg(json_flag()),
         )
-        .subcommand(Command::new("inspect").about("A key's record as JSON, or 'absent'").arg(key()))
+        .subcommand(
+            Command::new("inspect")
+                .about(
+                    "A key's record as JSON, or 'absent'; a value this build cannot read is shown as far as it \
+                     can be (state 'unreadable': why, its size, SHA-1, TTL, plain-text phase and lock)",
+                )
+                .arg(key())
+                .arg(json_flag()),
+        )
         .subcommand(
             Command::new("list")
                 .about("Storage keys in a state (SCAN and ranged reads: never blocks Redis)")
                 .arg(Arg::new("state").long("state").required(true).help("outcome-unknown, in-flight or completed"))
-                .arg(Arg::new("limit").long("limit").default_value("100").value_parser(clap::value_parser!(usize))),
+                .arg(Arg::new("limit").long("limit").default_value("100").value_parser(clap::value_parser!(usize)))
+                .arg(json_flag()),
         )
         .subcommand(
             Command::new("resolve")
@@ -144,26 +197,40 @@ fn cli() -> Command {
                         .value_parser(clap::value_parser!(u64))
                         .help("how long the completed record is kept"),
                 )
-                .arg(store_timeout()),
+                .arg(store_timeout())
+                .arg(json_flag()),
         )
         .subcommand(
             Command::new("forget")
                 .about(
-                    "Delete a key's record from the store (refused while it is in flight). Proxies' local \
-                     tiers keep their copies: a proxy that holds the key completed replays it until its copy \
-                     expires or Envoy restarts",
+                    "Delete a key's record from the store (refused while it is in flight), a value this build \
+                     cannot read too. Proxies' local tiers keep their copies: a proxy that holds the key \
+                     completed replays it until its copy expires or Envoy restarts",
                 )
                 .arg(key())
-                .arg(store_timeout()),
+                .arg(store_timeout())
+                .arg(Arg::new("force").long("force").action(ArgAction::SetTrue).help(
+                    "delete a value this build cannot read whose phase or lock cannot be read either (it may be \
+                     another build's live claim: check that no request with the key runs)",
+                ))
+                .arg(json_flag()),
         )
         .subcommand(probe_cmd::command())
 }
 
 fn main() -> ExitCode {
     let m = cli().get_matches();
+    if let Some(n) = m.get_one::<u64>("max_answer_bytes") {
+        MAX_ANSWER_BYTES.store(*n, std::sync::atomic::Ordering::Relaxed);
+    }
+    // `probe --json` writes its own report, failures included.
+    let json = matches!(m.subcommand(), Some((name, a)) if name != "probe" && a.get_flag("json"));
     match run(&m) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Fail(msg, code)) => {
+            if json {
+                print_json(&serde_json::json!({"ok": false, "error": msg, "exit": code}));
+            }
             eprintln!("idemgate: {msg}");
             ExitCode::from(code)
         }
@@ -195,7 +262,7 @@ fn run(m: &ArgMatches) -> Result<(), Fail> {
         Some(("inspect", a)) => inspect(&store()?, a),
         Some(("list", a)) => list(&store()?, a),
         Some(("resolve", a)) => resolve(&store()?, a),
-        Some(("forget", a)) => settle(&store()?, &storage_key(a)?, &Settle::Forget, admin::FORGOTTEN, write_window(a)),
+        Some(("forget", a)) => forget(&store()?, a),
         Some(("probe", a)) => probe_cmd::run(a),
         _ => usage("a subcommand is needed (see --help)"),
     }
@@ -267,7 +334,11 @@ fn key(a: &ArgMatches) -> Result<(), Fail> {
     if let Some(why) = &k.refused {
         eprintln!("idemgate: note: {why}");
     }
-    println!("{}", k.storage_key.hex());
+    if a.get_flag("json") {
+        print_json(&serde_json::json!({"ok": true, "storage_key": k.storage_key.hex(), "refused": k.refused}));
+    } else {
+        println!("{}", k.storage_key.hex());
+    }
     Ok(())
 }
 
@@ -353,39 +424,146 @@ impl Store {
     }
 
     /// The value of `skey` and, where the store has one, what it was read as (`Fence`), judged
-    /// at `local_now_ms`.
-    fn read(&self, skey: &StorageKey, local_now_ms: u64) -> Result<(ReadReply, Option<Fence>), Fail> {
+    /// at `local_now_ms`; a value this build cannot read comes as stored too (`RawValue`).
+    fn read(&self, skey: &StorageKey, local_now_ms: u64) -> Result<KeyRead, Fail> {
         let (status, body) = self.link.call(&self.backend.read_request(skey))?;
-        self.backend
+        let (reply, fence) = self
+            .backend
             .parse_fenced_read(status, &body, skey, &record_seal()?, local_now_ms)
+            .or_else(|e| fail(format!("store: {e}")))?;
+        let raw = match &reply {
+            ReadReply::Unreadable(_) => {
+                self.backend.parse_raw_read(status, &body, skey).or_else(|e| fail(format!("store: {e}")))?
+            }
+            _ => None,
+        };
+        Ok(KeyRead { reply, fence, raw })
+    }
+
+    /// What can be read of `raw`, a value of `skey` this build cannot open (etcd: one more read,
+    /// of its owner mark).
+    fn unsealed(&self, skey: &StorageKey, raw: &RawValue) -> Result<admin::Unsealed, Fail> {
+        let mark = match self.backend.raw_phase_request(skey) {
+            Some(r) => Some(self.link.call(&r)?),
+            None => None,
+        };
+        self.backend
+            .unsealed(raw, skey, mark.as_ref().map(|(status, body)| (*status, body.as_slice())))
+            .or_else(|e| fail(format!("store: {e}")))
+    }
+
+    /// The store's own fields of `skey` (`Backend::store_fields`: Redis's `PTTL`, etcd's fence).
+    fn store_fields(
+        &self,
+        skey: &StorageKey,
+        fence: Option<&Fence>,
+    ) -> Result<Vec<(&'static str, serde_json::Value)>, Fail> {
+        let answer = match self.backend.inspect_request(skey) {
+            Some(r) => Some(self.link.call(&r)?),
+            None => None,
+        };
+        self.backend
+            .store_fields(fence, answer.as_ref().map(|(status, body)| (*status, body.as_slice())))
             .or_else(|e| fail(format!("store: {e}")))
     }
 }
 
-fn inspect(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
-    let skey = storage_key(a)?;
-    let local = local_now_ms();
-    let now = st.now(local)?;
-    match st.read(&skey, local)? {
-        (ReadReply::Absent, _) => println!("absent"),
-        (ReadReply::Unreadable(why), _) => return fail(format!("the key holds a value this build cannot read: {why}")),
-        (ReadReply::Found(v), fence) => {
-            let mut report = admin::report(&skey, &v, now);
-            let answer = match st.backend.inspect_request(&skey) {
-                Some(r) => Some(st.link.call(&r)?),
-                None => None,
-            };
-            let fields = st
+impl Store {
+    /// The keys of a listing's page with their stage, lock expiry and the time they are judged
+    /// at: a key read with its header (Redis) at `now`; a name alone (etcd) by reading its value,
+    /// `etcd::READ_MANY_MAX` keys a request. Tombstones and absent values are left out; values
+    /// this build cannot read (a Redis header it does not know, an etcd value it cannot open) are
+    /// counted in `unreadable`.
+    fn judge_page(
+        &self,
+        found: Vec<Listed>,
+        now: u64,
+        unreadable: &mut usize,
+    ) -> Result<Vec<(String, Stage, u64, u64)>, Fail> {
+        let mut out = vec![];
+        let mut names = vec![];
+        for f in found {
+            match f {
+                Listed::Header { hex, header: Header::Value { state, lock_expires_at_ms, .. } } => {
+                    out.push((hex, state, lock_expires_at_ms, now))
+                }
+                Listed::Header { header: Header::Unreadable, .. } => *unreadable += 1,
+                Listed::Header { header: Header::Tombstone, .. } => {}
+                Listed::Key(skey) => names.push(skey),
+            }
+        }
+        let seal = if names.is_empty() { None } else { Some(record_seal()?) };
+        for chunk in names.chunks(idemgate::etcd::READ_MANY_MAX) {
+            let (Some(request), Some(seal)) = (self.backend.read_many_request(chunk), seal.as_ref()) else { break };
+            let local = local_now_ms();
+            let (status, body) = self.link.call(&request)?;
+            let reads = self
                 .backend
-                .store_fields(fence.as_ref(), answer.as_ref().map(|(status, body)| (*status, body.as_slice())))
+                .parse_read_many(status, &body, chunk, seal, local)
                 .or_else(|e| fail(format!("store: {e}")))?;
-            if let Some(o) = report.as_object_mut() {
-                for (name, value) in fields {
-                    o.insert(name.into(), value);
+            for (skey, read) in chunk.iter().zip(reads) {
+                match read {
+                    ReadReply::Found(v) => {
+                        out.push((skey.hex(), v.phase, v.lock_expires_at_ms, self.backend.judged_now(local)))
+                    }
+                    ReadReply::Absent => {}
+                    ReadReply::Unreadable(_) => *unreadable += 1,
                 }
             }
-            println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
         }
+        Ok(out)
+    }
+}
+
+/// A read of one key (`Store::read`).
+struct KeyRead {
+    reply: ReadReply,
+    fence: Option<Fence>,
+    /// The value as stored when this build cannot read it (`ReadReply::Unreadable`).
+    raw: Option<RawValue>,
+}
+
+fn inspect(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
+    let skey = storage_key(a)?;
+    let json = a.get_flag("json");
+    let local = local_now_ms();
+    let now = st.now(local)?;
+    let read = st.read(&skey, local)?;
+    let mut report = match (&read.reply, &read.raw) {
+        (ReadReply::Absent, _) => {
+            if json {
+                print_json(&serde_json::json!({"ok": true, "storage_key": skey.hex(), "state": "absent"}));
+            } else {
+                println!("absent");
+            }
+            return Ok(());
+        }
+        (ReadReply::Found(v), _) => admin::report(&skey, v, now),
+        // Shown as far as it can be: what it is not, its size, what is plain text in it.
+        (ReadReply::Unreadable(why), Some(raw)) => {
+            eprintln!("idemgate: note: the key holds a value this build cannot read: {why}");
+            admin::raw_report(&skey, &why.to_string(), &raw.bytes, &st.unsealed(&skey, raw)?, now)
+        }
+        (ReadReply::Unreadable(why), None) => {
+            return fail(format!("the key holds a value this build cannot read: {why}"))
+        }
+    };
+    let mut fields = st.store_fields(&skey, read.fence.as_ref())?;
+    if let Some(rev) = read.raw.as_ref().and_then(|r| r.revision) {
+        fields.push(("store_mod_revision", rev.into()));
+    }
+    if let Some(o) = report.as_object_mut() {
+        for (name, value) in fields {
+            o.insert(name.into(), value);
+        }
+        if json {
+            o.insert("ok".into(), true.into());
+        }
+    }
+    if json {
+        print_json(&report);
+    } else {
+        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
     }
     Ok(())
 }
@@ -396,6 +574,11 @@ fn inspect(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
 fn list(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
     let want = admin::parse_state(s(a, "state").map_or("", |v| v.as_str())).or_else(usage)?;
     let limit = a.get_one::<usize>("limit").copied().unwrap_or(100);
+    let json = a.get_flag("json");
+    let mut listed = vec![];
+    let mut pages = 0u64;
+    // Whether the store's listing ended, and whether `--limit` left keys of a page unjudged.
+    let (mut ended, mut cut) = (false, false);
     let now = st.now(local_now_ms())?;
     let mut cursor: Option<Vec<u8>> = None;
     let mut seen = std::collections::HashSet::new();
@@ -403,39 +586,32 @@ fn list(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
     let mut unreadable = 0;
     while shown < limit {
         let page = st.list_page(cursor.as_deref())?;
-        for found in page.found {
+        pages += 1;
+        for (hex, state, lock_expires_at_ms, now) in st.judge_page(page.found, now, &mut unreadable)? {
             if shown >= limit {
+                cut = true;
                 break;
             }
-            let (hex, state, lock_expires_at_ms, now) = match found {
-                Listed::Header { hex, header: Header::Value { state, lock_expires_at_ms, .. } } => {
-                    (hex, state, lock_expires_at_ms, now)
-                }
-                Listed::Header { .. } => continue,
-                Listed::Key(skey) => {
-                    let local = local_now_ms();
-                    match st.read(&skey, local)? {
-                        (ReadReply::Found(v), _) => {
-                            (skey.hex(), v.phase, v.lock_expires_at_ms, st.backend.judged_now(local))
-                        }
-                        (ReadReply::Absent, _) => continue,
-                        (ReadReply::Unreadable(_), _) => {
-                            unreadable += 1;
-                            continue;
-                        }
-                    }
-                }
-            };
             if state != want {
                 continue;
             }
             let name = admin::state_name(state);
-            match state {
-                Stage::Forwarded if lock_expires_at_ms > now => {
-                    println!("{hex}\t{name}\tlock live {} ms", lock_expires_at_ms - now)
+            if json {
+                let mut entry = serde_json::json!({"storage_key": hex, "state": name});
+                if state == Stage::Forwarded {
+                    let live = lock_expires_at_ms > now;
+                    entry["lock"] = (if live { "live" } else { "expired" }).into();
+                    entry["lock_expires_in_ms"] = lock_expires_at_ms.saturating_sub(now).into();
                 }
-                Stage::Forwarded => println!("{hex}\t{name}\tlock expired"),
-                _ => println!("{hex}\t{name}"),
+                listed.push(entry);
+            } else {
+                match state {
+                    Stage::Forwarded if lock_expires_at_ms > now => {
+                        println!("{hex}\t{name}\tlock live {} ms", lock_expires_at_ms - now)
+                    }
+                    Stage::Forwarded => println!("{hex}\t{name}\tlock expired"),
+                    _ => println!("{hex}\t{name}"),
+                }
             }
             shown += 1;
         }
@@ -448,18 +624,76 @@ fn list(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
                 ))
             }
             Some(next) => cursor = Some(next),
-            None => break,
+            None => {
+                ended = true;
+                break;
+            }
         }
     }
     if unreadable > 0 {
         eprintln!("idemgate: note: {unreadable} value(s) this build cannot read (another record key?) were skipped");
+    }
+    if json {
+        print_json(&serde_json::json!({
+            "ok": true,
+            "state": admin::state_name(want),
+            "keys": listed,
+            "shown": shown,
+            "limit": limit,
+            // Whether the listing went through the whole store (else `--limit` stopped it).
+            "complete": ended && !cut,
+            "pages": pages,
+            "unreadable_skipped": unreadable,
+        }));
     }
     Ok(())
 }
 
 fn resolve(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
     let (skey, action, done) = settlement(a)?;
-    settle(st, &skey, &action, done, write_window(a))
+    let name = if action == Settle::Release { "released" } else { "completed" };
+    let read = st.read(&skey, local_now_ms())?;
+    settle(st, &skey, read, &action, write_window(a))?;
+    done_message(a, &skey, name, done);
+    Ok(())
+}
+
+/// What a settlement prints once done: `message`, or with `--json` `{"ok", "storage_key",
+/// "result": result, "message"}`.
+fn done_message(a: &ArgMatches, skey: &StorageKey, result: &str, message: &str) {
+    if a.get_flag("json") {
+        print_json(&serde_json::json!({"ok": true, "storage_key": skey.hex(), "result": result, "message": message}));
+    } else {
+        println!("{message}");
+    }
+}
+
+/// `forget`: the record deleted by the owner- and phase-checked transition of `admin::plan`, or,
+/// when this build cannot read the value, deleted only if it is still exactly the value read
+/// (`Backend::forget_raw_request`), after `admin::plan_raw_forget` judged what could be read of
+/// it (a claim whose lock is live is refused as for any value).
+fn forget(st: &Store, a: &ArgMatches) -> Result<(), Fail> {
+    let skey = storage_key(a)?;
+    let local = local_now_ms();
+    let read = st.read(&skey, local)?;
+    let Some(raw) = read.raw.clone() else {
+        settle(st, &skey, read, &Settle::Forget, write_window(a))?;
+        done_message(a, &skey, "forgotten", admin::FORGOTTEN);
+        return Ok(());
+    };
+    let seen = st.unsealed(&skey, &raw)?;
+    let now = st.now(local)?;
+    admin::plan_raw_forget(&seen, now, write_window(a), a.get_flag("force")).or_else(|r| fail(r.to_string()))?;
+    let nonce = nonce();
+    let (status, body) = st.link.call(&st.backend.forget_raw_request(&skey, &raw, &nonce))?;
+    match st.backend.parse_forget_raw(status, &body, &nonce) {
+        Ok(TransitionReply::Changed) => {
+            done_message(a, &skey, "forgotten", &format!("unreadable value deleted: {}", admin::FORGOTTEN));
+            Ok(())
+        }
+        Ok(_) => fail("refused: the value changed since it was read (or is gone); inspect it again"),
+        Err(e) => fail(format!("store: {e}")),
+    }
 }
 
 /// How long after a claim's lock expired its proxy may still land a write, from the proxies'
@@ -492,13 +726,16 @@ fn settlement(a: &ArgMatches) -> Result<(idemgate::scope::StorageKey, Settle, &'
 /// Reads the value, plans the action (`admin::plan`, judged by `Store::now`), grants the lease
 /// a write needs (etcd), and sends the owner- and phase-checked transition, fenced on the value
 /// read.
-fn settle(st: &Store, skey: &StorageKey, action: &Settle, done: &str, write_window_ms: u64) -> Result<(), Fail> {
+fn settle(st: &Store, skey: &StorageKey, read: KeyRead, action: &Settle, write_window_ms: u64) -> Result<(), Fail> {
     let local = local_now_ms();
-    let (value, fence) = match st.read(skey, local)? {
-        (ReadReply::Found(v), fence) => (v, fence),
-        (ReadReply::Absent, _) => return fail("refused: the key is absent (nothing to settle)"),
-        (ReadReply::Unreadable(why), _) => {
-            return fail(format!("refused: the key holds a value this build cannot read: {why}"))
+    let (value, fence) = match read.reply {
+        ReadReply::Found(v) => (v, read.fence),
+        ReadReply::Absent => return fail("refused: the key is absent (nothing to settle)"),
+        ReadReply::Unreadable(why) => {
+            return fail(format!(
+                "refused: the key holds a value this build cannot read: {why} (`idemgate inspect` shows what it \
+                 can of it; `idemgate forget` deletes it)"
+            ))
         }
     };
     let now = st.now(local)?;
@@ -523,10 +760,7 @@ fn settle(st: &Store, skey: &StorageKey, action: &Settle, done: &str, write_wind
     }
     match backend.parse_operator_transition(status, &body, &t, skey) {
         // An operator's transition refuses where the key is absent (`WhereAbsent::Refuse`).
-        Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten) => {
-            println!("{done}");
-            Ok(())
-        }
+        Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten) => Ok(()),
         // An operator's transition never writes where absent: the key is gone.
         Ok(TransitionReply::Refused | TransitionReply::Absent) => fail(
             "refused: the record changed since it was read (its request or another operator acted); inspect it again",
@@ -648,6 +882,9 @@ fn exchange_on(
     c.write_all(&bytes)?;
     // Read until the answer is whole (its length or last chunk), not until the server closes:
     // some servers keep the connection open whatever `connection: close` asked.
+    // Never more than `--max-answer-bytes` of it (`too_large`), announced or sent.
+    let cap = max_answer_bytes();
+    let mut head_end: Option<usize> = None;
     let mut buf = vec![];
     let mut chunk = [0u8; 16384];
     loop {
@@ -657,14 +894,44 @@ fn exchange_on(
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => 0,
             Err(e) => return Err(e),
         };
+        if buf.len().saturating_add(n) > cap {
+            return Err(too_large(cap, "sent"));
+        }
+        // The head's end is looked for in what arrived (and the 3 bytes before it) only.
+        let from = buf.len().saturating_sub(3);
         buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
+        if head_end.is_none() {
+            head_end = buf.get(from..).and_then(|b| b.windows(4).position(|w| w == b"\r\n\r\n")).map(|i| from + i);
+            if head_end.is_some() && announced_length(&buf).is_some_and(|len| len > cap) {
+                return Err(too_large(cap, "announced"));
+            }
+        }
         if n == 0 {
             return parse_response(&buf, true).ok_or_else(|| std::io::Error::other("malformed HTTP response"));
         }
-        if let Some(a) = parse_response(&buf, false) {
-            return Ok(a);
+        if head_end.is_some() {
+            if let Some(a) = parse_response(&buf, false) {
+                return Ok(a);
+            }
         }
     }
+}
+
+/// An answer longer than `cap` bytes (`--max-answer-bytes`), `how`: announced or sent.
+fn too_large(cap: usize, how: &str) -> std::io::Error {
+    std::io::Error::other(format!(
+        "the answer {how} more than {cap} bytes (--max-answer-bytes): not read (a broken or hostile endpoint?)"
+    ))
+}
+
+/// The `content-length` of the answer whose head `buf` holds whole, if it announces one.
+fn announced_length(buf: &[u8]) -> Option<usize> {
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(buf.get(..end)?).ok()?;
+    head.split("\r\n").skip(1).find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        n.trim().eq_ignore_ascii_case("content-length").then(|| v.trim().parse::<usize>().ok()).flatten()
+    })
 }
 
 /// The answer in `buf` if it is whole (`eof`: the server closed, the body ends here).

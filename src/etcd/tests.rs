@@ -1011,3 +1011,51 @@ fn requests_are_json_whatever_their_strings_hold() {
         assert!(serde_json::from_slice::<Value>(&b).is_ok(), "{}", String::from_utf8_lossy(&b));
     }
 }
+
+/// The listing's batched read: one transaction of ranges, answered in order, each judged as a
+/// single read is; an answer with another number of reads, or a read of another key, is garbled.
+#[test]
+fn many_values_are_read_in_one_transaction_each_judged_as_one_read() {
+    let keys = [skey(1), skey(2), skey(3)];
+    let req = read_many_request(&keys);
+    let body: Value = serde_json::from_slice(&req.body).unwrap();
+    assert_eq!(body["success"].as_array().map(Vec::len), Some(3));
+    assert_eq!(body["success"][1]["request_range"]["key"], b64(etcd_key(&skey(2)).as_bytes()));
+    assert_eq!(body["success"][1]["request_range"]["serializable"], json!(true));
+    let v = StoredValue {
+        phase: Stage::Unknown,
+        owner: owner(4),
+        lock_expires_at_ms: 0,
+        record: Record {
+            fingerprint: Fingerprint([5; 32]),
+            created_at_ms: NOW,
+            expires_at_ms: NOW + 60_000,
+            creator: creator(),
+            state: State::OutcomeUnknown { reason: UnknownReason::UpstreamReset },
+        },
+    };
+    let kv = |k: &StorageKey, value: &[u8]| {
+        json!({"response_range": {"header": {"revision": "9"}, "kvs": [
+            {"key": b64(etcd_key(k).as_bytes()), "value": b64(value), "mod_revision": "8"}]}})
+    };
+    let absent = json!({"response_range": {"header": {"revision": "9"}}});
+    let answer =
+        |ops: Vec<Value>| json!({"header": {"revision": "9"}, "succeeded": true, "responses": ops}).to_string();
+    let good = answer(vec![
+        kv(&skey(1), &encode_value(&v, NOW + 60_000, &skey(1), &seal())),
+        absent.clone(),
+        kv(&skey(3), b"junk"),
+    ]);
+    let reads = parse_read_many(Some(200), good.as_bytes(), &keys, &seal(), NOW).unwrap();
+    assert!(
+        matches!(reads.as_slice(), [ReadReply::Found(_), ReadReply::Absent, ReadReply::Unreadable(_)]),
+        "{reads:?}"
+    );
+    let short = answer(vec![absent.clone()]);
+    assert!(parse_read_many(Some(200), short.as_bytes(), &keys, &seal(), NOW).is_err());
+    let swapped = answer(vec![absent.clone(), absent.clone(), kv(&skey(1), b"x")]);
+    assert!(parse_read_many(Some(200), swapped.as_bytes(), &keys, &seal(), NOW).is_err());
+    let many: Vec<StorageKey> = (0..100).map(|i| skey(i as u8)).collect();
+    let req: Value = serde_json::from_slice(&read_many_request(&many).body).unwrap();
+    assert_eq!(req["success"].as_array().map(Vec::len), Some(READ_MANY_MAX));
+}

@@ -468,42 +468,303 @@ fn a_claim_whose_completion_may_still_land_is_not_settled_by_the_operator() {
     a.assert_no_wasm_panic();
 }
 
-/// `list` at store scale: a few thousand values written straight into Redis (headers only: `list`
-/// reads nothing else), many `SCAN` pages of whatever size Redis returns. Every outcome-unknown
-/// key is listed exactly once, no key of another state or a tombstone. Before, the CLI read each
-/// page with the filter's reply parser (16 elements at most) and failed on the first page
-/// holding 8 keys ("RESP arrays longer than any idemgate answer").
+/// `list` at store scale: 100,000 values written straight into Redis (headers only: `list` reads
+/// nothing else; MSET in chunks of 10,000), hundreds of `SCAN` pages of whatever size Redis
+/// returns. Every outcome-unknown key is listed exactly once, no key of another state or a
+/// tombstone, in text and in `--json`. Before, the CLI read each page with the filter's reply
+/// parser (16 elements at most) and failed on the first page holding 8 keys ("RESP arrays longer
+/// than any idemgate answer").
 #[test]
-fn list_pages_through_thousands_of_keys_and_lists_each_once() {
+fn list_pages_through_100000_keys_and_lists_each_once() {
     use std::collections::BTreeSet;
     let redis = Redis::start();
     let webdis = Webdis::start_with_auth(redis.port, AUTH);
-    let (unknown, completed, tombstones) = (3000usize, 1000usize, 200usize);
+    let (unknown, completed, tombstones) = (90_000usize, 8_000usize, 2_000usize);
     let hex = |i: usize| format!("{:064x}", i * 7919 + 1);
     let owner = "0123456789abcdef0123456789abcdef";
     let mut expected = BTreeSet::new();
-    let mut args: Vec<Vec<u8>> = vec![b"MSET".to_vec()];
-    for i in 0..unknown + completed + tombstones {
-        let h = hex(i);
-        let value = if i < unknown {
-            expected.insert(h.clone());
-            format!("IGS1U{owner}000000000000000record")
-        } else if i < unknown + completed {
-            format!("IGS1D{owner}000000000000000record")
-        } else {
-            format!("IGS1R{owner}")
-        };
-        args.push(format!("idemgate:v1:{h}").into_bytes());
-        args.push(value.into_bytes());
+    let all: Vec<usize> = (0..unknown + completed + tombstones).collect();
+    for chunk in all.chunks(10_000) {
+        let mut args: Vec<Vec<u8>> = vec![b"MSET".to_vec()];
+        for &i in chunk {
+            let h = hex(i);
+            let value = if i < unknown {
+                expected.insert(h.clone());
+                format!("IGS1U{owner}000000000000000record")
+            } else if i < unknown + completed {
+                format!("IGS1D{owner}000000000000000record")
+            } else {
+                format!("IGS1R{owner}")
+            };
+            args.push(format!("idemgate:v1:{h}").into_bytes());
+            args.push(value.into_bytes());
+        }
+        let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+        assert_eq!(redis.command(&refs), support::store::resp::Value::Status("OK".into()));
     }
-    let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-    assert_eq!(redis.command(&refs), support::store::resp::Value::Status("OK".into()));
+    assert_eq!(redis.command(&[b"DBSIZE"]), support::store::resp::Value::Int(100_000));
     let ops = OperatorCli::webdis(&format!("http://127.0.0.1:{}", webdis.port), Some(AUTH));
-    let lines = ops.listed_at_most("outcome-unknown", 100_000);
+    let started = std::time::Instant::now();
+    let lines = ops.listed_at_most("outcome-unknown", 1_000_000);
+    eprintln!("listed {} of 100000 keys in {:?}", lines.len(), started.elapsed());
     let listed: BTreeSet<String> = lines.iter().cloned().collect();
     assert_eq!(lines.len(), listed.len(), "a key listed twice");
     assert_eq!(listed.len(), unknown);
     assert!(listed == expected, "listed keys differ from the outcome-unknown keys written");
-    // `--limit` stops the listing there.
+    // `--json`: the same keys, the listing complete; `--limit` stops the listing there.
+    let out = ops.run(&["list", "--state", "completed", "--limit", "1000000", "--json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("list --json");
+    let keys: BTreeSet<&str> =
+        doc["keys"].as_array().unwrap().iter().filter_map(|k| k["storage_key"].as_str()).collect();
+    assert_eq!(
+        (keys.len(), doc["shown"].as_u64(), doc["complete"].as_bool()),
+        (completed, Some(completed as u64), Some(true))
+    );
+    assert!(keys.iter().all(|k| !expected.contains(*k)), "an outcome-unknown key listed as completed");
     assert_eq!(ops.listed_at_most("completed", 250).len(), 250);
+}
+
+/// Values this build cannot read, planted straight into Redis: garbage bytes, an outcome-unknown
+/// value sealed with another record key (another fleet's, or one rotated out), and a claim sealed
+/// so whose lock is live. `inspect` shows each as far as it can (size, SHA-1, TTL, the header's
+/// phase and lock) instead of refusing; `forget` deletes the outcome-unknown one, refuses the live
+/// claim (its request may be running) and the garbage until `--force` (nothing says what it is),
+/// then deletes it; a retry through Envoy then executes. Before, both refused every such value
+/// ("value this build cannot read"): a raw Redis DEL was the only way out.
+#[test]
+fn inspect_and_forget_reach_values_this_build_cannot_read() {
+    use idemgate::owner::OwnerToken;
+    use idemgate::record::{Creator, Record, Stage, State, UnknownReason};
+    use idemgate::scope::StorageKey;
+    use idemgate::store::StoredValue;
+    let s = Stack::start();
+    let other = idemgate::seal::Seal::new(Some("another-fleets-record-key-0123456789abcdef"), None).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let foreign = |key: &str, phase: Stage, lock: u64| -> (String, Vec<u8>) {
+        let skey = s.storage_key(key);
+        let state = match phase {
+            Stage::Unknown => State::OutcomeUnknown { reason: UnknownReason::UpstreamReset },
+            _ => State::Forwarded { owner: OwnerToken([5; 16]), lock_expires_at_ms: lock },
+        };
+        let record = Record {
+            fingerprint: idemgate::fingerprint::Fingerprint([7; 32]),
+            created_at_ms: now,
+            expires_at_ms: now + 3_600_000,
+            creator: Creator { request_id: "r-foreign".into(), log_values: vec![] },
+            state,
+        };
+        let v = StoredValue { phase, owner: OwnerToken([5; 16]), lock_expires_at_ms: lock, record };
+        let sk = StorageKey(idemgate::hex::decode::<32>(skey.as_bytes()).unwrap());
+        (skey, v.encode(&sk, &other))
+    };
+    let (unknown, unknown_value) = foreign("k-foreign-unknown", Stage::Unknown, 0);
+    let (claim, claim_value) = foreign("k-foreign-claim", Stage::Forwarded, now + 3_600_000);
+    let garbage = s.storage_key("k-garbage");
+    let garbage_value = b"\x00\xffnot an idemgate value at all".to_vec();
+    for (skey, value) in [(&unknown, &unknown_value), (&claim, &claim_value), (&garbage, &garbage_value)] {
+        let k = format!("idemgate:v1:{skey}");
+        let set = s.redis.command(&[b"SET", k.as_bytes(), value, b"PX", b"3600000"]);
+        assert_eq!(set, support::store::resp::Value::Status("OK".into()));
+    }
+    // inspect: shown, never refused.
+    for (skey, value, phase) in [
+        (&unknown, &unknown_value, Some("outcome-unknown")),
+        (&claim, &claim_value, Some("in-flight")),
+        (&garbage, &garbage_value, None),
+    ] {
+        let out = s.cli(&["inspect", skey, "--json"]);
+        assert!(out.status.success(), "{skey}: {}", text(&out.stderr));
+        let rec: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(rec["state"], "unreadable", "{rec}");
+        assert_eq!(rec["raw_bytes"].as_u64(), Some(value.len() as u64), "{rec}");
+        assert!(rec["store_ttl_ms"].as_i64().is_some_and(|t| t > 3_500_000 && t <= 3_600_000), "{rec}");
+        assert!(rec["unreadable"].as_str().is_some_and(|w| !w.is_empty()), "{rec}");
+        assert_eq!(rec["phase"].as_str(), phase, "{rec}");
+    }
+    let rec = s.inspect(&claim);
+    assert_eq!((rec["lock"].as_str(), rec["owner"].as_str()), (Some("live"), Some("05".repeat(16).as_str())), "{rec}");
+    // list reads headers only: the foreign value is listed by its header, the garbage counted.
+    let out = s.cli(&["list", "--state", "outcome-unknown", "--json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["keys"][0]["storage_key"].as_str(), Some(unknown.as_str()), "{doc}");
+    assert_eq!(doc["unreadable_skipped"].as_u64(), Some(1), "{doc}");
+    // forget: the live claim is refused as any live claim is; the garbage until --force.
+    let out = s.cli(&["forget", &claim]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("in flight"), "{}", text(&out.stderr));
+    let out = s.cli(&["forget", &garbage]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("--force"), "{}", text(&out.stderr));
+    assert_eq!(s.redis.keys("idemgate:v1:*").len(), 3, "nothing deleted yet");
+    for args in [&["forget", &unknown][..], &["forget", &garbage, "--force"]] {
+        let out = s.cli(args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        assert!(text(&out.stdout).contains("unreadable value deleted"), "{}", text(&out.stdout));
+    }
+    assert_eq!(s.redis.keys("idemgate:v1:*"), vec![format!("idemgate:v1:{claim}")]);
+    assert_eq!(text(&s.cli(&["inspect", &unknown]).stdout).trim(), "absent");
+    // The retries execute now (before, the proxies found the unreadable value and refused).
+    for key in ["k-foreign-unknown", "k-garbage"] {
+        let r = s.post(key, &[]);
+        assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{key}: {}", r.body_text());
+    }
+    assert_eq!(s.up.executions(), 2);
+    let r = s.post("k-foreign-claim", &[]);
+    assert_ne!(r.status, 201, "{}", r.body_text());
+    assert_eq!(s.up.executions(), 2, "the other build's live claim was kept");
+}
+
+/// Every command's `--json` is one JSON document (parsed here), failures included.
+#[test]
+fn every_command_answers_json_with_json() {
+    let s = Stack::start();
+    let unknown = outcome_unknown(&s, "k-json-unknown");
+    let parse = |out: &Output| -> serde_json::Value {
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {:?}", text(&out.stdout)))
+    };
+    let auth = format!("authorization: {CALLER}");
+    let key = parse(&s.cli(&["key", "--json", "--scope-header", &auth, "--authority", "idemgate.test", "k-json"]));
+    let skey = s.storage_key("k-json");
+    assert_eq!((key["ok"].as_bool(), key["storage_key"].as_str()), (Some(true), Some(skey.as_str())), "{key}");
+    let absent = parse(&s.cli(&["inspect", &skey, "--json"]));
+    assert_eq!(absent["state"], "absent", "{absent}");
+    assert_eq!(s.post("k-json", &[]).status, 201);
+    s.wait_listed("completed", &skey);
+    let rec = parse(&s.cli(&["inspect", &skey, "--json"]));
+    assert_eq!((rec["state"].as_str(), rec["status"].as_u64()), (Some("completed"), Some(201)), "{rec}");
+    let list = parse(&s.cli(&["list", "--state", "outcome-unknown", "--json"]));
+    assert_eq!(list["keys"].as_array().map(Vec::len), Some(1), "{list}");
+    assert_eq!(
+        (list["keys"][0]["storage_key"].as_str(), list["complete"].as_bool()),
+        (Some(unknown.as_str()), Some(true))
+    );
+    let limited = parse(&s.cli(&["list", "--state", "completed", "--limit", "0", "--json"]));
+    assert_eq!((limited["shown"].as_u64(), limited["complete"].as_bool()), (Some(0), Some(false)), "{limited}");
+    let refused = s.cli(&["resolve", &skey, "--release", "--json"]);
+    assert_eq!(refused.status.code(), Some(1));
+    let r = parse(&refused);
+    assert_eq!((r["ok"].as_bool(), r["exit"].as_u64()), (Some(false), Some(1)), "{r}");
+    assert!(r["error"].as_str().is_some_and(|e| e.contains("completed")), "{r}");
+    let released = parse(&s.cli(&["resolve", &unknown, "--release", "--json"]));
+    assert_eq!((released["ok"].as_bool(), released["result"].as_str()), (Some(true), Some("released")), "{released}");
+    let forgot = parse(&s.cli(&["forget", &skey, "--json"]));
+    assert_eq!((forgot["result"].as_str(), forgot["storage_key"].as_str()), (Some("forgotten"), Some(skey.as_str())));
+    let usage = s.cli(&["inspect", "nope", "--json"]);
+    assert_eq!((usage.status.code(), parse(&usage)["exit"].as_u64()), (Some(2), Some(2)));
+}
+
+/// `idemgate --version` prints the crate's version (and, long, the record formats it reads).
+#[test]
+fn version_prints_the_crates_version_and_record_formats() {
+    let short = Command::new(env!("CARGO_BIN_EXE_idemgate")).arg("-V").output().unwrap();
+    assert!(short.status.success());
+    assert_eq!(text(&short.stdout).trim(), format!("idemgate {}", env!("CARGO_PKG_VERSION")));
+    let long = Command::new(env!("CARGO_BIN_EXE_idemgate")).arg("--version").output().unwrap();
+    let long = text(&long.stdout);
+    assert!(long.starts_with(&format!("idemgate {}\n", env!("CARGO_PKG_VERSION"))), "{long}");
+    for format in ["IGS1+IGM1+IGR1 under idemgate:v1:", "IGE1+IGM1+IGR1 under idemgate/v1/", "layout v4"] {
+        assert!(long.contains(format), "{format}: {long}");
+    }
+}
+
+/// An endpoint that sends more than `--max-answer-bytes` (or announces more) ends the command
+/// with a clear error, whether it poses as webdis or as etcd: the CLI stops reading. The server
+/// offers 64 MiB; the CLI, capped at 1 MiB, stops long before it is all written.
+#[test]
+fn an_answer_past_the_cap_ends_the_command_with_a_clear_error() {
+    use std::io::{Read as _, Write as _};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let written = Arc::new(AtomicUsize::new(0));
+    let counted = written.clone();
+    // Connection 1 and 2: endless (64 MiB) bodies without a length; 3: a length of 10 GiB announced.
+    let server = std::thread::spawn(move || {
+        for (i, conn) in listener.incoming().take(3).enumerate() {
+            let Ok(mut c) = conn else { continue };
+            let mut req = [0u8; 4096];
+            let _ = c.read(&mut req);
+            let head: &[u8] = if i < 2 {
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n"
+            } else {
+                b"HTTP/1.1 200 OK\r\ncontent-length: 10737418240\r\n\r\n"
+            };
+            let _ = c.write_all(head);
+            let block = vec![b'x'; 65536];
+            for _ in 0..if i < 2 { 1024 } else { 1 } {
+                if c.write_all(&block).is_err() {
+                    break;
+                }
+                counted.fetch_add(block.len(), Ordering::SeqCst);
+            }
+        }
+    });
+    let url = format!("http://127.0.0.1:{port}");
+    let skey = "ab".repeat(32);
+    for (store, args) in [
+        (OperatorCli::webdis(&url, None), vec!["list", "--state", "completed", "--max-answer-bytes", "1048576"]),
+        (OperatorCli::etcd(&url, None), vec!["inspect", &skey, "--max-answer-bytes", "1048576"]),
+        (OperatorCli::webdis(&url, None), vec!["inspect", &skey]),
+    ] {
+        let out = store.run(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out.stdout));
+        let err = text(&out.stderr);
+        assert!(err.contains("--max-answer-bytes") && err.contains("not read"), "{args:?}: {err}");
+    }
+    server.join().unwrap();
+    let sent = written.load(Ordering::SeqCst);
+    assert!(sent < 32 << 20, "the CLI read on past its cap: {sent} bytes written to it");
+}
+
+/// What `forget` leaves in a proxy's local tier, measured through a real Envoy: a key the proxy
+/// completed itself (`ttl_seconds` 4) is forgotten in the store, and the proxy keeps replaying it
+/// from its local copy (executions unchanged) until that copy expires, `ttl_seconds` after the
+/// proxy stored it; the first retry after that executes. Retries every 250 ms, at most 80 looks.
+#[test]
+fn forget_leaves_a_proxys_local_copy_replaying_until_its_ttl() {
+    let redis = Redis::start();
+    let webdis = Webdis::start_with_auth(redis.port, AUTH);
+    let up = Upstream::start();
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "ttl_seconds": 4, "lock_ttl_seconds": 2, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 500}}"#;
+    let mut o = EnvoyOptions::new(plugin, up.port);
+    o.store_port = Some(webdis.port);
+    o.vm_env = vec![("IDEMGATE_STORE_AUTH".to_string(), AUTH.to_string())];
+    let envoy = Envoy::start(&o);
+    let ops = OperatorCli::webdis(&format!("http://127.0.0.1:{}", webdis.port), Some(AUTH));
+    let post = || {
+        let h = [("authorization", CALLER), ("idempotency-key", "k-local-ttl")];
+        http::request(envoy.port, "POST", "/charges", &h, br#"{"amount":5}"#).expect("request")
+    };
+    let first = post();
+    let stored = std::time::Instant::now();
+    assert_eq!(first.status, 201, "{}", first.body_text());
+    let skey = ops.storage_key(CALLER, "k-local-ttl");
+    ops.wait_listed("completed", &skey, || format!("store_writes={}", envoy.stat("idemgate.store_writes")));
+    let out = ops.run(&["forget", &skey]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let forgotten_after = stored.elapsed();
+    assert_eq!(text(&ops.run(&["inspect", &skey]).stdout).trim(), "absent");
+    let (mut replays, mut last_replay, mut executed_at) = (0, Duration::ZERO, None);
+    for _ in 0..80 {
+        let r = post();
+        let at = stored.elapsed();
+        assert_eq!(r.status, 201, "{}", r.body_text());
+        if up.executions() == 2 {
+            assert_eq!(r.header("idempotent-replayed"), None);
+            executed_at = Some(at);
+            break;
+        }
+        assert_eq!(r.header("idempotent-replayed"), Some("true"), "{}", r.body_text());
+        (replays, last_replay) = (replays + 1, at);
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let executed_at = executed_at.expect("the local copy never expired: 80 retries replayed");
+    eprintln!(
+        "forgotten {forgotten_after:?} after the completion; {replays} replays from the local copy, the last \
+         {last_replay:?} after it; first execution {executed_at:?} after it (ttl_seconds 4)"
+    );
+    assert!(replays >= 1, "no retry replayed after forget: the local copy was not kept");
+    assert!(executed_at >= Duration::from_secs(4), "executed {executed_at:?} after the completion, before ttl_seconds");
+    assert_eq!(up.executions(), 2);
 }

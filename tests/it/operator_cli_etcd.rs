@@ -8,6 +8,7 @@ use crate::support;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::Output;
+use std::time::Duration;
 
 use serde_json::json;
 use support::etcd::EtcdCluster;
@@ -373,32 +374,52 @@ fn etcd_cli_with_etcd_auth_works_with_the_right_credential_and_fails_clearly_wit
     s.wait_listed("completed", &skey);
 }
 
-/// `list` at store scale on etcd: a few thousand keys under `idemgate/v1/` written straight into
-/// etcd (values sealed as a proxy writes them, with owner marks and release tombstones between
-/// them), listed in many pages of at most `etcd::LIST_PAGE_MAX` names. Every outcome-unknown key
-/// is listed exactly once; owner marks, tombstones and completed keys are not.
+/// `list` at store scale on etcd: 100,000 keys under `idemgate/v1/` written straight into etcd
+/// (values sealed as a proxy writes them, with owner marks and release tombstones between some of
+/// them; written in transactions of 2,000 operations, so the members take up to 2,048), listed in
+/// hundreds of pages of at most `etcd::LIST_PAGE_MAX` names, each page's values read
+/// `etcd::READ_MANY_MAX` to a transaction. Every outcome-unknown key is listed exactly once; owner
+/// marks, tombstones and completed keys are not. Before, each value was read on its own
+/// connection (one request per key).
 #[test]
-fn etcd_cli_lists_thousands_of_keys_across_pages_each_once() {
+fn etcd_cli_lists_100000_keys_across_pages_each_once() {
     use idemgate::fingerprint::Fingerprint;
     use idemgate::owner::OwnerToken;
     use idemgate::record::{Creator, Record, Stage, State, UnknownReason};
     use idemgate::scope::StorageKey;
     use idemgate::store::StoredValue;
     use std::collections::BTreeSet;
-    let etcd = EtcdCluster::start();
+    let etcd = EtcdCluster::start_with(&["--max-txn-ops", "2048", "--max-request-bytes", "16777216"]);
     let seal = support::record_seal();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
-    let (unknown, completed) = (1200usize, 300usize);
+    let (unknown, completed) = (90_000usize, 10_000usize);
+    let written = std::time::Instant::now();
     let mut expected = BTreeSet::new();
-    let mut ops = vec![];
-    let leader = etcd.wait_leader();
+    // Each transaction's body written as text (no JSON tree), sent with a bound of 60 s (etcd
+    // applies 2,000 puts well within it even on a loaded machine).
+    let mut ops = String::new();
+    let mut count = 0;
+    let leader = etcd.client_ports()[etcd.wait_leader()];
     let b64 = |b: &[u8]| idemgate::base64::b64(b);
-    let flush = |ops: &mut Vec<serde_json::Value>| {
-        if !ops.is_empty() {
-            let r = etcd.call(leader, "/v3/kv/txn", &json!({"success": ops})).expect("etcd txn");
-            assert_eq!(r["succeeded"], true, "{r}");
+    let flush = |ops: &mut String, count: &mut usize| {
+        if *count > 0 {
+            let body = format!(r#"{{"success":[{ops}]}}"#);
+            // Sent again (at most 3 times: puts of the same values) when the exchange fails
+            // (once: connect interrupted by a signal, EINTR, in a loaded run).
+            let send =
+                || http::request_timeout(leader, "POST", "/v3/kv/txn", &[], body.as_bytes(), Duration::from_secs(60));
+            let r = send().or_else(|_| send()).or_else(|_| send()).expect("etcd txn");
+            assert_eq!((r.status, r.json()["succeeded"].as_bool()), (200, Some(true)), "{}", r.body_text());
             ops.clear();
+            *count = 0;
         }
+    };
+    let put = |ops: &mut String, count: &mut usize, key: &[u8], value: &[u8]| {
+        if *count > 0 {
+            ops.push(',');
+        }
+        ops.push_str(&format!(r#"{{"request_put":{{"key":"{}","value":"{}"}}}}"#, b64(key), b64(value)));
+        *count += 1;
     };
     for i in 0..unknown + completed {
         let mut k = [0u8; 32];
@@ -422,24 +443,106 @@ fn etcd_cli_lists_thousands_of_keys_across_pages_each_once() {
         let v = StoredValue { phase, owner: OwnerToken([9; 16]), lock_expires_at_ms: 0, record };
         let value = idemgate::etcd::encode_value(&v, now + 3_600_000, &skey, &seal);
         let key = idemgate::etcd::etcd_key(&skey);
-        ops.push(json!({"request_put": {"key": b64(key.as_bytes()), "value": b64(&value)}}));
+        put(&mut ops, &mut count, key.as_bytes(), &value);
         // Names the listing skips: an owner mark and a release tombstone beside some values.
-        if i % 3 == 0 {
-            ops.push(json!({"request_put": {"key": b64(format!("{key}/o").as_bytes()), "value": b64(b"x")}}));
-            let tomb = format!("{key}/r/{}", "ab".repeat(16));
-            ops.push(json!({"request_put": {"key": b64(tomb.as_bytes()), "value": b64(b"x")}}));
+        if i % 10 == 0 {
+            put(&mut ops, &mut count, format!("{key}/o").as_bytes(), b"x");
+            put(&mut ops, &mut count, format!("{key}/r/{}", "ab".repeat(16)).as_bytes(), b"x");
         }
-        if ops.len() >= 96 {
-            flush(&mut ops);
+        if count >= 1998 {
+            flush(&mut ops, &mut count);
         }
     }
-    flush(&mut ops);
+    flush(&mut ops, &mut count);
+    eprintln!("wrote 100000 values in {:?}", written.elapsed());
     let urls = etcd.client_ports().iter().map(|p| format!("http://127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
     let cli = OperatorCli::etcd(&urls, None);
-    let lines = cli.listed_at_most("outcome-unknown", 100_000);
+    let started = std::time::Instant::now();
+    let lines = cli.listed_at_most("outcome-unknown", 1_000_000);
+    eprintln!("listed {} of 100000 keys in {:?}", lines.len(), started.elapsed());
     let listed: BTreeSet<String> = lines.iter().cloned().collect();
     assert_eq!(lines.len(), listed.len(), "a key listed twice");
     assert_eq!(listed.len(), unknown);
     assert!(listed == expected, "listed keys differ from the outcome-unknown keys written");
     assert_eq!(cli.listed_at_most("completed", 100).len(), 100);
+}
+
+/// Values this build cannot read, planted straight into etcd: garbage bytes (no owner mark), an
+/// outcome-unknown value sealed with another record key (its owner mark in plain text beside it),
+/// and a claim sealed so. `inspect` shows each (size, SHA-1, `mod_revision`, the owner mark's
+/// phase) instead of refusing; `forget` deletes the outcome-unknown one with its owner mark,
+/// refuses the claim (its lock is inside the seal: it may be live) and the garbage until
+/// `--force`; a retry through Envoy then executes. Before, both refused every such value.
+#[test]
+fn etcd_inspect_and_forget_reach_values_this_build_cannot_read() {
+    use idemgate::owner::OwnerToken;
+    use idemgate::record::{Creator, Record, Stage, State, UnknownReason};
+    use idemgate::scope::StorageKey;
+    use idemgate::store::StoredValue;
+    let etcd = EtcdCluster::start();
+    let s = Stack::start(&etcd, None);
+    let other = idemgate::seal::Seal::new(Some("another-fleets-record-key-0123456789abcdef"), None).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let leader = etcd.wait_leader();
+    let b64 = |b: &[u8]| idemgate::base64::b64(b);
+    let put = |key: &str, value: &[u8]| {
+        let r = etcd.call(leader, "/v3/kv/put", &json!({"key": b64(key.as_bytes()), "value": b64(value)}));
+        assert!(r.is_some(), "etcd put {key}");
+    };
+    let plant = |key: &str, phase: Stage| -> String {
+        let skey = s.storage_key(key);
+        let sk = StorageKey(idemgate::hex::decode::<32>(skey.as_bytes()).unwrap());
+        let owner = OwnerToken([5; 16]);
+        let state = match phase {
+            Stage::Unknown => State::OutcomeUnknown { reason: UnknownReason::UpstreamReset },
+            _ => State::Forwarded { owner, lock_expires_at_ms: now + 3_600_000 },
+        };
+        let record = Record {
+            fingerprint: idemgate::fingerprint::Fingerprint([7; 32]),
+            created_at_ms: now,
+            expires_at_ms: now + 3_600_000,
+            creator: Creator { request_id: "r-foreign".into(), log_values: vec![] },
+            state,
+        };
+        let v = StoredValue { phase, owner, lock_expires_at_ms: now + 3_600_000, record };
+        put(&idemgate::etcd::etcd_key(&sk), &idemgate::etcd::encode_value(&v, now + 3_600_000, &sk, &other));
+        put(&idemgate::etcd::owner_key(&sk), &idemgate::etcd::owner_mark(phase, &owner));
+        skey
+    };
+    let unknown = plant("k-foreign-unknown", Stage::Unknown);
+    let claim = plant("k-foreign-claim", Stage::Forwarded);
+    let garbage = s.storage_key("k-garbage");
+    let garbage_value = b"\x00\xffnot an idemgate value";
+    put(&format!("{}{garbage}", idemgate::etcd::KEY_PREFIX), garbage_value);
+    for (skey, phase) in [(&unknown, Some("outcome-unknown")), (&claim, Some("in-flight")), (&garbage, None)] {
+        let out = s.cli(&["inspect", skey, "--json"]);
+        assert!(out.status.success(), "{skey}: {}", text(&out.stderr));
+        let rec: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(rec["state"], "unreadable", "{rec}");
+        assert_eq!(rec["phase"].as_str(), phase, "{rec}");
+        assert!(rec["raw_bytes"].as_u64().is_some_and(|n| n > 0), "{rec}");
+        assert!(rec["store_mod_revision"].as_i64().is_some_and(|r| r > 0), "{rec}");
+    }
+    assert_eq!(s.inspect(&garbage)["raw_bytes"].as_u64(), Some(garbage_value.len() as u64));
+    for (skey, why) in [(&claim, "lock is sealed"), (&garbage, "--force")] {
+        let out = s.cli(&["forget", skey]);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+        assert!(text(&out.stderr).contains(why), "{}", text(&out.stderr));
+    }
+    assert_eq!(etcd_keys_of(&etcd, &garbage).len(), 1, "nothing deleted");
+    for args in [&["forget", &unknown][..], &["forget", &garbage, "--force"]] {
+        let out = s.cli(args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+    }
+    assert_eq!(etcd_keys_of(&etcd, &unknown), Vec::<String>::new(), "value and owner mark deleted");
+    assert_eq!(etcd_keys_of(&etcd, &garbage), Vec::<String>::new());
+    assert_eq!(etcd_keys_of(&etcd, &claim).len(), 2, "the claim kept");
+    for key in ["k-foreign-unknown", "k-garbage"] {
+        let r = s.post_to(&s.a, key, &[]);
+        assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{key}: {}", r.body_text());
+    }
+    assert_eq!(s.up.executions(), 2);
+    let r = s.post_to(&s.b, "k-foreign-claim", &[]);
+    assert_ne!(r.status, 201, "{}", r.body_text());
+    assert_eq!(s.up.executions(), 2, "the other build's claim was kept");
 }
