@@ -482,7 +482,7 @@ fn failover_full_redis_ha_whole_store_down_and_back() {
 }
 
 /// Completions outlive a failover: `n` requests claimed and executing (the upstream holds each
-/// for 3 s) when the primary is SIGKILLed; their completions are written after it died, so they
+/// for 1.5 s) when the primary is SIGKILLed; their completions are written after it died, so they
 /// land only if the write retry window (`store::retry_delay_ms`, about 6.2 s of backoff) covers
 /// the failover. Each key is then retried on the proxy that never saw it: a replay means its
 /// completion reached the new primary. Returns how many did.
@@ -490,13 +490,14 @@ pub fn completions_outlive_failover(n: usize, label: &str) -> usize {
     let w = World::start();
     let ports = w.ports();
     let all: Vec<String> = (0..n).map(|i| format!("{label}-{i}")).collect();
+    let old_primary = w.store.primary();
     let before = w.up.executions();
     let clients: Vec<_> = all
         .iter()
         .enumerate()
         .map(|(i, key)| {
             let key = key.clone();
-            std::thread::spawn(move || post_held(ports[i % 2], &key, "3000"))
+            std::thread::spawn(move || post_held(ports[i % 2], &key, "1500"))
         })
         .collect();
     let executing = (0..3_000).any(|_| {
@@ -506,7 +507,6 @@ pub fn completions_outlive_failover(n: usize, label: &str) -> usize {
         }
     });
     assert!(executing, "the requests never all reached the upstream: {}", w.up.executions() - before);
-    let old_primary = w.store.primary();
     let t = Instant::now();
     w.store.kill(&old_primary);
     let first: Vec<Response> = clients.into_iter().map(|c| c.join().expect("client")).collect();
@@ -541,7 +541,7 @@ pub fn completions_outlive_failover(n: usize, label: &str) -> usize {
     let stat = |name: &str| w.proxies.iter().map(|p| p.stat(name)).sum::<u64>();
     let row = [
         format!("completions of requests executing at the primary's SIGKILL ({label})"),
-        format!("{n} keys held 3 s by the upstream"),
+        format!("{n} keys held 1.5 s by the upstream"),
         format!("{replayed} of {n} completions landed on the new primary (retries replayed)"),
         format!("writes settled {settled:.2} s after the kill"),
         format!(
