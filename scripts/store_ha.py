@@ -257,7 +257,7 @@ def start_sentinel(d, stack, i, primary_port):
         with open(conf, "a") as f:
             f.write(f"logfile {sdir}/sentinel.log\n")
             if stack.get("tls"):
-                f.write(tls_directives(stack).replace("tls-replication yes\n", "") + f"tls-port {s['port']}\nport 0\n")
+                f.write(tls_directives(stack) + f"tls-port {s['port']}\nport 0\n")
     s["pid"] = spawn(d, f"sentinel-{i}", ["redis-server", conf, "--sentinel"], cwd=sdir)
     save(d, stack)
     wait(f"sentinel-{i}", lambda: owns_listener(s["pid"], s["port"])
@@ -270,7 +270,7 @@ def start_haproxy(d, stack, i):
     tls = ""
     if stack.get("tls"):
         t = stack["tls"]
-        tls = f" ssl verify required ca-file {t['ca']} crt {t['pem']} sni str(redis.idemgate.internal)"
+        tls = f" ssl check-ssl verify required ca-file {t['ca']} crt {t['pem']} sni str(redis.idemgate.internal)"
     values = {"HAPROXY_PORT": h["port"], "HAPROXY_TLS": tls}
     values.update({f"REDIS_{n}_PORT": stack["redis"][n]["port"] for n in range(NODES)})
     render(os.path.join(HA, "haproxy.cfg"), values, conf)

@@ -567,3 +567,69 @@ fn failover_full_redis_ha_completions_outlive_the_failover() {
         assert_eq!(landed, n, "completions lost in the failover");
     }
 }
+
+/// What the HA path costs beside one Redis behind one webdis, measured in the same test (60 keys,
+/// one client, loopback; `appendfsync always` on every node): a first request, and a replay on the
+/// proxy that has no local copy (one store read). Written to target/faults/redis_ha.md.
+#[test]
+fn failover_full_redis_ha_latency_beside_single_redis() {
+    use support::store::{Redis, Webdis};
+    fn measure(a: u16, b: u16, prefix: &str, writes_settled: impl Fn()) -> (Vec<f64>, Vec<f64>) {
+        let (mut first, mut replay) = (vec![], vec![]);
+        for i in 0..60 {
+            let t = Instant::now();
+            assert_eq!(post_held(a, &format!("{prefix}-{i}"), "0").status, 201);
+            first.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        writes_settled();
+        for i in 0..60 {
+            let t = Instant::now();
+            let r = post_held(b, &format!("{prefix}-{i}"), "0");
+            assert_eq!(r.header("idempotent-replayed"), Some("true"), "{prefix}-{i}: {}", r.body_text());
+            replay.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        (first, replay)
+    }
+    fn pct(v: &mut [f64], q: f64) -> f64 {
+        v.sort_by(|x, y| x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal));
+        v[((v.len() as f64 - 1.0) * q).round() as usize]
+    }
+    let w = World::start();
+    let [a, b] = w.ports();
+    let (mut hf, mut hr) = measure(a, b, "cost-ha", || w.wait_writes_settled());
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(PLUGIN, up.port);
+    o.store_port = Some(webdis.port);
+    let (ra, rb) = (Envoy::start(&o), Envoy::start(&o));
+    let settled = || {
+        for _ in 0..WRITE_POLLS {
+            if ra.stat("idemgate.store_writes_pending") == 0 {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let (mut sf, mut sr) = measure(ra.port, rb.port, "cost-single", settled);
+    assert_eq!(up.executions(), 60);
+    let row = [
+        "latency, 60 keys, one client".to_string(),
+        format!(
+            "first request: HA median {:.2} ms p95 {:.2} ms, single Redis median {:.2} ms p95 {:.2} ms",
+            pct(&mut hf, 0.5),
+            pct(&mut hf, 0.95),
+            pct(&mut sf, 0.5),
+            pct(&mut sf, 0.95)
+        ),
+        format!(
+            "replay after a local miss: HA median {:.2} ms p95 {:.2} ms, single Redis median {:.2} ms p95 {:.2} ms",
+            pct(&mut hr, 0.5),
+            pct(&mut hr, 0.95),
+            pct(&mut sr, 0.5),
+            pct(&mut sr, 0.95)
+        ),
+    ];
+    println!("{}", row.join(" | "));
+    fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
+}
