@@ -70,8 +70,14 @@ pub struct HaStore {
 
 impl HaStore {
     pub fn start() -> HaStore {
+        HaStore::start_with(false)
+    }
+
+    /// `tls`: Redis on its TLS port only; replication, Sentinel and HAProxy's links and checks
+    /// to Redis over TLS (`store_ha.py up --tls`).
+    pub fn start_with(tls: bool) -> HaStore {
         let scratch = Scratch::new("redis-ha");
-        store_ha(&scratch.0, &["up"]);
+        store_ha(&scratch.0, if tls { &["up", "--tls"] } else { &["up"] });
         HaStore { scratch }
     }
 
@@ -112,7 +118,13 @@ impl HaStore {
 
     /// The idemgate keys node `part` holds.
     pub fn keys(&self, part: &str) -> BTreeSet<String> {
-        let out = Command::new("redis-cli")
+        let tls = self.scratch.0.join("tls");
+        let mut cli = Command::new("redis-cli");
+        if tls.exists() {
+            cli.arg("--tls").arg("--cacert").arg(tls.join("ca.crt"));
+            cli.arg("--cert").arg(tls.join("redis.crt")).arg("--key").arg(tls.join("redis.key"));
+        }
+        let out = cli
             .args(["-p", &self.port(part).to_string(), "--user", ADMIN.0, "--pass", ADMIN.1, "--no-auth-warning"])
             .args(["--scan", "--pattern", "idemgate:v1:*"])
             .output()
@@ -140,8 +152,8 @@ pub struct World {
 }
 
 impl World {
-    pub fn start() -> World {
-        let store = HaStore::start();
+    pub fn start(tls: bool) -> World {
+        let store = HaStore::start_with(tls);
         let up = Upstream::start();
         let mut o = EnvoyOptions::new(PLUGIN, up.port);
         o.extra_clusters.push(store.cluster());
@@ -249,7 +261,12 @@ pub struct Measured {
 /// `n` keys from `CLIENTS` threads through both proxies; the fault injected once an eighth of
 /// them executed (bounded by count); every key then retried on both proxies.
 pub fn run(fault: Fault, n: usize, label: &str) -> Measured {
-    let w = World::start();
+    run_on(false, fault, n, label)
+}
+
+/// `run` on the TLS stack (`tls`) or the plain one.
+pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
+    let w = World::start(tls);
     let all: Vec<String> = (0..n).map(|i| format!("{label}-{i}")).collect();
     let ports = w.ports();
     let t0 = Instant::now();
@@ -434,7 +451,7 @@ pub fn run(fault: Fault, n: usize, label: &str) -> Measured {
         keys: n,
     };
     let row = [
-        format!("{fault:?} ({label})"),
+        format!("{fault:?}{} ({label})", if tls { ", TLS to Redis" } else { "" }),
         format!("{n} keys, {CLIENTS} clients, two proxies"),
         format!("served again {:.2} s after the fault", m.back_after),
         format!("{} refused (503), the last ending {:.2} s after", m.refused, m.last_refusal_after),
@@ -457,6 +474,15 @@ fn runs() -> usize {
 fn failover_full_redis_ha_primary_killed() {
     for r in 0..runs() {
         run(Fault::Primary, 400, &format!("full-primary-{r}"));
+    }
+}
+
+/// The same on the TLS stack: Redis serves TLS only, HAProxy originates TLS and verifies Redis's
+/// certificate, replication and Sentinel over TLS.
+#[test]
+fn failover_full_redis_ha_primary_killed_with_tls_to_redis() {
+    for r in 0..runs() {
+        run_on(true, Fault::Primary, 400, &format!("full-primary-tls-{r}"));
     }
 }
 
@@ -487,7 +513,7 @@ fn failover_full_redis_ha_whole_store_down_and_back() {
 /// the failover. Each key is then retried on the proxy that never saw it: a replay means its
 /// completion reached the new primary. Returns how many did.
 pub fn completions_outlive_failover(n: usize, label: &str) -> usize {
-    let w = World::start();
+    let w = World::start(false);
     let ports = w.ports();
     let all: Vec<String> = (0..n).map(|i| format!("{label}-{i}")).collect();
     let old_primary = w.store.primary();
@@ -594,7 +620,7 @@ fn failover_full_redis_ha_latency_beside_single_redis() {
         v.sort_by(|x, y| x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal));
         v[((v.len() as f64 - 1.0) * q).round() as usize]
     }
-    let w = World::start();
+    let w = World::start(false);
     let [a, b] = w.ports();
     let (mut hf, mut hr) = measure(a, b, "cost-ha", || w.wait_writes_settled());
     let redis = Redis::start();
