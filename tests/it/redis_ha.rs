@@ -69,13 +69,9 @@ pub struct HaStore {
 }
 
 impl HaStore {
-    pub fn start() -> HaStore {
-        HaStore::start_with(false)
-    }
-
     /// `tls`: Redis on its TLS port only; replication, Sentinel and HAProxy's links and checks
     /// to Redis over TLS (`store_ha.py up --tls`).
-    pub fn start_with(tls: bool) -> HaStore {
+    pub fn start(tls: bool) -> HaStore {
         let scratch = Scratch::new("redis-ha");
         store_ha(&scratch.0, if tls { &["up", "--tls"] } else { &["up"] });
         HaStore { scratch }
@@ -153,7 +149,7 @@ pub struct World {
 
 impl World {
     pub fn start(tls: bool) -> World {
-        let store = HaStore::start_with(tls);
+        let store = HaStore::start(tls);
         let up = Upstream::start();
         let mut o = EnvoyOptions::new(PLUGIN, up.port);
         o.extra_clusters.push(store.cluster());
