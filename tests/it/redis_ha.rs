@@ -382,6 +382,7 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
     let missing: BTreeSet<String> = executed.iter().filter(|k| !held.contains(&redis_key_of(k))).cloned().collect();
     let mut retry_answers = BTreeMap::new();
     let mut in_flight = vec![];
+    let mut answered: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let log = w.up.log();
     for (i, key) in all.iter().enumerate() {
         for p in [1 - i % 2, i % 2] {
@@ -407,6 +408,7 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
             if k == "409 request-in-flight" {
                 in_flight.push(redis_key_of(key));
             }
+            answered.entry(key.clone()).or_default().push(format!("proxy {p}: {k}"));
             *retry_answers.entry(k).or_insert(0) += 1;
         }
     }
@@ -419,6 +421,14 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
         unexplained.is_empty(),
         "executed twice although the primary serving after {fault:?} held their claim: {unexplained:?}"
     );
+    // Keys missing from the primary's keyspace (read once the writes settled) that no retry
+    // executed again: what their retries answered, so a row that shows them says why.
+    let spared: Vec<String> = missing
+        .difference(&twice)
+        .map(|k| {
+            format!("{k} (origin proxy {}): {:?}", all.iter().position(|x| x == k).unwrap_or(0) % 2, answered.get(k))
+        })
+        .collect();
     let stat = |name: &str| w.proxies.iter().map(|p| p.stat(name)).sum::<u64>();
     let counters = format!(
         "store_write_retries {}, store_write_failures {}, store_claim_gone_rewritten {}, store_script_loads {}",
@@ -455,6 +465,11 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
         format!("{} executed twice", m.twice),
         format!("first attempts {:?}; retries {retry_answers:?}", m.answers),
         counters,
+        if spared.is_empty() {
+            String::new()
+        } else {
+            format!("missing but not executed again: {}", spared.join("; "))
+        },
     ];
     println!("{}", row.join(" | "));
     fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
