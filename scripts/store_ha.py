@@ -103,7 +103,9 @@ def render(template, values, out):
     text = open(template).read()
     for k, v in values.items():
         text = text.replace("${" + k + "}", str(v))
-    assert "${" not in text.split("#")[0] or True
+    left = [l for l in text.splitlines() if "${" in l and not l.lstrip().startswith("#")]
+    if left:
+        sys.exit(f"store_ha: {template}: placeholders left: {left}")
     with open(out, "w") as f:
         f.write(text)
 
