@@ -97,10 +97,11 @@ test-envoy-versions: build deps
 test-envoy-oldest: build deps
 	$(MAKE) test-envoy-versions ENVOY_VERSIONS=$(ENVOY_OLDEST)
 
-## test-demo: the demo must pass too (every operation executed exactly once), on each store and for MCP
+## test-demo: the demo must pass too (every operation executed exactly once), on each store (redis, redis-ha, etcd) and for MCP
 test-demo:
 	python3 scripts/demo_verdict.py
 	scripts/demo.sh run redis
+	scripts/demo.sh run redis-ha
 	scripts/demo.sh run etcd
 	scripts/demo.sh mcp
 
