@@ -7,9 +7,11 @@ use super::{run, Fault};
 #[test]
 fn redis_ha_primary_killed_under_load_comes_back_without_an_operator() {
     let m = run(Fault::Primary, 400, "short-primary");
-    // The fault was met: some requests were refused while no primary answered, and the load
-    // outlived the failover (requests sent after the fault executed), so what was measured is a
-    // failover, not a run that ended before it.
+    // The fault was met: some requests were refused while no primary answered (a run whose load
+    // ended before the kill measures nothing), and the keys executed before it were answered 201.
+    // `run` asserts the rest: served again with nobody repointing anything (bounded attempts),
+    // every retry answered as documented, and no key executed twice unless the new primary
+    // lacked its claim.
     assert!(m.refused > 0, "no request was refused: the primary's death was never met");
-    assert!(m.answers.get("201").copied().unwrap_or(0) > m.keys / 8, "{:?}", m.answers);
+    assert!(m.answers.get("201").copied().unwrap_or(0) >= m.keys / 8, "{:?}", m.answers);
 }
