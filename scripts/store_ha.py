@@ -1,0 +1,440 @@
+#!/usr/bin/env python3
+"""Redis HA for idemgate on 127.0.0.1, from the shipped configurations (envoy/redis-ha/):
+
+    3 Redis nodes (envoy/redis.conf + envoy/redis-ha.conf; redis-0 the first primary)
+    3 Sentinels (envoy/redis-ha/sentinel.conf; quorum 2)
+    2 legs, each HAProxy (envoy/redis-ha/haproxy.cfg: routes to the node saying role:master)
+      with a webdis in front of it (envoy/redis-ha/webdis.json)
+
+Envoy's `idemgate_store` cluster lists both webdis and health-checks them
+(envoy/redis-ha/idemgate-store-cluster.yaml); no part is single and nothing needs an operator
+after a failover. Ports are chosen at run time; every process is checked to own its listener.
+
+    scripts/store_ha.py up DIR [--tls]   start everything; DIR/stack.json says ports and pids
+    scripts/store_ha.py down DIR         SIGKILL everything DIR/stack.json lists
+    scripts/store_ha.py kill DIR NAME    SIGKILL one part (redis-0, sentinel-1, haproxy-0, webdis-1, ...)
+    scripts/store_ha.py start DIR NAME   start a part again on its ports (a Redis node as a replica
+                                         of the primary the Sentinels name, never alone)
+    scripts/store_ha.py primary DIR      the node the Sentinels name primary (redis-N), or "none"
+    scripts/store_ha.py cluster DIR      the idemgate_store cluster (YAML) for this stack
+
+--tls: Redis listens with TLS only (tls-port, port 0) with a certificate made here (openssl); the
+Sentinels, the replicas and HAProxy's connections and checks use TLS (HAProxy verifies Redis's
+certificate), webdis still speaks plain RESP to its HAProxy on loopback.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HA = os.path.join(ROOT, "envoy", "redis-ha")
+NODES, SENTINELS, LEGS = 3, 3, 2
+ADMIN = ("admin", "idemgate-demo-admin-password")
+SENTINEL_USER = ("sentinel", "idemgate-demo-sentinel-password")
+READY_SECONDS = 30
+
+
+def log(msg):
+    print(f"store_ha: {msg}", file=sys.stderr)
+
+
+def free_port(taken):
+    """A port free a moment ago, in 20000-32767 (below Linux's ephemeral range), not in `taken`."""
+    import random
+    for _ in range(1000):
+        p = random.randint(20000, 32767)
+        if p in taken:
+            continue
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", p))
+            taken.add(p)
+            return p
+        except OSError:
+            pass
+        finally:
+            s.close()
+    sys.exit("store_ha: no free port")
+
+
+def owns_listener(pid, port):
+    """Whether process `pid` holds the socket listening on `port` (/proc/net/tcp and /proc/PID/fd)."""
+    inodes = set()
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(f).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            c = line.split()
+            if c[3] == "0A" and int(c[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{c[9]}]")
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a zombie (exited, not yet reaped) is not alive
+        return open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def render(template, values, out):
+    text = open(template).read()
+    for k, v in values.items():
+        text = text.replace("${" + k + "}", str(v))
+    left = [l for l in text.splitlines() if "${" in l and not l.lstrip().startswith("#")]
+    if left:
+        sys.exit(f"store_ha: {template}: placeholders left: {left}")
+    with open(out, "w") as f:
+        f.write(text)
+
+
+# --- RESP, enough for the readiness checks -------------------------------------------------------
+
+def resp(port, *args, user=ADMIN, tls=None, timeout=1.0):
+    """One command on a new connection (AUTH as `user` first); the reply, or an exception."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    if tls:
+        import ssl
+        ctx = ssl.create_default_context(cafile=tls["ca"])
+        ctx.load_cert_chain(tls["client_crt"], tls["client_key"])
+        s = ctx.wrap_socket(s, server_hostname="redis.idemgate.internal")
+    try:
+        f = s.makefile("rwb")
+        cmds = ([["AUTH", *user]] if user else []) + [list(args)]
+        for c in cmds:
+            f.write(f"*{len(c)}\r\n".encode() + b"".join(f"${len(str(a).encode())}\r\n{a}\r\n".encode() for a in c))
+        f.flush()
+        replies = [read(f) for _ in cmds]
+        for r in replies:
+            if isinstance(r, Exception):
+                raise r
+        return replies[-1]
+    finally:
+        s.close()
+
+
+def read(f):
+    line = f.readline()
+    if not line:
+        raise ConnectionError("closed")
+    t, rest = line[:1], line[1:-2]
+    if t == b"+":
+        return rest.decode()
+    if t == b"-":
+        return RuntimeError(rest.decode())
+    if t == b":":
+        return int(rest)
+    if t == b"$":
+        n = int(rest)
+        if n < 0:
+            return None
+        data = f.read(n + 2)[:-2]
+        return data.decode(errors="replace")
+    if t == b"*":
+        n = int(rest)
+        return None if n < 0 else [read(f) for _ in range(n)]
+    raise ConnectionError(f"unexpected {line!r}")
+
+
+def wait(what, cond, seconds=READY_SECONDS):
+    deadline = time.time() + seconds
+    last = None
+    while time.time() < deadline:
+        try:
+            if cond():
+                return
+        except Exception as e:  # not yet
+            last = e
+        time.sleep(0.05)
+    sys.exit(f"store_ha: {what} not ready in {seconds} s (last: {last})")
+
+
+# --- the stack -----------------------------------------------------------------------------------
+
+def load(d):
+    with open(os.path.join(d, "stack.json")) as f:
+        return json.load(f)
+
+
+def save(d, stack):
+    tmp = os.path.join(d, "stack.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(stack, f, indent=1)
+    os.replace(tmp, os.path.join(d, "stack.json"))
+
+
+def spawn(d, name, argv, cwd=None):
+    """Starts a process in its own session (no terminal, its output in DIR/NAME.out)."""
+    out = open(os.path.join(d, f"{name}.out"), "ab")
+    p = subprocess.Popen(argv, cwd=cwd or d, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                         start_new_session=True)
+    return p.pid
+
+
+def tls_args(stack):
+    t = stack.get("tls")
+    return {"ca": t["ca"], "client_crt": t["crt"], "client_key": t["key"]} if t else None
+
+
+def make_tls(d):
+    """A CA and one certificate (redis.idemgate.internal) that Redis, Sentinel, HAProxy and the
+    replicas all use on both sides of their links (each verifies the other against the CA)."""
+    t = os.path.join(d, "tls")
+    os.makedirs(t, exist_ok=True)
+    run = lambda *a: subprocess.run(a, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=idemgate-redis-ca",
+        "-keyout", f"{t}/ca.key", "-out", f"{t}/ca.crt")
+    with open(f"{t}/ext.cnf", "w") as f:
+        f.write("subjectAltName=DNS:redis.idemgate.internal,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=redis.idemgate.internal",
+        "-keyout", f"{t}/redis.key", "-out", f"{t}/redis.csr")
+    run("openssl", "x509", "-req", "-in", f"{t}/redis.csr", "-CA", f"{t}/ca.crt", "-CAkey", f"{t}/ca.key",
+        "-CAcreateserial", "-days", "2", "-extfile", f"{t}/ext.cnf", "-out", f"{t}/redis.crt")
+    with open(f"{t}/haproxy.pem", "w") as f:
+        f.write(open(f"{t}/redis.crt").read() + open(f"{t}/redis.key").read())
+    return {"ca": f"{t}/ca.crt", "crt": f"{t}/redis.crt", "key": f"{t}/redis.key", "pem": f"{t}/haproxy.pem"}
+
+
+def tls_directives(stack):
+    """redis.conf / sentinel.conf lines for TLS on every link (served and originated)."""
+    t = stack["tls"]
+    return ("tls-replication yes\n"
+            f"tls-cert-file {t['crt']}\ntls-key-file {t['key']}\ntls-ca-cert-file {t['ca']}\n"
+            "tls-auth-clients yes\n")
+
+
+def start_redis(d, stack, i, replica_of=None):
+    node = stack["redis"][i]
+    ndir = os.path.join(d, f"redis-{i}")
+    os.makedirs(ndir, exist_ok=True)
+    conf = os.path.join(ndir, "redis.conf")
+    lines = [f"include {ROOT}/envoy/redis.conf", f"include {HA}/redis-ha.conf", f"dir {ndir}",
+             f"logfile {ndir}/redis.log", "daemonize no"]
+    if stack.get("tls"):
+        lines += ["port 0", f"tls-port {node['port']}", tls_directives(stack)]
+    else:
+        lines += [f"port {node['port']}"]
+    if replica_of is not None:
+        lines.append(f"replicaof 127.0.0.1 {replica_of}")
+    # Written anew at each start: the node's role comes from the Sentinels, not from what a
+    # CONFIG REWRITE left in an older copy.
+    with open(conf, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    node["pid"] = spawn(d, f"redis-{i}", ["redis-server", conf], cwd=ndir)
+    save(d, stack)
+    wait(f"redis-{i}", lambda: owns_listener(node["pid"], node["port"])
+         and resp(node["port"], "PING", tls=tls_args(stack)) == "PONG")
+
+
+def start_sentinel(d, stack, i, primary_port):
+    s = stack["sentinels"][i]
+    sdir = os.path.join(d, f"sentinel-{i}")
+    os.makedirs(sdir, exist_ok=True)
+    conf = os.path.join(sdir, "sentinel.conf")
+    if not os.path.exists(conf):  # a Sentinel restarted keeps what it learnt (its rewritten file)
+        render(os.path.join(HA, "sentinel.conf"), {"SENTINEL_PORT": s["port"], "PRIMARY_HOST": "127.0.0.1",
+                                                   "PRIMARY_PORT": primary_port, "STATE_DIR": sdir}, conf)
+        with open(conf, "a") as f:
+            f.write(f"logfile {sdir}/sentinel.log\n")
+            if stack.get("tls"):
+                f.write(tls_directives(stack) + f"tls-port {s['port']}\nport 0\n")
+    s["pid"] = spawn(d, f"sentinel-{i}", ["redis-server", conf, "--sentinel"], cwd=sdir)
+    save(d, stack)
+    wait(f"sentinel-{i}", lambda: owns_listener(s["pid"], s["port"])
+         and resp(s["port"], "PING", user=None, tls=tls_args(stack)) == "PONG")
+
+
+def start_haproxy(d, stack, i):
+    h = stack["haproxies"][i]
+    conf = os.path.join(d, f"haproxy-{i}.cfg")
+    tls = ""
+    if stack.get("tls"):
+        t = stack["tls"]
+        tls = f" ssl check-ssl verify required ca-file {t['ca']} crt {t['pem']} sni str(redis.idemgate.internal)"
+    values = {"HAPROXY_PORT": h["port"], "HAPROXY_TLS": tls}
+    values.update({f"REDIS_{n}_PORT": stack["redis"][n]["port"] for n in range(NODES)})
+    render(os.path.join(HA, "haproxy.cfg"), values, conf)
+    h["pid"] = spawn(d, f"haproxy-{i}", ["haproxy", "-f", conf])
+    save(d, stack)
+    wait(f"haproxy-{i}", lambda: owns_listener(h["pid"], h["port"]))
+
+
+def start_webdis(d, stack, i):
+    w = stack["webdis"][i]
+    wdir = os.path.join(d, f"webdis-{i}")
+    os.makedirs(wdir, exist_ok=True)
+    c = json.load(open(os.path.join(HA, "webdis.json")))
+    c.update(redis_host="127.0.0.1", redis_port=stack["haproxies"][i]["port"], http_host="127.0.0.1",
+             http_port=w["port"], daemonize=False, logfile=os.path.join(wdir, "webdis.log"), verbosity=1)
+    with open(os.path.join(wdir, "webdis.json"), "w") as f:
+        json.dump(c, f)
+    w["pid"] = spawn(d, f"webdis-{i}", ["webdis", "webdis.json"], cwd=wdir)
+    save(d, stack)
+    wait(f"webdis-{i}", lambda: owns_listener(w["pid"], w["port"]) and ping_webdis(w["port"]))
+
+
+def ping_webdis(port):
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/PING", timeout=1) as r:
+        return r.status == 200 and b"PONG" in r.read()
+
+
+def sentinel_primary(stack):
+    """The primary's port as the Sentinels name it (the answer of most of those reachable)."""
+    votes = {}
+    for s in stack["sentinels"]:
+        try:
+            a = resp(s["port"], "SENTINEL", "get-master-addr-by-name", "idemgate", user=None, tls=tls_args(stack))
+            if a:
+                votes[int(a[1])] = votes.get(int(a[1]), 0) + 1
+        except Exception:
+            pass
+    return max(votes, key=votes.get) if votes else None
+
+
+def up(d, tls):
+    os.makedirs(d, exist_ok=True)
+    taken = set()
+    stack = {
+        "redis": [{"port": free_port(taken)} for _ in range(NODES)],
+        "sentinels": [{"port": free_port(taken)} for _ in range(SENTINELS)],
+        "haproxies": [{"port": free_port(taken)} for _ in range(LEGS)],
+        "webdis": [{"port": free_port(taken)} for _ in range(LEGS)],
+    }
+    if tls:
+        stack["tls"] = make_tls(d)
+    save(d, stack)
+    primary = stack["redis"][0]["port"]
+    start_redis(d, stack, 0)
+    for i in range(1, NODES):
+        start_redis(d, stack, i, replica_of=primary)
+    for i in range(1, NODES):
+        wait(f"redis-{i} in sync", lambda: "master_link_status:up" in
+             resp(stack["redis"][i]["port"], "INFO", "replication", tls=tls_args(stack)))
+    for i in range(SENTINELS):
+        start_sentinel(d, stack, i, primary)
+    # Every Sentinel sees the two replicas and the two other Sentinels before anything relies on a failover.
+    def sentinels_ready():
+        for s in stack["sentinels"]:
+            m = resp(s["port"], "SENTINEL", "master", "idemgate", user=None, tls=tls_args(stack))
+            f = dict(zip(m[::2], m[1::2]))
+            if int(f["num-slaves"]) < NODES - 1 or int(f["num-other-sentinels"]) < SENTINELS - 1:
+                return False
+        return True
+    wait("the Sentinels (each sees every replica and Sentinel)", sentinels_ready)
+    for i in range(LEGS):
+        start_haproxy(d, stack, i)
+    for i in range(LEGS):
+        start_webdis(d, stack, i)
+    log(f"up: redis {[n['port'] for n in stack['redis']]} (primary {primary}), sentinels "
+        f"{[s['port'] for s in stack['sentinels']]}, haproxy {[h['port'] for h in stack['haproxies']]}, "
+        f"webdis {[w['port'] for w in stack['webdis']]}{', TLS to Redis' if tls else ''}")
+
+
+def part(stack, name):
+    kind, _, i = name.rpartition("-")
+    key = {"redis": "redis", "sentinel": "sentinels", "haproxy": "haproxies", "webdis": "webdis"}.get(kind)
+    if key is None or not i.isdigit() or int(i) >= len(stack[key]):
+        sys.exit(f"store_ha: no part named {name!r}")
+    return kind, int(i), stack[key][int(i)]
+
+
+def kill(d, name):
+    stack = load(d)
+    _, _, p = part(stack, name)
+    pid = p.get("pid")
+    if pid and alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(200):
+            if not alive(pid):
+                break
+            time.sleep(0.01)
+
+
+def start(d, name):
+    stack = load(d)
+    kind, i, p = part(stack, name)
+    if p.get("pid") and alive(p["pid"]):
+        sys.exit(f"store_ha: {name} is running (pid {p['pid']})")
+    if kind == "redis":
+        primary = sentinel_primary(stack)
+        start_redis(d, stack, i, replica_of=None if primary in (None, p["port"]) else primary)
+    elif kind == "sentinel":
+        start_sentinel(d, stack, i, stack["redis"][0]["port"])
+    elif kind == "haproxy":
+        start_haproxy(d, stack, i)
+    else:
+        start_webdis(d, stack, i)
+
+
+def down(d):
+    try:
+        stack = load(d)
+    except OSError:
+        return
+    for key in ("webdis", "haproxies", "sentinels", "redis"):
+        for p in stack[key]:
+            if p.get("pid") and alive(p["pid"]):
+                os.kill(p["pid"], signal.SIGKILL)
+
+
+def cluster(d):
+    """envoy/redis-ha/idemgate-store-cluster.yaml with this stack's webdis ports."""
+    stack = load(d)
+    text = open(os.path.join(HA, "idemgate-store-cluster.yaml")).read()
+    body = text[text.index("- name: idemgate_store"):]
+    endpoints = "".join(f"      - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {w['port']}}}}}}}\n"
+                        for w in stack["webdis"])
+    start_marker = "      # BEGIN endpoints\n"
+    end_marker = "      # END endpoints\n"
+    a, b = body.index(start_marker), body.index(end_marker)
+    print(body[:a + len(start_marker)] + endpoints + body[b:], end="")
+
+
+def main():
+    args = sys.argv[1:]
+    if len(args) < 2:
+        sys.exit(__doc__)
+    cmd, d = args[0], os.path.abspath(args[1])
+    if cmd == "up":
+        up(d, "--tls" in args[2:])
+    elif cmd == "down":
+        down(d)
+    elif cmd == "kill" and len(args) == 3:
+        kill(d, args[2])
+    elif cmd == "start" and len(args) == 3:
+        start(d, args[2])
+    elif cmd == "primary":
+        port = sentinel_primary(load(d))
+        names = {n["port"]: f"redis-{i}" for i, n in enumerate(load(d)["redis"])}
+        print(names.get(port, "none"))
+    elif cmd == "cluster":
+        cluster(d)
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
