@@ -80,16 +80,7 @@ impl World {
     /// Waits until neither proxy has a store write queued, in flight or waiting to retry (landed,
     /// or given up after its fallback).
     fn wait_writes_settled(&self) {
-        for _ in 0..WRITE_POLLS {
-            if self.proxies.iter().all(|p| p.stat("idemgate.store_writes_pending") == 0) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!(
-            "store writes still pending: {:?}",
-            self.proxies.iter().map(|p| p.stat("idemgate.store_writes_pending")).collect::<Vec<_>>()
-        );
+        support::wait_writes_settled(&[&self.proxies[0], &self.proxies[1]], WRITE_POLLS);
     }
 
     fn executions(&self, keys: &[String]) -> BTreeMap<String, u64> {

@@ -533,28 +533,12 @@ fn list_pages_through_100000_keys_and_lists_each_once() {
 /// ("value this build cannot read"): a raw Redis DEL was the only way out.
 #[test]
 fn inspect_and_forget_reach_values_this_build_cannot_read() {
-    use idemgate::owner::OwnerToken;
-    use idemgate::record::{Creator, Record, Stage, State, UnknownReason};
-    use idemgate::scope::StorageKey;
-    use idemgate::store::StoredValue;
+    use idemgate::record::Stage;
     let s = Stack::start();
-    let other = idemgate::seal::Seal::new(Some("another-fleets-record-key-0123456789abcdef"), None).unwrap();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
     let foreign = |key: &str, phase: Stage, lock: u64| -> (String, Vec<u8>) {
         let skey = s.storage_key(key);
-        let state = match phase {
-            Stage::Unknown => State::OutcomeUnknown { reason: UnknownReason::UpstreamReset },
-            _ => State::Forwarded { owner: OwnerToken([5; 16]), lock_expires_at_ms: lock },
-        };
-        let record = Record {
-            fingerprint: idemgate::fingerprint::Fingerprint([7; 32]),
-            created_at_ms: now,
-            expires_at_ms: now + 3_600_000,
-            creator: Creator { request_id: "r-foreign".into(), log_values: vec![] },
-            state,
-        };
-        let v = StoredValue { phase, owner: OwnerToken([5; 16]), lock_expires_at_ms: lock, record };
-        let sk = StorageKey(idemgate::hex::decode::<32>(skey.as_bytes()).unwrap());
+        let (sk, v, other) = support::operator::foreign_value(&skey, phase, lock, now);
         (skey, v.encode(&sk, &other))
     };
     let (unknown, unknown_value) = foreign("k-foreign-unknown", Stage::Unknown, 0);

@@ -475,13 +475,9 @@ fn etcd_cli_lists_100000_keys_across_pages_each_once() {
 /// `--force`; a retry through Envoy then executes. Before, both refused every such value.
 #[test]
 fn etcd_inspect_and_forget_reach_values_this_build_cannot_read() {
-    use idemgate::owner::OwnerToken;
-    use idemgate::record::{Creator, Record, Stage, State, UnknownReason};
-    use idemgate::scope::StorageKey;
-    use idemgate::store::StoredValue;
+    use idemgate::record::Stage;
     let etcd = EtcdCluster::start();
     let s = Stack::start(&etcd, None);
-    let other = idemgate::seal::Seal::new(Some("another-fleets-record-key-0123456789abcdef"), None).unwrap();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
     let leader = etcd.wait_leader();
     let b64 = |b: &[u8]| idemgate::base64::b64(b);
@@ -491,22 +487,9 @@ fn etcd_inspect_and_forget_reach_values_this_build_cannot_read() {
     };
     let plant = |key: &str, phase: Stage| -> String {
         let skey = s.storage_key(key);
-        let sk = StorageKey(idemgate::hex::decode::<32>(skey.as_bytes()).unwrap());
-        let owner = OwnerToken([5; 16]);
-        let state = match phase {
-            Stage::Unknown => State::OutcomeUnknown { reason: UnknownReason::UpstreamReset },
-            _ => State::Forwarded { owner, lock_expires_at_ms: now + 3_600_000 },
-        };
-        let record = Record {
-            fingerprint: idemgate::fingerprint::Fingerprint([7; 32]),
-            created_at_ms: now,
-            expires_at_ms: now + 3_600_000,
-            creator: Creator { request_id: "r-foreign".into(), log_values: vec![] },
-            state,
-        };
-        let v = StoredValue { phase, owner, lock_expires_at_ms: now + 3_600_000, record };
+        let (sk, v, other) = support::operator::foreign_value(&skey, phase, now + 3_600_000, now);
         put(&idemgate::etcd::etcd_key(&sk), &idemgate::etcd::encode_value(&v, now + 3_600_000, &sk, &other));
-        put(&idemgate::etcd::owner_key(&sk), &idemgate::etcd::owner_mark(phase, &owner));
+        put(&idemgate::etcd::owner_key(&sk), &idemgate::etcd::owner_mark(phase, &v.owner));
         skey
     };
     let unknown = plant("k-foreign-unknown", Stage::Unknown);

@@ -175,13 +175,7 @@ impl World {
     }
 
     fn wait_writes_settled(&self) {
-        for _ in 0..WRITE_POLLS {
-            if self.proxies.iter().all(|p| p.stat("idemgate.store_writes_pending") == 0) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("store writes still pending after {WRITE_POLLS} polls");
+        support::wait_writes_settled(&[&self.proxies[0], &self.proxies[1]], WRITE_POLLS);
     }
 }
 
@@ -640,14 +634,7 @@ fn failover_full_redis_ha_latency_beside_single_redis() {
     let mut o = EnvoyOptions::new(PLUGIN, up.port);
     o.store_port = Some(webdis.port);
     let (ra, rb) = (Envoy::start(&o), Envoy::start(&o));
-    let settled = || {
-        for _ in 0..WRITE_POLLS {
-            if ra.stat("idemgate.store_writes_pending") == 0 {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
+    let settled = || support::wait_writes_settled(&[&ra], WRITE_POLLS);
     let (mut sf, mut sr) = measure(ra.port, rb.port, "cost-single", settled);
     assert_eq!(up.executions(), 60);
     let row = [

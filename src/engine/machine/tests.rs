@@ -622,6 +622,30 @@ fn mcp_forwarded(c: &Config, host: &mut Host) -> (Machine<u32>, StorageKey) {
     (m, skey)
 }
 
+/// An MCP call forwarded, then ended for an internal redirect: its claim handed over (posted as
+/// the driver posts it: connection 7, context 10), and the re-created stream's head (a 307 to
+/// /mcp/target: a POST, its body re-sent; its headers name no key, so nothing is taken at them).
+fn mcp_redirected(c: &Config, host: &mut Host) -> (StorageKey, RequestHead) {
+    let (mut first, skey) = mcp_forwarded(c, host);
+    assert!(first.redirected_away(host, redirect::REDIRECT_CODE_DETAILS));
+    let Some(claim) = host.handed.pop() else { panic!("handed over: {:?}", host.did) };
+    host.handoffs.post(Handoff {
+        skey: claim.skey,
+        policy_index: claim.policy_index,
+        url: "idemgate.test/mcp".into(),
+        connection: Some(7),
+        from_context: 10,
+        posted_ms: NOW,
+        claim,
+    });
+    let target = head(
+        "/mcp/target",
+        None,
+        &[("accept", "application/json"), ("x-envoy-original-url", "http://idemgate.test/mcp")],
+    );
+    (skey, target)
+}
+
 /// Found by the review of 86a57ed (present before it too): a stream re-created for an internal
 /// redirect (a 307, the body re-sent) of an MCP `tools/call` whose key is in its body was never
 /// matched to the claim its first stream handed over: the key is read from the re-created
@@ -634,26 +658,8 @@ fn mcp_forwarded(c: &Config, host: &mut Host) -> (Machine<u32>, StorageKey) {
 fn an_mcp_call_redirected_with_its_key_in_its_body_continues_its_claim() {
     let c = config(MCP);
     let mut host = Host::new(&c);
-    let (mut first, skey) = mcp_forwarded(&c, &mut host);
-    assert!(first.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
-    let Some(claim) = host.handed.pop() else { panic!("handed over: {:?}", host.did) };
-    host.handoffs.post(Handoff {
-        skey: claim.skey,
-        policy_index: claim.policy_index,
-        url: "idemgate.test/mcp".into(),
-        connection: Some(7),
-        from_context: 10,
-        posted_ms: NOW,
-        claim,
-    });
+    let (skey, target) = mcp_redirected(&c, &mut host);
     host.did.clear();
-    // The re-created stream (a 307 to /mcp-target: a POST, its body re-sent), driven as
-    // `http.rs` does: its headers name no key, so nothing is taken at them.
-    let target = head(
-        "/mcp/target",
-        None,
-        &[("accept", "application/json"), ("x-envoy-original-url", "http://idemgate.test/mcp")],
-    );
     let mut handoffs = std::mem::take(&mut host.handoffs);
     let at_headers = take_handoff(
         &mut handoffs,
@@ -746,23 +752,7 @@ fn a_redirect_target_asking_for_input_never_releases_the_continued_claim() {
         r#""key_arguments": ["idempotency_key"], "input_required": "release""#,
     ));
     let mut host = Host::new(&c);
-    let (mut first, skey) = mcp_forwarded(&c, &mut host);
-    assert!(first.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
-    let Some(claim) = host.handed.pop() else { panic!("handed over: {:?}", host.did) };
-    host.handoffs.post(Handoff {
-        skey: claim.skey,
-        policy_index: claim.policy_index,
-        url: "idemgate.test/mcp".into(),
-        connection: Some(7),
-        from_context: 10,
-        posted_ms: NOW,
-        claim,
-    });
-    let target = head(
-        "/mcp/target",
-        None,
-        &[("accept", "application/json"), ("x-envoy-original-url", "http://idemgate.test/mcp")],
-    );
+    let (skey, target) = mcp_redirected(&c, &mut host);
     let Err(NotProtected::McpBody { route, policy }) = request::at_headers(&c, &target, None, false) else {
         panic!("an MCP POST waits for its body")
     };

@@ -1188,3 +1188,17 @@ pub mod http {
         }
     }
 }
+
+/// Waits until none of `proxies` has a store write queued, in flight or waiting to retry (landed,
+/// or given up after its fallback): at most `polls` looks 100 ms apart, bounded by count; fails
+/// the test with each proxy's count when they are not settled by then.
+pub fn wait_writes_settled(proxies: &[&Envoy], polls: u32) {
+    let pending = || proxies.iter().map(|p| p.stat("idemgate.store_writes_pending")).collect::<Vec<_>>();
+    for _ in 0..polls {
+        if pending().iter().all(|n| *n == 0) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("store writes still pending after {polls} polls: {:?}", pending());
+}

@@ -94,3 +94,30 @@ impl OperatorCli {
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
+
+/// A value another fleet wrote for storage key `skey` (hex): an outcome-unknown record or a
+/// forwarded claim (`phase`) whose lock expires at `lock`, created at `now` for an hour, owner
+/// `[5; 16]`, sealed with another record key, so this build cannot read it. With its storage key.
+pub fn foreign_value(
+    skey: &str,
+    phase: idemgate::record::Stage,
+    lock: u64,
+    now: u64,
+) -> (idemgate::scope::StorageKey, idemgate::store::StoredValue, idemgate::seal::Seal) {
+    use idemgate::record::{Creator, Record, Stage, State, UnknownReason};
+    let owner = idemgate::owner::OwnerToken([5; 16]);
+    let state = match phase {
+        Stage::Unknown => State::OutcomeUnknown { reason: UnknownReason::UpstreamReset },
+        _ => State::Forwarded { owner, lock_expires_at_ms: lock },
+    };
+    let record = Record {
+        fingerprint: idemgate::fingerprint::Fingerprint([7; 32]),
+        created_at_ms: now,
+        expires_at_ms: now + 3_600_000,
+        creator: Creator { request_id: "r-foreign".into(), log_values: vec![] },
+        state,
+    };
+    let other = idemgate::seal::Seal::new(Some("another-fleets-record-key-0123456789abcdef"), None).expect("seal");
+    let sk = idemgate::scope::StorageKey(idemgate::hex::decode::<32>(skey.as_bytes()).expect("hex storage key"));
+    (sk, idemgate::store::StoredValue { phase, owner, lock_expires_at_ms: lock, record }, other)
+}
