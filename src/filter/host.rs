@@ -1131,6 +1131,37 @@ mod tests {
         assert!(Counter::Replayed.per_route() && Counter::StoreUnavailable.per_route());
     }
 
+    /// docs/operating.md's metrics table names every series once, with its type and whether it
+    /// exists per route, and nothing else.
+    #[test]
+    fn every_series_is_in_the_metrics_table() {
+        let doc = include_str!("../../docs/operating.md");
+        let at = doc.find("<!-- metrics-table").expect("the metrics-table marker");
+        let rows: Vec<Vec<&str>> = doc[at..]
+            .lines()
+            .skip(3)
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
+            .collect();
+        let prom = |n: &str| format!("`idemgate_{}`", n.trim_start_matches("idemgate."));
+        let mut want: Vec<(String, &str, &str)> = vec![("`idemgate_build_info`".into(), "gauge", "no")];
+        for c in Counter::ALL {
+            want.push((prom(c.name()), "counter", if c.per_route() { "yes" } else { "no" }));
+        }
+        want.push((prom(super::SETTLED_COUNTER), "counter", "no"));
+        for g in super::Gauge::ALL {
+            want.push((prom(g.name()), "gauge", "no"));
+        }
+        for h in super::Histogram::ALL {
+            let base = h.name().trim_start_matches("idemgate.");
+            want.push((format!("`idemgate_{base}_bucket`, `_sum`, `_count`"), "histogram", "no"));
+        }
+        let mut got: Vec<(String, &str, &str)> = rows.iter().map(|r| (r[0].to_string(), r[1], r[3])).collect();
+        want.sort();
+        got.sort();
+        assert_eq!(got, want);
+    }
+
     #[test]
     fn histograms_sit_at_their_own_index_with_a_distinct_name() {
         for (i, h) in super::Histogram::ALL.iter().enumerate() {
