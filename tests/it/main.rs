@@ -27,6 +27,7 @@ mod next_hop;
 mod operator_cli;
 mod operator_cli_etcd;
 mod probe_gate;
+mod prometheus;
 mod replay_fidelity;
 mod scope_and_fingerprint;
 mod sdk_clients;
