@@ -801,7 +801,7 @@ pub fn build_info_name() -> String {
 }
 
 /// Histograms (Envoy's default buckets: 0.5, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, ...,
-/// 3600000), recorded as they happen (one host call each).
+/// 3600000), each value handed to the host by the next flush (`Metrics::record`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Histogram {
     /// Milliseconds from sending a store call a request waits for (claim, take-over, read) to
@@ -844,6 +844,8 @@ struct Pending {
     counts: Vec<(u32, u64)>,
     /// (gauge id, net move not yet flushed): `Metrics::add`.
     moves: Vec<(u32, i64)>,
+    /// (histogram id, value) not yet recorded: `Metrics::record`.
+    values: Vec<(u32, u64)>,
     /// Requests whose `on_log` ran since the last flush.
     logged: u64,
     /// The id of `SETTLED_COUNTER` (defined when a root is configured).
@@ -890,12 +892,21 @@ pub fn request_settled() {
 /// every counter of the writes that ended; a write queued and ended within one tick never shows
 /// in it, its moves netted out).
 pub fn flush_counters() {
-    let (counts, moves, logged, settled) = PENDING.with(|p| {
+    let (counts, moves, values, logged, settled) = PENDING.with(|p| {
         let mut p = p.borrow_mut();
-        (std::mem::take(&mut p.counts), std::mem::take(&mut p.moves), std::mem::take(&mut p.logged), p.settled)
+        (
+            std::mem::take(&mut p.counts),
+            std::mem::take(&mut p.moves),
+            std::mem::take(&mut p.values),
+            std::mem::take(&mut p.logged),
+            p.settled,
+        )
     });
     for &(id, delta) in moves.iter().filter(|(_, d)| *d > 0) {
         increment_metric(id, delta);
+    }
+    for (id, value) in values {
+        record_metric(id, value);
     }
     for (id, n) in counts {
         increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
@@ -929,6 +940,9 @@ pub fn flush_counters_at_once() {
     PENDING.with(|p| p.borrow_mut().at_once = true);
     flush_counters();
 }
+
+/// The most histogram values held for the next flush.
+const VALUES_MAX: usize = 1024;
 
 /// Metric ids, defined once per VM.
 #[derive(Clone, Debug, Default)]
@@ -972,10 +986,18 @@ impl Metrics {
         }
     }
 
-    /// Records `value` in histogram `h` (one host call).
+    /// Records `value` in histogram `h`: one host call, made by the next flush (the root's tick,
+    /// as counters are: none on the request's path), or at once when `VALUES_MAX` wait already.
+    /// Envoy merges histograms on its own stats flush (seconds), so the tick's delay never shows.
     pub fn record(&self, h: Histogram, value: u64) {
-        if let Some(Some(id)) = self.histograms.get(h as usize) {
-            record_metric(*id, value);
+        let Some(Some(id)) = self.histograms.get(h as usize) else { return };
+        let flush = PENDING.with(|p| {
+            let mut p = p.borrow_mut();
+            p.values.push((*id, value));
+            p.at_once || p.values.len() >= VALUES_MAX
+        });
+        if flush {
+            flush_counters();
         }
     }
 

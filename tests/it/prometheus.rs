@@ -44,7 +44,10 @@ impl Prometheus {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        panic!("prometheus not ready: {}", std::fs::read_to_string(p._scratch.0.join("prometheus.log")).unwrap_or_default());
+        panic!(
+            "prometheus not ready: {}",
+            std::fs::read_to_string(p._scratch.0.join("prometheus.log")).unwrap_or_default()
+        );
     }
 
     fn api(&self, path: &str) -> serde_json::Value {
@@ -66,11 +69,12 @@ impl Prometheus {
         self.api(&format!("/api/v1/query?query={q}"))["result"].as_array().cloned().unwrap_or_default()
     }
 
-    /// Polls `expr` until it returns data (bounded by count: 240 polls).
+    /// Polls `expr` until it returns data, a number at least once (not only NaN: a quantile of
+    /// rates that never rose), bounded by count: 240 polls.
     fn eventually(&self, expr: &str) -> Vec<serde_json::Value> {
         for _ in 0..240 {
             let r = self.query(expr);
-            if !r.is_empty() {
+            if r.iter().any(|s| s["value"][1].as_str().is_some_and(|v| v.parse::<f64>().is_ok_and(f64::is_finite))) {
                 return r;
             }
             std::thread::sleep(Duration::from_millis(250));
@@ -128,35 +132,44 @@ fn prometheus_scrapes_envoy_and_every_rule_and_panel_query_returns_data() {
     o.store_port = Some(webdis.port);
     let e = Envoy::start(&o);
     let prom = Prometheus::start(e.admin_port);
+    let began = unix_seconds();
     // Scraped once before the load: the rates below rise from it.
     prom.eventually("idemgate_build_info");
 
-    // The load, bounded: 20 keys on two routes, each sent twice (executed, then replayed), one
-    // retry held while its first attempt runs, one key reused with another body.
-    for i in 0..20 {
-        let path = if i % 2 == 0 { "/charges" } else { "/refunds" };
-        assert_eq!(post(e.port, path, &format!("k-{i}"), "{}", &[]), 201);
-        assert_eq!(post(e.port, path, &format!("k-{i}"), "{}", &[]), 201);
-    }
+    // The load, bounded, in two waves (Envoy shows a histogram only once it holds a value, so
+    // its rates rise from the first wave's counts): 20 keys on two routes, each sent twice
+    // (executed, then replayed), one retry held while its first attempt runs, one key reused
+    // with another body.
+    let wave = |w: usize| {
+        for i in 0..10 {
+            let path = if i % 2 == 0 { "/charges" } else { "/refunds" };
+            let key = format!("k-{w}-{i}");
+            assert_eq!(post(e.port, path, &key, "{}", &[]), 201);
+            assert_eq!(post(e.port, path, &key, "{}", &[]), 201);
+        }
+    };
+    wave(0);
     let port = e.port;
     let first = std::thread::spawn(move || post(port, "/charges", "k-wait", "{}", &[("x-up-delay-ms", "300")]));
     for _ in 0..200 {
-        if up.executions() >= 21 {
+        if up.executions() >= 11 {
             break;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(post(e.port, "/charges", "k-wait", "{}", &[]), 201);
     assert_eq!(first.join().unwrap(), 201);
-    assert_eq!(post(e.port, "/charges", "k-0", r#"{"other":1}"#, &[]), 422);
+    prom.eventually("idemgate_store_round_trip_ms_count > 0");
+    prom.eventually("idemgate_wait_ms_count >= 1");
+    wave(1);
+    assert_eq!(post(e.port, "/charges", "k-0-0", r#"{"other":1}"#, &[]), 422);
     assert_eq!(up.executions(), 21, "every key executed once");
     assert_eq!(e.stat("idemgate.replayed"), 21);
 
     // Prometheus has the load (histograms once Envoy merged them, on its 5 s flush).
     prom.eventually("idemgate_replayed{} >= 21");
     prom.eventually("idemgate_route_replayed{route=\"charges\"} >= 11");
-    prom.eventually("idemgate_store_round_trip_ms_count > 0");
-    prom.eventually("idemgate_wait_ms_count >= 1");
+    prom.eventually("idemgate_key_held_ms_count >= 21");
 
     // Every rule is loaded and healthy, and every recording rule yields data (the rates above 0).
     let groups = prom.api("/api/v1/rules")["groups"].as_array().cloned().unwrap();
@@ -200,4 +213,26 @@ fn prometheus_scrapes_envoy_and_every_rule_and_panel_query_returns_data() {
         }
     }
     assert!(queries >= 20, "{queries}");
+
+    // The same queries plotted over the run (docs/dashboard.svg is one such picture): the script
+    // fails when a query has no data over the range.
+    let dir = support::repo_root().join("target/prometheus");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new("python3")
+        .arg(support::repo_root().join("scripts/plot-dashboard.py"))
+        .arg(format!("http://127.0.0.1:{}", prom.port))
+        .arg(format!("{}", began))
+        .arg(format!("{}", unix_seconds()))
+        .arg(dir.join("dashboard.svg"))
+        .arg("15s")
+        .output()
+        .expect("python3");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    let svg = std::fs::read_to_string(dir.join("dashboard.svg")).unwrap();
+    assert!(svg.matches("<polyline").count() >= queries, "{text}");
+}
+
+fn unix_seconds() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
 }
