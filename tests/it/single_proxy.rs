@@ -749,6 +749,28 @@ fn histograms_measure_replays_waits_and_held_keys() {
     assert!(sum >= 200.0, "wait_ms_sum {sum}");
 }
 
+/// Detached forwarding: the root settles the claim, and the key's hold is measured from the
+/// request's claim all the same (at least its upstream's 300 ms).
+#[test]
+fn a_detached_forwards_key_hold_is_measured_to_its_settlement_by_the_root() {
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 5000}}"#,
+    );
+    assert_eq!(s.post("/charges", Some("k-d"), "{}", &[("x-up-delay-ms", "300")]).status, 201);
+    assert_eq!(s.up.executions(), 1);
+    assert_eq!(s.envoy.stat("idemgate.detached_forwards"), 1);
+    let mut text = String::new();
+    for _ in 0..100 {
+        text = http::get(s.envoy.admin_port, "/stats/prometheus").unwrap().body_text().replace("{} ", " ");
+        if text.lines().any(|l| l == "idemgate_key_held_ms_count 1") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(text.lines().any(|l| l == "idemgate_key_held_ms_count 1"), "{text}");
+    assert!(text.lines().any(|l| l == "idemgate_key_held_ms_bucket{le=\"250\"} 0"), "{text}");
+}
+
 /// idemgate builds only the log lines Envoy keeps (it asks Envoy's level for Wasm): a level
 /// raised at run time through the admin endpoint reaches it within a tick, and lines logged at
 /// debug then appear, as they did when every line was sent and Envoy dropped them.
