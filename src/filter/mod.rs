@@ -108,7 +108,7 @@ pub struct Shared {
     pub handoffs: RefCell<crate::redirect::Handoffs<settle::Claim>>,
     /// When each claim handed to the root for detached forwarding was made (its owner token),
     /// for `key_held_ms` at its settlement; the oldest dropped past `HELD_MAX`.
-    pub held: RefCell<VecDeque<(crate::owner::OwnerToken, u64)>>,
+    pub held: RefCell<Vec<(crate::owner::OwnerToken, u64)>>,
     /// Fault tests only: `lose_next_wake`.
     #[cfg(feature = "crash-injection")]
     lose_next_wake: Cell<bool>,
@@ -120,16 +120,16 @@ impl Shared {
     pub fn hold_from(&self, owner: crate::owner::OwnerToken, since_ms: u64) {
         let mut held = self.held.borrow_mut();
         if held.len() >= HELD_MAX {
-            held.pop_front();
+            held.remove(0);
         }
-        held.push_back((owner, since_ms));
+        held.push((owner, since_ms));
     }
 
     /// When the claim of `owner` handed to the root was made, taken out.
     pub fn held_since(&self, owner: &crate::owner::OwnerToken) -> Option<u64> {
         let mut held = self.held.borrow_mut();
         let i = held.iter().position(|(o, _)| o == owner)?;
-        held.remove(i).map(|(_, t)| t)
+        Some(held.remove(i).1)
     }
 
     /// The next owner token of this VM: no host call, no randomness (see `crate::owner`).
@@ -1028,7 +1028,7 @@ impl Root {
             leases: RefCell::new(crate::etcd::Leases::default()),
             lease_ttl_seconds,
             handoffs: RefCell::new(crate::redirect::Handoffs::default()),
-            held: RefCell::new(VecDeque::new()),
+            held: RefCell::new(Vec::new()),
             #[cfg(feature = "crash-injection")]
             lose_next_wake: Cell::new(false),
         }));
