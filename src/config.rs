@@ -113,6 +113,21 @@ pub struct McpPolicy {
     pub tools: Option<Vec<String>>,
     /// Tool arguments that carry the key, first found wins (after the header and `_meta`).
     pub key_arguments: Vec<String>,
+    /// What a round answered `input_required` (2026-07-28) is: kept as the call's answer (the
+    /// default), or released (`"release"`) for servers whose tools do nothing before asking.
+    pub input_required: InputRequired,
+}
+
+/// `mcp.input_required` (docs/mcp.md, "Multi-round calls").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum InputRequired {
+    /// Stored and replayed as the call's answer: nothing can run twice, and a multi-round call
+    /// cannot go past its first round through idemgate.
+    #[default]
+    Keep,
+    /// Released: the round that answers it claims the key. Only for tools that act on nothing
+    /// before they ask (a re-sent first round runs the tool again).
+    Release,
 }
 
 /// Everything that decides how one protected request is handled.
@@ -587,6 +602,7 @@ raw_object! {
     struct RawMcp {
         tools: Vec<String>,
         key_arguments: Vec<String>,
+        input_required: String,
     }
 }
 
@@ -1362,7 +1378,19 @@ fn parse_protocol(r: &RawLevel, f: &str) -> Result<Option<McpPolicy>, ConfigErro
         ));
     }
     names(&o.key_arguments, "key_arguments")?;
-    Ok(Some(McpPolicy { tools: o.tools.clone(), key_arguments: o.key_arguments.clone().unwrap_or_default() }))
+    let input_required = match &o.input_required {
+        None => InputRequired::Keep,
+        Some(s) => choice(
+            s,
+            &join(&fm, "input_required"),
+            &[("keep", InputRequired::Keep), ("release", InputRequired::Release)],
+        )?,
+    };
+    Ok(Some(McpPolicy {
+        tools: o.tools.clone(),
+        key_arguments: o.key_arguments.clone().unwrap_or_default(),
+        input_required,
+    }))
 }
 
 /// A route's selector: `prefix` (with `case_insensitive`) or `route_name`, exactly one.

@@ -33,6 +33,7 @@ pub mod probe;
 pub mod problem;
 pub mod record;
 pub mod redirect;
+pub mod release;
 pub mod request;
 pub mod scope;
 pub mod seal;

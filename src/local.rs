@@ -66,6 +66,9 @@ pub mod v3;
 
 use pool::{Pool, Reservation};
 
+/// The table's layout, in every shared-data name it uses (`idemgate.<LAYOUT>.local.n<max_entries>`).
+pub const LAYOUT: &str = "v4";
+
 /// Positions a bucket holds at most (its value holds only the occupied ones).
 pub const BUCKET_WIDTH: usize = 64;
 /// Average records per bucket at `max_entries`: `buckets = ceil(max_entries / DENSITY)`, half
@@ -558,7 +561,7 @@ impl Table {
         let buckets = if small { 1 } else { cfg.max_entries.div_ceil(DENSITY).clamp(1, u64::from(u32::MAX)) };
         let width = if small { usize::try_from(cfg.max_entries.max(1)).unwrap_or(BUCKET_WIDTH) } else { BUCKET_WIDTH };
         Table {
-            prefix: format!("idemgate.v4.local.n{}", cfg.max_entries),
+            prefix: format!("idemgate.{LAYOUT}.local.n{}", cfg.max_entries),
             buckets: u32::try_from(buckets).unwrap_or(u32::MAX),
             width,
             max_entries: cfg.max_entries,

@@ -153,6 +153,76 @@ fn call(value: &Value, body: &[u8], canonical: &[u8], tool: &str, policy: &McpPo
     Call { id, tool: tool.to_string(), digest: h.finalize().into(), key }
 }
 
+/// Revision 2026-07-28's header naming a request's JSON-RPC method.
+pub const METHOD_HEADER: &str = "mcp-method";
+/// Revision 2026-07-28's header naming the tool, prompt or resource a request is for.
+pub const NAME_HEADER: &str = "mcp-name";
+
+/// The methods whose `Mcp-Name` header mirrors a member of `params` (2026-07-28; as the Python
+/// SDK's `NAME_BEARING_METHODS`).
+const NAME_BEARING: [(&str, &str); 3] = [("tools/call", "name"), ("prompts/get", "name"), ("resources/read", "uri")];
+
+/// Which routing header (`Mcp-Method`, `Mcp-Name`: the values sent, `method` and `name`)
+/// disagrees with the body, if one does: sent more than once, over a body that is not one message
+/// (a batch), `Mcp-Method` other than the body's `method`, or `Mcp-Name` other than the member it
+/// mirrors for a name-bearing method (absent included). A value in the `=?base64?…?=` form is
+/// compared as the canonical base64 of the body's value, which is what it decodes to exactly when
+/// it matches. No header, no check (earlier revisions send none); a body that is no JSON is
+/// `classify`'s to refuse.
+pub fn routing_headers_disagree(method: &[&[u8]], name: &[&[u8]], body: &[u8]) -> Option<&'static str> {
+    if method.is_empty() && name.is_empty() {
+        return None;
+    }
+    if method.len() > 1 {
+        return Some(METHOD_HEADER);
+    }
+    if name.len() > 1 {
+        return Some(NAME_HEADER);
+    }
+    let Ok(v) = serde_json::from_slice::<Value>(body) else { return None };
+    let Value::Object(m) = &v else { return Some(if method.is_empty() { NAME_HEADER } else { METHOD_HEADER }) };
+    let body_method = m.get("method").and_then(Value::as_str);
+    if method.first().is_some_and(|h| Some(*h) != body_method.map(str::as_bytes)) {
+        return Some(METHOD_HEADER);
+    }
+    let field = NAME_BEARING.iter().find(|(n, _)| Some(*n) == body_method).map(|(_, f)| *f)?;
+    let value = m.get("params").and_then(|p| p.get(field)).and_then(Value::as_str);
+    match (name.first(), value) {
+        (None, _) => None,
+        (Some(h), Some(v)) if header_names(h, v) => None,
+        _ => Some(NAME_HEADER),
+    }
+}
+
+/// Whether header value `h` carries `value`: as it is when it is printable ASCII, or as
+/// `=?base64?<canonical base64 of its UTF-8>?=` (how a client sends any other value). A raw
+/// non-ASCII value is never taken: readers decode such bytes differently (the Python SDK's server
+/// reads them as Latin-1).
+fn header_names(h: &[u8], value: &str) -> bool {
+    match h.strip_prefix(b"=?base64?").and_then(|r| r.strip_suffix(b"?=")) {
+        Some(payload) => payload == base64(value.as_bytes()).as_slice(),
+        None => h == value.as_bytes() && h.iter().all(|b| (0x20..=0x7e).contains(b)),
+    }
+}
+
+/// Standard base64 (RFC 4648 section 4) with padding.
+fn base64(bytes: &[u8]) -> Vec<u8> {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = Vec::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            out.push(if i <= chunk.len() { ALPHABET[(n >> (18 - 6 * i) & 63) as usize] } else { b'=' });
+        }
+    }
+    out
+}
+
+/// The raw `id` of a body that is one JSON object, as the client wrote it.
+pub fn request_id(body: &[u8]) -> Option<Vec<u8>> {
+    member(body, "id").map(<[u8]>::to_vec)
+}
+
 /// The raw bytes of the value of top-level member `name` in the JSON object `obj` (valid JSON;
 /// the first member of that name). Names are compared decoded (`"\u0069d"` is `id`).
 fn member<'a>(obj: &'a [u8], name: &str) -> Option<&'a [u8]> {
@@ -289,6 +359,8 @@ pub fn error_code(kind: &ProblemKind) -> i64 {
         ProblemKind::KeyMissing { .. } | ProblemKind::KeyInvalid { .. } => -32005,
         ProblemKind::BodyTooLarge { .. } => -32006,
         ProblemKind::McpBatchRefused => -32007,
+        // The protocol's own code for it (2026-07-28, the Python SDK's `HEADER_MISMATCH`).
+        ProblemKind::McpHeaderMismatch { .. } => -32020,
         _ => -32000,
     }
 }
@@ -478,6 +550,21 @@ pub fn read_answer(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>,
     } else {
         Answer::None
     }
+}
+
+/// Whether a call's final JSON-RPC response (`Answer::Final`'s message) asks for input before the
+/// call can end (revision 2026-07-28's `InputRequiredResult`: a `result` whose `resultType` is
+/// `"input_required"`, with `inputRequests` or a `requestState`, at least one, as its schema
+/// says; state alone asks the client to poll). Not the call's end: the client sends the call again
+/// with `params.inputResponses` and the `requestState` it was given. Whether such an answer is
+/// kept or released is the route's `mcp.input_required`.
+pub fn input_required(message: &[u8]) -> bool {
+    let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(message) else { return false };
+    let Some(Value::Object(result)) = m.get("result") else { return false };
+    let present = |name| result.get(name).is_some_and(|v| !v.is_null());
+    !m.contains_key("error")
+        && result.get("resultType").and_then(Value::as_str) == Some("input_required")
+        && (present("inputRequests") || present("requestState"))
 }
 
 /// `read_answer` on a captured response.
@@ -711,7 +798,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn all_tools() -> McpPolicy {
-        McpPolicy { tools: None, key_arguments: vec!["idempotency_key".into()] }
+        McpPolicy { tools: None, key_arguments: vec!["idempotency_key".into()], ..McpPolicy::default() }
     }
 
     fn call_of(body: &str) -> Call {
@@ -722,8 +809,69 @@ mod tests {
     }
 
     #[test]
+    fn base64_is_rfc_4648s_with_padding() {
+        // RFC 4648 section 10's vectors.
+        for (plain, encoded) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(base64(plain.as_bytes()), encoded.as_bytes(), "{plain}");
+        }
+        assert_eq!(base64("café".as_bytes()), b"Y2Fmw6k=");
+    }
+
+    #[test]
+    fn routing_headers_must_name_what_the_body_holds() {
+        let call =
+            r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"café","arguments":{}}}"#.as_bytes();
+        let read = br#"{"jsonrpc":"2.0","id":4,"method":"resources/read","params":{"uri":"file:///a"}}"#;
+        let list = br#"{"jsonrpc":"2.0","id":5,"method":"tools/list"}"#;
+        let m: &[u8] = b"tools/call";
+        type Headers<'a> = &'a [&'a [u8]];
+        let agree: [(Headers, Headers, &[u8]); 8] = [
+            (&[], &[], call),
+            (&[m], &[], call),
+            (&[m], &["=?base64?Y2Fmw6k=?=".as_bytes()], call),
+            (&[], &["=?base64?Y2Fmw6k=?=".as_bytes()], call),
+            (&[b"resources/read"], &[b"file:///a"], read),
+            (&[b"tools/list"], &[], list),
+            // Not a name-bearing method: its name header is not read (as the SDK's server).
+            (&[b"tools/list"], &[b"anything"], list),
+            // No JSON: `classify`'s to refuse.
+            (&[m], &[], b"not json"),
+        ];
+        for (i, (method, name, body)) in agree.iter().enumerate() {
+            assert_eq!(routing_headers_disagree(method, name, body), None, "agree {i}");
+        }
+        let disagree: [(Headers, Headers, &[u8], &str); 10] = [
+            (&[b"tools/list"], &[], call, METHOD_HEADER),
+            (&[m, m], &[], call, METHOD_HEADER),
+            (&[b"Tools/Call"], &[], call, METHOD_HEADER),
+            (&[m], &["café".as_bytes(), "café".as_bytes()], call, NAME_HEADER),
+            (&[m], &[b"caf"], call, NAME_HEADER),
+            // The name's raw UTF-8: not plain printable ASCII, so only its base64 form names it.
+            (&[m], &["café".as_bytes()], call, NAME_HEADER),
+            // Not canonical (other trailing bits), or no base64 at all: never the name.
+            (&[m], &["=?base64?Y2Fmw6l=?=".as_bytes()], call, NAME_HEADER),
+            (&[m], &["=?base64?Y2Fmw6k?=".as_bytes()], call, NAME_HEADER),
+            (&[], &[b"x"], br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}"#, NAME_HEADER),
+            (&[b"tools/list"], &[], br#"[{"jsonrpc":"2.0","id":5,"method":"tools/list"}]"#, METHOD_HEADER),
+        ];
+        for (i, (method, name, body, header)) in disagree.iter().enumerate() {
+            assert_eq!(routing_headers_disagree(method, name, body), Some(*header), "disagree {i}");
+        }
+        assert_eq!(request_id(call), Some(b"3".to_vec()));
+        assert_eq!(error_code(&ProblemKind::McpHeaderMismatch { header: NAME_HEADER }), -32020);
+    }
+
+    #[test]
     fn only_tools_call_for_a_listed_tool_is_protected() {
-        let p = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![] };
+        let p = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![], ..McpPolicy::default() };
         let c = |b: &str| classify(b.as_bytes(), &p);
         assert!(matches!(
             c(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#),
@@ -837,7 +985,7 @@ mod tests {
         ] {
             assert_eq!(classify(b.as_bytes(), &all_tools()), Classified::Ambiguous, "{b}");
         }
-        let only = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![] };
+        let only = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec![], ..McpPolicy::default() };
         assert_eq!(classify(br#"{"method":"tools/call","params":{"name":"lookup"}}"#, &only), Classified::Pass);
     }
 

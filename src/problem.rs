@@ -69,6 +69,9 @@ pub enum ProblemKind {
     /// MCP route: a POST body not read as exactly one JSON document (not JSON, not UTF-8, a member
     /// name repeated, nesting too deep, a number out of range); nothing was forwarded.
     McpBodyAmbiguous,
+    /// MCP route: a 2026-07-28 routing header (`header`: `mcp-method`, `mcp-name`) that disagrees
+    /// with the body (`crate::mcp::routing_headers_disagree`); nothing was forwarded.
+    McpHeaderMismatch { header: &'static str },
 }
 
 /// A ready-to-send problem response.
@@ -110,6 +113,7 @@ impl ProblemKind {
             ProblemKind::RouteAmbiguous => "route-ambiguous",
             ProblemKind::McpBatchRefused => "mcp-batch-refused",
             ProblemKind::McpBodyAmbiguous => "mcp-body-ambiguous",
+            ProblemKind::McpHeaderMismatch { .. } => "mcp-header-mismatch",
         }
     }
 
@@ -128,7 +132,10 @@ impl ProblemKind {
             ProblemKind::UpstreamNoAnswer => 504,
             ProblemKind::EncodingNotAccepted { .. } => 406,
             ProblemKind::GrpcUnsupported { .. } => 415,
-            ProblemKind::RouteAmbiguous | ProblemKind::McpBatchRefused | ProblemKind::McpBodyAmbiguous => 400,
+            ProblemKind::RouteAmbiguous
+            | ProblemKind::McpBatchRefused
+            | ProblemKind::McpBodyAmbiguous
+            | ProblemKind::McpHeaderMismatch { .. } => 400,
         }
     }
 
@@ -155,6 +162,7 @@ impl ProblemKind {
             ProblemKind::RouteAmbiguous => "Request path is ambiguous between protected routes",
             ProblemKind::McpBatchRefused => "Protected tool calls cannot be sent in a JSON-RPC batch",
             ProblemKind::McpBodyAmbiguous => "Request body is not unambiguous JSON",
+            ProblemKind::McpHeaderMismatch { .. } => "MCP routing header disagrees with the body",
         }
     }
 
@@ -207,6 +215,9 @@ impl ProblemKind {
             ),
             ProblemKind::McpBatchRefused => "This JSON-RPC batch holds a protected tools/call, which the gateway can only run at most once when sent alone. Nothing in the batch was forwarded: send each tools/call as its own request.".into(),
             ProblemKind::McpBodyAmbiguous => "This body is not one JSON document the gateway reads unambiguously (not JSON or not UTF-8, a member name repeated in an object, nesting deeper than 128, a number out of range, a tool call under a gRPC content type), so a server could find a tool call in it that the gateway cannot protect. It was not forwarded: send plain UTF-8 JSON as application/json.".into(),
+            ProblemKind::McpHeaderMismatch { header } => format!(
+                "The `{header}` header does not name what the JSON-RPC body holds (a different method or tool, the header sent twice, or a batch), so a router or server reading the header could run another call than the one the gateway protects. It was not forwarded: send the header as the body says (2026-07-28 transport), or leave it out."
+            ),
             ProblemKind::ResponseNotStored { status, .. } => format!(
                 "The original request completed with status {status}, but its response body was too large to keep. The operation is done: do not repeat it; fetch the resource instead."
             ),
@@ -257,9 +268,10 @@ impl ProblemKind {
             | ProblemKind::CapacityExhausted { .. }
             | ProblemKind::BufferBudgetExceeded { .. }
             | ProblemKind::InternalState { .. } => UNAVAILABLE,
-            ProblemKind::RouteAmbiguous | ProblemKind::McpBatchRefused | ProblemKind::McpBodyAmbiguous => {
-                INVALID_ARGUMENT
-            }
+            ProblemKind::RouteAmbiguous
+            | ProblemKind::McpBatchRefused
+            | ProblemKind::McpBodyAmbiguous
+            | ProblemKind::McpHeaderMismatch { .. } => INVALID_ARGUMENT,
             ProblemKind::ResponseNotStored { .. }
             | ProblemKind::GrpcUnsupported { .. }
             | ProblemKind::EncodingNotAccepted { .. } => FAILED_PRECONDITION,
@@ -287,6 +299,7 @@ impl ProblemKind {
             | ProblemKind::RouteAmbiguous
             | ProblemKind::McpBatchRefused
             | ProblemKind::McpBodyAmbiguous
+            | ProblemKind::McpHeaderMismatch { .. }
             | ProblemKind::EncodingNotAccepted { .. } => Some("invalid_api_usage"),
             ProblemKind::InFlight { .. } | ProblemKind::OutcomeUnknown | ProblemKind::KeyReused { .. } => {
                 Some("invalid_state")
@@ -403,6 +416,7 @@ mod tests {
             ProblemKind::RouteAmbiguous,
             ProblemKind::McpBatchRefused,
             ProblemKind::McpBodyAmbiguous,
+            ProblemKind::McpHeaderMismatch { header: "mcp-name" },
         ];
         for error in [
             KeyError::Repeated,

@@ -10,7 +10,7 @@ use crate::config::Policy;
 use crate::fingerprint::Fingerprint;
 use crate::owner::OwnerToken;
 
-const MAGIC: &[u8; 3] = b"IGR";
+pub const MAGIC: &[u8; 3] = b"IGR";
 /// The current encoding version. A decoder refuses versions it does not know.
 pub const VERSION: u8 = 1;
 /// Most header lines (and most log values) a record holds: a decoder never builds more.

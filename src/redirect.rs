@@ -60,6 +60,13 @@ pub fn original_url_matches(header: &[u8], url: &str) -> bool {
     rest.is_some_and(|r| r == url.as_bytes())
 }
 
+/// The authority of an `x-envoy-original-url` value (`http[s]://authority/path`), if it has one.
+pub fn original_authority(header: &[u8]) -> Option<&str> {
+    let rest = header.strip_prefix(b"http://").or_else(|| header.strip_prefix(b"https://"))?;
+    let end = rest.iter().position(|b| *b == b'/').unwrap_or(rest.len());
+    std::str::from_utf8(rest.get(..end)?).ok().filter(|a| !a.is_empty())
+}
+
 /// The claims handed over and not yet taken, oldest first.
 #[derive(Debug)]
 pub struct Handoffs<C> {
@@ -160,6 +167,16 @@ mod tests {
     }
 
     const URL: &[u8] = b"http://api.test/charges?x=1";
+
+    #[test]
+    fn the_authority_of_an_original_url() {
+        assert_eq!(original_authority(b"http://pay.example.test/confirm/1"), Some("pay.example.test"));
+        assert_eq!(original_authority(b"https://api.example.test:8443/x?y=/z"), Some("api.example.test:8443"));
+        assert_eq!(original_authority(b"http://bare.example.test"), Some("bare.example.test"));
+        for none in [&b"ftp://a/b"[..], b"http:///path", b"/path", b""] {
+            assert_eq!(original_authority(none), None, "{}", String::from_utf8_lossy(none));
+        }
+    }
 
     #[test]
     fn the_recreated_stream_takes_its_claim_once() {

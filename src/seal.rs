@@ -26,7 +26,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 /// Marks a sealed record: `IGM1` + 32 bytes of tag + the record.
-const SEALED_MAGIC: &[u8; 4] = b"IGM1";
+pub const SEALED_MAGIC: &[u8; 4] = b"IGM1";
 const TAG_LEN: usize = 32;
 /// The least secret accepted, in bytes (`openssl rand -hex 32` gives 64).
 pub const MIN_KEY_BYTES: usize = 32;

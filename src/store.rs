@@ -77,7 +77,9 @@ pub fn write_window_ms(store_timeout_ms: u64) -> u64 {
 }
 
 pub const KEY_PREFIX: &str = "idemgate:v1:";
-const VALUE_MAGIC: &[u8; 4] = b"IGS1";
+/// Marks a stored value: `IGS1`, the header the store scripts write (phase, owner, lock expiry),
+/// then the sealed record.
+pub const VALUE_MAGIC: &[u8; 4] = b"IGS1";
 /// `IGS1` + phase (1) + owner hex (32) + lock expiry in ms, 15 decimal digits.
 const HEADER_LEN: usize = 4 + 1 + 32 + 15;
 

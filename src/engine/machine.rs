@@ -700,13 +700,19 @@ impl<W> Machine<W> {
             }
             AtMcpBody::Protect(call) => *call,
         };
-        let McpCall { id, tool, scope, skey, derived, digest, .. } = call;
+        let McpCall { id, tool, scope, skey, derived, digest, key } = call;
         io.run(Command::McpReply { id: id.clone(), batch: vec![], accepts: accepts(&head) });
         // A stream Envoy re-created for an internal redirect (a 307: the body re-sent) names the
         // key in its body only: the claim its first stream handed over is taken now, as an HTTP
-        // request's target takes it at its headers (`take_handoff`), under the same rules.
+        // request's target takes it at its headers (`take_handoff`), under the same rules, in
+        // the scope of the URL it was redirected from (`request::first_hop_scope`).
         let original_url = head.values(redirect::ORIGINAL_URL_HEADER).first().map(|u| u.to_vec());
-        if let Some(h) = original_url.and_then(|u| io.take_handoff(&skey, route, &u)) {
+        let handoff = original_url.and_then(|u| {
+            let first = request::first_hop_scope(&policy, &head, &u);
+            let first_skey = StorageKey::derive(&policy.namespace, &first, &key);
+            io.take_handoff(&first_skey, route, &u).map(|h| (h, first))
+        });
+        if let Some((h, scope)) = handoff {
             io.run(Command::Count(Count::RedirectsFollowed));
             // Without `hold_headers` they were forbidden at the headers (`await_mcp_body`).
             let forbidden = !self.hold_headers || io.forbid_router_retries(&mut head);
@@ -1295,7 +1301,7 @@ impl<W> Machine<W> {
             ended.outcome = redirect::after_first_hop(ended.outcome);
         }
         let claim = req.claim(claim);
-        let slug = settle_claim(io, &claim, Some(&req.policy), self.store.is_some(), ended, response);
+        let slug = settle_claim(io, &claim, Some(&req.policy), self.store.is_some(), redirected, ended, response);
         io.run(Command::Publish { key: req.published_key().copied(), outcome: slug });
         slug
     }
@@ -1357,7 +1363,7 @@ pub fn take_handoff(
 ) -> Option<(Handoff<Claim>, Arc<Policy>, CallerScope)> {
     for &i in policies {
         let Some(p) = policy(i) else { continue };
-        let Some((scope, skey)) = request::redirected_claim(&p, head) else { continue };
+        let Some((scope, skey)) = request::redirected_claim(&p, head, original_url) else { continue };
         if let Some(h) = handoffs.take(&skey, i, original_url, connection, context_id, now_ms) {
             return Some((h, p, scope));
         }
@@ -1372,12 +1378,22 @@ pub fn settle_claim(
     claim: &Claim,
     policy: Option<&Policy>,
     has_store: bool,
+    redirected: bool,
     ended: Ended,
     response: Response,
 ) -> &'static str {
     let now = io.now_ms();
-    let (machine, cmds) =
-        settle::start(claim, policy, has_store, ended.outcome, response.stored, response.too_large, &ended.detail, now);
+    let (machine, cmds) = settle::start(
+        claim,
+        policy,
+        has_store,
+        redirected,
+        ended.outcome,
+        response.stored,
+        response.too_large,
+        &ended.detail,
+        now,
+    );
     let mut answer = settle::LocalAnswer::None;
     for c in cmds {
         if let Some(a) = settle_command(io, claim, policy, c, now) {

@@ -587,6 +587,15 @@ pub enum AtMcpBody {
 pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBody {
     let Some(mcp) = policy.mcp.as_ref() else { return AtMcpBody::PolicyMissing };
     let null = || b"null".to_vec();
+    // 2026-07-28's routing headers name the message; one that disagrees with the body is refused
+    // before anything reads either (a router or server going by the headers would run another
+    // call than the one protected).
+    if let Some(header) =
+        mcp::routing_headers_disagree(&head.values(mcp::METHOD_HEADER), &head.values(mcp::NAME_HEADER), body)
+    {
+        let id = mcp::request_id(body).unwrap_or_else(null);
+        return AtMcpBody::Refuse { id, batch: vec![], problem: ProblemKind::McpHeaderMismatch { header } };
+    }
     let call = match mcp::classify(body, mcp) {
         Classified::Pass => return AtMcpBody::Pass,
         Classified::Batch(ids) => {
@@ -689,11 +698,25 @@ pub fn creator_of(policy: &Policy, head: &RequestHead) -> Creator {
 /// A request re-created by an internal redirect: the storage key of the claim it may take over
 /// under `policy` (its key and scope read from its headers as at the first request's), or
 /// `None` when its headers protect nothing.
-pub fn redirected_claim(policy: &Policy, head: &RequestHead) -> Option<(CallerScope, StorageKey)> {
+pub fn redirected_claim(policy: &Policy, head: &RequestHead, original_url: &[u8]) -> Option<(CallerScope, StorageKey)> {
     let Admission::Protect(key) = admit(Some(policy), &head.values(&policy.header)) else { return None };
-    let scope = CallerScope::of(head, &policy.scope);
+    let scope = first_hop_scope(policy, head, original_url);
     let skey = StorageKey::derive(&policy.namespace, &scope, &key);
     Some((scope, skey))
+}
+
+/// The caller scope of the request a stream re-created for an internal redirect continues: its
+/// own headers (Envoy re-sends the first stream's), under the `:authority` of the URL it was
+/// redirected from (`original_url`, Envoy's `x-envoy-original-url`: `http[s]://authority/path`),
+/// which a redirect to another host changes. A claim is only taken where that URL names the
+/// claim's request exactly (`redirect::Handoffs::take`), so this is the first stream's scope.
+pub fn first_hop_scope(policy: &Policy, head: &RequestHead, original_url: &[u8]) -> CallerScope {
+    match crate::redirect::original_authority(original_url) {
+        Some(a) if a != head.authority => {
+            CallerScope::of(&RequestHead { authority: a.to_string(), ..head.clone() }, &policy.scope)
+        }
+        _ => CallerScope::of(head, &policy.scope),
+    }
 }
 
 #[cfg(test)]

@@ -166,6 +166,7 @@ pub fn start<'a>(
     claim: &'a Claim,
     policy: Option<&Policy>,
     has_store: bool,
+    redirected: bool,
     outcome: Outcome,
     response: Option<StoredResponse>,
     too_large: bool,
@@ -183,7 +184,11 @@ pub fn start<'a>(
     let lifetimes = Lifetimes::of(policy);
     let (outcome, response) = match claim.mcp_id.as_deref() {
         Some(id) => {
-            let (o, r, why) = mcp_outcome(outcome, response, too_large, id);
+            // A round that asks for input is released only where the route says so, and never
+            // on a redirect's target (its first hop executed: `redirect::after_first_hop`).
+            let release_input_required = !redirected
+                && policy.mcp.as_ref().is_some_and(|m| m.input_required == crate::config::InputRequired::Release);
+            let (o, r, why) = mcp_outcome(outcome, response, too_large, id, release_input_required);
             if let Some((name, why)) = why {
                 out.push(Command::Log(Level::Info, Line::Outcome { outcome: name, log, detail, tail: Tail::Why(why) }));
             }
@@ -256,6 +261,7 @@ fn mcp_outcome(
     response: Option<StoredResponse>,
     too_large: bool,
     id: &[u8],
+    release_input_required: bool,
 ) -> (Outcome, Option<StoredResponse>, Option<(&'static str, String)>) {
     use crate::mcp::Answer;
     let answer = match &response {
@@ -265,6 +271,11 @@ fn mcp_outcome(
     };
     let unknown = UnknownReason::Other;
     match (outcome, answer, response) {
+        // A round that asks for input (2026-07-28) is not the call's end: where the route
+        // releases it, the round that answers it claims the key (`mcp::input_required`).
+        (o, Answer::Final(body), Some(r)) if release_input_required && crate::mcp::input_required(&body) => {
+            (Outcome::Release, Some(r), Some(("mcp_input_required", format!("{o:?}"))))
+        }
         (o, Answer::Final(body), Some(r)) => {
             let stored = crate::mcp::final_response(r, body);
             let why = (o != Outcome::Store).then(|| ("mcp_final_response_received", format!("{o:?}")));

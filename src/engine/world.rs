@@ -618,7 +618,7 @@ impl World {
     fn root_settles(&mut self, p: usize, f: &Forward, ended: Ended, response: Response) -> &'static str {
         let policy: Option<Policy> = self.config.policy_at(f.claim.policy_index).cloned();
         let has_store = self.config.store.is_some();
-        settle_claim(&mut RootDriver { w: self, p }, &f.claim, policy.as_ref(), has_store, ended, response)
+        settle_claim(&mut RootDriver { w: self, p }, &f.claim, policy.as_ref(), has_store, false, ended, response)
     }
 
     /// The callouts still on their way (answered or lost ones are gone).

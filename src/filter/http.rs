@@ -144,7 +144,9 @@ fn problem_counter(problem: &ProblemKind) -> Counter {
         ProblemKind::InternalState { .. } => Counter::InternalErrors,
         ProblemKind::GrpcUnsupported { .. } => Counter::GrpcRefused,
         ProblemKind::RouteAmbiguous => Counter::RouteAmbiguous,
-        ProblemKind::McpBatchRefused | ProblemKind::McpBodyAmbiguous => Counter::McpRefused,
+        ProblemKind::McpBatchRefused | ProblemKind::McpBodyAmbiguous | ProblemKind::McpHeaderMismatch { .. } => {
+            Counter::McpRefused
+        }
     }
 }
 

@@ -922,6 +922,8 @@ impl RootContext for Root {
 impl Root {
     fn configure(&mut self, _size: usize) -> bool {
         host::refresh_log_level();
+        // Which release runs here and the record formats it reads and writes (src/release.rs).
+        info!("{}", crate::release::configured_line());
         let raw = host::plugin_configuration();
         let config = match Config::parse(&raw) {
             Ok(c) => c,

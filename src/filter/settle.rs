@@ -34,7 +34,7 @@ pub fn settle(
     }
     let ended = Ended { outcome, detail: detail.to_string() };
     let response = Response { stored: response, too_large, complete: true };
-    machine::settle_claim(&mut root, claim, policy, has_store, ended, response)
+    machine::settle_claim(&mut root, claim, policy, has_store, false, ended, response)
 }
 
 /// The root's side of a settlement: the clock read once, the claim's route for counters.

@@ -28,6 +28,7 @@ mod operator_cli;
 mod operator_cli_etcd;
 mod probe_gate;
 mod prometheus;
+mod releases;
 mod replay_fidelity;
 mod scope_and_fingerprint;
 mod sdk_clients;

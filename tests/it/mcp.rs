@@ -534,18 +534,26 @@ fn a_stale_session_404_releases_the_key_so_the_retry_in_a_new_session_executes_o
 /// replayed to the retry under the retry's id.
 #[test]
 fn a_tools_call_redirected_with_its_key_in_its_arguments_is_one_call() {
-    redirected_call_is_one_call("");
+    redirected_call_is_one_call("", "/mcp/target");
     // Without held headers, the router's retries were forbidden at the headers.
-    redirected_call_is_one_call(r#", "hold_headers": false"#);
+    redirected_call_is_one_call(r#", "hold_headers": false"#, "/mcp/target");
 }
 
-fn redirected_call_is_one_call(top_extra: &str) {
+/// Issue 40: the same to another host (its `:authority`, part of the caller's scope, differs on
+/// the re-created stream): the claim is taken in the scope of the URL redirected from.
+#[test]
+fn a_tools_call_redirected_to_another_host_is_one_call() {
+    redirected_call_is_one_call("", "http://pay.example.test/mcp/target");
+}
+
+fn redirected_call_is_one_call(top_extra: &str, to: &str) {
     let up = McpUpstream::start();
     let mut o = EnvoyOptions::new(&plugin("", top_extra), up.port);
     o.stop_iteration_flag = top_extra.is_empty();
     o.route_action_extra = ", internal_redirect_policy: {redirect_response_codes: [307]}".into();
     let envoy = Envoy::start(&o);
-    let h = [ALICE, ("accept", "application/json"), ("x-up-redirect", "307 /mcp/target")];
+    let to = format!("307 {to}");
+    let h = [ALICE, ("accept", "application/json"), ("x-up-redirect", to.as_str())];
     let args = json!({"amount": 3, "idempotency_key": "k-redirected"});
     let a = post(envoy.port, &h, &tools_call(json!(1), "charge", args.clone(), Value::Null));
     assert_eq!(a.status, 200, "{}", a.body_text());
@@ -675,4 +683,44 @@ fn a_tools_call_without_an_id_is_refused_and_leaves_its_key_free() {
     println!("the call: {}", call.body_text());
     assert_eq!(message(&call)["result"]["execution"], 1, "{}", call.body_text());
     assert_eq!(s.up.executions(), 1);
+}
+
+/// Issue 40: revision 2026-07-28's routing headers (`Mcp-Method`, `Mcp-Name`) must agree with the
+/// body, or a router or server going by the headers runs another call than the one protected (a
+/// call of `lookup` named `charge` in its header runs unprotected at a header-routed `charge`).
+/// Each disagreement is refused before anything is forwarded; headers that agree (as sent, or in
+/// the `=?base64?…?=` form clients use for other values) protect the call as before.
+#[test]
+fn routing_headers_that_disagree_with_the_body_are_refused_before_anything_runs() {
+    let s = Mcp::start(&plugin("", ""));
+    let charge = tools_call(json!(5), "charge", json!({"amount": 1}), Value::Null);
+    let lookup = tools_call(json!(6), "lookup", json!({}), Value::Null);
+    let batch = br#"[{"jsonrpc":"2.0","id":7,"method":"tools/list"}]"#.to_vec();
+    type Case<'a> = (&'a str, Vec<(&'a str, &'a str)>, &'a [u8], &'a str);
+    let cases: [Case; 6] = [
+        ("method", vec![("mcp-method", "tools/list")], &charge, "mcp-method"),
+        ("name", vec![("mcp-method", "tools/call"), ("mcp-name", "lookup")], &charge, "mcp-name"),
+        ("unprotected body, protected name", vec![("mcp-name", "charge")], &lookup, "mcp-name"),
+        ("name twice", vec![("mcp-name", "charge"), ("mcp-name", "charge")], &charge, "mcp-name"),
+        ("name in base64, another tool", vec![("mcp-name", "=?base64?bG9va3Vw?=")], &charge, "mcp-name"),
+        ("a batch", vec![("mcp-method", "tools/list")], &batch, "mcp-method"),
+    ];
+    for (what, extra, body, header) in cases {
+        let mut h = vec![ALICE, BOTH, ("idempotency-key", "k-headers")];
+        h.extend(extra);
+        let r = post(s.envoy.port, &h, body);
+        println!("{what}: {} {}", r.status, r.body_text());
+        let m = message(&r);
+        assert_eq!(error_type(&m), "mcp-header-mismatch", "{what}");
+        assert_eq!(m["error"]["code"], -32020, "{what}");
+        assert!(m["error"]["data"]["detail"].as_str().unwrap_or("").contains(header), "{what}: {m}");
+    }
+    assert_eq!(s.up.calls().len(), 0, "nothing forwarded");
+    // Agreeing headers: the call is protected (the key is still free: nothing above claimed it).
+    for name in ["charge", "=?base64?Y2hhcmdl?="] {
+        let h = [ALICE, BOTH, ("idempotency-key", "k-headers"), ("mcp-method", "tools/call"), ("mcp-name", name)];
+        let r = post(s.envoy.port, &h, &charge);
+        assert_eq!(message(&r)["result"]["execution"], 1, "{name}: {}", r.body_text());
+    }
+    assert_eq!(s.up.executions(), 1, "one execution, then its replay");
 }

@@ -439,7 +439,7 @@ fn a_replay_answers_the_retrys_id_on_the_wire() {
             assert_eq!(r.status, 200, "{answers:?}: {}", r.body_text());
             assert_eq!(r.header("idempotent-replayed"), None, "{answers:?}: tools/list is never replayed");
             let tools = message(&r);
-            assert!(tools["result"]["tools"].as_array().is_some_and(|t| t.len() == 3), "{tools}");
+            assert!(tools["result"]["tools"].as_array().is_some_and(|t| t.len() == 4), "{tools}");
         }
         let balance = r#"{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"name":"balance","arguments":{"currency":"eur"}}}"#;
         for _ in 0..2 {
@@ -569,4 +569,53 @@ fn a_tool_that_raises_after_it_charged_executes_once() {
         }
         envoy.assert_no_wasm_panic();
     }
+}
+
+/// Issue 40: a tool that asks for confirmation first (`Resolve(Elicit)`: at 2026-07-28 an
+/// `InputRequiredResult`, `resultType: "input_required"`) is one call over several rounds: the
+/// SDK's driver re-sends it with `inputResponses` and `requestState` under the same key. On a route
+/// with `mcp.input_required: "release"` each round is answered as it would be: the driver finishes
+/// with one execution, and a later call with the key (a new client, the driver again) gets the
+/// same final result, still one execution. (Before: round 1's answer was stored as the call's
+/// completion and replayed to every later round, so the tool never ran: the driver gave up after
+/// 10 rounds with `InputRequiredRoundsExceededError`.) By default the round is still kept, since
+/// a tool may act before it asks: the driver gives up loudly and nothing runs. Python only: the
+/// TypeScript SDK at 1.32.2 does not speak 2026-07-28.
+#[test]
+fn a_tool_that_asks_first_runs_once_through_the_sdks_driver() {
+    let tools = r#"["charge", "confirm_charge"]"#;
+    let release = mcp_route()
+        .replace(r#"["charge"]"#, tools)
+        .replace(r#""key_arguments":"#, r#""input_required": "release", "key_arguments":"#);
+    assert!(release.contains(r#""input_required": "release""#), "{release}");
+    for answers in ANSWERS {
+        let server = McpServer::start(answers, false);
+        let envoy = Envoy::start(&options(&plugin_with_route("", &release), &server));
+        let mut executions = 0;
+        for via in ["header", "meta"] {
+            let key = format!("mcp-asks-first-{answers:?}-{via}");
+            let c = Call { tool: "confirm_charge", steps: "same:60,new:60", ..Call::new(&key, via) };
+            let steps = call(Sdk::Python, envoy.port, &c);
+            executions += 1;
+            let (first, again) = (returned(&steps[0]), returned(&steps[1]));
+            assert!(first.contains("\"confirmed\": true"), "{answers:?} {via}: {first}");
+            assert_eq!(again, first, "{answers:?} {via}: the retry gets the final result");
+            assert_eq!(server.count("confirm_charge"), executions, "{answers:?} {via}: one execution");
+            // Another call under the key (other arguments) is still refused.
+            let other = call(Sdk::Python, envoy.port, &Call { amount: 1, ..c.clone() });
+            assert_raised(&other[0], -32002, "key-reused");
+            assert_eq!(server.count("confirm_charge"), executions, "{answers:?} {via}: refused, not run");
+        }
+        envoy.assert_no_wasm_panic();
+    }
+    // The default keeps the first round: the driver raises, the tool never runs.
+    let keep = mcp_route().replace(r#"["charge"]"#, tools);
+    let server = McpServer::start(ANSWERS[0], false);
+    let envoy = Envoy::start(&options(&plugin_with_route("", &keep), &server));
+    let c = Call { tool: "confirm_charge", steps: "same:60", ..Call::new("mcp-asks-first-kept", "header") };
+    let steps = call(Sdk::Python, envoy.port, &c);
+    assert_eq!(steps[0]["outcome"], "raised", "{}", steps[0]);
+    assert_eq!(steps[0]["error_type"], "InputRequiredRoundsExceededError", "{}", steps[0]);
+    assert_eq!(server.count("confirm_charge"), 0, "nothing ran");
+    envoy.assert_no_wasm_panic();
 }

@@ -22,6 +22,7 @@ import httpx2
 from mcp.client import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
+from mcp_types import ElicitResult
 
 
 def parse() -> argparse.Namespace:
@@ -47,11 +48,18 @@ def open_client(a: argparse.Namespace, stack: AsyncExitStack):
         headers["Idempotency-Key"] = a.key
     http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(120.0))
     transport = streamable_http_client(a.url, http_client=http)
-    return stack.enter_async_context(Client(transport, mode=a.mode, cache=None))
+    return stack.enter_async_context(
+        Client(transport, mode=a.mode, cache=None, elicitation_callback=confirm_every_question)
+    )
+
+
+async def confirm_every_question(_context, _params) -> ElicitResult:
+    """The user's answer to a tool that asks first (confirm_charge): yes."""
+    return ElicitResult(action="accept", content={"confirm": True})
 
 
 def arguments(a: argparse.Namespace) -> dict:
-    if not a.tool.startswith("charge"):
+    if not (a.tool.startswith("charge") or a.tool.startswith("confirm")):
         return {"currency": a.currency}
     args = {"amount": a.amount, "currency": a.currency}
     if a.delay_ms:

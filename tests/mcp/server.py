@@ -14,7 +14,11 @@ Tools:
       with the HTTP status of its ERROR_CODE_HTTP_STATUS (mcp/shared/inbound.py: 400 for -32600,
       404 for -32601) and a JSON-RPC error body with the request's id, at the 2025 revisions with
       200 (issue 40).
-GET /count answers {"charge": n, "balance": m, "charge_then_fail": k} (executions so far); the
+  confirm_charge(amount, currency, idempotency_key=None)  asks the user to confirm first (a
+      `Resolve(Elicit)` parameter: at 2026-07-28 an `InputRequiredResult` the client's driver
+      answers by re-sending the call with `inputResponses` and `requestState`), then counts an
+      execution and returns a payment (issue 40).
+GET /count answers {"charge": n, "balance": m, "charge_then_fail": k, "confirm_charge": c} (executions so far); the
 Rust test reads it.
 GET /charges lists every execution of charge, in order: {"charges": [{"payment", "idempotency_key"}]}
 (the key as the `idempotency_key` argument gave it, or null); the MCP demo's verdict reads it.
@@ -30,14 +34,18 @@ import sys
 import uuid
 
 import uvicorn
+from typing import Annotated
+
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.resolve import Elicit, Resolve
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from mcp_types import ToolAnnotations
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-COUNTS = {"charge": 0, "balance": 0, "charge_then_fail": 0}
+COUNTS = {"charge": 0, "balance": 0, "charge_then_fail": 0, "confirm_charge": 0}
 CHARGES = []
 
 server = MCPServer("idemgate-test-payments")
@@ -68,6 +76,28 @@ async def balance(currency: str) -> dict:
 async def charge_then_fail(amount: int, currency: str, code: int = -32600, idempotency_key: str | None = None) -> dict:
     COUNTS["charge_then_fail"] += 1
     raise MCPError(code=code, message=f"charged {amount} {currency}, then failed")
+
+
+class Confirmation(BaseModel):
+    confirm: bool
+
+
+async def ask_to_confirm(amount: int, currency: str) -> Elicit[Confirmation]:
+    return Elicit(f"Charge {amount} {currency}?", Confirmation)
+
+
+@server.tool(description="Charge a card once the user confirms: asks first (2026-07-28: an InputRequiredResult).")
+async def confirm_charge(
+    amount: int,
+    currency: str,
+    confirmation: Annotated[Confirmation, Resolve(ask_to_confirm)],
+    idempotency_key: str | None = None,
+) -> dict:
+    COUNTS["confirm_charge"] += 1
+    n = COUNTS["confirm_charge"]
+    payment = f"pay_{n}_{uuid.uuid4().hex[:12]}"
+    return {"payment": payment, "execution": n, "amount": amount, "currency": currency,
+            "confirmed": confirmation.confirm}
 
 
 @server.custom_route("/count", methods=["GET"])

@@ -438,6 +438,28 @@ fn the_recreated_stream_continues_the_claim_and_its_target_never_releases_it() {
     assert_eq!(host.key_phase(&skey), Some(KeyPhase::Unknown), "settled {slug}");
 }
 
+/// Issue 40: a redirect to another host re-creates the stream under another `:authority`, part
+/// of the caller's scope: the stream reads its key in the scope of the URL it came from, so it
+/// takes its claim; a URL that names another authority than the claim's takes nothing.
+#[test]
+fn a_stream_recreated_for_another_host_continues_the_claim_in_the_first_hops_scope() {
+    let c = config(BUDGET);
+    let mut host = Host::new(&c);
+    let (mut first, skey) = forwarded(&c, &mut host);
+    assert!(first.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
+    let mut handoffs = handed(&mut host);
+    let policy = |i: usize| c.shared_policy(i);
+    let mut target = head("/target", Some("k-redirect"), &[]);
+    target.authority = "pay.example.test".into();
+    let elsewhere = b"http://other.example.test/charges";
+    assert!(take_handoff(&mut handoffs, &[0], policy, &target, elsewhere, Some(7), 11, NOW).is_none());
+    let taken = take_handoff(&mut handoffs, &[0], policy, &target, URL, Some(7), 11, NOW);
+    let Some((h, p, scope)) = taken else { panic!("the re-created stream takes its claim") };
+    assert_eq!(h.skey, skey);
+    assert_eq!(scope, CallerScope::of(&head("/charges", Some("k-redirect"), &[]), &p.scope), "the first hop's scope");
+    assert_ne!(scope, CallerScope::of(&target, &p.scope));
+}
+
 #[test]
 fn a_recreated_stream_whose_retries_cannot_be_forbidden_fails_closed_keeping_the_claim() {
     let c = config(BUDGET);
@@ -710,4 +732,54 @@ fn an_mcp_answer_keeps_the_headers_it_is_read_by_whatever_the_replay_exclusions(
     let Some((_, response)) = m.forwarded() else { panic!("forwarded") };
     let names: Vec<&str> = response.stored.iter().flat_map(|r| r.headers.iter().map(|(n, _)| n.as_str())).collect();
     assert_eq!(names, vec!["content-type", "content-encoding"]);
+}
+
+/// The review of d9644e2 with 9ff0837: "a redirect's target never releases the claim: its first
+/// hop executed" (`redirect::after_first_hop`) was applied before the MCP settlement, which
+/// turned an `input_required` answer into a release: an MCP `tools/call` whose first hop answered
+/// 307 and whose target asked for input released the continued claim, so a retry under the key
+/// ran it again. Even on a route that releases such rounds, a redirect's target keeps the answer.
+#[test]
+fn a_redirect_target_asking_for_input_never_releases_the_continued_claim() {
+    let c = config(&MCP.replace(
+        r#""key_arguments": ["idempotency_key"]"#,
+        r#""key_arguments": ["idempotency_key"], "input_required": "release""#,
+    ));
+    let mut host = Host::new(&c);
+    let (mut first, skey) = mcp_forwarded(&c, &mut host);
+    assert!(first.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
+    let Some(claim) = host.handed.pop() else { panic!("handed over: {:?}", host.did) };
+    host.handoffs.post(Handoff {
+        skey: claim.skey,
+        policy_index: claim.policy_index,
+        url: "idemgate.test/mcp".into(),
+        connection: Some(7),
+        from_context: 10,
+        posted_ms: NOW,
+        claim,
+    });
+    let target = head(
+        "/mcp/target",
+        None,
+        &[("accept", "application/json"), ("x-envoy-original-url", "http://idemgate.test/mcp")],
+    );
+    let Err(NotProtected::McpBody { route, policy }) = request::at_headers(&c, &target, None, false) else {
+        panic!("an MCP POST waits for its body")
+    };
+    let mut m = Machine::new(None, true);
+    assert_eq!(m.await_mcp_body(&mut host, route, policy, target), Flow::Pause);
+    let n = host.body.len();
+    assert_eq!(m.body_chunk(&mut host, n, true), Flow::Continue, "{:?}", host.did);
+    assert!(host.did(&Did::Count(Count::RedirectsFollowed)), "{:?}", host.did);
+    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let headers = [(":status", "200"), ("content-type", "application/json")];
+    m.response_headers(headers.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect(), false);
+    m.response_body(asks, true);
+    let slug = m.settle(&mut host, Ended { outcome: Outcome::Store, detail: String::new() });
+    assert_eq!(slug, "stored");
+    assert_eq!(
+        host.key_phase(&skey),
+        Some(KeyPhase::Completed),
+        "settled {slug}: a redirect's target released its claim"
+    );
 }

@@ -2,6 +2,7 @@
 //! command as the table would, and checks every command and the slug.
 
 use super::*;
+use crate::config::{InputRequired, McpPolicy};
 use crate::record::State;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -40,7 +41,7 @@ fn settle(
     // The commands borrow the claim: a test's claim lives as long as the test binary.
     let claim: &'static Claim = Box::leak(Box::new(claim.clone()));
     let policy = Policy::default();
-    let (m, mut cmds) = start(claim, Some(&policy), has_store, outcome, Some(response()), false, "d=1", NOW);
+    let (m, mut cmds) = start(claim, Some(&policy), has_store, false, outcome, Some(response()), false, "d=1", NOW);
     let asked = cmds.iter().any(|c| matches!(c, Command::Local(_)));
     let (rest, slug) = m.finish(if asked { local } else { LocalAnswer::None });
     cmds.extend(rest);
@@ -196,7 +197,7 @@ fn mcp_without_its_final_response_is_unknown_never_stored() {
 #[test]
 fn a_claim_without_its_policy_is_kept() {
     let c = claim(true);
-    let (m, cmds) = start(&c, None, true, Outcome::Release, None, false, "d=1", NOW);
+    let (m, cmds) = start(&c, None, true, false, Outcome::Release, None, false, "d=1", NOW);
     assert_eq!(counts(&cmds), vec![Count::InternalErrors]);
     assert!(!cmds.iter().any(|c| matches!(c, Command::Local(_) | Command::Write { .. })));
     let (rest, slug) = m.finish(LocalAnswer::None);
@@ -245,11 +246,23 @@ fn mcp_response(status: u16, content_type: &str, body: &[u8]) -> StoredResponse 
 }
 
 fn mcp_settle(outcome: Outcome, r: Option<StoredResponse>, too_large: bool) -> (Vec<Command<'static>>, &'static str) {
+    mcp_settle_as(InputRequired::Keep, false, outcome, r, too_large)
+}
+
+/// `mcp_settle` on a route whose `mcp.input_required` is `input_required`, on a redirect's target
+/// or not (`redirected`).
+fn mcp_settle_as(
+    input_required: InputRequired,
+    redirected: bool,
+    outcome: Outcome,
+    r: Option<StoredResponse>,
+    too_large: bool,
+) -> (Vec<Command<'static>>, &'static str) {
     let mut c = claim(true);
     c.mcp_id = Some(b"7".to_vec());
     let c: &'static Claim = Box::leak(Box::new(c));
-    let policy = Policy::default();
-    let (m, mut cmds) = start(c, Some(&policy), true, outcome, r, too_large, "d=1", NOW);
+    let policy = Policy { mcp: Some(McpPolicy { input_required, ..McpPolicy::default() }), ..Policy::default() };
+    let (m, mut cmds) = start(c, Some(&policy), true, redirected, outcome, r, too_large, "d=1", NOW);
     let local = match cmds.last() {
         Some(Command::Local(Local::Complete(..))) => LocalAnswer::Completed(Ok(Completed::Stored)),
         Some(Command::Local(Local::Release(_))) => LocalAnswer::Released(true),
@@ -337,4 +350,50 @@ fn mcp_a_final_response_received_is_a_completion_whatever_came_after() {
     let gone = Outcome::Unknown(UnknownReason::DownstreamGone);
     assert_eq!(mcp_settle(gone, Some(mcp_response(200, "text/event-stream", cut)), false).1, "marked-unknown");
     assert_eq!(mcp_settle(gone, Some(mcp_response(200, "text/event-stream", sse)), true).1, "marked-unknown");
+}
+
+/// Issue 40: a round that asks for input (2026-07-28 `InputRequiredResult`) is not the call's
+/// end. Where the route releases it (`mcp.input_required: "release"`), it is released whatever
+/// the exchange's outcome, so the round that answers it claims the key; a result that only looks
+/// like it (neither `inputRequests` nor `requestState`, another `resultType`, nested in the
+/// tool's content, another id) is not. By default it is kept as the call's answer (a tool may have
+/// acted before it asked: a re-sent first round would run it again), and a redirect's target
+/// never releases (its first hop executed), as the review found.
+#[test]
+fn mcp_a_round_that_asks_for_input_is_released_only_where_the_route_says_so() {
+    let asks = br#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let polls = br#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"input_required","requestState":"s2"}}"#;
+    let release = |outcome, ct, body: &[u8]| {
+        mcp_settle_as(InputRequired::Release, false, outcome, Some(mcp_response(200, ct, body)), false)
+    };
+    for outcome in [Outcome::Store, Outcome::Unknown(UnknownReason::DownstreamGone), Outcome::Release] {
+        for body in [&asks[..], polls] {
+            let (cmds, slug) = release(outcome, "application/json", body);
+            assert_eq!(slug, "released", "{outcome:?}");
+            assert!(cmds.iter().any(|c| matches!(c, Command::Local(Local::Release(_)))), "{outcome:?}");
+            assert!(logs(&cmds).iter().any(|(_, l)| l.contains("outcome=mcp_input_required")), "{outcome:?}");
+        }
+    }
+    let sse = format!("event: message\ndata: {}\n\n", std::str::from_utf8(asks).unwrap_or_default());
+    assert_eq!(release(Outcome::Store, "text/event-stream", sse.as_bytes()).1, "released");
+    let look_alikes: [&[u8]; 4] = [
+        br#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"input_required"}}"#,
+        br#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"input_required","inputRequests":null}}"#,
+        br#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"complete","inputRequests":{}}}"#,
+        br#"{"jsonrpc":"2.0","id":7,"result":{"content":[],"structuredContent":{"resultType":"input_required","inputRequests":{}}}}"#,
+    ];
+    for body in look_alikes {
+        assert_eq!(release(Outcome::Store, "application/json", body).1, "stored", "{}", String::from_utf8_lossy(body));
+    }
+    let other_id = br#"{"jsonrpc":"2.0","id":8,"result":{"resultType":"input_required","inputRequests":{}}}"#;
+    assert_eq!(release(Outcome::Store, "application/json", other_id).1, "marked-unknown");
+    // The default keeps it, whatever the exchange did: the retry of that round gets it again.
+    for outcome in [Outcome::Store, Outcome::Unknown(UnknownReason::DownstreamGone)] {
+        let (cmds, slug) = mcp_settle(outcome, Some(mcp_response(200, "application/json", asks)), false);
+        assert_eq!(slug, "stored", "{outcome:?}");
+        assert!(!cmds.iter().any(|c| matches!(c, Command::Local(Local::Release(_)))), "{outcome:?}");
+    }
+    // A redirect's target: never released, even where the route releases such rounds.
+    let r = Some(mcp_response(200, "application/json", asks));
+    assert_eq!(mcp_settle_as(InputRequired::Release, true, Outcome::Store, r, false).1, "stored");
 }

@@ -120,6 +120,12 @@ impl Upstream {
     pub fn release_holds(&self) {
         self.state.lock().expect("lock").holds_released = true;
     }
+
+    /// Holds `x-up-hold` requests again, once every request held before has answered (one still
+    /// waiting for its release would wait on).
+    pub fn hold_again(&self) {
+        self.state.lock().expect("lock").holds_released = false;
+    }
 }
 
 impl Drop for Upstream {
@@ -134,14 +140,19 @@ pub type Headers = Vec<(String, String)>;
 
 /// `x-up-redirect: <status> <path>` among a request's `headers` (names lowercase), the request
 /// being for `path` and its execution `n`: the redirect to answer (that status, an absolute
-/// `location` to `<path>` on the request's `host`, which Envoy's internal redirects follow, an
-/// empty body), unless the request is for `<path>` itself. Shared by the MCP upstream.
+/// `location` to `<path>` on the request's `host`, or to `<path>` itself when it is an absolute
+/// `http://` URL (another host), which Envoy's internal redirects follow, an empty body), unless
+/// the request is for `<path>`'s path itself. Shared by the MCP upstream.
 pub fn redirect_answer(headers: &[(String, String)], path: &str, n: impl std::fmt::Display) -> Option<String> {
     let get = |name: &str| headers.iter().find(|(h, _)| h == name).map(|(_, v)| v.as_str());
     let (status, to) = get("x-up-redirect")?.split_once(' ')?;
-    let host = get("host").unwrap_or_default();
+    // `<path>` or an absolute `http://<host><path>` (a redirect to another host).
+    let (location, to) = match to.strip_prefix("http://").and_then(|r| r.find('/').map(|i| (to, &r[i..]))) {
+        Some((url, p)) => (url.to_string(), p),
+        None => (format!("http://{}{to}", get("host").unwrap_or_default()), to),
+    };
     (to != path).then(|| {
-        format!("HTTP/1.1 {status} X\r\nlocation: http://{host}{to}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n")
+        format!("HTTP/1.1 {status} X\r\nlocation: {location}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n")
     })
 }
 
