@@ -1,7 +1,7 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build release version test test-begin test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-redis-ha test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
+.PHONY: all build release version test test-begin test-ops test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-redis-ha test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
 
 all: build
 
@@ -23,6 +23,7 @@ deps:
 	scripts/install-deps.sh store
 	scripts/install-deps.sh store-ha
 	scripts/install-deps.sh etcd
+	scripts/install-deps.sh prometheus
 	scripts/install-deps.sh agent-client
 	scripts/install-deps.sh h2-client
 	scripts/install-deps.sh grpc-client
@@ -30,9 +31,9 @@ deps:
 	scripts/install-deps.sh probe-apps
 	scripts/install-deps.sh mcp-sdk
 
-## test: lint, native unit + property tests, Envoy integration tests, core tests on wasm32 under Node.js,
-## the demo, and the fault matrix (test-faults)
-test: test-begin lint build deps test-native test-envoy-oldest test-wasm test-demo test-faults
+## test: lint, the Prometheus rules (test-ops), native unit + property tests, Envoy integration tests,
+## core tests on wasm32 under Node.js, the demo, and the fault matrix (test-faults)
+test: test-begin lint test-ops build deps test-native test-envoy-oldest test-wasm test-demo test-faults
 	@if [ -s target/envoy-start-stalls.log ]; then \
 	  echo "Envoy starts that were neither ready nor gone after 60 s, killed and started again (tests/it/support/mod.rs):"; \
 	  cat target/envoy-start-stalls.log; fi
@@ -40,6 +41,11 @@ test: test-begin lint build deps test-native test-envoy-oldest test-wasm test-de
 
 test-begin:
 	rm -f target/envoy-start-stalls.log
+
+## test-ops: promtool check rules and promtool test rules on ops/prometheus, every alert's runbook
+## in docs/operating.md; the live check (Prometheus scraping Envoy) is tests/it/prometheus.rs in test-native
+test-ops:
+	scripts/check-ops.sh
 
 ## test-faults: the fault matrix, hostile input, security cases, capacity (200,000 keys on defaults), a bounded soak (IDEMGATE_SOAK_SECONDS,
 ## default 120) and bounded fuzzing (FUZZ_SECONDS per target, default 60); tables in target/faults/

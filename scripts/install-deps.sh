@@ -9,6 +9,7 @@
 #   scripts/install-deps.sh store            # redis-server + webdis from Debian, openssl (the store-TLS tests' certificates)
 #   scripts/install-deps.sh store-ha         # the store above plus HAProxy (Debian) for the Redis HA store (scripts/store_ha.py)
 #   scripts/install-deps.sh etcd             # etcd-server + etcd-client (etcd 3.4) from Debian (store.kind "etcd")
+#   scripts/install-deps.sh prometheus       # prometheus + promtool from Debian (ops/prometheus rules, tests/it/prometheus.rs)
 #   scripts/install-deps.sh agent-client     # python requests/urllib3 for the retrying-agent tests
 #   scripts/install-deps.sh wasm-bindgen     # wasm-bindgen-cli matching Cargo.lock
 #   scripts/install-deps.sh wrk              # wrk (the hostile-input flood)
@@ -130,6 +131,12 @@ case "${1:-}" in
     # The linearizable store (store.kind "etcd"): tests start three members on loopback.
     command -v etcd >/dev/null && command -v etcdctl >/dev/null && exit 0
     apt_ensure etcd-server etcd-client
+    ;;
+  prometheus)
+    # promtool checks and unit-tests ops/prometheus/idemgate.rules.yml; tests/it/prometheus.rs
+    # starts its own Prometheus on loopback (the package's service is never used).
+    command -v prometheus >/dev/null && command -v promtool >/dev/null && exit 0
+    apt_ensure prometheus
     ;;
   h2-client)
     # The HTTP/2 client of the hostile-input tests (tests/h2_client.py: many streams on one

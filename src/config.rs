@@ -46,6 +46,40 @@ pub struct Config {
 pub struct Route {
     pub select: RouteMatch,
     pub policy: Arc<Policy>,
+    /// The route's label in the per-route metrics (`name`, or derived from what selects it:
+    /// `route_name_label`): letters, digits, `_` and `-` only, never empty.
+    pub name: String,
+}
+
+/// The longest route label (`name`).
+pub const ROUTE_LABEL_MAX: usize = 64;
+
+/// Whether `name` may label a route's metrics: 1 to `ROUTE_LABEL_MAX` ASCII letters, digits, `_`
+/// or `-` (no `.`: Envoy's stat names are split on it, and the label is one segment).
+pub fn is_route_label(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= ROUTE_LABEL_MAX
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// The label of a route without `name`: its `route_name`, or its prefix without the slashes at
+/// its ends (`/v1/payments` -> `v1_payments`, `/` -> `root`), every other character `_`, cut at
+/// `ROUTE_LABEL_MAX`. Routes of one label share their series.
+pub fn route_name_label(select: &RouteMatch) -> String {
+    let text = match select {
+        RouteMatch::Prefix { prefix, .. } => prefix.trim_matches('/'),
+        RouteMatch::RouteName(n) => n.as_str(),
+    };
+    let label: String = text
+        .bytes()
+        .take(ROUTE_LABEL_MAX)
+        .map(|b| if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' { char::from(b) } else { '_' })
+        .collect();
+    if label.is_empty() {
+        "root".to_string()
+    } else {
+        label
+    }
 }
 
 /// What selects a route.
@@ -523,6 +557,7 @@ raw_object! {
         prefix: String,
         case_insensitive: bool,
         route_name: String,
+        name: String,
         protocol: String,
         mcp: RawMcp,
     }
@@ -636,6 +671,7 @@ impl Config {
             ("prefix", top.prefix.is_some()),
             ("protocol", top.protocol.is_some()),
             ("route_name", top.route_name.is_some()),
+            ("name", top.name.is_some()),
         ] {
             if set {
                 return Err(err(name, "a route's field: it can only be set in an entry of routes"));
@@ -1302,7 +1338,14 @@ fn parse_routes(raw: &[RawLevel], base: &Policy, top_release_set: bool) -> Resul
             policy.release_on_status = MCP_RELEASE_ON_STATUS.to_vec();
         }
         validate_policy(&policy, &f)?;
-        routes.push(Route { select, policy: Arc::new(policy) });
+        let name = match &r.name {
+            None => route_name_label(&select),
+            Some(n) if is_route_label(n) => n.clone(),
+            Some(_) => {
+                return Err(err(&join(&f, "name"), "labels metrics: 1 to 64 ASCII letters, digits, _ or - (no dot)"))
+            }
+        };
+        routes.push(Route { select, policy: Arc::new(policy), name });
     }
     Ok(routes)
 }
@@ -2141,6 +2184,28 @@ mod tests {
         assert_eq!(c.policy_for("POST", "/anything").map(|p| p.namespace.as_str()), None);
         assert!(!parse(r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p"}]}"#).unwrap().uses_route_names());
         assert!(!parse(MINIMAL).unwrap().uses_route_names());
+    }
+
+    #[test]
+    fn a_routes_metrics_label_is_its_name_or_what_selects_it() {
+        let c = parse(
+            r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/v1/payments", "name": "pay-v1"},
+                {"prefix": "/v1/re.funds/"}, {"route_name": "orders.api"}, {"prefix": "/"}]}"#,
+        )
+        .unwrap();
+        let names: Vec<&str> = c.routes.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["pay-v1", "v1_re_funds", "orders_api", "root"]);
+        assert!(c.routes.iter().all(|r| is_route_label(&r.name)));
+        let long = format!(r#"{{"scope": {{"headers": ["a"]}}, "routes": [{{"prefix": "/{}"}}]}}"#, "a".repeat(100));
+        assert_eq!(parse(&long).unwrap().routes[0].name.len(), ROUTE_LABEL_MAX);
+        for bad in ["", "a.b", "a b", "é", &"x".repeat(ROUTE_LABEL_MAX + 1)] {
+            let text = format!(r#"{{"scope": {{"headers": ["a"]}}, "routes": [{{"prefix": "/p", "name": "{bad}"}}]}}"#);
+            let e = parse(&text).unwrap_err();
+            assert_eq!(e.field, "routes[0].name", "{bad:?}");
+            assert!(e.reason.contains(&format!("1 to {ROUTE_LABEL_MAX} ")), "{}", e.reason);
+        }
+        let top = parse(r#"{"scope": {"headers": ["a"]}, "name": "x"}"#).unwrap_err();
+        assert_eq!(top.field, "name");
     }
 
     #[test]

@@ -145,6 +145,7 @@ impl Protected {
             fp,
             request_id: self.creator.request_id.clone(),
             deadline_ms: now_ms.saturating_add(wait_ms),
+            since_ms: now_ms,
             mismatch_status: self.policy.mismatch_status,
             policy_index: self.route,
             next_store_poll_ms: now_ms,

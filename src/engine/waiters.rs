@@ -26,6 +26,8 @@ pub struct Waiter {
     pub fp: Fingerprint,
     pub request_id: String,
     pub deadline_ms: u64,
+    /// When it began to wait (`wait_ms`, the histogram).
+    pub since_ms: u64,
     /// The policy's status for a key reused with another request.
     pub mismatch_status: u16,
     /// The policy's index, for per-route counters.

@@ -326,6 +326,11 @@ fn define_gauge(name: &str) -> Option<u32> {
     hostcalls::define_metric(MetricType::Gauge, name).ok()
 }
 
+fn define_histogram(name: &str) -> Option<u32> {
+    meter::call(Kind::DefineMetric);
+    hostcalls::define_metric(MetricType::Histogram, name).ok()
+}
+
 pub fn increment_metric(id: u32, delta: i64) {
     meter::call(Kind::Metric);
     let _ = hostcalls::increment_metric(id, delta);
@@ -649,6 +654,38 @@ impl Counter {
         Counter::RedirectsUnfollowed,
     ];
 
+    /// Whether the counter also exists per route: what a request of the route met (its
+    /// outcome, its refusals); what the root counts outside a request (store writes and calls,
+    /// sweeps, wakes) and the local release (`release_local` counts it with no route) are counted in
+    /// total only.
+    pub fn per_route(self) -> bool {
+        !matches!(
+            self,
+            Counter::Released
+                | Counter::LocalEvictions
+                | Counter::LocalErrors
+                | Counter::LocalSwept
+                | Counter::LocalSweepPasses
+                | Counter::StoreCalls
+                | Counter::StoreCallsWaited
+                | Counter::StoreErrors
+                | Counter::StoreReplays
+                | Counter::StoreWrites
+                | Counter::StoreWriteRetries
+                | Counter::StoreWriteFailures
+                | Counter::StoreClaimGoneRewritten
+                | Counter::StoreWritesTooLarge
+                | Counter::StoreAnswersTooLate
+                | Counter::StoreScriptLoads
+                | Counter::StoreAuthentications
+                | Counter::StoreTokenRefused
+                | Counter::RootWakesMissed
+                | Counter::DetachedForwards
+                | Counter::InternalErrors
+                | Counter::RouteAmbiguous
+        )
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Counter::Protected => "idemgate.protected",
@@ -748,10 +785,47 @@ impl Gauge {
     }
 }
 
-/// The name of counter `c` for the policy of `routes[route]`: `idemgate.route.<index>.<name>`
-/// (`idemgate_route_<index>_<name>` in Prometheus).
-pub fn route_counter_name(route: usize, c: Counter) -> String {
+/// The name of counter `c` for the route labelled `route` (`config::Route::name`):
+/// `idemgate.route.<route>.<name>`. The shipped Envoy configurations' `stats_config.stats_tags`
+/// (docs/operating.md, "Metrics") take `<route>` out as the label `route`: `idemgate_route_<name>{route="..."}`
+/// in Prometheus.
+pub fn route_counter_name(route: &str, c: Counter) -> String {
     format!("idemgate.route.{route}.{}", c.name().trim_start_matches("idemgate."))
+}
+
+/// The build-info gauge, always 1: `idemgate.build_info.<version>`, the version taken out as the
+/// label `version` by the shipped configurations' `stats_tags` (`idemgate_build_info{version=
+/// "0.9.0"} 1`).
+pub const BUILD_INFO: &str = concat!("idemgate.build_info.", env!("CARGO_PKG_VERSION"));
+
+/// Histograms (Envoy's default buckets: 0.5, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, ...,
+/// 3600000), each value handed to the host by the next flush (`Metrics::record`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Histogram {
+    /// Milliseconds from sending a store call a request waits for (claim, take-over, read) to
+    /// its answer.
+    StoreRoundTripMs,
+    /// Milliseconds a request held its key: from its claim to its settlement (stored, released,
+    /// marked outcome-unknown).
+    KeyHeldMs,
+    /// Milliseconds a request held by `in_flight: "wait"` waited until it was answered.
+    WaitMs,
+    /// Bytes of the stored response body a replay was made from.
+    ReplayBytes,
+}
+
+impl Histogram {
+    pub const ALL: [Histogram; 4] =
+        [Histogram::StoreRoundTripMs, Histogram::KeyHeldMs, Histogram::WaitMs, Histogram::ReplayBytes];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Histogram::StoreRoundTripMs => "idemgate.store_round_trip_ms",
+            Histogram::KeyHeldMs => "idemgate.key_held_ms",
+            Histogram::WaitMs => "idemgate.wait_ms",
+            Histogram::ReplayBytes => "idemgate.replay_bytes",
+        }
+    }
 }
 
 /// The counter that says how many requests' counters are in Envoy's /stats: every request's
@@ -768,6 +842,8 @@ struct Pending {
     counts: Vec<(u32, u64)>,
     /// (gauge id, net move not yet flushed): `Metrics::add`.
     moves: Vec<(u32, i64)>,
+    /// (histogram id, value) not yet recorded: `Metrics::record`.
+    values: Vec<(u32, u64)>,
     /// Requests whose `on_log` ran since the last flush.
     logged: u64,
     /// The id of `SETTLED_COUNTER` (defined when a root is configured).
@@ -814,12 +890,21 @@ pub fn request_settled() {
 /// every counter of the writes that ended; a write queued and ended within one tick never shows
 /// in it, its moves netted out).
 pub fn flush_counters() {
-    let (counts, moves, logged, settled) = PENDING.with(|p| {
+    let (counts, moves, values, logged, settled) = PENDING.with(|p| {
         let mut p = p.borrow_mut();
-        (std::mem::take(&mut p.counts), std::mem::take(&mut p.moves), std::mem::take(&mut p.logged), p.settled)
+        (
+            std::mem::take(&mut p.counts),
+            std::mem::take(&mut p.moves),
+            std::mem::take(&mut p.values),
+            std::mem::take(&mut p.logged),
+            p.settled,
+        )
     });
     for &(id, delta) in moves.iter().filter(|(_, d)| *d > 0) {
         increment_metric(id, delta);
+    }
+    for (id, value) in values {
+        record_metric(id, value);
     }
     for (id, n) in counts {
         increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
@@ -854,29 +939,63 @@ pub fn flush_counters_at_once() {
     flush_counters();
 }
 
+/// The most histogram values held for the next flush.
+const VALUES_MAX: usize = 1024;
+
 /// Metric ids, defined once per VM.
 #[derive(Clone, Debug, Default)]
 pub struct Metrics {
     ids: Vec<Option<u32>>,
     gauges: Vec<Option<u32>>,
+    histograms: Vec<Option<u32>>,
     /// Per configured route (none without `routes`: the totals are the one policy's), its
-    /// counters in `Counter::ALL` order.
+    /// counters in `Counter::ALL` order (`None` for a counter counted in total only,
+    /// `Counter::per_route`).
     per_route: Vec<Vec<Option<u32>>>,
 }
 
 impl Metrics {
-    /// Defines the totals, the gauges, `SETTLED_COUNTER` and, for each of `routes` routes, its
-    /// own counters.
-    pub fn define(routes: usize) -> Metrics {
+    /// Defines the totals, the gauges, the histograms, the build info, `SETTLED_COUNTER` and, for
+    /// each route (its label, `config::Route::name`), its own counters (routes of one label share
+    /// them).
+    pub fn define(routes: &[&str]) -> Metrics {
         if let Some(id) = define_counter(SETTLED_COUNTER) {
             PENDING.with(|p| p.borrow_mut().settled = Some(id));
+        }
+        if let Some(id) = define_gauge(BUILD_INFO) {
+            record_metric(id, 1);
+        }
+        let mut per_route: Vec<Vec<Option<u32>>> = Vec::with_capacity(routes.len());
+        for (i, label) in routes.iter().enumerate() {
+            let ids = match routes[..i].iter().position(|l| l == label).and_then(|j| per_route.get(j)) {
+                Some(same) => same.clone(),
+                None => Counter::ALL
+                    .iter()
+                    .map(|c| if c.per_route() { define_counter(&route_counter_name(label, *c)) } else { None })
+                    .collect(),
+            };
+            per_route.push(ids);
         }
         Metrics {
             ids: Counter::ALL.iter().map(|c| define_counter(c.name())).collect(),
             gauges: Gauge::ALL.iter().map(|g| define_gauge(g.name())).collect(),
-            per_route: (0..routes)
-                .map(|r| Counter::ALL.iter().map(|c| define_counter(&route_counter_name(r, *c))).collect())
-                .collect(),
+            histograms: Histogram::ALL.iter().map(|h| define_histogram(h.name())).collect(),
+            per_route,
+        }
+    }
+
+    /// Records `value` in histogram `h`: one host call, made by the next flush (the root's tick,
+    /// as counters are: none on the request's path), or at once when `VALUES_MAX` wait already.
+    /// Envoy merges histograms on its own stats flush (seconds), so the tick's delay never shows.
+    pub fn record(&self, h: Histogram, value: u64) {
+        let Some(Some(id)) = self.histograms.get(h as usize) else { return };
+        let flush = PENDING.with(|p| {
+            let mut p = p.borrow_mut();
+            p.values.push((*id, value));
+            p.at_once || p.values.len() >= VALUES_MAX
+        });
+        if flush {
+            flush_counters();
         }
     }
 
@@ -1021,8 +1140,55 @@ mod tests {
     }
 
     #[test]
-    fn route_counters_are_named_by_the_routes_index() {
-        assert_eq!(super::route_counter_name(1, Counter::Replayed), "idemgate.route.1.replayed");
-        assert_eq!(super::route_counter_name(0, Counter::StorePassed), "idemgate.route.0.store_passed_unprotected");
+    fn route_counters_are_named_by_the_routes_label() {
+        assert_eq!(super::route_counter_name("refunds", Counter::Replayed), "idemgate.route.refunds.replayed");
+        assert_eq!(
+            super::route_counter_name("v1_pay", Counter::StorePassed),
+            "idemgate.route.v1_pay.store_passed_unprotected"
+        );
+        // What only the root counts is not repeated per route.
+        assert!(!Counter::StoreWrites.per_route() && !Counter::LocalSweepPasses.per_route());
+        assert!(Counter::Replayed.per_route() && Counter::StoreUnavailable.per_route());
+    }
+
+    /// docs/operating.md's metrics table names every series once, with its type and whether it
+    /// exists per route, and nothing else.
+    #[test]
+    fn every_series_is_in_the_metrics_table() {
+        let doc = include_str!("../../docs/operating.md");
+        let at = doc.find("<!-- metrics-table").expect("the metrics-table marker");
+        let rows: Vec<Vec<&str>> = doc[at..]
+            .lines()
+            .skip(3)
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
+            .collect();
+        let prom = |n: &str| format!("`idemgate_{}`", n.trim_start_matches("idemgate."));
+        let mut want: Vec<(String, &str, &str)> = vec![("`idemgate_build_info`".into(), "gauge", "no")];
+        for c in Counter::ALL {
+            want.push((prom(c.name()), "counter", if c.per_route() { "yes" } else { "no" }));
+        }
+        want.push((prom(super::SETTLED_COUNTER), "counter", "no"));
+        for g in super::Gauge::ALL {
+            want.push((prom(g.name()), "gauge", "no"));
+        }
+        for h in super::Histogram::ALL {
+            let base = h.name().trim_start_matches("idemgate.");
+            want.push((format!("`idemgate_{base}_bucket`, `_sum`, `_count`"), "histogram", "no"));
+        }
+        let mut got: Vec<(String, &str, &str)> = rows.iter().map(|r| (r[0].to_string(), r[1], r[3])).collect();
+        want.sort();
+        got.sort();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn histograms_sit_at_their_own_index_with_a_distinct_name() {
+        for (i, h) in super::Histogram::ALL.iter().enumerate() {
+            assert_eq!(*h as usize, i, "{h:?}");
+        }
+        let names: std::collections::HashSet<&str> = super::Histogram::ALL.iter().map(|h| h.name()).collect();
+        assert_eq!(names.len(), super::Histogram::ALL.len());
+        assert_eq!(super::BUILD_INFO, format!("idemgate.build_info.{}", env!("CARGO_PKG_VERSION")));
     }
 }

@@ -18,7 +18,7 @@ use log::{debug, info, warn};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
-use super::host::{self, Counter, HostShared};
+use super::host::{self, Counter, Histogram, HostShared};
 use super::settle::{self, Claim};
 use super::stores::{self, Unbuilt};
 use super::writes;
@@ -47,6 +47,8 @@ use crate::store::{self, StoreError};
 pub struct Wire {
     token: u32,
     sent: store::StoreRequest,
+    /// When it was sent (`store_round_trip_ms`).
+    sent_ms: u64,
 }
 
 pub struct Http {
@@ -60,6 +62,9 @@ pub struct Http {
     counted_as: Option<usize>,
     /// The host's clock, read at most once per callback (`now`; cleared as each callback starts).
     clock: Cell<Option<u64>>,
+    /// When this request claimed its key, until its claim is settled here or handed to the root
+    /// (`key_held_ms`).
+    held_since: Option<u64>,
 }
 
 /// The machine's driver for one callback: its commands carried out with host calls.
@@ -69,6 +74,7 @@ struct Glue<'a> {
     clock: &'a Cell<Option<u64>>,
     published: &'a mut bool,
     counted_as: Option<usize>,
+    held_since: &'a mut Option<u64>,
     sd: HostShared,
 }
 
@@ -191,6 +197,7 @@ impl Glue<'_> {
     fn replay(&mut self, req: &Protected, record: &Record) {
         let State::Completed(r) = &record.state else { return };
         self.count(Counter::Replayed);
+        self.shared.metrics.record(Histogram::ReplayBytes, r.body.len() as u64);
         let by = format!("status={} created_by_request_id={}", r.status, record.creator.request_id);
         debug!("{}", log_line(Some(req), "replayed", &by));
         let accept: Vec<Vec<u8>> = req.accept_encoding();
@@ -205,6 +212,14 @@ impl Glue<'_> {
         }
     }
 
+    /// The claim this request held is settled here: how long it was held.
+    fn settled(&mut self) {
+        if let Some(since) = self.held_since.take() {
+            let now = self.now();
+            self.shared.metrics.record(Histogram::KeyHeldMs, now.saturating_sub(since));
+        }
+    }
+
     /// Holds the request for the root's waiters (`in_flight: "wait"`).
     fn hold(&mut self, req: &Protected, fp: crate::fingerprint::Fingerprint, wait_ms: u64) {
         let now = self.now();
@@ -216,6 +231,9 @@ impl Glue<'_> {
     /// Hands the request to the root to send (`forwarding: "detached"`).
     fn detach(&mut self, mut forward: Box<Forward>) {
         forward.context_id = self.context_id;
+        if let Some(since) = self.held_since.take() {
+            self.shared.hold_from(forward.claim.owner, since);
+        }
         self.shared.push_forward(*forward);
     }
 
@@ -228,7 +246,7 @@ impl Glue<'_> {
         self.count(Counter::StoreCalls);
         self.count(Counter::StoreCallsWaited);
         match writes::dispatch(cfg, &sent, &self.shared.credentials) {
-            Ok(token) => Ok(Wire { token, sent }),
+            Ok(token) => Ok(Wire { token, sent, sent_ms: self.now() }),
             Err(e) => Err(NotSent::Failed(StoreError::Garbled(e))),
         }
     }
@@ -247,8 +265,20 @@ impl Glue<'_> {
     fn command(&mut self, c: Command<'_>) {
         match c {
             // The local release is counted as `release_local` counts it: not per route.
-            Command::Count(Count::Released) => self.shared.metrics.inc(Counter::Released),
-            Command::Count(c) => self.count(settle::counter(c)),
+            Command::Count(Count::Released) => {
+                self.shared.metrics.inc(Counter::Released);
+                self.settled();
+            }
+            Command::Count(c) => {
+                match c {
+                    Count::Claimed | Count::TakenOver => *self.held_since = Some(self.now()),
+                    Count::Stored | Count::StoredWithoutBody | Count::UnknownOutcome | Count::LostClaim => {
+                        self.settled()
+                    }
+                    _ => {}
+                }
+                self.count(settle::counter(c))
+            }
             Command::Log(level, line) => host::log_line(level, &line),
             Command::Reply { req, problem, creator } => self.answer(req, problem, creator),
             Command::Replay { req, record } => self.replay(req, &record),
@@ -376,7 +406,15 @@ impl Http {
     pub fn new(shared: Rc<Shared>, context_id: u32) -> Http {
         let store = shared.config.store.as_ref().map(|c| c.on_unavailable);
         let machine = Machine::new(store, shared.config.hold_headers);
-        Http { shared, context_id, machine, published: false, counted_as: None, clock: Cell::new(None) }
+        Http {
+            shared,
+            context_id,
+            machine,
+            published: false,
+            counted_as: None,
+            clock: Cell::new(None),
+            held_since: None,
+        }
     }
 
     /// The machine and its driver for this callback.
@@ -387,6 +425,7 @@ impl Http {
             clock: &self.clock,
             published: &mut self.published,
             counted_as: self.counted_as,
+            held_since: &mut self.held_since,
             sd: HostShared,
         };
         (&mut self.machine, glue)
@@ -663,6 +702,9 @@ impl Context for Http {
         if token != call.wire.token {
             return;
         }
+        let sent_ms = call.wire.sent_ms;
+        let waited = self.now().saturating_sub(sent_ms);
+        self.shared.metrics.record(Histogram::StoreRoundTripMs, waited);
         let (status, body) = writes::answer(body_size, num_headers);
         if self.on_store_answer(status, &body) == Action::Continue {
             let _ = host::resume_request();

@@ -42,7 +42,7 @@ use crate::scope::StorageKey;
 use crate::seal::Seal;
 use crate::store::Transition;
 use crate::wait::{self, Seen};
-use host::{Counter, Gauge, HostShared, Metrics};
+use host::{Counter, Gauge, Histogram, HostShared, Metrics};
 
 /// The VM environment variable holding webdis credentials as `user:password` (set it in the Wasm
 /// `vm_config.environment_variables`; it never appears in the plugin configuration).
@@ -74,6 +74,9 @@ pub struct Queues {
     pub live: RefCell<HashSet<u32>>,
 }
 
+/// The most claim times `Shared::held` keeps.
+const HELD_MAX: usize = 4096;
+
 /// What a root context shares with the HTTP contexts it creates (same VM, same thread).
 pub struct Shared {
     pub config: Config,
@@ -103,12 +106,32 @@ pub struct Shared {
     /// Claims of streams Envoy ended for an internal redirect, waiting for the re-created stream
     /// (`crate::redirect`).
     pub handoffs: RefCell<crate::redirect::Handoffs<settle::Claim>>,
+    /// When each claim handed to the root for detached forwarding was made (its owner token),
+    /// for `key_held_ms` at its settlement; the oldest dropped past `HELD_MAX`.
+    pub held: RefCell<Vec<(crate::owner::OwnerToken, u64)>>,
     /// Fault tests only: `lose_next_wake`.
     #[cfg(feature = "crash-injection")]
     lose_next_wake: Cell<bool>,
 }
 
 impl Shared {
+    /// A claim made at `since_ms` goes to the root for detached forwarding: its hold is measured
+    /// at its settlement (`held_since`).
+    pub fn hold_from(&self, owner: crate::owner::OwnerToken, since_ms: u64) {
+        let mut held = self.held.borrow_mut();
+        if held.len() >= HELD_MAX {
+            held.remove(0);
+        }
+        held.push((owner, since_ms));
+    }
+
+    /// When the claim of `owner` handed to the root was made, taken out.
+    pub fn held_since(&self, owner: &crate::owner::OwnerToken) -> Option<u64> {
+        let mut held = self.held.borrow_mut();
+        let i = held.iter().position(|(o, _)| o == owner)?;
+        Some(held.remove(i).1)
+    }
+
     /// The next owner token of this VM: no host call, no randomness (see `crate::owner`).
     pub fn next_owner(&self) -> OwnerToken {
         let n = self.tokens.get().saturating_add(1);
@@ -654,6 +677,7 @@ impl Root {
     /// Answers a waiting request as the waiters machine says.
     fn wait_answered(&self, w: &Waiter, reply: WaitReply) {
         let Some(s) = self.shared.clone() else { return };
+        s.metrics.record(Histogram::WaitMs, host::now_ms().saturating_sub(w.since_ms));
         let rid = w.request_id.clone();
         match reply {
             // Released (0: the first attempt never executed; the client may retry at once), or
@@ -662,6 +686,9 @@ impl Root {
             WaitReply::Replay(r) => {
                 s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
                 s.metrics.inc_for(Counter::Replayed, Some(w.policy_index));
+                if let crate::record::State::Completed(c) = &r.state {
+                    s.metrics.record(Histogram::ReplayBytes, c.body.len() as u64);
+                }
                 let accept: Vec<&[u8]> = w.accept_encoding.iter().map(Vec::as_slice).collect();
                 self.answer_publishing(
                     w.context_id,
@@ -982,7 +1009,8 @@ impl Root {
             }
         };
         let lease_ttl_seconds = crate::etcd::lease_ttl_seconds(&config);
-        let metrics = Metrics::define(config.routes.len());
+        let labels: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
+        let metrics = Metrics::define(&labels);
         // Fixed by `max_entries`: set once here (the record bytes and occupancy are set by the tick).
         metrics.set(Gauge::LocalIndexBytes, table.max_index_bytes());
         metrics.set(Gauge::LocalCapacity, table.capacity());
@@ -1002,6 +1030,7 @@ impl Root {
             leases: RefCell::new(crate::etcd::Leases::default()),
             lease_ttl_seconds,
             handoffs: RefCell::new(crate::redirect::Handoffs::default()),
+            held: RefCell::new(Vec::new()),
             #[cfg(feature = "crash-injection")]
             lose_next_wake: Cell::new(false),
         }));

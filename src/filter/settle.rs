@@ -5,7 +5,7 @@
 
 use log::debug;
 
-use super::host::{self, Counter, HostShared};
+use super::host::{self, Counter, Histogram, HostShared};
 use super::Shared;
 use crate::decision::Outcome;
 use crate::engine::machine::{self, Command, Count, Effects, Ended, LogLevel as Level, Response};
@@ -29,6 +29,9 @@ pub fn settle(
     let policy = shared.config.policy_at(claim.policy_index);
     let has_store = shared.config.store.is_some();
     let mut root = Root { shared, policy_index: claim.policy_index, now: host::now_ms(), sd: HostShared };
+    if let Some(since) = shared.held_since(&claim.owner) {
+        shared.metrics.record(Histogram::KeyHeldMs, root.now.saturating_sub(since));
+    }
     let ended = Ended { outcome, detail: detail.to_string() };
     let response = Response { stored: response, too_large, complete: true };
     machine::settle_claim(&mut root, claim, policy, has_store, false, ended, response)

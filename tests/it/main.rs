@@ -27,6 +27,7 @@ mod next_hop;
 mod operator_cli;
 mod operator_cli_etcd;
 mod probe_gate;
+mod prometheus;
 mod redis_ha;
 mod releases;
 mod replay_fidelity;

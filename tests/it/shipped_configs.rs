@@ -225,3 +225,30 @@ fn validated_plugin_config(file: &str, scratch: &str) -> serde_json::Value {
     let end = text[start..].find("vm_config:").expect("vm_config") + start;
     serde_json::from_str(&text[start..end]).expect("plugin configuration JSON")
 }
+
+/// Every shipped Envoy configuration that loads idemgate labels its series as the tests' Envoy
+/// does (`support::STATS_CONFIG`, word for word): `idemgate_route_<counter>{route="..."}` and
+/// `idemgate_build_info{version="..."}` (docs/operating.md, "Metrics"; the Prometheus check in
+/// tests/it/prometheus.rs scrapes a stack started from envoy/envoy.yaml's).
+#[test]
+fn every_shipped_envoy_config_labels_idemgates_series() {
+    let root = support::repo_root();
+    let mut checked = vec![];
+    let mut dirs = vec![root.join("envoy")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            if text.contains("envoy.filters.http.wasm") && text.contains("\nadmin:") {
+                assert!(text.contains(support::STATS_CONFIG), "{} lacks support::STATS_CONFIG", path.display());
+                checked.push(path);
+            }
+        }
+    }
+    // envoy.yaml, detached, the demo template and its compose rendering, etcd, mcp, two proxies.
+    assert!(checked.len() >= 8, "{checked:?}");
+}

@@ -648,7 +648,7 @@ fn without_held_headers_an_upstream_acting_on_headers_alone_runs_a_replayed_key_
 #[test]
 fn counters_exist_per_route_as_well_as_in_total() {
     let s = Stack::new(
-        r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/refunds"}, {"prefix": "/", "mismatch_status": 409}]}"#,
+        r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/refunds"}, {"prefix": "/", "mismatch_status": 409, "name": "charges"}]}"#,
     );
     assert_eq!(s.post("/refunds", Some("k-r"), "{}", &[]).status, 201);
     assert_eq!(s.post("/charges", Some("k-c"), "{}", &[]).status, 201);
@@ -657,13 +657,118 @@ fn counters_exist_per_route_as_well_as_in_total() {
     assert_eq!(s.up.executions(), 2);
     let e = &s.envoy;
     assert_eq!((e.stat("idemgate.claimed"), e.stat("idemgate.replayed"), e.stat("idemgate.mismatch")), (2, 1, 1));
-    assert_eq!((e.stat("idemgate.route.0.claimed"), e.stat("idemgate.route.0.replayed")), (1, 0));
-    assert_eq!((e.stat("idemgate.route.1.claimed"), e.stat("idemgate.route.1.replayed")), (1, 1));
-    assert_eq!((e.stat("idemgate.route.0.stored"), e.stat("idemgate.route.1.stored")), (1, 1));
-    assert_eq!((e.stat("idemgate.route.0.mismatch"), e.stat("idemgate.route.1.mismatch")), (0, 1));
-    // Prometheus names them too.
+    // Labelled by the route's `name`, or its prefix without the slashes.
+    assert_eq!((e.stat("idemgate.route.refunds.claimed"), e.stat("idemgate.route.refunds.replayed")), (1, 0));
+    assert_eq!((e.stat("idemgate.route.charges.claimed"), e.stat("idemgate.route.charges.replayed")), (1, 1));
+    assert_eq!((e.stat("idemgate.route.refunds.stored"), e.stat("idemgate.route.charges.stored")), (1, 1));
+    assert_eq!((e.stat("idemgate.route.refunds.mismatch"), e.stat("idemgate.route.charges.mismatch")), (0, 1));
+    // What only the root counts exists in total only.
+    assert!(e.stats("idemgate.route.charges.store_writes").is_empty());
+    // Prometheus: one family per counter, the route a label (the configuration's stats_tags).
     let text = http::get(e.admin_port, "/stats/prometheus").unwrap().body_text();
-    assert!(text.lines().any(|l| l.starts_with("idemgate_route_1_replayed") && l.ends_with(" 1")), "{text}");
+    let line = |prefix: &str| text.lines().find(|l| l.starts_with(prefix)).map(str::to_string);
+    assert_eq!(
+        line("idemgate_route_replayed{route=\"charges\"}").as_deref(),
+        Some("idemgate_route_replayed{route=\"charges\"} 1"),
+        "{text}"
+    );
+    assert_eq!(
+        line("idemgate_route_replayed{route=\"refunds\"}").as_deref(),
+        Some("idemgate_route_replayed{route=\"refunds\"} 0"),
+        "{text}"
+    );
+    assert!(!text.contains("idemgate_route_charges_"), "{text}");
+    // The build, as a label of a series always 1.
+    let build = format!("idemgate_build_info{{version=\"{}\"}} 1", env!("CARGO_PKG_VERSION"));
+    assert!(text.lines().any(|l| l == build), "{build} in {text}");
+}
+
+/// The histograms count what they measure: two replays, one wait, and the hold of every key
+/// claimed (two here), in Envoy's Prometheus output once it merged them.
+#[test]
+fn histograms_measure_replays_waits_and_held_keys() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 5000}"#);
+    assert_eq!(s.post("/charges", Some("k-1"), "{}", &[]).status, 201);
+    assert_eq!(s.post("/charges", Some("k-1"), "{}", &[]).status, 201);
+    // A retry while the first runs waits for it, then is replayed.
+    let first = {
+        let port = s.envoy.port;
+        std::thread::spawn(move || {
+            let h = [
+                ("authorization", "Bearer alice"),
+                ("content-type", "application/json"),
+                ("idempotency-key", "k-2"),
+                ("x-up-delay-ms", "400"),
+            ];
+            http::request(port, "POST", "/charges", &h, b"{}")
+        })
+    };
+    for _ in 0..200 {
+        if s.up.executions() >= 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(s.post("/charges", Some("k-2"), "{}", &[]).status, 201);
+    assert_eq!(first.join().expect("first").expect("answer").status, 201);
+    assert_eq!(s.up.executions(), 2);
+    let e = &s.envoy;
+    assert_eq!((e.stat("idemgate.replayed"), e.stat("idemgate.waited")), (2, 1));
+    // Envoy merges histograms on its stats flush (every 5 s by default): bounded by count.
+    // Envoy writes a series without labels as `name{} value`.
+    let mut text = String::new();
+    for _ in 0..100 {
+        text = http::get(e.admin_port, "/stats/prometheus").unwrap().body_text().replace("{} ", " ");
+        if text.lines().any(|l| l == "idemgate_key_held_ms_count 2")
+            && text.lines().any(|l| l == "idemgate_wait_ms_count 1")
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Envoy's sums are read from its buckets (approximate): bucket counts are exact. Both stored
+    // bodies are longer than 1 byte; k-2 was held at least its upstream's 400 ms.
+    let bucket = |name: &str| -> u64 {
+        text.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse().ok()).expect(name)
+    };
+    assert!(bucket("idemgate_key_held_ms_bucket{le=\"250\"}") <= 1, "{text}");
+    for want in [
+        "idemgate_key_held_ms_count 2",
+        "idemgate_wait_ms_count 1",
+        "idemgate_replay_bytes_count 2",
+        "idemgate_replay_bytes_bucket{le=\"1\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == want), "{want} in {text}");
+    }
+    // The wait lasted about as long as the first attempt's 400 ms.
+    let sum: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("idemgate_wait_ms_sum "))
+        .and_then(|v| v.parse().ok())
+        .expect("wait sum");
+    assert!(sum >= 200.0, "wait_ms_sum {sum}");
+}
+
+/// Detached forwarding: the root settles the claim, and the key's hold is measured from the
+/// request's claim all the same (at least its upstream's 300 ms).
+#[test]
+fn a_detached_forwards_key_hold_is_measured_to_its_settlement_by_the_root() {
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 5000}}"#,
+    );
+    assert_eq!(s.post("/charges", Some("k-d"), "{}", &[("x-up-delay-ms", "300")]).status, 201);
+    assert_eq!(s.up.executions(), 1);
+    assert_eq!(s.envoy.stat("idemgate.detached_forwards"), 1);
+    let mut text = String::new();
+    for _ in 0..100 {
+        text = http::get(s.envoy.admin_port, "/stats/prometheus").unwrap().body_text().replace("{} ", " ");
+        if text.lines().any(|l| l == "idemgate_key_held_ms_count 1") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(text.lines().any(|l| l == "idemgate_key_held_ms_count 1"), "{text}");
+    assert!(text.lines().any(|l| l == "idemgate_key_held_ms_bucket{le=\"250\"} 0"), "{text}");
 }
 
 /// idemgate builds only the log lines Envoy keeps (it asks Envoy's level for Wasm): a level

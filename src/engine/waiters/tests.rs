@@ -30,6 +30,7 @@ fn waiter(context_id: u32, key: u8, now: u64) -> Waiter {
         fp: FP,
         request_id: format!("r{context_id}"),
         deadline_ms: now + WAIT_MS,
+        since_ms: now,
         mismatch_status: 422,
         policy_index: 0,
         next_store_poll_ms: now,

@@ -355,7 +355,7 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
     let cfg = format!(
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
-{bootstrap}{dynamic}static_resources:
+{stats}{bootstrap}{dynamic}static_resources:
 {listeners}  clusters:
 {hop_cluster}
   - name: upstream
@@ -368,6 +368,7 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
       - lb_endpoints:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
 "#,
+        stats = STATS_CONFIG,
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
         cluster_protocol = match (o.upstream_http2, o.upstream_trailers) {
@@ -382,6 +383,18 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
     };
     cfg + &store_cluster + &etcd_cluster + &indent(&o.extra_clusters, 2)
 }
+
+/// The `stats_config` every shipped Envoy configuration carries (word for word:
+/// `shipped_configs::every_shipped_envoy_config_labels_idemgates_series`): Envoy takes the route's
+/// label out of `idemgate.route.<label>.<counter>` and the version out of
+/// `idemgate.build_info.<version>` (docs/operating.md, "Metrics").
+pub const STATS_CONFIG: &str = r#"stats_config:
+  stats_tags:
+  - tag_name: route
+    regex: '^wasmcustom\.idemgate\.route\.(([^.]+)\.)'
+  - tag_name: version
+    regex: '^wasmcustom\.idemgate\.build_info(\.(.+))$'
+"#;
 
 /// Envoy's internal listeners (needed by `EnvoyOptions::internal_hop`).
 const HOP_BOOTSTRAP: &str = "bootstrap_extensions:
