@@ -29,6 +29,7 @@ mod operator_cli_etcd;
 mod probe_gate;
 mod releases;
 mod replay_fidelity;
+mod rollout;
 mod scope_and_fingerprint;
 mod sdk_clients;
 mod shared_table;
