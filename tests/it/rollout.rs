@@ -428,3 +428,168 @@ fn a_sigterm_with_requests_in_flight_leaves_them_outcome_unknown_never_executed_
         ],
     );
 }
+
+/// An Envoy process of a hot restart (started without `--disable-hot-restart`), killed when
+/// dropped.
+struct Epoch(std::process::Child);
+
+impl Epoch {
+    fn start(dir: &std::path::Path, epoch: u32, base_id: &str, log: &str) -> Epoch {
+        let log = std::fs::File::create(dir.join(log)).expect("log");
+        let mut cmd = std::process::Command::new(support::envoy_bin());
+        cmd.current_dir(dir)
+            .args(["-c", "envoy.yaml", "--concurrency", "2", "--log-level", "info"])
+            .args(["--restart-epoch", &epoch.to_string()])
+            .args(["--drain-time-s", "2", "--parent-shutdown-time-s", "8"]);
+        if epoch == 0 {
+            cmd.args(["--use-dynamic-base-id", "--base-id-path", "base-id"]);
+        } else {
+            cmd.args(["--base-id", base_id]);
+        }
+        let child = cmd
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start envoy");
+        Epoch(child)
+    }
+
+    fn exited(&mut self) -> bool {
+        matches!(self.0.try_wait(), Ok(Some(_)))
+    }
+}
+
+impl Drop for Epoch {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn server_epoch(admin_port: u16) -> Option<String> {
+    let r = http::get(admin_port, "/server_info").ok()?;
+    let v = r.json();
+    (r.status == 200 && v["state"] == "LIVE").then(|| v["command_line_options"]["restart_epoch"].to_string())
+}
+
+/// Item 2 of issue 43 item 3: a hot restart (`--restart-epoch 1`, `--drain-time-s 2`,
+/// `--parent-shutdown-time-s 8`) with a store. Keys in flight on the old process when the new
+/// one takes the sockets: those whose upstream answers before the parent shuts down finish there
+/// (their clients get the 201) and their completions land in Redis, where the new process
+/// replays them; those still running at the parent's shutdown are cut off, executed once and
+/// outcome-unknown, as with a plain SIGTERM.
+#[test]
+fn a_hot_restart_lets_keys_in_flight_on_the_old_process_finish_and_land() {
+    let plugin = plugin(2);
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(&plugin, up.port);
+    o.store_port = Some(webdis.port);
+    o.route_timeout_ms = 60_000;
+    o.wasm_log_level = "info".into();
+    let scratch = support::Scratch::new("hot-restart");
+    let (port, admin) = (support::free_port(), support::free_port());
+    let cfg = support::render_config(&o, port, admin, &support::wasm_path());
+    std::fs::write(scratch.0.join("envoy.yaml"), cfg).expect("config");
+    let mut old = Epoch::start(&scratch.0, 0, "", "epoch0.log");
+    support::wait_for("epoch 0 live", 600, || server_epoch(admin).is_some());
+    let base_id = std::fs::read_to_string(scratch.0.join("base-id")).expect("base id").trim().to_string();
+
+    // 6 keys that finish during the parent's drain (held until the new process is up), 2 that
+    // outlive the parent (their upstream takes 30 s).
+    const FINISH: usize = 6;
+    const OUTLIVE: usize = 2;
+    let mut clients = vec![];
+    for i in 0..FINISH + OUTLIVE {
+        let key = format!("hot-{i}");
+        let extra: (&'static str, &'static str) =
+            if i < FINISH { ("x-up-hold", "1") } else { ("x-up-delay-ms", "30000") };
+        clients.push(std::thread::spawn(move || {
+            let r = post(port, &key, &[extra]);
+            (Instant::now(), r)
+        }));
+    }
+    support::wait_for("every key executing upstream", 400, || up.executions() == (FINISH + OUTLIVE) as u64);
+    let t0 = Instant::now();
+    let _new = Epoch::start(&scratch.0, 1, &base_id, "epoch1.log");
+    support::wait_for("epoch 1 live", 600, || server_epoch(admin).as_deref() == Some("1"));
+    let took_over = t0.elapsed();
+    assert!(!old.exited(), "the old process exited before its drain");
+    up.release_holds();
+    let mut finished = vec![];
+    for c in clients.drain(..FINISH) {
+        let (at, r) = c.join().expect("client");
+        let r = r.expect("a key in flight on the old process gets its answer");
+        assert_eq!(r.status, 201, "{}", r.body_text());
+        finished.push((at - t0, r.body));
+    }
+    for i in 0..FINISH {
+        let key = format!("hot-{i}");
+        support::wait_for(&format!("{key}'s completion in Redis"), 200, || phase(&redis, &plugin, &key) == 'D');
+    }
+    let landed = t0.elapsed();
+    // The parent goes at --parent-shutdown-time-s (8 s after the new process started).
+    let mut polls = 0;
+    while !old.exited() && polls < 400 {
+        std::thread::sleep(Duration::from_millis(50));
+        polls += 1;
+    }
+    assert!(old.exited(), "the old process still runs 20 s after its drain began");
+    let parent_gone = t0.elapsed();
+    for c in clients {
+        let (_, r) = c.join().expect("client");
+        assert!(r.is_err(), "a key outliving the parent got an answer: {:?}", r.map(|r| r.status));
+    }
+    // The new process: the finished keys replayed from the store, the outliving ones refused.
+    for (i, (_, body)) in finished.iter().enumerate() {
+        let r = post(port, &format!("hot-{i}"), &[]).expect("retry");
+        assert_eq!((r.status, r.header("idempotent-replayed")), (201, Some("true")), "hot-{i}");
+        assert_eq!(&r.body, body, "hot-{i}: the replay is the first answer");
+    }
+    let mut outlived = vec![];
+    for i in FINISH..FINISH + OUTLIVE {
+        let key = format!("hot-{i}");
+        let mut last = (0, String::new());
+        for _ in 0..100 {
+            let r = post(port, &key, &[]).expect("retry");
+            last = (r.status, r.problem());
+            if last.1 != "request-in-flight" {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!((last.0, last.1.as_str()), (409, "outcome-unknown"), "{key}");
+        outlived.push(phase(&redis, &plugin, &key));
+    }
+    for (k, n) in up.executions_by_key() {
+        assert_eq!(n, 1, "{k} executions");
+    }
+    assert_eq!(up.executions(), (FINISH + OUTLIVE) as u64);
+    let logs = std::fs::read_to_string(scratch.0.join("epoch0.log")).unwrap_or_default()
+        + &std::fs::read_to_string(scratch.0.join("epoch1.log")).unwrap_or_default();
+    for needle in ["panicked at", "Wasm VM failed", "wasm trap"] {
+        assert!(!logs.contains(needle), "envoy log shows `{needle}`");
+    }
+    eprintln!(
+        "[hot restart] new process live after {took_over:?}; {FINISH} held keys answered by the old process and landed (phase D) {landed:?} after the new one started; parent gone after {parent_gone:?}; {OUTLIVE} outliving keys: unanswered, store phases {outlived:?}, 409 outcome-unknown"
+    );
+    support::table_row(
+        "target/rollout",
+        "drain.md",
+        &[
+            "hot restart (drain 2 s, parent shutdown 8 s)",
+            &(FINISH + OUTLIVE).to_string(),
+            &format!(
+                "new live {} ms, completions landed {} ms, parent gone {} ms",
+                took_over.as_millis(),
+                landed.as_millis(),
+                parent_gone.as_millis()
+            ),
+            &format!("{FINISH} answered by the old process, {OUTLIVE} outliving it unanswered"),
+            &format!("executed twice 0, outcome-unknown {OUTLIVE} (those outliving the parent)"),
+            &format!("{FINISH}/{FINISH} replayed by the new process"),
+        ],
+    );
+}
