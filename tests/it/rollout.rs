@@ -593,3 +593,29 @@ fn a_hot_restart_lets_keys_in_flight_on_the_old_process_finish_and_land() {
         ],
     );
 }
+
+/// What a hot restart forgets without a store: the new process starts with empty shared data
+/// (the local tier), so a key completed on the old process executes again on the new one. The
+/// documented limit of the local tier (README, docs/operating.md), held by a test.
+#[test]
+fn a_hot_restart_without_a_store_forgets_completed_keys() {
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(r#"{"scope": {"headers": ["authorization"]}}"#, up.port);
+    o.wasm_log_level = "info".into();
+    let scratch = support::Scratch::new("hot-restart-local");
+    let (port, admin) = (support::free_port(), support::free_port());
+    let cfg = support::render_config(&o, port, admin, &support::wasm_path());
+    std::fs::write(scratch.0.join("envoy.yaml"), cfg).expect("config");
+    let _old = Epoch::start(&scratch.0, 0, "", "epoch0.log");
+    support::wait_for("epoch 0 live", 600, || server_epoch(admin).is_some());
+    let base_id = std::fs::read_to_string(scratch.0.join("base-id")).expect("base id").trim().to_string();
+    let first = post(port, "local-1", &[]).expect("first");
+    assert_eq!(first.status, 201);
+    let again = post(port, "local-1", &[]).expect("retry");
+    assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "replayed before");
+    let _new = Epoch::start(&scratch.0, 1, &base_id, "epoch1.log");
+    support::wait_for("epoch 1 live", 600, || server_epoch(admin).as_deref() == Some("1"));
+    let after = post(port, "local-1", &[]).expect("retry after the hot restart");
+    assert_eq!((after.status, after.header("idempotent-replayed")), (201, None), "{}", after.body_text());
+    assert_eq!(up.executions_with_key("local-1"), 2, "the new process executed the key again");
+}
