@@ -34,8 +34,12 @@ fuzz_target!(|data: &[u8]| {
     let second = rest.get(split + 1..).unwrap_or_default();
     alloc_meter::within(data.len(), 64, 256 * 1024, || match mode % 3 {
         0 => {
-            let every = McpPolicy { tools: None, key_arguments: vec![] };
-            let listed = McpPolicy { tools: Some(vec!["charge".into()]), key_arguments: vec!["key".into()] };
+            let every = McpPolicy { tools: None, key_arguments: vec![], ..McpPolicy::default() };
+            let listed = McpPolicy {
+                tools: Some(vec!["charge".into()]),
+                key_arguments: vec!["key".into()],
+                ..McpPolicy::default()
+            };
             for policy in [&every, &listed] {
                 let c = mcp::classify(first, policy);
                 assert_eq!(c, mcp::classify(first, policy), "classify is a function of its input");
@@ -52,7 +56,11 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         1 => {
-            let (ct, status) = if mode & 0x80 == 0 { (&b"text/event-stream"[..], 200) } else { (&b"application/json"[..], 200 + u16::from(mode & 0x3f)) };
+            let (ct, status) = if mode & 0x80 == 0 {
+                (&b"text/event-stream"[..], 200)
+            } else {
+                (&b"application/json"[..], 200 + u16::from(mode & 0x3f))
+            };
             if let Ok(stored) = mcp::stored_body(status, Some(ct), None, second, first) {
                 if (200..300).contains(&status) {
                     let msg: Value = serde_json::from_slice(&stored).expect("a stored 2xx answer is JSON");
