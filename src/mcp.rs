@@ -62,6 +62,9 @@ pub enum Classified {
     /// a tool call in it that idemgate does not see, so it is refused (`mcp-body-ambiguous`);
     /// no MCP client sends one.
     Ambiguous,
+    /// A 2026-07-28 routing header (`METHOD_HEADER`, `NAME_HEADER`) that disagrees with the body
+    /// (`routing_headers_disagree`): refused before anything reads either.
+    HeaderMismatch(&'static str),
 }
 
 const METHOD: &str = "tools/call";
@@ -69,9 +72,17 @@ const FP_TAG: &[u8] = b"idemgate-mcp-tools-call-v1\0";
 
 /// Classifies a POST body on an MCP route under `policy`.
 pub fn classify(body: &[u8], policy: &McpPolicy) -> Classified {
-    let (Ok(value), Some(canonical)) =
-        (serde_json::from_slice::<Value>(body), crate::canonical_json::canonicalize(body))
-    else {
+    classify_sent(body, policy, &[], &[])
+}
+
+/// `classify` of a POST that came with the routing headers `method` and `name` (their values):
+/// the body is parsed once, for the headers' check first, then for what it holds.
+pub fn classify_sent(body: &[u8], policy: &McpPolicy, method: &[&[u8]], name: &[&[u8]]) -> Classified {
+    let parsed = serde_json::from_slice::<Value>(body).ok();
+    if let Some(header) = routing_headers_disagree(method, name, parsed.as_ref()) {
+        return Classified::HeaderMismatch(header);
+    }
+    let (Some(value), Some(canonical)) = (parsed, crate::canonical_json::canonicalize(body)) else {
         return Classified::Ambiguous;
     };
     match &value {
@@ -167,9 +178,9 @@ const NAME_BEARING: [(&str, &str); 3] = [("tools/call", "name"), ("prompts/get",
 /// (a batch), `Mcp-Method` other than the body's `method`, or `Mcp-Name` other than the member it
 /// mirrors for a name-bearing method (absent included). A value in the `=?base64?…?=` form is
 /// compared as the canonical base64 of the body's value, which is what it decodes to exactly when
-/// it matches. No header, no check (earlier revisions send none); a body that is no JSON is
-/// `classify`'s to refuse.
-pub fn routing_headers_disagree(method: &[&[u8]], name: &[&[u8]], body: &[u8]) -> Option<&'static str> {
+/// it matches. No header, no check (earlier revisions send none); a body that is no JSON (`body`
+/// `None`, as parsed) is `classify`'s to refuse.
+pub fn routing_headers_disagree(method: &[&[u8]], name: &[&[u8]], body: Option<&Value>) -> Option<&'static str> {
     if method.is_empty() && name.is_empty() {
         return None;
     }
@@ -179,8 +190,7 @@ pub fn routing_headers_disagree(method: &[&[u8]], name: &[&[u8]], body: &[u8]) -
     if name.len() > 1 {
         return Some(NAME_HEADER);
     }
-    let Ok(v) = serde_json::from_slice::<Value>(body) else { return None };
-    let Value::Object(m) = &v else { return Some(if method.is_empty() { NAME_HEADER } else { METHOD_HEADER }) };
+    let Value::Object(m) = body? else { return Some(if method.is_empty() { NAME_HEADER } else { METHOD_HEADER }) };
     let body_method = m.get("method").and_then(Value::as_str);
     if method.first().is_some_and(|h| Some(*h) != body_method.map(str::as_bytes)) {
         return Some(METHOD_HEADER);
@@ -816,7 +826,8 @@ mod tests {
             (&[m], &[], b"not json"),
         ];
         for (i, (method, name, body)) in agree.iter().enumerate() {
-            assert_eq!(routing_headers_disagree(method, name, body), None, "agree {i}");
+            let parsed = serde_json::from_slice::<Value>(body).ok();
+            assert_eq!(routing_headers_disagree(method, name, parsed.as_ref()), None, "agree {i}");
         }
         let disagree: [(Headers, Headers, &[u8], &str); 10] = [
             (&[b"tools/list"], &[], call, METHOD_HEADER),
@@ -833,7 +844,11 @@ mod tests {
             (&[b"tools/list"], &[], br#"[{"jsonrpc":"2.0","id":5,"method":"tools/list"}]"#, METHOD_HEADER),
         ];
         for (i, (method, name, body, header)) in disagree.iter().enumerate() {
-            assert_eq!(routing_headers_disagree(method, name, body), Some(*header), "disagree {i}");
+            let parsed = serde_json::from_slice::<Value>(body).ok();
+            assert_eq!(routing_headers_disagree(method, name, parsed.as_ref()), Some(*header), "disagree {i}");
+            // As `classify_sent` decides it, before anything else the body holds.
+            let every = McpPolicy::default();
+            assert_eq!(classify_sent(body, &every, method, name), Classified::HeaderMismatch(header), "disagree {i}");
         }
         assert_eq!(request_id(call), Some(b"3".to_vec()));
         assert_eq!(error_code(&ProblemKind::McpHeaderMismatch { header: NAME_HEADER }), -32020);

@@ -590,13 +590,12 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
     // 2026-07-28's routing headers name the message; one that disagrees with the body is refused
     // before anything reads either (a router or server going by the headers would run another
     // call than the one protected).
-    if let Some(header) =
-        mcp::routing_headers_disagree(&head.values(mcp::METHOD_HEADER), &head.values(mcp::NAME_HEADER), body)
-    {
-        let id = mcp::request_id(body).unwrap_or_else(null);
-        return AtMcpBody::Refuse { id, batch: vec![], problem: ProblemKind::McpHeaderMismatch { header } };
-    }
-    let call = match mcp::classify(body, mcp) {
+    let (method, name) = (head.values(mcp::METHOD_HEADER), head.values(mcp::NAME_HEADER));
+    let call = match mcp::classify_sent(body, mcp, &method, &name) {
+        Classified::HeaderMismatch(header) => {
+            let id = mcp::request_id(body).unwrap_or_else(null);
+            return AtMcpBody::Refuse { id, batch: vec![], problem: ProblemKind::McpHeaderMismatch { header } };
+        }
         Classified::Pass => return AtMcpBody::Pass,
         Classified::Batch(ids) => {
             return AtMcpBody::Refuse { id: null(), batch: ids, problem: ProblemKind::McpBatchRefused }
