@@ -20,7 +20,7 @@
 #                                            # stripe-node, openai-node, modern-treasury-node (npm, target/sdk-node) for tests/it/sdk_clients.rs
 #   scripts/install-deps.sh probe-apps       # pinned third-party idempotency libraries (tests/probe/requirements.txt, venv target/probe-venv)
 #                                            # for tests/it/probe_gate.rs
-#   scripts/install-deps.sh mcp-sdk          # the official MCP SDKs: `mcp` (PyPI, venv target/mcp-venv) and
+#   scripts/install-deps.sh mcp-sdk          # the official MCP SDKs: `mcp` (PyPI, venv target/mcp-venv; 1.x in target/mcp1-venv) and
 #                                            # @modelcontextprotocol/sdk (npm, target/mcp-node), pinned in tests/mcp/, for tests/it/mcp_sdk.rs
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -186,6 +186,7 @@ case "${1:-}" in
     # whenever a pin file changes (the copy kept beside the install differs).
     venv=target/mcp-venv
     pinned_venv tests/mcp/requirements.txt "$venv"
+    pinned_venv tests/mcp1/requirements.txt target/mcp1-venv
     node_dir=target/mcp-node
     pinned_node tests/mcp "$node_dir" @modelcontextprotocol/sdk
     ;;

@@ -67,6 +67,14 @@ pub fn original_authority(header: &[u8]) -> Option<&str> {
     std::str::from_utf8(rest.get(..end)?).ok().filter(|a| !a.is_empty())
 }
 
+/// The path of an `x-envoy-original-url` value (`http[s]://authority/path`, query included), if
+/// it has one.
+pub fn original_path(header: &[u8]) -> Option<&str> {
+    let rest = header.strip_prefix(b"http://").or_else(|| header.strip_prefix(b"https://"))?;
+    let start = rest.iter().position(|b| *b == b'/')?;
+    std::str::from_utf8(rest.get(start..)?).ok()
+}
+
 /// The claims handed over and not yet taken, oldest first.
 #[derive(Debug)]
 pub struct Handoffs<C> {
@@ -173,6 +181,10 @@ mod tests {
         assert_eq!(original_authority(b"http://pay.example.test/confirm/1"), Some("pay.example.test"));
         assert_eq!(original_authority(b"https://api.example.test:8443/x?y=/z"), Some("api.example.test:8443"));
         assert_eq!(original_authority(b"http://bare.example.test"), Some("bare.example.test"));
+        assert_eq!(original_path(b"http://pay.example.test/confirm/1"), Some("/confirm/1"));
+        assert_eq!(original_path(b"https://api.example.test:8443/x?y=/z"), Some("/x?y=/z"));
+        assert_eq!(original_path(b"http://bare.example.test"), None);
+        assert_eq!(original_path(b"/relative"), None);
         for none in [&b"ftp://a/b"[..], b"http:///path", b"/path", b""] {
             assert_eq!(original_authority(none), None, "{}", String::from_utf8_lossy(none));
         }

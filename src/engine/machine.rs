@@ -700,18 +700,20 @@ impl<W> Machine<W> {
             }
             AtMcpBody::Protect(call) => *call,
         };
-        let McpCall { id, tool, scope, skey, derived, digest, key } = call;
-        io.run(Command::McpReply { id: id.clone(), batch: vec![], accepts: accepts(&head) });
+        io.run(Command::McpReply { id: call.id.clone(), batch: vec![], accepts: accepts(&head) });
         // A stream Envoy re-created for an internal redirect (a 307: the body re-sent) names the
         // key in its body only: the claim its first stream handed over is taken now, as an HTTP
         // request's target takes it at its headers (`take_handoff`), under the same rules, in
-        // the scope of the URL it was redirected from (`request::first_hop_scope`).
+        // the scope of the URL it was redirected from (`request::first_hop_scope`), under the key
+        // its first stream read (a derived one derived again at that URL:
+        // `request::mcp_first_hop_skey`).
         let original_url = head.values(redirect::ORIGINAL_URL_HEADER).first().map(|u| u.to_vec());
         let handoff = original_url.and_then(|u| {
             let first = request::first_hop_scope(&policy, &head, &u);
-            let first_skey = StorageKey::derive(&policy.namespace, &first, &key);
+            let first_skey = request::mcp_first_hop_skey(&policy, &head, &u, &call)?;
             io.take_handoff(&first_skey, route, &u).map(|h| (h, first))
         });
+        let McpCall { id, tool, scope, skey, derived, digest, .. } = call;
         if let Some((h, scope)) = handoff {
             io.run(Command::Count(Count::RedirectsFollowed));
             // Without `hold_headers` they were forbidden at the headers (`await_mcp_body`).

@@ -642,11 +642,7 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
     let (key, derived) = match key {
         Some(k) => (k, false),
         None => {
-            let derived = policy.derive_key.as_ref().and_then(|d| {
-                let d = DeriveKey { include_body: true, ..d.clone() };
-                derive::derive(head, &d, &policy.fingerprint, &scope, Some(&call.digest))
-            });
-            match derived {
+            match mcp_derived_key(policy, head, &scope, &call.digest) {
                 Some(k) => (k, true),
                 None => {
                     return match admit(Some(policy), &[]) {
@@ -679,6 +675,30 @@ pub fn fingerprint_without_body(policy: &Policy, head: &RequestHead) -> Fingerpr
     Fingerprint::compute(head, b"", &policy.fingerprint).0
 }
 
+/// The key `derive_key` gives an MCP call that carries none: derived from its head and caller
+/// scope and the digest of its tool and canonical arguments (`McpCall::digest`), whatever the
+/// route's `include_body` says (the call is in the body).
+fn mcp_derived_key(policy: &Policy, head: &RequestHead, scope: &CallerScope, digest: &[u8; 32]) -> Option<IdempotencyKey> {
+    let d = DeriveKey { include_body: true, ..policy.derive_key.clone()? };
+    derive::derive(head, &d, &policy.fingerprint, scope, Some(digest))
+}
+
+/// The storage key under which a stream Envoy re-created for an internal redirect of a protected
+/// MCP call (`call`, as the re-created stream read it) finds the claim its first stream handed
+/// over: the call's key in the scope of the URL redirected from (`first_hop_scope`). A key the
+/// call carries (header, `_meta`, arguments) is re-sent with it; a derived key is derived again
+/// as the first stream derived it, at the URL redirected from (`first_hop_head`: the path and the
+/// authority are part of it), or the re-created stream would never find its claim.
+pub fn mcp_first_hop_skey(policy: &Policy, head: &RequestHead, original_url: &[u8], call: &McpCall) -> Option<StorageKey> {
+    let scope = first_hop_scope(policy, head, original_url);
+    let key = if call.derived {
+        mcp_derived_key(policy, &first_hop_head(head, original_url), &scope, &call.digest)?
+    } else {
+        call.key.clone()
+    };
+    Some(StorageKey::derive(&policy.namespace, &scope, &key))
+}
+
 /// The fingerprint of a protected MCP call: its headers as forwarded and the digest of its tool
 /// and canonical arguments (`McpCall::digest`).
 pub fn mcp_fingerprint(policy: &Policy, head: &RequestHead, digest: [u8; 32]) -> Fingerprint {
@@ -702,6 +722,20 @@ pub fn redirected_claim(policy: &Policy, head: &RequestHead, original_url: &[u8]
     let scope = first_hop_scope(policy, head, original_url);
     let skey = StorageKey::derive(&policy.namespace, &scope, &key);
     Some((scope, skey))
+}
+
+/// The head of the request a stream re-created for an internal redirect continues: its own
+/// (Envoy re-sends the first stream's headers and body) at the URL it was redirected from
+/// (`original_url`: its authority and path, when it names them).
+pub fn first_hop_head(head: &RequestHead, original_url: &[u8]) -> RequestHead {
+    let mut first = head.clone();
+    if let Some(a) = crate::redirect::original_authority(original_url) {
+        first.authority = a.to_string();
+    }
+    if let Some(p) = crate::redirect::original_path(original_url) {
+        first.path = p.to_string();
+    }
+    first
 }
 
 /// The caller scope of the request a stream re-created for an internal redirect continues: its

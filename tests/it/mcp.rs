@@ -534,40 +534,81 @@ fn a_stale_session_404_releases_the_key_so_the_retry_in_a_new_session_executes_o
 /// replayed to the retry under the retry's id.
 #[test]
 fn a_tools_call_redirected_with_its_key_in_its_arguments_is_one_call() {
-    redirected_call_is_one_call("", "/mcp/target");
+    redirected_call_is_one_call("", "/mcp/target", KeyFrom::Arguments);
     // Without held headers, the router's retries were forbidden at the headers.
-    redirected_call_is_one_call(r#", "hold_headers": false"#, "/mcp/target");
+    redirected_call_is_one_call(r#", "hold_headers": false"#, "/mcp/target", KeyFrom::Arguments);
 }
 
 /// Issue 40: the same to another host (its `:authority`, part of the caller's scope, differs on
 /// the re-created stream): the claim is taken in the scope of the URL redirected from.
 #[test]
 fn a_tools_call_redirected_to_another_host_is_one_call() {
-    redirected_call_is_one_call("", "http://pay.example.test/mcp/target");
+    redirected_call_is_one_call("", "http://pay.example.test/mcp/target", KeyFrom::Arguments);
 }
 
-fn redirected_call_is_one_call(top_extra: &str, to: &str) {
+/// Issue 40 (review finding): a call whose key is derived (`derive_key`: no key sent) was never
+/// continued across an internal redirect. The key derives from the method, the path, the named
+/// headers, the call and the caller's scope; the re-created stream derived it from the target's
+/// path (and, to another host, the target's authority), so it found no hand-over, claimed a key of
+/// its own and stored the target's result there, while the first hop's claim waited out its
+/// hand-over window (10 s) and then became outcome-unknown: the retry (sent to the first URL, as
+/// a client does) got `-32001` (in flight) for those 10 s and `-32003` after, never the result.
+/// Seen before the fix: the client got the target's result, the retry
+/// `{"error":{"code":-32001,...,"type":"urn:idemgate:problem:request-in-flight"}}` and
+/// `idemgate.internal_redirects_followed` was 0 (header and `_meta` keys passed). Now the re-created stream derives the key as its
+/// first stream did (the URL redirected from): one call for every key source, same host or not.
+#[test]
+fn a_tools_call_redirected_is_one_call_whatever_its_key_source() {
+    for to in ["/mcp/target", "http://pay.example.test/mcp/target"] {
+        for from in [KeyFrom::Header, KeyFrom::Meta, KeyFrom::Derived] {
+            redirected_call_is_one_call("", to, from);
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum KeyFrom {
+    Header,
+    Meta,
+    Arguments,
+    Derived,
+}
+
+fn redirected_call_is_one_call(top_extra: &str, to: &str, from: KeyFrom) {
+    println!("{to} {from:?} {top_extra}");
     let up = McpUpstream::start();
-    let mut o = EnvoyOptions::new(&plugin("", top_extra), up.port);
+    let route_extra = match from {
+        KeyFrom::Derived => r#", "derive_key": {"headers": ["x-agent-step-id"]}"#,
+        _ => "",
+    };
+    let mut o = EnvoyOptions::new(&plugin(route_extra, top_extra), up.port);
     o.stop_iteration_flag = top_extra.is_empty();
     o.route_action_extra = ", internal_redirect_policy: {redirect_response_codes: [307]}".into();
     let envoy = Envoy::start(&o);
     let to = format!("307 {to}");
-    let h = [ALICE, ("accept", "application/json"), ("x-up-redirect", to.as_str())];
-    let args = json!({"amount": 3, "idempotency_key": "k-redirected"});
-    let a = post(envoy.port, &h, &tools_call(json!(1), "charge", args.clone(), Value::Null));
+    let mut h = vec![ALICE, ("accept", "application/json"), ("x-up-redirect", to.as_str())];
+    let mut args = json!({"amount": 3});
+    let mut meta = Value::Null;
+    match from {
+        KeyFrom::Header => h.push(("idempotency-key", "k-redirected")),
+        KeyFrom::Meta => meta = json!({"idempotencyKey": "k-redirected"}),
+        KeyFrom::Arguments => args["idempotency_key"] = json!("k-redirected"),
+        KeyFrom::Derived => h.push(("x-agent-step-id", "step-redirected")),
+    }
+    let a = post(envoy.port, &h, &tools_call(json!(1), "charge", args.clone(), meta.clone()));
     assert_eq!(a.status, 200, "{}", a.body_text());
     let m1 = message(&a);
     assert_eq!(m1["id"], 1);
-    assert!(m1["error"].is_null(), "{top_extra}: the target's result, not an error: {m1}");
+    assert!(m1["error"].is_null(), "{from:?} {top_extra}: the target's result, not an error: {m1}");
     assert_eq!(m1["result"]["execution"], 2, "{m1}");
-    let b = post(envoy.port, &h, &tools_call(json!("r-2"), "charge", args, Value::Null));
+    let b = post(envoy.port, &h, &tools_call(json!("r-2"), "charge", args, meta));
     let m2 = message(&b);
+    println!("retry: {m2}");
+    assert_eq!(envoy.stat("idemgate.internal_redirects_followed"), 1, "{from:?} {to}: the claim was continued");
     assert_eq!(m2["id"], "r-2", "{m2}");
-    assert_eq!(m2["result"], m1["result"]);
+    assert_eq!(m2["result"], m1["result"], "{from:?} {to}: the retry gets the target's result");
     assert_eq!(b.header("idempotent-replayed"), Some("true"));
     assert_eq!(up.executions(), 2, "each hop once, the retry nothing");
-    assert_eq!(envoy.stat("idemgate.internal_redirects_followed"), 1);
     assert_eq!(envoy.stat("idemgate.unknown_outcome"), 0);
     envoy.assert_no_wasm_panic();
 }
