@@ -479,6 +479,14 @@ pub enum Answer {
     /// No JSON-RPC response with an id: no body, a body that is not JSON-RPC, or one whose id is
     /// `null` (the server could not read the request, JSON-RPC 2.0 section 5).
     None,
+    /// One JSON-RPC error whose id is the string `"server-error"` (`SDK_NO_ID`), the body alone
+    /// (not an event stream): what the Python SDK's 1.x Streamable HTTP transport answers where it
+    /// has no request id, for every refusal before dispatch (`400`, `404`, `406`, `415`: a missing or
+    /// unknown session, the accept or content type, a body it cannot parse or validate, an
+    /// unsupported protocol version) and for failures after it (`500`, and `503` for too many
+    /// sessions). Evidence that nothing ran only with a status the route releases (as `None`); at
+    /// any other status it is another id's answer (as `Foreign`: the outcome is unknown).
+    NoRequestId,
     /// A body idemgate cannot read (in a content coding; over `max_response_body_bytes`).
     Unreadable,
 }
@@ -526,6 +534,8 @@ pub fn read_answer(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>,
         }
     };
     let mut foreign = false;
+    let alone = !sse && body.trim_ascii_start().first() == Some(&b'{');
+    let mut no_request_id = false;
     for (m, parsed) in messages {
         if m.trim_ascii().is_empty() {
             continue; // an event without data (a priming event)
@@ -536,6 +546,14 @@ pub fn read_answer(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>,
         };
         match response_id_of(&v, &m) {
             Some(i) if same_id(i, id) => return Answer::Final(m),
+            Some(i)
+                if alone
+                    && i.trim_ascii() == SDK_NO_ID
+                    && v.get("error").is_some_and(Value::is_object)
+                    && v.get("result").is_none() =>
+            {
+                no_request_id = true
+            }
             Some(i) if i.trim_ascii() != b"null" => foreign = true,
             _ => {}
         }
@@ -544,10 +562,19 @@ pub fn read_answer(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>,
         Answer::Foreign
     } else if unreadable {
         Answer::Unreadable
+    } else if no_request_id {
+        Answer::NoRequestId
     } else {
         Answer::None
     }
 }
+
+/// The id the Python SDK's 1.x Streamable HTTP transport gives the errors it answers without a
+/// request's id (`"id": "server-error"`, mcp 1.x `mcp/server/streamable_http.py`
+/// `_create_error_response` and `mcp/server/streamable_http_manager.py` `_error_response`; gone
+/// from 2.x, which answers `"id": null`). A call whose own id is that string is answered by it
+/// (`same_id` first).
+pub const SDK_NO_ID: &[u8] = br#""server-error""#;
 
 /// Whether a call's final JSON-RPC response (`Answer::Final`'s message) asks for input before the
 /// call can end (revision 2026-07-28's `InputRequiredResult`: a `result` whose `resultType` is
@@ -590,7 +617,7 @@ fn kept_body(status: u16, answer: Answer, body: &[u8]) -> Result<Vec<u8>, NotFin
         Answer::Final(m) => Ok(m),
         // Another call's response, or one idemgate cannot read, is never kept as this call's
         // (a replay would splice this call's id into it), whatever the status.
-        Answer::Foreign | Answer::Unreadable => Err(NotFinal::Missing),
+        Answer::Foreign | Answer::Unreadable | Answer::NoRequestId => Err(NotFinal::Missing),
         Answer::None if !(200..300).contains(&status) => Ok(body.to_vec()),
         Answer::None => Err(NotFinal::Missing),
     }
@@ -1122,10 +1149,28 @@ data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}";
         assert_eq!(read_answer(json, None, refused, b"7"), Answer::None);
         assert_eq!(read_answer(None, None, b"", b"7"), Answer::None);
         assert_eq!(read_answer(Some(b"text/plain"), None, b"Not Acceptable", b"7"), Answer::None);
-        assert_eq!(
-            read_answer(json, None, br#"{"jsonrpc":"2.0","id":"server-error","error":{}}"#, b"7"),
-            Answer::Foreign
-        );
+        // The 1.x Python SDK transport's error without the request's id: `NoRequestId` (released
+        // only at a released status, `engine::settle`), never kept as the call's answer. Not in an
+        // event stream, a batch, with a result, or as anything but an error object: another id.
+        let no_id = br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"Bad Request: Missing session ID"}}"#;
+        assert_eq!(read_answer(json, None, no_id, b"7"), Answer::NoRequestId);
+        assert_eq!(read_answer(None, None, no_id, b"7"), Answer::NoRequestId);
+        assert_eq!(stored_body(500, json, None, no_id, b"7"), Err(NotFinal::Missing));
+        assert_eq!(stored_body(400, json, None, no_id, b"7"), Err(NotFinal::Missing));
+        // A call whose own id is that string is answered by it.
+        assert_eq!(read_answer(json, None, no_id, br#""server-error""#), Answer::Final(no_id.to_vec()));
+        let sse_no_id = [&b"event: message\ndata: "[..], no_id, b"\n\n"].concat();
+        for foreign in [
+            sse_no_id.as_slice(),
+            br#"[{"jsonrpc":"2.0","id":"server-error","error":{}}]"#,
+            br#"{"jsonrpc":"2.0","id":"server-error","error":{},"result":{}}"#,
+            br#"{"jsonrpc":"2.0","id":"server-error","error":"x"}"#,
+            br#"{"jsonrpc":"2.0","id":"server-error","result":{}}"#,
+            br#"{"jsonrpc":"2.0","id":"Server-Error","error":{}}"#,
+        ] {
+            let t = if foreign.starts_with(b"event") { Some(&b"text/event-stream"[..]) } else { json };
+            assert_eq!(read_answer(t, None, foreign, b"7"), Answer::Foreign, "{}", String::from_utf8_lossy(foreign));
+        }
         assert_eq!(read_answer(json, Some(b"gzip"), err, b"7"), Answer::Unreadable);
         // An event stream: the event that answers, whatever follows it.
         let sse = b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{}}\n\n: ping\n\n: pi";

@@ -292,7 +292,9 @@ fn mcp_outcome(
                 }
             }
         }
-        (Outcome::Release, Answer::None, r) => (Outcome::Release, r, None),
+        // A 1.x Python SDK transport's refusal without the request's id (`"id": "server-error"`)
+        // at a released status precedes dispatch, as one with `"id": null` does.
+        (Outcome::Release, Answer::None | Answer::NoRequestId, r) => (Outcome::Release, r, None),
         (Outcome::Release, answer, _) => {
             (Outcome::Unknown(unknown), None, Some(("mcp_answered_not_released", format!("{answer:?}"))))
         }

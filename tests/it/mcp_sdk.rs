@@ -56,17 +56,27 @@ struct McpServer {
 
 impl McpServer {
     fn start(answers: Answers, stateful: bool) -> McpServer {
-        let root = support::repo_root();
-        let python = root.join("target/mcp-venv/bin/python");
-        assert!(python.exists(), "{} is missing: scripts/install-deps.sh mcp-sdk (make deps)", python.display());
-        let mut cmd = Command::new(python);
-        cmd.arg(root.join("tests/mcp/server.py")).args(["--port", "0"]);
+        let mut args = vec![];
         if answers == Answers::Json {
-            cmd.arg("--json");
+            args.push("--json");
         }
         if stateful {
-            cmd.arg("--stateful");
+            args.push("--stateful");
         }
+        McpServer::spawn("target/mcp-venv", "tests/mcp/server.py", &args)
+    }
+
+    /// The counting server on the SDK's last 1.x line (tests/mcp1/server.py), with sessions.
+    fn start_1x(answers: Answers) -> McpServer {
+        McpServer::spawn("target/mcp1-venv", "tests/mcp1/server.py", if answers == Answers::Json { &["--json"] } else { &[] })
+    }
+
+    fn spawn(venv: &str, script: &str, args: &[&str]) -> McpServer {
+        let root = support::repo_root();
+        let python = root.join(venv).join("bin/python");
+        assert!(python.exists(), "{} is missing: scripts/install-deps.sh mcp-sdk (make deps)", python.display());
+        let mut cmd = Command::new(python);
+        cmd.arg(root.join(script)).args(["--port", "0"]).args(args);
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("MCP server");
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("server's port");
@@ -618,4 +628,79 @@ fn a_tool_that_asks_first_runs_once_through_the_sdks_driver() {
     assert_eq!(steps[0]["error_type"], "InputRequiredRoundsExceededError", "{}", steps[0]);
     assert_eq!(server.count("confirm_charge"), 0, "nothing ran");
     envoy.assert_no_wasm_panic();
+}
+
+/// Issue 40: the Python SDK's 1.x servers (`mcp` 1.30.0, tests/mcp1/, with sessions) answer every
+/// request their transport refuses with a JSON-RPC error whose id is the string "server-error"
+/// (no request id). Read in its source (docs/mcp.md, "What releases a key"), each `4xx` so
+/// answered comes before the message reaches the server: a call sent without a session (`400`),
+/// for an unknown session (`404`), not accepting JSON (`406`), not sent as JSON (`415`), under a
+/// protocol version it does not speak (`400`). idemgate read that id as another call's answer, so
+/// the refusal left the key outcome-unknown and the client's retry in its session got `-32003`
+/// for a call that never ran (seen before the fix: the retry's message was
+/// `{"error":{"code":-32003,...}}` and `charge` ran 0 times). Now such a refusal releases the key
+/// as one with `"id": null` does: the retry executes once and its retry is replayed.
+#[test]
+fn a_1x_servers_refusals_before_dispatch_release_the_key() {
+    for answers in ANSWERS {
+        let server = McpServer::start_1x(answers);
+        let envoy = Envoy::start(&options(&plugin(""), &server));
+        let accept = "application/json, text/event-stream";
+        let init = r#"{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"idemgate-test","version":"1"}}}"#;
+        let opened = rpc(&envoy, accept, &[], init);
+        assert_eq!(opened.status, 200, "{answers:?}: {}", opened.body_text());
+        let sid = opened.header("mcp-session-id").expect("a session").to_string();
+        let initialized = r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
+        assert_eq!(rpc(&envoy, accept, &[("mcp-session-id", &sid)], initialized).status, 202);
+        let call = |id: u32| {
+            format!(
+                r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"charge","arguments":{{"amount":12,"currency":"eur"}}}}}}"#
+            )
+        };
+        // (what is wrong, its headers, its content type, its accept, the SDK's status)
+        let cases: [(&str, Vec<(&str, &str)>, &str, &str, u16); 5] = [
+            ("no session", vec![], "application/json", accept, 400),
+            ("unknown session", vec![("mcp-session-id", "0123456789abcdef")], "application/json", accept, 404),
+            ("accept", vec![("mcp-session-id", &sid)], "application/json", "text/plain", 406),
+            // (Its transport security answers a type not opening with `application/json` 400, as
+            // text, without an id: released before as now.)
+            ("content type", vec![("mcp-session-id", &sid)], "application/json-seq", accept, 415),
+            (
+                "protocol version",
+                vec![("mcp-session-id", &sid), ("mcp-protocol-version", "1999-01-01")],
+                "application/json",
+                accept,
+                400,
+            ),
+        ];
+        for (i, (what, headers, content_type, refused_accept, status)) in cases.into_iter().enumerate() {
+            let key = format!("k-1x-{i}");
+            let mut h = vec![
+                ("content-type", content_type),
+                ("accept", refused_accept),
+                ("authorization", "Bearer mcp-test-agent"),
+                ("idempotency-key", key.as_str()),
+            ];
+            h.extend_from_slice(&headers);
+            let refused = http::request(envoy.port, "POST", "/mcp", &h, call(1).as_bytes()).expect("request");
+            println!("{answers:?} {what}: {} {}", refused.status, refused.body_text());
+            assert_eq!(refused.status, status, "{answers:?} {what}: {}", refused.body_text());
+            assert_eq!(refused.json()["id"], "server-error", "{answers:?} {what}");
+            assert_eq!(server.count("charge"), i as u64, "{answers:?} {what}: the SDK refused it before dispatch");
+            let in_session = [("mcp-session-id", sid.as_str()), ("idempotency-key", key.as_str())];
+            let retry = rpc(&envoy, accept, &in_session, &call(2));
+            let m = message(&retry);
+            println!("{answers:?} {what}: retry {} {m}", retry.status);
+            assert_eq!(retry.status, 200, "{answers:?} {what}");
+            assert!(m["error"].is_null(), "{answers:?} {what}: the retry runs, never outcome-unknown: {m}");
+            assert_eq!(m["id"], 2);
+            assert_eq!(server.count("charge"), i as u64 + 1, "{answers:?} {what}: the retry executed, once");
+            let again = rpc(&envoy, accept, &in_session, &call(3));
+            assert_eq!(again.header("idempotent-replayed"), Some("true"), "{answers:?} {what}");
+            assert_eq!(message(&again)["result"], m["result"], "{answers:?} {what}");
+            assert_eq!(message(&again)["id"], 3);
+            assert_eq!(server.count("charge"), i as u64 + 1, "{answers:?} {what}: executed once in all");
+        }
+        envoy.assert_no_wasm_panic();
+    }
 }

@@ -294,9 +294,30 @@ fn mcp_a_released_status_carrying_the_calls_response_is_stored() {
     assert_eq!(mcp_settle(Outcome::Release, Some(mcp_response(404, "application/json", null)), false).1, "released");
     assert_eq!(mcp_settle(Outcome::Release, Some(mcp_response(405, "text/plain", b"")), false).1, "released");
     assert_eq!(mcp_settle(Outcome::Release, None, false).1, "released");
-    let other = br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"x"}}"#;
+    let other = br#"{"jsonrpc":"2.0","id":"other","error":{"code":-32600,"message":"x"}}"#;
     assert_eq!(
         mcp_settle(Outcome::Release, Some(mcp_response(400, "application/json", other)), false).1,
+        "marked-unknown"
+    );
+    // Issue 40: the 1.x Python SDK transport's refusals before dispatch carry `"id":
+    // "server-error"` (a missing or unknown session, the accept or content type, a body it cannot
+    // read): released at a released status, as `"id": null` is. Its failures after dispatch
+    // (500) and its 503 (too many sessions; not a released status) stay outcome-unknown, never
+    // stored as the call's answer. (On a redirect's target nothing releases: the machine makes
+    // a release outcome-unknown before settling, `redirect::after_first_hop`.)
+    let no_id = br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"Bad Request: Missing session ID"}}"#;
+    for status in [400, 404, 406, 415] {
+        let r = Some(mcp_response(status, "application/json", no_id));
+        assert_eq!(mcp_settle(Outcome::Release, r, false).1, "released", "{status}");
+    }
+    for status in [500, 503] {
+        let (cmds, slug) = mcp_settle(Outcome::Store, Some(mcp_response(status, "application/json", no_id)), false);
+        assert_eq!(slug, "marked-unknown", "{status}");
+        assert!(!cmds.iter().any(|c| matches!(c, Command::Local(Local::Complete(..)))));
+    }
+    let sse = [&b"event: message\ndata: "[..], no_id, b"\n\n"].concat();
+    assert_eq!(
+        mcp_settle(Outcome::Release, Some(mcp_response(400, "text/event-stream", &sse)), false).1,
         "marked-unknown"
     );
     assert_eq!(
