@@ -704,3 +704,51 @@ fn a_1x_servers_refusals_before_dispatch_release_the_key() {
         envoy.assert_no_wasm_panic();
     }
 }
+
+/// Issue 40: at revision 2026-07-28 the Python SDK (2.3.0) answers an error raised in a tool with
+/// `400` (-32600) or `404` (-32601) and the call's JSON-RPC error, which idemgate stores as the
+/// call's answer. Its replay must carry what every replay carries: `idempotent-replayed: true`,
+/// `idempotency-key-expires-in` (the record's remaining lifetime), the retry's id, the first
+/// answer's status, type and error. On the wire (raw HTTP), against a `200` result's replay.
+#[test]
+fn a_stored_tool_error_is_replayed_with_the_headers_of_every_replay() {
+    let route = mcp_route().replace(r#"["charge"]"#, r#"["charge", "charge_then_fail"]"#);
+    for answers in ANSWERS {
+        let server = McpServer::start(answers, false);
+        let envoy = Envoy::start(&options(&plugin_with_route(r#", "ttl_seconds": 3600"#, &route), &server));
+        let accept = "application/json, text/event-stream";
+        let call = |id: &str, tool: &str, code: i64| {
+            format!(
+                r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"{tool}","arguments":{{"amount":5,"currency":"eur","code":{code}}},"_meta":{{"io.modelcontextprotocol/protocolVersion":"2026-07-28","io.modelcontextprotocol/clientCapabilities":{{}}}}}}}}"#
+            )
+        };
+        let mut executions = 0;
+        for (tool, code, status) in [("charge_then_fail", -32600, 400), ("charge_then_fail", -32601, 404)] {
+            let key = format!("mcp-stored-error-{answers:?}-{code}");
+            let h = [
+                ("idempotency-key", key.as_str()),
+                ("mcp-protocol-version", "2026-07-28"),
+                ("mcp-method", "tools/call"),
+                ("mcp-name", tool),
+            ];
+            let first = rpc(&envoy, accept, &h, &call("1", tool, code));
+            println!("{answers:?} {code} first: {} {:?} {}", first.status, first.headers, first.body_text());
+            assert_eq!(first.status, status, "{answers:?} {code}: {}", first.body_text());
+            assert_eq!(message(&first)["error"]["code"], code);
+            executions += 1;
+            assert_eq!(server.count(tool), executions);
+            let replay = rpc(&envoy, accept, &h, &call(r#""r-2""#, tool, code));
+            println!("{answers:?} {code} replay: {} {:?} {}", replay.status, replay.headers, replay.body_text());
+            assert_eq!(replay.status, status, "{answers:?} {code}: the first answer's status");
+            assert_eq!(replay.header("idempotent-replayed"), Some("true"), "{answers:?} {code}");
+            let left = replay.header("idempotency-key-expires-in").and_then(|v| v.parse::<u64>().ok());
+            assert!(left.is_some_and(|s| s > 3500 && s <= 3600), "{answers:?} {code}: the record's lifetime: {left:?}");
+            assert_eq!(replay.header("content-type"), first.header("content-type"), "{answers:?} {code}");
+            let m = message(&replay);
+            assert_eq!(m["id"], "r-2", "{answers:?} {code}");
+            assert_eq!(m["error"], message(&first)["error"], "{answers:?} {code}");
+            assert_eq!(server.count(tool), executions, "{answers:?} {code}: replayed, not run");
+        }
+        envoy.assert_no_wasm_panic();
+    }
+}
