@@ -66,9 +66,17 @@ impl McpServer {
         McpServer::spawn("target/mcp-venv", "tests/mcp/server.py", &args)
     }
 
-    /// The counting server on the SDK's last 1.x line (tests/mcp1/server.py), with sessions.
-    fn start_1x(answers: Answers) -> McpServer {
-        McpServer::spawn("target/mcp1-venv", "tests/mcp1/server.py", if answers == Answers::Json { &["--json"] } else { &[] })
+    /// The counting server on the SDK's last 1.x line (tests/mcp1/server.py), with sessions
+    /// unless `stateless`.
+    fn start_1x(answers: Answers, stateless: bool) -> McpServer {
+        let mut args = vec![];
+        if answers == Answers::Json {
+            args.push("--json");
+        }
+        if stateless {
+            args.push("--stateless");
+        }
+        McpServer::spawn("target/mcp1-venv", "tests/mcp1/server.py", &args)
     }
 
     fn spawn(venv: &str, script: &str, args: &[&str]) -> McpServer {
@@ -643,7 +651,7 @@ fn a_tool_that_asks_first_runs_once_through_the_sdks_driver() {
 #[test]
 fn a_1x_servers_refusals_before_dispatch_release_the_key() {
     for answers in ANSWERS {
-        let server = McpServer::start_1x(answers);
+        let server = McpServer::start_1x(answers, false);
         let envoy = Envoy::start(&options(&plugin(""), &server));
         let accept = "application/json, text/event-stream";
         let init = r#"{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"idemgate-test","version":"1"}}}"#;
@@ -749,6 +757,61 @@ fn a_stored_tool_error_is_replayed_with_the_headers_of_every_replay() {
             assert_eq!(m["error"], message(&first)["error"], "{answers:?} {code}");
             assert_eq!(server.count(tool), executions, "{answers:?} {code}: replayed, not run");
         }
+        envoy.assert_no_wasm_panic();
+    }
+}
+
+/// Issue 40, item 4, against the real servers (Python SDK 2.3.0 at revision 2025-11-25 and 1.30.0,
+/// both stateless): a `tools/call` without an id, or with `"id": null`, sent straight to the
+/// server runs nothing (both answer `202`, taking it for a notification), which is why idemgate
+/// refuses it (`mcp-body-ambiguous`, `"id": null`) rather than protect it as a call whose answer
+/// never comes; through Envoy it never reaches the server and leaves the key free for the call.
+/// `params.task`: both servers run a call of a tool without task support as if it were absent
+/// (the tool's own result), yet idemgate fingerprints it (a server with tasks answers the task
+/// it created instead): the same key with and without it is `key-reused`, never a second run
+/// and never the other's answer.
+#[test]
+fn calls_without_an_id_or_with_a_task_against_the_sdk_servers() {
+    for (name, server) in [
+        ("2.3.0", McpServer::start(Answers::Json, false)),
+        ("1.30.0", McpServer::start_1x(Answers::Json, true)),
+    ] {
+        let envoy = Envoy::start(&options(&plugin(""), &server));
+        let accept = "application/json, text/event-stream";
+        let version = [("mcp-protocol-version", "2025-11-25")];
+        let args = r#""name":"charge","arguments":{"amount":9,"currency":"eur"}"#;
+        let no_id = format!(r#"{{"jsonrpc":"2.0","method":"tools/call","params":{{{args}}}}}"#);
+        let null_id = format!(r#"{{"jsonrpc":"2.0","id":null,"method":"tools/call","params":{{{args}}}}}"#);
+        for body in [&no_id, &null_id] {
+            let mut h = vec![("content-type", "application/json"), ("accept", accept)];
+            h.extend_from_slice(&version);
+            let direct = http::request(server.port, "POST", "/mcp", &h, body.as_bytes()).expect("request");
+            println!("{name} direct {body}: {} {}", direct.status, direct.body_text());
+            assert_eq!(direct.status, 202, "{name}: the server takes it for a notification");
+            let through = rpc(&envoy, accept, &[version[0], ("idempotency-key", "k-sdk-no-id")], body);
+            println!("{name} through Envoy: {} {}", through.status, through.body_text());
+            let m = message(&through);
+            assert_eq!(m["id"], Value::Null, "{name}");
+            assert_eq!(m["error"]["data"]["type"], "urn:idemgate:problem:mcp-body-ambiguous", "{name}");
+        }
+        // (A run after the 202 would also show in the exact counts below, after three more calls.)
+        assert_eq!(server.count("charge"), 0, "{name}: neither ran, at the server or through idemgate");
+        let call = |id: u32, task: &str| format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{{args}{task}}}}}"#);
+        let first = rpc(&envoy, accept, &[version[0], ("idempotency-key", "k-sdk-no-id")], &call(1, ""));
+        assert!(message(&first)["result"].is_object(), "{name}: the key is free: {}", first.body_text());
+        assert_eq!(server.count("charge"), 1, "{name}");
+        let task = r#","task":{"ttl":60000}"#;
+        let key = [version[0], ("idempotency-key", "k-sdk-task")];
+        let with_task = rpc(&envoy, accept, &key, &call(2, task));
+        println!("{name} with a task: {} {}", with_task.status, with_task.body_text());
+        assert!(message(&with_task)["result"].is_object(), "{name}: the tool's own result: {}", with_task.body_text());
+        assert_eq!(server.count("charge"), 2, "{name}");
+        let again = rpc(&envoy, accept, &key, &call(3, task));
+        assert_eq!(again.header("idempotent-replayed"), Some("true"), "{name}");
+        let without = rpc(&envoy, accept, &key, &call(4, ""));
+        println!("{name} without the task: {} {}", without.status, without.body_text());
+        assert_eq!(message(&without)["error"]["data"]["type"], "urn:idemgate:problem:key-reused", "{name}");
+        assert_eq!(server.count("charge"), 2, "{name}: never a second run");
         envoy.assert_no_wasm_panic();
     }
 }
