@@ -641,17 +641,15 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
     };
     let (key, derived) = match key {
         Some(k) => (k, false),
-        None => {
-            match mcp_derived_key(policy, head, &scope, &call.digest) {
-                Some(k) => (k, true),
-                None => {
-                    return match admit(Some(policy), &[]) {
-                        Admission::Reject(p) => refuse(p),
-                        _ => AtMcpBody::Pass,
-                    }
+        None => match mcp_derived_key(policy, head, &scope, &call.digest) {
+            Some(k) => (k, true),
+            None => {
+                return match admit(Some(policy), &[]) {
+                    Admission::Reject(p) => refuse(p),
+                    _ => AtMcpBody::Pass,
                 }
             }
-        }
+        },
     };
     // A key is only ever derived for an identified caller: a derived key is never refused here.
     if let Err(p) = scope.admits(&policy.scope) {
@@ -678,7 +676,12 @@ pub fn fingerprint_without_body(policy: &Policy, head: &RequestHead) -> Fingerpr
 /// The key `derive_key` gives an MCP call that carries none: derived from its head and caller
 /// scope and the digest of its tool and canonical arguments (`McpCall::digest`), whatever the
 /// route's `include_body` says (the call is in the body).
-fn mcp_derived_key(policy: &Policy, head: &RequestHead, scope: &CallerScope, digest: &[u8; 32]) -> Option<IdempotencyKey> {
+fn mcp_derived_key(
+    policy: &Policy,
+    head: &RequestHead,
+    scope: &CallerScope,
+    digest: &[u8; 32],
+) -> Option<IdempotencyKey> {
     let d = DeriveKey { include_body: true, ..policy.derive_key.clone()? };
     derive::derive(head, &d, &policy.fingerprint, scope, Some(digest))
 }
@@ -689,7 +692,12 @@ fn mcp_derived_key(policy: &Policy, head: &RequestHead, scope: &CallerScope, dig
 /// call carries (header, `_meta`, arguments) is re-sent with it; a derived key is derived again
 /// as the first stream derived it, at the URL redirected from (`first_hop_head`: the path and the
 /// authority are part of it), or the re-created stream would never find its claim.
-pub fn mcp_first_hop_skey(policy: &Policy, head: &RequestHead, original_url: &[u8], call: &McpCall) -> Option<StorageKey> {
+pub fn mcp_first_hop_skey(
+    policy: &Policy,
+    head: &RequestHead,
+    original_url: &[u8],
+    call: &McpCall,
+) -> Option<StorageKey> {
     let scope = first_hop_scope(policy, head, original_url);
     let key = if call.derived {
         mcp_derived_key(policy, &first_hop_head(head, original_url), &scope, &call.digest)?

@@ -666,7 +666,8 @@ fn a_1x_servers_refusals_before_dispatch_release_the_key() {
             )
         };
         // (what is wrong, its headers, its content type, its accept, the SDK's status)
-        let cases: [(&str, Vec<(&str, &str)>, &str, &str, u16); 5] = [
+        type Case<'a> = (&'a str, Vec<(&'a str, &'a str)>, &'a str, &'a str, u16);
+        let cases: [Case; 5] = [
             ("no session", vec![], "application/json", accept, 400),
             ("unknown session", vec![("mcp-session-id", "0123456789abcdef")], "application/json", accept, 404),
             ("accept", vec![("mcp-session-id", &sid)], "application/json", "text/plain", 406),
@@ -772,10 +773,9 @@ fn a_stored_tool_error_is_replayed_with_the_headers_of_every_replay() {
 /// and never the other's answer.
 #[test]
 fn calls_without_an_id_or_with_a_task_against_the_sdk_servers() {
-    for (name, server) in [
-        ("2.3.0", McpServer::start(Answers::Json, false)),
-        ("1.30.0", McpServer::start_1x(Answers::Json, true)),
-    ] {
+    for (name, server) in
+        [("2.3.0", McpServer::start(Answers::Json, false)), ("1.30.0", McpServer::start_1x(Answers::Json, true))]
+    {
         let envoy = Envoy::start(&options(&plugin(""), &server));
         let accept = "application/json, text/event-stream";
         let version = [("mcp-protocol-version", "2025-11-25")];
@@ -796,7 +796,9 @@ fn calls_without_an_id_or_with_a_task_against_the_sdk_servers() {
         }
         // (A run after the 202 would also show in the exact counts below, after three more calls.)
         assert_eq!(server.count("charge"), 0, "{name}: neither ran, at the server or through idemgate");
-        let call = |id: u32, task: &str| format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{{args}{task}}}}}"#);
+        let call = |id: u32, task: &str| {
+            format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{{args}{task}}}}}"#)
+        };
         let first = rpc(&envoy, accept, &[version[0], ("idempotency-key", "k-sdk-no-id")], &call(1, ""));
         assert!(message(&first)["result"].is_object(), "{name}: the key is free: {}", first.body_text());
         assert_eq!(server.count("charge"), 1, "{name}");

@@ -343,3 +343,55 @@ fn in_memory_a_request_runs_headers_body_and_local_claim_to_forward_and_a_duplic
     let other = drive(&c, &table, &mut sd, "k-2", br#"{"amount":1}"#, 3, NOW + 20);
     assert!(matches!(other, Step::Forward { .. }), "{other:?}");
 }
+
+/// Issue 40: the stream Envoy re-creates for an internal redirect of an MCP call finds its first
+/// stream's claim under the first stream's storage key, whatever the key's source. A derived key
+/// holds the path and (through the caller's scope) the authority, so read at the target it is
+/// another key: `mcp_first_hop_skey` derives it again at the URL redirected from.
+#[test]
+fn a_redirected_mcp_call_finds_its_first_streams_key_whatever_its_source() {
+    let (_, mut policy) = mcp_policy();
+    {
+        let p = Arc::make_mut(&mut policy);
+        p.derive_key = Some(DeriveKey { headers: vec!["x-step".into()], include_body: false });
+        p.scope.include_authority = true;
+    }
+    let step = ("x-step", "s-1");
+    let cases = [
+        ("derived", vec![step], "{}".to_string(), ""),
+        ("header", vec![step, ("idempotency-key", "k-h")], "{}".to_string(), ""),
+        ("meta", vec![step], "{}".to_string(), r#","_meta":{"idempotencyKey":"k-m"}"#),
+        ("argument", vec![step], r#"{"idempotency_key":"k-a"}"#.to_string(), ""),
+    ];
+    for (source, headers, args, meta) in cases {
+        let body = call(1, "charge", &args, meta);
+        let first = mcp_protected(at_mcp_body(&policy, &head("POST", "/mcp?x=1", &headers), &body));
+        assert_eq!(first.derived, source == "derived");
+        for (target_authority, url) in [
+            ("idemgate.test", &b"http://idemgate.test/mcp?x=1"[..]),
+            ("pay.example.test", b"http://idemgate.test/mcp?x=1"),
+        ] {
+            let mut target = head("POST", "/mcp/target", &headers);
+            target.authority = target_authority.into();
+            let at_target = mcp_protected(at_mcp_body(&policy, &target, &body));
+            if source == "derived" {
+                // Read at the target alone, the derived key is another one: no hand-over found.
+                assert_ne!(at_target.key, first.key, "{source} {target_authority}");
+            }
+            assert_eq!(
+                mcp_first_hop_skey(&policy, &target, url, &at_target),
+                Some(first.skey),
+                "{source} at {target_authority}"
+            );
+        }
+        // A URL naming another path is another first request (a forged or unrelated one).
+        if source == "derived" {
+            let target = head("POST", "/mcp/target", &headers);
+            let at_target = mcp_protected(at_mcp_body(&policy, &target, &body));
+            assert_ne!(
+                mcp_first_hop_skey(&policy, &target, b"http://idemgate.test/other", &at_target),
+                Some(first.skey)
+            );
+        }
+    }
+}

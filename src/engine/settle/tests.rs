@@ -305,7 +305,8 @@ fn mcp_a_released_status_carrying_the_calls_response_is_stored() {
     // (500) and its 503 (too many sessions; not a released status) stay outcome-unknown, never
     // stored as the call's answer. (On a redirect's target nothing releases: the machine makes
     // a release outcome-unknown before settling, `redirect::after_first_hop`.)
-    let no_id = br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"Bad Request: Missing session ID"}}"#;
+    let no_id =
+        br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"Bad Request: Missing session ID"}}"#;
     for status in [400, 404, 406, 415] {
         let r = Some(mcp_response(status, "application/json", no_id));
         assert_eq!(mcp_settle(Outcome::Release, r, false).1, "released", "{status}");
