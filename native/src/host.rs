@@ -56,7 +56,8 @@ pub fn all_headers(f: EnvoyPtr, kind: u32) -> Vec<(String, Vec<u8>)> {
     if n == 0 {
         return vec![];
     }
-    let empty = EnvoyHttpHeader { key_ptr: std::ptr::null(), key_length: 0, value_ptr: std::ptr::null(), value_length: 0 };
+    let empty =
+        EnvoyHttpHeader { key_ptr: std::ptr::null(), key_length: 0, value_ptr: std::ptr::null(), value_length: 0 };
     let mut raw = vec![empty; n];
     // SAFETY: `raw` has room for the `n` headers Envoy just counted.
     if !unsafe { abi::envoy_dynamic_module_callback_http_get_headers(f, kind, raw.as_mut_ptr()) } {
@@ -137,6 +138,16 @@ pub fn body(f: EnvoyPtr, kind: u32) -> Vec<u8> {
         out.extend_from_slice(unsafe { c.bytes() });
     }
     out
+}
+
+/// A string attribute of the stream (`abi::ATTRIBUTE_*`), copied.
+pub fn attribute_string(f: EnvoyPtr, id: u32) -> Option<Vec<u8>> {
+    let mut out = EnvoyBuffer::NULL;
+    let len: *mut usize = &mut out.length;
+    // SAFETY: `out` is writable and `len` points into it (see the declaration in abi.rs).
+    let ok = unsafe { abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(f, id, &mut out, len) };
+    // SAFETY: Envoy's buffer, valid during the hook; copied now.
+    (ok && !out.ptr.is_null()).then(|| unsafe { out.bytes() }.to_vec())
 }
 
 /// Milliseconds since the epoch (the process clock: every worker reads the same one).

@@ -171,8 +171,8 @@ impl Glue<'_> {
         );
         let p = problem.to_problem(&request_id, creator);
         let headers: Vec<(&str, &str)> = p.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-        let grpc = host::header(self.envoy, abi::REQUEST_HEADER, "content-type")
-            .is_some_and(|c| envoy_answers_as_grpc(&c));
+        let grpc =
+            host::header(self.envoy, abi::REQUEST_HEADER, "content-type").is_some_and(|c| envoy_answers_as_grpc(&c));
         let details = code_details(problem.slug());
         if grpc {
             // Envoy turns a local reply to a gRPC request into a trailers-only status (its gRPC
@@ -303,15 +303,17 @@ fn forbid_router_retries(f: EnvoyPtr, head: &mut RequestHead) -> bool {
     ok && host::set_header(f, abi::REQUEST_HEADER, cap, Some(zero))
 }
 
-/// A forwarded exchange as this build sees it end: the response's status and whether it ended.
-/// Envoy's stream facts (attempts, response flags, code details, upstream host) are not read in
-/// this build yet, so none of them is claimed: the attempt count is unknown, which the
-/// classification never reads as "nothing was sent" (`decision::never_started`), so a failure is
-/// outcome-unknown rather than released (never a second execution; a retry gets 409
-/// `outcome-unknown` until the record expires).
+/// A forwarded exchange as this build sees it end: the response's status, whether it ended, and
+/// Envoy's response code details (`via_upstream` for the upstream's own answer). The other stream
+/// facts (attempts, response flags, upstream host) are not read in this build yet, so none of them
+/// is claimed: the attempt count is unknown, which the classification never reads as "nothing was
+/// sent" (`decision::never_started`), and no flag is set, so a failure is outcome-unknown rather
+/// than released (never a second execution; a retry gets `outcome-unknown` until the record
+/// expires).
 struct Seen {
     status: Option<u16>,
     complete: bool,
+    code_details: String,
 }
 
 impl Exchange for Seen {
@@ -322,7 +324,7 @@ impl Exchange for Seen {
         self.status
     }
     fn code_details(&mut self) -> String {
-        String::new()
+        self.code_details.clone()
     }
     fn flags(&mut self) -> u64 {
         0
@@ -341,12 +343,15 @@ impl Exchange for Seen {
     }
 }
 
-fn ended(req: &Protected, response: &Response) -> Ended {
+fn ended(envoy: EnvoyPtr, req: &Protected, response: &Response) -> Ended {
     let status = response.stored.as_ref().map(|r| r.status).filter(|s| *s > 0);
-    let mut seen = Seen { status, complete: response.complete };
+    let code_details = host::attribute_string(envoy, abi::ATTRIBUTE_RESPONSE_CODE_DETAILS)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    let mut seen = Seen { status, complete: response.complete, code_details };
     let headers = response.stored.as_ref().map_or(&[][..], |r| &r.headers[..]);
     let outcome = classify_routed(&mut seen, headers, &req.policy);
-    Ended { outcome, detail: format!("status={}", status.unwrap_or(0)) }
+    Ended { outcome, detail: format!("status={} code_details={}", status.unwrap_or(0), seen.code_details) }
 }
 
 impl Filter {
@@ -356,8 +361,13 @@ impl Filter {
     }
 
     fn split(&mut self) -> (&mut Machine<NoWire>, Glue<'_>) {
-        let glue =
-            Glue { envoy: self.envoy, global: &self.global, clock: &mut self.clock, body: &self.body, sd: ProcessShared };
+        let glue = Glue {
+            envoy: self.envoy,
+            global: &self.global,
+            clock: &mut self.clock,
+            body: &self.body,
+            sd: ProcessShared,
+        };
         (&mut self.machine, glue)
     }
 
@@ -511,7 +521,7 @@ impl Filter {
             Phase::Pass => return,
             Phase::Forwarded { .. } => {
                 if let Some((req, response)) = self.machine.forwarded() {
-                    let e = ended(req, response);
+                    let e = ended(envoy, req, response);
                     let (m, mut io) = self.split();
                     m.settle(&mut io, e);
                 }
@@ -546,10 +556,7 @@ mod tests {
     #[test]
     fn features_not_carried_are_refused_by_name() {
         for (json, names) in [
-            (
-                r#"{"scope": {"global": true}, "store": {"cluster": "webdis"}}"#,
-                "\"store\"",
-            ),
+            (r#"{"scope": {"global": true}, "store": {"cluster": "webdis"}}"#, "\"store\""),
             (r#"{"scope": {"global": true}, "in_flight": "wait"}"#, "in_flight \"wait\""),
             (
                 r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp"}]}"#,

@@ -12,8 +12,11 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 const SHARDS: usize = 64;
 
+/// One shard: each key's value and the CAS of its last write.
+type Shard = HashMap<String, (Vec<u8>, u32)>;
+
 struct Data {
-    shards: Vec<Mutex<HashMap<String, (Vec<u8>, u32)>>>,
+    shards: Vec<Mutex<Shard>>,
     cas: AtomicU32,
 }
 
@@ -36,7 +39,7 @@ fn shard_of(key: &str) -> usize {
     (h % SHARDS as u64) as usize
 }
 
-fn lock(key: &str) -> Option<MutexGuard<'static, HashMap<String, (Vec<u8>, u32)>>> {
+fn lock(key: &str) -> Option<MutexGuard<'static, Shard>> {
     // A poisoned shard cannot happen (the module aborts on panic); its data is still whole.
     data().shards.get(shard_of(key)).map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
 }

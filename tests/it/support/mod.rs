@@ -280,24 +280,15 @@ pub enum Build {
     Native,
 }
 
-/// libidemgate_native.so, built once per test process (`cargo build --release -p idemgate-native`,
-/// as `make build-native` does; `IDEMGATE_NATIVE` names another build).
+/// target/release/libidemgate_native.so (built by `make build`, through `make build-native`), or
+/// the module named by `IDEMGATE_NATIVE`. Not built from here: cargo run from a test process sees
+/// other variables and would build it again from scratch.
 pub fn native_module_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("IDEMGATE_NATIVE").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
-    }
-    static BUILT: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
-    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if !*built {
-        let out = Command::new("cargo")
-            .args(["build", "--locked", "--release", "-p", "idemgate-native"])
-            .current_dir(repo_root())
-            .output()
-            .expect("run cargo build -p idemgate-native");
-        assert!(out.status.success(), "cargo build -p idemgate-native: {}", String::from_utf8_lossy(&out.stderr));
-        *built = true;
-    }
-    repo_root().join("target/release/libidemgate_native.so")
+    let p = std::env::var_os("IDEMGATE_NATIVE")
+        .filter(|p| !p.is_empty())
+        .map_or_else(|| repo_root().join("target/release/libidemgate_native.so"), PathBuf::from);
+    assert!(p.exists(), "{} is missing: run `make build` (make test does it)", p.display());
+    p
 }
 
 /// The test access log's line: a test id, the status, Envoy's response code details and the
