@@ -148,6 +148,7 @@ test-native:
 	scripts/check-test-selection.py $(FAULT_FILTER)
 	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_
 	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_
+	cargo test --locked -p idemgate-native
 
 test-wasm:
 	scripts/test-wasm.sh
