@@ -559,6 +559,12 @@ mod tests {
             (r#"{"scope": {"global": true}, "store": {"cluster": "webdis"}}"#, "\"store\""),
             (r#"{"scope": {"global": true}, "in_flight": "wait"}"#, "in_flight \"wait\""),
             (
+                r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "up", "hop": "direct", "timeout_ms": 5000}}"#,
+                "forwarding \"detached\"",
+            ),
+            (r#"{"scope": {"global": true}, "routes": [{"route_name": "pay"}]}"#, "\"route_name\""),
+            (r#"{"scope": {"global": true}, "next_hop_failures": "classify"}"#, "next_hop_failures \"classify\""),
+            (
                 r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp"}]}"#,
                 "protocol \"mcp\"",
             ),
