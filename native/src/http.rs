@@ -103,6 +103,13 @@ impl Global {
     }
 }
 
+// Envoy calls a configuration's filters on every worker thread at once: what they share must be
+// safe to share. Checked at compile time.
+const _: fn() = || {
+    fn shared_by_workers<T: Send + Sync>() {}
+    shared_by_workers::<Global>();
+};
+
 thread_local! {
     /// The worker's buffer budget count (`max_buffered_bytes` is per worker, as in the Wasm build
     /// where each worker has its own VM): Envoy runs a stream's hooks on its worker's thread.
