@@ -1,13 +1,19 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build release version test test-begin test-ops test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-redis-ha test-rollout test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
+.PHONY: all build build-native release version test test-begin test-ops test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-redis-ha test-rollout test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
 
 all: build
 
-## build: dist/idemgate.wasm (wasm32-wasip1), with rustup's target or the Debian fallback
-build:
+## build: dist/idemgate.wasm (wasm32-wasip1), with rustup's target or the Debian fallback, and the
+## native build (build-native)
+build: build-native
 	scripts/build-wasm.sh
+
+## build-native: target/release/libidemgate_native.so, idemgate as an Envoy dynamic module (docs/native.md)
+build-native:
+	cargo build --locked --release -p idemgate-native
+	@echo "build: target/release/libidemgate_native.so $$(stat -c %s target/release/libidemgate_native.so) bytes"
 
 ## release: the versioned artefacts in dist/release/ (module, operator CLI, OCI image archive, SHA256SUMS),
 ## named with Cargo.toml's version (docs/releasing.md)
@@ -142,6 +148,7 @@ test-native:
 	scripts/check-test-selection.py $(FAULT_FILTER)
 	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_
 	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_
+	cargo test --locked -p idemgate-native
 
 test-wasm:
 	scripts/test-wasm.sh
@@ -151,6 +158,7 @@ lint:
 	scripts/check-test-attrs.py
 	cargo fmt --check
 	cargo clippy --locked --all-targets -- -D warnings
+	cargo clippy --locked -p idemgate-native --all-targets -- -D warnings
 
 ## demo: the whole stack on 127.0.0.1 (the store, the demo payments API, Envoy with idemgate),
 ## an agent simulator under injected faults, with and without idemgate; stops everything it started.

@@ -64,8 +64,9 @@ def proc_cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start(cmd, log, cwd=None):
-    p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+def start(cmd, log, cwd=None, env=None):
+    p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
+                         env=dict(os.environ, **env) if env else None)
     PROCS.append(p)
     return p
 
@@ -137,8 +138,23 @@ class Etcd:
         return [p.pid for p in self.procs]
 
 
-def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd_ports=None):
+# The native build (docs/native.md): idemgate as an Envoy dynamic module, found by Envoy in
+# ENVOY_DYNAMIC_MODULES_SEARCH_PATH (`Envoy` sets it).
+NATIVE = os.path.join(ROOT, "target", "release", "libidemgate_native.so")
+
+
+def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd_ports=None, native=None):
     filters = []
+    if native:
+        filters.append({
+            "name": "envoy.filters.http.dynamic_modules",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+                "dynamic_module_config": {"name": "idemgate_native", "do_not_close": True},
+                "filter_name": "idemgate",
+                "filter_config": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": json.dumps(plugin or {})},
+            },
+        })
     if wasm:
         filters.append({
             "name": "envoy.filters.http.wasm",
@@ -188,7 +204,8 @@ class Envoy:
             # The shipped store cluster itself, its members swapped (Envoy appends the clusters of
             # --config-yaml to those of -c).
             args += ["--config-yaml", "static_resources:\n  clusters:\n" + etcd_store_cluster.cluster(kw["etcd_ports"])]
-        self.proc = start(args, os.path.join(OUT, f"envoy-{tag}.log"))
+        env = {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": os.path.dirname(kw["native"])} if kw.get("native") else None
+        self.proc = start(args, os.path.join(OUT, f"envoy-{tag}.log"), env=env)
         wait_http(f"http://127.0.0.1:{self.admin}/ready", 60)
         if kw.get("etcd_ports"):
             self.wait_store()
@@ -505,6 +522,9 @@ def main():
         ("h_floor_store", dict(base, wasm=floor, direct=False, plugin=floor_plugin("store"), store_port=webdis_port), dict(mode="unique")),
         ("e_first_store", dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port), dict(mode="unique")),
         ("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed")),
+        # The native build beside the Wasm one: the same POSTs as (d) and (f), the same engine.
+        ("k_first_local_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_LOCAL), dict(mode="unique")),
+        ("l_replay_local_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed")),
         # etcd beside Redis: the same POSTs, the same floors, the same replays after a local miss.
         ("h_floor_store_etcd", dict(base, wasm=floor, direct=False, plugin=dict(floor_plugin("store"), store_kind="etcd", key=FLOOR_ETCD_KEY), **with_etcd),
          dict(mode="unique")),
@@ -516,6 +536,7 @@ def main():
     ]
     envoys = {name: Envoy(name, **kw) for name, kw, _ in group}
     wrk(envoys["f_replay_local"].port, duration=1, mode="fixed")  # the record every run replays
+    wrk(envoys["l_replay_local_native"].port, duration=1, mode="fixed")
     runs = {name: [] for name, _, _ in group}
     runs1 = {name: [] for name in ONE_CONNECTION}
     wkws = {name: wkw for name, _, wkw in group}
@@ -615,6 +636,8 @@ def main():
     etcd_floor = paired("i_first_etcd", "h_floor_store_etcd")
     etcd_p50 = p50_overhead_us("i_first_etcd", "h_floor_store_etcd")
     miss_etcd_vs_redis = paired("j_replay_after_local_miss_etcd", "g_replay_after_local_miss")
+    native_first = paired("k_first_local_native", "d_first_local")
+    native_replay = paired("l_replay_local_native", "f_replay_local")
     one = lambda k, f: R[k]["one_connection"][f]
     results = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip(),
@@ -635,6 +658,12 @@ def main():
         "replay_local_ratio_spread": replay_local,
         "replay_local_ratio_divides_by": "b_empty_wasm_direct (empty Wasm filter in front of Envoy's direct_response, same POSTs)",
         "empty_wasm_ratio_direct": paired("b_empty_wasm_direct", "a_direct")["median"],
+        "native_first_local_ratio": native_first["median"],
+        "native_first_local_ratio_spread": native_first,
+        "native_first_local_ratio_divides_by": "d_first_local (the Wasm build, same POSTs)",
+        "native_replay_local_ratio": native_replay["median"],
+        "native_replay_local_ratio_spread": native_replay,
+        "native_replay_local_ratio_divides_by": "f_replay_local (the Wasm build, same POSTs)",
         "first_local_floor_ratio": local_floor["median"],
         "first_local_floor_ratio_spread": local_floor,
         "first_local_floor_ratio_divides_by": "h_floor_buffering (pause at headers, whole body, continue, response headers and body read; same POSTs)",
@@ -784,6 +813,8 @@ LABELS = [
     ("d_first_local", "(d) idemgate, first POST, local tier"),
     ("e_first_store", "(e) idemgate, first POST, Redis store"),
     ("f_replay_local", "(f) idemgate, replay from memory"),
+    ("k_first_local_native", "(k) idemgate native, first POST, local tier"),
+    ("l_replay_local_native", "(l) idemgate native, replay from memory"),
     ("h_floor_empty_post", "(h) floor: empty filter, same POSTs"),
     ("h_floor_buffering", "(h) floor: buffering (body, response)"),
     ("h_floor_shared", "(h) floor: buffering + the local tier's shared data"),
@@ -1165,6 +1196,8 @@ response, as idemgate's completion write is. The 1-connection columns come from 
 |---|---|---|---|---|
 {floor_rows}
 
+- `native_first_local_ratio` = (k) native / (d) Wasm, first POSTs on the local tier = **{results['native_first_local_ratio']:.3f}** (rounds: {sp('native_first_local_ratio')});
+  `native_replay_local_ratio` = (l) native / (f) Wasm, replays = **{results['native_replay_local_ratio']:.3f}** (rounds: {sp('native_replay_local_ratio')}) ([native.md](native.md))
 - `first_local_floor_ratio` = (d) / buffering floor = **{results['first_local_floor_ratio']:.3f}** (rounds: {sp('first_local_floor_ratio')})
 - `first_store_floor_ratio` = (e) / store floor = **{results['first_store_floor_ratio']:.3f}** (rounds: {sp('first_store_floor_ratio')})
 - `first_local_p50_overhead_us` = (d) minus the buffering floor, 1-connection p50 = **{results['first_local_p50_overhead_us']:.0f} µs**

@@ -22,6 +22,15 @@
 use crate::problem::ProblemKind;
 use crate::record::StoredResponse;
 
+/// The header advertising how long the key's record lasts (the IETF draft asks resources to
+/// publish their expiry policy): seconds from now. Sent by both builds' replays.
+pub const EXPIRES_HEADER: &str = "idempotency-key-expires-in";
+
+/// Seconds until `expires_at_ms`, rounded up.
+pub fn expires_in(expires_at_ms: u64, now_ms: u64) -> String {
+    expires_at_ms.saturating_sub(now_ms).div_ceil(1000).to_string()
+}
+
 /// What a retry is replayed.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Replay {

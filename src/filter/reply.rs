@@ -103,14 +103,8 @@ pub fn problem(kind: &ProblemKind, request_id: &str, creator: Option<&Creator>) 
     }
 }
 
-/// The header advertising how long the key's record lasts (the IETF draft asks resources to
-/// publish their expiry policy): seconds from now.
-pub const EXPIRES_HEADER: &str = "idempotency-key-expires-in";
-
-/// Seconds until `expires_at_ms`, rounded up.
-pub fn expires_in(expires_at_ms: u64, now_ms: u64) -> String {
-    expires_at_ms.saturating_sub(now_ms).div_ceil(1000).to_string()
-}
+// The expiry header and its value: the core's (`crate::encoding`), shared with the native build.
+pub use crate::encoding::{expires_in, EXPIRES_HEADER};
 
 /// Sends a response as the upstream gave it. `replayed` adds `idempotent-replayed: true`;
 /// `expires_in` the expiry header; `slug` names the outcome in the response code details. Header

@@ -23,6 +23,7 @@ mod lifecycle_tiers;
 mod local_reply_config;
 mod mcp;
 mod mcp_sdk;
+mod native_module;
 mod next_hop;
 mod operator_cli;
 mod operator_cli_etcd;

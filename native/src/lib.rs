@@ -1,0 +1,265 @@
+//! idemgate as an Envoy dynamic module (`libidemgate_native.so`): the same engine as the Wasm
+//! filter (`idemgate::engine`, `idemgate::local`, every rule of the core), behind Envoy's dynamic
+//! module C ABI instead of proxy-wasm. Loaded by `envoy.extensions.filters.http.dynamic_modules`
+//! (docs/native.md).
+//!
+//! - `abi.rs`: the ABI's types and callbacks, written here from Envoy's C header;
+//! - `host.rs`: every call into Envoy, as plain values;
+//! - `shared.rs`: the local tier's shared data in process memory (sharded, CAS);
+//! - `http.rs`: one request through `engine::machine`, and what this build refuses at load;
+//! - this file: the event hooks Envoy looks up by name.
+
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+
+pub mod abi;
+mod host;
+pub mod http;
+pub mod shared;
+
+use std::sync::Arc;
+
+use abi::{EnvoyBuffer, EnvoyPtr, ModulePtr};
+use http::{Filter, Global};
+use idemgate::engine::machine::LogLevel;
+
+/// Envoy calls this once when it loads the module: the ABI version this module was written for.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
+    abi::ABI_VERSION.as_ptr()
+}
+
+/// A filter configuration (`filter_config`: idemgate's JSON configuration, as a
+/// `google.protobuf.StringValue`). Null refuses it: Envoy then refuses the listener.
+///
+/// # Safety
+/// Called by Envoy with buffers valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    _config_envoy: EnvoyPtr,
+    _name: EnvoyBuffer,
+    config: EnvoyBuffer,
+) -> ModulePtr {
+    // SAFETY: Envoy's buffer for this call.
+    let raw = unsafe { config.bytes() };
+    host::log(LogLevel::Info, &idemgate::release::configured_line());
+    match Global::configure(raw) {
+        Ok(g) => {
+            host::log(
+                LogLevel::Info,
+                &format!(
+                    "idemgate (native): configuration accepted ({} route(s), local tier only, local.max_entries: {})",
+                    g.config.routes.len(),
+                    g.config.local.max_entries
+                ),
+            );
+            Arc::into_raw(Arc::new(g)).cast()
+        }
+        Err(why) => {
+            host::log(LogLevel::Error, &why);
+            std::ptr::null()
+        }
+    }
+}
+
+/// # Safety
+/// `config` is a pointer `envoy_dynamic_module_on_http_filter_config_new` returned.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: ModulePtr) {
+    if !config.is_null() {
+        // SAFETY: made by `Arc::into_raw` in config_new; Envoy destroys it once.
+        drop(unsafe { Arc::from_raw(config.cast::<Global>()) });
+    }
+}
+
+/// # Safety
+/// `config` is a live configuration of this module.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: ModulePtr, envoy: EnvoyPtr) -> ModulePtr {
+    if config.is_null() {
+        return std::ptr::null();
+    }
+    let ptr = config.cast::<Global>();
+    // SAFETY: the configuration outlives its filters (Envoy's contract); one more owner taken.
+    let global = unsafe {
+        Arc::increment_strong_count(ptr);
+        Arc::from_raw(ptr)
+    };
+    Box::into_raw(Box::new(Filter::new(envoy, global))).cast()
+}
+
+/// The filter behind a module pointer.
+///
+/// # Safety
+/// `f` is a pointer `envoy_dynamic_module_on_http_filter_new` returned and not yet destroyed;
+/// Envoy calls one stream's hooks one at a time on its worker.
+unsafe fn filter<'a>(f: ModulePtr) -> Option<&'a mut Filter> {
+    // SAFETY: per the contract above.
+    unsafe { f.cast_mut().cast::<Filter>().as_mut() }
+}
+
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    envoy: EnvoyPtr,
+    f: ModulePtr,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: Envoy's hook contract.
+    unsafe { filter(f) }.map_or(abi::HEADERS_CONTINUE, |f| f.request_headers(envoy, end_of_stream))
+}
+
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
+    envoy: EnvoyPtr,
+    f: ModulePtr,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: Envoy's hook contract.
+    unsafe { filter(f) }.map_or(abi::BODY_CONTINUE, |f| f.request_body(envoy, end_of_stream))
+}
+
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(envoy: EnvoyPtr, f: ModulePtr) -> u32 {
+    // SAFETY: Envoy's hook contract.
+    unsafe { filter(f) }.map_or(abi::TRAILERS_CONTINUE, |f| f.request_trailers(envoy))
+}
+
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    envoy: EnvoyPtr,
+    f: ModulePtr,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: Envoy's hook contract.
+    unsafe { filter(f) }.map_or(abi::HEADERS_CONTINUE, |f| f.response_headers(envoy, end_of_stream))
+}
+
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    envoy: EnvoyPtr,
+    f: ModulePtr,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: Envoy's hook contract.
+    unsafe { filter(f) }.map_or(abi::BODY_CONTINUE, |f| f.response_body(envoy, end_of_stream))
+}
+
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(envoy: EnvoyPtr, f: ModulePtr) -> u32 {
+    // SAFETY: Envoy's hook contract.
+    unsafe { filter(f) }.map_or(abi::TRAILERS_CONTINUE, |f| f.response_trailers(envoy))
+}
+
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(envoy: EnvoyPtr, f: ModulePtr) {
+    // SAFETY: Envoy's hook contract.
+    if let Some(f) = unsafe { filter(f) } {
+        f.stream_complete(envoy);
+    }
+}
+
+/// # Safety
+/// `f` is a pointer `envoy_dynamic_module_on_http_filter_new` returned; Envoy destroys it once.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(f: ModulePtr) {
+    if !f.is_null() {
+        // SAFETY: made by `Box::into_raw` in filter_new.
+        drop(unsafe { Box::from_raw(f.cast_mut().cast::<Filter>()) });
+    }
+}
+
+// Hooks Envoy 1.40 requires to exist (it looks each up at configuration) for features this build
+// does not use yet: callouts and streams started by a filter, scheduled events, watermarks. This
+// build starts none of them, so Envoy never calls these with anything of ours; each does nothing.
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    _envoy: EnvoyPtr,
+    _f: ModulePtr,
+    _callout_id: u64,
+    _result: u32,
+    _headers: *const abi::EnvoyHttpHeader,
+    _headers_size: usize,
+    _body: *const EnvoyBuffer,
+    _body_size: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
+    _envoy: EnvoyPtr,
+    _f: ModulePtr,
+    _stream_id: u64,
+    _headers: *const abi::EnvoyHttpHeader,
+    _headers_size: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
+    _envoy: EnvoyPtr,
+    _f: ModulePtr,
+    _stream_id: u64,
+    _data: *const EnvoyBuffer,
+    _data_count: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
+    _envoy: EnvoyPtr,
+    _f: ModulePtr,
+    _stream_id: u64,
+    _trailers: *const abi::EnvoyHttpHeader,
+    _trailers_size: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete(
+    _envoy: EnvoyPtr,
+    _f: ModulePtr,
+    _stream_id: u64,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
+    _envoy: EnvoyPtr,
+    _f: ModulePtr,
+    _stream_id: u64,
+    _reason: u32,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(_envoy: EnvoyPtr, _f: ModulePtr, _event_id: u64) {}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
+    _envoy: EnvoyPtr,
+    _f: ModulePtr,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
+    _envoy: EnvoyPtr,
+    _f: ModulePtr,
+) {
+}
