@@ -246,6 +246,12 @@ fn kind(r: &Response) -> String {
     }
 }
 
+/// `kill <sig> <pid>`.
+fn signal(pid: i32, sig: &str) {
+    let st = Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill");
+    assert!(st.success(), "kill {sig} {pid}");
+}
+
 /// The faults the tests inject.
 #[derive(Clone, Copy, Debug)]
 pub enum Fault {
@@ -258,6 +264,10 @@ pub enum Fault {
     /// SIGKILL of every Redis node, then all three started again (from their AOF) once both
     /// proxies answer 503 `store-unavailable`.
     WholeStore,
+    /// The primary cut off from both its replicas (each SIGSTOPped: no replication, no
+    /// acknowledgement, their sockets held open) while clients and Sentinels still reach it; held
+    /// until both proxies refuse (the primary's `min-replicas-max-lag`), then healed (SIGCONT).
+    Partition,
 }
 
 /// One request of the load: when it was sent and answered (from the run's start), and its answer.
@@ -322,12 +332,35 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
     assert!(reached, "an eighth of the keys never executed: {}", w.up.executions());
     let old_primary = w.store.primary();
     let mut whole_down_at = None;
+    let mut alone_for = None;
     // The part dies between these two instants (`store_ha.py kill` returns once it is reaped).
     let fault_start = t0.elapsed();
     match fault {
         Fault::Primary => w.store.kill(&old_primary),
         Fault::Webdis => w.store.kill("webdis-0"),
         Fault::Haproxy => w.store.kill("haproxy-0"),
+        Fault::Partition => {
+            let replicas: Vec<String> = (0..3).map(|i| format!("redis-{i}")).filter(|p| *p != old_primary).collect();
+            for r in &replicas {
+                signal(w.store.pid(r), "-STOP");
+            }
+            // Held until both proxies refuse (bounded by count): the primary acknowledges alone
+            // until no replica has acknowledged within `min-replicas-max-lag`.
+            let refused = (0..400).any(|a| {
+                let ok =
+                    ports.iter().all(|p| kind(&post(*p, &format!("{label}-probe-{a}"))) == "503 store-unavailable");
+                ok || {
+                    std::thread::sleep(Duration::from_millis(50));
+                    false
+                }
+            });
+            alone_for = Some((t0.elapsed() - fault_start).as_secs_f64());
+            for r in &replicas {
+                signal(w.store.pid(r), "-CONT");
+            }
+            assert!(refused, "the primary never refused writes with both replicas cut off");
+            whole_down_at = Some(t0.elapsed());
+        }
         Fault::WholeStore => {
             for i in 0..3 {
                 w.store.kill(&format!("redis-{i}"));
@@ -487,7 +520,13 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
     let row = [
         format!("{fault:?}{} ({label})", if tls { ", TLS to Redis" } else { "" }),
         format!("{n} keys, {CLIENTS} clients, two proxies"),
-        format!("served again {:.2} s after the fault", m.back_after),
+        match alone_for {
+            Some(a) => format!(
+                "both proxies refused {a:.2} s after the cut; served again {:.2} s after it healed",
+                m.back_after
+            ),
+            None => format!("served again {:.2} s after the fault", m.back_after),
+        },
         format!("{} refused (503), the last ending {:.2} s after", m.refused, m.last_refusal_after),
         format!("{} lost (primary after: {primary_now}, before: {old_primary})", m.lost),
         format!("{} executed twice", m.twice),
@@ -536,6 +575,13 @@ fn failover_full_redis_ha_one_webdis_killed() {
 fn failover_full_redis_ha_one_haproxy_killed() {
     for r in 0..runs() {
         run(Fault::Haproxy, 400, &format!("full-haproxy-{r}"));
+    }
+}
+
+#[test]
+fn failover_full_redis_ha_primary_partitioned_from_its_replicas() {
+    for r in 0..runs() {
+        run(Fault::Partition, 400, &format!("full-partition-{r}"));
     }
 }
 

@@ -27,3 +27,42 @@ fn redis_ha_former_primary_back_alone_acknowledges_no_claim_a_promotion_can_lose
     assert!(m.twice.is_empty(), "executed twice: {:?} (answers while alone: {:?})", m.twice, m.alone);
     assert_eq!(m.alone.get("201"), None, "claims acknowledged with no replica: {:?}", m.alone);
 }
+
+/// One leg's webdis SIGKILLed under load: the other leg serves (Envoy's health check and outlier
+/// detection take the dead one out); no key executes twice.
+#[test]
+fn redis_ha_one_webdis_killed_under_load_the_other_leg_serves() {
+    let m = run(Fault::Webdis, 200, "short-webdis");
+    assert_eq!(m.twice, 0, "executed twice");
+    assert_eq!(m.lost, 0, "a webdis holds no claim: {} lost", m.lost);
+}
+
+/// One leg's HAProxy SIGKILLed under load (its webdis stays up, answering 503 without a Redis
+/// link until Envoy's check takes the leg out): the other leg serves; no key executes twice.
+#[test]
+fn redis_ha_one_haproxy_killed_under_load_the_other_leg_serves() {
+    let m = run(Fault::Haproxy, 200, "short-haproxy");
+    assert_eq!(m.twice, 0, "executed twice");
+    assert_eq!(m.lost, 0, "a HAProxy holds no claim: {} lost", m.lost);
+}
+
+/// The primary cut off from both replicas under load: it refuses claims once none acknowledged
+/// within `min-replicas-max-lag` (503, nothing forwarded), serves again when the link heals; no
+/// failover (the Sentinels still reach it), nothing lost, no key executed twice.
+#[test]
+fn redis_ha_primary_cut_off_from_its_replicas_refuses_then_serves_again() {
+    let m = run(Fault::Partition, 400, "short-partition");
+    assert!(m.refused > 0, "no request was refused: the cut was never met");
+    assert_eq!(m.twice, 0, "executed twice");
+    assert_eq!(m.lost, 0, "lost");
+}
+
+/// Every Redis node SIGKILLed under load, then started again from its AOF (the former primary
+/// first, as the Sentinels name it): served again with nobody repointing anything, no key
+/// executed twice.
+#[test]
+fn redis_ha_whole_store_down_and_back_under_load_executes_no_key_twice() {
+    let m = run(Fault::WholeStore, 400, "short-whole");
+    assert!(m.refused > 0, "no request was refused: the store's death was never met");
+    assert_eq!(m.twice, 0, "executed twice ({} claims lost)", m.lost);
+}
