@@ -90,9 +90,12 @@ def floor_plugin(mode):
 # The 1-connection pass (latency without queueing): these scenarios, every round, after the
 # 16-connection runs; its p50s give `first_local_p50_overhead_us`.
 ONE_CONNECTION = ["h_floor_empty_post", "h_floor_buffering", "h_floor_shared", "d_first_local", "h_floor_store", "e_first_store",
-                  "h_floor_store_etcd", "i_first_etcd", "g_replay_after_local_miss", "j_replay_after_local_miss_etcd"]
+                  "h_floor_store_etcd", "i_first_etcd", "g_replay_after_local_miss", "j_replay_after_local_miss_etcd",
+                  "k_first_redis_ha"]
 ONE_CONNECTION_DURATION = 1 if QUICK else 4
 
+# webdis's basic-auth credential in envoy/redis-ha/webdis.json (the Redis HA stack).
+HA_STORE_AUTH = "idemgate:idemgate-demo-webdis-password"
 PLUGIN_LOCAL = {"scope": {"headers": ["authorization"]}, "local": {"max_entries": 200000, "max_bytes": 268435456, "when_full": "evict_oldest"}}
 # The etcd store (store.kind "etcd"), as envoy/etcd/envoy.yaml configures it.
 PLUGIN_ETCD = dict(PLUGIN_LOCAL, store={"kind": "etcd", "cluster": "idemgate_store", "timeout_ms": 1000})
@@ -137,7 +140,7 @@ class Etcd:
         return [p.pid for p in self.procs]
 
 
-def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd_ports=None):
+def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd_ports=None, ha_cluster=None):
     filters = []
     if wasm:
         filters.append({
@@ -149,7 +152,10 @@ def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd
                     "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": json.dumps(plugin or {})},
                     "vm_config": {"vm_id": "idemgate", "runtime": "envoy.wasm.runtime.v8", "code": {"local": {"filename": wasm}},
                                   # Store records are sealed with this secret (src/seal.rs).
-                                  "environment_variables": {"key_values": {"IDEMGATE_RECORD_KEY": "idemgate-bench-record-key-0123456789abcdef"}}},
+                                  "environment_variables": {"key_values": dict(
+                                      {"IDEMGATE_RECORD_KEY": "idemgate-bench-record-key-0123456789abcdef"},
+                                      # The Redis HA stack's webdis asks for basic auth (envoy/redis-ha/webdis.json).
+                                      **({"IDEMGATE_STORE_AUTH": HA_STORE_AUTH} if ha_cluster else {}))}},
                 },
             },
         })
@@ -184,13 +190,16 @@ class Envoy:
         path = os.path.join(OUT, f"envoy-{tag}.json")
         json.dump(envoy_config(self.port, self.admin, **kw), open(path, "w"))
         args = ["envoy", "-c", path, "--concurrency", "1", "--disable-hot-restart", "--log-level", "error"]
+        if kw.get("ha_cluster"):
+            # envoy/redis-ha/idemgate-store-cluster.yaml with the stack's two webdis (store_ha.py cluster).
+            args += ["--config-yaml", "static_resources:\n  clusters:\n" + "".join("  " + l + "\n" for l in kw["ha_cluster"].splitlines())]
         if kw.get("etcd_ports"):
             # The shipped store cluster itself, its members swapped (Envoy appends the clusters of
             # --config-yaml to those of -c).
             args += ["--config-yaml", "static_resources:\n  clusters:\n" + etcd_store_cluster.cluster(kw["etcd_ports"])]
         self.proc = start(args, os.path.join(OUT, f"envoy-{tag}.log"))
         wait_http(f"http://127.0.0.1:{self.admin}/ready", 60)
-        if kw.get("etcd_ports"):
+        if kw.get("etcd_ports") or kw.get("ha_cluster"):
             self.wait_store()
 
     def wait_store(self, seconds=20):
@@ -462,6 +471,13 @@ def main():
     webdis_proc = start(["webdis", os.path.join(OUT, "webdis.json")], os.path.join(OUT, "webdis.out"), cwd=OUT)
     wait_http(f"http://127.0.0.1:{webdis_port}/PING")
     etcd = Etcd()
+    # Redis HA as shipped (scripts/store_ha.py from envoy/redis-ha/: three Redis nodes with
+    # envoy/redis.conf's appendfsync always and min-replicas-to-write 1, three Sentinels, two
+    # HAProxy + webdis legs), its first POST beside the single Redis and etcd.
+    ha_dir = tempfile.mkdtemp(prefix="redis-ha-", dir=OUT)
+    store_ha = [sys.executable, os.path.join(ROOT, "scripts", "store_ha.py")]
+    subprocess.run(store_ha + ["up", ha_dir], check=True, stdout=subprocess.DEVNULL)
+    ha_cluster = subprocess.run(store_ha + ["cluster", ha_dir], check=True, capture_output=True, text=True).stdout
     # CPU of the store's side of each run: webdis (one thread), Redis, the three etcd members.
     store_side = {"webdis": [webdis_proc.pid], "redis": [redis_proc.pid], "etcd": etcd.pids()}
     plugin_store = dict(PLUGIN_LOCAL, store={"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 1000})
@@ -509,6 +525,7 @@ def main():
         ("h_floor_store_etcd", dict(base, wasm=floor, direct=False, plugin=dict(floor_plugin("store"), store_kind="etcd", key=FLOOR_ETCD_KEY), **with_etcd),
          dict(mode="unique")),
         ("i_first_etcd", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_ETCD, **with_etcd), dict(mode="unique")),
+        ("k_first_redis_ha", dict(base, wasm=wasm, direct=False, plugin=plugin_store, ha_cluster=ha_cluster), dict(mode="unique")),
         ("g_replay_after_local_miss", dict(base, wasm=wasm, direct=False, plugin=dict(plugin_store, local=MISS_LOCAL), **with_redis),
          dict(mode="pool", pool=MISS_POOL, pool_prefix=miss_prefix)),
         ("j_replay_after_local_miss_etcd", dict(base, wasm=wasm, direct=False, plugin=dict(PLUGIN_ETCD, local=MISS_LOCAL), **with_etcd),
@@ -601,6 +618,7 @@ def main():
     cpu_split = perf_split(base, wasm, empty, floor, plugin_store, webdis_port, etcd.client_ports) if not QUICK else {"skipped": "quick run"}
     for p in etcd.procs:
         stop(p)
+    subprocess.run(store_ha + ["down", ha_dir], check=False)
 
     passthrough = paired("c_unprotected_get", "b_empty_wasm_proxied")
     protected_first = paired("e_first_store", "a_proxied")
@@ -614,6 +632,7 @@ def main():
     etcd_vs_redis = paired("i_first_etcd", "e_first_store")
     etcd_floor = paired("i_first_etcd", "h_floor_store_etcd")
     etcd_p50 = p50_overhead_us("i_first_etcd", "h_floor_store_etcd")
+    ha_vs_redis = paired("k_first_redis_ha", "e_first_store")
     miss_etcd_vs_redis = paired("j_replay_after_local_miss_etcd", "g_replay_after_local_miss")
     one = lambda k, f: R[k]["one_connection"][f]
     results = {
@@ -674,6 +693,12 @@ def main():
         "redis_first_rps": R["e_first_store"]["rps"],
         "redis_first_p50_ms_1conn": one("e_first_store", "p50_ms"),
         "redis_first_p99_ms_1conn": one("e_first_store", "p99_ms"),
+        "redis_ha_first_rps": R["k_first_redis_ha"]["rps"],
+        "redis_ha_first_p50_ms_1conn": one("k_first_redis_ha", "p50_ms"),
+        "redis_ha_first_p99_ms_1conn": one("k_first_redis_ha", "p99_ms"),
+        "redis_ha_first_vs_redis_ratio": ha_vs_redis["median"],
+        "redis_ha_first_vs_redis_ratio_spread": ha_vs_redis,
+        "redis_ha_first_store_round_trips": R["k_first_redis_ha"]["store_calls_waited_per_request"],
         "etcd_first_rps": R["i_first_etcd"]["rps"],
         "etcd_first_p50_ms_1conn": one("i_first_etcd", "p50_ms"),
         "etcd_first_p99_ms_1conn": one("i_first_etcd", "p99_ms"),
@@ -790,6 +815,7 @@ LABELS = [
     ("h_floor_store", "(h) floor: buffering + 2 store callouts"),
     ("h_floor_store_etcd", "(h) floor: buffering + 2 etcd writes"),
     ("i_first_etcd", "(i) idemgate, first POST, etcd store"),
+    ("k_first_redis_ha", "(k) idemgate, first POST, Redis HA store"),
     ("g_replay_after_local_miss", "(g) idemgate, replay after local miss, Redis"),
     ("j_replay_after_local_miss_etcd", "(j) idemgate, replay after local miss, etcd"),
 ]
@@ -1065,6 +1091,18 @@ demo runs with it on: a token adds one header to each call, and the root authent
 | replay after a local miss, p50 / p99 ms at 1 connection | {results['redis_replay_after_local_miss_p50_ms_1conn']:.3f} / {results['redis_replay_after_local_miss_p99_ms_1conn']:.3f} | {results['etcd_replay_after_local_miss_p50_ms_1conn']:.3f} / {results['etcd_replay_after_local_miss_p99_ms_1conn']:.3f} | |
 | replay after a local miss, store calls / request | {results['redis_replay_after_local_miss_store_calls_per_request']:.3f} | {results['etcd_replay_after_local_miss_store_calls_per_request']:.3f} | |
 | bytes sent to the store: first POST / replay after a miss (counted) | {results['store_bytes_first_request']:.0f} / {results['store_bytes_replay_after_local_miss']:.0f} | {results['store_bytes_first_request_etcd']:.0f} / {results['store_bytes_replay_after_local_miss_etcd']:.0f} | |
+
+**Redis HA beside them** (k): the same first POSTs through the Redis HA store as shipped
+(`scripts/store_ha.py`, `envoy/redis-ha/`: three Redis nodes on this one disk with
+`appendfsync always` and `min-replicas-to-write 1`, three Sentinels, Envoy's health-checked
+cluster over two legs of webdis and HAProxy), in the same rounds. The single Redis of (e) runs
+with `--appendonly no`, so the difference includes three nodes' fsyncs, not only the HAProxy hop.
+
+| | Redis (webdis) | Redis HA | etcd (3 members) | HA / Redis |
+|---|---|---|---|---|
+| first POST, req/s at {st['connections']} connections | {results['redis_first_rps']:.0f} | {results['redis_ha_first_rps']:.0f} | {results['etcd_first_rps']:.0f} | **{r3('redis_ha_first_vs_redis_ratio')}** (rounds: {sp('redis_ha_first_vs_redis_ratio')}) |
+| first POST, p50 / p99 ms at 1 connection | {results['redis_first_p50_ms_1conn']:.3f} / {results['redis_first_p99_ms_1conn']:.3f} | {results['redis_ha_first_p50_ms_1conn']:.3f} / {results['redis_ha_first_p99_ms_1conn']:.3f} | {results['etcd_first_p50_ms_1conn']:.3f} / {results['etcd_first_p99_ms_1conn']:.3f} | |
+| first POST, store calls waited for | {results['first_request_store_round_trips']:.3f} | {results['redis_ha_first_store_round_trips']:.3f} | {results['etcd_first_store_round_trips']:.3f} | |
 
 - `etcd_first_vs_redis_ratio` = (i) / (e), throughput of the first POST, median of the per-round
   ratios; by Envoy CPU per request (e) / (i): {r3('etcd_first_vs_redis_cpu_ratio')}.
