@@ -14,9 +14,12 @@ after a failover. Ports are chosen at run time; every process is checked to own 
     scripts/store_ha.py down DIR         SIGKILL everything DIR/stack.json lists
     scripts/store_ha.py kill DIR NAME    SIGKILL one part (redis-0, sentinel-1, haproxy-0, webdis-1, ...)
     scripts/store_ha.py start DIR NAME   start a part again on its ports (a Redis node as a replica
-                                         of the primary the Sentinels name, never alone)
+                                         of the primary the Sentinels name, never alone; while a
+                                         failover is promoting a node, as that node's replica)
     scripts/store_ha.py primary DIR      the node the Sentinels name primary (redis-N), or "none"
     scripts/store_ha.py cluster DIR      the idemgate_store cluster (YAML) for this stack
+    scripts/store_ha.py judged DIR       waits until a Sentinel judged the primary down (o_down), then
+                                         until none has a failover under way (30 s at most each)
 
 --tls: Redis listens with TLS only (tls-port, port 0) with a certificate made here (openssl); the
 Sentinels, the replicas and HAProxy's connections and checks use TLS (HAProxy verifies Redis's
@@ -314,6 +317,33 @@ def sentinel_primary(stack):
     return max(votes, key=votes.get) if votes else None
 
 
+def failover_target(stack, seconds=5.0):
+    """The replica a failover under way is promoting (its port), or None when no Sentinel reports
+    one. A failover started when the whole store died may have selected a replica that died in the
+    same instant (the Sentinels had not yet judged it down); it stays under way, for up to
+    failover-timeout, and promotes that replica as soon as it is back, whatever came back
+    meanwhile. A failover still choosing (no replica flagged `promoted` yet) is waited for, at
+    most `seconds`."""
+    deadline = time.time() + seconds
+    while True:
+        choosing = False
+        for s in stack["sentinels"]:
+            try:
+                m = resp(s["port"], "SENTINEL", "master", "idemgate", user=None, tls=tls_args(stack))
+                if "failover_in_progress" not in dict(zip(m[::2], m[1::2])).get("flags", ""):
+                    continue
+                choosing = True
+                for r in resp(s["port"], "SENTINEL", "replicas", "idemgate", user=None, tls=tls_args(stack)) or []:
+                    f = dict(zip(r[::2], r[1::2]))
+                    if "promoted" in f.get("flags", "").split(","):
+                        return int(f["port"])
+            except Exception:
+                pass
+        if not choosing or time.time() > deadline:
+            return None
+        time.sleep(0.1)
+
+
 def up(d, tls):
     os.makedirs(d, exist_ok=True)
     taken = set()
@@ -380,7 +410,16 @@ def start(d, name):
         sys.exit(f"store_ha: {name} is running (pid {p['pid']})")
     if kind == "redis":
         primary = sentinel_primary(stack)
-        start_redis(d, stack, i, replica_of=None if primary in (None, p["port"]) else primary)
+        promoting = failover_target(stack)
+        if promoting is not None:
+            # Side with the failover under way: the node it promotes comes back as primary (it
+            # refuses claims until a replica synced from it, min-replicas-to-write), every other
+            # node as its replica. The former primary never comes back as primary meanwhile: it
+            # would take claims the promoted node lacks, lost when the failover completes.
+            log(f"{name}: a failover is promoting port {promoting}")
+            start_redis(d, stack, i, replica_of=None if promoting == p["port"] else promoting)
+        else:
+            start_redis(d, stack, i, replica_of=None if primary in (None, p["port"]) else primary)
     elif kind == "sentinel":
         start_sentinel(d, stack, i, stack["redis"][0]["port"])
     elif kind == "haproxy":
@@ -432,6 +471,15 @@ def main():
         print(names.get(port, "none"))
     elif cmd == "cluster":
         cluster(d)
+    elif cmd == "judged":
+        stack = load(d)
+
+        def flags():
+            return [dict(zip(m[::2], m[1::2])).get("flags", "") for m in
+                    (resp(s["port"], "SENTINEL", "master", "idemgate", user=None, tls=tls_args(stack))
+                     for s in stack["sentinels"])]
+        wait("the Sentinels judging the primary down (o_down)", lambda: any("o_down" in f for f in flags()))
+        wait("no failover under way", lambda: not any("failover_in_progress" in f for f in flags()))
     else:
         sys.exit(__doc__)
 
