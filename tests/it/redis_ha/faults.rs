@@ -51,8 +51,10 @@ fn redis_ha_one_haproxy_killed_under_load_the_other_leg_serves() {
 /// failover (the Sentinels still reach it), nothing lost, no key executed twice.
 #[test]
 fn redis_ha_primary_cut_off_from_its_replicas_refuses_then_serves_again() {
+    // `run` holds the cut until both proxies refuse a probe (asserted there, bounded by count):
+    // whether the load's own requests met the refusal depends on the machine's speed (in one run
+    // at 6 tests in parallel the refusal came 3.65 s after the cut, after the load had ended).
     let m = run(Fault::Partition, 400, "short-partition");
-    assert!(m.refused > 0, "no request was refused: the cut was never met");
     assert_eq!(m.twice, 0, "executed twice");
     assert_eq!(m.lost, 0, "lost");
 }
@@ -62,7 +64,7 @@ fn redis_ha_primary_cut_off_from_its_replicas_refuses_then_serves_again() {
 /// executed twice.
 #[test]
 fn redis_ha_whole_store_down_and_back_under_load_executes_no_key_twice() {
+    // `run` restarts the nodes only once both proxies refused a probe (asserted there).
     let m = run(Fault::WholeStore, 400, "short-whole");
-    assert!(m.refused > 0, "no request was refused: the store's death was never met");
     assert_eq!(m.twice, 0, "executed twice ({} claims lost)", m.lost);
 }
