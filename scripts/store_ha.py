@@ -41,8 +41,14 @@ SENTINEL_USER = ("sentinel", "idemgate-demo-sentinel-password")
 READY_SECONDS = 30
 
 
+LOG_DIR = None
+
+
 def log(msg):
     print(f"store_ha: {msg}", file=sys.stderr)
+    if LOG_DIR:  # also DIR/store_ha.log, so what a start decided outlives a caller that drops stderr
+        with open(os.path.join(LOG_DIR, "store_ha.log"), "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} {msg}\n")
 
 
 def free_port(taken):
@@ -339,7 +345,10 @@ def failover_target(stack, seconds=5.0):
                         return int(f["port"])
             except Exception:
                 pass
-        if not choosing or time.time() > deadline:
+        if not choosing:
+            return None
+        if time.time() > deadline:
+            log(f"a failover still choosing its replica after {seconds} s: going on without it")
             return None
         time.sleep(0.1)
 
@@ -420,6 +429,8 @@ def start(d, name):
             start_redis(d, stack, i, replica_of=None if promoting == p["port"] else promoting)
         else:
             start_redis(d, stack, i, replica_of=None if primary in (None, p["port"]) else primary)
+        log(f"{name} started" + (f" as a replica of port {promoting}" if promoting not in (None, p["port"]) else
+                                 " as the promoted primary" if promoting == p["port"] else ""))
     elif kind == "sentinel":
         start_sentinel(d, stack, i, stack["redis"][0]["port"])
     elif kind == "haproxy":
@@ -457,6 +468,8 @@ def main():
     if len(args) < 2:
         sys.exit(__doc__)
     cmd, d = args[0], os.path.abspath(args[1])
+    global LOG_DIR
+    LOG_DIR = d if os.path.isdir(d) else None
     if cmd == "up":
         up(d, "--tls" in args[2:])
     elif cmd == "down":
