@@ -92,9 +92,10 @@ test-mixed-fleet: build deps
 
 ## test-redis-ha: the Redis HA store (scripts/store_ha.py, envoy/redis-ha/: 3 Redis nodes, 3 Sentinels, 2 HAProxy +
 ## webdis legs) measured in full (tests/it/redis_ha.rs, failover_full_redis_ha_*): SIGKILL of the primary, of one
-## webdis, of one HAProxy, the whole store down and back, under load through two proxies, 400 keys x
-## IDEMGATE_REDIS_HA_RUNS runs (default 3), and completions written during a failover; `make test` runs the short
-## form (redis_ha::faults::). Table in target/faults/redis_ha.md
+## webdis, of one HAProxy, the primary cut off from its replicas, the whole store down and back, under load through
+## two proxies, 400 keys x IDEMGATE_REDIS_HA_RUNS runs (default 3), and completions written during a failover;
+## `make test` runs a short form of each (redis_ha::faults::, one run each, and the former primary back alone).
+## Table in target/faults/redis_ha.md
 test-redis-ha: build deps
 	scripts/install-deps.sh store-ha
 	rm -f target/faults/redis_ha.md

@@ -91,9 +91,12 @@ def floor_plugin(mode):
 # The 1-connection pass (latency without queueing): these scenarios, every round, after the
 # 16-connection runs; its p50s give `first_local_p50_overhead_us`.
 ONE_CONNECTION = ["h_floor_empty_post", "h_floor_buffering", "h_floor_shared", "d_first_local", "h_floor_store", "e_first_store",
-                  "h_floor_store_etcd", "i_first_etcd", "g_replay_after_local_miss", "j_replay_after_local_miss_etcd"]
+                  "h_floor_store_etcd", "i_first_etcd", "g_replay_after_local_miss", "j_replay_after_local_miss_etcd",
+                  "k_first_redis_ha"]
 ONE_CONNECTION_DURATION = 1 if QUICK else 4
 
+# webdis's basic-auth credential in envoy/redis-ha/webdis.json (the Redis HA stack).
+HA_STORE_AUTH = "idemgate:idemgate-demo-webdis-password"
 PLUGIN_LOCAL = {"scope": {"headers": ["authorization"]}, "local": {"max_entries": 200000, "max_bytes": 268435456, "when_full": "evict_oldest"}}
 # The etcd store (store.kind "etcd"), as envoy/etcd/envoy.yaml configures it.
 PLUGIN_ETCD = dict(PLUGIN_LOCAL, store={"kind": "etcd", "cluster": "idemgate_store", "timeout_ms": 1000})
@@ -143,7 +146,7 @@ class Etcd:
 NATIVE = os.path.join(ROOT, "target", "release", "libidemgate_native.so")
 
 
-def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd_ports=None, native=None):
+def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd_ports=None, ha_cluster=None, native=None):
     filters = []
     if native:
         filters.append({
@@ -165,7 +168,10 @@ def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd
                     "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": json.dumps(plugin or {})},
                     "vm_config": {"vm_id": "idemgate", "runtime": "envoy.wasm.runtime.v8", "code": {"local": {"filename": wasm}},
                                   # Store records are sealed with this secret (src/seal.rs).
-                                  "environment_variables": {"key_values": {"IDEMGATE_RECORD_KEY": "idemgate-bench-record-key-0123456789abcdef"}}},
+                                  "environment_variables": {"key_values": dict(
+                                      {"IDEMGATE_RECORD_KEY": "idemgate-bench-record-key-0123456789abcdef"},
+                                      # The Redis HA stack's webdis asks for basic auth (envoy/redis-ha/webdis.json).
+                                      **({"IDEMGATE_STORE_AUTH": HA_STORE_AUTH} if ha_cluster else {}))}},
                 },
             },
         })
@@ -200,6 +206,9 @@ class Envoy:
         path = os.path.join(OUT, f"envoy-{tag}.json")
         json.dump(envoy_config(self.port, self.admin, **kw), open(path, "w"))
         args = ["envoy", "-c", path, "--concurrency", "1", "--disable-hot-restart", "--log-level", "error"]
+        if kw.get("ha_cluster"):
+            # envoy/redis-ha/idemgate-store-cluster.yaml with the stack's two webdis (store_ha.py cluster).
+            args += ["--config-yaml", "static_resources:\n  clusters:\n" + "".join("  " + l + "\n" for l in kw["ha_cluster"].splitlines())]
         if kw.get("etcd_ports"):
             # The shipped store cluster itself, its members swapped (Envoy appends the clusters of
             # --config-yaml to those of -c).
@@ -207,7 +216,7 @@ class Envoy:
         env = {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": os.path.dirname(kw["native"])} if kw.get("native") else None
         self.proc = start(args, os.path.join(OUT, f"envoy-{tag}.log"), env=env)
         wait_http(f"http://127.0.0.1:{self.admin}/ready", 60)
-        if kw.get("etcd_ports"):
+        if kw.get("etcd_ports") or kw.get("ha_cluster"):
             self.wait_store()
 
     def wait_store(self, seconds=20):
@@ -479,6 +488,13 @@ def main():
     webdis_proc = start(["webdis", os.path.join(OUT, "webdis.json")], os.path.join(OUT, "webdis.out"), cwd=OUT)
     wait_http(f"http://127.0.0.1:{webdis_port}/PING")
     etcd = Etcd()
+    # Redis HA as shipped (scripts/store_ha.py from envoy/redis-ha/: three Redis nodes with
+    # envoy/redis.conf's appendfsync always and min-replicas-to-write 1, three Sentinels, two
+    # HAProxy + webdis legs), its first POST beside the single Redis and etcd.
+    ha_dir = tempfile.mkdtemp(prefix="redis-ha-", dir=OUT)
+    store_ha = [sys.executable, os.path.join(ROOT, "scripts", "store_ha.py")]
+    subprocess.run(store_ha + ["up", ha_dir], check=True, stdout=subprocess.DEVNULL)
+    ha_cluster = subprocess.run(store_ha + ["cluster", ha_dir], check=True, capture_output=True, text=True).stdout
     # CPU of the store's side of each run: webdis (one thread), Redis, the three etcd members.
     store_side = {"webdis": [webdis_proc.pid], "redis": [redis_proc.pid], "etcd": etcd.pids()}
     plugin_store = dict(PLUGIN_LOCAL, store={"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 1000})
@@ -523,12 +539,13 @@ def main():
         ("e_first_store", dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port), dict(mode="unique")),
         ("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed")),
         # The native build beside the Wasm one: the same POSTs as (d) and (f), the same engine.
-        ("k_first_local_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_LOCAL), dict(mode="unique")),
-        ("l_replay_local_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed")),
+        ("m_first_local_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_LOCAL), dict(mode="unique")),
+        ("n_replay_local_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed")),
         # etcd beside Redis: the same POSTs, the same floors, the same replays after a local miss.
         ("h_floor_store_etcd", dict(base, wasm=floor, direct=False, plugin=dict(floor_plugin("store"), store_kind="etcd", key=FLOOR_ETCD_KEY), **with_etcd),
          dict(mode="unique")),
         ("i_first_etcd", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_ETCD, **with_etcd), dict(mode="unique")),
+        ("k_first_redis_ha", dict(base, wasm=wasm, direct=False, plugin=plugin_store, ha_cluster=ha_cluster), dict(mode="unique")),
         ("g_replay_after_local_miss", dict(base, wasm=wasm, direct=False, plugin=dict(plugin_store, local=MISS_LOCAL), **with_redis),
          dict(mode="pool", pool=MISS_POOL, pool_prefix=miss_prefix)),
         ("j_replay_after_local_miss_etcd", dict(base, wasm=wasm, direct=False, plugin=dict(PLUGIN_ETCD, local=MISS_LOCAL), **with_etcd),
@@ -536,7 +553,7 @@ def main():
     ]
     envoys = {name: Envoy(name, **kw) for name, kw, _ in group}
     wrk(envoys["f_replay_local"].port, duration=1, mode="fixed")  # the record every run replays
-    wrk(envoys["l_replay_local_native"].port, duration=1, mode="fixed")
+    wrk(envoys["n_replay_local_native"].port, duration=1, mode="fixed")
     runs = {name: [] for name, _, _ in group}
     runs1 = {name: [] for name in ONE_CONNECTION}
     wkws = {name: wkw for name, _, wkw in group}
@@ -622,6 +639,7 @@ def main():
     cpu_split = perf_split(base, wasm, empty, floor, plugin_store, webdis_port, etcd.client_ports) if not QUICK else {"skipped": "quick run"}
     for p in etcd.procs:
         stop(p)
+    subprocess.run(store_ha + ["down", ha_dir], check=False)
 
     passthrough = paired("c_unprotected_get", "b_empty_wasm_proxied")
     protected_first = paired("e_first_store", "a_proxied")
@@ -635,9 +653,10 @@ def main():
     etcd_vs_redis = paired("i_first_etcd", "e_first_store")
     etcd_floor = paired("i_first_etcd", "h_floor_store_etcd")
     etcd_p50 = p50_overhead_us("i_first_etcd", "h_floor_store_etcd")
+    ha_vs_redis = paired("k_first_redis_ha", "e_first_store")
     miss_etcd_vs_redis = paired("j_replay_after_local_miss_etcd", "g_replay_after_local_miss")
-    native_first = paired("k_first_local_native", "d_first_local")
-    native_replay = paired("l_replay_local_native", "f_replay_local")
+    native_first = paired("m_first_local_native", "d_first_local")
+    native_replay = paired("n_replay_local_native", "f_replay_local")
     one = lambda k, f: R[k]["one_connection"][f]
     results = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip(),
@@ -703,6 +722,12 @@ def main():
         "redis_first_rps": R["e_first_store"]["rps"],
         "redis_first_p50_ms_1conn": one("e_first_store", "p50_ms"),
         "redis_first_p99_ms_1conn": one("e_first_store", "p99_ms"),
+        "redis_ha_first_rps": R["k_first_redis_ha"]["rps"],
+        "redis_ha_first_p50_ms_1conn": one("k_first_redis_ha", "p50_ms"),
+        "redis_ha_first_p99_ms_1conn": one("k_first_redis_ha", "p99_ms"),
+        "redis_ha_first_vs_redis_ratio": ha_vs_redis["median"],
+        "redis_ha_first_vs_redis_ratio_spread": ha_vs_redis,
+        "redis_ha_first_store_round_trips": R["k_first_redis_ha"]["store_calls_waited_per_request"],
         "etcd_first_rps": R["i_first_etcd"]["rps"],
         "etcd_first_p50_ms_1conn": one("i_first_etcd", "p50_ms"),
         "etcd_first_p99_ms_1conn": one("i_first_etcd", "p99_ms"),
@@ -813,14 +838,15 @@ LABELS = [
     ("d_first_local", "(d) idemgate, first POST, local tier"),
     ("e_first_store", "(e) idemgate, first POST, Redis store"),
     ("f_replay_local", "(f) idemgate, replay from memory"),
-    ("k_first_local_native", "(k) idemgate native, first POST, local tier"),
-    ("l_replay_local_native", "(l) idemgate native, replay from memory"),
+    ("m_first_local_native", "(m) idemgate native, first POST, local tier"),
+    ("n_replay_local_native", "(n) idemgate native, replay from memory"),
     ("h_floor_empty_post", "(h) floor: empty filter, same POSTs"),
     ("h_floor_buffering", "(h) floor: buffering (body, response)"),
     ("h_floor_shared", "(h) floor: buffering + the local tier's shared data"),
     ("h_floor_store", "(h) floor: buffering + 2 store callouts"),
     ("h_floor_store_etcd", "(h) floor: buffering + 2 etcd writes"),
     ("i_first_etcd", "(i) idemgate, first POST, etcd store"),
+    ("k_first_redis_ha", "(k) idemgate, first POST, Redis HA store"),
     ("g_replay_after_local_miss", "(g) idemgate, replay after local miss, Redis"),
     ("j_replay_after_local_miss_etcd", "(j) idemgate, replay after local miss, etcd"),
 ]
@@ -1097,6 +1123,18 @@ demo runs with it on: a token adds one header to each call, and the root authent
 | replay after a local miss, store calls / request | {results['redis_replay_after_local_miss_store_calls_per_request']:.3f} | {results['etcd_replay_after_local_miss_store_calls_per_request']:.3f} | |
 | bytes sent to the store: first POST / replay after a miss (counted) | {results['store_bytes_first_request']:.0f} / {results['store_bytes_replay_after_local_miss']:.0f} | {results['store_bytes_first_request_etcd']:.0f} / {results['store_bytes_replay_after_local_miss_etcd']:.0f} | |
 
+**Redis HA beside them** (k): the same first POSTs through the Redis HA store as shipped
+(`scripts/store_ha.py`, `envoy/redis-ha/`: three Redis nodes on this one disk with
+`appendfsync always` and `min-replicas-to-write 1`, three Sentinels, Envoy's health-checked
+cluster over two legs of webdis and HAProxy), in the same rounds. The single Redis of (e) runs
+with `--appendonly no`, so the difference includes three nodes' fsyncs, not only the HAProxy hop.
+
+| | Redis (webdis) | Redis HA | etcd (3 members) | HA / Redis |
+|---|---|---|---|---|
+| first POST, req/s at {st['connections']} connections | {results['redis_first_rps']:.0f} | {results['redis_ha_first_rps']:.0f} | {results['etcd_first_rps']:.0f} | **{r3('redis_ha_first_vs_redis_ratio')}** (rounds: {sp('redis_ha_first_vs_redis_ratio')}) |
+| first POST, p50 / p99 ms at 1 connection | {results['redis_first_p50_ms_1conn']:.3f} / {results['redis_first_p99_ms_1conn']:.3f} | {results['redis_ha_first_p50_ms_1conn']:.3f} / {results['redis_ha_first_p99_ms_1conn']:.3f} | {results['etcd_first_p50_ms_1conn']:.3f} / {results['etcd_first_p99_ms_1conn']:.3f} | |
+| first POST, store calls waited for | {results['first_request_store_round_trips']:.3f} | {results['redis_ha_first_store_round_trips']:.3f} | {results['etcd_first_store_round_trips']:.3f} | |
+
 - `etcd_first_vs_redis_ratio` = (i) / (e), throughput of the first POST, median of the per-round
   ratios; by Envoy CPU per request (e) / (i): {r3('etcd_first_vs_redis_cpu_ratio')}.
 - Replay after a local miss ((g) and (j)): {results['replay_after_local_miss_every_request_note']}.
@@ -1196,8 +1234,8 @@ response, as idemgate's completion write is. The 1-connection columns come from 
 |---|---|---|---|---|
 {floor_rows}
 
-- `native_first_local_ratio` = (k) native / (d) Wasm, first POSTs on the local tier = **{results['native_first_local_ratio']:.3f}** (rounds: {sp('native_first_local_ratio')});
-  `native_replay_local_ratio` = (l) native / (f) Wasm, replays = **{results['native_replay_local_ratio']:.3f}** (rounds: {sp('native_replay_local_ratio')}) ([native.md](native.md))
+- `native_first_local_ratio` = (m) native / (d) Wasm, first POSTs on the local tier = **{results['native_first_local_ratio']:.3f}** (rounds: {sp('native_first_local_ratio')});
+  `native_replay_local_ratio` = (n) native / (f) Wasm, replays = **{results['native_replay_local_ratio']:.3f}** (rounds: {sp('native_replay_local_ratio')}) ([native.md](native.md))
 - `first_local_floor_ratio` = (d) / buffering floor = **{results['first_local_floor_ratio']:.3f}** (rounds: {sp('first_local_floor_ratio')})
 - `first_store_floor_ratio` = (e) / store floor = **{results['first_store_floor_ratio']:.3f}** (rounds: {sp('first_store_floor_ratio')})
 - `first_local_p50_overhead_us` = (d) minus the buffering floor, 1-connection p50 = **{results['first_local_p50_overhead_us']:.0f} µs**

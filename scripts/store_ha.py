@@ -14,9 +14,12 @@ after a failover. Ports are chosen at run time; every process is checked to own 
     scripts/store_ha.py down DIR         SIGKILL everything DIR/stack.json lists
     scripts/store_ha.py kill DIR NAME    SIGKILL one part (redis-0, sentinel-1, haproxy-0, webdis-1, ...)
     scripts/store_ha.py start DIR NAME   start a part again on its ports (a Redis node as a replica
-                                         of the primary the Sentinels name, never alone)
+                                         of the primary the Sentinels name, never alone; while a
+                                         failover is promoting a node, as that node's replica)
     scripts/store_ha.py primary DIR      the node the Sentinels name primary (redis-N), or "none"
     scripts/store_ha.py cluster DIR      the idemgate_store cluster (YAML) for this stack
+    scripts/store_ha.py judged DIR       waits until a Sentinel judged the primary down (o_down), then
+                                         until none has a failover under way (30 s at most each)
 
 --tls: Redis listens with TLS only (tls-port, port 0) with a certificate made here (openssl); the
 Sentinels, the replicas and HAProxy's connections and checks use TLS (HAProxy verifies Redis's
@@ -38,8 +41,14 @@ SENTINEL_USER = ("sentinel", "idemgate-demo-sentinel-password")
 READY_SECONDS = 30
 
 
+LOG_DIR = None
+
+
 def log(msg):
     print(f"store_ha: {msg}", file=sys.stderr)
+    if LOG_DIR:  # also DIR/store_ha.log, so what a start decided outlives a caller that drops stderr
+        with open(os.path.join(LOG_DIR, "store_ha.log"), "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} {msg}\n")
 
 
 def free_port(taken):
@@ -314,6 +323,36 @@ def sentinel_primary(stack):
     return max(votes, key=votes.get) if votes else None
 
 
+def failover_target(stack, seconds=5.0):
+    """The replica a failover under way is promoting (its port), or None when no Sentinel reports
+    one. A failover started when the whole store died may have selected a replica that died in the
+    same instant (the Sentinels had not yet judged it down); it stays under way, for up to
+    failover-timeout, and promotes that replica as soon as it is back, whatever came back
+    meanwhile. A failover still choosing (no replica flagged `promoted` yet) is waited for, at
+    most `seconds`."""
+    deadline = time.time() + seconds
+    while True:
+        choosing = False
+        for s in stack["sentinels"]:
+            try:
+                m = resp(s["port"], "SENTINEL", "master", "idemgate", user=None, tls=tls_args(stack))
+                if "failover_in_progress" not in dict(zip(m[::2], m[1::2])).get("flags", ""):
+                    continue
+                choosing = True
+                for r in resp(s["port"], "SENTINEL", "replicas", "idemgate", user=None, tls=tls_args(stack)) or []:
+                    f = dict(zip(r[::2], r[1::2]))
+                    if "promoted" in f.get("flags", "").split(","):
+                        return int(f["port"])
+            except Exception:
+                pass
+        if not choosing:
+            return None
+        if time.time() > deadline:
+            log(f"a failover still choosing its replica after {seconds} s: going on without it")
+            return None
+        time.sleep(0.1)
+
+
 def up(d, tls):
     os.makedirs(d, exist_ok=True)
     taken = set()
@@ -380,7 +419,18 @@ def start(d, name):
         sys.exit(f"store_ha: {name} is running (pid {p['pid']})")
     if kind == "redis":
         primary = sentinel_primary(stack)
-        start_redis(d, stack, i, replica_of=None if primary in (None, p["port"]) else primary)
+        promoting = failover_target(stack)
+        if promoting is not None:
+            # Side with the failover under way: the node it promotes comes back as primary (it
+            # refuses claims until a replica synced from it, min-replicas-to-write), every other
+            # node as its replica. The former primary never comes back as primary meanwhile: it
+            # would take claims the promoted node lacks, lost when the failover completes.
+            log(f"{name}: a failover is promoting port {promoting}")
+            start_redis(d, stack, i, replica_of=None if promoting == p["port"] else promoting)
+        else:
+            start_redis(d, stack, i, replica_of=None if primary in (None, p["port"]) else primary)
+        log(f"{name} started" + (f" as a replica of port {promoting}" if promoting not in (None, p["port"]) else
+                                 " as the promoted primary" if promoting == p["port"] else ""))
     elif kind == "sentinel":
         start_sentinel(d, stack, i, stack["redis"][0]["port"])
     elif kind == "haproxy":
@@ -418,6 +468,8 @@ def main():
     if len(args) < 2:
         sys.exit(__doc__)
     cmd, d = args[0], os.path.abspath(args[1])
+    global LOG_DIR
+    LOG_DIR = d if os.path.isdir(d) else None
     if cmd == "up":
         up(d, "--tls" in args[2:])
     elif cmd == "down":
@@ -432,6 +484,15 @@ def main():
         print(names.get(port, "none"))
     elif cmd == "cluster":
         cluster(d)
+    elif cmd == "judged":
+        stack = load(d)
+
+        def flags():
+            return [dict(zip(m[::2], m[1::2])).get("flags", "") for m in
+                    (resp(s["port"], "SENTINEL", "master", "idemgate", user=None, tls=tls_args(stack))
+                     for s in stack["sentinels"])]
+        wait("the Sentinels judging the primary down (o_down)", lambda: any("o_down" in f for f in flags()))
+        wait("no failover under way", lambda: not any("failover_in_progress" in f for f in flags()))
     else:
         sys.exit(__doc__)
 

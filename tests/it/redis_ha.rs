@@ -112,6 +112,40 @@ impl HaStore {
         store_ha(&self.scratch.0, &["cluster"])
     }
 
+    /// `redis-cli` on node `part` as `admin` (TLS when the stack has it): its stdout.
+    fn cli(&self, part: &str, args: &[&str]) -> String {
+        let tls = self.scratch.0.join("tls");
+        let mut cli = Command::new("redis-cli");
+        if tls.exists() {
+            cli.arg("--tls").arg("--cacert").arg(tls.join("ca.crt"));
+            cli.arg("--cert").arg(tls.join("redis.crt")).arg("--key").arg(tls.join("redis.key"));
+        }
+        let out = cli
+            .args(["-p", &self.port(part).to_string(), "--user", ADMIN.0, "--pass", ADMIN.1, "--no-auth-warning"])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// `INFO replication` of node `part` (empty when it does not answer).
+    pub fn replication(&self, part: &str) -> String {
+        self.cli(part, &["INFO", "replication"])
+    }
+
+    /// The pid `scripts/store_ha.py` recorded for `part`.
+    pub fn pid(&self, part: &str) -> i32 {
+        let (kind, i) = part.rsplit_once('-').expect("a part name");
+        let key = match kind {
+            "redis" => "redis",
+            "sentinel" => "sentinels",
+            "haproxy" => "haproxies",
+            _ => "webdis",
+        };
+        let i: usize = i.parse().expect("a part number");
+        self.stack()[key][i]["pid"].as_i64().expect("a pid") as i32
+    }
+
     /// The idemgate keys node `part` holds.
     pub fn keys(&self, part: &str) -> BTreeSet<String> {
         let tls = self.scratch.0.join("tls");
@@ -212,6 +246,12 @@ fn kind(r: &Response) -> String {
     }
 }
 
+/// `kill <sig> <pid>`.
+fn signal(pid: i32, sig: &str) {
+    let st = Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill");
+    assert!(st.success(), "kill {sig} {pid}");
+}
+
 /// The faults the tests inject.
 #[derive(Clone, Copy, Debug)]
 pub enum Fault {
@@ -224,6 +264,10 @@ pub enum Fault {
     /// SIGKILL of every Redis node, then all three started again (from their AOF) once both
     /// proxies answer 503 `store-unavailable`.
     WholeStore,
+    /// The primary cut off from both its replicas (each SIGSTOPped: no replication, no
+    /// acknowledgement, their sockets held open) while clients and Sentinels still reach it; held
+    /// until both proxies refuse (the primary's `min-replicas-max-lag`), then healed (SIGCONT).
+    Partition,
 }
 
 /// One request of the load: when it was sent and answered (from the run's start), and its answer.
@@ -288,12 +332,35 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
     assert!(reached, "an eighth of the keys never executed: {}", w.up.executions());
     let old_primary = w.store.primary();
     let mut whole_down_at = None;
+    let mut alone_for = None;
     // The part dies between these two instants (`store_ha.py kill` returns once it is reaped).
     let fault_start = t0.elapsed();
     match fault {
         Fault::Primary => w.store.kill(&old_primary),
         Fault::Webdis => w.store.kill("webdis-0"),
         Fault::Haproxy => w.store.kill("haproxy-0"),
+        Fault::Partition => {
+            let replicas: Vec<String> = (0..3).map(|i| format!("redis-{i}")).filter(|p| *p != old_primary).collect();
+            for r in &replicas {
+                signal(w.store.pid(r), "-STOP");
+            }
+            // Held until both proxies refuse (bounded by count): the primary acknowledges alone
+            // until no replica has acknowledged within `min-replicas-max-lag`.
+            let refused = (0..400).any(|a| {
+                let ok =
+                    ports.iter().all(|p| kind(&post(*p, &format!("{label}-probe-{a}"))) == "503 store-unavailable");
+                ok || {
+                    std::thread::sleep(Duration::from_millis(50));
+                    false
+                }
+            });
+            alone_for = Some((t0.elapsed() - fault_start).as_secs_f64());
+            for r in &replicas {
+                signal(w.store.pid(r), "-CONT");
+            }
+            assert!(refused, "the primary never refused writes with both replicas cut off");
+            whole_down_at = Some(t0.elapsed());
+        }
         Fault::WholeStore => {
             for i in 0..3 {
                 w.store.kill(&format!("redis-{i}"));
@@ -453,7 +520,13 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
     let row = [
         format!("{fault:?}{} ({label})", if tls { ", TLS to Redis" } else { "" }),
         format!("{n} keys, {CLIENTS} clients, two proxies"),
-        format!("served again {:.2} s after the fault", m.back_after),
+        match alone_for {
+            Some(a) => format!(
+                "both proxies refused {a:.2} s after the cut; served again {:.2} s after it healed",
+                m.back_after
+            ),
+            None => format!("served again {:.2} s after the fault", m.back_after),
+        },
         format!("{} refused (503), the last ending {:.2} s after", m.refused, m.last_refusal_after),
         format!("{} lost (primary after: {primary_now}, before: {old_primary})", m.lost),
         format!("{} executed twice", m.twice),
@@ -502,6 +575,13 @@ fn failover_full_redis_ha_one_webdis_killed() {
 fn failover_full_redis_ha_one_haproxy_killed() {
     for r in 0..runs() {
         run(Fault::Haproxy, 400, &format!("full-haproxy-{r}"));
+    }
+}
+
+#[test]
+fn failover_full_redis_ha_primary_partitioned_from_its_replicas() {
+    for r in 0..runs() {
+        run(Fault::Partition, 400, &format!("full-partition-{r}"));
     }
 }
 
@@ -656,4 +736,119 @@ fn failover_full_redis_ha_latency_beside_single_redis() {
     ];
     println!("{}", row.join(" | "));
     fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
+}
+
+/// What `primary_back_alone` saw.
+pub struct BackAlone {
+    /// First attempts sent while the former primary ran alone, by answer.
+    pub alone: BTreeMap<String, usize>,
+    /// Keys executed more than once.
+    pub twice: Vec<String>,
+    /// The node the Sentinels promoted.
+    pub promoted: String,
+    /// Seconds from the former primary's second SIGKILL until a retry was served.
+    pub back_after: f64,
+}
+
+/// The whole store down and back, in the order that lost 43 acknowledged claims in one run of
+/// `failover_full_redis_ha_whole_store_down_and_back`, made deterministic: every node SIGKILLed;
+/// the former primary started again alone (the Sentinels still name it, so it comes back as
+/// primary, from its AOF) and `k` keys sent while its replicas are still down, each once; then it
+/// dies again before any replica synced from it, the two others come back (as replicas of the
+/// primary the Sentinels name), the Sentinels promote one, and every key is retried on both
+/// proxies. Whatever the former primary acknowledged alone, the promoted node never received: a
+/// claim it acknowledged is a key executed twice. Executions are counted per key.
+pub fn primary_back_alone(k: usize, label: &str) -> BackAlone {
+    let w = World::start(false);
+    let ports = w.ports();
+    let old = w.store.primary();
+    for i in 0..3 {
+        w.store.kill(&format!("redis-{i}"));
+    }
+    let refused = (0..200).any(|a| {
+        ports.iter().all(|p| kind(&post(*p, &format!("{label}-probe-{a}"))) == "503 store-unavailable") || {
+            std::thread::sleep(Duration::from_millis(50));
+            false
+        }
+    });
+    assert!(refused, "the proxies never refused with the whole store down");
+    // A failover the Sentinels started as every node died (it may have selected a replica that
+    // died in the same instant) would make `store_ha.py start` bring the former primary back as
+    // that replica's replica, not alone: let it end first (its promotion never comes, so it
+    // aborts after failover-timeout), so the former primary comes back as primary.
+    store_ha(&w.store.scratch.0, &["judged"]);
+    w.store.start_part(&old);
+    assert!(w.store.replication(&old).contains("role:master"), "{old} did not come back as primary");
+    // The store reachable again through both legs: Envoy's check (GET /PING through webdis and
+    // HAProxy to the node saying role:master) passes on both proxies (bounded by count).
+    let healthy = |p: &Envoy| p.stats("cluster.idemgate_store.membership_healthy").iter().any(|(_, v)| *v >= 1);
+    let reachable = (0..300).any(|_| {
+        w.proxies.iter().all(healthy) || {
+            std::thread::sleep(Duration::from_millis(100));
+            false
+        }
+    });
+    assert!(reachable, "the store never answered Envoy's health check with {old} back");
+    let keys: Vec<String> = (0..k).map(|i| format!("{label}-{i}")).collect();
+    let mut alone = BTreeMap::new();
+    for (i, key) in keys.iter().enumerate() {
+        let a = kind(&post(ports[i % 2], key));
+        assert!(a == "201" || a == "503 store-unavailable", "{key}: sent once, answered {a}");
+        *alone.entry(a).or_insert(0) += 1;
+    }
+    w.wait_writes_settled();
+    let held_alone = w.store.keys(&old).len();
+    // Dies again before a replica synced from it; the others come back as replicas.
+    w.store.kill(&old);
+    let killed = Instant::now();
+    for i in 0..3 {
+        let part = format!("redis-{i}");
+        if part != old {
+            w.store.start_part(&part);
+        }
+    }
+    let mut promoted = String::new();
+    let done = (0..900).any(|_| {
+        promoted = w.store.primary();
+        (promoted != old && promoted != "none" && w.store.replication(&promoted).contains("role:master")) || {
+            std::thread::sleep(Duration::from_millis(100));
+            false
+        }
+    });
+    assert!(done, "the Sentinels never promoted a replica after {old} died again (they name {promoted})");
+    let mut back_after = None;
+    let mut retries = BTreeMap::new();
+    for (i, key) in keys.iter().enumerate() {
+        for p in [1 - i % 2, i % 2] {
+            let mut r = post(ports[p], key);
+            for _ in 1..UNAVAILABLE_ATTEMPTS * 3 {
+                if r.problem() != "store-unavailable" {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                r = post(ports[p], key);
+            }
+            back_after.get_or_insert_with(|| killed.elapsed().as_secs_f64());
+            let a = kind(&r);
+            assert!(
+                matches!(a.as_str(), "201" | "201 replayed" | "409 request-in-flight" | "409 outcome-unknown"),
+                "{key}: retry on proxy {p} answered {a}: {}",
+                r.body_text()
+            );
+            *retries.entry(a).or_insert(0) += 1;
+        }
+    }
+    let by_key = w.up.executions_by_key();
+    let twice: Vec<String> = keys.iter().filter(|k| by_key.get(*k).copied().unwrap_or(0) > 1).cloned().collect();
+    let m = BackAlone { alone, twice, promoted, back_after: back_after.unwrap_or(0.0) };
+    let row = [
+        format!("whole store down, former primary back alone then killed again ({label})"),
+        format!("{k} keys sent once while {old} ran alone: {:?}; {held_alone} idemgate keys on it", m.alone),
+        format!("{} promoted; retries served {:.2} s after the second kill", m.promoted, m.back_after),
+        format!("retries {retries:?}"),
+        format!("{} executed twice", m.twice.len()),
+    ];
+    println!("{}", row.join(" | "));
+    fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
+    m
 }
