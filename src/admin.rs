@@ -386,7 +386,7 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: 
                 state: State::Completed(response.clone()),
             };
             // A completion lives `ttl_ms` from now (by Redis's clock: the `PX`).
-            let lives = Lifetimes { ttl_ms: *ttl_ms, lock_ms: 0, unknown_ms: 0 };
+            let lives = Lifetimes { ttl_ms: *ttl_ms, lock_ms: 0, unknown_ms: 0, tombstone_ms: 0 };
             Ok(checked(Transition::complete(owner, record, &lives)))
         }
     }

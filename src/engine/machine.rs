@@ -976,8 +976,13 @@ impl<W> Machine<W> {
                 self.forward(io, req, Claimed { handle, fp, in_store }, lock_from_ms)
             }
             Step::Replay { record, cache } => {
+                let now = io.now_ms();
+                // The key's tombstone (`Record::is_tombstone`): never replayed, never cached.
+                if record.is_tombstone(now) {
+                    self.release_local(io, cache);
+                    return self.replay(io, &req, record);
+                }
                 if let Some(h) = cache {
-                    let now = io.now_ms();
                     let (table, sd) = io.local();
                     let _ = table.complete(sd, &h, record.clone(), now);
                 }
@@ -1120,6 +1125,13 @@ impl<W> Machine<W> {
     }
 
     fn replay<I: Io<Wire = W>>(&mut self, io: &mut I, req: &Protected, record: Record) -> Flow {
+        // Whichever tier it came from: a completed record past its own expiry is its key's
+        // tombstone, answered `key-expired` (the fingerprint already matched: another request
+        // under the key was answered `key-reused` before this).
+        if record.is_tombstone(io.now_ms()) {
+            let creator = record.creator.clone();
+            return self.answer(io, Some(req), ProblemKind::KeyExpired, Some(&creator));
+        }
         if let State::Completed(_) = &record.state {
             self.phase = Phase::Answered;
             io.run(Command::Replay { req, record });
@@ -1421,7 +1433,10 @@ fn settle_command(
         }
         settle::Command::Local(Local::Complete(h, record)) => {
             let (table, sd) = io.local();
-            let done = table.complete(sd, &h, *record, now).map_err(|e| format!("{e:?}"));
+            // This tier's copy is kept through the key's tombstone too (`Lifetimes::life_ms`).
+            let tombstone_ms = policy.map_or(0, |p| Lifetimes::of(p).tombstone_ms);
+            let until = record.expires_at_ms.saturating_add(tombstone_ms);
+            let done = table.complete_until(sd, &h, *record, now, until).map_err(|e| format!("{e:?}"));
             return Some(LocalAnswer::Completed(done));
         }
         settle::Command::Local(Local::Release(h)) => {
