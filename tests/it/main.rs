@@ -37,6 +37,7 @@ mod sdk_clients;
 mod shared_table;
 mod shipped_configs;
 mod single_proxy;
+mod tombstones;
 mod store_acl;
 mod store_scripts;
 mod store_support_smoke;
