@@ -1433,8 +1433,13 @@ fn settle_command(
         }
         settle::Command::Local(Local::Complete(h, record)) => {
             let (table, sd) = io.local();
-            // This tier's copy is kept through the key's tombstone too (`Lifetimes::life_ms`).
-            let tombstone_ms = policy.map_or(0, |p| Lifetimes::of(p).tombstone_ms);
+            // Where this tier is the record's authority (no store claim), its entry is kept
+            // through the key's tombstone too (`Lifetimes::life_ms`); a claim in the store leaves
+            // the tombstone to the store, the local copy ending with the record.
+            let tombstone_ms = match policy {
+                Some(p) if !claim.in_store => Lifetimes::of(p).tombstone_ms,
+                _ => 0,
+            };
             let until = record.expires_at_ms.saturating_add(tombstone_ms);
             let done = table.complete_until(sd, &h, *record, now, until).map_err(|e| format!("{e:?}"));
             return Some(LocalAnswer::Completed(done));

@@ -20,11 +20,11 @@ use support::{Envoy, EnvoyOptions, Stack};
 
 const AUTH: &str = "Bearer alice";
 const BODY: &str = r#"{"amount":42}"#;
-/// ttl 4 s (above a 3 s lock, above the store's 1 s timeout and the 1.5 s route timeout), a
+/// ttl 5 s (above a 3 s lock by the 2 s etcd asks, above the store's 1 s timeout and the 1.5 s route timeout), a
 /// 10 s tombstone.
-const TTL_MS: u64 = 4_000;
+const TTL_MS: u64 = 5_000;
 const TOMBSTONE_MS: u64 = 10_000;
-const LIVES: &str = r#""ttl_seconds": 4, "lock_ttl_seconds": 3, "tombstone_seconds": 10"#;
+const LIVES: &str = r#""ttl_seconds": 5, "lock_ttl_seconds": 3, "tombstone_seconds": 10"#;
 
 fn post(e: &Envoy, key: &str, body: &str) -> Response {
     let h: Vec<(&str, &str)> = vec![("authorization", AUTH), ("idempotency-key", key)];
@@ -63,7 +63,13 @@ fn scenario(first: &Envoy, other: &Envoy, up: &Upstream, key: &str) {
     sleep_until(done + Duration::from_millis(TTL_MS + 300));
     for (e, name) in [(first, "first"), (other, "other")] {
         let retry = post(e, key, BODY);
-        assert_eq!(up.executions(), 1, "executions: the retry on {name} ran again ({} {})", retry.status, retry.problem());
+        assert_eq!(
+            up.executions(),
+            1,
+            "executions: the retry on {name} ran again ({} {})",
+            retry.status,
+            retry.problem()
+        );
         assert_eq!((retry.status, retry.problem().as_str()), (410, "key-expired"), "{name}: {}", retry.body_text());
         assert_eq!(retry.header("idempotent-replayed"), None);
         let reused = post(e, key, r#"{"amount":7}"#);
