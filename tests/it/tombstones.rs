@@ -59,8 +59,9 @@ fn scenario(first: &Envoy, other: &Envoy, up: &Upstream, key: &str) {
     assert_eq!(r.status, 201, "{}", r.body_text());
     assert_eq!(up.executions(), 1);
     let done = replayed(other, key);
-    // Past the record's ttl (its completion came before `done`), inside its tombstone.
-    sleep_until(done + Duration::from_millis(TTL_MS + 300));
+    // Past the record's ttl (its completion came before `done`) by more than etcd's 1 s clock
+    // skew tolerance (within it a record is judged still live), inside its tombstone.
+    sleep_until(done + Duration::from_millis(TTL_MS + 1_500));
     for (e, name) in [(first, "first"), (other, "other")] {
         let retry = post(e, key, BODY);
         assert_eq!(
