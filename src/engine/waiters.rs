@@ -64,10 +64,13 @@ pub enum Action {
     Unauthentic { policy_index: usize, skey: StorageKey, why: String },
 }
 
-fn reply(answer: WaitAnswer) -> Option<Reply> {
+/// What `answer` means for a waiter at `now_ms`: a record to replay that is its key's tombstone
+/// (`Record::is_tombstone`, the rule every replay keeps) is `key-expired` instead.
+fn reply(answer: WaitAnswer, now_ms: u64) -> Option<Reply> {
     match answer {
         WaitAnswer::KeepWaiting => None,
         WaitAnswer::RetryNow => Some(Reply::InFlight { retry_after_seconds: 0 }),
+        WaitAnswer::Replay(r) if r.is_tombstone(now_ms) => Some(Reply::Problem(ProblemKind::KeyExpired)),
         WaitAnswer::Replay(r) => Some(Reply::Replay(r)),
         WaitAnswer::Problem(kind) => Some(Reply::Problem(kind)),
     }
@@ -92,7 +95,7 @@ pub fn tick(
         }
         // Unreadable now: the store (or the next tick) decides.
         let seen = local(&w.skey).unwrap_or(Seen::InFlight);
-        if let Some(r) = reply(wait::answer(seen, Tier::Local, &w.fp, has_store, w.mismatch_status)) {
+        if let Some(r) = reply(wait::answer(seen, Tier::Local, &w.fp, has_store, w.mismatch_status), now_ms) {
             out.push(Action::Answer(Box::new(w), r));
             continue;
         }
@@ -150,7 +153,7 @@ pub fn store_answered(
         Err(_) => return out,
     };
     let skey = w.skey;
-    match reply(wait::answer_from_store(seen, || local_holds(&skey), &w.fp, w.mismatch_status)) {
+    match reply(wait::answer_from_store(seen, || local_holds(&skey), &w.fp, w.mismatch_status), now_ms) {
         None => {}
         Some(r) => out.push(Action::Answer(Box::new(waiters.remove(pos)), r)),
     }

@@ -182,6 +182,18 @@ fn without_a_store_a_local_completion_is_replayed_at_the_next_tick() {
     assert!(sim.ws.is_empty() && sim.polled_at.is_empty(), "no store, no poll");
 }
 
+/// Issue 40, item 6: a waiter that finds its key's tombstone (a completed record past its own
+/// expiry) is answered `key-expired`, never the replay, as every replay is.
+#[test]
+fn a_waiter_that_finds_its_keys_tombstone_is_answered_key_expired() {
+    let mut sim = Sim::new(false);
+    sim.hold(1, 1);
+    let tomb = Record { expires_at_ms: 1, ..completed(FP) };
+    sim.local.insert(skey(1), Some(Seen::Completed { fingerprint: Some(FP), record: Some(tomb), status: 201 }));
+    sim.advance(TICK_MS);
+    assert_eq!(sim.answer_of(1), Some(&Reply::Problem(ProblemKind::KeyExpired)));
+}
+
 #[test]
 fn a_released_key_tells_the_waiter_to_retry_at_once_and_a_reused_key_is_refused() {
     let mut sim = Sim::new(false);
