@@ -254,6 +254,11 @@ pub fn report(skey: &StorageKey, value: &StoredValue, now_ms: u64) -> Value {
     let logged: Map<String, Value> = r.creator.log_values.iter().map(|(n, v)| (n.clone(), json!(v))).collect();
     creator.insert("logged_headers".into(), Value::Object(logged));
     m.insert("creator".into(), Value::Object(creator));
+    if state == Stage::Completed {
+        // Past its own expiry the store still holds it as its key's tombstone (`tombstone_seconds`):
+        // never replayed, answered `key-expired`.
+        m.insert("tombstone".into(), json!(r.is_tombstone(now_ms)));
+    }
     if state == Stage::Forwarded {
         let live = value.lock_expires_at_ms > now_ms;
         m.insert("lock_expires_at_ms".into(), json!(value.lock_expires_at_ms));
