@@ -365,6 +365,14 @@ impl Record {
         matches!(self.state, State::Completed(_) | State::CompletedTooLarge { .. }) && self.is_expired(now_ms)
     }
 
+    /// `is_tombstone` as a route applies it: a route with `tombstone_seconds: 0` has none, and
+    /// replays a completed record for as long as its tier holds it, as before tombstones (a
+    /// store's copy judged a little past its own expiry by a reader whose clock runs ahead, etcd's
+    /// skew tolerance; or a record a route with tombstones wrote).
+    pub fn is_tombstone_for(&self, tombstone_seconds: u64, now_ms: u64) -> bool {
+        tombstone_seconds > 0 && self.is_tombstone(now_ms)
+    }
+
     /// Encodes the record (see docs/internals.md for the layout).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64 + self.body_len());
@@ -681,6 +689,9 @@ mod tests {
         ] {
             assert!(!Record { state, ..done.clone() }.is_tombstone(60_000));
         }
+        // A route without tombstones has none.
+        assert!(done.is_tombstone_for(1, 60_000));
+        assert!(!done.is_tombstone_for(0, 60_000));
     }
 
     #[test]

@@ -152,6 +152,7 @@ impl Protected {
             polling: false,
             accept_encoding: self.accept_encoding(),
             max_decoded_bytes: self.policy.max_response_body_bytes,
+            tombstone_seconds: self.policy.tombstone_seconds,
         }
     }
 
@@ -978,7 +979,7 @@ impl<W> Machine<W> {
             Step::Replay { record, cache } => {
                 let now = io.now_ms();
                 // The key's tombstone (`Record::is_tombstone`): never replayed, never cached.
-                if record.is_tombstone(now) {
+                if record.is_tombstone_for(req.policy.tombstone_seconds, now) {
                     self.release_local(io, cache);
                     return self.replay(io, &req, record);
                 }
@@ -1128,7 +1129,7 @@ impl<W> Machine<W> {
         // Whichever tier it came from: a completed record past its own expiry is its key's
         // tombstone, answered `key-expired` (the fingerprint already matched: another request
         // under the key was answered `key-reused` before this).
-        if record.is_tombstone(io.now_ms()) {
+        if record.is_tombstone_for(req.policy.tombstone_seconds, io.now_ms()) {
             let creator = record.creator.clone();
             return self.answer(io, Some(req), ProblemKind::KeyExpired, Some(&creator));
         }
