@@ -254,6 +254,11 @@ pub fn report(skey: &StorageKey, value: &StoredValue, now_ms: u64) -> Value {
     let logged: Map<String, Value> = r.creator.log_values.iter().map(|(n, v)| (n.clone(), json!(v))).collect();
     creator.insert("logged_headers".into(), Value::Object(logged));
     m.insert("creator".into(), Value::Object(creator));
+    if state == Stage::Completed {
+        // Past its own expiry the store still holds it as its key's tombstone (`tombstone_seconds`):
+        // never replayed, answered `key-expired`.
+        m.insert("tombstone".into(), json!(r.is_tombstone(now_ms)));
+    }
     if state == Stage::Forwarded {
         let live = value.lock_expires_at_ms > now_ms;
         m.insert("lock_expires_at_ms".into(), json!(value.lock_expires_at_ms));
@@ -386,7 +391,7 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: 
                 state: State::Completed(response.clone()),
             };
             // A completion lives `ttl_ms` from now (by Redis's clock: the `PX`).
-            let lives = Lifetimes { ttl_ms: *ttl_ms, lock_ms: 0, unknown_ms: 0 };
+            let lives = Lifetimes { ttl_ms: *ttl_ms, lock_ms: 0, unknown_ms: 0, tombstone_ms: 0 };
             Ok(checked(Transition::complete(owner, record, &lives)))
         }
     }

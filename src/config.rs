@@ -145,6 +145,9 @@ pub struct Policy {
     pub ttl_seconds: u64,
     pub lock_ttl_seconds: u64,
     pub unknown_outcome_seconds: u64,
+    /// How long a completed record's tombstone outlives it (`tombstone_seconds`; 0: none): a
+    /// retry of the same request past `ttl_seconds` is refused `key-expired` instead of executing.
+    pub tombstone_seconds: u64,
     pub max_request_body_bytes: u64,
     pub max_response_body_bytes: u64,
     pub fingerprint: FingerprintConfig,
@@ -392,6 +395,7 @@ impl Default for Policy {
             ttl_seconds: 86_400,
             lock_ttl_seconds: 60,
             unknown_outcome_seconds: 86_400,
+            tombstone_seconds: 0,
             max_request_body_bytes: 1_048_576,
             max_response_body_bytes: 1_048_576,
             fingerprint: FingerprintConfig {
@@ -529,6 +533,7 @@ raw_object! {
         ttl_seconds: u64,
         lock_ttl_seconds: u64,
         unknown_outcome_seconds: u64,
+        tombstone_seconds: u64,
         max_request_body_bytes: u64,
         max_response_body_bytes: u64,
         fingerprint: RawFingerprint,
@@ -1047,6 +1052,9 @@ fn apply_policy_fields(l: &RawLevel, prefix: &str, p: &mut Policy) -> Result<(),
     }
     if let Some(n) = l.unknown_outcome_seconds {
         p.unknown_outcome_seconds = range(n, &f("unknown_outcome_seconds"), 1, MAX_TTL_SECONDS)?;
+    }
+    if let Some(n) = l.tombstone_seconds {
+        p.tombstone_seconds = range(n, &f("tombstone_seconds"), 0, MAX_TTL_SECONDS)?;
     }
     Ok(())
 }
@@ -1569,6 +1577,19 @@ mod tests {
     }
 
     #[test]
+    fn tombstone_seconds_is_set_per_route_and_inherited_and_zero_turns_it_off() {
+        let c = parse(
+            r#"{"scope": {"global": true}, "tombstone_seconds": 3600,
+            "routes": [{"prefix": "/off", "tombstone_seconds": 0}, {"prefix": "/"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.policy_for("POST", "/off/x").map(|p| p.tombstone_seconds), Some(0));
+        assert_eq!(c.policy_for("POST", "/on").map(|p| p.tombstone_seconds), Some(3600));
+        let e = parse(r#"{"scope": {"global": true}, "tombstone_seconds": 40000000}"#).unwrap_err();
+        assert!(e.to_string().contains("tombstone_seconds"), "{e}");
+    }
+
+    #[test]
     fn minimal_config_takes_every_documented_default() {
         let c = parse(MINIMAL).unwrap();
         let p = &c.default_policy;
@@ -1579,6 +1600,7 @@ mod tests {
         assert_eq!(p.key_max_length, 255);
         assert_eq!(p.key_syntax, crate::key::KeySyntax::Strict);
         assert_eq!((p.ttl_seconds, p.lock_ttl_seconds, p.unknown_outcome_seconds), (86_400, 60, 86_400));
+        assert_eq!(p.tombstone_seconds, 0, "tombstones are off unless asked for");
         assert_eq!((p.max_request_body_bytes, p.max_response_body_bytes), (1_048_576, 1_048_576));
         assert_eq!(
             p.fingerprint,
@@ -2331,6 +2353,7 @@ mod tests {
             "ttl_seconds",
             "lock_ttl_seconds",
             "unknown_outcome_seconds",
+            "tombstone_seconds",
             "max_request_body_bytes",
             "max_response_body_bytes",
             "fingerprint",

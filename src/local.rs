@@ -1095,8 +1095,22 @@ impl Table {
         record: Record,
         now_ms: u64,
     ) -> Result<Completed, LocalError> {
+        let until = record.expires_at_ms;
+        self.complete_until(sd, h, record, now_ms, until)
+    }
+
+    /// `complete`, the entry kept until `expires_at_ms` (the record's own expiry plus its
+    /// tombstone time, `Lifetimes::life_ms`, where this tier is the record's authority): past the
+    /// record's own expiry it is its key's tombstone (`Record::is_tombstone`).
+    pub fn complete_until(
+        &self,
+        sd: &mut dyn SharedData,
+        h: &Handle,
+        record: Record,
+        now_ms: u64,
+        expires_at_ms: u64,
+    ) -> Result<Completed, LocalError> {
         let fp = record.fingerprint;
-        let expires_at_ms = record.expires_at_ms;
         let status = match &record.state {
             State::Completed(r) => r.status,
             State::CompletedTooLarge { status, .. } => *status,

@@ -356,6 +356,7 @@ pub fn error_code(kind: &ProblemKind) -> i64 {
         ProblemKind::KeyMissing { .. } | ProblemKind::KeyInvalid { .. } => -32005,
         ProblemKind::BodyTooLarge { .. } => -32006,
         ProblemKind::McpBatchRefused => -32007,
+        ProblemKind::KeyExpired => -32008,
         // The protocol's own code for it (2026-07-28, the Python SDK's `HEADER_MISMATCH`).
         ProblemKind::McpHeaderMismatch { .. } => -32020,
         _ => -32000,
@@ -1329,6 +1330,7 @@ data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}";
         assert_eq!(error_code(&ProblemKind::StoreUnavailable { retry_after_seconds: 1 }), -32004);
         assert_eq!(error_code(&ProblemKind::KeyMissing { header: "h".into() }), -32005);
         assert_eq!(error_code(&ProblemKind::BodyTooLarge { limit: 1 }), -32006);
+        assert_eq!(error_code(&ProblemKind::KeyExpired), -32008);
         assert_eq!(error_code(&ProblemKind::McpBodyAmbiguous), -32000);
     }
 }

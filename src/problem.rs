@@ -34,6 +34,10 @@ pub enum ProblemKind {
     InFlight { retry_after_seconds: u64 },
     /// The first request may have executed but its outcome is not known.
     OutcomeUnknown,
+    /// The key's record expired (`ttl_seconds`) and only its tombstone is left
+    /// (`tombstone_seconds`): the same request again, whose outcome is no longer known; nothing
+    /// was forwarded.
+    KeyExpired,
     /// The key was used before with a different request; `status` is the policy's
     /// `mismatch_status` (422 or 409).
     KeyReused { status: u16 },
@@ -100,6 +104,7 @@ impl ProblemKind {
             ProblemKind::BodyTooLarge { .. } => "body-too-large",
             ProblemKind::InFlight { .. } => "request-in-flight",
             ProblemKind::OutcomeUnknown => "outcome-unknown",
+            ProblemKind::KeyExpired => "key-expired",
             ProblemKind::KeyReused { .. } => "key-reused",
             ProblemKind::StoreUnavailable { .. } => "store-unavailable",
             ProblemKind::RecordUnreadable { .. } => "record-unreadable",
@@ -130,6 +135,7 @@ impl ProblemKind {
             | ProblemKind::InternalState { .. } => 503,
             ProblemKind::ResponseNotStored { status, .. } => *status,
             ProblemKind::UpstreamNoAnswer => 504,
+            ProblemKind::KeyExpired => 410,
             ProblemKind::EncodingNotAccepted { .. } => 406,
             ProblemKind::GrpcUnsupported { .. } => 415,
             ProblemKind::RouteAmbiguous
@@ -147,6 +153,7 @@ impl ProblemKind {
             ProblemKind::BodyTooLarge { .. } => "Request body too large for idempotency protection",
             ProblemKind::InFlight { .. } => "A request with this idempotency key is in progress",
             ProblemKind::OutcomeUnknown => "Outcome of the original request is unknown",
+            ProblemKind::KeyExpired => "Idempotency key expired",
             ProblemKind::KeyReused { .. } => "Idempotency key reused with a different request",
             ProblemKind::StoreUnavailable { .. } => "Idempotency store unavailable",
             ProblemKind::RecordUnreadable { .. } => "Idempotency record unreadable",
@@ -189,6 +196,7 @@ impl ProblemKind {
                 "The first request with this key has not finished. Retry after {retry_after_seconds} s with the same key to get its result."
             ),
             ProblemKind::OutcomeUnknown => "The first request with this key was forwarded, but its result was lost (timeout, reset or disconnect), so it may or may not have taken effect. Do not retry with this key: check the resource, then use a new key if the operation must be done.".into(),
+            ProblemKind::KeyExpired => "This key was used for this same request before, and its record has expired: the outcome of that request is no longer known here, so this request was not forwarded. Check the resource; a new operation needs a new key.".into(),
             ProblemKind::KeyReused { .. } => "This key was already used with a different request (method, path, selected headers or body). Use a new key for a new operation.".into(),
             ProblemKind::StoreUnavailable { retry_after_seconds } => format!(
                 "The idempotency store cannot be reached, so the request was not forwarded. Retry after {retry_after_seconds} s with the same key."
@@ -274,6 +282,7 @@ impl ProblemKind {
             | ProblemKind::McpHeaderMismatch { .. } => INVALID_ARGUMENT,
             ProblemKind::ResponseNotStored { .. }
             | ProblemKind::GrpcUnsupported { .. }
+            | ProblemKind::KeyExpired
             | ProblemKind::EncodingNotAccepted { .. } => FAILED_PRECONDITION,
         }
     }
@@ -301,9 +310,10 @@ impl ProblemKind {
             | ProblemKind::McpBodyAmbiguous
             | ProblemKind::McpHeaderMismatch { .. }
             | ProblemKind::EncodingNotAccepted { .. } => Some("invalid_api_usage"),
-            ProblemKind::InFlight { .. } | ProblemKind::OutcomeUnknown | ProblemKind::KeyReused { .. } => {
-                Some("invalid_state")
-            }
+            ProblemKind::InFlight { .. }
+            | ProblemKind::OutcomeUnknown
+            | ProblemKind::KeyExpired
+            | ProblemKind::KeyReused { .. } => Some("invalid_state"),
             ProblemKind::StoreUnavailable { .. }
             | ProblemKind::RecordUnreadable { .. }
             | ProblemKind::CapacityExhausted { .. }
@@ -403,6 +413,7 @@ mod tests {
             ProblemKind::BodyTooLarge { limit: 10 },
             ProblemKind::InFlight { retry_after_seconds: 2 },
             ProblemKind::OutcomeUnknown,
+            ProblemKind::KeyExpired,
             ProblemKind::KeyReused { status: 422 },
             ProblemKind::StoreUnavailable { retry_after_seconds: 1 },
             ProblemKind::RecordUnreadable { retry_after_seconds: 1 },
@@ -510,6 +521,8 @@ mod tests {
         assert_eq!(ProblemKind::BodyTooLarge { limit: 1 }.status(), 413);
         assert_eq!(ProblemKind::InFlight { retry_after_seconds: 1 }.status(), 409);
         assert_eq!(ProblemKind::OutcomeUnknown.status(), 409);
+        assert_eq!(ProblemKind::KeyExpired.status(), 410);
+        assert_eq!(ProblemKind::KeyExpired.slug(), "key-expired");
         assert_eq!(ProblemKind::KeyReused { status: 422 }.status(), 422);
         assert_eq!(ProblemKind::KeyReused { status: 409 }.status(), 409);
         assert_eq!(ProblemKind::StoreUnavailable { retry_after_seconds: 1 }.status(), 503);

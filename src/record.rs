@@ -223,6 +223,9 @@ pub struct Lifetimes {
     pub ttl_ms: u64,
     pub lock_ms: u64,
     pub unknown_ms: u64,
+    /// How long a completed record is kept past `ttl_ms` as its key's tombstone
+    /// (`tombstone_seconds`; 0: not at all).
+    pub tombstone_ms: u64,
 }
 
 impl Lifetimes {
@@ -232,6 +235,7 @@ impl Lifetimes {
             ttl_ms: policy.ttl_seconds.saturating_mul(1000),
             lock_ms: policy.lock_ttl_seconds.saturating_mul(1000),
             unknown_ms: policy.unknown_outcome_seconds.saturating_mul(1000),
+            tombstone_ms: policy.tombstone_seconds.saturating_mul(1000),
         }
     }
 
@@ -242,14 +246,14 @@ impl Lifetimes {
     /// | absent | 0 (nothing is kept) |
     /// | claimed | `ttl`, never less than its lock |
     /// | forwarded | its lock, then `unknown_outcome` (a forwarded claim whose lock expired without a completion *is* outcome-unknown, from that moment) |
-    /// | completed | `ttl`, from the completion |
+    /// | completed | `ttl`, from the completion, then `tombstone` (the record's own `expires_at_ms`, the completion plus `ttl`, says when it stops being replayed: `Record::is_tombstone`) |
     /// | unknown | `unknown_outcome`, from the moment it became unknown |
     pub fn life_ms(&self, stage: Stage) -> u64 {
         match stage {
             Stage::Absent => 0,
             Stage::Claimed => self.ttl_ms.max(self.lock_ms),
             Stage::Forwarded => self.lock_ms.saturating_add(self.unknown_ms),
-            Stage::Completed => self.ttl_ms,
+            Stage::Completed => self.ttl_ms.saturating_add(self.tombstone_ms),
             Stage::Unknown => self.unknown_ms,
         }
     }
@@ -348,6 +352,25 @@ impl Record {
 
     pub fn is_expired(&self, now_ms: u64) -> bool {
         now_ms >= self.expires_at_ms
+    }
+
+    /// The one tombstone rule, for every tier: a completed record that a tier still holds (its
+    /// tier keeps it `tombstone_seconds` past `ttl_seconds`, `Lifetimes::life_ms`) but that is
+    /// past its own expiry (its completion plus `ttl_seconds`, `Record::completed`) is its key's
+    /// tombstone: never replayed, never executed again (`key-expired`; another request under the
+    /// key is `key-reused`, as before). `expires_at_ms` may have been written by another proxy's
+    /// clock: a skew moves only the moment a replay turns into `key-expired`; the key is freed
+    /// only by the tier's own expiry, judged by the tier's clock.
+    pub fn is_tombstone(&self, now_ms: u64) -> bool {
+        matches!(self.state, State::Completed(_) | State::CompletedTooLarge { .. }) && self.is_expired(now_ms)
+    }
+
+    /// `is_tombstone` as a route applies it: a route with `tombstone_seconds: 0` has none, and
+    /// replays a completed record for as long as its tier holds it, as before tombstones (a
+    /// store's copy judged a little past its own expiry by a reader whose clock runs ahead, etcd's
+    /// skew tolerance; or a record a route with tombstones wrote).
+    pub fn is_tombstone_for(&self, tombstone_seconds: u64, now_ms: u64) -> bool {
+        tombstone_seconds > 0 && self.is_tombstone(now_ms)
     }
 
     /// Encodes the record (see docs/internals.md for the layout).
@@ -644,9 +667,36 @@ mod tests {
         ]
     }
 
+    /// Issue 40, item 6: a completed record lives `ttl` then its tombstone in every tier, and is
+    /// its key's tombstone from its own expiry (the completion plus `ttl`) on; no other stage is.
+    #[test]
+    fn a_completed_record_outlives_its_ttl_as_the_keys_tombstone_and_no_other_stage_does() {
+        let l = Lifetimes { ttl_ms: 10_000, lock_ms: 1_000, unknown_ms: 5_000, tombstone_ms: 7_000 };
+        assert_eq!(l.life_ms(Stage::Completed), 17_000);
+        assert_eq!(l.life_ms(Stage::Unknown), 5_000);
+        assert_eq!(l.life_ms(Stage::Forwarded), 6_000);
+        assert_eq!(Lifetimes { tombstone_ms: 0, ..l }.life_ms(Stage::Completed), 10_000);
+        let resp = StoredResponse { status: 201, headers: vec![], body: b"x".to_vec() };
+        let done = Record::completed(Fingerprint([1; 32]), resp, false, Creator::default(), 50_000, 10);
+        assert_eq!(done.expires_at_ms, 60_000);
+        assert!(!done.is_tombstone(59_999));
+        assert!(done.is_tombstone(60_000));
+        let lean = Record { state: done.state.clone().without_body(), ..done.clone() };
+        assert!(lean.is_tombstone(60_000), "a completion kept without its body too");
+        for state in [
+            State::OutcomeUnknown { reason: UnknownReason::Other },
+            State::Forwarded { owner: OwnerToken([1; 16]), lock_expires_at_ms: 0 },
+        ] {
+            assert!(!Record { state, ..done.clone() }.is_tombstone(60_000));
+        }
+        // A route without tombstones has none.
+        assert!(done.is_tombstone_for(1, 60_000));
+        assert!(!done.is_tombstone_for(0, 60_000));
+    }
+
     #[test]
     fn a_claim_answer_is_used_only_while_the_claims_lock_cannot_be_stale() {
-        let l = Lifetimes { ttl_ms: 10_000, lock_ms: 1_000, unknown_ms: 5_000 };
+        let l = Lifetimes { ttl_ms: 10_000, lock_ms: 1_000, unknown_ms: 5_000, tombstone_ms: 0 };
         let sent = 1_764_000_000_000;
         assert!(l.answer_in_time(sent, sent, 0));
         assert!(l.answer_in_time(sent, sent + 999, 0));

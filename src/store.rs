@@ -240,10 +240,16 @@ impl StoredValue {
     /// proxy's own clock, whatever the skew between the clocks.
     pub fn record_on_clock(&self, store_now_ms: u64, expires_at_ms: u64, local_now_ms: u64) -> Record {
         let mut r = self.record.clone();
-        r.expires_at_ms = match expires_at_ms {
+        let tier_end = match expires_at_ms {
             // A key without expiry never ends, on any clock.
             u64::MAX => u64::MAX,
             at => local_now_ms.saturating_add(at.saturating_sub(store_now_ms)),
+        };
+        // A completed record's own expiry (its writer's clock) ends it as a record before the
+        // store drops its key: what is left is its tombstone (`Record::is_tombstone`).
+        r.expires_at_ms = match r.state {
+            State::Completed(_) | State::CompletedTooLarge { .. } => tier_end.min(self.record.expires_at_ms),
+            _ => tier_end,
         };
         r
     }

@@ -184,6 +184,10 @@ fn the_report_names_state_times_creator_and_response_size() {
     assert_eq!(r["creator"]["logged_headers"]["x-agent"], "a1");
     assert_eq!(r["fingerprint"], "05".repeat(32));
     assert_eq!(r["response_headers"][0][1], "/c/1");
+    assert_eq!(r["tombstone"], false);
+    // Past its own expiry, still held by the store: its key's tombstone (issue 40, item 6).
+    v.record.expires_at_ms = NOW;
+    assert_eq!(report(&StorageKey([7; 32]), &v, NOW)["tombstone"], true);
     let live = report(&StorageKey([7; 32]), &value(Stage::Forwarded, NOW + 1), NOW);
     assert_eq!((live["state"].as_str(), live["lock"].as_str()), (Some("in-flight"), Some("live")));
     let mut u = value(Stage::Unknown, 0);

@@ -152,6 +152,7 @@ impl Protected {
             polling: false,
             accept_encoding: self.accept_encoding(),
             max_decoded_bytes: self.policy.max_response_body_bytes,
+            tombstone_seconds: self.policy.tombstone_seconds,
         }
     }
 
@@ -978,8 +979,13 @@ impl<W> Machine<W> {
                 self.forward(io, req, Claimed { handle, fp, in_store }, lock_from_ms)
             }
             Step::Replay { record, cache } => {
+                let now = io.now_ms();
+                // The key's tombstone (`Record::is_tombstone`): never replayed, never cached.
+                if record.is_tombstone_for(req.policy.tombstone_seconds, now) {
+                    self.release_local(io, cache);
+                    return self.replay(io, &req, record);
+                }
                 if let Some(h) = cache {
-                    let now = io.now_ms();
                     let (table, sd) = io.local();
                     let _ = table.complete(sd, &h, record.clone(), now);
                 }
@@ -1122,6 +1128,13 @@ impl<W> Machine<W> {
     }
 
     fn replay<I: Io<Wire = W>>(&mut self, io: &mut I, req: &Protected, record: Record) -> Flow {
+        // Whichever tier it came from: a completed record past its own expiry is its key's
+        // tombstone, answered `key-expired` (the fingerprint already matched: another request
+        // under the key was answered `key-reused` before this).
+        if record.is_tombstone_for(req.policy.tombstone_seconds, io.now_ms()) {
+            let creator = record.creator.clone();
+            return self.answer(io, Some(req), ProblemKind::KeyExpired, Some(&creator));
+        }
         if let State::Completed(_) = &record.state {
             self.phase = Phase::Answered;
             io.run(Command::Replay { req, record });
@@ -1423,7 +1436,15 @@ fn settle_command(
         }
         settle::Command::Local(Local::Complete(h, record)) => {
             let (table, sd) = io.local();
-            let done = table.complete(sd, &h, *record, now).map_err(|e| format!("{e:?}"));
+            // Where this tier is the record's authority (no store claim), its entry is kept
+            // through the key's tombstone too (`Lifetimes::life_ms`); a claim in the store leaves
+            // the tombstone to the store, the local copy ending with the record.
+            let tombstone_ms = match policy {
+                Some(p) if !claim.in_store => Lifetimes::of(p).tombstone_ms,
+                _ => 0,
+            };
+            let until = record.expires_at_ms.saturating_add(tombstone_ms);
+            let done = table.complete_until(sd, &h, *record, now, until).map_err(|e| format!("{e:?}"));
             return Some(LocalAnswer::Completed(done));
         }
         settle::Command::Local(Local::Release(h)) => {

@@ -38,6 +38,8 @@ pub struct Waiter {
     pub accept_encoding: Vec<Vec<u8>>,
     /// The policy's `max_response_body_bytes`: the most a replay decodes.
     pub max_decoded_bytes: u64,
+    /// The policy's `tombstone_seconds` (`Record::is_tombstone_for`).
+    pub tombstone_seconds: u64,
 }
 
 /// What a waiter is answered.
@@ -64,10 +66,15 @@ pub enum Action {
     Unauthentic { policy_index: usize, skey: StorageKey, why: String },
 }
 
-fn reply(answer: WaitAnswer) -> Option<Reply> {
+/// What `answer` means for a waiter at `now_ms`: a record to replay that is its key's tombstone
+/// (`Record::is_tombstone`, the rule every replay keeps) is `key-expired` instead.
+fn reply(answer: WaitAnswer, tombstone_seconds: u64, now_ms: u64) -> Option<Reply> {
     match answer {
         WaitAnswer::KeepWaiting => None,
         WaitAnswer::RetryNow => Some(Reply::InFlight { retry_after_seconds: 0 }),
+        WaitAnswer::Replay(r) if r.is_tombstone_for(tombstone_seconds, now_ms) => {
+            Some(Reply::Problem(ProblemKind::KeyExpired))
+        }
         WaitAnswer::Replay(r) => Some(Reply::Replay(r)),
         WaitAnswer::Problem(kind) => Some(Reply::Problem(kind)),
     }
@@ -92,7 +99,9 @@ pub fn tick(
         }
         // Unreadable now: the store (or the next tick) decides.
         let seen = local(&w.skey).unwrap_or(Seen::InFlight);
-        if let Some(r) = reply(wait::answer(seen, Tier::Local, &w.fp, has_store, w.mismatch_status)) {
+        if let Some(r) =
+            reply(wait::answer(seen, Tier::Local, &w.fp, has_store, w.mismatch_status), w.tombstone_seconds, now_ms)
+        {
             out.push(Action::Answer(Box::new(w), r));
             continue;
         }
@@ -150,7 +159,11 @@ pub fn store_answered(
         Err(_) => return out,
     };
     let skey = w.skey;
-    match reply(wait::answer_from_store(seen, || local_holds(&skey), &w.fp, w.mismatch_status)) {
+    match reply(
+        wait::answer_from_store(seen, || local_holds(&skey), &w.fp, w.mismatch_status),
+        w.tombstone_seconds,
+        now_ms,
+    ) {
         None => {}
         Some(r) => out.push(Action::Answer(Box::new(waiters.remove(pos)), r)),
     }

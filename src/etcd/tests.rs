@@ -24,7 +24,7 @@ fn owner(n: u8) -> OwnerToken {
 }
 
 fn lifetimes() -> Lifetimes {
-    Lifetimes { ttl_ms: 60_000, lock_ms: 10_000, unknown_ms: 30_000 }
+    Lifetimes { ttl_ms: 60_000, lock_ms: 10_000, unknown_ms: 30_000, tombstone_ms: 0 }
 }
 
 fn creator() -> Creator {

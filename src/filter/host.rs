@@ -595,10 +595,12 @@ pub enum Counter {
     GrpcPassed,
     RedirectsFollowed,
     RedirectsUnfollowed,
+    /// A request that met its key's tombstone (`tombstone_seconds`): refused `key-expired`.
+    KeyExpired,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 53] = [
+    pub const ALL: [Counter; 54] = [
         Counter::Protected,
         Counter::Claimed,
         Counter::TakenOver,
@@ -652,6 +654,7 @@ impl Counter {
         Counter::GrpcPassed,
         Counter::RedirectsFollowed,
         Counter::RedirectsUnfollowed,
+        Counter::KeyExpired,
     ];
 
     /// Whether the counter also exists per route: what a request of the route met (its
@@ -737,6 +740,7 @@ impl Counter {
             Counter::InternalErrors => "idemgate.internal_errors",
             Counter::GrpcRefused => "idemgate.grpc_refused",
             Counter::RouteAmbiguous => "idemgate.route_ambiguous",
+            Counter::KeyExpired => "idemgate.key_expired",
             Counter::McpRefused => "idemgate.mcp_refused",
             Counter::GrpcPassed => "idemgate.grpc_passed_unprotected",
             Counter::RedirectsFollowed => "idemgate.internal_redirects_followed",

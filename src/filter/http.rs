@@ -133,6 +133,7 @@ fn problem_counter(problem: &ProblemKind) -> Counter {
         ProblemKind::BodyTooLarge { .. } => Counter::BodyTooLarge,
         ProblemKind::InFlight { .. } => Counter::InFlightConflict,
         ProblemKind::OutcomeUnknown => Counter::UnknownOutcome,
+        ProblemKind::KeyExpired => Counter::KeyExpired,
         ProblemKind::KeyReused { .. } => Counter::Mismatch,
         ProblemKind::CapacityExhausted { .. } => Counter::LocalFull,
         ProblemKind::BufferBudgetExceeded { .. } => Counter::BufferBudgetExceeded,

@@ -707,6 +707,7 @@ impl Root {
                 match kind {
                     ProblemKind::KeyReused { .. } => s.metrics.inc_for(Counter::Mismatch, Some(w.policy_index)),
                     ProblemKind::OutcomeUnknown => s.metrics.inc_for(Counter::UnknownOutcome, Some(w.policy_index)),
+                    ProblemKind::KeyExpired => s.metrics.inc_for(Counter::KeyExpired, Some(w.policy_index)),
                     ProblemKind::RecordUnreadable { .. } => {
                         warn!("idemgate: outcome=record_unreadable request_id={rid} waiting=true");
                         s.metrics.inc_for(Counter::RecordUnreadable, Some(w.policy_index));

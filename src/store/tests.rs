@@ -26,7 +26,7 @@ fn value(phase: Stage) -> StoredValue {
 
 /// ttl, lock and outcome-unknown lives, in ms.
 fn lives(ttl_ms: u64, lock_ms: u64, unknown_ms: u64) -> Lifetimes {
-    Lifetimes { ttl_ms, lock_ms, unknown_ms }
+    Lifetimes { ttl_ms, lock_ms, unknown_ms, tombstone_ms: 0 }
 }
 
 /// The owner token of the claims these tests parse answers to.
@@ -455,8 +455,18 @@ fn a_store_record_moves_onto_the_proxys_clock_with_what_is_left_of_its_life() {
     let r = v.record_on_clock(1_000_000, 1_004_000, 970_000);
     assert_eq!(r.expires_at_ms, 974_000);
     assert_eq!(v.record_on_clock(1_000_000, 999_000, 970_000).expires_at_ms, 970_000, "already over");
-    assert_eq!(v.record_on_clock(1_000_000, u64::MAX, 970_000).expires_at_ms, u64::MAX, "no PX: never");
+    // A key without PX never ends on any clock; the completed record in it still ends as a
+    // record at its own expiry, after which it is the key's tombstone (issue 40, item 6).
+    let own = v.record.expires_at_ms;
+    assert_eq!(v.record_on_clock(1_000_000, u64::MAX, 970_000).expires_at_ms, own, "no PX: its own expiry");
     assert_eq!(r.state, v.record.state);
+    // A store key kept past its record's own expiry (`tombstone_seconds`): the copy ends with the
+    // record, not with the key, so the proxy never replays the tombstone.
+    let mut t = v.clone();
+    t.record.expires_at_ms = 972_000;
+    let copy = t.record_on_clock(1_000_000, 1_004_000, 970_000);
+    assert_eq!(copy.expires_at_ms, 972_000);
+    assert!(!copy.is_tombstone(971_999) && copy.is_tombstone(972_000));
 }
 
 #[cfg(not(target_arch = "wasm32"))]

@@ -42,6 +42,7 @@ mod store_acl;
 mod store_scripts;
 mod store_support_smoke;
 mod store_tls;
+mod tombstones;
 mod two_proxies;
 mod upgrade;
 mod webdis_late_answers;

@@ -765,3 +765,38 @@ fn routing_headers_that_disagree_with_the_body_are_refused_before_anything_runs(
     }
     assert_eq!(s.up.executions(), 1, "one execution, then its replay");
 }
+
+/// Issue 40, item 6, on an MCP route: a `tools/call` retried after its record expired
+/// (`ttl_seconds` 5) meets the key's tombstone (`tombstone_seconds` 10): a JSON-RPC error
+/// `-32008` `key-expired` with the retry's own id, never executed; other arguments are still
+/// `-32002`. The sleep (a protocol timing) counts from a replay, seen after the completion; the
+/// retry has the tombstone's 10 s of slack.
+#[test]
+fn a_tools_call_retried_after_its_record_expired_gets_key_expired_never_a_second_run() {
+    let s = Mcp::start(&plugin(r#", "ttl_seconds": 5, "lock_ttl_seconds": 3, "tombstone_seconds": 10"#, ""));
+    let h = [ALICE, BOTH, ("idempotency-key", "k-tomb")];
+    let first = post(s.envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 5}), Value::Null));
+    assert_eq!(message(&first)["id"], 1, "{}", first.body_text());
+    // A replay (at most 100 tries, 20 ms apart) is seen after the completion: count from it.
+    let replayed = (0..100).any(|_| {
+        let r = post(s.envoy.port, &h, &tools_call(json!(9), "charge", json!({"amount": 5}), Value::Null));
+        let ok = r.header("idempotent-replayed") == Some("true");
+        if !ok {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        ok
+    });
+    assert!(replayed, "never replayed");
+    std::thread::sleep(Duration::from_millis(5_300));
+    let r = post(s.envoy.port, &h, &tools_call(json!("r-2"), "charge", json!({"amount": 5}), Value::Null));
+    assert_eq!(s.up.executions(), 1, "executions: the retry ran again ({})", r.body_text());
+    assert_eq!(r.status, 200);
+    let m = message(&r);
+    assert_eq!(m["id"], "r-2");
+    assert_eq!(m["error"]["code"], -32008, "{m}");
+    assert_eq!(error_type(&m), "key-expired");
+    assert_eq!(m["error"]["data"]["retry"], false);
+    let r = post(s.envoy.port, &h, &tools_call(json!(3), "charge", json!({"amount": 6}), Value::Null));
+    assert_eq!(message(&r)["error"]["code"], -32002);
+    assert_eq!(s.up.executions(), 1);
+}

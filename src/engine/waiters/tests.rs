@@ -37,6 +37,7 @@ fn waiter(context_id: u32, key: u8, now: u64) -> Waiter {
         polling: false,
         accept_encoding: vec![],
         max_decoded_bytes: 1 << 20,
+        tombstone_seconds: 0,
     }
 }
 
@@ -180,6 +181,25 @@ fn without_a_store_a_local_completion_is_replayed_at_the_next_tick() {
     sim.advance(TICK_MS);
     assert_eq!(sim.answer_of(1), Some(&Reply::Replay(completed(FP))));
     assert!(sim.ws.is_empty() && sim.polled_at.is_empty(), "no store, no poll");
+}
+
+/// Issue 40, item 6: a waiter that finds its key's tombstone (a completed record past its own
+/// expiry) is answered `key-expired`, never the replay, as every replay is.
+#[test]
+fn a_waiter_that_finds_its_keys_tombstone_is_answered_key_expired() {
+    let tomb = Record { expires_at_ms: 1, ..completed(FP) };
+    // A route without tombstones replays it, as before them.
+    for (tombstone_seconds, want) in [(60, Reply::Problem(ProblemKind::KeyExpired)), (0, Reply::Replay(tomb.clone()))] {
+        let mut sim = Sim::new(false);
+        sim.hold(1, 1);
+        if let Some(w) = sim.ws.first_mut() {
+            w.tombstone_seconds = tombstone_seconds;
+        }
+        let seen = Seen::Completed { fingerprint: Some(FP), record: Some(tomb.clone()), status: 201 };
+        sim.local.insert(skey(1), Some(seen));
+        sim.advance(TICK_MS);
+        assert_eq!(sim.answer_of(1), Some(&want), "tombstone_seconds {tombstone_seconds}");
+    }
 }
 
 #[test]

@@ -785,3 +785,59 @@ mod schedules {
         }
     }
 }
+
+/// `CONFIG` with a 100 s `ttl_seconds` and a 50 s tombstone (issue 40, item 6).
+fn tombstone_config(tombstone_seconds: u64) -> String {
+    CONFIG.replacen(
+        "\"ttl_seconds\": 86400",
+        &format!("\"ttl_seconds\": 100, \"tombstone_seconds\": {tombstone_seconds}"),
+        1,
+    )
+}
+
+fn key_expired() -> Answer {
+    Answer::Problem(ProblemKind::KeyExpired.slug())
+}
+
+/// Issue 40, item 6: a key retried after its record expired, on either proxy (the store's
+/// tombstone on the other, the local tier's on the first), is refused `key-expired` and never
+/// executed; another request under it is 422; once the tombstone expires the key is free. Before
+/// tombstones the retry past `ttl_seconds` executed a second time (`runs` 2), as it still does
+/// with `tombstone_seconds: 0`.
+#[test]
+fn a_key_retried_after_its_record_expired_meets_its_tombstone_on_either_proxy_then_is_free() {
+    let mut w = World::new(&tombstone_config(50), 2, NOW);
+    assert_eq!(whole(&mut w, 0, "k-1", b"{\"amount\":1}"), fresh("k-1#1"));
+    // Replayed while the record lives, on both proxies (the second keeps a local copy).
+    w.tick(99_000);
+    assert_eq!(whole(&mut w, 1, "k-1", b"{\"amount\":1}"), replay("k-1#1"));
+    // Past `ttl_seconds`: the tombstone, on the first proxy (its own local tier) and the other.
+    w.tick(2_000);
+    assert_eq!(whole(&mut w, 0, "k-1", b"{\"amount\":1}"), key_expired());
+    assert_eq!(whole(&mut w, 1, "k-1", b"{\"amount\":1}"), key_expired());
+    assert_eq!(
+        whole(&mut w, 1, "k-1", b"{\"amount\":2}"),
+        Answer::Problem(ProblemKind::KeyReused { status: 422 }.slug())
+    );
+    assert_eq!(
+        whole(&mut w, 0, "k-1", b"{\"amount\":2}"),
+        Answer::Problem(ProblemKind::KeyReused { status: 422 }.slug())
+    );
+    assert_eq!(w.runs.get("k-1"), Some(&1), "a tombstone never lets the key execute");
+    assert_eq!(w.store.stage(&skey(&w, 0), w.now), Stage::Completed, "the store still holds the key");
+    // Past the tombstone (ttl 100 s + 50 s from the completion): the key is free everywhere.
+    w.tick(50_000);
+    assert_eq!(w.store.stage(&skey(&w, 0), w.now), Stage::Absent);
+    assert_eq!(whole(&mut w, 1, "k-1", b"{\"amount\":1}"), fresh("k-1#2"));
+    assert_eq!(w.runs.get("k-1"), Some(&2));
+}
+
+/// `tombstone_seconds: 0` keeps the behaviour of before: past `ttl_seconds` the key is free.
+#[test]
+fn without_a_tombstone_a_key_past_its_ttl_executes_again() {
+    let mut w = World::new(&tombstone_config(0), 2, NOW);
+    assert_eq!(whole(&mut w, 0, "k-1", b"{\"amount\":1}"), fresh("k-1#1"));
+    w.tick(101_000);
+    assert_eq!(whole(&mut w, 1, "k-1", b"{\"amount\":1}"), fresh("k-1#2"));
+    assert_eq!(w.runs.get("k-1"), Some(&2));
+}

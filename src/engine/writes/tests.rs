@@ -27,7 +27,7 @@ fn seal() -> Seal {
 }
 
 fn lifetimes() -> Lifetimes {
-    Lifetimes { ttl_ms: 60_000, lock_ms: 10_000, unknown_ms: 30_000 }
+    Lifetimes { ttl_ms: 60_000, lock_ms: 10_000, unknown_ms: 30_000, tombstone_ms: 0 }
 }
 
 fn creator() -> Creator {

@@ -51,7 +51,7 @@ fn eventually(tries: usize, cond: impl Fn() -> bool) -> bool {
 /// Sequential claim-or-read scripts (the first request's one store round trip) through webdis:
 /// claims per second.
 fn claims_per_second(webdis: &Webdis, mode: &str) -> f64 {
-    let lives = Lifetimes { ttl_ms: 120_000, lock_ms: 60_000, unknown_ms: 60_000 };
+    let lives = Lifetimes { ttl_ms: 120_000, lock_ms: 60_000, unknown_ms: 60_000, tombstone_ms: 0 };
     let record = Record::in_progress(
         Fingerprint([1; 32]),
         Creator { request_id: "bench".into(), log_values: vec![] },
