@@ -30,6 +30,7 @@ deps:
 	scripts/install-deps.sh sdk-clients
 	scripts/install-deps.sh probe-apps
 	scripts/install-deps.sh mcp-sdk
+	scripts/install-deps.sh oracle-panel
 
 ## test: lint, the Prometheus rules (test-ops), native unit + property tests, Envoy integration tests,
 ## core tests on wasm32 under Node.js, the demo, and the fault matrix (test-faults)
