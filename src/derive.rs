@@ -1,8 +1,9 @@
 //! Edge-derived keys: for agents that send no `Idempotency-Key` but do send stable identifiers
 //! of the operation (for example `x-agent-task-id` and `x-agent-step-id`).
 //!
-//! The key is `derived-` + 32 hex digits of `SHA-256(tag, method, path, each named header and its
-//! values, the body digest or "-", the caller scope)`. Method and path are in it so that two
+//! The key is `derived-` + 32 hex digits of `SHA-256(tag, method, target, each named header and
+//! its values, the body digest or "-", the caller scope)`, the target read as every backend reads
+//! it alike (`path::one_target`: `/v1//payments?b=2&a=1` is `/v1/payments?a=1&b=2`). Method and path are in it so that two
 //! different operations in one step never collapse into one; the caller scope so that two callers'
 //! task ids never meet. A request lacking any named header, or any scope header (an anonymous
 //! caller, `CallerScope::identified`), gets no key and passes unprotected like any request without
@@ -38,7 +39,9 @@ pub fn derive(
     }
     let mut f = Framer::new(DERIVE_TAG);
     f.field(head.method.as_bytes());
-    f.field(crate::fingerprint::target(head, fp).as_bytes());
+    // The target as every backend reads it alike (`path::one_target`): a retry that spells the
+    // path or the query another way derives the same key (found by the boundary oracle).
+    f.field(crate::path::one_target(crate::fingerprint::target(head, fp)).as_bytes());
     for name in &cfg.headers {
         let values = head.values(name);
         if values.iter().all(|v| v.is_empty()) {
@@ -150,6 +153,42 @@ mod tests {
             key(&h, &cfg(true), Some(br#"{"b":1,"a":2}"#)).as_deref(),
             Some("derived-fbeb559e068118de36c2440758f278a2")
         );
+    }
+
+    /// Found by the boundary oracle (issue 41, tests/it/boundary_oracle.rs): the key hashed the
+    /// target as sent, so a retry that spelled the path or the query another way (`/v1/%70ayments`,
+    /// `/v1//payments`, `/v1;x=1/payments`, `?b=2&a=1`, `?%61=1`), one request to Flask, Django,
+    /// FastAPI, Express, Fastify, Go and Tomcat alike, derived a second key and executed again.
+    #[test]
+    fn spellings_every_backend_reads_as_one_target_derive_one_key() {
+        let c = cfg(false);
+        let k = |target: &str| key(&head("POST", target, STEP), &c, None);
+        let canonical = k("/v1/payments?a=1&b=2");
+        for spelling in [
+            "/v1/%70ayments?a=1&b=2",
+            "/v1%2Fpayments?a=1&b=2",
+            "//v1/payments?a=1&b=2",
+            "/v1//payments?a=1&b=2",
+            "/v1/./payments?a=1&b=2",
+            "/v1/x/../payments?a=1&b=2",
+            "/v1/x/%2E%2E/payments?a=1&b=2",
+            "/v1;x=1/payments?a=1&b=2",
+            "/v1/payments;x=1?a=1&b=2",
+            "/v1/payments/?a=1&b=2",
+            "/V1/PAYMENTS?a=1&b=2",
+            "/v1/payments?b=2&a=1",
+            "/v1/payments?%61=1&b=2",
+            "/v1/payments?a=1&b=2&",
+            "/v1/payments?a=1&&b=2",
+        ] {
+            assert_eq!(k(spelling), canonical, "{spelling}");
+        }
+        assert_eq!(k("/v2/orders/o%C3%A9"), k("/v2/orders/o%c3%a9"));
+        // What backends keep apart stays apart: another resource, another value, the NFD form.
+        assert_ne!(k("/v1/payments?a=1&b=3"), canonical);
+        assert_ne!(k("/v1/refunds?a=1&b=2"), canonical);
+        assert_ne!(k("/v2/orders/o%C3%A9"), k("/v2/orders/oe%CC%81"));
+        assert_ne!(k("/v2/orders/1"), k("/v2/orders/2"));
     }
 
     #[test]

@@ -429,7 +429,7 @@ pub fn at_headers(
     // does not check the type runs a tools/call sent as `application/grpc, application/json`
     // (a protected call under such a type is refused, `at_mcp_body`).
     if policy.mcp.is_some() {
-        if end_of_stream || head.method != "POST" {
+        if end_of_stream || !head.method.eq_ignore_ascii_case("POST") {
             return Err(NotProtected::Unprotected { route });
         }
         return Err(NotProtected::McpBody { route, policy });

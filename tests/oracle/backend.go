@@ -26,7 +26,7 @@ func read(route string) http.HandlerFunc {
 		}
 		var body interface{}
 		raw, _ := io.ReadAll(r.Body)
-		if strings.Contains(r.Header.Get("Content-Type"), "json") {
+		if strings.Contains(strings.ToLower(r.Header.Get("Content-Type")), "json") {
 			if json.Unmarshal(raw, &body) != nil {
 				body = nil
 			}

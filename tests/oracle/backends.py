@@ -83,7 +83,7 @@ elif kind == "django":
     def read(request, route, params):
         executed()
         try:
-            body = json.loads(request.body) if "json" in (request.content_type or "") else None
+            body = json.loads(request.body) if "json" in (request.content_type or "").lower() else None
         except ValueError:
             body = None
         q = sorted((k, v) for k, vs in request.GET.lists() for v in vs)
@@ -113,7 +113,7 @@ elif kind == "fastapi":
         executed()
         raw = await request.body()
         try:
-            body = json.loads(raw) if "json" in request.headers.get("content-type", "") else None
+            body = json.loads(raw) if "json" in request.headers.get("content-type", "").lower() else None
         except ValueError:
             body = None
         q = sorted(request.query_params.multi_items())
