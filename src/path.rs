@@ -134,21 +134,25 @@ pub fn one_target(target: &str) -> Cow<'_, str> {
     }
     out.make_ascii_lowercase();
     if let Some(q) = query {
-        let mut pairs: Vec<(String, String)> = q
+        // Each pair decoded, its separators escaped again (so two pairs never read as one), then
+        // the pairs in one order: sorted as text.
+        let mut pairs: Vec<String> = q
             .split('&')
             .filter(|p| !p.is_empty())
             .map(|p| {
                 let (n, v) = p.split_once('=').unwrap_or((p, ""));
-                let read = |x: &str| escape_query(&decode(&x.replace('+', " "), true));
-                (read(n), read(v))
+                let mut one = escape_query(&decode(&n.replace('+', " "), true));
+                if !v.is_empty() {
+                    one.push('=');
+                    one.push_str(&escape_query(&decode(&v.replace('+', " "), true)));
+                }
+                one
             })
             .collect();
-        pairs.sort();
-        let joined: Vec<String> =
-            pairs.into_iter().map(|(n, v)| if v.is_empty() { n } else { format!("{n}={v}") }).collect();
-        if !joined.is_empty() {
+        pairs.sort_unstable();
+        if !pairs.is_empty() {
             out.push('?');
-            out.push_str(&joined.join("&"));
+            out.push_str(&pairs.join("&"));
         }
     }
     if out == target {

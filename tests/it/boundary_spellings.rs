@@ -329,3 +329,29 @@ fn a_method_in_another_letter_case_over_http2_is_protected() {
     assert_eq!(s.up.executions_with_key(key), 1, "Post over HTTP/2 then POST executed twice (answered {})", r.status);
     assert_eq!(r.status, 422, "{}", r.body_text());
 }
+
+/// Found by the boundary oracle (issue 41, the smallest pair it printed, on Django, Express, Go and
+/// Tomcat): `authorization: Bearer alice  ` over HTTP/2, which Envoy forwards with its trailing
+/// spaces and every HTTP/1.1 backend reads as `Bearer alice`, was another scope to idemgate, so
+/// the same key sent again over HTTP/1.1 (where Envoy's parser drops the spaces) executed again.
+#[test]
+fn whitespace_around_a_scope_value_over_http2_is_one_caller() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}}"#);
+    let key = "k-scope-space";
+    let out = Command::new("python3")
+        .arg(support::repo_root().join("tests/oracle/h2_send.py"))
+        .arg(s.envoy.port.to_string())
+        .arg(
+            serde_json::json!({"method": "POST", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
+                "headers": [["authorization", "Bearer alice  "], ["idempotency-key", key],
+                            ["content-type", "application/json"], ["content-length", "2"]]})
+            .to_string(),
+        )
+        .output()
+        .expect("python3 tests/oracle/h2_send.py (h2 installed by scripts/install-deps.sh h2-client)");
+    let first: serde_json::Value = serde_json::from_slice(&out.stdout).expect("h2_send.py's answer");
+    assert_eq!(first["status"], 201, "{first}");
+    let r = post(&s, "/v1/payments", key);
+    assert_eq!(s.up.executions_with_key(key), 1, "executed again in another scope (answered {})", r.status);
+    assert_eq!(r.header("idempotent-replayed"), Some("true"), "{} {}", r.status, r.body_text());
+}
