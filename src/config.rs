@@ -2044,7 +2044,9 @@ mod tests {
             assert!(c.protects_method(m), "{m}");
         }
         assert!(c.policy_for("get", "/anything").is_none());
-        let routed = parse(r#"{"scope": {"global": true}, "routes": [{"prefix": "/v1/payments", "methods": ["PUT"]}]}"#).unwrap();
+        let routed =
+            parse(r#"{"scope": {"global": true}, "routes": [{"prefix": "/v1/payments", "methods": ["PUT"]}]}"#)
+                .unwrap();
         assert!(routed.policy_for("Put", "/v1/payments").is_some());
         assert!(routed.policy_for("Post", "/v1/payments").is_none());
     }
