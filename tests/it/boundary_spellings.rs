@@ -355,3 +355,40 @@ fn whitespace_around_a_scope_value_over_http2_is_one_caller() {
     assert_eq!(s.up.executions_with_key(key), 1, "executed again in another scope (answered {})", r.status);
     assert_eq!(r.header("idempotent-replayed"), Some("true"), "{} {}", r.status, r.body_text());
 }
+
+/// Found by the boundary oracle (issue 41, the smallest pairs it printed): with `derive_key`,
+/// `:method: post` over HTTP/2 (Django runs it as POST) derived another key than POST, and
+/// `x-op: k1` on two lines (Express and Fastify read it as `k1, k1`) another than `x-op: k1, k1`:
+/// each executed twice. Now the method is read in upper case, and a derive header on two lines
+/// is refused (400 key-repeated) before anything executes.
+#[test]
+fn derived_keys_read_the_method_and_repeated_headers_as_backends_do() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"]}}"#);
+    let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", "op-m")];
+    let before = s.up.executions();
+    let out = Command::new("python3")
+        .arg(support::repo_root().join("tests/oracle/h2_send.py"))
+        .arg(s.envoy.port.to_string())
+        .arg(
+            serde_json::json!({"method": "post", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
+                "headers": [["authorization", "Bearer alice"], ["x-op", "op-m"],
+                            ["content-type", "application/json"], ["content-length", "2"]]})
+            .to_string(),
+        )
+        .output()
+        .expect("python3 tests/oracle/h2_send.py");
+    let first: serde_json::Value = serde_json::from_slice(&out.stdout).expect("h2_send.py's answer");
+    assert_eq!(first["status"], 201, "{first}");
+    let r = http::request(s.envoy.port, "POST", "/v1/payments", &h, b"{}").expect("request");
+    assert_eq!(s.up.executions() - before, 1, "post over HTTP/2 then POST executed twice (answered {})", r.status);
+
+    let joined = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", "op-r, op-r")];
+    let two_lines =
+        [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", "op-r"), ("x-op", "op-r")];
+    let before = s.up.executions();
+    let a = http::request(s.envoy.port, "POST", "/v1/payments", &joined, b"{}").expect("request");
+    assert_eq!(a.status, 201, "{}", a.body_text());
+    let b = http::request(s.envoy.port, "POST", "/v1/payments", &two_lines, b"{}").expect("request");
+    assert_eq!(s.up.executions() - before, 1, "x-op on one line then on two executed twice (answered {})", b.status);
+    assert_eq!((b.status, b.problem().as_str()), (400, "key-repeated"), "{}", b.body_text());
+}
