@@ -167,7 +167,8 @@ impl Req {
             b
         };
         bytes.shrink_to_fit();
-        http::raw(port, &bytes, Duration::from_secs(20)).unwrap_or(http::Response {
+        // Generous: `make test` runs this beside every other suite on two cores.
+        http::raw(port, &bytes, Duration::from_secs(60)).unwrap_or(http::Response {
             status: 0,
             headers: vec![],
             body: vec![],
@@ -332,8 +333,8 @@ fn start_backend(name: &'static str) -> Backend {
     let mut line = String::new();
     BufReader::new(out).read_line(&mut line).expect("read the backend's port line");
     let mut b = Backend { name, child, port, envoy: None, listeners: vec![] };
-    // Bounded by count: 1200 polls of 100 ms (Tomcat on two loaded cores takes seconds).
-    support::wait_for(&format!("{name} answering /__count"), 1200, || {
+    // Bounded by count: 2400 polls 50 ms apart (Tomcat on two loaded cores takes seconds).
+    support::wait_for(&format!("{name} answering /__count"), 2400, || {
         http::get(port, "/__count").is_ok_and(|r| r.status == 200)
     });
     // Envoy starts again on fresh ports when one was taken before it bound it (the extra

@@ -15,7 +15,7 @@ import h2.events
 
 port, req = int(sys.argv[1]), json.loads(sys.argv[2])
 body = req["body"].encode()
-sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+sock = socket.create_connection(("127.0.0.1", port), timeout=60)
 conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True, header_encoding=None,
                                                                      validate_outbound_headers=False,
                                                                      normalize_outbound_headers=False))
