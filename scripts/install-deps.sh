@@ -22,6 +22,9 @@
 #                                            # for tests/it/probe_gate.rs
 #   scripts/install-deps.sh mcp-sdk          # the official MCP SDKs: `mcp` (PyPI, venv target/mcp-venv; 1.x in target/mcp1-venv) and
 #                                            # @modelcontextprotocol/sdk (npm, target/mcp-node), pinned in tests/mcp/, for tests/it/mcp_sdk.rs
+#   scripts/install-deps.sh oracle-panel     # the boundary oracle's backends (tests/it/boundary_oracle.rs): Flask, Django, FastAPI/uvicorn
+#                                            # (PyPI, venv target/oracle-venv), Express, Fastify (npm, target/oracle-node), pinned in
+#                                            # tests/oracle/, and Debian's tomcat10 (Java 17) and golang-go
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -190,6 +193,13 @@ case "${1:-}" in
     node_dir=target/mcp-node
     pinned_node tests/mcp "$node_dir" @modelcontextprotocol/sdk
     ;;
+  oracle-panel)
+    # The backends the boundary oracle asks what they read (tests/oracle/, docs/equivalence.md).
+    pinned_venv tests/oracle/requirements.txt target/oracle-venv
+    pinned_node tests/oracle target/oracle-node fastify
+    { command -v javac >/dev/null && [ -x /usr/share/tomcat10/bin/catalina.sh ] && command -v go >/dev/null; } \
+      || apt_ensure tomcat10 golang-go default-jdk-headless
+    ;;
   wasm-bindgen)
     ver=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/[^0-9.]/,"",$0); print; exit}' Cargo.lock)
     [ -n "$ver" ] || { log "wasm-bindgen not found in Cargo.lock"; exit 1; }
@@ -198,5 +208,5 @@ case "${1:-}" in
     timeout 1200 cargo install -q wasm-bindgen-cli --version "=$ver"
     ;;
   *)
-    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | store-ha | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client | sdk-clients | probe-apps | mcp-sdk" >&2; exit 2 ;;
+    echo "usage: $0 wasm-toolchain [target] | envoy | envoy-version <version> | store | store-ha | etcd | agent-client | wasm-bindgen | wrk | bench | h2-client | grpc-client | sdk-clients | probe-apps | mcp-sdk | oracle-panel" >&2; exit 2 ;;
 esac

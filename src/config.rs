@@ -769,7 +769,9 @@ impl Config {
     /// with a route for /v1/payments in one namespace and one for / in another: a backend runs it
     /// as /v1/orders, which the second route protects, while one reading selects the first).
     pub fn select_route(&self, method: &str, path: &str, route_name: Option<&str>) -> Selection {
-        let protects = |p: &Policy| p.methods.iter().any(|m| m == method);
+        // Without regard to ASCII case: Envoy forwards an HTTP/2 `:method` of `Post`, which
+        // Werkzeug and Django run as POST (found by the boundary oracle, issue 41).
+        let protects = |p: &Policy| p.methods.iter().any(|m| m.eq_ignore_ascii_case(method));
         if self.routes.is_empty() {
             return match protects(&self.default_policy) {
                 true => Selection::Policy(0),
@@ -819,10 +821,10 @@ impl Config {
         }
     }
 
-    /// Whether any policy protects `method`: unprotected methods are let through after reading
-    /// one header.
+    /// Whether any policy protects `method` (ASCII case aside, as `select_route`): unprotected
+    /// methods are let through after reading one header.
     pub fn protects_method(&self, method: &str) -> bool {
-        self.policies().any(|p| p.methods.iter().any(|m| m == method))
+        self.policies().any(|p| p.methods.iter().any(|m| m.eq_ignore_ascii_case(method)))
     }
 
     /// Every policy in force: the default one, or one per route.
@@ -2048,8 +2050,27 @@ mod tests {
         assert!(c.policy_for("POST", "/anything").is_some());
         assert!(c.policy_for("PATCH", "/").is_some());
         assert!(c.policy_for("GET", "/anything").is_none());
-        assert!(c.policy_for("post", "/anything").is_none(), "methods are case-sensitive on the wire");
         assert!(c.protects_method("POST") && !c.protects_method("GET"));
+    }
+
+    /// Found by the boundary oracle (issue 41): Envoy forwards an HTTP/2 `:method` of `Post` (its
+    /// HTTP/1 codec refuses it), Werkzeug (Flask) and Django read it as POST and run the POST
+    /// handler, and idemgate, comparing methods case-sensitively, let it through unprotected: a
+    /// key sent as `Post` over HTTP/2 and as `POST` executed twice. A method is compared without
+    /// regard to ASCII case (the fingerprint keeps it as sent: `Post` then `POST` is 422).
+    #[test]
+    fn a_method_in_another_letter_case_is_protected_as_the_method() {
+        let c = parse(MINIMAL).unwrap();
+        for m in ["post", "Post", "pAtCh"] {
+            assert!(c.policy_for(m, "/anything").is_some(), "{m}");
+            assert!(c.protects_method(m), "{m}");
+        }
+        assert!(c.policy_for("get", "/anything").is_none());
+        let routed =
+            parse(r#"{"scope": {"global": true}, "routes": [{"prefix": "/v1/payments", "methods": ["PUT"]}]}"#)
+                .unwrap();
+        assert!(routed.policy_for("Put", "/v1/payments").is_some());
+        assert!(routed.policy_for("Post", "/v1/payments").is_none());
     }
 
     #[test]

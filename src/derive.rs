@@ -1,8 +1,9 @@
 //! Edge-derived keys: for agents that send no `Idempotency-Key` but do send stable identifiers
 //! of the operation (for example `x-agent-task-id` and `x-agent-step-id`).
 //!
-//! The key is `derived-` + 32 hex digits of `SHA-256(tag, method, path, each named header and its
-//! values, the body digest or "-", the caller scope)`. Method and path are in it so that two
+//! The key is `derived-` + 32 hex digits of `SHA-256(tag, method, target, each named header and
+//! its values, the body digest or "-", the caller scope)`, the target read as every backend reads
+//! it alike (`path::one_target`: `/v1//payments?b=2&a=1` is `/v1/payments?a=1&b=2`). Method and path are in it so that two
 //! different operations in one step never collapse into one; the caller scope so that two callers'
 //! task ids never meet. A request lacking any named header, or any scope header (an anonymous
 //! caller, `CallerScope::identified`), gets no key and passes unprotected like any request without
@@ -37,8 +38,11 @@ pub fn derive(
         return None;
     }
     let mut f = Framer::new(DERIVE_TAG);
-    f.field(head.method.as_bytes());
-    f.field(crate::fingerprint::target(head, fp).as_bytes());
+    // In upper case: Werkzeug and Django run an HTTP/2 `post` as POST (the boundary oracle).
+    f.field(head.method.to_ascii_uppercase().as_bytes());
+    // The target as every backend reads it alike (`path::one_target`): a retry that spells the
+    // path or the query another way derives the same key (found by the boundary oracle).
+    f.field(crate::path::one_target(crate::fingerprint::target(head, fp)).as_bytes());
     for name in &cfg.headers {
         let values = head.values(name);
         if values.iter().all(|v| v.is_empty()) {
@@ -58,6 +62,14 @@ pub fn derive(
     f.field(&scope.hash);
     let digest = f.finish();
     Some(IdempotencyKey::derived(crate::hex::encode(digest.get(..16).unwrap_or_default())))
+}
+
+/// The first header of `cfg.headers` sent on more than one line, if any: such a request is
+/// refused (`key-repeated`, naming it) rather than given a key. Node's servers (Express, Fastify)
+/// read `x-op: a` and `x-op: a` on two lines as `x-op: a, a` on one, which the key would tell
+/// apart (found by the boundary oracle, issue 41), and other servers read only the first line.
+pub fn repeated_header<'c>(head: &RequestHead, cfg: &'c DeriveKey) -> Option<&'c str> {
+    cfg.headers.iter().find(|name| head.values_iter(name).count() > 1).map(String::as_str)
 }
 
 #[cfg(test)]
@@ -150,6 +162,70 @@ mod tests {
             key(&h, &cfg(true), Some(br#"{"b":1,"a":2}"#)).as_deref(),
             Some("derived-fbeb559e068118de36c2440758f278a2")
         );
+    }
+
+    /// Found by the boundary oracle (issue 41, tests/it/boundary_oracle.rs): the key hashed the
+    /// target as sent, so a retry that spelled the path or the query another way (`/v1/%70ayments`,
+    /// `/v1//payments`, `/v1;x=1/payments`, `?b=2&a=1`, `?%61=1`), one request to Flask, Django,
+    /// FastAPI, Express, Fastify, Go and Tomcat alike, derived a second key and executed again.
+    #[test]
+    fn spellings_every_backend_reads_as_one_target_derive_one_key() {
+        let c = cfg(false);
+        let k = |target: &str| key(&head("POST", target, STEP), &c, None);
+        let canonical = k("/v1/payments?a=1&b=2");
+        for spelling in [
+            "/v1/%70ayments?a=1&b=2",
+            "/v1%2Fpayments?a=1&b=2",
+            "//v1/payments?a=1&b=2",
+            "/v1//payments?a=1&b=2",
+            "/v1/./payments?a=1&b=2",
+            "/v1/x/../payments?a=1&b=2",
+            "/v1/x/%2E%2E/payments?a=1&b=2",
+            "/v1;x=1/payments?a=1&b=2",
+            "/v1/payments;x=1?a=1&b=2",
+            "/v1/payments/?a=1&b=2",
+            "/V1/PAYMENTS?a=1&b=2",
+            "/v1/payments?b=2&a=1",
+            "/v1/payments?%61=1&b=2",
+            "/v1/payments?a=1&b=2&",
+            "/v1/payments?a=1&&b=2",
+        ] {
+            assert_eq!(k(spelling), canonical, "{spelling}");
+        }
+        assert_eq!(k("/v2/orders/o%C3%A9"), k("/v2/orders/o%c3%a9"));
+        // What backends keep apart stays apart: another resource, another value, the NFD form.
+        assert_ne!(k("/v1/payments?a=1&b=3"), canonical);
+        assert_ne!(k("/v1/refunds?a=1&b=2"), canonical);
+        assert_ne!(k("/v2/orders/o%C3%A9"), k("/v2/orders/oe%CC%81"));
+        assert_ne!(k("/v2/orders/1"), k("/v2/orders/2"));
+    }
+
+    /// Found by the boundary oracle (issue 41): Envoy forwards an HTTP/2 `:method` of `post`,
+    /// which Werkzeug and Django run as POST; the key hashed the method as sent, so `post` and
+    /// `POST` with one step derived two keys and executed twice.
+    #[test]
+    fn a_method_in_another_letter_case_derives_the_same_key() {
+        let c = cfg(false);
+        let k = |m: &str| key(&head(m, "/charges", STEP), &c, None);
+        assert_eq!(k("post"), k("POST"));
+        assert_eq!(k("Post"), k("POST"));
+        assert_ne!(k("PATCH"), k("POST"));
+    }
+
+    /// Found by the boundary oracle (issue 41): Express and Fastify read `x-op: k1, k1` on one
+    /// line and `x-op: k1` on two lines as one value (`k1, k1`), which derived two keys; a
+    /// header the key is derived from, sent on several lines, is refused instead
+    /// (`repeated_header`), as a repeated key header is.
+    #[test]
+    fn a_derive_header_on_several_lines_is_named() {
+        let c = cfg(false);
+        let two = head(
+            "POST",
+            "/c",
+            &[("authorization", "a"), ("x-agent-task-id", "t1"), ("x-agent-step-id", "s1"), ("x-agent-step-id", "s1")],
+        );
+        assert_eq!(repeated_header(&two, &c), Some("x-agent-step-id"));
+        assert_eq!(repeated_header(&head("POST", "/c", STEP), &c), None);
     }
 
     #[test]

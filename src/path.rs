@@ -110,6 +110,75 @@ pub fn normalize(path: &str) -> Cow<'_, str> {
     Cow::Owned(remove_dot_segments(&decoded))
 }
 
+/// A whole request target (path and query) read so that every two spellings that any mainstream
+/// backend reads as one target are one (used where a key is derived from the target:
+/// `derive::derive`). The path: every escape decoded twice, `;params` cut from each segment,
+/// slashes merged, dot segments removed (`Reading::TwiceDecodedParams`, which reads each spelling
+/// the other readings merge), a trailing `/` dropped, ASCII letters in lower case (Express and
+/// Rails route without regard to case, Express and FastAPI with or without a trailing slash). The
+/// query: empty pairs dropped, `+` a space, every escape decoded, the pairs sorted (every backend
+/// of the oracle's panel reads a query as a map). It merges what some backends keep apart
+/// (`/orders/A` and `/orders/a` to a case-sensitive router, `?a=1&a=2` and `?a=2&a=1`): such a
+/// pair derives one key, and the fingerprint (the target as sent) answers the second 422 before it
+/// executes. A target already in this form (lower case, normal, its query sorted and unescaped)
+/// is returned as it is.
+pub fn one_target(target: &str) -> Cow<'_, str> {
+    let target = target.split('#').next().unwrap_or_default();
+    let (path, query) = match target.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (target, None),
+    };
+    let mut out = Reading::TwiceDecodedParams.of(path).into_owned();
+    if out.len() > 1 && out.ends_with('/') {
+        out.pop();
+    }
+    out.make_ascii_lowercase();
+    if let Some(q) = query {
+        // Each pair decoded, its separators escaped again (so two pairs never read as one), then
+        // the pairs in one order: sorted as text.
+        let mut pairs: Vec<String> = q
+            .split('&')
+            .filter(|p| !p.is_empty())
+            .map(|p| {
+                let (n, v) = p.split_once('=').unwrap_or((p, ""));
+                let mut one = escape_query(&decode(&n.replace('+', " "), true));
+                if !v.is_empty() {
+                    one.push('=');
+                    one.push_str(&escape_query(&decode(&v.replace('+', " "), true)));
+                }
+                one
+            })
+            .collect();
+        pairs.sort_unstable();
+        if !pairs.is_empty() {
+            out.push('?');
+            out.push_str(&pairs.join("&"));
+        }
+    }
+    if out == target {
+        Cow::Borrowed(target)
+    } else {
+        Cow::Owned(out)
+    }
+}
+
+/// A decoded query name or value with the characters that would change how the pairs split
+/// escaped again (`%`, `&`, `=`, `+`, `#`), so two different pairs never join into one string.
+fn escape_query(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '&' => out.push_str("%26"),
+            '=' => out.push_str("%3D"),
+            '+' => out.push_str("%2B"),
+            '#' => out.push_str("%23"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// `path` up to its first `?` or `#`.
 fn without_query(path: &str) -> &str {
     path.find(['?', '#']).and_then(|i| path.get(..i)).unwrap_or(path)

@@ -29,6 +29,16 @@ pub fn envoy_answers_as_grpc(v: &[u8]) -> bool {
     v == b"application/grpc" || v.starts_with(b"application/grpc+")
 }
 
+/// A field value without the spaces and tabs around it (RFC 9110 5.5: they are not part of it).
+/// Envoy's HTTP/1 parser drops them; over HTTP/2 it forwards them, and every HTTP/1.1 backend's
+/// parser drops them then: read with them, one caller (or key) sent over HTTP/2 with a trailing
+/// space was another to idemgate (found by the boundary oracle, issue 41).
+pub fn ows_trimmed(v: &[u8]) -> &[u8] {
+    let start = v.iter().position(|b| *b != b' ' && *b != b'\t').unwrap_or(v.len());
+    let end = v.iter().rposition(|b| *b != b' ' && *b != b'\t').map_or(start, |i| i + 1);
+    v.get(start..end).unwrap_or_default()
+}
+
 impl RequestHead {
     /// Builds a head from the host's full header list (pseudo headers included).
     pub fn from_pairs(pairs: Vec<(String, Vec<u8>)>) -> RequestHead {
@@ -47,16 +57,17 @@ impl RequestHead {
         head
     }
 
-    /// Every value of header `name` (lowercase), in order. A header sent on several lines has
-    /// several values: the host's single-header read would only return the first.
+    /// Every value of header `name` (lowercase), in order, without the spaces and tabs around it
+    /// (`ows_trimmed`). A header sent on several lines has several values: the host's
+    /// single-header read would only return the first.
     pub fn values(&self, name: &str) -> Vec<&[u8]> {
-        self.headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice()).collect()
+        self.headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| ows_trimmed(v)).collect()
     }
 
     /// `values` without collecting them (no allocation: the hashes walk the lines twice, once
     /// to count them).
     pub fn values_iter<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.headers.iter().filter(move |(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice())
+        self.headers.iter().filter(move |(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| ows_trimmed(v))
     }
 
     /// A gRPC request (`is_grpc_content_type` of its first `content-type`).

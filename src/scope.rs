@@ -190,6 +190,19 @@ mod tests {
         assert!(a.identified && b.identified);
     }
 
+    /// Found by the boundary oracle (issue 41): over HTTP/2 Envoy forwards `authorization: Bearer
+    /// alice  ` with its trailing spaces, every HTTP/1.1 backend's parser drops them (RFC 9110
+    /// 5.5), and idemgate hashed them: one caller in two scopes, one key executed once in each.
+    #[test]
+    fn whitespace_around_a_scope_value_is_not_part_of_the_scope() {
+        let c = cfg(&["authorization"], true);
+        let plain = CallerScope::of(&head(Some("Bearer alice"), "api"), &c);
+        for spaced in ["Bearer alice  ", " Bearer alice", "\tBearer alice\t"] {
+            assert_eq!(CallerScope::of(&head(Some(spaced), "api"), &c), plain, "{spaced:?}");
+        }
+        assert_ne!(CallerScope::of(&head(Some("Bearer  alice"), "api"), &c), plain, "inner spaces are the value's");
+    }
+
     #[test]
     fn authority_is_part_of_the_scope_unless_turned_off() {
         let on = cfg(&["authorization"], true);

@@ -429,7 +429,7 @@ pub fn at_headers(
     // does not check the type runs a tools/call sent as `application/grpc, application/json`
     // (a protected call under such a type is refused, `at_mcp_body`).
     if policy.mcp.is_some() {
-        if end_of_stream || head.method != "POST" {
+        if end_of_stream || !head.method.eq_ignore_ascii_case("POST") {
             return Err(NotProtected::Unprotected { route });
         }
         return Err(NotProtected::McpBody { route, policy });
@@ -449,6 +449,15 @@ pub fn at_headers(
     // A request without a key but with the operation's identifiers gets a key derived at
     // the edge (opt-in); with include_body, once the body is here.
     let derive = if key_values.is_empty() { policy.derive_key.as_ref() } else { None };
+    if let Some(name) = derive.and_then(|d| derive::repeated_header(head, d)) {
+        let problem = ProblemKind::KeyInvalid {
+            header: name.to_string(),
+            error: crate::key::KeyError::Repeated,
+            syntax: policy.key_syntax,
+            max_len: policy.key_max_length,
+        };
+        return Err(NotProtected::Refuse { route, problem });
+    }
     let derive_at_body = derive.is_some_and(|d| d.include_body) && !end_of_stream;
     let derived = match derive {
         // Whether it can be derived is known now (headers, scope); the key itself later.
@@ -641,12 +650,23 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
     };
     let (key, derived) = match key {
         Some(k) => (k, false),
-        None => match mcp_derived_key(policy, head, &scope, &call.digest) {
-            Some(k) => (k, true),
-            None => {
-                return match admit(Some(policy), &[]) {
-                    Admission::Reject(p) => refuse(p),
-                    _ => AtMcpBody::Pass,
+        None => {
+            // A header the key is derived from, sent on several lines: refused, as at headers.
+            if let Some(name) = policy.derive_key.as_ref().and_then(|d| derive::repeated_header(head, d)) {
+                return refuse(ProblemKind::KeyInvalid {
+                    header: name.to_string(),
+                    error: crate::key::KeyError::Repeated,
+                    syntax: policy.key_syntax,
+                    max_len: policy.key_max_length,
+                });
+            }
+            match mcp_derived_key(policy, head, &scope, &call.digest) {
+                Some(k) => (k, true),
+                None => {
+                    return match admit(Some(policy), &[]) {
+                        Admission::Reject(p) => refuse(p),
+                        _ => AtMcpBody::Pass,
+                    }
                 }
             }
         },

@@ -270,3 +270,125 @@ fn one_origin_spelled_several_ways_over_http2_is_one_scope() {
         assert_eq!(s.up.executions_with_key(&key), 2, "{authority} shares the scope of api.example.test");
     }
 }
+
+/// Found by the boundary oracle (issue 41): with `derive_key` the key was derived from the target
+/// as sent, so a retry spelling the path or the query another way, one request to every backend of
+/// the oracle's panel (Flask, Django, FastAPI, Express, Fastify, Go, Tomcat), derived another key
+/// and executed again.
+#[test]
+fn spellings_of_one_target_derive_one_key() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"]}}"#);
+    let spellings = [
+        "/v1/%70ayments?a=1&b=2",
+        "/v1%2Fpayments?a=1&b=2",
+        "//v1/payments?a=1&b=2",
+        "/v1;x=1/payments?a=1&b=2",
+        "/v1/x/../payments?a=1&b=2",
+        "/v1/payments/?a=1&b=2",
+        "/V1/PAYMENTS?a=1&b=2",
+        "/v1/payments?b=2&a=1",
+        "/v1/payments?%61=1&b=2",
+        "/v1/payments?a=1&b=2&",
+    ];
+    let mut again = vec![];
+    for (n, spelling) in spellings.iter().enumerate() {
+        let op = format!("op-{n}");
+        let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", op.as_str())];
+        let before = s.up.executions();
+        let first = http::request(s.envoy.port, "POST", "/v1/payments?a=1&b=2", &h, b"{}").expect("request");
+        assert_eq!(first.status, 201, "{}", first.body_text());
+        let r = http::request(s.envoy.port, "POST", spelling, &h, b"{}").expect("request");
+        if s.up.executions() - before != 1 {
+            again.push(format!("{spelling} (answered {})", r.status));
+        }
+    }
+    assert!(again.is_empty(), "one derived key executed again through: {again:?}");
+}
+
+/// Found by the boundary oracle (issue 41, the smallest pair it printed): `:method: Post` over
+/// HTTP/2 (Envoy forwards it; its HTTP/1 codec refuses it), which Werkzeug and Django run as POST,
+/// passed unprotected, so the same key sent again as POST executed a second time.
+#[test]
+fn a_method_in_another_letter_case_over_http2_is_protected() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}}"#);
+    let key = "k-method-case";
+    let out = Command::new("python3")
+        .arg(support::repo_root().join("tests/oracle/h2_send.py"))
+        .arg(s.envoy.port.to_string())
+        .arg(
+            serde_json::json!({"method": "Post", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
+                "headers": [["authorization", "Bearer alice"], ["idempotency-key", key],
+                            ["content-type", "application/json"], ["content-length", "2"]]})
+            .to_string(),
+        )
+        .output()
+        .expect("python3 tests/oracle/h2_send.py (h2 installed by scripts/install-deps.sh h2-client)");
+    let first: serde_json::Value = serde_json::from_slice(&out.stdout).expect("h2_send.py's answer");
+    assert_eq!(first["status"], 201, "{first}");
+    let r = post(&s, "/v1/payments", key);
+    assert_eq!(s.up.executions_with_key(key), 1, "Post over HTTP/2 then POST executed twice (answered {})", r.status);
+    assert_eq!(r.status, 422, "{}", r.body_text());
+}
+
+/// Found by the boundary oracle (issue 41, the smallest pair it printed, on Django, Express, Go and
+/// Tomcat): `authorization: Bearer alice  ` over HTTP/2, which Envoy forwards with its trailing
+/// spaces and every HTTP/1.1 backend reads as `Bearer alice`, was another scope to idemgate, so
+/// the same key sent again over HTTP/1.1 (where Envoy's parser drops the spaces) executed again.
+#[test]
+fn whitespace_around_a_scope_value_over_http2_is_one_caller() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}}"#);
+    let key = "k-scope-space";
+    let out = Command::new("python3")
+        .arg(support::repo_root().join("tests/oracle/h2_send.py"))
+        .arg(s.envoy.port.to_string())
+        .arg(
+            serde_json::json!({"method": "POST", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
+                "headers": [["authorization", "Bearer alice  "], ["idempotency-key", key],
+                            ["content-type", "application/json"], ["content-length", "2"]]})
+            .to_string(),
+        )
+        .output()
+        .expect("python3 tests/oracle/h2_send.py (h2 installed by scripts/install-deps.sh h2-client)");
+    let first: serde_json::Value = serde_json::from_slice(&out.stdout).expect("h2_send.py's answer");
+    assert_eq!(first["status"], 201, "{first}");
+    let r = post(&s, "/v1/payments", key);
+    assert_eq!(s.up.executions_with_key(key), 1, "executed again in another scope (answered {})", r.status);
+    assert_eq!(r.header("idempotent-replayed"), Some("true"), "{} {}", r.status, r.body_text());
+}
+
+/// Found by the boundary oracle (issue 41, the smallest pairs it printed): with `derive_key`,
+/// `:method: post` over HTTP/2 (Django runs it as POST) derived another key than POST, and
+/// `x-op: k1` on two lines (Express and Fastify read it as `k1, k1`) another than `x-op: k1, k1`:
+/// each executed twice. Now the method is read in upper case, and a derive header on two lines
+/// is refused (400 key-repeated) before anything executes.
+#[test]
+fn derived_keys_read_the_method_and_repeated_headers_as_backends_do() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"]}}"#);
+    let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", "op-m")];
+    let before = s.up.executions();
+    let out = Command::new("python3")
+        .arg(support::repo_root().join("tests/oracle/h2_send.py"))
+        .arg(s.envoy.port.to_string())
+        .arg(
+            serde_json::json!({"method": "post", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
+                "headers": [["authorization", "Bearer alice"], ["x-op", "op-m"],
+                            ["content-type", "application/json"], ["content-length", "2"]]})
+            .to_string(),
+        )
+        .output()
+        .expect("python3 tests/oracle/h2_send.py");
+    let first: serde_json::Value = serde_json::from_slice(&out.stdout).expect("h2_send.py's answer");
+    assert_eq!(first["status"], 201, "{first}");
+    let r = http::request(s.envoy.port, "POST", "/v1/payments", &h, b"{}").expect("request");
+    assert_eq!(s.up.executions() - before, 1, "post over HTTP/2 then POST executed twice (answered {})", r.status);
+
+    let joined = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", "op-r, op-r")];
+    let two_lines =
+        [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", "op-r"), ("x-op", "op-r")];
+    let before = s.up.executions();
+    let a = http::request(s.envoy.port, "POST", "/v1/payments", &joined, b"{}").expect("request");
+    assert_eq!(a.status, 201, "{}", a.body_text());
+    let b = http::request(s.envoy.port, "POST", "/v1/payments", &two_lines, b"{}").expect("request");
+    assert_eq!(s.up.executions() - before, 1, "x-op on one line then on two executed twice (answered {})", b.status);
+    assert_eq!((b.status, b.problem().as_str()), (400, "key-repeated"), "{}", b.body_text());
+}

@@ -7,6 +7,7 @@ mod support;
 
 mod agents;
 mod bench_builds;
+mod boundary_oracle;
 mod boundary_spellings;
 mod classification;
 mod credentials;

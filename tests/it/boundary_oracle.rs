@@ -1,0 +1,704 @@
+//! The boundary oracle (issue 41): real backends say which spellings they run as one request,
+//! and idemgate must execute such a pair at most once, or refuse one before it executes.
+//!
+//! The panel (tests/oracle/, pinned, `scripts/install-deps.sh oracle-panel`): Flask on Werkzeug's
+//! server, Django's runserver, FastAPI under uvicorn, Express, Fastify, Go's net/http ServeMux and a
+//! servlet on Debian's Tomcat 10, each with its defaults, each one counting handler on
+//! `/v1/payments` and `/v2/orders/<id>` that answers what it read. Each backend sits behind its
+//! own Envoy 1.40 with dist/idemgate.wasm, one listener per configuration (`CONFIGS`).
+//!
+//! For each pair of spellings (A, B) of one request the oracle sends, through idemgate: A with a
+//! fresh key (what the backend read of A), B with another fresh key (what it read of B), then B
+//! again with A's key, counting the backend's executions around that last request. The backend's
+//! reading of a request is its class: the route that ran and its parameters, the method, the
+//! caller's scope header, the key header (or the header `derive_key` derives from), the query and
+//! the body as parsed (host and path spelling are not in it: they are what varies). The property:
+//! when A and B are of one class, B with A's key must not execute. A pair that breaks it is a
+//! counterexample, shrunk (spellings dropped one at a time while it still breaks) and printed as
+//! the smallest pair of requests.
+//!
+//! Two parts: a sweep (every spelling against the canonical request, on every backend and
+//! configuration) that writes the equivalence table to target/oracle/equivalence.md (and to
+//! docs/equivalence.md with IDEMGATE_ORACLE_WRITE_DOCS=1), and a seeded random search over
+//! combinations of spellings (IDEMGATE_ORACLE_SEED, default 41; IDEMGATE_ORACLE_PAIRS pairs per
+//! backend and configuration, default 12 in `make test`, 300 in `make test-oracle-long`).
+
+use crate::support;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+use support::{free_port, http, repo_root, Envoy, EnvoyOptions, Started};
+
+/// The configurations, each one listener of every backend's Envoy: (name, plugin configuration,
+/// the header that carries the key, the header that names the caller).
+const CONFIGS: &[(&str, &str, &str, &str)] = &[
+    ("defaults", r#"{"scope": {"headers": ["authorization"]}}"#, "idempotency-key", "authorization"),
+    (
+        "prefixes",
+        r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/v1/payments"}, {"prefix": "/v2/orders/"}]}"#,
+        "idempotency-key",
+        "authorization",
+    ),
+    (
+        "derive_key",
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"]}}"#,
+        "x-op",
+        "authorization",
+    ),
+    ("scope_header", r#"{"scope": {"headers": ["x-caller"]}}"#, "idempotency-key", "x-caller"),
+];
+
+/// The panel: (name, how it runs).
+const BACKENDS: &[&str] = &["flask", "django", "fastapi", "express", "fastify", "go", "tomcat"];
+
+/// One request, before its key is filled in (`KEY` in a header value is the pair's key).
+#[derive(Clone, Debug)]
+struct Req {
+    method: String,
+    path: String,
+    query: String,
+    host: String,
+    /// Send the request line in absolute form (`http://host/path`), HTTP/1.1 only.
+    absolute: bool,
+    headers: Vec<(String, String)>,
+    body: String,
+    chunked: bool,
+    h2: bool,
+}
+
+impl Req {
+    fn base(orders: bool, key_header: &str, scope_header: &str) -> Req {
+        let scope = if scope_header == "authorization" { "Bearer alice" } else { "alice" };
+        Req {
+            method: "POST".into(),
+            path: if orders { "/v2/orders/o%C3%A9".into() } else { "/v1/payments".into() },
+            query: "a=1&b=2".into(),
+            host: "idemgate.test".into(),
+            absolute: false,
+            headers: vec![
+                (scope_header.into(), scope.into()),
+                (key_header.into(), "KEY".into()),
+                ("content-type".into(), "application/json".into()),
+            ],
+            body: r#"{"amount":1,"currency":"eur"}"#.into(),
+            chunked: false,
+            h2: false,
+        }
+    }
+
+    fn target(&self) -> String {
+        let q = if self.query.is_empty() { String::new() } else { format!("?{}", self.query) };
+        format!("{}{q}", self.path)
+    }
+
+    /// The request as a reader can paste it (HTTP/1.1 text, or the HTTP/2 header list).
+    fn show(&self, key: &str) -> String {
+        let hs: Vec<String> = self.headers.iter().map(|(n, v)| format!("{n}: {}", v.replace("KEY", key))).collect();
+        if self.h2 {
+            format!(
+                "HTTP/2 :method={} :path={} :authority={} {} | {}{}",
+                self.method,
+                self.target(),
+                self.host,
+                hs.join(" | "),
+                self.body,
+                if self.chunked { " (no content-length)" } else { "" }
+            )
+        } else {
+            let t = if self.absolute { format!("http://{}{}", self.host, self.target()) } else { self.target() };
+            format!(
+                "{} {t} HTTP/1.1 | host: {} | {} | {}{}",
+                self.method,
+                self.host,
+                hs.join(" | "),
+                self.body,
+                if self.chunked { " (chunked)" } else { "" }
+            )
+        }
+    }
+
+    fn send(&self, port: u16, key: &str) -> http::Response {
+        let headers: Vec<(String, String)> =
+            self.headers.iter().map(|(n, v)| (n.clone(), v.replace("KEY", key))).collect();
+        if self.h2 {
+            let mut hs: Vec<Value> = headers.iter().map(|(n, v)| Value::from(vec![n.as_str(), v.as_str()])).collect();
+            if !self.chunked {
+                hs.push(Value::from(vec!["content-length".to_string(), self.body.len().to_string()]));
+            }
+            let spec = serde_json::json!({"method": self.method, "path": self.target(), "authority": self.host,
+                "headers": hs, "body": self.body});
+            let out = Command::new(venv_python())
+                .arg(repo_root().join("tests/oracle/h2_send.py"))
+                .arg(port.to_string())
+                .arg(spec.to_string())
+                .output()
+                .expect("run h2_send.py");
+            let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+            let status = v["status"].as_u64().unwrap_or(0) as u16;
+            let rh = v["headers"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|p| (p[0].as_str().unwrap_or("").to_string(), p[1].as_str().unwrap_or("").to_string()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            return http::Response { status, headers: rh, body: v["body"].as_str().unwrap_or("").as_bytes().to_vec() };
+        }
+        let t = if self.absolute { format!("http://{}{}", self.host, self.target()) } else { self.target() };
+        let mut text = format!("{} {t} HTTP/1.1\r\nhost: {}\r\n", self.method, self.host);
+        for (n, v) in &headers {
+            text.push_str(&format!("{n}: {v}\r\n"));
+        }
+        let mut bytes = if self.chunked {
+            text.push_str("transfer-encoding: chunked\r\nconnection: close\r\n\r\n");
+            let mut b = text.into_bytes();
+            b.extend_from_slice(format!("{:x}\r\n{}\r\n0\r\n\r\n", self.body.len(), self.body).as_bytes());
+            b
+        } else {
+            text.push_str(&format!("content-length: {}\r\nconnection: close\r\n\r\n", self.body.len()));
+            let mut b = text.into_bytes();
+            b.extend_from_slice(self.body.as_bytes());
+            b
+        };
+        bytes.shrink_to_fit();
+        // Generous: `make test` runs this beside every other suite on two cores.
+        http::raw(port, &bytes, Duration::from_secs(60)).unwrap_or(http::Response {
+            status: 0,
+            headers: vec![],
+            body: vec![],
+        })
+    }
+}
+
+fn venv_python() -> PathBuf {
+    repo_root().join("target/oracle-venv/bin/python")
+}
+
+/// A spelling: its dimension, its name, and how it rewrites a request.
+type Spelling = (&'static str, &'static str, fn(&mut Req));
+
+fn header_mut(r: &mut Req, i: usize) -> &mut (String, String) {
+    &mut r.headers[i]
+}
+
+/// Every spelling the oracle knows. Index 0 of `headers` is the scope header, 1 the key header,
+/// 2 the content type.
+const SPELLINGS: &[Spelling] = &[
+    ("method", "lower case `post`", |r| r.method = r.method.to_lowercase()),
+    ("method", "mixed case `Post`", |r| r.method = "Post".into()),
+    ("path", "unreserved byte %-encoded (`/v1/%70ayments`)", |r| {
+        r.path = r.path.replacen("/payments", "/%70ayments", 1).replacen("/orders", "/%6Frders", 1)
+    }),
+    ("path", "%-hex in lower case (`%c3%a9`)", |r| r.path = r.path.replace("%C3%A9", "%c3%a9")),
+    ("path", "unreserved escape in lower-case hex (`/v2/%6frders`)", |r| {
+        r.path = r.path.replacen("/orders", "/%6frders", 1)
+    }),
+    ("path", "slash %-encoded (`%2F`)", |r| r.path = r.path.replacen("1/", "1%2F", 1).replacen("2/o", "2%2Fo", 1)),
+    ("path", "dot-dot segment (`/x/../`)", |r| {
+        r.path = r.path.replacen("1/", "1/x/../", 1).replacen("2/", "2/x/../", 1)
+    }),
+    ("path", "dot segment (`/./`)", |r| r.path = r.path.replacen("1/", "1/./", 1).replacen("2/", "2/./", 1)),
+    ("path", "dot-dot %-encoded (`/x/%2E%2E/`)", |r| {
+        r.path = r.path.replacen("1/", "1/x/%2E%2E/", 1).replacen("2/", "2/x/%2E%2E/", 1)
+    }),
+    ("path", "`;param` on a segment (`/v1;x=1/`)", |r| {
+        r.path = r.path.replacen("1/", "1;x=1/", 1).replacen("2/", "2;x=1/", 1)
+    }),
+    ("path", "`;param` at the end", |r| r.path.push_str(";x=1")),
+    ("path", "repeated slash (`//`)", |r| r.path = r.path.replacen("1/", "1//", 1).replacen("2/", "2//", 1)),
+    ("path", "trailing slash", |r| r.path.push('/')),
+    ("path", "leading `//`", |r| r.path.insert(0, '/')),
+    ("path", "upper case (`/V1/PAYMENTS`)", |r| {
+        r.path = r.path.replace("/v1/payments", "/V1/PAYMENTS").replace("/v2/orders/", "/V2/ORDERS/")
+    }),
+    ("path", "backslash %-encoded (`%5C`)", |r| r.path = r.path.replacen("1/", "1%5C", 1).replacen("2/o", "2%5Co", 1)),
+    ("path", "NFD form of `é` (`e%CC%81`)", |r| r.path = r.path.replace("%C3%A9", "e%CC%81")),
+    ("path", "double %-encoded slash (`%252F`)", |r| {
+        r.path = r.path.replacen("1/", "1%252F", 1).replacen("2/o", "2%252Fo", 1)
+    }),
+    ("query", "order (`b=2&a=1`)", |r| r.query = "b=2&a=1".into()),
+    ("query", "%-encoded name (`%61=1`)", |r| r.query = r.query.replacen("a=", "%61=", 1)),
+    ("query", "trailing `&`", |r| r.query.push('&')),
+    ("query", "%-encoded value (`b=%32`)", |r| r.query = r.query.replacen("b=2", "b=%32", 1)),
+    ("authority", "case (`IdemGate.TEST`)", |r| r.host = r.host.replace("idemgate.test", "IdemGate.TEST")),
+    ("authority", "default port (`:80`)", |r| r.host.push_str(":80")),
+    ("authority", "trailing dot", |r| r.host = r.host.replacen("idemgate.test", "idemgate.test.", 1)),
+    ("authority", "absolute-form request line", |r| r.absolute = !r.h2),
+    ("key", "header name case (`Idempotency-Key`)", |r| {
+        let h = header_mut(r, 1);
+        h.0 = h.0.split('-').map(|w| format!("{}{}", w[..1].to_uppercase(), &w[1..])).collect::<Vec<_>>().join("-")
+    }),
+    ("key", "value with spaces around", |r| header_mut(r, 1).1 = " KEY  ".into()),
+    ("key", "header repeated", |r| {
+        let h = r.headers[1].clone();
+        r.headers.push(h)
+    }),
+    ("key", "value comma-joined (`k, k`)", |r| header_mut(r, 1).1 = "KEY, KEY".into()),
+    ("scope", "header repeated", |r| {
+        let h = r.headers[0].clone();
+        r.headers.push(h)
+    }),
+    ("scope", "header name case", |r| {
+        let h = header_mut(r, 0);
+        h.0 = h.0.to_uppercase()
+    }),
+    ("scope", "trailing whitespace", |r| header_mut(r, 0).1.push_str("  ")),
+    ("content-type", "`; charset=utf-8`", |r| header_mut(r, 2).1.push_str("; charset=utf-8")),
+    ("content-type", "case (`Application/JSON`)", |r| header_mut(r, 2).1 = "Application/JSON".into()),
+    ("body", "chunked framing", |r| r.chunked = true),
+    ("body", "whitespace (`{\"amount\": 1, ...}`)", |r| r.body = r.body.replace(":", ": ").replace(",", ", ")),
+    ("body", "member order", |r| r.body = r#"{"currency":"eur","amount":1}"#.into()),
+    ("protocol", "HTTP/2", |r| {
+        r.h2 = true;
+        r.absolute = false;
+        for h in &mut r.headers {
+            h.0 = h.0.to_lowercase();
+        }
+    }),
+];
+
+fn apply(base: &Req, spellings: &[usize]) -> Req {
+    let mut r = base.clone();
+    // HTTP/2 first, so that a later header spelling is the one sent.
+    let mut order: Vec<usize> = spellings.to_vec();
+    order.sort_by_key(|&i| SPELLINGS[i].0 != "protocol");
+    for i in order {
+        (SPELLINGS[i].2)(&mut r);
+    }
+    r
+}
+
+/// One backend: its process, its port, its Envoy.
+struct Backend {
+    name: &'static str,
+    child: Child,
+    port: u16,
+    envoy: Option<Envoy>,
+    /// Each configuration's listener port.
+    listeners: Vec<u16>,
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if self.name == "tomcat" {
+            // tests/oracle/tomcat.sh's CATALINA_BASE for this run.
+            let _ = std::fs::remove_dir_all(repo_root().join(format!("target/oracle/tomcat-{}", self.port)));
+        }
+    }
+}
+
+fn start_backend(name: &'static str) -> Backend {
+    let port = free_port();
+    let root = repo_root();
+    let mut cmd = match name {
+        "express" | "fastify" => {
+            let mut c = Command::new("node");
+            c.arg(root.join("tests/oracle/backend.mjs"))
+                .arg(name)
+                .arg(port.to_string())
+                .arg(root.join("target/oracle-node"));
+            c
+        }
+        "go" => {
+            let bin = root.join("target/oracle/backend-go");
+            let built = Command::new("go")
+                .args(["build", "-o"])
+                .arg(&bin)
+                .arg(root.join("tests/oracle/backend.go"))
+                .env("GOCACHE", root.join("target/oracle/gocache"))
+                .env("GO111MODULE", "off")
+                .status()
+                .expect("go build (scripts/install-deps.sh oracle-panel installs golang-go)");
+            assert!(built.success(), "go build tests/oracle/backend.go");
+            let mut c = Command::new(bin);
+            c.arg(port.to_string());
+            c
+        }
+        "tomcat" => {
+            let mut c = Command::new(root.join("tests/oracle/tomcat.sh"));
+            c.arg(port.to_string()).arg(root.join(format!("target/oracle/tomcat-{port}")));
+            c
+        }
+        _ => {
+            let python = venv_python();
+            assert!(python.exists(), "{} is missing: run scripts/install-deps.sh oracle-panel", python.display());
+            let mut c = Command::new(python);
+            c.arg(root.join("tests/oracle/backends.py")).arg(name).arg(port.to_string());
+            c
+        }
+    };
+    let mut child =
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("start a backend");
+    let out = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line).expect("read the backend's port line");
+    let mut b = Backend { name, child, port, envoy: None, listeners: vec![] };
+    // Bounded by count: 2400 polls 50 ms apart (Tomcat on two loaded cores takes seconds).
+    support::wait_for(&format!("{name} answering /__count"), 2400, || {
+        http::get(port, "/__count").is_ok_and(|r| r.status == 200)
+    });
+    // Envoy starts again on fresh ports when one was taken before it bound it (the extra
+    // listeners' ports are picked here; a few attempts at most).
+    for attempt in 0..5 {
+        b.listeners = CONFIGS.iter().skip(1).map(|_| free_port()).collect();
+        let mut o = EnvoyOptions::new(CONFIGS[0].1, port);
+        o.extra_listeners = CONFIGS.iter().skip(1).zip(&b.listeners).map(|(c, p)| (*p, c.1.to_string())).collect();
+        o.wasm_log_level = "error".into();
+        match Envoy::try_start(&o) {
+            Started::Ready(envoy) => {
+                b.listeners.insert(0, envoy.port);
+                b.envoy = Some(*envoy);
+                return b;
+            }
+            Started::Exited { log, .. } if log.contains("Address already in use") && attempt < 4 => continue,
+            Started::Exited { code, log } => panic!("{name}: envoy exited ({code:?}); log:\n{log}"),
+        }
+    }
+    unreachable!("the last attempt returns or panics")
+}
+
+fn count(b: &Backend) -> u64 {
+    let r = http::get(b.port, "/__count").expect("GET /__count");
+    serde_json::from_slice::<Value>(&r.body).ok().and_then(|v| v["count"].as_u64()).expect("count")
+}
+
+/// What the backend read of one request: its class, or why it has none.
+#[derive(Clone, Debug, PartialEq)]
+enum Reading {
+    /// The handler ran: the fields of its class.
+    Ran(BTreeMap<&'static str, Value>),
+    /// idemgate refused it before anything executed: 400 and the problem.
+    Refused(String),
+    /// Not run: the answer (Envoy's refusal, the backend's 404 or redirect).
+    NotRun(u16, String),
+}
+
+fn reading(r: &http::Response, key_header: &str, scope_header: &str, key: &str) -> Reading {
+    if r.status == 201 {
+        // The pair's requests carry different fresh keys: the key read is compared as `KEY`.
+        let v: Value = serde_json::from_str(&r.body_text().replace(key, "KEY")).unwrap_or(Value::Null);
+        if v["route"].is_string() {
+            let mut m = BTreeMap::new();
+            for f in ["route", "params", "method", "query", "body"] {
+                m.insert(f, v[f].clone());
+            }
+            m.insert("key", v[key_header].clone());
+            m.insert("scope", v[scope_header].clone());
+            return Reading::Ran(m);
+        }
+    }
+    let problem = r.problem();
+    if !problem.is_empty() && r.status < 500 {
+        return Reading::Refused(format!("{} {problem}", r.status));
+    }
+    // Envoy adds x-envoy-upstream-service-time to what the upstream answered, never to its own.
+    let who = if r.header("x-envoy-upstream-service-time").is_some() { "backend" } else { "envoy" };
+    Reading::NotRun(r.status, who.into())
+}
+
+/// The outcome of one pair on one backend and configuration.
+#[derive(Clone, Debug)]
+enum Outcome {
+    /// Both ran, alike, and B with A's key did not execute: idemgate's answer to it.
+    Once(String),
+    /// One of them refused by idemgate (problem).
+    Refused(String),
+    /// The backend read them apart (the first field that differs), or did not run one.
+    Apart(String),
+    /// Counterexample: alike, and B with A's key executed again.
+    Twice(String),
+    /// The spelling does not apply to this route (the request is the canonical one).
+    Inapplicable,
+}
+
+struct Probe<'a> {
+    b: &'a Backend,
+    cfg: usize,
+    seq: u64,
+}
+
+impl Probe<'_> {
+    fn key(&mut self) -> String {
+        self.seq += 1;
+        format!("o-{}-{}-{}-{}", self.b.name, CONFIGS[self.cfg].0, std::process::id(), self.seq)
+    }
+
+    fn run(&mut self, a: &Req, bq: &Req) -> Outcome {
+        let (_, _, kh, sh) = CONFIGS[self.cfg];
+        let port = self.b.listeners[self.cfg];
+        let ka = self.key();
+        let ra = reading(&a.send(port, &ka), kh, sh, &ka);
+        let kb = self.key();
+        let rb = reading(&bq.send(port, &kb), kh, sh, &kb);
+        match (&ra, &rb) {
+            (Reading::Refused(p), _) | (_, Reading::Refused(p)) => return Outcome::Refused(p.clone()),
+            (Reading::NotRun(s, w), _) | (_, Reading::NotRun(s, w)) => {
+                return Outcome::Apart(format!("not run: {s} from {w}"))
+            }
+            (Reading::Ran(x), Reading::Ran(y)) => {
+                if let Some(f) = x.keys().find(|f| x[*f] != y[*f]) {
+                    return Outcome::Apart(format!("{f} differs"));
+                }
+            }
+        }
+        // A and B are one request to this backend: B with A's key must not execute.
+        let before = count(self.b);
+        let r = bq.send(port, &ka);
+        let ran = count(self.b) - before;
+        let answer = if r.header("idempotent-replayed") == Some("true") {
+            "replay".to_string()
+        } else if r.problem().is_empty() {
+            r.status.to_string()
+        } else {
+            format!("{} {}", r.status, r.problem())
+        };
+        if ran > 0 {
+            Outcome::Twice(answer)
+        } else {
+            Outcome::Once(answer)
+        }
+    }
+}
+
+/// A small seeded generator (SplitMix64): the same seed, the same pairs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Drops spellings from A's and B's lists one at a time while the pair still executes twice.
+fn shrink(p: &mut Probe, base: &Req, mut sa: Vec<usize>, mut sb: Vec<usize>) -> (Vec<usize>, Vec<usize>) {
+    loop {
+        let mut smaller = false;
+        for side in 0..2 {
+            let len = if side == 0 { sa.len() } else { sb.len() };
+            for i in (0..len).rev() {
+                let (mut ta, mut tb) = (sa.clone(), sb.clone());
+                if side == 0 {
+                    ta.remove(i)
+                } else {
+                    tb.remove(i)
+                };
+                if matches!(p.run(&apply(base, &ta), &apply(base, &tb)), Outcome::Twice(_)) {
+                    (sa, sb) = (ta, tb);
+                    smaller = true;
+                    break;
+                }
+            }
+        }
+        if !smaller {
+            return (sa, sb);
+        }
+    }
+}
+
+fn names(s: &[usize]) -> String {
+    if s.is_empty() {
+        return "canonical".into();
+    }
+    s.iter().map(|&i| format!("{}: {}", SPELLINGS[i].0, SPELLINGS[i].1)).collect::<Vec<_>>().join(" + ")
+}
+
+/// Everything one backend found: the sweep's cells (config, spelling, base) and counterexamples.
+struct Found {
+    cells: Vec<(usize, usize, bool, Outcome)>,
+    twice: Vec<String>,
+    pairs: u64,
+}
+
+fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
+    let mut found = Found { cells: vec![], twice: vec![], pairs: 0 };
+    for (cfg, &(_, _, kh, sh)) in CONFIGS.iter().enumerate() {
+        let mut p = Probe { b, cfg, seq: 0 };
+        let report = |p: &mut Probe, base: &Req, sa: Vec<usize>, sb: Vec<usize>, found: &mut Found| {
+            let (sa, sb) = shrink(p, base, sa, sb);
+            let (a, bq) = (apply(base, &sa), apply(base, &sb));
+            found.twice.push(format!(
+                "{} / {}: A = {} [{}]\n    B = {} [{}]",
+                b.name,
+                CONFIGS[cfg].0,
+                a.show("k1"),
+                names(&sa),
+                bq.show("k1"),
+                names(&sb)
+            ));
+        };
+        // The sweep: each spelling alone against the canonical request, on both routes.
+        for orders in [false, true] {
+            let base = Req::base(orders, kh, sh);
+            for s in 0..SPELLINGS.len() {
+                let spelled = apply(&base, &[s]);
+                if spelled.show("k") == base.show("k") {
+                    found.cells.push((cfg, s, orders, Outcome::Inapplicable));
+                    continue;
+                }
+                let o = p.run(&base, &spelled);
+                found.pairs += 1;
+                if matches!(o, Outcome::Twice(_)) {
+                    report(&mut p, &base, vec![], vec![s], &mut found);
+                }
+                found.cells.push((cfg, s, orders, o));
+            }
+        }
+        // The search: random combinations of spellings on both sides.
+        let mut rng = Rng(seed ^ (cfg as u64) << 32 ^ b.name.len() as u64);
+        for _ in 0..pairs {
+            let base = Req::base(rng.below(2) == 1, kh, sh);
+            let pick = |rng: &mut Rng| -> Vec<usize> {
+                let n = 1 + rng.below(3);
+                let mut v: Vec<usize> = (0..n).map(|_| rng.below(SPELLINGS.len())).collect();
+                v.sort_unstable();
+                v.dedup();
+                v
+            };
+            let (sa, sb) = (pick(&mut rng), pick(&mut rng));
+            found.pairs += 1;
+            if matches!(p.run(&apply(&base, &sa), &apply(&base, &sb)), Outcome::Twice(_)) {
+                report(&mut p, &base, sa, sb, &mut found);
+            }
+        }
+    }
+    found
+}
+
+/// The equivalence table, one section per configuration: spelling x backend.
+fn table(found: &[(&str, Found)]) -> String {
+    let mut t = String::from(
+        "# The equivalence table\n\n\
+         GENERATED by the boundary oracle (tests/it/boundary_oracle.rs): `make test-oracle-long`\n\
+         writes this file; `make test` fails when what the backends and idemgate do no longer\n\
+         matches it. Do not edit by hand. The known limits are in [limitations](limitations.md).\n\n\
+         Each spelling is sent beside the canonical request (`POST /v1/payments?a=1&b=2` and\n\
+         `POST /v2/orders/o%C3%A9?a=1&b=2`, host `idemgate.test`, JSON body), through Envoy 1.40 and\n\
+         idemgate, to each backend of the panel (tests/oracle/). A cell says what happened, for the\n\
+         payments route / the orders route when they differ:\n\n\
+         - `once (A)`: the backend reads both as one request, and the spelling with the canonical\n\
+           request's key did not execute; A is idemgate's answer (`replay`, `409`, `422 ...`).\n\
+         - `refused (P)`: idemgate refused one of the two before it executed (problem P).\n\
+         - `apart (F)`: the backend reads them as two requests (field F of what it read differs:\n\
+           the route, its parameters, the method, the caller, the key, the query or the body), or\n\
+           did not run the spelling at all (`not run: status from envoy|backend`): no obligation.\n\
+         - `TWICE`: a counterexample: one request to the backend, executed twice.\n\
+         - `-`: the spelling does not apply to that route (`%c3%a9` on `/v1/payments`).\n\n",
+    );
+    t.push_str(
+        "Backends: Flask 3.1.3 on Werkzeug 3.1.9's server; Django 5.2.19 (runserver's WSGIServer);\n\
+         FastAPI 0.165.0 / Starlette 1.10.0 under uvicorn 0.54.0; Express 5.3.0; Fastify 5.12.8 (Node 20);\n\
+         Go 1.19 net/http ServeMux (Debian golang-go); a servlet on Tomcat 10.1 (Debian tomcat10, Java 17).\n\
+         All with their defaults. The servlet API parses no JSON: Tomcat's body is its text. The\n\
+         sweep below does not depend on the seed; the random search (combinations of these\n\
+         spellings on both sides of a pair) found no counterexample in the run that wrote it.\n",
+    );
+    for (cfg, (cname, plugin, _, _)) in CONFIGS.iter().enumerate() {
+        t.push_str(&format!("\n## Configuration `{cname}`\n\n`{plugin}`\n\n| dimension | spelling |"));
+        for (n, _) in found {
+            t.push_str(&format!(" {n} |"));
+        }
+        t.push_str("\n|---|---|");
+        for _ in found {
+            t.push_str("---|");
+        }
+        t.push('\n');
+        for (s, (dim, name, _)) in SPELLINGS.iter().enumerate() {
+            t.push_str(&format!("| {dim} | {} |", name.replace('|', "\\|")));
+            for (_, f) in found {
+                let cell = |orders: bool| {
+                    f.cells
+                        .iter()
+                        .find(|(c, sp, o, _)| *c == cfg && *sp == s && *o == orders)
+                        .map(|(_, _, _, o)| match o {
+                            Outcome::Once(a) => format!("once ({a})"),
+                            Outcome::Refused(p) => format!("refused ({p})"),
+                            Outcome::Apart(why) => format!("apart ({why})"),
+                            Outcome::Twice(a) => format!("**TWICE** ({a})"),
+                            Outcome::Inapplicable => "-".to_string(),
+                        })
+                        .unwrap_or_default()
+                };
+                let (p, o) = (cell(false), cell(true));
+                if p == o {
+                    t.push_str(&format!(" {p} |"));
+                } else {
+                    t.push_str(&format!(" {p} / {o} |"));
+                }
+            }
+            t.push('\n');
+        }
+    }
+    t
+}
+
+#[test]
+fn spellings_a_backend_runs_as_one_request_execute_once_through_idemgate() {
+    let seed = env_u64("IDEMGATE_ORACLE_SEED", 41);
+    let pairs = env_u64("IDEMGATE_ORACLE_PAIRS", 12);
+    // Start the panel side by side, then explore each backend on its own thread.
+    let handles: Vec<_> = BACKENDS.iter().map(|&n| std::thread::spawn(move || start_backend(n))).collect();
+    let backends: Vec<Backend> = handles.into_iter().map(|h| h.join().expect("a backend started")).collect();
+    let found: Vec<(&str, Found)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = backends.iter().map(|b| sc.spawn(move || (b.name, explore(b, seed, pairs)))).collect();
+        hs.into_iter().map(|h| h.join().expect("explore")).collect()
+    });
+    for b in &backends {
+        if let Some(e) = &b.envoy {
+            e.assert_no_wasm_panic();
+        }
+    }
+    let doc = table(&found);
+    let dir = repo_root().join("target/oracle");
+    std::fs::create_dir_all(&dir).expect("target/oracle");
+    std::fs::write(dir.join("equivalence.md"), &doc).expect("write the table");
+    let published = repo_root().join("docs/equivalence.md");
+    let twice_found = found.iter().any(|(_, f)| !f.twice.is_empty());
+    if std::env::var("IDEMGATE_ORACLE_WRITE_DOCS").is_ok_and(|v| v == "1") && !twice_found {
+        std::fs::write(&published, &doc).expect("write docs/equivalence.md");
+    }
+    let total: u64 = found.iter().map(|(_, f)| f.pairs).sum();
+    let once: usize =
+        found.iter().map(|(_, f)| f.cells.iter().filter(|c| matches!(c.3, Outcome::Once(_))).count()).sum();
+    let refused: usize =
+        found.iter().map(|(_, f)| f.cells.iter().filter(|c| matches!(c.3, Outcome::Refused(_))).count()).sum();
+    let twice: Vec<&String> = found.iter().flat_map(|(_, f)| &f.twice).collect();
+    println!(
+        "oracle: seed {seed}, {total} pairs on {} backends x {} configurations; sweep: {once} once, {refused} refused; {} counterexamples",
+        backends.len(),
+        CONFIGS.len(),
+        twice.len()
+    );
+    assert!(once > 0, "no spelling was read as one request by any backend: the oracle tested nothing");
+    assert!(
+        twice.is_empty(),
+        "executed twice (smallest pairs):\n{}",
+        twice.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n")
+    );
+    // The published table is this run's sweep: a backend or idemgate that changed what it does
+    // with one spelling changes a cell (target/oracle/equivalence.md has the new table).
+    let text = std::fs::read_to_string(&published).unwrap_or_default();
+    assert!(
+        text == doc,
+        "docs/equivalence.md differs from the sweep (target/oracle/equivalence.md): run make test-oracle-long to write it"
+    );
+}

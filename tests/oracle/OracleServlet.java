@@ -1,0 +1,67 @@
+// The oracle's Java backend (tests/it/boundary_oracle.rs): one servlet on Debian's Tomcat 10 with
+// its defaults (tests/oracle/tomcat.sh), mapped to `/v1/payments` and `/v2/orders/*`, the same
+// contract as backends.py. The servlet API parses no JSON: the body is reported as the servlet
+// reads it (the request's characters), so two bodies are alike here only when their text is.
+import jakarta.servlet.http.HttpServlet;
+import jakarta.servlet.http.HttpServletRequest;
+import jakarta.servlet.http.HttpServletResponse;
+import java.io.IOException;
+import java.util.ArrayList;
+import java.util.Collections;
+import java.util.List;
+import java.util.Map;
+import java.util.concurrent.atomic.AtomicLong;
+
+public class OracleServlet extends HttpServlet {
+    static final AtomicLong COUNT = new AtomicLong();
+
+    static String q(String s) {
+        if (s == null) return "null";
+        StringBuilder b = new StringBuilder("\"");
+        for (char c : s.toCharArray()) {
+            if (c == '"' || c == '\\') b.append('\\').append(c);
+            else if (c < 0x20) b.append(String.format("\\u%04x", (int) c));
+            else b.append(c);
+        }
+        return b.append('"').toString();
+    }
+
+    static String all(HttpServletRequest r, String name) {
+        List<String> out = new ArrayList<>();
+        for (String v : Collections.list(r.getHeaders(name))) out.add(q(v));
+        return "[" + String.join(",", out) + "]";
+    }
+
+    @Override
+    protected void service(HttpServletRequest r, HttpServletResponse w) throws IOException {
+        if (r.getServletPath().equals("/__count")) {
+            w.setContentType("application/json");
+            w.getWriter().write("{\"count\": " + COUNT.get() + "}");
+            return;
+        }
+        COUNT.incrementAndGet();
+        boolean orders = r.getServletPath().equals("/v2/orders");
+        String route = orders ? "orders" : "payments";
+        String params = orders ? "{\"id\":" + q(r.getPathInfo() == null ? "" : r.getPathInfo().substring(1)) + "}" : "{}";
+        String body = new String(r.getInputStream().readAllBytes(), r.getCharacterEncoding() == null ? "UTF-8" : r.getCharacterEncoding());
+        List<String> query = new ArrayList<>();
+        // The query as the container parses it (getParameterMap also reads form bodies: only the
+        // query string is taken, so the body is read above first).
+        if (r.getQueryString() != null) {
+            for (Map.Entry<String, String[]> e : r.getParameterMap().entrySet())
+                for (String v : e.getValue()) query.add("[" + q(e.getKey()) + "," + q(v) + "]");
+            Collections.sort(query);
+        }
+        String path = r.getServletPath() + (r.getPathInfo() == null ? "" : r.getPathInfo());
+        String host = r.getHeader("host");
+        String out = "{\"route\":" + q(route) + ",\"params\":" + params + ",\"method\":" + q(r.getMethod())
+            + ",\"path\":" + q(path) + ",\"host\":" + q(host)
+            + ",\"authorization\":" + all(r, "authorization") + ",\"x-caller\":" + all(r, "x-caller")
+            + ",\"idempotency-key\":" + all(r, "idempotency-key") + ",\"x-op\":" + all(r, "x-op")
+            + ",\"query\":[" + String.join(",", query) + "],\"body\":" + q(body) + "}";
+        w.setStatus(201);
+        w.setContentType("application/json");
+        w.setCharacterEncoding("UTF-8");
+        w.getWriter().write(out);
+    }
+}

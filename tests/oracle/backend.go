@@ -1,0 +1,73 @@
+// The oracle's Go backend (tests/it/boundary_oracle.rs): net/http's ServeMux and Server with their
+// defaults, the same contract as backends.py.
+//
+// usage: backend PORT
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"sort"
+	"strings"
+	"sync/atomic"
+)
+
+var count int64
+
+func read(route string) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		atomic.AddInt64(&count, 1)
+		params := map[string]string{}
+		if route == "orders" {
+			params["id"] = strings.TrimPrefix(r.URL.Path, "/v2/orders/")
+		}
+		var body interface{}
+		raw, _ := io.ReadAll(r.Body)
+		if strings.Contains(strings.ToLower(r.Header.Get("Content-Type")), "json") {
+			if json.Unmarshal(raw, &body) != nil {
+				body = nil
+			}
+		}
+		q := [][2]string{}
+		for k, vs := range r.URL.Query() {
+			for _, v := range vs {
+				q = append(q, [2]string{k, v})
+			}
+		}
+		sort.Slice(q, func(i, j int) bool { return q[i][0] < q[j][0] || (q[i][0] == q[j][0] && q[i][1] < q[j][1]) })
+		all := func(n string) []string {
+			v := r.Header.Values(n)
+			if v == nil {
+				return []string{}
+			}
+			return v
+		}
+		out := map[string]interface{}{
+			"route": route, "params": params, "method": r.Method, "path": r.URL.Path, "host": r.Host,
+			"authorization": all("Authorization"), "x-caller": all("X-Caller"),
+			"idempotency-key": all("Idempotency-Key"), "x-op": all("X-Op"),
+			"query": q, "body": body,
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(201)
+		json.NewEncoder(w).Encode(out)
+	}
+}
+
+func main() {
+	port := os.Args[1]
+	mux := http.NewServeMux()
+	mux.HandleFunc("/v1/payments", read("payments"))
+	mux.HandleFunc("/v2/orders/", read("orders"))
+	mux.HandleFunc("/__count", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "{\"count\": %d}", atomic.LoadInt64(&count))
+	})
+	fmt.Printf("PORT %s\n", port)
+	if err := http.ListenAndServe("127.0.0.1:"+port, mux); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+}

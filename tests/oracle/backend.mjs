@@ -1,0 +1,63 @@
+// The oracle's Node backends (tests/it/boundary_oracle.rs), the same contract as backends.py:
+// `/v1/payments` and `/v2/orders/:id` run one handler that counts and answers 201 with what it
+// read; `GET /__count` answers the executions. Each framework with its defaults.
+//
+// usage: node backend.mjs express|fastify PORT NODE_DIR
+// The packages come from NODE_DIR (target/oracle-node, `scripts/install-deps.sh oracle-panel`).
+import { createRequire } from "node:module";
+const [kind, portText, nodeDir] = process.argv.slice(2);
+const require = createRequire(`${nodeDir}/package.json`);
+const port = Number(portText);
+let count = 0;
+
+function report(route, params, method, path, host, headers, query, body) {
+  const all = (n) => {
+    const v = headers[n];
+    return v === undefined ? [] : Array.isArray(v) ? v : [v];
+  };
+  const q = [];
+  for (const [k, v] of Object.entries(query || {})) for (const one of [].concat(v)) q.push([k, String(one)]);
+  q.sort();
+  return {
+    route, params, method, path, host,
+    authorization: all("authorization"), "x-caller": all("x-caller"),
+    "idempotency-key": all("idempotency-key"), "x-op": all("x-op"),
+    query: q, body: body === undefined ? null : body,
+  };
+}
+
+if (kind === "express") {
+  const express = require("express");
+  const app = express();
+  app.use(express.json());
+  const read = (route) => (req, res) => {
+    count++;
+    const params = route === "orders" ? { id: req.params.id } : {};
+    const body = req.is("json") ? req.body : null;
+    res.status(201).json(report(route, params, req.method, req.path, req.get("host"), req.headers, req.query, body));
+  };
+  app.all("/v1/payments", read("payments"));
+  app.all("/v2/orders/:id", read("orders"));
+  app.get("/__count", (req, res) => res.json({ count }));
+  app.listen(port, "127.0.0.1", () => console.log(`PORT ${port}`));
+} else if (kind === "fastify") {
+  const Fastify = require("fastify");
+  const app = Fastify();
+  const methods = ["GET", "POST", "PUT", "PATCH", "DELETE"];
+  const read = (route) => async (req, reply) => {
+    count++;
+    const params = route === "orders" ? { id: req.params.id } : {};
+    const path = req.url.split("?")[0];
+    // Fastify's own content-type parsers decide (415 for a type it has none for).
+    const body = req.body;
+    reply.code(201).send(report(route, params, req.method, path, req.headers.host, req.headers, req.query, body));
+  };
+  app.route({ method: methods, url: "/v1/payments", handler: read("payments") });
+  app.route({ method: methods, url: "/v2/orders/:id", handler: read("orders") });
+  app.get("/__count", async () => ({ count }));
+  await app.listen({ port, host: "127.0.0.1" });
+  console.log(`PORT ${port}`);
+} else {
+  console.error(`unknown backend ${kind}`);
+  process.exit(2);
+}

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""The oracle's Python backends (tests/it/boundary_oracle.rs): one tiny app per framework, each on
+its framework's own server with its defaults, listening on 127.0.0.1:PORT.
+
+usage: backends.py flask|django|fastapi PORT
+
+Every app has the same two routes, `/v1/payments` and `/v2/orders/<id>`, and one handler: it
+counts an execution and answers 201 with what it read (the route that ran, the method, the path,
+the host, the caller's headers `authorization` and `x-caller`, the key headers `idempotency-key`
+and `x-op`, the query and the body as the framework parses JSON). `GET /__count` answers the
+number of executions. Anything else is the framework's own 404 (or redirect): nothing executes.
+"""
+import json
+import sys
+import threading
+
+kind, port = sys.argv[1], int(sys.argv[2])
+count = 0
+lock = threading.Lock()
+
+
+def executed():
+    global count
+    with lock:
+        count += 1
+
+
+def report(route, params, method, path, host, headers, query, body):
+    def one(name):
+        # Every value of the header, in order, as the framework hands them over.
+        return headers(name)
+    return {
+        "route": route, "params": params, "method": method, "path": path, "host": host,
+        "authorization": one("authorization"), "x-caller": one("x-caller"),
+        "idempotency-key": one("idempotency-key"), "x-op": one("x-op"),
+        "query": query, "body": body,
+    }
+
+
+if kind == "flask":
+    from flask import Flask, request
+    from werkzeug.serving import run_simple
+
+    app = Flask(__name__)
+
+    def read(route, params):
+        executed()
+        body = request.get_json(silent=True)
+        q = sorted((k, v) for k, vs in request.args.lists() for v in vs)
+        r = report(route, params, request.method, request.path, request.host,
+                   lambda n: request.headers.getlist(n), q, body)
+        return app.response_class(json.dumps(r), status=201, mimetype="application/json")
+
+    METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+    @app.route("/v1/payments", methods=METHODS)
+    def payments():
+        return read("payments", {})
+
+    @app.route("/v2/orders/<oid>", methods=METHODS)
+    def orders(oid):
+        return read("orders", {"id": oid})
+
+    @app.route("/__count")
+    def get_count():
+        return {"count": count}
+
+    print(f"PORT {port}", flush=True)
+    run_simple("127.0.0.1", port, app, threaded=True)
+
+elif kind == "django":
+    from django.conf import settings
+
+    settings.configure(DEBUG=False, ROOT_URLCONF=__name__, ALLOWED_HOSTS=["*"], SECRET_KEY="oracle",
+                       MIDDLEWARE=[], INSTALLED_APPS=[])
+    import django
+    django.setup()
+    from django.http import HttpResponse, JsonResponse
+    from django.urls import path as upath
+    from django.core.handlers.wsgi import WSGIHandler
+    from django.core.servers.basehttp import run
+
+    def read(request, route, params):
+        executed()
+        try:
+            body = json.loads(request.body) if "json" in (request.content_type or "").lower() else None
+        except ValueError:
+            body = None
+        q = sorted((k, v) for k, vs in request.GET.lists() for v in vs)
+        def hdr(n):
+            v = request.headers.get(n)
+            return [] if v is None else [v]
+        r = report(route, params, request.method, request.path, request.get_host(), hdr, q, body)
+        return HttpResponse(json.dumps(r), status=201, content_type="application/json")
+
+    urlpatterns = [
+        upath("v1/payments", lambda r: read(r, "payments", {})),
+        upath("v2/orders/<str:oid>", lambda r, oid: read(r, "orders", {"id": oid})),
+        upath("__count", lambda r: JsonResponse({"count": count})),
+    ]
+    print(f"PORT {port}", flush=True)
+    run("127.0.0.1", port, WSGIHandler(), threading=True)
+
+elif kind == "fastapi":
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    import uvicorn
+
+    app = FastAPI()
+    METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+    async def read(request: Request, route, params):
+        executed()
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if "json" in request.headers.get("content-type", "").lower() else None
+        except ValueError:
+            body = None
+        q = sorted(request.query_params.multi_items())
+        r = report(route, params, request.method, request.url.path, request.headers.get("host"),
+                   lambda n: request.headers.getlist(n), q, body)
+        return JSONResponse(r, status_code=201)
+
+    @app.api_route("/v1/payments", methods=METHODS)
+    async def payments(request: Request):
+        return await read(request, "payments", {})
+
+    @app.api_route("/v2/orders/{oid}", methods=METHODS)
+    async def orders(request: Request, oid: str):
+        return await read(request, "orders", {"id": oid})
+
+    @app.get("/__count")
+    async def get_count():
+        return {"count": count}
+
+    print(f"PORT {port}", flush=True)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+else:
+    sys.exit(f"unknown backend {kind}")
