@@ -669,7 +669,7 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
                     }
                 }
             }
-        },
+        }
     };
     // A key is only ever derived for an identified caller: a derived key is never refused here.
     if let Err(p) = scope.admits(&policy.scope) {
