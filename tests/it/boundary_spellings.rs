@@ -305,6 +305,18 @@ fn spellings_of_one_target_derive_one_key() {
     assert!(again.is_empty(), "one derived key executed again through: {again:?}");
 }
 
+/// One request over HTTP/2 as `tests/oracle/h2_send.py` sends it (`request`: method, path,
+/// authority, body, headers in order, any spelling Envoy's HTTP/2 codec takes): its answer.
+fn h2_send(s: &Stack, request: serde_json::Value) -> serde_json::Value {
+    let out = Command::new("python3")
+        .arg(support::repo_root().join("tests/oracle/h2_send.py"))
+        .arg(s.envoy.port.to_string())
+        .arg(request.to_string())
+        .output()
+        .expect("python3 tests/oracle/h2_send.py (h2 installed by scripts/install-deps.sh h2-client)");
+    serde_json::from_slice(&out.stdout).expect("h2_send.py's answer")
+}
+
 /// Found by the boundary oracle (issue 41, the smallest pair it printed): `:method: Post` over
 /// HTTP/2 (Envoy forwards it; its HTTP/1 codec refuses it), which Werkzeug and Django run as POST,
 /// passed unprotected, so the same key sent again as POST executed a second time.
@@ -312,18 +324,12 @@ fn spellings_of_one_target_derive_one_key() {
 fn a_method_in_another_letter_case_over_http2_is_protected() {
     let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}}"#);
     let key = "k-method-case";
-    let out = Command::new("python3")
-        .arg(support::repo_root().join("tests/oracle/h2_send.py"))
-        .arg(s.envoy.port.to_string())
-        .arg(
-            serde_json::json!({"method": "Post", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
+    let first = h2_send(
+        &s,
+        serde_json::json!({"method": "Post", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
                 "headers": [["authorization", "Bearer alice"], ["idempotency-key", key],
-                            ["content-type", "application/json"], ["content-length", "2"]]})
-            .to_string(),
-        )
-        .output()
-        .expect("python3 tests/oracle/h2_send.py (h2 installed by scripts/install-deps.sh h2-client)");
-    let first: serde_json::Value = serde_json::from_slice(&out.stdout).expect("h2_send.py's answer");
+                            ["content-type", "application/json"], ["content-length", "2"]]}),
+    );
     assert_eq!(first["status"], 201, "{first}");
     let r = post(&s, "/v1/payments", key);
     assert_eq!(s.up.executions_with_key(key), 1, "Post over HTTP/2 then POST executed twice (answered {})", r.status);
@@ -338,18 +344,12 @@ fn a_method_in_another_letter_case_over_http2_is_protected() {
 fn whitespace_around_a_scope_value_over_http2_is_one_caller() {
     let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}}"#);
     let key = "k-scope-space";
-    let out = Command::new("python3")
-        .arg(support::repo_root().join("tests/oracle/h2_send.py"))
-        .arg(s.envoy.port.to_string())
-        .arg(
-            serde_json::json!({"method": "POST", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
+    let first = h2_send(
+        &s,
+        serde_json::json!({"method": "POST", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
                 "headers": [["authorization", "Bearer alice  "], ["idempotency-key", key],
-                            ["content-type", "application/json"], ["content-length", "2"]]})
-            .to_string(),
-        )
-        .output()
-        .expect("python3 tests/oracle/h2_send.py (h2 installed by scripts/install-deps.sh h2-client)");
-    let first: serde_json::Value = serde_json::from_slice(&out.stdout).expect("h2_send.py's answer");
+                            ["content-type", "application/json"], ["content-length", "2"]]}),
+    );
     assert_eq!(first["status"], 201, "{first}");
     let r = post(&s, "/v1/payments", key);
     assert_eq!(s.up.executions_with_key(key), 1, "executed again in another scope (answered {})", r.status);
@@ -366,18 +366,12 @@ fn derived_keys_read_the_method_and_repeated_headers_as_backends_do() {
     let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"]}}"#);
     let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", "op-m")];
     let before = s.up.executions();
-    let out = Command::new("python3")
-        .arg(support::repo_root().join("tests/oracle/h2_send.py"))
-        .arg(s.envoy.port.to_string())
-        .arg(
-            serde_json::json!({"method": "post", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
+    let first = h2_send(
+        &s,
+        serde_json::json!({"method": "post", "path": "/v1/payments", "authority": "idemgate.test", "body": "{}",
                 "headers": [["authorization", "Bearer alice"], ["x-op", "op-m"],
-                            ["content-type", "application/json"], ["content-length", "2"]]})
-            .to_string(),
-        )
-        .output()
-        .expect("python3 tests/oracle/h2_send.py");
-    let first: serde_json::Value = serde_json::from_slice(&out.stdout).expect("h2_send.py's answer");
+                            ["content-type", "application/json"], ["content-length", "2"]]}),
+    );
     assert_eq!(first["status"], 201, "{first}");
     let r = http::request(s.envoy.port, "POST", "/v1/payments", &h, b"{}").expect("request");
     assert_eq!(s.up.executions() - before, 1, "post over HTTP/2 then POST executed twice (answered {})", r.status);

@@ -96,6 +96,12 @@ impl HaStore {
     }
 
     pub fn port(&self, part: &str) -> u16 {
+        self.part(part)["port"].as_u64().expect("a port") as u16
+    }
+
+    /// What `scripts/store_ha.py` recorded of `part` (`redis-N`, `sentinel-N`, `haproxy-N`,
+    /// `webdis-N`): its port and pid.
+    fn part(&self, part: &str) -> serde_json::Value {
         let (kind, i) = part.rsplit_once('-').expect("a part name");
         let key = match kind {
             "redis" => "redis",
@@ -104,7 +110,7 @@ impl HaStore {
             _ => "webdis",
         };
         let i: usize = i.parse().expect("a part number");
-        self.stack()[key][i]["port"].as_u64().expect("a port") as u16
+        self.stack()[key][i].clone()
     }
 
     /// The `idemgate_store` cluster (YAML list item from column 0) for this stack.
@@ -112,20 +118,23 @@ impl HaStore {
         store_ha(&self.scratch.0, &["cluster"])
     }
 
-    /// `redis-cli` on node `part` as `admin` (TLS when the stack has it): its stdout.
-    fn cli(&self, part: &str, args: &[&str]) -> String {
+    /// `redis-cli` on node `part` as `admin` (TLS when the stack has it).
+    fn cli_output(&self, part: &str, args: &[&str]) -> std::process::Output {
         let tls = self.scratch.0.join("tls");
         let mut cli = Command::new("redis-cli");
         if tls.exists() {
             cli.arg("--tls").arg("--cacert").arg(tls.join("ca.crt"));
             cli.arg("--cert").arg(tls.join("redis.crt")).arg("--key").arg(tls.join("redis.key"));
         }
-        let out = cli
-            .args(["-p", &self.port(part).to_string(), "--user", ADMIN.0, "--pass", ADMIN.1, "--no-auth-warning"])
+        cli.args(["-p", &self.port(part).to_string(), "--user", ADMIN.0, "--pass", ADMIN.1, "--no-auth-warning"])
             .args(args)
             .output()
-            .expect("redis-cli");
-        String::from_utf8_lossy(&out.stdout).into_owned()
+            .expect("redis-cli")
+    }
+
+    /// `redis-cli` on node `part` as `admin`: its stdout.
+    fn cli(&self, part: &str, args: &[&str]) -> String {
+        String::from_utf8_lossy(&self.cli_output(part, args).stdout).into_owned()
     }
 
     /// `INFO replication` of node `part` (empty when it does not answer).
@@ -135,30 +144,12 @@ impl HaStore {
 
     /// The pid `scripts/store_ha.py` recorded for `part`.
     pub fn pid(&self, part: &str) -> i32 {
-        let (kind, i) = part.rsplit_once('-').expect("a part name");
-        let key = match kind {
-            "redis" => "redis",
-            "sentinel" => "sentinels",
-            "haproxy" => "haproxies",
-            _ => "webdis",
-        };
-        let i: usize = i.parse().expect("a part number");
-        self.stack()[key][i]["pid"].as_i64().expect("a pid") as i32
+        self.part(part)["pid"].as_i64().expect("a pid") as i32
     }
 
     /// The idemgate keys node `part` holds.
     pub fn keys(&self, part: &str) -> BTreeSet<String> {
-        let tls = self.scratch.0.join("tls");
-        let mut cli = Command::new("redis-cli");
-        if tls.exists() {
-            cli.arg("--tls").arg("--cacert").arg(tls.join("ca.crt"));
-            cli.arg("--cert").arg(tls.join("redis.crt")).arg("--key").arg(tls.join("redis.key"));
-        }
-        let out = cli
-            .args(["-p", &self.port(part).to_string(), "--user", ADMIN.0, "--pass", ADMIN.1, "--no-auth-warning"])
-            .args(["--scan", "--pattern", "idemgate:v1:*"])
-            .output()
-            .expect("redis-cli");
+        let out = self.cli_output(part, &["--scan", "--pattern", "idemgate:v1:*"]);
         assert!(out.status.success(), "redis-cli --scan: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect()
     }
