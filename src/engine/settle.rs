@@ -293,8 +293,11 @@ fn mcp_outcome(
             }
         }
         // A 1.x Python SDK transport's refusal without the request's id (`"id": "server-error"`)
-        // at a released status precedes dispatch, as one with `"id": null` does.
-        (Outcome::Release, Answer::None | Answer::NoRequestId, r) => (Outcome::Release, r, None),
+        // at a released 4xx precedes dispatch, as one with `"id": null` does; its 500s come after
+        // dispatch (a tool that ran, then failed), so a route that releases 500 does not release
+        // those: outcome-unknown.
+        (Outcome::Release, Answer::None, r) => (Outcome::Release, r, None),
+        (Outcome::Release, Answer::NoRequestId, Some(r)) if r.status < 500 => (Outcome::Release, Some(r), None),
         (Outcome::Release, answer, _) => {
             (Outcome::Unknown(unknown), None, Some(("mcp_answered_not_released", format!("{answer:?}"))))
         }

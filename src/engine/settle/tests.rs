@@ -419,3 +419,48 @@ fn mcp_a_round_that_asks_for_input_is_released_only_where_the_route_says_so() {
     let r = Some(mcp_response(200, "application/json", asks));
     assert_eq!(mcp_settle_as(InputRequired::Release, true, Outcome::Store, r, false).1, "stored");
 }
+
+/// A route that releases 500 (allowed: `release_on_status` takes 400..=599, and a top-level list
+/// applies to MCP routes too) must not release a Python SDK 1.x server's 500 `"server-error"`: the
+/// 1.x transport answers it after dispatch (the tool ran, then its answer failed), so the retry
+/// would run the tool again. Its 4xx refusals, before dispatch, still release. Found by review:
+/// a released 500 read as `NoRequestId` released the key.
+#[test]
+fn mcp_a_released_500_server_error_after_dispatch_is_outcome_unknown() {
+    let no_id = br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32603,"message":"Error processing request"}}"#;
+    let p = Policy { release_on_status: vec![500], ..Policy::default() };
+    struct Upstream500;
+    impl crate::decision::Exchange for Upstream500 {
+        fn forwarded(&mut self) -> bool {
+            true
+        }
+        fn status(&mut self) -> Option<u16> {
+            Some(500)
+        }
+        fn code_details(&mut self) -> String {
+            "via_upstream".into()
+        }
+        fn flags(&mut self) -> u64 {
+            0
+        }
+        fn response_complete(&mut self) -> bool {
+            true
+        }
+        fn upstream_host(&mut self) -> bool {
+            true
+        }
+        fn upstream_connected(&mut self) -> bool {
+            true
+        }
+        fn attempts(&mut self) -> Option<u64> {
+            Some(1)
+        }
+    }
+    let outcome = crate::decision::classify_exchange(&mut Upstream500, &p);
+    assert_eq!(outcome, Outcome::Release, "the route releases 500");
+    let slug = mcp_settle(outcome, Some(mcp_response(500, "application/json", no_id)), false).1;
+    assert_eq!(slug, "marked-unknown", "a tool that ran, then failed: 500 server-error");
+    let refused = br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"Bad Request: No valid session ID provided"}}"#;
+    let slug = mcp_settle(Outcome::Release, Some(mcp_response(400, "application/json", refused)), false).1;
+    assert_eq!(slug, "released", "a 1.x refusal before dispatch");
+}
