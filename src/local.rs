@@ -837,7 +837,7 @@ impl Table {
                 continue;
             }
             let target = match (&decision, live) {
-                (Decision::Claim, _) => match self.place(&bucket, now_ms) {
+                (Decision::Claim, _) => match self.place(sd, i, &bucket, now_ms) {
                     Some(place) => Some((place, false)),
                     None if from_headers => continue,
                     None => return Ok(Begin::Full),
@@ -1013,10 +1013,11 @@ impl Table {
         Ok(Some(Peeked { summary: e.summary(), record, status: e.status }))
     }
 
-    /// A position for a new key in its bucket, in this order: a free one (expired, no live
-    /// lock); an empty one (first one whose body key holds bytes: the claim takes them over);
-    /// or, with `evict_oldest`, the oldest finished record past its floor. `None`: full.
-    fn place(&self, b: &Bucket, now_ms: u64) -> Option<Place> {
+    /// A position for a new key in its bucket `i`, in this order: a free one (expired, no live
+    /// lock); an empty one (first one whose body key holds bytes: the claim takes them over); the
+    /// oldest tombstone (`tombstone_position`); or, with `evict_oldest`, the oldest finished record
+    /// past its floor. `None`: full.
+    fn place(&self, sd: &mut dyn SharedData, i: u32, b: &Bucket, now_ms: u64) -> Option<Place> {
         if let Some(j) = b.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.is_free(now_ms))) {
             return Some(Place { position: j, evicted_age_ms: None });
         }
@@ -1025,7 +1026,34 @@ impl Table {
         if let Some(j) = empty(true).or_else(|| empty(false)) {
             return Some(Place { position: j, evicted_age_ms: None });
         }
+        if let Some((j, age)) = self.tombstone_position(sd, i, b, now_ms) {
+            return Some(Place { position: j, evicted_age_ms: Some(age) });
+        }
         self.eviction_candidate(b, now_ms).map(|(j, age)| Place { position: j, evicted_age_ms: Some(age) })
+    }
+
+    /// The oldest completed record of bucket `i` past its own expiry, kept as its key's tombstone
+    /// (`Record::is_tombstone`, read from its body), and its age. A full bucket takes it before any
+    /// live record is evicted, whatever `when_full` says and whatever its floor (the floor protects
+    /// a live record; a tombstone has outlived its record and only warns): without it, tombstones
+    /// would cost a live record (an outcome-unknown mark, a completion of a longer `ttl_seconds`)
+    /// its place, and that key a second execution, where without tombstones their positions
+    /// would have been free. Read only when the bucket has neither a free nor an empty position.
+    fn tombstone_position(&self, sd: &mut dyn SharedData, i: u32, b: &Bucket, now_ms: u64) -> Option<(usize, u64)> {
+        let mut oldest: Option<(usize, u64)> = None;
+        for (j, p) in b.positions.iter().enumerate() {
+            let Some(e) = p.as_ref().filter(|e| e.stage == Stage::Completed) else { continue };
+            if lifecycle::next(e.stage, Event::Evict, Facts::of(&e.summary(), now_ms, false)).is_err() {
+                continue;
+            }
+            let h = Handle { bucket: i, position: j, owner: e.owner, skey: e.skey };
+            let tombstone = self.read_body(sd, &h).ok().flatten().is_some_and(|r| r.is_tombstone(now_ms));
+            let age = now_ms.saturating_sub(e.since_ms);
+            if tombstone && oldest.is_none_or(|(_, a)| age > a) {
+                oldest = Some((j, age));
+            }
+        }
+        oldest
     }
 
     /// The oldest completed or outcome-unknown record of `b` past its own floor (`Entry::floor_ms`,

@@ -1246,3 +1246,67 @@ fn dummy_entry() -> Entry {
         creator: vec![],
     }
 }
+
+/// Found by review: with tombstones, a completed record keeps its position past its own expiry,
+/// and a full bucket evicted by age alone, so an outcome-unknown record older than every
+/// tombstone in its bucket (`unknown_outcome_seconds` above `ttl_seconds`, or routes of other
+/// TTLs sharing the table) lost its position to a new key, and its retry claimed: a second
+/// execution. Without tombstones those positions were free. The tombstone's position goes first,
+/// whatever its floor (the default floor, 3600 s, protects the tombstones here, not the record).
+#[test]
+fn a_full_bucket_takes_a_tombstones_position_before_evicting_a_live_record() {
+    for (tombstone_ms, floor_s) in [(0u64, 0u64), (1_000_000, 0), (1_000_000, 3600)] {
+        let t = floor_table(16, WhenFull::EvictOldest, floor_s);
+        let mut m = fresh(&t);
+        let p = Policy {
+            lock_ttl_seconds: 10,
+            ttl_seconds: 10,
+            unknown_outcome_seconds: 100_000,
+            tombstone_seconds: tombstone_ms / 1000,
+            ..Policy::default()
+        };
+        let w = t.width();
+        let keys = keys_in_bucket(&t, 0, w + 1);
+        let h = handle(&t.begin(&mut m, keys[0], Some(fp(1)), NOW, &p, owner(1), &creator("u")).unwrap());
+        assert!(t.mark_unknown(&mut m, &h, UnknownReason::Other, NOW, &p).unwrap());
+        // Past the floor of the outcome-unknown record (3600 s), the others completed later.
+        let later = NOW + 4_000_000;
+        for k in &keys[1..w] {
+            let h = handle(&t.begin(&mut m, *k, Some(fp(1)), later, &p, owner(2), &creator("c")).unwrap());
+            let r = Record::completed(fp(1), response("r"), false, creator("c"), later, p.ttl_seconds);
+            let until = r.expires_at_ms + tombstone_ms;
+            t.complete_until(&mut m, &h, r, later, until).unwrap();
+        }
+        let at = later + 20_000;
+        let b = t.begin(&mut m, keys[w], Some(fp(1)), at, &p, owner(3), &creator("new")).unwrap();
+        assert!(matches!(b, Begin::Claimed { .. }), "tombstone_ms={tombstone_ms} floor={floor_s}: the new key: {b:?}");
+        let again = t.begin(&mut m, keys[0], Some(fp(1)), at, &p, owner(4), &creator("retry")).unwrap();
+        assert!(
+            !matches!(again, Begin::Claimed { .. }),
+            "tombstone_ms={tombstone_ms} floor={floor_s}: the outcome-unknown key claimed again after {b:?}: {again:?}"
+        );
+    }
+}
+
+/// With `when_full: "reject"`, a bucket full of tombstones takes a new key in a tombstone's
+/// position (as it took an expired record's before tombstones) rather than answering full.
+#[test]
+fn a_bucket_full_of_tombstones_is_not_full_when_it_rejects() {
+    let t = floor_table(16, WhenFull::Reject, 3600);
+    let mut m = fresh(&t);
+    let p = Policy { ttl_seconds: 10, tombstone_seconds: 1000, ..Policy::default() };
+    let w = t.width();
+    let keys = keys_in_bucket(&t, 0, w + 1);
+    for k in &keys[..w] {
+        let h = handle(&t.begin(&mut m, *k, Some(fp(1)), NOW, &p, owner(2), &creator("c")).unwrap());
+        let r = Record::completed(fp(1), response("r"), false, creator("c"), NOW, p.ttl_seconds);
+        let until = r.expires_at_ms + 1_000_000;
+        t.complete_until(&mut m, &h, r, NOW, until).unwrap();
+    }
+    // Within their ttl: full.
+    let full = t.begin(&mut m, keys[w], Some(fp(1)), NOW + 5_000, &p, owner(3), &creator("new")).unwrap();
+    assert!(matches!(full, Begin::Full), "{full:?}");
+    // Past it, every record is a tombstone: a position is taken.
+    let b = t.begin(&mut m, keys[w], Some(fp(1)), NOW + 20_000, &p, owner(3), &creator("new")).unwrap();
+    assert!(matches!(b, Begin::Claimed { .. }), "{b:?}");
+}

@@ -427,7 +427,8 @@ fn mcp_a_round_that_asks_for_input_is_released_only_where_the_route_says_so() {
 /// a released 500 read as `NoRequestId` released the key.
 #[test]
 fn mcp_a_released_500_server_error_after_dispatch_is_outcome_unknown() {
-    let no_id = br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32603,"message":"Error processing request"}}"#;
+    let no_id =
+        br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32603,"message":"Error processing request"}}"#;
     let p = Policy { release_on_status: vec![500], ..Policy::default() };
     struct Upstream500;
     impl crate::decision::Exchange for Upstream500 {
