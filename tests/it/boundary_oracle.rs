@@ -5,7 +5,10 @@
 //! server, Django's runserver, FastAPI under uvicorn, Express, Fastify, Go's net/http ServeMux and a
 //! servlet on Debian's Tomcat 10, each with its defaults, each one counting handler on
 //! `/v1/payments` and `/v2/orders/<id>` that answers what it read. Each backend sits behind its
-//! own Envoy 1.40 with dist/idemgate.wasm, one listener per configuration (`CONFIGS`).
+//! own Envoy 1.40 with dist/idemgate.wasm, one listener per configuration (`CONFIGS`). In the
+//! `mcp` configuration (both routes `protocol: mcp`) the request is an MCP client's JSON-RPC
+//! `tools/call` and each backend answers it with a JSON-RPC response echoing its id (what it read
+//! is the `result`), which idemgate takes for the call's completion.
 //!
 //! For each pair of spellings (A, B) of one request the oracle sends, through idemgate: A with a
 //! fresh key (what the backend read of A), B with another fresh key (what it read of B), then B
@@ -51,7 +54,18 @@ const CONFIGS: &[(&str, &str, &str, &str)] = &[
         "authorization",
     ),
     ("scope_header", r#"{"scope": {"headers": ["x-caller"]}}"#, "idempotency-key", "x-caller"),
+    // `protocol: mcp` routes (docs/mcp.md): the request is a JSON-RPC `tools/call` (`Req::base`).
+    (
+        "mcp",
+        r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/v1/payments", "protocol": "mcp"}, {"prefix": "/v2/orders/", "protocol": "mcp"}]}"#,
+        "idempotency-key",
+        "authorization",
+    ),
 ];
+
+/// The MCP configuration's canonical body: a `tools/call` whose arguments are the other
+/// configurations' body.
+const MCP_BODY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1,"currency":"eur"}}}"#;
 
 /// The panel: (name, how it runs).
 const BACKENDS: &[&str] = &["flask", "django", "fastapi", "express", "fastify", "go", "tomcat"];
@@ -72,9 +86,11 @@ struct Req {
 }
 
 impl Req {
-    fn base(orders: bool, key_header: &str, scope_header: &str) -> Req {
+    /// The canonical request; `mcp`: a JSON-RPC `tools/call` as an MCP client sends it (the
+    /// `accept` of the Streamable HTTP transport, the 2026-07-28 routing headers).
+    fn base(orders: bool, key_header: &str, scope_header: &str, mcp: bool) -> Req {
         let scope = if scope_header == "authorization" { "Bearer alice" } else { "alice" };
-        Req {
+        let mut r = Req {
             method: "POST".into(),
             path: if orders { "/v2/orders/o%C3%A9".into() } else { "/v1/payments".into() },
             query: "a=1&b=2".into(),
@@ -88,7 +104,18 @@ impl Req {
             body: r#"{"amount":1,"currency":"eur"}"#.into(),
             chunked: false,
             h2: false,
+        };
+        if mcp {
+            r.body = MCP_BODY.into();
+            for (n, v) in [
+                ("accept", "application/json, text/event-stream"),
+                ("mcp-method", "tools/call"),
+                ("mcp-name", "charge"),
+            ] {
+                r.headers.push((n.into(), v.into()));
+            }
         }
+        r
     }
 
     fn target(&self) -> String {
@@ -253,7 +280,14 @@ const SPELLINGS: &[Spelling] = &[
     ("content-type", "case (`Application/JSON`)", |r| header_mut(r, 2).1 = "Application/JSON".into()),
     ("body", "chunked framing", |r| r.chunked = true),
     ("body", "whitespace (`{\"amount\": 1, ...}`)", |r| r.body = r.body.replace(":", ": ").replace(",", ", ")),
-    ("body", "member order", |r| r.body = r#"{"currency":"eur","amount":1}"#.into()),
+    ("body", "member order", |r| {
+        r.body = if r.body.contains("jsonrpc") {
+            r#"{"params":{"arguments":{"currency":"eur","amount":1},"name":"charge"},"method":"tools/call","id":7,"jsonrpc":"2.0"}"#
+        } else {
+            r#"{"currency":"eur","amount":1}"#
+        }
+        .into()
+    }),
     ("protocol", "HTTP/2", |r| {
         r.h2 = true;
         r.absolute = false;
@@ -381,10 +415,31 @@ enum Reading {
     NotRun(u16, String),
 }
 
+/// idemgate's refusal in an answer: the RFC 9457 problem's type, or on an MCP route the JSON-RPC
+/// error's code and type (`-32002 key-reused`); empty when the answer is neither.
+fn refusal(r: &http::Response) -> String {
+    let problem = r.problem();
+    if !problem.is_empty() {
+        return problem;
+    }
+    let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+    match (v["error"]["code"].as_i64(), v["error"]["data"]["type"].as_str()) {
+        (Some(code), Some(t)) => match t.strip_prefix("urn:idemgate:problem:") {
+            Some(slug) => format!("{code} {slug}"),
+            None => String::new(),
+        },
+        _ => String::new(),
+    }
+}
+
 fn reading(r: &http::Response, key_header: &str, scope_header: &str, key: &str) -> Reading {
     if r.status == 201 {
         // The pair's requests carry different fresh keys: the key read is compared as `KEY`.
-        let v: Value = serde_json::from_str(&r.body_text().replace(key, "KEY")).unwrap_or(Value::Null);
+        let mut v: Value = serde_json::from_str(&r.body_text().replace(key, "KEY")).unwrap_or(Value::Null);
+        if v["result"]["route"].is_string() {
+            // An MCP call's answer: what was read is the JSON-RPC response's result.
+            v = v["result"].take();
+        }
         if v["route"].is_string() {
             let mut m = BTreeMap::new();
             for f in ["route", "params", "method", "query", "body"] {
@@ -395,7 +450,7 @@ fn reading(r: &http::Response, key_header: &str, scope_header: &str, key: &str) 
             return Reading::Ran(m);
         }
     }
-    let problem = r.problem();
+    let problem = refusal(r);
     if !problem.is_empty() && r.status < 500 {
         return Reading::Refused(format!("{} {problem}", r.status));
     }
@@ -455,10 +510,10 @@ impl Probe<'_> {
         let ran = count(self.b) - before;
         let answer = if r.header("idempotent-replayed") == Some("true") {
             "replay".to_string()
-        } else if r.problem().is_empty() {
+        } else if refusal(&r).is_empty() {
             r.status.to_string()
         } else {
-            format!("{} {}", r.status, r.problem())
+            format!("{} {}", r.status, refusal(&r))
         };
         if ran > 0 {
             Outcome::Twice(answer)
@@ -531,7 +586,8 @@ struct Found {
 
 fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
     let mut found = Found { cells: vec![], twice: vec![], pairs: 0 };
-    for (cfg, &(_, _, kh, sh)) in CONFIGS.iter().enumerate() {
+    for (cfg, &(cname, _, kh, sh)) in CONFIGS.iter().enumerate() {
+        let mcp = cname == "mcp";
         let mut p = Probe { b, cfg, seq: 0 };
         let report = |p: &mut Probe, base: &Req, sa: Vec<usize>, sb: Vec<usize>, found: &mut Found| {
             let (sa, sb) = shrink(p, base, sa, sb);
@@ -548,7 +604,7 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
         };
         // The sweep: each spelling alone against the canonical request, on both routes.
         for orders in [false, true] {
-            let base = Req::base(orders, kh, sh);
+            let base = Req::base(orders, kh, sh, mcp);
             for s in 0..SPELLINGS.len() {
                 let spelled = apply(&base, &[s]);
                 if spelled.show("k") == base.show("k") {
@@ -566,7 +622,7 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
         // The search: random combinations of spellings on both sides.
         let mut rng = Rng(seed ^ (cfg as u64) << 32 ^ b.name.len() as u64);
         for _ in 0..pairs {
-            let base = Req::base(rng.below(2) == 1, kh, sh);
+            let base = Req::base(rng.below(2) == 1, kh, sh, mcp);
             let pick = |rng: &mut Rng| -> Vec<usize> {
                 let n = 1 + rng.below(3);
                 let mut v: Vec<usize> = (0..n).map(|_| rng.below(SPELLINGS.len())).collect();
@@ -602,7 +658,13 @@ fn table(found: &[(&str, Found)]) -> String {
            the route, its parameters, the method, the caller, the key, the query or the body), or\n\
            did not run the spelling at all (`not run: status from envoy|backend`): no obligation.\n\
          - `TWICE`: a counterexample: one request to the backend, executed twice.\n\
-         - `-`: the spelling does not apply to that route (`%c3%a9` on `/v1/payments`).\n\n",
+         - `-`: the spelling does not apply to that route (`%c3%a9` on `/v1/payments`).\n\n\
+         In configuration `mcp` (both routes `protocol: mcp`) the request is an MCP client's\n\
+         `tools/call`: the same paths, query and headers, plus `accept: application/json,\n\
+         text/event-stream`, `mcp-method: tools/call` and `mcp-name: charge`, and the body\n\
+         `{\"jsonrpc\":\"2.0\",\"id\":7,\"method\":\"tools/call\",\"params\":{\"name\":\"charge\",\"arguments\":{\"amount\":1,\"currency\":\"eur\"}}}`;\n\
+         each backend answers it with a JSON-RPC response (the request's id, what it read as the\n\
+         result), which idemgate takes for the call's completion.\n\n",
     );
     t.push_str(
         "Backends: Flask 3.1.3 on Werkzeug 3.1.9's server; Django 5.2.19 (runserver's WSGIServer);\n\

@@ -2,6 +2,8 @@
 // its defaults (tests/oracle/tomcat.sh), mapped to `/v1/payments` and `/v2/orders/*`, the same
 // contract as backends.py. The servlet API parses no JSON: the body is reported as the servlet
 // reads it (the request's characters), so two bodies are alike here only when their text is.
+// A body that names a JSON-RPC `method` is answered with what was read as the `result` of a
+// JSON-RPC response whose `id` is the request's, found by a pattern (no parser here either).
 import jakarta.servlet.http.HttpServlet;
 import jakarta.servlet.http.HttpServletRequest;
 import jakarta.servlet.http.HttpServletResponse;
@@ -11,9 +13,13 @@ import java.util.Collections;
 import java.util.List;
 import java.util.Map;
 import java.util.concurrent.atomic.AtomicLong;
+import java.util.regex.Matcher;
+import java.util.regex.Pattern;
 
 public class OracleServlet extends HttpServlet {
     static final AtomicLong COUNT = new AtomicLong();
+    static final Pattern METHOD = Pattern.compile("\"method\"\\s*:");
+    static final Pattern ID = Pattern.compile("\"id\"\\s*:\\s*(-?[0-9][0-9.eE+-]*|\"[^\"]*\"|null)");
 
     static String q(String s) {
         if (s == null) return "null";
@@ -59,6 +65,10 @@ public class OracleServlet extends HttpServlet {
             + ",\"authorization\":" + all(r, "authorization") + ",\"x-caller\":" + all(r, "x-caller")
             + ",\"idempotency-key\":" + all(r, "idempotency-key") + ",\"x-op\":" + all(r, "x-op")
             + ",\"query\":[" + String.join(",", query) + "],\"body\":" + q(body) + "}";
+        Matcher id = ID.matcher(body);
+        if (METHOD.matcher(body).find() && id.find()) {
+            out = "{\"jsonrpc\":\"2.0\",\"id\":" + id.group(1) + ",\"result\":" + out + "}";
+        }
         w.setStatus(201);
         w.setContentType("application/json");
         w.setCharacterEncoding("UTF-8");

@@ -1,5 +1,6 @@
 // The oracle's Go backend (tests/it/boundary_oracle.rs): net/http's ServeMux and Server with their
-// defaults, the same contract as backends.py.
+// defaults, the same contract as backends.py (a JSON-RPC request body is answered with what was
+// read as the `result` of a JSON-RPC response with the request's `id`).
 //
 // usage: backend PORT
 package main
@@ -51,9 +52,15 @@ func read(route string) http.HandlerFunc {
 			"idempotency-key": all("Idempotency-Key"), "x-op": all("X-Op"),
 			"query": q, "body": body,
 		}
+		var answer interface{} = out
+		if m, ok := body.(map[string]interface{}); ok {
+			if _, isCall := m["method"]; isCall {
+				answer = map[string]interface{}{"jsonrpc": "2.0", "id": m["id"], "result": out}
+			}
+		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(201)
-		json.NewEncoder(w).Encode(out)
+		json.NewEncoder(w).Encode(answer)
 	}
 }
 

@@ -1,6 +1,8 @@
 // The oracle's Node backends (tests/it/boundary_oracle.rs), the same contract as backends.py:
 // `/v1/payments` and `/v2/orders/:id` run one handler that counts and answers 201 with what it
-// read; `GET /__count` answers the executions. Each framework with its defaults.
+// read; `GET /__count` answers the executions. Each framework with its defaults. A JSON-RPC request
+// body (an object with a `method`) is answered with what was read as the `result` of a JSON-RPC
+// response with the request's `id`.
 //
 // usage: node backend.mjs express|fastify PORT NODE_DIR
 // The packages come from NODE_DIR (target/oracle-node, `scripts/install-deps.sh oracle-panel`).
@@ -18,12 +20,16 @@ function report(route, params, method, path, host, headers, query, body) {
   const q = [];
   for (const [k, v] of Object.entries(query || {})) for (const one of [].concat(v)) q.push([k, String(one)]);
   q.sort();
-  return {
+  const r = {
     route, params, method, path, host,
     authorization: all("authorization"), "x-caller": all("x-caller"),
     "idempotency-key": all("idempotency-key"), "x-op": all("x-op"),
     query: q, body: body === undefined ? null : body,
   };
+  if (body && typeof body === "object" && !Array.isArray(body) && "method" in body) {
+    return { jsonrpc: "2.0", id: body.id === undefined ? null : body.id, result: r };
+  }
+  return r;
 }
 
 if (kind === "express") {

@@ -9,6 +9,9 @@ counts an execution and answers 201 with what it read (the route that ran, the m
 the host, the caller's headers `authorization` and `x-caller`, the key headers `idempotency-key`
 and `x-op`, the query and the body as the framework parses JSON). `GET /__count` answers the
 number of executions. Anything else is the framework's own 404 (or redirect): nothing executes.
+A body the framework parsed as a JSON-RPC request (an object with a `method`: the oracle's MCP
+configuration) is answered as an MCP server answers a call: what was read is the `result` of a
+JSON-RPC response with the request's `id` (what idemgate takes for the call's completion).
 """
 import json
 import sys
@@ -29,12 +32,15 @@ def report(route, params, method, path, host, headers, query, body):
     def one(name):
         # Every value of the header, in order, as the framework hands them over.
         return headers(name)
-    return {
+    r = {
         "route": route, "params": params, "method": method, "path": path, "host": host,
         "authorization": one("authorization"), "x-caller": one("x-caller"),
         "idempotency-key": one("idempotency-key"), "x-op": one("x-op"),
         "query": query, "body": body,
     }
+    if isinstance(body, dict) and "method" in body:
+        return {"jsonrpc": "2.0", "id": body.get("id"), "result": r}
+    return r
 
 
 if kind == "flask":
