@@ -40,6 +40,42 @@ pub enum Replay {
     Decoded(StoredResponse),
 }
 
+/// What a retry that meets a completed record (`record`) is answered with, in every host (the
+/// Wasm filter's `filter::reply::replay`, the native build's): its stored response, as stored
+/// or decoded (`for_retry`), with the `idempotency-key-expires-in` value; or the problem that
+/// stands for it (a response completed without its body, a record in any other state, or an
+/// encoding the retry cannot read).
+pub enum RetryAnswer<'r> {
+    AsStored { response: &'r StoredResponse, expires: String },
+    Decoded { response: StoredResponse, expires: String },
+    Problem(ProblemKind),
+}
+
+/// `RetryAnswer` for `record` at `now_ms`, to a retry with `Accept-Encoding` lines `accept`.
+pub fn retry_answer<'r>(
+    record: &'r crate::record::Record,
+    now_ms: u64,
+    accept: &[&[u8]],
+    max_decoded_bytes: u64,
+) -> RetryAnswer<'r> {
+    use crate::record::State;
+    match &record.state {
+        State::Completed(r) => {
+            let expires = expires_in(record.expires_at_ms, now_ms);
+            match for_retry(r, accept, max_decoded_bytes) {
+                Ok(Replay::AsStored) => RetryAnswer::AsStored { response: r, expires },
+                Ok(Replay::Decoded(d)) => RetryAnswer::Decoded { response: d, expires },
+                Err(kind) => RetryAnswer::Problem(kind),
+            }
+        }
+        State::CompletedTooLarge { status, location } => {
+            let location = location.as_ref().map(|l| String::from_utf8_lossy(l).into_owned());
+            RetryAnswer::Problem(ProblemKind::ResponseNotStored { status: *status, location })
+        }
+        _ => RetryAnswer::Problem(ProblemKind::OutcomeUnknown),
+    }
+}
+
 /// Decides how the stored `response` is replayed to a retry whose `Accept-Encoding` field lines
 /// are `accept` (in order; none if the retry sent none). Decoding stops at `max_decoded_bytes`.
 pub fn for_retry(response: &StoredResponse, accept: &[&[u8]], max_decoded_bytes: u64) -> Result<Replay, ProblemKind> {

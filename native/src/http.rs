@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use idemgate::config::{Config, Forwarding, InFlight, NextHopFailures};
 use idemgate::decision::{classify_routed, Exchange};
-use idemgate::encoding::{self, Replay, EXPIRES_HEADER};
+use idemgate::encoding::{self, RetryAnswer, EXPIRES_HEADER};
 use idemgate::engine::budget::Budget;
 use idemgate::engine::machine::{
     log_line, Command, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response, StoreOp,
@@ -25,7 +25,7 @@ use idemgate::failsafe::{Broken, Holding};
 use idemgate::local::{SharedData, Table};
 use idemgate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use idemgate::problem::{code_details, ProblemKind};
-use idemgate::record::{Creator, Record, State};
+use idemgate::record::{Creator, Record};
 use idemgate::redirect::Handoff;
 use idemgate::request::{envoy_answers_as_grpc, RequestHead, ROUTER_RETRY_CAP};
 use idemgate::scope::StorageKey;
@@ -199,28 +199,22 @@ impl Glue<'_> {
         host::send_response(self.envoy, status, &h, body, &code_details(slug));
     }
 
-    /// Replays a completed record (`encoding::for_retry` decides the form), as the Wasm build's
-    /// `filter/reply.rs` does.
+    /// Replays a completed record: what is sent is decided in the core (`encoding::retry_answer`),
+    /// as for the Wasm build's `filter/reply.rs`.
     fn replay(&mut self, req: &Protected, record: &Record) {
         let now = self.now();
-        match &record.state {
-            State::Completed(r) => {
-                let expires = encoding::expires_in(record.expires_at_ms, now);
-                let accept: Vec<Vec<u8>> = req.accept_encoding();
-                let accept: Vec<&[u8]> = accept.iter().map(Vec::as_slice).collect();
-                match encoding::for_retry(r, &accept, req.policy.max_response_body_bytes) {
-                    Ok(Replay::AsStored) => self.respond(r.status, &r.headers, &r.body, &expires, "replayed"),
-                    Ok(Replay::Decoded(d)) => self.respond(d.status, &d.headers, &d.body, &expires, "replayed"),
-                    Err(kind) => self.answer(Some(req), kind, Some(&record.creator)),
-                }
+        let accept: Vec<Vec<u8>> = req.accept_encoding();
+        let accept: Vec<&[u8]> = accept.iter().map(Vec::as_slice).collect();
+        match encoding::retry_answer(record, now, &accept, req.policy.max_response_body_bytes) {
+            RetryAnswer::AsStored { response: r, expires } => {
+                self.respond(r.status, &r.headers, &r.body, &expires, "replayed");
                 host::log(LogLevel::Debug, &log_line(Some(req), "replayed", &format!("status={}", r.status)));
             }
-            State::CompletedTooLarge { status, location } => {
-                let location = location.as_ref().map(|l| String::from_utf8_lossy(l).into_owned());
-                let kind = ProblemKind::ResponseNotStored { status: *status, location };
-                self.answer(Some(req), kind, Some(&record.creator));
+            RetryAnswer::Decoded { response: d, expires } => {
+                self.respond(d.status, &d.headers, &d.body, &expires, "replayed");
+                host::log(LogLevel::Debug, &log_line(Some(req), "replayed", &format!("status={}", d.status)));
             }
-            _ => self.answer(Some(req), ProblemKind::OutcomeUnknown, Some(&record.creator)),
+            RetryAnswer::Problem(kind) => self.answer(Some(req), kind, Some(&record.creator)),
         }
     }
 

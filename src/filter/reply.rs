@@ -9,7 +9,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 use super::host::Counter;
-use crate::encoding::Replay;
+use crate::encoding::RetryAnswer;
 use crate::mcp::{self, Accepts};
 use crate::problem::{code_details, ProblemKind};
 use crate::record::{Creator, Record, State};
@@ -164,44 +164,30 @@ pub fn replay(
     max_decoded_bytes: u64,
     outcome: impl FnOnce(&'static str),
 ) -> Replayed {
-    match &record.state {
-        State::Completed(r) => {
+    if let State::Completed(r) = &record.state {
+        if let Some(m) = current_mcp() {
             let expires = expires_in(record.expires_at_ms, now_ms);
-            if let Some(m) = current_mcp() {
-                let sent = mcp::replay(r, &m.id, m.accepts);
-                outcome(REPLAYED);
-                response(sent.status, &sent.headers, &sent.body, true, Some(&expires), REPLAYED);
-                return Replayed::Stored;
-            }
-            match crate::encoding::for_retry(r, accept, max_decoded_bytes) {
-                Ok(Replay::AsStored) => {
-                    outcome(REPLAYED);
-                    response(r.status, &r.headers, &r.body, true, Some(&expires), REPLAYED);
-                    Replayed::Stored
-                }
-                Ok(Replay::Decoded(d)) => {
-                    outcome(REPLAYED);
-                    response(d.status, &d.headers, &d.body, true, Some(&expires), REPLAYED);
-                    Replayed::Decoded
-                }
-                Err(kind) => {
-                    outcome(kind.slug());
-                    problem(&kind, request_id, Some(&record.creator));
-                    Replayed::Problem(kind)
-                }
-            }
+            let sent = mcp::replay(r, &m.id, m.accepts);
+            outcome(REPLAYED);
+            response(sent.status, &sent.headers, &sent.body, true, Some(&expires), REPLAYED);
+            return Replayed::Stored;
         }
-        State::CompletedTooLarge { status, location } => {
-            let location = location.as_ref().map(|l| String::from_utf8_lossy(l).into_owned());
-            let kind = ProblemKind::ResponseNotStored { status: *status, location };
+    }
+    match crate::encoding::retry_answer(record, now_ms, accept, max_decoded_bytes) {
+        RetryAnswer::AsStored { response: r, expires } => {
+            outcome(REPLAYED);
+            response(r.status, &r.headers, &r.body, true, Some(&expires), REPLAYED);
+            Replayed::Stored
+        }
+        RetryAnswer::Decoded { response: d, expires } => {
+            outcome(REPLAYED);
+            response(d.status, &d.headers, &d.body, true, Some(&expires), REPLAYED);
+            Replayed::Decoded
+        }
+        RetryAnswer::Problem(kind) => {
             outcome(kind.slug());
             problem(&kind, request_id, Some(&record.creator));
             Replayed::Problem(kind)
-        }
-        _ => {
-            outcome(ProblemKind::OutcomeUnknown.slug());
-            problem(&ProblemKind::OutcomeUnknown, request_id, Some(&record.creator));
-            Replayed::Problem(ProblemKind::OutcomeUnknown)
         }
     }
 }
