@@ -178,3 +178,56 @@ extern "C" {
         result: *mut EnvoyBuffer,
     ) -> bool;
 }
+
+/// `envoy_dynamic_module_type_http_callout_init_result`.
+pub const CALLOUT_INIT_SUCCESS: u32 = 0;
+/// `envoy_dynamic_module_type_http_callout_result` (`Success`; `Reset` = 1 and
+/// `ExceedResponseBufferLimit` = 2 are answers without a response).
+pub const CALLOUT_SUCCESS: u32 = 0;
+
+/// `envoy_dynamic_module_type_http_filter_config_envoy_ptr` and the config scheduler's pointer.
+pub type ConfigEnvoyPtr = *mut c_void;
+pub type SchedulerPtr = *mut c_void;
+
+// HTTP callouts (Envoy 1.40, ABI v0.2.0). Checked against the installed binary: each is exported
+// (`nm -D --defined-only`), and the answer hooks' types are the ones its `getFunctionPointer<T>`
+// instantiations name: `void (*)(void *, const void *, unsigned long,
+// envoy_dynamic_module_type_http_callout_result, envoy_dynamic_module_type_envoy_http_header *,
+// unsigned long, envoy_dynamic_module_type_envoy_buffer *, unsigned long)` for both
+// `on_http_filter_http_callout_done` and `on_http_filter_config_http_callout_done`, and
+// `void (*)(void *, const void *, unsigned long)` for `on_http_filter_config_scheduled`.
+extern "C" {
+    /// A callout of the filter (stream): answered on the stream's worker thread through
+    /// `envoy_dynamic_module_on_http_filter_http_callout_done`; cancelled (never answered) when
+    /// the stream is destroyed first.
+    pub fn envoy_dynamic_module_callback_http_filter_http_callout(
+        filter: EnvoyPtr,
+        callout_id_out: *mut u64,
+        cluster_name: ModuleBuffer,
+        headers: *mut ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        timeout_milliseconds: u64,
+    ) -> u32;
+
+    /// A callout of the filter configuration: main thread only (Envoy's main dispatcher),
+    /// answered there through `envoy_dynamic_module_on_http_filter_config_http_callout_done`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+        config: ConfigEnvoyPtr,
+        callout_id_out: *mut u64,
+        cluster_name: ModuleBuffer,
+        headers: *mut ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        timeout_milliseconds: u64,
+    ) -> u32;
+
+    /// Resumes a stream paused by a hook's stop status (its request).
+    pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: EnvoyPtr);
+
+    /// A scheduler posting events to the configuration's main thread (made on the main thread).
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(config: ConfigEnvoyPtr) -> SchedulerPtr;
+    /// Posts event `event_id` to the main thread (`on_http_filter_config_scheduled`): callable
+    /// from any thread (a dispatcher post); a no-op once the configuration is gone.
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(scheduler: SchedulerPtr, event_id: u64);
+}

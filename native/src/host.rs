@@ -173,3 +173,129 @@ pub fn entropy() -> Vec<u8> {
         Err(_) => vec![],
     }
 }
+
+fn module_headers(headers: &[(&str, &str)]) -> Vec<ModuleHttpHeader> {
+    headers
+        .iter()
+        .map(|(n, v)| ModuleHttpHeader {
+            key_ptr: n.as_ptr(),
+            key_length: n.len(),
+            value_ptr: v.as_ptr(),
+            value_length: v.len(),
+        })
+        .collect()
+}
+
+thread_local! {
+    static SENDING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside `callout` (a done hook called from within it).
+pub fn sending() -> bool {
+    SENDING.with(std::cell::Cell::get)
+}
+
+/// Where a callout is sent from: the stream (answered on its worker, cancelled with it) or the
+/// filter configuration (main thread only, answered there).
+#[derive(Clone, Copy)]
+pub enum CalloutFrom {
+    Stream(EnvoyPtr),
+    Config(abi::ConfigEnvoyPtr),
+}
+
+/// Sends an HTTP callout to `cluster`: its id, or Envoy's refusal (`envoy_dynamic_module_type_
+/// http_callout_init_result`).
+pub fn callout(from: CalloutFrom, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout_ms: u64) -> Result<u64, u32> {
+    let mut h = module_headers(headers);
+    let mut id: u64 = 0;
+    // Envoy may answer a callout before returning (a request that never left it): the done hook
+    // sees `sending()` and leaves it to the refusal returned here.
+    SENDING.with(|s| s.set(true));
+    let cluster = ModuleBuffer::of(cluster.as_bytes());
+    // SAFETY: every buffer lives for the call (Envoy copies them into the request it makes).
+    let r = unsafe {
+        match from {
+            CalloutFrom::Stream(f) => abi::envoy_dynamic_module_callback_http_filter_http_callout(
+                f,
+                &mut id,
+                cluster,
+                h.as_mut_ptr(),
+                h.len(),
+                ModuleBuffer::of(body),
+                timeout_ms,
+            ),
+            CalloutFrom::Config(c) => abi::envoy_dynamic_module_callback_http_filter_config_http_callout(
+                c,
+                &mut id,
+                cluster,
+                h.as_mut_ptr(),
+                h.len(),
+                ModuleBuffer::of(body),
+                timeout_ms,
+            ),
+        }
+    };
+    SENDING.with(|s| s.set(false));
+    if r == abi::CALLOUT_INIT_SUCCESS {
+        Ok(id)
+    } else {
+        Err(r)
+    }
+}
+
+/// A callout's answer as the done hook hands it: the HTTP status (`None`: no response, a reset
+/// or a response over Envoy's buffer limit) and the body, copied.
+///
+/// # Safety
+/// The pointers are the done hook's, valid for the hook.
+pub unsafe fn callout_answer(
+    result: u32,
+    headers: *const EnvoyHttpHeader,
+    headers_size: usize,
+    body: *const EnvoyBuffer,
+    body_size: usize,
+) -> (Option<u16>, Vec<u8>) {
+    if result != abi::CALLOUT_SUCCESS || headers.is_null() {
+        return (None, vec![]);
+    }
+    // SAFETY: Envoy's arrays of `headers_size` and `body_size` entries, valid during the hook.
+    let hs = unsafe { std::slice::from_raw_parts(headers, headers_size) };
+    let status = hs.iter().find_map(|h| {
+        // SAFETY: Envoy's buffers, valid during the hook.
+        let k = unsafe { EnvoyBuffer { ptr: h.key_ptr, length: h.key_length }.bytes() };
+        (k == b":status").then(|| {
+            // SAFETY: as above.
+            let v = unsafe { EnvoyBuffer { ptr: h.value_ptr, length: h.value_length }.bytes() };
+            std::str::from_utf8(v).ok().and_then(|s| s.parse::<u16>().ok())
+        })?
+    });
+    let mut out = vec![];
+    if !body.is_null() {
+        // SAFETY: as above.
+        for c in unsafe { std::slice::from_raw_parts(body, body_size) } {
+            // SAFETY: as above.
+            out.extend_from_slice(unsafe { c.bytes() });
+        }
+    }
+    (status, out)
+}
+
+/// Resumes the stream's request (paused on a store call).
+pub fn continue_decoding(f: EnvoyPtr) {
+    // SAFETY: `f` is the filter Envoy passed to the current hook.
+    unsafe { abi::envoy_dynamic_module_callback_http_filter_continue_decoding(f) }
+}
+
+/// A main-thread scheduler of configuration `c` (call on the main thread).
+pub fn scheduler_new(c: abi::ConfigEnvoyPtr) -> abi::SchedulerPtr {
+    // SAFETY: `c` is the configuration Envoy passed to `config_new`, on the main thread.
+    unsafe { abi::envoy_dynamic_module_callback_http_filter_config_scheduler_new(c) }
+}
+
+/// Posts event `id` to the main thread (from any thread).
+pub fn scheduler_commit(s: abi::SchedulerPtr, id: u64) {
+    if !s.is_null() {
+        // SAFETY: a scheduler made by `scheduler_new`, never deleted (docs: native.md).
+        unsafe { abi::envoy_dynamic_module_callback_http_filter_config_scheduler_commit(s, id) }
+    }
+}

@@ -4,22 +4,23 @@
 //! host calls (`host.rs`). Every decision is the engine's; nothing here decides what a request
 //! gets.
 //!
-//! Today: the local tier (one proxy). Stores, `forwarding: "detached"`, `in_flight: "wait"`, MCP
-//! routes, routes selected by Envoy route name and `next_hop_failures: "classify"` are refused at
-//! configuration (`refusal`), before any request.
+//! Today: the local tier (one proxy) and the Redis store through webdis (`store.rs`: the calls a
+//! request waits for are the stream's callouts, answered in `callout_done`). etcd, `forwarding:
+//! "detached"`, `in_flight: "wait"`, MCP routes, routes selected by Envoy route name and
+//! `next_hop_failures: "classify"` are refused at configuration (`refusal`), before any request.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use idemgate::config::{Config, Forwarding, InFlight, NextHopFailures};
+use idemgate::config::{Config, Forwarding, InFlight, NextHopFailures, StoreKind};
 use idemgate::decision::{classify_routed, Exchange};
 use idemgate::encoding::{self, RetryAnswer, EXPIRES_HEADER};
 use idemgate::engine::budget::Budget;
 use idemgate::engine::machine::{
     log_line, Command, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response, StoreOp,
 };
-use idemgate::engine::request::{self, Admitted, KeyFrom, NotProtected};
+use idemgate::engine::request::{self, Admitted, Asked, KeyFrom, NotProtected, StoreAnswer};
 use idemgate::engine::settle::Claim;
 use idemgate::failsafe::{Broken, Holding};
 use idemgate::local::{SharedData, Table};
@@ -29,10 +30,12 @@ use idemgate::record::{Creator, Record};
 use idemgate::redirect::Handoff;
 use idemgate::request::{envoy_answers_as_grpc, RequestHead, ROUTER_RETRY_CAP};
 use idemgate::scope::StorageKey;
+use idemgate::store::{StoreError, StoreRequest};
 
 use crate::abi::{self, EnvoyPtr};
-use crate::host;
+use crate::host::{self, CalloutFrom};
 use crate::shared::ProcessShared;
+use crate::store::StoreSide;
 
 /// Why this build cannot run `config` yet: the first feature it needs that the native host glue
 /// does not carry. `None`: it runs here.
@@ -42,8 +45,8 @@ pub fn refusal(config: &Config) -> Option<String> {
             "idemgate configuration refused by the native build: {what} is not supported by the native (dynamic module) build yet; use the Wasm build (dist/idemgate.wasm) for it (docs/native.md)"
         ))
     };
-    if config.store.is_some() {
-        return why("\"store\" (the external store tier)");
+    if config.store.as_ref().is_some_and(|s| s.kind == StoreKind::Etcd) {
+        return why("store.kind \"etcd\"");
     }
     if config.uses_route_names() {
         return why("a route selected by Envoy route name (\"route_name\")");
@@ -69,6 +72,8 @@ pub fn refusal(config: &Config) -> Option<String> {
 pub struct Global {
     pub config: Config,
     pub table: Table,
+    /// The store (Redis through webdis), when configured.
+    pub store: Option<StoreSide>,
     owner_seed: OwnerSeed,
     tokens: AtomicU64,
 }
@@ -81,6 +86,7 @@ impl Global {
         if let Some(why) = refusal(&config) {
             return Err(why);
         }
+        let store = StoreSide::configure(&config)?;
         let table = Table::new(&config.local);
         match table.ensure_created(&mut ProcessShared) {
             Ok(created) if created > 0 => host::log(
@@ -94,7 +100,7 @@ impl Global {
         let vm = (u64::from(std::process::id()) << 32) ^ now_nanos;
         let node = std::env::var("HOSTNAME").unwrap_or_default();
         let owner_seed = OwnerSeed::derive(&TokenSources { entropy: &host::entropy(), node: &node, vm, now_nanos });
-        Ok(Global { config, table, owner_seed, tokens: AtomicU64::new(0) })
+        Ok(Global { config, table, store, owner_seed, tokens: AtomicU64::new(0) })
     }
 
     fn next_owner(&self) -> OwnerToken {
@@ -116,14 +122,18 @@ thread_local! {
     static BUFFERED: Cell<u64> = const { Cell::new(0) };
 }
 
-/// No store call is ever sent by this build (a store is refused at configuration).
-pub enum NoWire {}
+/// A store call in flight, as this glue sent it: the stream callout's id and the request (sent
+/// again with its script in full if Redis answers NOSCRIPT).
+pub struct Wire {
+    id: u64,
+    sent: StoreRequest,
+}
 
 /// One request.
 pub struct Filter {
     envoy: EnvoyPtr,
     global: Arc<Global>,
-    machine: Machine<NoWire>,
+    machine: Machine<Wire>,
     clock: Option<u64>,
     /// The request body's chunks copied so far (before its end).
     acc: Vec<u8>,
@@ -249,7 +259,10 @@ impl Effects for Glue<'_> {
                     let _ = host::set_header(self.envoy, abi::REQUEST_HEADER, header, Some(key));
                 }
             }
-            Command::Write { .. } => self.unreachable("store_write"),
+            Command::Write { what, skey, transition, fallback, fence } => match self.global.store.as_ref() {
+                Some(st) => st.push_write(what, &skey, *transition, fallback.map(|f| *f), fence),
+                None => self.unreachable("store_write"),
+            },
             Command::Hold { .. } => self.unreachable("hold"),
             Command::Detach(_) => self.unreachable("detach"),
             Command::McpReply { .. } => self.unreachable("mcp_reply"),
@@ -263,7 +276,7 @@ impl Effects for Glue<'_> {
 }
 
 impl Io for Glue<'_> {
-    type Wire = NoWire;
+    type Wire = Wire;
 
     fn budget(&self) -> Budget {
         Budget { buffered: BUFFERED.with(Cell::get), max: self.global.config.max_buffered_bytes }
@@ -289,8 +302,43 @@ impl Io for Glue<'_> {
         None
     }
 
-    fn send(&mut self, _req: &Protected, _op: StoreOp<'_, NoWire>) -> Result<NoWire, NotSent> {
-        Err(NotSent::Broken { broken: Broken::StoreMissing, branch: "native_store_call" })
+    fn send(&mut self, req: &Protected, op: StoreOp<'_, Wire>) -> Result<Wire, NotSent> {
+        let Some(st) = self.global.store.as_ref() else {
+            return Err(NotSent::Broken { broken: Broken::StoreMissing, branch: "native_store_call" });
+        };
+        let now = self.now();
+        let unbuilt = |e: idemgate::backend::Unbuilt, branch: &'static str| match e {
+            // Nothing was sent: the store counts as unavailable.
+            idemgate::backend::Unbuilt::NoLease => NotSent::Failed(StoreError::Garbled(e.to_string())),
+            idemgate::backend::Unbuilt::Broken(why) => {
+                host::log(LogLevel::Warn, &log_line(Some(req), "internal_state", &format!("error={why}")));
+                NotSent::Broken { broken: Broken::ImpossibleDecision, branch }
+            }
+        };
+        let sent = match op {
+            StoreOp::Claim { record, lifetimes } => st
+                .backend()
+                .claim_request(&req.skey, &req.owner, &record, &lifetimes, &st.seal, now)
+                .map_err(|e| unbuilt(e, "claim_request"))?,
+            StoreOp::TakeOver { transition, fence } => st
+                .backend()
+                .transition_request(&transition, &req.skey, &st.seal, now, fence)
+                .map_err(|e| unbuilt(e, "take_over_request"))?,
+            StoreOp::Read => st.backend().read_request(&req.skey),
+            StoreOp::Again(wire) => match wire.sent.with_script() {
+                Some(again) => {
+                    host::log(LogLevel::Info, &log_line(Some(req), "store_script_missing", "resent=eval"));
+                    again
+                }
+                None => {
+                    return Err(NotSent::Lost(StoreError::Garbled("NOSCRIPT to a call carrying its script".into())))
+                }
+            },
+        };
+        match st.send(CalloutFrom::Stream(self.envoy), &sent) {
+            Ok(id) => Ok(Wire { id, sent }),
+            Err(e) => Err(NotSent::Failed(StoreError::Garbled(e))),
+        }
     }
 }
 
@@ -358,10 +406,11 @@ fn ended(envoy: EnvoyPtr, req: &Protected, response: &Response) -> Ended {
 impl Filter {
     pub fn new(envoy: EnvoyPtr, global: Arc<Global>) -> Filter {
         let hold = global.config.hold_headers;
-        Filter { envoy, global, machine: Machine::new(None, hold), clock: None, acc: vec![], body: vec![] }
+        let store = global.config.store.as_ref().map(|c| c.on_unavailable);
+        Filter { envoy, global, machine: Machine::new(store, hold), clock: None, acc: vec![], body: vec![] }
     }
 
-    fn split(&mut self) -> (&mut Machine<NoWire>, Glue<'_>) {
+    fn split(&mut self) -> (&mut Machine<Wire>, Glue<'_>) {
         let glue = Glue {
             envoy: self.envoy,
             global: &self.global,
@@ -510,6 +559,33 @@ impl Filter {
         abi::TRAILERS_CONTINUE
     }
 
+    /// The answer to the stream's store callout `id` (`status` `None`: none, a reset or a
+    /// timeout): parsed here by the core, decided by the machine; the request resumes if the
+    /// machine forwards it (a local reply ends it).
+    pub fn callout_done(&mut self, envoy: EnvoyPtr, id: u64, status: Option<u16>, body: &[u8]) {
+        self.hook(envoy);
+        let Some((req, call)) = self.machine.calling() else { return };
+        if call.wire.id != id {
+            return;
+        }
+        let Some(st) = self.global.store.as_ref() else { return };
+        let (skey, owner, asked) = (req.skey, req.owner, call.asked);
+        let now = *self.clock.get_or_insert_with(host::now_ms);
+        let backend = st.backend();
+        let (answer, fence) = match asked {
+            Asked::TakeOver => (StoreAnswer::TakeOver(backend.parse_take_over(status, body, &skey, &owner)), None),
+            Asked::Settled => (StoreAnswer::Settled(backend.parse_read(status, body, &skey, &st.seal, now)), None),
+            Asked::Claim => match backend.parse_claim(status, body, &owner, &skey, &st.seal, now) {
+                Ok((reply, fence)) => (StoreAnswer::Claim(Ok(reply)), fence),
+                Err(e) => (StoreAnswer::Claim(Err(e)), None),
+            },
+        };
+        let (m, mut io) = self.split();
+        if m.store_answer(&mut io, answer, fence) == Flow::Continue {
+            host::continue_decoding(envoy);
+        }
+    }
+
     /// The stream is over (Envoy's access-log time): a forwarded request's claim is settled by
     /// what the exchange came to; one still waiting is abandoned.
     pub fn stream_complete(&mut self, envoy: EnvoyPtr) {
@@ -552,12 +628,14 @@ mod tests {
             refusal(&parsed(r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/pay"}]}"#)),
             None
         );
+        // The Redis store (webdis) runs here.
+        assert_eq!(refusal(&parsed(r#"{"scope": {"global": true}, "store": {"cluster": "webdis"}}"#)), None);
     }
 
     #[test]
     fn features_not_carried_are_refused_by_name() {
         for (json, names) in [
-            (r#"{"scope": {"global": true}, "store": {"cluster": "webdis"}}"#, "\"store\""),
+            (r#"{"scope": {"global": true}, "store": {"cluster": "etcd", "kind": "etcd"}}"#, "store.kind \"etcd\""),
             (r#"{"scope": {"global": true}, "in_flight": "wait"}"#, "in_flight \"wait\""),
             (
                 r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "up", "hop": "direct", "timeout_ms": 5000}}"#,

@@ -7,6 +7,7 @@
 //! - `host.rs`: every call into Envoy, as plain values;
 //! - `shared.rs`: the local tier's shared data in process memory (sharded, CAS);
 //! - `http.rs`: one request through `engine::machine`, and what this build refuses at load;
+//! - `store.rs`: the Redis store (webdis) over Envoy's HTTP callouts, writes on the main thread;
 //! - this file: the event hooks Envoy looks up by name.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
@@ -15,6 +16,7 @@ pub mod abi;
 mod host;
 pub mod http;
 pub mod shared;
+pub mod store;
 
 use std::sync::Arc;
 
@@ -35,7 +37,7 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
 /// Called by Envoy with buffers valid for the call.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
-    _config_envoy: EnvoyPtr,
+    config_envoy: EnvoyPtr,
     _name: EnvoyBuffer,
     config: EnvoyBuffer,
 ) -> ModulePtr {
@@ -44,10 +46,18 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     host::log(LogLevel::Info, &idemgate::release::configured_line());
     match Global::configure(raw) {
         Ok(g) => {
+            // Envoy calls config_new on its main thread: the store's writes are sent from there.
+            if let Some(st) = g.store.as_ref() {
+                st.attach(config_envoy);
+            }
+            let tier = match g.config.store.as_ref() {
+                Some(s) => format!("store: cluster {:?} (Redis through webdis)", s.cluster),
+                None => "local tier only".to_string(),
+            };
             host::log(
                 LogLevel::Info,
                 &format!(
-                    "idemgate (native): configuration accepted ({} route(s), local tier only, local.max_entries: {})",
+                    "idemgate (native): configuration accepted ({} route(s), {tier}, local.max_entries: {})",
                     g.config.routes.len(),
                     g.config.local.max_entries
                 ),
@@ -181,22 +191,88 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(f: ModulePt
     }
 }
 
-// Hooks Envoy 1.40 requires to exist (it looks each up at configuration) for features this build
-// does not use yet: callouts and streams started by a filter, scheduled events, watermarks. This
-// build starts none of them, so Envoy never calls these with anything of ours; each does nothing.
-
+/// The answer to a stream's store callout, on the stream's worker thread. Not called for a
+/// stream already destroyed (Envoy cancels its callouts); a call from within `host::callout`
+/// (Envoy answering before it returns) is left to the refusal that call returns.
+///
+/// # Safety
+/// Envoy's hook contract.
 #[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
-    _envoy: EnvoyPtr,
-    _f: ModulePtr,
-    _callout_id: u64,
-    _result: u32,
-    _headers: *const abi::EnvoyHttpHeader,
-    _headers_size: usize,
-    _body: *const EnvoyBuffer,
-    _body_size: usize,
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    envoy: EnvoyPtr,
+    f: ModulePtr,
+    callout_id: u64,
+    result: u32,
+    headers: *const abi::EnvoyHttpHeader,
+    headers_size: usize,
+    body: *const EnvoyBuffer,
+    body_size: usize,
 ) {
+    if host::sending() {
+        return;
+    }
+    // SAFETY: the hook's arrays, valid for the hook.
+    let (status, body) = unsafe { host::callout_answer(result, headers, headers_size, body, body_size) };
+    // SAFETY: Envoy's hook contract.
+    if let Some(f) = unsafe { filter(f) } {
+        f.callout_done(envoy, callout_id, status, &body);
+    }
 }
+
+/// The configuration's global state behind its module pointer (not owned).
+///
+/// # Safety
+/// `config` is a live configuration of this module.
+unsafe fn global<'a>(config: ModulePtr) -> Option<&'a Global> {
+    // SAFETY: made by `Arc::into_raw` in config_new, alive until config_destroy.
+    unsafe { config.cast::<Global>().as_ref() }
+}
+
+/// An event posted to the main thread (`store::StoreSide`: queued writes, a retry due).
+///
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    _config_envoy: EnvoyPtr,
+    config: ModulePtr,
+    _event_id: u64,
+) {
+    // SAFETY: Envoy's hook contract.
+    if let Some(st) = unsafe { global(config) }.and_then(|g| g.store.as_ref()) {
+        st.on_scheduled();
+    }
+}
+
+/// The answer to a configuration callout (a store write), on the main thread.
+///
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    _config_envoy: EnvoyPtr,
+    config: ModulePtr,
+    callout_id: u64,
+    result: u32,
+    headers: *const abi::EnvoyHttpHeader,
+    headers_size: usize,
+    body: *const EnvoyBuffer,
+    body_size: usize,
+) {
+    if host::sending() {
+        return;
+    }
+    // SAFETY: the hook's arrays, valid for the hook.
+    let (status, body) = unsafe { host::callout_answer(result, headers, headers_size, body, body_size) };
+    // SAFETY: Envoy's hook contract.
+    if let Some(st) = unsafe { global(config) }.and_then(|g| g.store.as_ref()) {
+        st.on_answer(callout_id, status, &body);
+    }
+}
+
+// Hooks Envoy 1.40 requires to exist (it looks each up at configuration) for features this build
+// does not use yet: streams started by a filter, the stream's scheduled events, watermarks. This
+// build starts none of them, so Envoy never calls these with anything of ours; each does nothing.
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
