@@ -205,7 +205,13 @@ pub enum CalloutFrom {
 
 /// Sends an HTTP callout to `cluster`: its id, or Envoy's refusal (`envoy_dynamic_module_type_
 /// http_callout_init_result`).
-pub fn callout(from: CalloutFrom, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout_ms: u64) -> Result<u64, u32> {
+pub fn callout(
+    from: CalloutFrom,
+    cluster: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout_ms: u64,
+) -> Result<u64, u32> {
     let mut h = module_headers(headers);
     let mut id: u64 = 0;
     // Envoy may answer a callout before returning (a request that never left it): the done hook

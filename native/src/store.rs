@@ -21,8 +21,8 @@ use std::sync::Mutex;
 
 use idemgate::backend::{Backend, Credential, Unbuilt};
 use idemgate::config::{Config, StoreConfig, StoreKind};
-use idemgate::engine::writes::{Action, Builder, Job, Note, WriteId, Writes};
 use idemgate::engine::machine::LogLevel;
+use idemgate::engine::writes::{Action, Builder, Job, Note, WriteId, Writes};
 use idemgate::etcd::Fence;
 use idemgate::scope::StorageKey;
 use idemgate::seal::Seal;
@@ -74,13 +74,16 @@ impl StoreSide {
     pub fn configure(config: &Config) -> Result<Option<StoreSide>, String> {
         let Some(cfg) = config.store.clone() else { return Ok(None) };
         // Records in a shared store are sealed (src/seal.rs): no secret, no store.
-        let seal = Seal::from_env().map_err(|e| format!("idemgate configuration refused: {e} (native build: Envoy's process environment)"))?;
+        let seal = Seal::from_env()
+            .map_err(|e| format!("idemgate configuration refused: {e} (native build: Envoy's process environment)"))?;
         let secret = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty());
         let credentials = match Backend::of(cfg.kind, None).credential(secret) {
             Ok(Credential::None) => None,
             Ok(Credential::Header(h)) => Some(h),
             // etcd is refused before (`http::refusal`).
-            Ok(Credential::Token(_)) => return Err("idemgate configuration refused: an etcd token in the native build".into()),
+            Ok(Credential::Token(_)) => {
+                return Err("idemgate configuration refused: an etcd token in the native build".into())
+            }
             Err(e) => return Err(format!("idemgate configuration refused: {e}")),
         };
         Ok(Some(StoreSide {
@@ -147,10 +150,9 @@ impl StoreSide {
             }
             // As a write whose every attempt failed: a claim left in the store is judged
             // outcome-unknown once its lock expires.
-            Err(e) => host::log(
-                LogLevel::Warn,
-                &format!("idemgate: store write {what} for key={} not sent: {e}", skey.hex()),
-            ),
+            Err(e) => {
+                host::log(LogLevel::Warn, &format!("idemgate: store write {what} for key={} not sent: {e}", skey.hex()))
+            }
         }
     }
 

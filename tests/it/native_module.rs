@@ -3,10 +3,19 @@
 //! case run against both builds from one body (`both`), asserting the upstream's executions.
 //! Also: the module's ABI version is the one this Envoy was built with (Envoy logs "matched"),
 //! and a configuration naming a feature the native build does not carry yet is refused at load.
+//!
+//! The store tier (Redis through webdis): two proxies on one Redis in every pairing of the
+//! builds (Wasm + Wasm, native + native, and the mixed pairs, which must read each other's
+//! records: same keys, same record format), a store that cannot answer (refused, silent), a
+//! client leaving while its claim is outstanding, and a completion write that fails first.
 
 use crate::support;
 
+use std::time::Duration;
+
 use support::http::{self, Response};
+use support::store::{Redis, Webdis};
+use support::upstream::Upstream;
 use support::{Build, Envoy, EnvoyOptions, Stack, Started};
 
 const CFG: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
@@ -154,9 +163,9 @@ fn native_module_abi_version_matches_this_envoy() {
 }
 
 #[test]
-fn native_build_refuses_a_store_at_load_naming_it() {
+fn native_build_refuses_an_etcd_store_at_load_naming_it() {
     let mut o = EnvoyOptions::new(
-        r#"{"scope": {"headers": ["authorization"]}, "store": {"cluster": "idemgate_store"}}"#,
+        r#"{"scope": {"headers": ["authorization"]}, "store": {"cluster": "idemgate_store", "kind": "etcd"}}"#,
         support::free_port(),
     );
     o.build = Build::Native;
@@ -165,7 +174,247 @@ fn native_build_refuses_a_store_at_load_naming_it() {
         Started::Ready(_) => panic!("the native build accepted a store configuration"),
         Started::Exited { log, .. } => {
             assert!(log.contains("not supported by the native (dynamic module) build yet"), "{log}");
-            assert!(log.contains("\"store\""), "{log}");
+            assert!(log.contains("store.kind \"etcd\""), "{log}");
         }
+    }
+}
+
+/// The store configuration of these cases (most with a 2 s store timeout: a loaded machine's slow
+/// webdis answer is not an outage).
+fn store_cfg(timeout_ms: u64) -> String {
+    format!(
+        r#"{{"scope": {{"headers": ["authorization"]}}, "store": {{"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": {timeout_ms}}}}}"#
+    )
+}
+
+fn store_envoy(build: Build, plugin: &str, up: u16, store_port: u16) -> Envoy {
+    let mut o = EnvoyOptions::new(plugin, up);
+    o.build = build;
+    o.store_port = Some(store_port);
+    Envoy::start(&o)
+}
+
+fn store_post(e: &Envoy, key: &str, body: &str, extra: &[(&str, &str)]) -> Response {
+    let mut h: Vec<(&str, &str)> = vec![("authorization", "Bearer alice-secret-token"), ("idempotency-key", key)];
+    h.extend_from_slice(extra);
+    http::request(e.port, "POST", "/charges", &h, body.as_bytes()).expect("request")
+}
+
+fn redis_key(plugin: &str, key: &str) -> String {
+    support::redis_key_of(plugin, "Bearer alice-secret-token", key)
+}
+
+/// Waits until `key`'s record is completed in Redis (phase byte 'D'), where the other proxy reads
+/// it: the completion is written after the answer (the Wasm root context, the native main thread).
+fn completed_in_store(redis: &Redis, plugin: &str, key: &str) {
+    let name = redis_key(plugin, key);
+    support::wait_for(&format!("{key}'s completed record in Redis"), 400, || {
+        redis.get_raw(&name).is_some_and(|v| v.get(4) == Some(&b'D'))
+    });
+}
+
+/// Two proxies on one Redis: what `first` executes `second` replays (never executes), 422 for
+/// another body, 409 while in flight on the other proxy, concurrent duplicates over both executed
+/// once. Each assertion on the upstream's executions of the key.
+fn pair_cases(tag: &str, first: &Envoy, second: &Envoy, redis: &Redis, up: &Upstream, plugin: &str) {
+    let k1 = format!("k-{tag}-1");
+    let a = store_post(first, &k1, r#"{"amount":5}"#, &[]);
+    assert_eq!(a.status, 201, "{tag}: {}", a.body_text());
+    assert_eq!(a.header("idempotent-replayed"), None, "{tag}");
+    completed_in_store(redis, plugin, &k1);
+    let b = store_post(second, &k1, r#"{"amount":5}"#, &[]);
+    assert_eq!(b.status, 201, "{tag}: {}", b.body_text());
+    assert_eq!(b.header("idempotent-replayed"), Some("true"), "{tag}: the other proxy must replay");
+    assert_eq!(b.body, a.body, "{tag}");
+    let c = store_post(second, &k1, r#"{"amount":6}"#, &[]);
+    assert_eq!((c.status, c.problem().as_str()), (422, "key-reused"), "{tag}: {}", c.body_text());
+    assert_eq!(up.executions_with_key(&k1), 1, "{tag}");
+
+    // In flight on `first`: 409 on `second`; then one execution, replayed on `second`.
+    let k2 = format!("k-{tag}-2");
+    let port = first.port;
+    let held = {
+        let k2 = k2.clone();
+        std::thread::spawn(move || {
+            let h =
+                [("authorization", "Bearer alice-secret-token"), ("idempotency-key", k2.as_str()), ("x-up-hold", "1")];
+            http::request(port, "POST", "/charges", &h, br#"{"amount":7}"#).expect("request")
+        })
+    };
+    support::wait_for(&format!("{tag}: the first {k2} at the upstream"), 400, || up.executions_with_key(&k2) == 1);
+    let dup = store_post(second, &k2, r#"{"amount":7}"#, &[]);
+    assert_eq!((dup.status, dup.problem().as_str()), (409, "request-in-flight"), "{tag}: {}", dup.body_text());
+    up.release_holds();
+    let held = held.join().expect("held");
+    up.hold_again();
+    assert_eq!(held.status, 201, "{tag}: {}", held.body_text());
+    completed_in_store(redis, plugin, &k2);
+    let again = store_post(second, &k2, r#"{"amount":7}"#, &[]);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"), "{tag}: {}", again.body_text());
+    assert_eq!(up.executions_with_key(&k2), 1, "{tag}");
+
+    // Concurrent duplicates over both proxies: one execution.
+    let k3 = format!("k-{tag}-3");
+    let ports = [first.port, second.port];
+    let threads: Vec<_> = (0..12)
+        .map(|i| {
+            let (k3, port) = (k3.clone(), ports[i % 2]);
+            std::thread::spawn(move || {
+                let h = [("authorization", "Bearer alice-secret-token"), ("idempotency-key", k3.as_str())];
+                http::request(port, "POST", "/charges", &h, br#"{"amount":9}"#).expect("request").status
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = threads.into_iter().map(|t| t.join().expect("thread")).collect();
+    assert!(statuses.iter().all(|st| [201, 409].contains(st)), "{tag}: {statuses:?}");
+    assert_eq!(up.executions_with_key(&k3), 1, "{tag}: {statuses:?}");
+}
+
+#[test]
+fn two_proxies_on_one_redis_execute_each_key_once_in_every_pairing_of_the_builds() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let plugin = store_cfg(2000);
+    let w1 = store_envoy(Build::Wasm, &plugin, up.port, webdis.port);
+    let w2 = store_envoy(Build::Wasm, &plugin, up.port, webdis.port);
+    let n1 = store_envoy(Build::Native, &plugin, up.port, webdis.port);
+    let n2 = store_envoy(Build::Native, &plugin, up.port, webdis.port);
+    pair_cases("ww", &w1, &w2, &redis, &up, &plugin);
+    pair_cases("nn", &n1, &n2, &redis, &up, &plugin);
+    // Mixed: each reads the records the other wrote (same keys, same record format).
+    pair_cases("wn", &w1, &n1, &redis, &up, &plugin);
+    pair_cases("nw", &n2, &w2, &redis, &up, &plugin);
+}
+
+/// A listener that accepts connections and never answers (a store that hangs).
+fn silent_store() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        let mut held = vec![];
+        for c in l.incoming().flatten().take(64) {
+            held.push(c);
+        }
+    });
+    port
+}
+
+/// A store call that fails (connection refused) or times out (no answer) is a 503 before
+/// forwarding, never a silent forward, in both builds.
+#[test]
+fn a_store_that_cannot_answer_is_a_503_never_a_forward_in_both_builds() {
+    let up = Upstream::start();
+    let refused = support::free_port();
+    let silent = silent_store();
+    for build in [Build::Wasm, Build::Native] {
+        for (what, port, plugin) in [("refused", refused, store_cfg(2000)), ("silent", silent, store_cfg(300))] {
+            let e = store_envoy(build, &plugin, up.port, port);
+            let key = format!("k-{build:?}-{what}");
+            let r = store_post(&e, &key, "{}", &[]);
+            assert_eq!(
+                (r.status, r.problem().as_str()),
+                (503, "store-unavailable"),
+                "{build:?} {what}: {}",
+                r.body_text()
+            );
+            assert_eq!(up.executions_with_key(&key), 0, "{build:?} {what}: forwarded without the store");
+        }
+    }
+}
+
+/// Raw bytes of a POST with `key`, asking for `connection: close`.
+fn raw_post(key: &str) -> Vec<u8> {
+    format!(
+        "POST /charges HTTP/1.1\r\nhost: idemgate.test\r\nconnection: close\r\nauthorization: Bearer alice-secret-token\r\nidempotency-key: {key}\r\ncontent-length: 2\r\n\r\n{{}}"
+    )
+    .into_bytes()
+}
+
+/// The client leaves while its claim is outstanding (Redis paused for writes: the claim script
+/// waits): the stream's callout is cancelled, the claim, which lands once Redis resumes, is
+/// released owner-checked by a write that outlives the stream, and the retry executes once (not
+/// 409 until the claim's lock expires). Both builds. Ordered by state (Envoy's counters of the
+/// store cluster and of the listener), never by time.
+#[test]
+fn a_client_leaving_while_its_claim_is_outstanding_frees_the_key_in_both_builds() {
+    use std::io::Write;
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let plugin = store_cfg(20000);
+    for build in [Build::Wasm, Build::Native] {
+        let e = store_envoy(build, &plugin, up.port, webdis.port);
+        let key = format!("k-left-{build:?}");
+        let sent_before = e.stat("cluster.idemgate_store.upstream_rq_total");
+        redis.command(&[b"CLIENT", b"PAUSE", b"60000", b"WRITE"]);
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", e.port)).expect("connect");
+        c.write_all(&raw_post(&key)).expect("write");
+        support::wait_for(&format!("{build:?}: the claim sent"), 400, || {
+            e.stat("cluster.idemgate_store.upstream_rq_active") == 1
+        });
+        drop(c);
+        // Envoy saw the client leave, and the release went out (a second call to the store).
+        support::wait_for(&format!("{build:?}: the stream ended"), 400, || {
+            e.stat("http.ingress.downstream_rq_active") == 0
+        });
+        support::wait_for(&format!("{build:?}: the release sent"), 400, || {
+            e.stat("cluster.idemgate_store.upstream_rq_total") >= sent_before + 2
+        });
+        redis.command(&[b"CLIENT", b"UNPAUSE"]);
+        let name = redis_key(&plugin, &key);
+        support::wait_for(&format!("{build:?}: the released key gone from Redis"), 400, || {
+            redis.get_raw(&name).is_none()
+        });
+        assert_eq!(up.executions_with_key(&key), 0, "{build:?}: the client that left was forwarded");
+        let retry = store_post(&e, &key, "{}", &[]);
+        assert_eq!(retry.status, 201, "{build:?}: {}", retry.body_text());
+        assert_eq!(retry.header("idempotent-replayed"), None, "{build:?}");
+        assert_eq!(up.executions_with_key(&key), 1, "{build:?}");
+    }
+}
+
+/// The completion write fails (webdis killed while the upstream runs): the answer reaches the
+/// client, the write is retried on its schedule (the native build: a retry timer posting to the
+/// main thread) and lands once webdis is back; the other proxy (the other build) replays it.
+/// Never a second execution. Both directions (native first, then Wasm first).
+#[test]
+fn a_failed_completion_write_is_retried_and_the_other_build_replays_it() {
+    let redis = Redis::start();
+    let mut webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let plugin = store_cfg(2000);
+    let n = store_envoy(Build::Native, &plugin, up.port, webdis.port);
+    let w = store_envoy(Build::Wasm, &plugin, up.port, webdis.port);
+    for (tag, first, second) in [("n", &n, &w), ("w", &w, &n)] {
+        let key = format!("k-write-{tag}");
+        let port = first.port;
+        let held = {
+            let key = key.clone();
+            std::thread::spawn(move || {
+                let h = [
+                    ("authorization", "Bearer alice-secret-token"),
+                    ("idempotency-key", key.as_str()),
+                    ("x-up-hold", "1"),
+                ];
+                http::request(port, "POST", "/charges", &h, b"{}").expect("request")
+            })
+        };
+        support::wait_for(&format!("{tag}: {key} at the upstream"), 400, || up.executions_with_key(&key) == 1);
+        webdis.kill9();
+        up.release_holds();
+        let held = held.join().expect("held");
+        up.hold_again();
+        assert_eq!(held.status, 201, "{tag}: {}", held.body_text());
+        // A completion attempt failed (its retry is scheduled), then webdis comes back.
+        support::wait_for(&format!("{tag}: a failed completion attempt"), 400, || {
+            first.log().contains("store write complete for key=") && first.log().contains("retrying in")
+        });
+        webdis.restart();
+        completed_in_store(&redis, &plugin, &key);
+        let again = store_post(second, &key, "{}", &[]);
+        assert_eq!(again.header("idempotent-replayed"), Some("true"), "{tag}: {}", again.body_text());
+        assert_eq!(again.body, held.body, "{tag}");
+        assert_eq!(up.executions_with_key(&key), 1, "{tag}");
     }
 }

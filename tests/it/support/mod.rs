@@ -763,7 +763,14 @@ impl Envoy {
             Build::Native => {
                 let so = native_module_path();
                 let dir = so.parent().map(|d| d.display().to_string()).unwrap_or_default();
-                vec![("ENVOY_DYNAMIC_MODULES_SEARCH_PATH".to_string(), dir)]
+                // The module reads Envoy's process environment where the Wasm VM reads
+                // `vm_config.environment_variables`: the same variables, set on the process.
+                let mut env = vec![("ENVOY_DYNAMIC_MODULES_SEARCH_PATH".to_string(), dir)];
+                env.extend(o.vm_env.iter().cloned());
+                if !o.vm_env.iter().chain(&o.vm_host_env).any(|(n, _)| n == "IDEMGATE_RECORD_KEY") {
+                    env.push(("IDEMGATE_RECORD_KEY".to_string(), RECORD_KEY.to_string()));
+                }
+                env
             }
         };
         let child = Command::new(envoy_bin())
