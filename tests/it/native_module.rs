@@ -11,8 +11,6 @@
 
 use crate::support;
 
-use std::time::Duration;
-
 use support::http::{self, Response};
 use support::store::{Redis, Webdis};
 use support::upstream::Upstream;
