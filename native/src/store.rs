@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use idemgate::backend::{Backend, Credential, Unbuilt};
+use idemgate::backend::{Backend, Credential};
 use idemgate::config::{Config, StoreConfig, StoreKind};
 use idemgate::engine::machine::LogLevel;
 use idemgate::engine::writes::{Action, Builder, Job, Note, WriteId, Writes};
@@ -271,9 +271,4 @@ fn note_line(what: &str, key_hash: &str, note: Note) {
         ),
     };
     host::log(level, &line);
-}
-
-/// Why a request for the store could not be built.
-pub fn unbuilt_why(e: &Unbuilt) -> String {
-    e.to_string()
 }
