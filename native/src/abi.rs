@@ -112,6 +112,10 @@ pub const TRAILERS_STOP_ITERATION: u32 = 1;
 /// in Envoy 1.40 by tests/it/native_module.rs: an upstream's answer reads `via_upstream` (else it
 /// would be classified outcome-unknown and never replayed).
 pub const ATTRIBUTE_RESPONSE_CODE_DETAILS: u32 = 16;
+/// `envoy_dynamic_module_type_attribute_id_UpstreamAddress` (`upstream.address`, the 42nd of the
+/// same enum, unchanged in order up to Envoy 1.40's header): served by the HTTP filter's string
+/// accessor from the stream's upstream host, absent while the router has selected none.
+pub const ATTRIBUTE_UPSTREAM_ADDRESS: u32 = 41;
 
 /// `envoy_dynamic_module_type_log_level`.
 pub const LOG_DEBUG: u32 = 1;
@@ -170,6 +174,11 @@ extern "C" {
         result: *mut EnvoyBuffer,
         result_length: *mut usize,
     ) -> bool;
+
+    /// How many upstream hosts the router attempted for the stream (Envoy 1.40: the non-null
+    /// hosts of the stream's upstream info; 0 without one). Checked against the binary: one
+    /// argument, a count returned.
+    pub fn envoy_dynamic_module_callback_http_get_upstream_hosts_attempted_size(filter: EnvoyPtr) -> usize;
 
     pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: EnvoyPtr, body_type: u32) -> usize;
     pub fn envoy_dynamic_module_callback_http_get_body_chunks(

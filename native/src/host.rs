@@ -305,3 +305,9 @@ pub fn scheduler_commit(s: abi::SchedulerPtr, id: u64) {
         unsafe { abi::envoy_dynamic_module_callback_http_filter_config_scheduler_commit(s, id) }
     }
 }
+
+/// How many upstream hosts the router attempted for the stream (0: none was ever selected).
+pub fn upstream_hosts_attempted(f: EnvoyPtr) -> usize {
+    // SAFETY: `f` is the current hook's filter.
+    unsafe { abi::envoy_dynamic_module_callback_http_get_upstream_hosts_attempted_size(f) }
+}

@@ -352,17 +352,27 @@ fn forbid_router_retries(f: EnvoyPtr, head: &mut RequestHead) -> bool {
     ok && host::set_header(f, abi::REQUEST_HEADER, cap, Some(zero))
 }
 
-/// A forwarded exchange as this build sees it end: the response's status, whether it ended, and
-/// Envoy's response code details (`via_upstream` for the upstream's own answer). The other stream
-/// facts (attempts, response flags, upstream host) are not read in this build yet, so none of them
-/// is claimed: the attempt count is unknown, which the classification never reads as "nothing was
-/// sent" (`decision::never_started`), and no flag is set, so a failure is outcome-unknown rather
-/// than released (never a second execution; a retry gets `outcome-unknown` until the record
-/// expires).
+/// A forwarded exchange as this build sees it end: the response's status, whether it ended,
+/// Envoy's response code details (`via_upstream` for the upstream's own answer), whether the
+/// stream has an upstream host (`upstream.address`) and how many hosts the router attempted.
+///
+/// Envoy 1.40's dynamic module ABI serves neither `upstream.request_attempt_count` nor
+/// `response.flags` to an HTTP filter (its integer accessor answers the response code, ports and
+/// the connection id only), so the attempt count is given as the core's rule needs it, from the
+/// hosts attempted: `Some(0)` when the router attempted no host, otherwise unknown (`None`, which
+/// the classification never reads as "nothing was sent"). A request is released as never started
+/// (`decision::never_started`) only when no host was ever attempted and the stream has no
+/// upstream host: nothing can have been sent without one. No flag is set, so the failures the
+/// Wasm build proves from flags (connect failure, overflow, no healthy upstream once a host was
+/// attempted) stay outcome-unknown here (never a second execution; a retry gets
+/// `outcome-unknown` until the record expires).
 struct Seen {
     status: Option<u16>,
     complete: bool,
     code_details: String,
+    hosts_attempted: usize,
+    upstream_host: Option<bool>,
+    envoy: EnvoyPtr,
 }
 
 impl Exchange for Seen {
@@ -382,13 +392,16 @@ impl Exchange for Seen {
         self.complete
     }
     fn upstream_host(&mut self) -> bool {
-        true
+        let envoy = self.envoy;
+        *self
+            .upstream_host
+            .get_or_insert_with(|| host::attribute_string(envoy, abi::ATTRIBUTE_UPSTREAM_ADDRESS).is_some())
     }
     fn upstream_connected(&mut self) -> bool {
         true
     }
     fn attempts(&mut self) -> Option<u64> {
-        None
+        (self.hosts_attempted == 0).then_some(0)
     }
 }
 
@@ -397,10 +410,20 @@ fn ended(envoy: EnvoyPtr, req: &Protected, response: &Response) -> Ended {
     let code_details = host::attribute_string(envoy, abi::ATTRIBUTE_RESPONSE_CODE_DETAILS)
         .map(|b| String::from_utf8_lossy(&b).into_owned())
         .unwrap_or_default();
-    let mut seen = Seen { status, complete: response.complete, code_details };
+    let hosts_attempted = host::upstream_hosts_attempted(envoy);
+    let mut seen =
+        Seen { status, complete: response.complete, code_details, hosts_attempted, upstream_host: None, envoy };
     let headers = response.stored.as_ref().map_or(&[][..], |r| &r.headers[..]);
     let outcome = classify_routed(&mut seen, headers, &req.policy);
-    Ended { outcome, detail: format!("status={} code_details={}", status.unwrap_or(0), seen.code_details) }
+    let host = seen.upstream_host.map_or("-", |h| if h { "true" } else { "false" });
+    Ended {
+        outcome,
+        detail: format!(
+            "status={} code_details={} hosts_attempted={hosts_attempted} upstream_host={host}",
+            status.unwrap_or(0),
+            seen.code_details
+        ),
+    }
 }
 
 impl Filter {

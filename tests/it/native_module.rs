@@ -416,3 +416,43 @@ fn a_failed_completion_write_is_retried_and_the_other_build_replays_it() {
         assert_eq!(up.executions_with_key(&key), 1, "{tag}");
     }
 }
+
+/// A filter after idemgate that answers before the router (the request never left Envoy).
+const LUA_DENIES_REQUEST: &str = r#"- name: envoy.filters.http.lua
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
+    default_source_code:
+      inline_string: |
+        function envoy_on_request(h)
+          if h:headers():get("x-deny") ~= nil then
+            h:respond({[":status"] = "403"}, "denied by a later filter")
+          end
+        end
+"#;
+
+/// Never sent (a later filter answers before the router: no host was ever attempted, the stream
+/// has no upstream host): released in both builds, so the retry executes, once. Executed, then
+/// the upstream resets the connection before answering: outcome-unknown in both builds, never
+/// executed again.
+#[test]
+fn a_request_never_sent_is_released_and_one_executed_then_reset_is_not_in_both_builds() {
+    for build in [Build::Wasm, Build::Native] {
+        let s = Stack::with(CFG, |o| {
+            o.build = build;
+            o.extra_http_filters = vec![LUA_DENIES_REQUEST.into()];
+        });
+        let denied = post(&s, Some("k-denied"), r#"{"amount":1}"#, &[("x-deny", "1")]);
+        assert_eq!(denied.status, 403, "{build:?}: {}", denied.body_text());
+        assert_eq!(s.up.executions_with_key("k-denied"), 0, "{build:?}");
+        let retry = post(&s, Some("k-denied"), r#"{"amount":1}"#, &[]);
+        assert_eq!(retry.status, 201, "{build:?}: the retry of a request never sent executes: {}", retry.body_text());
+        assert_eq!(s.up.executions_with_key("k-denied"), 1, "{build:?}");
+
+        let reset = post(&s, Some("k-reset"), r#"{"amount":2}"#, &[("x-up-reset", "before-headers")]);
+        assert!(reset.status >= 500, "{build:?}: {}", reset.body_text());
+        assert_eq!(s.up.executions_with_key("k-reset"), 1, "{build:?}");
+        let again = post(&s, Some("k-reset"), r#"{"amount":2}"#, &[]);
+        assert_eq!(again.problem(), "outcome-unknown", "{build:?}: {} {}", again.status, again.body_text());
+        assert_eq!(s.up.executions_with_key("k-reset"), 1, "{build:?}: executed again after a reset");
+    }
+}
