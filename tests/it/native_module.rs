@@ -329,11 +329,21 @@ fn raw_post(key: &str) -> Vec<u8> {
     .into_bytes()
 }
 
+/// Clients Redis holds (a write while paused for writes among them).
+fn blocked_in_redis(redis: &Redis) -> u64 {
+    redis
+        .cli(&["INFO", "clients"])
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("blocked_clients:").and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
+}
+
 /// The client leaves while its claim is outstanding (Redis paused for writes: the claim script
 /// waits): the stream's callout is cancelled, the claim, which lands once Redis resumes, is
 /// released owner-checked by a write that outlives the stream, and the retry executes once (not
 /// 409 until the claim's lock expires). Both builds. Ordered by state (Envoy's counters of the
-/// store cluster and of the listener), never by time.
+/// store cluster and of the listener, and Redis's count of clients it holds: the claim is held in
+/// Redis before the release is sent, so webdis cannot reorder them), never by time.
 #[test]
 fn a_client_leaving_while_its_claim_is_outstanding_frees_the_key_in_both_builds() {
     use std::io::Write;
@@ -348,8 +358,10 @@ fn a_client_leaving_while_its_claim_is_outstanding_frees_the_key_in_both_builds(
         redis.command(&[b"CLIENT", b"PAUSE", b"60000", b"WRITE"]);
         let mut c = std::net::TcpStream::connect(("127.0.0.1", e.port)).expect("connect");
         c.write_all(&raw_post(&key)).expect("write");
-        support::wait_for(&format!("{build:?}: the claim sent"), 400, || {
-            e.stat("cluster.idemgate_store.upstream_rq_active") == 1
+        // The claim is out and held in Redis (so the release, sent after the client leaves, runs
+        // after it).
+        support::wait_for(&format!("{build:?}: the claim held in Redis"), 400, || {
+            e.stat("cluster.idemgate_store.upstream_rq_active") == 1 && blocked_in_redis(&redis) >= 1
         });
         drop(c);
         // Envoy saw the client leave, and the release went out (a second call to the store).
