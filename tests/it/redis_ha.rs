@@ -137,6 +137,14 @@ impl HaStore {
         String::from_utf8_lossy(&self.cli_output(part, args).stdout).into_owned()
     }
 
+    /// `CONFIG SET min-replicas-to-write n` on every node.
+    pub fn set_min_replicas(&self, n: &str) {
+        for i in 0..3 {
+            let out = self.cli(&format!("redis-{i}"), &["CONFIG", "SET", "min-replicas-to-write", n]);
+            assert_eq!(out.trim(), "OK", "CONFIG SET min-replicas-to-write {n} on redis-{i}");
+        }
+    }
+
     /// `INFO replication` of node `part` (empty when it does not answer).
     pub fn replication(&self, part: &str) -> String {
         self.cli(part, &["INFO", "replication"])
@@ -175,6 +183,11 @@ pub struct World {
 impl World {
     pub fn start(tls: bool) -> World {
         let store = HaStore::start(tls);
+        // `IDEMGATE_REDIS_HA_MIN_REPLICAS=N`: every node's `min-replicas-to-write` set to N for
+        // this run (0: the configuration before it was shipped), to measure the shipped 1 against it.
+        if let Some(n) = std::env::var("IDEMGATE_REDIS_HA_MIN_REPLICAS").ok() {
+            store.set_min_replicas(&n);
+        }
         let up = Upstream::start();
         let mut o = EnvoyOptions::new(PLUGIN, up.port);
         o.extra_clusters.push(store.cluster());
@@ -745,6 +758,61 @@ fn failover_full_redis_ha_latency_beside_single_redis() {
             pct(&mut sr, 0.95)
         ),
     ];
+    println!("{}", row.join(" | "));
+    fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
+}
+
+/// What the shipped `min-replicas-to-write 1` costs (issue 42 item 2): on one HA store, rounds
+/// alternating the setting (1, then 0 on every node): first requests one at a time (60 keys,
+/// median and p95) and a burst of 120 keys from 6 clients (requests per second). Written to
+/// target/faults/redis_ha.md.
+#[test]
+fn failover_full_redis_ha_min_replicas_to_write_cost() {
+    fn pct(v: &mut [f64], q: f64) -> f64 {
+        v.sort_by(|x, y| x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal));
+        v[((v.len() as f64 - 1.0) * q).round() as usize]
+    }
+    let w = World::start(false);
+    let [a, b] = w.ports();
+    let mut cells = vec![];
+    for round in 0..3 {
+        for n in ["1", "0"] {
+            w.store.set_min_replicas(n);
+            let prefix = format!("mrw-{round}-{n}");
+            let mut first = vec![];
+            for i in 0..60 {
+                let t = Instant::now();
+                assert_eq!(post_held(a, &format!("{prefix}-seq-{i}"), "0").status, 201);
+                first.push(t.elapsed().as_secs_f64() * 1000.0);
+            }
+            let next = Arc::new(AtomicUsize::new(0));
+            let t = Instant::now();
+            let clients: Vec<_> = (0..CLIENTS)
+                .map(|_| {
+                    let (next, prefix) = (next.clone(), prefix.clone());
+                    std::thread::spawn(move || loop {
+                        let i = next.fetch_add(1, Ordering::SeqCst);
+                        if i >= 120 {
+                            return;
+                        }
+                        let r = post_held([a, b][i % 2], &format!("{prefix}-burst-{i}"), "0");
+                        assert_eq!(r.status, 201, "{}", r.body_text());
+                    })
+                })
+                .collect();
+            for c in clients {
+                c.join().expect("client");
+            }
+            let rps = 120.0 / t.elapsed().as_secs_f64();
+            cells.push(format!(
+                "round {round} min-replicas-to-write {n}: median {:.2} ms p95 {:.2} ms, {rps:.0} req/s",
+                pct(&mut first, 0.5),
+                pct(&mut first, 0.95)
+            ));
+        }
+    }
+    w.store.set_min_replicas("1");
+    let row = ["min-replicas-to-write cost, 60 sequential + 120 from 6 clients per round".to_string(), cells.join("; ")];
     println!("{}", row.join(" | "));
     fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
 }
