@@ -550,8 +550,8 @@ fn failover_full_min_replicas_to_write_refuses_claims_once_the_replica_lags_but_
 /// Also measured: sequential claims through webdis, each followed by a WAIT request.
 #[test]
 fn failover_wait_through_webdis_vouches_for_claims_no_replica_has() {
-    use support::store::resp::{self, Value};
     use std::io::{BufReader, Write};
+    use support::store::resp::{self, Value};
     const CLAIMS: usize = 40;
     const SCRIPT: &str = "return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', 60000)";
     let redis = ReplicatedRedis::start(true, &[]);
@@ -578,7 +578,10 @@ fn failover_wait_through_webdis_vouches_for_claims_no_replica_has() {
     let webdis = Webdis::start(redis.primary.port);
     redis.relay.as_ref().expect("a relay").hold();
     let claim = pct(SCRIPT);
-    assert_eq!(send(&mut y, &[b"EVAL", SCRIPT.as_bytes(), b"1", b"idemgate:v1:claim", b"owner"]), Value::Status("OK".into()));
+    assert_eq!(
+        send(&mut y, &[b"EVAL", SCRIPT.as_bytes(), b"1", b"idemgate:v1:claim", b"owner"]),
+        Value::Status("OK".into())
+    );
     let other = send(&mut x, &[b"WAIT", b"1", b"200"]);
     let own = send(&mut y, &[b"WAIT", b"1", b"200"]);
     // Through webdis, sequentially (what a proxy would send: the claim, then WAIT).

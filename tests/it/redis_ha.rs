@@ -185,7 +185,7 @@ impl World {
         let store = HaStore::start(tls);
         // `IDEMGATE_REDIS_HA_MIN_REPLICAS=N`: every node's `min-replicas-to-write` set to N for
         // this run (0: the configuration before it was shipped), to measure the shipped 1 against it.
-        if let Some(n) = std::env::var("IDEMGATE_REDIS_HA_MIN_REPLICAS").ok() {
+        if let Ok(n) = std::env::var("IDEMGATE_REDIS_HA_MIN_REPLICAS") {
             store.set_min_replicas(&n);
         }
         let up = Upstream::start();
@@ -812,7 +812,8 @@ fn failover_full_redis_ha_min_replicas_to_write_cost() {
         }
     }
     w.store.set_min_replicas("1");
-    let row = ["min-replicas-to-write cost, 60 sequential + 120 from 6 clients per round".to_string(), cells.join("; ")];
+    let row =
+        ["min-replicas-to-write cost, 60 sequential + 120 from 6 clients per round".to_string(), cells.join("; ")];
     println!("{}", row.join(" | "));
     fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
 }

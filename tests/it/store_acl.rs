@@ -323,8 +323,7 @@ fn a_named_acl_user_over_redis_tls_protects_and_is_refused_everything_else() {
     assert!(allowed.is_empty(), "the named user was allowed: {allowed:#?}");
     let acl_log = redis.admin(&["ACL", "LOG", "50"]);
     for object in ["flushall", "config|set", "script|flush", "other:key", "scan", "info"] {
-        let denied = acl_log.split("reason").any(|e| e.contains(&format!("\n{object}\n")) || e.lines().any(|l| l == object));
-        assert!(denied, "Redis's ACL log has no refusal of {object}:\n{acl_log}");
+        assert!(acl_log.lines().any(|l| l == object), "Redis's ACL log has no refusal of {object}:\n{acl_log}");
     }
     assert!(acl_log.lines().any(|l| l == "idemgate"), "refusals not of the user idemgate:\n{acl_log}");
     assert!(!acl_log.lines().any(|l| l == "default"), "the default user tried:\n{acl_log}");
