@@ -72,8 +72,15 @@ impl HaStore {
     /// `tls`: Redis on its TLS port only; replication, Sentinel and HAProxy's links and checks
     /// to Redis over TLS (`store_ha.py up --tls`).
     pub fn start(tls: bool) -> HaStore {
+        HaStore::start_with(if tls { &["--tls"] } else { &[] })
+    }
+
+    /// `store_ha.py up` with `options` (`--tls`, `--acl`: idemgate as the named ACL user
+    /// `idemgate` through an Envoy redis_proxy hop per leg).
+    pub fn start_with(options: &[&str]) -> HaStore {
         let scratch = Scratch::new("redis-ha");
-        store_ha(&scratch.0, if tls { &["up", "--tls"] } else { &["up"] });
+        let args: Vec<&str> = std::iter::once("up").chain(options.iter().copied()).collect();
+        store_ha(&scratch.0, &args);
         HaStore { scratch }
     }
 
@@ -182,7 +189,12 @@ pub struct World {
 
 impl World {
     pub fn start(tls: bool) -> World {
-        let store = HaStore::start(tls);
+        World::start_with(if tls { &["--tls"] } else { &[] })
+    }
+
+    /// The store started with `store_ha.py up` `options`.
+    pub fn start_with(options: &[&str]) -> World {
+        let store = HaStore::start_with(options);
         // `IDEMGATE_REDIS_HA_MIN_REPLICAS=N`: every node's `min-replicas-to-write` set to N for
         // this run (0: the configuration before it was shipped), to measure the shipped 1 against it.
         if let Ok(n) = std::env::var("IDEMGATE_REDIS_HA_MIN_REPLICAS") {
@@ -304,7 +316,14 @@ pub fn run(fault: Fault, n: usize, label: &str) -> Measured {
 
 /// `run` on the TLS stack (`tls`) or the plain one.
 pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
-    let w = World::start(tls);
+    run_with(if tls { &["--tls"] } else { &[] }, fault, n, label)
+}
+
+/// `run` on the stack `store_ha.py up` `options` starts (`--tls`, `--acl`).
+pub fn run_with(options: &[&str], fault: Fault, n: usize, label: &str) -> Measured {
+    let tls = options.contains(&"--tls");
+    let acl = options.contains(&"--acl");
+    let w = World::start_with(options);
     let all: Vec<String> = (0..n).map(|i| format!("{label}-{i}")).collect();
     let ports = w.ports();
     let t0 = Instant::now();
@@ -442,6 +461,12 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
     w.wait_writes_settled();
     let primary_now = w.store.primary();
     let held = w.store.keys(&primary_now);
+    if acl {
+        // idemgate's connections are the named user's; no client is the (disabled) default user.
+        let clients = w.store.cli(&primary_now, &["CLIENT", "LIST"]);
+        assert!(clients.contains(" user=idemgate "), "no client as idemgate on {primary_now}:\n{clients}");
+        assert!(!clients.contains(" user=default "), "a client as default on {primary_now}:\n{clients}");
+    }
     let before = w.up.executions_by_key();
     let executed: BTreeSet<String> = all.iter().filter(|k| before.get(*k).copied().unwrap_or(0) > 0).cloned().collect();
     let missing: BTreeSet<String> = executed.iter().filter(|k| !held.contains(&redis_key_of(k))).cloned().collect();
@@ -542,7 +567,11 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
         keys: n,
     };
     let row = [
-        format!("{fault:?}{} ({label})", if tls { ", TLS to Redis" } else { "" }),
+        format!(
+            "{fault:?}{}{} ({label})",
+            if tls { ", TLS to Redis" } else { "" },
+            if acl { ", ACL user idemgate through a redis_proxy hop" } else { "" }
+        ),
         format!("{n} keys, {CLIENTS} clients, two proxies"),
         match alone_for {
             Some(a) => format!(
