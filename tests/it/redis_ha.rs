@@ -617,6 +617,14 @@ fn failover_full_redis_ha_primary_killed_with_tls_to_redis() {
     }
 }
 
+/// The same as the named ACL user `idemgate` through a redis_proxy hop per leg, TLS to Redis.
+#[test]
+fn failover_full_redis_ha_primary_killed_named_acl_user_over_tls() {
+    for r in 0..runs() {
+        run_with(&["--tls", "--acl"], Fault::Primary, 400, &format!("full-primary-acl-{r}"));
+    }
+}
+
 #[test]
 fn failover_full_redis_ha_one_webdis_killed() {
     for r in 0..runs() {
