@@ -69,13 +69,8 @@ pub struct HaStore {
 }
 
 impl HaStore {
-    /// `tls`: Redis on its TLS port only; replication, Sentinel and HAProxy's links and checks
-    /// to Redis over TLS (`store_ha.py up --tls`).
-    pub fn start(tls: bool) -> HaStore {
-        HaStore::start_with(if tls { &["--tls"] } else { &[] })
-    }
-
-    /// `store_ha.py up` with `options` (`--tls`, `--acl`: idemgate as the named ACL user
+    /// `store_ha.py up` with `options` (`--tls`: Redis on its TLS port only, replication,
+    /// Sentinel and HAProxy's links and checks to Redis over TLS; `--acl`: idemgate as the named ACL user
     /// `idemgate` through an Envoy redis_proxy hop per leg).
     pub fn start_with(options: &[&str]) -> HaStore {
         let scratch = Scratch::new("redis-ha");
