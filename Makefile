@@ -95,6 +95,9 @@ test-mixed-fleet: build deps
 ## webdis legs) measured in full (tests/it/redis_ha.rs, failover_full_redis_ha_*): SIGKILL of the primary, of one
 ## webdis, of one HAProxy, the primary cut off from its replicas, the whole store down and back, under load through
 ## two proxies, 400 keys x IDEMGATE_REDIS_HA_RUNS runs (default 3), and completions written during a failover;
+## the primary killed with TLS to Redis, and as the named ACL user idemgate through a redis_proxy hop per leg
+## (store_ha.py --tls --acl, envoy/redis-acl/); what min-replicas-to-write 1 costs side by side
+## (IDEMGATE_REDIS_HA_MIN_REPLICAS=0 runs any of them without it);
 ## `make test` runs a short form of each (redis_ha::faults::, one run each, and the former primary back alone).
 ## Table in target/faults/redis_ha.md
 test-redis-ha: build deps

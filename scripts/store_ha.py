@@ -10,7 +10,7 @@ Envoy's `idemgate_store` cluster lists both webdis and health-checks them
 (envoy/redis-ha/idemgate-store-cluster.yaml); no part is single and nothing needs an operator
 after a failover. Ports are chosen at run time; every process is checked to own its listener.
 
-    scripts/store_ha.py up DIR [--tls]   start everything; DIR/stack.json says ports and pids
+    scripts/store_ha.py up DIR [--tls] [--acl]   start everything; DIR/stack.json says ports and pids
     scripts/store_ha.py down DIR         SIGKILL everything DIR/stack.json lists
     scripts/store_ha.py kill DIR NAME    SIGKILL one part (redis-0, sentinel-1, haproxy-0, webdis-1, ...)
     scripts/store_ha.py start DIR NAME   start a part again on its ports (a Redis node as a replica
@@ -24,6 +24,12 @@ after a failover. Ports are chosen at run time; every process is checked to own 
 --tls: Redis listens with TLS only (tls-port, port 0) with a certificate made here (openssl); the
 Sentinels, the replicas and HAProxy's connections and checks use TLS (HAProxy verifies Redis's
 certificate), webdis still speaks plain RESP to its HAProxy on loopback.
+
+--acl: idemgate reaches Redis as the named ACL user `idemgate` of envoy/redis-acl/redis-acl.conf
+(the `default` user off): each leg gets an Envoy redis_proxy (envoy/redis-acl/redis-proxy.yaml,
+part hop-N) between its webdis and its HAProxy, taking webdis's AUTH <password> and sending
+AUTH idemgate <password>; with --tls, HAProxy originates the TLS to Redis as above, so the hop's
+own TLS block is left out (the hop and HAProxy are on one host, loopback).
 """
 import json
 import os
@@ -35,6 +41,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HA = os.path.join(ROOT, "envoy", "redis-ha")
+ACL_CONF = os.path.join(ROOT, "envoy", "redis-acl", "redis-acl.conf")
+HOP_YAML = os.path.join(ROOT, "envoy", "redis-acl", "redis-proxy.yaml")
 NODES, SENTINELS, LEGS = 3, 3, 2
 ADMIN = ("admin", "idemgate-demo-admin-password")
 SENTINEL_USER = ("sentinel", "idemgate-demo-sentinel-password")
@@ -239,7 +247,15 @@ def start_redis(d, stack, i, replica_of=None):
     ndir = os.path.join(d, f"redis-{i}")
     os.makedirs(ndir, exist_ok=True)
     conf = os.path.join(ndir, "redis.conf")
-    lines = [f"include {ROOT}/envoy/redis.conf", f"include {HA}/redis-ha.conf", f"dir {ndir}",
+    base = f"{ROOT}/envoy/redis.conf"
+    if stack.get("acl"):
+        # envoy/redis.conf without its users, then the users of envoy/redis-acl/redis-acl.conf
+        # (Redis refuses a user declared twice); its TLS lines are this script's own below.
+        base = os.path.join(ndir, "redis-base.conf")
+        with open(base, "w") as f:
+            f.writelines(l for l in open(f"{ROOT}/envoy/redis.conf") if not l.startswith("user "))
+            f.writelines(l for l in open(ACL_CONF) if l.startswith("user "))
+    lines = [f"include {base}", f"include {HA}/redis-ha.conf", f"dir {ndir}",
              f"logfile {ndir}/redis.log", "daemonize no"]
     if stack.get("tls"):
         lines += ["port 0", f"tls-port {node['port']}", tls_directives(stack)]
@@ -290,12 +306,31 @@ def start_haproxy(d, stack, i):
     wait(f"haproxy-{i}", lambda: owns_listener(h["pid"], h["port"]))
 
 
+def start_hop(d, stack, i):
+    """Leg i's Envoy redis_proxy (--acl): webdis -> this hop -> HAProxy-i, as the user idemgate."""
+    h = stack["hops"][i]
+    hdir = os.path.join(d, f"hop-{i}")
+    os.makedirs(hdir, exist_ok=True)
+    conf = os.path.join(hdir, "redis-proxy.yaml")
+    render(HOP_YAML, {"LISTEN_PORT": h["port"], "ADMIN_PORT": h["admin_port"], "REDIS_ADDRESS": "127.0.0.1",
+                      "REDIS_PORT": stack["haproxies"][i]["port"]}, conf)
+    text = open(conf).read()
+    a, b = text.index("    transport_socket:\n"), text.index("    load_assignment:\n")
+    with open(conf, "w") as f:
+        f.write(text[:a] + text[b:])
+    h["pid"] = spawn(d, f"hop-{i}", [os.environ.get("ENVOY_BIN", "envoy"), "-c", conf, "--concurrency", "1", "--disable-hot-restart",
+                                     "--log-level", "warn"], cwd=hdir)
+    save(d, stack)
+    wait(f"hop-{i}", lambda: owns_listener(h["pid"], h["port"]), seconds=60)
+
+
 def start_webdis(d, stack, i):
     w = stack["webdis"][i]
     wdir = os.path.join(d, f"webdis-{i}")
     os.makedirs(wdir, exist_ok=True)
     c = json.load(open(os.path.join(HA, "webdis.json")))
-    c.update(redis_host="127.0.0.1", redis_port=stack["haproxies"][i]["port"], http_host="127.0.0.1",
+    upstream = stack["hops"][i]["port"] if stack.get("acl") else stack["haproxies"][i]["port"]
+    c.update(redis_host="127.0.0.1", redis_port=upstream, http_host="127.0.0.1",
              http_port=w["port"], daemonize=False, logfile=os.path.join(wdir, "webdis.log"), verbosity=1)
     with open(os.path.join(wdir, "webdis.json"), "w") as f:
         json.dump(c, f)
@@ -353,7 +388,7 @@ def failover_target(stack, seconds=5.0):
         time.sleep(0.1)
 
 
-def up(d, tls):
+def up(d, tls, acl=False):
     os.makedirs(d, exist_ok=True)
     taken = set()
     stack = {
@@ -364,6 +399,9 @@ def up(d, tls):
     }
     if tls:
         stack["tls"] = make_tls(d)
+    if acl:
+        stack["acl"] = True
+        stack["hops"] = [{"port": free_port(taken), "admin_port": free_port(taken)} for _ in range(LEGS)]
     save(d, stack)
     primary = stack["redis"][0]["port"]
     start_redis(d, stack, 0)
@@ -385,17 +423,22 @@ def up(d, tls):
     wait("the Sentinels (each sees every replica and Sentinel)", sentinels_ready)
     for i in range(LEGS):
         start_haproxy(d, stack, i)
+    if acl:
+        for i in range(LEGS):
+            start_hop(d, stack, i)
     for i in range(LEGS):
         start_webdis(d, stack, i)
     log(f"up: redis {[n['port'] for n in stack['redis']]} (primary {primary}), sentinels "
         f"{[s['port'] for s in stack['sentinels']]}, haproxy {[h['port'] for h in stack['haproxies']]}, "
-        f"webdis {[w['port'] for w in stack['webdis']]}{', TLS to Redis' if tls else ''}")
+        f"webdis {[w['port'] for w in stack['webdis']]}{', TLS to Redis' if tls else ''}"
+        f"{', as the ACL user idemgate through hops ' + str([h['port'] for h in stack['hops']]) if acl else ''}")
 
 
 def part(stack, name):
     kind, _, i = name.rpartition("-")
-    key = {"redis": "redis", "sentinel": "sentinels", "haproxy": "haproxies", "webdis": "webdis"}.get(kind)
-    if key is None or not i.isdigit() or int(i) >= len(stack[key]):
+    key = {"redis": "redis", "sentinel": "sentinels", "haproxy": "haproxies", "webdis": "webdis",
+           "hop": "hops"}.get(kind)
+    if key is None or not i.isdigit() or int(i) >= len(stack.get(key, [])):
         sys.exit(f"store_ha: no part named {name!r}")
     return kind, int(i), stack[key][int(i)]
 
@@ -435,6 +478,8 @@ def start(d, name):
         start_sentinel(d, stack, i, stack["redis"][0]["port"])
     elif kind == "haproxy":
         start_haproxy(d, stack, i)
+    elif kind == "hop":
+        start_hop(d, stack, i)
     else:
         start_webdis(d, stack, i)
 
@@ -444,8 +489,8 @@ def down(d):
         stack = load(d)
     except OSError:
         return
-    for key in ("webdis", "haproxies", "sentinels", "redis"):
-        for p in stack[key]:
+    for key in ("webdis", "hops", "haproxies", "sentinels", "redis"):
+        for p in stack.get(key, []):
             if p.get("pid") and alive(p["pid"]):
                 os.kill(p["pid"], signal.SIGKILL)
 
@@ -471,7 +516,7 @@ def main():
     global LOG_DIR
     LOG_DIR = d if os.path.isdir(d) else None
     if cmd == "up":
-        up(d, "--tls" in args[2:])
+        up(d, "--tls" in args[2:], "--acl" in args[2:])
     elif cmd == "down":
         down(d)
     elif cmd == "kill" and len(args) == 3:

@@ -541,3 +541,68 @@ fn failover_full_min_replicas_to_write_refuses_claims_once_the_replica_lags_but_
         min_replicas_to_write(20, 20, 20);
     }
 }
+
+/// WAIT cannot be offered through webdis (issue 42 item 2): Redis's WAIT waits for the last write
+/// of the connection it runs on, and webdis 0.1.9 sends each HTTP request on one of its pooled
+/// connections, which webdis does not promise is the one that ran the claim. With the replica's
+/// link held (a partition), a connection whose own last write was replicated answers WAIT with 1
+/// at once for another connection's claim no replica has; the claim's own connection answers 0.
+/// Also measured: sequential claims through webdis, each followed by a WAIT request.
+#[test]
+fn failover_wait_through_webdis_vouches_for_claims_no_replica_has() {
+    use std::io::{BufReader, Write};
+    use support::store::resp::{self, Value};
+    const CLAIMS: usize = 40;
+    const SCRIPT: &str = "return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', 60000)";
+    let redis = ReplicatedRedis::start(true, &[]);
+    let grant = redis.primary.command(&[b"ACL", b"SETUSER", b"default", b"+wait"]);
+    assert_eq!(grant, Value::Status("OK".into()));
+    // Two connections of the operators' user, each kept open (as webdis keeps its pool).
+    let open = || {
+        let s = std::net::TcpStream::connect(("127.0.0.1", redis.primary.port)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let (user, password) = support::store::REDIS_ADMIN;
+        let mut c = (BufReader::new(s.try_clone().expect("clone")), s);
+        c.1.write_all(&resp::encode(&[b"AUTH", user.as_bytes(), password.as_bytes()])).expect("write");
+        assert_eq!(resp::read(&mut c.0).expect("AUTH"), Value::Status("OK".into()));
+        c
+    };
+    let send = |c: &mut (BufReader<std::net::TcpStream>, std::net::TcpStream), args: &[&[u8]]| {
+        c.1.write_all(&resp::encode(args)).expect("write");
+        resp::read(&mut c.0).expect("an answer")
+    };
+    let (mut x, mut y) = (open(), open());
+    assert_eq!(send(&mut x, &[b"SET", b"idemgate:v1:before", b"1"]), Value::Status("OK".into()));
+    redis.wait_in_sync();
+    assert_eq!(send(&mut x, &[b"WAIT", b"1", b"1000"]), Value::Int(1), "x's write replicated");
+    let webdis = Webdis::start(redis.primary.port);
+    redis.relay.as_ref().expect("a relay").hold();
+    let claim = pct(SCRIPT);
+    assert_eq!(
+        send(&mut y, &[b"EVAL", SCRIPT.as_bytes(), b"1", b"idemgate:v1:claim", b"owner"]),
+        Value::Status("OK".into())
+    );
+    let other = send(&mut x, &[b"WAIT", b"1", b"200"]);
+    let own = send(&mut y, &[b"WAIT", b"1", b"200"]);
+    // Through webdis, sequentially (what a proxy would send: the claim, then WAIT).
+    let mut vouched = 0;
+    for i in 0..CLAIMS {
+        let key = pct(format!("idemgate:v1:wait-{i}"));
+        let r = webdis.post(&format!("EVAL/{claim}/1/{key}/owner"));
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        let w = webdis.post("WAIT/1/50");
+        match w.json()["WAIT"].as_i64() {
+            Some(1) => vouched += 1,
+            Some(0) => {}
+            _ => panic!("WAIT answered {} {}", w.status, w.body_text()),
+        }
+    }
+    let row = format!(
+        "WAIT 1 200 (webdis: WAIT 1 50) with the replica's link held: on another connection (its own write replicated) {other:?}, \
+         on the claim's connection {own:?}; through webdis after each of {CLAIMS} sequential claims: {vouched} answered 1"
+    );
+    println!("{row}");
+    fault_report("failover.md", &[&row]);
+    assert_eq!(other, Value::Int(1), "{row}");
+    assert_eq!(own, Value::Int(0), "{row}");
+}

@@ -2,7 +2,7 @@
 //! through two proxies, executions counted per key, recovery with nobody repointing anything. The
 //! full forms are `make test-redis-ha`.
 
-use super::{primary_back_alone, run, Fault};
+use super::{primary_back_alone, run, run_with, Fault};
 
 #[test]
 fn redis_ha_primary_killed_under_load_comes_back_without_an_operator() {
@@ -67,4 +67,17 @@ fn redis_ha_whole_store_down_and_back_under_load_executes_no_key_twice() {
     // `run` restarts the nodes only once both proxies refused a probe (asserted there).
     let m = run(Fault::WholeStore, 400, "short-whole");
     assert_eq!(m.twice, 0, "executed twice ({} claims lost)", m.lost);
+}
+
+/// Issue 42 item 4 on the HA path: idemgate reaches Redis as the named ACL user `idemgate` (the
+/// default user off) through an Envoy `redis_proxy` hop per leg (`envoy/redis-acl/`), with TLS to
+/// Redis from each HAProxy; the primary SIGKILLed under load. Served again with nobody touching
+/// anything (the hops reconnect through HAProxy to the new primary, whose `CLIENT LIST` shows
+/// `user=idemgate`, asserted in `run_with`), no key executed twice unless the new primary lacked
+/// its claim.
+#[test]
+fn redis_ha_named_acl_user_over_tls_primary_killed_comes_back() {
+    let m = run_with(&["--tls", "--acl"], Fault::Primary, 400, "short-primary-acl");
+    assert!(m.refused > 0, "no request was refused: the primary's death was never met");
+    assert!(m.answers.get("201").copied().unwrap_or(0) >= m.keys / 8, "{:?}", m.answers);
 }
