@@ -113,17 +113,21 @@ pub struct McpPolicy {
     pub tools: Option<Vec<String>>,
     /// Tool arguments that carry the key, first found wins (after the header and `_meta`).
     pub key_arguments: Vec<String>,
-    /// What a round answered `input_required` (2026-07-28) is: kept as the call's answer (the
-    /// default), or released (`"release"`) for servers whose tools do nothing before asking.
+    /// What a round answered `input_required` (2026-07-28) is: an awaiting record (the
+    /// default, `"await"`), kept as the call's answer (`"keep"`), or released (`"release"`).
     pub input_required: InputRequired,
 }
 
 /// `mcp.input_required` (docs/mcp.md, "Multi-round calls").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum InputRequired {
-    /// Stored and replayed as the call's answer: nothing can run twice, and a multi-round call
-    /// cannot go past its first round through idemgate.
+    /// Kept as the call's awaiting record (`record::State::AwaitingInput`): a re-sent round is
+    /// replayed its question, the next round (other answers) continues the call once, another
+    /// call under the key is refused.
     #[default]
+    Await,
+    /// Stored and replayed as the call's answer: nothing can run twice, and a multi-round call
+    /// cannot go past its first round through idemgate (before 2026-12, the default).
     Keep,
     /// Released: the round that answers it claims the key. Only for tools that act on nothing
     /// before they ask (a re-sent first round runs the tool again).
@@ -1389,11 +1393,11 @@ fn parse_protocol(r: &RawLevel, f: &str) -> Result<Option<McpPolicy>, ConfigErro
     }
     names(&o.key_arguments, "key_arguments")?;
     let input_required = match &o.input_required {
-        None => InputRequired::Keep,
+        None => InputRequired::Await,
         Some(s) => choice(
             s,
             &join(&fm, "input_required"),
-            &[("keep", InputRequired::Keep), ("release", InputRequired::Release)],
+            &[("await", InputRequired::Await), ("keep", InputRequired::Keep), ("release", InputRequired::Release)],
         )?,
     };
     Ok(Some(McpPolicy {

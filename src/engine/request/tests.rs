@@ -58,7 +58,7 @@ fn exists(v: StoredValue) -> Result<ClaimReply, StoreError> {
 }
 
 fn sent(handle: Option<Handle>, n: u8) -> Sent {
-    Sent { handle, fp: fp(n), sent_at_ms: LOCAL - 20 }
+    Sent { handle, fp: fp(n), sent_at_ms: LOCAL - 20, round: None }
 }
 
 #[test]
@@ -223,7 +223,7 @@ fn a_claim_answer_later_than_the_lock_is_not_used_even_though_the_store_claimed_
     let h = handle();
     let lock_ms = 60_000;
     let claimed = || Ok(ClaimReply::Claimed { now_ms: STORE_NOW });
-    let s = Sent { handle: Some(h), fp: fp(1), sent_at_ms: LOCAL };
+    let s = Sent { handle: Some(h), fp: fp(1), sent_at_ms: LOCAL, round: None };
     // One ms short of the lock: still in time.
     let in_time = after_claim(claimed(), &s, &policy(), OnUnavailable::Reject, LOCAL + lock_ms - 1);
     assert_eq!(
