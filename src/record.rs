@@ -158,8 +158,14 @@ pub enum State {
     /// (`Record::round`, `lifecycle::Event::Continue`). A completed stage in every tier
     /// (its answer is kept), never the call's final answer. Tag 6: a decoder without it (a
     /// release before 2026-12) refuses the record as unreadable, never runs nor replays it.
-    AwaitingInput { round: [u8; 32], response: StoredResponse },
+    /// `earlier`: the rounds of the call before it (oldest first, at most `MAX_EARLIER_ROUNDS`),
+    /// each answered the current question if sent again, never run again.
+    AwaitingInput { round: [u8; 32], earlier: Vec<[u8; 32]>, response: StoredResponse },
 }
+
+/// Most earlier rounds an awaiting record lists: a call asking more often than this is kept as
+/// its answer (`"keep"`), loud and never run twice.
+pub const MAX_EARLIER_ROUNDS: usize = 64;
 
 /// What a round of an MCP call meets in the key's record (`Record::round`): the one rule every
 /// tier applies to an awaiting record.
@@ -167,7 +173,8 @@ pub enum State {
 pub enum Round {
     /// Not an awaiting record: replayed, refused, ... as any record.
     NotAwaiting,
-    /// The round that asked, sent again: replayed its question.
+    /// The round that asked, or an earlier round of the call, sent again: replayed the call's
+    /// current question, never run again.
     Asked,
     /// Another round of the same call (other `inputResponses`/`requestState`): it may take the
     /// key (awaiting -> forwarded, atomically in its tier) and run; once.
@@ -393,13 +400,24 @@ impl Record {
     /// call) meeting this record, whose fingerprint already matched.
     pub fn round(&self, round: Option<&[u8; 32]>) -> Round {
         match (&self.state, round) {
-            (State::AwaitingInput { round: asked, .. }, Some(r)) if asked == r => Round::Asked,
+            (State::AwaitingInput { round: asked, earlier, .. }, Some(r)) if asked == r || earlier.contains(r) => {
+                Round::Asked
+            }
             (State::AwaitingInput { .. }, Some(_)) => Round::Next,
             // An awaiting record met by a request that is not an MCP round (another route's
             // request with the same fingerprint cannot be: MCP fingerprints are tagged): its
             // question, never a run.
             (State::AwaitingInput { .. }, None) => Round::Asked,
             _ => Round::NotAwaiting,
+        }
+    }
+
+    /// The rounds an awaiting record's call has run (its earlier rounds, then the one that
+    /// asked): what the next round's awaiting record lists as earlier. Empty for other records.
+    pub fn rounds_run(&self) -> Vec<[u8; 32]> {
+        match &self.state {
+            State::AwaitingInput { round, earlier, .. } => earlier.iter().chain([round]).copied().collect(),
+            _ => vec![],
         }
     }
 
@@ -460,8 +478,12 @@ impl Record {
                 }
             }
             State::OutcomeUnknown { reason } => out.push(reason.code()),
-            State::AwaitingInput { round, response: r } => {
+            State::AwaitingInput { round, earlier, response: r } => {
                 out.extend_from_slice(round);
+                put_varint(&mut out, earlier.len() as u64);
+                for e in earlier {
+                    out.extend_from_slice(e);
+                }
                 put_varint(&mut out, u64::from(r.status));
                 put_varint(&mut out, r.headers.len() as u64);
                 for (n, v) in &r.headers {
@@ -530,7 +552,17 @@ impl Record {
             6 => {
                 let mut round = [0u8; 32];
                 round.copy_from_slice(r.take(32)?);
-                State::AwaitingInput { round, response: r.response()? }
+                let n = r.items()?;
+                if n > MAX_EARLIER_ROUNDS {
+                    return Err(DecodeError::TooManyItems);
+                }
+                let mut earlier = Vec::new();
+                for _ in 0..n {
+                    let mut e = [0u8; 32];
+                    e.copy_from_slice(r.take(32)?);
+                    earlier.push(e);
+                }
+                State::AwaitingInput { round, earlier, response: r.response()? }
             }
             4 => {
                 let status = r.status()?;
@@ -725,7 +757,7 @@ mod tests {
             created_at_ms: 5,
             expires_at_ms: 9,
             creator: Creator { request_id: "r1".into(), log_values: vec![] },
-            state: State::AwaitingInput { round: [1; 32], response: response.clone() },
+            state: State::AwaitingInput { round: [1; 32], earlier: vec![[5; 32]], response: response.clone() },
         };
         let bytes = r.encode();
         assert_eq!(bytes.get(4), Some(&6), "tag 6");
@@ -735,6 +767,8 @@ mod tests {
         }
         assert_eq!(r.round(Some(&[1; 32])), Round::Asked);
         assert_eq!(r.round(Some(&[2; 32])), Round::Next);
+        assert_eq!(r.round(Some(&[5; 32])), Round::Asked, "an earlier round is answered the current question");
+        assert_eq!(r.rounds_run(), vec![[5; 32], [1; 32]]);
         assert_eq!(r.round(None), Round::Asked);
         let replayed = r.clone().as_replayed();
         assert_eq!(replayed.state, State::Completed(response.clone()));

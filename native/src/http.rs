@@ -440,6 +440,7 @@ impl Filter {
             derive_at_body,
             mcp: None,
             mcp_round: None,
+            mcp_rounds_before: vec![],
             body: vec![],
         };
         let (m, mut io) = self.split();

@@ -39,6 +39,8 @@ pub struct Claim {
     /// MCP: which round of its call the claim's request is (`mcp::Call::round`): an answer
     /// asking for input is kept as this round's (`record::State::AwaitingInput`).
     pub mcp_round: Option<[u8; 32]>,
+    /// MCP: the rounds its call ran before this one (`Protected::mcp_rounds_before`).
+    pub mcp_rounds_before: Vec<[u8; 32]>,
 }
 
 /// The outcome slug of a forwarded exchange that met a broken invariant (its claim kept).
@@ -222,8 +224,12 @@ pub fn start<'a>(
             let response = response.unwrap_or(StoredResponse { status: 0, headers: vec![], body: vec![] });
             let mut record =
                 Record::completed(claim.fp, response, too_large, claim.creator.clone(), now_ms, policy.ttl_seconds);
+            // (A call that asked more often than an awaiting record lists is kept as answered.)
             if let (Some(round), crate::record::State::Completed(r)) = (awaiting, &record.state) {
-                record.state = crate::record::State::AwaitingInput { round, response: r.clone() };
+                if claim.mcp_rounds_before.len() < crate::record::MAX_EARLIER_ROUNDS {
+                    let earlier = claim.mcp_rounds_before.clone();
+                    record.state = crate::record::State::AwaitingInput { round, earlier, response: r.clone() };
+                }
             }
             if to_store {
                 let gone = Record::unknown(

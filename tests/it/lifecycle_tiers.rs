@@ -574,7 +574,7 @@ fn two_copies_of_a_next_round_continue_an_awaiting_call_once_in_every_tier() {
     let asked = [1u8; 32];
     let next = [2u8; 32];
     let awaiting = |now: u64| Record {
-        state: State::AwaitingInput { round: asked, response: response() },
+        state: State::AwaitingInput { round: asked, earlier: vec![], response: response() },
         ..Record::completed(FP, response(), false, creator(1), now, p.ttl_seconds)
     };
     let continuation = |o: u8, from: &StoredValue, now: u64| {

@@ -31,6 +31,7 @@ fn forward(n: u8, hop: Hop) -> Forward {
             log: format!("key=k{n}"),
             mcp_id: None,
             mcp_round: None,
+            mcp_rounds_before: vec![],
         },
         request_id: format!("r{n}"),
         sent_at_ms: 0,

@@ -210,6 +210,7 @@ fn protect(config: &Config, host: &mut Host, key: &str) -> (Machine<u32>, Storag
         derive_at_body: false,
         mcp: None,
         mcp_round: None,
+        mcp_rounds_before: vec![],
         body: vec![],
     };
     let mut m = Machine::new(None, true);
@@ -889,4 +890,46 @@ fn a_multi_round_call_awaits_input_and_runs_each_round_once() {
         }
     }
     assert_eq!(runs, 2, "one run per round");
+}
+
+/// Issue 40, found writing the event sequences down: a call that asks twice (round 2 answered
+/// `input_required` again) awaits round 3; a copy of round 1 sent then (a duplicate client) is no
+/// next round: it is answered the call's current question, never run again (a tool that acts
+/// before it asks would act twice). Round 3 then finishes the call once.
+#[test]
+fn an_earlier_round_sent_after_a_later_one_asked_is_never_run_again() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let asks = |state: &str| {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":5,"result":{{"resultType":"input_required","inputRequests":{{"q":{{"method":"elicitation/create","params":{{}}}}}},"requestState":"{state}"}}}}"#
+        )
+    };
+    let done = br#"{"jsonrpc":"2.0","id":5,"result":{"content":[{"type":"text","text":"charged"}]}}"#;
+    let round = |state: &str, ok: bool| {
+        format!(r#""inputResponses":{{"q":{{"action":"accept","content":{{"ok":{ok}}}}}}},"requestState":"{state}""#)
+    };
+    let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-thrice", 10, "")) else {
+        panic!("round 1 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r1, asks("s1").as_bytes()), "stored");
+    let Met::Forwarded(mut r2) = send_round(&c, &mut host, round_call(5, "k-thrice", 10, &round("s1", false))) else {
+        panic!("round 2 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r2, asks("s2").as_bytes()), "stored");
+    for (what, extra) in [("round 1", String::new()), ("round 2", round("s1", false))] {
+        match send_round(&c, &mut host, round_call(5, "k-thrice", 10, &extra)) {
+            Met::Replayed(b) => assert!(String::from_utf8_lossy(&b).contains("\"s2\""), "{what}: {b:?}"),
+            Met::Forwarded(_) => panic!("{what} sent again after round 2 asked ran again"),
+            Met::Refused(s) => panic!("{what} refused {s}"),
+        }
+    }
+    let Met::Forwarded(mut r3) = send_round(&c, &mut host, round_call(5, "k-thrice", 10, &round("s2", true))) else {
+        panic!("round 3 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r3, done), "stored");
+    match send_round(&c, &mut host, round_call(5, "k-thrice", 10, "")) {
+        Met::Replayed(b) => assert!(String::from_utf8_lossy(&b).contains("charged"), "{b:?}"),
+        _ => panic!("round 1 after the call ended is replayed its final result"),
+    }
 }

@@ -25,6 +25,7 @@ fn claim(in_store: bool) -> Claim {
         log: "key=k".into(),
         mcp_id: None,
         mcp_round: None,
+        mcp_rounds_before: vec![],
     }
 }
 
@@ -495,7 +496,7 @@ fn mcp_a_round_that_asks_for_input_is_an_awaiting_record_by_default() {
     for outcome in [Outcome::Store, Outcome::Unknown(UnknownReason::DownstreamGone)] {
         let state = kept(InputRequired::default(), false, outcome, false);
         assert!(
-            matches!(&state, Some(State::AwaitingInput { round, response }) if *round == [4; 32] && response.body == asks),
+            matches!(&state, Some(State::AwaitingInput { round, earlier, response }) if *round == [4; 32] && earlier.is_empty() && response.body == asks),
             "{outcome:?}: {state:?}"
         );
     }
