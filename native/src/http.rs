@@ -440,7 +440,7 @@ impl Filter {
             derive_at_body,
             mcp: None,
             mcp_round: None,
-            mcp_rounds_before: vec![],
+            mcp_continued: None,
             body: vec![],
         };
         let (m, mut io) = self.split();

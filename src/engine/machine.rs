@@ -92,9 +92,10 @@ pub struct Protected {
     pub mcp: Option<Vec<u8>>,
     /// An MCP `tools/call`: which round of its call it is (`mcp::Call::round`).
     pub mcp_round: Option<[u8; 32]>,
-    /// An MCP call's next round: the rounds its call ran before it (`Record::rounds_run` of the
-    /// awaiting record it continued), listed by the awaiting record it may leave.
-    pub mcp_rounds_before: Vec<[u8; 32]>,
+    /// An MCP call's next round: the awaiting record it continued, whose rounds
+    /// (`Record::rounds_run`) the awaiting record it may leave lists, and which a release of
+    /// the round restores.
+    pub mcp_continued: Option<Box<Record>>,
     /// The request body, kept for detached forwarding.
     pub body: Vec<u8>,
 }
@@ -202,7 +203,7 @@ impl Protected {
             log: log_line(Some(self), "", "").trim_start_matches("idemgate: outcome= ").to_string(),
             mcp_id: self.mcp.clone(),
             mcp_round: self.mcp_round,
-            mcp_rounds_before: self.mcp_rounds_before.clone(),
+            mcp_continued: self.mcp_continued.clone(),
         }
     }
 }
@@ -513,7 +514,7 @@ impl<W> Machine<W> {
             derive_at_body: false,
             mcp: c.mcp_id,
             mcp_round: c.mcp_round,
-            mcp_rounds_before: c.mcp_rounds_before,
+            mcp_continued: c.mcp_continued,
             body: vec![],
         };
         if !retries_forbidden {
@@ -752,7 +753,7 @@ impl<W> Machine<W> {
             derive_at_body: false,
             mcp: Some(id),
             mcp_round: Some(round),
-            mcp_rounds_before: vec![],
+            mcp_continued: None,
             body: if detached { body } else { vec![] },
         };
         log(io, Level::Debug, || log_line(Some(&req), "mcp_tools_call", &format!("tool={tool}")));
@@ -1031,7 +1032,7 @@ impl<W> Machine<W> {
             }
             Step::Continue { handle, fp, old } => {
                 let mut req = req;
-                req.mcp_rounds_before = old.record.rounds_run();
+                req.mcp_continued = Some(Box::new(old.record.clone()));
                 let lifetimes = Lifetimes::of(&req.policy);
                 let record = Record::in_progress(fp, req.creator.clone(), req.owner, io.now_ms(), &lifetimes);
                 let transition = Transition::continue_round(old.owner, req.owner, record, &lifetimes);
@@ -1068,7 +1069,7 @@ impl<W> Machine<W> {
     /// Another round that got there first holds the key: in flight.
     fn continue_local<I: Io<Wire = W>>(&mut self, io: &mut I, mut req: Protected, record: Record) -> Flow {
         let now = io.now_ms();
-        req.mcp_rounds_before = record.rounds_run();
+        req.mcp_continued = Some(Box::new(record.clone()));
         let fp = record.fingerprint;
         let Some(round) = req.mcp_round else {
             return self.fail_closed(

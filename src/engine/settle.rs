@@ -39,8 +39,8 @@ pub struct Claim {
     /// MCP: which round of its call the claim's request is (`mcp::Call::round`): an answer
     /// asking for input is kept as this round's (`record::State::AwaitingInput`).
     pub mcp_round: Option<[u8; 32]>,
-    /// MCP: the rounds its call ran before this one (`Protected::mcp_rounds_before`).
-    pub mcp_rounds_before: Vec<[u8; 32]>,
+    /// MCP: the awaiting record this round continued (`Protected::mcp_continued`).
+    pub mcp_continued: Option<Box<Record>>,
 }
 
 /// The outcome slug of a forwarded exchange that met a broken invariant (its claim kept).
@@ -219,17 +219,34 @@ pub fn start<'a>(
         }
         None => (outcome, response),
     };
+    // A released next round (it never ran) leaves its call awaiting as it was: the awaiting
+    // record it continued is completed again, never a free key (a re-sent earlier round would
+    // then run again).
+    let (outcome, restored) = match (outcome, claim.mcp_continued.as_deref()) {
+        (Outcome::Release, Some(awaited)) => {
+            let why = Tail::Why("released".into());
+            out.push(Command::Log(
+                Level::Info,
+                Line::Outcome { outcome: "mcp_awaiting_input_again", log, detail, tail: why },
+            ));
+            (Outcome::Store, Some(awaited.clone()))
+        }
+        (o, _) => (o, None),
+    };
     let next = match outcome {
         Outcome::Store => {
             let response = response.unwrap_or(StoredResponse { status: 0, headers: vec![], body: vec![] });
             let mut record =
                 Record::completed(claim.fp, response, too_large, claim.creator.clone(), now_ms, policy.ttl_seconds);
             // (A call that asked more often than an awaiting record lists is kept as answered.)
+            let earlier = claim.mcp_continued.as_ref().map(|r| r.rounds_run()).unwrap_or_default();
             if let (Some(round), crate::record::State::Completed(r)) = (awaiting, &record.state) {
-                if claim.mcp_rounds_before.len() < crate::record::MAX_EARLIER_ROUNDS {
-                    let earlier = claim.mcp_rounds_before.clone();
+                if earlier.len() < crate::record::MAX_EARLIER_ROUNDS {
                     record.state = crate::record::State::AwaitingInput { round, earlier, response: r.clone() };
                 }
+            }
+            if let Some(awaited) = restored {
+                record = awaited;
             }
             if to_store {
                 let gone = Record::unknown(

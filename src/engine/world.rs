@@ -654,7 +654,7 @@ impl World {
             derive_at_body: a.from == KeyFrom::DerivedAtBody,
             mcp: None,
             mcp_round: None,
-            mcp_rounds_before: vec![],
+            mcp_continued: None,
             body: vec![],
         };
         self.drive(r, |m, io| m.protect(io, req, false));

@@ -774,7 +774,7 @@ impl HttpContext for Http {
             derive_at_body,
             mcp: None,
             mcp_round: None,
-            mcp_rounds_before: vec![],
+            mcp_continued: None,
             body: vec![],
         };
         if from == KeyFrom::Derived {

@@ -31,7 +31,7 @@ fn forward(n: u8, hop: Hop) -> Forward {
             log: format!("key=k{n}"),
             mcp_id: None,
             mcp_round: None,
-            mcp_rounds_before: vec![],
+            mcp_continued: None,
         },
         request_id: format!("r{n}"),
         sent_at_ms: 0,

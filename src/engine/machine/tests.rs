@@ -210,7 +210,7 @@ fn protect(config: &Config, host: &mut Host, key: &str) -> (Machine<u32>, Storag
         derive_at_body: false,
         mcp: None,
         mcp_round: None,
-        mcp_rounds_before: vec![],
+        mcp_continued: None,
         body: vec![],
     };
     let mut m = Machine::new(None, true);
@@ -932,4 +932,33 @@ fn an_earlier_round_sent_after_a_later_one_asked_is_never_run_again() {
         Met::Replayed(b) => assert!(String::from_utf8_lossy(&b).contains("charged"), "{b:?}"),
         _ => panic!("round 1 after the call ended is replayed its final result"),
     }
+}
+
+/// Issue 40: a next round whose exchange is released (the upstream refused it before running
+/// anything: a status the route releases, no JSON-RPC answer) leaves the call awaiting as it
+/// was, never a free key: a re-sent round 1 is still answered the question, never run again, and
+/// the next round sent again runs.
+#[test]
+fn a_released_next_round_leaves_the_call_awaiting() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let round2 = r#""inputResponses":{"q":{"action":"accept","content":{"ok":true}}},"requestState":"s1""#;
+    let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-released", 10, "")) else {
+        panic!("round 1 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r1, asks), "stored");
+    let Met::Forwarded(mut r2) = send_round(&c, &mut host, round_call(5, "k-released", 10, round2)) else {
+        panic!("round 2 is forwarded")
+    };
+    let headers = [(":status", "503"), ("content-type", "text/plain")];
+    r2.response_headers(headers.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect(), false);
+    r2.response_body(b"busy", true);
+    r2.settle(&mut host, Ended { outcome: Outcome::Release, detail: String::new() });
+    match send_round(&c, &mut host, round_call(5, "k-released", 10, "")) {
+        Met::Replayed(b) => assert!(String::from_utf8_lossy(&b).contains("input_required"), "{b:?}"),
+        Met::Forwarded(_) => panic!("round 1 ran again after round 2 was released"),
+        Met::Refused(s) => panic!("round 1 refused {s}"),
+    }
+    assert!(matches!(send_round(&c, &mut host, round_call(5, "k-released", 10, round2)), Met::Forwarded(_)));
 }

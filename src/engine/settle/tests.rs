@@ -25,7 +25,7 @@ fn claim(in_store: bool) -> Claim {
         log: "key=k".into(),
         mcp_id: None,
         mcp_round: None,
-        mcp_rounds_before: vec![],
+        mcp_continued: None,
     }
 }
 
