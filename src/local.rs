@@ -929,7 +929,7 @@ impl Table {
                         Some(r)
                             if matches!(
                                 r.state,
-                                State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput { .. }
+                                State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_)
                             ) =>
                         {
                             Begin::Replay(r)
@@ -1207,12 +1207,13 @@ impl Table {
     ) -> Result<Completed, LocalError> {
         let fp = record.fingerprint;
         let status = match &record.state {
-            State::Completed(r) | State::AwaitingInput { response: r, .. } => r.status,
+            State::Completed(r) => r.status,
+            State::AwaitingInput(a) => a.response.status,
             State::CompletedTooLarge { status, .. } => *status,
             _ => 0,
         };
         let full = encode_body(h, &record);
-        let has_body = matches!(record.state, State::Completed(_) | State::AwaitingInput { .. });
+        let has_body = matches!(record.state, State::Completed(_) | State::AwaitingInput(_));
         // The status-only record, made only when the full one does not fit.
         let mut lean: Option<Vec<u8>> = None;
         let name = self.body_name(h.bucket, h.position);

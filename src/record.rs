@@ -160,7 +160,18 @@ pub enum State {
     /// release before 2026-12) refuses the record as unreadable, never runs nor replays it.
     /// `earlier`: the rounds of the call before it (oldest first, at most `MAX_EARLIER_ROUNDS`),
     /// each answered the current question if sent again, never run again.
-    AwaitingInput { round: [u8; 32], earlier: Vec<[u8; 32]>, response: StoredResponse },
+    AwaitingInput(Box<Awaiting>),
+}
+
+/// What an awaiting record holds (`State::AwaitingInput`), boxed: a record is mostly another state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Awaiting {
+    /// The round that asked (`mcp::Call::round`).
+    pub round: [u8; 32],
+    /// The rounds of the call before it, oldest first.
+    pub earlier: Vec<[u8; 32]>,
+    /// The question: the round's answer as stored.
+    pub response: StoredResponse,
 }
 
 /// Most earlier rounds an awaiting record lists: a call asking more often than this is kept as
@@ -187,7 +198,8 @@ impl State {
         match self {
             // An awaiting round's question too large to keep: kept as the call's answer (its
             // status only), so the call ends loudly and nothing runs again.
-            State::Completed(r) | State::AwaitingInput { response: r, .. } => State::CompletedTooLarge {
+            State::AwaitingInput(a) => State::Completed(a.response).without_body(),
+            State::Completed(r) => State::CompletedTooLarge {
                 status: r.status,
                 location: r.headers.into_iter().find(|(n, _)| n == "location").map(|(_, v)| v),
             },
@@ -202,7 +214,7 @@ impl State {
             State::Completed(_) => 3,
             State::CompletedTooLarge { .. } => 4,
             State::OutcomeUnknown { .. } => 5,
-            State::AwaitingInput { .. } => 6,
+            State::AwaitingInput(_) => 6,
         }
     }
 
@@ -392,7 +404,7 @@ impl Record {
     /// clock: a skew moves only the moment a replay turns into `key-expired`; the key is freed
     /// only by the tier's own expiry, judged by the tier's clock.
     pub fn is_tombstone(&self, now_ms: u64) -> bool {
-        matches!(self.state, State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput { .. })
+        matches!(self.state, State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_))
             && self.is_expired(now_ms)
     }
 
@@ -400,14 +412,12 @@ impl Record {
     /// call) meeting this record, whose fingerprint already matched.
     pub fn round(&self, round: Option<&[u8; 32]>) -> Round {
         match (&self.state, round) {
-            (State::AwaitingInput { round: asked, earlier, .. }, Some(r)) if asked == r || earlier.contains(r) => {
-                Round::Asked
-            }
-            (State::AwaitingInput { .. }, Some(_)) => Round::Next,
+            (State::AwaitingInput(a), Some(r)) if a.round == *r || a.earlier.contains(r) => Round::Asked,
+            (State::AwaitingInput(_), Some(_)) => Round::Next,
             // An awaiting record met by a request that is not an MCP round (another route's
             // request with the same fingerprint cannot be: MCP fingerprints are tagged): its
             // question, never a run.
-            (State::AwaitingInput { .. }, None) => Round::Asked,
+            (State::AwaitingInput(_), None) => Round::Asked,
             _ => Round::NotAwaiting,
         }
     }
@@ -416,7 +426,7 @@ impl Record {
     /// asked): what the next round's awaiting record lists as earlier. Empty for other records.
     pub fn rounds_run(&self) -> Vec<[u8; 32]> {
         match &self.state {
-            State::AwaitingInput { round, earlier, .. } => earlier.iter().chain([round]).copied().collect(),
+            State::AwaitingInput(a) => a.earlier.iter().chain([&a.round]).copied().collect(),
             _ => vec![],
         }
     }
@@ -425,7 +435,7 @@ impl Record {
     /// completed response; any other record as it is.
     pub fn as_replayed(self) -> Record {
         match self.state {
-            State::AwaitingInput { response, .. } => Record { state: State::Completed(response), ..self },
+            State::AwaitingInput(a) => Record { state: State::Completed(a.response), ..self },
             _ => self,
         }
     }
@@ -478,10 +488,11 @@ impl Record {
                 }
             }
             State::OutcomeUnknown { reason } => out.push(reason.code()),
-            State::AwaitingInput { round, earlier, response: r } => {
-                out.extend_from_slice(round);
-                put_varint(&mut out, earlier.len() as u64);
-                for e in earlier {
+            State::AwaitingInput(a) => {
+                let r = &a.response;
+                out.extend_from_slice(&a.round);
+                put_varint(&mut out, a.earlier.len() as u64);
+                for e in &a.earlier {
                     out.extend_from_slice(e);
                 }
                 put_varint(&mut out, u64::from(r.status));
@@ -497,10 +508,13 @@ impl Record {
     }
 
     fn body_len(&self) -> usize {
-        match &self.state {
-            State::Completed(r) | State::AwaitingInput { response: r, .. } => {
-                r.body.len() + r.headers.iter().map(|(n, v)| n.len() + v.len() + 4).sum::<usize>()
-            }
+        let response = match &self.state {
+            State::Completed(r) => Some(r),
+            State::AwaitingInput(a) => Some(&a.response),
+            _ => None,
+        };
+        match response {
+            Some(r) => r.body.len() + r.headers.iter().map(|(n, v)| n.len() + v.len() + 4).sum::<usize>(),
             _ => 0,
         }
     }
@@ -562,7 +576,7 @@ impl Record {
                     e.copy_from_slice(r.take(32)?);
                     earlier.push(e);
                 }
-                State::AwaitingInput { round, earlier, response: r.response()? }
+                State::AwaitingInput(Box::new(Awaiting { round, earlier, response: r.response()? }))
             }
             4 => {
                 let status = r.status()?;
@@ -757,7 +771,11 @@ mod tests {
             created_at_ms: 5,
             expires_at_ms: 9,
             creator: Creator { request_id: "r1".into(), log_values: vec![] },
-            state: State::AwaitingInput { round: [1; 32], earlier: vec![[5; 32]], response: response.clone() },
+            state: State::AwaitingInput(Box::new(Awaiting {
+                round: [1; 32],
+                earlier: vec![[5; 32]],
+                response: response.clone(),
+            })),
         };
         let bytes = r.encode();
         assert_eq!(bytes.get(4), Some(&6), "tag 6");

@@ -248,7 +248,7 @@ impl StoredValue {
         // A completed record's own expiry (its writer's clock) ends it as a record before the
         // store drops its key: what is left is its tombstone (`Record::is_tombstone`).
         r.expires_at_ms = match r.state {
-            State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput { .. } => {
+            State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_) => {
                 tier_end.min(self.record.expires_at_ms)
             }
             _ => tier_end,
@@ -289,7 +289,7 @@ impl StoredValue {
             seal.open(&redis_key(skey), v.get(HEADER_LEN..).unwrap_or_default()).map_err(ValueError::Unauthentic)?;
         let record = Record::decode(record).map_err(|e| bad(&e.to_string()))?;
         let completed =
-            matches!(record.state, State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput { .. });
+            matches!(record.state, State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_));
         if phase == Stage::Completed && !completed {
             return Err(bad("completed phase without a completed record"));
         }

@@ -105,9 +105,7 @@ pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool, mismatc
         Seen::Unknown { .. } => WaitAnswer::Problem(ProblemKind::OutcomeUnknown),
         // A round of an MCP call that asked for input: which round the waiter is decides its
         // answer (`Record::round`), so it asks again at once and meets the record itself.
-        Seen::Completed { record: Some(r), .. } if matches!(r.state, State::AwaitingInput { .. }) => {
-            WaitAnswer::RetryNow
-        }
+        Seen::Completed { record: Some(r), .. } if matches!(r.state, State::AwaitingInput(_)) => WaitAnswer::RetryNow,
         Seen::Completed { record: Some(r), .. }
             if matches!(r.state, State::Completed(_) | State::CompletedTooLarge { .. }) =>
         {

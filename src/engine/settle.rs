@@ -242,7 +242,8 @@ pub fn start<'a>(
             let earlier = claim.mcp_continued.as_ref().map(|r| r.rounds_run()).unwrap_or_default();
             if let (Some(round), crate::record::State::Completed(r)) = (awaiting, &record.state) {
                 if earlier.len() < crate::record::MAX_EARLIER_ROUNDS {
-                    record.state = crate::record::State::AwaitingInput { round, earlier, response: r.clone() };
+                    let awaiting = crate::record::Awaiting { round, earlier, response: r.clone() };
+                    record.state = crate::record::State::AwaitingInput(Box::new(awaiting));
                 }
             }
             if let Some(awaited) = restored {

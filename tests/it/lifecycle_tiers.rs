@@ -568,13 +568,13 @@ fn both_tiers_follow_the_same_lifecycle_for_random_event_sequences() {
 /// the local tier (`local::Table::continue_round`, one bucket CAS) the second finds the claim.
 #[test]
 fn two_copies_of_a_next_round_continue_an_awaiting_call_once_in_every_tier() {
-    use idemgate::record::{Round, State};
+    use idemgate::record::{Awaiting, Round, State};
     let p = policy(StaleLock::Reject);
     let lifetimes = Lifetimes::of(&p);
     let asked = [1u8; 32];
     let next = [2u8; 32];
     let awaiting = |now: u64| Record {
-        state: State::AwaitingInput { round: asked, earlier: vec![], response: response() },
+        state: State::AwaitingInput(Box::new(Awaiting { round: asked, earlier: vec![], response: response() })),
         ..Record::completed(FP, response(), false, creator(1), now, p.ttl_seconds)
     };
     let continuation = |o: u8, from: &StoredValue, now: u64| {
