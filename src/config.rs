@@ -2471,6 +2471,24 @@ mod tests {
         assert_eq!(c.default_policy.credential_headers, vec!["x-shop-secret"]);
     }
 
+    /// Issue 40: `mcp.input_required` awaits by default (0.3.0; "keep" before), and takes
+    /// "await", "keep" and "release"; anything else is refused, naming the field.
+    #[test]
+    fn mcp_input_required_awaits_by_default() {
+        let route = |m: &str| {
+            format!(
+                r#"{{"scope": {{"headers": ["authorization"]}}, "routes": [{{"prefix": "/mcp", "protocol": "mcp", "mcp": {{"tools": ["t"]{m}}}}}]}}"#
+            )
+        };
+        let of = |m: &str| parse(&route(m)).unwrap().routes[0].policy.mcp.as_ref().map(|p| p.input_required);
+        assert_eq!(of(""), Some(InputRequired::Await));
+        assert_eq!(of(r#", "input_required": "await""#), Some(InputRequired::Await));
+        assert_eq!(of(r#", "input_required": "keep""#), Some(InputRequired::Keep));
+        assert_eq!(of(r#", "input_required": "release""#), Some(InputRequired::Release));
+        let e = refused(&route(r#", "input_required": "wait""#));
+        assert!(e.field.ends_with("input_required"), "{}", e.field);
+    }
+
     #[test]
     fn next_hop_failures_are_stored_by_default_classified_per_route_and_only_with_router_forwarding() {
         let c = parse(
