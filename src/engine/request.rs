@@ -230,8 +230,14 @@ pub fn after_claim(
         // A completed record never changes: keep a copy so the next replay needs no store call,
         // ending with the store's key by this proxy's clock.
         // The next round of a call awaiting input continues it, owner-checked (one of two
-        // rounds that read the same awaiting value does: the other is refused, in flight).
-        Decision::Replay if value.record.round(sent.round.as_ref()) == crate::record::Round::Next => {
+        // rounds that read the same awaiting value does: the other is refused, in flight);
+        // never past the record's own expiry (its tombstone: `key-expired`, as a replay).
+        Decision::Replay
+            if value.record.round(sent.round.as_ref()) == crate::record::Round::Next
+                && !value
+                    .record_on_clock(store_now, expires_at, now_ms)
+                    .is_tombstone_for(policy.tombstone_seconds, now_ms) =>
+        {
             Step::Continue { handle, fp, old: Box::new(value) }
         }
         Decision::Replay => {

@@ -315,3 +315,30 @@ fn a_retry_meeting_the_local_tier_replays_or_is_in_flight_without_asking_the_sto
     );
     assert_eq!(after_local(Err(LocalError::Corrupt), None, REJECT, LOCAL), Step::LocalFailed(LocalError::Corrupt));
 }
+
+/// Issue 40: a claim-or-read that finds an MCP call's awaiting value answers the round that asked
+/// (or an earlier one) with a replay of it (its question, once the machine turns it), and the
+/// next round with a continuation of that value, owner-checked; never past the record's own
+/// expiry (its tombstone: a replay, answered `key-expired`), and never for a request that is no
+/// round.
+#[test]
+fn an_awaiting_value_is_replayed_to_its_round_and_continued_by_the_next() {
+    let h = handle();
+    let mut awaiting = value(Stage::Completed, 0);
+    let question = StoredResponse { status: 200, headers: vec![], body: b"{\"q\":1}".to_vec() };
+    let a = crate::record::Awaiting { round: [1; 32], earlier: vec![[0; 32]], response: question };
+    awaiting.record.state = State::AwaitingInput(Box::new(a));
+    let round = |r: Option<[u8; 32]>| Sent { round: r, ..sent(Some(h), 1) };
+    let p = Policy { tombstone_seconds: 60, ..policy() };
+    for asked in [Some([1; 32]), Some([0; 32]), None] {
+        let step = after_claim(exists(awaiting.clone()), &round(asked), &p, OnUnavailable::Reject, LOCAL);
+        assert!(matches!(step, Answered::Next(Step::Replay { .. })), "{asked:?}: {step:?}");
+    }
+    let step = after_claim(exists(awaiting.clone()), &round(Some([2; 32])), &p, OnUnavailable::Reject, LOCAL);
+    assert_eq!(step, Answered::Next(Step::Continue { handle: Some(h), fp: fp(1), old: Box::new(awaiting.clone()) }));
+    // The record's own expiry is by its writer's clock, a proxy's (`StoredValue::record_on_clock`).
+    let mut expired = awaiting;
+    expired.record.expires_at_ms = LOCAL - 1;
+    let step = after_claim(exists(expired), &round(Some([2; 32])), &p, OnUnavailable::Reject, LOCAL);
+    assert!(matches!(step, Answered::Next(Step::Replay { .. })), "a tombstone is no call to continue: {step:?}");
+}
