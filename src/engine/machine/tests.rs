@@ -962,3 +962,30 @@ fn a_released_next_round_leaves_the_call_awaiting() {
     }
     assert!(matches!(send_round(&c, &mut host, round_call(5, "k-released", 10, round2)), Met::Forwarded(_)));
 }
+
+/// Issue 40: a next round whose outcome is unknown (forwarded, then its client went away before
+/// any answer) may have run: the key is outcome-unknown for every round, the first included, as
+/// for a one-round call; nothing runs again.
+#[test]
+fn a_next_round_whose_outcome_is_unknown_runs_nothing_again() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let round2 = r#""inputResponses":{"q":{"action":"accept","content":{"ok":true}}},"requestState":"s1""#;
+    let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-unknown", 10, "")) else {
+        panic!("round 1 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r1, asks), "stored");
+    let Met::Forwarded(mut r2) = send_round(&c, &mut host, round_call(5, "k-unknown", 10, round2)) else {
+        panic!("round 2 is forwarded")
+    };
+    let gone = Outcome::Unknown(crate::record::UnknownReason::DownstreamGone);
+    assert_eq!(r2.settle(&mut host, Ended { outcome: gone, detail: String::new() }), "marked-unknown");
+    for body in [round_call(5, "k-unknown", 10, ""), round_call(5, "k-unknown", 10, round2)] {
+        match send_round(&c, &mut host, body) {
+            Met::Refused(s) => assert_eq!(s, "outcome-unknown"),
+            Met::Forwarded(_) => panic!("a round ran again after round 2's outcome was lost"),
+            Met::Replayed(b) => panic!("replayed {b:?} after round 2's outcome was lost"),
+        }
+    }
+}
