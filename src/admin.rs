@@ -281,6 +281,12 @@ pub fn report(skey: &StorageKey, value: &StoredValue, now_ms: u64) -> Value {
         State::OutcomeUnknown { reason } => {
             m.insert("reason".into(), json!(reason.as_str()));
         }
+        State::AwaitingInput(a) => {
+            let response = &a.response;
+            m.insert("awaiting_input".into(), json!(true));
+            m.insert("status".into(), json!(response.status));
+            m.insert("body_bytes".into(), json!(response.body.len()));
+        }
         State::Claimed { .. } | State::Forwarded { .. } => {}
     }
     Value::Object(m)

@@ -113,17 +113,21 @@ pub struct McpPolicy {
     pub tools: Option<Vec<String>>,
     /// Tool arguments that carry the key, first found wins (after the header and `_meta`).
     pub key_arguments: Vec<String>,
-    /// What a round answered `input_required` (2026-07-28) is: kept as the call's answer (the
-    /// default), or released (`"release"`) for servers whose tools do nothing before asking.
+    /// What a round answered `input_required` (2026-07-28) is: an awaiting record (the
+    /// default, `"await"`), kept as the call's answer (`"keep"`), or released (`"release"`).
     pub input_required: InputRequired,
 }
 
 /// `mcp.input_required` (docs/mcp.md, "Multi-round calls").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum InputRequired {
-    /// Stored and replayed as the call's answer: nothing can run twice, and a multi-round call
-    /// cannot go past its first round through idemgate.
+    /// Kept as the call's awaiting record (`record::State::AwaitingInput`): a re-sent round is
+    /// replayed its question, the next round (other answers) continues the call once, another
+    /// call under the key is refused.
     #[default]
+    Await,
+    /// Stored and replayed as the call's answer: nothing can run twice, and a multi-round call
+    /// cannot go past its first round through idemgate (before 2026-12, the default).
     Keep,
     /// Released: the round that answers it claims the key. Only for tools that act on nothing
     /// before they ask (a re-sent first round runs the tool again).
@@ -1389,11 +1393,11 @@ fn parse_protocol(r: &RawLevel, f: &str) -> Result<Option<McpPolicy>, ConfigErro
     }
     names(&o.key_arguments, "key_arguments")?;
     let input_required = match &o.input_required {
-        None => InputRequired::Keep,
+        None => InputRequired::Await,
         Some(s) => choice(
             s,
             &join(&fm, "input_required"),
-            &[("keep", InputRequired::Keep), ("release", InputRequired::Release)],
+            &[("await", InputRequired::Await), ("keep", InputRequired::Keep), ("release", InputRequired::Release)],
         )?,
     };
     Ok(Some(McpPolicy {
@@ -2465,6 +2469,24 @@ mod tests {
         .unwrap();
         assert_eq!(c.default_policy.log_headers, vec!["x-agent-run-id"]);
         assert_eq!(c.default_policy.credential_headers, vec!["x-shop-secret"]);
+    }
+
+    /// Issue 40: `mcp.input_required` awaits by default (0.3.0; "keep" before), and takes
+    /// "await", "keep" and "release"; anything else is refused, naming the field.
+    #[test]
+    fn mcp_input_required_awaits_by_default() {
+        let route = |m: &str| {
+            format!(
+                r#"{{"scope": {{"headers": ["authorization"]}}, "routes": [{{"prefix": "/mcp", "protocol": "mcp", "mcp": {{"tools": ["t"]{m}}}}}]}}"#
+            )
+        };
+        let of = |m: &str| parse(&route(m)).unwrap().routes[0].policy.mcp.as_ref().map(|p| p.input_required);
+        assert_eq!(of(""), Some(InputRequired::Await));
+        assert_eq!(of(r#", "input_required": "await""#), Some(InputRequired::Await));
+        assert_eq!(of(r#", "input_required": "keep""#), Some(InputRequired::Keep));
+        assert_eq!(of(r#", "input_required": "release""#), Some(InputRequired::Release));
+        let e = refused(&route(r#", "input_required": "wait""#));
+        assert!(e.field.ends_with("input_required"), "{}", e.field);
     }
 
     #[test]

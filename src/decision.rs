@@ -99,7 +99,7 @@ impl Record {
         let phase = match &self.state {
             State::Claimed { lock_expires_at_ms, .. } => Phase::Claimed { lock_expires_at_ms: *lock_expires_at_ms },
             State::Forwarded { lock_expires_at_ms, .. } => Phase::Forwarded { lock_expires_at_ms: *lock_expires_at_ms },
-            State::Completed(_) | State::CompletedTooLarge { .. } => Phase::Completed,
+            State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_) => Phase::Completed,
             State::OutcomeUnknown { .. } => Phase::Unknown,
         };
         Summary { fingerprint: Some(self.fingerprint), expires_at_ms: self.expires_at_ms, phase }

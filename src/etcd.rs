@@ -206,7 +206,8 @@ pub fn open_value(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<(StoredVal
     let lock = digits15(body.get(33..48)).ok_or_else(|| bad("lock expiry"))?;
     let expires = digits15(body.get(48..63)).ok_or_else(|| bad("expiry"))?;
     let record = Record::decode(body.get(HEADER_LEN..).unwrap_or_default()).map_err(|e| bad(&e.to_string()))?;
-    let completed = matches!(record.state, State::Completed(_) | State::CompletedTooLarge { .. });
+    let completed =
+        matches!(record.state, State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_));
     if phase == Stage::Completed && !completed {
         return Err(bad("completed phase without a completed record"));
     }

@@ -16,6 +16,9 @@
 //! | claimed | if free (else Held) | if lock stale (else LockLive) | WrongStage | owner: forwarded | WrongStage | owner: absent | WrongStage | WrongStage | if free: absent (else Held) | InFlight | if lock stale: absent / completed / absent (else LockLive) |
 //! | forwarded | if free (else Held) | WrongStage | if lock stale (else LockLive) | WrongStage | owner: completed | owner: absent | owner: unknown | if lock stale: unknown (else LockLive) | if free: absent (else Held) | InFlight | if lock stale: absent / completed / absent (else LockLive) |
 //! | completed | if free (else Held) | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | if free: absent (else Held) | absent | WrongStage / WrongStage / absent |
+//!
+//! `Continue` (the next round of an MCP call awaiting input, `record::Round::Next`) leads from
+//! `completed` to `forwarded` and is `WrongStage` from every other stage.
 //! | unknown | if free (else Held) | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | WrongStage | if free: absent (else Held) | absent | absent / completed / absent |
 //!
 //! "owner:" cells refuse `NotOwner` when the caller does not hold the claim, and `Expired` when
@@ -49,6 +52,12 @@ pub enum Event {
     Claim { forwarding: bool },
     /// Replace another request's stale claim with one of our own.
     TakeOver { how: TakeOver, forwarding: bool },
+    /// The next round of an MCP call awaiting input replaces its awaiting record (a completed
+    /// stage: `record::State::AwaitingInput`) with a forwarded claim, whatever its expiry. The
+    /// tier checks the record is awaiting and the round another (`record::Round::Next`) on the
+    /// value it then compares (the local tier's bucket CAS, the owner in Redis's script, the
+    /// revision in etcd): the lifecycle sees only its stage.
+    Continue,
     /// The owner of a claim made at headers forwards it (the body is complete).
     Forward,
     /// The owner keeps the response.
@@ -82,7 +91,7 @@ pub enum Settlement {
 
 impl Event {
     /// Every event, for tables and tests.
-    pub const ALL: [Event; 16] = [
+    pub const ALL: [Event; 17] = [
         Event::Claim { forwarding: false },
         Event::Claim { forwarding: true },
         Event::TakeOver { how: TakeOver::NeverForwarded, forwarding: false },
@@ -90,6 +99,7 @@ impl Event {
         Event::TakeOver { how: TakeOver::StaleForwarded, forwarding: true },
         Event::TakeOver { how: TakeOver::StaleForwarded, forwarding: false },
         Event::Forward,
+        Event::Continue,
         Event::Complete,
         Event::Release,
         Event::MarkUnknown,
@@ -175,6 +185,8 @@ pub fn next(from: Stage, event: Event, facts: Facts) -> Result<Stage, Refusal> {
             }
         }
         (_, Event::TakeOver { .. }) => wrong,
+        (Completed, Event::Continue) => Ok(Forwarded),
+        (_, Event::Continue) => wrong,
         (Claimed, Event::Forward) => by_owner(Forwarded),
         (_, Event::Forward) => wrong,
         (Forwarded, Event::Complete) => by_owner(Completed),
@@ -209,6 +221,7 @@ pub fn sources(event: Event) -> &'static [Stage] {
         Event::Release => &[Claimed, Forwarded],
         Event::Complete => &[Forwarded],
         Event::Evict => &[Completed, Unknown],
+        Event::Continue => &[Completed],
         Event::Operator(Settlement::Release | Settlement::Complete) => &[Claimed, Forwarded, Unknown],
         Event::Operator(Settlement::Forget) => &[Claimed, Forwarded, Completed, Unknown],
     }
@@ -229,7 +242,10 @@ pub fn store_writes_where_absent(event: Event) -> bool {
 /// `Facts` before writing, like the store's transition script, re-checks it atomically).
 /// A claim of a free record needs it too: a record holding a live lock is never free.
 pub fn needs_stale_lock(event: Event) -> bool {
-    matches!(event, Event::Claim { .. } | Event::TakeOver { .. } | Event::StaleToUnknown | Event::Expire)
+    matches!(
+        event,
+        Event::Claim { .. } | Event::TakeOver { .. } | Event::StaleToUnknown | Event::Expire | Event::Continue
+    )
 }
 
 #[cfg(test)]
@@ -284,8 +300,10 @@ mod tests {
         }
     }
 
+    /// A completed stage also leaves by `Continue`: an MCP call's awaiting record
+    /// (`record::State::AwaitingInput`) is a completed stage its next round continues.
     #[test]
-    fn a_finished_record_changes_only_by_expiring_being_evicted_or_an_operator() {
+    fn a_finished_record_changes_only_by_expiring_being_evicted_an_operator_or_a_next_round() {
         for from in [Stage::Completed, Stage::Unknown] {
             for event in Event::ALL {
                 for f in all_facts() {
@@ -297,6 +315,7 @@ mod tests {
                     };
                     let allowed = matches!(event, Event::Evict)
                         || operator
+                        || (from == Stage::Completed && event == Event::Continue)
                         || (f.free && matches!(event, Event::Claim { .. } | Event::Expire));
                     assert_eq!(ok, allowed, "{from:?} {event:?} {f:?}");
                 }
@@ -362,6 +381,24 @@ mod tests {
             assert_eq!(next(Stage::Unknown, Event::Operator(Settlement::Complete), f), Ok(Stage::Completed));
             assert_eq!(next(Stage::Completed, Event::Operator(Settlement::Forget), f), Ok(Stage::Absent));
         }
+    }
+
+    /// Issue 40: the next round of a call awaiting input continues only a completed stage (its
+    /// awaiting record), whoever asks and whatever its expiry, into a forwarded claim: never a
+    /// claim in flight (a round running), an outcome-unknown key or an absent one.
+    #[test]
+    fn a_next_round_continues_only_a_completed_stage() {
+        for from in STAGES {
+            for f in all_facts() {
+                let got = next(from, Event::Continue, f);
+                match from {
+                    Stage::Completed => assert_eq!(got, Ok(Stage::Forwarded), "{f:?}"),
+                    _ => assert_eq!(got, Err(Refusal::WrongStage { from, event: Event::Continue }), "{from:?} {f:?}"),
+                }
+            }
+        }
+        assert_eq!(sources(Event::Continue), &[Stage::Completed]);
+        assert!(needs_stale_lock(Event::Continue), "fenced by the value read in every store");
     }
 
     #[test]

@@ -923,7 +923,15 @@ impl Table {
                     let Some(Some(e)) = bucket.positions.get(j) else { return Err(LocalError::Corrupt) };
                     let h = Handle { bucket: i, position: j, owner: e.owner, skey };
                     return Ok(match self.read_body(sd, &h)? {
-                        Some(r) if matches!(r.state, State::Completed(_) | State::CompletedTooLarge { .. }) => {
+                        // An awaiting record too (`State::AwaitingInput`): the engine replays its
+                        // question to the round that asked, or continues the call
+                        // (`continue_round`) for the next.
+                        Some(r)
+                            if matches!(
+                                r.state,
+                                State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_)
+                            ) =>
+                        {
                             Begin::Replay(r)
                         }
                         // No body of this record (the bucket had no room even for its status, or
@@ -945,6 +953,65 @@ impl Table {
                 // local tier; MarkUnknown and Replay always have a live position.
                 _ => return Err(LocalError::Corrupt),
             }
+        }
+        Err(LocalError::Contended)
+    }
+
+    /// The next round (`round`) of an MCP call whose awaiting record `skey` holds
+    /// (`record::Round::Next`, the fingerprint `fp` matched) continues the call: the record's
+    /// entry becomes a forwarded claim of `owner` (`Event::Continue`), in one CAS of its bucket
+    /// made on the read that found the awaiting record, so of two rounds that found it one
+    /// continues and the other finds the claim (`None`: the key holds no awaiting record of this
+    /// call any more, or not for another round; the caller answers in flight, never forwards).
+    #[allow(clippy::too_many_arguments)]
+    pub fn continue_round(
+        &self,
+        sd: &mut dyn SharedData,
+        skey: StorageKey,
+        fp: Fingerprint,
+        round: &[u8; 32],
+        now_ms: u64,
+        policy: &Policy,
+        owner: OwnerToken,
+        creator: &Creator,
+    ) -> Result<Option<Handle>, LocalError> {
+        let i = self.bucket_of(&skey);
+        for _ in 0..MAX_CAS_RETRIES {
+            let (mut bucket, cas, _) = self.read_bucket_value(sd, i)?;
+            let live = bucket.positions.iter().position(|p| p.as_ref().is_some_and(|e| e.holds(&skey, now_ms)));
+            let Some(j) = live else { return Ok(None) };
+            let Some(Some(e)) = bucket.positions.get(j) else { return Err(LocalError::Corrupt) };
+            if e.stage != Stage::Completed || e.fingerprint != Some(fp) {
+                return Ok(None);
+            }
+            let held = Handle { bucket: i, position: j, owner: e.owner, skey };
+            match self.read_body(sd, &held)? {
+                Some(r) if r.fingerprint == fp && r.round(Some(round)) == crate::record::Round::Next => {}
+                _ => return Ok(None),
+            }
+            let stage = step(&Some(e.clone()), Event::Continue, None, now_ms).map_err(LocalError::Refused)?;
+            let lifetimes = Lifetimes::of(policy);
+            let new_entry = Entry {
+                skey,
+                fingerprint: Some(fp),
+                stage,
+                owner,
+                since_ms: now_ms,
+                expires_at_ms: lifetimes.expires_at(stage, now_ms),
+                lock_expires_at_ms: lifetimes.lock_expires_at(now_ms),
+                status: 0,
+                // The position's body key keeps the awaiting record until this round completes:
+                // its bytes stay counted, now on the new entry.
+                body_bytes: e.body_bytes,
+                floor_ms: self.entry_floor_ms(),
+                creator: encode_creator(creator),
+            };
+            let Some(slot) = bucket.positions.get_mut(j) else { return Err(LocalError::Corrupt) };
+            *slot = Some(new_entry);
+            if !self.write_bucket(sd, i, &bucket, cas)? {
+                continue;
+            }
+            return Ok(Some(Handle { bucket: i, position: j, owner, skey }));
         }
         Err(LocalError::Contended)
     }
@@ -1141,11 +1208,12 @@ impl Table {
         let fp = record.fingerprint;
         let status = match &record.state {
             State::Completed(r) => r.status,
+            State::AwaitingInput(a) => a.response.status,
             State::CompletedTooLarge { status, .. } => *status,
             _ => 0,
         };
         let full = encode_body(h, &record);
-        let has_body = matches!(record.state, State::Completed(_));
+        let has_body = matches!(record.state, State::Completed(_) | State::AwaitingInput(_));
         // The status-only record, made only when the full one does not fit.
         let mut lean: Option<Vec<u8>> = None;
         let name = self.body_name(h.bucket, h.position);

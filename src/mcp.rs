@@ -43,6 +43,10 @@ pub struct Call {
     pub digest: [u8; 32],
     /// The key from the body, if any (`_meta` first, then the named arguments).
     pub key: Option<BodyKey>,
+    /// Which round of a multi-round call (2026-07-28) this is: SHA-256 of what the client sends
+    /// for a round, `params.inputResponses` and `params.requestState` (canonical, each framed,
+    /// absent or null as nothing), outside the fingerprint. A first round sends neither.
+    pub round: [u8; 32],
 }
 
 /// What a POST body on an MCP route is.
@@ -69,6 +73,20 @@ pub enum Classified {
 
 const METHOD: &str = "tools/call";
 const FP_TAG: &[u8] = b"idemgate-mcp-tools-call-v1\0";
+const ROUND_TAG: &[u8] = b"idemgate-mcp-round-v1\0";
+
+/// `Call::round` of a call whose canonical document is `canonical`.
+fn round_of(canonical: &[u8]) -> [u8; 32] {
+    let params = member(canonical, "params");
+    let mut h = Sha256::new();
+    h.update(ROUND_TAG);
+    for name in ["inputResponses", "requestState"] {
+        let v = params.and_then(|p| member(p, name)).filter(|v| *v != b"null").unwrap_or(b"");
+        h.update((v.len() as u64).to_be_bytes());
+        h.update(v);
+    }
+    h.finalize().into()
+}
 
 /// Classifies a POST body on an MCP route under `policy`.
 pub fn classify(body: &[u8], policy: &McpPolicy) -> Classified {
@@ -161,7 +179,7 @@ fn call(value: &Value, body: &[u8], canonical: &[u8], tool: &str, policy: &McpPo
                 .map(|v| BodyKey { source: format!("params.arguments.{name}"), value: v.as_str().map(str::to_string) })
         })
     });
-    Call { id, tool: tool.to_string(), digest: h.finalize().into(), key }
+    Call { id, tool: tool.to_string(), digest: h.finalize().into(), key, round: round_of(canonical) }
 }
 
 /// Revision 2026-07-28's header naming a request's JSON-RPC method.
@@ -819,6 +837,41 @@ pub fn with_id(stored: &[u8], id: &[u8]) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 40: a round is what the client sends for it, `inputResponses` and `requestState`,
+    /// outside the fingerprint: every round of a call has the call's fingerprint, rounds with
+    /// other answers or state differ, and member order or spacing does not.
+    #[test]
+    fn a_round_is_its_input_responses_and_state_outside_the_fingerprint() {
+        let policy = McpPolicy::default();
+        let of = |params: &str| {
+            let body = format!(
+                r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"t","arguments":{{"a":1}}{params}}}}}"#
+            );
+            match classify(body.as_bytes(), &policy) {
+                Classified::Call(c) => (c.digest, c.round),
+                other => panic!("{other:?}"),
+            }
+        };
+        let first = of("");
+        let answered = of(r#","inputResponses":{"q":{"action":"accept","content":{"x":1,"y":2}}},"requestState":"s1""#);
+        let reordered =
+            of(r#", "requestState" : "s1","inputResponses":{"q":{"content":{"y":2,"x":1},"action":"accept"}}"#);
+        let declined = of(r#","inputResponses":{"q":{"action":"decline"}},"requestState":"s1""#);
+        let state_only = of(r#","requestState":"s1""#);
+        let nulls = of(r#","inputResponses":null,"requestState":null"#);
+        for (_, (digest, _)) in [("answered", answered), ("declined", declined), ("state", state_only)] {
+            assert_eq!(digest, first.0, "every round has the call's fingerprint");
+        }
+        assert_eq!(answered.1, reordered.1);
+        assert_eq!(nulls.1, first.1);
+        let rounds = [first.1, answered.1, declined.1, state_only.1];
+        for (i, a) in rounds.iter().enumerate() {
+            for b in rounds.iter().skip(i + 1) {
+                assert_ne!(a, b);
+            }
+        }
+    }
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -152,12 +152,53 @@ pub enum State {
     CompletedTooLarge { status: u16, location: Option<Vec<u8>> },
     /// It may have executed, but no response was kept.
     OutcomeUnknown { reason: UnknownReason },
+    /// An MCP call (2026-07-28) between two rounds: its round `round` (`mcp::Call::round`, what
+    /// the client sent for it) was answered `input_required` with `response`, which a re-sent
+    /// copy of that round is replayed; a round with other answers may continue the call, once
+    /// (`Record::round`, `lifecycle::Event::Continue`). A completed stage in every tier
+    /// (its answer is kept), never the call's final answer. Tag 6: a decoder without it (a
+    /// release before 2026-12) refuses the record as unreadable, never runs nor replays it.
+    /// `earlier`: the rounds of the call before it (oldest first, at most `MAX_EARLIER_ROUNDS`),
+    /// each answered the current question if sent again, never run again.
+    AwaitingInput(Box<Awaiting>),
+}
+
+/// What an awaiting record holds (`State::AwaitingInput`), boxed: a record is mostly another state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Awaiting {
+    /// The round that asked (`mcp::Call::round`).
+    pub round: [u8; 32],
+    /// The rounds of the call before it, oldest first.
+    pub earlier: Vec<[u8; 32]>,
+    /// The question: the round's answer as stored.
+    pub response: StoredResponse,
+}
+
+/// Most earlier rounds an awaiting record lists: a call asking more often than this is kept as
+/// its answer (`"keep"`), loud and never run twice.
+pub const MAX_EARLIER_ROUNDS: usize = 64;
+
+/// What a round of an MCP call meets in the key's record (`Record::round`): the one rule every
+/// tier applies to an awaiting record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Round {
+    /// Not an awaiting record: replayed, refused, ... as any record.
+    NotAwaiting,
+    /// The round that asked, or an earlier round of the call, sent again: replayed the call's
+    /// current question, never run again.
+    Asked,
+    /// Another round of the same call (other `inputResponses`/`requestState`): it may take the
+    /// key (awaiting -> forwarded, atomically in its tier) and run; once.
+    Next,
 }
 
 impl State {
     /// A completed state without its body: the status and `location` only.
     pub fn without_body(self) -> State {
         match self {
+            // An awaiting round's question too large to keep: kept as the call's answer (its
+            // status only), so the call ends loudly and nothing runs again.
+            State::AwaitingInput(a) => State::Completed(a.response).without_body(),
             State::Completed(r) => State::CompletedTooLarge {
                 status: r.status,
                 location: r.headers.into_iter().find(|(n, _)| n == "location").map(|(_, v)| v),
@@ -173,6 +214,7 @@ impl State {
             State::Completed(_) => 3,
             State::CompletedTooLarge { .. } => 4,
             State::OutcomeUnknown { .. } => 5,
+            State::AwaitingInput(_) => 6,
         }
     }
 
@@ -362,7 +404,40 @@ impl Record {
     /// clock: a skew moves only the moment a replay turns into `key-expired`; the key is freed
     /// only by the tier's own expiry, judged by the tier's clock.
     pub fn is_tombstone(&self, now_ms: u64) -> bool {
-        matches!(self.state, State::Completed(_) | State::CompletedTooLarge { .. }) && self.is_expired(now_ms)
+        matches!(self.state, State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_))
+            && self.is_expired(now_ms)
+    }
+
+    /// The one rule for a round of an MCP call (`round`: `mcp::Call::round`; `None`: not an MCP
+    /// call) meeting this record, whose fingerprint already matched.
+    pub fn round(&self, round: Option<&[u8; 32]>) -> Round {
+        match (&self.state, round) {
+            (State::AwaitingInput(a), Some(r)) if a.round == *r || a.earlier.contains(r) => Round::Asked,
+            (State::AwaitingInput(_), Some(_)) => Round::Next,
+            // An awaiting record met by a request that is not an MCP round (another route's
+            // request with the same fingerprint cannot be: MCP fingerprints are tagged): its
+            // question, never a run.
+            (State::AwaitingInput(_), None) => Round::Asked,
+            _ => Round::NotAwaiting,
+        }
+    }
+
+    /// The rounds an awaiting record's call has run (its earlier rounds, then the one that
+    /// asked): what the next round's awaiting record lists as earlier. Empty for other records.
+    pub fn rounds_run(&self) -> Vec<[u8; 32]> {
+        match &self.state {
+            State::AwaitingInput(a) => a.earlier.iter().chain([&a.round]).copied().collect(),
+            _ => vec![],
+        }
+    }
+
+    /// The record as replayed to a re-sent round: an awaiting record's question as a
+    /// completed response; any other record as it is.
+    pub fn as_replayed(self) -> Record {
+        match self.state {
+            State::AwaitingInput(a) => Record { state: State::Completed(a.response), ..self },
+            _ => self,
+        }
     }
 
     /// `is_tombstone` as a route applies it: a route with `tombstone_seconds: 0` has none, and
@@ -413,13 +488,33 @@ impl Record {
                 }
             }
             State::OutcomeUnknown { reason } => out.push(reason.code()),
+            State::AwaitingInput(a) => {
+                let r = &a.response;
+                out.extend_from_slice(&a.round);
+                put_varint(&mut out, a.earlier.len() as u64);
+                for e in &a.earlier {
+                    out.extend_from_slice(e);
+                }
+                put_varint(&mut out, u64::from(r.status));
+                put_varint(&mut out, r.headers.len() as u64);
+                for (n, v) in &r.headers {
+                    put_bytes(&mut out, n.as_bytes());
+                    put_bytes(&mut out, v);
+                }
+                put_bytes(&mut out, &r.body);
+            }
         }
         out
     }
 
     fn body_len(&self) -> usize {
-        match &self.state {
-            State::Completed(r) => r.body.len() + r.headers.iter().map(|(n, v)| n.len() + v.len() + 4).sum::<usize>(),
+        let response = match &self.state {
+            State::Completed(r) => Some(r),
+            State::AwaitingInput(a) => Some(&a.response),
+            _ => None,
+        };
+        match response {
+            Some(r) => r.body.len() + r.headers.iter().map(|(n, v)| n.len() + v.len() + 4).sum::<usize>(),
             _ => 0,
         }
     }
@@ -467,6 +562,21 @@ impl Record {
                 }
                 let body = r.bytes()?.to_vec();
                 State::Completed(StoredResponse { status, headers, body })
+            }
+            6 => {
+                let mut round = [0u8; 32];
+                round.copy_from_slice(r.take(32)?);
+                let n = r.items()?;
+                if n > MAX_EARLIER_ROUNDS {
+                    return Err(DecodeError::TooManyItems);
+                }
+                let mut earlier = Vec::new();
+                for _ in 0..n {
+                    let mut e = [0u8; 32];
+                    e.copy_from_slice(r.take(32)?);
+                    earlier.push(e);
+                }
+                State::AwaitingInput(Box::new(Awaiting { round, earlier, response: r.response()? }))
             }
             4 => {
                 let status = r.status()?;
@@ -600,6 +710,18 @@ impl<'a> Reader<'a> {
         std::str::from_utf8(self.bytes()?).map(str::to_owned).map_err(|_| DecodeError::BadUtf8)
     }
 
+    /// A stored response as tag 3 lays it out (status, headers, body), for tag 6.
+    fn response(&mut self) -> Result<StoredResponse, DecodeError> {
+        let status = self.status()?;
+        let n = self.items()?;
+        let mut headers = Vec::new();
+        for _ in 0..n {
+            headers.push((self.string()?, self.bytes()?.to_vec()));
+        }
+        let body = self.bytes()?.to_vec();
+        Ok(StoredResponse { status, headers, body })
+    }
+
     fn status(&mut self) -> Result<u16, DecodeError> {
         match self.varint()? {
             s @ 100..=999 => u16::try_from(s).map_err(|_| DecodeError::BadStatus),
@@ -633,6 +755,46 @@ mod tests {
     }
 
     use super::*;
+
+    /// Issue 40: an MCP call's awaiting record (tag 6) keeps its round and its question through
+    /// the encoding; the one round rule answers the round that asked with its question and any
+    /// other round of the call as its next; other records are no rounds' business.
+    #[test]
+    fn an_awaiting_record_round_trips_and_tells_the_asking_round_from_the_next() {
+        let response = StoredResponse {
+            status: 200,
+            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            body: br#"{"result":{"resultType":"input_required"}}"#.to_vec(),
+        };
+        let r = Record {
+            fingerprint: Fingerprint([3; 32]),
+            created_at_ms: 5,
+            expires_at_ms: 9,
+            creator: Creator { request_id: "r1".into(), log_values: vec![] },
+            state: State::AwaitingInput(Box::new(Awaiting {
+                round: [1; 32],
+                earlier: vec![[5; 32]],
+                response: response.clone(),
+            })),
+        };
+        let bytes = r.encode();
+        assert_eq!(bytes.get(4), Some(&6), "tag 6");
+        assert_eq!(Record::decode(&bytes), Ok(r.clone()));
+        for cut in 0..bytes.len() {
+            assert!(Record::decode(bytes.get(..cut).unwrap_or_default()).is_err(), "{cut}");
+        }
+        assert_eq!(r.round(Some(&[1; 32])), Round::Asked);
+        assert_eq!(r.round(Some(&[2; 32])), Round::Next);
+        assert_eq!(r.round(Some(&[5; 32])), Round::Asked, "an earlier round is answered the current question");
+        assert_eq!(r.rounds_run(), vec![[5; 32], [1; 32]]);
+        assert_eq!(r.round(None), Round::Asked);
+        let replayed = r.clone().as_replayed();
+        assert_eq!(replayed.state, State::Completed(response.clone()));
+        let done = Record { state: State::Completed(response), ..r.clone() };
+        assert_eq!(done.round(Some(&[2; 32])), Round::NotAwaiting);
+        assert!(matches!(r.state.clone().without_body(), State::CompletedTooLarge { status: 200, .. }));
+        assert!(r.is_tombstone(9) && !r.is_tombstone(8), "an awaiting record past its expiry is its key's tombstone");
+    }
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -248,7 +248,9 @@ impl StoredValue {
         // A completed record's own expiry (its writer's clock) ends it as a record before the
         // store drops its key: what is left is its tombstone (`Record::is_tombstone`).
         r.expires_at_ms = match r.state {
-            State::Completed(_) | State::CompletedTooLarge { .. } => tier_end.min(self.record.expires_at_ms),
+            State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_) => {
+                tier_end.min(self.record.expires_at_ms)
+            }
             _ => tier_end,
         };
         r
@@ -286,7 +288,8 @@ impl StoredValue {
         let (record, _) =
             seal.open(&redis_key(skey), v.get(HEADER_LEN..).unwrap_or_default()).map_err(ValueError::Unauthentic)?;
         let record = Record::decode(record).map_err(|e| bad(&e.to_string()))?;
-        let completed = matches!(record.state, State::Completed(_) | State::CompletedTooLarge { .. });
+        let completed =
+            matches!(record.state, State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_));
         if phase == Stage::Completed && !completed {
             return Err(bad("completed phase without a completed record"));
         }
@@ -749,6 +752,25 @@ impl Transition {
             record: Some(record),
             tombstone: false,
             where_absent: WhereAbsent::Refuse,
+        }
+    }
+
+    /// The next round of an MCP call awaiting input (`record::Round::Next`): replaces the
+    /// awaiting record `awaiting_owner` completed with a forwarded claim of our own, as a
+    /// take-over does (owner- and phase-checked in Redis's script; fenced by the value's
+    /// revision in etcd), so of two rounds that met the same awaiting record one continues and
+    /// the other finds a claim in flight.
+    pub fn continue_round(
+        awaiting_owner: OwnerToken,
+        owner: OwnerToken,
+        record: Record,
+        lifetimes: &Lifetimes,
+    ) -> Transition {
+        Transition {
+            event: Some(Event::Continue),
+            expected_phases: expected_phases(Event::Continue),
+            require_stale: lifecycle::needs_stale_lock(Event::Continue),
+            ..Transition::take_over(awaiting_owner, owner, record, true, lifetimes)
         }
     }
 

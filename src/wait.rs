@@ -103,6 +103,9 @@ pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool, mismatc
             WaitAnswer::Problem(ProblemKind::KeyReused { status: mismatch_status })
         }
         Seen::Unknown { .. } => WaitAnswer::Problem(ProblemKind::OutcomeUnknown),
+        // A round of an MCP call that asked for input: which round the waiter is decides its
+        // answer (`Record::round`), so it asks again at once and meets the record itself.
+        Seen::Completed { record: Some(r), .. } if matches!(r.state, State::AwaitingInput(_)) => WaitAnswer::RetryNow,
         Seen::Completed { record: Some(r), .. }
             if matches!(r.state, State::Completed(_) | State::CompletedTooLarge { .. }) =>
         {

@@ -501,8 +501,20 @@ impl Filter {
         let derive_at_body = from == KeyFrom::DerivedAtBody;
         let owner = self.global.next_owner();
         let creator = request::creator_of(&policy, &head);
-        let req =
-            Protected { route, policy, head, skey, scope, creator, owner, derive_at_body, mcp: None, body: vec![] };
+        let req = Protected {
+            route,
+            policy,
+            head,
+            skey,
+            scope,
+            creator,
+            owner,
+            derive_at_body,
+            mcp: None,
+            mcp_round: None,
+            mcp_continued: None,
+            body: vec![],
+        };
         let (m, mut io) = self.split();
         headers_status(m.protect(&mut io, req, end_of_stream))
     }

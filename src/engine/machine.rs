@@ -46,7 +46,7 @@ use crate::record::{Creator, Lifetimes, Record, State, StoredResponse, NOT_REPLA
 use crate::redirect::{self, Handoff, Handoffs};
 use crate::request::RequestHead;
 use crate::scope::{CallerScope, StorageKey};
-use crate::store::{StoreError, StoredValue, Transition, TransitionReply, ValueError};
+use crate::store::{StoreError, Transition, TransitionReply, ValueError};
 
 pub use crate::engine::settle::Level as LogLevel;
 
@@ -90,6 +90,12 @@ pub struct Protected {
     pub derive_at_body: bool,
     /// An MCP `tools/call`: its JSON-RPC id (JSON text).
     pub mcp: Option<Vec<u8>>,
+    /// An MCP `tools/call`: which round of its call it is (`mcp::Call::round`).
+    pub mcp_round: Option<[u8; 32]>,
+    /// An MCP call's next round: the awaiting record it continued, whose rounds
+    /// (`Record::rounds_run`) the awaiting record it may leave lists, and which a release of
+    /// the round restores.
+    pub mcp_continued: Option<Box<Record>>,
     /// The request body, kept for detached forwarding.
     pub body: Vec<u8>,
 }
@@ -196,6 +202,8 @@ impl Protected {
             creator: self.creator.clone(),
             log: log_line(Some(self), "", "").trim_start_matches("idemgate: outcome= ").to_string(),
             mcp_id: self.mcp.clone(),
+            mcp_round: self.mcp_round,
+            mcp_continued: self.mcp_continued.clone(),
         }
     }
 }
@@ -505,6 +513,8 @@ impl<W> Machine<W> {
             owner: c.owner,
             derive_at_body: false,
             mcp: c.mcp_id,
+            mcp_round: c.mcp_round,
+            mcp_continued: c.mcp_continued,
             body: vec![],
         };
         if !retries_forbidden {
@@ -714,7 +724,7 @@ impl<W> Machine<W> {
             let first_skey = request::mcp_first_hop_skey(&policy, &head, &u, &call)?;
             io.take_handoff(&first_skey, route, &u).map(|h| (h, first))
         });
-        let McpCall { id, tool, scope, skey, derived, digest, .. } = call;
+        let McpCall { id, tool, scope, skey, derived, digest, round, .. } = call;
         if let Some((h, scope)) = handoff {
             io.run(Command::Count(Count::RedirectsFollowed));
             // Without `hold_headers` they were forbidden at the headers (`await_mcp_body`).
@@ -742,6 +752,8 @@ impl<W> Machine<W> {
             owner,
             derive_at_body: false,
             mcp: Some(id),
+            mcp_round: Some(round),
+            mcp_continued: None,
             body: if detached { body } else { vec![] },
         };
         log(io, Level::Debug, || log_line(Some(&req), "mcp_tools_call", &format!("tool={tool}")));
@@ -819,7 +831,7 @@ impl<W> Machine<W> {
         if let StoreAnswer::TakeOver(Ok(TransitionReply::Changed | TransitionReply::ClaimGoneRewritten)) = &answer {
             io.run(Command::Count(Count::TakenOver));
         }
-        let sent = Sent { handle: call.handle, fp: call.fp, sent_at_ms: call.sent_at_ms };
+        let sent = Sent { handle: call.handle, fp: call.fp, sent_at_ms: call.sent_at_ms, round: req.mcp_round };
         let now = io.now_ms();
         let answered = request::after_store_answer(answer, &sent, &req.policy, self.on_unavailable(), now);
         if call.asked == Asked::Claim && matches!(answered, Answered::Next(Step::Replay { .. })) {
@@ -985,11 +997,18 @@ impl<W> Machine<W> {
                     self.release_local(io, cache);
                     return self.replay(io, &req, record);
                 }
+                // The next round of a call awaiting input, met in the local tier (a store's
+                // awaiting value is continued in the store: `request::after_claim`).
+                if record.round(req.mcp_round.as_ref()) == crate::record::Round::Next {
+                    self.release_local(io, cache);
+                    return self.continue_local(io, req, record);
+                }
                 if let Some(h) = cache {
                     let (table, sd) = io.local();
                     let _ = table.complete(sd, &h, record.clone(), now);
                 }
-                self.replay(io, &req, record)
+                // An awaiting record met by the round that asked: its question.
+                self.replay(io, &req, record.as_replayed())
             }
             Step::InFlight { creator, release, fp } => {
                 self.release_local(io, release);
@@ -1005,7 +1024,20 @@ impl<W> Machine<W> {
                 self.enqueue(io, &req, fence.as_ref(), "stale_to_unknown", unknown);
                 self.answer(io, Some(&req), ProblemKind::OutcomeUnknown, Some(&creator))
             }
-            Step::TakeOver { handle, fp, old, free } => self.take_over(io, req, handle, fp, &old, free, fence),
+            Step::TakeOver { handle, fp, old, free } => {
+                let lifetimes = Lifetimes::of(&req.policy);
+                let record = Record::in_progress(fp, req.creator.clone(), req.owner, io.now_ms(), &lifetimes);
+                let transition = Transition::take_over(old.owner, req.owner, record, free, &lifetimes);
+                self.take_over(io, req, handle, fp, transition, fence)
+            }
+            Step::Continue { handle, fp, old } => {
+                let mut req = req;
+                req.mcp_continued = Some(Box::new(old.record.clone()));
+                let lifetimes = Lifetimes::of(&req.policy);
+                let record = Record::in_progress(fp, req.creator.clone(), req.owner, io.now_ms(), &lifetimes);
+                let transition = Transition::continue_round(old.owner, req.owner, record, &lifetimes);
+                self.take_over(io, req, handle, fp, transition, fence)
+            }
             Step::Unreadable { why, problem, release } => {
                 self.release_local(io, release);
                 self.count_unreadable(io, &req, &why);
@@ -1031,6 +1063,39 @@ impl<W> Machine<W> {
         }
     }
 
+    /// The next round of an MCP call whose awaiting record (`record`) the local tier holds:
+    /// continued there in one CAS (`local::Table::continue_round`), then claimed in the store
+    /// if there is one (where the awaiting value is continued owner-checked), else forwarded.
+    /// Another round that got there first holds the key: in flight.
+    fn continue_local<I: Io<Wire = W>>(&mut self, io: &mut I, mut req: Protected, record: Record) -> Flow {
+        let now = io.now_ms();
+        req.mcp_continued = Some(Box::new(record.clone()));
+        let fp = record.fingerprint;
+        let Some(round) = req.mcp_round else {
+            return self.fail_closed(
+                io,
+                Some(&req),
+                Broken::ImpossibleDecision,
+                "continue_round",
+                None,
+                Holding::Nothing,
+            );
+        };
+        let (table, sd) = io.local();
+        match table.continue_round(sd, req.skey, fp, &round, now, &req.policy, req.owner, &req.creator) {
+            Ok(Some(handle)) => {
+                io.run(Command::Count(Count::Claimed));
+                let step = request::after_fingerprint(Some(handle), fp, self.store, now);
+                self.run(io, req, step, None)
+            }
+            Ok(None) => {
+                let problem = ProblemKind::InFlight { retry_after_seconds: IN_FLIGHT_RETRY_AFTER_SECONDS };
+                self.answer(io, Some(&req), problem, Some(&record.creator))
+            }
+            Err(e) => self.local_error(io, &req, e),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn take_over<I: Io<Wire = W>>(
         &mut self,
@@ -1038,13 +1103,9 @@ impl<W> Machine<W> {
         req: Protected,
         handle: Option<Handle>,
         fp: Fingerprint,
-        old: &StoredValue,
-        free: bool,
+        transition: Transition,
         fence: Option<Fence>,
     ) -> Flow {
-        let lifetimes = Lifetimes::of(&req.policy);
-        let record = Record::in_progress(fp, req.creator.clone(), req.owner, io.now_ms(), &lifetimes);
-        let transition = Transition::take_over(old.owner, req.owner, record, free, &lifetimes);
         let now = io.now_ms();
         let sent = io.send(&req, StoreOp::TakeOver { transition, fence: fence.as_ref() });
         match sent {

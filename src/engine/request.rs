@@ -74,6 +74,9 @@ pub enum Step {
     MarkUnknown { old_owner: OwnerToken, creator: Creator, release: Option<Handle> },
     /// Replace the store's record (stale lock, or free) in one more round trip.
     TakeOver { handle: Option<Handle>, fp: Fingerprint, old: Box<StoredValue>, free: bool },
+    /// The next round of an MCP call awaiting input (`record::Round::Next`): replace the
+    /// awaiting value `old` with a claim of our own (`Transition::continue_round`), then forward.
+    Continue { handle: Option<Handle>, fp: Fingerprint, old: Box<StoredValue> },
     /// The key holds a record that cannot be read: nothing was claimed; answer `problem`.
     Unreadable { why: ValueError, problem: ProblemKind, release: Option<Handle> },
     /// The local outcome-unknown stands (the store holds no record that settles it).
@@ -173,6 +176,8 @@ pub struct Sent {
     pub handle: Option<Handle>,
     pub fp: Fingerprint,
     pub sent_at_ms: u64,
+    /// An MCP call's round (`mcp::Call::round`): what an awaiting record answers it.
+    pub round: Option<[u8; 32]>,
 }
 
 /// The store claimed the key for us: forward, unless the answer came so late that the claim's
@@ -224,6 +229,17 @@ pub fn after_claim(
     let step = match decide(Lookup::Found(value.summary(expires_at)), Some(&fp), store_now, policy, on_unavailable) {
         // A completed record never changes: keep a copy so the next replay needs no store call,
         // ending with the store's key by this proxy's clock.
+        // The next round of a call awaiting input continues it, owner-checked (one of two
+        // rounds that read the same awaiting value does: the other is refused, in flight);
+        // never past the record's own expiry (its tombstone: `key-expired`, as a replay).
+        Decision::Replay
+            if value.record.round(sent.round.as_ref()) == crate::record::Round::Next
+                && !value
+                    .record_on_clock(store_now, expires_at, now_ms)
+                    .is_tombstone_for(policy.tombstone_seconds, now_ms) =>
+        {
+            Step::Continue { handle, fp, old: Box::new(value) }
+        }
         Decision::Replay => {
             Step::Replay { record: value.record_on_clock(store_now, expires_at, now_ms), cache: handle }
         }
@@ -576,6 +592,8 @@ pub struct McpCall {
     pub derived: bool,
     /// The digest of the fingerprint's body material: tool name and canonical arguments.
     pub digest: [u8; 32],
+    /// Which round of its call (`mcp::Call::round`), outside the fingerprint.
+    pub round: [u8; 32],
 }
 
 /// What an MCP POST's whole body decides.
@@ -684,6 +702,7 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
         skey,
         derived,
         digest: call.digest,
+        round: call.round,
     }))
 }
 

@@ -36,6 +36,11 @@ pub struct Claim {
     /// MCP (`protocol: "mcp"`): the JSON-RPC id (JSON text) of the call; what is stored is its
     /// final response (`mcp::stored_response`).
     pub mcp_id: Option<Vec<u8>>,
+    /// MCP: which round of its call the claim's request is (`mcp::Call::round`): an answer
+    /// asking for input is kept as this round's (`record::State::AwaitingInput`).
+    pub mcp_round: Option<[u8; 32]>,
+    /// MCP: the awaiting record this round continued (`Protected::mcp_continued`).
+    pub mcp_continued: Option<Box<Record>>,
 }
 
 /// The outcome slug of a forwarded exchange that met a broken invariant (its claim kept).
@@ -182,25 +187,68 @@ pub fn start<'a>(
     let mut out = vec![];
     let to_store = claim.in_store && has_store;
     let lifetimes = Lifetimes::of(policy);
+    let mut awaiting = None;
     let (outcome, response) = match claim.mcp_id.as_deref() {
         Some(id) => {
-            // A round that asks for input is released only where the route says so, and never
-            // on a redirect's target (its first hop executed: `redirect::after_first_hop`).
-            let release_input_required = !redirected
-                && policy.mcp.as_ref().is_some_and(|m| m.input_required == crate::config::InputRequired::Release);
-            let (o, r, why) = mcp_outcome(outcome, response, too_large, id, release_input_required);
+            // A round that asks for input is released or awaits only where the route says so,
+            // and never on a redirect's target (its first hop executed:
+            // `redirect::after_first_hop`): kept there as the call's answer.
+            let input_required = match policy.mcp.as_ref().map(|m| m.input_required) {
+                _ if redirected => crate::config::InputRequired::Keep,
+                Some(i) => i,
+                None => crate::config::InputRequired::Keep,
+            };
+            let release_input_required = input_required == crate::config::InputRequired::Release;
+            let (o, r, why, asks) = mcp_outcome(outcome, response, too_large, id, release_input_required);
             if let Some((name, why)) = why {
                 out.push(Command::Log(Level::Info, Line::Outcome { outcome: name, log, detail, tail: Tail::Why(why) }));
+            }
+            // A stored answer asking for input, on a route that awaits: the call's awaiting
+            // record for this round (`record::State::AwaitingInput`), not its final answer.
+            if o == Outcome::Store && asks && input_required == crate::config::InputRequired::Await {
+                awaiting = claim.mcp_round;
+                if let Some(round) = awaiting {
+                    let why = format!("round={}", crate::hex::encode(&round[..6]));
+                    out.push(Command::Log(
+                        Level::Info,
+                        Line::Outcome { outcome: "mcp_awaiting_input", log, detail, tail: Tail::Why(why) },
+                    ));
+                }
             }
             (o, r)
         }
         None => (outcome, response),
     };
+    // A released next round (it never ran) leaves its call awaiting as it was: the awaiting
+    // record it continued is completed again, never a free key (a re-sent earlier round would
+    // then run again).
+    let (outcome, restored) = match (outcome, claim.mcp_continued.as_deref()) {
+        (Outcome::Release, Some(awaited)) => {
+            let why = Tail::Why("released".into());
+            out.push(Command::Log(
+                Level::Info,
+                Line::Outcome { outcome: "mcp_awaiting_input_again", log, detail, tail: why },
+            ));
+            (Outcome::Store, Some(awaited.clone()))
+        }
+        (o, _) => (o, None),
+    };
     let next = match outcome {
         Outcome::Store => {
             let response = response.unwrap_or(StoredResponse { status: 0, headers: vec![], body: vec![] });
-            let record =
+            let mut record =
                 Record::completed(claim.fp, response, too_large, claim.creator.clone(), now_ms, policy.ttl_seconds);
+            // (A call that asked more often than an awaiting record lists is kept as answered.)
+            let earlier = claim.mcp_continued.as_ref().map(|r| r.rounds_run()).unwrap_or_default();
+            if let (Some(round), crate::record::State::Completed(r)) = (awaiting, &record.state) {
+                if earlier.len() < crate::record::MAX_EARLIER_ROUNDS {
+                    let awaiting = crate::record::Awaiting { round, earlier, response: r.clone() };
+                    record.state = crate::record::State::AwaitingInput(Box::new(awaiting));
+                }
+            }
+            if let Some(awaited) = restored {
+                record = awaited;
+            }
             if to_store {
                 let gone = Record::unknown(
                     claim.fp,
@@ -262,7 +310,7 @@ fn mcp_outcome(
     too_large: bool,
     id: &[u8],
     release_input_required: bool,
-) -> (Outcome, Option<StoredResponse>, Option<(&'static str, String)>) {
+) -> (Outcome, Option<StoredResponse>, Option<(&'static str, String)>, bool) {
     use crate::mcp::Answer;
     let answer = match &response {
         None => Answer::None,
@@ -270,16 +318,18 @@ fn mcp_outcome(
         Some(r) => crate::mcp::answer_of(r, id),
     };
     let unknown = UnknownReason::Other;
-    match (outcome, answer, response) {
+    let (o, r, why) = match (outcome, answer, response) {
         // A round that asks for input (2026-07-28) is not the call's end: where the route
-        // releases it, the round that answers it claims the key (`mcp::input_required`).
-        (o, Answer::Final(body), Some(r)) if release_input_required && crate::mcp::input_required(&body) => {
-            (Outcome::Release, Some(r), Some(("mcp_input_required", format!("{o:?}"))))
-        }
+        // releases it, the round that answers it claims the key (`mcp::input_required`); where
+        // it awaits, it is stored as the call's awaiting record (the last value: it asks).
         (o, Answer::Final(body), Some(r)) => {
+            let asks = crate::mcp::input_required(&body);
+            if release_input_required && asks {
+                return (Outcome::Release, Some(r), Some(("mcp_input_required", format!("{o:?}"))), false);
+            }
             let stored = crate::mcp::final_response(r, body);
             let why = (o != Outcome::Store).then(|| ("mcp_final_response_received", format!("{o:?}")));
-            (Outcome::Store, Some(stored), why)
+            return (Outcome::Store, Some(stored), why, asks);
         }
         (Outcome::Store, _, Some(r)) if too_large => (Outcome::Store, Some(r), None),
         // The answer read above decides what is kept (not read again).
@@ -302,7 +352,8 @@ fn mcp_outcome(
             (Outcome::Unknown(unknown), None, Some(("mcp_answered_not_released", format!("{answer:?}"))))
         }
         (o, _, r) => (o, r, None),
-    }
+    };
+    (o, r, why, false)
 }
 
 impl<'a> Settlement<'a> {

@@ -653,6 +653,8 @@ impl World {
             owner: q.owner,
             derive_at_body: a.from == KeyFrom::DerivedAtBody,
             mcp: None,
+            mcp_round: None,
+            mcp_continued: None,
             body: vec![],
         };
         self.drive(r, |m, io| m.protect(io, req, false));

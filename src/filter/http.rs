@@ -763,8 +763,20 @@ impl HttpContext for Http {
         let derive_at_body = from == KeyFrom::DerivedAtBody;
         let owner = self.shared.next_owner();
         let creator = request::creator_of(&policy, &head);
-        let req =
-            Protected { route, policy, head, skey, scope, creator, owner, derive_at_body, mcp: None, body: vec![] };
+        let req = Protected {
+            route,
+            policy,
+            head,
+            skey,
+            scope,
+            creator,
+            owner,
+            derive_at_body,
+            mcp: None,
+            mcp_round: None,
+            mcp_continued: None,
+            body: vec![],
+        };
         if from == KeyFrom::Derived {
             debug!("{}", log_line(Some(&req), "derived_key", "key_source=derived"));
         }

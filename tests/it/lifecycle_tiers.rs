@@ -557,3 +557,87 @@ fn both_tiers_follow_the_same_lifecycle_for_random_event_sequences() {
         assert!(seen(what), "no sequence covered {what}: {:#?}", transitions.keys().collect::<Vec<_>>());
     }
 }
+
+/// Issue 40: two proxies race on an MCP call's awaiting record (a round answered
+/// `input_required`: `State::AwaitingInput`, a completed stage), each with a copy of the call's
+/// next round: both read the awaiting value and decide to continue it (`Record::round`: `Next`),
+/// then each sends its continuation (`Transition::continue_round`, as the filter sends it after
+/// `request::after_claim`'s `Step::Continue`). Exactly one lands in each tier (Redis's script
+/// checks the owner and phase read; etcd compares the revision read); the key is then that
+/// round's claim in flight, which a re-sent asking round and the losing copy meet as such. In
+/// the local tier (`local::Table::continue_round`, one bucket CAS) the second finds the claim.
+#[test]
+fn two_copies_of_a_next_round_continue_an_awaiting_call_once_in_every_tier() {
+    use idemgate::record::{Awaiting, Round, State};
+    let p = policy(StaleLock::Reject);
+    let lifetimes = Lifetimes::of(&p);
+    let asked = [1u8; 32];
+    let next = [2u8; 32];
+    let awaiting = |now: u64| Record {
+        state: State::AwaitingInput(Box::new(Awaiting { round: asked, earlier: vec![], response: response() })),
+        ..Record::completed(FP, response(), false, creator(1), now, p.ttl_seconds)
+    };
+    let continuation = |o: u8, from: &StoredValue, now: u64| {
+        assert_eq!(from.record.round(Some(&next)), Round::Next, "the next round continues");
+        assert_eq!(from.record.round(Some(&asked)), Round::Asked, "the asking round is replayed");
+        let record = Record::in_progress(FP, creator(o), owner(o), now, &lifetimes);
+        Transition::continue_round(from.owner, owner(o), record, &lifetimes)
+    };
+
+    // Redis: the real script, as webdis runs it.
+    let redis = Redis::start();
+    let s = StoreTier { redis: &redis };
+    assert_eq!(s.apply(Ev::Claim(1), &p), Answer::Claimed);
+    assert_eq!(s.owner_write(Transition::complete(owner(1), awaiting(0), &lifetimes)), Answer::Accepted);
+    let read = || {
+        let v = redis.get_raw(s.redis_key()).expect("the awaiting value");
+        StoredValue::open(&v, &KEY, &support::record_seal()).expect("value decodes")
+    };
+    let (seen2, seen3) = (read(), read());
+    assert_eq!(seen2.phase, Stage::Completed);
+    assert!(s.transition(continuation(2, &seen2, 0)), "the first continuation lands");
+    assert!(!s.transition(continuation(3, &seen3, 0)), "Redis: the second copy continued the call again");
+    assert_eq!(s.state(), (Stage::Forwarded, Some(owner(2))));
+    assert_eq!(s.apply(Ev::Claim(4), &p), Answer::Refused("InFlight { retry_after_seconds: 1 }".into()));
+
+    // etcd: three members, each continuation fenced by the value its claim-or-read found.
+    let cluster = EtcdCluster::start();
+    let e = EtcdTier::new(&cluster);
+    assert_eq!(e.apply(Ev::Claim(1), &p), Answer::Claimed);
+    let now = e.now.get();
+    assert_eq!(
+        EtcdTier::changed(e.transition(&Transition::complete(owner(1), awaiting(now), &lifetimes), None, None)),
+        Answer::Accepted
+    );
+    let seal = support::record_seal();
+    let read = |o: u8| {
+        let record = Record::in_progress(FP, creator(o), owner(o), now, &lifetimes);
+        let r = etcd::claim_request(&KEY, &owner(o), &record, &lifetimes, &seal, e.lease, now);
+        let (status, body) = e.send(&r);
+        match etcd::parse_claim_reply(status, &body, &owner(o), &KEY, &seal, now).expect("claim answer parses") {
+            (ClaimReply::Exists { value, .. }, Some(fence)) => (value, fence),
+            other => panic!("etcd claim-or-read answered {other:?}"),
+        }
+    };
+    let ((seen2, fence2), (seen3, fence3)) = (read(2), read(3));
+    let first = e.transition(&continuation(2, &seen2, now), Some(&fence2), Some(&owner(2)));
+    assert_eq!(first, TransitionReply::Changed, "the first continuation lands");
+    let second = e.transition(&continuation(3, &seen3, now), Some(&fence3), Some(&owner(3)));
+    assert_eq!(second, TransitionReply::Refused, "etcd: the second copy continued the call again");
+    assert_eq!(e.state(), (Stage::Forwarded, Some(owner(2))));
+
+    // The local tier: one CAS of the bucket.
+    let mut l = Local::new();
+    assert_eq!(l.apply(Ev::Claim(1), &p), Answer::Claimed);
+    let h = l.handle(1);
+    let now = l.now;
+    assert!(matches!(l.table.complete(&mut l.sd, &h, awaiting(now), now).unwrap(), Completed::Stored));
+    let cont = |l: &mut Local, o: u8, round: &[u8; 32]| {
+        let now = l.now;
+        l.table.continue_round(&mut l.sd, KEY, FP, round, now, &p, owner(o), &creator(o)).unwrap()
+    };
+    assert!(cont(&mut l, 4, &asked).is_none(), "the asking round never continues the call");
+    assert!(cont(&mut l, 2, &next).is_some(), "the first continuation lands");
+    assert!(cont(&mut l, 3, &next).is_none(), "local: the second copy continued the call again");
+    assert_eq!(l.state(), (Stage::Forwarded, Some(owner(2))));
+}

@@ -591,24 +591,26 @@ fn a_tool_that_raises_after_it_charged_executes_once() {
 
 /// Issue 40: a tool that asks for confirmation first (`Resolve(Elicit)`: at 2026-07-28 an
 /// `InputRequiredResult`, `resultType: "input_required"`) is one call over several rounds: the
-/// SDK's driver re-sends it with `inputResponses` and `requestState` under the same key. On a route
-/// with `mcp.input_required: "release"` each round is answered as it would be: the driver finishes
-/// with one execution, and a later call with the key (a new client, the driver again) gets the
-/// same final result, still one execution. (Before: round 1's answer was stored as the call's
-/// completion and replayed to every later round, so the tool never ran: the driver gave up after
-/// 10 rounds with `InputRequiredRoundsExceededError`.) By default the round is still kept, since
-/// a tool may act before it asks: the driver gives up loudly and nothing runs. Python only: the
-/// TypeScript SDK at 1.32.2 does not speak 2026-07-28.
+/// SDK's driver re-sends it with `inputResponses` and `requestState` under the same key. By
+/// default (`mcp.input_required` "await": the round's question kept as the call's awaiting
+/// record) each round is answered as it would be: the driver finishes with one execution, and a
+/// later call with the key (a new client, the driver again) gets the same final result, still
+/// one execution; another call under the key is refused. (Before the awaiting record, the
+/// default stored round 1's answer as the call's completion and replayed it to every later
+/// round, so the tool never ran: the driver gave up after 10 rounds with
+/// `InputRequiredRoundsExceededError`, as "keep" still does.) `"release"` finishes too, for
+/// routes that set it. Python only: the TypeScript SDK at 1.32.2 does not speak 2026-07-28.
 #[test]
 fn a_tool_that_asks_first_runs_once_through_the_sdks_driver() {
     let tools = r#"["charge", "confirm_charge"]"#;
-    let release = mcp_route()
-        .replace(r#"["charge"]"#, tools)
-        .replace(r#""key_arguments":"#, r#""input_required": "release", "key_arguments":"#);
+    let awaits = mcp_route().replace(r#"["charge"]"#, tools);
+    assert!(!awaits.contains("input_required"), "the default: {awaits}");
+    let release = awaits.replace(r#""key_arguments":"#, r#""input_required": "release", "key_arguments":"#);
     assert!(release.contains(r#""input_required": "release""#), "{release}");
-    for answers in ANSWERS {
+    let runs = [(ANSWERS[0], &awaits), (ANSWERS[1], &awaits), (ANSWERS[0], &release)];
+    for (answers, route) in runs {
         let server = McpServer::start(answers, false);
-        let envoy = Envoy::start(&options(&plugin_with_route("", &release), &server));
+        let envoy = Envoy::start(&options(&plugin_with_route("", route), &server));
         let mut executions = 0;
         for via in ["header", "meta"] {
             let key = format!("mcp-asks-first-{answers:?}-{via}");
@@ -626,8 +628,8 @@ fn a_tool_that_asks_first_runs_once_through_the_sdks_driver() {
         }
         envoy.assert_no_wasm_panic();
     }
-    // The default keeps the first round: the driver raises, the tool never runs.
-    let keep = mcp_route().replace(r#"["charge"]"#, tools);
+    // "keep" keeps the first round as the call's answer: the driver raises, the tool never runs.
+    let keep = awaits.replace(r#""key_arguments":"#, r#""input_required": "keep", "key_arguments":"#);
     let server = McpServer::start(ANSWERS[0], false);
     let envoy = Envoy::start(&options(&plugin_with_route("", &keep), &server));
     let c = Call { tool: "confirm_charge", steps: "same:60", ..Call::new("mcp-asks-first-kept", "header") };

@@ -720,3 +720,74 @@ fn the_release_image_holds_the_module_under_its_version() {
     assert_eq!(layer.keys().collect::<Vec<_>>(), vec!["plugin.wasm"]);
     assert!(layer["plugin.wasm"] == std::fs::read(&module).expect("module"), "plugin.wasm is the module");
 }
+
+/// Issue 40: this release keeps an MCP call that asked for input (a round answered
+/// `input_required`) as an awaiting record (record tag 6, `State::AwaitingInput`), which the
+/// previous release cannot decode. What the previous release does when it meets one, in a fleet
+/// sharing one Redis: it refuses every request under the key (`record-unreadable`, retryable), a
+/// re-sent first round, the next round and another call alike: it never runs the call again and
+/// never hands the question out as anyone's answer. The next round through this release then
+/// finishes the call (one more run), and its final result (a record of the previous format) is
+/// replayed by the previous release too.
+#[test]
+fn an_mcp_call_awaiting_input_is_refused_never_run_by_the_previous_release() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let port = webdis.port;
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 10000},
+        "routes": [{"prefix": "/mcp", "protocol": "mcp", "mcp": {"tools": ["confirm"]}}]}"#;
+    let fleet = Fleet::start(plugin, |o| o.store_port = Some(port), false);
+    let asks = r#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{"message":"sure?","requestedSchema":{"type":"object","properties":{}}}}},"requestState":"s1"}}"#;
+    let done = r#"{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"confirmed"}]}}"#;
+    let round2 = r#","inputResponses":{"q":{"action":"accept","content":{}}},"requestState":"s1""#;
+    let body = |amount: u32, extra: &str| {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"confirm","arguments":{{"amount":{amount}}}{extra}}}}}"#
+        )
+    };
+    let send = |e: &Envoy, body: &str, answer: &str| {
+        let h = [
+            ("content-type", "application/json"),
+            ("accept", "application/json, text/event-stream"),
+            ("authorization", TOKEN),
+            ("idempotency-key", "k-mcp-awaiting"),
+            ("x-up-status", "200"),
+            ("x-up-header", "content-type: application/json"),
+            ("x-up-body", answer),
+        ];
+        http::request(e.port, "POST", "/mcp", &h, body.as_bytes()).expect("request")
+    };
+    // The proxy that answered a round writes its record after the answer (its write queue): a
+    // request on the other proxy before that lands is in flight (-32001), never run. Sent again
+    // until it is not, bounded by count.
+    let settled = |e: &Envoy, body: &str, answer: &str| {
+        for _ in 0..100 {
+            let r = send(e, body, answer);
+            if !r.body_text().contains("-32001") {
+                return r;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("still in flight after 100 tries")
+    };
+    let r = send(&fleet.new, &body(5, ""), asks);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    assert!(r.body_text().contains("input_required"), "{}", r.body_text());
+    assert_eq!(fleet.up.executions(), 1);
+    for (what, b) in
+        [("the first round again", body(5, "")), ("the next round", body(5, round2)), ("another call", body(6, ""))]
+    {
+        let r = settled(&fleet.old, &b, done);
+        let text = r.body_text();
+        eprintln!("{} meets the awaiting record with {what}: {} {text}", fleet.previous.version, r.status);
+        assert_eq!(fleet.up.executions(), 1, "{what}: the previous release ran it: {text}");
+        assert!(!text.contains("input_required") && !text.contains("confirmed"), "{what}: answered {text}");
+        assert!(text.contains("record-unreadable") || text.contains("unreadable"), "{what}: {} {text}", r.status);
+    }
+    let r = send(&fleet.new, &body(5, round2), done);
+    assert!(r.body_text().contains("confirmed"), "{}", r.body_text());
+    assert_eq!(fleet.up.executions(), 2, "the next round ran once");
+    let r = settled(&fleet.old, &body(5, ""), asks);
+    assert!(r.body_text().contains("confirmed"), "the previous release replays the final result: {}", r.body_text());
+    assert_eq!(fleet.up.executions(), 2);
+}

@@ -30,6 +30,8 @@ fn forward(n: u8, hop: Hop) -> Forward {
             creator: Creator { request_id: format!("r{n}"), log_values: vec![] },
             log: format!("key=k{n}"),
             mcp_id: None,
+            mcp_round: None,
+            mcp_continued: None,
         },
         request_id: format!("r{n}"),
         sent_at_ms: 0,

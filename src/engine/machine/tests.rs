@@ -18,9 +18,17 @@ const NOW: u64 = 1_000_000;
 enum Did {
     Count(Count),
     Reply(&'static str),
-    McpReply { id: Vec<u8>, batch: Vec<Vec<u8>> },
-    HandOver { url: String, skey: StorageKey },
+    McpReply {
+        id: Vec<u8>,
+        batch: Vec<Vec<u8>>,
+    },
+    HandOver {
+        url: String,
+        skey: StorageKey,
+    },
     Publish(&'static str),
+    /// A replay, with the stored body it replays.
+    Replayed(Vec<u8>),
     Other,
 }
 
@@ -111,6 +119,10 @@ impl Effects for Host {
                 Did::HandOver { url, skey }
             }
             Command::Publish { outcome, .. } => Did::Publish(outcome),
+            Command::Replay { record, .. } => match record.state {
+                crate::record::State::Completed(r) => Did::Replayed(r.body),
+                _ => Did::Other,
+            },
             _ => Did::Other,
         };
         self.did.push(d);
@@ -197,6 +209,8 @@ fn protect(config: &Config, host: &mut Host, key: &str) -> (Machine<u32>, Storag
         owner: OwnerToken([1; 16]),
         derive_at_body: false,
         mcp: None,
+        mcp_round: None,
+        mcp_continued: None,
         body: vec![],
     };
     let mut m = Machine::new(None, true);
@@ -772,4 +786,206 @@ fn a_redirect_target_asking_for_input_never_releases_the_continued_claim() {
         Some(KeyPhase::Completed),
         "settled {slug}: a redirect's target released its claim"
     );
+}
+
+/// Round `round` of an MCP call of `charge` under key `key`: `extra` holds its round's members
+/// (`"inputResponses":...,"requestState":...`), empty for a first round.
+fn round_call(id: u32, key: &str, amount: u32, extra: &str) -> Vec<u8> {
+    let sep = if extra.is_empty() { "" } else { "," };
+    format!(
+        r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"charge","arguments":{{"idempotency_key":"{key}","amount":{amount}}}{sep}{extra}}}}}"#
+    )
+    .into_bytes()
+}
+
+/// What one request of a multi-round call met: forwarded (its machine, to settle), replayed
+/// (the body), or refused (the problem's slug).
+enum Met {
+    Forwarded(Box<Machine<u32>>),
+    Replayed(Vec<u8>),
+    Refused(&'static str),
+}
+
+fn send_round(c: &Config, host: &mut Host, body: Vec<u8>) -> Met {
+    host.did.clear();
+    let (mut m, _) = mcp_post(c, host, true);
+    host.body = body;
+    let n = host.body.len();
+    let flow = m.body_chunk(host, n, true);
+    if flow == Flow::Continue && m.forwarded().is_some() {
+        return Met::Forwarded(Box::new(m));
+    }
+    for d in &host.did {
+        match d {
+            Did::Replayed(b) => return Met::Replayed(b.clone()),
+            Did::Reply(slug) => return Met::Refused(slug),
+            _ => {}
+        }
+    }
+    panic!("neither forwarded, replayed nor refused: {:?}", host.did)
+}
+
+fn answer_round(host: &mut Host, m: &mut Machine<u32>, answer: &[u8]) -> &'static str {
+    let headers = [(":status", "200"), ("content-type", "application/json")];
+    m.response_headers(headers.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect(), false);
+    m.response_body(answer, true);
+    m.settle(host, Ended { outcome: Outcome::Store, detail: String::new() })
+}
+
+/// Issue 40: a multi-round MCP call (2026-07-28) is one call under its key. By default
+/// (`mcp.input_required` absent: "await") a round answered `input_required` leaves an awaiting
+/// record: a re-sent round is replayed its question (never run again, even after the next round
+/// started), the next round (other answers) runs once, a copy of it sent while it runs is in
+/// flight, another call under the key is refused, and once the call ends every round is
+/// replayed its final result. Before the awaiting record the default kept the question as the
+/// call's answer: the second round was replayed the question and never ran.
+#[test]
+fn a_multi_round_call_awaits_input_and_runs_each_round_once() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let done = br#"{"jsonrpc":"2.0","id":5,"result":{"content":[{"type":"text","text":"charged"}]}}"#;
+    let round2 = r#""inputResponses":{"q":{"action":"accept","content":{"ok":true}}},"requestState":"s1""#;
+    let mut runs = 0;
+    // Round 1 runs and asks.
+    let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-rounds", 10, "")) else {
+        panic!("round 1 is forwarded")
+    };
+    runs += 1;
+    assert_eq!(answer_round(&mut host, &mut r1, asks), "stored");
+    // Round 1 sent again: its question, not a run.
+    match send_round(&c, &mut host, round_call(5, "k-rounds", 10, "")) {
+        Met::Replayed(b) => assert!(String::from_utf8_lossy(&b).contains("input_required"), "{b:?}"),
+        Met::Forwarded(_) => panic!("a re-sent round 1 ran the tool again"),
+        Met::Refused(s) => panic!("a re-sent round 1 refused {s}"),
+    }
+    // Another call under the key while the call awaits: refused.
+    match send_round(&c, &mut host, round_call(6, "k-rounds", 99, "")) {
+        Met::Refused(s) => assert_eq!(s, "key-reused"),
+        Met::Forwarded(_) => panic!("another call under an awaiting key ran"),
+        Met::Replayed(b) => panic!("another call under the key got the question: {b:?}"),
+    }
+    // Round 2 runs once.
+    let mut r2 = match send_round(&c, &mut host, round_call(5, "k-rounds", 10, round2)) {
+        Met::Forwarded(m) => m,
+        Met::Replayed(b) => panic!("round 2 was replayed round 1's question: {}", String::from_utf8_lossy(&b)),
+        Met::Refused(s) => panic!("round 2 refused {s}"),
+    };
+    runs += 1;
+    // While round 2 runs: a copy of it is in flight, and so is a re-sent round 1.
+    for body in [round_call(5, "k-rounds", 10, round2), round_call(5, "k-rounds", 10, "")] {
+        match send_round(&c, &mut host, body) {
+            Met::Refused(s) => assert_eq!(s, "request-in-flight"),
+            Met::Forwarded(_) => panic!("a round ran beside the running round 2"),
+            Met::Replayed(b) => panic!("replayed while round 2 runs: {b:?}"),
+        }
+    }
+    assert_eq!(answer_round(&mut host, &mut r2, done), "stored");
+    // The call ended: every round, the first included, is replayed its final result.
+    for body in [round_call(5, "k-rounds", 10, round2), round_call(5, "k-rounds", 10, "")] {
+        match send_round(&c, &mut host, body) {
+            Met::Replayed(b) => assert!(String::from_utf8_lossy(&b).contains("charged"), "{b:?}"),
+            Met::Forwarded(_) => panic!("a round ran after the call ended"),
+            Met::Refused(s) => panic!("refused {s} after the call ended"),
+        }
+    }
+    assert_eq!(runs, 2, "one run per round");
+}
+
+/// Issue 40, found writing the event sequences down: a call that asks twice (round 2 answered
+/// `input_required` again) awaits round 3; a copy of round 1 sent then (a duplicate client) is no
+/// next round: it is answered the call's current question, never run again (a tool that acts
+/// before it asks would act twice). Round 3 then finishes the call once.
+#[test]
+fn an_earlier_round_sent_after_a_later_one_asked_is_never_run_again() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let asks = |state: &str| {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":5,"result":{{"resultType":"input_required","inputRequests":{{"q":{{"method":"elicitation/create","params":{{}}}}}},"requestState":"{state}"}}}}"#
+        )
+    };
+    let done = br#"{"jsonrpc":"2.0","id":5,"result":{"content":[{"type":"text","text":"charged"}]}}"#;
+    let round = |state: &str, ok: bool| {
+        format!(r#""inputResponses":{{"q":{{"action":"accept","content":{{"ok":{ok}}}}}}},"requestState":"{state}""#)
+    };
+    let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-thrice", 10, "")) else {
+        panic!("round 1 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r1, asks("s1").as_bytes()), "stored");
+    let Met::Forwarded(mut r2) = send_round(&c, &mut host, round_call(5, "k-thrice", 10, &round("s1", false))) else {
+        panic!("round 2 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r2, asks("s2").as_bytes()), "stored");
+    for (what, extra) in [("round 1", String::new()), ("round 2", round("s1", false))] {
+        match send_round(&c, &mut host, round_call(5, "k-thrice", 10, &extra)) {
+            Met::Replayed(b) => assert!(String::from_utf8_lossy(&b).contains("\"s2\""), "{what}: {b:?}"),
+            Met::Forwarded(_) => panic!("{what} sent again after round 2 asked ran again"),
+            Met::Refused(s) => panic!("{what} refused {s}"),
+        }
+    }
+    let Met::Forwarded(mut r3) = send_round(&c, &mut host, round_call(5, "k-thrice", 10, &round("s2", true))) else {
+        panic!("round 3 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r3, done), "stored");
+    match send_round(&c, &mut host, round_call(5, "k-thrice", 10, "")) {
+        Met::Replayed(b) => assert!(String::from_utf8_lossy(&b).contains("charged"), "{b:?}"),
+        _ => panic!("round 1 after the call ended is replayed its final result"),
+    }
+}
+
+/// Issue 40: a next round whose exchange is released (the upstream refused it before running
+/// anything: a status the route releases, no JSON-RPC answer) leaves the call awaiting as it
+/// was, never a free key: a re-sent round 1 is still answered the question, never run again, and
+/// the next round sent again runs.
+#[test]
+fn a_released_next_round_leaves_the_call_awaiting() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let round2 = r#""inputResponses":{"q":{"action":"accept","content":{"ok":true}}},"requestState":"s1""#;
+    let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-released", 10, "")) else {
+        panic!("round 1 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r1, asks), "stored");
+    let Met::Forwarded(mut r2) = send_round(&c, &mut host, round_call(5, "k-released", 10, round2)) else {
+        panic!("round 2 is forwarded")
+    };
+    let headers = [(":status", "503"), ("content-type", "text/plain")];
+    r2.response_headers(headers.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect(), false);
+    r2.response_body(b"busy", true);
+    r2.settle(&mut host, Ended { outcome: Outcome::Release, detail: String::new() });
+    match send_round(&c, &mut host, round_call(5, "k-released", 10, "")) {
+        Met::Replayed(b) => assert!(String::from_utf8_lossy(&b).contains("input_required"), "{b:?}"),
+        Met::Forwarded(_) => panic!("round 1 ran again after round 2 was released"),
+        Met::Refused(s) => panic!("round 1 refused {s}"),
+    }
+    assert!(matches!(send_round(&c, &mut host, round_call(5, "k-released", 10, round2)), Met::Forwarded(_)));
+}
+
+/// Issue 40: a next round whose outcome is unknown (forwarded, then its client went away before
+/// any answer) may have run: the key is outcome-unknown for every round, the first included, as
+/// for a one-round call; nothing runs again.
+#[test]
+fn a_next_round_whose_outcome_is_unknown_runs_nothing_again() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let round2 = r#""inputResponses":{"q":{"action":"accept","content":{"ok":true}}},"requestState":"s1""#;
+    let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-unknown", 10, "")) else {
+        panic!("round 1 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r1, asks), "stored");
+    let Met::Forwarded(mut r2) = send_round(&c, &mut host, round_call(5, "k-unknown", 10, round2)) else {
+        panic!("round 2 is forwarded")
+    };
+    let gone = Outcome::Unknown(crate::record::UnknownReason::DownstreamGone);
+    assert_eq!(r2.settle(&mut host, Ended { outcome: gone, detail: String::new() }), "marked-unknown");
+    for body in [round_call(5, "k-unknown", 10, ""), round_call(5, "k-unknown", 10, round2)] {
+        match send_round(&c, &mut host, body) {
+            Met::Refused(s) => assert_eq!(s, "outcome-unknown"),
+            Met::Forwarded(_) => panic!("a round ran again after round 2's outcome was lost"),
+            Met::Replayed(b) => panic!("replayed {b:?} after round 2's outcome was lost"),
+        }
+    }
 }

@@ -58,7 +58,7 @@ fn exists(v: StoredValue) -> Result<ClaimReply, StoreError> {
 }
 
 fn sent(handle: Option<Handle>, n: u8) -> Sent {
-    Sent { handle, fp: fp(n), sent_at_ms: LOCAL - 20 }
+    Sent { handle, fp: fp(n), sent_at_ms: LOCAL - 20, round: None }
 }
 
 #[test]
@@ -223,7 +223,7 @@ fn a_claim_answer_later_than_the_lock_is_not_used_even_though_the_store_claimed_
     let h = handle();
     let lock_ms = 60_000;
     let claimed = || Ok(ClaimReply::Claimed { now_ms: STORE_NOW });
-    let s = Sent { handle: Some(h), fp: fp(1), sent_at_ms: LOCAL };
+    let s = Sent { handle: Some(h), fp: fp(1), sent_at_ms: LOCAL, round: None };
     // One ms short of the lock: still in time.
     let in_time = after_claim(claimed(), &s, &policy(), OnUnavailable::Reject, LOCAL + lock_ms - 1);
     assert_eq!(
@@ -314,4 +314,31 @@ fn a_retry_meeting_the_local_tier_replays_or_is_in_flight_without_asking_the_sto
         Step::WaitForBody { seen: None }
     );
     assert_eq!(after_local(Err(LocalError::Corrupt), None, REJECT, LOCAL), Step::LocalFailed(LocalError::Corrupt));
+}
+
+/// Issue 40: a claim-or-read that finds an MCP call's awaiting value answers the round that asked
+/// (or an earlier one) with a replay of it (its question, once the machine turns it), and the
+/// next round with a continuation of that value, owner-checked; never past the record's own
+/// expiry (its tombstone: a replay, answered `key-expired`), and never for a request that is no
+/// round.
+#[test]
+fn an_awaiting_value_is_replayed_to_its_round_and_continued_by_the_next() {
+    let h = handle();
+    let mut awaiting = value(Stage::Completed, 0);
+    let question = StoredResponse { status: 200, headers: vec![], body: b"{\"q\":1}".to_vec() };
+    let a = crate::record::Awaiting { round: [1; 32], earlier: vec![[0; 32]], response: question };
+    awaiting.record.state = State::AwaitingInput(Box::new(a));
+    let round = |r: Option<[u8; 32]>| Sent { round: r, ..sent(Some(h), 1) };
+    let p = Policy { tombstone_seconds: 60, ..policy() };
+    for asked in [Some([1; 32]), Some([0; 32]), None] {
+        let step = after_claim(exists(awaiting.clone()), &round(asked), &p, OnUnavailable::Reject, LOCAL);
+        assert!(matches!(step, Answered::Next(Step::Replay { .. })), "{asked:?}: {step:?}");
+    }
+    let step = after_claim(exists(awaiting.clone()), &round(Some([2; 32])), &p, OnUnavailable::Reject, LOCAL);
+    assert_eq!(step, Answered::Next(Step::Continue { handle: Some(h), fp: fp(1), old: Box::new(awaiting.clone()) }));
+    // The record's own expiry is by its writer's clock, a proxy's (`StoredValue::record_on_clock`).
+    let mut expired = awaiting;
+    expired.record.expires_at_ms = LOCAL - 1;
+    let step = after_claim(exists(expired), &round(Some([2; 32])), &p, OnUnavailable::Reject, LOCAL);
+    assert!(matches!(step, Answered::Next(Step::Replay { .. })), "a tombstone is no call to continue: {step:?}");
 }

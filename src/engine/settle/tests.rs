@@ -24,6 +24,8 @@ fn claim(in_store: bool) -> Claim {
         creator: Creator { request_id: "first".into(), log_values: vec![] },
         log: "key=k".into(),
         mcp_id: None,
+        mcp_round: None,
+        mcp_continued: None,
     }
 }
 
@@ -260,6 +262,7 @@ fn mcp_settle_as(
 ) -> (Vec<Command<'static>>, &'static str) {
     let mut c = claim(true);
     c.mcp_id = Some(b"7".to_vec());
+    c.mcp_round = Some([4; 32]);
     let c: &'static Claim = Box::leak(Box::new(c));
     let policy = Policy { mcp: Some(McpPolicy { input_required, ..McpPolicy::default() }), ..Policy::default() };
     let (m, mut cmds) = start(c, Some(&policy), true, redirected, outcome, r, too_large, "d=1", NOW);
@@ -464,4 +467,55 @@ fn mcp_a_released_500_server_error_after_dispatch_is_outcome_unknown() {
     let refused = br#"{"jsonrpc":"2.0","id":"server-error","error":{"code":-32600,"message":"Bad Request: No valid session ID provided"}}"#;
     let slug = mcp_settle(Outcome::Release, Some(mcp_response(400, "application/json", refused)), false).1;
     assert_eq!(slug, "released", "a 1.x refusal before dispatch");
+}
+
+/// Issue 40: by default (`mcp.input_required` "await") a round that asks for input is stored as
+/// the call's awaiting record for the round that asked (the claim's `mcp_round`), in the local
+/// tier and in the store alike, whatever the exchange did after the answer; "keep" and a
+/// redirect's target store it as the call's answer; a question too large to keep is the call's
+/// answer without its body (loud, never run again). Before the awaiting record the default kept
+/// it as the call's answer (`State::Completed`).
+#[test]
+fn mcp_a_round_that_asks_for_input_is_an_awaiting_record_by_default() {
+    let asks = br#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let kept = |input_required, redirected, outcome, too_large| {
+        let r = Some(mcp_response(200, "application/json", asks));
+        let (cmds, slug) = mcp_settle_as(input_required, redirected, outcome, r, too_large);
+        assert_eq!(slug, "stored");
+        let local = cmds.iter().find_map(|c| match c {
+            Command::Local(Local::Complete(_, r)) => Some(r.state.clone()),
+            _ => None,
+        });
+        let store = cmds.iter().find_map(|c| match c {
+            Command::Write { what: "complete", transition, .. } => transition.record.as_ref().map(|r| r.state.clone()),
+            _ => None,
+        });
+        assert_eq!(local, store, "both tiers keep the same record");
+        local
+    };
+    for outcome in [Outcome::Store, Outcome::Unknown(UnknownReason::DownstreamGone)] {
+        let state = kept(InputRequired::default(), false, outcome, false);
+        assert!(
+            matches!(&state, Some(State::AwaitingInput(a)) if a.round == [4; 32] && a.earlier.is_empty() && a.response.body == asks),
+            "{outcome:?}: {state:?}"
+        );
+    }
+    for (how, redirected) in [(InputRequired::Keep, false), (InputRequired::Await, true)] {
+        let state = kept(how, redirected, Outcome::Store, false);
+        assert!(matches!(state, Some(State::Completed(_))), "{how:?} {redirected}: {state:?}");
+    }
+    let state = kept(InputRequired::Await, false, Outcome::Store, true);
+    assert!(matches!(state, Some(State::CompletedTooLarge { .. })), "{state:?}");
+    // A final result is the call's answer, whatever the route.
+    let done = br#"{"jsonrpc":"2.0","id":7,"result":{"content":[]}}"#;
+    let (cmds, _) = mcp_settle_as(
+        InputRequired::Await,
+        false,
+        Outcome::Store,
+        Some(mcp_response(200, "application/json", done)),
+        false,
+    );
+    assert!(cmds
+        .iter()
+        .any(|c| matches!(c, Command::Local(Local::Complete(_, r)) if matches!(r.state, State::Completed(_)))));
 }
