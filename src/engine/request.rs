@@ -465,7 +465,7 @@ pub fn at_headers(
             derive::derive(head, &DeriveKey { include_body: false, ..d.clone() }, &policy.fingerprint, &scope, None)
         }
         Some(d) => {
-            let empty = d.include_body.then(|| fingerprint::body_digest(b"", &policy.fingerprint).1);
+            let empty = d.include_body.then(|| fingerprint::derive_body_digest(b""));
             derive::derive(head, d, &policy.fingerprint, &scope, empty.as_ref())
         }
         None => None,
@@ -547,11 +547,9 @@ pub fn at_body_end(
     let digest = fingerprint::body_digest(body, &policy.fingerprint);
     let mut derived = None;
     if derive_at_body {
-        let Some(key) = policy
-            .derive_key
-            .as_ref()
-            .and_then(|d| derive::derive(head, d, &policy.fingerprint, scope, Some(&digest.1)))
-        else {
+        let Some(key) = policy.derive_key.as_ref().and_then(|d| {
+            derive::derive(head, d, &policy.fingerprint, scope, Some(&fingerprint::derive_body_digest(body)))
+        }) else {
             return AtBodyEnd::Pass;
         };
         head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));

@@ -54,6 +54,14 @@ const CONFIGS: &[(&str, &str, &str, &str)] = &[
         "authorization",
     ),
     ("scope_header", r#"{"scope": {"headers": ["x-caller"]}}"#, "idempotency-key", "x-caller"),
+    // A key derived from the header and the body (`include_body`): two bodies every backend
+    // parses alike must derive one key, or one of them be refused.
+    (
+        "include_body",
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
+        "x-op",
+        "authorization",
+    ),
     // `protocol: mcp` routes (docs/mcp.md): the request is a JSON-RPC `tools/call` (`Req::base`).
     (
         "mcp",
@@ -94,7 +102,7 @@ impl Req {
             method: "POST".into(),
             path: if orders { "/v2/orders/o%C3%A9".into() } else { "/v1/payments".into() },
             query: "a=1&b=2".into(),
-            host: "idemgate.test".into(),
+            host: "xn--bcher-kva.test".into(),
             absolute: false,
             headers: vec![
                 (scope_header.into(), scope.into()),
@@ -249,14 +257,30 @@ const SPELLINGS: &[Spelling] = &[
     ("path", "double %-encoded slash (`%252F`)", |r| {
         r.path = r.path.replacen("1/", "1%252F", 1).replacen("2/o", "2%252Fo", 1)
     }),
+    // Bytes HTTP/1.1's parser refuses in a request target; HTTP/2 carries `:path` as any bytes.
+    ("path", "raw UTF-8 `é` (not %-encoded)", |r| r.path = r.path.replace("%C3%A9", "é")),
+    ("path", "raw space in a segment (`o%C3%A9 `)", |r| {
+        r.path = r.path.replacen("/payments", "/payments ", 1).replacen("%C3%A9", "%C3%A9 ", 1)
+    }),
+    ("path", "raw tab at the end", |r| r.path.push('\t')),
     ("query", "order (`b=2&a=1`)", |r| r.query = "b=2&a=1".into()),
     ("query", "%-encoded name (`%61=1`)", |r| r.query = r.query.replacen("a=", "%61=", 1)),
     ("query", "trailing `&`", |r| r.query.push('&')),
     ("query", "%-encoded value (`b=%32`)", |r| r.query = r.query.replacen("b=2", "b=%32", 1)),
-    ("authority", "case (`IdemGate.TEST`)", |r| r.host = r.host.replace("idemgate.test", "IdemGate.TEST")),
+    ("authority", "case (`Xn--Bcher-Kva.TEST`)", |r| {
+        r.host = r.host.replace("xn--bcher-kva.test", "Xn--Bcher-Kva.TEST")
+    }),
     ("authority", "default port (`:80`)", |r| r.host.push_str(":80")),
-    ("authority", "trailing dot", |r| r.host = r.host.replacen("idemgate.test", "idemgate.test.", 1)),
+    ("authority", "trailing dot", |r| r.host = r.host.replacen(".test", ".test.", 1)),
     ("authority", "absolute-form request line", |r| r.absolute = !r.h2),
+    // The canonical host is an IDNA A-label (`bücher.test`): its U-label, raw UTF-8 (HTTP/1.1's
+    // `host`, HTTP/2's `:authority`), and the A-label in upper case.
+    ("authority", "IDNA: the Unicode form (`bücher.test`)", |r| {
+        r.host = r.host.replacen("xn--bcher-kva.test", "bücher.test", 1)
+    }),
+    ("authority", "IDNA: punycode in upper case (`XN--BCHER-KVA.TEST`)", |r| {
+        r.host = r.host.replacen("xn--bcher-kva.test", "XN--BCHER-KVA.TEST", 1)
+    }),
     ("key", "header name case (`Idempotency-Key`)", |r| {
         let h = header_mut(r, 1);
         h.0 = h.0.split('-').map(|w| format!("{}{}", w[..1].to_uppercase(), &w[1..])).collect::<Vec<_>>().join("-")
@@ -287,6 +311,12 @@ const SPELLINGS: &[Spelling] = &[
             r#"{"currency":"eur","amount":1}"#
         }
         .into()
+    }),
+    ("body", "number `1.0`", |r| r.body = r.body.replacen("\"amount\":1", "\"amount\":1.0", 1)),
+    ("body", "number `1e0`", |r| r.body = r.body.replacen("\"amount\":1", "\"amount\":1e0", 1)),
+    ("body", "string escape (`\\u0065ur`)", |r| r.body = r.body.replacen("\"eur\"", "\"\\u0065ur\"", 1)),
+    ("body", "duplicate member (`\"currency\":\"usd\",\"currency\":\"eur\"`)", |r| {
+        r.body = r.body.replacen("\"currency\":\"eur\"", "\"currency\":\"usd\",\"currency\":\"eur\"", 1)
     }),
     ("protocol", "HTTP/2", |r| {
         r.h2 = true;
@@ -648,7 +678,7 @@ fn table(found: &[(&str, Found)]) -> String {
          writes this file; `make test` fails when what the backends and idemgate do no longer\n\
          matches it. Do not edit by hand. The known limits are in [limitations](limitations.md).\n\n\
          Each spelling is sent beside the canonical request (`POST /v1/payments?a=1&b=2` and\n\
-         `POST /v2/orders/o%C3%A9?a=1&b=2`, host `idemgate.test`, JSON body), through Envoy 1.40 and\n\
+         `POST /v2/orders/o%C3%A9?a=1&b=2`, host `xn--bcher-kva.test` (IDNA for `bücher.test`), JSON body), through Envoy 1.40 and\n\
          idemgate, to each backend of the panel (tests/oracle/). A cell says what happened, for the\n\
          payments route / the orders route when they differ:\n\n\
          - `once (A)`: the backend reads both as one request, and the spelling with the canonical\n\

@@ -395,3 +395,48 @@ fn a_redirected_mcp_call_finds_its_first_streams_key_whatever_its_source() {
         }
     }
 }
+
+#[test]
+fn include_body_derives_one_key_for_bodies_every_json_parser_reads_alike() {
+    // The boundary oracle (issue 41, configuration `include_body`): Flask, Django, FastAPI,
+    // Express, Fastify and Go parse each of these as the canonical body, and each derived another
+    // key from its raw bytes, so the second executed again.
+    let c = config(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
+    );
+    let op = [("x-op", "op-1")];
+    let a = admitted(at_headers(&c, &head("POST", "/v1/payments", &op), None, false));
+    let key = |body: &str| {
+        let mut h = head("POST", "/v1/payments", &op);
+        match at_body_end(&a.policy, &mut h, &a.scope, true, body.as_bytes()) {
+            AtBodyEnd::Fingerprinted { derived: Some(d), .. } => d.key,
+            other => panic!("no key derived for {body}: {other:?}"),
+        }
+    };
+    let canonical = key(r#"{"amount":1,"currency":"eur"}"#);
+    for alike in [
+        r#"{"amount": 1, "currency": "eur"}"#,
+        r#"{"currency":"eur","amount":1}"#,
+        r#"{"amount":1.0,"currency":"eur"}"#,
+        r#"{"amount":1e0,"currency":"eur"}"#,
+        r#"{"amount":10E-1,"currency":"eur"}"#,
+        r#"{"amount":1,"currency":"\u0065ur"}"#,
+        r#"{"amount":1,"currency":"usd","currency":"eur"}"#,
+    ] {
+        assert_eq!(key(alike), canonical, "{alike}");
+    }
+    for apart in [
+        r#"{"amount":2,"currency":"eur"}"#,
+        r#"{"amount":1,"currency":"usd"}"#,
+        r#"{"amount":1,"currency":"eur","currency":"usd"}"#,
+        r#"{"amount":"1","currency":"eur"}"#,
+        r#"{"amount":1,"currency":"eur","note":null}"#,
+        r#"[{"amount":1,"currency":"eur"}]"#,
+    ] {
+        assert_ne!(key(apart), canonical, "{apart}");
+    }
+    // -0 and 0 are one number to Python's and JavaScript's parsers alike.
+    assert_eq!(key(r#"{"n":-0}"#), key(r#"{"n":0}"#));
+    // A body that is not JSON derives from its bytes, as before.
+    assert_ne!(key("amount=1&currency=eur"), key("currency=eur&amount=1"));
+}
