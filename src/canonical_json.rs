@@ -28,8 +28,8 @@ pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
 /// The value `body` means to the JSON parsers web frameworks use (Python's `json`, JavaScript's
 /// `JSON.parse`, Go's `encoding/json`), as bytes: whitespace and member order dropped as in
 /// [`canonicalize`], and also every string with its escapes decoded (`"\u0065ur"` is `"eur"`),
-/// every number by its IEEE-754 double (`1`, `1.0`, `1e0` and `10E-1` are `1e0`; `-0` is `0`;
-/// beyond the doubles `inf`), and a member named twice in one object by its last value (what
+/// every number by its exact decimal value (`1`, `1.0`, `1e0` and `10E-1` are `1e0`; `-0` is
+/// `0`), and a member named twice in one object by its last value (what
 /// those parsers keep). Two bodies any of them parses alike have the same form; two bodies with
 /// one form may still differ to a parser that keeps `1` and `1.0` apart (Python), which is why
 /// this form derives keys (`derive_key.include_body`, where the fingerprint, with the spelling,
@@ -69,21 +69,58 @@ fn quote(decoded: &[u8], out: &mut Vec<u8>) {
     out.push(b'"');
 }
 
-/// A JSON number (valid by the grammar) as its double: `0`, `inf`, `-inf` or Rust's shortest
-/// round-tripping exponent form (`1e0`, `1.5e0`).
+/// A JSON number (valid by the grammar) as its exact decimal value: `0`, or an optional `-`, the
+/// significant digits (no leading or trailing zero) and the power of ten (`1`, `1.0`, `1e0` and
+/// `10E-1` are `1e0`; `-0` is `0`). Exact, with no floating point (which would cost the module
+/// some 24 KB): numbers that differ only beyond a double's precision (JavaScript's reading) keep
+/// two forms (docs/limitations.md). An exponent beyond i64 saturates.
 fn number_form(raw: &[u8]) -> Option<Vec<u8>> {
-    let x: f64 = std::str::from_utf8(raw).ok()?.parse().ok()?;
-    Some(if x == 0.0 {
-        b"0".to_vec()
-    } else if x.is_infinite() {
-        if x > 0.0 {
-            b"inf".to_vec()
-        } else {
-            b"-inf".to_vec()
+    let (negative, rest) = match raw.split_first() {
+        Some((b'-', rest)) => (true, rest),
+        _ => (false, raw),
+    };
+    let mantissa_end = rest.iter().position(|b| matches!(b, b'e' | b'E')).unwrap_or(rest.len());
+    let (mantissa, exponent) = rest.split_at(mantissa_end);
+    let mut exp: i64 = 0;
+    if let Some((_, e)) = exponent.split_first() {
+        let (minus, digits) = match e.split_first() {
+            Some((b'-', d)) => (true, d),
+            Some((b'+', d)) => (false, d),
+            _ => (false, e),
+        };
+        for d in digits {
+            exp = exp.saturating_mul(10).saturating_add(i64::from(d - b'0'));
         }
-    } else {
-        format!("{x:e}").into_bytes()
-    })
+        if minus {
+            exp = -exp;
+        }
+    }
+    let mut digits: Vec<u8> = Vec::with_capacity(mantissa.len());
+    let mut fraction = 0i64;
+    let mut in_fraction = false;
+    for &d in mantissa {
+        if d == b'.' {
+            in_fraction = true;
+        } else {
+            digits.push(d);
+            fraction += i64::from(in_fraction);
+        }
+    }
+    exp = exp.saturating_sub(fraction);
+    let start = digits.iter().position(|&d| d != b'0').unwrap_or(digits.len());
+    let end = digits.iter().rposition(|&d| d != b'0').map_or(start, |i| i + 1);
+    if start >= end {
+        return Some(b"0".to_vec());
+    }
+    exp = exp.saturating_add((digits.len() - end) as i64);
+    let mut out = Vec::with_capacity(end - start + 24);
+    if negative {
+        out.push(b'-');
+    }
+    out.extend_from_slice(digits.get(start..end)?);
+    out.push(b'e');
+    out.extend_from_slice(exp.to_string().as_bytes());
+    Some(out)
 }
 
 /// A parsed value. Scalars are the exact source bytes (strings with their quotes).
@@ -476,8 +513,8 @@ mod tests {
     fn the_semantic_form_is_what_json_parsers_read() {
         let form = |s: &str| semantic_form(s.as_bytes()).map(|f| String::from_utf8(f).unwrap_or_default());
         assert_eq!(
-            form(r#"{ "b" : "\u0065\"\n" , "a":[1.0, -0, 1E2, 1e400] }"#).as_deref(),
-            Some(r#"{"a":[1e0,0,1e2,inf],"b":"e\"\u000a"}"#)
+            form(r#"{ "b" : "\u0065\"\n" , "a":[1.0, -0, 1E2, 1.50, 1e400] }"#).as_deref(),
+            Some(r#"{"a":[1e0,0,1e2,15e-1,1e400],"b":"e\"\u000a"}"#)
         );
         // The last of a repeated member; canonicalize has no form for it.
         assert_eq!(form(r#"{"a":1,"a":2}"#), form(r#"{"a":2}"#));

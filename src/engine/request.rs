@@ -574,6 +574,8 @@ pub struct McpCall {
     pub derived: bool,
     /// The digest of the fingerprint's body material: tool name and canonical arguments.
     pub digest: [u8; 32],
+    /// What a derived key is derived from: that material's semantic form (`mcp::Call`).
+    pub derive_digest: [u8; 32],
 }
 
 /// What an MCP POST's whole body decides.
@@ -658,7 +660,7 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
                     max_len: policy.key_max_length,
                 });
             }
-            match mcp_derived_key(policy, head, &scope, &call.digest) {
+            match mcp_derived_key(policy, head, &scope, &call.derive_digest) {
                 Some(k) => (k, true),
                 None => {
                     return match admit(Some(policy), &[]) {
@@ -682,6 +684,7 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
         skey,
         derived,
         digest: call.digest,
+        derive_digest: call.derive_digest,
     }))
 }
 
@@ -692,7 +695,8 @@ pub fn fingerprint_without_body(policy: &Policy, head: &RequestHead) -> Fingerpr
 }
 
 /// The key `derive_key` gives an MCP call that carries none: derived from its head and caller
-/// scope and the digest of its tool and canonical arguments (`McpCall::digest`), whatever the
+/// scope and the digest of its tool and arguments as JSON parsers read them
+/// (`McpCall::derive_digest`), whatever the
 /// route's `include_body` says (the call is in the body).
 fn mcp_derived_key(
     policy: &Policy,
@@ -718,7 +722,7 @@ pub fn mcp_first_hop_skey(
 ) -> Option<StorageKey> {
     let scope = first_hop_scope(policy, head, original_url);
     let key = if call.derived {
-        mcp_derived_key(policy, &first_hop_head(head, original_url), &scope, &call.digest)?
+        mcp_derived_key(policy, &first_hop_head(head, original_url), &scope, &call.derive_digest)?
     } else {
         call.key.clone()
     };
