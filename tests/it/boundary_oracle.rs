@@ -898,6 +898,6 @@ fn the_table_check_names_a_changed_unpinned_version_and_fails_only_on_changed_ce
         vec!["golang-go: the table was written with golang-go `2:1.19~1`, this run has golang-go `2:1.19~2`"]
     );
     assert!(!cells, "a version alone changes no cell");
-    assert_eq!(compare(&doc("2:1.19~1", "once"), &doc("2:1.19~2", "apart")).1, true);
+    assert!(compare(&doc("2:1.19~1", "once"), &doc("2:1.19~2", "apart")).1);
     assert_eq!(compare(&doc("2:1.19~1", "once"), &doc("2:1.19~1", "apart")), (vec![], true));
 }
