@@ -22,23 +22,112 @@ pub const MAX_DEPTH: usize = 128;
 /// member names in any object and nesting at most MAX_DEPTH; otherwise None (the caller then
 /// fingerprints the raw bytes).
 pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
+    parse(body, false)
+}
+
+/// The value `body` means to the JSON parsers web frameworks use (Python's `json`, JavaScript's
+/// `JSON.parse`, Go's `encoding/json`), as bytes: whitespace and member order dropped as in
+/// [`canonicalize`], and also every string with its escapes decoded (`"\u0065ur"` is `"eur"`),
+/// every number by its exact decimal value (`1`, `1.0`, `1e0` and `10E-1` are `1e0`; `-0` is
+/// `0`), and a member named twice in one object by its last value (what
+/// those parsers keep). Two bodies any of them parses alike have the same form; two bodies with
+/// one form may still differ to a parser that keeps `1` and `1.0` apart (Python), which is why
+/// this form derives keys (`derive_key.include_body`, where the fingerprint, with the spelling,
+/// still tells them apart: 422) and never fingerprints. Not one JSON text: None.
+pub fn semantic_form(body: &[u8]) -> Option<Vec<u8>> {
+    parse(body, true)
+}
+
+fn parse(body: &[u8], semantic: bool) -> Option<Vec<u8>> {
     // Outside strings the grammar only admits ASCII, so validating UTF-8 once up front covers the
     // bytes inside strings too.
     std::str::from_utf8(body).ok()?;
-    let mut parser = Parser { src: body, pos: 0 };
+    let mut parser = Parser { src: body, pos: 0, semantic };
     let value = parser.value(0)?;
     parser.skip_whitespace();
     if parser.pos != body.len() {
         return None;
     }
     let mut out = Vec::with_capacity(body.len());
-    value.emit(&mut out);
+    value.emit(&mut out, semantic);
+    Some(out)
+}
+
+/// A decoded string as a JSON string: only `"`, `\\` and control characters escaped.
+fn quote(decoded: &[u8], out: &mut Vec<u8>) {
+    out.push(b'"');
+    for &b in decoded {
+        match b {
+            b'"' | b'\\' => out.extend_from_slice(&[b'\\', b]),
+            0x00..=0x1f => {
+                out.extend_from_slice(b"\\u00");
+                out.extend_from_slice(&crate::hex::encode(&[b]).into_bytes());
+            }
+            _ => out.push(b),
+        }
+    }
+    out.push(b'"');
+}
+
+/// A JSON number (valid by the grammar) as its exact decimal value: `0`, or an optional `-`, the
+/// significant digits (no leading or trailing zero) and the power of ten (`1`, `1.0`, `1e0` and
+/// `10E-1` are `1e0`; `-0` is `0`). Exact, with no floating point (which would cost the module
+/// some 24 KB): numbers that differ only beyond a double's precision (JavaScript's reading) keep
+/// two forms (docs/limitations.md). An exponent beyond i64 saturates.
+fn number_form(raw: &[u8]) -> Option<Vec<u8>> {
+    let (negative, rest) = match raw.split_first() {
+        Some((b'-', rest)) => (true, rest),
+        _ => (false, raw),
+    };
+    let mantissa_end = rest.iter().position(|b| matches!(b, b'e' | b'E')).unwrap_or(rest.len());
+    let (mantissa, exponent) = rest.split_at(mantissa_end);
+    let mut exp: i64 = 0;
+    if let Some((_, e)) = exponent.split_first() {
+        let (minus, digits) = match e.split_first() {
+            Some((b'-', d)) => (true, d),
+            Some((b'+', d)) => (false, d),
+            _ => (false, e),
+        };
+        for d in digits {
+            exp = exp.saturating_mul(10).saturating_add(i64::from(d - b'0'));
+        }
+        if minus {
+            exp = -exp;
+        }
+    }
+    let mut digits: Vec<u8> = Vec::with_capacity(mantissa.len());
+    let mut fraction = 0i64;
+    let mut in_fraction = false;
+    for &d in mantissa {
+        if d == b'.' {
+            in_fraction = true;
+        } else {
+            digits.push(d);
+            fraction += i64::from(in_fraction);
+        }
+    }
+    exp = exp.saturating_sub(fraction);
+    let start = digits.iter().position(|&d| d != b'0').unwrap_or(digits.len());
+    let end = digits.iter().rposition(|&d| d != b'0').map_or(start, |i| i + 1);
+    if start >= end {
+        return Some(b"0".to_vec());
+    }
+    exp = exp.saturating_add((digits.len() - end) as i64);
+    let mut out = Vec::with_capacity(end - start + 24);
+    if negative {
+        out.push(b'-');
+    }
+    out.extend_from_slice(digits.get(start..end)?);
+    out.push(b'e');
+    out.extend_from_slice(exp.to_string().as_bytes());
     Some(out)
 }
 
 /// A parsed value. Scalars are the exact source bytes (strings with their quotes).
 enum Value<'a> {
     Scalar(&'a [u8]),
+    /// A scalar in its semantic form (`semantic_form`).
+    Owned(Vec<u8>),
     Array(Vec<Value<'a>>),
     Object(Vec<Member<'a>>),
 }
@@ -52,16 +141,17 @@ struct Member<'a> {
 }
 
 impl Value<'_> {
-    fn emit(&self, out: &mut Vec<u8>) {
+    fn emit(&self, out: &mut Vec<u8>, semantic: bool) {
         match self {
             Value::Scalar(raw) => out.extend_from_slice(raw),
+            Value::Owned(form) => out.extend_from_slice(form),
             Value::Array(items) => {
                 out.push(b'[');
                 for (i, item) in items.iter().enumerate() {
                     if i > 0 {
                         out.push(b',');
                     }
-                    item.emit(out);
+                    item.emit(out, semantic);
                 }
                 out.push(b']');
             }
@@ -71,9 +161,13 @@ impl Value<'_> {
                     if i > 0 {
                         out.push(b',');
                     }
-                    out.extend_from_slice(member.raw_name);
+                    if semantic {
+                        quote(&member.name, out);
+                    } else {
+                        out.extend_from_slice(member.raw_name);
+                    }
                     out.push(b':');
-                    member.value.emit(out);
+                    member.value.emit(out, semantic);
                 }
                 out.push(b'}');
             }
@@ -84,6 +178,8 @@ impl Value<'_> {
 struct Parser<'a> {
     src: &'a [u8],
     pos: usize,
+    /// `semantic_form`: strings decoded, numbers as doubles, the last of a repeated member.
+    semantic: bool,
 }
 
 impl<'a> Parser<'a> {
@@ -126,6 +222,13 @@ impl<'a> Parser<'a> {
             b'[' | b'{' if depth >= MAX_DEPTH => None,
             b'[' => self.array(depth + 1),
             b'{' => self.object(depth + 1),
+            b'"' if self.semantic => {
+                let mut decoded = Vec::new();
+                self.string(Some(&mut decoded))?;
+                let mut form = Vec::with_capacity(decoded.len() + 2);
+                quote(&decoded, &mut form);
+                Some(Value::Owned(form))
+            }
             b'"' => {
                 self.string(None)?;
                 self.since(start).map(Value::Scalar)
@@ -135,7 +238,12 @@ impl<'a> Parser<'a> {
             b'n' => self.literal(b"null"),
             b'-' | b'0'..=b'9' => {
                 self.number()?;
-                self.since(start).map(Value::Scalar)
+                let raw = self.since(start)?;
+                if self.semantic {
+                    number_form(raw).map(Value::Owned)
+                } else {
+                    Some(Value::Scalar(raw))
+                }
             }
             _ => None,
         }
@@ -198,8 +306,19 @@ impl<'a> Parser<'a> {
                 }
             }
         }
+        // Stable: members of one name stay in their order, the last one last.
         members.sort_by(|a, b| a.name.cmp(&b.name));
-        if members.windows(2).any(|w| matches!(w, [a, b] if a.name == b.name)) {
+        if self.semantic {
+            // The last of each name, as the parsers keep it.
+            let mut kept: Vec<Member<'a>> = Vec::with_capacity(members.len());
+            for m in members {
+                match kept.last_mut() {
+                    Some(last) if last.name == m.name => *last = m,
+                    _ => kept.push(m),
+                }
+            }
+            members = kept;
+        } else if members.windows(2).any(|w| matches!(w, [a, b] if a.name == b.name)) {
             return None;
         }
         Some(Value::Object(members))
@@ -388,6 +507,20 @@ mod tests {
             assert_eq!(canon(input), None, "{input}");
         }
         assert!(canon(r#"[{"a":1},{"a":2}]"#).is_some(), "same name in different objects is fine");
+    }
+
+    #[test]
+    fn the_semantic_form_is_what_json_parsers_read() {
+        let form = |s: &str| semantic_form(s.as_bytes()).map(|f| String::from_utf8(f).unwrap_or_default());
+        assert_eq!(
+            form(r#"{ "b" : "\u0065\"\n" , "a":[1.0, -0, 1E2, 1.50, 1e400] }"#).as_deref(),
+            Some(r#"{"a":[1e0,0,1e2,15e-1,1e400],"b":"e\"\u000a"}"#)
+        );
+        // The last of a repeated member; canonicalize has no form for it.
+        assert_eq!(form(r#"{"a":1,"a":2}"#), form(r#"{"a":2}"#));
+        assert_eq!(canon(r#"{"a":1,"a":2}"#), None);
+        assert_ne!(form(r#"{"a":"1"}"#), form(r#"{"a":1}"#));
+        assert_eq!(form("{"), None);
     }
 
     #[test]

@@ -22,11 +22,11 @@ const DERIVE_TAG: &[u8] = b"idemgate-derive-v1\0";
 /// The derived key, or `None` when a named header or the caller's identity is missing (even with
 /// `scope.anonymous: "shared"`).
 /// `body_digest` (the body's `fingerprint::body_digest`) is consulted only when `cfg.include_body`
-/// is set. The path and body count as the policy's fingerprint counts them (`fp`:
-/// `include_query`, `json: "canonical"`), so two requests the fingerprint calls the same (a retry
-/// whose JSON members came in another order) derive the same key rather than two keys that would
-/// both execute. With the default fingerprint (query included, raw JSON) the key is what it always
-/// was.
+/// is set; it is `fingerprint::derive_body_digest`, the JSON body's meaning to the parsers
+/// backends use (whitespace, member order, string escapes, number spellings, a repeated member),
+/// whatever `fp.json` says, so two bodies a backend parses alike derive one key rather than two
+/// keys that would both execute (the boundary oracle, issue 41). The path counts as the policy's
+/// fingerprint counts it (`fp.include_query`).
 pub fn derive(
     head: &RequestHead,
     cfg: &DeriveKey,

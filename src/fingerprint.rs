@@ -157,7 +157,7 @@ pub fn target<'h>(head: &'h RequestHead, cfg: &FingerprintConfig) -> &'h str {
 }
 
 /// The body's digest as `cfg` counts it: of its canonical JSON form with `json: "canonical"` (when
-/// it is JSON), else of its bytes. (Derived keys use the same rule: `derive::derive`.)
+/// it is JSON), else of its bytes. (A key derived from the body uses `derive_body_digest`.)
 pub fn body_digest(body: &[u8], cfg: &FingerprintConfig) -> (BodyForm, [u8; 32]) {
     let canonical = match cfg.json {
         JsonMode::Canonical => canonical_json::canonicalize(body),
@@ -166,6 +166,23 @@ pub fn body_digest(body: &[u8], cfg: &FingerprintConfig) -> (BodyForm, [u8; 32])
     match &canonical {
         Some(c) => (BodyForm::CanonicalJson, Sha256::digest(c).into()),
         None => (BodyForm::Raw, Sha256::digest(body).into()),
+    }
+}
+
+/// The digest of the body a derived key is derived from (`derive_key.include_body`), whatever the
+/// fingerprint's `json` says: of its meaning to the JSON parsers web frameworks use
+/// (`canonical_json::semantic_form`) when it is JSON, else of its bytes. Two bodies a backend
+/// parses alike derive one key; the fingerprint, kept to the spelling, answers a retry whose
+/// spelling changed 422 rather than executing it again (the boundary oracle, issue 41).
+pub fn derive_body_digest(body: &[u8]) -> [u8; 32] {
+    match canonical_json::semantic_form(body) {
+        Some(form) => {
+            let mut h = Sha256::new();
+            h.update(b"json\0");
+            h.update(&form);
+            h.finalize().into()
+        }
+        None => Sha256::digest(body).into(),
     }
 }
 

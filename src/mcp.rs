@@ -41,6 +41,9 @@ pub struct Call {
     pub tool: String,
     /// SHA-256 of the fingerprint material: tool name and canonical arguments.
     pub digest: [u8; 32],
+    /// The same material in its semantic form (`canonical_json::semantic_form`): what a key
+    /// derived from the call (`derive_key`) is derived from.
+    pub derive_digest: [u8; 32],
     /// The key from the body, if any (`_meta` first, then the named arguments).
     pub key: Option<BodyKey>,
     /// Which round of a multi-round call (2026-07-28) this is: SHA-256 of what the client sends
@@ -148,25 +151,12 @@ fn call(value: &Value, body: &[u8], canonical: &[u8], tool: &str, policy: &McpPo
     // The id as the client wrote it (`1e2` stays `1e2`, an integer beyond u64 keeps every digit):
     // replays and refusals splice these bytes, never a re-serialised number.
     let id = member(body, "id").map_or_else(|| b"null".to_vec(), <[u8]>::to_vec);
-    // The arguments as written (numbers and strings keep their spelling), members sorted: the
-    // canonical document holds them in canonical form already.
-    let arguments = member(canonical, "params").and_then(|p| member(p, "arguments")).unwrap_or(b"{}");
-    let arguments: &[u8] = if arguments == b"null" { b"{}" } else { arguments };
-    let mut h = Sha256::new();
-    h.update(FP_TAG);
-    h.update((tool.len() as u64).to_be_bytes());
-    h.update(tool.as_bytes());
-    h.update((arguments.len() as u64).to_be_bytes());
-    h.update(arguments);
-    // `params.task` (2025-11-25: run the call as a task, answered with the task it created, not
-    // the tool's result) makes another call of the same arguments: in the material when present
-    // and not null, canonical, after the length-framed arguments (a call without it hashes as
-    // before this member was read).
-    if let Some(task) = member(canonical, "params").and_then(|p| member(p, "task")).filter(|t| *t != b"null") {
-        h.update(b"task\0");
-        h.update((task.len() as u64).to_be_bytes());
-        h.update(task);
-    }
+    let digest = material(canonical, tool);
+    // The key derived from the call (`derive_key`) from what the arguments mean to the parsers
+    // servers use (`canonical_json::semantic_form`: escapes decoded, numbers by value), so two
+    // calls a server reads alike derive one key (the boundary oracle, issue 41). The body is
+    // canonical JSON already, so it has that form too.
+    let derive_digest = crate::canonical_json::semantic_form(canonical).map_or(digest, |f| material(&f, tool));
     let params = value.get("params");
     let meta = params
         .and_then(|p| p.get("_meta"))
@@ -179,7 +169,32 @@ fn call(value: &Value, body: &[u8], canonical: &[u8], tool: &str, policy: &McpPo
                 .map(|v| BodyKey { source: format!("params.arguments.{name}"), value: v.as_str().map(str::to_string) })
         })
     });
-    Call { id, tool: tool.to_string(), digest: h.finalize().into(), key, round: round_of(canonical) }
+    Call { id, tool: tool.to_string(), digest, derive_digest, key, round: round_of(canonical) }
+}
+
+/// The digest of a call's material in `doc` (its canonical or its semantic form): the tool and
+/// the arguments, and `params.task` when present and not null.
+fn material(doc: &[u8], tool: &str) -> [u8; 32] {
+    // The arguments as written (numbers and strings keep their spelling), members sorted: the
+    // canonical document holds them in canonical form already.
+    let arguments = member(doc, "params").and_then(|p| member(p, "arguments")).unwrap_or(b"{}");
+    let arguments: &[u8] = if arguments == b"null" { b"{}" } else { arguments };
+    let mut h = Sha256::new();
+    h.update(FP_TAG);
+    h.update((tool.len() as u64).to_be_bytes());
+    h.update(tool.as_bytes());
+    h.update((arguments.len() as u64).to_be_bytes());
+    h.update(arguments);
+    // `params.task` (2025-11-25: run the call as a task, answered with the task it created, not
+    // the tool's result) makes another call of the same arguments: in the material when present
+    // and not null, canonical, after the length-framed arguments (a call without it hashes as
+    // before this member was read).
+    if let Some(task) = member(doc, "params").and_then(|p| member(p, "task")).filter(|t| *t != b"null") {
+        h.update(b"task\0");
+        h.update((task.len() as u64).to_be_bytes());
+        h.update(task);
+    }
+    h.finalize().into()
 }
 
 /// Revision 2026-07-28's header naming a request's JSON-RPC method.

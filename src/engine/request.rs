@@ -481,7 +481,7 @@ pub fn at_headers(
             derive::derive(head, &DeriveKey { include_body: false, ..d.clone() }, &policy.fingerprint, &scope, None)
         }
         Some(d) => {
-            let empty = d.include_body.then(|| fingerprint::body_digest(b"", &policy.fingerprint).1);
+            let empty = d.include_body.then(|| fingerprint::derive_body_digest(b""));
             derive::derive(head, d, &policy.fingerprint, &scope, empty.as_ref())
         }
         None => None,
@@ -563,11 +563,9 @@ pub fn at_body_end(
     let digest = fingerprint::body_digest(body, &policy.fingerprint);
     let mut derived = None;
     if derive_at_body {
-        let Some(key) = policy
-            .derive_key
-            .as_ref()
-            .and_then(|d| derive::derive(head, d, &policy.fingerprint, scope, Some(&digest.1)))
-        else {
+        let Some(key) = policy.derive_key.as_ref().and_then(|d| {
+            derive::derive(head, d, &policy.fingerprint, scope, Some(&fingerprint::derive_body_digest(body)))
+        }) else {
             return AtBodyEnd::Pass;
         };
         head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
@@ -594,6 +592,8 @@ pub struct McpCall {
     pub digest: [u8; 32],
     /// Which round of its call (`mcp::Call::round`), outside the fingerprint.
     pub round: [u8; 32],
+    /// What a derived key is derived from: that material's semantic form (`mcp::Call`).
+    pub derive_digest: [u8; 32],
 }
 
 /// What an MCP POST's whole body decides.
@@ -678,7 +678,7 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
                     max_len: policy.key_max_length,
                 });
             }
-            match mcp_derived_key(policy, head, &scope, &call.digest) {
+            match mcp_derived_key(policy, head, &scope, &call.derive_digest) {
                 Some(k) => (k, true),
                 None => {
                     return match admit(Some(policy), &[]) {
@@ -703,6 +703,7 @@ pub fn at_mcp_body(policy: &Policy, head: &RequestHead, body: &[u8]) -> AtMcpBod
         derived,
         digest: call.digest,
         round: call.round,
+        derive_digest: call.derive_digest,
     }))
 }
 
@@ -713,7 +714,8 @@ pub fn fingerprint_without_body(policy: &Policy, head: &RequestHead) -> Fingerpr
 }
 
 /// The key `derive_key` gives an MCP call that carries none: derived from its head and caller
-/// scope and the digest of its tool and canonical arguments (`McpCall::digest`), whatever the
+/// scope and the digest of its tool and arguments as JSON parsers read them
+/// (`McpCall::derive_digest`), whatever the
 /// route's `include_body` says (the call is in the body).
 fn mcp_derived_key(
     policy: &Policy,
@@ -739,7 +741,7 @@ pub fn mcp_first_hop_skey(
 ) -> Option<StorageKey> {
     let scope = first_hop_scope(policy, head, original_url);
     let key = if call.derived {
-        mcp_derived_key(policy, &first_hop_head(head, original_url), &scope, &call.digest)?
+        mcp_derived_key(policy, &first_hop_head(head, original_url), &scope, &call.derive_digest)?
     } else {
         call.key.clone()
     };

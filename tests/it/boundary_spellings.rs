@@ -386,3 +386,44 @@ fn derived_keys_read_the_method_and_repeated_headers_as_backends_do() {
     assert_eq!(s.up.executions() - before, 1, "x-op on one line then on two executed twice (answered {})", b.status);
     assert_eq!((b.status, b.problem().as_str()), (400, "key-repeated"), "{}", b.body_text());
 }
+
+/// Found by the boundary oracle (issue 41, configuration `include_body`, seed 41): with
+/// `derive_key.include_body` the key was derived from the body's bytes, so a retry whose JSON
+/// every parsing backend of the panel reads as the first body (whitespace, member order, `1.0`,
+/// `1e0`, `\u0065ur`, a repeated member) derived another key and executed again.
+#[test]
+fn json_bodies_backends_parse_alike_derive_one_key_with_include_body() {
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
+    );
+    let spellings = [
+        r#"{"amount": 1, "currency": "eur"}"#,
+        r#"{"currency":"eur","amount":1}"#,
+        r#"{"amount":1.0,"currency":"eur"}"#,
+        r#"{"amount":1e0,"currency":"eur"}"#,
+        r#"{"amount":1,"currency":"\u0065ur"}"#,
+        r#"{"amount":1,"currency":"usd","currency":"eur"}"#,
+    ];
+    let mut again = vec![];
+    for (n, spelling) in spellings.iter().enumerate() {
+        let op = format!("op-body-{n}");
+        let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", op.as_str())];
+        let before = s.up.executions();
+        let first = http::request(s.envoy.port, "POST", "/v1/payments", &h, br#"{"amount":1,"currency":"eur"}"#)
+            .expect("request");
+        assert_eq!(first.status, 201, "{}", first.body_text());
+        let r = http::request(s.envoy.port, "POST", "/v1/payments", &h, spelling.as_bytes()).expect("request");
+        if s.up.executions() - before != 1 {
+            again.push(format!("{spelling} (answered {})", r.status));
+        } else {
+            assert!(r.status == 422 || r.header("idempotent-replayed") == Some("true"), "{spelling}: {}", r.status);
+        }
+    }
+    // Another amount is another operation: it executes.
+    let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", "op-body-0")];
+    let before = s.up.executions();
+    let other =
+        http::request(s.envoy.port, "POST", "/v1/payments", &h, br#"{"amount":2,"currency":"eur"}"#).expect("request");
+    assert_eq!((other.status, s.up.executions() - before), (201, 1), "{}", other.body_text());
+    assert!(again.is_empty(), "one derived key executed again through: {again:?}");
+}

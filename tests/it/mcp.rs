@@ -359,6 +359,25 @@ fn a_derived_key_protects_a_call_without_key() {
     assert_eq!(s.up.executions(), 2);
 }
 
+/// Found by the boundary oracle (issue 41, configuration `mcp_derive_key`, seed 41): the derived
+/// key came from the arguments' spelling, so `"amount":1.0` (one number to Node's and Go's JSON
+/// parsers) and `"\u0065ur"` after `"amount":1` and `"eur"` derived another key and ran again.
+#[test]
+fn arguments_spelled_another_way_derive_the_same_key() {
+    let s = Mcp::start(&plugin(r#", "derive_key": {"headers": ["x-agent-step-id"]}"#, ""));
+    let h = [ALICE, BOTH, ("x-agent-step-id", "step-spell")];
+    let a =
+        post(s.envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 1, "currency": "eur"}), Value::Null));
+    assert!(message(&a).get("result").is_some(), "{}", a.body_text());
+    let one_point_o = br#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1.0,"currency":"eur"}}}"#;
+    let escaped = br#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1,"currency":"\u0065ur"}}}"#;
+    for body in [&one_point_o[..], &escaped[..]] {
+        let r = post(s.envoy.port, &h, body);
+        assert_eq!(message(&r)["error"]["code"], -32002, "{}", r.body_text());
+    }
+    assert_eq!(s.up.executions(), 1, "each spelling of the call executed again");
+}
+
 #[test]
 fn a_cancellation_never_releases_the_key() {
     let s = Mcp::start(&plugin("", ""));

@@ -395,3 +395,76 @@ fn a_redirected_mcp_call_finds_its_first_streams_key_whatever_its_source() {
         }
     }
 }
+
+#[test]
+fn include_body_derives_one_key_for_bodies_every_json_parser_reads_alike() {
+    // The boundary oracle (issue 41, configuration `include_body`): Flask, Django, FastAPI,
+    // Express, Fastify and Go parse each of these as the canonical body, and each derived another
+    // key from its raw bytes, so the second executed again.
+    let c = config(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
+    );
+    let op = [("x-op", "op-1")];
+    let a = admitted(at_headers(&c, &head("POST", "/v1/payments", &op), None, false));
+    let key = |body: &str| {
+        let mut h = head("POST", "/v1/payments", &op);
+        match at_body_end(&a.policy, &mut h, &a.scope, true, body.as_bytes()) {
+            AtBodyEnd::Fingerprinted { derived: Some(d), .. } => d.key,
+            other => panic!("no key derived for {body}: {other:?}"),
+        }
+    };
+    let canonical = key(r#"{"amount":1,"currency":"eur"}"#);
+    for alike in [
+        r#"{"amount": 1, "currency": "eur"}"#,
+        r#"{"currency":"eur","amount":1}"#,
+        r#"{"amount":1.0,"currency":"eur"}"#,
+        r#"{"amount":1e0,"currency":"eur"}"#,
+        r#"{"amount":10E-1,"currency":"eur"}"#,
+        r#"{"amount":1,"currency":"\u0065ur"}"#,
+        r#"{"amount":1,"currency":"usd","currency":"eur"}"#,
+    ] {
+        assert_eq!(key(alike), canonical, "{alike}");
+    }
+    for apart in [
+        r#"{"amount":2,"currency":"eur"}"#,
+        r#"{"amount":1,"currency":"usd"}"#,
+        r#"{"amount":1,"currency":"eur","currency":"usd"}"#,
+        r#"{"amount":"1","currency":"eur"}"#,
+        r#"{"amount":1,"currency":"eur","note":null}"#,
+        r#"[{"amount":1,"currency":"eur"}]"#,
+    ] {
+        assert_ne!(key(apart), canonical, "{apart}");
+    }
+    // -0 and 0 are one number to Python's and JavaScript's parsers alike.
+    assert_eq!(key(r#"{"n":-0}"#), key(r#"{"n":0}"#));
+    // A body that is not JSON derives from its bytes, as before.
+    assert_ne!(key("amount=1&currency=eur"), key("currency=eur&amount=1"));
+}
+
+#[test]
+fn mcp_derive_key_derives_one_key_for_arguments_every_json_parser_reads_alike() {
+    // The boundary oracle (issue 41, configuration `mcp_derive_key`): Express, Fastify and Go
+    // parse `"amount":1.0` as `"amount":1`, every backend `"\u0065ur"` as `"eur"`; the derived
+    // key came from the arguments' spelling, so the second call executed again.
+    let c = config(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp"}]}"#,
+    );
+    let at = at_headers(&c, &head("POST", "/mcp", &[("x-op", "op-1")]), None, false);
+    let Err(NotProtected::McpBody { policy, .. }) = at else { panic!("an MCP POST waits for its body: {at:?}") };
+    let h = head("POST", "/mcp", &[("x-op", "op-1")]);
+    let key = |args: &str| {
+        let c = mcp_protected(at_mcp_body(&policy, &h, &call(7, "charge", args, "")));
+        assert!(c.derived, "{args}: derived");
+        c.key
+    };
+    let canonical = key(r#"{"amount":1,"currency":"eur"}"#);
+    for alike in [
+        r#"{"currency": "eur", "amount": 1}"#,
+        r#"{"amount":1.0,"currency":"eur"}"#,
+        r#"{"amount":1,"currency":"\u0065ur"}"#,
+    ] {
+        assert_eq!(key(alike), canonical, "{alike}");
+    }
+    assert_ne!(key(r#"{"amount":2,"currency":"eur"}"#), canonical);
+    assert_ne!(key(r#"{"amount":"1","currency":"eur"}"#), canonical);
+}
