@@ -919,7 +919,10 @@ fn store_requests_are_byte_identical_to_those_before_issue_27() {
         for owner in &owners {
             for r in &records {
                 let tl = Lifetimes { tombstone_ms: 1_000, ..l };
-                assert_eq!(claim_request(skey, owner, r, &tl, &seal), before_issue_27::claim_request(skey, owner, r, &tl, &seal));
+                assert_eq!(
+                    claim_request(skey, owner, r, &tl, &seal),
+                    before_issue_27::claim_request(skey, owner, r, &tl, &seal)
+                );
                 let new = claim_request(skey, owner, r, &l, &seal);
                 assert_eq!(new, before_issue_27::claim_request(skey, owner, r, &l, &seal));
                 assert_eq!(new.with_script(), before_issue_27::claim_request(skey, owner, r, &l, &seal).with_script());
@@ -1004,7 +1007,8 @@ fn a_completion_keeps_its_record_for_ttl_and_a_small_tombstone_for_ttl_plus_tomb
     }
     // Written only with a completed value, in the script that writes it (both places).
     assert_eq!(TRANSITION_SCRIPT.matches("tomb()").count(), 3, "defined once, called where a value is written");
-    assert!(TRANSITION_SCRIPT.contains("if ARGV[4]=='D' and ARGV[9]~='-' then redis.call('SET',KEYS[2],ARGV[9],'PX',ARGV[10])"));
+    assert!(TRANSITION_SCRIPT
+        .contains("if ARGV[4]=='D' and ARGV[9]~='-' then redis.call('SET',KEYS[2],ARGV[9],'PX',ARGV[10])"));
 }
 
 /// Issue 40, item 6: a claim meeting the key's tombstone (no record held) claims nothing and reads
