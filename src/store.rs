@@ -171,7 +171,7 @@ impl Script {
     }
 
     /// The webdis command that runs the script by name on `key` (and its tombstone's key,
-    /// `tombstone_redis_key`) with `args`, appended to `out`:
+    /// `tombstone_redis_key`: both in one Redis Cluster slot) with `args`, appended to `out`:
     /// `EVALSHA/<sha1>/2/key/tombstone key/args...` (every argument percent-encoded straight into `out`).
     fn command_into(self, key: &str, args: &[&[u8]], out: &mut String) {
         out.push_str("EVALSHA/");
@@ -475,18 +475,18 @@ pub fn redis_key(skey: &StorageKey) -> String {
     key
 }
 
-/// The Redis key of a storage key's tombstone (`idemgate:v1:t:<hex>`): under idemgate's prefix
-/// (the store's ACL, docs/stores.md), never a storage key's name (`admin::parse_storage_key`
-/// refuses it), so a build that does not know tombstones never reads it as a record.
+/// The Redis key of a storage key's tombstone, `idemgate:v1:t:{idemgate:v1:<hex>}`: under
+/// idemgate's prefix (the store's ACL, docs/stores.md); never a storage key's name
+/// (`admin::parse_storage_key` refuses it), so a build that does not know tombstones never reads
+/// it as a record; and its hash tag is the record's whole key, so Redis Cluster keeps both in one
+/// slot and runs the scripts that name both (a script's keys in two slots are refused,
+/// `CROSSSLOT`).
 pub fn tombstone_redis_key(skey: &StorageKey) -> String {
     tombstone_redis_key_of(&redis_key(skey))
 }
 
 fn tombstone_redis_key_of(key: &str) -> String {
-    match key.strip_prefix(KEY_PREFIX) {
-        Some(hex) => format!("{KEY_PREFIX}t:{hex}"),
-        None => format!("{key}:t"),
-    }
+    format!("{KEY_PREFIX}t:{{{key}}}")
 }
 
 /// Marks a key's tombstone in Redis: `IGS1T`, then `TOMBSTONE_BODY` and the fingerprint, sealed

@@ -122,7 +122,8 @@ fn claim_request_is_one_post_of_an_evalsha_with_raw_output() {
     assert_eq!(parts[1].as_bytes(), Script::Claim.sha1_hex());
     assert_eq!(parts[2], "2");
     assert_eq!(parts[3], format!("idemgate%3Av1%3A{}", "07".repeat(32)));
-    assert_eq!(parts[4], format!("idemgate%3Av1%3At%3A{}", "07".repeat(32)), "the key's tombstone");
+    let tomb = format!("idemgate%3Av1%3At%3A%7Bidemgate%3Av1%3A{}%7D", "07".repeat(32));
+    assert_eq!(parts[4], tomb, "the key's tombstone, its hash tag the record's key (one Redis Cluster slot)");
     assert_eq!(parts[5], "01".repeat(16));
     assert_eq!((parts[6], parts[7]), ("660000", "60000"), "PX: a forwarded claim's life (lock, then outcome unknown)");
     assert_eq!(parts[8], "0", "a route without tombstones never reads one");
@@ -757,7 +758,7 @@ mod before_issue_27 {
 
     /// Issue 40, item 6: both scripts take the key's tombstone as KEYS[2].
     fn tombstone_key(key: &str) -> String {
-        format!("{KEY_PREFIX}t:{}", key.strip_prefix(KEY_PREFIX).unwrap())
+        format!("{KEY_PREFIX}t:{{{key}}}")
     }
 
     fn command(script: Script, key: &str, args: &[&[u8]]) -> String {

@@ -781,7 +781,8 @@ fn mixed_fleet_on_one_redis_the_new_releases_tombstones_are_never_misread_by_the
         done.get_or_insert_with(std::time::Instant::now);
     }
     assert_eq!((executions(a), executions(b)), (1, 1));
-    let tomb = |key: &str| redis.get_raw(support::redis_key_of(&plugin(""), TOKEN, key).replacen(":v1:", ":v1:t:", 1));
+    let tomb =
+        |key: &str| redis.get_raw(format!("idemgate:v1:t:{{{}}}", support::redis_key_of(&plugin(""), TOKEN, key)));
     assert_eq!(tomb(a).map(|v| v.len()), Some(77), "the new proxy's completion left its tombstone");
     assert_eq!(tomb(b), None, "the previous release writes none");
     // Past both records' ttl (5 s from their completions, which came before `done`).
