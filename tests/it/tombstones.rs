@@ -274,7 +274,7 @@ fn redis_scripts_a_completion_leaves_a_small_tombstone_that_a_claim_meets_once_t
     assert_eq!(code(&claim(&e, &plain)), "1");
     assert_eq!(code(&run(Transition::complete(owner, done, &plain).eval_command(&e, &seal))), "1");
     assert_eq!(redis.get_raw(store::tombstone_redis_key(&e)), None);
-    assert_eq!(pttl(&store::redis_key(&e)) > 50_000, true);
+    assert!(pttl(&store::redis_key(&e)) > 50_000, "the record: ttl");
 }
 
 /// Issue 40, item 6, through a Redis Cluster (Envoy's `redis_proxy` behind webdis): the scripts
