@@ -382,7 +382,9 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: 
         ..t
     };
     match action {
-        Settle::Release | Settle::Forget => Ok(checked(Transition::release(owner))),
+        Settle::Release => Ok(checked(Transition::release(owner))),
+        // The key's tombstone goes with its record (Redis; etcd's is the record itself).
+        Settle::Forget => Ok(checked(Transition { forget_tombstone: true, ..Transition::release(owner) })),
         Settle::Complete { response, ttl_ms } => {
             let record = Record {
                 fingerprint: value.record.fingerprint,

@@ -118,7 +118,8 @@ return {'1',string.format('%d',now),ARGV[1]}";
 /// a release tombstone, the new value is written with the record and the answer is `{2, ...}` (the owner's
 /// claim was lost by the store); 'K' keeps the stored record where the owner's claim is found.
 /// Whenever a completed value ('D') is written with a tombstone, the tombstone is written at
-/// KEYS[2] in the same script (so no reader finds the record gone before its tombstone is there).
+/// KEYS[2] in the same script (so no reader finds the record gone before its tombstone is there);
+/// a deletion ('X') with the tombstone argument 'F' (an operator's `forget`) deletes it too.
 const TRANSITION_SCRIPT: &str = "local v=redis.call('GET',KEYS[1]) \
 if v and ARGV[8]~='0' and string.sub(v,1,5)=='IGS1R' then v=false end \
 if not v and ARGV[4]=='R' then redis.call('SET',KEYS[1],'IGS1R'..ARGV[1],'PX',ARGV[6]) return {1,ARGV[5]} end \
@@ -132,7 +133,8 @@ redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..
 if not v or string.sub(v,1,4)~='IGS1' or string.sub(v,6,37)~=ARGV[1] then return {0,ARGV[5]} end \
 if not string.find(ARGV[2],string.sub(v,5,5),1,true) then return {0,ARGV[5]} end \
 if ARGV[3]=='1' and tonumber(string.sub(v,38,52))>now then return {0,ARGV[5]} end \
-if ARGV[4]=='X' or ARGV[4]=='R' then redis.call('DEL',KEYS[1]) return {1,ARGV[5]} end \
+if ARGV[4]=='X' or ARGV[4]=='R' then redis.call('DEL',KEYS[1]) \
+if ARGV[4]=='X' and ARGV[9]=='F' then redis.call('DEL',KEYS[2]) end return {1,ARGV[5]} end \
 local rec=ARGV[11] \
 if rec=='-' or ARGV[8]=='K' then rec=string.sub(v,53) end \
 redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..rec,'PX',ARGV[6]) \
@@ -664,6 +666,10 @@ pub struct Transition {
     /// the record's fingerprint only) for the whole of `ttl_ms`, in the same script; etcd keeps
     /// the whole record for `ttl_ms`.
     pub key_tombstone_ms: u64,
+    /// An operator's `forget` (a deletion, new phase `X`): the key's tombstone is deleted with the
+    /// record, in the same script, so the next retry executes as `forget` promises
+    /// (`admin::FORGOTTEN`). A proxy's own release keeps it: it is the memory of an execution.
+    pub forget_tombstone: bool,
 }
 
 /// What an owner-checked transition does where it finds no value (the key absent, or a release
@@ -724,6 +730,7 @@ impl Transition {
             tombstone: false,
             where_absent: WhereAbsent::for_event(Event::Complete, WhereAbsent::Write),
             key_tombstone_ms: lifetimes.tombstone_ms,
+            forget_tombstone: false,
         }
     }
 
@@ -742,6 +749,7 @@ impl Transition {
             tombstone: false,
             where_absent: WhereAbsent::Refuse,
             key_tombstone_ms: 0,
+            forget_tombstone: false,
         }
     }
 
@@ -785,6 +793,7 @@ impl Transition {
             tombstone: false,
             where_absent: WhereAbsent::Refuse,
             key_tombstone_ms: 0,
+            forget_tombstone: false,
         }
     }
 
@@ -820,6 +829,7 @@ impl Transition {
             tombstone: false,
             where_absent: WhereAbsent::Refuse,
             key_tombstone_ms: 0,
+            forget_tombstone: false,
         }
     }
 
@@ -844,8 +854,12 @@ impl Transition {
     }
 
     /// The key's tombstone this transition writes and its `PX` (`ttl_ms`): a completion carrying
-    /// a record on a route that keeps tombstones; `("-", "0")` otherwise.
+    /// a record on a route that keeps tombstones; `F` for an operator's `forget`, which deletes
+    /// it; `("-", "0")` otherwise.
     fn tombstone_args(&self, skey: &StorageKey, seal: &Seal) -> (Vec<u8>, Arg) {
+        if self.forget_tombstone && self.new_phase.is_none() && !self.tombstone {
+            return (b"F".to_vec(), Arg::bytes(b"0"));
+        }
         match (&self.record, self.new_phase) {
             (Some(r), Some(Stage::Completed)) if self.key_tombstone_ms > 0 => {
                 (tombstone_value(skey, &r.fingerprint, seal), Arg::decimal(self.ttl_ms.max(1)))

@@ -817,7 +817,9 @@ mod before_issue_27 {
 
     fn args(t: &Transition, skey: &StorageKey, seal: &Seal) -> Vec<Vec<u8>> {
         let completes = t.record.is_some() && t.new_phase == Some(Stage::Completed) && t.key_tombstone_ms > 0;
+        let forgets = t.forget_tombstone && t.new_phase.is_none() && !t.tombstone;
         let (tomb, tomb_px) = match (&t.record, completes) {
+            _ if forgets => (b"F".to_vec(), b"0".to_vec()),
             (Some(r), true) => {
                 let mut body = b"IGT\x01".to_vec();
                 body.extend_from_slice(&r.fingerprint.0);
@@ -942,6 +944,7 @@ fn store_requests_are_byte_identical_to_those_before_issue_27() {
                     Transition::take_over(owners[1], *owner, r.clone(), true, &l),
                 ];
                 transitions.extend(transitions.iter().filter_map(Transition::without_body).collect::<Vec<_>>());
+                transitions.push(Transition { forget_tombstone: true, ..Transition::release(*owner) });
                 transitions.push(Transition {
                     lock_ms: Some(u64::MAX),
                     ttl_ms: u64::MAX,

@@ -251,6 +251,17 @@ fn redis_scripts_a_completion_leaves_a_small_tombstone_that_a_claim_meets_once_t
     assert_eq!(redis.get_raw(&rk), None, "nothing claimed");
     // A route without tombstones claims, as before them.
     assert_eq!(code(&claim(&a, &plain)), "1");
+    // Its owner's release (the claim never ran) keeps the tombstone: the memory of the first run.
+    assert_eq!(code(&run(Transition::release(owner).eval_command(&a, &seal))), "1");
+    assert_eq!((redis.get_raw(&rk), redis.get_raw(&tk).map(|v| v.len())), (None, Some(77)));
+    // An operator's `forget` of a completed key deletes its tombstone with it: its next retry
+    // executes, as `idemgate forget` says (`admin::FORGOTTEN`).
+    assert_eq!(code(&claim(&a, &plain)), "1");
+    assert_eq!(code(&run(Transition::complete(owner, done.clone(), &l).eval_command(&a, &seal))), "1");
+    let forget = Transition { forget_tombstone: true, ..Transition::release(owner) };
+    assert_eq!(code(&run(Transition { expected_phases: "D", ..forget }.eval_command(&a, &seal))), "1");
+    assert_eq!((redis.get_raw(&rk), redis.get_raw(&tk)), (None, None), "forgotten, tombstone too");
+    assert_eq!(code(&claim(&a, &l)), "1", "the next retry executes");
 
     // A completion whose claim the store lost is written where absent, with its tombstone.
     let b = StorageKey([0xb2; 32]);
