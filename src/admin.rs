@@ -144,7 +144,8 @@ pub enum Header {
         owner: String,
         lock_expires_at_ms: u64,
     },
-    /// A release tombstone: the key is free.
+    /// A release tombstone (the key is free), or a key's tombstone (`store::TOMBSTONE_MAGIC`,
+    /// under its own Redis key: no record).
     Tombstone,
     /// Not a header this build knows.
     Unreadable,
@@ -152,7 +153,7 @@ pub enum Header {
 
 /// Parses the first `VALUE_HEADER_LEN` bytes of a stored value.
 pub fn parse_header(bytes: &[u8]) -> Header {
-    if bytes.starts_with(b"IGS1R") {
+    if bytes.starts_with(b"IGS1R") || bytes.starts_with(crate::store::TOMBSTONE_MAGIC) {
         return Header::Tombstone;
     }
     if bytes.len() < VALUE_HEADER_LEN || !bytes.starts_with(b"IGS1") {
@@ -387,7 +388,9 @@ pub fn plan(action: &Settle, value: &StoredValue, now_ms: u64, write_window_ms: 
         ..t
     };
     match action {
-        Settle::Release | Settle::Forget => Ok(checked(Transition::release(owner))),
+        Settle::Release => Ok(checked(Transition::release(owner))),
+        // The key's tombstone goes with its record (Redis; etcd's is the record itself).
+        Settle::Forget => Ok(checked(Transition { forget_tombstone: true, ..Transition::release(owner) })),
         Settle::Complete { response, ttl_ms } => {
             let record = Record {
                 fingerprint: value.record.fingerprint,

@@ -443,9 +443,29 @@ impl Record {
     /// `is_tombstone` as a route applies it: a route with `tombstone_seconds: 0` has none, and
     /// replays a completed record for as long as its tier holds it, as before tombstones (a
     /// store's copy judged a little past its own expiry by a reader whose clock runs ahead, etcd's
-    /// skew tolerance; or a record a route with tombstones wrote).
+    /// skew tolerance; or a record a route with tombstones wrote). A key's small tombstone read
+    /// from a store (`key_tombstone`) is one on every route: it holds nothing to replay.
     pub fn is_tombstone_for(&self, tombstone_seconds: u64, now_ms: u64) -> bool {
-        tombstone_seconds > 0 && self.is_tombstone(now_ms)
+        (tombstone_seconds > 0 || self.is_key_tombstone()) && self.is_tombstone(now_ms)
+    }
+
+    /// What a store's small tombstone of a key (its record's fingerprint only: Redis's
+    /// `store::tombstone_value`) reads as: a completed record past its own expiry, holding no
+    /// response, no creator, no times. It is made only from a tombstone read, never encoded
+    /// (status 0 is no status: `Record::decode` refuses it), so no decoded record is one.
+    pub fn key_tombstone(fingerprint: Fingerprint) -> Record {
+        Record {
+            fingerprint,
+            created_at_ms: 0,
+            expires_at_ms: 0,
+            creator: Creator::default(),
+            state: State::CompletedTooLarge { status: 0, location: None },
+        }
+    }
+
+    /// Whether this is a store's small tombstone (`key_tombstone`).
+    pub fn is_key_tombstone(&self) -> bool {
+        self.expires_at_ms == 0 && matches!(self.state, State::CompletedTooLarge { status: 0, location: None })
     }
 
     /// Encodes the record (see docs/internals.md for the layout).
@@ -854,6 +874,10 @@ mod tests {
         // A route without tombstones has none.
         assert!(done.is_tombstone_for(1, 60_000));
         assert!(!done.is_tombstone_for(0, 60_000));
+        // A store's small tombstone is one on every route, and no encoding decodes as one.
+        let key = Record::key_tombstone(done.fingerprint);
+        assert!(key.is_key_tombstone() && key.is_tombstone_for(0, 1) && !done.is_key_tombstone());
+        assert_eq!(Record::decode(&key.encode()), Err(DecodeError::BadStatus));
     }
 
     #[test]

@@ -35,6 +35,7 @@
 use std::fmt;
 
 use crate::decision::{Phase, Summary};
+use crate::fingerprint::Fingerprint;
 use crate::lifecycle::{self, Event, TakeOver};
 use crate::owner::OwnerToken;
 use crate::record::{Lifetimes, Record, Stage, State};
@@ -83,12 +84,15 @@ pub const VALUE_MAGIC: &[u8; 4] = b"IGS1";
 /// `IGS1` + phase (1) + owner hex (32) + lock expiry in ms, 15 decimal digits.
 const HEADER_LEN: usize = 4 + 1 + 32 + 15;
 
-/// Claim-or-read. KEYS[1]; ARGV: owner hex, PX ms (a forwarded claim's life), lock ms, record
+/// Claim-or-read. KEYS[1], KEYS[2] (the key's tombstone, `tombstone_key`); ARGV: owner hex, PX ms
+/// (a forwarded claim's life), lock ms, whether the route keeps tombstones ('1'/'0'), record
 /// (last). Answers `{'1', now, owner hex}` (claimed: the owner echoed, so an answer made without
 /// reading the request is refused) or `{'0', now, value, pttl}` (an existing value with its
 /// remaining life by Redis's clock). A release tombstone (`IGS1R<owner>`) is no record: the claim
 /// of the owner it names is refused (`{"2", now}`: that owner's release has run, so this claim
-/// arrived late), any other claim replaces it.
+/// arrived late), any other claim replaces it. Where no record is held and the route keeps
+/// tombstones, the key's tombstone (`IGS1T`, written with its completion, outliving the record)
+/// is answered `{'3', now, tombstone, pttl}` and nothing is claimed.
 const CLAIM_SCRIPT: &str = "local t=redis.call('TIME') \
 local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
 local v=redis.call('GET',KEYS[1]) \
@@ -96,12 +100,15 @@ if v and string.sub(v,1,5)=='IGS1R' then \
 if string.sub(v,6,37)==ARGV[1] then return {'2',string.format('%d',now)} end \
 v=false end \
 if v then return {'0',string.format('%d',now),v,string.format('%d',redis.call('PTTL',KEYS[1]))} end \
-redis.call('SET',KEYS[1],'IGS1P'..ARGV[1]..string.format('%015d',now+tonumber(ARGV[3]))..ARGV[4],'PX',ARGV[2]) \
+if ARGV[4]=='1' then local d=redis.call('GET',KEYS[2]) \
+if d then return {'3',string.format('%d',now),d,string.format('%d',redis.call('PTTL',KEYS[2]))} end end \
+redis.call('SET',KEYS[1],'IGS1P'..ARGV[1]..string.format('%015d',now+tonumber(ARGV[3]))..ARGV[5],'PX',ARGV[2]) \
 return {'1',string.format('%d',now),ARGV[1]}";
 
-/// Owner-checked transition. KEYS[1]; ARGV: expected owner hex, expected phases, require stale
-/// lock ('1'/'0'), new phase ('X' deletes), new owner hex, ttl ms, lock ms ('-': none), where
-/// absent ('0', '1', 'K'), record ('-': keep the stored one) last. Answers `{1, new owner hex}`
+/// Owner-checked transition. KEYS[1], KEYS[2] (the key's tombstone); ARGV: expected owner hex,
+/// expected phases, require stale lock ('1'/'0'), new phase ('X' deletes), new owner hex, ttl ms,
+/// lock ms ('-': none), where absent ('0', '1', 'K'), the key's tombstone ('-': none) and its
+/// PX ms, record ('-': keep the stored one) last. Answers `{1, new owner hex}`
 /// when it changed the value, `{0, new owner hex}` otherwise: the echo of `ARGV[5]` lets a reader
 /// refuse an answer that is not its own request's (webdis 0.1.9 can hand a new client the late
 /// answer of a command whose client went away: `parse_transition_reply`).
@@ -110,6 +117,9 @@ return {'1',string.format('%d',now),ARGV[1]}";
 /// Where absent '1' or 'K' (a completion, an outcome-unknown mark): when the key is absent or holds
 /// a release tombstone, the new value is written with the record and the answer is `{2, ...}` (the owner's
 /// claim was lost by the store); 'K' keeps the stored record where the owner's claim is found.
+/// Whenever a completed value ('D') is written with a tombstone, the tombstone is written at
+/// KEYS[2] in the same script (so no reader finds the record gone before its tombstone is there);
+/// a deletion ('X') with the tombstone argument 'F' (an operator's `forget`) deletes it too.
 const TRANSITION_SCRIPT: &str = "local v=redis.call('GET',KEYS[1]) \
 if v and ARGV[8]~='0' and string.sub(v,1,5)=='IGS1R' then v=false end \
 if not v and ARGV[4]=='R' then redis.call('SET',KEYS[1],'IGS1R'..ARGV[1],'PX',ARGV[6]) return {1,ARGV[5]} end \
@@ -117,15 +127,18 @@ local t=redis.call('TIME') \
 local now=tonumber(t[1])*1000+math.floor(tonumber(t[2])/1000) \
 local lock=0 \
 if ARGV[7]~='-' then lock=now+tonumber(ARGV[7]) end \
-if not v and ARGV[8]~='0' and ARGV[9]~='-' and ARGV[4]~='X' then \
-redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..ARGV[9],'PX',ARGV[6]) return {2,ARGV[5]} end \
+local function tomb() if ARGV[4]=='D' and ARGV[9]~='-' then redis.call('SET',KEYS[2],ARGV[9],'PX',ARGV[10]) end end \
+if not v and ARGV[8]~='0' and ARGV[11]~='-' and ARGV[4]~='X' then \
+redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..ARGV[11],'PX',ARGV[6]) tomb() return {2,ARGV[5]} end \
 if not v or string.sub(v,1,4)~='IGS1' or string.sub(v,6,37)~=ARGV[1] then return {0,ARGV[5]} end \
 if not string.find(ARGV[2],string.sub(v,5,5),1,true) then return {0,ARGV[5]} end \
 if ARGV[3]=='1' and tonumber(string.sub(v,38,52))>now then return {0,ARGV[5]} end \
-if ARGV[4]=='X' or ARGV[4]=='R' then redis.call('DEL',KEYS[1]) return {1,ARGV[5]} end \
-local rec=ARGV[9] \
+if ARGV[4]=='X' or ARGV[4]=='R' then redis.call('DEL',KEYS[1]) \
+if ARGV[4]=='X' and ARGV[9]=='F' then redis.call('DEL',KEYS[2]) end return {1,ARGV[5]} end \
+local rec=ARGV[11] \
 if rec=='-' or ARGV[8]=='K' then rec=string.sub(v,53) end \
 redis.call('SET',KEYS[1],'IGS1'..ARGV[4]..ARGV[5]..string.format('%015d',lock)..rec,'PX',ARGV[6]) \
+tomb() \
 return {1,ARGV[5]}";
 
 /// Redis's names for the scripts (lowercase hex SHA-1 of their text), computed at compile time.
@@ -159,13 +172,16 @@ impl Script {
         }
     }
 
-    /// The webdis command that runs the script by name on `key` with `args`, appended to `out`:
-    /// `EVALSHA/<sha1>/1/key/args...` (every argument percent-encoded straight into `out`).
+    /// The webdis command that runs the script by name on `key` (and its tombstone's key,
+    /// `tombstone_redis_key`: both in one Redis Cluster slot) with `args`, appended to `out`:
+    /// `EVALSHA/<sha1>/2/key/tombstone key/args...` (every argument percent-encoded straight into `out`).
     fn command_into(self, key: &str, args: &[&[u8]], out: &mut String) {
         out.push_str("EVALSHA/");
         encode_arg_into(self.sha1_hex(), out);
-        out.push_str("/1/");
+        out.push_str("/2/");
         encode_arg_into(key.as_bytes(), out);
+        out.push('/');
+        encode_arg_into(tombstone_redis_key_of(key).as_bytes(), out);
         for a in args {
             out.push('/');
             encode_arg_into(a, out);
@@ -464,10 +480,50 @@ pub fn redis_key(skey: &StorageKey) -> String {
     key
 }
 
+/// The Redis key of a storage key's tombstone, `idemgate:v1:t:{idemgate:v1:<hex>}`: under
+/// idemgate's prefix (the store's ACL, docs/stores.md); never a storage key's name
+/// (`admin::parse_storage_key` refuses it), so a build that does not know tombstones never reads
+/// it as a record; and its hash tag is the record's whole key, so Redis Cluster keeps both in one
+/// slot and runs the scripts that name both (a script's keys in two slots are refused,
+/// `CROSSSLOT`).
+pub fn tombstone_redis_key(skey: &StorageKey) -> String {
+    tombstone_redis_key_of(&redis_key(skey))
+}
+
+fn tombstone_redis_key_of(key: &str) -> String {
+    format!("{KEY_PREFIX}t:{{{key}}}")
+}
+
+/// Marks a key's tombstone in Redis: `IGS1T`, then `TOMBSTONE_BODY` and the fingerprint, sealed
+/// for the tombstone's own Redis key (`seal`): 5 + 36 + 36 = 77 bytes, whatever the response was.
+pub const TOMBSTONE_MAGIC: &[u8; 5] = b"IGS1T";
+/// What a tombstone holds inside its seal: this, then the record's fingerprint (32 bytes).
+const TOMBSTONE_BODY: &[u8; 4] = b"IGT\x01";
+
+/// The value of `skey`'s tombstone: its record's fingerprint only (no response, no header, no
+/// creator), sealed for the tombstone's key.
+pub fn tombstone_value(skey: &StorageKey, fingerprint: &Fingerprint, seal: &Seal) -> Vec<u8> {
+    let mut body = Vec::with_capacity(TOMBSTONE_BODY.len() + 32);
+    body.extend_from_slice(TOMBSTONE_BODY);
+    body.extend_from_slice(&fingerprint.0);
+    [&TOMBSTONE_MAGIC[..], &seal.seal(&tombstone_redis_key(skey), &body)].concat()
+}
+
+/// The fingerprint `skey`'s tombstone holds, if `v` is one this proxy's seal verifies for its key.
+pub fn open_tombstone(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<Fingerprint, ValueError> {
+    let bad = |why: &str| ValueError::Unreadable(format!("stored tombstone: {why}"));
+    let sealed = v.strip_prefix(&TOMBSTONE_MAGIC[..]).ok_or_else(|| bad("no idemgate header"))?;
+    let (body, _) = seal.open(&tombstone_redis_key(skey), sealed).map_err(ValueError::Unauthentic)?;
+    let fp = body.strip_prefix(&TOMBSTONE_BODY[..]).filter(|f| f.len() == 32).ok_or_else(|| bad("layout"))?;
+    let mut out = [0u8; 32];
+    out.copy_from_slice(fp);
+    Ok(Fingerprint(out))
+}
+
 /// Room for `Script::command_into`'s command on `key` with `args`, every byte escaped, and
 /// `/`...`.raw` around it: the string is never grown while it is built.
 fn command_capacity(key: &str, args: &[&[u8]]) -> usize {
-    let escaped: usize = args.iter().map(|a| a.len() + 1).sum::<usize>() + key.len();
+    let escaped: usize = args.iter().map(|a| a.len() + 1).sum::<usize>() + 2 * key.len() + 4;
     16 + 40 + escaped.saturating_mul(3)
 }
 
@@ -481,10 +537,16 @@ fn script_post(script: Script, key: &str, args: &[&[u8]]) -> StoreRequest {
 }
 
 /// The claim script's ARGV: the claim enters `Forwarded` (the lifecycle's `Claim` from `Absent`,
-/// with the fingerprint), living as a forwarded claim.
+/// with the fingerprint), living as a forwarded claim; whether the route keeps tombstones (a key
+/// with none held answers its tombstone instead of being claimed).
 /// The record, sealed for `key`, is the last.
-fn claim_args(owner: &OwnerToken, lifetimes: &Lifetimes) -> [Arg; 3] {
-    [Arg::hex(owner), Arg::decimal(lifetimes.life_ms(Stage::Forwarded)), Arg::decimal(lifetimes.lock_ms)]
+fn claim_args(owner: &OwnerToken, lifetimes: &Lifetimes) -> [Arg; 4] {
+    [
+        Arg::hex(owner),
+        Arg::decimal(lifetimes.life_ms(Stage::Forwarded)),
+        Arg::decimal(lifetimes.lock_ms),
+        Arg::bytes(if lifetimes.tombstone_ms > 0 { b"1" } else { b"0" }),
+    ]
 }
 
 /// Claim-or-read: one POST whose body is the webdis command path (`EVALSHA` of the claim script).
@@ -497,13 +559,13 @@ pub fn claim_request(
 ) -> StoreRequest {
     let key = redis_key(skey);
     let sealed = seal.seal(&key, &record.encode());
-    let [a, b, c] = claim_args(owner, lifetimes);
-    script_post(Script::Claim, &key, &[a.as_slice(), b.as_slice(), c.as_slice(), &sealed])
+    let [a, b, c, d] = claim_args(owner, lifetimes);
+    script_post(Script::Claim, &key, &[a.as_slice(), b.as_slice(), c.as_slice(), d.as_slice(), &sealed])
 }
 
 /// The Redis command `claim_request` makes webdis run, with the script in full (as its
-/// `with_script` form does): `EVAL script 1 key ARGV...`, for tests that run the script on Redis
-/// directly.
+/// `with_script` form does): `EVAL script 2 key tombstone-key ARGV...`, for tests that run the
+/// script on Redis directly.
 pub fn claim_command(
     skey: &StorageKey,
     owner: &OwnerToken,
@@ -513,7 +575,9 @@ pub fn claim_command(
 ) -> Vec<Vec<u8>> {
     let key = redis_key(skey);
     let sealed = seal.seal(&key, &record.encode());
-    let mut cmd = vec![b"EVAL".to_vec(), CLAIM_SCRIPT.as_bytes().to_vec(), b"1".to_vec(), key.into_bytes()];
+    let tomb = tombstone_redis_key_of(&key);
+    let mut cmd = vec![b"EVAL".to_vec(), CLAIM_SCRIPT.as_bytes().to_vec(), b"2".to_vec(), key.into_bytes()];
+    cmd.push(tomb.into_bytes());
     cmd.extend(claim_args(owner, lifetimes).iter().map(|a| a.as_slice().to_vec()));
     cmd.push(sealed);
     cmd
@@ -600,6 +664,15 @@ pub struct Transition {
     pub tombstone: bool,
     /// What to do when the key is absent (or holds a release tombstone).
     pub where_absent: WhereAbsent,
+    /// A completion's key tombstone: the last `key_tombstone_ms` of `ttl_ms` (`Lifetimes::tombstone_ms`;
+    /// 0: none). Redis keeps the record for the rest and writes the tombstone (`tombstone_value`,
+    /// the record's fingerprint only) for the whole of `ttl_ms`, in the same script; etcd keeps
+    /// the whole record for `ttl_ms`.
+    pub key_tombstone_ms: u64,
+    /// An operator's `forget` (a deletion, new phase `X`): the key's tombstone is deleted with the
+    /// record, in the same script, so the next retry executes as `forget` promises
+    /// (`admin::FORGOTTEN`). A proxy's own release keeps it: it is the memory of an execution.
+    pub forget_tombstone: bool,
 }
 
 /// What an owner-checked transition does where it finds no value (the key absent, or a release
@@ -659,6 +732,8 @@ impl Transition {
             record: Some(record),
             tombstone: false,
             where_absent: WhereAbsent::for_event(Event::Complete, WhereAbsent::Write),
+            key_tombstone_ms: lifetimes.tombstone_ms,
+            forget_tombstone: false,
         }
     }
 
@@ -676,6 +751,8 @@ impl Transition {
             record: None,
             tombstone: false,
             where_absent: WhereAbsent::Refuse,
+            key_tombstone_ms: 0,
+            forget_tombstone: false,
         }
     }
 
@@ -718,6 +795,8 @@ impl Transition {
             record: None,
             tombstone: false,
             where_absent: WhereAbsent::Refuse,
+            key_tombstone_ms: 0,
+            forget_tombstone: false,
         }
     }
 
@@ -752,6 +831,8 @@ impl Transition {
             record: Some(record),
             tombstone: false,
             where_absent: WhereAbsent::Refuse,
+            key_tombstone_ms: 0,
+            forget_tombstone: false,
         }
     }
 
@@ -783,20 +864,44 @@ impl Transition {
             Arg::bytes(if self.require_stale { b"1" } else { b"0" }),
             Arg::bytes(&[phase]),
             Arg::hex(&self.new_owner),
-            Arg::decimal(self.ttl_ms.max(1)),
+            Arg::decimal(self.record_ttl_ms()),
             self.lock_ms.map_or(Arg::bytes(b"-"), Arg::decimal),
             Arg::bytes(&[self.where_absent.letter()]),
         ]
     }
 
+    /// How long Redis keeps the value itself: `ttl_ms` less the key's tombstone.
+    fn record_ttl_ms(&self) -> u64 {
+        self.ttl_ms.saturating_sub(self.key_tombstone_ms).max(1)
+    }
+
+    /// The key's tombstone this transition writes and its `PX` (`ttl_ms`): a completion carrying
+    /// a record on a route that keeps tombstones; `F` for an operator's `forget`, which deletes
+    /// it; `("-", "0")` otherwise.
+    fn tombstone_args(&self, skey: &StorageKey, seal: &Seal) -> (Vec<u8>, Arg) {
+        if self.forget_tombstone && self.new_phase.is_none() && !self.tombstone {
+            return (b"F".to_vec(), Arg::bytes(b"0"));
+        }
+        match (&self.record, self.new_phase) {
+            (Some(r), Some(Stage::Completed)) if self.key_tombstone_ms > 0 => {
+                (tombstone_value(skey, &r.fingerprint, seal), Arg::decimal(self.ttl_ms.max(1)))
+            }
+            _ => (b"-".to_vec(), Arg::bytes(b"0")),
+        }
+    }
+
     /// The Redis command `request` makes webdis run, with the script in full (as its
-    /// `with_script` form does): `EVAL script 1 key ARGV...`, for tests that run the script on
-    /// Redis directly.
+    /// `with_script` form does): `EVAL script 2 key tombstone-key ARGV...`, for tests that run the
+    /// script on Redis directly.
     pub fn eval_command(&self, skey: &StorageKey, seal: &Seal) -> Vec<Vec<u8>> {
-        let mut cmd = vec![b"EVAL".to_vec(), TRANSITION_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
+        let mut cmd = vec![b"EVAL".to_vec(), TRANSITION_SCRIPT.as_bytes().to_vec(), b"2".to_vec()];
         let key = redis_key(skey);
         cmd.push(key.clone().into_bytes());
+        cmd.push(tombstone_redis_key(skey).into_bytes());
         cmd.extend(self.args().iter().map(|a| a.as_slice().to_vec()));
+        let (tomb, tomb_px) = self.tombstone_args(skey, seal);
+        cmd.push(tomb);
+        cmd.push(tomb_px.as_slice().to_vec());
         cmd.push(self.record.as_ref().map_or(b"-".to_vec(), |r| seal.seal(&key, &r.encode())));
         cmd
     }
@@ -805,8 +910,10 @@ impl Transition {
     /// a record (it can be large and binary).
     pub fn request(&self, skey: &StorageKey, seal: &Seal) -> StoreRequest {
         let owned = self.args();
+        let (tomb, tomb_px) = self.tombstone_args(skey, seal);
         let [a0, a1, a2, a3, a4, a5, a6, a7] = &owned;
-        let args = [a0, a1, a2, a3, a4, a5, a6, a7].map(Arg::as_slice);
+        let [a0, a1, a2, a3, a4, a5, a6, a7] = [a0, a1, a2, a3, a4, a5, a6, a7].map(Arg::as_slice);
+        let args = [a0, a1, a2, a3, a4, a5, a6, a7, &tomb, tomb_px.as_slice()];
         let key = redis_key(skey);
         let script = Script::Transition;
         match &self.record {
@@ -818,10 +925,7 @@ impl Transition {
                 path.push_str(".raw");
                 StoreRequest { method: "PUT", path, body: seal.seal(&key, &r.encode()), by_sha1: Some(script) }
             }
-            None => {
-                let [a0, a1, a2, a3, a4, a5, a6, a7] = args;
-                script_post(script, &key, &[a0, a1, a2, a3, a4, a5, a6, a7, b"-"])
-            }
+            None => script_post(script, &key, &[a0, a1, a2, a3, a4, a5, a6, a7, &tomb, tomb_px.as_slice(), b"-"]),
         }
     }
 }
@@ -1031,6 +1135,30 @@ pub fn parse_claim_reply(
             };
             Ok(match StoredValue::open(v, skey, seal) {
                 Ok(value) => ClaimReply::Exists { now_ms, expires_at_ms, value },
+                Err(why) => ClaimReply::Unreadable { now_ms, why },
+            })
+        }
+        // The key's tombstone (no record held): nothing was claimed. Its fingerprint is all it
+        // holds; it is judged as a completed record past its own expiry (`Record::key_tombstone`):
+        // `key-expired` for the same request, `key-reused` for another.
+        (Some(3), Some(Resp::Bulk(Some(v))), 4) => {
+            let expires_at_ms = match items.get(3).and_then(as_int) {
+                Some(left) if left >= 0 => now_ms.saturating_add(u64::try_from(left).unwrap_or(u64::MAX)),
+                // Never written without a PX; one without reads as held, never free.
+                Some(-1) => u64::MAX,
+                _ => return Err(garbled("claim reply pttl")),
+            };
+            Ok(match open_tombstone(v, skey, seal) {
+                Ok(fp) => ClaimReply::Exists {
+                    now_ms,
+                    expires_at_ms,
+                    value: StoredValue {
+                        phase: Stage::Completed,
+                        owner: OwnerToken([0; 16]),
+                        lock_expires_at_ms: 0,
+                        record: Record::key_tombstone(fp),
+                    },
+                },
                 Err(why) => ClaimReply::Unreadable { now_ms, why },
             })
         }

@@ -147,6 +147,11 @@ fn a_completed_key_is_only_forgotten() {
     assert_eq!(plan(&Settle::Complete { response: r, ttl_ms: 1 }, &done, NOW, W), Err(Refusal::Completed));
     let forget = plan(&Settle::Forget, &done, NOW, W).unwrap();
     assert_eq!((forget.expected_phases, forget.require_stale, forget.new_phase), ("D", false, None));
+    // Issue 40, item 6: `forget` deletes the key's tombstone with its record (Redis), so its next
+    // retry executes as `FORGOTTEN` says; a release (of a claim) keeps it.
+    assert!(forget.forget_tombstone);
+    let claim = value(Stage::Unknown, 0);
+    assert!(!plan(&Settle::Release, &claim, NOW, W).unwrap().forget_tombstone);
 }
 
 #[test]

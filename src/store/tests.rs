@@ -118,12 +118,15 @@ fn claim_request_is_one_post_of_an_evalsha_with_raw_output() {
     assert!(body.starts_with("EVALSHA/"));
     assert!(body.ends_with(".raw"));
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
-    assert_eq!(parts.len(), 8, "EVALSHA sha1 numkeys key owner ttl lock record");
+    assert_eq!(parts.len(), 10, "EVALSHA sha1 numkeys key tombstone-key owner ttl lock tombstones record");
     assert_eq!(parts[1].as_bytes(), Script::Claim.sha1_hex());
-    assert_eq!(parts[2], "1");
+    assert_eq!(parts[2], "2");
     assert_eq!(parts[3], format!("idemgate%3Av1%3A{}", "07".repeat(32)));
-    assert_eq!(parts[4], "01".repeat(16));
-    assert_eq!((parts[5], parts[6]), ("660000", "60000"), "PX: a forwarded claim's life (lock, then outcome unknown)");
+    let tomb = format!("idemgate%3Av1%3At%3A%7Bidemgate%3Av1%3A{}%7D", "07".repeat(32));
+    assert_eq!(parts[4], tomb, "the key's tombstone, its hash tag the record's key (one Redis Cluster slot)");
+    assert_eq!(parts[5], "01".repeat(16));
+    assert_eq!((parts[6], parts[7]), ("660000", "60000"), "PX: a forwarded claim's life (lock, then outcome unknown)");
+    assert_eq!(parts[8], "0", "a route without tombstones never reads one");
     assert!(!body[..body.len() - 4].contains('.'), "no unencoded dot before the format suffix");
 }
 
@@ -135,7 +138,7 @@ fn claim_request_is_one_post_of_an_evalsha_with_raw_output() {
 fn every_transitions_px_comes_from_the_one_lifetime_table() {
     let l = lives(4_000, 2_000, 600_000);
     let body = String::from_utf8(claim_request(&skey(), &OwnerToken([1; 16]), &record(), &l, &seal()).body).unwrap();
-    let px = body.trim_end_matches(".raw").split('/').nth(5).unwrap().to_string();
+    let px = body.trim_end_matches(".raw").split('/').nth(6).unwrap().to_string();
     assert_eq!(px, "602000");
     let (a, b) = (OwnerToken([1; 16]), OwnerToken([2; 16]));
     let t = Transition::take_over(a, b, record(), false, &l);
@@ -160,8 +163,8 @@ fn replacing_a_stored_value_always_requires_its_lock_not_live() {
     assert_eq!((free.expected_phases, free.require_stale), ("PDU", true));
     let path = free.request(&skey(), &seal()).path;
     let parts: Vec<&str> = path.trim_end_matches(".raw").split('/').collect();
-    // "" EVALSHA sha1 1 key | owner phases stale ...
-    assert_eq!((parts[6], parts[7]), ("PDU", "1"));
+    // "" EVALSHA sha1 2 key tombstone-key | owner phases stale ...
+    assert_eq!((parts[7], parts[8]), ("PDU", "1"));
 }
 
 #[test]
@@ -178,12 +181,16 @@ fn a_completion_travels_as_a_put_body_and_other_transitions_as_posts() {
     assert_eq!((post.method, post.path.as_str()), ("POST", "/"));
     let body = String::from_utf8(post.body).unwrap();
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
-    // EVALSHA sha1 1 key | owner phases stale new-phase new-owner ttl lock where-absent record
-    assert_eq!(&parts[4..], &["02".repeat(16).as_str(), "P", "0", "X", "02".repeat(16).as_str(), "1", "-", "0", "-"]);
+    // EVALSHA sha1 2 key tombstone-key | owner phases stale new-phase new-owner ttl lock
+    // where-absent tombstone tombstone-px record
+    assert_eq!(
+        &parts[5..],
+        &["02".repeat(16).as_str(), "P", "0", "X", "02".repeat(16).as_str(), "1", "-", "0", "-", "0", "-"]
+    );
     let stale = Transition::stale_to_unknown(owner, &lives(1000, 500, 5000)).request(&skey(), &seal());
     let body = String::from_utf8(stale.body).unwrap();
     let parts: Vec<&str> = body.trim_end_matches(".raw").split('/').collect();
-    assert_eq!((parts[6], parts[7], parts[9]), ("1", "U", "5000"));
+    assert_eq!((parts[7], parts[8], parts[10]), ("1", "U", "5000"));
 }
 
 #[test]
@@ -349,7 +356,7 @@ fn the_claim_script_answers_claimed_with_the_owner_it_was_given() {
     assert!(CLAIM_SCRIPT.contains("return {'1',string.format('%d',now),ARGV[1]}"));
     let body = String::from_utf8(claim_request(&skey(), &OWNER, &record(), &lives(1_000, 1_000, 1_000), &seal()).body)
         .unwrap();
-    assert_eq!(body.split('/').nth(4), Some("01".repeat(16).as_str()));
+    assert_eq!(body.split('/').nth(5), Some("01".repeat(16).as_str()));
 }
 
 /// No allocation is sized from a count in the answer: arrays claiming more elements than any
@@ -509,7 +516,7 @@ fn a_lost_claim_release_leaves_a_tombstone_naming_its_owner_that_reads_as_absent
     let req = String::from_utf8(t.request(&skey(), &seal()).body).unwrap();
     // ARGV: owner, phases, stale, new phase 'R', new owner, ttl (the claim's own life), lock,
     // where absent (no write: the tombstone is its own case), record.
-    let tail = format!("/{}/P/0/R/{}/90000/-/0/-.raw", owner.hex(), owner.hex());
+    let tail = format!("/{}/P/0/R/{}/90000/-/0/-/0/-.raw", owner.hex(), owner.hex());
     assert!(req.ends_with(&tail), "{req}");
     // A plain release deletes and never writes a tombstone.
     let plain = String::from_utf8(Transition::release(owner).request(&skey(), &seal()).body).unwrap();
@@ -574,7 +581,7 @@ fn only_completion_and_outcome_unknown_write_where_their_claim_is_gone() {
         assert_eq!((t.where_absent, flag(&t).as_str()), (WhereAbsent::Refuse, "0"), "{t:?}");
     }
     // The script writes where absent only on the flag, and answers 2 for it.
-    assert!(TRANSITION_SCRIPT.contains("if not v and ARGV[8]~='0' and ARGV[9]~='-'"));
+    assert!(TRANSITION_SCRIPT.contains("if not v and ARGV[8]~='0' and ARGV[11]~='-'"));
     assert!(TRANSITION_SCRIPT.contains("return {2,ARGV[5]} end"));
 }
 
@@ -749,10 +756,17 @@ mod before_issue_27 {
         }
     }
 
+    /// Issue 40, item 6: both scripts take the key's tombstone as KEYS[2].
+    fn tombstone_key(key: &str) -> String {
+        format!("{KEY_PREFIX}t:{{{key}}}")
+    }
+
     fn command(script: Script, key: &str, args: &[&[u8]]) -> String {
         let mut p = head(script, false);
-        p.push_str("1/");
+        p.push_str("2/");
         p.push_str(&encode_arg(key.as_bytes()));
+        p.push('/');
+        p.push_str(&encode_arg(tombstone_key(key).as_bytes()));
         for a in args {
             p.push('/');
             p.push_str(&encode_arg(a));
@@ -769,6 +783,7 @@ mod before_issue_27 {
             owner.hex().into_bytes(),
             l.life_ms(Stage::Forwarded).to_string().into_bytes(),
             l.lock_ms.to_string().into_bytes(),
+            if l.tombstone_ms > 0 { b"1".to_vec() } else { b"0".to_vec() },
             seal.seal(&redis_key(skey), &record.encode()),
         ]
     }
@@ -793,13 +808,26 @@ mod before_issue_27 {
         l: &Lifetimes,
         seal: &Seal,
     ) -> Vec<Vec<u8>> {
-        let mut cmd = vec![b"EVAL".to_vec(), CLAIM_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
+        let mut cmd = vec![b"EVAL".to_vec(), CLAIM_SCRIPT.as_bytes().to_vec(), b"2".to_vec()];
         cmd.push(redis_key(skey).into_bytes());
+        cmd.push(tombstone_key(&redis_key(skey)).into_bytes());
         cmd.extend(claim_args(skey, owner, record, l, seal));
         cmd
     }
 
-    fn args(t: &Transition) -> Vec<Vec<u8>> {
+    fn args(t: &Transition, skey: &StorageKey, seal: &Seal) -> Vec<Vec<u8>> {
+        let completes = t.record.is_some() && t.new_phase == Some(Stage::Completed) && t.key_tombstone_ms > 0;
+        let forgets = t.forget_tombstone && t.new_phase.is_none() && !t.tombstone;
+        let (tomb, tomb_px) = match (&t.record, completes) {
+            _ if forgets => (b"F".to_vec(), b"0".to_vec()),
+            (Some(r), true) => {
+                let mut body = b"IGT\x01".to_vec();
+                body.extend_from_slice(&r.fingerprint.0);
+                let sealed = seal.seal(&tombstone_key(&redis_key(skey)), &body);
+                ([b"IGS1T".to_vec(), sealed].concat(), t.ttl_ms.max(1).to_string().into_bytes())
+            }
+            _ => (b"-".to_vec(), b"0".to_vec()),
+        };
         let phase = vec![t.new_phase.map_or(if t.tombstone { b'R' } else { b'X' }, stage_letter)];
         vec![
             t.expected_owner.hex().into_bytes(),
@@ -807,23 +835,26 @@ mod before_issue_27 {
             if t.require_stale { b"1".to_vec() } else { b"0".to_vec() },
             phase,
             t.new_owner.hex().into_bytes(),
-            t.ttl_ms.max(1).to_string().into_bytes(),
+            t.ttl_ms.saturating_sub(t.key_tombstone_ms).max(1).to_string().into_bytes(),
             t.lock_ms.map_or("-".to_string(), |l| l.to_string()).into_bytes(),
             vec![t.where_absent.letter()],
+            tomb,
+            tomb_px,
         ]
     }
 
     pub fn eval_command(t: &Transition, skey: &StorageKey, seal: &Seal) -> Vec<Vec<u8>> {
-        let mut cmd = vec![b"EVAL".to_vec(), TRANSITION_SCRIPT.as_bytes().to_vec(), b"1".to_vec()];
+        let mut cmd = vec![b"EVAL".to_vec(), TRANSITION_SCRIPT.as_bytes().to_vec(), b"2".to_vec()];
         let key = redis_key(skey);
         cmd.push(key.clone().into_bytes());
-        cmd.extend(args(t));
+        cmd.push(tombstone_key(&key).into_bytes());
+        cmd.extend(args(t, skey, seal));
         cmd.push(t.record.as_ref().map_or(b"-".to_vec(), |r| seal.seal(&key, &r.encode())));
         cmd
     }
 
     pub fn transition_request(t: &Transition, skey: &StorageKey, seal: &Seal) -> StoreRequest {
-        let owned = args(t);
+        let owned = args(t, skey, seal);
         let mut args: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
         let key = redis_key(skey);
         let script = Script::Transition;
@@ -890,6 +921,11 @@ fn store_requests_are_byte_identical_to_those_before_issue_27() {
         assert_eq!(read_request(skey), before_issue_27::read_request(skey));
         for owner in &owners {
             for r in &records {
+                let tl = Lifetimes { tombstone_ms: 1_000, ..l };
+                assert_eq!(
+                    claim_request(skey, owner, r, &tl, &seal),
+                    before_issue_27::claim_request(skey, owner, r, &tl, &seal)
+                );
                 let new = claim_request(skey, owner, r, &l, &seal);
                 assert_eq!(new, before_issue_27::claim_request(skey, owner, r, &l, &seal));
                 assert_eq!(new.with_script(), before_issue_27::claim_request(skey, owner, r, &l, &seal).with_script());
@@ -899,6 +935,7 @@ fn store_requests_are_byte_identical_to_those_before_issue_27() {
                 );
                 let mut transitions = vec![
                     Transition::complete(*owner, r.clone(), &l),
+                    Transition::complete(*owner, r.clone(), &Lifetimes { tombstone_ms: 3_600_000, ..l }),
                     Transition::unknown(*owner, r.clone(), &l),
                     Transition::release(*owner),
                     Transition::release_lost(*owner, &lives(0, 0, 0)),
@@ -907,6 +944,7 @@ fn store_requests_are_byte_identical_to_those_before_issue_27() {
                     Transition::take_over(owners[1], *owner, r.clone(), true, &l),
                 ];
                 transitions.extend(transitions.iter().filter_map(Transition::without_body).collect::<Vec<_>>());
+                transitions.push(Transition { forget_tombstone: true, ..Transition::release(*owner) });
                 transitions.push(Transition {
                     lock_ms: Some(u64::MAX),
                     ttl_ms: u64::MAX,
@@ -933,4 +971,80 @@ fn store_requests_are_byte_identical_to_those_before_issue_27() {
     assert!(checked > 500, "{checked}");
     let every_byte: Vec<u8> = (0..=255).collect();
     assert_eq!(encode_arg(&every_byte), before_issue_27::encode_arg(&every_byte));
+}
+
+/// Issue 40, item 6: on a route that keeps tombstones, a completion keeps its record for `ttl`
+/// only and writes, in the same script, the key's tombstone for `ttl + tombstone`: its
+/// fingerprint only, sealed for the tombstone's own key, 77 bytes whatever the response held. No
+/// other transition writes one, nor a completion on a route without tombstones; the body-less
+/// rewrite of a completion too large for the store writes the same tombstone.
+#[test]
+fn a_completion_keeps_its_record_for_ttl_and_a_small_tombstone_for_ttl_plus_tombstone() {
+    let l = Lifetimes { tombstone_ms: 7_000, ..lives(4_000, 2_000, 600_000) };
+    let owner = OwnerToken([2; 16]);
+    let mut done = record();
+    let headers = vec![("content-type".into(), b"application/json".to_vec())];
+    done.state = State::Completed(StoredResponse { status: 201, headers, body: vec![b'x'; 1_000] });
+    let t = Transition::complete(owner, done.clone(), &l);
+    let tomb = tombstone_value(&skey(), &done.fingerprint, &seal());
+    assert_eq!(tomb.len(), 77, "IGS1T + seal (36) + IGT1 + fingerprint");
+    let arg = |t: &Transition, i: usize| {
+        let path = t.request(&skey(), &seal()).path;
+        path.trim_end_matches(".raw").split('/').nth(i).unwrap().to_string()
+    };
+    // "" EVALSHA sha1 2 key tombstone-key | owner phases stale D owner ttl lock where tomb tomb-px
+    assert_eq!(arg(&t, 5), encode_arg(tombstone_redis_key(&skey()).as_bytes()));
+    assert_eq!(arg(&t, 11), "4000", "the record: ttl");
+    assert_eq!((arg(&t, 14), arg(&t, 15)), (encode_arg(&tomb), "11000".into()), "its tombstone: ttl + tombstone");
+    let lean = t.without_body().unwrap();
+    assert_eq!((arg(&lean, 11), arg(&lean, 14), arg(&lean, 15)), ("4000".into(), encode_arg(&tomb), "11000".into()));
+    assert_eq!(open_tombstone(&tomb, &skey(), &seal()), Ok(done.fingerprint));
+    assert!(open_tombstone(&tomb, &StorageKey([8; 32]), &seal()).unwrap_err().is_unauthentic(), "moved");
+    assert!(open_tombstone(&tomb[..76], &skey(), &seal()).is_err(), "truncated");
+    let plain = Transition::complete(owner, done.clone(), &lives(4_000, 2_000, 600_000));
+    assert_eq!((arg(&plain, 11), arg(&plain, 14), arg(&plain, 15)), ("4000".into(), "-".into(), "0".into()));
+    for other in [
+        Transition::unknown(owner, gone(), &l),
+        Transition::take_over(owner, OwnerToken([3; 16]), done.clone(), true, &l),
+    ] {
+        assert_eq!((arg(&other, 14), arg(&other, 15)), ("-".into(), "0".into()), "{other:?}");
+    }
+    // Written only with a completed value, in the script that writes it (both places).
+    assert_eq!(TRANSITION_SCRIPT.matches("tomb()").count(), 3, "defined once, called where a value is written");
+    assert!(TRANSITION_SCRIPT
+        .contains("if ARGV[4]=='D' and ARGV[9]~='-' then redis.call('SET',KEYS[2],ARGV[9],'PX',ARGV[10])"));
+}
+
+/// Issue 40, item 6: a claim meeting the key's tombstone (no record held) claims nothing and reads
+/// as a completed record past its own expiry, holding nothing to replay: `key-expired` for the
+/// same request on every route, whatever its `tombstone_seconds`; a tombstone that does not
+/// verify for its key is unreadable, never a free key.
+#[test]
+fn a_claim_meeting_the_keys_tombstone_reads_as_a_completed_record_past_its_expiry() {
+    let fp = Fingerprint([0x2e; 32]);
+    let answer = |v: &[u8]| {
+        let mut a = format!("*4\r\n$1\r\n3\r\n$4\r\n1764\r\n${}\r\n", v.len()).into_bytes();
+        a.extend_from_slice(v);
+        a.extend_from_slice(b"\r\n$4\r\n7000\r\n");
+        a
+    };
+    let tomb = tombstone_value(&skey(), &fp, &seal());
+    match parse_claim_reply(Some(200), &answer(&tomb), &OWNER, &skey(), &seal()) {
+        Ok(ClaimReply::Exists { now_ms: 1764, expires_at_ms: 8764, value }) => {
+            assert_eq!((value.phase, &value.record), (Stage::Completed, &Record::key_tombstone(fp)));
+            let summary = value.summary(8764);
+            assert_eq!((summary.phase, summary.fingerprint), (Phase::Completed, Some(fp)));
+            let on_clock = value.record_on_clock(1764, 8764, 50);
+            assert!(on_clock.is_tombstone_for(0, 50) && on_clock.is_tombstone_for(10, 50));
+        }
+        other => panic!("{other:?}"),
+    }
+    let moved = tombstone_value(&StorageKey([8; 32]), &fp, &seal());
+    let reply = parse_claim_reply(Some(200), &answer(&moved), &OWNER, &skey(), &seal());
+    assert!(matches!(reply, Ok(ClaimReply::Unreadable { .. })), "{reply:?}");
+    // The script reads it only for a route that keeps tombstones, only where no record is held.
+    assert!(CLAIM_SCRIPT.contains("if v then return {'0'"));
+    let at = |s: &str| CLAIM_SCRIPT.find(s).unwrap();
+    assert!(at("if v then return {'0'") < at("if ARGV[4]=='1' then local d=redis.call('GET',KEYS[2])"));
+    assert!(at("return {'3'") < at("redis.call('SET',KEYS[1]"));
 }

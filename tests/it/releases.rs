@@ -791,3 +791,103 @@ fn an_mcp_call_awaiting_input_is_refused_never_run_by_the_previous_release() {
     assert!(r.body_text().contains("confirmed"), "the previous release replays the final result: {}", r.body_text());
     assert_eq!(fleet.up.executions(), 2);
 }
+
+/// Issue 40, item 6: a key's tombstone on Redis is a key of its own (`idemgate:v1:t:<hex>`),
+/// which the previous release never reads (its scripts and reads touch the record's key only)
+/// and whose configuration refuses `tombstone_seconds` (so it runs without). A rolling upgrade
+/// with both on one Redis, ttl 5 s and a 10 s tombstone on the new proxy:
+/// - a key completed by the new proxy is replayed by the old one while its record lives (the
+///   record's format is unchanged);
+/// - past its ttl the new proxy answers its tombstone (410 `key-expired`, never executed), while
+///   the old proxy finds the key free and executes it, exactly as the previous release does
+///   without tombstones after `ttl_seconds`: never a misread tombstone (`record-unreadable`),
+///   never an execution the old fleet would not have made; the new proxy then replays the old
+///   proxy's record (a record is read before the tombstone);
+/// - a key completed by the old proxy leaves no tombstone: past its ttl it is free on both, as
+///   before. Executions are counted at the upstream, per key.
+#[test]
+fn mixed_fleet_on_one_redis_the_new_releases_tombstones_are_never_misread_by_the_previous_one() {
+    let previous = previous_release();
+    let old_module = release_module(&previous);
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let lives = r#""ttl_seconds": 5, "lock_ttl_seconds": 3"#;
+    let plugin = |extra: &str| {
+        format!(
+            r#"{{"scope": {{"headers": ["authorization"]}}, {lives}{extra}, "store": {{"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}}}}"#
+        )
+    };
+    let options = |cfg: &str| {
+        let mut o = EnvoyOptions::new(cfg, up.port);
+        o.store_port = Some(webdis.port);
+        o.route_timeout_ms = 1500;
+        o
+    };
+    let new = Envoy::start(&options(&plugin(r#", "tombstone_seconds": 10"#)));
+    let mut o = options(&plugin(""));
+    o.wasm = Some(old_module);
+    let old = Envoy::start(&o);
+    let executions = |key: &str| up.executions_by_key().get(key).copied().unwrap_or(0);
+    let json = [("content-type", "application/json")];
+    let (a, b) = ("tomb-new-first", "tomb-old-first");
+    for (first, key) in [(&new, a), (&old, b)] {
+        let r = post(first, key, &json);
+        assert_eq!((r.status, replayed(&r)), (201, false), "{key}: {}", r.body_text());
+    }
+    // Replayed across versions while the records live (the completion lands after the answer).
+    let mut done = None;
+    for (other, key) in [(&old, a), (&new, b)] {
+        let mut last = String::new();
+        let ok = (0..200).any(|_| {
+            let r = post(other, key, &json);
+            last = format!("{} {}", r.status, r.problem());
+            let hit = r.status == 201 && replayed(&r);
+            if !hit {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            hit
+        });
+        assert!(ok, "{key} never replayed across versions: {last}");
+        done.get_or_insert_with(std::time::Instant::now);
+    }
+    assert_eq!((executions(a), executions(b)), (1, 1));
+    let tomb =
+        |key: &str| redis.get_raw(format!("idemgate:v1:t:{{{}}}", support::redis_key_of(&plugin(""), TOKEN, key)));
+    assert_eq!(tomb(a).map(|v| v.len()), Some(77), "the new proxy's completion left its tombstone");
+    assert_eq!(tomb(b), None, "the previous release writes none");
+    // Past both records' ttl (5 s from their completions, which came before `done`).
+    let until = done.expect("replayed") + Duration::from_millis(6_500);
+    if let Some(d) = until.checked_duration_since(std::time::Instant::now()) {
+        std::thread::sleep(d);
+    }
+    let on_new = post(&new, a, &json);
+    assert_eq!((on_new.status, on_new.problem().as_str()), (410, "key-expired"), "{}", on_new.body_text());
+    assert_eq!(executions(a), 1, "the tombstone executed nothing");
+    let on_old = post(&old, a, &json);
+    assert_eq!(
+        (on_old.status, replayed(&on_old)),
+        (201, false),
+        "{} past its ttl: free, as without tombstones: {}",
+        previous.version,
+        on_old.body_text()
+    );
+    assert_eq!(executions(a), 2, "the previous release executed it once more past its ttl, as it always has");
+    // The old proxy's completion lands after its answer: 409 until then (polled by count).
+    let after = (0..200)
+        .map(|_| post(&new, a, &json))
+        .find(|r| {
+            r.status != 409 || {
+                std::thread::sleep(Duration::from_millis(20));
+                false
+            }
+        })
+        .expect("an answer other than 409");
+    assert_eq!((after.status, replayed(&after)), (201, true), "the record is read before the tombstone");
+    let free = post(&new, b, &json);
+    assert_eq!((free.status, replayed(&free)), (201, false), "{}", free.body_text());
+    assert_eq!((executions(a), executions(b)), (2, 2));
+    assert!(!new.log().contains("record-unreadable") && !old.log().contains("record-unreadable"));
+    new.assert_no_wasm_panic();
+    old.assert_no_wasm_panic();
+}

@@ -52,16 +52,27 @@ fn replayed(e: &Envoy, key: &str) -> Instant {
     panic!("{key} never replayed: {last}");
 }
 
+/// When `scenario` lets its store be looked at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Moment {
+    /// The record is live (replayed).
+    Live,
+    /// Past the record's ttl, inside its tombstone.
+    Tombstone,
+}
+
 /// The scenario on `first` (where the key executes) and `other` (the same proxy, or another one
-/// sharing the store).
-fn scenario(first: &Envoy, other: &Envoy, up: &Upstream, key: &str) {
+/// sharing the store); `look` asserts on the store's state at each `Moment`.
+fn scenario(first: &Envoy, other: &Envoy, up: &Upstream, key: &str, look: impl Fn(Moment)) {
     let r = post(first, key, BODY);
     assert_eq!(r.status, 201, "{}", r.body_text());
     assert_eq!(up.executions(), 1);
     let done = replayed(other, key);
+    look(Moment::Live);
     // Past the record's ttl (its completion came before `done`) by more than etcd's 1 s clock
     // skew tolerance (within it a record is judged still live), inside its tombstone.
     sleep_until(done + Duration::from_millis(TTL_MS + 1_500));
+    look(Moment::Tombstone);
     for (e, name) in [(first, "first"), (other, "other")] {
         let retry = post(e, key, BODY);
         assert_eq!(
@@ -92,7 +103,7 @@ fn scenario(first: &Envoy, other: &Envoy, up: &Upstream, key: &str) {
 fn local_tier_a_key_past_its_ttl_meets_its_tombstone_then_is_free() {
     let cfg = format!(r#"{{"scope": {{"headers": ["authorization"]}}, {LIVES}}}"#);
     let s = Stack::with(&cfg, |o| o.route_timeout_ms = 1500);
-    scenario(&s.envoy, &s.envoy, &s.up, "k-tomb-local");
+    scenario(&s.envoy, &s.envoy, &s.up, "k-tomb-local", |_| {});
 }
 
 #[test]
@@ -108,7 +119,37 @@ fn two_proxies_on_redis_a_key_past_its_ttl_meets_its_tombstone_on_either_then_is
     o.route_timeout_ms = 1500;
     let a = Envoy::start(&o);
     let b = Envoy::start(&o);
-    scenario(&a, &b, &up, "k-tomb-redis");
+    let record = support::redis_key_of(&cfg, AUTH, "k-tomb-redis");
+    let tomb = format!("idemgate:v1:t:{{{record}}}");
+    let memory = |k: &str| redis.cli(&["MEMORY", "USAGE", k, "SAMPLES", "0"]).trim().parse::<u64>().ok();
+    // Issue 40, item 6: the record holds the response for `ttl`; then only the key's small
+    // tombstone is left (its fingerprint, sealed: 77 bytes), never the response.
+    scenario(&a, &b, &up, "k-tomb-redis", |m| {
+        let (r, t) = (redis.get_raw(&record), redis.get_raw(&tomb));
+        let pttl = |k: &str| redis.cli(&["PTTL", k]).trim().parse::<i64>().unwrap();
+        println!(
+            "{m:?}: record {:?} bytes ({:?} in memory), tombstone {:?} bytes ({:?} in memory)",
+            r.as_ref().map(Vec::len),
+            memory(&record),
+            t.as_ref().map(Vec::len),
+            memory(&tomb)
+        );
+        let t = t.unwrap_or_else(|| panic!("{m:?}: no tombstone at {tomb}"));
+        assert_eq!((t.len(), &t[..5]), (77, &b"IGS1T"[..]), "{m:?}: the tombstone holds the fingerprint only");
+        assert!(!t.windows(BODY.len()).any(|w| w == BODY.as_bytes()));
+        match m {
+            Moment::Live => {
+                let r = r.expect("the record while live");
+                assert!(r.starts_with(b"IGS1D"), "completed");
+                assert!(
+                    pttl(&tomb) > pttl(&record) + (TOMBSTONE_MS as i64) - 1_000,
+                    "the tombstone outlives the record"
+                );
+                assert!(pttl(&record) <= TTL_MS as i64, "the record lives ttl, no longer");
+            }
+            Moment::Tombstone => assert_eq!(r, None, "past its ttl the record (and its response) is gone"),
+        }
+    });
 }
 
 #[test]
@@ -125,5 +166,152 @@ fn two_proxies_on_etcd_a_key_past_its_ttl_meets_its_tombstone_on_either_then_is_
     let b = Envoy::start(&o);
     support::etcd::wait_leases(&a, o.concurrency);
     support::etcd::wait_leases(&b, o.concurrency);
-    scenario(&a, &b, &up, "k-tomb-etcd");
+    scenario(&a, &b, &up, "k-tomb-etcd", |_| {});
+}
+
+/// Issue 40, item 6, the scripts alone on a real Redis (no Envoy, no sleep: the record's expiry is
+/// its `DEL`). Sequences that could execute a key twice or leak a response:
+/// - a retry racing the record's expiry and the tombstone's write: both are written by the one
+///   completion script, the tombstone's `PX` the longer, so no claim finds the record gone and
+///   the tombstone not yet there;
+/// - a completion whose claim the store lost (written where absent) leaves its tombstone too;
+/// - a claim meeting the tombstone claims nothing (the key stays unwritten); a route without
+///   tombstones never reads one (its claim claims, as before tombstones);
+/// - an outcome-unknown or in-flight record leaves none (it never completed: what it does is
+///   unchanged, its own life);
+/// - what a tombstone costs in Redis against the record it outlives (a 1 KB response).
+#[test]
+fn redis_scripts_a_completion_leaves_a_small_tombstone_that_a_claim_meets_once_the_record_is_gone() {
+    use idemgate::fingerprint::Fingerprint;
+    use idemgate::owner::OwnerToken;
+    use idemgate::record::{Creator, Lifetimes, Record, StoredResponse, UnknownReason};
+    use idemgate::scope::StorageKey;
+    use idemgate::seal::Seal;
+    use idemgate::store::{self, Transition};
+    use support::store::resp::Value;
+
+    let redis = Redis::start();
+    let seal = Seal::new(Some("a-test-secret-of-at-least-32-bytes!!"), None).unwrap();
+    let l = Lifetimes { ttl_ms: 60_000, lock_ms: 5_000, unknown_ms: 30_000, tombstone_ms: 120_000 };
+    let plain = Lifetimes { tombstone_ms: 0, ..l };
+    let fp = Fingerprint([0x2e; 32]);
+    let owner = OwnerToken([1; 16]);
+    let creator = Creator { request_id: "7f3c2a9e-5b1d-4e8f-9a6c-2d1b0c9e8f7a".into(), log_values: vec![] };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec()), ("location".into(), b"/c/1".to_vec())],
+        body: vec![b'x'; 1_000],
+    };
+    let run = |cmd: Vec<Vec<u8>>| {
+        let args: Vec<&[u8]> = cmd.iter().map(Vec::as_slice).collect();
+        redis.command(&args)
+    };
+    let code = |v: &Value| match v {
+        Value::Array(Some(items)) => match items.first() {
+            Some(Value::Bulk(Some(b))) => String::from_utf8_lossy(b).into_owned(),
+            Some(Value::Int(i)) => i.to_string(),
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    };
+    let pttl = |k: &str| redis.cli(&["PTTL", k]).trim().parse::<i64>().unwrap();
+    let memory = |k: &str| redis.cli(&["MEMORY", "USAGE", k, "SAMPLES", "0"]).trim().parse::<u64>().unwrap();
+    let claim = |skey: &StorageKey, lives: &Lifetimes| {
+        let rec = Record::in_progress(fp, creator.clone(), owner, 1, lives);
+        run(store::claim_command(skey, &owner, &rec, lives, &seal))
+    };
+    let done = Record::completed(fp, response.clone(), false, creator.clone(), 1, 60);
+
+    // Claimed, then completed: the record for ttl, the tombstone for ttl + tombstone.
+    let a = StorageKey([0xa1; 32]);
+    let (rk, tk) = (store::redis_key(&a), store::tombstone_redis_key(&a));
+    assert_eq!(code(&claim(&a, &l)), "1");
+    assert_eq!(redis.get_raw(&tk), None, "a claim writes no tombstone");
+    assert_eq!(code(&run(Transition::complete(owner, done.clone(), &l).eval_command(&a, &seal))), "1");
+    let (record_ttl, tomb_ttl) = (pttl(&rk), pttl(&tk));
+    assert!(record_ttl <= 60_000 && record_ttl > 50_000, "record PX {record_ttl}");
+    assert!(tomb_ttl > record_ttl + 110_000, "tombstone PX {tomb_ttl}");
+    let (record_bytes, tomb_bytes) = (redis.get_raw(&rk).unwrap().len(), redis.get_raw(&tk).unwrap().len());
+    let (record_mem, tomb_mem) = (memory(&rk), memory(&tk));
+    println!(
+        "Redis, per key: record (1,000-byte body) {record_bytes} value bytes, MEMORY USAGE {record_mem}; \
+         tombstone {tomb_bytes} value bytes, MEMORY USAGE {tomb_mem}"
+    );
+    assert_eq!(tomb_bytes, 77);
+    assert!(tomb_mem * 5 < record_mem, "a tombstone is small: {tomb_mem} vs {record_mem}");
+    // While the record lives a claim reads it (a replay), not the tombstone.
+    assert_eq!(code(&claim(&a, &l)), "0");
+    // The record expires: a claim meets the tombstone and claims nothing.
+    redis.command(&[b"DEL", rk.as_bytes()]);
+    let met = claim(&a, &l);
+    assert_eq!(code(&met), "3", "{met:?}");
+    let Value::Array(Some(items)) = met else { unreachable!() };
+    let Value::Bulk(Some(v)) = &items[2] else { panic!("{items:?}") };
+    assert_eq!(store::open_tombstone(v, &a, &seal), Ok(fp));
+    assert_eq!(redis.get_raw(&rk), None, "nothing claimed");
+    // A route without tombstones claims, as before them.
+    assert_eq!(code(&claim(&a, &plain)), "1");
+    // Its owner's release (the claim never ran) keeps the tombstone: the memory of the first run.
+    assert_eq!(code(&run(Transition::release(owner).eval_command(&a, &seal))), "1");
+    assert_eq!((redis.get_raw(&rk), redis.get_raw(&tk).map(|v| v.len())), (None, Some(77)));
+    // An operator's `forget` of a completed key deletes its tombstone with it: its next retry
+    // executes, as `idemgate forget` says (`admin::FORGOTTEN`).
+    assert_eq!(code(&claim(&a, &plain)), "1");
+    assert_eq!(code(&run(Transition::complete(owner, done.clone(), &l).eval_command(&a, &seal))), "1");
+    let forget = Transition { forget_tombstone: true, ..Transition::release(owner) };
+    assert_eq!(code(&run(Transition { expected_phases: "D", ..forget }.eval_command(&a, &seal))), "1");
+    assert_eq!((redis.get_raw(&rk), redis.get_raw(&tk)), (None, None), "forgotten, tombstone too");
+    assert_eq!(code(&claim(&a, &l)), "1", "the next retry executes");
+
+    // A completion whose claim the store lost is written where absent, with its tombstone.
+    let b = StorageKey([0xb2; 32]);
+    assert_eq!(code(&run(Transition::complete(owner, done.clone(), &l).eval_command(&b, &seal))), "2");
+    assert!(redis.get_raw(store::tombstone_redis_key(&b)).is_some());
+    // Its body-less rewrite (too large for the store) too.
+    let c = StorageKey([0xc3; 32]);
+    assert_eq!(code(&claim(&c, &l)), "1");
+    let lean = Transition::complete(owner, done.clone(), &l).without_body().unwrap();
+    assert_eq!(code(&run(lean.eval_command(&c, &seal))), "1");
+    assert_eq!(redis.get_raw(store::tombstone_redis_key(&c)).map(|v| v.len()), Some(77));
+
+    // Outcome-unknown and in flight: no tombstone, before or after their record ends.
+    let d = StorageKey([0xd4; 32]);
+    assert_eq!(code(&claim(&d, &l)), "1");
+    let gone = Record::unknown(fp, creator.clone(), UnknownReason::UpstreamTimeout, 1, &l);
+    assert_eq!(code(&run(Transition::unknown(owner, gone, &l).eval_command(&d, &seal))), "1");
+    assert_eq!(redis.get_raw(store::tombstone_redis_key(&d)), None);
+    // A completion on a route without tombstones writes none.
+    let e = StorageKey([0xe5; 32]);
+    assert_eq!(code(&claim(&e, &plain)), "1");
+    assert_eq!(code(&run(Transition::complete(owner, done, &plain).eval_command(&e, &seal))), "1");
+    assert_eq!(redis.get_raw(store::tombstone_redis_key(&e)), None);
+    assert!(pttl(&store::redis_key(&e)) > 50_000, "the record: ttl");
+}
+
+/// Issue 40, item 6, through a Redis Cluster (Envoy's `redis_proxy` behind webdis): the scripts
+/// name the record's key and its tombstone's, which Redis Cluster runs only when both are in one
+/// slot (`CROSSSLOT` otherwise): the tombstone's hash tag is the record's key. A completion with
+/// its tombstone lands (replayed on the other proxy), and the tombstone sits on the record's node.
+#[test]
+fn through_a_redis_cluster_a_completion_and_its_tombstone_land_in_one_slot() {
+    let cluster = support::store::RedisCluster::start();
+    let up = Upstream::start();
+    let cfg = format!(
+        r#"{{"scope": {{"headers": ["authorization"]}}, {LIVES}, "store": {{"cluster": "idemgate_store", "timeout_ms": 1000}}}}"#
+    );
+    let mut o = EnvoyOptions::new(&cfg, up.port);
+    o.store_port = Some(cluster.webdis.port);
+    o.route_timeout_ms = 1500;
+    let a = Envoy::start(&o);
+    let b = Envoy::start(&o);
+    for n in 0..4 {
+        let key = format!("k-tomb-cluster-{n}");
+        let r = post(&a, &key, BODY);
+        assert_eq!(r.status, 201, "{}", r.body_text());
+        replayed(&b, &key);
+    }
+    assert_eq!(up.executions(), 4);
+    assert_eq!(a.stat("idemgate.store_write_failures") + b.stat("idemgate.store_write_failures"), 0);
+    a.assert_no_wasm_panic();
+    b.assert_no_wasm_panic();
 }
