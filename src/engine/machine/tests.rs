@@ -989,3 +989,37 @@ fn a_next_round_whose_outcome_is_unknown_runs_nothing_again() {
         }
     }
 }
+
+/// Review (h-review2): a round that answers an earlier question (it echoes that question's
+/// `requestState`) is no next round of the call. Round 2 (state s1, `ok: false`) ran and asked
+/// again (state s2); a copy of round 2 whose answers differ only in spelling (`1` / `1.0`, kept
+/// as written by the canonical form), or another answer to question 1, is then taken as the
+/// answer to question 2 and runs: round 2's step runs twice.
+#[test]
+fn a_round_answering_an_earlier_question_is_never_run() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let asks = |state: &str| {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":5,"result":{{"resultType":"input_required","inputRequests":{{"q":{{"method":"elicitation/create","params":{{}}}}}},"requestState":"{state}"}}}}"#
+        )
+    };
+    let round = |state: &str, n: &str| {
+        format!(r#""inputResponses":{{"q":{{"action":"accept","content":{{"n":{n}}}}}}},"requestState":"{state}""#)
+    };
+    let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-earlier-q", 10, "")) else {
+        panic!("round 1 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r1, asks("s1").as_bytes()), "stored");
+    let Met::Forwarded(mut r2) = send_round(&c, &mut host, round_call(5, "k-earlier-q", 10, &round("s1", "1"))) else {
+        panic!("round 2 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r2, asks("s2").as_bytes()), "stored");
+    for (what, extra) in [("round 2 spelled 1.0", round("s1", "1.0")), ("another answer to question 1", round("s1", "2"))]
+    {
+        match send_round(&c, &mut host, round_call(5, "k-earlier-q", 10, &extra)) {
+            Met::Forwarded(_) => panic!("{what}, sent after round 2 asked again, ran (round 2's step twice)"),
+            Met::Replayed(_) | Met::Refused(_) => {}
+        }
+    }
+}
