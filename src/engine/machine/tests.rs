@@ -1023,3 +1023,20 @@ fn a_round_answering_an_earlier_question_is_never_run() {
         }
     }
 }
+
+/// Review (h-review2): a first round sent again with an empty `inputResponses` (`{}`, as a
+/// client may serialise "no answers yet") after the call asked is a round of its own digest
+/// (`{}` is not "absent"): Round::Next, and round 1 runs again.
+#[test]
+fn a_first_round_with_empty_input_responses_is_not_a_next_round() {
+    let c = config(MCP);
+    let mut host = Host::new(&c);
+    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-empty-in", 10, "")) else {
+        panic!("round 1 is forwarded")
+    };
+    assert_eq!(answer_round(&mut host, &mut r1, asks), "stored");
+    if let Met::Forwarded(_) = send_round(&c, &mut host, round_call(5, "k-empty-in", 10, r#""inputResponses":{}"#)) {
+        panic!("round 1 sent again with \"inputResponses\":{{}} ran again");
+    }
+}
