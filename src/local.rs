@@ -969,7 +969,7 @@ impl Table {
         sd: &mut dyn SharedData,
         skey: StorageKey,
         fp: Fingerprint,
-        round: &[u8; 32],
+        round: &crate::record::RoundId,
         now_ms: u64,
         policy: &Policy,
         owner: OwnerToken,

@@ -49,10 +49,12 @@ pub struct Call {
     /// Which round of a multi-round call (2026-07-28) this is: SHA-256 of what the client sends
     /// for a round, `params.inputResponses` and `params.requestState` (canonical, each framed,
     /// absent or null as nothing), outside the fingerprint. A first round sends neither.
-    pub round: [u8; 32],
+    pub round: crate::record::RoundId,
 }
 
 /// What a POST body on an MCP route is.
+// One per request, read once and moved: a `Call`'s size is no copy cost worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Classified {
     /// Not a protected call (another method, a notification, a response, an unlisted tool):
@@ -78,17 +80,24 @@ const METHOD: &str = "tools/call";
 const FP_TAG: &[u8] = b"idemgate-mcp-tools-call-v1\0";
 const ROUND_TAG: &[u8] = b"idemgate-mcp-round-v1\0";
 
-/// `Call::round` of a call whose canonical document is `canonical`.
-fn round_of(canonical: &[u8]) -> [u8; 32] {
-    let params = member(canonical, "params");
+/// `Call::round` of a call whose document, in its semantic form (`canonical_json::semantic_form`:
+/// two spellings a server reads alike are one round), is `semantic`, parsed as `value`. An empty
+/// `inputResponses` (`{}`, "no answers yet") is none: a first round sent again so is the first.
+fn round_of(semantic: &[u8], value: &Value) -> crate::record::RoundId {
+    let params = member(semantic, "params");
     let mut h = Sha256::new();
     h.update(ROUND_TAG);
     for name in ["inputResponses", "requestState"] {
-        let v = params.and_then(|p| member(p, name)).filter(|v| *v != b"null").unwrap_or(b"");
+        let v = params.and_then(|p| member(p, name)).filter(|v| *v != b"null" && *v != b"{}").unwrap_or(b"");
         h.update((v.len() as u64).to_be_bytes());
         h.update(v);
     }
-    h.finalize().into()
+    let state = value
+        .get("params")
+        .and_then(|p| p.get("requestState"))
+        .filter(|v| !v.is_null())
+        .map(crate::record::state_digest);
+    crate::record::RoundId { digest: h.finalize().into(), state }
 }
 
 /// Classifies a POST body on an MCP route under `policy`.
@@ -156,7 +165,8 @@ fn call(value: &Value, body: &[u8], canonical: &[u8], tool: &str, policy: &McpPo
     // servers use (`canonical_json::semantic_form`: escapes decoded, numbers by value), so two
     // calls a server reads alike derive one key (the boundary oracle, issue 41). The body is
     // canonical JSON already, so it has that form too.
-    let derive_digest = crate::canonical_json::semantic_form(canonical).map_or(digest, |f| material(&f, tool));
+    let semantic = crate::canonical_json::semantic_form(canonical);
+    let derive_digest = semantic.as_deref().map_or(digest, |f| material(f, tool));
     let params = value.get("params");
     let meta = params
         .and_then(|p| p.get("_meta"))
@@ -169,7 +179,8 @@ fn call(value: &Value, body: &[u8], canonical: &[u8], tool: &str, policy: &McpPo
                 .map(|v| BodyKey { source: format!("params.arguments.{name}"), value: v.as_str().map(str::to_string) })
         })
     });
-    Call { id, tool: tool.to_string(), digest, derive_digest, key, round: round_of(canonical) }
+    let round = round_of(semantic.as_deref().unwrap_or(canonical), value);
+    Call { id, tool: tool.to_string(), digest, derive_digest, key, round }
 }
 
 /// The digest of a call's material in `doc` (its canonical or its semantic form): the tool and

@@ -178,6 +178,45 @@ pub struct Awaiting {
 /// its answer (`"keep"`), loud and never run twice.
 pub const MAX_EARLIER_ROUNDS: usize = 64;
 
+/// Which round of an MCP call a request is (`mcp::Call::round`): the digest of what the client
+/// sends for a round (`params.inputResponses` and `params.requestState`, in their semantic form,
+/// an empty `inputResponses` as none), and of the `requestState` it echoes, if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoundId {
+    pub digest: [u8; 32],
+    /// `mcp::state_digest` of the round's `params.requestState`.
+    pub state: Option<[u8; 32]>,
+}
+
+const STATE_TAG: &[u8] = b"idemgate-mcp-request-state-v1\0";
+
+/// The digest of a `requestState` (a string in the schema; another value as serde reads it):
+/// what a round echoes and what its question gave, compared (`Record::round`).
+pub fn state_digest(v: &serde_json::Value) -> [u8; 32] {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(STATE_TAG);
+    match v {
+        serde_json::Value::String(s) => {
+            h.update(b"s");
+            h.update(s.as_bytes());
+        }
+        other => {
+            h.update(b"v");
+            h.update(serde_json::to_vec(other).unwrap_or_default());
+        }
+    }
+    h.finalize().into()
+}
+
+/// The `requestState` a stored question (an awaiting record's final JSON-RPC response, as
+/// `mcp::final_response` keeps it) gives the client to echo, as `state_digest`; `None` when it gives
+/// none (or cannot be read: then any new round is its answer, as before the state was checked).
+pub fn asked_state(message: &[u8]) -> Option<[u8; 32]> {
+    let Ok(serde_json::Value::Object(m)) = serde_json::from_slice::<serde_json::Value>(message) else { return None };
+    m.get("result").and_then(|r| r.get("requestState")).filter(|v| !v.is_null()).map(state_digest)
+}
+
 /// What a round of an MCP call meets in the key's record (`Record::round`): the one rule every
 /// tier applies to an awaiting record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,8 +226,9 @@ pub enum Round {
     /// The round that asked, or an earlier round of the call, sent again: replayed the call's
     /// current question, never run again.
     Asked,
-    /// Another round of the same call (other `inputResponses`/`requestState`): it may take the
-    /// key (awaiting -> forwarded, atomically in its tier) and run; once.
+    /// Another round of the same call that answers the current question (it echoes the
+    /// question's `requestState`; a question without one: any round not run before): it may
+    /// take the key (awaiting -> forwarded, atomically in its tier) and run; once.
     Next,
 }
 
@@ -410,10 +450,17 @@ impl Record {
 
     /// The one rule for a round of an MCP call (`round`: `mcp::Call::round`; `None`: not an MCP
     /// call) meeting this record, whose fingerprint already matched.
-    pub fn round(&self, round: Option<&[u8; 32]>) -> Round {
+    pub fn round(&self, round: Option<&RoundId>) -> Round {
         match (&self.state, round) {
-            (State::AwaitingInput(a), Some(r)) if a.round == *r || a.earlier.contains(r) => Round::Asked,
-            (State::AwaitingInput(_), Some(_)) => Round::Next,
+            (State::AwaitingInput(a), Some(r)) if a.round == r.digest || a.earlier.contains(&r.digest) => Round::Asked,
+            // A round that does not echo the current question's `requestState` answers another
+            // question (an earlier one, answered again or spelled another way) or none: the
+            // current question, never a run (the round that answers an earlier question ran
+            // already, as the round the record lists or one spelled as it).
+            (State::AwaitingInput(a), Some(r)) => match asked_state(&a.response.body) {
+                Some(asked) if r.state != Some(asked) => Round::Asked,
+                _ => Round::Next,
+            },
             // An awaiting record met by a request that is not an MCP round (another route's
             // request with the same fingerprint cannot be: MCP fingerprints are tagged): its
             // question, never a run.
@@ -803,17 +850,55 @@ mod tests {
         for cut in 0..bytes.len() {
             assert!(Record::decode(bytes.get(..cut).unwrap_or_default()).is_err(), "{cut}");
         }
-        assert_eq!(r.round(Some(&[1; 32])), Round::Asked);
-        assert_eq!(r.round(Some(&[2; 32])), Round::Next);
-        assert_eq!(r.round(Some(&[5; 32])), Round::Asked, "an earlier round is answered the current question");
+        let id = |d: u8| RoundId { digest: [d; 32], state: None };
+        assert_eq!(r.round(Some(&id(1))), Round::Asked);
+        assert_eq!(r.round(Some(&id(2))), Round::Next, "a question without requestState: any new round");
+        assert_eq!(r.round(Some(&id(5))), Round::Asked, "an earlier round is answered the current question");
         assert_eq!(r.rounds_run(), vec![[5; 32], [1; 32]]);
         assert_eq!(r.round(None), Round::Asked);
         let replayed = r.clone().as_replayed();
         assert_eq!(replayed.state, State::Completed(response.clone()));
         let done = Record { state: State::Completed(response), ..r.clone() };
-        assert_eq!(done.round(Some(&[2; 32])), Round::NotAwaiting);
+        assert_eq!(done.round(Some(&id(2))), Round::NotAwaiting);
         assert!(matches!(r.state.clone().without_body(), State::CompletedTooLarge { status: 200, .. }));
         assert!(r.is_tombstone(9) && !r.is_tombstone(8), "an awaiting record past its expiry is its key's tombstone");
+    }
+
+    /// Review (h-review2): a question with a `requestState` is answered only by a round that
+    /// echoes it; a round echoing another state (an earlier question's, answered again) or none
+    /// is answered the question, never run.
+    #[test]
+    fn only_a_round_echoing_the_questions_state_is_the_next() {
+        let asked = |state: &str| {
+            Record {
+            fingerprint: Fingerprint([3; 32]),
+            created_at_ms: 5,
+            expires_at_ms: 9,
+            creator: Creator { request_id: "r1".into(), log_values: vec![] },
+            state: State::AwaitingInput(Box::new(Awaiting {
+                round: [1; 32],
+                earlier: vec![],
+                response: StoredResponse {
+                    status: 200,
+                    headers: vec![],
+                    body: format!(r#"{{"jsonrpc":"2.0","id":1,"result":{{"resultType":"input_required","requestState":"{state}"}}}}"#)
+                        .into_bytes(),
+                },
+            })),
+        }
+        };
+        let s2 = state_digest(&serde_json::Value::String("s2".into()));
+        let s1 = state_digest(&serde_json::Value::String("s1".into()));
+        let r = asked("s2");
+        assert_eq!(r.round(Some(&RoundId { digest: [2; 32], state: Some(s2) })), Round::Next);
+        assert_eq!(r.round(Some(&RoundId { digest: [2; 32], state: Some(s1) })), Round::Asked);
+        assert_eq!(r.round(Some(&RoundId { digest: [2; 32], state: None })), Round::Asked);
+        let escaped = asked("s\\u0032");
+        assert_eq!(
+            escaped.round(Some(&RoundId { digest: [2; 32], state: Some(s2) })),
+            Round::Next,
+            "the state as the parsers read it"
+        );
     }
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;

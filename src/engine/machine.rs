@@ -91,7 +91,7 @@ pub struct Protected {
     /// An MCP `tools/call`: its JSON-RPC id (JSON text).
     pub mcp: Option<Vec<u8>>,
     /// An MCP `tools/call`: which round of its call it is (`mcp::Call::round`).
-    pub mcp_round: Option<[u8; 32]>,
+    pub mcp_round: Option<crate::record::RoundId>,
     /// An MCP call's next round: the awaiting record it continued, whose rounds
     /// (`Record::rounds_run`) the awaiting record it may leave lists, and which a release of
     /// the round restores.

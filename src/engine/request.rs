@@ -177,7 +177,7 @@ pub struct Sent {
     pub fp: Fingerprint,
     pub sent_at_ms: u64,
     /// An MCP call's round (`mcp::Call::round`): what an awaiting record answers it.
-    pub round: Option<[u8; 32]>,
+    pub round: Option<crate::record::RoundId>,
 }
 
 /// The store claimed the key for us: forward, unless the answer came so late that the claim's
@@ -591,7 +591,7 @@ pub struct McpCall {
     /// The digest of the fingerprint's body material: tool name and canonical arguments.
     pub digest: [u8; 32],
     /// Which round of its call (`mcp::Call::round`), outside the fingerprint.
-    pub round: [u8; 32],
+    pub round: crate::record::RoundId,
     /// What a derived key is derived from: that material's semantic form (`mcp::Call`).
     pub derive_digest: [u8; 32],
 }

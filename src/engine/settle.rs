@@ -38,7 +38,7 @@ pub struct Claim {
     pub mcp_id: Option<Vec<u8>>,
     /// MCP: which round of its call the claim's request is (`mcp::Call::round`): an answer
     /// asking for input is kept as this round's (`record::State::AwaitingInput`).
-    pub mcp_round: Option<[u8; 32]>,
+    pub mcp_round: Option<crate::record::RoundId>,
     /// MCP: the awaiting record this round continued (`Protected::mcp_continued`).
     pub mcp_continued: Option<Box<Record>>,
 }
@@ -206,7 +206,7 @@ pub fn start<'a>(
             // A stored answer asking for input, on a route that awaits: the call's awaiting
             // record for this round (`record::State::AwaitingInput`), not its final answer.
             if o == Outcome::Store && asks && input_required == crate::config::InputRequired::Await {
-                awaiting = claim.mcp_round;
+                awaiting = claim.mcp_round.map(|r| r.digest);
                 if let Some(round) = awaiting {
                     let why = format!("round={}", crate::hex::encode(&round[..6]));
                     out.push(Command::Log(

@@ -568,13 +568,13 @@ fn both_tiers_follow_the_same_lifecycle_for_random_event_sequences() {
 /// the local tier (`local::Table::continue_round`, one bucket CAS) the second finds the claim.
 #[test]
 fn two_copies_of_a_next_round_continue_an_awaiting_call_once_in_every_tier() {
-    use idemgate::record::{Awaiting, Round, State};
+    use idemgate::record::{Awaiting, Round, RoundId, State};
     let p = policy(StaleLock::Reject);
     let lifetimes = Lifetimes::of(&p);
-    let asked = [1u8; 32];
-    let next = [2u8; 32];
+    let asked = RoundId { digest: [1u8; 32], state: None };
+    let next = RoundId { digest: [2u8; 32], state: None };
     let awaiting = |now: u64| Record {
-        state: State::AwaitingInput(Box::new(Awaiting { round: asked, earlier: vec![], response: response() })),
+        state: State::AwaitingInput(Box::new(Awaiting { round: asked.digest, earlier: vec![], response: response() })),
         ..Record::completed(FP, response(), false, creator(1), now, p.ttl_seconds)
     };
     let continuation = |o: u8, from: &StoredValue, now: u64| {
@@ -632,7 +632,7 @@ fn two_copies_of_a_next_round_continue_an_awaiting_call_once_in_every_tier() {
     let h = l.handle(1);
     let now = l.now;
     assert!(matches!(l.table.complete(&mut l.sd, &h, awaiting(now), now).unwrap(), Completed::Stored));
-    let cont = |l: &mut Local, o: u8, round: &[u8; 32]| {
+    let cont = |l: &mut Local, o: u8, round: &RoundId| {
         let now = l.now;
         l.table.continue_round(&mut l.sd, KEY, FP, round, now, &p, owner(o), &creator(o)).unwrap()
     };

@@ -1015,7 +1015,8 @@ fn a_round_answering_an_earlier_question_is_never_run() {
         panic!("round 2 is forwarded")
     };
     assert_eq!(answer_round(&mut host, &mut r2, asks("s2").as_bytes()), "stored");
-    for (what, extra) in [("round 2 spelled 1.0", round("s1", "1.0")), ("another answer to question 1", round("s1", "2"))]
+    for (what, extra) in
+        [("round 2 spelled 1.0", round("s1", "1.0")), ("another answer to question 1", round("s1", "2"))]
     {
         match send_round(&c, &mut host, round_call(5, "k-earlier-q", 10, &extra)) {
             Met::Forwarded(_) => panic!("{what}, sent after round 2 asked again, ran (round 2's step twice)"),

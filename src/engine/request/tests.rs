@@ -328,7 +328,10 @@ fn an_awaiting_value_is_replayed_to_its_round_and_continued_by_the_next() {
     let question = StoredResponse { status: 200, headers: vec![], body: b"{\"q\":1}".to_vec() };
     let a = crate::record::Awaiting { round: [1; 32], earlier: vec![[0; 32]], response: question };
     awaiting.record.state = State::AwaitingInput(Box::new(a));
-    let round = |r: Option<[u8; 32]>| Sent { round: r, ..sent(Some(h), 1) };
+    let round = |r: Option<[u8; 32]>| Sent {
+        round: r.map(|digest| crate::record::RoundId { digest, state: None }),
+        ..sent(Some(h), 1)
+    };
     let p = Policy { tombstone_seconds: 60, ..policy() };
     for asked in [Some([1; 32]), Some([0; 32]), None] {
         let step = after_claim(exists(awaiting.clone()), &round(asked), &p, OnUnavailable::Reject, LOCAL);

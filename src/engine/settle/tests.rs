@@ -262,7 +262,7 @@ fn mcp_settle_as(
 ) -> (Vec<Command<'static>>, &'static str) {
     let mut c = claim(true);
     c.mcp_id = Some(b"7".to_vec());
-    c.mcp_round = Some([4; 32]);
+    c.mcp_round = Some(crate::record::RoundId { digest: [4; 32], state: None });
     let c: &'static Claim = Box::leak(Box::new(c));
     let policy = Policy { mcp: Some(McpPolicy { input_required, ..McpPolicy::default() }), ..Policy::default() };
     let (m, mut cmds) = start(c, Some(&policy), true, redirected, outcome, r, too_large, "d=1", NOW);
