@@ -184,7 +184,7 @@ pub const MAX_EARLIER_ROUNDS: usize = 64;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RoundId {
     pub digest: [u8; 32],
-    /// `mcp::state_digest` of the round's `params.requestState`.
+    /// `state_digest` of the round's `params.requestState`.
     pub state: Option<[u8; 32]>,
 }
 
