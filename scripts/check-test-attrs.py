@@ -18,6 +18,10 @@
 2. Every `#[ignore]` in src/, tests/, benches/ and fuzz/ must say why and what is left to do:
    `#[ignore = "..."]`, at least MIN_REASON characters, and no placeholder for a reason ("under
    investigation", "TODO", ...): an ignored test is a test `make test` does not run.
+3. No test under tests/ reads with a bare `.read(...)` call: a receive on a socket with a timeout
+   fails with EINTR when the process is stopped and continued (signal(7)), and a bare read turns
+   that into a red suite (stop 49's CI). Tests read through `support::http::read_some`, which
+   asks again; READ_EXEMPT lists the one place that calls `.read` itself.
 """
 import pathlib
 import re
@@ -34,6 +38,10 @@ WASM_EXCEPTIONS = {
     "src/local/tests/interleavings.rs": "runs several workers on std threads with a Condvar scheduler; "
     "wasm32-unknown-unknown has no threads (declared #[cfg(not(target_arch = \"wasm32\"))] in src/local/tests.rs)",
 }
+
+# The one place under tests/ that calls `.read(` itself: the helper every other read goes through.
+READ_EXEMPT = {"tests/it/support/mod.rs": "fn read_some"}
+BARE_READ = re.compile(r"\.read\(\s*&mut\b|\.read\(\s*buf\b")
 
 MIN_REASON = 40
 PLACEHOLDERS = re.compile(
@@ -207,6 +215,17 @@ def main():
                     f"    {ALIAS_CFG}\n    {ALIAS_USE}\n"
                     f"  or, if the module truly cannot run on wasm32, list it in WASM_EXCEPTIONS with the reason"
                 )
+        if rel.startswith("tests/"):
+            code = blank(text)
+            for m in BARE_READ.finditer(code):
+                ln = line_of(code, m.start())
+                exempt = READ_EXEMPT.get(rel)
+                if exempt and exempt in "\n".join(text.splitlines()[max(0, ln - 12) : ln]):
+                    continue
+                errors.append(
+                    f"{rel}:{ln}: a bare .read(...): read through support::http::read_some (a stop and continue "
+                    f"of the test process interrupts a receive with EINTR, which a bare read returns as an error)"
+                )
         for ln, reason, attr in ignores(text):
             if reason is None:
                 errors.append(f'{rel}:{ln}: {attr}: write #[ignore = "why, and what is left to do"]')
@@ -227,7 +246,7 @@ def main():
         print(f"check-test-attrs: {e}", file=sys.stderr)
     if errors:
         sys.exit(1)
-    print(f"check-test-attrs: {len(files)} files; core tests all run on wasm32 (exceptions: {len(excepted)}); every #[ignore] says why")
+    print(f"check-test-attrs: {len(files)} files; core tests all run on wasm32 (exceptions: {len(excepted)}); every #[ignore] says why; no bare read under tests/")
 
 
 if __name__ == "__main__":

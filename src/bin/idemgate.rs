@@ -892,6 +892,9 @@ fn exchange_on(
         let n = match c.read(&mut chunk) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => 0,
+            // A stop and continue (Ctrl-Z then `fg`, a paused job) interrupts a receive on a
+            // socket with a timeout (EINTR, not restarted on Linux): read on.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
         if buf.len().saturating_add(n) > cap {

@@ -11,7 +11,7 @@
 
 use crate::support;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -78,7 +78,7 @@ impl SlowUpload {
                     break;
                 }
             }
-            let n = self.s.read(&mut chunk).expect("read answer");
+            let n = http::read_some(&mut self.s, &mut chunk).expect("read answer");
             if n == 0 {
                 break;
             }

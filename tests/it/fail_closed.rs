@@ -7,7 +7,7 @@
 
 use crate::support;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -127,7 +127,7 @@ fn relay(
     let (h, n) = (held.clone(), answered.clone());
     std::thread::spawn(move || {
         let mut buf = [0u8; 16384];
-        while let Ok(k) = from_up.read(&mut buf) {
+        while let Ok(k) = http::read_some(&mut from_up, &mut buf) {
             if k == 0 {
                 break;
             }
@@ -140,7 +140,7 @@ fn relay(
     let mut buf = [0u8; 16384];
     // Bounded: a connection carries a bounded number of chunks in these tests.
     for _ in 0..10_000 {
-        let Ok(k) = client.read(&mut buf) else { break };
+        let Ok(k) = http::read_some(&mut client, &mut buf) else { break };
         if k == 0 {
             break;
         }

@@ -20,6 +20,7 @@ mod failover;
 mod faults;
 mod grpc;
 mod internal_redirect;
+mod interrupted;
 mod lifecycle_tiers;
 mod local_reply_config;
 mod mcp;

@@ -636,7 +636,7 @@ fn redirected_call_is_one_call(top_extra: &str, to: &str, from: KeyFrom) {
 /// connection, as a client does that has read its final response from an event stream the
 /// server keeps open (the Python SDK's client). The bytes read.
 fn post_and_leave_once_read(port: u16, headers: &[(&str, &str)], body: &[u8], until: &str) -> String {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let mut req = "POST /mcp HTTP/1.1\r\nhost: idemgate.test\r\ncontent-type: application/json\r\n".to_string();
     for (n, v) in headers {
         req.push_str(&format!("{n}: {v}\r\n"));
@@ -649,7 +649,7 @@ fn post_and_leave_once_read(port: u16, headers: &[(&str, &str)], body: &[u8], un
     let mut got = vec![];
     let mut chunk = [0u8; 4096];
     while !String::from_utf8_lossy(&got).contains(until) {
-        let n = s.read(&mut chunk).expect("the final event arrives while the stream stays open");
+        let n = http::read_some(&mut s, &mut chunk).expect("the final event arrives while the stream stays open");
         assert!(n > 0, "the stream ended: {}", String::from_utf8_lossy(&got));
         got.extend_from_slice(&chunk[..n]);
     }

@@ -656,7 +656,7 @@ fn version_prints_the_crates_version_and_record_formats() {
 /// offers 64 MiB; the CLI, capped at 1 MiB, stops long before it is all written.
 #[test]
 fn an_answer_past_the_cap_ends_the_command_with_a_clear_error() {
-    use std::io::{Read as _, Write as _};
+    use std::io::Write as _;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
@@ -668,7 +668,7 @@ fn an_answer_past_the_cap_ends_the_command_with_a_clear_error() {
         for (i, conn) in listener.incoming().take(3).enumerate() {
             let Ok(mut c) = conn else { continue };
             let mut req = [0u8; 4096];
-            let _ = c.read(&mut req);
+            let _ = http::read_some(&mut c, &mut req);
             let head: &[u8] = if i < 2 {
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n"
             } else {
@@ -699,6 +699,44 @@ fn an_answer_past_the_cap_ends_the_command_with_a_clear_error() {
     server.join().unwrap();
     let sent = written.load(Ordering::SeqCst);
     assert!(sent < 32 << 20, "the CLI read on past its cap: {sent} bytes written to it");
+}
+
+/// The CLI stopped and continued while it waits for the store's answer (Ctrl-Z then `fg`, a
+/// paused job) reads on and ends as the answer says: on Linux the stop interrupts its receive
+/// with EINTR (a socket with a timeout: signal(7)), which it took for a failed store call
+/// ("Interrupted system call") before reading on. The server answers 403 once the CLI was
+/// stopped and continued, so the end names webdis's 403, not the interruption.
+#[test]
+fn a_cli_stopped_and_continued_while_it_waits_for_the_store_reads_on() {
+    use std::io::Write as _;
+    use std::sync::mpsc;
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (got_tx, got) = mpsc::channel();
+    let (go, go_rx) = mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let (mut c, _) = listener.accept().expect("the CLI connects");
+        let mut head = vec![];
+        let mut chunk = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = http::read_some(&mut c, &mut chunk).expect("read the CLI's request");
+            assert!(n > 0, "the CLI left before its request was whole");
+            head.extend_from_slice(&chunk[..n]);
+        }
+        got_tx.send(()).expect("tell the test");
+        go_rx.recv().expect("the test's go");
+        let _ = c.write_all(b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+    });
+    let cli = OperatorCli::webdis(&format!("http://127.0.0.1:{port}"), None);
+    let child = cli.spawn(&["inspect", &"ab".repeat(32)]);
+    got.recv_timeout(Duration::from_secs(30)).expect("the CLI's request arrives");
+    support::stop_and_continue_while_receiving(child.id());
+    go.send(()).expect("go");
+    let out = child.wait_with_output().expect("the CLI ends");
+    server.join().expect("server");
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("webdis answered 403") && !err.contains("nterrupted"), "{err}");
 }
 
 /// What `forget` leaves in a proxy's local tier, measured through a real Envoy: a key the proxy

@@ -296,7 +296,7 @@ fn read_request(c: &mut TcpStream) -> Vec<u8> {
                 return buf;
             }
         }
-        match c.read(&mut chunk) {
+        match http::read_some(c, &mut chunk) {
             Ok(0) | Err(_) => return buf,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }

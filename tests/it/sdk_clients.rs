@@ -400,7 +400,7 @@ fn relay(
                 // Envoy's read timeout is its route's (30 s): its answer comes well before.
                 envoy.set_read_timeout(Some(Duration::from_secs(60)))?;
                 let mut first = [0u8; 1];
-                let answered = envoy.read(&mut first)? == 1;
+                let answered = crate::support::http::read_some(&mut envoy, &mut first)? == 1;
                 assert!(answered && executed(), "Envoy answered after the upstream executed");
                 let _ = client.shutdown(std::net::Shutdown::Both);
                 return Ok(());

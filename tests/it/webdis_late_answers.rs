@@ -18,7 +18,7 @@ use idemgate::record::{Creator, Lifetimes, Record};
 use idemgate::scope::StorageKey;
 use idemgate::store::{self, StoreError, StoreRequest, Transition, TransitionReply};
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::time::Duration;
 use support::store::{resp::Value, Redis, Webdis};
@@ -79,7 +79,7 @@ fn read_answer(c: &mut TcpStream, buf: &mut Vec<u8>) -> (u16, Vec<u8>) {
                 return (status, body);
             }
         }
-        let n = c.read(&mut chunk).expect("an answer");
+        let n = crate::support::http::read_some(c, &mut chunk).expect("an answer");
         assert!(n > 0, "webdis closed without an answer: {:?}", String::from_utf8_lossy(buf));
         buf.extend_from_slice(&chunk[..n]);
     }

@@ -98,6 +98,51 @@ pub fn free_port() -> u16 {
     port
 }
 
+/// The `recvfrom` system call's number (what `recv` is made of), as `/proc/<pid>/task/<tid>/syscall`
+/// shows it while a thread waits in it.
+#[cfg(target_arch = "x86_64")]
+const RECVFROM: u64 = 45;
+#[cfg(target_arch = "aarch64")]
+const RECVFROM: u64 = 207;
+
+/// Stops process `pid` (SIGSTOP) while one of its threads waits in `recvfrom`, waits until it is
+/// stopped, then continues it (SIGCONT): on Linux such a receive on a socket with a timeout then
+/// fails with `EINTR` rather than going on (signal(7)), which is what a client of the process
+/// must survive. Looks are bounded by count (at most 5,000, 1 ms apart, each); fails the test
+/// when the thread never waits there or the process never stops.
+pub fn stop_and_continue_while_receiving(pid: u32) {
+    let receiving = || {
+        std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().filter_map(Result::ok).any(|t| {
+            std::fs::read_to_string(t.path().join("syscall"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()))
+                == Some(RECVFROM)
+        })
+    };
+    let state = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
+    };
+    let looked = |what: &dyn Fn() -> bool| {
+        (0..5000).any(|_| {
+            what() || {
+                std::thread::sleep(Duration::from_millis(1));
+                false
+            }
+        })
+    };
+    assert!(looked(&receiving), "process {pid} never waited in recvfrom");
+    let signal = |sig: &str| {
+        let st = Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill");
+        assert!(st.success(), "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let stopped = looked(&|| state() == Some('T'));
+    signal("-CONT");
+    assert!(stopped, "process {pid} never stopped: state {:?}", state());
+}
+
 /// Whether the TCP socket listening on `port` (any local address, IPv4 or IPv6) is held by
 /// process `pid`: its inode, read from `/proc/net/tcp{,6}`, is one of `/proc/<pid>/fd`'s
 /// sockets. `false` when nothing listens there or another process does.
@@ -1150,6 +1195,20 @@ pub mod http {
         }
     }
 
+    /// One `read`, asked again when a signal interrupted it (`EINTR`): on Linux a receive on a
+    /// socket with a timeout is interrupted, not restarted, when the process is stopped and
+    /// continued (signal(7)), and any client must then read on. Every test reads a socket through
+    /// this (`scripts/check-test-attrs.py` refuses a bare `.read(&mut` under tests/): a stop 49
+    /// CI run failed once with "Interrupted system call" from a bare read.
+    pub fn read_some(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            match r.read(buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                other => return other,
+            }
+        }
+    }
+
     /// Sends raw request bytes (must ask for `connection: close`) and reads the whole response.
     pub fn raw(port: u16, request: &[u8], timeout: Duration) -> std::io::Result<Response> {
         let mut s = TcpStream::connect(("127.0.0.1", port))?;
@@ -1166,7 +1225,7 @@ pub mod http {
             if complete(&buf, head_only) {
                 break;
             }
-            let n = s.read(&mut chunk)?;
+            let n = read_some(&mut s, &mut chunk)?;
             if n == 0 {
                 break;
             }

@@ -1,7 +1,7 @@
 //! The operator CLI (`idemgate`) run against one store, the same calls for Redis (`--webdis`) and
 //! etcd (`--etcd`): the tests of each store differ in their stack, not in how they ask the CLI.
 
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 /// `idemgate` with a store's flag and credential; the record key every test VM has.
@@ -24,6 +24,16 @@ impl OperatorCli {
 
     /// `idemgate <store flag> ARGS`, the other store's variable removed from its environment.
     pub fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run idemgate")
+    }
+
+    /// `run`, started and left running (its output piped).
+    pub fn spawn(&self, args: &[&str]) -> Child {
+        let mut c = self.command(args);
+        c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start idemgate")
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_idemgate"));
         c.args(&self.store).args(args).env("IDEMGATE_RECORD_KEY", super::RECORD_KEY);
         c.env_remove("IDEMGATE_WEBDIS").env_remove("IDEMGATE_ETCD");
@@ -31,7 +41,7 @@ impl OperatorCli {
             Some(a) => c.env("IDEMGATE_STORE_AUTH", a),
             None => c.env_remove("IDEMGATE_STORE_AUTH"),
         };
-        c.output().expect("run idemgate")
+        c
     }
 
     /// The storage key of `key` for a caller whose scope is its `authorization` header, by

@@ -9,7 +9,7 @@
 //!   sees, and hears no acknowledgement from it) and cut it, dropping what it held.
 
 use super::store::{resp::Value, Redis};
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -206,7 +206,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, s: &RelayShared, answers: bool) 
     let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
     let mut buf = vec![0u8; 64 * 1024];
     while !s.cut.load(Ordering::SeqCst) {
-        let n = match from.read(&mut buf) {
+        let n = match crate::support::http::read_some(&mut from, &mut buf) {
             Ok(0) => break,
             Ok(n) => n,
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {
