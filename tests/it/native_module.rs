@@ -6,8 +6,9 @@
 //!
 //! The store tier (Redis through webdis): two proxies on one Redis in every pairing of the
 //! builds (Wasm + Wasm, native + native, and the mixed pairs, which must read each other's
-//! records: same keys, same record format), a store that cannot answer (refused, silent), a
-//! client leaving while its claim is outstanding, and a completion write that fails first.
+//! records: same keys, same record format), webdis behind basic auth (the credential from
+//! Envoy's process environment), a store that cannot answer (refused, silent), a client leaving
+//! while its claim is outstanding, and a completion write that fails first.
 
 use crate::support;
 
@@ -283,6 +284,44 @@ fn two_proxies_on_one_redis_execute_each_key_once_in_every_pairing_of_the_builds
     // Mixed: each reads the records the other wrote (same keys, same record format).
     pair_cases("wn", &w1, &n1, &redis, &up, &plugin);
     pair_cases("nw", &n2, &w2, &redis, &up, &plugin);
+}
+
+/// webdis with basic auth (`IDEMGATE_STORE_AUTH`, from Envoy's process environment in the native
+/// build, from the VM's in the Wasm build): a native proxy with the credential executes a key once
+/// and the Wasm proxy replays it, and the other way round; a native proxy with a wrong credential
+/// or none is answered 403 by webdis and refuses with 503 store-unavailable, forwarding nothing.
+#[test]
+fn a_native_proxy_reaches_a_webdis_with_basic_auth_and_refuses_without_the_credential() {
+    const AUTH: &str = "idemgate:s3cret";
+    let redis = Redis::start();
+    let webdis = Webdis::start_with_auth(redis.port, AUTH);
+    let up = Upstream::start();
+    let plugin = store_cfg(2000);
+    let with = |build: Build, auth: Option<&str>| {
+        let mut o = EnvoyOptions::new(&plugin, up.port);
+        o.build = build;
+        o.store_port = Some(webdis.port);
+        o.vm_env = auth.map(|a| vec![("IDEMGATE_STORE_AUTH".to_string(), a.to_string())]).unwrap_or_default();
+        Envoy::start(&o)
+    };
+    let (native, wasm) = (with(Build::Native, Some(AUTH)), with(Build::Wasm, Some(AUTH)));
+    for (tag, first, second) in [("nw", &native, &wasm), ("wn", &wasm, &native)] {
+        let key = format!("k-auth-{tag}");
+        let a = store_post(first, &key, r#"{"amount":3}"#, &[]);
+        assert_eq!((a.status, a.header("idempotent-replayed")), (201, None), "{tag}: {}", a.body_text());
+        completed_in_store(&redis, &plugin, &key);
+        let b = store_post(second, &key, r#"{"amount":3}"#, &[]);
+        assert_eq!(b.header("idempotent-replayed"), Some("true"), "{tag}: {}", b.body_text());
+        assert_eq!(b.body, a.body, "{tag}");
+        assert_eq!(up.executions_with_key(&key), 1, "{tag}");
+    }
+    for (what, auth) in [("a wrong credential", Some("idemgate:wrong")), ("no credential", None)] {
+        let e = with(Build::Native, auth);
+        let key = format!("k-auth-{}", what.replace(' ', "-"));
+        let r = store_post(&e, &key, "{}", &[]);
+        assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"), "{what}: {}", r.body_text());
+        assert_eq!(up.executions_with_key(&key), 0, "{what}: forwarded without the store");
+    }
 }
 
 /// A listener that accepts connections and never answers (a store that hangs).
