@@ -17,6 +17,7 @@ mod host;
 pub mod http;
 pub mod shared;
 pub mod store;
+mod timer;
 
 use std::sync::Arc;
 

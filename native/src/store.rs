@@ -12,12 +12,13 @@
 //! - a write must outlive its stream, so it is handed to the configuration's main thread: the
 //!   worker queues its `Job` and posts an event (`scheduler_commit`, thread-safe); on the main
 //!   thread (`on_scheduled`) the write machine sends it as a configuration callout, reads its
-//!   answer (`on_answer`) and schedules its retries; a retry's time is kept by a sleeping thread
-//!   that posts an event when it is due (Envoy's main dispatcher runs the write then).
+//!   answer (`on_answer`) and schedules its retries; a retry's time is kept by the store side's
+//!   one timer thread (`timer.rs`), which posts an event when it is due (Envoy's main dispatcher
+//!   runs the write then).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use idemgate::backend::{Backend, Credential};
 use idemgate::config::{Config, StoreConfig, StoreKind};
@@ -30,6 +31,7 @@ use idemgate::store::{StoreRequest, Transition};
 
 use crate::abi;
 use crate::host::{self, CalloutFrom};
+use crate::timer::Timer;
 
 /// The environment variable with the store's `user:password` (Redis ACL through webdis), as the
 /// Wasm build's (`IDEMGATE_STORE_AUTH`): read from Envoy's process environment here.
@@ -44,8 +46,6 @@ struct Main {
     writes: Writes,
     /// Configuration callouts in flight: which write each carries.
     calls: HashMap<u64, WriteId>,
-    /// When the sleeping thread posts the next event (ms since the epoch), if one sleeps.
-    timer_at: Option<u64>,
 }
 
 /// The configured store, shared by every worker of one filter configuration.
@@ -56,7 +56,9 @@ pub struct StoreSide {
     /// Envoy's configuration and its main-thread scheduler (set once, on the main thread, by
     /// `attach`), as addresses: plain values every thread may hold.
     config_envoy: AtomicUsize,
-    scheduler: AtomicUsize,
+    scheduler: Arc<AtomicUsize>,
+    /// Posts an event when the next retry is due: one thread per store side, ended with it.
+    timer: Timer,
     /// Writes queued by workers for the main thread.
     queue: Mutex<VecDeque<Job>>,
     /// The main thread's only.
@@ -86,20 +88,27 @@ impl StoreSide {
             }
             Err(e) => return Err(format!("idemgate configuration refused: {e}")),
         };
+        let scheduler = Arc::new(AtomicUsize::new(0));
+        let posts = Arc::clone(&scheduler);
+        let timer = Timer::new(
+            move || host::scheduler_commit(posts.load(Ordering::Acquire) as abi::SchedulerPtr, EVENT_WRITES),
+            host::now_ms,
+        );
         Ok(Some(StoreSide {
             cfg,
             seal,
             credentials,
             config_envoy: AtomicUsize::new(0),
-            scheduler: AtomicUsize::new(0),
+            scheduler,
+            timer,
             queue: Mutex::new(VecDeque::new()),
             main: Mutex::new(Main::default()),
         }))
     }
 
     /// Envoy's configuration object and a scheduler of it (main thread, at `config_new`). The
-    /// scheduler is never deleted: a sleeping retry thread may still post through it after the
-    /// configuration is gone (a post then does nothing).
+    /// scheduler is never deleted (a post through it after the configuration is gone does
+    /// nothing); the retry timer's thread ends with this store side, before it could post.
     pub fn attach(&self, config_envoy: abi::ConfigEnvoyPtr) {
         self.config_envoy.store(config_envoy as usize, Ordering::Release);
         self.scheduler.store(host::scheduler_new(config_envoy) as usize, Ordering::Release);
@@ -162,9 +171,6 @@ impl StoreSide {
         {
             let mut m = lock(&self.main);
             let now = host::now_ms();
-            if m.timer_at.is_some_and(|at| at <= now) {
-                m.timer_at = None;
-            }
             for job in jobs {
                 m.writes.push(job);
             }
@@ -213,23 +219,16 @@ impl StoreSide {
         self.arm_timer();
     }
 
-    /// A sleeping thread posts an event when the next retry is due (if none sleeps till then).
+    /// The timer posts an event when the next retry is due (its one thread; an earlier deadline
+    /// armed before it fires replaces the later one, which `tick` then finds due too).
     fn arm_timer(&self) {
-        let mut m = lock(&self.main);
-        let Some(due) = m.writes.next_retry_ms() else { return };
-        if m.timer_at.is_some_and(|at| at <= due) {
-            return;
-        }
-        m.timer_at = Some(due);
-        let scheduler = self.scheduler.load(Ordering::Acquire);
-        let wait = due.saturating_sub(host::now_ms());
-        let spawned = std::thread::Builder::new().name("idemgate-retry".into()).spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(wait.saturating_add(1)));
-            host::scheduler_commit(scheduler as abi::SchedulerPtr, EVENT_WRITES);
-        });
-        if spawned.is_err() {
-            m.timer_at = None;
-            host::log(LogLevel::Warn, "idemgate: cannot start the store write retry timer: retried at the next write");
+        let due = lock(&self.main).writes.next_retry_ms();
+        let Some(due) = due else { return };
+        if let Err(e) = self.timer.arm(due) {
+            host::log(
+                LogLevel::Warn,
+                &format!("idemgate: cannot start the store write retry timer ({e}): retried at the next write"),
+            );
         }
     }
 }
