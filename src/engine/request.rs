@@ -41,7 +41,7 @@ use crate::local::{Begin, Handle, LocalError, Seen};
 use crate::mcp::{self, Classified};
 use crate::owner::OwnerToken;
 use crate::problem::ProblemKind;
-use crate::record::{Creator, Lifetimes, Record, Stage};
+use crate::record::{Creator, Lifetimes, Record, Stage, State};
 use crate::request::RequestHead;
 use crate::scope::{CallerScope, StorageKey};
 use crate::store::{ClaimReply, ReadReply, StoreError, StoredValue, TransitionReply, ValueError};
@@ -125,6 +125,14 @@ pub fn after_local(begun: Result<Begin, LocalError>, fp: Option<Fingerprint>, st
                 branch: "claim_without_fingerprint",
                 handle: Some(handle),
             },
+        },
+        // With a store, a local copy of an MCP call awaiting input is not the call's state: a
+        // round run on another proxy since moved it on (another question, more rounds run), and
+        // the copy would answer the round that follows with a stale question. The store's value
+        // decides (`after_claim`), as for a key this proxy never saw.
+        Ok(Begin::Replay(record)) if store.is_some() && matches!(record.state, State::AwaitingInput(_)) => match fp {
+            Some(fp) => Step::ClaimInStore { handle: None, fp },
+            None => Step::PauseForBody,
         },
         Ok(Begin::Replay(record)) => Step::Replay { record, cache: None },
         // With a store, the store settles a key whose outcome is unknown (an operator may have

@@ -819,3 +819,88 @@ fn a_tools_call_retried_after_its_record_expired_gets_key_expired_never_a_second
     assert_eq!(message(&r)["error"]["code"], -32002);
     assert_eq!(s.up.executions(), 1);
 }
+
+/// Issue 40: the cap on an awaiting record's rounds, end to end (docs/mcp.md: "a call that asks
+/// more than 64 times is kept as answered at the 65th question"). A server asks at every round,
+/// each question with its own `requestState`; the client answers each. Rounds 1 to 65 each run
+/// once (65 executions); round 65's question is then the call's answer, so round 66, which
+/// answers it, is replayed that question and never runs, however often it is sent. In the local
+/// tier (one proxy) and through Redis with the rounds alternating between two proxies (each
+/// reading the other's awaiting record from the store).
+#[test]
+fn a_call_that_asks_more_than_64_times_is_kept_as_answered_at_the_65th_question() {
+    use support::upstream::Upstream;
+    let routes = r#""routes": [{"prefix": "/mcp", "protocol": "mcp", "mcp": {"tools": ["confirm"]}}]"#;
+    let asks = |n: u32| {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":1,"result":{{"resultType":"input_required","inputRequests":{{"q":{{"method":"elicitation/create","params":{{"message":"sure {n}?","requestedSchema":{{"type":"object","properties":{{}}}}}}}}}},"requestState":"s{n}"}}}}"#
+        )
+    };
+    // Round 1 answers nothing; round n > 1 answers question n - 1, echoing its state.
+    let round = |n: u32| {
+        let extra = if n == 1 {
+            String::new()
+        } else {
+            format!(r#","inputResponses":{{"q":{{"action":"accept","content":{{"n":{}}}}}}},"requestState":"s{}""#, n - 1, n - 1)
+        };
+        format!(r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"confirm","arguments":{{"amount":5}}{extra}}}}}"#)
+    };
+    let send = |port: u16, n: u32| {
+        let answer = asks(n);
+        let h = [
+            ("content-type", "application/json"),
+            ("accept", "application/json, text/event-stream"),
+            ("authorization", "Bearer alice"),
+            ("idempotency-key", "k-mcp-65"),
+            ("x-up-status", "200"),
+            ("x-up-header", "content-type: application/json"),
+            ("x-up-body", answer.as_str()),
+        ];
+        // With a store, the proxy that answered a round writes its record just after: a round on
+        // the other proxy before that lands is in flight (-32001), never run. Bounded by count.
+        for _ in 0..100 {
+            let r = http::request(port, "POST", "/mcp", &h, round(n).as_bytes()).expect("answer");
+            if !r.body_text().contains("-32001") {
+                return r;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("round {n} still in flight after 100 tries")
+    };
+    let run = |what: &str, ports: [u16; 2], up: &Upstream| {
+        for n in 1..=65u32 {
+            let r = send(ports[n as usize % 2], n);
+            assert_eq!(r.header("idempotent-replayed"), None, "{what}: round {n} was not run: {}", r.body_text());
+            assert!(r.body_text().contains(&format!(r#""requestState":"s{n}""#)), "{what}: round {n}: {}", r.body_text());
+            assert_eq!(up.executions(), u64::from(n), "{what}: round {n} ran once");
+        }
+        for (i, port) in [ports[0], ports[1], ports[0]].into_iter().enumerate() {
+            let r = send(port, 66);
+            assert_eq!(r.header("idempotent-replayed"), Some("true"), "{what}: round 66, send {i}: {}", r.body_text());
+            assert!(r.body_text().contains(r#""requestState":"s65""#), "{what}: round 66 got {}", r.body_text());
+            assert_eq!(up.executions(), 65, "{what}: round 66 ran (send {i})");
+        }
+    };
+    let up = Upstream::start();
+    let local = Envoy::start(&EnvoyOptions::new(
+        &format!(r#"{{"scope": {{"headers": ["authorization"]}}, {routes}}}"#),
+        up.port,
+    ));
+    run("local tier", [local.port, local.port], &up);
+    local.assert_no_wasm_panic();
+
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(
+        &format!(
+            r#"{{"scope": {{"headers": ["authorization"]}}, "store": {{"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 5000}}, {routes}}}"#
+        ),
+        up.port,
+    );
+    o.store_port = Some(webdis.port);
+    let (a, b) = (Envoy::start(&o), Envoy::start(&o));
+    run("Redis, two proxies", [a.port, b.port], &up);
+    a.assert_no_wasm_panic();
+    b.assert_no_wasm_panic();
+}

@@ -345,3 +345,35 @@ fn an_awaiting_value_is_replayed_to_its_round_and_continued_by_the_next() {
     let step = after_claim(exists(expired), &round(Some([2; 32])), &p, OnUnavailable::Reject, LOCAL);
     assert!(matches!(step, Answered::Next(Step::Replay { .. })), "a tombstone is no call to continue: {step:?}");
 }
+
+/// Issue 40: with a store, the local copy of an MCP call awaiting input never answers: a round
+/// run on another proxy since may have moved the call on (another question), so the store's
+/// value decides. Without a store the local tier is the call's state and answers (a replay of
+/// the question, or the next round continued by the machine). Before this rule a proxy whose
+/// local copy held question 1 answered round 3 (answering question 2, asked by another proxy)
+/// with question 1 (`mcp::a_call_that_asks_more_than_64_times_is_kept_as_answered_at_the_65th_question`).
+#[test]
+fn with_a_store_a_local_copy_of_a_call_awaiting_input_is_asked_of_the_store() {
+    let response = StoredResponse { status: 200, headers: vec![], body: b"{\"q\":1}".to_vec() };
+    let mut awaiting = Record::completed(fp(1), response.clone(), false, creator(), LOCAL, 60);
+    awaiting.state = State::AwaitingInput(Box::new(crate::record::Awaiting {
+        round: [1; 32],
+        earlier: vec![],
+        response: response.clone(),
+    }));
+    assert_eq!(
+        after_local(Ok(Begin::Replay(awaiting.clone())), Some(fp(1)), REJECT, LOCAL),
+        Step::ClaimInStore { handle: None, fp: fp(1) }
+    );
+    assert_eq!(after_local(Ok(Begin::Replay(awaiting.clone())), None, REJECT, LOCAL), Step::PauseForBody);
+    assert_eq!(
+        after_local(Ok(Begin::Replay(awaiting.clone())), Some(fp(1)), None, LOCAL),
+        Step::Replay { record: awaiting, cache: None }
+    );
+    // A final record is still replayed from the local copy with a store.
+    let done = Record::completed(fp(1), response, false, creator(), LOCAL, 60);
+    assert_eq!(
+        after_local(Ok(Begin::Replay(done.clone())), Some(fp(1)), REJECT, LOCAL),
+        Step::Replay { record: done, cache: None }
+    );
+}
