@@ -20,7 +20,7 @@ use idemgate::engine::budget::Budget;
 use idemgate::engine::machine::{
     log_line, Command, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response, StoreOp,
 };
-use idemgate::engine::request::{self, Admitted, Asked, KeyFrom, NotProtected, StoreAnswer};
+use idemgate::engine::request::{self, Asked, NotProtected, StoreAnswer};
 use idemgate::engine::settle::Claim;
 use idemgate::failsafe::{Broken, Holding};
 use idemgate::local::{SharedData, Table};
@@ -473,48 +473,30 @@ impl Filter {
         if !end_of_stream && !config.protects_method(&head.method) {
             return abi::HEADERS_CONTINUE;
         }
-        let Admitted { route, policy, scope, key, skey, from } =
-            match request::at_headers(config, &head, None, end_of_stream) {
-                Ok(a) => a,
-                Err(not) => {
-                    let flow = match not {
-                        NotProtected::Pass | NotProtected::Unprotected { .. } | NotProtected::GrpcPassed { .. } => {
-                            Flow::Continue
-                        }
-                        NotProtected::RouteAmbiguous { .. } => self.refuse(ProblemKind::RouteAmbiguous),
-                        NotProtected::Refuse { problem, .. } => self.refuse(problem),
-                        // MCP routes are refused at configuration: never here.
-                        NotProtected::PolicyMissing { .. } | NotProtected::McpBody { .. } => {
-                            self.broken(Broken::PolicyMissing, "native_request_headers_policy")
-                        }
-                    };
-                    return headers_status(flow);
-                }
-            };
-        if from == KeyFrom::Derived {
-            head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
-            let _ = host::set_header(envoy, abi::REQUEST_HEADER, &policy.header, Some(key.as_str()));
+        let admitted = match request::at_headers(config, &head, None, end_of_stream) {
+            Ok(a) => a,
+            Err(not) => {
+                let flow = match not {
+                    NotProtected::Pass | NotProtected::Unprotected { .. } | NotProtected::GrpcPassed { .. } => {
+                        Flow::Continue
+                    }
+                    NotProtected::RouteAmbiguous { .. } => self.refuse(ProblemKind::RouteAmbiguous),
+                    NotProtected::Refuse { problem, .. } => self.refuse(problem),
+                    // MCP routes are refused at configuration: never here.
+                    NotProtected::PolicyMissing { .. } | NotProtected::McpBody { .. } => {
+                        self.broken(Broken::PolicyMissing, "native_request_headers_policy")
+                    }
+                };
+                return headers_status(flow);
+            }
+        };
+        if let Some((name, key)) = admitted.add_derived_key(&mut head) {
+            let _ = host::set_header(envoy, abi::REQUEST_HEADER, name, Some(key));
         }
         if !forbid_router_retries(envoy, &mut head) {
             return headers_status(self.broken(Broken::HostCallFailed, "retry_guard"));
         }
-        let derive_at_body = from == KeyFrom::DerivedAtBody;
-        let owner = self.global.next_owner();
-        let creator = request::creator_of(&policy, &head);
-        let req = Protected {
-            route,
-            policy,
-            head,
-            skey,
-            scope,
-            creator,
-            owner,
-            derive_at_body,
-            mcp: None,
-            mcp_round: None,
-            mcp_continued: None,
-            body: vec![],
-        };
+        let req = Protected::at_headers(admitted, head, self.global.next_owner());
         let (m, mut io) = self.split();
         headers_status(m.protect(&mut io, req, end_of_stream))
     }

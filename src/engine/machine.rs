@@ -31,7 +31,7 @@ use crate::decision::{Outcome, HOP_PROBE_HEADER, IN_FLIGHT_RETRY_AFTER_SECONDS, 
 use crate::engine::budget::{Budget, Held};
 use crate::engine::forwards::Forward;
 use crate::engine::request::{
-    self, Answered, Asked, AtBodyEnd, AtMcpBody, McpCall, Sent, Step, StoreAnswer, StoreMode,
+    self, Admitted, Answered, Asked, AtBodyEnd, AtMcpBody, KeyFrom, McpCall, Sent, Step, StoreAnswer, StoreMode,
 };
 use crate::engine::settle::{self, Claim, Count as SettleCount, Level};
 use crate::engine::waiters::Waiter;
@@ -132,6 +132,42 @@ pub struct Response {
 }
 
 impl Protected {
+    /// The request the headers protect (`request::at_headers`), `head` as it is forwarded: with
+    /// a key derived now added (`Admitted::add_derived_key`) and the router's retries forbidden.
+    /// Its creator is read from that head; a key derived with the body
+    /// (`KeyFrom::DerivedAtBody`) waits for the body's end. No MCP call, no body kept.
+    pub fn at_headers(a: Admitted, head: RequestHead, owner: OwnerToken) -> Protected {
+        let derive_at_body = a.from == KeyFrom::DerivedAtBody;
+        Protected { derive_at_body, ..Protected::new(a.route, a.policy, head, a.skey, a.scope, owner) }
+    }
+
+    /// A protected request of route `route` under `policy`, its creator read from `head`
+    /// (`request::creator_of`): its key known now, no MCP call, no body kept.
+    fn new(
+        route: usize,
+        policy: Arc<Policy>,
+        head: RequestHead,
+        skey: StorageKey,
+        scope: CallerScope,
+        owner: OwnerToken,
+    ) -> Protected {
+        let creator = request::creator_of(&policy, &head);
+        Protected {
+            route,
+            policy,
+            head,
+            skey,
+            scope,
+            creator,
+            owner,
+            derive_at_body: false,
+            mcp: None,
+            mcp_round: None,
+            mcp_continued: None,
+            body: vec![],
+        }
+    }
+
     /// The storage key Envoy's filter state shows (none while the key waits for the body).
     pub fn published_key(&self) -> Option<&StorageKey> {
         (!self.derive_at_body).then_some(&self.skey)
@@ -739,22 +775,13 @@ impl<W> Machine<W> {
             return self.fail_closed(io, None, Broken::HostCallFailed, "mcp_retry_guard", None, Holding::Nothing);
         }
         let owner = io.next_owner();
-        let creator = request::creator_of(&policy, &head);
         let fp = request::mcp_fingerprint(&policy, &head, digest);
         let detached = matches!(policy.forwarding, Forwarding::Detached { .. });
         let req = Protected {
-            route,
-            policy,
-            head,
-            skey,
-            scope,
-            creator,
-            owner,
-            derive_at_body: false,
             mcp: Some(id),
             mcp_round: Some(round),
-            mcp_continued: None,
             body: if detached { body } else { vec![] },
+            ..Protected::new(route, policy, head, skey, scope, owner)
         };
         log(io, Level::Debug, || log_line(Some(&req), "mcp_tools_call", &format!("tool={tool}")));
         self.protect_with(io, req, fp)

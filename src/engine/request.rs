@@ -392,6 +392,19 @@ pub struct Admitted {
     pub from: KeyFrom,
 }
 
+impl Admitted {
+    /// A key derived at the edge now (`KeyFrom::Derived`) goes upstream with the request: added
+    /// to `head` as a line of the key header, and returned (the header's name, the key) for the
+    /// host to set in its header map. `None`: nothing to add.
+    pub fn add_derived_key(&self, head: &mut RequestHead) -> Option<(&str, &str)> {
+        if self.from != KeyFrom::Derived {
+            return None;
+        }
+        head.headers.push((self.policy.header.clone(), self.key.as_str().as_bytes().to_vec()));
+        Some((&self.policy.header, self.key.as_str()))
+    }
+}
+
 /// Why the request headers leave a request unprotected, or refuse it (`at_headers`).
 #[derive(Clone, Debug)]
 pub enum NotProtected {

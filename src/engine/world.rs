@@ -32,7 +32,7 @@ use crate::engine::forwards::{self, Action as ForwardAction, Forward, Forwards, 
 use crate::engine::machine::{
     self, settle_claim, Command, Effects, Ended, Io, Machine, NotSent, Protected, Response, StoreOp,
 };
-use crate::engine::request::{self, Asked, KeyFrom, StoreAnswer};
+use crate::engine::request::{self, Asked, StoreAnswer};
 use crate::engine::waiters::{self, Action as WaitAction, Reply as WaitReply, Waiter};
 use crate::engine::writes::{Action as WriteAction, Builder, Job, Note, WriteId, Writes};
 use crate::lifecycle::{self, Event, Facts};
@@ -639,24 +639,10 @@ impl World {
         // The head as `http.rs` `on_http_request_headers` hands it on: a derived key added, the
         // router told never to re-send it.
         let mut head = q.head.clone();
-        if a.from == KeyFrom::Derived {
-            head.headers.push((a.policy.header.clone(), a.key.as_str().as_bytes().to_vec()));
-        }
+        a.add_derived_key(&mut head);
         head.forbid_router_retries();
-        let req = Protected {
-            route: a.route,
-            policy: a.policy,
-            head,
-            skey: a.skey,
-            scope: a.scope,
-            creator: q.creator.clone(),
-            owner: q.owner,
-            derive_at_body: a.from == KeyFrom::DerivedAtBody,
-            mcp: None,
-            mcp_round: None,
-            mcp_continued: None,
-            body: vec![],
-        };
+        // The world names each request's creator itself (`r-{n}`).
+        let req = Protected { creator: q.creator.clone(), ..Protected::at_headers(a, head, q.owner) };
         self.drive(r, |m, io| m.protect(io, req, false));
         self.passed(r);
     }

@@ -31,7 +31,7 @@ use crate::engine::machine::{
     self, log_line, Command, Count, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response,
     StoreOp,
 };
-use crate::engine::request::{self, Admitted, Asked, KeyFrom, NotProtected, StoreAnswer};
+use crate::engine::request::{self, Asked, KeyFrom, NotProtected, StoreAnswer};
 use crate::failsafe::{Broken, Holding};
 use crate::local::{SharedData, Table};
 use crate::owner::OwnerToken;
@@ -740,18 +740,17 @@ impl HttpContext for Http {
         } else {
             None
         };
-        let Admitted { route, policy, scope, key, skey, from } =
-            match request::at_headers(&self.shared.config, &head, route_name.as_deref(), end_of_stream) {
-                Ok(a) => a,
-                Err(not) => {
-                    self.counted_as = not.route();
-                    return self.not_protected_at_headers(not, head);
-                }
-            };
-        self.counted_as = Some(route);
-        if from == KeyFrom::Derived {
-            head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));
-            let _ = host::set_header(MapType::HttpRequestHeaders, &policy.header, Some(key.as_str()));
+        let admitted = match request::at_headers(&self.shared.config, &head, route_name.as_deref(), end_of_stream) {
+            Ok(a) => a,
+            Err(not) => {
+                self.counted_as = not.route();
+                return self.not_protected_at_headers(not, head);
+            }
+        };
+        self.counted_as = Some(admitted.route);
+        let derived = admitted.from == KeyFrom::Derived;
+        if let Some((name, key)) = admitted.add_derived_key(&mut head) {
+            let _ = host::set_header(MapType::HttpRequestHeaders, name, Some(key));
             self.count(Counter::DerivedKeys);
         }
         self.count(Counter::Protected);
@@ -760,28 +759,12 @@ impl HttpContext for Http {
         if !forbid_router_retries(&mut head) {
             return self.broken(None, Broken::HostCallFailed, "retry_guard", Holding::Nothing);
         }
-        let derive_at_body = from == KeyFrom::DerivedAtBody;
-        let owner = self.shared.next_owner();
-        let creator = request::creator_of(&policy, &head);
-        let req = Protected {
-            route,
-            policy,
-            head,
-            skey,
-            scope,
-            creator,
-            owner,
-            derive_at_body,
-            mcp: None,
-            mcp_round: None,
-            mcp_continued: None,
-            body: vec![],
-        };
-        if from == KeyFrom::Derived {
+        let req = Protected::at_headers(admitted, head, self.shared.next_owner());
+        if derived {
             debug!("{}", log_line(Some(&req), "derived_key", "key_source=derived"));
         }
         // The branch a policy lost before the fingerprint would take (fault tests only).
-        if end_of_stream && !derive_at_body && fault_point(&req, "policy-lost-at-headers") {
+        if end_of_stream && !req.derive_at_body && fault_point(&req, "policy-lost-at-headers") {
             return self.broken(Some(req), Broken::PolicyMissing, "request_headers_fingerprint", Holding::Nothing);
         }
         let (m, mut io) = self.split();

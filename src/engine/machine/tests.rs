@@ -198,25 +198,12 @@ fn protect(config: &Config, host: &mut Host, key: &str) -> (Machine<u32>, Storag
         Ok(a) => a,
         Err(not) => panic!("not protected: {not:?}"),
     };
-    let creator = request::creator_of(&a.policy, &h);
-    let req = Protected {
-        route: a.route,
-        policy: a.policy,
-        head: h,
-        skey: a.skey,
-        scope: a.scope,
-        creator,
-        owner: OwnerToken([1; 16]),
-        derive_at_body: false,
-        mcp: None,
-        mcp_round: None,
-        mcp_continued: None,
-        body: vec![],
-    };
+    let skey = a.skey;
+    let req = Protected::at_headers(a, h, OwnerToken([1; 16]));
     let mut m = Machine::new(None, true);
     assert_eq!(m.protect(host, req, false), Flow::Pause);
     assert!(matches!(m.phase(), Phase::Waiting { .. }));
-    (m, a.skey)
+    (m, skey)
 }
 
 const BUDGET: &str =
