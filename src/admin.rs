@@ -283,7 +283,7 @@ pub fn report(skey: &StorageKey, value: &StoredValue, now_ms: u64) -> Value {
             m.insert("reason".into(), json!(reason.as_str()));
         }
         State::AwaitingInput(a) => {
-            let response = &a.response;
+            let response = a.response();
             m.insert("awaiting_input".into(), json!(true));
             m.insert("status".into(), json!(response.status));
             m.insert("body_bytes".into(), json!(response.body.len()));

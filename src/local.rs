@@ -1208,7 +1208,7 @@ impl Table {
         let fp = record.fingerprint;
         let status = match &record.state {
             State::Completed(r) => r.status,
-            State::AwaitingInput(a) => a.response.status,
+            State::AwaitingInput(a) => a.response().status,
             State::CompletedTooLarge { status, .. } => *status,
             _ => 0,
         };

@@ -164,14 +164,52 @@ pub enum State {
 }
 
 /// What an awaiting record holds (`State::AwaitingInput`), boxed: a record is mostly another state.
+/// Made only by `Awaiting::new` (or decoded as written): the question's state digest is read from
+/// the question it is kept with, once, so the two never disagree. A digest that disagrees with
+/// its question could run a round twice: none where the question has a state lets any round
+/// not listed run (another spelling of an earlier question's answer); an earlier question's lets
+/// a copy of the round that answered it run again.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Awaiting {
     /// The round that asked (`mcp::Call::round`).
-    pub round: [u8; 32],
+    round: [u8; 32],
     /// The rounds of the call before it, oldest first.
-    pub earlier: Vec<[u8; 32]>,
+    earlier: Vec<[u8; 32]>,
+    /// `state_digest` of the question's `requestState` (`None`: it gives none), as the round that
+    /// answers it must echo (`Record::round`).
+    asked_state: Option<[u8; 32]>,
     /// The question: the round's answer as stored.
-    pub response: StoredResponse,
+    response: StoredResponse,
+}
+
+impl Awaiting {
+    /// The awaiting record of the round `round` (after the rounds `earlier`) whose answer
+    /// `response` asks for input: the question's `requestState` digest is read from `response`
+    /// here, when the record is written, and stored with it (no lookup parses the question).
+    pub fn new(round: [u8; 32], earlier: Vec<[u8; 32]>, response: StoredResponse) -> Awaiting {
+        let asked_state = asked_state(&response.body);
+        Awaiting { round, earlier, asked_state, response }
+    }
+
+    /// The round that asked.
+    pub fn round(&self) -> [u8; 32] {
+        self.round
+    }
+
+    /// The rounds of the call before the one that asked, oldest first.
+    pub fn earlier(&self) -> &[[u8; 32]] {
+        &self.earlier
+    }
+
+    /// The stored digest of the question's `requestState`.
+    pub fn asked_state(&self) -> Option<[u8; 32]> {
+        self.asked_state
+    }
+
+    /// The question, as stored.
+    pub fn response(&self) -> &StoredResponse {
+        &self.response
+    }
 }
 
 /// Most earlier rounds an awaiting record lists: a call asking more often than this is kept as
@@ -209,10 +247,11 @@ pub fn state_digest(v: &serde_json::Value) -> [u8; 32] {
     h.finalize().into()
 }
 
-/// The `requestState` a stored question (an awaiting record's final JSON-RPC response, as
+/// The `requestState` a question (an awaiting record's final JSON-RPC response, as
 /// `mcp::final_response` keeps it) gives the client to echo, as `state_digest`; `None` when it gives
 /// none (or cannot be read: then any new round is its answer, as before the state was checked).
-pub fn asked_state(message: &[u8]) -> Option<[u8; 32]> {
+/// Read once, by `Awaiting::new`.
+fn asked_state(message: &[u8]) -> Option<[u8; 32]> {
     let Ok(serde_json::Value::Object(m)) = serde_json::from_slice::<serde_json::Value>(message) else { return None };
     m.get("result").and_then(|r| r.get("requestState")).filter(|v| !v.is_null()).map(state_digest)
 }
@@ -457,7 +496,8 @@ impl Record {
             // question (an earlier one, answered again or spelled another way) or none: the
             // current question, never a run (the round that answers an earlier question ran
             // already, as the round the record lists or one spelled as it).
-            (State::AwaitingInput(a), Some(r)) => match asked_state(&a.response.body) {
+            // The digest stored with the question when it was written (`Awaiting::new`).
+            (State::AwaitingInput(a), Some(r)) => match a.asked_state {
                 Some(asked) if r.state != Some(asked) => Round::Asked,
                 _ => Round::Next,
             },
@@ -562,6 +602,13 @@ impl Record {
                 for e in &a.earlier {
                     out.extend_from_slice(e);
                 }
+                match &a.asked_state {
+                    None => out.push(0),
+                    Some(d) => {
+                        out.push(1);
+                        out.extend_from_slice(d);
+                    }
+                }
                 put_varint(&mut out, u64::from(r.status));
                 put_varint(&mut out, r.headers.len() as u64);
                 for (n, v) in &r.headers {
@@ -643,7 +690,17 @@ impl Record {
                     e.copy_from_slice(r.take(32)?);
                     earlier.push(e);
                 }
-                State::AwaitingInput(Box::new(Awaiting { round, earlier, response: r.response()? }))
+                // The question's state digest as written with it (never derived again here).
+                let asked_state = match r.byte()? {
+                    0 => None,
+                    1 => {
+                        let mut d = [0u8; 32];
+                        d.copy_from_slice(r.take(32)?);
+                        Some(d)
+                    }
+                    other => return Err(DecodeError::BadValue(other)),
+                };
+                State::AwaitingInput(Box::new(Awaiting { round, earlier, asked_state, response: r.response()? }))
             }
             4 => {
                 let status = r.status()?;
@@ -838,11 +895,7 @@ mod tests {
             created_at_ms: 5,
             expires_at_ms: 9,
             creator: Creator { request_id: "r1".into(), log_values: vec![] },
-            state: State::AwaitingInput(Box::new(Awaiting {
-                round: [1; 32],
-                earlier: vec![[5; 32]],
-                response: response.clone(),
-            })),
+            state: State::AwaitingInput(Box::new(Awaiting::new([1; 32], vec![[5; 32]], response.clone()))),
         };
         let bytes = r.encode();
         assert_eq!(bytes.get(4), Some(&6), "tag 6");
@@ -869,23 +922,12 @@ mod tests {
     /// is answered the question, never run.
     #[test]
     fn only_a_round_echoing_the_questions_state_is_the_next() {
-        let asked = |state: &str| {
-            Record {
+        let asked = |state: &str| Record {
             fingerprint: Fingerprint([3; 32]),
             created_at_ms: 5,
             expires_at_ms: 9,
             creator: Creator { request_id: "r1".into(), log_values: vec![] },
-            state: State::AwaitingInput(Box::new(Awaiting {
-                round: [1; 32],
-                earlier: vec![],
-                response: StoredResponse {
-                    status: 200,
-                    headers: vec![],
-                    body: format!(r#"{{"jsonrpc":"2.0","id":1,"result":{{"resultType":"input_required","requestState":"{state}"}}}}"#)
-                        .into_bytes(),
-                },
-            })),
-        }
+            state: State::AwaitingInput(Box::new(Awaiting::new([1; 32], vec![], question(state)))),
         };
         let s2 = state_digest(&serde_json::Value::String("s2".into()));
         let s1 = state_digest(&serde_json::Value::String("s1".into()));
@@ -899,6 +941,134 @@ mod tests {
             Round::Next,
             "the state as the parsers read it"
         );
+    }
+
+    /// A question asking for input with `requestState` `state`.
+    fn question(state: &str) -> StoredResponse {
+        StoredResponse {
+            status: 200,
+            headers: vec![],
+            body: format!(
+                r#"{{"jsonrpc":"2.0","id":1,"result":{{"resultType":"input_required","requestState":"{state}"}}}}"#
+            )
+            .into_bytes(),
+        }
+    }
+
+    /// Where an awaiting record's encoding holds its digest's flag: before the digest (if any)
+    /// and the question, which end the encoding.
+    fn flag_at(r: &Record) -> usize {
+        let State::AwaitingInput(a) = &r.state else { panic!("{r:?}") };
+        let mut question = vec![];
+        put_varint(&mut question, u64::from(a.response.status));
+        put_varint(&mut question, a.response.headers.len() as u64);
+        for (n, v) in &a.response.headers {
+            put_bytes(&mut question, n.as_bytes());
+            put_bytes(&mut question, v);
+        }
+        put_bytes(&mut question, &a.response.body);
+        r.encode().len() - question.len() - if a.asked_state.is_some() { 33 } else { 1 }
+    }
+
+    fn awaiting_record(a: Awaiting) -> Record {
+        Record {
+            fingerprint: Fingerprint([3; 32]),
+            created_at_ms: 5,
+            expires_at_ms: 9,
+            creator: Creator { request_id: "r1".into(), log_values: vec![] },
+            state: State::AwaitingInput(Box::new(a)),
+        }
+    }
+
+    /// Tag 6 stores the question's `requestState` digest, written once with the question
+    /// (`Awaiting::new`): decoding yields the digest encoded (after the earlier rounds: `1` and the
+    /// digest, `0` for a question without state), and the round rule judges a decoded record by
+    /// it: the round echoing the question's `requestState` is the next, one echoing another
+    /// (an earlier question's) or none is not.
+    #[test]
+    fn a_decoded_awaiting_record_yields_the_digest_encoded_and_judges_rounds_by_it() {
+        let s1 = state_digest(&serde_json::Value::String("s1".into()));
+        let s2 = state_digest(&serde_json::Value::String("s2".into()));
+        let r = awaiting_record(Awaiting::new([1; 32], vec![[5; 32]], question("s2")));
+        let bytes = r.encode();
+        let at = flag_at(&r);
+        assert_eq!(bytes.get(at), Some(&1), "a digest follows");
+        assert_eq!(bytes.get(at + 1..at + 33), Some(&s2[..]), "the digest as encoded");
+        let decoded = Record::decode(&bytes).expect("decodes");
+        assert_eq!(decoded, r);
+        let State::AwaitingInput(a) = &decoded.state else { panic!("{decoded:?}") };
+        assert_eq!(a.asked_state(), Some(s2), "the digest that was encoded");
+        let round = |state| Some(RoundId { digest: [2; 32], state });
+        assert_eq!(decoded.round(round(Some(s2)).as_ref()), Round::Next, "echoes the question's requestState");
+        assert_eq!(decoded.round(round(Some(s1)).as_ref()), Round::Asked, "echoes an earlier question's");
+        assert_eq!(decoded.round(round(None).as_ref()), Round::Asked, "echoes none");
+        // A question without a state (or one that is no JSON): `0`, no digest, any new round.
+        for body in [br#"{"result":{"resultType":"input_required"}}"#.to_vec(), b"not json".to_vec()] {
+            let q = StoredResponse { status: 200, headers: vec![], body };
+            let r = awaiting_record(Awaiting::new([1; 32], vec![], q));
+            let bytes = r.encode();
+            let at = flag_at(&r);
+            assert_eq!(bytes.get(at), Some(&0));
+            let decoded = Record::decode(&bytes).expect("decodes");
+            let State::AwaitingInput(a) = &decoded.state else { panic!("{decoded:?}") };
+            assert_eq!(a.asked_state(), None);
+            assert_eq!(decoded.round(round(Some(s1)).as_ref()), Round::Next);
+        }
+        // A flag other than 0 or 1 is no encoding of this record: refused (one encoding only).
+        let mut bad = bytes.clone();
+        let at = flag_at(&r);
+        bad[at] = 2;
+        assert_eq!(Record::decode(&bad), Err(DecodeError::BadValue(2)));
+    }
+
+    /// Adversarial check of the stored digest: it is read from the stored question only once, and
+    /// a lookup never parses the question again (the stored digest decides, as this shows with a
+    /// digest made to disagree). A disagreement could run a round twice: round 2 (echoing s1) ran
+    /// and asked again (s2); were the stored digest s1's (carried over from the question before)
+    /// or none, round 2 sent again in another spelling (another round digest, echoing s1) would be
+    /// the next round and run round 2's step a second time. So the record is made only by
+    /// `Awaiting::new` from the question it keeps, whatever the call asked before; the machine
+    /// test `a_round_answering_an_earlier_question_is_never_run` drives the same through the
+    /// local tier, and the request test for a sealed store value through the store's.
+    #[test]
+    fn the_stored_digest_is_the_kept_questions_never_an_earlier_ones() {
+        let s1 = state_digest(&serde_json::Value::String("s1".into()));
+        let s2 = state_digest(&serde_json::Value::String("s2".into()));
+        let first = awaiting_record(Awaiting::new([1; 32], vec![], question("s1")));
+        // Round 2 (digest [2; 32], echoing s1) is the next, runs and asks again: the new awaiting
+        // record, as `engine::settle` writes it (the earlier rounds from the one it continued).
+        assert_eq!(first.round(Some(&RoundId { digest: [2; 32], state: Some(s1) })), Round::Next);
+        let second = awaiting_record(Awaiting::new([2; 32], first.rounds_run(), question("s2")));
+        let second = Record::decode(&second.encode()).expect("decodes");
+        let State::AwaitingInput(a) = &second.state else { panic!("{second:?}") };
+        assert_eq!(a.asked_state(), Some(s2), "the question kept, not the one before");
+        let respelled = RoundId { digest: [7; 32], state: Some(s1) };
+        assert_eq!(second.round(Some(&respelled)), Round::Asked, "round 2 respelled never runs again");
+        assert_eq!(second.round(Some(&RoundId { digest: [2; 32], state: Some(s1) })), Round::Asked);
+        assert_eq!(second.round(Some(&RoundId { digest: [3; 32], state: Some(s2) })), Round::Next);
+        // What a disagreeing digest would do (only a writer other than `Awaiting::new` could
+        // store one): the lookup reads the stored digest, not the question.
+        for stale in [Some(s1), None] {
+            let mut wrong = a.as_ref().clone();
+            wrong.asked_state = stale;
+            let wrong = Record::decode(&awaiting_record(wrong).encode()).expect("decodes as written");
+            assert_eq!(wrong.round(Some(&respelled)), Round::Next, "{stale:?}: the stored digest decides");
+        }
+    }
+
+    /// A tag-6 record laid out as before the digest (the question straight after the earlier
+    /// rounds, as 0.3.0-dev builds before this one wrote it) is refused, never read with a
+    /// digest taken from the question's bytes; and a decoder of that layout reads this one's
+    /// flag (`0` or `1`) as the question's status, which is no status: refused too.
+    #[test]
+    fn an_awaiting_record_of_the_layout_without_the_digest_is_refused() {
+        let r = awaiting_record(Awaiting::new([1; 32], vec![[5; 32]], question("s2")));
+        let bytes = r.encode();
+        let at = flag_at(&r);
+        let mut old = bytes[..at].to_vec();
+        old.extend_from_slice(&bytes[at + 33..]);
+        assert_eq!(Record::decode(&old), Err(DecodeError::BadValue(200)), "status 200's first byte is no flag");
+        assert!(matches!(bytes.get(at), Some(0 | 1)), "read as a status by the old layout: below 100");
     }
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -931,6 +1101,12 @@ mod tests {
             State::CompletedTooLarge { status: 204, location: None },
             State::OutcomeUnknown { reason: UnknownReason::UpstreamTimeout },
             State::OutcomeUnknown { reason: UnknownReason::DownstreamGone },
+            State::AwaitingInput(Box::new(Awaiting::new([1; 32], vec![[2; 32], [3; 32]], question("s1")))),
+            State::AwaitingInput(Box::new(Awaiting::new(
+                [1; 32],
+                vec![],
+                StoredResponse { status: 200, headers: vec![("a".into(), b"b".to_vec())], body: b"{}".to_vec() },
+            ))),
         ]
     }
 
@@ -1112,6 +1288,21 @@ mod tests {
                 (100u16..1000, proptest::option::of(proptest::collection::vec(any::<u8>(), 0..40)))
                     .prop_map(|(status, location)| State::CompletedTooLarge { status, location }),
                 (1u8..7).prop_map(|c| State::OutcomeUnknown { reason: UnknownReason::from_code(c).unwrap() }),
+                (
+                    any::<[u8; 32]>(),
+                    proptest::collection::vec(any::<[u8; 32]>(), 0..4),
+                    proptest::option::of(any::<[u8; 32]>()),
+                    100u16..1000,
+                    proptest::collection::vec(any::<u8>(), 0..100)
+                )
+                    .prop_map(|(round, earlier, asked_state, status, body)| State::AwaitingInput(
+                        Box::new(Awaiting {
+                            round,
+                            earlier,
+                            asked_state,
+                            response: StoredResponse { status, headers: vec![], body }
+                        })
+                    )),
             ]
         }
 

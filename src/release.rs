@@ -8,6 +8,8 @@
 //! - store values: `IGS1` (the store scripts' header) + `IGM1` (the seal) + `IGR` version 1 (the
 //!   record), under `idemgate:v1:` in Redis and `idemgate/v1/` in etcd. A decoder refuses any
 //!   other magic or record version (503 `record-unreadable`, never a replay or a second execution).
+//!   A key's tombstone in Redis (`tombstone_seconds`): `IGS1T` + `IGM1` + `IGT` version 1 under
+//!   `idemgate:v1:t:{idemgate:v1:<hex>}` (`store::tombstone_redis_key`), the record's key's hash tag.
 //! - the local tier: shared-data names of layout v4 (`idemgate.v4.local.n<max_entries>`); a v3
 //!   table left by a module before layout v4 is read, never written (`local::v3`).
 
@@ -27,10 +29,14 @@ pub fn configured_line() -> String {
 pub fn formats() -> String {
     let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     let record = format!("{}+{}{}", text(seal::SEALED_MAGIC), text(record::MAGIC), record::VERSION);
+    // A key's tombstone in Redis: its header, then the seal around its body's magic and version.
+    let (version, magic) = store::TOMBSTONE_BODY.split_last().unwrap_or((&0, &[]));
+    let tombstone = format!("{}+{}+{}{version}", text(store::TOMBSTONE_MAGIC), text(seal::SEALED_MAGIC), text(magic));
     format!(
-        "store records written and read as {}+{record} under {} (Redis) or {}+{record} under {} (etcd); local table layout {} (a v3 table left by a reload is read, never written)",
+        "store records written and read as {}+{record} under {} (Redis; a key's tombstone {tombstone} under {}) or {}+{record} under {} (etcd); local table layout {} (a v3 table left by a reload is read, never written)",
         text(store::VALUE_MAGIC),
         store::KEY_PREFIX,
+        store::tombstone_redis_key_of(&format!("{}<hex>", store::KEY_PREFIX)),
         text(etcd::VALUE_MAGIC),
         etcd::KEY_PREFIX,
         local::LAYOUT,
@@ -51,9 +57,21 @@ mod tests {
         let line = configured_line();
         assert!(line.starts_with(&format!("idemgate {}: ", env!("CARGO_PKG_VERSION"))), "{line}");
         assert!(
-            line.contains("as IGS1+IGM1+IGR1 under idemgate:v1: (Redis) or IGE1+IGM1+IGR1 under idemgate/v1/ (etcd)"),
+            line.contains(
+                "as IGS1+IGM1+IGR1 under idemgate:v1: (Redis; a key's tombstone IGS1T+IGM1+IGT1 under idemgate:v1:t:{idemgate:v1:<hex>}) or IGE1+IGM1+IGR1 under idemgate/v1/ (etcd)"
+            ),
             "{line}"
         );
         assert!(line.contains("local table layout v4 "), "{line}");
+        // The tombstone key named is the one the store writes: `<hex>` read as a storage key's hex.
+        let skey = crate::scope::StorageKey([0xab; 32]);
+        let named = format!("{}{}", store::KEY_PREFIX, crate::hex::encode(&skey.0));
+        assert_eq!(store::tombstone_redis_key(&skey), format!("idemgate:v1:t:{{{named}}}"));
+        let value = store::tombstone_value(
+            &skey,
+            &crate::fingerprint::Fingerprint([1; 32]),
+            &crate::seal::Seal::new(Some("0123456789abcdef0123456789abcdef"), None).unwrap(),
+        );
+        assert!(value.starts_with(b"IGS1TIGM1"), "{:?}", String::from_utf8_lossy(&value));
     }
 }

@@ -490,7 +490,8 @@ pub fn tombstone_redis_key(skey: &StorageKey) -> String {
     tombstone_redis_key_of(&redis_key(skey))
 }
 
-fn tombstone_redis_key_of(key: &str) -> String {
+/// `tombstone_redis_key` of a record's Redis key `key` (also how `release::formats` names it).
+pub fn tombstone_redis_key_of(key: &str) -> String {
     format!("{KEY_PREFIX}t:{{{key}}}")
 }
 
@@ -498,7 +499,7 @@ fn tombstone_redis_key_of(key: &str) -> String {
 /// for the tombstone's own Redis key (`seal`): 5 + 36 + 36 = 77 bytes, whatever the response was.
 pub const TOMBSTONE_MAGIC: &[u8; 5] = b"IGS1T";
 /// What a tombstone holds inside its seal: this, then the record's fingerprint (32 bytes).
-const TOMBSTONE_BODY: &[u8; 4] = b"IGT\x01";
+pub const TOMBSTONE_BODY: &[u8; 4] = b"IGT\x01";
 
 /// The value of `skey`'s tombstone: its record's fingerprint only (no response, no header, no
 /// creator), sealed for the tombstone's key.

@@ -242,7 +242,7 @@ pub fn start<'a>(
             let earlier = claim.mcp_continued.as_ref().map(|r| r.rounds_run()).unwrap_or_default();
             if let (Some(round), crate::record::State::Completed(r)) = (awaiting, &record.state) {
                 if earlier.len() < crate::record::MAX_EARLIER_ROUNDS {
-                    let awaiting = crate::record::Awaiting { round, earlier, response: r.clone() };
+                    let awaiting = crate::record::Awaiting::new(round, earlier, r.clone());
                     record.state = crate::record::State::AwaitingInput(Box::new(awaiting));
                 }
             }

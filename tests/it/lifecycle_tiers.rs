@@ -574,7 +574,7 @@ fn two_copies_of_a_next_round_continue_an_awaiting_call_once_in_every_tier() {
     let asked = RoundId { digest: [1u8; 32], state: None };
     let next = RoundId { digest: [2u8; 32], state: None };
     let awaiting = |now: u64| Record {
-        state: State::AwaitingInput(Box::new(Awaiting { round: asked.digest, earlier: vec![], response: response() })),
+        state: State::AwaitingInput(Box::new(Awaiting::new(asked.digest, vec![], response()))),
         ..Record::completed(FP, response(), false, creator(1), now, p.ttl_seconds)
     };
     let continuation = |o: u8, from: &StoredValue, now: u64| {

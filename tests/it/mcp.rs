@@ -841,9 +841,15 @@ fn a_call_that_asks_more_than_64_times_is_kept_as_answered_at_the_65th_question(
         let extra = if n == 1 {
             String::new()
         } else {
-            format!(r#","inputResponses":{{"q":{{"action":"accept","content":{{"n":{}}}}}}},"requestState":"s{}""#, n - 1, n - 1)
+            format!(
+                r#","inputResponses":{{"q":{{"action":"accept","content":{{"n":{}}}}}}},"requestState":"s{}""#,
+                n - 1,
+                n - 1
+            )
         };
-        format!(r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"confirm","arguments":{{"amount":5}}{extra}}}}}"#)
+        format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"confirm","arguments":{{"amount":5}}{extra}}}}}"#
+        )
     };
     let send = |port: u16, n: u32| {
         let answer = asks(n);
@@ -871,7 +877,11 @@ fn a_call_that_asks_more_than_64_times_is_kept_as_answered_at_the_65th_question(
         for n in 1..=65u32 {
             let r = send(ports[n as usize % 2], n);
             assert_eq!(r.header("idempotent-replayed"), None, "{what}: round {n} was not run: {}", r.body_text());
-            assert!(r.body_text().contains(&format!(r#""requestState":"s{n}""#)), "{what}: round {n}: {}", r.body_text());
+            assert!(
+                r.body_text().contains(&format!(r#""requestState":"s{n}""#)),
+                "{what}: round {n}: {}",
+                r.body_text()
+            );
             assert_eq!(up.executions(), u64::from(n), "{what}: round {n} ran once");
         }
         for (i, port) in [ports[0], ports[1], ports[0]].into_iter().enumerate() {

@@ -326,7 +326,7 @@ fn an_awaiting_value_is_replayed_to_its_round_and_continued_by_the_next() {
     let h = handle();
     let mut awaiting = value(Stage::Completed, 0);
     let question = StoredResponse { status: 200, headers: vec![], body: b"{\"q\":1}".to_vec() };
-    let a = crate::record::Awaiting { round: [1; 32], earlier: vec![[0; 32]], response: question };
+    let a = crate::record::Awaiting::new([1; 32], vec![[0; 32]], question);
     awaiting.record.state = State::AwaitingInput(Box::new(a));
     let round = |r: Option<[u8; 32]>| Sent {
         round: r.map(|digest| crate::record::RoundId { digest, state: None }),
@@ -346,6 +346,39 @@ fn an_awaiting_value_is_replayed_to_its_round_and_continued_by_the_next() {
     assert!(matches!(step, Answered::Next(Step::Replay { .. })), "a tombstone is no call to continue: {step:?}");
 }
 
+/// Issue 40: the store tier judges a round by the question's `requestState` digest stored in the
+/// awaiting record (tag 6), read from the sealed value as the store holds it: the round echoing
+/// the question's state continues the call, one echoing an earlier question's (a copy of the
+/// round that answered it, spelled another way) or none is replayed the question, never run.
+#[test]
+fn a_stored_awaiting_value_is_continued_only_by_a_round_echoing_its_questions_state() {
+    let h = handle();
+    let state = |s: &str| crate::record::state_digest(&serde_json::Value::String(s.into()));
+    let question = StoredResponse {
+        status: 200,
+        headers: vec![],
+        body: br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required","requestState":"s2"}}"#.to_vec(),
+    };
+    let mut awaiting = value(Stage::Completed, 0);
+    let a = crate::record::Awaiting::new([2; 32], vec![[0; 32]], question);
+    awaiting.record.state = State::AwaitingInput(Box::new(a));
+    let seal = crate::seal::Seal::new(Some("engine-request-tests-record-key-0123456789abcdef"), None).unwrap();
+    let skey = StorageKey([9; 32]);
+    let read = crate::store::StoredValue::open(&awaiting.encode(&skey, &seal), &skey, &seal).expect("opens");
+    assert_eq!(read, awaiting);
+    let round = |digest: u8, s: Option<&str>| Sent {
+        round: Some(crate::record::RoundId { digest: [digest; 32], state: s.map(state) }),
+        ..sent(Some(h), 1)
+    };
+    let p = policy();
+    let step = after_claim(exists(read.clone()), &round(3, Some("s2")), &p, OnUnavailable::Reject, LOCAL);
+    assert_eq!(step, Answered::Next(Step::Continue { handle: Some(h), fp: fp(1), old: Box::new(read.clone()) }));
+    for (what, r) in [("an earlier question's state", round(7, Some("s1"))), ("no state", round(3, None))] {
+        let step = after_claim(exists(read.clone()), &r, &p, OnUnavailable::Reject, LOCAL);
+        assert!(matches!(step, Answered::Next(Step::Replay { .. })), "{what}: {step:?}");
+    }
+}
+
 /// Issue 40: with a store, the local copy of an MCP call awaiting input never answers: a round
 /// run on another proxy since may have moved the call on (another question), so the store's
 /// value decides. Without a store the local tier is the call's state and answers (a replay of
@@ -356,11 +389,7 @@ fn an_awaiting_value_is_replayed_to_its_round_and_continued_by_the_next() {
 fn with_a_store_a_local_copy_of_a_call_awaiting_input_is_asked_of_the_store() {
     let response = StoredResponse { status: 200, headers: vec![], body: b"{\"q\":1}".to_vec() };
     let mut awaiting = Record::completed(fp(1), response.clone(), false, creator(), LOCAL, 60);
-    awaiting.state = State::AwaitingInput(Box::new(crate::record::Awaiting {
-        round: [1; 32],
-        earlier: vec![],
-        response: response.clone(),
-    }));
+    awaiting.state = State::AwaitingInput(Box::new(crate::record::Awaiting::new([1; 32], vec![], response.clone())));
     assert_eq!(
         after_local(Ok(Begin::Replay(awaiting.clone())), Some(fp(1)), REJECT, LOCAL),
         Step::ClaimInStore { handle: None, fp: fp(1) }

@@ -496,7 +496,8 @@ fn mcp_a_round_that_asks_for_input_is_an_awaiting_record_by_default() {
     for outcome in [Outcome::Store, Outcome::Unknown(UnknownReason::DownstreamGone)] {
         let state = kept(InputRequired::default(), false, outcome, false);
         assert!(
-            matches!(&state, Some(State::AwaitingInput(a)) if a.round == [4; 32] && a.earlier.is_empty() && a.response.body == asks),
+            matches!(&state, Some(State::AwaitingInput(a)) if a.round() == [4; 32] && a.earlier().is_empty() && a.response().body == asks
+                && a.asked_state() == Some(crate::record::state_digest(&serde_json::json!("s1")))),
             "{outcome:?}: {state:?}"
         );
     }
