@@ -29,7 +29,9 @@ certificate), webdis still speaks plain RESP to its HAProxy on loopback.
 (the `default` user off): each leg gets an Envoy redis_proxy (envoy/redis-acl/redis-proxy.yaml,
 part hop-N) between its webdis and its HAProxy, taking webdis's AUTH <password> and sending
 AUTH idemgate <password>; with --tls, HAProxy originates the TLS to Redis as above, so the hop's
-own TLS block is left out (the hop and HAProxy are on one host, loopback).
+own TLS block is left out (the hop and HAProxy are on one host, loopback). Each hop lists every
+HAProxy, its own leg's at priority 0 and the others at priority 1, health-checked (the hop's
+cluster in redis-proxy.yaml), so a dead HAProxy loses no leg.
 """
 import json
 import os
@@ -307,7 +309,8 @@ def start_haproxy(d, stack, i):
 
 
 def start_hop(d, stack, i):
-    """Leg i's Envoy redis_proxy (--acl): webdis -> this hop -> HAProxy-i, as the user idemgate."""
+    """Leg i's Envoy redis_proxy (--acl): webdis -> this hop -> HAProxy-i (the other HAProxies as
+    failover, health-checked), as the user idemgate."""
     h = stack["hops"][i]
     hdir = os.path.join(d, f"hop-{i}")
     os.makedirs(hdir, exist_ok=True)
@@ -315,9 +318,20 @@ def start_hop(d, stack, i):
     render(HOP_YAML, {"LISTEN_PORT": h["port"], "ADMIN_PORT": h["admin_port"], "REDIS_ADDRESS": "127.0.0.1",
                       "REDIS_PORT": stack["haproxies"][i]["port"]}, conf)
     text = open(conf).read()
-    a, b = text.index("    transport_socket:\n"), text.index("    load_assignment:\n")
+    a, b = text.index("    transport_socket:\n"), text.index("    # One Redis. With Redis HA")
+    text = text[:a] + text[b:]
+    # Every HAProxy, this leg's own first (priority 0), the others as failover (priority 1):
+    # the hop's own health check and outlier detection take a dead HAProxy out, so losing one
+    # HAProxy loses no leg (webdis's connection to the hop never breaks).
+    order = [i] + [j for j in range(LEGS) if j != i]
+    endpoints = "".join(
+        f"      - priority: {0 if j == i else 1}\n        lb_endpoints:\n"
+        f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {stack['haproxies'][j]['port']}}}}}}}\n"
+        for j in order)
+    start_marker, end_marker = "      # BEGIN endpoints\n", "      # END endpoints\n"
+    a, b = text.index(start_marker), text.index(end_marker)
     with open(conf, "w") as f:
-        f.write(text[:a] + text[b:])
+        f.write(text[:a + len(start_marker)] + endpoints + text[b:])
     h["pid"] = spawn(d, f"hop-{i}", [os.environ.get("ENVOY_BIN", "envoy"), "-c", conf, "--concurrency", "1", "--disable-hot-restart",
                                      "--log-level", "warn"], cwd=hdir)
     save(d, stack)

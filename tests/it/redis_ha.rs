@@ -109,10 +109,26 @@ impl HaStore {
             "redis" => "redis",
             "sentinel" => "sentinels",
             "haproxy" => "haproxies",
+            "hop" => "hops",
             _ => "webdis",
         };
         let i: usize = i.parse().expect("a part number");
         self.stack()[key][i].clone()
+    }
+
+    /// Requests hop `part` (`hop-N`, `--acl`) sent to each upstream (HAProxy port -> its
+    /// `rq_total`), from that Envoy's admin `/clusters`.
+    pub fn hop_requests(&self, part: &str) -> BTreeMap<u16, u64> {
+        let admin = self.part(part)["admin_port"].as_u64().expect("an admin port") as u16;
+        let r = http::request(admin, "GET", "/clusters", &[], b"").expect("the hop's admin answers");
+        r.body_text()
+            .lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix("redis::127.0.0.1:")?;
+                let (port, n) = rest.split_once("::rq_total::")?;
+                Some((port.parse().ok()?, n.trim().parse().ok()?))
+            })
+            .collect()
     }
 
     /// The `idemgate_store` cluster (YAML list item from column 0) for this stack.
@@ -301,6 +317,11 @@ pub struct Measured {
     pub lost: usize,
     pub twice: usize,
     pub keys: usize,
+    /// `run_probed`'s fresh keys after the load, by answer (empty unless asked for).
+    pub probes: BTreeMap<String, usize>,
+    /// With the hop (`--acl`): requests hop-0 sent to haproxy-1, read once the load and the
+    /// fresh keys were answered (none before a fault: its own HAProxy comes first).
+    pub hop0_to_other: Option<u64>,
 }
 
 /// `n` keys from `CLIENTS` threads through both proxies; the fault injected once an eighth of
@@ -316,6 +337,13 @@ pub fn run_on(tls: bool, fault: Fault, n: usize, label: &str) -> Measured {
 
 /// `run` on the stack `store_ha.py up` `options` starts (`--tls`, `--acl`).
 pub fn run_with(options: &[&str], fault: Fault, n: usize, label: &str) -> Measured {
+    run_probed(options, fault, n, label, 0)
+}
+
+/// `run_with`, then, once the load has ended and before any retry, `probes` fresh keys sent once
+/// each, alternating proxies (`Measured::probes`: their answers). With one leg lost, a store that
+/// still sends part of its calls to that leg refuses some of them.
+pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes: usize) -> Measured {
     let tls = options.contains(&"--tls");
     let acl = options.contains(&"--acl");
     let w = World::start_with(options);
@@ -451,6 +479,20 @@ pub fn run_with(options: &[&str], fault: Fault, n: usize, label: &str) -> Measur
         }
     };
     let last_refusal_after = refused.iter().map(|s| s.end.saturating_sub(fault_at).as_secs_f64()).fold(0.0, f64::max);
+    // Fresh first requests once the load has ended, each sent once (no retry): all should execute.
+    let mut probe_answers = BTreeMap::new();
+    for i in 0..probes {
+        let r = post(ports[i % 2], &format!("{label}-fresh-{i}"));
+        *probe_answers.entry(kind(&r)).or_insert(0) += 1;
+    }
+    let probes_at = (t0.elapsed() - fault_at).as_secs_f64();
+    // With the hop, what hop-0 sent to the other leg's HAProxy (its failover), before the retries.
+    let hop0_to_other = if acl {
+        let other = w.store.port("haproxy-1");
+        w.store.hop_requests("hop-0").get(&other).copied()
+    } else {
+        None
+    };
 
     // Every key retried on both proxies once the writes settled; 503s retried (bounded).
     w.wait_writes_settled();
@@ -560,6 +602,8 @@ pub fn run_with(options: &[&str], fault: Fault, n: usize, label: &str) -> Measur
         lost: missing.len(),
         twice: twice.len(),
         keys: n,
+        probes: probe_answers,
+        hop0_to_other,
     };
     let row = [
         format!(
@@ -578,6 +622,18 @@ pub fn run_with(options: &[&str], fault: Fault, n: usize, label: &str) -> Measur
         format!("{} refused (503), the last ending {:.2} s after", m.refused, m.last_refusal_after),
         format!("{} lost (primary after: {primary_now}, before: {old_primary})", m.lost),
         format!("{} executed twice", m.twice),
+        if probes == 0 {
+            String::new()
+        } else {
+            format!(
+                "{probes} fresh keys after the load (ending {probes_at:.2} s after the fault), sent once: {:?}",
+                m.probes
+            )
+        },
+        match m.hop0_to_other {
+            Some(n) => format!("hop-0 sent {n} requests to haproxy-1"),
+            None => String::new(),
+        },
         format!("first attempts {:?}; retries {retry_answers:?}", m.answers),
         counters,
         if spared.is_empty() {
