@@ -108,7 +108,7 @@ const RECVFROM: u64 = 207;
 /// Stops process `pid` (SIGSTOP) while one of its threads waits in `recvfrom`, waits until it is
 /// stopped, then continues it (SIGCONT): on Linux such a receive on a socket with a timeout then
 /// fails with `EINTR` rather than going on (signal(7)), which is what a client of the process
-/// must survive. Looks are bounded by count (at most 5,000, 1 ms apart, each); fails the test
+/// must survive. Looks are bounded by count (at most 20,000, 1 ms apart, each); fails the test
 /// when the thread never waits there or the process never stops.
 pub fn stop_and_continue_while_receiving(pid: u32) {
     let receiving = || {
@@ -125,7 +125,7 @@ pub fn stop_and_continue_while_receiving(pid: u32) {
             .and_then(|s| s.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
     };
     let looked = |what: &dyn Fn() -> bool| {
-        (0..5000).any(|_| {
+        (0..20_000).any(|_| {
             what() || {
                 std::thread::sleep(Duration::from_millis(1));
                 false
