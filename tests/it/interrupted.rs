@@ -23,13 +23,7 @@ fn child() {
     let port = listener.local_addr().expect("addr").port();
     let server = std::thread::spawn(move || {
         let (mut c, _) = listener.accept().expect("accept");
-        let mut got = vec![];
-        let mut chunk = [0u8; 4096];
-        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-            let n = http::read_some(&mut c, &mut chunk).expect("read the request");
-            assert!(n > 0, "the client left");
-            got.extend_from_slice(&chunk[..n]);
-        }
+        http::read_request_head(&mut c);
         println!("request-read");
         std::io::stdout().flush().expect("flush");
         let mut go = String::new();

@@ -1209,6 +1209,19 @@ pub mod http {
         }
     }
 
+    /// Reads a request from `c` until its head has ended (what a test server needs before it
+    /// answers); fails the test if the client leaves first.
+    pub fn read_request_head(c: &mut TcpStream) -> Vec<u8> {
+        let mut head = vec![];
+        let mut chunk = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = read_some(c, &mut chunk).expect("read the request");
+            assert!(n > 0, "the client left before its request head was whole");
+            head.extend_from_slice(&chunk[..n]);
+        }
+        head
+    }
+
     /// Sends raw request bytes (must ask for `connection: close`) and reads the whole response.
     pub fn raw(port: u16, request: &[u8], timeout: Duration) -> std::io::Result<Response> {
         let mut s = TcpStream::connect(("127.0.0.1", port))?;
