@@ -406,3 +406,35 @@ fn with_a_store_a_local_copy_of_a_call_awaiting_input_is_asked_of_the_store() {
         Step::Replay { record: done, cache: None }
     );
 }
+
+/// Review (h-review3): under `on_unavailable: "pass"` a store failure forwards the key
+/// unprotected, so (as for a local outcome-unknown, above) a local answer must stand rather than
+/// be asked of the store. Round 1 of an MCP call ran on this proxy and asked for input (the local
+/// copy is its awaiting record); the store becomes unreachable; the client re-sends round 1
+/// (the round that asked: `Record::round` says `Asked`, the local copy would replay its
+/// question). With the awaiting-copy rule the request goes to the store, the store fails, and
+/// round 1 is forwarded unprotected: its tool step executes a second time.
+#[test]
+fn under_pass_a_round_the_local_copy_shows_ran_is_never_forwarded_unprotected_when_the_store_fails() {
+    let question = StoredResponse {
+        status: 200,
+        headers: vec![],
+        body: br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required","requestState":"s1"}}"#.to_vec(),
+    };
+    let mut awaiting = Record::completed(fp(1), question.clone(), false, creator(), LOCAL, 60);
+    awaiting.state = State::AwaitingInput(Box::new(crate::record::Awaiting::new([1; 32], vec![], question)));
+    // Round 1 re-sent: the round that asked (its digest, no state echoed).
+    let resent = crate::record::RoundId { digest: [1; 32], state: None };
+    assert_eq!(awaiting.round(Some(&resent)), crate::record::Round::Asked, "round 1 ran: its question is its answer");
+    let step = after_local(Ok(Begin::Replay(awaiting)), Some(fp(1)), Some(OnUnavailable::Pass), LOCAL);
+    // Where the request ends if the store then fails (what `machine` runs for a failed call).
+    let then = match &step {
+        Step::ClaimInStore { .. } => after_store_failure(&policy(), OnUnavailable::Pass),
+        other => other.clone(),
+    };
+    assert_ne!(
+        then,
+        Step::PassUnprotected,
+        "round 1, re-sent after it ran, is forwarded unprotected when the store fails under pass (after_local: {step:?})"
+    );
+}
