@@ -410,3 +410,33 @@ mod props {
         }
     }
 }
+
+/// Review (h-review3): with a store, this proxy's local copy of an MCP call awaiting input is not
+/// the call's state (`request::after_local` asks the store instead since 1a74b82), yet a held
+/// waiter is answered from it. Round 1 ran on this proxy and asked (its local copy: the awaiting
+/// record); round 2 runs on another proxy (the store: in flight); the client's round 2 sent here
+/// goes to the store, meets the claim and is held (`in_flight: "wait"`). At the first tick the
+/// local tier's stale awaiting copy answers it 409 `retry-after: 0` ("released, retry now")
+/// while round 2 still runs: wait mode becomes a 409 spin until round 2 ends elsewhere.
+#[test]
+fn with_a_store_a_local_awaiting_copy_never_answers_a_held_round() {
+    let question = StoredResponse {
+        status: 200,
+        headers: vec![],
+        body: br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required","requestState":"s1"}}"#.to_vec(),
+    };
+    let mut awaiting = completed(FP);
+    awaiting.state = State::AwaitingInput(Box::new(crate::record::Awaiting::new([1; 32], vec![], question)));
+    let now = 1_000;
+    let mut ws = vec![waiter(1, 1, now)];
+    let mut local = |_: &StorageKey| {
+        Some(Seen::Completed { fingerprint: Some(FP), record: Some(awaiting.clone()), status: 200 })
+    };
+    let actions = tick(&mut ws, now + TICK_MS, true, &|_| true, &mut local);
+    let answered: Vec<_> =
+        actions.iter().filter_map(|a| if let Action::Answer(_, r) = a { Some(r.clone()) } else { None }).collect();
+    assert!(
+        answered.is_empty(),
+        "a round held while the key is in flight in the store was answered from the local awaiting copy: {answered:?}"
+    );
+}
