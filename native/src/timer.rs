@@ -195,6 +195,54 @@ mod tests {
         assert_eq!(fired.load(Ordering::SeqCst), 0);
     }
 
+    /// Review (h-review3): `arm` says a deadline whose thread could not be started "stays armed,
+    /// and the next `arm` tries again"; but the next `arm` of a deadline no sooner than it returns
+    /// at the early "already armed" check, before the thread is looked at, so no thread is ever
+    /// started and no retry fires (a completion write waiting for its retry waits for the next
+    /// write, which may never come: the key stays claimed until its lock expires). The thread's
+    /// start is made to fail by an address-space limit too small for its stack, lifted at once.
+    #[test]
+    fn a_timer_whose_thread_could_not_start_starts_it_at_the_next_arm() {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        #[repr(C)]
+        struct Rlimit {
+            cur: u64,
+            max: u64,
+        }
+        extern "C" {
+            fn getrlimit(resource: i32, rlim: *mut Rlimit) -> i32;
+            fn setrlimit(resource: i32, rlim: *const Rlimit) -> i32;
+        }
+        const RLIMIT_AS: i32 = 9;
+        let vm_bytes = || -> u64 {
+            let status = std::fs::read_to_string("/proc/self/status").expect("status");
+            let line = status.lines().find(|l| l.starts_with("VmSize:")).expect("VmSize");
+            line.split_whitespace().nth(1).and_then(|k| k.parse::<u64>().ok()).expect("kB") * 1024
+        };
+        let fired = Arc::new(AtomicUsize::new(0));
+        let f = Arc::clone(&fired);
+        let t = Timer::new(
+            move || {
+                f.fetch_add(1, Ordering::SeqCst);
+            },
+            now,
+        );
+        let start = now();
+        let mut old = Rlimit { cur: 0, max: 0 };
+        // SAFETY: plain libc calls on a local struct.
+        assert_eq!(unsafe { getrlimit(RLIMIT_AS, &mut old) }, 0);
+        let tight = Rlimit { cur: vm_bytes() + 256 * 1024, max: old.max };
+        assert_eq!(unsafe { setrlimit(RLIMIT_AS, &tight) }, 0);
+        let first = t.arm(start + 50);
+        assert_eq!(unsafe { setrlimit(RLIMIT_AS, &old) }, 0, "limit lifted");
+        assert!(first.is_err(), "the thread's start was to fail: {first:?}");
+        assert!(!t.started());
+        // The store side arms the next retry due (the same one, or a later one).
+        t.arm(start + 60).expect("arm");
+        assert!(t.started(), "the next arm started no thread: the armed deadline never fires");
+        assert!(eventually(|| fired.load(Ordering::SeqCst) == 1), "never fired");
+    }
+
     /// How many threads of this process carry `name` (Linux: /proc/self/task/*/comm).
     fn threads_named(name: &str) -> usize {
         std::fs::read_dir("/proc/self/task")
