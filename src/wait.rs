@@ -103,6 +103,14 @@ pub fn answer(seen: Seen, tier: Tier, fp: &Fingerprint, has_store: bool, mismatc
             WaitAnswer::Problem(ProblemKind::KeyReused { status: mismatch_status })
         }
         Seen::Unknown { .. } => WaitAnswer::Problem(ProblemKind::OutcomeUnknown),
+        // With a store, this proxy's copy of an MCP call awaiting input is not the call's state
+        // (a round may run, or have run, through another proxy: `request::after_local`): the
+        // store's poll decides.
+        Seen::Completed { record: Some(r), .. }
+            if tier == Tier::Local && has_store && matches!(r.state, State::AwaitingInput(_)) =>
+        {
+            WaitAnswer::KeepWaiting
+        }
         // A round of an MCP call that asked for input: which round the waiter is decides its
         // answer (`Record::round`), so it asks again at once and meets the record itself.
         Seen::Completed { record: Some(r), .. } if matches!(r.state, State::AwaitingInput(_)) => WaitAnswer::RetryNow,

@@ -28,11 +28,19 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Starts the timer's thread (`std::thread::Builder` in the module; one that fails, in tests).
+type Spawn = fn(Box<dyn FnOnce() + Send>) -> std::io::Result<JoinHandle<()>>;
+
+fn spawn_named(body: Box<dyn FnOnce() + Send>) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name("idemgate-retry".into()).spawn(body)
+}
+
 /// Calls `fire` once at (or after) the earliest deadline armed, on its own thread.
 pub struct Timer {
     shared: Arc<Shared>,
     fire: Arc<dyn Fn() + Send + Sync>,
     now_ms: fn() -> u64,
+    spawn: Spawn,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -40,10 +48,15 @@ impl Timer {
     /// A timer that calls `fire` when due, reading the time (ms since the epoch) with `now_ms`.
     /// No thread runs until the first `arm`.
     pub fn new(fire: impl Fn() + Send + Sync + 'static, now_ms: fn() -> u64) -> Timer {
+        Timer::with_spawn(fire, now_ms, spawn_named)
+    }
+
+    fn with_spawn(fire: impl Fn() + Send + Sync + 'static, now_ms: fn() -> u64, spawn: Spawn) -> Timer {
         Timer {
             shared: Arc::new(Shared { state: Mutex::new(State::default()), wake: Condvar::new() }),
             fire: Arc::new(fire),
             now_ms,
+            spawn,
             thread: Mutex::new(None),
         }
     }
@@ -52,21 +65,25 @@ impl Timer {
     /// Starts the timer's thread on first use: why it could not be, if so (the deadline stays
     /// armed, and the next `arm` tries again).
     pub fn arm(&self, due: u64) -> Result<(), String> {
-        {
+        let earlier = {
             let mut st = lock(&self.shared.state);
-            if st.due.is_some_and(|at| at <= due) {
-                return Ok(());
+            let earlier = st.due.is_none_or(|at| due < at);
+            if earlier {
+                st.due = Some(due);
             }
-            st.due = Some(due);
+            earlier
+        };
+        if earlier {
+            self.shared.wake.notify_all();
         }
-        self.shared.wake.notify_all();
+        // Whatever was armed: a thread that could not start before is started now, or the
+        // deadline already armed would never fire.
         let mut thread = self.thread.lock().unwrap_or_else(|e| e.into_inner());
         if thread.is_some() {
             return Ok(());
         }
         let (shared, fire, now_ms) = (Arc::clone(&self.shared), Arc::clone(&self.fire), self.now_ms);
-        let started =
-            std::thread::Builder::new().name("idemgate-retry".into()).spawn(move || run(&shared, &*fire, now_ms));
+        let started = (self.spawn)(Box::new(move || run(&shared, &*fire, now_ms)));
         match started {
             Ok(h) => {
                 *thread = Some(h);
@@ -196,45 +213,34 @@ mod tests {
     }
 
     /// Review (h-review3): `arm` says a deadline whose thread could not be started "stays armed,
-    /// and the next `arm` tries again"; but the next `arm` of a deadline no sooner than it returns
-    /// at the early "already armed" check, before the thread is looked at, so no thread is ever
-    /// started and no retry fires (a completion write waiting for its retry waits for the next
-    /// write, which may never come: the key stays claimed until its lock expires). The thread's
-    /// start is made to fail by an address-space limit too small for its stack, lifted at once.
+    /// and the next `arm` tries again"; but the next `arm` of a deadline no sooner than it returned
+    /// at the early "already armed" check, before the thread was looked at, so no thread was ever
+    /// started and no retry fired (a completion write waiting for its retry waited for the next
+    /// write, which may never come: the key stayed claimed until its lock expired). The first start
+    /// fails here (a spawner that refuses once); the review's first form of this test made it fail
+    /// with a process-wide address-space limit, which the other tests running meanwhile share.
     #[test]
     fn a_timer_whose_thread_could_not_start_starts_it_at_the_next_arm() {
+        use std::sync::atomic::AtomicBool;
+        static REFUSED: AtomicBool = AtomicBool::new(false);
+        fn refuse_once(body: Box<dyn FnOnce() + Send>) -> std::io::Result<JoinHandle<()>> {
+            if !REFUSED.swap(true, Ordering::SeqCst) {
+                return Err(std::io::Error::other("no thread (test)"));
+            }
+            spawn_named(body)
+        }
         let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-        #[repr(C)]
-        struct Rlimit {
-            cur: u64,
-            max: u64,
-        }
-        extern "C" {
-            fn getrlimit(resource: i32, rlim: *mut Rlimit) -> i32;
-            fn setrlimit(resource: i32, rlim: *const Rlimit) -> i32;
-        }
-        const RLIMIT_AS: i32 = 9;
-        let vm_bytes = || -> u64 {
-            let status = std::fs::read_to_string("/proc/self/status").expect("status");
-            let line = status.lines().find(|l| l.starts_with("VmSize:")).expect("VmSize");
-            line.split_whitespace().nth(1).and_then(|k| k.parse::<u64>().ok()).expect("kB") * 1024
-        };
         let fired = Arc::new(AtomicUsize::new(0));
         let f = Arc::clone(&fired);
-        let t = Timer::new(
+        let t = Timer::with_spawn(
             move || {
                 f.fetch_add(1, Ordering::SeqCst);
             },
             now,
+            refuse_once,
         );
         let start = now();
-        let mut old = Rlimit { cur: 0, max: 0 };
-        // SAFETY: plain libc calls on a local struct.
-        assert_eq!(unsafe { getrlimit(RLIMIT_AS, &mut old) }, 0);
-        let tight = Rlimit { cur: vm_bytes() + 256 * 1024, max: old.max };
-        assert_eq!(unsafe { setrlimit(RLIMIT_AS, &tight) }, 0);
         let first = t.arm(start + 50);
-        assert_eq!(unsafe { setrlimit(RLIMIT_AS, &old) }, 0, "limit lifted");
         assert!(first.is_err(), "the thread's start was to fail: {first:?}");
         assert!(!t.started());
         // The store side arms the next retry due (the same one, or a later one).

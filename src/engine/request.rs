@@ -129,11 +129,18 @@ pub fn after_local(begun: Result<Begin, LocalError>, fp: Option<Fingerprint>, st
         // With a store, a local copy of an MCP call awaiting input is not the call's state: a
         // round run on another proxy since moved it on (another question, more rounds run), and
         // the copy would answer the round that follows with a stale question. The store's value
-        // decides (`after_claim`), as for a key this proxy never saw.
-        Ok(Begin::Replay(record)) if store.is_some() && matches!(record.state, State::AwaitingInput(_)) => match fp {
-            Some(fp) => Step::ClaimInStore { handle: None, fp },
-            None => Step::PauseForBody,
-        },
+        // decides (`after_claim`), as for a key this proxy never saw. Only when a store failure
+        // is answered 503 (`on_unavailable: "reject"`): under "pass" a failure would forward a
+        // round that ran (the asking one, sent again) unprotected, so the local copy answers, as
+        // for an unknown outcome above.
+        Ok(Begin::Replay(record))
+            if store == Some(OnUnavailable::Reject) && matches!(record.state, State::AwaitingInput(_)) =>
+        {
+            match fp {
+                Some(fp) => Step::ClaimInStore { handle: None, fp },
+                None => Step::PauseForBody,
+            }
+        }
         Ok(Begin::Replay(record)) => Step::Replay { record, cache: None },
         // With a store, the store settles a key whose outcome is unknown (an operator may have
         // released or completed it there): the local copy is asked again of the store. Only when

@@ -429,9 +429,8 @@ fn with_a_store_a_local_awaiting_copy_never_answers_a_held_round() {
     awaiting.state = State::AwaitingInput(Box::new(crate::record::Awaiting::new([1; 32], vec![], question)));
     let now = 1_000;
     let mut ws = vec![waiter(1, 1, now)];
-    let mut local = |_: &StorageKey| {
-        Some(Seen::Completed { fingerprint: Some(FP), record: Some(awaiting.clone()), status: 200 })
-    };
+    let mut local =
+        |_: &StorageKey| Some(Seen::Completed { fingerprint: Some(FP), record: Some(awaiting.clone()), status: 200 });
     let actions = tick(&mut ws, now + TICK_MS, true, &|_| true, &mut local);
     let answered: Vec<_> =
         actions.iter().filter_map(|a| if let Action::Answer(_, r) = a { Some(r.clone()) } else { None }).collect();
