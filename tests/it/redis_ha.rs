@@ -1020,3 +1020,110 @@ pub fn primary_back_alone(k: usize, label: &str) -> BackAlone {
     fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
     m
 }
+
+/// The operator CLI (`idemgate --webdis`) against each leg's webdis of the HA stack started with
+/// `options`: keys written through the two proxies are read by `inspect` on either leg, `forget`
+/// removes one (its retry, on the proxy that never held it, executes once more), and with
+/// webdis-0 SIGKILLed the CLI pointed at webdis-1 still inspects and forgets. `list --state
+/// completed` lists every key on either leg, except through the named-user hop (`--acl`): the
+/// user `idemgate` has no `SCAN` (least privilege, envoy/redis-acl/redis-acl.conf), so Redis
+/// refuses the CLI's listing script and the CLI says so (docs/operating.md). Bounded by count;
+/// asserted on the keys listed (or held, read by `admin`) and the upstream's executions.
+fn operator_cli_on_each_leg(options: &[&str]) {
+    use support::operator::{text, OperatorCli};
+    let hop = options.contains(&"--acl");
+    let w = World::start_with(options);
+    let ports = w.ports();
+    let keys: Vec<String> = (0..6).map(|i| format!("cli-hop-{i}")).collect();
+    for (i, key) in keys.iter().enumerate() {
+        let r = post(ports[i % 2], key);
+        assert_eq!(r.status, 201, "{key}: {}", r.body_text());
+    }
+    w.wait_writes_settled();
+    let execs = |key: &str| w.up.executions_by_key().get(key).copied().unwrap_or(0);
+    for key in &keys {
+        assert_eq!(execs(key), 1, "{key}");
+    }
+    let cli = |leg: usize| {
+        let url = format!("http://127.0.0.1:{}", w.store.port(&format!("webdis-{leg}")));
+        OperatorCli::webdis(&url, Some(STORE_AUTH))
+    };
+    let legs = [cli(0), cli(1)];
+    let skeys: Vec<String> = keys.iter().map(|k| legs[0].storage_key(CALLER, k)).collect();
+    // The completed keys `list` prints on `leg`; through the hop, its refusal asserted and the
+    // keys the primary holds (as `admin`) instead.
+    let completed = |leg: usize| -> BTreeSet<String> {
+        let out = legs[leg].run(&["list", "--state", "completed"]);
+        if hop {
+            let stderr = text(&out.stderr);
+            assert!(!out.status.success(), "leg {leg}: list through the hop succeeded: {}", text(&out.stdout));
+            assert!(
+                stderr.contains("Redis refused the SCAN script") && stderr.contains("can't run this command"),
+                "leg {leg}: {stderr}"
+            );
+            let primary = w.store.primary();
+            w.store.keys(&primary).iter().map(|k| k.trim_start_matches("idemgate:v1:").to_string()).collect()
+        } else {
+            assert!(out.status.success(), "leg {leg}: {}", text(&out.stderr));
+            text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect()
+        }
+    };
+    for (leg, c) in legs.iter().enumerate() {
+        if !hop {
+            for skey in &skeys {
+                c.wait_listed("completed", skey, || format!("leg {leg}"));
+            }
+        }
+        let listed = completed(leg);
+        assert!(skeys.iter().all(|s| listed.contains(s)), "leg {leg} listed {listed:?}, not all of {skeys:?}");
+        let doc = c.inspect(&skeys[leg]);
+        assert_eq!(doc["state"], "completed", "leg {leg}: {doc}");
+    }
+    // `forget` on leg 0 of key 0 (sent through proxy 0): its retry through proxy 1, which never
+    // held it, executes once more.
+    let out = legs[0].run(&["forget", &skeys[0]]);
+    assert!(out.status.success(), "forget on leg 0: {}", text(&out.stderr));
+    assert_eq!(text(&legs[1].run(&["inspect", &skeys[0]]).stdout).trim(), "absent");
+    assert!(!completed(1).contains(&skeys[0]));
+    let r = post(ports[1], &keys[0]);
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{}", r.body_text());
+    assert_eq!(execs(&keys[0]), 2, "the forgotten key executed once more");
+    // webdis-0 gone: the CLI on leg 1 still inspects and forgets (and lists, without the hop).
+    w.store.kill("webdis-0");
+    assert!(!legs[0].run(&["inspect", &skeys[1]]).status.success(), "webdis-0 answered after its SIGKILL");
+    let listed = completed(1);
+    assert!(skeys[1..].iter().all(|s| listed.contains(s)), "leg 1 alone listed {listed:?}");
+    assert_eq!(legs[1].inspect(&skeys[2])["state"], "completed");
+    let out = legs[1].run(&["forget", &skeys[2]]);
+    assert!(out.status.success(), "forget on leg 1 alone: {}", text(&out.stderr));
+    assert_eq!(text(&legs[1].run(&["inspect", &skeys[2]]).stdout).trim(), "absent");
+    assert!(!completed(1).contains(&skeys[2]));
+    // Key 2 went through proxy 0: its retry through proxy 1 executes once more. Until proxy 1's
+    // health check takes webdis-0 out, a request may go to it and be refused 503
+    // `store-unavailable` (nothing forwarded): asked again, 100 ms apart, a bounded count.
+    let mut r = post(ports[1], &keys[2]);
+    for _ in 1..UNAVAILABLE_ATTEMPTS {
+        if r.problem() != "store-unavailable" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        r = post(ports[1], &keys[2]);
+    }
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{}", r.body_text());
+    assert_eq!(execs(&keys[2]), 2, "the forgotten key executed once more");
+    for key in keys.iter().filter(|k| *k != &keys[0] && *k != &keys[2]) {
+        assert_eq!(execs(key), 1, "{key}");
+    }
+}
+
+#[test]
+fn redis_ha_operator_cli_on_each_leg() {
+    operator_cli_on_each_leg(&[]);
+}
+
+/// The same through the named-user hop over TLS (`--tls --acl`): everything but `list`, which
+/// the user `idemgate` is not granted (`SCAN`).
+#[test]
+fn redis_ha_operator_cli_on_each_leg_through_the_named_user_hop() {
+    operator_cli_on_each_leg(&["--tls", "--acl"]);
+}
