@@ -110,6 +110,8 @@ impl HaStore {
             "sentinel" => "sentinels",
             "haproxy" => "haproxies",
             "hop" => "hops",
+            "opshop" => "ops_hops",
+            "opswebdis" => "ops_webdis",
             _ => "webdis",
         };
         let i: usize = i.parse().expect("a part number");
@@ -1021,14 +1023,18 @@ pub fn primary_back_alone(k: usize, label: &str) -> BackAlone {
     m
 }
 
-/// The operator CLI (`idemgate --webdis`) against each leg's webdis of the HA stack started with
-/// `options`: keys written through the two proxies are read by `inspect` on either leg, `forget`
-/// removes one (its retry, on the proxy that never held it, executes once more), and with
-/// webdis-0 SIGKILLed the CLI pointed at webdis-1 still inspects and forgets. `list --state
-/// completed` lists every key on either leg, except through the named-user hop (`--acl`): the
-/// user `idemgate` has no `SCAN` (least privilege, envoy/redis-acl/redis-acl.conf), so Redis
-/// refuses the CLI's listing script and the CLI says so (docs/operating.md). Bounded by count;
-/// asserted on the keys listed (or held, read by `admin`) and the upstream's executions.
+/// The operator webdis's HTTP credential (`scripts/store_ha.py --operator`).
+const OPERATOR_STORE_AUTH: &str = "operator:idemgate-demo-operator-webdis-password";
+
+/// The operator CLI (`idemgate --webdis`) against each leg of the HA stack started with
+/// `options`: keys written through the two proxies are listed completed by the CLI on either
+/// leg, `inspect` reads one, `forget` removes one (its retry, on the proxy that never held it,
+/// executes once more), and with one leg's webdis SIGKILLed the CLI on the other leg still lists,
+/// inspects and forgets. With the named-user hop (`--acl --operator`), the CLI uses the
+/// operator's own webdis and hop (user `idemgate-operator`, `opswebdis-N`), and `list` through
+/// the proxies' webdis is refused by Redis: the user `idemgate` has no `SCAN` (least privilege,
+/// envoy/redis-acl/redis-acl.conf). Bounded by count; asserted on the keys listed and the
+/// upstream's executions.
 fn operator_cli_on_each_leg(options: &[&str]) {
     use support::operator::{text, OperatorCli};
     let hop = options.contains(&"--acl");
@@ -1044,35 +1050,32 @@ fn operator_cli_on_each_leg(options: &[&str]) {
     for key in &keys {
         assert_eq!(execs(key), 1, "{key}");
     }
+    // The CLI's webdis on each leg: the proxies' own, or through the hop the operator's.
+    let webdis = |leg: usize| if hop { format!("opswebdis-{leg}") } else { format!("webdis-{leg}") };
     let cli = |leg: usize| {
-        let url = format!("http://127.0.0.1:{}", w.store.port(&format!("webdis-{leg}")));
-        OperatorCli::webdis(&url, Some(STORE_AUTH))
+        let url = format!("http://127.0.0.1:{}", w.store.port(&webdis(leg)));
+        OperatorCli::webdis(&url, Some(if hop { OPERATOR_STORE_AUTH } else { STORE_AUTH }))
     };
     let legs = [cli(0), cli(1)];
     let skeys: Vec<String> = keys.iter().map(|k| legs[0].storage_key(CALLER, k)).collect();
-    // The completed keys `list` prints on `leg`; through the hop, its refusal asserted and the
-    // keys the primary holds (as `admin`) instead.
-    let completed = |leg: usize| -> BTreeSet<String> {
-        let out = legs[leg].run(&["list", "--state", "completed"]);
-        if hop {
+    if hop {
+        // The proxies' webdis and hop (user idemgate): the listing refused by Redis, and the CLI
+        // says so.
+        for leg in 0..2 {
+            let url = format!("http://127.0.0.1:{}", w.store.port(&format!("webdis-{leg}")));
+            let out = OperatorCli::webdis(&url, Some(STORE_AUTH)).run(&["list", "--state", "completed"]);
             let stderr = text(&out.stderr);
-            assert!(!out.status.success(), "leg {leg}: list through the hop succeeded: {}", text(&out.stdout));
+            assert!(!out.status.success(), "leg {leg}: list as idemgate succeeded: {}", text(&out.stdout));
             assert!(
                 stderr.contains("Redis refused the SCAN script") && stderr.contains("can't run this command"),
                 "leg {leg}: {stderr}"
             );
-            let primary = w.store.primary();
-            w.store.keys(&primary).iter().map(|k| k.trim_start_matches("idemgate:v1:").to_string()).collect()
-        } else {
-            assert!(out.status.success(), "leg {leg}: {}", text(&out.stderr));
-            text(&out.stdout).lines().filter_map(|l| l.split('\t').next()).map(str::to_string).collect()
         }
-    };
+    }
+    let completed = |leg: usize| -> BTreeSet<String> { legs[leg].listed("completed").into_iter().collect() };
     for (leg, c) in legs.iter().enumerate() {
-        if !hop {
-            for skey in &skeys {
-                c.wait_listed("completed", skey, || format!("leg {leg}"));
-            }
+        for skey in &skeys {
+            c.wait_listed("completed", skey, || format!("leg {leg}"));
         }
         let listed = completed(leg);
         assert!(skeys.iter().all(|s| listed.contains(s)), "leg {leg} listed {listed:?}, not all of {skeys:?}");
@@ -1088,9 +1091,9 @@ fn operator_cli_on_each_leg(options: &[&str]) {
     let r = post(ports[1], &keys[0]);
     assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{}", r.body_text());
     assert_eq!(execs(&keys[0]), 2, "the forgotten key executed once more");
-    // webdis-0 gone: the CLI on leg 1 still inspects and forgets (and lists, without the hop).
-    w.store.kill("webdis-0");
-    assert!(!legs[0].run(&["inspect", &skeys[1]]).status.success(), "webdis-0 answered after its SIGKILL");
+    // Leg 0's webdis (the CLI's) gone: the CLI on leg 1 still lists, inspects and forgets.
+    w.store.kill(&webdis(0));
+    assert!(!legs[0].run(&["inspect", &skeys[1]]).status.success(), "{} answered after its SIGKILL", webdis(0));
     let listed = completed(1);
     assert!(skeys[1..].iter().all(|s| listed.contains(s)), "leg 1 alone listed {listed:?}");
     assert_eq!(legs[1].inspect(&skeys[2])["state"], "completed");
@@ -1099,7 +1102,7 @@ fn operator_cli_on_each_leg(options: &[&str]) {
     assert_eq!(text(&legs[1].run(&["inspect", &skeys[2]]).stdout).trim(), "absent");
     assert!(!completed(1).contains(&skeys[2]));
     // Key 2 went through proxy 0: its retry through proxy 1 executes once more. Until proxy 1's
-    // health check takes webdis-0 out, a request may go to it and be refused 503
+    // health check takes a dead webdis-0 out, a request may go to it and be refused 503
     // `store-unavailable` (nothing forwarded): asked again, 100 ms apart, a bounded count.
     let mut r = post(ports[1], &keys[2]);
     for _ in 1..UNAVAILABLE_ATTEMPTS {
@@ -1121,9 +1124,9 @@ fn redis_ha_operator_cli_on_each_leg() {
     operator_cli_on_each_leg(&[]);
 }
 
-/// The same through the named-user hop over TLS (`--tls --acl`): everything but `list`, which
-/// the user `idemgate` is not granted (`SCAN`).
+/// The same with the named-user hop over TLS (`--tls --acl --operator`): the CLI through the
+/// operator's own webdis and hop (user `idemgate-operator`); refused `list` through the proxies'.
 #[test]
 fn redis_ha_operator_cli_on_each_leg_through_the_named_user_hop() {
-    operator_cli_on_each_leg(&["--tls", "--acl"]);
+    operator_cli_on_each_leg(&["--tls", "--acl", "--operator"]);
 }
