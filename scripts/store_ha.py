@@ -10,7 +10,7 @@ Envoy's `idemgate_store` cluster lists both webdis and health-checks them
 (envoy/redis-ha/idemgate-store-cluster.yaml); no part is single and nothing needs an operator
 after a failover. Ports are chosen at run time; every process is checked to own its listener.
 
-    scripts/store_ha.py up DIR [--tls] [--acl]   start everything; DIR/stack.json says ports and pids
+    scripts/store_ha.py up DIR [--tls] [--acl [--operator]]   start everything; DIR/stack.json says ports and pids
     scripts/store_ha.py down DIR         SIGKILL everything DIR/stack.json lists
     scripts/store_ha.py kill DIR NAME    SIGKILL one part (redis-0, sentinel-1, haproxy-0, webdis-1, ...)
     scripts/store_ha.py start DIR NAME   start a part again on its ports (a Redis node as a replica
@@ -32,6 +32,13 @@ AUTH idemgate <password>; with --tls, HAProxy originates the TLS to Redis as abo
 own TLS block is left out (the hop and HAProxy are on one host, loopback). Each hop lists every
 HAProxy, its own leg's at priority 0 and the others at priority 1, health-checked (the hop's
 cluster in redis-proxy.yaml), so a dead HAProxy loses no leg.
+
+--operator (with --acl): the operator CLI's own path on each leg, beside the proxies': a webdis
+(part opswebdis-N, HTTP user operator, never in the idemgate_store cluster) and a hop (part
+opshop-N, the same redis-proxy.yaml with its own downstream password) logging in to Redis as the
+ACL user `idemgate-operator` (redis-acl.conf: idemgate's grant plus SCAN and GETRANGE, which the
+user idemgate lacks on purpose): `idemgate --webdis http://<opswebdis-N>` lists, inspects and
+forgets (docs/operating.md, "The CLI through the named-user hop").
 """
 import json
 import os
@@ -48,6 +55,11 @@ HOP_YAML = os.path.join(ROOT, "envoy", "redis-acl", "redis-proxy.yaml")
 NODES, SENTINELS, LEGS = 3, 3, 2
 ADMIN = ("admin", "idemgate-demo-admin-password")
 SENTINEL_USER = ("sentinel", "idemgate-demo-sentinel-password")
+# --operator: the operator webdis's HTTP user, its Redis password (the operator hop's downstream
+# password) and the Redis user the operator hop logs in as (envoy/redis-acl/redis-acl.conf).
+OPERATOR_WEBDIS_AUTH = "operator:idemgate-demo-operator-webdis-password"
+OPERATOR_HOP_PASSWORD = "idemgate-demo-operator-redis-password"
+OPERATOR_USER = ("idemgate-operator", "idemgate-demo-operator-redis-user-password")
 READY_SECONDS = 30
 
 
@@ -308,16 +320,24 @@ def start_haproxy(d, stack, i):
     wait(f"haproxy-{i}", lambda: owns_listener(h["pid"], h["port"]))
 
 
-def start_hop(d, stack, i):
+def start_hop(d, stack, i, ops=False):
     """Leg i's Envoy redis_proxy (--acl): webdis -> this hop -> HAProxy-i (the other HAProxies as
-    failover, health-checked), as the user idemgate."""
-    h = stack["hops"][i]
-    hdir = os.path.join(d, f"hop-{i}")
+    failover, health-checked), as the user idemgate; `ops` (--operator): the operator's hop, as
+    the user idemgate-operator, behind the operator's webdis."""
+    name = f"opshop-{i}" if ops else f"hop-{i}"
+    h = stack["ops_hops" if ops else "hops"][i]
+    hdir = os.path.join(d, name)
     os.makedirs(hdir, exist_ok=True)
     conf = os.path.join(hdir, "redis-proxy.yaml")
     render(HOP_YAML, {"LISTEN_PORT": h["port"], "ADMIN_PORT": h["admin_port"], "REDIS_ADDRESS": "127.0.0.1",
                       "REDIS_PORT": stack["haproxies"][i]["port"]}, conf)
     text = open(conf).read()
+    if ops:
+        for old, new in (("- inline_string: idemgate-demo-redis-password\n", f"- inline_string: {OPERATOR_HOP_PASSWORD}\n"),
+                         ("inline_string: idemgate\n", f"inline_string: {OPERATOR_USER[0]}\n"),
+                         ("inline_string: idemgate-demo-redis-user-password\n", f"inline_string: {OPERATOR_USER[1]}\n")):
+            assert text.count(old) == 1, old
+            text = text.replace(old, new)
     a, b = text.index("    transport_socket:\n"), text.index("    # One Redis. With Redis HA")
     text = text[:a] + text[b:]
     # Every HAProxy, this leg's own first (priority 0), the others as failover (priority 1):
@@ -332,25 +352,35 @@ def start_hop(d, stack, i):
     a, b = text.index(start_marker), text.index(end_marker)
     with open(conf, "w") as f:
         f.write(text[:a + len(start_marker)] + endpoints + text[b:])
-    h["pid"] = spawn(d, f"hop-{i}", [os.environ.get("ENVOY_BIN", "envoy"), "-c", conf, "--concurrency", "1", "--disable-hot-restart",
-                                     "--log-level", "warn"], cwd=hdir)
+    h["pid"] = spawn(d, name, [os.environ.get("ENVOY_BIN", "envoy"), "-c", conf, "--concurrency", "1", "--disable-hot-restart",
+                               "--log-level", "warn"], cwd=hdir)
     save(d, stack)
-    wait(f"hop-{i}", lambda: owns_listener(h["pid"], h["port"]), seconds=60)
+    wait(name, lambda: owns_listener(h["pid"], h["port"]), seconds=60)
 
 
-def start_webdis(d, stack, i):
-    w = stack["webdis"][i]
-    wdir = os.path.join(d, f"webdis-{i}")
+def start_webdis(d, stack, i, ops=False):
+    """Leg i's webdis; `ops` (--operator): the operator's, to the operator's hop, as HTTP user
+    operator (the same commands enabled)."""
+    name = f"opswebdis-{i}" if ops else f"webdis-{i}"
+    w = stack["ops_webdis" if ops else "webdis"][i]
+    wdir = os.path.join(d, name)
     os.makedirs(wdir, exist_ok=True)
     c = json.load(open(os.path.join(HA, "webdis.json")))
-    upstream = stack["hops"][i]["port"] if stack.get("acl") else stack["haproxies"][i]["port"]
+    if ops:
+        upstream = stack["ops_hops"][i]["port"]
+        c["redis_auth"] = OPERATOR_HOP_PASSWORD
+        for rule in c["acl"]:
+            if "http_basic_auth" in rule:
+                rule["http_basic_auth"] = OPERATOR_WEBDIS_AUTH
+    else:
+        upstream = stack["hops"][i]["port"] if stack.get("acl") else stack["haproxies"][i]["port"]
     c.update(redis_host="127.0.0.1", redis_port=upstream, http_host="127.0.0.1",
              http_port=w["port"], daemonize=False, logfile=os.path.join(wdir, "webdis.log"), verbosity=1)
     with open(os.path.join(wdir, "webdis.json"), "w") as f:
         json.dump(c, f)
-    w["pid"] = spawn(d, f"webdis-{i}", ["webdis", "webdis.json"], cwd=wdir)
+    w["pid"] = spawn(d, name, ["webdis", "webdis.json"], cwd=wdir)
     save(d, stack)
-    wait(f"webdis-{i}", lambda: owns_listener(w["pid"], w["port"]) and ping_webdis(w["port"]))
+    wait(name, lambda: owns_listener(w["pid"], w["port"]) and ping_webdis(w["port"]))
 
 
 def ping_webdis(port):
@@ -402,7 +432,9 @@ def failover_target(stack, seconds=5.0):
         time.sleep(0.1)
 
 
-def up(d, tls, acl=False):
+def up(d, tls, acl=False, operator=False):
+    if operator and not acl:
+        sys.exit("store_ha: --operator needs --acl")
     os.makedirs(d, exist_ok=True)
     taken = set()
     stack = {
@@ -416,6 +448,9 @@ def up(d, tls, acl=False):
     if acl:
         stack["acl"] = True
         stack["hops"] = [{"port": free_port(taken), "admin_port": free_port(taken)} for _ in range(LEGS)]
+    if operator:
+        stack["ops_hops"] = [{"port": free_port(taken), "admin_port": free_port(taken)} for _ in range(LEGS)]
+        stack["ops_webdis"] = [{"port": free_port(taken)} for _ in range(LEGS)]
     save(d, stack)
     primary = stack["redis"][0]["port"]
     start_redis(d, stack, 0)
@@ -442,16 +477,21 @@ def up(d, tls, acl=False):
             start_hop(d, stack, i)
     for i in range(LEGS):
         start_webdis(d, stack, i)
+    if operator:
+        for i in range(LEGS):
+            start_hop(d, stack, i, ops=True)
+            start_webdis(d, stack, i, ops=True)
     log(f"up: redis {[n['port'] for n in stack['redis']]} (primary {primary}), sentinels "
         f"{[s['port'] for s in stack['sentinels']]}, haproxy {[h['port'] for h in stack['haproxies']]}, "
         f"webdis {[w['port'] for w in stack['webdis']]}{', TLS to Redis' if tls else ''}"
-        f"{', as the ACL user idemgate through hops ' + str([h['port'] for h in stack['hops']]) if acl else ''}")
+        f"{', as the ACL user idemgate through hops ' + str([h['port'] for h in stack['hops']]) if acl else ''}"
+        f"{', operator webdis ' + str([w['port'] for w in stack['ops_webdis']]) if operator else ''}")
 
 
 def part(stack, name):
     kind, _, i = name.rpartition("-")
     key = {"redis": "redis", "sentinel": "sentinels", "haproxy": "haproxies", "webdis": "webdis",
-           "hop": "hops"}.get(kind)
+           "hop": "hops", "opshop": "ops_hops", "opswebdis": "ops_webdis"}.get(kind)
     if key is None or not i.isdigit() or int(i) >= len(stack.get(key, [])):
         sys.exit(f"store_ha: no part named {name!r}")
     return kind, int(i), stack[key][int(i)]
@@ -494,6 +534,10 @@ def start(d, name):
         start_haproxy(d, stack, i)
     elif kind == "hop":
         start_hop(d, stack, i)
+    elif kind == "opshop":
+        start_hop(d, stack, i, ops=True)
+    elif kind == "opswebdis":
+        start_webdis(d, stack, i, ops=True)
     else:
         start_webdis(d, stack, i)
 
@@ -503,7 +547,7 @@ def down(d):
         stack = load(d)
     except OSError:
         return
-    for key in ("webdis", "hops", "haproxies", "sentinels", "redis"):
+    for key in ("ops_webdis", "ops_hops", "webdis", "hops", "haproxies", "sentinels", "redis"):
         for p in stack.get(key, []):
             if p.get("pid") and alive(p["pid"]):
                 os.kill(p["pid"], signal.SIGKILL)
@@ -530,7 +574,7 @@ def main():
     global LOG_DIR
     LOG_DIR = d if os.path.isdir(d) else None
     if cmd == "up":
-        up(d, "--tls" in args[2:], "--acl" in args[2:])
+        up(d, "--tls" in args[2:], "--acl" in args[2:], "--operator" in args[2:])
     elif cmd == "down":
         down(d)
     elif cmd == "kill" and len(args) == 3:

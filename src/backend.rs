@@ -386,6 +386,14 @@ impl Backend {
                 // A page holds as many keys as Redis returns: parsed without the filter's bound.
                 let answer = command_answer_parsed(status, body, store::parse_resp_any_length)?;
                 let garbled = || {
+                    // A Redis error carries no nonce: this request refused (a user without `SCAN`
+                    // or `GETRANGE`, say) or another client's late error; asked again either way.
+                    if let Resp::Error(e) = &answer {
+                        return StoreError::Garbled(format!(
+                            "Redis refused the SCAN script (or answered another client's command): {e} \
+                             (the CLI's user needs +scan +getrange: docs/operating.md)"
+                        ));
+                    }
                     // The answer's first elements only: it may be another client's large record.
                     let shown: String = match &answer {
                         Resp::Array(Some(items)) => format!("{:?}", items.iter().take(3).collect::<Vec<_>>()),

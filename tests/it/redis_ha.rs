@@ -110,6 +110,8 @@ impl HaStore {
             "sentinel" => "sentinels",
             "haproxy" => "haproxies",
             "hop" => "hops",
+            "opshop" => "ops_hops",
+            "opswebdis" => "ops_webdis",
             _ => "webdis",
         };
         let i: usize = i.parse().expect("a part number");
@@ -1019,4 +1021,112 @@ pub fn primary_back_alone(k: usize, label: &str) -> BackAlone {
     println!("{}", row.join(" | "));
     fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
     m
+}
+
+/// The operator webdis's HTTP credential (`scripts/store_ha.py --operator`).
+const OPERATOR_STORE_AUTH: &str = "operator:idemgate-demo-operator-webdis-password";
+
+/// The operator CLI (`idemgate --webdis`) against each leg of the HA stack started with
+/// `options`: keys written through the two proxies are listed completed by the CLI on either
+/// leg, `inspect` reads one, `forget` removes one (its retry, on the proxy that never held it,
+/// executes once more), and with one leg's webdis SIGKILLed the CLI on the other leg still lists,
+/// inspects and forgets. With the named-user hop (`--acl --operator`), the CLI uses the
+/// operator's own webdis and hop (user `idemgate-operator`, `opswebdis-N`), and `list` through
+/// the proxies' webdis is refused by Redis: the user `idemgate` has no `SCAN` (least privilege,
+/// envoy/redis-acl/redis-acl.conf). Bounded by count; asserted on the keys listed and the
+/// upstream's executions.
+fn operator_cli_on_each_leg(options: &[&str]) {
+    use support::operator::{text, OperatorCli};
+    let hop = options.contains(&"--acl");
+    let w = World::start_with(options);
+    let ports = w.ports();
+    let keys: Vec<String> = (0..6).map(|i| format!("cli-hop-{i}")).collect();
+    for (i, key) in keys.iter().enumerate() {
+        let r = post(ports[i % 2], key);
+        assert_eq!(r.status, 201, "{key}: {}", r.body_text());
+    }
+    w.wait_writes_settled();
+    let execs = |key: &str| w.up.executions_by_key().get(key).copied().unwrap_or(0);
+    for key in &keys {
+        assert_eq!(execs(key), 1, "{key}");
+    }
+    // The CLI's webdis on each leg: the proxies' own, or through the hop the operator's.
+    let webdis = |leg: usize| if hop { format!("opswebdis-{leg}") } else { format!("webdis-{leg}") };
+    let cli = |leg: usize| {
+        let url = format!("http://127.0.0.1:{}", w.store.port(&webdis(leg)));
+        OperatorCli::webdis(&url, Some(if hop { OPERATOR_STORE_AUTH } else { STORE_AUTH }))
+    };
+    let legs = [cli(0), cli(1)];
+    let skeys: Vec<String> = keys.iter().map(|k| legs[0].storage_key(CALLER, k)).collect();
+    if hop {
+        // The proxies' webdis and hop (user idemgate): the listing refused by Redis, and the CLI
+        // says so.
+        for leg in 0..2 {
+            let url = format!("http://127.0.0.1:{}", w.store.port(&format!("webdis-{leg}")));
+            let out = OperatorCli::webdis(&url, Some(STORE_AUTH)).run(&["list", "--state", "completed"]);
+            let stderr = text(&out.stderr);
+            assert!(!out.status.success(), "leg {leg}: list as idemgate succeeded: {}", text(&out.stdout));
+            assert!(
+                stderr.contains("Redis refused the SCAN script") && stderr.contains("can't run this command"),
+                "leg {leg}: {stderr}"
+            );
+        }
+    }
+    let completed = |leg: usize| -> BTreeSet<String> { legs[leg].listed("completed").into_iter().collect() };
+    for (leg, c) in legs.iter().enumerate() {
+        for skey in &skeys {
+            c.wait_listed("completed", skey, || format!("leg {leg}"));
+        }
+        let listed = completed(leg);
+        assert!(skeys.iter().all(|s| listed.contains(s)), "leg {leg} listed {listed:?}, not all of {skeys:?}");
+        let doc = c.inspect(&skeys[leg]);
+        assert_eq!(doc["state"], "completed", "leg {leg}: {doc}");
+    }
+    // `forget` on leg 0 of key 0 (sent through proxy 0): its retry through proxy 1, which never
+    // held it, executes once more.
+    let out = legs[0].run(&["forget", &skeys[0]]);
+    assert!(out.status.success(), "forget on leg 0: {}", text(&out.stderr));
+    assert_eq!(text(&legs[1].run(&["inspect", &skeys[0]]).stdout).trim(), "absent");
+    assert!(!completed(1).contains(&skeys[0]));
+    let r = post(ports[1], &keys[0]);
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{}", r.body_text());
+    assert_eq!(execs(&keys[0]), 2, "the forgotten key executed once more");
+    // Leg 0's webdis (the CLI's) gone: the CLI on leg 1 still lists, inspects and forgets.
+    w.store.kill(&webdis(0));
+    assert!(!legs[0].run(&["inspect", &skeys[1]]).status.success(), "{} answered after its SIGKILL", webdis(0));
+    let listed = completed(1);
+    assert!(skeys[1..].iter().all(|s| listed.contains(s)), "leg 1 alone listed {listed:?}");
+    assert_eq!(legs[1].inspect(&skeys[2])["state"], "completed");
+    let out = legs[1].run(&["forget", &skeys[2]]);
+    assert!(out.status.success(), "forget on leg 1 alone: {}", text(&out.stderr));
+    assert_eq!(text(&legs[1].run(&["inspect", &skeys[2]]).stdout).trim(), "absent");
+    assert!(!completed(1).contains(&skeys[2]));
+    // Key 2 went through proxy 0: its retry through proxy 1 executes once more. Until proxy 1's
+    // health check takes a dead webdis-0 out, a request may go to it and be refused 503
+    // `store-unavailable` (nothing forwarded): asked again, 100 ms apart, a bounded count.
+    let mut r = post(ports[1], &keys[2]);
+    for _ in 1..UNAVAILABLE_ATTEMPTS {
+        if r.problem() != "store-unavailable" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        r = post(ports[1], &keys[2]);
+    }
+    assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{}", r.body_text());
+    assert_eq!(execs(&keys[2]), 2, "the forgotten key executed once more");
+    for key in keys.iter().filter(|k| *k != &keys[0] && *k != &keys[2]) {
+        assert_eq!(execs(key), 1, "{key}");
+    }
+}
+
+#[test]
+fn redis_ha_operator_cli_on_each_leg() {
+    operator_cli_on_each_leg(&[]);
+}
+
+/// The same with the named-user hop over TLS (`--tls --acl --operator`): the CLI through the
+/// operator's own webdis and hop (user `idemgate-operator`); refused `list` through the proxies'.
+#[test]
+fn redis_ha_operator_cli_on_each_leg_through_the_named_user_hop() {
+    operator_cli_on_each_leg(&["--tls", "--acl", "--operator"]);
 }
