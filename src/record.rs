@@ -854,6 +854,15 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// For tests: a question as a server asks it (an `input_required` result carrying `state` as its
+/// `requestState`), answered 200.
+#[cfg(test)]
+pub(crate) fn question_for_tests(state: &str) -> StoredResponse {
+    let body =
+        format!(r#"{{"jsonrpc":"2.0","id":1,"result":{{"resultType":"input_required","requestState":"{state}"}}}}"#);
+    StoredResponse { status: 200, headers: vec![], body: body.into_bytes() }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

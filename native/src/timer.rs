@@ -148,6 +148,15 @@ mod tests {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
     }
 
+    /// A count of fires, and the `fire` that adds one to it.
+    fn counter() -> (Arc<AtomicUsize>, impl Fn() + Send + Sync + 'static) {
+        let fired = Arc::new(AtomicUsize::new(0));
+        let f = Arc::clone(&fired);
+        (fired, move || {
+            f.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+
     /// Polls `f` at most 2,000 times, 5 ms apart (bounded by count).
     fn eventually(f: impl Fn() -> bool) -> bool {
         (0..2000).any(|_| {
@@ -196,14 +205,8 @@ mod tests {
     #[test]
     fn a_timer_dropped_before_its_deadline_ends_its_thread_and_never_fires() {
         let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-        let fired = Arc::new(AtomicUsize::new(0));
-        let f = Arc::clone(&fired);
-        let t = Timer::new(
-            move || {
-                f.fetch_add(1, Ordering::SeqCst);
-            },
-            now,
-        );
+        let (fired, count) = counter();
+        let t = Timer::new(count, now);
         assert!(!t.started(), "no thread before the first arm");
         t.arm(now() + 3_600_000).expect("arm");
         assert!(eventually(|| threads_named("idemgate-retry") == 1), "the timer's thread never ran");
@@ -230,15 +233,8 @@ mod tests {
             spawn_named(body)
         }
         let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-        let fired = Arc::new(AtomicUsize::new(0));
-        let f = Arc::clone(&fired);
-        let t = Timer::with_spawn(
-            move || {
-                f.fetch_add(1, Ordering::SeqCst);
-            },
-            now,
-            refuse_once,
-        );
+        let (fired, count) = counter();
+        let t = Timer::with_spawn(count, now, refuse_once);
         let start = now();
         let first = t.arm(start + 50);
         assert!(first.is_err(), "the thread's start was to fail: {first:?}");

@@ -416,11 +416,7 @@ fn with_a_store_a_local_copy_of_a_call_awaiting_input_is_asked_of_the_store() {
 /// round 1 is forwarded unprotected: its tool step executes a second time.
 #[test]
 fn under_pass_a_round_the_local_copy_shows_ran_is_never_forwarded_unprotected_when_the_store_fails() {
-    let question = StoredResponse {
-        status: 200,
-        headers: vec![],
-        body: br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required","requestState":"s1"}}"#.to_vec(),
-    };
+    let question = crate::record::question_for_tests("s1");
     let mut awaiting = Record::completed(fp(1), question.clone(), false, creator(), LOCAL, 60);
     awaiting.state = State::AwaitingInput(Box::new(crate::record::Awaiting::new([1; 32], vec![], question)));
     // Round 1 re-sent: the round that asked (its digest, no state echoed).

@@ -420,11 +420,7 @@ mod props {
 /// while round 2 still runs: wait mode becomes a 409 spin until round 2 ends elsewhere.
 #[test]
 fn with_a_store_a_local_awaiting_copy_never_answers_a_held_round() {
-    let question = StoredResponse {
-        status: 200,
-        headers: vec![],
-        body: br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required","requestState":"s1"}}"#.to_vec(),
-    };
+    let question = crate::record::question_for_tests("s1");
     let mut awaiting = completed(FP);
     awaiting.state = State::AwaitingInput(Box::new(crate::record::Awaiting::new([1; 32], vec![], question)));
     let now = 1_000;
