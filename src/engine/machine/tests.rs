@@ -762,7 +762,7 @@ fn a_redirect_target_asking_for_input_never_releases_the_continued_claim() {
     let n = host.body.len();
     assert_eq!(m.body_chunk(&mut host, n, true), Flow::Continue, "{:?}", host.did);
     assert!(host.did(&Did::Count(Count::RedirectsFollowed)), "{:?}", host.did);
-    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let asks: &[u8] = &question_asking("s1");
     let headers = [(":status", "200"), ("content-type", "application/json")];
     m.response_headers(headers.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect(), false);
     m.response_body(asks, true);
@@ -773,6 +773,15 @@ fn a_redirect_target_asking_for_input_never_releases_the_continued_claim() {
         Some(KeyPhase::Completed),
         "settled {slug}: a redirect's target released its claim"
     );
+}
+
+/// A server's question for round answers (id 5): an `input_required` result with `state` as its
+/// `requestState`.
+fn question_asking(state: &str) -> Vec<u8> {
+    format!(
+        r#"{{"jsonrpc":"2.0","id":5,"result":{{"resultType":"input_required","inputRequests":{{"q":{{"method":"elicitation/create","params":{{}}}}}},"requestState":"{state}"}}}}"#
+    )
+    .into_bytes()
 }
 
 /// Round `round` of an MCP call of `charge` under key `key`: `extra` holds its round's members
@@ -830,7 +839,7 @@ fn answer_round(host: &mut Host, m: &mut Machine<u32>, answer: &[u8]) -> &'stati
 fn a_multi_round_call_awaits_input_and_runs_each_round_once() {
     let c = config(MCP);
     let mut host = Host::new(&c);
-    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let asks: &[u8] = &question_asking("s1");
     let done = br#"{"jsonrpc":"2.0","id":5,"result":{"content":[{"type":"text","text":"charged"}]}}"#;
     let round2 = r#""inputResponses":{"q":{"action":"accept","content":{"ok":true}}},"requestState":"s1""#;
     let mut runs = 0;
@@ -887,11 +896,6 @@ fn a_multi_round_call_awaits_input_and_runs_each_round_once() {
 fn an_earlier_round_sent_after_a_later_one_asked_is_never_run_again() {
     let c = config(MCP);
     let mut host = Host::new(&c);
-    let asks = |state: &str| {
-        format!(
-            r#"{{"jsonrpc":"2.0","id":5,"result":{{"resultType":"input_required","inputRequests":{{"q":{{"method":"elicitation/create","params":{{}}}}}},"requestState":"{state}"}}}}"#
-        )
-    };
     let done = br#"{"jsonrpc":"2.0","id":5,"result":{"content":[{"type":"text","text":"charged"}]}}"#;
     let round = |state: &str, ok: bool| {
         format!(r#""inputResponses":{{"q":{{"action":"accept","content":{{"ok":{ok}}}}}}},"requestState":"{state}""#)
@@ -899,11 +903,11 @@ fn an_earlier_round_sent_after_a_later_one_asked_is_never_run_again() {
     let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-thrice", 10, "")) else {
         panic!("round 1 is forwarded")
     };
-    assert_eq!(answer_round(&mut host, &mut r1, asks("s1").as_bytes()), "stored");
+    assert_eq!(answer_round(&mut host, &mut r1, &question_asking("s1")), "stored");
     let Met::Forwarded(mut r2) = send_round(&c, &mut host, round_call(5, "k-thrice", 10, &round("s1", false))) else {
         panic!("round 2 is forwarded")
     };
-    assert_eq!(answer_round(&mut host, &mut r2, asks("s2").as_bytes()), "stored");
+    assert_eq!(answer_round(&mut host, &mut r2, &question_asking("s2")), "stored");
     for (what, extra) in [("round 1", String::new()), ("round 2", round("s1", false))] {
         match send_round(&c, &mut host, round_call(5, "k-thrice", 10, &extra)) {
             Met::Replayed(b) => assert!(String::from_utf8_lossy(&b).contains("\"s2\""), "{what}: {b:?}"),
@@ -929,7 +933,7 @@ fn an_earlier_round_sent_after_a_later_one_asked_is_never_run_again() {
 fn a_released_next_round_leaves_the_call_awaiting() {
     let c = config(MCP);
     let mut host = Host::new(&c);
-    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let asks: &[u8] = &question_asking("s1");
     let round2 = r#""inputResponses":{"q":{"action":"accept","content":{"ok":true}}},"requestState":"s1""#;
     let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-released", 10, "")) else {
         panic!("round 1 is forwarded")
@@ -957,7 +961,7 @@ fn a_released_next_round_leaves_the_call_awaiting() {
 fn a_next_round_whose_outcome_is_unknown_runs_nothing_again() {
     let c = config(MCP);
     let mut host = Host::new(&c);
-    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let asks: &[u8] = &question_asking("s1");
     let round2 = r#""inputResponses":{"q":{"action":"accept","content":{"ok":true}}},"requestState":"s1""#;
     let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-unknown", 10, "")) else {
         panic!("round 1 is forwarded")
@@ -986,22 +990,17 @@ fn a_next_round_whose_outcome_is_unknown_runs_nothing_again() {
 fn a_round_answering_an_earlier_question_is_never_run() {
     let c = config(MCP);
     let mut host = Host::new(&c);
-    let asks = |state: &str| {
-        format!(
-            r#"{{"jsonrpc":"2.0","id":5,"result":{{"resultType":"input_required","inputRequests":{{"q":{{"method":"elicitation/create","params":{{}}}}}},"requestState":"{state}"}}}}"#
-        )
-    };
     let round = |state: &str, n: &str| {
         format!(r#""inputResponses":{{"q":{{"action":"accept","content":{{"n":{n}}}}}}},"requestState":"{state}""#)
     };
     let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-earlier-q", 10, "")) else {
         panic!("round 1 is forwarded")
     };
-    assert_eq!(answer_round(&mut host, &mut r1, asks("s1").as_bytes()), "stored");
+    assert_eq!(answer_round(&mut host, &mut r1, &question_asking("s1")), "stored");
     let Met::Forwarded(mut r2) = send_round(&c, &mut host, round_call(5, "k-earlier-q", 10, &round("s1", "1"))) else {
         panic!("round 2 is forwarded")
     };
-    assert_eq!(answer_round(&mut host, &mut r2, asks("s2").as_bytes()), "stored");
+    assert_eq!(answer_round(&mut host, &mut r2, &question_asking("s2")), "stored");
     for (what, extra) in
         [("round 2 spelled 1.0", round("s1", "1.0")), ("another answer to question 1", round("s1", "2"))]
     {
@@ -1019,7 +1018,7 @@ fn a_round_answering_an_earlier_question_is_never_run() {
 fn a_first_round_with_empty_input_responses_is_not_a_next_round() {
     let c = config(MCP);
     let mut host = Host::new(&c);
-    let asks = br#"{"jsonrpc":"2.0","id":5,"result":{"resultType":"input_required","inputRequests":{"q":{"method":"elicitation/create","params":{}}},"requestState":"s1"}}"#;
+    let asks: &[u8] = &question_asking("s1");
     let Met::Forwarded(mut r1) = send_round(&c, &mut host, round_call(5, "k-empty-in", 10, "")) else {
         panic!("round 1 is forwarded")
     };
