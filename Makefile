@@ -55,7 +55,7 @@ test-ops:
 	scripts/check-ops.sh
 
 ## test-faults: the fault matrix, hostile input, security cases, capacity (200,000 keys on defaults), a bounded soak (IDEMGATE_SOAK_SECONDS,
-## default 120) and bounded fuzzing (FUZZ_SECONDS per target, default 60); tables in target/faults/
+## default 120) and bounded fuzzing (FUZZ_SECONDS per target, default 30 here; `make fuzz` runs 300); tables in target/faults/
 # Selected by module, not by names: every module named `faults` (tests/it/faults/, and the fault
 # cases of the other suites in their own faults.rs); test-native skips the same. The check fails
 # when a test is not in the binary or the selection holds fewer tests than those modules.
@@ -68,7 +68,7 @@ test-faults: build deps
 	rm -rf target/faults
 	scripts/check-test-selection.py $(FAULT_FILTER)
 	cargo test --locked --test it -- $(FAULT_FILTER)
-	scripts/fuzz.sh $${FUZZ_SECONDS:-60}
+	scripts/fuzz.sh $${FUZZ_SECONDS:-30}
 	@printf '\nFault table (case | upstream executions | what the clients saw):\n'; cat target/faults/table.md
 	@printf '\nHostile input (case | answer | executions):\n'; cat target/faults/hostile.md
 	@printf '\nFuzzing (target | executions | time | result):\n'; cat target/faults/fuzz.md
@@ -201,9 +201,10 @@ bench: build deps
 	cargo build --locked --release --quiet --bin demo-payments
 	python3 scripts/bench.py
 
-## fuzz: bounded cargo-fuzz runs of every parser of outside input (FUZZ_SECONDS per target, default 60)
+## fuzz: bounded cargo-fuzz runs of every parser of outside input (FUZZ_SECONDS per target, default 300;
+## make test runs 30 s per target)
 fuzz:
-	scripts/fuzz.sh $${FUZZ_SECONDS:-60}
+	scripts/fuzz.sh $${FUZZ_SECONDS:-300}
 
 clean:
 	cargo clean

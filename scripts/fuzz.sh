@@ -2,7 +2,7 @@
 # Bounded fuzzing of the parsers that take outside input: key header, stored records and
 # buckets, store answers, plugin configuration, JSON canonicaliser, MCP bodies, event streams and
 # replays (fuzz/fuzz_targets/).
-#   scripts/fuzz.sh [seconds per target, default 60]
+#   scripts/fuzz.sh [seconds per target, default 60; make test passes 30, make fuzz 300]
 # Seed corpora live in fuzz/corpus/<target>; findings are written to fuzz/artifacts/ and fail
 # the run. Every target runs with a small allocation limit (one allocation of 64 MB or more, or
 # 1 GB resident, fails), and store_answers, etcd_answers and record_decoder also count the bytes they hold
