@@ -311,6 +311,9 @@ pub enum Fault {
     Webdis,
     /// SIGKILL of haproxy-0, webdis-0's only way to Redis (not started again).
     Haproxy,
+    /// SIGKILL of hop-0 (`--acl`: the Envoy `redis_proxy` between webdis-0 and the HAProxies),
+    /// webdis-0's only way to Redis on that path (not started again).
+    Hop,
     /// SIGKILL of every Redis node, then all three started again (from their AOF) once both
     /// proxies answer 503 `store-unavailable`.
     WholeStore,
@@ -408,6 +411,7 @@ pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes:
         Fault::Primary => w.store.kill(&old_primary),
         Fault::Webdis => w.store.kill("webdis-0"),
         Fault::Haproxy => w.store.kill("haproxy-0"),
+        Fault::Hop => w.store.kill("hop-0"),
         Fault::Partition => {
             let replicas: Vec<String> = (0..3).map(|i| format!("redis-{i}")).filter(|p| *p != old_primary).collect();
             for r in &replicas {
@@ -509,8 +513,9 @@ pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes:
         *probe_answers.entry(kind(&r)).or_insert(0) += 1;
     }
     let probes_at = (t0.elapsed() - fault_at).as_secs_f64();
-    // With the hop, what hop-0 sent to the other leg's HAProxy (its failover), before the retries.
-    let hop0_to_other = if acl {
+    // With the hop, what hop-0 sent to the other leg's HAProxy (its failover), before the retries
+    // (nothing to read once hop-0 itself was killed).
+    let hop0_to_other = if acl && !matches!(fault, Fault::Hop) {
         let other = w.store.port("haproxy-1");
         w.store.hop_requests("hop-0").get(&other).copied()
     } else {
