@@ -5,7 +5,8 @@
 # the health-checked idemgate_store cluster; scripts/store_ha.py, envoy/redis-ha/) or a
 # three-member etcd cluster with etcd's authentication on (store.kind "etcd").
 #
-#   scripts/demo.sh run [redis|redis-ha|etcd]   # start, run the agent simulator (with and without idemgate), stop
+#   scripts/demo.sh run [redis|redis-ha|etcd]   # start, run the agent simulator (with and without idemgate), stop;
+#                                                # redis-ha: then the operator CLI's list/inspect on each leg
 #   scripts/demo.sh up [redis|redis-ha|etcd]    # start and leave running; prints commands to try
 #   scripts/demo.sh down               # stop what `up` started
 #   scripts/demo.sh mcp                # the MCP variant (make demo MCP=1): the MCP payments server
@@ -95,6 +96,9 @@ install() {
   scripts/install-deps.sh agent-client
   scripts/build-wasm.sh >&2
   cargo build --locked --release --quiet --bin demo-payments
+  # Redis HA: the operator CLI too, for its steps on each leg (`run`) and `up`'s commands to try
+  # (about 37 s of compiling once on 2 cores, <1 s to run).
+  [ "$STORE" != redis-ha ] || cargo build --locked --release --quiet --bin idemgate
 }
 
 stop() {
@@ -143,6 +147,42 @@ start_redis_ha() {
   export IDEMGATE_STORE_AUTH
   STORE_SAYS="Redis HA: 3 nodes, 3 Sentinels, 2 HAProxy + webdis legs ($STATE/redis-ha/stack.json)"
   ETCD_TRY="python3 scripts/store_ha.py kill $STATE/redis-ha \$(python3 scripts/store_ha.py primary $STATE/redis-ha)   # kill the primary; a replica takes over"
+  local ports
+  ports=$(ha_webdis_ports)
+  OPS_TRY="IDEMGATE_STORE_AUTH='$IDEMGATE_STORE_AUTH' IDEMGATE_RECORD_KEY=\$(sed -n 's/^IDEMGATE_RECORD_KEY=//p' $STATE/env) target/release/idemgate --webdis http://127.0.0.1:${ports%% *} list --state completed   # leg 0; leg 1: --webdis http://127.0.0.1:${ports##* }"
+}
+
+# Redis HA only: the operator CLI (docs/operating.md, "The CLI through the named-user hop") on each
+# leg, after the agent's run: the keys it left completed listed through webdis-0 and through
+# webdis-1 (the same keys: one store), the first inspected through webdis-1. Fails the demo if a
+# leg lists nothing or another set, or the record is not completed.
+operator_on_each_leg() {
+  local url0 url1 listed0 listed1 first
+  read -r url0 url1 <<< "$(ha_webdis_ports | sed 's|\([0-9][0-9]*\)|http://127.0.0.1:\1|g')"
+  echo
+  echo "== the operator CLI on each leg of the HA store (IDEMGATE_STORE_AUTH: webdis's credential, IDEMGATE_RECORD_KEY: the proxies') =="
+  echo "\$ idemgate --webdis $url0 list --state completed      # leg 0 (webdis-0)"
+  listed0=$(target/release/idemgate --webdis "$url0" list --state completed | cut -f1 | sort)
+  echo "$listed0" | sed 's/^/  /'
+  echo "\$ idemgate --webdis $url1 list --state completed      # leg 1 (webdis-1)"
+  listed1=$(target/release/idemgate --webdis "$url1" list --state completed | cut -f1 | sort)
+  echo "  the same $(echo "$listed1" | grep -c .) keys"
+  [ -n "$listed0" ] && [ "$listed0" = "$listed1" ] || { log "the two legs listed different completed keys"; return 1; }
+  first=$(echo "$listed0" | head -1)
+  echo "\$ idemgate --webdis $url1 inspect $first"
+  target/release/idemgate --webdis "$url1" inspect "$first" | python3 -c "$(cat <<'PY'
+import json, sys
+r = json.load(sys.stdin)
+print(f"  {r['state']}: status {r.get('status')}, {r.get('body_bytes')} body bytes, first request {r['creator']['request_id']}")
+sys.exit(r["state"] != "completed")
+PY
+)"
+  echo "(resolve and forget work the same on either leg: docs/operating.md; make up STORE=redis-ha prints the commands)"
+}
+
+# The two webdis ports of the Redis HA stack (leg 0, leg 1).
+ha_webdis_ports() {
+  python3 -c 'import json, sys; print(" ".join(str(w["port"]) for w in json.load(open(sys.argv[1]))["webdis"]))' "$STATE/redis-ha/stack.json"
 }
 
 # Three etcd members on 127.0.0.1 (data in target/demo/etcd), then etcd's authentication on: root
@@ -223,7 +263,7 @@ start() {
   export WEBDIS_HOST=127.0.0.1 WEBDIS_PORT=0
   export WASM_PATH="$ROOT/dist/idemgate.wasm"
   : > "$STATE/pids"
-  ETCD_TRY=""
+  ETCD_TRY="" OPS_TRY=""
   "start_${STORE//-/_}"
   # The secret store records are sealed with (HMAC-SHA-256 over key and record, src/seal.rs): the
   # same for every proxy of the stack, new for each stack unless given.
@@ -261,6 +301,7 @@ case "${1:-run}" in
     start
     . "$STATE/env"
     python3 scripts/agent_sim.py --gateway "$GATEWAY" --api "$API" --admin "$ADMIN" --store "$STORE"
+    [ "$STORE" != redis-ha ] || operator_on_each_leg
     ;;
   up)
     install
@@ -280,6 +321,8 @@ The demo stack is up (logs in $STATE/). Try:
   curl -s $API/charges; curl -s $ADMIN/stats/prometheus | grep ^idemgate_
 ${ETCD_TRY:+  # $([ "$STORE" = etcd ] && echo "what idemgate keeps in etcd (its user sees only its own prefix)" || echo "a failover with no operator")
   $ETCD_TRY
+}${OPS_TRY:+  # the operator CLI on either leg (docs/operating.md): list, then inspect/resolve/forget a key
+  $OPS_TRY
 }
 Stop it with: make down
 TRY

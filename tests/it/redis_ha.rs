@@ -262,8 +262,29 @@ fn post(port: u16, key: &str) -> Response {
 
 /// `post` answered by the upstream after `delay_ms`.
 fn post_held(port: u16, key: &str, delay_ms: &str) -> Response {
-    let h = [("authorization", CALLER), ("idempotency-key", key), ("x-up-delay-ms", delay_ms)];
+    post_with(port, key, &[("x-up-delay-ms", delay_ms)])
+}
+
+/// `post` with the upstream's test headers `extra` (`x-up-reset`, `x-up-hold`, ...).
+fn post_with(port: u16, key: &str, extra: &[(&str, &str)]) -> Response {
+    let mut h = vec![("authorization", CALLER), ("idempotency-key", key)];
+    h.extend_from_slice(extra);
     http::request(port, "POST", "/charges", &h, b"{\"amount\": 1}").expect("an answer")
+}
+
+/// `post`, asked again (100 ms apart, at most `attempts` in all) while it is refused 503
+/// `store-unavailable` (nothing forwarded): a proxy may still send to a dead leg until its
+/// health check takes it out.
+fn post_past_unavailable(port: u16, key: &str, attempts: u32) -> Response {
+    let mut r = post(port, key);
+    for _ in 1..attempts {
+        if r.problem() != "store-unavailable" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        r = post(port, key);
+    }
+    r
 }
 
 /// A short description of an answer: `201`, `201 replayed`, `503 store-unavailable`, ...
@@ -290,6 +311,9 @@ pub enum Fault {
     Webdis,
     /// SIGKILL of haproxy-0, webdis-0's only way to Redis (not started again).
     Haproxy,
+    /// SIGKILL of hop-0 (`--acl`: the Envoy `redis_proxy` between webdis-0 and the HAProxies),
+    /// webdis-0's only way to Redis on that path (not started again).
+    Hop,
     /// SIGKILL of every Redis node, then all three started again (from their AOF) once both
     /// proxies answer 503 `store-unavailable`.
     WholeStore,
@@ -387,6 +411,7 @@ pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes:
         Fault::Primary => w.store.kill(&old_primary),
         Fault::Webdis => w.store.kill("webdis-0"),
         Fault::Haproxy => w.store.kill("haproxy-0"),
+        Fault::Hop => w.store.kill("hop-0"),
         Fault::Partition => {
             let replicas: Vec<String> = (0..3).map(|i| format!("redis-{i}")).filter(|p| *p != old_primary).collect();
             for r in &replicas {
@@ -488,8 +513,9 @@ pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes:
         *probe_answers.entry(kind(&r)).or_insert(0) += 1;
     }
     let probes_at = (t0.elapsed() - fault_at).as_secs_f64();
-    // With the hop, what hop-0 sent to the other leg's HAProxy (its failover), before the retries.
-    let hop0_to_other = if acl {
+    // With the hop, what hop-0 sent to the other leg's HAProxy (its failover), before the retries
+    // (nothing to read once hop-0 itself was killed).
+    let hop0_to_other = if acl && !matches!(fault, Fault::Hop) {
         let other = w.store.port("haproxy-1");
         w.store.hop_requests("hop-0").get(&other).copied()
     } else {
@@ -515,14 +541,7 @@ pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes:
     let log = w.up.log();
     for (i, key) in all.iter().enumerate() {
         for p in [1 - i % 2, i % 2] {
-            let mut r = post(ports[p], key);
-            for _ in 1..UNAVAILABLE_ATTEMPTS {
-                if r.problem() != "store-unavailable" {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-                r = post(ports[p], key);
-            }
+            let r = post_past_unavailable(ports[p], key, UNAVAILABLE_ATTEMPTS);
             let k = kind(&r);
             let documented = match (r.status, r.problem().as_str()) {
                 (201, "") => {
@@ -743,14 +762,7 @@ pub fn completions_outlive_failover(n: usize, label: &str) -> usize {
     let mut replayed = 0;
     let mut answers = BTreeMap::new();
     for (i, key) in all.iter().enumerate() {
-        let mut r = post(ports[1 - i % 2], key);
-        for _ in 1..UNAVAILABLE_ATTEMPTS {
-            if r.problem() != "store-unavailable" {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-            r = post(ports[1 - i % 2], key);
-        }
+        let r = post_past_unavailable(ports[1 - i % 2], key, UNAVAILABLE_ATTEMPTS);
         let k = kind(&r);
         assert!(
             k == "201 replayed" || k == "409 request-in-flight" || k == "409 outcome-unknown",
@@ -990,14 +1002,7 @@ pub fn primary_back_alone(k: usize, label: &str) -> BackAlone {
     let mut retries = BTreeMap::new();
     for (i, key) in keys.iter().enumerate() {
         for p in [1 - i % 2, i % 2] {
-            let mut r = post(ports[p], key);
-            for _ in 1..UNAVAILABLE_ATTEMPTS * 3 {
-                if r.problem() != "store-unavailable" {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-                r = post(ports[p], key);
-            }
+            let r = post_past_unavailable(ports[p], key, UNAVAILABLE_ATTEMPTS * 3);
             back_after.get_or_insert_with(|| killed.elapsed().as_secs_f64());
             let a = kind(&r);
             assert!(
@@ -1091,8 +1096,11 @@ fn operator_cli_on_each_leg(options: &[&str]) {
     let r = post(ports[1], &keys[0]);
     assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{}", r.body_text());
     assert_eq!(execs(&keys[0]), 2, "the forgotten key executed once more");
+    // Settling (`resolve`) on each leg; `later` is outcome-unknown, left for leg 1 alone.
+    let later = settle_on_each_leg(&w, &legs, &skeys[1]);
     // Leg 0's webdis (the CLI's) gone: the CLI on leg 1 still lists, inspects and forgets.
     w.store.kill(&webdis(0));
+    settle_on_the_other_leg(&w, &legs, &later);
     assert!(!legs[0].run(&["inspect", &skeys[1]]).status.success(), "{} answered after its SIGKILL", webdis(0));
     let listed = completed(1);
     assert!(skeys[1..].iter().all(|s| listed.contains(s)), "leg 1 alone listed {listed:?}");
@@ -1101,22 +1109,131 @@ fn operator_cli_on_each_leg(options: &[&str]) {
     assert!(out.status.success(), "forget on leg 1 alone: {}", text(&out.stderr));
     assert_eq!(text(&legs[1].run(&["inspect", &skeys[2]]).stdout).trim(), "absent");
     assert!(!completed(1).contains(&skeys[2]));
-    // Key 2 went through proxy 0: its retry through proxy 1 executes once more. Until proxy 1's
-    // health check takes a dead webdis-0 out, a request may go to it and be refused 503
-    // `store-unavailable` (nothing forwarded): asked again, 100 ms apart, a bounded count.
-    let mut r = post(ports[1], &keys[2]);
-    for _ in 1..UNAVAILABLE_ATTEMPTS {
-        if r.problem() != "store-unavailable" {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-        r = post(ports[1], &keys[2]);
-    }
+    // Key 2 went through proxy 0: its retry through proxy 1 executes once more (proxy 1 may
+    // still send to the dead webdis-0 until its health check takes it out).
+    let r = post_past_unavailable(ports[1], &keys[2], UNAVAILABLE_ATTEMPTS);
     assert_eq!((r.status, r.header("idempotent-replayed")), (201, None), "{}", r.body_text());
     assert_eq!(execs(&keys[2]), 2, "the forgotten key executed once more");
     for key in keys.iter().filter(|k| *k != &keys[0] && *k != &keys[2]) {
         assert_eq!(execs(key), 1, "{key}");
     }
+}
+
+/// A key the upstream executed whose answer was lost (it reset the connection after running it),
+/// sent through proxy `p`: marked outcome-unknown in the store (listed so on leg 0), the other
+/// proxy's retry refused 409 `outcome-unknown`, executed once. Its storage key.
+fn outcome_unknown(w: &World, cli: &support::operator::OperatorCli, p: usize, key: &str) -> String {
+    let r = post_with(w.ports()[p], key, &[("x-up-reset", "before-headers")]);
+    assert!(r.status >= 500, "{key}: {} {}", r.status, r.body_text());
+    let skey = cli.storage_key(CALLER, key);
+    cli.wait_listed("outcome-unknown", &skey, || format!("{key} through proxy {p}"));
+    let again = post(w.ports()[1 - p], key);
+    assert_eq!((again.status, kind(&again).as_str()), (409, "409 outcome-unknown"), "{}", again.body_text());
+    assert_eq!(w.up.executions_with_key(key), 1, "{key}");
+    skey
+}
+
+/// `idemgate resolve` on each leg of the HA stack (`legs`: the CLI on leg 0 and on leg 1):
+/// - leg 0 completes an outcome-unknown key (sent through proxy 0): both proxies replay the
+///   operator's answer, the upstream never runs it again;
+/// - leg 1 releases an outcome-unknown key (sent through proxy 1): the retry on proxy 0 executes
+///   once more and is replayed by both proxies after (proxy 1, which marked the key, answers 409
+///   until the new completion is in the store: docs/operating.md);
+/// - a completed key (`completed`) and a key in flight (its answer held by the upstream) are
+///   refused on both legs, exit 1, with the reason the CLI documents, and left as they were.
+///
+/// Returns the storage key of one more outcome-unknown key (sent through proxy 0), for
+/// `settle_on_the_other_leg`.
+fn settle_on_each_leg(w: &World, legs: &[support::operator::OperatorCli; 2], completed: &str) -> String {
+    use support::operator::text;
+    let ports = w.ports();
+    let execs = |key: &str| w.up.executions_with_key(key);
+    let found = outcome_unknown(w, &legs[0], 0, "cli-found");
+    let released = outcome_unknown(w, &legs[0], 1, "cli-released");
+    let later = outcome_unknown(w, &legs[0], 0, "cli-later");
+    for (leg, c) in legs.iter().enumerate() {
+        assert_eq!(c.inspect(&found)["state"], "outcome-unknown", "leg {leg}");
+    }
+    // Leg 0 completes `cli-found` with the answer the operator found upstream.
+    let scratch = Scratch::new("redis-ha-resolve");
+    let body = scratch.0.join("found.json");
+    std::fs::write(&body, br#"{"id":"ch_found_upstream"}"#).expect("write the body");
+    let body = body.to_str().expect("a UTF-8 path");
+    let out = legs[0].run(&[
+        "resolve",
+        &found,
+        "--complete",
+        "--status",
+        "201",
+        "--body-file",
+        body,
+        "--header",
+        "content-type: application/json",
+    ]);
+    assert!(out.status.success(), "resolve --complete on leg 0: {}", text(&out.stderr));
+    let rec = legs[1].inspect(&found);
+    assert_eq!((rec["state"].as_str(), rec["status"].as_u64()), (Some("completed"), Some(201)), "leg 1: {rec}");
+    for port in [ports[0], ports[1], ports[0]] {
+        let r = post(port, "cli-found");
+        assert_eq!((kind(&r).as_str(), r.body_text().as_str()), ("201 replayed", r#"{"id":"ch_found_upstream"}"#));
+    }
+    assert_eq!(execs("cli-found"), 1, "the operator's completion is replayed, never executed again");
+    // Leg 1 releases `cli-released`: the retry on proxy 0 (which never marked it) executes.
+    let out = legs[1].run(&["resolve", &released, "--release"]);
+    assert!(out.status.success(), "resolve --release on leg 1: {}", text(&out.stderr));
+    assert_eq!(text(&legs[0].run(&["inspect", &released]).stdout).trim(), "absent");
+    let r = post(ports[0], "cli-released");
+    assert_eq!(kind(&r), "201", "{}", r.body_text());
+    assert_eq!(execs("cli-released"), 2, "the released key executes once more, on the retry");
+    legs[1].wait_listed("completed", &released, || "cli-released's new completion".into());
+    for port in [ports[1], ports[0]] {
+        assert_eq!(kind(&post(port, "cli-released")), "201 replayed");
+    }
+    assert_eq!(execs("cli-released"), 2);
+    // Refused on both legs: a completed key, a key in flight.
+    for (leg, c) in legs.iter().enumerate() {
+        let out = c.run(&["resolve", completed, "--release"]);
+        assert_eq!(out.status.code(), Some(1), "leg {leg}: released a completed key: {}", text(&out.stdout));
+        assert!(text(&out.stderr).contains("refused: the key is completed"), "leg {leg}: {}", text(&out.stderr));
+        assert_eq!(c.inspect(completed)["state"], "completed", "leg {leg}");
+    }
+    let port = ports[0];
+    let held = std::thread::spawn(move || post_with(port, "cli-busy", &[("x-up-hold", "1")]));
+    let busy = legs[1].storage_key(CALLER, "cli-busy");
+    legs[1].wait_listed("in-flight", &busy, || "cli-busy held by the upstream".into());
+    for (leg, c) in legs.iter().enumerate() {
+        for args in [&["resolve", &busy, "--release"][..], &["resolve", &busy, "--complete", "--status", "200"]] {
+            let out = c.run(args);
+            assert_eq!(out.status.code(), Some(1), "leg {leg} {args:?}: {}", text(&out.stdout));
+            assert!(
+                text(&out.stderr).contains("refused: the key is in flight"),
+                "leg {leg} {args:?}: {}",
+                text(&out.stderr)
+            );
+        }
+        assert_eq!(c.inspect(&busy)["state"], "in-flight", "leg {leg}");
+    }
+    w.up.release_holds();
+    assert_eq!(kind(&held.join().expect("the held request")), "201");
+    legs[0].wait_listed("completed", &busy, || "cli-busy's completion".into());
+    assert_eq!(kind(&post(ports[1], "cli-busy")), "201 replayed");
+    assert_eq!(execs("cli-busy"), 1);
+    later
+}
+
+/// With leg 0's CLI webdis SIGKILLed: the CLI there fails, leg 1 releases outcome-unknown `later`
+/// (sent through proxy 0), and the retry on proxy 1 executes it once more.
+fn settle_on_the_other_leg(w: &World, legs: &[support::operator::OperatorCli; 2], later: &str) {
+    use support::operator::text;
+    let out = legs[0].run(&["resolve", later, "--release"]);
+    assert!(!out.status.success(), "resolve on leg 0 after its webdis's SIGKILL: {}", text(&out.stdout));
+    assert_eq!(legs[1].inspect(later)["state"], "outcome-unknown");
+    let out = legs[1].run(&["resolve", later, "--release"]);
+    assert!(out.status.success(), "resolve --release on leg 1 alone: {}", text(&out.stderr));
+    assert_eq!(text(&legs[1].run(&["inspect", later]).stdout).trim(), "absent");
+    let r = post_past_unavailable(w.ports()[1], "cli-later", UNAVAILABLE_ATTEMPTS);
+    assert_eq!(kind(&r), "201", "{}", r.body_text());
+    assert_eq!(w.up.executions_with_key("cli-later"), 2, "the released key executes once more, on the retry");
 }
 
 #[test]

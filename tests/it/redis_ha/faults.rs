@@ -108,3 +108,18 @@ fn redis_ha_named_acl_user_over_tls_one_haproxy_killed_the_hop_fails_over() {
         m.answers
     );
 }
+
+/// The hop itself SIGKILLed under load on the named-ACL-user path (`--tls --acl`): hop-0, the Envoy
+/// `redis_proxy` between webdis-0 and the HAProxies, is webdis-0's only way to Redis, and it holds
+/// no claim. webdis-0 stays up without a Redis link, so its `GET /PING` fails and Envoy's check of
+/// the leg takes it out; the other leg serves. Asserted on state: no key executed twice, no
+/// acknowledged claim lost, and 40 fresh keys sent once each after the load all executed (bounded
+/// by count: nobody restarts the hop). The row in target/faults/redis_ha.md says how many were
+/// refused and when the last refusal ended.
+#[test]
+fn redis_ha_named_acl_user_over_tls_one_hop_killed_the_other_leg_serves() {
+    let m = run_probed(&["--tls", "--acl"], Fault::Hop, 200, "short-hop-acl", 40);
+    assert_eq!(m.twice, 0, "executed twice");
+    assert_eq!(m.lost, 0, "a hop holds no claim: {} lost", m.lost);
+    assert_eq!(m.probes.get("201").copied(), Some(40), "fresh keys after the load, sent once: {:?}", m.probes);
+}
