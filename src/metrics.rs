@@ -381,3 +381,32 @@ pub fn note_counters(note: &Note) -> &'static [Counter] {
         Note::NoLongerOurs | Note::NothingWhereAbsent => &[],
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn a_write_note_counts_what_its_documentation_names() {
+        let retry = Note::Retry { why: "503".into(), delay_ms: 100 };
+        assert_eq!(note_counters(&retry), &[Counter::StoreErrors, Counter::StoreWriteRetries]);
+        let failed = Note::Failed { why: "503".into(), attempts: 3, fallback: true };
+        assert_eq!(note_counters(&failed), &[Counter::StoreErrors, Counter::StoreWriteFailures]);
+        assert_eq!(note_counters(&Note::Landed), &[Counter::StoreWrites]);
+        assert!(note_counters(&Note::NoLongerOurs).is_empty());
+        assert!(note_counters(&Note::NothingWhereAbsent).is_empty());
+    }
+
+    #[test]
+    fn a_replay_counts_a_decoding_or_a_refused_coding_beyond_the_replay_itself() {
+        assert_eq!(replay_counter(false, None), None);
+        assert_eq!(replay_counter(true, None), Some(Counter::ReplaysDecoded));
+        let refused = ProblemKind::EncodingNotAccepted { coding: "br".into() };
+        assert_eq!(replay_counter(false, Some(&refused)), Some(Counter::ReplaysEncodingNotAccepted));
+        // A replay without a body is counted as the replay it is, nothing more.
+        let not_stored = ProblemKind::ResponseNotStored { status: 200, location: None };
+        assert_eq!(replay_counter(false, Some(&not_stored)), None);
+    }
+}
