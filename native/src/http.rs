@@ -24,7 +24,7 @@ use idemgate::engine::request::{self, Asked, NotProtected, StoreAnswer};
 use idemgate::engine::settle::Claim;
 use idemgate::failsafe::{Broken, Holding};
 use idemgate::local::{SharedData, Table};
-use idemgate::metrics::{self as rules, Counter, Histogram};
+use idemgate::metrics::{self as rules, Counter, Gauge, Histogram};
 use idemgate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use idemgate::problem::{code_details, ProblemKind};
 use idemgate::record::{Creator, Record};
@@ -106,7 +106,8 @@ impl Global {
         let owner_seed = OwnerSeed::derive(&TokenSources { entropy: &host::entropy(), node: &node, vm, now_nanos });
         // Envoy takes definitions only while it creates the configuration (this hook).
         let labels: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
-        let metrics = Arc::new(Metrics::define(config_envoy, &labels));
+        let fixed = [(Gauge::LocalIndexBytes, table.max_index_bytes()), (Gauge::LocalCapacity, table.capacity())];
+        let metrics = Arc::new(Metrics::define(config_envoy, &labels, &fixed));
         if let Some(st) = store.as_ref() {
             // Envoy calls config_new on its main thread: the store's writes are sent from there.
             st.attach(config_envoy, Arc::clone(&metrics));

@@ -8,7 +8,7 @@
 //! count is handed to Envoy where it is made (an atomic add in Envoy's stats, no copy): a request's
 //! `idemgate.requests_settled` is counted last in its `stream_complete`, after its other counters.
 
-use idemgate::metrics::{route_counter_name, Counter, Histogram, BUILD_INFO, SETTLED_COUNTER};
+use idemgate::metrics::{route_counter_name, Counter, Gauge, Histogram, BUILD_INFO, SETTLED_COUNTER};
 
 use crate::abi::{ConfigEnvoyPtr, EnvoyPtr};
 use crate::host;
@@ -39,11 +39,17 @@ pub enum From {
 impl Metrics {
     /// Defines every metric (call from `on_http_filter_config_new` only). `routes`: the labels of
     /// the configuration's routes (`config::Route::name`), in order; routes sharing a label share
-    /// its counters, as in the Wasm build.
-    pub fn define(config: ConfigEnvoyPtr, routes: &[&str]) -> Metrics {
+    /// its counters, as in the Wasm build. `fixed`: the gauges whose value the configuration fixes
+    /// (the local table's capacity and index bytes, set once, as the Wasm build does).
+    pub fn define(config: ConfigEnvoyPtr, routes: &[&str], fixed: &[(Gauge, u64)]) -> Metrics {
         let settled = host::define_counter(config, SETTLED_COUNTER);
         if let Some(id) = host::define_gauge(config, BUILD_INFO) {
             host::set_gauge(config, id, 1);
+        }
+        for (g, value) in fixed {
+            if let Some(id) = host::define_gauge(config, g.name()) {
+                host::set_gauge(config, id, *value);
+            }
         }
         let mut per_route: Vec<Vec<Option<usize>>> = Vec::with_capacity(routes.len());
         for (i, label) in routes.iter().enumerate() {
