@@ -27,6 +27,7 @@ pub mod key;
 pub mod lifecycle;
 pub mod local;
 pub mod mcp;
+pub mod metrics;
 pub mod owner;
 pub mod path;
 pub mod probe;

@@ -240,3 +240,70 @@ extern "C" {
     /// from any thread (a dispatcher post); a no-op once the configuration is gone.
     pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(scheduler: SchedulerPtr, event_id: u64);
 }
+
+/// `envoy_dynamic_module_type_metrics_result` (`Success`; then `MetricNotFound`, `InvalidLabels`,
+/// `Frozen`: a metric defined after the configuration hook returned).
+pub const METRICS_SUCCESS: u32 = 0;
+
+// Metrics (Envoy 1.40, ABI v0.2.0): defined by the configuration while Envoy creates it
+// (`on_http_filter_config_new`; later definitions answer `Frozen`), incremented from a stream or
+// from the configuration. Envoy names them `<metrics_namespace>.<name>` (`DynamicModuleConfig.
+// metrics_namespace`, default `dynamicmodulescustom`). Labels: this build passes none (a null
+// array of 0 entries; per-route counters are defined by name, as in the Wasm build). Checked
+// against the installed binary: each is exported (`nm -D --defined-only`), and its machine code
+// reads the arguments in these registers: `define_*` the configuration (rdi), the name buffer by
+// value (rsi, rdx), the label names and their count (rcx, r8), the id's address (r9), and
+// answers `Frozen` (3) once the configuration is frozen; the stream's and the configuration's
+// `increment_counter`/`record_histogram_value` the object (rdi), the id (rsi, 0 is not found), the
+// label values and their count (rdx, rcx) and the value (r8).
+extern "C" {
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_counter(
+        config: ConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_length: usize,
+        counter_id: *mut usize,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
+        config: ConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_length: usize,
+        gauge_id: *mut usize,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_histogram(
+        config: ConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *const ModuleBuffer,
+        label_names_length: usize,
+        histogram_id: *mut usize,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_increment_counter(
+        filter: EnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_record_histogram_value(
+        filter: EnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+}

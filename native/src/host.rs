@@ -311,3 +311,80 @@ pub fn upstream_hosts_attempted(f: EnvoyPtr) -> usize {
     // SAFETY: `f` is the current hook's filter.
     unsafe { abi::envoy_dynamic_module_callback_http_get_upstream_hosts_attempted_size(f) }
 }
+
+/// Defines counter `name` of configuration `c` (during `on_http_filter_config_new`): its id.
+pub fn define_counter(c: abi::ConfigEnvoyPtr, name: &str) -> Option<usize> {
+    let mut id: usize = 0;
+    // SAFETY: `c` is the configuration Envoy is creating; the name lives for the call; no labels.
+    let r = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_config_define_counter(
+            c,
+            ModuleBuffer::of(name.as_bytes()),
+            std::ptr::null(),
+            0,
+            &mut id,
+        )
+    };
+    (r == abi::METRICS_SUCCESS).then_some(id)
+}
+
+/// Defines gauge `name` of configuration `c`: its id.
+pub fn define_gauge(c: abi::ConfigEnvoyPtr, name: &str) -> Option<usize> {
+    let mut id: usize = 0;
+    // SAFETY: as `define_counter`.
+    let r = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_config_define_gauge(
+            c,
+            ModuleBuffer::of(name.as_bytes()),
+            std::ptr::null(),
+            0,
+            &mut id,
+        )
+    };
+    (r == abi::METRICS_SUCCESS).then_some(id)
+}
+
+/// Defines histogram `name` of configuration `c`: its id.
+pub fn define_histogram(c: abi::ConfigEnvoyPtr, name: &str) -> Option<usize> {
+    let mut id: usize = 0;
+    // SAFETY: as `define_counter`.
+    let r = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_config_define_histogram(
+            c,
+            ModuleBuffer::of(name.as_bytes()),
+            std::ptr::null(),
+            0,
+            &mut id,
+        )
+    };
+    (r == abi::METRICS_SUCCESS).then_some(id)
+}
+
+/// Adds 1 to counter `id` from stream `f`'s hook.
+pub fn increment_counter(f: EnvoyPtr, id: usize) {
+    // SAFETY: `f` is the current hook's filter; an id its configuration defined; no labels.
+    let _ = unsafe { abi::envoy_dynamic_module_callback_http_filter_increment_counter(f, id, std::ptr::null(), 0, 1) };
+}
+
+/// Adds 1 to counter `id` of configuration `c` (outside a stream: the main thread's writes).
+pub fn config_increment_counter(c: abi::ConfigEnvoyPtr, id: usize) {
+    // SAFETY: `c` is a live configuration (its `Global` holds the metrics); no labels.
+    let _ = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_config_increment_counter(c, id, std::ptr::null(), 0, 1)
+    };
+}
+
+/// Records `value` in histogram `id` from stream `f`'s hook.
+pub fn record_histogram(f: EnvoyPtr, id: usize, value: u64) {
+    // SAFETY: as `increment_counter`.
+    let _ = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_record_histogram_value(f, id, std::ptr::null(), 0, value)
+    };
+}
+
+/// Sets gauge `id` of configuration `c`.
+pub fn set_gauge(c: abi::ConfigEnvoyPtr, id: usize, value: u64) {
+    // SAFETY: as `config_increment_counter`.
+    let _ =
+        unsafe { abi::envoy_dynamic_module_callback_http_filter_config_set_gauge(c, id, std::ptr::null(), 0, value) };
+}

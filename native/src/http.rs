@@ -18,12 +18,13 @@ use idemgate::decision::{classify_routed, Exchange};
 use idemgate::encoding::{self, RetryAnswer, EXPIRES_HEADER};
 use idemgate::engine::budget::Budget;
 use idemgate::engine::machine::{
-    log_line, Command, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response, StoreOp,
+    log_line, Command, Count, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response, StoreOp,
 };
 use idemgate::engine::request::{self, Asked, NotProtected, StoreAnswer};
 use idemgate::engine::settle::Claim;
 use idemgate::failsafe::{Broken, Holding};
 use idemgate::local::{SharedData, Table};
+use idemgate::metrics::{self as rules, Counter, Gauge, Histogram};
 use idemgate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use idemgate::problem::{code_details, ProblemKind};
 use idemgate::record::{Creator, Record};
@@ -34,6 +35,7 @@ use idemgate::store::{StoreError, StoreRequest};
 
 use crate::abi::{self, EnvoyPtr};
 use crate::host::{self, CalloutFrom};
+use crate::metrics::{From as MetricsFrom, Metrics};
 use crate::shared::ProcessShared;
 use crate::store::StoreSide;
 
@@ -74,6 +76,8 @@ pub struct Global {
     pub table: Table,
     /// The store (Redis through webdis), when configured.
     pub store: Option<StoreSide>,
+    /// Its metrics in Envoy's stats (`metrics.rs`).
+    pub metrics: Arc<Metrics>,
     owner_seed: OwnerSeed,
     tokens: AtomicU64,
 }
@@ -81,7 +85,7 @@ pub struct Global {
 impl Global {
     /// Parses and checks the configuration and creates the local table: the message of the
     /// refusal otherwise.
-    pub fn configure(raw: &[u8]) -> Result<Global, String> {
+    pub fn configure(raw: &[u8], config_envoy: abi::ConfigEnvoyPtr) -> Result<Global, String> {
         let config = Config::parse(raw).map_err(|e| e.to_string())?;
         if let Some(why) = refusal(&config) {
             return Err(why);
@@ -100,7 +104,15 @@ impl Global {
         let vm = (u64::from(std::process::id()) << 32) ^ now_nanos;
         let node = std::env::var("HOSTNAME").unwrap_or_default();
         let owner_seed = OwnerSeed::derive(&TokenSources { entropy: &host::entropy(), node: &node, vm, now_nanos });
-        Ok(Global { config, table, store, owner_seed, tokens: AtomicU64::new(0) })
+        // Envoy takes definitions only while it creates the configuration (this hook).
+        let labels: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
+        let fixed = [(Gauge::LocalIndexBytes, table.max_index_bytes()), (Gauge::LocalCapacity, table.capacity())];
+        let metrics = Arc::new(Metrics::define(config_envoy, &labels, &fixed));
+        if let Some(st) = store.as_ref() {
+            // Envoy calls config_new on its main thread: the store's writes are sent from there.
+            st.attach(config_envoy, Arc::clone(&metrics));
+        }
+        Ok(Global { config, table, store, metrics, owner_seed, tokens: AtomicU64::new(0) })
     }
 
     fn next_owner(&self) -> OwnerToken {
@@ -127,6 +139,8 @@ thread_local! {
 pub struct Wire {
     id: u64,
     sent: StoreRequest,
+    /// When it was sent (`idemgate.store_round_trip_ms`).
+    sent_ms: u64,
 }
 
 /// One request.
@@ -139,6 +153,10 @@ pub struct Filter {
     acc: Vec<u8>,
     /// The whole request body, once its end is seen.
     body: Vec<u8>,
+    /// The route the request is counted under (`config.routes` index), once known.
+    route: Option<usize>,
+    /// When its claim was taken (`idemgate.key_held_ms`), until settled.
+    held_since: Option<u64>,
 }
 
 struct Glue<'a> {
@@ -147,6 +165,8 @@ struct Glue<'a> {
     clock: &'a mut Option<u64>,
     body: &'a [u8],
     sd: ProcessShared,
+    route: Option<usize>,
+    held_since: &'a mut Option<u64>,
 }
 
 fn headers_status(f: Flow) -> u32 {
@@ -175,8 +195,26 @@ impl Glue<'_> {
         *self.clock.get_or_insert_with(host::now_ms)
     }
 
-    /// Sends a problem document (never stored).
+    /// Counts `c` (per route too, for a counter kept per route): the core's rules say which.
+    fn count(&self, c: Counter) {
+        self.global.metrics.inc_for(MetricsFrom::Stream(self.envoy), c, self.route);
+    }
+
+    /// The claim this request held is settled: how long it was held.
+    fn settled(&mut self) {
+        if let Some(since) = self.held_since.take() {
+            let now = self.now();
+            self.global.metrics.record(self.envoy, Histogram::KeyHeldMs, now.saturating_sub(since));
+        }
+    }
+
+    /// Sends a problem document (never stored), counted as the core's `problem_counter` says.
     fn answer(&mut self, req: Option<&Protected>, problem: ProblemKind, creator: Option<&Creator>) {
+        self.count(rules::problem_counter(&problem));
+        self.send_problem(req, problem, creator);
+    }
+
+    fn send_problem(&mut self, req: Option<&Protected>, problem: ProblemKind, creator: Option<&Creator>) {
         host::log(LogLevel::Info, &log_line(req, problem.slug(), ""));
         let request_id = req.map_or_else(
             || {
@@ -212,10 +250,23 @@ impl Glue<'_> {
     /// Replays a completed record: what is sent is decided in the core (`encoding::retry_answer`),
     /// as for the Wasm build's `filter/reply.rs`.
     fn replay(&mut self, req: &Protected, record: &Record) {
+        if let idemgate::record::State::Completed(r) = &record.state {
+            self.count(Counter::Replayed);
+            self.global.metrics.record(self.envoy, Histogram::ReplayBytes, r.body.len() as u64);
+        }
         let now = self.now();
         let accept: Vec<Vec<u8>> = req.accept_encoding();
         let accept: Vec<&[u8]> = accept.iter().map(Vec::as_slice).collect();
-        match encoding::retry_answer(record, now, &accept, req.policy.max_response_body_bytes) {
+        let answer = encoding::retry_answer(record, now, &accept, req.policy.max_response_body_bytes);
+        let extra = match &answer {
+            RetryAnswer::AsStored { .. } => rules::replay_counter(false, None),
+            RetryAnswer::Decoded { .. } => rules::replay_counter(true, None),
+            RetryAnswer::Problem(kind) => rules::replay_counter(false, Some(kind)),
+        };
+        if let Some(c) = extra {
+            self.count(c);
+        }
+        match answer {
             RetryAnswer::AsStored { response: r, expires } => {
                 self.respond(r.status, &r.headers, &r.body, &expires, "replayed");
                 host::log(LogLevel::Debug, &log_line(Some(req), "replayed", &format!("status={}", r.status)));
@@ -224,7 +275,8 @@ impl Glue<'_> {
                 self.respond(d.status, &d.headers, &d.body, &expires, "replayed");
                 host::log(LogLevel::Debug, &log_line(Some(req), "replayed", &format!("status={}", d.status)));
             }
-            RetryAnswer::Problem(kind) => self.answer(Some(req), kind, Some(&record.creator)),
+            // Counted above, as a replay (the Wasm build's `reply::replay`).
+            RetryAnswer::Problem(kind) => self.send_problem(Some(req), kind, Some(&record.creator)),
         }
     }
 
@@ -249,8 +301,23 @@ impl Effects for Glue<'_> {
 
     fn run(&mut self, c: Command<'_>) {
         match c {
-            // Counters are not bound to Envoy's stats in this build yet (docs/native.md).
-            Command::Count(_) | Command::Publish { .. } => {}
+            // The local release is counted as the Wasm build counts it: not per route.
+            Command::Count(Count::Released) => {
+                self.global.metrics.inc(MetricsFrom::Stream(self.envoy), Counter::Released);
+                self.settled();
+            }
+            Command::Count(c) => {
+                match c {
+                    Count::Claimed | Count::TakenOver => *self.held_since = Some(self.now()),
+                    Count::Stored | Count::StoredWithoutBody | Count::UnknownOutcome | Count::LostClaim => {
+                        self.settled()
+                    }
+                    _ => {}
+                }
+                self.count(rules::counter(c))
+            }
+            // The outcome in filter state: not carried yet (docs/native.md).
+            Command::Publish { .. } => {}
             Command::Log(level, line) => host::log(level, &line),
             Command::Reply { req, problem, creator } => self.answer(req, problem, creator),
             Command::Replay { req, record } => self.replay(req, &record),
@@ -327,6 +394,7 @@ impl Io for Glue<'_> {
             StoreOp::Read => st.backend().read_request(&req.skey),
             StoreOp::Again(wire) => match wire.sent.with_script() {
                 Some(again) => {
+                    self.count(Counter::StoreScriptLoads);
                     host::log(LogLevel::Info, &log_line(Some(req), "store_script_missing", "resent=eval"));
                     again
                 }
@@ -335,8 +403,10 @@ impl Io for Glue<'_> {
                 }
             },
         };
+        self.count(Counter::StoreCalls);
+        self.count(Counter::StoreCallsWaited);
         match st.send(CalloutFrom::Stream(self.envoy), &sent) {
-            Ok(id) => Ok(Wire { id, sent }),
+            Ok(id) => Ok(Wire { id, sent, sent_ms: now }),
             Err(e) => Err(NotSent::Failed(StoreError::Garbled(e))),
         }
     }
@@ -430,7 +500,16 @@ impl Filter {
     pub fn new(envoy: EnvoyPtr, global: Arc<Global>) -> Filter {
         let hold = global.config.hold_headers;
         let store = global.config.store.as_ref().map(|c| c.on_unavailable);
-        Filter { envoy, global, machine: Machine::new(store, hold), clock: None, acc: vec![], body: vec![] }
+        Filter {
+            envoy,
+            global,
+            machine: Machine::new(store, hold),
+            clock: None,
+            acc: vec![],
+            body: vec![],
+            route: None,
+            held_since: None,
+        }
     }
 
     fn split(&mut self) -> (&mut Machine<Wire>, Glue<'_>) {
@@ -440,6 +519,8 @@ impl Filter {
             clock: &mut self.clock,
             body: &self.body,
             sd: ProcessShared,
+            route: self.route,
+            held_since: &mut self.held_since,
         };
         (&mut self.machine, glue)
     }
@@ -476,8 +557,11 @@ impl Filter {
         let admitted = match request::at_headers(config, &head, None, end_of_stream) {
             Ok(a) => a,
             Err(not) => {
+                self.route = not.route();
                 let flow = match not {
-                    NotProtected::Pass | NotProtected::Unprotected { .. } | NotProtected::GrpcPassed { .. } => {
+                    NotProtected::Pass | NotProtected::Unprotected { .. } => Flow::Continue,
+                    NotProtected::GrpcPassed { .. } => {
+                        self.count(Counter::GrpcPassed);
                         Flow::Continue
                     }
                     NotProtected::RouteAmbiguous { .. } => self.refuse(ProblemKind::RouteAmbiguous),
@@ -490,9 +574,12 @@ impl Filter {
                 return headers_status(flow);
             }
         };
+        self.route = Some(admitted.route);
         if let Some((name, key)) = admitted.add_derived_key(&mut head) {
             let _ = host::set_header(envoy, abi::REQUEST_HEADER, name, Some(key));
+            self.count(Counter::DerivedKeys);
         }
+        self.count(Counter::Protected);
         if !forbid_router_retries(envoy, &mut head) {
             return headers_status(self.broken(Broken::HostCallFailed, "retry_guard"));
         }
@@ -597,6 +684,8 @@ impl Filter {
                 Err(e) => (StoreAnswer::Claim(Err(e)), None),
             },
         };
+        let waited = now.saturating_sub(call.wire.sent_ms);
+        self.global.metrics.record(envoy, Histogram::StoreRoundTripMs, waited);
         let (m, mut io) = self.split();
         if m.store_answer(&mut io, answer, fence) == Flow::Continue {
             host::continue_decoding(envoy);
@@ -612,7 +701,10 @@ impl Filter {
             m.release_budget(&mut io);
         }
         match self.machine.phase() {
-            Phase::Pass => return,
+            Phase::Pass => {
+                self.global.metrics.settled(envoy);
+                return;
+            }
             Phase::Forwarded { .. } => {
                 if let Some((req, response)) = self.machine.forwarded() {
                     let e = ended(envoy, req, response);
@@ -627,6 +719,13 @@ impl Filter {
             _ => {}
         }
         self.machine.end();
+        // Every counter of this request is counted: `idemgate.requests_settled` last.
+        self.global.metrics.settled(envoy);
+    }
+
+    /// Counts `c` for this request (per route too, for a counter kept per route).
+    fn count(&self, c: Counter) {
+        self.global.metrics.inc_for(MetricsFrom::Stream(self.envoy), c, self.route);
     }
 }
 

@@ -15,6 +15,7 @@
 pub mod abi;
 mod host;
 pub mod http;
+mod metrics;
 pub mod shared;
 pub mod store;
 mod timer;
@@ -45,12 +46,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     // SAFETY: Envoy's buffer for this call.
     let raw = unsafe { config.bytes() };
     host::log(LogLevel::Info, &idemgate::release::configured_line());
-    match Global::configure(raw) {
+    match Global::configure(raw, config_envoy) {
         Ok(g) => {
-            // Envoy calls config_new on its main thread: the store's writes are sent from there.
-            if let Some(st) = g.store.as_ref() {
-                st.attach(config_envoy);
-            }
             let tier = match g.config.store.as_ref() {
                 Some(s) => format!("store: cluster {:?} (Redis through webdis)", s.cluster),
                 None => "local tier only".to_string(),

@@ -18,19 +18,21 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use idemgate::backend::{Backend, Credential};
 use idemgate::config::{Config, StoreConfig, StoreKind};
 use idemgate::engine::machine::LogLevel;
 use idemgate::engine::writes::{Action, Builder, Job, Note, WriteId, Writes};
 use idemgate::etcd::Fence;
+use idemgate::metrics::{note_counters, Counter};
 use idemgate::scope::StorageKey;
 use idemgate::seal::Seal;
 use idemgate::store::{StoreRequest, Transition};
 
 use crate::abi;
 use crate::host::{self, CalloutFrom};
+use crate::metrics::{From as MetricsFrom, Metrics};
 use crate::timer::Timer;
 
 /// The environment variable with the store's `user:password` (Redis ACL through webdis), as the
@@ -63,6 +65,8 @@ pub struct StoreSide {
     queue: Mutex<VecDeque<Job>>,
     /// The main thread's only.
     main: Mutex<Main>,
+    /// The configuration's metrics (set by `attach`): the writes' counters.
+    metrics: OnceLock<Arc<Metrics>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -103,13 +107,15 @@ impl StoreSide {
             timer,
             queue: Mutex::new(VecDeque::new()),
             main: Mutex::new(Main::default()),
+            metrics: OnceLock::new(),
         }))
     }
 
     /// Envoy's configuration object and a scheduler of it (main thread, at `config_new`). The
     /// scheduler is never deleted (a post through it after the configuration is gone does
     /// nothing); the retry timer's thread ends with this store side, before it could post.
-    pub fn attach(&self, config_envoy: abi::ConfigEnvoyPtr) {
+    pub fn attach(&self, config_envoy: abi::ConfigEnvoyPtr, metrics: Arc<Metrics>) {
+        let _ = self.metrics.set(metrics);
         self.config_envoy.store(config_envoy as usize, Ordering::Release);
         self.scheduler.store(host::scheduler_new(config_envoy) as usize, Ordering::Release);
     }
@@ -203,6 +209,7 @@ impl StoreSide {
                     let request = lock(&self.main).writes.request(id).cloned();
                     let Some(request) = request else { continue };
                     let from = CalloutFrom::Config(self.config_envoy.load(Ordering::Acquire) as abi::ConfigEnvoyPtr);
+                    self.count(Counter::StoreCalls);
                     let sent = self.send(from, &request);
                     let mut m = lock(&self.main);
                     match sent {
@@ -212,11 +219,23 @@ impl StoreSide {
                         Err(e) => m.writes.not_sent(id, &e, &host::now_ms),
                     }
                 }
-                Action::Note { what, key_hash, note, .. } => note_line(what, &key_hash, note),
+                Action::Note { what, key_hash, note, .. } => {
+                    for c in note_counters(&note) {
+                        self.count(*c);
+                    }
+                    note_line(what, &key_hash, note)
+                }
                 Action::Ended | Action::Stop { .. } => {}
             }
         }
         self.arm_timer();
+    }
+
+    /// Counts `c` (in total) from the main thread.
+    fn count(&self, c: Counter) {
+        if let Some(m) = self.metrics.get() {
+            m.inc(MetricsFrom::Config, c);
+        }
     }
 
     /// The timer posts an event when the next retry is due (its one thread; an earlier deadline
@@ -233,7 +252,7 @@ impl StoreSide {
     }
 }
 
-/// Logs what happened to a write (the Wasm build also counts it; no metrics here yet).
+/// Logs what happened to a write (counted by `run`, through the core's `note_counters`).
 fn note_line(what: &str, key_hash: &str, note: Note) {
     let (level, line) = match note {
         Note::Landed => (LogLevel::Debug, format!("idemgate: store write {what} for key={key_hash} landed")),

@@ -124,32 +124,7 @@ fn action(f: Flow) -> Action {
     }
 }
 
-/// The counter a problem reply counts.
-fn problem_counter(problem: &ProblemKind) -> Counter {
-    match problem {
-        ProblemKind::KeyMissing { .. } => Counter::MissingKey,
-        ProblemKind::KeyInvalid { .. } => Counter::InvalidKey,
-        ProblemKind::ScopeMissing { .. } => Counter::ScopeMissing,
-        ProblemKind::BodyTooLarge { .. } => Counter::BodyTooLarge,
-        ProblemKind::InFlight { .. } => Counter::InFlightConflict,
-        ProblemKind::OutcomeUnknown => Counter::UnknownOutcome,
-        ProblemKind::KeyExpired => Counter::KeyExpired,
-        ProblemKind::KeyReused { .. } => Counter::Mismatch,
-        ProblemKind::CapacityExhausted { .. } => Counter::LocalFull,
-        ProblemKind::BufferBudgetExceeded { .. } => Counter::BufferBudgetExceeded,
-        ProblemKind::StoreUnavailable { .. } => Counter::StoreUnavailable,
-        ProblemKind::RecordUnreadable { .. } => Counter::RecordUnreadable,
-        ProblemKind::ResponseNotStored { .. } => Counter::Replayed,
-        ProblemKind::UpstreamNoAnswer => Counter::UnknownOutcome,
-        ProblemKind::EncodingNotAccepted { .. } => Counter::ReplaysEncodingNotAccepted,
-        ProblemKind::InternalState { .. } => Counter::InternalErrors,
-        ProblemKind::GrpcUnsupported { .. } => Counter::GrpcRefused,
-        ProblemKind::RouteAmbiguous => Counter::RouteAmbiguous,
-        ProblemKind::McpBatchRefused | ProblemKind::McpBodyAmbiguous | ProblemKind::McpHeaderMismatch { .. } => {
-            Counter::McpRefused
-        }
-    }
-}
+use crate::metrics::problem_counter;
 
 impl Glue<'_> {
     fn now(&self) -> u64 {

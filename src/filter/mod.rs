@@ -462,13 +462,15 @@ impl Root {
     /// Counts and logs what happened to a write.
     fn write_note(&self, what: &str, key_hash: &str, note: Note) {
         let Some(s) = self.shared.as_ref() else { return };
+        for c in crate::metrics::note_counters(&note) {
+            s.metrics.inc(*c);
+        }
         match note {
-            Note::Landed => s.metrics.inc(Counter::StoreWrites),
+            Note::Landed | Note::TooLarge => {}
             Note::NoLongerOurs => {
                 info!("idemgate: store write {what} for key={key_hash} found the claim no longer ours")
             }
             Note::ClaimGoneRewritten => {
-                s.metrics.inc(Counter::StoreClaimGoneRewritten);
                 warn!(
                     "idemgate: store write {what} for key={key_hash} found the claim gone from the store (flushed, evicted or failed over) and wrote the record where it was"
                 );
@@ -477,26 +479,19 @@ impl Root {
                 info!("idemgate: store write {what} for key={key_hash} found the key absent; nothing to write there")
             }
             Note::ScriptLoad => {
-                s.metrics.inc(Counter::StoreScriptLoads);
                 info!(
                     "idemgate: store write {what} for key={key_hash} met a store without its script (NOSCRIPT); sent again with the script"
                 );
             }
-            Note::TooLarge => s.metrics.inc(Counter::StoreErrors),
             Note::TooLargeWithoutBody => {
-                s.metrics.inc(Counter::StoreWritesTooLarge);
                 warn!(
                     "idemgate: store write {what} for key={key_hash} refused by the store as too large; writing the record without its response body (retries get response-not-stored)"
                 );
             }
             Note::Retry { why, delay_ms } => {
-                s.metrics.inc(Counter::StoreErrors);
-                s.metrics.inc(Counter::StoreWriteRetries);
                 warn!("idemgate: store write {what} for key={key_hash} failed ({why}); retrying in {delay_ms} ms");
             }
             Note::Failed { why, attempts, fallback } => {
-                s.metrics.inc(Counter::StoreErrors);
-                s.metrics.inc(Counter::StoreWriteFailures);
                 if fallback {
                     warn!("idemgate: store write {what} for key={key_hash} failed {attempts} times ({why}); marking the outcome unknown");
                 } else {

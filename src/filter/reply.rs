@@ -146,9 +146,9 @@ impl Replayed {
     /// The counter of what a replay needed beyond the stored bytes: a decoding, or a coding refused.
     pub fn counter(&self) -> Option<Counter> {
         match self {
-            Replayed::Decoded => Some(Counter::ReplaysDecoded),
-            Replayed::Problem(ProblemKind::EncodingNotAccepted { .. }) => Some(Counter::ReplaysEncodingNotAccepted),
-            _ => None,
+            Replayed::Stored => crate::metrics::replay_counter(false, None),
+            Replayed::Decoded => crate::metrics::replay_counter(true, None),
+            Replayed::Problem(p) => crate::metrics::replay_counter(false, Some(p)),
         }
     }
 }

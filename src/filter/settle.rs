@@ -73,29 +73,7 @@ impl Effects for Root<'_> {
     }
 }
 
-/// The glue's counter of the machine's `Count` of the same name.
-pub fn counter(c: Count) -> Counter {
-    match c {
-        Count::Claimed => Counter::Claimed,
-        Count::TakenOver => Counter::TakenOver,
-        Count::LocalEvictions => Counter::LocalEvictions,
-        Count::LocalErrors => Counter::LocalErrors,
-        Count::StoreErrors => Counter::StoreErrors,
-        Count::StorePassed => Counter::StorePassed,
-        Count::StoreReplays => Counter::StoreReplays,
-        Count::StoreAnswersTooLate => Counter::StoreAnswersTooLate,
-        Count::RecordUnauthentic => Counter::RecordUnauthentic,
-        Count::UnknownOutcome => Counter::UnknownOutcome,
-        Count::LostClaim => Counter::LostClaim,
-        Count::DerivedKeys => Counter::DerivedKeys,
-        Count::Protected => Counter::Protected,
-        Count::RedirectsFollowed => Counter::RedirectsFollowed,
-        Count::Released => Counter::Released,
-        Count::Stored => Counter::Stored,
-        Count::StoredWithoutBody => Counter::StoredWithoutBody,
-        Count::InternalErrors => Counter::InternalErrors,
-    }
-}
+pub use crate::metrics::counter;
 
 /// A forwarded request's stream was ended by Envoy for an internal redirect: its claim waits
 /// for the re-created stream (`crate::redirect`), which settles it with the final answer. Claims

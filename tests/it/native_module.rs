@@ -507,3 +507,126 @@ fn a_request_never_sent_is_released_and_one_executed_then_reset_is_not_in_both_b
         assert_eq!(s.up.executions_with_key("k-reset"), 1, "{build:?}: executed again after a reset");
     }
 }
+
+/// The gauges only the Wasm build sets (its root's tick reads the local table and the pending
+/// writes; the native build has no such tick yet: docs/native.md). The local table's capacity and
+/// index bytes, fixed by the configuration, are set by both and compared.
+const WASM_ONLY_GAUGES: &[&str] = &[
+    "idemgate.local_occupancy",
+    "idemgate.local_record_bytes",
+    "idemgate.local_evicted_age_seconds",
+    "idemgate.store_writes_pending",
+];
+
+/// idemgate's counters (and its build-info gauge) as Envoy's /stats shows them, without the host's
+/// custom namespace (`wasmcustom.` for the Wasm build, `dynamicmodulescustom.` for the native one;
+/// both stripped in /stats/prometheus), after every completed request is counted
+/// (`Envoy::settle`).
+fn idemgate_stats(e: &Envoy) -> std::collections::BTreeMap<String, u64> {
+    e.settle();
+    e.stats("idemgate.")
+        .into_iter()
+        .filter_map(|(n, v)| {
+            let n = n.strip_prefix("wasmcustom.").or_else(|| n.strip_prefix("dynamicmodulescustom.")).unwrap_or(&n);
+            (n.starts_with("idemgate.") && !WASM_ONLY_GAUGES.contains(&n)).then(|| (n.to_string(), v))
+        })
+        .collect()
+}
+
+/// The counters asserted by value (the rest must merely agree between the builds).
+const COUNTED: &[(&str, u64)] = &[
+    ("idemgate.protected", 5),
+    ("idemgate.claimed", 2),
+    ("idemgate.stored", 2),
+    ("idemgate.replayed", 1),
+    ("idemgate.mismatch", 1),
+    ("idemgate.in_flight_conflict", 1),
+    ("idemgate.invalid_key", 1),
+    ("idemgate.requests_settled", 8),
+    ("idemgate.route.charges.protected", 5),
+    ("idemgate.route.charges.replayed", 1),
+    ("idemgate.route.charges.mismatch", 1),
+    ("idemgate.route.charges.invalid_key", 1),
+];
+
+/// The counters asserted by value after one request meets a store that refuses connections.
+const COUNTED_STORE_DOWN: &[(&str, u64)] = &[
+    ("idemgate.protected", 1),
+    ("idemgate.claimed", 1),
+    ("idemgate.released", 1),
+    ("idemgate.store_calls_waited", 1),
+    ("idemgate.store_unavailable", 1),
+    ("idemgate.requests_settled", 1),
+];
+
+/// The counters of the writes that go on after the request (the release of a claim that may have
+/// landed, retried on its schedule): how far they got depends on when they are read, so they are
+/// compared by presence, not value.
+const WRITE_COUNTERS: &[&str] =
+    &["idemgate.store_calls", "idemgate.store_errors", "idemgate.store_write_retries", "idemgate.store_write_failures"];
+
+fn same_counters(
+    what: &str,
+    wasm: &std::collections::BTreeMap<String, u64>,
+    native: &std::collections::BTreeMap<String, u64>,
+    counted: &[(&str, u64)],
+) {
+    let (mut wasm, mut native) = (wasm.clone(), native.clone());
+    for name in WRITE_COUNTERS {
+        assert!(wasm.remove(*name).is_some(), "{what}: Wasm has no {name}");
+        assert!(native.remove(*name).is_some(), "{what}: Native has no {name}");
+    }
+    for (name, want) in counted {
+        assert_eq!(wasm.get(*name), Some(want), "{what}: Wasm {name}: {wasm:?}");
+        assert_eq!(native.get(*name), Some(want), "{what}: Native {name}: {native:?}");
+    }
+    // Every counter: the same names with the same values.
+    assert_eq!(native, wasm, "{what}: the native build's idemgate counters differ from the Wasm build's");
+}
+
+/// The same requests (first, replay, 422, 400 malformed key, no key, 409 in flight, a GET) to a
+/// Wasm proxy and a native proxy show the same idemgate counters in their admin /stats: the same
+/// names (per route too), the same values, counted from the same engine events through the same
+/// rules (`idemgate::metrics`). Then the same for a request meeting a store that refuses
+/// connections (503 `store-unavailable`).
+#[test]
+fn the_same_requests_show_the_same_counters_in_both_builds() {
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/charges", "name": "charges"}]}"#;
+    let mut seen = vec![];
+    for build in [Build::Wasm, Build::Native] {
+        let s = stack(build, plugin);
+        assert_eq!(post(&s, Some("m-1"), r#"{"amount":1}"#, &[]).status, 201, "{build:?}");
+        assert_eq!(post(&s, Some("m-1"), r#"{"amount":1}"#, &[]).header("idempotent-replayed"), Some("true"));
+        assert_eq!(post(&s, Some("m-1"), r#"{"amount":2}"#, &[]).status, 422, "{build:?}");
+        assert_eq!(post(&s, Some("bad key"), r#"{"amount":1}"#, &[]).status, 400, "{build:?}");
+        // Without a key (not required here): forwarded unprotected.
+        assert_eq!(post(&s, None, r#"{"amount":1}"#, &[]).status, 201, "{build:?}");
+        let port = s.envoy.port;
+        let first = std::thread::spawn(move || {
+            let h = [("authorization", "Bearer alice"), ("idempotency-key", "m-2"), ("x-up-hold", "1")];
+            http::request(port, "POST", "/charges", &h, b"{}").expect("request").status
+        });
+        support::wait_for("the first m-2 at the upstream", 2000, || s.up.executions() == 3);
+        assert_eq!(post(&s, Some("m-2"), "{}", &[]).status, 409, "{build:?}");
+        s.up.release_holds();
+        assert_eq!(first.join().expect("first"), 201, "{build:?}");
+        // Not protected (a GET): counted as settled only.
+        http::request(port, "GET", "/charges", &[("authorization", "Bearer alice")], b"").expect("get");
+        assert_eq!(s.up.executions(), 4, "{build:?}");
+        assert_eq!(s.up.executions_with_key("m-1"), 1, "{build:?}");
+        assert_eq!(s.up.executions_with_key("m-2"), 1, "{build:?}");
+        let local = idemgate_stats(&s.envoy);
+        // A store that refuses connections: 503, not forwarded.
+        let e = store_envoy(build, &store_cfg(2000), s.up.port, support::free_port());
+        let r = store_post(&e, "m-3", "{}", &[]);
+        assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"), "{build:?}");
+        assert_eq!(s.up.executions_with_key("m-3"), 0, "{build:?}");
+        // The release write (counted on the main thread in the native build) fails and is retried.
+        support::wait_for("the release write's first retry counted", 10_000, || {
+            e.stat("idemgate.store_write_retries") >= 1
+        });
+        seen.push((local, idemgate_stats(&e)));
+    }
+    same_counters("local tier", &seen[0].0, &seen[1].0, COUNTED);
+    same_counters("store down", &seen[0].1, &seen[1].1, COUNTED_STORE_DOWN);
+}

@@ -974,9 +974,12 @@ impl Envoy {
         if name.starts_with("idemgate.") {
             self.settle();
         }
-        // Envoy's /stats shows Wasm metrics as `wasmcustom.<name>` (Prometheus strips the prefix).
+        // Envoy's /stats shows Wasm metrics as `wasmcustom.<name>` (Prometheus strips the prefix)
+        // and the native build's as `dynamicmodulescustom.<name>` (Envoy 1.40's default
+        // `metrics_namespace` of a dynamic module; Prometheus keeps it: docs/native.md).
         let custom = format!("wasmcustom.{name}");
-        self.stats(name).into_iter().find(|(n, _)| *n == custom || n == name).map_or(0, |(_, v)| v)
+        let native = format!("dynamicmodulescustom.{name}");
+        self.stats(name).into_iter().find(|(n, _)| *n == custom || *n == native || n == name).map_or(0, |(_, v)| v)
     }
 
     /// Every counter and gauge whose name contains `filter`, from the admin `/stats` endpoint.
