@@ -166,7 +166,36 @@ fn two_proxies_on_etcd_a_key_past_its_ttl_meets_its_tombstone_on_either_then_is_
     let b = Envoy::start(&o);
     support::etcd::wait_leases(&a, o.concurrency);
     support::etcd::wait_leases(&b, o.concurrency);
-    scenario(&a, &b, &up, "k-tomb-etcd", |_| {});
+    let hex = support::redis_key_of(&cfg, AUTH, "k-tomb-etcd").trim_start_matches("idemgate:v1:").to_string();
+    let record = format!("idemgate/v1/{hex}");
+    let tomb = format!("{record}/t");
+    // As on Redis: a key of its own holds the key's tombstone (its fingerprint and expiry, sealed
+    // for that key: 92 bytes), written with the completion, never the response; the record
+    // expires (judged by the proxies' clocks) after `ttl`, the tombstone after `ttl + tombstone`.
+    scenario(&a, &b, &up, "k-tomb-etcd", |m| {
+        let all = etcd.all();
+        let get = |k: &str| all.iter().find(|(name, _)| name == k.as_bytes()).map(|(_, v)| v.clone());
+        let (r, t) = (get(&record), get(&tomb));
+        let names: Vec<String> = all.iter().map(|(k, _)| String::from_utf8_lossy(k).replace(&hex, "<hex>")).collect();
+        println!(
+            "{m:?}: record {:?} bytes, tombstone {:?} bytes, keys {names:?}",
+            r.as_ref().map(Vec::len),
+            t.as_ref().map(Vec::len)
+        );
+        let t = t.unwrap_or_else(|| panic!("{m:?}: no tombstone at {tomb}: keys {names:?}"));
+        assert_eq!((t.len(), &t[..5]), (92, &b"IGS1T"[..]), "{m:?}: the tombstone holds the fingerprint only");
+        assert!(!t.windows(BODY.len()).any(|w| w == BODY.as_bytes()));
+        if m == Moment::Live {
+            assert!(r.expect("the record while live").starts_with(b"IGE1"));
+        }
+        // No other key of this storage key than its value, owner mark and tombstone.
+        assert!(
+            names
+                .iter()
+                .all(|n| ["idemgate/v1/<hex>", "idemgate/v1/<hex>/o", "idemgate/v1/<hex>/t"].contains(&n.as_str())),
+            "{names:?}"
+        );
+    });
 }
 
 /// Issue 40, item 6, the scripts alone on a real Redis (no Envoy, no sleep: the record's expiry is
