@@ -550,7 +550,34 @@ pub fn transition_request(
     now_ms: u64,
     fence: Option<&Fence>,
 ) -> Result<StoreRequest, String> {
-    transition_body(t, skey, seal, lease, now_ms, fence, false)
+    transition_body(t, skey, seal, Leased::one(lease), now_ms, fence, false)
+}
+
+/// The leases a write puts under: the record's, and the key's tombstone's (a lease outliving
+/// `ttl + tombstone`: `tombstone_lease_ttl_seconds`; the record's where that one covers it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Leased {
+    pub record: i64,
+    pub tombstone: i64,
+}
+
+impl Leased {
+    /// One lease for both.
+    pub fn one(lease: i64) -> Leased {
+        Leased { record: lease, tombstone: lease }
+    }
+}
+
+/// `transition_request` with the key's tombstone under a lease of its own (`leased.tombstone`).
+pub fn transition_request_leased(
+    t: &Transition,
+    skey: &StorageKey,
+    seal: &Seal,
+    leased: Leased,
+    now_ms: u64,
+    fence: Option<&Fence>,
+) -> Result<StoreRequest, String> {
+    transition_body(t, skey, seal, leased, now_ms, fence, false)
 }
 
 /// An operator's transition (`idemgate resolve`/`forget`, planned by `admin::plan` from the
@@ -575,7 +602,7 @@ pub fn operator_transition_request(
     if t.new_phase.is_some() && lease <= 0 {
         return Err("an operator's write without a lease".into());
     }
-    transition_body(t, skey, seal, lease, now_ms, Some(fence), true)
+    transition_body(t, skey, seal, Leased::one(lease), now_ms, Some(fence), true)
 }
 
 /// The TTL of the lease an operator's write carries: the record's life (`ttl_ms`, from the write)
@@ -589,11 +616,12 @@ fn transition_body(
     t: &Transition,
     skey: &StorageKey,
     seal: &Seal,
-    lease: i64,
+    leased: Leased,
     now_ms: u64,
     fence: Option<&Fence>,
     always_fenced: bool,
 ) -> Result<StoreRequest, String> {
+    let lease = leased.record;
     let keys = Keys::of(skey);
     let expected_mark;
     let compare = if t.require_stale || always_fenced {
@@ -668,7 +696,7 @@ fn transition_body(
         }
     };
     let tomb = match (t.key_tombstone_of(), over_tombstone) {
-        (Some(fp), _) => TombWrite::Put(fp, now_ms.saturating_add(t.ttl_ms), lease),
+        (Some(fp), _) => TombWrite::Put(fp, now_ms.saturating_add(t.ttl_ms), leased.tombstone),
         (None, true) => TombWrite::Delete,
         (None, false) => TombWrite::Keep,
     };
@@ -714,6 +742,18 @@ pub fn where_absent_request(
     lease: i64,
     now_ms: u64,
 ) -> Result<StoreRequest, String> {
+    where_absent_request_leased(t, skey, seal, Leased::one(lease), now_ms)
+}
+
+/// `where_absent_request` with the key's tombstone under a lease of its own.
+pub fn where_absent_request_leased(
+    t: &Transition,
+    skey: &StorageKey,
+    seal: &Seal,
+    leased: Leased,
+    now_ms: u64,
+) -> Result<StoreRequest, String> {
+    let lease = leased.record;
     let (Some(phase), Some(record), true) = (t.new_phase, t.record.as_ref(), writes_where_absent(t)) else {
         return Err("a where-absent write for a transition that never writes where absent".into());
     };
@@ -723,7 +763,9 @@ pub fn where_absent_request(
     let keys = Keys::of(skey);
     // A completion written where its claim was lost writes its key's tombstone too, as Redis's
     // script does.
-    let tomb = t.key_tombstone_of().map_or(TombWrite::Keep, |fp| TombWrite::Put(fp, now_ms.saturating_add(t.ttl_ms), lease));
+    let tomb = t
+        .key_tombstone_of()
+        .map_or(TombWrite::Keep, |fp| TombWrite::Put(fp, now_ms.saturating_add(t.ttl_ms), leased.tombstone));
     Ok(with_write_ops(&keys, seal, &value, lease, tomb, |writes| {
         txn(&[Compare::NeverCreated(keys.value.as_bytes())], writes, &[])
     }))
@@ -764,14 +806,28 @@ pub fn lease_grant_request(ttl_seconds: u64) -> StoreRequest {
 }
 
 /// The longest life any record of `config` is given (`Lifetimes::life_ms` of a forwarded claim,
-/// a completion and an outcome-unknown mark, over every policy).
+/// a completion and an outcome-unknown mark, over every policy). A completion's record lives
+/// `ttl` (`Transition::record_ttl_ms`): its key's tombstone, which outlives it, is a key of its
+/// own under a lease of its own (`longest_tombstone_life_ms`).
 pub fn longest_life_ms(config: &Config) -> u64 {
     config
         .policies()
         .map(|p| {
-            let l = Lifetimes::of(p);
+            let l = Lifetimes { tombstone_ms: 0, ..Lifetimes::of(p) };
             [Stage::Forwarded, Stage::Completed, Stage::Unknown].iter().map(|s| l.life_ms(*s)).max().unwrap_or(0)
         })
+        .max()
+        .unwrap_or(0)
+}
+
+/// The longest life of a key's tombstone in `config` (`ttl + tombstone` from its completion,
+/// over the policies that keep tombstones; 0: none does).
+pub fn longest_tombstone_life_ms(config: &Config) -> u64 {
+    config
+        .policies()
+        .map(Lifetimes::of)
+        .filter(|l| l.tombstone_ms > 0)
+        .map(|l| l.life_ms(Stage::Completed))
         .max()
         .unwrap_or(0)
 }
@@ -779,7 +835,20 @@ pub fn longest_life_ms(config: &Config) -> u64 {
 /// The TTL of each window's lease: the window, the longest record life, and the margin. A put made
 /// while its lease is usable (`Leases::usable`) outlives its record's life by etcd's clock.
 pub fn lease_ttl_seconds(config: &Config) -> u64 {
-    LEASE_WINDOW_MS.saturating_add(longest_life_ms(config)).saturating_add(LEASE_MARGIN_MS).div_ceil(1000)
+    lease_ttl_for(longest_life_ms(config))
+}
+
+/// The TTL of each window's lease for keys' tombstones, where one outlives every record (`None`:
+/// none does, and tombstones go under the records' lease, `lease_ttl_seconds`): the window, the
+/// longest tombstone life, and the margin. So the record of a completed key is dropped by etcd
+/// about `ttl` after its completion (not `ttl + tombstone`), and only its small tombstone stays.
+pub fn tombstone_lease_ttl_seconds(config: &Config) -> Option<u64> {
+    let tombs = longest_tombstone_life_ms(config);
+    (tombs > longest_life_ms(config)).then(|| lease_ttl_for(tombs))
+}
+
+fn lease_ttl_for(life_ms: u64) -> u64 {
+    LEASE_WINDOW_MS.saturating_add(life_ms).saturating_add(LEASE_MARGIN_MS).div_ceil(1000)
 }
 
 /// A VM's leases: at most two granted (the current window's and the next), and at most one grant

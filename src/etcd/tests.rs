@@ -1130,7 +1130,9 @@ fn past_its_record_a_key_answers_its_tombstone_claims_nothing_and_is_freed_only_
     let tomb_end = NOW + l.ttl_ms + l.tombstone_ms + CLOCK_SKEW_TOLERANCE_MS;
     // Within ttl: the record is replayed.
     let (r, _) = claim_on(&mut e, &s, owner(2), ttl_end - 1, &l).unwrap();
-    assert!(matches!(r, ClaimReply::Exists { ref value, .. } if value.record.fingerprint == Fingerprint([1; 32]) && !value.record.is_key_tombstone()));
+    assert!(
+        matches!(r, ClaimReply::Exists { ref value, .. } if value.record.fingerprint == Fingerprint([1; 32]) && !value.record.is_key_tombstone())
+    );
     // Past ttl, its record still held (its lease not over) or dropped by etcd: the tombstone,
     // not free, no fence: nothing can be claimed on it.
     for dropped in [false, true] {
@@ -1213,4 +1215,40 @@ fn the_listing_skips_a_keys_tombstone_as_it_skips_owner_marks() {
     let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
     let page = parse_list_page(Some(200), &page_answer(&keys, false), None, LIST_PAGE_MAX).unwrap();
     assert_eq!(page.keys, vec![s]);
+}
+
+#[test]
+fn a_records_lease_covers_its_ttl_and_a_tombstones_lease_ttl_plus_tombstone() {
+    let c = Config::parse(br#"{"scope": {"global": true}, "ttl_seconds": 100, "lock_ttl_seconds": 10, "unknown_outcome_seconds": 50, "tombstone_seconds": 1000, "store": {"kind": "etcd", "cluster": "e"}}"#).unwrap();
+    // The record lives ttl (100 s), its key's tombstone ttl + tombstone (1100 s).
+    assert_eq!((longest_life_ms(&c), longest_tombstone_life_ms(&c)), (100_000, 1_100_000));
+    assert_eq!(lease_ttl_seconds(&c), 60 + 100 + 30);
+    assert_eq!(tombstone_lease_ttl_seconds(&c), Some(60 + 1100 + 30));
+    // Without tombstones (or where the records' lease covers them) there is no second lease.
+    let none =
+        Config::parse(br#"{"scope": {"global": true}, "ttl_seconds": 100, "store": {"kind": "etcd", "cluster": "e"}}"#)
+            .unwrap();
+    assert_eq!(tombstone_lease_ttl_seconds(&none), None);
+    // The completion puts its record under the records' lease, its tombstone under its own.
+    let l = with_tombstones();
+    let t = Transition::complete(owner(1), completed(NOW), &l);
+    let leased = Leased { record: 7, tombstone: 8 };
+    let req = transition_request_leased(&t, &skey(1), &seal(), leased, NOW, None).unwrap();
+    let sent: Value = serde_json::from_slice(&req.body).unwrap();
+    let puts: Vec<(String, String)> = sent["success"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|o| o.get("request_put"))
+        .map(|p| {
+            (
+                String::from_utf8(unb64(p["key"].as_str().unwrap()).unwrap()).unwrap(),
+                p["lease"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let k = etcd_key(&skey(1));
+    assert_eq!(puts, vec![(k.clone(), "7".into()), (format!("{k}/o"), "7".into()), (format!("{k}/t"), "8".into())]);
+    let again = where_absent_request_leased(&t, &skey(1), &seal(), leased, NOW).unwrap();
+    assert!(String::from_utf8(again.body).unwrap().contains(r#""lease":"8""#));
 }
