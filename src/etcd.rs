@@ -1245,6 +1245,9 @@ fn writes_echo(ops: &[OpAnswer], skey: &StorageKey, echo: Option<&[u8]>) -> Resu
     }
 }
 
+/// A value or a key's tombstone as opened (`open_value`, `open_key_tombstone`) with its expiry.
+type Opened = Result<(StoredValue, u64), ValueError>;
+
 /// Parses etcd's answer to `claim_request(skey, owner, ...)` (`status`: the HTTP status, `None`
 /// if no answer), read at `local_now_ms` on this proxy's clock. A claim must echo `owner`'s mark.
 /// An existing value comes with its `Fence` (for a take-over or stale-to-unknown), and is judged
@@ -1281,7 +1284,7 @@ pub fn parse_claim_reply(
     let tomb = tomb.map(|(v, rev)| (open_key_tombstone(&v, skey, seal), rev));
     // The key's tombstone answers where no record holds the key (none, or one free by
     // `judged_now`), as Redis's claim script answers it where Redis dropped the record.
-    let tomb_answer = |tomb: Option<(Result<(StoredValue, u64), ValueError>, i64)>| match tomb {
+    let tomb_answer = |tomb: Option<(Opened, i64)>| match tomb {
         None => None,
         Some((Ok((value, expires_at_ms)), mod_revision)) => {
             // Past its expiry it holds nothing: a claim decided on it compares it unchanged.
