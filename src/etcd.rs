@@ -5,8 +5,10 @@
 //!
 //! **Keys.** A storage key `S` lives under three etcd keys: `idemgate/v1/<S hex>` holds the value,
 //! `idemgate/v1/<S hex>/o` holds its *owner mark* (the phase letter and the owner token's hex, 33
-//! bytes), and `idemgate/v1/<S hex>/r/<owner hex>` is a release tombstone of one owner. Every write
-//! puts the value and its owner mark together, in one transaction.
+//! bytes), `idemgate/v1/<S hex>/r/<owner hex>` is a release tombstone of one owner, and
+//! `idemgate/v1/<S hex>/t` the key's own tombstone (`tombstone_seconds`: the record's fingerprint
+//! and its expiry, `key_tombstone_value`, put with a completion and outliving its record). Every
+//! write puts the value and its owner mark together, in one transaction.
 //!
 //! **Values.** `IGE1` followed by the seal (`seal.rs`, bound to the etcd key) of
 //! `phase(1) owner(32 hex) lock-expiry-ms(15 digits) expiry-ms(15 digits) record`. Unlike the
@@ -50,7 +52,9 @@
 //! **Leases.** Never granted on the critical path: the root context grants one per window of
 //! `LEASE_WINDOW_MS` ahead of need (`Leases::wants_grant`), with a TTL of the window plus the
 //! longest record life plus `LEASE_MARGIN_MS`, and every put of that window uses it; a request
-//! finding no usable lease is refused (503), never claims without expiry.
+//! finding no usable lease is refused (503), never claims without expiry. Where a key's tombstone
+//! outlives every record, tombstones get leases of their own (`tombstone_lease_ttl_seconds`), so
+//! etcd drops a completed record about `ttl` after its completion, not with its tombstone.
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
