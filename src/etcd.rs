@@ -535,9 +535,9 @@ pub struct Fence {
     pub value: StoredValue,
     /// The value's expiry (its writer's clock).
     pub expires_at_ms: u64,
-    /// `Some`: no value was held, and `value` is the key's own tombstone (`open_key_tombstone`)
-    /// found past its expiry, its `mod_revision` this; a claim decided on it compares that the
-    /// value is still absent and the tombstone unchanged, and deletes the tombstone.
+    /// `true`: no value was held, and `value` is the key's own tombstone (`open_key_tombstone`)
+    /// found past its expiry, `mod_revision` the tombstone's; a claim decided on it compares that
+    /// the value is still absent and the tombstone unchanged, and deletes the tombstone.
     pub tombstone: bool,
 }
 
