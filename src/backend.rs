@@ -22,9 +22,10 @@ use crate::store::{self, ClaimReply, ReadReply, Resp, StoreError, StoreRequest, 
 pub enum Backend {
     /// Redis through webdis: its scripts judge by Redis's clock; no request carries a time.
     Redis,
-    /// etcd v3: every put carries `lease` (`None`: no usable lease, nothing can be written) and
-    /// every request is judged by the proxy's clock (`etcd::judged_now`).
-    Etcd { lease: Option<i64> },
+    /// etcd v3: every put carries `lease` (`None`: no usable lease, nothing can be written), a
+    /// key's tombstone `tombstone_lease` (`etcd::tombstone_lease_ttl_seconds`), and every request
+    /// is judged by the proxy's clock (`etcd::judged_now`).
+    Etcd { lease: Option<i64>, tombstone_lease: Option<i64> },
 }
 
 /// The store's credential, as its requests carry it (`Backend::credential`).
@@ -62,7 +63,7 @@ impl Backend {
     pub fn of(kind: StoreKind, lease: Option<i64>) -> Backend {
         match kind {
             StoreKind::Redis => Backend::Redis,
-            StoreKind::Etcd => Backend::Etcd { lease },
+            StoreKind::Etcd => Backend::Etcd { lease, tombstone_lease: lease },
         }
     }
 
@@ -81,12 +82,27 @@ impl Backend {
         }
     }
 
-    /// The store of `kind` whose writes use the lease `lease` gives (asked only for etcd).
-    pub fn writing(kind: StoreKind, lease: impl FnOnce() -> Option<i64>) -> Backend {
+    /// The store of `kind` whose writes use the leases `leases` gives (asked only for etcd): the
+    /// records' and the keys' tombstones'.
+    pub fn writing(kind: StoreKind, leases: impl FnOnce() -> (Option<i64>, Option<i64>)) -> Backend {
         match kind {
             StoreKind::Redis => Backend::Redis,
-            StoreKind::Etcd => Backend::Etcd { lease: lease() },
+            StoreKind::Etcd => {
+                let (lease, tombstone_lease) = leases();
+                Backend::Etcd { lease, tombstone_lease }
+            }
         }
+    }
+
+    /// The leases `t` puts under: the record's, and its key's tombstone's where it writes one
+    /// (none usable: nothing is written, as for a record).
+    fn leased(t: &Transition, lease: Option<i64>, tombstone_lease: Option<i64>) -> Result<etcd::Leased, Unbuilt> {
+        let record = Self::lease(lease)?;
+        let tombstone = match t.key_tombstone_of() {
+            Some(_) => Self::lease(tombstone_lease)?,
+            None => record,
+        };
+        Ok(etcd::Leased { record, tombstone })
     }
 
     /// Whether its requests and answers are judged by the proxy's clock (etcd), so the caller
@@ -116,7 +132,7 @@ impl Backend {
     ) -> Result<StoreRequest, Unbuilt> {
         match *self {
             Backend::Redis => Ok(store::claim_request(skey, owner, record, lifetimes, seal)),
-            Backend::Etcd { lease } => {
+            Backend::Etcd { lease, .. } => {
                 Ok(etcd::claim_request(skey, owner, record, lifetimes, seal, Self::lease(lease)?, now_ms))
             }
         }
@@ -149,8 +165,9 @@ impl Backend {
     ) -> Result<StoreRequest, Unbuilt> {
         match *self {
             Backend::Redis => Ok(t.request(skey, seal)),
-            Backend::Etcd { lease } => {
-                etcd::transition_request(t, skey, seal, Self::lease(lease)?, now_ms, fence).map_err(Unbuilt::Broken)
+            Backend::Etcd { lease, tombstone_lease } => {
+                let leased = Self::leased(t, lease, tombstone_lease)?;
+                etcd::transition_request_leased(t, skey, seal, leased, now_ms, fence).map_err(Unbuilt::Broken)
             }
         }
     }
@@ -166,10 +183,9 @@ impl Backend {
         now_ms: u64,
     ) -> Result<Option<StoreRequest>, Unbuilt> {
         match *self {
-            Backend::Etcd { lease } if etcd::writes_where_absent(t) => {
-                etcd::where_absent_request(t, skey, seal, Self::lease(lease)?, now_ms)
-                    .map(Some)
-                    .map_err(Unbuilt::Broken)
+            Backend::Etcd { lease, tombstone_lease } if etcd::writes_where_absent(t) => {
+                let leased = Self::leased(t, lease, tombstone_lease)?;
+                etcd::where_absent_request_leased(t, skey, seal, leased, now_ms).map(Some).map_err(Unbuilt::Broken)
             }
             _ => Ok(None),
         }
@@ -558,7 +574,7 @@ impl Backend {
     pub fn with_lease(self, lease: i64) -> Backend {
         match self {
             Backend::Redis => Backend::Redis,
-            Backend::Etcd { .. } => Backend::Etcd { lease: Some(lease) },
+            Backend::Etcd { .. } => Backend::Etcd { lease: Some(lease), tombstone_lease: Some(lease) },
         }
     }
 
@@ -575,7 +591,7 @@ impl Backend {
     ) -> Result<StoreRequest, Unbuilt> {
         match *self {
             Backend::Redis => Ok(t.request(skey, seal)),
-            Backend::Etcd { lease } => {
+            Backend::Etcd { lease, .. } => {
                 let Some(fence) = fence else {
                     return Err(Unbuilt::Broken("store: a value read without its revision".into()));
                 };
@@ -763,7 +779,7 @@ mod tests {
         assert_eq!(e.operator_lease_request(&forget), None, "a delete needs no lease");
         assert!(Backend::Redis.operator_transition_request(&forget, &skey, &seal, 1, None).is_ok());
         assert_eq!(Backend::Redis.operator_lease_request(&forget), None);
-        assert_eq!(e.with_lease(9), Backend::Etcd { lease: Some(9) });
+        assert_eq!(e.with_lease(9), Backend::Etcd { lease: Some(9), tombstone_lease: Some(9) });
         assert_eq!(Backend::Redis.with_lease(9), Backend::Redis);
     }
 }

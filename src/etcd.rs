@@ -5,8 +5,10 @@
 //!
 //! **Keys.** A storage key `S` lives under three etcd keys: `idemgate/v1/<S hex>` holds the value,
 //! `idemgate/v1/<S hex>/o` holds its *owner mark* (the phase letter and the owner token's hex, 33
-//! bytes), and `idemgate/v1/<S hex>/r/<owner hex>` is a release tombstone of one owner. Every write
-//! puts the value and its owner mark together, in one transaction.
+//! bytes), `idemgate/v1/<S hex>/r/<owner hex>` is a release tombstone of one owner, and
+//! `idemgate/v1/<S hex>/t` the key's own tombstone (`tombstone_seconds`: the record's fingerprint
+//! and its expiry, `key_tombstone_value`, put with a completion and outliving its record). Every
+//! write puts the value and its owner mark together, in one transaction.
 //!
 //! **Values.** `IGE1` followed by the seal (`seal.rs`, bound to the etcd key) of
 //! `phase(1) owner(32 hex) lock-expiry-ms(15 digits) expiry-ms(15 digits) record`. Unlike the
@@ -50,7 +52,9 @@
 //! **Leases.** Never granted on the critical path: the root context grants one per window of
 //! `LEASE_WINDOW_MS` ahead of need (`Leases::wants_grant`), with a TTL of the window plus the
 //! longest record life plus `LEASE_MARGIN_MS`, and every put of that window uses it; a request
-//! finding no usable lease is refused (503), never claims without expiry.
+//! finding no usable lease is refused (503), never claims without expiry. Where a key's tombstone
+//! outlives every record, tombstones get leases of their own (`tombstone_lease_ttl_seconds`), so
+//! etcd drops a completed record about `ttl` after its completion, not with its tombstone.
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -60,6 +64,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::base64::unb64;
 use crate::config::Config;
+use crate::fingerprint::Fingerprint;
 use crate::lifecycle::{self, Event, Facts};
 use crate::owner::OwnerToken;
 use crate::record::{Lifetimes, Record, Stage, State};
@@ -106,6 +111,38 @@ fn key_with_room(skey: &StorageKey, more: usize) -> String {
     key.push_str(KEY_PREFIX);
     crate::hex::encode_into(&skey.0, &mut key);
     key
+}
+
+/// The etcd key of a storage key's own tombstone (`tombstone_seconds`), `idemgate/v1/<S hex>/t`:
+/// the record's fingerprint and the tombstone's expiry (`key_tombstone_value`), written with a
+/// completion and outliving its record. Not a release tombstone (`tombstone_key`, `/r/<owner>`).
+pub fn key_tombstone_key(skey: &StorageKey) -> String {
+    let mut key = key_with_room(skey, 2);
+    key.push_str("/t");
+    key
+}
+
+/// The value of a key's tombstone at its etcd key `key`: the Redis tombstone's layout
+/// (`store::tombstone_value_at`: `IGS1T`, the fingerprint sealed for `key`) with, inside the
+/// seal, its expiry by its writer's clock in 15 digits (judged by `judged_now`, as a value's):
+/// 5 + 36 + 36 + 15 = 92 bytes, whatever the response was.
+fn key_tombstone_value_at(key: &str, fingerprint: &Fingerprint, expires_at_ms: u64, seal: &Seal) -> Vec<u8> {
+    let mut expiry = Vec::with_capacity(15);
+    push_digits15(&mut expiry, expires_at_ms);
+    crate::store::tombstone_value_at(key, fingerprint, &expiry, seal)
+}
+
+/// `key_tombstone_value_at` at `skey`'s tombstone key.
+pub fn key_tombstone_value(skey: &StorageKey, fingerprint: &Fingerprint, expires_at_ms: u64, seal: &Seal) -> Vec<u8> {
+    key_tombstone_value_at(&key_tombstone_key(skey), fingerprint, expires_at_ms, seal)
+}
+
+/// Decodes `skey`'s tombstone as the value it stands for (`StoredValue::key_tombstone`) and its
+/// expiry (its writer's clock); the seal must verify for the tombstone's own key.
+pub fn open_key_tombstone(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<(StoredValue, u64), ValueError> {
+    let (fp, expiry) = crate::store::open_tombstone_at(v, &key_tombstone_key(skey), seal)?;
+    let expires = digits15(Some(&expiry)).ok_or_else(|| ValueError::Unreadable("stored tombstone: expiry".into()))?;
+    Ok((StoredValue::key_tombstone(fp), expires))
 }
 
 /// The etcd key of a storage key's value.
@@ -381,12 +418,27 @@ fn txn(compare: &[Compare], success: &[Op], failure: &[Op]) -> StoreRequest {
 struct Keys {
     value: String,
     owner: String,
+    /// The key's own tombstone (`key_tombstone_key`).
+    tomb: String,
 }
 
 impl Keys {
     fn of(skey: &StorageKey) -> Keys {
-        Keys { value: etcd_key(skey), owner: owner_key(skey) }
+        Keys { value: etcd_key(skey), owner: owner_key(skey), tomb: key_tombstone_key(skey) }
     }
+}
+
+/// What a write does to the key's own tombstone besides the value and its owner mark.
+#[derive(Clone, Copy)]
+enum TombWrite<'a> {
+    /// Nothing.
+    Keep,
+    /// A completion on a route with tombstones (`Transition::key_tombstone_of`): puts the
+    /// tombstone of this fingerprint, expiring then (the writer's clock), with the lease given.
+    Put(&'a Fingerprint, u64, i64),
+    /// A claim of a key whose value was absent and whose tombstone was past its expiry (the
+    /// fence compared its revision): the old tombstone goes.
+    Delete,
 }
 
 /// A value a transaction writes (`encode_value` of its parts), its record borrowed.
@@ -399,22 +451,41 @@ struct NewValue<'a> {
 }
 
 /// The puts that write `value` and its owner mark, then the read of the mark back (the answer
-/// echoes who now holds the key), handed to `then` (which writes the transaction carrying them).
-fn with_write_ops<R>(keys: &Keys, seal: &Seal, value: &NewValue, lease: i64, then: impl FnOnce([Op; 3]) -> R) -> R {
+/// echoes who now holds the key), then what `tomb` does to the key's tombstone (in the same
+/// transaction: no reader finds the record gone before its tombstone is there), handed to `then`
+/// (which writes the transaction carrying them).
+fn with_write_ops<R>(
+    keys: &Keys,
+    seal: &Seal,
+    value: &NewValue,
+    lease: i64,
+    tomb: TombWrite,
+    then: impl FnOnce(&[Op]) -> R,
+) -> R {
     let v = value;
     let sealed = seal_value(v.phase, &v.owner, v.lock_expires_at_ms, v.record, v.expires_at_ms, &keys.value, seal);
     let mark = owner_mark(v.phase, &v.owner);
-    then([
-        Op::Put(keys.value.as_bytes(), &sealed, lease),
-        Op::Put(keys.owner.as_bytes(), &mark, lease),
-        Op::Range(keys.owner.as_bytes()),
-    ])
+    let tomb_value = match tomb {
+        TombWrite::Put(fp, expires_at_ms, _) => key_tombstone_value_at(&keys.tomb, fp, expires_at_ms, seal),
+        _ => vec![],
+    };
+    let mut ops = Vec::with_capacity(4);
+    ops.push(Op::Put(keys.value.as_bytes(), &sealed, lease));
+    ops.push(Op::Put(keys.owner.as_bytes(), &mark, lease));
+    ops.push(Op::Range(keys.owner.as_bytes()));
+    match tomb {
+        TombWrite::Keep => {}
+        TombWrite::Put(_, _, tomb_lease) => ops.push(Op::Put(keys.tomb.as_bytes(), &tomb_value, tomb_lease)),
+        TombWrite::Delete => ops.push(Op::Delete(keys.tomb.as_bytes())),
+    }
+    then(&ops)
 }
 
 /// Claim-or-read in one transaction: the forwarded claim (`record`, owned by `owner`, its lock
 /// and expiry those of a forwarded claim from `now_ms` on this proxy's clock) is put with `lease`
-/// if the value was never created and `owner` left no release tombstone; otherwise the value is
-/// read.
+/// if the value was never created and `owner` left no release tombstone (and, on a route that
+/// keeps tombstones, the key has no tombstone of its own); otherwise the value is read (and on
+/// such a route the key's tombstone with it, in the same transaction).
 pub fn claim_request(
     skey: &StorageKey,
     owner: &OwnerToken,
@@ -433,12 +504,18 @@ pub fn claim_request(
     };
     let keys = Keys::of(skey);
     let tombstone = tombstone_key(skey, owner);
-    with_write_ops(&keys, seal, &value, lease, |writes| {
-        txn(
-            &[Compare::NeverCreated(keys.value.as_bytes()), Compare::NeverCreated(tombstone.as_bytes())],
-            &writes,
-            &[Op::Range(keys.value.as_bytes())],
-        )
+    // The key's own tombstone counts only on a route that keeps tombstones (as Redis's claim
+    // script's flag): elsewhere a key outliving its record is claimed as before.
+    let tombs = lifetimes.tombstone_ms > 0;
+    let compare = [
+        Compare::NeverCreated(keys.value.as_bytes()),
+        Compare::NeverCreated(tombstone.as_bytes()),
+        Compare::NeverCreated(keys.tomb.as_bytes()),
+    ];
+    let reads = [Op::Range(keys.value.as_bytes()), Op::Range(keys.tomb.as_bytes())];
+    let n = 1 + usize::from(tombs);
+    with_write_ops(&keys, seal, &value, lease, TombWrite::Keep, |writes| {
+        txn(compare.get(..1 + n).unwrap_or_default(), writes, reads.get(..n).unwrap_or_default())
     })
 }
 
@@ -458,6 +535,10 @@ pub struct Fence {
     pub value: StoredValue,
     /// The value's expiry (its writer's clock).
     pub expires_at_ms: u64,
+    /// `true`: no value was held, and `value` is the key's own tombstone (`open_key_tombstone`)
+    /// found past its expiry, `mod_revision` the tombstone's; a claim decided on it compares that
+    /// the value is still absent and the tombstone unchanged, and deletes the tombstone.
+    pub tombstone: bool,
 }
 
 /// `t` as one etcd transaction at `skey`, writing with `lease` and times from `now_ms` (this
@@ -473,7 +554,34 @@ pub fn transition_request(
     now_ms: u64,
     fence: Option<&Fence>,
 ) -> Result<StoreRequest, String> {
-    transition_body(t, skey, seal, lease, now_ms, fence, false)
+    transition_body(t, skey, seal, Leased::one(lease), now_ms, fence, false)
+}
+
+/// The leases a write puts under: the record's, and the key's tombstone's (a lease outliving
+/// `ttl + tombstone`: `tombstone_lease_ttl_seconds`; the record's where that one covers it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Leased {
+    pub record: i64,
+    pub tombstone: i64,
+}
+
+impl Leased {
+    /// One lease for both.
+    pub fn one(lease: i64) -> Leased {
+        Leased { record: lease, tombstone: lease }
+    }
+}
+
+/// `transition_request` with the key's tombstone under a lease of its own (`leased.tombstone`).
+pub fn transition_request_leased(
+    t: &Transition,
+    skey: &StorageKey,
+    seal: &Seal,
+    leased: Leased,
+    now_ms: u64,
+    fence: Option<&Fence>,
+) -> Result<StoreRequest, String> {
+    transition_body(t, skey, seal, leased, now_ms, fence, false)
 }
 
 /// An operator's transition (`idemgate resolve`/`forget`, planned by `admin::plan` from the
@@ -498,7 +606,7 @@ pub fn operator_transition_request(
     if t.new_phase.is_some() && lease <= 0 {
         return Err("an operator's write without a lease".into());
     }
-    transition_body(t, skey, seal, lease, now_ms, Some(fence), true)
+    transition_body(t, skey, seal, Leased::one(lease), now_ms, Some(fence), true)
 }
 
 /// The TTL of the lease an operator's write carries: the record's life (`ttl_ms`, from the write)
@@ -512,11 +620,12 @@ fn transition_body(
     t: &Transition,
     skey: &StorageKey,
     seal: &Seal,
-    lease: i64,
+    leased: Leased,
     now_ms: u64,
     fence: Option<&Fence>,
     always_fenced: bool,
 ) -> Result<StoreRequest, String> {
+    let lease = leased.record;
     let keys = Keys::of(skey);
     let expected_mark;
     let compare = if t.require_stale || always_fenced {
@@ -549,7 +658,12 @@ fn transition_body(
                 }
             }
         }
-        Compare::ModRevision(keys.value.as_bytes(), f.mod_revision)
+        match f.tombstone {
+            // The key held only its tombstone (past its expiry): the value still absent, the
+            // tombstone still the one read.
+            true => Compare::ModRevision(keys.tomb.as_bytes(), f.mod_revision),
+            false => Compare::ModRevision(keys.value.as_bytes(), f.mod_revision),
+        }
     } else {
         // An owner's own transition: the owner mark must be exactly the expected phase and owner.
         let [phase] = t.expected_phases.as_bytes() else {
@@ -562,8 +676,15 @@ fn transition_body(
     // A new owner's claim (a take-over): refused if that owner already released it, its answer
     // lost (`Transition::release_lost` leaves the tombstone), as a claim transaction is.
     let taker = (t.new_phase.is_some() && t.new_owner != t.expected_owner).then(|| tombstone_key(skey, &t.new_owner));
-    let compares = [compare, Compare::NeverCreated(taker.as_deref().unwrap_or_default().as_bytes())];
-    let compares = compares.get(..1 + usize::from(taker.is_some())).unwrap_or_default();
+    let over_tombstone = fence.is_some_and(|f| f.tombstone);
+    let mut compares = Vec::with_capacity(3);
+    compares.push(compare);
+    if over_tombstone {
+        compares.push(Compare::NeverCreated(keys.value.as_bytes()));
+    }
+    if let Some(k) = &taker {
+        compares.push(Compare::NeverCreated(k.as_bytes()));
+    }
     let new_value = match t.new_phase {
         None => None,
         Some(phase) => {
@@ -574,9 +695,14 @@ fn transition_body(
                 (None, None) => return Err("a transition keeping a stored record it never read".into()),
             };
             let lock = t.lock_ms.map_or(0, |l| now_ms.saturating_add(l));
-            let expires_at_ms = now_ms.saturating_add(t.ttl_ms);
+            let expires_at_ms = now_ms.saturating_add(t.record_ttl_ms());
             Some(NewValue { phase, owner: t.new_owner, lock_expires_at_ms: lock, record, expires_at_ms })
         }
+    };
+    let tomb = match (t.key_tombstone_of(), over_tombstone) {
+        (Some(fp), _) => TombWrite::Put(fp, now_ms.saturating_add(t.ttl_ms), leased.tombstone),
+        (None, true) => TombWrite::Delete,
+        (None, false) => TombWrite::Keep,
     };
     // A release whose claim may land later: leave the owner's tombstone, which the claim
     // transaction compares.
@@ -590,8 +716,15 @@ fn transition_body(
     };
     let failure = failure.as_slice();
     Ok(match &new_value {
-        None => txn(compares, &[Op::Delete(keys.value.as_bytes()), Op::Delete(keys.owner.as_bytes())], failure),
-        Some(value) => with_write_ops(&keys, seal, value, lease, |writes| txn(compares, &writes, failure)),
+        // An operator's `forget` deletes the key's tombstone with the record; a proxy's own
+        // release keeps it (it is the memory of an execution).
+        None if t.forget_tombstone && !t.tombstone => txn(
+            &compares,
+            &[Op::Delete(keys.value.as_bytes()), Op::Delete(keys.owner.as_bytes()), Op::Delete(keys.tomb.as_bytes())],
+            failure,
+        ),
+        None => txn(&compares, &[Op::Delete(keys.value.as_bytes()), Op::Delete(keys.owner.as_bytes())], failure),
+        Some(value) => with_write_ops(&keys, seal, value, lease, tomb, |writes| txn(&compares, writes, failure)),
     })
 }
 
@@ -613,15 +746,32 @@ pub fn where_absent_request(
     lease: i64,
     now_ms: u64,
 ) -> Result<StoreRequest, String> {
+    where_absent_request_leased(t, skey, seal, Leased::one(lease), now_ms)
+}
+
+/// `where_absent_request` with the key's tombstone under a lease of its own.
+pub fn where_absent_request_leased(
+    t: &Transition,
+    skey: &StorageKey,
+    seal: &Seal,
+    leased: Leased,
+    now_ms: u64,
+) -> Result<StoreRequest, String> {
+    let lease = leased.record;
     let (Some(phase), Some(record), true) = (t.new_phase, t.record.as_ref(), writes_where_absent(t)) else {
         return Err("a where-absent write for a transition that never writes where absent".into());
     };
     let lock_expires_at_ms = t.lock_ms.map_or(0, |l| now_ms.saturating_add(l));
-    let expires_at_ms = now_ms.saturating_add(t.ttl_ms);
+    let expires_at_ms = now_ms.saturating_add(t.record_ttl_ms());
     let value = NewValue { phase, owner: t.new_owner, lock_expires_at_ms, record, expires_at_ms };
     let keys = Keys::of(skey);
-    Ok(with_write_ops(&keys, seal, &value, lease, |writes| {
-        txn(&[Compare::NeverCreated(keys.value.as_bytes())], &writes, &[])
+    // A completion written where its claim was lost writes its key's tombstone too, as Redis's
+    // script does.
+    let tomb = t
+        .key_tombstone_of()
+        .map_or(TombWrite::Keep, |fp| TombWrite::Put(fp, now_ms.saturating_add(t.ttl_ms), leased.tombstone));
+    Ok(with_write_ops(&keys, seal, &value, lease, tomb, |writes| {
+        txn(&[Compare::NeverCreated(keys.value.as_bytes())], writes, &[])
     }))
 }
 
@@ -660,14 +810,28 @@ pub fn lease_grant_request(ttl_seconds: u64) -> StoreRequest {
 }
 
 /// The longest life any record of `config` is given (`Lifetimes::life_ms` of a forwarded claim,
-/// a completion and an outcome-unknown mark, over every policy).
+/// a completion and an outcome-unknown mark, over every policy). A completion's record lives
+/// `ttl` (`Transition::record_ttl_ms`): its key's tombstone, which outlives it, is a key of its
+/// own under a lease of its own (`longest_tombstone_life_ms`).
 pub fn longest_life_ms(config: &Config) -> u64 {
     config
         .policies()
         .map(|p| {
-            let l = Lifetimes::of(p);
+            let l = Lifetimes { tombstone_ms: 0, ..Lifetimes::of(p) };
             [Stage::Forwarded, Stage::Completed, Stage::Unknown].iter().map(|s| l.life_ms(*s)).max().unwrap_or(0)
         })
+        .max()
+        .unwrap_or(0)
+}
+
+/// The longest life of a key's tombstone in `config` (`ttl + tombstone` from its completion,
+/// over the policies that keep tombstones; 0: none does).
+pub fn longest_tombstone_life_ms(config: &Config) -> u64 {
+    config
+        .policies()
+        .map(Lifetimes::of)
+        .filter(|l| l.tombstone_ms > 0)
+        .map(|l| l.life_ms(Stage::Completed))
         .max()
         .unwrap_or(0)
 }
@@ -675,7 +839,20 @@ pub fn longest_life_ms(config: &Config) -> u64 {
 /// The TTL of each window's lease: the window, the longest record life, and the margin. A put made
 /// while its lease is usable (`Leases::usable`) outlives its record's life by etcd's clock.
 pub fn lease_ttl_seconds(config: &Config) -> u64 {
-    LEASE_WINDOW_MS.saturating_add(longest_life_ms(config)).saturating_add(LEASE_MARGIN_MS).div_ceil(1000)
+    lease_ttl_for(longest_life_ms(config))
+}
+
+/// The TTL of each window's lease for keys' tombstones, where one outlives every record (`None`:
+/// none does, and tombstones go under the records' lease, `lease_ttl_seconds`): the window, the
+/// longest tombstone life, and the margin. So the record of a completed key is dropped by etcd
+/// about `ttl` after its completion (not `ttl + tombstone`), and only its small tombstone stays.
+pub fn tombstone_lease_ttl_seconds(config: &Config) -> Option<u64> {
+    let tombs = longest_tombstone_life_ms(config);
+    (tombs > longest_life_ms(config)).then(|| lease_ttl_for(tombs))
+}
+
+fn lease_ttl_for(life_ms: u64) -> u64 {
+    LEASE_WINDOW_MS.saturating_add(life_ms).saturating_add(LEASE_MARGIN_MS).div_ceil(1000)
 }
 
 /// A VM's leases: at most two granted (the current window's and the next), and at most one grant
@@ -1059,7 +1236,9 @@ fn single_kv(r: &RangeAnswer<'_>, key: &str) -> Result<Option<(Vec<u8>, i64)>, S
 
 /// Whether `ops` are the writes of `write_ops` whose owner mark reads back `echo` (when given).
 fn writes_echo(ops: &[OpAnswer], skey: &StorageKey, echo: Option<&[u8]>) -> Result<(), StoreError> {
-    if shape(ops).as_deref() != Some(b"ppr") {
+    // The value, its owner mark, the mark read back, and what the write did to the key's
+    // tombstone (`TombWrite`), if anything.
+    if !matches!(shape(ops).as_deref(), Some(b"ppr" | b"pprp" | b"pprd")) {
         return Err(garbled("etcd write answer shape"));
     }
     let Some(expected) = echo else { return Ok(()) };
@@ -1069,6 +1248,9 @@ fn writes_echo(ops: &[OpAnswer], skey: &StorageKey, echo: Option<&[u8]>) -> Resu
         _ => Err(garbled("etcd answer does not echo the claim's owner")),
     }
 }
+
+/// A value or a key's tombstone as opened (`open_value`, `open_key_tombstone`) with its expiry.
+type Opened = Result<(StoredValue, u64), ValueError>;
 
 /// Parses etcd's answer to `claim_request(skey, owner, ...)` (`status`: the HTTP status, `None`
 /// if no answer), read at `local_now_ms` on this proxy's clock. A claim must echo `owner`'s mark.
@@ -1091,20 +1273,52 @@ pub fn parse_claim_reply(
         writes_echo(&a.responses, skey, Some(&owner_mark(Stage::Forwarded, owner)))?;
         return Ok((ClaimReply::Claimed { now_ms }, None));
     }
-    let [op] = a.responses.as_slice() else { return Err(garbled("etcd claim answer shape")) };
-    let read = op
-        .response_range
-        .as_ref()
-        .filter(|_| op.kind() == Some(b'r'))
+    // The value's read, and on a route that keeps tombstones the key's tombstone's.
+    let reads = a
+        .responses
+        .iter()
+        .map(|op| op.response_range.as_ref().filter(|_| op.kind() == Some(b'r')))
+        .collect::<Option<Vec<_>>>()
         .ok_or_else(|| garbled("etcd claim answer shape"))?;
-    match single_kv(read, &etcd_key(skey))? {
+    let (value, tomb) = match reads.as_slice() {
+        [v] => (single_kv(v, &etcd_key(skey))?, None),
+        [v, t] => (single_kv(v, &etcd_key(skey))?, single_kv(t, &key_tombstone_key(skey))?),
+        _ => return Err(garbled("etcd claim answer shape")),
+    };
+    let tomb = tomb.map(|(v, rev)| (open_key_tombstone(&v, skey, seal), rev));
+    // The key's tombstone answers where no record holds the key (none, or one free by
+    // `judged_now`), as Redis's claim script answers it where Redis dropped the record.
+    let tomb_answer = |tomb: Option<(Opened, i64)>| match tomb {
+        None => None,
+        Some((Ok((value, expires_at_ms)), mod_revision)) => {
+            // Past its expiry it holds nothing: a claim decided on it compares it unchanged.
+            let fence = value.summary(expires_at_ms).is_free(now_ms).then(|| Fence {
+                mod_revision,
+                value: value.clone(),
+                expires_at_ms,
+                tombstone: true,
+            });
+            Some((ClaimReply::Exists { now_ms, expires_at_ms, value }, fence))
+        }
+        Some((Err(why), _)) => Some((ClaimReply::Unreadable { now_ms, why }, None)),
+    };
+    match value {
         // Not created because this owner's release tombstone is there: this claim arrived after
         // its own release (it was given up): nothing was claimed.
-        None => Err(garbled("claim refused by its owner's release tombstone")),
+        None => tomb_answer(tomb).ok_or_else(|| garbled("claim refused by its owner's release tombstone")),
         Some((v, mod_revision)) => Ok(match open_value(&v, skey, seal) {
             Ok((value, expires_at_ms)) => {
-                let fence = Fence { mod_revision, value: value.clone(), expires_at_ms };
-                (ClaimReply::Exists { now_ms, expires_at_ms, value }, Some(fence))
+                let live_tomb = tomb_answer(tomb).filter(|(reply, _)| match reply {
+                    ClaimReply::Exists { expires_at_ms, value, .. } => !value.summary(*expires_at_ms).is_free(now_ms),
+                    _ => true,
+                });
+                match live_tomb {
+                    Some(answer) if value.summary(expires_at_ms).is_free(now_ms) => answer,
+                    _ => {
+                        let fence = Fence { mod_revision, value: value.clone(), expires_at_ms, tombstone: false };
+                        (ClaimReply::Exists { now_ms, expires_at_ms, value }, Some(fence))
+                    }
+                }
             }
             Err(why) => (ClaimReply::Unreadable { now_ms, why }, None),
         }),
@@ -1128,7 +1342,7 @@ pub fn parse_transition_reply(
     let shape = shape(&a.responses).ok_or_else(|| garbled("etcd transition answer shape"))?;
     match (a.succeeded, shape.as_slice()) {
         // A release.
-        (true, b"dd") if echo.is_none() => Ok(TransitionReply::Changed),
+        (true, b"dd" | b"ddd") if echo.is_none() => Ok(TransitionReply::Changed),
         (true, _) => {
             writes_echo(&a.responses, skey, echo.as_ref().map(|m| m.as_slice())).map(|_| TransitionReply::Changed)
         }
@@ -1195,7 +1409,7 @@ fn judged_read(
                 (ReadReply::Absent, None)
             }
             Ok((value, expires_at_ms)) => {
-                let fence = Fence { mod_revision, value: value.clone(), expires_at_ms };
+                let fence = Fence { mod_revision, value: value.clone(), expires_at_ms, tombstone: false };
                 (ReadReply::Found(value), Some(fence))
             }
             Err(e) => (ReadReply::Unreadable(e), None),

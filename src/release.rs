@@ -33,11 +33,12 @@ pub fn formats() -> String {
     let (version, magic) = store::TOMBSTONE_BODY.split_last().unwrap_or((&0, &[]));
     let tombstone = format!("{}+{}+{}{version}", text(store::TOMBSTONE_MAGIC), text(seal::SEALED_MAGIC), text(magic));
     format!(
-        "store records written and read as {}+{record} under {} (Redis; a key's tombstone {tombstone} under {}) or {}+{record} under {} (etcd); local table layout {} (a v3 table left by a reload is read, never written)",
+        "store records written and read as {}+{record} under {} (Redis; a key's tombstone {tombstone} under {}) or {}+{record} under {} (etcd; a key's tombstone {tombstone}+expiry under {}<hex>/t); local table layout {} (a v3 table left by a reload is read, never written)",
         text(store::VALUE_MAGIC),
         store::KEY_PREFIX,
         store::tombstone_redis_key_of(&format!("{}<hex>", store::KEY_PREFIX)),
         text(etcd::VALUE_MAGIC),
+        etcd::KEY_PREFIX,
         etcd::KEY_PREFIX,
         local::LAYOUT,
     )
@@ -58,7 +59,7 @@ mod tests {
         assert!(line.starts_with(&format!("idemgate {}: ", env!("CARGO_PKG_VERSION"))), "{line}");
         assert!(
             line.contains(
-                "as IGS1+IGM1+IGR1 under idemgate:v1: (Redis; a key's tombstone IGS1T+IGM1+IGT1 under idemgate:v1:t:{idemgate:v1:<hex>}) or IGE1+IGM1+IGR1 under idemgate/v1/ (etcd)"
+                "as IGS1+IGM1+IGR1 under idemgate:v1: (Redis; a key's tombstone IGS1T+IGM1+IGT1 under idemgate:v1:t:{idemgate:v1:<hex>}) or IGE1+IGM1+IGR1 under idemgate/v1/ (etcd; a key's tombstone IGS1T+IGM1+IGT1+expiry under idemgate/v1/<hex>/t)"
             ),
             "{line}"
         );
@@ -73,5 +74,6 @@ mod tests {
             &crate::seal::Seal::new(Some("0123456789abcdef0123456789abcdef"), None).unwrap(),
         );
         assert!(value.starts_with(b"IGS1TIGM1"), "{:?}", String::from_utf8_lossy(&value));
+        assert_eq!(crate::etcd::key_tombstone_key(&skey), format!("idemgate/v1/{}/t", crate::hex::encode(&skey.0)));
     }
 }

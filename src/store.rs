@@ -234,6 +234,17 @@ pub struct StoredValue {
 }
 
 impl StoredValue {
+    /// A key's tombstone read from a store (no record held: `Record::key_tombstone`), as the
+    /// value the decision table judges: completed, owned by nobody, holding no lock.
+    pub fn key_tombstone(fp: Fingerprint) -> StoredValue {
+        StoredValue {
+            phase: Stage::Completed,
+            owner: OwnerToken([0; 16]),
+            lock_expires_at_ms: 0,
+            record: Record::key_tombstone(fp),
+        }
+    }
+
     /// What the decision table needs, with the value's expiry by Redis's clock (`expires_at_ms`,
     /// from `ClaimReply::Exists`: Redis's `TIME` plus the key's `PTTL`). The record's own
     /// `expires_at_ms` was computed by the clock of whichever proxy wrote it: never used here.
@@ -504,21 +515,37 @@ pub const TOMBSTONE_BODY: &[u8; 4] = b"IGT\x01";
 /// The value of `skey`'s tombstone: its record's fingerprint only (no response, no header, no
 /// creator), sealed for the tombstone's key.
 pub fn tombstone_value(skey: &StorageKey, fingerprint: &Fingerprint, seal: &Seal) -> Vec<u8> {
-    let mut body = Vec::with_capacity(TOMBSTONE_BODY.len() + 32);
+    tombstone_value_at(&tombstone_redis_key(skey), fingerprint, &[], seal)
+}
+
+/// A key's tombstone as any store writes it at its own key `key`: `IGS1T`, then sealed for `key`
+/// `TOMBSTONE_BODY`, the fingerprint and `trailer` (Redis: none, its `PX` times it; etcd: the
+/// expiry its writer's clock gave it, `etcd::key_tombstone_value`).
+pub fn tombstone_value_at(key: &str, fingerprint: &Fingerprint, trailer: &[u8], seal: &Seal) -> Vec<u8> {
+    let mut body = Vec::with_capacity(TOMBSTONE_BODY.len() + 32 + trailer.len());
     body.extend_from_slice(TOMBSTONE_BODY);
     body.extend_from_slice(&fingerprint.0);
-    [&TOMBSTONE_MAGIC[..], &seal.seal(&tombstone_redis_key(skey), &body)].concat()
+    body.extend_from_slice(trailer);
+    [&TOMBSTONE_MAGIC[..], &seal.seal(key, &body)].concat()
 }
 
 /// The fingerprint `skey`'s tombstone holds, if `v` is one this proxy's seal verifies for its key.
 pub fn open_tombstone(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<Fingerprint, ValueError> {
+    match open_tombstone_at(v, &tombstone_redis_key(skey), seal)? {
+        (fp, trailer) if trailer.is_empty() => Ok(fp),
+        _ => Err(ValueError::Unreadable("stored tombstone: layout".into())),
+    }
+}
+
+/// The fingerprint and trailer of a tombstone written by `tombstone_value_at` at `key`, if this
+/// proxy's seal verifies it for that key.
+pub fn open_tombstone_at(v: &[u8], key: &str, seal: &Seal) -> Result<(Fingerprint, Vec<u8>), ValueError> {
     let bad = |why: &str| ValueError::Unreadable(format!("stored tombstone: {why}"));
     let sealed = v.strip_prefix(&TOMBSTONE_MAGIC[..]).ok_or_else(|| bad("no idemgate header"))?;
-    let (body, _) = seal.open(&tombstone_redis_key(skey), sealed).map_err(ValueError::Unauthentic)?;
-    let fp = body.strip_prefix(&TOMBSTONE_BODY[..]).filter(|f| f.len() == 32).ok_or_else(|| bad("layout"))?;
-    let mut out = [0u8; 32];
-    out.copy_from_slice(fp);
-    Ok(Fingerprint(out))
+    let (body, _) = seal.open(key, sealed).map_err(ValueError::Unauthentic)?;
+    let rest = body.strip_prefix(&TOMBSTONE_BODY[..]).ok_or_else(|| bad("layout"))?;
+    let fp: [u8; 32] = rest.get(..32).and_then(|f| f.try_into().ok()).ok_or_else(|| bad("layout"))?;
+    Ok((Fingerprint(fp), rest.get(32..).unwrap_or_default().to_vec()))
 }
 
 /// Room for `Script::command_into`'s command on `key` with `args`, every byte escaped, and
@@ -666,9 +693,10 @@ pub struct Transition {
     /// What to do when the key is absent (or holds a release tombstone).
     pub where_absent: WhereAbsent,
     /// A completion's key tombstone: the last `key_tombstone_ms` of `ttl_ms` (`Lifetimes::tombstone_ms`;
-    /// 0: none). Redis keeps the record for the rest and writes the tombstone (`tombstone_value`,
-    /// the record's fingerprint only) for the whole of `ttl_ms`, in the same script; etcd keeps
-    /// the whole record for `ttl_ms`.
+    /// 0: none). The store keeps the record for the rest (`record_ttl_ms`) and writes the
+    /// tombstone (the record's fingerprint only: `tombstone_value` in Redis,
+    /// `etcd::key_tombstone_value` in etcd) for the whole of `ttl_ms`, in the same script or
+    /// transaction (`key_tombstone_of`).
     pub key_tombstone_ms: u64,
     /// An operator's `forget` (a deletion, new phase `X`): the key's tombstone is deleted with the
     /// record, in the same script, so the next retry executes as `forget` promises
@@ -871,8 +899,8 @@ impl Transition {
         ]
     }
 
-    /// How long Redis keeps the value itself: `ttl_ms` less the key's tombstone.
-    fn record_ttl_ms(&self) -> u64 {
+    /// How long the store keeps the value itself: `ttl_ms` less the key's tombstone.
+    pub fn record_ttl_ms(&self) -> u64 {
         self.ttl_ms.saturating_sub(self.key_tombstone_ms).max(1)
     }
 
@@ -883,11 +911,20 @@ impl Transition {
         if self.forget_tombstone && self.new_phase.is_none() && !self.tombstone {
             return (b"F".to_vec(), Arg::bytes(b"0"));
         }
+        match self.key_tombstone_of() {
+            Some(fp) => (tombstone_value(skey, fp, seal), Arg::decimal(self.ttl_ms.max(1))),
+            None => (b"-".to_vec(), Arg::bytes(b"0")),
+        }
+    }
+
+    /// The fingerprint of the key's tombstone this transition writes with its record, for the
+    /// whole of `ttl_ms` (the record itself for `record_ttl_ms`): a completion carrying a record
+    /// on a route that keeps tombstones. One rule for both stores (Redis's script, etcd's
+    /// transaction).
+    pub fn key_tombstone_of(&self) -> Option<&Fingerprint> {
         match (&self.record, self.new_phase) {
-            (Some(r), Some(Stage::Completed)) if self.key_tombstone_ms > 0 => {
-                (tombstone_value(skey, &r.fingerprint, seal), Arg::decimal(self.ttl_ms.max(1)))
-            }
-            _ => (b"-".to_vec(), Arg::bytes(b"0")),
+            (Some(r), Some(Stage::Completed)) if self.key_tombstone_ms > 0 => Some(&r.fingerprint),
+            _ => None,
         }
     }
 
@@ -1150,16 +1187,7 @@ pub fn parse_claim_reply(
                 _ => return Err(garbled("claim reply pttl")),
             };
             Ok(match open_tombstone(v, skey, seal) {
-                Ok(fp) => ClaimReply::Exists {
-                    now_ms,
-                    expires_at_ms,
-                    value: StoredValue {
-                        phase: Stage::Completed,
-                        owner: OwnerToken([0; 16]),
-                        lock_expires_at_ms: 0,
-                        record: Record::key_tombstone(fp),
-                    },
-                },
+                Ok(fp) => ClaimReply::Exists { now_ms, expires_at_ms, value: StoredValue::key_tombstone(fp) },
                 Err(why) => ClaimReply::Unreadable { now_ms, why },
             })
         }

@@ -30,16 +30,30 @@ pub enum Note {
 pub enum Action {
     /// Send this authentication, with no token; report `auth_sent` or `auth_not_sent`.
     Authenticate(StoreRequest),
-    /// Send this lease grant, with the current token; report `lease_sent` or `lease_not_sent`.
-    GrantLease(StoreRequest),
+    /// Send this lease grant (of this kind), with the current token; report `lease_sent` or
+    /// `lease_not_sent`.
+    GrantLease(StoreRequest, LeaseKind),
     /// Every store request carries this token from now on (`authorization`).
     UseToken(String),
     Note(Note),
 }
 
+/// Which of the root's leases a grant is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseKind {
+    /// The records' (`etcd::lease_ttl_seconds`).
+    Records,
+    /// The keys' tombstones' (`etcd::tombstone_lease_ttl_seconds`), where one outlives every
+    /// record.
+    Tombstones,
+}
+
 /// The root's etcd lease and token.
 pub struct Keeper<'a> {
     pub leases: &'a mut Leases,
+    /// The keys' tombstones' leases and their TTL, where a tombstone outlives every record
+    /// (`etcd::tombstone_lease_ttl_seconds`); `None`: tombstones go under the records' leases.
+    pub tombstone_leases: Option<(&'a mut Leases, u64)>,
     pub auth: &'a mut Auth,
     /// The `user:password` the root authenticates with (`IDEMGATE_STORE_AUTH`), if etcd has auth.
     pub secret: Option<&'a str>,
@@ -72,22 +86,37 @@ impl Keeper<'_> {
         self.auth.failed(now_ms);
     }
 
-    /// The tick's lease grant: asked when `Leases::wants_grant` says so, never before the first
-    /// token of an etcd with auth.
-    pub fn grant_if_due(&mut self, now_ms: u64) -> Option<Action> {
-        if !self.leases.wants_grant(now_ms) || (self.secret.is_some() && self.auth.token().is_none()) {
-            return None;
+    /// The leases of `kind` and their TTL (`None`: no such leases).
+    fn of_kind(&mut self, kind: LeaseKind) -> Option<(&mut Leases, u64)> {
+        match kind {
+            LeaseKind::Records => Some((&mut *self.leases, self.lease_ttl_seconds)),
+            LeaseKind::Tombstones => self.tombstone_leases.as_mut().map(|(l, ttl)| (&mut **l, *ttl)),
         }
-        Some(Action::GrantLease(etcd::lease_grant_request(self.lease_ttl_seconds)))
     }
 
-    pub fn lease_sent(&mut self, now_ms: u64) {
-        self.leases.grant_sent(now_ms);
+    /// The tick's lease grant: asked when `Leases::wants_grant` says so (the records' first,
+    /// then the tombstones'), never before the first token of an etcd with auth.
+    pub fn grant_if_due(&mut self, now_ms: u64) -> Option<Action> {
+        if self.secret.is_some() && self.auth.token().is_none() {
+            return None;
+        }
+        [LeaseKind::Records, LeaseKind::Tombstones].into_iter().find_map(|kind| {
+            let (leases, ttl) = self.of_kind(kind)?;
+            leases.wants_grant(now_ms).then(|| Action::GrantLease(etcd::lease_grant_request(ttl), kind))
+        })
+    }
+
+    pub fn lease_sent(&mut self, kind: LeaseKind, now_ms: u64) {
+        if let Some((l, _)) = self.of_kind(kind) {
+            l.grant_sent(now_ms);
+        }
     }
 
     /// The grant could not be sent (`store_errors`): tried again after its backoff.
-    pub fn lease_not_sent(&mut self, now_ms: u64) {
-        self.leases.grant_not_sent(now_ms);
+    pub fn lease_not_sent(&mut self, kind: LeaseKind, now_ms: u64) {
+        if let Some((l, _)) = self.of_kind(kind) {
+            l.grant_not_sent(now_ms);
+        }
     }
 
     /// etcd's answer to the authentication: a token (used from now on; the first lease needed
@@ -107,15 +136,25 @@ impl Keeper<'_> {
         }
     }
 
-    /// etcd's answer to the grant sent at `sent_at_ms`.
-    pub fn lease_answered(&mut self, sent_at_ms: u64, status: Option<u16>, body: &[u8], now_ms: u64) -> Note {
-        match etcd::parse_lease_grant(status, body, self.lease_ttl_seconds) {
+    /// etcd's answer to the grant of `kind` sent at `sent_at_ms`.
+    pub fn lease_answered(
+        &mut self,
+        kind: LeaseKind,
+        sent_at_ms: u64,
+        status: Option<u16>,
+        body: &[u8],
+        now_ms: u64,
+    ) -> Note {
+        let Some((leases, ttl)) = self.of_kind(kind) else {
+            return Note::LeaseFailed("a lease of a kind this configuration has none of".into());
+        };
+        match etcd::parse_lease_grant(status, body, ttl) {
             Ok(id) => {
-                self.leases.granted(id, sent_at_ms, now_ms);
+                leases.granted(id, sent_at_ms, now_ms);
                 Note::LeaseGranted
             }
             Err(e) => {
-                self.leases.grant_failed(sent_at_ms, now_ms);
+                leases.grant_failed(sent_at_ms, now_ms);
                 Note::LeaseFailed(e.to_string())
             }
         }

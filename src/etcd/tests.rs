@@ -396,7 +396,7 @@ fn owner_transitions_compare_the_owner_mark_and_fenced_ones_the_revision() {
         lock_expires_at_ms: NOW - CLOCK_SKEW_TOLERANCE_MS + 1,
         record: in_progress(owner(1), NOW - 10_000),
     };
-    let live = Fence { mod_revision: 5, value: value.clone(), expires_at_ms: NOW + 30_000 };
+    let live = Fence { mod_revision: 5, value: value.clone(), expires_at_ms: NOW + 30_000, tombstone: false };
     assert!(transition_request(&stale, &s, &seal(), LEASE, NOW, Some(&live)).is_err(), "live within the skew");
     let gone = Fence {
         value: StoredValue { lock_expires_at_ms: NOW - CLOCK_SKEW_TOLERANCE_MS, ..value.clone() },
@@ -420,7 +420,7 @@ fn a_fenced_transition_is_built_only_where_the_lifecycle_allows_it() {
     let s = skey(1);
     let l = lifetimes();
     let value = StoredValue { phase: Stage::Completed, owner: owner(1), lock_expires_at_ms: 0, record: completed(NOW) };
-    let fence = Fence { mod_revision: 5, value, expires_at_ms: NOW + 60_000 };
+    let fence = Fence { mod_revision: 5, value, expires_at_ms: NOW + 60_000, tombstone: false };
     let claim_free = Transition::take_over(owner(1), owner(2), in_progress(owner(2), NOW), true, &l);
     let held = transition_request(&claim_free, &s, &seal(), LEASE, NOW, Some(&fence));
     assert!(held.unwrap_err().contains("Held"), "a completed record before its expiry holds its key");
@@ -1058,4 +1058,197 @@ fn many_values_are_read_in_one_transaction_each_judged_as_one_read() {
     let many: Vec<StorageKey> = (0..100).map(|i| skey(i as u8)).collect();
     let req: Value = serde_json::from_slice(&read_many_request(&many).body).unwrap();
     assert_eq!(req["success"].as_array().map(Vec::len), Some(READ_MANY_MAX));
+}
+
+// ---------------------------------------------------------------------------------------------
+// A key's own tombstone (`tombstone_seconds`, issue 40 item 6): small, a key of its own.
+
+fn with_tombstones() -> Lifetimes {
+    Lifetimes { tombstone_ms: 120_000, ..lifetimes() }
+}
+
+fn claim_on(
+    e: &mut Etcd,
+    s: &StorageKey,
+    o: OwnerToken,
+    now: u64,
+    l: &Lifetimes,
+) -> Result<(ClaimReply, Option<Fence>), StoreError> {
+    let req = claim_request(s, &o, &in_progress(o, now), l, &seal(), LEASE, now);
+    let body = e.run(&req);
+    parse_claim_reply(Some(200), &body, &o, s, &seal(), now)
+}
+
+/// What `claim_on` answered: the key's tombstone (no record), and whether it is free.
+fn tombstone_answer(reply: &ClaimReply, now: u64) -> Option<bool> {
+    match reply {
+        ClaimReply::Exists { value, expires_at_ms, .. } if value.record.is_key_tombstone() => {
+            Some(value.summary(*expires_at_ms).is_free(judged_now(now)))
+        }
+        _ => None,
+    }
+}
+
+#[test]
+fn a_completion_keeps_its_record_for_ttl_and_a_small_sealed_tombstone_key_for_ttl_plus_tombstone() {
+    let l = with_tombstones();
+    let s = skey(1);
+    let mut e = Etcd::default();
+    claim_on(&mut e, &s, owner(1), NOW, &l).unwrap();
+    let t = Transition::complete(owner(1), completed(NOW), &l);
+    let req = transition_request(&t, &s, &seal(), LEASE, NOW, None).unwrap();
+    let sent: Value = serde_json::from_slice(&req.body).unwrap();
+    assert_eq!(sent["success"].as_array().unwrap().len(), 4, "record, mark, echo, tombstone: one txn");
+    assert_eq!(parse_transition_reply(Some(200), &e.run(&req), None), Ok(TransitionReply::Changed));
+    // The record lives `ttl`, no longer: what a 0.2.0 proxy reads of it is a record expiring then.
+    assert_eq!(e.value(&s).unwrap().1, NOW + l.ttl_ms);
+    // The tombstone: its own key (not a release tombstone's), 92 bytes, the fingerprint only,
+    // sealed for that key, expiring `ttl + tombstone` from the completion.
+    let tomb = e.kv.get(key_tombstone_key(&s).as_bytes()).unwrap().0.clone();
+    assert!(key_tombstone_key(&s).ends_with("/t"));
+    assert_eq!(tomb.len(), 92);
+    let (v, expires) = open_key_tombstone(&tomb, &s, &seal()).unwrap();
+    assert_eq!((v.record.fingerprint, expires), (Fingerprint([1; 32]), NOW + l.ttl_ms + l.tombstone_ms));
+    assert!(open_key_tombstone(&tomb, &skey(2), &seal()).is_err(), "bound to its key");
+    assert!(open_value(&tomb, &s, &seal()).is_err() && crate::store::open_tombstone(&tomb, &s, &seal()).is_err());
+    // The route without tombstones writes none.
+    let (s2, mut e2) = (skey(2), Etcd::default());
+    claim(&mut e2, &s2, owner(1), NOW).unwrap();
+    write(&mut e2, &s2, &Transition::complete(owner(1), completed(NOW), &lifetimes()), NOW, None);
+    assert!(!e2.kv.contains_key(key_tombstone_key(&s2).as_bytes()));
+    assert_eq!(e2.value(&s2).unwrap().1, NOW + lifetimes().ttl_ms);
+}
+
+#[test]
+fn past_its_record_a_key_answers_its_tombstone_claims_nothing_and_is_freed_only_past_it() {
+    let l = with_tombstones();
+    let s = skey(1);
+    let mut e = Etcd::default();
+    claim_on(&mut e, &s, owner(1), NOW, &l).unwrap();
+    write(&mut e, &s, &Transition::complete(owner(1), completed(NOW), &l), NOW, None);
+    let ttl_end = NOW + l.ttl_ms + CLOCK_SKEW_TOLERANCE_MS;
+    let tomb_end = NOW + l.ttl_ms + l.tombstone_ms + CLOCK_SKEW_TOLERANCE_MS;
+    // Within ttl: the record is replayed.
+    let (r, _) = claim_on(&mut e, &s, owner(2), ttl_end - 1, &l).unwrap();
+    assert!(
+        matches!(r, ClaimReply::Exists { ref value, .. } if value.record.fingerprint == Fingerprint([1; 32]) && !value.record.is_key_tombstone())
+    );
+    // Past ttl, its record still held (its lease not over) or dropped by etcd: the tombstone,
+    // not free, no fence: nothing can be claimed on it.
+    for dropped in [false, true] {
+        if dropped {
+            e.kv.remove(etcd_key(&s).as_bytes());
+            e.kv.remove(owner_key(&s).as_bytes());
+        }
+        for now in [ttl_end, tomb_end - 1] {
+            let (r, fence) = claim_on(&mut e, &s, owner(2), now, &l).unwrap();
+            assert_eq!(tombstone_answer(&r, now), Some(false), "dropped: {dropped}, at {now}");
+            assert!(fence.is_none());
+        }
+        assert_eq!(e.value(&s).is_some(), !dropped, "nothing was claimed");
+    }
+    // A route without tombstones ignores it, as Redis's claim script does.
+    let mut other = Etcd { kv: e.kv.clone(), revision: e.revision };
+    assert!(matches!(claim(&mut other, &s, owner(2), ttl_end).unwrap().0, ClaimReply::Claimed { .. }));
+    // Past ttl + tombstone (judged) it is free: a claim decided on it compares it unchanged and
+    // the value still absent, and deletes it; the same decision taken twice claims once.
+    let (r, fence) = claim_on(&mut e, &s, owner(2), tomb_end, &l).unwrap();
+    assert_eq!(tombstone_answer(&r, tomb_end), Some(true));
+    let fence = fence.unwrap();
+    assert!(fence.tombstone);
+    let take = |o: u8| Transition::take_over(OwnerToken([0; 16]), owner(o), in_progress(owner(o), tomb_end), true, &l);
+    assert_eq!(write(&mut e, &s, &take(2), tomb_end, Some(&fence)), TransitionReply::Changed);
+    assert_eq!(write(&mut e, &s, &take(3), tomb_end, Some(&fence)), TransitionReply::Refused);
+    assert_eq!(e.value(&s).unwrap().0.owner, owner(2));
+    assert!(!e.kv.contains_key(key_tombstone_key(&s).as_bytes()), "the spent tombstone went with the claim");
+    // A fence on a tombstone is refused before it is sent while the tombstone is live.
+    let mut e = Etcd::default();
+    claim_on(&mut e, &s, owner(1), NOW, &l).unwrap();
+    write(&mut e, &s, &Transition::complete(owner(1), completed(NOW), &l), NOW, None);
+    let live = Fence { expires_at_ms: NOW + l.ttl_ms + l.tombstone_ms, ..fence };
+    assert!(transition_request(&take(2), &s, &seal(), LEASE, ttl_end, Some(&live)).is_err());
+}
+
+#[test]
+fn a_completion_written_where_its_claim_was_lost_or_without_its_body_writes_the_tombstone_too() {
+    let l = with_tombstones();
+    let s = skey(1);
+    let mut e = Etcd::default();
+    claim_on(&mut e, &s, owner(1), NOW, &l).unwrap();
+    e.flush();
+    let t = Transition::complete(owner(1), completed(NOW), &l);
+    assert_eq!(write(&mut e, &s, &t, NOW, None), TransitionReply::ClaimGoneRewritten);
+    assert_eq!(e.value(&s).unwrap().1, NOW + l.ttl_ms);
+    let tomb = e.kv.get(key_tombstone_key(&s).as_bytes()).unwrap().0.clone();
+    assert_eq!(open_key_tombstone(&tomb, &s, &seal()).unwrap().1, NOW + l.ttl_ms + l.tombstone_ms);
+    // The body-less rewrite of a record etcd refused as too large.
+    let s2 = skey(2);
+    claim_on(&mut e, &s2, owner(1), NOW, &l).unwrap();
+    write(&mut e, &s2, &t.without_body().unwrap(), NOW, None);
+    assert!(e.kv.contains_key(key_tombstone_key(&s2).as_bytes()));
+}
+
+#[test]
+fn an_operators_forget_deletes_the_tombstone_with_the_record_and_a_proxys_release_keeps_it() {
+    let l = with_tombstones();
+    let s = skey(1);
+    let mut e = Etcd::default();
+    claim_on(&mut e, &s, owner(1), NOW, &l).unwrap();
+    write(&mut e, &s, &Transition::complete(owner(1), completed(NOW), &l), NOW, None);
+    let (_, fence) = operator_read(&mut e, &s, NOW);
+    let value = fence.as_ref().unwrap().value.clone();
+    let forget = crate::admin::plan(&crate::admin::Settle::Forget, &value, NOW, 1_000).unwrap();
+    assert_eq!(operator_write(&mut e, &s, &forget, NOW, &fence.unwrap()), TransitionReply::Changed);
+    assert!(e.kv.is_empty(), "record, owner mark and tombstone gone: {:?}", e.kv.keys());
+    // A proxy's release (of a claim made over a spent tombstone) keeps what is there.
+    let s2 = skey(2);
+    e.kv.insert(key_tombstone_key(&s2).into_bytes(), (b"kept".to_vec(), 1, 1));
+    claim(&mut e, &s2, owner(1), NOW).unwrap();
+    write(&mut e, &s2, &Transition::release(owner(1)), NOW, None);
+    assert!(e.kv.contains_key(key_tombstone_key(&s2).as_bytes()) && e.value(&s2).is_none());
+}
+
+#[test]
+fn the_listing_skips_a_keys_tombstone_as_it_skips_owner_marks() {
+    let s = skey(0xab);
+    let keys = [etcd_key(&s), owner_key(&s), key_tombstone_key(&s)];
+    let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+    let page = parse_list_page(Some(200), &page_answer(&keys, false), None, LIST_PAGE_MAX).unwrap();
+    assert_eq!(page.keys, vec![s]);
+}
+
+#[test]
+fn a_records_lease_covers_its_ttl_and_a_tombstones_lease_ttl_plus_tombstone() {
+    let c = Config::parse(br#"{"scope": {"global": true}, "ttl_seconds": 100, "lock_ttl_seconds": 10, "unknown_outcome_seconds": 50, "tombstone_seconds": 1000, "store": {"kind": "etcd", "cluster": "e"}}"#).unwrap();
+    // The record lives ttl (100 s), its key's tombstone ttl + tombstone (1100 s).
+    assert_eq!((longest_life_ms(&c), longest_tombstone_life_ms(&c)), (100_000, 1_100_000));
+    assert_eq!(lease_ttl_seconds(&c), 60 + 100 + 30);
+    assert_eq!(tombstone_lease_ttl_seconds(&c), Some(60 + 1100 + 30));
+    // Without tombstones (or where the records' lease covers them) there is no second lease.
+    let none =
+        Config::parse(br#"{"scope": {"global": true}, "ttl_seconds": 100, "store": {"kind": "etcd", "cluster": "e"}}"#)
+            .unwrap();
+    assert_eq!(tombstone_lease_ttl_seconds(&none), None);
+    // The completion puts its record under the records' lease, its tombstone under its own.
+    let l = with_tombstones();
+    let t = Transition::complete(owner(1), completed(NOW), &l);
+    let leased = Leased { record: 7, tombstone: 8 };
+    let req = transition_request_leased(&t, &skey(1), &seal(), leased, NOW, None).unwrap();
+    let sent: Value = serde_json::from_slice(&req.body).unwrap();
+    let puts: Vec<(String, String)> = sent["success"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|o| o.get("request_put"))
+        .map(|p| {
+            (
+                String::from_utf8(unb64(p["key"].as_str().unwrap()).unwrap()).unwrap(),
+                p["lease"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let k = etcd_key(&skey(1));
+    assert_eq!(puts, vec![(k.clone(), "7".into()), (format!("{k}/o"), "7".into()), (format!("{k}/t"), "8".into())]);
+    let again = where_absent_request_leased(&t, &skey(1), &seal(), leased, NOW).unwrap();
+    assert!(String::from_utf8(again.body).unwrap().contains(r#""lease":"8""#));
 }

@@ -31,7 +31,7 @@ use crate::decision::Outcome;
 use crate::engine::forwards::{
     self as engine_forwards, Action as ForwardAction, Forwards, Reply as ForwardReply, HOP_PROBE_TIMEOUT_MS,
 };
-use crate::engine::keeper::{Action as KeeperAction, Keeper, Note as KeeperNote};
+use crate::engine::keeper::{Action as KeeperAction, Keeper, LeaseKind, Note as KeeperNote};
 use crate::engine::settle::Level;
 use crate::engine::waiters::{self as engine_waiters, Action as WaitAction, Reply as WaitReply};
 use crate::engine::writes::{self as engine_writes, Action as WriteAction, Job, Note, WriteId, Writes};
@@ -103,6 +103,10 @@ pub struct Shared {
     /// (`crate::etcd::Leases`), and the TTL each is granted with.
     pub leases: RefCell<crate::etcd::Leases>,
     pub lease_ttl_seconds: u64,
+    /// The keys' tombstones' leases, where a tombstone outlives every record, and their TTL
+    /// (`crate::etcd::tombstone_lease_ttl_seconds`; `None`: under the records' leases).
+    pub tombstone_leases: RefCell<crate::etcd::Leases>,
+    pub tombstone_lease_ttl_seconds: Option<u64>,
     /// Claims of streams Envoy ended for an internal redirect, waiting for the re-created stream
     /// (`crate::redirect`).
     pub handoffs: RefCell<crate::redirect::Handoffs<settle::Claim>>,
@@ -243,6 +247,8 @@ enum Call {
     /// lease is usable a window from then, whichever grant's answer it is.
     Lease {
         sent_at_ms: u64,
+        /// Which of the root's leases it grants.
+        kind: LeaseKind,
     },
     /// An etcd authentication (`store.kind: "etcd"` with a credential).
     Auth,
@@ -758,13 +764,13 @@ impl Root {
         }
     }
 
-    fn lease_answered(&mut self, sent_at_ms: u64, num_headers: usize, body_size: usize) {
+    fn lease_answered(&mut self, kind: LeaseKind, sent_at_ms: u64, num_headers: usize, body_size: usize) {
         let Some(s) = self.shared.clone() else { return };
         let Some(cfg) = s.config.store.as_ref() else { return };
         let (status, body) = writes::answer(body_size, num_headers);
         stores::note_answer(&s, status, &body);
         let now = host::now_ms();
-        let note = keeper(&s, |k| k.lease_answered(sent_at_ms, status, &body, now));
+        let note = keeper(&s, |k| k.lease_answered(kind, sent_at_ms, status, &body, now));
         self.keeper_action(&s, cfg, KeeperAction::Note(note), now);
     }
 
@@ -786,16 +792,16 @@ impl Root {
                     }
                 }
             }
-            KeeperAction::GrantLease(req) => {
+            KeeperAction::GrantLease(req, kind) => {
                 s.metrics.inc(Counter::StoreCalls);
                 match writes::dispatch(cfg, &req, &s.credentials) {
                     Ok(token) => {
-                        keeper(s, |k| k.lease_sent(now));
-                        self.calls.insert(token, Call::Lease { sent_at_ms: now });
+                        keeper(s, |k| k.lease_sent(kind, now));
+                        self.calls.insert(token, Call::Lease { sent_at_ms: now, kind });
                     }
                     Err(e) => {
                         s.metrics.inc(Counter::StoreErrors);
-                        keeper(s, |k| k.lease_not_sent(now));
+                        keeper(s, |k| k.lease_not_sent(kind, now));
                         warn!("idemgate: etcd lease grant not sent: {e}");
                     }
                 }
@@ -826,8 +832,10 @@ impl Root {
 /// The root's etcd lease and token as the keeper machine (`engine::keeper`) sees them.
 fn keeper<T>(s: &Shared, f: impl FnOnce(&mut Keeper) -> T) -> T {
     let (mut leases, mut auth) = (s.leases.borrow_mut(), s.etcd_auth.borrow_mut());
+    let mut tombstone_leases = s.tombstone_leases.borrow_mut();
     f(&mut Keeper {
         leases: &mut leases,
+        tombstone_leases: s.tombstone_lease_ttl_seconds.map(|ttl| (&mut *tombstone_leases, ttl)),
         auth: &mut auth,
         secret: s.etcd_secret.as_deref(),
         lease_ttl_seconds: s.lease_ttl_seconds,
@@ -863,8 +871,8 @@ impl Context for Root {
 impl Root {
     fn call_answered(&mut self, token: u32, num_headers: usize, body_size: usize, num_trailers: usize) {
         match self.calls.remove(&token) {
-            Some(Call::Lease { sent_at_ms }) => {
-                meter::background(|| self.lease_answered(sent_at_ms, num_headers, body_size))
+            Some(Call::Lease { sent_at_ms, kind }) => {
+                meter::background(|| self.lease_answered(kind, sent_at_ms, num_headers, body_size))
             }
             Some(Call::Auth) => meter::background(|| self.auth_answered(num_headers, body_size)),
             Some(Call::Write(id)) => {
@@ -1005,6 +1013,7 @@ impl Root {
             }
         };
         let lease_ttl_seconds = crate::etcd::lease_ttl_seconds(&config);
+        let tombstone_lease_ttl_seconds = crate::etcd::tombstone_lease_ttl_seconds(&config);
         let labels: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
         let metrics = Metrics::define(&labels);
         // Fixed by `max_entries`: set once here (the record bytes and occupancy are set by the tick).
@@ -1025,6 +1034,8 @@ impl Root {
             seal,
             leases: RefCell::new(crate::etcd::Leases::default()),
             lease_ttl_seconds,
+            tombstone_leases: RefCell::new(crate::etcd::Leases::default()),
+            tombstone_lease_ttl_seconds,
             handoffs: RefCell::new(crate::redirect::Handoffs::default()),
             held: RefCell::new(Vec::new()),
             #[cfg(feature = "crash-injection")]

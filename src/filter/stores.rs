@@ -26,7 +26,15 @@ pub fn backend(shared: &Shared) -> Backend {
 
 /// The configured store with the lease usable at `now_ms` (etcd), for writes.
 pub fn writer(shared: &Shared, now_ms: u64) -> Backend {
-    Backend::writing(kind(shared), || shared.leases.borrow().usable(now_ms))
+    Backend::writing(kind(shared), || {
+        let lease = shared.leases.borrow().usable(now_ms);
+        // Tombstones under the records' lease where that one covers them.
+        let tombstone = match shared.tombstone_lease_ttl_seconds {
+            Some(_) => shared.tombstone_leases.borrow().usable(now_ms),
+            None => lease,
+        };
+        (lease, tombstone)
+    })
 }
 
 /// Every answer passes here: a refused etcd token (`etcd::token_refused`) has the root

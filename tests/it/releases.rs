@@ -807,27 +807,69 @@ fn an_mcp_call_awaiting_input_is_refused_never_run_by_the_previous_release() {
 ///   before. Executions are counted at the upstream, per key.
 #[test]
 fn mixed_fleet_on_one_redis_the_new_releases_tombstones_are_never_misread_by_the_previous_one() {
-    let previous = previous_release();
-    let old_module = release_module(&previous);
     let redis = Redis::start();
     let webdis = Webdis::start(redis.port);
+    let store = r#""store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}"#;
+    tombstones_never_misread(
+        store,
+        |o| o.store_port = Some(webdis.port),
+        |plugin, key| {
+            let tomb = format!("idemgate:v1:t:{{{}}}", support::redis_key_of(plugin, TOKEN, key));
+            redis.get_raw(tomb).map(|v| v.len())
+        },
+    );
+}
+
+/// The same on one etcd: the new release's tombstone is a key of its own
+/// (`idemgate/v1/<hex>/t`, 92 bytes), which the previous release never reads (its claim compares
+/// and reads the value and its owner's release tombstone only; its listing skips any key that is
+/// not a value's); the record's format is unchanged and lives `ttl`, so past it the previous
+/// release finds the key free, as it always has.
+#[test]
+fn mixed_fleet_on_one_etcd_the_new_releases_tombstones_are_never_misread_by_the_previous_one() {
+    let etcd = EtcdCluster::start();
+    let ports = etcd.client_ports();
+    let store = r#""store": {"kind": "etcd", "cluster": "idemgate_store", "timeout_ms": 2000}"#;
+    tombstones_never_misread(
+        store,
+        |o| o.etcd_ports = ports.clone(),
+        |plugin, key| {
+            let hex = support::redis_key_of(plugin, TOKEN, key).trim_start_matches("idemgate:v1:").to_string();
+            let tomb = format!("idemgate/v1/{hex}/t");
+            etcd.all().into_iter().find(|(k, _)| k == tomb.as_bytes()).map(|(_, v)| v.len())
+        },
+    );
+}
+
+/// The rolling-upgrade scenario of the two tests above on one store: `store` (the plugin's
+/// `store` field), `with_store` (the Envoy options reaching it), `tomb_len` (the byte length of
+/// the key's tombstone the store holds for a plugin and key, if any).
+fn tombstones_never_misread(
+    store: &str,
+    with_store: impl Fn(&mut EnvoyOptions),
+    tomb_len: impl Fn(&str, &str) -> Option<usize>,
+) {
+    let previous = previous_release();
+    let old_module = release_module(&previous);
     let up = Upstream::start();
     let lives = r#""ttl_seconds": 5, "lock_ttl_seconds": 3"#;
-    let plugin = |extra: &str| {
-        format!(
-            r#"{{"scope": {{"headers": ["authorization"]}}, {lives}{extra}, "store": {{"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}}}}"#
-        )
-    };
+    let etcd = store.contains("etcd");
+    let plugin = |extra: &str| format!(r#"{{"scope": {{"headers": ["authorization"]}}, {lives}{extra}, {store}}}"#);
     let options = |cfg: &str| {
         let mut o = EnvoyOptions::new(cfg, up.port);
-        o.store_port = Some(webdis.port);
+        with_store(&mut o);
         o.route_timeout_ms = 1500;
         o
     };
-    let new = Envoy::start(&options(&plugin(r#", "tombstone_seconds": 10"#)));
+    let new_options = options(&plugin(r#", "tombstone_seconds": 10"#));
+    let new = Envoy::start(&new_options);
     let mut o = options(&plugin(""));
     o.wasm = Some(old_module);
     let old = Envoy::start(&o);
+    if etcd {
+        support::etcd::wait_leases(&new, new_options.concurrency);
+        support::etcd::wait_leases(&old, o.concurrency);
+    }
     let executions = |key: &str| up.executions_by_key().get(key).copied().unwrap_or(0);
     let json = [("content-type", "application/json")];
     let (a, b) = ("tomb-new-first", "tomb-old-first");
@@ -852,9 +894,8 @@ fn mixed_fleet_on_one_redis_the_new_releases_tombstones_are_never_misread_by_the
         done.get_or_insert_with(std::time::Instant::now);
     }
     assert_eq!((executions(a), executions(b)), (1, 1));
-    let tomb =
-        |key: &str| redis.get_raw(format!("idemgate:v1:t:{{{}}}", support::redis_key_of(&plugin(""), TOKEN, key)));
-    assert_eq!(tomb(a).map(|v| v.len()), Some(77), "the new proxy's completion left its tombstone");
+    let tomb = |key: &str| tomb_len(&plugin(""), key);
+    assert_eq!(tomb(a), Some(if etcd { 92 } else { 77 }), "the new proxy's completion left its tombstone");
     assert_eq!(tomb(b), None, "the previous release writes none");
     // Past both records' ttl (5 s from their completions, which came before `done`).
     let until = done.expect("replayed") + Duration::from_millis(6_500);

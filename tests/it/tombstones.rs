@@ -156,8 +156,10 @@ fn two_proxies_on_redis_a_key_past_its_ttl_meets_its_tombstone_on_either_then_is
 fn two_proxies_on_etcd_a_key_past_its_ttl_meets_its_tombstone_on_either_then_is_free() {
     let etcd = support::etcd::EtcdCluster::start();
     let up = Upstream::start();
+    // Outcome-unknown records live 5 s here, so every record's life (at most 8 s: a 3 s lock, then
+    // 5 s unknown) is shorter than a tombstone's (15 s): tombstones get leases of their own.
     let cfg = format!(
-        r#"{{"scope": {{"headers": ["authorization"]}}, {LIVES}, "store": {{"kind": "etcd", "cluster": "idemgate_store", "timeout_ms": 1000}}}}"#
+        r#"{{"scope": {{"headers": ["authorization"]}}, {LIVES}, "unknown_outcome_seconds": 5, "store": {{"kind": "etcd", "cluster": "idemgate_store", "timeout_ms": 1000}}}}"#
     );
     let mut o = EnvoyOptions::new(&cfg, up.port);
     o.etcd_ports = etcd.client_ports();
@@ -166,7 +168,64 @@ fn two_proxies_on_etcd_a_key_past_its_ttl_meets_its_tombstone_on_either_then_is_
     let b = Envoy::start(&o);
     support::etcd::wait_leases(&a, o.concurrency);
     support::etcd::wait_leases(&b, o.concurrency);
-    scenario(&a, &b, &up, "k-tomb-etcd", |_| {});
+    let hex = support::redis_key_of(&cfg, AUTH, "k-tomb-etcd").trim_start_matches("idemgate:v1:").to_string();
+    let record = format!("idemgate/v1/{hex}");
+    let tomb = format!("{record}/t");
+    // As on Redis: a key of its own holds the key's tombstone (its fingerprint and expiry, sealed
+    // for that key: 92 bytes), written with the completion, never the response; the record
+    // expires (judged by the proxies' clocks) after `ttl`, the tombstone after `ttl + tombstone`.
+    // The lease each key was put under, and the TTL etcd granted it.
+    let granted_ttl = |key: &str| -> (i64, i64) {
+        let kv =
+            etcd.call(0, "/v3/kv/range", &serde_json::json!({"key": idemgate::base64::b64(key.as_bytes())})).unwrap();
+        let lease: i64 = kv["kvs"][0]["lease"].as_str().unwrap_or("0").parse().unwrap();
+        let t = etcd.call(0, "/v3/lease/timetolive", &serde_json::json!({"ID": lease.to_string()})).unwrap();
+        (lease, t["grantedTTL"].as_str().unwrap_or("0").parse().unwrap())
+    };
+    scenario(&a, &b, &up, "k-tomb-etcd", |m| {
+        if m == Moment::Live {
+            // The record under the records' lease (a 60 s window + its 8 s life + a 30 s margin),
+            // its tombstone under a lease of its own (60 + 15 + 30 s): etcd drops the record
+            // `tombstone_seconds` before the tombstone, not with it.
+            let ((rl, rttl), (tl, tttl)) = (granted_ttl(&record), granted_ttl(&tomb));
+            println!("leases: record {rl} ({rttl} s), tombstone {tl} ({tttl} s)");
+            assert_ne!(rl, tl);
+            assert_eq!((rttl, tttl), (60 + 8 + 30, 60 + 15 + 30));
+        }
+        if m == Moment::Tombstone {
+            // What etcd does when the record's lease ends (up to 90 s past its ttl: the lease
+            // window and margin), done now: the record and its owner mark go, the tombstone stays.
+            // The retries below then meet the tombstone alone, and the request after it a
+            // tombstone past its expiry whose lease still holds it (claimed once, fenced on it).
+            for k in [&record, &format!("{record}/o")] {
+                let d = serde_json::json!({"key": idemgate::base64::b64(k.as_bytes())});
+                assert!(etcd.call(0, "/v3/kv/deleterange", &d).is_some());
+            }
+        }
+        let all = etcd.all();
+        let get = |k: &str| all.iter().find(|(name, _)| name == k.as_bytes()).map(|(_, v)| v.clone());
+        let (r, t) = (get(&record), get(&tomb));
+        let names: Vec<String> = all.iter().map(|(k, _)| String::from_utf8_lossy(k).replace(&hex, "<hex>")).collect();
+        println!(
+            "{m:?}: record {:?} bytes, tombstone {:?} bytes, keys {names:?}",
+            r.as_ref().map(Vec::len),
+            t.as_ref().map(Vec::len)
+        );
+        let t = t.unwrap_or_else(|| panic!("{m:?}: no tombstone at {tomb}: keys {names:?}"));
+        assert_eq!((t.len(), &t[..5]), (92, &b"IGS1T"[..]), "{m:?}: the tombstone holds the fingerprint only");
+        assert!(!t.windows(BODY.len()).any(|w| w == BODY.as_bytes()));
+        match m {
+            Moment::Live => assert!(r.expect("the record while live").starts_with(b"IGE1")),
+            Moment::Tombstone => assert_eq!(names, ["idemgate/v1/<hex>/t"], "only the small tombstone is left"),
+        }
+        // No other key of this storage key than its value, owner mark and tombstone.
+        assert!(
+            names
+                .iter()
+                .all(|n| ["idemgate/v1/<hex>", "idemgate/v1/<hex>/o", "idemgate/v1/<hex>/t"].contains(&n.as_str())),
+            "{names:?}"
+        );
+    });
 }
 
 /// Issue 40, item 6, the scripts alone on a real Redis (no Envoy, no sleep: the record's expiry is

@@ -47,7 +47,13 @@ impl Sim {
     }
 
     fn keeper(&mut self) -> Keeper<'_> {
-        Keeper { leases: &mut self.leases, auth: &mut self.auth, secret: self.secret, lease_ttl_seconds: TTL }
+        Keeper {
+            leases: &mut self.leases,
+            tombstone_leases: None,
+            auth: &mut self.auth,
+            secret: self.secret,
+            lease_ttl_seconds: TTL,
+        }
     }
 
     fn run(&mut self, a: Action) {
@@ -62,13 +68,14 @@ impl Sim {
                     self.keeper().auth_sent(now);
                 }
             }
-            Action::GrantLease(_) => {
+            Action::GrantLease(_, kind) => {
+                assert_eq!(kind, LeaseKind::Records, "no tombstone leases configured");
                 self.grants_sent.push((now, self.token.is_some()));
                 if std::mem::take(&mut self.refuse_next_send) {
-                    self.keeper().lease_not_sent(now);
+                    self.keeper().lease_not_sent(kind, now);
                 } else {
                     self.grants.push(now);
-                    self.keeper().lease_sent(now);
+                    self.keeper().lease_sent(kind, now);
                 }
             }
             Action::UseToken(t) => self.token = Some(t),
@@ -107,7 +114,7 @@ impl Sim {
     fn lease_answer(&mut self, i: usize, status: Option<u16>, body: &[u8]) {
         let sent = self.grants.remove(i);
         let now = self.now;
-        let n = self.keeper().lease_answered(sent, status, body, now);
+        let n = self.keeper().lease_answered(LeaseKind::Records, sent, status, body, now);
         self.notes.push(n);
     }
 }
@@ -236,4 +243,43 @@ mod props {
             prop_assert!(sim.leases.usable(sim.now).is_some(), "no lease once etcd answers again");
         }
     }
+}
+
+/// Issue 40, item 6 on etcd: where a key's tombstone outlives every record, the root keeps a
+/// second set of leases for tombstones, of their own TTL, granted and answered apart from the
+/// records' (so a record is dropped by etcd about `ttl` after its completion, its tombstone later).
+#[test]
+fn tombstones_get_leases_of_their_own_ttl_granted_and_answered_apart() {
+    let (mut records, mut tombs, mut auth) = (Leases::default(), Leases::default(), Auth::default());
+    let mut k = Keeper {
+        leases: &mut records,
+        tombstone_leases: Some((&mut tombs, 900)),
+        auth: &mut auth,
+        secret: None,
+        lease_ttl_seconds: TTL,
+    };
+    let grant = |a: Option<Action>| match a {
+        Some(Action::GrantLease(req, kind)) => (serde_json::from_slice::<serde_json::Value>(&req.body).unwrap(), kind),
+        other => panic!("{other:?}"),
+    };
+    let (req, kind) = grant(k.grant_if_due(0));
+    assert_eq!((req["TTL"].as_str(), kind), (Some(TTL.to_string().as_str()), LeaseKind::Records));
+    k.lease_sent(kind, 0);
+    let (req, kind) = grant(k.grant_if_due(0));
+    assert_eq!((req["TTL"].as_str(), kind), (Some("900"), LeaseKind::Tombstones));
+    k.lease_sent(kind, 0);
+    assert!(k.grant_if_due(1).is_none(), "one grant of each kind in flight");
+    let answer = |id: u64, ttl: u64| format!(r#"{{"header":{{"revision":"1"}},"ID":"{id}","TTL":"{ttl}"}}"#);
+    // A tombstones' grant answered with the records' shorter TTL is refused.
+    assert!(matches!(
+        k.lease_answered(LeaseKind::Tombstones, 0, Some(200), answer(5, TTL).as_bytes(), 2),
+        Note::LeaseFailed(_)
+    ));
+    assert_eq!(k.lease_answered(LeaseKind::Records, 0, Some(200), answer(4, TTL).as_bytes(), 2), Note::LeaseGranted);
+    assert_eq!(records.usable(2), Some(4));
+    assert_eq!(
+        tombs.usable(2),
+        None,
+        "no tombstone lease yet: a completion writing one is refused, never under a shorter lease"
+    );
 }
