@@ -498,15 +498,14 @@ pub fn tombstone_redis_key_of(key: &str) -> String {
 /// Marks a key's tombstone in Redis: `IGS1T`, then `TOMBSTONE_BODY` and the fingerprint, sealed
 /// for the tombstone's own Redis key (`seal`): 5 + 36 + 36 = 77 bytes, whatever the response was.
 pub const TOMBSTONE_MAGIC: &[u8; 5] = b"IGS1T";
-/// What a tombstone holds inside its seal: this, then the record's fingerprint (32 bytes).
-pub const TOMBSTONE_BODY: &[u8; 4] = b"IGT\x01";
+/// What a tombstone holds inside its seal: this, then the record's fingerprint (32 bytes)
+/// (`Record::key_tombstone_bytes`, which the local tier keeps unsealed).
+pub const TOMBSTONE_BODY: &[u8; 4] = crate::record::KEY_TOMBSTONE_BODY;
 
 /// The value of `skey`'s tombstone: its record's fingerprint only (no response, no header, no
 /// creator), sealed for the tombstone's key.
 pub fn tombstone_value(skey: &StorageKey, fingerprint: &Fingerprint, seal: &Seal) -> Vec<u8> {
-    let mut body = Vec::with_capacity(TOMBSTONE_BODY.len() + 32);
-    body.extend_from_slice(TOMBSTONE_BODY);
-    body.extend_from_slice(&fingerprint.0);
+    let body = Record::key_tombstone_bytes(fingerprint);
     [&TOMBSTONE_MAGIC[..], &seal.seal(&tombstone_redis_key(skey), &body)].concat()
 }
 
@@ -515,10 +514,7 @@ pub fn open_tombstone(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<Finger
     let bad = |why: &str| ValueError::Unreadable(format!("stored tombstone: {why}"));
     let sealed = v.strip_prefix(&TOMBSTONE_MAGIC[..]).ok_or_else(|| bad("no idemgate header"))?;
     let (body, _) = seal.open(&tombstone_redis_key(skey), sealed).map_err(ValueError::Unauthentic)?;
-    let fp = body.strip_prefix(&TOMBSTONE_BODY[..]).filter(|f| f.len() == 32).ok_or_else(|| bad("layout"))?;
-    let mut out = [0u8; 32];
-    out.copy_from_slice(fp);
-    Ok(Fingerprint(out))
+    Record::open_key_tombstone(&body).map(|r| r.fingerprint).ok_or_else(|| bad("layout"))
 }
 
 /// Room for `Script::command_into`'s command on `key` with `args`, every byte escaped, and
