@@ -937,13 +937,16 @@ impl Table {
                                 State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_)
                             ) =>
                         {
-                            // Past its own expiry: its key's tombstone (answered `key-expired`);
-                            // the body keeps only that from now on.
+                            // Past its own expiry: its key's tombstone (answered `key-expired`,
+                            // on every route, as a store's), whether shrunk yet or not; the body
+                            // keeps only that from now on.
                             if r.is_tombstone(now_ms) && !r.is_key_tombstone() {
                                 let e = e.clone();
                                 let _ = self.shrink(sd, i, j, &e, now_ms);
+                                Begin::Replay(Record::key_tombstone(r.fingerprint))
+                            } else {
+                                Begin::Replay(r)
                             }
-                            Begin::Replay(r)
                         }
                         // No body of this record (the bucket had no room even for its status, or
                         // a stale owner's late write replaced it): never execute again; answer

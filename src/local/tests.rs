@@ -1312,13 +1312,13 @@ fn a_bucket_full_of_tombstones_is_not_full_when_it_rejects() {
 }
 
 /// A route whose records are kept 100 s as their key's tombstone past a 10 s ttl.
-fn tombstone_policy() -> Policy {
+pub(super) fn tombstone_policy() -> Policy {
     Policy { lock_ttl_seconds: 5, ttl_seconds: 10, unknown_outcome_seconds: 50, tombstone_seconds: 100, ..Policy::default() }
 }
 
 /// Completes `h` with a response of `body_len` bytes as the filter does where this tier is the
 /// record's authority: its entry kept through the key's tombstone (`Lifetimes::life_ms`).
-fn complete_kept(t: &Table, m: &mut dyn SharedData, h: &Handle, f: Fingerprint, body_len: usize, now: u64) {
+pub(super) fn complete_kept(t: &Table, m: &mut dyn SharedData, h: &Handle, f: Fingerprint, body_len: usize, now: u64) {
     let p = tombstone_policy();
     let response = StoredResponse { status: 201, headers: vec![], body: vec![b'x'; body_len] };
     let r = Record::completed(f, response, false, creator("c"), now, p.ttl_seconds);
