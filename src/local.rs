@@ -1160,7 +1160,8 @@ impl Table {
             return Some(c);
         }
         let h = Handle { bucket: i, position: j, owner: e.owner, skey: e.skey };
-        self.read_body(sd, &h).ok().flatten().map(|r| r.creator)
+        // A key's tombstone names no run (as a store's).
+        self.read_body(sd, &h).ok().flatten().filter(|r| !r.is_key_tombstone()).map(|r| r.creator)
     }
 
     /// Applies `event` to our entry (`h`'s claim) with CAS, retrying lost races: the lifecycle

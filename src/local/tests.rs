@@ -1420,3 +1420,34 @@ fn a_lookup_that_meets_a_record_past_its_ttl_leaves_the_small_tombstone() {
     assert_eq!(t.usage(&mut m), 84);
     assert_eq!(t.count(&mut m), 1);
 }
+
+/// The cost per key the docs state (docs/how-it-works.md, "Cost, measured"; printed with
+/// `--nocapture`): a completed record with a 1,000-byte JSON body, 2 headers and a request id
+/// against its tombstone, in its body key and with its bucket entry (`ENTRY_BYTES` + 1 for its
+/// count, both stages alike: a completed entry keeps no creator).
+#[test]
+fn the_local_tombstone_costs_its_fingerprint_whatever_the_response() {
+    let t = table(64, WhenFull::EvictOldest);
+    let p = tombstone_policy();
+    let mut m = fresh(&t);
+    let h = handle(&t.begin(&mut m, skey(1), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![
+            ("content-type".into(), b"application/json".to_vec()),
+            ("location".into(), b"/charges/ch_1".to_vec()),
+        ],
+        body: [b"{\"d\":\"".as_slice(), &[b'x'; 992], b"\"}"].concat(),
+    };
+    let id = creator("9b2f0d6e-4c1a-4f7e-8e5d-2a61c0f3b7aa");
+    let r = Record::completed(fp(1), response, false, id, NOW, p.ttl_seconds);
+    let until = r.expires_at_ms + p.tombstone_seconds * 1000;
+    t.complete_until(&mut m, &h, r, NOW, until).unwrap();
+    let bucket = |m: &mut Model| t.read_bucket(m, 0).map(|(b, _)| b.encode().len()).unwrap();
+    let (live, live_bucket) = (body_key(&t, &m, &h).len(), bucket(&mut m));
+    t.sweep(&mut m, 0, 1, NOW + 10_000, &mut Gauges::default()).unwrap();
+    let (tomb, tomb_bucket) = (body_key(&t, &m, &h).len(), bucket(&mut m));
+    println!("local tier per key: record body key {live} bytes, tombstone {tomb}; bucket {live_bucket} -> {tomb_bucket}");
+    assert_eq!((tomb, tomb_bucket), (TOMBSTONE_BODY_BYTES, live_bucket));
+    assert!(live > 1_000 + 48, "{live}");
+}

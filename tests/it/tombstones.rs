@@ -337,7 +337,9 @@ fn record_bytes_reaching(e: &Envoy, ok: impl Fn(u64) -> bool) -> u64 {
 /// 1 KB through the tombstone.
 #[test]
 fn local_tier_a_tombstone_keeps_the_fingerprint_only_and_the_table_bytes_drop() {
-    let cfg = format!(r#"{{"scope": {{"headers": ["authorization"]}}, {LIVES}}}"#);
+    // One bucket: every sweep (each root's, once a second) reads the whole table, so the gauge
+    // follows within a second.
+    let cfg = format!(r#"{{"scope": {{"headers": ["authorization"]}}, "local": {{"max_entries": 64}}, {LIVES}}}"#);
     let s = Stack::with(&cfg, |o| o.route_timeout_ms = 1500);
     let key = "k-tomb-small";
     let send = |body: &str| {
