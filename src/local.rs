@@ -1564,13 +1564,11 @@ impl Table {
         let body = value.as_deref().and_then(|v| decode_body(v, &h));
         match &body {
             Some(r) if r.is_key_tombstone() => {}
-            Some(r) if r.fingerprint == fp && r.is_tombstone(now_ms) => {
-                match sd.set(&name, &tomb, cas) {
-                    Ok(()) => {}
-                    Err(SetError::CasMismatch) => return Ok(false),
-                    Err(SetError::Host) => return Err(LocalError::Host),
-                }
-            }
+            Some(r) if r.fingerprint == fp && r.is_tombstone(now_ms) => match sd.set(&name, &tomb, cas) {
+                Ok(()) => {}
+                Err(SetError::CasMismatch) => return Ok(false),
+                Err(SetError::Host) => return Err(LocalError::Host),
+            },
             // Not its key's tombstone yet (an entry completed by an earlier module: its cue is
             // its lock), or no body of this record: nothing to shrink.
             Some(_) => return Ok(false),
@@ -1612,11 +1610,8 @@ impl Table {
     /// Gives back the pool's reservations of `owner`'s body at position `j` of bucket `i`.
     fn unreserve_position(&self, sd: &mut dyn SharedData, i: u32, j: usize, owner: OwnerToken) {
         let Ok(Some((pool, _))) = self.read_pool(sd) else { return };
-        let mine: Vec<Reservation> = pool
-            .reservations
-            .into_iter()
-            .filter(|r| r.bucket == i && r.position == j && r.owner == owner)
-            .collect();
+        let mine: Vec<Reservation> =
+            pool.reservations.into_iter().filter(|r| r.bucket == i && r.position == j && r.owner == owner).collect();
         if !mine.is_empty() {
             let _ = self.unreserve(sd, &mine);
         }

@@ -514,7 +514,7 @@ pub fn open_tombstone(v: &[u8], skey: &StorageKey, seal: &Seal) -> Result<Finger
     let bad = |why: &str| ValueError::Unreadable(format!("stored tombstone: {why}"));
     let sealed = v.strip_prefix(&TOMBSTONE_MAGIC[..]).ok_or_else(|| bad("no idemgate header"))?;
     let (body, _) = seal.open(&tombstone_redis_key(skey), sealed).map_err(ValueError::Unauthentic)?;
-    Record::open_key_tombstone(&body).map(|r| r.fingerprint).ok_or_else(|| bad("layout"))
+    Record::open_key_tombstone(body).map(|r| r.fingerprint).ok_or_else(|| bad("layout"))
 }
 
 /// Room for `Script::command_into`'s command on `key` with `args`, every byte escaped, and

@@ -1313,7 +1313,13 @@ fn a_bucket_full_of_tombstones_is_not_full_when_it_rejects() {
 
 /// A route whose records are kept 100 s as their key's tombstone past a 10 s ttl.
 pub(super) fn tombstone_policy() -> Policy {
-    Policy { lock_ttl_seconds: 5, ttl_seconds: 10, unknown_outcome_seconds: 50, tombstone_seconds: 100, ..Policy::default() }
+    Policy {
+        lock_ttl_seconds: 5,
+        ttl_seconds: 10,
+        unknown_outcome_seconds: 50,
+        tombstone_seconds: 100,
+        ..Policy::default()
+    }
 }
 
 /// Completes `h` with a response of `body_len` bytes as the filter does where this tier is the
@@ -1447,7 +1453,9 @@ fn the_local_tombstone_costs_its_fingerprint_whatever_the_response() {
     let (live, live_bucket) = (body_key(&t, &m, &h).len(), bucket(&mut m));
     t.sweep(&mut m, 0, 1, NOW + 10_000, &mut Gauges::default()).unwrap();
     let (tomb, tomb_bucket) = (body_key(&t, &m, &h).len(), bucket(&mut m));
-    println!("local tier per key: record body key {live} bytes, tombstone {tomb}; bucket {live_bucket} -> {tomb_bucket}");
+    println!(
+        "local tier per key: record body key {live} bytes, tombstone {tomb}; bucket {live_bucket} -> {tomb_bucket}"
+    );
     assert_eq!((tomb, tomb_bucket), (TOMBSTONE_BODY_BYTES, live_bucket));
     assert!(live > 1_000 + 48, "{live}");
 }

@@ -872,7 +872,9 @@ fn a_tombstone_shrinking_races_lookups_sweeps_and_a_reclaim_of_its_position() {
             format!("{:?}", t.complete(sd, &h, r, at).unwrap())
         })
     };
-    for (name, a, b) in [("sweep/lookup", 0, 1), ("sweep/sweep", 0, 0), ("sweep/reclaim", 0, 2), ("lookup/reclaim", 1, 2)] {
+    for (name, a, b) in
+        [("sweep/lookup", 0, 1), ("sweep/sweep", 0, 0), ("sweep/reclaim", 0, 2), ("lookup/reclaim", 1, 2)]
+    {
         for s in all_binary_schedules(10) {
             let make = |w: usize| match w {
                 0 => sweep(t.clone()),
@@ -892,16 +894,13 @@ fn a_tombstone_shrinking_races_lookups_sweeps_and_a_reclaim_of_its_position() {
             assert!(matches!(&again, Begin::Replay(r) if r.is_tombstone(at + 1)), "{name} {s:?}: {again:?}");
             if a == 2 || b == 2 {
                 match t.begin(&mut m, keys[2], Some(fp(9)), at + 1, &p, owner(7), &creator("r")).unwrap() {
-                    Begin::Replay(rec) => assert_eq!(rec.state, crate::record::State::Completed(response("new")), "{name} {s:?}"),
+                    Begin::Replay(rec) => {
+                        assert_eq!(rec.state, crate::record::State::Completed(response("new")), "{name} {s:?}")
+                    }
                     other => panic!("{name} {s:?}: the new key's record was lost: {other:?}"),
                 }
             }
-            let held: u64 = m
-                .map
-                .iter()
-                .filter(|(k, _)| k.contains(".r."))
-                .map(|(_, (v, _))| v.len() as u64)
-                .sum();
+            let held: u64 = m.map.iter().filter(|(k, _)| k.contains(".r.")).map(|(_, (v, _))| v.len() as u64).sum();
             assert!(t.usage(&mut m) >= held, "{name} {s:?}: counts {} of {held}", t.usage(&mut m));
             // A sweep afterwards leaves every remaining tombstone small, counted exactly.
             t.sweep(&mut m, 0, 1, at + 2, &mut Gauges::default()).unwrap();
