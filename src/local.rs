@@ -21,7 +21,8 @@
 //!   before the bucket CAS that completes its claim; a reader checks the token, so a body left by
 //!   an earlier owner of the position (or a stale owner's late write) is never replayed for
 //!   another's record. The bucket counts the bytes a body key holds until a later owner of its
-//!   position replaces them.
+//!   position replaces them. Past its record's own expiry (`tombstone_seconds`) a completed
+//!   record's body key holds only its key's tombstone (`Table::shrink`, `TOMBSTONE_BODY_BYTES`).
 //! - **The pool** `<prefix>.pool` (`pool`): the table-wide part of `local.max_bytes` (a quarter;
 //!   the buckets' shares are the rest, so shares and pool add up to `max_bytes` exactly). Only a
 //!   body that does not fit its bucket's remaining share takes bytes from it: its owner lists a
