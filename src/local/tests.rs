@@ -1459,3 +1459,31 @@ fn the_local_tombstone_costs_its_fingerprint_whatever_the_response() {
     assert_eq!((tomb, tomb_bucket), (TOMBSTONE_BODY_BYTES, live_bucket));
     assert!(live > 1_000 + 48, "{live}");
 }
+
+/// An entry completed by a module of before the shrink holds its claim's lock where the sweep
+/// looks for its cue (`Entry::lock_expires_at_ms`): long before the record's own expiry. The
+/// sweep then reads the record and leaves it whole until that expiry (a retry within the ttl is
+/// still replayed), and shrinks it after.
+#[test]
+fn a_record_completed_by_an_earlier_module_is_shrunk_only_past_its_own_expiry() {
+    let t = table(64, WhenFull::EvictOldest);
+    let p = tombstone_policy();
+    let mut m = fresh(&t);
+    let h = handle(&t.begin(&mut m, skey(1), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    complete_kept(&t, &mut m, &h, fp(1), 1024, NOW);
+    let (mut b, cas) = t.read_bucket(&mut m, h.bucket).unwrap();
+    if let Some(Some(e)) = b.positions.get_mut(h.position) {
+        e.lock_expires_at_ms = NOW + 5_000;
+    }
+    assert!(t.write_bucket(&mut m, h.bucket, &b, cas).unwrap());
+    let whole = body_key(&t, &m, &h);
+    t.sweep(&mut m, 0, 1, NOW + 9_999, &mut Gauges::default()).unwrap();
+    assert_eq!(body_key(&t, &m, &h), whole, "within the ttl the record stays whole");
+    match claim_with(&t, &mut m, skey(1), fp(1), 2, NOW + 9_999, &p) {
+        Begin::Replay(r) => assert!(matches!(r.state, State::Completed(_)) && !r.is_tombstone(NOW + 9_999)),
+        other => panic!("{other:?}"),
+    }
+    t.sweep(&mut m, 0, 1, NOW + 10_000, &mut Gauges::default()).unwrap();
+    assert_eq!(body_key(&t, &m, &h).len(), TOMBSTONE_BODY_BYTES);
+    assert_eq!(t.usage(&mut m), TOMBSTONE_BODY_BYTES as u64);
+}
