@@ -21,7 +21,8 @@
 //!   before the bucket CAS that completes its claim; a reader checks the token, so a body left by
 //!   an earlier owner of the position (or a stale owner's late write) is never replayed for
 //!   another's record. The bucket counts the bytes a body key holds until a later owner of its
-//!   position replaces them.
+//!   position replaces them. Past its record's own expiry (`tombstone_seconds`) a completed
+//!   record's body key holds only its key's tombstone (`Table::shrink`, `TOMBSTONE_BODY_BYTES`).
 //! - **The pool** `<prefix>.pool` (`pool`): the table-wide part of `local.max_bytes` (a quarter;
 //!   the buckets' shares are the rest, so shares and pool add up to `max_bytes` exactly). Only a
 //!   body that does not fit its bucket's remaining share takes bytes from it: its owner lists a
@@ -142,6 +143,11 @@ pub struct Entry {
     /// (the eviction floor counts from it: only finished records are ever evicted).
     pub since_ms: u64,
     pub expires_at_ms: u64,
+    /// A claim's lock. For a completed entry (no lock), when its record turns into its key's
+    /// tombstone (the record's own expiry: `Record::is_tombstone`), the sweep's cue to shrink its
+    /// body to the tombstone (`Table::shrink`), then `expires_at_ms` once shrunk. An entry completed
+    /// by an earlier module holds its claim's lock there: earlier, so the shrink reads the record
+    /// first and leaves it until it is one.
     pub lock_expires_at_ms: u64,
     /// The status of a completed record (0 otherwise).
     pub status: u16,
@@ -932,7 +938,16 @@ impl Table {
                                 State::Completed(_) | State::CompletedTooLarge { .. } | State::AwaitingInput(_)
                             ) =>
                         {
-                            Begin::Replay(r)
+                            // Past its own expiry: its key's tombstone (answered `key-expired`,
+                            // on every route, as a store's), whether shrunk yet or not; the body
+                            // keeps only that from now on.
+                            if r.is_tombstone(now_ms) && !r.is_key_tombstone() {
+                                let e = e.clone();
+                                let _ = self.shrink(sd, i, j, &e, now_ms);
+                                Begin::Replay(Record::key_tombstone(r.fingerprint))
+                            } else {
+                                Begin::Replay(r)
+                            }
                         }
                         // No body of this record (the bucket had no room even for its status, or
                         // a stale owner's late write replaced it): never execute again; answer
@@ -1146,7 +1161,8 @@ impl Table {
             return Some(c);
         }
         let h = Handle { bucket: i, position: j, owner: e.owner, skey: e.skey };
-        self.read_body(sd, &h).ok().flatten().map(|r| r.creator)
+        // A key's tombstone names no run (as a store's).
+        self.read_body(sd, &h).ok().flatten().filter(|r| !r.is_key_tombstone()).map(|r| r.creator)
     }
 
     /// Applies `event` to our entry (`h`'s claim) with CAS, retrying lost races: the lifecycle
@@ -1206,6 +1222,7 @@ impl Table {
         expires_at_ms: u64,
     ) -> Result<Completed, LocalError> {
         let fp = record.fingerprint;
+        let tombstone_from_ms = record.expires_at_ms;
         let status = match &record.state {
             State::Completed(r) => r.status,
             State::AwaitingInput(a) => a.response().status,
@@ -1286,6 +1303,8 @@ impl Table {
             e.floor_ms = e.floor_ms.max(self.entry_floor_ms());
             e.fingerprint = Some(fp);
             e.expires_at_ms = expires_at_ms;
+            // No lock past completion: when the record turns into its key's tombstone instead.
+            e.lock_expires_at_ms = tombstone_from_ms;
             e.status = status;
             e.body_bytes = body_bytes;
             e.creator = vec![];
@@ -1483,6 +1502,7 @@ impl Table {
                 let freed: Vec<(usize, Entry)> =
                     expired.iter().filter_map(|j| bucket.free(*j).map(|e| (*j, e))).collect();
                 if freed.is_empty() {
+                    let bucket = self.shrink_all(sd, i, bucket, now_ms);
                     gauges.note(i, &bucket);
                     note_stale(&listed, i, &bucket, &mut stale);
                     break;
@@ -1490,6 +1510,7 @@ impl Table {
                 if self.write_bucket(sd, i, &bucket, cas)? {
                     freed_total += freed.len() as u32;
                     let bucket = self.drop_bodies(sd, i, &freed).unwrap_or(bucket);
+                    let bucket = self.shrink_all(sd, i, bucket, now_ms);
                     gauges.note(i, &bucket);
                     note_stale(&listed, i, &bucket, &mut stale);
                     break;
@@ -1504,6 +1525,97 @@ impl Table {
             gauges.pool_bytes = p.used();
         }
         Ok(freed_total)
+    }
+
+    /// Shrinks every completed record of bucket `i` (as read: `b`) that its entry says is past its
+    /// own expiry and not shrunk yet (`Entry::lock_expires_at_ms`) to its key's tombstone
+    /// (`shrink`). Returns the bucket to note: `b`, or read again when one was shrunk.
+    fn shrink_all(&self, sd: &mut dyn SharedData, i: u32, b: Bucket, now_ms: u64) -> Bucket {
+        let due: Vec<(usize, Entry)> = b
+            .positions
+            .iter()
+            .enumerate()
+            .filter_map(|(j, p)| p.as_ref().map(|e| (j, e)))
+            .filter(|(_, e)| e.stage == Stage::Completed && e.lock_expires_at_ms <= now_ms && !e.is_free(now_ms))
+            .map(|(j, e)| (j, e.clone()))
+            .collect();
+        let mut shrunk = false;
+        for (j, e) in &due {
+            shrunk |= matches!(self.shrink(sd, i, *j, e, now_ms), Ok(true));
+        }
+        match shrunk {
+            true => self.read_bucket(sd, i).map(|(b, _)| b).unwrap_or(b),
+            false => b,
+        }
+    }
+
+    /// Makes the completed record `e` at position `j` of bucket `i`, past its own expiry (read
+    /// from its body: `Record::is_tombstone`), its key's tombstone: its body key then holds only
+    /// the fingerprint (`encode_tombstone_body`, written with the CAS of the read that found the
+    /// record, so a later owner's body is never overwritten), and its bucket counts those bytes
+    /// (and gives back a pooled body's reservation) while the position still holds `e`'s owner.
+    /// The entry itself is unchanged but for its bytes and its cue (`Entry::lock_expires_at_ms`):
+    /// the key stays held, completed, until its own expiry. Whether the bucket now says so.
+    fn shrink(&self, sd: &mut dyn SharedData, i: u32, j: usize, e: &Entry, now_ms: u64) -> Result<bool, LocalError> {
+        let Some(fp) = e.fingerprint else { return Ok(false) };
+        let h = Handle { bucket: i, position: j, owner: e.owner, skey: e.skey };
+        let name = self.body_name(i, j);
+        let tomb = encode_tombstone_body(&h, &fp);
+        let (value, cas) = sd.get(&name)?;
+        let body = value.as_deref().and_then(|v| decode_body(v, &h));
+        match &body {
+            Some(r) if r.is_key_tombstone() => {}
+            Some(r) if r.fingerprint == fp && r.is_tombstone(now_ms) => match sd.set(&name, &tomb, cas) {
+                Ok(()) => {}
+                Err(SetError::CasMismatch) => return Ok(false),
+                Err(SetError::Host) => return Err(LocalError::Host),
+            },
+            // Not its key's tombstone yet (an entry completed by an earlier module: its cue is
+            // its lock), or no body of this record: nothing to shrink.
+            Some(_) => return Ok(false),
+            None => {}
+        }
+        let shrunk = body.is_some();
+        let held = |b: &Bucket| match b.positions.get(j) {
+            Some(Some(x)) => x.owner == e.owner && x.skey == e.skey && x.stage == Stage::Completed,
+            _ => false,
+        };
+        for _ in 0..MAX_CAS_RETRIES {
+            let (mut bucket, bcas) = self.read_bucket(sd, i)?;
+            if !held(&bucket) {
+                // A later owner holds the position: its entry keeps counting what it counts
+                // (at least what the key holds now) until its completion replaces it.
+                return Ok(false);
+            }
+            let others = bucket.bytes();
+            let Some(Some(x)) = bucket.positions.get_mut(j) else { return Ok(false) };
+            let others = others.saturating_sub(u64::from(x.body_bytes));
+            let pooled = shrunk && x.body_bytes == 0;
+            // A pooled body's tombstone moves to the bucket when its share has room (else the
+            // reservation keeps counting more than the key holds until the record is freed).
+            let counted = !pooled || others + TOMBSTONE_BODY_BYTES as u64 <= self.bucket_bytes();
+            if shrunk && counted {
+                x.body_bytes = TOMBSTONE_BODY_BYTES as u32;
+            }
+            x.lock_expires_at_ms = x.expires_at_ms;
+            if self.write_bucket(sd, i, &bucket, bcas)? {
+                if pooled && counted {
+                    self.unreserve_position(sd, i, j, e.owner);
+                }
+                return Ok(true);
+            }
+        }
+        Err(LocalError::Contended)
+    }
+
+    /// Gives back the pool's reservations of `owner`'s body at position `j` of bucket `i`.
+    fn unreserve_position(&self, sd: &mut dyn SharedData, i: u32, j: usize, owner: OwnerToken) {
+        let Ok(Some((pool, _))) = self.read_pool(sd) else { return };
+        let mine: Vec<Reservation> =
+            pool.reservations.into_iter().filter(|r| r.bucket == i && r.position == j && r.owner == owner).collect();
+        if !mine.is_empty() {
+            let _ = self.unreserve(sd, &mine);
+        }
     }
 
     /// Makes sure a reservation whose record no longer holds its position (evicted, expired and
@@ -1766,12 +1878,25 @@ fn body_belongs_to(v: &[u8], h: &Handle) -> bool {
     v.get(..16) == Some(h.owner.0.as_slice()) && v.get(16..48) == Some(h.skey.0.as_slice())
 }
 
+/// The record a body holds: a completed record, or (shrunk past its own expiry, `Table::shrink`)
+/// its key's tombstone (`Record::key_tombstone`).
 fn decode_body(v: &[u8], h: &Handle) -> Option<Record> {
     if !body_belongs_to(v, h) {
         return None;
     }
-    Record::decode(v.get(48..)?).ok()
+    let r = v.get(48..)?;
+    Record::open_key_tombstone(r).or_else(|| Record::decode(r).ok())
 }
+
+/// The body of a key's tombstone: the owner's token and the storage key (as every body), then
+/// the key's small tombstone (`Record::key_tombstone_bytes`, what Redis seals): `TOMBSTONE_BODY_BYTES`.
+fn encode_tombstone_body(h: &Handle, fp: &Fingerprint) -> Vec<u8> {
+    [h.owner.0.as_slice(), h.skey.0.as_slice(), &Record::key_tombstone_bytes(fp)].concat()
+}
+
+/// Bytes of a key's tombstone in the local tier (`encode_tombstone_body`): owner 16, key 32,
+/// `IGT\x01` and the fingerprint 36, whatever the response was.
+pub const TOMBSTONE_BODY_BYTES: usize = 16 + 32 + 4 + 32;
 
 #[cfg(test)]
 mod tests;

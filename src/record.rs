@@ -14,6 +14,9 @@ use crate::owner::OwnerToken;
 pub const MAGIC: &[u8; 3] = b"IGR";
 /// The current encoding version. A decoder refuses versions it does not know.
 pub const VERSION: u8 = 1;
+/// What a key's small tombstone holds (`Record::key_tombstone_bytes`): this, then the record's
+/// fingerprint (32 bytes). Never the start of an encoded record (`MAGIC`).
+pub const KEY_TOMBSTONE_BODY: &[u8; 4] = b"IGT\x01";
 /// Most header lines (and most log values) a record holds: a decoder never builds more.
 pub const MAX_LIST_ITEMS: usize = 1024;
 
@@ -548,6 +551,19 @@ impl Record {
             creator: Creator::default(),
             state: State::CompletedTooLarge { status: 0, location: None },
         }
+    }
+
+    /// A key's small tombstone (`key_tombstone`) as bytes: `KEY_TOMBSTONE_BODY`, then the
+    /// fingerprint (36 bytes). Redis seals it for the tombstone's key (`store::tombstone_value`);
+    /// the local tier keeps it in the record's body key (`local::Table::sweep`).
+    pub fn key_tombstone_bytes(fingerprint: &Fingerprint) -> Vec<u8> {
+        [KEY_TOMBSTONE_BODY.as_slice(), fingerprint.0.as_slice()].concat()
+    }
+
+    /// The key tombstone `b` holds (`key_tombstone_bytes`), if it is one.
+    pub fn open_key_tombstone(b: &[u8]) -> Option<Record> {
+        let fp: [u8; 32] = b.strip_prefix(KEY_TOMBSTONE_BODY.as_slice())?.try_into().ok()?;
+        Some(Record::key_tombstone(Fingerprint(fp)))
     }
 
     /// Whether this is a store's small tombstone (`key_tombstone`).

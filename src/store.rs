@@ -509,8 +509,9 @@ pub fn tombstone_redis_key_of(key: &str) -> String {
 /// Marks a key's tombstone in Redis: `IGS1T`, then `TOMBSTONE_BODY` and the fingerprint, sealed
 /// for the tombstone's own Redis key (`seal`): 5 + 36 + 36 = 77 bytes, whatever the response was.
 pub const TOMBSTONE_MAGIC: &[u8; 5] = b"IGS1T";
-/// What a tombstone holds inside its seal: this, then the record's fingerprint (32 bytes).
-pub const TOMBSTONE_BODY: &[u8; 4] = b"IGT\x01";
+/// What a tombstone holds inside its seal: this, then the record's fingerprint (32 bytes)
+/// (`Record::key_tombstone_bytes`, which the local tier keeps unsealed).
+pub const TOMBSTONE_BODY: &[u8; 4] = crate::record::KEY_TOMBSTONE_BODY;
 
 /// The value of `skey`'s tombstone: its record's fingerprint only (no response, no header, no
 /// creator), sealed for the tombstone's key.
@@ -519,13 +520,11 @@ pub fn tombstone_value(skey: &StorageKey, fingerprint: &Fingerprint, seal: &Seal
 }
 
 /// A key's tombstone as any store writes it at its own key `key`: `IGS1T`, then sealed for `key`
-/// `TOMBSTONE_BODY`, the fingerprint and `trailer` (Redis: none, its `PX` times it; etcd: the
-/// expiry its writer's clock gave it, `etcd::key_tombstone_value`).
+/// the key tombstone's bytes (`Record::key_tombstone_bytes`: `TOMBSTONE_BODY` and the
+/// fingerprint) and `trailer` (Redis: none, its `PX` times it; etcd: the expiry its writer's clock
+/// gave it, `etcd::key_tombstone_value`).
 pub fn tombstone_value_at(key: &str, fingerprint: &Fingerprint, trailer: &[u8], seal: &Seal) -> Vec<u8> {
-    let mut body = Vec::with_capacity(TOMBSTONE_BODY.len() + 32 + trailer.len());
-    body.extend_from_slice(TOMBSTONE_BODY);
-    body.extend_from_slice(&fingerprint.0);
-    body.extend_from_slice(trailer);
+    let body = [Record::key_tombstone_bytes(fingerprint).as_slice(), trailer].concat();
     [&TOMBSTONE_MAGIC[..], &seal.seal(key, &body)].concat()
 }
 
@@ -543,9 +542,9 @@ pub fn open_tombstone_at(v: &[u8], key: &str, seal: &Seal) -> Result<(Fingerprin
     let bad = |why: &str| ValueError::Unreadable(format!("stored tombstone: {why}"));
     let sealed = v.strip_prefix(&TOMBSTONE_MAGIC[..]).ok_or_else(|| bad("no idemgate header"))?;
     let (body, _) = seal.open(key, sealed).map_err(ValueError::Unauthentic)?;
-    let rest = body.strip_prefix(&TOMBSTONE_BODY[..]).ok_or_else(|| bad("layout"))?;
-    let fp: [u8; 32] = rest.get(..32).and_then(|f| f.try_into().ok()).ok_or_else(|| bad("layout"))?;
-    Ok((Fingerprint(fp), rest.get(32..).unwrap_or_default().to_vec()))
+    let head = body.get(..TOMBSTONE_BODY.len() + 32).ok_or_else(|| bad("layout"))?;
+    let fp = Record::open_key_tombstone(head).map(|r| r.fingerprint).ok_or_else(|| bad("layout"))?;
+    Ok((fp, body.get(head.len()..).unwrap_or_default().to_vec()))
 }
 
 /// Room for `Script::command_into`'s command on `key` with `args`, every byte escaped, and

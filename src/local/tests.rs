@@ -1310,3 +1310,180 @@ fn a_bucket_full_of_tombstones_is_not_full_when_it_rejects() {
     let b = t.begin(&mut m, keys[w], Some(fp(1)), NOW + 20_000, &p, owner(3), &creator("new")).unwrap();
     assert!(matches!(b, Begin::Claimed { .. }), "{b:?}");
 }
+
+/// A route whose records are kept 100 s as their key's tombstone past a 10 s ttl.
+pub(super) fn tombstone_policy() -> Policy {
+    Policy {
+        lock_ttl_seconds: 5,
+        ttl_seconds: 10,
+        unknown_outcome_seconds: 50,
+        tombstone_seconds: 100,
+        ..Policy::default()
+    }
+}
+
+/// Completes `h` with a response of `body_len` bytes as the filter does where this tier is the
+/// record's authority: its entry kept through the key's tombstone (`Lifetimes::life_ms`).
+pub(super) fn complete_kept(t: &Table, m: &mut dyn SharedData, h: &Handle, f: Fingerprint, body_len: usize, now: u64) {
+    let p = tombstone_policy();
+    let response = StoredResponse { status: 201, headers: vec![], body: vec![b'x'; body_len] };
+    let r = Record::completed(f, response, false, creator("c"), now, p.ttl_seconds);
+    let until = r.expires_at_ms + p.tombstone_seconds * 1000;
+    assert_eq!(t.complete_until(m, h, r, now, until).unwrap(), Completed::Stored);
+}
+
+/// The value of a body key (empty when never written or emptied).
+fn body_key(t: &Table, m: &Model, h: &Handle) -> Vec<u8> {
+    m.map.get(&*t.body_name(h.bucket, h.position)).map(|(v, _)| v.clone()).unwrap_or_default()
+}
+
+/// Whether `v` holds a run of the response's bytes.
+fn holds_response(v: &[u8]) -> bool {
+    v.windows(64).any(|w| w.iter().all(|b| *b == b'x'))
+}
+
+/// Issue 40, item 6: the local tier's tombstone is small. Past its ttl a completed record's body
+/// key holds its owner, its key and the key's tombstone (`IGT\x01` + the fingerprint: 84 bytes),
+/// not the 1 KB response; the table counts 84 bytes for it (bucket, pool and gauges); the same
+/// request is refused as its key's tombstone (never replayed), another is key-reused, and only
+/// past ttl + tombstone is the key free. Seen failing before the change: the body key still held
+/// the whole record (1 KB) after the sweep.
+#[test]
+fn a_local_tombstone_holds_the_fingerprint_only_and_the_table_counts_its_bytes_only() {
+    let t = Table::new(&LocalConfig {
+        max_entries: 128,
+        max_bytes: 8192,
+        when_full: WhenFull::EvictOldest,
+        min_protection_seconds: 0,
+    });
+    let p = tombstone_policy();
+    let mut m = fresh(&t);
+    let keys = keys_in_bucket(&t, 0, 2);
+    let (a, b) = (keys[0], keys[1]);
+    let ha = handle(&t.begin(&mut m, a, Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    complete_kept(&t, &mut m, &ha, fp(1), 1024, NOW);
+    // The second body does not fit its bucket's share (1536 bytes, 1.1 KB used): it goes to the pool.
+    let hb = handle(&t.begin(&mut m, b, Some(fp(2)), NOW, &p, owner(2), &creator("b")).unwrap());
+    complete_kept(&t, &mut m, &hb, fp(2), 1900, NOW);
+    assert!(t.pool_usage(&mut m) > 1900, "the second body is pooled: {}", t.pool_usage(&mut m));
+    let live = body_key(&t, &m, &ha);
+    assert!(live.len() > 1024 && holds_response(&live));
+    // Within the ttl the sweep leaves the records whole.
+    t.sweep(&mut m, 0, t.buckets(), NOW + 9_999, &mut Gauges::default()).unwrap();
+    assert_eq!(body_key(&t, &m, &ha), live);
+    let at = NOW + 10_000;
+    let mut g = Gauges::default();
+    assert_eq!(t.sweep(&mut m, 0, t.buckets(), at, &mut g).unwrap(), 0, "nothing is freed");
+    for (h, f) in [(&ha, fp(1)), (&hb, fp(2))] {
+        let v = body_key(&t, &m, h);
+        assert_eq!(v.len(), 84, "owner, key, IGT\\x01 and the fingerprint: {} bytes", v.len());
+        assert!(!holds_response(&v), "no response byte is kept");
+        assert_eq!(v.get(52..), Some(f.0.as_slice()));
+        // The previous release reads no record from it: it never replays one.
+        assert!(Record::decode(v.get(48..).unwrap_or(&[])).is_err());
+    }
+    assert_eq!(t.count(&mut m), 2, "both keys still held");
+    assert_eq!(t.pool_usage(&mut m), 0, "the pooled body's reservation went back");
+    assert_eq!(t.usage(&mut m), 168);
+    assert_eq!(g.bytes(), 168, "the gauge follows");
+    // The same request: its key's tombstone, no response.
+    match claim_with(&t, &mut m, a, fp(1), 3, at + 1, &p) {
+        Begin::Replay(r) => {
+            assert!(r.is_tombstone_for(0, at + 1) && !matches!(r.state, State::Completed(_)), "{r:?}")
+        }
+        other => panic!("the tombstone answered {other:?}"),
+    }
+    let reused = claim_with(&t, &mut m, a, fp(9), 4, at + 1, &p);
+    assert!(matches!(reused, Begin::Reject { problem: ProblemKind::KeyReused { .. }, .. }), "{reused:?}");
+    // Just before ttl + tombstone the key is still held; at it, free, and its bytes gone.
+    let end = NOW + 110_000;
+    assert!(!matches!(claim_with(&t, &mut m, a, fp(1), 5, end - 1, &p), Begin::Claimed { .. }));
+    t.sweep(&mut m, 0, t.buckets(), end, &mut g).unwrap();
+    assert_eq!((t.count(&mut m), t.usage(&mut m), g.bytes()), (0, 0, 0));
+    assert!(matches!(claim_with(&t, &mut m, a, fp(1), 6, end, &p), Begin::Claimed { .. }));
+}
+
+fn claim_with(t: &Table, m: &mut Model, k: StorageKey, f: Fingerprint, o: u8, now: u64, p: &Policy) -> Begin {
+    t.begin(m, k, Some(f), now, p, owner(o), &creator(&format!("req-{o}"))).unwrap()
+}
+
+/// A lookup that meets a completed record past its ttl before any sweep shrinks it on the spot
+/// (one write of its body key and one of its bucket), and answers its key's tombstone. Seen
+/// failing before the change: the body key still held the 1 KB record after the lookup.
+#[test]
+fn a_lookup_that_meets_a_record_past_its_ttl_leaves_the_small_tombstone() {
+    let t = table(64, WhenFull::EvictOldest);
+    let p = tombstone_policy();
+    let mut m = fresh(&t);
+    let h = handle(&t.begin(&mut m, skey(1), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    complete_kept(&t, &mut m, &h, fp(1), 1024, NOW);
+    let at = NOW + 10_000;
+    match claim_with(&t, &mut m, skey(1), fp(1), 2, at, &p) {
+        Begin::Replay(r) => assert!(r.is_tombstone_for(p.tombstone_seconds, at), "{r:?}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(body_key(&t, &m, &h).len(), 84);
+    assert_eq!(t.usage(&mut m), 84);
+    assert_eq!(t.count(&mut m), 1);
+}
+
+/// The cost per key the docs state (docs/how-it-works.md, "Cost, measured"; printed with
+/// `--nocapture`): a completed record with a 1,000-byte JSON body, 2 headers and a request id
+/// against its tombstone, in its body key and with its bucket entry (`ENTRY_BYTES` + 1 for its
+/// count, both stages alike: a completed entry keeps no creator).
+#[test]
+fn the_local_tombstone_costs_its_fingerprint_whatever_the_response() {
+    let t = table(64, WhenFull::EvictOldest);
+    let p = tombstone_policy();
+    let mut m = fresh(&t);
+    let h = handle(&t.begin(&mut m, skey(1), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![
+            ("content-type".into(), b"application/json".to_vec()),
+            ("location".into(), b"/charges/ch_1".to_vec()),
+        ],
+        body: [b"{\"d\":\"".as_slice(), &[b'x'; 992], b"\"}"].concat(),
+    };
+    let id = creator("9b2f0d6e-4c1a-4f7e-8e5d-2a61c0f3b7aa");
+    let r = Record::completed(fp(1), response, false, id, NOW, p.ttl_seconds);
+    let until = r.expires_at_ms + p.tombstone_seconds * 1000;
+    t.complete_until(&mut m, &h, r, NOW, until).unwrap();
+    let bucket = |m: &mut Model| t.read_bucket(m, 0).map(|(b, _)| b.encode().len()).unwrap();
+    let (live, live_bucket) = (body_key(&t, &m, &h).len(), bucket(&mut m));
+    t.sweep(&mut m, 0, 1, NOW + 10_000, &mut Gauges::default()).unwrap();
+    let (tomb, tomb_bucket) = (body_key(&t, &m, &h).len(), bucket(&mut m));
+    println!(
+        "local tier per key: record body key {live} bytes, tombstone {tomb}; bucket {live_bucket} -> {tomb_bucket}"
+    );
+    assert_eq!((tomb, tomb_bucket), (TOMBSTONE_BODY_BYTES, live_bucket));
+    assert!(live > 1_000 + 48, "{live}");
+}
+
+/// An entry completed by a module of before the shrink holds its claim's lock where the sweep
+/// looks for its cue (`Entry::lock_expires_at_ms`): long before the record's own expiry. The
+/// sweep then reads the record and leaves it whole until that expiry (a retry within the ttl is
+/// still replayed), and shrinks it after.
+#[test]
+fn a_record_completed_by_an_earlier_module_is_shrunk_only_past_its_own_expiry() {
+    let t = table(64, WhenFull::EvictOldest);
+    let p = tombstone_policy();
+    let mut m = fresh(&t);
+    let h = handle(&t.begin(&mut m, skey(1), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    complete_kept(&t, &mut m, &h, fp(1), 1024, NOW);
+    let (mut b, cas) = t.read_bucket(&mut m, h.bucket).unwrap();
+    if let Some(Some(e)) = b.positions.get_mut(h.position) {
+        e.lock_expires_at_ms = NOW + 5_000;
+    }
+    assert!(t.write_bucket(&mut m, h.bucket, &b, cas).unwrap());
+    let whole = body_key(&t, &m, &h);
+    t.sweep(&mut m, 0, 1, NOW + 9_999, &mut Gauges::default()).unwrap();
+    assert_eq!(body_key(&t, &m, &h), whole, "within the ttl the record stays whole");
+    match claim_with(&t, &mut m, skey(1), fp(1), 2, NOW + 9_999, &p) {
+        Begin::Replay(r) => assert!(matches!(r.state, State::Completed(_)) && !r.is_tombstone(NOW + 9_999)),
+        other => panic!("{other:?}"),
+    }
+    t.sweep(&mut m, 0, 1, NOW + 10_000, &mut Gauges::default()).unwrap();
+    assert_eq!(body_key(&t, &m, &h).len(), TOMBSTONE_BODY_BYTES);
+    assert_eq!(t.usage(&mut m), TOMBSTONE_BODY_BYTES as u64);
+}

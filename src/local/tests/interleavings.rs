@@ -833,3 +833,85 @@ fn scratch_review_expired_pooled_record_freed_while_its_position_is_reclaimed() 
         assert!(pool_of(&t, &m).reservations.iter().all(|r| r.owner != owner(1)), "schedule {s:?}: {r:?}");
     }
 }
+
+/// Issue 40, item 6: the sweep shrinking a key's tombstone (`Table::shrink`) races a lookup of
+/// that key by another worker, a second sweep, and a new key that takes the oldest tombstone's
+/// position in the full bucket and completes there. Under every schedule of two of them: the
+/// lookup is answered the key's tombstone (never a response, never a claim), the new key's
+/// response is replayed whole (a shrink never overwrites a later owner's body), the key is held
+/// until its ttl + tombstone, and the table never counts fewer bytes than its body keys hold.
+#[test]
+fn a_tombstone_shrinking_races_lookups_sweeps_and_a_reclaim_of_its_position() {
+    let t = table(2, WhenFull::Reject);
+    let p = tombstone_policy();
+    let keys = keys_in_bucket(&t, 0, 3);
+    let mut base = fresh(&t);
+    for (n, k) in keys[..2].iter().enumerate() {
+        let o = 1 + n as u8;
+        let h = handle(&t.begin(&mut base, *k, Some(fp(o)), NOW + n as u64, &p, owner(o), &creator("c")).unwrap());
+        complete_kept(&t, &mut base, &h, fp(o), 1024, NOW + n as u64);
+    }
+    let at = NOW + 10_000 + 1;
+    let sweep = |t: Table| -> Work<String> {
+        Box::new(move |sd: &mut dyn SharedData| format!("swept {:?}", t.sweep(sd, 0, 1, at, &mut Gauges::default())))
+    };
+    let lookup = |t: Table, k: StorageKey| -> Work<String> {
+        Box::new(move |sd: &mut dyn SharedData| {
+            match t.begin(sd, k, Some(fp(2)), at, &tombstone_policy(), owner(8), &creator("l")).unwrap() {
+                Begin::Replay(r) if r.is_tombstone_for(0, at) && r.is_tombstone(at) => "tombstone".into(),
+                other => format!("{other:?}"),
+            }
+        })
+    };
+    let reclaim = |t: Table, k: StorageKey| -> Work<String> {
+        Box::new(move |sd: &mut dyn SharedData| {
+            let p = tombstone_policy();
+            let b = t.begin(sd, k, Some(fp(9)), at, &p, owner(9), &creator("n")).unwrap();
+            let h = handle(&b);
+            let r = Record::completed(fp(9), response("new"), false, creator("n"), at, p.ttl_seconds);
+            format!("{:?}", t.complete(sd, &h, r, at).unwrap())
+        })
+    };
+    for (name, a, b) in
+        [("sweep/lookup", 0, 1), ("sweep/sweep", 0, 0), ("sweep/reclaim", 0, 2), ("lookup/reclaim", 1, 2)]
+    {
+        for s in all_binary_schedules(10) {
+            let make = |w: usize| match w {
+                0 => sweep(t.clone()),
+                1 => lookup(t.clone(), keys[1]),
+                _ => reclaim(t.clone(), keys[2]),
+            };
+            let (r, mut m) = run(base.clone(), &s, vec![make(a), make(b)]);
+            for (w, out) in [(a, &r[0]), (b, &r[1])] {
+                match w {
+                    0 => assert_eq!(out, "swept Ok(0)", "{name} {s:?}"),
+                    1 => assert_eq!(out, "tombstone", "{name} {s:?}: the lookup"),
+                    _ => assert_eq!(out, "Stored", "{name} {s:?}: the new key"),
+                }
+            }
+            // The second key (the newer tombstone) is held: never claimed again before its end.
+            let again = t.begin(&mut m, keys[1], Some(fp(2)), at + 1, &p, owner(7), &creator("r")).unwrap();
+            assert!(matches!(&again, Begin::Replay(r) if r.is_tombstone(at + 1)), "{name} {s:?}: {again:?}");
+            if a == 2 || b == 2 {
+                match t.begin(&mut m, keys[2], Some(fp(9)), at + 1, &p, owner(7), &creator("r")).unwrap() {
+                    Begin::Replay(rec) => {
+                        assert_eq!(rec.state, crate::record::State::Completed(response("new")), "{name} {s:?}")
+                    }
+                    other => panic!("{name} {s:?}: the new key's record was lost: {other:?}"),
+                }
+            }
+            let held: u64 = m.map.iter().filter(|(k, _)| k.contains(".r.")).map(|(_, (v, _))| v.len() as u64).sum();
+            assert!(t.usage(&mut m) >= held, "{name} {s:?}: counts {} of {held}", t.usage(&mut m));
+            // A sweep afterwards leaves every remaining tombstone small, counted exactly.
+            t.sweep(&mut m, 0, 1, at + 2, &mut Gauges::default()).unwrap();
+            let tombs = m.map.iter().filter(|(k, (v, _))| k.contains(".r.") && v.len() == TOMBSTONE_BODY_BYTES).count();
+            assert!(tombs >= 1, "{name} {s:?}");
+            // Past ttl + tombstone the second key is free.
+            let end = NOW + 1 + 110_000;
+            assert!(matches!(
+                t.begin(&mut m, keys[1], Some(fp(2)), end, &p, owner(6), &creator("f")).unwrap(),
+                Begin::Claimed { .. }
+            ));
+        }
+    }
+}
