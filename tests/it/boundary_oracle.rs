@@ -739,8 +739,8 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
         // The sweep: each spelling alone against the canonical request, on both routes (the
         // `form` spellings against the form body, on the payments route).
         for orders in [false, true] {
-            for s in 0..SPELLINGS.len() {
-                let form = SPELLINGS[s].0 == "form";
+            for (s, &(dim, _, _)) in SPELLINGS.iter().enumerate() {
+                let form = dim == "form";
                 if form && orders {
                     found.cells.push((cfg, s, orders, Outcome::Inapplicable));
                     continue;
