@@ -22,6 +22,7 @@ pub mod engine;
 pub mod etcd;
 pub mod failsafe;
 pub mod fingerprint;
+pub mod form;
 pub mod hex;
 pub mod key;
 pub mod lifecycle;

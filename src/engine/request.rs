@@ -509,7 +509,7 @@ pub fn at_headers(
             derive::derive(head, &DeriveKey { include_body: false, ..d.clone() }, &policy.fingerprint, &scope, None)
         }
         Some(d) => {
-            let empty = d.include_body.then(|| fingerprint::derive_body_digest(b""));
+            let empty = d.include_body.then(|| fingerprint::derive_body_digest(head, b""));
             derive::derive(head, d, &policy.fingerprint, &scope, empty.as_ref())
         }
         None => None,
@@ -592,7 +592,7 @@ pub fn at_body_end(
     let mut derived = None;
     if derive_at_body {
         let Some(key) = policy.derive_key.as_ref().and_then(|d| {
-            derive::derive(head, d, &policy.fingerprint, scope, Some(&fingerprint::derive_body_digest(body)))
+            derive::derive(head, d, &policy.fingerprint, scope, Some(&fingerprint::derive_body_digest(head, body)))
         }) else {
             return AtBodyEnd::Pass;
         };

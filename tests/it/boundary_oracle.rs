@@ -82,6 +82,10 @@ const CONFIGS: &[(&str, &str, &str, &str)] = &[
 /// configurations' body.
 const MCP_BODY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1,"currency":"eur"}}}"#;
 
+/// The canonical form body (configurations other than MCP, the `form` spellings): fields read by
+/// name, a space written `+`, a slash and a non-ASCII letter %-encoded, one field repeated.
+const FORM_BODY: &str = "amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y";
+
 /// The panel: (name, how it runs).
 const BACKENDS: &[&str] = &["flask", "django", "fastapi", "express", "fastify", "go", "tomcat"];
 
@@ -102,8 +106,9 @@ struct Req {
 
 impl Req {
     /// The canonical request; `mcp`: a JSON-RPC `tools/call` as an MCP client sends it (the
-    /// `accept` of the Streamable HTTP transport, the 2026-07-28 routing headers).
-    fn base(orders: bool, key_header: &str, scope_header: &str, mcp: bool) -> Req {
+    /// `accept` of the Streamable HTTP transport, the 2026-07-28 routing headers); `form`: the
+    /// body a form (`FORM_BODY`, `application/x-www-form-urlencoded`) in place of the JSON one.
+    fn base(orders: bool, key_header: &str, scope_header: &str, mcp: bool, form: bool) -> Req {
         let scope = if scope_header == "authorization" { "Bearer alice" } else { "alice" };
         let mut r = Req {
             method: "POST".into(),
@@ -120,6 +125,10 @@ impl Req {
             chunked: false,
             h2: false,
         };
+        if form && !mcp {
+            r.body = FORM_BODY.into();
+            r.headers[2].1 = "application/x-www-form-urlencoded".into();
+        }
         if mcp {
             r.body = MCP_BODY.into();
             for (n, v) in [
@@ -320,10 +329,21 @@ const SPELLINGS: &[Spelling] = &[
     }),
     ("scope", "trailing whitespace", |r| header_mut(r, 0).1.push_str("  ")),
     ("content-type", "`; charset=utf-8`", |r| header_mut(r, 2).1.push_str("; charset=utf-8")),
-    ("content-type", "case (`Application/JSON`)", |r| header_mut(r, 2).1 = "Application/JSON".into()),
+    ("content-type", "case (`Application/JSON`)", |r| {
+        if is_json(r) {
+            header_mut(r, 2).1 = "Application/JSON".into()
+        }
+    }),
     ("body", "chunked framing", |r| r.chunked = true),
-    ("body", "whitespace (`{\"amount\": 1, ...}`)", |r| r.body = r.body.replace(":", ": ").replace(",", ", ")),
+    ("body", "whitespace (`{\"amount\": 1, ...}`)", |r| {
+        if is_json(r) {
+            r.body = r.body.replace(":", ": ").replace(",", ", ")
+        }
+    }),
     ("body", "member order", |r| {
+        if !is_json(r) {
+            return;
+        }
         r.body = if r.body.contains("jsonrpc") {
             r#"{"params":{"arguments":{"currency":"eur","amount":1},"name":"charge"},"method":"tools/call","id":7,"jsonrpc":"2.0"}"#
         } else {
@@ -339,8 +359,68 @@ const SPELLINGS: &[Spelling] = &[
     }),
     ("body", "JSON-RPC id `7.0`", |r| r.body = r.body.replacen("\"id\":7", "\"id\":7.0", 1)),
     ("body", "JSON-RPC id as a string (`\"7\"`)", |r| r.body = r.body.replacen("\"id\":7", "\"id\":\"7\"", 1)),
+    // A form body (`FORM_BODY`, `Req::base` with `form`): each spelling leaves a JSON body alone.
+    ("form", "field order (`currency=eur&...&amount=1`)", |r| {
+        if is_form(r) && r.body.contains("amount=1&") {
+            r.body = format!("{}&amount=1", r.body.replacen("amount=1&", "", 1))
+        }
+    }),
+    ("form", "space as `%20` (`a%20b`)", |r| form_edit(r, |b| b.replace("a+b", "a%20b"))),
+    ("form", "unreserved bytes %-encoded (`%61mount=1`, `=%65ur`)", |r| {
+        form_edit(r, |b| b.replacen("amount=", "%61mount=", 1).replacen("=eur", "=%65ur", 1))
+    }),
+    ("form", "%-hex in lower case (`%2f`, `%c3%a9`)", |r| {
+        form_edit(r, |b| b.replace("%2F", "%2f").replace("%C3%A9", "%c3%a9"))
+    }),
+    ("form", "slash not %-encoded (`a+b/caf`)", |r| form_edit(r, |b| b.replace("%2F", "/"))),
+    ("form", "raw UTF-8 `é` (not %-encoded)", |r| form_edit(r, |b| b.replace("%C3%A9", "é"))),
+    ("form", "trailing `&`", |r| form_edit(r, |b| format!("{b}&"))),
+    ("form", "leading `&`", |r| form_edit(r, |b| format!("&{b}"))),
+    ("form", "empty pair (`&&`)", |r| form_edit(r, |b| b.replacen("&currency", "&&currency", 1))),
+    ("form", "content type `; charset=utf-8`", |r| {
+        if is_form(r) {
+            header_mut(r, 2).1.push_str("; charset=utf-8")
+        }
+    }),
+    ("form", "content type case (`Application/X-WWW-Form-URLEncoded`)", |r| {
+        if is_form(r) {
+            header_mut(r, 2).1 = "Application/X-WWW-Form-URLEncoded".into()
+        }
+    }),
+    ("form", "a repeated field's values in another order (`tag=y&tag=x`)", |r| {
+        form_edit(r, |b| b.replace("tag=x&tag=y", "tag=y&tag=x"))
+    }),
+    ("form", "field order over HTTP/2", |r| {
+        if is_form(r) && r.body.contains("amount=1&") {
+            to_h2(r);
+            r.body = format!("{}&amount=1", r.body.replacen("amount=1&", "", 1))
+        }
+    }),
+    ("form", "space as `%20` over HTTP/2", |r| {
+        if is_form(r) {
+            to_h2(r);
+            r.body = r.body.replace("a+b", "a%20b")
+        }
+    }),
     ("protocol", "HTTP/2", to_h2),
 ];
+
+/// The body is JSON (the canonical JSON or MCP body, respelled).
+fn is_json(r: &Req) -> bool {
+    r.body.starts_with('{')
+}
+
+/// The body is the canonical form (`FORM_BODY`), respelled.
+fn is_form(r: &Req) -> bool {
+    !is_json(r) && r.body.contains("currency")
+}
+
+/// A form body rewritten by `f` (a JSON body left alone).
+fn form_edit(r: &mut Req, f: impl Fn(&str) -> String) {
+    if is_form(r) {
+        r.body = f(&r.body)
+    }
+}
 
 /// The request over HTTP/2 (h2c): header names in lower case, no absolute form.
 fn to_h2(r: &mut Req) {
@@ -656,10 +736,16 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
                 names(&sb)
             ));
         };
-        // The sweep: each spelling alone against the canonical request, on both routes.
+        // The sweep: each spelling alone against the canonical request, on both routes (the
+        // `form` spellings against the form body, on the payments route).
         for orders in [false, true] {
-            let base = Req::base(orders, kh, sh, mcp);
-            for s in 0..SPELLINGS.len() {
+            for (s, &(dim, _, _)) in SPELLINGS.iter().enumerate() {
+                let form = dim == "form";
+                if form && orders {
+                    found.cells.push((cfg, s, orders, Outcome::Inapplicable));
+                    continue;
+                }
+                let base = Req::base(orders, kh, sh, mcp, form);
                 let spelled = apply(&base, &[s]);
                 if spelled.show("k") == base.show("k") {
                     found.cells.push((cfg, s, orders, Outcome::Inapplicable));
@@ -676,7 +762,8 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
         // The search: random combinations of spellings on both sides.
         let mut rng = Rng(seed ^ (cfg as u64) << 32 ^ b.name.len() as u64);
         for _ in 0..pairs {
-            let base = Req::base(rng.below(2) == 1, kh, sh, mcp);
+            // A form body one time in three (spellings of the other body leave it alone).
+            let base = Req::base(rng.below(2) == 1, kh, sh, mcp, rng.below(3) == 0);
             let pick = |rng: &mut Rng| -> Vec<usize> {
                 let n = 1 + rng.below(3);
                 let mut v: Vec<usize> = (0..n).map(|_| rng.below(SPELLINGS.len())).collect();
@@ -774,13 +861,23 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
          each backend answers it with a JSON-RPC response (the request's id, what it read as the\n\
          result), which idemgate takes for the call's completion; `mcp_derive_key` sends that call\n\
          with `x-op` in place of the key header. In `derive_key` and `include_body` the key is\n\
-         derived from `x-op` (and in `include_body` from the body too).\n\n",
+         derived from `x-op` (and in `include_body` from the body too).\n\n\
+         The `form` spellings are sent beside the canonical request with a form body in place of\n\
+         the JSON one (`content-type: application/x-www-form-urlencoded`, body\n\
+         `amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y`), on the payments route, in\n\
+         the configurations that are not MCP. Each backend reports the form as its framework parses\n\
+         it, as a handler reading fields by name sees it: each name with its values in the order\n\
+         sent (the order of different names is not part of it, the order of one name's values is).\n\n",
     );
     t.push_str(
         "Backends: Flask 3.1.3 on Werkzeug 3.1.9's server; Django 5.2.19 (runserver's WSGIServer);\n\
          FastAPI 0.165.0 / Starlette 1.10.0 under uvicorn 0.54.0; Express 5.3.0; Fastify 5.12.8 (Node 20);\n\
          Go 1.19 net/http ServeMux (Debian golang-go); a servlet on Tomcat 10.1 (Debian tomcat10, Java 17).\n\
-         All with their defaults. The servlet API parses no JSON: Tomcat's body is its text. The\n\
+         All with their defaults, and a form parser: Express's `express.urlencoded()`, FastAPI's\n\
+         python-multipart 0.0.34 (Starlette's form parser needs it), and for Fastify, which has\n\
+         none (415), node:querystring registered as @fastify/formbody registers its parser. The\n\
+         servlet API parses no JSON: Tomcat's JSON body is its text; its form is the parameter\n\
+         map, which merges the query's fields with the body's. The\n\
          sweep below does not depend on the seed; the random search (combinations of these\n\
          spellings on both sides of a pair) found no counterexample in the run that wrote it.\n",
     );

@@ -387,6 +387,53 @@ fn derived_keys_read_the_method_and_repeated_headers_as_backends_do() {
     assert_eq!((b.status, b.problem().as_str()), (400, "key-repeated"), "{}", b.body_text());
 }
 
+/// Found by the boundary oracle (issue 41, configuration `include_body`, the `form` spellings,
+/// seed 41): with `derive_key.include_body` a urlencoded form's key was derived from its bytes, so
+/// a retry every backend of the panel parses into the same fields (another field order, `%20` for
+/// `+`, escapes in another case, an unreserved byte %-encoded, empty pairs) executed again.
+#[test]
+fn form_bodies_backends_parse_alike_derive_one_key_with_include_body() {
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
+    );
+    let canonical = "amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y";
+    let spellings = [
+        "currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y&amount=1",
+        "amount=1&currency=eur&memo=a%20b%2Fcaf%C3%A9&tag=x&tag=y",
+        "amount=1&currency=eur&memo=a+b%2fcaf%c3%a9&tag=x&tag=y",
+        "%61mount=1&currency=%65ur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+        "&amount=1&&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y&",
+    ];
+    let form = "application/x-www-form-urlencoded";
+    let mut again = vec![];
+    for (n, spelling) in spellings.iter().enumerate() {
+        let op = format!("op-form-{n}");
+        let h = [("authorization", "Bearer alice"), ("content-type", form), ("x-op", op.as_str())];
+        let before = s.up.executions();
+        let first = http::request(s.envoy.port, "POST", "/v1/payments", &h, canonical.as_bytes()).expect("request");
+        assert_eq!(first.status, 201, "{}", first.body_text());
+        let r = http::request(s.envoy.port, "POST", "/v1/payments", &h, spelling.as_bytes()).expect("request");
+        if s.up.executions() - before != 1 {
+            again.push(format!("{spelling} (answered {})", r.status));
+        } else {
+            assert!(r.status == 422 || r.header("idempotent-replayed") == Some("true"), "{spelling}: {}", r.status);
+        }
+    }
+    // A repeated field's values in another order are another form to every backend: it executes.
+    let h = [("authorization", "Bearer alice"), ("content-type", form), ("x-op", "op-form-0")];
+    let before = s.up.executions();
+    let other = http::request(
+        s.envoy.port,
+        "POST",
+        "/v1/payments",
+        &h,
+        b"amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=y&tag=x",
+    )
+    .expect("request");
+    assert_eq!((other.status, s.up.executions() - before), (201, 1), "{}", other.body_text());
+    assert!(again.is_empty(), "one derived key executed again through: {again:?}");
+}
+
 /// Found by the boundary oracle (issue 41, configuration `include_body`, seed 41): with
 /// `derive_key.include_body` the key was derived from the body's bytes, so a retry whose JSON
 /// every parsing backend of the panel reads as the first body (whitespace, member order, `1.0`,

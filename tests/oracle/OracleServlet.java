@@ -1,7 +1,8 @@
 // The oracle's Java backend (tests/it/boundary_oracle.rs): one servlet on Debian's Tomcat 10 with
 // its defaults (tests/oracle/tomcat.sh), mapped to `/v1/payments` and `/v2/orders/*`, the same
-// contract as backends.py. The servlet API parses no JSON: the body is reported as the servlet
-// reads it (the request's characters), so two bodies are alike here only when their text is.
+// contract as backends.py. The servlet API parses no JSON: a JSON body is reported as the servlet
+// reads it (the request's characters), so two bodies are alike here only when their text is. Any
+// other body is reported as the form the container parsed (`{"form": {name: [values]}}`).
 // A body that names a JSON-RPC `method` is answered with what was read as the `result` of a
 // JSON-RPC response whose `id` is the request's, found by a pattern (no parser here either).
 import jakarta.servlet.http.HttpServlet;
@@ -49,22 +50,34 @@ public class OracleServlet extends HttpServlet {
         boolean orders = r.getServletPath().equals("/v2/orders");
         String route = orders ? "orders" : "payments";
         String params = orders ? "{\"id\":" + q(r.getPathInfo() == null ? "" : r.getPathInfo().substring(1)) + "}" : "{}";
-        String body = new String(r.getInputStream().readAllBytes(), r.getCharacterEncoding() == null ? "UTF-8" : r.getCharacterEncoding());
+        String type = r.getContentType() == null ? "" : r.getContentType().toLowerCase();
+        boolean json = type.contains("json");
+        String body = json
+            ? new String(r.getInputStream().readAllBytes(), r.getCharacterEncoding() == null ? "UTF-8" : r.getCharacterEncoding())
+            : "";
         List<String> query = new ArrayList<>();
-        // The query as the container parses it (getParameterMap also reads form bodies: only the
-        // query string is taken, so the body is read above first).
-        if (r.getQueryString() != null) {
-            for (Map.Entry<String, String[]> e : r.getParameterMap().entrySet())
-                for (String v : e.getValue()) query.add("[" + q(e.getKey()) + "," + q(v) + "]");
-            Collections.sort(query);
+        // The query as the container parses it (getParameterMap also reads form bodies: with a
+        // JSON body only the query string is taken, the body being read above first). Any other
+        // body is the form the container parses (a urlencoded POST), which the servlet API hands
+        // over merged with the query (query values first): both are reported as that merged map.
+        List<String> form = new ArrayList<>();
+        for (Map.Entry<String, String[]> e : r.getParameterMap().entrySet()) {
+            List<String> vs = new ArrayList<>();
+            for (String v : e.getValue()) {
+                query.add("[" + q(e.getKey()) + "," + q(v) + "]");
+                vs.add(q(v));
+            }
+            form.add(q(e.getKey()) + ":[" + String.join(",", vs) + "]");
         }
+        Collections.sort(query);
         String path = r.getServletPath() + (r.getPathInfo() == null ? "" : r.getPathInfo());
         String host = r.getHeader("host");
         String out = "{\"route\":" + q(route) + ",\"params\":" + params + ",\"method\":" + q(r.getMethod())
             + ",\"path\":" + q(path) + ",\"host\":" + q(host)
             + ",\"authorization\":" + all(r, "authorization") + ",\"x-caller\":" + all(r, "x-caller")
             + ",\"idempotency-key\":" + all(r, "idempotency-key") + ",\"x-op\":" + all(r, "x-op")
-            + ",\"query\":[" + String.join(",", query) + "],\"body\":" + q(body) + "}";
+            + ",\"query\":[" + String.join(",", query) + "],\"body\":"
+            + (json ? q(body) : "{\"form\":{" + String.join(",", form) + "}}") + "}";
         Matcher id = ID.matcher(body);
         if (METHOD.matcher(body).find() && id.find()) {
             out = "{\"jsonrpc\":\"2.0\",\"id\":" + id.group(1) + ",\"result\":" + out + "}";

@@ -1,6 +1,7 @@
 // The oracle's Go backend (tests/it/boundary_oracle.rs): net/http's ServeMux and Server with their
 // defaults, the same contract as backends.py (a JSON-RPC request body is answered with what was
-// read as the `result` of a JSON-RPC response with the request's `id`).
+// read as the `result` of a JSON-RPC response with the request's `id`; a body that is not JSON is
+// reported as the form ParseForm reads, `{"form": {name: [values]}}`).
 //
 // usage: backend PORT
 package main
@@ -26,11 +27,22 @@ func read(route string) http.HandlerFunc {
 			params["id"] = strings.TrimPrefix(r.URL.Path, "/v2/orders/")
 		}
 		var body interface{}
-		raw, _ := io.ReadAll(r.Body)
 		if strings.Contains(strings.ToLower(r.Header.Get("Content-Type")), "json") {
+			raw, _ := io.ReadAll(r.Body)
 			if json.Unmarshal(raw, &body) != nil {
 				body = nil
 			}
+		} else {
+			// The form as net/http parses it (ParseForm: a urlencoded body of a POST, PUT or
+			// PATCH), name -> [values in the order sent]; an error is what was read too.
+			form := map[string][]string{}
+			if err := r.ParseForm(); err != nil {
+				form["(error)"] = []string{err.Error()}
+			}
+			for k, vs := range r.PostForm {
+				form[k] = vs
+			}
+			body = map[string]interface{}{"form": form}
 		}
 		q := [][2]string{}
 		for k, vs := range r.URL.Query() {

@@ -1,16 +1,29 @@
 // The oracle's Node backends (tests/it/boundary_oracle.rs), the same contract as backends.py:
 // `/v1/payments` and `/v2/orders/:id` run one handler that counts and answers 201 with what it
-// read; `GET /__count` answers the executions. Each framework with its defaults. A JSON-RPC request
+// read; `GET /__count` answers the executions. Each framework with its defaults, plus a form
+// parser: Express's own `express.urlencoded()` (its defaults); Fastify has none (415 for a form), so
+// it is given node:querystring as its parser, the way @fastify/formbody registers one. A body that
+// is not JSON is reported as `{form: {name: [values in the order sent]}}` (what was parsed). A JSON-RPC request
 // body (an object with a `method`) is answered with what was read as the `result` of a JSON-RPC
 // response with the request's `id`.
 //
 // usage: node backend.mjs express|fastify PORT NODE_DIR
 // The packages come from NODE_DIR (target/oracle-node, `scripts/install-deps.sh oracle-panel`).
 import { createRequire } from "node:module";
+import querystring from "node:querystring";
 const [kind, portText, nodeDir] = process.argv.slice(2);
 const require = createRequire(`${nodeDir}/package.json`);
 const port = Number(portText);
 let count = 0;
+
+// A parsed form (an object whose repeated fields are arrays) as name -> [values], or {} for none.
+function form(parsed) {
+  const out = {};
+  if (parsed && typeof parsed === "object") {
+    for (const [k, v] of Object.entries(parsed)) out[k] = [].concat(v).map(String);
+  }
+  return { form: out };
+}
 
 function report(route, params, method, path, host, headers, query, body) {
   const all = (n) => {
@@ -36,10 +49,11 @@ if (kind === "express") {
   const express = require("express");
   const app = express();
   app.use(express.json());
+  app.use(express.urlencoded());
   const read = (route) => (req, res) => {
     count++;
     const params = route === "orders" ? { id: req.params.id } : {};
-    const body = req.is("json") ? req.body : null;
+    const body = req.is("json") ? req.body : form(req.body);
     res.status(201).json(report(route, params, req.method, req.path, req.get("host"), req.headers, req.query, body));
   };
   app.all("/v1/payments", read("payments"));
@@ -49,13 +63,17 @@ if (kind === "express") {
 } else if (kind === "fastify") {
   const Fastify = require("fastify");
   const app = Fastify();
+  app.addContentTypeParser("application/x-www-form-urlencoded", { parseAs: "string" }, (req, text, done) =>
+    done(null, querystring.parse(text)),
+  );
   const methods = ["GET", "POST", "PUT", "PATCH", "DELETE"];
   const read = (route) => async (req, reply) => {
     count++;
     const params = route === "orders" ? { id: req.params.id } : {};
     const path = req.url.split("?")[0];
     // Fastify's own content-type parsers decide (415 for a type it has none for).
-    const body = req.body;
+    const json = String(req.headers["content-type"] || "").toLowerCase().includes("json");
+    const body = json ? req.body : form(req.body);
     reply.code(201).send(report(route, params, req.method, path, req.headers.host, req.headers, req.query, body));
   };
   app.route({ method: methods, url: "/v1/payments", handler: read("payments") });

@@ -7,7 +7,10 @@ usage: backends.py flask|django|fastapi PORT
 Every app has the same two routes, `/v1/payments` and `/v2/orders/<id>`, and one handler: it
 counts an execution and answers 201 with what it read (the route that ran, the method, the path,
 the host, the caller's headers `authorization` and `x-caller`, the key headers `idempotency-key`
-and `x-op`, the query and the body as the framework parses JSON). `GET /__count` answers the
+and `x-op`, the query and the body as the framework parses it: a JSON body (a JSON content type)
+as the framework parses JSON, any other as the framework parses a form, reported as
+`{"form": {name: [values in the order sent]}}` (empty when the framework parsed no form from it:
+what a handler reading fields by name sees). `GET /__count` answers the
 number of executions. Anything else is the framework's own 404 (or redirect): nothing executes.
 A body the framework parsed as a JSON-RPC request (an object with a `method`: the oracle's MCP
 configuration) is answered as an MCP server answers a call: what was read is the `result` of a
@@ -52,6 +55,8 @@ if kind == "flask":
     def read(route, params):
         executed()
         body = request.get_json(silent=True)
+        if not request.is_json:
+            body = {"form": request.form.to_dict(flat=False)}
         q = sorted((k, v) for k, vs in request.args.lists() for v in vs)
         r = report(route, params, request.method, request.path, request.host,
                    lambda n: request.headers.getlist(n), q, body)
@@ -92,6 +97,8 @@ elif kind == "django":
             body = json.loads(request.body) if "json" in (request.content_type or "").lower() else None
         except ValueError:
             body = None
+        if "json" not in (request.content_type or "").lower():
+            body = {"form": dict(request.POST.lists())}
         q = sorted((k, v) for k, vs in request.GET.lists() for v in vs)
         def hdr(n):
             v = request.headers.get(n)
@@ -122,6 +129,12 @@ elif kind == "fastapi":
             body = json.loads(raw) if "json" in request.headers.get("content-type", "").lower() else None
         except ValueError:
             body = None
+        if "json" not in request.headers.get("content-type", "").lower():
+            # Starlette's form parser (python-multipart's, for a urlencoded body).
+            form = {}
+            for k, v in (await request.form()).multi_items():
+                form.setdefault(k, []).append(v if isinstance(v, str) else repr(v))
+            body = {"form": form}
         q = sorted(request.query_params.multi_items())
         r = report(route, params, request.method, request.url.path, request.headers.get("host"),
                    lambda n: request.headers.getlist(n), q, body)

@@ -442,6 +442,58 @@ fn include_body_derives_one_key_for_bodies_every_json_parser_reads_alike() {
 }
 
 #[test]
+fn include_body_derives_one_key_for_form_bodies_every_form_parser_reads_alike() {
+    // The boundary oracle (issue 41, configuration `include_body`, the `form` spellings): Flask,
+    // Django, FastAPI, Express, Fastify, Go and Tomcat parse each of these urlencoded bodies into
+    // the canonical body's fields, and each derived another key from its raw bytes, so the second
+    // executed again.
+    let c = config(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
+    );
+    let op = [("x-op", "op-1")];
+    let a = admitted(at_headers(&c, &head("POST", "/v1/payments", &op), None, false));
+    let key_as = |content_type: &str, body: &str| {
+        let mut h = head("POST", "/v1/payments", &[("x-op", "op-1"), ("content-type", content_type)]);
+        match at_body_end(&a.policy, &mut h, &a.scope, true, body.as_bytes()) {
+            AtBodyEnd::Fingerprinted { derived: Some(d), .. } => d.key,
+            other => panic!("no key derived for {body}: {other:?}"),
+        }
+    };
+    let key = |body: &str| key_as("application/x-www-form-urlencoded", body);
+    let canonical = key("amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y");
+    for alike in [
+        "currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y&amount=1",
+        "amount=1&currency=eur&memo=a%20b%2Fcaf%C3%A9&tag=x&tag=y",
+        "%61mount=1&currency=%65ur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+        "amount=1&currency=eur&memo=a+b%2fcaf%c3%a9&tag=x&tag=y",
+        "amount=1&currency=eur&memo=a+b/caf%C3%A9&tag=x&tag=y",
+        "amount=1&currency=eur&memo=a+b%2Fcaf\u{e9}&tag=x&tag=y",
+        "amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y&",
+        "&amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+        "amount=1&&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+        "tag=x&amount=1&currency=eur&tag=y&memo=a+b%2Fcaf%C3%A9",
+    ] {
+        assert_eq!(key(alike), canonical, "{alike}");
+    }
+    for content_type in ["application/x-www-form-urlencoded; charset=utf-8", "Application/X-WWW-Form-URLEncoded"] {
+        assert_eq!(key_as(content_type, "currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y&amount=1"), canonical);
+    }
+    // Every framework keeps a repeated field's values in the order sent, and `+` in a value is
+    // a space only when written `+`, not `%2B`.
+    for apart in [
+        "amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=y&tag=x",
+        "amount=1&currency=eur&memo=a%2Bb%2Fcaf%C3%A9&tag=x&tag=y",
+        "amount=2&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+        "amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x",
+        "amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y&tag=",
+    ] {
+        assert_ne!(key(apart), canonical, "{apart}");
+    }
+    // A body of another type derives from its bytes, as before.
+    assert_ne!(key_as("text/plain", "amount=1&currency=eur"), key_as("text/plain", "currency=eur&amount=1"));
+}
+
+#[test]
 fn mcp_derive_key_derives_one_key_for_arguments_every_json_parser_reads_alike() {
     // The boundary oracle (issue 41, configuration `mcp_derive_key`): Express, Fastify and Go
     // parse `"amount":1.0` as `"amount":1`, every backend `"\u0065ur"` as `"eur"`; the derived
