@@ -18,7 +18,8 @@ use idemgate::decision::{classify_routed, Exchange};
 use idemgate::encoding::{self, RetryAnswer, EXPIRES_HEADER};
 use idemgate::engine::budget::Budget;
 use idemgate::engine::machine::{
-    log_line, Command, Count, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response, StoreOp,
+    log_line, Command, Count, Effects, Ended, Flow, Io, KeyHold, LogLevel, Machine, NotSent, Phase, Protected,
+    Response, StoreOp,
 };
 use idemgate::engine::request::{self, Asked, NotProtected, StoreAnswer};
 use idemgate::engine::settle::Claim;
@@ -301,20 +302,17 @@ impl Effects for Glue<'_> {
 
     fn run(&mut self, c: Command<'_>) {
         match c {
-            // The local release is counted as the Wasm build counts it: not per route.
-            Command::Count(Count::Released) => {
-                self.global.metrics.inc(MetricsFrom::Stream(self.envoy), Counter::Released);
-                self.settled();
-            }
             Command::Count(c) => {
                 match c {
-                    Count::Claimed | Count::TakenOver => *self.held_since = Some(self.now()),
-                    Count::Stored | Count::StoredWithoutBody | Count::UnknownOutcome | Count::LostClaim => {
-                        self.settled()
-                    }
-                    _ => {}
+                    // The local release is counted as the Wasm build counts it: not per route.
+                    Count::Released => self.global.metrics.inc(MetricsFrom::Stream(self.envoy), Counter::Released),
+                    c => self.count(rules::counter(c)),
                 }
-                self.count(rules::counter(c))
+                match c.key_hold() {
+                    Some(KeyHold::Starts) => *self.held_since = Some(self.now()),
+                    Some(KeyHold::Ends) => self.settled(),
+                    None => {}
+                }
             }
             // The outcome in filter state: not carried yet (docs/native.md).
             Command::Publish { .. } => {}

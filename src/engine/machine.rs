@@ -314,6 +314,39 @@ pub enum Count {
     InternalErrors,
 }
 
+/// What a count says of the request's hold on its key, which the glue measures
+/// (`Histogram::KeyHeldMs`): from its claim or take-over to its claim's settlement here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyHold {
+    /// The request holds the key from now on.
+    Starts,
+    /// The claim the request held (if it held one) is settled.
+    Ends,
+}
+
+impl Count {
+    /// Whether this count starts or ends the request's hold on its key (both glues' one rule).
+    pub fn key_hold(self) -> Option<KeyHold> {
+        match self {
+            Count::Claimed | Count::TakenOver => Some(KeyHold::Starts),
+            Count::Stored | Count::StoredWithoutBody | Count::UnknownOutcome | Count::LostClaim | Count::Released => {
+                Some(KeyHold::Ends)
+            }
+            Count::LocalEvictions
+            | Count::LocalErrors
+            | Count::StoreErrors
+            | Count::StorePassed
+            | Count::StoreReplays
+            | Count::StoreAnswersTooLate
+            | Count::RecordUnauthentic
+            | Count::DerivedKeys
+            | Count::Protected
+            | Count::RedirectsFollowed
+            | Count::InternalErrors => None,
+        }
+    }
+}
+
 /// What the driver does, in the order given. Handed over one at a time (`Io::run`), never
 /// stored: a large variant costs no allocation.
 #[derive(Debug)]

@@ -28,8 +28,8 @@ use crate::decision::{classify_routed, Exchange};
 use crate::engine::budget::Budget;
 use crate::engine::forwards::Forward;
 use crate::engine::machine::{
-    self, log_line, Command, Count, Effects, Ended, Flow, Io, LogLevel, Machine, NotSent, Phase, Protected, Response,
-    StoreOp,
+    self, log_line, Command, Count, Effects, Ended, Flow, Io, KeyHold, LogLevel, Machine, NotSent, Phase, Protected,
+    Response, StoreOp,
 };
 use crate::engine::request::{self, Asked, KeyFrom, NotProtected, StoreAnswer};
 use crate::failsafe::{Broken, Holding};
@@ -240,20 +240,17 @@ impl Glue<'_> {
 
     fn command(&mut self, c: Command<'_>) {
         match c {
-            // The local release is counted as `release_local` counts it: not per route.
-            Command::Count(Count::Released) => {
-                self.shared.metrics.inc(Counter::Released);
-                self.settled();
-            }
             Command::Count(c) => {
                 match c {
-                    Count::Claimed | Count::TakenOver => *self.held_since = Some(self.now()),
-                    Count::Stored | Count::StoredWithoutBody | Count::UnknownOutcome | Count::LostClaim => {
-                        self.settled()
-                    }
-                    _ => {}
+                    // The local release is counted as `release_local` counts it: not per route.
+                    Count::Released => self.shared.metrics.inc(Counter::Released),
+                    c => self.count(settle::counter(c)),
                 }
-                self.count(settle::counter(c))
+                match c.key_hold() {
+                    Some(KeyHold::Starts) => *self.held_since = Some(self.now()),
+                    Some(KeyHold::Ends) => self.settled(),
+                    None => {}
+                }
             }
             Command::Log(level, line) => host::log_line(level, &line),
             Command::Reply { req, problem, creator } => self.answer(req, problem, creator),
