@@ -396,23 +396,31 @@ fn a_redirected_mcp_call_finds_its_first_streams_key_whatever_its_source() {
     }
 }
 
-#[test]
-fn include_body_derives_one_key_for_bodies_every_json_parser_reads_alike() {
-    // The boundary oracle (issue 41, configuration `include_body`): Flask, Django, FastAPI,
-    // Express, Fastify and Go parse each of these as the canonical body, and each derived another
-    // key from its raw bytes, so the second executed again.
+/// The key `derive_key.include_body` derives (from `x-op: op-1` and the body) for a POST of
+/// `body` to /v1/payments, sent with `content_type` if any. The request is admitted at its
+/// headers without a content type, as the boundary oracle's requests were read.
+fn include_body_key(content_type: Option<&str>, body: &str) -> IdempotencyKey {
     let c = config(
         r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
     );
     let op = [("x-op", "op-1")];
     let a = admitted(at_headers(&c, &head("POST", "/v1/payments", &op), None, false));
-    let key = |body: &str| {
-        let mut h = head("POST", "/v1/payments", &op);
-        match at_body_end(&a.policy, &mut h, &a.scope, true, body.as_bytes()) {
-            AtBodyEnd::Fingerprinted { derived: Some(d), .. } => d.key,
-            other => panic!("no key derived for {body}: {other:?}"),
-        }
+    let mut h = match content_type {
+        Some(t) => head("POST", "/v1/payments", &[("x-op", "op-1"), ("content-type", t)]),
+        None => head("POST", "/v1/payments", &op),
     };
+    match at_body_end(&a.policy, &mut h, &a.scope, true, body.as_bytes()) {
+        AtBodyEnd::Fingerprinted { derived: Some(d), .. } => d.key,
+        other => panic!("no key derived for {body}: {other:?}"),
+    }
+}
+
+#[test]
+fn include_body_derives_one_key_for_bodies_every_json_parser_reads_alike() {
+    // The boundary oracle (issue 41, configuration `include_body`): Flask, Django, FastAPI,
+    // Express, Fastify and Go parse each of these as the canonical body, and each derived another
+    // key from its raw bytes, so the second executed again.
+    let key = |body: &str| include_body_key(None, body);
     let canonical = key(r#"{"amount":1,"currency":"eur"}"#);
     for alike in [
         r#"{"amount": 1, "currency": "eur"}"#,
@@ -447,18 +455,7 @@ fn include_body_derives_one_key_for_form_bodies_every_form_parser_reads_alike() 
     // Django, FastAPI, Express, Fastify, Go and Tomcat parse each of these urlencoded bodies into
     // the canonical body's fields, and each derived another key from its raw bytes, so the second
     // executed again.
-    let c = config(
-        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
-    );
-    let op = [("x-op", "op-1")];
-    let a = admitted(at_headers(&c, &head("POST", "/v1/payments", &op), None, false));
-    let key_as = |content_type: &str, body: &str| {
-        let mut h = head("POST", "/v1/payments", &[("x-op", "op-1"), ("content-type", content_type)]);
-        match at_body_end(&a.policy, &mut h, &a.scope, true, body.as_bytes()) {
-            AtBodyEnd::Fingerprinted { derived: Some(d), .. } => d.key,
-            other => panic!("no key derived for {body}: {other:?}"),
-        }
-    };
+    let key_as = |content_type: &str, body: &str| include_body_key(Some(content_type), body);
     let key = |body: &str| key_as("application/x-www-form-urlencoded", body);
     let canonical = key("amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y");
     for alike in [
