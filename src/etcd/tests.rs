@@ -1067,6 +1067,14 @@ fn with_tombstones() -> Lifetimes {
     Lifetimes { tombstone_ms: 120_000, ..lifetimes() }
 }
 
+/// A store where owner 1 claimed `s` at `NOW` and completed it (`completed(NOW)`) under `l`.
+fn completed_on(s: &StorageKey, l: &Lifetimes) -> Etcd {
+    let mut e = Etcd::default();
+    claim_on(&mut e, s, owner(1), NOW, l).unwrap();
+    write(&mut e, s, &Transition::complete(owner(1), completed(NOW), l), NOW, None);
+    e
+}
+
 fn claim_on(
     e: &mut Etcd,
     s: &StorageKey,
@@ -1112,9 +1120,8 @@ fn a_completion_keeps_its_record_for_ttl_and_a_small_sealed_tombstone_key_for_tt
     assert!(open_key_tombstone(&tomb, &skey(2), &seal()).is_err(), "bound to its key");
     assert!(open_value(&tomb, &s, &seal()).is_err() && crate::store::open_tombstone(&tomb, &s, &seal()).is_err());
     // The route without tombstones writes none.
-    let (s2, mut e2) = (skey(2), Etcd::default());
-    claim(&mut e2, &s2, owner(1), NOW).unwrap();
-    write(&mut e2, &s2, &Transition::complete(owner(1), completed(NOW), &lifetimes()), NOW, None);
+    let s2 = skey(2);
+    let e2 = completed_on(&s2, &lifetimes());
     assert!(!e2.kv.contains_key(key_tombstone_key(&s2).as_bytes()));
     assert_eq!(e2.value(&s2).unwrap().1, NOW + lifetimes().ttl_ms);
 }
@@ -1123,9 +1130,7 @@ fn a_completion_keeps_its_record_for_ttl_and_a_small_sealed_tombstone_key_for_tt
 fn past_its_record_a_key_answers_its_tombstone_claims_nothing_and_is_freed_only_past_it() {
     let l = with_tombstones();
     let s = skey(1);
-    let mut e = Etcd::default();
-    claim_on(&mut e, &s, owner(1), NOW, &l).unwrap();
-    write(&mut e, &s, &Transition::complete(owner(1), completed(NOW), &l), NOW, None);
+    let mut e = completed_on(&s, &l);
     let ttl_end = NOW + l.ttl_ms + CLOCK_SKEW_TOLERANCE_MS;
     let tomb_end = NOW + l.ttl_ms + l.tombstone_ms + CLOCK_SKEW_TOLERANCE_MS;
     // Within ttl: the record is replayed.
@@ -1162,9 +1167,7 @@ fn past_its_record_a_key_answers_its_tombstone_claims_nothing_and_is_freed_only_
     assert_eq!(e.value(&s).unwrap().0.owner, owner(2));
     assert!(!e.kv.contains_key(key_tombstone_key(&s).as_bytes()), "the spent tombstone went with the claim");
     // A fence on a tombstone is refused before it is sent while the tombstone is live.
-    let mut e = Etcd::default();
-    claim_on(&mut e, &s, owner(1), NOW, &l).unwrap();
-    write(&mut e, &s, &Transition::complete(owner(1), completed(NOW), &l), NOW, None);
+    completed_on(&s, &l);
     let live = Fence { expires_at_ms: NOW + l.ttl_ms + l.tombstone_ms, ..fence };
     assert!(transition_request(&take(2), &s, &seal(), LEASE, ttl_end, Some(&live)).is_err());
 }
@@ -1192,9 +1195,7 @@ fn a_completion_written_where_its_claim_was_lost_or_without_its_body_writes_the_
 fn an_operators_forget_deletes_the_tombstone_with_the_record_and_a_proxys_release_keeps_it() {
     let l = with_tombstones();
     let s = skey(1);
-    let mut e = Etcd::default();
-    claim_on(&mut e, &s, owner(1), NOW, &l).unwrap();
-    write(&mut e, &s, &Transition::complete(owner(1), completed(NOW), &l), NOW, None);
+    let mut e = completed_on(&s, &l);
     let (_, fence) = operator_read(&mut e, &s, NOW);
     let value = fence.as_ref().unwrap().value.clone();
     let forget = crate::admin::plan(&crate::admin::Settle::Forget, &value, NOW, 1_000).unwrap();
