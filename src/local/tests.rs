@@ -1407,15 +1407,22 @@ fn claim_with(t: &Table, m: &mut Model, k: StorageKey, f: Fingerprint, o: u8, no
     t.begin(m, k, Some(f), now, p, owner(o), &creator(&format!("req-{o}"))).unwrap()
 }
 
+/// A table of 64 buckets (the oldest evicted) on a fresh model, `tombstone_policy()`, and the
+/// handle of the claim owner 1 made on `skey(1)` with `fp(1)` at `NOW` under that policy.
+fn claimed_under_tombstones() -> (Table, Policy, Model, Handle) {
+    let t = table(64, WhenFull::EvictOldest);
+    let p = tombstone_policy();
+    let mut m = fresh(&t);
+    let h = handle(&t.begin(&mut m, skey(1), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    (t, p, m, h)
+}
+
 /// A lookup that meets a completed record past its ttl before any sweep shrinks it on the spot
 /// (one write of its body key and one of its bucket), and answers its key's tombstone. Seen
 /// failing before the change: the body key still held the 1 KB record after the lookup.
 #[test]
 fn a_lookup_that_meets_a_record_past_its_ttl_leaves_the_small_tombstone() {
-    let t = table(64, WhenFull::EvictOldest);
-    let p = tombstone_policy();
-    let mut m = fresh(&t);
-    let h = handle(&t.begin(&mut m, skey(1), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    let (t, p, mut m, h) = claimed_under_tombstones();
     complete_kept(&t, &mut m, &h, fp(1), 1024, NOW);
     let at = NOW + 10_000;
     match claim_with(&t, &mut m, skey(1), fp(1), 2, at, &p) {
@@ -1433,10 +1440,7 @@ fn a_lookup_that_meets_a_record_past_its_ttl_leaves_the_small_tombstone() {
 /// count, both stages alike: a completed entry keeps no creator).
 #[test]
 fn the_local_tombstone_costs_its_fingerprint_whatever_the_response() {
-    let t = table(64, WhenFull::EvictOldest);
-    let p = tombstone_policy();
-    let mut m = fresh(&t);
-    let h = handle(&t.begin(&mut m, skey(1), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    let (t, p, mut m, h) = claimed_under_tombstones();
     let response = StoredResponse {
         status: 201,
         headers: vec![
@@ -1466,10 +1470,7 @@ fn the_local_tombstone_costs_its_fingerprint_whatever_the_response() {
 /// still replayed), and shrinks it after.
 #[test]
 fn a_record_completed_by_an_earlier_module_is_shrunk_only_past_its_own_expiry() {
-    let t = table(64, WhenFull::EvictOldest);
-    let p = tombstone_policy();
-    let mut m = fresh(&t);
-    let h = handle(&t.begin(&mut m, skey(1), Some(fp(1)), NOW, &p, owner(1), &creator("a")).unwrap());
+    let (t, p, mut m, h) = claimed_under_tombstones();
     complete_kept(&t, &mut m, &h, fp(1), 1024, NOW);
     let (mut b, cas) = t.read_bucket(&mut m, h.bucket).unwrap();
     if let Some(Some(e)) = b.positions.get_mut(h.position) {
