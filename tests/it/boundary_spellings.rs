@@ -275,6 +275,28 @@ fn one_origin_spelled_several_ways_over_http2_is_one_scope() {
 /// as sent, so a retry spelling the path or the query another way, one request to every backend of
 /// the oracle's panel (Flask, Django, FastAPI, Express, Fastify, Go, Tomcat), derived another key
 /// and executed again.
+/// With the key derived from `x-op` and the body (`derive_key.include_body`): sends `first` as
+/// `content_type` with a fresh `x-op` (`op-<tag>-<n>`), then each spelling of it with that same
+/// `x-op`: the spelling must be answered without executing (a replay, or 422). Returns the
+/// spellings that executed again, with their answer.
+fn body_executed_again(s: &Stack, content_type: &str, first: &[u8], spellings: &[&str], tag: &str) -> Vec<String> {
+    let mut again = vec![];
+    for (n, spelling) in spellings.iter().enumerate() {
+        let op = format!("op-{tag}-{n}");
+        let h = [("authorization", "Bearer alice"), ("content-type", content_type), ("x-op", op.as_str())];
+        let before = s.up.executions();
+        let first = http::request(s.envoy.port, "POST", "/v1/payments", &h, first).expect("request");
+        assert_eq!(first.status, 201, "{}", first.body_text());
+        let r = http::request(s.envoy.port, "POST", "/v1/payments", &h, spelling.as_bytes()).expect("request");
+        if s.up.executions() - before != 1 {
+            again.push(format!("{spelling} (answered {})", r.status));
+        } else {
+            assert!(r.status == 422 || r.header("idempotent-replayed") == Some("true"), "{spelling}: {}", r.status);
+        }
+    }
+    again
+}
+
 #[test]
 fn spellings_of_one_target_derive_one_key() {
     let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"]}}"#);
@@ -405,20 +427,7 @@ fn form_bodies_backends_parse_alike_derive_one_key_with_include_body() {
         "&amount=1&&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y&",
     ];
     let form = "application/x-www-form-urlencoded";
-    let mut again = vec![];
-    for (n, spelling) in spellings.iter().enumerate() {
-        let op = format!("op-form-{n}");
-        let h = [("authorization", "Bearer alice"), ("content-type", form), ("x-op", op.as_str())];
-        let before = s.up.executions();
-        let first = http::request(s.envoy.port, "POST", "/v1/payments", &h, canonical.as_bytes()).expect("request");
-        assert_eq!(first.status, 201, "{}", first.body_text());
-        let r = http::request(s.envoy.port, "POST", "/v1/payments", &h, spelling.as_bytes()).expect("request");
-        if s.up.executions() - before != 1 {
-            again.push(format!("{spelling} (answered {})", r.status));
-        } else {
-            assert!(r.status == 422 || r.header("idempotent-replayed") == Some("true"), "{spelling}: {}", r.status);
-        }
-    }
+    let again = body_executed_again(&s, form, canonical.as_bytes(), &spellings, "form");
     // A repeated field's values in another order are another form to every backend: it executes.
     let h = [("authorization", "Bearer alice"), ("content-type", form), ("x-op", "op-form-0")];
     let before = s.up.executions();
@@ -451,21 +460,8 @@ fn json_bodies_backends_parse_alike_derive_one_key_with_include_body() {
         r#"{"amount":1,"currency":"\u0065ur"}"#,
         r#"{"amount":1,"currency":"usd","currency":"eur"}"#,
     ];
-    let mut again = vec![];
-    for (n, spelling) in spellings.iter().enumerate() {
-        let op = format!("op-body-{n}");
-        let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", op.as_str())];
-        let before = s.up.executions();
-        let first = http::request(s.envoy.port, "POST", "/v1/payments", &h, br#"{"amount":1,"currency":"eur"}"#)
-            .expect("request");
-        assert_eq!(first.status, 201, "{}", first.body_text());
-        let r = http::request(s.envoy.port, "POST", "/v1/payments", &h, spelling.as_bytes()).expect("request");
-        if s.up.executions() - before != 1 {
-            again.push(format!("{spelling} (answered {})", r.status));
-        } else {
-            assert!(r.status == 422 || r.header("idempotent-replayed") == Some("true"), "{spelling}: {}", r.status);
-        }
-    }
+    let first = br#"{"amount":1,"currency":"eur"}"#;
+    let again = body_executed_again(&s, "application/json", first, &spellings, "body");
     // Another amount is another operation: it executes.
     let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", "op-body-0")];
     let before = s.up.executions();
