@@ -312,52 +312,33 @@ pub fn upstream_hosts_attempted(f: EnvoyPtr) -> usize {
     unsafe { abi::envoy_dynamic_module_callback_http_get_upstream_hosts_attempted_size(f) }
 }
 
+/// One of the ABI's `define_*` metric callbacks (`abi.rs`: the same arguments for each kind).
+type DefineMetric =
+    unsafe extern "C" fn(abi::ConfigEnvoyPtr, ModuleBuffer, *const ModuleBuffer, usize, *mut usize) -> u32;
+
+/// Defines metric `name` of configuration `c` with the ABI's `define` of its kind, without
+/// labels: its id, if Envoy defined it.
+fn define_metric(c: abi::ConfigEnvoyPtr, name: &str, define: DefineMetric) -> Option<usize> {
+    let mut id: usize = 0;
+    // SAFETY: `c` is the configuration Envoy is creating (the callers run during
+    // `on_http_filter_config_new`); the name lives for the call; no labels (a null array of 0).
+    let r = unsafe { define(c, ModuleBuffer::of(name.as_bytes()), std::ptr::null(), 0, &mut id) };
+    (r == abi::METRICS_SUCCESS).then_some(id)
+}
+
 /// Defines counter `name` of configuration `c` (during `on_http_filter_config_new`): its id.
 pub fn define_counter(c: abi::ConfigEnvoyPtr, name: &str) -> Option<usize> {
-    let mut id: usize = 0;
-    // SAFETY: `c` is the configuration Envoy is creating; the name lives for the call; no labels.
-    let r = unsafe {
-        abi::envoy_dynamic_module_callback_http_filter_config_define_counter(
-            c,
-            ModuleBuffer::of(name.as_bytes()),
-            std::ptr::null(),
-            0,
-            &mut id,
-        )
-    };
-    (r == abi::METRICS_SUCCESS).then_some(id)
+    define_metric(c, name, abi::envoy_dynamic_module_callback_http_filter_config_define_counter)
 }
 
 /// Defines gauge `name` of configuration `c`: its id.
 pub fn define_gauge(c: abi::ConfigEnvoyPtr, name: &str) -> Option<usize> {
-    let mut id: usize = 0;
-    // SAFETY: as `define_counter`.
-    let r = unsafe {
-        abi::envoy_dynamic_module_callback_http_filter_config_define_gauge(
-            c,
-            ModuleBuffer::of(name.as_bytes()),
-            std::ptr::null(),
-            0,
-            &mut id,
-        )
-    };
-    (r == abi::METRICS_SUCCESS).then_some(id)
+    define_metric(c, name, abi::envoy_dynamic_module_callback_http_filter_config_define_gauge)
 }
 
 /// Defines histogram `name` of configuration `c`: its id.
 pub fn define_histogram(c: abi::ConfigEnvoyPtr, name: &str) -> Option<usize> {
-    let mut id: usize = 0;
-    // SAFETY: as `define_counter`.
-    let r = unsafe {
-        abi::envoy_dynamic_module_callback_http_filter_config_define_histogram(
-            c,
-            ModuleBuffer::of(name.as_bytes()),
-            std::ptr::null(),
-            0,
-            &mut id,
-        )
-    };
-    (r == abi::METRICS_SUCCESS).then_some(id)
+    define_metric(c, name, abi::envoy_dynamic_module_callback_http_filter_config_define_histogram)
 }
 
 /// Adds 1 to counter `id` from stream `f`'s hook.
