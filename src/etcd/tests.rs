@@ -1067,10 +1067,16 @@ fn with_tombstones() -> Lifetimes {
     Lifetimes { tombstone_ms: 120_000, ..lifetimes() }
 }
 
-/// A store where owner 1 claimed `s` at `NOW` and completed it (`completed(NOW)`) under `l`.
-fn completed_on(s: &StorageKey, l: &Lifetimes) -> Etcd {
+/// A store where owner 1 claimed `s` at `NOW` under `l`.
+fn claimed_on(s: &StorageKey, l: &Lifetimes) -> Etcd {
     let mut e = Etcd::default();
     claim_on(&mut e, s, owner(1), NOW, l).unwrap();
+    e
+}
+
+/// A store where owner 1 claimed `s` at `NOW` and completed it (`completed(NOW)`) under `l`.
+fn completed_on(s: &StorageKey, l: &Lifetimes) -> Etcd {
+    let mut e = claimed_on(s, l);
     write(&mut e, s, &Transition::complete(owner(1), completed(NOW), l), NOW, None);
     e
 }
@@ -1101,8 +1107,7 @@ fn tombstone_answer(reply: &ClaimReply, now: u64) -> Option<bool> {
 fn a_completion_keeps_its_record_for_ttl_and_a_small_sealed_tombstone_key_for_ttl_plus_tombstone() {
     let l = with_tombstones();
     let s = skey(1);
-    let mut e = Etcd::default();
-    claim_on(&mut e, &s, owner(1), NOW, &l).unwrap();
+    let mut e = claimed_on(&s, &l);
     let t = Transition::complete(owner(1), completed(NOW), &l);
     let req = transition_request(&t, &s, &seal(), LEASE, NOW, None).unwrap();
     let sent: Value = serde_json::from_slice(&req.body).unwrap();
@@ -1176,8 +1181,7 @@ fn past_its_record_a_key_answers_its_tombstone_claims_nothing_and_is_freed_only_
 fn a_completion_written_where_its_claim_was_lost_or_without_its_body_writes_the_tombstone_too() {
     let l = with_tombstones();
     let s = skey(1);
-    let mut e = Etcd::default();
-    claim_on(&mut e, &s, owner(1), NOW, &l).unwrap();
+    let mut e = claimed_on(&s, &l);
     e.flush();
     let t = Transition::complete(owner(1), completed(NOW), &l);
     assert_eq!(write(&mut e, &s, &t, NOW, None), TransitionReply::ClaimGoneRewritten);
