@@ -646,7 +646,13 @@ fn version_prints_the_crates_version_and_record_formats() {
     let long = Command::new(env!("CARGO_BIN_EXE_idemgate")).arg("--version").output().unwrap();
     let long = text(&long.stdout);
     assert!(long.starts_with(&format!("idemgate {}\n", env!("CARGO_PKG_VERSION"))), "{long}");
-    for format in ["IGS1+IGM1+IGR1 under idemgate:v1:", "IGE1+IGM1+IGR1 under idemgate/v1/", "layout v4"] {
+    for format in [
+        "IGS1+IGM1+IGR1 under idemgate:v1:",
+        "a key's tombstone IGS1T+IGM1+IGT1 under idemgate:v1:t:{idemgate:v1:<hex>}",
+        "IGE1+IGM1+IGR1 under idemgate/v1/",
+        "a key's tombstone IGS1T+IGM1+IGT1+expiry under idemgate/v1/<hex>/t",
+        "layout v4",
+    ] {
         assert!(long.contains(format), "{format}: {long}");
     }
 }
