@@ -1863,14 +1863,14 @@ fn decode_creator(b: &[u8]) -> Option<Creator> {
     Some(Creator { request_id, log_values })
 }
 
-/// A body: the owner's token and the storage key, then the encoded record.
+/// A body: the owner's token and the storage key (`body_belongs_to`), then `payload`.
+fn body_of(h: &Handle, payload: &[u8]) -> Vec<u8> {
+    [h.owner.0.as_slice(), h.skey.0.as_slice(), payload].concat()
+}
+
+/// A record's body: `body_of` its encoding.
 fn encode_body(h: &Handle, r: &Record) -> Vec<u8> {
-    let encoded = r.encode();
-    let mut out = Vec::with_capacity(48 + encoded.len());
-    out.extend_from_slice(&h.owner.0);
-    out.extend_from_slice(&h.skey.0);
-    out.extend_from_slice(&encoded);
-    out
+    body_of(h, &r.encode())
 }
 
 /// Whether a body was written by `h`'s owner for `h`'s key.
@@ -1891,12 +1891,12 @@ fn decode_body(v: &[u8], h: &Handle) -> Option<Record> {
 /// The body of a key's tombstone: the owner's token and the storage key (as every body), then
 /// the key's small tombstone (`Record::key_tombstone_bytes`, what Redis seals): `TOMBSTONE_BODY_BYTES`.
 fn encode_tombstone_body(h: &Handle, fp: &Fingerprint) -> Vec<u8> {
-    [h.owner.0.as_slice(), h.skey.0.as_slice(), &Record::key_tombstone_bytes(fp)].concat()
+    body_of(h, &Record::key_tombstone_bytes(fp))
 }
 
 /// Bytes of a key's tombstone in the local tier (`encode_tombstone_body`): owner 16, key 32,
 /// `IGT\x01` and the fingerprint 36, whatever the response was.
-pub const TOMBSTONE_BODY_BYTES: usize = 16 + 32 + 4 + 32;
+pub const TOMBSTONE_BODY_BYTES: usize = 16 + 32 + crate::record::KEY_TOMBSTONE_BODY.len() + 32;
 
 #[cfg(test)]
 mod tests;
