@@ -70,11 +70,7 @@ fn decode(raw: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(raw.len());
     let mut i = 0;
     while let Some(&b) = raw.get(i) {
-        let escaped = match (b, raw.get(i + 1).and_then(|&h| hex(h)), raw.get(i + 2).and_then(|&l| hex(l))) {
-            (b'%', Some(h), Some(l)) => Some((h << 4) | l),
-            _ => None,
-        };
-        match (b, escaped) {
+        match (b, raw.get(i..).and_then(crate::hex::escape)) {
             (_, Some(byte)) => {
                 out.push(byte);
                 i += 3;
@@ -90,15 +86,6 @@ fn decode(raw: &[u8]) -> Vec<u8> {
         }
     }
     out
-}
-
-fn hex(d: u8) -> Option<u8> {
-    match d {
-        b'0'..=b'9' => Some(d - b'0'),
-        b'a'..=b'f' => Some(d - b'a' + 10),
-        b'A'..=b'F' => Some(d - b'A' + 10),
-        _ => None,
-    }
 }
 
 #[cfg(test)]

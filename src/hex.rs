@@ -30,6 +30,15 @@ pub fn digit(b: u8) -> Option<u8> {
     }
 }
 
+/// The byte a percent-escape (`%` and two hex digits, either case) opening `at` stands for;
+/// `None` when `at` does not open with one.
+pub fn escape(at: &[u8]) -> Option<u8> {
+    match at {
+        [b'%', hi, lo, ..] => Some((digit(*hi)? << 4) | digit(*lo)?),
+        _ => None,
+    }
+}
+
 /// Exactly `2 * N` hex digits as `N` bytes; `None` for any other length or any non-digit.
 pub fn decode<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
     if text.len() != 2 * N {

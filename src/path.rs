@@ -228,25 +228,15 @@ fn decode(path: &str, all: bool) -> String {
     let mut out: Vec<u8> = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while let Some(&b) = bytes.get(i) {
-        let escape = if b == b'%' {
-            bytes
-                .get(i + 1)
-                .copied()
-                .and_then(crate::hex::digit)
-                .zip(bytes.get(i + 2).copied().and_then(crate::hex::digit))
-        } else {
-            None
-        };
-        let Some((hi, lo)) = escape else {
+        let Some(byte) = bytes.get(i..).and_then(crate::hex::escape) else {
             out.push(b);
             i += 1;
             continue;
         };
-        let byte = (hi << 4) | lo;
         if all || is_unreserved(byte) {
             out.push(byte);
         } else {
-            out.extend_from_slice(&[b'%', hex_digit(hi), hex_digit(lo)]);
+            out.extend_from_slice(&[b'%', hex_digit(byte >> 4), hex_digit(byte & 0x0f)]);
         }
         i += 3;
     }
