@@ -180,6 +180,16 @@ extern "C" {
     /// argument, a count returned.
     pub fn envoy_dynamic_module_callback_http_get_upstream_hosts_attempted_size(filter: EnvoyPtr) -> usize;
 
+    /// Sets bytes filter state `key` on the stream (Envoy 1.40 stores a `StringAccessor`,
+    /// read-only, which `%FILTER_STATE(key:PLAIN)%` prints). Checked against the binary: the filter
+    /// in `rdi`, the key's pointer and length in `rsi`/`rdx`, the value's in `rcx`/`r8` (what two
+    /// `ModuleBuffer`s by value are in the C calling convention); false without stream info.
+    pub fn envoy_dynamic_module_callback_http_set_filter_state_bytes(
+        filter: EnvoyPtr,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+
     pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: EnvoyPtr, body_type: u32) -> usize;
     pub fn envoy_dynamic_module_callback_http_get_body_chunks(
         filter: EnvoyPtr,

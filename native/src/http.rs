@@ -158,6 +158,8 @@ pub struct Filter {
     route: Option<usize>,
     /// When its claim was taken (`idemgate.key_held_ms`), until settled.
     held_since: Option<u64>,
+    /// The outcome was left in Envoy's filter state (`Glue::publish`): once per request.
+    published: bool,
 }
 
 struct Glue<'a> {
@@ -168,6 +170,7 @@ struct Glue<'a> {
     sd: ProcessShared,
     route: Option<usize>,
     held_since: &'a mut Option<u64>,
+    published: &'a mut bool,
 }
 
 fn headers_status(f: Flow) -> u32 {
@@ -209,6 +212,18 @@ impl Glue<'_> {
         }
     }
 
+    /// The one place a protected request's end is told to Envoy's access log: its outcome slug and
+    /// storage key in filter state (`host::publish`), as the Wasm build does. The first call wins.
+    fn publish(&mut self, key: Option<&StorageKey>, outcome: &str) {
+        if std::mem::replace(self.published, true) {
+            return;
+        }
+        let hex = key.map(StorageKey::hex);
+        if !host::publish(self.envoy, outcome, hex.as_deref()) {
+            host::log(LogLevel::Debug, &format!("idemgate: filter state not set for outcome={outcome}"));
+        }
+    }
+
     /// Sends a problem document (never stored), counted as the core's `problem_counter` says.
     fn answer(&mut self, req: Option<&Protected>, problem: ProblemKind, creator: Option<&Creator>) {
         self.count(rules::problem_counter(&problem));
@@ -217,6 +232,7 @@ impl Glue<'_> {
 
     fn send_problem(&mut self, req: Option<&Protected>, problem: ProblemKind, creator: Option<&Creator>) {
         host::log(LogLevel::Info, &log_line(req, problem.slug(), ""));
+        self.publish(req.and_then(Protected::published_key), problem.slug());
         let request_id = req.map_or_else(
             || {
                 host::header(self.envoy, abi::REQUEST_HEADER, "x-request-id")
@@ -269,10 +285,12 @@ impl Glue<'_> {
         }
         match answer {
             RetryAnswer::AsStored { response: r, expires } => {
+                self.publish(req.published_key(), "replayed");
                 self.respond(r.status, &r.headers, &r.body, &expires, "replayed");
                 host::log(LogLevel::Debug, &log_line(Some(req), "replayed", &format!("status={}", r.status)));
             }
             RetryAnswer::Decoded { response: d, expires } => {
+                self.publish(req.published_key(), "replayed");
                 self.respond(d.status, &d.headers, &d.body, &expires, "replayed");
                 host::log(LogLevel::Debug, &log_line(Some(req), "replayed", &format!("status={}", d.status)));
             }
@@ -314,8 +332,7 @@ impl Effects for Glue<'_> {
                     None => {}
                 }
             }
-            // The outcome in filter state: not carried yet (docs/native.md).
-            Command::Publish { .. } => {}
+            Command::Publish { key, outcome } => self.publish(key.as_ref(), outcome),
             Command::Log(level, line) => host::log(level, &line),
             Command::Reply { req, problem, creator } => self.answer(req, problem, creator),
             Command::Replay { req, record } => self.replay(req, &record),
@@ -507,6 +524,7 @@ impl Filter {
             body: vec![],
             route: None,
             held_since: None,
+            published: false,
         }
     }
 
@@ -519,6 +537,7 @@ impl Filter {
             sd: ProcessShared,
             route: self.route,
             held_since: &mut self.held_since,
+            published: &mut self.published,
         };
         (&mut self.machine, glue)
     }
