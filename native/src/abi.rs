@@ -116,6 +116,11 @@ pub const ATTRIBUTE_RESPONSE_CODE_DETAILS: u32 = 16;
 /// same enum, unchanged in order up to Envoy 1.40's header): served by the HTTP filter's string
 /// accessor from the stream's upstream host, absent while the router has selected none.
 pub const ATTRIBUTE_UPSTREAM_ADDRESS: u32 = 41;
+/// `envoy_dynamic_module_type_attribute_id_XdsRouteName` (`xds.route_name`, the 62nd: twenty after
+/// `UpstreamAddress` in the header's order). Checked in Envoy 1.40 by
+/// `native_module::a_route_name_selects_the_policy_in_both_builds` (another attribute's value
+/// would select no route: the key would execute twice).
+pub const ATTRIBUTE_XDS_ROUTE_NAME: u32 = 61;
 
 /// `envoy_dynamic_module_type_log_level`.
 pub const LOG_DEBUG: u32 = 1;

@@ -6,7 +6,7 @@
 //!
 //! Today: the local tier (one proxy) and the Redis store through webdis (`store.rs`: the calls a
 //! request waits for are the stream's callouts, answered in `callout_done`). etcd, `forwarding:
-//! "detached"`, `in_flight: "wait"`, MCP routes, routes selected by Envoy route name and
+//! "detached"`, `in_flight: "wait"`, MCP routes and
 //! `next_hop_failures: "classify"` are refused at configuration (`refusal`), before any request.
 
 use std::cell::Cell;
@@ -50,9 +50,6 @@ pub fn refusal(config: &Config) -> Option<String> {
     };
     if config.store.as_ref().is_some_and(|s| s.kind == StoreKind::Etcd) {
         return why("store.kind \"etcd\"");
-    }
-    if config.uses_route_names() {
-        return why("a route selected by Envoy route name (\"route_name\")");
     }
     for p in config.policies() {
         if matches!(p.forwarding, Forwarding::Detached { .. }) {
@@ -571,7 +568,14 @@ impl Filter {
         if !end_of_stream && !config.protects_method(&head.method) {
             return abi::HEADERS_CONTINUE;
         }
-        let admitted = match request::at_headers(config, &head, None, end_of_stream) {
+        // The Envoy route's name, read only where a route is selected by it (as the Wasm build).
+        let route_name = if config.uses_route_names() {
+            host::attribute_string(envoy, abi::ATTRIBUTE_XDS_ROUTE_NAME)
+                .map(|n| String::from_utf8_lossy(&n).into_owned())
+        } else {
+            None
+        };
+        let admitted = match request::at_headers(config, &head, route_name.as_deref(), end_of_stream) {
             Ok(a) => a,
             Err(not) => {
                 self.route = not.route();
@@ -774,7 +778,6 @@ mod tests {
                 r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "up", "hop": "direct", "timeout_ms": 5000}}"#,
                 "forwarding \"detached\"",
             ),
-            (r#"{"scope": {"global": true}, "routes": [{"route_name": "pay"}]}"#, "\"route_name\""),
             (r#"{"scope": {"global": true}, "next_hop_failures": "classify"}"#, "next_hop_failures \"classify\""),
             (
                 r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp"}]}"#,
@@ -789,5 +792,8 @@ mod tests {
             assert!(why.contains(names), "{json}: {why}");
             assert!(why.contains("native"), "{why}");
         }
+        // Carried since: routes selected by Envoy's route name.
+        let named = Config::parse(br#"{"scope": {"global": true}, "routes": [{"route_name": "pay"}]}"#);
+        assert_eq!(named.map(|c| refusal(&c)).ok(), Some(None));
     }
 }

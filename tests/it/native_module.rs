@@ -162,6 +162,15 @@ fn every_protected_request_leaves_its_outcome_and_key_in_the_access_log_in_both_
     }
 }
 
+/// Routes selected by Envoy's route name (`xds.route_name`, read through the ABI's attribute
+/// accessor in the native build): the same protection in both builds.
+#[test]
+fn a_route_name_selects_the_policy_in_both_builds() {
+    for build in [Build::Wasm, Build::Native] {
+        crate::single_proxy::route_name_selects_the_policy(build);
+    }
+}
+
 #[test]
 fn native_module_abi_version_matches_this_envoy() {
     let s = stack(Build::Native, CFG);

@@ -409,9 +409,16 @@ fn a_case_insensitive_route_protects_every_case_of_its_path() {
 
 #[test]
 fn a_route_name_selects_the_policy_of_the_envoy_route_that_matched() {
+    route_name_selects_the_policy(Build::from_env());
+}
+
+/// A policy selected by Envoy's route name, with `build` loaded (`native_module::` runs it for
+/// both builds).
+pub(crate) fn route_name_selects_the_policy(build: Build) {
     // Envoy's route `pay` matches /v1/payments in any case; the catch-all has no name.
     let s = Stack::with(r#"{"scope": {"headers": ["authorization"]}, "routes": [{"route_name": "pay"}]}"#, |o| {
         o.named_routes = vec![("pay".into(), r#"{prefix: "/v1/payments", case_sensitive: false}"#.into())];
+        o.build = build;
     });
     for (key, path) in [("k-name-1", "/v1/payments"), ("k-name-2", "/V1/PAYMENTS/9")] {
         let a = s.post(path, Some(key), "{}", &[]);
