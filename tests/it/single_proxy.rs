@@ -797,7 +797,12 @@ fn a_log_level_raised_at_run_time_reaches_idemgate_and_its_debug_lines_appear() 
     let r = s.post("/charges", Some("k-quiet"), "{}", &[]);
     assert_eq!(r.status, 201);
     assert!(!s.envoy.log().contains("outcome=forwarded"), "a debug line at level info");
-    let set = http::request(s.envoy.admin_port, "POST", "/logging?wasm=debug", &[], b"").expect("admin");
+    // The native build logs under Envoy's `dynamic_modules` logger (docs/native.md).
+    let logger = match Build::from_env() {
+        Build::Wasm => "wasm",
+        Build::Native => "dynamic_modules",
+    };
+    let set = http::request(s.envoy.admin_port, "POST", &format!("/logging?{logger}=debug"), &[], b"").expect("admin");
     assert_eq!(set.status, 200, "{}", set.body_text());
     // Each worker reads the level on its tick (100 ms): bounded by count, not by time.
     let mut seen = false;
