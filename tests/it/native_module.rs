@@ -807,4 +807,52 @@ mod etcd {
         }
         assert_eq!(up.executions(), 1);
     }
+
+    #[test]
+    fn a_native_proxy_replaces_a_token_etcd_refuses_at_once_and_executes_nothing_twice() {
+        let mut etcd = EtcdCluster::start();
+        etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+        let auth = format!("{ETCD_USER}:{ETCD_PASSWORD}");
+        let up = Upstream::start();
+        // Tokens refreshed only every hour: a new one must come from etcd's refusal, not the clock.
+        let config = ETCD_CFG.replace(r#""timeout_ms": 2000"#, r#""timeout_ms": 2000, "token_refresh_seconds": 3600"#);
+        let mut o = EnvoyOptions::new(&config, up.port);
+        o.build = Build::Native;
+        o.etcd_ports = etcd.client_ports();
+        o.vm_env.push(("IDEMGATE_STORE_AUTH".into(), auth.clone()));
+        let n = Envoy::start(&o);
+        support::etcd::wait_leases(&n, 1);
+        let w = on_etcd(Build::Wasm, &etcd, up.port, Some(&auth));
+        assert_eq!(store_post(&n, "e-tok-before", r#"{"amount":1}"#, &[]).status, 201);
+        landed(&n, 1);
+        let before = n.stat("idemgate.store_authentications");
+        // A password change (to the same password) makes etcd forget every token of the user.
+        etcd.change_password(ETCD_USER, ETCD_PASSWORD);
+        // Sent again (at most 40 times) while refused for the store, as a client honouring
+        // retry-after would: each refusal forwards nothing.
+        let mut r = store_post(&n, "e-tok-after", r#"{"amount":2}"#, &[]);
+        for _ in 0..40 {
+            if r.status != 503 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(250));
+            r = store_post(&n, "e-tok-after", r#"{"amount":2}"#, &[]);
+        }
+        assert_eq!(r.status, 201, "{}", r.body_text());
+        assert!(n.stat("idemgate.store_token_refused") >= 1, "etcd never refused the old token");
+        assert!(n.stat("idemgate.store_authentications") > before);
+        landed(&n, 2);
+        assert_eq!(up.executions_with_key("e-tok-after"), 1);
+        // The Wasm proxy (its token as old) replays it once it has its own new token.
+        let mut again = store_post(&w, "e-tok-after", r#"{"amount":2}"#, &[]);
+        for _ in 0..40 {
+            if again.status != 503 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(250));
+            again = store_post(&w, "e-tok-after", r#"{"amount":2}"#, &[]);
+        }
+        assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
+        assert_eq!(up.executions(), 2);
+    }
 }
