@@ -60,7 +60,10 @@ const KEEPER_TICK_MS: u64 = 100;
 enum Call {
     Write(WriteId),
     /// An etcd lease grant of `kind`, sent at `sent_at_ms` (this proxy's clock).
-    Lease { sent_at_ms: u64, kind: LeaseKind },
+    Lease {
+        sent_at_ms: u64,
+        kind: LeaseKind,
+    },
     /// An etcd authentication.
     Auth,
 }

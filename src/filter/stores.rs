@@ -36,7 +36,8 @@ pub fn writer(shared: &Shared, now_ms: u64) -> Backend {
 /// Every answer passes here: a refused etcd token (`etcd::token_refused`) has the root
 /// authenticate again at its next tick (only an etcd store with a secret has a token).
 pub fn note_answer(shared: &Shared, status: Option<u16>, body: &[u8]) {
-    let refused = keeper::token_refused(&mut shared.etcd_auth.borrow_mut(), shared.etcd_secret.as_deref(), status, body);
+    let refused =
+        keeper::token_refused(&mut shared.etcd_auth.borrow_mut(), shared.etcd_secret.as_deref(), status, body);
     let Some(news) = refused else { return };
     shared.metrics.inc(super::host::Counter::StoreTokenRefused);
     if news {
