@@ -163,9 +163,11 @@ impl StoreSide {
         self.config_envoy.store(config_envoy as usize, Ordering::Release);
         self.scheduler.store(host::scheduler_new(config_envoy) as usize, Ordering::Release);
         if self.backend().needs_tick() {
-            // etcd: the first token and lease are asked for at the first event (after Envoy has
-            // created the configuration), never on a request's path.
-            self.timer.arm(host::now_ms()).map_err(|e| {
+            // etcd: the first token and lease are asked for at the first tick, as in the Wasm
+            // build (while Envoy creates the configuration the store cluster may not take a
+            // callout yet: refused, the keeper tries again after its backoff), never on a
+            // request's path.
+            self.timer.arm(host::now_ms().saturating_add(KEEPER_TICK_MS)).map_err(|e| {
                 format!("idemgate configuration refused: store.kind \"etcd\" needs the native build's timer thread, which could not start ({e})")
             })?;
         }
@@ -268,7 +270,14 @@ impl StoreSide {
         self.run();
     }
 
-    /// Main thread: the answer to configuration callout `id` (`status` `None`: none).
+    /// Main thread: the answer to configuration callout `id` (`status` `None`: none). Sends
+    /// nothing itself: what the answer calls for (a retry due at once, the where-absent
+    /// transaction, the lease grant after a token) is sent at the event it posts. While Envoy
+    /// shuts down it resets the callouts in flight and answers them here, and a callout started
+    /// from that answer crashed Envoy (`envoy_dynamic_module_callback_http_filter_config_http_callout`,
+    /// SIGSEGV, seen in `etcd_store::etcd_envoy_health_checks_*` under `IDEMGATE_BUILD=native`);
+    /// the event posted then never runs (the main loop has exited): the write is lost, as any
+    /// write pending when Envoy destroys the configuration.
     pub fn on_answer(&self, id: u64, status: Option<u16>, body: &[u8]) {
         let call = lock(&self.main).calls.remove(&id);
         match call {
@@ -295,12 +304,16 @@ impl StoreSide {
             Some(Call::Auth) => {
                 let now = host::now_ms();
                 for a in self.keeper(|k| k.auth_answered(status, body, now)) {
-                    self.keeper_action(a, now);
+                    match a {
+                        // Not marked sent: the keeper asks for it again at the event posted below.
+                        KeeperAction::GrantLease(..) | KeeperAction::Authenticate(_) => {}
+                        a => self.keeper_action(a, now),
+                    }
                 }
             }
             None => return,
         }
-        self.run();
+        host::scheduler_commit(self.scheduler(), EVENT_WRITES);
     }
 
     /// etcd's keeper (`engine::keeper`) over this store's leases and token.

@@ -663,11 +663,7 @@ mod etcd {
             o.vm_env.push(("IDEMGATE_STORE_AUTH".into(), a.into()));
         }
         let e = Envoy::start(&o);
-        let leases = match build {
-            Build::Wasm => o.concurrency,
-            Build::Native => 1,
-        };
-        support::etcd::wait_leases(&e, leases);
+        support::etcd::wait_leases(&e, o.concurrency);
         e
     }
 
@@ -821,7 +817,7 @@ mod etcd {
         o.etcd_ports = etcd.client_ports();
         o.vm_env.push(("IDEMGATE_STORE_AUTH".into(), auth.clone()));
         let n = Envoy::start(&o);
-        support::etcd::wait_leases(&n, 1);
+        support::etcd::wait_leases(&n, o.concurrency);
         let w = on_etcd(Build::Wasm, &etcd, up.port, Some(&auth));
         assert_eq!(store_post(&n, "e-tok-before", r#"{"amount":1}"#, &[]).status, 201);
         landed(&n, 1);
@@ -854,5 +850,36 @@ mod etcd {
         }
         assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
         assert_eq!(up.executions(), 2);
+    }
+
+    #[test]
+    fn a_native_proxy_stopped_with_a_store_write_in_flight_exits_cleanly() {
+        // Envoy resets the configuration's callouts in flight while it shuts down and answers
+        // them; a write retried from that answer started a callout there and crashed Envoy
+        // (SIGSEGV in envoy_dynamic_module_callback_http_filter_config_http_callout).
+        let mut etcd = EtcdCluster::start();
+        let up = Upstream::start();
+        let mut n = on_etcd(Build::Native, &etcd, up.port, None);
+        let port = n.port;
+        let first = std::thread::spawn(move || {
+            let h = [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "e-stop"), ("x-up-hold", "1")];
+            http::request(port, "POST", "/charges", &h, br#"{"amount":3}"#).expect("request")
+        });
+        support::wait_for("e-stop at the upstream", 400, || up.executions_with_key("e-stop") == 1);
+        // etcd hangs (its connections stay open): the completion write stays in flight.
+        for i in 0..etcd.members.len() {
+            etcd.stop(i);
+        }
+        up.release_holds();
+        assert_eq!(first.join().expect("first").status, 201);
+        support::wait_for("the completion write in flight", 400, || {
+            n.stat("cluster.idemgate_store.upstream_rq_active") >= 1
+        });
+        let status = n.stop_status();
+        for i in 0..etcd.members.len() {
+            etcd.resume(i);
+        }
+        assert!(status.is_some_and(|s| s.success()), "Envoy exited with {status:?}; log:\n{}", n.log());
+        assert_eq!(up.executions(), 1);
     }
 }
