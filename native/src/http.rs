@@ -4,8 +4,8 @@
 //! host calls (`host.rs`). Every decision is the engine's; nothing here decides what a request
 //! gets.
 //!
-//! Today: the local tier (one proxy) and the Redis store through webdis (`store.rs`: the calls a
-//! request waits for are the stream's callouts, answered in `callout_done`). etcd, `forwarding:
+//! Today: the local tier (one proxy) and the Redis (webdis) and etcd stores (`store.rs`: the
+//! calls a request waits for are the stream's callouts, answered in `callout_done`). `forwarding:
 //! "detached"`, `in_flight: "wait"`, MCP routes and
 //! `next_hop_failures: "classify"` are refused at configuration (`refusal`), before any request.
 
@@ -13,7 +13,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use idemgate::config::{Config, Forwarding, InFlight, NextHopFailures, StoreKind};
+use idemgate::config::{Config, Forwarding, InFlight, NextHopFailures};
 use idemgate::decision::{classify_routed, Exchange};
 use idemgate::encoding::{self, RetryAnswer, EXPIRES_HEADER};
 use idemgate::engine::budget::Budget;
@@ -48,9 +48,6 @@ pub fn refusal(config: &Config) -> Option<String> {
             "idemgate configuration refused by the native build: {what} is not supported by the native (dynamic module) build yet; use the Wasm build (dist/idemgate.wasm) for it (docs/native.md)"
         ))
     };
-    if config.store.as_ref().is_some_and(|s| s.kind == StoreKind::Etcd) {
-        return why("store.kind \"etcd\"");
-    }
     for p in config.policies() {
         if matches!(p.forwarding, Forwarding::Detached { .. }) {
             return why("forwarding \"detached\"");
@@ -108,7 +105,7 @@ impl Global {
         let metrics = Arc::new(Metrics::define(config_envoy, &labels, &fixed));
         if let Some(st) = store.as_ref() {
             // Envoy calls config_new on its main thread: the store's writes are sent from there.
-            st.attach(config_envoy, Arc::clone(&metrics));
+            st.attach(config_envoy, Arc::clone(&metrics))?;
         }
         Ok(Global { config, table, store, metrics, owner_seed, tokens: AtomicU64::new(0) })
     }
@@ -396,11 +393,11 @@ impl Io for Glue<'_> {
         };
         let sent = match op {
             StoreOp::Claim { record, lifetimes } => st
-                .backend()
+                .writer(now)
                 .claim_request(&req.skey, &req.owner, &record, &lifetimes, &st.seal, now)
                 .map_err(|e| unbuilt(e, "claim_request"))?,
             StoreOp::TakeOver { transition, fence } => st
-                .backend()
+                .writer(now)
                 .transition_request(&transition, &req.skey, &st.seal, now, fence)
                 .map_err(|e| unbuilt(e, "take_over_request"))?,
             StoreOp::Read => st.backend().read_request(&req.skey),
@@ -696,6 +693,9 @@ impl Filter {
         let Some(st) = self.global.store.as_ref() else { return };
         let (skey, owner, asked) = (req.skey, req.owner, call.asked);
         let now = *self.clock.get_or_insert_with(host::now_ms);
+        if st.token_refused(status, body) {
+            self.global.metrics.inc(MetricsFrom::Stream(envoy), Counter::StoreTokenRefused);
+        }
         let backend = st.backend();
         let (answer, fence) = match asked {
             Asked::TakeOver => (StoreAnswer::TakeOver(backend.parse_take_over(status, body, &skey, &owner)), None),
@@ -765,14 +765,17 @@ mod tests {
             refusal(&parsed(r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/pay"}]}"#)),
             None
         );
-        // The Redis store (webdis) runs here.
+        // The Redis store (webdis) and the etcd store run here.
         assert_eq!(refusal(&parsed(r#"{"scope": {"global": true}, "store": {"cluster": "webdis"}}"#)), None);
+        assert_eq!(
+            refusal(&parsed(r#"{"scope": {"global": true}, "store": {"cluster": "etcd", "kind": "etcd"}}"#)),
+            None
+        );
     }
 
     #[test]
     fn features_not_carried_are_refused_by_name() {
         for (json, names) in [
-            (r#"{"scope": {"global": true}, "store": {"cluster": "etcd", "kind": "etcd"}}"#, "store.kind \"etcd\""),
             (r#"{"scope": {"global": true}, "in_flight": "wait"}"#, "in_flight \"wait\""),
             (
                 r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "up", "hop": "direct", "timeout_ms": 5000}}"#,

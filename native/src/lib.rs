@@ -49,6 +49,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     match Global::configure(raw, config_envoy) {
         Ok(g) => {
             let tier = match g.config.store.as_ref() {
+                Some(s) if s.kind == idemgate::config::StoreKind::Etcd => {
+                    format!("store: cluster {:?} (etcd)", s.cluster)
+                }
                 Some(s) => format!("store: cluster {:?} (Redis through webdis)", s.cluster),
                 None => "local tier only".to_string(),
             };

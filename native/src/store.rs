@@ -1,7 +1,9 @@
-//! The store tier in the native build: Redis through webdis, over Envoy's HTTP callouts. Host
-//! glue only: every request is built and every answer read by the core (`idemgate::backend`),
-//! and the writes made after forwarding (completion, release, outcome-unknown) are scheduled by
-//! the core's write machine (`idemgate::engine::writes`), as in the Wasm build.
+//! The store tier in the native build: Redis through webdis or etcd v3 (`store.kind`), over
+//! Envoy's HTTP callouts. Host glue only: every request is built and every answer read by the
+//! core (`idemgate::backend`), the writes made after forwarding (completion, release,
+//! outcome-unknown) are scheduled by the core's write machine (`idemgate::engine::writes`), and
+//! etcd's leases and token are asked for when the core's keeper (`idemgate::engine::keeper`)
+//! says so, as in the Wasm build.
 //!
 //! Two kinds of callout, as the Wasm build's HTTP and root contexts:
 //!
@@ -15,16 +17,23 @@
 //!   answer (`on_answer`) and schedules its retries; a retry's time is kept by the store side's
 //!   one timer thread (`timer.rs`), which posts an event when it is due (Envoy's main dispatcher
 //!   runs the write then).
+//! - etcd only: the main thread is the Wasm root's counterpart for the keeper too. The timer
+//!   posts an event every `KEEPER_TICK_MS` (the Wasm root's tick); on it the keeper's
+//!   authentication and lease grants are sent as configuration callouts, their answers read on
+//!   the main thread (`on_answer`). Workers read the lease usable now (`writer`) and the token
+//!   (`send`) under short locks; a request finding no usable lease is refused by the core
+//!   (`Unbuilt::NoLease`: 503 store-unavailable, nothing put without a lease).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use idemgate::backend::{Backend, Credential};
-use idemgate::config::{Config, StoreConfig, StoreKind};
+use idemgate::config::{Config, StoreConfig};
+use idemgate::engine::keeper::{self, Action as KeeperAction, Keeper, LeaseKind, Note as KeeperNote};
 use idemgate::engine::machine::LogLevel;
 use idemgate::engine::writes::{Action, Builder, Job, Note, WriteId, Writes};
-use idemgate::etcd::Fence;
+use idemgate::etcd::{self, Auth, Fence, Leases};
 use idemgate::metrics::{note_counters, Counter};
 use idemgate::scope::StorageKey;
 use idemgate::seal::Seal;
@@ -35,26 +44,58 @@ use crate::host::{self, CalloutFrom};
 use crate::metrics::{From as MetricsFrom, Metrics};
 use crate::timer::Timer;
 
-/// The environment variable with the store's `user:password` (Redis ACL through webdis), as the
-/// Wasm build's (`IDEMGATE_STORE_AUTH`): read from Envoy's process environment here.
+/// The environment variable with the store's `user:password` (webdis's basic auth, or etcd's
+/// user traded for a token), as the Wasm build's (`IDEMGATE_STORE_AUTH`): read from Envoy's
+/// process environment here.
 pub const STORE_AUTH_ENV: &str = "IDEMGATE_STORE_AUTH";
 
 /// The scheduler event the workers post when they queue a write, and the retry timer's.
 const EVENT_WRITES: u64 = 1;
 
+/// How often the main thread asks etcd's keeper whether a lease or a token is due: the Wasm
+/// root's tick period.
+const KEEPER_TICK_MS: u64 = 100;
+
+/// What a configuration callout in flight carries.
+enum Call {
+    Write(WriteId),
+    /// An etcd lease grant of `kind`, sent at `sent_at_ms` (this proxy's clock).
+    Lease {
+        sent_at_ms: u64,
+        kind: LeaseKind,
+    },
+    /// An etcd authentication.
+    Auth,
+}
+
 /// The main thread's side of the writes.
 #[derive(Default)]
 struct Main {
     writes: Writes,
-    /// Configuration callouts in flight: which write each carries.
-    calls: HashMap<u64, WriteId>,
+    /// Configuration callouts in flight: what each carries.
+    calls: HashMap<u64, Call>,
+}
+
+/// etcd's leases and token: granted and renewed on the main thread, read by every worker.
+#[derive(Default)]
+struct Kept {
+    leases: Leases,
+    tombstone_leases: Leases,
+    auth: Auth,
 }
 
 /// The configured store, shared by every worker of one filter configuration.
 pub struct StoreSide {
     pub cfg: StoreConfig,
     pub seal: Seal,
-    credentials: Option<String>,
+    /// The `authorization` every request carries: webdis's basic auth, or etcd's current token.
+    credentials: Mutex<Option<String>>,
+    /// etcd with auth: the `user:password` traded for a token.
+    etcd_secret: Option<String>,
+    /// etcd: the TTL its leases are granted with, and its tombstones' (`None`: under the records').
+    lease_ttl_seconds: u64,
+    tombstone_lease_ttl_seconds: Option<u64>,
+    kept: Mutex<Kept>,
     /// Envoy's configuration and its main-thread scheduler (set once, on the main thread, by
     /// `attach`), as addresses: plain values every thread may hold.
     config_envoy: AtomicUsize,
@@ -83,13 +124,10 @@ impl StoreSide {
         let seal = Seal::from_env()
             .map_err(|e| format!("idemgate configuration refused: {e} (native build: Envoy's process environment)"))?;
         let secret = std::env::var(STORE_AUTH_ENV).ok().filter(|v| !v.is_empty());
-        let credentials = match Backend::of(cfg.kind, None).credential(secret) {
-            Ok(Credential::None) => None,
-            Ok(Credential::Header(h)) => Some(h),
-            // etcd is refused before (`http::refusal`).
-            Ok(Credential::Token(_)) => {
-                return Err("idemgate configuration refused: an etcd token in the native build".into())
-            }
+        let (credentials, etcd_secret) = match Backend::of(cfg.kind, None).credential(secret) {
+            Ok(Credential::None) => (None, None),
+            Ok(Credential::Header(h)) => (Some(h), None),
+            Ok(Credential::Token(v)) => (None, Some(v)),
             Err(e) => return Err(format!("idemgate configuration refused: {e}")),
         };
         let scheduler = Arc::new(AtomicUsize::new(0));
@@ -101,7 +139,11 @@ impl StoreSide {
         Ok(Some(StoreSide {
             cfg,
             seal,
-            credentials,
+            credentials: Mutex::new(credentials),
+            etcd_secret,
+            lease_ttl_seconds: etcd::lease_ttl_seconds(config),
+            tombstone_lease_ttl_seconds: etcd::tombstone_lease_ttl_seconds(config),
+            kept: Mutex::new(Kept::default()),
             config_envoy: AtomicUsize::new(0),
             scheduler,
             timer,
@@ -113,27 +155,66 @@ impl StoreSide {
 
     /// Envoy's configuration object and a scheduler of it (main thread, at `config_new`). The
     /// scheduler is never deleted (a post through it after the configuration is gone does
-    /// nothing); the retry timer's thread ends with this store side, before it could post.
-    pub fn attach(&self, config_envoy: abi::ConfigEnvoyPtr, metrics: Arc<Metrics>) {
+    /// nothing); the retry timer's thread ends with this store side, before it could post. With
+    /// etcd the timer starts here: why it cannot (the configuration is refused: without it no
+    /// lease would ever be granted).
+    pub fn attach(&self, config_envoy: abi::ConfigEnvoyPtr, metrics: Arc<Metrics>) -> Result<(), String> {
         let _ = self.metrics.set(metrics);
         self.config_envoy.store(config_envoy as usize, Ordering::Release);
         self.scheduler.store(host::scheduler_new(config_envoy) as usize, Ordering::Release);
+        if self.backend().needs_tick() {
+            // etcd: the first token and lease are asked for at the first tick, as in the Wasm
+            // build (while Envoy creates the configuration the store cluster may not take a
+            // callout yet: refused, the keeper tries again after its backoff), never on a
+            // request's path.
+            self.timer.arm(host::now_ms().saturating_add(KEEPER_TICK_MS)).map_err(|e| {
+                format!("idemgate configuration refused: store.kind \"etcd\" needs the native build's timer thread, which could not start ({e})")
+            })?;
+        }
+        Ok(())
     }
 
     fn scheduler(&self) -> abi::SchedulerPtr {
         self.scheduler.load(Ordering::Acquire) as abi::SchedulerPtr
     }
 
-    /// The store (Redis: no lease).
+    /// The configured store, for reads and answers (no lease).
     pub fn backend(&self) -> Backend {
-        Backend::of(StoreKind::Redis, None)
+        Backend::of(self.cfg.kind, None)
     }
 
-    /// Sends `req` to the store cluster: the callout's id, or why Envoy refused it (nothing sent).
+    /// The configured store with the leases usable at `now_ms` (etcd), for claims and writes.
+    pub fn writer(&self, now_ms: u64) -> Backend {
+        Backend::writing(self.cfg.kind, || {
+            let k = lock(&self.kept);
+            keeper::usable(&k.leases, self.tombstone_lease_ttl_seconds.map(|_| &k.tombstone_leases), now_ms)
+        })
+    }
+
+    /// Every store answer passes here (any thread): whether it refused etcd's token (the caller
+    /// counts `store_token_refused`); the next keeper tick authenticates again.
+    pub fn token_refused(&self, status: Option<u16>, body: &[u8]) -> bool {
+        let refused = keeper::token_refused(&mut lock(&self.kept).auth, self.etcd_secret.as_deref(), status, body);
+        if refused == Some(true) {
+            host::log(
+                LogLevel::Warn,
+                "idemgate: etcd refused the token (expired, its member forgot it, or etcd's auth changed since): authenticating again",
+            );
+        }
+        refused.is_some()
+    }
+
+    /// Sends `req` to the store cluster with the current credentials: the callout's id, or why
+    /// Envoy refused it (nothing sent).
     pub fn send(&self, from: CalloutFrom, req: &StoreRequest) -> Result<u64, String> {
+        let credentials = lock(&self.credentials).clone();
+        self.send_with(from, req, credentials.as_deref())
+    }
+
+    fn send_with(&self, from: CalloutFrom, req: &StoreRequest, credentials: Option<&str>) -> Result<u64, String> {
         let mut headers: Vec<(&str, &str)> =
             vec![(":method", req.method), (":path", req.path.as_str()), (":authority", self.cfg.authority.as_str())];
-        if let Some(c) = self.credentials.as_deref() {
+        if let Some(c) = credentials {
             headers.push(("authorization", c));
         }
         host::callout(from, &self.cfg.cluster, &headers, &req.body, self.cfg.timeout_ms.max(1))
@@ -149,11 +230,12 @@ impl StoreSide {
         fallback: Option<Transition>,
         fence: Option<&Fence>,
     ) {
-        // Only etcd's requests carry a time; Redis judges by its own clock.
-        let now = 0;
-        let built = Job::build_owned(what, skey, t, fence, self.backend(), &self.seal, now).and_then(|mut job| {
+        // Only etcd's requests carry a time (a lease, the clock rule); Redis judges by its own.
+        let now = if self.backend().uses_proxy_clock() { host::now_ms() } else { 0 };
+        let writer = self.writer(now);
+        let built = Job::build_owned(what, skey, t, fence, writer, &self.seal, now).and_then(|mut job| {
             let fallback = fallback
-                .map(|f| Job::build_owned("unknown_fallback", skey, f, None, self.backend(), &self.seal, now))
+                .map(|f| Job::build_owned("unknown_fallback", skey, f, None, writer, &self.seal, now))
                 .transpose()?;
             job.fallback = fallback.map(Box::new);
             Ok(job)
@@ -166,13 +248,16 @@ impl StoreSide {
             // As a write whose every attempt failed: a claim left in the store is judged
             // outcome-unknown once its lock expires.
             Err(e) => {
+                self.count(Counter::StoreWriteFailures);
                 host::log(LogLevel::Warn, &format!("idemgate: store write {what} for key={} not sent: {e}", skey.hex()))
             }
         }
     }
 
-    /// Main thread: the queued writes go to the write machine, retries due are sent.
+    /// Main thread: etcd's token and leases when due, then the queued writes go to the write
+    /// machine and retries due are sent.
     pub fn on_scheduled(&self) {
+        self.keep();
         let jobs: Vec<Job> = lock(&self.queue).drain(..).collect();
         {
             let mut m = lock(&self.main);
@@ -185,17 +270,138 @@ impl StoreSide {
         self.run();
     }
 
-    /// Main thread: the answer to configuration callout `id` (`status` `None`: none).
+    /// Main thread: the answer to configuration callout `id` (`status` `None`: none). Sends
+    /// nothing itself: what the answer calls for (a retry due at once, the where-absent
+    /// transaction, the lease grant after a token) is sent at the event it posts. While Envoy
+    /// shuts down it resets the callouts in flight and answers them here, and a callout started
+    /// from that answer crashed Envoy (`envoy_dynamic_module_callback_http_filter_config_http_callout`,
+    /// SIGSEGV, seen in `etcd_store::etcd_envoy_health_checks_*` under `IDEMGATE_BUILD=native`);
+    /// the event posted then never runs (the main loop has exited): the write is lost, as any
+    /// write pending when Envoy destroys the configuration.
     pub fn on_answer(&self, id: u64, status: Option<u16>, body: &[u8]) {
-        {
-            let mut m = lock(&self.main);
-            let Some(write) = m.calls.remove(&id) else { return };
-            let backend = self.backend();
-            let writer = || (host::now_ms(), backend);
-            let b = Builder { store: self.backend(), seal: Some(&self.seal), writer: &writer };
-            m.writes.answered(write, status, body, &b);
+        let call = lock(&self.main).calls.remove(&id);
+        match call {
+            Some(Call::Write(write)) => {
+                if self.token_refused(status, body) {
+                    self.count(Counter::StoreTokenRefused);
+                }
+                let mut m = lock(&self.main);
+                let writer = || {
+                    let now = host::now_ms();
+                    (now, self.writer(now))
+                };
+                let b = Builder { store: self.backend(), seal: Some(&self.seal), writer: &writer };
+                m.writes.answered(write, status, body, &b);
+            }
+            Some(Call::Lease { sent_at_ms, kind }) => {
+                if self.token_refused(status, body) {
+                    self.count(Counter::StoreTokenRefused);
+                }
+                let now = host::now_ms();
+                let note = self.keeper(|k| k.lease_answered(kind, sent_at_ms, status, body, now));
+                self.keeper_action(KeeperAction::Note(note), now);
+            }
+            Some(Call::Auth) => {
+                let now = host::now_ms();
+                for a in self.keeper(|k| k.auth_answered(status, body, now)) {
+                    match a {
+                        // Not marked sent: the keeper asks for it again at the event posted below.
+                        KeeperAction::GrantLease(..) | KeeperAction::Authenticate(_) => {}
+                        a => self.keeper_action(a, now),
+                    }
+                }
+            }
+            None => return,
         }
-        self.run();
+        host::scheduler_commit(self.scheduler(), EVENT_WRITES);
+    }
+
+    /// etcd's keeper (`engine::keeper`) over this store's leases and token.
+    fn keeper<T>(&self, f: impl FnOnce(&mut Keeper) -> T) -> T {
+        let mut k = lock(&self.kept);
+        let Kept { leases, tombstone_leases, auth } = &mut *k;
+        f(&mut Keeper {
+            leases,
+            tombstone_leases: self.tombstone_lease_ttl_seconds.map(|ttl| (tombstone_leases, ttl)),
+            auth,
+            secret: self.etcd_secret.as_deref(),
+            lease_ttl_seconds: self.lease_ttl_seconds,
+        })
+    }
+
+    /// Main thread, etcd only: authenticates and grants leases when the keeper says so (at
+    /// start, ahead of need, at once after etcd refused the token), as the Wasm root's tick.
+    fn keep(&self) {
+        if !self.backend().needs_tick() {
+            return;
+        }
+        let now = host::now_ms();
+        let refresh_ms = self.cfg.token_refresh_seconds.saturating_mul(1000);
+        if let Some(a) = self.keeper(|k| k.authenticate_if_due(refresh_ms, now)) {
+            self.keeper_action(a, now);
+        }
+        if let Some(a) = self.keeper(|k| k.grant_if_due(now)) {
+            self.keeper_action(a, now);
+        }
+    }
+
+    /// Main thread: carries out one action of etcd's keeper (no lock held while sending).
+    fn keeper_action(&self, a: KeeperAction, now: u64) {
+        let from = || CalloutFrom::Config(self.config_envoy.load(Ordering::Acquire) as abi::ConfigEnvoyPtr);
+        match a {
+            KeeperAction::Authenticate(req) => {
+                self.count(Counter::StoreCalls);
+                // The authentication itself carries no token.
+                match self.send_with(from(), &req, None) {
+                    Ok(id) => {
+                        self.keeper(|k| k.auth_sent(now));
+                        lock(&self.main).calls.insert(id, Call::Auth);
+                    }
+                    Err(e) => {
+                        self.count(Counter::StoreErrors);
+                        self.keeper(|k| k.auth_not_sent(now));
+                        host::log(LogLevel::Warn, &format!("idemgate: etcd authentication not sent: {e}"));
+                    }
+                }
+            }
+            KeeperAction::GrantLease(req, kind) => {
+                self.count(Counter::StoreCalls);
+                match self.send(from(), &req) {
+                    Ok(id) => {
+                        self.keeper(|k| k.lease_sent(kind, now));
+                        lock(&self.main).calls.insert(id, Call::Lease { sent_at_ms: now, kind });
+                    }
+                    Err(e) => {
+                        self.count(Counter::StoreErrors);
+                        self.keeper(|k| k.lease_not_sent(kind, now));
+                        host::log(LogLevel::Warn, &format!("idemgate: etcd lease grant not sent: {e}"));
+                    }
+                }
+            }
+            KeeperAction::UseToken(token) => *lock(&self.credentials) = Some(token),
+            KeeperAction::Note(KeeperNote::AuthUnbuilt(e)) => {
+                host::log(LogLevel::Error, &format!("idemgate: etcd authentication not sent: {e}"))
+            }
+            KeeperAction::Note(KeeperNote::Authenticated) => {
+                self.count(Counter::StoreAuthentications);
+                host::log(LogLevel::Info, "idemgate: etcd authenticated (native configuration)");
+            }
+            KeeperAction::Note(KeeperNote::AuthFailed { why, said }) => {
+                self.count(Counter::StoreErrors);
+                host::log(
+                    LogLevel::Warn,
+                    &format!("idemgate: etcd authentication failed: {why} {said:?} (the user:password in IDEMGATE_STORE_AUTH)"),
+                );
+            }
+            KeeperAction::Note(KeeperNote::LeaseGranted) => host::log(
+                LogLevel::Info,
+                &format!("idemgate: etcd lease granted (native configuration, ttl {} s)", self.lease_ttl_seconds),
+            ),
+            KeeperAction::Note(KeeperNote::LeaseFailed(e)) => {
+                self.count(Counter::StoreErrors);
+                host::log(LogLevel::Warn, &format!("idemgate: etcd lease grant failed: {e}"));
+            }
+        }
     }
 
     /// Carries out the write machine's actions until it has none; no lock is held while a
@@ -214,7 +420,7 @@ impl StoreSide {
                     let mut m = lock(&self.main);
                     match sent {
                         Ok(callout) => {
-                            m.calls.insert(callout, id);
+                            m.calls.insert(callout, Call::Write(id));
                         }
                         Err(e) => m.writes.not_sent(id, &e, &host::now_ms),
                     }
@@ -238,11 +444,22 @@ impl StoreSide {
         }
     }
 
-    /// The timer posts an event when the next retry is due (its one thread; an earlier deadline
-    /// armed before it fires replaces the later one, which `tick` then finds due too).
+    /// The timer posts an event when the next retry is due, and with etcd at the keeper's next
+    /// tick (its one thread; an earlier deadline armed before it fires replaces the later one,
+    /// which `tick` then finds due too).
     fn arm_timer(&self) {
-        let due = lock(&self.main).writes.next_retry_ms();
-        let Some(due) = due else { return };
+        let retry = lock(&self.main).writes.next_retry_ms();
+        let keeper = self.backend().needs_tick().then(|| host::now_ms().saturating_add(KEEPER_TICK_MS));
+        let due = match (retry, keeper) {
+            (Some(r), Some(k)) => Some(r.min(k)),
+            (r, k) => r.or(k),
+        };
+        if let Some(due) = due {
+            self.arm(due);
+        }
+    }
+
+    fn arm(&self, due: u64) {
         if let Err(e) = self.timer.arm(due) {
             host::log(
                 LogLevel::Warn,

@@ -48,6 +48,24 @@ pub enum LeaseKind {
     Tombstones,
 }
 
+/// The leases a write made at `now_ms` puts under: the records', and the keys' tombstones'
+/// (`tombstone_leases`, where the configuration has leases of their own:
+/// `etcd::tombstone_lease_ttl_seconds`; otherwise the records' lease covers them).
+pub fn usable(leases: &Leases, tombstone_leases: Option<&Leases>, now_ms: u64) -> (Option<i64>, Option<i64>) {
+    let lease = leases.usable(now_ms);
+    (lease, tombstone_leases.map_or(lease, |t| t.usable(now_ms)))
+}
+
+/// Every store answer passes here: whether it refused the token in use (`etcd::token_refused`;
+/// `Some`: counted as `store_token_refused`, the next tick authenticates again), and whether that
+/// is news (`Some(true)`: logged once per token). Only an etcd store with a secret has a token.
+pub fn token_refused(auth: &mut Auth, secret: Option<&str>, status: Option<u16>, body: &[u8]) -> Option<bool> {
+    if secret.is_none() || !etcd::token_refused(status, body) {
+        return None;
+    }
+    Some(auth.refused())
+}
+
 /// The root's etcd lease and token.
 pub struct Keeper<'a> {
     pub leases: &'a mut Leases,

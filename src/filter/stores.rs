@@ -5,7 +5,8 @@
 
 use super::Shared;
 use crate::config::StoreKind;
-use crate::etcd::{self, Fence};
+use crate::engine::keeper;
+use crate::etcd::Fence;
 use crate::owner::OwnerToken;
 use crate::record::{Lifetimes, Record};
 use crate::scope::StorageKey;
@@ -27,24 +28,19 @@ pub fn backend(shared: &Shared) -> Backend {
 /// The configured store with the lease usable at `now_ms` (etcd), for writes.
 pub fn writer(shared: &Shared, now_ms: u64) -> Backend {
     Backend::writing(kind(shared), || {
-        let lease = shared.leases.borrow().usable(now_ms);
-        // Tombstones under the records' lease where that one covers them.
-        let tombstone = match shared.tombstone_lease_ttl_seconds {
-            Some(_) => shared.tombstone_leases.borrow().usable(now_ms),
-            None => lease,
-        };
-        (lease, tombstone)
+        let (leases, tombstones) = (shared.leases.borrow(), shared.tombstone_leases.borrow());
+        keeper::usable(&leases, shared.tombstone_lease_ttl_seconds.map(|_| &*tombstones), now_ms)
     })
 }
 
 /// Every answer passes here: a refused etcd token (`etcd::token_refused`) has the root
 /// authenticate again at its next tick (only an etcd store with a secret has a token).
 pub fn note_answer(shared: &Shared, status: Option<u16>, body: &[u8]) {
-    if shared.etcd_secret.is_none() || !etcd::token_refused(status, body) {
-        return;
-    }
+    let refused =
+        keeper::token_refused(&mut shared.etcd_auth.borrow_mut(), shared.etcd_secret.as_deref(), status, body);
+    let Some(news) = refused else { return };
     shared.metrics.inc(super::host::Counter::StoreTokenRefused);
-    if shared.etcd_auth.borrow_mut().refused() {
+    if news {
         log::warn!("idemgate: etcd refused the token (expired, its member forgot it, or etcd's auth changed since): authenticating again");
     }
 }

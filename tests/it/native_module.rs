@@ -180,18 +180,18 @@ fn native_module_abi_version_matches_this_envoy() {
 }
 
 #[test]
-fn native_build_refuses_an_etcd_store_at_load_naming_it() {
+fn native_build_refuses_a_feature_it_does_not_carry_at_load_naming_it() {
     let mut o = EnvoyOptions::new(
-        r#"{"scope": {"headers": ["authorization"]}, "store": {"cluster": "idemgate_store", "kind": "etcd"}}"#,
+        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "store": {"cluster": "idemgate_store", "kind": "etcd"}}"#,
         support::free_port(),
     );
     o.build = Build::Native;
     o.store_port = Some(support::free_port());
     match Envoy::try_start(&o) {
-        Started::Ready(_) => panic!("the native build accepted a store configuration"),
+        Started::Ready(_) => panic!("the native build accepted in_flight \"wait\""),
         Started::Exited { log, .. } => {
             assert!(log.contains("not supported by the native (dynamic module) build yet"), "{log}");
-            assert!(log.contains("store.kind \"etcd\""), "{log}");
+            assert!(log.contains("in_flight \"wait\""), "{log}");
         }
     }
 }
@@ -656,4 +656,249 @@ fn the_same_requests_show_the_same_counters_in_both_builds() {
     }
     same_counters("local tier", &seen[0].0, &seen[1].0, COUNTED);
     same_counters("store down", &seen[0].1, &seen[1].1, COUNTED_STORE_DOWN);
+}
+
+// The etcd store in the native build (`store.kind: "etcd"`, docs/native.md "The etcd store in the
+// native build"): leases granted ahead of need by the configuration's main thread, the same
+// requests, keys and record format as the Wasm build, so a Wasm proxy and a native proxy share
+// one etcd. Each case asserts how many times the upstream executed.
+
+mod etcd {
+    use super::*;
+    use support::etcd::EtcdCluster;
+
+    const ETCD_CFG: &str = r#"{"scope": {"headers": ["authorization"]}, "store": {"kind": "etcd", "cluster": "idemgate_store", "timeout_ms": 2000}}"#;
+    const ETCD_USER: &str = "idemgate";
+    const ETCD_PASSWORD: &str = "etcd-pw-native-41d2";
+
+    /// A proxy of `build` on `etcd` (its leases granted before it returns: one per Wasm worker,
+    /// one per native configuration), `IDEMGATE_STORE_AUTH` set to `auth`.
+    fn on_etcd(build: Build, etcd: &EtcdCluster, up: u16, auth: Option<&str>) -> Envoy {
+        let mut o = EnvoyOptions::new(ETCD_CFG, up);
+        o.build = build;
+        o.etcd_ports = etcd.client_ports();
+        if let Some(a) = auth {
+            o.vm_env.push(("IDEMGATE_STORE_AUTH".into(), a.into()));
+        }
+        let e = Envoy::start(&o);
+        support::etcd::wait_leases(&e, o.concurrency);
+        e
+    }
+
+    /// `store_post`, sent again (at most 40 times, 250 ms apart) while answered 503
+    /// store-unavailable, as a client honouring `retry-after` would: on a loaded machine an etcd
+    /// answer can take longer than `timeout_ms` (seen once in the whole suite: a Wasm proxy's
+    /// replay). A 503 store-unavailable is never forwarded, so the executions asserted hold.
+    fn answered(e: &Envoy, key: &str, body: &str) -> Response {
+        let mut r = store_post(e, key, body, &[]);
+        for _ in 0..40 {
+            if (r.status, problem_type(&r).as_str()) != (503, "urn:idemgate:problem:store-unavailable") {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(250));
+            r = store_post(e, key, body, &[]);
+        }
+        r
+    }
+
+    /// Waits until `e` has landed `n` store writes (the completion is written after the answer).
+    fn landed(e: &Envoy, n: u64) {
+        support::wait_for("the completion write landed", 400, || e.stat("idemgate.store_writes") >= n);
+    }
+
+    #[test]
+    fn a_native_proxy_on_etcd_executes_a_key_once_and_replays_it() {
+        let etcd = EtcdCluster::start();
+        let up = Upstream::start();
+        let n = on_etcd(Build::Native, &etcd, up.port, None);
+        let a = answered(&n, "e-native-1", r#"{"amount":5}"#);
+        assert_eq!(a.status, 201, "{}", a.body_text());
+        assert_eq!(a.header("idempotent-replayed"), None);
+        landed(&n, 1);
+        let b = answered(&n, "e-native-1", r#"{"amount":5}"#);
+        assert_eq!((b.status, b.header("idempotent-replayed")), (201, Some("true")), "{}", b.body_text());
+        assert_eq!(b.body, a.body);
+        let c = store_post(&n, "e-native-1", r#"{"amount":6}"#, &[]);
+        assert_eq!(c.status, 422, "{}", c.body_text());
+        assert_eq!(up.executions_with_key("e-native-1"), 1, "a replay must not execute");
+        // The record is in etcd (not only in the local tier): sealed, no raw key.
+        let contains = |hay: &[u8], needle: &str| hay.windows(needle.len()).any(|w| w == needle.as_bytes());
+        let all = etcd.all();
+        assert!(!all.is_empty(), "nothing stored in etcd");
+        assert!(all.iter().all(|(k, v)| !contains(k, "e-native-1") && !contains(v, "alice-secret-token")));
+        assert!(n.stat("idemgate.store_calls") >= 3, "claim, completion, lease");
+    }
+
+    #[test]
+    fn a_wasm_and_a_native_proxy_on_one_etcd_replay_each_others_keys() {
+        let etcd = EtcdCluster::start();
+        let up = Upstream::start();
+        let w = on_etcd(Build::Wasm, &etcd, up.port, None);
+        let n = on_etcd(Build::Native, &etcd, up.port, None);
+        for (tag, first, second) in [("w2n", &w, &n), ("n2w", &n, &w)] {
+            let key = format!("e-{tag}");
+            let writes = first.stat("idemgate.store_writes");
+            let a = answered(first, &key, r#"{"amount":5}"#);
+            assert_eq!(a.status, 201, "{tag}: {}", a.body_text());
+            landed(first, writes + 1);
+            let b = answered(second, &key, r#"{"amount":5}"#);
+            assert_eq!((b.status, b.header("idempotent-replayed")), (201, Some("true")), "{tag}: {}", b.body_text());
+            assert_eq!(b.body, a.body, "{tag}");
+            let c = store_post(second, &key, r#"{"amount":7}"#, &[]);
+            assert_eq!(c.status, 422, "{tag}: {}", c.body_text());
+            assert_eq!(up.executions_with_key(&key), 1, "{tag}: executed once");
+        }
+        // In flight on one build, a duplicate on the other: 409, never a second execution.
+        let port = n.port;
+        let first = std::thread::spawn(move || {
+            let h = [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "e-held"), ("x-up-hold", "1")];
+            http::request(port, "POST", "/charges", &h, br#"{"amount":9}"#).expect("request")
+        });
+        support::wait_for("e-held at the upstream", 400, || up.executions_with_key("e-held") == 1);
+        let dup = store_post(&w, "e-held", r#"{"amount":9}"#, &[]);
+        assert_eq!((dup.status, problem_type(&dup).as_str()), (409, "urn:idemgate:problem:request-in-flight"));
+        up.release_holds();
+        assert_eq!(first.join().expect("first").status, 201);
+        assert_eq!(up.executions_with_key("e-held"), 1);
+    }
+
+    #[test]
+    fn concurrent_duplicates_through_a_native_and_a_wasm_proxy_on_etcd_execute_once() {
+        let etcd = EtcdCluster::start();
+        let up = Upstream::start();
+        let w = on_etcd(Build::Wasm, &etcd, up.port, None);
+        let n = on_etcd(Build::Native, &etcd, up.port, None);
+        let ports = [w.port, n.port];
+        let handles: Vec<_> = (0..30)
+            .map(|i| {
+                let port = ports[i % 2];
+                std::thread::spawn(move || {
+                    let h = [
+                        ("authorization", "Bearer alice-secret-token"),
+                        ("idempotency-key", "e-thirty"),
+                        ("x-up-delay-ms", "300"),
+                    ];
+                    http::request(port, "POST", "/charges", &h, br#"{"amount":30}"#).expect("request").status
+                })
+            })
+            .collect();
+        let statuses: Vec<u16> = handles.into_iter().map(|h| h.join().expect("thread")).collect();
+        assert_eq!(up.executions_with_key("e-thirty"), 1, "statuses {statuses:?}");
+        // 503 (store-unavailable, never forwarded) when a loaded machine's etcd took longer than
+        // timeout_ms.
+        assert!(statuses.iter().all(|s| [201, 409, 503].contains(s)), "{statuses:?}");
+        assert!(statuses.contains(&201), "{statuses:?}");
+    }
+
+    #[test]
+    fn a_native_proxy_with_etcd_down_answers_503_store_unavailable_and_forwards_nothing() {
+        let mut etcd = EtcdCluster::start();
+        let up = Upstream::start();
+        let n = on_etcd(Build::Native, &etcd, up.port, None);
+        // Up: executed once.
+        let a = store_post(&n, "e-before", r#"{"amount":1}"#, &[]);
+        assert_eq!(a.status, 201, "{}", a.body_text());
+        for i in 0..etcd.members.len() {
+            etcd.kill(i);
+        }
+        for i in 0..5 {
+            let r = store_post(&n, &format!("e-down-{i}"), r#"{"amount":1}"#, &[]);
+            assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"), "{}", r.body_text());
+        }
+        assert_eq!(up.executions(), 1, "nothing forwarded while etcd is down");
+    }
+
+    #[test]
+    fn a_native_proxy_trades_the_etcd_password_for_a_token_and_a_wasm_proxy_replays_its_key() {
+        let mut etcd = EtcdCluster::start();
+        etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+        let auth = format!("{ETCD_USER}:{ETCD_PASSWORD}");
+        let up = Upstream::start();
+        let n = on_etcd(Build::Native, &etcd, up.port, Some(&auth));
+        let w = on_etcd(Build::Wasm, &etcd, up.port, Some(&auth));
+        let a = answered(&n, "e-auth", r#"{"amount":5}"#);
+        assert_eq!(a.status, 201, "{}", a.body_text());
+        landed(&n, 1);
+        let b = answered(&w, "e-auth", r#"{"amount":5}"#);
+        assert_eq!((b.status, b.header("idempotent-replayed")), (201, Some("true")), "{}", b.body_text());
+        assert_eq!(up.executions_with_key("e-auth"), 1);
+        assert!(n.stat("idemgate.store_authentications") >= 1);
+        assert!(!n.log().contains(ETCD_PASSWORD), "the password reached a log line");
+        // A wrong password: no token, no lease; 503 store-unavailable, nothing forwarded.
+        let mut o = EnvoyOptions::new(ETCD_CFG, up.port);
+        o.build = Build::Native;
+        o.etcd_ports = etcd.client_ports();
+        o.vm_env.push(("IDEMGATE_STORE_AUTH".into(), format!("{ETCD_USER}:not-the-password")));
+        let wrong = Envoy::start(&o);
+        support::wait_for("the failed authentication", 400, || wrong.log().contains("etcd authentication failed"));
+        for i in 0..3 {
+            let r = store_post(&wrong, &format!("e-wrong-{i}"), r#"{"amount":1}"#, &[]);
+            assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"), "{}", r.body_text());
+        }
+        assert_eq!(up.executions(), 1);
+    }
+
+    #[test]
+    fn a_native_proxy_replaces_a_token_etcd_refuses_at_once_and_executes_nothing_twice() {
+        let mut etcd = EtcdCluster::start();
+        etcd.enable_auth(ETCD_USER, ETCD_PASSWORD);
+        let auth = format!("{ETCD_USER}:{ETCD_PASSWORD}");
+        let up = Upstream::start();
+        // Tokens refreshed only every hour: a new one must come from etcd's refusal, not the clock.
+        let config = ETCD_CFG.replace(r#""timeout_ms": 2000"#, r#""timeout_ms": 2000, "token_refresh_seconds": 3600"#);
+        let mut o = EnvoyOptions::new(&config, up.port);
+        o.build = Build::Native;
+        o.etcd_ports = etcd.client_ports();
+        o.vm_env.push(("IDEMGATE_STORE_AUTH".into(), auth.clone()));
+        let n = Envoy::start(&o);
+        support::etcd::wait_leases(&n, o.concurrency);
+        let w = on_etcd(Build::Wasm, &etcd, up.port, Some(&auth));
+        assert_eq!(store_post(&n, "e-tok-before", r#"{"amount":1}"#, &[]).status, 201);
+        landed(&n, 1);
+        let before = n.stat("idemgate.store_authentications");
+        // A password change (to the same password) makes etcd forget every token of the user.
+        etcd.change_password(ETCD_USER, ETCD_PASSWORD);
+        // Sent again while refused for the store (`answered`): each refusal forwards nothing.
+        let r = answered(&n, "e-tok-after", r#"{"amount":2}"#);
+        assert_eq!(r.status, 201, "{}", r.body_text());
+        assert!(n.stat("idemgate.store_token_refused") >= 1, "etcd never refused the old token");
+        assert!(n.stat("idemgate.store_authentications") > before);
+        landed(&n, 2);
+        assert_eq!(up.executions_with_key("e-tok-after"), 1);
+        // The Wasm proxy (its token as old) replays it once it has its own new token.
+        let again = answered(&w, "e-tok-after", r#"{"amount":2}"#);
+        assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")), "{}", again.body_text());
+        assert_eq!(up.executions(), 2);
+    }
+
+    #[test]
+    fn a_native_proxy_stopped_with_a_store_write_in_flight_exits_cleanly() {
+        // Envoy resets the configuration's callouts in flight while it shuts down and answers
+        // them; a write retried from that answer started a callout there and crashed Envoy
+        // (SIGSEGV in envoy_dynamic_module_callback_http_filter_config_http_callout).
+        let mut etcd = EtcdCluster::start();
+        let up = Upstream::start();
+        let mut n = on_etcd(Build::Native, &etcd, up.port, None);
+        let port = n.port;
+        let first = std::thread::spawn(move || {
+            let h = [("authorization", "Bearer alice-secret-token"), ("idempotency-key", "e-stop"), ("x-up-hold", "1")];
+            http::request(port, "POST", "/charges", &h, br#"{"amount":3}"#).expect("request")
+        });
+        support::wait_for("e-stop at the upstream", 400, || up.executions_with_key("e-stop") == 1);
+        // etcd hangs (its connections stay open): the completion write stays in flight.
+        for i in 0..etcd.members.len() {
+            etcd.stop(i);
+        }
+        up.release_holds();
+        assert_eq!(first.join().expect("first").status, 201);
+        support::wait_for("the completion write in flight", 400, || {
+            n.stat("cluster.idemgate_store.upstream_rq_active") >= 1
+        });
+        let status = n.stop_status();
+        for i in 0..etcd.members.len() {
+            etcd.resume(i);
+        }
+        assert!(status.is_some_and(|s| s.success()), "Envoy exited with {status:?}; log:\n{}", n.log());
+        assert_eq!(up.executions(), 1);
+    }
 }

@@ -283,3 +283,29 @@ fn tombstones_get_leases_of_their_own_ttl_granted_and_answered_apart() {
         "no tombstone lease yet: a completion writing one is refused, never under a shorter lease"
     );
 }
+
+#[test]
+fn usable_puts_tombstones_under_their_own_leases_only_where_the_configuration_has_them() {
+    let (mut records, mut tombstones) = (Leases::default(), Leases::default());
+    assert_eq!(usable(&records, None, 1_000), (None, None));
+    records.granted(41, 1_000, 1_010);
+    // No leases of their own: the records' lease covers the tombstones.
+    assert_eq!(usable(&records, None, 1_020), (Some(41), Some(41)));
+    // Leases of their own, none granted yet: nothing can put a tombstone.
+    assert_eq!(usable(&records, Some(&tombstones), 1_020), (Some(41), None));
+    tombstones.granted(42, 1_000, 1_010);
+    assert_eq!(usable(&records, Some(&tombstones), 1_020), (Some(41), Some(42)));
+}
+
+#[test]
+fn a_refused_token_is_news_once_and_only_with_a_secret() {
+    let refusal: &[u8] = br#"{"error":"etcdserver: invalid auth token","code":16}"#;
+    let mut auth = Auth::default();
+    // No secret, no token: a 401 is not about a token of ours.
+    assert_eq!(token_refused(&mut auth, None, Some(401), refusal), None);
+    auth.obtained("t".into(), 0);
+    assert_eq!(token_refused(&mut auth, Some("u:p"), Some(200), b"{}"), None);
+    assert_eq!(token_refused(&mut auth, Some("u:p"), Some(401), refusal), Some(true));
+    assert_eq!(token_refused(&mut auth, Some("u:p"), Some(401), refusal), Some(false));
+    assert!(auth.wants_authenticate(1, REFRESH_MS));
+}

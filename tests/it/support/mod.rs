@@ -903,16 +903,23 @@ impl Envoy {
     /// SIGTERM, then waits for Envoy to exit (at most 20 s, then SIGKILL): a graceful stop, which
     /// flushes the file access log.
     pub fn stop(&mut self) {
-        let Some(mut c) = self.child.take() else { return };
+        let _ = self.stop_status();
+    }
+
+    /// `stop`, with how Envoy exited (`None`: not running, or killed after 20 s): a crash while
+    /// shutting down shows as a signal here (Envoy's own backtrace is in its log).
+    pub fn stop_status(&mut self) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
         let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
         for _ in 0..200 {
-            if let Ok(Some(_)) = c.try_wait() {
-                return;
+            if let Ok(Some(st)) = c.try_wait() {
+                return Some(st);
             }
             std::thread::sleep(Duration::from_millis(100));
         }
         let _ = c.kill();
         let _ = c.wait();
+        None
     }
 
     /// The access log's lines (`EnvoyOptions::access_log`): call `stop` first.
