@@ -109,9 +109,9 @@ mod tests {
     /// of an empty table are 0, and the host's timer is armed for the next sweep.
     #[test]
     fn one_sweep_a_second_reads_its_share_and_counts_each_pass_once() {
-        // 2048 buckets of 64: a pass is four sweeps.
+        // 2048 buckets (one per `DENSITY` records): a pass is four sweeps.
         let t = Table::new(&LocalConfig {
-            max_entries: 2048 * 64,
+            max_entries: 2048 * crate::local::DENSITY,
             max_bytes: 1 << 20,
             when_full: WhenFull::EvictOldest,
             min_protection_seconds: 0,
