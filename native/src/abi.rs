@@ -116,6 +116,11 @@ pub const ATTRIBUTE_RESPONSE_CODE_DETAILS: u32 = 16;
 /// same enum, unchanged in order up to Envoy 1.40's header): served by the HTTP filter's string
 /// accessor from the stream's upstream host, absent while the router has selected none.
 pub const ATTRIBUTE_UPSTREAM_ADDRESS: u32 = 41;
+/// `envoy_dynamic_module_type_attribute_id_XdsRouteName` (`xds.route_name`, the 62nd: twenty after
+/// `UpstreamAddress` in the header's order). Checked in Envoy 1.40 by
+/// `native_module::a_route_name_selects_the_policy_in_both_builds` (another attribute's value
+/// would select no route: the key would execute twice).
+pub const ATTRIBUTE_XDS_ROUTE_NAME: u32 = 61;
 
 /// `envoy_dynamic_module_type_log_level`.
 pub const LOG_DEBUG: u32 = 1;
@@ -179,6 +184,16 @@ extern "C" {
     /// hosts of the stream's upstream info; 0 without one). Checked against the binary: one
     /// argument, a count returned.
     pub fn envoy_dynamic_module_callback_http_get_upstream_hosts_attempted_size(filter: EnvoyPtr) -> usize;
+
+    /// Sets bytes filter state `key` on the stream (Envoy 1.40 stores a `StringAccessor`,
+    /// read-only, which `%FILTER_STATE(key:PLAIN)%` prints). Checked against the binary: the filter
+    /// in `rdi`, the key's pointer and length in `rsi`/`rdx`, the value's in `rcx`/`r8` (what two
+    /// `ModuleBuffer`s by value are in the C calling convention); false without stream info.
+    pub fn envoy_dynamic_module_callback_http_set_filter_state_bytes(
+        filter: EnvoyPtr,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
 
     pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: EnvoyPtr, body_type: u32) -> usize;
     pub fn envoy_dynamic_module_callback_http_get_body_chunks(

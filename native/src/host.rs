@@ -73,6 +73,29 @@ pub fn all_headers(f: EnvoyPtr, kind: u32) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
+/// The filter state keys an access log prints, the Wasm build's (`idemgate::filter::host`: Envoy
+/// keeps a Wasm property `<name>` as `wasm.<name>`), so one access log format serves both builds:
+/// `%FILTER_STATE(wasm.idemgate_outcome:PLAIN)%` and `%FILTER_STATE(wasm.idemgate_key:PLAIN)%`.
+pub const OUTCOME_STATE: &str = "wasm.idemgate_outcome";
+pub const KEY_STATE: &str = "wasm.idemgate_key";
+
+/// Leaves a protected request's outcome slug and storage key (its 64 hex digits) in the stream's
+/// filter state; false if Envoy refused either.
+pub fn publish(f: EnvoyPtr, outcome: &str, key_hex: Option<&str>) -> bool {
+    let set = |k: &str, v: &str| {
+        // SAFETY: the buffers live for the call; Envoy copies them.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_set_filter_state_bytes(
+                f,
+                ModuleBuffer::of(k.as_bytes()),
+                ModuleBuffer::of(v.as_bytes()),
+            )
+        }
+    };
+    let key_set = key_hex.is_none_or(|k| set(KEY_STATE, k));
+    set(OUTCOME_STATE, outcome) && key_set
+}
+
 /// Sets (`Some`) or removes (`None`) header `name` in map `kind`: false if Envoy refused.
 pub fn set_header(f: EnvoyPtr, kind: u32, name: &str, value: Option<&str>) -> bool {
     let v = match value {

@@ -6,7 +6,7 @@
 //!
 //! Today: the local tier (one proxy) and the Redis store through webdis (`store.rs`: the calls a
 //! request waits for are the stream's callouts, answered in `callout_done`). etcd, `forwarding:
-//! "detached"`, `in_flight: "wait"`, MCP routes, routes selected by Envoy route name and
+//! "detached"`, `in_flight: "wait"`, MCP routes and
 //! `next_hop_failures: "classify"` are refused at configuration (`refusal`), before any request.
 
 use std::cell::Cell;
@@ -52,9 +52,6 @@ pub fn refusal(config: &Config) -> Option<String> {
     };
     if config.store.as_ref().is_some_and(|s| s.kind == StoreKind::Etcd) {
         return why("store.kind \"etcd\"");
-    }
-    if config.uses_route_names() {
-        return why("a route selected by Envoy route name (\"route_name\")");
     }
     for p in config.policies() {
         if matches!(p.forwarding, Forwarding::Detached { .. }) {
@@ -234,6 +231,8 @@ pub struct Filter {
     route: Option<usize>,
     /// When its claim was taken (`idemgate.key_held_ms`), until settled.
     held_since: Option<u64>,
+    /// The outcome was left in Envoy's filter state (`Glue::publish`): once per request.
+    published: bool,
 }
 
 struct Glue<'a> {
@@ -244,6 +243,7 @@ struct Glue<'a> {
     sd: ProcessShared,
     route: Option<usize>,
     held_since: &'a mut Option<u64>,
+    published: &'a mut bool,
 }
 
 fn headers_status(f: Flow) -> u32 {
@@ -285,6 +285,18 @@ impl Glue<'_> {
         }
     }
 
+    /// The one place a protected request's end is told to Envoy's access log: its outcome slug and
+    /// storage key in filter state (`host::publish`), as the Wasm build does. The first call wins.
+    fn publish(&mut self, key: Option<&StorageKey>, outcome: &str) {
+        if std::mem::replace(self.published, true) {
+            return;
+        }
+        let hex = key.map(StorageKey::hex);
+        if !host::publish(self.envoy, outcome, hex.as_deref()) {
+            host::log(LogLevel::Debug, &format!("idemgate: filter state not set for outcome={outcome}"));
+        }
+    }
+
     /// Sends a problem document (never stored), counted as the core's `problem_counter` says.
     fn answer(&mut self, req: Option<&Protected>, problem: ProblemKind, creator: Option<&Creator>) {
         self.count(rules::problem_counter(&problem));
@@ -293,6 +305,7 @@ impl Glue<'_> {
 
     fn send_problem(&mut self, req: Option<&Protected>, problem: ProblemKind, creator: Option<&Creator>) {
         host::log(LogLevel::Info, &log_line(req, problem.slug(), ""));
+        self.publish(req.and_then(Protected::published_key), problem.slug());
         let request_id = req.map_or_else(
             || {
                 host::header(self.envoy, abi::REQUEST_HEADER, "x-request-id")
@@ -345,10 +358,12 @@ impl Glue<'_> {
         }
         match answer {
             RetryAnswer::AsStored { response: r, expires } => {
+                self.publish(req.published_key(), "replayed");
                 self.respond(r.status, &r.headers, &r.body, &expires, "replayed");
                 host::log(LogLevel::Debug, &log_line(Some(req), "replayed", &format!("status={}", r.status)));
             }
             RetryAnswer::Decoded { response: d, expires } => {
+                self.publish(req.published_key(), "replayed");
                 self.respond(d.status, &d.headers, &d.body, &expires, "replayed");
                 host::log(LogLevel::Debug, &log_line(Some(req), "replayed", &format!("status={}", d.status)));
             }
@@ -390,8 +405,7 @@ impl Effects for Glue<'_> {
                     None => {}
                 }
             }
-            // The outcome in filter state: not carried yet (docs/native.md).
-            Command::Publish { .. } => {}
+            Command::Publish { key, outcome } => self.publish(key.as_ref(), outcome),
             Command::Log(level, line) => host::log(level, &line),
             Command::Reply { req, problem, creator } => self.answer(req, problem, creator),
             Command::Replay { req, record } => self.replay(req, &record),
@@ -583,6 +597,7 @@ impl Filter {
             body: vec![],
             route: None,
             held_since: None,
+            published: false,
         }
     }
 
@@ -595,6 +610,7 @@ impl Filter {
             sd: ProcessShared,
             route: self.route,
             held_since: &mut self.held_since,
+            published: &mut self.published,
         };
         (&mut self.machine, glue)
     }
@@ -628,7 +644,14 @@ impl Filter {
         if !end_of_stream && !config.protects_method(&head.method) {
             return abi::HEADERS_CONTINUE;
         }
-        let admitted = match request::at_headers(config, &head, None, end_of_stream) {
+        // The Envoy route's name, read only where a route is selected by it (as the Wasm build).
+        let route_name = if config.uses_route_names() {
+            host::attribute_string(envoy, abi::ATTRIBUTE_XDS_ROUTE_NAME)
+                .map(|n| String::from_utf8_lossy(&n).into_owned())
+        } else {
+            None
+        };
+        let admitted = match request::at_headers(config, &head, route_name.as_deref(), end_of_stream) {
             Ok(a) => a,
             Err(not) => {
                 self.route = not.route();
@@ -831,7 +854,6 @@ mod tests {
                 r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "up", "hop": "direct", "timeout_ms": 5000}}"#,
                 "forwarding \"detached\"",
             ),
-            (r#"{"scope": {"global": true}, "routes": [{"route_name": "pay"}]}"#, "\"route_name\""),
             (r#"{"scope": {"global": true}, "next_hop_failures": "classify"}"#, "next_hop_failures \"classify\""),
             (
                 r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp"}]}"#,
@@ -846,5 +868,8 @@ mod tests {
             assert!(why.contains(names), "{json}: {why}");
             assert!(why.contains("native"), "{why}");
         }
+        // Carried since: routes selected by Envoy's route name.
+        let named = Config::parse(br#"{"scope": {"global": true}, "routes": [{"route_name": "pay"}]}"#);
+        assert_eq!(named.map(|c| refusal(&c)).ok(), Some(None));
     }
 }

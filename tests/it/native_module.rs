@@ -153,6 +153,24 @@ fn local_tier_cases_hold_in_both_builds() {
     }
 }
 
+/// The outcome and the full storage key in filter state, for the access log: the same lines from
+/// both builds with one log format (`%FILTER_STATE(wasm.idemgate_outcome:PLAIN)%`, `..._key`).
+#[test]
+fn every_protected_request_leaves_its_outcome_and_key_in_the_access_log_in_both_builds() {
+    for build in [Build::Wasm, Build::Native] {
+        crate::single_proxy::outcome_and_full_key_in_the_access_log(build);
+    }
+}
+
+/// Routes selected by Envoy's route name (`xds.route_name`, read through the ABI's attribute
+/// accessor in the native build): the same protection in both builds.
+#[test]
+fn a_route_name_selects_the_policy_in_both_builds() {
+    for build in [Build::Wasm, Build::Native] {
+        crate::single_proxy::route_name_selects_the_policy(build);
+    }
+}
+
 #[test]
 fn native_module_abi_version_matches_this_envoy() {
     let s = stack(Build::Native, CFG);

@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::time::Duration;
 
 use support::http::{self, Response};
-use support::Stack;
+use support::{Build, Stack};
 
 /// The fault and security cases (`make test-faults`).
 mod faults;
@@ -409,9 +409,16 @@ fn a_case_insensitive_route_protects_every_case_of_its_path() {
 
 #[test]
 fn a_route_name_selects_the_policy_of_the_envoy_route_that_matched() {
+    route_name_selects_the_policy(Build::from_env());
+}
+
+/// A policy selected by Envoy's route name, with `build` loaded (`native_module::` runs it for
+/// both builds).
+pub(crate) fn route_name_selects_the_policy(build: Build) {
     // Envoy's route `pay` matches /v1/payments in any case; the catch-all has no name.
     let s = Stack::with(r#"{"scope": {"headers": ["authorization"]}, "routes": [{"route_name": "pay"}]}"#, |o| {
         o.named_routes = vec![("pay".into(), r#"{prefix: "/v1/payments", case_sensitive: false}"#.into())];
+        o.build = build;
     });
     for (key, path) in [("k-name-1", "/v1/payments"), ("k-name-2", "/V1/PAYMENTS/9")] {
         let a = s.post(path, Some(key), "{}", &[]);
@@ -435,7 +442,17 @@ fn access_line(lines: &[String], id: &str) -> Vec<String> {
 
 #[test]
 fn every_protected_request_leaves_its_outcome_and_full_key_in_envoys_access_log() {
-    let mut s = Stack::with(CFG, |o| o.access_log = true);
+    outcome_and_full_key_in_the_access_log(Build::from_env());
+}
+
+/// The access log's filter state after a first request, its replay, a reused key, a request in
+/// flight and its retry, a malformed key and an unprotected GET, with `build` loaded (the native
+/// build's `native_module::` runs it for both builds: one access log format serves both).
+pub(crate) fn outcome_and_full_key_in_the_access_log(build: Build) {
+    let mut s = Stack::with(CFG, |o| {
+        o.access_log = true;
+        o.build = build;
+    });
     let body = r#"{"amount":7}"#;
     let first = s.post("/charges", Some("k-log"), body, &[("x-test-id", "first")]);
     assert_eq!(first.status, 201, "{}", first.body_text());
@@ -780,7 +797,12 @@ fn a_log_level_raised_at_run_time_reaches_idemgate_and_its_debug_lines_appear() 
     let r = s.post("/charges", Some("k-quiet"), "{}", &[]);
     assert_eq!(r.status, 201);
     assert!(!s.envoy.log().contains("outcome=forwarded"), "a debug line at level info");
-    let set = http::request(s.envoy.admin_port, "POST", "/logging?wasm=debug", &[], b"").expect("admin");
+    // The native build logs under Envoy's `dynamic_modules` logger (docs/native.md).
+    let logger = match Build::from_env() {
+        Build::Wasm => "wasm",
+        Build::Native => "dynamic_modules",
+    };
+    let set = http::request(s.envoy.admin_port, "POST", &format!("/logging?{logger}=debug"), &[], b"").expect("admin");
     assert_eq!(set.status, 200, "{}", set.body_text());
     // Each worker reads the level on its tick (100 ms): bounded by count, not by time.
     let mut seen = false;
