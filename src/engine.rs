@@ -21,6 +21,8 @@
 //! - `keeper`: etcd's lease and token, kept ahead of need;
 //! - `settle`: what a finished exchange does to its claim (complete, release, mark
 //!   outcome-unknown) in the local tier and, through `writes`, in the store;
+//! - `sweep`: the local table's sweep on a host's timer and the gauges it makes (the Wasm root's
+//!   tick, the native configuration's tick);
 //! - `forwards`: the detached forwards (`forwarding: "detached"`) and the probes of the internal
 //!   listener chains they go through;
 //! - `world` (tests only): whole requests of two proxies and a store in memory, the Envoy suites'
@@ -32,6 +34,7 @@ pub mod keeper;
 pub mod machine;
 pub mod request;
 pub mod settle;
+pub mod sweep;
 pub mod waiters;
 #[cfg(test)]
 pub mod world;

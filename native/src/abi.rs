@@ -314,6 +314,22 @@ extern "C" {
         label_values_length: usize,
         value: u64,
     ) -> u32;
+    /// Adds `value` to gauge `id` (Envoy's gauge: an atomic add, from any thread, as the
+    /// stream's own `increment_gauge` does through the same configuration).
+    pub fn envoy_dynamic_module_callback_http_filter_config_increment_gauge(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
     pub fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
         config: ConfigEnvoyPtr,
         id: usize,

@@ -392,3 +392,17 @@ pub fn set_gauge(c: abi::ConfigEnvoyPtr, id: usize, value: u64) {
     let _ =
         unsafe { abi::envoy_dynamic_module_callback_http_filter_config_set_gauge(c, id, std::ptr::null(), 0, value) };
 }
+
+/// Adds `delta` (negative: subtracts) to gauge `id` of configuration `c`: an atomic add in
+/// Envoy's stats, callable from a worker or the main thread while the configuration lives.
+pub fn add_gauge(c: abi::ConfigEnvoyPtr, id: usize, delta: i64) {
+    let by = delta.unsigned_abs();
+    // SAFETY: as `config_increment_counter`.
+    let _ = unsafe {
+        if delta >= 0 {
+            abi::envoy_dynamic_module_callback_http_filter_config_increment_gauge(c, id, std::ptr::null(), 0, by)
+        } else {
+            abi::envoy_dynamic_module_callback_http_filter_config_decrement_gauge(c, id, std::ptr::null(), 0, by)
+        }
+    };
+}

@@ -10,8 +10,8 @@
 //! `next_hop_failures: "classify"` are refused at configuration (`refusal`), before any request.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use idemgate::config::{Config, Forwarding, InFlight, NextHopFailures};
 use idemgate::decision::{classify_routed, Exchange};
@@ -23,6 +23,7 @@ use idemgate::engine::machine::{
 };
 use idemgate::engine::request::{self, Asked, NotProtected, StoreAnswer};
 use idemgate::engine::settle::Claim;
+use idemgate::engine::sweep::Sweeper;
 use idemgate::failsafe::{Broken, Holding};
 use idemgate::local::{SharedData, Table};
 use idemgate::metrics::{self as rules, Counter, Gauge, Histogram};
@@ -39,6 +40,7 @@ use crate::host::{self, CalloutFrom};
 use crate::metrics::{From as MetricsFrom, Metrics};
 use crate::shared::ProcessShared;
 use crate::store::StoreSide;
+use crate::timer::Timer;
 
 /// Why this build cannot run `config` yet: the first feature it needs that the native host glue
 /// does not carry. `None`: it runs here.
@@ -75,6 +77,12 @@ pub struct Global {
     pub metrics: Arc<Metrics>,
     owner_seed: OwnerSeed,
     tokens: AtomicU64,
+    /// The local table's sweep and its gauges (`engine::sweep`, the Wasm root's rule), run on the
+    /// main thread by the configuration's tick (`on_scheduled`).
+    sweeper: Mutex<Sweeper>,
+    /// The configuration's one timer thread (`timer.rs`): posts `crate::TICK_EVENT` to the main
+    /// thread when the next sweep or store write retry is due; ended with the configuration.
+    timer: Arc<Timer>,
 }
 
 impl Global {
@@ -85,7 +93,16 @@ impl Global {
         if let Some(why) = refusal(&config) {
             return Err(why);
         }
-        let store = StoreSide::configure(&config)?;
+        // Envoy calls config_new on its main thread: the scheduler posting to it is made here
+        // (never deleted: a post after the configuration is gone does nothing), and the timer's
+        // thread posts through it.
+        let scheduler = Arc::new(AtomicUsize::new(host::scheduler_new(config_envoy) as usize));
+        let posts = Arc::clone(&scheduler);
+        let timer = Arc::new(Timer::new(
+            move || host::scheduler_commit(posts.load(Ordering::Acquire) as abi::SchedulerPtr, crate::TICK_EVENT),
+            host::now_ms,
+        ));
+        let store = StoreSide::configure(&config, Arc::clone(&timer), scheduler)?;
         let table = Table::new(&config.local);
         match table.ensure_created(&mut ProcessShared) {
             Ok(created) if created > 0 => host::log(
@@ -105,9 +122,73 @@ impl Global {
         let metrics = Arc::new(Metrics::define(config_envoy, &labels, &fixed));
         if let Some(st) = store.as_ref() {
             // Envoy calls config_new on its main thread: the store's writes are sent from there.
-            st.attach(config_envoy, Arc::clone(&metrics))?;
+            st.attach(config_envoy, Arc::clone(&metrics));
         }
-        Ok(Global { config, table, store, metrics, owner_seed, tokens: AtomicU64::new(0) })
+        // The first sweep at once (the gauges from the first tick on), then once a second; with
+        // etcd the keeper's first token and lease at that tick too, never on a request's path.
+        if let Err(e) = timer.arm(host::now_ms()) {
+            if store.as_ref().is_some_and(|st| st.backend().needs_tick()) {
+                // Without its tick no lease would ever be granted.
+                return Err(format!("idemgate configuration refused: store.kind \"etcd\" needs the native build's timer thread, which could not start ({e})"));
+            }
+            host::log(
+                LogLevel::Warn,
+                &format!("idemgate: no timer thread ({e}): the local table's gauges are not set, expired records are freed only when their bucket is reused"),
+            );
+        }
+        Ok(Global {
+            config,
+            table,
+            store,
+            metrics,
+            owner_seed,
+            tokens: AtomicU64::new(0),
+            sweeper: Mutex::new(Sweeper::default()),
+            timer,
+        })
+    }
+
+    /// Main thread, on any event posted to it (a write queued, the timer due): the store's
+    /// writes, then the local table's sweep if due (`engine::sweep`, once a second: the same
+    /// counters and gauges as the Wasm root's tick), then the timer armed for the next sweep.
+    pub fn on_scheduled(&self) {
+        if let Some(st) = self.store.as_ref() {
+            st.on_scheduled();
+        }
+        let now = host::now_ms();
+        let next = {
+            let mut sweeper = self.sweeper.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(swept) = sweeper.run(&self.table, &mut ProcessShared, now) {
+                if let Some(e) = &swept.error {
+                    host::log(LogLevel::Debug, &format!("idemgate: sweep failed: {e:?}"));
+                }
+                for c in swept.counters() {
+                    self.metrics.inc(MetricsFrom::Config, c);
+                }
+                for (g, v) in swept.gauges {
+                    self.metrics.set(g, v);
+                }
+                if let Some(line) = &swept.high_water {
+                    host::log(LogLevel::Warn, line);
+                }
+            }
+            sweeper.next_ms()
+        };
+        // An earlier deadline (a write's retry) stays armed: the timer keeps the earliest.
+        if let Err(e) = self.timer.arm(next) {
+            host::log(
+                LogLevel::Warn,
+                &format!("idemgate: cannot start the timer thread ({e}): retried at the next event"),
+            );
+        }
+    }
+
+    /// Envoy destroys the configuration (its destroy hook, main thread): what it leaves behind in
+    /// the gauges is taken back (`StoreSide::stop`). The timer's thread ends when `Global` drops.
+    pub fn stop(&self) {
+        if let Some(st) = self.store.as_ref() {
+            st.stop();
+        }
     }
 
     fn next_owner(&self) -> OwnerToken {

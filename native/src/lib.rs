@@ -26,6 +26,10 @@ use abi::{EnvoyBuffer, EnvoyPtr, ModulePtr};
 use http::{Filter, Global};
 use idemgate::engine::machine::LogLevel;
 
+/// The event the configuration's timer posts to the main thread (`Global::on_scheduled`: the
+/// store's writes due, the local table's sweep and gauges).
+pub const TICK_EVENT: u64 = 2;
+
 /// Envoy calls this once when it loads the module: the ABI version this module was written for.
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
@@ -78,7 +82,11 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: ModulePtr) {
     if !config.is_null() {
         // SAFETY: made by `Arc::into_raw` in config_new; Envoy destroys it once.
-        drop(unsafe { Arc::from_raw(config.cast::<Global>()) });
+        let global = unsafe { Arc::from_raw(config.cast::<Global>()) };
+        // Envoy calls this from the configuration's destructor, its stats still alive (and only
+        // once every filter of it is gone: each holds the configuration).
+        global.stop();
+        drop(global);
     }
 }
 
@@ -229,7 +237,7 @@ unsafe fn global<'a>(config: ModulePtr) -> Option<&'a Global> {
     unsafe { config.cast::<Global>().as_ref() }
 }
 
-/// An event posted to the main thread (`store::StoreSide`: queued writes, a retry due).
+/// An event posted to the main thread (queued writes, the timer: a retry or the sweep due).
 ///
 /// # Safety
 /// Envoy's hook contract.
@@ -240,8 +248,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
     _event_id: u64,
 ) {
     // SAFETY: Envoy's hook contract.
-    if let Some(st) = unsafe { global(config) }.and_then(|g| g.store.as_ref()) {
-        st.on_scheduled();
+    if let Some(g) = unsafe { global(config) } {
+        g.on_scheduled();
     }
 }
 

@@ -22,6 +22,8 @@ pub struct Metrics {
     routes: Vec<Vec<Option<usize>>>,
     /// Indexed by `Histogram as usize`.
     histograms: Vec<Option<usize>>,
+    /// Indexed by `Gauge as usize` (`Gauge::ALL` is in declaration order).
+    gauges: Vec<Option<usize>>,
     settled: Option<usize>,
     /// The configuration (for counts made outside a stream, on the main thread: store writes),
     /// kept as an address so that `Metrics` can be shared by the workers (Envoy's counters are
@@ -46,8 +48,11 @@ impl Metrics {
         if let Some(id) = host::define_gauge(config, BUILD_INFO) {
             host::set_gauge(config, id, 1);
         }
+        // Every gauge of the core's (`Gauge::ALL`, in declaration order); those the
+        // configuration fixes are set once here, the others by the tick (`set`, `add`).
+        let gauges: Vec<Option<usize>> = Gauge::ALL.iter().map(|g| host::define_gauge(config, g.name())).collect();
         for (g, value) in fixed {
-            if let Some(id) = host::define_gauge(config, g.name()) {
+            if let Some(id) = gauges.get(*g as usize).copied().flatten() {
                 host::set_gauge(config, id, *value);
             }
         }
@@ -72,6 +77,7 @@ impl Metrics {
             totals: Counter::ALL.iter().map(|c| host::define_counter(config, c.name())).collect(),
             routes: per_route,
             histograms: Histogram::ALL.iter().map(|h| host::define_histogram(config, h.name())).collect(),
+            gauges,
             settled,
             config: config as usize,
         }
@@ -102,6 +108,21 @@ impl Metrics {
     pub fn record(&self, f: EnvoyPtr, h: Histogram, value: u64) {
         if let Some(id) = self.histograms.get(h as usize).copied().flatten() {
             host::record_histogram(f, id, value);
+        }
+    }
+
+    /// Sets gauge `g` (from the configuration's tick, on the main thread).
+    pub fn set(&self, g: Gauge, value: u64) {
+        if let Some(id) = self.gauges.get(g as usize).copied().flatten() {
+            host::set_gauge(self.config as ConfigEnvoyPtr, id, value);
+        }
+    }
+
+    /// Adds `delta` to gauge `g` (from any thread while the configuration lives: Envoy's add is
+    /// atomic): `idemgate.store_writes_pending`, as the Wasm build moves it.
+    pub fn add_gauge(&self, g: Gauge, delta: i64) {
+        if let Some(id) = self.gauges.get(g as usize).copied().flatten() {
+            host::add_gauge(self.config as ConfigEnvoyPtr, id, delta);
         }
     }
 

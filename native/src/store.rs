@@ -14,9 +14,10 @@
 //! - a write must outlive its stream, so it is handed to the configuration's main thread: the
 //!   worker queues its `Job` and posts an event (`scheduler_commit`, thread-safe); on the main
 //!   thread (`on_scheduled`) the write machine sends it as a configuration callout, reads its
-//!   answer (`on_answer`) and schedules its retries; a retry's time is kept by the store side's
-//!   one timer thread (`timer.rs`), which posts an event when it is due (Envoy's main dispatcher
-//!   runs the write then).
+//!   answer (`on_answer`) and schedules its retries; a retry's time is kept by the
+//!   configuration's one timer thread (`timer.rs`), which posts an event when it is due (Envoy's
+//!   main dispatcher runs the write then). `idemgate.store_writes_pending` moves as in the Wasm
+//!   build: +1 when a write is queued, -1 when the write machine ends it.
 //! - etcd only: the main thread is the Wasm root's counterpart for the keeper too. The timer
 //!   posts an event every `KEEPER_TICK_MS` (the Wasm root's tick); on it the keeper's
 //!   authentication and lease grants are sent as configuration callouts, their answers read on
@@ -25,7 +26,7 @@
 //!   (`Unbuilt::NoLease`: 503 store-unavailable, nothing put without a lease).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use idemgate::backend::{Backend, Credential};
@@ -34,7 +35,7 @@ use idemgate::engine::keeper::{self, Action as KeeperAction, Keeper, LeaseKind, 
 use idemgate::engine::machine::LogLevel;
 use idemgate::engine::writes::{Action, Builder, Job, Note, WriteId, Writes};
 use idemgate::etcd::{self, Auth, Fence, Leases};
-use idemgate::metrics::{note_counters, Counter};
+use idemgate::metrics::{note_counters, Counter, Gauge};
 use idemgate::scope::StorageKey;
 use idemgate::seal::Seal;
 use idemgate::store::{StoreRequest, Transition};
@@ -49,7 +50,8 @@ use crate::timer::Timer;
 /// process environment here.
 pub const STORE_AUTH_ENV: &str = "IDEMGATE_STORE_AUTH";
 
-/// The scheduler event the workers post when they queue a write, and the retry timer's.
+/// The scheduler event the workers post when they queue a write (the configuration's timer posts
+/// `crate::TICK_EVENT`, which runs the writes too).
 const EVENT_WRITES: u64 = 1;
 
 /// How often the main thread asks etcd's keeper whether a lease or a token is due: the Wasm
@@ -100,8 +102,12 @@ pub struct StoreSide {
     /// `attach`), as addresses: plain values every thread may hold.
     config_envoy: AtomicUsize,
     scheduler: Arc<AtomicUsize>,
-    /// Posts an event when the next retry is due: one thread per store side, ended with it.
-    timer: Timer,
+    /// The configuration's timer (`crate::http::Global`): posts an event when the next retry is
+    /// due (its one thread, ended with the configuration).
+    timer: Arc<Timer>,
+    /// Writes queued or in flight (what `idemgate.store_writes_pending` counts for this
+    /// configuration), to take back from the gauge when the configuration goes with them.
+    pending: AtomicI64,
     /// Writes queued by workers for the main thread.
     queue: Mutex<VecDeque<Job>>,
     /// The main thread's only.
@@ -118,7 +124,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl StoreSide {
     /// The store of `config` (`None`: the local tier only), with the record seal and credentials
     /// from Envoy's process environment: the message of the refusal otherwise.
-    pub fn configure(config: &Config) -> Result<Option<StoreSide>, String> {
+    pub fn configure(
+        config: &Config,
+        timer: Arc<Timer>,
+        scheduler: Arc<AtomicUsize>,
+    ) -> Result<Option<StoreSide>, String> {
         let Some(cfg) = config.store.clone() else { return Ok(None) };
         // Records in a shared store are sealed (src/seal.rs): no secret, no store.
         let seal = Seal::from_env()
@@ -130,12 +140,6 @@ impl StoreSide {
             Ok(Credential::Token(v)) => (None, Some(v)),
             Err(e) => return Err(format!("idemgate configuration refused: {e}")),
         };
-        let scheduler = Arc::new(AtomicUsize::new(0));
-        let posts = Arc::clone(&scheduler);
-        let timer = Timer::new(
-            move || host::scheduler_commit(posts.load(Ordering::Acquire) as abi::SchedulerPtr, EVENT_WRITES),
-            host::now_ms,
-        );
         Ok(Some(StoreSide {
             cfg,
             seal,
@@ -147,31 +151,44 @@ impl StoreSide {
             config_envoy: AtomicUsize::new(0),
             scheduler,
             timer,
+            pending: AtomicI64::new(0),
             queue: Mutex::new(VecDeque::new()),
             main: Mutex::new(Main::default()),
             metrics: OnceLock::new(),
         }))
     }
 
-    /// Envoy's configuration object and a scheduler of it (main thread, at `config_new`). The
-    /// scheduler is never deleted (a post through it after the configuration is gone does
-    /// nothing); the retry timer's thread ends with this store side, before it could post. With
-    /// etcd the timer starts here: why it cannot (the configuration is refused: without it no
-    /// lease would ever be granted).
-    pub fn attach(&self, config_envoy: abi::ConfigEnvoyPtr, metrics: Arc<Metrics>) -> Result<(), String> {
+    /// Envoy's configuration object (main thread, at `config_new`; its scheduler is made by
+    /// `Global::configure`, never deleted: a post through it after the configuration is gone does
+    /// nothing; the timer's thread ends with the configuration, before it could post).
+    pub fn attach(&self, config_envoy: abi::ConfigEnvoyPtr, metrics: Arc<Metrics>) {
         let _ = self.metrics.set(metrics);
         self.config_envoy.store(config_envoy as usize, Ordering::Release);
-        self.scheduler.store(host::scheduler_new(config_envoy) as usize, Ordering::Release);
-        if self.backend().needs_tick() {
-            // etcd: the first token and lease are asked for at the first tick, as in the Wasm
-            // build (while Envoy creates the configuration the store cluster may not take a
-            // callout yet: refused, the keeper tries again after its backoff), never on a
-            // request's path.
-            self.timer.arm(host::now_ms().saturating_add(KEEPER_TICK_MS)).map_err(|e| {
-                format!("idemgate configuration refused: store.kind \"etcd\" needs the native build's timer thread, which could not start ({e})")
-            })?;
+    }
+
+    /// Moves `idemgate.store_writes_pending` by `delta` (a write queued: +1; ended: -1), as the
+    /// Wasm build does (`filter::Shared::push_job`, `Root::write_ended`).
+    fn pending_moved(&self, delta: i64) {
+        self.pending.fetch_add(delta, Ordering::AcqRel);
+        if let Some(m) = self.metrics.get() {
+            m.add_gauge(Gauge::StoreWritesPending, delta);
         }
-        Ok(())
+    }
+
+    /// Envoy destroys the configuration (main thread, in its destroy hook, while its stats still
+    /// live): the writes still pending are lost (docs/native.md), and taken back from the gauge as
+    /// the Wasm root does when it stops with writes pending.
+    pub fn stop(&self) {
+        let left = self.pending.swap(0, Ordering::AcqRel);
+        if left > 0 {
+            host::log(
+                LogLevel::Warn,
+                &format!("idemgate: configuration destroyed with {left} store write(s) still pending: other proxies judge those keys outcome-unknown once their locks expire"),
+            );
+            if let Some(m) = self.metrics.get() {
+                m.add_gauge(Gauge::StoreWritesPending, -left);
+            }
+        }
     }
 
     fn scheduler(&self) -> abi::SchedulerPtr {
@@ -242,6 +259,7 @@ impl StoreSide {
         });
         match built {
             Ok(job) => {
+                self.pending_moved(1);
                 lock(&self.queue).push_back(job);
                 host::scheduler_commit(self.scheduler(), EVENT_WRITES);
             }
@@ -431,7 +449,9 @@ impl StoreSide {
                     }
                     note_line(what, &key_hash, note)
                 }
-                Action::Ended | Action::Stop { .. } => {}
+                Action::Ended => self.pending_moved(-1),
+                // Only a stopping machine says so, and this build never stops one (`stop`).
+                Action::Stop { .. } => {}
             }
         }
         self.arm_timer();

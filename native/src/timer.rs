@@ -1,6 +1,8 @@
-//! The store writes' retry timer in the native build: **one thread per configured store**, started
-//! at the first retry and ended when the store side is dropped (Envoy destroying the
-//! configuration). Arming it again only moves its deadline earlier; it never starts a second
+//! The configuration's timer in the native build: **one thread per configuration**, started with
+//! it (`http::Global::configure` arms the first sweep) and ended when it is dropped (Envoy
+//! destroying the configuration). It posts the main thread's event when the next store write
+//! retry or the next sweep of the local table (once a second) is due, and sleeps on a condition
+//! variable in between. Arming it again only moves its deadline earlier; it never starts a second
 //! thread, so the number of timer threads is bounded by construction, however many writes wait to
 //! be retried. (Before, each retry due earlier than the armed one started a sleeping thread of its
 //! own, and those threads outlived their configuration.)

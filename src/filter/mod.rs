@@ -50,8 +50,6 @@ pub const STORE_AUTH_ENV: &str = "IDEMGATE_STORE_AUTH";
 
 /// The root's tick: waiters are checked at this pace, sweeps run once a second.
 const TICK: Duration = Duration::from_millis(100);
-/// Buckets each worker sweeps per second, freeing expired records and their bytes.
-const SWEEP_BUCKETS_PER_SECOND: u32 = 512;
 /// How long a stopping root context holds its VM for store writes still pending.
 const STOP_HOLD_MS: u64 = engine_writes::STOP_HOLD_MS;
 
@@ -262,12 +260,8 @@ enum Call {
 struct Root {
     id: u32,
     shared: Option<Rc<Shared>>,
-    sweep_at: u32,
-    last_sweep_ms: u64,
-    /// The local table's occupancy at the last tick (for the 80 % warning).
-    last_occupancy: u64,
-    /// The local table's figures, bucket by bucket, as the sweep last read them.
-    gauges: crate::local::Gauges,
+    /// The local table's sweep and its gauges (`engine::sweep`).
+    sweeper: crate::engine::sweep::Sweeper,
     queues: Rc<Queues>,
     calls: HashMap<u32, Call>,
     queue_id: Option<u32>,
@@ -288,10 +282,7 @@ impl Root {
         Root {
             id,
             shared: None,
-            sweep_at: 0,
-            last_sweep_ms: 0,
-            last_occupancy: 0,
-            gauges: crate::local::Gauges::default(),
+            sweeper: crate::engine::sweep::Sweeper::default(),
             queues: Rc::new(Queues::default()),
             calls: HashMap::new(),
             queue_id: None,
@@ -1075,38 +1066,22 @@ impl Root {
         let Some(s) = self.shared.clone() else { return };
         let now = host::now_ms();
         settle::unfollowed_redirects(&s, now);
-        if now.saturating_sub(self.last_sweep_ms) < 1000 {
-            return;
-        }
-        self.last_sweep_ms = now;
         // The sweep frees expired records and reads each bucket's figures: the gauges are their
-        // sums, made here, off the request path (each bucket as of its last sweep).
-        let buckets = s.table.buckets();
-        match s.table.sweep(&mut HostShared, self.sweep_at, SWEEP_BUCKETS_PER_SECOND, now, &mut self.gauges) {
-            Ok(n) => {
-                for _ in 0..n {
-                    s.metrics.inc(Counter::LocalSwept);
-                }
-            }
-            Err(e) => debug!("idemgate: sweep failed: {e:?}"),
+        // sums, made here, off the request path (each bucket as of its last sweep). One rule for
+        // both hosts: `engine::sweep`.
+        let Some(swept) = self.sweeper.run(&s.table, &mut HostShared, now) else { return };
+        if let Some(e) = &swept.error {
+            debug!("idemgate: sweep failed: {e:?}");
         }
-        let next = (self.sweep_at + SWEEP_BUCKETS_PER_SECOND) % buckets.max(1);
-        if SWEEP_BUCKETS_PER_SECOND >= buckets || next <= self.sweep_at {
-            // Every bucket read once more since the last pass: tests wait on this count.
-            s.metrics.inc(Counter::LocalSweepPasses);
+        for c in swept.counters() {
+            s.metrics.inc(c);
         }
-        self.sweep_at = next;
-        s.metrics.set(Gauge::LocalRecordBytes, self.gauges.bytes());
-        let occupancy = self.gauges.occupancy();
-        s.metrics.set(Gauge::LocalOccupancy, occupancy);
-        s.metrics.set(Gauge::LocalEvictedAgeSeconds, self.gauges.evicted_age_ms() / 1000);
-        if s.table.crossed_high_water(self.last_occupancy, occupancy) {
-            warn!(
-                "idemgate: local table {occupancy} of {} records (80 % or more): when full, records older than local.min_protection_seconds are evicted, then requests get 503 capacity-exhausted",
-                s.table.capacity()
-            );
+        for (g, v) in swept.gauges {
+            s.metrics.set(g, v);
         }
-        self.last_occupancy = occupancy;
+        if let Some(line) = &swept.high_water {
+            warn!("{line}");
+        }
     }
 }
 

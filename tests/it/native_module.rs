@@ -535,10 +535,12 @@ fn a_request_never_sent_is_released_and_one_executed_then_reset_is_not_in_both_b
     }
 }
 
-/// The gauges only the Wasm build sets (its root's tick reads the local table and the pending
-/// writes; the native build has no such tick yet: docs/native.md). The local table's capacity and
-/// index bytes, fixed by the configuration, are set by both and compared.
-const WASM_ONLY_GAUGES: &[&str] = &[
+/// The gauges both builds set as the table's sweep reads it (the Wasm root's tick, the native
+/// configuration's tick: `engine::sweep`) and as store writes come and go: compared by
+/// `the_same_requests_show_the_same_gauges_in_both_builds`, polled until they reach what the
+/// requests leave (a sweep runs once a second), not read at one instant. The local table's
+/// capacity and index bytes, fixed by the configuration, are compared with the counters.
+const TICK_GAUGES: &[&str] = &[
     "idemgate.local_occupancy",
     "idemgate.local_record_bytes",
     "idemgate.local_evicted_age_seconds",
@@ -555,7 +557,7 @@ fn idemgate_stats(e: &Envoy) -> std::collections::BTreeMap<String, u64> {
         .into_iter()
         .filter_map(|(n, v)| {
             let n = n.strip_prefix("wasmcustom.").or_else(|| n.strip_prefix("dynamicmodulescustom.")).unwrap_or(&n);
-            (n.starts_with("idemgate.") && !WASM_ONLY_GAUGES.contains(&n)).then(|| (n.to_string(), v))
+            (n.starts_with("idemgate.") && !TICK_GAUGES.contains(&n)).then(|| (n.to_string(), v))
         })
         .collect()
 }
@@ -592,6 +594,11 @@ const COUNTED_STORE_DOWN: &[(&str, u64)] = &[
 const WRITE_COUNTERS: &[&str] =
     &["idemgate.store_calls", "idemgate.store_errors", "idemgate.store_write_retries", "idemgate.store_write_failures"];
 
+/// The sweep's counters: counted once a second by each sweeper (one per worker in the Wasm build,
+/// one per configuration in the native build: docs/native.md), so how many passes a run saw
+/// depends on how long it ran and on the workers; compared by presence, not value.
+const SWEEP_COUNTERS: &[&str] = &["idemgate.local_swept", "idemgate.local_sweep_passes"];
+
 fn same_counters(
     what: &str,
     wasm: &std::collections::BTreeMap<String, u64>,
@@ -599,7 +606,7 @@ fn same_counters(
     counted: &[(&str, u64)],
 ) {
     let (mut wasm, mut native) = (wasm.clone(), native.clone());
-    for name in WRITE_COUNTERS {
+    for name in WRITE_COUNTERS.iter().chain(SWEEP_COUNTERS) {
         assert!(wasm.remove(*name).is_some(), "{what}: Wasm has no {name}");
         assert!(native.remove(*name).is_some(), "{what}: Native has no {name}");
     }
@@ -900,5 +907,103 @@ mod etcd {
         }
         assert!(status.is_some_and(|s| s.success()), "Envoy exited with {status:?}; log:\n{}", n.log());
         assert_eq!(up.executions(), 1);
+    }
+}
+
+type Gauges = std::collections::BTreeMap<String, u64>;
+
+/// The gauges `TICK_GAUGES` of one proxy, once `done` holds for them (polled: a sweep runs once a
+/// second, the Wasm build's gauges are flushed on its 100 ms tick), at most 400 polls 50 ms apart.
+fn tick_gauges_once(
+    build: Build,
+    e: &Envoy,
+    what: &str,
+    done: impl Fn(&std::collections::BTreeMap<String, u64>) -> bool,
+) -> std::collections::BTreeMap<String, u64> {
+    let read = || -> std::collections::BTreeMap<String, u64> {
+        TICK_GAUGES.iter().map(|n| (n.to_string(), e.stat(n))).collect()
+    };
+    let mut last = read();
+    for _ in 0..400 {
+        if done(&last) {
+            return last;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        last = read();
+    }
+    panic!("{build:?}: {what}: the gauges never got there after 400 polls 50 ms apart; last seen: {last:?}");
+}
+
+/// The same requests to a Wasm proxy and a native proxy leave the same gauges (issue 45): the
+/// local table's occupancy and record bytes (a table of 16 records, filled, then one more record
+/// claimed by evicting the oldest once it is older than `min_protection_seconds`) and the age of
+/// that eviction, made by the same sweep (`engine::sweep`); then, behind a store that refuses
+/// connections, `idemgate.store_writes_pending` is 1 while the claim's release is retried and 0
+/// once it is given up. The eviction's age is the record's age when evicted, in whole seconds: at
+/// least the floor in both builds, equal up to how long each run waited for the floor to pass.
+#[test]
+fn the_same_requests_show_the_same_gauges_in_both_builds() {
+    let plugin =
+        r#"{"scope": {"headers": ["authorization"]}, "local": {"max_entries": 16, "min_protection_seconds": 1}}"#;
+    let mut seen = vec![];
+    for build in [Build::Wasm, Build::Native] {
+        // The records' bytes must not depend on timing: the router's
+        // `x-envoy-upstream-service-time` (stored with each response, "9" or "10" ms) is removed
+        // before idemgate sees the response.
+        let s = Stack::with(plugin, |o| {
+            o.build = build;
+            o.route_fields = "                response_headers_to_remove: [x-envoy-upstream-service-time]\n".into();
+        });
+        for n in 0..16 {
+            assert_eq!(post(&s, Some(&format!("g-{n}")), r#"{"amount":1}"#, &[]).status, 201, "{build:?} g-{n}");
+        }
+        // The table is full: g-16 is refused until the oldest record is past the floor, then
+        // claimed by evicting it (asked for, bounded by count).
+        let mut claimed = false;
+        for _ in 0..400 {
+            let r = post(&s, Some("g-16"), r#"{"amount":1}"#, &[]);
+            if r.status == 201 {
+                claimed = true;
+                break;
+            }
+            assert_eq!(problem_type(&r), "urn:idemgate:problem:capacity-exhausted", "{build:?}: {}", r.body_text());
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert!(claimed, "{build:?}: g-16 never claimed by evicting the oldest record");
+        assert_eq!(s.up.executions(), 17, "{build:?}");
+        assert_eq!(s.envoy.stat("idemgate.local_evictions"), 1, "{build:?}");
+        let local = tick_gauges_once(build, &s.envoy, "16 records held, one eviction seen", |g| {
+            g["idemgate.local_occupancy"] == 16
+                && g["idemgate.local_record_bytes"] > 0
+                && g["idemgate.local_evicted_age_seconds"] >= 1
+        });
+        // A store that refuses connections: the claim's release is retried (about 6 s), then
+        // given up.
+        let e = store_envoy(build, &store_cfg(2000), s.up.port, support::free_port());
+        let r = store_post(&e, "g-store", "{}", &[]);
+        assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"), "{build:?}");
+        let pending =
+            tick_gauges_once(build, &e, "the release write pending", |g| g["idemgate.store_writes_pending"] == 1);
+        let ended = tick_gauges_once(build, &e, "the release write given up", |g| {
+            g["idemgate.store_writes_pending"] == 0 && e.stat("idemgate.store_write_failures") == 1
+        });
+        seen.push((local, pending, ended));
+    }
+    let (wasm, native) = (&seen[0], &seen[1]);
+    for (n, want) in [("idemgate.local_occupancy", 16), ("idemgate.store_writes_pending", 0)] {
+        assert_eq!(wasm.0[n], want, "Wasm {n}: {:?}", wasm.0);
+        assert_eq!(native.0[n], want, "Native {n}: {:?}", native.0);
+    }
+    assert_eq!(native.0["idemgate.local_record_bytes"], wasm.0["idemgate.local_record_bytes"], "record bytes");
+    for (b, g) in [("Wasm", &wasm.0), ("Native", &native.0)] {
+        let age = g["idemgate.local_evicted_age_seconds"];
+        assert!((1..30).contains(&age), "{b}: age of the evicted record {age} s: {g:?}");
+    }
+    let age = |g: &std::collections::BTreeMap<String, u64>| g["idemgate.local_evicted_age_seconds"];
+    assert!(age(&native.0).abs_diff(age(&wasm.0)) <= 1, "evicted age: Wasm {:?}, Native {:?}", wasm.0, native.0);
+    // Behind the refusing store: the same gauge, pending (1) then ended (0), in both.
+    for (i, what) in [(1, "the release write pending"), (2, "the release write given up")] {
+        let pending = |t: &(Gauges, Gauges, Gauges)| [&t.0, &t.1, &t.2][i]["idemgate.store_writes_pending"];
+        assert_eq!(pending(native), pending(wasm), "{what}");
     }
 }

@@ -20,10 +20,15 @@ impl Prometheus {
     /// Scrapes Envoy's admin `/stats/prometheus` at `admin_port` every second, evaluating the
     /// shipped rules every second.
     fn start(admin_port: u16) -> Prometheus {
+        Prometheus::start_with(admin_port, "")
+    }
+
+    /// As `start`, with `job` (YAML lines of the scrape job, indented by 2) added to the job.
+    fn start_with(admin_port: u16, job: &str) -> Prometheus {
         let scratch = support::Scratch::new("prometheus");
         let rules = support::repo_root().join("ops/prometheus/idemgate.rules.yml");
         let config = format!(
-            "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nrule_files: ['{}']\nscrape_configs:\n- job_name: envoy\n  metrics_path: /stats/prometheus\n  static_configs:\n  - targets: ['127.0.0.1:{admin_port}']\n",
+            "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nrule_files: ['{}']\nscrape_configs:\n- job_name: envoy\n  metrics_path: /stats/prometheus\n  static_configs:\n  - targets: ['127.0.0.1:{admin_port}']\n{job}",
             rules.display()
         );
         std::fs::write(scratch.0.join("prometheus.yml"), config).unwrap();
@@ -116,6 +121,104 @@ fn post(port: u16, path: &str, key: &str, body: &str, extra: &[(&str, &str)]) ->
     let mut h = vec![("authorization", "Bearer alice"), ("content-type", "application/json"), ("idempotency-key", key)];
     h.extend_from_slice(extra);
     http::request(port, "POST", path, &h, body.as_bytes()).expect("request").status
+}
+
+/// Every `idemgate_*` / `envoy_*` series name the shipped alert and recording rules and the
+/// dashboard's panels read.
+fn queried_series() -> Vec<String> {
+    let rules = std::fs::read_to_string(support::repo_root().join("ops/prometheus/idemgate.rules.yml")).unwrap();
+    let mut names: Vec<String> = rules
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .filter(|l| ["summary:", "description:", "runbook:", "record:", "alert:"].iter().all(|k| !l.contains(k)))
+        .flat_map(series_names)
+        .collect();
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(support::repo_root().join("ops/grafana/idemgate.json")).unwrap())
+            .unwrap();
+    for panel in dash["panels"].as_array().unwrap() {
+        for t in panel["targets"].as_array().unwrap() {
+            names.extend(series_names(t["expr"].as_str().unwrap()));
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// The fenced YAML block of docs/native.md that contains `marker` (what an operator copies).
+fn native_doc_block(marker: &str) -> String {
+    let doc = std::fs::read_to_string(support::repo_root().join("docs/native.md")).unwrap();
+    let blocks: Vec<String> =
+        doc.split("```yaml\n").skip(1).filter_map(|b| b.split_once("```").map(|(code, _)| code.to_string())).collect();
+    let block = blocks.into_iter().find(|b| b.contains(marker));
+    // The docs indent their blocks inside a list item: taken back to column 0.
+    let block = block.unwrap_or_else(|| panic!("docs/native.md has no ```yaml block with {marker}"));
+    let indent =
+        block.lines().filter(|l| !l.trim().is_empty()).map(|l| l.len() - l.trim_start().len()).min().unwrap_or(0);
+    block.lines().map(|l| format!("{}\n", l.get(indent..).unwrap_or(""))).collect()
+}
+
+/// The series of the Wasm build's dashboard and alerts that a native proxy has no counterpart of
+/// (docs/native.md): the wait histogram (`in_flight: "wait"` is refused by the native build) and
+/// Envoy's own Wasm VM counter (no Wasm VM in a native proxy).
+const NOT_FROM_A_NATIVE_PROXY: &[&str] = &["idemgate_wait_ms_bucket", "envoy_wasm_envoy_wasm_runtime_v8_created"];
+
+/// Issue 45: a real Prometheus scraping a native proxy's Envoy (Redis through webdis, two routes)
+/// with docs/native.md's `stats_tags` in Envoy and its `metric_relabel_configs` in the scrape job
+/// shows every series the Wasm build's dashboard and alert rules read under the same name and
+/// labels (`idemgate_route_replayed{route="charges"}`, `idemgate_build_info{version=...}`), none
+/// left under `envoy_dynamicmodulescustom_idemgate_*`, and the rules evaluate on them.
+#[test]
+fn a_native_proxy_scraped_with_the_documented_relabel_rule_shows_the_dashboards_series() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(
+        r#"{"scope": {"headers": ["authorization"]},
+            "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 1000},
+            "routes": [{"prefix": "/charges", "name": "charges"}, {"prefix": "/"}]}"#,
+        up.port,
+    );
+    o.store_port = Some(webdis.port);
+    o.build = support::Build::Native;
+    o.stats_config = native_doc_block("dynamicmodulescustom\\.idemgate\\.route");
+    let e = Envoy::start(&o);
+    let relabel = native_doc_block("metric_relabel_configs:");
+    let job: String = relabel.lines().map(|l| format!("  {l}\n")).collect();
+    let prom = Prometheus::start_with(e.admin_port, &job);
+    prom.eventually("idemgate_build_info");
+    for i in 0..10 {
+        let path = if i % 2 == 0 { "/charges" } else { "/refunds" };
+        let key = format!("n-{i}");
+        assert_eq!(post(e.port, path, &key, "{}", &[]), 201);
+        assert_eq!(post(e.port, path, &key, "{}", &[]), 201);
+    }
+    assert_eq!(post(e.port, "/charges", "n-0", r#"{"other":1}"#, &[]), 422);
+    assert_eq!(up.executions(), 10, "every key executed once");
+    assert_eq!(e.stat("idemgate.replayed"), 10);
+
+    // The documented names and labels (histograms once Envoy merged them, on its 5 s flush).
+    prom.eventually("idemgate_replayed >= 10");
+    prom.eventually("idemgate_route_replayed{route=\"charges\"} >= 5");
+    prom.eventually("idemgate_route_replayed{route=\"root\"} >= 5");
+    prom.eventually(&format!("idemgate_build_info{{version=\"{}\"}} == 1", env!("CARGO_PKG_VERSION")));
+    prom.eventually("idemgate_key_held_ms_count >= 10");
+    prom.eventually("idemgate_store_round_trip_ms_count >= 1");
+    prom.eventually("idemgate_replay_bytes_count >= 10");
+    // Every series the dashboard and the alerts read, but those a native proxy cannot have.
+    let queried = queried_series();
+    assert!(queried.len() >= 30, "{queried:?}");
+    for name in queried.iter().filter(|n| !NOT_FROM_A_NATIVE_PROXY.contains(&n.as_str())) {
+        prom.eventually(&format!("count({name})"));
+    }
+    // Nothing of idemgate's left under Envoy's dynamic-module namespace.
+    let left = prom.query("count by (__name__) ({__name__=~\"envoy_dynamicmodulescustom_.*\"})");
+    assert!(left.is_empty(), "series left under envoy_dynamicmodulescustom_: {left:?}");
+    // The recording rules evaluate on them.
+    prom.eventually("idemgate:claimed:rate5m > 0");
+    prom.eventually("idemgate_route:replayed:rate5m{route=\"charges\"} > 0");
+    prom.eventually("idemgate:store_round_trip_ms:p99_5m >= 0");
 }
 
 #[test]

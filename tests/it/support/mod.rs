@@ -314,6 +314,9 @@ pub struct EnvoyOptions {
     /// Which build of idemgate the listener loads: the Wasm module (default) or the native
     /// dynamic module (`native_module_path`, docs/native.md).
     pub build: Build,
+    /// The bootstrap's `stats_config` (YAML from column 0): `STATS_CONFIG`, the shipped
+    /// configurations' tags, unless a test gives another (the native build's, docs/native.md).
+    pub stats_config: String,
 }
 
 /// A build of idemgate, as a test loads it.
@@ -388,6 +391,7 @@ impl EnvoyOptions {
             extra_listeners: vec![],
             local_reply_config: None,
             build: Build::from_env(),
+            stats_config: STATS_CONFIG.to_string(),
         }
     }
 }
@@ -449,7 +453,7 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
       - lb_endpoints:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
 "#,
-        stats = STATS_CONFIG,
+        stats = o.stats_config,
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
         cluster_protocol = match (o.upstream_http2, o.upstream_trailers) {
