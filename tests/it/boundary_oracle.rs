@@ -465,8 +465,12 @@ const SPELLINGS: &[Spelling] = &[
     ("multipart", "no space after the header's colon (`Content-Disposition:form-data`)", |r| {
         multipart_edit(r, |b| b.replace("Content-Disposition: ", "Content-Disposition:"))
     }),
-    ("multipart", "disposition type case (`Form-Data`)", |r| multipart_edit(r, |b| b.replace(": form-data;", ": Form-Data;"))),
-    ("multipart", "name unquoted (`name=amount`)", |r| multipart_edit(r, |b| b.replace("name=\"amount\"", "name=amount"))),
+    ("multipart", "disposition type case (`Form-Data`)", |r| {
+        multipart_edit(r, |b| b.replace(": form-data;", ": Form-Data;"))
+    }),
+    ("multipart", "name unquoted (`name=amount`)", |r| {
+        multipart_edit(r, |b| b.replace("name=\"amount\"", "name=amount"))
+    }),
     ("multipart", "no space after `;` (`form-data;name=\"amount\"`)", |r| {
         multipart_edit(r, |b| b.replace("form-data; name=\"amount\"", "form-data;name=\"amount\""))
     }),
@@ -479,21 +483,33 @@ const SPELLINGS: &[Spelling] = &[
     ("multipart", "the file part's content type another (`application/octet-stream`)", |r| {
         multipart_edit(r, |b| b.replace("Content-Type: text/plain", "Content-Type: application/octet-stream"))
     }),
-    ("multipart", "the file part without a content type", |r| multipart_edit(r, |b| b.replace("Content-Type: text/plain\r\n", ""))),
+    ("multipart", "the file part without a content type", |r| {
+        multipart_edit(r, |b| b.replace("Content-Type: text/plain\r\n", ""))
+    }),
     ("multipart", "a text part with `Content-Type: text/plain`", |r| {
         multipart_edit(r, |b| b.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nContent-Type: text/plain\r\n"))
     }),
     ("multipart", "a preamble before the first boundary", |r| multipart_edit(r, |b| format!("preamble\r\n{b}"))),
     ("multipart", "an epilogue after the closing boundary", |r| multipart_edit(r, |b| format!("{b}epilogue\r\n"))),
-    ("multipart", "no CRLF after the closing boundary", |r| multipart_edit(r, |b| b.trim_end_matches("\r\n").to_string())),
+    ("multipart", "no CRLF after the closing boundary", |r| {
+        multipart_edit(r, |b| b.trim_end_matches("\r\n").to_string())
+    }),
     ("multipart", "whitespace after a boundary (transport padding)", |r| {
         multipart_edit(r, |b| b.replace(&format!("--{BOUNDARY}\r\n"), &format!("--{BOUNDARY}  \r\n")))
     }),
     ("multipart", "LF line ends (no CR)", |r| multipart_edit(r, |b| b.replace("\r\n", "\n"))),
     ("multipart", "a repeated field's values in another order (`tag` y, x)", |r| {
-        multipart_edit(r, |b| b.replacen("\r\n\r\nx\r\n", "\r\n\r\nY\r\n", 1).replacen("\r\n\r\ny\r\n", "\r\n\r\nx\r\n", 1).replacen("\r\n\r\nY\r\n", "\r\n\r\ny\r\n", 1))
+        multipart_edit(r, |b| {
+            b.replacen("\r\n\r\nx\r\n", "\r\n\r\nY\r\n", 1).replacen("\r\n\r\ny\r\n", "\r\n\r\nx\r\n", 1).replacen(
+                "\r\n\r\nY\r\n",
+                "\r\n\r\ny\r\n",
+                1,
+            )
+        })
     }),
-    ("multipart", "another file name (`b.txt`)", |r| multipart_edit(r, |b| b.replace("filename=\"a.txt\"", "filename=\"b.txt\""))),
+    ("multipart", "another file name (`b.txt`)", |r| {
+        multipart_edit(r, |b| b.replace("filename=\"a.txt\"", "filename=\"b.txt\""))
+    }),
     ("multipart", "part order over HTTP/2", |r| {
         if is_multipart(r) {
             to_h2(r);
