@@ -21,8 +21,9 @@
 //! not take (`semantic_form` is `None`: a folded or malformed header, a
 //! quoted parameter with a backslash, a `Content-Transfer-Encoding`, an RFC 2231 `name*`, a part
 //! with no name, no closing boundary) derives from its bytes, like any body that is not a form:
-//! where the panel's parsers disagree on such a spelling, two spellings stay two keys; the
-//! fingerprint answers nothing twice either way (docs/limitations.md). Work is linear in the
+//! two such spellings stay two keys, and where a backend reads them alike a retry so spelled
+//! executes again (the limits docs/limitations.md lists; none is among the oracle's spellings
+//! that a backend reads as the canonical body). Work is linear in the
 //! body (each byte is looked at a bounded number of times; the boundary is at most 70 bytes) and
 //! nothing is sized from a count read from it.
 
