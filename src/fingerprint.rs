@@ -171,18 +171,25 @@ pub fn body_digest(body: &[u8], cfg: &FingerprintConfig) -> (BodyForm, [u8; 32])
 
 /// The digest of the body a derived key is derived from (`derive_key.include_body`), whatever the
 /// fingerprint's `json` says: of its meaning to the form parsers web frameworks use
-/// (`form::semantic_form`) when the request's one `content-type` is a urlencoded form, else of its
-/// meaning to their JSON parsers (`canonical_json::semantic_form`) when it is JSON, else of its
+/// (`form::semantic_form`) when the request's one `content-type` is a urlencoded form, or to their
+/// multipart parsers (`multipart::semantic_form`) when it is `multipart/form-data` and the body is
+/// one that reader takes, else of its meaning to their JSON parsers (`canonical_json::semantic_form`) when it is JSON, else of its
 /// bytes. Two bodies a backend parses alike derive one key; the fingerprint, kept to the
 /// spelling, answers a retry whose spelling changed 422 rather than executing it again (the
 /// boundary oracle, issue 41).
 pub fn derive_body_digest(head: &RequestHead, body: &[u8]) -> [u8; 32] {
     let mut types = head.values_iter("content-type");
     if let (Some(t), None) = (types.next(), types.next()) {
-        if crate::form::is_form(t) {
+        let form = if crate::form::is_form(t) {
+            Some(crate::form::semantic_form(body))
+        } else {
+            crate::multipart::boundary(t).and_then(|b| crate::multipart::semantic_form(body, b))
+        };
+        if let Some(form) = form {
+            // One tag for both: a multipart form without files is the urlencoded form of its fields.
             let mut h = Sha256::new();
             h.update(b"form\0");
-            h.update(crate::form::semantic_form(body));
+            h.update(form);
             return h.finalize().into();
         }
     }

@@ -28,23 +28,37 @@ pub fn is_form(content_type: &[u8]) -> bool {
 /// sorted by name (a repeated name keeps its values' order). (Strings sorted with the sort the
 /// query's form already uses, `path::one_target`: no second sort in the module.)
 pub fn semantic_form(body: &[u8]) -> Vec<u8> {
-    let mut fields: Vec<String> = body
+    let fields = body
         .split(|&b| b == b'&')
         .filter(|pair| !pair.is_empty())
-        .enumerate()
-        .map(|(at, pair)| {
+        .map(|pair| {
             let mut halves = pair.splitn(2, |&b| b == b'=');
-            let mut one = String::with_capacity(2 * pair.len() + 24);
-            nibbles(&decode(halves.next().unwrap_or_default()), &mut one);
+            (decode(halves.next().unwrap_or_default()), decode(halves.next().unwrap_or_default()))
+        })
+        .collect();
+    sorted_fields(fields)
+}
+
+/// Fields (name, value) as `semantic_form` writes them: `<name>!<value>!` in nibble letters,
+/// stably sorted by name. Also a multipart form's (`multipart::semantic_form`): one rule for both.
+pub fn sorted_fields(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<u8> {
+    let mut bytes = 0;
+    let mut keyed: Vec<String> = fields
+        .iter()
+        .enumerate()
+        .map(|(at, (name, value))| {
+            bytes += name.len() + value.len();
+            let mut one = String::with_capacity(2 * (name.len() + value.len()) + 24);
+            nibbles(name, &mut one);
             // The field's place, fixed-width, after its name: a stable sort by name.
             one.push_str(&format!("{at:020}!"));
-            nibbles(&decode(halves.next().unwrap_or_default()), &mut one);
+            nibbles(value, &mut one);
             one
         })
         .collect();
-    fields.sort_unstable();
-    let mut out = Vec::with_capacity(2 * body.len() + 2 * fields.len());
-    for field in &fields {
+    keyed.sort_unstable();
+    let mut out = Vec::with_capacity(2 * bytes + 2 * keyed.len());
+    for field in &keyed {
         // Without its place: `<name>!<value>!`.
         let (name, rest) = field.split_once('!').unwrap_or((field, ""));
         let name = name.get(..name.len().saturating_sub(20)).unwrap_or_default();

@@ -29,6 +29,7 @@ pub mod lifecycle;
 pub mod local;
 pub mod mcp;
 pub mod metrics;
+pub mod multipart;
 pub mod owner;
 pub mod path;
 pub mod probe;

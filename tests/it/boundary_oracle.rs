@@ -86,6 +86,32 @@ const MCP_BODY: &str = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params"
 /// name, a space written `+`, a slash and a non-ASCII letter %-encoded, one field repeated.
 const FORM_BODY: &str = "amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y";
 
+/// The canonical multipart body's boundary (the `multipart` spellings).
+const BOUNDARY: &str = "----idemgate7MA4YWxkTrZu0gW";
+
+/// The canonical multipart/form-data body with `boundary`: text fields `amount`, `currency` and
+/// `tag` twice, then a file `doc` (`a.txt`, `text/plain`), each part as browsers write it (CRLF
+/// line ends, `Content-Disposition: form-data; name="..."`), no preamble or epilogue.
+fn multipart_body(boundary: &str) -> String {
+    let mut b = String::new();
+    for (name, value) in [("amount", "1"), ("currency", "eur"), ("tag", "x"), ("tag", "y")] {
+        b.push_str(&format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n"));
+    }
+    b.push_str(&format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"doc\"; filename=\"a.txt\"\r\nContent-Type: text/plain\r\n\r\nhello\r\n"
+    ));
+    b.push_str(&format!("--{boundary}--\r\n"));
+    b
+}
+
+/// The canonical request's body.
+#[derive(Clone, Copy, PartialEq)]
+enum Body {
+    Json,
+    Form,
+    Multipart,
+}
+
 /// The panel: (name, how it runs).
 const BACKENDS: &[&str] = &["flask", "django", "fastapi", "express", "fastify", "go", "tomcat"];
 
@@ -106,9 +132,10 @@ struct Req {
 
 impl Req {
     /// The canonical request; `mcp`: a JSON-RPC `tools/call` as an MCP client sends it (the
-    /// `accept` of the Streamable HTTP transport, the 2026-07-28 routing headers); `form`: the
-    /// body a form (`FORM_BODY`, `application/x-www-form-urlencoded`) in place of the JSON one.
-    fn base(orders: bool, key_header: &str, scope_header: &str, mcp: bool, form: bool) -> Req {
+    /// `accept` of the Streamable HTTP transport, the 2026-07-28 routing headers); `body`: the
+    /// JSON body, a form (`FORM_BODY`, `application/x-www-form-urlencoded`) or a multipart form
+    /// (`multipart_body`, `multipart/form-data`) in its place.
+    fn base(orders: bool, key_header: &str, scope_header: &str, mcp: bool, body: Body) -> Req {
         let scope = if scope_header == "authorization" { "Bearer alice" } else { "alice" };
         let mut r = Req {
             method: "POST".into(),
@@ -125,9 +152,16 @@ impl Req {
             chunked: false,
             h2: false,
         };
-        if form && !mcp {
-            r.body = FORM_BODY.into();
-            r.headers[2].1 = "application/x-www-form-urlencoded".into();
+        match body {
+            Body::Form if !mcp => {
+                r.body = FORM_BODY.into();
+                r.headers[2].1 = "application/x-www-form-urlencoded".into();
+            }
+            Body::Multipart if !mcp => {
+                r.body = multipart_body(BOUNDARY);
+                r.headers[2].1 = format!("multipart/form-data; boundary={BOUNDARY}");
+            }
+            _ => {}
         }
         if mcp {
             r.body = MCP_BODY.into();
@@ -402,8 +436,127 @@ const SPELLINGS: &[Spelling] = &[
             r.body = r.body.replace("a+b", "a%20b")
         }
     }),
+    // A multipart body (`multipart_body`, `Req::base` with `Body::Multipart`): each spelling leaves
+    // any other body alone.
+    ("multipart", "another boundary string", |r| {
+        if is_multipart(r) {
+            r.body = r.body.replace(BOUNDARY, "XyZzy42");
+            header_mut(r, 2).1 = header_mut(r, 2).1.replace(BOUNDARY, "XyZzy42");
+        }
+    }),
+    ("multipart", "boundary quoted in the content type (`boundary=\"...\"`)", |r| {
+        if is_multipart(r) {
+            header_mut(r, 2).1 = header_mut(r, 2).1.replace(&format!("={BOUNDARY}"), &format!("=\"{BOUNDARY}\""));
+        }
+    }),
+    ("multipart", "content type case (`Multipart/Form-Data; Boundary=`)", |r| {
+        if is_multipart(r) {
+            let h = header_mut(r, 2);
+            h.1 = h.1.replace("multipart/form-data; boundary=", "Multipart/Form-Data; Boundary=");
+        }
+    }),
+    ("multipart", "part order (`amount` last)", |r| multipart_edit(r, multipart_amount_last)),
+    ("multipart", "header name in lower case (`content-disposition`)", |r| {
+        multipart_edit(r, |b| b.replace("Content-Disposition:", "content-disposition:"))
+    }),
+    ("multipart", "header name in upper case (`CONTENT-DISPOSITION`)", |r| {
+        multipart_edit(r, |b| b.replace("Content-Disposition:", "CONTENT-DISPOSITION:"))
+    }),
+    ("multipart", "no space after the header's colon (`Content-Disposition:form-data`)", |r| {
+        multipart_edit(r, |b| b.replace("Content-Disposition: ", "Content-Disposition:"))
+    }),
+    ("multipart", "disposition type case (`Form-Data`)", |r| {
+        multipart_edit(r, |b| b.replace(": form-data;", ": Form-Data;"))
+    }),
+    ("multipart", "name unquoted (`name=amount`)", |r| {
+        multipart_edit(r, |b| b.replace("name=\"amount\"", "name=amount"))
+    }),
+    ("multipart", "no space after `;` (`form-data;name=\"amount\"`)", |r| {
+        multipart_edit(r, |b| b.replace("form-data; name=\"amount\"", "form-data;name=\"amount\""))
+    }),
+    ("multipart", "parameter name case (`Name=\"amount\"`)", |r| {
+        multipart_edit(r, |b| b.replace("name=\"amount\"", "Name=\"amount\""))
+    }),
+    ("multipart", "file parameters in another order (`filename=...; name=...`)", |r| {
+        multipart_edit(r, |b| b.replace("name=\"doc\"; filename=\"a.txt\"", "filename=\"a.txt\"; name=\"doc\""))
+    }),
+    ("multipart", "the file part's content type another (`application/octet-stream`)", |r| {
+        multipart_edit(r, |b| b.replace("Content-Type: text/plain", "Content-Type: application/octet-stream"))
+    }),
+    ("multipart", "the file part without a content type", |r| {
+        multipart_edit(r, |b| b.replace("Content-Type: text/plain\r\n", ""))
+    }),
+    ("multipart", "a text part with `Content-Type: text/plain`", |r| {
+        multipart_edit(r, |b| b.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nContent-Type: text/plain\r\n"))
+    }),
+    ("multipart", "a preamble before the first boundary", |r| multipart_edit(r, |b| format!("preamble\r\n{b}"))),
+    ("multipart", "an epilogue after the closing boundary", |r| multipart_edit(r, |b| format!("{b}epilogue\r\n"))),
+    ("multipart", "no CRLF after the closing boundary", |r| {
+        multipart_edit(r, |b| b.trim_end_matches("\r\n").to_string())
+    }),
+    ("multipart", "whitespace after a boundary (transport padding)", |r| {
+        multipart_edit(r, |b| b.replace(&format!("--{BOUNDARY}\r\n"), &format!("--{BOUNDARY}  \r\n")))
+    }),
+    ("multipart", "LF line ends (no CR)", |r| multipart_edit(r, |b| b.replace("\r\n", "\n"))),
+    ("multipart", "a repeated field's values in another order (`tag` y, x)", |r| {
+        multipart_edit(r, |b| {
+            b.replacen("\r\n\r\nx\r\n", "\r\n\r\nY\r\n", 1).replacen("\r\n\r\ny\r\n", "\r\n\r\nx\r\n", 1).replacen(
+                "\r\n\r\nY\r\n",
+                "\r\n\r\ny\r\n",
+                1,
+            )
+        })
+    }),
+    ("multipart", "another file name (`b.txt`)", |r| {
+        multipart_edit(r, |b| b.replace("filename=\"a.txt\"", "filename=\"b.txt\""))
+    }),
+    ("multipart", "part order over HTTP/2", |r| {
+        if is_multipart(r) {
+            to_h2(r);
+            r.body = multipart_amount_last(&r.body);
+        }
+    }),
+    ("multipart", "another boundary string over HTTP/2", |r| {
+        if is_multipart(r) {
+            to_h2(r);
+            r.body = r.body.replace(BOUNDARY, "XyZzy42");
+            header_mut(r, 2).1 = header_mut(r, 2).1.replace(BOUNDARY, "XyZzy42");
+        }
+    }),
     ("protocol", "HTTP/2", to_h2),
 ];
+
+/// The body is the canonical multipart body (`multipart_body`), respelled.
+fn is_multipart(r: &Req) -> bool {
+    r.headers.get(2).is_some_and(|h| h.1.to_ascii_lowercase().starts_with("multipart/"))
+}
+
+/// A multipart body rewritten by `f` (any other body left alone).
+fn multipart_edit(r: &mut Req, f: impl Fn(&str) -> String) {
+    if is_multipart(r) {
+        r.body = f(&r.body)
+    }
+}
+
+/// The multipart body with its `amount` part moved to the end (before the closing delimiter),
+/// whatever its boundary, padding and line ends.
+fn multipart_amount_last(b: &str) -> String {
+    let Some(delim) = b.lines().find(|l| l.starts_with("--")).map(|l| l.trim_end_matches(['\r', ' ', '\t'])) else {
+        return b.to_string();
+    };
+    // The preamble, the parts (each from after its delimiter), and the close (`--` and on).
+    let mut pieces: Vec<&str> = b.split(delim).collect();
+    let Some(at) = pieces.iter().position(|p| p.contains("\"amount\"") || p.contains("=amount")) else {
+        return b.to_string();
+    };
+    if at == 0 || at + 1 >= pieces.len() {
+        return b.to_string();
+    }
+    let part = pieces.remove(at);
+    let close = pieces.len() - 1;
+    pieces.insert(close, part);
+    pieces.join(delim)
+}
 
 /// The body is JSON (the canonical JSON or MCP body, respelled).
 fn is_json(r: &Req) -> bool {
@@ -412,7 +565,7 @@ fn is_json(r: &Req) -> bool {
 
 /// The body is the canonical form (`FORM_BODY`), respelled.
 fn is_form(r: &Req) -> bool {
-    !is_json(r) && r.body.contains("currency")
+    !is_json(r) && !is_multipart(r) && r.body.contains("currency")
 }
 
 /// A form body rewritten by `f` (a JSON body left alone).
@@ -740,12 +893,16 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
         // `form` spellings against the form body, on the payments route).
         for orders in [false, true] {
             for (s, &(dim, _, _)) in SPELLINGS.iter().enumerate() {
-                let form = dim == "form";
-                if form && orders {
+                let body = match dim {
+                    "form" => Body::Form,
+                    "multipart" => Body::Multipart,
+                    _ => Body::Json,
+                };
+                if body != Body::Json && orders {
                     found.cells.push((cfg, s, orders, Outcome::Inapplicable));
                     continue;
                 }
-                let base = Req::base(orders, kh, sh, mcp, form);
+                let base = Req::base(orders, kh, sh, mcp, body);
                 let spelled = apply(&base, &[s]);
                 if spelled.show("k") == base.show("k") {
                     found.cells.push((cfg, s, orders, Outcome::Inapplicable));
@@ -762,8 +919,15 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
         // The search: random combinations of spellings on both sides.
         let mut rng = Rng(seed ^ (cfg as u64) << 32 ^ b.name.len() as u64);
         for _ in 0..pairs {
-            // A form body one time in three (spellings of the other body leave it alone).
-            let base = Req::base(rng.below(2) == 1, kh, sh, mcp, rng.below(3) == 0);
+            // A form body one time in three, a multipart body one time in six (spellings of
+            // another body leave it alone).
+            let orders = rng.below(2) == 1;
+            let body = match rng.below(6) {
+                0 | 1 => Body::Form,
+                2 => Body::Multipart,
+                _ => Body::Json,
+            };
+            let base = Req::base(orders, kh, sh, mcp, body);
             let pick = |rng: &mut Rng| -> Vec<usize> {
                 let n = 1 + rng.below(3);
                 let mut v: Vec<usize> = (0..n).map(|_| rng.below(SPELLINGS.len())).collect();
@@ -867,7 +1031,13 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
          `amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y`), on the payments route, in\n\
          the configurations that are not MCP. Each backend reports the form as its framework parses\n\
          it, as a handler reading fields by name sees it: each name with its values in the order\n\
-         sent (the order of different names is not part of it, the order of one name's values is).\n\n",
+         sent (the order of different names is not part of it, the order of one name's values is).\n\n\
+         The `multipart` spellings are sent the same way with a multipart/form-data body\n\
+         (`content-type: multipart/form-data; boundary=----idemgate7MA4YWxkTrZu0gW`; text fields\n\
+         `amount=1`, `currency=eur`, `tag=x`, `tag=y`, then a file `doc` named `a.txt`,\n\
+         `Content-Type: text/plain`, content `hello`; each part as browsers write it, CRLF line\n\
+         ends, no preamble or epilogue). Each backend reports the text fields as its form, and each\n\
+         file by its field name, file name and a SHA-256 of its content, in the order sent.\n\n",
     );
     t.push_str(
         "Backends: Flask 3.1.3 on Werkzeug 3.1.9's server; Django 5.2.19 (runserver's WSGIServer);\n\
@@ -875,7 +1045,10 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
          Go 1.19 net/http ServeMux (Debian golang-go); a servlet on Tomcat 10.1 (Debian tomcat10, Java 17).\n\
          All with their defaults, and a form parser: Express's `express.urlencoded()`, FastAPI's\n\
          python-multipart 0.0.34 (Starlette's form parser needs it), and for Fastify, which has\n\
-         none (415), node:querystring registered as @fastify/formbody registers its parser. The\n\
+         none (415), node:querystring registered as @fastify/formbody registers its parser; for\n\
+         multipart bodies, Express's multer 2.5.0 (`any()`, busboy 1.6.0) and Fastify's\n\
+         @fastify/multipart 10.1.9 (@fastify/busboy 3.2.6), each with its defaults, and the\n\
+         servlet's `<multipart-config/>` on Tomcat. The\n\
          servlet API parses no JSON: Tomcat's JSON body is its text; its form is the parameter\n\
          map, which merges the query's fields with the body's. The\n\
          sweep below does not depend on the seed; the random search (combinations of these\n\

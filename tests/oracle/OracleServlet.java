@@ -2,13 +2,20 @@
 // its defaults (tests/oracle/tomcat.sh), mapped to `/v1/payments` and `/v2/orders/*`, the same
 // contract as backends.py. The servlet API parses no JSON: a JSON body is reported as the servlet
 // reads it (the request's characters), so two bodies are alike here only when their text is. Any
-// other body is reported as the form the container parsed (`{"form": {name: [values]}}`).
+// other body is reported as the form the container parsed (`{"form": {name: [values]}, "files":
+// {name: [[filename, sha256 of the content]]}}`); multipart/form-data through the servlet's
+// `<multipart-config/>` (tomcat.sh's web.xml, its defaults): text parts in the parameter map,
+// parts with a file name as files.
 // A body that names a JSON-RPC `method` is answered with what was read as the `result` of a
 // JSON-RPC response whose `id` is the request's, found by a pattern (no parser here either).
 import jakarta.servlet.http.HttpServlet;
 import jakarta.servlet.http.HttpServletRequest;
+import jakarta.servlet.ServletException;
 import jakarta.servlet.http.HttpServletResponse;
+import jakarta.servlet.http.Part;
 import java.io.IOException;
+import java.security.MessageDigest;
+import java.util.LinkedHashMap;
 import java.util.ArrayList;
 import java.util.Collections;
 import java.util.List;
@@ -40,7 +47,7 @@ public class OracleServlet extends HttpServlet {
     }
 
     @Override
-    protected void service(HttpServletRequest r, HttpServletResponse w) throws IOException {
+    protected void service(HttpServletRequest r, HttpServletResponse w) throws IOException, ServletException {
         if (r.getServletPath().equals("/__count")) {
             w.setContentType("application/json");
             w.getWriter().write("{\"count\": " + COUNT.get() + "}");
@@ -70,6 +77,26 @@ public class OracleServlet extends HttpServlet {
             form.add(q(e.getKey()) + ":[" + String.join(",", vs) + "]");
         }
         Collections.sort(query);
+        Map<String, List<String>> files = new LinkedHashMap<>();
+        if (type.startsWith("multipart/form-data")) {
+            for (Part p : r.getParts()) {
+                if (p.getSubmittedFileName() == null) continue;
+                String sum;
+                try {
+                    StringBuilder hex = new StringBuilder();
+                    for (byte b : MessageDigest.getInstance("SHA-256").digest(p.getInputStream().readAllBytes()))
+                        hex.append(String.format("%02x", b));
+                    sum = hex.toString();
+                } catch (java.security.NoSuchAlgorithmException e) {
+                    throw new IOException(e);
+                }
+                files.computeIfAbsent(p.getName(), k -> new ArrayList<>())
+                    .add("[" + q(p.getSubmittedFileName()) + "," + q(sum) + "]");
+            }
+        }
+        List<String> fileFields = new ArrayList<>();
+        for (Map.Entry<String, List<String>> e : files.entrySet())
+            fileFields.add(q(e.getKey()) + ":[" + String.join(",", e.getValue()) + "]");
         String path = r.getServletPath() + (r.getPathInfo() == null ? "" : r.getPathInfo());
         String host = r.getHeader("host");
         String out = "{\"route\":" + q(route) + ",\"params\":" + params + ",\"method\":" + q(r.getMethod())
@@ -77,7 +104,8 @@ public class OracleServlet extends HttpServlet {
             + ",\"authorization\":" + all(r, "authorization") + ",\"x-caller\":" + all(r, "x-caller")
             + ",\"idempotency-key\":" + all(r, "idempotency-key") + ",\"x-op\":" + all(r, "x-op")
             + ",\"query\":[" + String.join(",", query) + "],\"body\":"
-            + (json ? q(body) : "{\"form\":{" + String.join(",", form) + "}}") + "}";
+            + (json ? q(body) : "{\"form\":{" + String.join(",", form) + "},\"files\":{"
+                + String.join(",", fileFields) + "}}") + "}";
         Matcher id = ID.matcher(body);
         if (METHOD.matcher(body).find() && id.find()) {
             out = "{\"jsonrpc\":\"2.0\",\"id\":" + id.group(1) + ",\"result\":" + out + "}";

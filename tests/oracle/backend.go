@@ -1,12 +1,16 @@
 // The oracle's Go backend (tests/it/boundary_oracle.rs): net/http's ServeMux and Server with their
 // defaults, the same contract as backends.py (a JSON-RPC request body is answered with what was
 // read as the `result` of a JSON-RPC response with the request's `id`; a body that is not JSON is
-// reported as the form ParseForm reads, `{"form": {name: [values]}}`).
+// reported as the form ParseForm reads, `{"form": {name: [values]}, "files": {}}`, a
+// multipart/form-data body as ParseMultipartForm reads it: text fields in `form`, each file as
+// `[filename, sha256 of its content]` in `files`).
 //
 // usage: backend PORT
 package main
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -36,13 +40,32 @@ func read(route string) http.HandlerFunc {
 			// The form as net/http parses it (ParseForm: a urlencoded body of a POST, PUT or
 			// PATCH), name -> [values in the order sent]; an error is what was read too.
 			form := map[string][]string{}
-			if err := r.ParseForm(); err != nil {
+			files := map[string][][2]string{}
+			if strings.HasPrefix(strings.ToLower(r.Header.Get("Content-Type")), "multipart/") {
+				if err := r.ParseMultipartForm(32 << 20); err != nil {
+					form["(error)"] = []string{err.Error()}
+				}
+				if r.MultipartForm != nil {
+					for k, fhs := range r.MultipartForm.File {
+						for _, fh := range fhs {
+							sum := ""
+							if f, err := fh.Open(); err == nil {
+								data, _ := io.ReadAll(f)
+								f.Close()
+								h := sha256.Sum256(data)
+								sum = hex.EncodeToString(h[:])
+							}
+							files[k] = append(files[k], [2]string{fh.Filename, sum})
+						}
+					}
+				}
+			} else if err := r.ParseForm(); err != nil {
 				form["(error)"] = []string{err.Error()}
 			}
 			for k, vs := range r.PostForm {
 				form[k] = vs
 			}
-			body = map[string]interface{}{"form": form}
+			body = map[string]interface{}{"form": form, "files": files}
 		}
 		q := [][2]string{}
 		for k, vs := range r.URL.Query() {

@@ -9,13 +9,15 @@ counts an execution and answers 201 with what it read (the route that ran, the m
 the host, the caller's headers `authorization` and `x-caller`, the key headers `idempotency-key`
 and `x-op`, the query and the body as the framework parses it: a JSON body (a JSON content type)
 as the framework parses JSON, any other as the framework parses a form, reported as
-`{"form": {name: [values in the order sent]}}` (empty when the framework parsed no form from it:
-what a handler reading fields by name sees). `GET /__count` answers the
+`{"form": {name: [values in the order sent]}, "files": {name: [[filename, sha256 of the content]]}}`
+(empty when the framework parsed no form from it: what a handler reading fields by name sees; a
+multipart/form-data body's text fields in `form`, its files, each in the order sent, in `files`). `GET /__count` answers the
 number of executions. Anything else is the framework's own 404 (or redirect): nothing executes.
 A body the framework parsed as a JSON-RPC request (an object with a `method`: the oracle's MCP
 configuration) is answered as an MCP server answers a call: what was read is the `result` of a
 JSON-RPC response with the request's `id` (what idemgate takes for the call's completion).
 """
+import hashlib
 import json
 import sys
 import threading
@@ -29,6 +31,10 @@ def executed():
     global count
     with lock:
         count += 1
+
+
+def sha(data):
+    return hashlib.sha256(data).hexdigest()
 
 
 def report(route, params, method, path, host, headers, query, body):
@@ -56,7 +62,8 @@ if kind == "flask":
         executed()
         body = request.get_json(silent=True)
         if not request.is_json:
-            body = {"form": request.form.to_dict(flat=False)}
+            files = {k: [[f.filename, sha(f.read())] for f in fs] for k, fs in request.files.lists()}
+            body = {"form": request.form.to_dict(flat=False), "files": files}
         q = sorted((k, v) for k, vs in request.args.lists() for v in vs)
         r = report(route, params, request.method, request.path, request.host,
                    lambda n: request.headers.getlist(n), q, body)
@@ -98,7 +105,8 @@ elif kind == "django":
         except ValueError:
             body = None
         if "json" not in (request.content_type or "").lower():
-            body = {"form": dict(request.POST.lists())}
+            files = {k: [[f.name, sha(f.read())] for f in fs] for k, fs in request.FILES.lists()}
+            body = {"form": dict(request.POST.lists()), "files": files}
         q = sorted((k, v) for k, vs in request.GET.lists() for v in vs)
         def hdr(n):
             v = request.headers.get(n)
@@ -130,11 +138,14 @@ elif kind == "fastapi":
         except ValueError:
             body = None
         if "json" not in request.headers.get("content-type", "").lower():
-            # Starlette's form parser (python-multipart's, for a urlencoded body).
-            form = {}
+            # Starlette's form parsers (python-multipart's, for a urlencoded or multipart body).
+            form, files = {}, {}
             for k, v in (await request.form()).multi_items():
-                form.setdefault(k, []).append(v if isinstance(v, str) else repr(v))
-            body = {"form": form}
+                if isinstance(v, str):
+                    form.setdefault(k, []).append(v)
+                else:
+                    files.setdefault(k, []).append([v.filename, sha(await v.read())])
+            body = {"form": form, "files": files}
         q = sorted(request.query_params.multi_items())
         r = report(route, params, request.method, request.url.path, request.headers.get("host"),
                    lambda n: request.headers.getlist(n), q, body)

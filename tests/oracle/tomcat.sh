@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs tests/oracle/OracleServlet.java on Debian's Tomcat 10 (tomcat10, its defaults: the
 # package's conf/web.xml and a server.xml with one HTTP/1.1 connector) on 127.0.0.1:PORT, in its
-# own CATALINA_BASE under BASE. The package's service is never used.
+# own CATALINA_BASE under BASE. The servlet has a `<multipart-config/>` with its defaults (no size
+# limits), so that the container parses multipart/form-data bodies. The package's service is never used.
 #
 # usage: tomcat.sh PORT BASE
 set -euo pipefail
@@ -22,7 +23,7 @@ cat > "$base/conf/server.xml" <<XML
 XML
 cat > "$base/webapps/ROOT/WEB-INF/web.xml" <<XML
 <web-app xmlns="https://jakarta.ee/xml/ns/jakartaee" version="6.0">
-  <servlet><servlet-name>oracle</servlet-name><servlet-class>OracleServlet</servlet-class></servlet>
+  <servlet><servlet-name>oracle</servlet-name><servlet-class>OracleServlet</servlet-class><multipart-config/></servlet>
   <servlet-mapping><servlet-name>oracle</servlet-name><url-pattern>/v1/payments</url-pattern></servlet-mapping>
   <servlet-mapping><servlet-name>oracle</servlet-name><url-pattern>/v2/orders/*</url-pattern></servlet-mapping>
   <servlet-mapping><servlet-name>oracle</servlet-name><url-pattern>/__count</url-pattern></servlet-mapping>

@@ -491,6 +491,72 @@ fn include_body_derives_one_key_for_form_bodies_every_form_parser_reads_alike() 
 }
 
 #[test]
+fn include_body_derives_one_key_for_multipart_bodies_every_multipart_parser_reads_alike() {
+    // The boundary oracle (issue 41, configuration `include_body`, the `multipart` spellings, seed
+    // 41: 130 counterexamples): Flask, Django, FastAPI, Express, Fastify, Go and Tomcat parse each
+    // of these multipart/form-data bodies into the canonical body's fields and files, and each
+    // derived another key from its raw bytes, so the second executed again.
+    let c = config(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
+    );
+    let op = [("x-op", "op-1")];
+    let a = admitted(at_headers(&c, &head("POST", "/v1/payments", &op), None, false));
+    let key_as = |content_type: &str, body: &str| {
+        let mut h = head("POST", "/v1/payments", &[("x-op", "op-1"), ("content-type", content_type)]);
+        match at_body_end(&a.policy, &mut h, &a.scope, true, body.as_bytes()) {
+            AtBodyEnd::Fingerprinted { derived: Some(d), .. } => d.key,
+            other => panic!("no key derived for {body}: {other:?}"),
+        }
+    };
+    let body = |boundary: &str, parts: &[&str]| {
+        let mut b: String = parts.iter().map(|p| format!("--{boundary}\r\n{p}\r\n")).collect();
+        b.push_str(&format!("--{boundary}--\r\n"));
+        b
+    };
+    let (amount, currency, tag_x, tag_y, doc) = (
+        "Content-Disposition: form-data; name=\"amount\"\r\n\r\n1",
+        "Content-Disposition: form-data; name=\"currency\"\r\n\r\neur",
+        "Content-Disposition: form-data; name=\"tag\"\r\n\r\nx",
+        "Content-Disposition: form-data; name=\"tag\"\r\n\r\ny",
+        "Content-Disposition: form-data; name=\"doc\"; filename=\"a.txt\"\r\nContent-Type: text/plain\r\n\r\nhello",
+    );
+    let canonical_body = body("b1", &[amount, currency, tag_x, tag_y, doc]);
+    let key = |body: &str| key_as("multipart/form-data; boundary=b1", body);
+    let canonical = key(&canonical_body);
+    for alike in [
+        body("b1", &[currency, tag_x, tag_y, doc, amount]),
+        body("b1", &[doc, tag_x, currency, amount, tag_y]),
+        canonical_body.replace("Content-Disposition: form-data; ", "content-disposition:Form-Data;"),
+        canonical_body.replace("name=\"amount\"", "Name=amount"),
+        canonical_body.replace("name=\"doc\"; filename=\"a.txt\"", "filename=\"a.txt\"; name=\"doc\""),
+        canonical_body.replace("Content-Type: text/plain", "Content-Type: application/octet-stream"),
+        format!("preamble\r\n{canonical_body}epilogue\r\n"),
+        canonical_body.trim_end().to_string(),
+        canonical_body.replace("\r\n", "\n"),
+    ] {
+        assert_eq!(key(&alike), canonical, "{alike}");
+    }
+    assert_eq!(
+        key_as("multipart/form-data; boundary=\"b2\"", &body("b2", &[amount, currency, tag_x, tag_y, doc])),
+        canonical
+    );
+    assert_eq!(key_as("Multipart/Form-Data; Boundary=b1", &canonical_body), canonical);
+    // Every framework keeps a repeated field's values in the order sent, and reads a file by its
+    // name and content.
+    for apart in [
+        body("b1", &[amount, currency, tag_y, tag_x, doc]),
+        canonical_body.replace("filename=\"a.txt\"", "filename=\"b.txt\""),
+        canonical_body.replace("\r\n\r\nhello", "\r\n\r\nhello!"),
+        canonical_body.replace("\r\n\r\n1\r\n", "\r\n\r\n2\r\n"),
+    ] {
+        assert_ne!(key(&apart), canonical, "{apart}");
+    }
+    // A body this reader does not take derives from its bytes, as before.
+    let folded = canonical_body.replace("name=\"amount\"", "name=\"a\\mount\"");
+    assert_ne!(key(&folded), key(&folded.replace("name=\"currency\"", "name=currency")));
+}
+
+#[test]
 fn mcp_derive_key_derives_one_key_for_arguments_every_json_parser_reads_alike() {
     // The boundary oracle (issue 41, configuration `mcp_derive_key`): Express, Fastify and Go
     // parse `"amount":1.0` as `"amount":1`, every backend `"\u0065ur"` as `"eur"`; the derived

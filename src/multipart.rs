@@ -1,0 +1,362 @@
+//! The meaning of a `multipart/form-data` body to the multipart parsers web frameworks use, for a
+//! key derived from the body (`derive_key.include_body`, `fingerprint::derive_body_digest`).
+//!
+//! Werkzeug (Flask), Django, python-multipart (Starlette), busboy (Express's multer, Fastify's
+//! @fastify/multipart), Go's `ParseMultipartForm` and Tomcat read such a body as text fields by
+//! name, each name's values in the order sent, and files by field name, file name and content:
+//! all alike whatever the boundary string (and whether the content type quotes it), the order of
+//! different names, the letter case of a part's header names, of `form-data` and of the
+//! content type, a space after `:` or `;`, a parameter quoted or not, the order of
+//! `name` and `filename`, a part's other headers (`Content-Type`), a preamble before the first
+//! boundary, an epilogue after the last, and the line end after it (the boundary oracle, issue 41).
+//! Where they disagree (transport padding after a boundary: Werkzeug, Django and Go read it
+//! alike, busboy and Tomcat apart, Starlette refuses; bare LF line ends: Werkzeug and Go read
+//! them as CRLF, Django apart, the others refuse; a preamble, which Starlette refuses), the body
+//! is read as the readers that take it read it: two such bodies then derive one key, and the
+//! fingerprint, kept to the bytes, answers the second 422 rather than executing it.
+//!
+//! The semantic form is `form::sorted_fields` of the text fields (the same form a urlencoded body
+//! with those fields has), then, when there are files, `|` and `form::sorted_fields` of the files
+//! (each its name, and its file name framed before its content). A body this strict reader does
+//! not take (`semantic_form` is `None`: a folded or malformed header, a
+//! quoted parameter with a backslash, a `Content-Transfer-Encoding`, an RFC 2231 `name*`, a part
+//! with no name, no closing boundary) derives from its bytes, like any body that is not a form:
+//! two such spellings stay two keys, and where a backend reads them alike a retry so spelled
+//! executes again (the limits docs/limitations.md lists; none is among the oracle's spellings
+//! that a backend reads as the canonical body). Work is linear in the
+//! body (each byte is looked at a bounded number of times; the boundary is at most 70 bytes) and
+//! nothing is sized from a count read from it.
+
+/// The media type of a multipart form (compared without parameters and letter case).
+const MULTIPART_TYPE: &[u8] = b"multipart/form-data";
+
+/// The boundary `content_type` (a `content-type` value) names when it is `multipart/form-data`
+/// (whatever its letter case): its one `boundary` parameter (name in any case), quoted or not,
+/// 1 to 70 bytes of RFC 2046's boundary characters. `None` otherwise.
+pub fn boundary(content_type: &[u8]) -> Option<&[u8]> {
+    let mut params = content_type.split(|&b| b == b';');
+    if !params.next()?.trim_ascii().eq_ignore_ascii_case(MULTIPART_TYPE) {
+        return None;
+    }
+    let mut found = None;
+    for param in params {
+        let mut halves = param.trim_ascii().splitn(2, |&b| b == b'=');
+        let (name, value) = (halves.next()?, halves.next());
+        if !name.eq_ignore_ascii_case(b"boundary") {
+            continue;
+        }
+        let value = value?;
+        let value = match value.strip_prefix(b"\"") {
+            Some(quoted) => quoted.strip_suffix(b"\"")?,
+            None => value,
+        };
+        let usable = (1..=70).contains(&value.len())
+            && value.iter().all(|&b| b.is_ascii_alphanumeric() || b"'()+_,-./:=? ".contains(&b))
+            && value.last() != Some(&b' ');
+        if found.is_some() || !usable {
+            return None;
+        }
+        found = Some(value);
+    }
+    found
+}
+
+/// One part as read: its field name, its file name (a file) or none (a text field), its content.
+struct Part<'b> {
+    name: &'b [u8],
+    filename: Option<&'b [u8]>,
+    content: &'b [u8],
+}
+
+/// The body's semantic form (module comment), or `None` when this reader does not take it.
+pub fn semantic_form(body: &[u8], boundary: &[u8]) -> Option<Vec<u8>> {
+    // A line ends with LF, a CR before it dropped: Werkzeug and Go read bare LF line ends as
+    // CRLF ones (the others refuse such a body or read it apart: docs/limitations.md).
+    let mut dash = Vec::with_capacity(boundary.len() + 3);
+    dash.extend_from_slice(b"\n--");
+    dash.extend_from_slice(boundary);
+    // The first delimiter: at the body's start, or after a preamble's line end.
+    let mut at = match body.strip_prefix(dash.get(1..)?) {
+        Some(_) => dash.len() - 1,
+        None => find(body, &dash)? + dash.len(),
+    };
+    let (mut fields, mut files) = (Vec::new(), Vec::new());
+    loop {
+        let rest = body.get(at..)?;
+        if rest.starts_with(b"--") {
+            // The closing delimiter: an epilogue after it is not read.
+            break;
+        }
+        // Transport padding, then the delimiter line's end.
+        let pad = rest.iter().take_while(|&&b| b == b' ' || b == b'\t').count();
+        let rest = rest.get(pad..)?;
+        let rest = rest.strip_prefix(b"\r").unwrap_or(rest).strip_prefix(b"\n")?;
+        let end = find(rest, &dash)?;
+        let part = read_part(cr_dropped(rest.get(..end)?))?;
+        at = body.len() - rest.len() + end + dash.len();
+        match part.filename {
+            None => fields.push((part.name.to_vec(), part.content.to_vec())),
+            Some(filename) => {
+                // The file name framed (`<length>:`) before the content: no shifted split.
+                let mut value = format!("{}:", filename.len()).into_bytes();
+                value.extend_from_slice(filename);
+                value.extend_from_slice(part.content);
+                files.push((part.name.to_vec(), value));
+            }
+        }
+    }
+    let mut out = crate::form::sorted_fields(fields);
+    if !files.is_empty() {
+        out.push(b'|');
+        out.extend_from_slice(&crate::form::sorted_fields(files));
+    }
+    Some(out)
+}
+
+/// A part (its headers, an empty line, its content): `None` for what this reader does not take.
+fn read_part(part: &[u8]) -> Option<Part<'_>> {
+    let mut rest = part;
+    let mut disposition = None;
+    loop {
+        let end = rest.iter().position(|&b| b == b'\n')?;
+        let line = cr_dropped(rest.get(..end)?);
+        rest = rest.get(end + 1..)?;
+        if line.is_empty() {
+            break;
+        }
+        let colon = line.iter().position(|&b| b == b':')?;
+        let (name, value) = (line.get(..colon)?, line.get(colon + 1..)?.trim_ascii());
+        // A folded line (leading whitespace), a name with spaces, a CR inside: not taken.
+        if name.is_empty() || !name.iter().all(|&b| b.is_ascii_graphic()) || value.contains(&b'\r') {
+            return None;
+        }
+        if name.eq_ignore_ascii_case(b"content-disposition") {
+            if disposition.is_some() {
+                return None;
+            }
+            disposition = Some(value);
+        } else if name.eq_ignore_ascii_case(b"content-transfer-encoding") {
+            // python-multipart decodes base64 and quoted-printable, the others do not.
+            return None;
+        }
+    }
+    let (name, filename) = read_disposition(disposition?)?;
+    Some(Part { name, filename, content: rest })
+}
+
+/// `form-data` (any case) and its `name` and `filename` parameters (names in any case, values
+/// quoted without a backslash or as tokens, each at most once; other parameters ignored).
+fn read_disposition(value: &[u8]) -> Option<(&[u8], Option<&[u8]>)> {
+    let kind_end = value.iter().position(|&b| b == b';').unwrap_or(value.len());
+    if !value.get(..kind_end)?.trim_ascii().eq_ignore_ascii_case(b"form-data") {
+        return None;
+    }
+    let (mut name, mut filename) = (None, None);
+    let mut rest = value.get(kind_end..)?;
+    while let Some(after) = rest.strip_prefix(b";") {
+        let after = after.trim_ascii_start();
+        let eq = after.iter().position(|&b| b == b'=')?;
+        let param = after.get(..eq)?;
+        let tail = after.get(eq + 1..)?;
+        let (v, next) = match tail.strip_prefix(b"\"") {
+            Some(quoted) => {
+                let close = quoted.iter().position(|&b| b == b'"')?;
+                (quoted.get(..close)?, quoted.get(close + 1..)?)
+            }
+            None => {
+                let stop = tail.iter().position(|&b| b == b';' || b == b' ' || b == b'\t').unwrap_or(tail.len());
+                (tail.get(..stop)?, tail.get(stop..)?)
+            }
+        };
+        if v.contains(&b'\\') || param.contains(&b'*') {
+            return None;
+        }
+        let slot = if param.eq_ignore_ascii_case(b"name") {
+            &mut name
+        } else if param.eq_ignore_ascii_case(b"filename") {
+            &mut filename
+        } else {
+            rest = next.trim_ascii_start();
+            continue;
+        };
+        if slot.replace(v).is_some() {
+            return None;
+        }
+        rest = next.trim_ascii_start();
+    }
+    if !rest.is_empty() {
+        return None;
+    }
+    Some((name?, filename))
+}
+
+/// `bytes` without one CR at its end (the CR of a CRLF line end).
+fn cr_dropped(bytes: &[u8]) -> &[u8] {
+    bytes.strip_suffix(b"\r").unwrap_or(bytes)
+}
+
+/// Where `needle` first starts in `hay`: bounded by `hay`'s length times the needle's (at most
+/// 73 bytes: `\n--` and a boundary).
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    const B: &str = "----idemgate7MA4YWxkTrZu0gW";
+
+    /// The oracle's canonical body (tests/it/boundary_oracle.rs, `multipart_body`).
+    fn canonical(boundary: &str) -> String {
+        let mut b = String::new();
+        for (name, value) in [("amount", "1"), ("currency", "eur"), ("tag", "x"), ("tag", "y")] {
+            b.push_str(&format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n"));
+        }
+        b.push_str(&format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"doc\"; filename=\"a.txt\"\r\nContent-Type: text/plain\r\n\r\nhello\r\n--{boundary}--\r\n"
+        ));
+        b
+    }
+
+    fn form(content_type: &str, body: &str) -> Option<Vec<u8>> {
+        semantic_form(body.as_bytes(), boundary(content_type.as_bytes())?)
+    }
+
+    fn ct(boundary: &str) -> String {
+        format!("multipart/form-data; boundary={boundary}")
+    }
+
+    #[test]
+    fn boundary_reads_the_parameter_in_any_case_quoted_or_not() {
+        assert_eq!(boundary(b"multipart/form-data; boundary=abc"), Some(&b"abc"[..]));
+        assert_eq!(boundary(b"Multipart/Form-Data; Boundary=\"a b:c\""), Some(&b"a b:c"[..]));
+        assert_eq!(boundary(b"multipart/form-data;charset=utf-8;boundary=x"), Some(&b"x"[..]));
+        for refused in [
+            "multipart/form-data",
+            "multipart/form-data; boundary=",
+            "multipart/form-data; boundary=a; boundary=b",
+            "multipart/form-data; boundary=\"abc",
+            "multipart/form-data; boundary=a{b",
+            "multipart/mixed; boundary=abc",
+            "application/x-www-form-urlencoded",
+            "",
+        ] {
+            assert_eq!(boundary(refused.as_bytes()), None, "{refused}");
+        }
+        let long = "b".repeat(71);
+        assert_eq!(boundary(ct(&long).as_bytes()), None);
+        assert!(boundary(ct(&long[1..]).as_bytes()).is_some());
+    }
+
+    #[test]
+    fn spellings_every_multipart_parser_reads_alike_have_one_form() {
+        let c = canonical(B);
+        let one = form(&ct(B), &c).expect("the canonical body is read");
+        let alike: Vec<(String, String)> = vec![
+            (ct("XyZzy42"), canonical("XyZzy42")),
+            (format!("multipart/form-data; boundary=\"{B}\""), c.clone()),
+            (format!("Multipart/Form-Data; Boundary={B}"), c.clone()),
+            (ct(B), {
+                // `amount` last.
+                let first = c.find(&format!("--{B}\r\nContent-Disposition: form-data; name=\"currency\"")).unwrap();
+                let close = c.rfind(&format!("--{B}--")).unwrap();
+                format!("{}{}{}", &c[first..close], &c[..first], &c[close..])
+            }),
+            (ct(B), c.replace("Content-Disposition:", "content-disposition:")),
+            (ct(B), c.replace("Content-Disposition: ", "Content-Disposition:")),
+            (ct(B), c.replace(": form-data;", ": Form-Data;")),
+            (ct(B), c.replace("name=\"amount\"", "name=amount")),
+            (ct(B), c.replace("name=\"amount\"", "Name=\"amount\"")),
+            (ct(B), c.replace("; name=\"amount\"", ";name=\"amount\"")),
+            (ct(B), c.replace("name=\"doc\"; filename=\"a.txt\"", "filename=\"a.txt\"; name=\"doc\"")),
+            (ct(B), c.replace("Content-Type: text/plain\r\n", "")),
+            (ct(B), c.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nContent-Type: text/plain\r\n")),
+            (ct(B), format!("preamble\r\n{c}")),
+            (ct(B), format!("{c}epilogue\r\n")),
+            (ct(B), c.trim_end_matches("\r\n").to_string()),
+            (ct(B), c.replace(&format!("--{B}\r\n"), &format!("--{B}  \r\n"))),
+            (ct(B), c.replace("\r\n", "\n")),
+        ];
+        for (t, body) in &alike {
+            assert_eq!(form(t, body).as_ref(), Some(&one), "{t}\n{body}");
+        }
+        // A multipart form with no file is the urlencoded form of its fields.
+        let text = format!(
+            "--{B}\r\nContent-Disposition: form-data; name=\"b\"\r\n\r\n2\r\n--{B}\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--{B}--"
+        );
+        assert_eq!(form(&ct(B), &text), Some(crate::form::semantic_form(b"a=1&b=2")));
+    }
+
+    #[test]
+    fn what_a_multipart_parser_reads_apart_keeps_apart() {
+        let c = canonical(B);
+        let one = form(&ct(B), &c).expect("the canonical body is read");
+        for apart in [
+            // A repeated name's values keep their order.
+            c.replacen("\r\n\r\nx\r\n", "\r\n\r\nY\r\n", 1).replacen("\r\n\r\ny\r\n", "\r\n\r\nx\r\n", 1).replacen(
+                "\r\n\r\nY\r\n",
+                "\r\n\r\ny\r\n",
+                1,
+            ),
+            c.replace("filename=\"a.txt\"", "filename=\"b.txt\""),
+            c.replace("\r\n\r\nhello\r\n", "\r\n\r\nhello!\r\n"),
+            c.replace("\r\n\r\n1\r\n", "\r\n\r\n2\r\n"),
+            c.replace("\r\n\r\n1\r\n", "\r\n\r\n1 \r\n"),
+            // A file is not a text field of the same name and content.
+            c.replace("; filename=\"a.txt\"", ""),
+            c.replace("filename=\"a.txt\"", "filename=\"\""),
+            c.replace("name=\"amount\"", "name=\"Amount\""),
+        ] {
+            let other = form(&ct(B), &apart);
+            assert!(other.is_some(), "{apart}");
+            assert_ne!(other, Some(one.clone()), "{apart}");
+        }
+        // The framing keeps a file name apart from its content.
+        let file = |name: &str, content: &str| {
+            format!(
+                "--{B}\r\nContent-Disposition: form-data; name=\"f\"; filename=\"{name}\"\r\n\r\n{content}\r\n--{B}--"
+            )
+        };
+        assert_ne!(form(&ct(B), &file("a", "bc")), form(&ct(B), &file("ab", "c")));
+    }
+
+    #[test]
+    fn what_this_reader_does_not_take_derives_from_the_bytes() {
+        let c = canonical(B);
+        for refused in [
+            c.replace(&format!("--{B}--\r\n"), ""),
+            c.replace("name=\"amount\"", "name=\"am\\\"ount\""),
+            c.replace("name=\"amount\"", "name*=utf-8''amount"),
+            c.replace("name=\"amount\"", "name=\"amount\"; name=\"x\""),
+            c.replace("name=\"amount\"", "filename=\"x\""),
+            c.replace("form-data; name=\"amount\"", "attachment; name=\"amount\""),
+            c.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nContent-Transfer-Encoding: base64\r\n"),
+            c.replace("name=\"currency\"\r\n", "name=\"currency\"\r\n folded\r\n"),
+            c.replace(
+                &format!("--{B}\r\nContent-Disposition: form-data; name=\"currency\""),
+                &format!("--{B}x\r\nContent-Disposition: form-data; name=\"currency\""),
+            ),
+            String::new(),
+            "no boundary here".into(),
+        ] {
+            assert_eq!(form(&ct(B), &refused), None, "{refused}");
+        }
+    }
+
+    #[test]
+    fn bodies_made_to_cost_stay_bounded_and_never_panic() {
+        // Many empty parts, a body of delimiters cut anywhere: linear work, no panic.
+        let many =
+            format!("--{B}\r\nContent-Disposition: form-data; name=a\r\n\r\n\r\n").repeat(5000) + &format!("--{B}--");
+        assert!(form(&ct(B), &many).is_some());
+        for cut in 0..canonical(B).len() {
+            let _ = form(&ct(B), &canonical(B)[..cut]);
+        }
+        let _ = semantic_form(b"--x\r\n\r\n", b"x");
+        let _ = semantic_form(b"--x--", b"x");
+        assert_eq!(semantic_form(b"--x--", b"x"), Some(vec![]));
+    }
+}
