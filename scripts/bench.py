@@ -1581,7 +1581,7 @@ stripped, so its own code is one region):
 
 {cpu}
 
-Rerun: `make bench` (about {'3' if st['quick'] else '22'} minutes here; `BENCH_QUICK=1 make bench` for the short version).
+Rerun: `make bench` (about {'3' if st['quick'] else '27'} minutes here on a quiet machine; `BENCH_QUICK=1 make bench` for the short version).
 Raw figures: `target/bench/results.json`.
 """
     path = os.path.join(ROOT, "docs", "BENCHMARKS.md")
