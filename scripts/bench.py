@@ -10,6 +10,10 @@ The store scenarios run with Redis (webdis in front) and with etcd (three member
 ports picked here, data in a scratch folder under target/bench, stopped at the end) in the same
 interleaved rounds, on the same POSTs.
 
+The native build (libidemgate_native.so, an Envoy dynamic module) runs beside the Wasm one in the
+same rounds, on the same requests ("Native beside Wasm"), and both builds' memory per worker is
+measured with 1 and 2 workers. BENCH_NOTE, when set, is the page's "About this run" note.
+
 """
 import http.client
 import json
@@ -30,7 +34,7 @@ import etcd_store_cluster  # noqa: E402 (beside this script)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.environ.get("BENCH_QUICK") == "1"
 RUNS = 3 if QUICK else 5
-# Quick: 1 s per scenario and round (17 scenarios, 3 rounds), so the whole `make bench` stays
+# Quick: 1 s per scenario and round (23 scenarios, 3 rounds), so the whole `make bench` stays
 # under three minutes with every key written.
 DURATION = 1 if QUICK else 8
 CONNECTIONS = 16
@@ -92,7 +96,7 @@ def floor_plugin(mode):
 # 16-connection runs; its p50s give `first_local_p50_overhead_us`.
 ONE_CONNECTION = ["h_floor_empty_post", "h_floor_buffering", "h_floor_shared", "d_first_local", "h_floor_store", "e_first_store",
                   "h_floor_store_etcd", "i_first_etcd", "g_replay_after_local_miss", "j_replay_after_local_miss_etcd",
-                  "k_first_redis_ha"]
+                  "k_first_redis_ha", "q_floor_native_buffer", "m_first_local_native", "o_first_store_native"]
 ONE_CONNECTION_DURATION = 1 if QUICK else 4
 
 # webdis's basic-auth credential in envoy/redis-ha/webdis.json (the Redis HA stack).
@@ -144,10 +148,20 @@ class Etcd:
 # The native build (docs/native.md): idemgate as an Envoy dynamic module, found by Envoy in
 # ENVOY_DYNAMIC_MODULES_SEARCH_PATH (`Envoy` sets it).
 NATIVE = os.path.join(ROOT, "target", "release", "libidemgate_native.so")
+# Store records are sealed with this secret (src/seal.rs): the Wasm build reads it from its VM's
+# environment, the native build from Envoy's process environment (docs/native.md).
+RECORD_KEY = "idemgate-bench-record-key-0123456789abcdef"
 
 
-def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd_ports=None, ha_cluster=None, native=None):
+def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd_ports=None, ha_cluster=None, native=None,
+                 buffer_filter=False):
     filters = []
+    if buffer_filter:
+        # The native host's own buffering floor: Envoy's buffer filter (C++, compiled into Envoy)
+        # pauses at the request headers and forwards once the whole body is in; it reads nothing of
+        # the response (the Wasm buffering floor reads its headers and body too).
+        filters.append({"name": "envoy.filters.http.buffer", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer", "max_request_bytes": 1048576}})
     if native:
         filters.append({
             "name": "envoy.filters.http.dynamic_modules",
@@ -169,7 +183,7 @@ def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd
                     "vm_config": {"vm_id": "idemgate", "runtime": "envoy.wasm.runtime.v8", "code": {"local": {"filename": wasm}},
                                   # Store records are sealed with this secret (src/seal.rs).
                                   "environment_variables": {"key_values": dict(
-                                      {"IDEMGATE_RECORD_KEY": "idemgate-bench-record-key-0123456789abcdef"},
+                                      {"IDEMGATE_RECORD_KEY": RECORD_KEY},
                                       # The Redis HA stack's webdis asks for basic auth (envoy/redis-ha/webdis.json).
                                       **({"IDEMGATE_STORE_AUTH": HA_STORE_AUTH} if ha_cluster else {}))}},
                 },
@@ -201,11 +215,11 @@ def envoy_config(listen, admin, wasm, plugin, direct, api_port, store_port, etcd
 
 
 class Envoy:
-    def __init__(self, tag, **kw):
+    def __init__(self, tag, concurrency=1, **kw):
         self.port, self.admin = free_port(), free_port()
         path = os.path.join(OUT, f"envoy-{tag}.json")
         json.dump(envoy_config(self.port, self.admin, **kw), open(path, "w"))
-        args = ["envoy", "-c", path, "--concurrency", "1", "--disable-hot-restart", "--log-level", "error"]
+        args = ["envoy", "-c", path, "--concurrency", str(concurrency), "--disable-hot-restart", "--log-level", "error"]
         if kw.get("ha_cluster"):
             # envoy/redis-ha/idemgate-store-cluster.yaml with the stack's two webdis (store_ha.py cluster).
             args += ["--config-yaml", "static_resources:\n  clusters:\n" + "".join("  " + l + "\n" for l in kw["ha_cluster"].splitlines())]
@@ -213,7 +227,9 @@ class Envoy:
             # The shipped store cluster itself, its members swapped (Envoy appends the clusters of
             # --config-yaml to those of -c).
             args += ["--config-yaml", "static_resources:\n  clusters:\n" + etcd_store_cluster.cluster(kw["etcd_ports"])]
-        env = {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": os.path.dirname(kw["native"])} if kw.get("native") else None
+        # The native build reads the record secret from Envoy's process environment (its store
+        # configuration is refused at load without it).
+        env = {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": os.path.dirname(kw["native"]), "IDEMGATE_RECORD_KEY": RECORD_KEY} if kw.get("native") else None
         self.proc = start(args, os.path.join(OUT, f"envoy-{tag}.log"), env=env)
         wait_http(f"http://127.0.0.1:{self.admin}/ready", 60)
         if kw.get("etcd_ports") or kw.get("ha_cluster"):
@@ -242,11 +258,12 @@ class Envoy:
             time.sleep(0.2)
 
     def stat(self, name):
-        """idemgate's own counter (`idemgate.x`), or any Envoy counter by its full name."""
+        """idemgate's own counter (`idemgate.x`, either build's: `wasmcustom.` or
+        `dynamicmodulescustom.` in /stats), or any Envoy stat by its full name."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats", timeout=5).read().decode()
         for line in text.splitlines():
             n, _, v = line.partition(": ")
-            if n in (name, "wasmcustom." + name):
+            if n in (name, "wasmcustom." + name, "dynamicmodulescustom." + name):
                 try:
                     return int(v)
                 except ValueError:
@@ -254,12 +271,13 @@ class Envoy:
         return 0
 
     def stats(self, prefix):
-        """Every stat whose name starts with `prefix` (Wasm metrics without their `wasmcustom.`)."""
+        """Every stat whose name starts with `prefix` (idemgate's metrics without their `wasmcustom.`
+        or `dynamicmodulescustom.`)."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats", timeout=5).read().decode()
         out = {}
         for line in text.splitlines():
             n, _, v = line.partition(": ")
-            n = n.removeprefix("wasmcustom.")
+            n = n.removeprefix("wasmcustom.").removeprefix("dynamicmodulescustom.")
             if n.startswith(prefix):
                 try:
                     out[n[len(prefix):]] = int(v)
@@ -276,6 +294,11 @@ class Envoy:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         return 0
+
+    def memory_allocated(self):
+        """Bytes in use in Envoy's allocator now (admin /memory reads tcmalloc at once; the gauge
+        `server.memory_allocated` is only updated on the stats flush, every 5 s)."""
+        return int(json.load(urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/memory", timeout=5))["allocated"])
 
     def cpu_seconds(self):
         """User + system CPU time Envoy has used so far (all its threads)."""
@@ -455,6 +478,51 @@ def count_pass(base, wasm, count_wasm, plugin_store, webdis_port, etcd_ports):
     return out
 
 
+# Memory per worker: each build (and Envoy without a filter) started with 1 and with 2 workers,
+# given the same requests (a pool of WORKER_POOL keys in turn, each sent at least twice: first
+# POSTs, then replays, so every build holds the same records), then measured; what a second worker
+# adds, minus what it adds to Envoy without a filter, is the build's own cost per worker.
+WORKER_POOL = 2000 if QUICK else 10000
+
+
+def memory_per_worker(base, wasm):
+    """Envoy's resident set (/proc) and tcmalloc's bytes in use (admin /memory, "allocated", which
+    V8's own heap pages are not part of), idle and after the load, per build and worker count."""
+    builds = [("none", dict(base, wasm=None, direct=False)),
+              ("wasm", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL)),
+              ("native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_LOCAL))]
+    out = {}
+    prefix = f"workers-{time.time_ns():x}-"
+    for build, kw in builds:
+        out[build] = {}
+        for workers in (1, 2):
+            e = Envoy(f"workers-{build}-{workers}", concurrency=workers, **kw)
+            try:
+                time.sleep(1.2)
+                idle = {"rss_bytes": e.rss(), "memory_allocated_bytes": e.memory_allocated()}
+                sent = 0
+                while sent < 2 * WORKER_POOL:
+                    sent += wrk(e.port, mode="pool", pool=WORKER_POOL, pool_prefix=f"{prefix}{build}-{workers}-", duration=1,
+                                pool_start=sent)["requests"]
+                time.sleep(1.2)
+                # Connections each worker accepted: both workers served the load.
+                per_worker = {k.split(".worker_")[1].split(".")[0]: v for k, v in e.stats("listener.").items()
+                              if ".worker_" in k and k.endswith(".downstream_cx_total")}
+                out[build][workers] = {"idle": idle, "loaded": {"rss_bytes": e.rss(), "memory_allocated_bytes": e.memory_allocated()},
+                                       "requests": sent, "connections_per_worker": per_worker,
+                                       "stored": e.stat("idemgate.stored"), "replayed": e.stat("idemgate.replayed")}
+            finally:
+                e.close()
+        w1, w2 = out[build][1]["loaded"], out[build][2]["loaded"]
+        out[build]["second_worker"] = {k: w2[k] - w1[k] for k in w1}
+        print(f"bench: memory per worker, {build}: RSS {w1['rss_bytes'] / 1048576:.1f} MiB with 1 worker, "
+              f"{w2['rss_bytes'] / 1048576:.1f} with 2", flush=True)
+    for build in ("wasm", "native"):
+        out[build]["own_per_worker"] = {k: out[build]["second_worker"][k] - out["none"]["second_worker"][k] for k in out["none"]["second_worker"]}
+    out["pool"] = WORKER_POOL
+    return out
+
+
 def summarise(runs):
     med = lambda k: statistics.median(r[k] for r in runs)
     return {
@@ -521,13 +589,16 @@ def main():
         else:
             raise RuntimeError(f"{store}: {w.stat('idemgate.store_writes') - writes0} of the miss pool's {MISS_POOL} completions landed")
         w.close()
-    # Scenarios (a)-(f) and the floors (h) run interleaved: every Envoy is started first, then each
+    # Every scenario (a)-(q), the floors (h) and (q) among them, runs interleaved: every Envoy is started first, then each
     # round runs every scenario once in turn, so a slow spell of this shared VM hits all of them
     # alike; a ratio is the median of its per-round ratios (same round, same conditions), with
     # their spread. The floors get the same POSTs (body, headers, unique keys) as (d) and (e).
     group = [
         ("a_direct", dict(base, wasm=None, direct=True), dict(mode="none")),
         ("a_proxied", dict(base, wasm=None, direct=False), dict(mode="none")),
+        # No filter at all, the same GETs as (b proxied) and (c): the floor of a native filter's
+        # pass-through (a dynamic module has no VM to enter).
+        ("a_proxied_get", dict(base, wasm=None, direct=False), dict(method="GET", mode="none")),
         ("b_empty_wasm_direct", dict(base, wasm=empty, direct=True), dict(mode="fixed")),
         ("b_empty_wasm_proxied", dict(base, wasm=empty, direct=False), dict(method="GET", mode="none")),
         ("c_unprotected_get", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(method="GET", mode="none")),
@@ -538,9 +609,14 @@ def main():
         ("h_floor_store", dict(base, wasm=floor, direct=False, plugin=floor_plugin("store"), store_port=webdis_port), dict(mode="unique")),
         ("e_first_store", dict(base, wasm=wasm, direct=False, plugin=plugin_store, store_port=webdis_port), dict(mode="unique")),
         ("f_replay_local", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed")),
-        # The native build beside the Wasm one: the same POSTs as (d) and (f), the same engine.
+        # The native build beside the Wasm one: the same requests as (c), (d), (e) and (f), the
+        # same engine, the same webdis; and the native host's buffering floor (Envoy's own buffer
+        # filter) on the same POSTs.
+        ("q_floor_native_buffer", dict(base, wasm=None, buffer_filter=True, direct=False), dict(mode="unique")),
         ("m_first_local_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_LOCAL), dict(mode="unique")),
+        ("o_first_store_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=plugin_store, store_port=webdis_port), dict(mode="unique")),
         ("n_replay_local_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_LOCAL), dict(mode="fixed")),
+        ("p_unprotected_get_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_LOCAL), dict(method="GET", mode="none")),
         # etcd beside Redis: the same POSTs, the same floors, the same replays after a local miss.
         ("h_floor_store_etcd", dict(base, wasm=floor, direct=False, plugin=dict(floor_plugin("store"), store_kind="etcd", key=FLOOR_ETCD_KEY), **with_etcd),
          dict(mode="unique")),
@@ -632,6 +708,8 @@ def main():
     mem["rss_growth_after_cap_filled_bytes"] = mem["points"][-1]["rss_bytes"] - filled
     R["memory"] = mem
 
+    R["memory_per_worker"] = memory_per_worker(base, wasm)
+
     counted = count_pass(base, wasm, count_wasm, plugin_store, webdis_port, etcd.client_ports)
 
     # The per-step profile compiles the core twice (native and wasm32): full runs only.
@@ -657,6 +735,18 @@ def main():
     miss_etcd_vs_redis = paired("j_replay_after_local_miss_etcd", "g_replay_after_local_miss")
     native_first = paired("m_first_local_native", "d_first_local")
     native_replay = paired("n_replay_local_native", "f_replay_local")
+    native_local_floor = paired("m_first_local_native", "h_floor_buffering")
+    native_local_own_floor = paired("m_first_local_native", "q_floor_native_buffer")
+    native_store = paired("o_first_store_native", "e_first_store")
+    native_store_floor = paired("o_first_store_native", "h_floor_store")
+    native_passthrough = paired("p_unprotected_get_native", "c_unprotected_get")
+    native_passthrough_empty = paired("p_unprotected_get_native", "b_empty_wasm_proxied")
+    native_passthrough_none = paired("p_unprotected_get_native", "a_proxied_get")
+    wasm_passthrough_none = paired("c_unprotected_get", "a_proxied_get")
+    native_floor_vs_buffering = paired("q_floor_native_buffer", "h_floor_buffering")
+    native_local_p50 = p50_overhead_us("m_first_local_native", "h_floor_buffering")
+    native_local_own_p50 = p50_overhead_us("m_first_local_native", "q_floor_native_buffer")
+    native_store_p50 = p50_overhead_us("o_first_store_native", "h_floor_store")
     one = lambda k, f: R[k]["one_connection"][f]
     results = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip(),
@@ -683,6 +773,50 @@ def main():
         "native_replay_local_ratio": native_replay["median"],
         "native_replay_local_ratio_spread": native_replay,
         "native_replay_local_ratio_divides_by": "f_replay_local (the Wasm build, same POSTs)",
+        "native_replay_local_cpu_ratio": cpu_paired("n_replay_local_native", "f_replay_local"),
+        "native_first_local_cpu_ratio": cpu_paired("m_first_local_native", "d_first_local"),
+        "native_first_local_floor_ratio": native_local_floor["median"],
+        "native_first_local_floor_ratio_spread": native_local_floor,
+        "native_first_local_floor_ratio_divides_by": "h_floor_buffering (the Wasm buffering floor of first_local_floor_ratio; same POSTs)",
+        "native_first_local_floor_cpu_ratio": cpu_paired("m_first_local_native", "h_floor_buffering"),
+        "native_first_local_native_floor_ratio": native_local_own_floor["median"],
+        "native_first_local_native_floor_ratio_spread": native_local_own_floor,
+        "native_first_local_native_floor_ratio_divides_by": "q_floor_native_buffer (Envoy's own buffer filter: pause at headers, whole body, continue; no response read; same POSTs)",
+        "native_first_local_native_floor_cpu_ratio": cpu_paired("m_first_local_native", "q_floor_native_buffer"),
+        "native_buffer_floor_vs_wasm_buffering_ratio": native_floor_vs_buffering["median"],
+        "native_buffer_floor_vs_wasm_buffering_ratio_spread": native_floor_vs_buffering,
+        "native_first_store_ratio": native_store["median"],
+        "native_first_store_ratio_spread": native_store,
+        "native_first_store_ratio_divides_by": "e_first_store (the Wasm build, same POSTs, same webdis and Redis)",
+        "native_first_store_cpu_ratio": cpu_paired("o_first_store_native", "e_first_store"),
+        "native_first_store_floor_ratio": native_store_floor["median"],
+        "native_first_store_floor_ratio_spread": native_store_floor,
+        "native_first_store_floor_ratio_divides_by": "h_floor_store (the Wasm store floor of first_store_floor_ratio: buffering plus 2 webdis callouts; same POSTs)",
+        "native_first_store_floor_cpu_ratio": cpu_paired("o_first_store_native", "h_floor_store"),
+        "native_first_store_round_trips": R["o_first_store_native"]["store_calls_waited_per_request"],
+        "native_first_store_calls_total": R["o_first_store_native"]["store_calls_per_request"],
+        "native_first_store_cluster_requests": R["o_first_store_native"]["store_cluster_requests_per_request"],
+        "native_passthrough_ratio": native_passthrough["median"],
+        "native_passthrough_ratio_spread": native_passthrough,
+        "native_passthrough_ratio_divides_by": "c_unprotected_get (the Wasm build, same GETs)",
+        "native_passthrough_cpu_ratio": cpu_paired("p_unprotected_get_native", "c_unprotected_get"),
+        "native_passthrough_empty_ratio": native_passthrough_empty["median"],
+        "native_passthrough_empty_ratio_spread": native_passthrough_empty,
+        "native_passthrough_empty_ratio_divides_by": "b_empty_wasm_proxied (the empty Wasm filter, same GETs)",
+        "native_passthrough_nofilter_ratio": native_passthrough_none["median"],
+        "native_passthrough_nofilter_ratio_spread": native_passthrough_none,
+        "native_passthrough_nofilter_ratio_divides_by": "a_proxied_get (Envoy without any filter, same GETs)",
+        "native_passthrough_nofilter_cpu_ratio": cpu_paired("p_unprotected_get_native", "a_proxied_get"),
+        "wasm_passthrough_nofilter_ratio": wasm_passthrough_none["median"],
+        "wasm_passthrough_nofilter_ratio_spread": wasm_passthrough_none,
+        "wasm_passthrough_nofilter_cpu_ratio": cpu_paired("c_unprotected_get", "a_proxied_get"),
+        "native_first_local_p50_overhead_us": native_local_p50["median"],
+        "native_first_local_p50_overhead_us_spread": native_local_p50,
+        "native_first_local_native_floor_p50_overhead_us": native_local_own_p50["median"],
+        "native_first_local_native_floor_p50_overhead_us_spread": native_local_own_p50,
+        "native_first_store_p50_overhead_us": native_store_p50["median"],
+        "native_first_store_p50_overhead_us_spread": native_store_p50,
+        "native_so_bytes": os.path.getsize(NATIVE),
         "first_local_floor_ratio": local_floor["median"],
         "first_local_floor_ratio_spread": local_floor,
         "first_local_floor_ratio_divides_by": "h_floor_buffering (pause at headers, whole body, continue, response headers and body read; same POSTs)",
@@ -832,6 +966,7 @@ def perf_split(base, wasm, empty, floor, plugin_store, webdis_port, etcd_ports):
 LABELS = [
     ("a_direct", "(a) Envoy, direct_response"),
     ("a_proxied", "(a) Envoy, proxied"),
+    ("a_proxied_get", "(a) Envoy, proxied (GET)"),
     ("b_empty_wasm_direct", "(b) empty Wasm, direct_response"),
     ("b_empty_wasm_proxied", "(b) empty Wasm, proxied (GET)"),
     ("c_unprotected_get", "(c) idemgate, unprotected GET"),
@@ -839,7 +974,10 @@ LABELS = [
     ("e_first_store", "(e) idemgate, first POST, Redis store"),
     ("f_replay_local", "(f) idemgate, replay from memory"),
     ("m_first_local_native", "(m) idemgate native, first POST, local tier"),
+    ("o_first_store_native", "(o) idemgate native, first POST, Redis store"),
     ("n_replay_local_native", "(n) idemgate native, replay from memory"),
+    ("p_unprotected_get_native", "(p) idemgate native, unprotected GET"),
+    ("q_floor_native_buffer", "(q) floor, native host: Envoy's buffer filter"),
     ("h_floor_empty_post", "(h) floor: empty filter, same POSTs"),
     ("h_floor_buffering", "(h) floor: buffering (body, response)"),
     ("h_floor_shared", "(h) floor: buffering + the local tier's shared data"),
@@ -948,6 +1086,126 @@ in this run):
   print by name (one call each)."""
 
 
+def native_beside_wasm(results, sp, r3):
+    """The section "Native beside Wasm": the native build's scenarios beside the Wasm build's, each
+    ratio with its baseline, what the engine costs in each host, memory per worker."""
+    S = results["scenarios"]
+    cpu = lambda k: S[k].get("envoy_cpu_us_per_request", 0)
+    one = lambda k: S[k].get("one_connection", {}).get("p50_ms", float("nan")) * 1000
+    rps = lambda k: f"{S[k]['rps']:.0f} ({S[k]['rps_min']:.0f}-{S[k]['rps_max']:.0f})"
+    yes = lambda ok: "reached" if ok else "**not reached**"
+    quick = " (a quick run on a shared machine: not judged here; a full quiet `make bench` decides)" if results["settings"]["quick"] else ""
+    rows = "\n".join(f"| {what} | {rps(w)} | {rps(n)} | **{r3(ratio)}** ({sp(ratio)}) | {cpu(w):.0f} | {cpu(n):.0f} |"
+                     for what, w, n, ratio in [("first POST, local tier", "d_first_local", "m_first_local_native", "native_first_local_ratio"),
+                                               ("first POST, Redis store", "e_first_store", "o_first_store_native", "native_first_store_ratio"),
+                                               ("replay from memory", "f_replay_local", "n_replay_local_native", "native_replay_local_ratio"),
+                                               ("unprotected GET (pass-through)", "c_unprotected_get", "p_unprotected_get_native", "native_passthrough_ratio")])
+    M = S.get("memory_per_worker")
+    if M:
+        mib = lambda v: f"{v / 1048576:.1f}"
+        b = ("none", "wasm", "native")
+        line = lambda what, f: f"| {what} | " + " | ".join(f(M[x]) for x in b) + " |"
+        # Worker counts are keys 1 and 2 in a run, "1" and "2" read back from results.json (--render).
+        w = lambda m, n: m.get(n) or m.get(str(n))
+        mem = "\n".join([
+            "| | Envoy, no filter | Wasm build | native build |",
+            "|---|---|---|---|",
+            line("RSS idle, 1 worker, MiB", lambda m: mib(w(m, 1)["idle"]["rss_bytes"])),
+            line("RSS idle, 2 workers, MiB", lambda m: mib(w(m, 2)["idle"]["rss_bytes"])),
+            line("RSS after the load, 1 worker, MiB", lambda m: mib(w(m, 1)["loaded"]["rss_bytes"])),
+            line("RSS after the load, 2 workers, MiB", lambda m: mib(w(m, 2)["loaded"]["rss_bytes"])),
+            line("a second worker adds to the RSS, MiB", lambda m: mib(m["second_worker"]["rss_bytes"])),
+            line("a second worker adds to tcmalloc's allocated bytes, MiB", lambda m: mib(m["second_worker"]["memory_allocated_bytes"])),
+            "| **the build's own per worker**: RSS, MiB | - | " + " | ".join(f"**{mib(M[x]['own_per_worker']['rss_bytes'])}**" for x in b[1:]) + " |",
+            "| the build's own per worker: tcmalloc's allocated bytes, MiB | - | " + " | ".join(mib(M[x]["own_per_worker"]["memory_allocated_bytes"]) for x in b[1:]) + " |",
+            line("connections per worker, 2 workers", lambda m: ", ".join(f"{k}: {v}" for k, v in sorted(w(m, 2)["connections_per_worker"].items()))),
+            "| records stored / replays, 2 workers | - | " + " | ".join(f"{w(M[x], 2)['stored']} / {w(M[x], 2)['replayed']}" for x in b[1:]) + " |",
+        ])
+        mem_text = f"""**Memory per worker.** Each build (and Envoy without a filter) started twice, with 1 and with 2
+workers (`--concurrency`), each given the same load: a pool of {M['pool']} keys sent in turn until
+every key went at least twice (first POSTs, then replays; wrk with {results['settings']['connections']} connections, which the
+kernel spreads over the workers: the connections each accepted are listed), then measured after
+1.2 s. What a second worker adds, minus what it adds to Envoy without a filter, is **the build's
+own cost per worker**: for the Wasm build a V8 VM with the module's instance per worker; for the
+native build the per-worker filter configuration only (its table is one per process, shared by
+every worker, as the Wasm build's shared data is). The records both builds hold are the same
+{M['pool']}, per process, so they cancel out of the difference. Envoy's resident set is read from
+/proc; "allocated" is the bytes in use in Envoy's allocator (tcmalloc, admin `/memory`), which V8's
+own heap pages are not part of: for the Wasm build, the RSS is the figure that counts. One
+sample per build and worker count: a difference of a MiB or two is within what the allocators
+keep or return, not a finding.
+
+{mem}
+"""
+    else:
+        mem_text = "Memory per worker: not measured in this run."
+    return f"""## Native beside Wasm
+
+The native build (`libidemgate_native.so`, [native.md](native.md): the same engine as an Envoy
+dynamic module) in the same interleaved rounds as the Wasm build, on the same requests: (m), (o),
+(n) and (p) are (d), (e), (f) and (c) with the native filter in place of the Wasm one (same
+configuration, same webdis and Redis, the record secret in Envoy's process environment). Each
+ratio is the median of its per-round throughput ratios, with their min-max; CPU ratios are the
+baseline's Envoy CPU per request over the scenario's (above 1: cheaper than the baseline).
+
+| | Wasm build, req/s | native build, req/s | native / Wasm (rounds) | Wasm, Envoy CPU µs / request | native, Envoy CPU µs / request |
+|---|---|---|---|---|---|
+{rows}
+
+- `native_first_local_floor_ratio` = (m) / the buffering floor (the Wasm floor of `first_local_floor_ratio`) =
+  **{r3('native_first_local_floor_ratio')}** (rounds: {sp('native_first_local_floor_ratio')}; by Envoy CPU per request {r3('native_first_local_floor_cpu_ratio')});
+  goal >= 0.95 (issue 45): {yes(results['native_first_local_floor_ratio'] >= 0.95)}{quick}. 1-connection p50, (m) minus the buffering floor:
+  {results['native_first_local_p50_overhead_us']:.0f} µs (rounds: {results['native_first_local_p50_overhead_us_spread']['min']:.0f} to {results['native_first_local_p50_overhead_us_spread']['max']:.0f}; the Wasm build's, (d) minus it: {results['first_local_p50_overhead_us']:.0f} µs)
+- `native_first_store_floor_ratio` = (o) / the store floor (buffering + 2 webdis callouts, the Wasm floor of
+  `first_store_floor_ratio`) = **{r3('native_first_store_floor_ratio')}** (rounds: {sp('native_first_store_floor_ratio')}; by Envoy CPU per request
+  {r3('native_first_store_floor_cpu_ratio')}); goal >= 0.9 (issue 45): {yes(results['native_first_store_floor_ratio'] >= 0.9)}{quick}. 1-connection p50, (o) minus
+  the store floor: {results['native_first_store_p50_overhead_us']:.0f} µs (the Wasm build's, (e) minus it: {results['first_store_p50_overhead_us']:.0f} µs). The native
+  first POST with Redis used the store: {results['native_first_store_round_trips']:.3f} store calls waited for per request
+  ({results['native_first_store_calls_total']:.3f} in all, {results['native_first_store_cluster_requests']:.3f} requests Envoy sent to the store cluster; the Wasm build:
+  {results['first_request_store_round_trips']:.3f} / {results['first_request_store_calls_total']:.3f})
+- `native_first_store_ratio` = (o) / (e), first POSTs with Redis = **{r3('native_first_store_ratio')}** (rounds: {sp('native_first_store_ratio')}; by
+  Envoy CPU per request {r3('native_first_store_cpu_ratio')}); `native_first_local_ratio` = (m) / (d) = **{r3('native_first_local_ratio')}**
+  (by CPU {r3('native_first_local_cpu_ratio')}); `native_replay_local_ratio` = (n) / (f) = **{r3('native_replay_local_ratio')}** (by CPU {r3('native_replay_local_cpu_ratio')})
+- pass-through, the same unprotected GETs: `native_passthrough_ratio` = (p) / (c), the Wasm build = **{r3('native_passthrough_ratio')}**
+  (rounds: {sp('native_passthrough_ratio')}; by CPU {r3('native_passthrough_cpu_ratio')}); (p) / (b), the empty Wasm filter = **{r3('native_passthrough_empty_ratio')}**
+  (rounds: {sp('native_passthrough_empty_ratio')}); (p) / (a, GET), Envoy without any filter = **{r3('native_passthrough_nofilter_ratio')}**
+  (rounds: {sp('native_passthrough_nofilter_ratio')}; by CPU {r3('native_passthrough_nofilter_cpu_ratio')}; the Wasm build's, (c) / (a, GET): {r3('wasm_passthrough_nofilter_ratio')}, by CPU
+  {r3('wasm_passthrough_nofilter_cpu_ratio')})
+- artefacts: the native library {results['native_so_bytes']} bytes, the Wasm module {results['wasm_bytes']} bytes
+
+**What the engine itself costs in each host**: each build against the floor of its own host, the
+same work done by the host with no engine. The Wasm host's floors are the Wasm floors above
+(`src/bench_host/floor.rs`, run in the same V8 VM). The native host's buffering floor is (q),
+Envoy's own buffer filter (C++, in Envoy's binary): it pauses at the request headers and forwards
+once the whole body is in, and reads nothing of the response (the Wasm floor copies the body into
+the VM and reads the response's headers and body too), so it is a lower floor than a native
+module doing the Wasm floor's work would be; its pass-through floor is Envoy without any filter.
+No native two-callout floor is built: the store row compares both builds with the Wasm store
+floor, which is the native build's bound only in being the work both must do.
+
+| | Wasm host | native host |
+|---|---|---|
+| the host's buffering floor: req/s, Envoy CPU µs / request | (h) {rps('h_floor_buffering')}, {cpu('h_floor_buffering'):.0f} | (q) {rps('q_floor_native_buffer')}, {cpu('q_floor_native_buffer'):.0f} |
+| first POST, local tier / that floor (throughput, rounds) | (d) **{r3('first_local_floor_ratio')}** ({sp('first_local_floor_ratio')}) | (m) **{r3('native_first_local_native_floor_ratio')}** ({sp('native_first_local_native_floor_ratio')}) |
+| first POST, local tier / that floor, by Envoy CPU | {r3('first_local_floor_cpu_ratio')} | {r3('native_first_local_native_floor_cpu_ratio')} |
+| the engine's Envoy CPU per first POST beyond that floor, µs | {cpu('d_first_local') - cpu('h_floor_buffering'):.0f} | {cpu('m_first_local_native') - cpu('q_floor_native_buffer'):.0f} |
+| 1-connection p50 beyond that floor, µs | {results['first_local_p50_overhead_us']:.0f} | {results['native_first_local_native_floor_p50_overhead_us']:.0f} |
+| the host's pass-through floor: req/s, CPU µs / request | (b, GET) {rps('b_empty_wasm_proxied')}, {cpu('b_empty_wasm_proxied'):.0f} | (a, GET) {rps('a_proxied_get')}, {cpu('a_proxied_get'):.0f} |
+| unprotected GET / that floor (throughput, rounds) | (c) **{r3('passthrough_ratio')}** ({sp('passthrough_ratio')}) | (p) **{r3('native_passthrough_nofilter_ratio')}** ({sp('native_passthrough_nofilter_ratio')}) |
+| the engine's Envoy CPU per GET beyond that floor, µs | {cpu('c_unprotected_get') - cpu('b_empty_wasm_proxied'):.0f} | {cpu('p_unprotected_get_native') - cpu('a_proxied_get'):.0f} |
+| first POST, Redis / the store floor (the Wasm floor for both) | (e) **{r3('first_store_floor_ratio')}** ({sp('first_store_floor_ratio')}) | (o) **{r3('native_first_store_floor_ratio')}** ({sp('native_first_store_floor_ratio')}) |
+| Envoy CPU per first POST with Redis beyond the store floor, µs | {cpu('e_first_store') - cpu('h_floor_store'):.0f} | {cpu('o_first_store_native') - cpu('h_floor_store'):.0f} |
+
+The two hosts' buffering floors side by side, (q) / (h): {r3('native_buffer_floor_vs_wasm_buffering_ratio')} (rounds:
+{sp('native_buffer_floor_vs_wasm_buffering_ratio')}): what the Wasm floor's work (the body copied into the VM, the response's
+headers and body read) costs beyond Envoy's own buffering. A
+negative CPU difference means the build spent less than the floor it is compared with (the Wasm
+store floor does its work in a VM the native build does not enter).
+
+{mem_text}
+"""
+
+
 def write_docs(results):
     os.makedirs(os.path.join(ROOT, "docs"), exist_ok=True)
     open(os.path.join(ROOT, "docs", "bench.svg"), "w").write(svg(results))
@@ -1026,6 +1284,9 @@ def write_docs(results):
         f"- module growth <= 10 % (issue 27, against {ISSUE_27_MODULE_BYTES} bytes, the last run before it): {results['wasm_bytes']} bytes, "
         f"{100 * (results['wasm_bytes'] / ISSUE_27_MODULE_BYTES - 1):+.1f} %, {yes(results['wasm_bytes'] <= 1.1 * ISSUE_27_MODULE_BYTES)}",
         f"- `store_bytes_first_request` reported: {results['store_bytes_first_request']:.0f} bytes",
+        f"- native first request >= 0.95 of the buffering floor (issue 45): {results['native_first_local_floor_ratio']:.3f}, "
+        f"{yes(results['native_first_local_floor_ratio'] >= 0.95)}{busy}; native first request with Redis >= 0.9 of the store floor (issue 45): "
+        f"{results['native_first_store_floor_ratio']:.3f}, {yes(results['native_first_store_floor_ratio'] >= 0.9)}{busy} (\"Native beside Wasm\")",
     ])
     C = results["counted_per_request"]
     count_rows = "\n".join(
@@ -1103,6 +1364,7 @@ Envoy, webdis and Redis, read from /proc around each run, median of the rounds):
 """
     sp = lambda k: f"{results[k + '_spread']['min']:.3f}-{results[k + '_spread']['max']:.3f}"
     r3 = lambda k: f"{results[k]:.3f}"
+    native_section = native_beside_wasm(results, sp, r3)
     etcd_section = f"""## etcd beside Redis
 
 `store.kind: "etcd"` in the same interleaved rounds as the Redis scenarios, on the same POSTs with
@@ -1190,7 +1452,7 @@ Generated by `make bench` (`scripts/bench.py`); do not edit by hand. Machine: {r
 Settings: Envoy with {st['envoy_workers']} worker, log level {st['log_level']}; wrk with {st['wrk_threads']} thread and
 {st['connections']} connections for {st['duration_s']} s, {st['runs']} rounds (median, and min-max of
 throughput); POST bodies of {st['body_bytes']} bytes with the same headers in every scenario; the upstream is the demo
-API's stateless `/bench` route on 127.0.0.1. Scenarios (a)-(j) run interleaved: all their Envoys are up
+API's stateless `/bench` route on 127.0.0.1. Scenarios (a)-(q) run interleaved: all their Envoys are up
 at once and each round runs every scenario in turn, so a ratio compares runs made under the same
 conditions (its figure is the median of the per-round ratios, with their min-max). Quick run: {st['quick']}.{quick_note}
 
@@ -1234,8 +1496,6 @@ response, as idemgate's completion write is. The 1-connection columns come from 
 |---|---|---|---|---|
 {floor_rows}
 
-- `native_first_local_ratio` = (m) native / (d) Wasm, first POSTs on the local tier = **{results['native_first_local_ratio']:.3f}** (rounds: {sp('native_first_local_ratio')});
-  `native_replay_local_ratio` = (n) native / (f) Wasm, replays = **{results['native_replay_local_ratio']:.3f}** (rounds: {sp('native_replay_local_ratio')}) ([native.md](native.md))
 - `first_local_floor_ratio` = (d) / buffering floor = **{results['first_local_floor_ratio']:.3f}** (rounds: {sp('first_local_floor_ratio')})
 - `first_store_floor_ratio` = (e) / store floor = **{results['first_store_floor_ratio']:.3f}** (rounds: {sp('first_store_floor_ratio')})
 - `first_local_p50_overhead_us` = (d) minus the buffering floor, 1-connection p50 = **{results['first_local_p50_overhead_us']:.0f} µs**
@@ -1289,6 +1549,7 @@ from before its completion); one filter-state value for both (1 call: access log
 `wasm.idemgate_outcome` and `wasm.idemgate_key` by name); the attempt count only when the
 classification needs it (1 call: a re-send behind idemgate's back would go unseen).
 
+{native_section}
 {store_path}
 {etcd_section}
 ## Targets
@@ -1320,7 +1581,7 @@ stripped, so its own code is one region):
 
 {cpu}
 
-Rerun: `make bench` (about {'3' if st['quick'] else '22'} minutes here; `BENCH_QUICK=1 make bench` for the short version).
+Rerun: `make bench` (about {'3' if st['quick'] else '27'} minutes here on a quiet machine; `BENCH_QUICK=1 make bench` for the short version).
 Raw figures: `target/bench/results.json`.
 """
     path = os.path.join(ROOT, "docs", "BENCHMARKS.md")
