@@ -204,7 +204,7 @@ up:
 down:
 	scripts/demo.sh down
 
-## bench: what idemgate costs, side by side, on 127.0.0.1 (BENCH_QUICK=1 for under 3 minutes);
+## bench: what idemgate costs, side by side, on 127.0.0.1 (BENCH_QUICK=1 for a short run: 11 minutes measured at load average 10 on 2 cores);
 ## writes target/bench/results.json, docs/BENCHMARKS.md and docs/bench.svg
 bench: build deps
 	scripts/install-deps.sh bench
