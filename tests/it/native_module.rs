@@ -994,7 +994,15 @@ fn the_same_requests_show_the_same_gauges_in_both_builds() {
         assert_eq!(wasm.0[n], want, "Wasm {n}: {:?}", wasm.0);
         assert_eq!(native.0[n], want, "Native {n}: {:?}", native.0);
     }
-    assert_eq!(native.0["idemgate.local_record_bytes"], wasm.0["idemgate.local_record_bytes"], "record bytes");
+    // The same 16 records in both, but for one: which record the claim of g-16 evicts is the
+    // oldest past `min_protection_seconds` in its bucket when it is asked, and how many are past
+    // it by then depends on the machine's speed. The records differ only in the upstream's
+    // execution number (in the body's `id` and `execution`, `location`, `x-execution`), so
+    // evicting a record of a two-digit execution in one build and of a one-digit one in the
+    // other makes the sums differ by exactly 4 bytes (seen once under `taskset -c 0`: 4108
+    // against 4112). Any other difference is one of the builds counting other bytes.
+    let (n, w) = (native.0["idemgate.local_record_bytes"], wasm.0["idemgate.local_record_bytes"]);
+    assert!(n.abs_diff(w) == 0 || n.abs_diff(w) == 4, "record bytes: native {n}, Wasm {w}");
     for (b, g) in [("Wasm", &wasm.0), ("Native", &native.0)] {
         let age = g["idemgate.local_evicted_age_seconds"];
         assert!((1..30).contains(&age), "{b}: age of the evicted record {age} s: {g:?}");

@@ -430,7 +430,12 @@ impl LostWake {
         let redis = Redis::start();
         let webdis = Webdis::start(redis.port);
         let up = Upstream::start();
-        let mut o = EnvoyOptions::new(&store_cfg(extra), up.port);
+        // The store's timeout at 5 s, not the suite's 500 ms: nothing here is about the store's
+        // latency, and on a loaded machine a claim answered after 500 ms made the first request a
+        // 503 store-unavailable (`..._a_release_whose_wake_is_lost_still_lands`, once, CI under
+        // two concurrent runs), never forwarded, so its write was never tested.
+        let config = store_cfg(extra).replace(r#""timeout_ms": 500"#, r#""timeout_ms": 5000"#);
+        let mut o = EnvoyOptions::new(&config, up.port);
         o.store_port = Some(webdis.port);
         o.concurrency = 1;
         o.route_timeout_ms = route_timeout_ms;
