@@ -39,7 +39,7 @@ deps:
 	scripts/install-deps.sh oracle-panel
 
 ## test: lint, the Prometheus rules (test-ops), native unit + property tests, Envoy integration tests,
-## the single- and two-proxy suites against the native build too (test-native-build-short),
+## the single-proxy, two-proxy and SDK suites against the native build too (test-native-build-short),
 ## core tests on wasm32 under Node.js, the demo, and the fault matrix (test-faults)
 test: test-begin lint test-ops build deps test-native test-native-build-short test-envoy-oldest test-wasm test-demo test-faults
 	@if [ -s target/envoy-start-stalls.log ]; then \
@@ -56,7 +56,7 @@ test-ops:
 	scripts/check-ops.sh
 
 ## test-faults: the fault matrix, hostile input, security cases, capacity (200,000 keys on defaults), a bounded soak (IDEMGATE_SOAK_SECONDS,
-## default 120) and bounded fuzzing (FUZZ_SECONDS per target, default 30 here; `make fuzz` runs 300); tables in target/faults/
+## default 120) and bounded fuzzing (FUZZ_SECONDS per target, default 20 here; `make fuzz` runs 300); tables in target/faults/
 # Selected by module, not by names: every module named `faults` (tests/it/faults/, and the fault
 # cases of the other suites in their own faults.rs); test-native skips the same. The check fails
 # when a test is not in the binary or the selection holds fewer tests than those modules.
@@ -69,7 +69,7 @@ test-faults: build deps
 	rm -rf target/faults
 	scripts/check-test-selection.py $(FAULT_FILTER)
 	cargo test --locked --test it -- $(FAULT_FILTER)
-	scripts/fuzz.sh $${FUZZ_SECONDS:-30}
+	scripts/fuzz.sh $${FUZZ_SECONDS:-20}
 	@printf '\nFault table (case | upstream executions | what the clients saw):\n'; cat target/faults/table.md
 	@printf '\nHostile input (case | answer | executions):\n'; cat target/faults/hostile.md
 	@printf '\nFuzzing (target | executions | time | result):\n'; cat target/faults/fuzz.md
@@ -167,15 +167,15 @@ test-native:
 
 ## test-native-build: the single-proxy, two-proxy (Redis), etcd and SDK suites against the native build
 ## (IDEMGATE_BUILD=native), but the tests of what it does not carry yet (tests/native-build-skips.txt,
-## each with its reason); `make test` runs its short form (test-native-build-short: no SDK matrix)
+## each with its reason); `make test` runs its short form (test-native-build-short: the same without etcd_store::)
 NATIVE_SKIPS = $(shell sed -e 's/\#.*//' tests/native-build-skips.txt | awk 'NF {printf "--skip %s ", $$1}')
 test-native-build: build deps
 	scripts/check-test-selection.py --skip faults:: $(NATIVE_SKIPS) single_proxy:: two_proxies:: etcd_store:: sdk_clients::
 	IDEMGATE_BUILD=native cargo test --locked --test it -- single_proxy:: two_proxies:: etcd_store:: sdk_clients:: --skip faults:: $(NATIVE_SKIPS)
 
 test-native-build-short: build deps
-	scripts/check-test-selection.py --skip faults:: $(NATIVE_SKIPS) single_proxy:: two_proxies::
-	IDEMGATE_BUILD=native cargo test --locked --test it -- single_proxy:: two_proxies:: --skip faults:: $(NATIVE_SKIPS)
+	scripts/check-test-selection.py --skip faults:: $(NATIVE_SKIPS) single_proxy:: two_proxies:: sdk_clients::
+	IDEMGATE_BUILD=native cargo test --locked --test it -- single_proxy:: two_proxies:: sdk_clients:: --skip faults:: $(NATIVE_SKIPS)
 
 test-wasm:
 	scripts/test-wasm.sh
