@@ -26,7 +26,7 @@
 //!   (`Unbuilt::NoLease`: 503 store-unavailable, nothing put without a lease).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use idemgate::backend::{Backend, Credential};
@@ -57,6 +57,21 @@ const EVENT_WRITES: u64 = 1;
 /// How often the main thread asks etcd's keeper whether a lease or a token is due: the Wasm
 /// root's tick period.
 const KEEPER_TICK_MS: u64 = 100;
+
+/// Writes of a configuration Envoy destroyed while they were pending, each with when it is due,
+/// waiting for a live configuration of the same store to carry them on (`StoreSide::stop`,
+/// `on_scheduled`). The Wasm build holds its stopping root until its writes are over; a native
+/// configuration cannot outlive its destroy hook, so its writes move to another configuration:
+/// the one that replaced it at a reload, or the next one made.
+static PARKED: Mutex<Vec<(StoreConfig, u64, Job)>> = Mutex::new(Vec::new());
+
+/// The live configurations with a store: an id of each, its store and its scheduler's address
+/// (registered by `attach`, taken out by `stop` or when it drops). Read and written on Envoy's
+/// main thread (configurations are made and destroyed there), behind a lock all the same.
+static LIVE: Mutex<Vec<(u64, StoreConfig, usize)>> = Mutex::new(Vec::new());
+
+/// The next id of a live configuration in `LIVE`.
+static NEXT_LIVE_ID: AtomicU64 = AtomicU64::new(1);
 
 /// What a configuration callout in flight carries.
 enum Call {
@@ -114,6 +129,14 @@ pub struct StoreSide {
     main: Mutex<Main>,
     /// The configuration's metrics (set by `attach`): the writes' counters.
     metrics: OnceLock<Arc<Metrics>>,
+    /// This configuration's id in `LIVE` (0 until `attach`).
+    live_id: AtomicU64,
+}
+
+impl Drop for StoreSide {
+    fn drop(&mut self) {
+        self.unregister();
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -155,6 +178,7 @@ impl StoreSide {
             queue: Mutex::new(VecDeque::new()),
             main: Mutex::new(Main::default()),
             metrics: OnceLock::new(),
+            live_id: AtomicU64::new(0),
         }))
     }
 
@@ -164,6 +188,21 @@ impl StoreSide {
     pub fn attach(&self, config_envoy: abi::ConfigEnvoyPtr, metrics: Arc<Metrics>) {
         let _ = self.metrics.set(metrics);
         self.config_envoy.store(config_envoy as usize, Ordering::Release);
+        let id = NEXT_LIVE_ID.fetch_add(1, Ordering::Relaxed);
+        self.live_id.store(id, Ordering::Release);
+        lock(&LIVE).push((id, self.cfg.clone(), self.scheduler.load(Ordering::Acquire)));
+        // Writes a destroyed configuration of this store left: carried on from the first event.
+        if lock(&PARKED).iter().any(|(store, _, _)| *store == self.cfg) {
+            host::scheduler_commit(self.scheduler(), EVENT_WRITES);
+        }
+    }
+
+    /// Takes this configuration out of `LIVE` (no write is handed to it from now on).
+    fn unregister(&self) {
+        let id = self.live_id.swap(0, Ordering::AcqRel);
+        if id != 0 {
+            lock(&LIVE).retain(|(live, _, _)| *live != id);
+        }
     }
 
     /// Moves `idemgate.store_writes_pending` by `delta` (a write queued: +1; ended: -1), as the
@@ -176,18 +215,67 @@ impl StoreSide {
     }
 
     /// Envoy destroys the configuration (main thread, in its destroy hook, while its stats still
-    /// live): the writes still pending are lost (docs/native.md), and taken back from the gauge as
-    /// the Wasm root does when it stops with writes pending.
+    /// live): the writes still pending (queued, in flight, waiting for their retry) are parked
+    /// for a live configuration of the same store (`PARKED`: the one that replaced this one at a
+    /// reload, told at once; otherwise the next one made), and taken back from this
+    /// configuration's gauge (the one that adopts them counts them again).
     pub fn stop(&self) {
+        self.unregister();
+        let now = host::now_ms();
+        let mut jobs: Vec<(u64, Job)> = lock(&self.queue).drain(..).map(|job| (now, job)).collect();
+        {
+            let mut m = lock(&self.main);
+            jobs.extend(m.writes.hand_over(now));
+            // Their answers can no longer come here.
+            m.calls.clear();
+        }
         let left = self.pending.swap(0, Ordering::AcqRel);
-        if left > 0 {
-            host::log(
-                LogLevel::Warn,
-                &format!("idemgate: configuration destroyed with {left} store write(s) still pending: other proxies judge those keys outcome-unknown once their locks expire"),
-            );
-            if let Some(m) = self.metrics.get() {
-                m.add_gauge(Gauge::StoreWritesPending, -left);
+        if let Some(m) = self.metrics.get() {
+            m.add_gauge(Gauge::StoreWritesPending, -left);
+        }
+        if jobs.is_empty() {
+            return;
+        }
+        let handed = jobs.len();
+        lock(&PARKED).extend(jobs.into_iter().map(|(at, job)| (self.cfg.clone(), at, job)));
+        let heir = lock(&LIVE).iter().find(|(_, store, _)| *store == self.cfg).map(|(_, _, scheduler)| *scheduler);
+        match heir {
+            Some(scheduler) => {
+                host::log(
+                    LogLevel::Info,
+                    &format!("idemgate: configuration destroyed with {handed} store write(s) pending: handed to a live configuration of the same store"),
+                );
+                host::scheduler_commit(scheduler as abi::SchedulerPtr, EVENT_WRITES);
             }
+            None => host::log(
+                LogLevel::Warn,
+                &format!("idemgate: configuration destroyed with {handed} store write(s) pending and no live configuration of the same store: kept for the next one; until it comes, other proxies judge those keys outcome-unknown once their locks expire"),
+            ),
+        }
+    }
+
+    /// Main thread: the writes a destroyed configuration of this store left (`stop`), carried on
+    /// here with their due times and attempts.
+    fn adopt_parked(&self, m: &mut Main) {
+        let mine: Vec<(u64, Job)> = {
+            let mut parked = lock(&PARKED);
+            let (mine, others): (Vec<_>, Vec<_>) = parked.drain(..).partition(|(store, _, _)| *store == self.cfg);
+            *parked = others;
+            mine.into_iter().map(|(_, at, job)| (at, job)).collect()
+        };
+        if mine.is_empty() {
+            return;
+        }
+        host::log(
+            LogLevel::Info,
+            &format!(
+                "idemgate: carrying on {} store write(s) a destroyed configuration of the same store left",
+                mine.len()
+            ),
+        );
+        for (at, job) in mine {
+            self.pending_moved(1);
+            m.writes.adopt(at, job);
         }
     }
 
@@ -279,6 +367,7 @@ impl StoreSide {
         let jobs: Vec<Job> = lock(&self.queue).drain(..).collect();
         {
             let mut m = lock(&self.main);
+            self.adopt_parked(&mut m);
             let now = host::now_ms();
             for job in jobs {
                 m.writes.push(job);

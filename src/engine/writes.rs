@@ -262,6 +262,29 @@ impl Writes {
         self.stopping_until_ms.is_some()
     }
 
+    /// Every write not over, for another machine to carry on (a host whose root cannot be held
+    /// past its end, as the native build's configuration: `adopt`), each with when it is due: a
+    /// write waiting for its retry keeps its time and attempts; one in flight is due at `now_ms`,
+    /// sent again (a write may land twice: each is a transition checked by owner, so the second
+    /// changes nothing). The machine is left with none.
+    pub fn hand_over(&mut self, now_ms: u64) -> Vec<(u64, Job)> {
+        let mut jobs: Vec<(WriteId, u64, Job)> = self.in_flight.drain().map(|(id, job)| (id, now_ms, job)).collect();
+        jobs.extend(self.retries.drain(..).map(|(at, id, job)| (id, at, job)));
+        // In the order they were made.
+        jobs.sort_by_key(|(id, _, _)| *id);
+        self.stopping_until_ms = None;
+        jobs.into_iter().map(|(_, at, job)| (at, job)).collect()
+    }
+
+    /// A write handed over by another machine (`hand_over`), sent when `due_ms` comes (at the
+    /// next `tick`), with the attempts it has made.
+    pub fn adopt(&mut self, due_ms: u64, job: Job) -> WriteId {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        self.retries.push((due_ms, id, job));
+        id
+    }
+
     fn note(&mut self, id: WriteId, job: &Job, note: Note) {
         self.out.push_back(Action::Note { id, what: job.what, key_hash: job.key_hash.clone(), note });
     }

@@ -477,3 +477,42 @@ mod props {
         }
     }
 }
+
+/// A host that cannot hold its root past its end (the native build's configuration) hands its
+/// writes to a live one: a write waiting for its retry keeps its time and its attempts, one in
+/// flight goes again at once, and the adopting machine carries both to the end (the fallback
+/// after the attempts left, never a release); the first machine has none left.
+#[test]
+fn writes_handed_over_keep_their_due_time_and_attempts_and_end_in_the_machine_that_adopted_them() {
+    let mut old = Sim::new();
+    let waiting = old.push(completion(1));
+    old.answer(waiting, Some(503), b"");
+    // The immediate first retry fails too: the write now waits for its backoff.
+    old.answer(waiting, Some(503), b"");
+    old.push(completion(2));
+    let due = old.w.next_retry_ms().unwrap();
+    assert!(due > old.now);
+    let handed = old.w.hand_over(old.now);
+    assert_eq!((old.w.pending(), old.w.next_retry_ms()), (0, None), "nothing left behind");
+    assert_eq!(handed.iter().map(|(at, j)| (*at, j.attempts)).collect::<Vec<_>>(), vec![(due, 2), (old.now, 0)]);
+
+    let mut new = Sim::new();
+    new.now = old.now;
+    let ids: Vec<WriteId> = handed.into_iter().map(|(at, job)| new.w.adopt(at, job)).collect();
+    assert_eq!(new.w.pending(), 2);
+    new.tick();
+    // The one in flight goes at once; the waiting one only at its time.
+    assert_eq!((new.whats(ids[0]), new.whats(ids[1])), (vec![], vec!["complete"]));
+    new.answer(ids[1], Some(200), CHANGED);
+    new.advance(due - new.now);
+    assert_eq!(new.whats(ids[0]), vec!["complete"]);
+    // Every attempt left fails: the fallback marks the outcome unknown after 7 in all.
+    new.advance(write_window_ms(TIMEOUT_MS));
+    let whats = new.whats(ids[0]);
+    let n = usize::from(MAX_WRITE_ATTEMPTS);
+    assert_eq!(whats.iter().filter(|w| **w == "complete").count(), n - 2, "{whats:?}");
+    assert!(whats.iter().skip(n - 2).all(|w| *w == "unknown_fallback"), "{whats:?}");
+    assert_eq!((new.ended, new.w.pending()), (2, 0));
+    let sent = new.sent.values().flatten();
+    assert!(sent.clone().all(|s| s.writes.is_some()), "no write handed over deletes its key");
+}
