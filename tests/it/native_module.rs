@@ -213,8 +213,8 @@ fn a_waiting_client_that_leaves_is_dropped_and_its_key_still_replays_in_both_bui
         });
         let first = first.join().expect("first thread");
         assert_eq!(first.status, 201, "{build:?}: {}", first.body_text());
-        let retry = http::request(port, "POST", "/charges", &[auth, ("idempotency-key", key.as_str())], b"{}")
-            .expect("retry");
+        let retry =
+            http::request(port, "POST", "/charges", &[auth, ("idempotency-key", key.as_str())], b"{}").expect("retry");
         assert_eq!(retry.status, 201, "{build:?}: {}", retry.body_text());
         assert_eq!(retry.header("idempotent-replayed"), Some("true"), "{build:?}");
         assert_eq!(retry.body, first.body, "{build:?}");

@@ -62,12 +62,6 @@ impl Registry {
         }
         !streams.is_empty()
     }
-
-    /// How many streams wait (tests).
-    #[cfg(test)]
-    pub fn waiting(&self) -> usize {
-        self.lock().len()
-    }
 }
 
 /// One held request: its waiter (`engine::waiters` works on lists: this one has one entry), the
@@ -116,7 +110,10 @@ impl Glue<'_> {
         self.count(Counter::Waited);
         host::log(LogLevel::Debug, &log_line(Some(req), "waiting", &format!("wait_ms={wait_ms}")));
         if let Err(e) = self.global.timer.arm(now.saturating_add(WAIT_TICK_MS)) {
-            host::log(LogLevel::Warn, &format!("idemgate: cannot start the timer thread ({e}): retried at the next event"));
+            host::log(
+                LogLevel::Warn,
+                &format!("idemgate: cannot start the timer thread ({e}): retried at the next event"),
+            );
         }
     }
 }
@@ -146,10 +143,16 @@ impl Filter {
         }
         let now = host::now_ms();
         let table = &self.global.table;
-        let actions =
-            engine_waiters::store_answered(&mut w.waiters, 0, status, body, st.backend(), Some(&st.seal), now, &mut |k| {
-                idemgate::wait::local_holds(table.peek(&mut ProcessShared, k, now).ok().map(Seen::from_local))
-            });
+        let actions = engine_waiters::store_answered(
+            &mut w.waiters,
+            0,
+            status,
+            body,
+            st.backend(),
+            Some(&st.seal),
+            now,
+            &mut |k| idemgate::wait::local_holds(table.peek(&mut ProcessShared, k, now).ok().map(Seen::from_local)),
+        );
         self.run_waiters(actions);
     }
 
