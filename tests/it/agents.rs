@@ -50,7 +50,7 @@ fn resource_id(body: &str) -> String {
 const SCOPE: &str = r#""scope": {"headers": ["authorization"]}"#;
 
 fn stack(extra: &str) -> (Upstream, Envoy) {
-    stack_with(Build::Wasm, extra)
+    stack_with(Build::from_env(), extra)
 }
 
 fn stack_with(build: Build, extra: &str) -> (Upstream, Envoy) {

@@ -223,6 +223,39 @@ fn a_waiting_client_that_leaves_is_dropped_and_its_key_still_replays_in_both_bui
     }
 }
 
+/// `in_flight: "wait"`, native build: Envoy stopped (SIGTERM) while requests are held (each
+/// stream's scheduler registered, the timer's event posting to them every 100 ms, the first
+/// attempt held at the upstream) exits cleanly: the held streams are destroyed with their
+/// schedulers, the configuration and its timer after them; nothing was executed twice.
+#[test]
+fn a_native_proxy_stopped_while_requests_wait_exits_cleanly() {
+    let mut s =
+        stack(Build::Native, r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 30000}"#);
+    let port = s.envoy.port;
+    let auth = ("authorization", "Bearer alice-secret-token");
+    let send = move |hold: bool| {
+        std::thread::spawn(move || {
+            let mut h = vec![auth, ("idempotency-key", "k-wait-stop")];
+            if hold {
+                h.push(("x-up-hold", "1"));
+            }
+            http::request(port, "POST", "/charges", &h, b"{}").map(|r| r.status)
+        })
+    };
+    let first = send(true);
+    support::wait_for("the first attempt at the upstream", 400, || s.up.executions_with_key("k-wait-stop") == 1);
+    let waiters: Vec<_> = (0..3).map(|_| send(false)).collect();
+    support::wait_for("three retries held", 400, || s.envoy.stat("idemgate.waited") == 3);
+    let status = s.envoy.stop_status();
+    s.up.release_holds();
+    assert!(status.is_some_and(|st| st.success()), "Envoy exited with {status:?}; log:\n{}", s.envoy.log());
+    let _ = first.join();
+    for w in waiters {
+        let _ = w.join();
+    }
+    assert_eq!(s.up.executions(), 1);
+}
+
 #[test]
 fn native_module_abi_version_matches_this_envoy() {
     let s = stack(Build::Native, CFG);
