@@ -256,6 +256,16 @@ extern "C" {
     pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(scheduler: SchedulerPtr, event_id: u64);
 }
 
+// The stream's scheduler (Envoy 1.40, ABI v0.2.0; exported: `nm -D --defined-only`): made on the
+// stream's worker from its filter; `commit` posts `on_http_filter_scheduled` to that worker from
+// any thread (Envoy's lambda holds a weak pointer to the filter, and calls the module only while
+// the module's filter is not destroyed); `delete` frees it (the module's to call, once).
+extern "C" {
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: EnvoyPtr) -> SchedulerPtr;
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: SchedulerPtr, event_id: u64);
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: SchedulerPtr);
+}
+
 /// `envoy_dynamic_module_type_metrics_result` (`Success`; then `MetricNotFound`, `InvalidLabels`,
 /// `Frozen`: a metric defined after the configuration hook returned).
 pub const METRICS_SUCCESS: u32 = 0;

@@ -329,6 +329,30 @@ pub fn scheduler_commit(s: abi::SchedulerPtr, id: u64) {
     }
 }
 
+/// A scheduler posting events to stream `f`'s worker (`on_http_filter_scheduled`), made from the
+/// current hook's filter; deleted with `stream_scheduler_delete`.
+pub fn stream_scheduler_new(f: EnvoyPtr) -> abi::SchedulerPtr {
+    // SAFETY: `f` is the filter Envoy passed to the current hook.
+    unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_new(f) }
+}
+
+/// Posts event `id` to a stream's worker (from any thread): a no-op once the stream's filter is
+/// destroyed (Envoy's weak pointer), but `s` must not be deleted yet.
+pub fn stream_scheduler_commit(s: abi::SchedulerPtr, id: u64) {
+    if !s.is_null() {
+        // SAFETY: a scheduler made by `stream_scheduler_new` and not yet deleted (the caller's).
+        unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_commit(s, id) }
+    }
+}
+
+/// Frees a stream's scheduler (once, after its last commit).
+pub fn stream_scheduler_delete(s: abi::SchedulerPtr) {
+    if !s.is_null() {
+        // SAFETY: made by `stream_scheduler_new`, deleted only here, once (`http::wait::Waiting`).
+        unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_delete(s) }
+    }
+}
+
 /// How many upstream hosts the router attempted for the stream (0: none was ever selected).
 pub fn upstream_hosts_attempted(f: EnvoyPtr) -> usize {
     // SAFETY: `f` is the current hook's filter.

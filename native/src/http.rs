@@ -5,15 +5,15 @@
 //! gets.
 //!
 //! Today: the local tier (one proxy) and the Redis (webdis) and etcd stores (`store.rs`: the
-//! calls a request waits for are the stream's callouts, answered in `callout_done`). `forwarding:
-//! "detached"`, `in_flight: "wait"`, MCP routes and
+//! calls a request waits for are the stream's callouts, answered in `callout_done`), and
+//! `in_flight: "wait"` (`http/wait.rs`). `forwarding: "detached"`, MCP routes and
 //! `next_hop_failures: "classify"` are refused at configuration (`refusal`), before any request.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use idemgate::config::{Config, Forwarding, InFlight, NextHopFailures};
+use idemgate::config::{Config, Forwarding, NextHopFailures};
 use idemgate::decision::{classify_routed, Exchange};
 use idemgate::encoding::{self, RetryAnswer, EXPIRES_HEADER};
 use idemgate::engine::budget::Budget;
@@ -42,6 +42,9 @@ use crate::shared::ProcessShared;
 use crate::store::StoreSide;
 use crate::timer::Timer;
 
+mod wait;
+pub use wait::WAIT_EVENT;
+
 /// Why this build cannot run `config` yet: the first feature it needs that the native host glue
 /// does not carry. `None`: it runs here.
 pub fn refusal(config: &Config) -> Option<String> {
@@ -53,9 +56,6 @@ pub fn refusal(config: &Config) -> Option<String> {
     for p in config.policies() {
         if matches!(p.forwarding, Forwarding::Detached { .. }) {
             return why("forwarding \"detached\"");
-        }
-        if matches!(p.in_flight, InFlight::Wait { .. }) {
-            return why("in_flight \"wait\"");
         }
         if p.mcp.is_some() {
             return why("protocol \"mcp\"");
@@ -83,6 +83,8 @@ pub struct Global {
     /// The configuration's one timer thread (`timer.rs`): posts `crate::TICK_EVENT` to the main
     /// thread when the next sweep or store write retry is due; ended with the configuration.
     timer: Arc<Timer>,
+    /// The streams held by `in_flight: "wait"` (`wait.rs`), woken by the timer's tick.
+    waits: Arc<wait::Registry>,
 }
 
 impl Global {
@@ -145,6 +147,7 @@ impl Global {
             tokens: AtomicU64::new(0),
             sweeper: Mutex::new(Sweeper::default()),
             timer,
+            waits: Arc::default(),
         })
     }
 
@@ -174,6 +177,8 @@ impl Global {
             }
             sweeper.next_ms()
         };
+        // Waiting requests are checked on their workers (`wait.rs`) at the wait tick's pace.
+        let next = if self.waits.wake_all() { next.min(now.saturating_add(wait::WAIT_TICK_MS)) } else { next };
         // An earlier deadline (a write's retry) stays armed: the timer keeps the earliest.
         if let Err(e) = self.timer.arm(next) {
             host::log(
@@ -235,6 +240,8 @@ pub struct Filter {
     held_since: Option<u64>,
     /// The outcome was left in Envoy's filter state (`Glue::publish`): once per request.
     published: bool,
+    /// Held by `in_flight: "wait"` (`wait.rs`), until answered or its stream ends.
+    waiting: Option<wait::Waiting>,
 }
 
 struct Glue<'a> {
@@ -246,6 +253,7 @@ struct Glue<'a> {
     route: Option<usize>,
     held_since: &'a mut Option<u64>,
     published: &'a mut bool,
+    waiting: &'a mut Option<wait::Waiting>,
 }
 
 fn headers_status(f: Flow) -> u32 {
@@ -420,7 +428,7 @@ impl Effects for Glue<'_> {
                 Some(st) => st.push_write(what, &skey, *transition, fallback.map(|f| *f), fence),
                 None => self.unreachable("store_write"),
             },
-            Command::Hold { .. } => self.unreachable("hold"),
+            Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
             Command::Detach(_) => self.unreachable("detach"),
             Command::McpReply { .. } => self.unreachable("mcp_reply"),
             Command::HandOver { .. } => self.unreachable("hand_over"),
@@ -600,6 +608,7 @@ impl Filter {
             route: None,
             held_since: None,
             published: false,
+            waiting: None,
         }
     }
 
@@ -613,6 +622,7 @@ impl Filter {
             route: self.route,
             held_since: &mut self.held_since,
             published: &mut self.published,
+            waiting: &mut self.waiting,
         };
         (&mut self.machine, glue)
     }
@@ -767,7 +777,11 @@ impl Filter {
     /// machine forwards it (a local reply ends it).
     pub fn callout_done(&mut self, envoy: EnvoyPtr, id: u64, status: Option<u16>, body: &[u8]) {
         self.hook(envoy);
-        let Some((req, call)) = self.machine.calling() else { return };
+        let Some((req, call)) = self.machine.calling() else {
+            // Not the machine's call: a waiting request's store poll (`wait.rs`), if any.
+            self.poll_answered(id, status, body);
+            return;
+        };
         if call.wire.id != id {
             return;
         }
@@ -818,6 +832,15 @@ impl Filter {
                 let (m, mut io) = self.split();
                 m.abandon(&mut io);
             }
+            // Held and never answered: its client left (the Wasm build's outcome for it); its
+            // wait ends here (scheduler deleted, out of the registry).
+            Phase::Held { skey } => {
+                let skey = *skey;
+                if self.waiting.take().is_some() {
+                    let (_, mut io) = self.split();
+                    io.publish(Some(&skey), idemgate::engine::machine::ABANDONED);
+                }
+            }
             _ => {}
         }
         self.machine.end();
@@ -857,7 +880,6 @@ mod tests {
     #[test]
     fn features_not_carried_are_refused_by_name() {
         for (json, names) in [
-            (r#"{"scope": {"global": true}, "in_flight": "wait"}"#, "in_flight \"wait\""),
             (
                 r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "up", "hop": "direct", "timeout_ms": 5000}}"#,
                 "forwarding \"detached\"",
@@ -875,6 +897,13 @@ mod tests {
             let why = refusal(&c).unwrap_or_default();
             assert!(why.contains(names), "{json}: {why}");
             assert!(why.contains("native"), "{why}");
+        }
+        // Carried since: `in_flight: "wait"` (`http/wait.rs`), with either tier.
+        for json in [
+            r#"{"scope": {"global": true}, "in_flight": "wait"}"#,
+            r#"{"scope": {"global": true}, "in_flight": "wait", "wait_ms": 300, "store": {"cluster": "webdis"}}"#,
+        ] {
+            assert_eq!(Config::parse(json.as_bytes()).map(|c| refusal(&c)).ok(), Some(None), "{json}");
         }
         // Carried since: routes selected by Envoy's route name.
         let named = Config::parse(br#"{"scope": {"global": true}, "routes": [{"route_name": "pay"}]}"#);

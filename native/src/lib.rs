@@ -228,6 +228,19 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     }
 }
 
+/// A stream's scheduled event (`http::WAIT_EVENT`: a request held by `in_flight: "wait"` is
+/// checked), on its worker. Envoy calls it only while the filter is not destroyed.
+///
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(envoy: EnvoyPtr, f: ModulePtr, event_id: u64) {
+    // SAFETY: Envoy's hook contract.
+    if let Some(f) = unsafe { filter(f) }.filter(|_| event_id == http::WAIT_EVENT) {
+        f.scheduled(envoy);
+    }
+}
+
 /// The configuration's global state behind its module pointer (not owned).
 ///
 /// # Safety
@@ -280,7 +293,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout
 }
 
 // Hooks Envoy 1.40 requires to exist (it looks each up at configuration) for features this build
-// does not use yet: streams started by a filter, the stream's scheduled events, watermarks. This
+// does not use yet: streams started by a filter, watermarks. This
 // build starts none of them, so Envoy never calls these with anything of ours; each does nothing.
 
 #[no_mangle]
@@ -331,9 +344,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
     _reason: u32,
 ) {
 }
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(_envoy: EnvoyPtr, _f: ModulePtr, _event_id: u64) {}
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(

@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde_json::Value;
 use support::http::{self, Response};
 use support::upstream::Upstream;
-use support::{Envoy, EnvoyOptions};
+use support::{Build, Envoy, EnvoyOptions};
 
 /// Runs the retrying agent client once; returns its JSON report.
 fn agent(port: u16, key: Option<&str>, headers: &[&str], timeout_s: f64, upstream_delay_ms: u64) -> Value {
@@ -50,9 +50,15 @@ fn resource_id(body: &str) -> String {
 const SCOPE: &str = r#""scope": {"headers": ["authorization"]}"#;
 
 fn stack(extra: &str) -> (Upstream, Envoy) {
+    stack_with(Build::from_env(), extra)
+}
+
+fn stack_with(build: Build, extra: &str) -> (Upstream, Envoy) {
     let up = Upstream::start();
     let plugin = format!("{{{SCOPE}, \"lock_ttl_seconds\": 30{extra}}}");
-    let envoy = Envoy::start(&EnvoyOptions::new(&plugin, up.port));
+    let mut o = EnvoyOptions::new(&plugin, up.port);
+    o.build = build;
+    let envoy = Envoy::start(&o);
     (up, envoy)
 }
 
@@ -161,9 +167,10 @@ fn detached_mode_upstream_silence_is_outcome_unknown() {
     assert_eq!(up.executions(), 1);
 }
 
-#[test]
-fn wait_mode_gives_a_concurrent_retry_the_replay_instead_of_a_409() {
-    let (up, envoy) = stack(r#", "in_flight": "wait", "wait_ms": 5000"#);
+/// A retry sent while the first attempt runs waits for it and gets its replay, never a 409; the
+/// upstream executes once. With `build` loaded (`native_module::` runs it for both builds).
+pub(crate) fn wait_mode_gives_a_concurrent_retry_the_replay_instead_of_a_409(build: Build) {
+    let (up, envoy) = stack_with(build, r#", "in_flight": "wait", "wait_ms": 5000"#);
     let port = envoy.port;
     let first = first_attempt(port, "k-wait", "1000");
     std::thread::sleep(Duration::from_millis(200));
@@ -172,13 +179,13 @@ fn wait_mode_gives_a_concurrent_retry_the_replay_instead_of_a_409() {
     let retry = http::request(port, "POST", "/charges", &h, b"{}").unwrap();
     let waited = started.elapsed();
     let first = first.join().unwrap();
-    assert_eq!(retry.status, 201, "{}", retry.body_text());
-    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
-    assert_eq!(retry.body, first.body);
-    assert!(waited >= Duration::from_millis(600), "it was held until the first attempt finished ({waited:?})");
-    assert_eq!(up.executions(), 1);
-    assert_eq!(envoy.stat("idemgate.in_flight_conflict"), 0, "no 409 at all");
-    assert_eq!(envoy.stat("idemgate.waited"), 1);
+    assert_eq!(retry.status, 201, "{build:?}: {}", retry.body_text());
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"), "{build:?}");
+    assert_eq!(retry.body, first.body, "{build:?}");
+    assert!(waited >= Duration::from_millis(600), "{build:?}: held until the first attempt finished ({waited:?})");
+    assert_eq!(up.executions(), 1, "{build:?}");
+    assert_eq!(envoy.stat("idemgate.in_flight_conflict"), 0, "{build:?}: no 409 at all");
+    assert_eq!(envoy.stat("idemgate.waited"), 1, "{build:?}");
 }
 
 #[test]

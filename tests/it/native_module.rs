@@ -171,6 +171,91 @@ fn a_route_name_selects_the_policy_in_both_builds() {
     }
 }
 
+/// `in_flight: "wait"`: a retry sent while the first attempt runs is held until it finishes and
+/// replayed; the upstream executes once (the native build: each held stream woken on its worker
+/// by its own scheduler, docs/native.md).
+#[test]
+fn a_waiting_retry_gets_the_first_attempts_replay_in_both_builds() {
+    for build in [Build::Wasm, Build::Native] {
+        crate::agents::wait_mode_gives_a_concurrent_retry_the_replay_instead_of_a_409(build);
+    }
+}
+
+/// `in_flight: "wait"`: a held request whose client leaves goes with its stream (in the native
+/// build: its scheduler deleted and out of the configuration's registry, so no later tick posts to
+/// it; a tick already posted reaches no destroyed filter). The wait ticks go on while the first
+/// attempt runs (1.5 s); Envoy keeps serving, the first attempt is answered, and the key's retry
+/// is its replay: executed once. Ordered by state (Envoy's counters), never by time.
+#[test]
+fn a_waiting_client_that_leaves_is_dropped_and_its_key_still_replays_in_both_builds() {
+    use std::io::Write;
+    for build in [Build::Wasm, Build::Native] {
+        let s = stack(build, r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 20000}"#);
+        let key = format!("k-wait-left-{build:?}");
+        let port = s.envoy.port;
+        let auth = ("authorization", "Bearer alice-secret-token");
+        let first = {
+            let key = key.clone();
+            std::thread::spawn(move || {
+                let h = [auth, ("idempotency-key", key.as_str()), ("x-up-delay-ms", "1500")];
+                http::request(port, "POST", "/charges", &h, b"{}").expect("first")
+            })
+        };
+        support::wait_for(&format!("{build:?}: the first attempt at the upstream"), 400, || {
+            s.up.executions_with_key(&key) == 1
+        });
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        c.write_all(&raw_post(&key)).expect("write");
+        support::wait_for(&format!("{build:?}: the retry held"), 400, || s.envoy.stat("idemgate.waited") == 1);
+        drop(c);
+        support::wait_for(&format!("{build:?}: the held stream ended"), 400, || {
+            s.envoy.stat("http.ingress.downstream_rq_active") == 1
+        });
+        let first = first.join().expect("first thread");
+        assert_eq!(first.status, 201, "{build:?}: {}", first.body_text());
+        let retry =
+            http::request(port, "POST", "/charges", &[auth, ("idempotency-key", key.as_str())], b"{}").expect("retry");
+        assert_eq!(retry.status, 201, "{build:?}: {}", retry.body_text());
+        assert_eq!(retry.header("idempotent-replayed"), Some("true"), "{build:?}");
+        assert_eq!(retry.body, first.body, "{build:?}");
+        assert_eq!(s.up.executions_with_key(&key), 1, "{build:?}");
+        assert_eq!(s.envoy.stat("idemgate.in_flight_conflict"), 0, "{build:?}");
+    }
+}
+
+/// `in_flight: "wait"`, native build: Envoy stopped (SIGTERM) while requests are held (each
+/// stream's scheduler registered, the timer's event posting to them every 100 ms, the first
+/// attempt held at the upstream) exits cleanly: the held streams are destroyed with their
+/// schedulers, the configuration and its timer after them; nothing was executed twice.
+#[test]
+fn a_native_proxy_stopped_while_requests_wait_exits_cleanly() {
+    let mut s =
+        stack(Build::Native, r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 30000}"#);
+    let port = s.envoy.port;
+    let auth = ("authorization", "Bearer alice-secret-token");
+    let send = move |hold: bool| {
+        std::thread::spawn(move || {
+            let mut h = vec![auth, ("idempotency-key", "k-wait-stop")];
+            if hold {
+                h.push(("x-up-hold", "1"));
+            }
+            http::request(port, "POST", "/charges", &h, b"{}").map(|r| r.status)
+        })
+    };
+    let first = send(true);
+    support::wait_for("the first attempt at the upstream", 400, || s.up.executions_with_key("k-wait-stop") == 1);
+    let waiters: Vec<_> = (0..3).map(|_| send(false)).collect();
+    support::wait_for("three retries held", 400, || s.envoy.stat("idemgate.waited") == 3);
+    let status = s.envoy.stop_status();
+    s.up.release_holds();
+    assert!(status.is_some_and(|st| st.success()), "Envoy exited with {status:?}; log:\n{}", s.envoy.log());
+    let _ = first.join();
+    for w in waiters {
+        let _ = w.join();
+    }
+    assert_eq!(s.up.executions(), 1);
+}
+
 #[test]
 fn native_module_abi_version_matches_this_envoy() {
     let s = stack(Build::Native, CFG);
@@ -182,16 +267,16 @@ fn native_module_abi_version_matches_this_envoy() {
 #[test]
 fn native_build_refuses_a_feature_it_does_not_carry_at_load_naming_it() {
     let mut o = EnvoyOptions::new(
-        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "store": {"cluster": "idemgate_store", "kind": "etcd"}}"#,
+        r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 5000}, "store": {"cluster": "idemgate_store", "kind": "etcd"}}"#,
         support::free_port(),
     );
     o.build = Build::Native;
     o.store_port = Some(support::free_port());
     match Envoy::try_start(&o) {
-        Started::Ready(_) => panic!("the native build accepted in_flight \"wait\""),
+        Started::Ready(_) => panic!("the native build accepted forwarding \"detached\""),
         Started::Exited { log, .. } => {
             assert!(log.contains("not supported by the native (dynamic module) build yet"), "{log}");
-            assert!(log.contains("in_flight \"wait\""), "{log}");
+            assert!(log.contains("forwarding \"detached\""), "{log}");
         }
     }
 }

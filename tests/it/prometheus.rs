@@ -160,7 +160,7 @@ fn native_doc_block(marker: &str) -> String {
 }
 
 /// The series of the Wasm build's dashboard and alerts that a native proxy has no counterpart of
-/// (docs/native.md): the wait histogram (`in_flight: "wait"` is refused by the native build) and
+/// (docs/native.md): the wait histogram (this proxy's configuration has no `in_flight: "wait"`) and
 /// Envoy's own Wasm VM counter (no Wasm VM in a native proxy).
 const NOT_FROM_A_NATIVE_PROXY: &[&str] = &["idemgate_wait_ms_bucket", "envoy_wasm_envoy_wasm_runtime_v8_created"];
 
