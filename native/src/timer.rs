@@ -34,7 +34,7 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 type Spawn = fn(Box<dyn FnOnce() + Send>) -> std::io::Result<JoinHandle<()>>;
 
 fn spawn_named(body: Box<dyn FnOnce() + Send>) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new().name("idemgate-retry".into()).spawn(body)
+    std::thread::Builder::new().name("idemgate-timer".into()).spawn(body)
 }
 
 /// Calls `fire` once at (or after) the earliest deadline armed, on its own thread.
@@ -191,7 +191,7 @@ mod tests {
         assert!(t.started());
         assert!(eventually(|| fired.load(Ordering::SeqCst) == 1), "the earliest deadline never fired");
         // A thread names itself once it runs: by now (it fired), every thread started has.
-        assert_eq!(threads_named("idemgate-retry"), 1, "one timer thread, whatever was armed");
+        assert_eq!(threads_named("idemgate-timer"), 1, "one timer thread, whatever was armed");
         assert!(at.load(Ordering::SeqCst) >= earliest, "fired before its deadline");
         // The later deadlines were folded into the earliest: nothing more fires.
         std::thread::sleep(Duration::from_millis(100));
@@ -199,9 +199,9 @@ mod tests {
         // Armed again after firing: fires again, on the same thread.
         t.arm(now()).expect("arm");
         assert!(eventually(|| fired.load(Ordering::SeqCst) == 2));
-        assert_eq!(threads_named("idemgate-retry"), 1);
+        assert_eq!(threads_named("idemgate-timer"), 1);
         drop(t); // joins: returns only once the thread ended
-        assert!(eventually(|| threads_named("idemgate-retry") == 0), "the thread outlived its timer");
+        assert!(eventually(|| threads_named("idemgate-timer") == 0), "the thread outlived its timer");
     }
 
     #[test]
@@ -211,9 +211,9 @@ mod tests {
         let t = Timer::new(count, now);
         assert!(!t.started(), "no thread before the first arm");
         t.arm(now() + 3_600_000).expect("arm");
-        assert!(eventually(|| threads_named("idemgate-retry") == 1), "the timer's thread never ran");
+        assert!(eventually(|| threads_named("idemgate-timer") == 1), "the timer's thread never ran");
         drop(t); // joins: returns only once the thread ended
-        assert!(eventually(|| threads_named("idemgate-retry") == 0), "the thread outlived its timer");
+        assert!(eventually(|| threads_named("idemgate-timer") == 0), "the thread outlived its timer");
         assert_eq!(fired.load(Ordering::SeqCst), 0);
     }
 
