@@ -450,6 +450,32 @@ pub fn batch_error_body(kind: &ProblemKind, ids: &[Vec<u8>]) -> Vec<u8> {
     out
 }
 
+/// How a request on an MCP route is answered once the engine says so (`Command::McpReply`): in
+/// JSON-RPC, to its id (JSON text; `null` before it is read), the ids of a refused batch, in the
+/// form the client accepts. Each host keeps one per request and answers its refusals
+/// (`Reply::problem`) and replays (`encoding::retry_answer`) through it.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    pub id: Vec<u8>,
+    pub batch: Vec<Vec<u8>>,
+    pub accepts: Accepts,
+}
+
+impl Reply {
+    /// A refusal: a JSON-RPC error to its id (one per member of a refused batch), status 200 (the
+    /// transport's status for a JSON-RPC answer), as JSON or, to a client that does not accept
+    /// JSON, one event.
+    pub fn problem(&self, kind: &ProblemKind) -> StoredResponse {
+        let body = match kind {
+            ProblemKind::McpBatchRefused => batch_error_body(kind, &self.batch),
+            _ => error_body(kind, &self.id),
+        };
+        let (content_type, body) =
+            if self.accepts.json || !self.accepts.sse { (JSON_TYPE, body) } else { (SSE_TYPE, sse_event(&body)) };
+        StoredResponse { status: 200, headers: vec![("content-type".into(), content_type.as_bytes().to_vec())], body }
+    }
+}
+
 /// What a client accepts (`Accept`): JSON, an event stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Accepts {
