@@ -890,6 +890,27 @@ pub fn with_id(stored: &[u8], id: &[u8]) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
 
+    /// The one refusal both builds send to an MCP request (`Reply::problem`): status 200, the
+    /// error to its id (each id of a refused batch), as JSON unless the client accepts only an
+    /// event stream.
+    #[test]
+    fn a_refusal_answers_the_id_as_json_or_as_one_event_to_a_client_that_takes_only_events() {
+        let json = Accepts { json: true, sse: true };
+        let only_sse = Accepts { json: false, sse: true };
+        let r = Reply { id: b"7".to_vec(), batch: vec![], accepts: json };
+        let sent = r.problem(&ProblemKind::McpBodyAmbiguous);
+        assert_eq!(sent.status, 200);
+        assert_eq!(sent.headers, vec![("content-type".to_string(), JSON_TYPE.as_bytes().to_vec())]);
+        assert_eq!(sent.body, error_body(&ProblemKind::McpBodyAmbiguous, b"7"));
+        let r = Reply { accepts: only_sse, ..r };
+        let sent = r.problem(&ProblemKind::McpBodyAmbiguous);
+        assert_eq!(sent.headers, vec![("content-type".to_string(), SSE_TYPE.as_bytes().to_vec())]);
+        assert_eq!(sent.body, sse_event(&error_body(&ProblemKind::McpBodyAmbiguous, b"7")));
+        let batch = Reply { id: b"null".to_vec(), batch: vec![b"1".to_vec(), b"\"a\"".to_vec()], accepts: json };
+        let sent = batch.problem(&ProblemKind::McpBatchRefused);
+        assert_eq!(sent.body, batch_error_body(&ProblemKind::McpBatchRefused, &batch.batch));
+    }
+
     /// Issue 40: a round is what the client sends for it, `inputResponses` and `requestState`,
     /// outside the fingerprint: every round of a call has the call's fingerprint, rounds with
     /// other answers or state differ, and member order or spacing does not.
