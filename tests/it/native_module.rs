@@ -3,6 +3,8 @@
 //! case run against both builds from one body (`both`), asserting the upstream's executions.
 //! Also: the module's ABI version is the one this Envoy was built with (Envoy logs "matched"),
 //! and a configuration naming a feature the native build does not carry yet is refused at load.
+//! MCP routes: `mcp::` cases (a call replayed with the retry's id, as JSON and as one event,
+//! another call under the key, revision 2026-07-28's routing headers) run for both builds.
 //!
 //! The store tier (Redis through webdis): two proxies on one Redis in every pairing of the
 //! builds (Wasm + Wasm, native + native, and the mixed pairs, which must read each other's
