@@ -19,6 +19,8 @@
 //! server send any coding then, but a client that sent none rarely decodes one), and an empty
 //! field value means `identity` only, as the RFC says.
 
+use std::borrow::Cow;
+
 use crate::problem::ProblemKind;
 use crate::record::StoredResponse;
 
@@ -46,24 +48,40 @@ pub enum Replay {
 /// stands for it (a response completed without its body, a record in any other state, or an
 /// encoding the retry cannot read).
 pub enum RetryAnswer<'r> {
-    AsStored { response: &'r StoredResponse, expires: String },
-    Decoded { response: StoredResponse, expires: String },
+    /// Not decoded: as stored, or (to an MCP request, `mcp::replay`) the stored JSON-RPC
+    /// response with the retry's id, in the form the retry accepts.
+    AsStored {
+        response: Cow<'r, StoredResponse>,
+        expires: String,
+    },
+    Decoded {
+        response: StoredResponse,
+        expires: String,
+    },
     Problem(ProblemKind),
 }
 
-/// `RetryAnswer` for `record` at `now_ms`, to a retry with `Accept-Encoding` lines `accept`.
+/// `RetryAnswer` for `record` at `now_ms`, to a retry with `Accept-Encoding` lines `accept`;
+/// `mcp`: the retry is a `tools/call` on an MCP route, answered as `mcp::replay` says.
 pub fn retry_answer<'r>(
     record: &'r crate::record::Record,
     now_ms: u64,
     accept: &[&[u8]],
     max_decoded_bytes: u64,
+    mcp: Option<&crate::mcp::Reply>,
 ) -> RetryAnswer<'r> {
     use crate::record::State;
     match &record.state {
         State::Completed(r) => {
             let expires = expires_in(record.expires_at_ms, now_ms);
+            if let Some(m) = mcp {
+                return RetryAnswer::AsStored {
+                    response: Cow::Owned(crate::mcp::replay(r, &m.id, m.accepts)),
+                    expires,
+                };
+            }
             match for_retry(r, accept, max_decoded_bytes) {
-                Ok(Replay::AsStored) => RetryAnswer::AsStored { response: r, expires },
+                Ok(Replay::AsStored) => RetryAnswer::AsStored { response: Cow::Borrowed(r), expires },
                 Ok(Replay::Decoded(d)) => RetryAnswer::Decoded { response: d, expires },
                 Err(kind) => RetryAnswer::Problem(kind),
             }

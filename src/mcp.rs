@@ -450,6 +450,32 @@ pub fn batch_error_body(kind: &ProblemKind, ids: &[Vec<u8>]) -> Vec<u8> {
     out
 }
 
+/// How a request on an MCP route is answered once the engine says so (`Command::McpReply`): in
+/// JSON-RPC, to its id (JSON text; `null` before it is read), the ids of a refused batch, in the
+/// form the client accepts. Each host keeps one per request and answers its refusals
+/// (`Reply::problem`) and replays (`encoding::retry_answer`) through it.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    pub id: Vec<u8>,
+    pub batch: Vec<Vec<u8>>,
+    pub accepts: Accepts,
+}
+
+impl Reply {
+    /// A refusal: a JSON-RPC error to its id (one per member of a refused batch), status 200 (the
+    /// transport's status for a JSON-RPC answer), as JSON or, to a client that does not accept
+    /// JSON, one event.
+    pub fn problem(&self, kind: &ProblemKind) -> StoredResponse {
+        let body = match kind {
+            ProblemKind::McpBatchRefused => batch_error_body(kind, &self.batch),
+            _ => error_body(kind, &self.id),
+        };
+        let (content_type, body) =
+            if self.accepts.json || !self.accepts.sse { (JSON_TYPE, body) } else { (SSE_TYPE, sse_event(&body)) };
+        StoredResponse { status: 200, headers: vec![("content-type".into(), content_type.as_bytes().to_vec())], body }
+    }
+}
+
 /// What a client accepts (`Accept`): JSON, an event stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Accepts {
@@ -863,6 +889,27 @@ pub fn with_id(stored: &[u8], id: &[u8]) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The one refusal both builds send to an MCP request (`Reply::problem`): status 200, the
+    /// error to its id (each id of a refused batch), as JSON unless the client accepts only an
+    /// event stream.
+    #[test]
+    fn a_refusal_answers_the_id_as_json_or_as_one_event_to_a_client_that_takes_only_events() {
+        let json = Accepts { json: true, sse: true };
+        let only_sse = Accepts { json: false, sse: true };
+        let r = Reply { id: b"7".to_vec(), batch: vec![], accepts: json };
+        let sent = r.problem(&ProblemKind::McpBodyAmbiguous);
+        assert_eq!(sent.status, 200);
+        assert_eq!(sent.headers, vec![("content-type".to_string(), JSON_TYPE.as_bytes().to_vec())]);
+        assert_eq!(sent.body, error_body(&ProblemKind::McpBodyAmbiguous, b"7"));
+        let r = Reply { accepts: only_sse, ..r };
+        let sent = r.problem(&ProblemKind::McpBodyAmbiguous);
+        assert_eq!(sent.headers, vec![("content-type".to_string(), SSE_TYPE.as_bytes().to_vec())]);
+        assert_eq!(sent.body, sse_event(&error_body(&ProblemKind::McpBodyAmbiguous, b"7")));
+        let batch = Reply { id: b"null".to_vec(), batch: vec![b"1".to_vec(), b"\"a\"".to_vec()], accepts: json };
+        let sent = batch.problem(&ProblemKind::McpBatchRefused);
+        assert_eq!(sent.body, batch_error_body(&ProblemKind::McpBatchRefused, &batch.batch));
+    }
 
     /// Issue 40: a round is what the client sends for it, `inputResponses` and `requestState`,
     /// outside the fingerprint: every round of a call has the call's fingerprint, rounds with

@@ -6,8 +6,11 @@
 //!
 //! Today: the local tier (one proxy) and the Redis (webdis) and etcd stores (`store.rs`: the
 //! calls a request waits for are the stream's callouts, answered in `callout_done`), and
-//! `in_flight: "wait"` (`http/wait.rs`). `forwarding: "detached"`, MCP routes and
-//! `next_hop_failures: "classify"` are refused at configuration (`refusal`), before any request.
+//! `in_flight: "wait"` (`http/wait.rs`). MCP routes run here: the engine reads the body
+//! and says how the request is answered (`Command::McpReply`), and the core writes those answers
+//! (`mcp::Reply::problem`, `encoding::retry_answer`), as for the Wasm build. `forwarding:
+//! "detached"` and `next_hop_failures: "classify"` are refused at configuration (`refusal`),
+//! before any request.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -26,6 +29,7 @@ use idemgate::engine::settle::Claim;
 use idemgate::engine::sweep::Sweeper;
 use idemgate::failsafe::{Broken, Holding};
 use idemgate::local::{SharedData, Table};
+use idemgate::mcp::Reply as McpReply;
 use idemgate::metrics::{self as rules, Counter, Gauge, Histogram};
 use idemgate::owner::{OwnerSeed, OwnerToken, TokenSources};
 use idemgate::problem::{code_details, ProblemKind};
@@ -56,9 +60,6 @@ pub fn refusal(config: &Config) -> Option<String> {
     for p in config.policies() {
         if matches!(p.forwarding, Forwarding::Detached { .. }) {
             return why("forwarding \"detached\"");
-        }
-        if p.mcp.is_some() {
-            return why("protocol \"mcp\"");
         }
         if p.next_hop_failures == NextHopFailures::Classify {
             return why("next_hop_failures \"classify\"");
@@ -242,6 +243,8 @@ pub struct Filter {
     published: bool,
     /// Held by `in_flight: "wait"` (`wait.rs`), until answered or its stream ends.
     waiting: Option<wait::Waiting>,
+    /// An MCP request's JSON-RPC answer form, once the engine says (`Command::McpReply`).
+    mcp: Option<McpReply>,
 }
 
 struct Glue<'a> {
@@ -254,6 +257,7 @@ struct Glue<'a> {
     held_since: &'a mut Option<u64>,
     published: &'a mut bool,
     waiting: &'a mut Option<wait::Waiting>,
+    mcp: &'a mut Option<McpReply>,
 }
 
 fn headers_status(f: Flow) -> u32 {
@@ -324,6 +328,18 @@ impl Glue<'_> {
             },
             |r| r.creator.request_id.clone(),
         );
+        if let Some(m) = self.mcp.as_ref() {
+            // In JSON-RPC, as the core writes it (`mcp::Reply::problem`), as the Wasm build does.
+            let r = m.problem(&problem);
+            host::send_response(
+                self.envoy,
+                r.status,
+                &text_headers(&r.headers),
+                &r.body,
+                &code_details(problem.slug()),
+            );
+            return;
+        }
         let p = problem.to_problem(&request_id, creator);
         let headers: Vec<(&str, &str)> = p.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         let grpc =
@@ -340,8 +356,7 @@ impl Glue<'_> {
 
     /// Sends a response as stored (`replayed`: with `idempotent-replayed: true`).
     fn respond(&self, status: u16, headers: &[(String, Vec<u8>)], body: &[u8], expires: &str, slug: &str) {
-        let mut h: Vec<(&str, &str)> =
-            headers.iter().filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.as_str(), v))).collect();
+        let mut h = text_headers(headers);
         h.push(("idempotent-replayed", "true"));
         h.push((EXPIRES_HEADER, expires));
         host::send_response(self.envoy, status, &h, body, &code_details(slug));
@@ -357,7 +372,8 @@ impl Glue<'_> {
         let now = self.now();
         let accept: Vec<Vec<u8>> = req.accept_encoding();
         let accept: Vec<&[u8]> = accept.iter().map(Vec::as_slice).collect();
-        let answer = encoding::retry_answer(record, now, &accept, req.policy.max_response_body_bytes);
+        let max = req.policy.max_response_body_bytes;
+        let answer = encoding::retry_answer(record, now, &accept, max, self.mcp.as_ref());
         let extra = match &answer {
             RetryAnswer::AsStored { .. } => rules::replay_counter(false, None),
             RetryAnswer::Decoded { .. } => rules::replay_counter(true, None),
@@ -430,7 +446,7 @@ impl Effects for Glue<'_> {
             },
             Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
             Command::Detach(_) => self.unreachable("detach"),
-            Command::McpReply { .. } => self.unreachable("mcp_reply"),
+            Command::McpReply { id, batch, accepts } => *self.mcp = Some(McpReply { id, batch, accepts }),
             Command::HandOver { .. } => self.unreachable("hand_over"),
         }
     }
@@ -508,6 +524,11 @@ impl Io for Glue<'_> {
             Err(e) => Err(NotSent::Failed(StoreError::Garbled(e))),
         }
     }
+}
+
+/// Header values as the host calls take them (text): one that is not valid UTF-8 is left out.
+fn text_headers(headers: &[(String, Vec<u8>)]) -> Vec<(&str, &str)> {
+    headers.iter().filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.as_str(), v))).collect()
 }
 
 /// `RequestHead::forbid_router_retries` applied to the headers Envoy forwards.
@@ -609,6 +630,7 @@ impl Filter {
             held_since: None,
             published: false,
             waiting: None,
+            mcp: None,
         }
     }
 
@@ -623,6 +645,7 @@ impl Filter {
             held_since: &mut self.held_since,
             published: &mut self.published,
             waiting: &mut self.waiting,
+            mcp: &mut self.mcp,
         };
         (&mut self.machine, glue)
     }
@@ -675,9 +698,13 @@ impl Filter {
                     }
                     NotProtected::RouteAmbiguous { .. } => self.refuse(ProblemKind::RouteAmbiguous),
                     NotProtected::Refuse { problem, .. } => self.refuse(problem),
-                    // MCP routes are refused at configuration: never here.
-                    NotProtected::PolicyMissing { .. } | NotProtected::McpBody { .. } => {
+                    NotProtected::PolicyMissing { .. } => {
                         self.broken(Broken::PolicyMissing, "native_request_headers_policy")
+                    }
+                    // Protected or not is known from its whole body (`Machine::await_mcp_body`).
+                    NotProtected::McpBody { route, policy } => {
+                        let (m, mut io) = self.split();
+                        m.await_mcp_body(&mut io, route, policy, head)
                     }
                 };
                 return headers_status(flow);
@@ -885,10 +912,6 @@ mod tests {
                 "forwarding \"detached\"",
             ),
             (r#"{"scope": {"global": true}, "next_hop_failures": "classify"}"#, "next_hop_failures \"classify\""),
-            (
-                r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp"}]}"#,
-                "protocol \"mcp\"",
-            ),
         ] {
             let c = match Config::parse(json.as_bytes()) {
                 Ok(c) => c,
@@ -908,5 +931,10 @@ mod tests {
         // Carried since: routes selected by Envoy's route name.
         let named = Config::parse(br#"{"scope": {"global": true}, "routes": [{"route_name": "pay"}]}"#);
         assert_eq!(named.map(|c| refusal(&c)).ok(), Some(None));
+        // And MCP routes (`protocol: "mcp"`).
+        let mcp = Config::parse(
+            br#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp"}]}"#,
+        );
+        assert_eq!(mcp.map(|c| refusal(&c)).ok(), Some(None));
     }
 }

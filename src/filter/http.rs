@@ -271,7 +271,7 @@ impl Glue<'_> {
             Command::Detach(forward) => self.detach(forward),
             Command::Publish { key, outcome } => self.publish(key.as_ref(), outcome),
             Command::McpReply { id, batch, accepts } => {
-                reply::set_mcp(self.context_id, reply::McpReply { id, batch, accepts })
+                reply::set_mcp(self.context_id, crate::mcp::Reply { id, batch, accepts })
             }
             Command::HandOver { claim, url } => {
                 let h = Handoff {

@@ -10,9 +10,9 @@ use std::collections::HashMap;
 
 use super::host::Counter;
 use crate::encoding::RetryAnswer;
-use crate::mcp::{self, Accepts};
+use crate::mcp;
 use crate::problem::{code_details, ProblemKind};
-use crate::record::{Creator, Record, State};
+use crate::record::{Creator, Record};
 use crate::request::envoy_answers_as_grpc;
 
 /// The ABI's header map: the number of pairs, each pair's name and value lengths (u32, little
@@ -43,22 +43,13 @@ fn send(status: u16, details: &str, headers: &[(&str, &str)], body: &[u8], grpc_
     result == 0
 }
 
-/// How to answer a protected MCP request (`protocol: "mcp"`): its JSON-RPC id (JSON text), the
-/// ids of a refused batch, what it accepts.
-#[derive(Clone, Debug)]
-pub struct McpReply {
-    pub id: Vec<u8>,
-    pub batch: Vec<Vec<u8>>,
-    pub accepts: Accepts,
-}
-
 thread_local! {
     /// MCP requests by context: their replies are JSON-RPC (`problem`, `replay`).
-    static MCP: RefCell<HashMap<u32, McpReply>> = RefCell::new(HashMap::new());
+    static MCP: RefCell<HashMap<u32, mcp::Reply>> = RefCell::new(HashMap::new());
 }
 
 /// `context_id` is an MCP request: its replies are JSON-RPC.
-pub fn set_mcp(context_id: u32, r: McpReply) {
+pub fn set_mcp(context_id: u32, r: mcp::Reply) {
     MCP.with(|m| m.borrow_mut().insert(context_id, r));
 }
 
@@ -67,23 +58,17 @@ pub fn forget_mcp(context_id: u32) {
     MCP.with(|m| m.borrow_mut().remove(&context_id));
 }
 
-fn current_mcp() -> Option<McpReply> {
+fn current_mcp() -> Option<mcp::Reply> {
     let id = super::host::current_context();
     MCP.with(|m| m.borrow().get(&id).cloned())
 }
 
-/// A refusal to an MCP request: a JSON-RPC error with its id, status 200 (the transport's
-/// status for a JSON-RPC answer), as JSON or, to a client that does not accept JSON, one event.
-fn mcp_problem(kind: &ProblemKind, m: &McpReply) {
-    let body = match kind {
-        ProblemKind::McpBatchRefused => mcp::batch_error_body(kind, &m.batch),
-        _ => mcp::error_body(kind, &m.id),
-    };
-    if m.accepts.json || !m.accepts.sse {
-        send(200, &code_details(kind.slug()), &[("content-type", mcp::JSON_TYPE)], &body, None);
-    } else {
-        send(200, &code_details(kind.slug()), &[("content-type", mcp::SSE_TYPE)], &mcp::sse_event(&body), None);
-    }
+/// A refusal to an MCP request, as the core writes it (`mcp::Reply::problem`).
+fn mcp_problem(kind: &ProblemKind, m: &mcp::Reply) {
+    let r = m.problem(kind);
+    let headers: Vec<(&str, &str)> =
+        r.headers.iter().filter_map(|(n, v)| std::str::from_utf8(v).ok().map(|v| (n.as_str(), v))).collect();
+    send(r.status, &code_details(kind.slug()), &headers, &r.body, None);
 }
 
 /// Sends a problem document. To a gRPC request (Envoy turns the reply into a trailers-only status
@@ -103,8 +88,8 @@ pub fn problem(kind: &ProblemKind, request_id: &str, creator: Option<&Creator>) 
     }
 }
 
-// The expiry header and its value: the core's (`crate::encoding`), shared with the native build.
-pub use crate::encoding::{expires_in, EXPIRES_HEADER};
+// The expiry header: the core's (`crate::encoding`), shared with the native build.
+pub use crate::encoding::EXPIRES_HEADER;
 
 /// Sends a response as the upstream gave it. `replayed` adds `idempotent-replayed: true`;
 /// `expires_in` the expiry header; `slug` names the outcome in the response code details. Header
@@ -164,16 +149,7 @@ pub fn replay(
     max_decoded_bytes: u64,
     outcome: impl FnOnce(&'static str),
 ) -> Replayed {
-    if let State::Completed(r) = &record.state {
-        if let Some(m) = current_mcp() {
-            let expires = expires_in(record.expires_at_ms, now_ms);
-            let sent = mcp::replay(r, &m.id, m.accepts);
-            outcome(REPLAYED);
-            response(sent.status, &sent.headers, &sent.body, true, Some(&expires), REPLAYED);
-            return Replayed::Stored;
-        }
-    }
-    match crate::encoding::retry_answer(record, now_ms, accept, max_decoded_bytes) {
+    match crate::encoding::retry_answer(record, now_ms, accept, max_decoded_bytes, current_mcp().as_ref()) {
         RetryAnswer::AsStored { response: r, expires } => {
             outcome(REPLAYED);
             response(r.status, &r.headers, &r.body, true, Some(&expires), REPLAYED);

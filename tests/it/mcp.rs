@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use support::http::{self, Response};
 use support::mcp_upstream::McpUpstream;
 use support::store::{Redis, Webdis};
-use support::{Envoy, EnvoyOptions};
+use support::{Build, Envoy, EnvoyOptions};
 
 const ROUTE: &str =
     r#"{"prefix": "/mcp", "protocol": "mcp", "mcp": {"tools": ["charge"], "key_arguments": ["idempotency_key"]}"#;
@@ -26,8 +26,15 @@ struct Mcp {
 
 impl Mcp {
     fn start(plugin: &str) -> Mcp {
+        Mcp::start_on(Build::from_env(), plugin)
+    }
+
+    /// With `build` loaded (`native_module::` runs the cases it shares for both builds).
+    fn start_on(build: Build, plugin: &str) -> Mcp {
         let up = McpUpstream::start();
-        let envoy = Envoy::start(&EnvoyOptions::new(plugin, up.port));
+        let mut o = EnvoyOptions::new(plugin, up.port);
+        o.build = build;
+        let envoy = Envoy::start(&o);
         Mcp { up, envoy }
     }
 }
@@ -74,7 +81,12 @@ fn error_type(m: &Value) -> String {
 
 #[test]
 fn a_repeated_call_executes_once_and_the_retry_gets_its_own_id() {
-    let s = Mcp::start(&plugin("", ""));
+    repeated_call_executes_once(Build::from_env());
+}
+
+/// A `tools/call` executed once, its retry replayed with the retry's own id, with `build` loaded.
+pub(crate) fn repeated_call_executes_once(build: Build) {
+    let s = Mcp::start_on(build, &plugin("", ""));
     let args = json!({"amount": 5, "to": "acct-1"});
     let first = post(
         s.envoy.port,
@@ -120,7 +132,12 @@ fn the_key_comes_from_meta_or_from_a_named_argument() {
 
 #[test]
 fn other_arguments_under_the_key_are_refused_as_a_json_rpc_error() {
-    let s = Mcp::start(&plugin("", ""));
+    other_arguments_under_the_key_refused(Build::from_env());
+}
+
+/// Another call under the same key: a JSON-RPC `key-reused` error, never executed, with `build`.
+pub(crate) fn other_arguments_under_the_key_refused(build: Build) {
+    let s = Mcp::start_on(build, &plugin("", ""));
     let h = [ALICE, BOTH, ("idempotency-key", "k-args")];
     post(s.envoy.port, &h, &tools_call(json!(1), "charge", json!({"amount": 5}), Value::Null));
     let r = post(s.envoy.port, &h, &tools_call(json!(2), "charge", json!({"amount": 6}), Value::Null));
@@ -177,7 +194,12 @@ fn a_batch_holding_a_protected_call_is_refused_whole() {
 
 #[test]
 fn an_event_stream_answer_is_replayed_as_its_final_response_in_the_form_the_retry_accepts() {
-    let s = Mcp::start(&plugin("", ""));
+    event_stream_answer_replayed_as_accepted(Build::from_env());
+}
+
+/// An event-stream answer replayed as its final response, as JSON or one event, with `build`.
+pub(crate) fn event_stream_answer_replayed_as_accepted(build: Build) {
+    let s = Mcp::start_on(build, &plugin("", ""));
     let h = |accept: &'static str| [ALICE, ("accept", accept), ("idempotency-key", "k-sse"), ("x-mcp-answer", "sse")];
     let first = post(
         s.envoy.port,
@@ -752,7 +774,12 @@ fn a_tools_call_without_an_id_is_refused_and_leaves_its_key_free() {
 /// the `=?base64?…?=` form clients use for other values) protect the call as before.
 #[test]
 fn routing_headers_that_disagree_with_the_body_are_refused_before_anything_runs() {
-    let s = Mcp::start(&plugin("", ""));
+    routing_headers_must_agree_with_the_body(Build::from_env());
+}
+
+/// Revision 2026-07-28's routing headers checked against the body, with `build` loaded.
+pub(crate) fn routing_headers_must_agree_with_the_body(build: Build) {
+    let s = Mcp::start_on(build, &plugin("", ""));
     let charge = tools_call(json!(5), "charge", json!({"amount": 1}), Value::Null);
     let lookup = tools_call(json!(6), "lookup", json!({}), Value::Null);
     let batch = br#"[{"jsonrpc":"2.0","id":7,"method":"tools/list"}]"#.to_vec();

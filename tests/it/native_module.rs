@@ -3,6 +3,8 @@
 //! case run against both builds from one body (`both`), asserting the upstream's executions.
 //! Also: the module's ABI version is the one this Envoy was built with (Envoy logs "matched"),
 //! and a configuration naming a feature the native build does not carry yet is refused at load.
+//! MCP routes: `mcp::` cases (a call replayed with the retry's id, as JSON and as one event,
+//! another call under the key, revision 2026-07-28's routing headers) run for both builds.
 //!
 //! The store tier (Redis through webdis): two proxies on one Redis in every pairing of the
 //! builds (Wasm + Wasm, native + native, and the mixed pairs, which must read each other's
@@ -254,6 +256,35 @@ fn a_native_proxy_stopped_while_requests_wait_exits_cleanly() {
         let _ = w.join();
     }
     assert_eq!(s.up.executions(), 1);
+
+/// MCP routes (`protocol: "mcp"`): a `tools/call` executed once and its retries replayed with
+/// their own id, as JSON and as one event (`mcp::` cases, run for both builds).
+#[test]
+fn an_mcp_tool_call_executes_once_and_its_retries_get_their_own_id_in_both_builds() {
+    for build in [Build::Wasm, Build::Native] {
+        println!("build: {build:?}");
+        crate::mcp::repeated_call_executes_once(build);
+        crate::mcp::event_stream_answer_replayed_as_accepted(build);
+    }
+}
+
+/// Another MCP call under the same key: a JSON-RPC `key-reused` error to its id, never executed.
+#[test]
+fn another_mcp_call_under_the_same_key_is_refused_in_json_rpc_in_both_builds() {
+    for build in [Build::Wasm, Build::Native] {
+        println!("build: {build:?}");
+        crate::mcp::other_arguments_under_the_key_refused(build);
+    }
+}
+
+/// MCP revision 2026-07-28's routing headers (`Mcp-Method`, `Mcp-Name`) checked against the body
+/// before anything is forwarded.
+#[test]
+fn mcp_routing_headers_that_disagree_with_the_body_are_refused_in_both_builds() {
+    for build in [Build::Wasm, Build::Native] {
+        println!("build: {build:?}");
+        crate::mcp::routing_headers_must_agree_with_the_body(build);
+    }
 }
 
 #[test]
