@@ -256,6 +256,7 @@ fn a_native_proxy_stopped_while_requests_wait_exits_cleanly() {
         let _ = w.join();
     }
     assert_eq!(s.up.executions(), 1);
+}
 
 /// MCP routes (`protocol: "mcp"`): a `tools/call` executed once and its retries replayed with
 /// their own id, as JSON and as one event (`mcp::` cases, run for both builds).
