@@ -341,7 +341,7 @@ def start_hop(d, stack, i, ops=False):
     a, b = text.index("    transport_socket:\n"), text.index("    # One Redis. With Redis HA")
     text = text[:a] + text[b:]
     # Every HAProxy, this leg's own first (priority 0), the others as failover (priority 1):
-    # the hop's own health check and outlier detection take a dead HAProxy out, so losing one
+    # the hop's own health check takes a dead HAProxy out, so losing one
     # HAProxy loses no leg (webdis's connection to the hop never breaks).
     order = [i] + [j for j in range(LEGS) if j != i]
     endpoints = "".join(

@@ -133,6 +133,25 @@ impl HaStore {
             .collect()
     }
 
+    /// The counter `name` of hop `part`'s Envoy (`--acl`), from its admin `/stats` (0 when absent).
+    pub fn hop_stat(&self, part: &str, name: &str) -> u64 {
+        let admin = self.part(part)["admin_port"].as_u64().expect("an admin port") as u16;
+        let r = http::request(admin, "GET", "/stats", &[], b"").expect("the hop's admin answers");
+        let prefix = format!("{name}: ");
+        r.body_text().lines().find_map(|l| l.strip_prefix(prefix.as_str())?.trim().parse().ok()).unwrap_or(0)
+    }
+
+    /// Whether HAProxy `part` routes to a primary: `PING` through it (plain RESP to HAProxy, which
+    /// originates the TLS to Redis) as `admin` answers `PONG`.
+    pub fn haproxy_routes(&self, part: &str) -> bool {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port(part).to_string(), "--user", ADMIN.0, "--pass", ADMIN.1, "--no-auth-warning"])
+            .arg("PING")
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim() == "PONG"
+    }
+
     /// The `idemgate_store` cluster (YAML list item from column 0) for this stack.
     pub fn cluster(&self) -> String {
         store_ha(&self.scratch.0, &["cluster"])
@@ -662,6 +681,88 @@ pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes:
         } else {
             format!("missing but not executed again: {}; {whereabouts}", spared.join("; "))
         },
+    ];
+    println!("{}", row.join(" | "));
+    fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
+    m
+}
+
+/// What `last_haproxy_stalled` saw.
+pub struct Stalled {
+    /// Commands the hops gave up on (their `op_timeout`) while the HAProxy was stopped.
+    pub hop_timeouts: u64,
+    /// The fresh keys sent once each after the HAProxy answered again, by answer.
+    pub probes: BTreeMap<String, usize>,
+    /// Keys (the stalled ones and the fresh ones) the upstream executed more than once.
+    pub twice: Vec<String>,
+}
+
+/// The named-user path (`--tls --acl`) with haproxy-0 SIGKILLed, so both hops send to haproxy-1
+/// alone; then haproxy-1 stalls (SIGSTOP, what a HAProxy starved of CPU does) while requests are
+/// pending, until a hop gives up a command (its `op_timeout`, bounded by count), and goes on
+/// (SIGCONT). Once it routes to the primary again (a `PING` through it, bounded by count),
+/// `probes` fresh keys are sent once each, alternating proxies: a hop that took its last HAProxy
+/// out for the stall refuses them although that HAProxy answers.
+pub fn last_haproxy_stalled(probes: usize, label: &str) -> Stalled {
+    let w = World::start_with(&["--tls", "--acl"]);
+    let ports = w.ports();
+    w.store.kill("haproxy-0");
+    // Both proxies served through haproxy-1 alone (hop-0 failed over), bounded by count.
+    for (p, port) in ports.into_iter().enumerate() {
+        let r = post_past_unavailable(port, &format!("{label}-before-{p}"), UNAVAILABLE_ATTEMPTS);
+        assert_eq!(r.status, 201, "proxy {p} never served with haproxy-0 dead: {}", r.body_text());
+    }
+    let timeouts =
+        || ["hop-0", "hop-1"].iter().map(|h| w.store.hop_stat(h, "cluster.redis.upstream_rq_timeout")).sum::<u64>();
+    let before = timeouts();
+    let pid = w.store.pid("haproxy-1");
+    signal(pid, "-STOP");
+    let stalled: Vec<_> = (0..4)
+        .map(|i| {
+            let port = ports[i % 2];
+            let key = format!("{label}-stalled-{i}");
+            std::thread::spawn(move || (key.clone(), kind(&post(port, &key))))
+        })
+        .collect();
+    let gave_up = (0..200).any(|_| {
+        timeouts() > before || {
+            std::thread::sleep(Duration::from_millis(50));
+            false
+        }
+    });
+    signal(pid, "-CONT");
+    assert!(gave_up, "no hop gave up a command while haproxy-1 was stopped");
+    let hop_timeouts = timeouts() - before;
+    let mut keys = vec![];
+    for t in stalled {
+        let (key, a) = t.join().expect("a stalled request");
+        assert!(a == "201" || a == "503 store-unavailable", "{key}: sent once, answered {a}");
+        keys.push(key);
+    }
+    let routes = (0..100).any(|_| {
+        w.store.haproxy_routes("haproxy-1") || {
+            std::thread::sleep(Duration::from_millis(50));
+            false
+        }
+    });
+    assert!(routes, "haproxy-1 never routed to the primary again after SIGCONT");
+    let mut answers = BTreeMap::new();
+    for i in 0..probes {
+        let key = format!("{label}-fresh-{i}");
+        *answers.entry(kind(&post(ports[i % 2], &key))).or_insert(0) += 1;
+        keys.push(key);
+    }
+    w.wait_writes_settled();
+    let by_key = w.up.executions_by_key();
+    let twice = keys.into_iter().filter(|k| by_key.get(k).copied().unwrap_or(0) > 1).collect();
+    let m = Stalled { hop_timeouts, probes: answers, twice };
+    let row = [
+        format!(
+            "haproxy-0 SIGKILLed, then haproxy-1 (the last) stalled once, TLS, ACL user through the hops ({label})"
+        ),
+        format!("{} commands given up by the hops during the stall", m.hop_timeouts),
+        format!("{probes} fresh keys once haproxy-1 routed again, sent once: {:?}", m.probes),
+        format!("{} executed twice", m.twice.len()),
     ];
     println!("{}", row.join(" | "));
     fault_report("redis_ha.md", &row.iter().map(String::as_str).collect::<Vec<_>>());
