@@ -120,7 +120,7 @@ test-rollout: build deps
 ## test-oracle-long: the boundary oracle (tests/it/boundary_oracle.rs, docs/equivalence.md) at length: seven real
 ## backends (tests/oracle/) behind idemgate, every spelling against the canonical request, then IDEMGATE_ORACLE_PAIRS
 ## random pairs (default 300) per backend and configuration from IDEMGATE_ORACLE_SEED (default 41); writes
-## docs/equivalence.md when no pair executed twice. `make test` runs 12 pairs (about a minute and a half)
+## docs/equivalence.md when no pair executed twice. `make test` runs 12 pairs (about six minutes at load 16-19)
 test-oracle-long: build deps
 	scripts/check-test-selection.py boundary_oracle::
 	IDEMGATE_ORACLE_PAIRS=$${IDEMGATE_ORACLE_PAIRS:-300} IDEMGATE_ORACLE_WRITE_DOCS=1 \

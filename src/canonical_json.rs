@@ -33,9 +33,11 @@ pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
 /// those parsers keep). Two bodies any of them parses alike have the same form; two bodies with
 /// one form may still differ to a parser that keeps `1` and `1.0` apart (Python), which is why
 /// this form derives keys (`derive_key.include_body`, where the fingerprint, with the spelling,
-/// still tells them apart: 422) and never fingerprints. Not one JSON text: None.
+/// still tells them apart: 422) and never fingerprints. Not one JSON text: None. One leading
+/// UTF-8 byte-order mark is skipped, as Python's `json` and Node's JSON body parsers skip it
+/// (Go's `encoding/json` refuses the body: no key is derived for a body it runs).
 pub fn semantic_form(body: &[u8]) -> Option<Vec<u8>> {
-    parse(body, true)
+    parse(body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body), true)
 }
 
 fn parse(body: &[u8], semantic: bool) -> Option<Vec<u8>> {
@@ -521,6 +523,21 @@ mod tests {
         assert_eq!(canon(r#"{"a":1,"a":2}"#), None);
         assert_ne!(form(r#"{"a":"1"}"#), form(r#"{"a":1}"#));
         assert_eq!(form("{"), None);
+    }
+
+    #[test]
+    fn a_leading_bom_is_read_as_the_parsers_read_it() {
+        // Python's `json` (Flask, Django, FastAPI), Express's and Fastify's JSON parsers skip a
+        // UTF-8 byte-order mark and run the document behind it: a key derived from the body
+        // (`include_body`) must be the one the document without it derives, or both execute
+        // (the boundary oracle, `include_body`, `json: a BOM before the document`).
+        let doc = br#"{"amount":1,"currency":"eur"}"#;
+        let bom = [&b"\xef\xbb\xbf"[..], &doc[..]].concat();
+        assert_eq!(semantic_form(&bom), semantic_form(doc));
+        // The fingerprint keeps the spelling (422 for a retry that adds one), and one BOM only.
+        assert_eq!(canonicalize(&bom), None);
+        let two = [&b"\xef\xbb\xbf"[..], &bom[..]].concat();
+        assert_eq!(semantic_form(&two), None);
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! own Envoy 1.40 with dist/idemgate.wasm, one listener per configuration (`CONFIGS`). In the
 //! `mcp` configuration (both routes `protocol: mcp`) the request is an MCP client's JSON-RPC
 //! `tools/call` and each backend answers it with a JSON-RPC response echoing its id (what it read
-//! is the `result`), which idemgate takes for the call's completion.
+//! is the `result`), which idemgate takes for the call's completion. In `mcp_body_key` the key is
+//! in the JSON-RPC body (`params._meta.idempotencyKey`, or the `mcp.key_arguments` argument).
 //!
 //! For each pair of spellings (A, B) of one request the oracle sends, through idemgate: A with a
 //! fresh key (what the backend read of A), B with another fresh key (what it read of B), then B
@@ -18,7 +19,8 @@
 //! the body as parsed (host and path spelling are not in it: they are what varies). The property:
 //! when A and B are of one class, B with A's key must not execute. A pair that breaks it is a
 //! counterexample, shrunk (spellings dropped one at a time while it still breaks) and printed as
-//! the smallest pair of requests.
+//! the smallest pair of requests. So is a pair the backend parsed apart only by its JSON body
+//! (beyond an MCP call's `id`) whose B with A's key is answered A's replay (`Outcome::Merged`).
 //!
 //! Two parts: a sweep (every spelling against the canonical request, on every backend and
 //! configuration) that writes the equivalence table to target/oracle/equivalence.md (and to
@@ -76,6 +78,29 @@ const CONFIGS: &[(&str, &str, &str, &str)] = &[
         "x-op",
         "authorization",
     ),
+    // The key in the JSON-RPC body (docs/mcp.md, "Where the key comes from"): on the payments
+    // route in `params._meta.idempotencyKey`, on the orders route in the argument named by
+    // `mcp.key_arguments`; no key header. Only the body's spellings are sent here (`BODY_KEY_DIMS`).
+    (
+        "mcp_body_key",
+        r#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/v1/payments", "protocol": "mcp", "mcp": {"tools": ["charge"], "key_arguments": ["idempotency_key"]}}, {"prefix": "/v2/orders/", "protocol": "mcp", "mcp": {"tools": ["charge"], "key_arguments": ["idempotency_key"]}}]}"#,
+        "idempotency-key",
+        "authorization",
+    ),
+];
+
+/// The dimensions sent in configuration `mcp_body_key` (the others spell what the key header and
+/// the route decide, which the `mcp` configuration covers).
+const BODY_KEY_DIMS: &[&str] = &["body", "json", "content-type", "protocol"];
+
+/// How a spelling or a sweep base rewrites a request.
+type Rewrite = fn(&mut Req);
+
+/// In the sweep, the base request a spelling is compared with, when it is not the canonical one:
+/// (spelling name, how the base is rewritten). `-0` is compared with `0`.
+const SWEEP_BASES: &[(&str, Rewrite)] = &[
+    ("number `-0` (beside `\"amount\":0`)", |r| r.body = r.body.replacen("\"amount\":1", "\"amount\":0", 1)),
+    ("key value with `/` escaped (beside a key `a/KEY`)", |r| r.body = r.body.replacen("\"KEY\"", "\"a/KEY\"", 1)),
 ];
 
 /// The MCP configuration's canonical body: a `tools/call` whose arguments are the other
@@ -135,7 +160,7 @@ impl Req {
     /// `accept` of the Streamable HTTP transport, the 2026-07-28 routing headers); `body`: the
     /// JSON body, a form (`FORM_BODY`, `application/x-www-form-urlencoded`) or a multipart form
     /// (`multipart_body`, `multipart/form-data`) in its place.
-    fn base(orders: bool, key_header: &str, scope_header: &str, mcp: bool, body: Body) -> Req {
+    fn base(orders: bool, key_header: &str, scope_header: &str, mcp: bool, body: Body, body_key: bool) -> Req {
         let scope = if scope_header == "authorization" { "Bearer alice" } else { "alice" };
         let mut r = Req {
             method: "POST".into(),
@@ -165,6 +190,15 @@ impl Req {
         }
         if mcp {
             r.body = MCP_BODY.into();
+            if body_key {
+                // No key header: the key is in the body (`KEY`, filled in as in the headers).
+                r.headers[1] = ("x-note".into(), "n".into());
+                r.body = if orders {
+                    r.body.replacen("\"currency\":\"eur\"", "\"currency\":\"eur\",\"idempotency_key\":\"KEY\"", 1)
+                } else {
+                    r.body.replacen("\"arguments\"", "\"_meta\":{\"idempotencyKey\":\"KEY\"},\"arguments\"", 1)
+                };
+            }
             for (n, v) in [
                 ("accept", "application/json, text/event-stream"),
                 ("mcp-method", "tools/call"),
@@ -183,7 +217,8 @@ impl Req {
 
     /// The request as a reader can paste it (HTTP/1.1 text, or the HTTP/2 header list).
     fn show(&self, key: &str) -> String {
-        let hs: Vec<String> = self.headers.iter().map(|(n, v)| format!("{n}: {}", v.replace("KEY", key))).collect();
+        let hs: Vec<String> = self.headers.iter().map(|(n, v)| format!("{n}: {}", fill(v, key))).collect();
+        let body = fill(&self.body, key);
         if self.h2 {
             format!(
                 "HTTP/2 :method={} :path={} :authority={} {} | {}{}",
@@ -191,7 +226,7 @@ impl Req {
                 self.target(),
                 self.host,
                 hs.join(" | "),
-                self.body,
+                body,
                 if self.chunked { " (no content-length)" } else { "" }
             )
         } else {
@@ -201,22 +236,22 @@ impl Req {
                 self.method,
                 self.host,
                 hs.join(" | "),
-                self.body,
+                body,
                 if self.chunked { " (chunked)" } else { "" }
             )
         }
     }
 
     fn send(&self, port: u16, key: &str) -> http::Response {
-        let headers: Vec<(String, String)> =
-            self.headers.iter().map(|(n, v)| (n.clone(), v.replace("KEY", key))).collect();
+        let headers: Vec<(String, String)> = self.headers.iter().map(|(n, v)| (n.clone(), fill(v, key))).collect();
+        let body = fill(&self.body, key);
         if self.h2 {
             let mut hs: Vec<Value> = headers.iter().map(|(n, v)| Value::from(vec![n.as_str(), v.as_str()])).collect();
             if !self.chunked {
-                hs.push(Value::from(vec!["content-length".to_string(), self.body.len().to_string()]));
+                hs.push(Value::from(vec!["content-length".to_string(), body.len().to_string()]));
             }
             let spec = serde_json::json!({"method": self.method, "path": self.target(), "authority": self.host,
-                "headers": hs, "body": self.body});
+                "headers": hs, "body": body});
             let out = Command::new(venv_python())
                 .arg(repo_root().join("tests/oracle/h2_send.py"))
                 .arg(port.to_string())
@@ -243,12 +278,12 @@ impl Req {
         let mut bytes = if self.chunked {
             text.push_str("transfer-encoding: chunked\r\nconnection: close\r\n\r\n");
             let mut b = text.into_bytes();
-            b.extend_from_slice(format!("{:x}\r\n{}\r\n0\r\n\r\n", self.body.len(), self.body).as_bytes());
+            b.extend_from_slice(format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len()).as_bytes());
             b
         } else {
-            text.push_str(&format!("content-length: {}\r\nconnection: close\r\n\r\n", self.body.len()));
+            text.push_str(&format!("content-length: {}\r\nconnection: close\r\n\r\n", body.len()));
             let mut b = text.into_bytes();
-            b.extend_from_slice(self.body.as_bytes());
+            b.extend_from_slice(body.as_bytes());
             b
         };
         bytes.shrink_to_fit();
@@ -259,6 +294,17 @@ impl Req {
             body: vec![],
         })
     }
+}
+
+/// `text` with the pair's key in place of `KEY` (a header value, or a body that carries the key),
+/// and `KEYESC` the key with its first letter written as a JSON `\uXXXX` escape.
+fn fill(text: &str, key: &str) -> String {
+    let mut chars = key.chars();
+    let escaped = match chars.next() {
+        Some(c) => format!("\\u{:04x}{}", c as u32, chars.as_str()),
+        None => String::new(),
+    };
+    text.replace("KEYESC", &escaped).replace("KEY", key)
 }
 
 fn venv_python() -> PathBuf {
@@ -393,6 +439,93 @@ const SPELLINGS: &[Spelling] = &[
     }),
     ("body", "JSON-RPC id `7.0`", |r| r.body = r.body.replacen("\"id\":7", "\"id\":7.0", 1)),
     ("body", "JSON-RPC id as a string (`\"7\"`)", |r| r.body = r.body.replacen("\"id\":7", "\"id\":\"7\"", 1)),
+    // JSON spellings of the key sources (issue 41): names and values a JSON parser reads alike,
+    // and repeated names, which parsers read differently. Each leaves a body without its target
+    // alone (`-` in the table where the canonical body has none).
+    ("json", "a BOM before the document", |r| {
+        if is_json(r) {
+            r.body.insert(0, '\u{feff}')
+        }
+    }),
+    ("json", "whitespace around the document (`\\r\\n\\t`)", |r| {
+        if is_json(r) {
+            r.body = format!("\r\n\t{}\r\n", r.body)
+        }
+    }),
+    ("json", "member name escaped (`\"\\u0063urrency\"`)", |r| {
+        json_edit(r, |b| b.replacen("\"currency\":", "\"\\u0063urrency\":", 1))
+    }),
+    ("json", "member name escaped, hex in upper case (`\"\\u006Dethod\"`, `\"\\u0061mount\"`)", |r| {
+        json_edit(r, |b| {
+            b.replacen("\"amount\":", "\"\\u0061mount\":", 1).replacen("\"method\":", "\"\\u006Dethod\":", 1)
+        })
+    }),
+    ("json", "number `1E0`", |r| r.body = r.body.replacen("\"amount\":1", "\"amount\":1E0", 1)),
+    ("json", "number `10e-1`", |r| r.body = r.body.replacen("\"amount\":1", "\"amount\":10e-1", 1)),
+    ("json", "number `-0` (beside `\"amount\":0`)", |r| {
+        r.body = r.body.replacen("\"amount\":0", "\"amount\":-0", 1).replacen("\"amount\":1", "\"amount\":-0", 1)
+    }),
+    ("json", "duplicate member, the canonical value first (`\"currency\":\"eur\",\"currency\":\"usd\"`)", |r| {
+        json_edit(r, |b| b.replacen("\"currency\":\"eur\"", "\"currency\":\"eur\",\"currency\":\"usd\"", 1))
+    }),
+    ("json", "duplicate member, the same value twice", |r| {
+        json_edit(r, |b| b.replacen("\"currency\":\"eur\"", "\"currency\":\"eur\",\"currency\":\"eur\"", 1))
+    }),
+    // The JSON-RPC call's own members (MCP bodies only).
+    ("json", "`\"\\u006dethod\"`", |r| json_edit(r, |b| b.replacen("\"method\":", "\"\\u006dethod\":", 1))),
+    ("json", "`\"tools\\/call\"` (escaped `/`)", |r| {
+        json_edit(r, |b| b.replacen("\"tools/call\"", "\"tools\\/call\"", 1))
+    }),
+    ("json", "`\"\\u0070arams\"`", |r| json_edit(r, |b| b.replacen("\"params\":", "\"\\u0070arams\":", 1))),
+    ("json", "tool name escaped (`\"\\u0063harge\"`)", |r| {
+        json_edit(r, |b| b.replacen("\"charge\"", "\"\\u0063harge\"", 1))
+    }),
+    ("json", "`\"\\u0061rguments\"`", |r| json_edit(r, |b| b.replacen("\"arguments\":", "\"\\u0061rguments\":", 1))),
+    ("json", "duplicate `method` (`\"method\":\"ping\",\"method\":\"tools/call\"`)", |r| {
+        json_edit(r, |b| b.replacen("\"method\":\"tools/call\"", "\"method\":\"ping\",\"method\":\"tools/call\"", 1))
+    }),
+    ("json", "duplicate tool name (`\"name\":\"refund\",\"name\":\"charge\"`)", |r| {
+        json_edit(r, |b| b.replacen("\"name\":\"charge\"", "\"name\":\"refund\",\"name\":\"charge\"", 1))
+    }),
+    ("json", "duplicate `params` (an empty one first)", |r| {
+        json_edit(r, |b| b.replacen("\"params\":", "\"params\":{},\"params\":", 1))
+    }),
+    // The key in the body (configuration `mcp_body_key`): `_meta.idempotencyKey` or the key argument.
+    ("json", "key source's name escaped (`\"\\u0069dempotencyKey\"`, `\"\\u0069dempotency_key\"`)", |r| {
+        json_edit(r, |b| {
+            b.replacen("\"idempotencyKey\":", "\"\\u0069dempotencyKey\":", 1).replacen(
+                "\"idempotency_key\":",
+                "\"\\u0069dempotency_key\":",
+                1,
+            )
+        })
+    }),
+    ("json", "`\"\\u005fmeta\"`", |r| json_edit(r, |b| b.replacen("\"_meta\":", "\"\\u005fmeta\":", 1))),
+    ("json", "key value's first letter escaped", |r| json_edit(r, |b| b.replacen("\"KEY\"", "\"KEYESC\"", 1))),
+    ("json", "key value with `/` escaped (beside a key `a/KEY`)", |r| {
+        json_edit(r, |b| b.replacen("\"a/KEY\"", "\"KEY\"", 1).replacen("\"KEY\"", "\"a\\/KEY\"", 1))
+    }),
+    ("json", "duplicate key, another first (`\"zz\"`, then the key)", |r| {
+        json_edit(r, |b| {
+            b.replacen("\"idempotencyKey\":\"KEY\"", "\"idempotencyKey\":\"zz\",\"idempotencyKey\":\"KEY\"", 1)
+                .replacen("\"idempotency_key\":\"KEY\"", "\"idempotency_key\":\"zz\",\"idempotency_key\":\"KEY\"", 1)
+        })
+    }),
+    ("json", "duplicate key, another last (the key, then `\"zz\"`)", |r| {
+        json_edit(r, |b| {
+            b.replacen("\"idempotencyKey\":\"KEY\"", "\"idempotencyKey\":\"KEY\",\"idempotencyKey\":\"zz\"", 1)
+                .replacen("\"idempotency_key\":\"KEY\"", "\"idempotency_key\":\"KEY\",\"idempotency_key\":\"zz\"", 1)
+        })
+    }),
+    ("json", "duplicate `_meta` (an empty one last)", |r| {
+        json_edit(r, |b| {
+            if b.contains("\"_meta\"") {
+                b.replacen("\"arguments\":", "\"_meta\":{},\"arguments\":", 1)
+            } else {
+                b.to_string()
+            }
+        })
+    }),
     // A form body (`FORM_BODY`, `Req::base` with `form`): each spelling leaves a JSON body alone.
     ("form", "field order (`currency=eur&...&amount=1`)", |r| {
         if is_form(r) && r.body.contains("amount=1&") {
@@ -560,7 +693,14 @@ fn multipart_amount_last(b: &str) -> String {
 
 /// The body is JSON (the canonical JSON or MCP body, respelled).
 fn is_json(r: &Req) -> bool {
-    r.body.starts_with('{')
+    r.body.trim_start_matches(['\u{feff}', ' ', '\t', '\r', '\n']).starts_with('{')
+}
+
+/// A JSON body rewritten by `f` (any other body left alone).
+fn json_edit(r: &mut Req, f: impl Fn(&str) -> String) {
+    if is_json(r) {
+        r.body = f(&r.body)
+    }
 }
 
 /// The body is the canonical form (`FORM_BODY`), respelled.
@@ -757,8 +897,29 @@ enum Outcome {
     Apart(String),
     /// Counterexample: alike, and B with A's key executed again.
     Twice(String),
+    /// Counterexample: the backend parsed the two JSON bodies apart (beyond the JSON-RPC `id`,
+    /// which is no part of an MCP call), and B with A's key was answered A's replay: idemgate
+    /// merged two requests the backend keeps apart.
+    Merged(String),
     /// The spelling does not apply to this route (the request is the canonical one).
     Inapplicable,
+}
+
+impl Outcome {
+    fn is_counterexample(&self) -> bool {
+        matches!(self, Outcome::Twice(_) | Outcome::Merged(_))
+    }
+}
+
+/// A parsed JSON body without its top-level `id` (an MCP call's transport id); None for a body
+/// the backend did not parse as a JSON object (Tomcat's text, a form).
+fn parsed_json_body(v: &Value) -> Option<Value> {
+    let mut o = v.as_object()?.clone();
+    if o.contains_key("form") && o.contains_key("files") {
+        return None;
+    }
+    o.remove("id");
+    Some(Value::Object(o))
 }
 
 struct Probe<'a> {
@@ -787,6 +948,20 @@ impl Probe<'_> {
             }
             (Reading::Ran(x), Reading::Ran(y)) => {
                 if let Some(f) = x.keys().find(|f| x[*f] != y[*f]) {
+                    // Only the parsed JSON body differs (beyond an MCP call's id), from bodies
+                    // sent apart: B with A's key must not be answered A's response.
+                    let only_body = x.keys().all(|g| *g == "body" || x[*g] == y[*g]);
+                    let parsed = (parsed_json_body(&x["body"]), parsed_json_body(&y["body"]));
+                    if only_body && a.body != bq.body {
+                        if let (Some(px), Some(py)) = parsed {
+                            if px != py {
+                                let r = bq.send(port, &ka);
+                                if r.header("idempotent-replayed") == Some("true") {
+                                    return Outcome::Merged(format!("{} replayed", r.status));
+                                }
+                            }
+                        }
+                    }
                     return Outcome::Apart(format!("{f} differs"));
                 }
             }
@@ -844,7 +1019,7 @@ fn shrink(p: &mut Probe, base: &Req, mut sa: Vec<usize>, mut sb: Vec<usize>) -> 
                 } else {
                     tb.remove(i)
                 };
-                if matches!(p.run(&apply(base, &ta), &apply(base, &tb)), Outcome::Twice(_)) {
+                if p.run(&apply(base, &ta), &apply(base, &tb)).is_counterexample() {
                     (sa, sb) = (ta, tb);
                     smaller = true;
                     break;
@@ -875,6 +1050,7 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
     let mut found = Found { cells: vec![], twice: vec![], pairs: 0 };
     for (cfg, &(cname, _, kh, sh)) in CONFIGS.iter().enumerate() {
         let mcp = cname.starts_with("mcp");
+        let body_key = cname == "mcp_body_key";
         let mut p = Probe { b, cfg, seq: 0 };
         let report = |p: &mut Probe, base: &Req, sa: Vec<usize>, sb: Vec<usize>, found: &mut Found| {
             let (sa, sb) = shrink(p, base, sa, sb);
@@ -892,17 +1068,20 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
         // The sweep: each spelling alone against the canonical request, on both routes (the
         // `form` spellings against the form body, on the payments route).
         for orders in [false, true] {
-            for (s, &(dim, _, _)) in SPELLINGS.iter().enumerate() {
+            for (s, &(dim, sname, _)) in SPELLINGS.iter().enumerate() {
                 let body = match dim {
                     "form" => Body::Form,
                     "multipart" => Body::Multipart,
                     _ => Body::Json,
                 };
-                if body != Body::Json && orders {
+                if (body != Body::Json && orders) || (body_key && !BODY_KEY_DIMS.contains(&dim)) {
                     found.cells.push((cfg, s, orders, Outcome::Inapplicable));
                     continue;
                 }
-                let base = Req::base(orders, kh, sh, mcp, body);
+                let mut base = Req::base(orders, kh, sh, mcp, body, body_key);
+                if let Some((_, f)) = SWEEP_BASES.iter().find(|(n, _)| *n == sname) {
+                    f(&mut base);
+                }
                 let spelled = apply(&base, &[s]);
                 if spelled.show("k") == base.show("k") {
                     found.cells.push((cfg, s, orders, Outcome::Inapplicable));
@@ -910,7 +1089,7 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
                 }
                 let o = p.run(&base, &spelled);
                 found.pairs += 1;
-                if matches!(o, Outcome::Twice(_)) {
+                if o.is_counterexample() {
                     report(&mut p, &base, vec![], vec![s], &mut found);
                 }
                 found.cells.push((cfg, s, orders, o));
@@ -927,7 +1106,7 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
                 2 => Body::Multipart,
                 _ => Body::Json,
             };
-            let base = Req::base(orders, kh, sh, mcp, body);
+            let base = Req::base(orders, kh, sh, mcp, body, body_key);
             let pick = |rng: &mut Rng| -> Vec<usize> {
                 let n = 1 + rng.below(3);
                 let mut v: Vec<usize> = (0..n).map(|_| rng.below(SPELLINGS.len())).collect();
@@ -937,7 +1116,7 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
             };
             let (sa, sb) = (pick(&mut rng), pick(&mut rng));
             found.pairs += 1;
-            if matches!(p.run(&apply(&base, &sa), &apply(&base, &sb)), Outcome::Twice(_)) {
+            if p.run(&apply(&base, &sa), &apply(&base, &sb)).is_counterexample() {
                 report(&mut p, &base, sa, sb, &mut found);
             }
         }
@@ -1017,6 +1196,9 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
            the route, its parameters, the method, the caller, the key, the query or the body), or\n\
            did not run the spelling at all (`not run: status from envoy|backend`): no obligation.\n\
          - `TWICE`: a counterexample: one request to the backend, executed twice.\n\
+         - `MERGED`: a counterexample: the backend parsed the two JSON bodies apart (beyond an MCP\n\
+           call's JSON-RPC `id`), and the spelling with the canonical request's key was answered\n\
+           the canonical request's replay.\n\
          - `-`: the spelling does not apply to that route (`%c3%a9` on `/v1/payments`).\n\n\
          In configuration `mcp` (both routes `protocol: mcp`) the request is an MCP client's\n\
          `tools/call`: the same paths, query and headers, plus `accept: application/json,\n\
@@ -1025,7 +1207,17 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
          each backend answers it with a JSON-RPC response (the request's id, what it read as the\n\
          result), which idemgate takes for the call's completion; `mcp_derive_key` sends that call\n\
          with `x-op` in place of the key header. In `derive_key` and `include_body` the key is\n\
-         derived from `x-op` (and in `include_body` from the body too).\n\n\
+         derived from `x-op` (and in `include_body` from the body too). In `mcp_body_key` the key\n\
+         is in the body, not in a header: in `params._meta.idempotencyKey` on the payments route, in\n\
+         the argument `idempotency_key` (`mcp.key_arguments`) on the orders route; only the\n\
+         `body`, `json`, `content-type` and `protocol` spellings are sent there (`-` elsewhere).\n\n\
+         The `json` spellings respell the JSON body where it has their target (`-` where it has\n\
+         none): a BOM, whitespace around the document, `\\uXXXX` escapes of ASCII letters in\n\
+         member names and values, an escaped `/`, number spellings, and repeated member names (in\n\
+         the arguments, the JSON-RPC members, the key's source). `-0` is sent beside a canonical\n\
+         request with `\"amount\":0`, the escaped `/` in a key beside a key `a/...`. Each backend\n\
+         reports the body as its JSON parser read it: on repeated names Python's `json`,\n\
+         `JSON.parse` (Express, Fastify) and Go's `encoding/json` all keep the last.\n\n\
          The `form` spellings are sent beside the canonical request with a form body in place of\n\
          the JSON one (`content-type: application/x-www-form-urlencoded`, body\n\
          `amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y`), on the payments route, in\n\
@@ -1077,6 +1269,7 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
                             Outcome::Refused(p) => format!("refused ({p})"),
                             Outcome::Apart(why) => format!("apart ({why})"),
                             Outcome::Twice(a) => format!("**TWICE** ({a})"),
+                            Outcome::Merged(a) => format!("**MERGED** ({a})"),
                             Outcome::Inapplicable => "-".to_string(),
                         })
                         .unwrap_or_default()
