@@ -922,6 +922,9 @@ fn parsed_json_body(v: &Value) -> Option<Value> {
     Some(Value::Object(o))
 }
 
+/// How many times in all a pair is sent when Envoy itself answers one of them 5xx (`Probe::run`).
+const TRIES_ON_ENVOY_5XX: usize = 4;
+
 struct Probe<'a> {
     b: &'a Backend,
     cfg: usize,
@@ -934,7 +937,23 @@ impl Probe<'_> {
         format!("o-{}-{}-{}-{}", self.b.name, CONFIGS[self.cfg].0, std::process::id(), self.seq)
     }
 
+    /// The pair's outcome. Envoy's own 5xx for one of them (an upstream timeout or reset on a
+    /// loaded machine) says nothing of the spellings: the pair is sent again with new keys, at
+    /// most `TRIES_ON_ENVOY_5XX` times in all (bounded by count); one that persists is published.
     fn run(&mut self, a: &Req, bq: &Req) -> Outcome {
+        let mut out = self.run_once(a, bq);
+        for _ in 1..TRIES_ON_ENVOY_5XX {
+            match &out {
+                Outcome::Apart(why) if why.starts_with("not run: 5") && why.ends_with(" from envoy") => {
+                    out = self.run_once(a, bq)
+                }
+                _ => break,
+            }
+        }
+        out
+    }
+
+    fn run_once(&mut self, a: &Req, bq: &Req) -> Outcome {
         let (_, _, kh, sh) = CONFIGS[self.cfg];
         let port = self.b.listeners[self.cfg];
         let ka = self.key();
