@@ -309,6 +309,31 @@ pub unsafe fn callout_answer(
     (status, out)
 }
 
+/// A callout's answer's headers as the done hook hands them (none without a response), copied.
+///
+/// # Safety
+/// The pointers are the done hook's, valid for the hook.
+pub unsafe fn callout_headers(
+    result: u32,
+    headers: *const EnvoyHttpHeader,
+    headers_size: usize,
+) -> Vec<(String, Vec<u8>)> {
+    if result != abi::CALLOUT_SUCCESS || headers.is_null() {
+        return vec![];
+    }
+    // SAFETY: Envoy's array of `headers_size` entries, valid during the hook.
+    let hs = unsafe { std::slice::from_raw_parts(headers, headers_size) };
+    hs.iter()
+        .map(|h| {
+            // SAFETY: Envoy's buffers, valid during the hook.
+            let k = unsafe { EnvoyBuffer { ptr: h.key_ptr, length: h.key_length }.bytes() };
+            // SAFETY: as above.
+            let v = unsafe { EnvoyBuffer { ptr: h.value_ptr, length: h.value_length }.bytes() };
+            (String::from_utf8_lossy(k).to_ascii_lowercase(), v.to_vec())
+        })
+        .collect()
+}
+
 /// Resumes the stream's request (paused on a store call).
 pub fn continue_decoding(f: EnvoyPtr) {
     // SAFETY: `f` is the filter Envoy passed to the current hook.

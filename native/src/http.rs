@@ -6,17 +6,18 @@
 //!
 //! Today: the local tier (one proxy) and the Redis (webdis) and etcd stores (`store.rs`: the
 //! calls a request waits for are the stream's callouts, answered in `callout_done`), and
-//! `in_flight: "wait"` (`http/wait.rs`). MCP routes run here: the engine reads the body
-//! and says how the request is answered (`Command::McpReply`), and the core writes those answers
-//! (`mcp::Reply::problem`, `encoding::retry_answer`), as for the Wasm build. `forwarding:
-//! "detached"` and `next_hop_failures: "classify"` are refused at configuration (`refusal`),
-//! before any request.
+//! `in_flight: "wait"` (`http/wait.rs`) and `forwarding: "detached"` with `upstream.hop:
+//! "direct"` (`http/detached.rs`). MCP routes run here: the engine reads the body and says how
+//! the request is answered (`Command::McpReply`), and the core writes those answers
+//! (`mcp::Reply::problem`, `encoding::retry_answer`), as for the Wasm build. A detached hop through
+//! an internal listener and `next_hop_failures: "classify"` are refused at configuration
+//! (`refusal`), before any request.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use idemgate::config::{Config, Forwarding, NextHopFailures};
+use idemgate::config::{Config, Forwarding, Hop, NextHopFailures};
 use idemgate::decision::{classify_routed, Exchange};
 use idemgate::encoding::{self, RetryAnswer, EXPIRES_HEADER};
 use idemgate::engine::budget::Budget;
@@ -46,7 +47,9 @@ use crate::shared::ProcessShared;
 use crate::store::StoreSide;
 use crate::timer::Timer;
 
+mod detached;
 mod wait;
+pub use detached::DETACHED_EVENT;
 pub use wait::WAIT_EVENT;
 
 /// Why this build cannot run `config` yet: the first feature it needs that the native host glue
@@ -58,8 +61,11 @@ pub fn refusal(config: &Config) -> Option<String> {
         ))
     };
     for p in config.policies() {
-        if matches!(p.forwarding, Forwarding::Detached { .. }) {
-            return why("forwarding \"detached\"");
+        if matches!(p.forwarding, Forwarding::Detached { hop: Hop::InternalListener, .. }) {
+            // Envoy registers its internal listeners on its workers: the main thread, which sends
+            // detached requests here (`http/detached.rs`), reaches none (its hop probe is answered
+            // 503 by Envoy, and the request refused).
+            return why("forwarding \"detached\" through upstream.hop \"internal_listener\" (the default; \"direct\" is carried)");
         }
         if p.next_hop_failures == NextHopFailures::Classify {
             return why("next_hop_failures \"classify\"");
@@ -86,6 +92,9 @@ pub struct Global {
     timer: Arc<Timer>,
     /// The streams held by `in_flight: "wait"` (`wait.rs`), woken by the timer's tick.
     waits: Arc<wait::Registry>,
+    /// `forwarding: "detached"` (`detached.rs`): the forwards sent by the main thread, the
+    /// streams waiting for their answer.
+    detached: Arc<detached::Detached>,
 }
 
 impl Global {
@@ -101,6 +110,7 @@ impl Global {
         // thread posts through it.
         let scheduler = Arc::new(AtomicUsize::new(host::scheduler_new(config_envoy) as usize));
         let posts = Arc::clone(&scheduler);
+        let detached = Arc::new(detached::Detached::new(config_envoy, Arc::clone(&scheduler)));
         let timer = Arc::new(Timer::new(
             move || host::scheduler_commit(posts.load(Ordering::Acquire) as abi::SchedulerPtr, crate::TICK_EVENT),
             host::now_ms,
@@ -149,6 +159,7 @@ impl Global {
             sweeper: Mutex::new(Sweeper::default()),
             timer,
             waits: Arc::default(),
+            detached,
         })
     }
 
@@ -156,6 +167,7 @@ impl Global {
     /// writes, then the local table's sweep if due (`engine::sweep`, once a second: the same
     /// counters and gauges as the Wasm root's tick), then the timer armed for the next sweep.
     pub fn on_scheduled(&self) {
+        self.detached.on_scheduled(self);
         if let Some(st) = self.store.as_ref() {
             st.on_scheduled();
         }
@@ -186,6 +198,17 @@ impl Global {
                 LogLevel::Warn,
                 &format!("idemgate: cannot start the timer thread ({e}): retried at the next event"),
             );
+        }
+    }
+
+    /// Main thread: the answer to configuration callout `id`: a detached forward's or its hop
+    /// probe's (`detached.rs`), else the store's.
+    pub fn callout_answered(&self, id: u64, status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: &[u8]) {
+        if self.detached.on_answer(self, id, status, headers, body) {
+            return;
+        }
+        if let Some(st) = self.store.as_ref() {
+            st.on_answer(id, status, body);
         }
     }
 
@@ -245,6 +268,8 @@ pub struct Filter {
     waiting: Option<wait::Waiting>,
     /// An MCP request's JSON-RPC answer form, once the engine says (`Command::McpReply`).
     mcp: Option<McpReply>,
+    /// Detached (`detached.rs`), until answered or its stream ends.
+    detaching: Option<detached::Detaching>,
 }
 
 struct Glue<'a> {
@@ -258,6 +283,7 @@ struct Glue<'a> {
     published: &'a mut bool,
     waiting: &'a mut Option<wait::Waiting>,
     mcp: &'a mut Option<McpReply>,
+    detaching: &'a mut Option<detached::Detaching>,
 }
 
 fn headers_status(f: Flow) -> u32 {
@@ -445,7 +471,7 @@ impl Effects for Glue<'_> {
                 None => self.unreachable("store_write"),
             },
             Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
-            Command::Detach(_) => self.unreachable("detach"),
+            Command::Detach(f) => self.detach(f),
             Command::McpReply { id, batch, accepts } => *self.mcp = Some(McpReply { id, batch, accepts }),
             Command::HandOver { .. } => self.unreachable("hand_over"),
         }
@@ -631,6 +657,7 @@ impl Filter {
             published: false,
             waiting: None,
             mcp: None,
+            detaching: None,
         }
     }
 
@@ -646,6 +673,7 @@ impl Filter {
             published: &mut self.published,
             waiting: &mut self.waiting,
             mcp: &mut self.mcp,
+            detaching: &mut self.detaching,
         };
         (&mut self.machine, glue)
     }
@@ -859,6 +887,10 @@ impl Filter {
                 let (m, mut io) = self.split();
                 m.abandon(&mut io);
             }
+            Phase::Detached { skey } => {
+                let skey = *skey;
+                self.detached_complete(&skey);
+            }
             // Held and never answered: its client left (the Wasm build's outcome for it); its
             // wait ends here (scheduler deleted, out of the registry).
             Phase::Held { skey } => {
@@ -908,8 +940,8 @@ mod tests {
     fn features_not_carried_are_refused_by_name() {
         for (json, names) in [
             (
-                r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "up", "hop": "direct", "timeout_ms": 5000}}"#,
-                "forwarding \"detached\"",
+                r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "idemgate_hop", "timeout_ms": 5000}}"#,
+                "upstream.hop \"internal_listener\"",
             ),
             (r#"{"scope": {"global": true}, "next_hop_failures": "classify"}"#, "next_hop_failures \"classify\""),
         ] {
@@ -928,6 +960,9 @@ mod tests {
         ] {
             assert_eq!(Config::parse(json.as_bytes()).map(|c| refusal(&c)).ok(), Some(None), "{json}");
         }
+        // Carried since: `forwarding: "detached"` straight to its cluster (`http/detached.rs`).
+        let direct = r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "up", "hop": "direct", "timeout_ms": 5000}}"#;
+        assert_eq!(Config::parse(direct.as_bytes()).map(|c| refusal(&c)).ok(), Some(None));
         // Carried since: routes selected by Envoy's route name.
         let named = Config::parse(br#"{"scope": {"global": true}, "routes": [{"route_name": "pay"}]}"#);
         assert_eq!(named.map(|c| refusal(&c)).ok(), Some(None));

@@ -229,15 +229,17 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
 }
 
 /// A stream's scheduled event (`http::WAIT_EVENT`: a request held by `in_flight: "wait"` is
-/// checked), on its worker. Envoy calls it only while the filter is not destroyed.
+/// checked; `http::DETACHED_EVENT`: a detached request's answer is there), on its worker. Envoy calls it only while the filter is not destroyed.
 ///
 /// # Safety
 /// Envoy's hook contract.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(envoy: EnvoyPtr, f: ModulePtr, event_id: u64) {
     // SAFETY: Envoy's hook contract.
-    if let Some(f) = unsafe { filter(f) }.filter(|_| event_id == http::WAIT_EVENT) {
-        f.scheduled(envoy);
+    match (unsafe { filter(f) }, event_id) {
+        (Some(f), http::WAIT_EVENT) => f.scheduled(envoy),
+        (Some(f), http::DETACHED_EVENT) => f.detached_told(envoy),
+        _ => {}
     }
 }
 
@@ -266,7 +268,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
     }
 }
 
-/// The answer to a configuration callout (a store write), on the main thread.
+/// The answer to a configuration callout (a store write, a detached forward or its hop probe), on
+/// the main thread.
 ///
 /// # Safety
 /// Envoy's hook contract.
@@ -285,10 +288,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout
         return;
     }
     // SAFETY: the hook's arrays, valid for the hook.
-    let (status, body) = unsafe { host::callout_answer(result, headers, headers_size, body, body_size) };
+    let (status, answer) = unsafe { host::callout_answer(result, headers, headers_size, body, body_size) };
+    // SAFETY: as above (a detached forward's answer and its hop probe's are read with their headers).
+    let headers = unsafe { host::callout_headers(result, headers, headers_size) };
     // SAFETY: Envoy's hook contract.
-    if let Some(st) = unsafe { global(config) }.and_then(|g| g.store.as_ref()) {
-        st.on_answer(callout_id, status, &body);
+    if let Some(g) = unsafe { global(config) } {
+        g.callout_answered(callout_id, status, headers, &answer);
     }
 }
 

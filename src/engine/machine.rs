@@ -1543,6 +1543,21 @@ pub fn settle_claim(
     slug
 }
 
+/// Settles `claim` away from its request, as its whole exchange ended as `s` says: the Wasm
+/// root's and the native main thread's settlements (a detached forward answered or never sent, a
+/// redirect never followed). Returns the outcome slug.
+pub fn settle_away(
+    io: &mut dyn Effects,
+    claim: &Claim,
+    policy: Option<&Policy>,
+    has_store: bool,
+    s: crate::engine::forwards::Settle,
+) -> &'static str {
+    let ended = Ended { outcome: s.outcome, detail: s.detail };
+    let response = Response { stored: s.response, too_large: s.too_large, complete: true };
+    settle_claim(io, claim, policy, has_store, false, ended, response)
+}
+
 fn settle_command(
     io: &mut dyn Effects,
     claim: &Claim,

@@ -8,7 +8,8 @@ use log::debug;
 use super::host::{self, Counter, Histogram, HostShared};
 use super::Shared;
 use crate::decision::Outcome;
-use crate::engine::machine::{self, Command, Count, Effects, Ended, LogLevel as Level, Response};
+use crate::engine::forwards::Settle;
+use crate::engine::machine::{self, Command, Count, Effects, LogLevel as Level};
 pub use crate::engine::settle::Claim;
 use crate::local::{SharedData, Table};
 use crate::record::{StoredResponse, UnknownReason};
@@ -32,9 +33,8 @@ pub fn settle(
     if let Some(since) = shared.held_since(&claim.owner) {
         shared.metrics.record(Histogram::KeyHeldMs, root.now.saturating_sub(since));
     }
-    let ended = Ended { outcome, detail: detail.to_string() };
-    let response = Response { stored: response, too_large, complete: true };
-    machine::settle_claim(&mut root, claim, policy, has_store, false, ended, response)
+    let s = Settle { outcome, response, too_large, detail: detail.to_string() };
+    machine::settle_away(&mut root, claim, policy, has_store, s)
 }
 
 /// The root's side of a settlement: the clock read once, the claim's route for counters.

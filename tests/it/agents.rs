@@ -64,7 +64,15 @@ fn stack_with(build: Build, extra: &str) -> (Upstream, Envoy) {
 
 #[test]
 fn detached_mode_gives_the_retrying_agent_the_one_executions_response() {
-    let (up, envoy) = stack(
+    detached_mode_gives_the_retrying_agent_the_one_executions_response_with(Build::from_env());
+}
+
+/// The agent's client leaves at 1 s while the upstream takes 2 s: the detached call goes on, its
+/// retries get 409 until it is completed, then its replay; the upstream executes once. With
+/// `build` loaded (`native_module::` runs it for both builds).
+pub(crate) fn detached_mode_gives_the_retrying_agent_the_one_executions_response_with(build: Build) {
+    let (up, envoy) = stack_with(
+        build,
         r#", "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 10000}"#,
     );
     // Client timeout 1 s; the upstream needs 2 s.

@@ -183,6 +183,18 @@ fn a_waiting_retry_gets_the_first_attempts_replay_in_both_builds() {
     }
 }
 
+/// `forwarding: "detached"` (`upstream.hop: "direct"`): the agent's client leaves before the
+/// upstream answers; the call is not cancelled with its stream (the native build sends it as a
+/// configuration callout from Envoy's main thread, docs/native.md), the key is completed once, its
+/// retries meanwhile get 409 and then the replay; the upstream executes once. On main's module the
+/// native build refused the configuration at load.
+#[test]
+fn a_detached_call_outlives_its_client_and_its_retry_gets_the_replay_in_both_builds() {
+    for build in [Build::Wasm, Build::Native] {
+        crate::agents::detached_mode_gives_the_retrying_agent_the_one_executions_response_with(build);
+    }
+}
+
 /// `in_flight: "wait"`: a held request whose client leaves goes with its stream (in the native
 /// build: its scheduler deleted and out of the configuration's registry, so no later tick posts to
 /// it; a tick already posted reaches no destroyed filter). The wait ticks go on while the first
@@ -299,16 +311,18 @@ fn native_module_abi_version_matches_this_envoy() {
 #[test]
 fn native_build_refuses_a_feature_it_does_not_carry_at_load_naming_it() {
     let mut o = EnvoyOptions::new(
-        r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 5000}, "store": {"cluster": "idemgate_store", "kind": "etcd"}}"#,
+        r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "upstream", "timeout_ms": 5000}, "store": {"cluster": "idemgate_store", "kind": "etcd"}}"#,
         support::free_port(),
     );
     o.build = Build::Native;
     o.store_port = Some(support::free_port());
     match Envoy::try_start(&o) {
-        Started::Ready(_) => panic!("the native build accepted forwarding \"detached\""),
+        Started::Ready(_) => {
+            panic!("the native build accepted forwarding \"detached\" through the internal listener hop")
+        }
         Started::Exited { log, .. } => {
             assert!(log.contains("not supported by the native (dynamic module) build yet"), "{log}");
-            assert!(log.contains("forwarding \"detached\""), "{log}");
+            assert!(log.contains("forwarding \"detached\" through upstream.hop \"internal_listener\""), "{log}");
         }
     }
 }
