@@ -34,8 +34,7 @@ import etcd_store_cluster  # noqa: E402 (beside this script)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.environ.get("BENCH_QUICK") == "1"
 RUNS = 3 if QUICK else 5
-# Quick: 1 s per scenario and round (23 scenarios, 3 rounds), so the whole `make bench` stays
-# under three minutes with every key written.
+# Quick: 1 s per scenario and round (24 scenarios, 3 rounds), every key still written.
 DURATION = 1 if QUICK else 8
 CONNECTIONS = 16
 BODY = '{"amount":4200,"currency":"eur","note":"benchmark body of fixed size"}'
@@ -96,7 +95,8 @@ def floor_plugin(mode):
 # 16-connection runs; its p50s give `first_local_p50_overhead_us`.
 ONE_CONNECTION = ["h_floor_empty_post", "h_floor_buffering", "h_floor_shared", "d_first_local", "h_floor_store", "e_first_store",
                   "h_floor_store_etcd", "i_first_etcd", "g_replay_after_local_miss", "j_replay_after_local_miss_etcd",
-                  "k_first_redis_ha", "q_floor_native_buffer", "m_first_local_native", "o_first_store_native"]
+                  "k_first_redis_ha", "q_floor_native_buffer", "m_first_local_native", "o_first_store_native",
+                  "r_first_etcd_native"]
 ONE_CONNECTION_DURATION = 1 if QUICK else 4
 
 # webdis's basic-auth credential in envoy/redis-ha/webdis.json (the Redis HA stack).
@@ -589,7 +589,7 @@ def main():
         else:
             raise RuntimeError(f"{store}: {w.stat('idemgate.store_writes') - writes0} of the miss pool's {MISS_POOL} completions landed")
         w.close()
-    # Every scenario (a)-(q), the floors (h) and (q) among them, runs interleaved: every Envoy is started first, then each
+    # Every scenario (a)-(r), the floors (h) and (q) among them, runs interleaved: every Envoy is started first, then each
     # round runs every scenario once in turn, so a slow spell of this shared VM hits all of them
     # alike; a ratio is the median of its per-round ratios (same round, same conditions), with
     # their spread. The floors get the same POSTs (body, headers, unique keys) as (d) and (e).
@@ -621,6 +621,9 @@ def main():
         ("h_floor_store_etcd", dict(base, wasm=floor, direct=False, plugin=dict(floor_plugin("store"), store_kind="etcd", key=FLOOR_ETCD_KEY), **with_etcd),
          dict(mode="unique")),
         ("i_first_etcd", dict(base, wasm=wasm, direct=False, plugin=PLUGIN_ETCD, **with_etcd), dict(mode="unique")),
+        # The native build with etcd: the same POSTs as (i), the same etcd members (`Envoy` waits
+        # for its lease as for the Wasm one's: wait_store).
+        ("r_first_etcd_native", dict(base, wasm=None, native=NATIVE, direct=False, plugin=PLUGIN_ETCD, **with_etcd), dict(mode="unique")),
         ("k_first_redis_ha", dict(base, wasm=wasm, direct=False, plugin=plugin_store, ha_cluster=ha_cluster), dict(mode="unique")),
         ("g_replay_after_local_miss", dict(base, wasm=wasm, direct=False, plugin=dict(plugin_store, local=MISS_LOCAL), **with_redis),
          dict(mode="pool", pool=MISS_POOL, pool_prefix=miss_prefix)),
@@ -739,6 +742,8 @@ def main():
     native_local_own_floor = paired("m_first_local_native", "q_floor_native_buffer")
     native_store = paired("o_first_store_native", "e_first_store")
     native_store_floor = paired("o_first_store_native", "h_floor_store")
+    native_etcd = paired("r_first_etcd_native", "i_first_etcd")
+    native_etcd_floor = paired("r_first_etcd_native", "h_floor_store_etcd")
     native_passthrough = paired("p_unprotected_get_native", "c_unprotected_get")
     native_passthrough_empty = paired("p_unprotected_get_native", "b_empty_wasm_proxied")
     native_passthrough_none = paired("p_unprotected_get_native", "a_proxied_get")
@@ -747,6 +752,7 @@ def main():
     native_local_p50 = p50_overhead_us("m_first_local_native", "h_floor_buffering")
     native_local_own_p50 = p50_overhead_us("m_first_local_native", "q_floor_native_buffer")
     native_store_p50 = p50_overhead_us("o_first_store_native", "h_floor_store")
+    native_etcd_p50 = p50_overhead_us("r_first_etcd_native", "h_floor_store_etcd")
     one = lambda k, f: R[k]["one_connection"][f]
     results = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "envoy": subprocess.run(["envoy", "--version"], capture_output=True, text=True).stdout.strip(),
@@ -796,6 +802,17 @@ def main():
         "native_first_store_round_trips": R["o_first_store_native"]["store_calls_waited_per_request"],
         "native_first_store_calls_total": R["o_first_store_native"]["store_calls_per_request"],
         "native_first_store_cluster_requests": R["o_first_store_native"]["store_cluster_requests_per_request"],
+        "native_first_etcd_ratio": native_etcd["median"],
+        "native_first_etcd_ratio_spread": native_etcd,
+        "native_first_etcd_ratio_divides_by": "i_first_etcd (the Wasm build, same POSTs, same etcd members)",
+        "native_first_etcd_cpu_ratio": cpu_paired("r_first_etcd_native", "i_first_etcd"),
+        "native_first_etcd_floor_ratio": native_etcd_floor["median"],
+        "native_first_etcd_floor_ratio_spread": native_etcd_floor,
+        "native_first_etcd_floor_ratio_divides_by": "h_floor_store_etcd (the Wasm etcd store floor of first_etcd_floor_ratio: buffering plus 2 etcd writes; same POSTs, same etcd)",
+        "native_first_etcd_floor_cpu_ratio": cpu_paired("r_first_etcd_native", "h_floor_store_etcd"),
+        "native_first_etcd_round_trips": R["r_first_etcd_native"]["store_calls_waited_per_request"],
+        "native_first_etcd_calls_total": R["r_first_etcd_native"]["store_calls_per_request"],
+        "native_first_etcd_cluster_requests": R["r_first_etcd_native"]["store_cluster_requests_per_request"],
         "native_passthrough_ratio": native_passthrough["median"],
         "native_passthrough_ratio_spread": native_passthrough,
         "native_passthrough_ratio_divides_by": "c_unprotected_get (the Wasm build, same GETs)",
@@ -816,6 +833,8 @@ def main():
         "native_first_local_native_floor_p50_overhead_us_spread": native_local_own_p50,
         "native_first_store_p50_overhead_us": native_store_p50["median"],
         "native_first_store_p50_overhead_us_spread": native_store_p50,
+        "native_first_etcd_p50_overhead_us": native_etcd_p50["median"],
+        "native_first_etcd_p50_overhead_us_spread": native_etcd_p50,
         "native_so_bytes": os.path.getsize(NATIVE),
         "first_local_floor_ratio": local_floor["median"],
         "first_local_floor_ratio_spread": local_floor,
@@ -975,6 +994,7 @@ LABELS = [
     ("f_replay_local", "(f) idemgate, replay from memory"),
     ("m_first_local_native", "(m) idemgate native, first POST, local tier"),
     ("o_first_store_native", "(o) idemgate native, first POST, Redis store"),
+    ("r_first_etcd_native", "(r) idemgate native, first POST, etcd store"),
     ("n_replay_local_native", "(n) idemgate native, replay from memory"),
     ("p_unprotected_get_native", "(p) idemgate native, unprotected GET"),
     ("q_floor_native_buffer", "(q) floor, native host: Envoy's buffer filter"),
@@ -1098,6 +1118,7 @@ def native_beside_wasm(results, sp, r3):
     rows = "\n".join(f"| {what} | {rps(w)} | {rps(n)} | **{r3(ratio)}** ({sp(ratio)}) | {cpu(w):.0f} | {cpu(n):.0f} |"
                      for what, w, n, ratio in [("first POST, local tier", "d_first_local", "m_first_local_native", "native_first_local_ratio"),
                                                ("first POST, Redis store", "e_first_store", "o_first_store_native", "native_first_store_ratio"),
+                                               ("first POST, etcd store", "i_first_etcd", "r_first_etcd_native", "native_first_etcd_ratio"),
                                                ("replay from memory", "f_replay_local", "n_replay_local_native", "native_replay_local_ratio"),
                                                ("unprotected GET (pass-through)", "c_unprotected_get", "p_unprotected_get_native", "native_passthrough_ratio")])
     M = S.get("memory_per_worker")
@@ -1143,8 +1164,9 @@ keep or return, not a finding.
 
 The native build (`libidemgate_native.so`, [native.md](native.md): the same engine as an Envoy
 dynamic module) in the same interleaved rounds as the Wasm build, on the same requests: (m), (o),
-(n) and (p) are (d), (e), (f) and (c) with the native filter in place of the Wasm one (same
-configuration, same webdis and Redis, the record secret in Envoy's process environment). Each
+(r), (n) and (p) are (d), (e), (i), (f) and (c) with the native filter in place of the Wasm one (same
+configuration, same webdis and Redis, same etcd members, the record secret in Envoy's process
+environment). Each
 ratio is the median of its per-round throughput ratios, with their min-max; CPU ratios are the
 baseline's Envoy CPU per request over the scenario's (above 1: cheaper than the baseline).
 
@@ -1163,6 +1185,14 @@ baseline's Envoy CPU per request over the scenario's (above 1: cheaper than the 
   first POST with Redis used the store: {results['native_first_store_round_trips']:.3f} store calls waited for per request
   ({results['native_first_store_calls_total']:.3f} in all, {results['native_first_store_cluster_requests']:.3f} requests Envoy sent to the store cluster; the Wasm build:
   {results['first_request_store_round_trips']:.3f} / {results['first_request_store_calls_total']:.3f})
+- `native_first_etcd_floor_ratio` = (r) / the etcd store floor (buffering + 2 etcd writes, the Wasm floor of
+  `first_etcd_floor_ratio`) = **{r3('native_first_etcd_floor_ratio')}** (rounds: {sp('native_first_etcd_floor_ratio')}; by Envoy CPU per request
+  {r3('native_first_etcd_floor_cpu_ratio')}; the Wasm build's, (i) / it: {r3('first_etcd_floor_ratio')}). 1-connection p50, (r) minus the etcd store floor:
+  {results['native_first_etcd_p50_overhead_us']:.0f} µs (the Wasm build's, (i) minus it: {results['first_etcd_p50_overhead_us']:.0f} µs). The native first POST with
+  etcd used the store: {results['native_first_etcd_round_trips']:.3f} store calls waited for per request ({results['native_first_etcd_calls_total']:.3f} in all,
+  {results['native_first_etcd_cluster_requests']:.3f} requests Envoy sent to the store cluster; the Wasm build:
+  {results['etcd_first_store_round_trips']:.3f} / {results['etcd_first_store_calls_total']:.3f}). `native_first_etcd_ratio` = (r) / (i), first POSTs with etcd =
+  **{r3('native_first_etcd_ratio')}** (rounds: {sp('native_first_etcd_ratio')}; by Envoy CPU per request {r3('native_first_etcd_cpu_ratio')})
 - `native_first_store_ratio` = (o) / (e), first POSTs with Redis = **{r3('native_first_store_ratio')}** (rounds: {sp('native_first_store_ratio')}; by
   Envoy CPU per request {r3('native_first_store_cpu_ratio')}); `native_first_local_ratio` = (m) / (d) = **{r3('native_first_local_ratio')}**
   (by CPU {r3('native_first_local_cpu_ratio')}); `native_replay_local_ratio` = (n) / (f) = **{r3('native_replay_local_ratio')}** (by CPU {r3('native_replay_local_cpu_ratio')})
@@ -1180,8 +1210,8 @@ Envoy's own buffer filter (C++, in Envoy's binary): it pauses at the request hea
 once the whole body is in, and reads nothing of the response (the Wasm floor copies the body into
 the VM and reads the response's headers and body too), so it is a lower floor than a native
 module doing the Wasm floor's work would be; its pass-through floor is Envoy without any filter.
-No native two-callout floor is built: the store row compares both builds with the Wasm store
-floor, which is the native build's bound only in being the work both must do.
+No native two-callout floor is built: the store rows compare both builds with the Wasm store
+floors (Redis, etcd), which are the native build's bound only in being the work both must do.
 
 | | Wasm host | native host |
 |---|---|---|
@@ -1195,6 +1225,8 @@ floor, which is the native build's bound only in being the work both must do.
 | the engine's Envoy CPU per GET beyond that floor, µs | {cpu('c_unprotected_get') - cpu('b_empty_wasm_proxied'):.0f} | {cpu('p_unprotected_get_native') - cpu('a_proxied_get'):.0f} |
 | first POST, Redis / the store floor (the Wasm floor for both) | (e) **{r3('first_store_floor_ratio')}** ({sp('first_store_floor_ratio')}) | (o) **{r3('native_first_store_floor_ratio')}** ({sp('native_first_store_floor_ratio')}) |
 | Envoy CPU per first POST with Redis beyond the store floor, µs | {cpu('e_first_store') - cpu('h_floor_store'):.0f} | {cpu('o_first_store_native') - cpu('h_floor_store'):.0f} |
+| first POST, etcd / the etcd store floor (the Wasm floor for both) | (i) **{r3('first_etcd_floor_ratio')}** ({sp('first_etcd_floor_ratio')}) | (r) **{r3('native_first_etcd_floor_ratio')}** ({sp('native_first_etcd_floor_ratio')}) |
+| Envoy CPU per first POST with etcd beyond the etcd store floor, µs | {cpu('i_first_etcd') - cpu('h_floor_store_etcd'):.0f} | {cpu('r_first_etcd_native') - cpu('h_floor_store_etcd'):.0f} |
 
 The two hosts' buffering floors side by side, (q) / (h): {r3('native_buffer_floor_vs_wasm_buffering_ratio')} (rounds:
 {sp('native_buffer_floor_vs_wasm_buffering_ratio')}): what the Wasm floor's work (the body copied into the VM, the response's
@@ -1452,7 +1484,7 @@ Generated by `make bench` (`scripts/bench.py`); do not edit by hand. Machine: {r
 Settings: Envoy with {st['envoy_workers']} worker, log level {st['log_level']}; wrk with {st['wrk_threads']} thread and
 {st['connections']} connections for {st['duration_s']} s, {st['runs']} rounds (median, and min-max of
 throughput); POST bodies of {st['body_bytes']} bytes with the same headers in every scenario; the upstream is the demo
-API's stateless `/bench` route on 127.0.0.1. Scenarios (a)-(q) run interleaved: all their Envoys are up
+API's stateless `/bench` route on 127.0.0.1. Scenarios (a)-(r) run interleaved: all their Envoys are up
 at once and each round runs every scenario in turn, so a ratio compares runs made under the same
 conditions (its figure is the median of the per-round ratios, with their min-max). Quick run: {st['quick']}.{quick_note}
 
