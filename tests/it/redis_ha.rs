@@ -532,6 +532,23 @@ pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes:
         *probe_answers.entry(kind(&r)).or_insert(0) += 1;
     }
     let probes_at = (t0.elapsed() - fault_at).as_secs_f64();
+    if std::env::var("IDEMGATE_REDIS_HA_DEBUG").is_ok() {
+        for (i, e) in w.proxies.iter().enumerate() {
+            let r = crate::support::http::get(e.admin_port, "/clusters")
+                .map(|r| String::from_utf8_lossy(&r.body).into_owned())
+                .unwrap_or_default();
+            for l in r.lines().filter(|l| {
+                l.starts_with("idemgate_store::")
+                    && (l.contains("health_flags") || l.contains("rq_error") || l.contains("rq_success"))
+            }) {
+                println!("proxy {i}: {l}");
+            }
+            for (n, v) in e.stats("idemgate_store.health_check").into_iter().chain(e.stats("idemgate_store.outlier")) {
+                println!("proxy {i}: {n} {v}");
+            }
+        }
+        println!("webdis ports: {:?}", (0..2).map(|j| w.store.port(&format!("webdis-{j}"))).collect::<Vec<_>>());
+    }
     // With the hop, what hop-0 sent to the other leg's HAProxy (its failover), before the retries
     // (nothing to read once hop-0 itself was killed).
     let hop0_to_other = if acl && !matches!(fault, Fault::Hop) {
