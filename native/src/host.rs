@@ -63,14 +63,20 @@ pub fn all_headers(f: EnvoyPtr, kind: u32) -> Vec<(String, Vec<u8>)> {
     if !unsafe { abi::envoy_dynamic_module_callback_http_get_headers(f, kind, raw.as_mut_ptr()) } {
         return vec![];
     }
-    raw.iter()
-        .map(|h| {
-            // SAFETY: Envoy's buffers, valid during the hook; copied now.
-            let k = unsafe { EnvoyBuffer { ptr: h.key_ptr, length: h.key_length }.bytes() };
-            let v = unsafe { EnvoyBuffer { ptr: h.value_ptr, length: h.value_length }.bytes() };
-            (String::from_utf8_lossy(k).into_owned(), v.to_vec())
-        })
-        .collect()
+    // SAFETY: Envoy's buffers, valid during the hook; copied now.
+    raw.iter().map(|h| unsafe { copied(h) }).collect()
+}
+
+/// One header line Envoy handed over, copied out of its buffers (the name as Envoy gave it).
+///
+/// # Safety
+/// `h`'s pointers are Envoy's, valid for the current hook.
+unsafe fn copied(h: &EnvoyHttpHeader) -> (String, Vec<u8>) {
+    // SAFETY: the caller's.
+    let k = unsafe { EnvoyBuffer { ptr: h.key_ptr, length: h.key_length }.bytes() };
+    // SAFETY: as above.
+    let v = unsafe { EnvoyBuffer { ptr: h.value_ptr, length: h.value_length }.bytes() };
+    (String::from_utf8_lossy(k).into_owned(), v.to_vec())
 }
 
 /// The filter state keys an access log prints, the Wasm build's (`idemgate::filter::host`: Envoy
@@ -326,10 +332,8 @@ pub unsafe fn callout_headers(
     hs.iter()
         .map(|h| {
             // SAFETY: Envoy's buffers, valid during the hook.
-            let k = unsafe { EnvoyBuffer { ptr: h.key_ptr, length: h.key_length }.bytes() };
-            // SAFETY: as above.
-            let v = unsafe { EnvoyBuffer { ptr: h.value_ptr, length: h.value_length }.bytes() };
-            (String::from_utf8_lossy(k).to_ascii_lowercase(), v.to_vec())
+            let (k, v) = unsafe { copied(h) };
+            (k.to_ascii_lowercase(), v)
         })
         .collect()
 }

@@ -165,9 +165,14 @@ impl Writes {
 
     /// A new write: sent at once.
     pub fn push(&mut self, job: Job) -> WriteId {
+        let id = self.new_id();
+        self.send(id, job);
+        id
+    }
+
+    fn new_id(&mut self) -> WriteId {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
-        self.send(id, job);
         id
     }
 
@@ -279,8 +284,7 @@ impl Writes {
     /// A write handed over by another machine (`hand_over`), sent when `due_ms` comes (at the
     /// next `tick`), with the attempts it has made.
     pub fn adopt(&mut self, due_ms: u64, job: Job) -> WriteId {
-        let id = self.next_id;
-        self.next_id = self.next_id.wrapping_add(1);
+        let id = self.new_id();
         self.retries.push((due_ms, id, job));
         id
     }
