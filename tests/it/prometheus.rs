@@ -326,3 +326,31 @@ fn prometheus_scrapes_envoy_and_every_rule_and_panel_query_returns_data() {
 fn unix_seconds() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
 }
+
+/// The one mapping between the builds' series in the tests (`support::Envoy::prometheus`):
+/// docs/native.md's relabel rule, read from that page, renames the native build's
+/// `envoy_dynamicmodulescustom_idemgate_*` (samples with or without labels, `# TYPE` lines) to the
+/// Wasm build's names and leaves every other line as it is (the Wasm build's series, Envoy's own,
+/// another module's).
+#[test]
+fn the_documented_relabel_rule_gives_the_native_builds_series_the_wasm_builds_names() {
+    let rule = support::RelabelRule::documented();
+    let native = "# TYPE envoy_dynamicmodulescustom_idemgate_claimed counter\n\
+                  envoy_dynamicmodulescustom_idemgate_claimed{} 1\n\
+                  envoy_dynamicmodulescustom_idemgate_route_replayed{route=\"charges\"} 1\n\
+                  envoy_dynamicmodulescustom_idemgate_key_held_ms_bucket{le=\"250\"} 0\n\
+                  envoy_dynamicmodulescustom_other_claimed{} 2\n";
+    assert_eq!(
+        rule.apply_to_text(native),
+        "# TYPE idemgate_claimed counter\n\
+         idemgate_claimed{} 1\n\
+         idemgate_route_replayed{route=\"charges\"} 1\n\
+         idemgate_key_held_ms_bucket{le=\"250\"} 0\n\
+         envoy_dynamicmodulescustom_other_claimed{} 2\n"
+    );
+    let wasm = "# TYPE idemgate_claimed counter\n\
+                idemgate_claimed 1\n\
+                idemgate_route_replayed{route=\"charges\"} 1\n\
+                envoy_cluster_upstream_rq_completed{envoy_cluster_name=\"upstream\"} 3\n";
+    assert_eq!(rule.apply_to_text(wasm), wasm);
+}

@@ -701,11 +701,20 @@ fn counters_exist_per_route_as_well_as_in_total() {
     assert!(text.lines().any(|l| l == build), "{build} in {text}");
 }
 
+/// Envoy merges histograms on its stats flush (`stats_flush_interval`, 5 s by default): the tests
+/// that read them have Envoy flush every 200 ms, before the build's `stats_config`.
+fn flushing_often(o: &mut support::EnvoyOptions) {
+    o.stats_config = Some(format!("stats_flush_interval: 0.2s\n{}", o.build.stats_config()));
+}
+
 /// The histograms count what they measure: two replays, one wait, and the hold of every key
 /// claimed (two here), in Envoy's Prometheus output once it merged them.
 #[test]
 fn histograms_measure_replays_waits_and_held_keys() {
-    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 5000}"#);
+    let s = Stack::with(
+        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 5000}"#,
+        flushing_often,
+    );
     assert_eq!(s.post("/charges", Some("k-1"), "{}", &[]).status, 201);
     assert_eq!(s.post("/charges", Some("k-1"), "{}", &[]).status, 201);
     // A retry while the first runs waits for it, then is replayed.
@@ -732,7 +741,7 @@ fn histograms_measure_replays_waits_and_held_keys() {
     assert_eq!(s.up.executions(), 2);
     let e = &s.envoy;
     assert_eq!((e.stat("idemgate.replayed"), e.stat("idemgate.waited")), (2, 1));
-    // Envoy merges histograms on its stats flush (every 5 s by default): bounded by count.
+    // Envoy merges histograms on its stats flush (`flushing_often`): bounded by count.
     // Envoy writes a series without labels as `name{} value`.
     let mut text = String::new();
     for _ in 0..100 {
@@ -771,8 +780,9 @@ fn histograms_measure_replays_waits_and_held_keys() {
 /// request's claim all the same (at least its upstream's 300 ms).
 #[test]
 fn a_detached_forwards_key_hold_is_measured_to_its_settlement_by_the_root() {
-    let s = Stack::new(
+    let s = Stack::with(
         r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 5000}}"#,
+        flushing_often,
     );
     assert_eq!(s.post("/charges", Some("k-d"), "{}", &[("x-up-delay-ms", "300")]).status, 201);
     assert_eq!(s.up.executions(), 1);

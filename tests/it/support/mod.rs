@@ -414,9 +414,10 @@ impl RelabelRule {
     pub fn apply_to_text(&self, text: &str) -> String {
         text.lines()
             .map(|l| {
-                if let Some(rest) = l.strip_prefix("# TYPE ").or_else(|| l.strip_prefix("# HELP ")) {
-                    let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
-                    format!("{} {} {tail}", &l[..7], self.apply(name))
+                if l.starts_with("# TYPE ") || l.starts_with("# HELP ") {
+                    let (head, rest) = l.split_at(7);
+                    let end = rest.find(' ').unwrap_or(rest.len());
+                    format!("{head}{}{}", self.apply(&rest[..end]), &rest[end..])
                 } else if l.starts_with('#') {
                     l.to_string()
                 } else {
