@@ -152,7 +152,15 @@ fn an_unfollowed_redirect_is_outcome_unknown_and_a_forged_marker_cannot_take_it(
     let s = Stack::with(CFG, |o| {
         o.route_action_extra = REDIRECTS.into();
         o.internal_clients = true;
-        let off = r#"{envoy.filters.http.wasm: {"@type": type.googleapis.com/envoy.config.route.v3.FilterConfig, disabled: true}}"#;
+        // The filter's name in the chain, per build (the native build's filter is Envoy's
+        // dynamic module filter).
+        let filter = match o.build {
+            support::Build::Wasm => "envoy.filters.http.wasm",
+            support::Build::Native => "envoy.filters.http.dynamic_modules",
+        };
+        let off = format!(
+            r#"{{{filter}: {{"@type": type.googleapis.com/envoy.config.route.v3.FilterConfig, disabled: true}}}}"#
+        );
         o.named_routes =
             vec![("target".into(), format!("{{prefix: \"/target\"}}\n                typed_per_filter_config: {off}"))];
     });
@@ -232,4 +240,78 @@ fn a_targets_release_status_never_releases_the_first_hop() {
     assert_eq!(retry.status, 409, "{}", retry.body_text());
     assert_eq!(problem_type(&retry), "urn:idemgate:problem:outcome-unknown");
     assert_eq!(s.up.executions(), 2, "the first hop never ran again");
+}
+
+/// Two redirects chained (`/charges` 307 to `/target`, `/target` 307 to `/target2`, Envoy
+/// following both): the claim is handed over twice, each re-created stream taking it from the
+/// one before (Envoy sets `x-envoy-original-url` to the URL each was redirected from). Each hop
+/// executes once, the last one's answer is stored and replayed; no stream claims the key anew
+/// (which would answer the client 409 for a request whose hops executed) and none releases it.
+#[test]
+fn two_chained_redirects_are_one_request() {
+    let s = Stack::with(CFG, |o| {
+        o.route_action_extra =
+            ", internal_redirect_policy: {redirect_response_codes: [303, 307], max_internal_redirects: 2}".into();
+    });
+    let chain = [("x-up-redirect", "307 /target, 307 /target2")];
+    let a = post(&s, "alice", "/charges", "k-chain", &chain);
+    assert_eq!(a.status, 201, "first answer {}", a.body_text());
+    assert_eq!(a.json()["path"], "/target2", "the last hop's answer: {}", a.body_text());
+    let hops: Vec<String> = s.up.log().iter().map(|e| format!("{} {}", e.method, e.path)).collect();
+    assert_eq!(hops, ["POST /charges", "POST /target", "POST /target2"], "each hop executed once");
+    let b = post(&s, "alice", "/charges", "k-chain", &chain);
+    assert_eq!(b.status, 201, "retry {}", b.body_text());
+    assert_eq!(b.header("idempotent-replayed"), Some("true"), "the retry is a replay");
+    assert_eq!(b.body, a.body);
+    assert_eq!(s.up.executions(), 3, "the retry executed nothing");
+    assert_eq!(s.envoy.stat("idemgate.internal_redirects_followed"), 2);
+    assert_eq!(s.envoy.stat("idemgate.internal_redirects_unfollowed"), 0);
+    assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 0);
+    assert_eq!(s.envoy.stat("idemgate.stored"), 1);
+}
+
+/// The client leaves while its redirect's target runs (the first hop answered its 307 at once,
+/// the target is held): the re-created stream ends without an answer. Both hops executed, so
+/// nothing releases the key: a retry gets 409 (in flight, then outcome-unknown once the stream
+/// is settled), never a third execution.
+#[test]
+fn a_client_that_leaves_while_its_redirects_target_runs_never_releases_the_key() {
+    use std::io::Write;
+    let s = stack(false);
+    let body = br#"{"amount":100}"#;
+    let req = format!(
+        "POST /charges HTTP/1.1\r\nhost: idemgate.test\r\nauthorization: Bearer alice\r\ncontent-type: application/json\r\nidempotency-key: k-left\r\nx-up-redirect: 307 /target\r\nx-up-hold-on: /target\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", s.envoy.port)).expect("connect");
+    c.write_all(req.as_bytes()).expect("send");
+    c.write_all(body).expect("send");
+    // Bounded by count: both hops have executed once the target is held.
+    for _ in 0..2000 {
+        if s.up.executions() == 2 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(s.up.executions(), 2, "the first hop and the held target");
+    let _ = c.shutdown(std::net::Shutdown::Both);
+    drop(c);
+    // Bounded by count: the re-created stream is settled once Envoy sees its client gone.
+    let mut last = String::new();
+    for _ in 0..200 {
+        let r = post(&s, "alice", "/charges", "k-left", &[]);
+        assert_eq!(r.status, 409, "the key is never released: {}", r.body_text());
+        last = problem_type(&r);
+        if last == "urn:idemgate:problem:outcome-unknown" {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(last, "urn:idemgate:problem:outcome-unknown");
+    s.up.release_holds();
+    let r = post(&s, "alice", "/charges", "k-left", &[]);
+    assert_eq!(r.status, 409, "{}", r.body_text());
+    assert_eq!(s.up.executions(), 2, "never executed again");
+    assert_eq!(s.envoy.stat("idemgate.internal_redirects_followed"), 1);
+    assert_eq!(s.envoy.stat("idemgate.released"), 0);
 }
