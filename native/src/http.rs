@@ -9,7 +9,8 @@
 //! `in_flight: "wait"` (`http/wait.rs`) and `forwarding: "detached"` with `upstream.hop:
 //! "direct"` (`http/detached.rs`). MCP routes run here: the engine reads the body and says how
 //! the request is answered (`Command::McpReply`), and the core writes those answers
-//! (`mcp::Reply::problem`, `encoding::retry_answer`), as for the Wasm build. A detached hop through
+//! (`mcp::Reply::problem`, `encoding::retry_answer`), as for the Wasm build. Envoy's internal
+//! redirects hand a claim over to the re-created stream (`http/redirect.rs`). A detached hop through
 //! an internal listener and `next_hop_failures: "classify"` are refused at configuration
 //! (`refusal`), before any request.
 

@@ -30,6 +30,7 @@
 //! them held in the local tier or the store until their lock expires: outcome-unknown to a retry,
 //! never released.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize};
 
 use idemgate::decision::Outcome;
@@ -42,10 +43,27 @@ use idemgate::scope::CallerScope;
 use super::detached::MainThread;
 use super::*;
 
+/// The claims handed over and, for each, since when its key is held (`idemgate.key_held_ms`,
+/// recorded by the stream that settles it, as the Wasm build records it across a redirect).
+#[derive(Default)]
+struct List {
+    handoffs: Handoffs<Claim>,
+    held_since: HashMap<StorageKey, u64>,
+}
+
+impl List {
+    /// Claims settled away from the list (expired, pushed out): their hold is not measured.
+    fn forget(&mut self, gone: &[Handoff<Claim>]) {
+        for h in gone {
+            self.held_since.remove(&h.skey);
+        }
+    }
+}
+
 /// A configuration's claims handed over by redirected streams, not yet taken.
 #[derive(Default)]
 pub struct Redirects {
-    handoffs: Mutex<Handoffs<Claim>>,
+    list: Mutex<List>,
     /// How many claims the list holds (set under its lock): a stream's headers read it without
     /// the lock, and look no further while it is 0.
     waiting: AtomicUsize,
@@ -64,23 +82,31 @@ impl Redirects {
         self.waiting.load(Ordering::Acquire) == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Handoffs<Claim>> {
-        self.handoffs.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Runs `f` on the list under its lock, the count of claims waiting set after it.
-    fn with<T>(&self, f: impl FnOnce(&mut Handoffs<Claim>) -> T) -> T {
-        let mut list = self.lock();
+    fn with<T>(&self, f: impl FnOnce(&mut List) -> T) -> T {
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
         let out = f(&mut list);
-        self.waiting.store(list.len(), Ordering::Release);
+        self.waiting.store(list.handoffs.len(), Ordering::Release);
         out
     }
 
-    /// Posts a claim handed over by a stream of connection `connection` (`Command::HandOver`);
-    /// claims pushed out of a full list are settled as unfollowed.
-    pub fn hand_over(&self, g: &Global, claim: Claim, url: String, connection: Option<u64>, now: u64) {
+    /// Posts a claim handed over by a stream of connection `connection` (`Command::HandOver`),
+    /// its key held since `held_since`; claims pushed out of a full list are settled as
+    /// unfollowed.
+    pub fn hand_over(
+        &self,
+        g: &Global,
+        claim: Claim,
+        url: String,
+        connection: Option<u64>,
+        held_since: Option<u64>,
+        now: u64,
+    ) {
         host::log(LogLevel::Debug, &format!("idemgate: outcome=redirect_handed_over {} url={url}", claim.log));
         let pushed = self.with(|list| {
+            if let Some(since) = held_since {
+                list.held_since.insert(claim.skey, since);
+            }
             // Under the lock: a stream created from here on is born after this hand-over.
             let from_context = self.handed.fetch_add(1, Ordering::AcqRel);
             let h = Handoff {
@@ -92,7 +118,9 @@ impl Redirects {
                 posted_ms: now,
                 claim,
             };
-            list.post(h)
+            let pushed = list.handoffs.post(h);
+            list.forget(&pushed);
+            pushed
         });
         for old in pushed {
             unfollowed(g, &old);
@@ -100,7 +128,8 @@ impl Redirects {
     }
 
     /// The claim handed over under `skey` and policy `policy_index` by a stream redirected from
-    /// `original_url` that a stream (`born`, on `connection`) may take, taken (`Io::take_handoff`).
+    /// `original_url` that a stream (`born`, on `connection`) may take, taken (`Io::take_handoff`),
+    /// with since when its key is held.
     pub fn take(
         &self,
         skey: &StorageKey,
@@ -109,11 +138,15 @@ impl Redirects {
         connection: Option<u64>,
         born: u32,
         now: u64,
-    ) -> Option<Handoff<Claim>> {
+    ) -> Option<(Handoff<Claim>, Option<u64>)> {
         if self.is_empty() {
             return None;
         }
-        self.with(|list| list.take(skey, policy_index, original_url, connection, born, now))
+        self.with(|list| {
+            let h = list.handoffs.take(skey, policy_index, original_url, connection, born, now)?;
+            let since = list.held_since.remove(&h.skey);
+            Some((h, since))
+        })
     }
 
     /// Main thread, at the configuration's tick: the claims whose window ended, settled as
@@ -122,7 +155,11 @@ impl Redirects {
         if self.is_empty() {
             return;
         }
-        let old = self.with(|list| list.expire(now));
+        let old = self.with(|list| {
+            let old = list.handoffs.expire(now);
+            list.forget(&old);
+            old
+        });
         for h in old {
             unfollowed(g, &h);
         }
@@ -147,7 +184,9 @@ impl Glue<'_> {
     pub(super) fn hand_over(&mut self, claim: Claim, url: String) {
         let connection = host::connection_id(self.envoy);
         let now = self.now();
-        self.global.redirects.hand_over(self.global, claim, url, connection, now);
+        // The key's hold goes on: measured by the stream that settles the claim.
+        let held_since = self.held_since.take();
+        self.global.redirects.hand_over(self.global, claim, url, connection, held_since, now);
     }
 
     /// `Io::take_handoff` (an MCP call whose key its body names).
@@ -162,7 +201,9 @@ impl Glue<'_> {
         }
         let connection = host::connection_id(self.envoy);
         let now = self.now();
-        self.global.redirects.take(skey, policy_index, original_url, connection, self.born, now)
+        let (h, since) = self.global.redirects.take(skey, policy_index, original_url, connection, self.born, now)?;
+        *self.held_since = since;
+        Some(h)
     }
 }
 
@@ -182,13 +223,13 @@ impl Filter {
         let config = &self.global.config;
         let taken: Option<(Handoff<Claim>, Arc<idemgate::config::Policy>, CallerScope, RequestHead)> =
             redirects.with(|list| {
-                let policies = list.policies_for(&url, connection, born, now);
+                let policies = list.handoffs.policies_for(&url, connection, born, now);
                 if policies.is_empty() {
                     return None;
                 }
                 let head = RequestHead::from_pairs(host::all_headers(envoy, abi::REQUEST_HEADER));
                 let (h, policy, scope) = engine_machine::take_handoff(
-                    list,
+                    &mut list.handoffs,
                     &policies,
                     |i| config.shared_policy(i),
                     &head,
@@ -197,6 +238,7 @@ impl Filter {
                     born,
                     now,
                 )?;
+                self.held_since = list.held_since.remove(&h.skey);
                 Some((h, policy, scope, head))
             });
         let (h, policy, scope, head) = taken?;
