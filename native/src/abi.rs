@@ -121,6 +121,13 @@ pub const ATTRIBUTE_UPSTREAM_ADDRESS: u32 = 41;
 /// `native_module::a_route_name_selects_the_policy_in_both_builds` (another attribute's value
 /// would select no route: the key would execute twice).
 pub const ATTRIBUTE_XDS_ROUTE_NAME: u32 = 61;
+/// `envoy_dynamic_module_type_attribute_id_ConnectionId` (`connection.id`, the 29th: twelve after
+/// `ResponseCodeDetails`, after the response's, source's and destination's attributes), served by
+/// the HTTP filter's integer accessor from the stream's downstream connection. Checked in Envoy
+/// 1.40 by the internal redirect tests run against this build (`internal_redirect::`): a
+/// re-created stream reading another attribute would never match its first stream's connection,
+/// and the redirect would be unfollowed.
+pub const ATTRIBUTE_CONNECTION_ID: u32 = 28;
 
 /// `envoy_dynamic_module_type_log_level`.
 pub const LOG_DEBUG: u32 = 1;
@@ -178,6 +185,14 @@ extern "C" {
         attribute_id: u32,
         result: *mut EnvoyBuffer,
         result_length: *mut usize,
+    ) -> bool;
+
+    /// An integer attribute of the stream (`ResponseCode`, the ports, `ConnectionId` in Envoy
+    /// 1.40); `false` when it has none.
+    pub fn envoy_dynamic_module_callback_http_filter_get_attribute_int(
+        filter: EnvoyPtr,
+        attribute_id: u32,
+        result: *mut u64,
     ) -> bool;
 
     /// How many upstream hosts the router attempted for the stream (Envoy 1.40: the non-null

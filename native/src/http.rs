@@ -9,7 +9,8 @@
 //! `in_flight: "wait"` (`http/wait.rs`) and `forwarding: "detached"` with `upstream.hop:
 //! "direct"` (`http/detached.rs`). MCP routes run here: the engine reads the body and says how
 //! the request is answered (`Command::McpReply`), and the core writes those answers
-//! (`mcp::Reply::problem`, `encoding::retry_answer`), as for the Wasm build. A detached hop through
+//! (`mcp::Reply::problem`, `encoding::retry_answer`), as for the Wasm build. Envoy's internal
+//! redirects hand a claim over to the re-created stream (`http/redirect.rs`). A detached hop through
 //! an internal listener and `next_hop_failures: "classify"` are refused at configuration
 //! (`refusal`), before any request.
 
@@ -48,6 +49,7 @@ use crate::store::StoreSide;
 use crate::timer::Timer;
 
 mod detached;
+mod redirect;
 mod wait;
 pub use detached::DETACHED_EVENT;
 pub use wait::WAIT_EVENT;
@@ -95,6 +97,9 @@ pub struct Global {
     /// `forwarding: "detached"` (`detached.rs`): the forwards sent by the main thread, the
     /// streams waiting for their answer.
     detached: Arc<detached::Detached>,
+    /// Claims handed over by streams Envoy ended for an internal redirect, waiting for the
+    /// stream it re-creates (`redirect.rs`).
+    redirects: redirect::Redirects,
 }
 
 impl Global {
@@ -160,6 +165,7 @@ impl Global {
             timer,
             waits: Arc::default(),
             detached,
+            redirects: redirect::Redirects::default(),
         })
     }
 
@@ -172,6 +178,8 @@ impl Global {
             st.on_scheduled();
         }
         let now = host::now_ms();
+        // Claims handed over for a redirect that no stream took within the window.
+        self.redirects.expire(self, now);
         let next = {
             let mut sweeper = self.sweeper.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(swept) = sweeper.run(&self.table, &mut ProcessShared, now) {
@@ -270,6 +278,9 @@ pub struct Filter {
     mcp: Option<McpReply>,
     /// Detached (`detached.rs`), until answered or its stream ends.
     detaching: Option<detached::Detaching>,
+    /// The configuration's hand-over count when Envoy created the stream (`redirect.rs`): it
+    /// takes only a claim handed over before.
+    born: u32,
 }
 
 struct Glue<'a> {
@@ -284,6 +295,7 @@ struct Glue<'a> {
     waiting: &'a mut Option<wait::Waiting>,
     mcp: &'a mut Option<McpReply>,
     detaching: &'a mut Option<detached::Detaching>,
+    born: u32,
 }
 
 fn headers_status(f: Flow) -> u32 {
@@ -473,7 +485,7 @@ impl Effects for Glue<'_> {
             Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
             Command::Detach(f) => self.detach(f),
             Command::McpReply { id, batch, accepts } => *self.mcp = Some(McpReply { id, batch, accepts }),
-            Command::HandOver { .. } => self.unreachable("hand_over"),
+            Command::HandOver { claim, url } => self.hand_over(claim, url),
         }
     }
 
@@ -505,8 +517,8 @@ impl Io for Glue<'_> {
         self.global.next_owner()
     }
 
-    fn take_handoff(&mut self, _: &StorageKey, _: usize, _: &[u8]) -> Option<Handoff<Claim>> {
-        None
+    fn take_handoff(&mut self, skey: &StorageKey, policy_index: usize, original_url: &[u8]) -> Option<Handoff<Claim>> {
+        self.handoff_for(skey, policy_index, original_url)
     }
 
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Wire>) -> Result<Wire, NotSent> {
@@ -620,11 +632,10 @@ impl Exchange for Seen {
     }
 }
 
-fn ended(envoy: EnvoyPtr, req: &Protected, response: &Response) -> Ended {
+/// `code_details`: Envoy's response code details if already read.
+fn ended(envoy: EnvoyPtr, req: &Protected, response: &Response, code_details: Option<String>) -> Ended {
     let status = response.stored.as_ref().map(|r| r.status).filter(|s| *s > 0);
-    let code_details = host::attribute_string(envoy, abi::ATTRIBUTE_RESPONSE_CODE_DETAILS)
-        .map(|b| String::from_utf8_lossy(&b).into_owned())
-        .unwrap_or_default();
+    let code_details = code_details.unwrap_or_else(|| redirect::code_details_of(envoy));
     let hosts_attempted = host::upstream_hosts_attempted(envoy);
     let mut seen =
         Seen { status, complete: response.complete, code_details, hosts_attempted, upstream_host: None, envoy };
@@ -645,7 +656,9 @@ impl Filter {
     pub fn new(envoy: EnvoyPtr, global: Arc<Global>) -> Filter {
         let hold = global.config.hold_headers;
         let store = global.config.store.as_ref().map(|c| c.on_unavailable);
+        let born = global.redirects.born();
         Filter {
+            born,
             envoy,
             global,
             machine: Machine::new(store, hold),
@@ -674,6 +687,7 @@ impl Filter {
             waiting: &mut self.waiting,
             mcp: &mut self.mcp,
             detaching: &mut self.detaching,
+            born: self.born,
         };
         (&mut self.machine, glue)
     }
@@ -696,6 +710,10 @@ impl Filter {
 
     pub fn request_headers(&mut self, envoy: EnvoyPtr, end_of_stream: bool) -> u32 {
         self.hook(envoy);
+        // A stream re-created for an internal redirect continues its first stream's claim.
+        if let Some(status) = self.continue_redirect(envoy) {
+            return status;
+        }
         let config = &self.global.config;
         if end_of_stream {
             let method = host::header(envoy, abi::REQUEST_HEADER, ":method").unwrap_or_default();
@@ -877,8 +895,11 @@ impl Filter {
                 return;
             }
             Phase::Forwarded { .. } => {
-                if let Some((req, response)) = self.machine.forwarded() {
-                    let e = ended(envoy, req, response);
+                // No response reached the filter: ended for an internal redirect, its claim is
+                // handed over to the stream Envoy re-creates (`redirect.rs`), not settled here.
+                let (redirected, code_details) = self.redirected_away(envoy);
+                if let (false, Some((req, response))) = (redirected, self.machine.forwarded()) {
+                    let e = ended(envoy, req, response, code_details);
                     let (m, mut io) = self.split();
                     m.settle(&mut io, e);
                 }
