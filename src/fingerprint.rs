@@ -474,6 +474,18 @@ mod tests {
         assert_eq!(Fingerprint::compute(&two, b"a=1", &c).1, BodyForm::Raw);
     }
 
+    /// A record written before `forms` existed holds the raw-bytes fingerprint of a form request:
+    /// with the default (`forms: "raw"`) this release computes the same bytes, so an identical
+    /// retry across the upgrade still replays. Vector from the layout in docs/internals.md:
+    /// `printf 'idemgate-fp-v2\0004:POST,4:/pay,1:4,12:content-type,1:1,32:multipart/form-data; boundary=b1,22:x-http-method-override,1:0,13:x-http-method,1:0,17:x-method-override,1:0,1:0,3:raw,64:<sha256 of the body>,' | sha256sum`.
+    #[test]
+    fn a_form_fingerprint_under_the_default_is_the_raw_one_earlier_releases_stored() {
+        let (h, body) = multipart("b1", &[("amount", "1")]);
+        let (got, form) = Fingerprint::compute(&h, &body, &cfg(&[], true, JsonMode::Raw));
+        assert_eq!(form, BodyForm::Raw);
+        assert_eq!(crate::hex::encode(&got.0), "a1bd6baef78ea5134d0ef26f03031f76aace54522c4757162e95daa20ee889e2");
+    }
+
     /// Pinned vectors, computed independently of this code from the layout in docs/internals.md:
     /// `printf '{"b": 1, "a": [1,2]}' | sha256sum` gives the raw body digest, `printf '{"a":[1,2],"b":1}' | sha256sum`
     /// the canonical one, then for example
