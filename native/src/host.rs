@@ -382,10 +382,12 @@ pub fn stream_scheduler_delete(s: abi::SchedulerPtr) {
     }
 }
 
-/// How many upstream hosts the router attempted for the stream (0: none was ever selected).
-pub fn upstream_hosts_attempted(f: EnvoyPtr) -> usize {
-    // SAFETY: `f` is the current hook's filter.
-    unsafe { abi::envoy_dynamic_module_callback_http_get_upstream_hosts_attempted_size(f) }
+/// An integer attribute of the stream (`abi::ATTRIBUTE_*`), if Envoy serves it.
+pub fn attribute_int(f: EnvoyPtr, id: u32) -> Option<u64> {
+    let mut out: u64 = 0;
+    // SAFETY: `f` is the current hook's filter; `out` is writable for the call.
+    let ok = unsafe { abi::envoy_dynamic_module_callback_http_filter_get_attribute_int(f, id, &mut out) };
+    ok.then_some(out)
 }
 
 /// One of the ABI's `define_*` metric callbacks (`abi.rs`: the same arguments for each kind).
