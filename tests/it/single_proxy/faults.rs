@@ -199,8 +199,8 @@ fn a_request_envoy_never_sent_releases_its_key() {
 /// the router sends the request to the upstream (priority 0), which executes it and answers 503,
 /// then retries it on the failover host (priority 1), where nothing listens. The client gets
 /// Envoy's connect failure, yet the key executed: it must stay outcome-unknown, never released,
-/// in both builds (the native build has no attempt count: docs/native.md, "failure
-/// classification").
+/// in both builds: the attempt count (2) tells it from a connect failure on the only attempt,
+/// whose other facts Envoy gives the same (docs/native.md, "Failure classification").
 #[test]
 fn retried_behind_idemgates_back_then_refused_keeps_its_key() {
     let lua = r#"          - name: envoy.filters.http.lua
