@@ -394,12 +394,6 @@ pub fn stream_scheduler_delete(s: abi::SchedulerPtr) {
     }
 }
 
-/// How many upstream hosts the router attempted for the stream (0: none was ever selected).
-pub fn upstream_hosts_attempted(f: EnvoyPtr) -> usize {
-    // SAFETY: `f` is the current hook's filter.
-    unsafe { abi::envoy_dynamic_module_callback_http_get_upstream_hosts_attempted_size(f) }
-}
-
 /// One of the ABI's `define_*` metric callbacks (`abi.rs`: the same arguments for each kind).
 type DefineMetric =
     unsafe extern "C" fn(abi::ConfigEnvoyPtr, ModuleBuffer, *const ModuleBuffer, usize, *mut usize) -> u32;

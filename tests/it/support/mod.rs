@@ -306,6 +306,10 @@ pub struct EnvoyOptions {
     pub internal_hop: bool,
     /// The upstream cluster speaks HTTP/2 (h2c, prior knowledge): a gRPC upstream.
     pub upstream_http2: bool,
+    /// A second endpoint of the upstream cluster, at priority 1 (the first is at priority 0):
+    /// Envoy sends there only what priority 0 cannot take, or a retry whose `retry_priority`
+    /// (`envoy.retry_priorities.previous_priorities`) skips the priority already attempted.
+    pub upstream_failover_port: Option<u16>,
     /// More static listeners in the same Envoy, each (its port, its plugin configuration),
     /// rendered like the main one: the same `vm_id`, so their filters share one VM's shared data.
     pub extra_listeners: Vec<(u16, String)>,
@@ -478,6 +482,7 @@ impl EnvoyOptions {
             route_fields: String::new(),
             internal_hop: false,
             upstream_http2: false,
+            upstream_failover_port: None,
             extra_listeners: vec![],
             local_reply_config: None,
             build: Build::from_env(),
@@ -542,8 +547,11 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
       endpoints:
       - lb_endpoints:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
-"#,
+{failover}"#,
         stats = o.stats_config.clone().unwrap_or_else(|| o.build.stats_config()),
+        failover = o.upstream_failover_port.map_or(String::new(), |p| format!(
+            "      - priority: 1\n        lb_endpoints:\n        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
+        )),
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
         cluster_protocol = match (o.upstream_http2, o.upstream_trailers) {
