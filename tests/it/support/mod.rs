@@ -357,9 +357,11 @@ impl Build {
     /// `upstream.hop: "direct"`, the one hop it carries (its detached calls leave from Envoy's
     /// main thread, which reaches no internal listener: docs/native.md, "Detached forwarding in
     /// the native build"). The same scenario when no filter follows idemgate and the route sets
-    /// no retries (the hop listener relays the request to the same cluster through the router,
-    /// retries off): the same request reaches the same server, answered within the same
-    /// `timeout_ms`, and the client's stream is answered by idemgate either way.
+    /// no retries: the hop listener only relays the request through a router (retries off) to
+    /// the same cluster and marks its own answers for the Wasm build's classification, so the
+    /// same call reaches the same server (with the router's headers on one hop only), answered
+    /// within the same `timeout_ms`, and idemgate answers the client either way. A test whose
+    /// point is the hop (its failures, filters after idemgate) sets its own.
     pub fn detached_hop(self, timeout_ms: u64) -> DetachedHop {
         match self {
             Build::Wasm => DetachedHop {
