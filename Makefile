@@ -175,13 +175,13 @@ test-native:
 	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_
 	cargo test --locked -p idemgate-native
 
-## test-native-build: the single-proxy, two-proxy (Redis), etcd, MCP, internal-redirect, next-hop, classification and SDK suites, their fault cases too, against the native build
+## test-native-build: the single-proxy, two-proxy (Redis), etcd, MCP (mcp:: and the real MCP SDKs' mcp_sdk::), internal-redirect, next-hop, classification and SDK suites, their fault cases too, against the native build
 ## (IDEMGATE_BUILD=native), but the tests of what it does not carry yet (tests/native-build-skips.txt,
 ## each with its reason); `make test` runs its short form (test-native-build-short: no etcd_store::, no fault cases)
 NATIVE_SKIPS = $(shell sed -e 's/\#.*//' tests/native-build-skips.txt | awk 'NF {printf "--skip %s ", $$1}')
 test-native-build: build deps
-	scripts/check-test-selection.py $(NATIVE_SKIPS) single_proxy:: two_proxies:: etcd_store:: mcp:: internal_redirect:: next_hop:: classification:: sdk_clients::
-	IDEMGATE_BUILD=native cargo test --locked --test it -- single_proxy:: two_proxies:: etcd_store:: mcp:: internal_redirect:: next_hop:: classification:: sdk_clients:: $(NATIVE_SKIPS)
+	scripts/check-test-selection.py $(NATIVE_SKIPS) single_proxy:: two_proxies:: etcd_store:: mcp:: mcp_sdk:: internal_redirect:: next_hop:: classification:: sdk_clients::
+	IDEMGATE_BUILD=native cargo test --locked --test it -- single_proxy:: two_proxies:: etcd_store:: mcp:: mcp_sdk:: internal_redirect:: next_hop:: classification:: sdk_clients:: $(NATIVE_SKIPS)
 
 # Run natively by the long form only (no time added to make test): the re-sent exchange's count
 # (upstream_attempts_repeated, counted natively since 2026-12-07; docs/native.md, "Failure classification").

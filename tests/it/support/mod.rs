@@ -354,6 +354,37 @@ impl Build {
             Build::Native => native_doc_block("dynamicmodulescustom\\.idemgate\\.route"),
         }
     }
+
+    /// How `forwarding: "detached"` reaches the upstream cluster (`upstream`) in a test whose
+    /// point is not the hop: the Wasm build through the internal listener `idemgate_hop`, as
+    /// envoy/detached/envoy.yaml and envoy/mcp/envoy.yaml ship it; the native build with
+    /// `upstream.hop: "direct"`, the one hop it carries (its detached calls leave from Envoy's
+    /// main thread, which reaches no internal listener: docs/native.md, "Detached forwarding in
+    /// the native build"). The same scenario when no filter follows idemgate and the route sets
+    /// no retries: the hop listener only relays the request through a router (retries off) to
+    /// the same cluster and marks its own answers for the Wasm build's classification, so the
+    /// same call reaches the same server (with the router's headers on one hop only), answered
+    /// within the same `timeout_ms`, and idemgate answers the client either way. A test whose
+    /// point is the hop (its failures, filters after idemgate) sets its own.
+    pub fn detached_hop(self, timeout_ms: u64) -> DetachedHop {
+        match self {
+            Build::Wasm => DetachedHop {
+                upstream: format!(r#"{{"cluster": "idemgate_hop", "timeout_ms": {timeout_ms}}}"#),
+                internal_hop: true,
+            },
+            Build::Native => DetachedHop {
+                upstream: format!(r#"{{"cluster": "upstream", "hop": "direct", "timeout_ms": {timeout_ms}}}"#),
+                internal_hop: false,
+            },
+        }
+    }
+}
+
+/// `Build::detached_hop`: the plugin's `upstream` object (JSON) and the `EnvoyOptions::internal_hop`
+/// it needs.
+pub struct DetachedHop {
+    pub upstream: String,
+    pub internal_hop: bool,
 }
 
 /// The fenced YAML block of docs/native.md that contains `marker` (what an operator copies),
