@@ -264,12 +264,24 @@ pub struct FingerprintConfig {
     pub operation_headers: bool,
     /// Hash every request trailer. Default true.
     pub trailers: bool,
+    /// How a form body counts. Default raw (its bytes).
+    pub forms: FormMode,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum JsonMode {
     Raw,
     Canonical,
+}
+
+/// How a urlencoded or multipart form body enters the fingerprint (`fingerprint.forms`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FormMode {
+    /// Its bytes, like any body.
+    Raw,
+    /// Its fields as every form parser of the panel reads them, when they all read it alike
+    /// (`form::Reading::Every`): a form rebuilt with a new multipart boundary is the same request.
+    Semantic,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -408,6 +420,7 @@ impl Default for Policy {
                 json: JsonMode::Raw,
                 operation_headers: true,
                 trailers: true,
+                forms: FormMode::Raw,
             },
             scope: ScopeConfig {
                 headers: vec![],
@@ -579,6 +592,7 @@ raw_object! {
         json: String,
         operation_headers: bool,
         trailers: bool,
+        forms: String,
     }
 }
 
@@ -950,6 +964,9 @@ fn apply_policy_fields(l: &RawLevel, prefix: &str, p: &mut Policy) -> Result<(),
         p.fingerprint.include_query = m.include_query.unwrap_or(p.fingerprint.include_query);
         if let Some(j) = &m.json {
             p.fingerprint.json = choice(j, &fi("json"), &[("raw", JsonMode::Raw), ("canonical", JsonMode::Canonical)])?;
+        }
+        if let Some(v) = &m.forms {
+            p.fingerprint.forms = choice(v, &fi("forms"), &[("raw", FormMode::Raw), ("semantic", FormMode::Semantic)])?;
         }
         p.fingerprint.operation_headers = m.operation_headers.unwrap_or(p.fingerprint.operation_headers);
         p.fingerprint.trailers = m.trailers.unwrap_or(p.fingerprint.trailers);
@@ -1615,7 +1632,8 @@ mod tests {
                 include_query: true,
                 json: JsonMode::Raw,
                 operation_headers: true,
-                trailers: true
+                trailers: true,
+                forms: FormMode::Raw
             }
         );
         assert_eq!(
@@ -1644,7 +1662,7 @@ mod tests {
               "namespace": "payments", "key_max_length": 64, "ttl_seconds": 3600, "lock_ttl_seconds": 30,
               "unknown_outcome_seconds": 600, "max_request_body_bytes": 1000, "max_response_body_bytes": 2000,
               "fingerprint": {"headers": ["X-Tenant"], "include_query": false, "json": "canonical",
-                              "operation_headers": false, "trailers": false},
+                              "operation_headers": false, "trailers": false, "forms": "semantic"},
               "scope": {"headers": ["authorization", "x-user"], "include_authority": false, "anonymous": "shared"},
               "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 50, "on_unavailable": "pass"},
               "release_on_status": [429, 503], "log_headers": ["x-agent-run-id"],
@@ -1669,7 +1687,8 @@ mod tests {
                 include_query: false,
                 json: JsonMode::Canonical,
                 operation_headers: false,
-                trailers: false
+                trailers: false,
+                forms: FormMode::Semantic
             }
         );
         assert_eq!(p.scope.headers, vec!["authorization", "x-user"]);
@@ -1809,6 +1828,7 @@ mod tests {
             (r#"{"scope": {"headers": ["a"]}, "routes": [{"prefix": "/p", "key_syntax": 1}]}"#, "routes[0].key_syntax"),
             (r#"{"scope": {"headers": ["a"]}, "max_request_body_bytes": 1e12}"#, "max_request_body_bytes"),
             (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"json": "sorted"}}"#, "fingerprint.json"),
+            (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"forms": "fields"}}"#, "fingerprint.forms"),
             (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"body": true}}"#, "fingerprint.body"),
             (r#"{"scope": {"headers": ["a"]}, "fingerprint": {"trailers": "yes"}}"#, "fingerprint.trailers"),
             (

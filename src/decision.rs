@@ -426,6 +426,14 @@ pub fn classify_routed(x: &mut impl Exchange, headers: &[(String, Vec<u8>)], pol
     }
 }
 
+/// Whether Envoy's router sent the exchange upstream more than once (its attempt count). idemgate
+/// tells it to send a protected request once (`request::ROUTER_RETRY_CAP`); a later filter (or a
+/// host that ignores the cap) may still have re-sent it. Nothing can undo that now: each build
+/// counts it (`idemgate.upstream_attempts_repeated`) and says so in its log.
+pub fn re_sent(x: &mut impl Exchange) -> bool {
+    x.attempts().is_some_and(|n| n > 1)
+}
+
 /// No upstream request was ever started: Envoy says there was no attempt and no upstream host.
 /// Both must be read: an unreadable attempt count is no evidence. (The host is asked only when
 /// the count says no attempt.)
@@ -867,6 +875,14 @@ mod tests {
             upstream_connected: true,
             attempts: Some(1),
         }
+    }
+
+    #[test]
+    fn an_exchange_counts_as_re_sent_only_when_the_router_made_more_than_one_attempt() {
+        let with = |attempts| ExchangeFacts { attempts, ..facts(true, Some(503), "via_upstream", 0) };
+        assert!(re_sent(&mut with(Some(2))) && re_sent(&mut with(Some(3))));
+        // One attempt, none, or a count Envoy did not give: nothing to count.
+        assert!(!re_sent(&mut with(Some(1))) && !re_sent(&mut with(Some(0))) && !re_sent(&mut with(None)));
     }
 
     /// The same, where the connection to the upstream was never established.

@@ -105,7 +105,7 @@ mod tests {
     }
 
     fn key_with(h: &RequestHead, c: &DeriveKey, fp: &FingerprintConfig, body: Option<&[u8]>) -> Option<String> {
-        let digest = body.map(|b| crate::fingerprint::body_digest(b, fp).1);
+        let digest = body.map(|b| crate::fingerprint::body_digest(h, b, fp).1);
         derive(h, c, fp, &scope(h), digest.as_ref()).map(|k| k.as_str().to_string())
     }
 

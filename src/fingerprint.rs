@@ -9,7 +9,8 @@
 use sha2::{Digest, Sha256};
 
 use crate::canonical_json;
-use crate::config::{FingerprintConfig, JsonMode};
+use crate::config::{FingerprintConfig, FormMode, JsonMode};
+use crate::form::Reading;
 use crate::request::RequestHead;
 
 const FP_TAG: &[u8] = b"idemgate-fp-v2\0";
@@ -82,6 +83,12 @@ pub enum BodyForm {
     Raw,
     /// The canonical JSON form (see `canonical_json`).
     CanonicalJson,
+    /// A urlencoded form as every form parser of the panel reads it (`form::semantic_form` with
+    /// `Reading::Every`; `fingerprint.forms: "semantic"`).
+    Form,
+    /// A multipart form as every multipart parser of the panel reads it (`multipart::semantic_form`
+    /// with `Reading::Every`): the `content-type` is then hashed without its boundary.
+    Multipart,
 }
 
 impl BodyForm {
@@ -89,6 +96,8 @@ impl BodyForm {
         match self {
             BodyForm::Raw => b"raw",
             BodyForm::CanonicalJson => b"json-c14n",
+            BodyForm::Form => b"form-every",
+            BodyForm::Multipart => b"multipart-every",
         }
     }
 }
@@ -100,7 +109,7 @@ pub struct Fingerprint(pub [u8; 32]);
 impl Fingerprint {
     /// Computes the fingerprint of a request with its whole body.
     pub fn compute(head: &RequestHead, body: &[u8], cfg: &FingerprintConfig) -> (Fingerprint, BodyForm) {
-        Fingerprint::of_digest(head, body_digest(body, cfg), cfg)
+        Fingerprint::of_digest(head, body_digest(head, body, cfg), cfg)
     }
 
     /// `compute`, with the body's `body_digest` already taken (a derived key takes it too).
@@ -120,7 +129,13 @@ impl Fingerprint {
             f.field(name.as_bytes());
             f.count(head.values_iter(name).count());
             for v in head.values_iter(name) {
-                f.field(v);
+                // A multipart body read as its form: its boundary is not what was asked.
+                match (form, name) {
+                    (BodyForm::Multipart, "content-type") => {
+                        f.field(&crate::multipart::without_boundary(v).unwrap_or_default())
+                    }
+                    _ => f.field(v),
+                }
             }
         }
         // Trailers sorted by name (stable: repeated names keep their order), so only what they
@@ -156,9 +171,17 @@ pub fn target<'h>(head: &'h RequestHead, cfg: &FingerprintConfig) -> &'h str {
     }
 }
 
-/// The body's digest as `cfg` counts it: of its canonical JSON form with `json: "canonical"` (when
-/// it is JSON), else of its bytes. (A key derived from the body uses `derive_body_digest`.)
-pub fn body_digest(body: &[u8], cfg: &FingerprintConfig) -> (BodyForm, [u8; 32]) {
+/// The body's digest as `cfg` counts it: of its form as every form parser of the panel reads it
+/// with `forms: "semantic"` (when it is a form they all read alike: `form_of`), of its canonical
+/// JSON form with `json: "canonical"` (when it is JSON), else of its bytes. (A key derived from
+/// the body uses `derive_body_digest`.)
+pub fn body_digest(head: &RequestHead, body: &[u8], cfg: &FingerprintConfig) -> (BodyForm, [u8; 32]) {
+    if cfg.forms == FormMode::Semantic {
+        if let Some((multipart, form)) = form_of(head, body, Reading::Every) {
+            let kind = if multipart { BodyForm::Multipart } else { BodyForm::Form };
+            return (kind, Sha256::digest(form).into());
+        }
+    }
     let canonical = match cfg.json {
         JsonMode::Canonical => canonical_json::canonicalize(body),
         JsonMode::Raw => None,
@@ -169,29 +192,38 @@ pub fn body_digest(body: &[u8], cfg: &FingerprintConfig) -> (BodyForm, [u8; 32])
     }
 }
 
+/// The body's form read as `reading` says when the request's one `content-type` is a urlencoded
+/// form (`form::semantic_form`) or `multipart/form-data` with a usable boundary
+/// (`multipart::semantic_form`; `true` then) and the reader takes it. The one rule for a derived
+/// key (`Reading::Most`) and a fingerprint (`Reading::Every`).
+fn form_of(head: &RequestHead, body: &[u8], reading: Reading) -> Option<(bool, Vec<u8>)> {
+    let mut types = head.values_iter("content-type");
+    let (Some(t), None) = (types.next(), types.next()) else {
+        return None;
+    };
+    if crate::form::is_form(t) {
+        return crate::form::semantic_form(body, reading).map(|f| (false, f));
+    }
+    let b = crate::multipart::boundary(t)?;
+    crate::multipart::semantic_form(body, b, reading).map(|f| (true, f))
+}
+
 /// The digest of the body a derived key is derived from (`derive_key.include_body`), whatever the
-/// fingerprint's `json` says: of its meaning to the form parsers web frameworks use
+/// fingerprint's `json` and `forms` say: of its meaning to the form parsers web frameworks use
 /// (`form::semantic_form`) when the request's one `content-type` is a urlencoded form, or to their
 /// multipart parsers (`multipart::semantic_form`) when it is `multipart/form-data` and the body is
-/// one that reader takes, else of its meaning to their JSON parsers (`canonical_json::semantic_form`) when it is JSON, else of its
-/// bytes. Two bodies a backend parses alike derive one key; the fingerprint, kept to the
-/// spelling, answers a retry whose spelling changed 422 rather than executing it again (the
-/// boundary oracle, issue 41).
+/// one that reader takes, each read as most of them read it (`Reading::Most`), else of its meaning
+/// to their JSON parsers (`canonical_json::semantic_form`) when it is JSON, else of its bytes. Two
+/// bodies a backend parses alike derive one key; the fingerprint, kept to the spelling (or with
+/// `forms: "semantic"` to what every parser reads alike), answers a retry read otherwise 422
+/// rather than executing it again (the boundary oracle, issue 41).
 pub fn derive_body_digest(head: &RequestHead, body: &[u8]) -> [u8; 32] {
-    let mut types = head.values_iter("content-type");
-    if let (Some(t), None) = (types.next(), types.next()) {
-        let form = if crate::form::is_form(t) {
-            Some(crate::form::semantic_form(body))
-        } else {
-            crate::multipart::boundary(t).and_then(|b| crate::multipart::semantic_form(body, b))
-        };
-        if let Some(form) = form {
-            // One tag for both: a multipart form without files is the urlencoded form of its fields.
-            let mut h = Sha256::new();
-            h.update(b"form\0");
-            h.update(form);
-            return h.finalize().into();
-        }
+    if let Some((_, form)) = form_of(head, body, Reading::Most) {
+        // One tag for both: a multipart form without files is the urlencoded form of its fields.
+        let mut h = Sha256::new();
+        h.update(b"form\0");
+        h.update(form);
+        return h.finalize().into();
     }
     match canonical_json::semantic_form(body) {
         Some(form) => {
@@ -230,6 +262,7 @@ mod tests {
             json,
             operation_headers: true,
             trailers: true,
+            forms: FormMode::Raw,
         }
     }
 
@@ -366,6 +399,91 @@ mod tests {
         let one = head("POST", "/p", &[("x-a", "1")]);
         let two = head("POST", "/p", &[("x-a", "1"), ("x-a", "2")]);
         assert_ne!(fp(&one, b"", &c), fp(&two, b"", &c));
+    }
+
+    fn semantic() -> FingerprintConfig {
+        FingerprintConfig { forms: FormMode::Semantic, ..cfg(&[], true, JsonMode::Raw) }
+    }
+
+    fn multipart(boundary: &str, parts: &[(&str, &str)]) -> (RequestHead, Vec<u8>) {
+        let mut body: String = parts
+            .iter()
+            .map(|(name, value)| {
+                format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n")
+            })
+            .collect();
+        body.push_str(&format!("--{boundary}--\r\n"));
+        let t = format!("multipart/form-data; boundary={boundary}");
+        (head("POST", "/pay", &[("content-type", &t)]), body.into_bytes())
+    }
+
+    /// Issue 41: a client rebuilding one form chooses a new boundary; with `forms: "semantic"` the
+    /// retry is the same request, and only what every parser reads alike is (a replay answers it).
+    #[test]
+    fn semantic_forms_count_a_form_without_its_boundary_and_nothing_broader() {
+        let c = semantic();
+        let (h1, b1) = multipart("b1", &[("amount", "1"), ("currency", "eur")]);
+        let (h2, b2) = multipart("----other42", &[("amount", "1"), ("currency", "eur")]);
+        let (one, form) = Fingerprint::compute(&h1, &b1, &c);
+        assert_eq!(form, BodyForm::Multipart);
+        assert_eq!(one, fp(&h2, &b2, &c));
+        // With the default (`forms: "raw"`) the boundary counts, as before.
+        let raw = cfg(&[], true, JsonMode::Raw);
+        assert_ne!(fp(&h1, &b1, &raw), fp(&h2, &b2, &raw));
+        // Another value, another order, a content type spelled otherwise: another request.
+        let (h, b) = multipart("b1", &[("amount", "2"), ("currency", "eur")]);
+        assert_ne!(one, fp(&h, &b, &c));
+        let (h, b) = multipart("b1", &[("currency", "eur"), ("amount", "1")]);
+        assert_ne!(one, fp(&h, &b, &c));
+        for t in [
+            "Multipart/Form-Data; boundary=b1",
+            "multipart/form-data; boundary=\"b1\"",
+            "multipart/form-data; boundary=b1; charset=utf-8",
+        ] {
+            assert_ne!(one, fp(&head("POST", "/pay", &[("content-type", t)]), &b1, &c), "{t}");
+        }
+        // A form in a body some parser reads apart counts by its bytes; the raw tag keeps it apart.
+        let padded = String::from_utf8(b1.clone()).unwrap().replace("--b1\r\n", "--b1 \r\n");
+        let (got, form) = Fingerprint::compute(&h1, padded.as_bytes(), &c);
+        assert_eq!((got, form), (fp(&h1, padded.as_bytes(), &raw), BodyForm::Raw));
+        // Urlencoded: spellings every parser reads alike, never another order.
+        let f = |body: &[u8]| {
+            Fingerprint::compute(
+                &head("POST", "/pay", &[("content-type", "application/x-www-form-urlencoded")]),
+                body,
+                &c,
+            )
+        };
+        assert_eq!(f(b"a=1&b=x+y").1, BodyForm::Form);
+        assert_eq!(f(b"a=1&b=x+y").0, f(b"%61=1&b=x%20y&").0);
+        assert_ne!(f(b"a=1&b=x+y").0, f(b"b=x+y&a=1").0);
+        assert_ne!(f(b"a=1&a=2").0, f(b"a=2&a=1").0);
+        assert_eq!(f(b"a=caf\xc3\xa9").1, BodyForm::Raw);
+        // A form's semantic fingerprint never meets a raw one of any body.
+        let form_fp = f(b"a=1").0;
+        let text = |body: &[u8]| {
+            fp(&head("POST", "/pay", &[("content-type", "application/x-www-form-urlencoded")]), body, &raw)
+        };
+        assert_ne!(form_fp, text(b"a=1"));
+        // Two content-type lines: not read as a form.
+        let two = head(
+            "POST",
+            "/pay",
+            &[("content-type", "application/x-www-form-urlencoded"), ("content-type", "text/plain")],
+        );
+        assert_eq!(Fingerprint::compute(&two, b"a=1", &c).1, BodyForm::Raw);
+    }
+
+    /// A record written before `forms` existed holds the raw-bytes fingerprint of a form request:
+    /// with the default (`forms: "raw"`) this release computes the same bytes, so an identical
+    /// retry across the upgrade still replays. Vector from the layout in docs/internals.md:
+    /// `printf 'idemgate-fp-v2\0004:POST,4:/pay,1:4,12:content-type,1:1,32:multipart/form-data; boundary=b1,22:x-http-method-override,1:0,13:x-http-method,1:0,17:x-method-override,1:0,1:0,3:raw,64:<sha256 of the body>,' | sha256sum`.
+    #[test]
+    fn a_form_fingerprint_under_the_default_is_the_raw_one_earlier_releases_stored() {
+        let (h, body) = multipart("b1", &[("amount", "1")]);
+        let (got, form) = Fingerprint::compute(&h, &body, &cfg(&[], true, JsonMode::Raw));
+        assert_eq!(form, BodyForm::Raw);
+        assert_eq!(crate::hex::encode(&got.0), "a1bd6baef78ea5134d0ef26f03031f76aace54522c4757162e95daa20ee889e2");
     }
 
     /// Pinned vectors, computed independently of this code from the layout in docs/internals.md:

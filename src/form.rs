@@ -23,11 +23,42 @@ pub fn is_form(content_type: &[u8]) -> bool {
     media.trim_ascii().eq_ignore_ascii_case(FORM_TYPE)
 }
 
+/// Which reading of a form body a digest takes.
+///
+/// `Most`: the reading most of the panel's parsers give it, for a derived key
+/// (`fingerprint::derive_body_digest`): a body they disagree on is read as the majority reads it,
+/// different names' fields in any order, and two bodies so read alike derive one key; the
+/// fingerprint keeps such a retry apart (422), so a broad key never answers a different request.
+///
+/// `Every`: the reading every parser of the panel gives it, for a fingerprint with
+/// `fingerprint.forms: "semantic"`: two bodies with one `Every` form are one form to every backend
+/// (the same fields, names and values, in the same order), since a replay answers the second with
+/// the first's response. A body any parser reads otherwise, or that they disagree on, has no
+/// `Every` form (its bytes count).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reading {
+    Most,
+    Every,
+}
+
 /// The body's semantic form: each field as its name and value, each byte written as two letters
-/// `a` to `p` (its nibbles: the order of bytes is kept) and each followed by `!`, fields stably
-/// sorted by name (a repeated name keeps its values' order). (Strings sorted with the sort the
-/// query's form already uses, `path::one_target`: no second sort in the module.)
-pub fn semantic_form(body: &[u8]) -> Vec<u8> {
+/// `a` to `p` (its nibbles: the order of bytes is kept) and each followed by `!`; with
+/// `Reading::Most` fields stably sorted by name (a repeated name keeps its values' order), with
+/// `Reading::Every` in the order sent. `None` with `Reading::Every` for a body the parsers
+/// disagree on: a byte that is not printable ASCII (Starlette reads a raw non-ASCII byte as
+/// Latin-1, the others as UTF-8; a raw space or control byte), a `;` (Go refuses it), a `%` not
+/// followed by two hex digits (Python and Node keep it, Go and Tomcat drop the field).
+/// (Strings sorted with the sort the query's form already uses, `path::one_target`: no second
+/// sort in the module.)
+pub fn semantic_form(body: &[u8], reading: Reading) -> Option<Vec<u8>> {
+    let every_reads_alike = || {
+        body.iter().enumerate().all(|(at, &b)| {
+            b.is_ascii_graphic() && b != b';' && (b != b'%' || body.get(at..).and_then(crate::hex::escape).is_some())
+        })
+    };
+    if reading == Reading::Every && !every_reads_alike() {
+        return None;
+    }
     let fields = body
         .split(|&b| b == b'&')
         .filter(|pair| !pair.is_empty())
@@ -36,12 +67,13 @@ pub fn semantic_form(body: &[u8]) -> Vec<u8> {
             (decode(halves.next().unwrap_or_default()), decode(halves.next().unwrap_or_default()))
         })
         .collect();
-    sorted_fields(fields)
+    Some(fields_form(fields, reading))
 }
 
 /// Fields (name, value) as `semantic_form` writes them: `<name>!<value>!` in nibble letters,
-/// stably sorted by name. Also a multipart form's (`multipart::semantic_form`): one rule for both.
-pub fn sorted_fields(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<u8> {
+/// stably sorted by name with `Reading::Most`, in their order with `Reading::Every`. Also a
+/// multipart form's (`multipart::semantic_form`): one rule for both.
+pub fn fields_form(fields: Vec<(Vec<u8>, Vec<u8>)>, reading: Reading) -> Vec<u8> {
     let mut bytes = 0;
     let mut keyed: Vec<String> = fields
         .iter()
@@ -56,7 +88,9 @@ pub fn sorted_fields(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<u8> {
             one
         })
         .collect();
-    keyed.sort_unstable();
+    if reading == Reading::Most {
+        keyed.sort_unstable();
+    }
     let mut out = Vec::with_capacity(2 * bytes + 2 * keyed.len());
     for field in &keyed {
         // Without its place: `<name>!<value>!`.
@@ -109,7 +143,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn same(a: &str, b: &str) -> bool {
-        semantic_form(a.as_bytes()) == semantic_form(b.as_bytes())
+        semantic_form(a.as_bytes(), Reading::Most) == semantic_form(b.as_bytes(), Reading::Most)
     }
 
     #[test]
@@ -171,6 +205,46 @@ mod tests {
         // The framing keeps the boundary between a name and its value.
         assert!(!same("ab=c", "a=bc"));
         assert!(!same("a=1&b=2", "a=1%26b%3D2"));
+    }
+
+    fn every(a: &str) -> Option<Vec<u8>> {
+        semantic_form(a.as_bytes(), Reading::Every)
+    }
+
+    /// What a fingerprint with `forms: "semantic"` may take as one request: only spellings every
+    /// parser reads alike, in the order sent (issue 41's boundary oracle).
+    #[test]
+    fn the_every_reading_merges_only_what_every_parser_reads_alike() {
+        let canonical = "amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y";
+        let one = every(canonical).expect("taken");
+        for alike in [
+            "amount=1&currency=eur&memo=a%20b%2Fcaf%C3%A9&tag=x&tag=y",
+            "%61mount=1&currency=%65%75%72&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+            "amount=1&currency=eur&memo=a+b%2fcaf%c3%a9&tag=x&tag=y",
+            "amount=1&currency=eur&memo=a+b/caf%C3%A9&tag=x&tag=y",
+            "&amount=1&&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y&&",
+        ] {
+            assert_eq!(every(alike), Some(one.clone()), "{alike}");
+        }
+        for apart in [
+            // Fields keep the order sent: a handler iterating the form sees it.
+            "currency=eur&amount=1&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+            "amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=y&tag=x",
+            "amount=2&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+            "Amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+            "amount=1%2B&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+            "amount=1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x",
+            "amount%3D1&currency=eur&memo=a+b%2Fcaf%C3%A9&tag=x&tag=y",
+        ] {
+            assert!(every(apart).is_some_and(|f| f != one), "{apart}");
+        }
+        assert_ne!(every("a=1&a=2"), every("a=2&a=1"));
+        // Bytes the parsers read apart: no form, the bytes count.
+        for refused in ["memo=caf\u{e9}", "a=1;b=2", "a=%zz", "a=%4", "a=b c", "a=\n", "a=1\t"] {
+            assert_eq!(every(refused), None, "{refused:?}");
+        }
+        // The majority's reading of the same bodies is unchanged.
+        assert!(semantic_form("memo=caf\u{e9}".as_bytes(), Reading::Most).is_some());
     }
 
     #[test]

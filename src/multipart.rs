@@ -15,8 +15,8 @@
 //! is read as the readers that take it read it: two such bodies then derive one key, and the
 //! fingerprint, kept to the bytes, answers the second 422 rather than executing it.
 //!
-//! The semantic form is `form::sorted_fields` of the text fields (the same form a urlencoded body
-//! with those fields has), then, when there are files, `|` and `form::sorted_fields` of the files
+//! The semantic form (`Reading::Most`, for a derived key) is `form::fields_form` of the text fields (the same form a urlencoded body
+//! with those fields has), then, when there are files, `|` and `form::fields_form` of the files
 //! (each its name, and its file name framed before its content). A body this strict reader does
 //! not take (`semantic_form` is `None`: a folded or malformed header, a
 //! quoted parameter with a backslash, a `Content-Transfer-Encoding`, an RFC 2231 `name*`, a part
@@ -26,6 +26,8 @@
 //! that a backend reads as the canonical body). Work is linear in the
 //! body (each byte is looked at a bounded number of times; the boundary is at most 70 bytes) and
 //! nothing is sized from a count read from it.
+
+use crate::form::Reading;
 
 /// The media type of a multipart form (compared without parameters and letter case).
 const MULTIPART_TYPE: &[u8] = b"multipart/form-data";
@@ -61,15 +63,27 @@ pub fn boundary(content_type: &[u8]) -> Option<&[u8]> {
     found
 }
 
-/// One part as read: its field name, its file name (a file) or none (a text field), its content.
+/// One part as read: its field name, its file name (a file) or none (a text field), its content
+/// type (only read with `Reading::Every`), its content.
 struct Part<'b> {
     name: &'b [u8],
     filename: Option<&'b [u8]>,
+    content_type: Option<&'b [u8]>,
     content: &'b [u8],
 }
 
 /// The body's semantic form (module comment), or `None` when this reader does not take it.
-pub fn semantic_form(body: &[u8], boundary: &[u8]) -> Option<Vec<u8>> {
+///
+/// With `Reading::Every` (a fingerprint with `fingerprint.forms: "semantic"`) only what every
+/// parser of the panel reads alike is read: every line end a CRLF, no preamble, no transport
+/// padding, nothing after the closing delimiter but one CRLF, no part header but
+/// `Content-Disposition` and one `Content-Type`, no disposition parameter but `name` and
+/// `filename`, an unquoted one a token (letters, digits, `-`, `_`, `.`). The form is then every
+/// part in the order sent (`form::fields_form` with `Reading::Every`), each its name and, framed,
+/// whether it is a file, its file name, its `Content-Type` as sent (a handler reads it: Werkzeug,
+/// busboy and Tomcat decode a text part by its charset) and its content.
+pub fn semantic_form(body: &[u8], boundary: &[u8], reading: Reading) -> Option<Vec<u8>> {
+    let every = reading == Reading::Every;
     // A line ends with LF, a CR before it dropped: Werkzeug and Go read bare LF line ends as
     // CRLF ones (the others refuse such a body or read it apart: docs/limitations.md).
     let mut dash = Vec::with_capacity(boundary.len() + 3);
@@ -78,48 +92,93 @@ pub fn semantic_form(body: &[u8], boundary: &[u8]) -> Option<Vec<u8>> {
     // The first delimiter: at the body's start, or after a preamble's line end.
     let mut at = match body.strip_prefix(dash.get(1..)?) {
         Some(_) => dash.len() - 1,
+        None if every => return None,
         None => find(body, &dash)? + dash.len(),
     };
     let (mut fields, mut files) = (Vec::new(), Vec::new());
     loop {
         let rest = body.get(at..)?;
-        if rest.starts_with(b"--") {
+        if let Some(epilogue) = rest.strip_prefix(b"--") {
             // The closing delimiter: an epilogue after it is not read.
+            if every && !epilogue.is_empty() && epilogue != b"\r\n" {
+                return None;
+            }
             break;
         }
         // Transport padding, then the delimiter line's end.
         let pad = rest.iter().take_while(|&&b| b == b' ' || b == b'\t').count();
         let rest = rest.get(pad..)?;
-        let rest = rest.strip_prefix(b"\r").unwrap_or(rest).strip_prefix(b"\n")?;
+        let lf = rest.strip_prefix(b"\r");
+        if every && (pad > 0 || lf.is_none()) {
+            return None;
+        }
+        let rest = lf.unwrap_or(rest).strip_prefix(b"\n")?;
         let end = find(rest, &dash)?;
-        let part = read_part(cr_dropped(rest.get(..end)?))?;
+        let raw = rest.get(..end)?;
+        if every && !raw.ends_with(b"\r") {
+            return None;
+        }
+        let part = read_part(cr_dropped(raw), reading)?;
         at = body.len() - rest.len() + end + dash.len();
-        match part.filename {
-            None => fields.push((part.name.to_vec(), part.content.to_vec())),
-            Some(filename) => {
+        match (part.filename, every) {
+            (None, false) => fields.push((part.name.to_vec(), part.content.to_vec())),
+            (Some(filename), false) => {
                 // The file name framed (`<length>:`) before the content: no shifted split.
                 let mut value = format!("{}:", filename.len()).into_bytes();
                 value.extend_from_slice(filename);
                 value.extend_from_slice(part.content);
                 files.push((part.name.to_vec(), value));
             }
+            (filename, true) => {
+                // `f` and the file name or `t`, then the content type or `-`, each framed.
+                let mut value = Vec::with_capacity(part.content.len() + 48);
+                for (mark, v) in [(b'f', filename), (b'c', part.content_type)] {
+                    match v {
+                        Some(v) => {
+                            value.push(mark);
+                            value.extend_from_slice(format!("{}:", v.len()).as_bytes());
+                            value.extend_from_slice(v);
+                        }
+                        None => value.push(b'-'),
+                    }
+                }
+                value.extend_from_slice(part.content);
+                fields.push((part.name.to_vec(), value));
+            }
         }
     }
-    let mut out = crate::form::sorted_fields(fields);
+    let mut out = crate::form::fields_form(fields, reading);
     if !files.is_empty() {
         out.push(b'|');
-        out.extend_from_slice(&crate::form::sorted_fields(files));
+        out.extend_from_slice(&crate::form::fields_form(files, reading));
     }
     Some(out)
 }
 
+/// `content_type` (one `multipart/form-data` value that `boundary` reads) with its boundary's
+/// value left out, as a fingerprint that reads the body by `semantic_form` hashes it: the
+/// boundary is a random string each client build of one form chooses anew. Everything else
+/// (letter case, quotes, other parameters) stays as sent.
+pub fn without_boundary(content_type: &[u8]) -> Option<Vec<u8>> {
+    let value = boundary(content_type)?;
+    let start = (value.as_ptr() as usize).checked_sub(content_type.as_ptr() as usize)?;
+    let mut out = content_type.get(..start)?.to_vec();
+    out.extend_from_slice(content_type.get(start + value.len()..)?);
+    Some(out)
+}
+
 /// A part (its headers, an empty line, its content): `None` for what this reader does not take.
-fn read_part(part: &[u8]) -> Option<Part<'_>> {
+fn read_part(part: &[u8], reading: Reading) -> Option<Part<'_>> {
+    let every = reading == Reading::Every;
     let mut rest = part;
-    let mut disposition = None;
+    let (mut disposition, mut content_type) = (None, None);
     loop {
         let end = rest.iter().position(|&b| b == b'\n')?;
-        let line = cr_dropped(rest.get(..end)?);
+        let raw = rest.get(..end)?;
+        if every && !raw.ends_with(b"\r") {
+            return None;
+        }
+        let line = cr_dropped(raw);
         rest = rest.get(end + 1..)?;
         if line.is_empty() {
             break;
@@ -138,15 +197,19 @@ fn read_part(part: &[u8]) -> Option<Part<'_>> {
         } else if name.eq_ignore_ascii_case(b"content-transfer-encoding") {
             // python-multipart decodes base64 and quoted-printable, the others do not.
             return None;
+        } else if every && (!name.eq_ignore_ascii_case(b"content-type") || content_type.replace(value).is_some()) {
+            return None;
         }
     }
-    let (name, filename) = read_disposition(disposition?)?;
-    Some(Part { name, filename, content: rest })
+    let (name, filename) = read_disposition(disposition?, reading)?;
+    Some(Part { name, filename, content_type, content: rest })
 }
 
 /// `form-data` (any case) and its `name` and `filename` parameters (names in any case, values
-/// quoted without a backslash or as tokens, each at most once; other parameters ignored).
-fn read_disposition(value: &[u8]) -> Option<(&[u8], Option<&[u8]>)> {
+/// quoted without a backslash or as tokens, each at most once; other parameters ignored, or
+/// refused with `Reading::Every`, which takes only letters, digits, `-`, `_` and `.` unquoted).
+fn read_disposition(value: &[u8], reading: Reading) -> Option<(&[u8], Option<&[u8]>)> {
+    let every = reading == Reading::Every;
     let kind_end = value.iter().position(|&b| b == b';').unwrap_or(value.len());
     if !value.get(..kind_end)?.trim_ascii().eq_ignore_ascii_case(b"form-data") {
         return None;
@@ -165,7 +228,11 @@ fn read_disposition(value: &[u8]) -> Option<(&[u8], Option<&[u8]>)> {
             }
             None => {
                 let stop = tail.iter().position(|&b| b == b';' || b == b' ' || b == b'\t').unwrap_or(tail.len());
-                (tail.get(..stop)?, tail.get(stop..)?)
+                let token = tail.get(..stop)?;
+                if every && !token.iter().all(|&b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
+                    return None;
+                }
+                (token, tail.get(stop..)?)
             }
         };
         if v.contains(&b'\\') || param.contains(&b'*') {
@@ -175,6 +242,8 @@ fn read_disposition(value: &[u8]) -> Option<(&[u8], Option<&[u8]>)> {
             &mut name
         } else if param.eq_ignore_ascii_case(b"filename") {
             &mut filename
+        } else if every {
+            return None;
         } else {
             rest = next.trim_ascii_start();
             continue;
@@ -222,7 +291,11 @@ mod tests {
     }
 
     fn form(content_type: &str, body: &str) -> Option<Vec<u8>> {
-        semantic_form(body.as_bytes(), boundary(content_type.as_bytes())?)
+        semantic_form(body.as_bytes(), boundary(content_type.as_bytes())?, Reading::Most)
+    }
+
+    fn every(content_type: &str, body: &str) -> Option<Vec<u8>> {
+        semantic_form(body.as_bytes(), boundary(content_type.as_bytes())?, Reading::Every)
     }
 
     fn ct(boundary: &str) -> String {
@@ -287,7 +360,7 @@ mod tests {
         let text = format!(
             "--{B}\r\nContent-Disposition: form-data; name=\"b\"\r\n\r\n2\r\n--{B}\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--{B}--"
         );
-        assert_eq!(form(&ct(B), &text), Some(crate::form::semantic_form(b"a=1&b=2")));
+        assert_eq!(form(&ct(B), &text), crate::form::semantic_form(b"a=1&b=2", Reading::Most));
     }
 
     #[test]
@@ -346,6 +419,87 @@ mod tests {
         }
     }
 
+    /// What a fingerprint with `forms: "semantic"` may take as one request (issue 41): another
+    /// boundary and spellings of a part's headers every parser reads alike, never two parts'
+    /// values, order, file names or content types, and no body the parsers disagree on.
+    #[test]
+    fn the_every_reading_merges_only_what_every_parser_reads_alike() {
+        let c = canonical(B);
+        let one = every(&ct(B), &c).expect("the canonical body is read");
+        for (t, body) in [
+            (ct("XyZzy42"), canonical("XyZzy42")),
+            (ct(B), c.replace("Content-Disposition:", "content-disposition:")),
+            (ct(B), c.replace("Content-Type:", "CONTENT-TYPE:")),
+            (ct(B), c.replace("Content-Disposition: ", "Content-Disposition:")),
+            (ct(B), c.replace(": form-data;", ": Form-Data;")),
+            (ct(B), c.replace("name=\"amount\"", "name=amount")),
+            (ct(B), c.replace("name=\"amount\"", "Name=\"amount\"")),
+            (ct(B), c.replace("; name=\"amount\"", ";name=\"amount\"")),
+            (ct(B), c.replace("name=\"doc\"; filename=\"a.txt\"", "filename=\"a.txt\"; name=\"doc\"")),
+            (ct(B), c.trim_end_matches("\r\n").to_string()),
+        ] {
+            assert_eq!(every(&t, &body).as_ref(), Some(&one), "{t}\n{body}");
+        }
+        let amount_last = {
+            let first = c.find(&format!("--{B}\r\nContent-Disposition: form-data; name=\"currency\"")).unwrap();
+            let close = c.rfind(&format!("--{B}--")).unwrap();
+            format!("{}{}{}", &c[first..close], &c[..first], &c[close..])
+        };
+        for apart in [
+            amount_last,
+            c.replacen("\r\n\r\nx\r\n", "\r\n\r\nY\r\n", 1).replacen("\r\n\r\ny\r\n", "\r\n\r\nx\r\n", 1).replacen(
+                "\r\n\r\nY\r\n",
+                "\r\n\r\ny\r\n",
+                1,
+            ),
+            c.replace("\r\n\r\n1\r\n", "\r\n\r\n2\r\n"),
+            c.replace("name=\"amount\"", "name=\"Amount\""),
+            c.replace("filename=\"a.txt\"", "filename=\"b.txt\""),
+            c.replace("filename=\"a.txt\"", "filename=\"\""),
+            c.replace("; filename=\"a.txt\"", ""),
+            // A part's content type is read by the handler (a file's) or decodes it (a text's).
+            c.replace("Content-Type: text/plain", "Content-Type: application/octet-stream"),
+            c.replace("Content-Type: text/plain\r\n", ""),
+            c.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nContent-Type: text/plain\r\n"),
+            c.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nContent-Type: text/plain; charset=iso-8859-1\r\n"),
+        ] {
+            let other = every(&ct(B), &apart);
+            assert!(other.is_some(), "{apart}");
+            assert_ne!(other, Some(one.clone()), "{apart}");
+        }
+        // Spellings some parser reads apart or refuses: no form, the bytes count.
+        for refused in [
+            format!("preamble\r\n{c}"),
+            format!("{c}epilogue\r\n"),
+            c.replace(&format!("--{B}\r\n"), &format!("--{B}  \r\n")),
+            c.replace("\r\n", "\n"),
+            c.replacen("name=\"amount\"\r\n", "name=\"amount\"\n", 1),
+            c.replacen("\r\n\r\n1\r\n", "\r\n\r\n1\n", 1),
+            c.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nX-Note: a\r\n"),
+            c.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nContent-Type: a\r\nContent-Type: a\r\n"),
+            c.replace("name=\"amount\"", "name=\"amount\"; size=1"),
+            c.replace("name=\"amount\"", "name=am%6fount"),
+            c.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nContent-Transfer-Encoding: base64\r\n"),
+            c.replace(&format!("--{B}--\r\n"), ""),
+        ] {
+            assert_eq!(every(&ct(B), &refused), None, "{refused}");
+        }
+    }
+
+    #[test]
+    fn without_boundary_leaves_out_only_the_boundary_value() {
+        assert_eq!(
+            without_boundary(b"multipart/form-data; boundary=abc").as_deref(),
+            Some(&b"multipart/form-data; boundary="[..])
+        );
+        assert_eq!(
+            without_boundary(b"Multipart/Form-Data; Boundary=\"a b\"; charset=utf-8").as_deref(),
+            Some(&b"Multipart/Form-Data; Boundary=\"\"; charset=utf-8"[..])
+        );
+        assert_eq!(without_boundary(b"multipart/form-data"), None);
+        assert_eq!(without_boundary(b"application/x-www-form-urlencoded"), None);
+    }
+
     #[test]
     fn bodies_made_to_cost_stay_bounded_and_never_panic() {
         // Many empty parts, a body of delimiters cut anywhere: linear work, no panic.
@@ -354,9 +508,10 @@ mod tests {
         assert!(form(&ct(B), &many).is_some());
         for cut in 0..canonical(B).len() {
             let _ = form(&ct(B), &canonical(B)[..cut]);
+            let _ = every(&ct(B), &canonical(B)[..cut]);
         }
-        let _ = semantic_form(b"--x\r\n\r\n", b"x");
-        let _ = semantic_form(b"--x--", b"x");
-        assert_eq!(semantic_form(b"--x--", b"x"), Some(vec![]));
+        let _ = semantic_form(b"--x\r\n\r\n", b"x", Reading::Most);
+        let _ = semantic_form(b"--x--", b"x", Reading::Most);
+        assert_eq!(semantic_form(b"--x--", b"x", Reading::Most), Some(vec![]));
     }
 }

@@ -112,15 +112,36 @@ pub const TRAILERS_STOP_ITERATION: u32 = 1;
 /// in Envoy 1.40 by tests/it/native_module.rs: an upstream's answer reads `via_upstream` (else it
 /// would be classified outcome-unknown and never replayed).
 pub const ATTRIBUTE_RESPONSE_CODE_DETAILS: u32 = 16;
+/// `envoy_dynamic_module_type_attribute_id_ResponseFlags` (`response.flags`, the one after
+/// `ResponseCodeDetails`): served by the HTTP filter's integer accessor in Envoy 1.40 as the bit
+/// set proxy-wasm's `response.flags` gives (`decision::flags`; measured: 32 (`UF`) for a refused
+/// connection, 4 (`UT`) for the route's timeout, `0x8020` for a retried one refused).
+pub const ATTRIBUTE_RESPONSE_FLAGS: u32 = 17;
 /// `envoy_dynamic_module_type_attribute_id_UpstreamAddress` (`upstream.address`, the 42nd of the
 /// same enum, unchanged in order up to Envoy 1.40's header): served by the HTTP filter's string
 /// accessor from the stream's upstream host, absent while the router has selected none.
 pub const ATTRIBUTE_UPSTREAM_ADDRESS: u32 = 41;
+/// `envoy_dynamic_module_type_attribute_id_UpstreamLocalAddress` (`upstream.local_address`, ten
+/// after `UpstreamAddress`): a string, absent while no connection to the upstream was made for
+/// the stream's (final) upstream request.
+pub const ATTRIBUTE_UPSTREAM_LOCAL_ADDRESS: u32 = 51;
+/// `envoy_dynamic_module_type_attribute_id_UpstreamRequestAttemptCount`
+/// (`upstream.request_attempt_count`, two after `UpstreamLocalAddress`): served by the HTTP
+/// filter's integer accessor in Envoy 1.40 (Envoy's `attemptCount()`, 0 when unset, as
+/// proxy-wasm's property; measured: 1, 2 and 3 for one, two and three attempts).
+pub const ATTRIBUTE_UPSTREAM_REQUEST_ATTEMPT_COUNT: u32 = 53;
 /// `envoy_dynamic_module_type_attribute_id_XdsRouteName` (`xds.route_name`, the 62nd: twenty after
 /// `UpstreamAddress` in the header's order). Checked in Envoy 1.40 by
 /// `native_module::a_route_name_selects_the_policy_in_both_builds` (another attribute's value
 /// would select no route: the key would execute twice).
 pub const ATTRIBUTE_XDS_ROUTE_NAME: u32 = 61;
+/// `envoy_dynamic_module_type_attribute_id_ConnectionId` (`connection.id`, the 29th: twelve after
+/// `ResponseCodeDetails`, after the response's, source's and destination's attributes), served by
+/// the HTTP filter's integer accessor from the stream's downstream connection. Checked in Envoy
+/// 1.40 by the internal redirect tests run against this build (`internal_redirect::`): a
+/// re-created stream reading another attribute would never match its first stream's connection,
+/// and the redirect would be unfollowed.
+pub const ATTRIBUTE_CONNECTION_ID: u32 = 28;
 
 /// `envoy_dynamic_module_type_log_level`.
 pub const LOG_DEBUG: u32 = 1;
@@ -180,10 +201,13 @@ extern "C" {
         result_length: *mut usize,
     ) -> bool;
 
-    /// How many upstream hosts the router attempted for the stream (Envoy 1.40: the non-null
-    /// hosts of the stream's upstream info; 0 without one). Checked against the binary: one
-    /// argument, a count returned.
-    pub fn envoy_dynamic_module_callback_http_get_upstream_hosts_attempted_size(filter: EnvoyPtr) -> usize;
+    /// An integer attribute of the stream (Envoy 1.40: `(filter, attribute_id, uint64_t* result)`,
+    /// true when served; checked against the binary, which exports it).
+    pub fn envoy_dynamic_module_callback_http_filter_get_attribute_int(
+        filter: EnvoyPtr,
+        attribute_id: u32,
+        result: *mut u64,
+    ) -> bool;
 
     /// Sets bytes filter state `key` on the stream (Envoy 1.40 stores a `StringAccessor`,
     /// read-only, which `%FILTER_STATE(key:PLAIN)%` prints). Checked against the binary: the filter

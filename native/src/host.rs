@@ -179,6 +179,18 @@ pub fn attribute_string(f: EnvoyPtr, id: u32) -> Option<Vec<u8>> {
     (ok && !out.ptr.is_null()).then(|| unsafe { out.bytes() }.to_vec())
 }
 
+/// An integer attribute of the stream (`abi::ATTRIBUTE_*`).
+pub fn attribute_int(f: EnvoyPtr, id: u32) -> Option<u64> {
+    let mut out: u64 = 0;
+    // SAFETY: `out` is writable for the call; `f` is the current hook's filter.
+    unsafe { abi::envoy_dynamic_module_callback_http_filter_get_attribute_int(f, id, &mut out) }.then_some(out)
+}
+
+/// The stream's downstream connection id (`connection.id`), if it has a connection.
+pub fn connection_id(f: EnvoyPtr) -> Option<u64> {
+    attribute_int(f, abi::ATTRIBUTE_CONNECTION_ID)
+}
+
 /// Milliseconds since the epoch (the process clock: every worker reads the same one).
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -380,12 +392,6 @@ pub fn stream_scheduler_delete(s: abi::SchedulerPtr) {
         // SAFETY: made by `stream_scheduler_new`, deleted only here, once (`http::wait::Waiting`).
         unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_delete(s) }
     }
-}
-
-/// How many upstream hosts the router attempted for the stream (0: none was ever selected).
-pub fn upstream_hosts_attempted(f: EnvoyPtr) -> usize {
-    // SAFETY: `f` is the current hook's filter.
-    unsafe { abi::envoy_dynamic_module_callback_http_get_upstream_hosts_attempted_size(f) }
 }
 
 /// One of the ABI's `define_*` metric callbacks (`abi.rs`: the same arguments for each kind).

@@ -9,16 +9,16 @@
 //! `in_flight: "wait"` (`http/wait.rs`) and `forwarding: "detached"` with `upstream.hop:
 //! "direct"` (`http/detached.rs`). MCP routes run here: the engine reads the body and says how
 //! the request is answered (`Command::McpReply`), and the core writes those answers
-//! (`mcp::Reply::problem`, `encoding::retry_answer`), as for the Wasm build. A detached hop through
-//! an internal listener and `next_hop_failures: "classify"` are refused at configuration
-//! (`refusal`), before any request.
+//! (`mcp::Reply::problem`, `encoding::retry_answer`), as for the Wasm build. Envoy's internal
+//! redirects hand a claim over to the re-created stream (`http/redirect.rs`). A detached hop through
+//! an internal listener is refused at configuration (`refusal`), before any request.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use idemgate::config::{Config, Forwarding, Hop, NextHopFailures};
-use idemgate::decision::{classify_routed, Exchange};
+use idemgate::config::{Config, Forwarding, Hop};
+use idemgate::decision::{classify_routed, re_sent, Exchange};
 use idemgate::encoding::{self, RetryAnswer, EXPIRES_HEADER};
 use idemgate::engine::budget::Budget;
 use idemgate::engine::machine::{
@@ -48,6 +48,7 @@ use crate::store::StoreSide;
 use crate::timer::Timer;
 
 mod detached;
+mod redirect;
 mod wait;
 pub use detached::DETACHED_EVENT;
 pub use wait::WAIT_EVENT;
@@ -66,9 +67,6 @@ pub fn refusal(config: &Config) -> Option<String> {
             // detached requests here (`http/detached.rs`), reaches none (its hop probe is answered
             // 503 by Envoy, and the request refused).
             return why("forwarding \"detached\" through upstream.hop \"internal_listener\" (the default; \"direct\" is carried)");
-        }
-        if p.next_hop_failures == NextHopFailures::Classify {
-            return why("next_hop_failures \"classify\"");
         }
     }
     None
@@ -95,6 +93,9 @@ pub struct Global {
     /// `forwarding: "detached"` (`detached.rs`): the forwards sent by the main thread, the
     /// streams waiting for their answer.
     detached: Arc<detached::Detached>,
+    /// Claims handed over by streams Envoy ended for an internal redirect, waiting for the
+    /// stream it re-creates (`redirect.rs`).
+    redirects: redirect::Redirects,
 }
 
 impl Global {
@@ -160,6 +161,7 @@ impl Global {
             timer,
             waits: Arc::default(),
             detached,
+            redirects: redirect::Redirects::default(),
         })
     }
 
@@ -172,6 +174,8 @@ impl Global {
             st.on_scheduled();
         }
         let now = host::now_ms();
+        // Claims handed over for a redirect that no stream took within the window.
+        self.redirects.expire(self, now);
         let next = {
             let mut sweeper = self.sweeper.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(swept) = sweeper.run(&self.table, &mut ProcessShared, now) {
@@ -270,6 +274,9 @@ pub struct Filter {
     mcp: Option<McpReply>,
     /// Detached (`detached.rs`), until answered or its stream ends.
     detaching: Option<detached::Detaching>,
+    /// The configuration's hand-over count when Envoy created the stream (`redirect.rs`): it
+    /// takes only a claim handed over before.
+    born: u32,
 }
 
 struct Glue<'a> {
@@ -284,6 +291,7 @@ struct Glue<'a> {
     waiting: &'a mut Option<wait::Waiting>,
     mcp: &'a mut Option<McpReply>,
     detaching: &'a mut Option<detached::Detaching>,
+    born: u32,
 }
 
 fn headers_status(f: Flow) -> u32 {
@@ -473,7 +481,7 @@ impl Effects for Glue<'_> {
             Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
             Command::Detach(f) => self.detach(f),
             Command::McpReply { id, batch, accepts } => *self.mcp = Some(McpReply { id, batch, accepts }),
-            Command::HandOver { .. } => self.unreachable("hand_over"),
+            Command::HandOver { claim, url } => self.hand_over(claim, url),
         }
     }
 
@@ -505,8 +513,8 @@ impl Io for Glue<'_> {
         self.global.next_owner()
     }
 
-    fn take_handoff(&mut self, _: &StorageKey, _: usize, _: &[u8]) -> Option<Handoff<Claim>> {
-        None
+    fn take_handoff(&mut self, skey: &StorageKey, policy_index: usize, original_url: &[u8]) -> Option<Handoff<Claim>> {
+        self.handoff_for(skey, policy_index, original_url)
     }
 
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Wire>) -> Result<Wire, NotSent> {
@@ -567,27 +575,40 @@ fn forbid_router_retries(f: EnvoyPtr, head: &mut RequestHead) -> bool {
     ok && host::set_header(f, abi::REQUEST_HEADER, cap, Some(zero))
 }
 
-/// A forwarded exchange as this build sees it end: the response's status, whether it ended,
-/// Envoy's response code details (`via_upstream` for the upstream's own answer), whether the
-/// stream has an upstream host (`upstream.address`) and how many hosts the router attempted.
-///
-/// Envoy 1.40's dynamic module ABI serves neither `upstream.request_attempt_count` nor
-/// `response.flags` to an HTTP filter (its integer accessor answers the response code, ports and
-/// the connection id only), so the attempt count is given as the core's rule needs it, from the
-/// hosts attempted: `Some(0)` when the router attempted no host, otherwise unknown (`None`, which
-/// the classification never reads as "nothing was sent"). A request is released as never started
-/// (`decision::never_started`) only when no host was ever attempted and the stream has no
-/// upstream host: nothing can have been sent without one. No flag is set, so the failures the
-/// Wasm build proves from flags (connect failure, overflow, no healthy upstream once a host was
-/// attempted) stay outcome-unknown here (never a second execution; a retry gets
-/// `outcome-unknown` until the record expires).
+/// A forwarded exchange as this build sees it end: the facts the Wasm build reads from Envoy's
+/// properties (`filter::http::Finished`), read here through the ABI's attribute accessors, each
+/// the first time the core's rule asks for it (`classify_routed`), then kept: the response's
+/// status, whether it ended, Envoy's response code details (`via_upstream` for the upstream's own
+/// answer), `response.flags`, `upstream.request_attempt_count`, whether the stream has an upstream
+/// host (`upstream.address`) and whether a connection to it was made (`upstream.local_address`).
+/// Envoy 1.40 serves each to an HTTP filter (measured, docs/native.md, "failure classification"),
+/// so the same rule decides from the same facts in both builds.
 struct Seen {
     status: Option<u16>,
     complete: bool,
     code_details: String,
-    hosts_attempted: usize,
+    flags: Option<u64>,
+    attempts: Option<Option<u64>>,
     upstream_host: Option<bool>,
+    upstream_connected: Option<bool>,
     envoy: EnvoyPtr,
+}
+
+impl Seen {
+    /// The facts read, for log lines (`-` for those the classification never needed), in the
+    /// Wasm build's words.
+    fn detail(&self) -> String {
+        let shown = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        format!(
+            "status={} code_details={} flags={} attempts={} upstream_host={} upstream_connected={}",
+            self.status.unwrap_or(0),
+            self.code_details,
+            shown(self.flags.map(|f| f.to_string())),
+            shown(self.attempts.map(|a| a.map_or_else(|| "unknown".to_string(), |n| n.to_string()))),
+            shown(self.upstream_host.map(|b| b.to_string())),
+            shown(self.upstream_connected.map(|b| b.to_string())),
+        )
+    }
 }
 
 impl Exchange for Seen {
@@ -601,7 +622,8 @@ impl Exchange for Seen {
         self.code_details.clone()
     }
     fn flags(&mut self) -> u64 {
-        0
+        let envoy = self.envoy;
+        *self.flags.get_or_insert_with(|| host::attribute_int(envoy, abi::ATTRIBUTE_RESPONSE_FLAGS).unwrap_or(0))
     }
     fn response_complete(&mut self) -> bool {
         self.complete
@@ -613,39 +635,47 @@ impl Exchange for Seen {
             .get_or_insert_with(|| host::attribute_string(envoy, abi::ATTRIBUTE_UPSTREAM_ADDRESS).is_some())
     }
     fn upstream_connected(&mut self) -> bool {
-        true
+        let envoy = self.envoy;
+        *self
+            .upstream_connected
+            .get_or_insert_with(|| host::attribute_string(envoy, abi::ATTRIBUTE_UPSTREAM_LOCAL_ADDRESS).is_some())
     }
     fn attempts(&mut self) -> Option<u64> {
-        (self.hosts_attempted == 0).then_some(0)
+        let envoy = self.envoy;
+        *self.attempts.get_or_insert_with(|| host::attribute_int(envoy, abi::ATTRIBUTE_UPSTREAM_REQUEST_ATTEMPT_COUNT))
     }
 }
 
-fn ended(envoy: EnvoyPtr, req: &Protected, response: &Response) -> Ended {
+/// How a forwarded exchange ended (`Ended`), and whether the router re-sent it (`re_sent`);
+/// `code_details`: Envoy's response code details if already read.
+fn ended(envoy: EnvoyPtr, req: &Protected, response: &Response, code_details: Option<String>) -> (Ended, bool) {
     let status = response.stored.as_ref().map(|r| r.status).filter(|s| *s > 0);
-    let code_details = host::attribute_string(envoy, abi::ATTRIBUTE_RESPONSE_CODE_DETAILS)
-        .map(|b| String::from_utf8_lossy(&b).into_owned())
-        .unwrap_or_default();
-    let hosts_attempted = host::upstream_hosts_attempted(envoy);
-    let mut seen =
-        Seen { status, complete: response.complete, code_details, hosts_attempted, upstream_host: None, envoy };
+    let code_details = code_details.unwrap_or_else(|| redirect::code_details_of(envoy));
+    let mut seen = Seen {
+        status,
+        complete: response.complete,
+        code_details,
+        flags: None,
+        attempts: None,
+        upstream_host: None,
+        upstream_connected: None,
+        envoy,
+    };
+    // Whether the router re-sent it is read always (counted and logged); every other fact only
+    // when the classification needs it.
+    let repeated = re_sent(&mut seen);
     let headers = response.stored.as_ref().map_or(&[][..], |r| &r.headers[..]);
     let outcome = classify_routed(&mut seen, headers, &req.policy);
-    let host = seen.upstream_host.map_or("-", |h| if h { "true" } else { "false" });
-    Ended {
-        outcome,
-        detail: format!(
-            "status={} code_details={} hosts_attempted={hosts_attempted} upstream_host={host}",
-            status.unwrap_or(0),
-            seen.code_details
-        ),
-    }
+    (Ended { outcome, detail: seen.detail() }, repeated)
 }
 
 impl Filter {
     pub fn new(envoy: EnvoyPtr, global: Arc<Global>) -> Filter {
         let hold = global.config.hold_headers;
         let store = global.config.store.as_ref().map(|c| c.on_unavailable);
+        let born = global.redirects.born();
         Filter {
+            born,
             envoy,
             global,
             machine: Machine::new(store, hold),
@@ -674,6 +704,7 @@ impl Filter {
             waiting: &mut self.waiting,
             mcp: &mut self.mcp,
             detaching: &mut self.detaching,
+            born: self.born,
         };
         (&mut self.machine, glue)
     }
@@ -696,6 +727,10 @@ impl Filter {
 
     pub fn request_headers(&mut self, envoy: EnvoyPtr, end_of_stream: bool) -> u32 {
         self.hook(envoy);
+        // A stream re-created for an internal redirect continues its first stream's claim.
+        if let Some(status) = self.continue_redirect(envoy) {
+            return status;
+        }
         let config = &self.global.config;
         if end_of_stream {
             let method = host::header(envoy, abi::REQUEST_HEADER, ":method").unwrap_or_default();
@@ -877,8 +912,15 @@ impl Filter {
                 return;
             }
             Phase::Forwarded { .. } => {
-                if let Some((req, response)) = self.machine.forwarded() {
-                    let e = ended(envoy, req, response);
+                // No response reached the filter: ended for an internal redirect, its claim is
+                // handed over to the stream Envoy re-creates (`redirect.rs`), not settled here.
+                let (redirected, code_details) = self.redirected_away(envoy);
+                if let (false, Some((req, response))) = (redirected, self.machine.forwarded()) {
+                    let (e, repeated) = ended(envoy, req, response, code_details);
+                    if repeated {
+                        self.count(Counter::UpstreamAttemptsRepeated);
+                        host::log(LogLevel::Warn, &log_line(Some(req), "upstream_attempts_repeated", &e.detail));
+                    }
                     let (m, mut io) = self.split();
                     m.settle(&mut io, e);
                 }
@@ -938,21 +980,15 @@ mod tests {
 
     #[test]
     fn features_not_carried_are_refused_by_name() {
-        for (json, names) in [
-            (
-                r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "idemgate_hop", "timeout_ms": 5000}}"#,
-                "upstream.hop \"internal_listener\"",
-            ),
-            (r#"{"scope": {"global": true}, "next_hop_failures": "classify"}"#, "next_hop_failures \"classify\""),
-        ] {
-            let c = match Config::parse(json.as_bytes()) {
-                Ok(c) => c,
-                Err(e) => panic!("{json}: {e}"),
-            };
-            let why = refusal(&c).unwrap_or_default();
-            assert!(why.contains(names), "{json}: {why}");
-            assert!(why.contains("native"), "{why}");
-        }
+        // The one feature not carried: a detached hop through an internal listener.
+        let json = r#"{"scope": {"global": true}, "forwarding": "detached", "upstream": {"cluster": "idemgate_hop", "timeout_ms": 5000}}"#;
+        let c = match Config::parse(json.as_bytes()) {
+            Ok(c) => c,
+            Err(e) => panic!("{json}: {e}"),
+        };
+        let why = refusal(&c).unwrap_or_default();
+        assert!(why.contains("upstream.hop \"internal_listener\""), "{json}: {why}");
+        assert!(why.contains("native"), "{why}");
         // Carried since: `in_flight: "wait"` (`http/wait.rs`), with either tier.
         for json in [
             r#"{"scope": {"global": true}, "in_flight": "wait"}"#,
@@ -966,6 +1002,9 @@ mod tests {
         // Carried since: routes selected by Envoy's route name.
         let named = Config::parse(br#"{"scope": {"global": true}, "routes": [{"route_name": "pay"}]}"#);
         assert_eq!(named.map(|c| refusal(&c)).ok(), Some(None));
+        // Carried since: `next_hop_failures: "classify"` (Envoy 1.40 serves the attempt count).
+        let classify = Config::parse(br#"{"scope": {"global": true}, "next_hop_failures": "classify"}"#);
+        assert_eq!(classify.map(|c| refusal(&c)).ok(), Some(None));
         // And MCP routes (`protocol: "mcp"`).
         let mcp = Config::parse(
             br#"{"scope": {"headers": ["authorization"]}, "routes": [{"prefix": "/mcp", "protocol": "mcp"}]}"#,

@@ -588,7 +588,7 @@ pub fn at_body_end(
     body: &[u8],
 ) -> AtBodyEnd {
     // Taken once, for the fingerprint and for a key derived from the body.
-    let digest = fingerprint::body_digest(body, &policy.fingerprint);
+    let digest = fingerprint::body_digest(head, body, &policy.fingerprint);
     let mut derived = None;
     if derive_at_body {
         let Some(key) = policy.derive_key.as_ref().and_then(|d| {

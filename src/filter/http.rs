@@ -24,7 +24,7 @@ use super::stores::{self, Unbuilt};
 use super::writes;
 use super::{reply, Shared};
 use crate::bench_host::meter;
-use crate::decision::{classify_routed, Exchange};
+use crate::decision::{classify_routed, re_sent, Exchange};
 use crate::engine::budget::Budget;
 use crate::engine::forwards::Forward;
 use crate::engine::machine::{
@@ -585,13 +585,11 @@ impl Http {
             Finished { status: status.map(Some), complete: response.complete, code_details, ..Finished::default() };
         // Whether the router re-sent it is read always (its warning below); every other fact only
         // when the classification needs it (`classify_routed`).
-        let attempts = x.attempts();
+        let repeated = re_sent(&mut x);
         let headers = response.stored.as_ref().map_or(&[][..], |r| &r.headers[..]);
         let outcome = classify_routed(&mut x, headers, &req.policy);
         let detail = if log::log_enabled!(log::Level::Info) { x.detail() } else { String::new() };
-        // The router was told to send it once; a later filter (or a host that ignores the cap)
-        // may still have re-sent it. Nothing can undo that now: count it and say so.
-        if attempts.is_some_and(|n| n > 1) {
+        if repeated {
             self.count(Counter::UpstreamAttemptsRepeated);
             warn!("{}", log_line(Some(req), "upstream_attempts_repeated", &x.detail()));
         }

@@ -19,9 +19,9 @@
 //! the body as parsed (host and path spelling are not in it: they are what varies). The property:
 //! when A and B are of one class, B with A's key must not execute. A pair that breaks it is a
 //! counterexample, shrunk (spellings dropped one at a time while it still breaks) and printed as
-//! the smallest pair of requests. So is a pair the backend parsed apart only by its body (JSON
-//! beyond an MCP call's `id`, or a form) whose B with A's key is answered A's replay
-//! (`Outcome::Merged`).
+//! the smallest pair of requests. So is a pair the backend parsed apart only by its body (JSON, or
+//! a form's fields and files; beyond an MCP call's `id`) whose B with A's key is answered A's
+//! replay (`Outcome::Merged`).
 //!
 //! Two parts: a sweep (every spelling against the canonical request, on every backend and
 //! configuration) that writes the equivalence table to target/oracle/equivalence.md (and to
@@ -88,7 +88,20 @@ const CONFIGS: &[(&str, &str, &str, &str)] = &[
         "idempotency-key",
         "authorization",
     ),
+    // A sent key's fingerprint reading form bodies as every parser reads them
+    // (`fingerprint.forms: "semantic"`): a replay must answer only a form every backend reads as
+    // the first (`Outcome::Merged` otherwise). Only the form bodies' spellings are sent here
+    // (`FORM_DIMS`): the other dimensions are the `defaults` configuration's.
+    (
+        "forms_semantic",
+        r#"{"scope": {"headers": ["authorization"]}, "fingerprint": {"forms": "semantic"}}"#,
+        "idempotency-key",
+        "authorization",
+    ),
 ];
+
+/// The dimensions sent in configuration `forms_semantic`.
+const FORM_DIMS: &[&str] = &["form", "multipart"];
 
 /// The dimensions sent in configuration `mcp_body_key` (the others spell what the key header and
 /// the route decide, which the `mcp` configuration covers).
@@ -1044,14 +1057,12 @@ impl Outcome {
     }
 }
 
-/// A parsed body: a JSON object without its top-level `id` (an MCP call's transport id), or a
-/// form (urlencoded or multipart) as the framework parsed it; None for a body the backend did
-/// not parse (Tomcat's JSON text).
-fn parsed_body(v: &Value) -> Option<Value> {
+/// A body as the backend parsed it (a JSON object, or a form's `{"form", "files"}`) without its
+/// top-level `id` (an MCP call's transport id); None for a body it did not parse as an object
+/// (Tomcat's JSON text).
+fn parsed_json_body(v: &Value) -> Option<Value> {
     let mut o = v.as_object()?.clone();
-    if !(o.contains_key("form") && o.contains_key("files")) {
-        o.remove("id");
-    }
+    o.remove("id");
     Some(Value::Object(o))
 }
 
@@ -1100,10 +1111,10 @@ impl Probe<'_> {
             }
             (Reading::Ran(x), Reading::Ran(y)) => {
                 if let Some(f) = x.keys().find(|f| x[*f] != y[*f]) {
-                    // Only the parsed body differs (JSON beyond an MCP call's id, or a form),
-                    // from bodies sent apart: B with A's key must not be answered A's response.
+                    // Only the parsed body differs (beyond an MCP call's id), from bodies
+                    // sent apart: B with A's key must not be answered A's response.
                     let only_body = x.keys().all(|g| *g == "body" || x[*g] == y[*g]);
-                    let parsed = (parsed_body(&x["body"]), parsed_body(&y["body"]));
+                    let parsed = (parsed_json_body(&x["body"]), parsed_json_body(&y["body"]));
                     if only_body && a.body != bq.body {
                         if let (Some(px), Some(py)) = parsed {
                             if px != py {
@@ -1203,6 +1214,7 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
     for (cfg, &(cname, _, kh, sh)) in CONFIGS.iter().enumerate() {
         let mcp = cname.starts_with("mcp");
         let body_key = cname == "mcp_body_key";
+        let forms = cname == "forms_semantic";
         let mut p = Probe { b, cfg, seq: 0 };
         let report = |p: &mut Probe, base: &Req, sa: Vec<usize>, sb: Vec<usize>, found: &mut Found| {
             let (sa, sb) = shrink(p, base, sa, sb);
@@ -1226,7 +1238,10 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
                     "multipart" => Body::Multipart,
                     _ => Body::Json,
                 };
-                if (body != Body::Json && orders) || (body_key && !BODY_KEY_DIMS.contains(&dim)) {
+                if (body != Body::Json && orders)
+                    || (body_key && !BODY_KEY_DIMS.contains(&dim))
+                    || (forms && !FORM_DIMS.contains(&dim))
+                {
                     found.cells.push((cfg, s, orders, Outcome::Inapplicable));
                     continue;
                 }
@@ -1253,9 +1268,11 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
             // A form body one time in three, a multipart body one time in six (spellings of
             // another body leave it alone).
             let orders = rng.below(2) == 1;
+            // (`forms_semantic`: a form body always, multipart one time in two.)
             let body = match rng.below(6) {
                 0 | 1 => Body::Form,
                 2 => Body::Multipart,
+                n if forms => [Body::Form, Body::Multipart][n % 2],
                 _ => Body::Json,
             };
             let base = Req::base(orders, kh, sh, mcp, body, body_key);
@@ -1354,9 +1371,9 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
            the route, its parameters, the method, the caller, the key, the query or the body), or\n\
            did not run the spelling at all (`not run: status from envoy|backend`): no obligation.\n\
          - `TWICE`: a counterexample: one request to the backend, executed twice.\n\
-         - `MERGED`: a counterexample: the backend parsed the two bodies apart (JSON beyond an MCP\n\
-           call's JSON-RPC `id`, or a form), and the spelling with the canonical request's key was answered\n\
-           the canonical request's replay.\n\
+         - `MERGED`: a counterexample: the backend parsed the two bodies apart (JSON, or a form's\n\
+           fields and files; beyond an MCP call's JSON-RPC `id`), and the spelling with the\n\
+           canonical request's key was answered the canonical request's replay.\n\
          - `-`: the spelling does not apply to that route (`%c3%a9` on `/v1/payments`).\n\n\
          In configuration `mcp` (both routes `protocol: mcp`) the request is an MCP client's\n\
          `tools/call`: the same paths, query and headers, plus `accept: application/json,\n\
@@ -1368,7 +1385,10 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
          derived from `x-op` (and in `include_body` from the body too). In `mcp_body_key` the key\n\
          is in the body, not in a header: in `params._meta.idempotencyKey` on the payments route, in\n\
          the argument `idempotency_key` (`mcp.key_arguments`) on the orders route; only the\n\
-         `body`, `json`, `content-type` and `protocol` spellings are sent there (`-` elsewhere).\n\n\
+         `body`, `json`, `content-type` and `protocol` spellings are sent there (`-` elsewhere).\n\
+         In `forms_semantic` a sent key's fingerprint reads form bodies as every parser reads them\n\
+         (`fingerprint.forms: \"semantic\"`); only the `form` and `multipart` spellings are sent\n\
+         there (`-` elsewhere).\n\n\
          The `json` spellings respell the JSON body where it has their target (`-` where it has\n\
          none): a BOM, whitespace around the document, `\\uXXXX` escapes of ASCII letters in\n\
          member names and values, an escaped `/`, number spellings, and repeated member names (in\n\

@@ -10,7 +10,8 @@ use support::http::{self, Response};
 use support::Stack;
 
 const CFG: &str = r#"{"scope": {"headers": ["authorization"]}}"#;
-const REDIRECTS: &str = ", internal_redirect_policy: {redirect_response_codes: [303, 307]}";
+/// Two redirects may be chained (`chained_redirects_are_one_request`); one at a time is the same.
+const REDIRECTS: &str = ", internal_redirect_policy: {redirect_response_codes: [303, 307], max_internal_redirects: 2}";
 
 fn stack(internal_clients: bool) -> Stack {
     Stack::with(CFG, |o| {
@@ -32,8 +33,8 @@ fn problem_type(r: &Response) -> String {
 }
 
 /// The redirect with `status` (to `/target` on the same host, or on `to_host`): the first
-/// answer is the target's, the retry replays it.
-fn redirect_is_one_request(status: &str, target_method: &str, to_host: Option<&str>) {
+/// answer is the target's, the retry replays it. The stack, for more.
+fn redirect_is_one_request(status: &str, target_method: &str, to_host: Option<&str>) -> Stack {
     let s = stack(false);
     let redirect = match to_host {
         Some(host) => format!("{status} http://{host}/target"),
@@ -60,11 +61,14 @@ fn redirect_is_one_request(status: &str, target_method: &str, to_host: Option<&s
     assert_eq!(s.envoy.stat("idemgate.stored"), 1);
     assert_eq!(s.envoy.stat("idemgate.internal_redirects_followed"), 1);
     assert_eq!(s.envoy.stat("idemgate.internal_redirects_unfollowed"), 0);
+    s
 }
 
+/// Then, on the same proxy, two redirects chained (`chained_redirects_are_one_request`).
 #[test]
 fn a_307_redirect_stores_the_targets_answer_and_replays_it() {
-    redirect_is_one_request("307", "POST", None);
+    let s = redirect_is_one_request("307", "POST", None);
+    chained_redirects_are_one_request(&s);
 }
 
 /// Issue 40: a redirect to another host re-creates the stream under another `:authority`, which
@@ -152,7 +156,15 @@ fn an_unfollowed_redirect_is_outcome_unknown_and_a_forged_marker_cannot_take_it(
     let s = Stack::with(CFG, |o| {
         o.route_action_extra = REDIRECTS.into();
         o.internal_clients = true;
-        let off = r#"{envoy.filters.http.wasm: {"@type": type.googleapis.com/envoy.config.route.v3.FilterConfig, disabled: true}}"#;
+        // The filter's name in the chain, per build (the native build's filter is Envoy's
+        // dynamic module filter).
+        let filter = match o.build {
+            support::Build::Wasm => "envoy.filters.http.wasm",
+            support::Build::Native => "envoy.filters.http.dynamic_modules",
+        };
+        let off = format!(
+            r#"{{{filter}: {{"@type": type.googleapis.com/envoy.config.route.v3.FilterConfig, disabled: true}}}}"#
+        );
         o.named_routes =
             vec![("target".into(), format!("{{prefix: \"/target\"}}\n                typed_per_filter_config: {off}"))];
     });
@@ -221,8 +233,10 @@ fn through_the_store_the_other_proxy_replays_the_targets_answer() {
 
 /// The target answers a status in `release_on_status` (429 by default): that says nothing about
 /// the first hop, which executed, so the key is outcome-unknown, never released for a retry.
+/// Then, on the same proxy, a client that leaves while its redirect's target runs
+/// (`a_client_leaving_while_the_target_runs_never_releases_the_key`).
 #[test]
-fn a_targets_release_status_never_releases_the_first_hop() {
+fn a_targets_release_status_or_its_client_leaving_never_releases_the_first_hop() {
     let s = stack(false);
     let h = [("x-up-redirect", "307 /target"), ("x-up-status", "429")];
     let a = post(&s, "alice", "/charges", "k-429", &h);
@@ -232,4 +246,81 @@ fn a_targets_release_status_never_releases_the_first_hop() {
     assert_eq!(retry.status, 409, "{}", retry.body_text());
     assert_eq!(problem_type(&retry), "urn:idemgate:problem:outcome-unknown");
     assert_eq!(s.up.executions(), 2, "the first hop never ran again");
+    a_client_leaving_while_the_target_runs_never_releases_the_key(&s);
+}
+
+/// Two redirects chained (`/charges` 307 to `/target`, `/target` 307 to `/target2`, Envoy
+/// following both, `max_internal_redirects: 2`), on a proxy that may have served others: the claim is handed over twice, each re-created stream taking it from the one before (Envoy
+/// sets `x-envoy-original-url` to the URL each was redirected from). Each hop executes once, the
+/// last one's answer is stored and replayed; no stream claims the key anew (which would answer
+/// the client 409 or 422 for a request whose hops executed) and none releases it. Natively on
+/// main's build (no hand-over) the first answer was 422 for 201.
+fn chained_redirects_are_one_request(s: &Stack) {
+    let executed = s.up.executions();
+    let followed = s.envoy.stat("idemgate.internal_redirects_followed");
+    let stored = s.envoy.stat("idemgate.stored");
+    let chain = [("x-up-redirect", "307 /target, 307 /target2")];
+    let a = post(s, "alice", "/charges", "k-chain", &chain);
+    assert_eq!(a.status, 201, "first answer {}", a.body_text());
+    assert_eq!(a.json()["path"], "/target2", "the last hop's answer: {}", a.body_text());
+    let log = s.up.log();
+    let hops: Vec<String> = log.iter().skip(executed as usize).map(|e| format!("{} {}", e.method, e.path)).collect();
+    assert_eq!(hops, ["POST /charges", "POST /target", "POST /target2"], "each hop executed once");
+    let b = post(s, "alice", "/charges", "k-chain", &chain);
+    assert_eq!(b.status, 201, "retry {}", b.body_text());
+    assert_eq!(b.header("idempotent-replayed"), Some("true"), "the retry is a replay");
+    assert_eq!(b.body, a.body);
+    assert_eq!(s.up.executions(), executed + 3, "the retry executed nothing");
+    assert_eq!(s.envoy.stat("idemgate.internal_redirects_followed"), followed + 2);
+    assert_eq!(s.envoy.stat("idemgate.internal_redirects_unfollowed"), 0);
+    assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 0);
+    assert_eq!(s.envoy.stat("idemgate.stored"), stored + 1);
+}
+
+/// The client leaves while its redirect's target runs (the first hop answered its 307 at once,
+/// the target is held): the re-created stream ends without an answer. Both hops executed, so
+/// nothing releases the key: a retry gets 409 (in flight, then outcome-unknown once the stream
+/// is settled), never a third execution. On a proxy that may have served others. Natively on
+/// main's build (no hand-over) the target was refused (409) and never executed.
+fn a_client_leaving_while_the_target_runs_never_releases_the_key(s: &Stack) {
+    use std::io::Write;
+    let executed = s.up.executions();
+    let followed = s.envoy.stat("idemgate.internal_redirects_followed");
+    let released = s.envoy.stat("idemgate.released");
+    let body = br#"{"amount":100}"#;
+    let req = format!(
+        "POST /charges HTTP/1.1\r\nhost: idemgate.test\r\nauthorization: Bearer alice\r\ncontent-type: application/json\r\nidempotency-key: k-left\r\nx-up-redirect: 307 /target\r\nx-up-hold-on: /target\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", s.envoy.port)).expect("connect");
+    c.write_all(req.as_bytes()).expect("send");
+    c.write_all(body).expect("send");
+    // Bounded by count: both hops have executed once the target is held.
+    for _ in 0..2000 {
+        if s.up.executions() == executed + 2 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(s.up.executions(), executed + 2, "the first hop and the held target");
+    let _ = c.shutdown(std::net::Shutdown::Both);
+    drop(c);
+    // Bounded by count: the re-created stream is settled once Envoy sees its client gone.
+    let mut last = String::new();
+    for _ in 0..200 {
+        let r = post(s, "alice", "/charges", "k-left", &[]);
+        assert_eq!(r.status, 409, "the key is never released: {}", r.body_text());
+        last = problem_type(&r);
+        if last == "urn:idemgate:problem:outcome-unknown" {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(last, "urn:idemgate:problem:outcome-unknown");
+    s.up.release_holds();
+    let r = post(s, "alice", "/charges", "k-left", &[]);
+    assert_eq!(r.status, 409, "{}", r.body_text());
+    assert_eq!(s.up.executions(), executed + 2, "never executed again");
+    assert_eq!(s.envoy.stat("idemgate.internal_redirects_followed"), followed + 1);
+    assert_eq!(s.envoy.stat("idemgate.released"), released);
 }

@@ -23,7 +23,7 @@ use std::time::Duration;
 use serde_json::Value;
 use support::http;
 use support::store::{Redis, Webdis};
-use support::{Envoy, EnvoyOptions, Shipped};
+use support::{Build, DetachedHop, Envoy, EnvoyOptions, Shipped};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Sdk {
@@ -222,8 +222,11 @@ fn mcp_route() -> String {
     })
 }
 
-/// Detached forwarding through the internal listener and `in_flight: "wait"`, as
-/// envoy/mcp/envoy.yaml ships them; `extra` adds top-level fields (the store).
+/// Detached forwarding and `in_flight: "wait"`, as envoy/mcp/envoy.yaml ships them; `extra` adds
+/// top-level fields (the store). The hop is not what these tests are about: the Wasm build goes
+/// through the internal listener as shipped, the native build (`IDEMGATE_BUILD=native`) with
+/// `upstream.hop: "direct"`, the one hop it carries (`support::Build::detached_hop`, which says
+/// why it is the same scenario here: no filter after idemgate, no retries on the route).
 fn plugin(extra: &str) -> String {
     plugin_with_route(extra, &mcp_route())
 }
@@ -232,15 +235,21 @@ fn plugin_with_route(extra: &str, route: &str) -> String {
     let scope = if extra.contains("\"scope\"") { "" } else { r#", "scope": {"headers": ["authorization"]}"# };
     format!(
         r#"{{"lock_ttl_seconds": 60, "forwarding": "detached",
-            "upstream": {{"cluster": "idemgate_hop", "timeout_ms": 30000}},
+            "upstream": {upstream},
             "in_flight": "wait", "wait_ms": 30000{scope}{extra},
-            "routes": [{route}]}}"#
+            "routes": [{route}]}}"#,
+        upstream = hop().upstream,
     )
+}
+
+/// The hop of every test here, per build (`support::Build::detached_hop`).
+fn hop() -> DetachedHop {
+    Build::from_env().detached_hop(30_000)
 }
 
 fn options(plugin: &str, server: &McpServer) -> EnvoyOptions {
     let mut o = EnvoyOptions::new(plugin, server.port);
-    o.internal_hop = true;
+    o.internal_hop = hop().internal_hop;
     o.route_timeout_ms = 30_000;
     o
 }

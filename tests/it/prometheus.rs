@@ -146,19 +146,6 @@ fn queried_series() -> Vec<String> {
     names
 }
 
-/// The fenced YAML block of docs/native.md that contains `marker` (what an operator copies).
-fn native_doc_block(marker: &str) -> String {
-    let doc = std::fs::read_to_string(support::repo_root().join("docs/native.md")).unwrap();
-    let blocks: Vec<String> =
-        doc.split("```yaml\n").skip(1).filter_map(|b| b.split_once("```").map(|(code, _)| code.to_string())).collect();
-    let block = blocks.into_iter().find(|b| b.contains(marker));
-    // The docs indent their blocks inside a list item: taken back to column 0.
-    let block = block.unwrap_or_else(|| panic!("docs/native.md has no ```yaml block with {marker}"));
-    let indent =
-        block.lines().filter(|l| !l.trim().is_empty()).map(|l| l.len() - l.trim_start().len()).min().unwrap_or(0);
-    block.lines().map(|l| format!("{}\n", l.get(indent..).unwrap_or(""))).collect()
-}
-
 /// The series of the Wasm build's dashboard and alerts that a native proxy has no counterpart of
 /// (docs/native.md): the wait histogram (this proxy's configuration has no `in_flight: "wait"`) and
 /// Envoy's own Wasm VM counter (no Wasm VM in a native proxy).
@@ -181,10 +168,10 @@ fn a_native_proxy_scraped_with_the_documented_relabel_rule_shows_the_dashboards_
         up.port,
     );
     o.store_port = Some(webdis.port);
+    // Its stats_config is docs/native.md's (`Build::stats_config`).
     o.build = support::Build::Native;
-    o.stats_config = native_doc_block("dynamicmodulescustom\\.idemgate\\.route");
     let e = Envoy::start(&o);
-    let relabel = native_doc_block("metric_relabel_configs:");
+    let relabel = support::native_doc_block("metric_relabel_configs:");
     let job: String = relabel.lines().map(|l| format!("  {l}\n")).collect();
     let prom = Prometheus::start_with(e.admin_port, &job);
     prom.eventually("idemgate_build_info");
@@ -338,4 +325,32 @@ fn prometheus_scrapes_envoy_and_every_rule_and_panel_query_returns_data() {
 
 fn unix_seconds() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
+}
+
+/// The one mapping between the builds' series in the tests (`support::Envoy::prometheus`):
+/// docs/native.md's relabel rule, read from that page, renames the native build's
+/// `envoy_dynamicmodulescustom_idemgate_*` (samples with or without labels, `# TYPE` lines) to the
+/// Wasm build's names and leaves every other line as it is (the Wasm build's series, Envoy's own,
+/// another module's).
+#[test]
+fn the_documented_relabel_rule_gives_the_native_builds_series_the_wasm_builds_names() {
+    let rule = support::RelabelRule::documented();
+    let native = "# TYPE envoy_dynamicmodulescustom_idemgate_claimed counter\n\
+                  envoy_dynamicmodulescustom_idemgate_claimed{} 1\n\
+                  envoy_dynamicmodulescustom_idemgate_route_replayed{route=\"charges\"} 1\n\
+                  envoy_dynamicmodulescustom_idemgate_key_held_ms_bucket{le=\"250\"} 0\n\
+                  envoy_dynamicmodulescustom_other_claimed{} 2\n";
+    assert_eq!(
+        rule.apply_to_text(native),
+        "# TYPE idemgate_claimed counter\n\
+         idemgate_claimed{} 1\n\
+         idemgate_route_replayed{route=\"charges\"} 1\n\
+         idemgate_key_held_ms_bucket{le=\"250\"} 0\n\
+         envoy_dynamicmodulescustom_other_claimed{} 2\n"
+    );
+    let wasm = "# TYPE idemgate_claimed counter\n\
+                idemgate_claimed 1\n\
+                idemgate_route_replayed{route=\"charges\"} 1\n\
+                envoy_cluster_upstream_rq_completed{envoy_cluster_name=\"upstream\"} 3\n";
+    assert_eq!(rule.apply_to_text(wasm), wasm);
 }

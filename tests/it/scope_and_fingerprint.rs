@@ -189,3 +189,54 @@ fn derived_keys_are_never_derived_for_anonymous_callers_shared_scope_or_not() {
         assert_eq!(s.up.executions(), 3, "{anonymous}");
     }
 }
+
+/// `curl -F` sends the form in `parts` to `/charges` with `key`; returns (status, whether the
+/// answer is a replay, the boundary curl chose: a fresh random one per run, as every HTTP
+/// client's form builder does).
+fn curl_form(s: &Stack, key: &str, parts: &[&str]) -> (u16, bool, String) {
+    let dir = std::env::temp_dir().join(format!("idemgate-formfp-{}-{key}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    std::fs::write(dir.join("a.txt"), b"hello").expect("file");
+    let mut c = Command::new("curl");
+    c.current_dir(&dir).args(["-sS", "-v", "-o", "/dev/null", "-D", "-", "--max-time", "30"]);
+    c.args(["-H", "authorization: Bearer alice", "-H", &format!("idempotency-key: {key}")]);
+    for p in parts {
+        c.args(["-F", p]);
+    }
+    c.arg(format!("http://127.0.0.1:{}/charges", s.envoy.port));
+    let out = c.output().expect("curl runs");
+    let (head, trace) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let replayed = head.lines().any(|l| l.trim().eq_ignore_ascii_case("idempotent-replayed: true"));
+    let boundary = trace.split("boundary=").nth(1).and_then(|b| b.split_whitespace().next()).unwrap_or_default();
+    (status, replayed, boundary.to_string())
+}
+
+/// Issue 41 (a sent key's fingerprint read a multipart body's bytes): an agent that rebuilds a
+/// form request to retry it gets a new random boundary from its client (curl -F, Python requests
+/// and httpx, undici's FormData), so the retry of the same form with the same key was answered
+/// 422 `key-reused`. With `fingerprint.forms: "semantic"` the form counts by what every backend of
+/// the oracle's panel reads (`form::Reading::Every`): the retry replays, and a form any of them
+/// reads apart (another value, another file part content type) is still answered 422.
+#[test]
+fn a_form_rebuilt_by_curl_with_a_new_boundary_replays_with_semantic_forms() {
+    let s = Stack::new(r#"{"scope": {"headers": ["authorization"]}, "fingerprint": {"forms": "semantic"}}"#);
+    let form = ["amount=1", "currency=eur", "doc=@a.txt;type=text/plain"];
+    let (first, _, b1) = curl_form(&s, "k-form", &form);
+    assert_eq!(first, 201);
+    let (again, replayed, b2) = curl_form(&s, "k-form", &form);
+    assert_ne!(b1, b2, "curl chose one boundary twice: the test shows nothing");
+    assert_eq!((again, replayed), (201, true), "the same form with boundary {b2} (first {b1}) was not replayed");
+    assert_eq!(s.up.executions_with_key("k-form"), 1);
+    // Forms a backend reads apart, with the same key: 422, never the first form's answer.
+    for other in [
+        ["amount=2", "currency=eur", "doc=@a.txt;type=text/plain"],
+        ["amount=1", "currency=eur", "doc=@a.txt;type=application/octet-stream"],
+        ["amount=1", "currency=eur", "doc=hello"],
+        ["currency=eur", "amount=1", "doc=@a.txt;type=text/plain"],
+    ] {
+        let (status, replayed, _) = curl_form(&s, "k-form", &other);
+        assert_eq!((status, replayed), (422, false), "{other:?}");
+    }
+    assert_eq!(s.up.executions_with_key("k-form"), 1);
+}

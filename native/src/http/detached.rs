@@ -225,7 +225,7 @@ impl Detached {
     /// Main thread: settles a forward's claim as `s` says (`engine::machine::settle_away`).
     fn settle(&self, g: &Global, f: &Forward, s: Settle) -> &'static str {
         let policy = g.config.policy_at(f.claim.policy_index);
-        let mut main = MainThread { g, policy_index: f.claim.policy_index, now: host::now_ms(), sd: ProcessShared };
+        let mut main = MainThread::new(g, f.claim.policy_index);
         settle_away(&mut main, &f.claim, policy, g.store.is_some(), s)
     }
 
@@ -242,12 +242,21 @@ impl Detached {
     }
 }
 
-/// The main thread's side of a settlement: the clock read once, the claim's route for counters.
-struct MainThread<'a> {
+/// The configuration's side of a settlement, away from any stream: the clock read once, the
+/// claim's route for counters (counted on the configuration: Envoy's counters are atomic). The
+/// main thread's (a detached answer, a redirect never followed) and a worker's (a redirect's
+/// hand-over pushed out of a full list, `redirect.rs`).
+pub(super) struct MainThread<'a> {
     g: &'a Global,
     policy_index: usize,
     now: u64,
     sd: ProcessShared,
+}
+
+impl<'a> MainThread<'a> {
+    pub(super) fn new(g: &'a Global, policy_index: usize) -> MainThread<'a> {
+        MainThread { g, policy_index, now: host::now_ms(), sd: ProcessShared }
+    }
 }
 
 impl Effects for MainThread<'_> {

@@ -194,6 +194,86 @@ fn a_request_envoy_never_sent_releases_its_key() {
     assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 0);
 }
 
+/// A connect failure proves "never sent" only on the exchange's only attempt. Here a later filter
+/// re-enables the route's retries (as in `an_exchange_re_sent_behind_idemgates_back_is_counted_and_logged`):
+/// the router sends the request to the upstream (priority 0), which executes it and answers 503,
+/// then retries it on the failover host (priority 1), where nothing listens. The client gets
+/// Envoy's connect failure, yet the key executed: it must stay outcome-unknown, never released,
+/// in both builds: the attempt count (2) tells it from a connect failure on the only attempt,
+/// whose other facts Envoy gives the same (docs/native.md, "Failure classification").
+#[test]
+fn retried_behind_idemgates_back_then_refused_keeps_its_key() {
+    let lua = r#"          - name: envoy.filters.http.lua
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
+              default_source_code:
+                inline_string: |
+                  function envoy_on_request(h) h:headers():remove("x-envoy-max-retries") end
+"#;
+    let retry_to_the_failover = r#"{retry_on: "5xx", num_retries: 1, retry_priority: {name: envoy.retry_priorities.previous_priorities, typed_config: {"@type": type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig, update_frequency: 1}}}"#;
+    let s = Stack::with(CFG, |o| {
+        o.retry_policy = Some(retry_to_the_failover.into());
+        o.filters_after_idemgate = lua.into();
+        o.upstream_failover_port = Some(support::free_port());
+    });
+    let a = s.post("/charges", Some("k-retried-refused"), "{}", &[("x-up-status", "503")]);
+    assert_eq!(a.status, 503, "{}", a.body_text());
+    assert!(a.body_text().contains("remote connection failure"), "Envoy's connect failure ends it: {}", a.body_text());
+    assert_eq!(s.up.executions_with_key("k-retried-refused"), 1, "the first attempt executed");
+    let b = s.post("/charges", Some("k-retried-refused"), "{}", &[]);
+    assert_eq!(s.up.executions_with_key("k-retried-refused"), 1, "executed again: {} {}", b.status, b.body_text());
+    assert_eq!(problem_type(&b), "urn:idemgate:problem:outcome-unknown");
+    assert_eq!(s.envoy.stat("idemgate.released"), 0);
+    // Once when the exchange ended, once for the retry answered `outcome-unknown`.
+    assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 2);
+}
+
+/// The same re-enabled retry, now still connecting when the route's timeout ends the exchange:
+/// the failover host's listener never accepts and its queue is full, so Envoy's connection to it
+/// neither succeeds nor fails (the cluster's connect timeout is 1 s, the route's 0.5 s). The key
+/// executed once; Envoy answers 504 with no upstream answer: outcome-unknown in both builds, never
+/// released.
+#[test]
+fn retried_behind_idemgates_back_then_still_connecting_keeps_its_key() {
+    let lua = r#"          - name: envoy.filters.http.lua
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
+              default_source_code:
+                inline_string: |
+                  function envoy_on_request(h) h:headers():remove("x-envoy-max-retries") end
+"#;
+    let retry_to_the_failover = r#"{retry_on: "5xx", num_retries: 1, retry_priority: {name: envoy.retry_priorities.previous_priorities, typed_config: {"@type": type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig, update_frequency: 1}}}"#;
+    // A listener that never accepts, its accept queue filled: a connection to it hangs in SYN.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let mut queued = vec![];
+    for _ in 0..4096 {
+        match std::net::TcpStream::connect_timeout(&silent_addr, Duration::from_millis(300)) {
+            Ok(c) => queued.push(c),
+            Err(_) => break,
+        }
+    }
+    assert!(
+        std::net::TcpStream::connect_timeout(&silent_addr, Duration::from_millis(300)).is_err(),
+        "the silent listener's queue is full after {} connections",
+        queued.len()
+    );
+    let s = Stack::with(CFG, |o| {
+        o.retry_policy = Some(retry_to_the_failover.into());
+        o.filters_after_idemgate = lua.into();
+        o.upstream_failover_port = Some(silent_addr.port());
+        o.route_timeout_ms = 500;
+    });
+    let a = s.post("/charges", Some("k-retry-connecting"), "{}", &[("x-up-status", "503")]);
+    assert_eq!(a.status, 504, "the route's timeout, the retry still connecting: {}", a.body_text());
+    assert_eq!(s.up.executions_with_key("k-retry-connecting"), 1, "the first attempt executed");
+    let b = s.post("/charges", Some("k-retry-connecting"), "{}", &[]);
+    assert_eq!(s.up.executions_with_key("k-retry-connecting"), 1, "executed again: {} {}", b.status, b.body_text());
+    assert_eq!(problem_type(&b), "urn:idemgate:problem:outcome-unknown");
+    assert_eq!(s.envoy.stat("idemgate.released"), 0);
+    drop(queued);
+}
+
 #[test]
 fn the_per_worker_buffer_budget_answers_503_instead_of_buffering_without_bound() {
     use std::io::{Read, Write};

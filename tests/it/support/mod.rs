@@ -306,6 +306,10 @@ pub struct EnvoyOptions {
     pub internal_hop: bool,
     /// The upstream cluster speaks HTTP/2 (h2c, prior knowledge): a gRPC upstream.
     pub upstream_http2: bool,
+    /// A second endpoint of the upstream cluster, at priority 1 (the first is at priority 0):
+    /// Envoy sends there only what priority 0 cannot take, or a retry whose `retry_priority`
+    /// (`envoy.retry_priorities.previous_priorities`) skips the priority already attempted.
+    pub upstream_failover_port: Option<u16>,
     /// More static listeners in the same Envoy, each (its port, its plugin configuration),
     /// rendered like the main one: the same `vm_id`, so their filters share one VM's shared data.
     pub extra_listeners: Vec<(u16, String)>,
@@ -314,9 +318,10 @@ pub struct EnvoyOptions {
     /// Which build of idemgate the listener loads: the Wasm module (default) or the native
     /// dynamic module (`native_module_path`, docs/native.md).
     pub build: Build,
-    /// The bootstrap's `stats_config` (YAML from column 0): `STATS_CONFIG`, the shipped
-    /// configurations' tags, unless a test gives another (the native build's, docs/native.md).
-    pub stats_config: String,
+    /// The bootstrap's `stats_config` (YAML from column 0), or `None` for the build's
+    /// (`Build::stats_config`: the shipped configurations' tags for the Wasm build, docs/native.md's
+    /// for the native build).
+    pub stats_config: Option<String>,
 }
 
 /// A build of idemgate, as a test loads it.
@@ -337,6 +342,126 @@ impl Build {
             Ok("native") => Build::Native,
             _ => Build::Wasm,
         }
+    }
+
+    /// The bootstrap's `stats_config` a proxy of this build carries to label idemgate's series
+    /// (the route, the version): the shipped configurations' (`STATS_CONFIG`) for the Wasm build,
+    /// the one docs/native.md gives for the native build (its metrics are under
+    /// `dynamicmodulescustom.`, "Metrics"), read from that page.
+    pub fn stats_config(self) -> String {
+        match self {
+            Build::Wasm => STATS_CONFIG.to_string(),
+            Build::Native => native_doc_block("dynamicmodulescustom\\.idemgate\\.route"),
+        }
+    }
+
+    /// How `forwarding: "detached"` reaches the upstream cluster (`upstream`) in a test whose
+    /// point is not the hop: the Wasm build through the internal listener `idemgate_hop`, as
+    /// envoy/detached/envoy.yaml and envoy/mcp/envoy.yaml ship it; the native build with
+    /// `upstream.hop: "direct"`, the one hop it carries (its detached calls leave from Envoy's
+    /// main thread, which reaches no internal listener: docs/native.md, "Detached forwarding in
+    /// the native build"). The same scenario when no filter follows idemgate and the route sets
+    /// no retries: the hop listener only relays the request through a router (retries off) to
+    /// the same cluster and marks its own answers for the Wasm build's classification, so the
+    /// same call reaches the same server (with the router's headers on one hop only), answered
+    /// within the same `timeout_ms`, and idemgate answers the client either way. A test whose
+    /// point is the hop (its failures, filters after idemgate) sets its own.
+    pub fn detached_hop(self, timeout_ms: u64) -> DetachedHop {
+        match self {
+            Build::Wasm => DetachedHop {
+                upstream: format!(r#"{{"cluster": "idemgate_hop", "timeout_ms": {timeout_ms}}}"#),
+                internal_hop: true,
+            },
+            Build::Native => DetachedHop {
+                upstream: format!(r#"{{"cluster": "upstream", "hop": "direct", "timeout_ms": {timeout_ms}}}"#),
+                internal_hop: false,
+            },
+        }
+    }
+}
+
+/// `Build::detached_hop`: the plugin's `upstream` object (JSON) and the `EnvoyOptions::internal_hop`
+/// it needs.
+pub struct DetachedHop {
+    pub upstream: String,
+    pub internal_hop: bool,
+}
+
+/// The fenced YAML block of docs/native.md that contains `marker` (what an operator copies),
+/// taken back to column 0.
+pub fn native_doc_block(marker: &str) -> String {
+    let doc = std::fs::read_to_string(repo_root().join("docs/native.md")).expect("docs/native.md");
+    let blocks: Vec<String> =
+        doc.split("```yaml\n").skip(1).filter_map(|b| b.split_once("```").map(|(code, _)| code.to_string())).collect();
+    let block = blocks.into_iter().find(|b| b.contains(marker));
+    // The docs indent their blocks inside a list item: taken back to column 0.
+    let block = block.unwrap_or_else(|| panic!("docs/native.md has no ```yaml block with {marker}"));
+    let indent =
+        block.lines().filter(|l| !l.trim().is_empty()).map(|l| l.len() - l.trim_start().len()).min().unwrap_or(0);
+    block.lines().map(|l| format!("{}\n", l.get(indent..).unwrap_or(""))).collect()
+}
+
+/// docs/native.md's Prometheus `metric_relabel_configs` rule, which gives a native proxy's
+/// series (`envoy_dynamicmodulescustom_idemgate_*`) the Wasm build's names (`idemgate_*`): the one
+/// mapping between the builds' series in the tests (`Envoy::prometheus`). Read from that page and
+/// applied as Prometheus applies a `replace` rule on `__name__` (the regex anchored at both ends,
+/// the replacement's `$1` expanded); a real Prometheus scraping with the same rule:
+/// `prometheus::a_native_proxy_scraped_with_the_documented_relabel_rule_shows_the_dashboards_series`.
+pub struct RelabelRule {
+    regex: regex::Regex,
+    replacement: String,
+}
+
+impl RelabelRule {
+    pub fn documented() -> RelabelRule {
+        let block = native_doc_block("metric_relabel_configs:");
+        let field = |key: &str| -> String {
+            let values: Vec<&str> = block
+                .lines()
+                .filter_map(|l| l.trim_start().trim_start_matches("- ").strip_prefix(key))
+                .map(|v| v.trim().trim_matches('\''))
+                .collect();
+            assert_eq!(values.len(), 1, "docs/native.md's relabel rule: one {key} expected in\n{block}");
+            values.concat()
+        };
+        // The rule renames the series: nothing else is applied here.
+        assert_eq!(field("source_labels:"), "[__name__]", "{block}");
+        assert_eq!(field("target_label:"), "__name__", "{block}");
+        assert!(!block.contains("action:") || field("action:") == "replace", "{block}");
+        let regex = regex::Regex::new(&format!("^(?:{})$", field("regex:"))).expect("the documented regex");
+        RelabelRule { regex, replacement: field("replacement:") }
+    }
+
+    /// A series name as Prometheus stores it after the rule.
+    pub fn apply(&self, name: &str) -> String {
+        match self.regex.captures(name) {
+            Some(c) => {
+                let mut out = String::new();
+                c.expand(&self.replacement, &mut out);
+                out
+            }
+            None => name.to_string(),
+        }
+    }
+
+    /// Envoy's Prometheus text with every series name (samples, `# TYPE` and `# HELP` lines) as
+    /// the rule leaves it.
+    pub fn apply_to_text(&self, text: &str) -> String {
+        text.lines()
+            .map(|l| {
+                if l.starts_with("# TYPE ") || l.starts_with("# HELP ") {
+                    let (head, rest) = l.split_at(7);
+                    let end = rest.find(' ').unwrap_or(rest.len());
+                    format!("{head}{}{}", self.apply(&rest[..end]), &rest[end..])
+                } else if l.starts_with('#') {
+                    l.to_string()
+                } else {
+                    let end = l.find(['{', ' ']).unwrap_or(l.len());
+                    format!("{}{}", self.apply(&l[..end]), &l[end..])
+                }
+            })
+            .map(|l| l + "\n")
+            .collect()
     }
 }
 
@@ -388,10 +513,11 @@ impl EnvoyOptions {
             route_fields: String::new(),
             internal_hop: false,
             upstream_http2: false,
+            upstream_failover_port: None,
             extra_listeners: vec![],
             local_reply_config: None,
             build: Build::from_env(),
-            stats_config: STATS_CONFIG.to_string(),
+            stats_config: None,
         }
     }
 }
@@ -452,8 +578,11 @@ pub fn render_config(o: &EnvoyOptions, listen_port: u16, admin_port: u16, wasm: 
       endpoints:
       - lb_endpoints:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
-"#,
-        stats = o.stats_config,
+{failover}"#,
+        stats = o.stats_config.clone().unwrap_or_else(|| o.build.stats_config()),
+        failover = o.upstream_failover_port.map_or(String::new(), |p| format!(
+            "      - priority: 1\n        lb_endpoints:\n        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
+        )),
         buffer = o.buffer_limit_bytes,
         upstream = o.upstream_port,
         cluster_protocol = match (o.upstream_http2, o.upstream_trailers) {
@@ -991,6 +1120,17 @@ impl Envoy {
         let custom = format!("wasmcustom.{name}");
         let native = format!("dynamicmodulescustom.{name}");
         self.stats(name).into_iter().find(|(n, _)| *n == custom || *n == native || n == name).map_or(0, |(_, v)| v)
+    }
+
+    /// Envoy's Prometheus output (admin `/stats/prometheus`) with idemgate's series under the
+    /// names Prometheus stores them by: docs/native.md's relabel rule applied (`RelabelRule`),
+    /// which leaves the Wasm build's `idemgate_*` as they are and gives the native build's
+    /// `envoy_dynamicmodulescustom_idemgate_*` the same names. idemgate's own counters are
+    /// settled first (`settle`, as `stat` does); histograms are there once Envoy merged them.
+    pub fn prometheus(&self) -> String {
+        self.settle();
+        let r = http::get(self.admin_port, "/stats/prometheus").expect("admin /stats/prometheus");
+        RelabelRule::documented().apply_to_text(&r.body_text())
     }
 
     /// Every counter and gauge whose name contains `filter`, from the admin `/stats` endpoint.

@@ -16,7 +16,10 @@
 //! given), `x-up-redirect` (`<status> <path>`: a request for any other path is answered that
 //! status with `location: http://<its host><path>` (Envoy follows absolute locations only) and an
 //! empty body, one for that path as usual: an upstream that
-//! redirects, for Envoy's internal redirects).
+//! redirects, for Envoy's internal redirects; several hops separated by commas, `307 /a, 307 /b`,
+//! chain them: a request for `/a` is redirected to `/b`, one for `/b` answered as usual),
+//! `x-up-hold-on` (`<path>`: as `x-up-hold`, for a request for that path only: a redirect's
+//! target held while its first hop answered at once).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -142,18 +145,27 @@ pub type Headers = Vec<(String, String)>;
 /// being for `path` and its execution `n`: the redirect to answer (that status, an absolute
 /// `location` to `<path>` on the request's `host`, or to `<path>` itself when it is an absolute
 /// `http://` URL (another host), which Envoy's internal redirects follow, an empty body), unless
-/// the request is for `<path>`'s path itself. Shared by the MCP upstream.
+/// the request is for `<path>`'s path itself. Hops separated by commas chain: a request for one
+/// hop's path gets the next hop's redirect (the last one's is answered as usual). Shared by the
+/// MCP upstream.
 pub fn redirect_answer(headers: &[(String, String)], path: &str, n: impl std::fmt::Display) -> Option<String> {
     let get = |name: &str| headers.iter().find(|(h, _)| h == name).map(|(_, v)| v.as_str());
-    let (status, to) = get("x-up-redirect")?.split_once(' ')?;
-    // `<path>` or an absolute `http://<host><path>` (a redirect to another host).
-    let (location, to) = match to.strip_prefix("http://").and_then(|r| r.find('/').map(|i| (to, &r[i..]))) {
-        Some((url, p)) => (url.to_string(), p),
-        None => (format!("http://{}{to}", get("host").unwrap_or_default()), to),
+    let mut hops = vec![];
+    for hop in get("x-up-redirect")?.split(',') {
+        let (status, to) = hop.trim().split_once(' ')?;
+        // `<path>` or an absolute `http://<host><path>` (a redirect to another host).
+        let (location, to) = match to.strip_prefix("http://").and_then(|r| r.find('/').map(|i| (to, &r[i..]))) {
+            Some((url, p)) => (url.to_string(), p),
+            None => (format!("http://{}{to}", get("host").unwrap_or_default()), to),
+        };
+        hops.push((status, location, to));
+    }
+    let next = match hops.iter().position(|(_, _, to)| *to == path) {
+        Some(i) => hops.get(i + 1)?,
+        None => hops.first()?,
     };
-    (to != path).then(|| {
-        format!("HTTP/1.1 {status} X\r\nlocation: {location}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n")
-    })
+    let (status, location, _) = next;
+    Some(format!("HTTP/1.1 {status} X\r\nlocation: {location}\r\ncontent-length: 0\r\nx-execution: {n}\r\n\r\n"))
 }
 
 /// An HTTP/1.1 request's line and headers (names lowercased) read from `reader`; `None` when the
@@ -242,7 +254,7 @@ fn serve(conn: TcpStream, state: Arc<Mutex<State>>) {
         if let Some(ms) = get("x-up-delay-ms").and_then(|v| v.parse::<u64>().ok()) {
             std::thread::sleep(Duration::from_millis(ms));
         }
-        if get("x-up-hold").is_some() {
+        if get("x-up-hold").is_some() || get("x-up-hold-on").is_some_and(|p| p == path) {
             for _ in 0..HOLD_POLLS {
                 if state.lock().expect("lock").holds_released {
                     break;
