@@ -19,7 +19,8 @@
 //! with those fields has), then, when there are files, `|` and `form::fields_form` of the files
 //! (each its name, and its file name framed before its content). A body this strict reader does
 //! not take (`semantic_form` is `None`: a folded or malformed header, a
-//! quoted parameter with a backslash, a `Content-Transfer-Encoding`, an RFC 2231 `name*`, a part
+//! quoted parameter with a backslash, a `Content-Transfer-Encoding`, an RFC 2231 value not in
+//! UTF-8 or `name*` beside `name` (`read_disposition`), a part
 //! with no name, no closing boundary) derives from its bytes, like any body that is not a form:
 //! two such spellings stay two keys, and where a backend reads them alike a retry so spelled
 //! executes again (the limits docs/limitations.md lists; none is among the oracle's spellings
@@ -27,7 +28,12 @@
 //! body (each byte is looked at a bounded number of times; the boundary is at most 70 bytes) and
 //! nothing is sized from a count read from it.
 
+use std::borrow::Cow;
+
 use crate::form::Reading;
+
+/// A part's name or file name: as sent, or decoded from RFC 2231 (`ext_value`).
+type Name<'b> = Cow<'b, [u8]>;
 
 /// The media type of a multipart form (compared without parameters and letter case).
 const MULTIPART_TYPE: &[u8] = b"multipart/form-data";
@@ -66,8 +72,8 @@ pub fn boundary(content_type: &[u8]) -> Option<&[u8]> {
 /// One part as read: its field name, its file name (a file) or none (a text field), its content
 /// type (only read with `Reading::Every`), its content.
 struct Part<'b> {
-    name: &'b [u8],
-    filename: Option<&'b [u8]>,
+    name: Name<'b>,
+    filename: Option<Name<'b>>,
     content_type: Option<&'b [u8]>,
     content: &'b [u8],
 }
@@ -120,7 +126,7 @@ pub fn semantic_form(body: &[u8], boundary: &[u8], reading: Reading) -> Option<V
         }
         let part = read_part(cr_dropped(raw), reading)?;
         at = body.len() - rest.len() + end + dash.len();
-        match (part.filename, every) {
+        match (part.filename.as_deref(), every) {
             (None, false) => fields.push((part.name.to_vec(), part.content.to_vec())),
             (Some(filename), false) => {
                 // The file name framed (`<length>:`) before the content: no shifted split.
@@ -208,13 +214,22 @@ fn read_part(part: &[u8], reading: Reading) -> Option<Part<'_>> {
 /// `form-data` (any case) and its `name` and `filename` parameters (names in any case, values
 /// quoted without a backslash or as tokens, each at most once; other parameters ignored, or
 /// refused with `Reading::Every`, which takes only letters, digits, `-`, `_` and `.` unquoted).
-fn read_disposition(value: &[u8], reading: Reading) -> Option<(&[u8], Option<&[u8]>)> {
+///
+/// With `Reading::Most`, RFC 2231's `name*` and `filename*` (`UTF-8''` and %-escapes,
+/// `ext_value`) are read as the UTF-8 name they spell, as Werkzeug, Django, busboy (Fastify), Go
+/// and Tomcat read them (measured by the boundary oracle, issue 41: the key derived from the
+/// bytes executed such a retry twice on those five): a lone `name*` as the name (`name` and
+/// `name*` together: not taken, not measured), and `filename*` before `filename` when both are
+/// sent (Werkzeug, Django, Go, Tomcat and multer; Starlette and busboy read `filename`: a retry
+/// spelled so against those meets the fingerprint, 422). `Reading::Every` takes neither.
+fn read_disposition(value: &[u8], reading: Reading) -> Option<(Name<'_>, Option<Name<'_>>)> {
     let every = reading == Reading::Every;
     let kind_end = value.iter().position(|&b| b == b';').unwrap_or(value.len());
     if !value.get(..kind_end)?.trim_ascii().eq_ignore_ascii_case(b"form-data") {
         return None;
     }
     let (mut name, mut filename) = (None, None);
+    let (mut name_ext, mut filename_ext) = (None, None);
     let mut rest = value.get(kind_end..)?;
     while let Some(after) = rest.strip_prefix(b";") {
         let after = after.trim_ascii_start();
@@ -235,7 +250,26 @@ fn read_disposition(value: &[u8], reading: Reading) -> Option<(&[u8], Option<&[u
                 (token, tail.get(stop..)?)
             }
         };
-        if v.contains(&b'\\') || param.contains(&b'*') {
+        if v.contains(&b'\\') {
+            return None;
+        }
+        if let Some(base) = param.strip_suffix(b"*") {
+            // An RFC 2231 value is a token, never quoted.
+            let quoted = tail.first() == Some(&b'"');
+            let slot = if base.eq_ignore_ascii_case(b"name") {
+                &mut name_ext
+            } else if base.eq_ignore_ascii_case(b"filename") {
+                &mut filename_ext
+            } else {
+                return None;
+            };
+            if every || quoted || slot.replace(ext_value(v)?).is_some() {
+                return None;
+            }
+            rest = next.trim_ascii_start();
+            continue;
+        }
+        if param.contains(&b'*') {
             return None;
         }
         let slot = if param.eq_ignore_ascii_case(b"name") {
@@ -256,7 +290,38 @@ fn read_disposition(value: &[u8], reading: Reading) -> Option<(&[u8], Option<&[u
     if !rest.is_empty() {
         return None;
     }
-    Some((name?, filename))
+    let name = match (name, name_ext) {
+        (Some(n), None) => Cow::Borrowed(n),
+        (None, Some(n)) => Cow::Owned(n),
+        _ => return None,
+    };
+    Some((name, filename_ext.map(Cow::Owned).or(filename.map(Cow::Borrowed))))
+}
+
+/// An RFC 2231 / RFC 8187 `ext-value` in UTF-8 (`UTF-8'<language>'<attr-chars and %-escapes>`,
+/// the charset in any case) as the bytes it spells, if they are UTF-8; `None` for another
+/// charset, a byte outside `attr-char`, or a malformed escape.
+fn ext_value(v: &[u8]) -> Option<Vec<u8>> {
+    let mut parts = v.splitn(3, |&b| b == b'\'');
+    let (charset, _language, encoded) = (parts.next()?, parts.next()?, parts.next()?);
+    if !charset.eq_ignore_ascii_case(b"utf-8") {
+        return None;
+    }
+    let mut out = Vec::with_capacity(encoded.len());
+    let mut at = 0;
+    while let Some(&b) = encoded.get(at) {
+        if b == b'%' {
+            out.push(crate::hex::escape(encoded.get(at..)?)?);
+            at += 3;
+        } else if b.is_ascii_alphanumeric() || b"!#$&+-.^_`|~".contains(&b) {
+            out.push(b);
+            at += 1;
+        } else {
+            return None;
+        }
+    }
+    std::str::from_utf8(&out).ok()?;
+    Some(out)
 }
 
 /// `bytes` without one CR at its end (the CR of a CRLF line end).
@@ -352,10 +417,24 @@ mod tests {
             (ct(B), c.trim_end_matches("\r\n").to_string()),
             (ct(B), c.replace(&format!("--{B}\r\n"), &format!("--{B}  \r\n"))),
             (ct(B), c.replace("\r\n", "\n")),
+            // RFC 2231 (issue 41's oracle: Werkzeug, Django, busboy, Go and Tomcat).
+            (ct(B), c.replace("name=\"amount\"", "name*=utf-8''amount")),
+            (ct(B), c.replace("name=\"amount\"", "name*=UTF-8'en'%61mount")),
+            (ct(B), c.replace("filename=\"a.txt\"", "filename*=UTF-8''a.txt")),
+            (ct(B), c.replace("filename=\"a.txt\"", "filename=\"b.txt\"; filename*=UTF-8''a.txt")),
         ];
         for (t, body) in &alike {
             assert_eq!(form(t, body).as_ref(), Some(&one), "{t}\n{body}");
         }
+        // A non-ASCII name as RFC 7578 sends it (UTF-8 as is) and as RFC 2231 spells it.
+        let raw = c
+            .replace("name=\"currency\"", "name=\"w\u{e4}hrung\"")
+            .replace("filename=\"a.txt\"", "filename=\"caf\u{e9}.txt\"");
+        let ext = c
+            .replace("name=\"currency\"", "name*=UTF-8''w%C3%A4hrung")
+            .replace("filename=\"a.txt\"", "filename*=UTF-8''caf%C3%A9.txt");
+        assert_eq!(form(&ct(B), &raw), form(&ct(B), &ext));
+        assert_ne!(form(&ct(B), &raw), Some(one.clone()));
         // A multipart form with no file is the urlencoded form of its fields.
         let text = format!(
             "--{B}\r\nContent-Disposition: form-data; name=\"b\"\r\n\r\n2\r\n--{B}\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--{B}--"
@@ -402,7 +481,17 @@ mod tests {
         for refused in [
             c.replace(&format!("--{B}--\r\n"), ""),
             c.replace("name=\"amount\"", "name=\"am\\\"ount\""),
-            c.replace("name=\"amount\"", "name*=utf-8''amount"),
+            // RFC 2231 values this reader does not take: with `name` too, another charset, quoted,
+            // a byte outside attr-char, a malformed escape, not UTF-8, twice, another parameter.
+            c.replace("name=\"amount\"", "name=\"amount\"; name*=utf-8''amount"),
+            c.replace("name=\"amount\"", "name*=iso-8859-1''amount"),
+            c.replace("name=\"amount\"", "name*=\"utf-8''amount\""),
+            c.replace("name=\"amount\"", "name*=utf-8''am/ount"),
+            c.replace("name=\"amount\"", "name*=utf-8''am%6ount"),
+            c.replace("name=\"amount\"", "name*=utf-8''am%FFount"),
+            c.replace("name=\"amount\"", "name*=utf-8''amount; name*=utf-8''amount"),
+            c.replace("name=\"amount\"", "name=\"amount\"; size*=utf-8''1"),
+            c.replace("name=\"amount\"", "name*0=amount"),
             c.replace("name=\"amount\"", "name=\"amount\"; name=\"x\""),
             c.replace("name=\"amount\"", "filename=\"x\""),
             c.replace("form-data; name=\"amount\"", "attachment; name=\"amount\""),
@@ -479,6 +568,11 @@ mod tests {
             c.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nContent-Type: a\r\nContent-Type: a\r\n"),
             c.replace("name=\"amount\"", "name=\"amount\"; size=1"),
             c.replace("name=\"amount\"", "name=am%6fount"),
+            // RFC 2231: FastAPI refuses `name*` (400), multer fails on it (500), Starlette reads
+            // a lone `filename*` part as a text field and busboy prefers `filename`.
+            c.replace("name=\"amount\"", "name*=utf-8''amount"),
+            c.replace("filename=\"a.txt\"", "filename*=UTF-8''a.txt"),
+            c.replace("filename=\"a.txt\"", "filename=\"a.txt\"; filename*=UTF-8''a.txt"),
             c.replace("name=\"currency\"\r\n", "name=\"currency\"\r\nContent-Transfer-Encoding: base64\r\n"),
             c.replace(&format!("--{B}--\r\n"), ""),
         ] {

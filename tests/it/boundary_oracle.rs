@@ -117,6 +117,9 @@ const SWEEP_BASES: &[(&str, Rewrite)] = &[
     ("key value with `/` escaped (beside a key `a/KEY`)", |r| r.body = r.body.replacen("\"KEY\"", "\"a/KEY\"", 1)),
     ("non-ASCII name %-encoded (`name=\"w%C3%A4hrung\"`)", non_ascii_base),
     ("non-ASCII file name %-encoded (`filename=\"caf%C3%A9.txt\"`)", non_ascii_base),
+    ("non-ASCII name in RFC 2231 (`name*=UTF-8''w%C3%A4hrung`)", non_ascii_base),
+    ("non-ASCII file name in RFC 2231 (`filename*=UTF-8''caf%C3%A9.txt`)", non_ascii_base),
+    ("file name ASCII and in RFC 2231 (`filename=\"cafe.txt\"; filename*=UTF-8''caf%C3%A9.txt`)", non_ascii_base),
 ];
 
 /// The multipart request with non-ASCII names (`non_ascii_names`), the sweep's base for the
@@ -666,10 +669,11 @@ const SPELLINGS: &[Spelling] = &[
     // Non-ASCII names (issue 41): RFC 7578 sends them as UTF-8 as is (`non_ascii_names`); the
     // others respell that body (the sweep sends each beside it, `SWEEP_BASES`), and leave a body
     // with ASCII names alone. No backend of the panel decodes %-escapes in a name or a file name
-    // (apart everywhere; a replay would be `MERGED`). Not generated yet, RFC 2231 `name*` and
-    // `filename*` (docs/limitations.md): Flask, Django, Fastify, Go and Tomcat read
-    // `name*=UTF-8''w%C3%A4hrung` and `filename*=UTF-8''caf%C3%A9.txt` as the raw UTF-8 name,
-    // and with `include_body` each executed twice there (the key derived from the bytes).
+    // (apart everywhere; a replay would be `MERGED`). RFC 2231 `name*` and `filename*`: Flask,
+    // Django, Fastify, Go and Tomcat read `name*=UTF-8''w%C3%A4hrung` and
+    // `filename*=UTF-8''caf%C3%A9.txt` as the raw UTF-8 name, and with `include_body` each
+    // executed twice there while the key was derived from the bytes (14 TWICE cells, seed 41,
+    // 2026-12-07); `multipart::read_disposition` reads them since.
     ("multipart", "non-ASCII names as UTF-8 (`name=\"währung\"`, `filename=\"café.txt\"`)", |r| {
         multipart_edit(r, non_ascii_names)
     }),
@@ -678,6 +682,17 @@ const SPELLINGS: &[Spelling] = &[
     }),
     ("multipart", "non-ASCII file name %-encoded (`filename=\"caf%C3%A9.txt\"`)", |r| {
         multipart_edit(r, |b| b.replace("filename=\"café.txt\"", "filename=\"caf%C3%A9.txt\""))
+    }),
+    ("multipart", "non-ASCII name in RFC 2231 (`name*=UTF-8''w%C3%A4hrung`)", |r| {
+        multipart_edit(r, |b| b.replace("name=\"währung\"", "name*=UTF-8''w%C3%A4hrung"))
+    }),
+    ("multipart", "non-ASCII file name in RFC 2231 (`filename*=UTF-8''caf%C3%A9.txt`)", |r| {
+        multipart_edit(r, |b| b.replace("filename=\"café.txt\"", "filename*=UTF-8''caf%C3%A9.txt"))
+    }),
+    ("multipart", "file name ASCII and in RFC 2231 (`filename=\"cafe.txt\"; filename*=UTF-8''caf%C3%A9.txt`)", |r| {
+        multipart_edit(r, |b| {
+            b.replace("filename=\"café.txt\"", "filename=\"cafe.txt\"; filename*=UTF-8''caf%C3%A9.txt")
+        })
     }),
     ("multipart", "part order over HTTP/2", |r| {
         if is_multipart(r) {
