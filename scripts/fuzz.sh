@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Bounded fuzzing of the parsers that take outside input: key header, stored records and
-# buckets, store answers, plugin configuration, JSON canonicaliser, MCP bodies, event streams and
-# replays (fuzz/fuzz_targets/).
+# buckets, store answers, plugin configuration, JSON canonicaliser, MCP bodies, event streams,
+# replays and form bodies, urlencoded and multipart (fuzz/fuzz_targets/).
 #   scripts/fuzz.sh [seconds per target, default 60; make test passes 30, make fuzz 300]
 # Seed corpora live in fuzz/corpus/<target>; findings are written to fuzz/artifacts/ and fail
 # the run. Every target runs with a small allocation limit (one allocation of 64 MB or more, or
@@ -18,7 +18,7 @@ mkdir -p target/faults
 report=$(pwd)/target/faults/fuzz.md
 : > "$report"
 cd fuzz
-for t in key_parser record_decoder store_answers etcd_answers config_parser canonical_json mcp_messages; do
+for t in key_parser record_decoder store_answers etcd_answers config_parser canonical_json mcp_messages form_bodies; do
   echo "fuzz: $t for ${SECONDS_PER_TARGET}s"
   # A private copy of the seeds: the committed corpus stays small and reviewed.
   work=$(mktemp -d)
