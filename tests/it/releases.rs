@@ -795,7 +795,7 @@ fn an_mcp_call_awaiting_input_is_refused_never_run_by_the_previous_release() {
 /// Issue 40, item 6: a key's tombstone on Redis is a key of its own (`idemgate:v1:t:<hex>`),
 /// which the previous release never reads (its scripts and reads touch the record's key only)
 /// and whose configuration refuses `tombstone_seconds` (so it runs without). A rolling upgrade
-/// with both on one Redis, ttl 5 s and a 10 s tombstone on the new proxy:
+/// with both on one Redis, ttl 5 s and a 60 s tombstone on the new proxy:
 /// - a key completed by the new proxy is replayed by the old one while its record lives (the
 ///   record's format is unchanged);
 /// - past its ttl the new proxy answers its tombstone (410 `key-expired`, never executed), while
@@ -861,7 +861,11 @@ fn tombstones_never_misread(
         o.route_timeout_ms = 1500;
         o
     };
-    let new_options = options(&plugin(r#", "tombstone_seconds": 10"#));
+    // The tombstone outlives its record by 60 s: the 410 below is asked for at least 6.5 s after
+    // the first replay and after the second key's replay loop, whose length is the machine's (a
+    // 10 s tombstone had expired by then once, on one core shared with another run: 201, a third
+    // execution, where 410 was expected).
+    let new_options = options(&plugin(r#", "tombstone_seconds": 60"#));
     let new = Envoy::start(&new_options);
     let mut o = options(&plugin(""));
     o.wasm = Some(old_module);
