@@ -244,6 +244,16 @@ fn the_shipped_envoy_configs_are_valid() {
 /// A route retry policy that would re-send a 5xx up to twice.
 const RETRY_5XX: &str = "{retry_on: 5xx, num_retries: 2}";
 
+/// A filter after idemgate that undoes its protection: it removes the `x-envoy-max-retries: 0`
+/// idemgate sets, so the route's retry policy applies to a protected request.
+const LUA_REENABLES_RETRIES: &str = r#"          - name: envoy.filters.http.lua
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
+              default_source_code:
+                inline_string: |
+                  function envoy_on_request(h) h:headers():remove("x-envoy-max-retries") end
+"#;
+
 #[test]
 fn a_route_retry_policy_never_re_sends_a_protected_request() {
     let s = Stack::with(CFG, |o| o.retry_policy = Some(RETRY_5XX.into()));
@@ -327,16 +337,9 @@ fn a_client_cannot_disable_the_routes_timeout_for_a_protected_request() {
 #[test]
 fn an_exchange_re_sent_behind_idemgates_back_is_counted_and_logged() {
     // A later filter that undoes idemgate's protection: nothing idemgate can stop, so it reports it.
-    let lua = r#"          - name: envoy.filters.http.lua
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
-              default_source_code:
-                inline_string: |
-                  function envoy_on_request(h) h:headers():remove("x-envoy-max-retries") end
-"#;
     let s = Stack::with(CFG, |o| {
         o.retry_policy = Some(RETRY_5XX.into());
-        o.filters_after_idemgate = lua.into();
+        o.filters_after_idemgate = LUA_REENABLES_RETRIES.into();
     });
     let a = s.post("/charges", Some("k-behind"), "{}", &[("x-up-status", "503")]);
     assert_eq!(a.status, 503, "{}", a.body_text());

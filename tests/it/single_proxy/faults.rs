@@ -194,6 +194,9 @@ fn a_request_envoy_never_sent_releases_its_key() {
     assert_eq!(s.envoy.stat("idemgate.unknown_outcome"), 0);
 }
 
+/// One retry of a 5xx, on the priority-1 failover host (`EnvoyOptions::upstream_failover_port`).
+const RETRY_TO_THE_FAILOVER: &str = r#"{retry_on: "5xx", num_retries: 1, retry_priority: {name: envoy.retry_priorities.previous_priorities, typed_config: {"@type": type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig, update_frequency: 1}}}"#;
+
 /// A connect failure proves "never sent" only on the exchange's only attempt. Here a later filter
 /// re-enables the route's retries (as in `an_exchange_re_sent_behind_idemgates_back_is_counted_and_logged`):
 /// the router sends the request to the upstream (priority 0), which executes it and answers 503,
@@ -203,17 +206,9 @@ fn a_request_envoy_never_sent_releases_its_key() {
 /// whose other facts Envoy gives the same (docs/native.md, "Failure classification").
 #[test]
 fn retried_behind_idemgates_back_then_refused_keeps_its_key() {
-    let lua = r#"          - name: envoy.filters.http.lua
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
-              default_source_code:
-                inline_string: |
-                  function envoy_on_request(h) h:headers():remove("x-envoy-max-retries") end
-"#;
-    let retry_to_the_failover = r#"{retry_on: "5xx", num_retries: 1, retry_priority: {name: envoy.retry_priorities.previous_priorities, typed_config: {"@type": type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig, update_frequency: 1}}}"#;
     let s = Stack::with(CFG, |o| {
-        o.retry_policy = Some(retry_to_the_failover.into());
-        o.filters_after_idemgate = lua.into();
+        o.retry_policy = Some(RETRY_TO_THE_FAILOVER.into());
+        o.filters_after_idemgate = LUA_REENABLES_RETRIES.into();
         o.upstream_failover_port = Some(support::free_port());
     });
     let a = s.post("/charges", Some("k-retried-refused"), "{}", &[("x-up-status", "503")]);
@@ -235,14 +230,6 @@ fn retried_behind_idemgates_back_then_refused_keeps_its_key() {
 /// released.
 #[test]
 fn retried_behind_idemgates_back_then_still_connecting_keeps_its_key() {
-    let lua = r#"          - name: envoy.filters.http.lua
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
-              default_source_code:
-                inline_string: |
-                  function envoy_on_request(h) h:headers():remove("x-envoy-max-retries") end
-"#;
-    let retry_to_the_failover = r#"{retry_on: "5xx", num_retries: 1, retry_priority: {name: envoy.retry_priorities.previous_priorities, typed_config: {"@type": type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig, update_frequency: 1}}}"#;
     // A listener that never accepts, its accept queue filled: a connection to it hangs in SYN.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let silent_addr = silent.local_addr().unwrap();
@@ -259,8 +246,8 @@ fn retried_behind_idemgates_back_then_still_connecting_keeps_its_key() {
         queued.len()
     );
     let s = Stack::with(CFG, |o| {
-        o.retry_policy = Some(retry_to_the_failover.into());
-        o.filters_after_idemgate = lua.into();
+        o.retry_policy = Some(RETRY_TO_THE_FAILOVER.into());
+        o.filters_after_idemgate = LUA_REENABLES_RETRIES.into();
         o.upstream_failover_port = Some(silent_addr.port());
         o.route_timeout_ms = 500;
     });
