@@ -120,12 +120,14 @@ test-rollout: build deps
 	@printf '\nRollout (case | keys | drains | clients | keys stranded | retries after):\n'; cat target/rollout/drain.md
 
 ## test-oracle-long: the boundary oracle (tests/it/boundary_oracle.rs, docs/equivalence.md) at length: seven real
-## backends (tests/oracle/) behind idemgate, every spelling against the canonical request, then IDEMGATE_ORACLE_PAIRS
-## random pairs (default 300) per backend and configuration from IDEMGATE_ORACLE_SEED (default 41); writes
-## docs/equivalence.md when no pair executed twice. `make test` runs 12 pairs (about six minutes at load 16-19)
+## backends (tests/oracle/) behind idemgate, and in the MCP configurations the MCP Python SDK's server too
+## (IDEMGATE_ORACLE_MCP_SDK=1, tests/oracle/mcp_backend.py: its SSE answers), every spelling against the canonical
+## request, then IDEMGATE_ORACLE_PAIRS random pairs (default 300) per backend and configuration from
+## IDEMGATE_ORACLE_SEED (default 41); writes docs/equivalence.md when no pair executed twice. `make test` runs 12
+## pairs without the MCP server (about six minutes at load 16-19)
 test-oracle-long: build deps
 	scripts/check-test-selection.py boundary_oracle::
-	IDEMGATE_ORACLE_PAIRS=$${IDEMGATE_ORACLE_PAIRS:-300} IDEMGATE_ORACLE_WRITE_DOCS=1 \
+	IDEMGATE_ORACLE_PAIRS=$${IDEMGATE_ORACLE_PAIRS:-300} IDEMGATE_ORACLE_MCP_SDK=1 IDEMGATE_ORACLE_WRITE_DOCS=1 \
 	  cargo test --locked --test it -- boundary_oracle:: --nocapture
 
 ## test-envoy-versions: the single-proxy and two-proxy suites on the newest patch release of every Envoy

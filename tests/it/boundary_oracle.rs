@@ -10,6 +10,13 @@
 //! `tools/call` and each backend answers it with a JSON-RPC response echoing its id (what it read
 //! is the `result`), which idemgate takes for the call's completion. In `mcp_body_key` the key is
 //! in the JSON-RPC body (`params._meta.idempotencyKey`, or the `mcp.key_arguments` argument).
+//! With IDEMGATE_ORACLE_MCP_SDK=1 (`make test-oracle-long`) the MCP configurations also ask a real
+//! MCP server (`MCP_SDK`, tests/oracle/mcp_backend.py): the official MCP Python SDK pinned for
+//! tests/it/mcp_sdk.rs, whose Streamable HTTP transport answers a call as `text/event-stream`, its
+//! tool reporting what the SDK read (the id, `_meta`, the arguments as validated); its cells are
+//! the table's last section, which `make test` (without it) leaves out of its comparison.
+//! IDEMGATE_ORACLE_BACKENDS (comma-separated) asks a part of the panel only, to reproduce its
+//! cells (target/oracle/equivalence-part.md; the published table is then left alone).
 //!
 //! For each pair of spellings (A, B) of one request the oracle sends, through idemgate: A with a
 //! fresh key (what the backend read of A), B with another fresh key (what it read of B), then B
@@ -169,7 +176,17 @@ enum Body {
 }
 
 /// The panel: (name, how it runs).
-const BACKENDS: &[&str] = &["flask", "django", "fastapi", "express", "fastify", "go", "tomcat"];
+const BACKENDS: &[&str] = &["flask", "django", "fastapi", "express", "fastify", "go", "tomcat", MCP_SDK];
+
+/// The panel's MCP server (tests/oracle/mcp_backend.py): the official MCP Python SDK's own
+/// Streamable HTTP transport, answering each `tools/call` as `text/event-stream`. It serves only
+/// the MCP configurations (`runs`).
+const MCP_SDK: &str = "mcp-python";
+
+/// Whether `backend` is asked in configuration `cname`: the MCP server only in the MCP ones.
+fn runs(backend: &str, cname: &str) -> bool {
+    backend != MCP_SDK || cname.starts_with("mcp")
+}
 
 /// One request, before its key is filled in (`KEY` in a header value is the pair's key).
 #[derive(Clone, Debug)]
@@ -949,6 +966,14 @@ fn start_backend(name: &'static str) -> Backend {
             c.arg(port.to_string()).arg(root.join(format!("target/oracle/tomcat-{port}")));
             c
         }
+        MCP_SDK => {
+            // The MCP SDK pinned for tests/it/mcp_sdk.rs (tests/mcp/requirements.txt).
+            let python = root.join("target/mcp-venv/bin/python");
+            assert!(python.exists(), "{} is missing: run scripts/install-deps.sh mcp-sdk", python.display());
+            let mut c = Command::new(python);
+            c.arg(root.join("tests/oracle/mcp_backend.py")).arg(port.to_string());
+            c
+        }
         _ => {
             let python = venv_python();
             assert!(python.exists(), "{} is missing: run scripts/install-deps.sh oracle-panel", python.display());
@@ -1020,14 +1045,41 @@ fn refusal(r: &http::Response) -> String {
     }
 }
 
+/// An answer's JSON: its body, or for an event stream (`text/event-stream`, the MCP SDK's answer
+/// to a call) the message in its `data:` lines; `key` read as `KEY`.
+fn answer_json(r: &http::Response, key: &str) -> Value {
+    let text = r.body_text().replace(key, "KEY");
+    let sse = r.header("content-type").is_some_and(|c| c.to_ascii_lowercase().starts_with("text/event-stream"));
+    if !sse {
+        return serde_json::from_str(&text).unwrap_or(Value::Null);
+    }
+    let data: Vec<&str> =
+        text.lines().filter_map(|l| l.strip_prefix("data:")).map(|d| d.strip_prefix(' ').unwrap_or(d)).collect();
+    serde_json::from_str(&data.join("\n")).unwrap_or(Value::Null)
+}
+
+/// What a backend read, from its answer: the object itself, or an MCP call's JSON-RPC `result`
+/// (the panel's web apps put it there; the MCP SDK's tool result carries it as its structured
+/// content or as the JSON text of its first content block).
+fn what_was_read(mut v: Value) -> Value {
+    if v["route"].is_string() {
+        return v;
+    }
+    let mut result = v["result"].take();
+    if result["route"].is_string() {
+        return result;
+    }
+    if result["structuredContent"]["route"].is_string() {
+        return result["structuredContent"].take();
+    }
+    result["content"][0]["text"].as_str().and_then(|t| serde_json::from_str(t).ok()).unwrap_or(Value::Null)
+}
+
 fn reading(r: &http::Response, key_header: &str, scope_header: &str, key: &str) -> Reading {
-    if r.status == 201 {
+    // The web apps answer 201; the MCP SDK answers a call 200 (its result in an event stream).
+    if r.status == 201 || r.status == 200 {
         // The pair's requests carry different fresh keys: the key read is compared as `KEY`.
-        let mut v: Value = serde_json::from_str(&r.body_text().replace(key, "KEY")).unwrap_or(Value::Null);
-        if v["result"]["route"].is_string() {
-            // An MCP call's answer: what was read is the JSON-RPC response's result.
-            v = v["result"].take();
-        }
+        let v = what_was_read(answer_json(r, key));
         if v["route"].is_string() {
             let mut m = BTreeMap::new();
             for f in ["route", "params", "method", "query", "body"] {
@@ -1227,6 +1279,9 @@ struct Found {
 fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
     let mut found = Found { cells: vec![], twice: vec![], pairs: 0 };
     for (cfg, &(cname, _, kh, sh)) in CONFIGS.iter().enumerate() {
+        if !runs(b.name, cname) {
+            continue;
+        }
         let mcp = cname.starts_with("mcp");
         let body_key = cname == "mcp_body_key";
         let forms = cname == "forms_semantic";
@@ -1234,7 +1289,7 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
         let report = |p: &mut Probe, base: &Req, sa: Vec<usize>, sb: Vec<usize>, found: &mut Found| {
             let (sa, sb) = shrink(p, base, sa, sb);
             let (a, bq) = (apply(base, &sa), apply(base, &sb));
-            found.twice.push(format!(
+            let pair = format!(
                 "{} / {}: A = {} [{}]\n    B = {} [{}]",
                 b.name,
                 CONFIGS[cfg].0,
@@ -1242,7 +1297,10 @@ fn explore(b: &Backend, seed: u64, pairs: u64) -> Found {
                 names(&sa),
                 bq.show("k1"),
                 names(&sb)
-            ));
+            );
+            // Printed when found too: a long run stopped before its end still says what it found.
+            println!("oracle: counterexample: {pair}");
+            found.twice.push(pair);
         };
         // The sweep: each spelling alone against the canonical request, on both routes (the
         // `form` spellings against the form body, on the payments route).
@@ -1395,7 +1453,11 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
          text/event-stream`, `mcp-method: tools/call` and `mcp-name: charge`, and the body\n\
          `{\"jsonrpc\":\"2.0\",\"id\":7,\"method\":\"tools/call\",\"params\":{\"name\":\"charge\",\"arguments\":{\"amount\":1,\"currency\":\"eur\"}}}`;\n\
          each backend answers it with a JSON-RPC response (the request's id, what it read as the\n\
-         result), which idemgate takes for the call's completion; `mcp_derive_key` sends that call\n\
+         result), which idemgate takes for the call's completion; the MCP server (`mcp-python`, in\n\
+         the MCP configurations only) answers as its SDK does, with an event stream\n\
+         (`text/event-stream`) carrying that response, what its tool read as the tool's result\n\
+         (the arguments as the SDK validated them against the tool's signature, the id and\n\
+         `_meta` as the SDK parsed them); `mcp_derive_key` sends that call\n\
          with `x-op` in place of the key header. In `derive_key` and `include_body` the key is\n\
          derived from `x-op` (and in `include_body` from the body too). In `mcp_body_key` the key\n\
          is in the body, not in a header: in `params._meta.idempotencyKey` on the payments route, in\n\
@@ -1436,49 +1498,83 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
          none (415), node:querystring registered as @fastify/formbody registers its parser; for\n\
          multipart bodies, Express's multer 2.5.0 (`any()`, busboy 1.6.0) and Fastify's\n\
          @fastify/multipart 10.1.9 (@fastify/busboy 3.2.6), each with its defaults, and the\n\
-         servlet's `<multipart-config/>` on Tomcat. The\n\
+         servlet's `<multipart-config/>` on Tomcat. In the MCP configurations, an MCP server too:\n\
+         the official MCP Python SDK 2.3.0 (`mcp`, tests/mcp/requirements.txt), its `MCPServer`\n\
+         with one tool, `charge(amount: int, currency: str, idempotency_key: str | None = None)`,\n\
+         on its Streamable HTTP transport (stateless, its default answers: `text/event-stream`)\n\
+         under uvicorn 0.54.0, on both routes (tests/oracle/mcp_backend.py). The\n\
          servlet API parses no JSON: Tomcat's JSON body is its text; its form is the parameter\n\
          map, which merges the query's fields with the body's. The\n\
          sweep below does not depend on the seed; the random search (combinations of these\n\
          spellings on both sides of a pair) found no counterexample in the run that wrote it.\n",
     );
     t.push_str(&versions_line(versions));
+    let web: Vec<&(&str, Found)> = found.iter().filter(|(n, _)| *n != MCP_SDK).collect();
     for (cfg, (cname, plugin, _, _)) in CONFIGS.iter().enumerate() {
-        t.push_str(&format!("\n## Configuration `{cname}`\n\n`{plugin}`\n\n| dimension | spelling |"));
-        for (n, _) in found {
-            t.push_str(&format!(" {n} |"));
-        }
-        t.push_str("\n|---|---|");
-        for _ in found {
-            t.push_str("---|");
+        t.push_str(&format!("\n## Configuration `{cname}`\n\n`{plugin}`\n\n"));
+        let columns: Vec<(String, &Found, usize)> = web.iter().map(|(n, f)| (n.to_string(), f, cfg)).collect();
+        t.push_str(&cells_table(&columns));
+    }
+    // The MCP server's cells, one column per MCP configuration (`make test-oracle-long` only).
+    if let Some((_, f)) = found.iter().find(|(n, _)| *n == MCP_SDK) {
+        t.push_str(MCP_SECTION);
+        t.push_str(
+            "\n\nThe official MCP Python SDK's server (tests/oracle/mcp_backend.py, `mcp-python`) behind\n\
+             idemgate, in the three MCP configurations above (one column each), with the same requests\n\
+             and the same cells. `make test-oracle-long` asks it (IDEMGATE_ORACLE_MCP_SDK=1); `make test`\n\
+             does not, and compares only the tables above this section.\n\n",
+        );
+        let columns: Vec<(String, &Found, usize)> = CONFIGS
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| runs(MCP_SDK, c.0))
+            .map(|(cfg, c)| (format!("`{}`", c.0), f, cfg))
+            .collect();
+        t.push_str(&cells_table(&columns));
+    }
+    t
+}
+
+/// The heading of the MCP server's section of the table (the last).
+const MCP_SECTION: &str = "\n## The MCP server (`mcp`, `mcp_derive_key`, `mcp_body_key`)";
+
+/// One markdown table, spelling x column: each column a header and one backend's cells in one
+/// configuration.
+fn cells_table(columns: &[(String, &Found, usize)]) -> String {
+    let mut t = String::from("| dimension | spelling |");
+    for (h, _, _) in columns {
+        t.push_str(&format!(" {h} |"));
+    }
+    t.push_str("\n|---|---|");
+    for _ in columns {
+        t.push_str("---|");
+    }
+    t.push('\n');
+    for (s, (dim, name, _)) in SPELLINGS.iter().enumerate() {
+        t.push_str(&format!("| {dim} | {} |", name.replace('|', "\\|")));
+        for (_, f, cfg) in columns {
+            let cell = |orders: bool| {
+                f.cells
+                    .iter()
+                    .find(|(c, sp, o, _)| c == cfg && *sp == s && *o == orders)
+                    .map(|(_, _, _, o)| match o {
+                        Outcome::Once(a) => format!("once ({a})"),
+                        Outcome::Refused(p) => format!("refused ({p})"),
+                        Outcome::Apart(why) => format!("apart ({why})"),
+                        Outcome::Twice(a) => format!("**TWICE** ({a})"),
+                        Outcome::Merged(a) => format!("**MERGED** ({a})"),
+                        Outcome::Inapplicable => "-".to_string(),
+                    })
+                    .unwrap_or_default()
+            };
+            let (p, o) = (cell(false), cell(true));
+            if p == o {
+                t.push_str(&format!(" {p} |"));
+            } else {
+                t.push_str(&format!(" {p} / {o} |"));
+            }
         }
         t.push('\n');
-        for (s, (dim, name, _)) in SPELLINGS.iter().enumerate() {
-            t.push_str(&format!("| {dim} | {} |", name.replace('|', "\\|")));
-            for (_, f) in found {
-                let cell = |orders: bool| {
-                    f.cells
-                        .iter()
-                        .find(|(c, sp, o, _)| *c == cfg && *sp == s && *o == orders)
-                        .map(|(_, _, _, o)| match o {
-                            Outcome::Once(a) => format!("once ({a})"),
-                            Outcome::Refused(p) => format!("refused ({p})"),
-                            Outcome::Apart(why) => format!("apart ({why})"),
-                            Outcome::Twice(a) => format!("**TWICE** ({a})"),
-                            Outcome::Merged(a) => format!("**MERGED** ({a})"),
-                            Outcome::Inapplicable => "-".to_string(),
-                        })
-                        .unwrap_or_default()
-                };
-                let (p, o) = (cell(false), cell(true));
-                if p == o {
-                    t.push_str(&format!(" {p} |"));
-                } else {
-                    t.push_str(&format!(" {p} / {o} |"));
-                }
-            }
-            t.push('\n');
-        }
     }
     t
 }
@@ -1487,8 +1583,23 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
 fn spellings_a_backend_runs_as_one_request_execute_once_through_idemgate() {
     let seed = env_u64("IDEMGATE_ORACLE_SEED", 41);
     let pairs = env_u64("IDEMGATE_ORACLE_PAIRS", 12);
+    // IDEMGATE_ORACLE_BACKENDS: a comma-separated part of the panel (one backend's cells, to
+    // reproduce them); the table is then neither written nor compared with docs/equivalence.md.
+    // The MCP server (`MCP_SDK`) with IDEMGATE_ORACLE_MCP_SDK=1 (`make test-oracle-long`) or when
+    // named there.
+    let only = std::env::var("IDEMGATE_ORACLE_BACKENDS").unwrap_or_default();
+    let mcp_sdk = std::env::var("IDEMGATE_ORACLE_MCP_SDK").is_ok_and(|v| v == "1");
+    let named = |n: &str| only.split(',').any(|o| o.trim() == n);
+    let panel: Vec<&'static str> = BACKENDS
+        .iter()
+        .copied()
+        .filter(|n| if only.is_empty() { *n != MCP_SDK || mcp_sdk } else { named(n) })
+        .collect();
+    assert!(!panel.is_empty(), "IDEMGATE_ORACLE_BACKENDS={only} names none of {BACKENDS:?}");
+    let whole_panel = BACKENDS.iter().all(|n| *n == MCP_SDK || panel.contains(n));
+    let mcp_ran = panel.contains(&MCP_SDK);
     // Start the panel side by side, then explore each backend on its own thread.
-    let handles: Vec<_> = BACKENDS.iter().map(|&n| std::thread::spawn(move || start_backend(n))).collect();
+    let handles: Vec<_> = panel.iter().map(|&n| std::thread::spawn(move || start_backend(n))).collect();
     let backends: Vec<Backend> = handles.into_iter().map(|h| h.join().expect("a backend started")).collect();
     let found: Vec<(&str, Found)> = std::thread::scope(|sc| {
         let hs: Vec<_> = backends.iter().map(|b| sc.spawn(move || (b.name, explore(b, seed, pairs)))).collect();
@@ -1502,10 +1613,11 @@ fn spellings_a_backend_runs_as_one_request_execute_once_through_idemgate() {
     let doc = table(&found, &panel_versions());
     let dir = repo_root().join("target/oracle");
     std::fs::create_dir_all(&dir).expect("target/oracle");
-    std::fs::write(dir.join("equivalence.md"), &doc).expect("write the table");
+    let name = if whole_panel { "equivalence.md" } else { "equivalence-part.md" };
+    std::fs::write(dir.join(name), &doc).expect("write the table");
     let published = repo_root().join("docs/equivalence.md");
     let twice_found = found.iter().any(|(_, f)| !f.twice.is_empty());
-    if std::env::var("IDEMGATE_ORACLE_WRITE_DOCS").is_ok_and(|v| v == "1") && !twice_found {
+    if std::env::var("IDEMGATE_ORACLE_WRITE_DOCS").is_ok_and(|v| v == "1") && !twice_found && whole_panel && mcp_ran {
         std::fs::write(&published, &doc).expect("write docs/equivalence.md");
     }
     let total: u64 = found.iter().map(|(_, f)| f.pairs).sum();
@@ -1530,7 +1642,16 @@ fn spellings_a_backend_runs_as_one_request_execute_once_through_idemgate() {
     // with one spelling changes a cell (target/oracle/equivalence.md has the new table). Debian's
     // golang-go, tomcat10 and Java cannot be pinned (docs/testing.md): a version that changed
     // fails the check only with a changed cell, and the failure names it.
-    let text = std::fs::read_to_string(&published).unwrap_or_default();
+    if !whole_panel {
+        return;
+    }
+    let mut text = std::fs::read_to_string(&published).unwrap_or_default();
+    if !mcp_ran {
+        // Without the MCP server, the tables above its section.
+        if let Some(at) = text.find(MCP_SECTION) {
+            text.truncate(at);
+        }
+    }
     let (versions, cells) = compare(&text, &doc);
     for v in &versions {
         println!("oracle: unpinned version changed, cells {}: {v}", if cells { "changed" } else { "unchanged" });
