@@ -1720,3 +1720,41 @@ fn member_order_moves_members_and_keeps_their_text() {
     );
     assert_eq!(reorder_members("amount=1&currency=eur"), "amount=1&currency=eur");
 }
+
+/// The MCP SDK's answer to a call, an event stream whose message's result carries what the tool
+/// read as JSON text, is read as the web apps' JSON answers are (the key as `KEY`); an answer
+/// without a `route` is no reading.
+#[test]
+fn an_event_stream_answer_is_read_as_its_json_rpc_result() {
+    let read = serde_json::json!({"route": "payments", "params": {}, "method": "POST", "query": [], "body": {"id": 7},
+        "idempotency-key": ["k-1"], "authorization": ["Bearer alice"]});
+    let message = serde_json::json!({"jsonrpc": "2.0", "id": 7,
+        "result": {"content": [{"type": "text", "text": read.to_string()}], "isError": false}});
+    let sse = |ct: &str, body: String| http::Response {
+        status: 200,
+        headers: vec![("Content-Type".into(), ct.into())],
+        body: body.into_bytes(),
+    };
+    let r = sse("text/event-stream", format!("event: message\r\ndata: {message}\r\n\r\n"));
+    let Reading::Ran(m) = reading(&r, "idempotency-key", "authorization", "k-1") else {
+        panic!("not read: {:?}", reading(&r, "idempotency-key", "authorization", "k-1"))
+    };
+    assert_eq!(m["route"], "payments");
+    assert_eq!(m["key"], serde_json::json!(["KEY"]));
+    assert_eq!(m["scope"], serde_json::json!(["Bearer alice"]));
+    // The same message as application/json, and the web apps' `result` holding the reading itself.
+    assert_eq!(
+        reading(&sse("application/json", message.to_string()), "idempotency-key", "authorization", "k-1"),
+        Reading::Ran(m.clone())
+    );
+    let web = serde_json::json!({"jsonrpc": "2.0", "id": 7, "result": read});
+    assert_eq!(
+        reading(&sse("application/json", web.to_string()), "idempotency-key", "authorization", "k-1"),
+        Reading::Ran(m)
+    );
+    // A tool error (no reading in its text) is no run.
+    let error = serde_json::json!({"jsonrpc": "2.0", "id": 7,
+        "result": {"content": [{"type": "text", "text": "Error executing tool charge"}], "isError": true}});
+    let r = sse("text/event-stream", format!("event: message\ndata: {error}\n\n"));
+    assert!(matches!(reading(&r, "idempotency-key", "authorization", "k-1"), Reading::NotRun(200, _)));
+}
