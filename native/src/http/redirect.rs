@@ -17,7 +17,10 @@
 //! only a stream born after the hand-over (`born > from_context`) takes it: a stream already
 //! open when the claim was handed over (another stream of the same HTTP/2 connection with a
 //! forged `x-envoy-original-url`) never does. The rest is the core's (`Handoffs::take`): the
-//! same connection (`connection.id`, the ABI's integer accessor; a hand-over without one is never
+//! request's mark (its storage key, stored where the request is forwarded under its claim with
+//! `host::mark` as an object with Envoy's life span `Request`, which Envoy carries into the
+//! streams it re-creates for the request and no other: the same internal client's next request
+//! on the same connection lacks it), the same connection (`connection.id`, the ABI's integer accessor; a hand-over without one is never
 //! taken), the URL redirected from, the storage key (caller scope and key), the policy, and the
 //! window (`HANDOFF_WINDOW_MS`). After 2^32 hand-overs the count wraps: a stream born then takes
 //! nothing (its redirect is unfollowed: outcome-unknown, never a second execution).
