@@ -219,6 +219,27 @@ extern "C" {
         value: ModuleBuffer,
     ) -> bool;
 
+    /// Stores a module-owned object under filter state `key` with a life span (`LIFE_SPAN_*`),
+    /// `destructor` called once with it when Envoy drops the entry (or before returning false).
+    /// Envoy 1.40, checked against the binary: the filter in `rdi`, the key's pointer and length
+    /// in `rsi`/`rdx`, the object in `rcx`, the destructor in `r8`, the life span in `r9d`
+    /// (values 0 to 2 kept as `StreamInfo::FilterState::LifeSpan`, any other refused).
+    pub fn envoy_dynamic_module_callback_http_set_filter_state_object(
+        filter: EnvoyPtr,
+        key: ModuleBuffer,
+        object: *mut c_void,
+        destructor: unsafe extern "C" fn(*mut c_void),
+        life_span: u32,
+    ) -> bool;
+
+    /// The object stored under filter state `key` (this stream's, or a parent life span's: the
+    /// request's, the connection's), null if none. Checked against the binary: the filter in
+    /// `rdi`, the key's pointer and length in `rsi`/`rdx`, the object returned in `rax`.
+    pub fn envoy_dynamic_module_callback_http_get_filter_state_object(
+        filter: EnvoyPtr,
+        key: ModuleBuffer,
+    ) -> *mut c_void;
+
     pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: EnvoyPtr, body_type: u32) -> usize;
     pub fn envoy_dynamic_module_callback_http_get_body_chunks(
         filter: EnvoyPtr,
@@ -226,6 +247,10 @@ extern "C" {
         result: *mut EnvoyBuffer,
     ) -> bool;
 }
+
+/// `StreamInfo::FilterState::LifeSpan::Request`: kept for the downstream request, carried by
+/// Envoy into the streams it re-creates for it (internal redirects), into no other stream.
+pub const LIFE_SPAN_REQUEST: u32 = 1;
 
 /// `envoy_dynamic_module_type_http_callout_init_result`.
 pub const CALLOUT_INIT_SUCCESS: u32 = 0;

@@ -3,6 +3,7 @@
 
 use crate::abi::{self, EnvoyBuffer, EnvoyHttpHeader, EnvoyPtr, ModuleBuffer, ModuleHttpHeader};
 use idemgate::engine::machine::LogLevel;
+use idemgate::scope::StorageKey;
 
 fn level(l: LogLevel) -> u32 {
     match l {
@@ -100,6 +101,52 @@ pub fn publish(f: EnvoyPtr, outcome: &str, key_hex: Option<&str>) -> bool {
     };
     let key_set = key_hex.is_none_or(|k| set(KEY_STATE, k));
     set(OUTCOME_STATE, outcome) && key_set
+}
+
+/// The filter state key of the request's mark for an internal redirect (`idemgate::redirect`):
+/// the claim's storage key, an object with Envoy's life span `Request`.
+pub const MARK_STATE: &str = "idemgate.redirect_mark";
+
+/// Frees a mark Envoy drops (`mark`'s destructor).
+unsafe extern "C" fn drop_mark(object: *mut std::ffi::c_void) {
+    if !object.is_null() {
+        // SAFETY: `mark` gave Envoy this pointer from `Box::into_raw` of a `StorageKey`, and
+        // Envoy calls the destructor once.
+        drop(unsafe { Box::from_raw(object.cast::<StorageKey>()) });
+    }
+}
+
+/// Leaves the request's mark (its storage key) in the stream's filter state with the life span
+/// `Request`, which Envoy carries into the streams it re-creates for this request and no other;
+/// false if Envoy refused.
+pub fn mark(f: EnvoyPtr, skey: &StorageKey) -> bool {
+    let object = Box::into_raw(Box::new(*skey)).cast::<std::ffi::c_void>();
+    // SAFETY: the key's buffer lives for the call; the object is Envoy's from here, freed through
+    // `drop_mark` (also when Envoy refuses it).
+    unsafe {
+        abi::envoy_dynamic_module_callback_http_set_filter_state_object(
+            f,
+            ModuleBuffer::of(MARK_STATE.as_bytes()),
+            object,
+            drop_mark,
+            abi::LIFE_SPAN_REQUEST,
+        )
+    }
+}
+
+/// The request's mark in the stream's filter state (`mark`, by the stream Envoy re-created this
+/// one from), if any.
+pub fn read_mark(f: EnvoyPtr) -> Option<StorageKey> {
+    // SAFETY: the key's buffer lives for the call.
+    let object = unsafe {
+        abi::envoy_dynamic_module_callback_http_get_filter_state_object(f, ModuleBuffer::of(MARK_STATE.as_bytes()))
+    };
+    if object.is_null() {
+        return None;
+    }
+    // SAFETY: only `mark` stores an object under this key: a `StorageKey` Envoy keeps alive
+    // while the request's filter state lives, which outlasts this hook.
+    Some(unsafe { *object.cast::<StorageKey>() })
 }
 
 /// Sets (`Some`) or removes (`None`) header `name` in map `kind`: false if Envoy refused.

@@ -277,6 +277,9 @@ pub struct Filter {
     /// The configuration's hand-over count when Envoy created the stream (`redirect.rs`): it
     /// takes only a claim handed over before.
     born: u32,
+    /// The request's mark (its key, `idemgate::redirect`) is in this stream's Request-life
+    /// filter state: left here (`Command::Mark`) or found (a stream re-created for a redirect).
+    marked: bool,
 }
 
 struct Glue<'a> {
@@ -292,6 +295,7 @@ struct Glue<'a> {
     mcp: &'a mut Option<McpReply>,
     detaching: &'a mut Option<detached::Detaching>,
     born: u32,
+    marked: &'a mut bool,
 }
 
 fn headers_status(f: Flow) -> u32 {
@@ -481,6 +485,11 @@ impl Effects for Glue<'_> {
             Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
             Command::Detach(f) => self.detach(f),
             Command::McpReply { id, batch, accepts } => *self.mcp = Some(McpReply { id, batch, accepts }),
+            Command::Mark { skey } => {
+                if !*self.marked {
+                    *self.marked = host::mark(self.envoy, &skey);
+                }
+            }
             Command::HandOver { claim, url } => self.hand_over(claim, url),
         }
     }
@@ -688,6 +697,7 @@ impl Filter {
             waiting: None,
             mcp: None,
             detaching: None,
+            marked: false,
         }
     }
 
@@ -705,6 +715,7 @@ impl Filter {
             mcp: &mut self.mcp,
             detaching: &mut self.detaching,
             born: self.born,
+            marked: &mut self.marked,
         };
         (&mut self.machine, glue)
     }

@@ -919,6 +919,13 @@ impl Root {
         host::refresh_log_level();
         // Which release runs here and the record formats it reads and writes (src/release.rs).
         info!("{}", crate::release::configured_line());
+        // The request's key in Request-life filter state, the mark a redirect's stream inherits.
+        if !host::declare_request_key() {
+            warn!(
+                "idemgate: Envoy refused to declare {} with the life span Request: claims handed over to internal redirects will be outcome-unknown",
+                host::KEY_PROPERTY
+            );
+        }
         let raw = host::plugin_configuration();
         let config = match Config::parse(&raw) {
             Ok(c) => c,
