@@ -1599,3 +1599,48 @@ fn member_order_moves_members_and_keeps_their_text() {
     );
     assert_eq!(reorder_members("amount=1&currency=eur"), "amount=1&currency=eur");
 }
+
+/// A JSON reader that runs the first of a member named twice: pysimdjson 7.0.2's documented
+/// `Parser().parse(body)` (`simdjson` in tests/oracle/backends.py, not on the panel, whose parsers
+/// all run the last). Behind `derive_key.include_body` a key derived from either value lets one
+/// of the two kinds of reader run two requests it reads as one under two keys: the key was
+/// derived from the last value, and this backend ran `{"a":1,"a":2}` and `{"a":1}`, which it
+/// reads alike, twice. A body naming a member twice is refused before it executes
+/// (`body-ambiguous`), at any depth, a name and its escaped spelling being one name.
+#[test]
+fn a_json_body_naming_a_member_twice_is_refused_before_a_first_value_backend() {
+    let b = start_backend("simdjson");
+    let Some(i) = CONFIGS.iter().position(|c| c.0 == "include_body") else { panic!("no include_body") };
+    let port = b.listeners[i];
+    // What makes the pair one request: the backend, asked directly, reads the first value.
+    let direct = http::request(b.port, "POST", "/v1/payments", &[], br#"{"a":1,"a":2}"#).expect("request");
+    assert_eq!(direct.json()["body"], serde_json::json!({"a": 1}), "{}", direct.body_text());
+    for (n, (twice, once)) in [
+        (r#"{"a":1,"a":2}"#, r#"{"a":1}"#),
+        (r#"{"a":1,"\u0061":2}"#, r#"{"a":1}"#),
+        (r#"{"x":[{"y":0},{"a":1,"b":0,"a":2}]}"#, r#"{"x":[{"y":0},{"a":1,"b":0}]}"#),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let op = format!("op-dup-{n}");
+        let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", op.as_str())];
+        let before = count(&b);
+        let first = http::request(port, "POST", "/v1/payments", &h, twice.as_bytes()).expect("request");
+        let second = http::request(port, "POST", "/v1/payments", &h, once.as_bytes()).expect("request");
+        let executions = count(&b) - before;
+        assert!(
+            executions <= 1,
+            "{twice} then {once}, one request to this backend, executed {executions} times: answered {} {} then {} {}",
+            first.status,
+            first.body_text(),
+            second.status,
+            second.body_text()
+        );
+        assert_eq!((first.status, first.problem().as_str()), (400, "body-ambiguous"), "{}", first.body_text());
+        assert_eq!((second.status, executions), (201, 1), "{}", second.body_text());
+    }
+    if let Some(e) = &b.envoy {
+        e.assert_no_wasm_panic();
+    }
+}
