@@ -310,7 +310,9 @@ pub const SETTLED_COUNTER: &str = "idemgate.requests_settled";
 pub fn problem_counter(problem: &ProblemKind) -> Counter {
     match problem {
         ProblemKind::KeyMissing { .. } => Counter::MissingKey,
-        ProblemKind::KeyInvalid { .. } => Counter::InvalidKey,
+        // A key that cannot be derived from a JSON body naming a member twice, as one that cannot
+        // be derived from a header sent twice (`key-repeated`).
+        ProblemKind::KeyInvalid { .. } | ProblemKind::BodyAmbiguous => Counter::InvalidKey,
         ProblemKind::ScopeMissing { .. } => Counter::ScopeMissing,
         ProblemKind::BodyTooLarge { .. } => Counter::BodyTooLarge,
         ProblemKind::InFlight { .. } => Counter::InFlightConflict,

@@ -847,6 +847,8 @@ impl<W> Machine<W> {
                 AtBodyEnd::Fingerprinted { fp, derived, keep_body } => (fp, derived, keep_body),
                 // No key can be derived: the request is not protected.
                 AtBodyEnd::Pass => return Flow::Continue,
+                // Nothing was claimed yet (the key is derived only now): refused as sent.
+                AtBodyEnd::Refuse(problem) => return self.answer(io, Some(&req), problem, None),
             };
         if let Some(derived) = derived {
             // `derive_key.include_body`: the key (and so the storage key) is known only now.

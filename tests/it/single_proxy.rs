@@ -627,6 +627,14 @@ fn a_key_derived_from_the_body_after_the_headers_went_upstream_protects_without_
     assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")), "{}", replay.body_text());
     assert_eq!(replay.body, first.body);
     assert_eq!(s.up.executions(), 1);
+    // A JSON body naming a member twice has no key to derive (readers run different values):
+    // refused at the body's end, after its headers went upstream, and never executed (before:
+    // a key from the last value, and it ran).
+    let h = [("authorization", "Bearer alice"), ("x-agent-task-id", "t-1"), ("x-agent-step-id", "s-2")];
+    let body = br#"{"amount":1,"\u0061mount":2}"#;
+    let r = http::request_timeout(s.envoy.port, "POST", "/charges", &h, body, Duration::from_secs(10)).expect("answer");
+    assert_eq!((r.status, r.problem().as_str()), (400, "body-ambiguous"), "{}", r.body_text());
+    assert_eq!(s.up.executions(), 1);
     s.envoy.assert_no_wasm_panic();
 }
 
