@@ -399,8 +399,15 @@ impl Glue<'_> {
     /// Replays a completed record: what is sent is decided in the core (`encoding::retry_answer`),
     /// as for the Wasm build's `filter/reply.rs`.
     fn replay(&mut self, req: &Protected, record: &Record) {
-        if let idemgate::record::State::Completed(r) = &record.state {
+        if let idemgate::record::State::Completed(_) = &record.state {
             self.count(Counter::Replayed);
+        }
+        self.send_replay(req, record);
+    }
+
+    /// Sends a record's replay (`replay`), `replayed` counted by the caller.
+    fn send_replay(&mut self, req: &Protected, record: &Record) {
+        if let idemgate::record::State::Completed(r) = &record.state {
             self.global.metrics.record(self.envoy, Histogram::ReplayBytes, r.body.len() as u64);
         }
         let now = self.now();
