@@ -341,6 +341,13 @@ extern "C" {
         label_values_length: usize,
         value: u64,
     ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
     pub fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
         config: ConfigEnvoyPtr,
         id: usize,

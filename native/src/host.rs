@@ -445,6 +445,15 @@ pub fn record_histogram(f: EnvoyPtr, id: usize, value: u64) {
     };
 }
 
+/// Records `value` in histogram `id` of configuration `c` (outside a stream: the main thread's
+/// settlements).
+pub fn config_record_histogram(c: abi::ConfigEnvoyPtr, id: usize, value: u64) {
+    // SAFETY: as `config_increment_counter`.
+    let _ = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_config_record_histogram_value(c, id, std::ptr::null(), 0, value)
+    };
+}
+
 /// Sets gauge `id` of configuration `c`.
 pub fn set_gauge(c: abi::ConfigEnvoyPtr, id: usize, value: u64) {
     // SAFETY: as `config_increment_counter`.

@@ -18,8 +18,9 @@
 //! client answered, its stream complete, or its filter destroyed), after it left the registry
 //! under the registry's lock, the only place it is committed. A client gone before the answer is
 //! no longer registered: its answer is settled and kept, never sent (`detached-client-left` in its
-//! filter state), and its key's hold is not measured (`idemgate.key_held_ms` is recorded on a
-//! stream: this ABI records no histogram from the configuration).
+//! filter state). Its key's hold (`idemgate.key_held_ms`) is measured at its settlement on the
+//! main thread, from the configuration (`record_histogram_value` of the configuration), whether
+//! its client is still there or not, as the Wasm root measures it (`filter::settle`).
 //!
 //! Envoy 1.40's configuration callout answers carry headers and body, no trailers: a detached
 //! answer's trailers are neither seen nor noted as dropped here.
@@ -59,12 +60,10 @@ pub enum Told {
     Problem(ProblemKind),
 }
 
-/// A registered detached stream: its scheduler, when its key was claimed, and its answer once
-/// the main thread has one (with how long the key was held).
+/// A registered detached stream: its scheduler, and its answer once the main thread has one.
 struct Slot {
     scheduler: usize,
-    held_since: Option<u64>,
-    told: Option<(Told, Option<u64>)>,
+    told: Option<Told>,
 }
 
 /// A configuration callout of the main thread's forwards in flight.
@@ -84,6 +83,9 @@ struct Main {
 pub struct Detached {
     next: AtomicU32,
     streams: Mutex<HashMap<u32, Slot>>,
+    /// When each forward's key was claimed, by stream id, until the main thread settles it
+    /// (`key_held_ms`): kept apart from `streams`, which a client leaving empties.
+    held: Mutex<HashMap<u32, u64>>,
     queue: Mutex<VecDeque<Forward>>,
     main: Mutex<Main>,
     /// The configuration (its callouts) and its main-thread scheduler, as integers.
@@ -114,6 +116,7 @@ impl Detached {
         Detached {
             next: AtomicU32::new(1),
             streams: Mutex::default(),
+            held: Mutex::default(),
             queue: Mutex::default(),
             main: Mutex::default(),
             config_envoy: config_envoy as usize,
@@ -209,7 +212,14 @@ impl Detached {
             g.metrics.inc(MetricsFrom::Config, Counter::InternalErrors);
             host::log(LogLevel::Error, line);
         }
-        let slug = a.settle.map_or(INTERNAL_STATE, |s| self.settle(g, f, s));
+        let slug = match a.settle {
+            Some(s) => self.settle(g, f, s),
+            // Not settled (its claim kept, outcome unknown once its lock expires): not measured.
+            None => {
+                lock(&self.held).remove(&f.context_id);
+                INTERNAL_STATE
+            }
+        };
         if let Some(line) = a.kept {
             host::log(LogLevel::Info, &line);
         }
@@ -222,21 +232,23 @@ impl Detached {
         self.tell(f.context_id, told);
     }
 
-    /// Main thread: settles a forward's claim as `s` says (`engine::machine::settle_away`).
+    /// Main thread: settles a forward's claim as `s` says (`engine::machine::settle_away`), its
+    /// hold measured from its claim (the Wasm root's `filter::settle`).
     fn settle(&self, g: &Global, f: &Forward, s: Settle) -> &'static str {
         let policy = g.config.policy_at(f.claim.policy_index);
         let mut main = MainThread::new(g, f.claim.policy_index);
+        if let Some(since) = lock(&self.held).remove(&f.context_id) {
+            g.metrics.record_from_config(Histogram::KeyHeldMs, main.now.saturating_sub(since));
+        }
         settle_away(&mut main, &f.claim, policy, g.store.is_some(), s)
     }
 
     /// Leaves `told` for stream `id` and wakes it, if it is still registered (under the lock,
     /// the only place its scheduler is committed).
     fn tell(&self, id: u32, told: Told) {
-        let now = host::now_ms();
         let mut streams = lock(&self.streams);
         if let Some(slot) = streams.get_mut(&id) {
-            let held = slot.held_since.map(|since| now.saturating_sub(since));
-            slot.told = Some((told, held));
+            slot.told = Some(told);
             host::stream_scheduler_commit(slot.scheduler as abi::SchedulerPtr, DETACHED_EVENT);
         }
     }
@@ -313,8 +325,10 @@ impl Glue<'_> {
         }
         let registry = Arc::clone(&self.global.detached);
         let id = registry.next.fetch_add(1, Ordering::Relaxed);
-        let held_since = self.held_since.take();
-        lock(&registry.streams).insert(id, Slot { scheduler: scheduler as usize, held_since, told: None });
+        if let Some(since) = self.held_since.take() {
+            lock(&registry.held).insert(id, since);
+        }
+        lock(&registry.streams).insert(id, Slot { scheduler: scheduler as usize, told: None });
         f.context_id = id;
         *self.detaching = Some(Detaching { registry: Arc::clone(&registry), id, scheduler: scheduler as usize });
         lock(&registry.queue).push_back(*f);
@@ -331,11 +345,8 @@ impl Filter {
         let skey = *skey;
         let Some(d) = self.detaching.as_ref() else { return };
         let told = lock(&d.registry.streams).get_mut(&d.id).and_then(|s| s.told.take());
-        let Some((told, held_ms)) = told else { return };
+        let Some(told) = told else { return };
         self.detaching = None;
-        if let Some(ms) = held_ms {
-            self.global.metrics.record(envoy, Histogram::KeyHeldMs, ms);
-        }
         let (_, mut io) = self.split();
         match told {
             Told::Response { status, headers, body, expires, slug } => {
