@@ -23,7 +23,9 @@
 //! its client is still there or not, as the Wasm root measures it (`filter::settle`).
 //!
 //! Envoy 1.40's configuration callout answers carry headers and body, no trailers: a detached
-//! answer's trailers are neither seen nor noted as dropped here.
+//! answer's trailers are neither seen nor noted as dropped here (the Wasm build names them in
+//! `idempotent-replayed-trailers-dropped`). Envoy 1.40's configuration HTTP streams would show
+//! them; docs/native.md ("Trailers of a detached answer") says what moving onto one involves.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU32;
