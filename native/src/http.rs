@@ -47,7 +47,7 @@ use crate::shared::ProcessShared;
 use crate::store::StoreSide;
 use crate::timer::Timer;
 
-mod detached;
+pub(crate) mod detached;
 mod redirect;
 mod wait;
 pub use detached::DETACHED_EVENT;
@@ -92,7 +92,7 @@ pub struct Global {
     waits: Arc<wait::Registry>,
     /// `forwarding: "detached"` (`detached.rs`): the forwards sent by the main thread, the
     /// streams waiting for their answer.
-    detached: Arc<detached::Detached>,
+    pub(crate) detached: Arc<detached::Detached>,
     /// Claims handed over by streams Envoy ended for an internal redirect, waiting for the
     /// stream it re-creates (`redirect.rs`).
     redirects: redirect::Redirects,
@@ -208,7 +208,7 @@ impl Global {
     /// Main thread: the answer to configuration callout `id`: a detached forward's or its hop
     /// probe's (`detached.rs`), else the store's.
     pub fn callout_answered(&self, id: u64, status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: &[u8]) {
-        if self.detached.on_answer(self, id, status, headers, body) {
+        if self.detached.on_answer(self, id, status, &headers) {
             return;
         }
         if let Some(st) = self.store.as_ref() {
