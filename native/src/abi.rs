@@ -295,6 +295,25 @@ extern "C" {
         timeout_milliseconds: u64,
     ) -> u32;
 
+    /// An HTTP stream of the filter configuration: main thread only, its answer handed over in
+    /// parts on the main thread (`envoy_dynamic_module_on_http_filter_config_http_stream_headers`,
+    /// `_data`, `_trailers`, then `_complete` or `_reset`). Its type in the installed 1.40.0
+    /// binary's hooks: headers `(void *, const void *, unsigned long, envoy_http_header *,
+    /// unsigned long, bool)`, data `(void *, const void *, unsigned long, const envoy_buffer *,
+    /// unsigned long, bool)`, trailers `(void *, const void *, unsigned long, envoy_http_header *,
+    /// unsigned long)`, complete `(void *, const void *, unsigned long)`, reset `(void *, const
+    /// void *, unsigned long, reset_reason)`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_start_http_stream(
+        config: ConfigEnvoyPtr,
+        stream_id_out: *mut u64,
+        cluster_name: ModuleBuffer,
+        headers: *mut ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        end_stream: bool,
+        timeout_milliseconds: u64,
+    ) -> u32;
+
     /// Resumes a stream paused by a hook's stop status (its request).
     pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: EnvoyPtr);
 
@@ -361,6 +380,13 @@ extern "C" {
     ) -> u32;
     pub fn envoy_dynamic_module_callback_http_filter_record_histogram_value(
         filter: EnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
+        config: ConfigEnvoyPtr,
         id: usize,
         label_values: *const ModuleBuffer,
         label_values_length: usize,

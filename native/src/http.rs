@@ -47,7 +47,7 @@ use crate::shared::ProcessShared;
 use crate::store::StoreSide;
 use crate::timer::Timer;
 
-mod detached;
+pub(crate) mod detached;
 mod redirect;
 mod wait;
 pub use detached::DETACHED_EVENT;
@@ -92,7 +92,7 @@ pub struct Global {
     waits: Arc<wait::Registry>,
     /// `forwarding: "detached"` (`detached.rs`): the forwards sent by the main thread, the
     /// streams waiting for their answer.
-    detached: Arc<detached::Detached>,
+    pub(crate) detached: Arc<detached::Detached>,
     /// Claims handed over by streams Envoy ended for an internal redirect, waiting for the
     /// stream it re-creates (`redirect.rs`).
     redirects: redirect::Redirects,
@@ -208,7 +208,7 @@ impl Global {
     /// Main thread: the answer to configuration callout `id`: a detached forward's or its hop
     /// probe's (`detached.rs`), else the store's.
     pub fn callout_answered(&self, id: u64, status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: &[u8]) {
-        if self.detached.on_answer(self, id, status, headers, body) {
+        if self.detached.on_answer(self, id, status, &headers) {
             return;
         }
         if let Some(st) = self.store.as_ref() {
@@ -403,8 +403,15 @@ impl Glue<'_> {
     /// Replays a completed record: what is sent is decided in the core (`encoding::retry_answer`),
     /// as for the Wasm build's `filter/reply.rs`.
     fn replay(&mut self, req: &Protected, record: &Record) {
-        if let idemgate::record::State::Completed(r) = &record.state {
+        if let idemgate::record::State::Completed(_) = &record.state {
             self.count(Counter::Replayed);
+        }
+        self.send_replay(req, record);
+    }
+
+    /// Sends a record's replay (`replay`), `replayed` counted by the caller.
+    fn send_replay(&mut self, req: &Protected, record: &Record) {
+        if let idemgate::record::State::Completed(r) = &record.state {
             self.global.metrics.record(self.envoy, Histogram::ReplayBytes, r.body.len() as u64);
         }
         let now = self.now();
