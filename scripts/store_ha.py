@@ -29,9 +29,12 @@ certificate), webdis still speaks plain RESP to its HAProxy on loopback.
 (the `default` user off): each leg gets an Envoy redis_proxy (envoy/redis-acl/redis-proxy.yaml,
 part hop-N) between its webdis and its HAProxy, taking webdis's AUTH <password> and sending
 AUTH idemgate <password>; with --tls, HAProxy originates the TLS to Redis as above, so the hop's
-own TLS block is left out (the hop and HAProxy are on one host, loopback). Each hop lists every
-HAProxy, its own leg's at priority 0 and the others at priority 1, health-checked (the hop's
-cluster in redis-proxy.yaml), so a dead HAProxy loses no leg.
+own TLS block is left out for its own leg's HAProxy (the hop and HAProxy are on one host,
+loopback). Each hop lists every HAProxy, its own leg's at priority 0 and the others at priority
+1, health-checked (the hop's cluster in redis-proxy.yaml), so a dead HAProxy loses no leg. With
+--tls --acl the other legs' HAProxies are reached on a second, TLS frontend of theirs (mutual:
+HAProxy requires the hop's client certificate; stack.json's haproxies[N].peer_port), as they
+would be on another host: that link carries the user's AUTH and every record.
 
 --operator (with --acl): the operator CLI's own path on each leg, beside the proxies': a webdis
 (part opswebdis-N, HTTP user operator, never in the idemgate_store cluster) and a hop (part
@@ -315,6 +318,14 @@ def start_haproxy(d, stack, i):
     values = {"HAPROXY_PORT": h["port"], "HAPROXY_TLS": tls}
     values.update({f"REDIS_{n}_PORT": stack["redis"][n]["port"] for n in range(NODES)})
     render(os.path.join(HA, "haproxy.cfg"), values, conf)
+    if "peer_port" in h:
+        # --tls --acl: the other legs' hops (on other hosts in a deployment) reach this HAProxy
+        # here, over TLS with a client certificate (haproxy.cfg, "redis_peers").
+        t = stack["tls"]
+        with open(conf, "a") as f:
+            f.write("\nfrontend redis_peers\n"
+                    f"  bind 127.0.0.1:{h['peer_port']} ssl crt {t['pem']} ca-file {t['ca']} verify required\n"
+                    "  default_backend redis_primary\n")
     h["pid"] = spawn(d, f"haproxy-{i}", ["haproxy", "-f", conf])
     save(d, stack)
     wait(f"haproxy-{i}", lambda: owns_listener(h["pid"], h["port"]))
@@ -339,14 +350,36 @@ def start_hop(d, stack, i, ops=False):
             assert text.count(old) == 1, old
             text = text.replace(old, new)
     a, b = text.index("    transport_socket:\n"), text.index("    # One Redis. With Redis HA")
+    # The TLS block (Redis's own TLS without HA) goes: this leg's HAProxy, on this host, originates
+    # the TLS to Redis. With --tls the other legs' HAProxies (other hosts in a deployment) are
+    # reached on their TLS frontend (`peer_port`) through the same block, chosen per endpoint by
+    # `transport_socket_matches`.
+    tls_block = text[a:b]
     text = text[:a] + text[b:]
+    peer_tls = "peer_port" in stack["haproxies"][i]
+    if peer_tls:
+        t = stack["tls"]
+        for old, new in (("/etc/idemgate/redis-tls/proxy.crt", t["crt"]), ("/etc/idemgate/redis-tls/proxy.key", t["key"]),
+                         ("/etc/idemgate/redis-tls/ca.crt", t["ca"])):
+            assert tls_block.count(old) == 1, old
+            tls_block = tls_block.replace(old, new)
+        matches = ("    transport_socket_matches:\n    - name: peer-tls\n      match: {peer_tls: true}\n"
+                   + "".join("  " + l + "\n" for l in tls_block.splitlines()))
+        marker = "    load_assignment:\n"
+        assert text.count(marker) == 1
+        text = text.replace(marker, matches + marker)
     # Every HAProxy, this leg's own first (priority 0), the others as failover (priority 1):
     # the hop's own health check takes a dead HAProxy out, so losing one
     # HAProxy loses no leg (webdis's connection to the hop never breaks).
     order = [i] + [j for j in range(LEGS) if j != i]
+
+    def endpoint(j):
+        if j != i and peer_tls:
+            return (f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {stack['haproxies'][j]['peer_port']}}}}}}}\n"
+                    "          metadata: {filter_metadata: {envoy.transport_socket_match: {peer_tls: true}}}\n")
+        return f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {stack['haproxies'][j]['port']}}}}}}}\n"
     endpoints = "".join(
-        f"      - priority: {0 if j == i else 1}\n        lb_endpoints:\n"
-        f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {stack['haproxies'][j]['port']}}}}}}}\n"
+        f"      - priority: {0 if j == i else 1}\n        lb_endpoints:\n" + endpoint(j)
         for j in order)
     start_marker, end_marker = "      # BEGIN endpoints\n", "      # END endpoints\n"
     a, b = text.index(start_marker), text.index(end_marker)
@@ -447,6 +480,9 @@ def up(d, tls, acl=False, operator=False):
         stack["tls"] = make_tls(d)
     if acl:
         stack["acl"] = True
+        if tls:
+            for h in stack["haproxies"]:
+                h["peer_port"] = free_port(taken)
         stack["hops"] = [{"port": free_port(taken), "admin_port": free_port(taken)} for _ in range(LEGS)]
     if operator:
         stack["ops_hops"] = [{"port": free_port(taken), "admin_port": free_port(taken)} for _ in range(LEGS)]

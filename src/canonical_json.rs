@@ -22,37 +22,54 @@ pub const MAX_DEPTH: usize = 128;
 /// member names in any object and nesting at most MAX_DEPTH; otherwise None (the caller then
 /// fingerprints the raw bytes).
 pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
-    parse(body, false)
+    parse(body, false).ok()
+}
+
+/// Why a body has no semantic form (`semantic_form`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoForm {
+    /// Not one JSON text (RFC 8259), or nested deeper than [`MAX_DEPTH`].
+    NotJson,
+    /// One JSON text in which an object names a member twice (names compared decoded: `"a"` and
+    /// `"\u0061"` are one name), at any depth. Python's `json`, `JSON.parse` and Go's
+    /// `encoding/json` run the last value, pysimdjson's `Parser().parse` (simdjson's on-demand
+    /// API) the first: there is no one meaning to derive a key from.
+    RepeatedName,
 }
 
 /// The value `body` means to the JSON parsers web frameworks use (Python's `json`, JavaScript's
 /// `JSON.parse`, Go's `encoding/json`), as bytes: whitespace and member order dropped as in
 /// [`canonicalize`], and also every string with its escapes decoded (`"\u0065ur"` is `"eur"`),
-/// every number by its exact decimal value (`1`, `1.0`, `1e0` and `10E-1` are `1e0`; `-0` is
-/// `0`), and a member named twice in one object by its last value (what
-/// those parsers keep). Two bodies any of them parses alike have the same form; two bodies with
-/// one form may still differ to a parser that keeps `1` and `1.0` apart (Python), which is why
-/// this form derives keys (`derive_key.include_body`, where the fingerprint, with the spelling,
-/// still tells them apart: 422) and never fingerprints. Not one JSON text: None. One leading
-/// UTF-8 byte-order mark is skipped, as Python's `json` and Node's JSON body parsers skip it
-/// (Go's `encoding/json` refuses the body: no key is derived for a body it runs).
-pub fn semantic_form(body: &[u8]) -> Option<Vec<u8>> {
+/// and every number by its exact decimal value (`1`, `1.0`, `1e0` and `10E-1` are `1e0`; `-0` is
+/// `0`). Two bodies any of them parses alike have the same form; two bodies with one form may
+/// still differ to a parser that keeps `1` and `1.0` apart (Python), which is why this form
+/// derives keys (`derive_key.include_body`, where the fingerprint, with the spelling, still tells
+/// them apart: 422) and never fingerprints. A member named twice in one object has no form
+/// (`NoForm::RepeatedName`): parsers disagree on which value runs. Not one JSON text:
+/// `NoForm::NotJson`. One leading UTF-8 byte-order mark is skipped, as Python's `json` and Node's
+/// JSON body parsers skip it (Go's `encoding/json` refuses the body: no key is derived for a body
+/// it runs).
+pub fn semantic_form(body: &[u8]) -> Result<Vec<u8>, NoForm> {
     parse(body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body), true)
 }
 
-fn parse(body: &[u8], semantic: bool) -> Option<Vec<u8>> {
+fn parse(body: &[u8], semantic: bool) -> Result<Vec<u8>, NoForm> {
     // Outside strings the grammar only admits ASCII, so validating UTF-8 once up front covers the
     // bytes inside strings too.
-    std::str::from_utf8(body).ok()?;
-    let mut parser = Parser { src: body, pos: 0, semantic };
-    let value = parser.value(0)?;
+    std::str::from_utf8(body).map_err(|_| NoForm::NotJson)?;
+    let mut parser = Parser { src: body, pos: 0, semantic, repeated: false };
+    let value = parser.value(0).ok_or(NoForm::NotJson)?;
     parser.skip_whitespace();
     if parser.pos != body.len() {
-        return None;
+        return Err(NoForm::NotJson);
+    }
+    // Read to its end first: a repeated name in a body that is not JSON is not JSON.
+    if parser.repeated {
+        return Err(NoForm::RepeatedName);
     }
     let mut out = Vec::with_capacity(body.len());
     value.emit(&mut out, semantic);
-    Some(out)
+    Ok(out)
 }
 
 /// A decoded string as a JSON string: only `"`, `\\` and control characters escaped.
@@ -180,8 +197,10 @@ impl Value<'_> {
 struct Parser<'a> {
     src: &'a [u8],
     pos: usize,
-    /// `semantic_form`: strings decoded, numbers as doubles, the last of a repeated member.
+    /// `semantic_form`: strings decoded, numbers by their decimal value.
     semantic: bool,
+    /// An object named a member twice (`NoForm::RepeatedName`).
+    repeated: bool,
 }
 
 impl<'a> Parser<'a> {
@@ -308,20 +327,10 @@ impl<'a> Parser<'a> {
                 }
             }
         }
-        // Stable: members of one name stay in their order, the last one last.
         members.sort_by(|a, b| a.name.cmp(&b.name));
-        if self.semantic {
-            // The last of each name, as the parsers keep it.
-            let mut kept: Vec<Member<'a>> = Vec::with_capacity(members.len());
-            for m in members {
-                match kept.last_mut() {
-                    Some(last) if last.name == m.name => *last = m,
-                    _ => kept.push(m),
-                }
-            }
-            members = kept;
-        } else if members.windows(2).any(|w| matches!(w, [a, b] if a.name == b.name)) {
-            return None;
+        // Decoded names: `"a"` and `"\u0061"` are one. Read on: the document may not be JSON.
+        if members.windows(2).any(|w| matches!(w, [a, b] if a.name == b.name)) {
+            self.repeated = true;
         }
         Some(Value::Object(members))
     }
@@ -516,13 +525,43 @@ mod tests {
         let form = |s: &str| semantic_form(s.as_bytes()).map(|f| String::from_utf8(f).unwrap_or_default());
         assert_eq!(
             form(r#"{ "b" : "\u0065\"\n" , "a":[1.0, -0, 1E2, 1.50, 1e400] }"#).as_deref(),
-            Some(r#"{"a":[1e0,0,1e2,15e-1,1e400],"b":"e\"\u000a"}"#)
+            Ok(r#"{"a":[1e0,0,1e2,15e-1,1e400],"b":"e\"\u000a"}"#)
         );
-        // The last of a repeated member; canonicalize has no form for it.
-        assert_eq!(form(r#"{"a":1,"a":2}"#), form(r#"{"a":2}"#));
-        assert_eq!(canon(r#"{"a":1,"a":2}"#), None);
         assert_ne!(form(r#"{"a":"1"}"#), form(r#"{"a":1}"#));
-        assert_eq!(form("{"), None);
+        assert_eq!(form("{"), Err(NoForm::NotJson));
+    }
+
+    #[test]
+    fn a_repeated_member_name_has_no_semantic_form_at_any_depth_escaped_or_not() {
+        // Python's `json`, `JSON.parse` and Go run the last value, pysimdjson's
+        // `Parser().parse` the first (measured: `{"a":1,"a":2}` reads `a` as 1), so a key derived
+        // from either value lets one of them run `{"a":1,"a":2}` and `{"a":1}` as one request
+        // under two keys. Before: the form of the last value, `{"a":2}`'s.
+        for repeated in [
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":1,"a":1}"#,
+            r#"{"a":1,"\u0061":2}"#,
+            r#"{"\u0061":1,"\u0061":2}"#,
+            r#"{"\/":1,"/":2}"#,
+            "{\"\\u00e9\":1,\"\u{e9}\":2}",
+            r#"{"\ud83d\ude00":1,"😀":2}"#,
+            r#"{"x":{"y":{"a":1,"b":0,"a":2}}}"#,
+            r#"[{"ok":1},{"a":1,"a":2}]"#,
+            r#"{"list":[[{"a":[]}],[{"a":1,"\u0061":1}]]}"#,
+            "\u{feff}{\"a\":1,\"a\":2}",
+        ] {
+            let body = repeated.as_bytes();
+            assert_eq!(semantic_form(body), Err(NoForm::RepeatedName), "{repeated}");
+            assert_eq!(canonicalize(body), None, "{repeated}");
+        }
+        // One name in different objects is not repeated; nor are names that differ decoded.
+        for alone in [r#"[{"a":1},{"a":2}]"#, r#"{"a":{"a":1}}"#, r#"{"a":1,"A":2}"#, r#"{"a":1,"a\u0000":2}"#] {
+            assert!(semantic_form(alone.as_bytes()).is_ok(), "{alone}");
+        }
+        // Not JSON however it repeats a name: derived from the bytes, as any other such body.
+        for not_json in [r#"{"a":1,"a":2}x"#, r#"{"a":1,"a":2"#, r#"[{"a":1,"a":2},]"#] {
+            assert_eq!(semantic_form(not_json.as_bytes()), Err(NoForm::NotJson), "{not_json}");
+        }
     }
 
     #[test]
@@ -537,7 +576,7 @@ mod tests {
         // The fingerprint keeps the spelling (422 for a retry that adds one), and one BOM only.
         assert_eq!(canonicalize(&bom), None);
         let two = [&b"\xef\xbb\xbf"[..], &bom[..]].concat();
-        assert_eq!(semantic_form(&two), None);
+        assert_eq!(semantic_form(&two), Err(NoForm::NotJson));
     }
 
     #[test]

@@ -23,8 +23,8 @@ const DERIVE_TAG: &[u8] = b"idemgate-derive-v1\0";
 /// `scope.anonymous: "shared"`).
 /// `body_digest` (the body's `fingerprint::body_digest`) is consulted only when `cfg.include_body`
 /// is set; it is `fingerprint::derive_body_digest`, the JSON body's meaning to the parsers
-/// backends use (whitespace, member order, string escapes, number spellings, a repeated member),
-/// or a urlencoded form's fields as their form parsers read them (`form::semantic_form`),
+/// backends use (whitespace, member order, string escapes, number spellings; a body naming a
+/// member twice has none and is refused before this, `body-ambiguous`), or a urlencoded form's fields as their form parsers read them (`form::semantic_form`),
 /// whatever `fp.json` says, so two bodies a backend parses alike derive one key rather than two
 /// keys that would both execute (the boundary oracle, issue 41). The path counts as the policy's
 /// fingerprint counts it (`fp.include_query`).

@@ -216,23 +216,26 @@ fn form_of(head: &RequestHead, body: &[u8], reading: Reading) -> Option<(bool, V
 /// to their JSON parsers (`canonical_json::semantic_form`) when it is JSON, else of its bytes. Two
 /// bodies a backend parses alike derive one key; the fingerprint, kept to the spelling (or with
 /// `forms: "semantic"` to what every parser reads alike), answers a retry read otherwise 422
-/// rather than executing it again (the boundary oracle, issue 41).
-pub fn derive_body_digest(head: &RequestHead, body: &[u8]) -> [u8; 32] {
+/// rather than executing it again (the boundary oracle, issue 41). JSON that names a member twice
+/// in one object has no one meaning (`NoForm::RepeatedName`, the only error): the request is
+/// refused (`body-ambiguous`).
+pub fn derive_body_digest(head: &RequestHead, body: &[u8]) -> Result<[u8; 32], canonical_json::NoForm> {
     if let Some((_, form)) = form_of(head, body, Reading::Most) {
         // One tag for both: a multipart form without files is the urlencoded form of its fields.
         let mut h = Sha256::new();
         h.update(b"form\0");
         h.update(form);
-        return h.finalize().into();
+        return Ok(h.finalize().into());
     }
     match canonical_json::semantic_form(body) {
-        Some(form) => {
+        Ok(form) => {
             let mut h = Sha256::new();
             h.update(b"json\0");
             h.update(&form);
-            h.finalize().into()
+            Ok(h.finalize().into())
         }
-        None => Sha256::digest(body).into(),
+        Err(canonical_json::NoForm::NotJson) => Ok(Sha256::digest(body).into()),
+        Err(repeated) => Err(repeated),
     }
 }
 

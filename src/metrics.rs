@@ -5,6 +5,7 @@
 //! rules, so the two builds show the same counters for the same requests.
 
 use crate::engine::machine::Count;
+use crate::engine::waiters::Reply as WaitReply;
 use crate::engine::writes::Note;
 use crate::problem::ProblemKind;
 
@@ -310,7 +311,9 @@ pub const SETTLED_COUNTER: &str = "idemgate.requests_settled";
 pub fn problem_counter(problem: &ProblemKind) -> Counter {
     match problem {
         ProblemKind::KeyMissing { .. } => Counter::MissingKey,
-        ProblemKind::KeyInvalid { .. } => Counter::InvalidKey,
+        // A key that cannot be derived from a JSON body naming a member twice, as one that cannot
+        // be derived from a header sent twice (`key-repeated`).
+        ProblemKind::KeyInvalid { .. } | ProblemKind::BodyAmbiguous => Counter::InvalidKey,
         ProblemKind::ScopeMissing { .. } => Counter::ScopeMissing,
         ProblemKind::BodyTooLarge { .. } => Counter::BodyTooLarge,
         ProblemKind::InFlight { .. } => Counter::InFlightConflict,
@@ -330,6 +333,21 @@ pub fn problem_counter(problem: &ProblemKind) -> Counter {
         ProblemKind::McpBatchRefused | ProblemKind::McpBodyAmbiguous | ProblemKind::McpHeaderMismatch { .. } => {
             Counter::McpRefused
         }
+    }
+}
+
+/// The counters a request held by `in_flight: "wait"` counts when it is answered (its route's
+/// too), in both builds: the counter the same answer counts for a retry that meets the key
+/// directly (a replay `replayed`, a problem `problem_counter`'s, so `response-not-stored` is a
+/// replay whether the record came with its status only or as completed too large), and
+/// `wait_answered` for an answer given before the wait ended (a 409 `request-in-flight` is none).
+pub fn wait_counters(reply: &WaitReply) -> [Option<Counter>; 2] {
+    match reply {
+        WaitReply::InFlight { retry_after_seconds } => {
+            [Some(problem_counter(&ProblemKind::InFlight { retry_after_seconds: *retry_after_seconds })), None]
+        }
+        WaitReply::Replay(_) => [Some(Counter::WaitAnswered), Some(Counter::Replayed)],
+        WaitReply::Problem(kind) => [Some(Counter::WaitAnswered), Some(problem_counter(kind))],
     }
 }
 
@@ -387,6 +405,16 @@ mod tests {
     use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn a_waiters_answer_counts_what_a_direct_answer_counts_and_wait_answered() {
+        let not_stored = WaitReply::Problem(ProblemKind::ResponseNotStored { status: 201, location: None });
+        assert_eq!(wait_counters(&not_stored), [Some(Counter::WaitAnswered), Some(Counter::Replayed)]);
+        let reused = WaitReply::Problem(ProblemKind::KeyReused { status: 422 });
+        assert_eq!(wait_counters(&reused), [Some(Counter::WaitAnswered), Some(Counter::Mismatch)]);
+        let over = WaitReply::InFlight { retry_after_seconds: 1 };
+        assert_eq!(wait_counters(&over), [Some(Counter::InFlightConflict), None]);
+    }
 
     #[test]
     fn a_write_note_counts_what_its_documentation_names() {

@@ -64,6 +64,10 @@ pub enum ProblemKind {
     /// The request's path reads as two routes that store keys apart (`config::Selection`):
     /// refused, never forwarded.
     RouteAmbiguous,
+    /// `derive_key.include_body`: the body is JSON that names a member twice in one object
+    /// (`canonical_json::NoForm::RepeatedName`), which JSON readers run by different values, so no
+    /// one key can be derived from it; nothing was forwarded.
+    BodyAmbiguous,
     /// The gateway met one of its own invariants broken (`failsafe`): the request was refused,
     /// not forwarded.
     InternalState { retry_after_seconds: u64 },
@@ -116,6 +120,7 @@ impl ProblemKind {
             ProblemKind::InternalState { .. } => "internal-state",
             ProblemKind::GrpcUnsupported { .. } => "grpc-unsupported",
             ProblemKind::RouteAmbiguous => "route-ambiguous",
+            ProblemKind::BodyAmbiguous => "body-ambiguous",
             ProblemKind::McpBatchRefused => "mcp-batch-refused",
             ProblemKind::McpBodyAmbiguous => "mcp-body-ambiguous",
             ProblemKind::McpHeaderMismatch { .. } => "mcp-header-mismatch",
@@ -139,6 +144,7 @@ impl ProblemKind {
             ProblemKind::EncodingNotAccepted { .. } => 406,
             ProblemKind::GrpcUnsupported { .. } => 415,
             ProblemKind::RouteAmbiguous
+            | ProblemKind::BodyAmbiguous
             | ProblemKind::McpBatchRefused
             | ProblemKind::McpBodyAmbiguous
             | ProblemKind::McpHeaderMismatch { .. } => 400,
@@ -167,6 +173,7 @@ impl ProblemKind {
             ProblemKind::InternalState { .. } => "Request not protected",
             ProblemKind::GrpcUnsupported { .. } => "Idempotency keys are not supported for gRPC on this route",
             ProblemKind::RouteAmbiguous => "Request path is ambiguous between protected routes",
+            ProblemKind::BodyAmbiguous => "Request body names a JSON member twice",
             ProblemKind::McpBatchRefused => "Protected tool calls cannot be sent in a JSON-RPC batch",
             ProblemKind::McpBodyAmbiguous => "Request body is not unambiguous JSON",
             ProblemKind::McpHeaderMismatch { .. } => "MCP routing header disagrees with the body",
@@ -218,6 +225,7 @@ impl ProblemKind {
                 "The gateway could not protect this request and did not forward it. Retry after {retry_after_seconds} s with the same key."
             ),
             ProblemKind::RouteAmbiguous => "This path reads as two routes whose idempotency keys are kept apart (dot segments, `;` parameters or escaped slashes that backends resolve differently), so one key could run once under each. It was not forwarded: send the path in its plain form.".into(),
+            ProblemKind::BodyAmbiguous => "This request's idempotency key is derived from its body, and the body is JSON that names a member twice in one object (`{\"a\":1,\"a\":2}`, or a name and its escaped spelling), which JSON readers run by different values (most by the last, some by the first), so no one key stands for it. It was not forwarded: send each member once.".into(),
             ProblemKind::GrpcUnsupported { header } => format!(
                 "This gRPC call carries `{header}`, but the gateway cannot replay a gRPC response (a replay would reach the client as a failure), so it was not forwarded. Send it without the key (it then runs unprotected), or use the service's own idempotency."
             ),
@@ -277,6 +285,7 @@ impl ProblemKind {
             | ProblemKind::BufferBudgetExceeded { .. }
             | ProblemKind::InternalState { .. } => UNAVAILABLE,
             ProblemKind::RouteAmbiguous
+            | ProblemKind::BodyAmbiguous
             | ProblemKind::McpBatchRefused
             | ProblemKind::McpBodyAmbiguous
             | ProblemKind::McpHeaderMismatch { .. } => INVALID_ARGUMENT,
@@ -306,6 +315,7 @@ impl ProblemKind {
             | ProblemKind::BodyTooLarge { .. }
             | ProblemKind::GrpcUnsupported { .. }
             | ProblemKind::RouteAmbiguous
+            | ProblemKind::BodyAmbiguous
             | ProblemKind::McpBatchRefused
             | ProblemKind::McpBodyAmbiguous
             | ProblemKind::McpHeaderMismatch { .. }
@@ -425,6 +435,7 @@ mod tests {
             ProblemKind::InternalState { retry_after_seconds: 1 },
             ProblemKind::GrpcUnsupported { header: h.clone() },
             ProblemKind::RouteAmbiguous,
+            ProblemKind::BodyAmbiguous,
             ProblemKind::McpBatchRefused,
             ProblemKind::McpBodyAmbiguous,
             ProblemKind::McpHeaderMismatch { header: "mcp-name" },

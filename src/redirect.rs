@@ -5,11 +5,17 @@
 //! hands its claim over (`Handoffs::post`), the re-created one takes it (`Handoffs::take`) and
 //! settles it with the final answer.
 //!
-//! The header alone proves nothing (a client can send it): a claim is taken only by a stream
-//! of the same VM, on the same downstream connection, created after the hand-over, within
+//! The header alone proves nothing (a client can send it, and an internal client's reaches the
+//! filter): a claim is taken only by a stream that carries the request's **mark**, of the same
+//! VM, on the same downstream connection, created after the hand-over, within
 //! `HANDOFF_WINDOW_MS`, under the same storage key (so the same caller scope and key), naming
-//! the URL the claim's request was redirected from. A claim nobody takes is settled outcome-unknown
-//! (its first hop executed) when its window ends.
+//! the URL the claim's request was redirected from. The mark (`Command::Mark`) is the claim's
+//! storage key, which the stream that forwards under the claim leaves in Envoy's filter state
+//! with the life span `Request`: Envoy carries it into the streams it re-creates for that request
+//! and into no other. Another request, even the same client's on the same connection (HTTP/1.1
+//! keep-alive, another HTTP/2 stream), starts without it and cannot write it (no client writes
+//! filter state). A claim nobody takes is settled outcome-unknown (its first hop executed) when
+//! its window ends.
 
 use crate::decision::Outcome;
 use crate::record::UnknownReason;
@@ -49,6 +55,9 @@ pub struct Handoff<C> {
     pub url: String,
     /// The downstream connection's id (`connection.id`); a hand-over without one is never taken.
     pub connection: Option<u64>,
+    /// Whether the stream that handed it over left the request's mark (`Command::Mark`), or
+    /// found it: a hand-over without one is never taken.
+    pub marked: bool,
     /// The context that handed it over: only a later one takes it.
     pub from_context: u32,
     pub posted_ms: u64,
@@ -73,6 +82,17 @@ pub fn original_path(header: &[u8]) -> Option<&str> {
     let rest = header.strip_prefix(b"http://").or_else(|| header.strip_prefix(b"https://"))?;
     let start = rest.iter().position(|b| *b == b'/')?;
     std::str::from_utf8(rest.get(start..)?).ok()
+}
+
+/// What the host tells of a stream that may continue a claim handed over.
+#[derive(Clone, Copy, Debug)]
+pub struct Stream {
+    /// The mark found in its Request-life filter state (a storage key), if any.
+    pub mark: Option<StorageKey>,
+    /// Its downstream connection's id (`connection.id`).
+    pub connection: Option<u64>,
+    /// Its context (the native build: the count of hand-overs when it was created).
+    pub context_id: u32,
 }
 
 /// The claims handed over and not yet taken, oldest first.
@@ -103,26 +123,22 @@ impl<C> Handoffs<C> {
         self.items.drain(..over).collect()
     }
 
-    fn fits(h: &Handoff<C>, original_url: &[u8], connection: Option<u64>, context_id: u32, now_ms: u64) -> bool {
-        h.connection.is_some()
-            && h.connection == connection
-            && context_id > h.from_context
+    fn fits(h: &Handoff<C>, original_url: &[u8], on: Stream, now_ms: u64) -> bool {
+        h.marked
+            && on.mark == Some(h.skey)
+            && h.connection.is_some()
+            && h.connection == on.connection
+            && on.context_id > h.from_context
             && now_ms.saturating_sub(h.posted_ms) <= HANDOFF_WINDOW_MS
             && original_url_matches(original_url, &h.url)
     }
 
-    /// The policies of the claims a stream (`context_id`, on `connection`, carrying
-    /// `original_url`) could take, each once: its storage key is read under each.
-    pub fn policies_for(
-        &self,
-        original_url: &[u8],
-        connection: Option<u64>,
-        context_id: u32,
-        now_ms: u64,
-    ) -> Vec<usize> {
+    /// The policies of the claims a stream (`on`, carrying `original_url`) could take, each
+    /// once: its storage key is read under each.
+    pub fn policies_for(&self, original_url: &[u8], on: Stream, now_ms: u64) -> Vec<usize> {
         let mut out: Vec<usize> = vec![];
         for h in &self.items {
-            if Self::fits(h, original_url, connection, context_id, now_ms) && !out.contains(&h.policy_index) {
+            if Self::fits(h, original_url, on, now_ms) && !out.contains(&h.policy_index) {
                 out.push(h.policy_index);
             }
         }
@@ -135,14 +151,11 @@ impl<C> Handoffs<C> {
         skey: &StorageKey,
         policy_index: usize,
         original_url: &[u8],
-        connection: Option<u64>,
-        context_id: u32,
+        on: Stream,
         now_ms: u64,
     ) -> Option<Handoff<C>> {
         let pos = self.items.iter().position(|h| {
-            h.skey == *skey
-                && h.policy_index == policy_index
-                && Self::fits(h, original_url, connection, context_id, now_ms)
+            h.skey == *skey && h.policy_index == policy_index && Self::fits(h, original_url, on, now_ms)
         })?;
         Some(self.items.remove(pos))
     }
@@ -169,12 +182,18 @@ mod tests {
             policy_index: 0,
             url: "api.test/charges?x=1".into(),
             connection: conn,
+            marked: true,
             from_context: ctx,
             posted_ms: at,
         }
     }
 
     const URL: &[u8] = b"http://api.test/charges?x=1";
+
+    /// A stream carrying the mark of the request under storage key 1, on `conn`, of context `ctx`.
+    fn on(conn: Option<u64>, ctx: u32) -> Stream {
+        Stream { mark: Some(StorageKey([1; 32])), connection: conn, context_id: ctx }
+    }
 
     #[test]
     fn the_authority_of_an_original_url() {
@@ -194,9 +213,9 @@ mod tests {
     fn the_recreated_stream_takes_its_claim_once() {
         let mut t = Handoffs::default();
         assert!(t.post(h(1, Some(7), 10, 100)).is_empty());
-        assert_eq!(t.policies_for(URL, Some(7), 11, 100), vec![0]);
-        assert!(t.take(&StorageKey([1; 32]), 0, URL, Some(7), 11, 100).is_some());
-        assert!(t.take(&StorageKey([1; 32]), 0, URL, Some(7), 12, 100).is_none());
+        assert_eq!(t.policies_for(URL, on(Some(7), 11), 100), vec![0]);
+        assert!(t.take(&StorageKey([1; 32]), 0, URL, on(Some(7), 11), 100).is_some());
+        assert!(t.take(&StorageKey([1; 32]), 0, URL, on(Some(7), 12), 100).is_none());
         assert!(t.is_empty());
     }
 
@@ -206,19 +225,32 @@ mod tests {
         t.post(h(1, Some(7), 10, 100));
         let k = StorageKey([1; 32]);
         // another caller or key, another connection, an earlier context, too late, another URL
-        assert!(t.take(&StorageKey([2; 32]), 0, URL, Some(7), 11, 100).is_none());
-        assert!(t.take(&k, 1, URL, Some(7), 11, 100).is_none());
-        assert!(t.take(&k, 0, URL, Some(8), 11, 100).is_none());
-        assert!(t.take(&k, 0, URL, None, 11, 100).is_none());
-        assert!(t.take(&k, 0, URL, Some(7), 10, 100).is_none());
-        assert!(t.take(&k, 0, URL, Some(7), 11, 100 + HANDOFF_WINDOW_MS + 1).is_none());
-        assert!(t.take(&k, 0, b"http://api.test/charges", Some(7), 11, 100).is_none());
-        assert!(t.take(&k, 0, b"api.test/charges?x=1", Some(7), 11, 100).is_none());
+        assert!(t.take(&StorageKey([2; 32]), 0, URL, on(Some(7), 11), 100).is_none());
+        assert!(t.take(&k, 1, URL, on(Some(7), 11), 100).is_none());
+        assert!(t.take(&k, 0, URL, on(Some(8), 11), 100).is_none());
+        assert!(t.take(&k, 0, URL, on(None, 11), 100).is_none());
+        assert!(t.take(&k, 0, URL, on(Some(7), 10), 100).is_none());
+        assert!(t.take(&k, 0, URL, on(Some(7), 11), 100 + HANDOFF_WINDOW_MS + 1).is_none());
+        assert!(t.take(&k, 0, b"http://api.test/charges", on(Some(7), 11), 100).is_none());
+        assert!(t.take(&k, 0, b"api.test/charges?x=1", on(Some(7), 11), 100).is_none());
         assert_eq!(t.len(), 1);
+        // the same stream without the request's mark, or with another request's: never (a
+        // request an internal client forges on the same connection starts without one)
+        let unmarked = Stream { mark: None, ..on(Some(7), 11) };
+        let other = Stream { mark: Some(StorageKey([2; 32])), ..on(Some(7), 11) };
+        assert!(t.policies_for(URL, unmarked, 100).is_empty());
+        assert!(t.take(&k, 0, URL, unmarked, 100).is_none());
+        assert!(t.take(&k, 0, URL, other, 100).is_none());
+        assert_eq!(t.len(), 1);
+        // a hand-over without a mark is never taken, even by a stream without one
+        let mut m = Handoffs::default();
+        m.post(Handoff { marked: false, ..h(1, Some(7), 10, 100) });
+        assert!(m.take(&k, 0, URL, unmarked, 100).is_none());
+        assert!(m.take(&k, 0, URL, on(Some(7), 11), 100).is_none());
         // a hand-over without a connection id is never taken
         let mut u = Handoffs::default();
         u.post(h(1, None, 10, 100));
-        assert!(u.take(&k, 0, URL, None, 11, 100).is_none());
+        assert!(u.take(&k, 0, URL, on(None, 11), 100).is_none());
     }
 
     #[test]

@@ -219,6 +219,27 @@ extern "C" {
         value: ModuleBuffer,
     ) -> bool;
 
+    /// Stores a module-owned object under filter state `key` with a life span (`LIFE_SPAN_*`),
+    /// `destructor` called once with it when Envoy drops the entry (or before returning false).
+    /// Envoy 1.40, checked against the binary: the filter in `rdi`, the key's pointer and length
+    /// in `rsi`/`rdx`, the object in `rcx`, the destructor in `r8`, the life span in `r9d`
+    /// (values 0 to 2 kept as `StreamInfo::FilterState::LifeSpan`, any other refused).
+    pub fn envoy_dynamic_module_callback_http_set_filter_state_object(
+        filter: EnvoyPtr,
+        key: ModuleBuffer,
+        object: *mut c_void,
+        destructor: unsafe extern "C" fn(*mut c_void),
+        life_span: u32,
+    ) -> bool;
+
+    /// The object stored under filter state `key` (this stream's, or a parent life span's: the
+    /// request's, the connection's), null if none. Checked against the binary: the filter in
+    /// `rdi`, the key's pointer and length in `rsi`/`rdx`, the object returned in `rax`.
+    pub fn envoy_dynamic_module_callback_http_get_filter_state_object(
+        filter: EnvoyPtr,
+        key: ModuleBuffer,
+    ) -> *mut c_void;
+
     pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: EnvoyPtr, body_type: u32) -> usize;
     pub fn envoy_dynamic_module_callback_http_get_body_chunks(
         filter: EnvoyPtr,
@@ -226,6 +247,10 @@ extern "C" {
         result: *mut EnvoyBuffer,
     ) -> bool;
 }
+
+/// `StreamInfo::FilterState::LifeSpan::Request`: kept for the downstream request, carried by
+/// Envoy into the streams it re-creates for it (internal redirects), into no other stream.
+pub const LIFE_SPAN_REQUEST: u32 = 1;
 
 /// `envoy_dynamic_module_type_http_callout_init_result`.
 pub const CALLOUT_INIT_SUCCESS: u32 = 0;
@@ -267,6 +292,25 @@ extern "C" {
         headers: *mut ModuleHttpHeader,
         headers_size: usize,
         body: ModuleBuffer,
+        timeout_milliseconds: u64,
+    ) -> u32;
+
+    /// An HTTP stream of the filter configuration: main thread only, its answer handed over in
+    /// parts on the main thread (`envoy_dynamic_module_on_http_filter_config_http_stream_headers`,
+    /// `_data`, `_trailers`, then `_complete` or `_reset`). Its type in the installed 1.40.0
+    /// binary's hooks: headers `(void *, const void *, unsigned long, envoy_http_header *,
+    /// unsigned long, bool)`, data `(void *, const void *, unsigned long, const envoy_buffer *,
+    /// unsigned long, bool)`, trailers `(void *, const void *, unsigned long, envoy_http_header *,
+    /// unsigned long)`, complete `(void *, const void *, unsigned long)`, reset `(void *, const
+    /// void *, unsigned long, reset_reason)`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_start_http_stream(
+        config: ConfigEnvoyPtr,
+        stream_id_out: *mut u64,
+        cluster_name: ModuleBuffer,
+        headers: *mut ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        end_stream: bool,
         timeout_milliseconds: u64,
     ) -> u32;
 
@@ -336,6 +380,13 @@ extern "C" {
     ) -> u32;
     pub fn envoy_dynamic_module_callback_http_filter_record_histogram_value(
         filter: EnvoyPtr,
+        id: usize,
+        label_values: *const ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
+        config: ConfigEnvoyPtr,
         id: usize,
         label_values: *const ModuleBuffer,
         label_values_length: usize,

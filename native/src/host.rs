@@ -3,6 +3,7 @@
 
 use crate::abi::{self, EnvoyBuffer, EnvoyHttpHeader, EnvoyPtr, ModuleBuffer, ModuleHttpHeader};
 use idemgate::engine::machine::LogLevel;
+use idemgate::scope::StorageKey;
 
 fn level(l: LogLevel) -> u32 {
     match l {
@@ -100,6 +101,52 @@ pub fn publish(f: EnvoyPtr, outcome: &str, key_hex: Option<&str>) -> bool {
     };
     let key_set = key_hex.is_none_or(|k| set(KEY_STATE, k));
     set(OUTCOME_STATE, outcome) && key_set
+}
+
+/// The filter state key of the request's mark for an internal redirect (`idemgate::redirect`):
+/// the claim's storage key, an object with Envoy's life span `Request`.
+pub const MARK_STATE: &str = "idemgate.redirect_mark";
+
+/// Frees a mark Envoy drops (`mark`'s destructor).
+unsafe extern "C" fn drop_mark(object: *mut std::ffi::c_void) {
+    if !object.is_null() {
+        // SAFETY: `mark` gave Envoy this pointer from `Box::into_raw` of a `StorageKey`, and
+        // Envoy calls the destructor once.
+        drop(unsafe { Box::from_raw(object.cast::<StorageKey>()) });
+    }
+}
+
+/// Leaves the request's mark (its storage key) in the stream's filter state with the life span
+/// `Request`, which Envoy carries into the streams it re-creates for this request and no other;
+/// false if Envoy refused.
+pub fn mark(f: EnvoyPtr, skey: &StorageKey) -> bool {
+    let object = Box::into_raw(Box::new(*skey)).cast::<std::ffi::c_void>();
+    // SAFETY: the key's buffer lives for the call; the object is Envoy's from here, freed through
+    // `drop_mark` (also when Envoy refuses it).
+    unsafe {
+        abi::envoy_dynamic_module_callback_http_set_filter_state_object(
+            f,
+            ModuleBuffer::of(MARK_STATE.as_bytes()),
+            object,
+            drop_mark,
+            abi::LIFE_SPAN_REQUEST,
+        )
+    }
+}
+
+/// The request's mark in the stream's filter state (`mark`, by the stream Envoy re-created this
+/// one from), if any.
+pub fn read_mark(f: EnvoyPtr) -> Option<StorageKey> {
+    // SAFETY: the key's buffer lives for the call.
+    let object = unsafe {
+        abi::envoy_dynamic_module_callback_http_get_filter_state_object(f, ModuleBuffer::of(MARK_STATE.as_bytes()))
+    };
+    if object.is_null() {
+        return None;
+    }
+    // SAFETY: only `mark` stores an object under this key: a `StorageKey` Envoy keeps alive
+    // while the request's filter state lives, which outlasts this hook.
+    Some(unsafe { *object.cast::<StorageKey>() })
 }
 
 /// Sets (`Some`) or removes (`None`) header `name` in map `kind`: false if Envoy refused.
@@ -290,6 +337,80 @@ pub fn callout(
     }
 }
 
+/// Starts an HTTP stream of configuration `c` to `cluster` with the whole request (headers, then
+/// `body` ending it): its id, or Envoy's refusal. An answer Envoy gives before returning (a
+/// request that never left it) is not handed to the stream's hooks: the refusal says it.
+pub fn config_stream(
+    c: abi::ConfigEnvoyPtr,
+    cluster: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout_ms: u64,
+) -> Result<u64, u32> {
+    let mut h = module_headers(headers);
+    let mut id: u64 = 0;
+    SENDING.with(|s| s.set(true));
+    // SAFETY: every buffer lives for the call (Envoy copies them into the request it makes).
+    let r = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_config_start_http_stream(
+            c,
+            &mut id,
+            ModuleBuffer::of(cluster.as_bytes()),
+            h.as_mut_ptr(),
+            h.len(),
+            ModuleBuffer::of(body),
+            true,
+            timeout_ms,
+        )
+    };
+    SENDING.with(|s| s.set(false));
+    if r == abi::CALLOUT_INIT_SUCCESS {
+        Ok(id)
+    } else {
+        Err(r)
+    }
+}
+
+/// The headers (or trailers) a stream hook hands over, names lowercased, copied.
+///
+/// # Safety
+/// `headers`: Envoy's array of `size` entries, valid during the hook (or null).
+pub unsafe fn stream_headers(headers: *const EnvoyHttpHeader, size: usize) -> Vec<(String, Vec<u8>)> {
+    if headers.is_null() {
+        return vec![];
+    }
+    // SAFETY: the caller's.
+    let hs = unsafe { std::slice::from_raw_parts(headers, size) };
+    hs.iter()
+        .map(|h| {
+            // SAFETY: Envoy's buffers, valid during the hook.
+            let (k, v) = unsafe { copied(h) };
+            (k.to_ascii_lowercase(), v)
+        })
+        .collect()
+}
+
+/// Appends the buffers a stream's data hook hands over to `out`, up to `limit` bytes in all:
+/// whether they fitted.
+///
+/// # Safety
+/// `data`: Envoy's array of `count` buffers, valid during the hook (or null).
+pub unsafe fn stream_data(data: *const EnvoyBuffer, count: usize, out: &mut Vec<u8>, limit: usize) -> bool {
+    if data.is_null() {
+        return true;
+    }
+    // SAFETY: the caller's.
+    for b in unsafe { std::slice::from_raw_parts(data, count) } {
+        // SAFETY: as above.
+        let bytes = unsafe { b.bytes() };
+        if out.len().saturating_add(bytes.len()) > limit {
+            return false;
+        }
+        out.extend_from_slice(bytes);
+    }
+    true
+}
+
 /// A callout's answer as the done hook hands it: the HTTP status (`None`: no response, a reset
 /// or a response over Envoy's buffer limit) and the body, copied.
 ///
@@ -442,6 +563,15 @@ pub fn record_histogram(f: EnvoyPtr, id: usize, value: u64) {
     // SAFETY: as `increment_counter`.
     let _ = unsafe {
         abi::envoy_dynamic_module_callback_http_filter_record_histogram_value(f, id, std::ptr::null(), 0, value)
+    };
+}
+
+/// Records `value` in histogram `id` of configuration `c` (outside a stream: the main thread's
+/// settlements).
+pub fn config_record_histogram(c: abi::ConfigEnvoyPtr, id: usize, value: u64) {
+    // SAFETY: as `config_increment_counter`.
+    let _ = unsafe {
+        abi::envoy_dynamic_module_callback_http_filter_config_record_histogram_value(c, id, std::ptr::null(), 0, value)
     };
 }
 

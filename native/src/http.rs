@@ -47,7 +47,7 @@ use crate::shared::ProcessShared;
 use crate::store::StoreSide;
 use crate::timer::Timer;
 
-mod detached;
+pub(crate) mod detached;
 mod redirect;
 mod wait;
 pub use detached::DETACHED_EVENT;
@@ -92,7 +92,7 @@ pub struct Global {
     waits: Arc<wait::Registry>,
     /// `forwarding: "detached"` (`detached.rs`): the forwards sent by the main thread, the
     /// streams waiting for their answer.
-    detached: Arc<detached::Detached>,
+    pub(crate) detached: Arc<detached::Detached>,
     /// Claims handed over by streams Envoy ended for an internal redirect, waiting for the
     /// stream it re-creates (`redirect.rs`).
     redirects: redirect::Redirects,
@@ -208,7 +208,7 @@ impl Global {
     /// Main thread: the answer to configuration callout `id`: a detached forward's or its hop
     /// probe's (`detached.rs`), else the store's.
     pub fn callout_answered(&self, id: u64, status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: &[u8]) {
-        if self.detached.on_answer(self, id, status, headers, body) {
+        if self.detached.on_answer(self, id, status, &headers) {
             return;
         }
         if let Some(st) = self.store.as_ref() {
@@ -277,6 +277,9 @@ pub struct Filter {
     /// The configuration's hand-over count when Envoy created the stream (`redirect.rs`): it
     /// takes only a claim handed over before.
     born: u32,
+    /// The request's mark (its key, `idemgate::redirect`) is in this stream's Request-life
+    /// filter state: left here (`Command::Mark`) or found (a stream re-created for a redirect).
+    marked: bool,
 }
 
 struct Glue<'a> {
@@ -292,6 +295,7 @@ struct Glue<'a> {
     mcp: &'a mut Option<McpReply>,
     detaching: &'a mut Option<detached::Detaching>,
     born: u32,
+    marked: &'a mut bool,
 }
 
 fn headers_status(f: Flow) -> u32 {
@@ -399,8 +403,15 @@ impl Glue<'_> {
     /// Replays a completed record: what is sent is decided in the core (`encoding::retry_answer`),
     /// as for the Wasm build's `filter/reply.rs`.
     fn replay(&mut self, req: &Protected, record: &Record) {
-        if let idemgate::record::State::Completed(r) = &record.state {
+        if let idemgate::record::State::Completed(_) = &record.state {
             self.count(Counter::Replayed);
+        }
+        self.send_replay(req, record);
+    }
+
+    /// Sends a record's replay (`replay`), `replayed` counted by the caller.
+    fn send_replay(&mut self, req: &Protected, record: &Record) {
+        if let idemgate::record::State::Completed(r) = &record.state {
             self.global.metrics.record(self.envoy, Histogram::ReplayBytes, r.body.len() as u64);
         }
         let now = self.now();
@@ -481,6 +492,11 @@ impl Effects for Glue<'_> {
             Command::Hold { req, fp, wait_ms } => self.hold(req, fp, wait_ms),
             Command::Detach(f) => self.detach(f),
             Command::McpReply { id, batch, accepts } => *self.mcp = Some(McpReply { id, batch, accepts }),
+            Command::Mark { skey } => {
+                if !*self.marked {
+                    *self.marked = host::mark(self.envoy, &skey);
+                }
+            }
             Command::HandOver { claim, url } => self.hand_over(claim, url),
         }
     }
@@ -688,6 +704,7 @@ impl Filter {
             waiting: None,
             mcp: None,
             detaching: None,
+            marked: false,
         }
     }
 
@@ -705,6 +722,7 @@ impl Filter {
             mcp: &mut self.mcp,
             detaching: &mut self.detaching,
             born: self.born,
+            marked: &mut self.marked,
         };
         (&mut self.machine, glue)
     }

@@ -297,6 +297,102 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout
     }
 }
 
+// A detached forward's stream (`envoy_dynamic_module_callback_http_filter_config_start_http_stream`,
+// main thread): its answer in parts, gathered by `Detached` until it completes or is reset.
+
+/// A forward's stream: its response headers.
+///
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_headers(
+    _config_envoy: EnvoyPtr,
+    config: ModulePtr,
+    stream_id: u64,
+    headers: *const abi::EnvoyHttpHeader,
+    headers_size: usize,
+    _end_stream: bool,
+) {
+    // SAFETY: the hook's array, valid for the hook.
+    let headers = unsafe { host::stream_headers(headers, headers_size) };
+    // SAFETY: Envoy's hook contract.
+    if let Some(g) = unsafe { global(config) } {
+        g.detached.on_stream_headers(stream_id, headers);
+    }
+}
+
+/// A forward's stream: part of its response body.
+///
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_data(
+    _config_envoy: EnvoyPtr,
+    config: ModulePtr,
+    stream_id: u64,
+    data: *const EnvoyBuffer,
+    data_count: usize,
+    _end_stream: bool,
+) {
+    // SAFETY: Envoy's hook contract; the hook's array, valid for the hook.
+    if let Some(g) = unsafe { global(config) } {
+        unsafe { g.detached.on_stream_data(stream_id, data, data_count) };
+    }
+}
+
+/// A forward's stream: its response trailers.
+///
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_trailers(
+    _config_envoy: EnvoyPtr,
+    config: ModulePtr,
+    stream_id: u64,
+    trailers: *const abi::EnvoyHttpHeader,
+    trailers_size: usize,
+) {
+    // SAFETY: the hook's array, valid for the hook.
+    let trailers = unsafe { host::stream_headers(trailers, trailers_size) };
+    // SAFETY: Envoy's hook contract.
+    if let Some(g) = unsafe { global(config) } {
+        g.detached.on_stream_trailers(stream_id, trailers);
+    }
+}
+
+/// A forward's stream ended with its whole answer.
+///
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_complete(
+    _config_envoy: EnvoyPtr,
+    config: ModulePtr,
+    stream_id: u64,
+) {
+    // SAFETY: Envoy's hook contract.
+    if let Some(g) = unsafe { global(config) } {
+        g.detached.on_stream_end(g, stream_id, true);
+    }
+}
+
+/// A forward's stream reset: no response.
+///
+/// # Safety
+/// Envoy's hook contract.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_reset(
+    _config_envoy: EnvoyPtr,
+    config: ModulePtr,
+    stream_id: u64,
+    _reason: u32,
+) {
+    // SAFETY: Envoy's hook contract.
+    if let Some(g) = unsafe { global(config) } {
+        g.detached.on_stream_end(g, stream_id, false);
+    }
+}
+
 // Hooks Envoy 1.40 requires to exist (it looks each up at configuration) for features this build
 // does not use yet: streams started by a filter, watermarks. This
 // build starts none of them, so Envoy never calls these with anything of ours; each does nothing.

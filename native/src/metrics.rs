@@ -111,6 +111,14 @@ impl Metrics {
         }
     }
 
+    /// Records `value` in histogram `h` from the configuration (the main thread: a detached
+    /// forward's settlement, whether or not its client is still there).
+    pub fn record_from_config(&self, h: Histogram, value: u64) {
+        if let Some(id) = self.histograms.get(h as usize).copied().flatten() {
+            host::config_record_histogram(self.config as ConfigEnvoyPtr, id, value);
+        }
+    }
+
     /// Sets gauge `g` (from the configuration's tick, on the main thread).
     pub fn set(&self, g: Gauge, value: u64) {
         if let Some(id) = self.gauges.get(g as usize).copied().flatten() {

@@ -402,9 +402,17 @@ pub enum Command<'a> {
         batch: Vec<Vec<u8>>,
         accepts: Accepts,
     },
+    /// The request goes upstream under its claim: the driver leaves the request's mark (its
+    /// storage key, `crate::redirect`) in Envoy's filter state with the life span `Request`,
+    /// which only the streams Envoy re-creates for this request inherit, and remembers that it
+    /// did for a hand-over.
+    Mark {
+        skey: StorageKey,
+    },
     /// The stream was ended for an internal redirect: `claim` waits for the stream Envoy
     /// re-creates for it (`crate::redirect`), which was redirected from `url` (authority and
-    /// path). The driver adds what only the host knows (the connection, its context, the time).
+    /// path). The driver adds what only the host knows (the connection, its context, the
+    /// request's mark, the time).
     HandOver {
         claim: Claim,
         url: String,
@@ -839,6 +847,8 @@ impl<W> Machine<W> {
                 AtBodyEnd::Fingerprinted { fp, derived, keep_body } => (fp, derived, keep_body),
                 // No key can be derived: the request is not protected.
                 AtBodyEnd::Pass => return Flow::Continue,
+                // Nothing was claimed yet (the key is derived only now): refused as sent.
+                AtBodyEnd::Refuse(problem) => return self.answer(io, Some(&req), problem, None),
             };
         if let Some(derived) = derived {
             // `derive_key.include_body`: the key (and so the storage key) is known only now.
@@ -1233,6 +1243,7 @@ impl<W> Machine<W> {
     fn forward<I: Io<Wire = W>>(&mut self, io: &mut I, req: Protected, held: Claimed, lock_from_ms: u64) -> Flow {
         let Forwarding::Detached { cluster, timeout_ms, hop } = &req.policy.forwarding else {
             log(io, Level::Debug, || log_line(Some(&req), "forwarded", ""));
+            io.run(Command::Mark { skey: req.skey });
             self.phase = Phase::Forwarded { req, claim: held, response: Response::default(), redirected: false };
             return Flow::Continue;
         };
@@ -1484,23 +1495,22 @@ fn accepts(head: &RequestHead) -> Accepts {
 /// `handoffs`: under each policy a hand-over that fits the stream names (`policies`, from
 /// `Handoffs::policies_for`; `policy` gives each), the stream's storage key is read from its
 /// headers (`request::redirected_claim`), and a claim handed over under that policy and key,
-/// redirected from `original_url`, on `connection`, by an earlier context than `context_id`,
-/// within the window, is taken. `None`: an ordinary request (a client can send the header).
-#[allow(clippy::too_many_arguments)]
+/// redirected from `original_url`, that fits the stream `on` (its request's mark, its
+/// connection, a later context), within the window, is taken. `None`: an ordinary request (a
+/// client can send the header).
 pub fn take_handoff(
     handoffs: &mut Handoffs<Claim>,
     policies: &[usize],
     policy: impl Fn(usize) -> Option<Arc<Policy>>,
     head: &RequestHead,
     original_url: &[u8],
-    connection: Option<u64>,
-    context_id: u32,
+    on: redirect::Stream,
     now_ms: u64,
 ) -> Option<(Handoff<Claim>, Arc<Policy>, CallerScope)> {
     for &i in policies {
         let Some(p) = policy(i) else { continue };
         let Some((scope, skey)) = request::redirected_claim(&p, head, original_url) else { continue };
-        if let Some(h) = handoffs.take(&skey, i, original_url, connection, context_id, now_ms) {
+        if let Some(h) = handoffs.take(&skey, i, original_url, on, now_ms) {
             return Some((h, p, scope));
         }
     }

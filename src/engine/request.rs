@@ -509,7 +509,15 @@ pub fn at_headers(
             derive::derive(head, &DeriveKey { include_body: false, ..d.clone() }, &policy.fingerprint, &scope, None)
         }
         Some(d) => {
-            let empty = d.include_body.then(|| fingerprint::derive_body_digest(head, b""));
+            // An empty body is no JSON: never refused, but by the one rule if it were.
+            let empty = if d.include_body {
+                match fingerprint::derive_body_digest(head, b"") {
+                    Ok(digest) => Some(digest),
+                    Err(_) => return Err(NotProtected::Refuse { route, problem: ProblemKind::BodyAmbiguous }),
+                }
+            } else {
+                None
+            };
             derive::derive(head, d, &policy.fingerprint, &scope, empty.as_ref())
         }
         None => None,
@@ -565,6 +573,9 @@ pub fn body_chunk(
 pub enum AtBodyEnd {
     /// The key was to be derived with the body and cannot be: the request is not protected.
     Pass,
+    /// The key was to be derived with the body, and the body has no one meaning to derive it
+    /// from (`body-ambiguous`: JSON naming a member twice): refused, nothing forwarded or claimed.
+    Refuse(ProblemKind),
     /// The fingerprint; `derived`: the key derived with the body (`KeyFrom::DerivedAtBody`);
     /// `keep_body`: the body is kept for the root to send (`forwarding: "detached"`).
     Fingerprinted { fp: Fingerprint, derived: Option<Derived>, keep_body: bool },
@@ -591,9 +602,17 @@ pub fn at_body_end(
     let digest = fingerprint::body_digest(head, body, &policy.fingerprint);
     let mut derived = None;
     if derive_at_body {
-        let Some(key) = policy.derive_key.as_ref().and_then(|d| {
-            derive::derive(head, d, &policy.fingerprint, scope, Some(&fingerprint::derive_body_digest(head, body)))
-        }) else {
+        // `{"a":1,"a":2}` runs as `{"a":2}` on most JSON readers and as `{"a":1}` on others
+        // (pysimdjson's `Parser().parse`): a key derived from either value lets one of them
+        // run two requests it reads as one under two keys.
+        let Ok(body_digest) = fingerprint::derive_body_digest(head, body) else {
+            return AtBodyEnd::Refuse(ProblemKind::BodyAmbiguous);
+        };
+        let Some(key) = policy
+            .derive_key
+            .as_ref()
+            .and_then(|d| derive::derive(head, d, &policy.fingerprint, scope, Some(&body_digest)))
+        else {
             return AtBodyEnd::Pass;
         };
         head.headers.push((policy.header.clone(), key.as_str().as_bytes().to_vec()));

@@ -388,6 +388,15 @@ extern "C" {
     ) -> u32;
     /// The proxy-wasm ABI's `set_property` (the SDK's wrapper panics on any status but Ok).
     fn proxy_set_property(path_data: *const u8, path_size: usize, value_data: *const u8, value_size: usize) -> u32;
+    /// The proxy-wasm ABI's `call_foreign_function` (Envoy's `declare_property` is one).
+    fn proxy_call_foreign_function(
+        function_name_data: *const u8,
+        function_name_size: usize,
+        arguments_data: *const u8,
+        arguments_size: usize,
+        results_data: *mut *mut u8,
+        results_size: *mut usize,
+    ) -> u32;
     /// The proxy-wasm ABI 0.2.1 local reply (as declared by the SDK, which passes no details).
     fn proxy_send_local_response(
         status_code: u32,
@@ -438,6 +447,46 @@ fn set_property(name: &str, value: &[u8]) -> bool {
 pub const OUTCOME_PROPERTY: &str = "idemgate_outcome";
 /// The full storage key's hex: `%FILTER_STATE(wasm.idemgate_key:PLAIN)%`.
 pub const KEY_PROPERTY: &str = "idemgate_key";
+
+/// Declares `KEY_PROPERTY` for this root context's streams with Envoy's life span `Request`
+/// (its foreign function `declare_property`: a `DeclarePropertyArguments` message, name field 1,
+/// span field 5 = `DownstreamRequest`; type `Bytes` and `readonly: false` are its defaults): a
+/// stream's key then lives in the filter state Envoy carries into the streams it re-creates for
+/// an internal redirect, and only those (`crate::redirect`, the request's mark). False if the
+/// host refused (an Envoy without it: the key is filter-chain state, and a claim handed over to
+/// a redirect is never taken, outcome-unknown).
+pub fn declare_request_key() -> bool {
+    meter::call(Kind::SetProperty);
+    let name = KEY_PROPERTY.as_bytes();
+    let mut args = Vec::with_capacity(name.len() + 4);
+    args.push(0x0a); // field 1 (name), length-delimited
+    args.push(name.len() as u8); // under 128 bytes: one varint byte
+    args.extend_from_slice(name);
+    args.extend_from_slice(&[0x28, 0x01]); // field 5 (span), varint: DownstreamRequest
+    let f = "declare_property";
+    let mut out: *mut u8 = std::ptr::null_mut();
+    let mut out_size: usize = 0;
+    // SAFETY: the name and arguments are memory we own for the duration of the call, with their
+    // lengths; `declare_property` returns no result (had it, the host would allocate it through
+    // this module's allocator, and it would leak: never freed, never read).
+    let status =
+        unsafe { proxy_call_foreign_function(f.as_ptr(), f.len(), args.as_ptr(), args.len(), &mut out, &mut out_size) };
+    status == 0
+}
+
+/// Leaves the request's mark for an internal redirect (`crate::redirect`): its storage key's hex
+/// in `KEY_PROPERTY`, Request-life state (`declare_request_key`), where the access log reads it
+/// too. False if the host refused.
+pub fn mark(skey: &StorageKey) -> bool {
+    set_property(KEY_PROPERTY, skey.hex().as_bytes())
+}
+
+/// The request's mark in this stream's filter state (`mark`, by the stream Envoy re-created
+/// this one from), if any.
+pub fn read_mark() -> Option<StorageKey> {
+    let hex = property(&[KEY_PROPERTY])?;
+    crate::hex::decode::<32>(&hex).map(StorageKey)
+}
 
 /// Leaves a protected request's outcome slug and its storage key (64 hex digits, as in the log
 /// lines) in the stream's filter state, for Envoy's access logs. Called once per request, where

@@ -65,6 +65,9 @@ pub struct Http {
     /// When this request claimed its key, until its claim is settled here or handed to the root
     /// (`key_held_ms`).
     held_since: Option<u64>,
+    /// The request's mark (its key, `crate::redirect`) is in this stream's Request-life filter
+    /// state: left here (`Command::Mark`) or found (a stream Envoy re-created for a redirect).
+    marked: bool,
 }
 
 /// The machine's driver for one callback: its commands carried out with host calls.
@@ -75,6 +78,7 @@ struct Glue<'a> {
     published: &'a mut bool,
     counted_as: Option<usize>,
     held_since: &'a mut Option<u64>,
+    marked: &'a mut bool,
     sd: HostShared,
 }
 
@@ -147,7 +151,8 @@ impl Glue<'_> {
             return;
         }
         *self.published = true;
-        host::publish(outcome, key);
+        // A marked request's key is in its filter state already (`host::mark`).
+        host::publish(outcome, key.filter(|_| !*self.marked));
     }
 
     /// Sends a problem (and never stores it).
@@ -273,12 +278,18 @@ impl Glue<'_> {
             Command::McpReply { id, batch, accepts } => {
                 reply::set_mcp(self.context_id, crate::mcp::Reply { id, batch, accepts })
             }
+            Command::Mark { skey } => {
+                if !*self.marked {
+                    *self.marked = host::mark(&skey);
+                }
+            }
             Command::HandOver { claim, url } => {
                 let h = Handoff {
                     skey: claim.skey,
                     policy_index: claim.policy_index,
                     url,
                     connection: u64_property(&["connection", "id"]),
+                    marked: *self.marked,
                     from_context: self.context_id,
                     posted_ms: self.now(),
                     claim,
@@ -337,9 +348,15 @@ impl Io for Glue<'_> {
         if self.shared.handoffs.borrow().is_empty() {
             return None;
         }
-        let connection = u64_property(&["connection", "id"]);
+        let on = redirect::Stream {
+            mark: host::read_mark(),
+            connection: u64_property(&["connection", "id"]),
+            context_id: self.context_id,
+        };
         let now = self.now();
-        self.shared.handoffs.borrow_mut().take(skey, policy_index, original_url, connection, self.context_id, now)
+        let h = self.shared.handoffs.borrow_mut().take(skey, policy_index, original_url, on, now)?;
+        *self.marked = true;
+        Some(h)
     }
 
     fn send(&mut self, req: &Protected, op: StoreOp<'_, Wire>) -> Result<Wire, NotSent> {
@@ -387,6 +404,7 @@ impl Http {
             counted_as: None,
             clock: Cell::new(None),
             held_since: None,
+            marked: false,
         }
     }
 
@@ -399,6 +417,7 @@ impl Http {
             published: &mut self.published,
             counted_as: self.counted_as,
             held_since: &mut self.held_since,
+            marked: &mut self.marked,
             sd: HostShared,
         };
         (&mut self.machine, glue)
@@ -554,9 +573,13 @@ impl Http {
             return None;
         }
         let url = host::header(MapType::HttpRequestHeaders, redirect::ORIGINAL_URL_HEADER)?;
-        let connection = u64_property(&["connection", "id"]);
+        let on = redirect::Stream {
+            mark: host::read_mark(),
+            connection: u64_property(&["connection", "id"]),
+            context_id: self.context_id,
+        };
         let now = self.now();
-        let policies = self.shared.handoffs.borrow().policies_for(url.as_bytes(), connection, self.context_id, now);
+        let policies = self.shared.handoffs.borrow().policies_for(url.as_bytes(), on, now);
         if policies.is_empty() {
             return None;
         }
@@ -568,11 +591,11 @@ impl Http {
             |i| config.shared_policy(i),
             &head,
             url.as_bytes(),
-            connection,
-            self.context_id,
+            on,
             now,
         )?;
         self.counted_as = Some(h.claim.policy_index);
+        self.marked = true;
         let (m, mut io) = self.split();
         Some(action(m.adopt(&mut io, h, policy, head, scope)))
     }

@@ -666,18 +666,23 @@ impl Root {
         }
     }
 
-    /// Answers a waiting request as the waiters machine says.
+    /// Answers a waiting request as the waiters machine says, counted by the core's rule
+    /// (`metrics::wait_counters`, the native build's too).
     fn wait_answered(&self, w: &Waiter, reply: WaitReply) {
         let Some(s) = self.shared.clone() else { return };
         s.metrics.record(Histogram::WaitMs, host::now_ms().saturating_sub(w.since_ms));
+        for c in crate::metrics::wait_counters(&reply).into_iter().flatten() {
+            s.metrics.inc_for(c, Some(w.policy_index));
+        }
         let rid = w.request_id.clone();
         match reply {
             // Released (0: the first attempt never executed; the client may retry at once), or
             // the wait is over.
-            WaitReply::InFlight { retry_after_seconds } => self.wait_over(w, retry_after_seconds),
+            WaitReply::InFlight { retry_after_seconds } => {
+                let kind = ProblemKind::InFlight { retry_after_seconds };
+                self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &rid);
+            }
             WaitReply::Replay(r) => {
-                s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
-                s.metrics.inc_for(Counter::Replayed, Some(w.policy_index));
                 if let crate::record::State::Completed(c) = &r.state {
                     s.metrics.record(Histogram::ReplayBytes, c.body.len() as u64);
                 }
@@ -695,28 +700,12 @@ impl Root {
                 );
             }
             WaitReply::Problem(kind) => {
-                s.metrics.inc_for(Counter::WaitAnswered, Some(w.policy_index));
-                match kind {
-                    ProblemKind::KeyReused { .. } => s.metrics.inc_for(Counter::Mismatch, Some(w.policy_index)),
-                    ProblemKind::OutcomeUnknown => s.metrics.inc_for(Counter::UnknownOutcome, Some(w.policy_index)),
-                    ProblemKind::KeyExpired => s.metrics.inc_for(Counter::KeyExpired, Some(w.policy_index)),
-                    ProblemKind::RecordUnreadable { .. } => {
-                        warn!("idemgate: outcome=record_unreadable request_id={rid} waiting=true");
-                        s.metrics.inc_for(Counter::RecordUnreadable, Some(w.policy_index));
-                    }
-                    _ => {}
+                if let ProblemKind::RecordUnreadable { .. } = kind {
+                    warn!("idemgate: outcome=record_unreadable request_id={rid} waiting=true");
                 }
                 self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &rid);
             }
         }
-    }
-
-    fn wait_over(&self, w: &Waiter, retry_after_seconds: u64) {
-        if let Some(s) = self.shared.as_ref() {
-            s.metrics.inc_for(Counter::InFlightConflict, Some(w.policy_index));
-        }
-        let kind = ProblemKind::InFlight { retry_after_seconds };
-        self.answer(w.context_id, (kind.slug(), &w.skey), |r| reply::problem(&kind, r, None), &w.request_id);
     }
 
     /// `store.kind: "etcd"`: grants the next lease when the keeper says so (ahead of need: never
@@ -919,6 +908,13 @@ impl Root {
         host::refresh_log_level();
         // Which release runs here and the record formats it reads and writes (src/release.rs).
         info!("{}", crate::release::configured_line());
+        // The request's key in Request-life filter state, the mark a redirect's stream inherits.
+        if !host::declare_request_key() {
+            warn!(
+                "idemgate: Envoy refused to declare {} with the life span Request: claims handed over to internal redirects will be outcome-unknown",
+                host::KEY_PROPERTY
+            );
+        }
         let raw = host::plugin_configuration();
         let config = match Config::parse(&raw) {
             Ok(c) => c,

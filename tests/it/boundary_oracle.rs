@@ -23,7 +23,8 @@
 //! again with A's key, counting the backend's executions around that last request. The backend's
 //! reading of a request is its class: the route that ran and its parameters, the method, the
 //! caller's scope header, the key header (or the header `derive_key` derives from), the query and
-//! the body as parsed (host and path spelling are not in it: they are what varies). The property:
+//! the body as parsed, an MCP call's JSON-RPC `id` left out (the transport's correlation: a client
+//! retries a call under a new id); host and path spelling are not in it: they are what varies. The property:
 //! when A and B are of one class, B with A's key must not execute. A pair that breaks it is a
 //! counterexample, shrunk (spellings dropped one at a time while it still breaks) and printed as
 //! the smallest pair of requests. So is a pair the backend parsed apart only by its body (JSON, or
@@ -511,6 +512,11 @@ const SPELLINGS: &[Spelling] = &[
     ("json", "duplicate member, the same value twice", |r| {
         json_edit(r, |b| b.replacen("\"currency\":\"eur\"", "\"currency\":\"eur\",\"currency\":\"eur\"", 1))
     }),
+    // One name, the second spelled with an escape: the panel runs the last (the canonical value);
+    // a first-value reader (pysimdjson's `Parser().parse`) the first.
+    ("json", "duplicate member, the second name escaped (`\"currency\":\"usd\",\"\\u0063urrency\":\"eur\"`)", |r| {
+        json_edit(r, |b| b.replacen("\"currency\":\"eur\"", "\"currency\":\"usd\",\"\\u0063urrency\":\"eur\"", 1))
+    }),
     // The JSON-RPC call's own members (MCP bodies only).
     ("json", "`\"\\u006dethod\"`", |r| json_edit(r, |b| b.replacen("\"method\":", "\"\\u006dethod\":", 1))),
     ("json", "`\"tools\\/call\"` (escaped `/`)", |r| {
@@ -935,6 +941,11 @@ impl Drop for Backend {
 }
 
 fn start_backend(name: &'static str) -> Backend {
+    start_backend_with(name, CONFIGS)
+}
+
+/// `start_backend` behind an Envoy with one listener per configuration of `configs`.
+fn start_backend_with(name: &'static str, configs: &[(&str, &str, &str, &str)]) -> Backend {
     let port = free_port();
     let root = repo_root();
     let mut cmd = match name {
@@ -995,9 +1006,9 @@ fn start_backend(name: &'static str) -> Backend {
     // Envoy starts again on fresh ports when one was taken before it bound it (the extra
     // listeners' ports are picked here; a few attempts at most).
     for attempt in 0..5 {
-        b.listeners = CONFIGS.iter().skip(1).map(|_| free_port()).collect();
-        let mut o = EnvoyOptions::new(CONFIGS[0].1, port);
-        o.extra_listeners = CONFIGS.iter().skip(1).zip(&b.listeners).map(|(c, p)| (*p, c.1.to_string())).collect();
+        b.listeners = configs.iter().skip(1).map(|_| free_port()).collect();
+        let mut o = EnvoyOptions::new(configs.first().map_or("{}", |c| c.1), port);
+        o.extra_listeners = configs.iter().skip(1).zip(&b.listeners).map(|(c, p)| (*p, c.1.to_string())).collect();
         o.wasm_log_level = "error".into();
         match Envoy::try_start(&o) {
             Started::Ready(envoy) => {
@@ -1178,21 +1189,23 @@ impl Probe<'_> {
             }
             (Reading::Ran(x), Reading::Ran(y)) => {
                 if let Some(f) = x.keys().find(|f| x[*f] != y[*f]) {
-                    // Only the parsed body differs (beyond an MCP call's id), from bodies
-                    // sent apart: B with A's key must not be answered A's response.
                     let only_body = x.keys().all(|g| *g == "body" || x[*g] == y[*g]);
-                    let parsed = (parsed_json_body(&x["body"]), parsed_json_body(&y["body"]));
-                    if only_body && a.body != bq.body {
-                        if let (Some(px), Some(py)) = parsed {
-                            if px != py {
-                                let r = bq.send(port, &ka);
-                                if r.header("idempotent-replayed") == Some("true") {
-                                    return Outcome::Merged(format!("{} replayed", r.status));
-                                }
+                    match (parsed_json_body(&x["body"]), parsed_json_body(&y["body"])) {
+                        // Only an MCP call's JSON-RPC id differs (`7` and `"7"`): one tools/call,
+                        // which clients retry under a new id: B with A's key must not execute
+                        // (below), whatever id it carries.
+                        (Some(px), Some(py)) if only_body && px == py => {}
+                        // Only the parsed body differs, from bodies sent apart: B with A's key
+                        // must not be answered A's response.
+                        (Some(_), Some(_)) if only_body && a.body != bq.body => {
+                            let r = bq.send(port, &ka);
+                            if r.header("idempotent-replayed") == Some("true") {
+                                return Outcome::Merged(format!("{} replayed", r.status));
                             }
+                            return Outcome::Apart(format!("{f} differs"));
                         }
+                        _ => return Outcome::Apart(format!("{f} differs")),
                     }
-                    return Outcome::Apart(format!("{f} differs"));
                 }
             }
         }
@@ -1441,7 +1454,8 @@ fn table(found: &[(&str, Found)], versions: &[(&str, String)]) -> String {
            request's key did not execute; A is idemgate's answer (`replay`, `409`, `422 ...`).\n\
          - `refused (P)`: idemgate refused one of the two before it executed (problem P).\n\
          - `apart (F)`: the backend reads them as two requests (field F of what it read differs:\n\
-           the route, its parameters, the method, the caller, the key, the query or the body), or\n\
+           the route, its parameters, the method, the caller, the key, the query or the body, an\n\
+           MCP call's JSON-RPC `id` left out: a client retries a call under a new id), or\n\
            did not run the spelling at all (`not run: status from envoy|backend`): no obligation.\n\
          - `TWICE`: a counterexample: one request to the backend, executed twice.\n\
          - `MERGED`: a counterexample: the backend parsed the two bodies apart (JSON, or a form's\n\
@@ -1757,4 +1771,49 @@ fn an_event_stream_answer_is_read_as_its_json_rpc_result() {
         "result": {"content": [{"type": "text", "text": "Error executing tool charge"}], "isError": true}});
     let r = sse("text/event-stream", format!("event: message\ndata: {error}\n\n"));
     assert!(matches!(reading(&r, "idempotency-key", "authorization", "k-1"), Reading::NotRun(200, _)));
+}
+
+/// A JSON reader that runs the first of a member named twice: pysimdjson 7.0.2's documented
+/// `Parser().parse(body)` (`simdjson` in tests/oracle/backends.py, not on the panel, whose parsers
+/// all run the last). Behind `derive_key.include_body` a key derived from either value lets one
+/// of the two kinds of reader run two requests it reads as one under two keys: the key was
+/// derived from the last value, and this backend ran `{"a":1,"a":2}` and `{"a":1}`, which it
+/// reads alike, twice. A body naming a member twice is refused before it executes
+/// (`body-ambiguous`), at any depth, a name and its escaped spelling being one name.
+#[test]
+fn a_json_body_naming_a_member_twice_is_refused_before_a_first_value_backend() {
+    let include_body: Vec<_> = CONFIGS.iter().filter(|c| c.0 == "include_body").copied().collect();
+    let b = start_backend_with("simdjson", &include_body);
+    let port = b.listeners[0];
+    // What makes the pair one request: the backend, asked directly, reads the first value.
+    let direct = http::request(b.port, "POST", "/v1/payments", &[], br#"{"a":1,"a":2}"#).expect("request");
+    assert_eq!(direct.json()["body"], serde_json::json!({"a": 1}), "{}", direct.body_text());
+    for (n, (twice, once)) in [
+        (r#"{"a":1,"a":2}"#, r#"{"a":1}"#),
+        (r#"{"a":1,"\u0061":2}"#, r#"{"a":1}"#),
+        (r#"{"x":[{"y":0},{"a":1,"b":0,"a":2}]}"#, r#"{"x":[{"y":0},{"a":1,"b":0}]}"#),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let op = format!("op-dup-{n}");
+        let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", op.as_str())];
+        let before = count(&b);
+        let first = http::request(port, "POST", "/v1/payments", &h, twice.as_bytes()).expect("request");
+        let second = http::request(port, "POST", "/v1/payments", &h, once.as_bytes()).expect("request");
+        let executions = count(&b) - before;
+        assert!(
+            executions <= 1,
+            "{twice} then {once}, one request to this backend, executed {executions} times: answered {} {} then {} {}",
+            first.status,
+            first.body_text(),
+            second.status,
+            second.body_text()
+        );
+        assert_eq!((first.status, first.problem().as_str()), (400, "body-ambiguous"), "{}", first.body_text());
+        assert_eq!((second.status, executions), (201, 1), "{}", second.body_text());
+    }
+    if let Some(e) = &b.envoy {
+        e.assert_no_wasm_panic();
+    }
 }

@@ -147,13 +147,11 @@ fn a_forged_original_url_meets_an_in_flight_claim_as_a_duplicate() {
     assert_eq!(s.up.executions(), 1);
 }
 
-/// The redirect's target route runs without idemgate (disabled on that route): the handed-over
-/// claim waits for a stream that never comes. Meanwhile the same caller's forged marker on another
-/// connection cannot take it (409 in flight); when the window ends it is outcome-unknown (the
-/// first hop executed), never released.
-#[test]
-fn an_unfollowed_redirect_is_outcome_unknown_and_a_forged_marker_cannot_take_it() {
-    let s = Stack::with(CFG, |o| {
+/// A stack whose redirect target (`/target`) runs without idemgate (disabled on that route), for
+/// internal clients (whose `x-envoy-*` headers Envoy keeps): a claim handed over there waits for
+/// a stream that never comes.
+fn unfollowed_stack() -> Stack {
+    Stack::with(CFG, |o| {
         o.route_action_extra = REDIRECTS.into();
         o.internal_clients = true;
         // The filter's name in the chain, per build (the native build's filter is Envoy's
@@ -167,12 +165,45 @@ fn an_unfollowed_redirect_is_outcome_unknown_and_a_forged_marker_cannot_take_it(
         );
         o.named_routes =
             vec![("target".into(), format!("{{prefix: \"/target\"}}\n                typed_per_filter_config: {off}"))];
-    });
-    let a = post(&s, "alice", "/charges", "k-unfollowed", &[("x-up-redirect", "307 /target")]);
+    })
+}
+
+/// The redirect's target route runs without idemgate (disabled on that route): the handed-over
+/// claim waits for a stream that never comes. Meanwhile the same internal client's next request
+/// **on the same keep-alive connection**, naming the redirected URL (`x-envoy-original-url`)
+/// under the same caller and key, cannot take it: only the stream Envoy re-created for the
+/// redirect carries the request's mark (Request-life filter state). Before the mark it took the
+/// claim on both builds and ran the first hop again (executions 3 for 2, a 201). The same forged on
+/// another connection cannot either (409 in flight); when the window ends the claim is
+/// outcome-unknown (the first hop executed), never released.
+#[test]
+fn an_unfollowed_redirect_is_outcome_unknown_and_a_forged_marker_cannot_take_it() {
+    let s = unfollowed_stack();
+    let mut c = http::Conn::open(s.envoy.port).expect("connect");
+    let h = |extra: (&'static str, &'static str)| {
+        [
+            ("authorization", "Bearer alice"),
+            ("content-type", "application/json"),
+            ("idempotency-key", "k-unfollowed"),
+            extra,
+        ]
+    };
+    let body = br#"{"amount":100}"#;
+    let a = c.request("POST", "/charges", &h(("x-up-redirect", "307 /target")), body).expect("request");
     assert_eq!(a.status, 201, "{}", a.body_text());
-    assert_eq!(s.up.executions(), 2);
-    let forged =
-        post(&s, "alice", "/charges", "k-unfollowed", &[("x-envoy-original-url", "http://idemgate.test/charges")]);
+    assert_eq!(s.up.executions(), 2, "the first hop and the target");
+    let forged_marker = ("x-envoy-original-url", "http://idemgate.test/charges");
+    let same = c.request("POST", "/charges", &h(forged_marker), body).expect("forged request");
+    assert_eq!(
+        s.up.executions(),
+        2,
+        "the first hop executed again under the waiting claim: {} {}",
+        same.status,
+        same.body_text()
+    );
+    assert_eq!(same.status, 409, "{}", same.body_text());
+    assert_eq!(problem_type(&same), "urn:idemgate:problem:request-in-flight");
+    let forged = post(&s, "alice", "/charges", "k-unfollowed", &[forged_marker]);
     assert_eq!(forged.status, 409, "{}", forged.body_text());
     assert_eq!(problem_type(&forged), "urn:idemgate:problem:request-in-flight");
     // Bounded by count: the window (10 s) ends and the next sweep settles it.

@@ -195,6 +195,17 @@ fn a_detached_call_outlives_its_client_and_its_retry_gets_the_replay_in_both_bui
     }
 }
 
+/// `forwarding: "detached"`: an answer's trailers are named on the client's answer and on every
+/// replay (`idempotent-replayed-trailers-dropped`), and an upstream's own header of that name is
+/// dropped, in the native build as in the Wasm build (which `replay_fidelity::` runs): the
+/// native build sends the forward as a configuration HTTP stream, whose hooks hand over the
+/// trailers (docs/native.md). With the configuration callout before, the first assertion failed
+/// natively: `left: None, right: Some("x-checksum")`.
+#[test]
+fn a_detached_answers_trailers_are_named_by_the_native_build() {
+    crate::replay_fidelity::detached_trailers_named(Build::Native);
+}
+
 /// `in_flight: "wait"`: a held request whose client leaves goes with its stream (in the native
 /// build: its scheduler deleted and out of the configuration's registry, so no later tick posts to
 /// it; a tick already posted reaches no destroyed filter). The wait ticks go on while the first

@@ -43,8 +43,14 @@ const CLIENTS: usize = 6;
 const PACE: Duration = Duration::from_millis(40);
 /// Polls (100 ms apart) for the proxies' store writes to land or be given up.
 const WRITE_POLLS: u32 = 600;
-/// Attempts of a retry answered 503 `store-unavailable`, 100 ms apart.
-const UNAVAILABLE_ATTEMPTS: u32 = 100;
+/// Attempts of a request answered 503 `store-unavailable`, 100 ms apart: a bound by count, which
+/// costs time only while the store refuses. 600 (at least 60 s): on a starved machine the Sentinels
+/// failed over a primary that was alive and entered TILT (a Sentinel's timer late by over 2 s: 30 s
+/// without acting), so two nodes said `role:master` for 31-36 s before a Sentinel demoted one;
+/// the store came back with nobody touching anything. With 100 (10 s) the retry of
+/// `short-primary-99` failed in a CI run on a machine running two test suites (docs/testing.md,
+/// "The Redis HA tests on a starved machine").
+const UNAVAILABLE_ATTEMPTS: u32 = 600;
 
 fn store_ha(dir: &Path, args: &[&str]) -> String {
     let out = Command::new("python3")
@@ -99,6 +105,11 @@ impl HaStore {
 
     pub fn port(&self, part: &str) -> u16 {
         self.part(part)["port"].as_u64().expect("a port") as u16
+    }
+
+    /// HAProxy `part`'s TLS frontend for the other legs' hops (`--tls --acl`), if it has one.
+    pub fn peer_port(&self, part: &str) -> Option<u16> {
+        self.part(part)["peer_port"].as_u64().map(|p| p as u16)
     }
 
     /// What `scripts/store_ha.py` recorded of `part` (`redis-N`, `sentinel-N`, `haproxy-N`,
@@ -364,9 +375,13 @@ pub struct Measured {
     pub keys: usize,
     /// `run_probed`'s fresh keys after the load, by answer (empty unless asked for).
     pub probes: BTreeMap<String, usize>,
-    /// With the hop (`--acl`): requests hop-0 sent to haproxy-1, read once the load and the
-    /// fresh keys were answered (none before a fault: its own HAProxy comes first).
+    /// With the hop (`--acl`): requests hop-0 sent to haproxy-1 (with `--tls`, to its TLS
+    /// frontend, `peer_port`), read once the load and the fresh keys were answered (none before a
+    /// fault: its own HAProxy comes first).
     pub hop0_to_other: Option<u64>,
+    /// With `--tls --acl`: TLS handshakes hop-0 completed (`cluster.redis.ssl.handshake`). Its
+    /// own HAProxy is plain loopback, so these are its links to the other leg's HAProxy.
+    pub hop0_tls_handshakes: Option<u64>,
 }
 
 /// `n` keys from `CLIENTS` threads through both proxies; the fault injected once an eighth of
@@ -636,11 +651,13 @@ pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes:
     // With the hop, what hop-0 sent to the other leg's HAProxy (its failover), before the retries
     // (nothing to read once hop-0 itself was killed).
     let hop0_to_other = if acl && !matches!(fault, Fault::Hop) {
-        let other = w.store.port("haproxy-1");
+        let other = w.store.peer_port("haproxy-1").unwrap_or_else(|| w.store.port("haproxy-1"));
         w.store.hop_requests("hop-0").get(&other).copied()
     } else {
         None
     };
+    let hop0_tls_handshakes =
+        (tls && acl && !matches!(fault, Fault::Hop)).then(|| w.store.hop_stat("hop-0", "cluster.redis.ssl.handshake"));
 
     // Every key retried on both proxies once the writes settled; 503s retried (bounded).
     w.wait_writes_settled();
@@ -748,6 +765,7 @@ pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes:
         keys: n,
         probes: probe_answers,
         hop0_to_other,
+        hop0_tls_handshakes,
     };
     let row = [
         format!(
@@ -775,7 +793,10 @@ pub fn run_probed(options: &[&str], fault: Fault, n: usize, label: &str, probes:
             )
         },
         match m.hop0_to_other {
-            Some(n) => format!("hop-0 sent {n} requests to haproxy-1"),
+            Some(n) => format!(
+                "hop-0 sent {n} requests to haproxy-1{}",
+                m.hop0_tls_handshakes.map(|h| format!(" ({h} TLS handshakes)")).unwrap_or_default()
+            ),
             None => String::new(),
         },
         format!("first attempts {:?}; retries {retry_answers:?}", m.answers),

@@ -128,9 +128,17 @@ fn a_replay_of_a_response_with_trailers_names_the_trailers_it_lacks() {
 /// trailers were ignored, so neither named them, and the forged header was stored and replayed.)
 #[test]
 fn a_detached_response_with_trailers_names_them_and_an_upstreams_forged_claim_is_dropped() {
+    detached_trailers_named(support::Build::from_env());
+}
+
+/// The case above against `build` (the native build's run: `native_module::`).
+pub fn detached_trailers_named(build: support::Build) {
     let cfg = r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached",
                   "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 10000}}"#;
-    let s = Stack::with(cfg, |o| o.upstream_trailers = true);
+    let s = Stack::with(cfg, |o| {
+        o.upstream_trailers = true;
+        o.build = build;
+    });
     let first = post(&s, "k-dt", &[("x-up-trailer", "x-checksum: abc123")]);
     assert_eq!(first.status, 201, "{}", first.body_text());
     assert_eq!(first.header("idempotent-replayed-trailers-dropped"), Some("x-checksum"), "{:?}", first.headers);

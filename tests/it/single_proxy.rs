@@ -627,6 +627,14 @@ fn a_key_derived_from_the_body_after_the_headers_went_upstream_protects_without_
     assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")), "{}", replay.body_text());
     assert_eq!(replay.body, first.body);
     assert_eq!(s.up.executions(), 1);
+    // A JSON body naming a member twice has no key to derive (readers run different values):
+    // refused at the body's end, after its headers went upstream, and never executed (before:
+    // a key from the last value, and it ran).
+    let h = [("authorization", "Bearer alice"), ("x-agent-task-id", "t-1"), ("x-agent-step-id", "s-2")];
+    let body = br#"{"amount":1,"\u0061mount":2}"#;
+    let r = http::request_timeout(s.envoy.port, "POST", "/charges", &h, body, Duration::from_secs(10)).expect("answer");
+    assert_eq!((r.status, r.problem().as_str()), (400, "body-ambiguous"), "{}", r.body_text());
+    assert_eq!(s.up.executions(), 1);
     s.envoy.assert_no_wasm_panic();
 }
 
@@ -779,27 +787,123 @@ fn histograms_measure_replays_waits_and_held_keys() {
     assert!(sum >= 200.0, "wait_ms_sum {sum}");
 }
 
+/// A retry held by `in_flight: "wait"` and answered `response-not-stored` counts what a retry
+/// meeting the completed key directly counts (`metrics::problem_counter`: `replayed`), and
+/// `wait_answered` besides, in both builds: for a response over `max_response_body_bytes` (the
+/// record completed too large, `/charges`) and for one the local tier had no room to keep
+/// (`local.max_bytes`, `/`: the entry keeps only its status). Each first attempt is held at the
+/// upstream until its retry waits (ordered by Envoy's counters, never by time).
+#[test]
+fn a_waiting_retry_answered_response_not_stored_counts_as_a_direct_retry_does() {
+    let s = Stack::new(
+        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 20000,
+            "local": {"max_bytes": 4096},
+            "routes": [{"prefix": "/charges", "max_response_body_bytes": 100}, {"prefix": "/"}]}"#,
+    );
+    for (n, path) in ["/charges", "/"].into_iter().enumerate() {
+        let key = format!("k-not-stored-{n}");
+        let port = s.envoy.port;
+        let first = {
+            let (key, path) = (key.clone(), path.to_string());
+            std::thread::spawn(move || {
+                let h = [
+                    ("authorization", "Bearer alice"),
+                    ("content-type", "application/json"),
+                    ("idempotency-key", key.as_str()),
+                    ("x-up-body-bytes", "5000"),
+                    ("x-up-hold", "1"),
+                ];
+                http::request(port, "POST", &path, &h, b"{}").expect("first")
+            })
+        };
+        support::wait_for(&format!("{path}: the first attempt at the upstream"), 400, || {
+            s.up.executions_with_key(&key) == 1
+        });
+        let waiting = {
+            let (key, path) = (key.clone(), path.to_string());
+            std::thread::spawn(move || {
+                let h = [
+                    ("authorization", "Bearer alice"),
+                    ("content-type", "application/json"),
+                    ("idempotency-key", key.as_str()),
+                ];
+                http::request(port, "POST", &path, &h, b"{}").expect("waiting retry")
+            })
+        };
+        let waited = n as u64 + 1;
+        support::wait_for(&format!("{path}: the retry held"), 400, || s.envoy.stat("idemgate.waited") == waited);
+        s.up.release_holds();
+        let first = first.join().expect("first thread");
+        assert_eq!((first.status, first.body.len()), (201, 5000), "{path}");
+        let waiting = waiting.join().expect("waiting thread");
+        assert_eq!(
+            (waiting.status, problem_type(&waiting).as_str()),
+            (201, "urn:idemgate:problem:response-not-stored"),
+            "{path}: {}",
+            waiting.body_text()
+        );
+        let e = &s.envoy;
+        assert_eq!(
+            (e.stat("idemgate.wait_answered"), e.stat("idemgate.replayed")),
+            (waited, 2 * waited - 1),
+            "{path}: the waiting retry counts wait_answered and replayed"
+        );
+        let direct = s.post(path, Some(&key), "{}", &[]);
+        assert_eq!(
+            (direct.status, problem_type(&direct).as_str()),
+            (201, "urn:idemgate:problem:response-not-stored"),
+            "{path}"
+        );
+        assert_eq!(e.stat("idemgate.replayed"), 2 * waited, "{path}: the direct retry counts replayed");
+        assert_eq!(s.up.executions_with_key(&key), 1, "{path}");
+        s.up.hold_again();
+    }
+    assert_eq!((s.envoy.stat("idemgate.in_flight_conflict"), s.up.executions()), (0, 2));
+}
+
 /// Detached forwarding: the root settles the claim, and the key's hold is measured from the
-/// request's claim all the same (at least its upstream's 300 ms).
+/// request's claim all the same (at least its upstream's 300 ms); and so is the hold of a key
+/// whose client left before the upstream answered (Wasm: by the root; native: by the
+/// configuration on Envoy's main thread, docs/native.md), once, the key replaying. The upstream
+/// holds that first attempt until its client has left (ordered by Envoy's counters, never by
+/// time).
 #[test]
 fn a_detached_forwards_key_hold_is_measured_to_its_settlement_by_the_root() {
     let s = Stack::with(
-        r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 5000}}"#,
+        r#"{"scope": {"headers": ["authorization"]}, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 10000}}"#,
         flushing_often,
     );
     assert_eq!(s.post("/charges", Some("k-d"), "{}", &[("x-up-delay-ms", "300")]).status, 201);
     assert_eq!(s.up.executions(), 1);
     assert_eq!(s.envoy.stat("idemgate.detached_forwards"), 1);
-    let mut text = String::new();
-    for _ in 0..100 {
-        text = s.envoy.prometheus().replace("{} ", " ");
-        if text.lines().any(|l| l == "idemgate_key_held_ms_count 1") {
-            break;
+    let held = |count: u64| {
+        let want = format!("idemgate_key_held_ms_count {count}");
+        let mut text = String::new();
+        for _ in 0..100 {
+            text = s.envoy.prometheus().replace("{} ", " ");
+            if text.lines().any(|l| l == want) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
         }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(text.lines().any(|l| l == "idemgate_key_held_ms_count 1"), "{text}");
+        assert!(text.lines().any(|l| l == want), "{want} in {text}");
+        text
+    };
+    let text = held(1);
     assert!(text.lines().any(|l| l == "idemgate_key_held_ms_bucket{le=\"250\"} 0"), "{text}");
+    // The client leaves while the upstream holds its request.
+    let raw = "POST /charges HTTP/1.1\r\nhost: idemgate.test\r\nauthorization: Bearer alice\r\ncontent-type: application/json\r\nidempotency-key: k-left\r\nx-up-hold: 1\r\ncontent-length: 2\r\n\r\n{}";
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", s.envoy.port)).expect("connect");
+    c.write_all(raw.as_bytes()).expect("write");
+    support::wait_for("the first attempt at the upstream", 400, || s.up.executions() == 2);
+    drop(c);
+    support::wait_for("the client's stream ended", 400, || s.envoy.stat("http.ingress.downstream_rq_active") == 0);
+    s.up.release_holds();
+    support::wait_for("the key completed", 400, || {
+        s.post("/charges", Some("k-left"), "{}", &[]).header("idempotent-replayed") == Some("true")
+    });
+    assert_eq!((s.up.executions(), s.envoy.stat("idemgate.detached_forwards")), (2, 2));
+    held(2);
 }
 
 /// idemgate builds only the log lines Envoy keeps (it asks Envoy's level for Wasm): a level

@@ -252,6 +252,42 @@ fn wait_mode_across_proxies_gives_the_retry_the_replay() {
     assert!(p.b.stat("idemgate.store_calls") <= 6, "{} store calls", p.b.stat("idemgate.store_calls"));
 }
 
+/// A retry held by `in_flight: "wait"` with a store, answered `response-not-stored` from the
+/// store's record (completed too large: over `max_response_body_bytes`; the local tier holds no
+/// record of it, so the waiter polls the store), counts `replayed` and `wait_answered`, as a retry
+/// meeting the key directly counts `replayed`, in both builds (`metrics::wait_counters`). One
+/// proxy is enough for the store's path. The first attempt is held at the upstream until the
+/// retry waits (ordered by the counters, never by time).
+#[test]
+fn wait_mode_with_a_store_counts_a_response_not_stored_as_a_replay() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let mut o = EnvoyOptions::new(
+        r#"{"scope": {"headers": ["authorization"]}, "in_flight": "wait", "wait_ms": 20000, "max_response_body_bytes": 100, "store": {"cluster": "idemgate_store", "timeout_ms": 500}}"#,
+        up.port,
+    );
+    o.store_port = Some(webdis.port);
+    let e = Envoy::start(&o);
+    let first = in_background(e.port, "k-xwait-big", &[("x-up-hold", "1"), ("x-up-body-bytes", "5000")]);
+    support::wait_for("the first attempt at the upstream", 400, || up.executions() == 1);
+    let retry = in_background(e.port, "k-xwait-big", &[]);
+    support::wait_for("the retry held", 400, || e.stat("idemgate.waited") == 1);
+    up.release_holds();
+    assert_eq!(first.join().expect("first").status, 201);
+    let retry = retry.join().expect("retry");
+    assert_eq!((retry.status, problem_type(&retry).as_str()), (201, "urn:idemgate:problem:response-not-stored"));
+    assert_eq!(
+        (e.stat("idemgate.wait_answered"), e.stat("idemgate.replayed")),
+        (1, 1),
+        "the waiting retry counts wait_answered and replayed"
+    );
+    let direct = post(&e, "k-xwait-big", "{}", &[]);
+    assert_eq!((direct.status, problem_type(&direct).as_str()), (201, "urn:idemgate:problem:response-not-stored"));
+    assert_eq!(e.stat("idemgate.replayed"), 2, "the direct retry counts replayed");
+    assert_eq!(up.executions(), 1);
+}
+
 /// Issue 13, 3: a write queued in a root context (here a completion write retried while Redis is
 /// down) must survive the plugin being reloaded: the old root context holds its VM until the
 /// write lands (or a bound passes), so the other proxy replays instead of answering

@@ -2,7 +2,7 @@
 """The oracle's Python backends (tests/it/boundary_oracle.rs): one tiny app per framework, each on
 its framework's own server with its defaults, listening on 127.0.0.1:PORT.
 
-usage: backends.py flask|django|fastapi PORT
+usage: backends.py flask|django|fastapi|simdjson PORT
 
 Every app has the same two routes, `/v1/payments` and `/v2/orders/<id>`, and one handler: it
 counts an execution and answers 201 with what it read (the route that ran, the method, the path,
@@ -16,6 +16,12 @@ number of executions. Anything else is the framework's own 404 (or redirect): no
 A body the framework parsed as a JSON-RPC request (an object with a `method`: the oracle's MCP
 configuration) is answered as an MCP server answers a call: what was read is the `result` of a
 JSON-RPC response with the request's `id` (what idemgate takes for the call's completion).
+
+`simdjson` is not on the panel: the standard library's HTTP server reading a JSON body with
+pysimdjson's documented `Parser().parse(body)` (simdjson's on-demand API), which runs the FIRST
+of a member named twice (`{"a":1,"a":2}` reads `a` as 1) where every parser on the panel runs the
+last. It is the first-value reader of docs/limitations.md
+(`boundary_oracle::a_json_body_naming_a_member_twice_is_refused_before_a_first_value_backend`).
 """
 import hashlib
 import json
@@ -165,5 +171,57 @@ elif kind == "fastapi":
 
     print(f"PORT {port}", flush=True)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+elif kind == "simdjson":
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import parse_qsl, urlsplit
+    import simdjson
+
+    def first_values(v):
+        # `doc[name]` is the first member of that name; `as_dict()` would build a dict (the last).
+        if isinstance(v, simdjson.Object):
+            return {k: first_values(v[k]) for k in v.keys()}
+        if isinstance(v, simdjson.Array):
+            return [first_values(x) for x in v]
+        return v
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self, status, doc):
+            out = json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def run(self):
+            url = urlsplit(self.path)
+            if url.path == "/__count":
+                return self.answer(200, {"count": count})
+            if url.path == "/v1/payments":
+                route, params = "payments", {}
+            elif url.path.startswith("/v2/orders/") and "/" not in url.path[len("/v2/orders/"):]:
+                route, params = "orders", {"id": url.path[len("/v2/orders/"):]}
+            else:
+                return self.answer(404, {})
+            raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+            executed()
+            try:
+                # One parser per request: a document lives as long as its parser's next parse.
+                body = first_values(simdjson.Parser().parse(raw))
+            except ValueError:
+                body = None
+            q = sorted(parse_qsl(url.query, keep_blank_values=True))
+            r = report(route, params, self.command, url.path, self.headers.get("host"),
+                       lambda n: self.headers.get_all(n) or [], q, body)
+            self.answer(201, r)
+
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = run
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    print(f"PORT {port}", flush=True)
+    server.serve_forever()
 else:
     sys.exit(f"unknown backend {kind}")

@@ -4,10 +4,10 @@
 //! The stream hands its request (`Command::Detach`) to its configuration's main thread: it makes
 //! a scheduler of its stream (`host::stream_scheduler_new`), registers it (`Detached`), queues the
 //! forward and posts an event to the main thread (`scheduler_commit`, thread-safe). On the main
-//! thread (`Global::on_scheduled`) `engine::forwards` sends it as a configuration callout
-//! (`CalloutFrom::Config`, through the internal listener hop once its probe proved it,
-//! `upstream.hop`), which Envoy does not cancel when the client leaves: the upstream call
-//! outlives the stream, as the Wasm root's callout does. Its answer (`on_answer`, main thread) is
+//! thread (`Global::on_scheduled`) `engine::forwards` sends it as a configuration HTTP stream
+//! (`host::config_stream`; a hop probe as a callout), which Envoy does not cancel when the
+//! client leaves: the upstream call outlives the stream, as the Wasm root's callout does. Its
+//! answer (the stream hooks, `on_stream_*`, main thread) is
 //! settled there by the core (`engine::machine::settle_away`: the local tier now, the store
 //! through the write machine), then told to the client if it is still there: the reply is left in
 //! its registration and `DETACHED_EVENT` posted to its stream's scheduler; the stream sends it on
@@ -18,11 +18,15 @@
 //! client answered, its stream complete, or its filter destroyed), after it left the registry
 //! under the registry's lock, the only place it is committed. A client gone before the answer is
 //! no longer registered: its answer is settled and kept, never sent (`detached-client-left` in its
-//! filter state), and its key's hold is not measured (`idemgate.key_held_ms` is recorded on a
-//! stream: this ABI records no histogram from the configuration).
+//! filter state). Its key's hold (`idemgate.key_held_ms`) is measured at its settlement on the
+//! main thread, from the configuration (`record_histogram_value` of the configuration), whether
+//! its client is still there or not, as the Wasm root measures it (`filter::settle`).
 //!
-//! Envoy 1.40's configuration callout answers carry headers and body, no trailers: a detached
-//! answer's trailers are neither seen nor noted as dropped here.
+//! The forward goes as a configuration HTTP stream, not a callout: the callout's answer hook
+//! hands over no trailers, the stream's hooks do, and their names are noted on the client's
+//! answer and every replay (`idempotent-replayed-trailers-dropped`), as in the Wasm build. What
+//! the callout did itself is kept here: its 32 MiB bound on the answer (`RESPONSE_LIMIT_BYTES`)
+//! and the request's `content-length`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU32;
@@ -59,24 +63,40 @@ pub enum Told {
     Problem(ProblemKind),
 }
 
-/// A registered detached stream: its scheduler, when its key was claimed, and its answer once
-/// the main thread has one (with how long the key was held).
+/// A registered detached stream: its scheduler, and its answer once the main thread has one.
 struct Slot {
     scheduler: usize,
-    held_since: Option<u64>,
-    told: Option<(Told, Option<u64>)>,
+    told: Option<Told>,
 }
 
-/// A configuration callout of the main thread's forwards in flight.
+/// A configuration callout of the main thread's forwards in flight (the hop probes).
 enum Call {
     Probe(String),
-    Forward(Box<Forward>),
+}
+
+/// Envoy's bound on a configuration callout's response body (its async client's buffer limit:
+/// beyond it the callout answers no response, `ExceedResponseBufferLimit`), kept by the glue for
+/// a forward's stream, so that a detached answer beyond it is outcome-unknown as before
+/// (`agents::detached_mode_a_response_beyond_envoys_async_client_limit_is_outcome_unknown`).
+const RESPONSE_LIMIT_BYTES: usize = 32 * 1024 * 1024;
+
+/// A forward sent as a configuration HTTP stream, and its answer as far as it has come: the
+/// stream hands over headers, body and trailers in parts (the callout's answer had no trailers).
+struct Receiving {
+    forward: Box<Forward>,
+    status: Option<u16>,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+    trailer_names: Vec<String>,
+    /// The body went beyond `RESPONSE_LIMIT_BYTES`: no response, as the callout answered.
+    over: bool,
 }
 
 #[derive(Default)]
 struct Main {
     forwards: Forwards,
     calls: HashMap<u64, Call>,
+    streams: HashMap<u64, Receiving>,
 }
 
 /// The configuration's detached forwards: the streams waiting for their answer, the forwards
@@ -84,6 +104,9 @@ struct Main {
 pub struct Detached {
     next: AtomicU32,
     streams: Mutex<HashMap<u32, Slot>>,
+    /// When each forward's key was claimed, by stream id, until the main thread settles it
+    /// (`key_held_ms`): kept apart from `streams`, which a client leaving empties.
+    held: Mutex<HashMap<u32, u64>>,
     queue: Mutex<VecDeque<Forward>>,
     main: Mutex<Main>,
     /// The configuration (its callouts) and its main-thread scheduler, as integers.
@@ -114,6 +137,7 @@ impl Detached {
         Detached {
             next: AtomicU32::new(1),
             streams: Mutex::default(),
+            held: Mutex::default(),
             queue: Mutex::default(),
             main: Mutex::default(),
             config_envoy: config_envoy as usize,
@@ -152,11 +176,27 @@ impl Detached {
                     }
                 }
                 ForwardAction::Send(f, timeout_ms) => {
-                    let h: Vec<(&str, &str)> = f.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-                    match host::callout(self.from(), &f.cluster, &h, &f.body, timeout_ms.max(1)) {
+                    let mut h: Vec<(&str, &str)> = f.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+                    // The callout's message carried its length (Envoy's async client sets it for a
+                    // whole request); a stream's body would go chunked without it, which not every
+                    // upstream reads.
+                    let length = f.body.len().to_string();
+                    if !h.iter().any(|(n, _)| n.eq_ignore_ascii_case("content-length")) {
+                        h.push(("content-length", &length));
+                    }
+                    let config = self.config_envoy as abi::ConfigEnvoyPtr;
+                    match host::config_stream(config, &f.cluster, &h, &f.body, timeout_ms.max(1)) {
                         Ok(id) => {
                             g.metrics.inc(MetricsFrom::Config, Counter::DetachedForwards);
-                            lock(&self.main).calls.insert(id, Call::Forward(f));
+                            let r = Receiving {
+                                forward: f,
+                                status: None,
+                                headers: vec![],
+                                body: vec![],
+                                trailer_names: vec![],
+                                over: false,
+                            };
+                            lock(&self.main).streams.insert(id, r);
                         }
                         Err(r) => {
                             let refused = engine_forwards::not_sent(*f, &format!("init result {r}"));
@@ -179,37 +219,100 @@ impl Detached {
 
     /// Main thread: the answer to configuration callout `id`, if it is one of the forwards'
     /// (`false`: not ours).
-    pub fn on_answer(
-        &self,
-        g: &Global,
-        id: u64,
-        status: Option<u16>,
-        headers: Vec<(String, Vec<u8>)>,
-        body: &[u8],
-    ) -> bool {
+    pub fn on_answer(&self, g: &Global, id: u64, status: Option<u16>, headers: &[(String, Vec<u8>)]) -> bool {
         let call = lock(&self.main).calls.remove(&id);
-        match call {
-            None => return false,
-            Some(Call::Probe(cluster)) => {
-                let out = lock(&self.main).forwards.probe_answered(cluster, status, &headers, host::now_ms());
-                self.run(g, out);
-            }
-            Some(Call::Forward(f)) => self.answered(g, &f, status, headers, body.to_vec()),
-        }
+        let Some(Call::Probe(cluster)) = call else { return false };
+        let out = lock(&self.main).forwards.probe_answered(cluster, status, headers, host::now_ms());
+        self.run(g, out);
         true
+    }
+
+    /// Main thread: a forward's stream hands over its response headers (`false`: not ours).
+    pub fn on_stream_headers(&self, id: u64, headers: Vec<(String, Vec<u8>)>) -> bool {
+        let mut main = lock(&self.main);
+        let Some(r) = main.streams.get_mut(&id) else { return false };
+        r.status = headers
+            .iter()
+            .find(|(n, _)| n == ":status")
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+            .and_then(|v| v.parse().ok());
+        r.headers = headers;
+        true
+    }
+
+    /// Main thread: a forward's stream hands over part of its response body, kept up to
+    /// `RESPONSE_LIMIT_BYTES` (beyond: no response, as the callout answered).
+    ///
+    /// # Safety
+    /// `data`: Envoy's array of `count` buffers, valid during the hook.
+    pub unsafe fn on_stream_data(&self, id: u64, data: *const abi::EnvoyBuffer, count: usize) {
+        let mut main = lock(&self.main);
+        let Some(r) = main.streams.get_mut(&id) else { return };
+        if r.over {
+            return;
+        }
+        // SAFETY: the caller's.
+        if !unsafe { host::stream_data(data, count, &mut r.body, RESPONSE_LIMIT_BYTES) } {
+            r.over = true;
+            r.body = vec![];
+        }
+    }
+
+    /// Main thread: a forward's stream hands over its response trailers: their names, noted
+    /// as dropped on the client's answer and every replay (`engine::forwards::answered`).
+    pub fn on_stream_trailers(&self, id: u64, trailers: Vec<(String, Vec<u8>)>) {
+        if let Some(r) = lock(&self.main).streams.get_mut(&id) {
+            r.trailer_names = trailers.into_iter().map(|(n, _)| n).collect();
+        }
+    }
+
+    /// Main thread: a forward's stream ended, `complete` (its whole answer handed over) or reset
+    /// (no response: timed out, the connection failed or was reset).
+    pub fn on_stream_end(&self, g: &Global, id: u64, complete: bool) {
+        let Some(r) = lock(&self.main).streams.remove(&id) else { return };
+        if complete && !r.over {
+            let status = r.status;
+            self.answered(g, &r.forward, status, r.headers, r.body, &r.trailer_names);
+        } else {
+            if r.over {
+                host::log(
+                    LogLevel::Warn,
+                    &format!(
+                        "idemgate: detached answer beyond the async client's response limit ({RESPONSE_LIMIT_BYTES} bytes): no response {}",
+                        r.forward.claim.log
+                    ),
+                );
+            }
+            self.answered(g, &r.forward, None, vec![], vec![], &[]);
+        }
     }
 
     /// The upstream's answer to a forward (`engine::forwards::answered`): its claim settled,
     /// then its client told if it is still there.
-    fn answered(&self, g: &Global, f: &Forward, status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) {
+    fn answered(
+        &self,
+        g: &Global,
+        f: &Forward,
+        status: Option<u16>,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+        trailer_names: &[String],
+    ) {
         let policy = g.config.policy_at(f.claim.policy_index);
         let live = lock(&self.streams).contains_key(&f.context_id);
-        let a = engine_forwards::answered(f, policy, status, headers, body, &[], live, host::now_ms());
+        let a = engine_forwards::answered(f, policy, status, headers, body, trailer_names, live, host::now_ms());
         if let Some(line) = &a.log {
             g.metrics.inc(MetricsFrom::Config, Counter::InternalErrors);
             host::log(LogLevel::Error, line);
         }
-        let slug = a.settle.map_or(INTERNAL_STATE, |s| self.settle(g, f, s));
+        let slug = match a.settle {
+            Some(s) => self.settle(g, f, s),
+            // Not settled (its claim kept, outcome unknown once its lock expires): not measured.
+            None => {
+                lock(&self.held).remove(&f.context_id);
+                INTERNAL_STATE
+            }
+        };
         if let Some(line) = a.kept {
             host::log(LogLevel::Info, &line);
         }
@@ -222,21 +325,23 @@ impl Detached {
         self.tell(f.context_id, told);
     }
 
-    /// Main thread: settles a forward's claim as `s` says (`engine::machine::settle_away`).
+    /// Main thread: settles a forward's claim as `s` says (`engine::machine::settle_away`), its
+    /// hold measured from its claim (the Wasm root's `filter::settle`).
     fn settle(&self, g: &Global, f: &Forward, s: Settle) -> &'static str {
         let policy = g.config.policy_at(f.claim.policy_index);
         let mut main = MainThread::new(g, f.claim.policy_index);
+        if let Some(since) = lock(&self.held).remove(&f.context_id) {
+            g.metrics.record_from_config(Histogram::KeyHeldMs, main.now.saturating_sub(since));
+        }
         settle_away(&mut main, &f.claim, policy, g.store.is_some(), s)
     }
 
     /// Leaves `told` for stream `id` and wakes it, if it is still registered (under the lock,
     /// the only place its scheduler is committed).
     fn tell(&self, id: u32, told: Told) {
-        let now = host::now_ms();
         let mut streams = lock(&self.streams);
         if let Some(slot) = streams.get_mut(&id) {
-            let held = slot.held_since.map(|since| now.saturating_sub(since));
-            slot.told = Some((told, held));
+            slot.told = Some(told);
             host::stream_scheduler_commit(slot.scheduler as abi::SchedulerPtr, DETACHED_EVENT);
         }
     }
@@ -313,8 +418,10 @@ impl Glue<'_> {
         }
         let registry = Arc::clone(&self.global.detached);
         let id = registry.next.fetch_add(1, Ordering::Relaxed);
-        let held_since = self.held_since.take();
-        lock(&registry.streams).insert(id, Slot { scheduler: scheduler as usize, held_since, told: None });
+        if let Some(since) = self.held_since.take() {
+            lock(&registry.held).insert(id, since);
+        }
+        lock(&registry.streams).insert(id, Slot { scheduler: scheduler as usize, told: None });
         f.context_id = id;
         *self.detaching = Some(Detaching { registry: Arc::clone(&registry), id, scheduler: scheduler as usize });
         lock(&registry.queue).push_back(*f);
@@ -331,11 +438,8 @@ impl Filter {
         let skey = *skey;
         let Some(d) = self.detaching.as_ref() else { return };
         let told = lock(&d.registry.streams).get_mut(&d.id).and_then(|s| s.told.take());
-        let Some((told, held_ms)) = told else { return };
+        let Some(told) = told else { return };
         self.detaching = None;
-        if let Some(ms) = held_ms {
-            self.global.metrics.record(envoy, Histogram::KeyHeldMs, ms);
-        }
         let (_, mut io) = self.split();
         match told {
             Told::Response { status, headers, body, expires, slug } => {

@@ -17,7 +17,10 @@
 //! only a stream born after the hand-over (`born > from_context`) takes it: a stream already
 //! open when the claim was handed over (another stream of the same HTTP/2 connection with a
 //! forged `x-envoy-original-url`) never does. The rest is the core's (`Handoffs::take`): the
-//! same connection (`connection.id`, the ABI's integer accessor; a hand-over without one is never
+//! request's mark (its storage key, stored where the request is forwarded under its claim with
+//! `host::mark` as an object with Envoy's life span `Request`, which Envoy carries into the
+//! streams it re-creates for the request and no other: the same internal client's next request
+//! on the same connection lacks it), the same connection (`connection.id`, the ABI's integer accessor; a hand-over without one is never
 //! taken), the URL redirected from, the storage key (caller scope and key), the policy, and the
 //! window (`HANDOFF_WINDOW_MS`). After 2^32 hand-overs the count wraps: a stream born then takes
 //! nothing (its redirect is unfollowed: outcome-unknown, never a second execution).
@@ -37,7 +40,7 @@ use idemgate::decision::Outcome;
 use idemgate::engine::forwards::Settle;
 use idemgate::engine::machine::{self as engine_machine, settle_away};
 use idemgate::record::UnknownReason;
-use idemgate::redirect::{Handoffs, ORIGINAL_URL_HEADER, REDIRECT_CODE_DETAILS};
+use idemgate::redirect::{Handoffs, Stream, ORIGINAL_URL_HEADER, REDIRECT_CODE_DETAILS};
 use idemgate::scope::CallerScope;
 
 use super::detached::MainThread;
@@ -93,12 +96,14 @@ impl Redirects {
     /// Posts a claim handed over by a stream of connection `connection` (`Command::HandOver`),
     /// its key held since `held_since`; claims pushed out of a full list are settled as
     /// unfollowed.
+    #[allow(clippy::too_many_arguments)]
     pub fn hand_over(
         &self,
         g: &Global,
         claim: Claim,
         url: String,
         connection: Option<u64>,
+        marked: bool,
         held_since: Option<u64>,
         now: u64,
     ) {
@@ -114,6 +119,7 @@ impl Redirects {
                 policy_index: claim.policy_index,
                 url,
                 connection,
+                marked,
                 from_context,
                 posted_ms: now,
                 claim,
@@ -128,22 +134,21 @@ impl Redirects {
     }
 
     /// The claim handed over under `skey` and policy `policy_index` by a stream redirected from
-    /// `original_url` that a stream (`born`, on `connection`) may take, taken (`Io::take_handoff`),
-    /// with since when its key is held.
+    /// `original_url` that a stream (`on`: its mark, its connection, `born` as its context) may
+    /// take, taken (`Io::take_handoff`), with since when its key is held.
     pub fn take(
         &self,
         skey: &StorageKey,
         policy_index: usize,
         original_url: &[u8],
-        connection: Option<u64>,
-        born: u32,
+        on: Stream,
         now: u64,
     ) -> Option<(Handoff<Claim>, Option<u64>)> {
         if self.is_empty() {
             return None;
         }
         self.with(|list| {
-            let h = list.handoffs.take(skey, policy_index, original_url, connection, born, now)?;
+            let h = list.handoffs.take(skey, policy_index, original_url, on, now)?;
             let since = list.held_since.remove(&h.skey);
             Some((h, since))
         })
@@ -186,7 +191,7 @@ impl Glue<'_> {
         let now = self.now();
         // The key's hold goes on: measured by the stream that settles the claim.
         let held_since = self.held_since.take();
-        self.global.redirects.hand_over(self.global, claim, url, connection, held_since, now);
+        self.global.redirects.hand_over(self.global, claim, url, connection, *self.marked, held_since, now);
     }
 
     /// `Io::take_handoff` (an MCP call whose key its body names).
@@ -199,10 +204,15 @@ impl Glue<'_> {
         if self.global.redirects.is_empty() {
             return None;
         }
-        let connection = host::connection_id(self.envoy);
+        let on = Stream {
+            mark: host::read_mark(self.envoy),
+            connection: host::connection_id(self.envoy),
+            context_id: self.born,
+        };
         let now = self.now();
-        let (h, since) = self.global.redirects.take(skey, policy_index, original_url, connection, self.born, now)?;
+        let (h, since) = self.global.redirects.take(skey, policy_index, original_url, on, now)?;
         *self.held_since = since;
+        *self.marked = true;
         Some(h)
     }
 }
@@ -217,13 +227,12 @@ impl Filter {
             return None;
         }
         let url = host::header(envoy, abi::REQUEST_HEADER, ORIGINAL_URL_HEADER)?;
-        let connection = host::connection_id(envoy);
+        let on = Stream { mark: host::read_mark(envoy), connection: host::connection_id(envoy), context_id: self.born };
         let now = *self.clock.get_or_insert_with(host::now_ms);
-        let born = self.born;
         let config = &self.global.config;
         let taken: Option<(Handoff<Claim>, Arc<idemgate::config::Policy>, CallerScope, RequestHead)> =
             redirects.with(|list| {
-                let policies = list.handoffs.policies_for(&url, connection, born, now);
+                let policies = list.handoffs.policies_for(&url, on, now);
                 if policies.is_empty() {
                     return None;
                 }
@@ -234,8 +243,7 @@ impl Filter {
                     |i| config.shared_policy(i),
                     &head,
                     &url,
-                    connection,
-                    born,
+                    on,
                     now,
                 )?;
                 self.held_since = list.held_since.remove(&h.skey);
@@ -243,6 +251,7 @@ impl Filter {
             });
         let (h, policy, scope, head) = taken?;
         self.route = Some(h.claim.policy_index);
+        self.marked = true;
         let (m, mut io) = self.split();
         Some(headers_status(m.adopt(&mut io, h, policy, head, scope)))
     }

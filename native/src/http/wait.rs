@@ -193,29 +193,29 @@ impl Filter {
         }
     }
 
-    /// Answers the waiting request as the waiters machine says, counted as the Wasm root counts
-    /// it; its wait is over (scheduler deleted, out of the registry).
+    /// Answers the waiting request as the waiters machine says, counted by the core's rule
+    /// (`metrics::wait_counters`, the Wasm root's too); its wait is over (scheduler deleted, out
+    /// of the registry).
     fn wait_answered(&mut self, w: &Waiter, reply: WaitReply) {
         let Some(waiting) = self.waiting.take() else { return };
         let now = host::now_ms();
         self.global.metrics.record(self.envoy, Histogram::WaitMs, now.saturating_sub(w.since_ms));
         let req = &waiting.req;
         let (_, mut io) = self.split();
+        for c in rules::wait_counters(&reply).into_iter().flatten() {
+            io.count(c);
+        }
         match reply {
             // Released (0: the first attempt never executed), or the wait is over.
             WaitReply::InFlight { retry_after_seconds } => {
-                io.answer(Some(req), ProblemKind::InFlight { retry_after_seconds }, None);
+                io.send_problem(Some(req), ProblemKind::InFlight { retry_after_seconds }, None);
             }
-            WaitReply::Replay(r) => {
-                io.count(Counter::WaitAnswered);
-                io.replay(req, &r);
-            }
+            WaitReply::Replay(r) => io.send_replay(req, &r),
             WaitReply::Problem(kind) => {
-                io.count(Counter::WaitAnswered);
                 if matches!(kind, ProblemKind::RecordUnreadable { .. }) {
                     host::log(LogLevel::Warn, &log_line(Some(req), "record_unreadable", "waiting=true"));
                 }
-                io.answer(Some(req), kind, None);
+                io.send_problem(Some(req), kind, None);
             }
         }
     }

@@ -12,6 +12,11 @@ use crate::local::memory::MemoryShared;
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
 const NOW: u64 = 1_000_000;
+/// The re-created stream as the driver describes it: context 11 on connection 7, carrying the
+/// mark of the request under `mark`'s storage key.
+fn on(mark: StorageKey) -> crate::redirect::Stream {
+    crate::redirect::Stream { mark: Some(mark), connection: Some(7), context_id: 11 }
+}
 
 /// What the machine told its driver, owned.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -29,6 +34,8 @@ enum Did {
     Publish(&'static str),
     /// A replay, with the stored body it replays.
     Replayed(Vec<u8>),
+    /// The request's mark left for a redirect (`Command::Mark`).
+    Mark,
     Other,
 }
 
@@ -119,6 +126,7 @@ impl Effects for Host {
                 Did::HandOver { url, skey }
             }
             Command::Publish { outcome, .. } => Did::Publish(outcome),
+            Command::Mark { .. } => Did::Mark,
             Command::Replay { record, .. } => match record.state {
                 crate::record::State::Completed(r) => Did::Replayed(r.body),
                 _ => Did::Other,
@@ -160,9 +168,10 @@ impl Io for Host {
         OwnerToken([7; 16])
     }
 
-    /// As the driver takes one: this stream is context 11 on connection 7.
+    /// As the driver takes one: this stream is context 11 on connection 7, carrying the
+    /// request's mark.
     fn take_handoff(&mut self, skey: &StorageKey, policy_index: usize, original_url: &[u8]) -> Option<Handoff<Claim>> {
-        self.handoffs.take(skey, policy_index, original_url, Some(7), 11, NOW)
+        self.handoffs.take(skey, policy_index, original_url, on(*skey), NOW)
     }
 
     fn send(&mut self, _req: &Protected, _op: StoreOp<'_, u32>) -> Result<u32, NotSent> {
@@ -367,6 +376,8 @@ fn forwarded(c: &Config, host: &mut Host) -> (Machine<u32>, StorageKey) {
     let (mut m, skey) = protect(c, host, "k-redirect");
     assert_eq!(m.body_chunk(host, 0, true), Flow::Continue);
     assert!(m.forwarded().is_some());
+    // Forwarded under its claim, the request is marked once (its redirect's stream inherits it).
+    assert_eq!(host.did.iter().filter(|d| **d == Did::Mark).count(), 1, "{:?}", host.did);
     (m, skey)
 }
 
@@ -403,6 +414,7 @@ fn handed(host: &mut Host) -> Handoffs<Claim> {
         policy_index: claim.policy_index,
         url: "idemgate.test/charges".into(),
         connection: Some(7),
+        marked: true,
         from_context: 10,
         posted_ms: NOW,
         claim,
@@ -423,9 +435,15 @@ fn the_recreated_stream_continues_the_claim_and_its_target_never_releases_it() {
     let policy = |i: usize| c.shared_policy(i);
     // Another key (or caller) takes nothing.
     let other = head("/target", Some("k-other"), &[]);
-    assert!(take_handoff(&mut handoffs, &[0], policy, &other, URL, Some(7), 11, NOW).is_none());
+    assert!(take_handoff(&mut handoffs, &[0], policy, &other, URL, on(skey), NOW).is_none());
     let target = head("/target", Some("k-redirect"), &[]);
-    let taken = take_handoff(&mut handoffs, &[0], policy, &target, URL, Some(7), 11, NOW);
+    // The same request forged on the same connection, without the request's mark (filter state
+    // only Envoy's re-created stream inherits), or with another request's: nothing.
+    let unmarked = crate::redirect::Stream { mark: None, ..on(skey) };
+    assert!(take_handoff(&mut handoffs, &[0], policy, &target, URL, unmarked, NOW).is_none());
+    let other_mark = on(crate::scope::StorageKey([9; 32]));
+    assert!(take_handoff(&mut handoffs, &[0], policy, &target, URL, other_mark, NOW).is_none());
+    let taken = take_handoff(&mut handoffs, &[0], policy, &target, URL, on(skey), NOW);
     let Some((h, p, scope)) = taken else { panic!("the re-created stream takes its claim") };
     assert!(handoffs.is_empty());
     let mut m = Machine::new(None, true);
@@ -453,8 +471,8 @@ fn a_stream_recreated_for_another_host_continues_the_claim_in_the_first_hops_sco
     let mut target = head("/target", Some("k-redirect"), &[]);
     target.authority = "pay.example.test".into();
     let elsewhere = b"http://other.example.test/charges";
-    assert!(take_handoff(&mut handoffs, &[0], policy, &target, elsewhere, Some(7), 11, NOW).is_none());
-    let taken = take_handoff(&mut handoffs, &[0], policy, &target, URL, Some(7), 11, NOW);
+    assert!(take_handoff(&mut handoffs, &[0], policy, &target, elsewhere, on(skey), NOW).is_none());
+    let taken = take_handoff(&mut handoffs, &[0], policy, &target, URL, on(skey), NOW);
     let Some((h, p, scope)) = taken else { panic!("the re-created stream takes its claim") };
     assert_eq!(h.skey, skey);
     assert_eq!(scope, CallerScope::of(&head("/charges", Some("k-redirect"), &[]), &p.scope), "the first hop's scope");
@@ -469,7 +487,7 @@ fn a_recreated_stream_whose_retries_cannot_be_forbidden_fails_closed_keeping_the
     assert!(first.redirected_away(&mut host, redirect::REDIRECT_CODE_DETAILS));
     let mut handoffs = handed(&mut host);
     let target = head("/target", Some("k-redirect"), &[]);
-    let taken = take_handoff(&mut handoffs, &[0], |i| c.shared_policy(i), &target, URL, Some(7), 11, NOW);
+    let taken = take_handoff(&mut handoffs, &[0], |i| c.shared_policy(i), &target, URL, on(skey), NOW);
     let Some((h, p, scope)) = taken else { panic!("the re-created stream takes its claim") };
     host.forbid_ok = false;
     let mut m = Machine::new(None, true);
@@ -562,7 +580,7 @@ fn every_kind_of_end_gives_back_exactly_what_its_request_counted() {
     assert_eq!(host.buffered, BASE, "redirected");
     let mut handoffs = handed(&mut host);
     let target = head("/target", Some("k-redirect"), &[]);
-    let taken = take_handoff(&mut handoffs, &[0], |i| c.shared_policy(i), &target, URL, Some(7), 11, NOW);
+    let taken = take_handoff(&mut handoffs, &[0], |i| c.shared_policy(i), &target, URL, on(skey), NOW);
     let Some((h, p, scope)) = taken else { panic!("the re-created stream takes its claim") };
     let mut m = Machine::new(None, true);
     assert_eq!(m.adopt(&mut host, h, p, target, scope), Flow::Continue);
@@ -635,6 +653,7 @@ fn mcp_redirected(c: &Config, host: &mut Host) -> (StorageKey, RequestHead) {
         policy_index: claim.policy_index,
         url: "idemgate.test/mcp".into(),
         connection: Some(7),
+        marked: true,
         from_context: 10,
         posted_ms: NOW,
         claim,
@@ -662,16 +681,8 @@ fn an_mcp_call_redirected_with_its_key_in_its_body_continues_its_claim() {
     let (skey, target) = mcp_redirected(&c, &mut host);
     host.did.clear();
     let mut handoffs = std::mem::take(&mut host.handoffs);
-    let at_headers = take_handoff(
-        &mut handoffs,
-        &[0],
-        |i| c.shared_policy(i),
-        &target,
-        b"http://idemgate.test/mcp",
-        Some(7),
-        11,
-        NOW,
-    );
+    let at_headers =
+        take_handoff(&mut handoffs, &[0], |i| c.shared_policy(i), &target, b"http://idemgate.test/mcp", on(skey), NOW);
     assert!(at_headers.is_none(), "no key in its headers");
     host.handoffs = handoffs;
     let Err(NotProtected::McpBody { route, policy }) = request::at_headers(&c, &target, None, false) else {

@@ -429,14 +429,12 @@ fn include_body_derives_one_key_for_bodies_every_json_parser_reads_alike() {
         r#"{"amount":1e0,"currency":"eur"}"#,
         r#"{"amount":10E-1,"currency":"eur"}"#,
         r#"{"amount":1,"currency":"\u0065ur"}"#,
-        r#"{"amount":1,"currency":"usd","currency":"eur"}"#,
     ] {
         assert_eq!(key(alike), canonical, "{alike}");
     }
     for apart in [
         r#"{"amount":2,"currency":"eur"}"#,
         r#"{"amount":1,"currency":"usd"}"#,
-        r#"{"amount":1,"currency":"eur","currency":"usd"}"#,
         r#"{"amount":"1","currency":"eur"}"#,
         r#"{"amount":1,"currency":"eur","note":null}"#,
         r#"[{"amount":1,"currency":"eur"}]"#,
@@ -447,6 +445,50 @@ fn include_body_derives_one_key_for_bodies_every_json_parser_reads_alike() {
     assert_eq!(key(r#"{"n":-0}"#), key(r#"{"n":0}"#));
     // A body that is not JSON derives from its bytes, as before.
     assert_ne!(key("amount=1&currency=eur"), key("currency=eur&amount=1"));
+}
+
+#[test]
+fn include_body_refuses_a_json_body_naming_a_member_twice_before_anything_is_claimed() {
+    // `{"a":1,"a":2}` is `{"a":2}` to Python's `json`, `JSON.parse` and Go, and `{"a":1}` to
+    // pysimdjson's `Parser().parse`: a key derived from the last value (before this rule) let
+    // the first-value reader run it and `{"a":1}` as one request under two keys, twice.
+    let c = config(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
+    );
+    let op = [("x-op", "op-1"), ("content-type", "application/json")];
+    let a = admitted(at_headers(&c, &head("POST", "/v1/payments", &op), None, false));
+    for body in [
+        r#"{"a":1,"a":2}"#,
+        r#"{"a":1,"\u0061":2}"#,
+        r#"{"amount":1,"currency":"eur","c\u0075rrency":"eur"}"#,
+        r#"{"order":{"lines":[{"sku":"x","qty":1,"qty":2}]}}"#,
+        r#"[{"a":1},{"b":1,"b":1}]"#,
+        r#"{"x":[[{"y":{"z":0,"\u007a":0}}]]}"#,
+    ] {
+        let mut h = head("POST", "/v1/payments", &op);
+        let end = at_body_end(&a.policy, &mut h, &a.scope, true, body.as_bytes());
+        assert_eq!(end, AtBodyEnd::Refuse(ProblemKind::BodyAmbiguous), "{body}");
+        // No key was added for the upstream to read.
+        assert!(h.values(&a.policy.header).is_empty(), "{body}");
+    }
+    let p = ProblemKind::BodyAmbiguous.to_problem("r1", None);
+    assert_eq!((p.status, ProblemKind::BodyAmbiguous.slug()), (400, "body-ambiguous"));
+    // The same name in two objects, a form's repeated field, and a body that is not JSON are
+    // read as before: a key.
+    for (content_type, body) in [
+        ("application/json", r#"[{"a":1},{"a":2}]"#),
+        ("application/json", r#"{"a":{"a":1}}"#),
+        ("application/json", r#"{"a":1,"a":2"#),
+        ("application/x-www-form-urlencoded", "a=1&a=2"),
+    ] {
+        let mut h = head("POST", "/v1/payments", &[("x-op", "op-1"), ("content-type", content_type)]);
+        let end = at_body_end(&a.policy, &mut h, &a.scope, true, body.as_bytes());
+        assert!(matches!(end, AtBodyEnd::Fingerprinted { derived: Some(_), .. }), "{body}: {end:?}");
+    }
+    // A key the client sends: the body's bytes are fingerprinted, nothing refused.
+    let mut h = head("POST", "/v1/payments", &op);
+    let end = at_body_end(&a.policy, &mut h, &a.scope, false, br#"{"a":1,"a":2}"#);
+    assert!(matches!(end, AtBodyEnd::Fingerprinted { derived: None, .. }), "{end:?}");
 }
 
 #[test]

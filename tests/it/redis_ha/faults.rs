@@ -100,6 +100,9 @@ fn redis_ha_named_acl_user_over_tls_one_haproxy_killed_the_hop_fails_over() {
     assert_eq!(m.probes.get("201").copied(), Some(40), "fresh keys after the load, sent once: {:?}", m.probes);
     // The fault was met and the hop failed over: hop-0 (whose own HAProxy died) sent to haproxy-1.
     assert!(m.hop0_to_other.unwrap_or(0) > 0, "hop-0 never sent to haproxy-1: {:?}", m.hop0_to_other);
+    // ... over TLS: the other leg's HAProxy stands for one on another host, and that link carries
+    // the user's AUTH and every record (haproxy-1's TLS frontend requires hop-0's certificate).
+    assert!(m.hop0_tls_handshakes.unwrap_or(0) > 0, "hop-0 reached haproxy-1 without TLS: {:?}", m.hop0_tls_handshakes);
     assert!(
         m.last_refusal_after <= BACK_WITHIN,
         "refusals went on {:.2} s after the HAProxy's death ({} refused; first attempts {:?})",

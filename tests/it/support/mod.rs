@@ -1382,24 +1382,54 @@ pub mod http {
         s.set_read_timeout(Some(timeout))?;
         s.set_write_timeout(Some(timeout))?;
         s.write_all(request)?;
-        let head_only = request.starts_with(b"HEAD ");
+        let r = read_response(&mut s, request.starts_with(b"HEAD "));
+        let _ = s.shutdown(Shutdown::Both);
+        r
+    }
+
+    /// Reads one response from `s`, until it is complete (by its length or its last chunk), as a
+    /// real client does, rather than until the server closes: Envoy delays closing after a local
+    /// reply (delayed_close_timeout, 1 s) and a test would wait for that.
+    fn read_response(s: &mut TcpStream, head_only: bool) -> std::io::Result<Response> {
         let mut buf = Vec::new();
         let mut chunk = [0u8; 65536];
-        // Read until the response is complete (by its length or its last chunk), as a real client
-        // does, rather than until the server closes: Envoy delays closing after a local reply
-        // (delayed_close_timeout, 1 s) and a test would wait for that.
         loop {
             if complete(&buf, head_only) {
                 break;
             }
-            let n = read_some(&mut s, &mut chunk)?;
+            let n = read_some(s, &mut chunk)?;
             if n == 0 {
                 break;
             }
             buf.extend_from_slice(&chunk[..n]);
         }
-        let _ = s.shutdown(Shutdown::Both);
         parse(&buf)
+    }
+
+    /// One keep-alive HTTP/1.1 connection: requests sent one after another on it (Envoy sees them
+    /// on one downstream connection), each answer read whole before the next is sent.
+    pub struct Conn {
+        s: TcpStream,
+    }
+
+    impl Conn {
+        pub fn open(port: u16) -> std::io::Result<Conn> {
+            let s = TcpStream::connect(("127.0.0.1", port))?;
+            s.set_read_timeout(Some(Duration::from_secs(20)))?;
+            s.set_write_timeout(Some(Duration::from_secs(20)))?;
+            Ok(Conn { s })
+        }
+
+        pub fn request(
+            &mut self,
+            method: &str,
+            path: &str,
+            headers: &[(&str, &str)],
+            body: &[u8],
+        ) -> std::io::Result<Response> {
+            self.s.write_all(&request_bytes(method, path, headers, body, false))?;
+            read_response(&mut self.s, method == "HEAD")
+        }
     }
 
     /// Whether `buf` holds a whole response.
@@ -1442,7 +1472,15 @@ pub mod http {
         body: &[u8],
         timeout: Duration,
     ) -> std::io::Result<Response> {
-        let mut req = format!("{method} {path} HTTP/1.1\r\nhost: idemgate.test\r\nconnection: close\r\n");
+        raw(port, &request_bytes(method, path, headers, body, true), timeout)
+    }
+
+    /// An HTTP/1.1 request's bytes (`connection: close` when `close`).
+    fn request_bytes(method: &str, path: &str, headers: &[(&str, &str)], body: &[u8], close: bool) -> Vec<u8> {
+        let mut req = format!("{method} {path} HTTP/1.1\r\nhost: idemgate.test\r\n");
+        if close {
+            req.push_str("connection: close\r\n");
+        }
         for (n, v) in headers {
             req.push_str(&format!("{n}: {v}\r\n"));
         }
@@ -1452,7 +1490,7 @@ pub mod http {
         req.push_str("\r\n");
         let mut bytes = req.into_bytes();
         bytes.extend_from_slice(body);
-        raw(port, &bytes, timeout)
+        bytes
     }
 
     pub fn get(port: u16, path: &str) -> std::io::Result<Response> {
