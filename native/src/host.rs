@@ -457,18 +457,11 @@ pub unsafe fn callout_headers(
     headers: *const EnvoyHttpHeader,
     headers_size: usize,
 ) -> Vec<(String, Vec<u8>)> {
-    if result != abi::CALLOUT_SUCCESS || headers.is_null() {
+    if result != abi::CALLOUT_SUCCESS {
         return vec![];
     }
-    // SAFETY: Envoy's array of `headers_size` entries, valid during the hook.
-    let hs = unsafe { std::slice::from_raw_parts(headers, headers_size) };
-    hs.iter()
-        .map(|h| {
-            // SAFETY: Envoy's buffers, valid during the hook.
-            let (k, v) = unsafe { copied(h) };
-            (k.to_ascii_lowercase(), v)
-        })
-        .collect()
+    // SAFETY: Envoy's array of `headers_size` entries (or null), valid during the hook.
+    unsafe { stream_headers(headers, headers_size) }
 }
 
 /// Resumes the stream's request (paused on a store call).

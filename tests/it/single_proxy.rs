@@ -803,39 +803,30 @@ fn a_waiting_retry_answered_response_not_stored_counts_as_a_direct_retry_does() 
     for (n, path) in ["/charges", "/"].into_iter().enumerate() {
         let key = format!("k-not-stored-{n}");
         let port = s.envoy.port;
-        let first = {
+        // Alice's POST of `{}` under `key` on `path`, with `extra` headers, on its own thread.
+        let post_away = |extra: &'static [(&'static str, &'static str)]| {
             let (key, path) = (key.clone(), path.to_string());
             std::thread::spawn(move || {
-                let h = [
+                let mut h = vec![
                     ("authorization", "Bearer alice"),
                     ("content-type", "application/json"),
                     ("idempotency-key", key.as_str()),
-                    ("x-up-body-bytes", "5000"),
-                    ("x-up-hold", "1"),
                 ];
-                http::request(port, "POST", &path, &h, b"{}").expect("first")
+                h.extend_from_slice(extra);
+                http::request(port, "POST", &path, &h, b"{}")
             })
         };
+        let first = post_away(&[("x-up-body-bytes", "5000"), ("x-up-hold", "1")]);
         support::wait_for(&format!("{path}: the first attempt at the upstream"), 400, || {
             s.up.executions_with_key(&key) == 1
         });
-        let waiting = {
-            let (key, path) = (key.clone(), path.to_string());
-            std::thread::spawn(move || {
-                let h = [
-                    ("authorization", "Bearer alice"),
-                    ("content-type", "application/json"),
-                    ("idempotency-key", key.as_str()),
-                ];
-                http::request(port, "POST", &path, &h, b"{}").expect("waiting retry")
-            })
-        };
+        let waiting = post_away(&[]);
         let waited = n as u64 + 1;
         support::wait_for(&format!("{path}: the retry held"), 400, || s.envoy.stat("idemgate.waited") == waited);
         s.up.release_holds();
-        let first = first.join().expect("first thread");
+        let first = first.join().expect("first thread").expect("first");
         assert_eq!((first.status, first.body.len()), (201, 5000), "{path}");
-        let waiting = waiting.join().expect("waiting thread");
+        let waiting = waiting.join().expect("waiting thread").expect("waiting retry");
         assert_eq!(
             (waiting.status, problem_type(&waiting).as_str()),
             (201, "urn:idemgate:problem:response-not-stored"),
