@@ -637,6 +637,59 @@ fn a_failed_completion_write_is_retried_and_the_other_build_replays_it() {
     }
 }
 
+/// `forwarding: "detached"` on a store: Envoy stopped (SIGTERM) while a detached call is held at
+/// the upstream (natively a configuration HTTP stream on the main thread; in the Wasm build the
+/// root's callout) exits cleanly, and the key it leaves claimed in Redis is never executed again:
+/// a proxy of the other build on the same store answers its retry 409 (in flight, then
+/// outcome-unknown), never a second execution, never a release. Both builds stopped in turn.
+#[test]
+fn a_proxy_stopped_with_a_detached_call_in_flight_exits_cleanly_and_its_key_is_never_executed_again_in_both_builds() {
+    let redis = Redis::start();
+    let webdis = Webdis::start(redis.port);
+    let up = Upstream::start();
+    let plugin = r#"{"scope": {"headers": ["authorization"]}, "store": {"cluster": "idemgate_store", "authority": "webdis", "timeout_ms": 2000}, "forwarding": "detached", "upstream": {"cluster": "upstream", "hop": "direct", "timeout_ms": 30000}}"#;
+    for (stopped, other) in [(Build::Native, Build::Wasm), (Build::Wasm, Build::Native)] {
+        let key = format!("k-detached-stop-{stopped:?}");
+        let mut e = store_envoy(stopped, plugin, up.port, webdis.port);
+        let port = e.port;
+        let first = {
+            let key = key.clone();
+            std::thread::spawn(move || {
+                let h = [
+                    ("authorization", "Bearer alice-secret-token"),
+                    ("idempotency-key", key.as_str()),
+                    ("x-up-hold", "1"),
+                ];
+                http::request(port, "POST", "/charges", &h, br#"{"amount":7}"#).map(|r| r.status)
+            })
+        };
+        support::wait_for(&format!("{stopped:?}: the detached call at the upstream"), 400, || {
+            up.executions_with_key(&key) == 1
+        });
+        // Counted on the Wasm root's next tick.
+        support::wait_for(&format!("{stopped:?}: sent as a detached forward"), 400, || {
+            e.stat("idemgate.detached_forwards") == 1
+        });
+        let status = e.stop_status();
+        let log = e.log();
+        up.release_holds();
+        let _ = first.join();
+        up.hold_again();
+        assert!(status.is_some_and(|s| s.success()), "{stopped:?}: Envoy exited with {status:?}; log:\n{log}");
+        // The claim stayed in the store: neither released nor completed.
+        let stored = redis.get_raw(redis_key(plugin, &key));
+        assert!(
+            stored.as_ref().is_some_and(|v| v.get(4) != Some(&b'D')),
+            "{stopped:?}: the claim in Redis: {stored:?}"
+        );
+        let o = store_envoy(other, plugin, up.port, webdis.port);
+        let again = store_post(&o, &key, r#"{"amount":7}"#, &[]);
+        assert_eq!(again.status, 409, "{stopped:?}: {}", again.body_text());
+        assert_eq!(up.executions_with_key(&key), 1, "{stopped:?}");
+    }
+    assert_eq!(up.executions(), 2);
+}
+
 /// A filter after idemgate that answers before the router (the request never left Envoy).
 const LUA_DENIES_REQUEST: &str = r#"- name: envoy.filters.http.lua
   typed_config:
