@@ -254,6 +254,23 @@ mod tests {
     }
 
     #[test]
+    fn of_two_hand_overs_of_one_key_the_stream_takes_the_newest() {
+        // Review (h-review4): the mark is the storage key, so two requests of one key on one
+        // connection both fit it. `stale_lock: "takeover"`, `lock_ttl_seconds` under the window:
+        // R1's claim handed over (its target runs without idemgate) and gone stale, R2 takes it
+        // over, is redirected, and hands its own claim over; Envoy re-creates R2's stream in the
+        // same call, so its hand-over is the newest. Before, the stream took the oldest, R1's,
+        // and R2's own expired outcome-unknown after R2's answer.
+        let mut t = Handoffs::default();
+        t.post(Handoff { claim: "r1", ..h(1, Some(7), 10, 100) });
+        t.post(Handoff { claim: "r2", ..h(1, Some(7), 20, 5_000) });
+        let taken = t.take(&StorageKey([1; 32]), 0, URL, on(Some(7), 21), 5_000).map(|h| h.claim);
+        assert_eq!(taken, Some("r2"));
+        // R1's, never taken by R2's stream, is settled outcome-unknown when its window ends.
+        assert_eq!(t.expire(100 + HANDOFF_WINDOW_MS + 1).first().map(|h| h.claim), Some("r1"));
+    }
+
+    #[test]
     fn a_target_never_releases_the_claim() {
         assert!(matches!(after_first_hop(Outcome::Release), Outcome::Unknown(UnknownReason::Other)));
         assert!(matches!(after_first_hop(Outcome::Store), Outcome::Store));
