@@ -146,6 +146,10 @@ impl<C> Handoffs<C> {
     }
 
     /// Takes the claim a re-created stream continues, if one fits it exactly (see the module).
+    /// Of two that fit (one key's requests on one connection: the mark is the storage key), the
+    /// newest: Envoy re-creates a stream in the call that ends the one it continues, so nothing
+    /// of the same key is handed over between; an older one is another request's, left to expire
+    /// outcome-unknown.
     pub fn take(
         &mut self,
         skey: &StorageKey,
@@ -154,7 +158,7 @@ impl<C> Handoffs<C> {
         on: Stream,
         now_ms: u64,
     ) -> Option<Handoff<C>> {
-        let pos = self.items.iter().position(|h| {
+        let pos = self.items.iter().rposition(|h| {
             h.skey == *skey && h.policy_index == policy_index && Self::fits(h, original_url, on, now_ms)
         })?;
         Some(self.items.remove(pos))
