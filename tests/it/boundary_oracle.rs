@@ -1824,8 +1824,10 @@ fn a_json_body_naming_a_member_twice_is_refused_before_a_first_value_backend() {
 /// their bytes (not JSON to its reader) and the third from its semantic form: three keys, three
 /// executions. Such a body has no one meaning (Python's `json` and `JSON.parse` keep the
 /// surrogate, Python refuses the byte): refused (`body-ambiguous`), as a member named twice is.
+/// `make test-oracle-long` only (`oracle_full_`: a Go backend and an Envoy of its own);
+/// `steps_tests::include_body_refuses_a_json_body_that_is_not_unicode` guards the rule in `make test`.
 #[test]
-fn a_json_body_that_is_not_unicode_is_refused_before_a_go_backend() {
+fn oracle_full_a_json_body_that_is_not_unicode_is_refused_before_a_go_backend() {
     let include_body: Vec<_> = CONFIGS.iter().filter(|c| c.0 == "include_body").copied().collect();
     let b = start_backend_with("go", &include_body);
     let port = b.listeners[0];

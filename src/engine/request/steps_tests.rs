@@ -496,7 +496,7 @@ fn include_body_refuses_a_json_body_that_is_not_unicode() {
     // `{"a":"\ud800"}`, `{"a":"\xff"}` and `{"a":"\ufffd"}` are one request to Go's
     // `encoding/json` (U+FFFD each); before, the first two derived keys from their bytes and the
     // third from its form: three keys, three executions behind Go
-    // (`boundary_oracle::a_json_body_that_is_not_unicode_is_refused_before_a_go_backend`).
+    // (`boundary_oracle::oracle_full_a_json_body_that_is_not_unicode_is_refused_before_a_go_backend`).
     let c = config(
         r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
     );
