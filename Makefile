@@ -124,7 +124,8 @@ test-rollout: build deps
 ## (IDEMGATE_ORACLE_MCP_SDK=1, tests/oracle/mcp_backend.py: its SSE answers), every spelling against the canonical
 ## request, then IDEMGATE_ORACLE_PAIRS random pairs (default 300) per backend and configuration from
 ## IDEMGATE_ORACLE_SEED (default 41); writes docs/equivalence.md when no pair executed twice. `make test` runs 12
-## pairs without the MCP server (about six minutes at load 16-19)
+## pairs without the MCP server (about six minutes at load 16-19), and skips the `oracle_full_` cases (a backend
+## of their own each, run here; the unit tests guard their rules in `make test`)
 test-oracle-long: build deps
 	scripts/check-test-selection.py boundary_oracle::
 	IDEMGATE_ORACLE_PAIRS=$${IDEMGATE_ORACLE_PAIRS:-300} IDEMGATE_ORACLE_MCP_SDK=1 IDEMGATE_ORACLE_WRITE_DOCS=1 \
@@ -173,8 +174,8 @@ test-retried-behind: build deps
 ## mixed-fleet and rollout forms (test-failover and test-redis-ha, test-mixed-fleet, test-rollout)
 test-native:
 	scripts/check-test-selection.py $(FAULT_FILTER)
-	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_
-	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_
+	scripts/check-test-selection.py --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_ --skip oracle_full_
+	cargo test --locked --all-targets -- --skip $(FAULT_FILTER) --skip failover_full_ --skip mixed_fleet_full_ --skip rolling_restart_full_ --skip oracle_full_
 	cargo test --locked -p idemgate-native
 
 ## test-native-build: the single-proxy, two-proxy (Redis), etcd, MCP (mcp:: and the real MCP SDKs' mcp_sdk::), internal-redirect, next-hop, classification and SDK suites, their fault cases too, against the native build

@@ -35,6 +35,12 @@ pub enum NoForm {
     /// `encoding/json` run the last value, pysimdjson's `Parser().parse` (simdjson's on-demand
     /// API) the first: there is no one meaning to derive a key from.
     RepeatedName,
+    /// One JSON text but for a string that is not Unicode: a lone surrogate escape (`"\ud800"`)
+    /// or bytes that are not UTF-8. Go's `encoding/json` reads each as U+FFFD (so does Node's
+    /// UTF-8 decoding of the bytes), Python's `json` and `JSON.parse` keep the surrogate and
+    /// Python refuses the bytes: `{"a":"\ud800"}`, `{"a":"\xff"}` and `{"a":"\ufffd"}` are one
+    /// request to Go and two or three to others, so there is no one meaning to derive a key from.
+    NotUnicode,
 }
 
 /// The value `body` means to the JSON parsers web frameworks use (Python's `json`, JavaScript's
@@ -45,25 +51,39 @@ pub enum NoForm {
 /// still differ to a parser that keeps `1` and `1.0` apart (Python), which is why this form
 /// derives keys (`derive_key.include_body`, where the fingerprint, with the spelling, still tells
 /// them apart: 422) and never fingerprints. A member named twice in one object has no form
-/// (`NoForm::RepeatedName`): parsers disagree on which value runs. Not one JSON text:
-/// `NoForm::NotJson`. One leading UTF-8 byte-order mark is skipped, as Python's `json` and Node's
+/// (`NoForm::RepeatedName`): parsers disagree on which value runs; nor has a string that is not
+/// Unicode (`NoForm::NotUnicode`: a lone surrogate escape, bytes that are not UTF-8), which they
+/// read as U+FFFD or keep or refuse. Not one JSON text: `NoForm::NotJson`. One leading UTF-8 byte-order mark is skipped, as Python's `json` and Node's
 /// JSON body parsers skip it (Go's `encoding/json` refuses the body: no key is derived for a body
 /// it runs).
 pub fn semantic_form(body: &[u8]) -> Result<Vec<u8>, NoForm> {
-    parse(body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body), true)
+    let body = body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body);
+    if std::str::from_utf8(body).is_err() {
+        // Read as Go and Node read it (each bad sequence U+FFFD; outside strings U+FFFD is no
+        // JSON): JSON so read has no one meaning, anything else is not JSON.
+        return match parse(String::from_utf8_lossy(body).as_bytes(), true) {
+            Err(NoForm::NotJson) => Err(NoForm::NotJson),
+            _ => Err(NoForm::NotUnicode),
+        };
+    }
+    parse(body, true)
 }
 
 fn parse(body: &[u8], semantic: bool) -> Result<Vec<u8>, NoForm> {
     // Outside strings the grammar only admits ASCII, so validating UTF-8 once up front covers the
     // bytes inside strings too.
     std::str::from_utf8(body).map_err(|_| NoForm::NotJson)?;
-    let mut parser = Parser { src: body, pos: 0, semantic, repeated: false };
+    let mut parser = Parser { src: body, pos: 0, semantic, repeated: false, not_unicode: false };
     let value = parser.value(0).ok_or(NoForm::NotJson)?;
     parser.skip_whitespace();
     if parser.pos != body.len() {
         return Err(NoForm::NotJson);
     }
     // Read to its end first: a repeated name in a body that is not JSON is not JSON.
+    // Not Unicode first: read as U+FFFD, two lone surrogates may make a name repeated.
+    if parser.not_unicode {
+        return Err(NoForm::NotUnicode);
+    }
     if parser.repeated {
         return Err(NoForm::RepeatedName);
     }
@@ -201,6 +221,9 @@ struct Parser<'a> {
     semantic: bool,
     /// An object named a member twice (`NoForm::RepeatedName`).
     repeated: bool,
+    /// `semantic` only: a string held a lone surrogate escape, read on as U+FFFD
+    /// (`NoForm::NotUnicode`); `canonicalize` refuses it at once.
+    not_unicode: bool,
 }
 
 impl<'a> Parser<'a> {
@@ -370,24 +393,34 @@ impl<'a> Parser<'a> {
     }
 
     /// `\u` has been seen: four hex digits, or a surrogate pair written as two escapes.
+    /// A lone surrogate is no JSON to `canonicalize`; to `semantic_form` it reads as U+FFFD
+    /// (as Go does), the escape after it read on its own, and the text is `NoForm::NotUnicode`.
     fn unicode_escape(&mut self) -> Option<char> {
         let unit = self.hex4()?;
         let code = match unit {
             0xD800..=0xDBFF => {
-                if !(self.eat(b'\\') && self.eat(b'u')) {
-                    return None;
+                let after = self.pos;
+                let low = if self.eat(b'\\') && self.eat(b'u') { self.hex4() } else { None };
+                match low {
+                    Some(low) if (0xDC00..=0xDFFF).contains(&low) => 0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00),
+                    _ => {
+                        self.pos = after;
+                        return self.lone_surrogate();
+                    }
                 }
-                let low = self.hex4()?;
-                if !(0xDC00..=0xDFFF).contains(&low) {
-                    return None;
-                }
-                0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00)
             }
-            // A lone low surrogate; `char::from_u32` would refuse it anyway.
-            0xDC00..=0xDFFF => return None,
+            0xDC00..=0xDFFF => return self.lone_surrogate(),
             _ => unit,
         };
         char::from_u32(code)
+    }
+
+    fn lone_surrogate(&mut self) -> Option<char> {
+        if !self.semantic {
+            return None;
+        }
+        self.not_unicode = true;
+        Some(char::REPLACEMENT_CHARACTER)
     }
 
     fn hex4(&mut self) -> Option<u32> {
@@ -646,6 +679,39 @@ mod tests {
         for input in cases {
             assert_eq!(canonicalize(input), None, "{:?}", String::from_utf8_lossy(input));
         }
+    }
+
+    #[test]
+    fn a_string_that_is_not_unicode_has_no_semantic_form() {
+        // Go's `encoding/json` reads a lone surrogate escape and each byte that is not UTF-8 as
+        // U+FFFD (measured: `{"a":"\ud800"}`, `{"a":"\xff"}` and `{"a":"\ufffd"}` all unmarshal
+        // to `{"a":"\ufffd"}`; Node's UTF-8 decoding of the bytes too), Python's `json` and
+        // `JSON.parse` keep the surrogate. Before: the first two derived from their bytes (not
+        // JSON here), the third from its form: three keys for one request to Go.
+        for unsound in [
+            &br#"{"a":"\ud800"}"#[..],
+            br#"{"a":"\udc00"}"#,
+            br#"{"a":"\ud800\u0041"}"#,
+            br#"{"a":"\ud800\ud800\udc00"}"#,
+            br#"{"a":"\ud800x"}"#,
+            br#"["\ud800\""]"#,
+            b"{\"a\":\"\xff\"}",
+            b"{\"a\":\"\xe2\x82\"}",
+            b"{\"\xfe\":1}",
+            b"\xef\xbb\xbf[\"\xed\xa0\x80\"]",
+            // names that are one to Go (both U+FFFD) and two to Python: not unicode, and repeated
+            br#"{"\ud800":1,"\udc00":2}"#,
+        ] {
+            let shown = String::from_utf8_lossy(unsound);
+            assert_eq!(semantic_form(unsound), Err(NoForm::NotUnicode), "{shown}");
+            assert_eq!(canonicalize(unsound), None, "{shown}");
+        }
+        // Not JSON however it is spelled: derived from the bytes as before.
+        for not_json in [&b"\xff{}"[..], b"{\"a\":\xff}", br#"{"a":"\ud800\uZZZZ"}"#, br#"{"a":"\ud800"#] {
+            assert_eq!(semantic_form(not_json), Err(NoForm::NotJson), "{}", String::from_utf8_lossy(not_json));
+        }
+        // A surrogate pair, in either hex case, is the character.
+        assert_eq!(semantic_form(br#"["\uD83D\uDE00"]"#), semantic_form("[\"\u{1f600}\"]".as_bytes()));
     }
 
     #[test]

@@ -217,8 +217,8 @@ fn form_of(head: &RequestHead, body: &[u8], reading: Reading) -> Option<(bool, V
 /// bodies a backend parses alike derive one key; the fingerprint, kept to the spelling (or with
 /// `forms: "semantic"` to what every parser reads alike), answers a retry read otherwise 422
 /// rather than executing it again (the boundary oracle, issue 41). JSON that names a member twice
-/// in one object has no one meaning (`NoForm::RepeatedName`, the only error): the request is
-/// refused (`body-ambiguous`).
+/// in one object (`NoForm::RepeatedName`), or a string that is not Unicode (`NoForm::NotUnicode`),
+/// has no one meaning (the only errors): the request is refused (`body-ambiguous`).
 pub fn derive_body_digest(head: &RequestHead, body: &[u8]) -> Result<[u8; 32], canonical_json::NoForm> {
     if let Some((_, form)) = form_of(head, body, Reading::Most) {
         // One tag for both: a multipart form without files is the urlencoded form of its fields.
@@ -235,7 +235,7 @@ pub fn derive_body_digest(head: &RequestHead, body: &[u8]) -> Result<[u8; 32], c
             Ok(h.finalize().into())
         }
         Err(canonical_json::NoForm::NotJson) => Ok(Sha256::digest(body).into()),
-        Err(repeated) => Err(repeated),
+        Err(ambiguous) => Err(ambiguous),
     }
 }
 

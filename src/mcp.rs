@@ -1078,6 +1078,29 @@ mod tests {
     }
 
     #[test]
+    fn a_name_repeated_in_any_spelling_or_a_string_not_unicode_is_ambiguous() {
+        // Review (h-review4): each pair of spellings is one member name to the MCP SDKs' readers
+        // (Python's json, JSON.parse, Go), a repeated one they run by its last value (simdjson
+        // by its first), and a string that is not Unicode Go reads as U+FFFD where Python keeps
+        // or refuses it: a class or key read from either value could make two calls one or one
+        // call two, so none is classified.
+        for body in [
+            &br#"{"jsonrpc":"2.0","id":1,"\u006dethod":"tools/list","method":"tools/call","params":{"name":"charge"}}"#[..],
+            br#"{"jsonrpc":"2.0","id":1,"\u0069d":2,"method":"tools/call","params":{"name":"charge"}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge"},"p\u0061rams":{"name":"lookup"}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","n\u0061me":"lookup"}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"a":1},"\u0061rguments":{"a":2}}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"\u00E9":1,"\u00e9":2}}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"\/":1,"/":2}}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"x":[{"k":1,"k":2}]}}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"a":"\ud800"}}}"#,
+            b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"tools/call\",\"params\":{\"name\":\"charge\",\"arguments\":{\"a\":\"\xff\"}}}",
+        ] {
+            assert_eq!(classify(body, &all_tools()), Classified::Ambiguous, "{}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
     fn fingerprint_is_tool_and_canonical_arguments_only() {
         let a = call_of(
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":5,"to":"x"},"_meta":{"progressToken":1}}}"#,

@@ -65,8 +65,9 @@ pub enum ProblemKind {
     /// refused, never forwarded.
     RouteAmbiguous,
     /// `derive_key.include_body`: the body is JSON that names a member twice in one object
-    /// (`canonical_json::NoForm::RepeatedName`), which JSON readers run by different values, so no
-    /// one key can be derived from it; nothing was forwarded.
+    /// (`canonical_json::NoForm::RepeatedName`), which JSON readers run by different values, or
+    /// holds a string that is not Unicode (`NoForm::NotUnicode`), which they read differently,
+    /// so no one key can be derived from it; nothing was forwarded.
     BodyAmbiguous,
     /// The gateway met one of its own invariants broken (`failsafe`): the request was refused,
     /// not forwarded.
@@ -173,7 +174,7 @@ impl ProblemKind {
             ProblemKind::InternalState { .. } => "Request not protected",
             ProblemKind::GrpcUnsupported { .. } => "Idempotency keys are not supported for gRPC on this route",
             ProblemKind::RouteAmbiguous => "Request path is ambiguous between protected routes",
-            ProblemKind::BodyAmbiguous => "Request body names a JSON member twice",
+            ProblemKind::BodyAmbiguous => "Request body has no one JSON reading",
             ProblemKind::McpBatchRefused => "Protected tool calls cannot be sent in a JSON-RPC batch",
             ProblemKind::McpBodyAmbiguous => "Request body is not unambiguous JSON",
             ProblemKind::McpHeaderMismatch { .. } => "MCP routing header disagrees with the body",
@@ -225,7 +226,7 @@ impl ProblemKind {
                 "The gateway could not protect this request and did not forward it. Retry after {retry_after_seconds} s with the same key."
             ),
             ProblemKind::RouteAmbiguous => "This path reads as two routes whose idempotency keys are kept apart (dot segments, `;` parameters or escaped slashes that backends resolve differently), so one key could run once under each. It was not forwarded: send the path in its plain form.".into(),
-            ProblemKind::BodyAmbiguous => "This request's idempotency key is derived from its body, and the body is JSON that names a member twice in one object (`{\"a\":1,\"a\":2}`, or a name and its escaped spelling), which JSON readers run by different values (most by the last, some by the first), so no one key stands for it. It was not forwarded: send each member once.".into(),
+            ProblemKind::BodyAmbiguous => "This request's idempotency key is derived from its body, and the body is JSON that names a member twice in one object (`{\"a\":1,\"a\":2}`, or a name and its escaped spelling), which JSON readers run by different values (most by the last, some by the first), or a string that is not Unicode (a lone surrogate escape such as `\\ud800`, bytes that are not UTF-8), which some read as U+FFFD and others keep or refuse, so no one key stands for it. It was not forwarded: send each member once, in UTF-8.".into(),
             ProblemKind::GrpcUnsupported { header } => format!(
                 "This gRPC call carries `{header}`, but the gateway cannot replay a gRPC response (a replay would reach the client as a failure), so it was not forwarded. Send it without the key (it then runs unprotected), or use the service's own idempotency."
             ),

@@ -146,6 +146,10 @@ impl<C> Handoffs<C> {
     }
 
     /// Takes the claim a re-created stream continues, if one fits it exactly (see the module).
+    /// Of two that fit (one key's requests on one connection: the mark is the storage key), the
+    /// newest: Envoy re-creates a stream in the call that ends the one it continues, so nothing
+    /// of the same key is handed over between; an older one is another request's, left to expire
+    /// outcome-unknown.
     pub fn take(
         &mut self,
         skey: &StorageKey,
@@ -154,7 +158,7 @@ impl<C> Handoffs<C> {
         on: Stream,
         now_ms: u64,
     ) -> Option<Handoff<C>> {
-        let pos = self.items.iter().position(|h| {
+        let pos = self.items.iter().rposition(|h| {
             h.skey == *skey && h.policy_index == policy_index && Self::fits(h, original_url, on, now_ms)
         })?;
         Some(self.items.remove(pos))
@@ -251,6 +255,23 @@ mod tests {
         let mut u = Handoffs::default();
         u.post(h(1, None, 10, 100));
         assert!(u.take(&k, 0, URL, on(None, 11), 100).is_none());
+    }
+
+    #[test]
+    fn of_two_hand_overs_of_one_key_the_stream_takes_the_newest() {
+        // Review (h-review4): the mark is the storage key, so two requests of one key on one
+        // connection both fit it. `stale_lock: "takeover"`, `lock_ttl_seconds` under the window:
+        // R1's claim handed over (its target runs without idemgate) and gone stale, R2 takes it
+        // over, is redirected, and hands its own claim over; Envoy re-creates R2's stream in the
+        // same call, so its hand-over is the newest. Before, the stream took the oldest, R1's,
+        // and R2's own expired outcome-unknown after R2's answer.
+        let mut t = Handoffs::default();
+        t.post(Handoff { claim: "r1", ..h(1, Some(7), 10, 100) });
+        t.post(Handoff { claim: "r2", ..h(1, Some(7), 20, 5_000) });
+        let taken = t.take(&StorageKey([1; 32]), 0, URL, on(Some(7), 21), 5_000).map(|h| h.claim);
+        assert_eq!(taken, Some("r2"));
+        // R1's, never taken by R2's stream, is settled outcome-unknown when its window ends.
+        assert_eq!(t.expire(100 + HANDOFF_WINDOW_MS + 1).first().map(|h| h.claim), Some("r1"));
     }
 
     #[test]

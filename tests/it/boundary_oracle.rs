@@ -1817,3 +1817,54 @@ fn a_json_body_naming_a_member_twice_is_refused_before_a_first_value_backend() {
         e.assert_no_wasm_panic();
     }
 }
+
+/// Go's `encoding/json` reads a lone surrogate escape (`"\ud800"`) and a byte that is not UTF-8
+/// (`"\xff"`) each as U+FFFD (Express's JSON body parser the byte too), so `{"a":"\ud800"}`,
+/// `{"a":"\xff"}` and `{"a":"\ufffd"}` are one request to it. idemgate derived the first two from
+/// their bytes (not JSON to its reader) and the third from its semantic form: three keys, three
+/// executions. Such a body has no one meaning (Python's `json` and `JSON.parse` keep the
+/// surrogate, Python refuses the byte): refused (`body-ambiguous`), as a member named twice is.
+/// `make test-oracle-long` only (`oracle_full_`: a Go backend and an Envoy of its own);
+/// `steps_tests::include_body_refuses_a_json_body_that_is_not_unicode` guards the rule in `make test`.
+#[test]
+fn oracle_full_a_json_body_that_is_not_unicode_is_refused_before_a_go_backend() {
+    let include_body: Vec<_> = CONFIGS.iter().filter(|c| c.0 == "include_body").copied().collect();
+    let b = start_backend_with("go", &include_body);
+    let port = b.listeners[0];
+    // What makes them one request: the backend, asked directly, reads each as U+FFFD.
+    for unsound in [&br#"{"a":"\ud800"}"#[..], b"{\"a\":\"\xff\"}"] {
+        let json = [("content-type", "application/json")];
+        let direct = http::request(b.port, "POST", "/v1/payments", &json, unsound).expect("request");
+        assert_eq!(direct.json()["body"], serde_json::json!({"a": "\u{fffd}"}), "{}", direct.body_text());
+    }
+    for (n, (unsound, sound)) in [
+        (&br#"{"a":"\ud800"}"#[..], r#"{"a":"\ufffd"}"#),
+        (br#"{"a":"\udc00x"}"#, r#"{"a":"\ufffdx"}"#),
+        (b"{\"a\":\"\xff\"}", r#"{"a":"\ufffd"}"#),
+        (b"{\"\xfe\":1}", r#"{"\ufffd":1}"#),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let op = format!("op-unsound-{n}");
+        let h = [("authorization", "Bearer alice"), ("content-type", "application/json"), ("x-op", op.as_str())];
+        let before = count(&b);
+        let first = http::request(port, "POST", "/v1/payments", &h, unsound).expect("request");
+        let second = http::request(port, "POST", "/v1/payments", &h, sound.as_bytes()).expect("request");
+        let executions = count(&b) - before;
+        assert!(
+            executions <= 1,
+            "{} then {sound}, one request to this backend, executed {executions} times: answered {} {} then {} {}",
+            String::from_utf8_lossy(unsound),
+            first.status,
+            first.body_text(),
+            second.status,
+            second.body_text()
+        );
+        assert_eq!((first.status, first.problem().as_str()), (400, "body-ambiguous"), "{}", first.body_text());
+        assert_eq!((second.status, executions), (201, 1), "{}", second.body_text());
+    }
+    if let Some(e) = &b.envoy {
+        e.assert_no_wasm_panic();
+    }
+}

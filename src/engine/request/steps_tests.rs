@@ -492,6 +492,31 @@ fn include_body_refuses_a_json_body_naming_a_member_twice_before_anything_is_cla
 }
 
 #[test]
+fn include_body_refuses_a_json_body_that_is_not_unicode() {
+    // `{"a":"\ud800"}`, `{"a":"\xff"}` and `{"a":"\ufffd"}` are one request to Go's
+    // `encoding/json` (U+FFFD each); before, the first two derived keys from their bytes and the
+    // third from its form: three keys, three executions behind Go
+    // (`boundary_oracle::oracle_full_a_json_body_that_is_not_unicode_is_refused_before_a_go_backend`).
+    let c = config(
+        r#"{"scope": {"headers": ["authorization"]}, "derive_key": {"headers": ["x-op"], "include_body": true}}"#,
+    );
+    let op = [("x-op", "op-1"), ("content-type", "application/json")];
+    let a = admitted(at_headers(&c, &head("POST", "/v1/payments", &op), None, false));
+    for body in [&br#"{"a":"\ud800"}"#[..], br#"{"x":[{"a":"\udc00"}]}"#, b"{\"a\":\"\xff\"}"] {
+        let mut h = head("POST", "/v1/payments", &op);
+        let end = at_body_end(&a.policy, &mut h, &a.scope, true, body);
+        assert_eq!(end, AtBodyEnd::Refuse(ProblemKind::BodyAmbiguous), "{}", String::from_utf8_lossy(body));
+        assert!(h.values(&a.policy.header).is_empty());
+    }
+    // U+FFFD written as such, and bytes that are no JSON at all, derive a key as before.
+    for body in [&br#"{"a":"\ufffd"}"#[..], "{\"a\":\"\u{fffd}\"}".as_bytes(), b"\xff\xfe binary"] {
+        let mut h = head("POST", "/v1/payments", &op);
+        let end = at_body_end(&a.policy, &mut h, &a.scope, true, body);
+        assert!(matches!(end, AtBodyEnd::Fingerprinted { derived: Some(_), .. }), "{end:?}");
+    }
+}
+
+#[test]
 fn include_body_derives_one_key_for_form_bodies_every_form_parser_reads_alike() {
     // The boundary oracle (issue 41, configuration `include_body`, the `form` spellings): Flask,
     // Django, FastAPI, Express, Fastify, Go and Tomcat parse each of these urlencoded bodies into
