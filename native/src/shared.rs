@@ -16,26 +16,49 @@ const SHARDS: usize = 64;
 /// One shard: each key's value and the CAS of its last write.
 type Shard = HashMap<String, (Vec<u8>, u32), BuildHasherDefault<KeyHasher>>;
 
-/// The shards' hash: FNV-1a, 64 bits, in place of the standard library's SipHash (about a tenth of
-/// a first request's CPU in this module went to hashing and comparing keys, profiled 2026-12-07,
-/// docs/native.md). SipHash guards a map against keys chosen to collide; these keys are the local
-/// table's own names (`idemgate.<layout>.local.n<entries>.b.<bucket>` and the like), the bucket
-/// picked by the storage key's keyed hash (`scope::StorageKey`), never text a client chose.
+/// The shards' hash, in place of the standard library's SipHash: the key taken eight bytes at a
+/// time (FxHash's step, as rustc's own maps), then splitmix64's finaliser so that every bit of the
+/// result depends on every byte. SipHash guards a map against keys chosen to collide; these keys
+/// are the local table's own names (`idemgate.<layout>.local.n<entries>.b.<bucket>` and the
+/// like), the bucket picked by the storage key's keyed hash (`scope::StorageKey`), never text a
+/// client chose. Hashing and comparing keys was about a tenth of this module's share of a first
+/// request (profiled 2026-12-07, docs/native.md).
 #[derive(Default)]
 struct KeyHasher(u64);
 
+const FX_SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+
+impl KeyHasher {
+    fn step(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(FX_SEED);
+    }
+}
+
 impl Hasher for KeyHasher {
     fn write(&mut self, bytes: &[u8]) {
-        let mut h = if self.0 == 0 { FNV_OFFSET } else { self.0 };
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(FNV_PRIME);
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            self.step(u64::from_le_bytes(w));
         }
-        self.0 = h;
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut w = [0u8; 8];
+            if let Some(head) = w.get_mut(..rest.len()) {
+                head.copy_from_slice(rest);
+            }
+            // The length in the top byte: "ab" and "ab\0" differ.
+            self.step(u64::from_le_bytes(w) ^ ((rest.len() as u64) << 56));
+        }
     }
 
-    /// FNV's state through splitmix64's finaliser, so that every bit depends on every byte: the
-    /// map takes its low bits and top seven, the shard (`shard_of`) bits 32 to 37.
+    fn write_u8(&mut self, i: u8) {
+        self.step(u64::from(i));
+    }
+
+    /// The state through splitmix64's finaliser: the map takes the low bits and the top seven,
+    /// the shard (`shard_of`) bits 32 to 37.
     fn finish(&self) -> u64 {
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -43,9 +66,6 @@ impl Hasher for KeyHasher {
         z ^ (z >> 31)
     }
 }
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
 struct Data {
     shards: Vec<Mutex<Shard>>,
