@@ -21,8 +21,9 @@ type Shard = HashMap<String, (Vec<u8>, u32), BuildHasherDefault<KeyHasher>>;
 /// result depends on every byte. SipHash guards a map against keys chosen to collide; these keys
 /// are the local table's own names (`idemgate.<layout>.local.n<entries>.b.<bucket>` and the
 /// like), the bucket picked by the storage key's keyed hash (`scope::StorageKey`), never text a
-/// client chose. Hashing and comparing keys was about a tenth of this module's share of a first
-/// request (profiled 2026-12-07, docs/native.md).
+/// client chose. The map lookup was about a twelfth of this module's share of a first request,
+/// mostly cache misses on the keys compared rather than the hash (profiled 2026-12-07,
+/// docs/native.md).
 #[derive(Default)]
 struct KeyHasher(u64);
 
