@@ -77,7 +77,13 @@ unsafe fn copied(h: &EnvoyHttpHeader) -> (String, Vec<u8>) {
     let k = unsafe { EnvoyBuffer { ptr: h.key_ptr, length: h.key_length }.bytes() };
     // SAFETY: as above.
     let v = unsafe { EnvoyBuffer { ptr: h.value_ptr, length: h.value_length }.bytes() };
-    (String::from_utf8_lossy(k).into_owned(), v.to_vec())
+    // Names are ASCII in practice: checked once and copied once (`from_utf8_lossy` scans them
+    // chunk by chunk first); a name that is not UTF-8 is still read as before.
+    let name = match std::str::from_utf8(k) {
+        Ok(name) => name.to_owned(),
+        Err(_) => String::from_utf8_lossy(k).into_owned(),
+    };
+    (name, v.to_vec())
 }
 
 /// The filter state keys an access log prints, the Wasm build's (`idemgate::filter::host`: Envoy

@@ -682,7 +682,12 @@ fn ended(envoy: EnvoyPtr, req: &Protected, response: &Response, code_details: Op
     let repeated = re_sent(&mut seen);
     let headers = response.stored.as_ref().map_or(&[][..], |r| &r.headers[..]);
     let outcome = classify_routed(&mut seen, headers, &req.policy);
-    (Ended { outcome, detail: seen.detail() }, repeated)
+    // The facts are written out only when a line that prints them can be logged: the settlement's
+    // lines that carry them are Debug, Info or Warn (`engine::settle`), so with Envoy logging
+    // only errors (`--log-level error`) they are not (a line formatted per request for nothing,
+    // profiled 2026-12-07, docs/native.md).
+    let detail = if repeated || host::logs(LogLevel::Warn) { seen.detail() } else { String::new() };
+    (Ended { outcome, detail }, repeated)
 }
 
 impl Filter {

@@ -7,13 +7,66 @@
 
 use idemgate::local::{HostError, SetError, SharedData};
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 const SHARDS: usize = 64;
 
 /// One shard: each key's value and the CAS of its last write.
-type Shard = HashMap<String, (Vec<u8>, u32)>;
+type Shard = HashMap<String, (Vec<u8>, u32), BuildHasherDefault<KeyHasher>>;
+
+/// The shards' hash, in place of the standard library's SipHash: the key taken eight bytes at a
+/// time (FxHash's step, as rustc's own maps), then splitmix64's finaliser so that every bit of the
+/// result depends on every byte. SipHash guards a map against keys chosen to collide; these keys
+/// are the local table's own names (`idemgate.<layout>.local.n<entries>.b.<bucket>` and the
+/// like), the bucket picked by the storage key's keyed hash (`scope::StorageKey`), never text a
+/// client chose. The map lookup was about a twelfth of this module's share of a first request,
+/// mostly cache misses on the keys compared rather than the hash (profiled 2026-12-07,
+/// docs/native.md).
+#[derive(Default)]
+struct KeyHasher(u64);
+
+const FX_SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+
+impl KeyHasher {
+    fn step(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(FX_SEED);
+    }
+}
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            self.step(u64::from_le_bytes(w));
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut w = [0u8; 8];
+            if let Some(head) = w.get_mut(..rest.len()) {
+                head.copy_from_slice(rest);
+            }
+            // The length in the top byte: "ab" and "ab\0" differ.
+            self.step(u64::from_le_bytes(w) ^ ((rest.len() as u64) << 56));
+        }
+    }
+
+    fn write_u8(&mut self, i: u8) {
+        self.step(u64::from(i));
+    }
+
+    /// The state through splitmix64's finaliser: the map takes the low bits and the top seven,
+    /// the shard (`shard_of`) bits 32 to 37.
+    fn finish(&self) -> u64 {
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
 
 struct Data {
     shards: Vec<Mutex<Shard>>,
@@ -24,19 +77,16 @@ static DATA: OnceLock<Data> = OnceLock::new();
 
 fn data() -> &'static Data {
     DATA.get_or_init(|| Data {
-        shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+        shards: (0..SHARDS).map(|_| Mutex::new(HashMap::default())).collect(),
         cas: AtomicU32::new(0),
     })
 }
 
-/// FNV-1a over the key: which shard holds it.
+/// Which shard holds a key: bits the shard's own map does not index by (`KeyHasher::finish`).
 fn shard_of(key: &str) -> usize {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.as_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    (h % SHARDS as u64) as usize
+    let mut h = KeyHasher::default();
+    h.write(key.as_bytes());
+    ((h.finish() >> 32) % SHARDS as u64) as usize
 }
 
 fn lock(key: &str) -> Option<MutexGuard<'static, Shard>> {
@@ -66,12 +116,21 @@ impl SharedData for ProcessShared {
 
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
         let mut map = lock(key).ok_or(SetError::Host)?;
-        if let (Some(want), Some((_, have))) = (cas.filter(|c| *c != 0), map.get(key)) {
-            if want != *have {
-                return Err(SetError::CasMismatch);
+        // One lookup; a key already there is rewritten in place (its name not copied again, its
+        // value's allocation reused), as a bucket and a record position are at every write.
+        match map.get_mut(key) {
+            Some((have_value, have_cas)) => {
+                if cas.is_some_and(|want| want != 0 && want != *have_cas) {
+                    return Err(SetError::CasMismatch);
+                }
+                have_value.clear();
+                have_value.extend_from_slice(value);
+                *have_cas = next_cas();
+            }
+            None => {
+                map.insert(key.to_string(), (value.to_vec(), next_cas()));
             }
         }
-        map.insert(key.to_string(), (value.to_vec(), next_cas()));
         Ok(())
     }
 }
@@ -98,6 +157,36 @@ mod tests {
         sd.set(k, b"", None).unwrap();
         let (v, cas2) = sd.get(k).unwrap();
         assert!(v.is_none() && cas2.is_some());
+    }
+
+    #[test]
+    fn a_key_rewritten_in_place_reads_its_last_value_whole() {
+        // `set` rewrites a present key's value in its old allocation: a shorter value after a
+        // longer one must not keep the longer one's tail, and every write takes a new CAS.
+        let mut sd = ProcessShared;
+        let k = "idemgate-native-test.rewrite";
+        sd.set(k, b"a longer first value", None).unwrap();
+        let (_, first) = sd.get(k).unwrap();
+        sd.set(k, b"short", first).unwrap();
+        let (v, second) = sd.get(k).unwrap();
+        assert_eq!(v.as_deref(), Some(&b"short"[..]));
+        assert_ne!(first, second);
+        assert_eq!(sd.set(k, b"stale", first), Err(SetError::CasMismatch));
+        sd.set(k, b"longer again than the first value", second).unwrap();
+        assert_eq!(sd.get(k).unwrap().0.as_deref(), Some(&b"longer again than the first value"[..]));
+    }
+
+    #[test]
+    fn keys_spread_over_the_shards() {
+        // The local table's names (buckets and record positions) land in every shard, none
+        // holding more than four times its share.
+        let mut per = [0usize; SHARDS];
+        let names = (0..25_000).map(|i| format!("idemgate.v4.local.n200000.b.{i}"));
+        for name in names.chain((0..25_000).map(|i| format!("idemgate.v4.local.n200000.r.{i}.3"))) {
+            per[shard_of(&name)] += 1;
+        }
+        let share = 50_000 / SHARDS;
+        assert!(per.iter().all(|n| *n > 0 && *n < 4 * share), "{per:?}");
     }
 
     #[test]

@@ -580,39 +580,35 @@ impl StoreSide {
 
 /// Logs what happened to a write (counted by `run`, through the core's `note_counters`).
 fn note_line(what: &str, key_hash: &str, note: Note) {
-    let (level, line) = match note {
-        Note::Landed => (LogLevel::Debug, format!("idemgate: store write {what} for key={key_hash} landed")),
+    let level = match note {
+        Note::Landed => LogLevel::Debug,
+        Note::NoLongerOurs | Note::NothingWhereAbsent | Note::ScriptLoad => LogLevel::Info,
+        Note::ClaimGoneRewritten
+        | Note::TooLarge
+        | Note::TooLargeWithoutBody
+        | Note::Retry { .. }
+        | Note::Failed { .. } => LogLevel::Warn,
+    };
+    // Formatted only when Envoy logs it: a landed write's Debug line was written out for every
+    // write and dropped (profiled 2026-12-07, docs/native.md).
+    if !host::logs(level) {
+        return;
+    }
+    let line = match note {
+        Note::Landed => format!("idemgate: store write {what} for key={key_hash} landed"),
         Note::NoLongerOurs => {
-            (LogLevel::Info, format!("idemgate: store write {what} for key={key_hash} found the claim no longer ours"))
+            format!("idemgate: store write {what} for key={key_hash} found the claim no longer ours")
         }
-        Note::ClaimGoneRewritten => (
-            LogLevel::Warn,
-            format!("idemgate: store write {what} for key={key_hash} found the claim gone from the store (flushed, evicted or failed over) and wrote the record where it was"),
-        ),
+        Note::ClaimGoneRewritten => format!("idemgate: store write {what} for key={key_hash} found the claim gone from the store (flushed, evicted or failed over) and wrote the record where it was"),
         Note::NothingWhereAbsent => {
-            (LogLevel::Info, format!("idemgate: store write {what} for key={key_hash} found the key absent"))
+            format!("idemgate: store write {what} for key={key_hash} found the key absent")
         }
-        Note::ScriptLoad => (
-            LogLevel::Info,
-            format!("idemgate: store write {what} for key={key_hash} met a store without its script (NOSCRIPT); sent again with the script"),
-        ),
-        Note::TooLarge => (LogLevel::Warn, format!("idemgate: store write {what} for key={key_hash} refused as too large")),
-        Note::TooLargeWithoutBody => (
-            LogLevel::Warn,
-            format!("idemgate: store write {what} for key={key_hash} refused by the store as too large; writing the record without its response body"),
-        ),
-        Note::Retry { why, delay_ms } => (
-            LogLevel::Warn,
-            format!("idemgate: store write {what} for key={key_hash} failed ({why}); retrying in {delay_ms} ms"),
-        ),
-        Note::Failed { why, attempts, fallback: true } => (
-            LogLevel::Warn,
-            format!("idemgate: store write {what} for key={key_hash} failed {attempts} times ({why}); marking the outcome unknown"),
-        ),
-        Note::Failed { why, attempts, fallback: false } => (
-            LogLevel::Warn,
-            format!("idemgate: store write {what} for key={key_hash} failed {attempts} times ({why}); a claim left in the store is judged outcome-unknown once its lock expires"),
-        ),
+        Note::ScriptLoad => format!("idemgate: store write {what} for key={key_hash} met a store without its script (NOSCRIPT); sent again with the script"),
+        Note::TooLarge => format!("idemgate: store write {what} for key={key_hash} refused as too large"),
+        Note::TooLargeWithoutBody => format!("idemgate: store write {what} for key={key_hash} refused by the store as too large; writing the record without its response body"),
+        Note::Retry { why, delay_ms } => format!("idemgate: store write {what} for key={key_hash} failed ({why}); retrying in {delay_ms} ms"),
+        Note::Failed { why, attempts, fallback: true } => format!("idemgate: store write {what} for key={key_hash} failed {attempts} times ({why}); marking the outcome unknown"),
+        Note::Failed { why, attempts, fallback: false } => format!("idemgate: store write {what} for key={key_hash} failed {attempts} times ({why}); a claim left in the store is judged outcome-unknown once its lock expires"),
     };
     host::log(level, &line);
 }
