@@ -116,15 +116,16 @@ impl SharedData for ProcessShared {
 
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
         let mut map = lock(key).ok_or(SetError::Host)?;
-        // One lookup; a key already there is rewritten in place (its name not copied again, its
-        // value's allocation reused), as a bucket and a record position are at every write.
+        // One lookup; a key already there is rewritten in place (its name not copied again), as a
+        // bucket and a record position are at every write. The value gets an allocation of its own
+        // length: the old one reused would keep the largest value a record position ever held, a
+        // memory `local.max_bytes` (which counts values' lengths) would not bound.
         match map.get_mut(key) {
             Some((have_value, have_cas)) => {
                 if cas.is_some_and(|want| want != 0 && want != *have_cas) {
                     return Err(SetError::CasMismatch);
                 }
-                have_value.clear();
-                have_value.extend_from_slice(value);
+                *have_value = value.to_vec();
                 *have_cas = next_cas();
             }
             None => {
@@ -161,8 +162,8 @@ mod tests {
 
     #[test]
     fn a_key_rewritten_in_place_reads_its_last_value_whole() {
-        // `set` rewrites a present key's value in its old allocation: a shorter value after a
-        // longer one must not keep the longer one's tail, and every write takes a new CAS.
+        // `set` rewrites a present key in place: a shorter value after a longer one must not keep
+        // the longer one's tail (nor its allocation), and every write takes a new CAS.
         let mut sd = ProcessShared;
         let k = "idemgate-native-test.rewrite";
         sd.set(k, b"a longer first value", None).unwrap();
