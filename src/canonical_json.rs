@@ -58,15 +58,18 @@ pub enum NoForm {
 /// it runs).
 pub fn semantic_form(body: &[u8]) -> Result<Vec<u8>, NoForm> {
     let body = body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body);
-    if std::str::from_utf8(body).is_err() {
+    match parse(body, true) {
         // Read as Go and Node read it (each bad sequence U+FFFD; outside strings U+FFFD is no
-        // JSON): JSON so read has no one meaning, anything else is not JSON.
-        return match parse(String::from_utf8_lossy(body).as_bytes(), true) {
-            Err(NoForm::NotJson) => Err(NoForm::NotJson),
-            _ => Err(NoForm::NotUnicode),
-        };
+        // JSON): JSON so read has no one meaning, anything else is not JSON. `parse` refuses
+        // bytes that are not UTF-8 before reading anything, so only those are read again.
+        Err(NoForm::NotJson) if std::str::from_utf8(body).is_err() => {
+            match parse(String::from_utf8_lossy(body).as_bytes(), true) {
+                Err(NoForm::NotJson) => Err(NoForm::NotJson),
+                _ => Err(NoForm::NotUnicode),
+            }
+        }
+        read => read,
     }
-    parse(body, true)
 }
 
 fn parse(body: &[u8], semantic: bool) -> Result<Vec<u8>, NoForm> {
